@@ -1,0 +1,43 @@
+/* common.h: small helpers shared by the core's .c files (not part of the public API).
+ *
+ * KV_TRY propagates a failing kv_status to the caller's `fail:` label, so each
+ * function has exactly one cleanup path. OpenMP is optional: without it the pragmas
+ * are ignored and these stubs report a single thread.
+ */
+#ifndef KVLAB_COMMON_H
+#define KVLAB_COMMON_H
+
+#include <stdlib.h>
+#include "kvlab.h"
+
+#define KV_TRY(expr)                       \
+    do {                                   \
+        status = (expr);                   \
+        if (status != KV_OK) goto fail;    \
+    } while (0)
+
+#define KV_CHECK(cond, err)                \
+    do {                                   \
+        if (!(cond)) {                     \
+            status = (err);                \
+            goto fail;                     \
+        }                                  \
+    } while (0)
+
+/* Float buffers are 64-byte aligned so vector loads never split a cache line. */
+static inline float *kv_alloc_floats(size_t count) {
+    size_t bytes = count * sizeof(float);
+    bytes = (bytes + 63) & ~(size_t)63;
+    if (bytes == 0) bytes = 64;
+    return (float *)aligned_alloc(64, bytes);
+}
+
+#ifdef _OPENMP
+#include <omp.h>
+#else
+static inline int omp_get_max_threads(void) { return 1; }
+static inline int omp_get_thread_num(void) { return 0; }
+static inline void omp_set_num_threads(int n) { (void)n; }
+#endif
+
+#endif /* KVLAB_COMMON_H */

@@ -1,0 +1,211 @@
+/* model.c: the Llama-family forward pass over a batch of new tokens.
+ *
+ *   x = embedding[token]
+ *   for each layer:  x += Wo . attention(RoPE(Wq . norm(x)), cache K, cache V)
+ *                    x += W2 . (silu(W1 . norm(x)) * (W3 . norm(x)))
+ *   logits = classifier . norm(x)
+ *
+ * The same function does prefill (many tokens, matrix-matrix) and decode (one token,
+ * matrix-vector): only n_tokens differs. Weights are read in place from the caller's
+ * buffers; activations live in one scratch allocation made per call (run_state).
+ * This file does not own the cache layout (kvcache.c) or the attention math (attention.c).
+ */
+#include <math.h>
+#include <string.h>
+
+#include "attention.h"
+#include "common.h"
+#include "ops.h"
+
+const char *kv_strerror(kv_status status) {
+    switch (status) {
+        case KV_OK: return "success";
+        case KV_ERR_NOMEM: return "out of memory";
+        case KV_ERR_INVALID_ARG: return "invalid argument";
+        case KV_ERR_TOKEN_RANGE: return "token id out of range [0, vocab_size)";
+        case KV_ERR_CACHE_FULL: return "the KV cache is full (max_seq_len reached)";
+        case KV_ERR_CACHE_MISMATCH: return "the KV cache was made for a different model shape";
+    }
+    return "unknown error";
+}
+
+void kv_set_num_threads(int n_threads) {
+    if (n_threads > 0) omp_set_num_threads(n_threads);
+}
+
+int kv_get_num_threads(void) { return omp_get_max_threads(); }
+
+kv_status kv_model_check(const kv_model *model) {
+    const kv_config *c = &model->config;
+    if (c->dim <= 0 || c->hidden_dim <= 0 || c->n_layers <= 0 || c->n_heads <= 0 ||
+        c->n_kv_heads <= 0 || c->head_dim <= 0 || c->vocab_size <= 0 || c->max_seq_len <= 0)
+        return KV_ERR_INVALID_ARG;
+    if (c->n_heads % c->n_kv_heads != 0 || c->head_dim % 2 != 0 || !(c->norm_eps > 0.0f))
+        return KV_ERR_INVALID_ARG;
+    const kv_weights *w = &model->weights;
+    const float *required[] = {w->token_embedding, w->attn_norm, w->wq, w->wk, w->wv, w->wo,
+                               w->ffn_norm, w->w1, w->w2, w->w3, w->final_norm,
+                               w->classifier, w->rope_inv_freq};
+    for (size_t i = 0; i < sizeof required / sizeof required[0]; i++)
+        if (required[i] == NULL) return KV_ERR_INVALID_ARG;
+    return KV_OK;
+}
+
+/* Activations for one forward call over n_tokens tokens. */
+typedef struct {
+    float *x;         /* (n_tokens, dim) residual stream */
+    float *xb;        /* (n_tokens, dim) normalized input of the current sublayer */
+    float *q;         /* (n_tokens, n_heads * head_dim) queries */
+    float *att_out;   /* (n_tokens, n_heads * head_dim) attention output, heads concatenated */
+    float *proj;      /* (n_tokens, dim) output of Wo or W2, before the residual add */
+    float *hb;        /* (n_tokens, hidden_dim) gate, then silu(gate) * up */
+    float *hb2;       /* (n_tokens, hidden_dim) up */
+    float *rope_cos;  /* (n_tokens, head_dim / 2) */
+    float *rope_sin;  /* (n_tokens, head_dim / 2) */
+    float *scores;    /* (n_threads, score_stride) attention weights, one row per thread */
+    int score_stride;
+    float *block;     /* the single allocation all of the above point into */
+} run_state;
+
+static size_t round_up16(size_t n) { return (n + 15) & ~(size_t)15; }
+
+static kv_status run_state_alloc(run_state *s, const kv_config *c, int n_tokens,
+                                 int max_positions) {
+    size_t T = (size_t)n_tokens, q_dim = (size_t)c->n_heads * c->head_dim;
+    size_t half = (size_t)c->head_dim / 2;
+    s->score_stride = (int)round_up16((size_t)max_positions);
+    size_t sizes[] = {T * c->dim, T * c->dim, T * q_dim, T * q_dim, T * c->dim,
+                      T * c->hidden_dim, T * c->hidden_dim, T * half, T * half,
+                      (size_t)omp_get_max_threads() * s->score_stride};
+    float **slots[] = {&s->x, &s->xb, &s->q, &s->att_out, &s->proj, &s->hb, &s->hb2,
+                       &s->rope_cos, &s->rope_sin, &s->scores};
+    size_t total = 0;
+    for (size_t i = 0; i < sizeof sizes / sizeof sizes[0]; i++) total += round_up16(sizes[i]);
+    s->block = kv_alloc_floats(total);
+    if (s->block == NULL) return KV_ERR_NOMEM;
+    float *next = s->block;
+    for (size_t i = 0; i < sizeof sizes / sizeof sizes[0]; i++) {
+        *slots[i] = next;
+        next += round_up16(sizes[i]);
+    }
+    return KV_OK;
+}
+
+/* cos and sin of pos * inv_freq[i] for each new token's position */
+static void fill_rope_tables(run_state *s, const kv_model *m, int start_pos, int n_tokens) {
+    int half = m->config.head_dim / 2;
+    for (int t = 0; t < n_tokens; t++) {
+        float pos = (float)(start_pos + t);
+        for (int i = 0; i < half; i++) {
+            float angle = pos * m->weights.rope_inv_freq[i];
+            s->rope_cos[(size_t)t * half + i] = cosf(angle);
+            s->rope_sin[(size_t)t * half + i] = sinf(angle);
+        }
+    }
+}
+
+static void rmsnorm_rows(float *out, const float *x, const float *weight, int n_rows,
+                         int dim, float eps) {
+    for (int t = 0; t < n_rows; t++)
+        kv_rmsnorm(out + (size_t)t * dim, x + (size_t)t * dim, weight, dim, eps);
+}
+
+static void add_rows(float *x, const float *delta, size_t count) {
+    for (size_t i = 0; i < count; i++) x[i] += delta[i];
+}
+
+static void attention_block(const kv_model *m, kv_cache *cache, run_state *s, int layer,
+                            int start_pos, int n_tokens) {
+    const kv_config *c = &m->config;
+    const kv_weights *w = &m->weights;
+    size_t q_dim = (size_t)c->n_heads * c->head_dim, kv_dim = (size_t)c->n_kv_heads * c->head_dim;
+    size_t dim = (size_t)c->dim, half = (size_t)c->head_dim / 2;
+    float *key_layer = cache->key + (size_t)layer * cache->capacity * kv_dim;
+    float *value_layer = cache->value + (size_t)layer * cache->capacity * kv_dim;
+    float *new_keys = key_layer + (size_t)start_pos * kv_dim;
+
+    rmsnorm_rows(s->xb, s->x, w->attn_norm + layer * dim, n_tokens, c->dim, c->norm_eps);
+    /* Q goes to scratch; K and V are written straight into the cache slots of the new
+     * positions: this is the moment a token's K and V are computed, once, forever. */
+    kv_matmul(s->q, s->xb, w->wq + layer * q_dim * dim, n_tokens, c->dim, (int)q_dim);
+    kv_matmul(new_keys, s->xb, w->wk + layer * kv_dim * dim, n_tokens, c->dim, (int)kv_dim);
+    kv_matmul(value_layer + (size_t)start_pos * kv_dim, s->xb, w->wv + layer * kv_dim * dim,
+              n_tokens, c->dim, (int)kv_dim);
+    for (int t = 0; t < n_tokens; t++) {
+        const float *cos_t = s->rope_cos + t * half, *sin_t = s->rope_sin + t * half;
+        kv_rope(s->q + t * q_dim, c->n_heads, c->head_dim, cos_t, sin_t, c->rope_interleaved);
+        kv_rope(new_keys + t * kv_dim, c->n_kv_heads, c->head_dim, cos_t, sin_t,
+                c->rope_interleaved);
+    }
+    kv_attention(s->att_out, s->q, key_layer, value_layer, n_tokens, start_pos, c->n_heads,
+                 c->n_kv_heads, c->head_dim, s->scores, s->score_stride);
+    kv_matmul(s->proj, s->att_out, w->wo + layer * dim * q_dim, n_tokens, (int)q_dim, c->dim);
+    add_rows(s->x, s->proj, (size_t)n_tokens * dim);
+}
+
+static void mlp_block(const kv_model *m, run_state *s, int layer, int n_tokens) {
+    const kv_config *c = &m->config;
+    const kv_weights *w = &m->weights;
+    size_t dim = (size_t)c->dim, hidden = (size_t)c->hidden_dim;
+    rmsnorm_rows(s->xb, s->x, w->ffn_norm + layer * dim, n_tokens, c->dim, c->norm_eps);
+    kv_matmul(s->hb, s->xb, w->w1 + layer * hidden * dim, n_tokens, c->dim, c->hidden_dim);
+    kv_matmul(s->hb2, s->xb, w->w3 + layer * hidden * dim, n_tokens, c->dim, c->hidden_dim);
+    kv_swiglu(s->hb, s->hb2, n_tokens * c->hidden_dim);
+    kv_matmul(s->proj, s->hb, w->w2 + layer * dim * hidden, n_tokens, c->hidden_dim, c->dim);
+    add_rows(s->x, s->proj, (size_t)n_tokens * dim);
+}
+
+kv_status kv_model_forward(const kv_model *model, kv_cache *cache, const int32_t *tokens,
+                           int n_tokens, float *logits, int all_logits) {
+    kv_status status = KV_OK;
+    run_state s = {0};
+    KV_CHECK(model != NULL && cache != NULL && tokens != NULL && logits != NULL,
+             KV_ERR_INVALID_ARG);
+    KV_CHECK(n_tokens > 0, KV_ERR_INVALID_ARG);
+    KV_TRY(kv_model_check(model));
+    const kv_config *c = &model->config;
+    KV_TRY(kv_cache_check_fits(cache, c));
+    /* Every check happens before the first write, so a failed call leaves the cache
+     * exactly as it was. */
+    for (int t = 0; t < n_tokens; t++)
+        KV_CHECK(tokens[t] >= 0 && tokens[t] < c->vocab_size, KV_ERR_TOKEN_RANGE);
+    KV_CHECK(n_tokens <= cache->capacity - cache->length, KV_ERR_CACHE_FULL);
+    int start_pos = cache->length;
+    KV_TRY(run_state_alloc(&s, c, n_tokens, start_pos + n_tokens));
+
+    for (int t = 0; t < n_tokens; t++)
+        memcpy(s.x + (size_t)t * c->dim, model->weights.token_embedding + (size_t)tokens[t] * c->dim,
+               (size_t)c->dim * sizeof(float));
+    fill_rope_tables(&s, model, start_pos, n_tokens);
+
+    for (int layer = 0; layer < c->n_layers; layer++) {
+        attention_block(model, cache, &s, layer, start_pos, n_tokens);
+        mlp_block(model, &s, layer, n_tokens);
+    }
+
+    /* Only the rows whose logits were asked for go through the final norm and the
+     * classifier, the largest matrix of a small model. */
+    int first = all_logits ? 0 : n_tokens - 1;
+    float *rows = s.xb + (size_t)first * c->dim;
+    rmsnorm_rows(rows, s.x + (size_t)first * c->dim, model->weights.final_norm,
+                 n_tokens - first, c->dim, c->norm_eps);
+    kv_matmul(logits, rows, model->weights.classifier, n_tokens - first, c->dim, c->vocab_size);
+    cache->length = start_pos + n_tokens;
+fail:
+    free(s.block);
+    return status;
+}
+
+kv_status kv_model_forward_uncached(const kv_model *model, const int32_t *tokens,
+                                    int n_tokens, float *logits, int all_logits) {
+    kv_status status = KV_OK;
+    kv_cache scratch = {0};
+    KV_CHECK(model != NULL && n_tokens > 0, KV_ERR_INVALID_ARG);
+    KV_TRY(kv_model_check(model));
+    const kv_config *c = &model->config;
+    KV_TRY(kv_cache_init(&scratch, c->n_layers, c->n_kv_heads, c->head_dim, n_tokens));
+    KV_TRY(kv_model_forward(model, &scratch, tokens, n_tokens, logits, all_logits));
+fail:
+    kv_cache_free(&scratch);
+    return status;
+}

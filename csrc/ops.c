@@ -1,0 +1,155 @@
+/* ops.c: matrix products, RMSNorm, RoPE, softmax and SwiGLU for the CPU core.
+ *
+ * Why a fixed summation order: floating-point addition is not associative, so a dot
+ * product summed in a different order gives slightly different bits. Every dot product
+ * here uses the same recipe (eight running lanes over chunks of eight, the lanes added
+ * pairwise, then the leftover elements in order), whichever kernel computes it. A token
+ * therefore gets bit-identical results alone (decode, n_tokens = 1) or inside a matrix
+ * of many tokens (prefill, or the no-cache path recomputing everything). That makes the
+ * chapter's claim "the cache is exact" literally true on this machine.
+ *
+ * The lanes are GCC/Clang vector extensions: one v8f is one AVX register (or two SSE
+ * registers on older CPUs), and the compiler emits FMA where the target has it.
+ * This is not the place for cache-tiled GEMM tuning; kv_matmul is simple on purpose.
+ */
+#include <math.h>
+#include <string.h>
+
+#include "common.h"
+#include "ops.h"
+
+typedef float v8f __attribute__((vector_size(32)));
+
+static inline v8f load8(const float *p) {
+    v8f v;
+    memcpy(&v, p, sizeof v);  /* unaligned load; compiles to one vmovups */
+    return v;
+}
+
+/* The one association order for the eight lanes. */
+static inline float reduce_lanes(v8f lanes) {
+    return ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) +
+           ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
+}
+
+/* Leftover elements after the last full chunk of eight, added in order. */
+static inline float add_tail(float sum, const float *a, const float *b, int from, int n) {
+    for (int i = from; i < n; i++) sum += a[i] * b[i];
+    return sum;
+}
+
+float kv_dot(const float *a, const float *b, int n) {
+    v8f acc = {0};
+    int n8 = n & ~7;
+    for (int i = 0; i < n8; i += 8) acc += load8(a + i) * load8(b + i);
+    return add_tail(reduce_lanes(acc), a, b, n8, n);
+}
+
+/* Four rows of w against two tokens: eight dot products sharing every load. */
+static void kernel_4x2(float *out0, float *out1, const float *x0, const float *x1,
+                       const float *w, int in_dim) {
+    const float *w0 = w, *w1 = w + in_dim, *w2 = w + 2 * in_dim, *w3 = w + 3 * in_dim;
+    v8f a00 = {0}, a01 = {0}, a02 = {0}, a03 = {0};
+    v8f a10 = {0}, a11 = {0}, a12 = {0}, a13 = {0};
+    int n8 = in_dim & ~7;
+    for (int i = 0; i < n8; i += 8) {
+        v8f xa = load8(x0 + i), xb = load8(x1 + i);
+        v8f r0 = load8(w0 + i), r1 = load8(w1 + i), r2 = load8(w2 + i), r3 = load8(w3 + i);
+        a00 += r0 * xa; a01 += r1 * xa; a02 += r2 * xa; a03 += r3 * xa;
+        a10 += r0 * xb; a11 += r1 * xb; a12 += r2 * xb; a13 += r3 * xb;
+    }
+    out0[0] = add_tail(reduce_lanes(a00), w0, x0, n8, in_dim);
+    out0[1] = add_tail(reduce_lanes(a01), w1, x0, n8, in_dim);
+    out0[2] = add_tail(reduce_lanes(a02), w2, x0, n8, in_dim);
+    out0[3] = add_tail(reduce_lanes(a03), w3, x0, n8, in_dim);
+    out1[0] = add_tail(reduce_lanes(a10), w0, x1, n8, in_dim);
+    out1[1] = add_tail(reduce_lanes(a11), w1, x1, n8, in_dim);
+    out1[2] = add_tail(reduce_lanes(a12), w2, x1, n8, in_dim);
+    out1[3] = add_tail(reduce_lanes(a13), w3, x1, n8, in_dim);
+}
+
+/* Four rows of w against one token (the decode case). */
+static void kernel_4x1(float *out, const float *x, const float *w, int in_dim) {
+    const float *w0 = w, *w1 = w + in_dim, *w2 = w + 2 * in_dim, *w3 = w + 3 * in_dim;
+    v8f a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+    int n8 = in_dim & ~7;
+    for (int i = 0; i < n8; i += 8) {
+        v8f xv = load8(x + i);
+        a0 += load8(w0 + i) * xv; a1 += load8(w1 + i) * xv;
+        a2 += load8(w2 + i) * xv; a3 += load8(w3 + i) * xv;
+    }
+    out[0] = add_tail(reduce_lanes(a0), w0, x, n8, in_dim);
+    out[1] = add_tail(reduce_lanes(a1), w1, x, n8, in_dim);
+    out[2] = add_tail(reduce_lanes(a2), w2, x, n8, in_dim);
+    out[3] = add_tail(reduce_lanes(a3), w3, x, n8, in_dim);
+}
+
+void kv_matmul(float *out, const float *x, const float *w, int n_tokens, int in_dim,
+               int out_dim) {
+    /* Threads split the output rows, so each thread streams its own slice of w once
+     * and every token reuses those rows while they are still in cache. */
+    int n_row_blocks = (out_dim + 3) / 4;
+    #pragma omp parallel for schedule(static) if (n_row_blocks > 8)
+    for (int block = 0; block < n_row_blocks; block++) {
+        int o = block * 4;
+        const float *w_rows = w + (size_t)o * in_dim;
+        if (o + 4 <= out_dim) {
+            int t = 0;
+            for (; t + 2 <= n_tokens; t += 2)
+                kernel_4x2(out + (size_t)t * out_dim + o, out + (size_t)(t + 1) * out_dim + o,
+                           x + (size_t)t * in_dim, x + (size_t)(t + 1) * in_dim, w_rows, in_dim);
+            for (; t < n_tokens; t++)
+                kernel_4x1(out + (size_t)t * out_dim + o, x + (size_t)t * in_dim, w_rows, in_dim);
+        } else {
+            for (int r = o; r < out_dim; r++)
+                for (int t = 0; t < n_tokens; t++)
+                    out[(size_t)t * out_dim + r] =
+                        kv_dot(w + (size_t)r * in_dim, x + (size_t)t * in_dim, in_dim);
+        }
+    }
+}
+
+void kv_rmsnorm(float *out, const float *x, const float *weight, int dim, float eps) {
+    float mean_square = kv_dot(x, x, dim) / (float)dim;
+    float inv_rms = 1.0f / sqrtf(mean_square + eps);
+    for (int i = 0; i < dim; i++) out[i] = x[i] * inv_rms * weight[i];
+}
+
+void kv_rope(float *vec, int n_heads, int head_dim, const float *cos_table,
+             const float *sin_table, int interleaved) {
+    int half = head_dim / 2;
+    for (int h = 0; h < n_heads; h++) {
+        float *head = vec + (size_t)h * head_dim;
+        for (int i = 0; i < half; i++) {
+            /* the two coordinates that rotate together as one complex number */
+            float *re = interleaved ? &head[2 * i] : &head[i];
+            float *im = interleaved ? &head[2 * i + 1] : &head[i + half];
+            float a = *re, b = *im, c = cos_table[i], s = sin_table[i];
+            *re = a * c - b * s;
+            *im = b * c + a * s;
+        }
+    }
+}
+
+void kv_softmax(float *x, int n) {
+    float max = x[0];
+    for (int i = 1; i < n; i++) max = x[i] > max ? x[i] : max;
+    float sum = 0.0f;
+    for (int i = 0; i < n; i++) {
+        x[i] = expf(x[i] - max);
+        sum += x[i];
+    }
+    float inv_sum = 1.0f / sum;
+    for (int i = 0; i < n; i++) x[i] *= inv_sum;
+}
+
+void kv_swiglu(float *gate, const float *up, int n) {
+    for (int i = 0; i < n; i++) {
+        float g = gate[i];
+        gate[i] = g / (1.0f + expf(-g)) * up[i];
+    }
+}
+
+void kv_axpy(float *y, float alpha, const float *x, int n) {
+    for (int i = 0; i < n; i++) y[i] += alpha * x[i];
+}

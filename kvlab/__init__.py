@@ -1,0 +1,54 @@
+"""kvlab: a hands-on kit for learning how LLM inference is made cheap.
+
+    import kvlab
+    model = kvlab.load()                                  # the bundled Shakespeare model
+    out = kvlab.generate(model, "ROMEO:", max_new_tokens=100)
+    cache = model.new_cache(max_seq_len=256)
+    logits = model.prefill(model.encode("ROMEO:"), cache)
+    cache.keys.shape                                      # (n_layers, length, n_kv_heads, head_dim)
+
+The C core (csrc/) runs the model; kvlab.reference is the same math in plain NumPy.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional, Union
+
+from ._core import core as _core
+from .config import ModelConfig
+from .errors import (CacheFullError, CheckpointError, ConfigError, KVLabError,
+                     TokenizerError, WeightsError)
+from .generate import Generation, generate
+from .model import KVCache, Model
+from .weights import Weights
+
+__version__ = "0.1.0"
+
+DEFAULT_MODEL = Path(__file__).parent / "assets" / "shakespeare-1m.bin"
+
+
+def load(path: Union[str, Path, None] = None,
+         tokenizer: Union[str, Path, None] = None) -> Model:
+    """Load a model: None for the bundled default, a llama2.c .bin, a .gguf file, or a
+    Hugging Face folder (config.json + *.safetensors). `tokenizer` overrides the
+    tokenizer found beside the weights."""
+    from .loaders import load_checkpoint
+    path = Path(path) if path is not None else DEFAULT_MODEL
+    config, weights, tok = load_checkpoint(path, tokenizer)
+    return Model(config, weights, tok, source=str(path))
+
+
+def set_num_threads(n: int) -> None:
+    """Threads the C core uses for matrix products and attention."""
+    _core.set_num_threads(n)
+
+
+def get_num_threads() -> int:
+    return _core.get_num_threads()
+
+
+__all__ = [
+    "load", "generate", "Generation", "Model", "KVCache", "ModelConfig", "Weights",
+    "set_num_threads", "get_num_threads", "DEFAULT_MODEL", "KVLabError", "ConfigError",
+    "WeightsError", "CheckpointError", "TokenizerError", "CacheFullError",
+]

@@ -1,0 +1,31 @@
+"""Every exception kvlab raises on purpose, in one place.
+
+Each one subclasses a built-in (ValueError, RuntimeError ...) so that code written
+against the built-ins still catches them, and KVLabError so that `except KVLabError`
+catches them all. The C extension raises these same classes (it looks them up here at
+import time), so a student sees one set of names whichever layer found the problem.
+"""
+
+
+class KVLabError(Exception):
+    """Base class of kvlab's own exceptions."""
+
+
+class ConfigError(KVLabError, ValueError):
+    """A model configuration whose sizes do not fit together."""
+
+
+class WeightsError(KVLabError, ValueError):
+    """Weights whose names, shapes or dtypes do not match the configuration."""
+
+
+class CheckpointError(KVLabError, ValueError):
+    """A checkpoint file that is missing, truncated, corrupt or of an unknown format."""
+
+
+class TokenizerError(KVLabError, ValueError):
+    """A tokenizer file that cannot be read, or text/ids it cannot handle."""
+
+
+class CacheFullError(KVLabError, ValueError):
+    """Appending would go past the cache's capacity (max_seq_len)."""

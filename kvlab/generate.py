@@ -1,0 +1,106 @@
+"""The generation loop, with and without a KV cache, timed step by step.
+
+With the cache, the prompt is prefilled once and each new token costs one decode step
+over the cached K and V. Without it, every step re-runs the whole sequence from
+position 0, which is what the course's "uncached" measurements time. Both use the
+same sampler, so greedy generation gives the same tokens either way: the cache is exact.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import List, Optional, Sequence, Union
+
+import numpy as np
+
+from .errors import CacheFullError
+from .model import Model
+from .sampling import check_sampling_args, sample
+
+
+@dataclasses.dataclass
+class Generation:
+    prompt: str                 # the prompt text ("" when ids were given)
+    prompt_tokens: List[int]    # prompt ids, BOS included where the tokenizer has one
+    tokens: List[int]           # generated ids, in order
+    completion: str             # the generated text alone
+    step_seconds: np.ndarray    # wall time of each step; step 0 includes the prefill
+    use_cache: bool
+    cache_nbytes: int           # bytes the KV cache reserved (0 without a cache)
+
+    @property
+    def text(self) -> str:
+        """Prompt followed by the generated text."""
+        return self.prompt + self.completion
+
+    @property
+    def seconds(self) -> float:
+        return float(self.step_seconds.sum())
+
+    @property
+    def tokens_per_second(self) -> float:
+        return len(self.tokens) / self.seconds if self.seconds > 0 else float("inf")
+
+
+def generate(model: Model, prompt: Union[str, Sequence[int]], max_new_tokens: int = 48,
+             use_cache: bool = True, temperature: float = 0.0, top_k: Optional[int] = None,
+             top_p: Optional[float] = None, seed: Optional[int] = None,
+             stop_at_eos: bool = True, progress: bool = False) -> Generation:
+    """Generate up to max_new_tokens after the prompt (text, or a list of token ids).
+
+    Greedy by default (temperature 0). A seed makes sampling reproducible. The model's
+    context (config.max_seq_len) bounds prompt + new tokens.
+    """
+    if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+    check_sampling_args(temperature, top_k, top_p)
+    if isinstance(prompt, str):
+        prompt_text, ids = prompt, model.encode(prompt)
+        if not ids:
+            raise ValueError("the prompt is empty and the tokenizer has no BOS token to "
+                             "start from; give at least one character")
+    else:
+        prompt_text, ids = "", [int(t) for t in prompt]
+        if not ids:
+            raise ValueError("the prompt has no token ids")
+    context = model.config.max_seq_len
+    if len(ids) + max_new_tokens > context:
+        raise CacheFullError(f"prompt ({len(ids)} tokens) + max_new_tokens ({max_new_tokens}) "
+                             f"exceeds the model's context of {context} tokens")
+    rng = np.random.default_rng(seed)
+    eos = getattr(model.tokenizer, "eos_id", None) if stop_at_eos else None
+    # The last sampled token is never fed back, so the cache needs one slot less.
+    cache = model.new_cache(max_seq_len=len(ids) + max_new_tokens - 1) if use_cache else None
+
+    new_tokens: List[int] = []
+    seconds: List[float] = []
+    bar = _progress_bar(max_new_tokens, "cached" if use_cache else "uncached", progress)
+    for step in range(max_new_tokens):
+        start = time.perf_counter()
+        if cache is None:
+            logits = model.forward(ids + new_tokens)          # everything, from scratch
+        elif step == 0:
+            logits = model.prefill(ids, cache)                # the whole prompt at once
+        else:
+            logits = model.decode(new_tokens[-1], cache)      # one token over the cache
+        token = sample(logits, temperature, top_k, top_p, rng)
+        seconds.append(time.perf_counter() - start)
+        if bar is not None:
+            bar.update(1)
+        if eos is not None and token == eos:
+            break
+        new_tokens.append(token)
+    if bar is not None:
+        bar.close()
+
+    completion = model.decode_text(new_tokens) if model.tokenizer is not None else ""
+    return Generation(prompt=prompt_text, prompt_tokens=list(ids), tokens=new_tokens,
+                      completion=completion, step_seconds=np.array(seconds),
+                      use_cache=use_cache, cache_nbytes=cache.nbytes if cache else 0)
+
+
+def _progress_bar(total: int, label: str, enabled: bool):
+    if not enabled:
+        return None
+    from tqdm.auto import tqdm
+    return tqdm(total=total, desc=f"generating ({label})", unit="tok", leave=False)

@@ -1,0 +1,121 @@
+"""kvlab.Model: a loaded model with the C forward pass, and how to call it from NumPy.
+
+A Model bundles a ModelConfig, its Weights (NumPy arrays, often memory-mapped from the
+checkpoint file and never copied), an optional tokenizer, and the compiled core. It
+converts and checks Python inputs, then hands them to C. It is not the generation loop
+(kvlab.generate) nor the math (csrc/model.c; readable twin: kvlab.reference).
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence, Union
+
+import numpy as np
+
+from ._core import core
+from .config import ModelConfig
+from .errors import TokenizerError
+from .tokenizer import Tokenizer
+from .weights import Weights
+
+KVCache = core.KVCache
+
+CACHE_DTYPES = ("fp32",)
+
+TokenArray = Union[Sequence[int], np.ndarray]
+
+
+def as_token_array(tokens: TokenArray, vocab_size: int) -> np.ndarray:
+    """Token ids as a 1-D int32 array, with a clear error for anything else."""
+    array = np.asarray(tokens)
+    if array.dtype == bool or array.dtype.kind not in "iu":
+        raise TypeError(f"token ids must be integers, got an array of {array.dtype}")
+    if array.ndim != 1 or array.size == 0:
+        raise ValueError(f"token ids must be a non-empty 1-D sequence, got shape {array.shape}")
+    low, high = int(array.min()), int(array.max())
+    if low < 0 or high >= vocab_size:
+        bad = low if low < 0 else high
+        raise ValueError(f"token id {bad} is out of range [0, {vocab_size})")
+    return np.ascontiguousarray(array, dtype=np.int32)
+
+
+class Model:
+    """A Llama-family model ready to run: config, weights, tokenizer and the C core."""
+
+    def __init__(self, config: ModelConfig, weights: Weights,
+                 tokenizer: Optional[Tokenizer] = None, source: str = ""):
+        weights.check(config)
+        self.config = config
+        self.weights = weights
+        self.tokenizer = tokenizer
+        self.source = source
+        arrays = dict(weights.items())
+        arrays["rope_inv_freq"] = config.rope_inv_freq()
+        core_config = {
+            "dim": config.dim, "hidden_dim": config.hidden_dim, "n_layers": config.n_layers,
+            "n_heads": config.n_heads, "n_kv_heads": config.n_kv_heads,
+            "head_dim": config.head_dim, "vocab_size": config.vocab_size,
+            "max_seq_len": config.max_seq_len, "norm_eps": float(config.norm_eps),
+            "rope_interleaved": bool(config.rope_interleaved),
+        }
+        self._core = core.Model(core_config, arrays)
+
+    # ---- caches ----------------------------------------------------------------------
+    def new_cache(self, max_seq_len: Optional[int] = None, dtype: str = "fp32") -> KVCache:
+        """A contiguous KV cache for one sequence, holding up to max_seq_len positions
+        (default: the model's context length). Its memory is reserved now, in full."""
+        if dtype not in CACHE_DTYPES:
+            raise ValueError(f"unknown cache dtype {dtype!r}; this build supports {CACHE_DTYPES}")
+        capacity = self.config.max_seq_len if max_seq_len is None else max_seq_len
+        if not isinstance(capacity, (int, np.integer)) or capacity < 1:
+            raise ValueError(f"max_seq_len must be a positive integer, got {max_seq_len!r}")
+        c = self.config
+        return KVCache(c.n_layers, c.n_kv_heads, c.head_dim, int(capacity))
+
+    # ---- running ---------------------------------------------------------------------
+    def prefill(self, tokens: TokenArray, cache: KVCache, all_logits: bool = False) -> np.ndarray:
+        """Run a prompt (or any chunk of new tokens) in one causal pass, appending its K
+        and V to the cache. Returns the last token's logits (vocab,), or every token's
+        (len(tokens), vocab) with all_logits=True."""
+        return self._core.forward(as_token_array(tokens, self.config.vocab_size), cache,
+                                  all_logits)
+
+    def decode(self, token: int, cache: KVCache) -> np.ndarray:
+        """One generation step: a single new token attends over the cache. Returns (vocab,)."""
+        if isinstance(token, (bool, np.bool_)) or not isinstance(token, (int, np.integer)):
+            raise TypeError(f"decode takes one integer token id, got {token!r}")
+        return self._core.forward(as_token_array([token], self.config.vocab_size), cache, False)
+
+    def forward(self, tokens: TokenArray, all_logits: bool = False) -> np.ndarray:
+        """The no-cache path: run the whole sequence from position 0, recomputing every
+        token's K and V, as a model without a KV cache does on every step."""
+        return self._core.forward(as_token_array(tokens, self.config.vocab_size), None,
+                                  all_logits)
+
+    # ---- text ------------------------------------------------------------------------
+    def _require_tokenizer(self) -> Tokenizer:
+        if self.tokenizer is None:
+            raise TokenizerError("this model was loaded without a tokenizer; pass token ids, "
+                                 "or load it with tokenizer=PATH")
+        return self.tokenizer
+
+    def encode(self, text: str, bos: bool = True) -> list:
+        return self._require_tokenizer().encode(text, bos=bos)
+
+    def decode_text(self, ids: Sequence[int]) -> str:
+        return self._require_tokenizer().decode(ids)
+
+    # ---- facts -----------------------------------------------------------------------
+    @property
+    def n_params(self) -> int:
+        return self.config.n_params()
+
+    @property
+    def weights_nbytes(self) -> int:
+        return self.weights.nbytes
+
+    def __repr__(self) -> str:
+        c = self.config
+        name = c.name or self.source or "model"
+        return (f"Model({name!r}: {self.n_params:,} params, dim={c.dim}, n_layers={c.n_layers}, "
+                f"n_heads={c.n_heads}, n_kv_heads={c.n_kv_heads} ({c.attention_kind}), "
+                f"head_dim={c.head_dim}, vocab={c.vocab_size}, context={c.max_seq_len})")

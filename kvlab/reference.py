@@ -1,0 +1,137 @@
+"""The reference forward pass: a Llama-family decoder in plain NumPy, written to be read.
+
+This is the kit's one source of truth for the math. The C core (csrc/model.c) is tested
+against it, and the chapters quote it. It is slow on purpose: no threads, no tricks,
+float32 like the C core. It handles both RoPE layouts, GQA/MQA and tied classifiers.
+It is not used for generation speed; see kvlab.model for that.
+
+    cache = ReferenceCache(config, max_seq_len=64)
+    logits = forward(config, weights, tokens, cache)      # cached: appends K, V
+    logits = forward(config, weights, tokens)             # uncached: from position 0
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import numpy as np
+
+from .config import ModelConfig
+from .weights import Weights
+
+
+def rmsnorm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+    """Scale each row to unit root-mean-square, then by a learned per-channel weight."""
+    mean_square = np.mean(x * x, axis=-1, keepdims=True, dtype=np.float32)
+    return (x / np.sqrt(mean_square + np.float32(eps))) * weight
+
+
+def rope(x: np.ndarray, positions: np.ndarray, inv_freq: np.ndarray,
+         interleaved: bool) -> np.ndarray:
+    """Rotate each head's pairs of coordinates by position * inv_freq.
+
+    x: (n_tokens, n_heads, head_dim). Interleaved pairs are (x[2i], x[2i+1]) (llama2.c,
+    Meta); otherwise (x[i], x[i + head_dim/2]) (Hugging Face's rotate_half layout).
+    """
+    angles = positions.astype(np.float32)[:, None] * inv_freq[None, :]   # (n_tokens, half)
+    cos, sin = np.cos(angles)[:, None, :], np.sin(angles)[:, None, :]
+    half = x.shape[-1] // 2
+    if interleaved:
+        a, b = x[..., 0::2], x[..., 1::2]
+    else:
+        a, b = x[..., :half], x[..., half:]
+    rotated_a = a * cos - b * sin
+    rotated_b = b * cos + a * sin
+    out = np.empty_like(x)
+    if interleaved:
+        out[..., 0::2], out[..., 1::2] = rotated_a, rotated_b
+    else:
+        out[..., :half], out[..., half:] = rotated_a, rotated_b
+    return out
+
+
+def softmax(x: np.ndarray) -> np.ndarray:
+    e = np.exp(x - x.max(axis=-1, keepdims=True))
+    return e / e.sum(axis=-1, keepdims=True)
+
+
+def silu(x: np.ndarray) -> np.ndarray:
+    return x / (np.float32(1.0) + np.exp(-x))
+
+
+class ReferenceCache:
+    """K and V for every layer, (n_layers, max_seq_len, n_kv_heads, head_dim), like the C cache."""
+
+    def __init__(self, config: ModelConfig, max_seq_len: Optional[int] = None):
+        capacity = max_seq_len or config.max_seq_len
+        shape = (config.n_layers, capacity, config.n_kv_heads, config.head_dim)
+        self.key = np.zeros(shape, dtype=np.float32)
+        self.value = np.zeros(shape, dtype=np.float32)
+        self.length = 0
+
+    @property
+    def keys(self) -> np.ndarray:
+        return self.key[:, :self.length]
+
+    @property
+    def values(self) -> np.ndarray:
+        return self.value[:, :self.length]
+
+
+def attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray,
+              positions: np.ndarray) -> np.ndarray:
+    """Causal grouped-query attention.
+
+    q: (n_tokens, n_heads, head_dim) queries of the new tokens at `positions`;
+    keys, values: (n_positions, n_kv_heads, head_dim), everything cached so far including
+    the new tokens. Query head h reads KV head h // (n_heads // n_kv_heads).
+    """
+    n_heads, head_dim = q.shape[1], q.shape[2]
+    kv_mul = n_heads // keys.shape[1]
+    keys = np.repeat(keys, kv_mul, axis=1)        # (n_positions, n_heads, head_dim)
+    values = np.repeat(values, kv_mul, axis=1)
+    scores = np.einsum("thd,phd->htp", q, keys) / np.float32(np.sqrt(head_dim))
+    # the causal mask: a token at position p sees positions 0..p only
+    future = np.arange(keys.shape[0])[None, :] > positions[:, None]     # (n_tokens, n_positions)
+    scores = np.where(future[None], np.float32(-np.inf), scores)
+    weights = softmax(scores).astype(np.float32)
+    return np.einsum("htp,phd->thd", weights, values)
+
+
+def forward(config: ModelConfig, weights: Weights, tokens: Sequence[int],
+            cache: Optional[ReferenceCache] = None) -> np.ndarray:
+    """Logits (n_tokens, vocab_size) for new tokens.
+
+    With a cache, the tokens continue the cached sequence and their K and V are
+    appended. Without one, they are the whole sequence from position 0, and every K and
+    V is computed afresh: the no-cache path.
+    """
+    tokens = np.asarray(tokens, dtype=np.int64)
+    if cache is None:
+        cache = ReferenceCache(config, max_seq_len=len(tokens))
+    start = cache.length
+    if start + len(tokens) > cache.key.shape[1]:
+        raise ValueError("reference cache is full")
+    positions = np.arange(start, start + len(tokens))
+    inv_freq = config.rope_inv_freq()
+    n, H, KVH, hd = len(tokens), config.n_heads, config.n_kv_heads, config.head_dim
+    w = weights
+
+    x = w.token_embedding[tokens].astype(np.float32)             # (n, dim)
+    for layer in range(config.n_layers):
+        # attention sublayer
+        h = rmsnorm(x, w.attn_norm[layer], config.norm_eps)
+        q = (h @ w.wq[layer].T).reshape(n, H, hd)
+        k = (h @ w.wk[layer].T).reshape(n, KVH, hd)
+        v = (h @ w.wv[layer].T).reshape(n, KVH, hd)
+        q = rope(q, positions, inv_freq, config.rope_interleaved)
+        k = rope(k, positions, inv_freq, config.rope_interleaved)
+        cache.key[layer, start:start + n] = k                     # computed once, kept
+        cache.value[layer, start:start + n] = v
+        seen = slice(0, start + n)
+        out = attention(q, cache.key[layer, seen], cache.value[layer, seen], positions)
+        x = x + out.reshape(n, H * hd) @ w.wo[layer].T
+        # MLP sublayer (SwiGLU)
+        h = rmsnorm(x, w.ffn_norm[layer], config.norm_eps)
+        x = x + (silu(h @ w.w1[layer].T) * (h @ w.w3[layer].T)) @ w.w2[layer].T
+    cache.length = start + n
+    return rmsnorm(x, w.final_norm, config.norm_eps) @ w.classifier.T

@@ -1,0 +1,94 @@
+"""The weights of a Llama-family model as named float32 NumPy arrays.
+
+Every loader (llama2.c .bin, Hugging Face safetensors, GGUF) produces a `Weights`, and
+both the C core and `kvlab.reference` read one. Per-layer tensors are stacked along a
+leading n_layers axis, the llama2.c layout, so one pointer reaches every layer. Matrices
+are stored (out_features, in_features): y = W @ x. This module checks shapes; it does not
+load files (kvlab.loaders) or run anything (kvlab.model, kvlab.reference).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Dict, Iterator, Tuple
+
+import numpy as np
+
+from .config import ModelConfig
+from .errors import WeightsError
+
+
+@dataclasses.dataclass
+class Weights:
+    token_embedding: np.ndarray  # (vocab_size, dim)
+    attn_norm: np.ndarray        # (n_layers, dim)            RMSNorm before attention
+    wq: np.ndarray               # (n_layers, n_heads * head_dim, dim)
+    wk: np.ndarray               # (n_layers, n_kv_heads * head_dim, dim)
+    wv: np.ndarray               # (n_layers, n_kv_heads * head_dim, dim)
+    wo: np.ndarray               # (n_layers, dim, n_heads * head_dim)
+    ffn_norm: np.ndarray         # (n_layers, dim)            RMSNorm before the MLP
+    w1: np.ndarray               # (n_layers, hidden_dim, dim) gate projection
+    w2: np.ndarray               # (n_layers, dim, hidden_dim) down projection
+    w3: np.ndarray               # (n_layers, hidden_dim, dim) up projection
+    final_norm: np.ndarray       # (dim,)
+    classifier: np.ndarray       # (vocab_size, dim); the same array as token_embedding when tied
+
+    @staticmethod
+    def expected_shapes(c: ModelConfig) -> Dict[str, Tuple[int, ...]]:
+        L = c.n_layers
+        return {
+            "token_embedding": (c.vocab_size, c.dim),
+            "attn_norm": (L, c.dim),
+            "wq": (L, c.q_dim, c.dim),
+            "wk": (L, c.kv_dim, c.dim),
+            "wv": (L, c.kv_dim, c.dim),
+            "wo": (L, c.dim, c.q_dim),
+            "ffn_norm": (L, c.dim),
+            "w1": (L, c.hidden_dim, c.dim),
+            "w2": (L, c.dim, c.hidden_dim),
+            "w3": (L, c.hidden_dim, c.dim),
+            "final_norm": (c.dim,),
+            "classifier": (c.vocab_size, c.dim),
+        }
+
+    def items(self) -> Iterator[Tuple[str, np.ndarray]]:
+        for field in dataclasses.fields(self):
+            yield field.name, getattr(self, field.name)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of weight memory, counting a tied classifier once."""
+        seen, total = set(), 0
+        for _, array in self.items():
+            if id(array) not in seen:
+                seen.add(id(array))
+                total += array.nbytes
+        return total
+
+    def check(self, config: ModelConfig) -> None:
+        """Raise WeightsError unless every array is float32, C-contiguous and shaped for config."""
+        for name, shape in self.expected_shapes(config).items():
+            array = getattr(self, name)
+            if not isinstance(array, np.ndarray):
+                raise WeightsError(f"weight {name!r} must be a numpy array, got {type(array).__name__}")
+            if array.dtype != np.float32:
+                raise WeightsError(f"weight {name!r} must be float32, got {array.dtype}")
+            if array.shape != shape:
+                raise WeightsError(f"weight {name!r} has shape {array.shape}, expected {shape}")
+            if not array.flags.c_contiguous:
+                raise WeightsError(f"weight {name!r} must be C-contiguous")
+
+    @classmethod
+    def random(cls, config: ModelConfig, seed: int = 0, scale: float = 0.08) -> "Weights":
+        """Random weights for tests and benchmarks (norm weights near 1, matrices small)."""
+        rng = np.random.default_rng(seed)
+        arrays = {}
+        for name, shape in cls.expected_shapes(config).items():
+            if name == "classifier" and config.tied_embeddings:
+                continue
+            if name.endswith("norm"):
+                arrays[name] = (1.0 + 0.1 * rng.standard_normal(shape)).astype(np.float32)
+            else:
+                arrays[name] = (scale * rng.standard_normal(shape)).astype(np.float32)
+        if config.tied_embeddings:
+            arrays["classifier"] = arrays["token_embedding"]
+        return cls(**arrays)
