@@ -27,6 +27,8 @@ TokenArray = Union[Sequence[int], np.ndarray]
 def as_token_array(tokens: TokenArray, vocab_size: int) -> np.ndarray:
     """Token ids as a 1-D int32 array, with a clear error for anything else."""
     array = np.asarray(tokens)
+    if array.size == 0:
+        raise ValueError("token ids must be a non-empty 1-D sequence, got none")
     if array.dtype == bool or array.dtype.kind not in "iu":
         raise TypeError(f"token ids must be integers, got an array of {array.dtype}")
     if array.ndim != 1 or array.size == 0:

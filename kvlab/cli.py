@@ -1,0 +1,144 @@
+"""The `kvlab` command line: `kvlab demo`, `kvlab generate`, `kvlab info`.
+
+Also reachable as `python -m kvlab`. Each subcommand is a thin layer over the public API
+(kvlab.load, kvlab.generate), so what it prints is what a notebook would compute.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import List, Optional
+
+DEMO_PROMPT = "ROMEO:\n"
+
+
+def _load(args) -> "kvlab.Model":  # noqa: F821
+    import kvlab
+    if getattr(args, "threads", None):
+        kvlab.set_num_threads(args.threads)
+    return kvlab.load(args.model, tokenizer=args.tokenizer)
+
+
+def _bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:,} B" if unit == "B" else f"{n:,.1f} {unit} ({n:,} B)"
+        n /= 1024
+    return str(n)
+
+
+def cmd_demo(args) -> int:
+    import kvlab
+    model = _load(args)
+    c = model.config
+    print(f"kvlab demo: {model!r}")
+    print(f"prompt {args.prompt!r}, {args.max_new_tokens} new tokens, greedy, "
+          f"{kvlab.get_num_threads()} threads\n")
+    kvlab.generate(model, args.prompt, max_new_tokens=4)            # warm up
+    cached = kvlab.generate(model, args.prompt, args.max_new_tokens, use_cache=True,
+                            progress=not args.quiet)
+    uncached = kvlab.generate(model, args.prompt, args.max_new_tokens, use_cache=False,
+                              progress=not args.quiet)
+    print("--- with the KV cache ---")
+    print(cached.text)
+    print("--- without a cache (every step recomputes the whole sequence) ---")
+    print(uncached.text)
+    print("---")
+    identical = cached.tokens == uncached.tokens
+    speedup = uncached.seconds / cached.seconds
+    per_token = 2 * c.n_layers * c.kv_dim * 4
+    rows = [("wall time", f"{cached.seconds:.3f} s", f"{uncached.seconds:.3f} s"),
+            ("tokens/s", f"{cached.tokens_per_second:,.0f}", f"{uncached.tokens_per_second:,.0f}"),
+            ("tokens generated", str(len(cached.tokens)), str(len(uncached.tokens)))]
+    print(f"{'':18}{'with cache':>14}{'without cache':>16}")
+    for name, a, b in rows:
+        print(f"{name:18}{a:>14}{b:>16}")
+    print(f"identical text:   {'yes' if identical else 'NO'}")
+    print(f"speedup:          {speedup:.1f}x")
+    print(f"KV cache:         2 (K,V) x {c.n_layers} layers x {c.n_kv_heads} KV heads x "
+          f"{c.head_dim} x 4 B = {per_token:,} B per token; this run reserved "
+          f"{_bytes(cached.cache_nbytes)}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"model": str(model.source), "prompt": args.prompt,
+                       "max_new_tokens": args.max_new_tokens, "identical": identical,
+                       "cached_seconds": cached.seconds, "uncached_seconds": uncached.seconds,
+                       "speedup": speedup, "cache_nbytes": cached.cache_nbytes,
+                       "text": cached.text}, f, indent=2)
+    return 0 if identical else 1
+
+
+def cmd_generate(args) -> int:
+    import kvlab
+    model = _load(args)
+    out = kvlab.generate(model, args.prompt, args.max_new_tokens, use_cache=not args.no_cache,
+                         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                         seed=args.seed, progress=False)
+    print(out.text)
+    print(f"\n[{len(out.tokens)} tokens in {out.seconds:.3f} s, "
+          f"{out.tokens_per_second:,.1f} tokens/s, {'with' if out.use_cache else 'without'} "
+          f"KV cache]", file=sys.stderr)
+    return 0
+
+
+def cmd_info(args) -> int:
+    model = _load(args)
+    c = model.config
+    print(repr(model))
+    print(f"parameters      {model.n_params:,}")
+    print(f"weights         {_bytes(model.weights_nbytes)}")
+    print(f"KV per token    {2 * c.n_layers * c.kv_dim * 4:,} B (fp32)")
+    print(f"RoPE            theta {c.rope_theta:g}, "
+          f"{'interleaved pairs' if c.rope_interleaved else 'rotate-half'}"
+          f"{', scaling ' + str(c.rope_scaling) if c.rope_scaling else ''}")
+    print(f"classifier      {'tied to the embedding' if c.tied_embeddings else 'separate'}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvlab", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def model_args(p):
+        p.add_argument("--model", default=None, help="checkpoint path (default: bundled model)")
+        p.add_argument("--tokenizer", default=None, help="tokenizer file, if not beside the model")
+        p.add_argument("--threads", type=int, default=None, help="threads for the C core")
+
+    demo = sub.add_parser("demo", help="generate with and without the KV cache and compare")
+    model_args(demo)
+    demo.add_argument("--prompt", default=DEMO_PROMPT)
+    demo.add_argument("--max-new-tokens", type=int, default=200)
+    demo.add_argument("--json", default=None, help="also write the results to this JSON file")
+    demo.add_argument("--quiet", action="store_true", help="no progress bars")
+    demo.set_defaults(func=cmd_demo)
+
+    gen = sub.add_parser("generate", help="generate text from a prompt")
+    model_args(gen)
+    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--max-new-tokens", type=int, default=100)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-k", type=int, default=None)
+    gen.add_argument("--top-p", type=float, default=None)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--no-cache", action="store_true", help="recompute everything each step")
+    gen.set_defaults(func=cmd_generate)
+
+    info = sub.add_parser("info", help="print a model's shape and sizes")
+    model_args(info)
+    info.set_defaults(func=cmd_info)
+    return parser
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    from .errors import KVLabError
+    try:
+        return args.func(args)
+    except (KVLabError, FileNotFoundError) as error:
+        print(f"kvlab: error: {error}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

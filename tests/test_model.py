@@ -1,0 +1,208 @@
+"""The C forward pass (kvlab.Model) against the NumPy reference, and its input checks."""
+import numpy as np
+import pytest
+
+import kvlab
+from kvlab import reference
+
+SHAPES = {
+    # name: (n_heads, n_kv_heads, head_dim, dim, tied, interleaved, rope_scaling)
+    "mha": (4, 4, 8, 32, True, True, None),
+    "gqa": (8, 2, 16, 128, False, False, None),
+    "mqa": (6, 1, 10, 64, True, True, None),          # head_dim 10: not a multiple of 8
+    "odd-dims": (3, 3, 6, 20, False, False, None),    # dim != n_heads * head_dim
+    "llama3-rope": (4, 2, 12, 48, False, False,
+                    {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                     "high_freq_factor": 4.0, "original_max_position_embeddings": 16}),
+}
+
+
+def make(name, seed=0, vocab=61, hidden=45, layers=2):
+    heads, kv_heads, head_dim, dim, tied, interleaved, scaling = SHAPES[name]
+    config = kvlab.ModelConfig(dim=dim, hidden_dim=hidden, n_layers=layers, n_heads=heads,
+                               n_kv_heads=kv_heads, head_dim=head_dim, vocab_size=vocab,
+                               max_seq_len=64, tied_embeddings=tied,
+                               rope_interleaved=interleaved, rope_scaling=scaling,
+                               rope_theta=500.0 if scaling else 10000.0)
+    weights = kvlab.Weights.random(config, seed=seed)
+    return kvlab.Model(config, weights)
+
+
+def tokens_for(model, n, seed=1):
+    return np.random.default_rng(seed).integers(0, model.config.vocab_size, size=n)
+
+
+@pytest.mark.parametrize("name", sorted(SHAPES))
+def test_prefill_then_decode_matches_reference(name):
+    model = make(name)
+    tokens = tokens_for(model, 20)
+    cache, ref_cache = model.new_cache(32), reference.ReferenceCache(model.config, 32)
+
+    got = model.prefill(tokens[:12], cache, all_logits=True)
+    want = reference.forward(model.config, model.weights, tokens[:12], ref_cache)
+    np.testing.assert_allclose(got, want, atol=2e-5, rtol=0)
+    for token in tokens[12:]:
+        got = model.decode(int(token), cache)
+        want = reference.forward(model.config, model.weights, [token], ref_cache)[0]
+        np.testing.assert_allclose(got, want, atol=2e-5, rtol=0)
+    np.testing.assert_allclose(cache.keys, ref_cache.keys, atol=2e-5, rtol=0)
+    np.testing.assert_allclose(cache.values, ref_cache.values, atol=2e-5, rtol=0)
+
+
+@pytest.mark.parametrize("name", sorted(SHAPES))
+def test_cached_and_uncached_logits_agree_exactly(name):
+    """The core sums every dot product in one fixed order, so the cache is bit-exact."""
+    model = make(name, seed=3)
+    tokens = tokens_for(model, 17, seed=4)
+    cache = model.new_cache(17)
+    model.prefill(tokens[:5], cache)
+    for i in range(5, 17):
+        cached = model.decode(int(tokens[i]), cache)
+        uncached = model.forward(tokens[:i + 1])
+        assert np.array_equal(cached, uncached)
+
+
+def test_last_row_equals_all_logits_last_row():
+    model = make("gqa")
+    tokens = tokens_for(model, 9)
+    every = model.forward(tokens, all_logits=True)
+    assert every.shape == (9, model.config.vocab_size)
+    assert np.array_equal(model.forward(tokens), every[-1])
+
+
+def test_prefill_in_chunks_equals_one_prefill():
+    model = make("mha")
+    tokens = tokens_for(model, 24)
+    one, chunked = model.new_cache(24), model.new_cache(24)
+    whole = model.prefill(tokens, one, all_logits=True)
+    parts = [model.prefill(tokens[a:b], chunked, all_logits=True)
+             for a, b in ((0, 7), (7, 8), (8, 24))]
+    assert np.array_equal(np.concatenate(parts), whole)
+    assert np.array_equal(one.keys, chunked.keys)
+
+
+def test_threads_do_not_change_results():
+    model = make("gqa")
+    tokens = tokens_for(model, 30)
+    before = kvlab.get_num_threads()
+    try:
+        kvlab.set_num_threads(1)
+        single = model.forward(tokens, all_logits=True)
+        kvlab.set_num_threads(2)
+        double = model.forward(tokens, all_logits=True)
+    finally:
+        kvlab.set_num_threads(before)
+    assert np.array_equal(single, double)
+
+
+# ---- bad input -----------------------------------------------------------------------
+
+@pytest.mark.parametrize("tokens, error, match", [
+    ([1.0, 2.0], TypeError, "integers"),
+    ([True, False], TypeError, "integers"),
+    ([[1, 2]], ValueError, "1-D"),
+    ([], ValueError, "non-empty"),
+    ([0, 61], ValueError, "out of range"),
+    ([-1], ValueError, "out of range"),
+    (["a"], TypeError, "integers"),
+])
+def test_bad_tokens_raise_and_leave_cache_unchanged(tokens, error, match):
+    model = make("mha")
+    cache = model.new_cache(16)
+    model.prefill([1, 2, 3], cache)
+    keys_before = cache.keys.copy()
+    with pytest.raises(error, match=match):
+        model.prefill(tokens, cache)
+    assert cache.length == 3
+    assert np.array_equal(cache.keys, keys_before)
+
+
+def test_core_rejects_wrong_token_arrays_directly():
+    """The binding checks dtype, shape and contiguity itself, not only the Python layer."""
+    model = make("mha")
+    core = model._core
+    with pytest.raises(TypeError, match="int32"):
+        core.forward(np.array([1, 2], dtype=np.int64))
+    with pytest.raises(ValueError, match="contiguous"):
+        core.forward(np.arange(10, dtype=np.int32)[::2])
+    with pytest.raises(ValueError, match="out of range"):
+        core.forward(np.array([5, 999], dtype=np.int32))
+    with pytest.raises(TypeError, match="KVCache"):
+        core.forward(np.array([1], dtype=np.int32), cache="not a cache")
+
+
+def test_cache_full_raises_and_cache_is_unchanged():
+    model = make("gqa")
+    cache = model.new_cache(6)
+    model.prefill([1, 2, 3, 4], cache)
+    keys_before, values_before = cache.keys.copy(), cache.values.copy()
+    with pytest.raises(kvlab.CacheFullError, match="holds 4 of 6"):
+        model.prefill([5, 6, 7], cache)
+    assert cache.length == 4
+    assert np.array_equal(cache.keys, keys_before) and np.array_equal(cache.values, values_before)
+    model.decode(5, cache)
+    model.decode(6, cache)
+    with pytest.raises(kvlab.CacheFullError):
+        model.decode(7, cache)
+    assert cache.length == 6
+
+
+def test_cache_of_another_model_is_refused():
+    small, other = make("mha"), make("gqa")
+    cache = other.new_cache(8)
+    with pytest.raises(ValueError, match="model needs"):
+        small.prefill([1, 2], cache)
+    assert cache.length == 0
+
+
+def test_decode_takes_one_integer():
+    model = make("mha")
+    cache = model.new_cache(4)
+    with pytest.raises(TypeError):
+        model.decode([1, 2], cache)
+    with pytest.raises(TypeError):
+        model.decode(1.5, cache)
+
+
+def test_bad_weights_are_rejected():
+    model = make("gqa")
+    config, weights = model.config, model.weights
+    for field, bad, match in [
+        ("wq", weights.wq.astype(np.float64), "float32"),
+        ("wk", weights.wk[:, :-1], "shape"),
+        ("w1", np.asfortranarray(weights.w1), "contiguous"),
+        ("final_norm", [1.0] * config.dim, "numpy array"),
+    ]:
+        broken = kvlab.Weights(**{**dict(weights.items()), field: bad})
+        with pytest.raises(kvlab.WeightsError, match=match):
+            kvlab.Model(config, broken)
+
+
+@pytest.mark.parametrize("changes, match", [
+    ({"n_heads": 6, "n_kv_heads": 4}, "divide"),
+    ({"head_dim": 7}, "even"),
+    ({"dim": 0}, "positive"),
+    ({"norm_eps": -1.0}, "norm_eps"),
+    ({"rope_scaling": {"rope_type": "yarn"}}, "rope_scaling"),
+])
+def test_configs_that_do_not_fit_raise(changes, match):
+    base = dict(dim=32, hidden_dim=40, n_layers=1, n_heads=4, n_kv_heads=2, vocab_size=10,
+                max_seq_len=8)
+    with pytest.raises(kvlab.ConfigError, match=match):
+        kvlab.ModelConfig(**{**base, **changes})
+
+
+def test_core_model_cannot_be_reinitialized():
+    model = make("mha")
+    with pytest.raises(RuntimeError, match="already initialized"):
+        model._core.__init__({}, {})
+
+
+def test_weights_are_used_in_place():
+    """The core reads the NumPy buffers; it keeps references instead of copies."""
+    model = make("mha")
+    tokens = tokens_for(model, 4)
+    before = model.forward(tokens)
+    model.weights.classifier[...] *= 2          # tied: also the embedding
+    after = model.forward(tokens)
+    assert not np.array_equal(before, after)
