@@ -4,6 +4,8 @@ transformers writes the checkpoint (save_pretrained, safetensors) and computes t
 oracle logits in float32 on the CPU; kvlab loads the folder with its own NumPy reader
 and must agree to 1e-4. Skipped where torch/transformers (the `test` extra) are absent.
 """
+import copy
+
 import numpy as np
 import pytest
 
@@ -65,9 +67,13 @@ def test_logits_match_transformers(name, tmp_path):
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_half_precision_checkpoints(dtype, tmp_path):
-    hf = hf_model("gqa", seed=1).to(getattr(torch, dtype))
-    hf.save_pretrained(tmp_path, safe_serialization=True)
-    hf = hf.float()                         # same rounded weights, float32 arithmetic
+    half = getattr(torch, dtype)
+    hf = hf_model("gqa", seed=1)
+    with torch.no_grad():                   # the oracle: half-rounded weights, fp32 math
+        for param in hf.parameters():
+            param.copy_(param.to(half).float())
+    # (converting the whole model would also round its RoPE buffer, so copy first)
+    copy.deepcopy(hf).to(half).save_pretrained(tmp_path, safe_serialization=True)
     model = kvlab.load(tmp_path)
     tokens = np.random.default_rng(1).integers(0, 97, size=16)
     np.testing.assert_allclose(model.forward(tokens, all_logits=True), hf_logits(hf, tokens),
