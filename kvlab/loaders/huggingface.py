@@ -1,0 +1,427 @@
+"""Read and write Hugging Face Llama checkpoints: config.json + *.safetensors.
+
+safetensors is parsed here with NumPy alone, because the format is small enough to read
+in a few lines: an 8-byte little-endian header length N, N bytes of JSON describing each
+tensor (dtype, shape, data_offsets relative to the end of the header), then raw data.
+Every number in the header is checked against the file before any tensor is read.
+
+Not here: PyTorch .bin checkpoints, quantized weights, models other than Llama-like
+(llama, and mistral without a sliding window), biases, or partial rotary embeddings.
+Weights are converted to float32 and stacked per layer, so this loader copies (unlike
+the llama2.c loader, which maps the file).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Tuple
+
+import numpy as np
+
+from ..config import ModelConfig
+from ..errors import CheckpointError
+from ..weights import Weights
+
+# Bytes per element of every safetensors dtype, so sizes can be checked even for
+# tensors we would not read; the three we can convert to float32 are in _READABLE.
+_ITEMSIZE = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "I16": 2, "U16": 2,
+             "F16": 2, "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
+_READABLE = {"F32": "<f4", "F16": "<f2", "BF16": "<u2"}
+_MAX_HEADER = 100 * 1024 * 1024  # the safetensors spec's own limit on the JSON header
+
+_SUPPORTED_TYPES = ("llama", "mistral")
+
+
+class TensorInfo:
+    """Where one tensor lives: file, dtype, shape, absolute byte range."""
+
+    def __init__(self, path: Path, dtype: str, shape: Tuple[int, ...], start: int, end: int):
+        self.path, self.dtype, self.shape, self.start, self.end = path, dtype, shape, start, end
+
+    def __repr__(self) -> str:
+        return f"TensorInfo({self.path.name}, {self.dtype}, {self.shape}, [{self.start}, {self.end}))"
+
+
+# ---------------------------------------------------------------------------------------
+# safetensors
+# ---------------------------------------------------------------------------------------
+def read_safetensors_header(path: "str | os.PathLike[str]") -> Dict[str, TensorInfo]:
+    """Every tensor's TensorInfo, after checking the header against the file size."""
+    path = Path(path)
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        prefix = f.read(8)
+        if len(prefix) < 8:
+            raise CheckpointError(f"{path}: {size} bytes is too short for a safetensors file")
+        (header_len,) = struct.unpack("<Q", prefix)
+        if header_len > min(size - 8, _MAX_HEADER):
+            raise CheckpointError(f"{path}: header length {header_len:,} runs past the end of "
+                                  f"the file ({size:,} bytes); the file is truncated or not safetensors")
+        raw = f.read(header_len)
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise CheckpointError(f"{path}: safetensors header is not valid JSON: {exc}") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: safetensors header must be a JSON object")
+    data_start = 8 + header_len
+    return {name: _tensor_info(path, name, entry, data_start, size)
+            for name, entry in header.items() if name != "__metadata__"}
+
+
+def _tensor_info(path: Path, name: str, entry: Any, data_start: int, size: int) -> TensorInfo:
+    def bad(why: str) -> CheckpointError:
+        return CheckpointError(f"{path}: tensor {name!r}: {why}")
+
+    if not isinstance(entry, dict):
+        raise bad("header entry is not an object")
+    dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+    if dtype not in _ITEMSIZE:
+        raise bad(f"unknown dtype {dtype!r}")
+    if not (isinstance(shape, list) and all(_is_count(d) for d in shape)):
+        raise bad(f"shape must be a list of non-negative integers, got {shape!r}")
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_count(o) for o in offsets)
+            and offsets[0] <= offsets[1]):
+        raise bad(f"data_offsets must be [begin, end] with 0 <= begin <= end, got {offsets!r}")
+    start, end = data_start + offsets[0], data_start + offsets[1]
+    if end > size:
+        raise bad(f"data ends at byte {end:,}, past the end of the file ({size:,} bytes)")
+    expected = math.prod(shape) * _ITEMSIZE[dtype]
+    if end - start != expected:
+        raise bad(f"shape {shape} of {dtype} needs {expected:,} bytes, "
+                  f"but data_offsets span {end - start:,}")
+    return TensorInfo(path, dtype, tuple(shape), start, end)
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def read_tensor(info: TensorInfo) -> np.ndarray:
+    """One tensor as a new float32 array (F32, F16 or BF16 on disk)."""
+    if info.dtype not in _READABLE:
+        raise CheckpointError(f"{info.path}: dtype {info.dtype} is not supported "
+                              f"(kvlab reads {', '.join(_READABLE)})")
+    count = math.prod(info.shape)
+    raw = np.fromfile(info.path, dtype=_READABLE[info.dtype], count=count, offset=info.start)
+    if raw.size != count:  # the file shrank since the header was checked
+        raise CheckpointError(f"{info.path}: could not read all of a tensor at byte {info.start}")
+    if info.dtype == "BF16":
+        # bfloat16 is the top half of a float32: put the 16 bits back in the high half.
+        return (raw.astype(np.uint32) << 16).view(np.float32).reshape(info.shape)
+    return raw.astype(np.float32).reshape(info.shape)
+
+
+def write_safetensors(path: "str | os.PathLike[str]", tensors: Dict[str, np.ndarray],
+                      dtype: str = "F32") -> None:
+    """Write float tensors as one safetensors file, converted to F32, F16 or BF16."""
+    if dtype not in _READABLE:
+        raise CheckpointError(f"cannot write dtype {dtype!r}; choose one of {', '.join(_READABLE)}")
+    blobs, header, offset = [], {"__metadata__": {"format": "pt"}}, 0
+    for name, array in tensors.items():
+        blob = _encode(np.asarray(array, dtype=np.float32), dtype)
+        header[name] = {"dtype": dtype, "shape": list(array.shape),
+                        "data_offsets": [offset, offset + len(blob)]}
+        blobs.append(blob)
+        offset += len(blob)
+    text = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    text += b" " * (-len(text) % 8)  # pad so the data starts 8-byte aligned
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(text)))
+        f.write(text)
+        for blob in blobs:
+            f.write(blob)
+
+
+def _encode(array: np.ndarray, dtype: str) -> bytes:
+    if dtype == "BF16":
+        return float32_to_bf16_bits(array).tobytes()
+    return np.ascontiguousarray(array, dtype=_READABLE[dtype]).tobytes()
+
+
+def float32_to_bf16_bits(array: np.ndarray) -> np.ndarray:
+    """Round float32 to bfloat16 (nearest, ties to even) and return the uint16 bits."""
+    bits = np.ascontiguousarray(array, dtype="<f4").view(np.uint32)
+    # Adding 0x7FFF plus the lowest kept bit rounds half-way cases to an even result.
+    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+    # NaN must stay NaN (rounding could carry it into infinity): keep a quiet NaN.
+    rounded = np.where(np.isnan(array), 0x7FC0, rounded)
+    return rounded.astype("<u2")
+
+
+# ---------------------------------------------------------------------------------------
+# config.json
+# ---------------------------------------------------------------------------------------
+def config_from_hf(hf: Dict[str, Any], name: str = "") -> ModelConfig:
+    """A ModelConfig from a Llama-like config.json, refusing what kvlab cannot run."""
+    _check_architecture(hf)
+    heads = _required(hf, "num_attention_heads")
+    theta, scaling = _rope_settings(hf)
+    return ModelConfig(
+        dim=_required(hf, "hidden_size"),
+        hidden_dim=_required(hf, "intermediate_size"),
+        n_layers=_required(hf, "num_hidden_layers"),
+        n_heads=heads,
+        n_kv_heads=hf.get("num_key_value_heads") or heads,
+        vocab_size=_required(hf, "vocab_size"),
+        max_seq_len=hf.get("max_position_embeddings", 2048),  # transformers' Llama default
+        head_dim=hf.get("head_dim") or 0,                     # 0: ModelConfig uses dim // n_heads
+        norm_eps=hf.get("rms_norm_eps", 1e-6),                # transformers' Llama default
+        rope_theta=theta,
+        rope_interleaved=False,  # HF stores q/k for the rotate-half layout
+        rope_scaling=scaling,
+        tied_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        name=name,
+    )
+
+
+def _check_architecture(hf: Dict[str, Any]) -> None:
+    model_type = hf.get("model_type")
+    if model_type not in _SUPPORTED_TYPES:
+        raise CheckpointError(f"model_type {model_type!r} is not supported; kvlab loads "
+                              f"Llama-like models ({', '.join(_SUPPORTED_TYPES)})")
+    window = hf.get("sliding_window")
+    # A window at least as long as the context never slides, so it changes nothing.
+    if window is not None and window < hf.get("max_position_embeddings", 2048):
+        raise CheckpointError(f"sliding-window attention (sliding_window={window}) is not supported")
+    for flag in ("attention_bias", "mlp_bias"):
+        if hf.get(flag):
+            raise CheckpointError(f"{flag}=true: kvlab's Llama has no bias terms")
+    if hf.get("hidden_act", "silu") != "silu":
+        raise CheckpointError(f"hidden_act {hf['hidden_act']!r} is not supported (SwiGLU needs 'silu')")
+
+
+def _required(hf: Dict[str, Any], key: str) -> Any:
+    if key not in hf:
+        raise CheckpointError(f"config.json lacks {key!r}")
+    return hf[key]
+
+
+def _rope_settings(hf: Dict[str, Any]) -> Tuple[float, Optional[dict]]:
+    """(rope_theta, rope_scaling) from either config style.
+
+    transformers 4 writes rope_theta + rope_scaling; transformers 5 writes one
+    rope_parameters dict holding both.
+    """
+    params = hf.get("rope_parameters")
+    if isinstance(params, dict):
+        theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
+        scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+    else:
+        theta, scaling = hf.get("rope_theta", 10000.0), hf.get("rope_scaling")
+    partial = (scaling or {}).get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+    if partial != 1.0:
+        raise CheckpointError(f"partial rotary embeddings (factor {partial}) are not supported")
+    if not scaling or scaling.get("rope_type", scaling.get("type")) == "default":
+        scaling = None
+    return float(theta), scaling
+
+
+# ---------------------------------------------------------------------------------------
+# Loading
+# ---------------------------------------------------------------------------------------
+# kvlab name -> HF name ({i} = layer); the per-layer ones are stacked.
+_LAYER_NAMES = {
+    "attn_norm": "model.layers.{i}.input_layernorm.weight",
+    "wq": "model.layers.{i}.self_attn.q_proj.weight",
+    "wk": "model.layers.{i}.self_attn.k_proj.weight",
+    "wv": "model.layers.{i}.self_attn.v_proj.weight",
+    "wo": "model.layers.{i}.self_attn.o_proj.weight",
+    "ffn_norm": "model.layers.{i}.post_attention_layernorm.weight",
+    "w1": "model.layers.{i}.mlp.gate_proj.weight",
+    "w2": "model.layers.{i}.mlp.down_proj.weight",
+    "w3": "model.layers.{i}.mlp.up_proj.weight",
+}
+_GLOBAL_NAMES = {
+    "token_embedding": "model.embed_tokens.weight",
+    "final_norm": "model.norm.weight",
+    "classifier": "lm_head.weight",
+}
+
+
+def load_hf(folder: "str | os.PathLike[str]") -> Tuple[ModelConfig, Weights, Any]:
+    """(config, float32 weights, tokenizer or None) from a Hugging Face model folder."""
+    folder = Path(folder)
+    hf = _read_config_json(folder / "config.json")
+    tensors = _tensor_index(folder)
+    _reject_biases(tensors)
+    tied = bool(hf.get("tie_word_embeddings", False)) or _GLOBAL_NAMES["classifier"] not in tensors
+    config = config_from_hf(hf, name=folder.name).replace(tied_embeddings=tied)
+    weights = _gather_weights(config, tensors)
+    return config, weights, _folder_tokenizer(folder)
+
+
+def _read_config_json(path: Path) -> Dict[str, Any]:
+    if not path.is_file():
+        raise CheckpointError(f"no config.json in {path.parent}")
+    try:
+        hf = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"cannot read {path}: {exc}") from None
+    if not isinstance(hf, dict):
+        raise CheckpointError(f"{path} must hold a JSON object")
+    return hf
+
+
+def _tensor_index(folder: Path) -> Dict[str, TensorInfo]:
+    """Every tensor of the checkpoint, across shards, by name."""
+    files = _safetensors_files(folder)
+    tensors: Dict[str, TensorInfo] = {}
+    for path in files:
+        for name, info in read_safetensors_header(path).items():
+            if name in tensors:
+                raise CheckpointError(f"tensor {name!r} appears in both "
+                                      f"{tensors[name].path.name} and {path.name}")
+            tensors[name] = info
+    return tensors
+
+
+def _safetensors_files(folder: Path) -> List[Path]:
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = _read_config_json(index).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise CheckpointError(f"{index} has no weight_map object")
+        files = [folder / name for name in sorted(set(weight_map.values()))]
+    else:
+        files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"no *.safetensors files in {folder}")
+    for path in files:
+        if not path.is_file():
+            raise CheckpointError(f"checkpoint shard not found: {path}")
+    return files
+
+
+def _reject_biases(tensors: Dict[str, TensorInfo]) -> None:
+    biases = [name for name in tensors if name.startswith("model.layers.") and name.endswith(".bias")]
+    if biases:
+        raise CheckpointError(f"checkpoint has bias tensors (e.g. {biases[0]}); "
+                              "kvlab's Llama has no bias terms")
+
+
+def _gather_weights(config: ModelConfig, tensors: Dict[str, TensorInfo]) -> Weights:
+    expected = Weights.expected_shapes(config)
+    arrays: Dict[str, np.ndarray] = {}
+    for key, hf_name in _GLOBAL_NAMES.items():
+        if key == "classifier" and config.tied_embeddings:
+            continue
+        arrays[key] = _read_named(tensors, hf_name, expected[key])
+    for key, pattern in _LAYER_NAMES.items():
+        stacked = np.empty(expected[key], dtype=np.float32)  # filled layer by layer
+        for i in range(config.n_layers):
+            stacked[i] = _read_named(tensors, pattern.format(i=i), expected[key][1:])
+        arrays[key] = stacked
+    if config.tied_embeddings:
+        arrays["classifier"] = arrays["token_embedding"]  # one array, two names
+    weights = Weights(**arrays)
+    weights.check(config)
+    return weights
+
+
+def _read_named(tensors: Dict[str, TensorInfo], name: str, shape: Tuple[int, ...]) -> np.ndarray:
+    info = tensors.get(name)
+    if info is None:
+        raise CheckpointError(f"checkpoint lacks tensor {name!r}")
+    if info.shape != tuple(shape):
+        raise CheckpointError(f"tensor {name!r} has shape {list(info.shape)}, "
+                              f"config.json implies {list(shape)}")
+    return read_tensor(info)
+
+
+def _folder_tokenizer(folder: Path) -> Any:
+    """HFTokenizer for folder/tokenizer.json when the `tokenizers` package is there."""
+    path = folder / "tokenizer.json"
+    if not path.is_file():
+        return None
+    try:
+        import tokenizers  # noqa: F401  (only asking whether it is installed)
+    except ImportError:
+        return None
+    from ..tokenizer import HFTokenizer
+    return HFTokenizer(path)
+
+
+# ---------------------------------------------------------------------------------------
+# Saving
+# ---------------------------------------------------------------------------------------
+_DTYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16",
+           "f32": "F32", "f16": "F16", "bf16": "BF16"}
+
+
+def save_hf_llama(folder: "str | os.PathLike[str]", config: ModelConfig, weights: Weights,
+                  dtype: str = "float32") -> None:
+    """Write config.json + model.safetensors that transformers' LlamaForCausalLM can load.
+
+    HF checkpoints expect the rotate-half RoPE layout. If `config.rope_interleaved` is
+    True (llama2.c, GGUF), the rows of wq and wk are permuted so that the saved model
+    computes exactly the same function; loading it back gives rope_interleaved=False.
+    """
+    if dtype not in _DTYPES:
+        raise CheckpointError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+    weights.check(config)
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(config_to_hf(config, dtype), indent=2) + "\n",
+                                        encoding="utf-8")
+    write_safetensors(folder / "model.safetensors", _hf_tensors(config, weights), _DTYPES[dtype])
+
+
+def config_to_hf(config: ModelConfig, dtype: str = "float32") -> Dict[str, Any]:
+    """config.json contents (transformers 4 style, which transformers 5 also reads)."""
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": config.dim,
+        "intermediate_size": config.hidden_dim,
+        "num_hidden_layers": config.n_layers,
+        "num_attention_heads": config.n_heads,
+        "num_key_value_heads": config.n_kv_heads,
+        "head_dim": config.head_dim,
+        "vocab_size": config.vocab_size,
+        "max_position_embeddings": config.max_seq_len,
+        "rms_norm_eps": config.norm_eps,
+        "rope_theta": config.rope_theta,
+        "rope_scaling": config.rope_scaling,
+        "tie_word_embeddings": config.tied_embeddings,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "mlp_bias": False,
+        "torch_dtype": {"f32": "float32", "f16": "float16", "bf16": "bfloat16"}.get(dtype, dtype),
+    }
+
+
+def _hf_tensors(config: ModelConfig, weights: Weights) -> Dict[str, np.ndarray]:
+    tensors = {_GLOBAL_NAMES["token_embedding"]: weights.token_embedding}
+    for key, pattern in _LAYER_NAMES.items():
+        stacked = getattr(weights, key)
+        if config.rope_interleaved and key in ("wq", "wk"):
+            stacked = interleaved_to_half(stacked, config.head_dim)
+        for i in range(config.n_layers):
+            tensors[pattern.format(i=i)] = stacked[i]
+    tensors[_GLOBAL_NAMES["final_norm"]] = weights.final_norm
+    if not config.tied_embeddings:
+        tensors[_GLOBAL_NAMES["classifier"]] = weights.classifier
+    return tensors
+
+
+def interleaved_to_half(w: np.ndarray, head_dim: int) -> np.ndarray:
+    """Reorder q/k output rows from interleaved RoPE pairs to rotate-half pairs.
+
+    Interleaved rotates rows (2i, 2i+1) of each head together; rotate-half rotates
+    rows (i, i + head_dim/2). Putting a head's even rows first and odd rows second
+    turns one into the other. Works on (..., n_heads * head_dim, in_features).
+    """
+    *lead, rows, cols = w.shape
+    heads = w.reshape(*lead, rows // head_dim, head_dim // 2, 2, cols)
+    return np.ascontiguousarray(np.swapaxes(heads, -3, -2)).reshape(w.shape)
+
+
+def half_to_interleaved(w: np.ndarray, head_dim: int) -> np.ndarray:
+    """The inverse of interleaved_to_half."""
+    *lead, rows, cols = w.shape
+    heads = w.reshape(*lead, rows // head_dim, 2, head_dim // 2, cols)
+    return np.ascontiguousarray(np.swapaxes(heads, -3, -2)).reshape(w.shape)

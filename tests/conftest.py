@@ -1,0 +1,74 @@
+"""Shared pytest fixtures: where the small real checkpoints live.
+
+The checkpoints sit outside the repository in ../shared/models (see its README.md) and
+are never copied in. Tests that need them take the `shared_models` fixture, which skips
+the test cleanly where the folder is absent. Set KVLAB_SHARED to point elsewhere: either
+at a `shared` folder holding `models/`, or at the models folder itself.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def find_shared_models() -> Path:
+    override = os.environ.get("KVLAB_SHARED")
+    if override:
+        base = Path(override).expanduser()
+        return base / "models" if (base / "models").is_dir() else base
+    return REPO_ROOT.parent / "shared" / "models"
+
+
+@pytest.fixture(scope="session")
+def shared_models() -> Path:
+    path = find_shared_models()
+    if not path.is_dir():
+        pytest.skip(f"shared test models not found at {path} (set KVLAB_SHARED)")
+    return path
+
+
+# ---- golden stories260K tokenization and greedy output (from ../shared/models/README.md) ----
+class Golden:
+    prompt = "Once upon a time"
+    prompt_ids = [1, 403, 407, 261, 378]
+    # Greedy ids for positions 1..127 (the first four are the forced prompt ids).
+    ids = [int(t) for t in """
+    403 407 261 378 432 383 286 261 376 298 315 421 395 317 426 338 401 396 267 337 410 408 419
+    292 411 322 265 282 295 433 426 385 328 432 358 394 261 370 432 352 266 268 388 426 338 391
+    266 267 337 335 312 432 398 312 286 267 414 270 333 415 426 13 438 310 439 419 357 336 432
+    313 438 310 432 278 316 439 419 298 414 267 265 282 295 433 426 436 317 286 296 418 269 279
+    292 416 439 413 409 416 327 263 415 294 267 400 426 338 336 432 313 442 391 267 337 335 364
+    420 268 388 432 398 359 280 303 439 413 272 417 264""".split()]
+    text = ("Once upon a time, there was a little girl named Lily. She loved to play outside in "
+            "the park. One day, she saw a big, red ball. She wanted to play with it, but it was "
+            "too high.\nLily's mom said, \"Lily, let's go to the park.\" Lily was sad and didn't "
+            "know what to do. She said, \"I want to play with your ball, but I can't find")
+
+
+@pytest.fixture(scope="session")
+def golden() -> type:
+    return Golden
+
+
+# ---- a tiny tokenizer.json, built with the tokenizers package itself --------------------------
+@pytest.fixture
+def write_tokenizer_json():
+    """Factory: write a 5-token word-level tokenizer.json into a folder, return its path."""
+    tokenizers = pytest.importorskip("tokenizers")
+
+    def write(folder: Path) -> Path:
+        vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, "hello": 3, "world": 4}
+        tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<unk>"))
+        tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+        tok.decoder = tokenizers.decoders.WordPiece()  # joins words with spaces
+        tok.add_special_tokens(["<s>", "</s>"])
+        folder.mkdir(parents=True, exist_ok=True)
+        path = folder / "tokenizer.json"
+        tok.save(str(path))
+        return path
+
+    return write

@@ -1,0 +1,42 @@
+"""The `kvlab` command line, called in-process through kvlab.cli.main."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from kvlab import cli
+
+
+def test_demo_reports_identical_text_and_a_speedup(capsys, tmp_path):
+    out_json = tmp_path / "demo.json"
+    assert cli.main(["demo", "--max-new-tokens", "40", "--quiet", "--json", str(out_json)]) == 0
+    printed = capsys.readouterr().out
+    assert "identical text:   yes" in printed
+    assert "speedup:" in printed and "per token" in printed
+    result = json.loads(out_json.read_text())
+    assert result["identical"] is True and result["speedup"] > 0
+
+
+def test_generate_and_info(capsys):
+    assert cli.main(["generate", "--prompt", "KING:", "--max-new-tokens", "20"]) == 0
+    assert capsys.readouterr().out.startswith("KING:")
+    assert cli.main(["info"]) == 0
+    assert "parameters" in capsys.readouterr().out
+
+
+def test_missing_checkpoint_is_a_clean_error(capsys, tmp_path):
+    assert cli.main(["info", "--model", str(tmp_path / "nope.bin")]) == 2
+    assert "error" in capsys.readouterr().err
+
+
+def test_python_dash_m_works_outside_the_source_tree(tmp_path):
+    result = subprocess.run([sys.executable, "-m", "kvlab", "info"], cwd=tmp_path,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "Model(" in result.stdout
+
+
+def test_bad_arguments_exit_with_usage():
+    with pytest.raises(SystemExit):
+        cli.main(["generate"])          # --prompt is required

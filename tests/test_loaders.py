@@ -1,0 +1,481 @@
+"""Tests of kvlab.loaders: llama2.c .bin (legacy, v1), Hugging Face safetensors, GGUF.
+
+Real checkpoints come from ../shared/models (skipped when absent); corrupt ones are made
+in tmp_path. kvlab.reference (the NumPy forward pass) checks that loaded weights *compute*
+the right thing (golden greedy ids, RoPE layouts), not only that they have the right shapes.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+import struct
+import sys
+import tracemalloc
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from kvlab.config import ModelConfig
+from kvlab.reference import forward
+from kvlab.errors import CheckpointError, ConfigError, TokenizerError
+from kvlab.loaders import load_checkpoint, save_hf_llama, save_llama2c_v1
+from kvlab.loaders.huggingface import (float32_to_bf16_bits, half_to_interleaved,
+                                       interleaved_to_half, write_safetensors)
+from kvlab.loaders.llama2c import load_llama2c
+from kvlab.tokenizer import ByteTokenizer, SentencePieceBPE
+from kvlab.weights import Weights
+
+WEIGHT_NAMES = [name for name in Weights.expected_shapes(ModelConfig(8, 8, 1, 2, 2, 8, 8))]
+SMALL = ModelConfig(dim=32, hidden_dim=48, n_layers=2, n_heads=4, n_kv_heads=2,
+                    vocab_size=40, max_seq_len=16)
+
+
+# ---- fixtures --------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def stories(shared_models: Path) -> Path:
+    return shared_models / "stories260K"
+
+
+@pytest.fixture(scope="module")
+def legacy(stories: Path):
+    return load_checkpoint(stories / "stories260K.bin")
+
+
+def assert_same_weights(a: Weights, b: Weights) -> None:
+    for name in WEIGHT_NAMES:
+        x, y = getattr(a, name), getattr(b, name)
+        assert x.dtype == y.dtype == np.float32 and x.shape == y.shape, name
+        assert x.tobytes() == y.tobytes(), f"{name} differs"
+
+
+def is_memory_mapped(array: np.ndarray, path: Path) -> bool:
+    base = array
+    while base is not None and not isinstance(base, np.memmap):
+        base = base.base
+    return base is not None and Path(base.filename) == path.resolve()
+
+
+# ---- stories260K: three formats, one model -------------------------------------------------------
+def test_stories_config_matches_readme(legacy, golden) -> None:
+    config, weights, tokenizer = legacy
+    assert (config.dim, config.hidden_dim, config.n_layers, config.n_heads, config.n_kv_heads,
+            config.vocab_size, config.max_seq_len, config.head_dim) == (64, 172, 5, 8, 4, 512, 512, 8)
+    assert config.tied_embeddings and config.rope_interleaved
+    assert (config.norm_eps, config.rope_theta) == (1e-5, 10000.0)
+    assert weights.classifier is weights.token_embedding
+    assert config.n_params() == 260_032
+    # tok512.bin next to the .bin was found by its name.
+    assert isinstance(tokenizer, SentencePieceBPE) and tokenizer.encode(golden.prompt) == golden.prompt_ids
+
+
+def test_v1_and_legacy_are_identical(legacy, stories: Path) -> None:
+    config, weights, _ = load_checkpoint(stories / "stories260K_v1.bin")
+    assert config.replace(name="x") == legacy[0].replace(name="x")
+    assert_same_weights(weights, legacy[1])
+
+
+def test_gguf_is_identical(legacy, stories: Path, golden) -> None:
+    pytest.importorskip("gguf")
+    config, weights, tokenizer = load_checkpoint(stories / "stories260K.gguf")
+    assert_same_weights(weights, legacy[1])
+    # The GGUF says context 2048 and stores output.weight as a separate copy.
+    assert config.replace(max_seq_len=512, tied_embeddings=True, name="") == legacy[0].replace(name="")
+    assert weights.classifier is not weights.token_embedding
+    assert tokenizer.encode(golden.prompt) == golden.prompt_ids
+
+
+@pytest.mark.parametrize("filename", ["stories260K.bin", "stories260K_v1.bin"])
+def test_llama2c_weights_are_memory_mapped(stories: Path, filename: str) -> None:
+    config, weights, _ = load_checkpoint(stories / filename)
+    for name, array in weights.items():
+        assert is_memory_mapped(array, stories / filename), name
+        assert not array.flags.writeable and array.flags.c_contiguous
+    assert not np.shares_memory(weights.wq, weights.wk)
+
+
+def test_golden_greedy_ids(legacy, stories: Path, golden) -> None:
+    """Teacher forcing over the golden sequence: each greedy pick is the argmax."""
+    sequence = [1] + golden.ids
+    prompt = len(golden.prompt_ids)
+    for config, weights in [legacy[:2], load_checkpoint(stories / "stories260K_v1.bin")[:2]]:
+        predicted = forward(config, weights, sequence[:-1]).argmax(-1)
+        assert predicted[prompt - 1:].tolist() == sequence[prompt:]
+
+
+# ---- llama2.c: corrupt files --------------------------------------------------------------------
+def copy_bytes(stories: Path, name: str) -> bytearray:
+    return bytearray((stories / name).read_bytes())
+
+
+def load_bad(path: Path, data: bytes, match: str) -> str:
+    """Write `data`, load it, expect CheckpointError matching `match` with little memory."""
+    path.write_bytes(bytes(data))
+    tracemalloc.start()
+    try:
+        with pytest.raises(CheckpointError, match=match) as info:
+            load_checkpoint(path)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 8 * 1024 * 1024, f"peak allocation {peak} bytes"
+    return str(info.value)
+
+
+@pytest.mark.parametrize("name", ["stories260K.bin", "stories260K_v1.bin"])
+def test_truncated_checkpoint(stories: Path, tmp_path: Path, name: str) -> None:
+    data = copy_bytes(stories, name)
+    message = load_bad(tmp_path / "cut.bin", data[:-100], "truncated")
+    assert f"{len(data):,}" in message and f"{len(data) - 100:,}" in message
+    load_bad(tmp_path / "tiny.bin", data[:20], "too short|truncated")
+
+
+@pytest.mark.parametrize("name", ["stories260K.bin", "stories260K_v1.bin"])
+def test_trailing_garbage(stories: Path, tmp_path: Path, name: str) -> None:
+    data = copy_bytes(stories, name)
+    load_bad(tmp_path / "long.bin", data + b"\0" * 12, "12 unexpected bytes")
+
+
+def test_wrong_magic(stories: Path, tmp_path: Path) -> None:
+    data = copy_bytes(stories, "stories260K_v1.bin")
+    data[:4] = b"XXXX"
+    message = load_bad(tmp_path / "magic.bin", data, "implausible")
+    assert "magic" in message
+
+
+def test_unsupported_version(stories: Path, tmp_path: Path) -> None:
+    data = copy_bytes(stories, "stories260K_v1.bin")
+    data[4:8] = struct.pack("<i", 2)
+    load_bad(tmp_path / "v2.bin", data, "unsupported llama2.c checkpoint version 2")
+
+
+@pytest.mark.parametrize("field, value", [(0, 2**30), (0, 0), (2, -3), (6, 2**31 - 1),
+                                          (1, 2**30), (5, 2**30)])
+def test_absurd_header_values(stories: Path, tmp_path: Path, field: int, value: int) -> None:
+    data = copy_bytes(stories, "stories260K.bin")
+    data[4 * field:4 * field + 4] = struct.pack("<i", value)
+    load_bad(tmp_path / "absurd.bin", data, "implausible")
+
+
+def test_plausible_but_huge_header(stories: Path, tmp_path: Path) -> None:
+    """Values within the limits but describing gigabytes: caught by the size check."""
+    data = copy_bytes(stories, "stories260K_v1.bin")
+    data[8:12] = struct.pack("<i", 8192)       # dim
+    data[28:32] = struct.pack("<i", 1 << 20)   # max_seq_len
+    load_bad(tmp_path / "huge.bin", data, "truncated")
+
+
+def test_sizes_that_do_not_divide(stories: Path, tmp_path: Path) -> None:
+    data = copy_bytes(stories, "stories260K.bin")
+    data[16:20] = struct.pack("<i", 3)  # n_kv_heads = 3 does not divide n_heads = 8
+    (tmp_path / "gqa.bin").write_bytes(bytes(data))
+    with pytest.raises(ConfigError, match="n_kv_heads"):
+        load_checkpoint(tmp_path / "gqa.bin")
+
+
+def test_missing_paths(tmp_path: Path) -> None:
+    with pytest.raises(CheckpointError, match="not found.*absent.bin"):
+        load_checkpoint(tmp_path / "absent.bin")
+    with pytest.raises(CheckpointError, match="without config.json"):
+        load_checkpoint(tmp_path)
+
+
+# ---- llama2.c: writing --------------------------------------------------------------------------
+@pytest.mark.parametrize("tied", [True, False])
+def test_save_llama2c_v1_round_trip(tmp_path: Path, tied: bool) -> None:
+    config = SMALL.replace(tied_embeddings=tied, name="small")
+    weights = Weights.random(config, seed=3)
+    path = tmp_path / "small.bin"
+    save_llama2c_v1(path, config, weights)
+    loaded_config, loaded, tokenizer = load_checkpoint(path)
+    assert loaded_config == config and tokenizer is None
+    assert_same_weights(loaded, weights)
+    assert (loaded.classifier is loaded.token_embedding) == tied
+    assert not path.with_suffix(".json").exists()  # default settings need no sidecar
+
+
+def test_sidecar_settings_and_tokenizer(tmp_path: Path) -> None:
+    config = SMALL.replace(norm_eps=1e-6, rope_theta=500000.0, name="chars")
+    save_llama2c_v1(tmp_path / "chars.bin", config, Weights.random(config))
+    sidecar = json.loads((tmp_path / "chars.json").read_text())
+    assert sidecar["norm_eps"] == 1e-6 and sidecar["rope_theta"] == 500000.0
+    loaded_config, _, tokenizer = load_checkpoint(tmp_path / "chars.bin")
+    assert loaded_config == config and tokenizer is None
+    sidecar["tokenizer"] = "bytes"
+    (tmp_path / "chars.json").write_text(json.dumps(sidecar))
+    config256 = config.replace(vocab_size=256)
+    save_llama2c_v1(tmp_path / "chars.bin", config256, Weights.random(config256))
+    _, _, tokenizer = load_checkpoint(tmp_path / "chars.bin")
+    assert isinstance(tokenizer, ByteTokenizer)
+    assert json.loads((tmp_path / "chars.json").read_text())["tokenizer"] == "bytes"  # kept
+
+
+def test_tokenizer_path_and_discovery(stories: Path, tmp_path: Path, golden) -> None:
+    config = SMALL.replace(vocab_size=512)
+    save_llama2c_v1(tmp_path / "m.bin", config, Weights.random(config))
+    assert load_checkpoint(tmp_path / "m.bin")[2] is None
+    tok = load_checkpoint(tmp_path / "m.bin", tokenizer_path=stories / "tok512.bin")[2]
+    assert tok.encode(golden.prompt) == golden.prompt_ids
+    shutil.copy(stories / "tok512.bin", tmp_path / "tokenizer.bin")
+    assert load_checkpoint(tmp_path / "m.bin")[2].vocab_size == 512
+
+
+def test_tokenizer_of_another_model_is_refused(stories: Path, tmp_path: Path,
+                                               write_tokenizer_json) -> None:
+    config = SMALL.replace(vocab_size=100)
+    save_llama2c_v1(tmp_path / "m.bin", config, Weights.random(config))
+    # Read as a 100-token vocabulary, the 512-token file has bytes left over.
+    with pytest.raises(TokenizerError, match="different vocabulary size"):
+        load_checkpoint(tmp_path / "m.bin", tokenizer_path=stories / "tok512.bin")
+    # A tokenizer.json with more tokens than the model has embedding rows.
+    tiny = SMALL.replace(vocab_size=4, rope_interleaved=False)
+    save_hf_llama(tmp_path / "hf", tiny, Weights.random(tiny))
+    write_tokenizer_json(tmp_path / "hf")  # 5 tokens
+    with pytest.raises(CheckpointError, match="do not belong together"):
+        load_checkpoint(tmp_path / "hf")
+
+
+# ---- Hugging Face ----------------------------------------------------------------------------------
+def raw_bf16(path: Path, name: str) -> np.ndarray:
+    """One BF16 tensor decoded independently of the loader, for comparison."""
+    header_len = struct.unpack("<Q", path.read_bytes()[:8])[0]
+    entry = json.loads(path.read_bytes()[8:8 + header_len])[name]
+    begin, end = entry["data_offsets"]
+    bits = np.frombuffer(path.read_bytes()[8 + header_len + begin:8 + header_len + end], "<u2")
+    return (bits.astype(np.uint32) << 16).view(np.float32).reshape(entry["shape"])
+
+
+def test_hf_mlxd_llama3(shared_models: Path) -> None:
+    folder = shared_models / "mlxd-tiny-llama3-random"
+    config, weights, tokenizer = load_checkpoint(folder)
+    assert (config.dim, config.hidden_dim, config.n_layers, config.n_heads, config.n_kv_heads,
+            config.head_dim, config.vocab_size, config.max_seq_len) == (64, 128, 2, 4, 2, 16, 256, 512)
+    assert config.rope_scaling["rope_type"] == "llama3" and config.rope_scaling["factor"] == 8.0
+    assert (config.rope_theta, config.norm_eps, config.rope_interleaved) == (500000.0, 1e-6, False)
+    assert not config.tied_embeddings and weights.classifier is not weights.token_embedding
+    assert tokenizer is None
+    weights.check(config)
+    st = folder / "model.safetensors"
+    assert np.array_equal(weights.wk[1], raw_bf16(st, "model.layers.1.self_attn.k_proj.weight"))
+    assert np.array_equal(weights.classifier, raw_bf16(st, "lm_head.weight"))
+    assert np.all(weights.final_norm == 1.0)
+
+
+def test_hf_bf16_matches_torch(shared_models: Path) -> None:
+    torch_st = pytest.importorskip("safetensors.torch")
+    folder = shared_models / "mlxd-tiny-llama3-random"
+    _, weights, _ = load_checkpoint(folder)
+    state = torch_st.load_file(str(folder / "model.safetensors"))
+    assert np.array_equal(weights.w2[0], state["model.layers.0.mlp.down_proj.weight"].float().numpy())
+    assert np.array_equal(weights.token_embedding, state["model.embed_tokens.weight"].float().numpy())
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("tied", [False, True])
+def test_save_hf_round_trip(tmp_path: Path, dtype: str, tied: bool) -> None:
+    config = SMALL.replace(rope_interleaved=False, tied_embeddings=tied, name="rt",
+                           rope_scaling={"rope_type": "llama3", "factor": 8.0})
+    weights = Weights.random(config, seed=1)
+    save_hf_llama(tmp_path / "rt", config, weights, dtype=dtype)
+    loaded_config, loaded, _ = load_checkpoint(tmp_path / "rt")
+    assert loaded_config == config
+    assert (loaded.classifier is loaded.token_embedding) == tied
+    for name in WEIGHT_NAMES:
+        original, got = getattr(weights, name), getattr(loaded, name)
+        assert got.dtype == np.float32 and got.flags.c_contiguous
+        if dtype == "float32":
+            assert np.array_equal(got, original)
+        elif dtype == "float16":
+            assert np.array_equal(got, original.astype(np.float16).astype(np.float32))
+        else:  # bfloat16 keeps 8 bits of mantissa, rounded to nearest
+            assert np.all(got.view(np.uint32) & 0xFFFF == 0)
+            assert np.all(np.abs(got - original) <= np.abs(original) * 2.0**-8)
+
+
+def test_bf16_rounding_matches_torch() -> None:
+    torch = pytest.importorskip("torch")
+    values = np.random.default_rng(0).standard_normal(10_000).astype(np.float32) * 10
+    values[:4] = [np.inf, -np.inf, 0.0, -0.0]
+    ours = float32_to_bf16_bits(values)
+    theirs = torch.from_numpy(values).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+    assert np.array_equal(ours, theirs)
+    assert float32_to_bf16_bits(np.array([np.nan], np.float32))[0] == 0x7FC0
+
+
+def test_interleaved_export_is_the_same_model(legacy, tmp_path: Path, golden) -> None:
+    """Saving an interleaved-RoPE model as HF permutes q/k rows; the logits must not change."""
+    config, weights, _ = legacy
+    save_hf_llama(tmp_path / "hf", config, weights)
+    hf_config, hf_weights, _ = load_checkpoint(tmp_path / "hf")
+    assert not hf_config.rope_interleaved
+    assert not np.array_equal(hf_weights.wq, weights.wq)
+    assert np.array_equal(half_to_interleaved(hf_weights.wq, config.head_dim), weights.wq)
+    tokens = [1] + golden.ids[:20]
+    assert np.allclose(forward(hf_config, hf_weights, tokens), forward(config, weights, tokens),
+                       atol=1e-5)
+
+
+def test_permutation_helpers_are_inverse() -> None:
+    w = np.arange(2 * 16 * 3, dtype=np.float32).reshape(2, 16, 3)
+    half = interleaved_to_half(w, head_dim=8)
+    assert half[0, :8, 0].tolist() == w[0, [0, 2, 4, 6, 1, 3, 5, 7], 0].tolist()
+    assert np.array_equal(half_to_interleaved(half, head_dim=8), w)
+
+
+def test_transformers_agrees(shared_models: Path, legacy, tmp_path: Path) -> None:
+    """transformers' own Llama on our files gives our oracle's logits (layouts, RoPE, llama3)."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    config, weights, _ = legacy
+    save_hf_llama(tmp_path / "stories", config, weights)
+    for folder in (shared_models / "mlxd-tiny-llama3-random", tmp_path / "stories"):
+        cfg, w, _ = load_checkpoint(folder)
+        model = transformers.LlamaForCausalLM.from_pretrained(str(folder), attn_implementation="eager")
+        tokens = [1, 5, 9, 200, 3, 77, 42]
+        with torch.no_grad():
+            theirs = model.float()(torch.tensor([tokens])).logits[0].double().numpy()
+        assert np.allclose(forward(cfg, w, tokens), theirs, atol=2e-4), folder.name
+
+
+def write_tiny_hf(folder: Path, **config_changes) -> Path:
+    config = SMALL.replace(rope_interleaved=False)
+    save_hf_llama(folder, config, Weights.random(config))
+    if config_changes:
+        hf = json.loads((folder / "config.json").read_text())
+        hf.update(config_changes)
+        (folder / "config.json").write_text(json.dumps(hf))
+    return folder / "model.safetensors"
+
+
+def test_corrupt_safetensors(tmp_path: Path) -> None:
+    st = write_tiny_hf(tmp_path / "m")
+    data = bytearray(st.read_bytes())
+    header_len = struct.unpack("<Q", data[:8])[0]
+    header = json.loads(data[8:8 + header_len])
+
+    def broken(raw: bytes, match: str) -> None:
+        st.write_bytes(raw)
+        with pytest.raises(CheckpointError, match=match):
+            load_checkpoint(tmp_path / "m")
+
+    broken(struct.pack("<Q", len(data) * 10) + data[8:], "past the end of the file")
+    broken(data[:5], "too short")
+    broken(struct.pack("<Q", 4) + b"{{{{" + data[12:], "not valid JSON")
+    name = "model.layers.0.self_attn.q_proj.weight"
+    for offsets, match in [([0, len(data) * 2], "past the end"), ([0, 12], "needs"),
+                           ([8, 4], "begin <= end"), ([-4, 12], "begin <= end")]:
+        bad = json.loads(json.dumps(header))
+        bad[name]["data_offsets"] = offsets
+        text = json.dumps(bad).encode()
+        broken(struct.pack("<Q", len(text)) + text + data[8 + header_len:], match)
+    bad = json.loads(json.dumps(header))
+    bad[name]["dtype"] = "Q4"
+    text = json.dumps(bad).encode()
+    broken(struct.pack("<Q", len(text)) + text + data[8 + header_len:], "unknown dtype")
+    del bad[name]
+    bad.pop("__metadata__")
+    text = json.dumps(bad).encode()
+    broken(struct.pack("<Q", len(text)) + text + data[8 + header_len:], "lacks tensor")
+    broken(data[:-10], "past the end")
+
+
+def test_unsupported_hf_models(tmp_path: Path) -> None:
+    cases = {"qwen": dict(model_type="qwen2"), "bias": dict(attention_bias=True),
+             "mlpbias": dict(mlp_bias=True), "gelu": dict(hidden_act="gelu"),
+             "window": dict(model_type="mistral", sliding_window=4),
+             "scaling": dict(rope_scaling={"rope_type": "yarn", "factor": 4.0})}
+    for name, change in cases.items():
+        write_tiny_hf(tmp_path / name, **change)
+        with pytest.raises((CheckpointError, ConfigError)):
+            load_checkpoint(tmp_path / name)
+    write_tiny_hf(tmp_path / "mistral", model_type="mistral", sliding_window=None)
+    assert load_checkpoint(tmp_path / "mistral")[0].dim == SMALL.dim
+
+
+def test_hf_transformers5_rope_parameters(tmp_path: Path) -> None:
+    write_tiny_hf(tmp_path / "v5", rope_theta=None, rope_scaling=None,
+                  rope_parameters={"rope_type": "default", "rope_theta": 1234.0})
+    config = load_checkpoint(tmp_path / "v5")[0]
+    assert config.rope_theta == 1234.0 and config.rope_scaling is None
+
+
+def test_hf_sharded(tmp_path: Path) -> None:
+    config = SMALL.replace(rope_interleaved=False, tied_embeddings=False)
+    weights = Weights.random(config, seed=7)
+    save_hf_llama(tmp_path / "one", config, weights)
+    folder = tmp_path / "sharded"
+    folder.mkdir()
+    shutil.copy(tmp_path / "one" / "config.json", folder / "config.json")
+    from kvlab.loaders.huggingface import _hf_tensors
+    tensors = _hf_tensors(config, weights)
+    names = list(tensors)
+    shards = {"a.safetensors": names[::2], "b.safetensors": names[1::2]}
+    for shard, shard_names in shards.items():
+        write_safetensors(folder / shard, {n: tensors[n] for n in shard_names})
+    weight_map = {n: shard for shard, shard_names in shards.items() for n in shard_names}
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    assert_same_weights(load_checkpoint(folder)[1], weights)
+
+
+def test_hf_folder_tokenizer_needs_the_package(tmp_path: Path, write_tokenizer_json,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    write_tiny_hf(tmp_path / "m")
+    write_tokenizer_json(tmp_path / "m")
+    monkeypatch.setitem(sys.modules, "tokenizers", None)
+    assert load_checkpoint(tmp_path / "m")[2] is None  # weights still load
+
+
+def test_hf_tokenizer_in_folder(tmp_path: Path, write_tokenizer_json) -> None:
+    write_tiny_hf(tmp_path / "m")
+    write_tokenizer_json(tmp_path / "m")
+    tokenizer = load_checkpoint(tmp_path / "m")[2]
+    assert tokenizer.encode("hello world") == [1, 3, 4]
+
+
+# ---- GGUF --------------------------------------------------------------------------------------------
+def test_gguf_llama2_tiny_random(shared_models: Path) -> None:
+    gguf = pytest.importorskip("gguf")
+    path = shared_models / "llama2-tiny-random-gguf" / "llama-2-tiny-random.gguf"
+    config, weights, tokenizer = load_checkpoint(path)
+    assert (config.dim, config.hidden_dim, config.n_layers, config.n_heads, config.n_kv_heads,
+            config.head_dim, config.vocab_size, config.max_seq_len) == (8, 32, 1, 2, 2, 4, 32000, 4096)
+    assert not config.tied_embeddings and config.rope_interleaved
+    weights.check(config)
+    reader = gguf.GGUFReader(path)
+    raw = {t.name: t for t in reader.tensors}
+    ffn_down = raw["blk.0.ffn_down.weight"]
+    assert ffn_down.tensor_type.name == "F16"
+    assert [int(n) for n in ffn_down.shape] == [32, 8]  # ne: fastest dimension first
+    assert weights.w2.shape == (1, 8, 32)                 # NumPy: (out, in) = reversed ne
+    assert np.array_equal(weights.w2[0], np.asarray(ffn_down.data, np.float16)
+                          .reshape(8, 32).astype(np.float32))
+    assert tokenizer.vocab_size == 32000
+    ids = tokenizer.encode("Hello world")
+    assert ids == [1, 15043, 3186]  # "▁Hello", "▁world" in the Llama 2 vocabulary
+    assert tokenizer.decode(ids) == "Hello world"
+
+
+def test_gguf_without_package(shared_models: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "gguf", None)
+    with pytest.raises(CheckpointError, match="pip install gguf"):
+        load_checkpoint(shared_models / "stories260K" / "stories260K.gguf")
+
+
+def test_gguf_corrupt(shared_models: Path, tmp_path: Path) -> None:
+    pytest.importorskip("gguf")
+    data = (shared_models / "stories260K" / "stories260K.gguf").read_bytes()
+    (tmp_path / "cut.gguf").write_bytes(data[:5000])
+    with pytest.raises(CheckpointError):
+        load_checkpoint(tmp_path / "cut.gguf")
+    (tmp_path / "model.bin").write_bytes(data)  # detected by magic, whatever the suffix
+    assert load_checkpoint(tmp_path / "model.bin")[0].dim == 64
+    with pytest.raises(CheckpointError, match="GGUF file"):
+        load_llama2c(tmp_path / "model.bin")
+
+
+def test_gguf_quantized_tensors_are_refused() -> None:
+    from kvlab.loaders.gguf import _read
+    fake = SimpleNamespace(tensor_type=SimpleNamespace(name="Q4_0"), shape=[8, 8], data=None)
+    with pytest.raises(CheckpointError, match="Q4_0"):
+        _read({"blk.0.attn_q.weight": fake}, "blk.0.attn_q.weight", (8, 8))
