@@ -1,7 +1,8 @@
 /* _kvlab.c: the Python binding of the kvlab core; the ONLY file that includes Python.h.
  *
- * It defines two types, Model (weights borrowed from NumPy arrays it keeps alive) and
- * KVCache (memory owned by the C core), plus thread-count functions. Every argument is
+ * It defines Model (weights borrowed from NumPy arrays it keeps alive), KVCache (a
+ * contiguous cache owned by the C core), PagedPool and PagedSequence (the paged cache and
+ * handles to its sequences), plus thread-count functions. Every argument is
  * checked here (dtype, shape, contiguity, ranges) before the core sees a pointer, the
  * GIL is released around forward passes, and each kv_status becomes a Python exception
  * from kvlab.errors. Nothing here does arithmetic: that is the core's job.
@@ -17,12 +18,18 @@
 static PyObject *CacheFullError;
 static PyObject *ConfigError;
 static PyObject *WeightsError;
+static PyObject *OutOfBlocks;
+static PyObject *OutOfSequences;
+static PyObject *PoolInvariantError;
 
 /* Raises the Python exception that matches a failed kv_status. */
 static PyObject *raise_status(kv_status status) {
     switch (status) {
         case KV_ERR_NOMEM: return PyErr_NoMemory();
-        case KV_ERR_CACHE_FULL: PyErr_SetString(CacheFullError, kv_strerror(status)); break;
+        case KV_ERR_CACHE_FULL:
+        case KV_ERR_TABLE_FULL: PyErr_SetString(CacheFullError, kv_strerror(status)); break;
+        case KV_ERR_OUT_OF_BLOCKS: PyErr_SetString(OutOfBlocks, kv_strerror(status)); break;
+        case KV_ERR_TOO_MANY_SEQUENCES: PyErr_SetString(OutOfSequences, kv_strerror(status)); break;
         default: PyErr_SetString(PyExc_ValueError, kv_strerror(status)); break;
     }
     return NULL;
@@ -205,6 +212,518 @@ static PyTypeObject CacheType = {
     .tp_repr = (reprfunc)cache_repr,
     .tp_methods = cache_methods,
     .tp_getset = cache_getset,
+};
+
+/* ============================== PagedPool ======================================== */
+
+typedef struct {
+    PyObject_HEAD
+    kv_pool pool;
+    int busy;  /* a forward pass is writing this pool with the GIL released */
+} PoolObject;
+
+typedef struct {
+    PyObject_HEAD
+    PoolObject *pool;   /* strong reference: a handle keeps its pool alive */
+    int seq;            /* slot in pool->seqs */
+    uint32_t serial;    /* the slot's serial when this handle was made */
+} SequenceObject;
+
+static PyTypeObject PoolType;
+static PyTypeObject SequenceType;
+
+static int pool_refuse_if_busy(PoolObject *self) {
+    if (self->busy) {
+        PyErr_SetString(PyExc_RuntimeError,
+                        "this PagedPool is in use by a forward pass in another thread; "
+                        "one thread at a time may use a pool");
+        return -1;
+    }
+    if (self->pool.data == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "PagedPool was not initialized");
+        return -1;
+    }
+    return 0;
+}
+
+static int pool_init(PoolObject *self, PyObject *args, PyObject *kwds) {
+    static char *kwlist[] = {"n_layers", "n_kv_heads", "head_dim", "num_blocks", "block_size",
+                             "max_seqs", "max_blocks_per_seq", "hash_bits", NULL};
+    int n_layers, n_kv_heads, head_dim, num_blocks, block_size, max_seqs = 256;
+    int max_blocks_per_seq = 0, hash_bits = 64;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "iiiii|iii", kwlist, &n_layers, &n_kv_heads,
+                                     &head_dim, &num_blocks, &block_size, &max_seqs,
+                                     &max_blocks_per_seq, &hash_bits))
+        return -1;
+    if (self->pool.data != NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "PagedPool is already initialized");
+        return -1;
+    }
+    if (block_size < 1 || block_size > 256) {
+        PyErr_Format(PyExc_ValueError, "block_size must be between 1 and 256, got %d", block_size);
+        return -1;
+    }
+    if (n_layers <= 0 || n_kv_heads <= 0 || head_dim <= 0 || num_blocks <= 0 || max_seqs <= 0 ||
+        max_blocks_per_seq < 0 || hash_bits < 1 || hash_bits > 64) {
+        PyErr_Format(PyExc_ValueError, "PagedPool sizes must be positive (num_blocks=%d, "
+                     "max_seqs=%d, max_blocks_per_seq=%d, hash_bits=%d)", num_blocks, max_seqs,
+                     max_blocks_per_seq, hash_bits);
+        return -1;
+    }
+    if (max_blocks_per_seq == 0) max_blocks_per_seq = num_blocks;
+    kv_status status = kv_pool_init(&self->pool, n_layers, n_kv_heads, head_dim, num_blocks,
+                                    block_size, max_seqs, max_blocks_per_seq);
+    if (status != KV_OK) {
+        if (status == KV_ERR_INVALID_ARG)
+            PyErr_SetString(PyExc_ValueError, "PagedPool sizes are too large");
+        else
+            raise_status(status);
+        return -1;
+    }
+    if (hash_bits < 64) self->pool.hash_mask = ((uint64_t)1 << hash_bits) - 1;
+    return 0;
+}
+
+static void pool_dealloc(PoolObject *self) {
+    kv_pool_free(&self->pool);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+/* A read-only zero-copy view of pool memory; its base is the pool. */
+static PyObject *pool_view(PoolObject *self, void *data, int type, int ndim, npy_intp *dims) {
+    if (self->pool.data == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "PagedPool was not initialized");
+        return NULL;
+    }
+    PyObject *view = PyArray_New(&PyArray_Type, ndim, dims, type, NULL, data, 0,
+                                 NPY_ARRAY_C_CONTIGUOUS | NPY_ARRAY_ALIGNED, NULL);
+    if (view == NULL) return NULL;
+    Py_INCREF(self);
+    if (PyArray_SetBaseObject((PyArrayObject *)view, (PyObject *)self) < 0) {
+        Py_DECREF(view);
+        return NULL;
+    }
+    return view;
+}
+
+static PyObject *pool_get_data(PoolObject *self, void *closure) {
+    (void)closure;
+    const kv_pool *p = &self->pool;
+    npy_intp dims[6] = {p->num_blocks, p->n_layers, 2, p->block_size, p->n_kv_heads, p->head_dim};
+    return pool_view(self, p->data, NPY_FLOAT32, 6, dims);
+}
+
+static PyObject *pool_get_ref_counts(PoolObject *self, void *closure) {
+    (void)closure;
+    npy_intp dims[1] = {self->pool.num_blocks};
+    return pool_view(self, self->pool.ref_count, NPY_INT32, 1, dims);
+}
+
+static PyObject *pool_get_fill(PoolObject *self, void *closure) {
+    (void)closure;
+    npy_intp dims[1] = {self->pool.num_blocks};
+    return pool_view(self, self->pool.fill, NPY_INT32, 1, dims);
+}
+
+static PyObject *pool_get_block_tokens(PoolObject *self, void *closure) {
+    (void)closure;
+    npy_intp dims[2] = {self->pool.num_blocks, self->pool.block_size};
+    return pool_view(self, self->pool.tokens, NPY_INT32, 2, dims);
+}
+
+static PyObject *int_list(const int32_t *values, int n) {
+    PyObject *list = PyList_New(n);
+    if (list == NULL) return NULL;
+    for (int i = 0; i < n; i++) {
+        PyObject *item = PyLong_FromLong(values[i]);
+        if (item == NULL) {
+            Py_DECREF(list);
+            return NULL;
+        }
+        PyList_SET_ITEM(list, i, item);
+    }
+    return list;
+}
+
+static PyObject *pool_get_free_blocks(PoolObject *self, void *closure) {
+    (void)closure;
+    return int_list(self->pool.free_stack, self->pool.n_free);
+}
+
+static PyObject *pool_get_cached_blocks(PoolObject *self, void *closure) {
+    (void)closure;
+    PyObject *list = PyList_New(0);
+    if (list == NULL || self->pool.lru_next == NULL) return list;
+    for (int32_t b = self->pool.lru_head; b >= 0; b = self->pool.lru_next[b]) {
+        PyObject *item = PyLong_FromLong(b);
+        if (item == NULL || PyList_Append(list, item) < 0) {
+            Py_XDECREF(item);
+            Py_DECREF(list);
+            return NULL;
+        }
+        Py_DECREF(item);
+    }
+    return list;
+}
+
+#define POOL_INT_GETTER(name, expr)                                        \
+    static PyObject *pool_get_##name(PoolObject *self, void *closure) {    \
+        (void)closure;                                                     \
+        return PyLong_FromLongLong((long long)(expr));                     \
+    }
+POOL_INT_GETTER(num_blocks, self->pool.num_blocks)
+POOL_INT_GETTER(block_size, self->pool.block_size)
+POOL_INT_GETTER(max_seqs, self->pool.max_seqs)
+POOL_INT_GETTER(max_blocks_per_seq, self->pool.max_blocks_per_seq)
+POOL_INT_GETTER(nbytes, self->pool.data ? kv_pool_nbytes(&self->pool) : 0)
+
+static PyObject *new_handle(PoolObject *pool, int seq) {
+    SequenceObject *handle = PyObject_New(SequenceObject, &SequenceType);
+    if (handle == NULL) return NULL;
+    Py_INCREF(pool);
+    handle->pool = pool;
+    handle->seq = seq;
+    handle->serial = pool->pool.seqs[seq].serial;
+    return (PyObject *)handle;
+}
+
+/* The slot of a live sequence of this pool, or -1 with an exception set. */
+static int resolve_sequence(PoolObject *pool, PyObject *obj) {
+    if (!PyObject_TypeCheck(obj, &SequenceType)) {
+        PyErr_Format(PyExc_TypeError, "expected a PagedSequence, got %s", Py_TYPE(obj)->tp_name);
+        return -1;
+    }
+    SequenceObject *handle = (SequenceObject *)obj;
+    if (handle->pool != pool) {
+        PyErr_SetString(PyExc_ValueError, "this sequence belongs to another pool");
+        return -1;
+    }
+    const kv_seq *q = &pool->pool.seqs[handle->seq];
+    if (!q->alive || q->serial != handle->serial) {
+        PyErr_SetString(PyExc_ValueError, "this sequence was freed; it cannot be used any more");
+        return -1;
+    }
+    return handle->seq;
+}
+
+static PyObject *raise_pool_status(PoolObject *self, kv_status status, int n_tokens) {
+    const kv_pool *p = &self->pool;
+    if (status == KV_ERR_OUT_OF_BLOCKS) {
+        PyErr_Format(OutOfBlocks, "out of blocks: appending %d tokens needs more blocks than "
+                     "the pool has free (%d) or cached (%d) of %d; the pool is unchanged",
+                     n_tokens, p->n_free, p->n_cached, p->num_blocks);
+        return NULL;
+    }
+    if (status == KV_ERR_TABLE_FULL) {
+        PyErr_Format(CacheFullError, "the sequence's block table is full (%d blocks of %d "
+                     "tokens); the pool is unchanged", p->max_blocks_per_seq, p->block_size);
+        return NULL;
+    }
+    if (status == KV_ERR_TOO_MANY_SEQUENCES) {
+        PyErr_Format(OutOfSequences, "the pool already holds max_seqs=%d sequences; free one",
+                     p->max_seqs);
+        return NULL;
+    }
+    return raise_status(status);
+}
+
+static PyObject *pool_new_sequence(PoolObject *self, PyObject *Py_UNUSED(ignored)) {
+    if (pool_refuse_if_busy(self) < 0) return NULL;
+    int seq;
+    kv_status status = kv_pool_seq_new(&self->pool, &seq);
+    if (status != KV_OK) return raise_pool_status(self, status, 0);
+    return new_handle(self, seq);
+}
+
+static PyObject *pool_fork(PoolObject *self, PyObject *arg) {
+    if (pool_refuse_if_busy(self) < 0) return NULL;
+    int seq = resolve_sequence(self, arg);
+    if (seq < 0) return NULL;
+    int child;
+    kv_status status = kv_pool_seq_fork(&self->pool, seq, &child);
+    if (status != KV_OK) return raise_pool_status(self, status, 0);
+    return new_handle(self, child);
+}
+
+static PyObject *pool_free_sequence(PoolObject *self, PyObject *arg) {
+    if (pool_refuse_if_busy(self) < 0) return NULL;
+    int seq = resolve_sequence(self, arg);
+    if (seq < 0) return NULL;
+    kv_pool_seq_free(&self->pool, seq);
+    Py_RETURN_NONE;
+}
+
+/* A 1-D int32 C-contiguous array, possibly empty; TypeError/ValueError otherwise. */
+static PyArrayObject *as_int32_vector(PyObject *obj, const char *what) {
+    if (!PyArray_Check(obj) || PyArray_TYPE((PyArrayObject *)obj) != NPY_INT32 ||
+        !PyArray_ISNOTSWAPPED((PyArrayObject *)obj)) {
+        PyErr_Format(PyExc_TypeError, "%s must be a numpy int32 array", what);
+        return NULL;
+    }
+    PyArrayObject *array = (PyArrayObject *)obj;
+    if (PyArray_NDIM(array) != 1 || !PyArray_IS_C_CONTIGUOUS(array) || !PyArray_ISALIGNED(array)) {
+        PyErr_Format(PyExc_ValueError, "%s must be a 1-D C-contiguous array", what);
+        return NULL;
+    }
+    if (PyArray_DIM(array, 0) > (1 << 30)) {
+        PyErr_Format(PyExc_ValueError, "%s is too long", what);
+        return NULL;
+    }
+    return array;
+}
+
+static PyObject *pool_reuse_prefix(PoolObject *self, PyObject *args) {
+    PyObject *seq_obj, *tokens_obj;
+    int max_tokens = -1;
+    if (!PyArg_ParseTuple(args, "OO|i", &seq_obj, &tokens_obj, &max_tokens)) return NULL;
+    if (pool_refuse_if_busy(self) < 0) return NULL;
+    int seq = resolve_sequence(self, seq_obj);
+    if (seq < 0) return NULL;
+    PyArrayObject *tokens = as_int32_vector(tokens_obj, "tokens");
+    if (tokens == NULL) return NULL;
+    int n = (int)PyArray_DIM(tokens, 0);
+    if (max_tokens < 0 || max_tokens > n) max_tokens = n;
+    if (self->pool.seqs[seq].length != 0) {
+        PyErr_SetString(PyExc_ValueError, "reuse_prefix needs an empty sequence");
+        return NULL;
+    }
+    int reused = 0;
+    kv_status status = kv_pool_reuse_prefix(&self->pool, seq,
+                                            (const int32_t *)PyArray_DATA(tokens), max_tokens,
+                                            &reused);
+    if (status != KV_OK) return raise_pool_status(self, status, 0);
+    return PyLong_FromLong(reused);
+}
+
+/* keys/values for append: float32 (n_tokens, n_layers, n_kv_heads, head_dim), C order */
+static int check_rows(const kv_pool *p, PyObject *obj, const char *what, int n_tokens) {
+    if (!PyArray_Check(obj) || PyArray_TYPE((PyArrayObject *)obj) != NPY_FLOAT32 ||
+        !PyArray_ISNOTSWAPPED((PyArrayObject *)obj)) {
+        PyErr_Format(PyExc_TypeError, "%s must be a float32 numpy array", what);
+        return -1;
+    }
+    PyArrayObject *a = (PyArrayObject *)obj;
+    npy_intp want[4] = {n_tokens, p->n_layers, p->n_kv_heads, p->head_dim};
+    int ok = PyArray_NDIM(a) == 4;
+    for (int i = 0; ok && i < 4; i++) ok = PyArray_DIM(a, i) == want[i];
+    if (!ok) {
+        PyErr_Format(PyExc_ValueError, "%s must have shape (n_tokens=%d, n_layers=%d, "
+                     "n_kv_heads=%d, head_dim=%d)", what, n_tokens, p->n_layers, p->n_kv_heads,
+                     p->head_dim);
+        return -1;
+    }
+    if (!PyArray_IS_C_CONTIGUOUS(a) || !PyArray_ISALIGNED(a)) {
+        PyErr_Format(PyExc_ValueError, "%s must be C-contiguous", what);
+        return -1;
+    }
+    return 0;
+}
+
+static PyObject *pool_append(PoolObject *self, PyObject *args) {
+    PyObject *seq_obj, *tokens_obj, *keys, *values;
+    if (!PyArg_ParseTuple(args, "OOOO", &seq_obj, &tokens_obj, &keys, &values)) return NULL;
+    if (pool_refuse_if_busy(self) < 0) return NULL;
+    int seq = resolve_sequence(self, seq_obj);
+    if (seq < 0) return NULL;
+    PyArrayObject *tokens = as_int32_vector(tokens_obj, "tokens");
+    if (tokens == NULL) return NULL;
+    int n = (int)PyArray_DIM(tokens, 0);
+    if (n == 0) {
+        PyErr_SetString(PyExc_ValueError, "tokens must not be empty");
+        return NULL;
+    }
+    if (check_rows(&self->pool, keys, "keys", n) < 0 || check_rows(&self->pool, values, "values", n) < 0)
+        return NULL;
+    kv_status status = kv_pool_append(&self->pool, seq, (const int32_t *)PyArray_DATA(tokens), n,
+                                      (const float *)PyArray_DATA((PyArrayObject *)keys),
+                                      (const float *)PyArray_DATA((PyArrayObject *)values));
+    if (status != KV_OK) return raise_pool_status(self, status, n);
+    Py_RETURN_NONE;
+}
+
+static PyObject *pool_gather(PoolObject *self, PyObject *arg) {
+    if (pool_refuse_if_busy(self) < 0) return NULL;
+    int seq = resolve_sequence(self, arg);
+    if (seq < 0) return NULL;
+    const kv_pool *p = &self->pool;
+    npy_intp dims[4] = {p->n_layers, p->seqs[seq].length, p->n_kv_heads, p->head_dim};
+    PyObject *keys = PyArray_SimpleNew(4, dims, NPY_FLOAT32);
+    PyObject *values = keys ? PyArray_SimpleNew(4, dims, NPY_FLOAT32) : NULL;
+    if (values == NULL) {
+        Py_XDECREF(keys);
+        return NULL;
+    }
+    kv_pool_gather(p, seq, (float *)PyArray_DATA((PyArrayObject *)keys),
+                   (float *)PyArray_DATA((PyArrayObject *)values));
+    return Py_BuildValue("(NN)", keys, values);
+}
+
+static PyObject *pool_stats(PoolObject *self, PyObject *Py_UNUSED(ignored)) {
+    if (pool_refuse_if_busy(self) < 0) return NULL;
+    kv_pool_stats st;
+    kv_pool_stats_get(&self->pool, &st);
+    return Py_BuildValue("{s:i,s:i,s:i,s:L,s:L,s:i,s:L,s:L}", "blocks_used", st.blocks_used,
+                         "blocks_free", st.blocks_free, "blocks_cached", st.blocks_cached,
+                         "tokens_stored", (long long)st.tokens_stored, "slots_unused",
+                         (long long)st.slots_unused, "n_sequences", st.n_sequences,
+                         "prefix_hits", (long long)st.prefix_hits, "prefix_misses",
+                         (long long)st.prefix_misses);
+}
+
+static PyObject *pool_check(PoolObject *self, PyObject *Py_UNUSED(ignored)) {
+    if (pool_refuse_if_busy(self) < 0) return NULL;
+    char message[256];
+    kv_status status = kv_pool_check(&self->pool, message, sizeof message);
+    if (status == KV_ERR_CORRUPT) {
+        PyErr_Format(PoolInvariantError, "pool invariant broken: %s", message);
+        return NULL;
+    }
+    if (status != KV_OK) return raise_status(status);
+    Py_RETURN_NONE;
+}
+
+static PyObject *pool_sequences(PoolObject *self, PyObject *Py_UNUSED(ignored)) {
+    if (pool_refuse_if_busy(self) < 0) return NULL;
+    PyObject *list = PyList_New(0);
+    for (int s = 0; list != NULL && s < self->pool.max_seqs; s++) {
+        if (!self->pool.seqs[s].alive) continue;
+        PyObject *handle = new_handle(self, s);
+        if (handle == NULL || PyList_Append(list, handle) < 0) {
+            Py_XDECREF(handle);
+            Py_CLEAR(list);
+            break;
+        }
+        Py_DECREF(handle);
+    }
+    return list;
+}
+
+static PyGetSetDef pool_getset[] = {
+    {"data", (getter)pool_get_data, NULL,
+     "The whole pool, zero-copy and read-only:\n"
+     "(num_blocks, n_layers, 2 (K, V), block_size, n_kv_heads, head_dim).", NULL},
+    {"ref_counts", (getter)pool_get_ref_counts, NULL, "Block-table references per block (view).", NULL},
+    {"fill", (getter)pool_get_fill, NULL, "Rows written per block (view).", NULL},
+    {"block_tokens", (getter)pool_get_block_tokens, NULL,
+     "Token id of every written row, (num_blocks, block_size) (view).", NULL},
+    {"free_blocks", (getter)pool_get_free_blocks, NULL, "Free block ids, next to be used last.", NULL},
+    {"cached_blocks", (getter)pool_get_cached_blocks, NULL,
+     "Unreferenced blocks kept for prefix reuse, least recently used first.", NULL},
+    {"num_blocks", (getter)pool_get_num_blocks, NULL, NULL, NULL},
+    {"block_size", (getter)pool_get_block_size, NULL, NULL, NULL},
+    {"max_seqs", (getter)pool_get_max_seqs, NULL, NULL, NULL},
+    {"max_blocks_per_seq", (getter)pool_get_max_blocks_per_seq, NULL, NULL, NULL},
+    {"nbytes", (getter)pool_get_nbytes, NULL, "Bytes of K/V storage the pool allocated.", NULL},
+    {NULL}
+};
+
+static PyMethodDef pool_methods[] = {
+    {"new_sequence", (PyCFunction)pool_new_sequence, METH_NOARGS, "A new, empty sequence."},
+    {"fork", (PyCFunction)pool_fork, METH_O,
+     "fork(seq): a child sharing all of seq's blocks (copy-on-write on the next write)."},
+    {"free", (PyCFunction)pool_free_sequence, METH_O,
+     "free(seq): drop seq's blocks (full ones stay cached for prefix reuse)."},
+    {"reuse_prefix", (PyCFunction)pool_reuse_prefix, METH_VARARGS,
+     "reuse_prefix(seq, tokens, max_tokens=len(tokens)) -> tokens reused: attach the cached\n"
+     "full blocks holding the longest prefix of tokens[:max_tokens] to an empty seq."},
+    {"append", (PyCFunction)pool_append, METH_VARARGS,
+     "append(seq, tokens, keys, values): write given K/V rows, each\n"
+     "(n_tokens, n_layers, n_kv_heads, head_dim) float32, without a model."},
+    {"gather", (PyCFunction)pool_gather, METH_O,
+     "gather(seq) -> (keys, values): copies, (n_layers, length, n_kv_heads, head_dim)."},
+    {"stats", (PyCFunction)pool_stats, METH_NOARGS, "Counts of blocks, rows and prefix hits."},
+    {"check", (PyCFunction)pool_check, METH_NOARGS,
+     "Verify every invariant; raises PoolInvariantError if one is broken."},
+    {"sequences", (PyCFunction)pool_sequences, METH_NOARGS, "Handles of every live sequence."},
+    {NULL}
+};
+
+static PyTypeObject PoolType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "kvlab._kvlab.PagedPool",
+    .tp_doc = PyDoc_STR("PagedPool(n_layers, n_kv_heads, head_dim, num_blocks, block_size,\n"
+                        "          max_seqs=256, max_blocks_per_seq=num_blocks, hash_bits=64)\n\n"
+                        "A paged KV cache: one pool of fixed-size blocks shared by many\n"
+                        "sequences. Usually made with model.new_paged_pool(...)."),
+    .tp_basicsize = sizeof(PoolObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE,
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)pool_init,
+    .tp_dealloc = (destructor)pool_dealloc,
+    .tp_methods = pool_methods,
+    .tp_getset = pool_getset,
+};
+
+/* ============================= PagedSequence ======================================= */
+
+static void sequence_dealloc(SequenceObject *self) {
+    Py_XDECREF(self->pool);
+    PyObject_Free(self);
+}
+
+static int sequence_alive(SequenceObject *self) {
+    const kv_seq *q = &self->pool->pool.seqs[self->seq];
+    return q->alive && q->serial == self->serial;
+}
+
+static PyObject *sequence_get_alive(SequenceObject *self, void *closure) {
+    (void)closure;
+    return PyBool_FromLong(sequence_alive(self));
+}
+
+static PyObject *sequence_get_length(SequenceObject *self, void *closure) {
+    (void)closure;
+    if (resolve_sequence(self->pool, (PyObject *)self) < 0) return NULL;
+    return PyLong_FromLong(self->pool->pool.seqs[self->seq].length);
+}
+
+static PyObject *sequence_get_id(SequenceObject *self, void *closure) {
+    (void)closure;
+    return PyLong_FromLong(self->seq);
+}
+
+static PyObject *sequence_get_pool(SequenceObject *self, void *closure) {
+    (void)closure;
+    Py_INCREF(self->pool);
+    return (PyObject *)self->pool;
+}
+
+static PyObject *sequence_get_block_table(SequenceObject *self, void *closure) {
+    (void)closure;
+    if (resolve_sequence(self->pool, (PyObject *)self) < 0) return NULL;
+    const kv_seq *q = &self->pool->pool.seqs[self->seq];
+    npy_intp dims[1] = {q->n_blocks};
+    return pool_view(self->pool, q->block_table, NPY_INT32, 1, dims);
+}
+
+static PyObject *sequence_repr(SequenceObject *self) {
+    if (!sequence_alive(self)) return PyUnicode_FromFormat("PagedSequence(id=%d, freed)", self->seq);
+    const kv_seq *q = &self->pool->pool.seqs[self->seq];
+    return PyUnicode_FromFormat("PagedSequence(id=%d, length=%d, blocks=%d)", self->seq,
+                                q->length, q->n_blocks);
+}
+
+static PyGetSetDef sequence_getset[] = {
+    {"length", (getter)sequence_get_length, NULL, "Positions filled.", NULL},
+    {"block_table", (getter)sequence_get_block_table, NULL,
+     "Physical block id of each logical block, an int32 read-only view. Position pos\n"
+     "lives in row pos % block_size of block block_table[pos // block_size].", NULL},
+    {"id", (getter)sequence_get_id, NULL, "Slot number in the pool.", NULL},
+    {"alive", (getter)sequence_get_alive, NULL, "False once freed.", NULL},
+    {"pool", (getter)sequence_get_pool, NULL, "The pool holding this sequence.", NULL},
+    {NULL}
+};
+
+static PyTypeObject SequenceType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "kvlab._kvlab.PagedSequence",
+    .tp_doc = PyDoc_STR("A sequence of a PagedPool: a block table and a length. Made by\n"
+                        "pool.new_sequence() or pool.fork(seq)."),
+    .tp_basicsize = sizeof(SequenceObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_dealloc = (destructor)sequence_dealloc,
+    .tp_repr = (reprfunc)sequence_repr,
+    .tp_getset = sequence_getset,
 };
 
 /* ================================= Model ========================================= */
@@ -405,10 +924,24 @@ static PyObject *model_forward(ModelObject *self, PyObject *args, PyObject *kwds
     const kv_config *c = &self->model.config;
 
     CacheObject *cache = NULL;
-    if (cache_obj != Py_None) {
+    PoolObject *pool = NULL;
+    int seq = -1;
+    if (PyObject_TypeCheck(cache_obj, &SequenceType)) {
+        pool = ((SequenceObject *)cache_obj)->pool;
+        if (pool_refuse_if_busy(pool) < 0) return NULL;
+        seq = resolve_sequence(pool, cache_obj);
+        if (seq < 0) return NULL;
+        if (kv_pool_check_fits(&pool->pool, c) != KV_OK) {
+            PyErr_Format(PyExc_ValueError, "this pool holds %d layers x %d KV heads x %d, "
+                         "but the model needs %d x %d x %d", pool->pool.n_layers,
+                         pool->pool.n_kv_heads, pool->pool.head_dim, c->n_layers,
+                         c->n_kv_heads, c->head_dim);
+            return NULL;
+        }
+    } else if (cache_obj != Py_None) {
         if (!PyObject_TypeCheck(cache_obj, &CacheType)) {
-            PyErr_Format(PyExc_TypeError, "cache must be a KVCache or None, got %s",
-                         Py_TYPE(cache_obj)->tp_name);
+            PyErr_Format(PyExc_TypeError, "cache must be a KVCache, a PagedSequence or None, "
+                         "got %s", Py_TYPE(cache_obj)->tp_name);
             return NULL;
         }
         cache = (CacheObject *)cache_obj;
@@ -441,16 +974,21 @@ static PyObject *model_forward(ModelObject *self, PyObject *args, PyObject *kwds
      * flag stops another thread from resizing or reusing the cache meanwhile. */
     kv_status status;
     if (cache != NULL) cache->busy = 1;
+    if (pool != NULL) pool->busy = 1;
     Py_BEGIN_ALLOW_THREADS
     if (cache != NULL)
         status = kv_model_forward(&self->model, &cache->cache, ids, n_tokens, out, all_logits);
+    else if (pool != NULL)
+        status = kv_model_forward_paged(&self->model, &pool->pool, seq, ids, n_tokens, out,
+                                        all_logits);
     else
         status = kv_model_forward_uncached(&self->model, ids, n_tokens, out, all_logits);
     Py_END_ALLOW_THREADS
     if (cache != NULL) cache->busy = 0;
+    if (pool != NULL) pool->busy = 0;
     if (status != KV_OK) {
         Py_DECREF(logits);
-        return raise_status(status);
+        return pool != NULL ? raise_pool_status(pool, status, n_tokens) : raise_status(status);
     }
     return logits;
 }
@@ -518,18 +1056,26 @@ static int fetch_errors(void) {
     CacheFullError = PyObject_GetAttrString(errors, "CacheFullError");
     ConfigError = PyObject_GetAttrString(errors, "ConfigError");
     WeightsError = PyObject_GetAttrString(errors, "WeightsError");
+    OutOfBlocks = PyObject_GetAttrString(errors, "OutOfBlocks");
+    OutOfSequences = PyObject_GetAttrString(errors, "OutOfSequences");
+    PoolInvariantError = PyObject_GetAttrString(errors, "PoolInvariantError");
     Py_DECREF(errors);
-    return (CacheFullError && ConfigError && WeightsError) ? 0 : -1;
+    return (CacheFullError && ConfigError && WeightsError && OutOfBlocks && OutOfSequences &&
+            PoolInvariantError) ? 0 : -1;
 }
 
 PyMODINIT_FUNC PyInit__kvlab(void) {
     import_array();
     if (fetch_errors() < 0) return NULL;
-    if (PyType_Ready(&CacheType) < 0 || PyType_Ready(&ModelType) < 0) return NULL;
+    if (PyType_Ready(&CacheType) < 0 || PyType_Ready(&ModelType) < 0 ||
+        PyType_Ready(&PoolType) < 0 || PyType_Ready(&SequenceType) < 0)
+        return NULL;
     PyObject *module = PyModule_Create(&kvlab_module);
     if (module == NULL) return NULL;
     if (PyModule_AddObjectRef(module, "KVCache", (PyObject *)&CacheType) < 0 ||
         PyModule_AddObjectRef(module, "Model", (PyObject *)&ModelType) < 0 ||
+        PyModule_AddObjectRef(module, "PagedPool", (PyObject *)&PoolType) < 0 ||
+        PyModule_AddObjectRef(module, "PagedSequence", (PyObject *)&SequenceType) < 0 ||
 #ifdef _OPENMP
         PyModule_AddIntConstant(module, "HAS_OPENMP", 1) < 0
 #else

@@ -2,8 +2,11 @@
  *
  * Query head h reads key/value head h / kv_mul, where kv_mul = n_heads / n_kv_heads:
  * with kv_mul = 1 that is multi-head attention, with n_kv_heads = 1 multi-query.
- * Every (token, head) pair is computed the same way whether it arrives in a prefill
- * batch or alone in a decode step, so the cached and uncached paths agree bit for bit.
+ * Positions are visited block by block through the view's block table, each block a
+ * contiguous run of rows, so the paged cache costs one table lookup per block, not per
+ * token. Every (token, head) pair is computed the same way whether it arrives in a
+ * prefill batch or alone in a decode step, and whichever cache holds its keys, so the
+ * cached, uncached and paged paths agree bit for bit.
  */
 #include <math.h>
 #include <string.h>
@@ -12,35 +15,40 @@
 #include "common.h"
 #include "ops.h"
 
-void kv_attention(float *out, const float *q, const float *key_layer,
-                  const float *value_layer, int n_tokens, int start_pos, int n_heads,
-                  int n_kv_heads, int head_dim, float *scores, int score_stride) {
+void kv_attention(float *out, const float *q, const kv_layer_view *view, int n_tokens,
+                  int start_pos, int n_heads, int n_kv_heads, int head_dim, float *scores,
+                  int score_stride) {
     int kv_mul = n_heads / n_kv_heads;
     int q_dim = n_heads * head_dim;
     int kv_dim = n_kv_heads * head_dim;
+    int block_size = view->block_size;
     float scale = 1.0f / sqrtf((float)head_dim);
 
     #pragma omp parallel for collapse(2) schedule(static) if (n_tokens * n_heads > 1)
     for (int t = 0; t < n_tokens; t++) {
         for (int h = 0; h < n_heads; h++) {
-            int pos = start_pos + t;
-            int kv_head = h / kv_mul;
+            int n_seen = start_pos + t + 1;          /* positions 0 .. its own */
+            size_t head_offset = (size_t)(h / kv_mul) * head_dim;
             const float *query = q + (size_t)t * q_dim + (size_t)h * head_dim;
             float *att = scores + (size_t)omp_get_thread_num() * score_stride;
 
             /* how well this query matches every earlier key (and its own) */
-            for (int j = 0; j <= pos; j++) {
-                const float *key = key_layer + (size_t)j * kv_dim + (size_t)kv_head * head_dim;
-                att[j] = kv_dot(query, key, head_dim) * scale;
+            for (int first = 0; first < n_seen; first += block_size) {
+                int rows = n_seen - first < block_size ? n_seen - first : block_size;
+                const float *keys = view->key + kv_view_offset(view, first, kv_dim) + head_offset;
+                for (int r = 0; r < rows; r++)
+                    att[first + r] = kv_dot(query, keys + (size_t)r * kv_dim, head_dim) * scale;
             }
-            kv_softmax(att, pos + 1);
+            kv_softmax(att, n_seen);
 
             /* the weighted mix of their values */
             float *result = out + (size_t)t * q_dim + (size_t)h * head_dim;
             memset(result, 0, (size_t)head_dim * sizeof(float));
-            for (int j = 0; j <= pos; j++) {
-                const float *value = value_layer + (size_t)j * kv_dim + (size_t)kv_head * head_dim;
-                kv_axpy(result, att[j], value, head_dim);
+            for (int first = 0; first < n_seen; first += block_size) {
+                int rows = n_seen - first < block_size ? n_seen - first : block_size;
+                const float *values = view->value + kv_view_offset(view, first, kv_dim) + head_offset;
+                for (int r = 0; r < rows; r++)
+                    kv_axpy(result, att[first + r], values + (size_t)r * kv_dim, head_dim);
             }
         }
     }

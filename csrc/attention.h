@@ -1,14 +1,38 @@
-/* attention.h: causal grouped-query attention over a contiguous cache (internal). */
+/* attention.h: causal grouped-query attention over a cache, contiguous or paged (internal).
+ *
+ * Both caches are seen through one kv_layer_view: a sequence's positions live in
+ * blocks of block_size rows, found through a block table. The contiguous cache is the
+ * special case of a single block as long as the whole cache.
+ */
 #ifndef KVLAB_ATTENTION_H
 #define KVLAB_ATTENTION_H
 
+#include <stddef.h>
+#include <stdint.h>
+
+/* One layer of one sequence's cache. Row r of logical block b (positions
+ * b*block_size .. b*block_size + block_size - 1) holds n_kv_heads * head_dim floats at
+ *   key   + block_table[b] * block_stride + r * kv_dim     (and the same for value). */
+typedef struct {
+    float *key;
+    float *value;
+    const int32_t *block_table;
+    int block_size;
+    size_t block_stride;  /* floats from one physical block to the next */
+} kv_layer_view;
+
+/* Where position pos's key row lives (value: same offset from view->value). */
+static inline size_t kv_view_offset(const kv_layer_view *view, int pos, int kv_dim) {
+    int block = pos / view->block_size, row = pos % view->block_size;
+    return (size_t)view->block_table[block] * view->block_stride + (size_t)row * kv_dim;
+}
+
 /* For each of n_tokens new queries, at positions start_pos .. start_pos + n_tokens - 1,
- * attends over the cached positions 0 .. its own position (the causal mask).
- * q and out are (n_tokens, n_heads * head_dim); key_layer and value_layer are one
- * layer's slice of the cache, (capacity, n_kv_heads, head_dim), already holding the new
- * tokens' K and V. scores is scratch of omp_get_max_threads() rows of score_stride. */
-void kv_attention(float *out, const float *q, const float *key_layer,
-                  const float *value_layer, int n_tokens, int start_pos, int n_heads,
-                  int n_kv_heads, int head_dim, float *scores, int score_stride);
+ * attends over positions 0 .. its own position (the causal mask). q and out are
+ * (n_tokens, n_heads * head_dim); the view already holds the new tokens' K and V.
+ * scores is scratch of omp_get_max_threads() rows of score_stride floats. */
+void kv_attention(float *out, const float *q, const kv_layer_view *view, int n_tokens,
+                  int start_pos, int n_heads, int n_kv_heads, int head_dim, float *scores,
+                  int score_stride);
 
 #endif /* KVLAB_ATTENTION_H */

@@ -18,6 +18,11 @@ typedef enum {
     KV_ERR_TOKEN_RANGE,    /* a token id outside [0, vocab_size) */
     KV_ERR_CACHE_FULL,     /* appending would pass the cache's capacity */
     KV_ERR_CACHE_MISMATCH, /* the cache was shaped for a different model */
+    KV_ERR_OUT_OF_BLOCKS,  /* the paged pool has no free (or evictable) block left */
+    KV_ERR_NO_SEQUENCE,    /* a sequence id that is not alive in this pool */
+    KV_ERR_TABLE_FULL,     /* a sequence's block table has no room for another block */
+    KV_ERR_TOO_MANY_SEQUENCES, /* every sequence slot of the pool is taken */
+    KV_ERR_CORRUPT,        /* kv_pool_check found a broken invariant */
 } kv_status;
 
 /* A human-readable sentence for a status, for error messages. */
@@ -87,6 +92,84 @@ kv_status kv_cache_truncate(kv_cache *cache, int length);  /* roll back to `leng
 /* Does this cache fit this model's layer count and KV head shape? */
 kv_status kv_cache_check_fits(const kv_cache *cache, const kv_config *config);
 
+/* ---- paged KV cache --------------------------------------------------------------- */
+
+/* One sequence of a paged pool: which blocks hold its positions, in order. */
+typedef struct {
+    int32_t *block_table;  /* (max_blocks_per_seq,) physical block ids; first n_blocks valid */
+    int n_blocks;
+    int length;            /* positions filled */
+    int alive;
+    uint32_t serial;       /* bumped each time this slot gets a new sequence, so a handle
+                              to a freed sequence is recognised as stale */
+} kv_seq;
+
+/* A pool of fixed-size blocks shared by many sequences (vLLM's PagedAttention idea).
+ * Block b holds, for every layer, block_size rows of K and then of V:
+ *   data: (num_blocks, n_layers, 2, block_size, n_kv_heads, head_dim)
+ * so everything a block id names is one contiguous chunk: copy-on-write is one memcpy,
+ * and attention reads block_size consecutive rows per block and layer.
+ * A block with ref_count 0 is either free (on the free stack) or cached: a full block
+ * kept for prefix reuse, findable by hash, evicted least-recently-used first. */
+typedef struct {
+    int num_blocks, block_size;
+    int n_layers, n_kv_heads, head_dim;
+    int max_seqs, max_blocks_per_seq;
+    float *data;            /* (num_blocks, n_layers, 2, block_size, n_kv_heads, head_dim) */
+    int32_t *ref_count;     /* (num_blocks,) block-table entries pointing at each block */
+    int32_t *fill;          /* (num_blocks,) rows written (a block is full at block_size) */
+    int32_t *tokens;        /* (num_blocks, block_size) token id of every written row */
+    int32_t *free_stack;    /* (num_blocks,) ids of free blocks; the top n_free are valid */
+    int n_free;
+    /* prefix cache: a full block's identity is (parent block, its tokens) */
+    uint64_t *hash;         /* (num_blocks,) hash of (parent's hash, tokens) */
+    int32_t *parent;        /* (num_blocks,) previous block of the chain, -1 for the first */
+    uint32_t *generation;   /* (num_blocks,) bumped each time a block is handed out */
+    uint32_t *parent_generation; /* (num_blocks,) parent's generation when registered */
+    uint8_t *registered;    /* (num_blocks,) 1 if findable in the prefix cache */
+    int32_t *bucket_head;   /* (n_buckets,) hash table: first block of each bucket */
+    int32_t *bucket_next;   /* (num_blocks,) next block in the same bucket */
+    int n_buckets;          /* a power of two */
+    int32_t *lru_prev, *lru_next;  /* (num_blocks,) cached blocks, least recently used first */
+    int lru_head, lru_tail, n_cached;
+    int64_t prefix_hits, prefix_misses;  /* full blocks found / not found in the cache */
+    uint64_t hash_mask;     /* all ones; tests narrow it to force hash collisions */
+    kv_seq *seqs;           /* (max_seqs,) */
+    int32_t *tables;        /* (max_seqs, max_blocks_per_seq) storage of every block table */
+} kv_pool;
+
+typedef struct {
+    int blocks_used, blocks_free, blocks_cached;
+    int64_t tokens_stored;       /* rows written in blocks that are in use */
+    int64_t slots_unused;        /* rows of in-use blocks not (yet) written */
+    int n_sequences;
+    int64_t prefix_hits, prefix_misses;
+} kv_pool_stats;
+
+kv_status kv_pool_init(kv_pool *pool, int n_layers, int n_kv_heads, int head_dim,
+                       int num_blocks, int block_size, int max_seqs, int max_blocks_per_seq);
+void kv_pool_free(kv_pool *pool);          /* accepts a zeroed or half-built pool */
+size_t kv_pool_nbytes(const kv_pool *pool);  /* bytes of K/V storage */
+kv_status kv_pool_check_fits(const kv_pool *pool, const kv_config *config);
+
+kv_status kv_pool_seq_new(kv_pool *pool, int *seq);
+kv_status kv_pool_seq_free(kv_pool *pool, int seq);
+/* A child that shares every block of seq (ref counts go up, nothing is copied). */
+kv_status kv_pool_seq_fork(kv_pool *pool, int seq, int *child);
+/* For an empty sequence: attach the cached full blocks that hold the longest prefix of
+ * tokens[0 .. max_tokens) and set its length; *n_reused = tokens covered. */
+kv_status kv_pool_reuse_prefix(kv_pool *pool, int seq, const int32_t *tokens, int max_tokens,
+                               int *n_reused);
+/* Appends n_tokens rows of given K and V, each (n_tokens, n_layers, n_kv_heads, head_dim):
+ * the pool's bookkeeping without a model, for tests and exercises. */
+kv_status kv_pool_append(kv_pool *pool, int seq, const int32_t *tokens, int n_tokens,
+                         const float *keys, const float *values);
+/* Copies a sequence's K and V into (n_layers, length, n_kv_heads, head_dim) buffers. */
+kv_status kv_pool_gather(const kv_pool *pool, int seq, float *keys, float *values);
+kv_status kv_pool_stats_get(const kv_pool *pool, kv_pool_stats *stats);
+/* Verifies every invariant; on failure writes what broke into message. */
+kv_status kv_pool_check(const kv_pool *pool, char *message, size_t message_size);
+
 /* ---- forward pass ------------------------------------------------------------------ */
 
 /* Runs n_tokens new tokens, at positions cache->length .. cache->length + n_tokens - 1,
@@ -97,6 +180,16 @@ kv_status kv_cache_check_fits(const kv_cache *cache, const kv_config *config);
  * On any error nothing is appended and cache->length is unchanged. */
 kv_status kv_model_forward(const kv_model *model, kv_cache *cache, const int32_t *tokens,
                            int n_tokens, float *logits, int all_logits);
+
+/* The same over a sequence of a paged pool. Blocks for the new positions are taken
+ * (copying a shared partial block first) before anything is written; on
+ * KV_ERR_OUT_OF_BLOCKS or any other error the pool is exactly as it was. */
+kv_status kv_model_forward_paged(const kv_model *model, kv_pool *pool, int seq,
+                                 const int32_t *tokens, int n_tokens, float *logits,
+                                 int all_logits);
+
+/* Checks that every token id is in [0, vocab_size). */
+kv_status kv_check_tokens(const kv_config *config, const int32_t *tokens, int n_tokens);
 
 /* The no-cache path: runs the whole sequence from position 0 in a scratch cache that
  * is thrown away afterwards, as a model without a KV cache must on every step. */

@@ -6,9 +6,11 @@
  *   logits = classifier . norm(x)
  *
  * The same function does prefill (many tokens, matrix-matrix) and decode (one token,
- * matrix-vector): only n_tokens differs. Weights are read in place from the caller's
- * buffers; activations live in one scratch allocation made per call (run_state).
- * This file does not own the cache layout (kvcache.c) or the attention math (attention.c).
+ * matrix-vector): only n_tokens differs. It sees the cache through one kv_layer_view per
+ * layer, so the contiguous cache and the paged pool share every line of it. Weights are
+ * read in place from the caller's buffers; activations live in one scratch allocation
+ * made per call (run_state). This file does not own the cache layouts (kvcache.c,
+ * paged.c) or the attention math (attention.c).
  */
 #include <math.h>
 #include <string.h>
@@ -16,6 +18,7 @@
 #include "attention.h"
 #include "common.h"
 #include "ops.h"
+#include "paged.h"
 
 const char *kv_strerror(kv_status status) {
     switch (status) {
@@ -25,6 +28,11 @@ const char *kv_strerror(kv_status status) {
         case KV_ERR_TOKEN_RANGE: return "token id out of range [0, vocab_size)";
         case KV_ERR_CACHE_FULL: return "the KV cache is full (max_seq_len reached)";
         case KV_ERR_CACHE_MISMATCH: return "the KV cache was made for a different model shape";
+        case KV_ERR_OUT_OF_BLOCKS: return "the paged pool has no free block left";
+        case KV_ERR_NO_SEQUENCE: return "no such sequence in this pool (freed, or never created)";
+        case KV_ERR_TABLE_FULL: return "the sequence's block table is full";
+        case KV_ERR_TOO_MANY_SEQUENCES: return "the pool has no room for another sequence";
+        case KV_ERR_CORRUPT: return "a pool invariant is broken";
     }
     return "unknown error";
 }
@@ -56,6 +64,8 @@ typedef struct {
     float *x;         /* (n_tokens, dim) residual stream */
     float *xb;        /* (n_tokens, dim) normalized input of the current sublayer */
     float *q;         /* (n_tokens, n_heads * head_dim) queries */
+    float *k;         /* (n_tokens, n_kv_heads * head_dim) new keys, before they go to the cache */
+    float *v;         /* (n_tokens, n_kv_heads * head_dim) new values */
     float *att_out;   /* (n_tokens, n_heads * head_dim) attention output, heads concatenated */
     float *proj;      /* (n_tokens, dim) output of Wo or W2, before the residual add */
     float *hb;        /* (n_tokens, hidden_dim) gate, then silu(gate) * up */
@@ -65,24 +75,33 @@ typedef struct {
     float *scores;    /* (n_threads, score_stride) attention weights, one row per thread */
     int score_stride;
     float *block;     /* the single allocation all of the above point into */
+    kv_layer_view *views;  /* (n_layers,) where each layer's K and V live */
 } run_state;
+
+static void run_state_free(run_state *s) {
+    free(s->block);
+    free(s->views);
+    s->block = NULL;
+    s->views = NULL;
+}
 
 static size_t round_up16(size_t n) { return (n + 15) & ~(size_t)15; }
 
 static kv_status run_state_alloc(run_state *s, const kv_config *c, int n_tokens,
                                  int max_positions) {
     size_t T = (size_t)n_tokens, q_dim = (size_t)c->n_heads * c->head_dim;
-    size_t half = (size_t)c->head_dim / 2;
+    size_t kv_dim = (size_t)c->n_kv_heads * c->head_dim, half = (size_t)c->head_dim / 2;
     s->score_stride = (int)round_up16((size_t)max_positions);
-    size_t sizes[] = {T * c->dim, T * c->dim, T * q_dim, T * q_dim, T * c->dim,
-                      T * c->hidden_dim, T * c->hidden_dim, T * half, T * half,
+    size_t sizes[] = {T * c->dim, T * c->dim, T * q_dim, T * kv_dim, T * kv_dim, T * q_dim,
+                      T * c->dim, T * c->hidden_dim, T * c->hidden_dim, T * half, T * half,
                       (size_t)omp_get_max_threads() * s->score_stride};
-    float **slots[] = {&s->x, &s->xb, &s->q, &s->att_out, &s->proj, &s->hb, &s->hb2,
-                       &s->rope_cos, &s->rope_sin, &s->scores};
+    float **slots[] = {&s->x, &s->xb, &s->q, &s->k, &s->v, &s->att_out, &s->proj, &s->hb,
+                       &s->hb2, &s->rope_cos, &s->rope_sin, &s->scores};
     size_t total = 0;
     for (size_t i = 0; i < sizeof sizes / sizeof sizes[0]; i++) total += round_up16(sizes[i]);
     s->block = kv_alloc_floats(total);
-    if (s->block == NULL) return KV_ERR_NOMEM;
+    s->views = malloc((size_t)c->n_layers * sizeof *s->views);
+    if (s->block == NULL || s->views == NULL) return KV_ERR_NOMEM;
     float *next = s->block;
     for (size_t i = 0; i < sizeof sizes / sizeof sizes[0]; i++) {
         *slots[i] = next;
@@ -114,31 +133,30 @@ static void add_rows(float *x, const float *delta, size_t count) {
     for (size_t i = 0; i < count; i++) x[i] += delta[i];
 }
 
-static void attention_block(const kv_model *m, kv_cache *cache, run_state *s, int layer,
-                            int start_pos, int n_tokens) {
+static void attention_block(const kv_model *m, run_state *s, int layer, int start_pos,
+                            int n_tokens) {
     const kv_config *c = &m->config;
     const kv_weights *w = &m->weights;
+    const kv_layer_view *view = &s->views[layer];
     size_t q_dim = (size_t)c->n_heads * c->head_dim, kv_dim = (size_t)c->n_kv_heads * c->head_dim;
     size_t dim = (size_t)c->dim, half = (size_t)c->head_dim / 2;
-    float *key_layer = cache->key + (size_t)layer * cache->capacity * kv_dim;
-    float *value_layer = cache->value + (size_t)layer * cache->capacity * kv_dim;
-    float *new_keys = key_layer + (size_t)start_pos * kv_dim;
 
     rmsnorm_rows(s->xb, s->x, w->attn_norm + layer * dim, n_tokens, c->dim, c->norm_eps);
-    /* Q goes to scratch; K and V are written straight into the cache slots of the new
-     * positions: this is the moment a token's K and V are computed, once, forever. */
     kv_matmul(s->q, s->xb, w->wq + layer * q_dim * dim, n_tokens, c->dim, (int)q_dim);
-    kv_matmul(new_keys, s->xb, w->wk + layer * kv_dim * dim, n_tokens, c->dim, (int)kv_dim);
-    kv_matmul(value_layer + (size_t)start_pos * kv_dim, s->xb, w->wv + layer * kv_dim * dim,
-              n_tokens, c->dim, (int)kv_dim);
+    kv_matmul(s->k, s->xb, w->wk + layer * kv_dim * dim, n_tokens, c->dim, (int)kv_dim);
+    kv_matmul(s->v, s->xb, w->wv + layer * kv_dim * dim, n_tokens, c->dim, (int)kv_dim);
     for (int t = 0; t < n_tokens; t++) {
         const float *cos_t = s->rope_cos + t * half, *sin_t = s->rope_sin + t * half;
         kv_rope(s->q + t * q_dim, c->n_heads, c->head_dim, cos_t, sin_t, c->rope_interleaved);
-        kv_rope(new_keys + t * kv_dim, c->n_kv_heads, c->head_dim, cos_t, sin_t,
+        kv_rope(s->k + t * kv_dim, c->n_kv_heads, c->head_dim, cos_t, sin_t,
                 c->rope_interleaved);
+        /* This is the moment a token's K and V are computed: once, and kept. */
+        size_t slot = kv_view_offset(view, start_pos + t, (int)kv_dim);
+        memcpy(view->key + slot, s->k + t * kv_dim, kv_dim * sizeof(float));
+        memcpy(view->value + slot, s->v + t * kv_dim, kv_dim * sizeof(float));
     }
-    kv_attention(s->att_out, s->q, key_layer, value_layer, n_tokens, start_pos, c->n_heads,
-                 c->n_kv_heads, c->head_dim, s->scores, s->score_stride);
+    kv_attention(s->att_out, s->q, view, n_tokens, start_pos, c->n_heads, c->n_kv_heads,
+                 c->head_dim, s->scores, s->score_stride);
     kv_matmul(s->proj, s->att_out, w->wo + layer * dim * q_dim, n_tokens, (int)q_dim, c->dim);
     add_rows(s->x, s->proj, (size_t)n_tokens * dim);
 }
@@ -155,44 +173,86 @@ static void mlp_block(const kv_model *m, run_state *s, int layer, int n_tokens) 
     add_rows(s->x, s->proj, (size_t)n_tokens * dim);
 }
 
-kv_status kv_model_forward(const kv_model *model, kv_cache *cache, const int32_t *tokens,
-                           int n_tokens, float *logits, int all_logits) {
-    kv_status status = KV_OK;
-    run_state s = {0};
-    KV_CHECK(model != NULL && cache != NULL && tokens != NULL && logits != NULL,
-             KV_ERR_INVALID_ARG);
-    KV_CHECK(n_tokens > 0, KV_ERR_INVALID_ARG);
-    KV_TRY(kv_model_check(model));
+/* The forward pass proper. The caller has checked every argument, filled s->views, and
+ * made room for positions start_pos .. start_pos + n_tokens - 1 in the cache. */
+static void forward_tokens(const kv_model *model, run_state *s, int start_pos,
+                           const int32_t *tokens, int n_tokens, float *logits, int all_logits) {
     const kv_config *c = &model->config;
-    KV_TRY(kv_cache_check_fits(cache, c));
-    /* Every check happens before the first write, so a failed call leaves the cache
-     * exactly as it was. */
     for (int t = 0; t < n_tokens; t++)
-        KV_CHECK(tokens[t] >= 0 && tokens[t] < c->vocab_size, KV_ERR_TOKEN_RANGE);
-    KV_CHECK(n_tokens <= cache->capacity - cache->length, KV_ERR_CACHE_FULL);
-    int start_pos = cache->length;
-    KV_TRY(run_state_alloc(&s, c, n_tokens, start_pos + n_tokens));
-
-    for (int t = 0; t < n_tokens; t++)
-        memcpy(s.x + (size_t)t * c->dim, model->weights.token_embedding + (size_t)tokens[t] * c->dim,
+        memcpy(s->x + (size_t)t * c->dim, model->weights.token_embedding + (size_t)tokens[t] * c->dim,
                (size_t)c->dim * sizeof(float));
-    fill_rope_tables(&s, model, start_pos, n_tokens);
+    fill_rope_tables(s, model, start_pos, n_tokens);
 
     for (int layer = 0; layer < c->n_layers; layer++) {
-        attention_block(model, cache, &s, layer, start_pos, n_tokens);
-        mlp_block(model, &s, layer, n_tokens);
+        attention_block(model, s, layer, start_pos, n_tokens);
+        mlp_block(model, s, layer, n_tokens);
     }
 
     /* Only the rows whose logits were asked for go through the final norm and the
      * classifier, the largest matrix of a small model. */
     int first = all_logits ? 0 : n_tokens - 1;
-    float *rows = s.xb + (size_t)first * c->dim;
-    rmsnorm_rows(rows, s.x + (size_t)first * c->dim, model->weights.final_norm,
+    float *rows = s->xb + (size_t)first * c->dim;
+    rmsnorm_rows(rows, s->x + (size_t)first * c->dim, model->weights.final_norm,
                  n_tokens - first, c->dim, c->norm_eps);
     kv_matmul(logits, rows, model->weights.classifier, n_tokens - first, c->dim, c->vocab_size);
+}
+
+kv_status kv_check_tokens(const kv_config *config, const int32_t *tokens, int n_tokens) {
+    if (tokens == NULL || n_tokens <= 0) return KV_ERR_INVALID_ARG;
+    for (int t = 0; t < n_tokens; t++)
+        if (tokens[t] < 0 || tokens[t] >= config->vocab_size) return KV_ERR_TOKEN_RANGE;
+    return KV_OK;
+}
+
+kv_status kv_model_forward(const kv_model *model, kv_cache *cache, const int32_t *tokens,
+                           int n_tokens, float *logits, int all_logits) {
+    static const int32_t single_block = 0;  /* the contiguous cache is one big block */
+    kv_status status = KV_OK;
+    run_state s = {0};
+    KV_CHECK(model != NULL && cache != NULL && logits != NULL, KV_ERR_INVALID_ARG);
+    KV_TRY(kv_model_check(model));
+    const kv_config *c = &model->config;
+    KV_TRY(kv_cache_check_fits(cache, c));
+    /* Every check happens before the first write, so a failed call leaves the cache
+     * exactly as it was. */
+    KV_TRY(kv_check_tokens(c, tokens, n_tokens));
+    KV_CHECK(n_tokens <= cache->capacity - cache->length, KV_ERR_CACHE_FULL);
+    int start_pos = cache->length;
+    KV_TRY(run_state_alloc(&s, c, n_tokens, start_pos + n_tokens));
+    size_t layer_floats = (size_t)cache->capacity * c->n_kv_heads * c->head_dim;
+    for (int layer = 0; layer < c->n_layers; layer++)
+        s.views[layer] = (kv_layer_view){cache->key + layer * layer_floats,
+                                         cache->value + layer * layer_floats,
+                                         &single_block, cache->capacity, 0};
+    forward_tokens(model, &s, start_pos, tokens, n_tokens, logits, all_logits);
     cache->length = start_pos + n_tokens;
 fail:
-    free(s.block);
+    run_state_free(&s);
+    return status;
+}
+
+kv_status kv_model_forward_paged(const kv_model *model, kv_pool *pool, int seq,
+                                 const int32_t *tokens, int n_tokens, float *logits,
+                                 int all_logits) {
+    kv_status status = KV_OK;
+    run_state s = {0};
+    KV_CHECK(model != NULL && pool != NULL && logits != NULL, KV_ERR_INVALID_ARG);
+    KV_TRY(kv_model_check(model));
+    const kv_config *c = &model->config;
+    KV_TRY(kv_pool_check_fits(pool, c));
+    KV_TRY(kv_check_tokens(c, tokens, n_tokens));
+    KV_TRY(kv_pool_seq_check(pool, seq));
+    int start_pos = pool->seqs[seq].length;
+    KV_TRY(run_state_alloc(&s, c, n_tokens, start_pos + n_tokens));
+    /* Last fallible step: blocks for the new positions (copy-on-write included). It
+     * changes nothing when it fails, and nothing after it can fail. */
+    KV_TRY(kv_pool_reserve(pool, seq, n_tokens));
+    for (int layer = 0; layer < c->n_layers; layer++)
+        s.views[layer] = kv_pool_layer_view(pool, seq, layer);
+    forward_tokens(model, &s, start_pos, tokens, n_tokens, logits, all_logits);
+    kv_pool_commit(pool, seq, tokens, n_tokens);
+fail:
+    run_state_free(&s);
     return status;
 }
 

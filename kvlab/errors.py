@@ -29,3 +29,15 @@ class TokenizerError(KVLabError, ValueError):
 
 class CacheFullError(KVLabError, ValueError):
     """Appending would go past the cache's capacity (max_seq_len)."""
+
+
+class OutOfBlocks(KVLabError, RuntimeError):
+    """The paged pool has no free block left (nor a cached one to evict)."""
+
+
+class OutOfSequences(KVLabError, RuntimeError):
+    """Every sequence slot of the paged pool is taken (max_seqs)."""
+
+
+class PoolInvariantError(KVLabError, RuntimeError):
+    """pool.check() found a broken invariant: this is a bug in kvlab."""
