@@ -37,6 +37,32 @@ static PyObject *raise_status(kv_status status) {
 
 /* ================================ KVCache ======================================== */
 
+/* keys/values for append: float32 (n_tokens, n_layers, n_kv_heads, head_dim), C order */
+static int check_rows(int n_layers, int n_kv_heads, int head_dim, PyObject *obj,
+                      const char *what, int n_tokens) {
+    if (!PyArray_Check(obj) || PyArray_TYPE((PyArrayObject *)obj) != NPY_FLOAT32 ||
+        !PyArray_ISNOTSWAPPED((PyArrayObject *)obj)) {
+        PyErr_Format(PyExc_TypeError, "%s must be a float32 numpy array", what);
+        return -1;
+    }
+    PyArrayObject *a = (PyArrayObject *)obj;
+    npy_intp want[4] = {n_tokens, n_layers, n_kv_heads, head_dim};
+    int ok = PyArray_NDIM(a) == 4;
+    for (int i = 0; ok && i < 4; i++) ok = PyArray_DIM(a, i) == want[i];
+    if (!ok) {
+        PyErr_Format(PyExc_ValueError, "%s must have shape (n_tokens=%d, n_layers=%d, "
+                     "n_kv_heads=%d, head_dim=%d)", what, n_tokens, n_layers, n_kv_heads,
+                     head_dim);
+        return -1;
+    }
+    if (!PyArray_IS_C_CONTIGUOUS(a) || !PyArray_ISALIGNED(a)) {
+        PyErr_Format(PyExc_ValueError, "%s must be C-contiguous", what);
+        return -1;
+    }
+    return 0;
+}
+
+
 typedef struct {
     PyObject_HEAD
     kv_cache cache;
@@ -167,6 +193,36 @@ static PyObject *cache_truncate(CacheObject *self, PyObject *arg) {
     Py_RETURN_NONE;
 }
 
+static PyObject *cache_append(CacheObject *self, PyObject *args) {
+    PyObject *keys, *values;
+    if (!PyArg_ParseTuple(args, "OO", &keys, &values)) return NULL;
+    if (require_initialized(self) < 0 || refuse_if_busy(self) < 0) return NULL;
+    const kv_cache *c = &self->cache;
+    if (!PyArray_Check(keys) || PyArray_NDIM((PyArrayObject *)keys) != 4) {
+        PyErr_SetString(PyExc_ValueError, "keys must be a 4-D float32 array "
+                        "(n_tokens, n_layers, n_kv_heads, head_dim)");
+        return NULL;
+    }
+    npy_intp n = PyArray_DIM((PyArrayObject *)keys, 0);
+    if (n < 1 || n > (1 << 30)) {
+        PyErr_SetString(PyExc_ValueError, "append needs at least one row");
+        return NULL;
+    }
+    if (check_rows(c->n_layers, c->n_kv_heads, c->head_dim, keys, "keys", (int)n) < 0 ||
+        check_rows(c->n_layers, c->n_kv_heads, c->head_dim, values, "values", (int)n) < 0)
+        return NULL;
+    if (n > c->capacity - c->length) {
+        PyErr_Format(CacheFullError, "the KV cache is full: it holds %d of %d positions and "
+                     "cannot take %zd more", c->length, c->capacity, (Py_ssize_t)n);
+        return NULL;
+    }
+    kv_status status = kv_cache_append(&self->cache, (int)n,
+                                       (const float *)PyArray_DATA((PyArrayObject *)keys),
+                                       (const float *)PyArray_DATA((PyArrayObject *)values));
+    if (status != KV_OK) return raise_status(status);
+    Py_RETURN_NONE;
+}
+
 static PyObject *cache_repr(CacheObject *self) {
     const kv_cache *c = &self->cache;
     return PyUnicode_FromFormat(
@@ -195,6 +251,9 @@ static PyMethodDef cache_methods[] = {
     {"reset", (PyCFunction)cache_reset, METH_NOARGS, "Forget every cached token (length = 0)."},
     {"truncate", (PyCFunction)cache_truncate, METH_O,
      "truncate(n): roll back to the first n tokens, as if the rest never came."},
+    {"append", (PyCFunction)cache_append, METH_VARARGS,
+     "append(keys, values): write given K/V rows, each (n_tokens, n_layers, n_kv_heads,\n"
+     "head_dim) float32, without a model (for exercises and benchmarks)."},
     {NULL}
 };
 
@@ -495,30 +554,6 @@ static PyObject *pool_reuse_prefix(PoolObject *self, PyObject *args) {
     return PyLong_FromLong(reused);
 }
 
-/* keys/values for append: float32 (n_tokens, n_layers, n_kv_heads, head_dim), C order */
-static int check_rows(const kv_pool *p, PyObject *obj, const char *what, int n_tokens) {
-    if (!PyArray_Check(obj) || PyArray_TYPE((PyArrayObject *)obj) != NPY_FLOAT32 ||
-        !PyArray_ISNOTSWAPPED((PyArrayObject *)obj)) {
-        PyErr_Format(PyExc_TypeError, "%s must be a float32 numpy array", what);
-        return -1;
-    }
-    PyArrayObject *a = (PyArrayObject *)obj;
-    npy_intp want[4] = {n_tokens, p->n_layers, p->n_kv_heads, p->head_dim};
-    int ok = PyArray_NDIM(a) == 4;
-    for (int i = 0; ok && i < 4; i++) ok = PyArray_DIM(a, i) == want[i];
-    if (!ok) {
-        PyErr_Format(PyExc_ValueError, "%s must have shape (n_tokens=%d, n_layers=%d, "
-                     "n_kv_heads=%d, head_dim=%d)", what, n_tokens, p->n_layers, p->n_kv_heads,
-                     p->head_dim);
-        return -1;
-    }
-    if (!PyArray_IS_C_CONTIGUOUS(a) || !PyArray_ISALIGNED(a)) {
-        PyErr_Format(PyExc_ValueError, "%s must be C-contiguous", what);
-        return -1;
-    }
-    return 0;
-}
-
 static PyObject *pool_append(PoolObject *self, PyObject *args) {
     PyObject *seq_obj, *tokens_obj, *keys, *values;
     if (!PyArg_ParseTuple(args, "OOOO", &seq_obj, &tokens_obj, &keys, &values)) return NULL;
@@ -532,7 +567,9 @@ static PyObject *pool_append(PoolObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "tokens must not be empty");
         return NULL;
     }
-    if (check_rows(&self->pool, keys, "keys", n) < 0 || check_rows(&self->pool, values, "values", n) < 0)
+    const kv_pool *p = &self->pool;
+    if (check_rows(p->n_layers, p->n_kv_heads, p->head_dim, keys, "keys", n) < 0 ||
+        check_rows(p->n_layers, p->n_kv_heads, p->head_dim, values, "values", n) < 0)
         return NULL;
     kv_status status = kv_pool_append(&self->pool, seq, (const int32_t *)PyArray_DATA(tokens), n,
                                       (const float *)PyArray_DATA((PyArrayObject *)keys),

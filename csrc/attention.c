@@ -24,7 +24,9 @@ void kv_attention(float *out, const float *q, const kv_layer_view *view, int n_t
     int block_size = view->block_size;
     float scale = 1.0f / sqrtf((float)head_dim);
 
-    #pragma omp parallel for collapse(2) schedule(static) if (n_tokens * n_heads > 1)
+    long work = (long)n_tokens * n_heads * (start_pos + n_tokens) * head_dim;
+    #pragma omp parallel for collapse(2) schedule(static) \
+        if (work >= KV_PARALLEL_MIN_WORK && n_tokens * n_heads > 1)
     for (int t = 0; t < n_tokens; t++) {
         for (int h = 0; h < n_heads; h++) {
             int n_seen = start_pos + t + 1;          /* positions 0 .. its own */

@@ -32,6 +32,11 @@ static inline float *kv_alloc_floats(size_t count) {
     return (float *)aligned_alloc(64, bytes);
 }
 
+/* Below this many multiply-adds a loop runs on one thread: waking the other threads
+ * costs a few microseconds, more than small work takes, and far more when the cores
+ * are busy with something else. */
+#define KV_PARALLEL_MIN_WORK (1L << 16)
+
 #ifdef _OPENMP
 #include <omp.h>
 #else

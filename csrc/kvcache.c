@@ -58,6 +58,23 @@ kv_status kv_cache_truncate(kv_cache *cache, int length) {
     return KV_OK;
 }
 
+kv_status kv_cache_append(kv_cache *cache, int n_tokens, const float *keys, const float *values) {
+    if (cache->key == NULL || keys == NULL || values == NULL || n_tokens <= 0)
+        return KV_ERR_INVALID_ARG;
+    if (n_tokens > cache->capacity - cache->length) return KV_ERR_CACHE_FULL;
+    size_t row = (size_t)cache->n_kv_heads * cache->head_dim;
+    for (int layer = 0; layer < cache->n_layers; layer++) {
+        for (int t = 0; t < n_tokens; t++) {
+            size_t dst = ((size_t)layer * cache->capacity + cache->length + t) * row;
+            size_t src = ((size_t)t * cache->n_layers + layer) * row;
+            memcpy(cache->key + dst, keys + src, row * sizeof(float));
+            memcpy(cache->value + dst, values + src, row * sizeof(float));
+        }
+    }
+    cache->length += n_tokens;
+    return KV_OK;
+}
+
 kv_status kv_cache_check_fits(const kv_cache *cache, const kv_config *config) {
     if (cache->key == NULL || cache->n_layers != config->n_layers ||
         cache->n_kv_heads != config->n_kv_heads || cache->head_dim != config->head_dim)

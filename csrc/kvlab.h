@@ -89,6 +89,9 @@ kv_status kv_cache_init(kv_cache *cache, int n_layers, int n_kv_heads, int head_
 void kv_cache_free(kv_cache *cache);   /* accepts a zeroed or half-built cache */
 size_t kv_cache_nbytes(const kv_cache *cache);
 kv_status kv_cache_truncate(kv_cache *cache, int length);  /* roll back to `length` tokens */
+/* Appends n_tokens rows of given K and V, each (n_tokens, n_layers, n_kv_heads, head_dim):
+ * filling a cache without a model, for tests, benchmarks and exercises. */
+kv_status kv_cache_append(kv_cache *cache, int n_tokens, const float *keys, const float *values);
 /* Does this cache fit this model's layer count and KV head shape? */
 kv_status kv_cache_check_fits(const kv_cache *cache, const kv_config *config);
 

@@ -6,6 +6,7 @@
     cache = model.new_cache(max_seq_len=256)
     logits = model.prefill(model.encode("ROMEO:"), cache)
     cache.keys.shape                                      # (n_layers, length, n_kv_heads, head_dim)
+    pool = model.new_paged_pool(num_blocks=64, block_size=16)   # the paged cache
 
 The C core (csrc/) runs the model; kvlab.reference is the same math in plain NumPy.
 """
@@ -16,10 +17,11 @@ from typing import Optional, Union
 
 from ._core import core as _core
 from .config import ModelConfig
-from .errors import (CacheFullError, CheckpointError, ConfigError, KVLabError,
-                     TokenizerError, WeightsError)
+from .errors import (CacheFullError, CheckpointError, ConfigError, KVLabError, OutOfBlocks,
+                     OutOfSequences, PoolInvariantError, TokenizerError, WeightsError)
 from .generate import Generation, generate
 from .model import KVCache, Model
+from .paged import PagedPool, PagedSequence, PoolStats
 from .weights import Weights
 
 __version__ = "0.1.0"
@@ -50,5 +52,6 @@ def get_num_threads() -> int:
 __all__ = [
     "load", "generate", "Generation", "Model", "KVCache", "ModelConfig", "Weights",
     "set_num_threads", "get_num_threads", "DEFAULT_MODEL", "KVLabError", "ConfigError",
-    "WeightsError", "CheckpointError", "TokenizerError", "CacheFullError",
+    "WeightsError", "CheckpointError", "TokenizerError", "CacheFullError", "PagedPool",
+    "PagedSequence", "PoolStats", "OutOfBlocks", "OutOfSequences", "PoolInvariantError",
 ]

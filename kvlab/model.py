@@ -14,6 +14,7 @@ import numpy as np
 from ._core import core
 from .config import ModelConfig
 from .errors import TokenizerError
+from .paged import PagedPool, PagedSequence
 from .tokenizer import Tokenizer
 from .weights import Weights
 
@@ -22,6 +23,7 @@ KVCache = core.KVCache
 CACHE_DTYPES = ("fp32",)
 
 TokenArray = Union[Sequence[int], np.ndarray]
+Cache = Union[KVCache, PagedSequence]
 
 
 def as_token_array(tokens: TokenArray, vocab_size: int) -> np.ndarray:
@@ -73,15 +75,33 @@ class Model:
         c = self.config
         return KVCache(c.n_layers, c.n_kv_heads, c.head_dim, int(capacity))
 
+    def new_paged_pool(self, num_blocks: int, block_size: int = 16, dtype: str = "fp32",
+                       max_seqs: int = 256, max_blocks_per_seq: Optional[int] = None) -> PagedPool:
+        """A paged KV cache: num_blocks blocks of block_size positions, shared by up to
+        max_seqs sequences, each at most max_blocks_per_seq blocks long (default: enough
+        for the model's context). Make sequences with pool.new_sequence()."""
+        if dtype not in CACHE_DTYPES:
+            raise ValueError(f"unknown cache dtype {dtype!r}; this build supports {CACHE_DTYPES}")
+        for name, value in (("num_blocks", num_blocks), ("block_size", block_size),
+                            ("max_seqs", max_seqs)):
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if max_blocks_per_seq is None:
+            max_blocks_per_seq = -(-self.config.max_seq_len // block_size)
+        c = self.config
+        return PagedPool(c.n_layers, c.n_kv_heads, c.head_dim, int(num_blocks), int(block_size),
+                         int(max_seqs), int(max_blocks_per_seq))
+
     # ---- running ---------------------------------------------------------------------
-    def prefill(self, tokens: TokenArray, cache: KVCache, all_logits: bool = False) -> np.ndarray:
+    def prefill(self, tokens: TokenArray, cache: Cache, all_logits: bool = False) -> np.ndarray:
         """Run a prompt (or any chunk of new tokens) in one causal pass, appending its K
-        and V to the cache. Returns the last token's logits (vocab,), or every token's
-        (len(tokens), vocab) with all_logits=True."""
+        and V to the cache (a KVCache, or a PagedSequence of a paged pool). Returns the
+        last token's logits (vocab,), or every token's (len(tokens), vocab) with
+        all_logits=True."""
         return self._core.forward(as_token_array(tokens, self.config.vocab_size), cache,
                                   all_logits)
 
-    def decode(self, token: int, cache: KVCache) -> np.ndarray:
+    def decode(self, token: int, cache: Cache) -> np.ndarray:
         """One generation step: a single new token attends over the cache. Returns (vocab,)."""
         if isinstance(token, (bool, np.bool_)) or not isinstance(token, (int, np.integer)):
             raise TypeError(f"decode takes one integer token id, got {token!r}")

@@ -1,0 +1,117 @@
+"""kvlab.PagedPool: the paged KV cache as a Python object you can look at.
+
+The pool itself (blocks, block tables, ref counts, copy-on-write, prefix cache) is C
+(csrc/paged.c); this module adds what a notebook needs on top: statistics with the
+internal-fragmentation figure, and text and HTML pictures of which block holds what.
+
+    pool = model.new_paged_pool(num_blocks=64, block_size=16)
+    seq = pool.new_sequence()
+    model.prefill(tokens, seq)          # K and V land in blocks seq.block_table
+    child = pool.fork(seq)              # shares every block; copy-on-write later
+    pool                                # in a notebook: the block map
+"""
+from __future__ import annotations
+
+import dataclasses
+import html
+from ._core import core
+
+PagedSequence = core.PagedSequence
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolStats:
+    blocks_used: int        # referenced by at least one block table
+    blocks_free: int        # on the free list
+    blocks_cached: int      # unreferenced full blocks kept for prefix reuse
+    tokens_stored: int      # rows written in used blocks (shared rows counted once)
+    slots_unused: int       # rows of used blocks not written yet: internal fragmentation
+    n_sequences: int
+    prefix_hits: int        # full blocks found in the prefix cache
+    prefix_misses: int      # full blocks looked up and not found
+
+    @property
+    def slots_allocated(self) -> int:
+        return self.tokens_stored + self.slots_unused
+
+    @property
+    def fragmentation_percent(self) -> float:
+        """Share of allocated slots that hold nothing."""
+        return 100.0 * self.slots_unused / self.slots_allocated if self.slots_allocated else 0.0
+
+
+class PagedPool(core.PagedPool):
+    """A pool of fixed-size KV blocks shared by many sequences (see csrc/paged.c)."""
+
+    def stats(self) -> PoolStats:
+        return PoolStats(**super().stats())
+
+    def block_state(self, block: int) -> str:
+        """'used', 'cached' or 'free'."""
+        if self.ref_counts[block] > 0:
+            return "used"
+        return "cached" if block in set(self.cached_blocks) else "free"
+
+    # ---- pictures ----------------------------------------------------------------------
+    def render(self, width: int = 64) -> str:
+        """A text map: one character per block ('.' free, 'c' cached, the ref count if
+        used, '+' above 9), then each sequence's block table."""
+        refs, cached = self.ref_counts, set(self.cached_blocks)
+        cells = []
+        for b in range(self.num_blocks):
+            if refs[b] > 0:
+                cells.append(str(refs[b]) if refs[b] < 10 else "+")
+            else:
+                cells.append("c" if b in cached else ".")
+        s = self.stats()
+        lines = [f"PagedPool: {self.num_blocks} blocks x {self.block_size} tokens, "
+                 f"{s.blocks_used} used, {s.blocks_cached} cached, {s.blocks_free} free; "
+                 f"{s.tokens_stored} tokens stored, {s.slots_unused} slots unused "
+                 f"({s.fragmentation_percent:.1f} %); prefix hits {s.prefix_hits}, "
+                 f"misses {s.prefix_misses}"]
+        for start in range(0, self.num_blocks, width):
+            lines.append(f"  {start:5d} {''.join(cells[start:start + width])}")
+        for seq in self.sequences():
+            table = ", ".join(str(b) for b in seq.block_table)
+            lines.append(f"  seq {seq.id}: length {seq.length}, blocks [{table}]")
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        s = self.stats()
+        return (f"PagedPool(num_blocks={self.num_blocks}, block_size={self.block_size}, "
+                f"used={s.blocks_used}, cached={s.blocks_cached}, free={s.blocks_free}, "
+                f"sequences={s.n_sequences}, nbytes={self.nbytes:,})")
+
+    def _repr_html_(self) -> str:
+        refs, fill, cached = self.ref_counts, self.fill, set(self.cached_blocks)
+        colors = {"used": "#4c78a8", "shared": "#f58518", "cached": "#9ecae9", "free": "#eeeeee"}
+        cells = []
+        for b in range(self.num_blocks):
+            if refs[b] > 1:
+                kind = "shared"
+            elif refs[b] == 1:
+                kind = "used"
+            else:
+                kind = "cached" if b in cached else "free"
+            title = f"block {b}: {kind}, ref {refs[b]}, {fill[b]}/{self.block_size} rows"
+            text_color = "white" if kind in ("used", "shared") else "#333"
+            cells.append(f'<div title="{title}" style="width:34px;height:30px;margin:1px;'
+                         f'background:{colors[kind]};color:{text_color};font:10px monospace;'
+                         f'display:inline-block;text-align:center;line-height:14px">'
+                         f'{b}<br>{"r" + str(refs[b]) if refs[b] else kind[0]}</div>')
+        rows = []
+        for seq in self.sequences():
+            table = " ".join(f'<span style="background:{colors["shared" if refs[b] > 1 else "used"]};'
+                             f'color:white;padding:0 3px;margin:1px">{b}</span>'
+                             for b in seq.block_table)
+            rows.append(f"<tr><td>seq {seq.id}</td><td>{seq.length}</td><td>{table}</td></tr>")
+        s = self.stats()
+        legend = " ".join(f'<span style="background:{c};padding:0 4px">{html.escape(k)}</span>'
+                          for k, c in colors.items())
+        return (f"<div><b>PagedPool</b>: {self.num_blocks} blocks x {self.block_size} tokens; "
+                f"{s.blocks_used} used, {s.blocks_cached} cached, {s.blocks_free} free; "
+                f"{s.tokens_stored} tokens, {s.slots_unused} slots unused "
+                f"({s.fragmentation_percent:.1f} %) {legend}"
+                f"<div style='max-width:760px'>{''.join(cells)}</div>"
+                f"<table><tr><th>sequence</th><th>length</th><th>block table</th></tr>"
+                f"{''.join(rows)}</table></div>")
