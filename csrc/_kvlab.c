@@ -12,6 +12,9 @@
 #define NPY_NO_DEPRECATED_API NPY_2_0_API_VERSION
 #include <numpy/arrayobject.h>
 
+#include <math.h>
+#include <string.h>
+
 #include "kvlab.h"
 
 /* kvlab.errors classes, looked up once at import. */
@@ -782,7 +785,7 @@ static int read_int(PyObject *config, const char *key, int *out) {
     long v = PyLong_AsLong(value);
     if (v == -1 && PyErr_Occurred()) return -1;
     if (v <= 0 || v > (1L << 30)) {
-        PyErr_Format(ConfigError, "config %s must be a positive integer, got %ld", key, v);
+        PyErr_Format(ConfigError, "config %s must be an integer in 1..2**30, got %ld", key, v);
         return -1;
     }
     *out = (int)v;
@@ -855,19 +858,26 @@ static int model_init(ModelObject *self, PyObject *args, PyObject *kwds) {
         read_int(config, "vocab_size", &c->vocab_size) < 0 ||
         read_int(config, "max_seq_len", &c->max_seq_len) < 0)
         goto fail;
+    /* Each borrowed value is converted before the next lookup: a conversion may run
+     * Python code (__float__, __bool__) that changes the dict under our feet. */
     PyObject *eps = PyDict_GetItemString(config, "norm_eps");
-    PyObject *interleaved = PyDict_GetItemString(config, "rope_interleaved");
-    if (eps == NULL || interleaved == NULL) {
-        PyErr_SetString(ConfigError, "model config needs norm_eps and rope_interleaved");
+    if (eps == NULL) {
+        PyErr_SetString(ConfigError, "model config needs norm_eps");
         goto fail;
     }
     c->norm_eps = (float)PyFloat_AsDouble(eps);
     if (PyErr_Occurred()) goto fail;
+    PyObject *interleaved = PyDict_GetItemString(config, "rope_interleaved");
+    if (interleaved == NULL) {
+        PyErr_SetString(ConfigError, "model config needs rope_interleaved");
+        goto fail;
+    }
     c->rope_interleaved = PyObject_IsTrue(interleaved);
     if (c->rope_interleaved < 0) goto fail;
-    if (c->n_heads % c->n_kv_heads != 0 || c->head_dim % 2 != 0 || !(c->norm_eps > 0.0f)) {
+    if (c->n_heads % c->n_kv_heads != 0 || c->head_dim % 2 != 0 || !(c->norm_eps > 0.0f) ||
+        !isfinite(c->norm_eps)) {
         PyErr_Format(ConfigError, "config does not fit: n_kv_heads (%d) must divide n_heads "
-                     "(%d), head_dim (%d) must be even, norm_eps must be > 0",
+                     "(%d), head_dim (%d) must be even, norm_eps must be finite and > 0",
                      c->n_kv_heads, c->n_heads, c->head_dim);
         goto fail;
     }
@@ -895,7 +905,8 @@ static int model_init(ModelObject *self, PyObject *args, PyObject *kwds) {
                         &self->arrays[i], table[i].data) < 0)
             goto fail;
     if (kv_model_check(&self->model) != KV_OK) {
-        PyErr_SetString(ConfigError, "model config or weights are inconsistent");
+        PyErr_SetString(ConfigError, "model sizes exceed what kvlab supports (widths up to "
+                        "65536, vocab up to 2**24, layers up to 4096)");
         goto fail;
     }
     return 0;
@@ -929,8 +940,9 @@ static int check_tokens(ModelObject *self, PyObject *obj) {
         PyErr_SetString(PyExc_ValueError, "tokens must be C-contiguous");
         return -1;
     }
-    if (PyArray_DIM(tokens, 0) > (1 << 30)) {
-        PyErr_SetString(PyExc_ValueError, "too many tokens in one call");
+    if (PyArray_DIM(tokens, 0) > (1 << 16)) {
+        PyErr_SetString(PyExc_ValueError, "too many tokens in one call (at most 65536); "
+                        "prefill a long prompt in chunks");
         return -1;
     }
     const int32_t *ids = (const int32_t *)PyArray_DATA(tokens);
@@ -1005,10 +1017,17 @@ static PyObject *model_forward(ModelObject *self, PyObject *args, PyObject *kwds
                                   : PyArray_SimpleNew(1, &dims[1], NPY_FLOAT32);
     if (logits == NULL) return NULL;
     float *out = (float *)PyArray_DATA((PyArrayObject *)logits);
-    const int32_t *ids = (const int32_t *)PyArray_DATA(tokens);
+    /* A private copy of the ids, taken (and checked again by the core) while we hold the
+     * GIL: the caller's array could be changed by another thread once we let go of it. */
+    int32_t *ids = PyMem_Malloc((size_t)n_tokens * sizeof(int32_t));
+    if (ids == NULL) {
+        Py_DECREF(logits);
+        return PyErr_NoMemory();
+    }
+    memcpy(ids, PyArray_DATA(tokens), (size_t)n_tokens * sizeof(int32_t));
 
-    /* The token array and the cache are kept alive by this call's references; the busy
-     * flag stops another thread from resizing or reusing the cache meanwhile. */
+    /* The cache is kept alive by this call's reference; the busy flag stops another
+     * thread from resizing or reusing it meanwhile. */
     kv_status status;
     if (cache != NULL) cache->busy = 1;
     if (pool != NULL) pool->busy = 1;
@@ -1023,6 +1042,7 @@ static PyObject *model_forward(ModelObject *self, PyObject *args, PyObject *kwds
     Py_END_ALLOW_THREADS
     if (cache != NULL) cache->busy = 0;
     if (pool != NULL) pool->busy = 0;
+    PyMem_Free(ids);
     if (status != KV_OK) {
         Py_DECREF(logits);
         return pool != NULL ? raise_pool_status(pool, status, n_tokens) : raise_status(status);
@@ -1097,8 +1117,12 @@ static int fetch_errors(void) {
     OutOfSequences = PyObject_GetAttrString(errors, "OutOfSequences");
     PoolInvariantError = PyObject_GetAttrString(errors, "PoolInvariantError");
     Py_DECREF(errors);
-    return (CacheFullError && ConfigError && WeightsError && OutOfBlocks && OutOfSequences &&
-            PoolInvariantError) ? 0 : -1;
+    if (CacheFullError && ConfigError && WeightsError && OutOfBlocks && OutOfSequences &&
+        PoolInvariantError)
+        return 0;
+    Py_CLEAR(CacheFullError); Py_CLEAR(ConfigError); Py_CLEAR(WeightsError);
+    Py_CLEAR(OutOfBlocks); Py_CLEAR(OutOfSequences); Py_CLEAR(PoolInvariantError);
+    return -1;
 }
 
 PyMODINIT_FUNC PyInit__kvlab(void) {

@@ -17,21 +17,21 @@
 
 void kv_attention(float *out, const float *q, const kv_layer_view *view, int n_tokens,
                   int start_pos, int n_heads, int n_kv_heads, int head_dim, float *scores,
-                  int score_stride) {
+                  int score_stride, int n_threads) {
     int kv_mul = n_heads / n_kv_heads;
-    int q_dim = n_heads * head_dim;
+    size_t q_dim = (size_t)n_heads * head_dim;
     int kv_dim = n_kv_heads * head_dim;
     int block_size = view->block_size;
     float scale = 1.0f / sqrtf((float)head_dim);
 
     long work = (long)n_tokens * n_heads * (start_pos + n_tokens) * head_dim;
-    #pragma omp parallel for collapse(2) schedule(static) \
-        if (work >= KV_PARALLEL_MIN_WORK && n_tokens * n_heads > 1)
+    #pragma omp parallel for collapse(2) schedule(static) num_threads(n_threads) \
+        if (work >= KV_PARALLEL_MIN_WORK && (long)n_tokens * n_heads > 1)
     for (int t = 0; t < n_tokens; t++) {
         for (int h = 0; h < n_heads; h++) {
             int n_seen = start_pos + t + 1;          /* positions 0 .. its own */
             size_t head_offset = (size_t)(h / kv_mul) * head_dim;
-            const float *query = q + (size_t)t * q_dim + (size_t)h * head_dim;
+            const float *query = q + t * q_dim + (size_t)h * head_dim;
             float *att = scores + (size_t)omp_get_thread_num() * score_stride;
 
             /* how well this query matches every earlier key (and its own) */
@@ -44,7 +44,7 @@ void kv_attention(float *out, const float *q, const kv_layer_view *view, int n_t
             kv_softmax(att, n_seen);
 
             /* the weighted mix of their values */
-            float *result = out + (size_t)t * q_dim + (size_t)h * head_dim;
+            float *result = out + t * q_dim + (size_t)h * head_dim;
             memset(result, 0, (size_t)head_dim * sizeof(float));
             for (int first = 0; first < n_seen; first += block_size) {
                 int rows = n_seen - first < block_size ? n_seen - first : block_size;

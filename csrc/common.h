@@ -24,7 +24,8 @@
         }                                  \
     } while (0)
 
-/* Float buffers are 64-byte aligned so vector loads never split a cache line. */
+/* Float buffers start on a 64-byte boundary (a cache line): tidy, and what SIMD code
+ * written for aligned loads would need. The kernels here use unaligned loads anyway. */
 static inline float *kv_alloc_floats(size_t count) {
     size_t bytes = count * sizeof(float);
     bytes = (bytes + 63) & ~(size_t)63;
@@ -42,7 +43,18 @@ static inline float *kv_alloc_floats(size_t count) {
 #else
 static inline int omp_get_max_threads(void) { return 1; }
 static inline int omp_get_thread_num(void) { return 0; }
-static inline void omp_set_num_threads(int n) { (void)n; }
 #endif
+
+/* Threads every parallel loop of the core uses (kv_set_num_threads). One process-wide
+ * number, passed to each loop with num_threads(), because OpenMP's own setting belongs
+ * to the calling thread and Python code often calls from several threads. */
+int kv_threads(void);
+
+/* Largest sizes the core accepts, so that every product of them used as an index fits. */
+#define KV_MAX_WIDTH (1 << 16)       /* dim, hidden_dim, n_heads * head_dim, kv_dim */
+#define KV_MAX_VOCAB (1 << 24)
+#define KV_MAX_LAYERS 4096
+#define KV_MAX_POSITIONS (1 << 28)   /* cache capacity */
+#define KV_MAX_TOKENS_PER_CALL (1 << 16)
 
 #endif /* KVLAB_COMMON_H */

@@ -16,6 +16,8 @@ kv_status kv_cache_init(kv_cache *cache, int n_layers, int n_kv_heads, int head_
     memset(cache, 0, sizeof *cache);
     KV_CHECK(n_layers > 0 && n_kv_heads > 0 && head_dim > 0 && capacity > 0,
              KV_ERR_INVALID_ARG);
+    KV_CHECK(n_layers <= KV_MAX_LAYERS && (long)n_kv_heads * head_dim <= KV_MAX_WIDTH &&
+             capacity <= KV_MAX_POSITIONS, KV_ERR_INVALID_ARG);
     size_t count = (size_t)n_layers * (size_t)capacity * (size_t)n_kv_heads * (size_t)head_dim;
     KV_CHECK(count / (size_t)n_layers / (size_t)capacity == (size_t)n_kv_heads * head_dim,
              KV_ERR_INVALID_ARG);  /* overflow */
@@ -25,12 +27,12 @@ kv_status kv_cache_init(kv_cache *cache, int n_layers, int n_kv_heads, int head_
     cache->head_dim = head_dim;
     cache->capacity = capacity;
     cache->length = 0;
-    cache->key = kv_alloc_floats(count);
-    cache->value = kv_alloc_floats(count);
+    /* calloc: an unfilled slot reads as 0, never as old garbage, and the operating system
+     * hands out zero pages only when they are first touched, so a large cache costs
+     * physical memory as it fills (watch the process's resident size grow). */
+    cache->key = calloc(count, sizeof(float));
+    cache->value = calloc(count, sizeof(float));
     KV_CHECK(cache->key != NULL && cache->value != NULL, KV_ERR_NOMEM);
-    /* Zeroed so that an inspected-but-unfilled slot reads as 0, never as old garbage. */
-    memset(cache->key, 0, count * sizeof(float));
-    memset(cache->value, 0, count * sizeof(float));
     return KV_OK;
 fail:
     kv_cache_free(cache);

@@ -37,18 +37,30 @@ const char *kv_strerror(kv_status status) {
     return "unknown error";
 }
 
+static int num_threads;  /* 0 until set: then OpenMP's default (the available cores) */
+
 void kv_set_num_threads(int n_threads) {
-    if (n_threads > 0) omp_set_num_threads(n_threads);
+    if (n_threads > 0) num_threads = n_threads;
 }
 
-int kv_get_num_threads(void) { return omp_get_max_threads(); }
+int kv_get_num_threads(void) { return kv_threads(); }
+
+int kv_threads(void) {
+    int n = num_threads;
+    return n > 0 ? n : omp_get_max_threads();
+}
 
 kv_status kv_model_check(const kv_model *model) {
     const kv_config *c = &model->config;
     if (c->dim <= 0 || c->hidden_dim <= 0 || c->n_layers <= 0 || c->n_heads <= 0 ||
         c->n_kv_heads <= 0 || c->head_dim <= 0 || c->vocab_size <= 0 || c->max_seq_len <= 0)
         return KV_ERR_INVALID_ARG;
-    if (c->n_heads % c->n_kv_heads != 0 || c->head_dim % 2 != 0 || !(c->norm_eps > 0.0f))
+    if (c->dim > KV_MAX_WIDTH || c->hidden_dim > KV_MAX_WIDTH || c->n_layers > KV_MAX_LAYERS ||
+        c->vocab_size > KV_MAX_VOCAB || c->head_dim > KV_MAX_WIDTH ||
+        (long)c->n_heads * c->head_dim > KV_MAX_WIDTH)
+        return KV_ERR_INVALID_ARG;
+    if (c->n_heads % c->n_kv_heads != 0 || c->head_dim % 2 != 0 || !(c->norm_eps > 0.0f) ||
+        !isfinite(c->norm_eps))
         return KV_ERR_INVALID_ARG;
     const kv_weights *w = &model->weights;
     const float *required[] = {w->token_embedding, w->attn_norm, w->wq, w->wk, w->wv, w->wo,
@@ -74,6 +86,7 @@ typedef struct {
     float *rope_sin;  /* (n_tokens, head_dim / 2) */
     float *scores;    /* (n_threads, score_stride) attention weights, one row per thread */
     int score_stride;
+    int n_threads;    /* threads of this call's attention loops: one scores row each */
     float *block;     /* the single allocation all of the above point into */
     kv_layer_view *views;  /* (n_layers,) where each layer's K and V live */
 } run_state;
@@ -92,9 +105,10 @@ static kv_status run_state_alloc(run_state *s, const kv_config *c, int n_tokens,
     size_t T = (size_t)n_tokens, q_dim = (size_t)c->n_heads * c->head_dim;
     size_t kv_dim = (size_t)c->n_kv_heads * c->head_dim, half = (size_t)c->head_dim / 2;
     s->score_stride = (int)round_up16((size_t)max_positions);
+    s->n_threads = kv_threads();
     size_t sizes[] = {T * c->dim, T * c->dim, T * q_dim, T * kv_dim, T * kv_dim, T * q_dim,
                       T * c->dim, T * c->hidden_dim, T * c->hidden_dim, T * half, T * half,
-                      (size_t)omp_get_max_threads() * s->score_stride};
+                      (size_t)s->n_threads * s->score_stride};
     float **slots[] = {&s->x, &s->xb, &s->q, &s->k, &s->v, &s->att_out, &s->proj, &s->hb,
                        &s->hb2, &s->rope_cos, &s->rope_sin, &s->scores};
     size_t total = 0;
@@ -156,7 +170,7 @@ static void attention_block(const kv_model *m, run_state *s, int layer, int star
         memcpy(view->value + slot, s->v + t * kv_dim, kv_dim * sizeof(float));
     }
     kv_attention(s->att_out, s->q, view, n_tokens, start_pos, c->n_heads, c->n_kv_heads,
-                 c->head_dim, s->scores, s->score_stride);
+                 c->head_dim, s->scores, s->score_stride, s->n_threads);
     kv_matmul(s->proj, s->att_out, w->wo + layer * dim * q_dim, n_tokens, (int)q_dim, c->dim);
     add_rows(s->x, s->proj, (size_t)n_tokens * dim);
 }
@@ -168,7 +182,7 @@ static void mlp_block(const kv_model *m, run_state *s, int layer, int n_tokens) 
     rmsnorm_rows(s->xb, s->x, w->ffn_norm + layer * dim, n_tokens, c->dim, c->norm_eps);
     kv_matmul(s->hb, s->xb, w->w1 + layer * hidden * dim, n_tokens, c->dim, c->hidden_dim);
     kv_matmul(s->hb2, s->xb, w->w3 + layer * hidden * dim, n_tokens, c->dim, c->hidden_dim);
-    kv_swiglu(s->hb, s->hb2, n_tokens * c->hidden_dim);
+    kv_swiglu(s->hb, s->hb2, (size_t)n_tokens * c->hidden_dim);
     kv_matmul(s->proj, s->hb, w->w2 + layer * dim * hidden, n_tokens, c->hidden_dim, c->dim);
     add_rows(s->x, s->proj, (size_t)n_tokens * dim);
 }
@@ -198,7 +212,8 @@ static void forward_tokens(const kv_model *model, run_state *s, int start_pos,
 }
 
 kv_status kv_check_tokens(const kv_config *config, const int32_t *tokens, int n_tokens) {
-    if (tokens == NULL || n_tokens <= 0) return KV_ERR_INVALID_ARG;
+    if (tokens == NULL || n_tokens <= 0 || n_tokens > KV_MAX_TOKENS_PER_CALL)
+        return KV_ERR_INVALID_ARG;
     for (int t = 0; t < n_tokens; t++)
         if (tokens[t] < 0 || tokens[t] >= config->vocab_size) return KV_ERR_TOKEN_RANGE;
     return KV_OK;

@@ -9,7 +9,8 @@
  * chapter's claim "the cache is exact" literally true on this machine.
  *
  * The lanes are GCC/Clang vector extensions: one v8f is one AVX register (or two SSE
- * registers on older CPUs), and the compiler emits FMA where the target has it.
+ * registers on older CPUs). A multiply and an add stay two roundings (ISO C mode turns
+ * off fused multiply-add contraction), which is what keeps every kernel consistent.
  * This is not the place for cache-tiled GEMM tuning; kv_matmul is simple on purpose.
  */
 #include <math.h>
@@ -48,7 +49,8 @@ float kv_dot(const float *a, const float *b, int n) {
 /* Four rows of w against two tokens: eight dot products sharing every load. */
 static void kernel_4x2(float *out0, float *out1, const float *x0, const float *x1,
                        const float *w, int in_dim) {
-    const float *w0 = w, *w1 = w + in_dim, *w2 = w + 2 * in_dim, *w3 = w + 3 * in_dim;
+    size_t stride = (size_t)in_dim;
+    const float *w0 = w, *w1 = w + stride, *w2 = w + 2 * stride, *w3 = w + 3 * stride;
     v8f a00 = {0}, a01 = {0}, a02 = {0}, a03 = {0};
     v8f a10 = {0}, a11 = {0}, a12 = {0}, a13 = {0};
     int n8 = in_dim & ~7;
@@ -70,7 +72,8 @@ static void kernel_4x2(float *out0, float *out1, const float *x0, const float *x
 
 /* Four rows of w against one token (the decode case). */
 static void kernel_4x1(float *out, const float *x, const float *w, int in_dim) {
-    const float *w0 = w, *w1 = w + in_dim, *w2 = w + 2 * in_dim, *w3 = w + 3 * in_dim;
+    size_t stride = (size_t)in_dim;
+    const float *w0 = w, *w1 = w + stride, *w2 = w + 2 * stride, *w3 = w + 3 * stride;
     v8f a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
     int n8 = in_dim & ~7;
     for (int i = 0; i < n8; i += 8) {
@@ -90,7 +93,8 @@ void kv_matmul(float *out, const float *x, const float *w, int n_tokens, int in_
      * and every token reuses those rows while they are still in cache. */
     int n_row_blocks = (out_dim + 3) / 4;
     long work = (long)n_tokens * out_dim * in_dim;
-    #pragma omp parallel for schedule(static) if (work >= KV_PARALLEL_MIN_WORK && n_row_blocks > 1)
+    #pragma omp parallel for schedule(static) num_threads(kv_threads()) \
+        if (work >= KV_PARALLEL_MIN_WORK && n_row_blocks > 1)
     for (int block = 0; block < n_row_blocks; block++) {
         int o = block * 4;
         const float *w_rows = w + (size_t)o * in_dim;
@@ -144,8 +148,8 @@ void kv_softmax(float *x, int n) {
     for (int i = 0; i < n; i++) x[i] *= inv_sum;
 }
 
-void kv_swiglu(float *gate, const float *up, int n) {
-    for (int i = 0; i < n; i++) {
+void kv_swiglu(float *gate, const float *up, size_t n) {
+    for (size_t i = 0; i < n; i++) {
         float g = gate[i];
         gate[i] = g / (1.0f + expf(-g)) * up[i];
     }

@@ -27,7 +27,8 @@ void kv_rope(float *vec, int n_heads, int head_dim, const float *cos_table,
 void kv_softmax(float *x, int n);
 
 /* gate = silu(gate) * up, elementwise: the SwiGLU activation */
-void kv_swiglu(float *gate, const float *up, int n);
+#include <stddef.h>
+void kv_swiglu(float *gate, const float *up, size_t n);
 
 /* y += alpha * x */
 void kv_axpy(float *y, float alpha, const float *x, int n);

@@ -60,7 +60,7 @@ kv_status kv_pool_init(kv_pool *pool, int n_layers, int n_kv_heads, int head_dim
     size_t n = (size_t)num_blocks;
     pool->n_buckets = 1;
     while (pool->n_buckets < num_blocks) pool->n_buckets *= 2;
-    pool->data = kv_alloc_floats(floats * n);
+    pool->data = calloc(floats * n, sizeof(float));  /* zero pages are touched lazily */
     pool->ref_count = calloc(n, sizeof(int32_t));
     pool->fill = calloc(n, sizeof(int32_t));
     pool->tokens = calloc(n * block_size, sizeof(int32_t));
@@ -80,7 +80,6 @@ kv_status kv_pool_init(kv_pool *pool, int n_layers, int n_kv_heads, int head_dim
              pool->hash && pool->parent && pool->generation && pool->parent_generation &&
              pool->registered && pool->bucket_head && pool->bucket_next && pool->lru_prev &&
              pool->lru_next && pool->seqs && pool->tables, KV_ERR_NOMEM);
-    memset(pool->data, 0, floats * n * sizeof(float));
     /* pushed in reverse so that block 0 is handed out first: easier to follow on screen */
     for (int b = 0; b < num_blocks; b++) {
         pool->free_stack[b] = num_blocks - 1 - b;

@@ -41,7 +41,8 @@ def load(path: Union[str, Path, None] = None,
 
 
 def set_num_threads(n: int) -> None:
-    """Threads the C core uses for matrix products and attention."""
+    """Threads the C core uses for matrix products and attention, in every Python thread
+    (default: the available cores). Small loops run on one thread whatever this says."""
     _core.set_num_threads(n)
 
 

@@ -15,7 +15,7 @@ DEMO_PROMPT = "ROMEO:\n"
 
 def _load(args) -> "kvlab.Model":  # noqa: F821
     import kvlab
-    if getattr(args, "threads", None):
+    if getattr(args, "threads", None) is not None:
         kvlab.set_num_threads(args.threads)
     return kvlab.load(args.model, tokenizer=args.tokenizer)
 
@@ -135,7 +135,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     from .errors import KVLabError
     try:
         return args.func(args)
-    except (KVLabError, FileNotFoundError) as error:
+    except (KVLabError, ValueError, TypeError, OSError) as error:
         print(f"kvlab: error: {error}", file=sys.stderr)
         return 2
 

@@ -70,7 +70,7 @@ class Model:
         if dtype not in CACHE_DTYPES:
             raise ValueError(f"unknown cache dtype {dtype!r}; this build supports {CACHE_DTYPES}")
         capacity = self.config.max_seq_len if max_seq_len is None else max_seq_len
-        if not isinstance(capacity, (int, np.integer)) or capacity < 1:
+        if isinstance(capacity, bool) or not isinstance(capacity, (int, np.integer)) or capacity < 1:
             raise ValueError(f"max_seq_len must be a positive integer, got {max_seq_len!r}")
         c = self.config
         return KVCache(c.n_layers, c.n_kv_heads, c.head_dim, int(capacity))

@@ -106,6 +106,8 @@ def forward(config: ModelConfig, weights: Weights, tokens: Sequence[int],
     V is computed afresh: the no-cache path.
     """
     tokens = np.asarray(tokens, dtype=np.int64)
+    if tokens.ndim != 1 or tokens.size == 0 or tokens.min() < 0 or tokens.max() >= config.vocab_size:
+        raise ValueError(f"tokens must be a non-empty 1-D sequence of ids in [0, {config.vocab_size})")
     if cache is None:
         cache = ReferenceCache(config, max_seq_len=len(tokens))
     start = cache.length

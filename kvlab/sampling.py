@@ -14,7 +14,8 @@ import numpy as np
 def check_sampling_args(temperature: float, top_k: Optional[int], top_p: Optional[float]) -> None:
     if not (temperature >= 0.0 and np.isfinite(temperature)):
         raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
-    if top_k is not None and (not isinstance(top_k, (int, np.integer)) or top_k < 1):
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, (int, np.integer))
+                              or top_k < 1):
         raise ValueError(f"top_k must be a positive integer or None, got {top_k!r}")
     if top_p is not None and not (0.0 < top_p <= 1.0):
         raise ValueError(f"top_p must be in (0, 1] or None, got {top_p!r}")

@@ -206,3 +206,63 @@ def test_weights_are_used_in_place():
     model.weights.classifier[...] *= 2          # tied: also the embedding
     after = model.forward(tokens)
     assert not np.array_equal(before, after)
+
+
+def test_token_array_changed_by_another_thread_cannot_crash():
+    """The binding copies the ids before releasing the GIL; a thread flipping them to an
+    out-of-range value meanwhile must not make the core read past the embedding."""
+    import threading
+    model = make("mha")
+    tokens = np.zeros(2000, dtype=np.int32)
+    stop = threading.Event()
+
+    def flip():
+        while not stop.is_set():
+            tokens[-1] = 10**6
+            tokens[-1] = 0
+
+    flipper = threading.Thread(target=flip)
+    flipper.start()
+    try:
+        for _ in range(20):
+            try:
+                model._core.forward(tokens, None)
+            except ValueError:
+                pass
+    finally:
+        stop.set()
+        flipper.join()
+
+
+def test_set_num_threads_applies_to_every_python_thread():
+    import threading
+    before = kvlab.get_num_threads()
+    seen = []
+    try:
+        kvlab.set_num_threads(1)
+        worker = threading.Thread(target=lambda: seen.append(kvlab.get_num_threads()))
+        worker.start()
+        worker.join()
+    finally:
+        kvlab.set_num_threads(before)
+    assert seen == [1]
+
+
+def test_config_conversion_that_mutates_the_dict_is_safe():
+    """Model.__init__ converts each borrowed dict value before the next lookup."""
+    model = make("mha")
+    config = {k: getattr(model.config, k) for k in
+              ("dim", "hidden_dim", "n_layers", "n_heads", "n_kv_heads", "head_dim",
+               "vocab_size", "max_seq_len")}
+    config["rope_interleaved"] = True
+
+    class Evil:
+        def __float__(self):
+            del config["rope_interleaved"]
+            return 1e-5
+
+    config["norm_eps"] = Evil()
+    arrays = dict(model.weights.items())
+    arrays["rope_inv_freq"] = model.config.rope_inv_freq()
+    with pytest.raises(kvlab.ConfigError, match="rope_interleaved"):
+        kvlab.model.core.Model(config, arrays)
