@@ -20,6 +20,7 @@ from .config import ModelConfig
 from .errors import (CacheFullError, CheckpointError, ConfigError, KVLabError, OutOfBlocks,
                      OutOfSequences, PoolInvariantError, TokenizerError, WeightsError)
 from .generate import Generation, generate
+from .measure import kv_bytes_per_token, kv_cache_bytes
 from .model import KVCache, Model
 from .paged import PagedPool, PagedSequence, PoolStats
 from .weights import Weights
@@ -55,4 +56,5 @@ __all__ = [
     "set_num_threads", "get_num_threads", "DEFAULT_MODEL", "KVLabError", "ConfigError",
     "WeightsError", "CheckpointError", "TokenizerError", "CacheFullError", "PagedPool",
     "PagedSequence", "PoolStats", "OutOfBlocks", "OutOfSequences", "PoolInvariantError",
+    "kv_cache_bytes", "kv_bytes_per_token",
 ]

@@ -100,6 +100,47 @@ class ModelConfig:
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
+    # ---- presets: well-known shapes (sizes only; no weights come with them) -------------
+    @classmethod
+    def llama2_7b(cls) -> "ModelConfig":
+        return cls(dim=4096, hidden_dim=11008, n_layers=32, n_heads=32, n_kv_heads=32,
+                   vocab_size=32000, max_seq_len=4096, tied_embeddings=False, name="Llama 2 7B")
+
+    @classmethod
+    def llama2_70b(cls) -> "ModelConfig":
+        return cls(dim=8192, hidden_dim=28672, n_layers=80, n_heads=64, n_kv_heads=8,
+                   vocab_size=32000, max_seq_len=4096, tied_embeddings=False,
+                   name="Llama 2 70B")
+
+    @classmethod
+    def llama3_8b(cls) -> "ModelConfig":
+        return cls(dim=4096, hidden_dim=14336, n_layers=32, n_heads=32, n_kv_heads=8,
+                   vocab_size=128256, max_seq_len=8192, rope_theta=500000.0,
+                   rope_interleaved=False, tied_embeddings=False, name="Llama 3 8B")
+
+    @classmethod
+    def tinyllama_1b(cls) -> "ModelConfig":
+        return cls(dim=2048, hidden_dim=5632, n_layers=22, n_heads=32, n_kv_heads=4,
+                   vocab_size=32000, max_seq_len=2048, rope_interleaved=False,
+                   tied_embeddings=False, name="TinyLlama 1.1B")
+
+    @classmethod
+    def stories260k(cls) -> "ModelConfig":
+        return cls(dim=64, hidden_dim=172, n_layers=5, n_heads=8, n_kv_heads=4,
+                   vocab_size=512, max_seq_len=512, name="stories260K")
+
+    @classmethod
+    def shakespeare_1m(cls) -> "ModelConfig":
+        """The bundled default model (kvlab.load())."""
+        return cls(dim=128, hidden_dim=352, n_layers=6, n_heads=8, n_kv_heads=2, head_dim=16,
+                   vocab_size=256, max_seq_len=512, name="shakespeare-1m")
+
+    @classmethod
+    def presets(cls) -> dict:
+        return {"llama2-7b": cls.llama2_7b(), "llama2-70b": cls.llama2_70b(),
+                "llama3-8b": cls.llama3_8b(), "tinyllama-1.1b": cls.tinyllama_1b(),
+                "stories260k": cls.stories260k(), "shakespeare-1m": cls.shakespeare_1m()}
+
     # ---- RoPE ------------------------------------------------------------------------
     def rope_inv_freq(self) -> np.ndarray:
         """Rotation speed of each pair of a head: theta ** (-2i / head_dim), shape (head_dim/2,).
