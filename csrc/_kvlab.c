@@ -535,16 +535,23 @@ static PyArrayObject *as_int32_vector(PyObject *obj, const char *what) {
 }
 
 static PyObject *pool_reuse_prefix(PoolObject *self, PyObject *args) {
-    PyObject *seq_obj, *tokens_obj;
-    int max_tokens = -1;
-    if (!PyArg_ParseTuple(args, "OO|i", &seq_obj, &tokens_obj, &max_tokens)) return NULL;
+    PyObject *seq_obj, *tokens_obj, *max_obj = Py_None;
+    if (!PyArg_ParseTuple(args, "OO|O", &seq_obj, &tokens_obj, &max_obj)) return NULL;
     if (pool_refuse_if_busy(self) < 0) return NULL;
     int seq = resolve_sequence(self, seq_obj);
     if (seq < 0) return NULL;
     PyArrayObject *tokens = as_int32_vector(tokens_obj, "tokens");
     if (tokens == NULL) return NULL;
-    int n = (int)PyArray_DIM(tokens, 0);
-    if (max_tokens < 0 || max_tokens > n) max_tokens = n;
+    int n = (int)PyArray_DIM(tokens, 0), max_tokens = n;
+    if (max_obj != Py_None) {
+        long requested = PyLong_AsLong(max_obj);
+        if (requested == -1 && PyErr_Occurred()) return NULL;
+        if (requested < 0) {
+            PyErr_Format(PyExc_ValueError, "max_tokens must be >= 0, got %ld", requested);
+            return NULL;
+        }
+        if (requested < n) max_tokens = (int)requested;
+    }
     if (self->pool.seqs[seq].length != 0) {
         PyErr_SetString(PyExc_ValueError, "reuse_prefix needs an empty sequence");
         return NULL;

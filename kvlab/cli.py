@@ -21,11 +21,13 @@ def _load(args) -> "kvlab.Model":  # noqa: F821
 
 
 def _bytes(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:,} B" if unit == "B" else f"{n:,.1f} {unit} ({n:,} B)"
-        n /= 1024
-    return str(n)
+    """1,234,567 B (1.2 MiB)"""
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            return f"{n:,} B" if unit == "B" else f"{n:,} B ({value:,.1f} {unit})"
+        value /= 1024
+    return f"{n:,} B"
 
 
 def cmd_demo(args) -> int:
