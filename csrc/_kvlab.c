@@ -371,8 +371,23 @@ static PyObject *pool_view(PoolObject *self, void *data, int type, int ndim, npy
 static PyObject *pool_get_data(PoolObject *self, void *closure) {
     (void)closure;
     const kv_pool *p = &self->pool;
+    if (pool_refuse_if_busy(self) < 0) return NULL;
+    /* memory is (n_layers, 2, num_blocks, block_size, n_kv_heads, head_dim); shown
+     * block-first so that data[b] is everything block b holds */
+    npy_intp item = sizeof(float), head = (npy_intp)p->head_dim * item;
+    npy_intp row = (npy_intp)p->n_kv_heads * head, block = (npy_intp)p->block_size * row;
+    npy_intp kv = (npy_intp)p->num_blocks * block;
     npy_intp dims[6] = {p->num_blocks, p->n_layers, 2, p->block_size, p->n_kv_heads, p->head_dim};
-    return pool_view(self, p->data, NPY_FLOAT32, 6, dims);
+    npy_intp strides[6] = {block, 2 * kv, kv, row, head, item};
+    PyObject *view = PyArray_New(&PyArray_Type, 6, dims, NPY_FLOAT32, strides, p->data, 0,
+                                 NPY_ARRAY_ALIGNED, NULL);
+    if (view == NULL) return NULL;
+    Py_INCREF(self);
+    if (PyArray_SetBaseObject((PyArrayObject *)view, (PyObject *)self) < 0) {
+        Py_DECREF(view);
+        return NULL;
+    }
+    return view;
 }
 
 static PyObject *pool_get_ref_counts(PoolObject *self, void *closure) {
@@ -647,8 +662,9 @@ static PyObject *pool_sequences(PoolObject *self, PyObject *Py_UNUSED(ignored)) 
 
 static PyGetSetDef pool_getset[] = {
     {"data", (getter)pool_get_data, NULL,
-     "The whole pool, zero-copy and read-only:\n"
-     "(num_blocks, n_layers, 2 (K, V), block_size, n_kv_heads, head_dim).", NULL},
+     "The whole pool, zero-copy and read-only, block first:\n"
+     "(num_blocks, n_layers, 2 (K, V), block_size, n_kv_heads, head_dim). The memory\n"
+     "underneath is layer-major (n_layers, 2, num_blocks, ...), so this view is strided.", NULL},
     {"ref_counts", (getter)pool_get_ref_counts, NULL, "Block-table references per block (view).", NULL},
     {"fill", (getter)pool_get_fill, NULL, "Rows written per block (view).", NULL},
     {"block_tokens", (getter)pool_get_block_tokens, NULL,

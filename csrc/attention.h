@@ -30,9 +30,11 @@ static inline size_t kv_view_offset(const kv_layer_view *view, int pos, int kv_d
 /* For each of n_tokens new queries, at positions start_pos .. start_pos + n_tokens - 1,
  * attends over positions 0 .. its own position (the causal mask). q and out are
  * (n_tokens, n_heads * head_dim); the view already holds the new tokens' K and V.
- * scores is scratch of n_threads rows of score_stride floats, one per thread. */
+ * scores is scratch of n_threads rows of score_stride floats, one per thread; a row
+ * holds n_heads / n_kv_heads runs of score_stride / (n_heads / n_kv_heads) floats, one
+ * per query head of a group, each at least start_pos + n_tokens long. */
 void kv_attention(float *out, const float *q, const kv_layer_view *view, int n_tokens,
                   int start_pos, int n_heads, int n_kv_heads, int head_dim, float *scores,
-                  int score_stride, int n_threads);
+                  size_t score_stride, int n_threads);
 
 #endif /* KVLAB_ATTENTION_H */

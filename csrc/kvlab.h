@@ -108,17 +108,21 @@ typedef struct {
 } kv_seq;
 
 /* A pool of fixed-size blocks shared by many sequences (vLLM's PagedAttention idea).
- * Block b holds, for every layer, block_size rows of K and then of V:
- *   data: (num_blocks, n_layers, 2, block_size, n_kv_heads, head_dim)
- * so everything a block id names is one contiguous chunk: copy-on-write is one memcpy,
- * and attention reads block_size consecutive rows per block and layer.
+ * Block b holds block_size rows of K and of V for every layer, stored layer by layer:
+ *   data: (n_layers, 2 (K, V), num_blocks, block_size, n_kv_heads, head_dim)
+ * Why layer-major: attention reads one layer's K (then V) of a sequence's blocks, so
+ * blocks that are neighbours in the pool (as they are when handed out in order) are
+ * neighbours in memory and stream like a contiguous cache; a block-major layout would
+ * interleave other layers' rows and make every block a separate short read. Copy-on-write
+ * therefore copies 2 x n_layers runs of rows. Python shows the same memory block-first,
+ * (num_blocks, n_layers, 2, block_size, n_kv_heads, head_dim), as a strided view.
  * A block with ref_count 0 is either free (on the free stack) or cached: a full block
  * kept for prefix reuse, findable by hash, evicted least-recently-used first. */
 typedef struct {
     int num_blocks, block_size;
     int n_layers, n_kv_heads, head_dim;
     int max_seqs, max_blocks_per_seq;
-    float *data;            /* (num_blocks, n_layers, 2, block_size, n_kv_heads, head_dim) */
+    float *data;            /* (n_layers, 2, num_blocks, block_size, n_kv_heads, head_dim) */
     int32_t *ref_count;     /* (num_blocks,) block-table entries pointing at each block */
     int32_t *fill;          /* (num_blocks,) rows written (a block is full at block_size) */
     int32_t *tokens;        /* (num_blocks, block_size) token id of every written row */

@@ -84,8 +84,9 @@ typedef struct {
     float *hb2;       /* (n_tokens, hidden_dim) up */
     float *rope_cos;  /* (n_tokens, head_dim / 2) */
     float *rope_sin;  /* (n_tokens, head_dim / 2) */
-    float *scores;    /* (n_threads, score_stride) attention weights, one row per thread */
-    int score_stride;
+    float *scores;    /* (n_threads, kv_mul, positions) attention weights of one KV head's
+                         group of query heads, one row per thread */
+    size_t score_stride;
     int n_threads;    /* threads of this call's attention loops: one scores row each */
     float *block;     /* the single allocation all of the above point into */
     kv_layer_view *views;  /* (n_layers,) where each layer's K and V live */
@@ -104,7 +105,7 @@ static kv_status run_state_alloc(run_state *s, const kv_config *c, int n_tokens,
                                  int max_positions) {
     size_t T = (size_t)n_tokens, q_dim = (size_t)c->n_heads * c->head_dim;
     size_t kv_dim = (size_t)c->n_kv_heads * c->head_dim, half = (size_t)c->head_dim / 2;
-    s->score_stride = (int)round_up16((size_t)max_positions);
+    s->score_stride = (size_t)(c->n_heads / c->n_kv_heads) * round_up16((size_t)max_positions);
     s->n_threads = kv_threads();
     size_t sizes[] = {T * c->dim, T * c->dim, T * q_dim, T * kv_dim, T * kv_dim, T * q_dim,
                       T * c->dim, T * c->hidden_dim, T * c->hidden_dim, T * half, T * half,

@@ -25,10 +25,11 @@
 
 static size_t row_floats(const kv_pool *p) { return (size_t)p->n_kv_heads * p->head_dim; }
 
-/* floats per block: all layers, K and V */
-static size_t block_floats(const kv_pool *p) {
-    return (size_t)p->n_layers * 2 * p->block_size * row_floats(p);
-}
+/* floats of one block's K (or V) in one layer */
+static size_t block_floats(const kv_pool *p) { return (size_t)p->block_size * row_floats(p); }
+
+/* floats of all blocks' K (or V) in one layer */
+static size_t layer_floats(const kv_pool *p) { return (size_t)p->num_blocks * block_floats(p); }
 
 static int blocks_for(const kv_pool *p, int length) {
     return (length + p->block_size - 1) / p->block_size;
@@ -53,8 +54,9 @@ kv_status kv_pool_init(kv_pool *pool, int n_layers, int n_kv_heads, int head_dim
     pool->max_seqs = max_seqs;
     pool->max_blocks_per_seq = max_blocks_per_seq;
     pool->hash_mask = ~(uint64_t)0;
-    size_t floats = block_floats(pool);
-    KV_CHECK(floats / ((size_t)n_layers * 2 * block_size) == row_floats(pool), KV_ERR_INVALID_ARG);
+    KV_CHECK(n_layers <= KV_MAX_LAYERS && (long)n_kv_heads * head_dim <= KV_MAX_WIDTH,
+             KV_ERR_INVALID_ARG);
+    size_t floats = 2 * (size_t)n_layers * block_floats(pool);   /* per block, all layers */
     KV_CHECK(floats <= (((size_t)1 << 40) / sizeof(float)) / (size_t)num_blocks, KV_ERR_NOMEM);
 
     size_t n = (size_t)num_blocks;
@@ -108,7 +110,7 @@ void kv_pool_free(kv_pool *pool) {
 }
 
 size_t kv_pool_nbytes(const kv_pool *pool) {
-    return block_floats(pool) * (size_t)pool->num_blocks * sizeof(float);
+    return 2 * (size_t)pool->n_layers * layer_floats(pool) * sizeof(float);
 }
 
 kv_status kv_pool_check_fits(const kv_pool *pool, const kv_config *config) {
@@ -323,8 +325,11 @@ kv_status kv_pool_reserve(kv_pool *pool, int seq, int n_tokens) {
         /* copy-on-write: this sequence is about to write row partial_rows of a block that
          * another sequence also reads; it gets its own copy and leaves the original alone */
         int32_t copy = take_block(pool);
-        memcpy(pool->data + (size_t)copy * block_floats(pool),
-               pool->data + (size_t)last * block_floats(pool), block_floats(pool) * sizeof(float));
+        for (int run = 0; run < 2 * pool->n_layers; run++) {   /* K and V of every layer */
+            float *base = pool->data + (size_t)run * layer_floats(pool);
+            memcpy(base + (size_t)copy * block_floats(pool), base + (size_t)last * block_floats(pool),
+                   (size_t)partial_rows * row_floats(pool) * sizeof(float));
+        }
         memcpy(pool->tokens + (size_t)copy * bs, pool->tokens + (size_t)last * bs,
                (size_t)partial_rows * sizeof(int32_t));
         pool->fill[copy] = partial_rows;
@@ -336,10 +341,9 @@ kv_status kv_pool_reserve(kv_pool *pool, int seq, int n_tokens) {
 }
 
 kv_layer_view kv_pool_layer_view(const kv_pool *pool, int seq, int layer) {
-    size_t rows = (size_t)pool->block_size * row_floats(pool);
-    float *key = pool->data + (size_t)layer * 2 * rows;
-    return (kv_layer_view){key, key + rows, pool->seqs[seq].block_table, pool->block_size,
-                           block_floats(pool)};
+    float *key = pool->data + (size_t)layer * 2 * layer_floats(pool);
+    return (kv_layer_view){key, key + layer_floats(pool), pool->seqs[seq].block_table,
+                           pool->block_size, block_floats(pool)};
 }
 
 void kv_pool_commit(kv_pool *pool, int seq, const int32_t *tokens, int n_tokens) {
