@@ -979,13 +979,46 @@ static int check_tokens(ModelObject *self, PyObject *obj) {
     return 0;
 }
 
+/* The kv_counters fields, in order: the names of a counters array's entries. */
+static const char *counter_names[] = {"flops_projections", "flops_attention", "flops_mlp",
+                                      "flops_logits", "weight_bytes", "kv_read_bytes",
+                                      "kv_write_bytes", "scratch_bytes", "tokens", "calls"};
+#define N_COUNTERS ((int)(sizeof counter_names / sizeof counter_names[0]))
+_Static_assert(sizeof(kv_counters) == sizeof(int64_t) * (sizeof counter_names / sizeof counter_names[0]),
+               "counter_names must name every kv_counters field");
+
+static int check_counters(PyObject *obj) {
+    if (obj == Py_None) return 0;
+    if (!PyArray_Check(obj) || PyArray_TYPE((PyArrayObject *)obj) != NPY_INT64 ||
+        PyArray_NDIM((PyArrayObject *)obj) != 1 || PyArray_DIM((PyArrayObject *)obj, 0) != N_COUNTERS ||
+        !PyArray_IS_C_CONTIGUOUS((PyArrayObject *)obj) || !PyArray_ISWRITEABLE((PyArrayObject *)obj) ||
+        !PyArray_ISALIGNED((PyArrayObject *)obj) || !PyArray_ISNOTSWAPPED((PyArrayObject *)obj)) {
+        PyErr_Format(PyExc_TypeError, "counters must be a writable int64 array of %d entries "
+                     "(see kvlab._kvlab.COUNTERS)", N_COUNTERS);
+        return -1;
+    }
+    return 0;
+}
+
+/* Adds one call's counts into a counters array (scratch_bytes keeps the peak). */
+static void add_to_counters(PyObject *obj, const kv_counters *call) {
+    if (obj == Py_None) return;
+    int64_t *total = (int64_t *)PyArray_DATA((PyArrayObject *)obj);
+    const int64_t *add = (const int64_t *)call;
+    for (int i = 0; i < N_COUNTERS; i++) {
+        if (i == 7) total[i] = add[i] > total[i] ? add[i] : total[i];   /* scratch_bytes */
+        else total[i] += add[i];
+    }
+}
+
 static PyObject *model_forward(ModelObject *self, PyObject *args, PyObject *kwds) {
-    static char *kwlist[] = {"tokens", "cache", "all_logits", NULL};
-    PyObject *tokens_obj, *cache_obj = Py_None;
+    static char *kwlist[] = {"tokens", "cache", "all_logits", "counters", NULL};
+    PyObject *tokens_obj, *cache_obj = Py_None, *counters_obj = Py_None;
     int all_logits = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O|Op", kwlist, &tokens_obj, &cache_obj,
-                                     &all_logits))
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O|OpO", kwlist, &tokens_obj, &cache_obj,
+                                     &all_logits, &counters_obj))
         return NULL;
+    if (check_counters(counters_obj) < 0) return NULL;
     if (self->model.weights.token_embedding == NULL) {
         PyErr_SetString(PyExc_RuntimeError, "Model was not initialized");
         return NULL;
@@ -1052,16 +1085,18 @@ static PyObject *model_forward(ModelObject *self, PyObject *args, PyObject *kwds
     /* The cache is kept alive by this call's reference; the busy flag stops another
      * thread from resizing or reusing it meanwhile. */
     kv_status status;
+    kv_counters count = {0};
     if (cache != NULL) cache->busy = 1;
     if (pool != NULL) pool->busy = 1;
     Py_BEGIN_ALLOW_THREADS
     if (cache != NULL)
-        status = kv_model_forward(&self->model, &cache->cache, ids, n_tokens, out, all_logits);
+        status = kv_model_forward(&self->model, &cache->cache, ids, n_tokens, out, all_logits,
+                                  &count);
     else if (pool != NULL)
         status = kv_model_forward_paged(&self->model, &pool->pool, seq, ids, n_tokens, out,
-                                        all_logits);
+                                        all_logits, &count);
     else
-        status = kv_model_forward_uncached(&self->model, ids, n_tokens, out, all_logits);
+        status = kv_model_forward_uncached(&self->model, ids, n_tokens, out, all_logits, &count);
     Py_END_ALLOW_THREADS
     if (cache != NULL) cache->busy = 0;
     if (pool != NULL) pool->busy = 0;
@@ -1070,16 +1105,18 @@ static PyObject *model_forward(ModelObject *self, PyObject *args, PyObject *kwds
         Py_DECREF(logits);
         return pool != NULL ? raise_pool_status(pool, status, n_tokens) : raise_status(status);
     }
+    add_to_counters(counters_obj, &count);
     return logits;
 }
 
 static PyMethodDef model_methods[] = {
     {"forward", (PyCFunction)(void (*)(void))model_forward, METH_VARARGS | METH_KEYWORDS,
-     "forward(tokens, cache=None, all_logits=False) -> logits\n\n"
+     "forward(tokens, cache=None, all_logits=False, counters=None) -> logits\n\n"
      "tokens: 1-D int32 array. With a cache, runs the tokens at positions\n"
      "cache.length.. and appends their K and V; without one, runs the whole sequence\n"
      "from position 0 in throw-away scratch (the no-cache path). Returns float32 logits\n"
-     "(len(tokens), vocab) if all_logits else the last row (vocab,)."},
+     "(len(tokens), vocab) if all_logits else the last row (vocab,). counters: an int64\n"
+     "array named by COUNTERS that gets what the call did (FLOPs, bytes) added to it."},
     {NULL}
 };
 
@@ -1148,6 +1185,22 @@ static int fetch_errors(void) {
     return -1;
 }
 
+static int add_counter_names(PyObject *module) {
+    PyObject *names = PyTuple_New(N_COUNTERS);
+    if (names == NULL) return -1;
+    for (int i = 0; i < N_COUNTERS; i++) {
+        PyObject *name = PyUnicode_FromString(counter_names[i]);
+        if (name == NULL) {
+            Py_DECREF(names);
+            return -1;
+        }
+        PyTuple_SET_ITEM(names, i, name);
+    }
+    int result = PyModule_AddObjectRef(module, "COUNTERS", names);
+    Py_DECREF(names);
+    return result;
+}
+
 PyMODINIT_FUNC PyInit__kvlab(void) {
     import_array();
     if (fetch_errors() < 0) return NULL;
@@ -1160,6 +1213,7 @@ PyMODINIT_FUNC PyInit__kvlab(void) {
         PyModule_AddObjectRef(module, "Model", (PyObject *)&ModelType) < 0 ||
         PyModule_AddObjectRef(module, "PagedPool", (PyObject *)&PoolType) < 0 ||
         PyModule_AddObjectRef(module, "PagedSequence", (PyObject *)&SequenceType) < 0 ||
+        add_counter_names(module) < 0 ||
 #ifdef _OPENMP
         PyModule_AddIntConstant(module, "HAS_OPENMP", 1) < 0
 #else

@@ -177,23 +177,45 @@ kv_status kv_pool_stats_get(const kv_pool *pool, kv_pool_stats *stats);
 /* Verifies every invariant; on failure writes what broke into message. */
 kv_status kv_pool_check(const kv_pool *pool, char *message, size_t message_size);
 
+/* ---- counting what a forward pass does -------------------------------------------- */
+
+/* What forward calls did, counted by the core as it runs each operation (kvlab.measure
+ * derives the same numbers from the shapes alone; the tests hold them equal). A FLOP is
+ * one multiply or one add: a multiply-add counts 2. Norms, RoPE, softmax and SwiGLU's
+ * elementwise work are not counted; they are tiny next to the matrix products. */
+typedef struct {
+    int64_t flops_projections;  /* Wq, Wk, Wv and Wo */
+    int64_t flops_attention;    /* q . k for every visible position, and the mix of V */
+    int64_t flops_mlp;          /* W1, W3 and W2 */
+    int64_t flops_logits;       /* the classifier */
+    int64_t weight_bytes;       /* weights read: every matrix and norm once per call, plus
+                                   one embedding row per token */
+    int64_t kv_read_bytes;      /* K and V rows read by attention (once per KV head) */
+    int64_t kv_write_bytes;     /* K and V rows written */
+    int64_t scratch_bytes;      /* activation scratch of the largest call (a peak, not a sum);
+                                   the no-cache path adds the K/V it rebuilds */
+    int64_t tokens;             /* tokens run through the model */
+    int64_t calls;
+} kv_counters;
+
 /* ---- forward pass ------------------------------------------------------------------ */
 
 /* Runs n_tokens new tokens, at positions cache->length .. cache->length + n_tokens - 1,
  * through the model in one causal pass (matrix-matrix when n_tokens > 1: that is
  * prefill; n_tokens == 1 is a decode step). Their keys and values are appended to the
  * cache. Writes logits for every new token, (n_tokens, vocab_size), when all_logits is
- * nonzero, else only for the last one, (vocab_size,).
+ * nonzero, else only for the last one, (vocab_size,). counters, if not NULL, get what
+ * the call did added to them.
  * On any error nothing is appended and cache->length is unchanged. */
 kv_status kv_model_forward(const kv_model *model, kv_cache *cache, const int32_t *tokens,
-                           int n_tokens, float *logits, int all_logits);
+                           int n_tokens, float *logits, int all_logits, kv_counters *counters);
 
 /* The same over a sequence of a paged pool. Blocks for the new positions are taken
  * (copying a shared partial block first) before anything is written; on
  * KV_ERR_OUT_OF_BLOCKS or any other error the pool is exactly as it was. */
 kv_status kv_model_forward_paged(const kv_model *model, kv_pool *pool, int seq,
                                  const int32_t *tokens, int n_tokens, float *logits,
-                                 int all_logits);
+                                 int all_logits, kv_counters *counters);
 
 /* Checks that every token id is in [0, vocab_size). */
 kv_status kv_check_tokens(const kv_config *config, const int32_t *tokens, int n_tokens);
@@ -201,7 +223,8 @@ kv_status kv_check_tokens(const kv_config *config, const int32_t *tokens, int n_
 /* The no-cache path: runs the whole sequence from position 0 in a scratch cache that
  * is thrown away afterwards, as a model without a KV cache must on every step. */
 kv_status kv_model_forward_uncached(const kv_model *model, const int32_t *tokens,
-                                    int n_tokens, float *logits, int all_logits);
+                                    int n_tokens, float *logits, int all_logits,
+                                    kv_counters *counters);
 
 /* ---- threads ----------------------------------------------------------------------- */
 void kv_set_num_threads(int n_threads);

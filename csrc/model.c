@@ -90,6 +90,7 @@ typedef struct {
     int n_threads;    /* threads of this call's attention loops: one scores row each */
     float *block;     /* the single allocation all of the above point into */
     kv_layer_view *views;  /* (n_layers,) where each layer's K and V live */
+    kv_counters count;     /* what this call did, handed to the caller if it succeeds */
 } run_state;
 
 static void run_state_free(run_state *s) {
@@ -114,6 +115,7 @@ static kv_status run_state_alloc(run_state *s, const kv_config *c, int n_tokens,
                        &s->hb2, &s->rope_cos, &s->rope_sin, &s->scores};
     size_t total = 0;
     for (size_t i = 0; i < sizeof sizes / sizeof sizes[0]; i++) total += round_up16(sizes[i]);
+    s->count.scratch_bytes = (int64_t)(total * sizeof(float));
     s->block = kv_alloc_floats(total);
     s->views = malloc((size_t)c->n_layers * sizeof *s->views);
     if (s->block == NULL || s->views == NULL) return KV_ERR_NOMEM;
@@ -148,6 +150,23 @@ static void add_rows(float *x, const float *delta, size_t count) {
     for (size_t i = 0; i < count; i++) x[i] += delta[i];
 }
 
+/* out = W x for every token, with its FLOPs counted in *flops and W's bytes as read */
+static void project(run_state *s, int64_t *flops, float *out, const float *x, const float *w,
+                    int n_tokens, int in_dim, int out_dim) {
+    kv_matmul(out, x, w, n_tokens, in_dim, out_dim);
+    *flops += 2 * (int64_t)n_tokens * in_dim * out_dim;
+    s->count.weight_bytes += (int64_t)in_dim * out_dim * (int64_t)sizeof(float);
+}
+
+/* Attention's reads and arithmetic: token t sees start_pos + t + 1 positions. */
+static void count_attention(run_state *s, const kv_config *c, int start_pos, int n_tokens) {
+    int64_t seen = (int64_t)n_tokens * start_pos + (int64_t)n_tokens * (n_tokens + 1) / 2;
+    int64_t row_bytes = (int64_t)c->n_kv_heads * c->head_dim * (int64_t)sizeof(float);
+    s->count.flops_attention += 4 * seen * c->n_heads * c->head_dim;  /* q.k, then p*v */
+    s->count.kv_read_bytes += 2 * seen * row_bytes;          /* K and V, once per KV head */
+    s->count.kv_write_bytes += 2 * (int64_t)n_tokens * row_bytes;
+}
+
 static void attention_block(const kv_model *m, run_state *s, int layer, int start_pos,
                             int n_tokens) {
     const kv_config *c = &m->config;
@@ -156,10 +175,12 @@ static void attention_block(const kv_model *m, run_state *s, int layer, int star
     size_t q_dim = (size_t)c->n_heads * c->head_dim, kv_dim = (size_t)c->n_kv_heads * c->head_dim;
     size_t dim = (size_t)c->dim, half = (size_t)c->head_dim / 2;
 
+    int64_t *flops = &s->count.flops_projections;
     rmsnorm_rows(s->xb, s->x, w->attn_norm + layer * dim, n_tokens, c->dim, c->norm_eps);
-    kv_matmul(s->q, s->xb, w->wq + layer * q_dim * dim, n_tokens, c->dim, (int)q_dim);
-    kv_matmul(s->k, s->xb, w->wk + layer * kv_dim * dim, n_tokens, c->dim, (int)kv_dim);
-    kv_matmul(s->v, s->xb, w->wv + layer * kv_dim * dim, n_tokens, c->dim, (int)kv_dim);
+    s->count.weight_bytes += (int64_t)dim * (int64_t)sizeof(float);
+    project(s, flops, s->q, s->xb, w->wq + layer * q_dim * dim, n_tokens, c->dim, (int)q_dim);
+    project(s, flops, s->k, s->xb, w->wk + layer * kv_dim * dim, n_tokens, c->dim, (int)kv_dim);
+    project(s, flops, s->v, s->xb, w->wv + layer * kv_dim * dim, n_tokens, c->dim, (int)kv_dim);
     for (int t = 0; t < n_tokens; t++) {
         const float *cos_t = s->rope_cos + t * half, *sin_t = s->rope_sin + t * half;
         kv_rope(s->q + t * q_dim, c->n_heads, c->head_dim, cos_t, sin_t, c->rope_interleaved);
@@ -172,7 +193,9 @@ static void attention_block(const kv_model *m, run_state *s, int layer, int star
     }
     kv_attention(s->att_out, s->q, view, n_tokens, start_pos, c->n_heads, c->n_kv_heads,
                  c->head_dim, s->scores, s->score_stride, s->n_threads);
-    kv_matmul(s->proj, s->att_out, w->wo + layer * dim * q_dim, n_tokens, (int)q_dim, c->dim);
+    count_attention(s, c, start_pos, n_tokens);
+    project(s, flops, s->proj, s->att_out, w->wo + layer * dim * q_dim, n_tokens, (int)q_dim,
+            c->dim);
     add_rows(s->x, s->proj, (size_t)n_tokens * dim);
 }
 
@@ -180,11 +203,13 @@ static void mlp_block(const kv_model *m, run_state *s, int layer, int n_tokens) 
     const kv_config *c = &m->config;
     const kv_weights *w = &m->weights;
     size_t dim = (size_t)c->dim, hidden = (size_t)c->hidden_dim;
+    int64_t *flops = &s->count.flops_mlp;
     rmsnorm_rows(s->xb, s->x, w->ffn_norm + layer * dim, n_tokens, c->dim, c->norm_eps);
-    kv_matmul(s->hb, s->xb, w->w1 + layer * hidden * dim, n_tokens, c->dim, c->hidden_dim);
-    kv_matmul(s->hb2, s->xb, w->w3 + layer * hidden * dim, n_tokens, c->dim, c->hidden_dim);
+    s->count.weight_bytes += (int64_t)dim * (int64_t)sizeof(float);
+    project(s, flops, s->hb, s->xb, w->w1 + layer * hidden * dim, n_tokens, c->dim, c->hidden_dim);
+    project(s, flops, s->hb2, s->xb, w->w3 + layer * hidden * dim, n_tokens, c->dim, c->hidden_dim);
     kv_swiglu(s->hb, s->hb2, (size_t)n_tokens * c->hidden_dim);
-    kv_matmul(s->proj, s->hb, w->w2 + layer * dim * hidden, n_tokens, c->hidden_dim, c->dim);
+    project(s, flops, s->proj, s->hb, w->w2 + layer * dim * hidden, n_tokens, c->hidden_dim, c->dim);
     add_rows(s->x, s->proj, (size_t)n_tokens * dim);
 }
 
@@ -196,6 +221,7 @@ static void forward_tokens(const kv_model *model, run_state *s, int start_pos,
     for (int t = 0; t < n_tokens; t++)
         memcpy(s->x + (size_t)t * c->dim, model->weights.token_embedding + (size_t)tokens[t] * c->dim,
                (size_t)c->dim * sizeof(float));
+    s->count.weight_bytes += (int64_t)n_tokens * c->dim * (int64_t)sizeof(float);
     fill_rope_tables(s, model, start_pos, n_tokens);
 
     for (int layer = 0; layer < c->n_layers; layer++) {
@@ -209,7 +235,26 @@ static void forward_tokens(const kv_model *model, run_state *s, int start_pos,
     float *rows = s->xb + (size_t)first * c->dim;
     rmsnorm_rows(rows, s->x + (size_t)first * c->dim, model->weights.final_norm,
                  n_tokens - first, c->dim, c->norm_eps);
-    kv_matmul(logits, rows, model->weights.classifier, n_tokens - first, c->dim, c->vocab_size);
+    s->count.weight_bytes += (int64_t)c->dim * (int64_t)sizeof(float);
+    project(s, &s->count.flops_logits, logits, rows, model->weights.classifier, n_tokens - first,
+            c->dim, c->vocab_size);
+    s->count.tokens += n_tokens;
+    s->count.calls += 1;
+}
+
+/* Adds one call's counts to the caller's running totals (scratch is a peak). */
+static void add_counts(kv_counters *total, const kv_counters *call) {
+    if (total == NULL) return;
+    total->flops_projections += call->flops_projections;
+    total->flops_attention += call->flops_attention;
+    total->flops_mlp += call->flops_mlp;
+    total->flops_logits += call->flops_logits;
+    total->weight_bytes += call->weight_bytes;
+    total->kv_read_bytes += call->kv_read_bytes;
+    total->kv_write_bytes += call->kv_write_bytes;
+    if (call->scratch_bytes > total->scratch_bytes) total->scratch_bytes = call->scratch_bytes;
+    total->tokens += call->tokens;
+    total->calls += call->calls;
 }
 
 kv_status kv_check_tokens(const kv_config *config, const int32_t *tokens, int n_tokens) {
@@ -221,7 +266,7 @@ kv_status kv_check_tokens(const kv_config *config, const int32_t *tokens, int n_
 }
 
 kv_status kv_model_forward(const kv_model *model, kv_cache *cache, const int32_t *tokens,
-                           int n_tokens, float *logits, int all_logits) {
+                           int n_tokens, float *logits, int all_logits, kv_counters *counters) {
     static const int32_t single_block = 0;  /* the contiguous cache is one big block */
     kv_status status = KV_OK;
     run_state s = {0};
@@ -242,6 +287,7 @@ kv_status kv_model_forward(const kv_model *model, kv_cache *cache, const int32_t
                                          &single_block, cache->capacity, 0};
     forward_tokens(model, &s, start_pos, tokens, n_tokens, logits, all_logits);
     cache->length = start_pos + n_tokens;
+    add_counts(counters, &s.count);
 fail:
     run_state_free(&s);
     return status;
@@ -249,7 +295,7 @@ fail:
 
 kv_status kv_model_forward_paged(const kv_model *model, kv_pool *pool, int seq,
                                  const int32_t *tokens, int n_tokens, float *logits,
-                                 int all_logits) {
+                                 int all_logits, kv_counters *counters) {
     kv_status status = KV_OK;
     run_state s = {0};
     KV_CHECK(model != NULL && pool != NULL && logits != NULL, KV_ERR_INVALID_ARG);
@@ -267,20 +313,26 @@ kv_status kv_model_forward_paged(const kv_model *model, kv_pool *pool, int seq,
         s.views[layer] = kv_pool_layer_view(pool, seq, layer);
     forward_tokens(model, &s, start_pos, tokens, n_tokens, logits, all_logits);
     kv_pool_commit(pool, seq, tokens, n_tokens);
+    add_counts(counters, &s.count);
 fail:
     run_state_free(&s);
     return status;
 }
 
 kv_status kv_model_forward_uncached(const kv_model *model, const int32_t *tokens,
-                                    int n_tokens, float *logits, int all_logits) {
+                                    int n_tokens, float *logits, int all_logits,
+                                    kv_counters *counters) {
     kv_status status = KV_OK;
     kv_cache scratch = {0};
+    kv_counters count = {0};
     KV_CHECK(model != NULL && n_tokens > 0, KV_ERR_INVALID_ARG);
     KV_TRY(kv_model_check(model));
     const kv_config *c = &model->config;
     KV_TRY(kv_cache_init(&scratch, c->n_layers, c->n_kv_heads, c->head_dim, n_tokens));
-    KV_TRY(kv_model_forward(model, &scratch, tokens, n_tokens, logits, all_logits));
+    KV_TRY(kv_model_forward(model, &scratch, tokens, n_tokens, logits, all_logits, &count));
+    /* the K and V this call rebuilt from scratch are working memory too */
+    count.scratch_bytes += (int64_t)kv_cache_nbytes(&scratch);
+    add_counts(counters, &count);
 fail:
     kv_cache_free(&scratch);
     return status;

@@ -14,6 +14,7 @@ from typing import List, Optional, Sequence, Union
 import numpy as np
 
 from .errors import CacheFullError
+from .measure import Counts
 from .model import Model
 from .sampling import check_sampling_args, sample
 
@@ -27,11 +28,16 @@ class Generation:
     step_seconds: np.ndarray    # wall time of each step; step 0 includes the prefill
     use_cache: bool
     cache_nbytes: int           # bytes the KV cache reserved (0 without a cache)
+    counts: Counts = dataclasses.field(default_factory=Counts)  # FLOPs and bytes, counted by the core
 
     @property
     def text(self) -> str:
         """Prompt followed by the generated text."""
         return self.prompt + self.completion
+
+    @property
+    def flops(self) -> int:
+        return self.counts.flops
 
     @property
     def seconds(self) -> float:
@@ -74,6 +80,7 @@ def generate(model: Model, prompt: Union[str, Sequence[int]], max_new_tokens: in
 
     new_tokens: List[int] = []
     seconds: List[float] = []
+    counts_before = model.counters
     bar = _progress_bar(max_new_tokens, "cached" if use_cache else "uncached", progress)
     for step in range(max_new_tokens):
         start = time.perf_counter()
@@ -96,7 +103,8 @@ def generate(model: Model, prompt: Union[str, Sequence[int]], max_new_tokens: in
     completion = model.decode_text(new_tokens) if model.tokenizer is not None else ""
     return Generation(prompt=prompt_text, prompt_tokens=list(ids), tokens=new_tokens,
                       completion=completion, step_seconds=np.array(seconds),
-                      use_cache=use_cache, cache_nbytes=cache.nbytes if cache else 0)
+                      use_cache=use_cache, cache_nbytes=cache.nbytes if cache else 0,
+                      counts=model.counters - counts_before)
 
 
 def _progress_bar(total: int, label: str, enabled: bool):

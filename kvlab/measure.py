@@ -1,16 +1,21 @@
-"""Cache-size arithmetic: what the chapter computes by hand, as functions.
+"""Cache-size and work arithmetic: what the chapter computes by hand, as functions.
 
     bytes per token = 2 (K and V) x n_layers x n_kv_heads x head_dim x bytes per element
 
-Plain Python, no compiled code: it works for any ModelConfig, including presets far too
-large to load here (kvlab.ModelConfig.llama2_7b()). Measuring real processes is not
-here yet; compare with `cache.nbytes` / `pool.nbytes` of real caches.
+Also the FLOPs and bytes one forward call moves (`forward_counts`), summed over a whole
+generation (`generation_counts`), and the activation scratch a call needs
+(`scratch_bytes`). These are derived from the shapes alone; the C core counts the same
+things while it runs (model.counters), and the tests hold the two equal. Plain Python: it
+works for any ModelConfig, including presets far too large to load here.
 """
 from __future__ import annotations
+
+import dataclasses
 
 from .config import ModelConfig
 
 BYTES_PER_ELEMENT = {"fp32": 4, "fp16": 2, "bf16": 2}
+FLOAT = 4   # the C core computes in fp32
 
 
 def _element_bytes(dtype: str) -> int:
@@ -36,3 +41,108 @@ def kv_cache_bytes(config: ModelConfig, seq_len: int, batch: int = 1, dtype: str
 def weights_bytes(config: ModelConfig, dtype: str = "fp16") -> int:
     """Bytes of the model's weights stored in dtype."""
     return config.n_params() * _element_bytes(dtype)
+
+
+# ---- work per forward call ----------------------------------------------------------------
+
+@dataclasses.dataclass
+class Counts:
+    """FLOPs and bytes of forward calls; the same fields as the C core's kv_counters.
+    A FLOP is one multiply or one add (a multiply-add is 2)."""
+    flops_projections: int = 0   # Wq, Wk, Wv, Wo
+    flops_attention: int = 0     # q . k over the visible positions, and the mix of V
+    flops_mlp: int = 0           # W1, W3, W2
+    flops_logits: int = 0        # the classifier
+    weight_bytes: int = 0        # weights read, each matrix once per call
+    kv_read_bytes: int = 0       # K and V read by attention
+    kv_write_bytes: int = 0      # K and V written
+    scratch_bytes: int = 0       # peak activation scratch of one call
+    tokens: int = 0              # tokens run through the model
+    calls: int = 0
+
+    @property
+    def flops(self) -> int:
+        return self.flops_projections + self.flops_attention + self.flops_mlp + self.flops_logits
+
+    @property
+    def bytes_moved(self) -> int:
+        return self.weight_bytes + self.kv_read_bytes + self.kv_write_bytes
+
+    def __add__(self, other: "Counts") -> "Counts":
+        summed = {f.name: getattr(self, f.name) + getattr(other, f.name)
+                  for f in dataclasses.fields(self)}
+        summed["scratch_bytes"] = max(self.scratch_bytes, other.scratch_bytes)
+        return Counts(**summed)
+
+    def __sub__(self, earlier: "Counts") -> "Counts":
+        """What happened since `earlier` (scratch_bytes stays the later peak)."""
+        diff = {f.name: getattr(self, f.name) - getattr(earlier, f.name)
+                for f in dataclasses.fields(self)}
+        diff["scratch_bytes"] = self.scratch_bytes
+        return Counts(**diff)
+
+
+def forward_counts(config: ModelConfig, n_tokens: int, start_pos: int = 0,
+                   all_logits: bool = False) -> Counts:
+    """What one forward call of n_tokens new tokens at positions start_pos.. does
+    (scratch_bytes aside: see scratch_bytes())."""
+    c, T = config, n_tokens
+    per_layer_proj = c.dim * c.q_dim + 2 * c.dim * c.kv_dim + c.q_dim * c.dim
+    per_layer_mlp = 3 * c.dim * c.hidden_dim
+    n_out = T if all_logits else 1
+    seen = T * start_pos + T * (T + 1) // 2          # positions seen, summed over the tokens
+    kv_row = c.kv_dim * FLOAT
+    weights = (c.n_layers * (per_layer_proj + per_layer_mlp + 2 * c.dim)   # matrices + norms
+               + c.dim + c.vocab_size * c.dim + T * c.dim) * FLOAT          # final norm, classifier, embedding rows
+    return Counts(
+        flops_projections=2 * T * c.n_layers * per_layer_proj,
+        flops_attention=4 * seen * c.n_layers * c.n_heads * c.head_dim,
+        flops_mlp=2 * T * c.n_layers * per_layer_mlp,
+        flops_logits=2 * n_out * c.dim * c.vocab_size,
+        weight_bytes=weights,
+        kv_read_bytes=2 * seen * c.n_layers * kv_row,
+        kv_write_bytes=2 * T * c.n_layers * kv_row,
+        tokens=T, calls=1)
+
+
+def _round16(n: int) -> int:
+    return (n + 15) // 16 * 16
+
+
+def scratch_bytes(config: ModelConfig, n_tokens: int, start_pos: int = 0, n_threads: int = 1,
+                  cached: bool = True) -> int:
+    """Activation scratch one forward call allocates (csrc/model.c, run_state): a few
+    (n_tokens, width) buffers plus one row of attention scores per thread; without a cache
+    the whole sequence's K and V are rebuilt as scratch too."""
+    c, T = config, n_tokens
+    positions = start_pos + T
+    buffers = [T * c.dim, T * c.dim, T * c.q_dim, T * c.kv_dim, T * c.kv_dim, T * c.q_dim,
+               T * c.dim, T * c.hidden_dim, T * c.hidden_dim, T * c.head_dim // 2,
+               T * c.head_dim // 2, n_threads * c.kv_mul * _round16(positions)]
+    total = sum(_round16(n) for n in buffers) * FLOAT
+    if not cached:
+        total += 2 * c.n_layers * T * c.kv_dim * FLOAT
+    return total
+
+
+def generation_counts(config: ModelConfig, prompt_len: int, new_tokens: int,
+                      use_cache: bool = True) -> Counts:
+    """The work of kvlab.generate: with the cache, one prefill of the prompt and one
+    decode per further token; without it, the whole sequence from scratch every step."""
+    total = Counts()
+    for step in range(new_tokens):
+        if not use_cache:
+            total = total + forward_counts(config, prompt_len + step, 0)
+        elif step == 0:
+            total = total + forward_counts(config, prompt_len, 0)
+        else:
+            total = total + forward_counts(config, 1, prompt_len + step - 1)
+    return total
+
+
+def arithmetic_ratio(config: ModelConfig, prompt_len: int, new_tokens: int) -> float:
+    """Whole-run FLOPs without a cache over FLOPs with one. For projections and MLP this
+    is about (prompt_len + new_tokens / 2) * new_tokens / (prompt_len + new_tokens): it
+    grows with the number of generated tokens and shrinks when the prompt dominates."""
+    return (generation_counts(config, prompt_len, new_tokens, False).flops /
+            generation_counts(config, prompt_len, new_tokens, True).flops)

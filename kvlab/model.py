@@ -14,6 +14,7 @@ import numpy as np
 from ._core import core
 from .config import ModelConfig
 from .errors import TokenizerError
+from .measure import Counts
 from .paged import PagedPool, PagedSequence
 from .tokenizer import Tokenizer
 from .weights import Weights
@@ -62,6 +63,18 @@ class Model:
             "rope_interleaved": bool(config.rope_interleaved),
         }
         self._core = core.Model(core_config, arrays)
+        # what every forward call did, added up by the core (see kvlab.measure.Counts)
+        self._counters = np.zeros(len(core.COUNTERS), dtype=np.int64)
+
+    # ---- counting ----------------------------------------------------------------------
+    @property
+    def counters(self) -> Counts:
+        """FLOPs, bytes and peak scratch of every forward call since the last reset,
+        counted by the C core as it ran."""
+        return Counts(**dict(zip(core.COUNTERS, self._counters.tolist())))
+
+    def reset_counters(self) -> None:
+        self._counters[:] = 0
 
     # ---- caches ----------------------------------------------------------------------
     def new_cache(self, max_seq_len: Optional[int] = None, dtype: str = "fp32") -> KVCache:
@@ -99,19 +112,20 @@ class Model:
         last token's logits (vocab,), or every token's (len(tokens), vocab) with
         all_logits=True."""
         return self._core.forward(as_token_array(tokens, self.config.vocab_size), cache,
-                                  all_logits)
+                                  all_logits, self._counters)
 
     def decode(self, token: int, cache: Cache) -> np.ndarray:
         """One generation step: a single new token attends over the cache. Returns (vocab,)."""
         if isinstance(token, (bool, np.bool_)) or not isinstance(token, (int, np.integer)):
             raise TypeError(f"decode takes one integer token id, got {token!r}")
-        return self._core.forward(as_token_array([token], self.config.vocab_size), cache, False)
+        return self._core.forward(as_token_array([token], self.config.vocab_size), cache, False,
+                                  self._counters)
 
     def forward(self, tokens: TokenArray, all_logits: bool = False) -> np.ndarray:
         """The no-cache path: run the whole sequence from position 0, recomputing every
         token's K and V, as a model without a KV cache does on every step."""
         return self._core.forward(as_token_array(tokens, self.config.vocab_size), None,
-                                  all_logits)
+                                  all_logits, self._counters)
 
     # ---- text ------------------------------------------------------------------------
     def _require_tokenizer(self) -> Tokenizer:

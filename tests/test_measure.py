@@ -44,3 +44,80 @@ def test_bad_arguments():
         kv_cache_bytes(config, 10, dtype="fp64")
     with pytest.raises(ValueError, match="seq_len"):
         kv_cache_bytes(config, -1)
+
+
+# ---- FLOP and byte counts: the formulas against the C core's counters ---------------------
+
+import numpy as np  # noqa: E402
+
+from kvlab.measure import (Counts, arithmetic_ratio, forward_counts,  # noqa: E402
+                           generation_counts, scratch_bytes)
+
+SHAPES = [  # (dim, hidden, layers, heads, kv_heads, head_dim, vocab)
+    (32, 48, 2, 4, 4, 8, 50),       # MHA
+    (64, 80, 3, 8, 2, 16, 97),      # GQA
+    (48, 40, 1, 6, 1, 10, 33),      # MQA, head_dim not a multiple of 8
+    (20, 36, 2, 3, 3, 6, 64),       # dim != n_heads * head_dim
+]
+
+
+def random_model(shape, seed=0):
+    dim, hidden, layers, heads, kv_heads, head_dim, vocab = shape
+    config = kvlab.ModelConfig(dim=dim, hidden_dim=hidden, n_layers=layers, n_heads=heads,
+                               n_kv_heads=kv_heads, head_dim=head_dim, vocab_size=vocab,
+                               max_seq_len=64)
+    return kvlab.Model(config, kvlab.Weights.random(config, seed=seed))
+
+
+def without_scratch(counts: Counts) -> Counts:
+    return Counts(**{**counts.__dict__, "scratch_bytes": 0})
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_core_counters_equal_the_formulas_call_by_call(shape):
+    model = random_model(shape)
+    c, threads = model.config, kvlab.get_num_threads()
+    tokens = list(np.random.default_rng(0).integers(0, c.vocab_size, size=12))
+    cache = model.new_cache(20)
+    pool = model.new_paged_pool(num_blocks=8, block_size=3)
+    seq = pool.new_sequence()
+    calls = [
+        (lambda: model.prefill(tokens[:7], cache, all_logits=True), (7, 0, True, True)),
+        (lambda: model.prefill(tokens[7:9], cache), (2, 7, False, True)),
+        (lambda: model.decode(int(tokens[9]), cache), (1, 9, False, True)),
+        (lambda: model.forward(tokens, all_logits=False), (12, 0, False, False)),
+        (lambda: model.forward(tokens[:5], all_logits=True), (5, 0, True, False)),
+        (lambda: model.prefill(tokens[:4], seq), (4, 0, False, True)),
+        (lambda: model.decode(int(tokens[4]), seq), (1, 4, False, True)),
+    ]
+    for call, (n, start, all_logits, cached) in calls:
+        model.reset_counters()
+        call()
+        counted = model.counters
+        assert without_scratch(counted) == forward_counts(c, n, start, all_logits)
+        assert counted.scratch_bytes == scratch_bytes(c, n, start, threads, cached)
+
+
+@pytest.mark.parametrize("use_cache", [True, False])
+def test_generation_counts_equal_the_core_counters(use_cache):
+    model = random_model(SHAPES[1], seed=2)
+    out = kvlab.generate(model, [1, 2, 3, 4, 5], max_new_tokens=17, use_cache=use_cache)
+    want = generation_counts(model.config, 5, 17, use_cache)
+    assert without_scratch(out.counts) == without_scratch(want)
+    assert out.flops == want.flops
+
+
+def test_the_cache_saves_arithmetic_in_proportion_to_the_length():
+    llama = kvlab.ModelConfig.llama2_7b()
+    # 2,048 tokens generated after a one-token prompt: about a thousand times less work
+    assert 980 < arithmetic_ratio(llama, 1, 2048) < 1000
+    assert arithmetic_ratio(llama, 1, 2100) > 1000
+    # the longer the prompt is relative to the output, the smaller the saving
+    assert arithmetic_ratio(llama, 1024, 1024) < arithmetic_ratio(llama, 1, 2048)
+    assert arithmetic_ratio(llama, 100, 1) == pytest.approx(1.0)
+
+
+def test_counters_reject_a_wrong_array():
+    model = random_model(SHAPES[0])
+    with pytest.raises(TypeError, match="int64"):
+        model._core.forward(np.array([1], dtype=np.int32), None, False, np.zeros(3))
