@@ -1,4 +1,4 @@
-"""The `kvlab` command line: `kvlab demo`, `kvlab generate`, `kvlab info`.
+"""The `kvlab` command line: `kvlab demo`, `kvlab bench`, `kvlab generate`, `kvlab info`.
 
 Also reachable as `python -m kvlab`. Each subcommand is a thin layer over the public API
 (kvlab.load, kvlab.generate), so what it prints is what a notebook would compute.
@@ -71,6 +71,56 @@ def cmd_demo(args) -> int:
     return 0 if identical else 1
 
 
+def cmd_bench(args) -> int:
+    """Cached against uncached generation, timed step by step, with counts and a plot."""
+    import kvlab
+    from .measure import arithmetic_ratio
+    model = _load(args)
+    threads = kvlab.get_num_threads()
+    kvlab.generate(model, args.prompt, max_new_tokens=4)            # warm up
+    runs = {}
+    for use_cache in (True, False):
+        runs[use_cache] = min((kvlab.generate(model, args.prompt, args.max_new_tokens,
+                                              use_cache=use_cache, stop_at_eos=False,
+                                              progress=not args.quiet)
+                               for _ in range(args.repeats)), key=lambda g: g.seconds)
+    cached, uncached = runs[True], runs[False]
+    identical = cached.tokens == uncached.tokens
+    speedup = uncached.seconds / cached.seconds
+    flop_ratio = uncached.flops / cached.flops
+    print(f"kvlab bench: {model!r}, {len(cached.tokens)} new tokens after a "
+          f"{len(cached.prompt_tokens)}-token prompt, {threads} threads, best of {args.repeats}")
+    print(f"{'':24}{'with cache':>16}{'without cache':>16}{'without/with':>14}")
+    rows = [("wall time (s)", cached.seconds, uncached.seconds, "{:.4f}"),
+            ("ms per token", 1e3 / cached.tokens_per_second, 1e3 / uncached.tokens_per_second,
+             "{:.3f}"),
+            ("GFLOP (counted)", cached.flops / 1e9, uncached.flops / 1e9, "{:.3f}"),
+            ("MB moved (counted)", cached.counts.bytes_moved / 1e6,
+             uncached.counts.bytes_moved / 1e6, "{:,.1f}"),
+            ("peak scratch (KiB)", cached.counts.scratch_bytes / 1024,
+             uncached.counts.scratch_bytes / 1024, "{:,.1f}")]
+    for name, a, b, fmt in rows:
+        print(f"{name:24}{fmt.format(a):>16}{fmt.format(b):>16}{b / a if a else float('nan'):>13.1f}x")
+    print(f"identical text: {'yes' if identical else 'NO'};  speedup {speedup:.1f}x in time, "
+          f"{flop_ratio:.1f}x in arithmetic (the formula says "
+          f"{arithmetic_ratio(model.config, len(cached.prompt_tokens), len(cached.tokens)):.1f}x)")
+    result = {"model": str(model.source), "config": model.config.to_dict(), "threads": threads,
+              "prompt": args.prompt, "new_tokens": len(cached.tokens), "identical": identical,
+              "speedup": speedup, "flop_ratio": flop_ratio}
+    for label, run in (("cached", cached), ("uncached", uncached)):
+        result[label] = {"seconds": run.seconds, "step_seconds": run.step_seconds.tolist(),
+                         "counts": run.counts.__dict__, "cache_nbytes": run.cache_nbytes}
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+        print(f"wrote {args.json}")
+    if args.plot:
+        from .plots import cached_vs_uncached
+        cached_vs_uncached(model, cached, uncached, threads, path=args.plot)
+        print(f"wrote {args.plot}")
+    return 0 if identical else 1
+
+
 def cmd_generate(args) -> int:
     import kvlab
     model = _load(args)
@@ -114,6 +164,16 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--json", default=None, help="also write the results to this JSON file")
     demo.add_argument("--quiet", action="store_true", help="no progress bars")
     demo.set_defaults(func=cmd_demo)
+
+    bench = sub.add_parser("bench", help="time cached against uncached generation")
+    model_args(bench)
+    bench.add_argument("--prompt", default=DEMO_PROMPT)
+    bench.add_argument("--max-new-tokens", type=int, default=200)
+    bench.add_argument("--repeats", type=int, default=1, help="keep the best of N runs")
+    bench.add_argument("--json", default=None, help="write results (with per-step times) here")
+    bench.add_argument("--plot", default=None, help="write a PNG of latency and memory here")
+    bench.add_argument("--quiet", action="store_true", help="no progress bars")
+    bench.set_defaults(func=cmd_bench)
 
     gen = sub.add_parser("generate", help="generate text from a prompt")
     model_args(gen)

@@ -40,3 +40,16 @@ def test_python_dash_m_works_outside_the_source_tree(tmp_path):
 def test_bad_arguments_exit_with_usage():
     with pytest.raises(SystemExit):
         cli.main(["generate"])          # --prompt is required
+
+
+def test_bench_writes_a_table_json_and_a_plot(capsys, tmp_path):
+    pytest.importorskip("matplotlib")
+    out_json, out_png = tmp_path / "bench.json", tmp_path / "bench.png"
+    assert cli.main(["bench", "--max-new-tokens", "24", "--quiet", "--json", str(out_json),
+                     "--plot", str(out_png)]) == 0
+    printed = capsys.readouterr().out
+    assert "identical text: yes" in printed and "GFLOP (counted)" in printed
+    result = json.loads(out_json.read_text())
+    assert len(result["cached"]["step_seconds"]) == 24
+    assert result["uncached"]["counts"]["flops_attention"] > result["cached"]["counts"]["flops_attention"]
+    assert out_png.stat().st_size > 10_000 and out_png.read_bytes()[:4] == b"\x89PNG"
