@@ -80,23 +80,23 @@ def generate(model: Model, prompt: Union[str, Sequence[int]], max_new_tokens: in
 
     new_tokens: List[int] = []
     seconds: List[float] = []
-    counts_before = model.counters
     bar = _progress_bar(max_new_tokens, "cached" if use_cache else "uncached", progress)
-    for step in range(max_new_tokens):
-        start = time.perf_counter()
-        if cache is None:
-            logits = model.forward(ids + new_tokens)          # everything, from scratch
-        elif step == 0:
-            logits = model.prefill(ids, cache)                # the whole prompt at once
-        else:
-            logits = model.decode(new_tokens[-1], cache)      # one token over the cache
-        token = sample(logits, temperature, top_k, top_p, rng)
-        seconds.append(time.perf_counter() - start)
-        if bar is not None:
-            bar.update(1)
-        if eos is not None and token == eos:
-            break
-        new_tokens.append(token)
+    with model.counting() as counts:
+        for step in range(max_new_tokens):
+            start = time.perf_counter()
+            if cache is None:
+                logits = model.forward(ids + new_tokens)          # everything, from scratch
+            elif step == 0:
+                logits = model.prefill(ids, cache)                # the whole prompt at once
+            else:
+                logits = model.decode(new_tokens[-1], cache)      # one token over the cache
+            token = sample(logits, temperature, top_k, top_p, rng)
+            seconds.append(time.perf_counter() - start)
+            if bar is not None:
+                bar.update(1)
+            if eos is not None and token == eos:
+                break
+            new_tokens.append(token)
     if bar is not None:
         bar.close()
 
@@ -104,7 +104,7 @@ def generate(model: Model, prompt: Union[str, Sequence[int]], max_new_tokens: in
     return Generation(prompt=prompt_text, prompt_tokens=list(ids), tokens=new_tokens,
                       completion=completion, step_seconds=np.array(seconds),
                       use_cache=use_cache, cache_nbytes=cache.nbytes if cache else 0,
-                      counts=model.counters - counts_before)
+                      counts=counts)
 
 
 def _progress_bar(total: int, label: str, enabled: bool):

@@ -74,13 +74,6 @@ class Counts:
         summed["scratch_bytes"] = max(self.scratch_bytes, other.scratch_bytes)
         return Counts(**summed)
 
-    def __sub__(self, earlier: "Counts") -> "Counts":
-        """What happened since `earlier` (scratch_bytes stays the later peak)."""
-        diff = {f.name: getattr(self, f.name) - getattr(earlier, f.name)
-                for f in dataclasses.fields(self)}
-        diff["scratch_bytes"] = self.scratch_bytes
-        return Counts(**diff)
-
 
 def forward_counts(config: ModelConfig, n_tokens: int, start_pos: int = 0,
                    all_logits: bool = False) -> Counts:
@@ -146,3 +139,134 @@ def arithmetic_ratio(config: ModelConfig, prompt_len: int, new_tokens: int) -> f
     grows with the number of generated tokens and shrinks when the prompt dominates."""
     return (generation_counts(config, prompt_len, new_tokens, False).flops /
             generation_counts(config, prompt_len, new_tokens, True).flops)
+
+
+# ---- measuring a real process -------------------------------------------------------------
+
+def _proc_status_kib(field: str) -> int:
+    """A memory figure of this process from /proc/self/status (Linux), in KiB; 0 elsewhere."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+def release_freed_memory() -> None:
+    """Ask the C allocator to hand freed memory back to the operating system (glibc's
+    malloc_trim). Without this, scratch freed after a forward pass stays resident for
+    reuse and shows up in resident-size measurements as if something still held it."""
+    try:
+        import ctypes
+        import ctypes.util
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def resident_bytes() -> int:
+    """Physical memory this process uses now (VmRSS)."""
+    return 1024 * _proc_status_kib("VmRSS")
+
+
+def peak_resident_bytes() -> int:
+    """Highest physical memory this process has used (VmHWM)."""
+    return 1024 * _proc_status_kib("VmHWM")
+
+
+@dataclasses.dataclass
+class MemoryReport:
+    context: int
+    batch: int
+    formula_bytes: int        # kv_cache_bytes(config, context, batch, "fp32")
+    allocated_bytes: int      # what the caches say they allocated (cache.nbytes)
+    rss_after_create: int     # resident growth once the caches exist (memory is reserved lazily)
+    rss_after_fill: int       # resident growth once every request holds `context` tokens
+    weights_bytes: int        # the model's weights (memory-mapped files count once touched)
+    scratch_bytes: int        # peak activation scratch of one forward call (counted)
+    peak_rss: int             # the process's high-water mark of resident memory
+
+    def table(self) -> str:
+        rows = [("KV cache, formula", self.formula_bytes),
+                ("KV cache, allocated (nbytes)", self.allocated_bytes),
+                ("resident growth after creating", self.rss_after_create),
+                ("resident growth after filling", self.rss_after_fill),
+                ("weights", self.weights_bytes),
+                ("scratch (peak of one call)", self.scratch_bytes),
+                ("process peak resident", self.peak_rss)]
+        head = f"{self.batch} request(s) x {self.context} tokens, fp32"
+        return "\n".join([head] + [f"  {name:32}{value:>16,} B" for name, value in rows])
+
+
+def measure_memory(model, context: int, batch: int = 1, cache: str = "contiguous",
+                   block_size: int = 16) -> MemoryReport:
+    """Create `batch` caches of `context` positions (or one paged pool of that size), fill
+    each with `context` tokens, and compare the formula with what was allocated and what
+    the process's resident memory did. Resident growth is a measurement, so it includes
+    whatever else the process allocated meanwhile; expect it to match to within a few
+    pages, not to the byte."""
+    import numpy as np
+
+    if cache not in ("contiguous", "paged"):
+        raise ValueError(f"cache must be 'contiguous' or 'paged', got {cache!r}")
+    config = model.config
+    if context < 1 or context > config.max_seq_len or batch < 1:
+        raise ValueError(f"need 1 <= context <= {config.max_seq_len} and batch >= 1")
+    tokens = np.random.default_rng(0).integers(0, config.vocab_size, size=context)
+    with model.counting() as counts:
+        model.forward(tokens[:1])                   # touch the weights before measuring
+        release_freed_memory()
+        before = resident_bytes()
+        if cache == "contiguous":
+            caches = [model.new_cache(context) for _ in range(batch)]
+            targets, allocated = caches, sum(c.nbytes for c in caches)
+        else:
+            blocks = batch * -(-context // block_size)
+            pool = model.new_paged_pool(blocks, block_size, max_seqs=max(batch, 1))
+            targets, allocated = [pool.new_sequence() for _ in range(batch)], pool.nbytes
+        created = resident_bytes()
+        for target in targets:
+            model.prefill(tokens, target)
+        release_freed_memory()
+        filled = resident_bytes()
+    return MemoryReport(context=context, batch=batch,
+                        formula_bytes=kv_cache_bytes(config, context, batch, "fp32"),
+                        allocated_bytes=allocated, rss_after_create=created - before,
+                        rss_after_fill=filled - before, weights_bytes=model.weights_nbytes,
+                        scratch_bytes=counts.scratch_bytes,
+                        peak_rss=peak_resident_bytes())
+
+
+@dataclasses.dataclass
+class WorkingMemory:
+    new_tokens: int
+    cached_scratch: int       # peak scratch of any one call, with the cache
+    cache_bytes: int          # the cache itself (reserved for prompt + new tokens)
+    uncached_scratch: int     # peak scratch of any one call without a cache
+
+    @property
+    def cached_total(self) -> int:
+        return self.cached_scratch + self.cache_bytes
+
+    @property
+    def ratio(self) -> float:
+        """Working memory without a cache over working memory with one."""
+        return self.uncached_scratch / self.cached_total
+
+
+def working_memory(model, prompt, new_tokens: int = 256) -> WorkingMemory:
+    """Generate with and without the cache and compare peak working memory, as counted
+    by the core. Without a cache the last step holds activations for the whole sequence
+    and rebuilds all of its K and V; with one, a step holds one token's activations and
+    the cache holds every K and V once."""
+    from .generate import generate
+
+    with_cache = generate(model, prompt, new_tokens, use_cache=True, stop_at_eos=False)
+    without = generate(model, prompt, new_tokens, use_cache=False, stop_at_eos=False)
+    return WorkingMemory(new_tokens=new_tokens, cached_scratch=with_cache.counts.scratch_bytes,
+                         cache_bytes=with_cache.cache_nbytes,
+                         uncached_scratch=without.counts.scratch_bytes)

@@ -7,7 +7,8 @@ converts and checks Python inputs, then hands them to C. It is not the generatio
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence, Union
+import contextlib
+from typing import Iterator, Optional, Sequence, Union
 
 import numpy as np
 
@@ -22,6 +23,7 @@ from .weights import Weights
 KVCache = core.KVCache
 
 CACHE_DTYPES = ("fp32",)
+SCRATCH = core.COUNTERS.index("scratch_bytes")
 
 TokenArray = Union[Sequence[int], np.ndarray]
 Cache = Union[KVCache, PagedSequence]
@@ -75,6 +77,21 @@ class Model:
 
     def reset_counters(self) -> None:
         self._counters[:] = 0
+
+    @contextlib.contextmanager
+    def counting(self) -> Iterator[Counts]:
+        """with model.counting() as counts: ... -- counts holds what the calls inside the
+        block did (its own scratch peak too); the model's totals still include them."""
+        saved = self._counters.copy()
+        self._counters[:] = 0
+        counts = Counts()
+        try:
+            yield counts
+        finally:
+            run = self.counters
+            counts.__dict__.update(run.__dict__)
+            self._counters += saved
+            self._counters[SCRATCH] = max(saved[SCRATCH], run.scratch_bytes)
 
     # ---- caches ----------------------------------------------------------------------
     def new_cache(self, max_seq_len: Optional[int] = None, dtype: str = "fp32") -> KVCache:

@@ -31,7 +31,13 @@ def test_missing_checkpoint_is_a_clean_error(capsys, tmp_path):
 
 
 def test_python_dash_m_works_outside_the_source_tree(tmp_path):
-    result = subprocess.run([sys.executable, "-m", "kvlab", "info"], cwd=tmp_path,
+    import os
+    from pathlib import Path
+
+    import kvlab
+    # the same kvlab these tests import, run from a folder with no source tree in it
+    env = {**os.environ, "PYTHONPATH": str(Path(kvlab.__file__).parents[1])}
+    result = subprocess.run([sys.executable, "-m", "kvlab", "info"], cwd=tmp_path, env=env,
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert "Model(" in result.stdout

@@ -121,3 +121,70 @@ def test_counters_reject_a_wrong_array():
     model = random_model(SHAPES[0])
     with pytest.raises(TypeError, match="int64"):
         model._core.forward(np.array([1], dtype=np.int32), None, False, np.zeros(3))
+
+
+MEASURE_IN_A_FRESH_PROCESS = """
+import json, sys, kvlab
+from kvlab.measure import measure_memory
+config = kvlab.ModelConfig.stories260k().replace(max_seq_len=1024)
+model = kvlab.Model(config, kvlab.Weights.random(config))
+report = measure_memory(model, context=1024, batch=16, cache=sys.argv[1])
+print(json.dumps({**report.__dict__, "threads": kvlab.get_num_threads()}))
+"""
+
+
+@pytest.mark.parametrize("kind", ["contiguous", "paged"])
+def test_measured_memory_matches_the_formula(kind, tmp_path):
+    """Resident memory is a property of the whole process, so this measures in a fresh one."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    # the same kvlab these tests import, from a folder where no source tree can shadow it
+    env = {**os.environ, "PYTHONPATH": str(Path(kvlab.__file__).parents[1])}
+    result = subprocess.run([sys.executable, "-c", MEASURE_IN_A_FRESH_PROCESS, kind],
+                            capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    config = kvlab.ModelConfig.stories260k().replace(max_seq_len=1024)
+    formula = kv_cache_bytes(config, 1024, 16, "fp32")
+    assert report["formula_bytes"] == report["allocated_bytes"] == formula
+    # memory is reserved lazily: creating the caches costs little, filling them the formula
+    assert report["rss_after_create"] < 0.2 * formula
+    assert abs(report["rss_after_fill"] - formula) < 0.1 * formula
+    assert report["scratch_bytes"] == scratch_bytes(config, 1024, 0, report["threads"])
+
+
+def test_measure_memory_checks_its_arguments():
+    from kvlab.measure import measure_memory
+    model = random_model(SHAPES[0])
+    with pytest.raises(ValueError):
+        measure_memory(model, context=4096)
+    with pytest.raises(ValueError):
+        measure_memory(model, context=8, cache="fancy")
+
+
+def test_working_memory_of_256_tokens_follows_from_the_shapes():
+    from kvlab.measure import working_memory
+    model = random_model(SHAPES[1], seed=3)
+    model = kvlab.Model(model.config.replace(max_seq_len=300), model.weights)
+    threads = kvlab.get_num_threads()
+    report = working_memory(model, [1, 2, 3], new_tokens=256)
+    c = model.config
+    # without a cache, the last step runs all 258 tokens and rebuilds their K and V
+    assert report.uncached_scratch == scratch_bytes(c, 3 + 255, 0, threads, cached=False)
+    # with one, the largest call is the prefill or a late decode; the cache holds 258 rows
+    assert report.cached_scratch == max(scratch_bytes(c, 3, 0, threads),
+                                        scratch_bytes(c, 1, 257, threads))
+    assert report.cache_bytes == kv_cache_bytes(c, 258, dtype="fp32")
+    assert report.ratio > 1
+
+
+def test_counting_block_keeps_its_own_peak():
+    model = random_model(SHAPES[0])
+    model.forward(list(range(40)))                     # a big call first
+    with model.counting() as small:
+        model.forward([1])
+    assert small.scratch_bytes < model.counters.scratch_bytes
+    assert small.calls == 1 and model.counters.calls == 2

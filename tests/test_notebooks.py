@@ -12,6 +12,9 @@ NOTEBOOKS = sorted((Path(__file__).resolve().parents[1] / "notebooks").glob("*.i
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
 def test_notebook_runs(path, tmp_path, monkeypatch):
     monkeypatch.setenv("MPLBACKEND", "Agg")
+    # the kernel imports the same kvlab these tests import, whether installed or built in place
+    import kvlab
+    monkeypatch.setenv("PYTHONPATH", str(Path(kvlab.__file__).parents[1]))
     notebook = nbformat.read(path, as_version=4)
     client = nbclient.NotebookClient(notebook, timeout=300, kernel_name="python3",
                                      resources={"metadata": {"path": str(tmp_path)}})
