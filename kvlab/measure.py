@@ -270,3 +270,12 @@ def working_memory(model, prompt, new_tokens: int = 256) -> WorkingMemory:
     return WorkingMemory(new_tokens=new_tokens, cached_scratch=with_cache.counts.scratch_bytes,
                          cache_bytes=with_cache.cache_nbytes,
                          uncached_scratch=without.counts.scratch_bytes)
+
+
+def per_token_saving(config: ModelConfig, position: int) -> float:
+    """Share of one step's FLOPs that the cache saves when generating the token at
+    `position` (0-based): the uncached step reruns all position + 1 tokens, the cached
+    step only the newest. About 1 - 1/(position + 1): 75 % at position 3, 90 % at 9."""
+    cached = forward_counts(config, 1, position).flops
+    uncached = forward_counts(config, position + 1, 0).flops
+    return 1.0 - cached / uncached

@@ -188,3 +188,12 @@ def test_counting_block_keeps_its_own_peak():
         model.forward([1])
     assert small.scratch_bytes < model.counters.scratch_bytes
     assert small.calls == 1 and model.counters.calls == 2
+
+
+def test_per_token_saving_grows_with_position():
+    from kvlab.measure import per_token_saving
+    llama = kvlab.ModelConfig.llama2_7b()
+    assert per_token_saving(llama, 0) == pytest.approx(0.0)
+    assert per_token_saving(llama, 3) == pytest.approx(0.75, abs=0.01)
+    assert per_token_saving(llama, 9) == pytest.approx(0.90, abs=0.01)
+    assert per_token_saving(llama, 2047) > 0.999
