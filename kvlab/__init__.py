@@ -13,7 +13,7 @@ The C core (csrc/) runs the model; kvlab.reference is the same math in plain Num
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional, Union
+from typing import Union
 
 from ._core import core as _core
 from .config import ModelConfig
