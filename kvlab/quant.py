@@ -1,0 +1,141 @@
+"""Cache quantization formats in plain NumPy: the reference the C core must match.
+
+"Cache quantization is the same core idea as model quantization, applied to the cache":
+store K and V in fewer bits, and pay in precision. Each format here maps float32 rows to
+codes (plus scales and zero points) and back. Quantization works along the last axis
+(head_dim), in groups of `group` values; every group gets its own scale.
+
+    fp16  IEEE half precision, round to nearest even            2 bytes per value
+    bf16  the top 16 bits of float32, round to nearest even     2 bytes per value
+    int8  symmetric: code = rint(x / scale), scale = max|x| / 127 per group
+          dequantized code * scale                              1 byte + 4 per group
+    int4  asymmetric: code = rint((x - zero) / scale) in 0..15, zero = group min,
+          scale = (max - min) / 15, two codes per byte (even index in the low nibble)
+                                                                0.5 byte + 8 per group
+
+Every step is float32 arithmetic with round-half-to-even (np.rint), the default rounding
+of C's nearbyintf, so a C implementation doing the same operations in the same order
+gets the same codes bit for bit. This module does not store caches (the C core does).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import numpy as np
+
+FORMATS = ("fp32", "fp16", "bf16", "int8", "int4")
+
+
+@dataclasses.dataclass
+class Quantized:
+    """Codes and per-group parameters of a quantized array x of shape (..., head_dim)."""
+    format: str
+    codes: np.ndarray                   # fp16/bf16: uint16 (..., d); int8: int8 (..., d);
+                                        # int4: uint8 (..., d // 2)
+    scales: Optional[np.ndarray] = None  # float32 (..., d // group) for int8 and int4
+    zeros: Optional[np.ndarray] = None   # float32 (..., d // group) for int4
+    group: int = 0
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in (self.codes, self.scales, self.zeros) if a is not None)
+
+
+def check_format(fmt: str, head_dim: int, group: Optional[int] = None) -> int:
+    """The group size to use (default: all of head_dim for int8, 32 for int4); raises
+    ValueError for an unknown format or a group that does not divide head_dim."""
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown cache format {fmt!r}; known: {', '.join(FORMATS)}")
+    if fmt in ("fp32", "fp16", "bf16"):
+        return 0
+    if group is None:
+        group = head_dim if fmt == "int8" else min(32, head_dim)
+    if not isinstance(group, (int, np.integer)) or group < 1 or head_dim % group:
+        raise ValueError(f"group size {group!r} must divide head_dim ({head_dim})")
+    if fmt == "int4" and group % 2:
+        raise ValueError(f"int4 packs two codes per byte: group size {group} must be even")
+    return int(group)
+
+
+def bytes_per_value(fmt: str, head_dim: int, group: Optional[int] = None) -> float:
+    """Average bytes one cached value costs, scales and zero points included."""
+    group = check_format(fmt, head_dim, group)
+    return {"fp32": 4.0, "fp16": 2.0, "bf16": 2.0,
+            "int8": 1.0 + 4.0 / group if group else 0.0,
+            "int4": 0.5 + 8.0 / group if group else 0.0}[fmt]
+
+
+def _grouped(x: np.ndarray, group: int) -> np.ndarray:
+    return x.reshape(*x.shape[:-1], x.shape[-1] // group, group)
+
+
+def bf16_round(x: np.ndarray) -> np.ndarray:
+    """float32 -> bf16 bits (uint16), rounding to nearest even; NaN stays NaN."""
+    bits = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+    rounded = (bits + (np.uint32(0x7FFF) + ((bits >> 16) & 1))) >> 16
+    quiet_nan = (bits >> 16) | np.uint32(0x0040)
+    return np.where(np.isnan(x), quiet_nan, rounded).astype(np.uint16)
+
+
+def quantize(x: np.ndarray, fmt: str, group: Optional[int] = None) -> Quantized:
+    """Quantize float32 x (..., head_dim) along its last axis."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    group = check_format(fmt, x.shape[-1], group)
+    if fmt == "fp32":
+        return Quantized(fmt, x.copy())
+    if fmt == "fp16":
+        return Quantized(fmt, x.astype(np.float16).view(np.uint16))
+    if fmt == "bf16":
+        return Quantized(fmt, bf16_round(x))
+    g = _grouped(x, group)
+    if fmt == "int8":
+        scale = (np.abs(g).max(axis=-1) / np.float32(127)).astype(np.float32)
+        safe = np.where(scale > 0, scale, np.float32(1))           # an all-zero group
+        codes = np.clip(np.rint(g / safe[..., None]), -127, 127).astype(np.int8)
+        return Quantized(fmt, codes.reshape(x.shape), scale, None, group)
+    low, high = g.min(axis=-1), g.max(axis=-1)
+    scale = ((high - low) / np.float32(15)).astype(np.float32)
+    safe = np.where(scale > 0, scale, np.float32(1))
+    codes = np.clip(np.rint((g - low[..., None]) / safe[..., None]), 0, 15).astype(np.uint8)
+    codes = codes.reshape(x.shape)
+    packed = (codes[..., 0::2] | (codes[..., 1::2] << 4)).astype(np.uint8)
+    return Quantized(fmt, packed, scale, low.astype(np.float32), group)
+
+
+def dequantize(q: Quantized) -> np.ndarray:
+    """The float32 values the codes stand for."""
+    if q.format == "fp32":
+        return q.codes.copy()
+    if q.format == "fp16":
+        return q.codes.view(np.float16).astype(np.float32)
+    if q.format == "bf16":
+        return (q.codes.astype(np.uint32) << 16).view(np.float32)
+    if q.format == "int8":
+        g = _grouped(q.codes.astype(np.float32), q.group)
+        return (g * q.scales[..., None]).reshape(q.codes.shape)
+    codes = np.empty(q.codes.shape[:-1] + (2 * q.codes.shape[-1],), dtype=np.float32)
+    codes[..., 0::2] = q.codes & 0x0F
+    codes[..., 1::2] = q.codes >> 4
+    g = _grouped(codes, q.group)
+    return (g * q.scales[..., None] + q.zeros[..., None]).reshape(codes.shape)
+
+
+def round_trip_error_bound(x: np.ndarray, fmt: str, group: Optional[int] = None) -> np.ndarray:
+    """Largest |dequantize(quantize(x)) - x| each value may show: half a step of its group
+    for the integer formats, half a unit in the last place for the float ones."""
+    x = np.asarray(x, dtype=np.float32)
+    group = check_format(fmt, x.shape[-1], group)
+    if fmt == "fp32":
+        return np.zeros_like(x)
+    if fmt in ("fp16", "bf16"):
+        mantissa_bits = 10 if fmt == "fp16" else 7
+        exponent = np.floor(np.log2(np.maximum(np.abs(x), np.float32(6.1e-5 if fmt == "fp16" else 1e-38))))
+        return (2.0 ** (exponent - mantissa_bits - 1)).astype(np.float32) * 1.0001
+    g = _grouped(x, group)
+    if fmt == "int8":
+        step = np.abs(g).max(axis=-1) / 127
+    else:
+        step = (g.max(axis=-1) - g.min(axis=-1)) / 15
+    bound = np.broadcast_to((step * 0.5 * 1.0001 + 1e-12)[..., None], g.shape)
+    return bound.reshape(x.shape).astype(np.float32)
