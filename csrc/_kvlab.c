@@ -38,6 +38,23 @@ static PyObject *raise_status(kv_status status) {
     return NULL;
 }
 
+/* A read-only ndarray over memory that `owner` holds. Its base is the owner, so the
+ * memory lives as long as any view of it. strides NULL means C order. */
+static PyObject *readonly_view(PyObject *owner, void *data, int type, int ndim,
+                               npy_intp *dims, npy_intp *strides) {
+    /* flags without NPY_ARRAY_WRITEABLE: students may look, never poke */
+    PyObject *view = PyArray_New(&PyArray_Type, ndim, dims, type, strides, data, 0,
+                                 NPY_ARRAY_ALIGNED, NULL);
+    if (view == NULL) return NULL;
+    Py_INCREF(owner);
+    /* PyArray_SetBaseObject steals the reference, even when it fails */
+    if (PyArray_SetBaseObject((PyArrayObject *)view, owner) < 0) {
+        Py_DECREF(view);
+        return NULL;
+    }
+    return view;
+}
+
 /* ================================ KVCache ======================================== */
 
 /* keys/values for append: float32 (n_tokens, n_layers, n_kv_heads, head_dim), C order */
@@ -132,17 +149,7 @@ static PyObject *cache_view(CacheObject *self, float *data) {
     npy_intp strides[4] = {(npy_intp)c->capacity * c->n_kv_heads * c->head_dim * item,
                            (npy_intp)c->n_kv_heads * c->head_dim * item,
                            (npy_intp)c->head_dim * item, item};
-    /* flags without NPY_ARRAY_WRITEABLE: students may look, never poke */
-    PyObject *view = PyArray_New(&PyArray_Type, 4, dims, NPY_FLOAT32, strides, data, 0,
-                                 NPY_ARRAY_ALIGNED, NULL);
-    if (view == NULL) return NULL;
-    Py_INCREF(self);
-    /* PyArray_SetBaseObject steals the reference, even when it fails */
-    if (PyArray_SetBaseObject((PyArrayObject *)view, (PyObject *)self) < 0) {
-        Py_DECREF(view);
-        return NULL;
-    }
-    return view;
+    return readonly_view((PyObject *)self, data, NPY_FLOAT32, 4, dims, strides);
 }
 
 static PyObject *cache_get_keys(CacheObject *self, void *closure) {
@@ -357,15 +364,7 @@ static PyObject *pool_view(PoolObject *self, void *data, int type, int ndim, npy
         PyErr_SetString(PyExc_RuntimeError, "PagedPool was not initialized");
         return NULL;
     }
-    PyObject *view = PyArray_New(&PyArray_Type, ndim, dims, type, NULL, data, 0,
-                                 NPY_ARRAY_C_CONTIGUOUS | NPY_ARRAY_ALIGNED, NULL);
-    if (view == NULL) return NULL;
-    Py_INCREF(self);
-    if (PyArray_SetBaseObject((PyArrayObject *)view, (PyObject *)self) < 0) {
-        Py_DECREF(view);
-        return NULL;
-    }
-    return view;
+    return readonly_view((PyObject *)self, data, type, ndim, dims, NULL);
 }
 
 static PyObject *pool_get_data(PoolObject *self, void *closure) {
@@ -379,15 +378,7 @@ static PyObject *pool_get_data(PoolObject *self, void *closure) {
     npy_intp kv = (npy_intp)p->num_blocks * block;
     npy_intp dims[6] = {p->num_blocks, p->n_layers, 2, p->block_size, p->n_kv_heads, p->head_dim};
     npy_intp strides[6] = {block, 2 * kv, kv, row, head, item};
-    PyObject *view = PyArray_New(&PyArray_Type, 6, dims, NPY_FLOAT32, strides, p->data, 0,
-                                 NPY_ARRAY_ALIGNED, NULL);
-    if (view == NULL) return NULL;
-    Py_INCREF(self);
-    if (PyArray_SetBaseObject((PyArrayObject *)view, (PyObject *)self) < 0) {
-        Py_DECREF(view);
-        return NULL;
-    }
-    return view;
+    return readonly_view((PyObject *)self, p->data, NPY_FLOAT32, 6, dims, strides);
 }
 
 static PyObject *pool_get_ref_counts(PoolObject *self, void *closure) {
