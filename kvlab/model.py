@@ -8,6 +8,7 @@ converts and checks Python inputs, then hands them to C. It is not the generatio
 from __future__ import annotations
 
 import contextlib
+import threading
 from typing import Iterator, Optional, Sequence, Union
 
 import numpy as np
@@ -45,6 +46,17 @@ def as_token_array(tokens: TokenArray, vocab_size: int) -> np.ndarray:
     return np.ascontiguousarray(array, dtype=np.int32)
 
 
+def _as_counts(array: np.ndarray) -> Counts:
+    return Counts(**dict(zip(core.COUNTERS, array.tolist())))
+
+
+def _accumulate(total: np.ndarray, call: np.ndarray) -> None:
+    """Adds one call's counters to a running total; scratch_bytes keeps the peak."""
+    peak = max(total[SCRATCH], call[SCRATCH])
+    total += call
+    total[SCRATCH] = peak
+
+
 class Model:
     """A Llama-family model ready to run: config, weights, tokenizer and the C core."""
 
@@ -65,33 +77,48 @@ class Model:
             "rope_interleaved": bool(config.rope_interleaved),
         }
         self._core = core.Model(core_config, arrays)
-        # what every forward call did, added up by the core (see kvlab.measure.Counts)
+        # what every forward call did, as counted by the core (see kvlab.measure.Counts):
+        # totals for the model, and per thread the arrays of open counting() blocks
         self._counters = np.zeros(len(core.COUNTERS), dtype=np.int64)
+        self._counters_lock = threading.Lock()
+        self._thread = threading.local()
 
     # ---- counting ----------------------------------------------------------------------
     @property
     def counters(self) -> Counts:
         """FLOPs, bytes and peak scratch of every forward call since the last reset,
         counted by the C core as it ran."""
-        return Counts(**dict(zip(core.COUNTERS, self._counters.tolist())))
+        with self._counters_lock:
+            return _as_counts(self._counters)
 
     def reset_counters(self) -> None:
-        self._counters[:] = 0
+        with self._counters_lock:
+            self._counters[:] = 0
 
     @contextlib.contextmanager
     def counting(self) -> Iterator[Counts]:
-        """with model.counting() as counts: ... -- counts holds what the calls inside the
-        block did (its own scratch peak too); the model's totals still include them."""
-        saved = self._counters.copy()
-        self._counters[:] = 0
+        """with model.counting() as counts: ... -- counts holds what the calls made inside
+        the block, by this thread, did (with its own scratch peak); the model's totals
+        include them too."""
+        block = np.zeros(len(core.COUNTERS), dtype=np.int64)
+        open_blocks = self._thread.__dict__.setdefault("blocks", [])
+        open_blocks.append(block)
         counts = Counts()
         try:
             yield counts
         finally:
-            run = self.counters
-            counts.__dict__.update(run.__dict__)
-            self._counters += saved
-            self._counters[SCRATCH] = max(saved[SCRATCH], run.scratch_bytes)
+            open_blocks.remove(block)
+            counts.__dict__.update(_as_counts(block).__dict__)
+
+    def _run(self, tokens: np.ndarray, cache, all_logits: bool) -> np.ndarray:
+        """One forward call through the core, its counts added where they belong."""
+        call = np.zeros(len(core.COUNTERS), dtype=np.int64)
+        logits = self._core.forward(tokens, cache, all_logits, call)
+        with self._counters_lock:
+            _accumulate(self._counters, call)
+        for block in getattr(self._thread, "blocks", ()):
+            _accumulate(block, call)
+        return logits
 
     # ---- caches ----------------------------------------------------------------------
     def new_cache(self, max_seq_len: Optional[int] = None, dtype: str = "fp32") -> KVCache:
@@ -128,21 +155,18 @@ class Model:
         and V to the cache (a KVCache, or a PagedSequence of a paged pool). Returns the
         last token's logits (vocab,), or every token's (len(tokens), vocab) with
         all_logits=True."""
-        return self._core.forward(as_token_array(tokens, self.config.vocab_size), cache,
-                                  all_logits, self._counters)
+        return self._run(as_token_array(tokens, self.config.vocab_size), cache, all_logits)
 
     def decode(self, token: int, cache: Cache) -> np.ndarray:
         """One generation step: a single new token attends over the cache. Returns (vocab,)."""
         if isinstance(token, (bool, np.bool_)) or not isinstance(token, (int, np.integer)):
             raise TypeError(f"decode takes one integer token id, got {token!r}")
-        return self._core.forward(as_token_array([token], self.config.vocab_size), cache, False,
-                                  self._counters)
+        return self._run(as_token_array([token], self.config.vocab_size), cache, False)
 
     def forward(self, tokens: TokenArray, all_logits: bool = False) -> np.ndarray:
         """The no-cache path: run the whole sequence from position 0, recomputing every
         token's K and V, as a model without a KV cache does on every step."""
-        return self._core.forward(as_token_array(tokens, self.config.vocab_size), None,
-                                  all_logits, self._counters)
+        return self._run(as_token_array(tokens, self.config.vocab_size), None, all_logits)
 
     # ---- text ------------------------------------------------------------------------
     def _require_tokenizer(self) -> Tokenizer:

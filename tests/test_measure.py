@@ -197,3 +197,24 @@ def test_per_token_saving_grows_with_position():
     assert per_token_saving(llama, 3) == pytest.approx(0.75, abs=0.01)
     assert per_token_saving(llama, 9) == pytest.approx(0.90, abs=0.01)
     assert per_token_saving(llama, 2047) > 0.999
+
+
+def test_counting_blocks_in_two_threads_see_only_their_own_calls():
+    import threading
+    model = random_model(SHAPES[1])
+    results = {}
+
+    def work(name, n_tokens):
+        with model.counting() as counts:
+            for _ in range(20):
+                model.forward(list(range(n_tokens)))
+        results[name] = counts
+
+    threads = [threading.Thread(target=work, args=(name, n)) for name, n in (("a", 3), ("b", 9))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results["a"].tokens == 60 and results["b"].tokens == 180
+    assert results["a"].flops == 20 * forward_counts(model.config, 3).flops
+    assert model.counters.calls == 40
