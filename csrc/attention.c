@@ -28,9 +28,9 @@ void kv_attention(float *out, const float *q, const kv_layer_view *view, int n_t
     /* One iteration per (token, KV head): the kv_mul query heads that share a KV head are
      * done together, so each key and value row is read from memory once for all of them
      * (the point of grouped-query attention), not once per query head. */
-    long work = (long)n_tokens * n_heads * (start_pos + n_tokens) * head_dim;
     #pragma omp parallel for collapse(2) schedule(static) num_threads(n_threads) \
-        if (work >= KV_PARALLEL_MIN_WORK && (long)n_tokens * n_kv_heads > 1)
+        if ((long)n_tokens * n_heads * (start_pos + n_tokens) * head_dim >= KV_PARALLEL_MIN_WORK \
+            && (long)n_tokens * n_kv_heads > 1)
     for (int t = 0; t < n_tokens; t++) {
         for (int g = 0; g < n_kv_heads; g++) {
             int n_seen = start_pos + t + 1;          /* positions 0 .. its own */

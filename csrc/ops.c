@@ -92,9 +92,8 @@ void kv_matmul(float *out, const float *x, const float *w, int n_tokens, int in_
     /* Threads split the output rows, so each thread streams its own slice of w once
      * and every token reuses those rows while they are still in cache. */
     int n_row_blocks = (out_dim + 3) / 4;
-    long work = (long)n_tokens * out_dim * in_dim;
     #pragma omp parallel for schedule(static) num_threads(kv_threads()) \
-        if (work >= KV_PARALLEL_MIN_WORK && n_row_blocks > 1)
+        if ((long)n_tokens * out_dim * in_dim >= KV_PARALLEL_MIN_WORK && n_row_blocks > 1)
     for (int block = 0; block < n_row_blocks; block++) {
         int o = block * 4;
         const float *w_rows = w + (size_t)o * in_dim;

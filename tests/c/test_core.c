@@ -1,0 +1,238 @@
+/* test_core.c: tests of kvlab's C core on its own, without Python.
+ *
+ * Ops against naive loops, the contiguous cache, the paged pool's bookkeeping, and a
+ * tiny random model whose cached, uncached and paged runs must agree bit for bit.
+ * Built by the Makefile beside this file and run plainly and under valgrind (CI). Each
+ * CHECK that fails prints where; the last line is "N passed, N failed".
+ */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kvlab.h"
+#include "ops.h"
+
+static int passed, failed;
+
+#define CHECK(cond)                                                         \
+    do {                                                                    \
+        if (cond) {                                                         \
+            passed++;                                                       \
+        } else {                                                            \
+            failed++;                                                       \
+            fprintf(stderr, "%s:%d: CHECK failed: %s\n", __FILE__, __LINE__, #cond); \
+        }                                                                   \
+    } while (0)
+
+static unsigned long long rng_state = 12345;
+
+static float random_float(void) {   /* uniform in [-1, 1) */
+    rng_state = rng_state * 6364136223846793005ULL + 1442695040888963407ULL;
+    return (float)((rng_state >> 40) & 0xFFFFFF) / (float)(1 << 23) - 1.0f;
+}
+
+static float *random_floats(size_t n, float scale) {
+    float *x = malloc(n * sizeof(float));
+    for (size_t i = 0; i < n; i++) x[i] = scale * random_float();
+    return x;
+}
+
+/* ---- ops ------------------------------------------------------------------------------ */
+
+static void test_ops(void) {
+    for (int n = 1; n <= 40; n += 3) {
+        float *a = random_floats(n, 1.0f), *b = random_floats(n, 1.0f);
+        double want = 0;
+        for (int i = 0; i < n; i++) want += (double)a[i] * b[i];
+        CHECK(fabs(kv_dot(a, b, n) - want) < 1e-5);
+        free(a);
+        free(b);
+    }
+    /* matmul: every element equals kv_dot of its row, bit for bit, whatever the tiling */
+    int tokens = 5, in = 19, out = 7;
+    float *x = random_floats((size_t)tokens * in, 1.0f), *w = random_floats((size_t)out * in, 1.0f);
+    float *y = malloc(sizeof(float) * tokens * out);
+    kv_matmul(y, x, w, tokens, in, out);
+    int exact = 1;
+    for (int t = 0; t < tokens; t++)
+        for (int o = 0; o < out; o++)
+            exact &= y[t * out + o] == kv_dot(w + o * in, x + t * in, in);
+    CHECK(exact);
+    free(x); free(w); free(y);
+
+    float s[6] = {1, 2, 3, 4, -50, 3};
+    kv_softmax(s, 6);
+    float sum = 0;
+    for (int i = 0; i < 6; i++) sum += s[i];
+    CHECK(fabsf(sum - 1.0f) < 1e-6f && s[3] > s[2] && s[4] < 1e-20f);
+
+    float v[4] = {3, 4, 0, 0}, ones[4] = {1, 1, 1, 1}, normed[4];
+    kv_rmsnorm(normed, v, ones, 4, 0.0f + 1e-12f);    /* rms = 2.5 */
+    CHECK(fabsf(normed[0] - 1.2f) < 1e-6f && fabsf(normed[1] - 1.6f) < 1e-6f);
+
+    /* RoPE by a quarter turn swaps the pair, in both layouts */
+    float c[1] = {0.0f}, sn[1] = {1.0f};
+    float inter[2] = {1, 2}, half[2] = {1, 2};
+    kv_rope(inter, 1, 2, c, sn, 1);
+    kv_rope(half, 1, 2, c, sn, 0);
+    CHECK(inter[0] == -2 && inter[1] == 1 && half[0] == -2 && half[1] == 1);
+}
+
+/* ---- a tiny random model ---------------------------------------------------------------- */
+
+typedef struct {
+    kv_model model;
+    float *buffers[13];
+} test_model;
+
+static void make_model(test_model *tm, int n_heads, int n_kv_heads, int head_dim) {
+    kv_config c = {.dim = 24, .hidden_dim = 40, .n_layers = 2, .n_heads = n_heads,
+                   .n_kv_heads = n_kv_heads, .head_dim = head_dim, .vocab_size = 31,
+                   .max_seq_len = 64, .norm_eps = 1e-5f, .rope_interleaved = 1};
+    size_t L = c.n_layers, D = c.dim, H = c.hidden_dim, V = c.vocab_size;
+    size_t Q = (size_t)n_heads * head_dim, KV = (size_t)n_kv_heads * head_dim;
+    size_t sizes[13] = {V * D, L * D, L * Q * D, L * KV * D, L * KV * D, L * D * Q,
+                        L * D, L * H * D, L * D * H, L * H * D, D, V * D, (size_t)head_dim / 2};
+    const float **slots[13] = {&tm->model.weights.token_embedding, &tm->model.weights.attn_norm,
+                               &tm->model.weights.wq, &tm->model.weights.wk, &tm->model.weights.wv,
+                               &tm->model.weights.wo, &tm->model.weights.ffn_norm,
+                               &tm->model.weights.w1, &tm->model.weights.w2, &tm->model.weights.w3,
+                               &tm->model.weights.final_norm, &tm->model.weights.classifier,
+                               &tm->model.weights.rope_inv_freq};
+    tm->model.config = c;
+    for (int i = 0; i < 13; i++) {
+        tm->buffers[i] = random_floats(sizes[i], 0.3f);
+        *slots[i] = tm->buffers[i];
+    }
+    for (int i = 0; i < head_dim / 2; i++)
+        tm->buffers[12][i] = powf(10000.0f, -2.0f * i / head_dim);
+}
+
+static void free_model(test_model *tm) {
+    for (int i = 0; i < 13; i++) free(tm->buffers[i]);
+}
+
+static void test_model_paths_agree(int n_heads, int n_kv_heads, int head_dim) {
+    test_model tm;
+    make_model(&tm, n_heads, n_kv_heads, head_dim);
+    const kv_model *m = &tm.model;
+    int V = m->config.vocab_size;
+    int32_t tokens[20];
+    for (int i = 0; i < 20; i++) tokens[i] = (int32_t)(i * 7 % V);
+    CHECK(kv_model_check(m) == KV_OK);
+
+    kv_cache cache;
+    CHECK(kv_cache_init(&cache, m->config.n_layers, n_kv_heads, head_dim, 20) == KV_OK);
+    kv_pool pool;
+    CHECK(kv_pool_init(&pool, m->config.n_layers, n_kv_heads, head_dim, 16, 3, 4, 16) == KV_OK);
+    int seq;
+    CHECK(kv_pool_seq_new(&pool, &seq) == KV_OK);
+
+    float *cached = malloc(sizeof(float) * V), *paged = malloc(sizeof(float) * V);
+    float *uncached = malloc(sizeof(float) * V);
+    kv_counters counters = {0};
+    CHECK(kv_model_forward(m, &cache, tokens, 8, cached, 0, &counters) == KV_OK);
+    CHECK(kv_model_forward_paged(m, &pool, seq, tokens, 8, paged, 0, NULL) == KV_OK);
+    CHECK(counters.tokens == 8 && counters.calls == 1 && counters.flops_mlp > 0);
+    int all_equal = 1;
+    for (int i = 8; i < 20; i++) {
+        CHECK(kv_model_forward(m, &cache, tokens + i, 1, cached, 0, NULL) == KV_OK);
+        CHECK(kv_model_forward_paged(m, &pool, seq, tokens + i, 1, paged, 0, NULL) == KV_OK);
+        CHECK(kv_model_forward_uncached(m, tokens, i + 1, uncached, 0, NULL) == KV_OK);
+        all_equal &= memcmp(cached, uncached, sizeof(float) * V) == 0;
+        all_equal &= memcmp(cached, paged, sizeof(float) * V) == 0;
+    }
+    CHECK(all_equal);
+    char message[256];
+    CHECK(kv_pool_check(&pool, message, sizeof message) == KV_OK);
+
+    /* errors change nothing */
+    int32_t bad = V;
+    CHECK(kv_model_forward(m, &cache, &bad, 1, cached, 0, NULL) == KV_ERR_TOKEN_RANGE);
+    CHECK(kv_model_forward(m, &cache, tokens, 1, cached, 0, NULL) == KV_ERR_CACHE_FULL);
+    CHECK(cache.length == 20);
+
+    free(cached); free(paged); free(uncached);
+    kv_cache_free(&cache);
+    kv_pool_free(&pool);
+    free_model(&tm);
+}
+
+/* ---- the paged pool's bookkeeping ---------------------------------------------------------- */
+
+static void append_rows(kv_pool *pool, int seq, const int32_t *tokens, int n, kv_status want) {
+    size_t row = (size_t)pool->n_layers * pool->n_kv_heads * pool->head_dim;
+    float *rows = random_floats((size_t)n * row, 1.0f);
+    CHECK(kv_pool_append(pool, seq, tokens, n, rows, rows) == want);
+    free(rows);
+}
+
+static void test_pool(void) {
+    kv_pool pool, refused;
+    char message[256];
+    CHECK(kv_pool_init(&refused, 2, 1, 4, 6, 0, 4, 3) == KV_ERR_INVALID_ARG);  /* block size 0 */
+    CHECK(kv_pool_init(&refused, 2, 1, 4, 6, 257, 4, 3) == KV_ERR_INVALID_ARG);
+    CHECK(kv_pool_init(&pool, 2, 1, 4, 6, 4, 4, 3) == KV_OK);
+    int a, b, c;
+    int32_t tokens[12] = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12};
+    int32_t other[12] = {21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32};
+    CHECK(kv_pool_seq_new(&pool, &a) == KV_OK);
+    append_rows(&pool, a, tokens, 6, KV_OK);                 /* blocks 0, 1 (half full) */
+    CHECK(pool.seqs[a].n_blocks == 2 && pool.n_free == 4);
+
+    CHECK(kv_pool_seq_fork(&pool, a, &b) == KV_OK);           /* shares both, copies nothing */
+    CHECK(pool.ref_count[0] == 2 && pool.ref_count[1] == 2 && pool.n_free == 4);
+    append_rows(&pool, b, tokens + 6, 1, KV_OK);              /* copy-on-write of block 1 */
+    CHECK(pool.ref_count[1] == 1 && pool.seqs[b].block_table[1] != 1 && pool.n_free == 3);
+    CHECK(kv_pool_check(&pool, message, sizeof message) == KV_OK);
+
+    append_rows(&pool, b, tokens + 7, 6, KV_ERR_TABLE_FULL);   /* 13 rows need 4 blocks > 3 */
+    CHECK(pool.seqs[b].length == 7);
+    CHECK(kv_pool_seq_new(&pool, &c) == KV_OK);
+    append_rows(&pool, c, other, 12, KV_OK);                   /* takes the last 3 blocks */
+    append_rows(&pool, a, tokens + 6, 3, KV_ERR_OUT_OF_BLOCKS); /* needs one more: none */
+    CHECK(pool.seqs[a].length == 6 && pool.n_free == 0);
+    CHECK(kv_pool_check(&pool, message, sizeof message) == KV_OK);
+
+    /* freeing c keeps its full blocks cached; a new prompt with the same tokens reuses them */
+    CHECK(kv_pool_seq_free(&pool, c) == KV_OK);
+    CHECK(pool.n_cached == 3 && pool.n_free == 0);
+    int d, reused = -1;
+    CHECK(kv_pool_seq_new(&pool, &d) == KV_OK);
+    CHECK(kv_pool_reuse_prefix(&pool, d, other, 11, &reused) == KV_OK);
+    CHECK(reused == 8 && pool.prefix_hits == 2 && pool.n_cached == 1);
+    /* slot ids are reused (d took c's slot); the Python handles carry a serial number to
+     * tell a stale handle apart. Slots never used, or out of range, are refused: */
+    CHECK(d == c && kv_pool_seq_free(&pool, 3) == KV_ERR_NO_SEQUENCE);
+    CHECK(kv_pool_seq_free(&pool, -1) == KV_ERR_NO_SEQUENCE && kv_pool_seq_free(&pool, 99) == KV_ERR_NO_SEQUENCE);
+    CHECK(kv_pool_check(&pool, message, sizeof message) == KV_OK);
+    kv_pool_free(&pool);
+}
+
+static void test_cache(void) {
+    kv_cache cache;
+    CHECK(kv_cache_init(&cache, 2, 2, 4, 0) == KV_ERR_INVALID_ARG);
+    CHECK(kv_cache_init(&cache, 2, 2, 4, 5) == KV_OK);
+    CHECK(kv_cache_nbytes(&cache) == 2 * 2 * 5 * 2 * 4 * sizeof(float));
+    float *rows = random_floats(3 * 2 * 2 * 4, 1.0f);
+    CHECK(kv_cache_append(&cache, 3, rows, rows) == KV_OK);
+    CHECK(kv_cache_append(&cache, 3, rows, rows) == KV_ERR_CACHE_FULL && cache.length == 3);
+    CHECK(cache.key[(1 * 5 + 2) * 8 + 5] == rows[(2 * 2 + 1) * 8 + 5]);  /* layer 1, pos 2 */
+    CHECK(kv_cache_truncate(&cache, 1) == KV_OK && cache.length == 1);
+    CHECK(kv_cache_truncate(&cache, 2) == KV_ERR_INVALID_ARG);
+    free(rows);
+    kv_cache_free(&cache);
+    kv_cache_free(&cache);   /* freeing twice is harmless */
+}
+
+int main(void) {
+    test_ops();
+    test_cache();
+    test_pool();
+    test_model_paths_agree(4, 4, 6);   /* MHA */
+    test_model_paths_agree(6, 2, 8);   /* GQA */
+    test_model_paths_agree(4, 1, 10);  /* MQA */
+    printf("%d passed, %d failed\n", passed, failed);
+    return failed ? 1 : 0;
+}
