@@ -16,6 +16,7 @@
 #include <string.h>
 
 #include "kvlab.h"
+#include "quant.h"
 
 /* kvlab.errors classes, looked up once at import. */
 static PyObject *CacheFullError;
@@ -1125,6 +1126,66 @@ static PyTypeObject ModelType = {
     .tp_methods = model_methods,
 };
 
+/* ============================ quantization ======================================== */
+
+/* quantize(x, format, group) -> (codes, scales, zeros): the C side of kvlab.quant, for
+ * checking that both give the same codes. x: float32 (rows, d), C-contiguous. */
+static PyObject *py_quantize(PyObject *module, PyObject *args) {
+    (void)module;
+    PyObject *x_obj;
+    const char *name;
+    int group = 0;
+    if (!PyArg_ParseTuple(args, "Os|i", &x_obj, &name, &group)) return NULL;
+    if (!PyArray_Check(x_obj) || PyArray_TYPE((PyArrayObject *)x_obj) != NPY_FLOAT32 ||
+        PyArray_NDIM((PyArrayObject *)x_obj) != 2 ||
+        !PyArray_IS_C_CONTIGUOUS((PyArrayObject *)x_obj) ||
+        !PyArray_ISALIGNED((PyArrayObject *)x_obj) || !PyArray_ISNOTSWAPPED((PyArrayObject *)x_obj)) {
+        PyErr_SetString(PyExc_TypeError, "x must be a C-contiguous 2-D float32 array");
+        return NULL;
+    }
+    PyArrayObject *x = (PyArrayObject *)x_obj;
+    npy_intp rows = PyArray_DIM(x, 0), d = PyArray_DIM(x, 1);
+    size_t n = (size_t)rows * (size_t)d;
+    const float *values = (const float *)PyArray_DATA(x);
+    int is_int = strcmp(name, "int8") == 0 || strcmp(name, "int4") == 0;
+    if (is_int && (group < 1 || d % group != 0 || (name[3] == '4' && group % 2 != 0))) {
+        PyErr_Format(PyExc_ValueError, "group %d must divide the row length %zd (and be even "
+                     "for int4)", group, (Py_ssize_t)d);
+        return NULL;
+    }
+    if (strcmp(name, "fp16") == 0 || strcmp(name, "bf16") == 0) {
+        npy_intp dims[2] = {rows, d};
+        PyObject *codes = PyArray_SimpleNew(2, dims, NPY_UINT16);
+        if (codes == NULL) return NULL;
+        uint16_t *out = (uint16_t *)PyArray_DATA((PyArrayObject *)codes);
+        int half = name[1] == 'p';
+        for (size_t i = 0; i < n; i++) out[i] = half ? kv_f32_to_f16(values[i]) : kv_f32_to_bf16(values[i]);
+        return Py_BuildValue("(NOO)", codes, Py_None, Py_None);
+    }
+    if (!is_int) {
+        PyErr_Format(PyExc_ValueError, "unknown format %s (fp16, bf16, int8, int4)", name);
+        return NULL;
+    }
+    int four_bit = name[3] == '4';
+    npy_intp code_dims[2] = {rows, four_bit ? d / 2 : d}, group_dims[2] = {rows, d / group};
+    PyObject *codes = PyArray_SimpleNew(2, code_dims, four_bit ? NPY_UINT8 : NPY_INT8);
+    PyObject *scales = codes ? PyArray_SimpleNew(2, group_dims, NPY_FLOAT32) : NULL;
+    PyObject *zeros = scales ? (four_bit ? PyArray_SimpleNew(2, group_dims, NPY_FLOAT32)
+                                         : (Py_INCREF(Py_None), Py_None)) : NULL;
+    if (zeros == NULL) {
+        Py_XDECREF(codes);
+        Py_XDECREF(scales);
+        return NULL;
+    }
+    float *scale_out = (float *)PyArray_DATA((PyArrayObject *)scales);
+    if (four_bit)
+        kv_quantize_i4((uint8_t *)PyArray_DATA((PyArrayObject *)codes), scale_out,
+                       (float *)PyArray_DATA((PyArrayObject *)zeros), values, n, group);
+    else
+        kv_quantize_i8((int8_t *)PyArray_DATA((PyArrayObject *)codes), scale_out, values, n, group);
+    return Py_BuildValue("(NNN)", codes, scales, zeros);
+}
+
 /* ================================ module ========================================= */
 
 static PyObject *py_set_num_threads(PyObject *module, PyObject *arg) {
@@ -1147,6 +1208,9 @@ static PyObject *py_get_num_threads(PyObject *module, PyObject *Py_UNUSED(ignore
 static PyMethodDef module_methods[] = {
     {"set_num_threads", py_set_num_threads, METH_O, "Threads used by the C core."},
     {"get_num_threads", py_get_num_threads, METH_NOARGS, "Threads used by the C core."},
+    {"quantize", py_quantize, METH_VARARGS,
+     "quantize(x, format, group=0) -> (codes, scales, zeros): the core's conversion of\n"
+     "float32 rows (rows, d) to fp16/bf16/int8/int4 codes, as kvlab.quant defines them."},
     {NULL}
 };
 

@@ -69,3 +69,47 @@ def test_all_zero_groups_are_exact():
 def test_bad_formats_and_groups(fmt, group, match):
     with pytest.raises(ValueError, match=match):
         quant.quantize(rows(shape=(2, 48)), fmt, group)
+
+
+# ---- the C core's conversions give the same codes, bit for bit ------------------------------
+
+from kvlab import _kvlab  # noqa: E402
+
+EDGES = np.array([0.0, -0.0, 1e-8, 2**-24, 3 * 2**-25, 2**-25, 6.0e-5, 6.1035e-5, 2**-14,
+                  1.0009765625, 1.00048828125, 65504.0, 65519.9, 65520.0, 7e4, -3e38,
+                  np.inf, -np.inf, 1.00390625, 1.01171875], dtype=np.float32)
+
+
+@pytest.mark.parametrize("fmt", ["fp16", "bf16"])
+def test_c_half_formats_match_numpy_on_edge_values(fmt):
+    x = np.concatenate([EDGES, rows(shape=(1024,), scale=1e3), rows(shape=(1024,), scale=1e-5)])
+    x = x.reshape(1, -1).astype(np.float32)
+    codes, _, _ = _kvlab.quantize(x, fmt)
+    with np.errstate(over="ignore"):
+        assert np.array_equal(codes, quant.quantize(x, fmt).codes)
+
+
+@settings(max_examples=80, deadline=None)
+@given(arrays(np.float32, (3, 32), elements=st.floats(-1e5, 1e5, width=32)),
+       st.sampled_from([("fp16", 0), ("bf16", 0), ("int8", 32), ("int8", 8), ("int4", 32),
+                        ("int4", 4)]))
+def test_c_codes_equal_numpy_codes(x, fmt_group):
+    fmt, group = fmt_group
+    codes, scales, zeros = _kvlab.quantize(x, fmt, group)
+    with np.errstate(over="ignore"):
+        want = quant.quantize(x, fmt, group or None)
+    assert np.array_equal(codes, want.codes)
+    assert scales is None or np.array_equal(scales, want.scales)
+    assert zeros is None or np.array_equal(zeros, want.zeros)
+
+
+def test_c_quantize_rejects_bad_arguments():
+    x = rows(shape=(2, 48))
+    with pytest.raises(ValueError, match="unknown format"):
+        _kvlab.quantize(x, "int3", 16)
+    with pytest.raises(ValueError, match="divide"):
+        _kvlab.quantize(x, "int8", 5)
+    with pytest.raises(ValueError, match="divide"):
+        _kvlab.quantize(x, "int4", 3)
+    with pytest.raises(TypeError, match="float32"):
+        _kvlab.quantize(x.astype(np.float64), "int8", 16)

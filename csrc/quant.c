@@ -1,0 +1,122 @@
+/* quant.c: converting K and V rows to fewer bits and back (fp16, bf16, int8, int4).
+ *
+ * Each function follows kvlab/quant.py step for step: float32 arithmetic in the same
+ * order, rounding half to even (nearbyintf in the default rounding mode), so the codes
+ * are bit-identical to the NumPy reference. Why these formats, and what each costs in
+ * precision, is the subject of the chapter on cache quantization.
+ */
+#include <math.h>
+#include <string.h>
+
+#include "quant.h"
+
+_Static_assert(sizeof(float) == 4 && sizeof(uint32_t) == 4, "float must be IEEE binary32");
+
+static uint32_t float_bits(float value) {
+    uint32_t bits;
+    memcpy(&bits, &value, sizeof bits);
+    return bits;
+}
+
+/* ---- fp16: 1 sign, 5 exponent, 10 mantissa bits ---------------------------------------- */
+
+uint16_t kv_f32_to_f16(float value) {
+    uint32_t bits = float_bits(value);
+    uint16_t sign = (uint16_t)((bits >> 16) & 0x8000);
+    float magnitude = fabsf(value);
+    if (isnan(value)) return sign | 0x7E00;
+    /* 65504 is the largest half; from halfway to the next power of two (65520) up,
+     * round-to-nearest-even gives infinity */
+    if (magnitude >= 65520.0f) return sign | 0x7C00;
+    if (magnitude < 6.103515625e-05f) {
+        /* below the smallest normal half (2^-14) halves are multiples of 2^-24: scaling by
+         * 2^24 is exact, and rounding that to an integer is the rounding we want */
+        return sign | (uint16_t)nearbyintf(magnitude * 16777216.0f);
+    }
+    /* normal: drop 13 mantissa bits, rounding to nearest with ties to even; a carry out of
+     * the mantissa correctly bumps the exponent */
+    uint32_t magnitude_bits = bits & 0x7FFFFFFF;
+    uint32_t rounded = magnitude_bits + 0x0FFF + ((magnitude_bits >> 13) & 1);
+    return sign | (uint16_t)((rounded >> 13) - ((127 - 15) << 10));  /* re-bias the exponent */
+}
+
+float kv_f16_to_f32(uint16_t bits) {
+    int exponent = (bits >> 10) & 0x1F;
+    int mantissa = bits & 0x3FF;
+    float value;
+    if (exponent == 0)
+        value = ldexpf((float)mantissa, -24);                     /* zero or subnormal */
+    else if (exponent == 31)
+        value = mantissa ? NAN : INFINITY;
+    else
+        value = ldexpf((float)(mantissa | 0x400), exponent - 25);  /* 1.mantissa * 2^(e-15) */
+    return (bits & 0x8000) ? -value : value;
+}
+
+/* ---- bf16: the top half of a float32 ------------------------------------------------------- */
+
+uint16_t kv_f32_to_bf16(float value) {
+    uint32_t bits = float_bits(value);
+    if (isnan(value)) return (uint16_t)((bits >> 16) | 0x0040);   /* keep it a (quiet) NaN */
+    return (uint16_t)((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);
+}
+
+float kv_bf16_to_f32(uint16_t bits) {
+    uint32_t wide = (uint32_t)bits << 16;
+    float value;
+    memcpy(&value, &wide, sizeof value);
+    return value;
+}
+
+/* ---- int8: symmetric, one scale per group ---------------------------------------------------- */
+
+void kv_quantize_i8(int8_t *codes, float *scales, const float *x, size_t n, int group) {
+    for (size_t g = 0; g < n / (size_t)group; g++) {
+        const float *v = x + g * group;
+        float largest = 0.0f;
+        for (int i = 0; i < group; i++) largest = fmaxf(largest, fabsf(v[i]));
+        float scale = largest / 127.0f;
+        scales[g] = scale;
+        float divisor = scale > 0.0f ? scale : 1.0f;   /* an all-zero group stays zero */
+        for (int i = 0; i < group; i++) {
+            float code = nearbyintf(v[i] / divisor);
+            codes[g * group + i] = (int8_t)fminf(fmaxf(code, -127.0f), 127.0f);
+        }
+    }
+}
+
+void kv_dequantize_i8(float *x, const int8_t *codes, const float *scales, size_t n, int group) {
+    for (size_t i = 0; i < n; i++) x[i] = (float)codes[i] * scales[i / (size_t)group];
+}
+
+/* ---- int4: asymmetric (a zero point per group), two codes per byte ------------------------------- */
+
+void kv_quantize_i4(uint8_t *codes, float *scales, float *zeros, const float *x, size_t n,
+                    int group) {
+    for (size_t g = 0; g < n / (size_t)group; g++) {
+        const float *v = x + g * group;
+        float low = v[0], high = v[0];
+        for (int i = 1; i < group; i++) {
+            low = fminf(low, v[i]);
+            high = fmaxf(high, v[i]);
+        }
+        float scale = (high - low) / 15.0f;
+        scales[g] = scale;
+        zeros[g] = low;
+        float divisor = scale > 0.0f ? scale : 1.0f;
+        for (int i = 0; i < group; i += 2) {
+            float c0 = fminf(fmaxf(nearbyintf((v[i] - low) / divisor), 0.0f), 15.0f);
+            float c1 = fminf(fmaxf(nearbyintf((v[i + 1] - low) / divisor), 0.0f), 15.0f);
+            codes[(g * group + i) / 2] = (uint8_t)((uint8_t)c0 | ((uint8_t)c1 << 4));
+        }
+    }
+}
+
+void kv_dequantize_i4(float *x, const uint8_t *codes, const float *scales, const float *zeros,
+                      size_t n, int group) {
+    for (size_t i = 0; i < n; i++) {
+        uint8_t byte = codes[i / 2];
+        float code = (float)((i % 2) ? byte >> 4 : byte & 0x0F);
+        x[i] = code * scales[i / (size_t)group] + zeros[i / (size_t)group];
+    }
+}
