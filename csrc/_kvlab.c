@@ -992,15 +992,10 @@ static int check_counters(PyObject *obj) {
     return 0;
 }
 
-/* Adds one call's counts into a counters array (scratch_bytes keeps the peak). */
+/* Adds one call's counts into a counters array: its int64 entries are exactly a
+ * kv_counters struct (the _Static_assert above and check_counters make sure). */
 static void add_to_counters(PyObject *obj, const kv_counters *call) {
-    if (obj == Py_None) return;
-    int64_t *total = (int64_t *)PyArray_DATA((PyArrayObject *)obj);
-    const int64_t *add = (const int64_t *)call;
-    for (int i = 0; i < N_COUNTERS; i++) {
-        if (i == 7) total[i] = add[i] > total[i] ? add[i] : total[i];   /* scratch_bytes */
-        else total[i] += add[i];
-    }
+    if (obj != Py_None) kv_counters_add((kv_counters *)PyArray_DATA((PyArrayObject *)obj), call);
 }
 
 static PyObject *model_forward(ModelObject *self, PyObject *args, PyObject *kwds) {

@@ -198,6 +198,10 @@ typedef struct {
     int64_t calls;
 } kv_counters;
 
+/* total += call, except scratch_bytes, which keeps the larger (a peak, not a sum).
+ * total may be NULL (nothing is counted). */
+void kv_counters_add(kv_counters *total, const kv_counters *call);
+
 /* ---- forward pass ------------------------------------------------------------------ */
 
 /* Runs n_tokens new tokens, at positions cache->length .. cache->length + n_tokens - 1,

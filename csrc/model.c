@@ -242,8 +242,7 @@ static void forward_tokens(const kv_model *model, run_state *s, int start_pos,
     s->count.calls += 1;
 }
 
-/* Adds one call's counts to the caller's running totals (scratch is a peak). */
-static void add_counts(kv_counters *total, const kv_counters *call) {
+void kv_counters_add(kv_counters *total, const kv_counters *call) {
     if (total == NULL) return;
     total->flops_projections += call->flops_projections;
     total->flops_attention += call->flops_attention;
@@ -287,7 +286,7 @@ kv_status kv_model_forward(const kv_model *model, kv_cache *cache, const int32_t
                                          &single_block, cache->capacity, 0};
     forward_tokens(model, &s, start_pos, tokens, n_tokens, logits, all_logits);
     cache->length = start_pos + n_tokens;
-    add_counts(counters, &s.count);
+    kv_counters_add(counters, &s.count);
 fail:
     run_state_free(&s);
     return status;
@@ -313,7 +312,7 @@ kv_status kv_model_forward_paged(const kv_model *model, kv_pool *pool, int seq,
         s.views[layer] = kv_pool_layer_view(pool, seq, layer);
     forward_tokens(model, &s, start_pos, tokens, n_tokens, logits, all_logits);
     kv_pool_commit(pool, seq, tokens, n_tokens);
-    add_counts(counters, &s.count);
+    kv_counters_add(counters, &s.count);
 fail:
     run_state_free(&s);
     return status;
@@ -332,7 +331,7 @@ kv_status kv_model_forward_uncached(const kv_model *model, const int32_t *tokens
     KV_TRY(kv_model_forward(model, &scratch, tokens, n_tokens, logits, all_logits, &count));
     /* the K and V this call rebuilt from scratch are working memory too */
     count.scratch_bytes += (int64_t)kv_cache_nbytes(&scratch);
-    add_counts(counters, &count);
+    kv_counters_add(counters, &count);
 fail:
     kv_cache_free(&scratch);
     return status;

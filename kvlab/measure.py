@@ -5,8 +5,11 @@
 Also the FLOPs and bytes one forward call moves (`forward_counts`), summed over a whole
 generation (`generation_counts`), and the activation scratch a call needs
 (`scratch_bytes`). These are derived from the shapes alone; the C core counts the same
-things while it runs (model.counters), and the tests hold the two equal. Plain Python: it
-works for any ModelConfig, including presets far too large to load here.
+things while it runs (model.counters), and the tests hold the two equal. These work for
+any ModelConfig, including presets far too large to load here.
+
+The last part measures a real process: `measure_memory` (formula vs allocated vs resident
+memory) and `working_memory` (peak working memory with and without a cache) run a model.
 """
 from __future__ import annotations
 

@@ -15,7 +15,8 @@ codes (plus scales and zero points) and back. Quantization works along the last 
 
 Every step is float32 arithmetic with round-half-to-even (np.rint), the default rounding
 of C's nearbyintf, so a C implementation doing the same operations in the same order
-gets the same codes bit for bit. This module does not store caches (the C core does).
+gets the same codes bit for bit (csrc/quant.c does; tests/test_quant.py checks). This
+module stores no cache: quantized caches belong to the C core.
 """
 from __future__ import annotations
 

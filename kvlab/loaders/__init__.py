@@ -14,7 +14,6 @@ ByteTokenizer, or a tokenizer file path relative to the sidecar), "norm_eps",
 """
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Any, Dict, Optional, Tuple
@@ -23,6 +22,7 @@ from ..config import ModelConfig
 from ..errors import CheckpointError
 from ..tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 from ..weights import Weights
+from .common import read_json_object
 from .huggingface import load_hf, save_hf_llama
 from .llama2c import load_llama2c, save_llama2c_v1
 
@@ -85,15 +85,7 @@ def _load_llama2c(path: Path, want_tokenizer: bool
 
 
 def _read_sidecar(path: Path) -> Dict[str, Any]:
-    if not path.is_file():
-        return {}
-    try:
-        sidecar = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise CheckpointError(f"cannot read sidecar {path}: {exc}") from None
-    if not isinstance(sidecar, dict):
-        raise CheckpointError(f"sidecar {path} must hold a JSON object")
-    return sidecar
+    return read_json_object(path) if path.is_file() else {}
 
 
 def _sidecar_tokenizer(spec: Any, folder: Path, config: ModelConfig) -> Tokenizer:

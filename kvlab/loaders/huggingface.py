@@ -24,6 +24,7 @@ import numpy as np
 from ..config import ModelConfig
 from ..errors import CheckpointError
 from ..weights import Weights
+from .common import read_json_object
 
 # Bytes per element of every safetensors dtype, so sizes can be checked even for
 # tensors we would not read; the three we can convert to float32 are in _READABLE.
@@ -256,14 +257,8 @@ def load_hf(folder: "str | os.PathLike[str]") -> Tuple[ModelConfig, Weights, Any
 
 def _read_config_json(path: Path) -> Dict[str, Any]:
     if not path.is_file():
-        raise CheckpointError(f"no config.json in {path.parent}")
-    try:
-        hf = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise CheckpointError(f"cannot read {path}: {exc}") from None
-    if not isinstance(hf, dict):
-        raise CheckpointError(f"{path} must hold a JSON object")
-    return hf
+        raise CheckpointError(f"no {path.name} in {path.parent}")
+    return read_json_object(path)
 
 
 def _tensor_index(folder: Path) -> Dict[str, TensorInfo]:

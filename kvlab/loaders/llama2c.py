@@ -29,6 +29,7 @@ import numpy as np
 from ..config import ModelConfig
 from ..errors import CheckpointError, WeightsError
 from ..weights import Weights
+from .common import read_json_object
 
 MAGIC_V1 = 0x616B3432          # "ak42" read as a little-endian uint32
 HEADER_V1_BYTES = 256
@@ -225,7 +226,7 @@ def _check_saveable(config: ModelConfig, weights: Weights) -> None:
 def _write_sidecar_if_needed(path: Path, config: ModelConfig) -> None:
     """Record settings the .bin cannot hold; keep other keys of an existing sidecar."""
     sidecar = path.with_suffix(".json")
-    existing = _read_json_object(sidecar) if sidecar.is_file() else None
+    existing = read_json_object(sidecar) if sidecar.is_file() else None
     non_default = any(getattr(config, k) != v for k, v in _DEFAULTS.items())
     if existing is None and not non_default:
         return
@@ -233,12 +234,3 @@ def _write_sidecar_if_needed(path: Path, config: ModelConfig) -> None:
     settings.update({k: getattr(config, k) for k in _DEFAULTS}, name=config.name)
     sidecar.write_text(json.dumps(settings, indent=2) + "\n", encoding="utf-8")
 
-
-def _read_json_object(path: Path) -> Dict[str, object]:
-    try:
-        value = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise CheckpointError(f"cannot read JSON file {path}: {exc}") from None
-    if not isinstance(value, dict):
-        raise CheckpointError(f"{path} must hold a JSON object, found {type(value).__name__}")
-    return value
