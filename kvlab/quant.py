@@ -131,7 +131,10 @@ def round_trip_error_bound(x: np.ndarray, fmt: str, group: Optional[int] = None)
         return np.zeros_like(x)
     if fmt in ("fp16", "bf16"):
         mantissa_bits = 10 if fmt == "fp16" else 7
-        exponent = np.floor(np.log2(np.maximum(np.abs(x), np.float32(6.1e-5 if fmt == "fp16" else 1e-38))))
+        # Below the smallest normal number the spacing stops shrinking (subnormals), so the
+        # exponent is clamped there: 2**-14 for fp16, 2**-126 for bf16 (exact powers of two).
+        smallest_normal = np.float32(2.0 ** -14) if fmt == "fp16" else np.finfo(np.float32).tiny
+        exponent = np.floor(np.log2(np.maximum(np.abs(x), smallest_normal)))
         return (2.0 ** (exponent - mantissa_bits - 1)).astype(np.float32) * 1.0001
     g = _grouped(x, group)
     if fmt == "int8":

@@ -11,8 +11,17 @@ import os
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+# Property tests draw the same examples on every run, so CI cannot fail by chance on a
+# commit that passed before. To search new examples locally, run pytest with
+# `--hypothesis-profile=explore`; add any failure it finds as an explicit test.
+settings.register_profile("kvlab", derandomize=True, database=None)
+settings.register_profile("explore", derandomize=False, max_examples=1000)
+settings.load_profile(os.environ.get("KVLAB_HYPOTHESIS_PROFILE", "kvlab"))
 
 
 def find_shared_models() -> Path:

@@ -37,6 +37,17 @@ def test_round_trip_bound_holds_for_any_values(x, fmt_group):
     assert np.all(np.abs(back - x) <= bound + 1e-30)
 
 
+@pytest.mark.parametrize("fmt", ["fp16", "bf16"])
+def test_round_trip_bound_holds_below_the_smallest_normal(fmt):
+    # Found by hypothesis in CI: 2.2e-8 rounds to 0 in fp16 (subnormal spacing 2**-24), and
+    # the bound must be half that spacing, not half of a smaller, made-up one.
+    tiny = np.float32(2.0 ** -14) if fmt == "fp16" else np.finfo(np.float32).tiny
+    x = np.array([[2.2060664e-08, 2.9e-8, 3.1e-8, -1e-7, tiny, tiny / 3, 0.0, 1e-45] * 2],
+                 dtype=np.float32)
+    back = quant.dequantize(quant.quantize(x, fmt))
+    assert np.all(np.abs(back - x) <= quant.round_trip_error_bound(x, fmt))
+
+
 def test_codes_and_sizes():
     x = rows(shape=(2, 64))
     q8 = quant.quantize(x, "int8")
