@@ -17,6 +17,7 @@
 
 #include "kvlab.h"
 #include "quant.h"
+#include "store.h"
 
 /* kvlab.errors classes, looked up once at import. */
 static PyObject *CacheFullError;
@@ -55,6 +56,109 @@ static PyObject *readonly_view(PyObject *owner, void *data, int type, int ndim,
     }
     return view;
 }
+
+/* ============================== cache formats ===================================== */
+
+static const char *const format_names[] = {"fp32", "fp16", "bf16", "int8", "int4", "fp8"};
+#define N_FORMATS ((int)(sizeof format_names / sizeof format_names[0]))
+
+static int parse_format(const char *name, const char *what, kv_format *format) {
+    for (int i = 0; i < N_FORMATS; i++) {
+        if (strcmp(name, format_names[i]) == 0) {
+            *format = (kv_format)i;
+            return 0;
+        }
+    }
+    PyErr_Format(PyExc_ValueError, "unknown %s format '%s'; known: fp32, fp16, bf16, int8, "
+                 "int4, fp8", what, name);
+    return -1;
+}
+
+/* Fills *format from the constructor's arguments, checking each against head_dim and
+ * max_window (the most positions a window may hold); -1 with ValueError if one is wrong. */
+static int make_format(kv_cache_format *format, const char *key_name, const char *value_name,
+                       int key_group, int value_group, int window, int head_dim,
+                       int max_window) {
+    if (parse_format(key_name, "key", &format->key_format) < 0 ||
+        parse_format(value_name, "value", &format->value_format) < 0)
+        return -1;
+    const char *names[2] = {key_name, value_name};
+    int groups[2] = {key_group, value_group};
+    kv_format formats[2] = {format->key_format, format->value_format};
+    for (int i = 0; i < 2; i++) {
+        if (kv_store_group(formats[i], groups[i], head_dim) < 0) {
+            if (formats[i] <= KV_FMT_BF16)
+                PyErr_Format(PyExc_ValueError, "%s has no groups: leave the %s group at 0 "
+                             "(got %d)", names[i], i ? "value" : "key", groups[i]);
+            else
+                PyErr_Format(PyExc_ValueError, "group size %d does not suit %s with head_dim "
+                             "%d: it must divide head_dim%s", groups[i], names[i], head_dim,
+                             formats[i] == KV_FMT_I4 ? " and be even (two codes per byte)" : "");
+            return -1;
+        }
+    }
+    if (window < 0 || window > max_window) {
+        PyErr_Format(PyExc_ValueError, "window must be between 0 and %d positions, got %d",
+                     max_window, window);
+        return -1;
+    }
+    format->key_group = key_group;
+    format->value_group = value_group;
+    format->window = window;
+    return 0;
+}
+
+/* The NumPy type of a format's codes: float16 is NumPy's own; bf16 has no NumPy type, so
+ * its codes show as the raw uint16 bits; int4 and fp8 codes are bytes. */
+static int code_type(kv_format format) {
+    switch (format) {
+        case KV_FMT_F32: return NPY_FLOAT32;
+        case KV_FMT_F16: return NPY_FLOAT16;
+        case KV_FMT_BF16: return NPY_UINT16;
+        case KV_FMT_I8: return NPY_INT8;
+        case KV_FMT_I4:
+        case KV_FMT_FP8: return NPY_UINT8;
+    }
+    return NPY_UINT8;
+}
+
+enum { STORE_CODES, STORE_SCALES, STORE_ZEROS };
+
+/* A read-only zero-copy view of one part of a store (codes, scales or zero points):
+ * n_lead leading axes whose strides are counted in rows, then (n_kv_heads, per head).
+ * None for scales or zero points a format does not have. */
+static PyObject *store_view(PyObject *owner, const kv_store *store, int part, int n_kv_heads,
+                            int head_dim, int n_lead, const npy_intp *lead_dims,
+                            const npy_intp *lead_row_strides) {
+    npy_intp dims[6], strides[6], row_bytes, item;
+    void *data;
+    int type;
+    if (part == STORE_CODES) {
+        type = code_type(store->format);
+        item = store->format == KV_FMT_F32 ? 4 : store->format <= KV_FMT_BF16 ? 2 : 1;
+        row_bytes = (npy_intp)store->row_bytes;
+        dims[n_lead + 1] = store->format == KV_FMT_I4 ? head_dim / 2 : head_dim;
+        data = store->codes;
+    } else {
+        float *params = part == STORE_SCALES ? store->scales : store->zeros;
+        if (params == NULL) Py_RETURN_NONE;
+        type = NPY_FLOAT32;
+        item = sizeof(float);
+        row_bytes = (npy_intp)store->groups_per_row * item;
+        dims[n_lead + 1] = head_dim / store->group;
+        data = params;
+    }
+    for (int i = 0; i < n_lead; i++) {
+        dims[i] = lead_dims[i];
+        strides[i] = lead_row_strides[i] * row_bytes;
+    }
+    dims[n_lead] = n_kv_heads;
+    strides[n_lead] = row_bytes / n_kv_heads;
+    strides[n_lead + 1] = item;
+    return readonly_view(owner, data, type, n_lead + 2, dims, strides);
+}
+
+static PyObject *format_name(kv_format format) { return PyUnicode_FromString(format_names[format]); }
 
 /* ================================ KVCache ======================================== */
 
@@ -103,10 +207,13 @@ static int refuse_if_busy(CacheObject *self) {
 }
 
 static int cache_init(CacheObject *self, PyObject *args, PyObject *kwds) {
-    static char *kwlist[] = {"n_layers", "n_kv_heads", "head_dim", "capacity", NULL};
-    int n_layers, n_kv_heads, head_dim, capacity;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "iiii", kwlist, &n_layers, &n_kv_heads,
-                                     &head_dim, &capacity))
+    static char *kwlist[] = {"n_layers", "n_kv_heads", "head_dim", "capacity", "key_format",
+                             "value_format", "key_group", "value_group", "window", NULL};
+    int n_layers, n_kv_heads, head_dim, capacity, key_group = 0, value_group = 0, window = 0;
+    const char *key_name = "fp32", *value_name = "fp32";
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "iiii|ssiii", kwlist, &n_layers, &n_kv_heads,
+                                     &head_dim, &capacity, &key_name, &value_name, &key_group,
+                                     &value_group, &window))
         return -1;
     if (n_layers <= 0 || n_kv_heads <= 0 || head_dim <= 0 || capacity <= 0) {
         PyErr_Format(PyExc_ValueError,
@@ -114,12 +221,17 @@ static int cache_init(CacheObject *self, PyObject *args, PyObject *kwds) {
                      "head_dim=%d capacity=%d", n_layers, n_kv_heads, head_dim, capacity);
         return -1;
     }
-    if (self->cache.key != NULL) {
+    if (self->cache.key.codes != NULL) {
         /* re-initializing would free memory that existing keys/values views still show */
         PyErr_SetString(PyExc_RuntimeError, "KVCache is already initialized");
         return -1;
     }
-    kv_status status = kv_cache_init(&self->cache, n_layers, n_kv_heads, head_dim, capacity);
+    kv_cache_format format;
+    if (make_format(&format, key_name, value_name, key_group, value_group, window, head_dim,
+                    capacity) < 0)
+        return -1;
+    kv_status status = kv_cache_init(&self->cache, n_layers, n_kv_heads, head_dim, capacity,
+                                     &format);
     if (status != KV_OK) {
         raise_status(status);
         return -1;
@@ -133,34 +245,140 @@ static void cache_dealloc(CacheObject *self) {
 }
 
 static int require_initialized(CacheObject *self) {
-    if (self->cache.key == NULL) {
+    if (self->cache.key.codes == NULL) {
         PyErr_SetString(PyExc_RuntimeError, "KVCache was not initialized");
         return -1;
     }
     return 0;
 }
 
-/* A read-only view (n_layers, length, n_kv_heads, head_dim) of K or V. Its base is the
- * cache object, so the memory stays alive as long as any view of it does. */
-static PyObject *cache_view(CacheObject *self, float *data) {
+/* A read-only zero-copy view of one part of the K or V store, (n_layers, length,
+ * n_kv_heads, per head). Its base is the cache object, so the memory stays alive as long
+ * as any view of it does. */
+static PyObject *cache_store_view(CacheObject *self, const kv_store *store, int part) {
     if (require_initialized(self) < 0) return NULL;
     const kv_cache *c = &self->cache;
-    npy_intp item = sizeof(float);
-    npy_intp dims[4] = {c->n_layers, c->length, c->n_kv_heads, c->head_dim};
-    npy_intp strides[4] = {(npy_intp)c->capacity * c->n_kv_heads * c->head_dim * item,
-                           (npy_intp)c->n_kv_heads * c->head_dim * item,
-                           (npy_intp)c->head_dim * item, item};
-    return readonly_view((PyObject *)self, data, NPY_FLOAT32, 4, dims, strides);
+    npy_intp lead_dims[2] = {c->n_layers, c->length};
+    npy_intp lead_strides[2] = {c->capacity, 1};
+    return store_view((PyObject *)self, store, part, c->n_kv_heads, c->head_dim, 2, lead_dims,
+                      lead_strides);
+}
+
+/* keys and values as numbers: the stored floats themselves for fp32 and fp16 */
+static PyObject *cache_float_view(CacheObject *self, const kv_store *store, const char *what) {
+    if (require_initialized(self) < 0) return NULL;
+    if (store->format != KV_FMT_F32 && store->format != KV_FMT_F16) {
+        PyErr_Format(PyExc_TypeError, "this cache stores its %s as %s codes, not floats: "
+                     "see %s_codes and %s_scales, or dequantized() for float32 copies",
+                     what, format_names[store->format], what[0] == 'k' ? "key" : "value",
+                     what[0] == 'k' ? "key" : "value");
+        return NULL;
+    }
+    return cache_store_view(self, store, STORE_CODES);
 }
 
 static PyObject *cache_get_keys(CacheObject *self, void *closure) {
     (void)closure;
-    return cache_view(self, self->cache.key);
+    return cache_float_view(self, &self->cache.key, "keys");
 }
 
 static PyObject *cache_get_values(CacheObject *self, void *closure) {
     (void)closure;
-    return cache_view(self, self->cache.value);
+    return cache_float_view(self, &self->cache.value, "values");
+}
+
+/* key_codes, key_scales, ... value_zeros: closure = (is_value << 2) | part */
+static PyObject *cache_get_part(CacheObject *self, void *closure) {
+    int which = (int)(intptr_t)closure;
+    return cache_store_view(self, (which >> 2) ? &self->cache.value : &self->cache.key,
+                            which & 3);
+}
+
+static PyObject *cache_get_format(CacheObject *self, void *closure) {
+    if (require_initialized(self) < 0) return NULL;
+    const kv_store *store = closure ? &self->cache.value : &self->cache.key;
+    return format_name(store->format);
+}
+
+static PyObject *cache_get_group(CacheObject *self, void *closure) {
+    const kv_store *store = closure ? &self->cache.value : &self->cache.key;
+    return PyLong_FromLong(store->group);
+}
+
+static PyObject *cache_get_window(CacheObject *self, void *closure) {
+    (void)closure;
+    return PyLong_FromLong(self->cache.window);
+}
+
+static PyObject *cache_dequantized(CacheObject *self, PyObject *Py_UNUSED(ignored)) {
+    if (require_initialized(self) < 0 || refuse_if_busy(self) < 0) return NULL;
+    const kv_cache *c = &self->cache;
+    npy_intp dims[4] = {c->n_layers, c->length, c->n_kv_heads, c->head_dim};
+    PyObject *keys = PyArray_SimpleNew(4, dims, NPY_FLOAT32);
+    PyObject *values = keys ? PyArray_SimpleNew(4, dims, NPY_FLOAT32) : NULL;
+    if (values == NULL) {
+        Py_XDECREF(keys);
+        return NULL;
+    }
+    kv_cache_read(c, (float *)PyArray_DATA((PyArrayObject *)keys),
+                  (float *)PyArray_DATA((PyArrayObject *)values));
+    return Py_BuildValue("(NN)", keys, values);
+}
+
+static PyObject *cache_attend(CacheObject *self, PyObject *args, PyObject *kwds) {
+    static char *kwlist[] = {"q", "layer", NULL};
+    PyObject *q_obj;
+    int layer = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O|i", kwlist, &q_obj, &layer)) return NULL;
+    if (require_initialized(self) < 0 || refuse_if_busy(self) < 0) return NULL;
+    const kv_cache *c = &self->cache;
+    if (!PyArray_Check(q_obj) || PyArray_TYPE((PyArrayObject *)q_obj) != NPY_FLOAT32 ||
+        !PyArray_ISNOTSWAPPED((PyArrayObject *)q_obj)) {
+        PyErr_SetString(PyExc_TypeError, "q must be a float32 numpy array (n_heads, head_dim)");
+        return NULL;
+    }
+    PyArrayObject *q = (PyArrayObject *)q_obj;
+    if (PyArray_NDIM(q) != 2 || PyArray_DIM(q, 1) != c->head_dim || PyArray_DIM(q, 0) < 1 ||
+        PyArray_DIM(q, 0) % c->n_kv_heads != 0 ||
+        (long long)PyArray_DIM(q, 0) * c->head_dim > (1 << 16)) {
+        PyErr_Format(PyExc_ValueError, "q must have shape (n_heads, head_dim=%d) with n_heads "
+                     "a multiple of n_kv_heads=%d", c->head_dim, c->n_kv_heads);
+        return NULL;
+    }
+    if (!PyArray_IS_C_CONTIGUOUS(q) || !PyArray_ISALIGNED(q)) {
+        PyErr_SetString(PyExc_ValueError, "q must be C-contiguous");
+        return NULL;
+    }
+    if (layer < 0 || layer >= c->n_layers) {
+        PyErr_Format(PyExc_IndexError, "layer %d out of range [0, %d)", layer, c->n_layers);
+        return NULL;
+    }
+    if (c->length == 0) {
+        PyErr_SetString(PyExc_ValueError, "the cache is empty: nothing to attend to");
+        return NULL;
+    }
+    int n_heads = (int)PyArray_DIM(q, 0);
+    PyObject *out = PyArray_SimpleNew(2, PyArray_DIMS(q), NPY_FLOAT32);
+    if (out == NULL) return NULL;
+    /* q is only read; a private copy keeps another thread from changing it under us */
+    PyObject *q_copy = PyArray_NewCopy(q, NPY_CORDER);
+    if (q_copy == NULL) {
+        Py_DECREF(out);
+        return NULL;
+    }
+    kv_status status;
+    self->busy = 1;
+    Py_BEGIN_ALLOW_THREADS
+    status = kv_cache_attend(c, layer, (const float *)PyArray_DATA((PyArrayObject *)q_copy),
+                             n_heads, (float *)PyArray_DATA((PyArrayObject *)out));
+    Py_END_ALLOW_THREADS
+    self->busy = 0;
+    Py_DECREF(q_copy);
+    if (status != KV_OK) {
+        Py_DECREF(out);
+        return raise_status(status);
+    }
+    return out;
 }
 
 static PyObject *cache_get_length(CacheObject *self, void *closure) {
@@ -175,7 +393,7 @@ static PyObject *cache_get_capacity(CacheObject *self, void *closure) {
 
 static PyObject *cache_get_nbytes(CacheObject *self, void *closure) {
     (void)closure;
-    return PyLong_FromSize_t(self->cache.key ? kv_cache_nbytes(&self->cache) : 0);
+    return PyLong_FromSize_t(self->cache.key.codes ? kv_cache_nbytes(&self->cache) : 0);
 }
 
 static PyObject *cache_get_shape(CacheObject *self, void *closure) {
@@ -198,6 +416,12 @@ static PyObject *cache_truncate(CacheObject *self, PyObject *arg) {
         PyErr_Format(PyExc_ValueError,
                      "truncate(%ld): length must be between 0 and the current length %d",
                      length, self->cache.length);
+        return NULL;
+    }
+    if (self->cache.window > 0 && length != 0 && length != self->cache.length) {
+        PyErr_Format(PyExc_ValueError,
+                     "truncate(%ld): a cache with a residual window can only be reset: the "
+                     "full-precision rows of the positions before the cut are gone", length);
         return NULL;
     }
     kv_cache_truncate(&self->cache, (int)length);
@@ -236,19 +460,49 @@ static PyObject *cache_append(CacheObject *self, PyObject *args) {
 
 static PyObject *cache_repr(CacheObject *self) {
     const kv_cache *c = &self->cache;
+    if (c->key.codes == NULL) return PyUnicode_FromString("KVCache(uninitialized)");
+    char window[32] = "";
+    if (c->window > 0) PyOS_snprintf(window, sizeof window, ", window=%d", c->window);
+    if (c->key.format == c->value.format && c->key.group == c->value.group)
+        return PyUnicode_FromFormat(
+            "KVCache(length=%d, capacity=%d, n_layers=%d, n_kv_heads=%d, head_dim=%d, "
+            "dtype=%s%s, nbytes=%zu)", c->length, c->capacity, c->n_layers, c->n_kv_heads,
+            c->head_dim, format_names[c->key.format], window, kv_cache_nbytes(c));
     return PyUnicode_FromFormat(
         "KVCache(length=%d, capacity=%d, n_layers=%d, n_kv_heads=%d, head_dim=%d, "
-        "dtype=fp32, nbytes=%zu)", c->length, c->capacity, c->n_layers, c->n_kv_heads,
-        c->head_dim, c->key ? kv_cache_nbytes(c) : (size_t)0);
+        "key_dtype=%s, value_dtype=%s%s, nbytes=%zu)", c->length, c->capacity, c->n_layers,
+        c->n_kv_heads, c->head_dim, format_names[c->key.format], format_names[c->value.format],
+        window, kv_cache_nbytes(c));
 }
 
+#define PART(is_value, part) ((void *)(intptr_t)(((is_value) << 2) | (part)))
 static PyGetSetDef cache_getset[] = {
     {"keys", (getter)cache_get_keys, NULL,
      "Cached keys of the filled positions, a read-only zero-copy ndarray\n"
-     "(n_layers, length, n_kv_heads, head_dim), after RoPE.", NULL},
+     "(n_layers, length, n_kv_heads, head_dim), after RoPE: float32, or float16 in an fp16\n"
+     "cache. Other formats store codes: see key_codes, or dequantized().", NULL},
     {"values", (getter)cache_get_values, NULL,
      "Cached values of the filled positions, a read-only zero-copy ndarray\n"
-     "(n_layers, length, n_kv_heads, head_dim).", NULL},
+     "(n_layers, length, n_kv_heads, head_dim), as for keys.", NULL},
+    {"key_codes", (getter)cache_get_part, NULL,
+     "The stored key codes, zero-copy, (n_layers, length, n_kv_heads, per head): float32,\n"
+     "float16, bf16 bits as uint16, int8, int4 packed two per uint8 (head_dim / 2 per head),\n"
+     "or fp8 e4m3 bits as uint8.", PART(0, STORE_CODES)},
+    {"key_scales", (getter)cache_get_part, NULL,
+     "Scales of the key groups, zero-copy, (n_layers, length, n_kv_heads, head_dim / group);\n"
+     "None for fp32, fp16 and bf16.", PART(0, STORE_SCALES)},
+    {"key_zeros", (getter)cache_get_part, NULL,
+     "Zero points of the key groups (int4 only, else None).", PART(0, STORE_ZEROS)},
+    {"value_codes", (getter)cache_get_part, NULL, "As key_codes, for V.", PART(1, STORE_CODES)},
+    {"value_scales", (getter)cache_get_part, NULL, "As key_scales, for V.", PART(1, STORE_SCALES)},
+    {"value_zeros", (getter)cache_get_part, NULL, "As key_zeros, for V.", PART(1, STORE_ZEROS)},
+    {"key_dtype", (getter)cache_get_format, NULL, "Element format of the keys.", NULL},
+    {"value_dtype", (getter)cache_get_format, NULL, "Element format of the values.", (void *)1},
+    {"key_group", (getter)cache_get_group, NULL, "Key values per scale (0: no scales).", NULL},
+    {"value_group", (getter)cache_get_group, NULL, "Value values per scale.", (void *)1},
+    {"window", (getter)cache_get_window, NULL,
+     "Residual window: each query reads this many most recent positions (itself included)\n"
+     "in float32.", NULL},
     {"length", (getter)cache_get_length, NULL, "Positions filled so far.", NULL},
     {"capacity", (getter)cache_get_capacity, NULL, "Positions reserved (max_seq_len).", NULL},
     {"nbytes", (getter)cache_get_nbytes, NULL,
@@ -264,16 +518,26 @@ static PyMethodDef cache_methods[] = {
      "truncate(n): roll back to the first n tokens, as if the rest never came."},
     {"append", (PyCFunction)cache_append, METH_VARARGS,
      "append(keys, values): write given K/V rows, each (n_tokens, n_layers, n_kv_heads,\n"
-     "head_dim) float32, without a model (for exercises and benchmarks)."},
+     "head_dim) float32, without a model (for exercises and benchmarks); quantized as the\n"
+     "cache stores them."},
+    {"dequantized", (PyCFunction)cache_dequantized, METH_NOARGS,
+     "dequantized() -> (keys, values): float32 copies, (n_layers, length, n_kv_heads,\n"
+     "head_dim), of what the most recent token's attention read: the codes decoded, and the\n"
+     "residual window's rows in full precision."},
+    {"attend", (PyCFunction)(void (*)(void))cache_attend, METH_VARARGS | METH_KEYWORDS,
+     "attend(q, layer=0) -> out: the attention of one token's queries q, float32\n"
+     "(n_heads, head_dim), over every cached position of a layer, as the last cached token\n"
+     "would attend (the cache is not changed). Decode attention on its own."},
     {NULL}
 };
 
 static PyTypeObject CacheType = {
     PyVarObject_HEAD_INIT(NULL, 0)
     .tp_name = "kvlab._kvlab.KVCache",
-    .tp_doc = PyDoc_STR("KVCache(n_layers, n_kv_heads, head_dim, capacity)\n\n"
-                        "A contiguous fp32 KV cache for one sequence. Usually made with\n"
-                        "model.new_cache(max_seq_len)."),
+    .tp_doc = PyDoc_STR("KVCache(n_layers, n_kv_heads, head_dim, capacity, key_format='fp32',\n"
+                        "        value_format='fp32', key_group=0, value_group=0, window=0)\n\n"
+                        "A contiguous KV cache for one sequence, K and V each stored as fp32,\n"
+                        "fp16, bf16, int8, int4 or fp8. Usually made with model.new_cache()."),
     .tp_basicsize = sizeof(CacheObject),
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_new = PyType_GenericNew,
@@ -309,7 +573,7 @@ static int pool_refuse_if_busy(PoolObject *self) {
                         "one thread at a time may use a pool");
         return -1;
     }
-    if (self->pool.data == NULL) {
+    if (self->pool.key.codes == NULL) {
         PyErr_SetString(PyExc_RuntimeError, "PagedPool was not initialized");
         return -1;
     }
@@ -318,14 +582,17 @@ static int pool_refuse_if_busy(PoolObject *self) {
 
 static int pool_init(PoolObject *self, PyObject *args, PyObject *kwds) {
     static char *kwlist[] = {"n_layers", "n_kv_heads", "head_dim", "num_blocks", "block_size",
-                             "max_seqs", "max_blocks_per_seq", "hash_bits", NULL};
+                             "max_seqs", "max_blocks_per_seq", "hash_bits", "key_format",
+                             "value_format", "key_group", "value_group", "window", NULL};
     int n_layers, n_kv_heads, head_dim, num_blocks, block_size, max_seqs = 256;
-    int max_blocks_per_seq = 0, hash_bits = 64;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "iiiii|iii", kwlist, &n_layers, &n_kv_heads,
-                                     &head_dim, &num_blocks, &block_size, &max_seqs,
-                                     &max_blocks_per_seq, &hash_bits))
+    int max_blocks_per_seq = 0, hash_bits = 64, key_group = 0, value_group = 0, window = 0;
+    const char *key_name = "fp32", *value_name = "fp32";
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "iiiii|iiissiii", kwlist, &n_layers,
+                                     &n_kv_heads, &head_dim, &num_blocks, &block_size, &max_seqs,
+                                     &max_blocks_per_seq, &hash_bits, &key_name, &value_name,
+                                     &key_group, &value_group, &window))
         return -1;
-    if (self->pool.data != NULL) {
+    if (self->pool.key.codes != NULL) {
         PyErr_SetString(PyExc_RuntimeError, "PagedPool is already initialized");
         return -1;
     }
@@ -341,8 +608,12 @@ static int pool_init(PoolObject *self, PyObject *args, PyObject *kwds) {
         return -1;
     }
     if (max_blocks_per_seq == 0) max_blocks_per_seq = num_blocks;
+    kv_cache_format format;
+    if (make_format(&format, key_name, value_name, key_group, value_group, window, head_dim,
+                    1 << 20) < 0)
+        return -1;
     kv_status status = kv_pool_init(&self->pool, n_layers, n_kv_heads, head_dim, num_blocks,
-                                    block_size, max_seqs, max_blocks_per_seq);
+                                    block_size, max_seqs, max_blocks_per_seq, &format);
     if (status != KV_OK) {
         if (status == KV_ERR_INVALID_ARG)
             PyErr_SetString(PyExc_ValueError, "PagedPool sizes are too large");
@@ -361,25 +632,33 @@ static void pool_dealloc(PoolObject *self) {
 
 /* A read-only zero-copy view of pool memory; its base is the pool. */
 static PyObject *pool_view(PoolObject *self, void *data, int type, int ndim, npy_intp *dims) {
-    if (self->pool.data == NULL) {
+    if (self->pool.key.codes == NULL) {
         PyErr_SetString(PyExc_RuntimeError, "PagedPool was not initialized");
         return NULL;
     }
     return readonly_view((PyObject *)self, data, type, ndim, dims, NULL);
 }
 
-static PyObject *pool_get_data(PoolObject *self, void *closure) {
-    (void)closure;
-    const kv_pool *p = &self->pool;
+/* key_codes, key_scales, ... value_zeros of the whole pool: closure = (is_value << 2) | part.
+ * The memory is layer-major (n_layers, num_blocks, block_size, ...); shown block-first, so
+ * that key_codes[b] is everything block b holds. */
+static PyObject *pool_get_part(PoolObject *self, void *closure) {
     if (pool_refuse_if_busy(self) < 0) return NULL;
-    /* memory is (n_layers, 2, num_blocks, block_size, n_kv_heads, head_dim); shown
-     * block-first so that data[b] is everything block b holds */
-    npy_intp item = sizeof(float), head = (npy_intp)p->head_dim * item;
-    npy_intp row = (npy_intp)p->n_kv_heads * head, block = (npy_intp)p->block_size * row;
-    npy_intp kv = (npy_intp)p->num_blocks * block;
-    npy_intp dims[6] = {p->num_blocks, p->n_layers, 2, p->block_size, p->n_kv_heads, p->head_dim};
-    npy_intp strides[6] = {block, 2 * kv, kv, row, head, item};
-    return readonly_view((PyObject *)self, p->data, NPY_FLOAT32, 6, dims, strides);
+    int which = (int)(intptr_t)closure;
+    const kv_pool *p = &self->pool;
+    npy_intp lead_dims[3] = {p->num_blocks, p->n_layers, p->block_size};
+    npy_intp lead_strides[3] = {p->block_size, (npy_intp)p->num_blocks * p->block_size, 1};
+    return store_view((PyObject *)self, (which >> 2) ? &p->value : &p->key, which & 3,
+                      p->n_kv_heads, p->head_dim, 3, lead_dims, lead_strides);
+}
+
+static PyObject *pool_get_format(PoolObject *self, void *closure) {
+    if (pool_refuse_if_busy(self) < 0) return NULL;
+    return format_name((closure ? &self->pool.value : &self->pool.key)->format);
+}
+
+static PyObject *pool_get_group(PoolObject *self, void *closure) {
+    return PyLong_FromLong((closure ? &self->pool.value : &self->pool.key)->group);
 }
 
 static PyObject *pool_get_ref_counts(PoolObject *self, void *closure) {
@@ -444,7 +723,8 @@ POOL_INT_GETTER(num_blocks, self->pool.num_blocks)
 POOL_INT_GETTER(block_size, self->pool.block_size)
 POOL_INT_GETTER(max_seqs, self->pool.max_seqs)
 POOL_INT_GETTER(max_blocks_per_seq, self->pool.max_blocks_per_seq)
-POOL_INT_GETTER(nbytes, self->pool.data ? kv_pool_nbytes(&self->pool) : 0)
+POOL_INT_GETTER(nbytes, self->pool.key.codes ? kv_pool_nbytes(&self->pool) : 0)
+POOL_INT_GETTER(window, self->pool.window)
 
 static PyObject *new_handle(PoolObject *pool, int seq) {
     SequenceObject *handle = PyObject_New(SequenceObject, &SequenceType);
@@ -653,10 +933,25 @@ static PyObject *pool_sequences(PoolObject *self, PyObject *Py_UNUSED(ignored)) 
 }
 
 static PyGetSetDef pool_getset[] = {
-    {"data", (getter)pool_get_data, NULL,
-     "The whole pool, zero-copy and read-only, block first:\n"
-     "(num_blocks, n_layers, 2 (K, V), block_size, n_kv_heads, head_dim). The memory\n"
-     "underneath is layer-major (n_layers, 2, num_blocks, ...), so this view is strided.", NULL},
+    {"key_codes", (getter)pool_get_part, NULL,
+     "Every block's stored keys, zero-copy and read-only, block first:\n"
+     "(num_blocks, n_layers, block_size, n_kv_heads, per head), in the key format's code\n"
+     "type (float32 for fp32). The memory underneath is layer-major (n_layers, num_blocks,\n"
+     "...), so this view is strided.", PART(0, STORE_CODES)},
+    {"key_scales", (getter)pool_get_part, NULL,
+     "Scales of the key groups, (num_blocks, n_layers, block_size, n_kv_heads,\n"
+     "head_dim / group), or None.", PART(0, STORE_SCALES)},
+    {"key_zeros", (getter)pool_get_part, NULL, "Zero points of int4 keys, or None.",
+     PART(0, STORE_ZEROS)},
+    {"value_codes", (getter)pool_get_part, NULL, "As key_codes, for V.", PART(1, STORE_CODES)},
+    {"value_scales", (getter)pool_get_part, NULL, "As key_scales, for V.", PART(1, STORE_SCALES)},
+    {"value_zeros", (getter)pool_get_part, NULL, "As key_zeros, for V.", PART(1, STORE_ZEROS)},
+    {"key_dtype", (getter)pool_get_format, NULL, "Element format of the keys.", NULL},
+    {"value_dtype", (getter)pool_get_format, NULL, "Element format of the values.", (void *)1},
+    {"key_group", (getter)pool_get_group, NULL, "Key values per scale (0: no scales).", NULL},
+    {"value_group", (getter)pool_get_group, NULL, "Value values per scale.", (void *)1},
+    {"window", (getter)pool_get_window, NULL,
+     "Residual window: each query reads this many most recent positions in float32.", NULL},
     {"ref_counts", (getter)pool_get_ref_counts, NULL, "Block-table references per block (view).", NULL},
     {"fill", (getter)pool_get_fill, NULL, "Rows written per block (view).", NULL},
     {"block_tokens", (getter)pool_get_block_tokens, NULL,
@@ -685,7 +980,8 @@ static PyMethodDef pool_methods[] = {
      "append(seq, tokens, keys, values): write given K/V rows, each\n"
      "(n_tokens, n_layers, n_kv_heads, head_dim) float32, without a model."},
     {"gather", (PyCFunction)pool_gather, METH_O,
-     "gather(seq) -> (keys, values): copies, (n_layers, length, n_kv_heads, head_dim)."},
+     "gather(seq) -> (keys, values): float32 copies, (n_layers, length, n_kv_heads,\n"
+     "head_dim), of what seq's most recent token's attention read (dequantized)."},
     {"stats", (PyCFunction)pool_stats, METH_NOARGS, "Counts of blocks, rows and prefix hits."},
     {"check", (PyCFunction)pool_check, METH_NOARGS,
      "Verify every invariant; raises PoolInvariantError if one is broken."},
@@ -697,7 +993,9 @@ static PyTypeObject PoolType = {
     PyVarObject_HEAD_INIT(NULL, 0)
     .tp_name = "kvlab._kvlab.PagedPool",
     .tp_doc = PyDoc_STR("PagedPool(n_layers, n_kv_heads, head_dim, num_blocks, block_size,\n"
-                        "          max_seqs=256, max_blocks_per_seq=num_blocks, hash_bits=64)\n\n"
+                        "          max_seqs=256, max_blocks_per_seq=num_blocks, hash_bits=64,\n"
+                        "          key_format='fp32', value_format='fp32', key_group=0,\n"
+                        "          value_group=0, window=0)\n\n"
                         "A paged KV cache: one pool of fixed-size blocks shared by many\n"
                         "sequences. Usually made with model.new_paged_pool(...)."),
     .tp_basicsize = sizeof(PoolObject),
@@ -1123,62 +1421,87 @@ static PyTypeObject ModelType = {
 
 /* ============================ quantization ======================================== */
 
-/* quantize(x, format, group) -> (codes, scales, zeros): the C side of kvlab.quant, for
- * checking that both give the same codes. x: float32 (rows, d), C-contiguous. */
-static PyObject *py_quantize(PyObject *module, PyObject *args) {
-    (void)module;
-    PyObject *x_obj;
-    const char *name;
-    int group = 0;
-    if (!PyArg_ParseTuple(args, "Os|i", &x_obj, &name, &group)) return NULL;
+/* Rows x (rows, d) written into a one-layer store of `rows` slots, as a cache would store
+ * them: the C side of kvlab.quant, for checking the two agree. 0 with the store filled,
+ * or -1 with an exception set. */
+static int store_rows(PyObject *x_obj, const char *name, int group, kv_store *store) {
     if (!PyArray_Check(x_obj) || PyArray_TYPE((PyArrayObject *)x_obj) != NPY_FLOAT32 ||
         PyArray_NDIM((PyArrayObject *)x_obj) != 2 ||
         !PyArray_IS_C_CONTIGUOUS((PyArrayObject *)x_obj) ||
         !PyArray_ISALIGNED((PyArrayObject *)x_obj) || !PyArray_ISNOTSWAPPED((PyArrayObject *)x_obj)) {
         PyErr_SetString(PyExc_TypeError, "x must be a C-contiguous 2-D float32 array");
-        return NULL;
+        return -1;
     }
     PyArrayObject *x = (PyArrayObject *)x_obj;
     npy_intp rows = PyArray_DIM(x, 0), d = PyArray_DIM(x, 1);
-    size_t n = (size_t)rows * (size_t)d;
-    const float *values = (const float *)PyArray_DATA(x);
-    int is_int = strcmp(name, "int8") == 0 || strcmp(name, "int4") == 0;
-    if (is_int && (group < 1 || d % group != 0 || (name[3] == '4' && group % 2 != 0))) {
-        PyErr_Format(PyExc_ValueError, "group %d must divide the row length %zd (and be even "
-                     "for int4)", group, (Py_ssize_t)d);
-        return NULL;
+    kv_format format;
+    if (parse_format(name, "cache", &format) < 0) return -1;
+    if (rows < 1 || d < 1 || d > (1 << 16) || (format == KV_FMT_I4 && d % 2 != 0)) {
+        PyErr_SetString(PyExc_ValueError, "x must have at least one row, and rows of 1 to "
+                        "65536 values (an even number for int4)");
+        return -1;
     }
-    if (strcmp(name, "fp16") == 0 || strcmp(name, "bf16") == 0) {
-        npy_intp dims[2] = {rows, d};
-        PyObject *codes = PyArray_SimpleNew(2, dims, NPY_UINT16);
-        if (codes == NULL) return NULL;
-        uint16_t *out = (uint16_t *)PyArray_DATA((PyArrayObject *)codes);
-        int half = name[1] == 'p';
-        for (size_t i = 0; i < n; i++) out[i] = half ? kv_f32_to_f16(values[i]) : kv_f32_to_bf16(values[i]);
-        return Py_BuildValue("(NOO)", codes, Py_None, Py_None);
+    if (kv_store_group(format, group, (int)d) < 0) {
+        PyErr_Format(PyExc_ValueError, "group %d does not suit %s with rows of %zd values: it "
+                     "must divide the row length (and be even for int4; 0 for float formats)",
+                     group, name, (Py_ssize_t)d);
+        return -1;
     }
-    if (!is_int) {
-        PyErr_Format(PyExc_ValueError, "unknown format %s (fp16, bf16, int8, int4)", name);
-        return NULL;
+    kv_status status = kv_store_init(store, format, group, 1, (size_t)rows, 1, (int)d);
+    if (status != KV_OK) {
+        raise_status(status);
+        return -1;
     }
-    int four_bit = name[3] == '4';
-    npy_intp code_dims[2] = {rows, four_bit ? d / 2 : d}, group_dims[2] = {rows, d / group};
-    PyObject *codes = PyArray_SimpleNew(2, code_dims, four_bit ? NPY_UINT8 : NPY_INT8);
-    PyObject *scales = codes ? PyArray_SimpleNew(2, group_dims, NPY_FLOAT32) : NULL;
-    PyObject *zeros = scales ? (four_bit ? PyArray_SimpleNew(2, group_dims, NPY_FLOAT32)
-                                         : (Py_INCREF(Py_None), Py_None)) : NULL;
-    if (zeros == NULL) {
-        Py_XDECREF(codes);
-        Py_XDECREF(scales);
-        return NULL;
+    for (npy_intp r = 0; r < rows; r++)
+        kv_store_write(store, 0, (size_t)r, (const float *)PyArray_DATA(x) + r * d);
+    return 0;
+}
+
+/* quantize(x, format, group=0) -> (codes, scales, zeros) */
+static PyObject *py_quantize(PyObject *module, PyObject *args) {
+    (void)module;
+    PyObject *x_obj, *result = NULL;
+    const char *name;
+    int group = 0;
+    kv_store store;
+    if (!PyArg_ParseTuple(args, "Os|i", &x_obj, &name, &group)) return NULL;
+    if (store_rows(x_obj, name, group, &store) < 0) return NULL;
+    npy_intp rows = (npy_intp)store.slots;
+    npy_intp code_dims[2] = {rows, (npy_intp)store.row_bytes / (store.format == KV_FMT_F32 ? 4 :
+                                   store.format <= KV_FMT_BF16 ? 2 : 1)};
+    npy_intp group_dims[2] = {rows, store.groups_per_row};
+    PyObject *codes = PyArray_SimpleNew(2, code_dims, code_type(store.format));
+    PyObject *scales = store.scales ? PyArray_SimpleNew(2, group_dims, NPY_FLOAT32) : Py_NewRef(Py_None);
+    PyObject *zeros = store.zeros ? PyArray_SimpleNew(2, group_dims, NPY_FLOAT32) : Py_NewRef(Py_None);
+    if (codes != NULL && scales != NULL && zeros != NULL) {
+        memcpy(PyArray_DATA((PyArrayObject *)codes), store.codes, (size_t)rows * store.row_bytes);
+        size_t param_bytes = (size_t)rows * store.groups_per_row * sizeof(float);
+        if (store.scales) memcpy(PyArray_DATA((PyArrayObject *)scales), store.scales, param_bytes);
+        if (store.zeros) memcpy(PyArray_DATA((PyArrayObject *)zeros), store.zeros, param_bytes);
+        result = PyTuple_Pack(3, codes, scales, zeros);
     }
-    float *scale_out = (float *)PyArray_DATA((PyArrayObject *)scales);
-    if (four_bit)
-        kv_quantize_i4((uint8_t *)PyArray_DATA((PyArrayObject *)codes), scale_out,
-                       (float *)PyArray_DATA((PyArrayObject *)zeros), values, n, group);
-    else
-        kv_quantize_i8((int8_t *)PyArray_DATA((PyArrayObject *)codes), scale_out, values, n, group);
-    return Py_BuildValue("(NNN)", codes, scales, zeros);
+    Py_XDECREF(codes);
+    Py_XDECREF(scales);
+    Py_XDECREF(zeros);
+    kv_store_free(&store);
+    return result;
+}
+
+/* round_trip(x, format, group=0) -> the float32 values the stored codes decode to */
+static PyObject *py_round_trip(PyObject *module, PyObject *args) {
+    (void)module;
+    PyObject *x_obj;
+    const char *name;
+    int group = 0;
+    kv_store store;
+    if (!PyArg_ParseTuple(args, "Os|i", &x_obj, &name, &group)) return NULL;
+    if (store_rows(x_obj, name, group, &store) < 0) return NULL;
+    PyObject *out = PyArray_SimpleNew(2, PyArray_DIMS((PyArrayObject *)x_obj), NPY_FLOAT32);
+    if (out != NULL)
+        for (size_t r = 0; r < store.slots; r++)
+            kv_store_read(&store, 0, r, (float *)PyArray_DATA((PyArrayObject *)out) + r * store.kv_dim);
+    kv_store_free(&store);
+    return out;
 }
 
 /* ================================ module ========================================= */
@@ -1204,8 +1527,10 @@ static PyMethodDef module_methods[] = {
     {"set_num_threads", py_set_num_threads, METH_O, "Threads used by the C core."},
     {"get_num_threads", py_get_num_threads, METH_NOARGS, "Threads used by the C core."},
     {"quantize", py_quantize, METH_VARARGS,
-     "quantize(x, format, group=0) -> (codes, scales, zeros): the core's conversion of\n"
-     "float32 rows (rows, d) to fp16/bf16/int8/int4 codes, as kvlab.quant defines them."},
+     "quantize(x, format, group=0) -> (codes, scales, zeros): float32 rows (rows, d) stored\n"
+     "as a cache stores them (fp32, fp16, bf16, int8, int4 or fp8), as kvlab.quant defines."},
+    {"round_trip", py_round_trip, METH_VARARGS,
+     "round_trip(x, format, group=0) -> float32: x stored as a cache stores it and read back."},
     {NULL}
 };
 

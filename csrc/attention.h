@@ -1,8 +1,9 @@
 /* attention.h: causal grouped-query attention over a cache, contiguous or paged (internal).
  *
  * Both caches are seen through one kv_layer_view: a sequence's positions live in
- * blocks of block_size rows, found through a block table. The contiguous cache is the
- * special case of a single block as long as the whole cache.
+ * blocks of block_size rows, found through a block table, and the rows are kept in a
+ * kv_store in any element format. The contiguous cache is the special case of a single
+ * block as long as the whole cache.
  */
 #ifndef KVLAB_ATTENTION_H
 #define KVLAB_ATTENTION_H
@@ -10,31 +11,44 @@
 #include <stddef.h>
 #include <stdint.h>
 
-/* One layer of one sequence's cache. Row r of logical block b (positions
- * b*block_size .. b*block_size + block_size - 1) holds n_kv_heads * head_dim floats at
- *   key   + block_table[b] * block_stride + r * kv_dim     (and the same for value). */
+#include "kvlab.h"
+
+/* One layer of one sequence's cache. Position pos lives in slot
+ *   block_table[pos / block_size] * block_size + pos % block_size
+ * of the layer's key and value stores. With a residual window, a query at position i
+ * reads positions i - window + 1 .. i in full precision instead: the positions written
+ * by this call from new_key/new_value (rows from position new_start on), older ones from
+ * the window rows (position p in row p % window). */
 typedef struct {
-    float *key;
-    float *value;
+    const kv_store *key, *value;
+    int layer;
     const int32_t *block_table;
     int block_size;
-    size_t block_stride;  /* floats from one physical block to the next */
+    int window;
+    float *window_key, *window_value;         /* (window, kv_dim), or NULL */
+    const float *new_key, *new_value;         /* (n_tokens, kv_dim) of this call, or NULL */
+    int new_start;
 } kv_layer_view;
 
-/* Where position pos's key row lives (value: same offset from view->value). */
-static inline size_t kv_view_offset(const kv_layer_view *view, int pos, int kv_dim) {
-    int block = pos / view->block_size, row = pos % view->block_size;
-    return (size_t)view->block_table[block] * view->block_stride + (size_t)row * kv_dim;
+static inline size_t kv_view_slot(const kv_layer_view *view, int pos) {
+    return (size_t)view->block_table[pos / view->block_size] * (size_t)view->block_size +
+           (size_t)(pos % view->block_size);
 }
+
+/* The view of one layer of a contiguous cache (kvcache.c); the paged pool's is in paged.h. */
+kv_layer_view kv_cache_layer_view(const kv_cache *cache, int layer);
 
 /* For each of n_tokens new queries, at positions start_pos .. start_pos + n_tokens - 1,
  * attends over positions 0 .. its own position (the causal mask). q and out are
  * (n_tokens, n_heads * head_dim); the view already holds the new tokens' K and V.
- * scores is scratch of n_threads rows of score_stride floats, one per thread; a row
- * holds n_heads / n_kv_heads runs of score_stride / (n_heads / n_kv_heads) floats, one
- * per query head of a group, each at least start_pos + n_tokens long. */
+ * scratch holds n_threads rows of scratch_stride floats, one per thread: n_heads /
+ * n_kv_heads runs of max_positions scores (one per query head of a group), then two
+ * rows of head_dim floats to dequantize a key and a value head into. */
 void kv_attention(float *out, const float *q, const kv_layer_view *view, int n_tokens,
-                  int start_pos, int n_heads, int n_kv_heads, int head_dim, float *scores,
-                  size_t score_stride, int n_threads);
+                  int start_pos, int n_heads, int n_kv_heads, int head_dim, float *scratch,
+                  size_t scratch_stride, int max_positions, int n_threads);
+
+/* Floats of scratch each thread needs (the scratch_stride above). */
+size_t kv_attention_scratch(int n_heads, int n_kv_heads, int head_dim, int max_positions);
 
 #endif /* KVLAB_ATTENTION_H */

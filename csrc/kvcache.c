@@ -1,38 +1,45 @@
 /* kvcache.c: the contiguous KV cache, one block of memory per request.
  *
- * Layout (n_layers, capacity, n_kv_heads, head_dim) for K and again for V: the keys of
- * one layer for consecutive positions are consecutive rows, so the forward pass writes
- * a new token's K straight into its slot with the projection's matrix product, and
- * attention streams one layer's keys front to back. The whole capacity is reserved up
- * front; that waste is exactly what the paged cache (paged.c) exists to remove.
+ * Layout (n_layers, capacity, n_kv_heads, head_dim) for K and again for V, each in its
+ * own element format (store.c): the keys of one layer for consecutive positions are
+ * consecutive rows, so attention streams one layer's keys front to back. The whole
+ * capacity is reserved up front; that waste is exactly what the paged cache (paged.c)
+ * exists to remove. A residual window keeps the last few positions in float32 as well.
  */
 #include <string.h>
 
+#include "attention.h"
 #include "common.h"
+#include "store.h"
+
+static const kv_cache_format fp32_format = {KV_FMT_F32, KV_FMT_F32, 0, 0, 0};
 
 kv_status kv_cache_init(kv_cache *cache, int n_layers, int n_kv_heads, int head_dim,
-                        int capacity) {
+                        int capacity, const kv_cache_format *format) {
     kv_status status = KV_OK;
     memset(cache, 0, sizeof *cache);
+    if (format == NULL) format = &fp32_format;
     KV_CHECK(n_layers > 0 && n_kv_heads > 0 && head_dim > 0 && capacity > 0,
              KV_ERR_INVALID_ARG);
     KV_CHECK(n_layers <= KV_MAX_LAYERS && (long)n_kv_heads * head_dim <= KV_MAX_WIDTH &&
-             capacity <= KV_MAX_POSITIONS, KV_ERR_INVALID_ARG);
-    size_t count = (size_t)n_layers * (size_t)capacity * (size_t)n_kv_heads * (size_t)head_dim;
-    KV_CHECK(count / (size_t)n_layers / (size_t)capacity == (size_t)n_kv_heads * head_dim,
-             KV_ERR_INVALID_ARG);  /* overflow */
-    KV_CHECK(count <= ((size_t)1 << 40) / sizeof(float), KV_ERR_NOMEM);
+             capacity <= KV_MAX_POSITIONS && format->window >= 0 &&
+             format->window <= capacity, KV_ERR_INVALID_ARG);
     cache->n_layers = n_layers;
     cache->n_kv_heads = n_kv_heads;
     cache->head_dim = head_dim;
     cache->capacity = capacity;
     cache->length = 0;
-    /* calloc: an unfilled slot reads as 0, never as old garbage, and the operating system
-     * hands out zero pages only when they are first touched, so a large cache costs
-     * physical memory as it fills (watch the process's resident size grow). */
-    cache->key = calloc(count, sizeof(float));
-    cache->value = calloc(count, sizeof(float));
-    KV_CHECK(cache->key != NULL && cache->value != NULL, KV_ERR_NOMEM);
+    KV_TRY(kv_store_init(&cache->key, format->key_format, format->key_group, n_layers,
+                         (size_t)capacity, n_kv_heads, head_dim));
+    KV_TRY(kv_store_init(&cache->value, format->value_format, format->value_group, n_layers,
+                         (size_t)capacity, n_kv_heads, head_dim));
+    cache->window = format->window;
+    if (cache->window > 0) {
+        size_t floats = (size_t)n_layers * cache->window * n_kv_heads * head_dim;
+        cache->window_key = kv_alloc_floats(floats);
+        cache->window_value = kv_alloc_floats(floats);
+        KV_CHECK(cache->window_key != NULL && cache->window_value != NULL, KV_ERR_NOMEM);
+    }
     return KV_OK;
 fail:
     kv_cache_free(cache);
@@ -41,44 +48,112 @@ fail:
 
 void kv_cache_free(kv_cache *cache) {
     if (cache == NULL) return;
-    free(cache->key);
-    free(cache->value);
-    cache->key = cache->value = NULL;
-    cache->length = cache->capacity = 0;
+    kv_store_free(&cache->key);
+    kv_store_free(&cache->value);
+    free(cache->window_key);
+    free(cache->window_value);
+    cache->window_key = cache->window_value = NULL;
+    cache->length = cache->capacity = cache->window = 0;
+}
+
+static size_t kv_dim(const kv_cache *cache) {
+    return (size_t)cache->n_kv_heads * cache->head_dim;
+}
+
+/* this layer's ring of window rows */
+static float *ring(float *rows, const kv_cache *cache, int layer) {
+    return rows + (size_t)layer * cache->window * kv_dim(cache);
 }
 
 size_t kv_cache_nbytes(const kv_cache *cache) {
-    return 2 * (size_t)cache->n_layers * (size_t)cache->capacity *
-           (size_t)cache->n_kv_heads * (size_t)cache->head_dim * sizeof(float);
+    size_t window_bytes = 2 * (size_t)cache->n_layers * cache->window * kv_dim(cache) * sizeof(float);
+    return kv_store_nbytes(&cache->key) + kv_store_nbytes(&cache->value) + window_bytes;
 }
 
 kv_status kv_cache_truncate(kv_cache *cache, int length) {
     /* Positions past `length` become free again; their bytes are simply overwritten
      * by the next tokens, since attention never reads past cache->length. */
     if (length < 0 || length > cache->length) return KV_ERR_INVALID_ARG;
+    if (cache->window > 0 && length != 0 && length != cache->length) return KV_ERR_INVALID_ARG;
     cache->length = length;
     return KV_OK;
 }
 
 kv_status kv_cache_append(kv_cache *cache, int n_tokens, const float *keys, const float *values) {
-    if (cache->key == NULL || keys == NULL || values == NULL || n_tokens <= 0)
+    if (cache->key.codes == NULL || keys == NULL || values == NULL || n_tokens <= 0)
         return KV_ERR_INVALID_ARG;
     if (n_tokens > cache->capacity - cache->length) return KV_ERR_CACHE_FULL;
-    size_t row = (size_t)cache->n_kv_heads * cache->head_dim;
+    size_t row = kv_dim(cache), token_stride = (size_t)cache->n_layers * row;
     for (int layer = 0; layer < cache->n_layers; layer++) {
         for (int t = 0; t < n_tokens; t++) {
-            size_t dst = ((size_t)layer * cache->capacity + cache->length + t) * row;
             size_t src = ((size_t)t * cache->n_layers + layer) * row;
-            memcpy(cache->key + dst, keys + src, row * sizeof(float));
-            memcpy(cache->value + dst, values + src, row * sizeof(float));
+            kv_store_write(&cache->key, layer, (size_t)(cache->length + t), keys + src);
+            kv_store_write(&cache->value, layer, (size_t)(cache->length + t), values + src);
         }
+        kv_window_keep(ring(cache->window_key, cache, layer), cache->window, (int)row,
+                       cache->length, keys + layer * row, token_stride, n_tokens);
+        kv_window_keep(ring(cache->window_value, cache, layer), cache->window, (int)row,
+                       cache->length, values + layer * row, token_stride, n_tokens);
     }
     cache->length += n_tokens;
     return KV_OK;
 }
 
+kv_status kv_cache_read(const kv_cache *cache, float *keys, float *values) {
+    if (cache->key.codes == NULL || keys == NULL || values == NULL) return KV_ERR_INVALID_ARG;
+    size_t row = kv_dim(cache);
+    for (int layer = 0; layer < cache->n_layers; layer++) {
+        for (int pos = 0; pos < cache->length; pos++) {
+            size_t dst = ((size_t)layer * cache->length + pos) * row;
+            if (cache->window > 0 && pos >= cache->length - cache->window) {
+                memcpy(keys + dst, kv_window_row(ring(cache->window_key, cache, layer),
+                                                 cache->window, (int)row, pos), row * sizeof(float));
+                memcpy(values + dst, kv_window_row(ring(cache->window_value, cache, layer),
+                                                   cache->window, (int)row, pos), row * sizeof(float));
+            } else {
+                kv_store_read(&cache->key, layer, (size_t)pos, keys + dst);
+                kv_store_read(&cache->value, layer, (size_t)pos, values + dst);
+            }
+        }
+    }
+    return KV_OK;
+}
+
+kv_layer_view kv_cache_layer_view(const kv_cache *cache, int layer) {
+    static const int32_t single_block = 0;  /* the contiguous cache is one big block */
+    kv_layer_view view = {&cache->key, &cache->value, layer, &single_block, cache->capacity,
+                          cache->window, NULL, NULL, NULL, NULL, cache->length};
+    if (cache->window > 0) {
+        view.window_key = ring(cache->window_key, cache, layer);
+        view.window_value = ring(cache->window_value, cache, layer);
+    }
+    return view;
+}
+
+kv_status kv_cache_attend(const kv_cache *cache, int layer, const float *q, int n_heads,
+                          float *out) {
+    kv_status status = KV_OK;
+    float *scratch = NULL;
+    KV_CHECK(cache->key.codes != NULL && q != NULL && out != NULL && cache->length > 0 &&
+             layer >= 0 && layer < cache->n_layers && n_heads > 0 &&
+             n_heads % cache->n_kv_heads == 0 &&
+             (long)n_heads * cache->head_dim <= KV_MAX_WIDTH, KV_ERR_INVALID_ARG);
+    int n_threads = kv_threads();
+    size_t stride = kv_attention_scratch(n_heads, cache->n_kv_heads, cache->head_dim,
+                                         cache->length);
+    scratch = kv_alloc_floats((size_t)n_threads * stride);
+    KV_CHECK(scratch != NULL, KV_ERR_NOMEM);
+    /* q is the query of the last cached token: it sees every position, itself included */
+    kv_layer_view view = kv_cache_layer_view(cache, layer);
+    kv_attention(out, q, &view, 1, cache->length - 1, n_heads, cache->n_kv_heads,
+                 cache->head_dim, scratch, stride, cache->length, n_threads);
+fail:
+    free(scratch);
+    return status;
+}
+
 kv_status kv_cache_check_fits(const kv_cache *cache, const kv_config *config) {
-    if (cache->key == NULL || cache->n_layers != config->n_layers ||
+    if (cache->key.codes == NULL || cache->n_layers != config->n_layers ||
         cache->n_kv_heads != config->n_kv_heads || cache->head_dim != config->head_dim)
         return KV_ERR_CACHE_MISMATCH;
     return KV_OK;

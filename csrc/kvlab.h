@@ -71,6 +71,48 @@ typedef struct {
  * n_heads, head_dim even) and that no weight pointer is NULL. */
 kv_status kv_model_check(const kv_model *model);
 
+/* ---- how a cache stores K and V --------------------------------------------------- */
+
+/* Element formats of a cache (kvlab/quant.py defines each one, in NumPy). */
+typedef enum {
+    KV_FMT_F32,   /* float32, as computed */
+    KV_FMT_F16,   /* IEEE half */
+    KV_FMT_BF16,  /* the top 16 bits of a float32 */
+    KV_FMT_I8,    /* int8 codes, a float32 scale per group of values (symmetric) */
+    KV_FMT_I4,    /* 4-bit codes, two per byte, a scale and a zero point per group */
+    KV_FMT_FP8,   /* fp8 e4m3 codes, a float32 scale per group */
+} kv_format;
+
+/* What a new cache or pool stores: K and V formats (they may differ), their group sizes
+ * (values sharing one scale; 0 picks the format's default: all of head_dim for int8 and
+ * fp8, 32 for int4 when it divides head_dim, else head_dim), and the residual window:
+ * a query reads the `window` most recent positions (itself included) in full precision,
+ * as KIVI and Hugging Face's QuantizedCache do. A NULL kv_cache_format means fp32. */
+typedef struct {
+    kv_format key_format, value_format;
+    int key_group, value_group;
+    int window;
+} kv_cache_format;
+
+/* Where one kind of tensor (K or V) lives for every layer of a cache: one row of kv_dim
+ * values per slot. A contiguous cache has a slot per position; a paged pool has
+ * num_blocks * block_size slots, block b's rows at slots b * block_size onwards.
+ *   codes of (layer, slot):  codes + (layer * slots + slot) * row_bytes
+ *   scales of (layer, slot): scales + (layer * slots + slot) * groups_per_row
+ * Each group of `group` values inside a head shares one scale (and zero point). */
+typedef struct {
+    kv_format format;
+    int group;            /* values per scale; 0 for fp32, fp16, bf16 */
+    int kv_dim;           /* values per row: n_kv_heads * head_dim */
+    int groups_per_row;   /* kv_dim / group; 0 without scales */
+    size_t row_bytes;     /* bytes of codes per row */
+    size_t slots;         /* rows per layer */
+    int n_layers;
+    uint8_t *codes;       /* (n_layers, slots, row_bytes) */
+    float *scales;        /* (n_layers, slots, groups_per_row), NULL for the float formats */
+    float *zeros;         /* int4's zero points, same shape as scales; NULL otherwise */
+} kv_store;
+
 /* ---- contiguous KV cache ---------------------------------------------------------- */
 
 /* One request's cache: every position it may ever hold is reserved up front. */
@@ -80,20 +122,40 @@ typedef struct {
     int head_dim;
     int capacity;   /* positions reserved (max_seq_len of this cache) */
     int length;     /* positions filled: 0 .. length-1 hold valid K and V */
-    float *key;     /* (n_layers, capacity, n_kv_heads, head_dim) */
-    float *value;   /* (n_layers, capacity, n_kv_heads, head_dim) */
+    kv_store key;   /* (n_layers, capacity, n_kv_heads, head_dim) values, in key.format */
+    kv_store value;
+    int window;              /* residual window (0: none) */
+    float *window_key;       /* (n_layers, window, kv_dim) float32 rows of the last window
+                                positions, position p in row p % window; NULL if window 0 */
+    float *window_value;
 } kv_cache;
 
+/* format may be NULL (fp32, no window). */
 kv_status kv_cache_init(kv_cache *cache, int n_layers, int n_kv_heads, int head_dim,
-                        int capacity);
+                        int capacity, const kv_cache_format *format);
 void kv_cache_free(kv_cache *cache);   /* accepts a zeroed or half-built cache */
+/* Bytes allocated: codes, scales and zero points of K and V, and the window rows. */
 size_t kv_cache_nbytes(const kv_cache *cache);
-kv_status kv_cache_truncate(kv_cache *cache, int length);  /* roll back to `length` tokens */
-/* Appends n_tokens rows of given K and V, each (n_tokens, n_layers, n_kv_heads, head_dim):
- * filling a cache without a model, for tests, benchmarks and exercises. */
+/* Rolls back to `length` tokens. With a residual window only length 0 is possible: the
+ * full-precision rows of the positions before a cut are gone (KV_ERR_INVALID_ARG). */
+kv_status kv_cache_truncate(kv_cache *cache, int length);
+/* Appends n_tokens rows of given K and V, each (n_tokens, n_layers, n_kv_heads, head_dim),
+ * quantized as the cache stores them: filling a cache without a model, for tests,
+ * benchmarks and exercises. */
 kv_status kv_cache_append(kv_cache *cache, int n_tokens, const float *keys, const float *values);
+/* The K and V that the most recent token's attention read, as float32
+ * (n_layers, length, n_kv_heads, head_dim): dequantized codes, with the window's rows
+ * in full precision. */
+kv_status kv_cache_read(const kv_cache *cache, float *keys, float *values);
 /* Does this cache fit this model's layer count and KV head shape? */
 kv_status kv_cache_check_fits(const kv_cache *cache, const kv_config *config);
+
+/* Attention in one layer of n_heads query heads, q (n_heads * head_dim), over every cached
+ * position, into out (n_heads * head_dim), as the last cached token's query would attend;
+ * the cache is not changed. This is a decode step's attention on its own, for benchmarks
+ * and for checking by hand. */
+kv_status kv_cache_attend(const kv_cache *cache, int layer, const float *q, int n_heads,
+                          float *out);
 
 /* ---- paged KV cache --------------------------------------------------------------- */
 
@@ -108,21 +170,26 @@ typedef struct {
 } kv_seq;
 
 /* A pool of fixed-size blocks shared by many sequences (vLLM's PagedAttention idea).
- * Block b holds block_size rows of K and of V for every layer, stored layer by layer:
- *   data: (n_layers, 2 (K, V), num_blocks, block_size, n_kv_heads, head_dim)
+ * Block b holds block_size rows of K and of V for every layer, in two kv_stores whose
+ * slots b * block_size .. b * block_size + block_size - 1 are that block's rows:
+ *   key, value: (n_layers, num_blocks, block_size, n_kv_heads, head_dim) in their formats
  * Why layer-major: attention reads one layer's K (then V) of a sequence's blocks, so
  * blocks that are neighbours in the pool (as they are when handed out in order) are
  * neighbours in memory and stream like a contiguous cache; a block-major layout would
  * interleave other layers' rows and make every block a separate short read. Copy-on-write
  * therefore copies 2 x n_layers runs of rows. Python shows the same memory block-first,
- * (num_blocks, n_layers, 2, block_size, n_kv_heads, head_dim), as a strided view.
+ * (num_blocks, n_layers, block_size, n_kv_heads, head_dim), as strided views.
  * A block with ref_count 0 is either free (on the free stack) or cached: a full block
  * kept for prefix reuse, findable by hash, evicted least-recently-used first. */
 typedef struct {
     int num_blocks, block_size;
     int n_layers, n_kv_heads, head_dim;
     int max_seqs, max_blocks_per_seq;
-    float *data;            /* (n_layers, 2, num_blocks, block_size, n_kv_heads, head_dim) */
+    kv_store key, value;    /* (n_layers, num_blocks * block_size slots, kv_dim) each */
+    int window;             /* residual window (0: none) */
+    float *window_key;      /* (max_seqs, n_layers, window, kv_dim): each sequence's rows of
+                               its last window positions, position p in row p % window */
+    float *window_value;
     int32_t *ref_count;     /* (num_blocks,) block-table entries pointing at each block */
     int32_t *fill;          /* (num_blocks,) rows written (a block is full at block_size) */
     int32_t *tokens;        /* (num_blocks, block_size) token id of every written row */
@@ -153,10 +220,13 @@ typedef struct {
     int64_t prefix_hits, prefix_misses;
 } kv_pool_stats;
 
+/* format may be NULL (fp32, no window). */
 kv_status kv_pool_init(kv_pool *pool, int n_layers, int n_kv_heads, int head_dim,
-                       int num_blocks, int block_size, int max_seqs, int max_blocks_per_seq);
+                       int num_blocks, int block_size, int max_seqs, int max_blocks_per_seq,
+                       const kv_cache_format *format);
 void kv_pool_free(kv_pool *pool);          /* accepts a zeroed or half-built pool */
-size_t kv_pool_nbytes(const kv_pool *pool);  /* bytes of K/V storage */
+/* Bytes of K/V storage: codes, scales, zero points and every sequence's window rows. */
+size_t kv_pool_nbytes(const kv_pool *pool);
 kv_status kv_pool_check_fits(const kv_pool *pool, const kv_config *config);
 
 kv_status kv_pool_seq_new(kv_pool *pool, int *seq);
@@ -164,14 +234,17 @@ kv_status kv_pool_seq_free(kv_pool *pool, int seq);
 /* A child that shares every block of seq (ref counts go up, nothing is copied). */
 kv_status kv_pool_seq_fork(kv_pool *pool, int seq, int *child);
 /* For an empty sequence: attach the cached full blocks that hold the longest prefix of
- * tokens[0 .. max_tokens) and set its length; *n_reused = tokens covered. */
+ * tokens[0 .. max_tokens) and set its length; *n_reused = tokens covered. A pool with a
+ * residual window reuses nothing: the window's full-precision rows belong to a sequence,
+ * not to the shared blocks, so a new sequence could not get them back. */
 kv_status kv_pool_reuse_prefix(kv_pool *pool, int seq, const int32_t *tokens, int max_tokens,
                                int *n_reused);
 /* Appends n_tokens rows of given K and V, each (n_tokens, n_layers, n_kv_heads, head_dim):
  * the pool's bookkeeping without a model, for tests and exercises. */
 kv_status kv_pool_append(kv_pool *pool, int seq, const int32_t *tokens, int n_tokens,
                          const float *keys, const float *values);
-/* Copies a sequence's K and V into (n_layers, length, n_kv_heads, head_dim) buffers. */
+/* Copies a sequence's K and V, as its most recent token's attention read them, into
+ * float32 (n_layers, length, n_kv_heads, head_dim) buffers (see kv_cache_read). */
 kv_status kv_pool_gather(const kv_pool *pool, int seq, float *keys, float *values);
 kv_status kv_pool_stats_get(const kv_pool *pool, kv_pool_stats *stats);
 /* Verifies every invariant; on failure writes what broke into message. */

@@ -19,6 +19,7 @@
 #include "common.h"
 #include "ops.h"
 #include "paged.h"
+#include "store.h"
 
 const char *kv_strerror(kv_status status) {
     switch (status) {
@@ -84,9 +85,10 @@ typedef struct {
     float *hb2;       /* (n_tokens, hidden_dim) up */
     float *rope_cos;  /* (n_tokens, head_dim / 2) */
     float *rope_sin;  /* (n_tokens, head_dim / 2) */
-    float *scores;    /* (n_threads, kv_mul, positions) attention weights of one KV head's
-                         group of query heads, one row per thread */
+    float *scores;    /* (n_threads, attention scratch): one KV head's group of query heads'
+                         attention weights, and rows to dequantize K and V into */
     size_t score_stride;
+    int max_positions; /* positions the last new token sees */
     int n_threads;    /* threads of this call's attention loops: one scores row each */
     float *block;     /* the single allocation all of the above point into */
     kv_layer_view *views;  /* (n_layers,) where each layer's K and V live */
@@ -106,7 +108,8 @@ static kv_status run_state_alloc(run_state *s, const kv_config *c, int n_tokens,
                                  int max_positions) {
     size_t T = (size_t)n_tokens, q_dim = (size_t)c->n_heads * c->head_dim;
     size_t kv_dim = (size_t)c->n_kv_heads * c->head_dim, half = (size_t)c->head_dim / 2;
-    s->score_stride = (size_t)(c->n_heads / c->n_kv_heads) * round_up16((size_t)max_positions);
+    s->score_stride = kv_attention_scratch(c->n_heads, c->n_kv_heads, c->head_dim, max_positions);
+    s->max_positions = max_positions;
     s->n_threads = kv_threads();
     size_t sizes[] = {T * c->dim, T * c->dim, T * q_dim, T * kv_dim, T * kv_dim, T * q_dim,
                       T * c->dim, T * c->hidden_dim, T * c->hidden_dim, T * half, T * half,
@@ -158,13 +161,22 @@ static void project(run_state *s, int64_t *flops, float *out, const float *x, co
     s->count.weight_bytes += (int64_t)in_dim * out_dim * (int64_t)sizeof(float);
 }
 
-/* Attention's reads and arithmetic: token t sees start_pos + t + 1 positions. */
-static void count_attention(run_state *s, const kv_config *c, int start_pos, int n_tokens) {
+/* Attention's reads and arithmetic: token t sees start_pos + t + 1 positions, the most
+ * recent `window` of them in float32 and the rest as stored (codes, scales and zero
+ * points); each new row is written as stored, and the last window of them in float32. */
+static void count_attention(run_state *s, const kv_config *c, const kv_layer_view *view,
+                            int start_pos, int n_tokens) {
     int64_t seen = (int64_t)n_tokens * start_pos + (int64_t)n_tokens * (n_tokens + 1) / 2;
-    int64_t row_bytes = (int64_t)c->n_kv_heads * c->head_dim * (int64_t)sizeof(float);
+    int64_t full_row = (int64_t)c->n_kv_heads * c->head_dim * (int64_t)sizeof(float);
+    int64_t stored_row = (int64_t)(kv_store_row_nbytes(view->key) + kv_store_row_nbytes(view->value));
+    int64_t in_window = 0;   /* positions read in float32 */
+    for (int t = 0; t < n_tokens && view->window > 0; t++)
+        in_window += start_pos + t + 1 < view->window ? start_pos + t + 1 : view->window;
     s->count.flops_attention += 4 * seen * c->n_heads * c->head_dim;  /* q.k, then p*v */
-    s->count.kv_read_bytes += 2 * seen * row_bytes;          /* K and V, once per KV head */
-    s->count.kv_write_bytes += 2 * (int64_t)n_tokens * row_bytes;
+    s->count.kv_read_bytes += (seen - in_window) * stored_row + in_window * 2 * full_row;
+    s->count.kv_write_bytes += (int64_t)n_tokens * stored_row;
+    if (view->window > 0)
+        s->count.kv_write_bytes += 2 * full_row * (n_tokens < view->window ? n_tokens : view->window);
 }
 
 static void attention_block(const kv_model *m, run_state *s, int layer, int start_pos,
@@ -186,14 +198,18 @@ static void attention_block(const kv_model *m, run_state *s, int layer, int star
         kv_rope(s->q + t * q_dim, c->n_heads, c->head_dim, cos_t, sin_t, c->rope_interleaved);
         kv_rope(s->k + t * kv_dim, c->n_kv_heads, c->head_dim, cos_t, sin_t,
                 c->rope_interleaved);
-        /* This is the moment a token's K and V are computed: once, and kept. */
-        size_t slot = kv_view_offset(view, start_pos + t, (int)kv_dim);
-        memcpy(view->key + slot, s->k + t * kv_dim, kv_dim * sizeof(float));
-        memcpy(view->value + slot, s->v + t * kv_dim, kv_dim * sizeof(float));
+        /* This is the moment a token's K and V are computed: once, and kept (quantized
+         * here if the cache stores fewer bits). */
+        size_t slot = kv_view_slot(view, start_pos + t);
+        kv_store_write(view->key, layer, slot, s->k + t * kv_dim);
+        kv_store_write(view->value, layer, slot, s->v + t * kv_dim);
     }
     kv_attention(s->att_out, s->q, view, n_tokens, start_pos, c->n_heads, c->n_kv_heads,
-                 c->head_dim, s->scores, s->score_stride, s->n_threads);
-    count_attention(s, c, start_pos, n_tokens);
+                 c->head_dim, s->scores, s->score_stride, s->max_positions, s->n_threads);
+    /* the residual window: the newest rows also stay in full precision */
+    kv_window_keep(view->window_key, view->window, (int)kv_dim, start_pos, s->k, kv_dim, n_tokens);
+    kv_window_keep(view->window_value, view->window, (int)kv_dim, start_pos, s->v, kv_dim, n_tokens);
+    count_attention(s, c, view, start_pos, n_tokens);
     project(s, flops, s->proj, s->att_out, w->wo + layer * dim * q_dim, n_tokens, (int)q_dim,
             c->dim);
     add_rows(s->x, s->proj, (size_t)n_tokens * dim);
@@ -225,6 +241,10 @@ static void forward_tokens(const kv_model *model, run_state *s, int start_pos,
     fill_rope_tables(s, model, start_pos, n_tokens);
 
     for (int layer = 0; layer < c->n_layers; layer++) {
+        /* this call's new rows, read in full precision inside the residual window */
+        s->views[layer].new_key = s->k;
+        s->views[layer].new_value = s->v;
+        s->views[layer].new_start = start_pos;
         attention_block(model, s, layer, start_pos, n_tokens);
         mlp_block(model, s, layer, n_tokens);
     }
@@ -266,7 +286,6 @@ kv_status kv_check_tokens(const kv_config *config, const int32_t *tokens, int n_
 
 kv_status kv_model_forward(const kv_model *model, kv_cache *cache, const int32_t *tokens,
                            int n_tokens, float *logits, int all_logits, kv_counters *counters) {
-    static const int32_t single_block = 0;  /* the contiguous cache is one big block */
     kv_status status = KV_OK;
     run_state s = {0};
     KV_CHECK(model != NULL && cache != NULL && logits != NULL, KV_ERR_INVALID_ARG);
@@ -279,11 +298,8 @@ kv_status kv_model_forward(const kv_model *model, kv_cache *cache, const int32_t
     KV_CHECK(n_tokens <= cache->capacity - cache->length, KV_ERR_CACHE_FULL);
     int start_pos = cache->length;
     KV_TRY(run_state_alloc(&s, c, n_tokens, start_pos + n_tokens));
-    size_t layer_floats = (size_t)cache->capacity * c->n_kv_heads * c->head_dim;
     for (int layer = 0; layer < c->n_layers; layer++)
-        s.views[layer] = (kv_layer_view){cache->key + layer * layer_floats,
-                                         cache->value + layer * layer_floats,
-                                         &single_block, cache->capacity, 0};
+        s.views[layer] = kv_cache_layer_view(cache, layer);
     forward_tokens(model, &s, start_pos, tokens, n_tokens, logits, all_logits);
     cache->length = start_pos + n_tokens;
     kv_counters_add(counters, &s.count);
@@ -327,7 +343,7 @@ kv_status kv_model_forward_uncached(const kv_model *model, const int32_t *tokens
     KV_CHECK(model != NULL && n_tokens > 0, KV_ERR_INVALID_ARG);
     KV_TRY(kv_model_check(model));
     const kv_config *c = &model->config;
-    KV_TRY(kv_cache_init(&scratch, c->n_layers, c->n_kv_heads, c->head_dim, n_tokens));
+    KV_TRY(kv_cache_init(&scratch, c->n_layers, c->n_kv_heads, c->head_dim, n_tokens, NULL));
     KV_TRY(kv_model_forward(model, &scratch, tokens, n_tokens, logits, all_logits, &count));
     /* the K and V this call rebuilt from scratch are working memory too */
     count.scratch_bytes += (int64_t)kv_cache_nbytes(&scratch);

@@ -20,16 +20,20 @@
 
 #include "common.h"
 #include "paged.h"
+#include "store.h"
 
 #define ROOT_HASH 0x6b766c6162ULL  /* the "parent hash" of a sequence's first block */
 
 static size_t row_floats(const kv_pool *p) { return (size_t)p->n_kv_heads * p->head_dim; }
 
-/* floats of one block's K (or V) in one layer */
-static size_t block_floats(const kv_pool *p) { return (size_t)p->block_size * row_floats(p); }
+/* one sequence's ring of full-precision rows for one layer (the residual window) */
+static float *window_rows(float *rows, const kv_pool *p, int seq, int layer) {
+    return rows + ((size_t)seq * p->n_layers + layer) * p->window * row_floats(p);
+}
 
-/* floats of all blocks' K (or V) in one layer */
-static size_t layer_floats(const kv_pool *p) { return (size_t)p->num_blocks * block_floats(p); }
+static size_t window_floats_per_seq(const kv_pool *p) {
+    return (size_t)p->n_layers * p->window * row_floats(p);
+}
 
 static int blocks_for(const kv_pool *p, int length) {
     return (length + p->block_size - 1) / p->block_size;
@@ -38,9 +42,12 @@ static int blocks_for(const kv_pool *p, int length) {
 /* ---- setup --------------------------------------------------------------------------- */
 
 kv_status kv_pool_init(kv_pool *pool, int n_layers, int n_kv_heads, int head_dim,
-                       int num_blocks, int block_size, int max_seqs, int max_blocks_per_seq) {
+                       int num_blocks, int block_size, int max_seqs, int max_blocks_per_seq,
+                       const kv_cache_format *format) {
+    static const kv_cache_format fp32_format = {KV_FMT_F32, KV_FMT_F32, 0, 0, 0};
     kv_status status = KV_OK;
     memset(pool, 0, sizeof *pool);
+    if (format == NULL) format = &fp32_format;
     KV_CHECK(n_layers > 0 && n_kv_heads > 0 && head_dim > 0 && num_blocks > 0 &&
              block_size >= 1 && block_size <= 256 && max_seqs > 0 && max_blocks_per_seq > 0,
              KV_ERR_INVALID_ARG);
@@ -56,13 +63,24 @@ kv_status kv_pool_init(kv_pool *pool, int n_layers, int n_kv_heads, int head_dim
     pool->hash_mask = ~(uint64_t)0;
     KV_CHECK(n_layers <= KV_MAX_LAYERS && (long)n_kv_heads * head_dim <= KV_MAX_WIDTH,
              KV_ERR_INVALID_ARG);
-    size_t floats = 2 * (size_t)n_layers * block_floats(pool);   /* per block, all layers */
-    KV_CHECK(floats <= (((size_t)1 << 40) / sizeof(float)) / (size_t)num_blocks, KV_ERR_NOMEM);
+    KV_CHECK(format->window >= 0 && format->window <= (1 << 20), KV_ERR_INVALID_ARG);
+    size_t slots = (size_t)num_blocks * block_size;
+    KV_TRY(kv_store_init(&pool->key, format->key_format, format->key_group, n_layers, slots,
+                         n_kv_heads, head_dim));
+    KV_TRY(kv_store_init(&pool->value, format->value_format, format->value_group, n_layers,
+                         slots, n_kv_heads, head_dim));
+    pool->window = format->window;
+    if (pool->window > 0) {
+        size_t floats = (size_t)max_seqs * window_floats_per_seq(pool);
+        KV_CHECK(floats <= ((size_t)1 << 38), KV_ERR_NOMEM);
+        pool->window_key = calloc(floats, sizeof(float));
+        pool->window_value = calloc(floats, sizeof(float));
+        KV_CHECK(pool->window_key != NULL && pool->window_value != NULL, KV_ERR_NOMEM);
+    }
 
     size_t n = (size_t)num_blocks;
     pool->n_buckets = 1;
     while (pool->n_buckets < num_blocks) pool->n_buckets *= 2;
-    pool->data = calloc(floats * n, sizeof(float));  /* zero pages are touched lazily */
     pool->ref_count = calloc(n, sizeof(int32_t));
     pool->fill = calloc(n, sizeof(int32_t));
     pool->tokens = calloc(n * block_size, sizeof(int32_t));
@@ -78,7 +96,7 @@ kv_status kv_pool_init(kv_pool *pool, int n_layers, int n_kv_heads, int head_dim
     pool->lru_next = malloc(n * sizeof(int32_t));
     pool->seqs = calloc((size_t)max_seqs, sizeof(kv_seq));
     pool->tables = calloc((size_t)max_seqs * max_blocks_per_seq, sizeof(int32_t));
-    KV_CHECK(pool->data && pool->ref_count && pool->fill && pool->tokens && pool->free_stack &&
+    KV_CHECK(pool->ref_count && pool->fill && pool->tokens && pool->free_stack &&
              pool->hash && pool->parent && pool->generation && pool->parent_generation &&
              pool->registered && pool->bucket_head && pool->bucket_next && pool->lru_prev &&
              pool->lru_next && pool->seqs && pool->tables, KV_ERR_NOMEM);
@@ -101,7 +119,9 @@ fail:
 
 void kv_pool_free(kv_pool *pool) {
     if (pool == NULL) return;
-    void *buffers[] = {pool->data, pool->ref_count, pool->fill, pool->tokens, pool->free_stack,
+    kv_store_free(&pool->key);
+    kv_store_free(&pool->value);
+    void *buffers[] = {pool->window_key, pool->window_value, pool->ref_count, pool->fill, pool->tokens, pool->free_stack,
                        pool->hash, pool->parent, pool->generation, pool->parent_generation,
                        pool->registered, pool->bucket_head, pool->bucket_next, pool->lru_prev,
                        pool->lru_next, pool->seqs, pool->tables};
@@ -110,11 +130,12 @@ void kv_pool_free(kv_pool *pool) {
 }
 
 size_t kv_pool_nbytes(const kv_pool *pool) {
-    return 2 * (size_t)pool->n_layers * layer_floats(pool) * sizeof(float);
+    size_t window_bytes = 2 * (size_t)pool->max_seqs * window_floats_per_seq(pool) * sizeof(float);
+    return kv_store_nbytes(&pool->key) + kv_store_nbytes(&pool->value) + window_bytes;
 }
 
 kv_status kv_pool_check_fits(const kv_pool *pool, const kv_config *config) {
-    if (pool->data == NULL || pool->n_layers != config->n_layers ||
+    if (pool->key.codes == NULL || pool->n_layers != config->n_layers ||
         pool->n_kv_heads != config->n_kv_heads || pool->head_dim != config->head_dim)
         return KV_ERR_CACHE_MISMATCH;
     return KV_OK;
@@ -278,6 +299,13 @@ kv_status kv_pool_seq_fork(kv_pool *pool, int seq, int *child) {
     }
     copy->n_blocks = parent->n_blocks;
     copy->length = parent->length;
+    if (pool->window > 0) {   /* the window's rows are the sequence's own: the child copies them */
+        size_t floats = window_floats_per_seq(pool);
+        memcpy(window_rows(pool->window_key, pool, *child, 0),
+               window_rows(pool->window_key, pool, seq, 0), floats * sizeof(float));
+        memcpy(window_rows(pool->window_value, pool, *child, 0),
+               window_rows(pool->window_value, pool, seq, 0), floats * sizeof(float));
+    }
     return KV_OK;
 }
 
@@ -288,7 +316,7 @@ kv_status kv_pool_reuse_prefix(kv_pool *pool, int seq, const int32_t *tokens, in
     kv_seq *q = &pool->seqs[seq];
     if (q->length != 0 || max_tokens < 0 || (tokens == NULL && max_tokens > 0))
         return KV_ERR_INVALID_ARG;
-    int n_full = max_tokens / pool->block_size;
+    int n_full = pool->window > 0 ? 0 : max_tokens / pool->block_size;
     if (n_full > pool->max_blocks_per_seq) n_full = pool->max_blocks_per_seq;
     int32_t parent = -1;
     for (int i = 0; i < n_full; i++) {
@@ -325,10 +353,11 @@ kv_status kv_pool_reserve(kv_pool *pool, int seq, int n_tokens) {
         /* copy-on-write: this sequence is about to write row partial_rows of a block that
          * another sequence also reads; it gets its own copy and leaves the original alone */
         int32_t copy = take_block(pool);
-        for (int run = 0; run < 2 * pool->n_layers; run++) {   /* K and V of every layer */
-            float *base = pool->data + (size_t)run * layer_floats(pool);
-            memcpy(base + (size_t)copy * block_floats(pool), base + (size_t)last * block_floats(pool),
-                   (size_t)partial_rows * row_floats(pool) * sizeof(float));
+        for (int layer = 0; layer < pool->n_layers; layer++) {   /* K and V of every layer */
+            kv_store_copy(&pool->key, layer, (size_t)copy * bs, (size_t)last * bs,
+                          (size_t)partial_rows);
+            kv_store_copy(&pool->value, layer, (size_t)copy * bs, (size_t)last * bs,
+                          (size_t)partial_rows);
         }
         memcpy(pool->tokens + (size_t)copy * bs, pool->tokens + (size_t)last * bs,
                (size_t)partial_rows * sizeof(int32_t));
@@ -341,9 +370,14 @@ kv_status kv_pool_reserve(kv_pool *pool, int seq, int n_tokens) {
 }
 
 kv_layer_view kv_pool_layer_view(const kv_pool *pool, int seq, int layer) {
-    float *key = pool->data + (size_t)layer * 2 * layer_floats(pool);
-    return (kv_layer_view){key, key + layer_floats(pool), pool->seqs[seq].block_table,
-                           pool->block_size, block_floats(pool)};
+    kv_layer_view view = {&pool->key, &pool->value, layer, pool->seqs[seq].block_table,
+                          pool->block_size, pool->window, NULL, NULL, NULL, NULL,
+                          pool->seqs[seq].length};
+    if (pool->window > 0) {
+        view.window_key = window_rows(pool->window_key, pool, seq, layer);
+        view.window_value = window_rows(pool->window_value, pool, seq, layer);
+    }
+    return view;
 }
 
 void kv_pool_commit(kv_pool *pool, int seq, const int32_t *tokens, int n_tokens) {
@@ -369,16 +403,20 @@ kv_status kv_pool_append(kv_pool *pool, int seq, const int32_t *tokens, int n_to
         return KV_ERR_INVALID_ARG;
     status = kv_pool_reserve(pool, seq, n_tokens);
     if (status != KV_OK) return status;
-    size_t row = row_floats(pool);
+    size_t row = row_floats(pool), token_stride = (size_t)pool->n_layers * row;
     int start = pool->seqs[seq].length;
     for (int layer = 0; layer < pool->n_layers; layer++) {
         kv_layer_view view = kv_pool_layer_view(pool, seq, layer);
         for (int t = 0; t < n_tokens; t++) {
-            size_t slot = kv_view_offset(&view, start + t, (int)row);
+            size_t slot = kv_view_slot(&view, start + t);
             size_t src = ((size_t)t * pool->n_layers + layer) * row;
-            memcpy(view.key + slot, keys + src, row * sizeof(float));
-            memcpy(view.value + slot, values + src, row * sizeof(float));
+            kv_store_write(&pool->key, layer, slot, keys + src);
+            kv_store_write(&pool->value, layer, slot, values + src);
         }
+        kv_window_keep(view.window_key, pool->window, (int)row, start, keys + layer * row,
+                       token_stride, n_tokens);
+        kv_window_keep(view.window_value, pool->window, (int)row, start, values + layer * row,
+                       token_stride, n_tokens);
     }
     kv_pool_commit(pool, seq, tokens, n_tokens);
     return KV_OK;
@@ -392,10 +430,16 @@ kv_status kv_pool_gather(const kv_pool *pool, int seq, float *keys, float *value
     for (int layer = 0; layer < pool->n_layers; layer++) {
         kv_layer_view view = kv_pool_layer_view(pool, seq, layer);
         for (int pos = 0; pos < q->length; pos++) {
-            size_t slot = kv_view_offset(&view, pos, (int)row);
             size_t dst = ((size_t)layer * q->length + pos) * row;
-            memcpy(keys + dst, view.key + slot, row * sizeof(float));
-            memcpy(values + dst, view.value + slot, row * sizeof(float));
+            if (pool->window > 0 && pos >= q->length - pool->window) {   /* full precision */
+                memcpy(keys + dst, kv_window_row(view.window_key, pool->window, (int)row, pos),
+                       row * sizeof(float));
+                memcpy(values + dst, kv_window_row(view.window_value, pool->window, (int)row, pos),
+                       row * sizeof(float));
+            } else {
+                kv_store_read(&pool->key, layer, kv_view_slot(&view, pos), keys + dst);
+                kv_store_read(&pool->value, layer, kv_view_slot(&view, pos), values + dst);
+            }
         }
     }
     return KV_OK;

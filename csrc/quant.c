@@ -1,4 +1,4 @@
-/* quant.c: converting K and V rows to fewer bits and back (fp16, bf16, int8, int4).
+/* quant.c: converting K and V rows to fewer bits and back (fp16, bf16, int8, int4, fp8).
  *
  * Each function follows kvlab/quant.py step for step: float32 arithmetic in the same
  * order, rounding half to even (nearbyintf in the default rounding mode), so the codes
@@ -16,6 +16,12 @@ static uint32_t float_bits(float value) {
     uint32_t bits;
     memcpy(&bits, &value, sizeof bits);
     return bits;
+}
+
+static float bits_float(uint32_t bits) {
+    float value;
+    memcpy(&value, &bits, sizeof value);
+    return value;
 }
 
 /* ---- fp16: 1 sign, 5 exponent, 10 mantissa bits ---------------------------------------- */
@@ -61,11 +67,31 @@ uint16_t kv_f32_to_bf16(float value) {
     return (uint16_t)((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);
 }
 
-float kv_bf16_to_f32(uint16_t bits) {
-    uint32_t wide = (uint32_t)bits << 16;
-    float value;
-    memcpy(&value, &wide, sizeof value);
-    return value;
+float kv_bf16_to_f32(uint16_t bits) { return bits_float((uint32_t)bits << 16); }
+
+/* Rows of float formats. Decoding puts the code's exponent and mantissa bits where a
+ * float32 keeps them and multiplies by a power of two that fixes the exponent bias: exact
+ * for normal and subnormal codes alike, and a loop gcc turns into vector instructions. */
+void kv_quantize_f16(uint16_t *codes, const float *x, size_t n) {
+    for (size_t i = 0; i < n; i++) codes[i] = kv_f32_to_f16(x[i]);
+}
+
+void kv_dequantize_f16(float *x, const uint16_t *codes, size_t n) {
+    const float rebias = 0x1p112f;    /* 2^(127 - 15) */
+    for (size_t i = 0; i < n; i++) {
+        uint32_t magnitude = (uint32_t)(codes[i] & 0x7FFF) << 13;
+        float value = bits_float(magnitude) * rebias;
+        if ((codes[i] & 0x7C00) == 0x7C00) value = bits_float(magnitude | 0x7F800000);  /* inf, NaN */
+        x[i] = bits_float(float_bits(value) | ((uint32_t)(codes[i] & 0x8000) << 16));
+    }
+}
+
+void kv_quantize_bf16(uint16_t *codes, const float *x, size_t n) {
+    for (size_t i = 0; i < n; i++) codes[i] = kv_f32_to_bf16(x[i]);
+}
+
+void kv_dequantize_bf16(float *x, const uint16_t *codes, size_t n) {
+    for (size_t i = 0; i < n; i++) x[i] = bits_float((uint32_t)codes[i] << 16);
 }
 
 /* ---- int8: symmetric, one scale per group ---------------------------------------------------- */
@@ -86,7 +112,10 @@ void kv_quantize_i8(int8_t *codes, float *scales, const float *x, size_t n, int 
 }
 
 void kv_dequantize_i8(float *x, const int8_t *codes, const float *scales, size_t n, int group) {
-    for (size_t i = 0; i < n; i++) x[i] = (float)codes[i] * scales[i / (size_t)group];
+    for (size_t g = 0; g < n / (size_t)group; g++) {
+        float scale = scales[g];
+        for (int i = 0; i < group; i++) x[g * group + i] = (float)codes[g * group + i] * scale;
+    }
 }
 
 /* ---- int4: asymmetric (a zero point per group), two codes per byte ------------------------------- */
@@ -114,9 +143,62 @@ void kv_quantize_i4(uint8_t *codes, float *scales, float *zeros, const float *x,
 
 void kv_dequantize_i4(float *x, const uint8_t *codes, const float *scales, const float *zeros,
                       size_t n, int group) {
-    for (size_t i = 0; i < n; i++) {
-        uint8_t byte = codes[i / 2];
-        float code = (float)((i % 2) ? byte >> 4 : byte & 0x0F);
-        x[i] = code * scales[i / (size_t)group] + zeros[i / (size_t)group];
+    for (size_t g = 0; g < n / (size_t)group; g++) {
+        float scale = scales[g], zero = zeros[g];
+        const uint8_t *packed = codes + g * group / 2;
+        float *out = x + g * group;
+        for (int i = 0; i < group / 2; i++) {
+            out[2 * i] = (float)(packed[i] & 0x0F) * scale + zero;
+            out[2 * i + 1] = (float)(packed[i] >> 4) * scale + zero;
+        }
+    }
+}
+
+/* ---- fp8 e4m3: 1 sign, 4 exponent (bias 7), 3 mantissa bits, a scale per group -------------------- */
+
+uint8_t kv_f32_to_e4m3(float value) {
+    uint8_t sign = (uint8_t)((float_bits(value) >> 24) & 0x80);
+    if (isnan(value)) return sign | 0x7F;
+    /* e4m3 has no infinity: anything beyond the largest value, 448, saturates to it */
+    float magnitude = fminf(fabsf(value), 448.0f);
+    if (magnitude < 0.015625f) {
+        /* below the smallest normal (2^-6) codes are multiples of 2^-9; 8 * 2^-9 rounds up
+         * into the first normal code, which is 8 too */
+        return sign | (uint8_t)nearbyintf(magnitude * 512.0f);
+    }
+    /* normal: drop 20 mantissa bits with ties to even, then re-bias the exponent */
+    uint32_t bits = float_bits(magnitude);
+    uint32_t rounded = bits + 0x7FFFF + ((bits >> 20) & 1);
+    return sign | (uint8_t)((rounded >> 20) - ((127 - 7) << 3));
+}
+
+float kv_e4m3_to_f32(uint8_t bits) {
+    float value = bits_float((uint32_t)(bits & 0x7F) << 20) * 0x1p120f;   /* 2^(127 - 7) */
+    if ((bits & 0x7F) == 0x7F) value = NAN;
+    return (bits & 0x80) ? -value : value;
+}
+
+void kv_quantize_fp8(uint8_t *codes, float *scales, const float *x, size_t n, int group) {
+    for (size_t g = 0; g < n / (size_t)group; g++) {
+        const float *v = x + g * group;
+        float largest = 0.0f;
+        for (int i = 0; i < group; i++) largest = fmaxf(largest, fabsf(v[i]));
+        float scale = largest / 448.0f;
+        scales[g] = scale;
+        float divisor = scale > 0.0f ? scale : 1.0f;
+        for (int i = 0; i < group; i++) codes[g * group + i] = kv_f32_to_e4m3(v[i] / divisor);
+    }
+}
+
+void kv_dequantize_fp8(float *x, const uint8_t *codes, const float *scales, size_t n, int group) {
+    for (size_t g = 0; g < n / (size_t)group; g++) {
+        float scale = scales[g];
+        for (int i = 0; i < group; i++) {
+            uint8_t code = codes[g * group + i];
+            float value = bits_float((uint32_t)(code & 0x7F) << 20) * 0x1p120f;
+            if ((code & 0x7F) == 0x7F) value = NAN;
+            value = bits_float(float_bits(value) | ((uint32_t)(code & 0x80) << 24));
+            x[g * group + i] = value * scale;
+        }
     }
 }

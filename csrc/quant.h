@@ -1,8 +1,8 @@
-/* quant.h: cache element formats, one row at a time (internal to the core).
+/* quant.h: cache element formats, a row of values at a time (internal to the core).
  *
  * The formats are defined by kvlab/quant.py (the NumPy reference); these functions
- * produce the same codes bit for bit. They do not know about caches yet: the quantized
- * caches will call them when K and V are written and read.
+ * produce the same codes bit for bit, and decode them to the same float32 values.
+ * store.c uses them to write K and V into a cache and to read them back in attention.
  */
 #ifndef KVLAB_QUANT_H
 #define KVLAB_QUANT_H
@@ -10,24 +10,36 @@
 #include <stddef.h>
 #include <stdint.h>
 
-typedef enum { KV_FMT_F32, KV_FMT_F16, KV_FMT_BF16, KV_FMT_I8, KV_FMT_I4 } kv_format;
+#include "kvlab.h"
 
 uint16_t kv_f32_to_f16(float value);
 float kv_f16_to_f32(uint16_t bits);
 uint16_t kv_f32_to_bf16(float value);
 float kv_bf16_to_f32(uint16_t bits);
+/* fp8 e4m3 ("E4M3FN"): saturates to +-448, the largest finite value; NaN stays NaN */
+uint8_t kv_f32_to_e4m3(float value);
+float kv_e4m3_to_f32(uint8_t bits);
 
-/* n values in groups of `group` (group divides n): one scale per group,
- * code = rint(x / scale) in -127..127, scale = max|x| / 127 */
+/* n values, n a multiple of group: float formats, rounding to nearest even */
+void kv_quantize_f16(uint16_t *codes, const float *x, size_t n);
+void kv_dequantize_f16(float *x, const uint16_t *codes, size_t n);
+void kv_quantize_bf16(uint16_t *codes, const float *x, size_t n);
+void kv_dequantize_bf16(float *x, const uint16_t *codes, size_t n);
+
+/* int8, symmetric: scale = max|x| / 127 per group, code = rint(x / scale) in -127..127 */
 void kv_quantize_i8(int8_t *codes, float *scales, const float *x, size_t n, int group);
 void kv_dequantize_i8(float *x, const int8_t *codes, const float *scales, size_t n, int group);
 
-/* n values (n even) in groups of `group` (even, divides n): zero = group min,
- * scale = (max - min) / 15, code = rint((x - zero) / scale) in 0..15, two per byte with
- * the even-indexed value in the low nibble */
+/* int4, asymmetric (group even): zero = group min, scale = (max - min) / 15,
+ * code = rint((x - zero) / scale) in 0..15, two per byte, the even-indexed value in the
+ * low nibble */
 void kv_quantize_i4(uint8_t *codes, float *scales, float *zeros, const float *x, size_t n,
                     int group);
 void kv_dequantize_i4(float *x, const uint8_t *codes, const float *scales, const float *zeros,
                       size_t n, int group);
+
+/* fp8 e4m3 with a scale per group: scale = max|x| / 448, code = e4m3(x / scale) */
+void kv_quantize_fp8(uint8_t *codes, float *scales, const float *x, size_t n, int group);
+void kv_dequantize_fp8(float *x, const uint8_t *codes, const float *scales, size_t n, int group);
 
 #endif /* KVLAB_QUANT_H */

@@ -2,6 +2,10 @@
 
     bytes per token = 2 (K and V) x n_layers x n_kv_heads x head_dim x bytes per element
 
+For the quantized formats (int8, int4, fp8) "bytes per element" includes each value's
+share of its group's scale (and zero point): int8 with one scale per 128 values costs
+1 + 4/128 bytes per value. A residual window adds its float32 rows once per sequence.
+
 Also the FLOPs and bytes one forward call moves (`forward_counts`), summed over a whole
 generation (`generation_counts`), and the activation scratch a call needs
 (`scratch_bytes`). These are derived from the shapes alone; the C core counts the same
@@ -15,7 +19,10 @@ from __future__ import annotations
 
 import dataclasses
 
+from typing import Optional
+
 from .config import ModelConfig
+from .quant import CacheFormat
 
 BYTES_PER_ELEMENT = {"fp32": 4, "fp16": 2, "bf16": 2}
 FLOAT = 4   # the C core computes in fp32
@@ -28,17 +35,34 @@ def _element_bytes(dtype: str) -> int:
         raise ValueError(f"unknown dtype {dtype!r}; known: {sorted(BYTES_PER_ELEMENT)}") from None
 
 
-def kv_bytes_per_token(config: ModelConfig, dtype: str = "fp16") -> int:
-    """Bytes one token adds to the cache, over all layers, K and V."""
-    return 2 * config.n_layers * config.n_kv_heads * config.head_dim * _element_bytes(dtype)
+def cache_format(config: ModelConfig, dtype: str = "fp16", *, key_dtype: Optional[str] = None,
+                 value_dtype: Optional[str] = None, group: Optional[int] = None,
+                 key_group: Optional[int] = None, value_group: Optional[int] = None,
+                 window: int = 0) -> CacheFormat:
+    """The CacheFormat these arguments describe for this model's heads (checked)."""
+    return CacheFormat.make(config.head_dim, dtype, key=key_dtype, value=value_dtype, group=group,
+                            key_group=key_group, value_group=value_group, window=window)
 
 
-def kv_cache_bytes(config: ModelConfig, seq_len: int, batch: int = 1, dtype: str = "fp16") -> int:
-    """Bytes of K and V for `batch` requests of `seq_len` tokens each."""
+def kv_bytes_per_token(config: ModelConfig, dtype: str = "fp16", **format_options) -> int:
+    """Bytes one token adds to the cache, over all layers, K and V (scales and zero points
+    included). format_options: key_dtype, value_dtype, group, key_group, value_group."""
+    fmt = cache_format(config, dtype, **format_options)
+    return config.n_layers * fmt.row_bytes(config.n_kv_heads, config.head_dim)
+
+
+def kv_cache_bytes(config: ModelConfig, seq_len: int, batch: int = 1, dtype: str = "fp16",
+                   **format_options) -> int:
+    """Bytes of K and V for `batch` requests of `seq_len` tokens each: exactly what
+    model.new_cache(seq_len, dtype, ...) allocates per request. format_options: key_dtype,
+    value_dtype, group, key_group, value_group, window."""
     for name, value in (("seq_len", seq_len), ("batch", batch)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
-    return kv_bytes_per_token(config, dtype) * seq_len * batch
+    fmt = cache_format(config, dtype, **format_options)
+    per_request = (config.n_layers * fmt.row_bytes(config.n_kv_heads, config.head_dim) * seq_len
+                   + fmt.window_bytes(config.n_layers, config.n_kv_heads, config.head_dim))
+    return per_request * batch
 
 
 def weights_bytes(config: ModelConfig, dtype: str = "fp16") -> int:
@@ -79,15 +103,20 @@ class Counts:
 
 
 def forward_counts(config: ModelConfig, n_tokens: int, start_pos: int = 0,
-                   all_logits: bool = False) -> Counts:
+                   all_logits: bool = False, cache: Optional[CacheFormat] = None) -> Counts:
     """What one forward call of n_tokens new tokens at positions start_pos.. does
-    (scratch_bytes aside: see scratch_bytes())."""
+    (scratch_bytes aside: see scratch_bytes()), on a cache stored as `cache` (default
+    fp32): attention reads each position as stored, except the residual window's in
+    float32, and writes each new row as stored plus the window's float32 copy."""
     c, T = config, n_tokens
+    cache = cache or CacheFormat()
     per_layer_proj = c.dim * c.q_dim + 2 * c.dim * c.kv_dim + c.q_dim * c.dim
     per_layer_mlp = 3 * c.dim * c.hidden_dim
     n_out = T if all_logits else 1
     seen = T * start_pos + T * (T + 1) // 2          # positions seen, summed over the tokens
-    kv_row = c.kv_dim * FLOAT
+    full_row = 2 * c.kv_dim * FLOAT                  # K and V of one position, float32
+    stored_row = cache.row_bytes(c.n_kv_heads, c.head_dim)
+    in_window = sum(min(cache.window, start_pos + t + 1) for t in range(T)) if cache.window else 0
     weights = (c.n_layers * (per_layer_proj + per_layer_mlp + 2 * c.dim)   # matrices + norms
                + c.dim + c.vocab_size * c.dim + T * c.dim) * FLOAT          # final norm, classifier, embedding rows
     return Counts(
@@ -96,8 +125,8 @@ def forward_counts(config: ModelConfig, n_tokens: int, start_pos: int = 0,
         flops_mlp=2 * T * c.n_layers * per_layer_mlp,
         flops_logits=2 * n_out * c.dim * c.vocab_size,
         weight_bytes=weights,
-        kv_read_bytes=2 * seen * c.n_layers * kv_row,
-        kv_write_bytes=2 * T * c.n_layers * kv_row,
+        kv_read_bytes=c.n_layers * ((seen - in_window) * stored_row + in_window * full_row),
+        kv_write_bytes=c.n_layers * (T * stored_row + min(T, cache.window) * full_row),
         tokens=T, calls=1)
 
 
@@ -108,13 +137,15 @@ def _round16(n: int) -> int:
 def scratch_bytes(config: ModelConfig, n_tokens: int, start_pos: int = 0, n_threads: int = 1,
                   cached: bool = True) -> int:
     """Activation scratch one forward call allocates (csrc/model.c, run_state): a few
-    (n_tokens, width) buffers plus one row of attention scores per thread; without a cache
+    (n_tokens, width) buffers plus, per thread, a row of attention scores and two head rows
+    to dequantize K and V into; without a cache
     the whole sequence's K and V are rebuilt as scratch too."""
     c, T = config, n_tokens
     positions = start_pos + T
     buffers = [T * c.dim, T * c.dim, T * c.q_dim, T * c.kv_dim, T * c.kv_dim, T * c.q_dim,
                T * c.dim, T * c.hidden_dim, T * c.hidden_dim, T * c.head_dim // 2,
-               T * c.head_dim // 2, n_threads * c.kv_mul * _round16(positions)]
+               T * c.head_dim // 2,
+               n_threads * (c.kv_mul * _round16(positions) + 2 * _round16(c.head_dim))]
     total = sum(_round16(n) for n in buffers) * FLOAT
     if not cached:
         total += 2 * c.n_layers * T * c.kv_dim * FLOAT

@@ -17,13 +17,13 @@ from ._core import core
 from .config import ModelConfig
 from .errors import TokenizerError
 from .measure import Counts
+from .quant import CacheFormat
 from .paged import PagedPool, PagedSequence
 from .tokenizer import Tokenizer
 from .weights import Weights
 
 KVCache = core.KVCache
 
-CACHE_DTYPES = ("fp32",)
 SCRATCH = core.COUNTERS.index("scratch_bytes")
 
 TokenArray = Union[Sequence[int], np.ndarray]
@@ -121,24 +121,39 @@ class Model:
         return logits
 
     # ---- caches ----------------------------------------------------------------------
-    def new_cache(self, max_seq_len: Optional[int] = None, dtype: str = "fp32") -> KVCache:
+    def cache_format(self, dtype: str = "fp32", *, key_dtype: Optional[str] = None,
+                     value_dtype: Optional[str] = None, group: Optional[int] = None,
+                     key_group: Optional[int] = None, value_group: Optional[int] = None,
+                     window: int = 0) -> CacheFormat:
+        """The CacheFormat these arguments describe for this model's heads: dtype is one of
+        fp32, fp16, bf16, int8, int4, fp8 for both K and V, key_dtype/value_dtype override
+        it; group is the values per scale (default: one scale per head for int8 and fp8,
+        32 values for int4); window keeps the most recent positions in float32."""
+        return CacheFormat.make(self.config.head_dim, dtype, key=key_dtype, value=value_dtype,
+                                group=group, key_group=key_group, value_group=value_group,
+                                window=window)
+
+    def new_cache(self, max_seq_len: Optional[int] = None, dtype: str = "fp32",
+                  **format_options) -> KVCache:
         """A contiguous KV cache for one sequence, holding up to max_seq_len positions
-        (default: the model's context length). Its memory is reserved now, in full."""
-        if dtype not in CACHE_DTYPES:
-            raise ValueError(f"unknown cache dtype {dtype!r}; this build supports {CACHE_DTYPES}")
+        (default: the model's context length). Its memory is reserved now, in full.
+        dtype and format_options (key_dtype, value_dtype, group, key_group, value_group,
+        window) choose how K and V are stored: see cache_format()."""
+        fmt = self.cache_format(dtype, **format_options)
         capacity = self.config.max_seq_len if max_seq_len is None else max_seq_len
         if isinstance(capacity, bool) or not isinstance(capacity, (int, np.integer)) or capacity < 1:
             raise ValueError(f"max_seq_len must be a positive integer, got {max_seq_len!r}")
         c = self.config
-        return KVCache(c.n_layers, c.n_kv_heads, c.head_dim, int(capacity))
+        return KVCache(c.n_layers, c.n_kv_heads, c.head_dim, int(capacity), **fmt.core_arguments())
 
     def new_paged_pool(self, num_blocks: int, block_size: int = 16, dtype: str = "fp32",
-                       max_seqs: int = 256, max_blocks_per_seq: Optional[int] = None) -> PagedPool:
+                       max_seqs: int = 256, max_blocks_per_seq: Optional[int] = None,
+                       **format_options) -> PagedPool:
         """A paged KV cache: num_blocks blocks of block_size positions, shared by up to
         max_seqs sequences, each at most max_blocks_per_seq blocks long (default: enough
-        for the model's context). Make sequences with pool.new_sequence()."""
-        if dtype not in CACHE_DTYPES:
-            raise ValueError(f"unknown cache dtype {dtype!r}; this build supports {CACHE_DTYPES}")
+        for the model's context). Make sequences with pool.new_sequence(). dtype and
+        format_options choose how K and V are stored, as for new_cache()."""
+        fmt = self.cache_format(dtype, **format_options)
         for name, value in (("num_blocks", num_blocks), ("block_size", block_size),
                             ("max_seqs", max_seqs)):
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
@@ -147,7 +162,7 @@ class Model:
             max_blocks_per_seq = -(-self.config.max_seq_len // block_size)
         c = self.config
         return PagedPool(c.n_layers, c.n_kv_heads, c.head_dim, int(num_blocks), int(block_size),
-                         int(max_seqs), int(max_blocks_per_seq))
+                         int(max_seqs), int(max_blocks_per_seq), **fmt.core_arguments())
 
     # ---- running ---------------------------------------------------------------------
     def prefill(self, tokens: TokenArray, cache: Cache, all_logits: bool = False) -> np.ndarray:

@@ -8,6 +8,9 @@ It is not used for generation speed; see kvlab.model for that.
     cache = ReferenceCache(config, max_seq_len=64)
     logits = forward(config, weights, tokens, cache)      # cached: appends K, V
     logits = forward(config, weights, tokens)             # uncached: from position 0
+
+A cache may store K and V in fewer bits (kvlab.quant): then attention reads what the
+codes stand for, except the residual window's rows, which it reads as computed.
 """
 from __future__ import annotations
 
@@ -15,6 +18,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from . import quant
 from .config import ModelConfig
 from .weights import Weights
 
@@ -59,14 +63,40 @@ def silu(x: np.ndarray) -> np.ndarray:
 
 
 class ReferenceCache:
-    """K and V for every layer, (n_layers, max_seq_len, n_kv_heads, head_dim), like the C cache."""
+    """K and V for every layer, (n_layers, max_seq_len, n_kv_heads, head_dim), like the C
+    cache. `key`/`value` hold them as computed; `stored_key`/`stored_value` hold what a
+    cache of the given format keeps: the values its codes stand for."""
 
-    def __init__(self, config: ModelConfig, max_seq_len: Optional[int] = None):
+    def __init__(self, config: ModelConfig, max_seq_len: Optional[int] = None,
+                 cache_format: Optional[quant.CacheFormat] = None):
         capacity = max_seq_len or config.max_seq_len
         shape = (config.n_layers, capacity, config.n_kv_heads, config.head_dim)
+        self.format = cache_format or quant.CacheFormat()
         self.key = np.zeros(shape, dtype=np.float32)
         self.value = np.zeros(shape, dtype=np.float32)
+        self.stored_key = np.zeros(shape, dtype=np.float32)
+        self.stored_value = np.zeros(shape, dtype=np.float32)
         self.length = 0
+
+    def write(self, layer: int, start: int, k: np.ndarray, v: np.ndarray) -> None:
+        """Keep new rows k, v (n, n_kv_heads, head_dim) at positions start.."""
+        f = self.format
+        self.key[layer, start:start + len(k)] = k
+        self.value[layer, start:start + len(v)] = v
+        self.stored_key[layer, start:start + len(k)] = quant.dequantize(
+            quant.quantize(k, f.key, f.key_group or None))
+        self.stored_value[layer, start:start + len(v)] = quant.dequantize(
+            quant.quantize(v, f.value, f.value_group or None))
+
+    def visible(self, layer: int, position: int) -> tuple:
+        """The keys and values a query at `position` reads: positions 0..position, the
+        most recent `window` of them as computed, the rest as stored."""
+        first_exact = max(0, position + 1 - self.format.window)
+        keys = np.concatenate([self.stored_key[layer, :first_exact],
+                               self.key[layer, first_exact:position + 1]])
+        values = np.concatenate([self.stored_value[layer, :first_exact],
+                                 self.value[layer, first_exact:position + 1]])
+        return keys, values
 
     @property
     def keys(self) -> np.ndarray:
@@ -127,10 +157,13 @@ def forward(config: ModelConfig, weights: Weights, tokens: Sequence[int],
         v = (h @ w.wv[layer].T).reshape(n, KVH, hd)
         q = rope(q, positions, inv_freq, config.rope_interleaved)
         k = rope(k, positions, inv_freq, config.rope_interleaved)
-        cache.key[layer, start:start + n] = k                     # computed once, kept
-        cache.value[layer, start:start + n] = v
-        seen = slice(0, start + n)
-        out = attention(q, cache.key[layer, seen], cache.value[layer, seen], positions)
+        cache.write(layer, start, k, v)                            # computed once, kept
+        if cache.format == quant.CacheFormat():                    # fp32: all queries at once
+            seen = slice(0, start + n)
+            out = attention(q, cache.key[layer, seen], cache.value[layer, seen], positions)
+        else:   # each query reads its own mix of stored and exact rows (the window)
+            out = np.concatenate([attention(q[t:t + 1], *cache.visible(layer, int(p)), positions[t:t + 1])
+                                  for t, p in enumerate(positions)])
         x = x + out.reshape(n, H * hd) @ w.wo[layer].T
         # MLP sublayer (SwiGLU)
         h = rmsnorm(x, w.ffn_norm[layer], config.norm_eps)

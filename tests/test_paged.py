@@ -185,7 +185,8 @@ class AllocatorModel:
 def snapshot(pool, handles=()) -> dict:
     handles = list(handles) + list(pool.sequences())
     return {
-        "data": pool.data.copy(), "ref_counts": pool.ref_counts.copy(),
+        "key_codes": pool.key_codes.copy(), "value_codes": pool.value_codes.copy(),
+        "ref_counts": pool.ref_counts.copy(),
         "fill": pool.fill.copy(), "block_tokens": pool.block_tokens.copy(),
         "free_blocks": pool.free_blocks, "cached_blocks": pool.cached_blocks,
         "stats": pool.stats(), "sequences": sorted(s.id for s in pool.sequences()),
@@ -231,8 +232,9 @@ class PagedPoolMachine(RuleBasedStateMachine):
         self.bs, self.num_blocks = block_size, num_blocks
         self.max_bps = table_room or num_blocks
         assert self.pool.max_blocks_per_seq == self.max_bps
-        assert self.pool.data.shape == (num_blocks, self.N_LAYERS, 2, block_size, n_kv_heads,
-                                        self.HEAD_DIM)
+        assert self.pool.key_codes.shape == (num_blocks, self.N_LAYERS, block_size, n_kv_heads,
+                                             self.HEAD_DIM)
+        assert self.pool.value_codes.shape == self.pool.key_codes.shape
         self.rows = PrefixRows(self.N_LAYERS, n_kv_heads, self.HEAD_DIM)
         self.model = AllocatorModel(num_blocks, block_size, max_seqs, self.max_bps)
         self.live: dict = {}      # slot -> [handle, tokens]
@@ -295,9 +297,10 @@ class PagedPoolMachine(RuleBasedStateMachine):
                 self.pool.fork(handle)
             assert_unchanged(before, self.pool, self.handles())
             return None
-        data_before = self.pool.data.copy()
+        keys_before, values_before = self.pool.key_codes.copy(), self.pool.value_codes.copy()
         child = self.pool.fork(handle)
-        assert np.array_equal(self.pool.data, data_before), "fork copied K/V"
+        assert np.array_equal(self.pool.key_codes, keys_before), "fork copied K"
+        assert np.array_equal(self.pool.value_codes, values_before), "fork copied V"
         child_slot = self.model.fork(slot)
         assert child.id == child_slot and child.length == handle.length
         assert np.array_equal(child.block_table, handle.block_table)
@@ -432,12 +435,12 @@ class PagedPoolMachine(RuleBasedStateMachine):
         assert (stats.prefix_hits, stats.prefix_misses) == (model.hits, model.misses)
 
         # content: gather() and the documented layout both give the prefix-determined rows
-        data = pool.data
+        key_codes, value_codes = pool.key_codes, pool.value_codes
         for slot, (handle, tokens) in self.live.items():
             length = len(tokens)
             assert handle.length == length
             keys, values = pool.gather(handle)
-            assert keys.shape == values.shape == (self.N_LAYERS, length) + data.shape[4:]
+            assert keys.shape == values.shape == (self.N_LAYERS, length) + key_codes.shape[3:]
             if length == 0:
                 continue
             want_k, want_v = self.rows.rows(tokens, 0, length)
@@ -445,8 +448,8 @@ class PagedPoolMachine(RuleBasedStateMachine):
             assert np.array_equal(values, want_v.transpose(1, 0, 2, 3)), f"values of {slot}"
             pos = np.arange(length)
             blocks, rows = tables[slot][pos // bs], pos % bs
-            assert np.array_equal(data[blocks, :, 0, rows], want_k)
-            assert np.array_equal(data[blocks, :, 1, rows], want_v)
+            assert np.array_equal(key_codes[blocks, :, rows], want_k)
+            assert np.array_equal(value_codes[blocks, :, rows], want_v)
             assert block_tokens[blocks, rows].tolist() == tokens
 
 
@@ -589,13 +592,14 @@ def test_fork_then_diverge(block_size):
     model.prefill(prompt, parent)
     table = parent.block_table.copy()
     assert len(table) == 3
-    data_before = pool.data.copy()
+    data_before = {"K": pool.key_codes.copy(), "V": pool.value_codes.copy()}
 
     child = pool.fork(parent)
     assert np.array_equal(child.block_table, table) and child.length == parent.length
     assert pool.ref_counts[table].tolist() == [2, 2, 2]
     assert pool.stats().blocks_used == 3
-    assert np.array_equal(pool.data, data_before), "fork must copy nothing"
+    assert np.array_equal(pool.key_codes, data_before["K"]), "fork must copy nothing"
+    assert np.array_equal(pool.value_codes, data_before["V"]), "fork must copy nothing"
     pool.check()
 
     caches = {}
@@ -612,10 +616,11 @@ def test_fork_then_diverge(block_size):
     assert pool.ref_counts[table].tolist() == [2, 2, 1] and pool.ref_counts[copy] == 1
     assert pool.stats().blocks_used == 4
     rows = slice(0, partial)
-    assert np.array_equal(pool.data[copy][:, :, rows], data_before[table[2]][:, :, rows]), \
-        "the copy must hold the shared rows exactly"
-    assert np.array_equal(pool.data[table[2]], data_before[table[2]]), \
-        "the original partial block must be left alone"
+    for name, codes in (("K", pool.key_codes), ("V", pool.value_codes)):
+        assert np.array_equal(codes[copy][:, rows], data_before[name][table[2]][:, rows]), \
+            f"the copy must hold the shared {name} rows exactly"
+        assert np.array_equal(codes[table[2]], data_before[name][table[2]]), \
+            f"the original partial block's {name} must be left alone"
     pool.check()
 
     # the child now owns the original alone: it writes in place, no second copy
@@ -991,9 +996,9 @@ def test_bad_block_sizes(block_size):
 def test_block_size_bounds_and_other_sizes():
     for block_size in (1, 256):
         pool = kvlab.PagedPool(1, 1, 2, 2, block_size)
-        assert pool.block_size == block_size and pool.data.shape[3] == block_size
+        assert pool.block_size == block_size and pool.key_codes.shape[2] == block_size
         assert pool.max_seqs == 256 and pool.max_blocks_per_seq == 2
-        assert pool.nbytes == 2 * 1 * 2 * block_size * 1 * 2 * 4 == pool.data.nbytes
+        assert pool.nbytes == 2 * 1 * 2 * block_size * 1 * 2 * 4 == 2 * pool.key_codes.nbytes
     for args, kwargs in [((0, 1, 2, 4, 2), {}), ((1, 0, 2, 4, 2), {}), ((1, 1, 0, 4, 2), {}),
                          ((1, 1, 2, 0, 2), {}), ((1, 1, 2, 4, 2), {"max_seqs": 0}),
                          ((1, 1, 2, 4, 2), {"max_blocks_per_seq": -1}),
@@ -1001,7 +1006,7 @@ def test_block_size_bounds_and_other_sizes():
         with pytest.raises(ValueError):
             kvlab.PagedPool(*args, **kwargs)
     for kwargs in ({"num_blocks": 0}, {"num_blocks": 2.5}, {"max_seqs": 0},
-                   {"num_blocks": True}, {"num_blocks": 4, "dtype": "fp16"}):
+                   {"num_blocks": True}, {"num_blocks": 4, "dtype": "fp64"}):
         with pytest.raises(ValueError):
             make_model().new_paged_pool(**{"num_blocks": 4, **kwargs})
 
@@ -1084,7 +1089,7 @@ def test_bad_tokens_on_a_paged_sequence_change_nothing():
 def test_uninitialized_and_reinitialized_objects_raise_instead_of_crashing():
     empty = kvlab.PagedPool.__new__(kvlab.PagedPool)
     for action in (empty.new_sequence, empty.stats, empty.check, empty.sequences,
-                   lambda: empty.data, lambda: empty.ref_counts, empty.render, lambda: repr(empty)):
+                   lambda: empty.key_codes, lambda: empty.ref_counts, empty.render, lambda: repr(empty)):
         with pytest.raises(RuntimeError, match="not initialized"):
             action()
     assert empty.free_blocks == [] and empty.cached_blocks == [] and empty.nbytes == 0
@@ -1207,20 +1212,20 @@ def base_chain_reaches(array, owner) -> bool:
 def test_views_are_read_only_zero_copy_and_keep_the_pool_alive():
     pool, rows = small_pool(num_blocks=6, block_size=2)
     seq = pool.new_sequence()
-    data = pool.data
-    assert data.dtype == np.float32 and data.shape == (6, 2, 2, 2, 1, 2)
+    data = pool.key_codes
+    assert data.dtype == np.float32 and data.shape == (6, 2, 2, 1, 2)
     assert not data.flags.writeable          # a strided view of the layer-major memory
-    assert np.shares_memory(data, pool.data) and base_chain_reaches(data, pool)
+    assert np.shares_memory(data, pool.key_codes) and base_chain_reaches(data, pool)
     with pytest.raises(ValueError):
-        data[0, 0, 0, 0, 0, 0] = 1.0
+        data[0, 0, 0, 0, 0] = 1.0
     with pytest.raises(ValueError):
         data.flags.writeable = True
     append(pool, rows, seq, [1, 2, 3])
     keys, values = rows.rows([1, 2, 3], 0, 3)
     table = seq.block_table
     # the view taken before the append sees the rows written after it: zero-copy
-    assert np.array_equal(data[table[1], :, 0, 0], keys[2])
-    assert np.array_equal(data[table[1], :, 1, 0], values[2])
+    assert np.array_equal(data[table[1], :, 0], keys[2])
+    assert np.array_equal(pool.value_codes[table[1], :, 0], values[2])
     assert table.dtype == np.int32 and not table.flags.writeable
     assert np.shares_memory(table, seq.block_table) and base_chain_reaches(table, pool)
     with pytest.raises(ValueError):

@@ -1,7 +1,8 @@
 /* test_core.c: tests of kvlab's C core on its own, without Python.
  *
- * Ops against naive loops, the contiguous cache, the paged pool's bookkeeping, and a
- * tiny random model whose cached, uncached and paged runs must agree bit for bit.
+ * Ops against naive loops, the contiguous cache, the paged pool's bookkeeping, every
+ * cache element format's round trip, and a tiny random model whose cached, uncached and
+ * paged runs must agree bit for bit (and, in quantized caches, prefill with decode).
  * Built by the Makefile beside this file and run plainly and under valgrind (CI). Each
  * CHECK that fails prints where; the last line is "N passed, N failed".
  */
@@ -12,6 +13,7 @@
 
 #include "kvlab.h"
 #include "ops.h"
+#include "store.h"
 
 static int passed, failed;
 
@@ -113,7 +115,8 @@ static void free_model(test_model *tm) {
     for (int i = 0; i < 13; i++) free(tm->buffers[i]);
 }
 
-static void test_model_paths_agree(int n_heads, int n_kv_heads, int head_dim) {
+static void test_model_paths_agree(int n_heads, int n_kv_heads, int head_dim,
+                                   const kv_cache_format *format) {
     test_model tm;
     make_model(&tm, n_heads, n_kv_heads, head_dim);
     const kv_model *m = &tm.model;
@@ -122,28 +125,33 @@ static void test_model_paths_agree(int n_heads, int n_kv_heads, int head_dim) {
     for (int i = 0; i < 20; i++) tokens[i] = (int32_t)(i * 7 % V);
     CHECK(kv_model_check(m) == KV_OK);
 
-    kv_cache cache;
-    CHECK(kv_cache_init(&cache, m->config.n_layers, n_kv_heads, head_dim, 20) == KV_OK);
+    kv_cache cache, stepped;   /* stepped: the same tokens one decode step at a time */
+    CHECK(kv_cache_init(&cache, m->config.n_layers, n_kv_heads, head_dim, 20, format) == KV_OK);
+    CHECK(kv_cache_init(&stepped, m->config.n_layers, n_kv_heads, head_dim, 20, format) == KV_OK);
     kv_pool pool;
-    CHECK(kv_pool_init(&pool, m->config.n_layers, n_kv_heads, head_dim, 16, 3, 4, 16) == KV_OK);
+    CHECK(kv_pool_init(&pool, m->config.n_layers, n_kv_heads, head_dim, 16, 3, 4, 16, format) == KV_OK);
     int seq;
     CHECK(kv_pool_seq_new(&pool, &seq) == KV_OK);
 
     float *cached = malloc(sizeof(float) * V), *paged = malloc(sizeof(float) * V);
-    float *uncached = malloc(sizeof(float) * V);
+    float *uncached = malloc(sizeof(float) * V), *step = malloc(sizeof(float) * V);
     kv_counters counters = {0};
     CHECK(kv_model_forward(m, &cache, tokens, 8, cached, 0, &counters) == KV_OK);
     CHECK(kv_model_forward_paged(m, &pool, seq, tokens, 8, paged, 0, NULL) == KV_OK);
+    for (int i = 0; i < 8; i++)
+        CHECK(kv_model_forward(m, &stepped, tokens + i, 1, step, 0, NULL) == KV_OK);
     CHECK(counters.tokens == 8 && counters.calls == 1 && counters.flops_mlp > 0);
-    int all_equal = 1;
+    int all_equal = memcmp(cached, step, sizeof(float) * V) == 0, uncached_equal = 1;
     for (int i = 8; i < 20; i++) {
         CHECK(kv_model_forward(m, &cache, tokens + i, 1, cached, 0, NULL) == KV_OK);
         CHECK(kv_model_forward_paged(m, &pool, seq, tokens + i, 1, paged, 0, NULL) == KV_OK);
         CHECK(kv_model_forward_uncached(m, tokens, i + 1, uncached, 0, NULL) == KV_OK);
-        all_equal &= memcmp(cached, uncached, sizeof(float) * V) == 0;
+        uncached_equal &= memcmp(cached, uncached, sizeof(float) * V) == 0;
         all_equal &= memcmp(cached, paged, sizeof(float) * V) == 0;
     }
     CHECK(all_equal);
+    /* the no-cache path computes in fp32, so only an fp32 cache matches it exactly */
+    if (format == NULL) CHECK(uncached_equal);
     char message[256];
     CHECK(kv_pool_check(&pool, message, sizeof message) == KV_OK);
 
@@ -153,10 +161,48 @@ static void test_model_paths_agree(int n_heads, int n_kv_heads, int head_dim) {
     CHECK(kv_model_forward(m, &cache, tokens, 1, cached, 0, NULL) == KV_ERR_CACHE_FULL);
     CHECK(cache.length == 20);
 
-    free(cached); free(paged); free(uncached);
+    free(cached); free(paged); free(uncached); free(step);
     kv_cache_free(&cache);
+    kv_cache_free(&stepped);
     kv_pool_free(&pool);
     free_model(&tm);
+}
+
+/* ---- element formats ------------------------------------------------------------------------ */
+
+static void test_store_formats(void) {
+    /* group sizes: defaults, and the ones refused */
+    CHECK(kv_store_group(KV_FMT_I8, 0, 64) == 64 && kv_store_group(KV_FMT_I4, 0, 64) == 32);
+    CHECK(kv_store_group(KV_FMT_I4, 0, 16) == 16 && kv_store_group(KV_FMT_F16, 0, 16) == 0);
+    CHECK(kv_store_group(KV_FMT_I8, 5, 16) == -1 && kv_store_group(KV_FMT_I4, 1, 16) == -1);
+    CHECK(kv_store_group(KV_FMT_F16, 8, 16) == -1 && kv_store_group((kv_format)99, 0, 16) == -1);
+    kv_store refused;
+    CHECK(kv_store_init(&refused, KV_FMT_I8, 3, 1, 4, 2, 16) == KV_ERR_INVALID_ARG);
+
+    /* each format reads back within its precision: relative to the row's largest value */
+    const kv_format formats[] = {KV_FMT_F32, KV_FMT_F16, KV_FMT_BF16, KV_FMT_I8, KV_FMT_I4, KV_FMT_FP8};
+    const float tolerance[] = {0.0f, 1e-3f, 8e-3f, 8e-3f, 0.14f, 0.07f};
+    const size_t nbytes[] = {2 * 32 * 4, 2 * 32 * 2, 2 * 32 * 2, 2 * (32 + 2 * 4),
+                             2 * (16 + 2 * 8), 2 * (32 + 2 * 4)};   /* 2 rows, 2 heads of 16 */
+    for (int f = 0; f < 6; f++) {
+        kv_store store;
+        CHECK(kv_store_init(&store, formats[f], 0, 1, 2, 2, 16) == KV_OK);
+        CHECK(kv_store_nbytes(&store) == nbytes[f]);
+        float *row = random_floats(32, 3.0f), back[32], again[32], head[16];
+        kv_store_write(&store, 0, 1, row);
+        kv_store_read(&store, 0, 1, back);
+        int close = 1;
+        for (int i = 0; i < 32; i++) close &= fabsf(back[i] - row[i]) <= tolerance[f] * 3.0f;
+        CHECK(close);
+        /* one head alone decodes to the same values as the whole row */
+        const float *second = kv_store_head(&store, 0, 1, 1, 16, head);
+        CHECK(memcmp(second, back + 16, sizeof head) == 0);
+        kv_store_copy(&store, 0, 0, 1, 1);   /* row 1 to row 0: codes, scales, zeros */
+        kv_store_read(&store, 0, 0, again);
+        CHECK(memcmp(back, again, sizeof back) == 0);
+        free(row);
+        kv_store_free(&store);
+    }
 }
 
 /* ---- the paged pool's bookkeeping ---------------------------------------------------------- */
@@ -171,9 +217,9 @@ static void append_rows(kv_pool *pool, int seq, const int32_t *tokens, int n, kv
 static void test_pool(void) {
     kv_pool pool, refused;
     char message[256];
-    CHECK(kv_pool_init(&refused, 2, 1, 4, 6, 0, 4, 3) == KV_ERR_INVALID_ARG);  /* block size 0 */
-    CHECK(kv_pool_init(&refused, 2, 1, 4, 6, 257, 4, 3) == KV_ERR_INVALID_ARG);
-    CHECK(kv_pool_init(&pool, 2, 1, 4, 6, 4, 4, 3) == KV_OK);
+    CHECK(kv_pool_init(&refused, 2, 1, 4, 6, 0, 4, 3, NULL) == KV_ERR_INVALID_ARG);  /* block size 0 */
+    CHECK(kv_pool_init(&refused, 2, 1, 4, 6, 257, 4, 3, NULL) == KV_ERR_INVALID_ARG);
+    CHECK(kv_pool_init(&pool, 2, 1, 4, 6, 4, 4, 3, NULL) == KV_OK);
     int a, b, c;
     int32_t tokens[12] = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12};
     int32_t other[12] = {21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32};
@@ -212,13 +258,14 @@ static void test_pool(void) {
 
 static void test_cache(void) {
     kv_cache cache;
-    CHECK(kv_cache_init(&cache, 2, 2, 4, 0) == KV_ERR_INVALID_ARG);
-    CHECK(kv_cache_init(&cache, 2, 2, 4, 5) == KV_OK);
+    CHECK(kv_cache_init(&cache, 2, 2, 4, 0, NULL) == KV_ERR_INVALID_ARG);
+    CHECK(kv_cache_init(&cache, 2, 2, 4, 5, NULL) == KV_OK);
     CHECK(kv_cache_nbytes(&cache) == 2 * 2 * 5 * 2 * 4 * sizeof(float));
     float *rows = random_floats(3 * 2 * 2 * 4, 1.0f);
     CHECK(kv_cache_append(&cache, 3, rows, rows) == KV_OK);
     CHECK(kv_cache_append(&cache, 3, rows, rows) == KV_ERR_CACHE_FULL && cache.length == 3);
-    CHECK(cache.key[(1 * 5 + 2) * 8 + 5] == rows[(2 * 2 + 1) * 8 + 5]);  /* layer 1, pos 2 */
+    const float *keys = (const float *)cache.key.codes;
+    CHECK(keys[(1 * 5 + 2) * 8 + 5] == rows[(2 * 2 + 1) * 8 + 5]);  /* layer 1, pos 2 */
     CHECK(kv_cache_truncate(&cache, 1) == KV_OK && cache.length == 1);
     CHECK(kv_cache_truncate(&cache, 2) == KV_ERR_INVALID_ARG);
     free(rows);
@@ -230,9 +277,16 @@ int main(void) {
     test_ops();
     test_cache();
     test_pool();
-    test_model_paths_agree(4, 4, 6);   /* MHA */
-    test_model_paths_agree(6, 2, 8);   /* GQA */
-    test_model_paths_agree(4, 1, 10);  /* MQA */
+    test_store_formats();
+    test_model_paths_agree(4, 4, 6, NULL);   /* MHA */
+    test_model_paths_agree(6, 2, 8, NULL);   /* GQA */
+    test_model_paths_agree(4, 1, 10, NULL);  /* MQA */
+    const kv_cache_format int8 = {KV_FMT_I8, KV_FMT_I8, 0, 0, 0};
+    const kv_cache_format mixed = {KV_FMT_I4, KV_FMT_FP8, 4, 2, 3};   /* with a window of 3 */
+    const kv_cache_format halves = {KV_FMT_F16, KV_FMT_BF16, 0, 0, 5};
+    test_model_paths_agree(6, 2, 8, &int8);
+    test_model_paths_agree(6, 2, 8, &mixed);
+    test_model_paths_agree(4, 1, 10, &halves);
     printf("%d passed, %d failed\n", passed, failed);
     return failed ? 1 : 0;
 }

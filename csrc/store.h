@@ -1,0 +1,53 @@
+/* store.h: writing K or V rows into a kv_store and reading them back (internal).
+ *
+ * A kv_store (kvlab.h) is where one kind of tensor lives in a cache: codes, plus scales
+ * and zero points for the integer and fp8 formats. Writing a row quantizes it (the
+ * moment a token's K and V are computed); reading dequantizes it, one head at a time, on
+ * the fly inside attention, so no full-precision copy of a quantized cache ever exists.
+ */
+#ifndef KVLAB_STORE_H
+#define KVLAB_STORE_H
+
+#include <stddef.h>
+
+#include "kvlab.h"
+
+/* The group size a format uses in a head of head_dim values (0 picks the default), or -1
+ * if the group does not suit it: it must divide head_dim (and be even for int4). */
+int kv_store_group(kv_format format, int group, int head_dim);
+
+/* Allocates zeroed storage for n_layers x slots rows of n_kv_heads * head_dim values. */
+kv_status kv_store_init(kv_store *store, kv_format format, int group, int n_layers,
+                        size_t slots, int n_kv_heads, int head_dim);
+void kv_store_free(kv_store *store);   /* accepts a zeroed or half-built store */
+size_t kv_store_nbytes(const kv_store *store);
+/* Bytes one row takes: codes, scales and zero points. */
+size_t kv_store_row_nbytes(const kv_store *store);
+
+/* Quantizes one row of kv_dim float32 values into (layer, slot). */
+void kv_store_write(const kv_store *store, int layer, size_t slot, const float *row);
+
+/* Dequantizes the row at (layer, slot) into kv_dim floats. */
+void kv_store_read(const kv_store *store, int layer, size_t slot, float *row);
+
+/* One head of the row at (layer, slot) as float32: a pointer into the store itself for
+ * fp32, else the head dequantized into buffer (head_dim floats). */
+const float *kv_store_head(const kv_store *store, int layer, size_t slot, int head,
+                           int head_dim, float *buffer);
+
+/* Copies n_rows rows (codes, scales, zero points) from slot src to slot dst of a layer. */
+void kv_store_copy(const kv_store *store, int layer, size_t dst, size_t src, size_t n_rows);
+
+/* The residual window keeps full-precision rows of a sequence's last `window` positions
+ * in a ring of `window` rows per layer: position pos lives in row pos % window. */
+static inline float *kv_window_row(float *ring, int window, int kv_dim, int pos) {
+    return ring + (size_t)(pos % window) * (size_t)kv_dim;
+}
+
+/* Keeps the last `window` of n_tokens new rows (row t is position first_pos + t, found
+ * at rows + t * row_stride) in the ring: the older rows of a call are never read at full
+ * precision again, so only the last window of them are copied. */
+void kv_window_keep(float *ring, int window, int kv_dim, int first_pos, const float *rows,
+                    size_t row_stride, int n_tokens);
+
+#endif /* KVLAB_STORE_H */
