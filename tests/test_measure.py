@@ -38,6 +38,34 @@ def test_real_caches_allocate_what_the_formula_says():
     assert pool.nbytes == kv_cache_bytes(config, 160, dtype="fp32")
 
 
+@pytest.mark.parametrize("options", [
+    {"dtype": "fp16"}, {"dtype": "bf16"}, {"dtype": "int8"}, {"dtype": "int8", "group": 4},
+    {"dtype": "int4"}, {"dtype": "int4", "group": 8, "window": 32}, {"dtype": "fp8"},
+    {"key_dtype": "int8", "value_dtype": "int4", "window": 5}])
+def test_quantized_caches_allocate_what_the_formula_says(options):
+    # scales, zero points and the window's float32 rows are part of the formula
+    config = kvlab.ModelConfig.shakespeare_1m()
+    model = kvlab.Model(config, kvlab.Weights.random(config))
+    options = {"dtype": "fp32", **options}
+    assert model.new_cache(300, **options).nbytes == kv_cache_bytes(config, 300, **options)
+    assert (kv_cache_bytes(config, 300, 4, **options)
+            == 4 * kv_cache_bytes(config, 300, 1, **options))
+    pool = model.new_paged_pool(num_blocks=10, block_size=16, max_seqs=3, **options)
+    fmt = model.cache_format(**options)
+    window_rows = fmt.window_bytes(config.n_layers, config.n_kv_heads, config.head_dim)
+    assert pool.nbytes == kv_cache_bytes(config, 160, **{**options, "window": 0}) + 3 * window_rows
+
+
+def test_quantized_bytes_per_token_by_hand():
+    # Llama 2 7B (head_dim 128), int8 with one scale per token per head: 128 one-byte codes
+    # plus a 4-byte scale for each of 32 heads, K and V, 32 layers
+    llama = kvlab.ModelConfig.llama2_7b()
+    assert kv_bytes_per_token(llama, "int8") == 2 * 32 * 32 * (128 + 4)
+    assert kv_bytes_per_token(llama, "int4") == 2 * 32 * 32 * (64 + 4 * 8)   # groups of 32
+    assert kv_bytes_per_token(llama, "int4", group=128) == 2 * 32 * 32 * (64 + 8)
+    assert kv_bytes_per_token(llama, key_dtype="int8", value_dtype="fp16") == 32 * 32 * (132 + 256)
+
+
 def test_bad_arguments():
     config = kvlab.ModelConfig.stories260k()
     with pytest.raises(ValueError, match="dtype"):
@@ -96,6 +124,28 @@ def test_core_counters_equal_the_formulas_call_by_call(shape):
         counted = model.counters
         assert without_scratch(counted) == forward_counts(c, n, start, all_logits)
         assert counted.scratch_bytes == scratch_bytes(c, n, start, threads, cached)
+
+
+@pytest.mark.parametrize("options", [{"dtype": "int8"}, {"dtype": "int4", "window": 3},
+                                     {"key_dtype": "fp8", "value_dtype": "bf16", "window": 20}])
+def test_core_counts_the_bytes_a_quantized_cache_moves(options):
+    # reads: stored bytes (codes, scales, zeros) outside the window, float32 inside it;
+    # writes: each new row as stored, and the window's float32 copy
+    model = random_model(SHAPES[1])
+    fmt = model.cache_format(**options)
+    tokens = list(np.random.default_rng(1).integers(0, model.config.vocab_size, size=10))
+    cache = model.new_cache(20, **options)
+    seq = model.new_paged_pool(num_blocks=8, block_size=3, **options).new_sequence()
+    for target in (cache, seq):
+        for n, start in ((6, 0), (1, 6), (3, 7)):
+            model.reset_counters()
+            model.prefill(tokens[start:start + n], target)
+            assert without_scratch(model.counters) == forward_counts(model.config, n, start,
+                                                                     cache=fmt)
+    fp32 = forward_counts(model.config, 1, 9).kv_read_bytes
+    read = forward_counts(model.config, 1, 9, cache=fmt).kv_read_bytes
+    # a window as long as the sequence reads everything in float32: no saving at all
+    assert read == fp32 if fmt.window >= 10 else read < fp32
 
 
 @pytest.mark.parametrize("use_cache", [True, False])
