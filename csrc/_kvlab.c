@@ -125,35 +125,35 @@ static int code_type(kv_format format) {
 enum { STORE_CODES, STORE_SCALES, STORE_ZEROS };
 
 /* A read-only zero-copy view of one part of a store (codes, scales or zero points):
- * n_lead leading axes whose strides are counted in rows, then (n_kv_heads, per head).
+ * n_lead leading axes with strides counted in head rows (see kv_store: one head row is
+ * head_bytes of codes, or groups_per_head scales), then (n_kv_heads, per head).
  * None for scales or zero points a format does not have. */
-static PyObject *store_view(PyObject *owner, const kv_store *store, int part, int n_kv_heads,
-                            int head_dim, int n_lead, const npy_intp *lead_dims,
-                            const npy_intp *lead_row_strides) {
-    npy_intp dims[6], strides[6], row_bytes, item;
+static PyObject *store_view(PyObject *owner, const kv_store *store, int part, int n_lead,
+                            const npy_intp *lead_dims, const npy_intp *lead_strides) {
+    npy_intp dims[6], strides[6], head_row_bytes, item;
     void *data;
     int type;
     if (part == STORE_CODES) {
         type = code_type(store->format);
         item = store->format == KV_FMT_F32 ? 4 : store->format <= KV_FMT_BF16 ? 2 : 1;
-        row_bytes = (npy_intp)store->row_bytes;
-        dims[n_lead + 1] = store->format == KV_FMT_I4 ? head_dim / 2 : head_dim;
+        head_row_bytes = (npy_intp)store->head_bytes;
+        dims[n_lead + 1] = store->format == KV_FMT_I4 ? store->head_dim / 2 : store->head_dim;
         data = store->codes;
     } else {
         float *params = part == STORE_SCALES ? store->scales : store->zeros;
         if (params == NULL) Py_RETURN_NONE;
         type = NPY_FLOAT32;
         item = sizeof(float);
-        row_bytes = (npy_intp)store->groups_per_row * item;
-        dims[n_lead + 1] = head_dim / store->group;
+        head_row_bytes = (npy_intp)store->groups_per_head * item;
+        dims[n_lead + 1] = store->groups_per_head;
         data = params;
     }
     for (int i = 0; i < n_lead; i++) {
         dims[i] = lead_dims[i];
-        strides[i] = lead_row_strides[i] * row_bytes;
+        strides[i] = lead_strides[i] * head_row_bytes;
     }
-    dims[n_lead] = n_kv_heads;
-    strides[n_lead] = row_bytes / n_kv_heads;
+    dims[n_lead] = store->n_kv_heads;
+    strides[n_lead] = (npy_intp)store->slots * head_row_bytes;   /* the next KV head */
     strides[n_lead + 1] = item;
     return readonly_view(owner, data, type, n_lead + 2, dims, strides);
 }
@@ -259,9 +259,8 @@ static PyObject *cache_store_view(CacheObject *self, const kv_store *store, int 
     if (require_initialized(self) < 0) return NULL;
     const kv_cache *c = &self->cache;
     npy_intp lead_dims[2] = {c->n_layers, c->length};
-    npy_intp lead_strides[2] = {c->capacity, 1};
-    return store_view((PyObject *)self, store, part, c->n_kv_heads, c->head_dim, 2, lead_dims,
-                      lead_strides);
+    npy_intp lead_strides[2] = {(npy_intp)c->n_kv_heads * c->capacity, 1};  /* layer, position */
+    return store_view((PyObject *)self, store, part, 2, lead_dims, lead_strides);
 }
 
 /* keys and values as numbers: the stored floats themselves for fp32 and fp16 */
@@ -647,9 +646,10 @@ static PyObject *pool_get_part(PoolObject *self, void *closure) {
     int which = (int)(intptr_t)closure;
     const kv_pool *p = &self->pool;
     npy_intp lead_dims[3] = {p->num_blocks, p->n_layers, p->block_size};
-    npy_intp lead_strides[3] = {p->block_size, (npy_intp)p->num_blocks * p->block_size, 1};
-    return store_view((PyObject *)self, (which >> 2) ? &p->value : &p->key, which & 3,
-                      p->n_kv_heads, p->head_dim, 3, lead_dims, lead_strides);
+    npy_intp slots = (npy_intp)p->num_blocks * p->block_size;
+    npy_intp lead_strides[3] = {p->block_size, (npy_intp)p->n_kv_heads * slots, 1};
+    return store_view((PyObject *)self, (which >> 2) ? &p->value : &p->key, which & 3, 3,
+                      lead_dims, lead_strides);
 }
 
 static PyObject *pool_get_format(PoolObject *self, void *closure) {
@@ -1466,16 +1466,16 @@ static PyObject *py_quantize(PyObject *module, PyObject *args) {
     kv_store store;
     if (!PyArg_ParseTuple(args, "Os|i", &x_obj, &name, &group)) return NULL;
     if (store_rows(x_obj, name, group, &store) < 0) return NULL;
-    npy_intp rows = (npy_intp)store.slots;
-    npy_intp code_dims[2] = {rows, (npy_intp)store.row_bytes / (store.format == KV_FMT_F32 ? 4 :
+    npy_intp rows = (npy_intp)store.slots;   /* one KV head: head rows are whole rows */
+    npy_intp code_dims[2] = {rows, (npy_intp)store.head_bytes / (store.format == KV_FMT_F32 ? 4 :
                                    store.format <= KV_FMT_BF16 ? 2 : 1)};
-    npy_intp group_dims[2] = {rows, store.groups_per_row};
+    npy_intp group_dims[2] = {rows, store.groups_per_head};
     PyObject *codes = PyArray_SimpleNew(2, code_dims, code_type(store.format));
     PyObject *scales = store.scales ? PyArray_SimpleNew(2, group_dims, NPY_FLOAT32) : Py_NewRef(Py_None);
     PyObject *zeros = store.zeros ? PyArray_SimpleNew(2, group_dims, NPY_FLOAT32) : Py_NewRef(Py_None);
     if (codes != NULL && scales != NULL && zeros != NULL) {
-        memcpy(PyArray_DATA((PyArrayObject *)codes), store.codes, (size_t)rows * store.row_bytes);
-        size_t param_bytes = (size_t)rows * store.groups_per_row * sizeof(float);
+        memcpy(PyArray_DATA((PyArrayObject *)codes), store.codes, (size_t)rows * store.head_bytes);
+        size_t param_bytes = (size_t)rows * store.groups_per_head * sizeof(float);
         if (store.scales) memcpy(PyArray_DATA((PyArrayObject *)scales), store.scales, param_bytes);
         if (store.zeros) memcpy(PyArray_DATA((PyArrayObject *)zeros), store.zeros, param_bytes);
         result = PyTuple_Pack(3, codes, scales, zeros);
@@ -1499,7 +1499,7 @@ static PyObject *py_round_trip(PyObject *module, PyObject *args) {
     PyObject *out = PyArray_SimpleNew(2, PyArray_DIMS((PyArrayObject *)x_obj), NPY_FLOAT32);
     if (out != NULL)
         for (size_t r = 0; r < store.slots; r++)
-            kv_store_read(&store, 0, r, (float *)PyArray_DATA((PyArrayObject *)out) + r * store.kv_dim);
+            kv_store_read(&store, 0, r, (float *)PyArray_DATA((PyArrayObject *)out) + r * store.head_dim);
     kv_store_free(&store);
     return out;
 }

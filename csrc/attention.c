@@ -19,26 +19,79 @@
 
 static size_t round_up16(size_t n) { return (n + 15) & ~(size_t)15; }
 
+/* Rows are read TILE at a time: a tile of dequantized head rows (16 x 128 floats = 8 KiB
+ * for a typical head) stays in the L1 cache while every query head of the group uses it. */
+#define TILE 16
+
 size_t kv_attention_scratch(int n_heads, int n_kv_heads, int head_dim, int max_positions) {
     return (size_t)(n_heads / n_kv_heads) * round_up16((size_t)max_positions) +
-           2 * round_up16((size_t)head_dim);
+           TILE * round_up16((size_t)head_dim);
 }
 
-/* Head `head` of position pos's key (or value, with is_value) as float32, for a query
- * at position query_pos: full precision inside the residual window, else from the store
- * (where pos lives in slot `slot`). */
-static const float *head_row(const kv_layer_view *view, int is_value, int pos, size_t slot,
-                             int query_pos, int head, int head_dim, float *buffer) {
-    int kv_dim = (is_value ? view->value : view->key)->kv_dim;
-    if (view->window > 0 && pos > query_pos - view->window) {
-        if (pos >= view->new_start)
-            return (is_value ? view->new_value : view->new_key) +
-                   (size_t)(pos - view->new_start) * kv_dim + (size_t)head * head_dim;
-        return (is_value ? view->window_value : view->window_key) +
-               (size_t)(pos % view->window) * kv_dim + (size_t)head * head_dim;
+/* int8 head rows decoded inline: the hottest loop of a quantized cache's attention, and
+ * small enough that a call and its setup would cost as much as the work. The values are
+ * exactly kv_dequantize_i8's (csrc/quant.c): code times its group's scale. */
+static inline void decode_i8(float *restrict out, const int8_t *restrict codes,
+                             const float *restrict scales, int head_dim, int group) {
+    for (int g = 0; g < head_dim / group; g++) {
+        float scale = scales[g];
+        for (int i = g * group; i < (g + 1) * group; i++) out[i] = (float)codes[i] * scale;
     }
-    return kv_store_head(is_value ? view->value : view->key, view->layer, slot, head,
-                         head_dim, buffer);
+}
+
+/* Head `head` of n consecutive positions pos .. pos + n - 1 (slots slot .. slot + n - 1
+ * of one block) as float32 rows of head_dim, as a query at query_pos reads them: fp32
+ * rows in place, quantized rows decoded into tile, and rows inside the residual window
+ * copied from the full-precision rows instead. */
+static const float *head_rows(const kv_layer_view *view, int is_value, int head, int pos,
+                              size_t slot, int n, int query_pos, int head_dim, float *tile) {
+    const kv_store *store = is_value ? view->value : view->key;
+    int kv_dim = store->n_kv_heads * head_dim;
+    int first_exact = view->window > 0 ? query_pos - view->window + 1 : query_pos + 1;
+    if (store->format == KV_FMT_F32 && pos + n <= first_exact)
+        return kv_store_head(store, view->layer, slot, head, NULL);   /* n rows in a row */
+    for (int r = 0; r < n; r++) {
+        float *row = tile + (size_t)r * head_dim;
+        const float *source;
+        if (pos + r < first_exact && store->format == KV_FMT_I8) {
+            size_t index = kv_store_head_index(store, view->layer, head, slot + r);
+            decode_i8(row, (const int8_t *)store->codes + index * store->head_bytes,
+                      store->scales + index * store->groups_per_head, head_dim, store->group);
+            source = row;
+        } else if (pos + r < first_exact) {
+            source = kv_store_head(store, view->layer, slot + r, head, row);
+        } else if (pos + r >= view->new_start) {   /* written by this call */
+            source = (is_value ? view->new_value : view->new_key) +
+                     (size_t)(pos + r - view->new_start) * kv_dim + (size_t)head * head_dim;
+        } else {
+            source = (is_value ? view->window_value : view->window_key) +
+                     (size_t)((pos + r) % view->window) * kv_dim + (size_t)head * head_dim;
+        }
+        if (source != row) memcpy(row, source, (size_t)head_dim * sizeof(float));
+    }
+    return tile;
+}
+
+/* out_m += sum over the n rows of p_m[r] * row[r], for each of kv_mul query heads. Each
+ * output element adds the rows in order, exactly as one axpy per row would, but keeps
+ * its running sum in a register across the tile instead of memory. */
+static void mix_values(float *results, const float *att, size_t head_stride, int pos,
+                       const float *rows, int n, int kv_mul, int head_dim) {
+    int d8 = head_dim & ~7;
+    for (int m = 0; m < kv_mul; m++) {
+        const float *p = att + (size_t)m * head_stride + pos;
+        float *out = results + (size_t)m * head_dim;
+        for (int i = 0; i < d8; i += 8) {
+            v8f acc = load8(out + i);
+            for (int r = 0; r < n; r++) acc += p[r] * load8(rows + (size_t)r * head_dim + i);
+            memcpy(out + i, &acc, sizeof acc);
+        }
+        for (int i = d8; i < head_dim; i++) {
+            float acc = out[i];
+            for (int r = 0; r < n; r++) acc += p[r] * rows[(size_t)r * head_dim + i];
+            out[i] = acc;
+        }
+    }
 }
 
 void kv_attention(float *out, const float *q, const kv_layer_view *view, int n_tokens,
@@ -62,17 +115,22 @@ void kv_attention(float *out, const float *q, const kv_layer_view *view, int n_t
             /* the group's query heads are consecutive: heads g*kv_mul .. g*kv_mul + kv_mul-1 */
             const float *queries = q + t * q_dim + (size_t)g * kv_mul * head_dim;
             float *att = scratch + (size_t)omp_get_thread_num() * scratch_stride;
-            float *buffer = att + (size_t)kv_mul * head_stride;
+            float *tile = att + (size_t)kv_mul * head_stride;
 
-            /* how well each query matches every earlier key (and its own) */
+            /* how well each query matches every earlier key (and its own): block by
+             * block (one table lookup each), a tile of rows at a time */
             for (int first = 0; first < n_seen; first += view->block_size) {
-                int rows = n_seen - first < view->block_size ? n_seen - first : view->block_size;
-                size_t slot = kv_view_slot(view, first);   /* one table lookup per block */
-                for (int pos = first; pos < first + rows; pos++, slot++) {
-                    const float *key = head_row(view, 0, pos, slot, query_pos, g, head_dim, buffer);
-                    for (int m = 0; m < kv_mul; m++)
-                        att[(size_t)m * head_stride + pos] =
-                            kv_dot(queries + (size_t)m * head_dim, key, head_dim) * scale;
+                int in_block = n_seen - first < view->block_size ? n_seen - first : view->block_size;
+                size_t slot = kv_view_slot(view, first);
+                for (int r0 = 0; r0 < in_block; r0 += TILE) {
+                    int n = in_block - r0 < TILE ? in_block - r0 : TILE;
+                    const float *keys = head_rows(view, 0, g, first + r0, slot + r0, n,
+                                                  query_pos, head_dim, tile);
+                    for (int r = 0; r < n; r++)
+                        for (int m = 0; m < kv_mul; m++)
+                            att[(size_t)m * head_stride + first + r0 + r] =
+                                kv_dot(queries + (size_t)m * head_dim,
+                                       keys + (size_t)r * head_dim, head_dim) * scale;
                 }
             }
             for (int m = 0; m < kv_mul; m++) kv_softmax(att + (size_t)m * head_stride, n_seen);
@@ -81,14 +139,13 @@ void kv_attention(float *out, const float *q, const kv_layer_view *view, int n_t
             float *results = out + t * q_dim + (size_t)g * kv_mul * head_dim;
             memset(results, 0, (size_t)kv_mul * head_dim * sizeof(float));
             for (int first = 0; first < n_seen; first += view->block_size) {
-                int rows = n_seen - first < view->block_size ? n_seen - first : view->block_size;
+                int in_block = n_seen - first < view->block_size ? n_seen - first : view->block_size;
                 size_t slot = kv_view_slot(view, first);
-                for (int pos = first; pos < first + rows; pos++, slot++) {
-                    const float *value = head_row(view, 1, pos, slot, query_pos, g, head_dim,
-                                                  buffer + round_up16((size_t)head_dim));
-                    for (int m = 0; m < kv_mul; m++)
-                        kv_axpy(results + (size_t)m * head_dim,
-                                att[(size_t)m * head_stride + pos], value, head_dim);
+                for (int r0 = 0; r0 < in_block; r0 += TILE) {
+                    int n = in_block - r0 < TILE ? in_block - r0 : TILE;
+                    const float *values = head_rows(view, 1, g, first + r0, slot + r0, n,
+                                                    query_pos, head_dim, tile);
+                    mix_values(results, att, head_stride, first + r0, values, n, kv_mul, head_dim);
                 }
             }
         }

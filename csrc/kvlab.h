@@ -94,22 +94,24 @@ typedef struct {
     int window;
 } kv_cache_format;
 
-/* Where one kind of tensor (K or V) lives for every layer of a cache: one row of kv_dim
- * values per slot. A contiguous cache has a slot per position; a paged pool has
- * num_blocks * block_size slots, block b's rows at slots b * block_size onwards.
- *   codes of (layer, slot):  codes + (layer * slots + slot) * row_bytes
- *   scales of (layer, slot): scales + (layer * slots + slot) * groups_per_row
+/* Where one kind of tensor (K or V) lives for every layer of a cache: a row of head_dim
+ * values per (layer, KV head, slot). A contiguous cache has a slot per position; a paged
+ * pool has num_blocks * block_size slots, block b's rows at slots b * block_size onwards.
+ * Layout (n_layers, n_kv_heads, slots, head): one head's keys for consecutive slots are
+ * consecutive in memory, so attention, which reads one KV head's rows front to back,
+ * streams memory instead of jumping a whole token's row (all heads) per position.
+ *   codes of (layer, head, slot):  codes + ((layer * n_kv_heads + head) * slots + slot) * head_bytes
+ *   scales of (layer, head, slot): scales + (same index) * groups_per_head
  * Each group of `group` values inside a head shares one scale (and zero point). */
 typedef struct {
     kv_format format;
     int group;            /* values per scale; 0 for fp32, fp16, bf16 */
-    int kv_dim;           /* values per row: n_kv_heads * head_dim */
-    int groups_per_row;   /* kv_dim / group; 0 without scales */
-    size_t row_bytes;     /* bytes of codes per row */
-    size_t slots;         /* rows per layer */
-    int n_layers;
-    uint8_t *codes;       /* (n_layers, slots, row_bytes) */
-    float *scales;        /* (n_layers, slots, groups_per_row), NULL for the float formats */
+    int n_layers, n_kv_heads, head_dim;
+    int groups_per_head;  /* head_dim / group; 0 without scales */
+    size_t head_bytes;    /* bytes of codes per head row */
+    size_t slots;         /* rows per (layer, head) */
+    uint8_t *codes;       /* (n_layers, n_kv_heads, slots, head_bytes) */
+    float *scales;        /* (n_layers, n_kv_heads, slots, groups_per_head), NULL for floats */
     float *zeros;         /* int4's zero points, same shape as scales; NULL otherwise */
 } kv_store;
 
@@ -122,7 +124,7 @@ typedef struct {
     int head_dim;
     int capacity;   /* positions reserved (max_seq_len of this cache) */
     int length;     /* positions filled: 0 .. length-1 hold valid K and V */
-    kv_store key;   /* (n_layers, capacity, n_kv_heads, head_dim) values, in key.format */
+    kv_store key;   /* (n_layers, n_kv_heads, capacity, head_dim) values, in key.format */
     kv_store value;
     int window;              /* residual window (0: none) */
     float *window_key;       /* (n_layers, window, kv_dim) float32 rows of the last window
@@ -170,22 +172,23 @@ typedef struct {
 } kv_seq;
 
 /* A pool of fixed-size blocks shared by many sequences (vLLM's PagedAttention idea).
- * Block b holds block_size rows of K and of V for every layer, in two kv_stores whose
- * slots b * block_size .. b * block_size + block_size - 1 are that block's rows:
- *   key, value: (n_layers, num_blocks, block_size, n_kv_heads, head_dim) in their formats
- * Why layer-major: attention reads one layer's K (then V) of a sequence's blocks, so
- * blocks that are neighbours in the pool (as they are when handed out in order) are
- * neighbours in memory and stream like a contiguous cache; a block-major layout would
- * interleave other layers' rows and make every block a separate short read. Copy-on-write
- * therefore copies 2 x n_layers runs of rows. Python shows the same memory block-first,
- * (num_blocks, n_layers, block_size, n_kv_heads, head_dim), as strided views.
+ * Block b holds block_size rows of K and of V for every layer and KV head, in two
+ * kv_stores whose slots b * block_size .. b * block_size + block_size - 1 are its rows:
+ *   key, value: (n_layers, n_kv_heads, num_blocks, block_size, head_dim) in their formats
+ * Why layer- and head-major: attention reads one KV head of one layer of a sequence's
+ * blocks at a time, so blocks that are neighbours in the pool (as they are when handed
+ * out in order) are neighbours in memory and stream like a contiguous cache; a
+ * block-major layout would interleave other layers' rows and make every block a separate
+ * short read. Copy-on-write therefore copies 2 x n_layers x n_kv_heads runs of rows.
+ * Python shows the same memory block-first, (num_blocks, n_layers, block_size,
+ * n_kv_heads, head_dim), as strided views.
  * A block with ref_count 0 is either free (on the free stack) or cached: a full block
  * kept for prefix reuse, findable by hash, evicted least-recently-used first. */
 typedef struct {
     int num_blocks, block_size;
     int n_layers, n_kv_heads, head_dim;
     int max_seqs, max_blocks_per_seq;
-    kv_store key, value;    /* (n_layers, num_blocks * block_size slots, kv_dim) each */
+    kv_store key, value;    /* (n_layers, n_kv_heads, num_blocks * block_size slots, head_dim) */
     int window;             /* residual window (0: none) */
     float *window_key;      /* (max_seqs, n_layers, window, kv_dim): each sequence's rows of
                                its last window positions, position p in row p % window */

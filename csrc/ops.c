@@ -19,33 +19,6 @@
 #include "common.h"
 #include "ops.h"
 
-typedef float v8f __attribute__((vector_size(32)));
-
-static inline v8f load8(const float *p) {
-    v8f v;
-    memcpy(&v, p, sizeof v);  /* unaligned load; compiles to one vmovups */
-    return v;
-}
-
-/* The one association order for the eight lanes. */
-static inline float reduce_lanes(v8f lanes) {
-    return ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) +
-           ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
-}
-
-/* Leftover elements after the last full chunk of eight, added in order. */
-static inline float add_tail(float sum, const float *a, const float *b, int from, int n) {
-    for (int i = from; i < n; i++) sum += a[i] * b[i];
-    return sum;
-}
-
-float kv_dot(const float *a, const float *b, int n) {
-    v8f acc = {0};
-    int n8 = n & ~7;
-    for (int i = 0; i < n8; i += 8) acc += load8(a + i) * load8(b + i);
-    return add_tail(reduce_lanes(acc), a, b, n8, n);
-}
-
 /* Four rows of w against two tokens: eight dot products sharing every load. */
 static void kernel_4x2(float *out0, float *out1, const float *x0, const float *x1,
                        const float *w, int in_dim) {
@@ -152,8 +125,4 @@ void kv_swiglu(float *gate, const float *up, size_t n) {
         float g = gate[i];
         gate[i] = g / (1.0f + expf(-g)) * up[i];
     }
-}
-
-void kv_axpy(float *y, float alpha, const float *x, int n) {
-    for (int i = 0; i < n; i++) y[i] += alpha * x[i];
 }

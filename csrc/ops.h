@@ -7,8 +7,44 @@
 #ifndef KVLAB_OPS_H
 #define KVLAB_OPS_H
 
-/* sum_i a[i] * b[i], in the core's fixed summation order */
-float kv_dot(const float *a, const float *b, int n);
+#include <stddef.h>
+#include <string.h>
+
+/* Eight float lanes: one AVX register (or two SSE registers on older CPUs). */
+typedef float v8f __attribute__((vector_size(32)));
+
+static inline v8f load8(const float *p) {
+    v8f v;
+    memcpy(&v, p, sizeof v);  /* unaligned load; compiles to one vmovups */
+    return v;
+}
+
+/* The one association order for the eight lanes. */
+static inline float reduce_lanes(v8f lanes) {
+    return ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) +
+           ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
+}
+
+/* Leftover elements after the last full chunk of eight, added in order. */
+static inline float add_tail(float sum, const float *a, const float *b, int from, int n) {
+    for (int i = from; i < n; i++) sum += a[i] * b[i];
+    return sum;
+}
+
+/* sum_i a[i] * b[i], in the core's fixed summation order: eight running lanes over
+ * chunks of eight, the lanes added pairwise, then the leftover elements in order.
+ * Defined here, not in ops.c, so that attention's inner loops inline it. */
+static inline float kv_dot(const float *a, const float *b, int n) {
+    v8f acc = {0};
+    int n8 = n & ~7;
+    for (int i = 0; i < n8; i += 8) acc += load8(a + i) * load8(b + i);
+    return add_tail(reduce_lanes(acc), a, b, n8, n);
+}
+
+/* y += alpha * x */
+static inline void kv_axpy(float *y, float alpha, const float *x, int n) {
+    for (int i = 0; i < n; i++) y[i] += alpha * x[i];
+}
 
 /* out[t, o] = sum_i x[t, i] * w[o, i]  for t < n_tokens, o < out_dim.
  * x (n_tokens, in_dim), w (out_dim, in_dim), out (n_tokens, out_dim). Threaded over o. */
@@ -27,10 +63,6 @@ void kv_rope(float *vec, int n_heads, int head_dim, const float *cos_table,
 void kv_softmax(float *x, int n);
 
 /* gate = silu(gate) * up, elementwise: the SwiGLU activation */
-#include <stddef.h>
 void kv_swiglu(float *gate, const float *up, size_t n);
-
-/* y += alpha * x */
-void kv_axpy(float *y, float alpha, const float *x, int n);
 
 #endif /* KVLAB_OPS_H */

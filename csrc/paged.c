@@ -390,8 +390,9 @@ void kv_pool_commit(kv_pool *pool, int seq, const int32_t *tokens, int n_tokens)
         if (pool->fill[b] < pos % bs + 1) pool->fill[b] = pos % bs + 1;
     }
     q->length = old_length + n_tokens;
-    /* blocks that became full in this call join the prefix cache */
-    for (int i = old_length / bs; i < q->length / bs; i++)
+    /* blocks that became full in this call join the prefix cache (not with a residual
+     * window: kv_pool_reuse_prefix could never hand them out) */
+    for (int i = old_length / bs; pool->window == 0 && i < q->length / bs; i++)
         register_full_block(pool, q->block_table[i], i > 0 ? q->block_table[i - 1] : -1);
 }
 

@@ -24,16 +24,23 @@ size_t kv_store_nbytes(const kv_store *store);
 /* Bytes one row takes: codes, scales and zero points. */
 size_t kv_store_row_nbytes(const kv_store *store);
 
-/* Quantizes one row of kv_dim float32 values into (layer, slot). */
+/* Index of the head row (layer, head, slot): its codes start at codes + index *
+ * head_bytes, its scales at scales + index * groups_per_head. */
+static inline size_t kv_store_head_index(const kv_store *store, int layer, int head,
+                                         size_t slot) {
+    return ((size_t)layer * store->n_kv_heads + head) * store->slots + slot;
+}
+
+/* Quantizes one row of n_kv_heads * head_dim float32 values into (layer, slot). */
 void kv_store_write(const kv_store *store, int layer, size_t slot, const float *row);
 
-/* Dequantizes the row at (layer, slot) into kv_dim floats. */
+/* Dequantizes the row at (layer, slot) into n_kv_heads * head_dim floats. */
 void kv_store_read(const kv_store *store, int layer, size_t slot, float *row);
 
 /* One head of the row at (layer, slot) as float32: a pointer into the store itself for
  * fp32, else the head dequantized into buffer (head_dim floats). */
 const float *kv_store_head(const kv_store *store, int layer, size_t slot, int head,
-                           int head_dim, float *buffer);
+                           float *buffer);
 
 /* Copies n_rows rows (codes, scales, zero points) from slot src to slot dst of a layer. */
 void kv_store_copy(const kv_store *store, int layer, size_t dst, size_t src, size_t n_rows);

@@ -26,6 +26,7 @@ from .quant import CacheFormat
 
 BYTES_PER_ELEMENT = {"fp32": 4, "fp16": 2, "bf16": 2}
 FLOAT = 4   # the C core computes in fp32
+ATTENTION_TILE = 16   # K/V head rows attention reads at a time (TILE in csrc/attention.c)
 
 
 def _element_bytes(dtype: str) -> int:
@@ -60,6 +61,8 @@ def kv_cache_bytes(config: ModelConfig, seq_len: int, batch: int = 1, dtype: str
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
     fmt = cache_format(config, dtype, **format_options)
+    if fmt.window > seq_len:
+        raise ValueError(f"window ({fmt.window}) cannot be longer than the cache ({seq_len} positions)")
     per_request = (config.n_layers * fmt.row_bytes(config.n_kv_heads, config.head_dim) * seq_len
                    + fmt.window_bytes(config.n_layers, config.n_kv_heads, config.head_dim))
     return per_request * batch
@@ -137,15 +140,15 @@ def _round16(n: int) -> int:
 def scratch_bytes(config: ModelConfig, n_tokens: int, start_pos: int = 0, n_threads: int = 1,
                   cached: bool = True) -> int:
     """Activation scratch one forward call allocates (csrc/model.c, run_state): a few
-    (n_tokens, width) buffers plus, per thread, a row of attention scores and two head rows
-    to dequantize K and V into; without a cache
+    (n_tokens, width) buffers plus, per thread, a row of attention scores and a tile of
+    ATTENTION_TILE head rows to dequantize K and V into; without a cache
     the whole sequence's K and V are rebuilt as scratch too."""
     c, T = config, n_tokens
     positions = start_pos + T
     buffers = [T * c.dim, T * c.dim, T * c.q_dim, T * c.kv_dim, T * c.kv_dim, T * c.q_dim,
                T * c.dim, T * c.hidden_dim, T * c.hidden_dim, T * c.head_dim // 2,
                T * c.head_dim // 2,
-               n_threads * (c.kv_mul * _round16(positions) + 2 * _round16(c.head_dim))]
+               n_threads * (c.kv_mul * _round16(positions) + ATTENTION_TILE * _round16(c.head_dim))]
     total = sum(_round16(n) for n in buffers) * FLOAT
     if not cached:
         total += 2 * c.n_layers * T * c.kv_dim * FLOAT

@@ -195,7 +195,7 @@ static void test_store_formats(void) {
         for (int i = 0; i < 32; i++) close &= fabsf(back[i] - row[i]) <= tolerance[f] * 3.0f;
         CHECK(close);
         /* one head alone decodes to the same values as the whole row */
-        const float *second = kv_store_head(&store, 0, 1, 1, 16, head);
+        const float *second = kv_store_head(&store, 0, 1, 1, head);
         CHECK(memcmp(second, back + 16, sizeof head) == 0);
         kv_store_copy(&store, 0, 0, 1, 1);   /* row 1 to row 0: codes, scales, zeros */
         kv_store_read(&store, 0, 0, again);
@@ -265,7 +265,8 @@ static void test_cache(void) {
     CHECK(kv_cache_append(&cache, 3, rows, rows) == KV_OK);
     CHECK(kv_cache_append(&cache, 3, rows, rows) == KV_ERR_CACHE_FULL && cache.length == 3);
     const float *keys = (const float *)cache.key.codes;
-    CHECK(keys[(1 * 5 + 2) * 8 + 5] == rows[(2 * 2 + 1) * 8 + 5]);  /* layer 1, pos 2 */
+    /* layer 1, head 1, position 2, value 1: stored (n_layers, n_kv_heads, capacity, head_dim) */
+    CHECK(keys[((1 * 2 + 1) * 5 + 2) * 4 + 1] == rows[(2 * 2 + 1) * 8 + 4 + 1]);
     CHECK(kv_cache_truncate(&cache, 1) == KV_OK && cache.length == 1);
     CHECK(kv_cache_truncate(&cache, 2) == KV_ERR_INVALID_ARG);
     free(rows);
