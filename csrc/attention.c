@@ -12,9 +12,14 @@
 #include <math.h>
 #include <string.h>
 
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
+
 #include "attention.h"
 #include "common.h"
 #include "ops.h"
+#include "quant.h"
 #include "store.h"
 
 static size_t round_up16(size_t n) { return (n + 15) & ~(size_t)15; }
@@ -28,37 +33,197 @@ size_t kv_attention_scratch(int n_heads, int n_kv_heads, int head_dim, int max_p
            TILE * round_up16((size_t)head_dim);
 }
 
-/* int8 head rows decoded inline: the hottest loop of a quantized cache's attention, and
- * small enough that a call and its setup would cost as much as the work. The values are
- * exactly kv_dequantize_i8's (csrc/quant.c): code times its group's scale. */
-static inline void decode_i8(float *restrict out, const int8_t *restrict codes,
-                             const float *restrict scales, int head_dim, int group) {
-    for (int g = 0; g < head_dim / group; g++) {
-        float scale = scales[g];
-        for (int i = g * group; i < (g + 1) * group; i++) out[i] = (float)codes[i] * scale;
+/* A tile of n consecutive head rows, as attention's inner loops read them: float32 rows
+ * (in the cache itself, or decoded into the tile buffer), or codes turned into floats
+ * eight at a time in registers: int8 with one scale per row, fp16 or bf16. The values
+ * are exactly what dequantizing gives (csrc/quant.c), so both ways produce the same
+ * bits, and only the memory read differs: a half or a quarter of fp32's. */
+enum { ROWS_F32, ROWS_I8, ROWS_F16, ROWS_BF16 };
+
+typedef struct {
+    const float *floats;     /* (n, head_dim) float32 (ROWS_F32) */
+    const void *codes;       /* (n, head_dim) codes (the others) */
+    const float *scales;     /* (n,) one scale per row (ROWS_I8) */
+} tile_rows;
+
+#define ALWAYS_INLINE inline __attribute__((always_inline))
+
+/* values i .. i+7 of row r */
+static ALWAYS_INLINE v8f load_chunk(const tile_rows *rows, int r, int i, int head_dim,
+                                    int kind) {
+    size_t at = (size_t)r * head_dim + i;
+    v8f chunk;
+    if (kind == ROWS_I8) {
+        const int8_t *codes = (const int8_t *)rows->codes + at;
+#ifdef __AVX2__
+        /* one sign-extending load and one conversion; gcc does not find these two
+         * instructions by itself and would convert the eight codes one by one */
+        __m256 values = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)codes)));
+        memcpy(&chunk, &values, sizeof chunk);
+#else
+        for (int j = 0; j < 8; j++) chunk[j] = (float)codes[j];
+#endif
+        return chunk * rows->scales[r];
+    }
+    if (kind == ROWS_F16) {
+        const uint16_t *codes = (const uint16_t *)rows->codes + at;
+#ifdef __F16C__
+        __m256 values = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)codes));  /* exact */
+        memcpy(&chunk, &values, sizeof chunk);
+#else
+        for (int j = 0; j < 8; j++) chunk[j] = kv_f16_to_f32(codes[j]);
+#endif
+        return chunk;
+    }
+    if (kind == ROWS_BF16) {
+        typedef uint16_t v8u16 __attribute__((vector_size(16)));
+        typedef uint32_t v8u32 __attribute__((vector_size(32)));
+        v8u16 codes;
+        memcpy(&codes, (const uint16_t *)rows->codes + at, sizeof codes);
+        v8u32 bits = __builtin_convertvector(codes, v8u32) << 16;   /* bf16 is a float's top half */
+        memcpy(&chunk, &bits, sizeof chunk);
+        return chunk;
+    }
+    return load8(rows->floats + at);
+}
+
+/* att[m][pos + r] = q_m . row_r * scale for the kv_mul queries and n rows: each row is
+ * loaded once for four queries at a time, and every dot product keeps kv_dot's order
+ * (eight lanes, added pairwise, then the leftover elements). */
+static ALWAYS_INLINE void score_tile(float *att, size_t head_stride, int pos,
+                                     const float *queries, int kv_mul, int head_dim,
+                                     const tile_rows *rows, int n, float scale, int kind) {
+    int d8 = head_dim & ~7;   /* tiles of codes have head_dim % 8 == 0: no leftovers */
+    int is_codes = kind != ROWS_F32;
+    int m = 0;
+    for (; m + 4 <= kv_mul; m += 4) {
+        const float *q0 = queries + (size_t)m * head_dim, *q1 = q0 + head_dim;
+        const float *q2 = q1 + head_dim, *q3 = q2 + head_dim;
+        for (int r = 0; r < n; r++) {
+            v8f a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+            for (int i = 0; i < d8; i += 8) {
+                v8f k = load_chunk(rows, r, i, head_dim, kind);
+                a0 += load8(q0 + i) * k; a1 += load8(q1 + i) * k;
+                a2 += load8(q2 + i) * k; a3 += load8(q3 + i) * k;
+            }
+            const float *row = is_codes ? NULL : rows->floats + (size_t)r * head_dim;
+            float *out = att + (size_t)m * head_stride + pos + r;
+            out[0] = (is_codes ? reduce_lanes(a0) : add_tail(reduce_lanes(a0), q0, row, d8, head_dim)) * scale;
+            out[head_stride] = (is_codes ? reduce_lanes(a1) : add_tail(reduce_lanes(a1), q1, row, d8, head_dim)) * scale;
+            out[2 * head_stride] = (is_codes ? reduce_lanes(a2) : add_tail(reduce_lanes(a2), q2, row, d8, head_dim)) * scale;
+            out[3 * head_stride] = (is_codes ? reduce_lanes(a3) : add_tail(reduce_lanes(a3), q3, row, d8, head_dim)) * scale;
+        }
+    }
+    for (; m < kv_mul; m++) {   /* the rest one query at a time (all of them for MHA) */
+        const float *q0 = queries + (size_t)m * head_dim;
+        for (int r = 0; r < n; r++) {
+            v8f a0 = {0};
+            for (int i = 0; i < d8; i += 8) a0 += load8(q0 + i) * load_chunk(rows, r, i, head_dim, kind);
+            float sum = is_codes ? reduce_lanes(a0)
+                                : add_tail(reduce_lanes(a0), q0, rows->floats + (size_t)r * head_dim, d8, head_dim);
+            att[(size_t)m * head_stride + pos + r] = sum * scale;
+        }
     }
 }
 
+/* out_m += sum over the n rows of p_m[r] * row_r, for the kv_mul query heads. Each
+ * output element adds the rows in order, exactly as one axpy per row would, but keeps
+ * its running sum in a register across the tile, and loads each row once for four
+ * queries at a time. */
+static ALWAYS_INLINE void mix_tile(float *results, const float *att, size_t head_stride,
+                                   int pos, int kv_mul, int head_dim, const tile_rows *rows,
+                                   int n, int kind) {
+    int d8 = head_dim & ~7;
+    int m = 0;
+    for (; m + 4 <= kv_mul; m += 4) {
+        const float *p0 = att + (size_t)m * head_stride + pos, *p1 = p0 + head_stride;
+        const float *p2 = p1 + head_stride, *p3 = p2 + head_stride;
+        float *o0 = results + (size_t)m * head_dim, *o1 = o0 + head_dim;
+        float *o2 = o1 + head_dim, *o3 = o2 + head_dim;
+        for (int i = 0; i < d8; i += 8) {
+            v8f a0 = load8(o0 + i), a1 = load8(o1 + i), a2 = load8(o2 + i), a3 = load8(o3 + i);
+            for (int r = 0; r < n; r++) {
+                v8f v = load_chunk(rows, r, i, head_dim, kind);
+                a0 += p0[r] * v; a1 += p1[r] * v; a2 += p2[r] * v; a3 += p3[r] * v;
+            }
+            memcpy(o0 + i, &a0, sizeof a0); memcpy(o1 + i, &a1, sizeof a1);
+            memcpy(o2 + i, &a2, sizeof a2); memcpy(o3 + i, &a3, sizeof a3);
+        }
+    }
+    for (; m < kv_mul; m++) {
+        const float *p0 = att + (size_t)m * head_stride + pos;
+        float *o0 = results + (size_t)m * head_dim;
+        for (int i = 0; i < d8; i += 8) {
+            v8f a0 = load8(o0 + i);
+            for (int r = 0; r < n; r++) a0 += p0[r] * load_chunk(rows, r, i, head_dim, kind);
+            memcpy(o0 + i, &a0, sizeof a0);
+        }
+    }
+    if (kind == ROWS_F32) {   /* leftover elements when head_dim is not a multiple of 8 */
+        for (m = 0; m < kv_mul; m++) {
+            const float *p0 = att + (size_t)m * head_stride + pos;
+            float *o0 = results + (size_t)m * head_dim;
+            for (int i = d8; i < head_dim; i++) {
+                float acc = o0[i];
+                for (int r = 0; r < n; r++) acc += p0[r] * rows->floats[(size_t)r * head_dim + i];
+                o0[i] = acc;
+            }
+        }
+    }
+}
+
+/* One version of each kernel per kind of row, which the compiler builds separately. */
+#define KERNELS(NAME, KIND)                                                                  \
+    static void score_##NAME(float *att, size_t stride, int pos, const float *q, int kv_mul, \
+                             int head_dim, const tile_rows *rows, int n, float scale) {      \
+        score_tile(att, stride, pos, q, kv_mul, head_dim, rows, n, scale, KIND);             \
+    }                                                                                        \
+    static void mix_##NAME(float *results, const float *att, size_t stride, int pos,         \
+                           int kv_mul, int head_dim, const tile_rows *rows, int n) {         \
+        mix_tile(results, att, stride, pos, kv_mul, head_dim, rows, n, KIND);                \
+    }
+KERNELS(f32, ROWS_F32)
+KERNELS(i8, ROWS_I8)
+KERNELS(f16, ROWS_F16)
+KERNELS(bf16, ROWS_BF16)
+
+typedef void (*score_kernel)(float *, size_t, int, const float *, int, int, const tile_rows *,
+                             int, float);
+typedef void (*mix_kernel)(float *, const float *, size_t, int, int, int, const tile_rows *, int);
+static const score_kernel score_kernels[] = {score_f32, score_i8, score_f16, score_bf16};
+static const mix_kernel mix_kernels[] = {mix_f32, mix_i8, mix_f16, mix_bf16};
+
 /* Head `head` of n consecutive positions pos .. pos + n - 1 (slots slot .. slot + n - 1
- * of one block) as float32 rows of head_dim, as a query at query_pos reads them: fp32
- * rows in place, quantized rows decoded into tile, and rows inside the residual window
- * copied from the full-precision rows instead. */
-static const float *head_rows(const kv_layer_view *view, int is_value, int head, int pos,
-                              size_t slot, int n, int query_pos, int head_dim, float *tile) {
+ * of one block), as a query at query_pos reads them: fp32, fp16, bf16 rows and int8
+ * rows with one scale per head in place (the last three when head_dim is a multiple
+ * of 8), others decoded into the tile buffer, and rows inside the residual window
+ * copied from the full-precision rows instead. Returns the ROWS_ kind of *rows. */
+static int head_rows(const kv_layer_view *view, int is_value, int head, int pos, size_t slot,
+                     int n, int query_pos, int head_dim, float *tile, tile_rows *rows) {
     const kv_store *store = is_value ? view->value : view->key;
     int kv_dim = store->n_kv_heads * head_dim;
     int first_exact = view->window > 0 ? query_pos - view->window + 1 : query_pos + 1;
-    if (store->format == KV_FMT_F32 && pos + n <= first_exact)
-        return kv_store_head(store, view->layer, slot, head, NULL);   /* n rows in a row */
+    if (pos + n <= first_exact) {
+        size_t index = kv_store_head_index(store, view->layer, head, slot);
+        const uint8_t *codes = store->codes + index * store->head_bytes;
+        if (store->format == KV_FMT_F32) {
+            rows->floats = (const float *)codes;
+            return ROWS_F32;
+        }
+        rows->codes = codes;
+        if (head_dim % 8 == 0) {
+            if (store->format == KV_FMT_I8 && store->groups_per_head == 1) {
+                rows->scales = store->scales + index;
+                return ROWS_I8;
+            }
+            if (store->format == KV_FMT_F16) return ROWS_F16;
+            if (store->format == KV_FMT_BF16) return ROWS_BF16;
+        }
+    }
     for (int r = 0; r < n; r++) {
         float *row = tile + (size_t)r * head_dim;
         const float *source;
-        if (pos + r < first_exact && store->format == KV_FMT_I8) {
-            size_t index = kv_store_head_index(store, view->layer, head, slot + r);
-            decode_i8(row, (const int8_t *)store->codes + index * store->head_bytes,
-                      store->scales + index * store->groups_per_head, head_dim, store->group);
-            source = row;
-        } else if (pos + r < first_exact) {
+        if (pos + r < first_exact) {
             source = kv_store_head(store, view->layer, slot + r, head, row);
         } else if (pos + r >= view->new_start) {   /* written by this call */
             source = (is_value ? view->new_value : view->new_key) +
@@ -69,29 +234,8 @@ static const float *head_rows(const kv_layer_view *view, int is_value, int head,
         }
         if (source != row) memcpy(row, source, (size_t)head_dim * sizeof(float));
     }
-    return tile;
-}
-
-/* out_m += sum over the n rows of p_m[r] * row[r], for each of kv_mul query heads. Each
- * output element adds the rows in order, exactly as one axpy per row would, but keeps
- * its running sum in a register across the tile instead of memory. */
-static void mix_values(float *results, const float *att, size_t head_stride, int pos,
-                       const float *rows, int n, int kv_mul, int head_dim) {
-    int d8 = head_dim & ~7;
-    for (int m = 0; m < kv_mul; m++) {
-        const float *p = att + (size_t)m * head_stride + pos;
-        float *out = results + (size_t)m * head_dim;
-        for (int i = 0; i < d8; i += 8) {
-            v8f acc = load8(out + i);
-            for (int r = 0; r < n; r++) acc += p[r] * load8(rows + (size_t)r * head_dim + i);
-            memcpy(out + i, &acc, sizeof acc);
-        }
-        for (int i = d8; i < head_dim; i++) {
-            float acc = out[i];
-            for (int r = 0; r < n; r++) acc += p[r] * rows[(size_t)r * head_dim + i];
-            out[i] = acc;
-        }
-    }
+    rows->floats = tile;
+    return ROWS_F32;
 }
 
 void kv_attention(float *out, const float *q, const kv_layer_view *view, int n_tokens,
@@ -124,13 +268,11 @@ void kv_attention(float *out, const float *q, const kv_layer_view *view, int n_t
                 size_t slot = kv_view_slot(view, first);
                 for (int r0 = 0; r0 < in_block; r0 += TILE) {
                     int n = in_block - r0 < TILE ? in_block - r0 : TILE;
-                    const float *keys = head_rows(view, 0, g, first + r0, slot + r0, n,
-                                                  query_pos, head_dim, tile);
-                    for (int r = 0; r < n; r++)
-                        for (int m = 0; m < kv_mul; m++)
-                            att[(size_t)m * head_stride + first + r0 + r] =
-                                kv_dot(queries + (size_t)m * head_dim,
-                                       keys + (size_t)r * head_dim, head_dim) * scale;
+                    tile_rows keys;
+                    int kind = head_rows(view, 0, g, first + r0, slot + r0, n, query_pos,
+                                         head_dim, tile, &keys);
+                    score_kernels[kind](att, head_stride, first + r0, queries, kv_mul,
+                                        head_dim, &keys, n, scale);
                 }
             }
             for (int m = 0; m < kv_mul; m++) kv_softmax(att + (size_t)m * head_stride, n_seen);
@@ -143,9 +285,11 @@ void kv_attention(float *out, const float *q, const kv_layer_view *view, int n_t
                 size_t slot = kv_view_slot(view, first);
                 for (int r0 = 0; r0 < in_block; r0 += TILE) {
                     int n = in_block - r0 < TILE ? in_block - r0 : TILE;
-                    const float *values = head_rows(view, 1, g, first + r0, slot + r0, n,
-                                                    query_pos, head_dim, tile);
-                    mix_values(results, att, head_stride, first + r0, values, n, kv_mul, head_dim);
+                    tile_rows values;
+                    int kind = head_rows(view, 1, g, first + r0, slot + r0, n, query_pos,
+                                         head_dim, tile, &values);
+                    mix_kernels[kind](results, att, head_stride, first + r0, kv_mul, head_dim,
+                                      &values, n);
                 }
             }
         }

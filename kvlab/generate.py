@@ -51,12 +51,16 @@ class Generation:
 def generate(model: Model, prompt: Union[str, Sequence[int]], max_new_tokens: int = 48,
              use_cache: bool = True, temperature: float = 0.0, top_k: Optional[int] = None,
              top_p: Optional[float] = None, seed: Optional[int] = None,
-             stop_at_eos: bool = True, progress: bool = False) -> Generation:
+             stop_at_eos: bool = True, progress: bool = False, cache_dtype: str = "fp32",
+             **cache_options) -> Generation:
     """Generate up to max_new_tokens after the prompt (text, or a list of token ids).
 
     Greedy by default (temperature 0). A seed makes sampling reproducible. The model's
-    context (config.max_seq_len) bounds prompt + new tokens.
+    context (config.max_seq_len) bounds prompt + new tokens. cache_dtype and
+    cache_options (key_dtype, value_dtype, group, key_group, value_group, window) choose
+    how the KV cache stores K and V, as in model.new_cache().
     """
+    cache_format = model.cache_format(cache_dtype, **cache_options)   # checked up front
     if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
     check_sampling_args(temperature, top_k, top_p)
@@ -76,7 +80,10 @@ def generate(model: Model, prompt: Union[str, Sequence[int]], max_new_tokens: in
     rng = np.random.default_rng(seed)
     eos = getattr(model.tokenizer, "eos_id", None) if stop_at_eos else None
     # The last sampled token is never fed back, so the cache needs one slot less.
-    cache = model.new_cache(max_seq_len=len(ids) + max_new_tokens - 1) if use_cache else None
+    capacity = len(ids) + max_new_tokens - 1
+    if use_cache and cache_format.window > capacity:
+        cache_format = dataclasses.replace(cache_format, window=capacity)
+    cache = (model.new_cache(capacity, **_format_options(cache_format)) if use_cache else None)
 
     new_tokens: List[int] = []
     seconds: List[float] = []
@@ -105,6 +112,11 @@ def generate(model: Model, prompt: Union[str, Sequence[int]], max_new_tokens: in
                       completion=completion, step_seconds=np.array(seconds),
                       use_cache=use_cache, cache_nbytes=cache.nbytes if cache else 0,
                       counts=counts)
+
+
+def _format_options(fmt) -> dict:
+    return {"key_dtype": fmt.key, "value_dtype": fmt.value, "key_group": fmt.key_group or None,
+            "value_group": fmt.value_group or None, "window": fmt.window}
 
 
 def _progress_bar(total: int, label: str, enabled: bool):

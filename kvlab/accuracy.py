@@ -1,0 +1,221 @@
+"""What a cache format costs in accuracy, measured on real text.
+
+Quantizing the cache saves memory; this module measures what it costs. For one model
+and one token sequence, each format's cache is compared with the fp32 cache:
+
+  - reconstruction error of K and V, per layer: the fp32 run's keys and values written
+    into a cache of the format and read back (`cache.dequantized()`), as a relative
+    root-mean-square error, ||stored - exact|| / ||exact||;
+  - next-token distributions, teacher-forced over the text: the mean KL divergence
+    KL(p_fp32 || p_format) in nats, and how often the most likely token is the same;
+  - perplexity of the text, exp(mean negative log-likelihood of each next token), and
+    its change against fp32 in percent.
+
+The text is cut into windows of `context` tokens, each run from an empty cache with one
+prefill (which gives the same logits as decoding token by token, bit for bit, in every
+format). For the default model the text is the validation split of Tiny Shakespeare,
+which it was not trained on; stories260K is evaluated on text it generated itself.
+
+    report = kvlab.accuracy.evaluate(model, tokens)
+    print(report.table())
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Dict, List, Optional, Sequence, Union
+
+import numpy as np
+
+from .measure import kv_bytes_per_token
+
+# The formats evaluate() compares by default: each a dtype name or new_cache() options.
+DEFAULT_FORMATS = (
+    "fp32", "fp16", "bf16", "fp8", "int8", "int4",
+    {"dtype": "int4", "window": 32},
+    {"key_dtype": "int8", "value_dtype": "int4"},
+)
+
+FormatSpec = Union[str, Dict]
+
+
+def _options(spec: FormatSpec) -> dict:
+    return {"dtype": spec} if isinstance(spec, str) else dict(spec)
+
+
+@dataclasses.dataclass
+class FormatAccuracy:
+    """One format's costs against the fp32 cache."""
+    name: str
+    bytes_per_token: int          # over all layers, K and V, scales and zero points included
+    key_error: List[float]        # relative RMS error of the stored keys, per layer
+    value_error: List[float]      # the same for the values
+    kl: float                     # mean KL(p_fp32 || p_format) over predicted positions, nats
+    top1: float                   # fraction of positions whose argmax agrees with fp32
+    perplexity: float
+    perplexity_change: float      # percent, against the fp32 cache
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass
+class AccuracyReport:
+    """evaluate()'s result: one FormatAccuracy per format, and what was measured."""
+    model: str
+    n_tokens: int                 # tokens evaluated (all windows together)
+    context: int                  # tokens per window
+    formats: List[FormatAccuracy]
+
+    def __getitem__(self, name: str) -> FormatAccuracy:
+        for fmt in self.formats:
+            if fmt.name == name:
+                return fmt
+        raise KeyError(f"no format {name!r} in this report; have {[f.name for f in self.formats]}")
+
+    def table(self) -> str:
+        head = (f"{'format':<22}{'bytes/token':>12}{'K error':>10}{'V error':>10}"
+                f"{'KL (nats)':>12}{'top-1':>8}{'perplexity':>12}{'change':>9}")
+        lines = [f"{self.model}: {self.n_tokens:,} tokens in windows of {self.context}", head]
+        for f in self.formats:
+            lines.append(f"{f.name:<22}{f.bytes_per_token:>12,}{max(f.key_error):>10.2e}"
+                         f"{max(f.value_error):>10.2e}{f.kl:>12.2e}{100 * f.top1:>7.2f}%"
+                         f"{f.perplexity:>12.4f}{f.perplexity_change:>+8.3f}%")
+        lines.append("K/V error: the worst layer's relative RMS error; change: perplexity "
+                     "against the fp32 cache")
+        return "\n".join(lines)
+
+    def as_dict(self) -> dict:
+        return {"model": self.model, "n_tokens": self.n_tokens, "context": self.context,
+                "formats": [f.as_dict() for f in self.formats]}
+
+    def save_json(self, path: str) -> None:
+        with open(path, "w") as out:
+            json.dump(self.as_dict(), out, indent=2)
+
+
+def _log_softmax(logits: np.ndarray) -> np.ndarray:
+    logits = logits.astype(np.float64)
+    shifted = logits - logits.max(axis=-1, keepdims=True)
+    return shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
+
+
+class _Totals:
+    """Running sums for one format across windows."""
+
+    def __init__(self, n_layers: int):
+        self.key_error = np.zeros(n_layers)     # sums of squared errors per layer
+        self.value_error = np.zeros(n_layers)
+        self.kl = 0.0
+        self.agree = 0
+        self.nll = 0.0
+
+
+def evaluate(model, tokens: Sequence[int], formats: Sequence[FormatSpec] = DEFAULT_FORMATS,
+             context: Optional[int] = None, progress: bool = False) -> AccuracyReport:
+    """Compare cache formats against the fp32 cache on `tokens` (see the module text).
+    formats: dtype names or dicts of new_cache() options. context: tokens per window
+    (default: the model's context, at most 512)."""
+    tokens = np.asarray(tokens)
+    config = model.config
+    context = context or min(512, config.max_seq_len)
+    if not 2 <= context <= config.max_seq_len:
+        raise ValueError(f"context must be between 2 and the model's {config.max_seq_len} tokens")
+    if tokens.ndim != 1 or len(tokens) < 2:
+        raise ValueError("tokens must be a 1-D sequence of at least 2 token ids")
+    specs = [_options(spec) for spec in formats]
+    fmts = [model.cache_format(**spec) for spec in specs]    # checks every spec up front
+    windows = [tokens[i:i + context] for i in range(0, len(tokens) - 1, context)]
+    windows = [w for w in windows if len(w) >= 2]
+
+    exact = _Totals(config.n_layers)
+    totals = [_Totals(config.n_layers) for _ in specs]
+    key_norm, value_norm = np.zeros(config.n_layers), np.zeros(config.n_layers)
+    n_predicted = 0
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+        bar = tqdm(total=len(windows) * (len(specs) + 1), desc="cache formats", unit="run")
+    for window in windows:
+        targets = window[1:]
+        reference_cache = model.new_cache(len(window))
+        reference = _log_softmax(model.prefill(window, reference_cache, all_logits=True))[:-1]
+        p = np.exp(reference)
+        exact.nll -= reference[np.arange(len(targets)), targets].sum()
+        keys, values = reference_cache.keys.copy(), reference_cache.values.copy()
+        key_norm += (keys.astype(np.float64) ** 2).sum(axis=(1, 2, 3))
+        value_norm += (values.astype(np.float64) ** 2).sum(axis=(1, 2, 3))
+        n_predicted += len(targets)
+        if bar is not None:
+            bar.update(1)
+        for spec, fmt, total in zip(specs, fmts, totals):
+            options = {**spec, "window": min(fmt.window, len(window))}
+            # the same K and V, stored in this format and read back
+            stored = model.new_cache(len(window), **options)
+            stored.append(np.ascontiguousarray(keys.transpose(1, 0, 2, 3)),
+                          np.ascontiguousarray(values.transpose(1, 0, 2, 3)))
+            stored_keys, stored_values = stored.dequantized()
+            total.key_error += ((stored_keys - keys).astype(np.float64) ** 2).sum(axis=(1, 2, 3))
+            total.value_error += ((stored_values - values).astype(np.float64) ** 2).sum(axis=(1, 2, 3))
+            # the model run on a cache of this format
+            log_q = _log_softmax(model.prefill(window, model.new_cache(len(window), **options),
+                                               all_logits=True))[:-1]
+            total.kl += float((p * (reference - log_q)).sum())
+            total.agree += int((log_q.argmax(axis=-1) == reference.argmax(axis=-1)).sum())
+            total.nll -= log_q[np.arange(len(targets)), targets].sum()
+            if bar is not None:
+                bar.update(1)
+    if bar is not None:
+        bar.close()
+
+    exact_perplexity = float(np.exp(exact.nll / n_predicted))
+    results = []
+    for fmt, total in zip(fmts, totals):
+        perplexity = float(np.exp(total.nll / n_predicted))
+        results.append(FormatAccuracy(
+            name=fmt.name,
+            bytes_per_token=kv_bytes_per_token(config, fmt.key, value_dtype=fmt.value,
+                                               key_group=fmt.key_group or None,
+                                               value_group=fmt.value_group or None),
+            key_error=np.sqrt(total.key_error / np.maximum(key_norm, 1e-30)).tolist(),
+            value_error=np.sqrt(total.value_error / np.maximum(value_norm, 1e-30)).tolist(),
+            kl=total.kl / n_predicted,
+            top1=total.agree / n_predicted,
+            perplexity=perplexity,
+            perplexity_change=100.0 * (perplexity / exact_perplexity - 1.0)))
+    return AccuracyReport(model=config.name or model.source, n_tokens=n_predicted + len(windows),
+                          context=context, formats=results)
+
+
+def validation_tokens(model, path: str, n_tokens: Optional[int] = None) -> np.ndarray:
+    """The held-out part of the text file the bundled model was trained on (its model
+    card, assets/*.json, records the split), encoded as the model's tokens. The file is
+    read from disk, never downloaded: Tiny Shakespeare lives in ../shared/data here."""
+    from pathlib import Path
+    card = Path(model.source).with_suffix(".json")
+    if not card.is_file():
+        raise FileNotFoundError(f"{card}: no model card with a data split beside the model")
+    first, last = json.loads(card.read_text())["split"]["validation"]
+    data = Path(path).read_bytes()
+    if len(data) < last:
+        raise ValueError(f"{path} has {len(data):,} bytes; the model card's validation split "
+                         f"ends at byte {last:,}: is it the file the model was trained on?")
+    text = data[first:last].decode("utf-8", errors="replace")
+    ids = np.asarray(model.encode(text), dtype=np.int64)
+    return ids[:n_tokens] if n_tokens else ids
+
+
+def generated_tokens(model, n_tokens: int, prompt: Union[str, Sequence[int]] = "Once upon a time",
+                     seed: int = 0, temperature: float = 1.0) -> np.ndarray:
+    """Text the model wrote itself (sampled with an fp32 cache): for models without a
+    held-out split of their training data, such as stories260K."""
+    from .generate import generate
+    ids: List[int] = []
+    step = 0
+    while len(ids) < n_tokens:
+        want = min(n_tokens - len(ids), model.config.max_seq_len - 16)
+        out = generate(model, prompt, max_new_tokens=want, temperature=temperature,
+                       seed=seed + step, stop_at_eos=False)
+        ids.extend(out.prompt_tokens + out.tokens)
+        step += 1
+    return np.asarray(ids[:n_tokens], dtype=np.int64)
