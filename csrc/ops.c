@@ -108,13 +108,52 @@ void kv_rope(float *vec, int n_heads, int head_dim, const float *cos_table,
     }
 }
 
+/* e^x for eight values at once, x <= 0 (softmax only needs those): x = n ln 2 + r with
+ * |r| <= ln2 / 2, e^r from a degree-6 polynomial (Taylor terms, accurate to about one
+ * unit in the last place there), times 2^n built from its exponent bits. glibc's expf
+ * gives the same to within that last unit but one value at a time; attention calls this
+ * once per query head and position, so it is a quarter of a long decode step's time. */
+static inline v8f exp_nonpositive(v8f x) {
+    typedef int32_t v8i __attribute__((vector_size(32)));
+    const float log2e = 1.44269504088896341f, ln2_hi = 0.693359375f, ln2_lo = -2.12194440e-4f;
+    const float round_magic = 12582912.0f;   /* 1.5 * 2^23: adding it rounds to an integer */
+    v8i too_small = x < -87.0f;              /* e^-87 is below 2^-125: counts as 0 */
+    v8f floor87 = x * 0.0f - 87.0f;
+    x = (v8f)(((v8i)x & ~too_small) | ((v8i)floor87 & too_small));
+    v8f n = (x * log2e + round_magic) - round_magic;
+    v8f r = (x - n * ln2_hi) - n * ln2_lo;
+    v8f p = r * (1.0f / 720.0f) + 1.0f / 120.0f;
+    p = p * r + 1.0f / 24.0f;
+    p = p * r + 1.0f / 6.0f;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    v8i exponent = (__builtin_convertvector(n, v8i) + 127) << 23;   /* 2^n as a float */
+    v8f result = p * (v8f)exponent;
+    return (v8f)((v8i)result & ~too_small);
+}
+
 void kv_softmax(float *x, int n) {
     float max = x[0];
     for (int i = 1; i < n; i++) max = x[i] > max ? x[i] : max;
-    float sum = 0.0f;
-    for (int i = 0; i < n; i++) {
-        x[i] = expf(x[i] - max);
-        sum += x[i];
+    /* exponentials eight at a time, summed in eight lanes, then pairwise: one fixed order */
+    v8f lanes = {0};
+    int n8 = n & ~7;
+    for (int i = 0; i < n8; i += 8) {
+        v8f e = exp_nonpositive(load8(x + i) - max);
+        memcpy(x + i, &e, sizeof e);
+        lanes += e;
+    }
+    float sum = reduce_lanes(lanes);
+    if (n8 < n) {   /* the last few through one more padded chunk */
+        float tail[8] = {0};
+        for (int i = n8; i < n; i++) tail[i - n8] = x[i] - max;
+        for (int i = n - n8; i < 8; i++) tail[i] = -INFINITY;
+        v8f e = exp_nonpositive(load8(tail));
+        for (int i = n8; i < n; i++) {
+            x[i] = e[i - n8];
+            sum += x[i];
+        }
     }
     float inv_sum = 1.0f / sum;
     for (int i = 0; i < n; i++) x[i] *= inv_sum;

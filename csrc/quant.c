@@ -94,19 +94,25 @@ void kv_dequantize_bf16(float *x, const uint16_t *codes, size_t n) {
     for (size_t i = 0; i < n; i++) x[i] = bits_float((uint32_t)codes[i] << 16);
 }
 
+/* fmaxf and fminf as comparisons, which the compiler inlines (the libm calls cannot be,
+ * since they promise things about NaN that a plain max instruction does not). With
+ * `bound` a number, both give what fmaxf/fminf give, NaN x included: the bound. */
+static inline float at_least(float x, float bound) { return x > bound ? x : bound; }
+static inline float at_most(float x, float bound) { return x < bound ? x : bound; }
+
 /* ---- int8: symmetric, one scale per group ---------------------------------------------------- */
 
 void kv_quantize_i8(int8_t *codes, float *scales, const float *x, size_t n, int group) {
     for (size_t g = 0; g < n / (size_t)group; g++) {
         const float *v = x + g * group;
         float largest = 0.0f;
-        for (int i = 0; i < group; i++) largest = fmaxf(largest, fabsf(v[i]));
+        for (int i = 0; i < group; i++) largest = at_least(fabsf(v[i]), largest);
         float scale = largest / 127.0f;
         scales[g] = scale;
         float divisor = scale > 0.0f ? scale : 1.0f;   /* an all-zero group stays zero */
         for (int i = 0; i < group; i++) {
             float code = nearbyintf(v[i] / divisor);
-            codes[g * group + i] = (int8_t)fminf(fmaxf(code, -127.0f), 127.0f);
+            codes[g * group + i] = (int8_t)at_most(at_least(code, -127.0f), 127.0f);
         }
     }
 }
@@ -126,16 +132,16 @@ void kv_quantize_i4(uint8_t *codes, float *scales, float *zeros, const float *x,
         const float *v = x + g * group;
         float low = v[0], high = v[0];
         for (int i = 1; i < group; i++) {
-            low = fminf(low, v[i]);
-            high = fmaxf(high, v[i]);
+            low = at_most(v[i], low);
+            high = at_least(v[i], high);
         }
         float scale = (high - low) / 15.0f;
         scales[g] = scale;
         zeros[g] = low;
         float divisor = scale > 0.0f ? scale : 1.0f;
         for (int i = 0; i < group; i += 2) {
-            float c0 = fminf(fmaxf(nearbyintf((v[i] - low) / divisor), 0.0f), 15.0f);
-            float c1 = fminf(fmaxf(nearbyintf((v[i + 1] - low) / divisor), 0.0f), 15.0f);
+            float c0 = at_most(at_least(nearbyintf((v[i] - low) / divisor), 0.0f), 15.0f);
+            float c1 = at_most(at_least(nearbyintf((v[i + 1] - low) / divisor), 0.0f), 15.0f);
             codes[(g * group + i) / 2] = (uint8_t)((uint8_t)c0 | ((uint8_t)c1 << 4));
         }
     }
@@ -160,7 +166,7 @@ uint8_t kv_f32_to_e4m3(float value) {
     uint8_t sign = (uint8_t)((float_bits(value) >> 24) & 0x80);
     if (isnan(value)) return sign | 0x7F;
     /* e4m3 has no infinity: anything beyond the largest value, 448, saturates to it */
-    float magnitude = fminf(fabsf(value), 448.0f);
+    float magnitude = at_most(fabsf(value), 448.0f);
     if (magnitude < 0.015625f) {
         /* below the smallest normal (2^-6) codes are multiples of 2^-9; 8 * 2^-9 rounds up
          * into the first normal code, which is 8 too */
@@ -182,7 +188,7 @@ void kv_quantize_fp8(uint8_t *codes, float *scales, const float *x, size_t n, in
     for (size_t g = 0; g < n / (size_t)group; g++) {
         const float *v = x + g * group;
         float largest = 0.0f;
-        for (int i = 0; i < group; i++) largest = fmaxf(largest, fabsf(v[i]));
+        for (int i = 0; i < group; i++) largest = at_least(fabsf(v[i]), largest);
         float scale = largest / 448.0f;
         scales[g] = scale;
         float divisor = scale > 0.0f ? scale : 1.0f;
