@@ -35,56 +35,103 @@ size_t kv_attention_scratch(int n_heads, int n_kv_heads, int head_dim, int max_p
 
 /* A tile of n consecutive head rows, as attention's inner loops read them: float32 rows
  * (in the cache itself, or decoded into the tile buffer), or codes turned into floats
- * eight at a time in registers: int8 with one scale per row, fp16 or bf16. The values
- * are exactly what dequantizing gives (csrc/quant.c), so both ways produce the same
- * bits, and only the memory read differs: a half or a quarter of fp32's. */
-enum { ROWS_F32, ROWS_I8, ROWS_F16, ROWS_BF16 };
+ * eight at a time in registers: fp16, bf16, and int8, int4 and fp8 whose groups are
+ * the whole head or a power of two of at least 8 values (so eight values share one
+ * scale, found with a shift). The values are exactly what dequantizing gives
+ * (csrc/quant.c), so both ways produce the same bits, and only the memory read differs:
+ * a half to an eighth of fp32's, plus the scales. */
+enum { ROWS_F32, ROWS_I8, ROWS_F16, ROWS_BF16, ROWS_I4, ROWS_FP8 };
 
 typedef struct {
     const float *floats;     /* (n, head_dim) float32 (ROWS_F32) */
-    const void *codes;       /* (n, head_dim) codes (the others) */
-    const float *scales;     /* (n,) one scale per row (ROWS_I8) */
+    const uint8_t *codes;    /* (n, head_bytes) codes (the others) */
+    const float *scales;     /* (n, groups_per_head) */
+    const float *zeros;      /* (n, groups_per_head), int4 only */
+    int groups_per_head;
+    int group_shift;         /* value i of a row is in group i >> group_shift */
 } tile_rows;
 
 #define ALWAYS_INLINE inline __attribute__((always_inline))
 
+typedef uint32_t v8u32 __attribute__((vector_size(32)));
+
+static ALWAYS_INLINE v8f as_floats(v8u32 bits) {
+    v8f chunk;
+    memcpy(&chunk, &bits, sizeof chunk);
+    return chunk;
+}
+
+/* eight bytes, each widened to 32 bits (signed or not) */
+static ALWAYS_INLINE v8u32 widen_bytes(const uint8_t *bytes, int is_signed) {
+    v8u32 wide;
+#ifdef __AVX2__
+    /* one widening load: gcc does not find it by itself and would widen byte by byte */
+    __m128i packed = _mm_loadl_epi64((const __m128i *)bytes);
+    __m256i widened = is_signed ? _mm256_cvtepi8_epi32(packed) : _mm256_cvtepu8_epi32(packed);
+    memcpy(&wide, &widened, sizeof wide);
+#else
+    for (int j = 0; j < 8; j++) wide[j] = is_signed ? (uint32_t)(int32_t)(int8_t)bytes[j] : bytes[j];
+#endif
+    return wide;
+}
+
 /* values i .. i+7 of row r */
 static ALWAYS_INLINE v8f load_chunk(const tile_rows *rows, int r, int i, int head_dim,
                                     int kind) {
-    size_t at = (size_t)r * head_dim + i;
-    v8f chunk;
+    if (kind == ROWS_F32) return load8(rows->floats + (size_t)r * head_dim + i);
+    size_t group = (size_t)r * rows->groups_per_head + (size_t)(i >> rows->group_shift);
     if (kind == ROWS_I8) {
-        const int8_t *codes = (const int8_t *)rows->codes + at;
+        v8u32 codes = widen_bytes(rows->codes + (size_t)r * head_dim + i, 1);
+        typedef int32_t v8i32 __attribute__((vector_size(32)));
+        return __builtin_convertvector((v8i32)codes, v8f) * rows->scales[group];
+    }
+    if (kind == ROWS_FP8) {   /* the bit trick of kv_dequantize_fp8, eight lanes at once */
+        v8u32 codes = widen_bytes(rows->codes + (size_t)r * head_dim + i, 0);
+        v8f magnitude = as_floats((codes & 0x7F) << 20) * 0x1p120f;
+        v8u32 nan = (v8u32)((codes & 0x7F) == 0x7F);
+        v8u32 bits = (((v8u32)magnitude & ~nan) | (0x7FC00000u & nan)) | ((codes & 0x80) << 24);
+        return as_floats(bits) * rows->scales[group];
+    }
+    if (kind == ROWS_I4) {    /* four bytes hold the eight codes, the even one low */
+        const uint8_t *packed = rows->codes + ((size_t)r * head_dim + i) / 2;
+        v8u32 shift = {0, 4, 0, 4, 0, 4, 0, 4}, codes;
 #ifdef __AVX2__
-        /* one sign-extending load and one conversion; gcc does not find these two
-         * instructions by itself and would convert the eight codes one by one */
-        __m256 values = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)codes)));
-        memcpy(&chunk, &values, sizeof chunk);
+        int32_t four;
+        memcpy(&four, packed, sizeof four);
+        __m128i bytes = _mm_cvtsi32_si128(four);
+        __m256i twice = _mm256_cvtepu8_epi32(_mm_unpacklo_epi8(bytes, bytes));  /* b0 b0 b1 b1 .. */
+        memcpy(&codes, &twice, sizeof codes);
 #else
-        for (int j = 0; j < 8; j++) chunk[j] = (float)codes[j];
+        for (int j = 0; j < 8; j++) codes[j] = packed[j / 2];
 #endif
-        return chunk * rows->scales[r];
+        codes = (codes >> shift) & 0x0F;
+        typedef int32_t v8i32 __attribute__((vector_size(32)));
+        return __builtin_convertvector((v8i32)codes, v8f) * rows->scales[group] + rows->zeros[group];
     }
+    const uint16_t *halves = (const uint16_t *)rows->codes + (size_t)r * head_dim + i;
     if (kind == ROWS_F16) {
-        const uint16_t *codes = (const uint16_t *)rows->codes + at;
 #ifdef __F16C__
-        __m256 values = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)codes));  /* exact */
+        __m256 values = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)halves));  /* exact */
+        v8f chunk;
         memcpy(&chunk, &values, sizeof chunk);
+        return chunk;
 #else
-        for (int j = 0; j < 8; j++) chunk[j] = kv_f16_to_f32(codes[j]);
-#endif
-        return chunk;
-    }
-    if (kind == ROWS_BF16) {
+        /* the bit trick of kv_dequantize_f16, eight lanes at once */
         typedef uint16_t v8u16 __attribute__((vector_size(16)));
-        typedef uint32_t v8u32 __attribute__((vector_size(32)));
-        v8u16 codes;
-        memcpy(&codes, (const uint16_t *)rows->codes + at, sizeof codes);
-        v8u32 bits = __builtin_convertvector(codes, v8u32) << 16;   /* bf16 is a float's top half */
-        memcpy(&chunk, &bits, sizeof chunk);
-        return chunk;
+        v8u16 packed;
+        memcpy(&packed, halves, sizeof packed);
+        v8u32 codes = __builtin_convertvector(packed, v8u32);
+        v8u32 magnitude = (codes & 0x7FFF) << 13;
+        v8u32 special = (v8u32)((codes & 0x7C00) == 0x7C00);          /* inf and NaN */
+        v8u32 bits = ((v8u32)(as_floats(magnitude) * 0x1p112f) & ~special) |
+                     ((magnitude | 0x7F800000u) & special);
+        return as_floats(bits | ((codes & 0x8000) << 16));
+#endif
     }
-    return load8(rows->floats + at);
+    typedef uint16_t v8u16 __attribute__((vector_size(16)));   /* bf16: a float's top half */
+    v8u16 codes;
+    memcpy(&codes, halves, sizeof codes);
+    return as_floats(__builtin_convertvector(codes, v8u32) << 16);
 }
 
 /* att[m][pos + r] = q_m . row_r * scale for the kv_mul queries and n rows: each row is
@@ -186,12 +233,15 @@ KERNELS(f32, ROWS_F32)
 KERNELS(i8, ROWS_I8)
 KERNELS(f16, ROWS_F16)
 KERNELS(bf16, ROWS_BF16)
+KERNELS(i4, ROWS_I4)
+KERNELS(fp8, ROWS_FP8)
 
 typedef void (*score_kernel)(float *, size_t, int, const float *, int, int, const tile_rows *,
                              int, float);
 typedef void (*mix_kernel)(float *, const float *, size_t, int, int, int, const tile_rows *, int);
-static const score_kernel score_kernels[] = {score_f32, score_i8, score_f16, score_bf16};
-static const mix_kernel mix_kernels[] = {mix_f32, mix_i8, mix_f16, mix_bf16};
+static const score_kernel score_kernels[] = {score_f32, score_i8, score_f16, score_bf16,
+                                             score_i4, score_fp8};
+static const mix_kernel mix_kernels[] = {mix_f32, mix_i8, mix_f16, mix_bf16, mix_i4, mix_fp8};
 
 /* Head `head` of n consecutive positions pos .. pos + n - 1 (slots slot .. slot + n - 1
  * of one block), as a query at query_pos reads them: fp32, fp16, bf16 rows and int8
@@ -212,12 +262,21 @@ static int head_rows(const kv_layer_view *view, int is_value, int head, int pos,
         }
         rows->codes = codes;
         if (head_dim % 8 == 0) {
-            if (store->format == KV_FMT_I8 && store->groups_per_head == 1) {
-                rows->scales = store->scales + index;
-                return ROWS_I8;
-            }
             if (store->format == KV_FMT_F16) return ROWS_F16;
             if (store->format == KV_FMT_BF16) return ROWS_BF16;
+            /* eight values must share a scale: one group per head, or groups of 2^k >= 8 */
+            int shift = 31;
+            if (store->groups_per_head > 1)
+                for (shift = 3; (1 << shift) < store->group; shift++) {}
+            if (store->groups_per_head == 1 || (1 << shift) == store->group) {
+                rows->scales = store->scales + index * store->groups_per_head;
+                rows->zeros = store->zeros ? store->zeros + index * store->groups_per_head : NULL;
+                rows->groups_per_head = store->groups_per_head;
+                rows->group_shift = shift;
+                if (store->format == KV_FMT_I8) return ROWS_I8;
+                if (store->format == KV_FMT_I4) return ROWS_I4;
+                if (store->format == KV_FMT_FP8) return ROWS_FP8;
+            }
         }
     }
     for (int r = 0; r < n; r++) {

@@ -7,6 +7,7 @@
     logits = model.prefill(model.encode("ROMEO:"), cache)
     cache.keys.shape                                      # (n_layers, length, n_kv_heads, head_dim)
     pool = model.new_paged_pool(num_blocks=64, block_size=16)   # the paged cache
+    small = model.new_cache(256, "int8")                 # K and V stored in 8 bits
 
 The C core (csrc/) runs the model; kvlab.reference is the same math in plain NumPy.
 """
@@ -15,6 +16,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Union
 
+from . import accuracy, quant
 from ._core import core as _core
 from .config import ModelConfig
 from .errors import (CacheFullError, CheckpointError, ConfigError, KVLabError, OutOfBlocks,
