@@ -100,16 +100,21 @@ void kv_dequantize_bf16(float *x, const uint16_t *codes, size_t n) {
 static inline float at_least(float x, float bound) { return x > bound ? x : bound; }
 static inline float at_most(float x, float bound) { return x < bound ? x : bound; }
 
+/* The scale of a symmetric group: its largest magnitude maps to the largest code. Stores
+ * it, and returns what to divide by (1 for an all-zero group, which stays zero). */
+static float symmetric_scale(float *scale, const float *v, int group, float largest_code) {
+    float largest = 0.0f;
+    for (int i = 0; i < group; i++) largest = at_least(fabsf(v[i]), largest);
+    *scale = largest / largest_code;
+    return *scale > 0.0f ? *scale : 1.0f;
+}
+
 /* ---- int8: symmetric, one scale per group ---------------------------------------------------- */
 
 void kv_quantize_i8(int8_t *codes, float *scales, const float *x, size_t n, int group) {
     for (size_t g = 0; g < n / (size_t)group; g++) {
         const float *v = x + g * group;
-        float largest = 0.0f;
-        for (int i = 0; i < group; i++) largest = at_least(fabsf(v[i]), largest);
-        float scale = largest / 127.0f;
-        scales[g] = scale;
-        float divisor = scale > 0.0f ? scale : 1.0f;   /* an all-zero group stays zero */
+        float divisor = symmetric_scale(&scales[g], v, group, 127.0f);
         for (int i = 0; i < group; i++) {
             float code = nearbyintf(v[i] / divisor);
             codes[g * group + i] = (int8_t)at_most(at_least(code, -127.0f), 127.0f);
@@ -187,11 +192,7 @@ float kv_e4m3_to_f32(uint8_t bits) {
 void kv_quantize_fp8(uint8_t *codes, float *scales, const float *x, size_t n, int group) {
     for (size_t g = 0; g < n / (size_t)group; g++) {
         const float *v = x + g * group;
-        float largest = 0.0f;
-        for (int i = 0; i < group; i++) largest = at_least(fabsf(v[i]), largest);
-        float scale = largest / 448.0f;
-        scales[g] = scale;
-        float divisor = scale > 0.0f ? scale : 1.0f;
+        float divisor = symmetric_scale(&scales[g], v, group, 448.0f);
         for (int i = 0; i < group; i++) codes[g * group + i] = kv_f32_to_e4m3(v[i] / divisor);
     }
 }
