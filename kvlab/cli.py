@@ -126,11 +126,13 @@ def cmd_generate(args) -> int:
     model = _load(args)
     out = kvlab.generate(model, args.prompt, args.max_new_tokens, use_cache=not args.no_cache,
                          temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                         seed=args.seed, progress=False)
+                         seed=args.seed, progress=False, cache_dtype=args.cache_dtype,
+                         window=args.window)
     print(out.text)
+    cache = (f"{args.cache_dtype} KV cache of {out.cache_nbytes:,} B" if out.use_cache
+             else "without KV cache")
     print(f"\n[{len(out.tokens)} tokens in {out.seconds:.3f} s, "
-          f"{out.tokens_per_second:,.1f} tokens/s, {'with' if out.use_cache else 'without'} "
-          f"KV cache]", file=sys.stderr)
+          f"{out.tokens_per_second:,.1f} tokens/s, {cache}]", file=sys.stderr)
     return 0
 
 
@@ -184,6 +186,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=None)
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--no-cache", action="store_true", help="recompute everything each step")
+    gen.add_argument("--cache-dtype", default="fp32",
+                     choices=["fp32", "fp16", "bf16", "int8", "int4", "fp8"],
+                     help="how the KV cache stores K and V (default fp32)")
+    gen.add_argument("--window", type=int, default=0,
+                     help="keep the most recent N positions in fp32 (quantized caches)")
     gen.set_defaults(func=cmd_generate)
 
     info = sub.add_parser("info", help="print a model's shape and sizes")

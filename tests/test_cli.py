@@ -25,6 +25,15 @@ def test_generate_and_info(capsys):
     assert "parameters" in capsys.readouterr().out
 
 
+def test_generate_on_a_quantized_cache(capsys):
+    args = ["generate", "--prompt", "KING:", "--max-new-tokens", "20", "--cache-dtype", "int8"]
+    assert cli.main(args) == 0
+    captured = capsys.readouterr()
+    assert captured.out.startswith("KING:")
+    # 24 positions of int8 K and V (16 codes + a 4-byte scale per head), 6 layers, 2 heads
+    assert f"int8 KV cache of {24 * 6 * 2 * 2 * 20:,} B" in captured.err
+
+
 def test_missing_checkpoint_is_a_clean_error(capsys, tmp_path):
     assert cli.main(["info", "--model", str(tmp_path / "nope.bin")]) == 2
     assert "error" in capsys.readouterr().err
