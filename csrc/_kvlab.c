@@ -1394,6 +1394,121 @@ static PyObject *model_forward(ModelObject *self, PyObject *args, PyObject *kwds
     return logits;
 }
 
+/* forward_batch(seqs, tokens, n_tokens, counters=None): one engine step (see
+ * kv_model_forward_batch). seqs: PagedSequence handles of one pool; tokens: int32, the
+ * sequences' new tokens one after another; n_tokens: how many belong to each. */
+static PyObject *model_forward_batch(ModelObject *self, PyObject *args, PyObject *kwds) {
+    static char *kwlist[] = {"seqs", "tokens", "n_tokens", "counters", NULL};
+    PyObject *seqs_obj, *tokens_obj, *counts_obj, *counters_obj = Py_None;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOO|O", kwlist, &seqs_obj, &tokens_obj,
+                                     &counts_obj, &counters_obj))
+        return NULL;
+    if (check_counters(counters_obj) < 0) return NULL;
+    if (self->model.weights.token_embedding == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "Model was not initialized");
+        return NULL;
+    }
+    if (check_tokens(self, tokens_obj) < 0) return NULL;
+    PyObject *seqs = PySequence_Fast(seqs_obj, "seqs must be a list of PagedSequence handles");
+    if (seqs == NULL) return NULL;
+    PyObject *result = NULL, *logits = NULL;
+    int *slots = NULL, *counts = NULL;
+    int32_t *ids = NULL;
+    Py_ssize_t n_seqs = PySequence_Fast_GET_SIZE(seqs);
+    PyArrayObject *tokens = (PyArrayObject *)tokens_obj;
+    const kv_config *c = &self->model.config;
+    PoolObject *pool = NULL;
+    if (n_seqs < 1 || n_seqs > (1 << 20)) {
+        PyErr_SetString(PyExc_ValueError, "seqs must hold at least one sequence");
+        goto done;
+    }
+    if (!PyArray_Check(counts_obj) || PyArray_TYPE((PyArrayObject *)counts_obj) != NPY_INT32 ||
+        PyArray_NDIM((PyArrayObject *)counts_obj) != 1 ||
+        PyArray_DIM((PyArrayObject *)counts_obj, 0) != n_seqs ||
+        !PyArray_IS_C_CONTIGUOUS((PyArrayObject *)counts_obj) ||
+        !PyArray_ISALIGNED((PyArrayObject *)counts_obj) ||
+        !PyArray_ISNOTSWAPPED((PyArrayObject *)counts_obj)) {
+        PyErr_Format(PyExc_TypeError, "n_tokens must be a 1-D int32 array with one count per "
+                     "sequence (%zd)", n_seqs);
+        goto done;
+    }
+    slots = PyMem_Malloc((size_t)n_seqs * sizeof(int));
+    counts = PyMem_Malloc((size_t)n_seqs * sizeof(int));
+    if (slots == NULL || counts == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    long total = 0;
+    for (Py_ssize_t i = 0; i < n_seqs; i++) {
+        PyObject *item = PySequence_Fast_GET_ITEM(seqs, i);
+        if (!PyObject_TypeCheck(item, &SequenceType)) {
+            PyErr_Format(PyExc_TypeError, "seqs[%zd] is a %s, not a PagedSequence", i,
+                         Py_TYPE(item)->tp_name);
+            goto done;
+        }
+        PoolObject *owner = ((SequenceObject *)item)->pool;
+        if (pool == NULL) pool = owner;
+        if (owner != pool) {
+            PyErr_SetString(PyExc_ValueError, "every sequence of a batch must come from one pool");
+            goto done;
+        }
+        if ((slots[i] = resolve_sequence(pool, item)) < 0) goto done;
+        for (Py_ssize_t j = 0; j < i; j++) {
+            if (slots[j] == slots[i]) {
+                PyErr_Format(PyExc_ValueError, "seqs[%zd] and seqs[%zd] are the same sequence", j, i);
+                goto done;
+            }
+        }
+        counts[i] = ((const int32_t *)PyArray_DATA((PyArrayObject *)counts_obj))[i];
+        if (counts[i] < 1) {
+            PyErr_Format(PyExc_ValueError, "n_tokens[%zd] is %d: every sequence needs at least "
+                         "one new token", i, counts[i]);
+            goto done;
+        }
+        total += counts[i];
+    }
+    if (total != PyArray_DIM(tokens, 0)) {
+        PyErr_Format(PyExc_ValueError, "n_tokens adds up to %ld but tokens holds %zd", total,
+                     (Py_ssize_t)PyArray_DIM(tokens, 0));
+        goto done;
+    }
+    if (pool_refuse_if_busy(pool) < 0) goto done;
+    if (kv_pool_check_fits(&pool->pool, c) != KV_OK) {
+        PyErr_SetString(PyExc_ValueError, "this pool was made for a different model shape");
+        goto done;
+    }
+    npy_intp dims[2] = {n_seqs, c->vocab_size};
+    logits = PyArray_SimpleNew(2, dims, NPY_FLOAT32);
+    ids = PyMem_Malloc((size_t)total * sizeof(int32_t));
+    if (logits == NULL || ids == NULL) {
+        if (ids == NULL) PyErr_NoMemory();
+        goto done;
+    }
+    memcpy(ids, PyArray_DATA(tokens), (size_t)total * sizeof(int32_t));
+    kv_status status;
+    kv_counters count = {0};
+    pool->busy = 1;
+    Py_BEGIN_ALLOW_THREADS
+    status = kv_model_forward_batch(&self->model, &pool->pool, (int)n_seqs, slots, counts, ids,
+                                    (float *)PyArray_DATA((PyArrayObject *)logits), &count);
+    Py_END_ALLOW_THREADS
+    pool->busy = 0;
+    if (status != KV_OK) {
+        raise_pool_status(pool, status, (int)total);
+        goto done;
+    }
+    add_to_counters(counters_obj, &count);
+    result = logits;
+    logits = NULL;
+done:
+    Py_XDECREF(logits);
+    Py_DECREF(seqs);
+    PyMem_Free(slots);
+    PyMem_Free(counts);
+    PyMem_Free(ids);
+    return result;
+}
+
 static PyMethodDef model_methods[] = {
     {"forward", (PyCFunction)(void (*)(void))model_forward, METH_VARARGS | METH_KEYWORDS,
      "forward(tokens, cache=None, all_logits=False, counters=None) -> logits\n\n"
@@ -1402,6 +1517,13 @@ static PyMethodDef model_methods[] = {
      "from position 0 in throw-away scratch (the no-cache path). Returns float32 logits\n"
      "(len(tokens), vocab) if all_logits else the last row (vocab,). counters: an int64\n"
      "array named by COUNTERS that gets what the call did (FLOPs, bytes) added to it."},
+    {"forward_batch", (PyCFunction)(void (*)(void))model_forward_batch,
+     METH_VARARGS | METH_KEYWORDS,
+     "forward_batch(seqs, tokens, n_tokens, counters=None) -> logits (len(seqs), vocab)\n\n"
+     "One step of a batching engine: seqs are PagedSequences of one pool; tokens (int32)\n"
+     "holds their new tokens one sequence after another, n_tokens (int32) how many each.\n"
+     "Every weight matrix is read once for the whole batch; each row of logits is its\n"
+     "sequence's last new token's, bit-identical to running that sequence alone."},
     {NULL}
 };
 

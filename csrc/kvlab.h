@@ -297,6 +297,17 @@ kv_status kv_model_forward_paged(const kv_model *model, kv_pool *pool, int seq,
                                  const int32_t *tokens, int n_tokens, float *logits,
                                  int all_logits, kv_counters *counters);
 
+/* One step of a continuous-batching engine: n_seqs sequences of one pool, each with
+ * n_tokens[i] new tokens (a chunk of its prompt, or one decode token), concatenated in
+ * `tokens`, run through the model together. Every weight matrix is read once for the whole
+ * batch (matrix-matrix); attention is each sequence's own. logits gets one row per
+ * sequence, (n_seqs, vocab_size): its last new token's. Each sequence's results are
+ * bit-identical to running it alone. The sequences must be distinct; blocks for all of
+ * them are checked first, so on KV_ERR_OUT_OF_BLOCKS (or any error) the pool is as it was. */
+kv_status kv_model_forward_batch(const kv_model *model, kv_pool *pool, int n_seqs,
+                                 const int *seqs, const int *n_tokens, const int32_t *tokens,
+                                 float *logits, kv_counters *counters);
+
 /* Checks that every token id is in [0, vocab_size). */
 kv_status kv_check_tokens(const kv_config *config, const int32_t *tokens, int n_tokens);
 

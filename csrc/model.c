@@ -72,6 +72,15 @@ kv_status kv_model_check(const kv_model *model) {
     return KV_OK;
 }
 
+/* One sequence's part of a forward call: n_tokens new tokens at positions start_pos ..
+ * start_pos + n_tokens - 1, rows first .. first + n_tokens - 1 of the call's activations.
+ * A call runs one sequence (prefill or decode), or a batch of them (kv_model_forward_batch). */
+typedef struct {
+    int first;
+    int n_tokens;
+    int start_pos;
+} token_run;
+
 /* Activations for one forward call over n_tokens tokens. */
 typedef struct {
     float *x;         /* (n_tokens, dim) residual stream */
@@ -88,24 +97,28 @@ typedef struct {
     float *scores;    /* (n_threads, attention scratch): one KV head's group of query heads'
                          attention weights, and rows to dequantize K and V into */
     size_t score_stride;
-    int max_positions; /* positions the last new token sees */
+    int max_positions; /* positions the furthest new token sees */
     int n_threads;    /* threads of this call's attention loops: one scores row each */
     float *block;     /* the single allocation all of the above point into */
-    kv_layer_view *views;  /* (n_layers,) where each layer's K and V live */
+    int n_runs;
+    token_run *runs;       /* (n_runs,) */
+    kv_layer_view *views;  /* (n_layers, n_runs) where each run's K and V live, per layer */
     kv_counters count;     /* what this call did, handed to the caller if it succeeds */
 } run_state;
 
 static void run_state_free(run_state *s) {
     free(s->block);
     free(s->views);
+    free(s->runs);
     s->block = NULL;
     s->views = NULL;
+    s->runs = NULL;
 }
 
 static size_t round_up16(size_t n) { return (n + 15) & ~(size_t)15; }
 
 static kv_status run_state_alloc(run_state *s, const kv_config *c, int n_tokens,
-                                 int max_positions) {
+                                 int max_positions, int n_runs) {
     size_t T = (size_t)n_tokens, q_dim = (size_t)c->n_heads * c->head_dim;
     size_t kv_dim = (size_t)c->n_kv_heads * c->head_dim, half = (size_t)c->head_dim / 2;
     s->score_stride = kv_attention_scratch(c->n_heads, c->n_kv_heads, c->head_dim, max_positions);
@@ -120,8 +133,10 @@ static kv_status run_state_alloc(run_state *s, const kv_config *c, int n_tokens,
     for (size_t i = 0; i < sizeof sizes / sizeof sizes[0]; i++) total += round_up16(sizes[i]);
     s->count.scratch_bytes = (int64_t)(total * sizeof(float));
     s->block = kv_alloc_floats(total);
-    s->views = malloc((size_t)c->n_layers * sizeof *s->views);
-    if (s->block == NULL || s->views == NULL) return KV_ERR_NOMEM;
+    s->n_runs = n_runs;
+    s->runs = calloc((size_t)n_runs, sizeof *s->runs);
+    s->views = malloc((size_t)c->n_layers * n_runs * sizeof *s->views);
+    if (s->block == NULL || s->views == NULL || s->runs == NULL) return KV_ERR_NOMEM;
     float *next = s->block;
     for (size_t i = 0; i < sizeof sizes / sizeof sizes[0]; i++) {
         *slots[i] = next;
@@ -130,15 +145,21 @@ static kv_status run_state_alloc(run_state *s, const kv_config *c, int n_tokens,
     return KV_OK;
 }
 
+static kv_layer_view *view_of(run_state *s, int layer, int run) {
+    return &s->views[(size_t)layer * s->n_runs + run];
+}
+
 /* cos and sin of pos * inv_freq[i] for each new token's position */
-static void fill_rope_tables(run_state *s, const kv_model *m, int start_pos, int n_tokens) {
+static void fill_rope_tables(run_state *s, const kv_model *m) {
     int half = m->config.head_dim / 2;
-    for (int t = 0; t < n_tokens; t++) {
-        float pos = (float)(start_pos + t);
-        for (int i = 0; i < half; i++) {
-            float angle = pos * m->weights.rope_inv_freq[i];
-            s->rope_cos[(size_t)t * half + i] = cosf(angle);
-            s->rope_sin[(size_t)t * half + i] = sinf(angle);
+    for (int r = 0; r < s->n_runs; r++) {
+        for (int t = s->runs[r].first; t < s->runs[r].first + s->runs[r].n_tokens; t++) {
+            float pos = (float)(s->runs[r].start_pos + t - s->runs[r].first);
+            for (int i = 0; i < half; i++) {
+                float angle = pos * m->weights.rope_inv_freq[i];
+                s->rope_cos[(size_t)t * half + i] = cosf(angle);
+                s->rope_sin[(size_t)t * half + i] = sinf(angle);
+            }
         }
     }
 }
@@ -153,7 +174,8 @@ static void add_rows(float *x, const float *delta, size_t count) {
     for (size_t i = 0; i < count; i++) x[i] += delta[i];
 }
 
-/* out = W x for every token, with its FLOPs counted in *flops and W's bytes as read */
+/* out = W x for every token, with its FLOPs counted in *flops and W's bytes as read:
+ * one pass over W for the whole batch, whichever sequences the tokens belong to */
 static void project(run_state *s, int64_t *flops, float *out, const float *x, const float *w,
                     int n_tokens, int in_dim, int out_dim) {
     kv_matmul(out, x, w, n_tokens, in_dim, out_dim);
@@ -179,11 +201,35 @@ static void count_attention(run_state *s, const kv_config *c, const kv_layer_vie
         s->count.kv_write_bytes += 2 * full_row * (n_tokens < view->window ? n_tokens : view->window);
 }
 
-static void attention_block(const kv_model *m, run_state *s, int layer, int start_pos,
-                            int n_tokens) {
+/* Attention of every run over its own sequence. One run (a prefill or a decode) spreads
+ * its (token, KV head) pairs over the threads; a batch gives each thread whole runs, with
+ * a scratch row of its own, since one decode token alone is too little work to split. */
+static void attend_runs(const kv_config *c, run_state *s, int layer) {
+    size_t q_dim = (size_t)c->n_heads * c->head_dim;
+    if (s->n_runs == 1) {
+        token_run *run = &s->runs[0];
+        kv_attention(s->att_out, s->q, view_of(s, layer, 0), run->n_tokens, run->start_pos,
+                     c->n_heads, c->n_kv_heads, c->head_dim, s->scores, s->score_stride,
+                     s->max_positions, s->n_threads);
+        return;
+    }
+    long work = 0;
+    for (int r = 0; r < s->n_runs; r++)
+        work += (long)s->runs[r].n_tokens * (s->runs[r].start_pos + s->runs[r].n_tokens);
+    #pragma omp parallel for schedule(dynamic) num_threads(s->n_threads) \
+        if (work * c->n_heads * c->head_dim >= KV_PARALLEL_MIN_WORK)
+    for (int r = 0; r < s->n_runs; r++) {
+        token_run *run = &s->runs[r];
+        float *scratch = s->scores + (size_t)omp_get_thread_num() * s->score_stride;
+        kv_attention(s->att_out + run->first * q_dim, s->q + run->first * q_dim,
+                     view_of(s, layer, r), run->n_tokens, run->start_pos, c->n_heads,
+                     c->n_kv_heads, c->head_dim, scratch, s->score_stride, s->max_positions, 1);
+    }
+}
+
+static void attention_block(const kv_model *m, run_state *s, int layer, int n_tokens) {
     const kv_config *c = &m->config;
     const kv_weights *w = &m->weights;
-    const kv_layer_view *view = &s->views[layer];
     size_t q_dim = (size_t)c->n_heads * c->head_dim, kv_dim = (size_t)c->n_kv_heads * c->head_dim;
     size_t dim = (size_t)c->dim, half = (size_t)c->head_dim / 2;
 
@@ -193,23 +239,32 @@ static void attention_block(const kv_model *m, run_state *s, int layer, int star
     project(s, flops, s->q, s->xb, w->wq + layer * q_dim * dim, n_tokens, c->dim, (int)q_dim);
     project(s, flops, s->k, s->xb, w->wk + layer * kv_dim * dim, n_tokens, c->dim, (int)kv_dim);
     project(s, flops, s->v, s->xb, w->wv + layer * kv_dim * dim, n_tokens, c->dim, (int)kv_dim);
-    for (int t = 0; t < n_tokens; t++) {
-        const float *cos_t = s->rope_cos + t * half, *sin_t = s->rope_sin + t * half;
-        kv_rope(s->q + t * q_dim, c->n_heads, c->head_dim, cos_t, sin_t, c->rope_interleaved);
-        kv_rope(s->k + t * kv_dim, c->n_kv_heads, c->head_dim, cos_t, sin_t,
-                c->rope_interleaved);
-        /* This is the moment a token's K and V are computed: once, and kept (quantized
-         * here if the cache stores fewer bits). */
-        size_t slot = kv_view_slot(view, start_pos + t);
-        kv_store_write(view->key, layer, slot, s->k + t * kv_dim);
-        kv_store_write(view->value, layer, slot, s->v + t * kv_dim);
+    for (int r = 0; r < s->n_runs; r++) {
+        const token_run *run = &s->runs[r];
+        const kv_layer_view *view = view_of(s, layer, r);
+        for (int t = run->first; t < run->first + run->n_tokens; t++) {
+            const float *cos_t = s->rope_cos + t * half, *sin_t = s->rope_sin + t * half;
+            kv_rope(s->q + t * q_dim, c->n_heads, c->head_dim, cos_t, sin_t, c->rope_interleaved);
+            kv_rope(s->k + t * kv_dim, c->n_kv_heads, c->head_dim, cos_t, sin_t,
+                    c->rope_interleaved);
+            /* This is the moment a token's K and V are computed: once, and kept (quantized
+             * here if the cache stores fewer bits). */
+            size_t slot = kv_view_slot(view, run->start_pos + t - run->first);
+            kv_store_write(view->key, layer, slot, s->k + t * kv_dim);
+            kv_store_write(view->value, layer, slot, s->v + t * kv_dim);
+        }
     }
-    kv_attention(s->att_out, s->q, view, n_tokens, start_pos, c->n_heads, c->n_kv_heads,
-                 c->head_dim, s->scores, s->score_stride, s->max_positions, s->n_threads);
-    /* the residual window: the newest rows also stay in full precision */
-    kv_window_keep(view->window_key, view->window, (int)kv_dim, start_pos, s->k, kv_dim, n_tokens);
-    kv_window_keep(view->window_value, view->window, (int)kv_dim, start_pos, s->v, kv_dim, n_tokens);
-    count_attention(s, c, view, start_pos, n_tokens);
+    attend_runs(c, s, layer);
+    for (int r = 0; r < s->n_runs; r++) {
+        const token_run *run = &s->runs[r];
+        const kv_layer_view *view = view_of(s, layer, r);
+        count_attention(s, c, view, run->start_pos, run->n_tokens);
+        /* the residual window: the newest rows also stay in full precision */
+        kv_window_keep(view->window_key, view->window, (int)kv_dim, run->start_pos,
+                       s->k + run->first * kv_dim, kv_dim, run->n_tokens);
+        kv_window_keep(view->window_value, view->window, (int)kv_dim, run->start_pos,
+                       s->v + run->first * kv_dim, kv_dim, run->n_tokens);
+    }
     project(s, flops, s->proj, s->att_out, w->wo + layer * dim * q_dim, n_tokens, (int)q_dim,
             c->dim);
     add_rows(s->x, s->proj, (size_t)n_tokens * dim);
@@ -229,34 +284,39 @@ static void mlp_block(const kv_model *m, run_state *s, int layer, int n_tokens) 
     add_rows(s->x, s->proj, (size_t)n_tokens * dim);
 }
 
-/* The forward pass proper. The caller has checked every argument, filled s->views, and
- * made room for positions start_pos .. start_pos + n_tokens - 1 in the cache. */
-static void forward_tokens(const kv_model *model, run_state *s, int start_pos,
-                           const int32_t *tokens, int n_tokens, float *logits, int all_logits) {
+/* The forward pass proper. The caller has checked every argument, filled s->runs and
+ * s->views, and made room in the cache for every run's new positions. Logits: every
+ * token's with all_logits, else the last token's of each run, one row per run. */
+static void forward_tokens(const kv_model *model, run_state *s, const int32_t *tokens,
+                           int n_tokens, float *logits, int all_logits) {
     const kv_config *c = &model->config;
     for (int t = 0; t < n_tokens; t++)
         memcpy(s->x + (size_t)t * c->dim, model->weights.token_embedding + (size_t)tokens[t] * c->dim,
                (size_t)c->dim * sizeof(float));
     s->count.weight_bytes += (int64_t)n_tokens * c->dim * (int64_t)sizeof(float);
-    fill_rope_tables(s, model, start_pos, n_tokens);
-
+    fill_rope_tables(s, model);
     for (int layer = 0; layer < c->n_layers; layer++) {
-        /* this call's new rows, read in full precision inside the residual window */
-        s->views[layer].new_key = s->k;
-        s->views[layer].new_value = s->v;
-        s->views[layer].new_start = start_pos;
-        attention_block(model, s, layer, start_pos, n_tokens);
+        for (int r = 0; r < s->n_runs; r++) {
+            /* each run's new rows, read in full precision inside the residual window */
+            kv_layer_view *view = view_of(s, layer, r);
+            view->new_key = s->k + (size_t)s->runs[r].first * c->n_kv_heads * c->head_dim;
+            view->new_value = s->v + (size_t)s->runs[r].first * c->n_kv_heads * c->head_dim;
+            view->new_start = s->runs[r].start_pos;
+        }
+        attention_block(model, s, layer, n_tokens);
         mlp_block(model, s, layer, n_tokens);
     }
 
     /* Only the rows whose logits were asked for go through the final norm and the
      * classifier, the largest matrix of a small model. */
-    int first = all_logits ? 0 : n_tokens - 1;
-    float *rows = s->xb + (size_t)first * c->dim;
-    rmsnorm_rows(rows, s->x + (size_t)first * c->dim, model->weights.final_norm,
-                 n_tokens - first, c->dim, c->norm_eps);
+    int n_rows = all_logits ? n_tokens : s->n_runs;
+    for (int i = 0; i < n_rows; i++) {
+        int t = all_logits ? i : s->runs[i].first + s->runs[i].n_tokens - 1;
+        kv_rmsnorm(s->xb + (size_t)i * c->dim, s->x + (size_t)t * c->dim,
+                   model->weights.final_norm, c->dim, c->norm_eps);
+    }
     s->count.weight_bytes += (int64_t)c->dim * (int64_t)sizeof(float);
-    project(s, &s->count.flops_logits, logits, rows, model->weights.classifier, n_tokens - first,
+    project(s, &s->count.flops_logits, logits, s->xb, model->weights.classifier, n_rows,
             c->dim, c->vocab_size);
     s->count.tokens += n_tokens;
     s->count.calls += 1;
@@ -297,10 +357,11 @@ kv_status kv_model_forward(const kv_model *model, kv_cache *cache, const int32_t
     KV_TRY(kv_check_tokens(c, tokens, n_tokens));
     KV_CHECK(n_tokens <= cache->capacity - cache->length, KV_ERR_CACHE_FULL);
     int start_pos = cache->length;
-    KV_TRY(run_state_alloc(&s, c, n_tokens, start_pos + n_tokens));
+    KV_TRY(run_state_alloc(&s, c, n_tokens, start_pos + n_tokens, 1));
+    s.runs[0] = (token_run){0, n_tokens, start_pos};
     for (int layer = 0; layer < c->n_layers; layer++)
-        s.views[layer] = kv_cache_layer_view(cache, layer);
-    forward_tokens(model, &s, start_pos, tokens, n_tokens, logits, all_logits);
+        *view_of(&s, layer, 0) = kv_cache_layer_view(cache, layer);
+    forward_tokens(model, &s, tokens, n_tokens, logits, all_logits);
     cache->length = start_pos + n_tokens;
     kv_counters_add(counters, &s.count);
 fail:
@@ -320,14 +381,61 @@ kv_status kv_model_forward_paged(const kv_model *model, kv_pool *pool, int seq,
     KV_TRY(kv_check_tokens(c, tokens, n_tokens));
     KV_TRY(kv_pool_seq_check(pool, seq));
     int start_pos = pool->seqs[seq].length;
-    KV_TRY(run_state_alloc(&s, c, n_tokens, start_pos + n_tokens));
+    KV_TRY(run_state_alloc(&s, c, n_tokens, start_pos + n_tokens, 1));
+    s.runs[0] = (token_run){0, n_tokens, start_pos};
     /* Last fallible step: blocks for the new positions (copy-on-write included). It
      * changes nothing when it fails, and nothing after it can fail. */
     KV_TRY(kv_pool_reserve(pool, seq, n_tokens));
     for (int layer = 0; layer < c->n_layers; layer++)
-        s.views[layer] = kv_pool_layer_view(pool, seq, layer);
-    forward_tokens(model, &s, start_pos, tokens, n_tokens, logits, all_logits);
+        *view_of(&s, layer, 0) = kv_pool_layer_view(pool, seq, layer);
+    forward_tokens(model, &s, tokens, n_tokens, logits, all_logits);
     kv_pool_commit(pool, seq, tokens, n_tokens);
+    kv_counters_add(counters, &s.count);
+fail:
+    run_state_free(&s);
+    return status;
+}
+
+kv_status kv_model_forward_batch(const kv_model *model, kv_pool *pool, int n_seqs,
+                                 const int *seqs, const int *n_tokens, const int32_t *tokens,
+                                 float *logits, kv_counters *counters) {
+    kv_status status = KV_OK;
+    run_state s = {0};
+    KV_CHECK(model != NULL && pool != NULL && logits != NULL && seqs != NULL &&
+             n_tokens != NULL && n_seqs > 0 && n_seqs <= pool->max_seqs, KV_ERR_INVALID_ARG);
+    KV_TRY(kv_model_check(model));
+    const kv_config *c = &model->config;
+    KV_TRY(kv_pool_check_fits(pool, c));
+    /* Every check before the first change: sequences alive and distinct, sizes sane, token
+     * ids in range, and enough blocks for all of them together. */
+    long total = 0;
+    int max_positions = 0, blocks_needed = 0;
+    for (int i = 0; i < n_seqs; i++) {
+        KV_TRY(kv_pool_seq_check(pool, seqs[i]));
+        for (int j = 0; j < i; j++) KV_CHECK(seqs[j] != seqs[i], KV_ERR_INVALID_ARG);
+        KV_CHECK(n_tokens[i] >= 1 && n_tokens[i] <= KV_MAX_TOKENS_PER_CALL, KV_ERR_INVALID_ARG);
+        total += n_tokens[i];
+        KV_CHECK(total <= KV_MAX_TOKENS_PER_CALL, KV_ERR_INVALID_ARG);
+        int end = pool->seqs[seqs[i]].length + n_tokens[i];
+        if (end > max_positions) max_positions = end;
+        int needed;
+        KV_TRY(kv_pool_blocks_needed(pool, seqs[i], n_tokens[i], &needed));
+        blocks_needed += needed;
+    }
+    KV_TRY(kv_check_tokens(c, tokens, (int)total));
+    KV_CHECK(blocks_needed <= kv_pool_blocks_available(pool), KV_ERR_OUT_OF_BLOCKS);
+    KV_TRY(run_state_alloc(&s, c, (int)total, max_positions, n_seqs));
+    /* Nothing below can fail: each reservation fits in what was counted above (a
+     * copy-on-write counted for two forks of one block happens only once, if at all). */
+    for (int i = 0, first = 0; i < n_seqs; first += n_tokens[i], i++) {
+        s.runs[i] = (token_run){first, n_tokens[i], pool->seqs[seqs[i]].length};
+        kv_pool_reserve(pool, seqs[i], n_tokens[i]);
+        for (int layer = 0; layer < c->n_layers; layer++)
+            *view_of(&s, layer, i) = kv_pool_layer_view(pool, seqs[i], layer);
+    }
+    forward_tokens(model, &s, tokens, (int)total, logits, 0);
+    for (int i = 0; i < n_seqs; i++)
+        kv_pool_commit(pool, seqs[i], tokens + s.runs[i].first, n_tokens[i]);
     kv_counters_add(counters, &s.count);
 fail:
     run_state_free(&s);

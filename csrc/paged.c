@@ -337,16 +337,29 @@ kv_status kv_pool_reuse_prefix(kv_pool *pool, int seq, const int32_t *tokens, in
 
 /* ---- writing rows: reserve, write, commit -------------------------------------------------- */
 
+int kv_pool_blocks_available(const kv_pool *pool) { return blocks_available(pool); }
+
+kv_status kv_pool_blocks_needed(const kv_pool *pool, int seq, int n_tokens, int *needed) {
+    const kv_seq *q = &pool->seqs[seq];
+    if (n_tokens <= 0 || n_tokens > (1 << 30) - q->length) return KV_ERR_INVALID_ARG;
+    int32_t last = q->n_blocks > 0 ? q->block_table[q->n_blocks - 1] : -1;
+    int copy_last = q->length % pool->block_size > 0 && pool->ref_count[last] > 1;
+    int new_blocks = blocks_for(pool, q->length + n_tokens) - q->n_blocks;
+    if (q->n_blocks + new_blocks > pool->max_blocks_per_seq) return KV_ERR_TABLE_FULL;
+    *needed = new_blocks + copy_last;
+    return KV_OK;
+}
+
 kv_status kv_pool_reserve(kv_pool *pool, int seq, int n_tokens) {
     kv_seq *q = &pool->seqs[seq];
-    int bs = pool->block_size;
-    if (n_tokens <= 0 || n_tokens > (1 << 30) - q->length) return KV_ERR_INVALID_ARG;
+    int bs = pool->block_size, needed;
+    kv_status status = kv_pool_blocks_needed(pool, seq, n_tokens, &needed);
+    if (status != KV_OK) return status;
+    if (needed > blocks_available(pool)) return KV_ERR_OUT_OF_BLOCKS;
     int partial_rows = q->length % bs;
     int32_t last = q->n_blocks > 0 ? q->block_table[q->n_blocks - 1] : -1;
     int copy_last = partial_rows > 0 && pool->ref_count[last] > 1;
     int new_blocks = blocks_for(pool, q->length + n_tokens) - q->n_blocks;
-    if (q->n_blocks + new_blocks > pool->max_blocks_per_seq) return KV_ERR_TABLE_FULL;
-    if (new_blocks + copy_last > blocks_available(pool)) return KV_ERR_OUT_OF_BLOCKS;
 
     /* From here on nothing can fail. */
     if (copy_last) {

@@ -193,6 +193,25 @@ class Model:
     def encode(self, text: str, bos: bool = True) -> list:
         return self._require_tokenizer().encode(text, bos=bos)
 
+    def forward_batch(self, seqs: Sequence[PagedSequence],
+                      chunks: Sequence[TokenArray]) -> np.ndarray:
+        """One step of a batching engine: each sequence (of one paged pool) gets its chunk
+        of new tokens (part of a prompt, or one decode token), all run through the model
+        together, every weight matrix read once for the whole batch. Returns the last
+        token's logits of each sequence, (len(seqs), vocab), each row bit-identical to
+        running that sequence alone."""
+        if len(seqs) != len(chunks):
+            raise ValueError(f"{len(seqs)} sequences but {len(chunks)} chunks of tokens")
+        arrays = [as_token_array(chunk, self.config.vocab_size) for chunk in chunks]
+        counts = np.array([len(a) for a in arrays], dtype=np.int32)
+        call = np.zeros(len(core.COUNTERS), dtype=np.int64)
+        logits = self._core.forward_batch(list(seqs), np.concatenate(arrays), counts, call)
+        with self._counters_lock:
+            _accumulate(self._counters, call)
+        for block in getattr(self._thread, "blocks", ()):
+            _accumulate(block, call)
+        return logits
+
     def decode_text(self, ids: Sequence[int]) -> str:
         return self._require_tokenizer().decode(ids)
 
