@@ -725,6 +725,7 @@ POOL_INT_GETTER(max_seqs, self->pool.max_seqs)
 POOL_INT_GETTER(max_blocks_per_seq, self->pool.max_blocks_per_seq)
 POOL_INT_GETTER(nbytes, self->pool.key.codes ? kv_pool_nbytes(&self->pool) : 0)
 POOL_INT_GETTER(window, self->pool.window)
+POOL_INT_GETTER(available_blocks, self->pool.n_free + self->pool.n_cached)
 
 static PyObject *new_handle(PoolObject *pool, int seq) {
     SequenceObject *handle = PyObject_New(SequenceObject, &SequenceType);
@@ -875,6 +876,23 @@ static PyObject *pool_append(PoolObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+static PyObject *pool_blocks_needed(PoolObject *self, PyObject *args) {
+    PyObject *handle;
+    int n_tokens;
+    if (!PyArg_ParseTuple(args, "Oi", &handle, &n_tokens)) return NULL;
+    if (pool_refuse_if_busy(self) < 0) return NULL;
+    int seq = resolve_sequence(self, handle);
+    if (seq < 0) return NULL;
+    if (n_tokens < 1) {
+        PyErr_Format(PyExc_ValueError, "n_tokens must be at least 1, got %d", n_tokens);
+        return NULL;
+    }
+    int needed;
+    kv_status status = kv_pool_blocks_needed(&self->pool, seq, n_tokens, &needed);
+    if (status != KV_OK) return raise_pool_status(self, status, n_tokens);
+    return PyLong_FromLong(needed);
+}
+
 static PyObject *pool_gather(PoolObject *self, PyObject *arg) {
     if (pool_refuse_if_busy(self) < 0) return NULL;
     int seq = resolve_sequence(self, arg);
@@ -964,6 +982,8 @@ static PyGetSetDef pool_getset[] = {
     {"max_seqs", (getter)pool_get_max_seqs, NULL, NULL, NULL},
     {"max_blocks_per_seq", (getter)pool_get_max_blocks_per_seq, NULL, NULL, NULL},
     {"nbytes", (getter)pool_get_nbytes, NULL, "Bytes of K/V storage the pool allocated.", NULL},
+    {"available_blocks", (getter)pool_get_available_blocks, NULL,
+     "Blocks that can be handed out now: free ones and cached ones (evicted if needed).", NULL},
     {NULL}
 };
 
@@ -979,6 +999,9 @@ static PyMethodDef pool_methods[] = {
     {"append", (PyCFunction)pool_append, METH_VARARGS,
      "append(seq, tokens, keys, values): write given K/V rows, each\n"
      "(n_tokens, n_layers, n_kv_heads, head_dim) float32, without a model."},
+    {"blocks_needed", (PyCFunction)pool_blocks_needed, METH_VARARGS,
+     "blocks_needed(seq, n_tokens) -> blocks that appending n_tokens to seq would take\n"
+     "(new blocks, plus one if its last block is shared and partly filled: copy-on-write)."},
     {"gather", (PyCFunction)pool_gather, METH_O,
      "gather(seq) -> (keys, values): float32 copies, (n_layers, length, n_kv_heads,\n"
      "head_dim), of what seq's most recent token's attention read (dequantized)."},

@@ -246,6 +246,14 @@ kv_status kv_pool_reuse_prefix(kv_pool *pool, int seq, const int32_t *tokens, in
  * the pool's bookkeeping without a model, for tests and exercises. */
 kv_status kv_pool_append(kv_pool *pool, int seq, const int32_t *tokens, int n_tokens,
                          const float *keys, const float *values);
+/* Blocks a pool can hand out now: free ones, and cached ones it would evict. */
+int kv_pool_blocks_available(const kv_pool *pool);
+
+/* How many blocks kv_pool_reserve(pool, seq, n_tokens) would take (new blocks, plus one
+ * if the last block is shared and partly filled); KV_ERR_TABLE_FULL if they would not fit
+ * the sequence's block table. Changes nothing. */
+kv_status kv_pool_blocks_needed(const kv_pool *pool, int seq, int n_tokens, int *needed);
+
 /* Copies a sequence's K and V, as its most recent token's attention read them, into
  * float32 (n_layers, length, n_kv_heads, head_dim) buffers (see kv_cache_read). */
 kv_status kv_pool_gather(const kv_pool *pool, int seq, float *keys, float *values);

@@ -340,6 +340,8 @@ kv_status kv_pool_reuse_prefix(kv_pool *pool, int seq, const int32_t *tokens, in
 int kv_pool_blocks_available(const kv_pool *pool) { return blocks_available(pool); }
 
 kv_status kv_pool_blocks_needed(const kv_pool *pool, int seq, int n_tokens, int *needed) {
+    kv_status status = kv_pool_seq_check(pool, seq);
+    if (status != KV_OK) return status;
     const kv_seq *q = &pool->seqs[seq];
     if (n_tokens <= 0 || n_tokens > (1 << 30) - q->length) return KV_ERR_INVALID_ARG;
     int32_t last = q->n_blocks > 0 ? q->block_table[q->n_blocks - 1] : -1;

@@ -8,14 +8,6 @@
 /* KV_OK if seq names a live sequence of this pool. */
 kv_status kv_pool_seq_check(const kv_pool *pool, int seq);
 
-/* Blocks a pool can hand out now: free ones, and cached ones it would evict. */
-int kv_pool_blocks_available(const kv_pool *pool);
-
-/* How many blocks kv_pool_reserve(pool, seq, n_tokens) would take (new blocks, plus one
- * if the last block is shared and partly filled); KV_ERR_TABLE_FULL if they would not fit
- * the sequence's block table. Changes nothing. */
-kv_status kv_pool_blocks_needed(const kv_pool *pool, int seq, int n_tokens, int *needed);
-
 /* Makes room for n_tokens more positions of seq: copies its last block first if it is
  * shared and partly filled (copy-on-write), then takes fresh blocks, evicting cached
  * ones when the free stack is empty. Either everything succeeds or nothing changes. */

@@ -21,10 +21,12 @@ from ._core import core as _core
 from .config import ModelConfig
 from .errors import (CacheFullError, CheckpointError, ConfigError, KVLabError, OutOfBlocks,
                      OutOfSequences, PoolInvariantError, TokenizerError, WeightsError)
+from .engine import Engine, RequestOutput, StepResult
 from .generate import Generation, generate
 from .measure import kv_bytes_per_token, kv_cache_bytes
 from .model import KVCache, Model
 from .paged import PagedPool, PagedSequence, PoolStats
+from .scheduler import SamplingParams
 from .weights import Weights
 
 __version__ = "0.1.0"
@@ -58,5 +60,6 @@ __all__ = [
     "set_num_threads", "get_num_threads", "DEFAULT_MODEL", "KVLabError", "ConfigError",
     "WeightsError", "CheckpointError", "TokenizerError", "CacheFullError", "PagedPool",
     "PagedSequence", "PoolStats", "OutOfBlocks", "OutOfSequences", "PoolInvariantError",
-    "kv_cache_bytes", "kv_bytes_per_token",
+    "kv_cache_bytes", "kv_bytes_per_token", "Engine", "SamplingParams", "RequestOutput",
+    "StepResult",
 ]

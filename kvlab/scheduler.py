@@ -1,0 +1,247 @@
+"""The batching scheduler: which requests run in the next step, and with how many tokens.
+
+Plain Python bookkeeping, no tensors: it decides, the engine (kvlab.engine) carries it
+out on the paged pool and the C core. It never imports the compiled module, so it can be
+read, tested and replayed on its own (tests/test_scheduler.py drives it with a pool made of
+Python lists).
+
+Each step:
+  1. Running requests, oldest admission first, each sample gets its next tokens: one to
+     decode, or the next chunk of a prompt (chunked prefill), within a per-step token
+     budget (max_batch_tokens). If the pool cannot hold a sample's new tokens, the most
+     recently admitted running request is preempted: its blocks are freed and it goes back
+     to the front of the waiting queue, to be recomputed later (preemption by recompute).
+  2. If nothing was preempted, waiting requests are admitted in arrival order while the
+     budget lasts and the pool has blocks for their first chunk. Admission may find the
+     start of a prompt already in the pool's prefix cache; those tokens are not computed.
+
+A request asks for n samples (SamplingParams.n). It starts as one sequence; when its
+prompt is done, the engine forks it into n, which share the prompt's blocks (copy on
+write). A preempted request keeps the tokens it generated; each of its samples is
+recomputed as its own sequence (prompt + outputs) when it is admitted again.
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections import deque
+from typing import Any, Deque, Dict, List, Optional, Protocol
+
+import numpy as np
+
+from .sampling import check_sampling_args
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """How to generate for one request (the same rules as kvlab.generate)."""
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_k: Optional[int] = None
+    top_p: Optional[float] = None
+    seed: Optional[int] = None      # sample i draws from np.random.default_rng(seed + i)
+    n: int = 1                      # samples of one prompt, sharing its blocks
+    stop_at_eos: bool = True
+
+    def __post_init__(self):
+        for name in ("max_tokens", "n"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        check_sampling_args(self.temperature, self.top_k, self.top_p)
+
+
+class State(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclasses.dataclass
+class Sample:
+    """One output sequence of a request: its tokens so far, and how many of them have
+    K and V in the pool (`computed`). `seq` is the engine's handle, None while waiting."""
+    index: int
+    tokens: List[int]               # prompt, then the generated tokens
+    prompt_len: int
+    rng: Any = None                 # the sampler's generator (the engine's business)
+    computed: int = 0
+    seq: Any = None
+    finished: bool = False
+    finish_reason: str = ""         # "length" or "eos"
+
+    @property
+    def outputs(self) -> List[int]:
+        return self.tokens[self.prompt_len:]
+
+    @property
+    def pending(self) -> int:
+        """Tokens whose K and V are still to be computed (the last one is fed next)."""
+        return len(self.tokens) - self.computed
+
+
+@dataclasses.dataclass
+class Request:
+    id: int
+    prompt: List[int]
+    params: SamplingParams
+    arrival: int                    # order of add_request
+    samples: List[Sample] = dataclasses.field(default_factory=list)
+    state: State = State.WAITING
+    admitted_at: int = -1           # the step of the latest admission
+    preemptions: int = 0
+    forked: bool = False            # n > 1 and the samples exist as separate sequences
+
+    def active(self) -> List[Sample]:
+        """Samples that still generate and have (or will get) a sequence of their own."""
+        return [s for s in self.samples if not s.finished and (self.forked or s.index == 0)]
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finished for s in self.samples)
+
+
+class BlockSpace(Protocol):
+    """What the scheduler needs from a paged pool (kvlab.engine wires it to the real one)."""
+
+    def available(self) -> int:
+        """Blocks that can be handed out now: free, or cached and evictable."""
+
+    def needed(self, sample: Sample, n_tokens: int) -> int:
+        """Blocks sample's sequence takes to grow by n_tokens (copy-on-write included)."""
+
+    def start(self, request: Request) -> int:
+        """Give the request's active samples sequences (using the prefix cache); returns
+        the tokens found there, which each sample then need not compute."""
+
+    def release(self, request: Request) -> None:
+        """Free every sequence of the request (its full blocks stay cached)."""
+
+
+@dataclasses.dataclass
+class ScheduledStep:
+    """The scheduler's decision for one step."""
+    items: List[tuple]                  # (request, sample, n_tokens) to run, in batch order
+    admitted: List[Request] = dataclasses.field(default_factory=list)
+    preempted: List[Request] = dataclasses.field(default_factory=list)
+    prefix_hit_tokens: int = 0
+
+    @property
+    def n_tokens(self) -> int:
+        return sum(n for _, _, n in self.items)
+
+
+class Scheduler:
+    """Waiting and running queues, a token budget per step, admission by free blocks,
+    chunked prefill and preemption by recompute (see the module text)."""
+
+    def __init__(self, block_size: int, max_batch_tokens: int = 256, max_batch_seqs: int = 64):
+        if max_batch_tokens < 1 or max_batch_seqs < 1:
+            raise ValueError("max_batch_tokens and max_batch_seqs must be positive")
+        self.block_size = block_size
+        self.max_batch_tokens = max_batch_tokens
+        self.max_batch_seqs = max_batch_seqs
+        self.waiting: Deque[Request] = deque()
+        self.running: List[Request] = []        # in order of admission
+        self.step_count = 0
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def finish(self, request: Request) -> None:
+        request.state = State.FINISHED
+        self.running.remove(request)
+
+    def schedule(self, space: BlockSpace) -> ScheduledStep:
+        step = ScheduledStep(items=[])
+        budget = self.max_batch_tokens
+        reserved: Dict[int, int] = {}    # blocks each request's scheduled items will take
+        for request in list(self.running):
+            if request not in self.running:          # preempted earlier in this loop
+                continue
+            for sample in request.active():
+                take = min(sample.pending, budget)
+                if take == 0 or len(step.items) >= self.max_batch_seqs:
+                    continue                          # no room this step; it waits its turn
+                need = space.needed(sample, take)
+                while need > space.available() - sum(reserved.values()):
+                    victim = self.running[-1]         # the most recently admitted
+                    self._preempt(victim, space, step)
+                    budget += sum(n for r, _, n in step.items if r is victim)
+                    step.items = [item for item in step.items if item[0] is not victim]
+                    reserved.pop(victim.id, None)
+                    if victim is request:
+                        break
+                if request not in self.running:
+                    break
+                step.items.append((request, sample, take))
+                reserved[request.id] = reserved.get(request.id, 0) + need
+                budget -= take
+        if not step.preempted:
+            self._admit(space, step, budget, sum(reserved.values()))
+        self.step_count += 1
+        return step
+
+    def _preempt(self, request: Request, space: BlockSpace, step: ScheduledStep) -> None:
+        space.release(request)
+        for sample in request.samples:
+            sample.seq, sample.computed = None, 0
+        request.forked = request.forked or any(s.outputs for s in request.samples)
+        request.state = State.WAITING
+        request.preemptions += 1
+        self.running.remove(request)
+        self.waiting.appendleft(request)
+        step.preempted.append(request)
+
+    def _admit(self, space: BlockSpace, step: ScheduledStep, budget: int, reserved: int) -> None:
+        while self.waiting and budget > 0:
+            request = self.waiting[0]
+            samples = request.active()
+            if len(step.items) + len(samples) > self.max_batch_seqs:
+                break
+            # Admission only when the pool has blocks for every sample's first chunk
+            # (counted as if nothing were in the prefix cache: a hit only helps).
+            share = max(1, budget // len(samples))
+            first_chunks = [min(s.pending, share) for s in samples]
+            need = sum(-(-n // self.block_size) for n in first_chunks)
+            if need > space.available() - reserved:
+                break
+            self.waiting.popleft()
+            request.state = State.RUNNING
+            request.admitted_at = self.step_count
+            self.running.append(request)
+            step.admitted.append(request)
+            step.prefix_hit_tokens += space.start(request)
+            for sample in samples:
+                take = min(sample.pending, budget)
+                if take == 0:
+                    continue
+                step.items.append((request, sample, take))
+                reserved += space.needed(sample, take)
+                budget -= take
+
+
+def blocks_for(n_tokens: int, block_size: int) -> int:
+    return -(-n_tokens // block_size)
+
+
+def requests_fit(prompt_len: int, params: SamplingParams, block_size: int, num_blocks: int,
+                 max_blocks_per_seq: int) -> Optional[str]:
+    """Why a request could never run in this pool even alone, or None if it can. Its
+    longest sequence holds prompt + max_tokens - 1 tokens (the last sampled token is
+    never fed back), and after a preemption each sample is recomputed separately."""
+    longest = blocks_for(prompt_len + params.max_tokens - 1, block_size)
+    if longest > max_blocks_per_seq:
+        return (f"prompt ({prompt_len} tokens) + max_tokens ({params.max_tokens}) needs "
+                f"{longest} blocks of {block_size}, more than a sequence may hold "
+                f"(max_blocks_per_seq={max_blocks_per_seq})")
+    if params.n * longest > num_blocks:
+        return (f"prompt ({prompt_len} tokens) + max_tokens ({params.max_tokens}) for n={params.n} "
+                f"samples needs up to {params.n * longest} blocks of {block_size}; the pool "
+                f"has {num_blocks}")
+    return None
+
