@@ -1,0 +1,286 @@
+"""kvlab.scheduler on its own: no model, no compiled module, a pool made of counters.
+
+The scheduler only decides; these tests carry its decisions out on a FakePool that counts
+blocks the way the paged pool does (a sequence of L tokens holds ceil(L / block_size)
+blocks; a fork shares them) and check the rules: the token budget, chunked prefill,
+admission by free blocks, FIFO order, preemption of the most recently admitted request,
+and that any workload finishes.
+"""
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+KVLAB = Path(__file__).resolve().parents[1] / "kvlab"
+
+
+def load_pure_scheduler():
+    """kvlab/scheduler.py (and the sampling module it uses) loaded as a package of their
+    own, so that kvlab/__init__.py and its compiled core are never imported."""
+    name = "_kvlab_pure"
+    if name not in sys.modules:
+        package = types.ModuleType(name)
+        package.__path__ = [str(KVLAB)]
+        sys.modules[name] = package
+        for module in ("sampling", "scheduler"):
+            spec = importlib.util.spec_from_file_location(f"{name}.{module}", KVLAB / f"{module}.py")
+            loaded = importlib.util.module_from_spec(spec)
+            sys.modules[spec.name] = loaded
+            spec.loader.exec_module(loaded)
+    return sys.modules[f"{name}.scheduler"]
+
+
+sched = load_pure_scheduler()
+
+
+def blocks_for(n, block_size):
+    return -(-n // block_size)
+
+
+class FakePool:
+    """Blocks counted the way the paged pool counts them. A sequence owns the blocks it
+    wrote; forked samples share their parent's blocks, and the first write into a shared,
+    partly filled last block costs one more block (copy-on-write). Shared blocks are
+    counted until the whole request is released, which is never less than the real pool."""
+
+    def __init__(self, num_blocks, block_size, prefix_hits=None):
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.own = {}              # sequence id -> blocks it owns
+        self.group = {}            # sequence id -> request id whose shared blocks it reads
+        self.shared = {}           # request id -> blocks shared by its forked samples
+        self.partial_shared = set()  # sequences whose last block is shared and partly filled
+        self.prefix_hits = prefix_hits or {}   # request id -> tokens found in a prefix cache
+        self.next_seq = 0
+
+    def used(self):
+        return sum(self.own.values()) + sum(self.shared.values())
+
+    def available(self):
+        return self.num_blocks - self.used()
+
+    def needed(self, sample, n):
+        if sample.seq is None:
+            return blocks_for(n, self.block_size)
+        have = blocks_for(sample.computed, self.block_size)
+        copy = 1 if sample.seq in self.partial_shared else 0
+        return blocks_for(sample.computed + n, self.block_size) - have + copy
+
+    def start(self, request):
+        hits = 0
+        for sample in request.active():
+            sample.seq = self.next_seq
+            self.next_seq += 1
+            hit = min(self.prefix_hits.get(request.id, 0), len(sample.tokens) - 1)
+            sample.computed = hit
+            self.own[sample.seq] = blocks_for(hit, self.block_size)
+            hits += hit
+        return hits
+
+    def fork(self, request, parent, children):
+        """The engine forks the parent's sequence into the other samples."""
+        self.shared[request.id] = self.own.pop(parent.seq)
+        partial = parent.computed % self.block_size != 0
+        for sample in [parent] + children:
+            if sample is not parent:
+                sample.seq, sample.computed = self.next_seq, parent.computed
+                self.next_seq += 1
+            self.own[sample.seq] = 0
+            self.group[sample.seq] = request.id
+            if partial:
+                self.partial_shared.add(sample.seq)
+
+    def release(self, request):
+        for sample in request.samples:
+            if sample.seq is not None:
+                self.own.pop(sample.seq, None)
+                self.group.pop(sample.seq, None)
+                self.partial_shared.discard(sample.seq)
+                sample.seq = None
+        self.shared.pop(request.id, None)
+
+    def run(self, sample, n):
+        """Carry out one scheduled item: the sequence grows by n tokens."""
+        self.own[sample.seq] += self.needed(sample, n)
+        self.partial_shared.discard(sample.seq)
+        sample.computed += n
+        assert self.used() <= self.num_blocks, "the scheduler overcommitted the pool"
+
+
+def make_request(rid, prompt_len, max_tokens=4, n=1):
+    params = sched.SamplingParams(max_tokens=max_tokens, n=n)
+    request = sched.Request(id=rid, prompt=[1] * prompt_len, params=params, arrival=rid)
+    request.samples = [sched.Sample(index=i, tokens=[1] * prompt_len, prompt_len=prompt_len)
+                       for i in range(n)]
+    return request
+
+
+def drive(scheduler, pool, requests, max_steps=10_000, on_step=None):
+    """Step until everything finishes, generating token 7 whenever a sample's last token
+    was computed (the engine's job); returns the scheduled steps."""
+    for request in requests:
+        scheduler.add(request)
+    steps = []
+    while scheduler.has_work:
+        assert len(steps) < max_steps, "the scheduler made no progress (deadlock?)"
+        step = scheduler.schedule(pool)
+        assert step.n_tokens <= scheduler.max_batch_tokens
+        for request, sample, n in step.items:
+            pool.run(sample, n)
+            if sample.computed < len(sample.tokens):
+                continue
+            targets = [sample]
+            if request.params.n > 1 and not request.forked:    # the engine forks here
+                pool.fork(request, sample, request.samples[1:])
+                request.forked = True
+                targets = request.samples
+            for target in targets:
+                target.tokens.append(7)
+                if len(target.outputs) >= request.params.max_tokens:
+                    target.finished = True
+        for request in {r.id: r for r, _, _ in step.items}.values():
+            if request.finished and request.state is sched.State.RUNNING:
+                pool.release(request)
+                scheduler.finish(request)
+        steps.append(step)
+        if on_step:
+            on_step(step)
+    return steps
+
+
+def test_the_module_needs_no_compiled_core():
+    # in a fresh interpreter where importing the compiled module fails
+    code = f"""
+import importlib.abc, sys
+class Refuse(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name.endswith('_kvlab'):
+            raise ImportError('no compiled module in this test')
+sys.meta_path.insert(0, Refuse())
+sys.path.insert(0, {str(Path(__file__).parent)!r})
+import test_scheduler as t
+pool = t.FakePool(8, 4)
+s = t.sched.Scheduler(block_size=4, max_batch_tokens=8)
+t.drive(s, pool, [t.make_request(0, 10), t.make_request(1, 3)])
+print('ok')
+"""
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.stdout.strip() == "ok", result.stderr
+    assert "kvlab._kvlab" not in result.stderr
+
+
+def test_chunked_prefill_respects_the_budget():
+    scheduler = sched.Scheduler(block_size=4, max_batch_tokens=16)
+    pool = FakePool(64, 4)
+    steps = drive(scheduler, pool, [make_request(0, 100, max_tokens=3)])
+    # ceil(100 / 16) = 7 prefill steps (the last one samples the first token), then 2 decodes
+    assert [s.n_tokens for s in steps] == [16] * 6 + [4, 1, 1]
+
+
+def test_decodes_and_a_prefill_chunk_share_a_step():
+    scheduler = sched.Scheduler(block_size=4, max_batch_tokens=10)
+    pool = FakePool(64, 4)
+    first = make_request(0, 3, max_tokens=10)
+    seen = []
+    drive(scheduler, pool, [first, make_request(1, 30, max_tokens=2)],
+          on_step=lambda step: seen.append([(r.id, n) for r, _, n in step.items]))
+    # step 0: the whole short prompt, then 7 tokens of the long one; afterwards request 0
+    # decodes one token a step and request 1's prompt fills the rest of the budget
+    assert seen[0] == [(0, 3), (1, 7)]
+    assert seen[1] == [(0, 1), (1, 9)]
+    assert seen[2] == [(0, 1), (1, 9)]
+
+
+def test_admission_waits_for_free_blocks_and_keeps_arrival_order():
+    scheduler = sched.Scheduler(block_size=4, max_batch_tokens=64)
+    pool = FakePool(6, 4)                      # 24 slots
+    big, small = make_request(0, 20, max_tokens=1), make_request(1, 8, max_tokens=1)
+    later = make_request(2, 4, max_tokens=1)
+    admitted = []
+    drive(scheduler, pool, [big, small, later],
+          on_step=lambda step: admitted.append([r.id for r in step.admitted]))
+    # big takes 5 of 6 blocks; small needs 2 and waits. later would fit in the last block,
+    # but it arrived after small: admission is first come, first served
+    assert admitted[0] == [0]
+    assert admitted[1] == [1, 2]               # big finished and gave its blocks back
+
+
+def test_preemption_frees_the_most_recent_request_and_requeues_it_first():
+    scheduler = sched.Scheduler(block_size=2, max_batch_tokens=64)
+    pool = FakePool(6, 2)
+    old, new = make_request(0, 4, max_tokens=6), make_request(1, 4, max_tokens=6)
+    preempted = []
+    drive(scheduler, pool, [old, new],
+          on_step=lambda step: preempted.extend((r.id, r.state) for r in step.preempted))
+    assert preempted and all(rid == 1 for rid, _ in preempted)
+    assert new.preemptions >= 1 and old.preemptions == 0
+    assert all(r.finished for r in (old, new))
+    assert len(new.samples[0].outputs) == 6            # it kept its tokens and went on
+
+
+def test_no_admission_in_a_step_that_preempted():
+    scheduler = sched.Scheduler(block_size=2, max_batch_tokens=64)
+    pool = FakePool(5, 2)
+    requests = [make_request(i, 3, max_tokens=5) for i in range(3)]
+
+    def check(step):
+        assert not (step.preempted and step.admitted)
+    drive(scheduler, pool, requests, on_step=check)
+
+
+def test_prefix_hits_are_not_computed_again():
+    scheduler = sched.Scheduler(block_size=4, max_batch_tokens=64)
+    pool = FakePool(16, 4, prefix_hits={0: 8})
+    steps = drive(scheduler, pool, [make_request(0, 10, max_tokens=1)])
+    assert steps[0].prefix_hit_tokens == 8 and steps[0].n_tokens == 2
+
+
+def test_forked_samples_all_decode():
+    scheduler = sched.Scheduler(block_size=4, max_batch_tokens=64)
+    pool = FakePool(32, 4)
+    request = make_request(0, 6, max_tokens=3, n=3)
+    steps = drive(scheduler, pool, [request])
+    assert steps[0].n_tokens == 6                      # one prompt for the three samples
+    assert [len(s.items) for s in steps[1:]] == [3, 3]
+    assert all(len(s.outputs) == 3 for s in request.samples)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_random_workloads_always_finish_within_the_pool(seed):
+    rng = np.random.default_rng(seed)
+    block_size = int(rng.choice([1, 2, 4, 8]))
+    budget = int(rng.integers(1, 40))
+    requests = []
+    for rid in range(int(rng.integers(1, 12))):
+        requests.append(make_request(rid, int(rng.integers(1, 30)), int(rng.integers(1, 12)),
+                                     int(rng.integers(1, 4))))
+    # just enough blocks for the largest request alone: heavy preemption
+    need = max(r.params.n * blocks_for(len(r.prompt) + r.params.max_tokens - 1, block_size)
+               for r in requests)
+    pool = FakePool(need + int(rng.integers(0, 4)), block_size)
+    scheduler = sched.Scheduler(block_size, budget, max_batch_seqs=int(rng.integers(1, 9)))
+    drive(scheduler, pool, requests)
+    assert all(r.finished and r.state is sched.State.FINISHED for r in requests)
+    assert all(len(s.outputs) == r.params.max_tokens for r in requests for s in r.samples)
+    assert pool.used() == 0
+
+
+def test_requests_that_can_never_fit_are_explained():
+    params = sched.SamplingParams(max_tokens=10)
+    assert sched.requests_fit(20, params, 4, 100, 100) is None
+    assert "max_blocks_per_seq" in sched.requests_fit(200, params, 4, 100, 20)
+    why = sched.requests_fit(20, sched.SamplingParams(max_tokens=10, n=4), 4, 20, 100)
+    assert "n=4" in why and "the pool has 20" in why
+
+
+@pytest.mark.parametrize("kwargs, match", [({"max_tokens": 0}, "max_tokens"), ({"n": 0}, "n must"),
+                                           ({"temperature": -1}, "temperature"),
+                                           ({"top_k": 0}, "top_k"), ({"top_p": 1.5}, "top_p")])
+def test_sampling_params_are_checked(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        sched.SamplingParams(**kwargs)
