@@ -405,10 +405,24 @@ void kv_pool_commit(kv_pool *pool, int seq, const int32_t *tokens, int n_tokens)
         if (pool->fill[b] < pos % bs + 1) pool->fill[b] = pos % bs + 1;
     }
     q->length = old_length + n_tokens;
-    /* blocks that became full in this call join the prefix cache (not with a residual
-     * window: kv_pool_reuse_prefix could never hand them out) */
-    for (int i = old_length / bs; pool->window == 0 && i < q->length / bs; i++)
-        register_full_block(pool, q->block_table[i], i > 0 ? q->block_table[i - 1] : -1);
+    /* Blocks that became full in this call join the prefix cache (not with a residual
+     * window: kv_pool_reuse_prefix could never hand them out). A block the cache already
+     * knows (two sequences computed the same prefix side by side, as a batch does) is a
+     * duplicate: the sequence switches to the known block and this copy is freed, so the
+     * memory is shared and the next blocks chain on from a registered parent. The K and V
+     * are the same bits, since the core computes a prefix the same way every time. */
+    for (int i = old_length / bs; pool->window == 0 && i < q->length / bs; i++) {
+        int32_t b = q->block_table[i], parent = i > 0 ? q->block_table[i - 1] : -1;
+        int32_t twin = parent < 0 || pool->registered[parent]
+                           ? lookup(pool, parent, pool->tokens + (size_t)b * bs) : -1;
+        if (twin >= 0 && twin != b) {
+            retain_block(pool, twin);
+            q->block_table[i] = twin;
+            release_block(pool, b);
+        } else {
+            register_full_block(pool, b, parent);
+        }
+    }
 }
 
 kv_status kv_pool_append(kv_pool *pool, int seq, const int32_t *tokens, int n_tokens,

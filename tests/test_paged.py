@@ -104,14 +104,22 @@ class AllocatorModel:
     def key(self, parent: int, tokens) -> tuple:
         return (parent, self.gen[parent] if parent >= 0 else 0, tuple(tokens))
 
-    def register(self, b: int, parent: int) -> None:
+    def register(self, slot: int, i: int) -> None:
+        """Block i of a sequence just became full: into the prefix index, or, if the index
+        already knows an identical block, the sequence takes that one and frees its own."""
+        table = self.tables[slot]
+        b, parent = table[i], table[i - 1] if i > 0 else -1
         if parent >= 0 and parent not in self.key_of:
             return
         key = self.key(parent, self.tokens[b])
-        if key in self.index:
-            return
-        self.index[key] = b
-        self.key_of[b] = key
+        twin = self.index.get(key)
+        if twin is None:
+            self.index[key] = b
+            self.key_of[b] = key
+        elif twin != b:
+            self.retain(twin)
+            table[i] = twin
+            self.release(b)
 
     # sequences
     def new_slot(self):
@@ -176,7 +184,7 @@ class AllocatorModel:
             self.fill[b] = max(self.fill[b], pos % bs + 1)
         self.lengths[slot] = length + n
         for i in range(length // bs, (length + n) // bs):
-            self.register(table[i], table[i - 1] if i > 0 else -1)
+            self.register(slot, i)
         return None
 
 
@@ -1311,3 +1319,27 @@ def test_render_html_and_repr_show_every_live_sequence_and_the_counts():
     assert "freed" in repr(gone)
     states = [pool.block_state(x) for x in range(10)]
     assert states.count("used") == 4 and states.count("cached") == 1 and states.count("free") == 5
+
+
+def test_a_prefix_computed_twice_is_stored_once():
+    # Two sequences prefill the same prompt side by side (as one engine step does): when
+    # the second one's blocks fill up, the pool already knows identical ones, so the second
+    # sequence switches to them and its own copies go back to the free list.
+    model = make_model()
+    prompt = list(np.random.default_rng(7).integers(0, model.config.vocab_size, 22))
+    pool = model.new_paged_pool(num_blocks=12, block_size=4)
+    first, second = pool.new_sequence(), pool.new_sequence()
+    model.prefill(prompt, first)
+    model.prefill(prompt, second)
+    full = len(prompt) // 4
+    assert second.block_table[:full].tolist() == first.block_table[:full].tolist()
+    assert second.block_table[full] != first.block_table[full]   # the partial block is its own
+    assert pool.stats().blocks_used == full + 2 and len(pool.free_blocks) == 12 - full - 2
+    pool.check()
+    # both go on exactly like a sequence that never shared anything
+    alone = model.new_cache(32)
+    model.prefill(prompt, alone)
+    assert_bit_identical(model.decode(3, second), model.decode(3, alone), "after sharing")
+    # and the whole chain is findable: a third prompt reuses every full block
+    third = pool.new_sequence()
+    assert pool.reuse_prefix(third, np.array(prompt, dtype=np.int32)) == full * 4
