@@ -107,8 +107,13 @@ class _PoolSpace:
 
 class _BlockTracer:
     """Block events for a notebook to replay, found by comparing the pool before and after
-    each phase of a step: allocated, shared (fork or prefix hit), copied (copy-on-write),
-    freed (to the free list or the prefix cache) and evicted (a cached block reused)."""
+    each phase of a step:
+      allocated  a free block (or an evicted cached one) starts holding a sequence's rows
+      shared     one more sequence uses a block: a fork, a prefix-cache hit, or a block the
+                 pool found it had computed twice ("replaces": the duplicate, then freed)
+      copied     copy-on-write: a sequence's shared, partly filled block copied to a new one
+      freed      no sequence uses a block any more ("to": the prefix cache, or the free list)
+      evicted    a cached block dropped from the prefix cache to be reused."""
 
     def __init__(self, pool: PagedPool, sink):
         self.pool, self.sink = pool, sink
@@ -120,20 +125,29 @@ class _BlockTracer:
 
     def record(self, step: int, phase: str) -> None:
         (refs0, cached0, tables0), (refs1, cached1, tables1) = self.before, self._state()
-        events = []
-        copies = {}
+        events, explained = [], set()
         for seq, table in tables1.items():
-            old = tables0.get(seq, [])
-            for i, (a, b) in enumerate(zip(old, table)):
-                if a != b:
-                    copies[b] = a
-                    events.append({"event": "copied", "block": b, "from": a, "seq": seq, "index": i})
+            for i, (old, new) in enumerate(zip(tables0.get(seq, []), table)):
+                if old == new:
+                    continue
+                explained.add(new)
+                if refs1[old] > 0:                   # the old block is still someone's
+                    if new in cached0:
+                        events.append({"event": "evicted", "block": new})
+                    events.append({"event": "copied", "block": new, "from": old, "seq": seq,
+                                   "index": i})
+                else:
+                    events.append({"event": "shared", "block": new, "refs": int(refs1[new]),
+                                   "replaces": old, "seq": seq, "index": i})
         for block in np.flatnonzero(refs0 != refs1).tolist():
             before, after = int(refs0[block]), int(refs1[block])
+            if block in explained:
+                continue
             if before == 0 and after > 0:
                 if block in cached0 and phase == "admit":
-                    events.append({"event": "shared", "block": block, "refs": after, "prefix_hit": True})
-                elif block not in copies:
+                    events.append({"event": "shared", "block": block, "refs": after,
+                                   "prefix_hit": True})
+                else:
                     if block in cached0:
                         events.append({"event": "evicted", "block": block})
                     events.append({"event": "allocated", "block": block, "refs": after})
@@ -143,7 +157,7 @@ class _BlockTracer:
                 events.append({"event": "freed", "block": block,
                                "to": "cached" if block in cached1 else "free"})
         for block in sorted(cached0 - cached1):
-            if refs1[block] == 0:                       # dropped from the cache, not reused
+            if refs1[block] == 0 and block not in explained:   # dropped, not reused
                 events.append({"event": "evicted", "block": block})
         for event in events:
             self.sink({"step": step, "phase": phase, **event})
