@@ -727,6 +727,14 @@ POOL_INT_GETTER(nbytes, self->pool.key.codes ? kv_pool_nbytes(&self->pool) : 0)
 POOL_INT_GETTER(window, self->pool.window)
 POOL_INT_GETTER(available_blocks, self->pool.n_free + self->pool.n_cached)
 
+static PyObject *pool_get_live_sequences(PoolObject *self, void *closure) {
+    (void)closure;
+    long live = 0;
+    for (int s = 0; self->pool.seqs != NULL && s < self->pool.max_seqs; s++)
+        live += self->pool.seqs[s].alive;
+    return PyLong_FromLong(live);
+}
+
 static PyObject *new_handle(PoolObject *pool, int seq) {
     SequenceObject *handle = PyObject_New(SequenceObject, &SequenceType);
     if (handle == NULL) return NULL;
@@ -982,6 +990,8 @@ static PyGetSetDef pool_getset[] = {
     {"max_seqs", (getter)pool_get_max_seqs, NULL, NULL, NULL},
     {"max_blocks_per_seq", (getter)pool_get_max_blocks_per_seq, NULL, NULL, NULL},
     {"nbytes", (getter)pool_get_nbytes, NULL, "Bytes of K/V storage the pool allocated.", NULL},
+    {"live_sequences", (getter)pool_get_live_sequences, NULL,
+     "Sequences alive in the pool (at most max_seqs).", NULL},
     {"available_blocks", (getter)pool_get_available_blocks, NULL,
      "Blocks that can be handed out now: free ones and cached ones (evicted if needed).", NULL},
     {NULL}
@@ -1079,12 +1089,20 @@ static PyObject *sequence_repr(SequenceObject *self) {
                                 q->length, q->n_blocks);
 }
 
+static PyObject *sequence_get_serial(SequenceObject *self, void *closure) {
+    (void)closure;
+    return PyLong_FromUnsignedLong(self->serial);
+}
+
 static PyGetSetDef sequence_getset[] = {
     {"length", (getter)sequence_get_length, NULL, "Positions filled.", NULL},
     {"block_table", (getter)sequence_get_block_table, NULL,
      "Physical block id of each logical block, an int32 read-only view. Position pos\n"
      "lives in row pos % block_size of block block_table[pos // block_size].", NULL},
     {"id", (getter)sequence_get_id, NULL, "Slot number in the pool.", NULL},
+    {"serial", (getter)sequence_get_serial, NULL,
+     "How many sequences the slot had held when this one was made: (id, serial) names a\n"
+     "sequence for good, since a freed slot's id is given to a later sequence.", NULL},
     {"alive", (getter)sequence_get_alive, NULL, "False once freed.", NULL},
     {"pool", (getter)sequence_get_pool, NULL, "The pool holding this sequence.", NULL},
     {NULL}

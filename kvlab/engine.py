@@ -28,7 +28,7 @@ from typing import Dict, List, Optional, Sequence, Union
 
 import numpy as np
 
-from .model import Model
+from .model import Model, as_token_array
 from .paged import PagedPool
 from .sampling import sample as sample_token
 from .scheduler import Request, Sample, SamplingParams, Scheduler, State, requests_fit
@@ -81,7 +81,7 @@ class _PoolSpace:
         return self.pool.available_blocks
 
     def sequences_left(self) -> int:
-        return self.pool.max_seqs - len(self.pool.sequences())
+        return self.pool.max_seqs - self.pool.live_sequences
 
     def needed(self, sample: Sample, n_tokens: int) -> int:
         if sample.seq is None:
@@ -112,6 +112,7 @@ class _BlockTracer:
       shared     one more sequence uses a block: a fork, a prefix-cache hit, or a block the
                  pool found it had computed twice ("replaces": the duplicate, then freed)
       copied     copy-on-write: a sequence's shared, partly filled block copied to a new one
+      released   one sequence fewer uses a block that others still use ("refs" left)
       freed      no sequence uses a block any more ("to": the prefix cache, or the free list)
       evicted    a cached block dropped from the prefix cache to be reused."""
 
@@ -120,7 +121,8 @@ class _BlockTracer:
         self.before = self._state()
 
     def _state(self):
-        tables = {seq.id: seq.block_table.tolist() for seq in self.pool.sequences()}
+        # (id, serial) names a sequence for good: a freed slot's id is reused
+        tables = {(seq.id, seq.serial): seq.block_table.tolist() for seq in self.pool.sequences()}
         return self.pool.ref_counts.copy(), set(self.pool.cached_blocks), tables
 
     def record(self, step: int, phase: str) -> None:
@@ -134,11 +136,11 @@ class _BlockTracer:
                 if refs1[old] > 0:                   # the old block is still someone's
                     if new in cached0:
                         events.append({"event": "evicted", "block": new})
-                    events.append({"event": "copied", "block": new, "from": old, "seq": seq,
-                                   "index": i})
+                    events.append({"event": "copied", "block": new, "from": old,
+                                   "refs": int(refs1[new]), "seq": seq[0], "index": i})
                 else:
                     events.append({"event": "shared", "block": new, "refs": int(refs1[new]),
-                                   "replaces": old, "seq": seq, "index": i})
+                                   "replaces": old, "seq": seq[0], "index": i})
         for block in np.flatnonzero(refs0 != refs1).tolist():
             before, after = int(refs0[block]), int(refs1[block])
             if block in explained:
@@ -156,6 +158,8 @@ class _BlockTracer:
             elif after == 0:
                 events.append({"event": "freed", "block": block,
                                "to": "cached" if block in cached1 else "free"})
+            else:                                    # one user fewer, others remain
+                events.append({"event": "released", "block": block, "refs": after})
         for block in sorted(cached0 - cached1):
             if refs1[block] == 0 and block not in explained:   # dropped, not reused
                 events.append({"event": "evicted", "block": block})
@@ -194,15 +198,18 @@ class Engine:
         """Queue a request; returns its id. Raises ValueError at once if it could never
         fit the pool, even running alone."""
         params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be a kvlab.SamplingParams, got {type(params).__name__}")
         if isinstance(prompt, str):
             ids = self.model.encode(prompt)
+            if not ids:
+                raise ValueError("the prompt has no tokens")
         else:
-            ids = [int(t) for t in prompt]
-        if not ids:
-            raise ValueError("the prompt has no tokens")
-        bad = [t for t in ids if not 0 <= t < self.model.config.vocab_size]
-        if bad:
-            raise ValueError(f"token id {bad[0]} is out of range [0, {self.model.config.vocab_size})")
+            ids = as_token_array(prompt, self.model.config.vocab_size).tolist()  # checks ids
+        context = self.model.config.max_seq_len
+        if len(ids) + params.max_tokens > context:
+            raise ValueError(f"request rejected: prompt ({len(ids)} tokens) + max_tokens "
+                             f"({params.max_tokens}) exceeds the model's context of {context}")
         why = requests_fit(len(ids), params, self.pool.block_size, self.pool.num_blocks,
                            self.pool.max_blocks_per_seq)
         if why is not None:

@@ -110,9 +110,13 @@ class BlockSpace(Protocol):
     def needed(self, sample: Sample, n_tokens: int) -> int:
         """Blocks sample's sequence takes to grow by n_tokens (copy-on-write included)."""
 
+    def sequences_left(self) -> int:
+        """How many more sequences the pool can hold."""
+
     def start(self, request: Request) -> int:
         """Give the request's active samples sequences (using the prefix cache); returns
-        the tokens found there, which each sample then need not compute."""
+        the tokens found there, which each sample then need not compute. Blocks found in
+        the cache are taken out of it, so available() may drop."""
 
     def release(self, request: Request) -> None:
         """Free every sequence of the request (its full blocks stay cached)."""
@@ -203,26 +207,39 @@ class Scheduler:
             samples = request.active()
             if len(step.items) + len(samples) > self.max_batch_seqs:
                 break
-            # Admission only when the pool has blocks for every sample's first chunk
-            # (counted as if nothing were in the prefix cache: a hit only helps).
+            # every sample will be a sequence of its own (a fresh request forks into n)
+            if space.sequences_left() < (len(samples) if request.forked else request.params.n):
+                break
+            # Admission only when the pool has blocks for every sample's first chunk,
+            # counted as if nothing were in the prefix cache ...
             share = max(1, budget // len(samples))
             first_chunks = [min(s.pending, share) for s in samples]
-            need = sum(-(-n // self.block_size) for n in first_chunks)
+            if sum(-(-n // self.block_size) for n in first_chunks) > space.available() - reserved:
+                break
+            # ... and again once the cache has been searched: blocks found there are
+            # shared, not new, but a cached block the request takes is no longer available
+            hits = space.start(request)
+            plan, need, left = [], 0, budget
+            for sample in samples:
+                take = min(sample.pending, left)
+                if take > 0:
+                    plan.append((request, sample, take))
+                    need += space.needed(sample, take)
+                    left -= take
             if need > space.available() - reserved:
+                space.release(request)                # undo; it stays first in line
+                for sample in request.samples:
+                    sample.seq, sample.computed = None, 0
                 break
             self.waiting.popleft()
             request.state = State.RUNNING
             request.admitted_at = self.step_count
             self.running.append(request)
             step.admitted.append(request)
-            step.prefix_hit_tokens += space.start(request)
-            for sample in samples:
-                take = min(sample.pending, budget)
-                if take == 0:
-                    continue
-                step.items.append((request, sample, take))
-                reserved += space.needed(sample, take)
-                budget -= take
+            step.prefix_hit_tokens += hits
+            step.items.extend(plan)
+            reserved += need
+            budget = left
 
 
 def blocks_for(n_tokens: int, block_size: int) -> int:

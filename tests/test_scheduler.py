@@ -49,8 +49,8 @@ class FakePool:
     partly filled last block costs one more block (copy-on-write). Shared blocks are
     counted until the whole request is released, which is never less than the real pool."""
 
-    def __init__(self, num_blocks, block_size, prefix_hits=None):
-        self.num_blocks, self.block_size = num_blocks, block_size
+    def __init__(self, num_blocks, block_size, prefix_hits=None, max_seqs=1000):
+        self.num_blocks, self.block_size, self.max_seqs = num_blocks, block_size, max_seqs
         self.own = {}              # sequence id -> blocks it owns
         self.group = {}            # sequence id -> request id whose shared blocks it reads
         self.shared = {}           # request id -> blocks shared by its forked samples
@@ -63,6 +63,9 @@ class FakePool:
 
     def available(self):
         return self.num_blocks - self.used()
+
+    def sequences_left(self):
+        return self.max_seqs - len(self.own)
 
     def needed(self, sample, n):
         if sample.seq is None:
