@@ -57,7 +57,7 @@ class State(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)      # compared by identity: two requests are never "equal"
 class Sample:
     """One output sequence of a request: its tokens so far, and how many of them have
     K and V in the pool (`computed`). `seq` is the engine's handle, None while waiting."""
@@ -80,7 +80,7 @@ class Sample:
         return len(self.tokens) - self.computed
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)
 class Request:
     id: int
     prompt: List[int]
