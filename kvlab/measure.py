@@ -253,9 +253,11 @@ def measure_memory(model, context: int, batch: int = 1, cache: str = "contiguous
     config = model.config
     if context < 1 or context > config.max_seq_len or batch < 1:
         raise ValueError(f"need 1 <= context <= {config.max_seq_len} and batch >= 1")
-    tokens = np.random.default_rng(0).integers(0, config.vocab_size, size=context)
+    # a different prompt per request: identical ones would share their blocks in a pool
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, config.vocab_size, size=context) for _ in range(batch)]
     with model.counting() as counts:
-        model.forward(tokens[:1])                   # touch the weights before measuring
+        model.forward(prompts[0][:1])               # touch the weights before measuring
         release_freed_memory()
         before = resident_bytes()
         if cache == "contiguous":
@@ -266,8 +268,8 @@ def measure_memory(model, context: int, batch: int = 1, cache: str = "contiguous
             pool = model.new_paged_pool(blocks, block_size, max_seqs=max(batch, 1))
             targets, allocated = [pool.new_sequence() for _ in range(batch)], pool.nbytes
         created = resident_bytes()
-        for target in targets:
-            model.prefill(tokens, target)
+        for target, prompt in zip(targets, prompts):
+            model.prefill(prompt, target)
         release_freed_memory()
         filled = resident_bytes()
     return MemoryReport(context=context, batch=batch,
