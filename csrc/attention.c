@@ -79,7 +79,10 @@ static ALWAYS_INLINE v8u32 widen_bytes(const uint8_t *bytes, int is_signed) {
 static ALWAYS_INLINE v8f load_chunk(const tile_rows *rows, int r, int i, int head_dim,
                                     int kind) {
     if (kind == ROWS_F32) return load8(rows->floats + (size_t)r * head_dim + i);
-    size_t group = (size_t)r * rows->groups_per_head + (size_t)(i >> rows->group_shift);
+    /* the scale (and zero point) of values i .. i+7: only the scaled formats have one */
+    size_t group = kind == ROWS_I8 || kind == ROWS_I4 || kind == ROWS_FP8
+                       ? (size_t)r * rows->groups_per_head + (size_t)(i >> rows->group_shift)
+                       : 0;
     if (kind == ROWS_I8) {
         v8u32 codes = widen_bytes(rows->codes + (size_t)r * head_dim + i, 1);
         typedef int32_t v8i32 __attribute__((vector_size(32)));
