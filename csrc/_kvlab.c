@@ -1686,9 +1686,33 @@ static PyObject *py_get_num_threads(PyObject *module, PyObject *Py_UNUSED(ignore
     return PyLong_FromLong(kv_get_num_threads());
 }
 
+static PyObject *py_memory_bandwidth(PyObject *module, PyObject *args) {
+    (void)module;
+    Py_ssize_t n_bytes = 1 << 29;
+    int repeats = 5;
+    if (!PyArg_ParseTuple(args, "|ni", &n_bytes, &repeats)) return NULL;
+    if (n_bytes < 4096 || repeats < 1 || repeats > 1000) {
+        PyErr_SetString(PyExc_ValueError, "n_bytes must be at least 4096, repeats 1..1000");
+        return NULL;
+    }
+    double read = 0, triad = 0;
+    float checksum = 0;
+    kv_status status;
+    Py_BEGIN_ALLOW_THREADS
+    status = kv_measure_bandwidth((size_t)n_bytes / sizeof(float), repeats, &read, &triad,
+                                  &checksum);
+    Py_END_ALLOW_THREADS
+    if (status != KV_OK) return raise_status(status);
+    return Py_BuildValue("{s:d,s:d}", "read_bytes_per_s", read, "triad_bytes_per_s", triad);
+}
+
 static PyMethodDef module_methods[] = {
     {"set_num_threads", py_set_num_threads, METH_O, "Threads used by the C core."},
     {"get_num_threads", py_get_num_threads, METH_NOARGS, "Threads used by the C core."},
+    {"memory_bandwidth", py_memory_bandwidth, METH_VARARGS,
+     "memory_bandwidth(n_bytes=512 MiB, repeats=5) -> {'read_bytes_per_s', 'triad_bytes_per_s'}:\n"
+     "memory bandwidth measured with the core's threads, reading only and STREAM's triad\n"
+     "(each array n_bytes; three are allocated)."},
     {"quantize", py_quantize, METH_VARARGS,
      "quantize(x, format, group=0) -> (codes, scales, zeros): float32 rows (rows, d) stored\n"
      "as a cache stores them (fp32, fp16, bf16, int8, int4 or fp8), as kvlab.quant defines."},

@@ -153,8 +153,8 @@ static ALWAYS_INLINE void score_tile(float *att, size_t head_stride, int pos,
             v8f a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
             for (int i = 0; i < d8; i += 8) {
                 v8f k = load_chunk(rows, r, i, head_dim, kind);
-                a0 += load8(q0 + i) * k; a1 += load8(q1 + i) * k;
-                a2 += load8(q2 + i) * k; a3 += load8(q3 + i) * k;
+                a0 = madd(load8(q0 + i), k, a0); a1 = madd(load8(q1 + i), k, a1);
+                a2 = madd(load8(q2 + i), k, a2); a3 = madd(load8(q3 + i), k, a3);
             }
             const float *row = is_codes ? NULL : rows->floats + (size_t)r * head_dim;
             float *out = att + (size_t)m * head_stride + pos + r;
@@ -168,7 +168,8 @@ static ALWAYS_INLINE void score_tile(float *att, size_t head_stride, int pos,
         const float *q0 = queries + (size_t)m * head_dim;
         for (int r = 0; r < n; r++) {
             v8f a0 = {0};
-            for (int i = 0; i < d8; i += 8) a0 += load8(q0 + i) * load_chunk(rows, r, i, head_dim, kind);
+            for (int i = 0; i < d8; i += 8)
+                a0 = madd(load8(q0 + i), load_chunk(rows, r, i, head_dim, kind), a0);
             float sum = is_codes ? reduce_lanes(a0)
                                 : add_tail(reduce_lanes(a0), q0, rows->floats + (size_t)r * head_dim, d8, head_dim);
             att[(size_t)m * head_stride + pos + r] = sum * scale;
@@ -193,8 +194,9 @@ static ALWAYS_INLINE void mix_tile(float *results, const float *att, size_t head
         for (int i = 0; i < d8; i += 8) {
             v8f a0 = load8(o0 + i), a1 = load8(o1 + i), a2 = load8(o2 + i), a3 = load8(o3 + i);
             for (int r = 0; r < n; r++) {
-                v8f v = load_chunk(rows, r, i, head_dim, kind);
-                a0 += p0[r] * v; a1 += p1[r] * v; a2 += p2[r] * v; a3 += p3[r] * v;
+                v8f v = load_chunk(rows, r, i, head_dim, kind), zero = {0};
+                a0 = madd(zero + p0[r], v, a0); a1 = madd(zero + p1[r], v, a1);
+                a2 = madd(zero + p2[r], v, a2); a3 = madd(zero + p3[r], v, a3);
             }
             memcpy(o0 + i, &a0, sizeof a0); memcpy(o1 + i, &a1, sizeof a1);
             memcpy(o2 + i, &a2, sizeof a2); memcpy(o3 + i, &a3, sizeof a3);
@@ -205,7 +207,10 @@ static ALWAYS_INLINE void mix_tile(float *results, const float *att, size_t head
         float *o0 = results + (size_t)m * head_dim;
         for (int i = 0; i < d8; i += 8) {
             v8f a0 = load8(o0 + i);
-            for (int r = 0; r < n; r++) a0 += p0[r] * load_chunk(rows, r, i, head_dim, kind);
+            for (int r = 0; r < n; r++) {
+                v8f zero = {0};
+                a0 = madd(zero + p0[r], load_chunk(rows, r, i, head_dim, kind), a0);
+            }
             memcpy(o0 + i, &a0, sizeof a0);
         }
     }

@@ -325,6 +325,14 @@ kv_status kv_model_forward_uncached(const kv_model *model, const int32_t *tokens
                                     int n_tokens, float *logits, int all_logits,
                                     kv_counters *counters);
 
+/* ---- the machine -------------------------------------------------------------------- */
+
+/* Memory bandwidth with the core's threads (bandwidth.c): the best of `repeats` passes
+ * over arrays of n_floats (make them far larger than the caches), reading only, and
+ * STREAM's triad. checksum is the sum read, so that the compiler keeps the reads. */
+kv_status kv_measure_bandwidth(size_t n_floats, int repeats, double *read_bytes_per_s,
+                               double *triad_bytes_per_s, float *checksum);
+
 /* ---- threads ----------------------------------------------------------------------- */
 void kv_set_num_threads(int n_threads);
 int kv_get_num_threads(void);

@@ -9,9 +9,9 @@
  * chapter's claim "the cache is exact" literally true on this machine.
  *
  * The lanes are GCC/Clang vector extensions: one v8f is one AVX register (or two SSE
- * registers on older CPUs). A multiply and an add stay two roundings (ISO C mode turns
- * off fused multiply-add contraction), which is what keeps every kernel consistent.
- * This is not the place for cache-tiled GEMM tuning; kv_matmul is simple on purpose.
+ * registers on older CPUs). ISO C mode turns off the compiler's own fused multiply-add
+ * contraction, which would fuse some products and not others; the dot products fuse
+ * explicitly instead (madd in ops.h), all of them, which keeps every kernel consistent.
  */
 #include <math.h>
 #include <string.h>
@@ -19,19 +19,29 @@
 #include "common.h"
 #include "ops.h"
 
-/* Four rows of w against two tokens: eight dot products sharing every load. */
-static void kernel_4x2(float *out0, float *out1, const float *x0, const float *x1,
-                       const float *w, int in_dim) {
+/* The matrix product's kernels: a few rows of w against a few tokens, every dot product
+ * summed in kv_dot's order (eight multiply-add lanes, added pairwise, then the tail), so
+ * that which kernel computed an output never changes its bits. Bigger tiles share more
+ * loads: 4 rows x 3 tokens keeps 12 running sums, 3 token chunks and one row chunk in
+ * the 16 vector registers of AVX2. */
+
+
+/* Four rows of w against three tokens: twelve dot products sharing every load. The
+ * running sums are named one by one so that they live in registers, never in memory. */
+static void kernel_4x3(float *out0, float *out1, float *out2, const float *x0, const float *x1,
+                       const float *x2, const float *w, int in_dim) {
     size_t stride = (size_t)in_dim;
     const float *w0 = w, *w1 = w + stride, *w2 = w + 2 * stride, *w3 = w + 3 * stride;
     v8f a00 = {0}, a01 = {0}, a02 = {0}, a03 = {0};
     v8f a10 = {0}, a11 = {0}, a12 = {0}, a13 = {0};
+    v8f a20 = {0}, a21 = {0}, a22 = {0}, a23 = {0};
     int n8 = in_dim & ~7;
     for (int i = 0; i < n8; i += 8) {
-        v8f xa = load8(x0 + i), xb = load8(x1 + i);
-        v8f r0 = load8(w0 + i), r1 = load8(w1 + i), r2 = load8(w2 + i), r3 = load8(w3 + i);
-        a00 += r0 * xa; a01 += r1 * xa; a02 += r2 * xa; a03 += r3 * xa;
-        a10 += r0 * xb; a11 += r1 * xb; a12 += r2 * xb; a13 += r3 * xb;
+        v8f xa = load8(x0 + i), xb = load8(x1 + i), xc = load8(x2 + i), row;
+        row = load8(w0 + i); a00 = madd(row, xa, a00); a10 = madd(row, xb, a10); a20 = madd(row, xc, a20);
+        row = load8(w1 + i); a01 = madd(row, xa, a01); a11 = madd(row, xb, a11); a21 = madd(row, xc, a21);
+        row = load8(w2 + i); a02 = madd(row, xa, a02); a12 = madd(row, xb, a12); a22 = madd(row, xc, a22);
+        row = load8(w3 + i); a03 = madd(row, xa, a03); a13 = madd(row, xb, a13); a23 = madd(row, xc, a23);
     }
     out0[0] = add_tail(reduce_lanes(a00), w0, x0, n8, in_dim);
     out0[1] = add_tail(reduce_lanes(a01), w1, x0, n8, in_dim);
@@ -41,9 +51,13 @@ static void kernel_4x2(float *out0, float *out1, const float *x0, const float *x
     out1[1] = add_tail(reduce_lanes(a11), w1, x1, n8, in_dim);
     out1[2] = add_tail(reduce_lanes(a12), w2, x1, n8, in_dim);
     out1[3] = add_tail(reduce_lanes(a13), w3, x1, n8, in_dim);
+    out2[0] = add_tail(reduce_lanes(a20), w0, x2, n8, in_dim);
+    out2[1] = add_tail(reduce_lanes(a21), w1, x2, n8, in_dim);
+    out2[2] = add_tail(reduce_lanes(a22), w2, x2, n8, in_dim);
+    out2[3] = add_tail(reduce_lanes(a23), w3, x2, n8, in_dim);
 }
 
-/* Four rows of w against one token (the decode case). */
+/* Four rows of w against one token (the decode case: w streams from memory once). */
 static void kernel_4x1(float *out, const float *x, const float *w, int in_dim) {
     size_t stride = (size_t)in_dim;
     const float *w0 = w, *w1 = w + stride, *w2 = w + 2 * stride, *w3 = w + 3 * stride;
@@ -51,8 +65,8 @@ static void kernel_4x1(float *out, const float *x, const float *w, int in_dim) {
     int n8 = in_dim & ~7;
     for (int i = 0; i < n8; i += 8) {
         v8f xv = load8(x + i);
-        a0 += load8(w0 + i) * xv; a1 += load8(w1 + i) * xv;
-        a2 += load8(w2 + i) * xv; a3 += load8(w3 + i) * xv;
+        a0 = madd(load8(w0 + i), xv, a0); a1 = madd(load8(w1 + i), xv, a1);
+        a2 = madd(load8(w2 + i), xv, a2); a3 = madd(load8(w3 + i), xv, a3);
     }
     out[0] = add_tail(reduce_lanes(a0), w0, x, n8, in_dim);
     out[1] = add_tail(reduce_lanes(a1), w1, x, n8, in_dim);
@@ -60,28 +74,37 @@ static void kernel_4x1(float *out, const float *x, const float *w, int in_dim) {
     out[3] = add_tail(reduce_lanes(a3), w3, x, n8, in_dim);
 }
 
+/* Tokens are taken TOKEN_CHUNK at a time, so that a chunk of x (64 tokens x 4 KiB for
+ * dim 1024) stays in the L2 cache while every row of w passes over it. */
+#define TOKEN_CHUNK 48
+
 void kv_matmul(float *out, const float *x, const float *w, int n_tokens, int in_dim,
                int out_dim) {
-    /* Threads split the output rows, so each thread streams its own slice of w once
-     * and every token reuses those rows while they are still in cache. */
     int n_row_blocks = (out_dim + 3) / 4;
-    #pragma omp parallel for schedule(static) num_threads(kv_threads()) \
-        if ((long)n_tokens * out_dim * in_dim >= KV_PARALLEL_MIN_WORK && n_row_blocks > 1)
-    for (int block = 0; block < n_row_blocks; block++) {
-        int o = block * 4;
-        const float *w_rows = w + (size_t)o * in_dim;
-        if (o + 4 <= out_dim) {
-            int t = 0;
-            for (; t + 2 <= n_tokens; t += 2)
-                kernel_4x2(out + (size_t)t * out_dim + o, out + (size_t)(t + 1) * out_dim + o,
-                           x + (size_t)t * in_dim, x + (size_t)(t + 1) * in_dim, w_rows, in_dim);
-            for (; t < n_tokens; t++)
-                kernel_4x1(out + (size_t)t * out_dim + o, x + (size_t)t * in_dim, w_rows, in_dim);
-        } else {
-            for (int r = o; r < out_dim; r++)
-                for (int t = 0; t < n_tokens; t++)
-                    out[(size_t)t * out_dim + r] =
-                        kv_dot(w + (size_t)r * in_dim, x + (size_t)t * in_dim, in_dim);
+    for (int first = 0; first < n_tokens; first += TOKEN_CHUNK) {
+        int chunk = n_tokens - first < TOKEN_CHUNK ? n_tokens - first : TOKEN_CHUNK;
+        /* Threads split the output rows, so each thread streams its own slice of w once
+         * per chunk and every token of the chunk reuses those rows while they are in cache. */
+        #pragma omp parallel for schedule(static) num_threads(kv_threads()) \
+            if ((long)chunk * out_dim * in_dim >= KV_PARALLEL_MIN_WORK && n_row_blocks > 1)
+        for (int block = 0; block < n_row_blocks; block++) {
+            int o = block * 4;
+            const float *w_rows = w + (size_t)o * in_dim;
+            if (o + 4 <= out_dim) {
+                int t = first;
+                for (; t + 3 <= first + chunk; t += 3)
+                    kernel_4x3(out + (size_t)t * out_dim + o, out + (size_t)(t + 1) * out_dim + o,
+                               out + (size_t)(t + 2) * out_dim + o, x + (size_t)t * in_dim,
+                               x + (size_t)(t + 1) * in_dim, x + (size_t)(t + 2) * in_dim,
+                               w_rows, in_dim);
+                for (; t < first + chunk; t++)
+                    kernel_4x1(out + (size_t)t * out_dim + o, x + (size_t)t * in_dim, w_rows, in_dim);
+            } else {
+                for (int r = o; r < out_dim; r++)
+                    for (int t = first; t < first + chunk; t++)
+                        out[(size_t)t * out_dim + r] =
+                            kv_dot(w + (size_t)r * in_dim, x + (size_t)t * in_dim, in_dim);
+            }
         }
     }
 }
