@@ -27,6 +27,8 @@ static size_t round_up16(size_t n) { return (n + 15) & ~(size_t)15; }
 /* Rows are read TILE at a time: a tile of dequantized head rows (16 x 128 floats = 8 KiB
  * for a typical head) stays in the L1 cache while every query head of the group uses it. */
 #define TILE 16
+/* and the rows AHEAD positions on are asked for while a tile is computed */
+#define AHEAD (2 * TILE)
 
 size_t kv_attention_scratch(int n_heads, int n_kv_heads, int head_dim, int max_positions) {
     return (size_t)(n_heads / n_kv_heads) * round_up16((size_t)max_positions) +
@@ -305,6 +307,17 @@ static int head_rows(const kv_layer_view *view, int is_value, int head, int pos,
     return ROWS_F32;
 }
 
+/* Asks the memory system for the next tile's rows while this tile is being computed.
+ * A tile's rows are one contiguous run, but attention walks them in an order (eight
+ * values of every row, then the next eight) that the hardware prefetcher does not
+ * follow well: without this, a long context's decode waits on memory row by row. */
+static void prefetch_tile(const kv_store *store, int layer, int head, size_t slot, int n) {
+    const char *start = (const char *)store->codes +
+                        kv_store_head_index(store, layer, head, slot) * store->head_bytes;
+    size_t bytes = (size_t)n * store->head_bytes;
+    for (size_t at = 0; at < bytes; at += 64) __builtin_prefetch(start + at);
+}
+
 void kv_attention(float *out, const float *q, const kv_layer_view *view, int n_tokens,
                   int start_pos, int n_heads, int n_kv_heads, int head_dim, float *scratch,
                   size_t scratch_stride, int max_positions, int n_threads) {
@@ -336,6 +349,9 @@ void kv_attention(float *out, const float *q, const kv_layer_view *view, int n_t
                 for (int r0 = 0; r0 < in_block; r0 += TILE) {
                     int n = in_block - r0 < TILE ? in_block - r0 : TILE;
                     tile_rows keys;
+                    if (r0 + AHEAD < in_block)
+                        prefetch_tile(view->key, view->layer, g, slot + r0 + AHEAD,
+                                      in_block - r0 - AHEAD < TILE ? in_block - r0 - AHEAD : TILE);
                     int kind = head_rows(view, 0, g, first + r0, slot + r0, n, query_pos,
                                          head_dim, tile, &keys);
                     score_kernels[kind](att, head_stride, first + r0, queries, kv_mul,
@@ -353,6 +369,9 @@ void kv_attention(float *out, const float *q, const kv_layer_view *view, int n_t
                 for (int r0 = 0; r0 < in_block; r0 += TILE) {
                     int n = in_block - r0 < TILE ? in_block - r0 : TILE;
                     tile_rows values;
+                    if (r0 + AHEAD < in_block)
+                        prefetch_tile(view->value, view->layer, g, slot + r0 + AHEAD,
+                                      in_block - r0 - AHEAD < TILE ? in_block - r0 - AHEAD : TILE);
                     int kind = head_rows(view, 1, g, first + r0, slot + r0, n, query_pos,
                                          head_dim, tile, &values);
                     mix_kernels[kind](results, att, head_stride, first + r0, kv_mul, head_dim,

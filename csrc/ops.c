@@ -57,13 +57,19 @@ static void kernel_4x3(float *out0, float *out1, float *out2, const float *x0, c
     out2[3] = add_tail(reduce_lanes(a23), w3, x2, n8, in_dim);
 }
 
-/* Four rows of w against one token (the decode case: w streams from memory once). */
+/* Four rows of w against one token (the decode case: w streams from memory once). While
+ * these four rows are read, the next four (the next 16 * in_dim bytes of w) are fetched
+ * ahead, two cache lines per step: the reads come in four interleaved streams, which
+ * the hardware prefetcher alone follows too late to keep memory busy. */
 static void kernel_4x1(float *out, const float *x, const float *w, int in_dim) {
     size_t stride = (size_t)in_dim;
     const float *w0 = w, *w1 = w + stride, *w2 = w + 2 * stride, *w3 = w + 3 * stride;
+    const char *next = (const char *)(w + 4 * stride);
     v8f a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
     int n8 = in_dim & ~7;
     for (int i = 0; i < n8; i += 8) {
+        __builtin_prefetch(next + 16 * (size_t)i);
+        __builtin_prefetch(next + 16 * (size_t)i + 64);
         v8f xv = load8(x + i);
         a0 = madd(load8(w0 + i), xv, a0); a1 = madd(load8(w1 + i), xv, a1);
         a2 = madd(load8(w2 + i), xv, a2); a3 = madd(load8(w3 + i), xv, a3);

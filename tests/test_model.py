@@ -266,3 +266,30 @@ def test_config_conversion_that_mutates_the_dict_is_safe():
     arrays["rope_inv_freq"] = model.config.rope_inv_freq()
     with pytest.raises(kvlab.ConfigError, match="rope_interleaved"):
         kvlab.model.core.Model(config, arrays)
+
+
+def test_results_do_not_depend_on_the_thread_count():
+    # Threads split the output rows of each matrix product and the (token, KV head) pairs
+    # of attention; every output is still summed by one thread in the one fixed order, so
+    # the tolerance is zero: one thread and two give the same bits, and the same tokens.
+    config = kvlab.ModelConfig(dim=256, hidden_dim=640, n_layers=2, n_heads=8, n_kv_heads=2,
+                               vocab_size=1000, max_seq_len=256)
+    model = kvlab.Model(config, kvlab.Weights.random(config, seed=3))
+    prompt = list(np.random.default_rng(3).integers(0, 1000, 100))
+    before = kvlab.get_num_threads()
+    runs = []
+    try:
+        for threads in (1, 2, 3):
+            kvlab.set_num_threads(threads)
+            cache = model.new_cache(140)
+            logits = [model.prefill(prompt, cache, all_logits=True)]
+            tokens = []
+            for _ in range(20):
+                tokens.append(int(np.argmax(logits[-1][-1] if logits[-1].ndim == 2 else logits[-1])))
+                logits.append(model.decode(tokens[-1], cache))
+            runs.append((logits, tokens, kvlab.generate(model, prompt, 20).tokens))
+    finally:
+        kvlab.set_num_threads(before)
+    for logits, tokens, generated in runs[1:]:
+        assert tokens == runs[0][1] and generated == runs[0][2]
+        assert all(np.array_equal(a, b) for a, b in zip(logits, runs[0][0]))
