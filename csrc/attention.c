@@ -45,6 +45,8 @@ size_t kv_attention_scratch(int n_heads, int n_kv_heads, int head_dim, int max_p
 enum { ROWS_F32, ROWS_I8, ROWS_F16, ROWS_BF16, ROWS_I4, ROWS_FP8 };
 
 typedef struct {
+    const char *next;        /* the rows that come AHEAD positions later, to fetch early */
+    size_t next_bytes;       /* 0 when there are none */
     const float *floats;     /* (n, head_dim) float32 (ROWS_F32) */
     const uint8_t *codes;    /* (n, head_bytes) codes (the others) */
     const float *scales;     /* (n, groups_per_head) */
@@ -139,6 +141,15 @@ static ALWAYS_INLINE v8f load_chunk(const tile_rows *rows, int r, int i, int hea
     return as_floats(__builtin_convertvector(codes, v8u32) << 16);
 }
 
+/* While row r of n is used, row r's share of the rows AHEAD is fetched: spread over the
+ * tile's work, so that the requests never pile up (a burst of a hundred prefetches stalls
+ * the core until the memory system has room for them). */
+static ALWAYS_INLINE void fetch_ahead(const tile_rows *rows, int r, int n) {
+    size_t from = rows->next_bytes * (size_t)r / (size_t)n;
+    size_t to = rows->next_bytes * (size_t)(r + 1) / (size_t)n;
+    for (size_t at = from & ~(size_t)63; at < to; at += 64) __builtin_prefetch(rows->next + at);
+}
+
 /* att[m][pos + r] = q_m . row_r * scale for the kv_mul queries and n rows: each row is
  * loaded once for four queries at a time, and every dot product keeps kv_dot's order
  * (eight lanes, added pairwise, then the leftover elements). */
@@ -152,6 +163,7 @@ static ALWAYS_INLINE void score_tile(float *att, size_t head_stride, int pos,
         const float *q0 = queries + (size_t)m * head_dim, *q1 = q0 + head_dim;
         const float *q2 = q1 + head_dim, *q3 = q2 + head_dim;
         for (int r = 0; r < n; r++) {
+            if (m == 0) fetch_ahead(rows, r, n);
             v8f a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
             for (int i = 0; i < d8; i += 8) {
                 v8f k = load_chunk(rows, r, i, head_dim, kind);
@@ -169,6 +181,7 @@ static ALWAYS_INLINE void score_tile(float *att, size_t head_stride, int pos,
     for (; m < kv_mul; m++) {   /* the rest one query at a time (all of them for MHA) */
         const float *q0 = queries + (size_t)m * head_dim;
         for (int r = 0; r < n; r++) {
+            if (m == 0) fetch_ahead(rows, r, n);
             v8f a0 = {0};
             for (int i = 0; i < d8; i += 8)
                 a0 = madd(load8(q0 + i), load_chunk(rows, r, i, head_dim, kind), a0);
@@ -193,7 +206,28 @@ static ALWAYS_INLINE void mix_tile(float *results, const float *att, size_t head
         const float *p2 = p1 + head_stride, *p3 = p2 + head_stride;
         float *o0 = results + (size_t)m * head_dim, *o1 = o0 + head_dim;
         float *o2 = o1 + head_dim, *o3 = o2 + head_dim;
-        for (int i = 0; i < d8; i += 8) {
+        int i = 0;
+        /* sixteen values of each of the four heads at a time: each weight p_m[r] is
+         * broadcast once for two chunks of the row, which halves the loads per
+         * multiply-add (the loop is bound by loads, not by arithmetic) */
+        for (; i + 16 <= d8; i += 16) {
+            v8f a0 = load8(o0 + i), a1 = load8(o1 + i), a2 = load8(o2 + i), a3 = load8(o3 + i);
+            v8f b0 = load8(o0 + i + 8), b1 = load8(o1 + i + 8), b2 = load8(o2 + i + 8);
+            v8f b3 = load8(o3 + i + 8);
+            for (int r = 0; r < n; r++) {
+                if (m == 0 && i == 0) fetch_ahead(rows, r, n);
+                v8f v = load_chunk(rows, r, i, head_dim, kind);
+                v8f w = load_chunk(rows, r, i + 8, head_dim, kind), zero = {0};
+                v8f q0 = zero + p0[r], q1 = zero + p1[r], q2 = zero + p2[r], q3 = zero + p3[r];
+                a0 = madd(q0, v, a0); a1 = madd(q1, v, a1); a2 = madd(q2, v, a2); a3 = madd(q3, v, a3);
+                b0 = madd(q0, w, b0); b1 = madd(q1, w, b1); b2 = madd(q2, w, b2); b3 = madd(q3, w, b3);
+            }
+            memcpy(o0 + i, &a0, sizeof a0); memcpy(o1 + i, &a1, sizeof a1);
+            memcpy(o2 + i, &a2, sizeof a2); memcpy(o3 + i, &a3, sizeof a3);
+            memcpy(o0 + i + 8, &b0, sizeof b0); memcpy(o1 + i + 8, &b1, sizeof b1);
+            memcpy(o2 + i + 8, &b2, sizeof b2); memcpy(o3 + i + 8, &b3, sizeof b3);
+        }
+        for (; i < d8; i += 8) {
             v8f a0 = load8(o0 + i), a1 = load8(o1 + i), a2 = load8(o2 + i), a3 = load8(o3 + i);
             for (int r = 0; r < n; r++) {
                 v8f v = load_chunk(rows, r, i, head_dim, kind), zero = {0};
@@ -210,6 +244,7 @@ static ALWAYS_INLINE void mix_tile(float *results, const float *att, size_t head
         for (int i = 0; i < d8; i += 8) {
             v8f a0 = load8(o0 + i);
             for (int r = 0; r < n; r++) {
+                if (m == 0 && i == 0) fetch_ahead(rows, r, n);
                 v8f zero = {0};
                 a0 = madd(zero + p0[r], load_chunk(rows, r, i, head_dim, kind), a0);
             }
@@ -307,15 +342,15 @@ static int head_rows(const kv_layer_view *view, int is_value, int head, int pos,
     return ROWS_F32;
 }
 
-/* Asks the memory system for the next tile's rows while this tile is being computed.
- * A tile's rows are one contiguous run, but attention walks them in an order (eight
- * values of every row, then the next eight) that the hardware prefetcher does not
- * follow well: without this, a long context's decode waits on memory row by row. */
-static void prefetch_tile(const kv_store *store, int layer, int head, size_t slot, int n) {
-    const char *start = (const char *)store->codes +
-                        kv_store_head_index(store, layer, head, slot) * store->head_bytes;
-    size_t bytes = (size_t)n * store->head_bytes;
-    for (size_t at = 0; at < bytes; at += 64) __builtin_prefetch(start + at);
+/* Where the rows AHEAD positions on live, for the kernels to fetch early (see
+ * fetch_ahead): a tile's rows are one contiguous run, but the kernels walk them in an
+ * order the hardware prefetcher does not follow well, so without this a long context's
+ * decode waits on memory row by row. */
+static void plan_fetch(tile_rows *rows, const kv_store *store, int layer, int head,
+                       size_t slot, int n) {
+    rows->next = (const char *)store->codes +
+                 kv_store_head_index(store, layer, head, slot) * store->head_bytes;
+    rows->next_bytes = n > 0 ? (size_t)n * store->head_bytes : 0;
 }
 
 void kv_attention(float *out, const float *q, const kv_layer_view *view, int n_tokens,
@@ -348,10 +383,10 @@ void kv_attention(float *out, const float *q, const kv_layer_view *view, int n_t
                 size_t slot = kv_view_slot(view, first);
                 for (int r0 = 0; r0 < in_block; r0 += TILE) {
                     int n = in_block - r0 < TILE ? in_block - r0 : TILE;
-                    tile_rows keys;
+                    tile_rows keys = {0};
                     if (r0 + AHEAD < in_block)
-                        prefetch_tile(view->key, view->layer, g, slot + r0 + AHEAD,
-                                      in_block - r0 - AHEAD < TILE ? in_block - r0 - AHEAD : TILE);
+                        plan_fetch(&keys, view->key, view->layer, g, slot + r0 + AHEAD,
+                                   in_block - r0 - AHEAD < TILE ? in_block - r0 - AHEAD : TILE);
                     int kind = head_rows(view, 0, g, first + r0, slot + r0, n, query_pos,
                                          head_dim, tile, &keys);
                     score_kernels[kind](att, head_stride, first + r0, queries, kv_mul,
@@ -368,10 +403,10 @@ void kv_attention(float *out, const float *q, const kv_layer_view *view, int n_t
                 size_t slot = kv_view_slot(view, first);
                 for (int r0 = 0; r0 < in_block; r0 += TILE) {
                     int n = in_block - r0 < TILE ? in_block - r0 : TILE;
-                    tile_rows values;
+                    tile_rows values = {0};
                     if (r0 + AHEAD < in_block)
-                        prefetch_tile(view->value, view->layer, g, slot + r0 + AHEAD,
-                                      in_block - r0 - AHEAD < TILE ? in_block - r0 - AHEAD : TILE);
+                        plan_fetch(&values, view->value, view->layer, g, slot + r0 + AHEAD,
+                                   in_block - r0 - AHEAD < TILE ? in_block - r0 - AHEAD : TILE);
                     int kind = head_rows(view, 1, g, first + r0, slot + r0, n, query_pos,
                                          head_dim, tile, &values);
                     mix_kernels[kind](results, att, head_stride, first + r0, kv_mul, head_dim,
