@@ -84,34 +84,38 @@ static void kernel_4x1(float *out, const float *x, const float *w, int in_dim) {
  * dim 1024) stays in the L2 cache while every row of w passes over it. */
 #define TOKEN_CHUNK 48
 
+/* out rows o .. o+3 (or the last few) for tokens first .. first + chunk - 1 */
+static void row_block(float *out, const float *x, const float *w, int first, int chunk,
+                      int o, int in_dim, int out_dim) {
+    const float *w_rows = w + (size_t)o * in_dim;
+    if (o + 4 <= out_dim) {
+        int t = first;
+        for (; t + 3 <= first + chunk; t += 3)
+            kernel_4x3(out + (size_t)t * out_dim + o, out + (size_t)(t + 1) * out_dim + o,
+                       out + (size_t)(t + 2) * out_dim + o, x + (size_t)t * in_dim,
+                       x + (size_t)(t + 1) * in_dim, x + (size_t)(t + 2) * in_dim, w_rows, in_dim);
+        for (; t < first + chunk; t++)
+            kernel_4x1(out + (size_t)t * out_dim + o, x + (size_t)t * in_dim, w_rows, in_dim);
+    } else {
+        for (int r = o; r < out_dim; r++)
+            for (int t = first; t < first + chunk; t++)
+                out[(size_t)t * out_dim + r] = kv_dot(w + (size_t)r * in_dim, x + (size_t)t * in_dim, in_dim);
+    }
+}
+
 void kv_matmul(float *out, const float *x, const float *w, int n_tokens, int in_dim,
                int out_dim) {
     int n_row_blocks = (out_dim + 3) / 4;
+    /* One parallel region for the whole product. Threads split the output rows (the same
+     * rows for every chunk of tokens, so each keeps its slice of w warm) and go from one
+     * chunk to the next without waiting for each other: their outputs never overlap. */
+    #pragma omp parallel num_threads(kv_threads()) \
+        if ((long)n_tokens * out_dim * in_dim >= KV_PARALLEL_MIN_WORK && n_row_blocks > 1)
     for (int first = 0; first < n_tokens; first += TOKEN_CHUNK) {
         int chunk = n_tokens - first < TOKEN_CHUNK ? n_tokens - first : TOKEN_CHUNK;
-        /* Threads split the output rows, so each thread streams its own slice of w once
-         * per chunk and every token of the chunk reuses those rows while they are in cache. */
-        #pragma omp parallel for schedule(static) num_threads(kv_threads()) \
-            if ((long)chunk * out_dim * in_dim >= KV_PARALLEL_MIN_WORK && n_row_blocks > 1)
-        for (int block = 0; block < n_row_blocks; block++) {
-            int o = block * 4;
-            const float *w_rows = w + (size_t)o * in_dim;
-            if (o + 4 <= out_dim) {
-                int t = first;
-                for (; t + 3 <= first + chunk; t += 3)
-                    kernel_4x3(out + (size_t)t * out_dim + o, out + (size_t)(t + 1) * out_dim + o,
-                               out + (size_t)(t + 2) * out_dim + o, x + (size_t)t * in_dim,
-                               x + (size_t)(t + 1) * in_dim, x + (size_t)(t + 2) * in_dim,
-                               w_rows, in_dim);
-                for (; t < first + chunk; t++)
-                    kernel_4x1(out + (size_t)t * out_dim + o, x + (size_t)t * in_dim, w_rows, in_dim);
-            } else {
-                for (int r = o; r < out_dim; r++)
-                    for (int t = first; t < first + chunk; t++)
-                        out[(size_t)t * out_dim + r] =
-                            kv_dot(w + (size_t)r * in_dim, x + (size_t)t * in_dim, in_dim);
-            }
-        }
+        #pragma omp for schedule(static) nowait
+        for (int block = 0; block < n_row_blocks; block++)
+            row_block(out, x, w, first, chunk, block * 4, in_dim, out_dim);
     }
 }
 
