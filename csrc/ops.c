@@ -58,13 +58,15 @@ static void kernel_4x3(float *out0, float *out1, float *out2, const float *x0, c
 }
 
 /* Four rows of w against one token (the decode case: w streams from memory once). While
- * these four rows are read, the next four (the next 16 * in_dim bytes of w) are fetched
- * ahead, two cache lines per step: the reads come in four interleaved streams, which
- * the hardware prefetcher alone follows too late to keep memory busy. */
+ * these four rows are read, rows further on (at least 8 KiB of w ahead) are fetched,
+ * two cache lines per step: the reads come in four interleaved streams, which the
+ * hardware prefetcher alone follows too late to keep memory busy. */
 static void kernel_4x1(float *out, const float *x, const float *w, int in_dim) {
     size_t stride = (size_t)in_dim;
     const float *w0 = w, *w1 = w + stride, *w2 = w + 2 * stride, *w3 = w + 3 * stride;
-    const char *next = (const char *)(w + 4 * stride);
+    /* at least 8 KiB ahead: for narrow rows the next four come too soon to help */
+    size_t block_bytes = 16 * stride;
+    const char *next = (const char *)w + block_bytes * (block_bytes >= 8192 ? 1 : 8192 / block_bytes + 1);
     v8f a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
     int n8 = in_dim & ~7;
     for (int i = 0; i < n8; i += 8) {
