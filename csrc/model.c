@@ -183,6 +183,17 @@ static void project(run_state *s, int64_t *flops, float *out, const float *x, co
     s->count.weight_bytes += (int64_t)in_dim * out_dim * (int64_t)sizeof(float);
 }
 
+/* Several projections of the same input x at once (see kv_matmul_many) */
+static void project_many(run_state *s, int64_t *flops, int n, float *const *outs,
+                         const float *const *ws, const int *out_dims, const float *x,
+                         int n_tokens, int in_dim) {
+    kv_matmul_many(n, outs, ws, out_dims, x, n_tokens, in_dim);
+    for (int m = 0; m < n; m++) {
+        *flops += 2 * (int64_t)n_tokens * in_dim * out_dims[m];
+        s->count.weight_bytes += (int64_t)in_dim * out_dims[m] * (int64_t)sizeof(float);
+    }
+}
+
 /* Attention's reads and arithmetic: token t sees start_pos + t + 1 positions, the most
  * recent `window` of them in float32 and the rest as stored (codes, scales and zero
  * points); each new row is written as stored, and the last window of them in float32. */
@@ -236,9 +247,12 @@ static void attention_block(const kv_model *m, run_state *s, int layer, int n_to
     int64_t *flops = &s->count.flops_projections;
     rmsnorm_rows(s->xb, s->x, w->attn_norm + layer * dim, n_tokens, c->dim, c->norm_eps);
     s->count.weight_bytes += (int64_t)dim * (int64_t)sizeof(float);
-    project(s, flops, s->q, s->xb, w->wq + layer * q_dim * dim, n_tokens, c->dim, (int)q_dim);
-    project(s, flops, s->k, s->xb, w->wk + layer * kv_dim * dim, n_tokens, c->dim, (int)kv_dim);
-    project(s, flops, s->v, s->xb, w->wv + layer * kv_dim * dim, n_tokens, c->dim, (int)kv_dim);
+    /* Q, K and V from the same input, in one pass over the threads */
+    float *qkv[3] = {s->q, s->k, s->v};
+    const float *wqkv[3] = {w->wq + layer * q_dim * dim, w->wk + layer * kv_dim * dim,
+                            w->wv + layer * kv_dim * dim};
+    int qkv_dims[3] = {(int)q_dim, (int)kv_dim, (int)kv_dim};
+    project_many(s, flops, 3, qkv, wqkv, qkv_dims, s->xb, n_tokens, c->dim);
     for (int r = 0; r < s->n_runs; r++) {
         const token_run *run = &s->runs[r];
         const kv_layer_view *view = view_of(s, layer, r);
@@ -277,8 +291,10 @@ static void mlp_block(const kv_model *m, run_state *s, int layer, int n_tokens) 
     int64_t *flops = &s->count.flops_mlp;
     rmsnorm_rows(s->xb, s->x, w->ffn_norm + layer * dim, n_tokens, c->dim, c->norm_eps);
     s->count.weight_bytes += (int64_t)dim * (int64_t)sizeof(float);
-    project(s, flops, s->hb, s->xb, w->w1 + layer * hidden * dim, n_tokens, c->dim, c->hidden_dim);
-    project(s, flops, s->hb2, s->xb, w->w3 + layer * hidden * dim, n_tokens, c->dim, c->hidden_dim);
+    float *gate_up[2] = {s->hb, s->hb2};
+    const float *w13[2] = {w->w1 + layer * hidden * dim, w->w3 + layer * hidden * dim};
+    int hidden_dims[2] = {c->hidden_dim, c->hidden_dim};
+    project_many(s, flops, 2, gate_up, w13, hidden_dims, s->xb, n_tokens, c->dim);
     kv_swiglu(s->hb, s->hb2, (size_t)n_tokens * c->hidden_dim);
     project(s, flops, s->proj, s->hb, w->w2 + layer * dim * hidden, n_tokens, c->hidden_dim, c->dim);
     add_rows(s->x, s->proj, (size_t)n_tokens * dim);

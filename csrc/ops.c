@@ -105,20 +105,34 @@ static void row_block(float *out, const float *x, const float *w, int first, int
     }
 }
 
-void kv_matmul(float *out, const float *x, const float *w, int n_tokens, int in_dim,
-               int out_dim) {
-    int n_row_blocks = (out_dim + 3) / 4;
-    /* One parallel region for the whole product. Threads split the output rows (the same
-     * rows for every chunk of tokens, so each keeps its slice of w warm) and go from one
-     * chunk to the next without waiting for each other: their outputs never overlap. */
+void kv_matmul_many(int n_matrices, float *const *outs, const float *const *ws,
+                    const int *out_dims, const float *x, int n_tokens, int in_dim) {
+    int n_blocks = 0;
+    long work = 0;
+    for (int m = 0; m < n_matrices; m++) {
+        n_blocks += (out_dims[m] + 3) / 4;
+        work += (long)n_tokens * out_dims[m] * in_dim;
+    }
+    /* One parallel region for all the products. Threads split the output rows of all the
+     * matrices together (the same rows for every chunk of tokens, so each keeps its slice
+     * of w warm) and go from one chunk to the next without waiting for each other: their
+     * outputs never overlap. */
     #pragma omp parallel num_threads(kv_threads()) \
-        if ((long)n_tokens * out_dim * in_dim >= KV_PARALLEL_MIN_WORK && n_row_blocks > 1)
+        if (work >= KV_PARALLEL_MIN_WORK && n_blocks > 1)
     for (int first = 0; first < n_tokens; first += TOKEN_CHUNK) {
         int chunk = n_tokens - first < TOKEN_CHUNK ? n_tokens - first : TOKEN_CHUNK;
         #pragma omp for schedule(static) nowait
-        for (int block = 0; block < n_row_blocks; block++)
-            row_block(out, x, w, first, chunk, block * 4, in_dim, out_dim);
+        for (int block = 0; block < n_blocks; block++) {
+            int m = 0, b = block;      /* which matrix, and which of its row blocks */
+            while (b >= (out_dims[m] + 3) / 4) b -= (out_dims[m++] + 3) / 4;
+            row_block(outs[m], x, ws[m], first, chunk, b * 4, in_dim, out_dims[m]);
+        }
     }
+}
+
+void kv_matmul(float *out, const float *x, const float *w, int n_tokens, int in_dim,
+               int out_dim) {
+    kv_matmul_many(1, &out, &w, &out_dim, x, n_tokens, in_dim);
 }
 
 void kv_rmsnorm(float *out, const float *x, const float *weight, int dim, float eps) {

@@ -66,6 +66,11 @@ static inline void kv_axpy(float *y, float alpha, const float *x, int n) {
 void kv_matmul(float *out, const float *x, const float *w, int n_tokens, int in_dim,
                int out_dim);
 
+/* Several products of the same x at once, outs[m] = x . ws[m]^T (out_dims[m] rows each):
+ * one parallel region for all of them, as Wq, Wk and Wv (or W1 and W3) share their input. */
+void kv_matmul_many(int n_matrices, float *const *outs, const float *const *ws,
+                    const int *out_dims, const float *x, int n_tokens, int in_dim);
+
 /* out = x / sqrt(mean(x^2) + eps) * weight, one row of length dim */
 void kv_rmsnorm(float *out, const float *x, const float *weight, int dim, float eps);
 
