@@ -63,6 +63,10 @@ def best_of(repeats, run):
 
 
 def kvlab_speed(model, prompt, n_decode):
+    # torch's and OpenBLAS's worker threads spin for a while after their last call; on a
+    # two-core machine they would steal kvlab's cores, so let them go to sleep first
+    time.sleep(1.0)
+
     def prefill():
         model.prefill(prompt, model.new_cache(len(prompt) + 1))
     prefill_s = best_of(3, prefill) / len(prompt)
