@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import threading
 import time
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Union
@@ -181,6 +182,9 @@ class Engine:
         self.requests: Dict[int, Request] = {}
         self.metrics: List[StepResult] = []
         self._next_id = 0
+        # One step at a time: calls from several threads are serialized, not interleaved
+        # (the queues and the pool change together within a step).
+        self._lock = threading.RLock()
         self._eos = getattr(model.tokenizer, "eos_id", None)
         self._trace_file = None
         self._tracer = None
@@ -197,6 +201,10 @@ class Engine:
                     params: Optional[SamplingParams] = None) -> int:
         """Queue a request; returns its id. Raises ValueError at once if it could never
         fit the pool, even running alone."""
+        with self._lock:
+            return self._add_request(prompt, params)
+
+    def _add_request(self, prompt, params) -> int:
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a kvlab.SamplingParams, got {type(params).__name__}")
@@ -232,7 +240,12 @@ class Engine:
 
     # ---- one step ---------------------------------------------------------------------
     def step(self) -> StepResult:
-        """Schedule, run one batched forward call, sample; returns what happened."""
+        """Schedule, run one batched forward call, sample; returns what happened. Steps
+        asked for by several threads at once run one after the other."""
+        with self._lock:
+            return self._step()
+
+    def _step(self) -> StepResult:
         start = time.perf_counter()
         step_number = self.scheduler.step_count
         decision = self.scheduler.schedule(self.space)

@@ -570,3 +570,32 @@ def test_run_returns_every_request_with_decoded_texts(model):
                          sampled: ([72, 105], SamplingParams(max_tokens=5, temperature=0.8,
                                                              seed=2, n=2))})
     assert not engine.has_work and engine.run(progress=False) == outputs
+
+
+def test_an_engine_shared_by_threads_serializes_its_steps(model):
+    # Two threads adding requests and stepping one engine: steps run one at a time, so
+    # every request still matches generating it alone, and the pool stays consistent.
+    import threading
+    pool = model.new_paged_pool(64, block_size=4)
+    engine = kvlab.Engine(model, pool, max_batch_tokens=32)
+    rng = np.random.default_rng(21)
+    prompts = [random_ids(rng, int(rng.integers(2, 20))) for _ in range(8)]
+    ids = {}
+
+    def worker(part):
+        for prompt in part:
+            ids[engine.add_request(prompt, SamplingParams(max_tokens=8))] = prompt
+            engine.step()
+        while engine.has_work:
+            engine.step()
+
+    threads = [threading.Thread(target=worker, args=(prompts[k::2],)) for k in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    pool.check()
+    outputs = engine.outputs
+    assert len(outputs) == 8
+    for rid, prompt in ids.items():
+        assert outputs[rid].outputs[0] == kvlab.generate(model, prompt, 8).tokens
