@@ -17,6 +17,9 @@ from .config import ModelConfig
 from .errors import WeightsError
 
 
+PER_LAYER = ("attn_norm", "wq", "wk", "wv", "wo", "ffn_norm", "w1", "w2", "w3")
+
+
 @dataclasses.dataclass
 class Weights:
     token_embedding: np.ndarray  # (vocab_size, dim)
@@ -76,6 +79,25 @@ class Weights:
                 raise WeightsError(f"weight {name!r} has shape {array.shape}, expected {shape}")
             if not array.flags.c_contiguous:
                 raise WeightsError(f"weight {name!r} must be C-contiguous")
+
+    def check_finite(self, source: str = "") -> None:
+        """Raise WeightsError naming the first tensor (and layer) holding a NaN or an
+        infinity: a corrupt checkpoint would otherwise give NaN logits, silently. Reads
+        every weight once, a few megabytes at a time."""
+        seen = set()
+        for name, array in self.items():
+            if id(array) in seen:
+                continue
+            seen.add(id(array))
+            rows = array.reshape(array.shape[0], -1) if array.ndim > 1 else array.reshape(1, -1)
+            step = max(1, (4 << 20) // max(1, rows.shape[1] * 4))
+            for first in range(0, rows.shape[0], step):
+                chunk = rows[first:first + step]
+                if not np.isfinite(chunk).all():
+                    bad = first + int(np.flatnonzero(~np.isfinite(chunk).all(axis=1))[0])
+                    where = f" (layer {bad})" if name in PER_LAYER else f" (row {bad})" if array.ndim > 1 else ""
+                    raise WeightsError(f"{source + ': ' if source else ''}weight {name!r}{where} "
+                                       "holds NaN or infinite values: the checkpoint is corrupt")
 
     @classmethod
     def random(cls, config: ModelConfig, seed: int = 0, scale: float = 0.08) -> "Weights":

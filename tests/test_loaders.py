@@ -479,3 +479,21 @@ def test_gguf_quantized_tensors_are_refused() -> None:
     fake = SimpleNamespace(tensor_type=SimpleNamespace(name="Q4_0"), shape=[8, 8], data=None)
     with pytest.raises(CheckpointError, match="Q4_0"):
         _read({"blk.0.attn_q.weight": fake}, "blk.0.attn_q.weight", (8, 8))
+
+
+@pytest.mark.parametrize("name, bad", [("wq", np.nan), ("w2", np.inf), ("final_norm", -np.inf),
+                                       ("token_embedding", np.nan)])
+def test_non_finite_weights_are_a_clear_error(tmp_path: Path, name: str, bad: float) -> None:
+    from kvlab.errors import WeightsError
+    from kvlab.weights import Weights
+    config = ModelConfig(dim=16, hidden_dim=24, n_layers=3, n_heads=2, n_kv_heads=1,
+                         vocab_size=20, max_seq_len=8)
+    weights = Weights.random(config)
+    array = getattr(weights, name)
+    index = (2, 1, 3) if array.ndim == 3 else (5, 0) if array.ndim == 2 else (7,)
+    array[index] = bad
+    path = tmp_path / "nan.bin"
+    save_llama2c_v1(path, config, weights)
+    where = "layer 2" if name in ("wq", "w2") else "row 5" if name == "token_embedding" else ""
+    with pytest.raises(WeightsError, match=f"{name}.*{where}.*NaN or infinite"):
+        load_checkpoint(path)

@@ -36,7 +36,8 @@ def load_checkpoint(path: "str | os.PathLike[str]",
                     ) -> Tuple[ModelConfig, Weights, Optional[Tokenizer]]:
     """(config, weights, tokenizer) from a checkpoint file or folder.
 
-    The tokenizer comes from, in order: `tokenizer_path`; a llama2.c sidecar's
+    Every weight is checked to be finite (a NaN in a corrupt file is a WeightsError, not
+    NaN logits later). The tokenizer comes from, in order: `tokenizer_path`; a llama2.c sidecar's
     "tokenizer"; the checkpoint itself (GGUF vocab, HF tokenizer.json); for llama2.c,
     tok{vocab_size}.bin or tokenizer.bin next to the file. None if there is none.
     """
@@ -50,6 +51,7 @@ def load_checkpoint(path: "str | os.PathLike[str]",
     else:
         # An explicit tokenizer_path makes the sidecar's and the nearby one irrelevant.
         config, weights, tokenizer = _load_llama2c(path, want_tokenizer=tokenizer_path is None)
+    weights.check_finite(str(path))
     if tokenizer_path is not None:
         tokenizer = load_tokenizer(tokenizer_path, config.vocab_size)
     _check_tokenizer_fits(tokenizer, config)
