@@ -195,3 +195,79 @@ CacheAndPoolFuzz.TestCase.settings = settings(max_examples=40, stateful_step_cou
                                               deadline=None,
                                               suppress_health_check=[HealthCheck.too_slow])
 TestCacheAndPoolFuzz = CacheAndPoolFuzz.TestCase
+
+
+# ---- fuzzing the loaders: a mutated checkpoint loads or is refused, never crashes ---------------
+
+import struct  # noqa: E402
+import tracemalloc  # noqa: E402
+
+from hypothesis import given  # noqa: E402
+
+from kvlab.loaders import load_checkpoint, save_hf_llama, save_llama2c_v1  # noqa: E402
+
+LOAD_ERRORS = (kvlab.CheckpointError, kvlab.WeightsError, kvlab.ConfigError,
+               kvlab.TokenizerError)
+SMALL = kvlab.ModelConfig(dim=16, hidden_dim=24, n_layers=2, n_heads=2, n_kv_heads=1,
+                          vocab_size=20, max_seq_len=8)
+
+
+def mutate(data: bytes, kind: str, position: int, value: int) -> bytes:
+    if kind == "truncate":
+        return data[:position % (len(data) + 1)]
+    if kind == "append":
+        return data + bytes([value % 256]) * (1 + position % 300)
+    if kind == "byte":                                 # any byte, often a header field
+        at = position % min(len(data), 64 if value % 2 else len(data))
+        return data[:at] + bytes([value % 256]) + data[at + 1:]
+    if kind == "int32":                                # a header integer set to anything
+        at = 4 * (position % 16)
+        return data[:at] + struct.pack("<i", value) + data[at + 4:]
+    # "float": a weight becomes NaN or infinity
+    at = len(data) - 4 * (1 + position % 200)
+    return data[:at] + struct.pack("<f", [float("nan"), float("inf")][value % 2]) + data[at + 4:]
+
+
+def assert_loads_or_refuses(path):
+    tracemalloc.start()
+    try:
+        config, weights, _ = load_checkpoint(path)
+    except LOAD_ERRORS:
+        return
+    finally:
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+        # never an absurd allocation from a header's numbers (the weights are mapped)
+        assert peak < 64 * 2**20, f"loading allocated {peak:,} bytes"
+    # what loads is well formed (a mutated byte inside a weight can still make a huge but
+    # finite number: the file cannot tell, and the model simply runs on it)
+    weights.check(config)
+    weights.check_finite()
+    model = kvlab.Model(config, weights)
+    assert model.forward([0, 1]).shape == (config.vocab_size,)
+
+
+@settings(max_examples=120, deadline=None)
+@given(kind=st.sampled_from(["truncate", "append", "byte", "int32", "float"]),
+       position=st.integers(0, 10**6), value=st.integers(-2**31, 2**31 - 1))
+def test_mutated_llama2c_checkpoints(tmp_path_factory, kind, position, value):
+    folder = tmp_path_factory.mktemp("llama2c")
+    good = folder / "good.bin"
+    save_llama2c_v1(good, SMALL, kvlab.Weights.random(SMALL))
+    bad = folder / "bad.bin"
+    bad.write_bytes(mutate(good.read_bytes(), kind, position, value))
+    assert_loads_or_refuses(bad)
+
+
+@settings(max_examples=80, deadline=None)
+@given(kind=st.sampled_from(["truncate", "append", "byte", "int32", "float"]),
+       position=st.integers(0, 10**6), value=st.integers(-2**31, 2**31 - 1))
+def test_mutated_safetensors_checkpoints(tmp_path_factory, kind, position, value):
+    folder = tmp_path_factory.mktemp("hf")
+    save_hf_llama(folder, SMALL, kvlab.Weights.random(SMALL))
+    tensors = folder / "model.safetensors"
+    data = tensors.read_bytes()
+    if kind in ("byte", "int32"):      # aim at the 8-byte header length and the JSON header
+        position %= 8 + struct.unpack("<Q", data[:8])[0]
+    tensors.write_bytes(mutate(data, kind, position, value))
+    assert_loads_or_refuses(folder)
