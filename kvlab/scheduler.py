@@ -207,8 +207,11 @@ class Scheduler:
             samples = request.active()
             if len(step.items) + len(samples) > self.max_batch_seqs:
                 break
-            # every sample will be a sequence of its own (a fresh request forks into n)
-            if space.sequences_left() < (len(samples) if request.forked else request.params.n):
+            # every sample will be a sequence of its own (a fresh request forks into n),
+            # and running requests that have not forked yet will need their slots too
+            owed = sum(r.params.n - 1 for r in self.running if not r.forked)
+            needs = len(samples) if request.forked else request.params.n
+            if space.sequences_left() - owed < needs:
                 break
             # Admission only when the pool has blocks for every sample's first chunk,
             # counted as if nothing were in the prefix cache ...

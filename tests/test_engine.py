@@ -599,3 +599,18 @@ def test_an_engine_shared_by_threads_serializes_its_steps(model):
     assert len(outputs) == 8
     for rid, prompt in ids.items():
         assert outputs[rid].outputs[0] == kvlab.generate(model, prompt, 8).tokens
+
+
+def test_admission_keeps_sequence_slots_for_forks_still_to_come(model):
+    # Found by the engine fuzz: with max_seqs=6, an n=3 request (one sequence until its
+    # prompt is done) and an n=4 request must not both be admitted, since their forks
+    # will need 7 sequences; the second waits, and both finish.
+    pool = model.new_paged_pool(32, block_size=2, max_seqs=6)
+    engine = kvlab.Engine(model, pool, max_batch_tokens=2)
+    a = engine.add_request([5], SamplingParams(max_tokens=2, n=3))
+    b = engine.add_request([6], SamplingParams(max_tokens=1, n=4))
+    first = engine.step()
+    assert first.admitted == [a]
+    outputs = engine.run(progress=False)
+    assert [len(outputs[r].outputs) for r in (a, b)] == [3, 4]
+    pool.check()

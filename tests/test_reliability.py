@@ -271,3 +271,65 @@ def test_mutated_safetensors_checkpoints(tmp_path_factory, kind, position, value
         position %= 8 + struct.unpack("<Q", data[:8])[0]
     tensors.write_bytes(mutate(data, kind, position, value))
     assert_loads_or_refuses(folder)
+
+
+class EngineFuzz(RuleBasedStateMachine):
+    """Requests with random (often impossible) prompts and parameters arrive between steps
+    of an engine on a small pool: add_request accepts or refuses them with a clear error;
+    step() never fails; the pool stays consistent; whatever finished is well formed."""
+
+    model = None
+
+    @initialize(num_blocks=st.integers(4, 24), block_size=st.sampled_from([1, 2, 4, 8]),
+                budget=st.integers(1, 40), fmt=st.sampled_from(["fp32", "int8"]))
+    def make(self, num_blocks, block_size, budget, fmt):
+        if EngineFuzz.model is None:
+            EngineFuzz.model = kvlab.load()
+        self.pool = self.model.new_paged_pool(num_blocks, block_size, dtype=fmt, max_seqs=6)
+        self.engine = kvlab.Engine(self.model, self.pool, max_batch_tokens=budget)
+        self.accepted = {}
+
+    @rule(prompt=st.one_of(st.lists(st.integers(-2, 258), max_size=40),
+                           st.text(max_size=20), st.lists(st.floats(0, 5), max_size=3)),
+          max_tokens=st.integers(-1, 30), n=st.integers(0, 4),
+          temperature=st.sampled_from([0.0, 0.0, 0.7, -1.0]), seed=st.integers(0, 9))
+    def add(self, prompt, max_tokens, n, temperature, seed):
+        try:
+            params = kvlab.SamplingParams(max_tokens=max_tokens, n=n, temperature=temperature,
+                                          seed=seed)
+            rid = self.engine.add_request(prompt, params)
+        except (ValueError, TypeError):
+            return
+        self.accepted[rid] = params
+
+    @rule(steps=st.integers(1, 5))
+    def step(self, steps):
+        for _ in range(steps):
+            self.engine.step()
+
+    @invariant()
+    def consistent(self):
+        if not hasattr(self, "engine"):
+            return
+        self.pool.check()
+        for rid, out in self.engine.outputs.items():
+            params = self.accepted[rid]
+            assert len(out.outputs) == params.n
+            for tokens in out.outputs:
+                assert len(tokens) <= params.max_tokens
+                assert all(0 <= t < self.model.config.vocab_size for t in tokens)
+
+    def teardown(self):
+        if hasattr(self, "engine"):           # and everything accepted can finish
+            for _ in range(2000):
+                if not self.engine.has_work:
+                    break
+                self.engine.step()
+            assert not self.engine.has_work, "the engine did not finish (deadlock?)"
+            assert len(self.engine.outputs) == len(self.accepted)
+            assert self.pool.stats().blocks_used == 0
+
+
+EngineFuzz.TestCase.settings = settings(max_examples=40, stateful_step_count=20, deadline=None,
+                                        suppress_health_check=[HealthCheck.too_slow])
+TestEngineFuzz = EngineFuzz.TestCase
