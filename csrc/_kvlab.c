@@ -1337,6 +1337,17 @@ static void add_to_counters(PyObject *obj, const kv_counters *call) {
     if (obj != Py_None) kv_counters_add((kv_counters *)PyArray_DATA((PyArrayObject *)obj), call);
 }
 
+/* What every forward call checks first: the counters array, an initialized model, and
+ * the token ids. 0, or -1 with an exception set. */
+static int check_call(ModelObject *self, PyObject *tokens_obj, PyObject *counters_obj) {
+    if (check_counters(counters_obj) < 0) return -1;
+    if (self->model.weights.token_embedding == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "Model was not initialized");
+        return -1;
+    }
+    return check_tokens(self, tokens_obj);
+}
+
 static PyObject *model_forward(ModelObject *self, PyObject *args, PyObject *kwds) {
     static char *kwlist[] = {"tokens", "cache", "all_logits", "counters", NULL};
     PyObject *tokens_obj, *cache_obj = Py_None, *counters_obj = Py_None;
@@ -1344,12 +1355,7 @@ static PyObject *model_forward(ModelObject *self, PyObject *args, PyObject *kwds
     if (!PyArg_ParseTupleAndKeywords(args, kwds, "O|OpO", kwlist, &tokens_obj, &cache_obj,
                                      &all_logits, &counters_obj))
         return NULL;
-    if (check_counters(counters_obj) < 0) return NULL;
-    if (self->model.weights.token_embedding == NULL) {
-        PyErr_SetString(PyExc_RuntimeError, "Model was not initialized");
-        return NULL;
-    }
-    if (check_tokens(self, tokens_obj) < 0) return NULL;
+    if (check_call(self, tokens_obj, counters_obj) < 0) return NULL;
     PyArrayObject *tokens = (PyArrayObject *)tokens_obj;
     int n_tokens = (int)PyArray_DIM(tokens, 0);
     const kv_config *c = &self->model.config;
@@ -1444,12 +1450,7 @@ static PyObject *model_forward_batch(ModelObject *self, PyObject *args, PyObject
     if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOO|O", kwlist, &seqs_obj, &tokens_obj,
                                      &counts_obj, &counters_obj))
         return NULL;
-    if (check_counters(counters_obj) < 0) return NULL;
-    if (self->model.weights.token_embedding == NULL) {
-        PyErr_SetString(PyExc_RuntimeError, "Model was not initialized");
-        return NULL;
-    }
-    if (check_tokens(self, tokens_obj) < 0) return NULL;
+    if (check_call(self, tokens_obj, counters_obj) < 0) return NULL;
     PyObject *seqs = PySequence_Fast(seqs_obj, "seqs must be a list of PagedSequence handles");
     if (seqs == NULL) return NULL;
     PyObject *result = NULL, *logits = NULL;
