@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import dataclasses
 import html
+
+import numpy as np
 from ._core import core
 
 PagedSequence = core.PagedSequence
@@ -42,6 +44,21 @@ class PoolStats:
 
 class PagedPool(core.PagedPool):
     """A pool of fixed-size KV blocks shared by many sequences (see csrc/paged.c)."""
+
+    def reuse_prefix(self, seq, tokens, max_tokens=None) -> int:
+        """Attach the cached full blocks holding the longest prefix of tokens[:max_tokens]
+        to an empty sequence; returns how many tokens they cover. tokens: any sequence of
+        integer ids (a list, or an int array of any width)."""
+        array = np.asarray(tokens)
+        if array.size == 0:
+            array = np.zeros(0, dtype=np.int32)
+        elif array.dtype == bool or array.dtype.kind not in "iu":
+            raise TypeError(f"token ids must be integers, got an array of {array.dtype}")
+        elif array.dtype != np.int32:
+            if array.min() < np.iinfo(np.int32).min or array.max() > np.iinfo(np.int32).max:
+                raise ValueError("token ids must fit in 32 bits")
+            array = array.astype(np.int32)
+        return super().reuse_prefix(seq, np.ascontiguousarray(array), max_tokens)
 
     def stats(self) -> PoolStats:
         return PoolStats(**super().stats())

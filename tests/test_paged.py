@@ -1061,8 +1061,11 @@ def test_append_rejects_bad_arrays(tokens, keys, values, error, match):
     assert_unchanged(before, pool, [seq])
     with pytest.raises(TypeError, match="PagedSequence"):
         pool.append("not a sequence", as_i32([1]), make((1,)), make((1,)))
-    with pytest.raises(TypeError, match="int32"):
-        pool.reuse_prefix(pool.new_sequence(), np.array([1, 2]))
+    with pytest.raises(TypeError, match="integers"):
+        pool.reuse_prefix(pool.new_sequence(), np.array([1.0, 2.0]))
+    # lists and int64 arrays are fine, and find the same blocks as int32 ones
+    assert pool.reuse_prefix(pool.new_sequence(), [1, 2]) == \
+        pool.reuse_prefix(pool.new_sequence(), as_i32([1, 2]))
 
 
 def test_pool_for_another_model_shape_is_refused():
