@@ -3,8 +3,9 @@
  * Query head h reads key/value head h / kv_mul, where kv_mul = n_heads / n_kv_heads:
  * with kv_mul = 1 that is multi-head attention, with n_kv_heads = 1 multi-query.
  * Positions are visited block by block through the view's block table, so the paged
- * cache costs one table lookup per block, not per token. A quantized cache is read one
- * head row at a time: dequantized into a small buffer right before use, never into a
+ * cache costs one table lookup per block, not per token, and in tiles of TILE rows. A
+ * quantized cache is decoded eight values at a time in registers as its rows are used
+ * (or, for the rarer group sizes, a tile at a time into a small buffer), never into a
  * full-precision copy of the cache. Every (token, head) pair is computed the same way
  * whether it arrives in a prefill batch or alone in a decode step, and whichever cache
  * holds its keys, so the cached, uncached and paged paths agree bit for bit.
@@ -288,14 +289,30 @@ static const score_kernel score_kernels[] = {score_f32, score_i8, score_f16, sco
                                              score_i4, score_fp8};
 static const mix_kernel mix_kernels[] = {mix_f32, mix_i8, mix_f16, mix_bf16, mix_i4, mix_fp8};
 
+/* Where the rows AHEAD positions on live, for the kernels to fetch early (see
+ * fetch_ahead): a tile's rows are one contiguous run, but the kernels walk them in an
+ * order the hardware prefetcher does not follow well, so without this a long context's
+ * decode waits on memory row by row. */
+static void plan_fetch(tile_rows *rows, const kv_store *store, int layer, int head,
+                       size_t slot, int n) {
+    rows->next = (const char *)store->codes +
+                 kv_store_head_index(store, layer, head, slot) * store->head_bytes;
+    rows->next_bytes = n > 0 ? (size_t)n * store->head_bytes : 0;
+}
+
 /* Head `head` of n consecutive positions pos .. pos + n - 1 (slots slot .. slot + n - 1
  * of one block), as a query at query_pos reads them: fp32, fp16, bf16 rows and int8
  * rows with one scale per head in place (the last three when head_dim is a multiple
  * of 8), others decoded into the tile buffer, and rows inside the residual window
- * copied from the full-precision rows instead. Returns the ROWS_ kind of *rows. */
+ * copied from the full-precision rows instead; n_ahead rows of the block follow the
+ * tile AHEAD positions on. Returns the ROWS_ kind of *rows. */
 static int head_rows(const kv_layer_view *view, int is_value, int head, int pos, size_t slot,
-                     int n, int query_pos, int head_dim, float *tile, tile_rows *rows) {
+                     int n, int n_ahead, int query_pos, int head_dim, float *tile,
+                     tile_rows *rows) {
     const kv_store *store = is_value ? view->value : view->key;
+    *rows = (tile_rows){0};
+    if (n_ahead > 0)   /* rows of the same block AHEAD positions on, to be fetched early */
+        plan_fetch(rows, store, view->layer, head, slot + AHEAD, n_ahead < TILE ? n_ahead : TILE);
     int kv_dim = store->n_kv_heads * head_dim;
     int first_exact = view->window > 0 ? query_pos - view->window + 1 : query_pos + 1;
     if (pos + n <= first_exact) {
@@ -342,17 +359,6 @@ static int head_rows(const kv_layer_view *view, int is_value, int head, int pos,
     return ROWS_F32;
 }
 
-/* Where the rows AHEAD positions on live, for the kernels to fetch early (see
- * fetch_ahead): a tile's rows are one contiguous run, but the kernels walk them in an
- * order the hardware prefetcher does not follow well, so without this a long context's
- * decode waits on memory row by row. */
-static void plan_fetch(tile_rows *rows, const kv_store *store, int layer, int head,
-                       size_t slot, int n) {
-    rows->next = (const char *)store->codes +
-                 kv_store_head_index(store, layer, head, slot) * store->head_bytes;
-    rows->next_bytes = n > 0 ? (size_t)n * store->head_bytes : 0;
-}
-
 void kv_attention(float *out, const float *q, const kv_layer_view *view, int n_tokens,
                   int start_pos, int n_heads, int n_kv_heads, int head_dim, float *scratch,
                   size_t scratch_stride, int max_positions, int n_threads) {
@@ -383,12 +389,9 @@ void kv_attention(float *out, const float *q, const kv_layer_view *view, int n_t
                 size_t slot = kv_view_slot(view, first);
                 for (int r0 = 0; r0 < in_block; r0 += TILE) {
                     int n = in_block - r0 < TILE ? in_block - r0 : TILE;
-                    tile_rows keys = {0};
-                    if (r0 + AHEAD < in_block)
-                        plan_fetch(&keys, view->key, view->layer, g, slot + r0 + AHEAD,
-                                   in_block - r0 - AHEAD < TILE ? in_block - r0 - AHEAD : TILE);
-                    int kind = head_rows(view, 0, g, first + r0, slot + r0, n, query_pos,
-                                         head_dim, tile, &keys);
+                    tile_rows keys;
+                    int kind = head_rows(view, 0, g, first + r0, slot + r0, n,
+                                         in_block - r0 - AHEAD, query_pos, head_dim, tile, &keys);
                     score_kernels[kind](att, head_stride, first + r0, queries, kv_mul,
                                         head_dim, &keys, n, scale);
                 }
@@ -403,12 +406,9 @@ void kv_attention(float *out, const float *q, const kv_layer_view *view, int n_t
                 size_t slot = kv_view_slot(view, first);
                 for (int r0 = 0; r0 < in_block; r0 += TILE) {
                     int n = in_block - r0 < TILE ? in_block - r0 : TILE;
-                    tile_rows values = {0};
-                    if (r0 + AHEAD < in_block)
-                        plan_fetch(&values, view->value, view->layer, g, slot + r0 + AHEAD,
-                                   in_block - r0 - AHEAD < TILE ? in_block - r0 - AHEAD : TILE);
-                    int kind = head_rows(view, 1, g, first + r0, slot + r0, n, query_pos,
-                                         head_dim, tile, &values);
+                    tile_rows values;
+                    int kind = head_rows(view, 1, g, first + r0, slot + r0, n,
+                                         in_block - r0 - AHEAD, query_pos, head_dim, tile, &values);
                     mix_kernels[kind](results, att, head_stride, first + r0, kv_mul, head_dim,
                                       &values, n);
                 }

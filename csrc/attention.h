@@ -42,8 +42,9 @@ kv_layer_view kv_cache_layer_view(const kv_cache *cache, int layer);
  * attends over positions 0 .. its own position (the causal mask). q and out are
  * (n_tokens, n_heads * head_dim); the view already holds the new tokens' K and V.
  * scratch holds n_threads rows of scratch_stride floats, one per thread: n_heads /
- * n_kv_heads runs of max_positions scores (one per query head of a group), then two
- * rows of head_dim floats to dequantize a key and a value head into. */
+ * n_kv_heads runs of max_positions scores (one per query head of a group), then a tile
+ * of head rows (TILE in attention.c) to decode keys or values into when they cannot be
+ * read in place. */
 void kv_attention(float *out, const float *q, const kv_layer_view *view, int n_tokens,
                   int start_pos, int n_heads, int n_kv_heads, int head_dim, float *scratch,
                   size_t scratch_stride, int max_positions, int n_threads);

@@ -46,19 +46,6 @@ uint16_t kv_f32_to_f16(float value) {
     return sign | (uint16_t)((rounded >> 13) - ((127 - 15) << 10));  /* re-bias the exponent */
 }
 
-float kv_f16_to_f32(uint16_t bits) {
-    int exponent = (bits >> 10) & 0x1F;
-    int mantissa = bits & 0x3FF;
-    float value;
-    if (exponent == 0)
-        value = ldexpf((float)mantissa, -24);                     /* zero or subnormal */
-    else if (exponent == 31)
-        value = mantissa ? NAN : INFINITY;
-    else
-        value = ldexpf((float)(mantissa | 0x400), exponent - 25);  /* 1.mantissa * 2^(e-15) */
-    return (bits & 0x8000) ? -value : value;
-}
-
 /* ---- bf16: the top half of a float32 ------------------------------------------------------- */
 
 uint16_t kv_f32_to_bf16(float value) {
@@ -67,7 +54,6 @@ uint16_t kv_f32_to_bf16(float value) {
     return (uint16_t)((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);
 }
 
-float kv_bf16_to_f32(uint16_t bits) { return bits_float((uint32_t)bits << 16); }
 
 /* Rows of float formats. Decoding puts the code's exponent and mantissa bits where a
  * float32 keeps them and multiplies by a power of two that fixes the exponent bias: exact
@@ -181,12 +167,6 @@ uint8_t kv_f32_to_e4m3(float value) {
     uint32_t bits = float_bits(magnitude);
     uint32_t rounded = bits + 0x7FFFF + ((bits >> 20) & 1);
     return sign | (uint8_t)((rounded >> 20) - ((127 - 7) << 3));
-}
-
-float kv_e4m3_to_f32(uint8_t bits) {
-    float value = bits_float((uint32_t)(bits & 0x7F) << 20) * 0x1p120f;   /* 2^(127 - 7) */
-    if ((bits & 0x7F) == 0x7F) value = NAN;
-    return (bits & 0x80) ? -value : value;
 }
 
 void kv_quantize_fp8(uint8_t *codes, float *scales, const float *x, size_t n, int group) {

@@ -13,12 +13,9 @@
 #include "kvlab.h"
 
 uint16_t kv_f32_to_f16(float value);
-float kv_f16_to_f32(uint16_t bits);
 uint16_t kv_f32_to_bf16(float value);
-float kv_bf16_to_f32(uint16_t bits);
 /* fp8 e4m3 ("E4M3FN"): saturates to +-448, the largest finite value; NaN stays NaN */
 uint8_t kv_f32_to_e4m3(float value);
-float kv_e4m3_to_f32(uint8_t bits);
 
 /* n values, n a multiple of group: float formats, rounding to nearest even */
 void kv_quantize_f16(uint16_t *codes, const float *x, size_t n);

@@ -76,7 +76,6 @@ class _PoolSpace:
 
     def __init__(self, pool: PagedPool):
         self.pool = pool
-        self.prefix_hit_tokens = 0
 
     def available(self) -> int:
         return self.pool.available_blocks

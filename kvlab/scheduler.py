@@ -88,7 +88,6 @@ class Request:
     arrival: int                    # order of add_request
     samples: List[Sample] = dataclasses.field(default_factory=list)
     state: State = State.WAITING
-    admitted_at: int = -1           # the step of the latest admission
     preemptions: int = 0
     forked: bool = False            # n > 1 and the samples exist as separate sequences
 
@@ -236,7 +235,6 @@ class Scheduler:
                 break
             self.waiting.popleft()
             request.state = State.RUNNING
-            request.admitted_at = self.step_count
             self.running.append(request)
             step.admitted.append(request)
             step.prefix_hit_tokens += hits
