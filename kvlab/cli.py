@@ -1,4 +1,5 @@
-"""The `kvlab` command line: `kvlab demo`, `kvlab bench`, `kvlab generate`, `kvlab info`.
+"""The `kvlab` command line: `kvlab demo`, `kvlab bench`, `kvlab generate`, `kvlab info`,
+and the graded labs: `kvlab lab list|show|start` and `kvlab grade LAB SUBMISSION`.
 
 Also reachable as `python -m kvlab`. Each subcommand is a thin layer over the public API
 (kvlab.load, kvlab.generate), so what it prints is what a notebook would compute.
@@ -150,6 +151,33 @@ def cmd_info(args) -> int:
     return 0
 
 
+def cmd_lab(args) -> int:
+    from .grading import LABS, get_lab, start_lab
+    if args.action == "list" or args.lab is None:
+        for lab in LABS.values():
+            print(f"{lab.number}. {lab.name:16} {lab.title}  (chapter {lab.chapter})")
+        if args.action != "list":
+            print(f"kvlab lab {args.action}: which lab?", file=sys.stderr)
+            return 2
+        return 0
+    if args.action == "show":
+        print(get_lab(args.lab).instructions.read_text())
+        return 0
+    starter = start_lab(args.lab, args.dest, overwrite=args.force)
+    print(f"wrote {starter} and its instructions {starter.with_suffix('.md')}")
+    print(f"when ready: kvlab grade {args.lab} {starter}")
+    return 0
+
+
+def cmd_grade(args) -> int:
+    from .grading import grade
+    report = grade(args.lab, args.submission, results=args.results)
+    print(report.summary())
+    if args.results:
+        print(f"wrote {args.results}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvlab", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -196,6 +224,20 @@ def build_parser() -> argparse.ArgumentParser:
     info = sub.add_parser("info", help="print a model's shape and sizes")
     model_args(info)
     info.set_defaults(func=cmd_info)
+
+    lab = sub.add_parser("lab", help="the graded labs: list them, show one, copy a starter")
+    lab.add_argument("action", choices=["list", "show", "start"])
+    lab.add_argument("lab", nargs="?", default=None, help="lab name (see kvlab lab list)")
+    lab.add_argument("dest", nargs="?", default=".", help="folder for the starter (start)")
+    lab.add_argument("--force", action="store_true", help="overwrite an existing starter")
+    lab.set_defaults(func=cmd_lab)
+
+    grade = sub.add_parser("grade", help="grade a lab submission and write results.json")
+    grade.add_argument("lab", help="lab name (see kvlab lab list)")
+    grade.add_argument("submission", help="your .py file")
+    grade.add_argument("--results", default="results.json",
+                       help="Gradescope-style results file to write (default results.json)")
+    grade.set_defaults(func=cmd_grade)
     return parser
 
 
@@ -204,7 +246,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     from .errors import KVLabError
     try:
         return args.func(args)
-    except (KVLabError, ValueError, TypeError, OSError) as error:
+    except (KVLabError, ValueError, TypeError, OSError, ImportError) as error:
         print(f"kvlab: error: {error}", file=sys.stderr)
         return 2
 
