@@ -1,0 +1,261 @@
+"""Figures and numbers for chapter 2, "How big is the cache".
+
+    python chapters/figures/ch02.py [--out DIR]
+
+Writes ch02_cache_growth.png, ch02_formula_vs_measured.png and ch02.json (every number
+the chapter quotes, with the setup) into DIR (default: this script's folder). Runs in
+about 20 s on a 2-core machine.
+
+1. Exact arithmetic (kvlab.kv_bytes_per_token, kvlab.kv_cache_bytes): the Llama 2 7B
+   worked example, bytes per token of every preset in each cache format, and the number
+   of cached tokens at which the cache outgrows the model's fp16 weights.
+2. Measurement on the bundled model: cache.nbytes against the formula;
+   kvlab.measure.measure_memory (formula, allocated, resident growth after creating and
+   after filling) for 64 caches of 512 positions, first thing in this process (matplotlib
+   is imported afterwards), and again for 16 caches after those were freed; and one cache
+   of 65,536 positions (100 MB, always memory-mapped by the C allocator) filled with
+   cache.append 4,096 positions at a time, the resident size read after each.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import time
+from pathlib import Path
+
+import numpy as np
+
+import kvlab
+from kvlab import measure
+
+# matplotlib is imported only after the memory measurements (see pyplot() below)
+
+GIB = 2 ** 30
+THREADS = 1
+CONTEXT = 512
+BATCHES = (64, 16)        # 64 first: the first measurement in a fresh process
+BIG = 65536               # positions of the cache filled step by step
+STEP = 4096
+FORMATS = ("fp32", "fp16", "int8", "fp8", "int4")
+PRESETS = ("llama2-7b", "llama3-8b", "llama2-70b", "tinyllama-1.1b", "stories260k",
+           "shakespeare-1m")
+
+
+def machine() -> dict:
+    name = platform.processor()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                name = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {"cpu": name or platform.machine(), "cpu_count": os.cpu_count(),
+            "python": platform.python_version(), "kvlab": kvlab.__version__}
+
+
+def worked_example() -> dict:
+    c = kvlab.ModelConfig.llama2_7b()
+    per_token = 2 * c.n_layers * c.n_kv_heads * c.head_dim * 2       # by hand
+    assert per_token == kvlab.kv_bytes_per_token(c, "fp16")
+    request = kvlab.kv_cache_bytes(c, 4096, dtype="fp16")
+    sixteen = kvlab.kv_cache_bytes(c, 4096, batch=16, dtype="fp16")
+    weights = measure.weights_bytes(c, "fp16")
+    return {"config": c.name, "n_layers": c.n_layers, "dim": c.dim, "n_heads": c.n_heads,
+            "n_kv_heads": c.n_kv_heads, "head_dim": c.head_dim, "kind": c.attention_kind,
+            "bytes_per_token_fp16": per_token, "kib_per_token": per_token / 1024,
+            "bytes_4096": request, "gib_4096": request / GIB,
+            "bytes_16x4096": sixteen, "gib_16x4096": sixteen / GIB, "gb_16x4096": sixteen / 1e9,
+            "params": c.n_params(), "weights_bytes_fp16": weights,
+            "weights_gb": weights / 1e9, "weights_gib": weights / GIB,
+            "requests_of_4096_to_outgrow_weights": math.floor(weights / request) + 1,
+            "bytes_per_token": {f: kvlab.kv_bytes_per_token(c, f) for f in FORMATS}}
+
+
+def presets() -> dict:
+    rows = {}
+    for key in PRESETS:
+        c = kvlab.ModelConfig.presets()[key]
+        per_token = kvlab.kv_bytes_per_token(c, "fp16")
+        weights = measure.weights_bytes(c, "fp16")
+        crossover = math.floor(weights / per_token) + 1      # tokens whose cache > weights
+        rows[key] = {"name": c.name, "n_layers": c.n_layers, "n_heads": c.n_heads,
+                     "n_kv_heads": c.n_kv_heads, "head_dim": c.head_dim,
+                     "kind": c.attention_kind, "max_seq_len": c.max_seq_len,
+                     "params": c.n_params(),
+                     "bytes_per_token": {f: kvlab.kv_bytes_per_token(c, f) for f in FORMATS},
+                     "bytes_per_token_if_mha_fp16": kvlab.kv_bytes_per_token(
+                         c.replace(n_kv_heads=c.n_heads), "fp16"),
+                     "bytes_full_context_fp16": kvlab.kv_cache_bytes(c, c.max_seq_len, dtype="fp16"),
+                     "weights_bytes_fp16": weights,
+                     "crossover_tokens_fp16": crossover,
+                     "crossover_requests_at_full_context": math.ceil(crossover / c.max_seq_len)}
+    return rows
+
+
+def measured(model) -> dict:
+    c = model.config
+    cache = model.new_cache(CONTEXT)
+    by_hand = 2 * c.n_layers * c.n_kv_heads * c.head_dim * 4 * CONTEXT
+    int8 = model.new_cache(CONTEXT, "int8")
+    return {"context": CONTEXT, "nbytes_fp32": cache.nbytes, "by_hand_fp32": by_hand,
+            "formula_fp32": kvlab.kv_cache_bytes(c, CONTEXT, dtype="fp32"),
+            "nbytes_int8": int8.nbytes,
+            "formula_int8": kvlab.kv_cache_bytes(c, CONTEXT, dtype="int8"),
+            "bytes_per_token_fp32": kvlab.kv_bytes_per_token(c, "fp32"),
+            "bytes_per_token_int8": kvlab.kv_bytes_per_token(c, "int8"),
+            "weights_nbytes": model.weights_nbytes}
+
+
+def fill_curve(model) -> dict:
+    """Resident growth while one large cache fills: creating it, then after every STEP
+    positions appended (random rows; attention never runs)."""
+    c = model.config
+    rows = np.random.default_rng(0).standard_normal(
+        (STEP, c.n_layers, c.n_kv_heads, c.head_dim), dtype=np.float32)
+    measure.release_freed_memory()
+    before = measure.resident_bytes()
+    cache = model.new_cache(BIG)
+    measure.release_freed_memory()
+    written, growth = [0], [measure.resident_bytes() - before]
+    while cache.length < cache.capacity:
+        cache.append(rows, rows)
+        measure.release_freed_memory()
+        written.append(cache.length)
+        growth.append(measure.resident_bytes() - before)
+    per_token = kvlab.kv_bytes_per_token(c, "fp32")
+    return {"capacity": BIG, "nbytes": cache.nbytes, "bytes_per_token": per_token,
+            "positions_written": written, "resident_growth": growth,
+            "created_growth": growth[0], "full_growth": growth[-1],
+            "full_over_formula": growth[-1] / cache.nbytes,
+            "growth_per_position_fit": float(np.polyfit(written, growth, 1)[0])}
+
+
+def memory_report(model, batch: int) -> dict:
+    r = measure.measure_memory(model, CONTEXT, batch)
+    return {"batch": batch, "context": CONTEXT, "formula_bytes": r.formula_bytes,
+            "allocated_bytes": r.allocated_bytes,
+            "rss_after_create": r.rss_after_create, "rss_after_fill": r.rss_after_fill,
+            "fill_over_formula": r.rss_after_fill / r.formula_bytes,
+            "create_over_formula": r.rss_after_create / r.formula_bytes,
+            "weights_bytes": r.weights_bytes, "scratch_bytes": r.scratch_bytes,
+            "table": r.table()}
+
+
+def pyplot():
+    """Imported late on purpose: importing matplotlib frees large blocks, and once glibc
+    has freed a large block it raises its mmap threshold, so later caches come from its
+    heap (see the chapter). The first measurement is made before that happens."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def plot_growth(rows: dict, path: Path) -> None:
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(8, 4.2), dpi=100)
+    tokens = np.logspace(np.log10(256), np.log10(1_048_576), 200)
+    colors = {"llama2-7b": "#e45756", "llama3-8b": "#4c78a8", "llama2-70b": "#54a24b",
+              "tinyllama-1.1b": "#b279a2"}
+    for key, color in colors.items():
+        row = rows[key]
+        per_token = row["bytes_per_token"]["fp16"]
+        ax.plot(tokens, tokens * per_token / GIB, color=color,
+                label=f"{row['name']} ({row['kind']}, {per_token / 1024:g} KiB/token)")
+        ax.axhline(row["weights_bytes_fp16"] / GIB, color=color, ls="--", lw=1)
+        cross = row["crossover_tokens_fp16"]
+        ax.plot([cross], [row["weights_bytes_fp16"] / GIB], "o", color=color, ms=5)
+        ctx = row["max_seq_len"]
+        ax.plot([ctx], [ctx * per_token / GIB], "|", color=color, ms=12, mew=2)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log", base=2)
+    ax.set_xticks([2 ** k for k in range(8, 21, 2)],
+                  [f"{2 ** k}" if k < 10 else f"{2 ** k // 1024}K" if k < 20 else "1M"
+                   for k in range(8, 21, 2)])
+    ax.xaxis.set_minor_locator(plt.NullLocator())
+    ax.set_yticks([2.0 ** k for k in range(-8, 9, 2)],
+                  [f"1/{2 ** -k}" if k < 0 else f"{2 ** k}" for k in range(-8, 9, 2)])
+    ax.yaxis.set_minor_locator(plt.NullLocator())
+    ax.set_xlabel("tokens in the cache, summed over requests (log scale)")
+    ax.set_ylabel("GiB, fp16 (log scale)")
+    ax.set_title("KV cache (lines) against the fp16 weights (dashed); dots: cache = weights;\n"
+                 "bars: one request at the model's full context", fontsize=9)
+    ax.legend(fontsize=7, loc="upper left")
+    ax.grid(alpha=0.3, which="major")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def plot_measured(reports: list, curve: dict, model_name: str, path: Path) -> None:
+    plt = pyplot()
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.6), dpi=100,
+                                      gridspec_kw={"width_ratios": [1.2, 1]})
+    first = reports[0]
+    names = ["formula", "allocated\n(nbytes)", "resident after\ncreating",
+             "resident after\nfilling"]
+    values = [first["formula_bytes"], first["allocated_bytes"], first["rss_after_create"],
+              first["rss_after_fill"]]
+    bars = left.bar(range(4), np.array(values) / 2 ** 20,
+                    color=["#4c78a8", "#9ecae9", "#f58518", "#e45756"])
+    for bar, v in zip(bars, values):
+        left.text(bar.get_x() + bar.get_width() / 2, v / 2 ** 20 + 0.5, f"{v / 2 ** 20:.2f}",
+                  ha="center", fontsize=8)
+    left.set_xticks(range(4), names, fontsize=8)
+    left.set_ylabel("MiB")
+    left.set_title(f"{model_name}: {first['batch']} caches x {first['context']} positions, fp32",
+                   fontsize=10)
+    written = np.array(curve["positions_written"])
+    growth = np.array(curve["resident_growth"]) / 2 ** 20
+    right.plot(written, written * curve["bytes_per_token"] / 2 ** 20, color="#999", lw=1,
+               ls="--", label=f"formula: {curve['bytes_per_token']:,} B x positions written")
+    right.plot(written, growth, "o-", color="#e45756", ms=4, label="resident growth (measured)")
+    right.axhline(curve["nbytes"] / 2 ** 20, color="#9ecae9", lw=1)
+    right.text(0, curve["nbytes"] / 2 ** 20 * 0.95, "allocated (nbytes) from the start",
+               fontsize=7, color="#4c78a8", va="top")
+    right.set_xlabel("positions written (cache.append)")
+    right.set_ylabel("MiB")
+    right.set_title(f"one cache of {curve['capacity']:,} positions, filled in steps",
+                    fontsize=10)
+    right.legend(fontsize=7, loc="lower right")
+    right.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=str(Path(__file__).resolve().parent))
+    out = Path(parser.parse_args().out)
+    out.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    default_threads = kvlab.get_num_threads()
+    kvlab.set_num_threads(THREADS)
+    model = kvlab.load()
+    reports = [memory_report(model, BATCHES[0])]   # first, before anything frees a large block
+    curve = fill_curve(model)
+    reports += [memory_report(model, BATCHES[1])]
+    rows = presets()
+    result = {"setup": {**machine(), "default_threads": default_threads, "threads": THREADS,
+                        "model": "shakespeare-1m (kvlab.load())",
+                        "memory": "resident sizes from /proc/self/status (VmRSS), glibc malloc"},
+              "course": {"bytes_per_token": 524288, "gib_per_request_4096": 2,
+                         "gib_16_requests": 32, "weights_gb_fp16": 14},
+              "worked_example": worked_example(), "presets": rows,
+              "bundled": measured(model), "measure_memory": reports, "fill_curve": curve}
+    plot_growth(rows, out / "ch02_cache_growth.png")
+    plot_measured(reports, curve, model.config.name, out / "ch02_formula_vs_measured.png")
+    result["setup"]["script_seconds"] = round(time.perf_counter() - started, 1)
+    (out / "ch02.json").write_text(json.dumps(result, indent=2) + "\n")
+    for r in reports:
+        print(r["table"])
+    print(f"wrote {out}/ch02_*.png and ch02.json in {result['setup']['script_seconds']} s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,290 @@
+"""Figures and numbers for chapter 3, "Sharing keys and values: MHA, GQA, MQA".
+
+    python chapters/figures/ch03.py [--out DIR]
+
+Writes ch03_cache_bytes.png, ch03_attention_time.png and ch03.json (every number the
+chapter quotes, with the setup) into DIR (default: this script's folder). Runs in about
+15 s on a 2-core machine.
+
+1. Cache sizes of the preset shapes (exact arithmetic, kvlab.kv_cache_bytes), and of the
+   Llama 2 7B shape with its 32 KV heads cut to 16, 8, 4, 2 and 1 (config.replace).
+2. The head mapping: the C attention (cache.attend) against kvlab.reference.attention on
+   random rows, and a cache whose KV head g holds the value g everywhere, so each query
+   head's output says which KV head it read.
+3. Decode attention alone (cache.attend: one token's queries over one layer's cache) for
+   32 query heads of head_dim 128 over caches with 32, 8 and 1 KV heads (the MHA, GQA and
+   MQA shapes of one layer of a 7B/8B model), filled with random rows. Best of 9 rounds,
+   the three shapes measured in turn within each round (and the median of the per-round
+   ratios, which a busy machine disturbs less).
+4. K/V bytes one decode step reads on the bundled model (GQA) and on the same shape with
+   8 KV heads (MHA) or 1 (MQA), as the C core counts them.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import time
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+
+import kvlab  # noqa: E402
+from kvlab import reference  # noqa: E402
+
+GIB = 2 ** 30
+
+
+def machine() -> dict:
+    name = platform.processor()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                name = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {"cpu": name or platform.machine(), "cpu_count": os.cpu_count(),
+            "python": platform.python_version(), "kvlab": kvlab.__version__}
+
+
+def cache_sizes() -> dict:
+    C = kvlab.ModelConfig
+    seq_len, batch = 4096, 16
+    shapes = {
+        "Llama 2 7B (MHA)": C.llama2_7b(),
+        "Llama 3 8B (GQA)": C.llama3_8b(),
+        "Llama 2 70B (GQA)": C.llama2_70b(),
+        "Llama 2 70B as MHA": C.llama2_70b().replace(n_kv_heads=64, name="Llama 2 70B as MHA"),
+        "Llama 2 7B as MQA": C.llama2_7b().replace(n_kv_heads=1, name="Llama 2 7B as MQA"),
+    }
+    rows = {}
+    for label, c in shapes.items():
+        rows[label] = {
+            "n_layers": c.n_layers, "n_heads": c.n_heads, "n_kv_heads": c.n_kv_heads,
+            "head_dim": c.head_dim, "kv_mul": c.kv_mul, "kind": c.attention_kind,
+            "bytes_per_token_fp16": kvlab.kv_bytes_per_token(c, "fp16"),
+            "bytes_4096_fp16": kvlab.kv_cache_bytes(c, seq_len, dtype="fp16"),
+            "bytes_16x4096_fp16": kvlab.kv_cache_bytes(c, seq_len, batch=batch, dtype="fp16"),
+            "weights_bytes_fp16": c.n_params() * 2,
+        }
+    base = C.llama2_7b()
+    sweep = {}
+    for n_kv in (32, 16, 8, 4, 2, 1):
+        c = base.replace(n_kv_heads=n_kv)
+        sweep[n_kv] = kvlab.kv_cache_bytes(c, seq_len, batch=batch, dtype="fp16")
+    mha = sweep[32]
+    return {"seq_len": seq_len, "batch": batch, "dtype": "fp16", "presets": rows,
+            "llama2_7b_by_n_kv_heads": {str(k): v for k, v in sweep.items()},
+            "llama2_7b_ratio_by_n_kv_heads": {str(k): mha / v for k, v in sweep.items()}}
+
+
+def head_mapping(rng) -> dict:
+    """C attention against the NumPy reference, and which KV head each query head reads."""
+    n_heads, head_dim, length = 8, 16, 40
+    out = {}
+    for n_kv in (8, 2, 1):
+        kv_mul = n_heads // n_kv
+        cache = kvlab.KVCache(1, n_kv, head_dim, length)
+        keys = rng.standard_normal((length, 1, n_kv, head_dim), dtype=np.float32)
+        values = rng.standard_normal((length, 1, n_kv, head_dim), dtype=np.float32)
+        cache.append(keys, values)
+        q = rng.standard_normal((n_heads, head_dim), dtype=np.float32)
+        c_out = cache.attend(q, layer=0)
+        ref = reference.attention(q[None], cache.keys[0], cache.values[0],
+                                  np.array([length - 1]))[0]
+        # every value of KV head g is g: query head h's output is the number it read
+        labelled = kvlab.KVCache(1, n_kv, head_dim, length)
+        label_values = np.broadcast_to(np.arange(n_kv, dtype=np.float32)[None, None, :, None],
+                                       (length, 1, n_kv, head_dim)).copy()
+        labelled.append(keys, label_values)
+        read = labelled.attend(q, layer=0)[:, 0]
+        out[f"n_kv_heads={n_kv}"] = {
+            "kv_mul": kv_mul,
+            "max_abs_diff_vs_reference": float(np.abs(c_out - ref).max()),
+            "kv_head_read_by_query_head": [round(float(x), 6) for x in read],
+            "equals_h_floordiv_kv_mul": bool(np.allclose(read, np.arange(n_heads) // kv_mul,
+                                                         atol=1e-5)),
+        }
+    return out
+
+
+def attention_timing(rng, contexts, threads, repeats=9) -> list:
+    n_heads, head_dim = 32, 128
+    kvlab.set_num_threads(threads)
+    results = []
+    for context in contexts:
+        caches = {}
+        for n_kv in (32, 8, 1):
+            cache = kvlab.KVCache(1, n_kv, head_dim, context)
+            rows = rng.standard_normal((context, 1, n_kv, head_dim), dtype=np.float32)
+            cache.append(rows, rows)
+            caches[n_kv] = cache
+        q = rng.standard_normal((n_heads, head_dim), dtype=np.float32)
+        for cache in caches.values():
+            cache.attend(q, 0)                      # warm up: pages, caches
+        rounds = {n_kv: [] for n_kv in caches}
+        for _ in range(repeats):
+            for n_kv, cache in caches.items():
+                start = time.perf_counter()
+                cache.attend(q, 0)
+                rounds[n_kv].append(time.perf_counter() - start)
+        for n_kv, times in rounds.items():
+            seconds = min(times)
+            kv_bytes = 2 * context * n_kv * head_dim * 4
+            # the MHA time over this shape's, round by round (both met the same load)
+            ratio = float(np.median(np.array(rounds[32]) / np.array(times)))
+            results.append({"threads": threads, "context": context, "n_heads": n_heads,
+                            "n_kv_heads": n_kv, "head_dim": head_dim, "seconds": seconds,
+                            "kv_bytes_read": kv_bytes, "GBps": kv_bytes / seconds / 1e9,
+                            "flops": 4 * n_heads * context * head_dim,
+                            "mha_over_this_median_round": ratio})
+        del caches
+    return results
+
+
+def decode_kv_bytes() -> dict:
+    """K/V bytes one decode step reads at position 255, counted by the C core."""
+    model = kvlab.load()
+    tokens = (np.arange(255) % 90 + 32).astype(np.int32)
+    out = {}
+    for n_kv in (8, 2, 1):
+        if n_kv == model.config.n_kv_heads:
+            m = model
+        else:
+            c = model.config.replace(n_kv_heads=n_kv, name=f"shakespeare-1m shape, {n_kv} KV heads")
+            m = kvlab.Model(c, kvlab.Weights.random(c, seed=0))
+        cache = m.new_cache(256)
+        m.prefill(tokens, cache)
+        with m.counting() as counts:
+            m.decode(65, cache)
+        out[str(n_kv)] = {"kind": m.config.attention_kind, "kv_read_bytes": counts.kv_read_bytes,
+                          "weight_bytes": counts.weight_bytes,
+                          "flops_attention": counts.flops_attention,
+                          "cache_nbytes_256": cache.nbytes}
+    return out
+
+
+def plot_cache_bytes(sizes: dict, path: Path) -> None:
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.6), dpi=100)
+    labels = ["Llama 2 7B (MHA)", "Llama 3 8B (GQA)", "Llama 2 7B as MQA",
+              "Llama 2 70B as MHA", "Llama 2 70B (GQA)"]
+    presets = sizes["presets"]
+    cache = [presets[k]["bytes_16x4096_fp16"] / GIB for k in labels]
+    weights = [presets[k]["weights_bytes_fp16"] / GIB for k in labels]
+    x = np.arange(len(labels))
+    left.bar(x - 0.2, cache, 0.4, label="KV cache, 16 x 4,096 tokens", color="#4c78a8")
+    left.bar(x + 0.2, weights, 0.4, label="weights", color="#bbbbbb")
+    for xi, v in zip(x, cache):
+        left.text(xi - 0.2, v * 1.15, f"{v:g}", ha="center", fontsize=8)
+    left.set_yscale("log")
+    left.set_xticks(x, [k.replace(" (", "\n(").replace(" as ", "\nas ") for k in labels],
+                    fontsize=7)
+    left.set_ylabel("GiB (fp16)")
+    left.set_title("cache vs weights", fontsize=10)
+    left.legend(fontsize=7, loc="upper left")
+    sweep = sizes["llama2_7b_by_n_kv_heads"]
+    n_kv = np.array([int(k) for k in sweep])
+    gib = np.array(list(sweep.values())) / GIB
+    right.plot(n_kv, gib, "o-", color="#4c78a8")
+    for k, v in zip(n_kv, gib):
+        right.annotate(f"{v:g} GiB", (k, v), textcoords="offset points", xytext=(4, -10),
+                       fontsize=7)
+    right.axhline(presets["Llama 2 7B (MHA)"]["weights_bytes_fp16"] / GIB, color="#999",
+                  ls="--", lw=1)
+    right.text(1, 13.5, "7B weights, fp16", fontsize=7, color="#666", va="top")
+    right.set_xscale("log", base=2)
+    right.set_yscale("log", base=2)
+    right.set_xticks(n_kv, [str(k) for k in n_kv])
+    right.set_xlabel("KV heads (32 query heads; 32 = MHA, 1 = MQA)")
+    right.set_ylabel("GiB, 16 requests x 4,096 tokens")
+    right.set_title("Llama 2 7B shape, KV heads varied", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def plot_attention(timing: list, path: Path, machine_line: str) -> None:
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.6), dpi=100)
+    names = {32: "MHA (32 KV heads)", 8: "GQA (8 KV heads)", 1: "MQA (1 KV head)"}
+    colors = {32: "#e45756", 8: "#4c78a8", 1: "#54a24b"}
+    one = [r for r in timing if r["threads"] == 1]
+    for n_kv in (32, 8, 1):
+        rows = [r for r in one if r["n_kv_heads"] == n_kv]
+        ctx = [r["context"] for r in rows]
+        left.plot(ctx, [1e3 * r["seconds"] for r in rows], "o-", color=colors[n_kv],
+                  label=names[n_kv])
+        right.plot(ctx, [r["GBps"] for r in rows], "o-", color=colors[n_kv], label=names[n_kv])
+    for ax in (left, right):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("context (cached positions)")
+    left.set_yscale("log")
+    left.set_ylabel("ms per decode attention call")
+    left.set_title("time: one layer, 32 query heads x 128, 1 thread", fontsize=9)
+    left.legend(fontsize=8)
+    right.set_ylabel("GB/s of K and V read")
+    right.set_title("the same calls as K/V read rate", fontsize=9)
+    fig.text(0.5, 0.005, machine_line, ha="center", fontsize=7, color="#666")
+    fig.tight_layout(rect=(0, 0.03, 1, 1))
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=str(Path(__file__).resolve().parent))
+    args = parser.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    rng = np.random.default_rng(0)
+    threads_before = kvlab.get_num_threads()
+
+    sizes = cache_sizes()
+    mapping = head_mapping(rng)
+    contexts = (512, 1024, 2048, 4096, 8192)
+    timing = attention_timing(rng, contexts, threads=1)
+    kvlab.set_num_threads(threads_before)
+    decode = decode_kv_bytes()
+
+    setup = machine()
+    setup.update({"timing": "cache.attend(q, layer=0): decode attention of one token over one "
+                            "layer, fp32 cache of random rows, 32 query heads of head_dim 128; "
+                            "best of 9 rounds, the three shapes in turn in each round",
+                  "default_threads": threads_before})
+    machine_line = (f"{setup['cpu']}, {setup['cpu_count']} cores; best of 9; "
+                    f"kvlab {setup['kvlab']}")
+    plot_cache_bytes(sizes, out / "ch03_cache_bytes.png")
+    plot_attention(timing, out / "ch03_attention_time.png", machine_line)
+
+    at = {f"{r['threads']}t_{r['context']}_{r['n_kv_heads']}": r for r in timing}
+    summary = {}
+    for threads in (1,):
+        key = lambda n: f"{threads}t_4096_{n}"  # noqa: E731
+        summary[f"context_4096_threads_{threads}"] = {
+            "mha_ms": 1e3 * at[key(32)]["seconds"], "gqa_ms": 1e3 * at[key(8)]["seconds"],
+            "mqa_ms": 1e3 * at[key(1)]["seconds"],
+            "mha_over_gqa": at[key(32)]["seconds"] / at[key(8)]["seconds"],
+            "mha_over_mqa": at[key(32)]["seconds"] / at[key(1)]["seconds"],
+            "mha_over_gqa_median_round": at[key(8)]["mha_over_this_median_round"],
+            "mha_over_mqa_median_round": at[key(1)]["mha_over_this_median_round"],
+            "mha_GBps": at[key(32)]["GBps"], "gqa_GBps": at[key(8)]["GBps"],
+            "mqa_GBps": at[key(1)]["GBps"],
+            "mqa_GFLOPs": at[key(1)]["flops"] / at[key(1)]["seconds"] / 1e9,
+        }
+    result = {"setup": setup, "cache_sizes": sizes, "head_mapping": mapping,
+              "attention_timing": timing, "attention_summary": summary,
+              "decode_step_kv_bytes_at_position_255": decode,
+              "script_seconds": time.perf_counter() - started}
+    (out / "ch03.json").write_text(json.dumps(result, indent=2))
+    print(json.dumps(summary, indent=2))
+    print(f"wrote {out}/ch03_*.png and ch03.json in {result['script_seconds']:.1f} s")
+
+
+if __name__ == "__main__":
+    main()

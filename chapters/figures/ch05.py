@@ -1,0 +1,357 @@
+"""Figures and numbers for chapter 5, "Batching and scheduling".
+
+    python chapters/figures/ch05.py [--out DIR] [--threads N]
+
+Writes ch05_throughput.png, ch05_budget.png and ch05.json (every number the chapter
+quotes, with the setup). Three measurements, all through kvlab.Engine:
+
+1. The engine's outputs equal kvlab.generate, token for token: greedy and sampled
+   requests (n=2) on a pool small enough to force preemptions.
+2. Decode throughput against batch size: B requests of 16-token prompts and 8 new
+   tokens each, B = 1 .. 64, on the bundled model, stories260K (where present) and random
+   weights shaped like stories15M. Decode tokens/s is B / (the fastest decode step's
+   time) over a few rounds run round-robin: the machine is shared, and other processes
+   only ever add time to a step. The core's counters give the weight and K/V bytes and
+   the FLOPs per token.
+3. One KV memory budget (16 contiguous caches of 512 positions, fp32): static batches of
+   16 requests on contiguous reservations against the paged engine (continuous batching),
+   on 96 requests of long-tailed lengths (the workload of benchmarks/bench_engine.py).
+
+Runs in well under 60 s on the 2-core development machine (one core thread by default:
+on a shared machine a single thread is far less disturbed by other processes).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import time
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+
+import kvlab  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+SHARED = Path(os.environ.get("KVLAB_SHARED", HERE.parents[2] / "shared"))
+STORIES = SHARED / "models" / "stories260K"
+BATCHES = [1, 2, 4, 8, 16, 32, 64]
+
+
+def stories15m_shape() -> kvlab.Model:
+    """Random weights in the shape of llama2.c's stories15M (15.2 M parameters)."""
+    config = kvlab.ModelConfig(dim=288, hidden_dim=768, n_layers=6, n_heads=6, n_kv_heads=6,
+                               vocab_size=32000, max_seq_len=512, name="random stories15M shape")
+    return kvlab.Model(config, kvlab.Weights.random(config, seed=0))
+
+
+# ---- 1. same tokens as kvlab.generate ----------------------------------------------------
+
+def equality_check(model: kvlab.Model) -> dict:
+    prompts = ["ROMEO:\n", "JULIET:\n", "First Citizen:\n", "KING HENRY:\n", "To be, or not",
+               "O Romeo, "]
+    pool = model.new_paged_pool(num_blocks=14, block_size=16)      # too small for all at once
+    engine = kvlab.Engine(model, pool, max_batch_tokens=64)
+    requests = []
+    for i, prompt in enumerate(prompts):
+        params = (kvlab.SamplingParams(max_tokens=60) if i % 2 == 0 else
+                  kvlab.SamplingParams(max_tokens=60, temperature=0.8, top_k=40, seed=i, n=2))
+        requests.append((engine.add_request(prompt, params), prompt, params))
+    outputs = engine.run(progress=False)
+    same, samples = True, 0
+    for rid, prompt, p in requests:
+        for i in range(p.n):
+            alone = kvlab.generate(model, prompt, p.max_tokens, temperature=p.temperature,
+                                   top_k=p.top_k, seed=None if p.seed is None else p.seed + i)
+            same &= alone.tokens == outputs[rid].outputs[i]
+            samples += 1
+    return {"requests": len(prompts), "samples": samples, "pool_blocks": 14, "block_size": 16,
+            "max_batch_tokens": 64, "steps": len(engine.metrics),
+            "max_batch": max(m.batch_size for m in engine.metrics),
+            "preemptions": sum(m.preemptions for m in engine.metrics),
+            "identical_to_generate": bool(same)}
+
+
+# ---- 2. throughput against batch size ----------------------------------------------------
+
+def throughput_run(model: kvlab.Model, batch: int, new_tokens: int = 8,
+                   prompt_len: int = 16) -> dict:
+    rng = np.random.default_rng(batch)
+    blocks = batch * -(-(prompt_len + new_tokens) // 16) + 4
+    pool = model.new_paged_pool(num_blocks=blocks, block_size=16, max_seqs=batch)
+    engine = kvlab.Engine(model, pool, max_batch_tokens=max(256, batch * prompt_len))
+    for _ in range(batch):
+        prompt = rng.integers(0, model.config.vocab_size, prompt_len).tolist()
+        engine.add_request(prompt, kvlab.SamplingParams(max_tokens=new_tokens, stop_at_eos=False))
+    decode_seconds, weight_bytes, kv_bytes, flops, decode_tokens = [], 0, 0, 0, 0
+    start = time.perf_counter()
+    while engine.has_work:
+        with model.counting() as counts:
+            step = engine.step()
+        if step.prefill_tokens == 0 and step.decode_tokens:
+            decode_seconds.append(step.seconds)
+            weight_bytes += counts.weight_bytes
+            kv_bytes += counts.kv_read_bytes
+            flops += counts.flops
+            decode_tokens += step.decode_tokens
+    total = time.perf_counter() - start
+    return {"decode_tokens_per_s": batch / min(decode_seconds),
+            "end_to_end_tokens_per_s": batch * new_tokens / total,
+            "weight_bytes_per_token": weight_bytes / decode_tokens,
+            "kv_read_bytes_per_token": kv_bytes / decode_tokens,
+            "flops_per_token": flops / decode_tokens}
+
+
+def throughput(models, rounds: int) -> list:
+    best = {}
+    # round-robin: every size sees the same noise; small models are cheap, so more rounds
+    def rounds_for(model):
+        return rounds if model.n_params > 5_000_000 else 2 * rounds
+    for r in range(2 * rounds):
+        for model in [m for m in models if r < rounds_for(m)]:
+            throughput_run(model, 1, new_tokens=4)          # warm up (pages, threads)
+            for batch in BATCHES:
+                row = throughput_run(model, batch)
+                key = (model.config.name, batch)
+                old = best.get(key)
+                if old is None:
+                    best[key] = row
+                else:
+                    for name in ("decode_tokens_per_s", "end_to_end_tokens_per_s"):
+                        old[name] = max(old[name], row[name])
+    rows = []
+    for model in models:
+        base = best[(model.config.name, 1)]["decode_tokens_per_s"]
+        for batch in BATCHES:
+            row = best[(model.config.name, batch)]
+            # what a decode step achieved: weight bytes streamed and arithmetic per second
+            row["weight_gb_per_s"] = row["decode_tokens_per_s"] * row["weight_bytes_per_token"] / 1e9
+            row["gflop_per_s"] = row["decode_tokens_per_s"] * row["flops_per_token"] / 1e9
+            rows.append({"model": model.config.name, "rounds": rounds_for(model),
+                         "params": model.n_params,
+                         "weights_bytes": model.weights_nbytes, "batch": batch,
+                         **{k: round(v, 2) for k, v in row.items()},
+                         "speedup_vs_batch1": round(row["decode_tokens_per_s"] / base, 2)})
+    return rows
+
+
+# ---- 3. one memory budget: static contiguous vs continuous paged -------------------------
+
+def workload(model: kvlab.Model, n_requests: int, max_len: int, seed: int = 0) -> list:
+    """Long-tailed lengths, as in benchmarks/bench_engine.py: most short, a few long."""
+    rng = np.random.default_rng(seed)
+    requests = []
+    for _ in range(n_requests):
+        prompt = rng.integers(0, model.config.vocab_size, int(rng.integers(8, 64))).tolist()
+        new = int(min(max_len - 64, max(4, rng.lognormal(np.log(max_len / 8), 0.9))))
+        requests.append((prompt, kvlab.SamplingParams(max_tokens=new, stop_at_eos=False)))
+    return requests
+
+
+def serve(model, pool, requests, static_batch: int = 0) -> dict:
+    """Every request to the end; with static_batch, that many at a time, each group running
+    until its slowest request is done, before the next group starts."""
+    groups = ([requests[i:i + static_batch] for i in range(0, len(requests), static_batch)]
+              if static_batch else [requests])
+    running, made, generated, preemptions = [], [], 0, 0
+    start = time.perf_counter()
+    with model.counting() as counts:          # what the core did, over the whole run
+        for group in groups:
+            engine = kvlab.Engine(model, pool, max_batch_tokens=512)
+            for prompt, params in group:
+                engine.add_request(prompt, params)
+            while engine.has_work:
+                step = engine.step()
+                running.append(step.batch_size)
+                generated += sum(len(t) for t in step.new_tokens.values())
+                made.append(generated)
+                preemptions += step.preemptions
+    seconds = time.perf_counter() - start
+    return {"seconds": seconds, "tokens": generated, "steps": len(running),
+            "peak_running": max(running), "mean_running": float(np.mean(running)),
+            "preemptions": preemptions, "flops": counts.flops,
+            "weight_bytes": counts.weight_bytes, "kv_read_bytes": counts.kv_read_bytes,
+            "tokens_run": counts.tokens, "running_per_step": running, "tokens_so_far": made}
+
+
+def memory_budget(model: kvlab.Model, n_requests: int = 96, n_static: int = 16,
+                  rounds: int = 1) -> dict:
+    max_len = model.config.max_seq_len
+    budget = kvlab.kv_cache_bytes(model.config, max_len, n_static, dtype="fp32")
+    requests = workload(model, n_requests, max_len)
+    paged_blocks = budget // (16 * kvlab.kv_bytes_per_token(model.config, "fp32"))
+    results, times = {}, {"static": [], "paged": []}
+    for _ in range(rounds):                      # alternate, keep each one's best time
+        # Static: 16 requests at a time, each with room for max_len positions. A pool of
+        # 256-position blocks, two per request, is exactly 16 contiguous caches of 512.
+        # Fresh pools every round: a used pool's prefix cache would remember the prompts.
+        static_pool = model.new_paged_pool(num_blocks=max_len // 256 * n_static, block_size=256)
+        paged_pool = model.new_paged_pool(num_blocks=paged_blocks, block_size=16)
+        assert static_pool.nbytes == budget == paged_pool.nbytes
+        for name, pool, static in (("static", static_pool, n_static), ("paged", paged_pool, 0)):
+            run = serve(model, pool, requests, static)
+            times[name].append(round(run["seconds"], 2))
+            if name not in results or run["seconds"] < results[name]["seconds"]:
+                results[name] = run
+    for name, run in results.items():
+        run["tokens_per_s"] = run["tokens"] / run["seconds"]
+        run["seconds_each_round"] = times[name]
+    return {"model": model.config.name, "max_len": max_len, "budget_bytes": budget,
+            "static_blocks": static_pool.num_blocks, "paged_blocks": paged_pool.num_blocks,
+            "requests": n_requests, "tokens": sum(p.max_tokens for _, p in requests),
+            "mean_new_tokens": float(np.mean([p.max_tokens for _, p in requests])),
+            "max_new_tokens": max(p.max_tokens for _, p in requests), **results}
+
+
+# ---- exact arithmetic the text shows ----------------------------------------------------
+
+def llama2_7b_arithmetic(batch: int = 16, context: int = 4096) -> dict:
+    """Bytes a decode step reads for Llama 2 7B in fp16: weights once per step, and each
+    sequence's own cache."""
+    config = kvlab.ModelConfig.llama2_7b()
+    weights = kvlab.measure.weights_bytes(config, "fp16")
+    per_token = kvlab.kv_bytes_per_token(config, "fp16")
+    cache = kvlab.kv_cache_bytes(config, context, 1, dtype="fp16")
+    return {"params": config.n_params(), "weights_fp16_bytes": weights,
+            "kv_bytes_per_token_fp16": per_token, "batch": batch, "context": context,
+            "cache_bytes_per_sequence": cache,
+            "step_weight_bytes": weights, "step_kv_bytes": batch * cache,
+            "weight_bytes_per_generated_token": weights / batch,
+            "kv_bytes_per_generated_token": cache,
+            "context_whose_cache_equals_weights_share": weights / batch / per_token}
+
+
+# ---- figures -------------------------------------------------------------------------------
+
+def plot_throughput(rows, path: Path) -> None:
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.8))
+    for name in dict.fromkeys(r["model"] for r in rows):
+        mine = [r for r in rows if r["model"] == name]
+        b = [r["batch"] for r in mine]
+        left.plot(b, [r["decode_tokens_per_s"] for r in mine], "o-", label=name)
+        if name.startswith("random"):
+            right.plot(b, [r["weight_bytes_per_token"] / 1e6 for r in mine], "o-",
+                       label="weights read per token")
+            right.plot(b, [r["kv_read_bytes_per_token"] / 1e6 for r in mine], "s--",
+                       label="K/V read per token (context about 30)")
+            right.set_title(f"{name}: bytes per generated token\n(counted by the core)",
+                            fontsize=10)
+    left.set_xscale("log", base=2)
+    left.set_yscale("log")
+    left.set_xlabel("requests decoded together (batch size)")
+    left.set_ylabel("decode tokens/s")
+    left.set_title("Decode throughput of kvlab.Engine", fontsize=10)
+    left.grid(alpha=0.3, which="both")
+    left.legend(fontsize=8)
+    right.set_xscale("log", base=2)
+    right.set_yscale("log")
+    right.set_xlabel("batch size")
+    right.set_ylabel("MB per generated token")
+    right.grid(alpha=0.3, which="both")
+    right.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def plot_budget(budget, path: Path) -> None:
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.6))
+    for name, label, style in (("static", "static batches of 16, contiguous caches", "-"),
+                               ("paged", "continuous batching, paged pool", "-")):
+        run = budget[name]
+        steps = np.arange(1, run["steps"] + 1)
+        left.plot(steps, run["running_per_step"], style, lw=0.8, label=label)
+        right.plot(steps, run["tokens_so_far"], style, label=f"{label}: {run['steps']} steps")
+    left.set_xlabel("engine step")
+    left.set_ylabel("sequences in the step's batch")
+    left.set_title(f"{budget['requests']} requests, one K/V budget of "
+                   f"{budget['budget_bytes'] / 2**20:.0f} MiB ({budget['model']})", fontsize=10)
+    left.legend(fontsize=8)
+    left.grid(alpha=0.3)
+    right.set_xlabel("engine step")
+    right.set_ylabel("tokens generated so far")
+    right.set_title("Same requests, same memory", fontsize=10)
+    right.legend(fontsize=8)
+    right.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", default=str(HERE))
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--rounds", type=int, default=2)
+    args = parser.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    kvlab.set_num_threads(args.threads)
+    started = time.perf_counter()
+
+    model = kvlab.load()
+    models = [model]
+    stories = None
+    if (STORIES / "stories260K.bin").exists():
+        stories = kvlab.load(STORIES / "stories260K.bin", tokenizer=STORIES / "tok512.bin")
+        models.append(stories)
+    else:
+        print(f"({STORIES} not found: stories260K skipped)")
+    models.append(stories15m_shape())
+
+    equal = equality_check(model)
+    print("engine vs generate:", equal)
+    rows = throughput(models, args.rounds)
+    for r in rows:
+        print(f"{r['model']:<26}{r['batch']:>4}{r['decode_tokens_per_s']:>10,.0f} tok/s"
+              f"{r['speedup_vs_batch1']:>7.2f}x  weights {r['weight_bytes_per_token']:>12,.0f}"
+              f" B/token  K/V {r['kv_read_bytes_per_token']:>9,.0f} B/token"
+              f"  {r['weight_gb_per_s']:5.2f} GB/s {r['gflop_per_s']:5.1f} GFLOP/s")
+    budget = memory_budget(model)
+    for name in ("static", "paged"):
+        r = budget[name]
+        print(f"{name}: {r['steps']} steps, running peak {r['peak_running']} mean "
+              f"{r['mean_running']:.1f}, {r['seconds']:.2f} s, {r['tokens_per_s']:,.0f} tok/s, "
+              f"{r['flops'] / 1e9:.1f} GFLOP, weights {r['weight_bytes'] / 1e9:.2f} GB, "
+              f"K/V {r['kv_read_bytes'] / 1e9:.2f} GB, {r['tokens_run']:,} tokens run")
+
+    plot_throughput(rows, out / "ch05_throughput.png")
+    plot_budget(budget, out / "ch05_budget.png")
+
+    # the engine benchmark's stored run (benchmarks/bench_engine.py), quoted by the text
+    bench = HERE.parents[1] / "benchmarks" / "results" / "engine.json"
+    stored = json.loads(bench.read_text())["memory_budget"] if bench.is_file() else None
+    for name in ("static", "paged"):        # the figure's data, not quoted: kept out
+        del budget[name]["running_per_step"], budget[name]["tokens_so_far"]
+    result = {
+        "setup": {"kvlab": kvlab.__version__, "threads": kvlab.get_num_threads(),
+                  "cpu_count": os.cpu_count(), "processor": platform.processor(),
+                  "machine": platform.machine(), "python": platform.python_version(),
+                  "models": {m.config.name: {"params": m.n_params, "weights_bytes": m.weights_nbytes,
+                                             "n_layers": m.config.n_layers,
+                                             "n_kv_heads": m.config.n_kv_heads,
+                                             "head_dim": m.config.head_dim}
+                             for m in models},
+                  "throughput_workload": "B requests, 16-token random prompts, 8 new tokens, "
+                                         "greedy; decode tok/s = B / fastest decode step time, "
+                                         f"best of {args.rounds} round-robin rounds ({2 * args.rounds} "
+                                         "for the models under 5 M parameters)",
+                  "seconds": None},
+        "llama2_7b_arithmetic": llama2_7b_arithmetic(),
+        "equality": equal,
+        "throughput": rows,
+        "memory_budget": budget,
+        "bench_engine_json": stored,
+    }
+    result["setup"]["seconds"] = round(time.perf_counter() - started, 1)
+    (out / "ch05.json").write_text(json.dumps(result, indent=1))
+    print(f"wrote {out} in {result['setup']['seconds']} s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,310 @@
+"""Figures and numbers for chapter 6, "Quantizing the cache".
+
+    python chapters/figures/ch06.py [--out DIR] [--threads N]
+
+Writes ch06_errors.png, ch06_accuracy.png, ch06_attention.png and ch06.json (every
+number the chapter quotes, with the setup):
+
+1. Bytes per token of each format, scales and zero points included
+   (kvlab.kv_bytes_per_token), for the bundled model, stories260K and two large shapes,
+   checked against what a real cache allocates.
+2. Round-trip error of real keys and values: the bundled model's K/V for 512 tokens of
+   held-out Shakespeare, quantized by kvlab.quant, against kvlab.quant's error bound; the
+   C cache's codes compared with kvlab.quant's, bit for bit.
+3. Accuracy (kvlab.accuracy.evaluate): the bundled model on 2,048 tokens of the Tiny
+   Shakespeare validation split, stories260K (where present) on 2,048 tokens it wrote.
+4. Decode attention alone (cache.attend) on one Llama 3 8B layer (32 query heads, 8 KV
+   heads of head_dim 128) filled with random rows, every format timed round-robin, best
+   of 15, as benchmarks/bench_quant.py does at more contexts.
+
+Runs in well under 60 s on the 2-core development machine.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import time
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+
+import kvlab  # noqa: E402
+from kvlab import accuracy, quant  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+SHARED = Path(os.environ.get("KVLAB_SHARED", HERE.parents[2] / "shared"))
+STORIES = SHARED / "models" / "stories260K"
+DATA = SHARED / "data" / "tinyshakespeare.txt"
+FORMATS = ["fp32", "fp16", "bf16", "fp8", "int8", "int4"]
+# the formats evaluate() compares (its default list, spelled out) and their labels
+SPECS = ["fp32", "fp16", "bf16", "fp8", "int8", "int4", {"dtype": "int4", "window": 32},
+         {"key_dtype": "int8", "value_dtype": "int4"}]
+LABELS = ["fp32", "fp16", "bf16", "fp8", "int8", "int4", "int4 +window 32", "int8 K, int4 V"]
+
+
+# ---- 1. bytes per token ----------------------------------------------------------------------
+
+def bytes_table(configs) -> dict:
+    table = {}
+    for config in configs:
+        row = {fmt: kvlab.kv_bytes_per_token(config, fmt) for fmt in FORMATS}
+        g = config.head_dim
+        if g % 32 == 0:
+            row["int8 g32"] = kvlab.kv_bytes_per_token(config, "int8", group=32)
+            row[f"int4 g{g}"] = kvlab.kv_bytes_per_token(config, "int4", group=g)
+        if g % 8 == 0:
+            row["int4 g8"] = kvlab.kv_bytes_per_token(config, "int4", group=8)
+        row["int8 K / int4 V"] = kvlab.kv_bytes_per_token(config, "int8", value_dtype="int4")
+        table[config.name] = {"n_layers": config.n_layers, "n_kv_heads": config.n_kv_heads,
+                              "head_dim": config.head_dim, "bytes_per_token": row}
+    return table
+
+
+def check_allocation(model) -> bool:
+    """The formula is what a cache allocates: nbytes of a 1,024-position cache / 1,024."""
+    return all(model.new_cache(1024, fmt).nbytes == 1024 * kvlab.kv_bytes_per_token(model.config, fmt)
+               for fmt in FORMATS)
+
+
+# ---- 2. round-trip error on real K and V -----------------------------------------------------
+
+def real_kv(model, tokens):
+    cache = model.new_cache(len(tokens))
+    model.prefill(tokens, cache)
+    return cache.keys.copy(), cache.values.copy()      # (n_layers, length, n_kv_heads, head_dim)
+
+
+def round_trip(keys, values) -> dict:
+    rows = {}
+    x = np.concatenate([keys.ravel(), values.ravel()]).reshape(-1, keys.shape[-1])
+    group_max = np.abs(x).max(axis=-1, keepdims=True)
+    for fmt in FORMATS[1:]:
+        q = quant.quantize(x, fmt)
+        back = quant.dequantize(q)
+        error = back - x
+        bound = quant.round_trip_error_bound(x, fmt)
+        rows[fmt] = {
+            "relative_rms_error": float(np.linalg.norm(error) / np.linalg.norm(x)),
+            "max_abs_error": float(np.abs(error).max()),
+            "within_bound": bool((np.abs(error) <= bound).all()),
+            "max_error_over_bound": float((np.abs(error) / bound).max()),
+            "bytes": int(q.nbytes), "values": int(x.size),
+            "bytes_per_value": q.nbytes / x.size,
+            # the error in units of the largest magnitude of its head row: the histogram
+            "_scaled": np.abs(error / np.where(group_max > 0, group_max, 1)).ravel(),
+        }
+    return rows
+
+
+def codes_match(model, keys, values) -> dict:
+    """The C cache's stored codes and scales equal kvlab.quant's, bit for bit."""
+    rows = {}
+    k_rows = np.ascontiguousarray(keys.transpose(1, 0, 2, 3))      # (length, n_layers, ...)
+    v_rows = np.ascontiguousarray(values.transpose(1, 0, 2, 3))
+    for fmt in FORMATS[1:]:
+        cache = model.new_cache(keys.shape[1], fmt)
+        cache.append(k_rows, v_rows)
+        q = quant.quantize(keys, fmt)
+        codes = cache.key_codes.view(q.codes.dtype)
+        same = np.array_equal(codes, q.codes)
+        if q.scales is not None:
+            same &= np.array_equal(cache.key_scales, q.scales)
+        if q.zeros is not None:
+            same &= np.array_equal(cache.key_zeros, q.zeros)
+        stored_keys, _ = cache.dequantized()
+        same &= np.array_equal(stored_keys, quant.dequantize(q))
+        rows[fmt] = bool(same)
+    return rows
+
+
+# ---- 4. attention speed --------------------------------------------------------------------
+
+def attention_times(contexts, repeats: int = 15) -> list:
+    n_heads, n_kv_heads, head_dim = 32, 8, 128            # one Llama 3 8B layer
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((n_heads, head_dim), dtype=np.float32)
+    rows = []
+    for context in contexts:
+        keys = rng.standard_normal((context, 1, n_kv_heads, head_dim), dtype=np.float32)
+        values = rng.standard_normal((context, 1, n_kv_heads, head_dim), dtype=np.float32)
+        caches = {}
+        for fmt in FORMATS:
+            cache = kvlab.KVCache(1, n_kv_heads, head_dim, context, key_format=fmt, value_format=fmt)
+            cache.append(keys, values)
+            cache.attend(q)                               # touch every page once
+            caches[fmt] = cache
+        best = {fmt: float("inf") for fmt in FORMATS}
+        for _ in range(repeats):                          # round-robin: same conditions
+            for fmt, cache in caches.items():
+                start = time.perf_counter()
+                cache.attend(q)
+                best[fmt] = min(best[fmt], time.perf_counter() - start)
+        for fmt in FORMATS:
+            rows.append({"context": context, "format": fmt, "ms": 1e3 * best[fmt],
+                         "speedup_vs_fp32": best["fp32"] / best[fmt],
+                         "cache_bytes": caches[fmt].nbytes,
+                         "gb_per_s": caches[fmt].nbytes / best[fmt] / 1e9})
+        del caches
+    return rows
+
+
+# ---- figures -------------------------------------------------------------------------------
+
+def plot_errors(errors, path: Path) -> None:
+    fig, ax = plt.subplots(figsize=(7.5, 3.6))
+    bins = np.logspace(-9, 0, 91)
+    for fmt in FORMATS[1:]:
+        scaled = errors[fmt]["_scaled"]
+        scaled = scaled[scaled > 0]
+        ax.hist(scaled, bins=bins, histtype="step", lw=1.4,
+                label=f"{fmt}: {errors[fmt]['bytes_per_value']:.3g} B/value")
+    ax.set_xscale("log")
+    ax.set_xlabel("|dequantized - exact| / largest |value| of its head row")
+    ax.set_ylabel("values")
+    ax.set_title("Round-trip error of the bundled model's K and V (512 held-out tokens)",
+                 fontsize=10)
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def plot_accuracy(reports, path: Path) -> None:
+    """KL and top-1 disagreement per format (SPECS order), per model."""
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.8), sharey=True)
+    y = np.arange(len(LABELS) - 1)
+    height = 0.8 / len(reports)
+    for j, report in enumerate(reports):
+        formats = report["formats"][1:]                       # fp32 against itself: 0
+        fp32 = report["formats"][0]["bytes_per_token"]
+        offset = (j - (len(reports) - 1) / 2) * height
+        name = report["model"].split(" (")[0]
+        left.barh(y + offset, [max(f["kl"], 1e-9) for f in formats], height, label=name)
+        right.barh(y + offset, [max(100 * (1 - f["top1"]), 1e-3) for f in formats], height,
+                   label=name)
+        for yi, f in zip(y, formats):
+            right.annotate(f"{f['bytes_per_token'] / fp32:.2f}", (1.2e-3, yi + offset),
+                           fontsize=6, va="center")
+    left.set_yticks(y, LABELS[1:], fontsize=8)
+    left.invert_yaxis()
+    left.set_xscale("log")
+    left.set_xlabel("mean KL(p_fp32 || p_format), nats (log)")
+    left.set_title("How far the next-token distribution moves", fontsize=10)
+    left.legend(fontsize=8)
+    right.set_xscale("log")
+    right.set_xlabel("positions whose top token changes, % (log; 0 drawn at 0.001)")
+    right.set_title("Top-1 disagreement (numbers: bytes/token vs fp32)", fontsize=10)
+    for ax in (left, right):
+        ax.grid(alpha=0.3, axis="x", which="both")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def plot_attention(rows, path: Path) -> None:
+    fig, ax = plt.subplots(figsize=(7.5, 3.4))
+    contexts = sorted({r["context"] for r in rows})
+    width = 0.8 / len(contexts)
+    for j, context in enumerate(contexts):
+        mine = [r for r in rows if r["context"] == context]
+        x = np.arange(len(mine)) + (j - (len(contexts) - 1) / 2) * width
+        ax.bar(x, [r["speedup_vs_fp32"] for r in mine], width,
+               label=f"{context:,} positions (fp32: {mine[0]['ms']:.1f} ms)")
+    ax.set_xticks(np.arange(len(FORMATS)),
+                  [f"{f}\n{quant.bytes_per_value(f, 128):.3g} B/value" for f in FORMATS], fontsize=8)
+    ax.axhline(1, color="k", lw=0.6)
+    ax.set_ylabel("speed against fp32 (x)")
+    ax.set_title("Decode attention alone, one Llama 3 8B layer (cache.attend)", fontsize=10)
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3, axis="y")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", default=str(HERE))
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--tokens", type=int, default=2048)
+    args = parser.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    kvlab.set_num_threads(args.threads)
+    started = time.perf_counter()
+
+    model = kvlab.load()
+    stories = None
+    if (STORIES / "stories260K.bin").exists():
+        stories = kvlab.load(STORIES / "stories260K.bin", tokenizer=STORIES / "tok512.bin")
+    else:
+        print(f"({STORIES} not found: stories260K skipped)")
+
+    configs = [model.config, kvlab.ModelConfig.stories260k(), kvlab.ModelConfig.llama2_7b(),
+               kvlab.ModelConfig.llama3_8b()]
+    sizes = bytes_table(configs)
+    allocation_ok = check_allocation(model)
+    print("bytes per token:", json.dumps(sizes, indent=1), "allocation matches:", allocation_ok)
+
+    # held-out text: the validation split recorded in the model card (kvlab.accuracy)
+    tokens = accuracy.validation_tokens(model, str(DATA), args.tokens)
+    keys, values = real_kv(model, tokens[:512])
+    errors = round_trip(keys, values)
+    matches = codes_match(model, keys, values)
+    for fmt, row in errors.items():
+        print(f"{fmt:<5} rel RMS {row['relative_rms_error']:.2e}  max {row['max_abs_error']:.3g}"
+              f"  within bound {row['within_bound']}  C codes = kvlab.quant {matches[fmt]}")
+
+    reports = []
+    report = accuracy.evaluate(model, tokens, SPECS, context=512)
+    report.model += " (Tiny Shakespeare validation split)"
+    print(report.table())
+    reports.append(report.as_dict())
+    if stories is not None:
+        story_tokens = accuracy.generated_tokens(stories, args.tokens, seed=0)
+        report = accuracy.evaluate(stories, story_tokens, SPECS, context=512)
+        report.model += " (text it generated)"
+        print(report.table())
+        reports.append(report.as_dict())
+
+    times = attention_times([4096, 16384])
+    for r in times:
+        print(f"{r['context']:>6} {r['format']:<5}{r['ms']:8.2f} ms {r['speedup_vs_fp32']:6.2f}x"
+              f"{r['gb_per_s']:7.2f} GB/s")
+
+    plot_errors(errors, out / "ch06_errors.png")
+    plot_accuracy(reports, out / "ch06_accuracy.png")
+    plot_attention(times, out / "ch06_attention.png")
+
+    for row in errors.values():
+        del row["_scaled"]
+    result = {
+        "setup": {"kvlab": kvlab.__version__, "threads": kvlab.get_num_threads(),
+                  "cpu_count": os.cpu_count(), "processor": platform.processor(),
+                  "machine": platform.machine(), "python": platform.python_version(),
+                  "accuracy_tokens": args.tokens, "accuracy_context": 512,
+                  "round_trip_tokens": 512,
+                  "attention": "one Llama 3 8B layer (32 heads, 8 KV heads, head_dim 128), "
+                               "random K/V rows, cache.attend, best of 15 round-robin",
+                  "seconds": None},
+        "bytes_per_token": sizes,
+        "allocation_matches_formula": allocation_ok,
+        "round_trip": errors,
+        "c_codes_equal_kvlab_quant": matches,
+        "accuracy": reports,
+        "attention": times,
+    }
+    result["setup"]["seconds"] = round(time.perf_counter() - started, 1)
+    (out / "ch06.json").write_text(json.dumps(result, indent=1))
+    print(f"wrote {out} in {result['setup']['seconds']} s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,307 @@
+"""Figures and numbers for chapter 7, "Kernels for decode attention".
+
+    python chapters/figures/ch07.py [--out DIR]
+
+Measures, on this machine: the memory read bandwidth (kvlab's own probe, csrc/bandwidth.c),
+a NumPy float32 matrix product as the CPU's practical compute roof, and decode attention
+alone (cache.attend) on one Llama 3 8B-shaped layer (32 query heads, 8 KV heads of
+head_dim 128) at 1K to 16K positions, in fp32, fp16 and int8. Checks a NumPy
+flash-decoding split/merge against cache.attend and kvlab.reference. Everything about
+the H200 is arithmetic from published figures (a bandwidth model), not a measurement.
+Writes ch07_roofline.png, ch07_cpu_attention.png, ch07_h200_estimate.png and ch07.json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import time
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+
+import kvlab  # noqa: E402
+from kvlab import measure, reference  # noqa: E402
+from kvlab._core import core  # noqa: E402  (memory_bandwidth has no public wrapper yet)
+
+# Published H200 SXM figures (NVIDIA's data sheet): HBM3e bandwidth, dense BF16 tensor-core
+# throughput (the 1,979 TFLOPS on the sheet is "with sparsity"), streaming multiprocessors.
+H200 = {"hbm_bytes_per_s": 4.8e12, "bf16_dense_flops": 989e12, "sms": 132}
+CONTEXTS_CPU = [1024, 2048, 4096, 8192, 16384]
+CONTEXTS_GPU = [4096, 8192, 16384, 32768]
+FORMATS = ["fp32", "fp16", "int8"]
+N_HEADS, N_KV_HEADS, HEAD_DIM = 32, 8, 128      # one layer of Llama 3 8B
+
+
+def best_of(repeats, run):
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def filled_cache(context, dtype, rows):
+    """One layer's cache holding `context` positions of `rows`, stored as `dtype`."""
+    cache = kvlab.KVCache(1, N_KV_HEADS, HEAD_DIM, context, key_format=dtype, value_format=dtype)
+    for first in range(0, context, 4096):
+        n = min(4096, context - first)
+        cache.append(rows[first:first + n], rows[len(rows) - first - n:len(rows) - first])
+    return cache
+
+
+def time_attend(context, dtype, rows, q):
+    """Best time of one cache.attend over `context` positions. Enough copies of the cache
+    are cycled through (64 MiB at least, twice the L3 cache) that each call reads its K and
+    V from memory, not from a cache level where the previous call left them."""
+    first = filled_cache(context, dtype, rows)
+    copies = [first] + [filled_cache(context, dtype, rows)
+                        for _ in range(-(-(64 << 20) // first.nbytes) - 1)]
+    calls = max(24, 4 * len(copies))
+    best = float("inf")
+    for i in range(calls):
+        cache = copies[i % len(copies)]
+        start = time.perf_counter()
+        cache.attend(q)
+        best = min(best, time.perf_counter() - start)
+    return best, first.nbytes
+
+
+def split_attention(q, keys, values, n_splits):
+    """Flash-decoding in NumPy: each chunk of positions gives (unnormalized output, max,
+    sum); the chunks are merged exactly afterwards. q (n_heads, head_dim), keys/values
+    (positions, n_kv_heads, head_dim)."""
+    n_heads, head_dim = q.shape
+    n_kv = keys.shape[1]
+    qg = q.reshape(n_kv, n_heads // n_kv, head_dim)
+    scale = np.float32(1.0 / np.sqrt(head_dim))
+    bounds = np.linspace(0, len(keys), n_splits + 1).astype(int)
+    parts = []
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        s = np.einsum("kgd,pkd->kgp", qg, keys[a:b]) * scale
+        m = s.max(axis=-1)
+        p = np.exp(s - m[..., None])
+        parts.append((np.einsum("kgp,pkd->kgd", p, values[a:b]), m, p.sum(axis=-1)))
+    m_all = np.max([m for _, m, _ in parts], axis=0)
+    num = sum(o * np.exp(m - m_all)[..., None] for o, m, _ in parts)
+    den = sum(l * np.exp(m - m_all) for _, m, l in parts)
+    return (num / den[..., None]).reshape(n_heads, head_dim)
+
+
+def measure_bandwidth():
+    bw = core.memory_bandwidth(1 << 28, 5)
+    return {k: float(v) for k, v in bw.items()}
+
+
+def numpy_matmul_flops():
+    a = np.random.default_rng(0).standard_normal((1024, 1024), dtype=np.float32)
+    a @ a
+    return 2 * 1024 ** 3 / best_of(5, lambda: a @ a)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", default=str(Path(__file__).resolve().parent))
+    args = parser.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    load_before = os.getloadavg()
+    rng = np.random.default_rng(0)
+    threads = kvlab.get_num_threads()
+
+    # ---- the CPU: bandwidth, compute, decode attention ------------------------------------
+    bandwidths = [measure_bandwidth()]
+    matmul_flops = numpy_matmul_flops()
+    q = rng.standard_normal((N_HEADS, HEAD_DIM), dtype=np.float32)
+    kv_rows = rng.standard_normal((max(CONTEXTS_CPU), 1, N_KV_HEADS, HEAD_DIM), dtype=np.float32)
+    rows = []
+    for context in CONTEXTS_CPU:
+        if context == 4096:       # the machine is shared: measure the bandwidth in between too
+            bandwidths.append(measure_bandwidth())
+        for dtype in FORMATS:
+            seconds, nbytes = time_attend(context, dtype, kv_rows, q)
+            flops = 4 * context * N_HEADS * HEAD_DIM        # q.k and p.v: 2 FLOPs each
+            rows.append({"context": context, "dtype": dtype, "seconds": seconds,
+                         "bytes_read": nbytes, "bytes_per_s": nbytes / seconds,
+                         "flops": flops, "flops_per_s": flops / seconds,
+                         "flops_per_byte": flops / nbytes})
+    bandwidths.append(measure_bandwidth())
+    read_bw = max(b["read_bytes_per_s"] for b in bandwidths)
+    for row in rows:
+        row["fraction_of_read_bw"] = row["bytes_per_s"] / read_bw
+
+    # one thread against all of them, 16K fp32: does attention scale with cores?
+    t_all = time_attend(16384, "fp32", kv_rows, q)[0]
+    kvlab.set_num_threads(1)
+    t_one = time_attend(16384, "fp32", kv_rows, q)[0]
+    kvlab.set_num_threads(threads)
+
+    # ---- flash-decoding split/merge against the C kernel and the reference ----------------
+    context = 4096
+    exact = filled_cache(context, "fp32", rng.standard_normal((context, 1, N_KV_HEADS, HEAD_DIM),
+                                                              dtype=np.float32))
+    keys, values = exact.keys[0].copy(), exact.values[0].copy()
+    c_out = exact.attend(q)
+    ref_out = reference.attention(q[None], keys, values, np.array([context - 1]))[0]
+    split_check = {"context": context, "c_vs_reference": float(np.abs(c_out - ref_out).max()),
+                   "splits": {}}
+    for n in (1, 2, 4, 8, 16, 32, 64):
+        o = split_attention(q, keys, values, n)
+        split_check["splits"][n] = {"vs_c": float(np.abs(o - c_out).max()),
+                                    "vs_reference": float(np.abs(o - ref_out).max())}
+    split_check["max_abs_output"] = float(np.abs(ref_out).max())
+    del exact, kv_rows
+
+    # ---- the H200 by arithmetic: bytes / bandwidth ------------------------------------------
+    cfg = kvlab.ModelConfig.llama3_8b()
+    bw_gpu, flops_gpu, sms = H200["hbm_bytes_per_s"], H200["bf16_dense_flops"], H200["sms"]
+    weights = measure.weights_bytes(cfg, "fp16")
+    per_token = {d: kvlab.kv_bytes_per_token(cfg, d) for d in ("fp32", "fp16", "int8")}
+    attn_flops_per_pos = 4 * cfg.n_layers * cfg.n_heads * cfg.head_dim
+    h200 = {"weights_fp16_bytes": weights, "weights_read_ms": 1e3 * weights / bw_gpu,
+            "kv_bytes_per_token": per_token, "contexts": {}}
+    for ctx in CONTEXTS_GPU:
+        kv = kvlab.kv_cache_bytes(cfg, ctx, dtype="fp16")
+        kv8 = kvlab.kv_cache_bytes(cfg, ctx, dtype="int8")
+        h200["contexts"][ctx] = {
+            "kv_fp16_bytes": kv, "kv_fp16_read_ms": 1e3 * kv / bw_gpu,
+            "kv_int8_bytes": kv8, "kv_int8_read_ms": 1e3 * kv8 / bw_gpu,
+            "attention_flops": attn_flops_per_pos * ctx,
+            "attention_compute_ms": 1e3 * attn_flops_per_pos * ctx / flops_gpu,
+            "batch16_kv_fp16_read_ms": 16e3 * kv / bw_gpu}
+    kv_mul = cfg.n_heads // cfg.n_kv_heads
+    intensity = {"attention_fp32": 4 * kv_mul * cfg.head_dim / (2 * cfg.head_dim * 4),
+                 "attention_fp16": 4 * kv_mul * cfg.head_dim / (2 * cfg.head_dim * 2),
+                 "attention_int8": 4 * kv_mul * cfg.head_dim / (per_token["int8"] / cfg.n_layers / cfg.n_kv_heads),
+                 "attention_fp16_mha": 4 * cfg.head_dim / (2 * cfg.head_dim * 2),
+                 "weights_fp16_per_batch_row": 1.0,     # 2 FLOPs per weight per row / 2 bytes
+                 "h200_ridge": flops_gpu / bw_gpu,
+                 "cpu_ridge": matmul_flops / read_bw}
+    # occupancy model: one thread block per (sequence, KV head, split); the chip's bandwidth
+    # is assumed to scale with the share of its 132 SMs that have a block (an assumption)
+    kv32 = h200["contexts"][32768]["kv_fp16_bytes"]
+    occupancy = {}
+    for batch in (1, 4, 16):
+        occupancy[batch] = {}
+        for splits in (1, 2, 4, 8, 16, 32, 64):
+            blocks = batch * cfg.n_kv_heads * splits
+            share = min(1.0, blocks / sms)
+            occupancy[batch][splits] = {"blocks": blocks, "sm_share": share,
+                                        "ms": 1e3 * batch * kv32 / (bw_gpu * share)}
+
+    # ---- figures --------------------------------------------------------------------------
+    by_fmt = {d: [r for r in rows if r["dtype"] == d] for d in FORMATS}
+
+    fig, ax = plt.subplots(figsize=(6.4, 3.6))
+    for d, style in zip(FORMATS, ("o-", "s-", "^-")):
+        ax.plot([r["context"] for r in by_fmt[d]], [r["bytes_per_s"] / 1e9 for r in by_fmt[d]],
+                style, label=f"decode attention, {d} cache")
+    ax.axhline(read_bw / 1e9, color="k", ls="--", lw=1, label="memory read bandwidth (measured)")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(CONTEXTS_CPU, [f"{c // 1024}K" for c in CONTEXTS_CPU])
+    ax.set_ylim(0, read_bw / 1e9 * 1.15)
+    ax.set_xlabel("context (positions in the cache)")
+    ax.set_ylabel("bytes of K and V read, GB/s")
+    ax.set_title(f"cache.attend, one Llama 3 8B layer, {threads} threads", fontsize=10)
+    ax.legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(out / "ch07_cpu_attention.png", dpi=100)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.0))
+    x = np.logspace(-1, 3.5, 200)
+    ax.plot(x, np.minimum(flops_gpu, x * bw_gpu), "C0", label="H200 roof (published: 4.8 TB/s, 989 TFLOP/s bf16)")
+    ax.plot(x, np.minimum(matmul_flops, x * read_bw), "C1",
+            label=f"this CPU's roof (measured: {read_bw / 1e9:.1f} GB/s, {matmul_flops / 1e9:.0f} GFLOP/s)")
+    ai16 = intensity["attention_fp16"]
+    ax.plot([ai16], [ai16 * bw_gpu], "C0o", ms=8)
+    ax.annotate("H200 decode attention,\nfp16 cache (estimate)", (ai16, ai16 * bw_gpu),
+                (0.25, 1.2e14), fontsize=7, arrowprops=dict(arrowstyle="->", lw=0.6))
+    for batch in (1, 16, 256):
+        ai = batch * intensity["weights_fp16_per_batch_row"]
+        ax.plot([ai], [min(flops_gpu, ai * bw_gpu)], "C0s", ms=6, mfc="white")
+        ax.annotate(f"weights, batch {batch}", (ai, min(flops_gpu, ai * bw_gpu)),
+                    (ai * 1.3, min(flops_gpu, ai * bw_gpu) * 0.35), fontsize=7)
+    cpu16 = [r for r in by_fmt["fp32"] if r["context"] == 16384][0]
+    ax.plot([cpu16["flops_per_byte"]], [cpu16["flops_per_s"]], "C1o", ms=8)
+    ax.annotate("this CPU, decode attention\nfp32, 16K (measured)",
+                (cpu16["flops_per_byte"], cpu16["flops_per_s"]), (6, 2e9), fontsize=7,
+                arrowprops=dict(arrowstyle="->", lw=0.6))
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_ylim(1e9, 3e15)
+    ax.set_xlabel("arithmetic intensity, FLOPs per byte read")
+    ax.set_ylabel("FLOP/s")
+    ax.set_title("roofline: decode attention sits far left of both ridges", fontsize=10)
+    ax.legend(fontsize=7, loc="upper left")
+    fig.tight_layout()
+    fig.savefig(out / "ch07_roofline.png", dpi=100)
+    plt.close(fig)
+
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(8.6, 3.4))
+    ctxs = CONTEXTS_GPU
+    a1.plot(ctxs, [h200["contexts"][c]["kv_fp16_read_ms"] for c in ctxs], "o-", label="K/V, fp16, batch 1")
+    a1.plot(ctxs, [h200["contexts"][c]["kv_int8_read_ms"] for c in ctxs], "^-", label="K/V, int8, batch 1")
+    a1.plot(ctxs, [h200["contexts"][c]["batch16_kv_fp16_read_ms"] for c in ctxs], "s-",
+            label="K/V, fp16, batch 16")
+    a1.axhline(h200["weights_read_ms"], color="k", ls="--", lw=1, label="all weights, fp16")
+    a1.set_xscale("log", base=2)
+    a1.set_yscale("log")
+    a1.set_xticks(ctxs, [f"{c // 1024}K" for c in ctxs])
+    a1.set_xlabel("context per sequence")
+    a1.set_ylabel("ms per decode step at 4.8 TB/s")
+    a1.set_title("Llama 3 8B on an H200: bytes / bandwidth", fontsize=9)
+    a1.legend(fontsize=7)
+    for batch, style in zip((1, 4, 16), ("o-", "s-", "^-")):
+        sp = sorted(occupancy[batch])
+        a2.plot(sp, [occupancy[batch][s]["ms"] for s in sp], style, label=f"batch {batch}")
+    a2.set_xscale("log", base=2)
+    a2.set_yscale("log")
+    a2.set_xticks(sp, [str(s) for s in sp])
+    a2.set_xlabel("splits per (sequence, KV head)")
+    a2.set_ylabel("ms for the attention's reads")
+    a2.set_title("32K context: more splits fill the 132 SMs", fontsize=9)
+    a2.legend(fontsize=7)
+    fig.suptitle("estimates from a bandwidth model, not measurements", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(out / "ch07_h200_estimate.png", dpi=100)
+    plt.close(fig)
+
+    result = {
+        "setup": {"machine": {"cpu_count": os.cpu_count(), "processor": platform.processor(),
+                              "platform": platform.platform()},
+                  "kvlab_threads": threads,
+                  "attention_shape": {"n_heads": N_HEADS, "n_kv_heads": N_KV_HEADS,
+                                      "head_dim": HEAD_DIM, "layers": 1},
+                  "load_average_before_after": [load_before, os.getloadavg()],
+                  "note": "one run; timings on this shared 2-core machine vary from run to run"},
+        "cpu": {"bandwidth_runs": bandwidths, "read_bytes_per_s": read_bw,
+                "numpy_matmul_flops_per_s": matmul_flops, "attention": rows,
+                "threads_16k_fp32": {"all_threads_s": t_all, "one_thread_s": t_one,
+                                     "speedup": t_one / t_all}},
+        "split_check": split_check,
+        "h200_published": H200,
+        "h200_estimate": h200,
+        "intensity_flops_per_byte": intensity,
+        "occupancy_model_32k": occupancy,
+        "seconds": time.perf_counter() - started,
+    }
+    (out / "ch07.json").write_text(json.dumps(result, indent=2))
+    print(f"read bandwidth {read_bw / 1e9:.2f} GB/s, NumPy matmul {matmul_flops / 1e9:.1f} GFLOP/s")
+    for r in rows:
+        print(f"{r['context']:>6} {r['dtype']:>5} {1e3 * r['seconds']:7.2f} ms "
+              f"{r['bytes_per_s'] / 1e9:6.2f} GB/s ({100 * r['fraction_of_read_bw']:.0f} %)")
+    print(f"16K fp32: one thread {1e3 * t_one:.2f} ms, {threads} threads {1e3 * t_all:.2f} ms")
+    print("split check", split_check)
+    print(f"wrote {out} in {result['seconds']:.1f} s")
+
+
+if __name__ == "__main__":
+    main()

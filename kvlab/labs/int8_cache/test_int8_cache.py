@@ -1,0 +1,240 @@
+"""Grader for lab 4 (int8 cache quantization). Each test says in its message what it expected.
+
+Codes and scales are checked bit for bit against kvlab.quant (the NumPy specification) and
+against what the C core stores in an int8 cache; the error bound against the round trip
+and against kvlab.quant.round_trip_error_bound; the byte count against
+kvlab.kv_bytes_per_token and a real cache's nbytes; int8 attention against cache.attend.
+"""
+import numpy as np
+import pytest
+
+import kvlab
+import kvlab.quant
+
+PROMPT = "ROMEO:\nBut soft, what light through yonder window breaks?"
+
+
+def quantize(submission, x, group):
+    """The submission's quantize_int8, where dividing 0 by 0 is an error, not a NaN."""
+    with np.errstate(divide="raise", invalid="raise"):
+        try:
+            return submission.quantize_int8(x, group)
+        except FloatingPointError as error:
+            raise AssertionError(
+                f"quantize_int8 divided by zero ({error}): an all-zero group has scale 0; "
+                f"divide it by 1 instead, so that its codes are 0 and not NaN") from None
+
+
+def index(at):
+    return tuple(int(i) for i in at)
+
+
+def differing(got, want):
+    """How many entries differ, or why they cannot be compared."""
+    got = np.asarray(got)
+    if got.shape != want.shape:
+        return f"shape {got.shape} where {want.shape} was expected"
+    return f"{np.sum(got != want)} of {want.size} differ"
+
+
+def check_quantized(got, x, group, what):
+    """got = (codes, scales) must equal kvlab.quant.quantize(x, "int8", group), bit for bit."""
+    want = kvlab.quant.quantize(x, "int8", group)
+    assert isinstance(got, (tuple, list)) and len(got) == 2, f"{what}: expected (codes, scales), got {type(got)}"
+    codes, scales = np.asarray(got[0]), np.asarray(got[1])
+    assert codes.dtype == np.int8 and codes.shape == x.shape, (
+        f"{what}: expected int8 codes of shape {x.shape}, got {codes.dtype} of shape {codes.shape}")
+    assert scales.dtype == np.float32 and scales.shape == want.scales.shape, (
+        f"{what}: expected float32 scales of shape {want.scales.shape} (one per group of "
+        f"{group}), got {scales.dtype} of shape {scales.shape}")
+    bad = np.argwhere(scales != want.scales)
+    if len(bad):
+        at = index(bad[0])
+        raise AssertionError(f"{what}: {len(bad)} scales differ; first at index {at}: expected "
+                             f"{float(want.scales[at])!r}, got {float(scales[at])!r}")
+    bad = np.argwhere(codes != want.codes)
+    if len(bad):
+        at = index(bad[0])
+        raise AssertionError(f"{what}: {len(bad)} of {codes.size} codes differ; first at index {at} "
+                             f"(x = {float(x[at])!r}, scale "
+                             f"{float(want.scales[at[:-1] + (at[-1] // group,)])!r}): "
+                             f"expected {want.codes[at]}, got {codes[at]}")
+
+
+def hard_inputs(seed, shape=(6, 3, 32)):
+    """Random rows with what breaks quantizers: outliers, all-zero groups, tiny and huge values."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal(shape).astype(np.float32)
+    half = shape[-1] // 2
+    x[0, 0] = 0.0                                      # a whole row of zeros
+    x[0, 1, :half] = 0.0                               # zero groups next to non-zero ones
+    x[1] *= np.float32(1e30)                           # huge
+    x[2] *= np.float32(1e-30)                          # tiny
+    x[3, :, 5] = np.float32(500.0)                     # one outlier per row
+    x[3, -1, -3] = np.float32(-8000.0)
+    x[4, :, :half] *= np.float32(1e-4)                 # small and large groups in one row
+    x[5, 1] = np.float32(1e-40)                        # subnormal numbers
+    x[5, -1, ::3] = np.float32(-3e38)                  # near the largest float32
+    return x
+
+
+@pytest.mark.points(3)
+def test_quantize_matches_kvlab_quant(submission):
+    """codes and scales equal kvlab.quant.quantize(x, "int8", group) bit for bit"""
+    rng = np.random.default_rng(1)
+    for shape, groups in (((4, 3, 16), (16, 8, 4, 2, 1)), ((7, 64), (64, 32, 8)), ((2, 5, 2, 8), (8, 4))):
+        x = (rng.standard_normal(shape) * rng.choice([0.01, 1.0, 30.0], size=shape[:-1] + (1,))).astype(np.float32)
+        for group in groups:
+            got = quantize(submission, x, group)
+            check_quantized(got, x, group, f"x of shape {shape}, groups of {group}")
+
+
+@pytest.mark.points(2)
+def test_quantize_rounds_half_to_even_and_keeps_zero_groups_zero(submission):
+    """x / scale = 2.5 gives 2 (np.rint), and an all-zero group gives codes 0 and scale 0"""
+    halves = np.array([[127.0, 0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 3.5,
+                        10.5, 126.5, -126.5, 0.0, 1.0, -7.0, 2.4999, 2.5001]],
+                      dtype=np.float32)                # scale 127 / 127 = 1: x / scale is x
+    got = quantize(submission, halves, 16)
+    check_quantized(got, halves, 16, "a group whose scale is exactly 1 (halves round to even: "
+                                     "0.5 -> 0, 1.5 -> 2, 2.5 -> 2)")
+    zeros = np.zeros((2, 16), dtype=np.float32)
+    zeros[1, 8:] = np.arange(1, 9, dtype=np.float32)   # a zero group beside a non-zero one
+    got = quantize(submission, zeros, 8)
+    check_quantized(got, zeros, 8, "all-zero groups (scale 0, codes 0)")
+
+
+@pytest.mark.points(3)
+def test_codes_match_the_c_int8_cache(submission):
+    """quantizing an fp32 cache's K and V gives the codes and scales an int8 cache stores"""
+    model = kvlab.load()
+    tokens = model.encode(PROMPT)
+    fp32 = model.new_cache(64)
+    model.prefill(tokens, fp32)
+    for group in (16, 8, 4, 1):
+        int8 = model.new_cache(64, "int8", group=group)
+        model.prefill(tokens, int8)
+        # layer 0's K and V depend on the tokens only; later layers read quantized values
+        for name, x, codes, scales in (("keys", fp32.keys[0], int8.key_codes[0], int8.key_scales[0]),
+                                       ("values", fp32.values[0], int8.value_codes[0], int8.value_scales[0])):
+            got_codes, got_scales = quantize(submission, np.asarray(x), group)
+            assert np.array_equal(np.asarray(got_codes), codes) and np.array_equal(np.asarray(got_scales), scales), (
+                f"the bundled model's layer-0 {name}, groups of {group}: your codes and scales differ "
+                f"from the int8 cache's {name[:-1]}_codes[0] and {name[:-1]}_scales[0] (codes: "
+                f"{differing(got_codes, codes)}; scales: {differing(got_scales, scales)})")
+    x = hard_inputs(2, shape=(12, 4, 16)).reshape(12, 2, 2, 16)   # (tokens, n_layers, n_kv_heads, head_dim)
+    for group in (16, 4, 2):
+        cache = kvlab.KVCache(2, 2, 16, 12, key_format="int8", value_format="int8",
+                              key_group=group, value_group=group)
+        cache.append(x, x[::-1].copy())
+        got_codes, got_scales = quantize(submission, x.transpose(1, 0, 2, 3), group)
+        assert np.array_equal(np.asarray(got_codes), cache.key_codes) and \
+            np.array_equal(np.asarray(got_scales), cache.key_scales), (
+                f"rows with outliers, zeros, tiny and huge values appended to an int8 cache (groups "
+                f"of {group}): your codes or scales differ from cache.key_codes / key_scales, both "
+                f"(n_layers, length, n_kv_heads, ...) (codes: {differing(got_codes, cache.key_codes)}; "
+                f"scales: {differing(got_scales, cache.key_scales)})")
+
+
+@pytest.mark.points(2)
+def test_dequantize_matches_the_c_cache(submission):
+    """dequantize_int8 gives what an int8 cache's attention reads (cache.dequantized())"""
+    model = kvlab.load()
+    for group in (16, 4):
+        cache = model.new_cache(64, "int8", group=group)
+        model.prefill(model.encode(PROMPT), cache)
+        keys, values = cache.dequantized()
+        for name, codes, scales, want in (("keys", cache.key_codes, cache.key_scales, keys),
+                                          ("values", cache.value_codes, cache.value_scales, values)):
+            got = np.asarray(submission.dequantize_int8(codes, scales, group))
+            assert got.dtype == np.float32 and got.shape == want.shape, (
+                f"{name}, groups of {group}: expected float32 of shape {want.shape}, got "
+                f"{got.dtype} of shape {got.shape}")
+            assert np.array_equal(got, want), (
+                f"{name}, groups of {group}: {np.sum(got != want)} values differ from "
+                f"cache.dequantized() (code * scale in float32); largest difference "
+                f"{np.abs(got - want).max():.3g}")
+
+
+@pytest.mark.points(2)
+def test_round_trip_stays_within_your_bound(submission):
+    """|dequantize(quantize(x)) - x| <= error_bound(x) for outliers, zeros, tiny and huge values"""
+    for seed in range(8):
+        x = hard_inputs(100 + seed)
+        for group in (32, 16, 8, 2, 1):
+            codes, scales = quantize(submission, x, group)
+            back = np.asarray(submission.dequantize_int8(np.asarray(codes), np.asarray(scales), group),
+                              dtype=np.float64)
+            bound = np.asarray(submission.error_bound(x, group))
+            assert bound.shape == x.shape, f"error_bound: expected shape {x.shape}, got {bound.shape}"
+            error = np.abs(back - x)
+            over = np.argwhere(~(error <= bound))
+            if len(over):
+                at = index(over[0])
+                raise AssertionError(
+                    f"groups of {group}: {len(over)} values come back further than your bound; first "
+                    f"at index {at}: x = {float(x[at])!r}, came back as {float(back[at])!r} (error {error[at]:.4g}, "
+                    f"bound {bound[at]:.4g})")
+
+
+@pytest.mark.points(2)
+def test_error_bound_is_half_a_step(submission):
+    """error_bound is half of its group's step, as kvlab.quant.round_trip_error_bound says"""
+    for seed, group in ((200, 32), (201, 8), (202, 1)):
+        x = hard_inputs(seed)
+        got = np.asarray(submission.error_bound(x, group), dtype=np.float64)
+        want = kvlab.quant.round_trip_error_bound(x, "int8", group).astype(np.float64)
+        assert got.shape == x.shape, f"error_bound: expected shape {x.shape}, got {got.shape}"
+        off = ~(np.abs(got - want) <= 1e-3 * want + 1e-9)
+        if np.any(off):
+            at = index(np.argwhere(off)[0])
+            raise AssertionError(f"groups of {group}: at index {at} (x = {float(x[at])!r}) expected a bound of "
+                                 f"{want[at]:.6g} (half the step max|x| / 127 of its group, plus a "
+                                 f"little for float rounding), got {got[at]:.6g}")
+
+
+@pytest.mark.points(2)
+def test_bytes_per_token(submission):
+    """codes and float32 scales of K and V in every layer: kvlab.kv_bytes_per_token, and a real cache"""
+    rng = np.random.default_rng(3)
+    for _ in range(20):
+        n_kv_heads = int(rng.choice([1, 2, 8]))
+        n_heads = n_kv_heads * int(rng.choice([1, 4]))
+        head_dim = int(rng.choice([8, 16, 64, 128]))
+        config = kvlab.ModelConfig(dim=n_heads * head_dim, hidden_dim=4 * n_heads * head_dim,
+                                   n_layers=int(rng.integers(1, 81)), n_heads=n_heads,
+                                   n_kv_heads=n_kv_heads, vocab_size=1000, max_seq_len=4096)
+        for group in (head_dim, 32 if head_dim >= 32 else head_dim // 2, 2, 1):
+            got = submission.int8_bytes_per_token(config, group)
+            want = kvlab.kv_bytes_per_token(config, "int8", group=group)
+            assert got == want, (f"{config.n_layers} layers, {n_kv_heads} KV heads x {head_dim}, "
+                                 f"groups of {group}: expected {want:,} bytes, got {got!r}")
+    model = kvlab.load()
+    for group in (16, 4):
+        cache = model.new_cache(100, "int8", group=group)
+        got = submission.int8_bytes_per_token(model.config, group)
+        assert got * 100 == cache.nbytes, (f"the bundled model's int8 cache of 100 positions, groups of "
+                                           f"{group}, allocates {cache.nbytes:,} B: {cache.nbytes // 100:,} "
+                                           f"per token; you say {got!r}")
+
+
+@pytest.mark.points(2)
+def test_attend_int8_matches_the_c_cache(submission):
+    """attention over an int8 cache's codes equals cache.attend of that cache"""
+    model = kvlab.load()
+    c = model.config
+    rng = np.random.default_rng(4)
+    for group in (16, 4):
+        cache = model.new_cache(64, "int8", group=group)
+        model.prefill(model.encode(PROMPT), cache)
+        for layer in range(c.n_layers):
+            q = (rng.standard_normal((c.n_heads, c.head_dim)) * 2).astype(np.float32)
+            got = np.asarray(submission.attend_int8(q, cache.key_codes[layer], cache.key_scales[layer],
+                                                    cache.value_codes[layer], cache.value_scales[layer],
+                                                    group))
+            want = cache.attend(q, layer)
+            assert got.shape == want.shape, f"expected shape {want.shape}, got {got.shape}"
+            error = np.abs(got - want)
+            assert np.all(error <= 1e-5 + 1e-5 * np.abs(want)), (
+                f"layer {layer} of the bundled model's int8 cache (groups of {group}, 8 query heads on "
+                f"2 KV heads): off by up to {np.nanmax(error):.3g} from cache.attend(q, layer)")

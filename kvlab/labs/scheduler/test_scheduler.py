@@ -1,0 +1,385 @@
+"""Grader for lab 5 (scheduler). Each test says in its message what it expected.
+
+Small fixed workloads check one rule at a time (chunked prefill, the token budget, FIFO
+admission, preemption of the most recently admitted request, recompute). Then seeded
+random workloads on tight caches (heavy preemption) are checked two ways: against the
+rules, from what your scheduler returns and shows after every step (the grader keeps its
+own count of every request's tokens and blocks); and step by step against kvlab's own
+scheduler (kvlab/scheduler.py, the one kvlab.Engine runs), driven through a pool that
+counts blocks.
+"""
+import numpy as np
+import pytest
+
+from kvlab import scheduler as kvlab_scheduler
+
+
+def blocks_for(n_tokens, block_size):
+    return -(-n_tokens // block_size)
+
+
+def run(submission, num_blocks, block_size, max_batch_tokens, max_batch_seqs, requests,
+        max_steps=1000):
+    """Add requests (id, prompt_len, max_new_tokens) and step until done; returns the
+    scheduler and every step's (batch, running_ids, waiting_ids) after it."""
+    scheduler = submission.Scheduler(num_blocks, block_size, max_batch_tokens, max_batch_seqs)
+    for request in requests:
+        scheduler.add(*request)
+    steps = []
+    while scheduler.has_work():
+        assert len(steps) < max_steps, (
+            f"still not done after {max_steps} steps: running {scheduler.running_ids()}, "
+            f"waiting {scheduler.waiting_ids()} (is something never admitted?)")
+        batch = [tuple(entry) for entry in scheduler.step()]
+        steps.append((batch, scheduler.running_ids(), scheduler.waiting_ids()))
+    return scheduler, steps
+
+
+def batches(steps):
+    return [batch for batch, _, _ in steps]
+
+
+# ---- kvlab's scheduler, driven through a pool that counts blocks --------------------------
+
+class CountingPool:
+    """kvlab.scheduler's BlockSpace for one-sample requests without a prefix cache: a
+    request holds blocks_for(computed) blocks, and its blocks are freed when it is."""
+
+    def __init__(self, num_blocks, block_size):
+        self.num_blocks, self.block_size, self.held = num_blocks, block_size, {}
+
+    def available(self):
+        return self.num_blocks - sum(self.held.values())
+
+    def needed(self, sample, n_tokens):
+        return (blocks_for(sample.computed + n_tokens, self.block_size)
+                - blocks_for(sample.computed, self.block_size))
+
+    def sequences_left(self):
+        return 1 << 30
+
+    def start(self, request):
+        for sample in request.active():
+            sample.seq, sample.computed = request.id, 0
+        self.held[request.id] = 0
+        return 0                                     # no prefix cache: nothing found
+
+    def release(self, request):
+        self.held.pop(request.id, None)
+        for sample in request.samples:
+            sample.seq = None
+
+
+class KvlabReference:
+    """kvlab.scheduler.Scheduler plus what kvlab.Engine does after each step: compute the
+    scheduled tokens, generate a token when a request has computed all of its own."""
+
+    def __init__(self, num_blocks, block_size, max_batch_tokens, max_batch_seqs):
+        self.pool = CountingPool(num_blocks, block_size)
+        self.scheduler = kvlab_scheduler.Scheduler(block_size, max_batch_tokens, max_batch_seqs)
+        self.requests, self.done = {}, []
+
+    def add(self, request_id, prompt_len, max_new_tokens):
+        params = kvlab_scheduler.SamplingParams(max_tokens=max_new_tokens)
+        request = kvlab_scheduler.Request(id=request_id, prompt=[1] * prompt_len,
+                                          params=params, arrival=request_id)
+        request.samples = [kvlab_scheduler.Sample(index=0, tokens=[1] * prompt_len,
+                                                  prompt_len=prompt_len)]
+        self.requests[request_id] = request
+        self.scheduler.add(request)
+
+    def step(self):
+        decided = self.scheduler.schedule(self.pool)
+        for request, sample, n in decided.items:
+            self.pool.held[request.id] = blocks_for(sample.computed + n, self.pool.block_size)
+            sample.computed += n
+            if sample.computed == len(sample.tokens):
+                sample.tokens.append(7)
+                sample.finished = len(sample.outputs) >= request.params.max_tokens
+        for request in {r.id: r for r, _, _ in decided.items}.values():
+            if request.finished and request.state is kvlab_scheduler.State.RUNNING:
+                self.pool.release(request)
+                self.scheduler.finish(request)
+                self.done.append(request.id)
+        return [(r.id, n) for r, _, n in decided.items]
+
+    def view(self):
+        return {"running": [r.id for r in self.scheduler.running],
+                "waiting": [r.id for r in self.scheduler.waiting],
+                "finished": list(self.done), "free blocks": self.pool.available(),
+                "generated": {i: len(r.samples[0].outputs) for i, r in self.requests.items()}}
+
+
+def view(scheduler, ids):
+    return {"running": scheduler.running_ids(), "waiting": scheduler.waiting_ids(),
+            "finished": scheduler.finished(), "free blocks": scheduler.num_free_blocks(),
+            "generated": {i: scheduler.request(i).generated for i in ids}}
+
+
+def random_workload(seed):
+    """A cache with just enough blocks for the largest request alone (so preemption is
+    common), a small budget and batch size, up to 11 requests."""
+    rng = np.random.default_rng(seed)
+    block_size = int(rng.choice([1, 2, 4, 8]))
+    max_batch_tokens = int(rng.integers(1, 40))
+    max_batch_seqs = int(rng.integers(1, 9))
+    requests = [(rid, int(rng.integers(1, 30)), int(rng.integers(1, 12)))
+                for rid in range(int(rng.integers(2, 12)))]
+    need = max(blocks_for(p + m - 1, block_size) for _, p, m in requests)
+    num_blocks = need + int(rng.integers(0, 4))
+    return num_blocks, block_size, max_batch_tokens, max_batch_seqs, requests
+
+
+SEEDS = range(30)
+
+
+# ---- the tests ------------------------------------------------------------------------
+
+@pytest.mark.points(1)
+def test_add_refuses_a_request_that_could_never_fit(submission):
+    """add raises ValueError for a request that needs more blocks than the cache has"""
+    scheduler = submission.Scheduler(10, 4, 16, 4)
+    scheduler.add(0, 37, 4)                          # 37 + 3 = 40 tokens: exactly 10 blocks
+    for args, why in (((1, 38, 4), "38 + 3 = 41 tokens need 11 blocks of 4; there are 10"),
+                      ((2, 0, 3), "a prompt of 0 tokens"), ((3, 5, 0), "max_new_tokens 0")):
+        with pytest.raises(ValueError):
+            scheduler.add(*args)
+            pytest.fail(f"add{args} must raise ValueError: {why}")
+    assert scheduler.waiting_ids() == [0], (
+        f"only request 0 was accepted: expected waiting [0], got {scheduler.waiting_ids()}")
+
+
+@pytest.mark.points(2)
+def test_a_long_prompt_is_prefilled_in_chunks(submission):
+    """a 100-token prompt, 16 tokens a step: 7 chunks, then 2 decodes"""
+    scheduler, steps = run(submission, 64, 4, 16, 8, [(0, 100, 3)])
+    want = [[(0, 16)]] * 6 + [[(0, 4)], [(0, 1)], [(0, 1)]]
+    assert batches(steps) == want, (
+        f"max_batch_tokens=16: the prompt goes in chunks of 16 and 4 (the last chunk "
+        f"generates the first token), then one token a step: expected {want}, got "
+        f"{batches(steps)}")
+    assert scheduler.finished() == [0] and scheduler.request(0).generated == 3
+
+
+@pytest.mark.points(2)
+def test_decodes_and_a_prefill_chunk_share_a_step(submission):
+    """a decoding request gets its token first; a long prompt fills the rest of the budget"""
+    scheduler, steps = run(submission, 64, 4, 10, 8, [(0, 3, 10), (1, 30, 2)])
+    want = [[(0, 3), (1, 7)], [(0, 1), (1, 9)], [(0, 1), (1, 9)], [(0, 1), (1, 5)],
+            [(0, 1), (1, 1)]] + [[(0, 1)]] * 5
+    got = batches(steps)
+    assert got == want, (
+        f"max_batch_tokens=10, request 0 has a 3-token prompt, request 1 a 30-token one: "
+        f"step 0 runs 3 + 7 tokens, then request 0 decodes 1 token a step and request 1's "
+        f"prompt takes the other 9.\n  expected {want}\n  got      {got}")
+    assert scheduler.finished() == [1, 0], f"expected [1, 0] to finish, got {scheduler.finished()}"
+
+
+@pytest.mark.points(2)
+def test_admission_is_first_come_first_served(submission):
+    """a request that does not fit blocks the ones behind it, even ones that would fit"""
+    scheduler, steps = run(submission, 6, 4, 64, 8, [(0, 20, 1), (1, 8, 1), (2, 4, 1)])
+    got = batches(steps)
+    want = [[(0, 20)], [(1, 8), (2, 4)]]
+    assert got == want, (
+        f"6 blocks of 4: request 0 (20 tokens) takes 5; request 1 (8 tokens) needs 2 and "
+        f"waits, and request 2 (4 tokens, 1 block) arrived after it, so it waits too.\n"
+        f"  expected {want}\n  got      {got}")
+
+
+@pytest.mark.points(1)
+def test_a_batch_holds_at_most_max_batch_seqs_requests(submission):
+    """max_batch_seqs=2: the third request waits until a place is free"""
+    scheduler, steps = run(submission, 10, 4, 64, 2, [(0, 2, 3), (1, 2, 3), (2, 2, 3)])
+    want = [[(0, 2), (1, 2)], [(0, 1), (1, 1)], [(0, 1), (1, 1)], [(2, 2)], [(2, 1)], [(2, 1)]]
+    assert batches(steps) == want, f"expected {want}, got {batches(steps)}"
+
+
+PREEMPTION = (6, 2, 64, 8, [(0, 4, 6), (1, 4, 6), (2, 5, 2)])
+"""6 blocks of 2. Requests 0 and 1 (4-token prompts, 6 new tokens each) run together;
+request 2 (5 tokens: 3 blocks) waits. At step 3 request 0 needs its 4th block and none is
+free: request 1, admitted last, is preempted."""
+
+
+@pytest.mark.points(2)
+def test_preemption_takes_the_newest_request_and_requeues_it_first(submission):
+    """out of blocks: the most recently admitted request goes back to the FRONT of the queue"""
+    scheduler, steps = run(submission, *PREEMPTION)
+    got = [(batch, running, waiting) for batch, running, waiting in steps[:4]]
+    want = [([(0, 4), (1, 4)], [0, 1], [2]), ([(0, 1), (1, 1)], [0, 1], [2]),
+            ([(0, 1), (1, 1)], [0, 1], [2]), ([(0, 1)], [0], [1, 2])]
+    assert got == want, (
+        "6 blocks of 2, requests 0 and 1 run, 2 waits; at step 3 request 0 needs a 4th "
+        "block and none is free, so request 1 (admitted last) is preempted and goes back "
+        "in front of request 2. Steps 0-3 as (batch, running after, waiting after):\n"
+        f"  expected {want}\n  got      {got}")
+    again = [rid for batch, _, _ in steps[4:] for rid, _ in batch if rid != 0]
+    assert again[:1] == [1], (
+        f"request 1 is first in line, so it runs again before request 2: got batches "
+        f"{batches(steps)[4:]} after step 3")
+    assert sorted(scheduler.finished()) == [0, 1, 2], f"finished: {scheduler.finished()}"
+
+
+@pytest.mark.points(2)
+def test_a_preempted_request_keeps_its_tokens_and_recomputes_them(submission):
+    """after preemption a request recomputes prompt + generated tokens, then goes on"""
+    scheduler = submission.Scheduler(*PREEMPTION[:4])
+    for request in PREEMPTION[4]:
+        scheduler.add(*request)
+    for _ in range(4):
+        scheduler.step()
+    one = scheduler.request(1)
+    assert (one.generated, one.computed) == (3, 0), (
+        f"request 1 was preempted at step 3 after generating 3 tokens: it keeps them "
+        f"(generated 3) and its cache is gone (computed 0); got generated {one.generated}, "
+        f"computed {one.computed}")
+    given = []
+    while scheduler.has_work():
+        batch = scheduler.step()
+        given += [n for rid, n in batch if rid == 1]
+        if len(given) == 1:
+            assert scheduler.request(1).generated == 4, (
+                f"recomputing its 7 tokens ends with a new token: expected generated 4, "
+                f"got {scheduler.request(1).generated}")
+    assert given[0] == 7, (
+        f"readmitted, request 1 recomputes its prompt (4) and the 3 tokens it generated: "
+        f"expected a first chunk of 7 tokens, got {given[0]} (all its chunks: {given})")
+    assert given == [7, 1, 1] and scheduler.request(1).generated == 6, (
+        f"then it decodes its last 2 tokens and stops at max_new_tokens=6: expected chunks "
+        f"[7, 1, 1] and generated 6, got {given} and {scheduler.request(1).generated}")
+
+
+def check_rules(submission, workload, where):
+    """Run a workload and check every rule after every step, from the outside."""
+    num_blocks, block_size, max_tokens, max_seqs, requests = workload
+    spec = {rid: (p, m) for rid, p, m in requests}
+    generated = dict.fromkeys(spec, 0)               # the grader's own counts
+    computed = dict.fromkeys(spec, 0)
+    scheduler = submission.Scheduler(num_blocks, block_size, max_tokens, max_seqs)
+    for request in requests:
+        scheduler.add(*request)
+    total = sum(p + 2 * m for p, m in spec.values())
+    for t in range(50 * total):
+        if not scheduler.has_work():
+            break
+        at = f"{where}, step {t}"
+        waiting, running = scheduler.waiting_ids(), scheduler.running_ids()
+        finished_before = scheduler.finished()
+        batch = [tuple(entry) for entry in scheduler.step()]
+        ids = [rid for rid, _ in batch]
+        n_tokens = sum(n for _, n in batch)
+        assert n_tokens <= max_tokens and len(batch) <= max_seqs, (
+            f"{at}: the batch {batch} holds {n_tokens} tokens in {len(batch)} entries; the "
+            f"limits are max_batch_tokens={max_tokens}, max_batch_seqs={max_seqs}")
+        assert all(n >= 1 for n in (n for _, n in batch)) and len(set(ids)) == len(ids), \
+            f"{at}: each request appears at most once, with at least 1 token: got {batch}"
+        assert set(ids) <= set(waiting) | set(running), f"{at}: {batch} runs unknown requests"
+        from_running = [rid for rid in ids if rid in running]
+        admitted = [rid for rid in ids if rid in waiting]
+        assert ids == from_running + admitted, (
+            f"{at}: running requests come first, then admitted ones; running {running}, "
+            f"waiting {waiting}, batch {batch}")
+        assert from_running == [rid for rid in running if rid in from_running], (
+            f"{at}: running requests run in admission order {running}; batch {batch}")
+        assert admitted == waiting[:len(admitted)], (
+            f"{at}: admission is first come, first served: waiting {waiting}, the batch "
+            f"admitted {admitted} (expected the first {len(admitted)} of the queue)")
+        # the grader runs the batch on its own counts
+        newly_finished = []
+        for rid, n in batch:
+            p, m = spec[rid]
+            computed[rid] += n
+            assert computed[rid] <= p + generated[rid], (
+                f"{at}: request {rid} has {p} + {generated[rid]} tokens and computed "
+                f"{computed[rid] - n} of them; the batch gives it {n} more")
+            if computed[rid] == p + generated[rid]:
+                generated[rid] += 1
+                if generated[rid] == m:
+                    newly_finished.append(rid)
+        finished = scheduler.finished()
+        assert finished == finished_before + newly_finished, (
+            f"{at}: after batch {batch}, requests {newly_finished} reach max_new_tokens: "
+            f"expected finished {finished_before + newly_finished}, got {finished}")
+        after_running, after_waiting = scheduler.running_ids(), scheduler.waiting_ids()
+        preempted = [rid for rid in running if rid not in after_running
+                     and rid not in newly_finished]
+        assert not set(preempted) & set(ids), (
+            f"{at}: preempted requests {preempted} must not run in the batch {batch}")
+        assert preempted == running[len(running) - len(preempted):], (
+            f"{at}: preemption takes the most recently admitted requests first: running was "
+            f"{running}, you preempted {preempted}")
+        assert not (preempted and admitted), (
+            f"{at}: a step that preempts {preempted} admits nobody, but admitted {admitted}")
+        want_waiting = preempted + waiting[len(admitted):]
+        assert after_waiting == want_waiting, (
+            f"{at}: waiting was {waiting}; admitted {admitted}, preempted {preempted} (they "
+            f"go to the front): expected waiting {want_waiting}, got {after_waiting}")
+        want_running = [rid for rid in running + admitted
+                        if rid not in preempted and rid not in newly_finished]
+        assert after_running == want_running, (
+            f"{at}: expected running {want_running}, got {after_running}")
+        for rid in preempted:
+            computed[rid] = 0
+        for rid in spec:
+            got = (scheduler.request(rid).generated, scheduler.request(rid).computed)
+            assert got == (generated[rid], computed[rid]), (
+                f"{at}: request {rid} (prompt {spec[rid][0]}) has generated {generated[rid]} "
+                f"tokens and has {computed[rid]} in the cache; yours says generated {got[0]}, "
+                f"computed {got[1]}" + (" (a preempted request keeps what it generated)"
+                                        if rid in preempted else ""))
+        held = sum(blocks_for(computed[rid], block_size) for rid in after_running)
+        assert held <= num_blocks, (
+            f"{at}: the running requests {after_running} hold {held} blocks; there are "
+            f"{num_blocks}")
+        assert scheduler.num_free_blocks() == num_blocks - held, (
+            f"{at}: the running requests hold {held} of {num_blocks} blocks; "
+            f"num_free_blocks() says {scheduler.num_free_blocks()}")
+    assert not scheduler.has_work(), (
+        f"{where}: not done after {50 * total} steps: running {scheduler.running_ids()}, "
+        f"waiting {scheduler.waiting_ids()} (does a request starve?)")
+    assert sorted(scheduler.finished()) == sorted(spec), \
+        f"{where}: every request must finish once; finished {scheduler.finished()}"
+    assert generated == {rid: m for rid, (p, m) in spec.items()}
+
+
+@pytest.mark.points(3)
+def test_random_workloads_follow_the_rules(submission):
+    """30 random workloads on tight caches: budget, FIFO, preemption, tokens, blocks"""
+    for seed in SEEDS:
+        workload = random_workload(seed)
+        num_blocks, block_size, max_tokens, max_seqs, requests = workload
+        where = (f"seed {seed}: {num_blocks} blocks of {block_size}, max_batch_tokens="
+                 f"{max_tokens}, max_batch_seqs={max_seqs}, requests (id, prompt_len, "
+                 f"max_new_tokens) {requests}")
+        check_rules(submission, workload, where)
+
+
+@pytest.mark.points(3)
+def test_random_workloads_match_kvlabs_scheduler(submission):
+    """30 random workloads: every step equals kvlab.scheduler's decision"""
+    for seed in SEEDS:
+        num_blocks, block_size, max_tokens, max_seqs, requests = random_workload(seed)
+        where = (f"seed {seed}: {num_blocks} blocks of {block_size}, max_batch_tokens="
+                 f"{max_tokens}, max_batch_seqs={max_seqs}, requests (id, prompt_len, "
+                 f"max_new_tokens) {requests}")
+        scheduler = submission.Scheduler(num_blocks, block_size, max_tokens, max_seqs)
+        reference = KvlabReference(num_blocks, block_size, max_tokens, max_seqs)
+        for request in requests:
+            scheduler.add(*request)
+            reference.add(*request)
+        ids = [rid for rid, _, _ in requests]
+        for t in range(5000):
+            if not reference.scheduler.has_work:
+                break
+            before = reference.view()
+            want = reference.step()
+            got = [tuple(entry) for entry in scheduler.step()]
+            assert got == want, (
+                f"{where}\nstep {t}, with running {before['running']}, waiting "
+                f"{before['waiting']}, {before['free blocks']} free blocks:\n"
+                f"  kvlab's scheduler runs {want}\n  yours runs             {got}")
+            mine = view(scheduler, ids)
+            assert mine == reference.view(), (
+                f"{where}\nafter step {t} (batch {want}):\n  kvlab's scheduler: "
+                f"{reference.view()}\n  yours:             {mine}")
+        assert not scheduler.has_work(), f"{where}: kvlab's scheduler is done, yours is not"

@@ -1,0 +1,100 @@
+"""The chapters (chapters/*.md) stay true to the repository: every quoted piece of code
+still exists where the chapter says, every figure is made by the chapter's script, and
+every linked notebook and lab exists. The figure scripts themselves run here too."""
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+CHAPTERS = REPO / "chapters"
+SLUGS = ["01_kv_cache", "02_cache_size", "03_gqa", "04_paged", "05_batching",
+         "06_quantization", "07_gpu_kernels"]
+
+DIRECTIVE = re.compile(r"^(`{3,})\{(?P<name>[\w-]+)\}\s*(?P<arg>.*?)\n(?P<body>.*?)^\1\s*$",
+                       re.M | re.S)
+
+
+def directives(text, name):
+    """(argument, {option: value}) for each ```{name} block in a MyST file."""
+    found = []
+    for match in DIRECTIVE.finditer(text):
+        if match["name"] != name:
+            continue
+        options = dict(re.findall(r"^:([\w-]+):\s*(.*?)\s*$", match["body"], re.M))
+        found.append((match["arg"].strip(), options))
+    return found
+
+
+def chapter_text(slug):
+    return (CHAPTERS / f"{slug}.md").read_text()
+
+
+@pytest.mark.parametrize("slug", SLUGS)
+def test_the_chapter_and_its_notebook_exist(slug):
+    text = chapter_text(slug)
+    number = int(slug[:2])
+    assert re.search(rf"^# {number}\. ", text, re.M), f"{slug}.md has no '# {number}. Title' heading"
+    assert f"../notebooks/{slug}.ipynb" in text, f"{slug}.md does not link its notebook"
+    assert (REPO / "notebooks" / f"{slug}.ipynb").is_file()
+
+
+@pytest.mark.parametrize("slug", SLUGS)
+def test_quoted_code_still_exists(slug):
+    includes = directives(chapter_text(slug), "literalinclude")
+    assert includes, f"{slug}.md quotes no code from the kit"
+    for path, options in includes:
+        source = (CHAPTERS / path).resolve()
+        assert source.is_file() and REPO in source.parents, f"{slug}: {path} is not a file of the kit"
+        assert options.get("caption"), f"{slug}: the quote from {path} has no caption"
+        text = source.read_text()
+        start = options.get("start-at") or options.get("start-after")
+        assert start, f"{slug}: quote {path} must say where it starts (:start-at:)"
+        begin = text.find(start)
+        assert begin >= 0, f"{slug}: {path} no longer contains {start!r}"
+        end = options.get("end-before") or options.get("end-at")
+        if end:
+            assert text.find(end, begin + len(start)) >= 0, \
+                f"{slug}: {path} has no {end!r} after {start!r}"
+
+
+@pytest.mark.parametrize("slug", SLUGS)
+def test_every_figure_is_made_by_the_chapter_script(slug):
+    text = chapter_text(slug)
+    figures = [arg for arg, _ in directives(text, "figure")]
+    figures += re.findall(r"!\[[^\]]*\]\(([^)]+)\)", text)
+    script = CHAPTERS / "figures" / f"ch{slug[:2]}.py"
+    for figure in figures:
+        assert (CHAPTERS / figure).is_file(), f"{slug}: figure {figure} does not exist"
+        stem = Path(figure).stem
+        assert script.is_file() and stem in script.read_text(), \
+            f"{slug}: no code in {script.relative_to(REPO)} makes {figure}"
+
+
+@pytest.mark.parametrize("slug", SLUGS)
+def test_links_point_at_real_files(slug):
+    for target in re.findall(r"\]\((\.\./[^)#\s]+)", chapter_text(slug)):
+        assert (CHAPTERS / target).resolve().exists(), f"{slug}: broken link {target}"
+    for lab in re.findall(r"kvlab grade (\w+)", chapter_text(slug)):
+        from kvlab.grading import LABS
+        assert lab in LABS or lab.isupper(), f"{slug}: no lab named {lab}"
+
+
+@pytest.mark.parametrize("slug", SLUGS)
+def test_the_figure_script_runs(slug, tmp_path):
+    pytest.importorskip("matplotlib")
+    pytest.importorskip("kvlab._kvlab")
+    import kvlab
+    script = CHAPTERS / "figures" / f"ch{slug[:2]}.py"
+    env = {"MPLBACKEND": "Agg", "PATH": "/usr/bin:/bin",
+           "PYTHONPATH": str(Path(kvlab.__file__).parents[1])}
+    import os
+    env.update({k: v for k, v in os.environ.items() if k in ("HOME", "KVLAB_SHARED", "LANG")})
+    run = subprocess.run([sys.executable, str(script), "--out", str(tmp_path)], cwd=tmp_path,
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
+    made = {p.name for p in tmp_path.glob("*.png")}
+    wanted = {Path(arg).name for arg, _ in directives(chapter_text(slug), "figure")}
+    assert wanted <= made, f"{script.name} did not write {sorted(wanted - made)}"
