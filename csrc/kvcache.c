@@ -1,8 +1,9 @@
 /* kvcache.c: the contiguous KV cache, one block of memory per request.
  *
- * Layout (n_layers, capacity, n_kv_heads, head_dim) for K and again for V, each in its
- * own element format (store.c): the keys of one layer for consecutive positions are
- * consecutive rows, so attention streams one layer's keys front to back. The whole
+ * Layout (n_layers, n_kv_heads, capacity, head_dim) for K and again for V, each in its
+ * own element format (store.c): one KV head's keys for consecutive positions are
+ * consecutive rows, so attention streams one head's keys front to back. (Python's
+ * cache.keys shows the same memory as (n_layers, length, n_kv_heads, head_dim).) The whole
  * capacity is reserved up front; that waste is exactly what the paged cache (paged.c)
  * exists to remove. A residual window keeps the last few positions in float32 as well.
  */

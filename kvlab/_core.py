@@ -3,7 +3,17 @@
 The usual cause is running Python from the repository root, where the source folder
 `kvlab/` (which has no compiled extension in it) shadows the installed package.
 """
+import os
 from pathlib import Path
+
+# OpenMP threads that finish their share of a matrix product wait for the others. By
+# default GNU OpenMP spins for about 300,000 iterations before sleeping, which is fastest
+# on an idle machine but disastrous on a busy one (a notebook next to a browser, a shared
+# lab server): the spinning thread steals the core the thread it waits for needs, and a
+# decode step ran 5-8x slower here with two other processes busy. A short spin keeps most
+# of the idle-machine speed and none of that collapse. libgomp reads this once, when the
+# extension below first loads it; a value the user set is kept.
+os.environ.setdefault("GOMP_SPINCOUNT", "1000")
 
 try:
     from . import _kvlab  # noqa: F401

@@ -172,8 +172,9 @@ def generation_counts(config: ModelConfig, prompt_len: int, new_tokens: int,
 
 def arithmetic_ratio(config: ModelConfig, prompt_len: int, new_tokens: int) -> float:
     """Whole-run FLOPs without a cache over FLOPs with one. For projections and MLP this
-    is about (prompt_len + new_tokens / 2) * new_tokens / (prompt_len + new_tokens): it
-    grows with the number of generated tokens and shrinks when the prompt dominates."""
+    is about (prompt_len + new_tokens / 2) * new_tokens / (prompt_len + new_tokens): about
+    half the number of generated tokens after a short prompt, growing toward the number of
+    generated tokens as the prompt gets longer than what is generated."""
     return (generation_counts(config, prompt_len, new_tokens, False).flops /
             generation_counts(config, prompt_len, new_tokens, True).flops)
 

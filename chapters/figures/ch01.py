@@ -59,8 +59,9 @@ def machine() -> dict:
 
 
 def load_stories():
+    # KVLAB_SHARED: the course's shared folder (holding models/) or its models folder itself
     shared = Path(os.environ.get("KVLAB_SHARED", Path(__file__).resolve().parents[3] / "shared"))
-    folder = shared / "models" / "stories260K"
+    folder = (shared / "models" if (shared / "models").is_dir() else shared) / "stories260K"
     if not (folder / "stories260K.bin").exists():
         return None
     return kvlab.load(folder / "stories260K.bin", tokenizer=folder / "tok512.bin")

@@ -285,6 +285,9 @@ def main() -> None:
 
     for row in errors.values():
         del row["_scaled"]
+    # the quantization benchmark's stored run (benchmarks/bench_quant.py), quoted by the text
+    bench = HERE.parents[1] / "benchmarks" / "results" / "bench_quant.json"
+    stored = json.loads(bench.read_text())["accuracy"] if bench.is_file() else None
     result = {
         "setup": {"kvlab": kvlab.__version__, "threads": kvlab.get_num_threads(),
                   "cpu_count": os.cpu_count(), "processor": platform.processor(),
@@ -300,6 +303,10 @@ def main() -> None:
         "c_codes_equal_kvlab_quant": matches,
         "accuracy": reports,
         "attention": times,
+        "tokens_in_16_gib_llama3_8b": {
+            fmt: (16 * 2**30) // kvlab.kv_bytes_per_token(kvlab.ModelConfig.llama3_8b(), fmt)
+            for fmt in FORMATS},
+        "bench_quant_json_accuracy": stored,
     }
     result["setup"]["seconds"] = round(time.perf_counter() - started, 1)
     (out / "ch06.json").write_text(json.dumps(result, indent=1))
