@@ -77,7 +77,7 @@ def checked_append(sub, alloc, seqs, seq, n_tokens, num_blocks, block_size, wher
         return None
     assert copy + new <= before["free"], (
         f"{what} should raise OutOfBlocks: it needs {copy} copy + {new} new blocks")
-    copies = list(copies) if copies is not None else copies
+    copies = [tuple(c) for c in copies] if isinstance(copies, (list, tuple)) else copies
     table = alloc.block_table(seq)
     assert alloc.length(seq) == before["lengths"][seq] + n_tokens, (
         f"{what}: expected length {before['lengths'][seq] + n_tokens}, got {alloc.length(seq)}")
