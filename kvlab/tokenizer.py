@@ -183,14 +183,23 @@ class SentencePieceBPE(Tokenizer):
         if tokens is None or scores is None:
             raise TokenizerError("GGUF file has no tokenizer.ggml.tokens/scores")
         types = _gguf_value(reader, "tokenizer.ggml.token_type") or []
+        # A corrupt file can store any type under these keys (a float id, a string score):
+        # refuse it here, by name, rather than fail inside str.replace, float() or int().
+        _check_gguf_array(tokens, str, "strings", "tokenizer.ggml.tokens")
+        _check_gguf_array(scores, (int, float), "numbers", "tokenizer.ggml.scores")
+        _check_gguf_array(types, int, "integers", "tokenizer.ggml.token_type")
         special = [i for i, t in enumerate(types) if t in (_GGUF_UNKNOWN, _GGUF_CONTROL)]
         # llama2.c files spell spaces as " "; GGUF keeps SentencePiece's "▁". Normalize
         # so both sources give the same pieces (and the same merges).
         pieces = [t.replace(_SPM_SPACE, " ") for t in tokens]
-        bos = _gguf_value(reader, "tokenizer.ggml.bos_token_id")
-        eos = _gguf_value(reader, "tokenizer.ggml.eos_token_id")
-        unk = _gguf_value(reader, "tokenizer.ggml.unknown_token_id")
-        return cls(pieces, scores, bos_id=bos, eos_id=eos, unk_id=unk, special_ids=special)
+        ids = {}
+        for name in ("bos", "eos", "unknown"):
+            key = f"tokenizer.ggml.{name}_token_id"
+            ids[name] = _gguf_value(reader, key)
+            if ids[name] is not None and type(ids[name]) is not int:  # not a float, a bool
+                raise TokenizerError(f"GGUF {key} is {ids[name]!r}, expected an integer")
+        return cls(pieces, scores, bos_id=ids["bos"], eos_id=ids["eos"], unk_id=ids["unknown"],
+                   special_ids=special)
 
     # ---- encode --------------------------------------------------------------------------
     def encode(self, text: str, bos: bool = True) -> List[int]:
@@ -313,6 +322,16 @@ def _truncated(path: Path, i: int, vocab_size: Optional[int], offset: int, size:
     wanted = f" of {vocab_size}" if vocab_size is not None else ""
     return (f"{path}: truncated tokenizer file: token {i}{wanted} runs past the end "
             f"(offset {offset}, file size {size} bytes)")
+
+
+def _check_gguf_array(value: Any, kind: Any, kind_name: str, key: str) -> None:
+    """TokenizerError unless `value` is a list of `kind` (a bool does not count as an int)."""
+    if not isinstance(value, list):
+        raise TokenizerError(f"GGUF {key} is {type(value).__name__}, expected an array")
+    wrong = next((v for v in value if not isinstance(v, kind) or isinstance(v, bool)), None)
+    if wrong is not None:
+        raise TokenizerError(f"GGUF {key} holds {wrong!r} ({type(wrong).__name__}); "
+                             f"expected an array of {kind_name}")
 
 
 def _gguf_value(reader: Any, key: str) -> Any:

@@ -199,8 +199,13 @@ TestCacheAndPoolFuzz = CacheAndPoolFuzz.TestCase
 
 # ---- fuzzing the loaders: a mutated checkpoint loads or is refused, never crashes ---------------
 
+import contextlib  # noqa: E402
+import functools  # noqa: E402
+import signal  # noqa: E402
 import struct  # noqa: E402
+import tempfile  # noqa: E402
 import tracemalloc  # noqa: E402
+from pathlib import Path  # noqa: E402
 
 from hypothesis import given  # noqa: E402
 
@@ -228,10 +233,32 @@ def mutate(data: bytes, kind: str, position: int, value: int) -> bytes:
     return data[:at] + struct.pack("<f", [float("nan"), float("inf")][value % 2]) + data[at + 4:]
 
 
+@contextlib.contextmanager
+def time_limit(seconds: int):
+    """Fail the test, rather than hang it, when the block runs longer than `seconds` (a loop
+    over a count a corrupt header chose). pytest.fail raises a BaseException, so a loader's
+    `except Exception` cannot turn the hang into a tidy error."""
+    if not hasattr(signal, "SIGALRM"):         # Windows: no alarm, no limit
+        yield
+        return
+
+    def expire(signum, frame):
+        pytest.fail(f"loading took more than {seconds} s: a hang?")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
 def assert_loads_or_refuses(path):
     tracemalloc.start()
     try:
-        config, weights, _ = load_checkpoint(path)
+        with time_limit(10):
+            config, weights, _ = load_checkpoint(path)
     except LOAD_ERRORS:
         return
     finally:
@@ -271,6 +298,200 @@ def test_mutated_safetensors_checkpoints(tmp_path_factory, kind, position, value
         position %= 8 + struct.unpack("<Q", data[:8])[0]
     tensors.write_bytes(mutate(data, kind, position, value))
     assert_loads_or_refuses(folder)
+
+
+# GGUF: a tiny llama model written with the gguf package, as llama.cpp's converter lays one
+# out (metadata, an embedded SentencePiece vocabulary, F32 norms, F16 matrices). Besides the
+# mutations above, "field" sets one integer of the header (a count, a string or array length,
+# a value type, a tensor's dims, type or offset, the alignment, the magic, the version, ...)
+# to an absurd value: those are the numbers a reader must not trust.
+GGUF_SMALL = SMALL.replace(tied_embeddings=False)
+# <unk> <s> </s>, then SentencePiece's space "\u2581", 14 letters and two merges
+GGUF_TOKENS = (["<unk>", "<s>", "</s>", "\u2581"] + [chr(ord("a") + i) for i in range(14)]
+               + ["\u2581a", "ab"])
+ABSURD = [0, 1, 2, 3, 5, 31, 33, 255, 2**16, 2**31 - 1, 2**31, 2**32 - 1, 2**32, 2**40,
+          2**62, 2**63 - 1, 2**63, 2**64 - 1]
+
+
+def write_small_gguf(path, config: kvlab.ModelConfig, weights: kvlab.Weights) -> None:
+    """A llama GGUF file of `config` and `weights`, with the GGUF_TOKENS vocabulary."""
+    gguf = pytest.importorskip("gguf")
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_custom_alignment(32)    # the default, written out so that it can be mutated
+    writer.add_name("small")
+    writer.add_context_length(config.max_seq_len)
+    writer.add_embedding_length(config.dim)
+    writer.add_feed_forward_length(config.hidden_dim)
+    writer.add_block_count(config.n_layers)
+    writer.add_head_count(config.n_heads)
+    writer.add_head_count_kv(config.n_kv_heads)
+    writer.add_key_length(config.head_dim)
+    writer.add_rope_dimension_count(config.head_dim)
+    writer.add_layer_norm_rms_eps(config.norm_eps)
+    writer.add_rope_freq_base(config.rope_theta)
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(GGUF_TOKENS)
+    writer.add_token_scores([-float(i) for i in range(len(GGUF_TOKENS))])
+    writer.add_token_types([2, 3, 3] + [1] * (len(GGUF_TOKENS) - 3))
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_unk_token_id(0)
+    writer.add_tensor("token_embd.weight", weights.token_embedding)
+    writer.add_tensor("output_norm.weight", weights.final_norm)
+    writer.add_tensor("output.weight", weights.classifier.astype(np.float16))
+    for i in range(config.n_layers):
+        for key, name in [("attn_norm", "attn_norm"), ("wq", "attn_q"), ("wk", "attn_k"),
+                          ("wv", "attn_v"), ("wo", "attn_output"), ("ffn_norm", "ffn_norm"),
+                          ("w1", "ffn_gate"), ("w2", "ffn_down"), ("w3", "ffn_up")]:
+            array = getattr(weights, key)[i]
+            writer.add_tensor(f"blk.{i}.{name}.weight",
+                              array if array.ndim == 1 else array.astype(np.float16))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def gguf_header_integers(path):
+    """{name: (offset, size)} of every integer and float in a GGUF file's header. Names:
+    "magic", "GGUF.version", "GGUF.tensor_count", "GGUF.kv_count"; for a metadata key K,
+    "K:key length", "K:type", then "K" (a scalar's value), or "K:length" (a string's), or
+    "K:item type", "K:length" and "K[i]" or "K[i]:length" (an array's); for a tensor T,
+    "T:name length", "T:n_dims", "T:dims[i]", "T:type", "T:offset". (gguf's reader maps the
+    file, so each part it parses is a view into it, whose address gives its offset.)"""
+    gguf = pytest.importorskip("gguf")
+    reader = gguf.GGUFReader(path)
+    base = reader.data.ctypes.data
+
+    def at(part, i=0):
+        return part.ctypes.data - base + i * part.dtype.itemsize, part.dtype.itemsize
+
+    places = {"magic": (0, 4)}
+    for key, field in reader.fields.items():
+        parts, kind = field.parts, field.types[0]
+        if key.startswith("GGUF."):                   # the reader's names for the counts
+            places[key] = at(parts[0])
+            continue
+        places[f"{key}:key length"], places[f"{key}:type"] = at(parts[0]), at(parts[2])
+        if kind == gguf.GGUFValueType.ARRAY:
+            places[f"{key}:item type"], places[f"{key}:length"] = at(parts[3]), at(parts[4])
+            if field.types[-1] == gguf.GGUFValueType.STRING:   # (length, bytes) per item
+                places.update({f"{key}[{i}]:length": at(part)
+                               for i, part in enumerate(parts[5::2])})
+            else:
+                places.update({f"{key}[{i}]": at(part) for i, part in enumerate(parts[5:])})
+        elif kind == gguf.GGUFValueType.STRING:
+            places[f"{key}:length"] = at(parts[3])
+        else:
+            places[key] = at(parts[3])
+    for tensor in reader.tensors:
+        name_length, _, n_dims, dims, kind, offset = tensor.field.parts
+        places.update({f"{tensor.name}:name length": at(name_length),
+                       f"{tensor.name}:n_dims": at(n_dims), f"{tensor.name}:type": at(kind),
+                       f"{tensor.name}:offset": at(offset)})
+        places.update({f"{tensor.name}:dims[{i}]": at(dims, i) for i in range(dims.size)})
+    return places, reader.data_offset
+
+
+@functools.lru_cache(maxsize=None)
+def small_gguf():
+    """The good file's bytes, where its header integers are and where its header ends."""
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "small.gguf"
+        write_small_gguf(path, GGUF_SMALL, kvlab.Weights.random(GGUF_SMALL))
+        places, header_end = gguf_header_integers(path)
+        return path.read_bytes(), places, header_end
+
+
+def set_gguf_integer(data: bytes, place, value: int) -> bytes:
+    at, size = place
+    return data[:at] + (value % 2**(8 * size)).to_bytes(size, "little") + data[at + size:]
+
+
+@settings(max_examples=200, deadline=None)
+@given(kind=st.sampled_from(["truncate", "append", "byte", "field", "field", "float"]),
+       position=st.integers(0, 10**6), value=st.integers(-2**31, 2**31 - 1),
+       # small numbers are other value and tensor types (and plausible counts and sizes)
+       absurd=st.one_of(st.integers(0, 40), st.sampled_from(ABSURD), st.integers(0, 2**64 - 1)))
+def test_mutated_gguf_checkpoints(tmp_path_factory, kind, position, value, absurd):
+    data, places, header_end = small_gguf()
+    if kind == "field":
+        data = set_gguf_integer(data, list(places.values())[position % len(places)], absurd)
+    else:
+        if kind == "byte":             # aim at the header (metadata and tensor infos)
+            position %= header_end
+        data = mutate(data, kind, position, value)
+    bad = tmp_path_factory.mktemp("gguf") / "bad.gguf"
+    bad.write_bytes(data)
+    assert_loads_or_refuses(bad)
+
+
+def test_small_gguf_loads_as_written(tmp_path):
+    """The fuzzer's starting point is a good file: it loads, with its own vocabulary."""
+    data, _, _ = small_gguf()
+    (tmp_path / "small.gguf").write_bytes(data)
+    config, weights, tokenizer = load_checkpoint(tmp_path / "small.gguf")
+    assert config.replace(name="") == GGUF_SMALL
+    written = kvlab.Weights.random(GGUF_SMALL)
+    assert np.array_equal(weights.wq, written.wq.astype(np.float16).astype(np.float32))
+    assert np.array_equal(weights.final_norm, written.final_norm)
+    assert tokenizer.vocab_size == len(GGUF_TOKENS) and tokenizer.encode("a b") == [1, 18, 3, 5]
+
+
+# Each found by the fuzzer (or by aiming it at the field) in the loader as it was, with what
+# it did then: (header fields and the values they are set to, or a function of the value
+# there, what the error must name).
+GGUF_REGRESSIONS = {
+    # a string value re-read as an array: its length (from the string's bytes) runs past the
+    # end, and gguf's reader then loops for ever over empty reads, growing a list
+    "hang: string becomes an array": ({"tokenizer.ggml.model:type": 9},
+                                      "'tokenizer.ggml.model'.*file ends"),
+    "hang: array length past the end": ({"tokenizer.ggml.scores:item type": 0,
+                                         "tokenizer.ggml.scores:length": 2**63},
+                                        "'tokenizer.ggml.scores'.*file ends"),
+    # np.empty((n_layers, ...)) before any tensor was looked at: 128 GiB, then MemoryError
+    "128 GiB: block_count": ({"llama.block_count": 2**31 - 1}, "'llama.block_count'.*1..4096"),
+    "256 GiB: feed_forward_length": ({"llama.feed_forward_length": 2**31},
+                                     "'llama.feed_forward_length'"),
+    # loaded, but no model could be built from it (the core refuses a context over 2**30)
+    "loads unusable: context_length": ({"llama.context_length": 2**31 - 1},
+                                       "'llama.context_length'"),
+    # Tensor offsets that read other bytes than the tensor's own, silently: gguf adds the
+    # offset to the data start in uint64, so one near 2**64 wraps around to the bytes before;
+    # a smaller one reads the previous tensor's; a misaligned one shifts the values.
+    "wrong weights: offset wraps": ({"token_embd.weight:offset": 2**64 - 32},
+                                    "'token_embd.weight' has data offset .*, expected 0"),
+    "wrong weights: overlap": ({"blk.0.attn_q.weight:offset": lambda old: old - 64},
+                               "'blk.0.attn_q.weight' has data offset .*, expected"),
+    "wrong weights: misaligned offset": ({"output.weight:offset": lambda old: old + 4},
+                                         "'output.weight' has data offset .*, expected"),
+    # a token id stored as a float NaN: int(nan) raised a bare ValueError
+    "ValueError: NaN token id": ({"tokenizer.ggml.bos_token_id:type": 6,
+                                 "tokenizer.ggml.bos_token_id": 0x7FC00000},
+                                "bos_token_id is nan, expected an integer"),
+    # refused before, but by an error that did not say what was wrong: "tensor ... has shape
+    # [0, 0, 39307540692993, 24, 16]" (5 dims, ggml has at most 4), and "not a readable GGUF
+    # file (ValueError: cannot reshape array of size 0 ...)" (dims whose product wraps to 0)
+    "5 dims": ({"blk.1.ffn_up.weight:n_dims": 5}, "'blk.1.ffn_up.weight' has 5 dims"),
+    "dims overflow uint64": ({"token_embd.weight:dims[0]": 2**32,
+                              "token_embd.weight:dims[1]": 2**32},
+                             "'token_embd.weight'.*past the end"),
+}
+
+
+@pytest.mark.parametrize("case", list(GGUF_REGRESSIONS))
+def test_gguf_regressions(tmp_path, case):
+    changes, message = GGUF_REGRESSIONS[case]
+    data, places, _ = small_gguf()
+    for name, value in changes.items():
+        at, size = places[name]
+        old = int.from_bytes(data[at:at + size], "little")
+        data = set_gguf_integer(data, places[name], value(old) if callable(value) else value)
+    (tmp_path / "bad.gguf").write_bytes(data)
+    with pytest.raises(kvlab.CheckpointError, match=message):
+        with time_limit(10):
+            load_checkpoint(tmp_path / "bad.gguf")
+    assert_loads_or_refuses(tmp_path / "bad.gguf")
 
 
 class EngineFuzz(RuleBasedStateMachine):

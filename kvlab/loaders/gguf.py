@@ -8,18 +8,28 @@ metadata keys and tensor names onto kvlab's ModelConfig and Weights. Two things 
     llama2.c / Meta one), so GGUF models use rope_interleaved=True.
 Not here: quantized tensors (Q4_0, Q8_0, K-quants, BF16, ...), which are refused by name,
 architectures other than "llama", and RoPE scaling stored in GGUF (rope_freqs).
+
+Every count, length, offset and size in a GGUF file is a number the file chooses, and the
+`gguf` package believes them: a corrupt array length makes it loop for ever, a tensor's
+dims can wrap around in uint64. So kvlab walks the header once itself first (check_header),
+checking each number against the bytes that are really there, and takes the model's sizes
+from the metadata only once the tensors that must match them are known to exist.
 """
 from __future__ import annotations
 
+import math
+import mmap
 import os
+import struct
 from pathlib import Path
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, List, NoReturn, Optional, Tuple
 
 import numpy as np
 
 from ..config import ModelConfig
 from ..errors import CheckpointError, TokenizerError
 from ..weights import Weights
+from .common import LIMITS
 
 # kvlab name -> GGUF tensor name ({i} = layer).
 _LAYER_NAMES = {
@@ -43,11 +53,14 @@ _GLOBAL_NAMES = {
 def load_gguf(path: "str | os.PathLike[str]") -> Tuple[ModelConfig, Weights, Any]:
     """(config, float32 weights, tokenizer or None) from a llama GGUF file."""
     path = Path(path)
-    reader = open_gguf(path)
-    tensors = {t.name: t for t in reader.tensors}
-    config = config_from_gguf(reader, tensors, name=path.stem)
-    weights = _gather_weights(config, tensors)
-    return config, weights, _embedded_tokenizer(reader)
+    reader = open_gguf(path)  # its errors name the file already
+    try:
+        tensors = {t.name: t for t in reader.tensors}
+        config = config_from_gguf(reader, tensors, name=path.stem)
+        weights = _gather_weights(config, tensors)
+        return config, weights, _embedded_tokenizer(reader)
+    except CheckpointError as exc:
+        raise CheckpointError(f"{path}: {exc}") from None
 
 
 def open_gguf(path: Path) -> Any:
@@ -58,11 +71,211 @@ def open_gguf(path: Path) -> Any:
         raise CheckpointError("reading GGUF files needs the `gguf` package: pip install gguf") from None
     if not path.is_file():
         raise CheckpointError(f"checkpoint not found: {path} (no such file)")
+    check_header(path)
     try:
         return GGUFReader(path, "r")
-    except Exception as exc:  # gguf raises ValueError, struct.error, IndexError ... on bad files
+    except Exception as exc:  # the walk above should leave nothing for gguf to refuse; if
+        # it does (a newer gguf is stricter), it raises ValueError, KeyError ... not ours
         raise CheckpointError(f"{path}: not a readable GGUF file "
                               f"({type(exc).__name__}: {exc})") from None
+
+
+# ---------------------------------------------------------------------------------------
+# The header walk: every number the file chooses, checked before gguf's reader sees it
+# ---------------------------------------------------------------------------------------
+# GGUF metadata value types (the spec's gguf_type, gguf.GGUFValueType), and the bytes one
+# scalar of each takes. STRING (u64 length + UTF-8 bytes) and ARRAY (u32 item type,
+# u64 count, items) carry their own lengths.
+_STRING, _ARRAY = 8, 9
+_SCALAR_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+_UINT32 = 4
+_VERSIONS = (2, 3)         # version 1 had 32-bit counts; gguf reads 2 and 3 only
+_MAX_DIMS = 4              # ggml tensors have at most 4 dimensions (GGML_MAX_DIMS)
+_DEFAULT_ALIGNMENT = 32    # tensor data starts at a multiple of this, unless general.alignment
+# The fewest bytes one entry can take, to refuse a count the rest of the file cannot hold
+# before looping over it: a metadata entry is a key length (8), a key (may be empty), a
+# value type (4) and a value (1 byte at least); a tensor info is a name length (8), a name,
+# n_dims (4), one dim (8), a type (4) and an offset (8).
+_MIN_ENTRY_BYTES = 8 + 4 + 1
+_MIN_TENSOR_INFO_BYTES = 8 + 4 + 8 + 4 + 8
+# gguf's reader files the header's own numbers under these names: a key spelled the same
+# would clash with them.
+_READER_NAMES = ("GGUF.version", "GGUF.tensor_count", "GGUF.kv_count")
+
+
+def check_header(path: Path) -> None:
+    """Walk a GGUF file's header and tensor table, raising CheckpointError at the first
+    number that does not fit the file: a count, string or array length running past the
+    end, an unknown value or tensor type, a nested array, a duplicate key or tensor name,
+    a bad general.alignment, tensor dims that are too many or too large, tensor data that
+    is not where the layout puts it or lies (partly) past the end of the file. It reads the
+    header only (the file is mapped, not loaded) and allocates nothing the file size does
+    not bound."""
+    size = path.stat().st_size
+    if size < 24:
+        raise CheckpointError(f"{path}: file is {size} bytes, too short for the 24-byte GGUF "
+                              "header (magic, version, tensor count, metadata count)")
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+        _HeaderWalk(data, path).check()
+
+
+class _HeaderWalk:
+    """A cursor over the mapped file that refuses to step past its end."""
+
+    def __init__(self, data: mmap.mmap, path: Path) -> None:
+        self.data, self.path, self.at = data, path, 0
+        self.order = "<"  # little-endian, unless the version says otherwise
+        self.alignment = _DEFAULT_ALIGNMENT
+
+    def fail(self, message: str) -> NoReturn:
+        raise CheckpointError(f"{self.path}: {message}")
+
+    # ---- the primitives: each checks that its bytes are there before reading them ------
+    def skip(self, n: int, what: str) -> None:
+        left = len(self.data) - self.at
+        if n > left:
+            self.fail(f"{what} needs {n:,} bytes at offset {self.at:,}, but the file ends "
+                      f"{left:,} bytes later (it is truncated, or a length in its header "
+                      "is corrupt)")
+        self.at += n
+
+    def number(self, fmt: str, what: str) -> Any:
+        start = self.at
+        self.skip(struct.calcsize(fmt), what)
+        return struct.unpack_from(self.order + fmt, self.data, start)[0]
+
+    def text(self, what: str) -> str:
+        """A GGUF string (u64 length, then UTF-8 bytes) that must decode: a key or a name."""
+        n = self.number("Q", f"the length of {what}")
+        start = self.at
+        self.skip(n, what)
+        try:
+            return self.data[start:self.at].decode("utf-8")
+        except UnicodeDecodeError:
+            self.fail(f"{what} at offset {start:,} is not valid UTF-8")
+
+    # ---- the file, part by part ------------------------------------------------------
+    def check(self) -> None:
+        if self.data[:4] != b"GGUF":
+            self.fail(f"not a GGUF file: it starts with {bytes(self.data[:4])!r}, not b'GGUF'")
+        self.at = 4
+        version = self.number("I", "the version")
+        if version & 0xFFFF == 0:  # written on a big-endian machine (as gguf's reader decides)
+            self.order = ">"
+            version = struct.unpack_from(">I", self.data, 4)[0]
+        if version not in _VERSIONS:
+            self.fail(f"GGUF version {version} is not supported (kvlab reads versions 2 and 3)")
+        n_tensors = self.number("Q", "the tensor count")
+        n_entries = self.number("Q", "the metadata count")
+        # A count is checked against the bytes left before the loop over it, so that no
+        # loop runs longer than the file is long.
+        self.check_count(n_entries, _MIN_ENTRY_BYTES, "metadata entries")
+        keys = set(_READER_NAMES)
+        for i in range(n_entries):
+            self.metadata_entry(i, keys)
+        self.check_count(n_tensors, _MIN_TENSOR_INFO_BYTES, "tensors")
+        from gguf import GGML_QUANT_SIZES  # {type: (values per block, bytes per block)}
+        type_sizes = {int(kind): sizes for kind, sizes in GGML_QUANT_SIZES.items()}
+        names: set = set()
+        infos = [self.tensor_info(i, names, type_sizes) for i in range(n_tensors)]
+        self.check_tensor_data(infos)
+
+    def check_count(self, count: int, least: int, what: str) -> None:
+        left = len(self.data) - self.at
+        if count * least > left:
+            self.fail(f"the header says {count:,} {what}, but they would take at least "
+                      f"{count * least:,} bytes and only {left:,} remain")
+
+    def metadata_entry(self, index: int, keys: set) -> None:
+        key = self.text(f"metadata key #{index}")
+        if key in keys:
+            self.fail(f"metadata key {_short(key)} appears twice")
+        keys.add(key)
+        what = f"metadata {_short(key)}"
+        kind = self.number("I", f"the value type of {what}")
+        if key == "general.alignment":
+            self.alignment_value(kind)
+        else:
+            self.value(kind, what)
+
+    def alignment_value(self, kind: int) -> None:
+        if kind != _UINT32:
+            self.fail(f"metadata 'general.alignment' has value type {kind}, expected {_UINT32} "
+                      "(uint32)")
+        alignment = self.number("I", "metadata 'general.alignment'")
+        if alignment == 0 or alignment & (alignment - 1):
+            self.fail(f"metadata 'general.alignment' is {alignment}, expected a power of two")
+        self.alignment = alignment
+
+    def value(self, kind: int, what: str) -> None:
+        if kind in _SCALAR_BYTES:
+            self.skip(_SCALAR_BYTES[kind], what)
+        elif kind == _STRING:
+            self.skip(self.number("Q", f"the length of {what}"), what)
+        elif kind == _ARRAY:
+            self.array(what)
+        else:
+            self.fail(f"{what} has value type {kind}, which GGUF does not define (0..12)")
+
+    def array(self, what: str) -> None:
+        item = self.number("I", f"the item type of {what}")
+        count = self.number("Q", f"the length of {what}")
+        if item in _SCALAR_BYTES:
+            # one check for the whole array: no loop over a count the file chose
+            self.skip(count * _SCALAR_BYTES[item], f"{what} ({count:,} items, "
+                      f"{_SCALAR_BYTES[item]} bytes each)")
+        elif item == _STRING:
+            self.check_count(count, 8, f"strings in {what}")  # then the loop is bounded
+            for i in range(count):
+                self.skip(self.number("Q", f"the length of item {i} of {what}"),
+                          f"item {i} of {what}")
+        elif item == _ARRAY:
+            self.fail(f"{what} is an array of arrays, which GGUF readers do not support")
+        else:
+            self.fail(f"{what} has item type {item}, which GGUF does not define (0..12)")
+
+    def tensor_info(self, index: int, names: set, type_sizes: Dict[int, Tuple[int, int]]
+                    ) -> Tuple[str, int, int]:
+        """(name, offset of its data after the header, its size in bytes)."""
+        name = self.text(f"the name of tensor #{index}")
+        if name in names:
+            self.fail(f"tensor {_short(name)} appears twice")
+        names.add(name)
+        name = _short(name)  # as the messages below quote it
+        n_dims = self.number("I", f"the number of dims of tensor {name}")
+        if not 1 <= n_dims <= _MAX_DIMS:
+            self.fail(f"tensor {name} has {n_dims} dims, expected 1 to {_MAX_DIMS}")
+        dims = [self.number("Q", f"dim {i} of tensor {name}") for i in range(n_dims)]
+        kind = self.number("I", f"the type of tensor {name}")
+        sizes = type_sizes.get(kind)
+        if sizes is None:
+            self.fail(f"tensor {name} has type {kind}, which is no GGML tensor type")
+        block, block_bytes = sizes
+        if dims[0] % block:
+            self.fail(f"tensor {name} has a first dim of {dims[0]}, not a multiple of its "
+                      f"type's block of {block} values")
+        offset = self.number("Q", f"the data offset of tensor {name}")
+        # Python integers: dims near 2**64 multiply to a huge number, not a wrapped small one
+        return name, offset, math.prod(dims) // block * block_bytes
+
+    def check_tensor_data(self, infos: List[Tuple[str, int, int]]) -> None:
+        """Tensor data follows the header, in the order of the tensor table, each tensor
+        padded to the alignment (llama.cpp requires exactly this layout too). So every
+        offset is known in advance: one that differs would read another tensor's bytes (an
+        overlap, a misaligned start, or an offset near 2**64 that gguf's uint64 sum wraps
+        around), silently."""
+        start = -(-self.at // self.alignment) * self.alignment  # data begins, aligned
+        expected = 0
+        for name, offset, nbytes in infos:
+            if offset != expected:
+                self.fail(f"tensor {name} has data offset {offset:,}, expected {expected:,} "
+                          f"(right after the previous tensor, padded to the alignment of "
+                          f"{self.alignment})")
+            if start + offset + nbytes > len(self.data):
+                self.fail(f"tensor {name} has {nbytes:,} bytes of data at offset "
+                          f"{start + offset:,}, past the end of the file ({len(self.data):,} "
+                          "bytes): the file is truncated, or the tensor's dims are corrupt")
+            expected += -(-nbytes // self.alignment) * self.alignment
 
 
 def metadata(reader: Any, key: str, default: Any = None) -> Any:
@@ -74,38 +287,65 @@ def metadata(reader: Any, key: str, default: Any = None) -> Any:
 
 def config_from_gguf(reader: Any, tensors: Dict[str, Any], name: str = "") -> ModelConfig:
     arch = metadata(reader, "general.architecture")
+    if arch is None:
+        raise CheckpointError("GGUF file lacks metadata 'general.architecture'")
     if arch != "llama":
-        raise CheckpointError(f"GGUF architecture {arch!r} is not supported (only 'llama')")
+        raise CheckpointError(f"GGUF architecture {_short(arch)} is not supported (only 'llama')")
     _reject_rope_scaling(reader, tensors)
 
-    def key(suffix: str, default: Any = None) -> Any:
-        value = metadata(reader, f"llama.{suffix}", default)
+    def size(suffix: str, field: str, default: Optional[int] = None) -> int:
+        """A size from llama.* metadata: an integer (not a string, float or array) in
+        1..LIMITS[field], so that nothing later divides by it or allocates by it blindly."""
+        key = f"llama.{suffix}"
+        value = metadata(reader, key, default)
         if value is None:
-            raise CheckpointError(f"GGUF file lacks metadata 'llama.{suffix}'")
+            raise CheckpointError(f"GGUF file lacks metadata {key!r}")
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise CheckpointError(f"metadata {key!r} is {_short(value)}, expected an integer")
+        if not 1 <= value <= LIMITS[field]:
+            raise CheckpointError(f"metadata {key!r} is {value}, expected 1..{LIMITS[field]} "
+                                  f"(the model's {field})")
         return value
 
-    n_heads = key("attention.head_count")
-    dim = key("embedding_length")
-    head_dim = key("attention.key_length", dim // n_heads if n_heads else 0)
-    rope_dims = key("rope.dimension_count", head_dim)
+    def number(suffix: str, default: float) -> float:
+        key = f"llama.{suffix}"
+        value = metadata(reader, key, default)
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            raise CheckpointError(f"metadata {key!r} is {_short(value)}, expected a number")
+        return float(value)  # ModelConfig checks it is positive and finite
+
+    n_heads = size("attention.head_count", "n_heads")
+    dim = size("embedding_length", "dim")
+    # without key_length, head_dim is dim / n_heads (unless that is 0: then it is missing)
+    head_dim = size("attention.key_length", "dim", dim // n_heads or None)
+    rope_dims = size("rope.dimension_count", "dim", head_dim)
     if rope_dims != head_dim:
         raise CheckpointError(f"partial RoPE (rope.dimension_count={rope_dims}, "
                               f"head_dim={head_dim}) is not supported")
     return ModelConfig(
         dim=dim,
-        hidden_dim=key("feed_forward_length"),
-        n_layers=key("block_count"),
+        hidden_dim=size("feed_forward_length", "hidden_dim"),
+        n_layers=size("block_count", "n_layers"),
         n_heads=n_heads,
-        n_kv_heads=key("attention.head_count_kv", n_heads),
+        n_kv_heads=size("attention.head_count_kv", "n_kv_heads", n_heads),
         vocab_size=_vocab_size(reader, tensors),
-        max_seq_len=key("context_length", 2048),
+        max_seq_len=size("context_length", "max_seq_len", 2048),
         head_dim=head_dim,
-        norm_eps=key("attention.layer_norm_rms_epsilon", 1e-5),
-        rope_theta=key("rope.freq_base", 10000.0),
+        norm_eps=number("attention.layer_norm_rms_epsilon", 1e-5),
+        rope_theta=number("rope.freq_base", 10000.0),
         rope_interleaved=True,  # llama.cpp permutes q/k to the interleaved layout
         tied_embeddings=_GLOBAL_NAMES["classifier"] not in tensors,
         name=name,  # the file name; general.name is often just "llama"
     )
+
+
+def _short(value: Any) -> str:
+    """A value, key or name for an error message: a corrupt one can be a 10,000-item array
+    or a string thousands of bytes long."""
+    if isinstance(value, list):
+        return f"an array of {len(value)} items"
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _reject_rope_scaling(reader: Any, tensors: Dict[str, Any]) -> None:
@@ -121,25 +361,38 @@ def _vocab_size(reader: Any, tensors: Dict[str, Any]) -> int:
     if embd is None:
         raise CheckpointError("GGUF file lacks tensor 'token_embd.weight'")
     rows = int(embd.shape[-1])  # ne is reversed: the last entry is the row count
+    if not 1 <= rows <= LIMITS["vocab_size"]:
+        raise CheckpointError(f"tensor 'token_embd.weight' has {rows} rows, expected "
+                              f"1..{LIMITS['vocab_size']} (one per token)")
     tokens = metadata(reader, "tokenizer.ggml.tokens")
-    if tokens is not None and len(tokens) > rows:
+    if isinstance(tokens, list) and len(tokens) > rows:
         raise CheckpointError(f"GGUF vocabulary has {len(tokens)} tokens but token_embd "
                               f"has only {rows} rows")
     return rows
 
 
 def _gather_weights(config: ModelConfig, tensors: Dict[str, Any]) -> Weights:
+    # Every tensor is found and checked before anything is allocated: the sizes come from
+    # metadata, and a corrupt block_count or embedding_length must not allocate gigabytes
+    # for tensors the file does not have. Once all of them match, the float32 copies are
+    # at most twice the size of the (F16) data really in the file.
     expected = Weights.expected_shapes(config)
-    arrays: Dict[str, np.ndarray] = {}
+    found: Dict[str, List[Any]] = {}
     for key, gguf_name in _GLOBAL_NAMES.items():
         if key == "classifier" and config.tied_embeddings:
             continue
-        arrays[key] = _read(tensors, gguf_name, expected[key])
+        found[key] = [_tensor(tensors, gguf_name, expected[key])]
     for key, pattern in _LAYER_NAMES.items():
-        stacked = np.empty(expected[key], dtype=np.float32)
-        for i in range(config.n_layers):
-            stacked[i] = _read(tensors, pattern.format(i=i), expected[key][1:])
-        arrays[key] = stacked
+        found[key] = [_tensor(tensors, pattern.format(i=i), expected[key][1:])
+                      for i in range(config.n_layers)]
+    arrays: Dict[str, np.ndarray] = {}
+    for key, parts in found.items():
+        if key in _GLOBAL_NAMES:
+            arrays[key] = _float32(parts[0], expected[key])
+        else:
+            arrays[key] = np.empty(expected[key], dtype=np.float32)
+            for i, tensor in enumerate(parts):
+                arrays[key][i] = _float32(tensor, expected[key][1:])
     if config.tied_embeddings:
         arrays["classifier"] = arrays["token_embedding"]
     weights = Weights(**arrays)
@@ -147,8 +400,8 @@ def _gather_weights(config: ModelConfig, tensors: Dict[str, Any]) -> Weights:
     return weights
 
 
-def _read(tensors: Dict[str, Any], name: str, shape: Tuple[int, ...]) -> np.ndarray:
-    """One tensor as a new float32 array of NumPy shape `shape`."""
+def _tensor(tensors: Dict[str, Any], name: str, shape: Tuple[int, ...]) -> Any:
+    """The gguf tensor `name`, checked to be F32 or F16 and of NumPy shape `shape`."""
     tensor = tensors.get(name)
     if tensor is None:
         raise CheckpointError(f"GGUF file lacks tensor {name!r}")
@@ -160,7 +413,17 @@ def _read(tensors: Dict[str, Any], name: str, shape: Tuple[int, ...]) -> np.ndar
     if numpy_shape != tuple(shape):
         raise CheckpointError(f"tensor {name!r} has shape {list(numpy_shape)} (GGUF ne "
                               f"{[int(n) for n in tensor.shape]}), the metadata implies {list(shape)}")
-    return np.asarray(tensor.data).reshape(numpy_shape).astype(np.float32)
+    return tensor
+
+
+def _float32(tensor: Any, shape: Tuple[int, ...]) -> np.ndarray:
+    """A checked tensor's data as a new float32 array of NumPy shape `shape`."""
+    return np.asarray(tensor.data).reshape(shape).astype(np.float32)
+
+
+def _read(tensors: Dict[str, Any], name: str, shape: Tuple[int, ...]) -> np.ndarray:
+    """One tensor as a new float32 array of NumPy shape `shape`."""
+    return _float32(_tensor(tensors, name, shape), shape)
 
 
 def _embedded_tokenizer(reader: Any) -> Optional[Any]:

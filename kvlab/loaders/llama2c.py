@@ -29,17 +29,13 @@ import numpy as np
 from ..config import ModelConfig
 from ..errors import CheckpointError, WeightsError
 from ..weights import Weights
-from .common import read_json_object
+from .common import LIMITS, read_json_object
 
 MAGIC_V1 = 0x616B3432          # "ak42" read as a little-endian uint32
 HEADER_V1_BYTES = 256
 HEADER_LEGACY_BYTES = 7 * 4
 GGUF_MAGIC = b"GGUF"
 
-# Far above any model this kit will meet, far below sizes that would wrap an int32
-# or make the size arithmetic meaningless. They exist to reject garbage headers early.
-LIMITS = {"dim": 65536, "hidden_dim": 1 << 20, "n_layers": 4096, "n_heads": 4096,
-          "n_kv_heads": 4096, "vocab_size": 1 << 24, "max_seq_len": 1 << 24}
 HEADER_FIELDS = ("dim", "hidden_dim", "n_layers", "n_heads", "n_kv_heads",
                  "vocab_size", "max_seq_len")
 
