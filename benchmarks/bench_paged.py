@@ -54,7 +54,9 @@ def bench_decode(context: int, repeats: int, steps: int, rng) -> dict:
     pools = []                      # keep every pool alive while it is being timed
     for block_size in BLOCK_SIZES:
         blocks = -(-(context + steps) // block_size) + 2
-        pool = model.new_paged_pool(blocks, block_size, max_blocks_per_seq=blocks)
+        # random rows under placeholder tokens: the prefix cache must not share them
+        pool = model.new_paged_pool(blocks, block_size, max_blocks_per_seq=blocks,
+                                    prefix_cache=False)
         base = pool.new_sequence()
         pool.append(base, np.zeros(context, dtype=np.int32), keys, values)
         pools.append(pool)
@@ -99,7 +101,7 @@ def bench_memory(n_requests: int, max_seq_len: int, block_size: int, rng) -> dic
         cache.append(*random_rows(config, int(n), rng))
     contiguous_bytes = sum(cache.nbytes for cache in caches)
     blocks_needed = sum(-(-int(n) // block_size) for n in lengths)
-    pool = model.new_paged_pool(blocks_needed, block_size)
+    pool = model.new_paged_pool(blocks_needed, block_size, prefix_cache=False)
     for n in lengths:
         pool.append(pool.new_sequence(), np.zeros(int(n), dtype=np.int32),
                     *random_rows(config, int(n), rng))

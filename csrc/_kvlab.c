@@ -582,14 +582,16 @@ static int pool_refuse_if_busy(PoolObject *self) {
 static int pool_init(PoolObject *self, PyObject *args, PyObject *kwds) {
     static char *kwlist[] = {"n_layers", "n_kv_heads", "head_dim", "num_blocks", "block_size",
                              "max_seqs", "max_blocks_per_seq", "hash_bits", "key_format",
-                             "value_format", "key_group", "value_group", "window", NULL};
+                             "value_format", "key_group", "value_group", "window",
+                             "prefix_cache", NULL};
     int n_layers, n_kv_heads, head_dim, num_blocks, block_size, max_seqs = 256;
     int max_blocks_per_seq = 0, hash_bits = 64, key_group = 0, value_group = 0, window = 0;
+    int prefix_cache = 1;
     const char *key_name = "fp32", *value_name = "fp32";
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "iiiii|iiissiii", kwlist, &n_layers,
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "iiiii|iiissiiip", kwlist, &n_layers,
                                      &n_kv_heads, &head_dim, &num_blocks, &block_size, &max_seqs,
                                      &max_blocks_per_seq, &hash_bits, &key_name, &value_name,
-                                     &key_group, &value_group, &window))
+                                     &key_group, &value_group, &window, &prefix_cache))
         return -1;
     if (self->pool.key.codes != NULL) {
         PyErr_SetString(PyExc_RuntimeError, "PagedPool is already initialized");
@@ -621,6 +623,7 @@ static int pool_init(PoolObject *self, PyObject *args, PyObject *kwds) {
         return -1;
     }
     if (hash_bits < 64) self->pool.hash_mask = ((uint64_t)1 << hash_bits) - 1;
+    self->pool.prefix_cache = prefix_cache;
     return 0;
 }
 
@@ -1008,7 +1011,10 @@ static PyMethodDef pool_methods[] = {
      "full blocks holding the longest prefix of tokens[:max_tokens] to an empty seq."},
     {"append", (PyCFunction)pool_append, METH_VARARGS,
      "append(seq, tokens, keys, values): write given K/V rows, each\n"
-     "(n_tokens, n_layers, n_kv_heads, head_dim) float32, without a model."},
+     "(n_tokens, n_layers, n_kv_heads, head_dim) float32, without a model. The prefix\n"
+     "cache takes rows to be what the model computes for these tokens: full blocks with\n"
+     "the same tokens after the same prefix are shared. For rows that are not (random\n"
+     "test data), use distinct tokens or a pool made with prefix_cache=False."},
     {"blocks_needed", (PyCFunction)pool_blocks_needed, METH_VARARGS,
      "blocks_needed(seq, n_tokens) -> blocks that appending n_tokens to seq would take\n"
      "(new blocks, plus one if its last block is shared and partly filled: copy-on-write)."},
@@ -1028,7 +1034,7 @@ static PyTypeObject PoolType = {
     .tp_doc = PyDoc_STR("PagedPool(n_layers, n_kv_heads, head_dim, num_blocks, block_size,\n"
                         "          max_seqs=256, max_blocks_per_seq=num_blocks, hash_bits=64,\n"
                         "          key_format='fp32', value_format='fp32', key_group=0,\n"
-                        "          value_group=0, window=0)\n\n"
+                        "          value_group=0, window=0, prefix_cache=True)\n\n"
                         "A paged KV cache: one pool of fixed-size blocks shared by many\n"
                         "sequences. Usually made with model.new_paged_pool(...)."),
     .tp_basicsize = sizeof(PoolObject),

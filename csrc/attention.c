@@ -304,15 +304,23 @@ static void plan_fetch(tile_rows *rows, const kv_store *store, int layer, int he
  * of one block), as a query at query_pos reads them: fp32, fp16, bf16 rows and int8
  * rows with one scale per head in place (the last three when head_dim is a multiple
  * of 8), others decoded into the tile buffer, and rows inside the residual window
- * copied from the full-precision rows instead; n_ahead rows of the block follow the
- * tile AHEAD positions on. Returns the ROWS_ kind of *rows. */
+ * copied from the full-precision rows instead; the rows AHEAD positions on (up to
+ * n_seen, in whichever block holds them) are planned for fetching early. Returns the
+ * ROWS_ kind of *rows. */
 static int head_rows(const kv_layer_view *view, int is_value, int head, int pos, size_t slot,
-                     int n, int n_ahead, int query_pos, int head_dim, float *tile,
+                     int n, int n_seen, int query_pos, int head_dim, float *tile,
                      tile_rows *rows) {
     const kv_store *store = is_value ? view->value : view->key;
     *rows = (tile_rows){0};
-    if (n_ahead > 0)   /* rows of the same block AHEAD positions on, to be fetched early */
-        plan_fetch(rows, store, view->layer, head, slot + AHEAD, n_ahead < TILE ? n_ahead : TILE);
+    int ahead = pos + AHEAD;
+    if (ahead < n_seen) {
+        /* a paged cache's next rows are often in another block: look it up, so that
+         * small blocks are fetched ahead as well as one long contiguous run */
+        int block_end = ahead - ahead % view->block_size + view->block_size;
+        int n_ahead = n_seen < block_end ? n_seen - ahead : block_end - ahead;
+        plan_fetch(rows, store, view->layer, head, kv_view_slot(view, ahead),
+                   n_ahead < TILE ? n_ahead : TILE);
+    }
     int kv_dim = store->n_kv_heads * head_dim;
     int first_exact = view->window > 0 ? query_pos - view->window + 1 : query_pos + 1;
     if (pos + n <= first_exact) {
@@ -390,8 +398,8 @@ void kv_attention(float *out, const float *q, const kv_layer_view *view, int n_t
                 for (int r0 = 0; r0 < in_block; r0 += TILE) {
                     int n = in_block - r0 < TILE ? in_block - r0 : TILE;
                     tile_rows keys;
-                    int kind = head_rows(view, 0, g, first + r0, slot + r0, n,
-                                         in_block - r0 - AHEAD, query_pos, head_dim, tile, &keys);
+                    int kind = head_rows(view, 0, g, first + r0, slot + r0, n, n_seen,
+                                         query_pos, head_dim, tile, &keys);
                     score_kernels[kind](att, head_stride, first + r0, queries, kv_mul,
                                         head_dim, &keys, n, scale);
                 }
@@ -407,8 +415,8 @@ void kv_attention(float *out, const float *q, const kv_layer_view *view, int n_t
                 for (int r0 = 0; r0 < in_block; r0 += TILE) {
                     int n = in_block - r0 < TILE ? in_block - r0 : TILE;
                     tile_rows values;
-                    int kind = head_rows(view, 1, g, first + r0, slot + r0, n,
-                                         in_block - r0 - AHEAD, query_pos, head_dim, tile, &values);
+                    int kind = head_rows(view, 1, g, first + r0, slot + r0, n, n_seen,
+                                         query_pos, head_dim, tile, &values);
                     mix_kernels[kind](results, att, head_stride, first + r0, kv_mul, head_dim,
                                       &values, n);
                 }

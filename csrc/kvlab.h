@@ -199,6 +199,7 @@ typedef struct {
     int32_t *free_stack;    /* (num_blocks,) ids of free blocks; the top n_free are valid */
     int n_free;
     /* prefix cache: a full block's identity is (parent block, its tokens) */
+    int prefix_cache;       /* 1 (the default): full blocks are registered and reused; 0: never */
     uint64_t *hash;         /* (num_blocks,) hash of (parent's hash, tokens) */
     int32_t *parent;        /* (num_blocks,) previous block of the chain, -1 for the first */
     uint32_t *generation;   /* (num_blocks,) bumped each time a block is handed out */

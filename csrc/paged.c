@@ -58,6 +58,7 @@ kv_status kv_pool_init(kv_pool *pool, int n_layers, int n_kv_heads, int head_dim
     pool->head_dim = head_dim;
     pool->num_blocks = num_blocks;
     pool->block_size = block_size;
+    pool->prefix_cache = 1;
     pool->max_seqs = max_seqs;
     pool->max_blocks_per_seq = max_blocks_per_seq;
     pool->hash_mask = ~(uint64_t)0;
@@ -316,7 +317,7 @@ kv_status kv_pool_reuse_prefix(kv_pool *pool, int seq, const int32_t *tokens, in
     kv_seq *q = &pool->seqs[seq];
     if (q->length != 0 || max_tokens < 0 || (tokens == NULL && max_tokens > 0))
         return KV_ERR_INVALID_ARG;
-    int n_full = pool->window > 0 ? 0 : max_tokens / pool->block_size;
+    int n_full = pool->window > 0 || !pool->prefix_cache ? 0 : max_tokens / pool->block_size;
     if (n_full > pool->max_blocks_per_seq) n_full = pool->max_blocks_per_seq;
     int32_t parent = -1;
     for (int i = 0; i < n_full; i++) {
@@ -405,13 +406,14 @@ void kv_pool_commit(kv_pool *pool, int seq, const int32_t *tokens, int n_tokens)
         if (pool->fill[b] < pos % bs + 1) pool->fill[b] = pos % bs + 1;
     }
     q->length = old_length + n_tokens;
-    /* Blocks that became full in this call join the prefix cache (not with a residual
-     * window: kv_pool_reuse_prefix could never hand them out). A block the cache already
+    /* Blocks that became full in this call join the prefix cache (unless it is off, and
+     * not with a residual window: kv_pool_reuse_prefix could never hand them out). A block the cache already
      * knows (two sequences computed the same prefix side by side, as a batch does) is a
      * duplicate: the sequence switches to the known block and this copy is freed, so the
      * memory is shared and the next blocks chain on from a registered parent. The K and V
      * are the same bits, since the core computes a prefix the same way every time. */
-    for (int i = old_length / bs; pool->window == 0 && i < q->length / bs; i++) {
+    int cacheable = pool->window == 0 && pool->prefix_cache;
+    for (int i = old_length / bs; cacheable && i < q->length / bs; i++) {
         int32_t b = q->block_table[i], parent = i > 0 ? q->block_table[i - 1] : -1;
         int32_t twin = parent < 0 || pool->registered[parent]
                            ? lookup(pool, parent, pool->tokens + (size_t)b * bs) : -1;

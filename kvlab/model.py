@@ -57,8 +57,23 @@ def _accumulate(total: np.ndarray, call: np.ndarray) -> None:
     total[SCRATCH] = peak
 
 
+def _device_name(device: str) -> str:
+    """'cpu' or 'cuda' for a device string ('cuda:0' is the first GPU, the only one used)."""
+    name = str(device).lower()
+    if name in ("cpu", "cuda", "cuda:0"):
+        return name[:4] if name.startswith("cuda") else name
+    raise ValueError(f"unknown device {device!r}: kvlab runs on 'cpu' or 'cuda' (the first GPU)")
+
+
+def _device_of(cache) -> str:
+    """Where a cache (or a paged pool's sequence) keeps its K and V."""
+    return getattr(cache, "device", None) or getattr(getattr(cache, "pool", None), "device", "cpu")
+
+
 class Model:
     """A Llama-family model ready to run: config, weights, tokenizer and the C core."""
+
+    device = "cpu"   # where forward passes run; kvlab.cuda.CudaModel runs them on the GPU
 
     def __init__(self, config: ModelConfig, weights: Weights,
                  tokenizer: Optional[Tokenizer] = None, source: str = ""):
@@ -67,7 +82,17 @@ class Model:
         self.weights = weights
         self.tokenizer = tokenizer
         self.source = source
-        arrays = dict(weights.items())
+        self._core = core.Model(*self._core_arguments())
+        # what every forward call did, as counted by the core (see kvlab.measure.Counts):
+        # totals for the model, and per thread the arrays of open counting() blocks
+        self._counters = np.zeros(len(core.COUNTERS), dtype=np.int64)
+        self._counters_lock = threading.Lock()
+        self._thread = threading.local()
+
+    def _core_arguments(self) -> tuple:
+        """The config dict and weight arrays a compiled model (CPU or CUDA) is made from."""
+        config = self.config
+        arrays = dict(self.weights.items())
         arrays["rope_inv_freq"] = config.rope_inv_freq()
         core_config = {
             "dim": config.dim, "hidden_dim": config.hidden_dim, "n_layers": config.n_layers,
@@ -76,12 +101,19 @@ class Model:
             "max_seq_len": config.max_seq_len, "norm_eps": float(config.norm_eps),
             "rope_interleaved": bool(config.rope_interleaved),
         }
-        self._core = core.Model(core_config, arrays)
-        # what every forward call did, as counted by the core (see kvlab.measure.Counts):
-        # totals for the model, and per thread the arrays of open counting() blocks
-        self._counters = np.zeros(len(core.COUNTERS), dtype=np.int64)
-        self._counters_lock = threading.Lock()
-        self._thread = threading.local()
+        return core_config, arrays
+
+    def to(self, device: str) -> "Model":
+        """This model on `device`: 'cpu', or 'cuda' for a kvlab.cuda.CudaModel that shares
+        this model's config, weights (copied once to the GPU) and tokenizer. Returns self
+        when it is there already. Caches are made by the model they are for."""
+        name = _device_name(device)
+        if name == self.device:
+            return self
+        if name == "cuda":
+            from .cuda import CudaModel
+            return CudaModel(self)
+        return Model(self.config, self.weights, self.tokenizer, self.source)
 
     # ---- counting ----------------------------------------------------------------------
     @property
@@ -110,14 +142,24 @@ class Model:
             open_blocks.remove(block)
             counts.__dict__.update(_as_counts(block).__dict__)
 
-    def _run(self, tokens: np.ndarray, cache, all_logits: bool) -> np.ndarray:
-        """One forward call through the core, its counts added where they belong."""
-        call = np.zeros(len(core.COUNTERS), dtype=np.int64)
-        logits = self._core.forward(tokens, cache, all_logits, call)
+    def _record(self, call: np.ndarray) -> None:
+        """Adds one call's counters to the model's totals and to open counting() blocks."""
         with self._counters_lock:
             _accumulate(self._counters, call)
         for block in getattr(self._thread, "blocks", ()):
             _accumulate(block, call)
+
+    def _check_device(self, cache) -> None:
+        if cache is not None and _device_of(cache) != self.device:
+            raise ValueError(f"this cache keeps its K and V on {_device_of(cache)!r} but the model "
+                             f"runs on {self.device!r}: make caches with the model that uses them")
+
+    def _run(self, tokens: np.ndarray, cache, all_logits: bool) -> np.ndarray:
+        """One forward call through the core, its counts added where they belong."""
+        self._check_device(cache)
+        call = np.zeros(len(core.COUNTERS), dtype=np.int64)
+        logits = self._core.forward(tokens, cache, all_logits, call)
+        self._record(call)
         return logits
 
     # ---- caches ----------------------------------------------------------------------
@@ -148,11 +190,13 @@ class Model:
 
     def new_paged_pool(self, num_blocks: int, block_size: int = 16, dtype: str = "fp32",
                        max_seqs: int = 256, max_blocks_per_seq: Optional[int] = None,
-                       **format_options) -> PagedPool:
+                       prefix_cache: bool = True, **format_options) -> PagedPool:
         """A paged KV cache: num_blocks blocks of block_size positions, shared by up to
         max_seqs sequences, each at most max_blocks_per_seq blocks long (default: enough
         for the model's context). Make sequences with pool.new_sequence(). dtype and
-        format_options choose how K and V are stored, as for new_cache()."""
+        format_options choose how K and V are stored, as for new_cache(). With
+        prefix_cache=False full blocks are never shared by their tokens (reuse_prefix
+        finds nothing, and equal prompts take their own blocks)."""
         fmt = self.cache_format(dtype, **format_options)
         for name, value in (("num_blocks", num_blocks), ("block_size", block_size),
                             ("max_seqs", max_seqs)):
@@ -162,7 +206,8 @@ class Model:
             max_blocks_per_seq = -(-self.config.max_seq_len // block_size)
         c = self.config
         return PagedPool(c.n_layers, c.n_kv_heads, c.head_dim, int(num_blocks), int(block_size),
-                         int(max_seqs), int(max_blocks_per_seq), **fmt.core_arguments())
+                         int(max_seqs), int(max_blocks_per_seq),
+                         prefix_cache=bool(prefix_cache), **fmt.core_arguments())
 
     # ---- running ---------------------------------------------------------------------
     def prefill(self, tokens: TokenArray, cache: Cache, all_logits: bool = False) -> np.ndarray:
@@ -203,13 +248,12 @@ class Model:
         if len(seqs) != len(chunks):
             raise ValueError(f"{len(seqs)} sequences but {len(chunks)} chunks of tokens")
         arrays = [as_token_array(chunk, self.config.vocab_size) for chunk in chunks]
+        for seq in seqs:
+            self._check_device(seq)
         counts = np.array([len(a) for a in arrays], dtype=np.int32)
         call = np.zeros(len(core.COUNTERS), dtype=np.int64)
         logits = self._core.forward_batch(list(seqs), np.concatenate(arrays), counts, call)
-        with self._counters_lock:
-            _accumulate(self._counters, call)
-        for block in getattr(self._thread, "blocks", ()):
-            _accumulate(block, call)
+        self._record(call)
         return logits
 
     def decode_text(self, ids: Sequence[int]) -> str:

@@ -807,8 +807,7 @@ def test_reuse_prefix_with_a_negative_max_tokens_does_not_reuse_the_whole_prompt
     tokens[:max_tokens]. An explicit negative max_tokens must either be refused (the C
     core returns KV_ERR_INVALID_ARG for it) or mean what the slice means (all but the
     last -max_tokens tokens); it must not silently mean "all of them", which leaves a
-    caller who computed len(prompt) - k with nothing left to prefill.
-    Currently FAILS: csrc/_kvlab.c pool_reuse_prefix maps max_tokens < 0 to len(tokens)."""
+    caller who computed len(prompt) - k with nothing left to prefill."""
     pool, rows = small_pool(num_blocks=8, block_size=2)
     prompt = [1, 2, 3, 4]
     seq = pool.new_sequence()
@@ -1346,3 +1345,30 @@ def test_a_prefix_computed_twice_is_stored_once():
     # and the whole chain is findable: a third prompt reuses every full block
     third = pool.new_sequence()
     assert pool.reuse_prefix(third, np.array(prompt, dtype=np.int32)) == full * 4
+
+
+def test_a_pool_without_prefix_cache_never_shares_blocks_by_their_tokens():
+    """Rows appended under equal tokens stay each sequence's own with prefix_cache=False
+    (with it on, the pool takes rows to be what the model computes for the tokens and
+    shares equal full blocks, which would swap these random rows for the first ones)."""
+    model = kvlab.load()
+    config = model.config
+    rng = np.random.default_rng(0)
+    shape = (40, config.n_layers, config.n_kv_heads, config.head_dim)
+    for prefix_cache, shared in ((True, True), (False, False)):
+        pool = model.new_paged_pool(16, 16, prefix_cache=prefix_cache)
+        rows = []
+        for _ in range(2):
+            seq = pool.new_sequence()
+            keys = rng.standard_normal(shape, dtype=np.float32)
+            pool.append(seq, np.zeros(40, np.int32), keys, -keys)
+            rows.append((seq, keys))
+        pool.check()
+        seq, keys = rows[1]
+        gathered_keys, gathered_values = pool.gather(seq)
+        same = np.array_equal(gathered_keys, keys.transpose(1, 0, 2, 3))
+        assert same != shared
+        if not prefix_cache:
+            assert np.array_equal(gathered_values, -keys.transpose(1, 0, 2, 3))
+            assert pool.stats().blocks_used == 6
+            assert pool.reuse_prefix(pool.new_sequence(), np.zeros(40, np.int32)) == 0
