@@ -13,7 +13,7 @@ chapter quotes, with the setup) into DIR (default: this script's folder). Runs i
    head's output says which KV head it read.
 3. Decode attention alone (cache.attend: one token's queries over one layer's cache) for
    32 query heads of head_dim 128 over caches with 32, 8 and 1 KV heads (the MHA, GQA and
-   MQA shapes of one layer of a 7B/8B model), filled with random rows. Best of 9 rounds,
+   MQA shapes of one layer of a 7B/8B model), filled with random rows. Best of 15 rounds,
    the three shapes measured in turn within each round (and the median of the per-round
    ratios, which a busy machine disturbs less).
 4. K/V bytes one decode step reads on the bundled model (GQA) and on the same shape with
@@ -114,7 +114,7 @@ def head_mapping(rng) -> dict:
     return out
 
 
-def attention_timing(rng, contexts, threads, repeats=9) -> list:
+def attention_timing(rng, contexts, threads, repeats=15) -> list:
     n_heads, head_dim = 32, 128
     kvlab.set_num_threads(threads)
     results = []
@@ -255,9 +255,9 @@ def main() -> None:
     setup = machine()
     setup.update({"timing": "cache.attend(q, layer=0): decode attention of one token over one "
                             "layer, fp32 cache of random rows, 32 query heads of head_dim 128; "
-                            "best of 9 rounds, the three shapes in turn in each round",
+                            "best of 15 rounds, the three shapes in turn in each round",
                   "default_threads": threads_before})
-    machine_line = (f"{setup['cpu']}, {setup['cpu_count']} cores; best of 9; "
+    machine_line = (f"{setup['cpu']}, {setup['cpu_count']} cores; best of 15; "
                     f"kvlab {setup['kvlab']}")
     plot_cache_bytes(sizes, out / "ch03_cache_bytes.png")
     plot_attention(timing, out / "ch03_attention_time.png", machine_line)

@@ -238,7 +238,7 @@ def plot_throughput(rows, path: Path) -> None:
             right.plot(b, [r["weight_bytes_per_token"] / 1e6 for r in mine], "o-",
                        label="weights read per token")
             right.plot(b, [r["kv_read_bytes_per_token"] / 1e6 for r in mine], "s--",
-                       label="K/V read per token (context about 30)")
+                       label="K/V read per token (contexts of 17 to 23 tokens)")
             right.set_title(f"{name}: bytes per generated token\n(counted by the core)",
                             fontsize=10)
     left.set_xscale("log", base=2)
