@@ -88,8 +88,9 @@ def memory_budget(model: kvlab.Model, n_requests: int, n_static: int = 16) -> di
     max_len = model.config.max_seq_len
     budget = kvlab.kv_cache_bytes(model.config, max_len, n_static, dtype="fp32")
     requests = workload(model, n_requests, max_len)
-    # static: a pool of 256-token blocks is a set of contiguous reservations: each request
-    # holds max_len / 256 blocks, whatever its length
+    # static: the same memory as n_static contiguous caches of max_len positions, served
+    # n_static requests at a time, each batch waiting for its slowest request (blocks of
+    # 256 positions are handed out as a request grows, but the batch cap keeps it static)
     assert max_len % 256 == 0
     static_pool = model.new_paged_pool(num_blocks=max_len // 256 * n_static, block_size=256)
     assert static_pool.nbytes == budget

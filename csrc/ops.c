@@ -82,8 +82,10 @@ static void kernel_4x1(float *out, const float *x, const float *w, int in_dim) {
     out[3] = add_tail(reduce_lanes(a3), w3, x, n8, in_dim);
 }
 
-/* Tokens are taken TOKEN_CHUNK at a time, so that a chunk of x (64 tokens x 4 KiB for
- * dim 1024) stays in the L2 cache while every row of w passes over it. */
+/* Tokens are taken TOKEN_CHUNK at a time, so that a chunk of x (48 tokens x 4 KiB for
+ * dim 1024) stays in the L2 cache while every row of w passes over it. A weight matrix
+ * larger than the caches is therefore streamed from memory once per 48 tokens: once per
+ * decode step of up to 48 sequences, several times for a long prompt. */
 #define TOKEN_CHUNK 48
 
 /* out rows o .. o+3 (or the last few) for tokens first .. first + chunk - 1 */

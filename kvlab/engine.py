@@ -351,7 +351,14 @@ class Engine:
                                              request.preemptions)
         return done
 
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
     def close(self) -> None:
+        """Close the trace file, if trace= named one (also done by `with Engine(...)`)."""
         if self._trace_file is not None:
             self._trace_file.close()
             self._trace_file = None

@@ -242,7 +242,8 @@ class Model:
                       chunks: Sequence[TokenArray]) -> np.ndarray:
         """One step of a batching engine: each sequence (of one paged pool) gets its chunk
         of new tokens (part of a prompt, or one decode token), all run through the model
-        together, every weight matrix read once for the whole batch. Returns the last
+        together, every weight matrix streamed once per 48 tokens of the batch (once for a
+        decode step of up to 48 sequences). Returns the last
         token's logits of each sequence, (len(seqs), vocab), each row bit-identical to
         running that sequence alone."""
         if len(seqs) != len(chunks):
