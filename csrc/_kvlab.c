@@ -642,7 +642,7 @@ static PyObject *pool_view(PoolObject *self, void *data, int type, int ndim, npy
 }
 
 /* key_codes, key_scales, ... value_zeros of the whole pool: closure = (is_value << 2) | part.
- * The memory is layer-major (n_layers, num_blocks, block_size, ...); shown block-first, so
+ * The memory is head-major (n_layers, n_kv_heads, num_blocks, block_size, ...); shown block-first, so
  * that key_codes[b] is everything block b holds. */
 static PyObject *pool_get_part(PoolObject *self, void *closure) {
     if (pool_refuse_if_busy(self) < 0) return NULL;
@@ -965,8 +965,8 @@ static PyGetSetDef pool_getset[] = {
     {"key_codes", (getter)pool_get_part, NULL,
      "Every block's stored keys, zero-copy and read-only, block first:\n"
      "(num_blocks, n_layers, block_size, n_kv_heads, per head), in the key format's code\n"
-     "type (float32 for fp32). The memory underneath is layer-major (n_layers, num_blocks,\n"
-     "...), so this view is strided.", PART(0, STORE_CODES)},
+     "type (float32 for fp32). The memory underneath is head-major (n_layers, n_kv_heads,\n"
+     "num_blocks, block_size, ...), so this view is strided.", PART(0, STORE_CODES)},
     {"key_scales", (getter)pool_get_part, NULL,
      "Scales of the key groups, (num_blocks, n_layers, block_size, n_kv_heads,\n"
      "head_dim / group), or None.", PART(0, STORE_SCALES)},

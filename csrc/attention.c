@@ -3,7 +3,8 @@
  * Query head h reads key/value head h / kv_mul, where kv_mul = n_heads / n_kv_heads:
  * with kv_mul = 1 that is multi-head attention, with n_kv_heads = 1 multi-query.
  * Positions are visited block by block through the view's block table, so the paged
- * cache costs one table lookup per block, not per token, and in tiles of TILE rows. A
+ * cache costs one table lookup per block (and one per tile for the look-ahead), not per
+ * token, and in tiles of TILE rows. A
  * quantized cache is decoded eight values at a time in registers as its rows are used
  * (or, for the rarer group sizes, a tile at a time into a small buffer), never into a
  * full-precision copy of the cache. Every (token, head) pair is computed the same way

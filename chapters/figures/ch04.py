@@ -228,7 +228,7 @@ def block_size_sweep(model, lengths) -> list:
         out.append({"block_size": bs, "blocks_used": s.blocks_used,
                     "slots_unused": s.slots_unused, "slots_unused_formula": formula,
                     "fragmentation_percent": s.fragmentation_percent,
-                    "table_entries": s.blocks_used})
+                    "table_entries": int(sum(-(-int(n) // bs) for n in lengths))})
     return out
 
 

@@ -1,4 +1,4 @@
-"""Lab 2 reference solution (instructors only: never hand this to students)."""
+"""Lab 1 reference solution (instructors only: never hand this to students)."""
 import math
 
 import numpy as np

@@ -1,4 +1,4 @@
-"""The labs, in course order, and copying a starter out for a student."""
+"""The labs, in the order of the chapters they go with, and copying a starter out for a student."""
 from __future__ import annotations
 
 import dataclasses
@@ -34,11 +34,11 @@ class Lab:
 
 
 LABS: Dict[str, Lab] = {lab.name: lab for lab in (
-    Lab("cache_size", 1, "Cache size by hand and measured", "02_cache_size"),
-    Lab("attention", 2, "Attention with a KV cache in NumPy", "01_kv_cache"),
+    Lab("attention", 1, "Attention with a KV cache in NumPy", "01_kv_cache"),
+    Lab("cache_size", 2, "Cache size by hand and measured", "02_cache_size"),
     Lab("block_allocator", 3, "A block allocator with fork and copy-on-write", "04_paged"),
-    Lab("int8_cache", 4, "int8 cache quantization with an error bound", "06_quantization"),
-    Lab("scheduler", 5, "A batching scheduler with preemption", "05_batching"),
+    Lab("scheduler", 4, "A batching scheduler with preemption", "05_batching"),
+    Lab("int8_cache", 5, "int8 cache quantization with an error bound", "06_quantization"),
 )}
 
 

@@ -1,4 +1,4 @@
-"""Lab 2: attention with a KV cache, in NumPy. Fill in every function marked TODO.
+"""Lab 1: attention with a KV cache, in NumPy. Fill in every function marked TODO.
 
 Chapter 1 (chapters/01_kv_cache.md) explains why a decode step only needs the new token's
 query and the cached keys and values. Here you write that step, the cache that feeds it,

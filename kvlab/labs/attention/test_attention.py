@@ -1,4 +1,4 @@
-"""Grader for lab 2 (attention with a KV cache). Each test says in its message what it expected.
+"""Grader for lab 1 (attention with a KV cache). Each test says in its message what it expected.
 
 The answers are checked against the C core's attention (cache.attend of a kvlab cache,
 filled by the bundled model or with random rows), against kvlab.reference.attention, and

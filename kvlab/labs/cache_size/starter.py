@@ -1,4 +1,4 @@
-"""Lab 1: cache size by hand, and measured. Fill in every function marked TODO.
+"""Lab 2: cache size by hand, and measured. Fill in every function marked TODO.
 
 Check your work with:  kvlab grade cache_size cache_size.py
 """

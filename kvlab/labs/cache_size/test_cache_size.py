@@ -1,4 +1,4 @@
-"""Grader for lab 1 (cache size). Each test says in its message what it expected.
+"""Grader for lab 2 (cache size). Each test says in its message what it expected.
 
 The answers are checked against kvlab's own cache arithmetic (kvlab.kv_cache_bytes), the
 bytes a real cache allocates (cache.nbytes), and the course's worked example.

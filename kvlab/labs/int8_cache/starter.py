@@ -1,4 +1,4 @@
-"""Lab 4: int8 cache quantization with an error bound. Fill in every function marked TODO.
+"""Lab 5: int8 cache quantization with an error bound. Fill in every function marked TODO.
 
 Chapter 6 (chapters/06_quantization.md) stores K and V in fewer bits. Here you write the
 int8 format kvlab's C core uses, exactly: your codes are compared bit for bit with
@@ -69,7 +69,7 @@ def attend_int8(q, key_codes, key_scales, value_codes, value_scales, group):
     cache.key_codes[layer], cache.key_scales[layer], ... of an int8 cache).
     Returns (n_heads, head_dim). Query head h reads KV head h // (n_heads // n_kv_heads);
     scores / sqrt(head_dim); a softmax that subtracts the largest score (your attend from
-    lab 2, or kvlab.reference.attention(q[None], keys, values, np.array([length - 1]))[0]).
+    lab 1, or kvlab.reference.attention(q[None], keys, values, np.array([length - 1]))[0]).
     """
     # TODO
     raise NotImplementedError("attend_int8")

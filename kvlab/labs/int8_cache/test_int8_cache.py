@@ -1,4 +1,4 @@
-"""Grader for lab 4 (int8 cache quantization). Each test says in its message what it expected.
+"""Grader for lab 5 (int8 cache quantization). Each test says in its message what it expected.
 
 Codes and scales are checked bit for bit against kvlab.quant (the NumPy specification) and
 against what the C core stores in an int8 cache; the error bound against the round trip

@@ -1,4 +1,4 @@
-"""Grader for lab 5 (scheduler). Each test says in its message what it expected.
+"""Grader for lab 4 (scheduler). Each test says in its message what it expected.
 
 Small fixed workloads check one rule at a time (chunked prefill, the token budget, FIFO
 admission, preemption of the most recently admitted request, recompute). Then seeded
