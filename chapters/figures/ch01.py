@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import time
 from pathlib import Path
 
@@ -35,6 +34,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 import kvlab  # noqa: E402
+from common import machine  # noqa: E402  (chapters/figures/common.py)
 from kvlab import measure  # noqa: E402
 
 THREADS = 1            # the timed runs: see the note in setup()
@@ -43,19 +43,6 @@ STORIES_PROMPT = "Once upon a time"
 COURSE = {"new_tokens": 48, "cached_seconds": 8.85, "uncached_seconds": 78.95,
           "working_memory_ratio_256": 8.3, "per_token_saving": "75-90 %",
           "arithmetic_2048": "over 1,000x"}
-
-
-def machine() -> dict:
-    name = platform.processor()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                name = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {"cpu": name or platform.machine(), "cpu_count": os.cpu_count(),
-            "python": platform.python_version(), "kvlab": kvlab.__version__}
 
 
 def load_stories():

@@ -21,14 +21,13 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
-import platform
 import time
 from pathlib import Path
 
 import numpy as np
 
 import kvlab
+from common import machine  # noqa: E402  (chapters/figures/common.py)
 from kvlab import measure
 
 # matplotlib is imported only after the memory measurements (see pyplot() below)
@@ -42,19 +41,6 @@ STEP = 4096
 FORMATS = ("fp32", "fp16", "int8", "fp8", "int4")
 PRESETS = ("llama2-7b", "llama3-8b", "llama2-70b", "tinyllama-1.1b", "stories260k",
            "shakespeare-1m")
-
-
-def machine() -> dict:
-    name = platform.processor()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                name = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {"cpu": name or platform.machine(), "cpu_count": os.cpu_count(),
-            "python": platform.python_version(), "kvlab": kvlab.__version__}
 
 
 def worked_example() -> dict:

@@ -23,8 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import time
 from pathlib import Path
 
@@ -35,22 +33,10 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 import kvlab  # noqa: E402
+from common import machine  # noqa: E402  (chapters/figures/common.py)
 from kvlab import reference  # noqa: E402
 
 GIB = 2 ** 30
-
-
-def machine() -> dict:
-    name = platform.processor()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                name = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {"cpu": name or platform.machine(), "cpu_count": os.cpu_count(),
-            "python": platform.python_version(), "kvlab": kvlab.__version__}
 
 
 def cache_sizes() -> dict:

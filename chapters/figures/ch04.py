@@ -25,8 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import time
 from pathlib import Path
 
@@ -38,22 +36,13 @@ from matplotlib.patches import Rectangle  # noqa: E402
 import numpy as np  # noqa: E402
 
 import kvlab  # noqa: E402
+import common  # noqa: E402  (chapters/figures/common.py)
 
 COLORS = {"used": "#4c78a8", "shared": "#f58518", "cached": "#9ecae9", "free": "#eeeeee"}
 
 
 def machine() -> dict:
-    name = platform.processor()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                name = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {"cpu": name or platform.machine(), "cpu_count": os.cpu_count(),
-            "python": platform.python_version(), "kvlab": kvlab.__version__,
-            "threads": kvlab.get_num_threads()}
+    return {**common.machine(), "threads": kvlab.get_num_threads()}
 
 
 # ---- 1. a pool you can see ------------------------------------------------------------
