@@ -212,7 +212,7 @@ def main() -> None:
     ax.set_xlabel("context (positions in the cache)")
     ax.set_ylabel("bytes of K and V read, GB/s")
     ax.set_title(f"cache.attend, one Llama 3 8B layer, {threads} threads", fontsize=10)
-    ax.legend(fontsize=7, loc="lower right")
+    ax.legend(fontsize=7, loc="lower left", ncol=2)
     fig.tight_layout()
     fig.savefig(out / "ch07_cpu_attention.png", dpi=100)
     plt.close(fig)
@@ -231,11 +231,15 @@ def main() -> None:
         ax.plot([ai], [min(flops_gpu, ai * bw_gpu)], "C0s", ms=6, mfc="white")
         ax.annotate(f"weights, batch {batch}", (ai, min(flops_gpu, ai * bw_gpu)),
                     (ai * 1.3, min(flops_gpu, ai * bw_gpu) * 0.35), fontsize=7)
-    cpu16 = [r for r in by_fmt["fp32"] if r["context"] == 16384][0]
-    ax.plot([cpu16["flops_per_byte"]], [cpu16["flops_per_s"]], "C1o", ms=8)
-    ax.annotate("this CPU, decode attention\nfp32, 16K (measured)",
-                (cpu16["flops_per_byte"], cpu16["flops_per_s"]), (6, 2e9), fontsize=7,
-                arrowprops=dict(arrowstyle="->", lw=0.6))
+    for d, marker in zip(FORMATS, "os^"):
+        cpu16 = [r for r in by_fmt[d] if r["context"] == 16384][0]
+        ax.plot([cpu16["flops_per_byte"]], [cpu16["flops_per_s"]], "C1" + marker, ms=7)
+        ax.annotate(d, (cpu16["flops_per_byte"], cpu16["flops_per_s"]),
+                    (cpu16["flops_per_byte"] * 1.15, cpu16["flops_per_s"] * 0.55), fontsize=7)
+        if d == "fp32":
+            ax.annotate("this CPU, decode attention\nat 16K (measured)",
+                        (cpu16["flops_per_byte"], cpu16["flops_per_s"]), (0.12, 2.5e9),
+                        fontsize=7, arrowprops=dict(arrowstyle="->", lw=0.6))
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_ylim(1e9, 3e15)
