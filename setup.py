@@ -5,14 +5,26 @@ compiler has it. Environment switches:
   KVLAB_PORTABLE=1   do not tune for this machine's CPU (-march=native is the default,
                      because kvlab is normally built from source where it runs)
   KVLAB_NO_OPENMP=1  build single-threaded
-  KVLAB_SANITIZE=1   build with AddressSanitizer and UBSan (for the sanitizer CI lane)
-A CUDA extension (kvlab._cuda) joins here when nvcc is found; until then there is none.
+  KVLAB_SANITIZE=1   build with AddressSanitizer and UBSan (for the sanitizer CI lane;
+                     the C core only, no CUDA extension)
+
+A second extension, kvlab._cuda (csrc/cuda/: the GPU backend), is built when nvcc is found
+($CUDA_HOME/bin/nvcc, else nvcc on the PATH): each .cu file is compiled by nvcc, the
+binding csrc/cuda/_cuda.c by the C compiler, and the whole linked against the static CUDA
+runtime (no other CUDA library), so that importing it needs no GPU and no driver. Where nvcc
+is found, a .cu file that does not compile fails the build (CI has nvcc and must see such
+errors). Machine code for sm_90 (H100, H200) plus compute_80 PTX, which the driver compiles
+for any newer GPU at first use.
+  KVLAB_NO_CUDA=1       build the CPU extension only, even where nvcc is found
+  KVLAB_CUDA_GENCODE    nvcc -gencode flags instead of the default two, space-separated
 """
 import os
+import shlex
 import shutil
 import subprocess
 import sys
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy
@@ -21,6 +33,10 @@ from setuptools.command.build_ext import build_ext
 
 HERE = Path(__file__).parent
 CORE_SOURCES = sorted(str(p.relative_to(HERE)) for p in (HERE / "csrc").glob("*.c"))
+CUDA_DIR = HERE / "csrc" / "cuda"
+CUDA_SOURCES = sorted(CUDA_DIR.glob("*.cu"))
+CUDA_HEADERS = [*CUDA_DIR.glob("*.cuh"), *CUDA_DIR.glob("*.h"), HERE / "csrc" / "kvlab.h"]
+DEFAULT_GENCODE = ["-gencode=arch=compute_90,code=sm_90", "-gencode=arch=compute_80,code=compute_80"]
 
 
 def compiler_accepts(flags):
@@ -34,6 +50,40 @@ def compiler_accepts(flags):
         result = subprocess.run([compiler, *flags, str(source), "-o", str(Path(tmp, "probe"))],
                                 capture_output=True)
         return result.returncode == 0
+
+
+def find_nvcc():
+    """nvcc's path, or None: $CUDA_HOME/bin/nvcc, else the PATH's; never with KVLAB_NO_CUDA
+    or KVLAB_SANITIZE."""
+    if os.environ.get("KVLAB_NO_CUDA") or os.environ.get("KVLAB_SANITIZE"):
+        return None
+    for home in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH")):
+        if home and Path(home, "bin", "nvcc").is_file():
+            return str(Path(home, "bin", "nvcc"))
+    return shutil.which("nvcc")
+
+
+def cuda_library_dirs(nvcc):
+    """Where this nvcc's CUDA runtime libraries are: asked of nvcc itself (its dry run names
+    them), since nvcc may be a wrapper script far from its toolkit."""
+    with tempfile.TemporaryDirectory() as tmp:
+        probe = Path(tmp, "probe.cu")
+        probe.write_text("")
+        result = subprocess.run([nvcc, "--dryrun", "-c", str(probe), "-o", str(Path(tmp, "p.o"))],
+                                capture_output=True, text=True)
+    dirs, fallback = [], []
+    for line in (result.stdout + result.stderr).splitlines():
+        if "LIBRARIES=" in line:
+            for word in shlex.split(line.split("LIBRARIES=", 1)[1]):
+                if word.startswith("-L") and not word.rstrip("/").endswith("stubs"):
+                    dirs.append(word[2:])
+        elif "TOP=" in line:
+            top = line.split("TOP=", 1)[1].strip()
+            fallback += [str(Path(top, "lib64")), str(Path(top, "lib"))]
+    return [d for d in dirs or fallback if Path(d).is_dir()]
+
+
+NVCC = find_nvcc()
 
 
 class BuildExt(build_ext):
@@ -55,17 +105,72 @@ class BuildExt(build_ext):
         for ext in self.extensions:
             ext.extra_compile_args = compile_args
             ext.extra_link_args = link_args
+            if ext.name == "kvlab._cuda":
+                self.compile_cuda(ext)
         super().build_extensions()
 
+    def compile_cuda(self, ext):
+        """Compiles every .cu file with nvcc (in parallel; unchanged ones are kept) and hands
+        the objects to the linker with the static CUDA runtime. A failure stops the build."""
+        gencode = os.environ.get("KVLAB_CUDA_GENCODE", "").split() or DEFAULT_GENCODE
+        out_dir = Path(self.build_temp, "cuda")
+        out_dir.mkdir(parents=True, exist_ok=True)
+        newest_header = max(p.stat().st_mtime for p in CUDA_HEADERS)
+        flags = ["-O3", "-std=c++17", "-Xcompiler", "-fPIC", f"-I{HERE / 'csrc'}", f"-I{CUDA_DIR}",
+                 *gencode]
+
+        def compile_one(source):
+            obj = out_dir / (source.stem + ".o")
+            if (obj.exists() and obj.stat().st_mtime > source.stat().st_mtime
+                    and obj.stat().st_mtime > newest_header and not self.force):
+                return obj, None
+            command = [NVCC, *flags, "-c", str(source), "-o", str(obj)]
+            print(" ".join(command), flush=True)
+            result = subprocess.run(command, capture_output=True, text=True)
+            if result.returncode != 0:
+                return obj, f"nvcc failed on {source.name}:\n{result.stdout}{result.stderr}"
+            if result.stderr.strip():
+                print(result.stderr, file=sys.stderr)
+            return obj, None
+
+        workers = max(1, min(len(CUDA_SOURCES), os.cpu_count() or 1))
+        with ThreadPoolExecutor(workers) as pool:
+            results = list(pool.map(compile_one, CUDA_SOURCES))
+        failures = [error for _, error in results if error]
+        if failures:
+            raise RuntimeError("\n".join(failures) + "\nThe CUDA backend did not compile "
+                               "(set KVLAB_NO_CUDA=1 to build without it).")
+        ext.extra_objects = [str(obj) for obj, _ in results]
+        ext.library_dirs = cuda_library_dirs(NVCC)
+        ext.libraries = ["cudart_static", "rt", "pthread", "dl", "stdc++"]
+        archs = " ".join(flag.split("code=")[-1] for flag in gencode)
+        ext.define_macros = [("KV_CUDA_SOURCES", '"' + " ".join(p.name for p in CUDA_SOURCES) + '"'),
+                             ("KV_CUDA_ARCHS", '"' + archs + '"')]
+        # the binding is C11 without OpenMP; the sanitizer never gets here (see find_nvcc)
+        ext.extra_compile_args = [a for a in ext.extra_compile_args if a != "-fopenmp"]
+        ext.extra_link_args = [a for a in ext.extra_link_args if a != "-fopenmp"]
+
+
+EXTENSIONS = [
+    Extension(
+        "kvlab._kvlab",
+        sources=CORE_SOURCES,
+        include_dirs=["csrc", numpy.get_include()],
+        depends=[str(p.relative_to(HERE)) for p in (HERE / "csrc").glob("*.h")],
+    )
+]
+if NVCC:
+    EXTENSIONS.append(Extension(
+        "kvlab._cuda",
+        sources=["csrc/cuda/_cuda.c"],
+        include_dirs=["csrc", "csrc/cuda", numpy.get_include()],
+        depends=[str(p.relative_to(HERE)) for p in CUDA_SOURCES + CUDA_HEADERS],
+    ))
+elif not os.environ.get("KVLAB_NO_CUDA") and not os.environ.get("KVLAB_SANITIZE"):
+    print("kvlab: nvcc not found (CUDA_HOME or PATH): building without the CUDA backend",
+          file=sys.stderr)
 
 setup(
-    ext_modules=[
-        Extension(
-            "kvlab._kvlab",
-            sources=CORE_SOURCES,
-            include_dirs=["csrc", numpy.get_include()],
-            depends=[str(p.relative_to(HERE)) for p in (HERE / "csrc").glob("*.h")],
-        )
-    ],
+    ext_modules=EXTENSIONS,
     cmdclass={"build_ext": BuildExt},
 )

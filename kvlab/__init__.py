@@ -8,19 +8,22 @@
     cache.keys.shape                                      # (n_layers, length, n_kv_heads, head_dim)
     pool = model.new_paged_pool(num_blocks=64, block_size=16)   # the paged cache
     small = model.new_cache(256, "int8")                 # K and V stored in 8 bits
+    gpu = model.to("cuda")                               # the same on a GPU (kvlab.cuda)
 
-The C core (csrc/) runs the model; kvlab.reference is the same math in plain NumPy.
+The C core (csrc/) runs the model; kvlab.reference is the same math in plain NumPy;
+kvlab.cuda runs it on an NVIDIA GPU where one is there (kvlab.cuda.is_available()).
 """
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Union
 
-from . import accuracy, quant
+from . import accuracy, cuda, quant
 from ._core import core as _core
 from .config import ModelConfig
-from .errors import (CacheFullError, CheckpointError, ConfigError, KVLabError, OutOfBlocks,
-                     OutOfSequences, PoolInvariantError, TokenizerError, WeightsError)
+from .errors import (CacheFullError, CheckpointError, ConfigError, CudaError, KVLabError,
+                     OutOfBlocks, OutOfSequences, PoolInvariantError, TokenizerError,
+                     WeightsError)
 from .engine import Engine, RequestOutput, StepResult
 from .generate import Generation, generate
 from .measure import kv_bytes_per_token, kv_cache_bytes
@@ -35,14 +38,14 @@ DEFAULT_MODEL = Path(__file__).parent / "assets" / "shakespeare-1m.bin"
 
 
 def load(path: Union[str, Path, None] = None,
-         tokenizer: Union[str, Path, None] = None) -> Model:
+         tokenizer: Union[str, Path, None] = None, device: str = "cpu") -> Model:
     """Load a model: None for the bundled default, a llama2.c .bin, a .gguf file, or a
     Hugging Face folder (config.json + *.safetensors). `tokenizer` overrides the
-    tokenizer found beside the weights."""
+    tokenizer found beside the weights. device="cuda" runs it on the GPU (model.to())."""
     from .loaders import load_checkpoint
     path = Path(path) if path is not None else DEFAULT_MODEL
     config, weights, tok = load_checkpoint(path, tokenizer)
-    return Model(config, weights, tok, source=str(path))
+    return Model(config, weights, tok, source=str(path)).to(device)
 
 
 def set_num_threads(n: int) -> None:
@@ -61,5 +64,5 @@ __all__ = [
     "WeightsError", "CheckpointError", "TokenizerError", "CacheFullError", "PagedPool",
     "PagedSequence", "PoolStats", "OutOfBlocks", "OutOfSequences", "PoolInvariantError",
     "kv_cache_bytes", "kv_bytes_per_token", "Engine", "SamplingParams", "RequestOutput",
-    "StepResult",
+    "StepResult", "CudaError", "cuda",
 ]

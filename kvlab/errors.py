@@ -41,3 +41,8 @@ class OutOfSequences(KVLabError, RuntimeError):
 
 class PoolInvariantError(KVLabError, RuntimeError):
     """pool.check() found a broken invariant: this is a bug in kvlab."""
+
+
+class CudaError(KVLabError, RuntimeError):
+    """The GPU backend cannot run here (no CUDA extension, driver or GPU: see
+    kvlab.cuda.why_not()), or the CUDA runtime reported an error, named in the message."""

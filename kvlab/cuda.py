@@ -1,0 +1,654 @@
+"""kvlab.cuda: the same model, caches and paged pool on an NVIDIA GPU.
+
+    import kvlab
+    kvlab.cuda.is_available(), kvlab.cuda.why_not()       # False, "no usable NVIDIA driver ..."
+    model = kvlab.load("stories260K.bin", tokenizer="tok512.bin", device="cuda")
+    model = kvlab.load().to("cuda")                        # the same
+    cache = model.new_cache(512, "fp16")                   # K and V in GPU memory
+    logits = model.prefill(model.encode("Once"), cache)    # logits come back as NumPy arrays
+    cache.keys                                             # a COPY in host memory, not a view
+    pool = model.new_paged_pool(num_blocks=256, block_size=16, dtype="int8")
+    kvlab.generate(model, "Once upon a time", 48)          # and kvlab.Engine(model, pool)
+
+What lives where. The weights are copied to the GPU once (float32, as on the CPU). A cache
+or pool made by a GPU model keeps K and V in GPU memory, in the CPU core's layout and
+element formats, so its codes are the CPU's codes bit for bit (the GPU writes them with the
+same rounding as csrc/quant.c). Reading them (keys, values, key_codes, dequantized(),
+pool.gather ...) copies them to the host every time: what you get is a snapshot, and a
+large pool's codes are a large copy. A paged pool's bookkeeping (block tables, reference
+counts, copy-on-write decisions, the prefix cache) is the CPU core's own, kept by a small
+"shadow" PagedPool on the host: only the K and V rows live on the GPU, under the same block
+ids. This module decides which slots each call writes and reads; the kernels (csrc/cuda/)
+do the arithmetic.
+
+What the GPU path does not do: int4 and fp8 caches, a residual window, different formats
+for K and V, head_dim other than a multiple of 8 up to 256. Its sums run in another order
+than the CPU's (and prefill's tiled matrix product in another order than decode's
+matrix-vector product), so logits agree with the CPU's to float32 rounding, not bit for bit.
+
+Importing kvlab never needs the CUDA extension, a driver or a GPU; is_available() and
+why_not() say whether this machine can run the GPU path.
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Iterator, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from ._core import core
+from .errors import CacheFullError, ConfigError, CudaError, OutOfBlocks
+from .measure import Counts, forward_counts
+from .model import Model, TokenArray, as_token_array
+from .paged import PagedPool
+from .quant import CacheFormat, Quantized, dequantize
+
+FORMATS = ("fp32", "fp16", "bf16", "int8")   # what a GPU cache can store
+MAX_HEAD_DIM = 256
+MAX_POSITIONS = 256 * 65535   # a sequence's positions: 65535 attention splits of 256
+
+_CODE_DTYPES = {"fp32": np.float32, "fp16": np.float16, "bf16": np.uint16, "int8": np.int8}
+_CUDA_INSUFFICIENT_DRIVER, _CUDA_NO_DEVICE = 35, 100
+
+_extension = None
+_import_error: Optional[str] = None
+_probe: Optional[tuple] = None   # the runtime's answer to "is there a GPU?", asked once
+
+
+def _load_extension():
+    """kvlab._cuda, or None (the reason kept in _import_error); imported on first use only."""
+    global _extension, _import_error
+    if _extension is None and _import_error is None:
+        try:
+            from . import _cuda
+            _extension = _cuda
+        except ImportError as error:
+            _import_error = str(error)
+    return _extension
+
+
+def why_not() -> Optional[str]:
+    """None if a GPU can be used, else why not: no CUDA extension (kvlab was built without
+    nvcc), no driver, or no GPU."""
+    ext = _load_extension()
+    if ext is None:
+        return ("kvlab was built without its CUDA extension (kvlab._cuda: "
+                f"{_import_error}); build it where nvcc is found (CUDA_HOME or PATH), "
+                "without KVLAB_NO_CUDA")
+    global _probe
+    if _probe is None:
+        _probe = ext.probe()
+    code, count, name, text = _probe
+    if code == _CUDA_INSUFFICIENT_DRIVER:
+        return (f"no usable NVIDIA driver on this machine: none, or one older than the CUDA "
+                f"runtime kvlab was built with ({name}: {text})")
+    if code == _CUDA_NO_DEVICE or (code == 0 and count == 0):
+        return f"no CUDA GPU on this machine ({name}: {text})"
+    if code != 0:
+        return f"the CUDA runtime cannot start ({name}: {text})"
+    return None
+
+
+def is_available() -> bool:
+    """Can kvlab run models on a GPU here?"""
+    return why_not() is None
+
+
+def extension():
+    """The compiled backend, kvlab._cuda; CudaError saying why when it cannot be used."""
+    reason = why_not()
+    if reason is not None:
+        raise CudaError(f"the GPU cannot be used: {reason}")
+    return _extension
+
+
+def device_info() -> dict:
+    """The GPU kvlab uses: name, compute capability, memory, multiprocessors, CUDA versions,
+    and what the extension was compiled for."""
+    info = extension().device_info()
+    info["compiled_for"] = _extension.ARCHS
+    return info
+
+
+def check_format(fmt: CacheFormat) -> None:
+    """ValueError unless a GPU cache can store K and V this way."""
+    for name in (fmt.key, fmt.value):
+        if name not in FORMATS:
+            raise ValueError(f"a GPU cache stores K and V as {', '.join(FORMATS)}, not {name!r}")
+    if (fmt.key, fmt.key_group) != (fmt.value, fmt.value_group):
+        raise ValueError("a GPU cache stores K and V in one format and group size "
+                         f"(got {fmt.name})")
+    if fmt.window:
+        raise ValueError("a GPU cache has no residual window (window=0)")
+    if fmt.key == "int8" and fmt.key_group % 8:
+        raise ValueError(f"int8 groups on the GPU are a multiple of 8 values, got {fmt.key_group}")
+
+
+def _codes(raw: np.ndarray, fmt: str) -> np.ndarray:
+    """Stored bytes (..., head_bytes) as the CPU cache shows its codes: float32, float16,
+    bf16 bits as uint16, or int8."""
+    return raw.view(_CODE_DTYPES[fmt])
+
+
+def _dequantized(raw: np.ndarray, scales: Optional[np.ndarray], fmt: str, group: int) -> np.ndarray:
+    """The float32 values codes stand for, by kvlab.quant (the definition the GPU matches)."""
+    return dequantize(Quantized(fmt, _codes(raw, fmt), scales, None, group))
+
+
+@contextlib.contextmanager
+def _exclusive(lock: threading.Lock, what: str) -> Iterator[None]:
+    """One thread at a time, as the CPU caches: a second one gets a RuntimeError at once."""
+    if not lock.acquire(blocking=False):
+        raise RuntimeError(f"this {what} is in use by a call in another thread; one thread at a "
+                           "time may use it")
+    try:
+        yield
+    finally:
+        lock.release()
+
+
+class _Rows:
+    """What K/V storage on the device looks like to the caches: a kvlab._cuda.KVStore, or
+    any object with the same write / read / copy_rows / nbytes (the tests give a NumPy one)."""
+
+    @staticmethod
+    def make(n_layers: int, n_kv_heads: int, head_dim: int, slots: int, fmt: CacheFormat):
+        return extension().KVStore(n_layers, n_kv_heads, head_dim, slots, fmt.key, fmt.value,
+                                   fmt.key_group, fmt.value_group)
+
+
+class _StoreViews:
+    """The read-only faces of K/V storage shared by CudaCache and CudaPagedPool: every one is
+    a copy to host memory, made when asked for. Subclasses define _read() -> the four parts
+    in (n_layers, rows, n_kv_heads, ...) order, and _shape_rows(array) for their layout."""
+
+    _fmt: CacheFormat
+
+    def _read(self) -> Tuple[np.ndarray, Optional[np.ndarray], np.ndarray, Optional[np.ndarray]]:
+        raise NotImplementedError
+
+    def _shape_rows(self, array: np.ndarray) -> np.ndarray:
+        return array
+
+    def _part(self, index: int) -> Optional[np.ndarray]:
+        parts = self._read()
+        part = parts[index]
+        if part is None:
+            return None
+        fmt = self._fmt.key if index < 2 else self._fmt.value
+        return self._shape_rows(_codes(part, fmt) if index % 2 == 0 else part)
+
+    @property
+    def key_codes(self) -> np.ndarray:
+        """The stored key codes, a COPY from the GPU, laid out as the CPU cache's view."""
+        return self._part(0)
+
+    @property
+    def key_scales(self) -> Optional[np.ndarray]:
+        return self._part(1)
+
+    @property
+    def value_codes(self) -> np.ndarray:
+        return self._part(2)
+
+    @property
+    def value_scales(self) -> Optional[np.ndarray]:
+        return self._part(3)
+
+    key_zeros = value_zeros = property(lambda self: None, doc="int4 only: always None on the GPU")
+
+    @property
+    def key_dtype(self) -> str:
+        return self._fmt.key
+
+    @property
+    def value_dtype(self) -> str:
+        return self._fmt.value
+
+    @property
+    def key_group(self) -> int:
+        return self._fmt.key_group
+
+    @property
+    def value_group(self) -> int:
+        return self._fmt.value_group
+
+    @property
+    def window(self) -> int:
+        return 0
+
+
+class CudaCache(_StoreViews):
+    """A contiguous KV cache in GPU memory: kvlab.KVCache's attributes and methods, with
+    every array it returns copied to the host (the CPU cache returns zero-copy views)."""
+
+    device = "cuda"
+
+    def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, capacity: int,
+                 fmt: CacheFormat, store=None):
+        check_format(fmt)
+        if not 1 <= capacity <= MAX_POSITIONS:
+            raise ValueError(f"a GPU cache holds 1 to {MAX_POSITIONS} positions, not {capacity!r}")
+        self.n_layers, self.n_kv_heads, self.head_dim = n_layers, n_kv_heads, head_dim
+        self._capacity = int(capacity)
+        self._fmt = fmt
+        self._length = 0
+        self._store = store if store is not None else _Rows.make(n_layers, n_kv_heads, head_dim,
+                                                                 capacity, fmt)
+        self._lock = threading.Lock()
+
+    @property
+    def length(self) -> int:
+        return self._length
+
+    @property
+    def capacity(self) -> int:
+        return self._capacity
+
+    @property
+    def shape(self) -> tuple:
+        return (self.n_layers, self._capacity, self.n_kv_heads, self.head_dim)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of GPU memory this cache holds for K and V (the full capacity)."""
+        return self._store.nbytes
+
+    def _using(self):
+        return _exclusive(self._lock, "KVCache")
+
+    def _read(self):
+        n = self._length
+        if n == 0:   # nothing cached: empty arrays of the shapes a read would have
+            width = self.head_dim * np.dtype(_CODE_DTYPES[self._fmt.key]).itemsize
+            groups = self.head_dim // self._fmt.key_group if self._fmt.key == "int8" else 0
+
+            def empty(last, dtype):
+                return np.zeros((self.n_layers, 0, self.n_kv_heads, last), dtype=dtype)
+            scales = empty(groups, np.float32) if groups else None
+            return (empty(width, np.uint8), scales, empty(width, np.uint8),
+                    None if scales is None else scales.copy())
+        with self._using():
+            return self._store.read(np.arange(n, dtype=np.int64))
+
+    def _float_part(self, index: int, what: str) -> np.ndarray:
+        fmt = self._fmt.key
+        if fmt not in ("fp32", "fp16"):
+            part = "key" if what == "keys" else "value"
+            raise TypeError(f"this cache stores its {what} as {fmt} codes, not floats: see "
+                            f"{part}_codes and {part}_scales, or dequantized() for float32 copies")
+        return self._part(index)
+
+    @property
+    def keys(self) -> np.ndarray:
+        """Cached keys of the filled positions (n_layers, length, n_kv_heads, head_dim),
+        float32 (or float16 in an fp16 cache): a COPY from the GPU, not a view."""
+        return self._float_part(0, "keys")
+
+    @property
+    def values(self) -> np.ndarray:
+        """Cached values, as keys: a COPY from the GPU."""
+        return self._float_part(2, "values")
+
+    def dequantized(self) -> Tuple[np.ndarray, np.ndarray]:
+        """(keys, values): float32 copies, (n_layers, length, n_kv_heads, head_dim), of what
+        attention reads."""
+        kc, ks, vc, vs = self._read()
+        return (_dequantized(kc, ks, self._fmt.key, self._fmt.key_group),
+                _dequantized(vc, vs, self._fmt.value, self._fmt.value_group))
+
+    def attend(self, q: np.ndarray, layer: int = 0) -> np.ndarray:
+        """Attention of one token's queries q (n_heads, head_dim) over every cached position
+        of a layer, on the GPU; the cache is not changed."""
+        q = np.asarray(q)
+        if q.dtype != np.float32 or q.ndim != 2:
+            raise TypeError("q must be a float32 numpy array (n_heads, head_dim)")
+        if self._length == 0:
+            raise ValueError("the cache is empty: nothing to attend to")
+        if not 0 <= layer < self.n_layers:
+            raise IndexError(f"layer {layer} out of range [0, {self.n_layers})")
+        with self._using():
+            out = self._store.attend(layer, np.ascontiguousarray(q)[None], np.zeros((1, 1), np.int32),
+                                     self._capacity, np.zeros(1, np.int32),
+                                     np.array([self._length], np.int32))
+        return out[0]
+
+    def reset(self) -> None:
+        """Forget every cached token (length = 0)."""
+        with self._using():
+            self._length = 0
+
+    def truncate(self, length: int) -> None:
+        """Roll back to the first `length` tokens, as if the rest never came."""
+        with self._using():
+            if isinstance(length, bool) or not isinstance(length, (int, np.integer)) \
+                    or not 0 <= length <= self._length:
+                raise ValueError(f"truncate({length}): length must be between 0 and the current "
+                                 f"length {self._length}")
+            self._length = int(length)
+
+    def append(self, keys: np.ndarray, values: np.ndarray) -> None:
+        """Write given K/V rows, each (n_tokens, n_layers, n_kv_heads, head_dim) float32,
+        without a model (for exercises and benchmarks), quantized as the cache stores them."""
+        for name, rows in (("keys", keys), ("values", values)):
+            if not isinstance(rows, np.ndarray) or rows.dtype != np.float32 or rows.ndim != 4:
+                raise ValueError(f"{name} must be a 4-D float32 array (n_tokens, n_layers, "
+                                 "n_kv_heads, head_dim)")
+        n = keys.shape[0]
+        with self._using():
+            if n < 1:
+                raise ValueError("append needs at least one row")
+            if n > self._capacity - self._length:
+                raise CacheFullError(f"the KV cache is full: it holds {self._length} of "
+                                     f"{self._capacity} positions and cannot take {n} more")
+            slots = np.arange(self._length, self._length + n, dtype=np.int64)
+            self._store.write(slots, np.ascontiguousarray(keys), np.ascontiguousarray(values))
+            self._length += n
+
+    def __repr__(self) -> str:
+        return (f"CudaCache(length={self._length}, capacity={self._capacity}, "
+                f"n_layers={self.n_layers}, n_kv_heads={self.n_kv_heads}, head_dim={self.head_dim}, "
+                f"dtype={self._fmt.key}, device='cuda', nbytes={self.nbytes})")
+
+
+class CudaPagedPool(_StoreViews, PagedPool):
+    """A paged KV cache whose K and V rows live in GPU memory. Everything about blocks
+    (block tables, ref counts, copy-on-write, prefix cache, stats, pictures) is the CPU
+    PagedPool's own, run on a shadow pool of one 1-value row per slot: the bookkeeping does
+    not depend on what a row holds. Reading K/V (key_codes, gather ...) copies from the GPU."""
+
+    device = "cuda"
+
+    def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, num_blocks: int,
+                 block_size: int, max_seqs: int, max_blocks_per_seq: int, fmt: CacheFormat,
+                 store=None, prefix_cache: bool = True):
+        check_format(fmt)
+        if max_blocks_per_seq * block_size > MAX_POSITIONS:
+            raise ValueError(f"a GPU pool's sequences hold at most {MAX_POSITIONS} positions: "
+                             f"max_blocks_per_seq={max_blocks_per_seq} is too many")
+        super().__init__(1, 1, 1, num_blocks, block_size, max_seqs, max_blocks_per_seq,
+                         prefix_cache=bool(prefix_cache))
+        self.n_layers, self.n_kv_heads, self.head_dim = n_layers, n_kv_heads, head_dim
+        self._fmt = fmt
+        self._store = store if store is not None else _Rows.make(
+            n_layers, n_kv_heads, head_dim, num_blocks * block_size, fmt)
+        self._lock = threading.Lock()
+        self._broken: Optional[str] = None
+
+    def _using(self):
+        if self._broken:
+            raise CudaError(f"this pool's K and V are incomplete: {self._broken}")
+        return _exclusive(self._lock, "PagedPool")
+
+    # ---- the bookkeeping, one thread at a time ------------------------------------------
+    def new_sequence(self):
+        with self._using():
+            return super().new_sequence()
+
+    def fork(self, seq):
+        with self._using():
+            return super().fork(seq)
+
+    def free(self, seq) -> None:
+        with self._using():
+            super().free(seq)
+
+    def reuse_prefix(self, seq, tokens, max_tokens=None) -> int:
+        with self._using():
+            return super().reuse_prefix(seq, tokens, max_tokens)
+
+    # ---- rows on the device ----------------------------------------------------------------
+    def _append_rows(self, seq, tokens: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+        """Takes blocks for n new positions of seq and records their tokens (the CPU pool's
+        own reserve and commit), then returns where the new K/V rows go (int64 slots, -1 for
+        rows already there) and seq's block table. Raises, changing nothing, if the pool has
+        no room (OutOfBlocks, CacheFullError)."""
+        n, bs = len(tokens), self.block_size
+        start = seq.length
+        before = seq.block_table.copy()
+        shadow = np.zeros((n, 1, 1, 1), dtype=np.float32)
+        super().append(seq, np.ascontiguousarray(tokens, dtype=np.int32), shadow, shadow)
+        table = seq.block_table.copy()
+        refs = self.ref_counts
+        i = start // bs
+        if start % bs and table[i] != before[i] and refs[table[i]] == 1:
+            # copy-on-write: the partly filled last block was shared; the sequence now owns
+            # a copy, which needs the rows written so far (the CPU pool copied its own)
+            self._store.copy_rows(int(table[i]) * bs, int(before[i]) * bs, start % bs)
+        positions = np.arange(start, start + n, dtype=np.int64)
+        blocks = table[positions // bs]
+        slots = blocks.astype(np.int64) * bs + positions % bs
+        # A block that became full may have been swapped for an identical cached one (the
+        # prefix cache keeps one copy). If another sequence holds it too, its rows are
+        # already there and must not change under that sequence: skip them.
+        slots[refs[blocks] > 1] = -1
+        return slots, table
+
+    def append(self, seq, tokens, keys: np.ndarray, values: np.ndarray) -> None:
+        """Write given K/V rows, each (n_tokens, n_layers, n_kv_heads, head_dim) float32, to
+        the GPU, without a model: the pool's bookkeeping as for a forward pass."""
+        tokens = np.asarray(tokens)
+        if tokens.ndim != 1 or tokens.dtype.kind not in "iu" or len(tokens) == 0:
+            raise ValueError("tokens must be a non-empty 1-D array of integer ids")
+        want = (len(tokens), self.n_layers, self.n_kv_heads, self.head_dim)
+        for name, rows in (("keys", keys), ("values", values)):
+            if not isinstance(rows, np.ndarray) or rows.dtype != np.float32 or rows.shape != want:
+                raise ValueError(f"{name} must be a float32 array of shape {want}")
+        with self._using():
+            slots, _ = self._append_rows(seq, tokens)
+            try:
+                self._store.write(slots, np.ascontiguousarray(keys), np.ascontiguousarray(values))
+            except BaseException as error:
+                self._broken = f"writing rows failed after blocks were taken: {error}"
+                raise
+
+    def _slots_of(self, seq) -> np.ndarray:
+        positions = np.arange(seq.length, dtype=np.int64)
+        return (seq.block_table.astype(np.int64)[positions // self.block_size] * self.block_size
+                + positions % self.block_size)
+
+    def gather(self, seq) -> Tuple[np.ndarray, np.ndarray]:
+        """(keys, values): float32 copies, (n_layers, length, n_kv_heads, head_dim), of what
+        seq's most recent token's attention read."""
+        with self._using():
+            slots = self._slots_of(seq)
+            if len(slots) == 0:
+                empty = np.zeros((self.n_layers, 0, self.n_kv_heads, self.head_dim), np.float32)
+                return empty, empty.copy()
+            kc, ks, vc, vs = self._store.read(slots)
+        return (_dequantized(kc, ks, self._fmt.key, self._fmt.key_group),
+                _dequantized(vc, vs, self._fmt.value, self._fmt.value_group))
+
+    def _read(self):
+        with self._using():
+            return self._store.read(np.arange(self.num_blocks * self.block_size, dtype=np.int64))
+
+    def _shape_rows(self, array: np.ndarray) -> np.ndarray:
+        """(n_layers, slots, n_kv_heads, x) -> block first, as the CPU pool shows it:
+        (num_blocks, n_layers, block_size, n_kv_heads, x)."""
+        n_layers, _, heads, width = array.shape
+        blocks = array.reshape(n_layers, self.num_blocks, self.block_size, heads, width)
+        return blocks.transpose(1, 0, 2, 3, 4)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of GPU memory for K and V (the host keeps only bookkeeping)."""
+        return self._store.nbytes
+
+    def __repr__(self) -> str:
+        return super().__repr__()[:-1] + ", device='cuda')"
+
+
+class CudaModel(Model):
+    """A Model whose forward passes run on the GPU: the same methods (prefill, decode,
+    forward, forward_batch, new_cache, new_paged_pool, counting ...), with caches and pools
+    in GPU memory. Made by model.to("cuda") or kvlab.load(..., device="cuda")."""
+
+    device = "cuda"
+
+    def __init__(self, model: Model):
+        ext = extension()
+        c = model.config
+        if c.head_dim % 8 or c.head_dim > MAX_HEAD_DIM:
+            raise ConfigError(f"the CUDA backend needs head_dim a multiple of 8 up to "
+                              f"{MAX_HEAD_DIM}, this model has {c.head_dim}")
+        super().__init__(c, model.weights, model.tokenizer, model.source)
+        self._gpu = ext.Model(*self._core_arguments())
+        self._gpu_lock = threading.Lock()
+
+    def to(self, device: str) -> Model:
+        return Model.to(self, device)
+
+    # ---- caches ----------------------------------------------------------------------
+    def new_cache(self, max_seq_len: Optional[int] = None, dtype: str = "fp32",
+                  **format_options) -> CudaCache:
+        """A contiguous KV cache in GPU memory (see Model.new_cache); fp32, fp16, bf16 or int8."""
+        fmt = self.cache_format(dtype, **format_options)
+        capacity = self.config.max_seq_len if max_seq_len is None else max_seq_len
+        if isinstance(capacity, bool) or not isinstance(capacity, (int, np.integer)) or capacity < 1:
+            raise ValueError(f"max_seq_len must be a positive integer, got {max_seq_len!r}")
+        c = self.config
+        return CudaCache(c.n_layers, c.n_kv_heads, c.head_dim, int(capacity), fmt)
+
+    def new_paged_pool(self, num_blocks: int, block_size: int = 16, dtype: str = "fp32",
+                       max_seqs: int = 256, max_blocks_per_seq: Optional[int] = None,
+                       prefix_cache: bool = True, **format_options) -> CudaPagedPool:
+        """A paged KV cache with its K and V in GPU memory (see Model.new_paged_pool)."""
+        fmt = self.cache_format(dtype, **format_options)
+        for name, value in (("num_blocks", num_blocks), ("block_size", block_size),
+                            ("max_seqs", max_seqs)):
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if max_blocks_per_seq is None:
+            max_blocks_per_seq = -(-self.config.max_seq_len // block_size)
+        c = self.config
+        return CudaPagedPool(c.n_layers, c.n_kv_heads, c.head_dim, int(num_blocks),
+                             int(block_size), int(max_seqs), int(max_blocks_per_seq), fmt,
+                             prefix_cache=prefix_cache)
+
+    # ---- running ---------------------------------------------------------------------
+    def _counts(self, runs: Sequence[Tuple[int, int]], all_logits: bool,
+                fmt: CacheFormat) -> np.ndarray:
+        """What a call did, worked out from the shapes (kvlab.measure) since the GPU does not
+        count: one pass over the weights for the whole batch, attention per run."""
+        total = Counts()
+        for n, start in runs:
+            total = total + forward_counts(self.config, n, start, all_logits, fmt)
+        once = forward_counts(self.config, sum(n for n, _ in runs), 0, all_logits, fmt)
+        total.weight_bytes, total.calls = once.weight_bytes, 1
+        total.scratch_bytes = self._gpu.scratch_bytes
+        return np.array([getattr(total, name) for name in core.COUNTERS], dtype=np.int64)
+
+    def _check_shape(self, holder) -> None:
+        c = self.config
+        if (holder.n_layers, holder.n_kv_heads, holder.head_dim) != (c.n_layers, c.n_kv_heads, c.head_dim):
+            raise ValueError(f"this cache holds {holder.n_layers} layers x {holder.n_kv_heads} KV "
+                             f"heads x {holder.head_dim}, but the model needs {c.n_layers} x "
+                             f"{c.n_kv_heads} x {c.head_dim}")
+
+    def _run(self, tokens: np.ndarray, cache, all_logits: bool) -> np.ndarray:
+        if cache is None:
+            logits = self._forward_uncached(tokens, all_logits)
+        elif isinstance(cache, CudaCache):
+            logits = self._forward_cache(tokens, cache, all_logits)
+        elif isinstance(cache, core.PagedSequence) and isinstance(cache.pool, CudaPagedPool):
+            logits = self._forward_paged([cache], [tokens], all_logits)
+        else:
+            raise TypeError(f"a model on the GPU runs over caches made by its own new_cache() or "
+                            f"new_paged_pool(), not a {type(cache).__name__} kept on the CPU")
+        return logits if all_logits else logits[0]
+
+    def _forward(self, tokens, store, runs, tables, block_size, slots, all_logits):
+        counts = np.array([n for n, _ in runs], dtype=np.int32)
+        starts = np.array([s for _, s in runs], dtype=np.int32)
+        return self._gpu.forward(tokens, store, counts, starts, tables, block_size, slots, all_logits)
+
+    def _forward_uncached(self, tokens: np.ndarray, all_logits: bool) -> np.ndarray:
+        """The no-cache path: the whole sequence in a scratch cache thrown away afterwards."""
+        c, n = self.config, len(tokens)
+        fmt = CacheFormat()
+        with self._gpu_lock:   # calls on one GPU model take turns
+            store = _Rows.make(c.n_layers, c.n_kv_heads, c.head_dim, n, fmt)
+            logits = self._forward(tokens, store, [(n, 0)], np.zeros((1, 1), np.int32), n,
+                                   np.arange(n, dtype=np.int64), all_logits)
+        self._record(self._counts([(n, 0)], all_logits, fmt))
+        return logits
+
+    def _forward_cache(self, tokens: np.ndarray, cache: CudaCache, all_logits: bool) -> np.ndarray:
+        self._check_shape(cache)
+        n = len(tokens)
+        with cache._using(), self._gpu_lock:
+            start = cache.length
+            if n > cache.capacity - start:
+                raise CacheFullError(f"the KV cache is full: it holds {start} of {cache.capacity} "
+                                     f"positions and cannot take {n} more (make it with a larger "
+                                     "max_seq_len, or truncate/reset it)")
+            # a contiguous cache is a paged one with a single block as long as the cache
+            logits = self._forward(tokens, cache._store, [(n, start)], np.zeros((1, 1), np.int32),
+                                   cache.capacity, np.arange(start, start + n, dtype=np.int64),
+                                   all_logits)
+            cache._length = start + n
+        self._record(self._counts([(n, start)], all_logits, cache._fmt))
+        return logits
+
+    def _forward_paged(self, seqs: Sequence, arrays: Sequence[np.ndarray],
+                       all_logits: bool) -> np.ndarray:
+        """One call over sequences of one CudaPagedPool. Everything that can fail is checked
+        before the pool's bookkeeping changes; after that only the GPU itself can fail, and
+        then the pool is marked broken (its new rows were never written)."""
+        pool = seqs[0].pool
+        self._check_shape(pool)
+        with pool._using(), self._gpu_lock:
+            for i, seq in enumerate(seqs):
+                if seq.pool is not pool:
+                    raise ValueError("every sequence of a batch must come from one pool")
+                for j in range(i):
+                    if seqs[j].id == seq.id:
+                        raise ValueError(f"seqs[{j}] and seqs[{i}] are the same sequence")
+            starts = [seq.length for seq in seqs]   # raises ValueError for a freed sequence
+            needed = sum(pool.blocks_needed(seq, len(a)) for seq, a in zip(seqs, arrays))
+            if needed > pool.available_blocks:
+                raise OutOfBlocks(f"out of blocks: appending {sum(map(len, arrays))} tokens needs "
+                                  f"{needed} blocks, the pool has {pool.available_blocks} free or "
+                                  f"cached of {pool.num_blocks}; the pool is unchanged")
+            bs = pool.block_size
+            ends = [s + len(a) for s, a in zip(starts, arrays)]
+            max_blocks = max(-(-end // bs) for end in ends)
+            self._gpu.reserve(sum(map(len, arrays)), len(seqs), max_blocks, max(ends))
+            rows: List[Tuple[np.ndarray, np.ndarray]] = []
+            try:
+                for seq, a in zip(seqs, arrays):
+                    rows.append(pool._append_rows(seq, a))
+                tables = np.zeros((len(seqs), max_blocks), dtype=np.int32)
+                for r, (_, table) in enumerate(rows):
+                    tables[r, :len(table)] = table
+                runs = list(zip(map(len, arrays), starts))
+                logits = self._forward(np.concatenate(arrays), pool._store, runs, tables, bs,
+                                       np.concatenate([slots for slots, _ in rows]), all_logits)
+            except BaseException as error:
+                if rows:   # blocks were taken and tokens recorded, but K/V never written
+                    pool._broken = f"a forward pass failed after the pool took its blocks: {error}"
+                raise
+        self._record(self._counts(runs, all_logits, pool._fmt))
+        return logits
+
+    def forward_batch(self, seqs: Sequence, chunks: Sequence[TokenArray]) -> np.ndarray:
+        """One engine step over sequences of one CudaPagedPool (see Model.forward_batch):
+        each row of the returned logits is its sequence's last new token's."""
+        if len(seqs) != len(chunks):
+            raise ValueError(f"{len(seqs)} sequences but {len(chunks)} chunks of tokens")
+        if len(seqs) == 0:
+            raise ValueError("seqs must hold at least one sequence")
+        for i, seq in enumerate(seqs):
+            if not isinstance(seq, core.PagedSequence) or not isinstance(seq.pool, CudaPagedPool):
+                raise TypeError(f"seqs[{i}] is not a sequence of a GPU pool (model.new_paged_pool())")
+        arrays = [as_token_array(chunk, self.config.vocab_size) for chunk in chunks]
+        return self._forward_paged(list(seqs), arrays, False)
+
+    def __repr__(self) -> str:
+        return super().__repr__()[:-1] + ", device='cuda')"
+
+
+__all__ = ["is_available", "why_not", "device_info", "extension", "check_format", "FORMATS",
+           "CudaModel", "CudaCache", "CudaPagedPool"]

@@ -1,0 +1,181 @@
+"""The GPU caches' host-side logic, tested without a GPU (these run everywhere).
+
+kvlab.cuda decides, in Python, which slots each call writes (the slot mapping), when a
+shared block must be copied first (copy-on-write), and which rows are already in a block
+that the prefix cache swapped in. Here a NumPy stand-in replaces the GPU memory
+(conftest.py's fake_store), and the GPU pool must hold, for every sequence, exactly what the
+CPU pool holds after the same operations.
+"""
+import numpy as np
+import pytest
+
+import kvlab
+from kvlab.cuda import CudaCache, CudaPagedPool
+from kvlab.quant import CacheFormat
+
+L, H, D = 2, 2, 16
+
+
+def rows_for(tokens, start):
+    """K and V of positions start.. of a sequence: a function of its whole prefix, as a
+    model's are (so two sequences with one prefix hold the same rows)."""
+    keys = np.empty((len(tokens) - start, L, H, D), np.float32)
+    for p in range(start, len(tokens)):
+        seed = hash(tuple(int(t) for t in tokens[:p + 1])) & 0xFFFFFFFF
+        keys[p - start] = np.random.default_rng(seed).standard_normal((L, H, D))
+    return keys, keys * np.float32(0.5) + np.float32(1.0)
+
+
+def make_pools(FakeStore, fmt_name, num_blocks=24, block_size=4, max_seqs=8):
+    fmt = CacheFormat.make(D, fmt_name)
+    cpu = kvlab.PagedPool(L, H, D, num_blocks, block_size, max_seqs, num_blocks,
+                          **fmt.core_arguments())
+    gpu = CudaPagedPool(L, H, D, num_blocks, block_size, max_seqs, num_blocks, fmt,
+                        store=FakeStore(L, H, D, num_blocks * block_size, fmt))
+    return cpu, gpu
+
+
+def check_same(cpu, gpu, pairs):
+    gpu.check()
+    np.testing.assert_array_equal(cpu.ref_counts, gpu.ref_counts)
+    for a, b in pairs:
+        assert a.alive == b.alive
+        if not a.alive:
+            continue
+        assert a.length == b.length
+        np.testing.assert_array_equal(a.block_table, b.block_table)
+        for want, got in zip(cpu.gather(a), gpu.gather(b)):
+            np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("fmt_name", ["fp32", "fp16", "bf16", "int8"])
+def test_pool_bookkeeping_follows_the_cpu_pool(fmt_name, fake_store):
+    """Random appends, forks (copy-on-write), frees and prefix reuse on both pools."""
+    rng = np.random.default_rng(7)
+    cpu, gpu = make_pools(fake_store, fmt_name)
+    pairs, history = [], []   # (cpu seq, gpu seq), and each pair's tokens
+    for step in range(300):
+        live = [i for i, (a, _) in enumerate(pairs) if a.alive]
+        action = rng.choice(["new", "append", "append", "fork", "free", "reuse"])
+        try:
+            if action in ("new", "reuse") or not live:
+                if cpu.live_sequences == cpu.max_seqs:
+                    continue
+                a, b = cpu.new_sequence(), gpu.new_sequence()
+                tokens = list(rng.integers(0, 3, size=int(rng.integers(1, 14))))
+                if action == "reuse":
+                    prompt = history[int(rng.integers(len(history)))] if history else tokens
+                    tokens = list(prompt[:int(rng.integers(1, len(prompt) + 1))]) + tokens[:2]
+                    assert cpu.reuse_prefix(a, tokens, len(tokens) - 1) == \
+                        gpu.reuse_prefix(b, tokens, len(tokens) - 1)
+                pairs.append((a, b))
+                history.append([])
+                i = len(pairs) - 1
+                start = a.length
+                history[i] = list(tokens[:start])
+                new = tokens[start:]
+            elif action == "append":
+                i = int(rng.choice(live))
+                new = list(rng.integers(0, 3, size=int(rng.integers(1, 7))))
+            elif action == "fork":
+                i = int(rng.choice(live))
+                if cpu.live_sequences == cpu.max_seqs:
+                    continue
+                pairs.append((cpu.fork(pairs[i][0]), gpu.fork(pairs[i][1])))
+                history.append(list(history[i]))
+                continue
+            else:
+                i = int(rng.choice(live))
+                cpu.free(pairs[i][0])
+                gpu.free(pairs[i][1])
+                continue
+            a, b = pairs[i]
+            start = len(history[i])
+            tokens = history[i] + new
+            keys, values = rows_for(tokens, start)
+            ids = np.array(new, np.int32)
+            try:
+                cpu.append(a, ids, keys, values)
+            except (kvlab.OutOfBlocks, kvlab.CacheFullError) as error:
+                with pytest.raises(type(error)):
+                    gpu.append(b, ids, keys, values)
+                continue
+            gpu.append(b, ids, keys, values)
+            history[i] = tokens
+        finally:
+            check_same(cpu, gpu, pairs)
+    assert gpu.stats().prefix_hits > 0 and gpu._store.writes > 50
+
+
+def test_copy_on_write_copies_the_written_rows(fake_store):
+    cpu, gpu = make_pools(fake_store, "fp32", block_size=8)
+    a, b = cpu.new_sequence(), gpu.new_sequence()
+    keys, values = rows_for([1, 2, 3], 0)
+    cpu.append(a, np.array([1, 2, 3], np.int32), keys, values)
+    gpu.append(b, np.array([1, 2, 3], np.int32), keys, values)
+    ca, cb = cpu.fork(a), gpu.fork(b)
+    keys, values = rows_for([1, 2, 3, 9], 3)
+    cpu.append(ca, np.array([9], np.int32), keys, values)
+    gpu.append(cb, np.array([9], np.int32), keys, values)
+    assert cb.block_table[0] != b.block_table[0]          # the child got its own block
+    check_same(cpu, gpu, [(a, b), (ca, cb)])
+
+
+def test_rows_of_a_shared_twin_block_are_not_written(fake_store):
+    """Two sequences fill the same prefix side by side: the second one's full block is
+    swapped for the first one's, which the first still reads; the GPU must not write it."""
+    cpu, gpu = make_pools(fake_store, "fp32", block_size=4)
+    pairs = [(cpu.new_sequence(), gpu.new_sequence()) for _ in range(2)]
+    tokens = [5, 6, 7, 8, 1]
+    for a, b in pairs:
+        keys, values = rows_for(tokens, 0)
+        cpu.append(a, np.array(tokens, np.int32), keys, values)
+        slots, _ = gpu._append_rows(b, np.array(tokens, np.int32))
+        gpu._store.write(slots, keys, values)
+    assert pairs[0][1].block_table[0] == pairs[1][1].block_table[0]
+    assert (slots[:4] == -1).all() and slots[4] >= 0     # the second sequence's view
+    check_same(cpu, gpu, pairs)
+
+
+@pytest.mark.parametrize("fmt_name", ["fp32", "fp16", "bf16", "int8"])
+def test_contiguous_cache_views_match_the_cpu_cache(fmt_name, fake_store):
+    fmt = CacheFormat.make(D, fmt_name)
+    cpu = kvlab.KVCache(L, H, D, 12, **fmt.core_arguments())
+    gpu = CudaCache(L, H, D, 12, fmt, store=fake_store(L, H, D, 12, fmt))
+    for part in ("key_codes", "value_codes", "key_scales"):
+        want, got = getattr(cpu, part), getattr(gpu, part)
+        assert (want is None) == (got is None)
+        if want is not None:
+            assert got.shape == want.shape and got.dtype == want.dtype
+    keys, values = rows_for([3, 1, 4, 1, 5], 0)
+    cpu.append(keys, values)
+    gpu.append(keys, values)
+    for part in ("key_codes", "key_scales", "value_codes", "value_scales", "key_zeros"):
+        want, got = getattr(cpu, part), getattr(gpu, part)
+        if want is None:
+            assert got is None
+        else:
+            np.testing.assert_array_equal(got, want)
+    for want, got in zip(cpu.dequantized(), gpu.dequantized()):
+        np.testing.assert_array_equal(got, want)
+    if fmt_name in ("fp32", "fp16"):
+        np.testing.assert_array_equal(gpu.keys, cpu.keys)
+    else:
+        with pytest.raises(TypeError, match="codes"):
+            gpu.keys
+    gpu.truncate(2)
+    assert gpu.length == 2 and gpu.dequantized()[0].shape == (L, 2, H, D)
+    with pytest.raises(kvlab.CacheFullError):
+        gpu.append(*rows_for(list(range(12)), 0))
+    assert gpu.length == 2
+    gpu.reset()
+    assert gpu.length == 0 and gpu.key_codes.shape[1] == 0
+
+
+def test_formats_the_gpu_cannot_store_are_refused_up_front():
+    for kwargs in ({"dtype": "int4"}, {"dtype": "fp8"}, {"key": "int8", "value": "fp16"},
+                   {"dtype": "int8", "window": 4}):
+        dtype = kwargs.pop("dtype", "fp32")
+        fmt = CacheFormat.make(D, dtype, **kwargs)
+        with pytest.raises(ValueError):
+            CudaCache(L, H, D, 8, fmt, store=object())
