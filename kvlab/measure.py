@@ -206,6 +206,19 @@ def release_freed_memory() -> None:
         pass
 
 
+def memory_bandwidth(n_bytes: int = 1 << 28, repeats: int = 3) -> dict:
+    """This machine's memory bandwidth as the C core's own threads see it:
+    {'read_bytes_per_s', 'triad_bytes_per_s'}, best of `repeats` passes over arrays of
+    n_bytes each (three are allocated; make them much larger than the CPU's caches). The
+    yardstick for "bytes read per second" figures of decode and attention."""
+    from ._core import core
+    if isinstance(n_bytes, bool) or not isinstance(n_bytes, int) or n_bytes < 1 << 20:
+        raise ValueError(f"n_bytes must be an integer of at least 1 MiB, got {n_bytes!r}")
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"repeats must be a positive integer, got {repeats!r}")
+    return dict(core.memory_bandwidth(n_bytes, repeats))
+
+
 def resident_bytes() -> int:
     """Physical memory this process uses now (VmRSS)."""
     return 1024 * _proc_status_kib("VmRSS")

@@ -268,3 +268,13 @@ def test_counting_blocks_in_two_threads_see_only_their_own_calls():
     assert results["a"].tokens == 60 and results["b"].tokens == 180
     assert results["a"].flops == 20 * forward_counts(model.config, 3).flops
     assert model.counters.calls == 40
+
+
+def test_memory_bandwidth_is_measured_by_the_core():
+    bandwidth = kvlab.measure.memory_bandwidth(1 << 22, 1)
+    assert set(bandwidth) == {"read_bytes_per_s", "triad_bytes_per_s"}
+    assert all(value > 1e8 for value in bandwidth.values())
+    with pytest.raises(ValueError, match="n_bytes"):
+        kvlab.measure.memory_bandwidth(100)
+    with pytest.raises(ValueError, match="repeats"):
+        kvlab.measure.memory_bandwidth(1 << 22, 0)

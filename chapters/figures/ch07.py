@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import time
 from pathlib import Path
 
@@ -26,8 +25,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 import kvlab  # noqa: E402
+from common import machine  # noqa: E402  (chapters/figures/common.py)
 from kvlab import measure, reference  # noqa: E402
-from kvlab._core import core  # noqa: E402  (memory_bandwidth has no public wrapper yet)
 
 # Published H200 SXM figures (NVIDIA's data sheet): HBM3e bandwidth, dense BF16 tensor-core
 # throughput (the 1,979 TFLOPS on the sheet is "with sparsity"), streaming multiprocessors.
@@ -95,7 +94,7 @@ def split_attention(q, keys, values, n_splits):
 
 
 def measure_bandwidth():
-    bw = core.memory_bandwidth(1 << 28, 4)
+    bw = kvlab.measure.memory_bandwidth(1 << 28, 4)
     return {k: float(v) for k, v in bw.items()}
 
 
@@ -281,9 +280,7 @@ def main() -> None:
     plt.close(fig)
 
     result = {
-        "setup": {"machine": {"cpu_count": os.cpu_count(), "processor": platform.processor(),
-                              "platform": platform.platform()},
-                  "kvlab_threads": threads,
+        "setup": {**machine(), "kvlab_threads": threads,
                   "attention_shape": {"n_heads": N_HEADS, "n_kv_heads": N_KV_HEADS,
                                       "head_dim": HEAD_DIM, "layers": 1},
                   "load_average_before_after": [load_before, os.getloadavg()],
