@@ -505,27 +505,16 @@ class CudaModel(Model):
                   **format_options) -> CudaCache:
         """A contiguous KV cache in GPU memory (see Model.new_cache); fp32, fp16, bf16 or int8."""
         fmt = self.cache_format(dtype, **format_options)
-        capacity = self.config.max_seq_len if max_seq_len is None else max_seq_len
-        if isinstance(capacity, bool) or not isinstance(capacity, (int, np.integer)) or capacity < 1:
-            raise ValueError(f"max_seq_len must be a positive integer, got {max_seq_len!r}")
         c = self.config
-        return CudaCache(c.n_layers, c.n_kv_heads, c.head_dim, int(capacity), fmt)
+        return CudaCache(c.n_layers, c.n_kv_heads, c.head_dim, self._capacity(max_seq_len), fmt)
 
     def new_paged_pool(self, num_blocks: int, block_size: int = 16, dtype: str = "fp32",
                        max_seqs: int = 256, max_blocks_per_seq: Optional[int] = None,
                        prefix_cache: bool = True, **format_options) -> CudaPagedPool:
         """A paged KV cache with its K and V in GPU memory (see Model.new_paged_pool)."""
         fmt = self.cache_format(dtype, **format_options)
-        for name, value in (("num_blocks", num_blocks), ("block_size", block_size),
-                            ("max_seqs", max_seqs)):
-            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if max_blocks_per_seq is None:
-            max_blocks_per_seq = -(-self.config.max_seq_len // block_size)
-        c = self.config
-        return CudaPagedPool(c.n_layers, c.n_kv_heads, c.head_dim, int(num_blocks),
-                             int(block_size), int(max_seqs), int(max_blocks_per_seq), fmt,
-                             prefix_cache=prefix_cache)
+        return CudaPagedPool(*self._pool_sizes(num_blocks, block_size, max_seqs,
+                                               max_blocks_per_seq), fmt, prefix_cache=prefix_cache)
 
     # ---- running ---------------------------------------------------------------------
     def _counts(self, runs: Sequence[Tuple[int, int]], all_logits: bool,

@@ -182,11 +182,30 @@ class Model:
         dtype and format_options (key_dtype, value_dtype, group, key_group, value_group,
         window) choose how K and V are stored: see cache_format()."""
         fmt = self.cache_format(dtype, **format_options)
+        c = self.config
+        return KVCache(c.n_layers, c.n_kv_heads, c.head_dim, self._capacity(max_seq_len),
+                       **fmt.core_arguments())
+
+    def _capacity(self, max_seq_len: Optional[int]) -> int:
+        """A cache's positions, checked (default: the model's context length)."""
         capacity = self.config.max_seq_len if max_seq_len is None else max_seq_len
         if isinstance(capacity, bool) or not isinstance(capacity, (int, np.integer)) or capacity < 1:
             raise ValueError(f"max_seq_len must be a positive integer, got {max_seq_len!r}")
+        return int(capacity)
+
+    def _pool_sizes(self, num_blocks, block_size, max_seqs, max_blocks_per_seq) -> tuple:
+        """(n_layers, n_kv_heads, head_dim, num_blocks, block_size, max_seqs,
+        max_blocks_per_seq) of a pool, checked; max_blocks_per_seq defaults to enough
+        blocks for the model's context."""
+        for name, value in (("num_blocks", num_blocks), ("block_size", block_size),
+                            ("max_seqs", max_seqs)):
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if max_blocks_per_seq is None:
+            max_blocks_per_seq = -(-self.config.max_seq_len // block_size)
         c = self.config
-        return KVCache(c.n_layers, c.n_kv_heads, c.head_dim, int(capacity), **fmt.core_arguments())
+        return (c.n_layers, c.n_kv_heads, c.head_dim, int(num_blocks), int(block_size),
+                int(max_seqs), int(max_blocks_per_seq))
 
     def new_paged_pool(self, num_blocks: int, block_size: int = 16, dtype: str = "fp32",
                        max_seqs: int = 256, max_blocks_per_seq: Optional[int] = None,
@@ -198,15 +217,7 @@ class Model:
         prefix_cache=False full blocks are never shared by their tokens (reuse_prefix
         finds nothing, and equal prompts take their own blocks)."""
         fmt = self.cache_format(dtype, **format_options)
-        for name, value in (("num_blocks", num_blocks), ("block_size", block_size),
-                            ("max_seqs", max_seqs)):
-            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if max_blocks_per_seq is None:
-            max_blocks_per_seq = -(-self.config.max_seq_len // block_size)
-        c = self.config
-        return PagedPool(c.n_layers, c.n_kv_heads, c.head_dim, int(num_blocks), int(block_size),
-                         int(max_seqs), int(max_blocks_per_seq),
+        return PagedPool(*self._pool_sizes(num_blocks, block_size, max_seqs, max_blocks_per_seq),
                          prefix_cache=bool(prefix_cache), **fmt.core_arguments())
 
     # ---- running ---------------------------------------------------------------------

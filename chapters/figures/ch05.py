@@ -36,6 +36,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 import kvlab  # noqa: E402
+import common  # noqa: E402,F401  (chapters/figures/common.py puts benchmarks/ on the path)
+from bench_engine import workload  # noqa: E402  (the benchmark's own long-tailed requests)
 
 HERE = Path(__file__).resolve().parent
 SHARED = Path(os.environ.get("KVLAB_SHARED", HERE.parents[2] / "shared"))
@@ -142,15 +144,6 @@ def throughput(models, rounds: int) -> list:
 
 # ---- 3. one memory budget: static contiguous vs continuous paged -------------------------
 
-def workload(model: kvlab.Model, n_requests: int, max_len: int, seed: int = 0) -> list:
-    """Long-tailed lengths, as in benchmarks/bench_engine.py: most short, a few long."""
-    rng = np.random.default_rng(seed)
-    requests = []
-    for _ in range(n_requests):
-        prompt = rng.integers(0, model.config.vocab_size, int(rng.integers(8, 64))).tolist()
-        new = int(min(max_len - 64, max(4, rng.lognormal(np.log(max_len / 8), 0.9))))
-        requests.append((prompt, kvlab.SamplingParams(max_tokens=new, stop_at_eos=False)))
-    return requests
 
 
 def serve(model, pool, requests, static_batch: int = 0) -> dict:

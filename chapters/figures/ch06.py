@@ -35,6 +35,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 import kvlab  # noqa: E402
+import common  # noqa: E402,F401  (chapters/figures/common.py puts benchmarks/ on the path)
+import bench_quant  # noqa: E402
 from kvlab import accuracy, quant  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
@@ -126,32 +128,11 @@ def codes_match(model, keys, values) -> dict:
 # ---- 4. attention speed --------------------------------------------------------------------
 
 def attention_times(contexts, repeats: int = 15) -> list:
-    n_heads, n_kv_heads, head_dim = 32, 8, 128            # one Llama 3 8B layer
-    rng = np.random.default_rng(0)
-    q = rng.standard_normal((n_heads, head_dim), dtype=np.float32)
-    rows = []
-    for context in contexts:
-        keys = rng.standard_normal((context, 1, n_kv_heads, head_dim), dtype=np.float32)
-        values = rng.standard_normal((context, 1, n_kv_heads, head_dim), dtype=np.float32)
-        caches = {}
-        for fmt in FORMATS:
-            cache = kvlab.KVCache(1, n_kv_heads, head_dim, context, key_format=fmt, value_format=fmt)
-            cache.append(keys, values)
-            cache.attend(q)                               # touch every page once
-            caches[fmt] = cache
-        best = {fmt: float("inf") for fmt in FORMATS}
-        for _ in range(repeats):                          # round-robin: same conditions
-            for fmt, cache in caches.items():
-                start = time.perf_counter()
-                cache.attend(q)
-                best[fmt] = min(best[fmt], time.perf_counter() - start)
-        for fmt in FORMATS:
-            rows.append({"context": context, "format": fmt, "ms": 1e3 * best[fmt],
-                         "speedup_vs_fp32": best["fp32"] / best[fmt],
-                         "cache_bytes": caches[fmt].nbytes,
-                         "gb_per_s": caches[fmt].nbytes / best[fmt] / 1e9})
-        del caches
-    return rows
+    """benchmarks/bench_quant.py's measurement (one Llama 3 8B layer, every format timed
+    round-robin), in this chapter's units."""
+    return [{"context": r["context"], "format": r["format"], "ms": 1e3 * r["seconds"],
+             "speedup_vs_fp32": r["ratio_to_fp32"], "cache_bytes": r["bytes_read"],
+             "gb_per_s": r["gb_per_s"]} for r in bench_quant.attention_times(contexts, repeats)]
 
 
 # ---- figures -------------------------------------------------------------------------------

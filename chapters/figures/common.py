@@ -1,9 +1,14 @@
-"""What every chapter's figure script records beside its numbers: the machine they came from."""
+"""What the chapters' figure scripts share: the machine they ran on, and the benchmarks'
+own workloads (benchmarks/ is importable from here, so a figure measures exactly what the
+benchmark it quotes measures)."""
 import os
 import platform
+import sys
 from pathlib import Path
 
 import kvlab
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
 
 def machine() -> dict:
