@@ -1570,7 +1570,7 @@ static PyMethodDef model_methods[] = {
      "forward_batch(seqs, tokens, n_tokens, counters=None) -> logits (len(seqs), vocab)\n\n"
      "One step of a batching engine: seqs are PagedSequences of one pool; tokens (int32)\n"
      "holds their new tokens one sequence after another, n_tokens (int32) how many each.\n"
-     "Every weight matrix is read once for the whole batch; each row of logits is its\n"
+     "Every weight matrix is streamed once per 48 tokens of the batch; each row of logits is its\n"
      "sequence's last new token's, bit-identical to running that sequence alone."},
     {NULL}
 };

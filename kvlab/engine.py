@@ -3,7 +3,7 @@
 "Every active conversation carries its own cache." The engine serves many requests at
 once from one paged pool: each step, the scheduler (kvlab.scheduler) picks which
 sequences run and with how many tokens, and the engine runs them all in ONE batched
-forward call (Model.forward_batch: every weight matrix read once for the whole batch),
+forward call (Model.forward_batch: every weight matrix streamed once per 48 tokens),
 then samples each sequence's next token. Requests join and leave between steps:
 continuous batching.
 
