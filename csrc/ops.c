@@ -25,7 +25,6 @@
  * loads: 4 rows x 3 tokens keeps 12 running sums, 3 token chunks and one row chunk in
  * the 16 vector registers of AVX2. */
 
-
 /* Four rows of w against three tokens: twelve dot products sharing every load. The
  * running sums are named one by one so that they live in registers, never in memory. */
 static void kernel_4x3(float *out0, float *out1, float *out2, const float *x0, const float *x1,
@@ -38,10 +37,15 @@ static void kernel_4x3(float *out0, float *out1, float *out2, const float *x0, c
     int n8 = in_dim & ~7;
     for (int i = 0; i < n8; i += 8) {
         v8f xa = load8(x0 + i), xb = load8(x1 + i), xc = load8(x2 + i), row;
-        row = load8(w0 + i); a00 = madd(row, xa, a00); a10 = madd(row, xb, a10); a20 = madd(row, xc, a20);
-        row = load8(w1 + i); a01 = madd(row, xa, a01); a11 = madd(row, xb, a11); a21 = madd(row, xc, a21);
-        row = load8(w2 + i); a02 = madd(row, xa, a02); a12 = madd(row, xb, a12); a22 = madd(row, xc, a22);
-        row = load8(w3 + i); a03 = madd(row, xa, a03); a13 = madd(row, xb, a13); a23 = madd(row, xc, a23);
+        IN_REGISTER(xa); IN_REGISTER(xb); IN_REGISTER(xc);
+        row = load8(w0 + i); IN_REGISTER(row);
+        a00 = madd(row, xa, a00); a10 = madd(row, xb, a10); a20 = madd(row, xc, a20);
+        row = load8(w1 + i); IN_REGISTER(row);
+        a01 = madd(row, xa, a01); a11 = madd(row, xb, a11); a21 = madd(row, xc, a21);
+        row = load8(w2 + i); IN_REGISTER(row);
+        a02 = madd(row, xa, a02); a12 = madd(row, xb, a12); a22 = madd(row, xc, a22);
+        row = load8(w3 + i); IN_REGISTER(row);
+        a03 = madd(row, xa, a03); a13 = madd(row, xb, a13); a23 = madd(row, xc, a23);
     }
     out0[0] = add_tail(reduce_lanes(a00), w0, x0, n8, in_dim);
     out0[1] = add_tail(reduce_lanes(a01), w1, x0, n8, in_dim);
@@ -94,10 +98,20 @@ static void row_block(float *out, const float *x, const float *w, int first, int
     const float *w_rows = w + (size_t)o * in_dim;
     if (o + 4 <= out_dim) {
         int t = first;
-        for (; t + 3 <= first + chunk; t += 3)
+        /* While these four rows work through the chunk's tokens, the next four rows are
+         * fetched, a slice before each three tokens: at their first use they would
+         * otherwise come from memory, one stall after another. */
+        const char *next_rows = (const char *)(w_rows + 4 * (size_t)in_dim);
+        size_t next_bytes = o + 8 <= out_dim ? 16 * (size_t)in_dim : 0;
+        size_t slice = (next_bytes / (size_t)(chunk / 3 + 1) + 63) & ~(size_t)63;
+        size_t fetched = 0;
+        for (; t + 3 <= first + chunk; t += 3) {
+            for (size_t end = fetched + slice; fetched < end && fetched < next_bytes; fetched += 64)
+                __builtin_prefetch(next_rows + fetched);
             kernel_4x3(out + (size_t)t * out_dim + o, out + (size_t)(t + 1) * out_dim + o,
                        out + (size_t)(t + 2) * out_dim + o, x + (size_t)t * in_dim,
                        x + (size_t)(t + 1) * in_dim, x + (size_t)(t + 2) * in_dim, w_rows, in_dim);
+        }
         for (; t < first + chunk; t++)
             kernel_4x1(out + (size_t)t * out_dim + o, x + (size_t)t * in_dim, w_rows, in_dim);
     } else {
