@@ -2,10 +2,12 @@
  *
  * Query head h reads key/value head h / kv_mul, where kv_mul = n_heads / n_kv_heads:
  * with kv_mul = 1 that is multi-head attention, with n_kv_heads = 1 multi-query.
- * Positions are visited block by block through the view's block table, so the paged
- * cache costs one table lookup per block (and one per tile for the look-ahead), not per
- * token, and in tiles of TILE rows. A
- * quantized cache is decoded eight values at a time in registers as its rows are used
+ * One pass over the cache with the online softmax: positions are visited in tiles of
+ * TILE rows, the keys of a tile scored, the running max and sum of the softmax updated,
+ * then the tile's values added into the outputs, so keys and values are each read once
+ * and no row of scores as long as the context is ever written. Rows are found through
+ * the view's block table, one lookup per tile (or per block, when blocks are smaller),
+ * not per token. A quantized cache is decoded eight values at a time in registers as its rows are used
  * (or, for the rarer group sizes, a tile at a time into a small buffer), never into a
  * full-precision copy of the cache. Every (token, head) pair is computed the same way
  * whether it arrives in a prefill batch or alone in a decode step, and whichever cache
@@ -32,8 +34,9 @@ static size_t round_up16(size_t n) { return (n + 15) & ~(size_t)15; }
 /* and the rows AHEAD positions on are asked for while a tile is computed */
 #define AHEAD (2 * TILE)
 
-size_t kv_attention_scratch(int n_heads, int n_kv_heads, int head_dim, int max_positions) {
-    return (size_t)(n_heads / n_kv_heads) * round_up16((size_t)max_positions) +
+size_t kv_attention_scratch(int n_heads, int n_kv_heads, int head_dim) {
+    /* per query head of a group: a tile of weights, a running max and a running sum */
+    return round_up16((size_t)(n_heads / n_kv_heads) * (TILE + 2)) +
            TILE * round_up16((size_t)head_dim);
 }
 
@@ -49,6 +52,7 @@ enum { ROWS_F32, ROWS_I8, ROWS_F16, ROWS_BF16, ROWS_I4, ROWS_FP8 };
 typedef struct {
     const char *next;        /* the rows that come AHEAD positions later, to fetch early */
     size_t next_bytes;       /* 0 when there are none */
+    size_t fetch_share;      /* bytes of them to fetch per row of this tile (whole lines) */
     const float *floats;     /* (n, head_dim) float32 (ROWS_F32) */
     const uint8_t *codes;    /* (n, head_bytes) codes (the others) */
     const float *scales;     /* (n, groups_per_head) */
@@ -143,138 +147,183 @@ static ALWAYS_INLINE v8f load_chunk(const tile_rows *rows, int r, int i, int hea
     return as_floats(__builtin_convertvector(codes, v8u32) << 16);
 }
 
-/* While row r of n is used, row r's share of the rows AHEAD is fetched: spread over the
- * tile's work, so that the requests never pile up (a burst of a hundred prefetches stalls
- * the core until the memory system has room for them). */
-static ALWAYS_INLINE void fetch_ahead(const tile_rows *rows, int r, int n) {
-    size_t from = rows->next_bytes * (size_t)r / (size_t)n;
-    size_t to = rows->next_bytes * (size_t)(r + 1) / (size_t)n;
-    for (size_t at = from & ~(size_t)63; at < to; at += 64) __builtin_prefetch(rows->next + at);
+/* While row r of the tile is used, row r's share of the rows AHEAD is fetched: spread
+ * over the tile's work, so that the requests never pile up (a burst of a hundred
+ * prefetches stalls the core until the memory system has room for them). */
+static ALWAYS_INLINE void fetch_ahead(const tile_rows *rows, int r) {
+    size_t from = (size_t)r * rows->fetch_share;
+    size_t to = from + rows->fetch_share < rows->next_bytes ? from + rows->fetch_share
+                                                            : rows->next_bytes;
+    for (size_t at = from; at < to; at += 64) __builtin_prefetch(rows->next + at);
 }
 
-/* att[m][pos + r] = q_m . row_r * scale for the kv_mul queries and n rows: each row is
- * loaded once for four queries at a time, and every dot product keeps kv_dot's order
- * (eight lanes, added pairwise, then the leftover elements). */
-static ALWAYS_INLINE void score_tile(float *att, size_t head_stride, int pos,
-                                     const float *queries, int kv_mul, int head_dim,
-                                     const tile_rows *rows, int n, float scale, int kind) {
+/* Scores of QB query heads against RB rows of a tile (rows r0 .. r0 + RB - 1), times
+ * scale, into weights[m * TILE + at + r0 + r]. Each chunk of eight values of the RB rows is
+ * loaded (and decoded) once for all QB queries, and each of the QB x RB dot products keeps
+ * kv_dot's order (eight lanes, added pairwise, then the leftover elements). QB and RB are
+ * constants at every call, so the loops unroll and the running sums live in registers.
+ * Why several rows at once even for one query: a multiply-add takes four cycles to finish
+ * and the core starts two per cycle, so a single running sum per row would leave the core
+ * waiting on each addition before the next. */
+static ALWAYS_INLINE void score_block(float *weights, int at, const float *queries,
+                                      int head_dim, const tile_rows *rows, int r0, float scale,
+                                      int kind, int QB, int RB) {
     int d8 = head_dim & ~7;   /* tiles of codes have head_dim % 8 == 0: no leftovers */
-    int is_codes = kind != ROWS_F32;
-    int m = 0;
-    for (; m + 4 <= kv_mul; m += 4) {
-        const float *q0 = queries + (size_t)m * head_dim, *q1 = q0 + head_dim;
-        const float *q2 = q1 + head_dim, *q3 = q2 + head_dim;
-        for (int r = 0; r < n; r++) {
-            if (m == 0) fetch_ahead(rows, r, n);
-            v8f a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
-            for (int i = 0; i < d8; i += 8) {
-                v8f k = load_chunk(rows, r, i, head_dim, kind);
-                a0 = madd(load8(q0 + i), k, a0); a1 = madd(load8(q1 + i), k, a1);
-                a2 = madd(load8(q2 + i), k, a2); a3 = madd(load8(q3 + i), k, a3);
-            }
-            const float *row = is_codes ? NULL : rows->floats + (size_t)r * head_dim;
-            float *out = att + (size_t)m * head_stride + pos + r;
-            out[0] = (is_codes ? reduce_lanes(a0) : add_tail(reduce_lanes(a0), q0, row, d8, head_dim)) * scale;
-            out[head_stride] = (is_codes ? reduce_lanes(a1) : add_tail(reduce_lanes(a1), q1, row, d8, head_dim)) * scale;
-            out[2 * head_stride] = (is_codes ? reduce_lanes(a2) : add_tail(reduce_lanes(a2), q2, row, d8, head_dim)) * scale;
-            out[3 * head_stride] = (is_codes ? reduce_lanes(a3) : add_tail(reduce_lanes(a3), q3, row, d8, head_dim)) * scale;
+    v8f sums[4][8];
+    for (int m = 0; m < QB; m++)
+        for (int r = 0; r < RB; r++) sums[m][r] = (v8f){0};
+    for (int i = 0; i < d8; i += 8) {
+        v8f keys[8];
+        for (int r = 0; r < RB; r++) {
+            keys[r] = load_chunk(rows, r0 + r, i, head_dim, kind);
+            if (QB > 1) IN_REGISTER(keys[r]);
+        }
+        for (int m = 0; m < QB; m++) {
+            v8f query = load8(queries + (size_t)m * head_dim + i);
+            if (RB > 1) IN_REGISTER(query);
+            for (int r = 0; r < RB; r++) sums[m][r] = madd(query, keys[r], sums[m][r]);
         }
     }
-    for (; m < kv_mul; m++) {   /* the rest one query at a time (all of them for MHA) */
-        const float *q0 = queries + (size_t)m * head_dim;
-        for (int r = 0; r < n; r++) {
-            if (m == 0) fetch_ahead(rows, r, n);
-            v8f a0 = {0};
-            for (int i = 0; i < d8; i += 8)
-                a0 = madd(load8(q0 + i), load_chunk(rows, r, i, head_dim, kind), a0);
-            float sum = is_codes ? reduce_lanes(a0)
-                                : add_tail(reduce_lanes(a0), q0, rows->floats + (size_t)r * head_dim, d8, head_dim);
-            att[(size_t)m * head_stride + pos + r] = sum * scale;
+    /* the lanes of each running sum added up, four sums at a time where they come in fours */
+    float dots[4][8];
+    if (QB == 4) {
+        for (int r = 0; r < RB; r++) {
+            v4f four = reduce_lanes4(sums[0][r], sums[1][r], sums[2][r], sums[3][r]);
+            for (int m = 0; m < 4; m++) dots[m][r] = four[m];
+        }
+    } else if (RB % 4 == 0) {
+        for (int m = 0; m < QB; m++)
+            for (int r = 0; r < RB; r += 4) {
+                v4f four = reduce_lanes4(sums[m][r], sums[m][r + 1], sums[m][r + 2], sums[m][r + 3]);
+                for (int j = 0; j < 4; j++) dots[m][r + j] = four[j];
+            }
+    } else {
+        for (int m = 0; m < QB; m++)
+            for (int r = 0; r < RB; r++) dots[m][r] = reduce_lanes(sums[m][r]);
+    }
+    for (int m = 0; m < QB; m++) {
+        for (int r = 0; r < RB; r++) {
+            float dot = dots[m][r];
+            if (kind == ROWS_F32 && d8 < head_dim)   /* leftover elements: head_dim % 8 != 0 */
+                dot = add_tail(dot, queries + (size_t)m * head_dim,
+                               rows->floats + (size_t)(r0 + r) * head_dim, d8, head_dim);
+            weights[m * TILE + at + r0 + r] = dot * scale;
         }
     }
 }
 
-/* out_m += sum over the n rows of p_m[r] * row_r, for the kv_mul query heads. Each
- * output element adds the rows in order, exactly as one axpy per row would, but keeps
- * its running sum in a register across the tile, and loads each row once for four
- * queries at a time. */
-static ALWAYS_INLINE void mix_tile(float *results, const float *att, size_t head_stride,
-                                   int pos, int kv_mul, int head_dim, const tile_rows *rows,
-                                   int n, int kind) {
-    int d8 = head_dim & ~7;
+/* All n rows of a tile against QB query heads, RB rows at a time, then the last few one
+ * at a time; the first group of queries also fetches the rows AHEAD. */
+static ALWAYS_INLINE void score_rows(float *weights, int at, const float *queries, int head_dim,
+                                     const tile_rows *rows, int n, float scale, int kind,
+                                     int QB, int RB, int fetch) {
+    int r = 0;
+    for (; r + RB <= n; r += RB) {
+        if (fetch)
+            for (int j = r; j < r + RB; j++) fetch_ahead(rows, j);
+        score_block(weights, at, queries, head_dim, rows, r, scale, kind, QB, RB);
+    }
+    for (; r < n; r++) {
+        if (fetch) fetch_ahead(rows, r);
+        score_block(weights, at, queries, head_dim, rows, r, scale, kind, QB, 1);
+    }
+}
+
+/* weights[m][at + r] = q_m . row_r * scale for the group's kv_mul query heads and the n
+ * rows: four query heads at a time against two rows, then two against four and one
+ * against eight, so that every group size keeps eight sums going (enough to keep both
+ * multiply-add units busy) and a full tile of 16 rows leaves no row over. */
+static ALWAYS_INLINE void score_tile(float *weights, int at, const float *queries, int kv_mul,
+                                     int head_dim, const tile_rows *rows, int n, float scale,
+                                     int kind) {
     int m = 0;
-    for (; m + 4 <= kv_mul; m += 4) {
-        const float *p0 = att + (size_t)m * head_stride + pos, *p1 = p0 + head_stride;
-        const float *p2 = p1 + head_stride, *p3 = p2 + head_stride;
-        float *o0 = results + (size_t)m * head_dim, *o1 = o0 + head_dim;
-        float *o2 = o1 + head_dim, *o3 = o2 + head_dim;
-        int i = 0;
-        /* sixteen values of each of the four heads at a time: each weight p_m[r] is
-         * broadcast once for two chunks of the row, which halves the loads per
-         * multiply-add (the loop is bound by loads, not by arithmetic) */
-        for (; i + 16 <= d8; i += 16) {
-            v8f a0 = load8(o0 + i), a1 = load8(o1 + i), a2 = load8(o2 + i), a3 = load8(o3 + i);
-            v8f b0 = load8(o0 + i + 8), b1 = load8(o1 + i + 8), b2 = load8(o2 + i + 8);
-            v8f b3 = load8(o3 + i + 8);
-            for (int r = 0; r < n; r++) {
-                if (m == 0 && i == 0) fetch_ahead(rows, r, n);
-                v8f v = load_chunk(rows, r, i, head_dim, kind);
-                v8f w = load_chunk(rows, r, i + 8, head_dim, kind), zero = {0};
-                v8f q0 = zero + p0[r], q1 = zero + p1[r], q2 = zero + p2[r], q3 = zero + p3[r];
-                a0 = madd(q0, v, a0); a1 = madd(q1, v, a1); a2 = madd(q2, v, a2); a3 = madd(q3, v, a3);
-                b0 = madd(q0, w, b0); b1 = madd(q1, w, b1); b2 = madd(q2, w, b2); b3 = madd(q3, w, b3);
-            }
-            memcpy(o0 + i, &a0, sizeof a0); memcpy(o1 + i, &a1, sizeof a1);
-            memcpy(o2 + i, &a2, sizeof a2); memcpy(o3 + i, &a3, sizeof a3);
-            memcpy(o0 + i + 8, &b0, sizeof b0); memcpy(o1 + i + 8, &b1, sizeof b1);
-            memcpy(o2 + i + 8, &b2, sizeof b2); memcpy(o3 + i + 8, &b3, sizeof b3);
+    for (; m + 4 <= kv_mul; m += 4)
+        score_rows(weights + m * TILE, at, queries + (size_t)m * head_dim, head_dim, rows, n,
+                   scale, kind, 4, 2, m == 0);
+    for (; m + 2 <= kv_mul; m += 2)
+        score_rows(weights + m * TILE, at, queries + (size_t)m * head_dim, head_dim, rows, n,
+                   scale, kind, 2, 4, m == 0);
+    for (; m < kv_mul; m++)
+        score_rows(weights + m * TILE, at, queries + (size_t)m * head_dim, head_dim, rows, n,
+                   scale, kind, 1, 8, m == 0);
+}
+
+/* results_m[i .. i + 8 DB) += sum over the n rows of weights[m][at + r] * row_r, for QB
+ * query heads: QB x DB running sums, loaded from the outputs, kept in registers while the
+ * rows are added in order (exactly as one axpy per row would add them), stored back. Each
+ * row chunk is loaded (and decoded) once for all QB heads. */
+static ALWAYS_INLINE void mix_block(float *results, const float *weights, int at, int head_dim,
+                                    const tile_rows *rows, int n, int i, int kind, int QB,
+                                    int DB, int fetch) {
+    v8f sums[4][8];
+    for (int m = 0; m < QB; m++)
+        for (int d = 0; d < DB; d++) sums[m][d] = load8(results + (size_t)m * head_dim + i + 8 * d);
+    for (int r = 0; r < n; r++) {
+        if (fetch) fetch_ahead(rows, r);
+        v8f values[8];
+        for (int d = 0; d < DB; d++) {
+            values[d] = load_chunk(rows, r, i + 8 * d, head_dim, kind);
+            if (QB > 1) IN_REGISTER(values[d]);
         }
-        for (; i < d8; i += 8) {
-            v8f a0 = load8(o0 + i), a1 = load8(o1 + i), a2 = load8(o2 + i), a3 = load8(o3 + i);
-            for (int r = 0; r < n; r++) {
-                v8f v = load_chunk(rows, r, i, head_dim, kind), zero = {0};
-                a0 = madd(zero + p0[r], v, a0); a1 = madd(zero + p1[r], v, a1);
-                a2 = madd(zero + p2[r], v, a2); a3 = madd(zero + p3[r], v, a3);
-            }
-            memcpy(o0 + i, &a0, sizeof a0); memcpy(o1 + i, &a1, sizeof a1);
-            memcpy(o2 + i, &a2, sizeof a2); memcpy(o3 + i, &a3, sizeof a3);
+        for (int m = 0; m < QB; m++) {
+            v8f weight = splat(weights[m * TILE + at + r]);
+            for (int d = 0; d < DB; d++) sums[m][d] = madd(weight, values[d], sums[m][d]);
         }
     }
-    for (; m < kv_mul; m++) {
-        const float *p0 = att + (size_t)m * head_stride + pos;
-        float *o0 = results + (size_t)m * head_dim;
-        for (int i = 0; i < d8; i += 8) {
-            v8f a0 = load8(o0 + i);
-            for (int r = 0; r < n; r++) {
-                if (m == 0 && i == 0) fetch_ahead(rows, r, n);
-                v8f zero = {0};
-                a0 = madd(zero + p0[r], load_chunk(rows, r, i, head_dim, kind), a0);
-            }
-            memcpy(o0 + i, &a0, sizeof a0);
-        }
-    }
-    if (kind == ROWS_F32) {   /* leftover elements when head_dim is not a multiple of 8 */
+    for (int m = 0; m < QB; m++)
+        for (int d = 0; d < DB; d++)
+            memcpy(results + (size_t)m * head_dim + i + 8 * d, &sums[m][d], sizeof(v8f));
+}
+
+/* The values of QB query heads, DB chunks of eight at a time, then the last chunks one at
+ * a time. */
+static ALWAYS_INLINE void mix_rows(float *results, const float *weights, int at, int head_dim,
+                                   const tile_rows *rows, int n, int kind, int QB, int DB,
+                                   int fetch) {
+    int d8 = head_dim & ~7, i = 0;
+    for (; i + 8 * DB <= d8; i += 8 * DB)
+        mix_block(results, weights, at, head_dim, rows, n, i, kind, QB, DB, fetch && i == 0);
+    for (; i < d8; i += 8)
+        mix_block(results, weights, at, head_dim, rows, n, i, kind, QB, 1, fetch && i == 0);
+}
+
+/* results_m += sum over the n rows of weights[m][at + r] * row_r for the kv_mul query
+ * heads: four heads x two chunks (eight running sums), two x four, one x eight. */
+static ALWAYS_INLINE void mix_tile(float *results, const float *weights, int at, int kv_mul,
+                                   int head_dim, const tile_rows *rows, int n, int kind) {
+    int m = 0;
+    for (; m + 4 <= kv_mul; m += 4)
+        mix_rows(results + (size_t)m * head_dim, weights + m * TILE, at, head_dim, rows, n,
+                 kind, 4, 2, m == 0);
+    for (; m + 2 <= kv_mul; m += 2)
+        mix_rows(results + (size_t)m * head_dim, weights + m * TILE, at, head_dim, rows, n,
+                 kind, 2, 4, m == 0);
+    for (; m < kv_mul; m++)
+        mix_rows(results + (size_t)m * head_dim, weights + m * TILE, at, head_dim, rows, n,
+                 kind, 1, 8, m == 0);
+    int d8 = head_dim & ~7;
+    if (kind == ROWS_F32 && d8 < head_dim) {   /* leftover elements, head_dim % 8 != 0 */
         for (m = 0; m < kv_mul; m++) {
-            const float *p0 = att + (size_t)m * head_stride + pos;
-            float *o0 = results + (size_t)m * head_dim;
+            const float *p = weights + m * TILE + at;
+            float *o = results + (size_t)m * head_dim;
             for (int i = d8; i < head_dim; i++) {
-                float acc = o0[i];
-                for (int r = 0; r < n; r++) acc += p0[r] * rows->floats[(size_t)r * head_dim + i];
-                o0[i] = acc;
+                float acc = o[i];
+                for (int r = 0; r < n; r++) acc += p[r] * rows->floats[(size_t)r * head_dim + i];
+                o[i] = acc;
             }
         }
     }
 }
 
 /* One version of each kernel per kind of row, which the compiler builds separately. */
-#define KERNELS(NAME, KIND)                                                                  \
-    static void score_##NAME(float *att, size_t stride, int pos, const float *q, int kv_mul, \
-                             int head_dim, const tile_rows *rows, int n, float scale) {      \
-        score_tile(att, stride, pos, q, kv_mul, head_dim, rows, n, scale, KIND);             \
-    }                                                                                        \
-    static void mix_##NAME(float *results, const float *att, size_t stride, int pos,         \
-                           int kv_mul, int head_dim, const tile_rows *rows, int n) {         \
-        mix_tile(results, att, stride, pos, kv_mul, head_dim, rows, n, KIND);                \
+#define KERNELS(NAME, KIND)                                                                   \
+    static void score_##NAME(float *weights, int at, const float *q, int kv_mul, int head_dim, \
+                             const tile_rows *rows, int n, float scale) {                     \
+        score_tile(weights, at, q, kv_mul, head_dim, rows, n, scale, KIND);                   \
+    }                                                                                         \
+    static void mix_##NAME(float *results, const float *weights, int at, int kv_mul,          \
+                           int head_dim, const tile_rows *rows, int n) {                      \
+        mix_tile(results, weights, at, kv_mul, head_dim, rows, n, KIND);                      \
     }
 KERNELS(f32, ROWS_F32)
 KERNELS(i8, ROWS_I8)
@@ -283,9 +332,8 @@ KERNELS(bf16, ROWS_BF16)
 KERNELS(i4, ROWS_I4)
 KERNELS(fp8, ROWS_FP8)
 
-typedef void (*score_kernel)(float *, size_t, int, const float *, int, int, const tile_rows *,
-                             int, float);
-typedef void (*mix_kernel)(float *, const float *, size_t, int, int, int, const tile_rows *, int);
+typedef void (*score_kernel)(float *, int, const float *, int, int, const tile_rows *, int, float);
+typedef void (*mix_kernel)(float *, const float *, int, int, int, const tile_rows *, int);
 static const score_kernel score_kernels[] = {score_f32, score_i8, score_f16, score_bf16,
                                              score_i4, score_fp8};
 static const mix_kernel mix_kernels[] = {mix_f32, mix_i8, mix_f16, mix_bf16, mix_i4, mix_fp8};
@@ -295,10 +343,11 @@ static const mix_kernel mix_kernels[] = {mix_f32, mix_i8, mix_f16, mix_bf16, mix
  * order the hardware prefetcher does not follow well, so without this a long context's
  * decode waits on memory row by row. */
 static void plan_fetch(tile_rows *rows, const kv_store *store, int layer, int head,
-                       size_t slot, int n) {
+                       size_t slot, int n_ahead, int n_now) {
     rows->next = (const char *)store->codes +
                  kv_store_head_index(store, layer, head, slot) * store->head_bytes;
-    rows->next_bytes = n > 0 ? (size_t)n * store->head_bytes : 0;
+    rows->next_bytes = n_ahead > 0 ? (size_t)n_ahead * store->head_bytes : 0;
+    rows->fetch_share = ((rows->next_bytes + (size_t)n_now - 1) / (size_t)n_now + 63) & ~(size_t)63;
 }
 
 /* Head `head` of n consecutive positions pos .. pos + n - 1 (slots slot .. slot + n - 1
@@ -320,7 +369,7 @@ static int head_rows(const kv_layer_view *view, int is_value, int head, int pos,
         int block_end = ahead - ahead % view->block_size + view->block_size;
         int n_ahead = n_seen < block_end ? n_seen - ahead : block_end - ahead;
         plan_fetch(rows, store, view->layer, head, kv_view_slot(view, ahead),
-                   n_ahead < TILE ? n_ahead : TILE);
+                   n_ahead < TILE ? n_ahead : TILE, n);
     }
     int kv_dim = store->n_kv_heads * head_dim;
     int first_exact = view->window > 0 ? query_pos - view->window + 1 : query_pos + 1;
@@ -368,12 +417,18 @@ static int head_rows(const kv_layer_view *view, int is_value, int head, int pos,
     return ROWS_F32;
 }
 
+/* Positions pos .. end - 1, or up to the end of pos's block if that comes first: the run
+ * of rows that lie next to each other in the store. */
+static int run_length(const kv_layer_view *view, int pos, int end) {
+    int block_end = pos - pos % view->block_size + view->block_size;
+    return (end < block_end ? end : block_end) - pos;
+}
+
 void kv_attention(float *out, const float *q, const kv_layer_view *view, int n_tokens,
                   int start_pos, int n_heads, int n_kv_heads, int head_dim, float *scratch,
-                  size_t scratch_stride, int max_positions, int n_threads) {
+                  size_t scratch_stride, int n_threads) {
     int kv_mul = n_heads / n_kv_heads;
     size_t q_dim = (size_t)n_heads * head_dim;
-    size_t head_stride = round_up16((size_t)max_positions);  /* one row of scores per query head */
     float scale = 1.0f / sqrtf((float)head_dim);
 
     /* One iteration per (token, KV head): the kv_mul query heads that share a KV head are
@@ -388,39 +443,61 @@ void kv_attention(float *out, const float *q, const kv_layer_view *view, int n_t
             int n_seen = query_pos + 1;              /* positions 0 .. its own */
             /* the group's query heads are consecutive: heads g*kv_mul .. g*kv_mul + kv_mul-1 */
             const float *queries = q + t * q_dim + (size_t)g * kv_mul * head_dim;
-            float *att = scratch + (size_t)omp_get_thread_num() * scratch_stride;
-            float *tile = att + (size_t)kv_mul * head_stride;
+            float *results = out + t * q_dim + (size_t)g * kv_mul * head_dim;
+            /* this thread's scratch: a tile of weights per query head, then each head's
+             * running max and sum, then a tile of rows to decode keys or values into */
+            float *weights = scratch + (size_t)omp_get_thread_num() * scratch_stride;
+            float *running_max = weights + (size_t)kv_mul * TILE;
+            float *running_sum = running_max + kv_mul;
+            float *tile = weights + round_up16((size_t)kv_mul * (TILE + 2));
+            for (int m = 0; m < kv_mul; m++) {
+                running_max[m] = -INFINITY;
+                running_sum[m] = 0.0f;
+            }
+            memset(results, 0, (size_t)kv_mul * head_dim * sizeof(float));
 
-            /* how well each query matches every earlier key (and its own): block by
-             * block (one table lookup each), a tile of rows at a time */
-            for (int first = 0; first < n_seen; first += view->block_size) {
-                int in_block = n_seen - first < view->block_size ? n_seen - first : view->block_size;
-                size_t slot = kv_view_slot(view, first);
-                for (int r0 = 0; r0 < in_block; r0 += TILE) {
-                    int n = in_block - r0 < TILE ? in_block - r0 : TILE;
+            /* One pass over the positions, TILE at a time, counted from position 0 so that
+             * a query meets the same tiles whether it came alone or in a prefill, and
+             * whatever the cache's block size: its numbers come out bit-identical. */
+            for (int tile_start = 0; tile_start < n_seen; tile_start += TILE) {
+                int tile_end = n_seen - tile_start < TILE ? n_seen : tile_start + TILE;
+                /* how well each query matches the tile's keys, a run of rows at a time
+                 * (one run, unless the tile spans blocks of a paged cache) */
+                for (int pos = tile_start; pos < tile_end;) {
+                    int n = run_length(view, pos, tile_end);
                     tile_rows keys;
-                    int kind = head_rows(view, 0, g, first + r0, slot + r0, n, n_seen,
+                    int kind = head_rows(view, 0, g, pos, kv_view_slot(view, pos), n, n_seen,
                                          query_pos, head_dim, tile, &keys);
-                    score_kernels[kind](att, head_stride, first + r0, queries, kv_mul,
-                                        head_dim, &keys, n, scale);
+                    score_kernels[kind](weights, pos - tile_start, queries, kv_mul, head_dim,
+                                        &keys, n, scale);
+                    pos += n;
+                }
+                /* the online softmax: the scores become e^(s - max so far), and whatever
+                 * the outputs summed under an older, smaller max is scaled down to match */
+                for (int m = 0; m < kv_mul; m++) {
+                    float correction = kv_softmax_tile(weights + m * TILE, tile_end - tile_start,
+                                                       &running_max[m], &running_sum[m]);
+                    if (correction != 1.0f) {
+                        float *result = results + (size_t)m * head_dim;
+                        for (int i = 0; i < head_dim; i++) result[i] *= correction;
+                    }
+                }
+                /* the values, weighted by those exponentials, added into the outputs */
+                for (int pos = tile_start; pos < tile_end;) {
+                    int n = run_length(view, pos, tile_end);
+                    tile_rows values;
+                    int kind = head_rows(view, 1, g, pos, kv_view_slot(view, pos), n, n_seen,
+                                         query_pos, head_dim, tile, &values);
+                    mix_kernels[kind](results, weights, pos - tile_start, kv_mul, head_dim,
+                                      &values, n);
+                    pos += n;
                 }
             }
-            for (int m = 0; m < kv_mul; m++) kv_softmax(att + (size_t)m * head_stride, n_seen);
-
-            /* the weighted mix of their values */
-            float *results = out + t * q_dim + (size_t)g * kv_mul * head_dim;
-            memset(results, 0, (size_t)kv_mul * head_dim * sizeof(float));
-            for (int first = 0; first < n_seen; first += view->block_size) {
-                int in_block = n_seen - first < view->block_size ? n_seen - first : view->block_size;
-                size_t slot = kv_view_slot(view, first);
-                for (int r0 = 0; r0 < in_block; r0 += TILE) {
-                    int n = in_block - r0 < TILE ? in_block - r0 : TILE;
-                    tile_rows values;
-                    int kind = head_rows(view, 1, g, first + r0, slot + r0, n, n_seen,
-                                         query_pos, head_dim, tile, &values);
-                    mix_kernels[kind](results, att, head_stride, first + r0, kv_mul, head_dim,
-                                      &values, n);
-                }
+            /* divide by the sum of the exponentials: the softmax's normalization, once */
+            for (int m = 0; m < kv_mul; m++) {
+                float inv_sum = 1.0f / running_sum[m];
+                float *result = results + (size_t)m * head_dim;
+                for (int i = 0; i < head_dim; i++) result[i] *= inv_sum;
             }
         }
     }

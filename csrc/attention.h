@@ -41,15 +41,15 @@ kv_layer_view kv_cache_layer_view(const kv_cache *cache, int layer);
 /* For each of n_tokens new queries, at positions start_pos .. start_pos + n_tokens - 1,
  * attends over positions 0 .. its own position (the causal mask). q and out are
  * (n_tokens, n_heads * head_dim); the view already holds the new tokens' K and V.
- * scratch holds n_threads rows of scratch_stride floats, one per thread: n_heads /
- * n_kv_heads runs of max_positions scores (one per query head of a group), then a tile
- * of head rows (TILE in attention.c) to decode keys or values into when they cannot be
- * read in place. */
+ * scratch holds n_threads rows of scratch_stride floats, one per thread: for each query
+ * head of a group a tile of weights (TILE in attention.c), a running max and a running
+ * sum, then a tile of head rows to decode keys or values into when they cannot be read
+ * in place. Its size does not depend on the context length. */
 void kv_attention(float *out, const float *q, const kv_layer_view *view, int n_tokens,
                   int start_pos, int n_heads, int n_kv_heads, int head_dim, float *scratch,
-                  size_t scratch_stride, int max_positions, int n_threads);
+                  size_t scratch_stride, int n_threads);
 
 /* Floats of scratch each thread needs (the scratch_stride above). */
-size_t kv_attention_scratch(int n_heads, int n_kv_heads, int head_dim, int max_positions);
+size_t kv_attention_scratch(int n_heads, int n_kv_heads, int head_dim);
 
 #endif /* KVLAB_ATTENTION_H */

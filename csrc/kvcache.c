@@ -140,14 +140,13 @@ kv_status kv_cache_attend(const kv_cache *cache, int layer, const float *q, int 
              n_heads % cache->n_kv_heads == 0 &&
              (long)n_heads * cache->head_dim <= KV_MAX_WIDTH, KV_ERR_INVALID_ARG);
     int n_threads = kv_threads();
-    size_t stride = kv_attention_scratch(n_heads, cache->n_kv_heads, cache->head_dim,
-                                         cache->length);
+    size_t stride = kv_attention_scratch(n_heads, cache->n_kv_heads, cache->head_dim);
     scratch = kv_alloc_floats((size_t)n_threads * stride);
     KV_CHECK(scratch != NULL, KV_ERR_NOMEM);
     /* q is the query of the last cached token: it sees every position, itself included */
     kv_layer_view view = kv_cache_layer_view(cache, layer);
     kv_attention(out, q, &view, 1, cache->length - 1, n_heads, cache->n_kv_heads,
-                 cache->head_dim, scratch, stride, cache->length, n_threads);
+                 cache->head_dim, scratch, stride, n_threads);
 fail:
     free(scratch);
     return status;

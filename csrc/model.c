@@ -94,10 +94,10 @@ typedef struct {
     float *hb2;       /* (n_tokens, hidden_dim) up */
     float *rope_cos;  /* (n_tokens, head_dim / 2) */
     float *rope_sin;  /* (n_tokens, head_dim / 2) */
-    float *scores;    /* (n_threads, attention scratch): one KV head's group of query heads'
-                         attention weights, and rows to dequantize K and V into */
+    float *scores;    /* (n_threads, attention scratch): a tile of attention weights and the
+                         softmax's running max and sum per query head of a group, and rows
+                         to dequantize K and V into */
     size_t score_stride;
-    int max_positions; /* positions the furthest new token sees */
     int n_threads;    /* threads of this call's attention loops: one scores row each */
     float *block;     /* the single allocation all of the above point into */
     int n_runs;
@@ -117,12 +117,10 @@ static void run_state_free(run_state *s) {
 
 static size_t round_up16(size_t n) { return (n + 15) & ~(size_t)15; }
 
-static kv_status run_state_alloc(run_state *s, const kv_config *c, int n_tokens,
-                                 int max_positions, int n_runs) {
+static kv_status run_state_alloc(run_state *s, const kv_config *c, int n_tokens, int n_runs) {
     size_t T = (size_t)n_tokens, q_dim = (size_t)c->n_heads * c->head_dim;
     size_t kv_dim = (size_t)c->n_kv_heads * c->head_dim, half = (size_t)c->head_dim / 2;
-    s->score_stride = kv_attention_scratch(c->n_heads, c->n_kv_heads, c->head_dim, max_positions);
-    s->max_positions = max_positions;
+    s->score_stride = kv_attention_scratch(c->n_heads, c->n_kv_heads, c->head_dim);
     s->n_threads = kv_threads();
     size_t sizes[] = {T * c->dim, T * c->dim, T * q_dim, T * kv_dim, T * kv_dim, T * q_dim,
                       T * c->dim, T * c->hidden_dim, T * c->hidden_dim, T * half, T * half,
@@ -221,7 +219,7 @@ static void attend_runs(const kv_config *c, run_state *s, int layer) {
         token_run *run = &s->runs[0];
         kv_attention(s->att_out, s->q, view_of(s, layer, 0), run->n_tokens, run->start_pos,
                      c->n_heads, c->n_kv_heads, c->head_dim, s->scores, s->score_stride,
-                     s->max_positions, s->n_threads);
+                     s->n_threads);
         return;
     }
     long work = 0;
@@ -234,7 +232,7 @@ static void attend_runs(const kv_config *c, run_state *s, int layer) {
         float *scratch = s->scores + (size_t)omp_get_thread_num() * s->score_stride;
         kv_attention(s->att_out + run->first * q_dim, s->q + run->first * q_dim,
                      view_of(s, layer, r), run->n_tokens, run->start_pos, c->n_heads,
-                     c->n_kv_heads, c->head_dim, scratch, s->score_stride, s->max_positions, 1);
+                     c->n_kv_heads, c->head_dim, scratch, s->score_stride, 1);
     }
 }
 
@@ -373,7 +371,7 @@ kv_status kv_model_forward(const kv_model *model, kv_cache *cache, const int32_t
     KV_TRY(kv_check_tokens(c, tokens, n_tokens));
     KV_CHECK(n_tokens <= cache->capacity - cache->length, KV_ERR_CACHE_FULL);
     int start_pos = cache->length;
-    KV_TRY(run_state_alloc(&s, c, n_tokens, start_pos + n_tokens, 1));
+    KV_TRY(run_state_alloc(&s, c, n_tokens, 1));
     s.runs[0] = (token_run){0, n_tokens, start_pos};
     for (int layer = 0; layer < c->n_layers; layer++)
         *view_of(&s, layer, 0) = kv_cache_layer_view(cache, layer);
@@ -397,7 +395,7 @@ kv_status kv_model_forward_paged(const kv_model *model, kv_pool *pool, int seq,
     KV_TRY(kv_check_tokens(c, tokens, n_tokens));
     KV_TRY(kv_pool_seq_check(pool, seq));
     int start_pos = pool->seqs[seq].length;
-    KV_TRY(run_state_alloc(&s, c, n_tokens, start_pos + n_tokens, 1));
+    KV_TRY(run_state_alloc(&s, c, n_tokens, 1));
     s.runs[0] = (token_run){0, n_tokens, start_pos};
     /* Last fallible step: blocks for the new positions (copy-on-write included). It
      * changes nothing when it fails, and nothing after it can fail. */
@@ -425,22 +423,20 @@ kv_status kv_model_forward_batch(const kv_model *model, kv_pool *pool, int n_seq
     /* Every check before the first change: sequences alive and distinct, sizes sane, token
      * ids in range, and enough blocks for all of them together. */
     long total = 0;
-    int max_positions = 0, blocks_needed = 0;
+    int blocks_needed = 0;
     for (int i = 0; i < n_seqs; i++) {
         KV_TRY(kv_pool_seq_check(pool, seqs[i]));
         for (int j = 0; j < i; j++) KV_CHECK(seqs[j] != seqs[i], KV_ERR_INVALID_ARG);
         KV_CHECK(n_tokens[i] >= 1 && n_tokens[i] <= KV_MAX_TOKENS_PER_CALL, KV_ERR_INVALID_ARG);
         total += n_tokens[i];
         KV_CHECK(total <= KV_MAX_TOKENS_PER_CALL, KV_ERR_INVALID_ARG);
-        int end = pool->seqs[seqs[i]].length + n_tokens[i];
-        if (end > max_positions) max_positions = end;
         int needed;
         KV_TRY(kv_pool_blocks_needed(pool, seqs[i], n_tokens[i], &needed));
         blocks_needed += needed;
     }
     KV_TRY(kv_check_tokens(c, tokens, (int)total));
     KV_CHECK(blocks_needed <= kv_pool_blocks_available(pool), KV_ERR_OUT_OF_BLOCKS);
-    KV_TRY(run_state_alloc(&s, c, (int)total, max_positions, n_seqs));
+    KV_TRY(run_state_alloc(&s, c, (int)total, n_seqs));
     /* Nothing below can fail: each reservation fits in what was counted above (a
      * copy-on-write counted for two forks of one block happens only once, if at all). */
     for (int i = 0, first = 0; i < n_seqs; first += n_tokens[i], i++) {

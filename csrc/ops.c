@@ -173,11 +173,22 @@ void kv_rope(float *vec, int n_heads, int head_dim, const float *cos_table,
     }
 }
 
+/* the larger of a and b, lane by lane */
+static inline v8f max8(v8f a, v8f b) {
+#ifdef __AVX__
+    return (v8f)_mm256_max_ps((__m256)a, (__m256)b);
+#else
+    v8f larger;
+    for (int i = 0; i < 8; i++) larger[i] = a[i] > b[i] ? a[i] : b[i];
+    return larger;
+#endif
+}
+
 /* e^x for eight values at once, x <= 0 (softmax only needs those): x = n ln 2 + r with
  * |r| <= ln2 / 2, e^r from a degree-6 polynomial (Taylor terms, accurate to about one
  * unit in the last place there), times 2^n built from its exponent bits. glibc's expf
  * gives the same to within that last unit but one value at a time; attention calls this
- * once per query head and position, so it is a quarter of a long decode step's time. */
+ * once per query head and position. */
 static inline v8f exp_nonpositive(v8f x) {
     typedef int32_t v8i __attribute__((vector_size(32)));
     const float log2e = 1.44269504088896341f, ln2_hi = 0.693359375f, ln2_lo = -2.12194440e-4f;
@@ -198,30 +209,27 @@ static inline v8f exp_nonpositive(v8f x) {
     return (v8f)((v8i)result & ~too_small);
 }
 
-void kv_softmax(float *x, int n) {
-    float max = x[0];
-    for (int i = 1; i < n; i++) max = x[i] > max ? x[i] : max;
-    /* exponentials eight at a time, summed in eight lanes, then pairwise: one fixed order */
-    v8f lanes = {0};
-    int n8 = n & ~7;
-    for (int i = 0; i < n8; i += 8) {
-        v8f e = exp_nonpositive(load8(x + i) - max);
-        memcpy(x + i, &e, sizeof e);
-        lanes += e;
-    }
-    float sum = reduce_lanes(lanes);
-    if (n8 < n) {   /* the last few through one more padded chunk */
-        float tail[8] = {0};
-        for (int i = n8; i < n; i++) tail[i - n8] = x[i] - max;
-        for (int i = n - n8; i < 8; i++) tail[i] = -INFINITY;
-        v8f e = exp_nonpositive(load8(tail));
-        for (int i = n8; i < n; i++) {
-            x[i] = e[i - n8];
-            sum += x[i];
-        }
-    }
-    float inv_sum = 1.0f / sum;
-    for (int i = 0; i < n; i++) x[i] *= inv_sum;
+float kv_softmax_tile(float *scores, int n, float *running_max, float *running_sum) {
+    /* the tile as two chunks of eight, padded with -inf, whose exponential is 0 */
+    float padded[16];
+    for (int i = 0; i < 16; i++) padded[i] = i < n ? scores[i] : -INFINITY;
+    v8f low = load8(padded), high = load8(padded + 8);
+    v8f larger = max8(low, high);
+    float tile_max = larger[0];
+    for (int i = 1; i < 8; i++) tile_max = larger[i] > tile_max ? larger[i] : tile_max;
+    float new_max = tile_max > *running_max ? tile_max : *running_max;
+    /* the exponentials, summed in eight lanes, then pairwise: one fixed order */
+    low = exp_nonpositive(low - new_max);
+    high = exp_nonpositive(high - new_max);
+    memcpy(padded, &low, sizeof low);
+    memcpy(padded + 8, &high, sizeof high);
+    memcpy(scores, padded, (size_t)n * sizeof(float));
+    /* e^(old max - new max): 1 when the max stayed, 0 before the first tile */
+    float correction = 1.0f;
+    if (new_max != *running_max) correction = exp_nonpositive(splat(*running_max - new_max))[0];
+    *running_sum = *running_sum * correction + reduce_lanes(low + high);
+    *running_max = new_max;
+    return correction;
 }
 
 void kv_swiglu(float *gate, const float *up, size_t n) {

@@ -9,7 +9,7 @@
 
 #include <stddef.h>
 #include <string.h>
-#ifdef __FMA__
+#if defined(__FMA__) || defined(__AVX__)
 #include <immintrin.h>
 #endif
 
@@ -47,6 +47,28 @@ static inline v8f madd(v8f a, v8f b, v8f acc) {
 static inline float reduce_lanes(v8f lanes) {
     return ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) +
            ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
+}
+
+/* Four floats: what reduce_lanes4 returns. */
+typedef float v4f __attribute__((vector_size(16)));
+
+/* reduce_lanes of four vectors at once: lane j of the result is reduce_lanes of the j-th
+ * argument, bit for bit (the same additions; a + b and b + a round alike). Three
+ * horizontal adds and one add, instead of four rounds of shuffles and scalar adds. */
+static inline v4f reduce_lanes4(v8f a, v8f b, v8f c, v8f d) {
+#ifdef __AVX__
+    __m256 ab = _mm256_hadd_ps((__m256)a, (__m256)b);    /* a0+a1 a2+a3 b0+b1 b2+b3 | a4+a5 .. */
+    __m256 cd = _mm256_hadd_ps((__m256)c, (__m256)d);
+    __m256 quarters = _mm256_hadd_ps(ab, cd);             /* (a0+a1)+(a2+a3) (b..) (c..) (d..) | .. */
+    return (v4f)_mm_add_ps(_mm256_castps256_ps128(quarters), _mm256_extractf128_ps(quarters, 1));
+#else
+    return (v4f){reduce_lanes(a), reduce_lanes(b), reduce_lanes(c), reduce_lanes(d)};
+#endif
+}
+
+/* x in all eight lanes (one broadcast; "zero + x" would cost an addition as well). */
+static inline v8f splat(float x) {
+    return (v8f){x, x, x, x, x, x, x, x};
 }
 
 /* Leftover elements after the last full chunk of eight, added in order. */
@@ -89,8 +111,12 @@ void kv_rmsnorm(float *out, const float *x, const float *weight, int dim, float 
 void kv_rope(float *vec, int n_heads, int head_dim, const float *cos_table,
              const float *sin_table, int interleaved);
 
-/* x = exp(x - max) / sum, in place */
-void kv_softmax(float *x, int n);
+/* One step of the online softmax, for a tile of n scores (1 <= n <= 16) of one query head.
+ * running_max and running_sum hold the largest score so far and the sum of e^(s - max)
+ * over the earlier tiles (-inf and 0 before the first). Replaces each score s with
+ * e^(s - new max), updates both, and returns e^(old max - new max): the factor by which
+ * whatever was summed under the old max must be scaled to join the new terms. */
+float kv_softmax_tile(float *scores, int n, float *running_max, float *running_sum);
 
 /* gate = silu(gate) * up, elementwise: the SwiGLU activation */
 void kv_swiglu(float *gate, const float *up, size_t n);

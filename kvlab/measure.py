@@ -140,15 +140,17 @@ def _round16(n: int) -> int:
 def scratch_bytes(config: ModelConfig, n_tokens: int, start_pos: int = 0, n_threads: int = 1,
                   cached: bool = True) -> int:
     """Activation scratch one forward call allocates (csrc/model.c, run_state): a few
-    (n_tokens, width) buffers plus, per thread, a row of attention scores and a tile of
-    ATTENTION_TILE head rows to dequantize K and V into; without a cache
-    the whole sequence's K and V are rebuilt as scratch too."""
+    (n_tokens, width) buffers plus, per thread, the online softmax's state for each query
+    head of a group (a tile of ATTENTION_TILE weights, a running max and a running sum)
+    and a tile of head rows to dequantize K and V into; without a cache the whole
+    sequence's K and V are rebuilt as scratch too. The attention part does not grow with
+    the context: start_pos changes nothing."""
     c, T = config, n_tokens
-    positions = start_pos + T
     buffers = [T * c.dim, T * c.dim, T * c.q_dim, T * c.kv_dim, T * c.kv_dim, T * c.q_dim,
                T * c.dim, T * c.hidden_dim, T * c.hidden_dim, T * c.head_dim // 2,
                T * c.head_dim // 2,
-               n_threads * (c.kv_mul * _round16(positions) + ATTENTION_TILE * _round16(c.head_dim))]
+               n_threads * (_round16(c.kv_mul * (ATTENTION_TILE + 2))
+                             + ATTENTION_TILE * _round16(c.head_dim))]
     total = sum(_round16(n) for n in buffers) * FLOAT
     if not cached:
         total += 2 * c.n_layers * T * c.kv_dim * FLOAT

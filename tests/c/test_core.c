@@ -63,11 +63,25 @@ static void test_ops(void) {
     CHECK(exact);
     free(x); free(w); free(y);
 
-    float s[6] = {1, 2, 3, 4, -50, 3};
-    kv_softmax(s, 6);
-    float sum = 0;
-    for (int i = 0; i < 6; i++) sum += s[i];
-    CHECK(fabsf(sum - 1.0f) < 1e-6f && s[3] > s[2] && s[4] < 1e-20f);
+    /* the online softmax over two tiles (the max rises in the second) gives the plain
+     * softmax: weights e^(s - max) rescaled by the corrections, divided by the sum */
+    float s[20], expected[20], plain_sum = 0;
+    for (int i = 0; i < 20; i++) s[i] = i == 4 ? -50.0f : (float)(i % 7) + (i >= 16 ? 3.0f : 0.0f);
+    for (int i = 0; i < 20; i++) plain_sum += expected[i] = expf(s[i] - 8.0f);   /* max is 8 */
+    float running_max = -INFINITY, running_sum = 0.0f;
+    float first = kv_softmax_tile(s, 16, &running_max, &running_sum);
+    float second = kv_softmax_tile(s + 16, 4, &running_max, &running_sum);
+    CHECK(first == 0.0f && running_max == 8.0f && fabsf(second - expf(6.0f - 8.0f)) < 1e-7f);
+    CHECK(fabsf(running_sum - plain_sum) < 1e-5f * plain_sum);
+    int close = 1;
+    for (int i = 0; i < 20; i++) {
+        float weight = (i < 16 ? s[i] * second : s[i]) / running_sum;
+        close &= fabsf(weight - expected[i] / plain_sum) < 1e-6f;
+    }
+    CHECK(close && s[4] < 1e-20f);
+    running_max = 2.0f;   /* the max stays: the correction is exactly 1 */
+    float again[3] = {1.0f, 2.0f, 0.5f};
+    CHECK(kv_softmax_tile(again, 3, &running_max, &running_sum) == 1.0f && again[1] == 1.0f);
 
     float v[4] = {3, 4, 0, 0}, ones[4] = {1, 1, 1, 1}, normed[4];
     kv_rmsnorm(normed, v, ones, 4, 0.0f + 1e-12f);    /* rms = 2.5 */
