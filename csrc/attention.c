@@ -31,8 +31,10 @@ static size_t round_up16(size_t n) { return (n + 15) & ~(size_t)15; }
 /* Rows are read TILE at a time: a tile of dequantized head rows (16 x 128 floats = 8 KiB
  * for a typical head) stays in the L1 cache while every query head of the group uses it. */
 #define TILE 16
-/* and the rows AHEAD positions on are asked for while a tile is computed */
-#define AHEAD (2 * TILE)
+/* and the rows AHEAD positions on (the next tile) are asked for while a tile is computed:
+ * one tile of keys and one of values in use, one of each on the way, 32 KiB for heads of
+ * 128 floats, which is as much as the L1 cache holds. Further ahead measured no faster. */
+#define AHEAD TILE
 
 size_t kv_attention_scratch(int n_heads, int n_kv_heads, int head_dim) {
     /* per query head of a group: a tile of weights, a running max and a running sum */
@@ -52,7 +54,6 @@ enum { ROWS_F32, ROWS_I8, ROWS_F16, ROWS_BF16, ROWS_I4, ROWS_FP8 };
 typedef struct {
     const char *next;        /* the rows that come AHEAD positions later, to fetch early */
     size_t next_bytes;       /* 0 when there are none */
-    size_t fetch_share;      /* bytes of them to fetch per row of this tile (whole lines) */
     const float *floats;     /* (n, head_dim) float32 (ROWS_F32) */
     const uint8_t *codes;    /* (n, head_bytes) codes (the others) */
     const float *scales;     /* (n, groups_per_head) */
@@ -147,13 +148,17 @@ static ALWAYS_INLINE v8f load_chunk(const tile_rows *rows, int r, int i, int hea
     return as_floats(__builtin_convertvector(codes, v8u32) << 16);
 }
 
-/* While row r of the tile is used, row r's share of the rows AHEAD is fetched: spread
- * over the tile's work, so that the requests never pile up (a burst of a hundred
- * prefetches stalls the core until the memory system has room for them). */
-static ALWAYS_INLINE void fetch_ahead(const tile_rows *rows, int r) {
-    size_t from = (size_t)r * rows->fetch_share;
-    size_t to = from + rows->fetch_share < rows->next_bytes ? from + rows->fetch_share
-                                                            : rows->next_bytes;
+/* The rows AHEAD are fetched a share at a time, spread evenly over a kernel's n_steps
+ * steps, so that the requests never pile up: a burst of a hundred prefetches stalls the
+ * core until the memory system has room for them. Whole cache lines per step. */
+static size_t fetch_share(const tile_rows *rows, size_t n_steps) {
+    return ((rows->next_bytes + n_steps - 1) / n_steps + 63) & ~(size_t)63;
+}
+
+/* step `step`'s share of the rows AHEAD (nothing when share is 0) */
+static ALWAYS_INLINE void fetch_ahead(const tile_rows *rows, size_t step, size_t share) {
+    size_t from = step * share;
+    size_t to = from + share < rows->next_bytes ? from + share : rows->next_bytes;
     for (size_t at = from; at < to; at += 64) __builtin_prefetch(rows->next + at);
 }
 
@@ -217,14 +222,14 @@ static ALWAYS_INLINE void score_block(float *weights, int at, const float *queri
 static ALWAYS_INLINE void score_rows(float *weights, int at, const float *queries, int head_dim,
                                      const tile_rows *rows, int n, float scale, int kind,
                                      int QB, int RB, int fetch) {
+    size_t share = fetch ? fetch_share(rows, (size_t)n) : 0;   /* one step per row */
     int r = 0;
     for (; r + RB <= n; r += RB) {
-        if (fetch)
-            for (int j = r; j < r + RB; j++) fetch_ahead(rows, j);
+        for (int j = r; j < r + RB; j++) fetch_ahead(rows, (size_t)j, share);
         score_block(weights, at, queries, head_dim, rows, r, scale, kind, QB, RB);
     }
     for (; r < n; r++) {
-        if (fetch) fetch_ahead(rows, r);
+        fetch_ahead(rows, (size_t)r, share);
         score_block(weights, at, queries, head_dim, rows, r, scale, kind, QB, 1);
     }
 }
@@ -254,12 +259,12 @@ static ALWAYS_INLINE void score_tile(float *weights, int at, const float *querie
  * row chunk is loaded (and decoded) once for all QB heads. */
 static ALWAYS_INLINE void mix_block(float *results, const float *weights, int at, int head_dim,
                                     const tile_rows *rows, int n, int i, int kind, int QB,
-                                    int DB, int fetch) {
+                                    int DB, size_t first_step, size_t share) {
     v8f sums[4][8];
     for (int m = 0; m < QB; m++)
         for (int d = 0; d < DB; d++) sums[m][d] = load8(results + (size_t)m * head_dim + i + 8 * d);
     for (int r = 0; r < n; r++) {
-        if (fetch) fetch_ahead(rows, r);
+        fetch_ahead(rows, first_step + (size_t)r, share);
         v8f values[8];
         for (int d = 0; d < DB; d++) {
             values[d] = load_chunk(rows, r, i + 8 * d, head_dim, kind);
@@ -281,10 +286,14 @@ static ALWAYS_INLINE void mix_rows(float *results, const float *weights, int at,
                                    const tile_rows *rows, int n, int kind, int QB, int DB,
                                    int fetch) {
     int d8 = head_dim & ~7, i = 0;
-    for (; i + 8 * DB <= d8; i += 8 * DB)
-        mix_block(results, weights, at, head_dim, rows, n, i, kind, QB, DB, fetch && i == 0);
-    for (; i < d8; i += 8)
-        mix_block(results, weights, at, head_dim, rows, n, i, kind, QB, 1, fetch && i == 0);
+    /* one step per row of each call of mix_block */
+    int n_calls = d8 / (8 * DB) + (d8 % (8 * DB)) / 8;
+    size_t share = fetch && n_calls > 0 ? fetch_share(rows, (size_t)n * (size_t)n_calls) : 0;
+    size_t step = 0;
+    for (; i + 8 * DB <= d8; i += 8 * DB, step += (size_t)n)
+        mix_block(results, weights, at, head_dim, rows, n, i, kind, QB, DB, step, share);
+    for (; i < d8; i += 8, step += (size_t)n)
+        mix_block(results, weights, at, head_dim, rows, n, i, kind, QB, 1, step, share);
 }
 
 /* results_m += sum over the n rows of weights[m][at + r] * row_r for the kv_mul query
@@ -343,11 +352,10 @@ static const mix_kernel mix_kernels[] = {mix_f32, mix_i8, mix_f16, mix_bf16, mix
  * order the hardware prefetcher does not follow well, so without this a long context's
  * decode waits on memory row by row. */
 static void plan_fetch(tile_rows *rows, const kv_store *store, int layer, int head,
-                       size_t slot, int n_ahead, int n_now) {
+                       size_t slot, int n) {
     rows->next = (const char *)store->codes +
                  kv_store_head_index(store, layer, head, slot) * store->head_bytes;
-    rows->next_bytes = n_ahead > 0 ? (size_t)n_ahead * store->head_bytes : 0;
-    rows->fetch_share = ((rows->next_bytes + (size_t)n_now - 1) / (size_t)n_now + 63) & ~(size_t)63;
+    rows->next_bytes = n > 0 ? (size_t)n * store->head_bytes : 0;
 }
 
 /* Head `head` of n consecutive positions pos .. pos + n - 1 (slots slot .. slot + n - 1
@@ -369,7 +377,7 @@ static int head_rows(const kv_layer_view *view, int is_value, int head, int pos,
         int block_end = ahead - ahead % view->block_size + view->block_size;
         int n_ahead = n_seen < block_end ? n_seen - ahead : block_end - ahead;
         plan_fetch(rows, store, view->layer, head, kv_view_slot(view, ahead),
-                   n_ahead < TILE ? n_ahead : TILE, n);
+                   n_ahead < TILE ? n_ahead : TILE);
     }
     int kv_dim = store->n_kv_heads * head_dim;
     int first_exact = view->window > 0 ? query_pos - view->window + 1 : query_pos + 1;
