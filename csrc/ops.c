@@ -232,9 +232,32 @@ float kv_softmax_tile(float *scores, int n, float *running_max, float *running_s
     return correction;
 }
 
+/* silu(g) * u for eight values. silu(g) = g / (1 + e^-g); with e = e^-|g|, always the
+ * exponential of a number <= 0, that is g / (1 + e) for g >= 0 and g e / (1 + e) for
+ * g < 0: the same value, written so that no exponential can overflow. */
+static inline v8f swiglu8(v8f g, v8f u) {
+    typedef int32_t v8i __attribute__((vector_size(32)));
+    v8i negative = g < 0.0f;
+    v8f e = exp_nonpositive((v8f)((v8i)g | (v8i)splat(-0.0f)));   /* e^-|g| */
+    v8f numerator = (v8f)(((v8i)(g * e) & negative) | ((v8i)g & ~negative));
+    return numerator / (1.0f + e) * u;
+}
+
 void kv_swiglu(float *gate, const float *up, size_t n) {
-    for (size_t i = 0; i < n; i++) {
-        float g = gate[i];
-        gate[i] = g / (1.0f + expf(-g)) * up[i];
+    long n8 = (long)(n & ~(size_t)7);
+    /* each chunk of eight on its own: threads may split them any way */
+    #pragma omp parallel for schedule(static) num_threads(kv_threads()) \
+        if (n8 >= 16 * KV_PARALLEL_MIN_WORK / 8)
+    for (long i = 0; i < n8; i += 8) {
+        v8f result = swiglu8(load8(gate + i), load8(up + i));
+        memcpy(gate + i, &result, sizeof result);
+    }
+    if ((size_t)n8 < n) {   /* the last few through one more padded chunk: the same bits
+                               as in a longer run where they would fall inside a chunk */
+        float g[8] = {0}, u[8] = {0};
+        memcpy(g, gate + n8, (n - (size_t)n8) * sizeof(float));
+        memcpy(u, up + n8, (n - (size_t)n8) * sizeof(float));
+        v8f result = swiglu8(load8(g), load8(u));
+        memcpy(gate + n8, &result, (n - (size_t)n8) * sizeof(float));
     }
 }
