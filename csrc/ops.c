@@ -25,17 +25,44 @@
  * loads: 4 rows x 3 tokens keeps 12 running sums, 3 token chunks and one row chunk in
  * the 16 vector registers of AVX2. */
 
-/* Four rows of w against three tokens: twelve dot products sharing every load. The
- * running sums are named one by one so that they live in registers, never in memory. */
-static void kernel_4x3(float *out0, float *out1, float *out2, const float *x0, const float *x1,
-                       const float *x2, const float *w, int in_dim) {
-    size_t stride = (size_t)in_dim;
+/* out[r] = the dot product of x with row r of the four rows from w, from its eight
+ * running lanes: the lanes added up (four sums at once), then the leftover elements. */
+static inline void finish_four(float *out, v8f a0, v8f a1, v8f a2, v8f a3, const float *w,
+                               size_t stride, const float *x, int n8, int in_dim) {
+    v4f sums = reduce_lanes4(a0, a1, a2, a3);
+    if (n8 == in_dim) {
+        memcpy(out, &sums, sizeof sums);
+        return;
+    }
+    for (int r = 0; r < 4; r++) out[r] = add_tail(sums[r], w + r * stride, x, n8, in_dim);
+}
+
+/* The twelve running sums of four rows of w against three tokens: sum[t][r] for token t
+ * and row r, eight lanes each. */
+typedef struct {
+    v8f sum[3][4];
+} sums_4x3;
+
+/* Four rows of w against three tokens, over columns from .. to - 1 (a multiple of 8
+ * apart): twelve dot products sharing every load. With `carry`, the sums go on from those
+ * in *acc and are left there for the next panel of columns; without, they start from zero
+ * and the finished dot products go to out (the three tokens' rows of the output, stride
+ * out_dim apart), which saves a trip through memory when a row is one panel. Inside the
+ * loop the sums are named one by one so that they live in registers, never in memory. */
+static inline __attribute__((always_inline)) void kernel_4x3(
+        sums_4x3 *acc, float *out, size_t out_dim, const float *x0, const float *w,
+        size_t stride, int from, int to, int in_dim, int carry) {
+    const float *x1 = x0 + stride, *x2 = x1 + stride;
     const float *w0 = w, *w1 = w + stride, *w2 = w + 2 * stride, *w3 = w + 3 * stride;
     v8f a00 = {0}, a01 = {0}, a02 = {0}, a03 = {0};
     v8f a10 = {0}, a11 = {0}, a12 = {0}, a13 = {0};
     v8f a20 = {0}, a21 = {0}, a22 = {0}, a23 = {0};
-    int n8 = in_dim & ~7;
-    for (int i = 0; i < n8; i += 8) {
+    if (carry) {
+        a00 = acc->sum[0][0]; a01 = acc->sum[0][1]; a02 = acc->sum[0][2]; a03 = acc->sum[0][3];
+        a10 = acc->sum[1][0]; a11 = acc->sum[1][1]; a12 = acc->sum[1][2]; a13 = acc->sum[1][3];
+        a20 = acc->sum[2][0]; a21 = acc->sum[2][1]; a22 = acc->sum[2][2]; a23 = acc->sum[2][3];
+    }
+    for (int i = from; i < to; i += 8) {
         v8f xa = load8(x0 + i), xb = load8(x1 + i), xc = load8(x2 + i), row;
         IN_REGISTER(xa); IN_REGISTER(xb); IN_REGISTER(xc);
         row = load8(w0 + i); IN_REGISTER(row);
@@ -47,18 +74,13 @@ static void kernel_4x3(float *out0, float *out1, float *out2, const float *x0, c
         row = load8(w3 + i); IN_REGISTER(row);
         a03 = madd(row, xa, a03); a13 = madd(row, xb, a13); a23 = madd(row, xc, a23);
     }
-    out0[0] = add_tail(reduce_lanes(a00), w0, x0, n8, in_dim);
-    out0[1] = add_tail(reduce_lanes(a01), w1, x0, n8, in_dim);
-    out0[2] = add_tail(reduce_lanes(a02), w2, x0, n8, in_dim);
-    out0[3] = add_tail(reduce_lanes(a03), w3, x0, n8, in_dim);
-    out1[0] = add_tail(reduce_lanes(a10), w0, x1, n8, in_dim);
-    out1[1] = add_tail(reduce_lanes(a11), w1, x1, n8, in_dim);
-    out1[2] = add_tail(reduce_lanes(a12), w2, x1, n8, in_dim);
-    out1[3] = add_tail(reduce_lanes(a13), w3, x1, n8, in_dim);
-    out2[0] = add_tail(reduce_lanes(a20), w0, x2, n8, in_dim);
-    out2[1] = add_tail(reduce_lanes(a21), w1, x2, n8, in_dim);
-    out2[2] = add_tail(reduce_lanes(a22), w2, x2, n8, in_dim);
-    out2[3] = add_tail(reduce_lanes(a23), w3, x2, n8, in_dim);
+    if (carry) {
+        *acc = (sums_4x3){{{a00, a01, a02, a03}, {a10, a11, a12, a13}, {a20, a21, a22, a23}}};
+    } else {
+        finish_four(out, a00, a01, a02, a03, w, stride, x0, to, in_dim);
+        finish_four(out + out_dim, a10, a11, a12, a13, w, stride, x1, to, in_dim);
+        finish_four(out + 2 * out_dim, a20, a21, a22, a23, w, stride, x2, to, in_dim);
+    }
 }
 
 /* Four rows of w against one token (the decode case: w streams from memory once). While
@@ -80,10 +102,7 @@ static void kernel_4x1(float *out, const float *x, const float *w, int in_dim) {
         a0 = madd(load8(w0 + i), xv, a0); a1 = madd(load8(w1 + i), xv, a1);
         a2 = madd(load8(w2 + i), xv, a2); a3 = madd(load8(w3 + i), xv, a3);
     }
-    out[0] = add_tail(reduce_lanes(a0), w0, x, n8, in_dim);
-    out[1] = add_tail(reduce_lanes(a1), w1, x, n8, in_dim);
-    out[2] = add_tail(reduce_lanes(a2), w2, x, n8, in_dim);
-    out[3] = add_tail(reduce_lanes(a3), w3, x, n8, in_dim);
+    finish_four(out, a0, a1, a2, a3, w, stride, x, n8, in_dim);
 }
 
 /* Tokens are taken TOKEN_CHUNK at a time, so that a chunk of x (48 tokens x 4 KiB for
@@ -91,34 +110,62 @@ static void kernel_4x1(float *out, const float *x, const float *w, int in_dim) {
  * larger than the caches is therefore streamed from memory once per 48 tokens: once per
  * decode step of up to 48 sequences, several times for a long prompt. */
 #define TOKEN_CHUNK 48
+/* Rows longer than this are taken PANEL columns at a time: four rows of 2,048 floats
+ * (32 KiB) would not stay in the L1 cache while three tokens' columns stream past them;
+ * a panel of four rows (8 KiB) does. The running sums wait in memory between panels. */
+#define PANEL 512
 
 /* out rows o .. o+3 (or the last few) for tokens first .. first + chunk - 1 */
 static void row_block(float *out, const float *x, const float *w, int first, int chunk,
                       int o, int in_dim, int out_dim) {
     const float *w_rows = w + (size_t)o * in_dim;
-    if (o + 4 <= out_dim) {
-        int t = first;
-        /* While these four rows work through the chunk's tokens, the next four rows are
-         * fetched, a slice before each three tokens: at their first use they would
-         * otherwise come from memory, one stall after another. */
-        const char *next_rows = (const char *)(w_rows + 4 * (size_t)in_dim);
-        size_t next_bytes = o + 8 <= out_dim ? 16 * (size_t)in_dim : 0;
-        size_t slice = (next_bytes / (size_t)(chunk / 3 + 1) + 63) & ~(size_t)63;
-        size_t fetched = 0;
-        for (; t + 3 <= first + chunk; t += 3) {
-            for (size_t end = fetched + slice; fetched < end && fetched < next_bytes; fetched += 64)
-                __builtin_prefetch(next_rows + fetched);
-            kernel_4x3(out + (size_t)t * out_dim + o, out + (size_t)(t + 1) * out_dim + o,
-                       out + (size_t)(t + 2) * out_dim + o, x + (size_t)t * in_dim,
-                       x + (size_t)(t + 1) * in_dim, x + (size_t)(t + 2) * in_dim, w_rows, in_dim);
-        }
-        for (; t < first + chunk; t++)
-            kernel_4x1(out + (size_t)t * out_dim + o, x + (size_t)t * in_dim, w_rows, in_dim);
-    } else {
+    size_t stride = (size_t)in_dim;
+    if (o + 4 > out_dim) {   /* the last few rows, one dot product at a time */
         for (int r = o; r < out_dim; r++)
             for (int t = first; t < first + chunk; t++)
-                out[(size_t)t * out_dim + r] = kv_dot(w + (size_t)r * in_dim, x + (size_t)t * in_dim, in_dim);
+                out[(size_t)t * out_dim + r] = kv_dot(w + (size_t)r * stride, x + (size_t)t * stride, in_dim);
+        return;
     }
+    int n8 = in_dim & ~7, n_triples = chunk / 3;
+    int panel = in_dim > 2 * PANEL ? PANEL : n8;
+    int n_panels = n8 > 0 ? (n8 + panel - 1) / panel : 0;
+    /* While these four rows work through the chunk's tokens, the next four rows are
+     * fetched, a slice before each call of the kernel: at their first use they would
+     * otherwise come from memory, one stall after another. */
+    const char *next_rows = (const char *)(w_rows + 4 * stride);
+    size_t next_bytes = o + 8 <= out_dim ? 16 * stride : 0;
+    size_t slice = (next_bytes / (size_t)(n_panels * n_triples + 1) + 63) & ~(size_t)63;
+    size_t fetched = 0;
+    if (n_panels <= 1) {   /* the whole row at once: sums straight to the output */
+        for (int j = 0; j < n_triples; j++) {
+            for (size_t end = fetched + slice; fetched < end && fetched < next_bytes; fetched += 64)
+                __builtin_prefetch(next_rows + fetched);
+            int t = first + 3 * j;
+            kernel_4x3(NULL, out + (size_t)t * out_dim + o, (size_t)out_dim, x + (size_t)t * stride,
+                       w_rows, stride, 0, n8, in_dim, 0);
+        }
+    } else {
+        sums_4x3 sums[TOKEN_CHUNK / 3];
+        memset(sums, 0, sizeof sums);
+        for (int from = 0; from < n8; from += panel) {
+            int to = from + panel < n8 ? from + panel : n8;
+            for (int j = 0; j < n_triples; j++) {
+                for (size_t end = fetched + slice; fetched < end && fetched < next_bytes; fetched += 64)
+                    __builtin_prefetch(next_rows + fetched);
+                kernel_4x3(&sums[j], NULL, 0, x + (size_t)(first + 3 * j) * stride, w_rows,
+                           stride, from, to, in_dim, 1);
+            }
+        }
+        for (int j = 0; j < n_triples; j++) {
+            int t = first + 3 * j;
+            for (int k = 0; k < 3; k++)
+                finish_four(out + (size_t)(t + k) * out_dim + o, sums[j].sum[k][0],
+                            sums[j].sum[k][1], sums[j].sum[k][2], sums[j].sum[k][3], w_rows,
+                            stride, x + (size_t)(t + k) * stride, n8, in_dim);
+        }
+    }
+    for (int t = first + 3 * n_triples; t < first + chunk; t++)   /* one or two tokens over */
+        kernel_4x1(out + (size_t)t * out_dim + o, x + (size_t)t * stride, w_rows, in_dim);
 }
 
 void kv_matmul_many(int n_matrices, float *const *outs, const float *const *ws,
