@@ -441,8 +441,11 @@ void kv_attention(float *out, const float *q, const kv_layer_view *view, int n_t
 
     /* One iteration per (token, KV head): the kv_mul query heads that share a KV head are
      * done together, so each key and value row is read from memory (and dequantized)
-     * once for all of them (the point of grouped-query attention), not once per head. */
-    #pragma omp parallel for collapse(2) schedule(static) num_threads(n_threads) \
+     * once for all of them (the point of grouped-query attention), not once per head.
+     * Iterations are dealt out one at a time in turn: in a prefill a later token sees
+     * more positions, so handing each thread a contiguous half would give the last
+     * thread most of the work. */
+    #pragma omp parallel for collapse(2) schedule(static, 1) num_threads(n_threads) \
         if ((long)n_tokens * n_heads * (start_pos + n_tokens) * head_dim >= KV_PARALLEL_MIN_WORK \
             && (long)n_tokens * n_kv_heads > 1)
     for (int t = 0; t < n_tokens; t++) {
