@@ -1,18 +1,26 @@
 """CPU speed: kvlab against the memory system, Hugging Face transformers and kvlab.reference.
 
 In one run, on the same weights and the same thread count:
-  1. memory bandwidth, measured by the core's own threads: a read-only sum and STREAM's
-     triad (kvlab._kvlab.memory_bandwidth);
+  1. the machine's roofs: memory read bandwidth measured by the core's own threads
+     (kvlab.measure.memory_bandwidth: a read-only sum and STREAM's triad), and NumPy's
+     float32 matrix product as the arithmetic roof;
   2. decode and prefill tokens/s of kvlab, transformers eager (torch CPU) and kvlab.reference
      on the bundled model, stories260K (if ../shared/models is present), and random weights
-     in llama2.c format shaped like stories15M and stories110M; kvlab's effective bandwidth
-     (weight and KV bytes read per token x tokens/s) as a fraction of the measured read
-     bandwidth;
-  3. decode attention alone (one layer: 32 query heads, 8 KV heads of head_dim 128) from 1K
-     to 64K tokens of context, as bytes of K/V read per second against the same bandwidth.
+     in llama2.c format shaped like stories15M and stories110M. kvlab's decode is timed in
+     several windows, each right after a bandwidth measurement, and its effective bandwidth
+     (bytes a decode step reads x tokens/s) is a fraction of the bandwidth measured next to
+     it: the median over the windows is reported, so one noisy moment of a shared machine
+     moves neither figure much;
+  3. the ceiling of prefill/decode on this machine: prefill at the arithmetic roof against
+     decode at the bandwidth roof, (roof FLOP/s / prefill FLOPs per token) / (read bandwidth
+     / bytes per decode step);
+  4. decode attention alone (one layer: 32 query heads, 8 KV heads of head_dim 128) from 1K
+     to 64K tokens of context, as bytes of K/V read per second against the bandwidth
+     measured just before; copies of the cache are cycled through so that every call reads
+     from memory, not from the L3 cache.
 
-    python benchmarks/bench_cpu.py [--threads N] [--decode-tokens 32] [--prefill-tokens 256]
-                                   [--skip-transformers] [--json out.json]
+    python benchmarks/bench_cpu.py [--threads N] [--windows 5] [--window-tokens 16]
+                                   [--prefill-tokens 256] [--skip-transformers] [--json out.json]
 """
 from __future__ import annotations
 
@@ -26,13 +34,13 @@ from pathlib import Path
 import numpy as np
 
 import kvlab
-from kvlab import reference
-from kvlab._core import core
+from kvlab import measure, reference
 from kvlab.loaders.huggingface import save_hf_llama
 from kvlab.loaders.llama2c import save_llama2c_v1
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = Path(os.environ.get("KVLAB_SHARED", REPO.parent / "shared"))
+N_HEADS, N_KV_HEADS, HEAD_DIM = 32, 8, 128      # one layer of Llama 3 8B, for attention alone
 SHAPES = {
     "stories15M shape": dict(dim=288, hidden_dim=768, n_layers=6, n_heads=6, n_kv_heads=6),
     "stories110M shape": dict(dim=768, hidden_dim=2048, n_layers=12, n_heads=12, n_kv_heads=12),
@@ -62,7 +70,22 @@ def best_of(repeats, run):
     return best
 
 
-def kvlab_speed(model, prompt, n_decode):
+def read_bandwidth() -> float:
+    """Bytes/s a plain read gets from memory now (arrays of 256 MiB, best of 3 passes)."""
+    return measure.memory_bandwidth(1 << 28, 3)["read_bytes_per_s"]
+
+
+def numpy_matmul_flops() -> float:
+    """FLOP/s of NumPy's float32 1024 x 1024 matrix product (OpenBLAS, every core): the
+    arithmetic roof this machine offers to a well-tuned library."""
+    a = np.random.default_rng(0).standard_normal((1024, 1024), dtype=np.float32)
+    a @ a
+    return 2 * 1024 ** 3 / best_of(5, lambda: a @ a)
+
+
+def kvlab_speed(model, prompt, windows, window_tokens):
+    """Seconds per prefill token (best of 3), and for each decode window (seconds per
+    token, read bandwidth measured just before it)."""
     # torch's and OpenBLAS's worker threads spin for a while after their last call; on a
     # two-core machine they would steal kvlab's cores, so let them go to sleep first
     time.sleep(1.0)
@@ -70,15 +93,19 @@ def kvlab_speed(model, prompt, n_decode):
     def prefill():
         model.prefill(prompt, model.new_cache(len(prompt) + 1))
     prefill_s = best_of(3, prefill) / len(prompt)
-    cache = model.new_cache(16 + 4 + n_decode)
+    cache = model.new_cache(16 + 4 + windows * window_tokens)
     model.prefill(prompt[:16], cache)
     token = int(prompt[16])
     for _ in range(4):            # first passes map the checkpoint's pages: not timed
         token = int(np.argmax(model.decode(token, cache)))
-    start = time.perf_counter()
-    for _ in range(n_decode):
-        token = int(np.argmax(model.decode(token, cache)))
-    return prefill_s, (time.perf_counter() - start) / n_decode
+    samples = []
+    for _ in range(windows):
+        bandwidth = read_bandwidth()
+        start = time.perf_counter()
+        for _ in range(window_tokens):
+            token = int(np.argmax(model.decode(token, cache)))
+        samples.append(((time.perf_counter() - start) / window_tokens, bandwidth))
+    return prefill_s, samples
 
 
 def reference_speed(model, prompt, n_decode):
@@ -116,29 +143,56 @@ def transformers_speed(model, prompt, n_decode, workdir: Path):
     return prefill_s, decode_s
 
 
-def attention_rows(read_bw, contexts):
+def filled_cache(context, dtype, rows):
+    """One layer's cache holding `context` positions of `rows`, stored as `dtype`."""
+    cache = kvlab.KVCache(1, N_KV_HEADS, HEAD_DIM, context, key_format=dtype, value_format=dtype)
+    for first in range(0, context, 4096):
+        n = min(4096, context - first)
+        cache.append(rows[first:first + n], rows[len(rows) - first - n:len(rows) - first])
+    return cache
+
+
+def time_attend(context, dtype, rows, q):
+    """Best time of one cache.attend over `context` positions, and the bytes it reads.
+    Enough copies of the cache are cycled through (64 MiB at least, twice the L3 cache)
+    that each call reads its K and V from memory, not from a cache level where the
+    previous call left them."""
+    first = filled_cache(context, dtype, rows)
+    copies = [first] + [filled_cache(context, dtype, rows)
+                        for _ in range(-(-(64 << 20) // first.nbytes) - 1)]
+    calls = max(16, 3 * len(copies))
+    best = float("inf")
+    for i in range(calls):
+        cache = copies[i % len(copies)]
+        start = time.perf_counter()
+        cache.attend(q)
+        best = min(best, time.perf_counter() - start)
+    return best, first.nbytes
+
+
+def attention_rows(contexts):
     rng = np.random.default_rng(0)
-    q = rng.standard_normal((32, 128), dtype=np.float32)
+    q = rng.standard_normal((N_HEADS, HEAD_DIM), dtype=np.float32)
+    kv_rows = rng.standard_normal((max(contexts), 1, N_KV_HEADS, HEAD_DIM), dtype=np.float32)
     rows = []
     for context in contexts:
-        cache = kvlab.KVCache(1, 8, 128, context)
-        block = 4096
-        for first in range(0, context, block):
-            n = min(block, context - first)
-            rows_k = rng.standard_normal((n, 1, 8, 128), dtype=np.float32)
-            cache.append(rows_k, rows_k)
-        seconds = best_of(5, lambda: cache.attend(q))
-        bytes_read = cache.nbytes
-        rows.append({"context": context, "seconds": seconds, "bytes_per_s": bytes_read / seconds,
-                     "fraction_of_read_bw": bytes_read / seconds / read_bw})
-        del cache
+        bandwidth = read_bandwidth()
+        seconds, nbytes = time_attend(context, "fp32", kv_rows, q)
+        rows.append({"context": context, "seconds": seconds, "bytes_per_s": nbytes / seconds,
+                     "read_bytes_per_s": bandwidth,
+                     "fraction_of_read_bw": nbytes / seconds / bandwidth})
     return rows
+
+
+def median(values):
+    return float(np.median(values))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--threads", type=int, default=None)
-    parser.add_argument("--decode-tokens", type=int, default=64)
+    parser.add_argument("--windows", type=int, default=5, help="decode windows timed per model")
+    parser.add_argument("--window-tokens", type=int, default=16, help="decode steps per window")
     parser.add_argument("--prefill-tokens", type=int, default=256)
     parser.add_argument("--contexts", default="1024,4096,16384,65536")
     parser.add_argument("--skip-transformers", action="store_true")
@@ -151,59 +205,103 @@ def main() -> None:
         import torch
         torch.set_num_threads(threads)
 
-    bandwidth = core.memory_bandwidth(1 << 29, 5)
-    read_bw = bandwidth["read_bytes_per_s"]
-    print(f"{os.cpu_count()} cores, {threads} threads; memory read {read_bw / 1e9:.2f} GB/s, "
-          f"STREAM triad {bandwidth['triad_bytes_per_s'] / 1e9:.2f} GB/s\n")
-    header = (f"{'model':<26}{'':<14}{'decode tok/s':>13}{'prefill tok/s':>14}"
-              f"{'prefill/decode':>15}{'read bw used':>13}")
-    print(header)
+    bandwidth = measure.memory_bandwidth(1 << 28, 5)
+    matmul_flops = numpy_matmul_flops()
+    print(f"{os.cpu_count()} cores, {threads} threads; memory read "
+          f"{bandwidth['read_bytes_per_s'] / 1e9:.2f} GB/s, STREAM triad "
+          f"{bandwidth['triad_bytes_per_s'] / 1e9:.2f} GB/s; NumPy float32 matrix product "
+          f"{matmul_flops / 1e9:.0f} GFLOP/s\n")
+    print(f"{'model':<26}{'':<19}{'decode tok/s':>13}{'prefill tok/s':>14}"
+          f"{'prefill/decode':>15}{'(ceiling)':>10}{'read bw used':>13}")
+    n_decode = args.windows * args.window_tokens
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
         for name, model in models(workdir):
             c = model.config
             prompt = np.random.default_rng(1).integers(0, c.vocab_size, args.prefill_tokens).tolist()
-            n_decode = args.decode_tokens
-            engines = {"kvlab": lambda: kvlab_speed(model, prompt, n_decode),
-                       "kvlab.reference": lambda: reference_speed(model, prompt[:64],
-                                                                  max(4, n_decode // 4))}
+            # what a decode step reads (every weight once, the classifier included, and the
+            # cache at its middle length), and a prefill's arithmetic per token
+            step_bytes = measure.forward_counts(c, 1, 20 + n_decode // 2).bytes_moved
+            prefill_flops = measure.forward_counts(c, len(prompt)).flops / len(prompt)
+            row = {"model": name, "params": c.n_params(), "step_bytes": step_bytes,
+                   "prefill_flops_per_token": prefill_flops}
+
+            prefill_s, samples = kvlab_speed(model, prompt, args.windows, args.window_tokens)
+            decode_s = median([seconds for seconds, _ in samples])
+            used = median([step_bytes / seconds / bw for seconds, bw in samples])
+            window_bw = median([bw for _, bw in samples])
+            ceiling = (matmul_flops / prefill_flops) / (window_bw / step_bytes)
+            row["kvlab"] = {"decode_tokens_per_s": 1 / decode_s, "prefill_tokens_per_s": 1 / prefill_s,
+                            "read_bandwidth_fraction": used, "read_bytes_per_s": window_bw,
+                            "prefill_decode_ceiling": ceiling,
+                            "windows": [{"seconds_per_token": s_, "read_bytes_per_s": b_}
+                                        for s_, b_ in samples]}
+            print(f"{name:<26}{'kvlab':<19}{1 / decode_s:>13,.1f}{1 / prefill_s:>14,.1f}"
+                  f"{decode_s / prefill_s:>14.1f}x{ceiling:>9.1f}x{100 * used:>12.0f}%")
+
+            others = {"kvlab.reference": lambda: reference_speed(model, prompt[:64],
+                                                                 max(4, n_decode // 4))}
             if not args.skip_transformers:
-                engines["transformers eager"] = lambda: transformers_speed(model, prompt, n_decode,
-                                                                          workdir)
-            # bytes a decode step reads: every weight once (the classifier included) and the
-            # cache so far (16 to 16 + n_decode positions, about 16 + n_decode / 2)
-            kv_bytes = kvlab.kv_bytes_per_token(c, "fp32") * (20 + n_decode // 2)
-            step_bytes = model.weights_nbytes + kv_bytes
-            row = {"model": name, "params": c.n_params(), "step_bytes": step_bytes}
-            for engine, run in engines.items():
+                others["transformers eager"] = lambda: transformers_speed(model, prompt, n_decode,
+                                                                         workdir)
+            for engine, run in others.items():
                 prefill_s, decode_s = run()
                 row[engine] = {"decode_tokens_per_s": 1 / decode_s,
                                "prefill_tokens_per_s": 1 / prefill_s}
-                used = step_bytes / decode_s / read_bw
-                print(f"{name if engine == 'kvlab' else '':<26}{engine:<14}{1 / decode_s:>13,.1f}"
-                      f"{1 / prefill_s:>14,.1f}{decode_s / prefill_s:>14.1f}x"
-                      + (f"{100 * used:>12.0f}%" if engine == "kvlab" else ""))
-            row["kvlab"]["read_bandwidth_fraction"] = step_bytes * row["kvlab"]["decode_tokens_per_s"] / read_bw
+                print(f"{'':<26}{engine:<19}{1 / decode_s:>13,.1f}{1 / prefill_s:>14,.1f}"
+                      f"{decode_s / prefill_s:>14.1f}x")
             if "transformers eager" in row:
                 row["kvlab_vs_transformers_decode"] = (row["kvlab"]["decode_tokens_per_s"]
                                                        / row["transformers eager"]["decode_tokens_per_s"])
             results.append(row)
 
     contexts = [int(x) for x in args.contexts.split(",")]
-    attention = attention_rows(read_bw, contexts)
-    print("\ndecode attention alone (32 heads, 8 KV heads x 128, fp32), K and V read once per step")
-    print(f"{'context':>8}{'ms':>9}{'GB/s':>8}{'of read bw':>12}")
+    attention = attention_rows(contexts)
+    print(f"\ndecode attention alone ({N_HEADS} heads, {N_KV_HEADS} KV heads x {HEAD_DIM}, fp32), "
+          "K and V read once per call, each call from memory")
+    print(f"{'context':>8}{'ms':>9}{'GB/s':>8}{'read bw':>9}{'share':>8}")
     for row in attention:
         print(f"{row['context']:>8}{1e3 * row['seconds']:>9.2f}{row['bytes_per_s'] / 1e9:>8.2f}"
-              f"{100 * row['fraction_of_read_bw']:>11.0f}%")
+              f"{row['read_bytes_per_s'] / 1e9:>9.2f}{100 * row['fraction_of_read_bw']:>7.0f}%")
+
+    targets = target_check(results, attention)
+    print("\nissue 7's targets")
+    for line in targets:
+        print(f"  {line['target']:<58} {line['measured']:>8}  {'met' if line['met'] else 'not met'}")
 
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"cores": os.cpu_count(), "threads": threads,
-                               "bandwidth": bandwidth, "models": results,
-                               "attention": attention}, indent=2))
+                               "bandwidth": bandwidth, "numpy_matmul_flops_per_s": matmul_flops,
+                               "models": results, "attention": attention, "targets": targets},
+                              indent=2))
     print(f"\nwrote {out}")
+
+
+def target_check(results, attention):
+    """The issue's targets against this run's figures (those it has the rows for)."""
+    by_name = {row["model"]: row for row in results}
+    lines = []
+    big, small = by_name.get("stories110M shape"), by_name.get("stories15M shape")
+    if big:
+        used = big["kvlab"]["read_bandwidth_fraction"]
+        lines.append({"target": "decode, 110M shape: >= 85 % of read bandwidth",
+                      "measured": f"{100 * used:.0f} %", "met": used >= 0.85})
+        ratio = big["kvlab"]["prefill_tokens_per_s"] / big["kvlab"]["decode_tokens_per_s"]
+        lines.append({"target": "prefill >= 20x decode per token, 110M shape "
+                                f"(ceiling here {big['kvlab']['prefill_decode_ceiling']:.0f}x)",
+                      "measured": f"{ratio:.1f}x", "met": ratio >= 20})
+    long = [row for row in attention if row["context"] >= 16384]
+    if long:
+        share = min(row["fraction_of_read_bw"] for row in long)
+        lines.append({"target": "decode attention, 16K+ context: >= 85 % of read bandwidth",
+                      "measured": f"{100 * share:.0f} %", "met": share >= 0.85})
+    if small and "kvlab_vs_transformers_decode" in small:
+        speedup = small["kvlab_vs_transformers_decode"]
+        lines.append({"target": "decode, 15M shape: >= 5x transformers eager",
+                      "measured": f"{speedup:.1f}x", "met": speedup >= 5})
+    return lines
 
 
 if __name__ == "__main__":

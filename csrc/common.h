@@ -43,6 +43,7 @@ static inline float *kv_alloc_floats(size_t count) {
 #else
 static inline int omp_get_max_threads(void) { return 1; }
 static inline int omp_get_thread_num(void) { return 0; }
+static inline int omp_get_num_threads(void) { return 1; }
 #endif
 
 /* Threads every parallel loop of the core uses (kv_set_num_threads). One process-wide
