@@ -93,14 +93,17 @@ def kvlab_speed(model, prompt, windows, window_tokens):
     def prefill():
         model.prefill(prompt, model.new_cache(len(prompt) + 1))
     prefill_s = best_of(3, prefill) / len(prompt)
-    cache = model.new_cache(16 + 4 + windows * window_tokens)
+    cache = model.new_cache(16 + windows * (4 + window_tokens))
     model.prefill(prompt[:16], cache)
     token = int(prompt[16])
-    for _ in range(4):            # first passes map the checkpoint's pages: not timed
-        token = int(np.argmax(model.decode(token, cache)))
     samples = []
     for _ in range(windows):
         bandwidth = read_bandwidth()
+        # untimed steps first: the probe evicted the weights from the caches (which a
+        # small model's decode would otherwise read from there) and the first passes
+        # map the checkpoint's pages
+        for _ in range(4):
+            token = int(np.argmax(model.decode(token, cache)))
         start = time.perf_counter()
         for _ in range(window_tokens):
             token = int(np.argmax(model.decode(token, cache)))
@@ -222,7 +225,7 @@ def main() -> None:
             prompt = np.random.default_rng(1).integers(0, c.vocab_size, args.prefill_tokens).tolist()
             # what a decode step reads (every weight once, the classifier included, and the
             # cache at its middle length), and a prefill's arithmetic per token
-            step_bytes = measure.forward_counts(c, 1, 20 + n_decode // 2).bytes_moved
+            step_bytes = measure.forward_counts(c, 1, 16 + args.windows * (4 + args.window_tokens) // 2).bytes_moved
             prefill_flops = measure.forward_counts(c, len(prompt)).flops / len(prompt)
             row = {"model": name, "params": c.n_params(), "step_bytes": step_bytes,
                    "prefill_flops_per_token": prefill_flops}
