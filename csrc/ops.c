@@ -25,16 +25,33 @@
  * loads: 4 rows x 3 tokens keeps 12 running sums, 3 token chunks and one row chunk in
  * the 16 vector registers of AVX2. */
 
-/* out[r] = the dot product of x with row r of the four rows from w, from its eight
- * running lanes: the lanes added up (four sums at once), then the leftover elements. */
-static inline void finish_four(float *out, v8f a0, v8f a1, v8f a2, v8f a3, const float *w,
-                               size_t stride, const float *x, int n8, int in_dim) {
-    v4f sums = reduce_lanes4(a0, a1, a2, a3);
-    if (n8 == in_dim) {
-        memcpy(out, &sums, sizeof sums);
-        return;
+/* Four rows of w, wherever they lie, and where one token's four outputs go: row r's
+ * output for token t is outs[r][t * out_strides[r]]. */
+typedef struct {
+    const float *rows[4];
+    float *outs[4];
+    size_t out_strides[4];
+} four_rows;
+
+/* Four neighbouring rows o .. o + 3 of w (row length in_dim) and their outputs in out
+ * (out_dim per token). */
+static four_rows neighbours(const float *w, float *out, int o, int in_dim, int out_dim) {
+    four_rows f;
+    for (int r = 0; r < 4; r++) {
+        f.rows[r] = w + (size_t)(o + r) * in_dim;
+        f.outs[r] = out + o + r;
+        f.out_strides[r] = (size_t)out_dim;
     }
-    for (int r = 0; r < 4; r++) out[r] = add_tail(sums[r], w + r * stride, x, n8, in_dim);
+    return f;
+}
+
+/* Token t's four dot products with the rows, from their eight running lanes each: the
+ * lanes added up (four sums at once), then the leftover elements past n8. */
+static inline void finish_four(const four_rows *f, int t, v8f a0, v8f a1, v8f a2, v8f a3,
+                               const float *x, int n8, int in_dim) {
+    v4f sums = reduce_lanes4(a0, a1, a2, a3);
+    for (int r = 0; r < 4; r++)
+        f->outs[r][(size_t)t * f->out_strides[r]] = add_tail(sums[r], f->rows[r], x, n8, in_dim);
 }
 
 /* The twelve running sums of four rows of w against three tokens: sum[t][r] for token t
@@ -46,14 +63,15 @@ typedef struct {
 /* Four rows of w against three tokens, over columns from .. to - 1 (a multiple of 8
  * apart): twelve dot products sharing every load. With `carry`, the sums go on from those
  * in *acc and are left there for the next panel of columns; without, they start from zero
- * and the finished dot products go to out (the three tokens' rows of the output, stride
- * out_dim apart), which saves a trip through memory when a row is one panel. Inside the
+ * and the finished dot products go to the outputs of tokens t .. t + 2, which saves a trip
+ * through memory when a row is one panel. Inside the
  * loop the sums are named one by one so that they live in registers, never in memory. */
 static inline __attribute__((always_inline)) void kernel_4x3(
-        sums_4x3 *acc, float *out, size_t out_dim, const float *x0, const float *w,
-        size_t stride, int from, int to, int in_dim, int carry) {
+        sums_4x3 *acc, const four_rows *f, int t, const float *x0, int from, int to, int in_dim,
+        int carry) {
+    size_t stride = (size_t)in_dim;
     const float *x1 = x0 + stride, *x2 = x1 + stride;
-    const float *w0 = w, *w1 = w + stride, *w2 = w + 2 * stride, *w3 = w + 3 * stride;
+    const float *w0 = f->rows[0], *w1 = f->rows[1], *w2 = f->rows[2], *w3 = f->rows[3];
     v8f a00 = {0}, a01 = {0}, a02 = {0}, a03 = {0};
     v8f a10 = {0}, a11 = {0}, a12 = {0}, a13 = {0};
     v8f a20 = {0}, a21 = {0}, a22 = {0}, a23 = {0};
@@ -77,17 +95,15 @@ static inline __attribute__((always_inline)) void kernel_4x3(
     if (carry) {
         *acc = (sums_4x3){{{a00, a01, a02, a03}, {a10, a11, a12, a13}, {a20, a21, a22, a23}}};
     } else {
-        finish_four(out, a00, a01, a02, a03, w, stride, x0, to, in_dim);
-        finish_four(out + out_dim, a10, a11, a12, a13, w, stride, x1, to, in_dim);
-        finish_four(out + 2 * out_dim, a20, a21, a22, a23, w, stride, x2, to, in_dim);
+        finish_four(f, t, a00, a01, a02, a03, x0, to, in_dim);
+        finish_four(f, t + 1, a10, a11, a12, a13, x1, to, in_dim);
+        finish_four(f, t + 2, a20, a21, a22, a23, x2, to, in_dim);
     }
 }
 
-/* Four rows of w, wherever they are, against one token: *outs[r] = rows[r] . x. The
- * decode step gives it rows from four distant parts of a matrix (see kv_matmul_many). */
-static void kernel_4x1(float *const outs[4], const float *const rows[4], const float *x,
-                       int in_dim) {
-    const float *w0 = rows[0], *w1 = rows[1], *w2 = rows[2], *w3 = rows[3];
+/* Four rows of w, wherever they lie, against token t alone (x is its row of inputs). */
+static void kernel_4x1(const four_rows *f, int t, const float *x, int in_dim) {
+    const float *w0 = f->rows[0], *w1 = f->rows[1], *w2 = f->rows[2], *w3 = f->rows[3];
     v8f a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
     int n8 = in_dim & ~7;
     for (int i = 0; i < n8; i += 8) {
@@ -95,8 +111,7 @@ static void kernel_4x1(float *const outs[4], const float *const rows[4], const f
         a0 = madd(load8(w0 + i), xv, a0); a1 = madd(load8(w1 + i), xv, a1);
         a2 = madd(load8(w2 + i), xv, a2); a3 = madd(load8(w3 + i), xv, a3);
     }
-    v4f sums = reduce_lanes4(a0, a1, a2, a3);
-    for (int r = 0; r < 4; r++) *outs[r] = add_tail(sums[r], rows[r], x, n8, in_dim);
+    finish_four(f, t, a0, a1, a2, a3, x, n8, in_dim);
 }
 
 /* Tokens are taken TOKEN_CHUNK at a time, so that a chunk of x (48 tokens x 4 KiB for
@@ -120,6 +135,7 @@ static void row_block(float *out, const float *x, const float *w, int first, int
                 out[(size_t)t * out_dim + r] = kv_dot(w + (size_t)r * stride, x + (size_t)t * stride, in_dim);
         return;
     }
+    four_rows f = neighbours(w, out, o, in_dim, out_dim);
     int n8 = in_dim & ~7, n_triples = chunk / 3;
     int panel = in_dim > 2 * PANEL ? PANEL : n8;
     int n_panels = n8 > 0 ? (n8 + panel - 1) / panel : 0;
@@ -135,8 +151,7 @@ static void row_block(float *out, const float *x, const float *w, int first, int
             for (size_t end = fetched + slice; fetched < end && fetched < next_bytes; fetched += 64)
                 __builtin_prefetch(next_rows + fetched);
             int t = first + 3 * j;
-            kernel_4x3(NULL, out + (size_t)t * out_dim + o, (size_t)out_dim, x + (size_t)t * stride,
-                       w_rows, stride, 0, n8, in_dim, 0);
+            kernel_4x3(NULL, &f, t, x + (size_t)t * stride, 0, n8, in_dim, 0);
         }
     } else {
         sums_4x3 sums[TOKEN_CHUNK / 3];
@@ -146,24 +161,19 @@ static void row_block(float *out, const float *x, const float *w, int first, int
             for (int j = 0; j < n_triples; j++) {
                 for (size_t end = fetched + slice; fetched < end && fetched < next_bytes; fetched += 64)
                     __builtin_prefetch(next_rows + fetched);
-                kernel_4x3(&sums[j], NULL, 0, x + (size_t)(first + 3 * j) * stride, w_rows,
-                           stride, from, to, in_dim, 1);
+                int t = first + 3 * j;
+                kernel_4x3(&sums[j], &f, t, x + (size_t)t * stride, from, to, in_dim, 1);
             }
         }
         for (int j = 0; j < n_triples; j++) {
             int t = first + 3 * j;
             for (int k = 0; k < 3; k++)
-                finish_four(out + (size_t)(t + k) * out_dim + o, sums[j].sum[k][0],
-                            sums[j].sum[k][1], sums[j].sum[k][2], sums[j].sum[k][3], w_rows,
-                            stride, x + (size_t)(t + k) * stride, n8, in_dim);
+                finish_four(&f, t + k, sums[j].sum[k][0], sums[j].sum[k][1], sums[j].sum[k][2],
+                            sums[j].sum[k][3], x + (size_t)(t + k) * stride, n8, in_dim);
         }
     }
-    const float *rows[4] = {w_rows, w_rows + stride, w_rows + 2 * stride, w_rows + 3 * stride};
-    for (int t = first + 3 * n_triples; t < first + chunk; t++) {   /* one or two tokens over */
-        float *o_t = out + (size_t)t * out_dim + o;
-        float *outs[4] = {o_t, o_t + 1, o_t + 2, o_t + 3};
-        kernel_4x1(outs, rows, x + (size_t)t * stride, in_dim);
-    }
+    for (int t = first + 3 * n_triples; t < first + chunk; t++)   /* one or two tokens over */
+        kernel_4x1(&f, t, x + (size_t)t * stride, in_dim);
 }
 
 /* Row block `block` of the matrices taken together (each matrix's blocks in turn), for
@@ -175,36 +185,47 @@ static void numbered_block(int block, int n_matrices, float *const *outs, const 
     row_block(outs[m], x, ws[m], first, chunk, block * 4, in_dim, out_dims[m]);
 }
 
-/* Row `row` of the matrices taken together: where it is, and where its output goes. */
+/* Row `row` of the matrices taken together: where it is, where its output for token 0
+ * goes, and how far apart its outputs for consecutive tokens are. */
 static void numbered_row(int row, int n_matrices, float *const *outs, const float *const *ws,
-                         const int *out_dims, int in_dim, float **out, const float **w_row) {
+                         const int *out_dims, int in_dim, const float **w_row, float **out,
+                         size_t *out_stride) {
     int m = 0;
     while (m < n_matrices - 1 && row >= out_dims[m]) row -= out_dims[m++];
-    *out = outs[m] + row;
     *w_row = ws[m] + (size_t)row * in_dim;
+    *out = outs[m] + row;
+    *out_stride = (size_t)out_dims[m];
 }
 
-/* One token (a decode step) against rows lo .. hi - 1 of the matrices taken together,
- * bound by memory. The rows are read as four runs side by side, a row from each run at
- * a time, not front to back as one run: the hardware prefetcher follows each run on its
- * own, and on the 2-core development machine four runs read 20-29 GB/s where one run of
- * four neighbouring rows read 16-19 (one 768 x 32,000 matrix, best of 8). */
-static void matvec_rows(int lo, int hi, int n_matrices, float *const *outs,
-                        const float *const *ws, const int *out_dims, const float *x, int in_dim) {
-    int per_run = (hi - lo) / 4;
+/* Up to SMALL_BATCH tokens against rows lo .. hi - 1 of the matrices taken together: a
+ * decode step, of one sequence or a small batch, bound by memory. The rows are read as
+ * four runs side by side, a row from each run at a time, against every token (three at a
+ * time, then one by one), not front to back as one run: the hardware prefetcher follows
+ * each run on its own, and on the 2-core development machine four runs read 20-29 GB/s
+ * where one run of four neighbouring rows read 16-19 (one 768 x 32,000 matrix, best of 8).
+ * Each dot product is still summed in kv_dot's order. */
+#define SMALL_BATCH 16
+static void small_batch_rows(int lo, int hi, int n_matrices, float *const *outs,
+                             const float *const *ws, const int *out_dims, const float *x,
+                             int n_tokens, int in_dim) {
+    int per_run = (hi - lo) / 4, n8 = in_dim & ~7;
+    size_t stride = (size_t)in_dim;
     for (int k = 0; k < per_run; k++) {
-        float *out[4];
-        const float *rows[4];
+        four_rows f;
         for (int run = 0; run < 4; run++)
             numbered_row(lo + run * per_run + k, n_matrices, outs, ws, out_dims, in_dim,
-                         &out[run], &rows[run]);
-        kernel_4x1(out, rows, x, in_dim);
+                         &f.rows[run], &f.outs[run], &f.out_strides[run]);
+        int t = 0;
+        for (; t + 3 <= n_tokens; t += 3) kernel_4x3(NULL, &f, t, x + t * stride, 0, n8, in_dim, 0);
+        for (; t < n_tokens; t++) kernel_4x1(&f, t, x + t * stride, in_dim);
     }
     for (int row = lo + 4 * per_run; row < hi; row++) {   /* the last few, one at a time */
-        float *out;
         const float *w_row;
-        numbered_row(row, n_matrices, outs, ws, out_dims, in_dim, &out, &w_row);
-        *out = kv_dot(w_row, x, in_dim);
+        float *out;
+        size_t out_stride;
+        numbered_row(row, n_matrices, outs, ws, out_dims, in_dim, &w_row, &out, &out_stride);
+        for (int t = 0; t < n_tokens; t++)
+            out[(size_t)t * out_stride] = kv_dot(w_row, x + t * stride, in_dim);
     }
 }
 
@@ -225,9 +246,9 @@ void kv_matmul_many(int n_matrices, float *const *outs, const float *const *ws,
         if (work >= KV_PARALLEL_MIN_WORK && n_blocks > 1)
     {
         int team = omp_get_num_threads(), me = omp_get_thread_num();
-        if (n_tokens == 1) {
-            matvec_rows((int)((long)n_rows * me / team), (int)((long)n_rows * (me + 1) / team),
-                        n_matrices, outs, ws, out_dims, x, in_dim);
+        if (n_tokens < SMALL_BATCH) {
+            small_batch_rows((int)((long)n_rows * me / team), (int)((long)n_rows * (me + 1) / team),
+                             n_matrices, outs, ws, out_dims, x, n_tokens, in_dim);
         } else {
             int lo = (int)((long)n_blocks * me / team), hi = (int)((long)n_blocks * (me + 1) / team);
             for (int first = 0; first < n_tokens; first += TOKEN_CHUNK) {
