@@ -324,10 +324,15 @@ static inline v8f exp_nonpositive(v8f x) {
 }
 
 float kv_softmax_tile(float *scores, int n, float *running_max, float *running_sum) {
-    /* the tile as two chunks of eight, padded with -inf, whose exponential is 0 */
+    /* the tile as two chunks of eight; a short tile padded with -inf, whose exponential
+     * is 0 (a full one, the common case, is read in place) */
     float padded[16];
-    for (int i = 0; i < 16; i++) padded[i] = i < n ? scores[i] : -INFINITY;
-    v8f low = load8(padded), high = load8(padded + 8);
+    const float *tile = scores;
+    if (n < 16) {
+        for (int i = 0; i < 16; i++) padded[i] = i < n ? scores[i] : -INFINITY;
+        tile = padded;
+    }
+    v8f low = load8(tile), high = load8(tile + 8);
     v8f larger = max8(low, high);
     float tile_max = larger[0];
     for (int i = 1; i < 8; i++) tile_max = larger[i] > tile_max ? larger[i] : tile_max;
@@ -335,9 +340,14 @@ float kv_softmax_tile(float *scores, int n, float *running_max, float *running_s
     /* the exponentials, summed in eight lanes, then pairwise: one fixed order */
     low = exp_nonpositive(low - new_max);
     high = exp_nonpositive(high - new_max);
-    memcpy(padded, &low, sizeof low);
-    memcpy(padded + 8, &high, sizeof high);
-    memcpy(scores, padded, (size_t)n * sizeof(float));
+    if (n == 16) {
+        memcpy(scores, &low, sizeof low);
+        memcpy(scores + 8, &high, sizeof high);
+    } else {
+        memcpy(padded, &low, sizeof low);
+        memcpy(padded + 8, &high, sizeof high);
+        memcpy(scores, padded, (size_t)n * sizeof(float));
+    }
     /* e^(old max - new max): 1 when the max stayed, 0 before the first tile */
     float correction = 1.0f;
     if (new_max != *running_max) correction = exp_nonpositive(splat(*running_max - new_max))[0];
