@@ -235,6 +235,8 @@ def main() -> None:
     mapping = head_mapping(rng)
     contexts = (512, 1024, 2048, 4096, 8192)
     timing = attention_timing(rng, contexts, threads=1)
+    # what one core can read from memory, the yardstick for the timings' GB/s
+    one_core_read = kvlab.measure.memory_bandwidth(1 << 28, 5)["read_bytes_per_s"]
     kvlab.set_num_threads(threads_before)
     decode = decode_kv_bytes()
 
@@ -262,6 +264,7 @@ def main() -> None:
             "mha_GBps": at[key(32)]["GBps"], "gqa_GBps": at[key(8)]["GBps"],
             "mqa_GBps": at[key(1)]["GBps"],
             "mqa_GFLOPs": at[key(1)]["flops"] / at[key(1)]["seconds"] / 1e9,
+            "one_core_read_GBps": one_core_read / 1e9,
         }
     result = {"setup": setup, "cache_sizes": sizes, "head_mapping": mapping,
               "attention_timing": timing, "attention_summary": summary,
