@@ -26,6 +26,10 @@ import numpy as np  # noqa: E402
 
 import kvlab  # noqa: E402
 from common import machine  # noqa: E402  (chapters/figures/common.py)
+# one layer of Llama 3 8B (32 query heads, 8 KV heads of 128), filled and timed as the
+# benchmark does (common.py puts benchmarks/ on the path)
+from bench_cpu import (HEAD_DIM, N_HEADS, N_KV_HEADS, best_of, filled_cache,  # noqa: E402
+                       numpy_matmul_flops, time_attend)
 from kvlab import measure, reference  # noqa: E402
 
 # Published H200 SXM figures (NVIDIA's data sheet): HBM3e bandwidth, dense BF16 tensor-core
@@ -34,42 +38,6 @@ H200 = {"hbm_bytes_per_s": 4.8e12, "bf16_dense_flops": 989e12, "sms": 132}
 CONTEXTS_CPU = [1024, 2048, 4096, 8192, 16384]
 CONTEXTS_GPU = [4096, 8192, 16384, 32768]
 FORMATS = ["fp32", "fp16", "int8"]
-N_HEADS, N_KV_HEADS, HEAD_DIM = 32, 8, 128      # one layer of Llama 3 8B
-
-
-def best_of(repeats, run):
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        run()
-        best = min(best, time.perf_counter() - start)
-    return best
-
-
-def filled_cache(context, dtype, rows):
-    """One layer's cache holding `context` positions of `rows`, stored as `dtype`."""
-    cache = kvlab.KVCache(1, N_KV_HEADS, HEAD_DIM, context, key_format=dtype, value_format=dtype)
-    for first in range(0, context, 4096):
-        n = min(4096, context - first)
-        cache.append(rows[first:first + n], rows[len(rows) - first - n:len(rows) - first])
-    return cache
-
-
-def time_attend(context, dtype, rows, q):
-    """Best time of one cache.attend over `context` positions. Enough copies of the cache
-    are cycled through (64 MiB at least, twice the L3 cache) that each call reads its K and
-    V from memory, not from a cache level where the previous call left them."""
-    first = filled_cache(context, dtype, rows)
-    copies = [first] + [filled_cache(context, dtype, rows)
-                        for _ in range(-(-(64 << 20) // first.nbytes) - 1)]
-    calls = max(16, 3 * len(copies))
-    best = float("inf")
-    for i in range(calls):
-        cache = copies[i % len(copies)]
-        start = time.perf_counter()
-        cache.attend(q)
-        best = min(best, time.perf_counter() - start)
-    return best, first.nbytes
 
 
 def split_attention(q, keys, values, n_splits):
@@ -96,12 +64,6 @@ def split_attention(q, keys, values, n_splits):
 def measure_bandwidth():
     bw = kvlab.measure.memory_bandwidth(1 << 28, 4)
     return {k: float(v) for k, v in bw.items()}
-
-
-def numpy_matmul_flops():
-    a = np.random.default_rng(0).standard_normal((1024, 1024), dtype=np.float32)
-    a @ a
-    return 2 * 1024 ** 3 / best_of(5, lambda: a @ a)
 
 
 def main() -> None:
