@@ -93,6 +93,31 @@ static void test_ops(void) {
     kv_rope(inter, 1, 2, c, sn, 1);
     kv_rope(half, 1, 2, c, sn, 0);
     CHECK(inter[0] == -2 && inter[1] == 1 && half[0] == -2 && half[1] == 1);
+
+    /* SwiGLU: silu(g) * u to a float's rounding, for large negative and positive gates
+     * too, and each value's result independent of where it falls (last partial chunk or
+     * inside a longer run) */
+    float gates[13], ups[13], long_gates[21], long_ups[21];
+    for (int i = 0; i < 13; i++) {
+        gates[i] = (float)(i - 6) * 7.5f;   /* -45 .. 45 */
+        ups[i] = 0.5f + 0.1f * (float)i;
+    }
+    for (int i = 0; i < 21; i++) {
+        long_gates[i] = gates[i % 13];
+        long_ups[i] = ups[i % 13];
+    }
+    int swiglu_close = 1;
+    float expected_swiglu[13];
+    for (int i = 0; i < 13; i++) {
+        double g = gates[i];
+        expected_swiglu[i] = (float)(g / (1.0 + exp(-g)) * ups[i]);
+    }
+    kv_swiglu(gates, ups, 13);
+    kv_swiglu(long_gates, long_ups, 21);
+    for (int i = 0; i < 13; i++)
+        swiglu_close &= fabsf(gates[i] - expected_swiglu[i]) <= 2e-6f * (1.0f + fabsf(expected_swiglu[i]));
+    CHECK(swiglu_close);
+    CHECK(memcmp(gates + 8, long_gates + 8, 5 * sizeof(float)) == 0);   /* tail vs inside */
 }
 
 /* ---- a tiny random model ---------------------------------------------------------------- */
