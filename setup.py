@@ -35,7 +35,8 @@ HERE = Path(__file__).parent
 CORE_SOURCES = sorted(str(p.relative_to(HERE)) for p in (HERE / "csrc").glob("*.c"))
 CUDA_DIR = HERE / "csrc" / "cuda"
 CUDA_SOURCES = sorted(CUDA_DIR.glob("*.cu"))
-CUDA_HEADERS = [*CUDA_DIR.glob("*.cuh"), *CUDA_DIR.glob("*.h"), HERE / "csrc" / "kvlab.h"]
+CUDA_HEADERS = [*CUDA_DIR.glob("*.cuh"), *CUDA_DIR.glob("*.h"), HERE / "csrc" / "kvlab.h",
+                HERE / "csrc" / "model_args.h"]
 DEFAULT_GENCODE = ["-gencode=arch=compute_90,code=sm_90", "-gencode=arch=compute_80,code=compute_80"]
 
 

@@ -16,6 +16,7 @@
 #include <string.h>
 
 #include "kvlab.h"
+#include "model_args.h"
 #include "quant.h"
 #include "store.h"
 
@@ -1128,29 +1129,11 @@ static PyTypeObject SequenceType = {
 
 /* ================================= Model ========================================= */
 
-#define N_WEIGHTS 13
-
 typedef struct {
     PyObject_HEAD
     kv_model model;
     PyObject *arrays[N_WEIGHTS];  /* the NumPy arrays whose memory the model reads */
 } ModelObject;
-
-static int read_int(PyObject *config, const char *key, int *out) {
-    PyObject *value = PyDict_GetItemString(config, key);  /* borrowed */
-    if (value == NULL) {
-        PyErr_Format(ConfigError, "model config is missing %s", key);
-        return -1;
-    }
-    long v = PyLong_AsLong(value);
-    if (v == -1 && PyErr_Occurred()) return -1;
-    if (v <= 0 || v > (1L << 30)) {
-        PyErr_Format(ConfigError, "config %s must be an integer in 1..2**30, got %ld", key, v);
-        return -1;
-    }
-    *out = (int)v;
-    return 0;
-}
 
 /* Checks one weight array and borrows its data pointer; keeps a reference in *keep. */
 static int take_weight(PyObject *weights, const char *name, int ndim, const npy_intp *shape,
@@ -1211,29 +1194,7 @@ static int model_init(ModelObject *self, PyObject *args, PyObject *kwds) {
         return -1;
     }
     kv_config *c = &self->model.config;
-    if (read_int(config, "dim", &c->dim) < 0 || read_int(config, "hidden_dim", &c->hidden_dim) < 0 ||
-        read_int(config, "n_layers", &c->n_layers) < 0 || read_int(config, "n_heads", &c->n_heads) < 0 ||
-        read_int(config, "n_kv_heads", &c->n_kv_heads) < 0 ||
-        read_int(config, "head_dim", &c->head_dim) < 0 ||
-        read_int(config, "vocab_size", &c->vocab_size) < 0 ||
-        read_int(config, "max_seq_len", &c->max_seq_len) < 0)
-        goto fail;
-    /* Each borrowed value is converted before the next lookup: a conversion may run
-     * Python code (__float__, __bool__) that changes the dict under our feet. */
-    PyObject *eps = PyDict_GetItemString(config, "norm_eps");
-    if (eps == NULL) {
-        PyErr_SetString(ConfigError, "model config needs norm_eps");
-        goto fail;
-    }
-    c->norm_eps = (float)PyFloat_AsDouble(eps);
-    if (PyErr_Occurred()) goto fail;
-    PyObject *interleaved = PyDict_GetItemString(config, "rope_interleaved");
-    if (interleaved == NULL) {
-        PyErr_SetString(ConfigError, "model config needs rope_interleaved");
-        goto fail;
-    }
-    c->rope_interleaved = PyObject_IsTrue(interleaved);
-    if (c->rope_interleaved < 0) goto fail;
+    if (read_config(config, ConfigError, c) < 0) goto fail;
     if (c->n_heads % c->n_kv_heads != 0 || c->head_dim % 2 != 0 || !(c->norm_eps > 0.0f) ||
         !isfinite(c->norm_eps)) {
         PyErr_Format(ConfigError, "config does not fit: n_kv_heads (%d) must divide n_heads "
@@ -1242,24 +1203,8 @@ static int model_init(ModelObject *self, PyObject *args, PyObject *kwds) {
         goto fail;
     }
 
-    npy_intp L = c->n_layers, D = c->dim, H = c->hidden_dim, V = c->vocab_size;
-    npy_intp Q = (npy_intp)c->n_heads * c->head_dim, KV = (npy_intp)c->n_kv_heads * c->head_dim;
-    kv_weights *w = &self->model.weights;
-    struct { const char *name; int ndim; npy_intp shape[3]; const float **data; } table[N_WEIGHTS] = {
-        {"token_embedding", 2, {V, D}, &w->token_embedding},
-        {"attn_norm", 2, {L, D}, &w->attn_norm},
-        {"wq", 3, {L, Q, D}, &w->wq},
-        {"wk", 3, {L, KV, D}, &w->wk},
-        {"wv", 3, {L, KV, D}, &w->wv},
-        {"wo", 3, {L, D, Q}, &w->wo},
-        {"ffn_norm", 2, {L, D}, &w->ffn_norm},
-        {"w1", 3, {L, H, D}, &w->w1},
-        {"w2", 3, {L, D, H}, &w->w2},
-        {"w3", 3, {L, H, D}, &w->w3},
-        {"final_norm", 1, {D}, &w->final_norm},
-        {"classifier", 2, {V, D}, &w->classifier},
-        {"rope_inv_freq", 1, {c->head_dim / 2}, &w->rope_inv_freq},
-    };
+    weight_spec table[N_WEIGHTS];
+    weight_specs(c, &self->model.weights, table);
     for (int i = 0; i < N_WEIGHTS; i++)
         if (take_weight(weights, table[i].name, table[i].ndim, table[i].shape,
                         &self->arrays[i], table[i].data) < 0)

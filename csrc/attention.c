@@ -7,11 +7,12 @@
  * then the tile's values added into the outputs, so keys and values are each read once
  * and no row of scores as long as the context is ever written. Rows are found through
  * the view's block table, one lookup per tile (or per block, when blocks are smaller),
- * not per token. A quantized cache is decoded eight values at a time in registers as its rows are used
- * (or, for the rarer group sizes, a tile at a time into a small buffer), never into a
- * full-precision copy of the cache. Every (token, head) pair is computed the same way
- * whether it arrives in a prefill batch or alone in a decode step, and whichever cache
- * holds its keys, so the cached, uncached and paged paths agree bit for bit.
+ * not per token. A quantized cache is decoded eight values at a time in registers as its
+ * rows are used (or, for the rarer group sizes, a tile at a time into a small buffer),
+ * never into a full-precision copy of the cache. Every (token, head) pair is computed the
+ * same way, over the same tiles counted from position 0, whether it arrives in a prefill
+ * batch or alone in a decode step, and whichever cache holds its keys, so the cached,
+ * uncached and paged paths agree bit for bit.
  */
 #include <math.h>
 #include <string.h>
@@ -199,7 +200,8 @@ static ALWAYS_INLINE void score_block(float *weights, int at, const float *queri
     } else if (RB % 4 == 0) {
         for (int m = 0; m < QB; m++)
             for (int r = 0; r < RB; r += 4) {
-                v4f four = reduce_lanes4(sums[m][r], sums[m][r + 1], sums[m][r + 2], sums[m][r + 3]);
+                v4f four = reduce_lanes4(sums[m][r], sums[m][r + 1], sums[m][r + 2],
+                                         sums[m][r + 3]);
                 for (int j = 0; j < 4; j++) dots[m][r + j] = four[j];
             }
     } else {

@@ -309,10 +309,11 @@ kv_status kv_model_forward_paged(const kv_model *model, kv_pool *pool, int seq,
 /* One step of a continuous-batching engine: n_seqs sequences of one pool, each with
  * n_tokens[i] new tokens (a chunk of its prompt, or one decode token), concatenated in
  * `tokens`, run through the model together. Every weight matrix is streamed once per 48
- * tokens of the batch (matrix-matrix, see TOKEN_CHUNK in ops.c); attention is each sequence's own. logits gets one row per
- * sequence, (n_seqs, vocab_size): its last new token's. Each sequence's results are
- * bit-identical to running it alone. The sequences must be distinct; blocks for all of
- * them are checked first, so on KV_ERR_OUT_OF_BLOCKS (or any error) the pool is as it was. */
+ * tokens of the batch (matrix-matrix, see TOKEN_CHUNK in ops.c); attention is each
+ * sequence's own. logits gets one row per sequence, (n_seqs, vocab_size): its last new
+ * token's. Each sequence's results are bit-identical to running it alone. The sequences
+ * must be distinct; blocks for all of them are checked first, so on KV_ERR_OUT_OF_BLOCKS
+ * (or any error) the pool is as it was. */
 kv_status kv_model_forward_batch(const kv_model *model, kv_pool *pool, int n_seqs,
                                  const int *seqs, const int *n_tokens, const int32_t *tokens,
                                  float *logits, kv_counters *counters);

@@ -64,8 +64,8 @@ typedef struct {
  * apart): twelve dot products sharing every load. With `carry`, the sums go on from those
  * in *acc and are left there for the next panel of columns; without, they start from zero
  * and the finished dot products go to the outputs of tokens t .. t + 2, which saves a trip
- * through memory when a row is one panel. Inside the
- * loop the sums are named one by one so that they live in registers, never in memory. */
+ * through memory when a row is one panel. Inside the loop the sums are named one by one
+ * so that they live in registers, never in memory. */
 static inline __attribute__((always_inline)) void kernel_4x3(
         sums_4x3 *acc, const four_rows *f, int t, const float *x0, int from, int to, int in_dim,
         int carry) {

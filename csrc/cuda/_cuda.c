@@ -21,6 +21,7 @@
 
 #include "kvcuda.h"
 #include "kvlab.h"
+#include "model_args.h"
 
 #ifndef KV_CUDA_SOURCES
 #define KV_CUDA_SOURCES ""
@@ -616,24 +617,6 @@ typedef struct {
     int busy;
 } ModelObject;
 
-static int read_int(PyObject *config, const char *key, int *out) {
-    PyObject *value = PyDict_GetItemString(config, key);   /* borrowed */
-    if (value == NULL) {
-        PyErr_Format(PyExc_ValueError, "model config is missing %s", key);
-        return -1;
-    }
-    long v = PyLong_AsLong(value);
-    if (v == -1 && PyErr_Occurred()) return -1;
-    if (v <= 0 || v > (1L << 30)) {
-        PyErr_Format(PyExc_ValueError, "config %s must be an integer in 1..2**30, got %ld", key, v);
-        return -1;
-    }
-    *out = (int)v;
-    return 0;
-}
-
-#define N_WEIGHTS 13
-
 static int model_init(ModelObject *self, PyObject *args, PyObject *kwds) {
     static char *kwlist[] = {"config", "weights", NULL};
     PyObject *config, *weights;
@@ -647,26 +630,7 @@ static int model_init(ModelObject *self, PyObject *args, PyObject *kwds) {
     kv_model host;
     memset(&host, 0, sizeof host);
     kv_config *c = &host.config;
-    if (read_int(config, "dim", &c->dim) < 0 || read_int(config, "hidden_dim", &c->hidden_dim) < 0 ||
-        read_int(config, "n_layers", &c->n_layers) < 0 || read_int(config, "n_heads", &c->n_heads) < 0 ||
-        read_int(config, "n_kv_heads", &c->n_kv_heads) < 0 ||
-        read_int(config, "head_dim", &c->head_dim) < 0 ||
-        read_int(config, "vocab_size", &c->vocab_size) < 0 ||
-        read_int(config, "max_seq_len", &c->max_seq_len) < 0)
-        return -1;
-    PyObject *eps = PyDict_GetItemString(config, "norm_eps");
-    if (eps == NULL) {
-        PyErr_SetString(PyExc_ValueError, "model config needs norm_eps");
-        return -1;
-    }
-    c->norm_eps = (float)PyFloat_AsDouble(eps);
-    if (PyErr_Occurred()) return -1;
-    PyObject *interleaved = PyDict_GetItemString(config, "rope_interleaved");
-    if (interleaved == NULL) {
-        PyErr_SetString(PyExc_ValueError, "model config needs rope_interleaved");
-        return -1;
-    }
-    if ((c->rope_interleaved = PyObject_IsTrue(interleaved)) < 0) return -1;
+    if (read_config(config, PyExc_ValueError, c) < 0) return -1;
     if (c->n_heads % c->n_kv_heads != 0 || c->head_dim % 8 != 0 ||
         c->head_dim > KV_CUDA_MAX_HEAD_DIM || !(c->norm_eps > 0.0f) || !isfinite(c->norm_eps) ||
         c->dim > (1 << 16) || c->hidden_dim > (1 << 16) || (long)c->n_heads * c->head_dim > (1 << 16) ||
@@ -675,24 +639,8 @@ static int model_init(ModelObject *self, PyObject *args, PyObject *kwds) {
                      "n_heads, head_dim must be a multiple of 8 up to %d", KV_CUDA_MAX_HEAD_DIM);
         return -1;
     }
-    npy_intp L = c->n_layers, D = c->dim, H = c->hidden_dim, V = c->vocab_size;
-    npy_intp Q = (npy_intp)c->n_heads * c->head_dim, KV = (npy_intp)c->n_kv_heads * c->head_dim;
-    kv_weights *w = &host.weights;
-    struct { const char *name; int ndim; npy_intp shape[3]; const float **data; } table[N_WEIGHTS] = {
-        {"token_embedding", 2, {V, D}, &w->token_embedding},
-        {"attn_norm", 2, {L, D}, &w->attn_norm},
-        {"wq", 3, {L, Q, D}, &w->wq},
-        {"wk", 3, {L, KV, D}, &w->wk},
-        {"wv", 3, {L, KV, D}, &w->wv},
-        {"wo", 3, {L, D, Q}, &w->wo},
-        {"ffn_norm", 2, {L, D}, &w->ffn_norm},
-        {"w1", 3, {L, H, D}, &w->w1},
-        {"w2", 3, {L, D, H}, &w->w2},
-        {"w3", 3, {L, H, D}, &w->w3},
-        {"final_norm", 1, {D}, &w->final_norm},
-        {"classifier", 2, {V, D}, &w->classifier},
-        {"rope_inv_freq", 1, {c->head_dim / 2}, &w->rope_inv_freq},
-    };
+    weight_spec table[N_WEIGHTS];
+    weight_specs(c, &host.weights, table);
     for (int i = 0; i < N_WEIGHTS; i++) {
         PyObject *obj = PyDict_GetItemString(weights, table[i].name);   /* borrowed */
         if (obj == NULL) {

@@ -99,12 +99,16 @@ struct FormatF32 {
     }
 };
 
-struct FormatF16 {
+/* fp16 and bf16 read alike: eight 16-bit codes are one 16-byte load. */
+struct SixteenBitCodes {
     struct Raw { uint4 bits; };
     static __device__ __forceinline__ Raw load(const kv_store &s, size_t head_row, int d0) {
         return Raw{__ldg((const uint4 *)(s.codes + head_row * s.head_bytes) + d0 / 8)};
     }
     static __device__ __forceinline__ Raw zero() { return Raw{make_uint4(0, 0, 0, 0)}; }
+};
+
+struct FormatF16 : SixteenBitCodes {
     static __device__ __forceinline__ void decode(const Raw &r, float v[8]) {
         const uint32_t words[4] = {r.bits.x, r.bits.y, r.bits.z, r.bits.w};
 #pragma unroll
@@ -115,12 +119,7 @@ struct FormatF16 {
     }
 };
 
-struct FormatBF16 {
-    struct Raw { uint4 bits; };
-    static __device__ __forceinline__ Raw load(const kv_store &s, size_t head_row, int d0) {
-        return Raw{__ldg((const uint4 *)(s.codes + head_row * s.head_bytes) + d0 / 8)};
-    }
-    static __device__ __forceinline__ Raw zero() { return Raw{make_uint4(0, 0, 0, 0)}; }
+struct FormatBF16 : SixteenBitCodes {
     static __device__ __forceinline__ void decode(const Raw &r, float v[8]) {
         const uint32_t words[4] = {r.bits.x, r.bits.y, r.bits.z, r.bits.w};
 #pragma unroll
