@@ -1395,6 +1395,96 @@ static PyObject *model_forward(ModelObject *self, PyObject *args, PyObject *kwds
 /* forward_batch(seqs, tokens, n_tokens, counters=None): one engine step (see
  * kv_model_forward_batch). seqs: PagedSequence handles of one pool; tokens: int32, the
  * sequences' new tokens one after another; n_tokens: how many belong to each. */
+/* generate_greedy(token, cache, max_steps, stop_token=-1, counters=None): the greedy
+ * generation loop of kv_model_generate_greedy, run with the GIL released from the first
+ * token to the last. */
+static PyObject *model_generate_greedy(ModelObject *self, PyObject *args, PyObject *kwds) {
+    static char *kwlist[] = {"token", "cache", "max_steps", "stop_token", "counters", NULL};
+    int token, max_steps, stop_token = -1;
+    PyObject *cache_obj, *counters_obj = Py_None;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "iOi|iO", kwlist, &token, &cache_obj,
+                                     &max_steps, &stop_token, &counters_obj))
+        return NULL;
+    if (check_counters(counters_obj) < 0) return NULL;
+    const kv_config *c = &self->model.config;
+    if (self->model.weights.token_embedding == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "Model was not initialized");
+        return NULL;
+    }
+    if (!PyObject_TypeCheck(cache_obj, &CacheType)) {
+        PyErr_Format(PyExc_TypeError, "generate_greedy needs a KVCache, got %s",
+                     Py_TYPE(cache_obj)->tp_name);
+        return NULL;
+    }
+    CacheObject *cache = (CacheObject *)cache_obj;
+    if (require_initialized(cache) < 0 || refuse_if_busy(cache) < 0) return NULL;
+    if (token < 0 || token >= c->vocab_size) {
+        PyErr_Format(PyExc_ValueError, "token id %d is out of range [0, %d)", token, c->vocab_size);
+        return NULL;
+    }
+    if (stop_token >= c->vocab_size) {
+        PyErr_Format(PyExc_ValueError, "stop_token %d is out of range [0, %d) (or -1 for none)",
+                     stop_token, c->vocab_size);
+        return NULL;
+    }
+    if (max_steps < 1) {
+        PyErr_Format(PyExc_ValueError, "max_steps must be at least 1, got %d", max_steps);
+        return NULL;
+    }
+    if (kv_cache_check_fits(&cache->cache, c) != KV_OK) {
+        PyErr_Format(PyExc_ValueError, "this cache holds %d layers x %d KV heads x %d, "
+                     "but the model needs %d x %d x %d", cache->cache.n_layers,
+                     cache->cache.n_kv_heads, cache->cache.head_dim, c->n_layers,
+                     c->n_kv_heads, c->head_dim);
+        return NULL;
+    }
+    int free_slots = cache->cache.capacity - cache->cache.length;
+    if (max_steps > free_slots) {
+        PyErr_Format(CacheFullError, "the KV cache is full: it holds %d of %d positions and "
+                     "cannot take %d more steps (make it with a larger max_seq_len, or "
+                     "truncate/reset it)", cache->cache.length, cache->cache.capacity,
+                     max_steps);
+        return NULL;
+    }
+    npy_intp dims[1] = {max_steps};
+    PyObject *tokens = PyArray_SimpleNew(1, dims, NPY_INT32);
+    PyObject *seconds = PyArray_SimpleNew(1, dims, NPY_FLOAT64);
+    if (tokens == NULL || seconds == NULL) {
+        Py_XDECREF(tokens);
+        Py_XDECREF(seconds);
+        return NULL;
+    }
+    kv_status status;
+    kv_counters count = {0};
+    int n_steps = 0;
+    cache->busy = 1;
+    Py_BEGIN_ALLOW_THREADS
+    status = kv_model_generate_greedy(&self->model, &cache->cache, token, max_steps, stop_token,
+                                      (int32_t *)PyArray_DATA((PyArrayObject *)tokens),
+                                      (double *)PyArray_DATA((PyArrayObject *)seconds),
+                                      &n_steps, &count);
+    Py_END_ALLOW_THREADS
+    cache->busy = 0;
+    if (status != KV_OK) {
+        Py_DECREF(tokens);
+        Py_DECREF(seconds);
+        return raise_status(status);
+    }
+    add_to_counters(counters_obj, &count);
+    /* the steps that ran: the first n_steps entries (copies, not views of the longer) */
+    dims[0] = n_steps;
+    PyArray_Dims shape = {dims, 1};
+    PyObject *ran_tokens = PyArray_Resize((PyArrayObject *)tokens, &shape, 0, NPY_CORDER);
+    PyObject *ran_seconds = ran_tokens == NULL ? NULL
+                            : PyArray_Resize((PyArrayObject *)seconds, &shape, 0, NPY_CORDER);
+    PyObject *result = ran_seconds == NULL ? NULL : PyTuple_Pack(2, tokens, seconds);
+    Py_XDECREF(ran_tokens);
+    Py_XDECREF(ran_seconds);
+    Py_DECREF(tokens);
+    Py_DECREF(seconds);
+    return result;
+}
+
 static PyObject *model_forward_batch(ModelObject *self, PyObject *args, PyObject *kwds) {
     static char *kwlist[] = {"seqs", "tokens", "n_tokens", "counters", NULL};
     PyObject *seqs_obj, *tokens_obj, *counts_obj, *counters_obj = Py_None;
@@ -1510,6 +1600,14 @@ static PyMethodDef model_methods[] = {
      "from position 0 in throw-away scratch (the no-cache path). Returns float32 logits\n"
      "(len(tokens), vocab) if all_logits else the last row (vocab,). counters: an int64\n"
      "array named by COUNTERS that gets what the call did (FLOPs, bytes) added to it."},
+    {"generate_greedy", (PyCFunction)(void (*)(void))model_generate_greedy,
+     METH_VARARGS | METH_KEYWORDS,
+     "generate_greedy(token, cache, max_steps, stop_token=-1, counters=None)\n"
+     "    -> (tokens int32, step_seconds float64)\n\n"
+     "Greedy generation with the whole loop in C and the GIL released: from token (chosen,\n"
+     "not yet in the KVCache), up to max_steps decode steps, each appending the newest\n"
+     "token's K and V and choosing the next by arg-max; stops after choosing stop_token.\n"
+     "Returns each step's choice and wall time. The cache needs room for max_steps more."},
     {"forward_batch", (PyCFunction)(void (*)(void))model_forward_batch,
      METH_VARARGS | METH_KEYWORDS,
      "forward_batch(seqs, tokens, n_tokens, counters=None) -> logits (len(seqs), vocab)\n\n"

@@ -9,7 +9,6 @@
  * Each is the best of `repeats` passes over arrays far larger than the caches.
  */
 #include <string.h>
-#include <time.h>
 
 #include "common.h"
 #include "ops.h"
@@ -21,16 +20,6 @@
  * run understates what the memory can deliver, and what a kernel reading several rows at
  * once gets. */
 #define READ_STREAMS 8
-
-static double now_seconds(void) {
-#ifdef _OPENMP
-    return omp_get_wtime();
-#else
-    struct timespec t;
-    timespec_get(&t, TIME_UTC);
-    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
-#endif
-}
 
 kv_status kv_measure_bandwidth(size_t n_floats, int repeats, double *read_bytes_per_s,
                                double *triad_bytes_per_s, float *checksum) {
@@ -55,7 +44,7 @@ kv_status kv_measure_bandwidth(size_t n_floats, int repeats, double *read_bytes_
     double best_read = 0.0, best_triad = 0.0;
     float total = 0.0f;
     for (int r = 0; r < repeats; r++) {
-        double start = now_seconds();
+        double start = kv_seconds();
         float sum = 0.0f;
         long covered = 0;   /* floats the slices hold (n, less a few left over) */
         #pragma omp parallel num_threads(n_threads) reduction(+ : sum, covered)
@@ -74,15 +63,15 @@ kv_status kv_measure_bandwidth(size_t n_floats, int repeats, double *read_bytes_
             sum += reduce_lanes(lanes);
             covered += slice;
         }
-        double seconds = now_seconds() - start;
+        double seconds = kv_seconds() - start;
         total += sum;
         double read = (double)covered * sizeof(float);
         if (read / seconds > best_read) best_read = read / seconds;
 
-        start = now_seconds();
+        start = kv_seconds();
         #pragma omp parallel for schedule(static) num_threads(n_threads)
         for (long i = 0; i < n; i++) a[i] = b[i] + 3.0f * c[i];
-        seconds = now_seconds() - start;
+        seconds = kv_seconds() - start;
         if (3.0 * n * sizeof(float) / seconds > best_triad) best_triad = 3.0 * n * sizeof(float) / seconds;
         total += a[n / 2];
     }

@@ -8,6 +8,7 @@
 #define KVLAB_COMMON_H
 
 #include <stdlib.h>
+#include <time.h>
 #include "kvlab.h"
 
 #define KV_TRY(expr)                       \
@@ -45,6 +46,18 @@ static inline int omp_get_max_threads(void) { return 1; }
 static inline int omp_get_thread_num(void) { return 0; }
 static inline int omp_get_num_threads(void) { return 1; }
 #endif
+
+/* Wall-clock seconds from an arbitrary start, for timing inside the core (the bandwidth
+ * probe, the generation loop's steps). */
+static inline double kv_seconds(void) {
+#ifdef _OPENMP
+    return omp_get_wtime();
+#else
+    struct timespec t;
+    timespec_get(&t, TIME_UTC);
+    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+#endif
+}
 
 /* Threads every parallel loop of the core uses (kv_set_num_threads). One process-wide
  * number, passed to each loop with num_threads(), because OpenMP's own setting belongs

@@ -318,6 +318,20 @@ kv_status kv_model_forward_batch(const kv_model *model, kv_pool *pool, int n_seq
                                  const int *seqs, const int *n_tokens, const int32_t *tokens,
                                  float *logits, kv_counters *counters);
 
+/* Greedy generation, the whole per-token loop in C: from `token` (the newest token, chosen
+ * but not yet in the cache), up to max_steps decode steps, each running the newest token
+ * through the model (appending its K and V) and choosing the next one as the arg-max of
+ * the logits (kv_argmax: numpy.argmax's choice). Stops after the step that chooses
+ * stop_token, if stop_token >= 0. tokens_out gets each step's choice (a stop_token
+ * included), seconds_out (unless NULL) each step's wall time, *n_steps how many steps
+ * ran. Everything is allocated once before the first step: no allocation and no caller
+ * code between tokens. The steps are exactly kv_model_forward decode steps, so the tokens
+ * are the same as calling it token by token. The cache needs room for max_steps more
+ * positions (else KV_ERR_CACHE_FULL, and nothing is run). */
+kv_status kv_model_generate_greedy(const kv_model *model, kv_cache *cache, int32_t token,
+                                   int max_steps, int32_t stop_token, int32_t *tokens_out,
+                                   double *seconds_out, int *n_steps, kv_counters *counters);
+
 /* Checks that every token id is in [0, vocab_size). */
 kv_status kv_check_tokens(const kv_config *config, const int32_t *tokens, int n_tokens);
 

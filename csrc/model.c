@@ -383,6 +383,45 @@ fail:
     return status;
 }
 
+kv_status kv_model_generate_greedy(const kv_model *model, kv_cache *cache, int32_t token,
+                                   int max_steps, int32_t stop_token, int32_t *tokens_out,
+                                   double *seconds_out, int *n_steps, kv_counters *counters) {
+    kv_status status = KV_OK;
+    run_state s = {0};
+    float *logits = NULL;
+    KV_CHECK(model != NULL && cache != NULL && tokens_out != NULL && n_steps != NULL &&
+             max_steps >= 1, KV_ERR_INVALID_ARG);
+    *n_steps = 0;
+    KV_TRY(kv_model_check(model));
+    const kv_config *c = &model->config;
+    KV_TRY(kv_cache_check_fits(cache, c));
+    KV_TRY(kv_check_tokens(c, &token, 1));
+    KV_CHECK(stop_token < c->vocab_size, KV_ERR_TOKEN_RANGE);
+    KV_CHECK(max_steps <= cache->capacity - cache->length, KV_ERR_CACHE_FULL);
+    KV_TRY(run_state_alloc(&s, c, 1, 1));
+    logits = kv_alloc_floats((size_t)c->vocab_size);
+    KV_CHECK(logits != NULL, KV_ERR_NOMEM);
+    /* Nothing below can fail. Each step is what kv_model_forward does for one token. */
+    for (int step = 0; step < max_steps; step++) {
+        double start = kv_seconds();
+        s.runs[0] = (token_run){0, 1, cache->length};
+        for (int layer = 0; layer < c->n_layers; layer++)
+            *view_of(&s, layer, 0) = kv_cache_layer_view(cache, layer);
+        forward_tokens(model, &s, &token, 1, logits, 0);
+        cache->length += 1;
+        token = kv_argmax(logits, c->vocab_size);
+        tokens_out[step] = token;
+        if (seconds_out != NULL) seconds_out[step] = kv_seconds() - start;
+        *n_steps = step + 1;
+        if (token == stop_token) break;
+    }
+    kv_counters_add(counters, &s.count);
+fail:
+    free(logits);
+    run_state_free(&s);
+    return status;
+}
+
 kv_status kv_model_forward_paged(const kv_model *model, kv_pool *pool, int seq,
                                  const int32_t *tokens, int n_tokens, float *logits,
                                  int all_logits, kv_counters *counters) {

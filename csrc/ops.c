@@ -385,3 +385,12 @@ void kv_swiglu(float *gate, const float *up, size_t n) {
         memcpy(gate + n8, &result, (n - (size_t)n8) * sizeof(float));
     }
 }
+
+int kv_argmax(const float *values, int n) {
+    int best = 0;
+    for (int i = 0; i < n; i++) {
+        if (values[i] != values[i]) return i;   /* NaN: numpy.argmax reports the first */
+        if (values[i] > values[best]) best = i;
+    }
+    return best;
+}

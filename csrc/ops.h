@@ -121,4 +121,8 @@ float kv_softmax_tile(float *scores, int n, float *running_max, float *running_s
 /* gate = silu(gate) * up, elementwise: the SwiGLU activation */
 void kv_swiglu(float *gate, const float *up, size_t n);
 
+/* The index of the largest of n values, the first of equal ones; the first NaN if there is
+ * one. The same choice as numpy.argmax, so greedy decoding in C and in Python agree. */
+int kv_argmax(const float *values, int n);
+
 #endif /* KVLAB_OPS_H */

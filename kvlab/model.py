@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Iterator, Optional, Sequence, Union
+import time
+from typing import Iterator, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -233,6 +234,41 @@ class Model:
         if isinstance(token, (bool, np.bool_)) or not isinstance(token, (int, np.integer)):
             raise TypeError(f"decode takes one integer token id, got {token!r}")
         return self._run(as_token_array([token], self.config.vocab_size), cache, False)
+
+    def decode_greedy(self, token: int, cache: Cache, max_steps: int,
+                      stop_token: Optional[int] = None) -> Tuple[np.ndarray, np.ndarray]:
+        """Up to max_steps greedy decode steps from `token` (chosen, not yet in the cache):
+        each step runs the newest token over the cache and picks the arg-max of its logits,
+        exactly as decode() + numpy.argmax would. Stops after the step that picks
+        stop_token. Returns every step's pick (int32) and wall time in seconds (float64).
+
+        Over a KVCache the whole loop runs in C with the GIL released: no Python, no
+        allocation between tokens, which is what a tiny model's step is otherwise mostly
+        made of. Other caches (paged, GPU) step through decode() here."""
+        if isinstance(token, (bool, np.bool_)) or not isinstance(token, (int, np.integer)):
+            raise TypeError(f"decode_greedy takes one integer token id, got {token!r}")
+        if not isinstance(max_steps, (int, np.integer)) or max_steps < 1:
+            raise ValueError(f"max_steps must be a positive integer, got {max_steps!r}")
+        stop = -1 if stop_token is None else int(stop_token)
+        if not -1 <= stop < self.config.vocab_size:
+            raise ValueError(f"stop_token {stop_token} is out of range [0, {self.config.vocab_size})")
+        as_token_array([token], self.config.vocab_size)     # range check, same message
+        self._check_device(cache)
+        if isinstance(cache, KVCache):
+            call = np.zeros(len(core.COUNTERS), dtype=np.int64)
+            picks, seconds = self._core.generate_greedy(int(token), cache, int(max_steps),
+                                                        stop, call)
+            self._record(call)
+            return picks, seconds
+        picks, seconds = [], []
+        for _ in range(max_steps):
+            start = time.perf_counter()
+            token = int(np.argmax(self.decode(token, cache)))
+            seconds.append(time.perf_counter() - start)
+            picks.append(token)
+            if token == stop:
+                break
+        return np.array(picks, dtype=np.int32), np.array(seconds)
 
     def forward(self, tokens: TokenArray, all_logits: bool = False) -> np.ndarray:
         """The no-cache path: run the whole sequence from position 0, recomputing every

@@ -54,3 +54,34 @@ def test_bad_generation_arguments(model, kwargs, error):
 def test_text_prompt_needs_a_tokenizer(model):
     with pytest.raises(kvlab.TokenizerError, match="without a tokenizer"):
         kvlab.generate(model, "hello", 3)
+
+
+class _StopAt:
+    """Just enough of a tokenizer for generate(): an end-of-sequence id, and text."""
+    def __init__(self, eos_id):
+        self.eos_id = eos_id
+
+    def decode(self, ids):
+        return " ".join(map(str, ids))
+
+
+@pytest.mark.parametrize("use_cache", [True, False])
+@pytest.mark.parametrize("progress", [False, True])
+def test_greedy_generation_stops_at_eos_without_keeping_it(model, use_cache, progress):
+    """Greedy over a cache runs its token loop in C (Model.decode_greedy), in chunks when a
+    progress bar shows; the Python loop (no cache) must stop at the same place."""
+    run = kvlab.generate(model, [1, 2, 3], max_new_tokens=40, stop_at_eos=False).tokens
+    eos = run[25]
+    stopping = kvlab.Model(model.config, model.weights, tokenizer=_StopAt(eos))
+    out = kvlab.generate(stopping, [1, 2, 3], max_new_tokens=40, use_cache=use_cache,
+                         progress=progress)
+    assert out.tokens == run[:run.index(eos)]
+    assert len(out.step_seconds) == len(out.tokens) + 1     # the step that chose EOS counts
+    assert out.counts.calls == len(out.step_seconds)
+
+
+def test_greedy_generation_with_a_progress_bar_gives_the_same_tokens(model):
+    quiet = kvlab.generate(model, [7, 8], max_new_tokens=50)
+    shown = kvlab.generate(model, [7, 8], max_new_tokens=50, progress=True)
+    assert quiet.tokens == shown.tokens and len(shown.step_seconds) == 50
+    assert quiet.counts.flops == shown.counts.flops

@@ -293,3 +293,109 @@ def test_results_do_not_depend_on_the_thread_count():
     for logits, tokens, generated in runs[1:]:
         assert tokens == runs[0][1] and generated == runs[0][2]
         assert all(np.array_equal(a, b) for a, b in zip(logits, runs[0][0]))
+
+
+# ---- decode_greedy: the per-token loop in C --------------------------------------------
+
+def greedy_by_hand(model, token, cache, n_steps, stop=None):
+    """decode() + numpy.argmax, token by token: what decode_greedy must match."""
+    picks = []
+    for _ in range(n_steps):
+        token = int(np.argmax(model.decode(token, cache)))
+        picks.append(token)
+        if token == stop:
+            break
+    return picks
+
+
+@pytest.mark.parametrize("name", ["gqa", "mqa", "odd-dims"])
+@pytest.mark.parametrize("options", [{}, {"dtype": "int8", "window": 4}, {"dtype": "fp16"}])
+def test_decode_greedy_matches_decode_token_by_token(name, options):
+    model = make(name)
+    prompt = tokens_for(model, 5)
+    in_c, by_hand = model.new_cache(40, **options), model.new_cache(40, **options)
+    first = int(np.argmax(model.prefill(prompt, in_c)))
+    model.prefill(prompt, by_hand)
+    with model.counting() as counted_c:
+        picks, seconds = model.decode_greedy(first, in_c, 30)
+    with model.counting() as counted_by_hand:
+        expected = greedy_by_hand(model, first, by_hand, 30)
+    assert picks.dtype == np.int32 and picks.tolist() == expected
+    assert seconds.shape == (30,) and np.all(seconds > 0)
+    assert in_c.length == by_hand.length == 35
+    for a, b in zip(in_c.dequantized(), by_hand.dequantized()):
+        assert np.array_equal(a, b)
+    # the core counts the same work either way: 30 decode calls
+    assert counted_c.flops == counted_by_hand.flops and counted_c.calls == 30
+    assert counted_c.kv_read_bytes == counted_by_hand.kv_read_bytes
+
+
+def test_decode_greedy_stops_after_the_stop_token():
+    model = make("gqa")
+    cache, reference_cache = model.new_cache(40), model.new_cache(40)
+    first = int(np.argmax(model.prefill([1, 2, 3], cache)))
+    model.prefill([1, 2, 3], reference_cache)
+    run = greedy_by_hand(model, first, reference_cache, 20)
+    stop = run[6]
+    picks, seconds = model.decode_greedy(first, cache, 20, stop_token=stop)
+    assert picks.tolist() == run[:run.index(stop) + 1]          # the stop token included
+    assert len(seconds) == len(picks) and cache.length == 3 + len(picks)
+
+
+def test_decode_greedy_over_a_paged_sequence_steps_in_python_with_the_same_tokens():
+    model = make("gqa")
+    pool = model.new_paged_pool(num_blocks=8, block_size=4)
+    seq, cache = pool.new_sequence(), model.new_cache(40)
+    first = int(np.argmax(model.prefill([5, 6], seq)))
+    model.prefill([5, 6], cache)
+    assert model.decode_greedy(first, seq, 12)[0].tolist() == \
+        model.decode_greedy(first, cache, 12)[0].tolist()
+
+
+@pytest.mark.parametrize("call, error, match", [
+    (lambda m, c: m.decode_greedy(99, c, 3), ValueError, "out of range"),
+    (lambda m, c: m.decode_greedy(-1, c, 3), ValueError, "out of range"),
+    (lambda m, c: m.decode_greedy(1.0, c, 3), TypeError, "integer token"),
+    (lambda m, c: m.decode_greedy(1, c, 0), ValueError, "max_steps"),
+    (lambda m, c: m.decode_greedy(1, c, 3, stop_token=61), ValueError, "stop_token"),
+    (lambda m, c: m.decode_greedy(1, c, 7), kvlab.CacheFullError, "holds 4 of 10"),
+    (lambda m, c: m._core.generate_greedy(1, c, 3, 61), ValueError, "stop_token"),
+    (lambda m, c: m._core.generate_greedy(1, "no cache", 3), TypeError, "KVCache"),
+])
+def test_decode_greedy_bad_input_raises_and_leaves_the_cache_unchanged(call, error, match):
+    model = make("gqa")
+    cache = model.new_cache(10)
+    model.prefill([1, 2, 3, 4], cache)
+    keys = cache.keys.copy()
+    with pytest.raises(error, match=match):
+        call(model, cache)
+    assert cache.length == 4 and np.array_equal(cache.keys, keys)
+
+
+def test_decode_greedy_runs_with_the_gil_released():
+    """Another Python thread keeps running while one thread's greedy loop is in C."""
+    import threading
+    import time
+    config = kvlab.ModelConfig(dim=256, hidden_dim=512, n_layers=4, n_heads=4, n_kv_heads=4,
+                               vocab_size=512, max_seq_len=512)
+    model = kvlab.Model(config, kvlab.Weights.random(config, seed=3))
+    cache = model.new_cache(400)
+    first = int(np.argmax(model.prefill([1, 2], cache)))
+    ticks, done = [], threading.Event()
+
+    def count_ticks():
+        while not done.is_set():
+            ticks.append(time.perf_counter())
+            time.sleep(0.001)
+
+    ticker = threading.Thread(target=count_ticks)
+    ticker.start()
+    try:
+        start = time.perf_counter()
+        model.decode_greedy(first, cache, 390)
+        end = time.perf_counter()
+    finally:
+        done.set()
+        ticker.join()
+    # with the GIL held for the whole call the ticker could not have run inside it
+    assert sum(start < t < end for t in ticks) >= 3

@@ -118,6 +118,14 @@ static void test_ops(void) {
         swiglu_close &= fabsf(gates[i] - expected_swiglu[i]) <= 2e-6f * (1.0f + fabsf(expected_swiglu[i]));
     CHECK(swiglu_close);
     CHECK(memcmp(gates + 8, long_gates + 8, 5 * sizeof(float)) == 0);   /* tail vs inside */
+
+    /* arg-max as numpy.argmax: the first of equal values, the first NaN if any */
+    float ties[5] = {1.0f, 3.0f, -2.0f, 3.0f, 0.0f};
+    CHECK(kv_argmax(ties, 5) == 1);
+    float with_nan[4] = {1.0f, 9.0f, NAN, NAN};
+    CHECK(kv_argmax(with_nan, 4) == 2);
+    float all_low[3] = {-INFINITY, -INFINITY, -INFINITY};
+    CHECK(kv_argmax(all_low, 3) == 0);
 }
 
 /* ---- a tiny random model ---------------------------------------------------------------- */
@@ -199,6 +207,40 @@ static void test_model_paths_agree(int n_heads, int n_kv_heads, int head_dim,
     CHECK(kv_model_forward(m, &cache, &bad, 1, cached, 0, NULL) == KV_ERR_TOKEN_RANGE);
     CHECK(kv_model_forward(m, &cache, tokens, 1, cached, 0, NULL) == KV_ERR_CACHE_FULL);
     CHECK(cache.length == 20);
+
+    /* the greedy loop in C: the same picks and the same cache as decode steps with an
+     * arg-max between them; no room for all the steps changes nothing */
+    kv_cache looped;
+    CHECK(kv_cache_init(&looped, m->config.n_layers, n_kv_heads, head_dim, 20, format) == KV_OK);
+    /* (a cache with a residual window can only be reset, not cut back to 8) */
+    CHECK(kv_cache_truncate(&stepped, 0) == KV_OK);
+    CHECK(kv_model_forward(m, &stepped, tokens, 8, step, 0, NULL) == KV_OK);
+    {
+        CHECK(kv_model_forward(m, &looped, tokens, 8, step, 0, NULL) == KV_OK);
+        int32_t picks[12], by_hand[12], first = kv_argmax(step, V), n_steps = 0;
+        double seconds[12];
+        kv_counters looped_count = {0};
+        CHECK(kv_model_generate_greedy(m, &looped, first, 13, -1, picks, seconds, &n_steps,
+                                       NULL) == KV_ERR_CACHE_FULL && looped.length == 8);
+        CHECK(kv_model_generate_greedy(m, &looped, first, 12, -1, picks, seconds, &n_steps,
+                                       &looped_count) == KV_OK);
+        int32_t token = first;
+        for (int i = 0; i < 12; i++) {
+            CHECK(kv_model_forward(m, &stepped, &token, 1, step, 0, NULL) == KV_OK);
+            by_hand[i] = token = kv_argmax(step, V);
+        }
+        CHECK(n_steps == 12 && looped.length == 20 && looped_count.calls == 12);
+        CHECK(memcmp(picks, by_hand, sizeof picks) == 0 && seconds[11] > 0.0);
+        /* stopping: after the step that picks the stop token, which is kept */
+        CHECK(kv_cache_truncate(&looped, 0) == KV_OK);
+        CHECK(kv_model_forward(m, &looped, tokens, 8, step, 0, NULL) == KV_OK);
+        CHECK(kv_model_generate_greedy(m, &looped, first, 12, by_hand[4], picks, NULL,
+                                       &n_steps, NULL) == KV_OK);
+        int stop_at = 0;
+        while (by_hand[stop_at] != by_hand[4]) stop_at++;
+        CHECK(n_steps == stop_at + 1 && picks[stop_at] == by_hand[4] && looped.length == 9 + stop_at);
+    }
+    kv_cache_free(&looped);
 
     free(cached); free(paged); free(uncached); free(step);
     kv_cache_free(&cache);
