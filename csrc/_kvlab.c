@@ -1756,6 +1756,28 @@ static PyObject *py_memory_bandwidth(PyObject *module, PyObject *args) {
     return Py_BuildValue("{s:d,s:d}", "read_bytes_per_s", read, "triad_bytes_per_s", triad);
 }
 
+static PyObject *py_attention_walk_bandwidth(PyObject *module, PyObject *args) {
+    (void)module;
+    int n_kv_heads, head_dim, context, repeats = 3;
+    if (!PyArg_ParseTuple(args, "iii|i", &n_kv_heads, &head_dim, &context, &repeats)) return NULL;
+    if (n_kv_heads < 1 || n_kv_heads > 1024 || head_dim < 8 || head_dim % 8 != 0 ||
+        head_dim > 1024 || context < 16 || context > (1 << 22) || repeats < 1 || repeats > 1000) {
+        PyErr_Format(PyExc_ValueError, "attention_walk_bandwidth needs 1..1024 KV heads, head_dim "
+                     "a multiple of 8 up to 1024, a context of 16..%d and repeats 1..1000 (got %d, "
+                     "%d, %d, %d)", 1 << 22, n_kv_heads, head_dim, context, repeats);
+        return NULL;
+    }
+    double bytes_per_s = 0;
+    float checksum = 0;
+    kv_status status;
+    Py_BEGIN_ALLOW_THREADS
+    status = kv_measure_attention_walk(n_kv_heads, head_dim, context, repeats, &bytes_per_s,
+                                       &checksum);
+    Py_END_ALLOW_THREADS
+    if (status != KV_OK) return raise_status(status);
+    return PyFloat_FromDouble(bytes_per_s);
+}
+
 static PyMethodDef module_methods[] = {
     {"set_num_threads", py_set_num_threads, METH_O, "Threads used by the C core."},
     {"get_num_threads", py_get_num_threads, METH_NOARGS, "Threads used by the C core."},
@@ -1763,6 +1785,10 @@ static PyMethodDef module_methods[] = {
      "memory_bandwidth(n_bytes=512 MiB, repeats=5) -> {'read_bytes_per_s', 'triad_bytes_per_s'}:\n"
      "memory bandwidth measured with the core's threads, reading only and STREAM's triad\n"
      "(each array n_bytes; three are allocated)."},
+    {"attention_walk_bandwidth", py_attention_walk_bandwidth, METH_VARARGS,
+     "attention_walk_bandwidth(n_kv_heads, head_dim, context, repeats=3) -> bytes/s: decode\n"
+     "attention's walk through an fp32 cache (each head's keys and values a tile of 16 rows\n"
+     "at a time, the next tile fetched ahead) with no arithmetic, read from memory."},
     {"quantize", py_quantize, METH_VARARGS,
      "quantize(x, format, group=0) -> (codes, scales, zeros): float32 rows (rows, d) stored\n"
      "as a cache stores them (fp32, fp16, bf16, int8, int4 or fp8), as kvlab.quant defines."},

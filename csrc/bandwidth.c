@@ -84,3 +84,72 @@ fail:
     free(c);
     return status;
 }
+
+/* Decode attention's walk through memory (attention.c), without its arithmetic: the KV
+ * heads dealt to the threads in turn; for each head, a tile of TILE key rows read front
+ * to back, then the tile's value rows, the rows one tile on fetched while a tile is read.
+ * Attention cannot read K and V faster than this walk can, so its bandwidth is the
+ * ceiling of that access pattern, to set beside the plain read above. */
+#define WALK_TILE 16
+static float walk_rows(const float *rows, size_t row_floats, int tile_start, int context) {
+    v8f lanes = {0};
+    int end = tile_start + WALK_TILE < context ? tile_start + WALK_TILE : context;
+    for (int r = tile_start; r < end; r++) {
+        const float *row = rows + (size_t)r * row_floats;
+        if (r + WALK_TILE < context)
+            for (size_t at = 0; at < row_floats; at += 16)
+                __builtin_prefetch(row + WALK_TILE * row_floats + at);
+        for (size_t i = 0; i + 8 <= row_floats; i += 8) lanes += load8(row + i);
+    }
+    return reduce_lanes(lanes);
+}
+
+kv_status kv_measure_attention_walk(int n_kv_heads, int head_dim, int context, int repeats,
+                                    double *bytes_per_s, float *checksum) {
+    kv_status status = KV_OK;
+    float *keys = NULL, *values = NULL;
+    KV_CHECK(n_kv_heads >= 1 && n_kv_heads <= 1024 && head_dim >= 8 && head_dim % 8 == 0 &&
+             head_dim <= 1024 && context >= WALK_TILE && context <= (1 << 22) && repeats >= 1,
+             KV_ERR_INVALID_ARG);
+    size_t head_floats = (size_t)context * head_dim, floats = (size_t)n_kv_heads * head_floats;
+    /* enough copies that each pass reads from memory what the last pass left in the
+     * caches least recently: 64 MiB of K and V in all at least */
+    size_t bytes = 2 * floats * sizeof(float);
+    int n_copies = bytes >= ((size_t)64 << 20) ? 1 : (int)(((size_t)64 << 20) / bytes) + 1;
+    keys = kv_alloc_floats(floats * n_copies);
+    values = kv_alloc_floats(floats * n_copies);
+    KV_CHECK(keys != NULL && values != NULL, KV_ERR_NOMEM);
+    int n_threads = kv_threads();
+    (void)n_threads;
+    /* first touch by the thread that reads each head, as in the walk */
+    #pragma omp parallel for schedule(static, 1) num_threads(n_threads)
+    for (long h = 0; h < (long)n_kv_heads * n_copies; h++)
+        for (size_t i = 0; i < head_floats; i++) {
+            keys[h * head_floats + i] = 1.0f;
+            values[h * head_floats + i] = 1.0f;
+        }
+    double best = 0.0;
+    float total = 0.0f;
+    for (int r = 0; r < repeats * n_copies; r++) {
+        size_t copy = (size_t)(r % n_copies) * floats;
+        float sum = 0.0f;
+        double start = kv_seconds();
+        #pragma omp parallel for schedule(static, 1) num_threads(n_threads) reduction(+ : sum)
+        for (int h = 0; h < n_kv_heads; h++) {
+            const float *k = keys + copy + (size_t)h * head_floats;
+            const float *v = values + copy + (size_t)h * head_floats;
+            for (int tile = 0; tile < context; tile += WALK_TILE)
+                sum += walk_rows(k, (size_t)head_dim, tile, context) +
+                       walk_rows(v, (size_t)head_dim, tile, context);
+        }
+        double seconds = kv_seconds() - start;
+        total += sum;
+        if ((double)bytes / seconds > best) best = (double)bytes / seconds;
+    }
+    *bytes_per_s = best;
+    *checksum = total;
+fail:
+    free(keys);
+    free(values);
+    return status;
+}

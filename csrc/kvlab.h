@@ -349,6 +349,13 @@ kv_status kv_model_forward_uncached(const kv_model *model, const int32_t *tokens
 kv_status kv_measure_bandwidth(size_t n_floats, int repeats, double *read_bytes_per_s,
                                double *triad_bytes_per_s, float *checksum);
 
+/* The bytes per second at which decode attention's walk through a cache (n_kv_heads heads
+ * of `context` rows of head_dim floats, keys and values, fp32) reads memory when nothing
+ * is computed: the best of `repeats` passes, each reading from memory. The ceiling of
+ * attention's access pattern, beside the plain read of kv_measure_bandwidth. */
+kv_status kv_measure_attention_walk(int n_kv_heads, int head_dim, int context, int repeats,
+                                    double *bytes_per_s, float *checksum);
+
 /* ---- threads ----------------------------------------------------------------------- */
 void kv_set_num_threads(int n_threads);
 int kv_get_num_threads(void);

@@ -221,6 +221,21 @@ def memory_bandwidth(n_bytes: int = 1 << 28, repeats: int = 3) -> dict:
     return dict(core.memory_bandwidth(n_bytes, repeats))
 
 
+def attention_walk_bandwidth(context: int, n_kv_heads: int = 8, head_dim: int = 128,
+                             repeats: int = 3) -> float:
+    """Bytes per second read by decode attention's walk through an fp32 cache of `context`
+    positions (each KV head's keys and values a tile of 16 rows at a time, the next tile
+    fetched ahead, the heads shared among the core's threads) when it computes nothing:
+    the ceiling of attention's access pattern, to compare with memory_bandwidth's plain
+    read. The best of `repeats` passes, each from memory."""
+    from ._core import core
+    for name, value in (("context", context), ("n_kv_heads", n_kv_heads),
+                        ("head_dim", head_dim), ("repeats", repeats)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"{name} must be an integer, got {value!r}")
+    return float(core.attention_walk_bandwidth(n_kv_heads, head_dim, context, repeats))
+
+
 def resident_bytes() -> int:
     """Physical memory this process uses now (VmRSS)."""
     return 1024 * _proc_status_kib("VmRSS")

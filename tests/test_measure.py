@@ -278,3 +278,18 @@ def test_memory_bandwidth_is_measured_by_the_core():
         kvlab.measure.memory_bandwidth(100)
     with pytest.raises(ValueError, match="repeats"):
         kvlab.measure.memory_bandwidth(1 << 22, 0)
+
+def test_attention_walk_bandwidth_is_measured_by_the_core():
+    """Attention's access pattern alone: a rate in a plausible range, any context (a last
+    partial tile included), and clear errors for shapes the walk cannot take."""
+    for context in (16, 100):
+        rate = kvlab.measure.attention_walk_bandwidth(context, n_kv_heads=2, head_dim=64,
+                                                      repeats=1)
+        assert 1e8 < rate < 1e13
+    with pytest.raises(ValueError, match="multiple of 8"):
+        kvlab.measure.attention_walk_bandwidth(64, head_dim=12)
+    with pytest.raises(ValueError, match="context of 16"):
+        kvlab.measure.attention_walk_bandwidth(8)
+    with pytest.raises(ValueError, match="must be an integer"):
+        kvlab.measure.attention_walk_bandwidth(64.0)
+
