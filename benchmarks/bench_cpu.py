@@ -174,19 +174,26 @@ def time_attend(context, dtype, rows, q):
     return best, first.nbytes
 
 
-def attention_rows(contexts):
+def attention_rows(contexts, rounds=3):
+    """Per context, `rounds` rounds of: the read bandwidth, attention's walk alone, then
+    attention itself, one right after the other; the medians of each figure and share."""
     rng = np.random.default_rng(0)
     q = rng.standard_normal((N_HEADS, HEAD_DIM), dtype=np.float32)
     kv_rows = rng.standard_normal((max(contexts), 1, N_KV_HEADS, HEAD_DIM), dtype=np.float32)
     rows = []
     for context in contexts:
-        bandwidth = read_bandwidth()
-        walk = measure.attention_walk_bandwidth(context, N_KV_HEADS, HEAD_DIM)
-        seconds, nbytes = time_attend(context, "fp32", kv_rows, q)
-        rows.append({"context": context, "seconds": seconds, "bytes_per_s": nbytes / seconds,
-                     "read_bytes_per_s": bandwidth,
-                     "fraction_of_read_bw": nbytes / seconds / bandwidth,
-                     "walk_bytes_per_s": walk, "fraction_of_walk": nbytes / seconds / walk})
+        samples = []
+        for _ in range(rounds):
+            bandwidth = read_bandwidth()
+            walk = measure.attention_walk_bandwidth(context, N_KV_HEADS, HEAD_DIM)
+            seconds, nbytes = time_attend(context, "fp32", kv_rows, q)
+            samples.append((seconds, nbytes / seconds, bandwidth, walk))
+        seconds, rate, bandwidth, walk = (median(column) for column in zip(*samples))
+        rows.append({"context": context, "rounds": rounds, "seconds": seconds,
+                     "bytes_per_s": rate, "read_bytes_per_s": bandwidth,
+                     "fraction_of_read_bw": median([r / b for _, r, b, _ in samples]),
+                     "walk_bytes_per_s": walk,
+                     "fraction_of_walk": median([r / w for _, r, _, w in samples])})
     return rows
 
 
@@ -265,7 +272,7 @@ def main() -> None:
     contexts = [int(x) for x in args.contexts.split(",")]
     attention = attention_rows(contexts)
     print(f"\ndecode attention alone ({N_HEADS} heads, {N_KV_HEADS} KV heads x {HEAD_DIM}, fp32), "
-          "K and V read once per call, each call from memory")
+          "K and V read once per call, each call from memory; medians of 3 rounds")
     print(f"{'context':>8}{'ms':>9}{'GB/s':>8}{'read bw':>9}{'share':>8}"
           f"{'walk only':>11}{'share':>8}")
     for row in attention:
