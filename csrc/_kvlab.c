@@ -1299,6 +1299,28 @@ static int check_call(ModelObject *self, PyObject *tokens_obj, PyObject *counter
     return check_tokens(self, tokens_obj);
 }
 
+/* A KVCache that this model can run n_positions more tokens over: ready, not in use by
+ * another thread, shaped for the model, with room. Raises and returns -1 otherwise. */
+static int check_cache_for(CacheObject *cache, const kv_config *c, int n_positions) {
+    if (require_initialized(cache) < 0 || refuse_if_busy(cache) < 0) return -1;
+    if (kv_cache_check_fits(&cache->cache, c) != KV_OK) {
+        PyErr_Format(PyExc_ValueError, "this cache holds %d layers x %d KV heads x %d, "
+                     "but the model needs %d x %d x %d", cache->cache.n_layers,
+                     cache->cache.n_kv_heads, cache->cache.head_dim, c->n_layers,
+                     c->n_kv_heads, c->head_dim);
+        return -1;
+    }
+    int free_slots = cache->cache.capacity - cache->cache.length;
+    if (n_positions > free_slots) {
+        PyErr_Format(CacheFullError, "the KV cache is full: it holds %d of %d positions "
+                     "and cannot take %d more (make it with a larger max_seq_len, or "
+                     "truncate/reset it)", cache->cache.length, cache->cache.capacity,
+                     n_positions);
+        return -1;
+    }
+    return 0;
+}
+
 static PyObject *model_forward(ModelObject *self, PyObject *args, PyObject *kwds) {
     static char *kwlist[] = {"tokens", "cache", "all_logits", "counters", NULL};
     PyObject *tokens_obj, *cache_obj = Py_None, *counters_obj = Py_None;
@@ -1333,22 +1355,7 @@ static PyObject *model_forward(ModelObject *self, PyObject *args, PyObject *kwds
             return NULL;
         }
         cache = (CacheObject *)cache_obj;
-        if (require_initialized(cache) < 0 || refuse_if_busy(cache) < 0) return NULL;
-        if (kv_cache_check_fits(&cache->cache, c) != KV_OK) {
-            PyErr_Format(PyExc_ValueError, "this cache holds %d layers x %d KV heads x %d, "
-                         "but the model needs %d x %d x %d", cache->cache.n_layers,
-                         cache->cache.n_kv_heads, cache->cache.head_dim, c->n_layers,
-                         c->n_kv_heads, c->head_dim);
-            return NULL;
-        }
-        int free_slots = cache->cache.capacity - cache->cache.length;
-        if (n_tokens > free_slots) {
-            PyErr_Format(CacheFullError, "the KV cache is full: it holds %d of %d positions "
-                         "and cannot take %d more (make it with a larger max_seq_len, or "
-                         "truncate/reset it)", cache->cache.length, cache->cache.capacity,
-                         n_tokens);
-            return NULL;
-        }
+        if (check_cache_for(cache, c, n_tokens) < 0) return NULL;
     }
 
     npy_intp dims[2] = {n_tokens, c->vocab_size};
@@ -1417,7 +1424,6 @@ static PyObject *model_generate_greedy(ModelObject *self, PyObject *args, PyObje
         return NULL;
     }
     CacheObject *cache = (CacheObject *)cache_obj;
-    if (require_initialized(cache) < 0 || refuse_if_busy(cache) < 0) return NULL;
     if (token < 0 || token >= c->vocab_size) {
         PyErr_Format(PyExc_ValueError, "token id %d is out of range [0, %d)", token, c->vocab_size);
         return NULL;
@@ -1431,21 +1437,7 @@ static PyObject *model_generate_greedy(ModelObject *self, PyObject *args, PyObje
         PyErr_Format(PyExc_ValueError, "max_steps must be at least 1, got %d", max_steps);
         return NULL;
     }
-    if (kv_cache_check_fits(&cache->cache, c) != KV_OK) {
-        PyErr_Format(PyExc_ValueError, "this cache holds %d layers x %d KV heads x %d, "
-                     "but the model needs %d x %d x %d", cache->cache.n_layers,
-                     cache->cache.n_kv_heads, cache->cache.head_dim, c->n_layers,
-                     c->n_kv_heads, c->head_dim);
-        return NULL;
-    }
-    int free_slots = cache->cache.capacity - cache->cache.length;
-    if (max_steps > free_slots) {
-        PyErr_Format(CacheFullError, "the KV cache is full: it holds %d of %d positions and "
-                     "cannot take %d more steps (make it with a larger max_seq_len, or "
-                     "truncate/reset it)", cache->cache.length, cache->cache.capacity,
-                     max_steps);
-        return NULL;
-    }
+    if (check_cache_for(cache, c, max_steps) < 0) return NULL;   /* one position per step */
     npy_intp dims[1] = {max_steps};
     PyObject *tokens = PyArray_SimpleNew(1, dims, NPY_INT32);
     PyObject *seconds = PyArray_SimpleNew(1, dims, NPY_FLOAT64);
