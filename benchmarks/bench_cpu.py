@@ -104,10 +104,10 @@ def kvlab_speed(model, prompt, windows, window_tokens):
         # untimed steps first: the probe evicted the weights from the caches (which a
         # small model's decode would otherwise read from there) and the first passes
         # map the checkpoint's pages
-        token = int(model.decode_greedy(token, cache, 4)[0][-1])
+        token = int(model.decode_steps(token, cache, 4)[0][-1])
         # greedy steps with the token loop in C, as kvlab.generate runs them
         start = time.perf_counter()
-        token = int(model.decode_greedy(token, cache, window_tokens)[0][-1])
+        token = int(model.decode_steps(token, cache, window_tokens)[0][-1])
         samples.append(((time.perf_counter() - start) / window_tokens, bandwidth))
     return prefill_s, samples
 

@@ -18,6 +18,7 @@
 #include "kvlab.h"
 #include "model_args.h"
 #include "quant.h"
+#include "sampling.h"
 #include "store.h"
 
 /* kvlab.errors classes, looked up once at import. */
@@ -1402,24 +1403,47 @@ static PyObject *model_forward(ModelObject *self, PyObject *args, PyObject *kwds
 /* forward_batch(seqs, tokens, n_tokens, counters=None): one engine step (see
  * kv_model_forward_batch). seqs: PagedSequence handles of one pool; tokens: int32, the
  * sequences' new tokens one after another; n_tokens: how many belong to each. */
-/* generate_greedy(token, cache, max_steps, stop_token=-1, counters=None): the greedy
- * generation loop of kv_model_generate_greedy, run with the GIL released from the first
- * token to the last. */
-static PyObject *model_generate_greedy(ModelObject *self, PyObject *args, PyObject *kwds) {
-    static char *kwlist[] = {"token", "cache", "max_steps", "stop_token", "counters", NULL};
-    int token, max_steps, stop_token = -1;
-    PyObject *cache_obj, *counters_obj = Py_None;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "iOi|iO", kwlist, &token, &cache_obj,
-                                     &max_steps, &stop_token, &counters_obj))
+/* Reads how to choose tokens (temperature, top_k, top_p) into *how, checked. */
+static int parse_sampling(double temperature, int top_k, double top_p, kv_sampling *how) {
+    if (!(temperature >= 0.0 && temperature < INFINITY)) {
+        PyErr_Format(PyExc_ValueError, "temperature must be a finite number >= 0, got %g", temperature);
+        return -1;
+    }
+    if (top_k < 0) {
+        PyErr_Format(PyExc_ValueError, "top_k must be >= 0 (0: no cut), got %d", top_k);
+        return -1;
+    }
+    if (!(top_p > 0.0 && top_p <= 1.0)) {
+        PyErr_Format(PyExc_ValueError, "top_p must be in (0, 1], got %g", top_p);
+        return -1;
+    }
+    *how = (kv_sampling){temperature, top_k, top_p};
+    return 0;
+}
+
+/* generate(token, cache, max_steps, temperature=0, top_k=0, top_p=1, uniforms=None,
+ * stop_token=-1, counters=None): the generation loop of kv_model_generate, run with the
+ * GIL released from the first token to the last. */
+static PyObject *model_generate(ModelObject *self, PyObject *args, PyObject *kwds) {
+    static char *kwlist[] = {"token", "cache", "max_steps", "temperature", "top_k", "top_p",
+                             "uniforms", "stop_token", "counters", NULL};
+    int token, max_steps, top_k = 0, stop_token = -1;
+    double temperature = 0.0, top_p = 1.0;
+    PyObject *cache_obj, *uniforms_obj = Py_None, *counters_obj = Py_None;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "iOi|didOiO", kwlist, &token, &cache_obj,
+                                     &max_steps, &temperature, &top_k, &top_p, &uniforms_obj,
+                                     &stop_token, &counters_obj))
         return NULL;
-    if (check_counters(counters_obj) < 0) return NULL;
+    kv_sampling how;
+    if (check_counters(counters_obj) < 0 || parse_sampling(temperature, top_k, top_p, &how) < 0)
+        return NULL;
     const kv_config *c = &self->model.config;
     if (self->model.weights.token_embedding == NULL) {
         PyErr_SetString(PyExc_RuntimeError, "Model was not initialized");
         return NULL;
     }
     if (!PyObject_TypeCheck(cache_obj, &CacheType)) {
-        PyErr_Format(PyExc_TypeError, "generate_greedy needs a KVCache, got %s",
+        PyErr_Format(PyExc_TypeError, "generate needs a KVCache, got %s",
                      Py_TYPE(cache_obj)->tp_name);
         return NULL;
     }
@@ -1437,32 +1461,50 @@ static PyObject *model_generate_greedy(ModelObject *self, PyObject *args, PyObje
         PyErr_Format(PyExc_ValueError, "max_steps must be at least 1, got %d", max_steps);
         return NULL;
     }
+    PyArrayObject *uniforms = NULL;
+    if (temperature > 0.0) {   /* a sampled step draws with the next of these numbers */
+        if (!PyArray_Check(uniforms_obj) || PyArray_TYPE((PyArrayObject *)uniforms_obj) != NPY_FLOAT64 ||
+            PyArray_NDIM((PyArrayObject *)uniforms_obj) != 1 ||
+            PyArray_DIM((PyArrayObject *)uniforms_obj, 0) < max_steps ||
+            !PyArray_IS_C_CONTIGUOUS((PyArrayObject *)uniforms_obj)) {
+            PyErr_Format(PyExc_ValueError, "sampling (temperature > 0) needs uniforms: a "
+                         "contiguous 1-D float64 array of at least max_steps = %d numbers in [0, 1)",
+                         max_steps);
+            return NULL;
+        }
+        uniforms = (PyArrayObject *)uniforms_obj;
+    }
     if (check_cache_for(cache, c, max_steps) < 0) return NULL;   /* one position per step */
     npy_intp dims[1] = {max_steps};
     PyObject *tokens = PyArray_SimpleNew(1, dims, NPY_INT32);
     PyObject *seconds = PyArray_SimpleNew(1, dims, NPY_FLOAT64);
-    if (tokens == NULL || seconds == NULL) {
+    /* a private copy of the numbers: the caller's array could change once the GIL is let go */
+    double *draws = uniforms ? PyMem_Malloc((size_t)max_steps * sizeof(double)) : NULL;
+    if (tokens == NULL || seconds == NULL || (uniforms != NULL && draws == NULL)) {
         Py_XDECREF(tokens);
         Py_XDECREF(seconds);
-        return NULL;
+        PyMem_Free(draws);
+        return PyErr_Occurred() ? NULL : PyErr_NoMemory();
     }
+    if (draws != NULL) memcpy(draws, PyArray_DATA(uniforms), (size_t)max_steps * sizeof(double));
     kv_status status;
     kv_counters count = {0};
     int n_steps = 0;
     cache->busy = 1;
     Py_BEGIN_ALLOW_THREADS
-    status = kv_model_generate_greedy(&self->model, &cache->cache, token, max_steps, stop_token,
-                                      (int32_t *)PyArray_DATA((PyArrayObject *)tokens),
-                                      (double *)PyArray_DATA((PyArrayObject *)seconds),
-                                      &n_steps, &count);
+    status = kv_model_generate(&self->model, &cache->cache, token, max_steps, stop_token, &how,
+                               draws, (int32_t *)PyArray_DATA((PyArrayObject *)tokens),
+                               (double *)PyArray_DATA((PyArrayObject *)seconds), &n_steps,
+                               &count);
     Py_END_ALLOW_THREADS
     cache->busy = 0;
+    PyMem_Free(draws);
+    add_to_counters(counters_obj, &count);   /* what ran, even if a step then failed */
     if (status != KV_OK) {
         Py_DECREF(tokens);
         Py_DECREF(seconds);
         return raise_status(status);
     }
-    add_to_counters(counters_obj, &count);
     /* the steps that ran: the first n_steps entries (copies, not views of the longer) */
     dims[0] = n_steps;
     PyArray_Dims shape = {dims, 1};
@@ -1475,6 +1517,44 @@ static PyObject *model_generate_greedy(ModelObject *self, PyObject *args, PyObje
     Py_DECREF(tokens);
     Py_DECREF(seconds);
     return result;
+}
+
+/* sample(logits, temperature=0, top_k=0, top_p=1, u=0) -> token: kv_sample on one row. */
+static PyObject *py_sample(PyObject *module, PyObject *args, PyObject *kwds) {
+    (void)module;
+    static char *kwlist[] = {"logits", "temperature", "top_k", "top_p", "u", NULL};
+    PyObject *logits_obj;
+    double temperature = 0.0, top_p = 1.0, u = 0.0;
+    int top_k = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O|didd", kwlist, &logits_obj, &temperature,
+                                     &top_k, &top_p, &u))
+        return NULL;
+    kv_sampling how;
+    if (parse_sampling(temperature, top_k, top_p, &how) < 0) return NULL;
+    if (!(u >= 0.0 && u < 1.0)) {
+        PyErr_Format(PyExc_ValueError, "u must be in [0, 1), got %g", u);
+        return NULL;
+    }
+    PyArrayObject *logits = (PyArrayObject *)PyArray_FROMANY(logits_obj, NPY_FLOAT32, 1, 1,
+                                                             NPY_ARRAY_CARRAY_RO);
+    if (logits == NULL) return NULL;
+    npy_intp n = PyArray_DIM(logits, 0);
+    if (n < 1 || n > INT32_MAX / (npy_intp)kv_sample_scratch_bytes(1)) {
+        Py_DECREF(logits);
+        PyErr_Format(PyExc_ValueError, "logits must hold 1 to %d values, got %zd",
+                     (int)(INT32_MAX / kv_sample_scratch_bytes(1)), (Py_ssize_t)n);
+        return NULL;
+    }
+    void *scratch = PyMem_Malloc(kv_sample_scratch_bytes((int)n));
+    if (scratch == NULL) {
+        Py_DECREF(logits);
+        return PyErr_NoMemory();
+    }
+    int chosen = kv_sample((const float *)PyArray_DATA(logits), (int)n, &how, u, scratch);
+    PyMem_Free(scratch);
+    Py_DECREF(logits);
+    if (chosen < 0) return raise_status(KV_ERR_NOT_A_NUMBER);
+    return PyLong_FromLong(chosen);
 }
 
 static PyObject *model_forward_batch(ModelObject *self, PyObject *args, PyObject *kwds) {
@@ -1592,14 +1672,14 @@ static PyMethodDef model_methods[] = {
      "from position 0 in throw-away scratch (the no-cache path). Returns float32 logits\n"
      "(len(tokens), vocab) if all_logits else the last row (vocab,). counters: an int64\n"
      "array named by COUNTERS that gets what the call did (FLOPs, bytes) added to it."},
-    {"generate_greedy", (PyCFunction)(void (*)(void))model_generate_greedy,
-     METH_VARARGS | METH_KEYWORDS,
-     "generate_greedy(token, cache, max_steps, stop_token=-1, counters=None)\n"
-     "    -> (tokens int32, step_seconds float64)\n\n"
-     "Greedy generation with the whole loop in C and the GIL released: from token (chosen,\n"
-     "not yet in the KVCache), up to max_steps decode steps, each appending the newest\n"
-     "token's K and V and choosing the next by arg-max; stops after choosing stop_token.\n"
-     "Returns each step's choice and wall time. The cache needs room for max_steps more."},
+    {"generate", (PyCFunction)(void (*)(void))model_generate, METH_VARARGS | METH_KEYWORDS,
+     "generate(token, cache, max_steps, temperature=0, top_k=0, top_p=1, uniforms=None,\n"
+     "         stop_token=-1, counters=None) -> (tokens int32, step_seconds float64)\n\n"
+     "Generation with the whole loop in C and the GIL released: from token (chosen, not\n"
+     "yet in the KVCache), up to max_steps decode steps, each appending the newest token's\n"
+     "K and V and choosing the next (arg-max at temperature 0, else a draw with\n"
+     "uniforms[step]); stops after choosing stop_token. Returns each step's choice and\n"
+     "wall time. The cache needs room for max_steps more."},
     {"forward_batch", (PyCFunction)(void (*)(void))model_forward_batch,
      METH_VARARGS | METH_KEYWORDS,
      "forward_batch(seqs, tokens, n_tokens, counters=None) -> logits (len(seqs), vocab)\n\n"
@@ -1781,6 +1861,11 @@ static PyMethodDef module_methods[] = {
      "attention_walk_bandwidth(n_kv_heads, head_dim, context, repeats=3) -> bytes/s: decode\n"
      "attention's walk through an fp32 cache (each head's keys and values a tile of 16 rows\n"
      "at a time, the next tile fetched ahead) with no arithmetic, read from memory."},
+    {"sample", (PyCFunction)(void (*)(void))py_sample, METH_VARARGS | METH_KEYWORDS,
+     "sample(logits, temperature=0, top_k=0, top_p=1, u=0) -> token id: the choice the\n"
+     "generation loop makes from one row of logits (arg-max at temperature 0; otherwise\n"
+     "temperature, top-k, top-p, then the first token whose cumulative probability exceeds\n"
+     "the uniform number u)."},
     {"quantize", py_quantize, METH_VARARGS,
      "quantize(x, format, group=0) -> (codes, scales, zeros): float32 rows (rows, d) stored\n"
      "as a cache stores them (fp32, fp16, bf16, int8, int4 or fp8), as kvlab.quant defines."},

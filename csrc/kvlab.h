@@ -23,6 +23,7 @@ typedef enum {
     KV_ERR_TABLE_FULL,     /* a sequence's block table has no room for another block */
     KV_ERR_TOO_MANY_SEQUENCES, /* every sequence slot of the pool is taken */
     KV_ERR_CORRUPT,        /* kv_pool_check found a broken invariant */
+    KV_ERR_NOT_A_NUMBER,   /* logits with a NaN (or all -inf): no token can be sampled */
 } kv_status;
 
 /* A human-readable sentence for a status, for error messages. */
@@ -318,19 +319,32 @@ kv_status kv_model_forward_batch(const kv_model *model, kv_pool *pool, int n_seq
                                  const int *seqs, const int *n_tokens, const int32_t *tokens,
                                  float *logits, kv_counters *counters);
 
-/* Greedy generation, the whole per-token loop in C: from `token` (the newest token, chosen
+/* How to choose: temperature 0 takes the arg-max (greedy); otherwise the logits are divided
+ * by the temperature, cut to the top_k largest (0: no cut) and then to the smallest set of
+ * most likely tokens whose probability reaches top_p (1: no cut), and a token is drawn. */
+typedef struct {
+    double temperature;   /* doubles, as Python gives them: the same cut-offs to the bit */
+    int top_k;
+    double top_p;
+} kv_sampling;
+
+/* Generation with the whole per-token loop in C: from `token` (the newest token, chosen
  * but not yet in the cache), up to max_steps decode steps, each running the newest token
- * through the model (appending its K and V) and choosing the next one as the arg-max of
- * the logits (kv_argmax: numpy.argmax's choice). Stops after the step that chooses
+ * through the model (appending its K and V) and choosing the next one with kv_sample
+ * (sampling.h): the arg-max when how is NULL or its temperature 0, else a draw that uses
+ * uniforms[step], numbers in [0, 1) the caller drew. Stops after the step that chooses
  * stop_token, if stop_token >= 0. tokens_out gets each step's choice (a stop_token
  * included), seconds_out (unless NULL) each step's wall time, *n_steps how many steps
  * ran. Everything is allocated once before the first step: no allocation and no caller
  * code between tokens. The steps are exactly kv_model_forward decode steps, so the tokens
- * are the same as calling it token by token. The cache needs room for max_steps more
- * positions (else KV_ERR_CACHE_FULL, and nothing is run). */
-kv_status kv_model_generate_greedy(const kv_model *model, kv_cache *cache, int32_t token,
-                                   int max_steps, int32_t stop_token, int32_t *tokens_out,
-                                   double *seconds_out, int *n_steps, kv_counters *counters);
+ * are the same as calling it token by token and sampling in between. The cache needs room
+ * for max_steps more positions (else KV_ERR_CACHE_FULL, and nothing is run). If a step's
+ * logits are not numbers, that step stays in the cache, *n_steps counts the steps before
+ * it, and the result is KV_ERR_NOT_A_NUMBER. */
+kv_status kv_model_generate(const kv_model *model, kv_cache *cache, int32_t token,
+                            int max_steps, int32_t stop_token, const kv_sampling *how,
+                            const double *uniforms, int32_t *tokens_out, double *seconds_out,
+                            int *n_steps, kv_counters *counters);
 
 /* Checks that every token id is in [0, vocab_size). */
 kv_status kv_check_tokens(const kv_config *config, const int32_t *tokens, int n_tokens);

@@ -19,6 +19,7 @@
 #include "common.h"
 #include "ops.h"
 #include "paged.h"
+#include "sampling.h"
 #include "store.h"
 
 const char *kv_strerror(kv_status status) {
@@ -34,6 +35,7 @@ const char *kv_strerror(kv_status status) {
         case KV_ERR_TABLE_FULL: return "the sequence's block table is full";
         case KV_ERR_TOO_MANY_SEQUENCES: return "the pool has no room for another sequence";
         case KV_ERR_CORRUPT: return "a pool invariant is broken";
+        case KV_ERR_NOT_A_NUMBER: return "the logits are not numbers (NaN, or all -inf): no token can be sampled";
     }
     return "unknown error";
 }
@@ -383,14 +385,20 @@ fail:
     return status;
 }
 
-kv_status kv_model_generate_greedy(const kv_model *model, kv_cache *cache, int32_t token,
-                                   int max_steps, int32_t stop_token, int32_t *tokens_out,
-                                   double *seconds_out, int *n_steps, kv_counters *counters) {
+kv_status kv_model_generate(const kv_model *model, kv_cache *cache, int32_t token,
+                            int max_steps, int32_t stop_token, const kv_sampling *how,
+                            const double *uniforms, int32_t *tokens_out, double *seconds_out,
+                            int *n_steps, kv_counters *counters) {
     kv_status status = KV_OK;
     run_state s = {0};
     float *logits = NULL;
+    void *sample_scratch = NULL;
+    const kv_sampling greedy = {0.0, 0, 1.0};
+    if (how == NULL) how = &greedy;
     KV_CHECK(model != NULL && cache != NULL && tokens_out != NULL && n_steps != NULL &&
-             max_steps >= 1, KV_ERR_INVALID_ARG);
+             max_steps >= 1 && how->temperature >= 0.0 && how->top_k >= 0 &&
+             how->top_p > 0.0 && how->top_p <= 1.0 &&
+             (how->temperature == 0.0 || uniforms != NULL), KV_ERR_INVALID_ARG);
     *n_steps = 0;
     KV_TRY(kv_model_check(model));
     const kv_config *c = &model->config;
@@ -400,8 +408,9 @@ kv_status kv_model_generate_greedy(const kv_model *model, kv_cache *cache, int32
     KV_CHECK(max_steps <= cache->capacity - cache->length, KV_ERR_CACHE_FULL);
     KV_TRY(run_state_alloc(&s, c, 1, 1));
     logits = kv_alloc_floats((size_t)c->vocab_size);
-    KV_CHECK(logits != NULL, KV_ERR_NOMEM);
-    /* Nothing below can fail. Each step is what kv_model_forward does for one token. */
+    sample_scratch = malloc(kv_sample_scratch_bytes(c->vocab_size));
+    KV_CHECK(logits != NULL && sample_scratch != NULL, KV_ERR_NOMEM);
+    /* Each step is what kv_model_forward does for one token, then the choice. */
     for (int step = 0; step < max_steps; step++) {
         double start = kv_seconds();
         s.runs[0] = (token_run){0, 1, cache->length};
@@ -409,7 +418,12 @@ kv_status kv_model_generate_greedy(const kv_model *model, kv_cache *cache, int32
             *view_of(&s, layer, 0) = kv_cache_layer_view(cache, layer);
         forward_tokens(model, &s, &token, 1, logits, 0);
         cache->length += 1;
-        token = kv_argmax(logits, c->vocab_size);
+        token = kv_sample(logits, c->vocab_size, how,
+                          how->temperature == 0.0 ? 0.0 : uniforms[step], sample_scratch);
+        if (token < 0) {
+            status = KV_ERR_NOT_A_NUMBER;
+            break;
+        }
         tokens_out[step] = token;
         if (seconds_out != NULL) seconds_out[step] = kv_seconds() - start;
         *n_steps = step + 1;
@@ -417,6 +431,7 @@ kv_status kv_model_generate_greedy(const kv_model *model, kv_cache *cache, int32
     }
     kv_counters_add(counters, &s.count);
 fail:
+    free(sample_scratch);
     free(logits);
     run_state_free(&s);
     return status;

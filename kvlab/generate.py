@@ -1,9 +1,9 @@
 """The generation loop, with and without a KV cache, timed step by step.
 
 With the cache, the prompt is prefilled once and each new token costs one decode step
-over the cached K and V. Greedy decoding over a KVCache hands the token-by-token loop to
-the C core (Model.decode_greedy), so no Python runs between tokens; sampling steps
-through Python, because the sampler is NumPy. Without it, every step re-runs the whole sequence from
+over the cached K and V. After the prefill, the token-by-token loop over a cache runs in
+the C core (Model.decode_steps), choosing each token as kvlab.sampling.sample does, so no
+Python runs between tokens. Without it, every step re-runs the whole sequence from
 position 0, which is what the course's "uncached" measurements time. Both use the
 same sampler, so greedy generation gives the same tokens either way: the cache is exact.
 """
@@ -93,11 +93,12 @@ def generate(model: Model, prompt: Union[str, Sequence[int]], max_new_tokens: in
     with model.counting() as counts:
         step = 0
         while step < max_new_tokens:
-            if cache is not None and step > 0 and temperature == 0.0:
-                # greedy over the cache: the per-token loop itself runs in C, a chunk at a
-                # time so that a progress bar still moves (all at once without one)
+            if cache is not None and step > 0:
+                # over the cache the per-token loop itself runs in C, a chunk at a time so
+                # that a progress bar still moves (all at once without one)
                 n = max_new_tokens - step if bar is None else min(max_new_tokens - step, 16)
-                picks, times = model.decode_greedy(new_tokens[-1], cache, n, stop_token=eos)
+                picks, times = model.decode_steps(new_tokens[-1], cache, n, temperature,
+                                                  top_k, top_p, rng, stop_token=eos)
                 seconds.extend(times.tolist())
                 step += len(picks)
                 if bar is not None:
@@ -110,10 +111,8 @@ def generate(model: Model, prompt: Union[str, Sequence[int]], max_new_tokens: in
             start = time.perf_counter()
             if cache is None:
                 logits = model.forward(ids + new_tokens)          # everything, from scratch
-            elif step == 0:
-                logits = model.prefill(ids, cache)                # the whole prompt at once
             else:
-                logits = model.decode(new_tokens[-1], cache)      # one token over the cache
+                logits = model.prefill(ids, cache)                # the whole prompt at once
             token = sample(logits, temperature, top_k, top_p, rng)
             seconds.append(time.perf_counter() - start)
             step += 1

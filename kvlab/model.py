@@ -235,35 +235,47 @@ class Model:
             raise TypeError(f"decode takes one integer token id, got {token!r}")
         return self._run(as_token_array([token], self.config.vocab_size), cache, False)
 
-    def decode_greedy(self, token: int, cache: Cache, max_steps: int,
-                      stop_token: Optional[int] = None) -> Tuple[np.ndarray, np.ndarray]:
-        """Up to max_steps greedy decode steps from `token` (chosen, not yet in the cache):
-        each step runs the newest token over the cache and picks the arg-max of its logits,
-        exactly as decode() + numpy.argmax would. Stops after the step that picks
-        stop_token. Returns every step's pick (int32) and wall time in seconds (float64).
+    def decode_steps(self, token: int, cache: Cache, max_steps: int, temperature: float = 0.0,
+                     top_k: Optional[int] = None, top_p: Optional[float] = None,
+                     rng: Optional[np.random.Generator] = None,
+                     stop_token: Optional[int] = None) -> Tuple[np.ndarray, np.ndarray]:
+        """Up to max_steps decode steps from `token` (chosen, not yet in the cache): each
+        step runs the newest token over the cache and chooses the next from its logits,
+        exactly as decode() + kvlab.sampling.sample would (greedy at temperature 0, else
+        one number drawn from rng per step). Stops after the step that picks stop_token.
+        Returns every step's pick (int32) and wall time in seconds (float64).
 
-        Over a KVCache the whole loop runs in C with the GIL released: no Python, no
+        Over a KVCache the whole loop runs in C with the GIL released: no Python and no
         allocation between tokens, which is what a tiny model's step is otherwise mostly
         made of. Other caches (paged, GPU) step through decode() here."""
+        from .sampling import check_sampling_args, sample
         if isinstance(token, (bool, np.bool_)) or not isinstance(token, (int, np.integer)):
-            raise TypeError(f"decode_greedy takes one integer token id, got {token!r}")
+            raise TypeError(f"decode_steps takes one integer token id, got {token!r}")
         if not isinstance(max_steps, (int, np.integer)) or max_steps < 1:
             raise ValueError(f"max_steps must be a positive integer, got {max_steps!r}")
+        check_sampling_args(temperature, top_k, top_p)
         stop = -1 if stop_token is None else int(stop_token)
         if not -1 <= stop < self.config.vocab_size:
             raise ValueError(f"stop_token {stop_token} is out of range [0, {self.config.vocab_size})")
         as_token_array([token], self.config.vocab_size)     # range check, same message
         self._check_device(cache)
+        if temperature > 0.0 and rng is None:
+            rng = np.random.default_rng()
         if isinstance(cache, KVCache):
             call = np.zeros(len(core.COUNTERS), dtype=np.int64)
-            picks, seconds = self._core.generate_greedy(int(token), cache, int(max_steps),
-                                                        stop, call)
-            self._record(call)
+            # the numbers each sampled step draws with, the same ones sample() would take
+            uniforms = rng.random(max_steps) if temperature > 0.0 else None
+            try:
+                picks, seconds = self._core.generate(
+                    int(token), cache, int(max_steps), temperature, top_k or 0,
+                    1.0 if top_p is None else top_p, uniforms, stop, call)
+            finally:
+                self._record(call)
             return picks, seconds
         picks, seconds = [], []
         for _ in range(max_steps):
             start = time.perf_counter()
-            token = int(np.argmax(self.decode(token, cache)))
+            token = sample(self.decode(token, cache), temperature, top_k, top_p, rng)
             seconds.append(time.perf_counter() - start)
             picks.append(token)
             if token == stop:

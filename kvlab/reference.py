@@ -170,3 +170,29 @@ def forward(config: ModelConfig, weights: Weights, tokens: Sequence[int],
         x = x + (silu(h @ w.w1[layer].T) * (h @ w.w3[layer].T)) @ w.w2[layer].T
     cache.length = start + n
     return rmsnorm(x, w.final_norm, config.norm_eps) @ w.classifier.T
+
+
+def sample(logits: np.ndarray, temperature: float, top_k: Optional[int], top_p: Optional[float],
+           u: float) -> int:
+    """The next token, chosen as the C core chooses it (csrc/sampling.c), with u, a number
+    in [0, 1), as the random draw. Greedy (temperature 0) takes the arg-max."""
+    if temperature == 0.0:
+        return int(np.argmax(logits))
+    scaled = logits.astype(np.float64) / temperature
+    if top_k is not None and top_k < scaled.size:
+        kth_largest = np.partition(scaled, -top_k)[-top_k]
+        scaled = np.where(scaled < kth_largest, -np.inf, scaled)
+    probs = np.exp(scaled - scaled.max())
+    probs /= probs.sum()
+    if top_p is not None and top_p < 1.0:
+        # keep the smallest set of most likely tokens whose probability reaches top_p
+        order = np.argsort(-probs, kind="stable")
+        cumulative = np.cumsum(probs[order])
+        keep = order[: int(np.searchsorted(cumulative, top_p) + 1)]
+        kept = np.zeros_like(probs)
+        kept[keep] = probs[keep]
+        probs = kept / kept.sum()
+    # inverse transform sampling: the first token whose cumulative probability exceeds u
+    cdf = np.cumsum(probs)
+    return int(np.searchsorted(cdf / cdf[-1], u, side="right"))
+

@@ -1,14 +1,17 @@
 """Choosing the next token from logits: greedy, temperature, top-k and top-p (nucleus).
 
-Plain NumPy, shared by kvlab.generate and the batching engine. Greedy (temperature 0)
-takes the arg-max, so it is deterministic; sampling draws from a numpy Generator the
-caller owns, so a seed reproduces a run.
+Shared by kvlab.generate and the batching engine. Greedy (temperature 0) takes the
+arg-max, so it is deterministic; sampling takes its random number from a numpy Generator
+the caller owns, so a seed reproduces a run. The arithmetic is the C core's (the
+generation loop in C makes the same choice); kvlab.reference.sample is the same in NumPy.
 """
 from __future__ import annotations
 
 from typing import Optional
 
 import numpy as np
+
+from ._core import core
 
 
 def check_sampling_args(temperature: float, top_k: Optional[int], top_p: Optional[float]) -> None:
@@ -23,22 +26,14 @@ def check_sampling_args(temperature: float, top_k: Optional[int], top_p: Optiona
 
 def sample(logits: np.ndarray, temperature: float = 0.0, top_k: Optional[int] = None,
            top_p: Optional[float] = None, rng: Optional[np.random.Generator] = None) -> int:
-    """Next token id from a (vocab_size,) row of logits."""
+    """Next token id from a (vocab_size,) row of float32 logits.
+
+    The choice is made by the C core (csrc/sampling.c), the same function the generation
+    loop in C calls between tokens, so a token drawn here and one drawn there agree. Its
+    NumPy twin, to read, is kvlab.reference.sample. Sampling takes one number from rng
+    (rng.random()), the point where the cumulative probability is cut."""
     if temperature == 0.0:
         return int(np.argmax(logits))
     rng = rng if rng is not None else np.random.default_rng()
-    scaled = logits.astype(np.float64) / temperature
-    if top_k is not None and top_k < scaled.size:
-        kth_largest = np.partition(scaled, -top_k)[-top_k]
-        scaled = np.where(scaled < kth_largest, -np.inf, scaled)
-    probs = np.exp(scaled - scaled.max())
-    probs /= probs.sum()
-    if top_p is not None and top_p < 1.0:
-        # keep the smallest set of most likely tokens whose probability reaches top_p
-        order = np.argsort(-probs, kind="stable")
-        cumulative = np.cumsum(probs[order])
-        keep = order[: int(np.searchsorted(cumulative, top_p) + 1)]
-        kept = np.zeros_like(probs)
-        kept[keep] = probs[keep]
-        probs = kept / kept.sum()
-    return int(rng.choice(probs.size, p=probs))
+    return core.sample(logits, temperature, top_k or 0, 1.0 if top_p is None else top_p,
+                       rng.random())

@@ -68,7 +68,7 @@ class _StopAt:
 @pytest.mark.parametrize("use_cache", [True, False])
 @pytest.mark.parametrize("progress", [False, True])
 def test_greedy_generation_stops_at_eos_without_keeping_it(model, use_cache, progress):
-    """Greedy over a cache runs its token loop in C (Model.decode_greedy), in chunks when a
+    """Greedy over a cache runs its token loop in C (Model.decode_steps), in chunks when a
     progress bar shows; the Python loop (no cache) must stop at the same place."""
     run = kvlab.generate(model, [1, 2, 3], max_new_tokens=40, stop_at_eos=False).tokens
     eos = run[25]
@@ -85,3 +85,35 @@ def test_greedy_generation_with_a_progress_bar_gives_the_same_tokens(model):
     shown = kvlab.generate(model, [7, 8], max_new_tokens=50, progress=True)
     assert quiet.tokens == shown.tokens and len(shown.step_seconds) == 50
     assert quiet.counts.flops == shown.counts.flops
+
+
+@pytest.mark.parametrize("top_k, top_p", [(None, None), (5, None), (None, 0.8), (12, 0.95)])
+@pytest.mark.parametrize("temperature", [0.3, 1.0, 2.5])
+def test_the_c_sampler_agrees_with_the_numpy_reference(temperature, top_k, top_p):
+    """kvlab.sampling.sample (the C core's kv_sample, which the generation loop in C calls)
+    against kvlab.reference.sample, the same steps in NumPy, for the same random number."""
+    from kvlab import _kvlab as core
+    from kvlab import reference
+    rng = np.random.default_rng(int(temperature * 10) + (top_k or 0))
+    for _ in range(300):
+        logits = (rng.standard_normal(50) * 3).astype(np.float32)
+        logits[rng.integers(0, 50, 5)] = logits.max()          # ties at the top
+        u = rng.random()
+        assert core.sample(logits, temperature, top_k or 0, top_p or 1.0, u) == \
+            reference.sample(logits, temperature, top_k, top_p, u)
+
+
+def test_sampling_nan_logits_raises():
+    with pytest.raises(ValueError, match="not numbers"):
+        sample(np.array([0.0, np.nan, 1.0], dtype=np.float32), 1.0, rng=np.random.default_rng(0))
+    assert sample(np.array([0.0, 2.0, 1.0], dtype=np.float32)) == 1    # greedy: the arg-max
+
+
+def test_sampled_generation_draws_one_number_per_step_on_every_path(model):
+    """With a cache the C loop draws the tokens; without one Python does, with the same
+    numbers from the same seed: the same tokens, with and without a progress bar."""
+    kwargs = dict(max_new_tokens=40, temperature=0.9, top_k=20, top_p=0.9, seed=3)
+    cached = kvlab.generate(model, [5, 6], **kwargs).tokens
+    assert cached == kvlab.generate(model, [5, 6], use_cache=False, **kwargs).tokens
+    assert cached == kvlab.generate(model, [5, 6], progress=True, **kwargs).tokens
+    assert cached != kvlab.generate(model, [5, 6], max_new_tokens=40).tokens   # it sampled

@@ -295,10 +295,10 @@ def test_results_do_not_depend_on_the_thread_count():
         assert all(np.array_equal(a, b) for a, b in zip(logits, runs[0][0]))
 
 
-# ---- decode_greedy: the per-token loop in C --------------------------------------------
+# ---- decode_steps: the per-token loop in C --------------------------------------------
 
 def greedy_by_hand(model, token, cache, n_steps, stop=None):
-    """decode() + numpy.argmax, token by token: what decode_greedy must match."""
+    """decode() + numpy.argmax, token by token: what decode_steps must match."""
     picks = []
     for _ in range(n_steps):
         token = int(np.argmax(model.decode(token, cache)))
@@ -310,14 +310,14 @@ def greedy_by_hand(model, token, cache, n_steps, stop=None):
 
 @pytest.mark.parametrize("name", ["gqa", "mqa", "odd-dims"])
 @pytest.mark.parametrize("options", [{}, {"dtype": "int8", "window": 4}, {"dtype": "fp16"}])
-def test_decode_greedy_matches_decode_token_by_token(name, options):
+def test_decode_steps_matches_decode_token_by_token(name, options):
     model = make(name)
     prompt = tokens_for(model, 5)
     in_c, by_hand = model.new_cache(40, **options), model.new_cache(40, **options)
     first = int(np.argmax(model.prefill(prompt, in_c)))
     model.prefill(prompt, by_hand)
     with model.counting() as counted_c:
-        picks, seconds = model.decode_greedy(first, in_c, 30)
+        picks, seconds = model.decode_steps(first, in_c, 30)
     with model.counting() as counted_by_hand:
         expected = greedy_by_hand(model, first, by_hand, 30)
     assert picks.dtype == np.int32 and picks.tolist() == expected
@@ -330,39 +330,62 @@ def test_decode_greedy_matches_decode_token_by_token(name, options):
     assert counted_c.kv_read_bytes == counted_by_hand.kv_read_bytes
 
 
-def test_decode_greedy_stops_after_the_stop_token():
+def test_decode_steps_samples_as_decode_and_sample_do_token_by_token():
+    from kvlab.sampling import sample
+    model = make("gqa")
+    in_c, by_hand = model.new_cache(40), model.new_cache(40)
+    first = int(np.argmax(model.prefill([1, 2, 3], in_c)))
+    model.prefill([1, 2, 3], by_hand)
+    picks, _ = model.decode_steps(first, in_c, 30, temperature=1.2, top_k=30, top_p=0.95,
+                                  rng=np.random.default_rng(9))
+    rng, token, expected = np.random.default_rng(9), first, []
+    for _ in range(30):
+        token = sample(model.decode(token, by_hand), 1.2, 30, 0.95, rng)
+        expected.append(token)
+    assert picks.tolist() == expected
+    assert np.array_equal(in_c.keys, by_hand.keys)
+
+
+def test_decode_steps_stops_after_the_stop_token():
     model = make("gqa")
     cache, reference_cache = model.new_cache(40), model.new_cache(40)
     first = int(np.argmax(model.prefill([1, 2, 3], cache)))
     model.prefill([1, 2, 3], reference_cache)
     run = greedy_by_hand(model, first, reference_cache, 20)
     stop = run[6]
-    picks, seconds = model.decode_greedy(first, cache, 20, stop_token=stop)
+    picks, seconds = model.decode_steps(first, cache, 20, stop_token=stop)
     assert picks.tolist() == run[:run.index(stop) + 1]          # the stop token included
     assert len(seconds) == len(picks) and cache.length == 3 + len(picks)
 
 
-def test_decode_greedy_over_a_paged_sequence_steps_in_python_with_the_same_tokens():
+def test_decode_steps_over_a_paged_sequence_steps_in_python_with_the_same_tokens():
     model = make("gqa")
     pool = model.new_paged_pool(num_blocks=8, block_size=4)
     seq, cache = pool.new_sequence(), model.new_cache(40)
     first = int(np.argmax(model.prefill([5, 6], seq)))
     model.prefill([5, 6], cache)
-    assert model.decode_greedy(first, seq, 12)[0].tolist() == \
-        model.decode_greedy(first, cache, 12)[0].tolist()
+    assert model.decode_steps(first, seq, 12)[0].tolist() == \
+        model.decode_steps(first, cache, 12)[0].tolist()
 
 
 @pytest.mark.parametrize("call, error, match", [
-    (lambda m, c: m.decode_greedy(99, c, 3), ValueError, "out of range"),
-    (lambda m, c: m.decode_greedy(-1, c, 3), ValueError, "out of range"),
-    (lambda m, c: m.decode_greedy(1.0, c, 3), TypeError, "integer token"),
-    (lambda m, c: m.decode_greedy(1, c, 0), ValueError, "max_steps"),
-    (lambda m, c: m.decode_greedy(1, c, 3, stop_token=61), ValueError, "stop_token"),
-    (lambda m, c: m.decode_greedy(1, c, 7), kvlab.CacheFullError, "holds 4 of 10"),
-    (lambda m, c: m._core.generate_greedy(1, c, 3, 61), ValueError, "stop_token"),
-    (lambda m, c: m._core.generate_greedy(1, "no cache", 3), TypeError, "KVCache"),
+    (lambda m, c: m.decode_steps(99, c, 3), ValueError, "out of range"),
+    (lambda m, c: m.decode_steps(-1, c, 3), ValueError, "out of range"),
+    (lambda m, c: m.decode_steps(1.0, c, 3), TypeError, "integer token"),
+    (lambda m, c: m.decode_steps(1, c, 0), ValueError, "max_steps"),
+    (lambda m, c: m.decode_steps(1, c, 3, stop_token=61), ValueError, "stop_token"),
+    (lambda m, c: m.decode_steps(1, c, 7), kvlab.CacheFullError, "holds 4 of 10"),
+    (lambda m, c: m._core.generate(1, c, 3, stop_token=61), ValueError, "stop_token"),
+    (lambda m, c: m._core.generate(1, c, 3, temperature=1.0), ValueError, "needs uniforms"),
+    (lambda m, c: m._core.generate(1, c, 3, 1.0, uniforms=np.zeros(2)), ValueError, "uniforms"),
+    (lambda m, c: m._core.generate(1, c, 3, 1.0, uniforms=np.zeros(3, np.float32)), ValueError,
+     "float64"),
+    (lambda m, c: m._core.generate(1, c, 3, -1.0), ValueError, "temperature"),
+    (lambda m, c: m._core.generate(1, c, 3, 1.0, top_p=0.0), ValueError, "top_p"),
+    (lambda m, c: m.decode_steps(1, c, 3, temperature=1.0, top_k=0), ValueError, "top_k"),
+    (lambda m, c: m._core.generate(1, "no cache", 3), TypeError, "KVCache"),
 ])
-def test_decode_greedy_bad_input_raises_and_leaves_the_cache_unchanged(call, error, match):
+def test_decode_steps_bad_input_raises_and_leaves_the_cache_unchanged(call, error, match):
     model = make("gqa")
     cache = model.new_cache(10)
     model.prefill([1, 2, 3, 4], cache)
@@ -372,7 +395,7 @@ def test_decode_greedy_bad_input_raises_and_leaves_the_cache_unchanged(call, err
     assert cache.length == 4 and np.array_equal(cache.keys, keys)
 
 
-def test_decode_greedy_runs_with_the_gil_released():
+def test_decode_steps_runs_with_the_gil_released():
     """Another Python thread keeps running while one thread's greedy loop is in C."""
     import threading
     import time
@@ -392,7 +415,7 @@ def test_decode_greedy_runs_with_the_gil_released():
     ticker.start()
     try:
         start = time.perf_counter()
-        model.decode_greedy(first, cache, 390)
+        model.decode_steps(first, cache, 390)
         end = time.perf_counter()
     finally:
         done.set()

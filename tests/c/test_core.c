@@ -12,6 +12,7 @@
 #include <string.h>
 
 #include "kvlab.h"
+#include "sampling.h"
 #include "ops.h"
 #include "store.h"
 
@@ -126,6 +127,24 @@ static void test_ops(void) {
     CHECK(kv_argmax(with_nan, 4) == 2);
     float all_low[3] = {-INFINITY, -INFINITY, -INFINITY};
     CHECK(kv_argmax(all_low, 3) == 0);
+
+    /* sampling: the first token whose cumulative probability passes u, after the cuts */
+    float logits[5] = {0.0f, 5.0f, 4.0f, -3.0f, 4.5f};
+    double sample_scratch[5 * 4];
+    kv_sampling greedy = {0.0, 0, 1.0}, plain = {1.0, 0, 1.0}, top2 = {1.0, 2, 1.0};
+    kv_sampling nucleus = {1.0, 0, 0.01}, hot = {100.0, 0, 1.0};
+    CHECK(kv_sample_scratch_bytes(5) <= sizeof sample_scratch);
+    CHECK(kv_sample(logits, 5, &greedy, 0.7, sample_scratch) == 1);
+    CHECK(kv_sample(logits, 5, &plain, 0.0, sample_scratch) == 0);      /* p(0) > 0 */
+    CHECK(kv_sample(logits, 5, &plain, 0.9999, sample_scratch) == 4);
+    CHECK(kv_sample(logits, 5, &top2, 0.0, sample_scratch) == 1);       /* 0 is cut */
+    CHECK(kv_sample(logits, 5, &top2, 0.9999, sample_scratch) == 4);
+    CHECK(kv_sample(logits, 5, &nucleus, 0.9999, sample_scratch) == 1);
+    /* at a high temperature each token gets about a fifth: u = 0.5 lands on the middle one */
+    CHECK(kv_sample(logits, 5, &hot, 0.5, sample_scratch) == 2);
+    float with_nan_logit[3] = {1.0f, NAN, 0.0f};
+    CHECK(kv_sample(with_nan_logit, 3, &plain, 0.5, sample_scratch) == -1);
+    CHECK(kv_sample(all_low, 3, &plain, 0.5, sample_scratch) == -1);
 }
 
 /* ---- a tiny random model ---------------------------------------------------------------- */
@@ -220,9 +239,9 @@ static void test_model_paths_agree(int n_heads, int n_kv_heads, int head_dim,
         int32_t picks[12], by_hand[12], first = kv_argmax(step, V), n_steps = 0;
         double seconds[12];
         kv_counters looped_count = {0};
-        CHECK(kv_model_generate_greedy(m, &looped, first, 13, -1, picks, seconds, &n_steps,
+        CHECK(kv_model_generate(m, &looped, first, 13, -1, NULL, NULL, picks, seconds, &n_steps,
                                        NULL) == KV_ERR_CACHE_FULL && looped.length == 8);
-        CHECK(kv_model_generate_greedy(m, &looped, first, 12, -1, picks, seconds, &n_steps,
+        CHECK(kv_model_generate(m, &looped, first, 12, -1, NULL, NULL, picks, seconds, &n_steps,
                                        &looped_count) == KV_OK);
         int32_t token = first;
         for (int i = 0; i < 12; i++) {
@@ -234,11 +253,30 @@ static void test_model_paths_agree(int n_heads, int n_kv_heads, int head_dim,
         /* stopping: after the step that picks the stop token, which is kept */
         CHECK(kv_cache_truncate(&looped, 0) == KV_OK);
         CHECK(kv_model_forward(m, &looped, tokens, 8, step, 0, NULL) == KV_OK);
-        CHECK(kv_model_generate_greedy(m, &looped, first, 12, by_hand[4], picks, NULL,
+        CHECK(kv_model_generate(m, &looped, first, 12, by_hand[4], NULL, NULL, picks, NULL,
                                        &n_steps, NULL) == KV_OK);
         int stop_at = 0;
         while (by_hand[stop_at] != by_hand[4]) stop_at++;
         CHECK(n_steps == stop_at + 1 && picks[stop_at] == by_hand[4] && looped.length == 9 + stop_at);
+
+        /* sampled: the same draws as forward + kv_sample with the same numbers */
+        kv_sampling how = {0.8, 5, 0.9};
+        double uniforms[12], *sample_scratch = malloc(kv_sample_scratch_bytes(V));
+        for (int i = 0; i < 12; i++) uniforms[i] = (double)((i * 37) % 100) / 100.0;
+        CHECK(kv_cache_truncate(&looped, 0) == KV_OK && kv_cache_truncate(&stepped, 0) == KV_OK);
+        CHECK(kv_model_forward(m, &looped, tokens, 8, step, 0, NULL) == KV_OK);
+        CHECK(kv_model_forward(m, &stepped, tokens, 8, step, 0, NULL) == KV_OK);
+        CHECK(kv_model_generate(m, &looped, first, 12, -1, &how, NULL, picks, NULL, &n_steps,
+                                NULL) == KV_ERR_INVALID_ARG && looped.length == 8);
+        CHECK(kv_model_generate(m, &looped, first, 12, -1, &how, uniforms, picks, NULL, &n_steps,
+                                NULL) == KV_OK && n_steps == 12);
+        token = first;
+        for (int i = 0; i < 12; i++) {
+            CHECK(kv_model_forward(m, &stepped, &token, 1, step, 0, NULL) == KV_OK);
+            by_hand[i] = token = kv_sample(step, V, &how, uniforms[i], sample_scratch);
+        }
+        CHECK(memcmp(picks, by_hand, sizeof picks) == 0);
+        free(sample_scratch);
     }
     kv_cache_free(&looped);
 
