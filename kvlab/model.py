@@ -19,6 +19,7 @@ from .config import ModelConfig
 from .errors import TokenizerError
 from .measure import Counts
 from .quant import CacheFormat
+from .sampling import check_sampling_args, sample
 from .paged import PagedPool, PagedSequence
 from .tokenizer import Tokenizer
 from .weights import Weights
@@ -248,7 +249,6 @@ class Model:
         Over a KVCache the whole loop runs in C with the GIL released: no Python and no
         allocation between tokens, which is what a tiny model's step is otherwise mostly
         made of. Other caches (paged, GPU) step through decode() here."""
-        from .sampling import check_sampling_args, sample
         if isinstance(token, (bool, np.bool_)) or not isinstance(token, (int, np.integer)):
             raise TypeError(f"decode_steps takes one integer token id, got {token!r}")
         if not isinstance(max_steps, (int, np.integer)) or max_steps < 1:
