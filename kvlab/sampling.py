@@ -11,8 +11,6 @@ from typing import Optional
 
 import numpy as np
 
-from ._core import core
-
 
 def check_sampling_args(temperature: float, top_k: Optional[int], top_p: Optional[float]) -> None:
     if not (temperature >= 0.0 and np.isfinite(temperature)):
@@ -34,6 +32,9 @@ def sample(logits: np.ndarray, temperature: float = 0.0, top_k: Optional[int] = 
     (rng.random()), the point where the cumulative probability is cut."""
     if temperature == 0.0:
         return int(np.argmax(logits))
+    # imported here: the scheduler uses this module's argument checks and runs (and is
+    # tested) without the compiled core
+    from ._core import core
     rng = rng if rng is not None else np.random.default_rng()
     return core.sample(logits, temperature, top_k or 0, 1.0 if top_p is None else top_p,
                        rng.random())
