@@ -1291,12 +1291,18 @@ static void add_to_counters(PyObject *obj, const kv_counters *call) {
 
 /* What every forward call checks first: the counters array, an initialized model, and
  * the token ids. 0, or -1 with an exception set. */
-static int check_call(ModelObject *self, PyObject *tokens_obj, PyObject *counters_obj) {
+/* A model ready to run, and a counters array (or None) to add a call's counts to. */
+static int check_model_call(ModelObject *self, PyObject *counters_obj) {
     if (check_counters(counters_obj) < 0) return -1;
     if (self->model.weights.token_embedding == NULL) {
         PyErr_SetString(PyExc_RuntimeError, "Model was not initialized");
         return -1;
     }
+    return 0;
+}
+
+static int check_call(ModelObject *self, PyObject *tokens_obj, PyObject *counters_obj) {
+    if (check_model_call(self, counters_obj) < 0) return -1;
     return check_tokens(self, tokens_obj);
 }
 
@@ -1435,13 +1441,10 @@ static PyObject *model_generate(ModelObject *self, PyObject *args, PyObject *kwd
                                      &stop_token, &counters_obj))
         return NULL;
     kv_sampling how;
-    if (check_counters(counters_obj) < 0 || parse_sampling(temperature, top_k, top_p, &how) < 0)
+    if (check_model_call(self, counters_obj) < 0 ||
+        parse_sampling(temperature, top_k, top_p, &how) < 0)
         return NULL;
     const kv_config *c = &self->model.config;
-    if (self->model.weights.token_embedding == NULL) {
-        PyErr_SetString(PyExc_RuntimeError, "Model was not initialized");
-        return NULL;
-    }
     if (!PyObject_TypeCheck(cache_obj, &CacheType)) {
         PyErr_Format(PyExc_TypeError, "generate needs a KVCache, got %s",
                      Py_TYPE(cache_obj)->tp_name);
@@ -1535,8 +1538,9 @@ static PyObject *py_sample(PyObject *module, PyObject *args, PyObject *kwds) {
         PyErr_Format(PyExc_ValueError, "u must be in [0, 1), got %g", u);
         return NULL;
     }
-    PyArrayObject *logits = (PyArrayObject *)PyArray_FROMANY(logits_obj, NPY_FLOAT32, 1, 1,
-                                                             NPY_ARRAY_CARRAY_RO);
+    /* float32, as the model's logits are; other numbers are rounded to it (forced cast) */
+    PyArrayObject *logits = (PyArrayObject *)PyArray_FROMANY(
+        logits_obj, NPY_FLOAT32, 1, 1, NPY_ARRAY_CARRAY_RO | NPY_ARRAY_FORCECAST);
     if (logits == NULL) return NULL;
     npy_intp n = PyArray_DIM(logits, 0);
     if (n < 1 || n > INT32_MAX / (npy_intp)kv_sample_scratch_bytes(1)) {

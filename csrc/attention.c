@@ -31,7 +31,7 @@ static size_t round_up16(size_t n) { return (n + 15) & ~(size_t)15; }
 
 /* Rows are read TILE at a time: a tile of dequantized head rows (16 x 128 floats = 8 KiB
  * for a typical head) stays in the L1 cache while every query head of the group uses it. */
-#define TILE 16
+#define TILE KV_ATTENTION_TILE
 /* and the rows AHEAD positions on (the next tile) are asked for while a tile is computed:
  * one tile of keys and one of values in use, one of each on the way, 32 KiB for heads of
  * 128 floats, which is as much as the L1 cache holds. Further ahead measured no faster. */
@@ -62,8 +62,6 @@ typedef struct {
     int groups_per_head;
     int group_shift;         /* value i of a row is in group i >> group_shift */
 } tile_rows;
-
-#define ALWAYS_INLINE inline __attribute__((always_inline))
 
 typedef uint32_t v8u32 __attribute__((vector_size(32)));
 

@@ -42,12 +42,17 @@ kv_layer_view kv_cache_layer_view(const kv_cache *cache, int layer);
  * attends over positions 0 .. its own position (the causal mask). q and out are
  * (n_tokens, n_heads * head_dim); the view already holds the new tokens' K and V.
  * scratch holds n_threads rows of scratch_stride floats, one per thread: for each query
- * head of a group a tile of weights (TILE in attention.c), a running max and a running
+ * head of a group a tile of weights (KV_ATTENTION_TILE, below), a running max and a running
  * sum, then a tile of head rows to decode keys or values into when they cannot be read
  * in place. Its size does not depend on the context length. */
 void kv_attention(float *out, const float *q, const kv_layer_view *view, int n_tokens,
                   int start_pos, int n_heads, int n_kv_heads, int head_dim, float *scratch,
                   size_t scratch_stride, int n_threads);
+
+/* Positions attention takes at a time: a tile of keys scored, one online-softmax step
+ * (kv_softmax_tile, ops.h, takes up to 16 scores), the tile of values mixed. Counted from
+ * position 0 on every path. The bandwidth probe's walk (bandwidth.c) reads the same tiles. */
+#define KV_ATTENTION_TILE 16
 
 /* Floats of scratch each thread needs (the scratch_stride above). */
 size_t kv_attention_scratch(int n_heads, int n_kv_heads, int head_dim);

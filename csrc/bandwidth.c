@@ -10,6 +10,7 @@
  */
 #include <string.h>
 
+#include "attention.h"
 #include "common.h"
 #include "ops.h"
 
@@ -86,11 +87,11 @@ fail:
 }
 
 /* Decode attention's walk through memory (attention.c), without its arithmetic: the KV
- * heads dealt to the threads in turn; for each head, a tile of TILE key rows read front
- * to back, then the tile's value rows, the rows one tile on fetched while a tile is read.
- * Attention cannot read K and V faster than this walk can, so its bandwidth is the
- * ceiling of that access pattern, to set beside the plain read above. */
-#define WALK_TILE 16
+ * heads dealt to the threads in turn; for each head, a tile of KV_ATTENTION_TILE key rows
+ * read front to back, then the tile's value rows, the rows one tile on fetched while a
+ * tile is read. Attention cannot read K and V faster than this walk can, so its bandwidth
+ * is the ceiling of that access pattern, to set beside the plain read above. */
+#define WALK_TILE KV_ATTENTION_TILE
 static float walk_rows(const float *rows, size_t row_floats, int tile_start, int context) {
     v8f lanes = {0};
     int end = tile_start + WALK_TILE < context ? tile_start + WALK_TILE : context;
@@ -121,13 +122,14 @@ kv_status kv_measure_attention_walk(int n_kv_heads, int head_dim, int context, i
     KV_CHECK(keys != NULL && values != NULL, KV_ERR_NOMEM);
     int n_threads = kv_threads();
     (void)n_threads;
-    /* first touch by the thread that reads each head, as in the walk */
-    #pragma omp parallel for schedule(static, 1) num_threads(n_threads)
-    for (long h = 0; h < (long)n_kv_heads * n_copies; h++)
-        for (size_t i = 0; i < head_floats; i++) {
-            keys[h * head_floats + i] = 1.0f;
-            values[h * head_floats + i] = 1.0f;
+    /* first touch by the thread that reads each head, dealt out as in the walk */
+    for (int copy = 0; copy < n_copies; copy++) {
+        #pragma omp parallel for schedule(static, 1) num_threads(n_threads)
+        for (int h = 0; h < n_kv_heads; h++) {
+            size_t first = ((size_t)copy * n_kv_heads + h) * head_floats;
+            for (size_t i = first; i < first + head_floats; i++) keys[i] = values[i] = 1.0f;
         }
+    }
     double best = 0.0;
     float total = 0.0f;
     for (int r = 0; r < repeats * n_copies; r++) {

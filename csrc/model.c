@@ -360,25 +360,39 @@ kv_status kv_check_tokens(const kv_config *config, const int32_t *tokens, int n_
     return KV_OK;
 }
 
+/* What a call over a contiguous cache checks before it changes anything, so that a failed
+ * call leaves the cache exactly as it was: the model, the cache's shape, the n_tokens ids
+ * it starts from, and room for n_positions more positions. */
+static kv_status check_cache_call(const kv_model *model, const kv_cache *cache,
+                                  const int32_t *tokens, int n_tokens, int n_positions) {
+    kv_status status = KV_OK;
+    KV_TRY(kv_model_check(model));
+    KV_TRY(kv_cache_check_fits(cache, &model->config));
+    KV_TRY(kv_check_tokens(&model->config, tokens, n_tokens));
+    KV_CHECK(n_positions <= cache->capacity - cache->length, KV_ERR_CACHE_FULL);
+fail:
+    return status;
+}
+
+/* n_tokens new tokens through the model at the cache's next positions, their K and V
+ * appended: all of kv_model_forward's work, and each step of kv_model_generate's. */
+static void run_over_cache(const kv_model *model, run_state *s, kv_cache *cache,
+                           const int32_t *tokens, int n_tokens, float *logits, int all_logits) {
+    s->runs[0] = (token_run){0, n_tokens, cache->length};
+    for (int layer = 0; layer < model->config.n_layers; layer++)
+        *view_of(s, layer, 0) = kv_cache_layer_view(cache, layer);
+    forward_tokens(model, s, tokens, n_tokens, logits, all_logits);
+    cache->length += n_tokens;
+}
+
 kv_status kv_model_forward(const kv_model *model, kv_cache *cache, const int32_t *tokens,
                            int n_tokens, float *logits, int all_logits, kv_counters *counters) {
     kv_status status = KV_OK;
     run_state s = {0};
     KV_CHECK(model != NULL && cache != NULL && logits != NULL, KV_ERR_INVALID_ARG);
-    KV_TRY(kv_model_check(model));
-    const kv_config *c = &model->config;
-    KV_TRY(kv_cache_check_fits(cache, c));
-    /* Every check happens before the first write, so a failed call leaves the cache
-     * exactly as it was. */
-    KV_TRY(kv_check_tokens(c, tokens, n_tokens));
-    KV_CHECK(n_tokens <= cache->capacity - cache->length, KV_ERR_CACHE_FULL);
-    int start_pos = cache->length;
-    KV_TRY(run_state_alloc(&s, c, n_tokens, 1));
-    s.runs[0] = (token_run){0, n_tokens, start_pos};
-    for (int layer = 0; layer < c->n_layers; layer++)
-        *view_of(&s, layer, 0) = kv_cache_layer_view(cache, layer);
-    forward_tokens(model, &s, tokens, n_tokens, logits, all_logits);
-    cache->length = start_pos + n_tokens;
+    KV_TRY(check_cache_call(model, cache, tokens, n_tokens, n_tokens));
+    KV_TRY(run_state_alloc(&s, &model->config, n_tokens, 1));
+    run_over_cache(model, &s, cache, tokens, n_tokens, logits, all_logits);
     kv_counters_add(counters, &s.count);
 fail:
     run_state_free(&s);
@@ -400,12 +414,9 @@ kv_status kv_model_generate(const kv_model *model, kv_cache *cache, int32_t toke
              how->top_p > 0.0 && how->top_p <= 1.0 &&
              (how->temperature == 0.0 || uniforms != NULL), KV_ERR_INVALID_ARG);
     *n_steps = 0;
-    KV_TRY(kv_model_check(model));
+    KV_TRY(check_cache_call(model, cache, &token, 1, max_steps));   /* a position per step */
     const kv_config *c = &model->config;
-    KV_TRY(kv_cache_check_fits(cache, c));
-    KV_TRY(kv_check_tokens(c, &token, 1));
     KV_CHECK(stop_token < c->vocab_size, KV_ERR_TOKEN_RANGE);
-    KV_CHECK(max_steps <= cache->capacity - cache->length, KV_ERR_CACHE_FULL);
     KV_TRY(run_state_alloc(&s, c, 1, 1));
     logits = kv_alloc_floats((size_t)c->vocab_size);
     sample_scratch = malloc(kv_sample_scratch_bytes(c->vocab_size));
@@ -413,11 +424,7 @@ kv_status kv_model_generate(const kv_model *model, kv_cache *cache, int32_t toke
     /* Each step is what kv_model_forward does for one token, then the choice. */
     for (int step = 0; step < max_steps; step++) {
         double start = kv_seconds();
-        s.runs[0] = (token_run){0, 1, cache->length};
-        for (int layer = 0; layer < c->n_layers; layer++)
-            *view_of(&s, layer, 0) = kv_cache_layer_view(cache, layer);
-        forward_tokens(model, &s, &token, 1, logits, 0);
-        cache->length += 1;
+        run_over_cache(model, &s, cache, &token, 1, logits, 0);
         token = kv_sample(logits, c->vocab_size, how,
                           how->temperature == 0.0 ? 0.0 : uniforms[step], sample_scratch);
         if (token < 0) {

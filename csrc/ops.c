@@ -66,7 +66,7 @@ typedef struct {
  * and the finished dot products go to the outputs of tokens t .. t + 2, which saves a trip
  * through memory when a row is one panel. Inside the loop the sums are named one by one
  * so that they live in registers, never in memory. */
-static inline __attribute__((always_inline)) void kernel_4x3(
+static ALWAYS_INLINE void kernel_4x3(
         sums_4x3 *acc, const four_rows *f, int t, const float *x0, int from, int to, int in_dim,
         int carry) {
     size_t stride = (size_t)in_dim;
@@ -124,6 +124,13 @@ static void kernel_4x1(const four_rows *f, int t, const float *x, int in_dim) {
  * a panel of four rows (8 KiB) does. The running sums wait in memory between panels. */
 #define PANEL 512
 
+/* The next `slice` bytes of rows still to fetch (*fetched of total so far), whole cache
+ * lines: one share of fetching the next rows while the current ones are used. */
+static inline void fetch_slice(const char *rows, size_t total, size_t slice, size_t *fetched) {
+    for (size_t end = *fetched + slice; *fetched < end && *fetched < total; *fetched += 64)
+        __builtin_prefetch(rows + *fetched);
+}
+
 /* out rows o .. o+3 (or the last few) for tokens first .. first + chunk - 1 */
 static void row_block(float *out, const float *x, const float *w, int first, int chunk,
                       int o, int in_dim, int out_dim) {
@@ -148,8 +155,7 @@ static void row_block(float *out, const float *x, const float *w, int first, int
     size_t fetched = 0;
     if (n_panels <= 1) {   /* the whole row at once: sums straight to the output */
         for (int j = 0; j < n_triples; j++) {
-            for (size_t end = fetched + slice; fetched < end && fetched < next_bytes; fetched += 64)
-                __builtin_prefetch(next_rows + fetched);
+            fetch_slice(next_rows, next_bytes, slice, &fetched);
             int t = first + 3 * j;
             kernel_4x3(NULL, &f, t, x + (size_t)t * stride, 0, n8, in_dim, 0);
         }
@@ -159,8 +165,7 @@ static void row_block(float *out, const float *x, const float *w, int first, int
         for (int from = 0; from < n8; from += panel) {
             int to = from + panel < n8 ? from + panel : n8;
             for (int j = 0; j < n_triples; j++) {
-                for (size_t end = fetched + slice; fetched < end && fetched < next_bytes; fetched += 64)
-                    __builtin_prefetch(next_rows + fetched);
+                fetch_slice(next_rows, next_bytes, slice, &fetched);
                 int t = first + 3 * j;
                 kernel_4x3(&sums[j], &f, t, x + (size_t)t * stride, from, to, in_dim, 1);
             }

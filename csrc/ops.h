@@ -16,6 +16,10 @@
 /* Eight float lanes: one AVX register (or two SSE registers on older CPUs). */
 typedef float v8f __attribute__((vector_size(32)));
 
+/* For kernels whose loops must be unrolled and their sums kept in registers at every call
+ * site: inlined even where the compiler's own heuristics would not. */
+#define ALWAYS_INLINE inline __attribute__((always_inline))
+
 static inline v8f load8(const float *p) {
     v8f v;
     memcpy(&v, p, sizeof v);  /* unaligned load; compiles to one vmovups */

@@ -26,7 +26,7 @@ from .quant import CacheFormat
 
 BYTES_PER_ELEMENT = {"fp32": 4, "fp16": 2, "bf16": 2}
 FLOAT = 4   # the C core computes in fp32
-ATTENTION_TILE = 16   # K/V head rows attention reads at a time (TILE in csrc/attention.c)
+ATTENTION_TILE = 16   # K/V head rows attention reads at a time (KV_ATTENTION_TILE, csrc/attention.h)
 
 
 def _element_bytes(dtype: str) -> int:

@@ -24,7 +24,8 @@ def check_sampling_args(temperature: float, top_k: Optional[int], top_p: Optiona
 
 def sample(logits: np.ndarray, temperature: float = 0.0, top_k: Optional[int] = None,
            top_p: Optional[float] = None, rng: Optional[np.random.Generator] = None) -> int:
-    """Next token id from a (vocab_size,) row of float32 logits.
+    """Next token id from a (vocab_size,) row of logits (taken as float32, as the model
+    computes them; float64 is rounded to float32 first).
 
     The choice is made by the C core (csrc/sampling.c), the same function the generation
     loop in C calls between tokens, so a token drawn here and one drawn there agree. Its

@@ -107,6 +107,12 @@ def test_sampling_nan_logits_raises():
     with pytest.raises(ValueError, match="not numbers"):
         sample(np.array([0.0, np.nan, 1.0], dtype=np.float32), 1.0, rng=np.random.default_rng(0))
     assert sample(np.array([0.0, 2.0, 1.0], dtype=np.float32)) == 1    # greedy: the arg-max
+    # other number types are taken as float32, as the model's logits are
+    as_float64 = sample(np.array([0.0, 2.0, 1.0]), 1.0, rng=np.random.default_rng(4))
+    assert as_float64 == sample(np.array([0.0, 2.0, 1.0], np.float32), 1.0,
+                                rng=np.random.default_rng(4))
+    with pytest.raises(ValueError):
+        sample(np.zeros((2, 3), np.float32), 1.0, rng=np.random.default_rng(0))
 
 
 def test_sampled_generation_draws_one_number_per_step_on_every_path(model):
