@@ -56,9 +56,14 @@ def run(script: Path, names: list, rounds: int) -> dict:
     best: dict = {}
     for _ in range(rounds):
         for name in names:
-            env = dict(os.environ, PYTHONPATH=str(STORE / name))
-            done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True,
-                                  text=True, cwd=STORE)
+            # the saved copy first on the path, then the script's own folder (for its
+            # imports of sibling modules): -P keeps Python from putting that folder first,
+            # where a kvlab/ beside the script (the repository's, run from the root) would
+            # win and every version would time the same build
+            path = [str(STORE / name), str(script.parent), os.environ.get("PYTHONPATH", "")]
+            env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in path if p))
+            done = subprocess.run([sys.executable, "-P", str(script)], env=env,
+                                  capture_output=True, text=True, cwd=STORE)
             if done.returncode != 0:
                 raise SystemExit(f"{script} failed under {name}:\n{done.stderr[-2000:]}")
             for figure, value in parse_figures(done.stdout).items():

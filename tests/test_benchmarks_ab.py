@@ -15,20 +15,26 @@ def test_figures_are_the_name_value_lines():
 
 
 def test_run_keeps_the_best_value_of_each_version(tmp_path, monkeypatch):
-    monkeypatch.setattr(ab, "STORE", tmp_path)
+    store = tmp_path / "store"
+    monkeypatch.setattr(ab, "STORE", store)
     for name in ("before", "after"):
-        (tmp_path / name / "kvlab").mkdir(parents=True)
-    # each run prints a figure that depends on the version and on how often it ran
+        (store / name / "kvlab").mkdir(parents=True)
+        (store / name / "kvlab" / "__init__.py").write_text(f"VERSION = {name!r}\n")
+    # a kvlab beside the script, as the repository's is beside a script run from its root:
+    # the saved copy must be the one imported
+    (tmp_path / "kvlab").mkdir()
+    (tmp_path / "kvlab" / "__init__.py").write_text("VERSION = 'the working tree'\n")
+    # each run prints a figure that depends on the version imported and on the round;
+    # the second round is the best
     script = tmp_path / "timing.py"
     script.write_text(
-        "import os, pathlib\n"
-        "version = pathlib.Path(os.environ['PYTHONPATH']).name\n"
-        "count = pathlib.Path(version + '.count')\n"
+        "import pathlib, kvlab\n"
+        "count = pathlib.Path(kvlab.VERSION + '.count')\n"
         "n = int(count.read_text()) + 1 if count.exists() else 1\n"
         "count.write_text(str(n))\n"
-        "print('speed', (10 if version == 'after' else 5) * n)\n")
+        "print('speed', (10 if kvlab.VERSION == 'after' else 5) * [3, 9, 4][n - 1])\n")
     best = ab.run(script, ["before", "after"], rounds=3)
-    assert best == {"speed": {"before": 15.0, "after": 30.0}}
+    assert best == {"speed": {"before": 45.0, "after": 90.0}}
 
 
 def test_a_failing_script_names_the_version(tmp_path, monkeypatch):
