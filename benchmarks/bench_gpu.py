@@ -28,6 +28,7 @@ import platform
 import sys
 import time
 from pathlib import Path
+from statistics import median
 
 import numpy as np
 
@@ -41,10 +42,6 @@ CONTEXTS = [1024, 4096, 16384, 32768]
 ROTATE_BYTES = 512 << 20
 TARGET_SECONDS = 0.02                               # per timed repeat
 REPEATS = 5
-
-
-def median(values) -> float:
-    return float(np.median(np.asarray(values)))
 
 
 def copy_bandwidth(ext, nbytes: int = 2 << 30) -> dict:

@@ -50,6 +50,10 @@ class Generation:
         return len(self.tokens) / self.seconds if self.seconds > 0 else float("inf")
 
 
+# Decode steps between two updates of a progress bar.
+PROGRESS_CHUNK = 16
+
+
 def generate(model: Model, prompt: Union[str, Sequence[int]], max_new_tokens: int = 48,
              use_cache: bool = True, temperature: float = 0.0, top_k: Optional[int] = None,
              top_p: Optional[float] = None, seed: Optional[int] = None,
@@ -90,24 +94,10 @@ def generate(model: Model, prompt: Union[str, Sequence[int]], max_new_tokens: in
     new_tokens: List[int] = []
     seconds: List[float] = []
     bar = _progress_bar(max_new_tokens, "cached" if use_cache else "uncached", progress)
+    stopped = False      # an end-of-sequence token was chosen (and is not kept)
     with model.counting() as counts:
-        step = 0
-        while step < max_new_tokens:
-            if cache is not None and step > 0:
-                # over the cache the per-token loop itself runs in C, a chunk at a time so
-                # that a progress bar still moves (all at once without one)
-                n = max_new_tokens - step if bar is None else min(max_new_tokens - step, 16)
-                picks, times = model.decode_steps(new_tokens[-1], cache, n, temperature,
-                                                  top_k, top_p, rng, stop_token=eos)
-                seconds.extend(times.tolist())
-                step += len(picks)
-                if bar is not None:
-                    bar.update(len(picks))
-                if eos is not None and picks[-1] == eos:
-                    new_tokens.extend(picks[:-1].tolist())
-                    break
-                new_tokens.extend(picks.tolist())
-                continue
+        # Without a cache every step runs here; with one, only the first (the prompt).
+        for step in range(max_new_tokens if cache is None else 1):
             start = time.perf_counter()
             if cache is None:
                 logits = model.forward(ids + new_tokens)          # everything, from scratch
@@ -115,12 +105,25 @@ def generate(model: Model, prompt: Union[str, Sequence[int]], max_new_tokens: in
                 logits = model.prefill(ids, cache)                # the whole prompt at once
             token = sample(logits, temperature, top_k, top_p, rng)
             seconds.append(time.perf_counter() - start)
-            step += 1
             if bar is not None:
                 bar.update(1)
-            if eos is not None and token == eos:
+            stopped = token == eos
+            if stopped:
                 break
             new_tokens.append(token)
+        # With a cache every later step is one decode step over it, the newest token in;
+        # the loop over them runs in C (a chunk at a time, so that a progress bar moves).
+        while cache is not None and not stopped and len(seconds) < max_new_tokens:
+            n = max_new_tokens - len(seconds)
+            picks, times = model.decode_steps(new_tokens[-1], cache,
+                                              n if bar is None else min(n, PROGRESS_CHUNK),
+                                              temperature, top_k, top_p, rng, stop_token=eos)
+            seconds.extend(times.tolist())
+            if bar is not None:
+                bar.update(len(picks))
+            picks = picks.tolist()
+            stopped = picks[-1] == eos
+            new_tokens.extend(picks[:-1] if stopped else picks)
     if bar is not None:
         bar.close()
 

@@ -137,14 +137,14 @@ def _round16(n: int) -> int:
     return (n + 15) // 16 * 16
 
 
-def scratch_bytes(config: ModelConfig, n_tokens: int, start_pos: int = 0, n_threads: int = 1,
+def scratch_bytes(config: ModelConfig, n_tokens: int, n_threads: int = 1,
                   cached: bool = True) -> int:
     """Activation scratch one forward call allocates (csrc/model.c, run_state): a few
     (n_tokens, width) buffers plus, per thread, the online softmax's state for each query
     head of a group (a tile of ATTENTION_TILE weights, a running max and a running sum)
     and a tile of head rows to dequantize K and V into; without a cache the whole
-    sequence's K and V are rebuilt as scratch too. The attention part does not grow with
-    the context: start_pos changes nothing."""
+    sequence's K and V are rebuilt as scratch too. Nothing here grows with the context
+    already cached: attention walks it a tile at a time."""
     c, T = config, n_tokens
     buffers = [T * c.dim, T * c.dim, T * c.q_dim, T * c.kv_dim, T * c.kv_dim, T * c.q_dim,
                T * c.dim, T * c.hidden_dim, T * c.hidden_dim, T * c.head_dim // 2,

@@ -48,6 +48,19 @@ def as_token_array(tokens: TokenArray, vocab_size: int) -> np.ndarray:
     return np.ascontiguousarray(array, dtype=np.int32)
 
 
+def one_token(token, vocab_size: int, method: str) -> np.ndarray:
+    """A single token id (a Python or NumPy integer, not a bool) as a 1-element array."""
+    if isinstance(token, (bool, np.bool_)) or not isinstance(token, (int, np.integer)):
+        raise TypeError(f"{method} takes one integer token id, got {token!r}")
+    return as_token_array([token], vocab_size)
+
+
+def _positive_int(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    return int(value)
+
+
 def _as_counts(array: np.ndarray) -> Counts:
     return Counts(**dict(zip(core.COUNTERS, array.tolist())))
 
@@ -190,10 +203,8 @@ class Model:
 
     def _capacity(self, max_seq_len: Optional[int]) -> int:
         """A cache's positions, checked (default: the model's context length)."""
-        capacity = self.config.max_seq_len if max_seq_len is None else max_seq_len
-        if isinstance(capacity, bool) or not isinstance(capacity, (int, np.integer)) or capacity < 1:
-            raise ValueError(f"max_seq_len must be a positive integer, got {max_seq_len!r}")
-        return int(capacity)
+        return _positive_int("max_seq_len",
+                             self.config.max_seq_len if max_seq_len is None else max_seq_len)
 
     def _pool_sizes(self, num_blocks, block_size, max_seqs, max_blocks_per_seq) -> tuple:
         """(n_layers, n_kv_heads, head_dim, num_blocks, block_size, max_seqs,
@@ -201,8 +212,7 @@ class Model:
         blocks for the model's context."""
         for name, value in (("num_blocks", num_blocks), ("block_size", block_size),
                             ("max_seqs", max_seqs)):
-            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+            _positive_int(name, value)
         if max_blocks_per_seq is None:
             max_blocks_per_seq = -(-self.config.max_seq_len // block_size)
         c = self.config
@@ -232,9 +242,7 @@ class Model:
 
     def decode(self, token: int, cache: Cache) -> np.ndarray:
         """One generation step: a single new token attends over the cache. Returns (vocab,)."""
-        if isinstance(token, (bool, np.bool_)) or not isinstance(token, (int, np.integer)):
-            raise TypeError(f"decode takes one integer token id, got {token!r}")
-        return self._run(as_token_array([token], self.config.vocab_size), cache, False)
+        return self._run(one_token(token, self.config.vocab_size, "decode"), cache, False)
 
     def decode_steps(self, token: int, cache: Cache, max_steps: int, temperature: float = 0.0,
                      top_k: Optional[int] = None, top_p: Optional[float] = None,
@@ -243,21 +251,21 @@ class Model:
         """Up to max_steps decode steps from `token` (chosen, not yet in the cache): each
         step runs the newest token over the cache and chooses the next from its logits,
         exactly as decode() + kvlab.sampling.sample would (greedy at temperature 0, else
-        one number drawn from rng per step). Stops after the step that picks stop_token.
-        Returns every step's pick (int32) and wall time in seconds (float64).
+        one number from rng per step, in order). Stops after the step that picks
+        stop_token. Returns every step's pick (int32) and wall time in seconds (float64).
 
         Over a KVCache the whole loop runs in C with the GIL released: no Python and no
         allocation between tokens, which is what a tiny model's step is otherwise mostly
-        made of. Other caches (paged, GPU) step through decode() here."""
-        if isinstance(token, (bool, np.bool_)) or not isinstance(token, (int, np.integer)):
-            raise TypeError(f"decode_steps takes one integer token id, got {token!r}")
-        if not isinstance(max_steps, (int, np.integer)) or max_steps < 1:
-            raise ValueError(f"max_steps must be a positive integer, got {max_steps!r}")
+        made of; it draws its max_steps numbers from rng before the first step, so after an
+        early stop rng has moved on further than stepping would have moved it. Other
+        caches (paged, GPU) step through decode() here."""
+        one_token(token, self.config.vocab_size, "decode_steps")
+        max_steps = _positive_int("max_steps", max_steps)
         check_sampling_args(temperature, top_k, top_p)
         stop = -1 if stop_token is None else int(stop_token)
         if not -1 <= stop < self.config.vocab_size:
-            raise ValueError(f"stop_token {stop_token} is out of range [0, {self.config.vocab_size})")
-        as_token_array([token], self.config.vocab_size)     # range check, same message
+            raise ValueError(f"stop_token {stop_token} is out of range [0, "
+                             f"{self.config.vocab_size}) (or None for no stop)")
         self._check_device(cache)
         if temperature > 0.0 and rng is None:
             rng = np.random.default_rng()
@@ -267,7 +275,7 @@ class Model:
             uniforms = rng.random(max_steps) if temperature > 0.0 else None
             try:
                 picks, seconds = self._core.generate(
-                    int(token), cache, int(max_steps), temperature, top_k or 0,
+                    int(token), cache, max_steps, temperature, top_k or 0,
                     1.0 if top_p is None else top_p, uniforms, stop, call)
             finally:
                 self._record(call)

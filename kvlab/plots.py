@@ -41,8 +41,8 @@ def cached_vs_uncached(model, cached: Generation, uncached: Generation, n_thread
 
     lengths = prompt + np.arange(len(cached.tokens))
     cache_bytes = [kv_cache_bytes(config, int(n), dtype="fp32") for n in lengths]
-    cached_scratch = [scratch_bytes(config, 1, int(n) - 1, n_threads) for n in lengths]
-    uncached_scratch = [scratch_bytes(config, int(n), 0, n_threads, cached=False) for n in lengths]
+    cached_scratch = [scratch_bytes(config, 1, n_threads)] * len(lengths)   # the same at any length
+    uncached_scratch = [scratch_bytes(config, int(n), n_threads, cached=False) for n in lengths]
     right.plot(lengths, np.array(uncached_scratch) / 1024, label="no cache: scratch of one step")
     right.plot(lengths, np.array(cache_bytes) / 1024, label="KV cache contents")
     right.plot(lengths, np.array(cached_scratch) / 1024, label="with cache: scratch of one step")

@@ -195,4 +195,3 @@ def sample(logits: np.ndarray, temperature: float, top_k: Optional[int], top_p: 
     # inverse transform sampling: the first token whose cumulative probability exceeds u
     cdf = np.cumsum(probs)
     return int(np.searchsorted(cdf / cdf[-1], u, side="right"))
-

@@ -92,18 +92,22 @@ def test_greedy_generation_with_a_progress_bar_gives_the_same_tokens(model):
 def test_the_c_sampler_agrees_with_the_numpy_reference(temperature, top_k, top_p):
     """kvlab.sampling.sample (the C core's kv_sample, which the generation loop in C calls)
     against kvlab.reference.sample, the same steps in NumPy, for the same random number."""
-    from kvlab import _kvlab as core
     from kvlab import reference
+
+    class Draw:   # a generator whose next number is u
+        def random(self):
+            return u
+
     rng = np.random.default_rng(int(temperature * 10) + (top_k or 0))
     for _ in range(300):
         logits = (rng.standard_normal(50) * 3).astype(np.float32)
         logits[rng.integers(0, 50, 5)] = logits.max()          # ties at the top
         u = rng.random()
-        assert core.sample(logits, temperature, top_k or 0, top_p or 1.0, u) == \
+        assert sample(logits, temperature, top_k, top_p, Draw()) == \
             reference.sample(logits, temperature, top_k, top_p, u)
 
 
-def test_sampling_nan_logits_raises():
+def test_sample_takes_float_logits_as_float32_and_refuses_nan():
     with pytest.raises(ValueError, match="not numbers"):
         sample(np.array([0.0, np.nan, 1.0], dtype=np.float32), 1.0, rng=np.random.default_rng(0))
     assert sample(np.array([0.0, 2.0, 1.0], dtype=np.float32)) == 1    # greedy: the arg-max

@@ -123,7 +123,7 @@ def test_core_counters_equal_the_formulas_call_by_call(shape):
         call()
         counted = model.counters
         assert without_scratch(counted) == forward_counts(c, n, start, all_logits)
-        assert counted.scratch_bytes == scratch_bytes(c, n, start, threads, cached)
+        assert counted.scratch_bytes == scratch_bytes(c, n, threads, cached)
 
 
 @pytest.mark.parametrize("options", [{"dtype": "int8"}, {"dtype": "int4", "window": 3},
@@ -203,7 +203,7 @@ def test_measured_memory_matches_the_formula(kind, tmp_path):
     # memory is reserved lazily: creating the caches costs little, filling them the formula
     assert report["rss_after_create"] < 0.2 * formula
     assert abs(report["rss_after_fill"] - formula) < 0.1 * formula
-    assert report["scratch_bytes"] == scratch_bytes(config, 1024, 0, report["threads"])
+    assert report["scratch_bytes"] == scratch_bytes(config, 1024, report["threads"])
 
 
 def test_measure_memory_checks_its_arguments():
@@ -223,10 +223,10 @@ def test_working_memory_of_256_tokens_follows_from_the_shapes():
     report = working_memory(model, [1, 2, 3], new_tokens=256)
     c = model.config
     # without a cache, the last step runs all 258 tokens and rebuilds their K and V
-    assert report.uncached_scratch == scratch_bytes(c, 3 + 255, 0, threads, cached=False)
+    assert report.uncached_scratch == scratch_bytes(c, 3 + 255, threads, cached=False)
     # with one, the largest call is the prefill or a late decode; the cache holds 258 rows
-    assert report.cached_scratch == max(scratch_bytes(c, 3, 0, threads),
-                                        scratch_bytes(c, 1, 257, threads))
+    assert report.cached_scratch == max(scratch_bytes(c, 3, threads),
+                                        scratch_bytes(c, 1, threads))
     assert report.cache_bytes == kv_cache_bytes(c, 258, dtype="fp32")
     assert report.ratio > 1
 
@@ -279,9 +279,11 @@ def test_memory_bandwidth_is_measured_by_the_core():
     with pytest.raises(ValueError, match="repeats"):
         kvlab.measure.memory_bandwidth(1 << 22, 0)
 
+
 def test_attention_walk_bandwidth_is_measured_by_the_core():
-    """Attention's access pattern alone: a rate in a plausible range, any context (a last
-    partial tile included), and clear errors for shapes the walk cannot take."""
+    """Attention's access pattern alone: a rate in a plausible range, for a context of whole
+    tiles and one ending in a partial tile, and clear errors for shapes the walk cannot
+    take."""
     for context in (16, 100):
         rate = kvlab.measure.attention_walk_bandwidth(context, n_kv_heads=2, head_dim=64,
                                                       repeats=1)
@@ -292,4 +294,3 @@ def test_attention_walk_bandwidth_is_measured_by_the_core():
         kvlab.measure.attention_walk_bandwidth(8)
     with pytest.raises(ValueError, match="must be an integer"):
         kvlab.measure.attention_walk_bandwidth(64.0)
-

@@ -198,8 +198,8 @@ def working(model, prompt: str, new_tokens: int = 256) -> dict:
 def working_from_shapes(c, length: int) -> dict:
     """The same accounting as working_memory, from the shapes: the last uncached step
     against the cache plus the scratch of one cached step (fp32, one thread)."""
-    uncached = measure.scratch_bytes(c, length, 0, 1, cached=False)
-    cached = measure.kv_cache_bytes(c, length, dtype="fp32") + measure.scratch_bytes(c, 1, length - 1, 1)
+    uncached = measure.scratch_bytes(c, length, 1, cached=False)
+    cached = measure.kv_cache_bytes(c, length, dtype="fp32") + measure.scratch_bytes(c, 1, 1)
     return {"config": c.name, "tokens": length, "uncached": uncached, "cached": cached,
             "ratio": uncached / cached,
             "kv_floats_per_token": 2 * c.n_layers * c.kv_dim,
