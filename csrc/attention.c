@@ -359,9 +359,10 @@ static void plan_fetch(tile_rows *rows, const kv_store *store, int layer, int he
 }
 
 /* Head `head` of n consecutive positions pos .. pos + n - 1 (slots slot .. slot + n - 1
- * of one block), as a query at query_pos reads them: fp32, fp16, bf16 rows and int8
- * rows with one scale per head in place (the last three when head_dim is a multiple
- * of 8), others decoded into the tile buffer, and rows inside the residual window
+ * of one block), as a query at query_pos reads them: fp32 rows in place; fp16, bf16, and
+ * int8, int4 and fp8 whose groups are the whole head or a power of two of at least 8
+ * values, in place too, decoded eight at a time in registers (when head_dim is a
+ * multiple of 8); others decoded into the tile buffer, and rows inside the residual window
  * copied from the full-precision rows instead; the rows AHEAD positions on (up to
  * n_seen, in whichever block holds them) are planned for fetching early. Returns the
  * ROWS_ kind of *rows. */

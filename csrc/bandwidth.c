@@ -1,11 +1,12 @@
 /* bandwidth.c: how fast this machine moves memory, measured by the core's own threads.
  *
  * Decoding one token reads every weight once, so its speed limit is the memory
- * bandwidth; benchmarks/bench_cpu.py compares kvlab against these two numbers, measured
- * in the same run with the same threads:
+ * bandwidth; benchmarks/bench_cpu.py compares kvlab against these numbers, measured in
+ * the same run with the same threads:
  *   read:  sum a large array (nothing written), each thread its own slice, read as
  *          READ_STREAMS runs side by side;
- *   triad: a[i] = b[i] + s * c[i] (STREAM's triad: two arrays read, one written).
+ *   triad: a[i] = b[i] + s * c[i] (STREAM's triad: two arrays read, one written);
+ *   walk:  decode attention's reads of a cache, with none of its arithmetic.
  * Each is the best of `repeats` passes over arrays far larger than the caches.
  */
 #include <string.h>

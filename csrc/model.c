@@ -9,7 +9,9 @@
  * matrix-vector): only n_tokens differs. It sees the cache through one kv_layer_view per
  * layer, so the contiguous cache and the paged pool share every line of it. Weights are
  * read in place from the caller's buffers; activations live in one scratch allocation
- * made per call (run_state). This file does not own the cache layouts (kvcache.c,
+ * made per call (run_state). kv_model_generate is the generation loop built on it: decode
+ * steps over a contiguous cache with the token chosen in between (sampling.c), its scratch
+ * made once for all the steps. This file does not own the cache layouts (kvcache.c,
  * paged.c) or the attention math (attention.c).
  */
 #include <math.h>

@@ -119,7 +119,7 @@ static void kernel_4x1(const four_rows *f, int t, const float *x, int in_dim) {
  * larger than the caches is therefore streamed from memory once per 48 tokens: once per
  * decode step of up to 48 sequences, several times for a long prompt. */
 #define TOKEN_CHUNK 48
-/* Rows longer than this are taken PANEL columns at a time: four rows of 2,048 floats
+/* Rows longer than twice this are taken PANEL columns at a time: four rows of 2,048 floats
  * (32 KiB) would not stay in the L1 cache while three tokens' columns stream past them;
  * a panel of four rows (8 KiB) does. The running sums wait in memory between panels. */
 #define PANEL 512
@@ -202,7 +202,7 @@ static void numbered_row(int row, int n_matrices, float *const *outs, const floa
     *out_stride = (size_t)out_dims[m];
 }
 
-/* Up to SMALL_BATCH tokens against rows lo .. hi - 1 of the matrices taken together: a
+/* Fewer than SMALL_BATCH tokens against rows lo .. hi - 1 of the matrices taken together: a
  * decode step, of one sequence or a small batch, bound by memory. The rows are read as
  * four runs side by side, a row from each run at a time, against every token (three at a
  * time, then one by one), not front to back as one run: the hardware prefetcher follows

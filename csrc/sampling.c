@@ -1,7 +1,7 @@
 /* sampling.c: temperature, top-k and top-p (nucleus) sampling of one token.
  *
- * Everything is computed in double, in the order kvlab.reference.sample writes it in
- * NumPy: scale by the temperature, drop what is below the k-th largest (ties with it are
+ * Everything is computed in double, in the same steps as kvlab.reference.sample in NumPy
+ * (whose sums are pairwise, so a total can differ in its last bit): scale by the temperature, drop what is below the k-th largest (ties with it are
  * kept), exponentiate against the max, normalize, keep the smallest most-likely set that
  * reaches top_p, normalize again, then walk the cumulative sum in token order until it
  * passes u. The random number comes from the caller, so that Python owns the generator
