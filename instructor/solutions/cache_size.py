@@ -20,7 +20,7 @@ def kv_cache_bytes(config, seq_len, batch=1, dtype="fp16"):
 
 
 def max_requests(config, memory_bytes, seq_len, dtype="fp16", weights_dtype="fp16"):
-    weights = config.n_params() * BYTES[weights_dtype]
+    weights = config.n_params * BYTES[weights_dtype]
     left = memory_bytes - weights
     if left <= 0:
         return 0

@@ -1,20 +1,27 @@
 """Graded labs: hand a student a starter file, grade what they hand back.
 
-    kvlab lab list                         # the labs, in course order
+    kvlab lab list                         # the labs, in course order, with their points
     kvlab lab start cache_size .           # copy the starter and its instructions
-    kvlab grade cache_size cache_size.py   # run the grader, print a summary, write results.json
+    kvlab check cache_size cache_size.py   # the lab's public self-checks
+    kvlab grade cache_size cache_size.py   # the hidden tests where instructor/ is present
+    kvlab lab autograder cache_size -o cache_size.zip   # a Gradescope autograder
 
-A lab is a folder in kvlab/labs/<name>/: README.md (the instructions), starter.py (what
-the student edits; every function raises NotImplementedError until written) and
-test_<name>.py (the grader: pytest tests, each worth `@pytest.mark.points(n)`, that import
-the submission through the `submission` fixture). Reference solutions are not shipped
-with the package: they live in the repository's instructor/ folder.
-
-`grade` runs pytest in a child process (a student's infinite loop or crash cannot take the
-notebook down with it) and returns a GradeReport; its `gradescope()` dict is the
-results.json format Gradescope's autograder reads.
+How a grade is made (each file does one part):
+    labs.py      the labs, their points, what each lets a submission import
+    policy.py    that rule, checked in the source and enforced at import time
+    judge.py     the process that owns the tests, the points and the score
+    worker.py    the process that runs the student's code, one per test
+    process.py   starting, timing, silencing and killing workers, from the judge
+    wire.py      the values that pass between them (no pickle)
+    remote.py    the student's functions and objects as a test calls them
+    testkit.py   what tests are written with: @points, raises, check_close
+    handouts.py  kvlab objects a lab lends the student's code
+    report.py    the grade, and Gradescope's results.json
+    runner.py    grade() and check(): start a judge, read its report
+    autograder.py  the Gradescope package, and its entry point on Gradescope
 """
 from .labs import LABS, Lab, get_lab, start_lab
-from .runner import GradeReport, TestResult, grade
+from .report import GradeReport, TestResult
+from .runner import check, grade
 
-__all__ = ["LABS", "Lab", "get_lab", "start_lab", "grade", "GradeReport", "TestResult"]
+__all__ = ["LABS", "Lab", "get_lab", "start_lab", "grade", "check", "GradeReport", "TestResult"]

@@ -1,12 +1,22 @@
-"""The labs, in the order of the chapters they go with, and copying a starter out for a student."""
+"""The labs, in the order of the chapters they go with; where each one's files are.
+
+A lab ships in kvlab/labs/<name>/ as README.md (the instructions), starter.py (what the
+student edits) and checks.py (public self-checks). Its grading tests, with their hidden
+randomized cases, live in the repository's instructor/graders/<name>.py and never in the
+package, with a reference solution and planted mistakes beside them.
+"""
 from __future__ import annotations
 
 import dataclasses
+import os
 import shutil
 from pathlib import Path
-from typing import Dict, Union
+from typing import Dict, Optional, Tuple, Union
+
+from .policy import Policy
 
 LABS_DIR = Path(__file__).resolve().parents[1] / "labs"
+TEST_TIMEOUT = 60.0          # seconds a test may take, its worker's start included
 
 
 @dataclasses.dataclass(frozen=True)
@@ -15,6 +25,9 @@ class Lab:
     number: int
     title: str
     chapter: str          # the chapter it goes with, chapters/<chapter>.md
+    points: int           # what the hidden grading tests are worth in all
+    topic: str            # what the student writes ("a KV cache"), for refusals
+    kvlab: Tuple[str, ...] = ()   # the kvlab names a submission may use
 
     @property
     def folder(self) -> Path:
@@ -25,20 +38,30 @@ class Lab:
         return self.folder / "starter.py"
 
     @property
-    def grader(self) -> Path:
-        return self.folder / f"test_{self.name}.py"
+    def checks(self) -> Path:
+        return self.folder / "checks.py"
 
     @property
     def instructions(self) -> Path:
         return self.folder / "README.md"
 
+    @property
+    def policy(self) -> Policy:
+        return Policy(self.topic, self.kvlab)
+
 
 LABS: Dict[str, Lab] = {lab.name: lab for lab in (
-    Lab("attention", 1, "Attention with a KV cache in NumPy", "01_kv_cache"),
-    Lab("cache_size", 2, "Cache size by hand and measured", "02_cache_size"),
-    Lab("block_allocator", 3, "A block allocator with fork and copy-on-write", "04_paged"),
-    Lab("scheduler", 4, "A batching scheduler with preemption", "05_batching"),
-    Lab("int8_cache", 5, "int8 cache quantization with an error bound", "06_quantization"),
+    Lab("attention", 1, "Attention with a KV cache in NumPy", "01_kv_cache", 20,
+        "attention and its cache"),
+    Lab("cache_size", 2, "Cache size by hand and measured", "02_cache_size", 16,
+        "the cache-size arithmetic and its measurement",
+        ("kvlab.measure.resident_bytes", "kvlab.measure.release_freed_memory")),
+    Lab("block_allocator", 3, "A block allocator with fork and copy-on-write", "04_paged", 19,
+        "a block allocator"),
+    Lab("scheduler", 4, "A batching scheduler with preemption", "05_batching", 18,
+        "a scheduler"),
+    Lab("int8_cache", 5, "int8 cache quantization with an error bound", "06_quantization", 18,
+        "int8 quantization"),
 )}
 
 
@@ -47,6 +70,26 @@ def get_lab(name: str) -> Lab:
         return LABS[name]
     except KeyError:
         raise ValueError(f"no lab named {name!r}; the labs are: {', '.join(LABS)}") from None
+
+
+def find_instructor(explicit: Optional[Union[str, Path]] = None) -> Optional[Path]:
+    """The instructor/ folder with the hidden tests: the one given, else $KVLAB_INSTRUCTOR,
+    else the one beside the package in a clone of the repository; None when there is none."""
+    for candidate in (explicit, os.environ.get("KVLAB_INSTRUCTOR"),
+                      LABS_DIR.parents[1] / "instructor"):
+        if candidate and (Path(candidate) / "graders").is_dir():
+            return Path(candidate).resolve()
+        if explicit is not None and candidate is explicit:
+            raise FileNotFoundError(f"{explicit} has no graders/ folder: it is not the "
+                                    f"instructor/ folder of a kvlab clone")
+    return None
+
+
+def hidden_tests(lab: Lab, instructor: Optional[Path]) -> Optional[Path]:
+    if instructor is None:
+        return None
+    path = instructor / "graders" / f"{lab.name}.py"
+    return path if path.is_file() else None
 
 
 def start_lab(name: str, dest: Union[str, Path] = ".", overwrite: bool = False) -> Path:

@@ -3,5 +3,5 @@ EXPECTED_FAILURES = ["test_max_requests", "test_max_requests_returns_a_whole_num
 
 
 def max_requests(config, memory_bytes, seq_len, dtype="fp16", weights_dtype="fp16"):
-    weights = config.n_params() * BYTES[weights_dtype]
+    weights = config.n_params * BYTES[weights_dtype]
     return (memory_bytes - weights) / kv_cache_bytes(config, seq_len, 1, dtype)

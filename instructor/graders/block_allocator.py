@@ -1,4 +1,5 @@
-"""Grader for lab 3 (block allocator). Each test says in its message what it expected.
+"""Hidden grading tests for lab 3 (block allocator). Each test says in its message what it
+expected. Run by the judge (kvlab/grading/judge.py), never shipped in the package.
 
 Fixed scenarios check fork, copy-on-write, free and running out of blocks one rule at a
 time. Then seeded random runs of new / append / fork / free check the allocator's
@@ -12,28 +13,47 @@ blocks, so its free count here is `pool.available_blocks` (free + cached).
 from collections import Counter
 
 import numpy as np
-import pytest
 
 import kvlab
+from kvlab.grading.remote import RemoteError
+from kvlab.grading.testkit import bundled_model, points, raises
 
 
 def blocks_for(n_tokens, block_size):
     return -(-n_tokens // block_size)
 
 
+def prepare():
+    bundled_model()
+
+
 def state(alloc, seqs, num_blocks):
-    """Everything the allocator shows through its methods."""
-    return {"tables": {s: list(alloc.block_table(s)) for s in seqs},
-            "lengths": {s: alloc.length(s) for s in seqs},
-            "ref_counts": [alloc.ref_count(b) for b in range(num_blocks)],
-            "free": alloc.num_free_blocks()}
+    """Everything the allocator shows through its methods (asked in one round trip)."""
+    seqs = list(seqs)
+    answers = alloc.calls(*[("block_table", s) for s in seqs], *[("length", s) for s in seqs],
+                          *[("ref_count", b) for b in range(num_blocks)], ("num_free_blocks",))
+    tables, lengths = answers[:len(seqs)], answers[len(seqs):2 * len(seqs)]
+    for s, table in zip(seqs, tables):
+        assert isinstance(table, (list, tuple)), (
+            f"block_table({s}) must return a list of block ids, got {table!r}")
+    return {"tables": {s: list(t) for s, t in zip(seqs, tables)},
+            "lengths": dict(zip(seqs, lengths)),
+            "ref_counts": answers[2 * len(seqs):-1], "free": answers[-1]}
+
+
+def ran_out(error):
+    """True for the student's OutOfBlocks; any other exception of theirs goes on up."""
+    if isinstance(error, RemoteError) and error.is_a("OutOfBlocks"):
+        return True
+    raise error
 
 
 def check_invariants(alloc, seqs, num_blocks, block_size, where):
     """The pool's invariants (pool.check() in kvlab), through the allocator's methods."""
+    seen = state(alloc, seqs, num_blocks)
     entries = Counter()
     for s in seqs:
-        table, length = alloc.block_table(s), alloc.length(s)
+        table, length = seen["tables"][s], seen["lengths"][s]
         assert len(table) == blocks_for(length, block_size), (
             f"{where}: sequence {s} holds {length} tokens, so ceil({length} / {block_size}) = "
             f"{blocks_for(length, block_size)} blocks, but its table has {len(table)}: {table}")
@@ -43,10 +63,10 @@ def check_invariants(alloc, seqs, num_blocks, block_size, where):
                 f"0..{num_blocks - 1}")
         entries.update(table)
     for b in range(num_blocks):
-        got = alloc.ref_count(b)
+        got = seen["ref_counts"][b]
         assert got == entries[b], (f"{where}: block {b} appears in {entries[b]} block-table "
                                    f"entries, but ref_count({b}) is {got}")
-    used, free = len(entries), alloc.num_free_blocks()
+    used, free = len(entries), seen["free"]
     assert free + used == num_blocks, (
         f"{where}: {used} blocks are referenced and num_free_blocks() says {free}: together "
         f"they should be every one of the {num_blocks} blocks (each block is free xor used)")
@@ -59,7 +79,7 @@ def expected_need(alloc, seq, n_tokens, block_size):
     return int(copy), blocks_for(length + n_tokens, block_size) - len(table)
 
 
-def checked_append(sub, alloc, seqs, seq, n_tokens, num_blocks, block_size, where):
+def checked_append(alloc, seqs, seq, n_tokens, num_blocks, block_size, where):
     """append() with every rule about it checked; returns the copies, or None if it ran
     out of blocks (correctly)."""
     before = state(alloc, seqs, num_blocks)
@@ -68,7 +88,8 @@ def checked_append(sub, alloc, seqs, seq, n_tokens, num_blocks, block_size, wher
             f"tokens, table {before['tables'][seq]}, with {before['free']} free blocks")
     try:
         copies = alloc.append(seq, n_tokens)
-    except sub.OutOfBlocks:
+    except RemoteError as error:
+        ran_out(error)
         assert copy + new > before["free"], (
             f"{what} raised OutOfBlocks, but it needs only {copy} copy + {new} new blocks")
         after = state(alloc, seqs, num_blocks)
@@ -133,30 +154,32 @@ def random_case(seed):
     return num_blocks, block_size, random_ops(rng, 150, block_size)
 
 
-SEEDS = range(12)
+def seeds(rng):
+    """Twelve cases known to reach every rule, and four drawn at grading time."""
+    return list(range(12)) + [int(x) for x in rng.integers(100, 1 << 30, size=4)]
 
 
-@pytest.mark.points(2)
-def test_append_takes_a_block_every_block_size_tokens(submission):
+@points(2)
+def test_append_takes_a_block_every_block_size_tokens(sub, rng):
     """a sequence grows one block at a time, ceil(length / block_size) blocks"""
-    alloc = submission.BlockAllocator(5, 4)
+    alloc = sub.BlockAllocator(5, 4)
     seq = alloc.new_sequence()
     assert alloc.length(seq) == 0 and alloc.block_table(seq) == [], (
         f"a new sequence: expected length 0 and table [], got {alloc.length(seq)} and "
         f"{alloc.block_table(seq)}")
     assert alloc.num_free_blocks() == 5, f"expected 5 free blocks, got {alloc.num_free_blocks()}"
     for n_tokens, total in ((1, 1), (3, 4), (1, 5), (6, 11), (6, 17)):
-        checked_append(submission, alloc, [seq], seq, n_tokens, 5, 4, f"after {total - n_tokens} tokens")
+        checked_append(alloc, [seq], seq, n_tokens, 5, 4, f"after {total - n_tokens} tokens")
         check_invariants(alloc, [seq], 5, 4, f"after {total} tokens")
     assert len(alloc.block_table(seq)) == 5 and alloc.num_free_blocks() == 0
     other = alloc.new_sequence()
     assert other != seq, f"new_sequence() returned id {other} twice"
 
 
-@pytest.mark.points(2)
-def test_fork_shares_every_block(submission):
+@points(2)
+def test_fork_shares_every_block(sub, rng):
     """fork gives the child the parent's blocks: ref counts up, no block taken"""
-    alloc = submission.BlockAllocator(8, 4)
+    alloc = sub.BlockAllocator(8, 4)
     parent = alloc.new_sequence()
     alloc.append(parent, 10)                         # 3 blocks, the last holds 2 of 4
     table, free = alloc.block_table(parent), alloc.num_free_blocks()
@@ -176,16 +199,16 @@ def test_fork_shares_every_block(submission):
     check_invariants(alloc, [parent, child, grandchild], 8, 4, "after a second fork")
 
 
-@pytest.mark.points(2)
-def test_writing_into_a_shared_partly_filled_block_copies_it(submission):
+@points(2)
+def test_writing_into_a_shared_partly_filled_block_copies_it(sub, rng):
     """the first writer copies the shared last block; the last sharer writes in place"""
-    alloc = submission.BlockAllocator(10, 4)
+    alloc = sub.BlockAllocator(10, 4)
     seqs = [alloc.new_sequence()]
     alloc.append(seqs[0], 6)                         # block 0 full, block 1 holds 2 rows
     shared = alloc.block_table(seqs[0])
     seqs += [alloc.fork(seqs[0]), alloc.fork(seqs[0])]
     for i, seq in enumerate(seqs):
-        copies = checked_append(submission, alloc, seqs, seq, 1, 10, 4,
+        copies = checked_append(alloc, seqs, seq, 1, 10, 4,
                                 f"3 sequences share {shared}; sequence {i} writes first"
                                 if i == 0 else f"sequence {i} writes")
         if i < 2:
@@ -203,15 +226,15 @@ def test_writing_into_a_shared_partly_filled_block_copies_it(submission):
         f"{alloc.num_free_blocks()}")
 
 
-@pytest.mark.points(1)
-def test_a_full_shared_block_is_not_copied(submission):
+@points(1)
+def test_a_full_shared_block_is_not_copied(sub, rng):
     """after a fork at a block edge, both sequences take new blocks and copy nothing"""
-    alloc = submission.BlockAllocator(6, 4)
+    alloc = sub.BlockAllocator(6, 4)
     parent = alloc.new_sequence()
     alloc.append(parent, 8)
     child = alloc.fork(parent)
     for seq in (parent, child, parent):
-        checked_append(submission, alloc, [parent, child], seq, 1, 6, 4,
+        checked_append(alloc, [parent, child], seq, 1, 6, 4,
                        "a fork of 8 tokens in blocks of 4")
     parent_table, child_table = alloc.block_table(parent), alloc.block_table(child)
     assert parent_table[:2] == child_table[:2] and parent_table[2] != child_table[2], (
@@ -223,10 +246,10 @@ def test_a_full_shared_block_is_not_copied(submission):
     check_invariants(alloc, [parent, child], 6, 4, "after both wrote")
 
 
-@pytest.mark.points(2)
-def test_freeing_the_parent_keeps_the_childs_blocks(submission):
+@points(2)
+def test_freeing_the_parent_keeps_the_childs_blocks(sub, rng):
     """free drops one reference; only blocks nobody holds become free"""
-    alloc = submission.BlockAllocator(8, 4)
+    alloc = sub.BlockAllocator(8, 4)
     parent = alloc.new_sequence()
     alloc.append(parent, 7)
     child = alloc.fork(parent)
@@ -247,7 +270,7 @@ def test_freeing_the_parent_keeps_the_childs_blocks(submission):
     check_invariants(alloc, [child], 8, 4, "after freeing the parent")
     # the child's blocks must not be handed out again while it holds them
     other = alloc.new_sequence()
-    checked_append(submission, alloc, [child, other], other, 4 * alloc.num_free_blocks(), 8, 4,
+    checked_append(alloc, [child, other], other, 4 * alloc.num_free_blocks(), 8, 4,
                    "a new sequence takes every free block")
     assert not set(alloc.block_table(other)) & set(child_table), (
         f"the new sequence got {alloc.block_table(other)}, which overlaps the child's "
@@ -258,10 +281,10 @@ def test_freeing_the_parent_keeps_the_childs_blocks(submission):
     check_invariants(alloc, [], 8, 4, "after freeing everything")
 
 
-@pytest.mark.points(2)
-def test_out_of_blocks_changes_nothing(submission):
+@points(2)
+def test_out_of_blocks_changes_nothing(sub, rng):
     """OutOfBlocks leaves every table, length and count as it was (a copy counts too)"""
-    alloc = submission.BlockAllocator(6, 2)
+    alloc = sub.BlockAllocator(6, 2)
     a = alloc.new_sequence()
     alloc.append(a, 3)                               # a full block and a partly filled one
     b = alloc.fork(a)                                # b shares the partly filled block
@@ -270,19 +293,19 @@ def test_out_of_blocks_changes_nothing(submission):
         f"a holds 2 blocks and b shares them: expected 4 of 6 free, got {alloc.num_free_blocks()}")
     before = state(alloc, seqs, 6)
     # b needs a copy and 4 new blocks: 5 > 4 free
-    with pytest.raises(submission.OutOfBlocks):
+    with raises("OutOfBlocks", "append(b, 8) needs a copy and 4 new blocks, 4 are free"):
         alloc.append(b, 8)
     assert state(alloc, seqs, 6) == before, (
         f"append(b, 8) ran out of blocks (a copy + 4 new > 4 free) and must change nothing:\n"
         f"  before {before}\n  after  {state(alloc, seqs, 6)}")
     # exactly enough: a copy + 3 new blocks
-    copies = checked_append(submission, alloc, seqs, b, 6, 6, 2, "then append(b, 6)")
+    copies = checked_append(alloc, seqs, b, 6, 6, 2, "then append(b, 6)")
     assert copies is not None, "append(b, 6) needs a copy + 3 new blocks, the 4 free: it must succeed"
     assert alloc.num_free_blocks() == 0
     # a holds its partly filled block alone now: one token fits, the next needs a block
-    checked_append(submission, alloc, seqs, a, 1, 6, 2, "then append(a, 1)")
+    checked_append(alloc, seqs, a, 1, 6, 2, "then append(a, 1)")
     before = state(alloc, seqs, 6)
-    with pytest.raises(submission.OutOfBlocks):
+    with raises("OutOfBlocks", "append(a, 1) needs a new block, none is free"):
         alloc.append(a, 1)
     assert state(alloc, seqs, 6) == before, (
         f"append(a, 1) with no free block must change nothing:\n  before {before}\n"
@@ -290,12 +313,12 @@ def test_out_of_blocks_changes_nothing(submission):
     check_invariants(alloc, seqs, 6, 2, "after running out")
 
 
-@pytest.mark.points(3)
-def test_random_operations_keep_the_invariants(submission):
+@points(3)
+def test_random_operations_keep_the_invariants(sub, rng):
     """12 seeded runs of new/append/fork/free: every invariant after every operation"""
-    for seed in SEEDS:
+    for seed in seeds(rng):
         num_blocks, block_size, ops = random_case(seed)
-        alloc = submission.BlockAllocator(num_blocks, block_size)
+        alloc = sub.BlockAllocator(num_blocks, block_size)
         live = []
         for step, op in enumerate(ops):
             where = f"seed {seed} ({num_blocks} blocks of {block_size}), operation {step} {op}"
@@ -304,13 +327,14 @@ def test_random_operations_keep_the_invariants(submission):
             elif op[0] == "fork":
                 try:
                     live.append(alloc.fork(live[op[1]]))
-                except submission.OutOfBlocks:
-                    pytest.fail(f"{where}: fork takes no block, so it never runs out of blocks; "
-                                f"yours raised OutOfBlocks")
+                except RemoteError as error:
+                    if ran_out(error):
+                        raise AssertionError(f"{where}: fork takes no block, so it never runs "
+                                             f"out of blocks; yours raised OutOfBlocks") from None
             elif op[0] == "free":
                 alloc.free(live.pop(op[1]))
             else:
-                checked_append(submission, alloc, live, live[op[1]], op[2], num_blocks,
+                checked_append(alloc, live, live[op[1]], op[2], num_blocks,
                                block_size, where)
             assert len(set(live)) == len(live), f"{where}: a sequence id was handed out twice"
             check_invariants(alloc, live, num_blocks, block_size, where)
@@ -331,12 +355,12 @@ def pool_append(pool, handle, n_tokens, next_token):
     return int(bool(old) and new[len(old) - 1] != old[-1]), False
 
 
-@pytest.mark.points(3)
-def test_random_operations_match_the_paged_pool(submission):
+@points(3)
+def test_random_operations_match_the_paged_pool(sub, rng):
     """the same operations on kvlab's C pool: same free blocks, copies and OutOfBlocks"""
-    for seed in SEEDS:
+    for seed in seeds(rng):
         num_blocks, block_size, ops = random_case(seed)
-        alloc = submission.BlockAllocator(num_blocks, block_size)
+        alloc = sub.BlockAllocator(num_blocks, block_size)
         pool = kvlab.PagedPool(1, 1, 2, num_blocks, block_size, max_seqs=64,
                                max_blocks_per_seq=1024)
         live, handles, next_token = [], [], 0
@@ -356,39 +380,40 @@ def test_random_operations_match_the_paged_pool(submission):
                 want_copies, pool_ran_out = pool_append(pool, handle, n, next_token)
                 next_token += n
                 try:
-                    copies, ran_out = alloc.append(seq, n), False
-                except submission.OutOfBlocks:
-                    copies, ran_out = [], True
-                assert ran_out == pool_ran_out, (
+                    copies, out = alloc.append(seq, n), False
+                except RemoteError as error:
+                    copies, out = [], ran_out(error)
+                assert out == pool_ran_out, (
                     f"{where}: the pool {'ran out of blocks' if pool_ran_out else 'had room'}, "
-                    f"your allocator {'raised OutOfBlocks' if ran_out else 'did not'}")
+                    f"your allocator {'raised OutOfBlocks' if out else 'did not'}")
                 got = len(copies) if copies is not None else None
                 assert got == want_copies, (
                     f"{where}: the pool copied {want_copies} block(s) (copy-on-write), "
                     f"your append returned {copies!r}")
             pool.check()
-            assert alloc.num_free_blocks() == pool.available_blocks, (
+            seen = state(alloc, live, num_blocks)
+            assert seen["free"] == pool.available_blocks, (
                 f"{where}: the pool has {pool.available_blocks} blocks to hand out, your "
-                f"allocator {alloc.num_free_blocks()}")
+                f"allocator {seen['free']}")
             want_refs = sorted(pool.ref_counts.tolist())
-            got_refs = sorted(alloc.ref_count(b) for b in range(num_blocks))
+            got_refs = sorted(seen["ref_counts"], key=repr)
             assert got_refs == want_refs, (
                 f"{where}: the pool's ref counts, sorted, are {want_refs}; yours {got_refs}")
             for seq, handle in zip(live, handles):
-                assert (alloc.length(seq), len(alloc.block_table(seq))) == \
-                       (handle.length, len(handle.block_table)), (
+                mine = (seen["lengths"][seq], len(seen["tables"][seq]))
+                assert mine == (handle.length, len(handle.block_table)), (
                     f"{where}: a sequence holds {handle.length} tokens in "
-                    f"{len(handle.block_table)} blocks in the pool; yours "
-                    f"{alloc.length(seq)} tokens in {len(alloc.block_table(seq))} blocks")
+                    f"{len(handle.block_table)} blocks in the pool; yours {mine[0]} tokens "
+                    f"in {mine[1]} blocks")
 
 
-@pytest.mark.points(2)
-def test_three_samples_decoded_by_the_bundled_model(submission):
+@points(2)
+def test_three_samples_decoded_by_the_bundled_model(sub, rng):
     """n=3 samples of one prompt, decoded by the model in a pool: same books as yours"""
-    model = kvlab.load()
+    model = bundled_model()
     num_blocks, block_size = 9, 4
     pool = model.new_paged_pool(num_blocks=num_blocks, block_size=block_size)
-    alloc = submission.BlockAllocator(num_blocks, block_size)
+    alloc = sub.BlockAllocator(num_blocks, block_size)
     prompt = model.encode("ROMEO:\n")                # 7 tokens: a full block and 3 rows
     first = alloc.new_sequence()
     handles = [pool.new_sequence()]
@@ -410,15 +435,15 @@ def test_three_samples_decoded_by_the_bundled_model(submission):
             except kvlab.OutOfBlocks:
                 pool_copies, pool_ran_out = 0, True
             try:
-                copies, ran_out = alloc.append(seq, 1), False
-            except submission.OutOfBlocks:
-                copies, ran_out = [], True
+                copies, out = alloc.append(seq, 1), False
+            except RemoteError as error:
+                copies, out = [], ran_out(error)
             log.append((t, i, pool_copies, pool_ran_out))
             where = (f"decode step {t}, sample {i} (a prompt of 7 tokens forked into 3, "
                      f"{num_blocks} blocks of {block_size})")
-            assert ran_out == pool_ran_out, (
+            assert out == pool_ran_out, (
                 f"{where}: the pool {'ran out of blocks' if pool_ran_out else 'had room'}, "
-                f"your allocator {'raised OutOfBlocks' if ran_out else 'did not'}")
+                f"your allocator {'raised OutOfBlocks' if out else 'did not'}")
             assert copies is not None and len(copies) == pool_copies, (
                 f"{where}: the pool copied {pool_copies} block(s), your append returned {copies!r}")
             assert alloc.num_free_blocks() == pool.available_blocks, (

@@ -1,4 +1,5 @@
-"""Grader for lab 5 (int8 cache quantization). Each test says in its message what it expected.
+"""Hidden grading tests for lab 5 (int8 cache quantization). Each test says in its message
+what it expected. Run by the judge (kvlab/grading/judge.py), never shipped in the package.
 
 Codes and scales are checked bit for bit against kvlab.quant (the NumPy specification) and
 against what the C core stores in an int8 cache; the error bound against the round trip
@@ -6,23 +7,30 @@ and against kvlab.quant.round_trip_error_bound; the byte count against
 kvlab.kv_bytes_per_token and a real cache's nbytes; int8 attention against cache.attend.
 """
 import numpy as np
-import pytest
 
 import kvlab
 import kvlab.quant
+from kvlab.grading.remote import RemoteError
+from kvlab.grading.testkit import as_array, bundled_model, config_record, described, points
 
 PROMPT = "ROMEO:\nBut soft, what light through yonder window breaks?"
 
 
-def quantize(submission, x, group):
+def prepare():
+    bundled_model()
+
+
+def quantize(sub, x, group):
     """The submission's quantize_int8, where dividing 0 by 0 is an error, not a NaN."""
-    with np.errstate(divide="raise", invalid="raise"):
-        try:
-            return submission.quantize_int8(x, group)
-        except FloatingPointError as error:
-            raise AssertionError(
-                f"quantize_int8 divided by zero ({error}): an all-zero group has scale 0; "
-                f"divide it by 1 instead, so that its codes are 0 and not NaN") from None
+    try:
+        return sub.quantize_int8.call((x, group), {}, numpy_errors={"divide": "raise",
+                                                                   "invalid": "raise"})
+    except RemoteError as error:
+        if not error.is_a("FloatingPointError"):
+            raise
+        raise AssertionError(
+            f"quantize_int8 divided by zero ({error.message}): an all-zero group has scale 0; "
+            f"divide it by 1 instead, so that its codes are 0 and not NaN") from None
 
 
 def index(at):
@@ -61,9 +69,8 @@ def check_quantized(got, x, group, what):
                              f"expected {want.codes[at]}, got {codes[at]}")
 
 
-def hard_inputs(seed, shape=(6, 3, 32)):
+def hard_inputs(rng, shape=(6, 3, 32)):
     """Random rows with what breaks quantizers: outliers, all-zero groups, tiny and huge values."""
-    rng = np.random.default_rng(seed)
     x = rng.standard_normal(shape).astype(np.float32)
     half = shape[-1] // 2
     x[0, 0] = 0.0                                      # a whole row of zeros
@@ -78,36 +85,35 @@ def hard_inputs(seed, shape=(6, 3, 32)):
     return x
 
 
-@pytest.mark.points(3)
-def test_quantize_matches_kvlab_quant(submission):
+@points(3)
+def test_quantize_matches_kvlab_quant(sub, rng):
     """codes and scales equal kvlab.quant.quantize(x, "int8", group) bit for bit"""
-    rng = np.random.default_rng(1)
     for shape, groups in (((4, 3, 16), (16, 8, 4, 2, 1)), ((7, 64), (64, 32, 8)), ((2, 5, 2, 8), (8, 4))):
         x = (rng.standard_normal(shape) * rng.choice([0.01, 1.0, 30.0], size=shape[:-1] + (1,))).astype(np.float32)
         for group in groups:
-            got = quantize(submission, x, group)
+            got = quantize(sub, x, group)
             check_quantized(got, x, group, f"x of shape {shape}, groups of {group}")
 
 
-@pytest.mark.points(2)
-def test_quantize_rounds_half_to_even_and_keeps_zero_groups_zero(submission):
+@points(2)
+def test_quantize_rounds_half_to_even_and_keeps_zero_groups_zero(sub, rng):
     """x / scale = 2.5 gives 2 (np.rint), and an all-zero group gives codes 0 and scale 0"""
     halves = np.array([[127.0, 0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 3.5,
                         10.5, 126.5, -126.5, 0.0, 1.0, -7.0, 2.4999, 2.5001]],
                       dtype=np.float32)                # scale 127 / 127 = 1: x / scale is x
-    got = quantize(submission, halves, 16)
+    got = quantize(sub, halves, 16)
     check_quantized(got, halves, 16, "a group whose scale is exactly 1 (halves round to even: "
                                      "0.5 -> 0, 1.5 -> 2, 2.5 -> 2)")
     zeros = np.zeros((2, 16), dtype=np.float32)
     zeros[1, 8:] = np.arange(1, 9, dtype=np.float32)   # a zero group beside a non-zero one
-    got = quantize(submission, zeros, 8)
+    got = quantize(sub, zeros, 8)
     check_quantized(got, zeros, 8, "all-zero groups (scale 0, codes 0)")
 
 
-@pytest.mark.points(3)
-def test_codes_match_the_c_int8_cache(submission):
+@points(3)
+def test_codes_match_the_c_int8_cache(sub, rng):
     """quantizing an fp32 cache's K and V gives the codes and scales an int8 cache stores"""
-    model = kvlab.load()
+    model = bundled_model()
     tokens = model.encode(PROMPT)
     fp32 = model.new_cache(64)
     model.prefill(tokens, fp32)
@@ -117,17 +123,17 @@ def test_codes_match_the_c_int8_cache(submission):
         # layer 0's K and V depend on the tokens only; later layers read quantized values
         for name, x, codes, scales in (("keys", fp32.keys[0], int8.key_codes[0], int8.key_scales[0]),
                                        ("values", fp32.values[0], int8.value_codes[0], int8.value_scales[0])):
-            got_codes, got_scales = quantize(submission, np.asarray(x), group)
+            got_codes, got_scales = quantize(sub, np.asarray(x), group)
             assert np.array_equal(np.asarray(got_codes), codes) and np.array_equal(np.asarray(got_scales), scales), (
                 f"the bundled model's layer-0 {name}, groups of {group}: your codes and scales differ "
                 f"from the int8 cache's {name[:-1]}_codes[0] and {name[:-1]}_scales[0] (codes: "
                 f"{differing(got_codes, codes)}; scales: {differing(got_scales, scales)})")
-    x = hard_inputs(2, shape=(12, 4, 16)).reshape(12, 2, 2, 16)   # (tokens, n_layers, n_kv_heads, head_dim)
+    x = hard_inputs(rng, shape=(12, 4, 16)).reshape(12, 2, 2, 16)   # (tokens, n_layers, n_kv_heads, head_dim)
     for group in (16, 4, 2):
         cache = kvlab.KVCache(2, 2, 16, 12, key_format="int8", value_format="int8",
                               key_group=group, value_group=group)
         cache.append(x, x[::-1].copy())
-        got_codes, got_scales = quantize(submission, x.transpose(1, 0, 2, 3), group)
+        got_codes, got_scales = quantize(sub, x.transpose(1, 0, 2, 3), group)
         assert np.array_equal(np.asarray(got_codes), cache.key_codes) and \
             np.array_equal(np.asarray(got_scales), cache.key_scales), (
                 f"rows with outliers, zeros, tiny and huge values appended to an int8 cache (groups "
@@ -136,17 +142,17 @@ def test_codes_match_the_c_int8_cache(submission):
                 f"scales: {differing(got_scales, cache.key_scales)})")
 
 
-@pytest.mark.points(2)
-def test_dequantize_matches_the_c_cache(submission):
+@points(2)
+def test_dequantize_matches_the_c_cache(sub, rng):
     """dequantize_int8 gives what an int8 cache's attention reads (cache.dequantized())"""
-    model = kvlab.load()
+    model = bundled_model()
     for group in (16, 4):
         cache = model.new_cache(64, "int8", group=group)
         model.prefill(model.encode(PROMPT), cache)
         keys, values = cache.dequantized()
         for name, codes, scales, want in (("keys", cache.key_codes, cache.key_scales, keys),
                                           ("values", cache.value_codes, cache.value_scales, values)):
-            got = np.asarray(submission.dequantize_int8(codes, scales, group))
+            got = np.asarray(sub.dequantize_int8(codes, scales, group))
             assert got.dtype == np.float32 and got.shape == want.shape, (
                 f"{name}, groups of {group}: expected float32 of shape {want.shape}, got "
                 f"{got.dtype} of shape {got.shape}")
@@ -156,16 +162,16 @@ def test_dequantize_matches_the_c_cache(submission):
                 f"{np.abs(got - want).max():.3g}")
 
 
-@pytest.mark.points(2)
-def test_round_trip_stays_within_your_bound(submission):
+@points(2)
+def test_round_trip_stays_within_your_bound(sub, rng):
     """|dequantize(quantize(x)) - x| <= error_bound(x) for outliers, zeros, tiny and huge values"""
-    for seed in range(8):
-        x = hard_inputs(100 + seed)
+    for _ in range(8):
+        x = hard_inputs(rng)
         for group in (32, 16, 8, 2, 1):
-            codes, scales = quantize(submission, x, group)
-            back = np.asarray(submission.dequantize_int8(np.asarray(codes), np.asarray(scales), group),
+            codes, scales = quantize(sub, x, group)
+            back = np.asarray(sub.dequantize_int8(np.asarray(codes), np.asarray(scales), group),
                               dtype=np.float64)
-            bound = np.asarray(submission.error_bound(x, group))
+            bound = np.asarray(sub.error_bound(x, group))
             assert bound.shape == x.shape, f"error_bound: expected shape {x.shape}, got {bound.shape}"
             error = np.abs(back - x)
             over = np.argwhere(~(error <= bound))
@@ -177,12 +183,12 @@ def test_round_trip_stays_within_your_bound(submission):
                     f"bound {bound[at]:.4g})")
 
 
-@pytest.mark.points(2)
-def test_error_bound_is_half_a_step(submission):
+@points(2)
+def test_error_bound_is_half_a_step(sub, rng):
     """error_bound is half of its group's step, as kvlab.quant.round_trip_error_bound says"""
-    for seed, group in ((200, 32), (201, 8), (202, 1)):
-        x = hard_inputs(seed)
-        got = np.asarray(submission.error_bound(x, group), dtype=np.float64)
+    for group in (32, 8, 1):
+        x = hard_inputs(rng)
+        got = np.asarray(sub.error_bound(x, group), dtype=np.float64)
         want = kvlab.quant.round_trip_error_bound(x, "int8", group).astype(np.float64)
         assert got.shape == x.shape, f"error_bound: expected shape {x.shape}, got {got.shape}"
         off = ~(np.abs(got - want) <= 1e-3 * want + 1e-9)
@@ -193,10 +199,9 @@ def test_error_bound_is_half_a_step(submission):
                                  f"little for float rounding), got {got[at]:.6g}")
 
 
-@pytest.mark.points(2)
-def test_bytes_per_token(submission):
+@points(2)
+def test_bytes_per_token(sub, rng):
     """codes and float32 scales of K and V in every layer: kvlab.kv_bytes_per_token, and a real cache"""
-    rng = np.random.default_rng(3)
     for _ in range(20):
         n_kv_heads = int(rng.choice([1, 2, 8]))
         n_heads = n_kv_heads * int(rng.choice([1, 4]))
@@ -205,31 +210,30 @@ def test_bytes_per_token(submission):
                                    n_layers=int(rng.integers(1, 81)), n_heads=n_heads,
                                    n_kv_heads=n_kv_heads, vocab_size=1000, max_seq_len=4096)
         for group in (head_dim, 32 if head_dim >= 32 else head_dim // 2, 2, 1):
-            got = submission.int8_bytes_per_token(config, group)
+            got = sub.int8_bytes_per_token(config_record(config), group)
             want = kvlab.kv_bytes_per_token(config, "int8", group=group)
             assert got == want, (f"{config.n_layers} layers, {n_kv_heads} KV heads x {head_dim}, "
-                                 f"groups of {group}: expected {want:,} bytes, got {got!r}")
-    model = kvlab.load()
+                                 f"groups of {group}: expected {want:,} bytes, got {described(got)}")
+    model = bundled_model()
     for group in (16, 4):
         cache = model.new_cache(100, "int8", group=group)
-        got = submission.int8_bytes_per_token(model.config, group)
+        got = sub.int8_bytes_per_token(config_record(model.config), group)
         assert got * 100 == cache.nbytes, (f"the bundled model's int8 cache of 100 positions, groups of "
                                            f"{group}, allocates {cache.nbytes:,} B: {cache.nbytes // 100:,} "
                                            f"per token; you say {got!r}")
 
 
-@pytest.mark.points(2)
-def test_attend_int8_matches_the_c_cache(submission):
+@points(2)
+def test_attend_int8_matches_the_c_cache(sub, rng):
     """attention over an int8 cache's codes equals cache.attend of that cache"""
-    model = kvlab.load()
+    model = bundled_model()
     c = model.config
-    rng = np.random.default_rng(4)
     for group in (16, 4):
         cache = model.new_cache(64, "int8", group=group)
         model.prefill(model.encode(PROMPT), cache)
         for layer in range(c.n_layers):
             q = (rng.standard_normal((c.n_heads, c.head_dim)) * 2).astype(np.float32)
-            got = np.asarray(submission.attend_int8(q, cache.key_codes[layer], cache.key_scales[layer],
+            got = np.asarray(sub.attend_int8(q, cache.key_codes[layer], cache.key_scales[layer],
                                                     cache.value_codes[layer], cache.value_scales[layer],
                                                     group))
             want = cache.attend(q, layer)

@@ -1,4 +1,5 @@
-"""Grader for lab 4 (scheduler). Each test says in its message what it expected.
+"""Hidden grading tests for lab 4 (scheduler). Each test says in its message what it expected.
+Run by the judge (kvlab/grading/judge.py), never shipped in the package.
 
 Small fixed workloads check one rule at a time (chunked prefill, the token budget, FIFO
 admission, preemption of the most recently admitted request, recompute). Then seeded
@@ -9,29 +10,44 @@ scheduler (kvlab/scheduler.py, the one kvlab.Engine runs), driven through a pool
 counts blocks.
 """
 import numpy as np
-import pytest
 
 from kvlab import scheduler as kvlab_scheduler
+from kvlab.grading.testkit import points, raises
 
 
 def blocks_for(n_tokens, block_size):
     return -(-n_tokens // block_size)
 
 
-def run(submission, num_blocks, block_size, max_batch_tokens, max_batch_seqs, requests,
+def queues(scheduler):
+    """(waiting ids, running ids, finished ids, free blocks, has work): one round trip."""
+    waiting, running, finished, free, busy = scheduler.calls(
+        ("waiting_ids",), ("running_ids",), ("finished",), ("num_free_blocks",), ("has_work",))
+    return list(waiting), list(running), list(finished), free, busy
+
+
+def counts(scheduler, ids):
+    """{request id: (generated, computed)} as the scheduler's requests hold them."""
+    return dict(zip(ids, scheduler.calls(*[("request", i) for i in ids],
+                                         attrs=("generated", "computed"))))
+
+
+def run(sub, num_blocks, block_size, max_batch_tokens, max_batch_seqs, requests,
         max_steps=1000):
     """Add requests (id, prompt_len, max_new_tokens) and step until done; returns the
     scheduler and every step's (batch, running_ids, waiting_ids) after it."""
-    scheduler = submission.Scheduler(num_blocks, block_size, max_batch_tokens, max_batch_seqs)
+    scheduler = sub.Scheduler(num_blocks, block_size, max_batch_tokens, max_batch_seqs)
     for request in requests:
         scheduler.add(*request)
     steps = []
-    while scheduler.has_work():
+    waiting, running, _, _, busy = queues(scheduler)
+    while busy:
         assert len(steps) < max_steps, (
-            f"still not done after {max_steps} steps: running {scheduler.running_ids()}, "
-            f"waiting {scheduler.waiting_ids()} (is something never admitted?)")
+            f"still not done after {max_steps} steps: running {running}, waiting {waiting} "
+            f"(is something never admitted?)")
         batch = [tuple(entry) for entry in scheduler.step()]
-        steps.append((batch, scheduler.running_ids(), scheduler.waiting_ids()))
+        waiting, running, _, _, busy = queues(scheduler)
+        steps.append((batch, running, waiting))
     return scheduler, steps
 
 
@@ -111,9 +127,9 @@ class KvlabReference:
 
 
 def view(scheduler, ids):
-    return {"running": scheduler.running_ids(), "waiting": scheduler.waiting_ids(),
-            "finished": scheduler.finished(), "free blocks": scheduler.num_free_blocks(),
-            "generated": {i: scheduler.request(i).generated for i in ids}}
+    waiting, running, finished, free, _ = queues(scheduler)
+    return {"running": running, "waiting": waiting, "finished": finished, "free blocks": free,
+            "generated": {i: got[0] for i, got in counts(scheduler, ids).items()}}
 
 
 def random_workload(seed):
@@ -130,29 +146,30 @@ def random_workload(seed):
     return num_blocks, block_size, max_batch_tokens, max_batch_seqs, requests
 
 
-SEEDS = range(30)
+def seeds(rng):
+    """Thirty workloads known to reach every rule, and six drawn at grading time."""
+    return list(range(30)) + [int(x) for x in rng.integers(100, 1 << 30, size=6)]
 
 
 # ---- the tests ------------------------------------------------------------------------
 
-@pytest.mark.points(1)
-def test_add_refuses_a_request_that_could_never_fit(submission):
+@points(1)
+def test_add_refuses_a_request_that_could_never_fit(sub, rng):
     """add raises ValueError for a request that needs more blocks than the cache has"""
-    scheduler = submission.Scheduler(10, 4, 16, 4)
+    scheduler = sub.Scheduler(10, 4, 16, 4)
     scheduler.add(0, 37, 4)                          # 37 + 3 = 40 tokens: exactly 10 blocks
     for args, why in (((1, 38, 4), "38 + 3 = 41 tokens need 11 blocks of 4; there are 10"),
                       ((2, 0, 3), "a prompt of 0 tokens"), ((3, 5, 0), "max_new_tokens 0")):
-        with pytest.raises(ValueError):
+        with raises("ValueError", f"add{args} ({why})"):
             scheduler.add(*args)
-            pytest.fail(f"add{args} must raise ValueError: {why}")
     assert scheduler.waiting_ids() == [0], (
         f"only request 0 was accepted: expected waiting [0], got {scheduler.waiting_ids()}")
 
 
-@pytest.mark.points(2)
-def test_a_long_prompt_is_prefilled_in_chunks(submission):
+@points(2)
+def test_a_long_prompt_is_prefilled_in_chunks(sub, rng):
     """a 100-token prompt, 16 tokens a step: 7 chunks, then 2 decodes"""
-    scheduler, steps = run(submission, 64, 4, 16, 8, [(0, 100, 3)])
+    scheduler, steps = run(sub, 64, 4, 16, 8, [(0, 100, 3)])
     want = [[(0, 16)]] * 6 + [[(0, 4)], [(0, 1)], [(0, 1)]]
     assert batches(steps) == want, (
         f"max_batch_tokens=16: the prompt goes in chunks of 16 and 4 (the last chunk "
@@ -161,10 +178,10 @@ def test_a_long_prompt_is_prefilled_in_chunks(submission):
     assert scheduler.finished() == [0] and scheduler.request(0).generated == 3
 
 
-@pytest.mark.points(2)
-def test_decodes_and_a_prefill_chunk_share_a_step(submission):
+@points(2)
+def test_decodes_and_a_prefill_chunk_share_a_step(sub, rng):
     """a decoding request gets its token first; a long prompt fills the rest of the budget"""
-    scheduler, steps = run(submission, 64, 4, 10, 8, [(0, 3, 10), (1, 30, 2)])
+    scheduler, steps = run(sub, 64, 4, 10, 8, [(0, 3, 10), (1, 30, 2)])
     want = [[(0, 3), (1, 7)], [(0, 1), (1, 9)], [(0, 1), (1, 9)], [(0, 1), (1, 5)],
             [(0, 1), (1, 1)]] + [[(0, 1)]] * 5
     got = batches(steps)
@@ -175,10 +192,10 @@ def test_decodes_and_a_prefill_chunk_share_a_step(submission):
     assert scheduler.finished() == [1, 0], f"expected [1, 0] to finish, got {scheduler.finished()}"
 
 
-@pytest.mark.points(2)
-def test_admission_is_first_come_first_served(submission):
+@points(2)
+def test_admission_is_first_come_first_served(sub, rng):
     """a request that does not fit blocks the ones behind it, even ones that would fit"""
-    scheduler, steps = run(submission, 6, 4, 64, 8, [(0, 20, 1), (1, 8, 1), (2, 4, 1)])
+    scheduler, steps = run(sub, 6, 4, 64, 8, [(0, 20, 1), (1, 8, 1), (2, 4, 1)])
     got = batches(steps)
     want = [[(0, 20)], [(1, 8), (2, 4)]]
     assert got == want, (
@@ -187,10 +204,10 @@ def test_admission_is_first_come_first_served(submission):
         f"  expected {want}\n  got      {got}")
 
 
-@pytest.mark.points(1)
-def test_a_batch_holds_at_most_max_batch_seqs_requests(submission):
+@points(1)
+def test_a_batch_holds_at_most_max_batch_seqs_requests(sub, rng):
     """max_batch_seqs=2: the third request waits until a place is free"""
-    scheduler, steps = run(submission, 10, 4, 64, 2, [(0, 2, 3), (1, 2, 3), (2, 2, 3)])
+    scheduler, steps = run(sub, 10, 4, 64, 2, [(0, 2, 3), (1, 2, 3), (2, 2, 3)])
     want = [[(0, 2), (1, 2)], [(0, 1), (1, 1)], [(0, 1), (1, 1)], [(2, 2)], [(2, 1)], [(2, 1)]]
     assert batches(steps) == want, f"expected {want}, got {batches(steps)}"
 
@@ -201,10 +218,10 @@ request 2 (5 tokens: 3 blocks) waits. At step 3 request 0 needs its 4th block an
 free: request 1, admitted last, is preempted."""
 
 
-@pytest.mark.points(2)
-def test_preemption_takes_the_newest_request_and_requeues_it_first(submission):
+@points(2)
+def test_preemption_takes_the_newest_request_and_requeues_it_first(sub, rng):
     """out of blocks: the most recently admitted request goes back to the FRONT of the queue"""
-    scheduler, steps = run(submission, *PREEMPTION)
+    scheduler, steps = run(sub, *PREEMPTION)
     got = [(batch, running, waiting) for batch, running, waiting in steps[:4]]
     want = [([(0, 4), (1, 4)], [0, 1], [2]), ([(0, 1), (1, 1)], [0, 1], [2]),
             ([(0, 1), (1, 1)], [0, 1], [2]), ([(0, 1)], [0], [1, 2])]
@@ -220,10 +237,10 @@ def test_preemption_takes_the_newest_request_and_requeues_it_first(submission):
     assert sorted(scheduler.finished()) == [0, 1, 2], f"finished: {scheduler.finished()}"
 
 
-@pytest.mark.points(2)
-def test_a_preempted_request_keeps_its_tokens_and_recomputes_them(submission):
+@points(2)
+def test_a_preempted_request_keeps_its_tokens_and_recomputes_them(sub, rng):
     """after preemption a request recomputes prompt + generated tokens, then goes on"""
-    scheduler = submission.Scheduler(*PREEMPTION[:4])
+    scheduler = sub.Scheduler(*PREEMPTION[:4])
     for request in PREEMPTION[4]:
         scheduler.add(*request)
     for _ in range(4):
@@ -249,22 +266,21 @@ def test_a_preempted_request_keeps_its_tokens_and_recomputes_them(submission):
         f"[7, 1, 1] and generated 6, got {given} and {scheduler.request(1).generated}")
 
 
-def check_rules(submission, workload, where):
+def check_rules(sub, workload, where):
     """Run a workload and check every rule after every step, from the outside."""
     num_blocks, block_size, max_tokens, max_seqs, requests = workload
     spec = {rid: (p, m) for rid, p, m in requests}
     generated = dict.fromkeys(spec, 0)               # the grader's own counts
     computed = dict.fromkeys(spec, 0)
-    scheduler = submission.Scheduler(num_blocks, block_size, max_tokens, max_seqs)
+    scheduler = sub.Scheduler(num_blocks, block_size, max_tokens, max_seqs)
     for request in requests:
         scheduler.add(*request)
     total = sum(p + 2 * m for p, m in spec.values())
     for t in range(50 * total):
-        if not scheduler.has_work():
+        waiting, running, finished_before, _, busy = queues(scheduler)
+        if not busy:
             break
         at = f"{where}, step {t}"
-        waiting, running = scheduler.waiting_ids(), scheduler.running_ids()
-        finished_before = scheduler.finished()
         batch = [tuple(entry) for entry in scheduler.step()]
         ids = [rid for rid, _ in batch]
         n_tokens = sum(n for _, n in batch)
@@ -296,11 +312,10 @@ def check_rules(submission, workload, where):
                 generated[rid] += 1
                 if generated[rid] == m:
                     newly_finished.append(rid)
-        finished = scheduler.finished()
+        after_waiting, after_running, finished, free, _ = queues(scheduler)
         assert finished == finished_before + newly_finished, (
             f"{at}: after batch {batch}, requests {newly_finished} reach max_new_tokens: "
             f"expected finished {finished_before + newly_finished}, got {finished}")
-        after_running, after_waiting = scheduler.running_ids(), scheduler.waiting_ids()
         preempted = [rid for rid in running if rid not in after_running
                      and rid not in newly_finished]
         assert not set(preempted) & set(ids), (
@@ -320,13 +335,14 @@ def check_rules(submission, workload, where):
             f"{at}: expected running {want_running}, got {after_running}")
         for rid in preempted:
             computed[rid] = 0
+        theirs = counts(scheduler, list(spec))
         for rid in spec:
             if rid in finished:                      # its cache is gone: computed is moot
-                assert scheduler.request(rid).generated == spec[rid][1], (
-                    f"{at}: request {rid} finished with {scheduler.request(rid).generated} "
-                    f"tokens generated; max_new_tokens is {spec[rid][1]}")
+                assert theirs[rid][0] == spec[rid][1], (
+                    f"{at}: request {rid} finished with {theirs[rid][0]} tokens generated; "
+                    f"max_new_tokens is {spec[rid][1]}")
                 continue
-            got = (scheduler.request(rid).generated, scheduler.request(rid).computed)
+            got = tuple(theirs[rid])
             assert got == (generated[rid], computed[rid]), (
                 f"{at}: request {rid} (prompt {spec[rid][0]}) has generated {generated[rid]} "
                 f"tokens and has {computed[rid]} in the cache; yours says generated {got[0]}, "
@@ -336,9 +352,9 @@ def check_rules(submission, workload, where):
         assert held <= num_blocks, (
             f"{at}: the running requests {after_running} hold {held} blocks; there are "
             f"{num_blocks}")
-        assert scheduler.num_free_blocks() == num_blocks - held, (
+        assert free == num_blocks - held, (
             f"{at}: the running requests hold {held} of {num_blocks} blocks; "
-            f"num_free_blocks() says {scheduler.num_free_blocks()}")
+            f"num_free_blocks() says {free}")
     assert not scheduler.has_work(), (
         f"{where}: not done after {50 * total} steps: running {scheduler.running_ids()}, "
         f"waiting {scheduler.waiting_ids()} (does a request starve?)")
@@ -349,27 +365,27 @@ def check_rules(submission, workload, where):
         f"{generated}")
 
 
-@pytest.mark.points(3)
-def test_random_workloads_follow_the_rules(submission):
+@points(3)
+def test_random_workloads_follow_the_rules(sub, rng):
     """30 random workloads on tight caches: budget, FIFO, preemption, tokens, blocks"""
-    for seed in SEEDS:
+    for seed in seeds(rng):
         workload = random_workload(seed)
         num_blocks, block_size, max_tokens, max_seqs, requests = workload
         where = (f"seed {seed}: {num_blocks} blocks of {block_size}, max_batch_tokens="
                  f"{max_tokens}, max_batch_seqs={max_seqs}, requests (id, prompt_len, "
                  f"max_new_tokens) {requests}")
-        check_rules(submission, workload, where)
+        check_rules(sub, workload, where)
 
 
-@pytest.mark.points(3)
-def test_random_workloads_match_kvlabs_scheduler(submission):
+@points(3)
+def test_random_workloads_match_kvlabs_scheduler(sub, rng):
     """30 random workloads: every step equals kvlab.scheduler's decision"""
-    for seed in SEEDS:
+    for seed in seeds(rng):
         num_blocks, block_size, max_tokens, max_seqs, requests = random_workload(seed)
         where = (f"seed {seed}: {num_blocks} blocks of {block_size}, max_batch_tokens="
                  f"{max_tokens}, max_batch_seqs={max_seqs}, requests (id, prompt_len, "
                  f"max_new_tokens) {requests}")
-        scheduler = submission.Scheduler(num_blocks, block_size, max_tokens, max_seqs)
+        scheduler = sub.Scheduler(num_blocks, block_size, max_tokens, max_seqs)
         reference = KvlabReference(num_blocks, block_size, max_tokens, max_seqs)
         for request in requests:
             scheduler.add(*request)

@@ -1,0 +1,166 @@
+"""Hidden grading tests for lab 2 (cache size). Each test says in its message what it expected.
+
+Run by the judge (kvlab/grading/judge.py), never shipped in the package. The answers are
+checked against kvlab's own cache arithmetic (kvlab.kv_cache_bytes), the bytes a real cache
+allocates (cache.nbytes) and the course's worked example, on shapes drawn at grading time.
+The measurement is checked against what the caches really take: the model lent to the
+student's code (kvlab/grading/handouts.py) gives each cache an extra block of memory of a
+size drawn here, so only a measurement of resident memory around filled caches is right.
+"""
+import mmap
+
+import numpy as np
+
+import kvlab
+from kvlab.grading.testkit import bundled_model, config_record, described, points, whole_number
+
+GiB = 1024 ** 3
+LLAMA2_7B = kvlab.ModelConfig.llama2_7b()
+LLAMA3_8B = kvlab.ModelConfig.llama3_8b()
+
+
+def prepare():
+    bundled_model()
+
+
+def random_configs(rng, n):
+    """Shapes of every kind, small and large: MHA, GQA and MQA in turn."""
+    for i in range(n):
+        kind = i % 3
+        n_kv_heads = 1 if kind == 2 else int(rng.choice([2, 4, 8]))
+        n_heads = n_kv_heads * (1 if kind == 0 else int(rng.choice([2, 4, 8])))
+        head_dim = int(rng.choice([8, 16, 64, 128]))
+        yield kvlab.ModelConfig(dim=n_heads * head_dim, hidden_dim=4 * n_heads * head_dim,
+                                n_layers=int(rng.integers(1, 81)), n_heads=n_heads,
+                                n_kv_heads=n_kv_heads, vocab_size=int(rng.integers(100, 60000)),
+                                max_seq_len=8192)
+
+
+def shape_text(config):
+    return (f"{config.n_layers} layers, {config.n_heads} heads, {config.n_kv_heads} KV heads "
+            f"x {config.head_dim}")
+
+
+@points(1)
+def test_bytes_per_token_worked_example(sub, rng):
+    """Llama 2 7B in fp16: 512 KiB per token"""
+    got = sub.kv_bytes_per_token(32, 32, 128, 2)
+    assert got == 524_288, f"32 layers x 32 KV heads x 128 x 2 bytes: expected 524,288, got {described(got)}"
+
+
+@points(1)
+def test_bytes_per_token_counts_keys_and_values(sub, rng):
+    """K and V of every layer and head: shapes drawn at grading time"""
+    for _ in range(10):
+        n_layers, n_kv_heads = int(rng.integers(1, 100)), int(rng.integers(1, 64))
+        head_dim, size = int(rng.integers(1, 300)), int(rng.choice([1, 2, 4]))
+        got = sub.kv_bytes_per_token(n_layers, n_kv_heads, head_dim, size)
+        want = 2 * n_layers * n_kv_heads * head_dim * size
+        assert got == want, (f"{n_layers} layers x {n_kv_heads} KV heads x {head_dim} x {size} "
+                             f"bytes, for K and for V: expected {want:,}, got {described(got)}")
+
+
+@points(2)
+def test_cache_bytes_worked_example(sub, rng):
+    """Llama 2 7B, fp16: 2 GiB for 4,096 tokens, 32 GiB for 16 requests"""
+    config = config_record(LLAMA2_7B)
+    one = sub.kv_cache_bytes(config, 4096, 1, "fp16")
+    assert one == 2 * GiB, f"one request of 4,096 tokens: expected {2 * GiB:,} B (2 GiB), got {described(one)}"
+    sixteen = sub.kv_cache_bytes(config, 4096, 16, "fp16")
+    assert sixteen == 32 * GiB, f"16 requests: expected {32 * GiB:,} B (32 GiB), got {described(sixteen)}"
+
+
+@points(2)
+def test_cache_bytes_gqa(sub, rng):
+    """GQA caches only the KV heads: Llama 3 8B has 8 of them for 32 query heads"""
+    seq_len = int(rng.integers(1000, 9000))
+    got = sub.kv_cache_bytes(config_record(LLAMA3_8B), seq_len, 1, "bf16")
+    want = kvlab.kv_cache_bytes(LLAMA3_8B, seq_len, 1, "bf16")
+    assert got == want, (f"Llama 3 8B (32 layers, 8 KV heads x 128), {seq_len:,} tokens in bf16: "
+                         f"expected {want:,} B, got {described(got)}")
+
+
+@points(2)
+def test_cache_bytes_every_shape_and_float_dtype(sub, rng):
+    """fp32, fp16 and bf16 caches of MHA, GQA and MQA shapes"""
+    for config in random_configs(rng, 20):
+        for dtype in ("fp32", "fp16", "bf16"):
+            seq_len, batch = int(rng.integers(1, 5000)), int(rng.integers(1, 9))
+            got = sub.kv_cache_bytes(config_record(config), seq_len, batch, dtype)
+            want = kvlab.kv_cache_bytes(config, seq_len, batch, dtype)
+            assert got == want, (f"{shape_text(config)}, {seq_len} tokens x {batch} requests, "
+                                 f"{dtype}: expected {want:,}, got {described(got)}")
+
+
+@points(2)
+def test_cache_bytes_int8_counts_its_scales(sub, rng):
+    """int8: one byte per value plus a float32 scale per head row"""
+    for config in random_configs(rng, 10):
+        seq_len, batch = int(rng.integers(1, 3000)), int(rng.integers(1, 5))
+        got = sub.kv_cache_bytes(config_record(config), seq_len, batch, "int8")
+        want = kvlab.kv_cache_bytes(config, seq_len, batch, "int8")
+        codes_only = 2 * config.n_layers * config.kv_dim * seq_len * batch
+        hint = " (did you forget the scales?)" if got == codes_only else ""
+        assert got == want, (f"{shape_text(config)}, {seq_len} tokens x {batch} requests, int8: "
+                             f"expected {want:,}, got {described(got)}{hint}")
+
+
+@points(1)
+def test_cache_bytes_match_a_real_cache(sub, rng):
+    """the formula equals what model.new_cache allocates"""
+    model = bundled_model()
+    for dtype in ("fp32", "fp16", "int8"):
+        positions = int(rng.integers(10, 500))
+        cache = model.new_cache(positions, dtype)
+        got = sub.kv_cache_bytes(config_record(model.config), positions, 1, dtype)
+        assert got == cache.nbytes, (f"the bundled model's {dtype} cache of {positions} positions "
+                                     f"allocates {cache.nbytes:,} B; your formula says {described(got)}")
+
+
+@points(2)
+def test_max_requests(sub, rng):
+    """requests that fit next to the weights"""
+    weights = LLAMA2_7B.n_params() * 2
+    per_request = kvlab.kv_cache_bytes(LLAMA2_7B, 4096, 1, "fp16")
+    cases = [(80 * 10**9, 4096, "fp16", "fp16"), (24 * GiB, 4096, "fp16", "fp16"),
+             (80 * 10**9, 2048, "int8", "fp16"), (40 * 10**9, 1000, "fp32", "fp32"),
+             (weights + per_request - 1, 4096, "fp16", "fp16"),
+             (weights + per_request, 4096, "fp16", "fp16"), (10 * 10**9, 4096, "fp16", "fp16")]
+    for _ in range(6):
+        cases.append((int(rng.integers(10, 200)) * 10**9, int(rng.integers(100, 8000)),
+                      str(rng.choice(["fp16", "int8", "fp32"])), str(rng.choice(["fp16", "fp32"]))))
+    config = config_record(LLAMA2_7B)
+    for memory, seq_len, dtype, weights_dtype in cases:
+        got = sub.max_requests(config, memory, seq_len, dtype, weights_dtype)
+        left = memory - LLAMA2_7B.n_params() * {"fp16": 2, "fp32": 4}[weights_dtype]
+        want = max(0, left // kvlab.kv_cache_bytes(LLAMA2_7B, seq_len, 1, dtype))
+        assert got == want, (f"Llama 2 7B, {memory:,} B of memory, {weights_dtype} weights, "
+                             f"{dtype} caches of {seq_len} tokens: expected {want}, got {described(got)}")
+
+
+@points(1)
+def test_max_requests_returns_a_whole_number(sub, rng):
+    """a fraction of a request does not run"""
+    got = sub.max_requests(config_record(LLAMA2_7B), int(rng.integers(15, 60)) * GiB, 4096,
+                           "fp16", "fp16")
+    whole_number(got, "max_requests")
+
+
+@points(2)
+def test_measured_growth_matches_the_formula(sub, rng):
+    """filling real caches grows resident memory by what they hold: a measurement, not a formula"""
+    config = bundled_model().config
+    seq_len, batch = int(rng.integers(192, 321)), int(rng.integers(16, 25))
+    per_cache = kvlab.kv_cache_bytes(config, seq_len, 1, "fp32")
+    extra = -(-int(per_cache * rng.uniform(0.4, 1.0)) // mmap.PAGESIZE) * mmap.PAGESIZE
+    lent = sub.handout("lab_model", extra_bytes=extra)
+    got = sub.measure_resident_growth(lent, seq_len, batch)
+    assert isinstance(got, (int, np.integer, float, np.floating)) and not isinstance(got, bool), (
+        f"expected a number of bytes, got {described(got)}")
+    want = batch * (per_cache + extra)
+    assert abs(got - want) <= 0.1 * want, (
+        f"{batch} fp32 caches of {seq_len} tokens, from the model the grader lends you (it "
+        f"adds a block of memory of its own to every cache it fills, of a size chosen now), "
+        f"take {want:,} B of resident memory once filled; you measured {got:,} B. Fill every "
+        f"cache (pages are only taken when written) and read resident memory before and "
+        f"while they live.")

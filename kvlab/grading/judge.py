@@ -1,0 +1,270 @@
+"""The judge: grades one submission against one test file, in a process of its own.
+
+    python -m kvlab.grading.judge --lab LAB --submission FILE --tests TESTS.py --out REPORT.json
+
+The judge holds everything that decides a grade: the test code, the list of tests, their
+points, the expected values (computed here, with this process's kvlab) and the score. The
+student's code never runs in this process. For each test the judge starts a fresh worker
+(kvlab/grading/worker.py) that imports the submission and runs the calls the test makes;
+when the test ends the worker and everything it started are killed. So:
+
+- the score is the sum, over the judge's own list, of the points of the tests that
+  passed; a test that crashed the worker, ran out of time or never ran scores 0 and is
+  still listed with its full max_score;
+- nothing the submission does at import, at exit, in a thread or in a child process can
+  reach this process's memory, its results file (written here, atomically, after the last
+  worker is gone) or its tests (loaded, with the data they use, before the first worker
+  starts; the files of kvlab and of the tests are fingerprinted before and after, and a
+  change costs the whole grade);
+- before any of it, the submission's source is checked against its lab's policy
+  (kvlab/grading/policy.py): a lab is about writing the thing, not importing kvlab's.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import importlib.util
+import json
+import os
+import secrets
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable, Dict, List, Optional
+
+import numpy as np
+
+from .labs import TEST_TIMEOUT, Lab, get_lab
+from .policy import check_source
+from .process import (WorkerDied, WorkerGarbled, WorkerGone, WorkerProcess, WorkerTimeout,
+                      harden_judge, sweep, worker_identity)
+from .remote import RemoteError, Session, Submission
+from .report import GradeReport, TestResult, write_atomically
+
+OUTPUT_CAP = 64 << 10        # bytes of a test's printed output kept
+PRINTED_SHOWN = 1500         # characters of it shown with a failed test
+
+
+def load_tests(path: Path) -> List[Callable]:
+    """The test functions of a test file, in the order they are written."""
+    spec = importlib.util.spec_from_file_location(f"kvlab_tests_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    tests = [f for f in vars(module).values()
+             if callable(f) and hasattr(f, "points") and getattr(f, "__module__", "") == module.__name__]
+    tests.sort(key=lambda f: f.__code__.co_firstlineno)
+    if not tests:
+        raise ValueError(f"{path} holds no tests (functions marked with @points)")
+    prepare = getattr(module, "prepare", None)
+    if callable(prepare):
+        prepare()               # whatever the tests read, read now, before any worker runs
+    return tests
+
+
+def title(test: Callable) -> str:
+    doc = (test.__doc__ or "").strip().splitlines()
+    return f"{test.__name__}: {doc[0].strip()}" if doc else test.__name__
+
+
+def fingerprint(paths: List[Path]) -> Dict[str, str]:
+    """sha256 of every file under `paths` (caches of compiled bytecode aside)."""
+    digests = {}
+    for root in paths:
+        files = [root] if root.is_file() else sorted(p for p in root.rglob("*") if p.is_file())
+        for path in files:
+            if "__pycache__" in path.parts:
+                continue
+            digests[str(path)] = hashlib.sha256(path.read_bytes()).hexdigest()
+    return digests
+
+
+def _printed(text: str) -> str:
+    text = text.strip()
+    if not text:
+        return ""
+    if len(text) > PRINTED_SHOWN:
+        text = "..." + text[-PRINTED_SHOWN:]
+    return "\n\nyour code printed:\n" + text
+
+
+class Judge:
+    def __init__(self, lab: Lab, submission: Path, tests_path: Path, graded_with: str,
+                 seed: Optional[int] = None, test_timeout: float = TEST_TIMEOUT,
+                 total_timeout: Optional[float] = None, worker_user: Optional[str] = None,
+                 output_cap: int = OUTPUT_CAP):
+        self.lab, self.submission, self.tests_path = lab, submission, tests_path
+        self.graded_with = graded_with
+        self.seed = secrets.randbits(32) if seed is None else int(seed)
+        self.test_timeout, self.output_cap = float(test_timeout), output_cap
+        self.total_timeout = total_timeout
+        self.worker_user = worker_user or None
+        worker_identity(self.worker_user)          # a missing user fails now, not per test
+
+    # ---- the folder the workers run in -------------------------------------------------
+    def _stage(self, source: str) -> Path:
+        """A private copy of the submission in a folder the worker can read and not write."""
+        self.folder = Path(tempfile.mkdtemp(prefix="kvlab-judge-"))
+        os.chmod(self.folder, 0o755)
+        copy = self.folder / "code" / f"{self.lab.name}.py"
+        copy.parent.mkdir()
+        os.chmod(copy.parent, 0o755)
+        copy.write_text(source)
+        os.chmod(copy, 0o644)
+        return copy
+
+    def _scratch(self, index: int) -> Path:
+        scratch = self.folder / f"scratch-{index}"
+        scratch.mkdir(mode=0o700)
+        if self.worker_user:
+            import pwd
+            entry = pwd.getpwnam(self.worker_user)
+            os.chown(scratch, entry.pw_uid, entry.pw_gid)
+        return scratch
+
+    def _start(self, index: int, copy: Path, deadline: float) -> Session:
+        """A worker with the submission imported; RemoteError if the import raised."""
+        worker = WorkerProcess(self._scratch(index), self.worker_user, self.output_cap)
+        session = Session(worker, deadline)
+        try:
+            session.ask({"op": "load", "path": str(copy), "policy": self.lab.policy.to_dict()})
+        except BaseException:
+            self.printed = worker.stop()
+            raise
+        return session
+
+    # ---- one test ----------------------------------------------------------------------
+    def _run_one(self, index: int, test: Callable, session: Session) -> TestResult:
+        result = TestResult(title(test), 0.0, test.points, "", test.visibility, "failed")
+        rng = np.random.default_rng([self.seed, index])
+        try:
+            test(Submission(session), rng)
+            result.status, result.score = "passed", test.points
+        except AssertionError as error:
+            result.output = str(error) or "a check failed"
+        except RemoteError as error:
+            result.output = error.describe()
+        except WorkerTimeout:
+            result.output = (f"ran too long: the test's {self.test_timeout:g} s ran out (is "
+                             f"there an endless loop, or a very slow one?)")
+        except WorkerGone as error:
+            result.output = str(error)
+        except Exception as error:      # the test could not use what came back
+            result.output = (f"the grader could not use what your code returned "
+                             f"({type(error).__name__}: {error})")
+        return result
+
+    def _all_zero(self, tests: List[Callable], why: str) -> List[TestResult]:
+        return [TestResult(title(t), 0.0, t.points, why, t.visibility, "failed") for t in tests]
+
+    def run(self) -> GradeReport:
+        started = time.monotonic()
+        tests = load_tests(self.tests_path)
+        import kvlab
+        guarded = [Path(kvlab.__file__).resolve().parent, self.tests_path.resolve()]
+        before = fingerprint(guarded)
+        report = GradeReport(self.lab.name, str(self.submission), [], "", 0.0,
+                             self.graded_with, self.seed if self.graded_with == "hidden tests" else None)
+        self.folder = None
+        try:
+            report.tests, report.output = self._grade(tests)
+        finally:
+            gone = sweep()
+            if self.folder is not None:
+                shutil.rmtree(self.folder, ignore_errors=True)
+        if not gone:
+            report.tests = self._all_zero(tests, "not graded: processes your code started "
+                                                 "could not be stopped")
+        changed = sorted(set(before.items()) ^ set(fingerprint(guarded).items()))
+        if changed:
+            names = sorted({name for name, _ in changed})
+            report.tests = self._all_zero(tests, "not graded: files of kvlab or of the tests "
+                                                 "changed while your code ran")
+            report.output = ("grading refused: these files changed while your code ran:\n  "
+                             + "\n  ".join(names[:10]))
+        report.execution_time = time.monotonic() - started
+        return report
+
+    def _grade(self, tests: List[Callable]):
+        try:
+            source = self.submission.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as error:
+            why = f"your file could not be read as Python source: {error}"
+            return self._all_zero(tests, why), why
+        try:
+            refused = check_source(source, self.lab.policy, self.submission.name)
+        except SyntaxError as error:
+            where = f"line {error.lineno}" + (f", column {error.offset}" if error.offset else "")
+            text = f"\n    {error.text.rstrip()}" if error.text else ""
+            why = f"your file has a syntax error at {where}: {error.msg}{text}"
+            return self._all_zero(tests, "not graded: your file has a syntax error (see above)"), why
+        if refused:
+            why = ("your file uses what this lab does not allow, so it is not graded:\n  "
+                   + "\n  ".join(str(v) for v in refused))
+            return self._all_zero(tests, "not graded: see the lines refused above"), why
+        copy = self._stage(source)
+        end = None if self.total_timeout is None else time.monotonic() + self.total_timeout
+        results: List[TestResult] = []
+        for index, test in enumerate(tests):
+            if end is not None and time.monotonic() > end:
+                results += self._all_zero(tests[index:], "not run: the grading time ran out")
+                break
+            deadline = time.monotonic() + self.test_timeout
+            self.printed = ""
+            try:
+                session = self._start(index, copy, deadline)
+            except RemoteError as error:
+                why = f"your file could not be imported: {error.describe()}"
+                if index == 0:           # said once, at the top
+                    return self._all_zero(tests, "not graded: your file could not be "
+                                                 "imported (see above)"), why + _printed(self.printed)
+                results.append(self._all_zero([test], why)[0])
+                continue
+            except WorkerTimeout:
+                results.append(self._all_zero([test], "ran too long while importing your file"
+                                              + _printed(self.printed))[0])
+                continue
+            except WorkerGone as error:
+                results.append(self._all_zero([test], f"while importing your file: {error}"
+                                              + _printed(self.printed))[0])
+                continue
+            try:
+                result = self._run_one(index, test, session)
+            finally:
+                printed = session.worker.stop()
+            if not result.passed:
+                result.output += _printed(printed)
+            results.append(result)
+        return results, ""
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m kvlab.grading.judge",
+                                     description="grade one lab submission (run by kvlab grade)")
+    parser.add_argument("--lab", required=True)
+    parser.add_argument("--submission", required=True)
+    parser.add_argument("--tests", required=True, help="the test file to grade with")
+    parser.add_argument("--graded-with", default="hidden tests",
+                        choices=["hidden tests", "public checks"])
+    parser.add_argument("--out", required=True, help="where to write the report (JSON)")
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--test-timeout", type=float, default=TEST_TIMEOUT)
+    parser.add_argument("--total-timeout", type=float, default=None)
+    parser.add_argument("--worker-user", default=None,
+                        help="run the student's code as this user (the judge must be root)")
+    args = parser.parse_args(argv)
+    if sys.flags.optimize:
+        parser.error("the judge's checks are assert statements: run it without -O")
+    harden_judge()
+    sys.dont_write_bytecode = True
+    judge = Judge(get_lab(args.lab), Path(args.submission).resolve(), Path(args.tests).resolve(),
+                  args.graded_with, args.seed, args.test_timeout, args.total_timeout,
+                  args.worker_user)
+    report = judge.run()
+    write_atomically(args.out, json.dumps(report.to_dict()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,218 @@
+"""What a lab's submission may import and name: one policy, enforced twice.
+
+A lab is about writing something yourself (a cache, a quantizer, an allocator), so the
+submission may import numpy, math and the rest of Python's standard library, plus the few
+kvlab pieces its lab names (for example kvlab.measure.resident_bytes in the cache-size
+lab), and nothing else: not kvlab's own version of what the lab asks for, not the
+course's solutions in instructor/, not the modules that load code or start processes.
+
+The judge reads the submission's source before running it (check_source: every import,
+every dotted name rooted in one, with its line), and the worker refuses the same imports
+while the submission runs (import_refusal, from its __import__ hook). Neither is a
+sandbox: Python code can reach almost anything through enough indirection. They turn the
+easy ways of delegating into a clear failing line; the process boundary, the judge's own
+oracle and hidden randomized tests are what keep the score honest (see the README's
+section on grading).
+
+Standard library only and no relative imports: the worker loads this file by path.
+"""
+from __future__ import annotations
+
+import ast
+import dataclasses
+import sys
+from typing import Iterable, List, Optional, Tuple
+
+# Modules that load code, reach into the interpreter or start processes. No lab needs them.
+DENIED_MODULES = frozenset({
+    "importlib", "imp", "pkgutil", "zipimport", "runpy", "code", "codeop", "builtins",
+    "ctypes", "_ctypes", "cffi", "gc", "inspect", "marshal", "posix", "nt",
+    "subprocess", "_posixsubprocess", "multiprocessing", "concurrent", "pty", "signal",
+    "_signal", "atexit", "socket", "_socket", "instructor",
+})
+
+# Attributes of allowed modules that do what the denied modules do.
+DENIED_ATTRIBUTES = {
+    "os": frozenset({"system", "popen", "fork", "forkpty", "register_at_fork", "kill",
+                     "killpg", "setsid", "setpgid", "setpgrp", "execl", "execle", "execlp",
+                     "execlpe", "execv", "execve", "execvp", "execvpe", "spawnl", "spawnle",
+                     "spawnlp", "spawnlpe", "spawnv", "spawnve", "spawnvp", "spawnvpe",
+                     "posix_spawn", "posix_spawnp"}),
+    "sys": frozenset({"modules", "meta_path", "path_hooks", "path_importer_cache", "path",
+                      "_getframe", "settrace", "setprofile", "addaudithook"}),
+    "numpy": frozenset({"ctypeslib", "f2py", "distutils"}),
+}
+
+# Builtins that run strings as code or hand out namespaces.
+DENIED_NAMES = frozenset({"__import__", "exec", "eval", "compile", "breakpoint", "globals",
+                          "vars", "__builtins__", "__loader__", "__spec__"})
+
+# Attribute names that walk from any object to modules, frames or code.
+DENIED_ATTRIBUTE_NAMES = frozenset({
+    "__globals__", "__builtins__", "__subclasses__", "__code__", "__closure__",
+    "__import__", "__loader__", "__spec__", "__dict__", "__bases__", "__base__", "__mro__",
+    "__getattribute__", "__reduce__", "__reduce_ex__", "f_globals", "f_locals", "f_back",
+    "f_builtins", "tb_frame", "gi_frame", "cr_frame", "ag_frame", "co_code",
+})
+
+ALWAYS_ALLOWED = frozenset(getattr(sys, "stdlib_module_names", ())) | {"numpy", "math"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Policy:
+    """One lab's rule. topic: what the lab is about writing ("a KV cache"); kvlab: the
+    dotted kvlab names it may use ("kvlab.measure.resident_bytes", ...)."""
+    topic: str
+    kvlab: Tuple[str, ...] = ()
+
+    def to_dict(self) -> dict:
+        return {"topic": self.topic, "kvlab": list(self.kvlab)}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "Policy":
+        return cls(str(data["topic"]), tuple(str(name) for name in data["kvlab"]))
+
+    def kvlab_allows(self, dotted: str) -> bool:
+        """`dotted` is an allowed name, a module on the way to one, or inside one."""
+        return any(dotted == name or name.startswith(dotted + ".") or dotted.startswith(name + ".")
+                   for name in self.kvlab)
+
+    def allowed_kvlab_text(self) -> str:
+        return ", ".join(self.kvlab) if self.kvlab else "nothing"
+
+
+def _kvlab_refusal(policy: Policy, dotted: str) -> str:
+    return (f"`{dotted}` is not allowed here: this lab is about writing {policy.topic} "
+            f"yourself (from kvlab it allows {policy.allowed_kvlab_text()})")
+
+
+def import_refusal(policy: Policy, name: str, fromlist: Iterable[str] = (),
+                   level: int = 0) -> Optional[str]:
+    """Why `import name` (or `from name import fromlist`) is refused, or None."""
+    if level:
+        return "relative imports are not allowed: your file is graded on its own"
+    top = name.partition(".")[0]
+    fromlist = [item for item in (fromlist or ()) if isinstance(item, str)]
+    if top == "kvlab":
+        for dotted in [name] + [f"{name}.{item}" for item in fromlist if item != "*"]:
+            if not policy.kvlab_allows(dotted):
+                return _kvlab_refusal(policy, dotted)
+        if "*" in fromlist:
+            return _kvlab_refusal(policy, f"from {name} import *")
+        return None
+    if top == "instructor":
+        return "`instructor` is the course's own material: it is not yours to import"
+    if top in DENIED_MODULES or name in DENIED_MODULES:
+        return (f"`{name}` is not allowed in a lab submission: it loads code, reaches into "
+                f"the interpreter or starts processes")
+    if top not in ALWAYS_ALLOWED:
+        return (f"`{name}` is not allowed here: a submission may import numpy, math and "
+                f"Python's standard library (and from kvlab: {policy.allowed_kvlab_text()})")
+    denied = DENIED_ATTRIBUTES.get(name, frozenset())
+    for item in fromlist:
+        if item in denied or item == "*" and denied:
+            return f"`from {name} import {item}` is not allowed in a lab submission"
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class Violation:
+    line: int
+    why: str
+
+    def __str__(self) -> str:
+        return f"line {self.line}: {self.why}"
+
+
+class _SourceCheck(ast.NodeVisitor):
+    """Walks a submission's syntax tree once, collecting every refused name with its line."""
+
+    def __init__(self, policy: Policy):
+        self.policy = policy
+        self.aliases = {}           # local name -> the dotted module or object it stands for
+        self.found: List[Violation] = []
+
+    def refuse(self, node: ast.AST, why: str) -> None:
+        self.found.append(Violation(getattr(node, "lineno", 0), why))
+
+    def visit_Import(self, node: ast.Import) -> None:
+        for alias in node.names:
+            why = import_refusal(self.policy, alias.name)
+            if why:
+                self.refuse(node, why)
+            if alias.asname:
+                self.aliases[alias.asname] = alias.name
+            else:
+                top = alias.name.partition(".")[0]
+                self.aliases[top] = top
+
+    def visit_ImportFrom(self, node: ast.ImportFrom) -> None:
+        module = node.module or ""
+        names = [alias.name for alias in node.names]
+        why = import_refusal(self.policy, module, names, node.level)
+        if why:
+            self.refuse(node, why)
+        for alias in node.names:
+            self.aliases[alias.asname or alias.name] = f"{module}.{alias.name}"
+
+    def _chain(self, node: ast.Attribute) -> Tuple[Optional[str], List[str]]:
+        """(root name, attributes) of a.b.c, or (None, ...) when the root is not a name."""
+        attributes = []
+        while isinstance(node, ast.Attribute):
+            attributes.append(node.attr)
+            node = node.value
+        attributes.reverse()
+        return (node.id if isinstance(node, ast.Name) else None), attributes
+
+    def _check_dotted(self, node: ast.AST, dotted: str) -> None:
+        top = dotted.partition(".")[0]
+        if top == "kvlab":
+            if not any(dotted == name or dotted.startswith(name + ".") for name in self.policy.kvlab):
+                self.refuse(node, _kvlab_refusal(self.policy, dotted))
+            return
+        parts = dotted.split(".")
+        for i in range(1, len(parts)):
+            module, attribute = ".".join(parts[:i]), parts[i]
+            if attribute in DENIED_ATTRIBUTES.get(module, ()):
+                self.refuse(node, f"`{module}.{attribute}` is not allowed in a lab submission")
+                return
+
+    def _check_attribute_name(self, node: ast.Attribute) -> None:
+        if node.attr in DENIED_ATTRIBUTE_NAMES:
+            self.refuse(node, f"`.{node.attr}` is not allowed in a lab submission: it reaches "
+                              f"into the interpreter")
+
+    def visit_Attribute(self, node: ast.Attribute) -> None:
+        self._check_attribute_name(node)
+        root, attributes = self._chain(node)
+        if root not in self.aliases:
+            self.generic_visit(node)
+            return
+        # a.b.c rooted in an import is judged whole; its inner links only by their names
+        self._check_dotted(node, ".".join([self.aliases[root]] + attributes))
+        inner = node.value
+        while isinstance(inner, ast.Attribute):
+            self._check_attribute_name(inner)
+            inner = inner.value
+
+    def visit_Name(self, node: ast.Name) -> None:
+        if node.id in DENIED_NAMES:
+            self.refuse(node, f"`{node.id}` is not allowed in a lab submission")
+        dotted = self.aliases.get(node.id)
+        if dotted and isinstance(node.ctx, ast.Load):
+            top = dotted.partition(".")[0]
+            if top == "kvlab":
+                self._check_dotted(node, dotted)
+            elif top in DENIED_ATTRIBUTES and "." not in dotted and top != "numpy":
+                # `os` or `sys` passed around as a value would hide what is taken from it
+                self.refuse(node, f"`{node.id}` ({dotted}) may only be used as `{node.id}.name`")
+            else:
+                self._check_dotted(node, dotted)
+
+
+def check_source(source: str, policy: Policy, filename: str = "<submission>") -> List[Violation]:
+    """Every refused import and name in `source`, with its line (SyntaxError propagates)."""
+    tree = ast.parse(source, filename=filename)
+    check = _SourceCheck(policy)
+    check.visit(tree)
+    return sorted(set(check.found), key=lambda v: (v.line, v.why))

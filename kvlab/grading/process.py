@@ -1,0 +1,266 @@
+"""The judge's side of a worker process: start it, talk to it under a deadline, stop it.
+
+Everything a submission might do to outlast or outtalk its test is handled here, from
+outside the worker:
+- time: every request waits at most until the test's deadline; then the worker's whole
+  process group is killed (a student's code cannot ignore SIGKILL, as it could SIGALRM);
+- output: the worker's stdout and stderr go to a pipe that a thread drains, keeping the
+  first `output_cap` bytes, so a flood costs nothing but CPU;
+- processes: on Linux the judge is a child subreaper, so anything the worker starts,
+  double-forked or detached included, becomes the judge's child when its parent dies, and
+  `sweep()` kills every descendant until none is left;
+- identity: given a user, the worker runs as that user (the autograder creates one), so it
+  cannot read the tests, write the results or signal the judge.
+"""
+from __future__ import annotations
+
+import os
+import pwd
+import select
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Dict, List, Optional, Tuple
+
+from . import wire
+
+WORKER_SCRIPT = Path(__file__).resolve().with_name("worker.py")
+ENV_KEPT = ("PATH", "LANG", "LC_ALL", "KVLAB_NUM_THREADS", "OMP_NUM_THREADS",
+            "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
+PR_SET_DUMPABLE, PR_SET_CHILD_SUBREAPER = 4, 36
+
+
+class WorkerGone(Exception):
+    """The worker cannot answer: it ran past the deadline, ended, or sent garbage."""
+
+
+class WorkerTimeout(WorkerGone):
+    pass
+
+
+class WorkerDied(WorkerGone):
+    pass
+
+
+class WorkerGarbled(WorkerGone):
+    pass
+
+
+def harden_judge() -> None:
+    """Make this process the reaper of every orphan its workers leave, and keep processes
+    of the same user from reading its memory or attaching a debugger (Linux only)."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)
+
+
+def _process_table() -> Dict[int, Tuple[int, str]]:
+    """pid -> (parent pid, state) of every process /proc shows."""
+    table = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                stat = f.read().decode(errors="replace")
+        except OSError:
+            continue
+        fields = stat.rpartition(")")[2].split()     # after "pid (command name)"
+        if len(fields) >= 2:
+            table[int(entry)] = (int(fields[1]), fields[0])
+    return table
+
+
+def descendants(root: int) -> List[Tuple[int, str]]:
+    """(pid, state) of every process below `root`."""
+    children: Dict[int, List[Tuple[int, str]]] = {}
+    for pid, (parent, state) in _process_table().items():
+        children.setdefault(parent, []).append((pid, state))
+    found, frontier = [], [root]
+    while frontier:
+        for pid, state in children.get(frontier.pop(), []):
+            found.append((pid, state))
+            frontier.append(pid)
+    return found
+
+
+def sweep(patience: float = 5.0) -> bool:
+    """Kill every descendant of this process and reap the ones that became its children.
+    True when none is left. Without /proc (macOS) there is nothing to walk: the caller's
+    process-group kill is all there is."""
+    if not os.path.isdir("/proc/self"):
+        return True
+    deadline = time.monotonic() + patience
+    while True:
+        below = descendants(os.getpid())
+        if not below:
+            return True
+        for pid, state in below:
+            if state != "Z":
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
+        for pid, _ in below:
+            try:
+                os.waitpid(pid, os.WNOHANG)
+            except ChildProcessError:        # not ours to reap (yet): its parent will be
+                pass
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.002)
+
+
+class OutputCapture(threading.Thread):
+    """Drains a pipe, keeping the first `cap` bytes and counting the rest."""
+
+    def __init__(self, fd: int, cap: int):
+        super().__init__(daemon=True)
+        self.fd, self.cap = fd, cap
+        self.kept = bytearray()
+        self.dropped = 0
+
+    def run(self) -> None:
+        try:
+            while True:
+                chunk = os.read(self.fd, 1 << 16)
+                if not chunk:
+                    break
+                room = self.cap - len(self.kept)
+                self.kept += chunk[:max(room, 0)]
+                self.dropped += max(len(chunk) - max(room, 0), 0)
+        except OSError:
+            pass
+        finally:
+            os.close(self.fd)
+
+    def text(self) -> str:
+        text = self.kept.decode(errors="replace")
+        if self.dropped:
+            text += f"\n[... {self.dropped:,} more bytes of output not kept]"
+        return text
+
+
+def worker_identity(user: Optional[str]) -> dict:
+    """Popen arguments that run the worker as `user` (needs root), or none."""
+    if not user:
+        return {}
+    try:
+        entry = pwd.getpwnam(user)
+    except KeyError:
+        raise ValueError(f"no user named {user!r} to run submissions as (the autograder's "
+                         f"setup.sh creates it)") from None
+    if os.geteuid() != 0:
+        raise ValueError(f"running submissions as {user!r} needs the judge to run as root")
+    return {"user": entry.pw_uid, "group": entry.pw_gid, "extra_groups": []}
+
+
+class WorkerProcess:
+    """One worker: a Python process running worker.py in `folder`, answering requests."""
+
+    def __init__(self, folder: Path, user: Optional[str] = None, output_cap: int = 64 << 10,
+                 max_processes: int = 256):
+        self.folder = folder
+        identity = worker_identity(user)
+        to_worker_r, to_worker_w = os.pipe()
+        from_worker_r, from_worker_w = os.pipe()
+        output_r, output_w = os.pipe()
+        command = [sys.executable, "-I", "-B", str(WORKER_SCRIPT), str(to_worker_r),
+                   str(from_worker_w)]
+        if identity:
+            command += ["--max-processes", str(max_processes)]
+        env = {name: os.environ[name] for name in ENV_KEPT if name in os.environ}
+        env.update(HOME=str(folder), TMPDIR=str(folder), MPLBACKEND="Agg",
+                   PYTHONIOENCODING="utf-8")
+        try:
+            self.process = subprocess.Popen(
+                command, cwd=folder, env=env, stdin=subprocess.DEVNULL, stdout=output_w,
+                stderr=output_w, pass_fds=(to_worker_r, from_worker_w), close_fds=True,
+                start_new_session=True, **identity)
+        finally:
+            for fd in (to_worker_r, from_worker_w, output_w):
+                os.close(fd)
+        self.requests, self.answers = to_worker_w, from_worker_r
+        os.set_blocking(self.requests, False)
+        self.output = OutputCapture(output_r, output_cap)
+        self.output.start()
+        self.stopped = False
+
+    # ---- one request, one answer, before a deadline ------------------------------------
+    def _wait(self, fd: int, writing: bool, deadline: float) -> None:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise WorkerTimeout("time is up")
+        ready = select.select([], [fd], [], left) if writing else select.select([fd], [], [], left)
+        if not any(ready):
+            raise WorkerTimeout("time is up")
+
+    def _read_exactly(self, n: int, deadline: float) -> bytes:
+        chunks, left = [], n
+        while left:
+            self._wait(self.answers, False, deadline)
+            chunk = os.read(self.answers, min(left, 1 << 20))
+            if not chunk:
+                raise WorkerDied(self.exit_description())
+            chunks.append(chunk)
+            left -= len(chunk)
+        return b"".join(chunks)
+
+    def request(self, message: dict, deadline: float):
+        """Send `message`, return the decoded answer (a dict)."""
+        view = memoryview(wire.frame(wire.encode(message)))
+        while view:
+            self._wait(self.requests, True, deadline)
+            try:
+                view = view[os.write(self.requests, view):]
+            except BlockingIOError:
+                continue
+            except (BrokenPipeError, ConnectionResetError):
+                raise WorkerDied(self.exit_description()) from None
+        try:
+            length = wire.frame_length(self._read_exactly(wire.HEADER_SIZE, deadline))
+            answer = wire.decode(self._read_exactly(length, deadline))
+        except wire.WireError as error:
+            raise WorkerGarbled(f"the worker process sent something unreadable ({error})") from None
+        if type(answer) is not dict:
+            raise WorkerGarbled("the worker process sent something that is not an answer")
+        return answer
+
+    def exit_description(self) -> str:
+        try:
+            code = self.process.wait(timeout=2.0)
+        except subprocess.TimeoutExpired:
+            return "the worker process stopped answering"
+        if code < 0:
+            try:
+                name = signal.Signals(-code).name
+            except ValueError:
+                name = f"signal {-code}"
+            return f"the Python process running your code was killed by {name}"
+        return f"the Python process running your code ended (exit status {code})"
+
+    # ---- the end -----------------------------------------------------------------------
+    def stop(self) -> str:
+        """Kill the worker, everything it started, and return what it printed."""
+        if not self.stopped:
+            self.stopped = True
+            for fd in (self.requests, self.answers):
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+            for kill in (os.killpg, os.kill):    # its group, and itself if it left the group
+                try:
+                    kill(self.process.pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
+            self.process.wait()
+            sweep()
+            self.output.join(timeout=2.0)
+        return self.output.text()

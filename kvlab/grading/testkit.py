@@ -1,0 +1,123 @@
+"""What a lab's tests are written with: points, expected exceptions, array checks.
+
+A test file (a lab's public checks in kvlab/labs/<lab>/checks.py, or its hidden grading
+tests in instructor/graders/<lab>.py) is a module of functions
+
+    @points(2)
+    def test_attend_gqa(sub, rng):
+        '''GQA: query head h reads KV head h // kv_mul'''
+        got = sub.attend(q, keys, values)          # runs in the worker, returns an array
+        check_close(got, want, "GQA, 8 heads on 2 KV heads")
+
+run in order by the judge (kvlab/grading/judge.py) in its own process. `sub` is the
+submission (kvlab/grading/remote.py); `rng` a NumPy generator seeded at grading time, so
+the hidden cases differ from one grading to the next. A failed `assert` or check fails
+the test with its message, which is all the student sees: say what was expected, what came
+back and for which input. Tests run under the judge, never under pytest, so `assert` is
+plain Python (the judge refuses to run with -O, which would strip it).
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+from typing import Any, Callable, Optional
+
+import numpy as np
+
+from . import wire
+from .remote import RemoteError, RemoteObject
+
+VISIBILITIES = ("visible", "hidden", "after_due_date", "after_published")
+
+
+def points(n: float, visibility: str = "visible") -> Callable:
+    """Mark a test and say what passing it is worth (visibility: Gradescope's names)."""
+    if visibility not in VISIBILITIES:
+        raise ValueError(f"visibility must be one of {VISIBILITIES}")
+
+    def mark(function: Callable) -> Callable:
+        function.points = float(n)
+        function.visibility = visibility
+        return function
+    return mark
+
+
+@contextlib.contextmanager
+def raises(type_name: str, what: str):
+    """The block must make the student's code raise `type_name` (or a subclass of it)."""
+    try:
+        yield
+    except RemoteError as error:
+        if error.is_a(type_name):
+            return
+        raise AssertionError(f"{what}: expected {type_name}, but your code raised "
+                             f"{error.type_name}: {error.message}"
+                             + (f"\n  at {error.where}" if error.where else "")) from None
+    raise AssertionError(f"{what}: expected {type_name}, but nothing was raised")
+
+
+def described(value: Any) -> str:
+    """A short, address-free description of what came back."""
+    if isinstance(value, RemoteObject):
+        return repr(value)
+    if isinstance(value, np.ndarray):
+        return f"an array of shape {value.shape} and dtype {value.dtype}"
+    text = repr(value)
+    return text if len(text) <= 120 else text[:117] + "..."
+
+
+def as_array(got: Any, what: str, shape: Optional[tuple] = None, dtype: Any = None) -> np.ndarray:
+    """got as an ndarray of the given shape (and dtype, when given), or a failed test."""
+    if isinstance(got, RemoteObject) or got is None or isinstance(got, (str, bytes, dict, set)):
+        raise AssertionError(f"{what}: expected an array, got {described(got)}")
+    try:
+        array = np.asarray(got)
+    except (ValueError, TypeError):
+        raise AssertionError(f"{what}: expected an array, got {described(got)}") from None
+    if array.dtype == object:
+        raise AssertionError(f"{what}: expected an array of numbers, got {described(got)}")
+    if shape is not None and array.shape != tuple(shape):
+        raise AssertionError(f"{what}: expected shape {tuple(shape)}, got {array.shape}")
+    if dtype is not None and array.dtype != np.dtype(dtype):
+        raise AssertionError(f"{what}: expected dtype {np.dtype(dtype)}, got {array.dtype}")
+    return array
+
+
+def check_close(got: Any, want: np.ndarray, what: str, atol: float = 1e-5,
+                rtol: float = 1e-5) -> None:
+    """got must have want's shape, be finite and agree to atol + rtol * |want|."""
+    want = np.asarray(want, dtype=np.float64)
+    got = as_array(got, what, shape=want.shape)
+    if not np.issubdtype(got.dtype, np.number):
+        raise AssertionError(f"{what}: expected numbers, got dtype {got.dtype}")
+    bad = ~np.isfinite(got)
+    if np.any(bad):
+        raise AssertionError(f"{what}: expected finite numbers, got {int(np.sum(bad))} NaN or "
+                             f"infinite values")
+    error = np.abs(got.astype(np.float64) - want)
+    if np.all(error <= atol + rtol * np.abs(want)):
+        return
+    worst = np.unravel_index(np.argmax(error - rtol * np.abs(want)), error.shape)
+    at = tuple(int(i) for i in worst)
+    raise AssertionError(f"{what}: off by up to {error.max():.3g} (at index {at}: expected "
+                         f"{want[worst]:.6g}, got {float(got[worst]):.6g})")
+
+
+def whole_number(got: Any, what: str) -> int:
+    """got as a Python int when it is an integer (int or NumPy integer), else a failed test."""
+    if isinstance(got, bool) or not isinstance(got, (int, np.integer)):
+        raise AssertionError(f"{what}: expected a whole number, got {described(got)}")
+    return int(got)
+
+
+def config_record(config) -> wire.Record:
+    """A kvlab.ModelConfig as the labs' functions receive it: plain numbers, by value."""
+    from .handouts import config_fields
+    return wire.Record("ModelConfig", config_fields(config))
+
+
+@functools.lru_cache(maxsize=None)
+def bundled_model():
+    """The bundled model, loaded once in the judge (call it from a test file's prepare())."""
+    import kvlab
+    return kvlab.load()

@@ -1,0 +1,254 @@
+"""The worker: the process that runs a student's code, and nothing else, for the judge.
+
+The judge (kvlab/grading/judge.py) starts one worker per test as
+
+    python -I -B worker.py READ_FD WRITE_FD [--max-processes N]
+
+in an empty folder, with a clean environment, in a session of its own (and, on the
+Gradescope autograder, as an unprivileged user). It never sees the tests, their points, the
+results file or the judge's files. It reads requests from READ_FD and answers on WRITE_FD,
+one frame each way at a time (kvlab/grading/wire.py):
+
+    {"op": "load", "path": P, "policy": {...}}   import the submission from P
+    {"op": "call", "target": handle or None, "name": N, "args": [...], "kwargs": {...},
+     "numpy_errors": {"divide": "raise", ...} or None}
+    {"op": "get", "target": handle or None, "names": [N, ...]}
+    {"op": "calls", "target": handle, "calls": [[N, [args]], ...], "attrs": [A, ...] or None}
+                                      several calls at once (and attributes of their results)
+    {"op": "handout", "name": N, "kwargs": {...}}   a kvlab object the lab lends the student
+
+and answers {"ok": value} (plus "callable" for "get"), or {"raised": {"types", "message",
+"where"}} when the student's code raised. Values that cannot travel by value (the student's
+own objects) stay here in a table and travel as handles.
+
+Everything here runs beside the student's code and can be changed by it: the worker is
+not trusted. What makes grading safe is that the judge computes every expected value, and
+the score, in its own process from its own copy of the tests.
+"""
+import builtins
+import importlib.util
+import os
+import resource
+import sys
+import traceback
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+SUBMISSION = "submission"
+OUTPUT_LIMIT = 256 << 20          # bytes of files the student's code may write
+
+
+def _load_sibling(name):
+    """wire.py and policy.py, by path: the worker imports nothing of kvlab's on its own."""
+    spec = importlib.util.spec_from_file_location(f"kvlab_grading_{name}", HERE / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module           # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+import numpy  # noqa: E402  (after sys.path is as -I left it; wire needs it too)
+
+wire = _load_sibling("wire")
+policy = _load_sibling("policy")
+
+
+def _limit_resources(max_processes):
+    """Limits the student's code cannot raise again: no core files, bounded files, and (when
+    the worker runs as a user of its own) a bounded number of processes. A memory hog is
+    the first thing the out-of-memory killer takes."""
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    resource.setrlimit(resource.RLIMIT_FSIZE, (OUTPUT_LIMIT, OUTPUT_LIMIT))
+    if max_processes:
+        resource.setrlimit(resource.RLIMIT_NPROC, (max_processes, max_processes))
+    try:
+        with open("/proc/self/oom_score_adj", "w") as f:
+            f.write("1000")
+    except OSError:
+        pass
+
+
+def _where(error, path):
+    """The line of the student's file where `error` happened (the deepest one), or ''."""
+    found = ""
+    for frame in traceback.extract_tb(error.__traceback__):
+        if frame.filename == path:
+            text = (frame.line or "").strip()
+            found = f"line {frame.lineno} of your file, in {frame.name}" + (f": {text}" if text else "")
+    return found
+
+
+def _describe(error, path):
+    try:
+        message = str(error)
+    except BaseException:               # an exception whose __str__ raises
+        message = "(its message could not be read)"
+    names = []
+    for cls in type(error).__mro__:
+        name = getattr(cls, "__name__", "?")
+        if isinstance(name, str):
+            names.append(name[:200])
+    return {"types": names, "message": message[:2000], "where": _where(error, path)[:500]}
+
+
+class _RefuseInstructor:
+    """A finder that refuses instructor/ however it is imported (importlib included)."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name.partition(".")[0] == "instructor":
+            raise ImportError("`instructor` is the course's own material: it is not yours to import")
+        return None
+
+
+class Worker:
+    def __init__(self, read_fd, write_fd):
+        self.read_fd, self.write_fd = read_fd, write_fd
+        self.objects = {}                # handle id -> object kept for the judge
+        self.module = None
+        self.path = None
+        self.rules = None
+
+    # ---- frames ------------------------------------------------------------------------
+    def _read_exactly(self, n):
+        chunks, left = [], n
+        while left:
+            chunk = os.read(self.read_fd, min(left, 1 << 20))
+            if not chunk:
+                return None
+            chunks.append(chunk)
+            left -= len(chunk)
+        return b"".join(chunks)
+
+    def receive(self):
+        header = self._read_exactly(wire.HEADER_SIZE)
+        if header is None:
+            return None
+        payload = self._read_exactly(wire.frame_length(header))
+        return None if payload is None else wire.decode(payload)
+
+    def send(self, message):
+        data = wire.frame(wire.encode(message))
+        view = memoryview(data)
+        while view:
+            view = view[os.write(self.write_fd, view):]
+
+    # ---- values ------------------------------------------------------------------------
+    def resolve(self, value):
+        """Arguments as the student's code should see them: handles become their objects."""
+        if isinstance(value, wire.Handle):
+            if value.id not in self.objects:
+                raise LookupError(f"no object {value.id} in this worker")
+            return self.objects[value.id]
+        if type(value) is list:
+            return [self.resolve(v) for v in value]
+        if type(value) is tuple:
+            return tuple(self.resolve(v) for v in value)
+        if type(value) is dict:
+            return {k: self.resolve(v) for k, v in value.items()}
+        return value
+
+    def by_value_or_handle(self, value):
+        """`value` if it can travel, else a handle to it (kept in this worker)."""
+        try:
+            wire.to_json(value)
+            return value
+        except (wire.NotEncodable, RecursionError):
+            handle = wire.Handle(len(self.objects) + 1, type(value).__name__)
+            self.objects[handle.id] = value
+            return handle
+
+    def target(self, handle):
+        return self.module if handle is None else self.resolve(handle)
+
+    # ---- requests ----------------------------------------------------------------------
+    def guard_imports(self):
+        """Refuse, at import time, what the lab's policy refuses in the submission's own
+        code: imports written in its file, or called from it (the modules it imports may
+        import what they need). instructor/ is refused to everyone."""
+        real_import = builtins.__import__
+        module_globals = self.module.__dict__
+        rules = self.rules
+
+        def guarded_import(name, globals=None, locals=None, fromlist=(), level=0):
+            if not isinstance(name, str):
+                return real_import(name, globals, locals, fromlist, level)
+            caller = sys._getframe(1).f_globals
+            if globals is module_globals or caller is module_globals:
+                why = policy.import_refusal(rules, name, fromlist or (), level)
+            elif name.partition(".")[0] == "instructor":
+                why = policy.import_refusal(rules, name)
+            else:
+                why = None
+            if why:
+                raise ImportError(why)
+            return real_import(name, globals, locals, fromlist, level)
+
+        builtins.__import__ = guarded_import
+        sys.meta_path.insert(0, _RefuseInstructor())
+
+    def load(self, path, rules):
+        self.path, self.rules = path, policy.Policy.from_dict(rules)
+        spec = importlib.util.spec_from_file_location(SUBMISSION, path)
+        self.module = importlib.util.module_from_spec(spec)
+        sys.modules[SUBMISSION] = self.module
+        self.guard_imports()
+        spec.loader.exec_module(self.module)
+        return None
+
+    def handle(self, request):
+        op = request.get("op")
+        if op == "load":
+            return {"ok": self.load(request["path"], request["policy"])}
+        if self.module is None:
+            raise RuntimeError("no submission loaded")
+        if op == "call":
+            function = getattr(self.target(request["target"]), request["name"])
+            args, kwargs = self.resolve(request["args"]), self.resolve(request["kwargs"])
+            with numpy.errstate(**(request.get("numpy_errors") or {})):
+                result = function(*args, **kwargs)
+            return {"ok": self.by_value_or_handle(result)}
+        if op == "calls":                 # several method calls on one object, in order
+            target, attrs = self.target(request["target"]), request.get("attrs")
+            results = []
+            for name, args in request["calls"]:
+                result = getattr(target, name)(*self.resolve(args))
+                if attrs:                     # then read these attributes of each result
+                    result = tuple(getattr(result, a) for a in attrs)
+                results.append(self.by_value_or_handle(result))
+            return {"ok": results}
+        if op == "get":
+            target = self.target(request["target"])
+            values, callables = [], []
+            for name in request["names"]:
+                value = getattr(target, name)
+                callables.append(callable(value))
+                values.append(None if callable(value) else self.by_value_or_handle(value))
+            return {"ok": values, "callable": callables}
+        if op == "handout":
+            from kvlab.grading import handouts      # trusted kvlab code, imported on demand
+            made = handouts.make(request["name"], **self.resolve(request["kwargs"]))
+            return {"ok": self.by_value_or_handle(made)}
+        raise RuntimeError(f"unknown request {op!r}")
+
+    def serve(self):
+        while True:
+            request = self.receive()
+            if request is None:          # the judge closed the pipe: grading is over
+                return
+            try:
+                answer = self.handle(request)
+                self.send(answer)
+            except BaseException as error:   # the student's code raised (SystemExit too)
+                self.send({"raised": _describe(error, self.path)})
+
+
+def main(argv):
+    read_fd, write_fd = int(argv[1]), int(argv[2])
+    max_processes = int(argv[4]) if len(argv) > 4 and argv[3] == "--max-processes" else 0
+    _limit_resources(max_processes)
+    sys.argv = [SUBMISSION]
+    Worker(read_fd, write_fd).serve()
+
+
+if __name__ == "__main__":
+    main(sys.argv)
