@@ -1,5 +1,6 @@
 """The `kvlab` command line: `kvlab demo`, `kvlab bench`, `kvlab generate`, `kvlab info`,
-and the graded labs: `kvlab lab list|show|start` and `kvlab grade LAB SUBMISSION`.
+and the graded labs: `kvlab lab list|show|start|autograder`, `kvlab check LAB SUBMISSION`
+and `kvlab grade LAB SUBMISSION`.
 
 Also reachable as `python -m kvlab`. Each subcommand is a thin layer over the public API
 (kvlab.load, kvlab.generate), so what it prints is what a notebook would compute.
@@ -155,7 +156,8 @@ def cmd_lab(args) -> int:
     from .grading import LABS, get_lab, start_lab
     if args.action == "list" or args.lab is None:
         for lab in LABS.values():
-            print(f"{lab.number}. {lab.name:16} {lab.title}  (chapter {lab.chapter})")
+            print(f"{lab.number}. {lab.name:16} {lab.points:>3} points  {lab.title}  "
+                  f"(chapter {lab.chapter})")
         if args.action != "list":
             print(f"kvlab lab {args.action}: which lab?", file=sys.stderr)
             return 2
@@ -163,18 +165,35 @@ def cmd_lab(args) -> int:
     if args.action == "show":
         print(get_lab(args.lab).instructions.read_text())
         return 0
+    if args.action == "autograder":
+        from .grading.autograder import build
+        out = build(args.lab, args.output or f"{args.lab}.zip", args.instructor)
+        print(f"wrote {out}: upload it on Gradescope's Configure Autograder page")
+        return 0
     starter = start_lab(args.lab, args.dest, overwrite=args.force)
     print(f"wrote {starter} and its instructions {starter.with_suffix('.md')}")
-    print(f"when ready: kvlab grade {args.lab} {starter}")
+    print(f"check as you go: kvlab check {args.lab} {starter}")
+    print(f"your grade:      kvlab grade {args.lab} {starter}")
     return 0
 
 
 def cmd_grade(args) -> int:
     from .grading import grade
-    report = grade(args.lab, args.submission, results=args.results)
+    report = grade(args.lab, args.submission, results=args.results, instructor=args.instructor,
+                   public=args.public, seed=args.seed)
     print(report.summary())
+    if report.graded_with == "public checks" and not args.public:
+        print("(no hidden tests here, so these are the public checks: your course grades with "
+              "hidden tests)")
     if args.results:
         print(f"wrote {args.results}")
+    return 0
+
+
+def cmd_check(args) -> int:
+    from .grading import check
+    report = check(args.lab, args.submission)
+    print(report.summary())
     return 0
 
 
@@ -225,11 +244,15 @@ def build_parser() -> argparse.ArgumentParser:
     model_args(info)
     info.set_defaults(func=cmd_info)
 
-    lab = sub.add_parser("lab", help="the graded labs: list them, show one, copy a starter")
-    lab.add_argument("action", choices=["list", "show", "start"])
+    lab = sub.add_parser("lab", help="the graded labs: list them, show one, copy a starter, "
+                                     "build a Gradescope autograder")
+    lab.add_argument("action", choices=["list", "show", "start", "autograder"])
     lab.add_argument("lab", nargs="?", default=None, help="lab name (see kvlab lab list)")
     lab.add_argument("dest", nargs="?", default=".", help="folder for the starter (start)")
     lab.add_argument("--force", action="store_true", help="overwrite an existing starter")
+    lab.add_argument("-o", "--output", default=None, help="the autograder zip (default LAB.zip)")
+    lab.add_argument("--instructor", default=None,
+                     help="the instructor/ folder with the hidden tests (default: the clone's)")
     lab.set_defaults(func=cmd_lab)
 
     grade = sub.add_parser("grade", help="grade a lab submission and write results.json")
@@ -237,7 +260,18 @@ def build_parser() -> argparse.ArgumentParser:
     grade.add_argument("submission", help="your .py file")
     grade.add_argument("--results", default="results.json",
                        help="Gradescope-style results file to write (default results.json)")
+    grade.add_argument("--instructor", default=None,
+                       help="the instructor/ folder with the hidden tests (default: the clone's, "
+                            "or $KVLAB_INSTRUCTOR)")
+    grade.add_argument("--public", action="store_true", help="grade with the public checks only")
+    grade.add_argument("--seed", type=int, default=None,
+                       help="the hidden cases' seed (to see again the cases of an earlier grade)")
     grade.set_defaults(func=cmd_grade)
+
+    check = sub.add_parser("check", help="run a lab's public self-checks on your file")
+    check.add_argument("lab", help="lab name (see kvlab lab list)")
+    check.add_argument("submission", help="your .py file")
+    check.set_defaults(func=cmd_check)
     return parser
 
 

@@ -12,7 +12,8 @@ import mmap
 import numpy as np
 
 import kvlab
-from kvlab.grading.testkit import bundled_model, config_record, described, points, whole_number
+from kvlab.grading.testkit import (bundled_model, config_record, described, number, points,
+                                   whole_number)
 
 GiB = 1024 ** 3
 LLAMA2_7B = kvlab.ModelConfig.llama2_7b()
@@ -154,13 +155,11 @@ def test_measured_growth_matches_the_formula(sub, rng):
     per_cache = kvlab.kv_cache_bytes(config, seq_len, 1, "fp32")
     extra = -(-int(per_cache * rng.uniform(0.4, 1.0)) // mmap.PAGESIZE) * mmap.PAGESIZE
     lent = sub.handout("lab_model", extra_bytes=extra)
-    got = sub.measure_resident_growth(lent, seq_len, batch)
-    assert isinstance(got, (int, np.integer, float, np.floating)) and not isinstance(got, bool), (
-        f"expected a number of bytes, got {described(got)}")
+    got = number(sub.measure_resident_growth(lent, seq_len, batch), "measure_resident_growth")
     want = batch * (per_cache + extra)
     assert abs(got - want) <= 0.1 * want, (
         f"{batch} fp32 caches of {seq_len} tokens, from the model the grader lends you (it "
         f"adds a block of memory of its own to every cache it fills, of a size chosen now), "
-        f"take {want:,} B of resident memory once filled; you measured {got:,} B. Fill every "
+        f"take {want:,} B of resident memory once filled; you measured {got:,.0f} B. Fill every "
         f"cache (pages are only taken when written) and read resident memory before and "
         f"while they live.")

@@ -39,7 +39,7 @@ import numpy as np
 from .labs import TEST_TIMEOUT, Lab, get_lab
 from .policy import check_source
 from .process import (WorkerDied, WorkerGarbled, WorkerGone, WorkerProcess, WorkerTimeout,
-                      harden_judge, sweep, worker_identity)
+                      check_worker_user, harden_judge, sweep)
 from .remote import RemoteError, Session, Submission
 from .report import GradeReport, TestResult, write_atomically
 
@@ -100,7 +100,7 @@ class Judge:
         self.test_timeout, self.output_cap = float(test_timeout), output_cap
         self.total_timeout = total_timeout
         self.worker_user = worker_user or None
-        worker_identity(self.worker_user)          # a missing user fails now, not per test
+        check_worker_user(self.worker_user)        # a user who cannot run it fails now
 
     # ---- the folder the workers run in -------------------------------------------------
     def _stage(self, source: str) -> Path:

@@ -161,6 +161,24 @@ def worker_identity(user: Optional[str]) -> dict:
     return {"user": entry.pw_uid, "group": entry.pw_gid, "extra_groups": []}
 
 
+def check_worker_user(user: Optional[str]) -> None:
+    """Fail now, in words, if `user` cannot run this Python and import NumPy and the
+    worker (an interpreter under a folder only root can enter, say)."""
+    identity = worker_identity(user)
+    if not identity:
+        return
+    try:
+        probe = subprocess.run([sys.executable, "-I", "-B", "-c",
+                                f"import numpy; open({str(WORKER_SCRIPT)!r}).close()"],
+                               cwd="/", env={"PATH": os.environ.get("PATH", "")},
+                               capture_output=True, text=True, timeout=60, **identity)
+    except OSError as error:
+        raise RuntimeError(f"user {user!r} cannot run {sys.executable}: {error}") from None
+    if probe.returncode != 0:
+        raise RuntimeError(f"user {user!r} cannot run {sys.executable} with NumPy and "
+                           f"{WORKER_SCRIPT}: {(probe.stderr or probe.stdout).strip()[-500:]}")
+
+
 class WorkerProcess:
     """One worker: a Python process running worker.py in `folder`, answering requests."""
 

@@ -110,6 +110,13 @@ def whole_number(got: Any, what: str) -> int:
     return int(got)
 
 
+def number(got: Any, what: str) -> float:
+    """got as a float when it is a real number (int, float or NumPy number), else a failed test."""
+    if isinstance(got, bool) or not isinstance(got, (int, float, np.integer, np.floating)):
+        raise AssertionError(f"{what}: expected a number, got {described(got)}")
+    return float(got)
+
+
 def config_record(config) -> wire.Record:
     """A kvlab.ModelConfig as the labs' functions receive it: plain numbers, by value."""
     from .handouts import config_fields

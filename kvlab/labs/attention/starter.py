@@ -10,7 +10,10 @@ Shapes (float32 throughout):
     cached keys, values     (length, n_kv_heads, head_dim)
     a prompt's q            (T, n_heads, head_dim);  its k, v  (T, n_kv_heads, head_dim)
 
-Check your work with:  kvlab grade attention attention.py
+Check your work with:  kvlab check attention attention.py    (the public checks)
+Your grade:            kvlab grade attention attention.py    (your course runs hidden tests)
+You may import numpy, math and Python's standard library; nothing from kvlab (this lab is
+about writing it yourself: the grader refuses a file that imports kvlab).
 """
 import math
 

@@ -4,7 +4,10 @@ This is the bookkeeping half of a paged KV cache (kvlab's C pool, csrc/paged.c, 
 block manager): which physical blocks each sequence's tokens live in, and how many
 sequences share each block. It stores no keys or values, only block ids and counts.
 
-Check your work with:  kvlab grade block_allocator block_allocator.py
+Check your work with:  kvlab check block_allocator block_allocator.py    (the public checks)
+Your grade:            kvlab grade block_allocator block_allocator.py    (your course runs hidden tests)
+You may import numpy, math and Python's standard library; nothing from kvlab (this lab is
+about writing it yourself: the grader refuses a file that imports kvlab).
 """
 
 

@@ -1,10 +1,10 @@
 """Lab 5: int8 cache quantization with an error bound. Fill in every function marked TODO.
 
 Chapter 6 (chapters/06_quantization.md) stores K and V in fewer bits. Here you write the
-int8 format kvlab's C core uses, exactly: your codes are compared bit for bit with
+int8 format kvlab's C core uses, exactly: the grader compares your codes bit for bit with
 kvlab.quant.quantize(x, "int8", group) and with the codes an int8 cache stores
-(cache.key_codes, cache.key_scales). Read kvlab/quant.py's quantize and
-round_trip_error_bound: they are the specification.
+(cache.key_codes, cache.key_scales). kvlab/quant.py's quantize and round_trip_error_bound
+are the specification: read them, but do not import them.
 
 The format: the last axis of x (head_dim values of one head) is cut into groups of
 `group` consecutive values. Each group gets one float32 scale and int8 codes:
@@ -17,7 +17,10 @@ rint rounds halves to even (np.rint: 2.5 -> 2, 3.5 -> 4), as C's nearbyintf does
 by the scale (multiplying by 1 / scale gives different codes now and then). An all-zero
 group has scale 0: divide it by 1 instead, so its codes are 0 (0 / 0 is NaN).
 
-Check your work with:  kvlab grade int8_cache int8_cache.py
+Check your work with:  kvlab check int8_cache int8_cache.py    (the public checks)
+Your grade:            kvlab grade int8_cache int8_cache.py    (your course runs hidden tests)
+You may import numpy, math and Python's standard library; nothing from kvlab (this lab is
+about writing it yourself: the grader refuses a file that imports kvlab).
 """
 import math
 
@@ -55,7 +58,8 @@ def error_bound(x, group):
 def int8_bytes_per_token(config, group):
     """Bytes one token adds to an int8 cache with this group size: K and V, every layer,
     every KV head: one byte per value plus one float32 scale per group.
-    config: a kvlab.ModelConfig (n_layers, n_kv_heads, head_dim)."""
+    config: the model's shape, plain numbers (config.n_layers, config.n_kv_heads,
+    config.head_dim, ...)."""
     # TODO
     raise NotImplementedError("int8_bytes_per_token")
 
@@ -68,8 +72,8 @@ def attend_int8(q, key_codes, key_scales, value_codes, value_scales, group):
     int8; key_scales, value_scales: (length, n_kv_heads, head_dim // group) float32 (as
     cache.key_codes[layer], cache.key_scales[layer], ... of an int8 cache).
     Returns (n_heads, head_dim). Query head h reads KV head h // (n_heads // n_kv_heads);
-    scores / sqrt(head_dim); a softmax that subtracts the largest score (your attend from
-    lab 1, or kvlab.reference.attention(q[None], keys, values, np.array([length - 1]))[0]).
+    scores / sqrt(head_dim); a softmax that subtracts the largest score (as your attend of
+    lab 1 does: write it here again, or copy it in).
     """
     # TODO
     raise NotImplementedError("attend_int8")

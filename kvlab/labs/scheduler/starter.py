@@ -5,7 +5,10 @@ tokens. This is that decision, on its own: no model, no tensors, only counts of 
 and of KV-cache blocks. The rules are kvlab's own scheduler's (kvlab/scheduler.py) for
 requests of one sample each, without a prefix cache.
 
-Check your work with:  kvlab grade scheduler scheduler.py
+Check your work with:  kvlab check scheduler scheduler.py    (the public checks)
+Your grade:            kvlab grade scheduler scheduler.py    (your course runs hidden tests)
+You may import numpy, math and Python's standard library; nothing from kvlab (this lab is
+about writing it yourself: the grader refuses a file that imports kvlab).
 """
 import collections
 import dataclasses

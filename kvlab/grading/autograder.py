@@ -1,0 +1,183 @@
+"""Gradescope autograder packages for the labs, and what runs inside one.
+
+    kvlab lab autograder LAB -o LAB.zip      (from a clone of kvlab, which has instructor/)
+
+builds the zip that Gradescope's "Configure Autograder" page takes as it is:
+
+    setup.sh          run once, as root, when Gradescope builds the image: installs Python, a
+                      C compiler and kvlab (from kvlab-src/) in /opt/kvlab-venv, and creates
+                      the user the students' code runs as
+    run_autograder    run for every submission: closes the source and results folders to
+                      that user, then python -m kvlab.grading.autograder run ...
+    kvlab-src/        the kvlab this clone holds (pyproject.toml, setup.py, README.md, csrc/,
+                      kvlab/): the same code that wrote the zip grades with it
+    tests/LAB.py      the hidden grading tests (from instructor/graders/)
+    lab.json          which lab, and the time limits
+
+Inside the container, `run` is the judge (kvlab/grading/judge.py): it finds the student's
+file in /autograder/submission, grades it with the hidden tests, running the student's code
+as that user, and writes /autograder/results/results.json (Gradescope's format). The
+folder is configurable (--root), so the whole package can be tried in a temporary folder
+laid out like /autograder; tests/test_grading.py does exactly that.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import stat
+import sys
+import zipfile
+from pathlib import Path
+from typing import List, Optional, Tuple, Union
+
+from .labs import TEST_TIMEOUT, find_instructor, get_lab, hidden_tests
+from .report import GradeReport
+
+WORKER_USER = "kvlab-student"
+VENV = "/opt/kvlab-venv"
+SOURCE_PARTS = ("pyproject.toml", "setup.py", "README.md", "csrc", "kvlab")
+BUILT = (".so", ".o", ".pyc", ".pyd")      # what a build leaves in a clone
+
+SETUP_SH = f"""#!/usr/bin/env bash
+# Gradescope runs this once, as root, when it builds the autograder's image (Ubuntu), from
+# /autograder/source, where the zip was unpacked.
+set -euo pipefail
+SOURCE="$(cd "$(dirname "${{BASH_SOURCE[0]}}")" && pwd)"
+VENV="${{KVLAB_VENV:-{VENV}}}"
+export DEBIAN_FRONTEND=noninteractive
+apt-get update
+apt-get install -y --no-install-recommends python3 python3-venv python3-dev build-essential
+/usr/bin/python3 -m venv "$VENV"          # the system Python apt installed
+"$VENV/bin/pip" install --upgrade pip
+"$VENV/bin/pip" install "$SOURCE/kvlab-src"
+# the students' code runs as this user: it cannot read the tests or write the results
+id -u {WORKER_USER} >/dev/null 2>&1 || useradd --system --no-create-home --shell /usr/sbin/nologin {WORKER_USER}
+chmod -R a+rX "$VENV"
+"""
+
+RUN_AUTOGRADER = f"""#!/usr/bin/env bash
+# Gradescope runs this, as root, for every submission. KVLAB_AUTOGRADER_ROOT, KVLAB_PYTHON
+# and KVLAB_WORKER_USER (empty: the same user) let it run outside Gradescope too.
+ROOT="${{KVLAB_AUTOGRADER_ROOT:-/autograder}}"
+PYTHON="${{KVLAB_PYTHON:-${{KVLAB_VENV:-{VENV}}}/bin/python}}"
+USER_FOR_CODE="${{KVLAB_WORKER_USER-{WORKER_USER}}}"
+mkdir -p "$ROOT/results"
+if [ -n "$USER_FOR_CODE" ]; then
+    chmod o= "$ROOT/source" "$ROOT/results" "$ROOT/submission"
+fi
+exec "$PYTHON" -m kvlab.grading.autograder run --root "$ROOT" --worker-user "$USER_FOR_CODE"
+"""
+
+
+def _source_files(clone: Path) -> List[Tuple[Path, str]]:
+    """(file, name in the zip) of the kvlab source to install on Gradescope."""
+    files = []
+    for part in SOURCE_PARTS:
+        path = clone / part
+        if not path.exists():
+            raise FileNotFoundError(f"{path} is missing: build the autograder from a clone of kvlab")
+        found = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
+        for file in found:
+            if file.suffix in BUILT or any(part == "__pycache__" or part.endswith(".egg-info")
+                                           for part in file.parts):
+                continue
+            files.append((file, "kvlab-src/" + file.relative_to(clone).as_posix()))
+    return files
+
+
+def _add(archive: zipfile.ZipFile, name: str, data: Union[str, bytes], executable: bool = False) -> None:
+    info = zipfile.ZipInfo(name, date_time=(2026, 1, 1, 0, 0, 0))
+    info.compress_type = zipfile.ZIP_DEFLATED
+    info.external_attr = ((0o755 if executable else 0o644) | stat.S_IFREG) << 16
+    archive.writestr(info, data)
+
+
+def build(lab: str, out: Union[str, Path], instructor: Optional[Union[str, Path]] = None,
+          test_timeout: float = TEST_TIMEOUT) -> Path:
+    """Write lab `lab`'s Gradescope autograder to `out` (a .zip); returns its path."""
+    spec = get_lab(lab)
+    folder = find_instructor(instructor)
+    tests = hidden_tests(spec, folder)
+    if tests is None:
+        raise FileNotFoundError("the hidden tests are in instructor/graders/ of a kvlab clone: run "
+                                "this from a clone, or pass --instructor DIR")
+    clone = folder.parent
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    settings = {"lab": spec.name, "test_timeout": test_timeout}
+    with zipfile.ZipFile(out, "w") as archive:
+        _add(archive, "setup.sh", SETUP_SH, executable=True)
+        _add(archive, "run_autograder", RUN_AUTOGRADER, executable=True)
+        _add(archive, "lab.json", json.dumps(settings, indent=2) + "\n")
+        _add(archive, f"tests/{spec.name}.py", tests.read_bytes())
+        for file, name in _source_files(clone):
+            _add(archive, name, file.read_bytes())
+    return out
+
+
+# ---- inside the container ---------------------------------------------------------------
+
+def find_submission(folder: Path, lab: str) -> Tuple[Optional[Path], str]:
+    """The student's file: <lab>.py anywhere in the submission, else its only .py file."""
+    named = sorted(folder.rglob(f"{lab}.py")) if folder.is_dir() else []
+    if named:
+        return named[0], ""
+    files = sorted(folder.rglob("*.py")) if folder.is_dir() else []
+    if len(files) == 1:
+        return files[0], ""
+    found = ", ".join(p.name for p in files[:5]) or "no Python file"
+    return None, f"submit one file named {lab}.py (found {found})"
+
+
+def run(root: Path, worker_user: Optional[str] = None) -> GradeReport:
+    """Grade /autograder/submission with /autograder/source/tests, and write results.json."""
+    from .judge import Judge, load_tests, title
+    from .process import harden_judge
+    from .report import TestResult
+    source = root / "source"
+    settings = json.loads((source / "lab.json").read_text())
+    spec = get_lab(settings["lab"])
+    tests_path = source / "tests" / f"{spec.name}.py"
+    results = root / "results" / "results.json"
+    results.parent.mkdir(parents=True, exist_ok=True)
+    harden_judge()
+    submission, problem = find_submission(root / "submission", spec.name)
+    if submission is None:
+        tests = load_tests(tests_path)
+        report = GradeReport(spec.name, f"{spec.name}.py",
+                             [TestResult(title(t), 0.0, t.points, "not graded: " + problem,
+                                         t.visibility) for t in tests],
+                             problem, 0.0, "hidden tests")
+    else:
+        report = Judge(spec, submission.resolve(), tests_path.resolve(), "hidden tests",
+                       test_timeout=float(settings.get("test_timeout", TEST_TIMEOUT)),
+                       worker_user=worker_user or None).run()
+    report.save(results)
+    return report
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m kvlab.grading.autograder")
+    sub = parser.add_subparsers(dest="command", required=True)
+    run_parser = sub.add_parser("run", help="grade the submission in ROOT (Gradescope's /autograder)")
+    run_parser.add_argument("--root", default="/autograder")
+    run_parser.add_argument("--worker-user", default="",
+                            help="run the student's code as this user (empty: the same user)")
+    build_parser = sub.add_parser("build", help="write a lab's autograder zip")
+    build_parser.add_argument("lab")
+    build_parser.add_argument("-o", "--output", required=True)
+    build_parser.add_argument("--instructor", default=None)
+    args = parser.parse_args(argv)
+    if sys.flags.optimize:
+        parser.error("the judge's checks are assert statements: run it without -O")
+    if args.command == "build":
+        print(build(args.lab, args.output, args.instructor))
+        return 0
+    sys.dont_write_bytecode = True
+    report = run(Path(args.root), args.worker_user)
+    print(report.summary())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
