@@ -1,19 +1,36 @@
-"""The graded labs (kvlab.grading, kvlab/labs/, instructor/): every starter scores 0, every
-reference solution scores full marks, and every planted mistake loses exactly the points
-of the tests meant to catch it. Also what the grader does with broken submissions, the
-results.json it writes, and the `kvlab lab` / `kvlab grade` commands."""
+"""The graded labs end to end (kvlab/grading, kvlab/labs, instructor/): every starter scores 0,
+every reference solution full marks, every planted mistake loses exactly the points of the
+tests meant to catch it; the public checks; what a student sees for a broken file; the
+results.json; and the `kvlab lab` / `kvlab check` / `kvlab grade` commands.
+
+What a submission cannot do to its grade is in test_grading_cheats.py; the parts (values on
+the wire, the import policy, worker processes) in test_grading_parts.py; the Gradescope
+package in test_autograder.py.
+"""
 import ast
 import json
+import re
+import zlib
 from pathlib import Path
 
 import pytest
 
 pytest.importorskip("kvlab._kvlab")
+import kvlab  # noqa: E402
 from kvlab import cli  # noqa: E402
-from kvlab.grading import LABS, grade, start_lab  # noqa: E402
+from kvlab.grading import LABS, check, grade, start_lab  # noqa: E402
+from kvlab.grading.judge import load_tests  # noqa: E402
 
 INSTRUCTOR = Path(__file__).resolve().parents[1] / "instructor"
 MISTAKES = sorted((INSTRUCTOR / "mistakes").glob("*/*.py"))
+
+
+def graders(lab):
+    return INSTRUCTOR / "graders" / f"{lab}.py"
+
+
+def hidden(lab, submission, seed=1, **options):
+    return grade(lab, submission, tests=graders(lab), seed=seed, **options)
 
 
 def expected_failures(path: Path) -> set:
@@ -27,25 +44,46 @@ def expected_failures(path: Path) -> set:
 @pytest.mark.parametrize("lab", list(LABS))
 def test_every_lab_has_its_files(lab):
     spec = LABS[lab]
-    for path in (spec.starter, spec.grader, spec.instructions, INSTRUCTOR / "solutions" / f"{lab}.py"):
+    for path in (spec.starter, spec.checks, spec.instructions, graders(lab),
+                 INSTRUCTOR / "solutions" / f"{lab}.py"):
         assert path.is_file(), f"lab {lab} is missing {path}"
     assert list((INSTRUCTOR / "mistakes" / lab).glob("*.py")), f"lab {lab} has no planted mistakes"
     assert "NotImplementedError" in spec.starter.read_text()
 
 
 @pytest.mark.parametrize("lab", list(LABS))
-def test_the_starter_scores_zero(lab):
-    report = grade(lab, LABS[lab].starter)
-    assert report.max_score >= 5 and len(report.tests) >= 4, report.summary()
+def test_the_points_the_lab_list_shows_are_the_hidden_tests_points(lab):
+    assert sum(t.points for t in load_tests(graders(lab))) == LABS[lab].points
+
+
+def test_the_package_holds_no_grading_tests():
+    """The hidden tests are in instructor/ only: the installed package (the wheel, in CI)
+    has the public checks and nothing of the graders."""
+    package = Path(kvlab.__file__).resolve().parent
+    names = {t.__name__ for lab in LABS for t in load_tests(graders(lab))}
+    public = {t.__name__ for lab in LABS for t in load_tests(LABS[lab].checks)}
+    for path in package.rglob("*.py"):
+        assert not path.name.startswith("test_"), f"{path} looks like a test file in the package"
+        words = set(re.findall(r"\w+", path.read_text()))
+        leaked = (names - public) & words
+        assert not leaked, f"{path} names hidden tests {sorted(leaked)}"
+    assert not list(package.rglob("graders")) and not list(package.rglob("solutions"))
+
+
+@pytest.mark.parametrize("lab", list(LABS))
+def test_the_starter_scores_zero_and_is_told_what_is_missing(lab):
+    report = hidden(lab, LABS[lab].starter)
+    assert report.max_score == LABS[lab].points and len(report.tests) >= 4, report.summary()
     assert report.score == 0, report.summary()
-    # a student who has written nothing is told so, test by test
     assert all("not written yet" in t.output for t in report.tests), report.summary()
 
 
 @pytest.mark.parametrize("lab", list(LABS))
-def test_the_reference_solution_scores_full_marks(lab):
-    report = grade(lab, INSTRUCTOR / "solutions" / f"{lab}.py")
-    assert report.score == report.max_score > 0, report.summary()
+@pytest.mark.parametrize("seed", [1, 2])
+def test_the_reference_solution_scores_full_marks(lab, seed):
+    report = hidden(lab, INSTRUCTOR / "solutions" / f"{lab}.py", seed=seed)
+    assert report.score == report.max_score == LABS[lab].points, report.summary()
+    assert report.graded_with == "hidden tests" and report.seed == seed
 
 
 @pytest.mark.parametrize("mistake", MISTAKES, ids=[f"{p.parent.name}/{p.stem}" for p in MISTAKES])
@@ -55,58 +93,128 @@ def test_a_planted_mistake_loses_the_right_points(mistake, tmp_path):
     submission = tmp_path / f"{lab}.py"
     submission.write_text((INSTRUCTOR / "solutions" / f"{lab}.py").read_text() + "\n\n"
                           + mistake.read_text())
-    report = grade(lab, submission)
+    seed = zlib.crc32(mistake.stem.encode())           # a different draw for each mistake
+    report = hidden(lab, submission, seed=seed)
     expected = expected_failures(mistake)
-    assert expected <= {t.name.split(":")[0] for t in report.tests}, "unknown test names"
+    assert expected <= {t.function for t in report.tests}, "unknown test names"
     assert set(report.failed()) == expected, report.summary()
-    lost = sum(t.max_score for t in report.tests if t.name.split(":")[0] in expected)
+    lost = sum(t.max_score for t in report.tests if t.function in expected)
     assert report.score == report.max_score - lost
 
 
-def test_a_file_that_does_not_import_scores_zero_and_says_why(tmp_path):
+@pytest.mark.parametrize("lab", list(LABS))
+def test_the_public_checks_pass_the_solution_and_fail_the_starter(lab):
+    good = check(lab, INSTRUCTOR / "solutions" / f"{lab}.py")
+    assert good.score == good.max_score >= 3 and good.graded_with == "public checks", good.summary()
+    assert good.seed is None
+    starter = check(lab, LABS[lab].starter)
+    assert starter.score == 0 and all("not written yet" in t.output for t in starter.tests)
+
+
+def test_without_instructor_grade_uses_the_public_checks_and_says_so(monkeypatch):
+    # as installed from a wheel: no instructor/ beside the package, none named
+    monkeypatch.setattr("kvlab.grading.runner.find_instructor", lambda explicit=None: None)
+    report = grade("cache_size", INSTRUCTOR / "solutions" / "cache_size.py")
+    assert report.graded_with == "public checks" and report.score == report.max_score
+    assert "public checks" in report.summary()
+
+
+def test_a_syntax_error_is_reported_once_with_its_line(tmp_path):
     broken = tmp_path / "broken.py"
-    broken.write_text("def kv_bytes_per_token(:\n")
-    report = grade("cache_size", broken)
+    broken.write_text("import math\n\ndef kv_bytes_per_token(:\n    pass\n")
+    report = hidden("cache_size", broken)
     assert report.score == 0 and report.tests
-    assert all("could not import your file" in t.output and "SyntaxError" in t.output
-               for t in report.tests), report.summary()
+    assert "syntax error at line 3" in report.output, report.output
+    assert all(t.output == "not graded: your file has a syntax error (see above)" for t in report.tests)
+    assert report.summary().count("line 3") == 1
+
+
+def test_an_import_error_is_reported_once_with_its_line(tmp_path):
+    broken = tmp_path / "broken.py"
+    broken.write_text("import math\n\nx = 1 / 0\n")
+    report = hidden("cache_size", broken)
+    assert report.score == 0
+    assert "could not be imported" in report.output and "ZeroDivisionError" in report.output
+    assert "line 3 of your file" in report.output
+    assert all("see above" in t.output for t in report.tests)
+
+
+def test_failure_messages_carry_no_pytest_internals_or_addresses(tmp_path):
+    wrong = tmp_path / "attention.py"
+    wrong.write_text((INSTRUCTOR / "solutions" / "attention.py").read_text() + """
+
+def attend(q, keys, values):
+    return np.zeros_like(q) + 1
+""")
+    report = hidden("attention", wrong)
+    text = report.summary() + json.dumps(report.gradescope())
+    assert report.score < report.max_score
+    for noise in ("0x7f", " at 0x", "np.False_", "where np.", "assert np", "Traceback"):
+        assert noise not in text, (noise, text)
+    failed = [t for t in report.tests if not t.passed]
+    assert all(t.output.count("\n") < 10 for t in failed), [t.output for t in failed]
+    assert any("off by up to" in t.output and "expected" in t.output for t in failed)
 
 
 def test_an_endless_loop_costs_only_its_own_tests(tmp_path):
     solution = (INSTRUCTOR / "solutions" / "cache_size.py").read_text()
     looping = tmp_path / "looping.py"
     looping.write_text(solution + "\n\ndef max_requests(*args, **kwargs):\n    while True:\n        pass\n")
-    report = grade("cache_size", looping, test_timeout=5.0)
+    report = hidden("cache_size", looping, test_timeout=3.0)
     assert set(report.failed()) == {"test_max_requests", "test_max_requests_returns_a_whole_number"}
     assert all("ran too long" in t.output for t in report.tests if not t.passed)
 
 
-def test_a_submission_that_exits_or_hangs_at_import_is_graded_zero(tmp_path):
+def test_a_submission_that_exits_or_hangs_at_import_scores_zero(tmp_path):
     exits = tmp_path / "exits.py"
-    exits.write_text("import os\nos._exit(3)\n")
-    report = grade("cache_size", exits)
-    assert report.score == 0 and len(report.tests) >= 4 and "did not finish" in report.output
+    exits.write_text("import sys\nsys.exit(3)\n")
+    report = hidden("cache_size", exits)
+    assert report.score == 0 and len(report.tests) >= 4 and "SystemExit" in report.output
+    ends = tmp_path / "ends.py"
+    ends.write_text("import os\nos._exit(0)\n")
+    report = hidden("cache_size", ends)
+    assert report.score == 0 and "exit status 0" in report.output
     hangs = tmp_path / "hangs.py"
     hangs.write_text("while True:\n    pass\n")
-    report = grade("cache_size", hangs, test_timeout=1.0)
-    assert report.score == 0 and all("ran too long" in t.output for t in report.tests)
+    report = hidden("cache_size", hangs, test_timeout=1.0)
+    assert report.score == 0 and "ran too long while it was imported" in report.output
+    assert all("see above" in t.output for t in report.tests)
+
+
+def test_printed_output_is_shown_with_a_failed_test_and_bounded(tmp_path):
+    chatty = tmp_path / "chatty.py"
+    chatty.write_text((INSTRUCTOR / "solutions" / "cache_size.py").read_text() + """
+
+def kv_bytes_per_token(*args):
+    print("my debugging line")
+    print("x" * 1_000_000)
+    return 0
+""")
+    report = hidden("cache_size", chatty)
+    failed = [t for t in report.tests if not t.passed]
+    assert failed and all("your code printed" in t.output for t in failed)
+    assert all(len(t.output) < 3000 for t in report.tests)
 
 
 def test_results_json_is_gradescope_shaped(tmp_path):
     out = tmp_path / "results.json"
-    report = grade("cache_size", INSTRUCTOR / "solutions" / "cache_size.py", results=out)
+    report = hidden("cache_size", INSTRUCTOR / "solutions" / "cache_size.py", results=out)
     data = json.loads(out.read_text())
-    assert data["score"] == data["max_score"] == report.max_score
-    assert sum(t["max_score"] for t in data["tests"]) == data["max_score"]
+    assert data["score"] == report.max_score == sum(t["max_score"] for t in data["tests"])
+    assert set(data) <= {"score", "execution_time", "output", "output_format", "visibility",
+                         "stdout_visibility", "extra_data", "tests", "leaderboard"}
     for test in data["tests"]:
-        assert set(test) >= {"name", "score", "max_score", "output", "visibility"}
+        assert set(test) <= {"score", "max_score", "status", "name", "name_format", "number",
+                             "output", "output_format", "tags", "visibility", "extra_data"}
+        assert test["status"] in ("passed", "failed")
         assert test["visibility"] in ("visible", "hidden", "after_due_date", "after_published")
+        assert isinstance(test["score"], float) and isinstance(test["name"], str)
 
 
 def test_lab_start_copies_the_starter_and_will_not_overwrite(tmp_path, capsys):
     assert cli.main(["lab", "list"]) == 0
     listed = capsys.readouterr().out
-    assert all(name in listed for name in LABS)
+    assert all(name in listed and f"{LABS[name].points} points" in listed for name in LABS)
     assert cli.main(["lab", "start", "cache_size", str(tmp_path)]) == 0
     copied = tmp_path / "cache_size.py"
     assert copied.read_text() == LABS["cache_size"].starter.read_text()
@@ -118,9 +226,13 @@ def test_lab_start_copies_the_starter_and_will_not_overwrite(tmp_path, capsys):
         start_lab("no_such_lab", tmp_path)
 
 
-def test_kvlab_grade_prints_a_summary_and_writes_results(tmp_path, capsys, monkeypatch):
+def test_kvlab_grade_and_check_print_a_summary(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    assert cli.main(["grade", "cache_size", str(LABS["cache_size"].starter)]) == 0
+    starter = str(LABS["cache_size"].starter)
+    assert cli.main(["grade", "cache_size", starter, "--instructor", str(INSTRUCTOR), "--seed", "5"]) == 0
     out = capsys.readouterr().out
-    assert "lab cache_size: 0 /" in out and "FAIL" in out
+    assert "lab cache_size: 0 / 16" in out and "hidden tests, seed 5" in out and "FAIL" in out
     assert json.loads((tmp_path / "results.json").read_text())["score"] == 0
+    assert cli.main(["check", "cache_size", starter]) == 0
+    out = capsys.readouterr().out
+    assert "public checks" in out and "not written yet" in out

@@ -221,13 +221,14 @@ class Judge:
                                                  "imported (see above)"), why + _printed(self.printed)
                 results.append(self._all_zero([test], why)[0])
                 continue
-            except WorkerTimeout:
-                results.append(self._all_zero([test], "ran too long while importing your file"
-                                              + _printed(self.printed))[0])
-                continue
             except WorkerGone as error:
-                results.append(self._all_zero([test], f"while importing your file: {error}"
-                                              + _printed(self.printed))[0])
+                why = ("your file ran too long while it was imported (is there an endless loop "
+                       "outside the functions?)" if isinstance(error, WorkerTimeout)
+                       else f"your file could not be imported: {error}")
+                if index == 0:           # said once, at the top
+                    return self._all_zero(tests, "not graded: your file could not be "
+                                                 "imported (see above)"), why + _printed(self.printed)
+                results.append(self._all_zero([test], why + _printed(self.printed))[0])
                 continue
             try:
                 result = self._run_one(index, test, session)

@@ -50,6 +50,8 @@ def raises(type_name: str, what: str):
     except RemoteError as error:
         if error.is_a(type_name):
             return
+        if error.is_a("NotImplementedError"):
+            raise                       # the judge says "not written yet"
         raise AssertionError(f"{what}: expected {type_name}, but your code raised "
                              f"{error.type_name}: {error.message}"
                              + (f"\n  at {error.where}" if error.where else "")) from None

@@ -1,0 +1,296 @@
+"""What a submission cannot do to its own grade: one regression test per trick that used to
+work (issue 16), each scoring the cheat as the work it really contains and the honest
+solution full marks (test_grading.py).
+
+Most tricks are written here the way a determined student would write them past the source
+check (kvlab/grading/policy.py): through `asyncio.unix_events.os`, `getattr` with built-up
+names, and so on. That check only turns the easy ways into a clear refusal; these tests show
+that the judge holds without it: the score is computed in another process from the judge's
+own tests, time limits are enforced from outside, and no process the submission starts
+outlives its test.
+"""
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("kvlab._kvlab")
+from kvlab.grading import LABS, grade  # noqa: E402
+from kvlab.grading.labs import get_lab  # noqa: E402
+from kvlab.grading.process import WorkerProcess  # noqa: E402
+from kvlab.grading.remote import RemoteError, Session  # noqa: E402
+
+INSTRUCTOR = Path(__file__).resolve().parents[1] / "instructor"
+SOLUTION = (INSTRUCTOR / "solutions" / "cache_size.py").read_text()
+STARTER = LABS["cache_size"].starter.read_text()
+
+# a forged report, as the runner and Gradescope read them: a million points
+FORGED = json.dumps({"lab": "cache_size", "submission": "x", "output": "", "execution_time": 0,
+                     "graded_with": "hidden tests", "seed": 0, "score": 1e6,
+                     "tests": [{"name": "forged", "score": 1e6, "max_score": 1.0,
+                                "output": "", "visibility": "visible", "status": "passed"}]})
+
+
+def hidden(submission, lab="cache_size", **options):
+    return grade(lab, submission, tests=INSTRUCTOR / "graders" / f"{lab}.py", seed=3, **options)
+
+
+def forge_code(results: Path) -> str:
+    """Code that writes the forged report over every report the judge or runner might read
+    (and leaves forged.txt beside `results`, to show that it ran)."""
+    return f'''
+import glob, json
+def forge():
+    with open({str(results.parent / "forged.txt")!r}, "a") as f:
+        f.write("forged\\n")
+    for path in glob.glob("/tmp/kvlab-grade-*/report.json") + [{str(results)!r}]:
+        try:
+            with open(path, "w") as f:
+                f.write({FORGED!r})
+        except OSError:
+            pass
+'''
+
+
+# ---- the submission delegates to kvlab -------------------------------------------------------
+
+DELEGATES = {
+    "attention": "from kvlab import reference\n\ndef attend(q, keys, values):\n"
+                 "    return reference.attention(q[None], keys, values, [len(keys) - 1])[0]\n",
+    "cache_size": "import kvlab\n\ndef kv_cache_bytes(config, seq_len, batch=1, dtype='fp16'):\n"
+                  "    return kvlab.kv_cache_bytes(config, seq_len, batch, dtype)\n",
+    "block_allocator": "import kvlab\n\nclass BlockAllocator(kvlab.PagedPool):\n    pass\n",
+    "scheduler": "from kvlab.scheduler import Scheduler as Theirs\n",
+    "int8_cache": "import kvlab.quant\n\ndef quantize_int8(x, group):\n"
+                  "    q = kvlab.quant.quantize(x, 'int8', group)\n    return q.codes, q.scales\n",
+}
+
+
+@pytest.mark.parametrize("lab", list(DELEGATES))
+def test_delegating_to_kvlab_scores_zero_with_a_clear_reason(lab, tmp_path):
+    solution = (INSTRUCTOR / "solutions" / f"{lab}.py").read_text()
+    submission = tmp_path / f"{lab}.py"
+    submission.write_text(solution + "\n\n" + DELEGATES[lab])
+    report = hidden(submission, lab)
+    assert report.score == 0, report.summary()
+    assert "yourself" in report.output and "is not allowed here" in report.output, report.output
+    assert f"this lab is about writing {get_lab(lab).topic}" in report.output
+
+
+def test_the_worker_refuses_kvlab_and_instructor_even_past_the_source_check(tmp_path):
+    """The import guard in the worker, driven directly (no source check in front of it)."""
+    rules = get_lab("cache_size").policy.to_dict()
+    cases = {
+        "b = __builtins__['__im' + 'port__']('kvlab.quant')\n": "kvlab.quant",
+        "import kvlab.measure\nfrom kvlab.measure import kv_cache_bytes\n": "kvlab.measure.kv_cache_bytes",
+        "import importlib\n": "importlib",
+        "import asyncio.unix_events as ue\n"
+        "ue.sys.modules['importlib'].import_module('instructor.solutions')\n": "instructor",
+        "import kvlab.measure\nimport kvlab.measure as m\n": None,        # allowed
+    }
+    for code, refused in cases.items():
+        path = tmp_path / "submission.py"
+        path.write_text(code)
+        worker = WorkerProcess(tmp_path)
+        try:
+            session = Session(worker, time.monotonic() + 30)
+            if refused is None:
+                session.ask({"op": "load", "path": str(path), "policy": rules})
+                continue
+            with pytest.raises(RemoteError) as raised:
+                session.ask({"op": "load", "path": str(path), "policy": rules})
+            assert raised.value.is_a("ImportError") and refused in raised.value.message, code
+        finally:
+            worker.stop()
+
+
+def test_importing_the_instructors_solution_scores_zero(tmp_path):
+    submission = tmp_path / "cache_size.py"
+    submission.write_text("from instructor.solutions.cache_size import *\n")
+    report = hidden(submission)
+    assert report.score == 0 and "instructor" in report.output
+    # past the source check, the worker refuses it at import time
+    submission.write_text("i = __builtins__['__im' + 'port__']\n"
+                          "sol = i('instructor.solutions.cache_size', fromlist=['*'])\n"
+                          "kv_bytes_per_token = sol.kv_bytes_per_token\n")
+    report = hidden(submission)
+    assert report.score == 0
+
+
+# ---- the submission forges the results -----------------------------------------------------
+
+def test_forged_results_written_at_exit_or_from_a_thread_change_nothing(tmp_path):
+    results = tmp_path / "results.json"
+    submission = tmp_path / "cache_size.py"
+    submission.write_text(STARTER + forge_code(results) + '''
+import threading, time, weakref
+
+class Keeper:
+    pass
+
+keeper = Keeper()
+weakref.finalize(keeper, forge).atexit = True        # atexit by another name
+
+def keep_forging():
+    for _ in range(200):
+        forge()
+        time.sleep(0.01)
+
+threading.Thread(target=keep_forging, daemon=False).start()
+''')
+    report = hidden(submission, results=results)
+    assert (tmp_path / "forged.txt").is_file(), "the forger never ran: the test proves nothing"
+    assert report.score == 0, report.summary()
+    written = json.loads(results.read_text())
+    assert written["score"] == 0 and len(written["tests"]) == 10, written
+    assert sum(t["max_score"] for t in written["tests"]) == 16
+
+
+def test_forged_results_and_os_exit_change_nothing(tmp_path):
+    results = tmp_path / "results.json"
+    submission = tmp_path / "cache_size.py"
+    submission.write_text(STARTER + forge_code(results) + '''
+def kv_bytes_per_token(*args):
+    import asyncio.unix_events as ue
+    forge()
+    ue.os._exit(0)
+''')
+    report = hidden(submission, results=results)
+    assert (tmp_path / "forged.txt").is_file(), "the forger never ran: the test proves nothing"
+    assert report.score == 0 and report.max_score == 16, report.summary()
+    assert json.loads(results.read_text())["score"] == 0
+    ended = [t for t in report.tests if t.function.startswith("test_bytes_per_token")]
+    assert ended and all("exit status 0" in t.output for t in ended)
+
+
+# ---- the submission changes what the expected values are computed with ----------------------
+
+WRONG = '''
+def kv_bytes_per_token(n_layers, n_kv_heads, head_dim, bytes_per_element):
+    return 0
+
+def kv_cache_bytes(config, seq_len, batch=1, dtype="fp16"):
+    return 0
+'''
+
+
+def test_monkeypatching_kvlab_in_the_worker_changes_nothing(tmp_path):
+    honest = tmp_path / "honest" / "cache_size.py"
+    honest.parent.mkdir()
+    honest.write_text(SOLUTION + WRONG)
+    patched = tmp_path / "cache_size.py"
+    patched.write_text(SOLUTION + WRONG + '''
+import asyncio.unix_events as ue
+modules = ue.sys.modules                     # every module the worker has imported
+for name in ("kvlab", "kvlab.measure"):
+    setattr(modules[name], "kv_cache" + "_bytes", lambda *args, **kwargs: 0)
+    setattr(modules[name], "kv_bytes_per" + "_token", lambda *args, **kwargs: 0)
+setattr(modules["kvlab.config"].ModelConfig, "n_params", lambda self: 0)
+''')
+    wrong, cheat = hidden(honest), hidden(patched)
+    assert not cheat.output, cheat.output          # it imported, patched and ran
+    assert cheat.failed() == wrong.failed() and cheat.score == wrong.score < wrong.max_score
+    assert "test_cache_bytes_worked_example" in cheat.failed()
+
+
+def test_changing_the_tests_file_costs_the_whole_grade(tmp_path):
+    tests = tmp_path / "graders.py"
+    tests.write_text((INSTRUCTOR / "graders" / "cache_size.py").read_text())
+    submission = tmp_path / "cache_size.py"
+    submission.write_text(SOLUTION + f'''
+with open({str(tests)!r}, "a") as f:
+    f.write("\\n# touched\\n")
+''')
+    report = grade("cache_size", submission, tests=tests, seed=3)
+    assert report.score == 0 and "grading refused" in report.output
+    assert str(tests) in report.output
+
+
+# ---- the submission runs longer, louder or wider than it may -----------------------------------
+
+def test_ignoring_signals_does_not_stop_the_time_limit(tmp_path):
+    submission = tmp_path / "cache_size.py"
+    submission.write_text(SOLUTION + '''
+import asyncio.unix_events as ue
+for name in ("SIGALRM", "SIGTERM", "SIGINT", "SIGHUP", "SIGVTALRM", "SIGPROF"):
+    ue.signal.signal(getattr(ue.signal, name), ue.signal.SIG_IGN)
+
+def max_requests(*args, **kwargs):
+    while True:
+        pass
+''')
+    report = hidden(submission, test_timeout=3.0)
+    assert set(report.failed()) == {"test_max_requests", "test_max_requests_returns_a_whole_number"}
+    assert all("ran too long" in t.output for t in report.tests if not t.passed)
+
+
+def test_an_output_flood_is_capped_and_costs_the_judge_no_memory(tmp_path):
+    submission = tmp_path / "cache_size.py"
+    submission.write_text(SOLUTION + '''
+import sys
+_chunk = "x" * (1 << 20)
+_flooded = []
+
+def kv_bytes_per_token(n_layers, n_kv_heads, head_dim, bytes_per_element):
+    if not _flooded:                        # 300 MiB on stdout, once in each worker
+        _flooded.append(True)
+        for _ in range(300):
+            sys.stdout.write(_chunk)
+    return 2 * n_layers * n_kv_heads * head_dim * bytes_per_element
+''')
+    script = (f"import resource, json\nfrom kvlab.grading import grade\n"
+              f"r = grade('cache_size', {str(submission)!r}, "
+              f"tests={str(INSTRUCTOR / 'graders' / 'cache_size.py')!r}, seed=3)\n"
+              f"print(json.dumps([r.score, max(len(t.output) for t in r.tests), "
+              f"resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss]))\n")
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         cwd=tmp_path, timeout=600)
+    assert run.returncode == 0, run.stderr
+    score, longest, peak_kib = json.loads(run.stdout.strip().splitlines()[-1])
+    assert score == 16 and longest < 4000
+    # the judge and the workers, the largest of them: far below the 300 MiB printed
+    assert peak_kib < 200 * 1024, peak_kib
+
+
+def test_processes_the_submission_starts_do_not_outlive_grading(tmp_path):
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    os.chmod(marks, 0o777)
+    submission = tmp_path / "cache_size.py"
+    submission.write_text(SOLUTION + f'''
+import asyncio.unix_events as ue, time
+_os = ue.os
+if _os.fork() == 0:                          # a detached grandchild, as daemons are made
+    _os.setsid()
+    if _os.fork() == 0:
+        pid = _os.getpid()
+        while True:
+            with open({str(marks)!r} + "/" + str(pid), "w") as f:
+                f.write(str(time.time()))
+            time.sleep(0.02)
+    _os._exit(0)
+''')
+    report = hidden(submission)
+    assert report.score == report.max_score, report.summary()
+    time.sleep(0.3)
+    pids = [int(p.name) for p in marks.iterdir()]
+    assert pids, "the submission's processes never ran: the test proves nothing"
+    for pid in pids:
+        assert not _alive_forked_worker(pid), f"process {pid} started by the submission is alive"
+    before = {p.name: p.stat().st_mtime for p in marks.iterdir()}
+    time.sleep(0.3)
+    assert {p.name: p.stat().st_mtime for p in marks.iterdir()} == before, "still writing"
+
+
+def _alive_forked_worker(pid: int) -> bool:
+    """pid is a live process forked from a worker (not gone, not a zombie, not reused)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+        command = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+    except OSError:
+        return False
+    return state != "Z" and "worker.py" in command
