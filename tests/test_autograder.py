@@ -1,0 +1,138 @@
+"""The Gradescope package (kvlab/grading/autograder.py): what the zip holds, and the zip run
+end to end in a folder laid out like /autograder.
+
+The run here uses this Python and grades as the same user. As root with
+KVLAB_TEST_GRADESCOPE_SETUP=1 (CI sets it), the zip's setup.sh also runs as Gradescope runs
+it (apt, a venv from the system Python, kvlab built from the zip, the unprivileged user), and
+the student's code is shown to run as that user: it can read neither the tests nor the
+results.
+"""
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("kvlab._kvlab")
+from kvlab.grading.autograder import WORKER_USER, build, find_submission  # noqa: E402
+
+INSTRUCTOR = Path(__file__).resolve().parents[1] / "instructor"
+
+
+@pytest.fixture(scope="module")
+def package(tmp_path_factory):
+    return build("cache_size", tmp_path_factory.mktemp("zip") / "cache_size.zip", INSTRUCTOR)
+
+
+def unpack(package, root):
+    (root / "source").mkdir(parents=True)
+    (root / "submission").mkdir()
+    with zipfile.ZipFile(package) as archive:
+        archive.extractall(root / "source")
+        for info in archive.infolist():              # zipfile drops the modes: put them back
+            mode = (info.external_attr >> 16) & 0o777
+            if mode:
+                os.chmod(root / "source" / info.filename, mode)
+    return root
+
+
+def run_autograder(root, env_extra, timeout=600):
+    env = {**os.environ, "KVLAB_AUTOGRADER_ROOT": str(root), **env_extra}
+    return subprocess.run(["bash", str(root / "source" / "run_autograder")], env=env, cwd=root,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def results(root):
+    return json.loads((root / "results" / "results.json").read_text())
+
+
+def test_the_zip_has_what_gradescope_needs_and_nothing_of_the_instructors(package):
+    with zipfile.ZipFile(package) as archive:
+        names = archive.namelist()
+        modes = {i.filename: (i.external_attr >> 16) & 0o777 for i in archive.infolist()}
+        settings = json.loads(archive.read("lab.json"))
+        hidden = archive.read("tests/cache_size.py")
+    assert {"setup.sh", "run_autograder", "lab.json", "tests/cache_size.py"} <= set(names)
+    assert modes["setup.sh"] == modes["run_autograder"] == 0o755
+    assert settings["lab"] == "cache_size"
+    assert hidden == (INSTRUCTOR / "graders" / "cache_size.py").read_bytes()
+    for needed in ("kvlab-src/pyproject.toml", "kvlab-src/setup.py", "kvlab-src/csrc/kvlab.h",
+                   "kvlab-src/kvlab/grading/judge.py", "kvlab-src/kvlab/assets/shakespeare-1m.bin"):
+        assert needed in names
+    for name in names:
+        assert "solutions" not in name and "mistakes" not in name and "__pycache__" not in name
+        assert not name.endswith((".so", ".o", ".pyc")), name
+    # only the one lab's hidden tests travel
+    assert [n for n in names if n.startswith("tests/")] == ["tests/cache_size.py"]
+
+
+def test_the_package_grades_a_submission_in_a_folder_laid_out_like_autograder(package, tmp_path):
+    root = unpack(package, tmp_path / "autograder")
+    shutil.copy(INSTRUCTOR / "solutions" / "cache_size.py", root / "submission" / "cache_size.py")
+    run = run_autograder(root, {"KVLAB_PYTHON": sys.executable, "KVLAB_WORKER_USER": ""})
+    assert run.returncode == 0, run.stderr
+    data = results(root)
+    assert data["score"] == 16 == sum(t["max_score"] for t in data["tests"])
+    assert all(t["status"] == "passed" for t in data["tests"])
+    assert "hidden tests" in data["output"]
+
+
+def test_a_missing_or_misnamed_submission(package, tmp_path):
+    root = unpack(package, tmp_path / "autograder")
+    run = run_autograder(root, {"KVLAB_PYTHON": sys.executable, "KVLAB_WORKER_USER": ""})
+    assert run.returncode == 0, run.stderr
+    data = results(root)
+    assert data["score"] == 0 and "submit one file named cache_size.py" in data["output"]
+    assert len(data["tests"]) == 10 and all(t["max_score"] > 0 for t in data["tests"])
+    # one file under another name is taken; two are not
+    (root / "submission" / "mine.py").write_text("x = 1\n")
+    assert find_submission(root / "submission", "cache_size")[0].name == "mine.py"
+    (root / "submission" / "other.py").write_text("y = 1\n")
+    assert find_submission(root / "submission", "cache_size")[0] is None
+
+
+@pytest.mark.skipif(os.environ.get("KVLAB_TEST_GRADESCOPE_SETUP") != "1" or os.geteuid() != 0,
+                    reason="runs setup.sh as Gradescope does: needs root and "
+                           "KVLAB_TEST_GRADESCOPE_SETUP=1 (.ci/run sets both)")
+def test_setup_sh_and_the_unprivileged_student_as_on_gradescope(package):
+    top = Path(tempfile.mkdtemp(prefix="kvlab-gradescope-", dir="/tmp"))
+    try:
+        os.chmod(top, 0o755)
+        root = unpack(package, top / "autograder")
+        venv = top / "venv"
+        setup = subprocess.run(["bash", str(root / "source" / "setup.sh")], cwd=root / "source",
+                               env={**os.environ, "KVLAB_VENV": str(venv)},
+                               capture_output=True, text=True, timeout=1200)
+        assert setup.returncode == 0, setup.stdout[-3000:] + setup.stderr[-3000:]
+        env = {"KVLAB_VENV": str(venv)}                  # and the default user, kvlab-student
+        shutil.copy(INSTRUCTOR / "solutions" / "cache_size.py", root / "submission" / "cache_size.py")
+        run = run_autograder(root, env)
+        assert run.returncode == 0, run.stderr
+        assert results(root)["score"] == 16, results(root)
+        # the student's code runs as kvlab-student: the tests and results are out of reach
+        (root / "submission" / "cache_size.py").write_text(f'''
+import os
+def kv_bytes_per_token(*args):
+    seen = [str(os.getuid())]
+    for path in ({str(root / "source" / "tests" / "cache_size.py")!r},
+                 {str(root / "results" / "results.json")!r}):
+        try:
+            open(path, "a").close()
+            seen.append("opened " + path)
+        except OSError as error:
+            seen.append(type(error).__name__)
+    raise RuntimeError(" ".join(seen))
+''')
+        run = run_autograder(root, env)
+        assert run.returncode == 0, run.stderr
+        first = results(root)["tests"][0]["output"]
+        import pwd
+        uid = pwd.getpwnam(WORKER_USER).pw_uid
+        assert f"RuntimeError: {uid} PermissionError PermissionError" in first, first
+    finally:
+        shutil.rmtree(top, ignore_errors=True)

@@ -1,0 +1,223 @@
+"""The parts of grading one at a time: values on the wire between judge and worker (what a
+hostile worker can send), the lab policy (what a submission may import and name), and the
+worker process (time, output, garbage)."""
+import subprocess
+import sys
+import time
+import types
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvlab.grading import wire
+from kvlab.grading.policy import Policy, check_source, import_refusal
+from kvlab.grading.process import OutputCapture, WorkerProcess, WorkerTimeout
+from kvlab.grading.remote import RemoteError, Session
+
+INSTRUCTOR = Path(__file__).resolve().parents[1] / "instructor"
+
+
+# ---- wire ------------------------------------------------------------------------------------
+
+def round_trip(value):
+    return wire.decode(wire.encode(value))
+
+
+def test_values_travel_with_their_types():
+    value = {"a": [1, 2.5, None, True, "text", b"\x00\xff"], 3: (np.int64(7), np.float32(0.5)),
+             ("k", 1): {1, 2}, "f": frozenset({3}), "nan": float("nan"),
+             "arrays": [np.arange(6, dtype=np.int8).reshape(2, 3), np.zeros((0, 4), np.float16),
+                        np.array([[True, False]]), np.ones(3, ">f8")]}
+    back = round_trip(value)
+    assert back["a"] == value["a"] and back["f"] == frozenset({3}) and back[("k", 1)] == {1, 2}
+    assert type(back[3]) is tuple and type(back[3][0]) is np.int64 and back[3][0] == 7
+    assert type(back[3][1]) is np.float32 and np.isnan(back["nan"])
+    for got, want in zip(back["arrays"], value["arrays"]):
+        assert got.dtype == want.dtype and got.shape == want.shape and np.array_equal(got, want)
+        assert got.flags.writeable
+    record = round_trip(wire.Record("ModelConfig", {"n_layers": 2, "dim": 8}))
+    assert isinstance(record, types.SimpleNamespace) and record.n_layers == 2
+
+
+def nested(depth):
+    value = []
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+@pytest.mark.parametrize("value", [object(), np.array([object()]), lambda: 0,
+                                   np.zeros(2, dtype=[("a", "i4")]), nested(wire.MAX_DEPTH + 2)])
+def test_what_has_no_by_value_form_is_refused_when_sent(value):
+    with pytest.raises(wire.NotEncodable):
+        wire.encode(value)
+
+
+@pytest.mark.parametrize("payload", [
+    b"\xff\xfe", b"not json", b"{\"$nope\": 1}", b"{\"a\": 1, \"b\": 2}", b"{\"plain\": 1}",
+    b"{\"$array\": [\"|O8\", [1], \"AAAAAAAAAAA=\"]}",                 # object dtype
+    b"{\"$array\": [\"<f4\", [3], \"AAAAAA==\"]}",                    # 4 bytes for 3 floats
+    b"{\"$array\": [\"<f4\", [-1], \"\"]}", b"{\"$array\": [\"<f4\", [1.5], \"\"]}",
+    b"{\"$array\": [\"<f4\", [1], \"***\"]}",                          # not base64
+    b"{\"$scalar\": [\"<i8\"]}", b"{\"$dict\": [[1]]}", b"{\"$dict\": [[[1], 2]]}",
+    b"{\"$record\": [\"x\", {\"not a name\": 1}]}", b"{\"$handle\": [\"1\", \"x\"]}",
+    b"{\"$set\": [[1]]}", b"[" * 100000 + b"]" * 100000,
+])
+def test_anything_a_worker_could_send_that_is_not_a_value_is_refused(payload):
+    with pytest.raises(wire.WireError):
+        wire.decode(payload)
+
+
+def test_frames_have_a_size_limit_both_ways():
+    with pytest.raises(wire.WireError):
+        wire.frame_length((wire.MAX_FRAME + 1).to_bytes(4, "big"))
+    assert wire.frame_length(wire.frame(b"abc")[:4]) == 3
+
+
+# ---- policy ----------------------------------------------------------------------------------
+
+MEASURE = Policy("the cache-size arithmetic", ("kvlab.measure.resident_bytes",
+                                               "kvlab.measure.release_freed_memory"))
+NOTHING = Policy("attention")
+
+
+@pytest.mark.parametrize("source", [
+    "import numpy as np\nimport math, collections, dataclasses\nx = np.zeros(3).sum()\n",
+    "from collections import deque\nimport os.path\nimport sys\neps = sys.float_info.epsilon\n",
+    "import kvlab.measure\nkvlab.measure.release_freed_memory()\nb = kvlab.measure.resident_bytes()\n",
+    "from kvlab.measure import resident_bytes as rb\nx = rb()\n",
+    "import numpy\ny = numpy.testing\n",
+])
+def test_what_a_lab_allows_passes(source):
+    policy = MEASURE if "kvlab" in source else NOTHING
+    assert check_source(source, policy) == []
+
+
+@pytest.mark.parametrize("source, policy, says", [
+    ("import kvlab\n", NOTHING, "`kvlab` is not allowed here: this lab is about writing attention"),
+    ("from kvlab import quant\n", MEASURE, "`kvlab.quant`"),
+    ("import kvlab.measure\nx = kvlab.measure.kv_cache_bytes(1)\n", MEASURE, "kvlab.measure.kv_cache_bytes"),
+    ("import kvlab.measure\nm = kvlab.measure\n", MEASURE, "`kvlab.measure` is not allowed"),
+    ("import kvlab.measure as m\nf = m.kv_bytes_per_token\n", MEASURE, "kvlab.measure.kv_bytes_per_token"),
+    ("from kvlab.measure import *\n", MEASURE, "import *"),
+    ("from instructor.solutions import attention\n", NOTHING, "instructor"),
+    ("import torch\n", NOTHING, "numpy, math and Python's standard library"),
+    ("import subprocess\n", NOTHING, "starts processes"),
+    ("import os\nos.system('ls')\n", NOTHING, "os.system"),
+    ("from os import fork\n", NOTHING, "from os import fork"),
+    ("import os\nf = os\n", NOTHING, "may only be used as"),
+    ("import sys\nm = sys.modules\n", NOTHING, "sys.modules"),
+    ("x = eval('1')\n", NOTHING, "`eval`"),
+    ("f = (lambda: 0).__globals__\n", NOTHING, "__globals__"),
+    ("from . import x\n", NOTHING, "relative imports"),
+])
+def test_what_a_lab_refuses_is_named_with_its_line(source, policy, says):
+    found = check_source(source, policy)
+    assert found and says in str(found[0]), found
+    assert str(found[0]).startswith(f"line {found[0].line}: ")
+
+
+def test_the_import_hook_and_the_source_check_share_one_rule():
+    assert import_refusal(MEASURE, "kvlab") is None
+    assert import_refusal(MEASURE, "kvlab.measure", ["resident_bytes"]) is None
+    assert "kvlab.measure.kv_cache_bytes" in import_refusal(MEASURE, "kvlab.measure", ["kv_cache_bytes"])
+    assert import_refusal(NOTHING, "numpy.linalg") is None
+    assert "relative" in import_refusal(NOTHING, "x", level=1)
+
+
+def test_a_syntax_error_is_the_callers_to_report():
+    with pytest.raises(SyntaxError):
+        check_source("def f(:\n", NOTHING)
+
+
+# ---- the worker process ------------------------------------------------------------------------
+
+def start(tmp_path, code, seconds=30.0):
+    path = tmp_path / "submission.py"
+    path.write_text(code)
+    worker = WorkerProcess(tmp_path)
+    session = Session(worker, time.monotonic() + seconds)
+    session.ask({"op": "load", "path": str(path), "policy": NOTHING.to_dict()})
+    return worker, session
+
+
+def test_calls_objects_and_exceptions_cross_the_process_boundary(tmp_path):
+    worker, session = start(tmp_path, '''
+import numpy as np
+
+class Box:
+    def __init__(self, n):
+        self.n = n
+    def grow(self, by):
+        self.n += by
+        return np.arange(self.n)
+
+class Refused(ValueError):
+    pass
+
+def fails():
+    raise Refused("no room")
+''')
+    try:
+        from kvlab.grading.remote import Submission
+        sub = Submission(session)
+        box = sub.Box(2)
+        assert repr(box) == "<your Box object>" and box.n == 2
+        assert np.array_equal(box.grow(3), np.arange(5)) and box.attrs("n") == (5,)
+        assert box.calls(("grow", 1), ("grow", 1))[1].tolist() == list(range(7))
+        with pytest.raises(RemoteError) as raised:
+            sub.fails()
+        assert raised.value.types[:3] == ["Refused", "ValueError", "Exception"]
+        assert "line 15 of your file, in fails" in raised.value.where
+        with pytest.raises(RemoteError, match="has no attribute"):
+            sub.missing()
+    finally:
+        worker.stop()
+
+
+def test_a_worker_past_its_deadline_is_stopped_from_outside(tmp_path):
+    worker, session = start(tmp_path, "def spin():\n    while True:\n        pass\n")
+    session.deadline = time.monotonic() + 0.5
+    try:
+        with pytest.raises(WorkerTimeout):
+            session.ask({"op": "call", "target": None, "name": "spin", "args": [], "kwargs": {}})
+    finally:
+        worker.stop()
+    assert worker.process.returncode is not None
+
+
+def test_output_is_kept_up_to_a_cap():
+    import os
+    read, write = os.pipe()
+    capture = OutputCapture(read, cap=100)
+    capture.start()
+    os.write(write, b"a" * 60)
+    os.write(write, b"b" * 1000)
+    os.close(write)
+    capture.join(5)
+    assert capture.kept == b"a" * 60 + b"b" * 40 and capture.dropped == 960
+    assert "960 more bytes" in capture.text()
+
+
+def test_a_worker_that_answers_garbage_fails_the_submission_plainly(tmp_path):
+    garbling = tmp_path / "cache_size.py"
+    garbling.write_text('''
+import asyncio.unix_events as ue
+for fd in range(3, 20):
+    try:
+        ue.os.write(fd, b"\\x00\\x00\\x00\\x03abc")
+    except OSError:
+        pass
+''')
+    from kvlab.grading import grade
+    report = grade("cache_size", garbling, tests=INSTRUCTOR / "graders" / "cache_size.py", seed=1)
+    assert report.score == 0 and "unreadable" in report.output, report.output
+
+
+def test_the_judge_will_not_run_with_asserts_stripped(tmp_path):
+    run = subprocess.run([sys.executable, "-O", "-m", "kvlab.grading.judge", "--lab", "cache_size",
+                          "--submission", "x.py", "--tests", "y.py", "--out", "z.json"],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert run.returncode != 0 and "without -O" in run.stderr
+    assert not (tmp_path / "z.json").exists()
