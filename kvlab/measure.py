@@ -22,6 +22,7 @@ import dataclasses
 from typing import Optional
 
 from .config import ModelConfig
+from .process_memory import peak_resident_bytes, release_freed_memory, resident_bytes  # noqa: F401
 from .quant import CacheFormat
 
 BYTES_PER_ELEMENT = {"fp32": 4, "fp16": 2, "bf16": 2}
@@ -183,31 +184,6 @@ def arithmetic_ratio(config: ModelConfig, prompt_len: int, new_tokens: int) -> f
 
 # ---- measuring a real process -------------------------------------------------------------
 
-def _proc_status_kib(field: str) -> int:
-    """A memory figure of this process from /proc/self/status (Linux), in KiB; 0 elsewhere."""
-    try:
-        with open("/proc/self/status") as status:
-            for line in status:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1])
-    except OSError:
-        pass
-    return 0
-
-
-def release_freed_memory() -> None:
-    """Ask the C allocator to hand freed memory back to the operating system (glibc's
-    malloc_trim). Without this, scratch freed after a forward pass stays resident for
-    reuse and shows up in resident-size measurements as if something still held it."""
-    try:
-        import ctypes
-        import ctypes.util
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        libc.malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
-
-
 def memory_bandwidth(n_bytes: int = 1 << 28, repeats: int = 3) -> dict:
     """This machine's memory bandwidth as the C core's own threads see it:
     {'read_bytes_per_s', 'triad_bytes_per_s'}, best of `repeats` passes over arrays of
@@ -234,16 +210,6 @@ def attention_walk_bandwidth(context: int, n_kv_heads: int = 8, head_dim: int = 
         if isinstance(value, bool) or not isinstance(value, int):
             raise ValueError(f"{name} must be an integer, got {value!r}")
     return float(core.attention_walk_bandwidth(n_kv_heads, head_dim, context, repeats))
-
-
-def resident_bytes() -> int:
-    """Physical memory this process uses now (VmRSS)."""
-    return 1024 * _proc_status_kib("VmRSS")
-
-
-def peak_resident_bytes() -> int:
-    """Highest physical memory this process has used (VmHWM)."""
-    return 1024 * _proc_status_kib("VmHWM")
 
 
 @dataclasses.dataclass

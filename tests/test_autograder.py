@@ -94,6 +94,11 @@ def test_a_missing_or_misnamed_submission(package, tmp_path):
     assert find_submission(root / "submission", "cache_size")[0].name == "mine.py"
     (root / "submission" / "other.py").write_text("y = 1\n")
     assert find_submission(root / "submission", "cache_size")[0] is None
+    # a link is never taken, even under the lab's name: it could point at a root-only file
+    (root / "submission" / "other.py").unlink()
+    (root / "submission" / "cache_size.py").symlink_to(tmp_path / "elsewhere.py")
+    (tmp_path / "elsewhere.py").write_text("z = 1\n")
+    assert find_submission(root / "submission", "cache_size")[0].name == "mine.py"
 
 
 @pytest.mark.skipif(os.environ.get("KVLAB_TEST_GRADESCOPE_SETUP") != "1" or os.geteuid() != 0,

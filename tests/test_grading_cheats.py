@@ -90,6 +90,10 @@ def test_the_worker_refuses_kvlab_and_instructor_even_past_the_source_check(tmp_
         "import importlib\n": "importlib",
         "import asyncio.unix_events as ue\n"
         "ue.sys.modules['importlib'].import_module('instructor.solutions')\n": "instructor",
+        # kvlab is not even importable by the standard library on the submission's behalf
+        "import asyncio.unix_events as ue\n"
+        "ue.sys.modules['importlib'].import_module('kvlab.quant')\n": "not available",
+        "import pydoc\n": "pydoc",
         "import kvlab.measure\nimport kvlab.measure as m\n": None,        # allowed
     }
     for code, refused in cases.items():
@@ -106,6 +110,32 @@ def test_the_worker_refuses_kvlab_and_instructor_even_past_the_source_check(tmp_
             assert raised.value.is_a("ImportError") and refused in raised.value.message, code
         finally:
             worker.stop()
+
+
+def test_kvlabs_own_code_named_in_a_string_is_refused(tmp_path):
+    """pydoc.locate (and pickle, timeit, unittest.mock ...) import a module named in a string,
+    from their own code rather than the submission's."""
+    submission = tmp_path / "int8_cache.py"
+    submission.write_text((INSTRUCTOR / "solutions" / "int8_cache.py").read_text() + '''
+import pydoc
+_quantize = pydoc.locate("kvlab.quant.quantize")
+''')
+    report = hidden(submission, "int8_cache")
+    assert report.score == 0 and "`pydoc` is not allowed" in report.output
+
+
+def test_a_measurement_made_up_from_the_lent_model_scores_nothing(tmp_path):
+    """The lent model's extra block is easy to read off it; the judge also watches the
+    worker's memory from outside, so a number nothing allocated does not pass."""
+    submission = tmp_path / "cache_size.py"
+    submission.write_text(SOLUTION + '''
+
+def measure_resident_growth(model, seq_len, batch):
+    return batch * (kv_cache_bytes(model.config, seq_len, 1, "fp32") + model._extra_bytes)
+''')
+    report = hidden(submission)
+    assert report.failed() == ["test_measured_growth_matches_the_formula"], report.summary()
+    assert "never held more than" in report.tests[-1].output
 
 
 def test_importing_the_instructors_solution_scores_zero(tmp_path):
@@ -183,15 +213,30 @@ def test_monkeypatching_kvlab_in_the_worker_changes_nothing(tmp_path):
     honest.parent.mkdir()
     honest.write_text(SOLUTION + WRONG)
     patched = tmp_path / "cache_size.py"
-    patched.write_text(SOLUTION + WRONG + '''
+    patched.write_text(SOLUTION + WRONG + f'''
 import asyncio.unix_events as ue
-modules = ue.sys.modules                     # every module the worker has imported
-for name in ("kvlab", "kvlab.measure"):
-    setattr(modules[name], "kv_cache" + "_bytes", lambda *args, **kwargs: 0)
-    setattr(modules[name], "kv_bytes_per" + "_token", lambda *args, **kwargs: 0)
-setattr(modules["kvlab.config"].ModelConfig, "n_params", lambda self: 0)
+
+def patch():
+    """Make kvlab's arithmetic agree with the wrong answers, wherever kvlab is loaded
+    (in the worker, kvlab is there only once the grader has lent a model)."""
+    modules = ue.sys.modules
+    for name in ("kvlab", "kvlab.measure"):
+        if name in modules:
+            setattr(modules[name], "kv_cache" + "_bytes", lambda *args, **kwargs: 0)
+            setattr(modules[name], "kv_bytes_per" + "_token", lambda *args, **kwargs: 0)
+            with open({str(tmp_path / "patched.txt")!r}, "a") as f:
+                f.write(name + "\\n")
+
+_measure = measure_resident_growth
+
+def measure_resident_growth(model, seq_len, batch):
+    patch()
+    return _measure(model, seq_len, batch)
+
+patch()
 ''')
     wrong, cheat = hidden(honest), hidden(patched)
+    assert (tmp_path / "patched.txt").is_file(), "kvlab was never patched: the test proves nothing"
     assert not cheat.output, cheat.output          # it imported, patched and ran
     assert cheat.failed() == wrong.failed() and cheat.score == wrong.score < wrong.max_score
     assert "test_cache_bytes_worked_example" in cheat.failed()

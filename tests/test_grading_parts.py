@@ -1,6 +1,7 @@
 """The parts of grading one at a time: values on the wire between judge and worker (what a
 hostile worker can send), the lab policy (what a submission may import and name), and the
 worker process (time, output, garbage)."""
+import json
 import subprocess
 import sys
 import time
@@ -67,6 +68,27 @@ def test_what_has_no_by_value_form_is_refused_when_sent(value):
 def test_anything_a_worker_could_send_that_is_not_a_value_is_refused(payload):
     with pytest.raises(wire.WireError):
         wire.decode(payload)
+
+
+def test_a_message_cannot_make_the_judge_hash_for_minutes_or_build_gigabytes():
+    # ints equal mod 2**61 - 1 share a hash: a set of them costs quadratic time to build
+    colliding = {"$set": [1 + k * (2 ** 61 - 1) for k in range(wire.MAX_KEYS + 1)]}
+    started = time.monotonic()
+    with pytest.raises(wire.WireError, match="set members and dict keys"):
+        wire.decode(json.dumps(colliding).encode())
+    assert time.monotonic() - started < 5
+    with pytest.raises(wire.WireError, match="values"):      # 3 bytes a list, 64 in memory
+        wire.decode(b"[" + b"[]," * wire.MAX_NODES + b"[]]")
+    with pytest.raises(wire.WireError):                       # 0 bytes, but no such array
+        wire.decode(json.dumps({"$array": ["<f8", [0, 10 ** 20], ""]}).encode())
+
+
+def test_what_the_worker_says_about_an_exception_is_cut_to_size():
+    from kvlab.grading.remote import MESSAGE_CAP, _answer
+    error = _answer({"raised": {"types": ["X" * 10 ** 6] * 10 ** 4, "message": "m" * 10 ** 7,
+                                "where": "w" * 10 ** 6}})
+    assert len(error.message) == MESSAGE_CAP and len(error.where) <= 300
+    assert len(error.types) <= 50 and all(len(t) <= 100 for t in error.types)
 
 
 def test_frames_have_a_size_limit_both_ways():
@@ -200,19 +222,48 @@ def test_output_is_kept_up_to_a_cap():
     assert "960 more bytes" in capture.text()
 
 
-def test_a_worker_that_answers_garbage_fails_the_submission_plainly(tmp_path):
-    garbling = tmp_path / "cache_size.py"
-    garbling.write_text('''
-import asyncio.unix_events as ue
+def answering(tmp_path, payload: str):
+    """A submission that, at import, writes the bytes the expression `payload` makes as a
+    frame on every pipe it can."""
+    path = tmp_path / "cache_size.py"
+    path.write_text(f'''
+import asyncio.unix_events as ue, json, time
+payload = {payload}
+frame = len(payload).to_bytes(4, "big") + payload
 for fd in range(3, 20):
     try:
-        ue.os.write(fd, b"\\x00\\x00\\x00\\x03abc")
+        ue.os.write(fd, frame)
     except OSError:
         pass
+time.sleep(30)
 ''')
+    return path
+
+
+@pytest.mark.parametrize("payload, says", [
+    ('b"abc"', "unreadable"),
+    ('json.dumps({"$dict": [["ok", {"$array": ["<f8", [0, 10 ** 20], ""]}]]}).encode()', "unreadable"),
+    ('json.dumps({"$dict": [["ok", {"$set": [1 + k * (2 ** 61 - 1) for k in range(60000)]}]]})'
+     '.encode()', "unreadable"),
+    ('json.dumps({"$dict": [["raised", {"$dict": [["types", ["X"]], '
+     '["message", "FULL MARKS " * 10 ** 6], ["where", ""]]}]]}).encode()', "FULL MARKS"),
+])
+def test_a_worker_that_answers_garbage_fails_the_submission_plainly(tmp_path, payload, says):
     from kvlab.grading import grade
-    report = grade("cache_size", garbling, tests=INSTRUCTOR / "graders" / "cache_size.py", seed=1)
-    assert report.score == 0 and "unreadable" in report.output, report.output
+    report = grade("cache_size", answering(tmp_path, payload),
+                   tests=INSTRUCTOR / "graders" / "cache_size.py", seed=1)
+    assert report.score == 0 and says in report.output, report.output[:500]
+    assert len(json.dumps(report.gradescope())) < 100_000
+
+
+def test_a_submission_that_is_a_link_is_not_read(tmp_path):
+    from kvlab.grading import grade
+    secret = tmp_path / "secret.txt"
+    secret.write_text("secret-token: hunter2\n")
+    link = tmp_path / "cache_size.py"
+    link.symlink_to(secret)
+    report = grade("cache_size", link.absolute(), tests=INSTRUCTOR / "graders" / "cache_size.py")
+    assert report.score == 0 and "hunter2" not in report.summary()
 
 
 def test_the_judge_will_not_run_with_asserts_stripped(tmp_path):

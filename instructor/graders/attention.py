@@ -194,7 +194,7 @@ def test_a_cache_filled_token_by_token_gives_the_same_attention(sub, rng):
 
 @points(2)
 def test_causal_rows_equal_decode_steps(sub, rng):
-    """prefill row t equals attend(q[t], k[:t+1], v[:t+1]): the cache is exact"""
+    """prefill row t equals attend(q[t], k[:t+1], v[:t+1]), and both are attention: the cache is exact"""
     for kind, (n_heads, n_kv_heads, head_dim) in shapes(rng).items():
         T = int(rng.integers(5, 14))
         q, k, v = normal(rng, T, n_heads, head_dim), normal(rng, T, n_kv_heads, head_dim), \
@@ -203,6 +203,8 @@ def test_causal_rows_equal_decode_steps(sub, rng):
         assert got.shape == q.shape, f"{kind}, T = {T}: expected shape {q.shape}, got {got.shape}"
         for t in range(T):
             step = as_array(sub.attend(q[t], k[:t + 1], v[:t + 1]), f"{kind}: attend").astype(np.float64)
+            check_close(step, c_attend(q[t], k[:t + 1], v[:t + 1]),
+                        f"{kind}: attend(q[{t}], k[:{t + 1}], v[:{t + 1}]) against the C core")
             check_close(got[t], step, f"{kind}, row {t} of causal_attention against "
                                       f"attend(q[{t}], k[:{t + 1}], v[:{t + 1}])")
 

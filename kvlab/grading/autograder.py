@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import stat
 import sys
 import zipfile
@@ -118,11 +119,18 @@ def build(lab: str, out: Union[str, Path], instructor: Optional[Union[str, Path]
 # ---- inside the container ---------------------------------------------------------------
 
 def find_submission(folder: Path, lab: str) -> Tuple[Optional[Path], str]:
-    """The student's file: <lab>.py anywhere in the submission, else its only .py file."""
-    named = sorted(folder.rglob(f"{lab}.py")) if folder.is_dir() else []
+    """The student's file: <lab>.py anywhere in the submission, else its only .py file.
+    Links are never followed (a submission could link to a file only root may read)."""
+    files = []
+    for parent, _, names in os.walk(folder):             # does not follow linked folders
+        for name in names:
+            path = Path(parent) / name
+            if name.endswith(".py") and not path.is_symlink() and path.is_file():
+                files.append(path)
+    files.sort()
+    named = [p for p in files if p.name == f"{lab}.py"]
     if named:
         return named[0], ""
-    files = sorted(folder.rglob("*.py")) if folder.is_dir() else []
     if len(files) == 1:
         return files[0], ""
     found = ", ".join(p.name for p in files[:5]) or "no Python file"
@@ -149,7 +157,7 @@ def run(root: Path, worker_user: Optional[str] = None) -> GradeReport:
                                          t.visibility) for t in tests],
                              problem, 0.0, "hidden tests")
     else:
-        report = Judge(spec, submission.resolve(), tests_path.resolve(), "hidden tests",
+        report = Judge(spec, submission.absolute(), tests_path.resolve(), "hidden tests",
                        test_timeout=float(settings.get("test_timeout", TEST_TIMEOUT)),
                        worker_user=worker_user or None).run()
     report.save(results)

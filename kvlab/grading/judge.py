@@ -28,6 +28,7 @@ import json
 import os
 import secrets
 import shutil
+import stat
 import sys
 import tempfile
 import time
@@ -45,6 +46,8 @@ from .report import GradeReport, TestResult, write_atomically
 
 OUTPUT_CAP = 64 << 10        # bytes of a test's printed output kept
 PRINTED_SHOWN = 1500         # characters of it shown with a failed test
+MESSAGE_SHOWN = 3000         # characters of a failed test's message (it may quote the student)
+SUBMISSION_LIMIT = 1 << 20   # bytes of a submission: a lab's file is a few KiB
 
 
 def load_tests(path: Path) -> List[Callable]:
@@ -78,6 +81,23 @@ def fingerprint(paths: List[Path]) -> Dict[str, str]:
                 continue
             digests[str(path)] = hashlib.sha256(path.read_bytes()).hexdigest()
     return digests
+
+
+def _cut(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[:limit] + f"\n[... {len(text) - limit:,} more characters]"
+
+
+def read_submission(path: Path) -> str:
+    """The submission's source: a regular file (not a link to one), of at most
+    SUBMISSION_LIMIT bytes, in UTF-8. OSError or UnicodeDecodeError otherwise."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+            raise OSError(f"{path.name} is not a regular file")
+        data = f.read(SUBMISSION_LIMIT + 1)
+    if len(data) > SUBMISSION_LIMIT:
+        raise OSError(f"{path.name} is larger than {SUBMISSION_LIMIT:,} bytes")
+    return data.decode("utf-8")
 
 
 def _printed(text: str) -> str:
@@ -153,6 +173,7 @@ class Judge:
         except Exception as error:      # the test could not use what came back
             result.output = (f"the grader could not use what your code returned "
                              f"({type(error).__name__}: {error})")
+        result.output = _cut(result.output, MESSAGE_SHOWN)
         return result
 
     def _all_zero(self, tests: List[Callable], why: str) -> List[TestResult]:
@@ -162,6 +183,7 @@ class Judge:
         started = time.monotonic()
         tests = load_tests(self.tests_path)
         import kvlab
+        from . import handouts, testkit  # noqa: F401  (all the judge will import, imported now)
         guarded = [Path(kvlab.__file__).resolve().parent, self.tests_path.resolve()]
         before = fingerprint(guarded)
         report = GradeReport(self.lab.name, str(self.submission), [], "", 0.0,
@@ -177,6 +199,7 @@ class Judge:
             report.tests = self._all_zero(tests, "not graded: processes your code started "
                                                  "could not be stopped")
         changed = sorted(set(before.items()) ^ set(fingerprint(guarded).items()))
+        report.output = _cut(report.output, MESSAGE_SHOWN)
         if changed:
             names = sorted({name for name, _ in changed})
             report.tests = self._all_zero(tests, "not graded: files of kvlab or of the tests "
@@ -188,7 +211,7 @@ class Judge:
 
     def _grade(self, tests: List[Callable]):
         try:
-            source = self.submission.read_text(encoding="utf-8")
+            source = read_submission(self.submission)
         except (OSError, UnicodeDecodeError) as error:
             why = f"your file could not be read as Python source: {error}"
             return self._all_zero(tests, why), why
@@ -259,7 +282,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         parser.error("the judge's checks are assert statements: run it without -O")
     harden_judge()
     sys.dont_write_bytecode = True
-    judge = Judge(get_lab(args.lab), Path(args.submission).resolve(), Path(args.tests).resolve(),
+    judge = Judge(get_lab(args.lab), Path(args.submission).absolute(), Path(args.tests).resolve(),
                   args.graded_with, args.seed, args.test_timeout, args.total_timeout,
                   args.worker_user)
     report = judge.run()

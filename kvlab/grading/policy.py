@@ -29,6 +29,9 @@ DENIED_MODULES = frozenset({
     "ctypes", "_ctypes", "cffi", "gc", "inspect", "marshal", "posix", "nt",
     "subprocess", "_posixsubprocess", "multiprocessing", "concurrent", "pty", "signal",
     "_signal", "atexit", "socket", "_socket", "instructor",
+    # modules that import or run code named in a string
+    "pydoc", "pickle", "_pickle", "copyreg", "shelve", "timeit", "doctest", "trace",
+    "profile", "cProfile", "pdb", "bdb", "unittest", "modulefinder", "xmlrpc",
 })
 
 # Attributes of allowed modules that do what the denied modules do.

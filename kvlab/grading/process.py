@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
+from .. import process_memory
 from . import wire
 
 WORKER_SCRIPT = Path(__file__).resolve().with_name("worker.py")
@@ -244,8 +245,8 @@ class WorkerProcess:
         try:
             length = wire.frame_length(self._read_exactly(wire.HEADER_SIZE, deadline))
             answer = wire.decode(self._read_exactly(length, deadline))
-        except wire.WireError as error:
-            raise WorkerGarbled(f"the worker process sent something unreadable ({error})") from None
+        except (wire.WireError, ValueError, TypeError, MemoryError, RecursionError) as error:
+            raise WorkerGarbled(f"the worker process sent something unreadable ({error})"[:500]) from None
         if type(answer) is not dict:
             raise WorkerGarbled("the worker process sent something that is not an answer")
         return answer
@@ -262,6 +263,19 @@ class WorkerProcess:
                 name = f"signal {-code}"
             return f"the Python process running your code was killed by {name}"
         return f"the Python process running your code ended (exit status {code})"
+
+    # ---- memory, read from outside -----------------------------------------------------
+    def reset_peak_memory(self) -> Optional[int]:
+        """Restart the worker's peak resident memory from its present size, and return that
+        size in bytes; None where Linux cannot (the peak is then unknown)."""
+        pid = str(self.process.pid)
+        if not process_memory.reset_peak(pid):
+            return None
+        return 1024 * process_memory.status_kib("VmRSS", pid) or None
+
+    def peak_memory(self) -> int:
+        """The worker's peak resident memory (VmHWM) in bytes (0 where unknown)."""
+        return 1024 * process_memory.status_kib("VmHWM", str(self.process.pid))
 
     # ---- the end -----------------------------------------------------------------------
     def stop(self) -> str:

@@ -18,6 +18,8 @@ from typing import Any, List, Optional, Tuple
 from . import wire
 from .process import WorkerGarbled, WorkerProcess
 
+MESSAGE_CAP = 2000           # characters of a student's exception message kept
+
 
 class RemoteError(Exception):
     """The student's code raised. types: the class names of its exception, most
@@ -49,8 +51,10 @@ def _answer(answer: dict) -> Any:
         raised = answer["raised"]
         if type(raised) is not dict:
             raise WorkerGarbled("the worker process sent a malformed exception")
-        types = [str(t) for t in raised.get("types", [])] if type(raised.get("types")) is list else []
-        return RemoteError(types, str(raised.get("message", "")), str(raised.get("where", "")))
+        types = raised.get("types")
+        types = [str(t)[:100] for t in types[:50]] if type(types) is list else []
+        return RemoteError(types, str(raised.get("message", ""))[:MESSAGE_CAP],
+                           str(raised.get("where", ""))[:300])
     if "ok" not in answer:
         raise WorkerGarbled("the worker process sent an answer without a result")
     return answer["ok"]

@@ -30,8 +30,8 @@ def grade(lab: str, submission: Union[str, Path], results: Optional[Union[str, P
     names a test file), else with the lab's public checks; the report says which. Never
     raises for anything the submission does: a broken submission scores 0 with the reason."""
     spec = get_lab(lab)
-    submission = Path(submission).resolve()
-    if not submission.is_file():
+    submission = Path(submission).absolute()      # a link is not followed: the judge refuses it
+    if not submission.exists():
         raise FileNotFoundError(f"no submission at {submission}")
     if tests is not None:
         tests_path, graded_with = Path(tests).resolve(), "hidden tests"

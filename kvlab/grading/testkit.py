@@ -25,6 +25,7 @@ from typing import Any, Callable, Optional
 import numpy as np
 
 from . import wire
+from .handouts import config_fields
 from .remote import RemoteError, RemoteObject
 
 VISIBILITIES = ("visible", "hidden", "after_due_date", "after_published")
@@ -121,8 +122,25 @@ def number(got: Any, what: str) -> float:
 
 def config_record(config) -> wire.Record:
     """A kvlab.ModelConfig as the labs' functions receive it: plain numbers, by value."""
-    from .handouts import config_fields
     return wire.Record("ModelConfig", config_fields(config))
+
+
+class PeakGrowth:
+    """bytes: how far the worker's resident memory rose above its size when the block began,
+    at its highest (None where Linux cannot tell)."""
+    bytes: Optional[int] = None
+
+
+@contextlib.contextmanager
+def peak_growth(sub):
+    """Watch the worker's memory from outside while the block runs: a measurement the
+    student reports cannot be more than what their process really took."""
+    worker = sub._session.worker
+    start = worker.reset_peak_memory()
+    growth = PeakGrowth()
+    yield growth
+    if start is not None:
+        growth.bytes = max(worker.peak_memory() - start, 0)
 
 
 @functools.lru_cache(maxsize=None)

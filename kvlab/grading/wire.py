@@ -34,8 +34,11 @@ from typing import Any
 
 import numpy as np
 
-MAX_FRAME = 256 << 20        # bytes in one message, either way
+MAX_FRAME = 64 << 20         # bytes in one message, either way
 MAX_DEPTH = 64               # containers inside containers
+MAX_NODES = 1_000_000        # JSON values in one message (each is a Python object once read)
+MAX_KEYS = 10_000            # set members and dict keys in one message (each is hashed, and
+                             # ints that collide make hashing quadratic)
 
 _DTYPE = re.compile(r"^[<>|=][biufc](1|2|4|8|16)$")
 _HEADER = struct.Struct(">I")
@@ -125,31 +128,49 @@ def _dtype(text: Any) -> np.dtype:
 def _array(dtype_text: Any, shape: Any, data_text: Any) -> np.ndarray:
     dtype = _dtype(dtype_text)
     if type(shape) is not list or len(shape) > 32 or \
-            any(type(n) is not int or n < 0 for n in shape):
+            any(type(n) is not int or not 0 <= n <= MAX_FRAME for n in shape):
         raise WireError(f"bad array shape {shape!r}")
     data = _b64(data_text, "array data")
     count = math.prod(shape)
     if count * dtype.itemsize != len(data):
         raise WireError(f"array of shape {shape} and dtype {dtype} with {len(data)} bytes")
-    return np.frombuffer(data, dtype=dtype).reshape(shape).copy()
+    try:
+        return np.frombuffer(data, dtype=dtype).reshape(shape).copy()
+    except (ValueError, MemoryError, OverflowError) as error:
+        raise WireError(f"array of shape {shape}: {error}") from None
 
 
-def from_json(tree: Any, depth: int = 0) -> Any:
+class _Budget:
+    """What one message may still make the decoder hash."""
+
+    def __init__(self):
+        self.keys = MAX_KEYS
+
+    def spend(self, n: int) -> None:
+        self.keys -= n
+        if self.keys < 0:
+            raise WireError(f"more than {MAX_KEYS} set members and dict keys in one message")
+
+
+def from_json(tree: Any, depth: int = 0, budget: Any = None) -> Any:
     """The value a to_json tree stands for; WireError for anything to_json cannot write."""
+    budget = budget or _Budget()
     if depth > MAX_DEPTH:
         raise WireError(f"containers nested more than {MAX_DEPTH} deep")
     kind = type(tree)
     if tree is None or kind in (bool, int, float, str):
         return tree
     if kind is list:
-        return [from_json(item, depth + 1) for item in tree]
+        return [from_json(item, depth + 1, budget) for item in tree]
     if kind is not dict or len(tree) != 1:
         raise WireError(f"unexpected {kind.__name__} in a message")
     (tag, body), = tree.items()
     if tag in ("$tuple", "$set", "$frozenset"):
         if type(body) is not list:
             raise WireError(f"{tag} without a list")
-        items = [from_json(item, depth + 1) for item in body]
+        if tag != "$tuple":
+            budget.spend(len(body))
+        items = [from_json(item, depth + 1, budget) for item in body]
         try:
             return {"$tuple": tuple, "$set": set, "$frozenset": frozenset}[tag](items)
         except TypeError:
@@ -157,8 +178,10 @@ def from_json(tree: Any, depth: int = 0) -> Any:
     if tag == "$dict":
         if type(body) is not list or any(type(p) is not list or len(p) != 2 for p in body):
             raise WireError("$dict without [key, value] pairs")
+        budget.spend(len(body))
         try:
-            return {from_json(k, depth + 1): from_json(v, depth + 1) for k, v in body}
+            return {from_json(k, depth + 1, budget): from_json(v, depth + 1, budget)
+                    for k, v in body}
         except TypeError:
             raise WireError("$dict with an unhashable key") from None
     if tag == "$bytes":
@@ -179,7 +202,7 @@ def from_json(tree: Any, depth: int = 0) -> Any:
         for name, value in body[1].items():
             if not name.isidentifier():
                 raise WireError(f"record field {name!r} is not a name")
-            fields[name] = from_json(value, depth + 1)
+            fields[name] = from_json(value, depth + 1, budget)
         return types.SimpleNamespace(**fields)
     if tag == "$handle":
         if type(body) is not list or len(body) != 2 or type(body[0]) is not int \
@@ -195,9 +218,14 @@ def encode(value: Any) -> bytes:
 
 
 def decode(payload: bytes) -> Any:
+    # Every JSON value but the first follows a "[", a "{" or a ",": counting them bounds
+    # the objects json.loads would make, before it makes them.
+    nodes = payload.count(b"[") + payload.count(b"{") + payload.count(b",")
+    if nodes > MAX_NODES:
+        raise WireError(f"a message of more than {MAX_NODES:,} values")
     try:
         tree = json.loads(payload.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError, RecursionError) as error:
+    except (UnicodeDecodeError, ValueError, RecursionError, MemoryError) as error:
         raise WireError(f"not a message: {type(error).__name__}") from None
     return from_json(tree)
 

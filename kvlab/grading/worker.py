@@ -31,6 +31,7 @@ import os
 import resource
 import sys
 import traceback
+import types
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -38,9 +39,10 @@ SUBMISSION = "submission"
 OUTPUT_LIMIT = 256 << 20          # bytes of files the student's code may write
 
 
-def _load_sibling(name):
-    """wire.py and policy.py, by path: the worker imports nothing of kvlab's on its own."""
-    spec = importlib.util.spec_from_file_location(f"kvlab_grading_{name}", HERE / f"{name}.py")
+def _load_sibling(path):
+    """wire.py, policy.py and process_memory.py, by path: the worker imports nothing of
+    kvlab's as kvlab (the package is refused to the submission; see KvlabFinder)."""
+    spec = importlib.util.spec_from_file_location(f"kvlab_worker_{path.stem}", path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module           # dataclasses look their module up there
     spec.loader.exec_module(module)
@@ -49,14 +51,22 @@ def _load_sibling(name):
 
 import numpy  # noqa: E402  (after sys.path is as -I left it; wire needs it too)
 
-wire = _load_sibling("wire")
-policy = _load_sibling("policy")
+wire = _load_sibling(HERE / "wire.py")
+policy = _load_sibling(HERE / "policy.py")
+process_memory = _load_sibling(HERE.parent / "process_memory.py")
+
+# What a lab may lend a submission from kvlab, by the name the submission imports it as.
+LENDABLE = {"kvlab.measure.resident_bytes": process_memory.resident_bytes,
+            "kvlab.measure.release_freed_memory": process_memory.release_freed_memory}
 
 
 def _limit_resources(max_processes):
     """Limits the student's code cannot raise again: no core files, bounded files, and (when
     the worker runs as a user of its own) a bounded number of processes. A memory hog is
-    the first thing the out-of-memory killer takes."""
+    the first thing the out-of-memory killer takes, and the worker dies with the judge."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+        ctypes.CDLL(None).prctl(1, 9, 0, 0, 0)     # PR_SET_PDEATHSIG, SIGKILL
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
     resource.setrlimit(resource.RLIMIT_FSIZE, (OUTPUT_LIMIT, OUTPUT_LIMIT))
     if max_processes:
@@ -91,18 +101,60 @@ def _describe(error, path):
     return {"types": names, "message": message[:2000], "where": _where(error, path)[:500]}
 
 
-class _RefuseInstructor:
-    """A finder that refuses instructor/ however it is imported (importlib included)."""
+class KvlabFinder:
+    """Refuses instructor/ always, and kvlab except while the worker builds a handout: however
+    a module is imported (importlib, pydoc.locate, unpickling), the import system asks this
+    finder first. What a lab lends from kvlab the submission gets from lent_modules()."""
+
+    def __init__(self):
+        self.lending = False
 
     def find_spec(self, name, path=None, target=None):
-        if name.partition(".")[0] == "instructor":
+        top = name.partition(".")[0]
+        if top == "instructor":
             raise ImportError("`instructor` is the course's own material: it is not yours to import")
+        if top == "kvlab" and not (self.lending or _importer().startswith("kvlab.")):
+            raise ImportError(f"`{name}` is not available to a lab submission")
         return None
+
+
+def _importer():
+    """The module name of the code that started the import under way (kvlab's own lazy
+    imports are kvlab's business)."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        name = frame.f_globals.get("__name__", "")
+        if not isinstance(name, str):
+            return ""
+        if not name.startswith(("importlib", "_frozen_importlib")):
+            return name
+        frame = frame.f_back
+    return ""
+
+
+def lent_modules(allowed):
+    """Stand-ins for the kvlab modules a lab lends: {"kvlab": ..., "kvlab.measure": ...},
+    each holding only the lent names (the real functions, from LENDABLE)."""
+    modules = {}
+    for dotted in allowed:
+        if dotted not in LENDABLE:
+            raise LookupError(f"the worker cannot lend {dotted!r}")
+        parts = dotted.split(".")
+        for i in range(1, len(parts)):
+            name = ".".join(parts[:i])
+            if name not in modules:
+                modules[name] = types.ModuleType(name, "lent to a lab submission by the grader")
+                if i > 1:
+                    setattr(modules[".".join(parts[:i - 1])], parts[i - 1], modules[name])
+        setattr(modules[".".join(parts[:-1])], parts[-1], LENDABLE[dotted])
+    return modules
 
 
 class Worker:
     def __init__(self, read_fd, write_fd):
         self.read_fd, self.write_fd = read_fd, write_fd
+        self.finder = KvlabFinder()
+        sys.meta_path.insert(0, self.finder)
         self.objects = {}                # handle id -> object kept for the judge
         self.module = None
         self.path = None
@@ -169,22 +221,23 @@ class Worker:
         module_globals = self.module.__dict__
         rules = self.rules
 
+        lent = lent_modules(rules.kvlab)
+
         def guarded_import(name, globals=None, locals=None, fromlist=(), level=0):
             if not isinstance(name, str):
                 return real_import(name, globals, locals, fromlist, level)
             caller = sys._getframe(1).f_globals
             if globals is module_globals or caller is module_globals:
                 why = policy.import_refusal(rules, name, fromlist or (), level)
-            elif name.partition(".")[0] == "instructor":
-                why = policy.import_refusal(rules, name)
-            else:
-                why = None
-            if why:
-                raise ImportError(why)
+                if why:
+                    raise ImportError(why)
+                if name.partition(".")[0] == "kvlab":     # what the lab lends, and no more
+                    if name not in lent:
+                        raise ImportError(f"`{name}` is not a module this lab lends")
+                    return lent[name] if fromlist else lent["kvlab"]
             return real_import(name, globals, locals, fromlist, level)
 
         builtins.__import__ = guarded_import
-        sys.meta_path.insert(0, _RefuseInstructor())
 
     def load(self, path, rules):
         self.path, self.rules = path, policy.Policy.from_dict(rules)
@@ -225,8 +278,12 @@ class Worker:
                 values.append(None if callable(value) else self.by_value_or_handle(value))
             return {"ok": values, "callable": callables}
         if op == "handout":
-            from kvlab.grading import handouts      # trusted kvlab code, imported on demand
-            made = handouts.make(request["name"], **self.resolve(request["kwargs"]))
+            self.finder.lending = True              # kvlab's own code imports kvlab
+            try:
+                from kvlab.grading import handouts
+                made = handouts.make(request["name"], **self.resolve(request["kwargs"]))
+            finally:
+                self.finder.lending = False
             return {"ok": self.by_value_or_handle(made)}
         raise RuntimeError(f"unknown request {op!r}")
 
