@@ -39,7 +39,7 @@ import numpy as np
 
 from .labs import TEST_TIMEOUT, Lab, get_lab
 from .policy import check_source
-from .process import (WorkerDied, WorkerGarbled, WorkerGone, WorkerProcess, WorkerTimeout,
+from .process import (WorkerDied, WorkerGone, WorkerProcess, WorkerTimeout,
                       check_worker_user, harden_judge, sweep)
 from .remote import RemoteError, Session, Submission
 from .report import GradeReport, TestResult, write_atomically
@@ -145,7 +145,10 @@ class Judge:
 
     def _start(self, index: int, copy: Path, deadline: float) -> Session:
         """A worker with the submission imported; RemoteError if the import raised."""
-        worker = WorkerProcess(self._scratch(index), self.worker_user, self.output_cap)
+        try:
+            worker = WorkerProcess(self._scratch(index), self.worker_user, self.output_cap)
+        except OSError as error:            # no process to be had (a limit reached, say)
+            raise WorkerDied(f"the grader could not start a process for your code ({error})") from None
         session = Session(worker, deadline)
         try:
             session.ask({"op": "load", "path": str(copy), "policy": self.lab.policy.to_dict()})
