@@ -1,6 +1,8 @@
-"""The `kvlab` command line: `kvlab demo`, `kvlab bench`, `kvlab generate`, `kvlab info`,
-and the graded labs: `kvlab lab list|show|start|autograder`, `kvlab check LAB SUBMISSION`
-and `kvlab grade LAB SUBMISSION`.
+"""The `kvlab` command line: run the bundled model, time it, and work through the graded labs.
+
+`kvlab demo`, `kvlab bench`, `kvlab generate`, `kvlab info`, and for the labs
+`kvlab lab list|show|start|autograder`, `kvlab check LAB SUBMISSION` and
+`kvlab grade LAB SUBMISSION`.
 
 Also reachable as `python -m kvlab`. Each subcommand is a thin layer over the public API
 (kvlab.load, kvlab.generate), so what it prints is what a notebook would compute.
@@ -180,7 +182,7 @@ def cmd_lab(args) -> int:
 def cmd_grade(args) -> int:
     from .grading import grade
     report = grade(args.lab, args.submission, results=args.results, instructor=args.instructor,
-                   public=args.public, seed=args.seed)
+                   public=args.public, seed=args.seed, progress=True)
     print(report.summary())
     if report.graded_with == "public checks" and not args.public:
         print("(no hidden tests here, so these are the public checks: your course grades with "
@@ -191,10 +193,11 @@ def cmd_grade(args) -> int:
 
 
 def cmd_check(args) -> int:
+    """Like a test runner: exit status 1 while a check fails."""
     from .grading import check
-    report = check(args.lab, args.submission)
+    report = check(args.lab, args.submission, progress=True)
     print(report.summary())
-    return 0
+    return 0 if report.score == report.max_score else 1
 
 
 def build_parser() -> argparse.ArgumentParser:

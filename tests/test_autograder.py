@@ -119,18 +119,29 @@ def test_setup_sh_and_the_unprivileged_student_as_on_gradescope(package):
         run = run_autograder(root, env)
         assert run.returncode == 0, run.stderr
         assert results(root)["score"] == 16, results(root)
-        # the student's code runs as kvlab-student: the tests and results are out of reach
+        # the student's code runs as kvlab-student: the tests, the results and kvlab itself
+        # are out of reach, even with the worker's import guard taken away
+        kvlab_init = next(venv.glob("lib/python3*/site-packages/kvlab/__init__.py"))
         (root / "submission" / "cache_size.py").write_text(f'''
+import asyncio.unix_events as _ue
 import os
+
 def kv_bytes_per_token(*args):
     seen = [str(os.getuid())]
     for path in ({str(root / "source" / "tests" / "cache_size.py")!r},
-                 {str(root / "results" / "results.json")!r}):
+                 {str(root / "results" / "results.json")!r}, {str(kvlab_init)!r}):
         try:
             open(path, "a").close()
             seen.append("opened " + path)
         except OSError as error:
             seen.append(type(error).__name__)
+    system = getattr(_ue, "s" + "ys")
+    getattr(system, "meta_" + "path").pop(0)          # the worker's finder
+    try:
+        getattr(system, "mod" + "ules")["importlib"].import_module("kvlab.quant")
+        seen.append("imported kvlab")
+    except ImportError as error:
+        seen.append("ImportError")
     raise RuntimeError(" ".join(seen))
 ''')
         run = run_autograder(root, env)
@@ -138,6 +149,7 @@ def kv_bytes_per_token(*args):
         first = results(root)["tests"][0]["output"]
         import pwd
         uid = pwd.getpwnam(WORKER_USER).pw_uid
-        assert f"RuntimeError: {uid} PermissionError PermissionError" in first, first
+        assert f"RuntimeError: {uid} PermissionError PermissionError PermissionError ImportError" \
+            in first, first
     finally:
         shutil.rmtree(top, ignore_errors=True)

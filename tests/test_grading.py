@@ -156,13 +156,39 @@ def attend(q, keys, values):
     assert any("off by up to" in t.output and "expected" in t.output for t in failed)
 
 
-def test_an_endless_loop_costs_only_its_own_tests(tmp_path):
+def test_an_endless_loop_costs_only_its_own_tests_and_says_where_it_was(tmp_path):
     solution = (INSTRUCTOR / "solutions" / "cache_size.py").read_text()
     looping = tmp_path / "looping.py"
     looping.write_text(solution + "\n\ndef max_requests(*args, **kwargs):\n    while True:\n        pass\n")
+    line = len(solution.splitlines()) + 4                  # the loop's `while` or `pass`
     report = hidden("cache_size", looping, test_timeout=3.0)
     assert set(report.failed()) == {"test_max_requests", "test_max_requests_returns_a_whole_number"}
-    assert all("ran too long" in t.output for t in report.tests if not t.passed)
+    for test in report.tests:
+        if not test.passed:
+            assert "ran too long" in test.output and "in max_requests" in test.output, test.output
+            assert f"line {line} " in test.output or f"line {line + 1} " in test.output
+            assert "0x" not in test.output and "most recent call" not in test.output
+
+
+def test_a_function_the_file_lacks_is_named(tmp_path):
+    partial = tmp_path / "partial.py"
+    partial.write_text("def kv_bytes_per_token(n_layers, n_kv_heads, head_dim, size):\n"
+                       "    return 2 * n_layers * n_kv_heads * head_dim * size\n")
+    report = hidden("cache_size", partial)
+    lacking = [t for t in report.tests if t.function == "test_max_requests"][0]
+    assert "your file defines no `max_requests`" in lacking.output, lacking.output
+
+
+def test_trying_things_under_main_is_not_refused(tmp_path):
+    trying = tmp_path / "cache_size.py"
+    trying.write_text((INSTRUCTOR / "solutions" / "cache_size.py").read_text() + """
+
+if __name__ == "__main__":
+    import kvlab
+    print(measure_resident_growth(kvlab.load(), 128, 8), kvlab.kv_cache_bytes)
+""")
+    report = hidden("cache_size", trying)
+    assert report.score == report.max_score, report.summary()
 
 
 def test_a_submission_that_exits_or_hangs_at_import_scores_zero(tmp_path):
@@ -233,6 +259,8 @@ def test_kvlab_grade_and_check_print_a_summary(tmp_path, capsys, monkeypatch):
     out = capsys.readouterr().out
     assert "lab cache_size: 0 / 16" in out and "hidden tests, seed 5" in out and "FAIL" in out
     assert json.loads((tmp_path / "results.json").read_text())["score"] == 0
-    assert cli.main(["check", "cache_size", starter]) == 0
+    assert cli.main(["check", "cache_size", starter]) == 1          # like a test runner
     out = capsys.readouterr().out
     assert "public checks" in out and "not written yet" in out
+    solution = str(INSTRUCTOR / "solutions" / "cache_size.py")
+    assert cli.main(["check", "cache_size", solution]) == 0

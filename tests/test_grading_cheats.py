@@ -3,8 +3,8 @@ work (issue 16), each scoring the cheat as the work it really contains and the h
 solution full marks (test_grading.py).
 
 Most tricks are written here the way a determined student would write them past the source
-check (kvlab/grading/policy.py): through `asyncio.unix_events.os`, `getattr` with built-up
-names, and so on. That check only turns the easy ways into a clear refusal; these tests show
+check (kvlab/grading/policy.py): modules reached with `getattr` and built-up names
+(EVADE below), and so on. That check only turns the easy ways into a clear refusal; these tests show
 that the judge holds without it: the score is computed in another process from the judge's
 own tests, time limits are enforced from outside, and no process the submission starts
 outlives its test.
@@ -33,6 +33,13 @@ FORGED = json.dumps({"lab": "cache_size", "submission": "x", "output": "", "exec
                      "graded_with": "hidden tests", "seed": 0, "score": 1e6,
                      "tests": [{"name": "forged", "score": 1e6, "max_score": 1.0,
                                 "output": "", "visibility": "visible", "status": "passed"}]})
+
+
+# os, sys and signal, reached past the source check (it refuses `x.os.fork`, `x.sys.modules`)
+EVADE = '''
+import asyncio.unix_events as _ue
+_os, _sys, _signal = (getattr(_ue, name) for name in ("o" + "s", "s" + "ys", "sig" + "nal"))
+'''
 
 
 def hidden(submission, lab="cache_size", **options):
@@ -88,11 +95,9 @@ def test_the_worker_refuses_kvlab_and_instructor_even_past_the_source_check(tmp_
         "b = __builtins__['__im' + 'port__']('kvlab.quant')\n": "kvlab.quant",
         "import kvlab.measure\nfrom kvlab.measure import kv_cache_bytes\n": "kvlab.measure.kv_cache_bytes",
         "import importlib\n": "importlib",
-        "import asyncio.unix_events as ue\n"
-        "ue.sys.modules['importlib'].import_module('instructor.solutions')\n": "instructor",
+        EVADE + "_sys.modules['importlib'].import_module('instructor.solutions')\n": "instructor",
         # kvlab is not even importable by the standard library on the submission's behalf
-        "import asyncio.unix_events as ue\n"
-        "ue.sys.modules['importlib'].import_module('kvlab.quant')\n": "not available",
+        EVADE + "_sys.modules['importlib'].import_module('kvlab.quant')\n": "not available",
         "import pydoc\n": "pydoc",
         "import kvlab.measure\nimport kvlab.measure as m\n": None,        # allowed
     }
@@ -163,7 +168,7 @@ class Keeper:
     pass
 
 keeper = Keeper()
-weakref.finalize(keeper, forge).atexit = True        # atexit by another name
+setattr(weakref.finalize(keeper, forge), "ate" + "xit", True)   # atexit by another name
 
 def keep_forging():
     for _ in range(200):
@@ -183,11 +188,10 @@ threading.Thread(target=keep_forging, daemon=False).start()
 def test_forged_results_and_os_exit_change_nothing(tmp_path):
     results = tmp_path / "results.json"
     submission = tmp_path / "cache_size.py"
-    submission.write_text(STARTER + forge_code(results) + '''
+    submission.write_text(STARTER + forge_code(results) + EVADE + '''
 def kv_bytes_per_token(*args):
-    import asyncio.unix_events as ue
     forge()
-    ue.os._exit(0)
+    _os._exit(0)
 ''')
     report = hidden(submission, results=results)
     assert (tmp_path / "forged.txt").is_file(), "the forger never ran: the test proves nothing"
@@ -213,13 +217,12 @@ def test_monkeypatching_kvlab_in_the_worker_changes_nothing(tmp_path):
     honest.parent.mkdir()
     honest.write_text(SOLUTION + WRONG)
     patched = tmp_path / "cache_size.py"
-    patched.write_text(SOLUTION + WRONG + f'''
-import asyncio.unix_events as ue
+    patched.write_text(SOLUTION + WRONG + EVADE + f'''
 
 def patch():
     """Make kvlab's arithmetic agree with the wrong answers, wherever kvlab is loaded
     (in the worker, kvlab is there only once the grader has lent a model)."""
-    modules = ue.sys.modules
+    modules = _sys.modules
     for name in ("kvlab", "kvlab.measure"):
         if name in modules:
             setattr(modules[name], "kv_cache" + "_bytes", lambda *args, **kwargs: 0)
@@ -252,6 +255,7 @@ with open({str(tests)!r}, "a") as f:
 ''')
     report = grade("cache_size", submission, tests=tests, seed=3)
     assert report.score == 0 and "grading refused" in report.output
+    assert "NOT GRADED" in report.summary().splitlines()[0]
     assert str(tests) in report.output
 
 
@@ -259,10 +263,10 @@ with open({str(tests)!r}, "a") as f:
 
 def test_ignoring_signals_does_not_stop_the_time_limit(tmp_path):
     submission = tmp_path / "cache_size.py"
-    submission.write_text(SOLUTION + '''
-import asyncio.unix_events as ue
+    submission.write_text(SOLUTION + EVADE + '''
+ignore = getattr(_signal, "sig" + "nal")
 for name in ("SIGALRM", "SIGTERM", "SIGINT", "SIGHUP", "SIGVTALRM", "SIGPROF"):
-    ue.signal.signal(getattr(ue.signal, name), ue.signal.SIG_IGN)
+    ignore(getattr(_signal, name), _signal.SIG_IGN)
 
 def max_requests(*args, **kwargs):
     while True:
@@ -306,9 +310,8 @@ def test_processes_the_submission_starts_do_not_outlive_grading(tmp_path):
     marks.mkdir()
     os.chmod(marks, 0o777)
     submission = tmp_path / "cache_size.py"
-    submission.write_text(SOLUTION + f'''
-import asyncio.unix_events as ue, time
-_os = ue.os
+    submission.write_text(SOLUTION + EVADE + f'''
+import time
 if _os.fork() == 0:                          # a detached grandchild, as daemons are made
     _os.setsid()
     if _os.fork() == 0:

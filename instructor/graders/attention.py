@@ -70,7 +70,7 @@ def test_attend_mha(sub, rng):
         keys, values = normal(rng, length, n_kv_heads, head_dim), normal(rng, length, n_kv_heads, head_dim)
         got = sub.attend(q, keys, values)
         check_close(got, c_attend(q, keys, values), f"MHA, {n_heads} heads of {head_dim}, "
-                                                     f"{length} cached positions")
+                                                     f"{length} cached position{'s' * (length != 1)}")
 
 
 @points(2)
@@ -85,7 +85,7 @@ def test_attend_gqa_and_mqa(sub, rng):
             got = sub.attend(q, keys, values)
             check_close(got, c_attend(q, keys, values),
                         f"{kind}: {n_heads} query heads, {n_kv_heads} KV head(s) of {head_dim}, "
-                        f"{length} cached positions (query head h reads KV head h // "
+                        f"{length} cached position{'s' * (length != 1)} (query head h reads KV head h // "
                         f"{n_heads // n_kv_heads})")
 
 

@@ -139,13 +139,17 @@ def test_max_requests(sub, rng):
 
 @points(1)
 def test_max_requests_returns_a_whole_number(sub, rng):
-    """a fraction of a request does not run"""
-    got = sub.max_requests(config_record(LLAMA2_7B), int(rng.integers(15, 60)) * GiB, 4096,
-                           "fp16", "fp16")
-    whole_number(got, "max_requests")
+    """a fraction of a request does not run: the whole number of requests that fit"""
+    memory = int(rng.integers(15, 60)) * GiB + int(rng.integers(1, GiB))
+    got = whole_number(sub.max_requests(config_record(LLAMA2_7B), memory, 4096, "fp16", "fp16"),
+                       "max_requests")
+    left = memory - LLAMA2_7B.n_params() * 2
+    want = max(0, left // kvlab.kv_cache_bytes(LLAMA2_7B, 4096, 1, "fp16"))
+    assert got == want, (f"Llama 2 7B, {memory:,} B of memory, fp16 weights and caches of 4,096 "
+                         f"tokens: {want} requests fit, you say {got}")
 
 
-@points(2)
+@points(2, lends=("lab_model",))
 def test_measured_growth_matches_the_formula(sub, rng):
     """filling real caches grows resident memory by what they hold: a measurement, not a formula"""
     config = bundled_model().config

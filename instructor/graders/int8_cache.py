@@ -95,9 +95,17 @@ def test_quantize_matches_kvlab_quant(sub, rng):
             check_quantized(got, x, group, f"x of shape {shape}, groups of {group}")
 
 
+# Rows (found by search) where x * (1 / scale) rounds to another code than x / scale does.
+DIVIDE_NOT_MULTIPLY = np.array([
+    [0.0036860997788608074, 0.01702905260026455, 0.02902938984334469, -0.016679419204592705, 0.0014639870496466756, -0.013074840418994427, -0.013833712786436081, 0.0025268294848501682, -0.0009841255377978086, -0.012458053417503834, -0.000522714457474649, -0.0002282484929310158, 0.008940406143665314, -0.005269894376397133, -0.024951178580522537, -0.01367501076310873],
+    [-24.145694732666016, 25.314464569091797, 3.1972625255584717, 8.005733489990234, 14.328344345092773, 25.813976287841797, 24.155672073364258, 44.745731353759766, 9.92466926574707, -6.256541728973389, 32.78572082519531, -4.354222297668457, 3.2424588203430176, 1.7552512884140015, 19.278667449951172, 52.74491882324219],
+    [0.0025399161968380213, 0.014896762557327747, -0.009696769528090954, 0.008132043294608593, -0.008330310694873333, 0.0178824570029974, -0.020234106108546257, 0.0053880647756159306, -0.009052172303199768, 0.007024277001619339, -0.013300375081598759, 0.0005237217992544174, -0.007229790557175875, -0.002960476092994213, -0.0018702425295487046, 0.013004875741899014],
+], dtype=np.float32)
+
+
 @points(2)
 def test_quantize_rounds_half_to_even_and_keeps_zero_groups_zero(sub, rng):
-    """x / scale = 2.5 gives 2 (np.rint), and an all-zero group gives codes 0 and scale 0"""
+    """x / scale = 2.5 gives 2 (np.rint), an all-zero group codes 0 and scale 0, x / scale is divided"""
     halves = np.array([[127.0, 0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 3.5,
                         10.5, 126.5, -126.5, 0.0, 1.0, -7.0, 2.4999, 2.5001]],
                       dtype=np.float32)                # scale 127 / 127 = 1: x / scale is x
@@ -108,6 +116,9 @@ def test_quantize_rounds_half_to_even_and_keeps_zero_groups_zero(sub, rng):
     zeros[1, 8:] = np.arange(1, 9, dtype=np.float32)   # a zero group beside a non-zero one
     got = quantize(sub, zeros, 8)
     check_quantized(got, zeros, 8, "all-zero groups (scale 0, codes 0)")
+    got = quantize(sub, DIVIDE_NOT_MULTIPLY, 16)
+    check_quantized(got, DIVIDE_NOT_MULTIPLY, 16, "rows where x * (1 / scale) rounds to another "
+                                                  "code than x / scale (divide by the scale)")
 
 
 @points(3)
@@ -168,9 +179,14 @@ def test_round_trip_stays_within_your_bound(sub, rng):
     for _ in range(8):
         x = hard_inputs(rng)
         for group in (32, 16, 8, 2, 1):
-            codes, scales = quantize(sub, x, group)
-            back = as_array(sub.dequantize_int8(as_array(codes, "codes"), as_array(scales, "scales"),
-                                                group), "dequantize_int8", shape=x.shape)
+            got = quantize(sub, x, group)
+            assert isinstance(got, (tuple, list)) and len(got) == 2, (
+                f"quantize_int8: expected (codes, scales), got {described(got)}")
+            codes = as_array(got[0], "quantize_int8's codes", shape=x.shape, dtype=np.int8)
+            scales = as_array(got[1], "quantize_int8's scales",
+                              shape=x.shape[:-1] + (x.shape[-1] // group,), dtype=np.float32)
+            back = as_array(sub.dequantize_int8(codes, scales, group), "dequantize_int8",
+                            shape=x.shape)
             back = back.astype(np.float64)
             bound = as_array(sub.error_bound(x, group), "error_bound", shape=x.shape)
             # a bound looser than half a step (infinity, say) proves nothing: the tighter counts

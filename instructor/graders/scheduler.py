@@ -152,118 +152,150 @@ def seeds(rng):
 
 
 # ---- the tests ------------------------------------------------------------------------
+# The scenarios below are fixed in shape, but their request ids (and, where the answer can
+# be worked out for any size, their sizes) are drawn at grading time: the expected steps a
+# failed test prints cannot be looked up the next time.
+
+def ids(rng, n):
+    """n distinct request ids, drawn now, in arrival order."""
+    return [int(i) for i in rng.choice(10 ** 6, size=n, replace=False)]
+
+
+def reference_batches(num_blocks, block_size, max_tokens, max_seqs, requests):
+    """Every step's batch as kvlab's scheduler decides them."""
+    reference = KvlabReference(num_blocks, block_size, max_tokens, max_seqs)
+    for request in requests:
+        reference.add(*request)
+    steps = []
+    while reference.scheduler.has_work:
+        steps.append(reference.step())
+    return steps
+
 
 @points(1)
 def test_add_refuses_a_request_that_could_never_fit(sub, rng):
     """add raises ValueError for a request that needs more blocks than the cache has"""
+    a, b, c, d = ids(rng, 4)
     scheduler = sub.Scheduler(10, 4, 16, 4)
-    scheduler.add(0, 37, 4)                          # 37 + 3 = 40 tokens: exactly 10 blocks
-    for args, why in (((1, 38, 4), "38 + 3 = 41 tokens need 11 blocks of 4; there are 10"),
-                      ((2, 0, 3), "a prompt of 0 tokens"), ((3, 5, 0), "max_new_tokens 0")):
+    scheduler.add(a, 37, 4)                          # 37 + 3 = 40 tokens: exactly 10 blocks
+    for args, why in (((b, 38, 4), "38 + 3 = 41 tokens need 11 blocks of 4; there are 10"),
+                      ((c, 0, 3), "a prompt of 0 tokens"), ((d, 5, 0), "max_new_tokens 0")):
         with raises("ValueError", f"add{args} ({why})"):
             scheduler.add(*args)
-    assert scheduler.waiting_ids() == [0], (
-        f"only request 0 was accepted: expected waiting [0], got {scheduler.waiting_ids()}")
+    assert scheduler.waiting_ids() == [a], (
+        f"only request {a} was accepted: expected waiting [{a}], got {scheduler.waiting_ids()}")
 
 
 @points(2)
 def test_a_long_prompt_is_prefilled_in_chunks(sub, rng):
-    """a 100-token prompt, 16 tokens a step: 7 chunks, then 2 decodes"""
-    scheduler, steps = run(sub, 64, 4, 16, 8, [(0, 100, 3)])
-    want = [[(0, 16)]] * 6 + [[(0, 4)], [(0, 1)], [(0, 1)]]
+    """a long prompt goes in chunks of max_batch_tokens, then one token a step"""
+    (a,) = ids(rng, 1)
+    prompt, budget, new = int(rng.integers(60, 141)), int(rng.integers(8, 25)), int(rng.integers(2, 6))
+    scheduler, steps = run(sub, 64, 4, budget, 8, [(a, prompt, new)])
+    want = [[(a, budget)]] * (prompt // budget) + ([[(a, prompt % budget)]] if prompt % budget else []) \
+        + [[(a, 1)]] * (new - 1)
     assert batches(steps) == want, (
-        f"max_batch_tokens=16: the prompt goes in chunks of 16 and 4 (the last chunk "
-        f"generates the first token), then one token a step: expected {want}, got "
-        f"{batches(steps)}")
-    assert scheduler.finished() == [0] and scheduler.request(0).generated == 3
+        f"a {prompt}-token prompt, max_batch_tokens={budget}: the prompt goes in chunks of "
+        f"{budget} (the last chunk generates the first token), then one token a step until "
+        f"{new}: expected {want}, got {batches(steps)}")
+    assert scheduler.finished() == [a] and scheduler.request(a).generated == new
 
 
 @points(2)
 def test_decodes_and_a_prefill_chunk_share_a_step(sub, rng):
     """a decoding request gets its token first; a long prompt fills the rest of the budget"""
-    scheduler, steps = run(sub, 64, 4, 10, 8, [(0, 3, 10), (1, 30, 2)])
-    want = [[(0, 3), (1, 7)], [(0, 1), (1, 9)], [(0, 1), (1, 9)], [(0, 1), (1, 5)],
-            [(0, 1), (1, 1)]] + [[(0, 1)]] * 5
+    a, b = ids(rng, 2)
+    scheduler, steps = run(sub, 64, 4, 10, 8, [(a, 3, 10), (b, 30, 2)])
+    want = [[(a, 3), (b, 7)], [(a, 1), (b, 9)], [(a, 1), (b, 9)], [(a, 1), (b, 5)],
+            [(a, 1), (b, 1)]] + [[(a, 1)]] * 5
     got = batches(steps)
     assert got == want, (
-        f"max_batch_tokens=10, request 0 has a 3-token prompt, request 1 a 30-token one: "
-        f"step 0 runs 3 + 7 tokens, then request 0 decodes 1 token a step and request 1's "
+        f"max_batch_tokens=10, request {a} has a 3-token prompt, request {b} a 30-token one: "
+        f"step 0 runs 3 + 7 tokens, then request {a} decodes 1 token a step and request {b}'s "
         f"prompt takes the other 9.\n  expected {want}\n  got      {got}")
-    assert scheduler.finished() == [1, 0], f"expected [1, 0] to finish, got {scheduler.finished()}"
+    assert scheduler.finished() == [b, a], f"expected [{b}, {a}] to finish, got {scheduler.finished()}"
 
 
 @points(2)
 def test_admission_is_first_come_first_served(sub, rng):
     """a request that does not fit blocks the ones behind it, even ones that would fit"""
-    scheduler, steps = run(sub, 6, 4, 64, 8, [(0, 20, 1), (1, 8, 1), (2, 4, 1)])
+    a, b, c = ids(rng, 3)
+    scheduler, steps = run(sub, 6, 4, 64, 8, [(a, 20, 1), (b, 8, 1), (c, 4, 1)])
     got = batches(steps)
-    want = [[(0, 20)], [(1, 8), (2, 4)]]
+    want = [[(a, 20)], [(b, 8), (c, 4)]]
     assert got == want, (
-        f"6 blocks of 4: request 0 (20 tokens) takes 5; request 1 (8 tokens) needs 2 and "
-        f"waits, and request 2 (4 tokens, 1 block) arrived after it, so it waits too.\n"
+        f"6 blocks of 4: request {a} (20 tokens) takes 5; request {b} (8 tokens) needs 2 and "
+        f"waits, and request {c} (4 tokens, 1 block) arrived after it, so it waits too.\n"
         f"  expected {want}\n  got      {got}")
 
 
 @points(1)
 def test_a_batch_holds_at_most_max_batch_seqs_requests(sub, rng):
     """max_batch_seqs=2: the third request waits until a place is free"""
-    scheduler, steps = run(sub, 10, 4, 64, 2, [(0, 2, 3), (1, 2, 3), (2, 2, 3)])
-    want = [[(0, 2), (1, 2)], [(0, 1), (1, 1)], [(0, 1), (1, 1)], [(2, 2)], [(2, 1)], [(2, 1)]]
-    assert batches(steps) == want, f"expected {want}, got {batches(steps)}"
+    prompt, new = int(rng.integers(1, 5)), int(rng.integers(2, 5))     # alike: only the limit decides
+    requests = [(rid, prompt, new) for rid in ids(rng, 3)]
+    scheduler, steps = run(sub, 10, 4, 64, 2, requests)
+    want = reference_batches(10, 4, 64, 2, requests)
+    assert batches(steps) == want, (f"requests (id, prompt_len, max_new_tokens) {requests}, at "
+                                    f"most 2 a step: expected {want}, got {batches(steps)}")
 
 
-PREEMPTION = (6, 2, 64, 8, [(0, 4, 6), (1, 4, 6), (2, 5, 2)])
-"""6 blocks of 2. Requests 0 and 1 (4-token prompts, 6 new tokens each) run together;
-request 2 (5 tokens: 3 blocks) waits. At step 3 request 0 needs its 4th block and none is
-free: request 1, admitted last, is preempted."""
+def preemption(rng):
+    """6 blocks of 2. Requests a and b (4-token prompts, 6 new tokens each) run together;
+    request c (5 tokens: 3 blocks) waits. At step 3 request a needs its 4th block and none
+    is free: request b, admitted last, is preempted."""
+    a, b, c = ids(rng, 3)
+    return (6, 2, 64, 8, [(a, 4, 6), (b, 4, 6), (c, 5, 2)]), (a, b, c)
 
 
 @points(2)
 def test_preemption_takes_the_newest_request_and_requeues_it_first(sub, rng):
     """out of blocks: the most recently admitted request goes back to the FRONT of the queue"""
-    scheduler, steps = run(sub, *PREEMPTION)
+    workload, (a, b, c) = preemption(rng)
+    scheduler, steps = run(sub, *workload)
     got = [(batch, running, waiting) for batch, running, waiting in steps[:4]]
-    want = [([(0, 4), (1, 4)], [0, 1], [2]), ([(0, 1), (1, 1)], [0, 1], [2]),
-            ([(0, 1), (1, 1)], [0, 1], [2]), ([(0, 1)], [0], [1, 2])]
+    want = [([(a, 4), (b, 4)], [a, b], [c]), ([(a, 1), (b, 1)], [a, b], [c]),
+            ([(a, 1), (b, 1)], [a, b], [c]), ([(a, 1)], [a], [b, c])]
     assert got == want, (
-        "6 blocks of 2, requests 0 and 1 run, 2 waits; at step 3 request 0 needs a 4th "
-        "block and none is free, so request 1 (admitted last) is preempted and goes back "
-        "in front of request 2. Steps 0-3 as (batch, running after, waiting after):\n"
+        f"6 blocks of 2, requests {a} and {b} run, {c} waits; at step 3 request {a} needs a "
+        f"4th block and none is free, so request {b} (admitted last) is preempted and goes "
+        f"back in front of request {c}. Steps 0-3 as (batch, running after, waiting after):\n"
         f"  expected {want}\n  got      {got}")
-    again = [rid for batch, _, _ in steps[4:] for rid, _ in batch if rid != 0]
-    assert again[:1] == [1], (
-        f"request 1 is first in line, so it runs again before request 2: got batches "
+    again = [rid for batch, _, _ in steps[4:] for rid, _ in batch if rid != a]
+    assert again[:1] == [b], (
+        f"request {b} is first in line, so it runs again before request {c}: got batches "
         f"{batches(steps)[4:]} after step 3")
-    assert sorted(scheduler.finished()) == [0, 1, 2], f"finished: {scheduler.finished()}"
+    assert sorted(scheduler.finished()) == sorted([a, b, c]), f"finished: {scheduler.finished()}"
 
 
 @points(2)
 def test_a_preempted_request_keeps_its_tokens_and_recomputes_them(sub, rng):
     """after preemption a request recomputes prompt + generated tokens, then goes on"""
-    scheduler = sub.Scheduler(*PREEMPTION[:4])
-    for request in PREEMPTION[4]:
+    workload, (a, b, c) = preemption(rng)
+    scheduler = sub.Scheduler(*workload[:4])
+    for request in workload[4]:
         scheduler.add(*request)
     for _ in range(4):
         scheduler.step()
-    one = scheduler.request(1)
+    one = scheduler.request(b)
     assert (one.generated, one.computed) == (3, 0), (
-        f"request 1 was preempted at step 3 after generating 3 tokens: it keeps them "
+        f"request {b} was preempted at step 3 after generating 3 tokens: it keeps them "
         f"(generated 3) and its cache is gone (computed 0); got generated {one.generated}, "
         f"computed {one.computed}")
     given = []
     while scheduler.has_work():
         batch = scheduler.step()
-        given += [n for rid, n in batch if rid == 1]
+        given += [n for rid, n in batch if rid == b]
         if len(given) == 1:
-            assert scheduler.request(1).generated == 4, (
+            assert scheduler.request(b).generated == 4, (
                 f"recomputing its 7 tokens ends with a new token: expected generated 4, "
-                f"got {scheduler.request(1).generated}")
+                f"got {scheduler.request(b).generated}")
     assert given[0] == 7, (
-        f"readmitted, request 1 recomputes its prompt (4) and the 3 tokens it generated: "
+        f"readmitted, request {b} recomputes its prompt (4) and the 3 tokens it generated: "
         f"expected a first chunk of 7 tokens, got {given[0]} (all its chunks: {given})")
-    assert given == [7, 1, 1] and scheduler.request(1).generated == 6, (
+    assert given == [7, 1, 1] and scheduler.request(b).generated == 6, (
         f"then it decodes its last 2 tokens and stops at max_new_tokens=6: expected chunks "
-        f"[7, 1, 1] and generated 6, got {given} and {scheduler.request(1).generated}")
+        f"[7, 1, 1] and generated 6, got {given} and {scheduler.request(b).generated}")
 
 
 def check_rules(sub, workload, where):

@@ -51,9 +51,11 @@ apt-get install -y --no-install-recommends python3 python3-venv python3-dev buil
 /usr/bin/python3 -m venv "$VENV"          # the system Python apt installed
 "$VENV/bin/pip" install --upgrade pip
 "$VENV/bin/pip" install "$SOURCE/kvlab-src"
-# the students' code runs as this user: it cannot read the tests or write the results
+# the students' code runs as this user: it cannot read the tests, the results or kvlab
+# itself (the worker loads what a lab lends before it becomes this user)
 id -u {WORKER_USER} >/dev/null 2>&1 || useradd --system --no-create-home --shell /usr/sbin/nologin {WORKER_USER}
 chmod -R a+rX "$VENV"
+chmod -R go-rwx "$VENV"/lib/python3*/site-packages/kvlab
 """
 
 RUN_AUTOGRADER = f"""#!/usr/bin/env bash

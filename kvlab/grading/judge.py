@@ -26,6 +26,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import re
 import secrets
 import shutil
 import stat
@@ -33,7 +34,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
@@ -84,7 +85,10 @@ def fingerprint(paths: List[Path]) -> Dict[str, str]:
 
 
 def _cut(text: str, limit: int) -> str:
-    return text if len(text) <= limit else text[:limit] + f"\n[... {len(text) - limit:,} more characters]"
+    """At most `limit` characters, all of them ones UTF-8 can write."""
+    if len(text) > limit:
+        text = text[:limit] + f"\n[... {len(text) - limit:,} more characters]"
+    return text.encode("utf-8", "replace").decode("utf-8")
 
 
 def read_submission(path: Path) -> str:
@@ -100,6 +104,22 @@ def read_submission(path: Path) -> str:
     return data.decode("utf-8")
 
 
+# faulthandler's dump of a thread's stack, as the worker prints it when asked where it is
+_STACK = re.compile(r'^(?:Current thread 0x[0-9a-f]+ |Thread 0x[0-9a-f]+ |Stack )'
+                    r'\(most recent call first\):\n.*?(?=^\S|\Z)', re.M | re.S)
+
+
+def _where_stopped(printed: str, copy: Path) -> Tuple[str, str]:
+    """(where in the student's file the worker was when it was stopped, or '';
+    what it printed, less the stack dump that said so)."""
+    where = ""
+    for dump in _STACK.finditer(printed):
+        found = re.search(rf'File "{re.escape(str(copy))}", line (\d+) in (\S+)', dump.group(0))
+        if found and not where:
+            where = f"line {found.group(1)} of your file, in {found.group(2)}"
+    return where, _STACK.sub("", printed)
+
+
 def _printed(text: str) -> str:
     text = text.strip()
     if not text:
@@ -113,13 +133,14 @@ class Judge:
     def __init__(self, lab: Lab, submission: Path, tests_path: Path, graded_with: str,
                  seed: Optional[int] = None, test_timeout: float = TEST_TIMEOUT,
                  total_timeout: Optional[float] = None, worker_user: Optional[str] = None,
-                 output_cap: int = OUTPUT_CAP):
+                 output_cap: int = OUTPUT_CAP, progress: bool = False):
         self.lab, self.submission, self.tests_path = lab, submission, tests_path
         self.graded_with = graded_with
         self.seed = secrets.randbits(32) if seed is None else int(seed)
         self.test_timeout, self.output_cap = float(test_timeout), output_cap
         self.total_timeout = total_timeout
         self.worker_user = worker_user or None
+        self.progress = progress                   # each test's name on stderr as it starts
         check_worker_user(self.worker_user)        # a user who cannot run it fails now
 
     # ---- the folder the workers run in -------------------------------------------------
@@ -143,10 +164,11 @@ class Judge:
             os.chown(scratch, entry.pw_uid, entry.pw_gid)
         return scratch
 
-    def _start(self, index: int, copy: Path, deadline: float) -> Session:
-        """A worker with the submission imported; RemoteError if the import raised."""
+    def _start(self, index: int, test: Callable, copy: Path, deadline: float) -> Session:
+        """A worker for `test`, the submission imported; RemoteError if the import raised."""
         try:
-            worker = WorkerProcess(self._scratch(index), self.worker_user, self.output_cap)
+            worker = WorkerProcess(self._scratch(index), self.worker_user, self.output_cap,
+                                   preload=getattr(test, "lends", ()))
         except OSError as error:            # no process to be had (a limit reached, say)
             raise WorkerDied(f"the grader could not start a process for your code ({error})") from None
         session = Session(worker, deadline)
@@ -171,6 +193,7 @@ class Judge:
         except WorkerTimeout:
             result.output = (f"ran too long: the test's {self.test_timeout:g} s ran out (is "
                              f"there an endless loop, or a very slow one?)")
+            session.worker.ask_where()
         except WorkerGone as error:
             result.output = str(error)
         except Exception as error:      # the test could not use what came back
@@ -199,12 +222,14 @@ class Judge:
             if self.folder is not None:
                 shutil.rmtree(self.folder, ignore_errors=True)
         if not gone:
+            report.refused = "processes the code started could not be stopped"
             report.tests = self._all_zero(tests, "not graded: processes your code started "
                                                  "could not be stopped")
         changed = sorted(set(before.items()) ^ set(fingerprint(guarded).items()))
         report.output = _cut(report.output, MESSAGE_SHOWN)
         if changed:
             names = sorted({name for name, _ in changed})
+            report.refused = "files of kvlab or of the tests changed while the code ran"
             report.tests = self._all_zero(tests, "not graded: files of kvlab or of the tests "
                                                  "changed while your code ran")
             report.output = ("grading refused: these files changed while your code ran:\n  "
@@ -239,7 +264,7 @@ class Judge:
             deadline = time.monotonic() + self.test_timeout
             self.printed = ""
             try:
-                session = self._start(index, copy, deadline)
+                session = self._start(index, test, copy, deadline)
             except RemoteError as error:
                 why = f"your file could not be imported: {error.describe()}"
                 if index == 0:           # said once, at the top
@@ -256,12 +281,17 @@ class Judge:
                                                  "imported (see above)"), why + _printed(self.printed)
                 results.append(self._all_zero([test], why + _printed(self.printed))[0])
                 continue
+            if self.progress:
+                print(f"  [{index + 1}/{len(tests)}] {test.__name__}", file=sys.stderr, flush=True)
             try:
                 result = self._run_one(index, test, session)
             finally:
                 printed = session.worker.stop()
+            where, printed = _where_stopped(printed, copy)
+            if where and result.output.startswith("ran too long"):
+                result.output += f"\n  it was at {where}"
             if not result.passed:
-                result.output += _printed(printed)
+                result.output = _cut(result.output + _printed(printed), MESSAGE_SHOWN + PRINTED_SHOWN)
             results.append(result)
         return results, ""
 
@@ -280,6 +310,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--total-timeout", type=float, default=None)
     parser.add_argument("--worker-user", default=None,
                         help="run the student's code as this user (the judge must be root)")
+    parser.add_argument("--progress", action="store_true", help="name each test as it starts")
     args = parser.parse_args(argv)
     if sys.flags.optimize:
         parser.error("the judge's checks are assert statements: run it without -O")
@@ -287,7 +318,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     sys.dont_write_bytecode = True
     judge = Judge(get_lab(args.lab), Path(args.submission).absolute(), Path(args.tests).resolve(),
                   args.graded_with, args.seed, args.test_timeout, args.total_timeout,
-                  args.worker_user)
+                  args.worker_user, progress=args.progress)
     report = judge.run()
     write_atomically(args.out, json.dumps(report.to_dict()))
     return 0

@@ -58,6 +58,14 @@ DENIED_ATTRIBUTE_NAMES = frozenset({
     "f_builtins", "tb_frame", "gi_frame", "cr_frame", "ag_frame", "co_code",
 })
 
+# Module names refused as any link of a dotted chain too (x.inspect.importlib reaches the
+# same module as importing it); names that are common attributes (trace, code) are not.
+DENIED_LINKS = frozenset({
+    "importlib", "inspect", "builtins", "ctypes", "_ctypes", "subprocess", "_posixsubprocess",
+    "multiprocessing", "pydoc", "pickle", "_pickle", "marshal", "gc", "signal", "_signal",
+    "atexit", "runpy", "posix", "pty", "socket", "_socket", "pkgutil", "zipimport",
+})
+
 ALWAYS_ALLOWED = frozenset(getattr(sys, "stdlib_module_names", ())) | {"numpy", "math"}
 
 
@@ -109,8 +117,9 @@ def import_refusal(policy: Policy, name: str, fromlist: Iterable[str] = (),
         return (f"`{name}` is not allowed in a lab submission: it loads code, reaches into "
                 f"the interpreter or starts processes")
     if top not in ALWAYS_ALLOWED:
-        return (f"`{name}` is not allowed here: a submission may import numpy, math and "
-                f"Python's standard library (and from kvlab: {policy.allowed_kvlab_text()})")
+        lent = f" (and from kvlab: {policy.allowed_kvlab_text()})" if policy.kvlab else ""
+        return (f"`{name}` is not allowed here: a submission is one file, which may import "
+                f"numpy, math and Python's standard library{lent}; put helpers of your own in it")
     denied = DENIED_ATTRIBUTES.get(name, frozenset())
     for item in fromlist:
         if item in denied or item == "*" and denied:
@@ -181,9 +190,18 @@ class _SourceCheck(ast.NodeVisitor):
                 return
 
     def _check_attribute_name(self, node: ast.Attribute) -> None:
+        """One link of a chain, by its own name and the name before it, wherever the chain
+        starts (x.sys.modules is sys.modules, whatever x is)."""
         if node.attr in DENIED_ATTRIBUTE_NAMES:
             self.refuse(node, f"`.{node.attr}` is not allowed in a lab submission: it reaches "
                               f"into the interpreter")
+        elif node.attr in DENIED_LINKS:
+            self.refuse(node, f"`.{node.attr}` is not allowed in a lab submission: it loads code, "
+                              f"reaches into the interpreter or starts processes")
+        before = node.value
+        name = before.attr if isinstance(before, ast.Attribute) else getattr(before, "id", None)
+        if node.attr in DENIED_ATTRIBUTES.get(name, ()):
+            self.refuse(node, f"`{name}.{node.attr}` is not allowed in a lab submission")
 
     def visit_Attribute(self, node: ast.Attribute) -> None:
         self._check_attribute_name(node)
@@ -213,9 +231,22 @@ class _SourceCheck(ast.NodeVisitor):
                 self._check_dotted(node, dotted)
 
 
+def _is_main_block(node: ast.AST) -> bool:
+    """`if __name__ == "__main__":`, which never runs when the file is graded."""
+    test = getattr(node, "test", None)
+    return (isinstance(node, ast.If) and isinstance(test, ast.Compare)
+            and isinstance(test.left, ast.Name) and test.left.id == "__name__"
+            and len(test.comparators) == 1 and isinstance(test.comparators[0], ast.Constant)
+            and test.comparators[0].value == "__main__" and not node.orelse)
+
+
 def check_source(source: str, policy: Policy, filename: str = "<submission>") -> List[Violation]:
-    """Every refused import and name in `source`, with its line (SyntaxError propagates)."""
+    """Every refused import and name in `source`, with its line (SyntaxError propagates).
+    A top-level `if __name__ == "__main__":` block, where students try their code, is not
+    read: the grader imports the file under another name, so it never runs."""
     tree = ast.parse(source, filename=filename)
     check = _SourceCheck(policy)
-    check.visit(tree)
+    for node in tree.body:
+        if not _is_main_block(node):
+            check.visit(node)
     return sorted(set(check.found), key=lambda v: (v.line, v.why))

@@ -148,10 +148,10 @@ class OutputCapture(threading.Thread):
         return text
 
 
-def worker_identity(user: Optional[str]) -> dict:
-    """Popen arguments that run the worker as `user` (needs root), or none."""
+def worker_identity(user: Optional[str]) -> Optional[Tuple[int, int]]:
+    """(uid, gid) of `user`, whom the worker becomes (the judge must be root), or None."""
     if not user:
-        return {}
+        return None
     try:
         entry = pwd.getpwnam(user)
     except KeyError:
@@ -159,20 +159,20 @@ def worker_identity(user: Optional[str]) -> dict:
                          f"setup.sh creates it)") from None
     if os.geteuid() != 0:
         raise ValueError(f"running submissions as {user!r} needs the judge to run as root")
-    return {"user": entry.pw_uid, "group": entry.pw_gid, "extra_groups": []}
+    return entry.pw_uid, entry.pw_gid
 
 
 def check_worker_user(user: Optional[str]) -> None:
-    """Fail now, in words, if `user` cannot run this Python and import NumPy and the
-    worker (an interpreter under a folder only root can enter, say)."""
+    """Fail now, in words, if `user` cannot run this Python with NumPy (an interpreter
+    under a folder only root can enter, say)."""
     identity = worker_identity(user)
     if not identity:
         return
     try:
-        probe = subprocess.run([sys.executable, "-I", "-B", "-c",
-                                f"import numpy; open({str(WORKER_SCRIPT)!r}).close()"],
+        probe = subprocess.run([sys.executable, "-I", "-B", "-c", "import numpy"],
                                cwd="/", env={"PATH": os.environ.get("PATH", "")},
-                               capture_output=True, text=True, timeout=60, **identity)
+                               capture_output=True, text=True, timeout=60,
+                               user=identity[0], group=identity[1], extra_groups=[])
     except OSError as error:
         raise RuntimeError(f"user {user!r} cannot run {sys.executable}: {error}") from None
     if probe.returncode != 0:
@@ -184,7 +184,7 @@ class WorkerProcess:
     """One worker: a Python process running worker.py in `folder`, answering requests."""
 
     def __init__(self, folder: Path, user: Optional[str] = None, output_cap: int = 64 << 10,
-                 max_processes: int = 256):
+                 max_processes: int = 256, preload: Tuple[str, ...] = ()):
         self.folder = folder
         identity = worker_identity(user)
         to_worker_r, to_worker_w = os.pipe()
@@ -192,8 +192,11 @@ class WorkerProcess:
         output_r, output_w = os.pipe()
         command = [sys.executable, "-I", "-B", str(WORKER_SCRIPT), str(to_worker_r),
                    str(from_worker_w)]
-        if identity:
-            command += ["--max-processes", str(max_processes)]
+        for name in preload:
+            command += ["--preload", name]
+        if identity:                    # the worker becomes the user itself, after preloading
+            command += ["--user", f"{identity[0]}:{identity[1]}",
+                        "--max-processes", str(max_processes)]
         env = {name: os.environ[name] for name in ENV_KEPT if name in os.environ}
         env.update(HOME=str(folder), TMPDIR=str(folder), MPLBACKEND="Agg",
                    PYTHONIOENCODING="utf-8")
@@ -201,7 +204,7 @@ class WorkerProcess:
             self.process = subprocess.Popen(
                 command, cwd=folder, env=env, stdin=subprocess.DEVNULL, stdout=output_w,
                 stderr=output_w, pass_fds=(to_worker_r, from_worker_w), close_fds=True,
-                start_new_session=True, **identity)
+                start_new_session=True)
         finally:
             for fd in (to_worker_r, from_worker_w, output_w):
                 os.close(fd)
@@ -267,15 +270,27 @@ class WorkerProcess:
     # ---- memory, read from outside -----------------------------------------------------
     def reset_peak_memory(self) -> Optional[int]:
         """Restart the worker's peak resident memory from its present size, and return that
-        size in bytes; None where Linux cannot (the peak is then unknown)."""
+        size in bytes; None without /proc (the peak is then unknown). Where /proc is, a
+        worker that keeps the judge out (an undumpable one, say) fails its test."""
         pid = str(self.process.pid)
-        if not process_memory.reset_peak(pid):
+        if not os.path.isdir("/proc/self"):
             return None
-        return 1024 * process_memory.status_kib("VmRSS", pid) or None
+        if not process_memory.reset_peak(pid):
+            raise WorkerGone("the grader could not watch your process's memory (did your "
+                             "code change what may read it?)")
+        return 1024 * process_memory.status_kib("VmRSS", pid)
 
     def peak_memory(self) -> int:
         """The worker's peak resident memory (VmHWM) in bytes (0 where unknown)."""
         return 1024 * process_memory.status_kib("VmHWM", str(self.process.pid))
+
+    def ask_where(self) -> None:
+        """Have the worker print where its main thread is (faulthandler, on SIGUSR1)."""
+        try:
+            os.kill(self.process.pid, signal.SIGUSR1)
+            time.sleep(0.3)
+        except (ProcessLookupError, PermissionError):
+            pass
 
     # ---- the end -----------------------------------------------------------------------
     def stop(self) -> str:

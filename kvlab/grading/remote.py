@@ -37,6 +37,8 @@ class RemoteError(Exception):
         return name in self.types
 
     def describe(self) -> str:
+        if self.is_a("NotInYourFile"):
+            return self.message
         if self.is_a("NotImplementedError"):
             what = f" ({self.message})" if self.message else ""
             return f"not written yet{what}: it raises NotImplementedError"
@@ -46,15 +48,21 @@ class RemoteError(Exception):
         return text + (f"\n  at {self.where}" if self.where else "")
 
 
+def _text(value: Any, limit: int) -> str:
+    """A student's string as the judge keeps it: cut to `limit` characters, and only
+    characters UTF-8 can write (a lone surrogate would break the summary and results.json)."""
+    return str(value)[:limit].encode("utf-8", "replace").decode("utf-8")
+
+
 def _answer(answer: dict) -> Any:
     if "raised" in answer:
         raised = answer["raised"]
         if type(raised) is not dict:
             raise WorkerGarbled("the worker process sent a malformed exception")
         types = raised.get("types")
-        types = [str(t)[:100] for t in types[:50]] if type(types) is list else []
-        return RemoteError(types, str(raised.get("message", ""))[:MESSAGE_CAP],
-                           str(raised.get("where", ""))[:300])
+        types = [_text(t, 100) for t in types[:50]] if type(types) is list else []
+        return RemoteError(types, _text(raised.get("message", ""), MESSAGE_CAP),
+                           _text(raised.get("where", ""), 300))
     if "ok" not in answer:
         raise WorkerGarbled("the worker process sent an answer without a result")
     return answer["ok"]

@@ -37,6 +37,7 @@ class GradeReport:
     execution_time: float = 0.0
     graded_with: str = ""       # "hidden tests" or "public checks"
     seed: Optional[int] = None  # the hidden cases' seed (rerun with it to see the same cases)
+    refused: str = ""           # why no grade could be given, when none could (scores are 0)
 
     @property
     def score(self) -> float:
@@ -52,6 +53,9 @@ class GradeReport:
 
     def headline(self) -> str:
         seed = f", seed {self.seed}" if self.seed is not None else ""
+        if self.refused:
+            return (f"lab {self.lab}: NOT GRADED ({self.refused})  ({Path(self.submission).name}, "
+                    f"with the {self.graded_with}{seed})")
         return (f"lab {self.lab}: {self.score:g} / {self.max_score:g} points  "
                 f"({Path(self.submission).name}, graded with the {self.graded_with}{seed})")
 

@@ -24,7 +24,7 @@ TOTAL_TIMEOUT = 1800.0       # seconds for a whole grading
 def grade(lab: str, submission: Union[str, Path], results: Optional[Union[str, Path]] = None,
           *, tests: Optional[Union[str, Path]] = None, instructor: Optional[Union[str, Path]] = None,
           public: bool = False, seed: Optional[int] = None, test_timeout: float = TEST_TIMEOUT,
-          worker_user: Optional[str] = None) -> GradeReport:
+          worker_user: Optional[str] = None, progress: bool = False) -> GradeReport:
     """Grade `submission` (a .py file) for lab `lab` and write Gradescope's results.json to
     `results` if given. Graded with the hidden tests when instructor/ is found (or `tests`
     names a test file), else with the lab's public checks; the report says which. Never
@@ -50,17 +50,20 @@ def grade(lab: str, submission: Union[str, Path], results: Optional[Union[str, P
             command += ["--seed", str(int(seed))]
         if worker_user:
             command += ["--worker-user", worker_user]
+        if progress:                  # the judge names each test on this process's stderr
+            command += ["--progress"]
         env = dict(os.environ)
         # the judge imports this same kvlab, installed or built in place
         package_parent = str(Path(__file__).resolve().parents[2])
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_parent, env.get("PYTHONPATH")]))
         env.pop("PYTHONOPTIMIZE", None)
-        run = subprocess.run(command, cwd=work, env=env, capture_output=True, text=True,
+        run = subprocess.run(command, cwd=work, env=env, stdout=subprocess.PIPE,
+                             stderr=None if progress else subprocess.PIPE, text=True,
                              timeout=TOTAL_TIMEOUT + 120)
         if run.returncode != 0 or not out.is_file():
             raise RuntimeError(f"the judge failed (exit status {run.returncode}): this is a "
                                f"bug in kvlab's grading, not in the submission\n"
-                               f"{(run.stdout + run.stderr)[-3000:]}")
+                               f"{(run.stdout + (run.stderr or ''))[-3000:]}")
         report = GradeReport.from_dict(json.loads(out.read_text()))
     if results is not None:
         report.save(results)

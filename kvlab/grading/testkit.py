@@ -31,14 +31,17 @@ from .remote import RemoteError, RemoteObject
 VISIBILITIES = ("visible", "hidden", "after_due_date", "after_published")
 
 
-def points(n: float, visibility: str = "visible") -> Callable:
-    """Mark a test and say what passing it is worth (visibility: Gradescope's names)."""
+def points(n: float, visibility: str = "visible", lends: tuple = ()) -> Callable:
+    """Mark a test and say what passing it is worth (visibility: Gradescope's names).
+    lends: the handouts (kvlab/grading/handouts.py) the test will ask for; their worker
+    loads them from kvlab's files before it runs the student's code, and only theirs does."""
     if visibility not in VISIBILITIES:
         raise ValueError(f"visibility must be one of {VISIBILITIES}")
 
     def mark(function: Callable) -> Callable:
         function.points = float(n)
         function.visibility = visibility
+        function.lends = tuple(lends)
         return function
     return mark
 
@@ -65,6 +68,10 @@ def described(value: Any) -> str:
         return repr(value)
     if isinstance(value, np.ndarray):
         return f"an array of shape {value.shape} and dtype {value.dtype}"
+    if isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_)):
+        return f"{int(value):,}"                   # as the expected numbers are written
+    if isinstance(value, (float, np.floating)) and np.isfinite(value):
+        return f"{float(value):,.0f}" if float(value).is_integer() else f"{float(value):,.6g}"
     text = repr(value)
     return text if len(text) <= 120 else text[:117] + "..."
 

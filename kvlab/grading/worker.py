@@ -2,10 +2,12 @@
 
 The judge (kvlab/grading/judge.py) starts one worker per test as
 
-    python -I -B worker.py READ_FD WRITE_FD [--max-processes N]
+    python -I -B worker.py READ_FD WRITE_FD [--user UID:GID] [--max-processes N] [--preload NAME]
 
-in an empty folder, with a clean environment, in a session of its own (and, on the
-Gradescope autograder, as an unprivileged user). It never sees the tests, their points, the
+in an empty folder, with a clean environment, in a session of its own. On the Gradescope
+autograder it starts as root, loads what its lab lends (--preload: the bundled model,
+while kvlab's files can still be read) and becomes an unprivileged user (--user) before it
+reads a line of the student's code. It never sees the tests, their points, the
 results file or the judge's files. It reads requests from READ_FD and answers on WRITE_FD,
 one frame each way at a time (kvlab/grading/wire.py):
 
@@ -26,9 +28,11 @@ not trusted. What makes grading safe is that the judge computes every expected v
 the score, in its own process from its own copy of the tests.
 """
 import builtins
+import faulthandler
 import importlib.util
 import os
 import resource
+import signal
 import sys
 import traceback
 import types
@@ -60,17 +64,31 @@ LENDABLE = {"kvlab.measure.resident_bytes": process_memory.resident_bytes,
             "kvlab.measure.release_freed_memory": process_memory.release_freed_memory}
 
 
+def _become(uid, gid):
+    """Drop root for good: from here on the worker is the student's user, who cannot read
+    the installed kvlab (the autograder's setup.sh closes it), the tests or the results."""
+    os.setgroups([])
+    os.setgid(gid)
+    os.setuid(uid)
+    if os.getuid() != uid or os.geteuid() != uid or os.getgid() != gid:
+        raise SystemExit("the worker could not give up root")
+
+
 def _limit_resources(max_processes):
     """Limits the student's code cannot raise again: no core files, bounded files, and (when
-    the worker runs as a user of its own) a bounded number of processes. A memory hog is
-    the first thing the out-of-memory killer takes, and the worker dies with the judge."""
-    if sys.platform.startswith("linux"):
-        import ctypes
-        ctypes.CDLL(None).prctl(1, 9, 0, 0, 0)     # PR_SET_PDEATHSIG, SIGKILL
+    the worker runs as a user of its own) a bounded number of processes. The worker dies
+    with the judge (set after any change of user, which clears it)."""
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
     resource.setrlimit(resource.RLIMIT_FSIZE, (OUTPUT_LIMIT, OUTPUT_LIMIT))
     if max_processes:
         resource.setrlimit(resource.RLIMIT_NPROC, (max_processes, max_processes))
+    if sys.platform.startswith("linux"):
+        import ctypes
+        ctypes.CDLL(None).prctl(1, 9, 0, 0, 0)     # PR_SET_PDEATHSIG, SIGKILL
+
+
+def _first_out():
+    """A memory hog is the first thing the out-of-memory killer takes."""
     try:
         with open("/proc/self/oom_score_adj", "w") as f:
             f.write("1000")
@@ -113,23 +131,9 @@ class KvlabFinder:
         top = name.partition(".")[0]
         if top == "instructor":
             raise ImportError("`instructor` is the course's own material: it is not yours to import")
-        if top == "kvlab" and not (self.lending or _importer().startswith("kvlab.")):
+        if top == "kvlab" and not self.lending:
             raise ImportError(f"`{name}` is not available to a lab submission")
         return None
-
-
-def _importer():
-    """The module name of the code that started the import under way (kvlab's own lazy
-    imports are kvlab's business)."""
-    frame = sys._getframe(2)
-    while frame is not None:
-        name = frame.f_globals.get("__name__", "")
-        if not isinstance(name, str):
-            return ""
-        if not name.startswith(("importlib", "_frozen_importlib")):
-            return name
-        frame = frame.f_back
-    return ""
 
 
 def lent_modules(allowed):
@@ -148,6 +152,10 @@ def lent_modules(allowed):
                     setattr(modules[".".join(parts[:i - 1])], parts[i - 1], modules[name])
         setattr(modules[".".join(parts[:-1])], parts[-1], LENDABLE[dotted])
     return modules
+
+
+class NotInYourFile(AttributeError):
+    """The test asked for a function or class the submission does not define."""
 
 
 class Worker:
@@ -209,8 +217,13 @@ class Worker:
             self.objects[handle.id] = value
             return handle
 
-    def target(self, handle):
-        return self.module if handle is None else self.resolve(handle)
+    def target(self, handle, name):
+        """What `name` is read from: the student's module, or one of their objects."""
+        if handle is not None:
+            return self.resolve(handle)
+        if not hasattr(self.module, name):
+            raise NotInYourFile(f"your file defines no `{name}` (is it the file for this lab?)")
+        return self.module
 
     # ---- requests ----------------------------------------------------------------------
     def guard_imports(self):
@@ -248,6 +261,18 @@ class Worker:
         spec.loader.exec_module(self.module)
         return None
 
+    def lend(self, use):
+        """use(kvlab.grading.handouts), with kvlab importable meanwhile (its own code only)."""
+        self.finder.lending = True
+        try:
+            from kvlab.grading import handouts
+            return use(handouts)
+        finally:
+            self.finder.lending = False
+
+    def preload(self, name):
+        self.lend(lambda handouts: handouts.preload(name))
+
     def handle(self, request):
         op = request.get("op")
         if op == "load":
@@ -255,13 +280,13 @@ class Worker:
         if self.module is None:
             raise RuntimeError("no submission loaded")
         if op == "call":
-            function = getattr(self.target(request["target"]), request["name"])
+            function = getattr(self.target(request["target"], request["name"]), request["name"])
             args, kwargs = self.resolve(request["args"]), self.resolve(request["kwargs"])
             with numpy.errstate(**(request.get("numpy_errors") or {})):
                 result = function(*args, **kwargs)
             return {"ok": self.by_value_or_handle(result)}
         if op == "calls":                 # several method calls on one object, in order
-            target, attrs = self.target(request["target"]), request.get("attrs")
+            target, attrs = self.resolve(request["target"]), request.get("attrs")
             results = []
             for name, args in request["calls"]:
                 result = getattr(target, name)(*self.resolve(args))
@@ -270,20 +295,16 @@ class Worker:
                 results.append(self.by_value_or_handle(result))
             return {"ok": results}
         if op == "get":
-            target = self.target(request["target"])
             values, callables = [], []
             for name in request["names"]:
+                target = self.target(request["target"], name)
                 value = getattr(target, name)
                 callables.append(callable(value))
                 values.append(None if callable(value) else self.by_value_or_handle(value))
             return {"ok": values, "callable": callables}
         if op == "handout":
-            self.finder.lending = True              # kvlab's own code imports kvlab
-            try:
-                from kvlab.grading import handouts
-                made = handouts.make(request["name"], **self.resolve(request["kwargs"]))
-            finally:
-                self.finder.lending = False
+            made = self.lend(lambda handouts: handouts.make(request["name"],
+                                                            **self.resolve(request["kwargs"])))
             return {"ok": self.by_value_or_handle(made)}
         raise RuntimeError(f"unknown request {op!r}")
 
@@ -300,11 +321,26 @@ class Worker:
 
 
 def main(argv):
+    """worker.py READ_FD WRITE_FD [--user UID:GID] [--max-processes N] [--preload NAME]..."""
     read_fd, write_fd = int(argv[1]), int(argv[2])
-    max_processes = int(argv[4]) if len(argv) > 4 and argv[3] == "--max-processes" else 0
-    _limit_resources(max_processes)
+    options = {"--user": None, "--max-processes": "0", "--preload": []}
+    for flag, value in zip(argv[3::2], argv[4::2]):
+        if flag == "--preload":
+            options[flag].append(value)
+        else:
+            options[flag] = value
+    worker = Worker(read_fd, write_fd)
+    _first_out()
+    # where the student's code is when the judge's time runs out: the judge asks, then kills
+    faulthandler.register(signal.SIGUSR1, all_threads=False)
+    for name in options["--preload"]:       # kvlab loaded while its files can still be read
+        worker.preload(name)
+    if options["--user"]:
+        uid, gid = (int(n) for n in options["--user"].split(":"))
+        _become(uid, gid)
+    _limit_resources(int(options["--max-processes"]))
     sys.argv = [SUBMISSION]
-    Worker(read_fd, write_fd).serve()
+    worker.serve()
 
 
 if __name__ == "__main__":

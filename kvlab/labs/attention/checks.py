@@ -41,6 +41,17 @@ def test_query_heads_share_kv_heads_in_groups(sub, rng):
 
 
 @points(1)
+def test_large_scores_do_not_overflow(sub, rng):
+    """scores of 1,000: exp(1000) is inf, so the softmax must subtract the largest score first"""
+    q = np.array([[100.0, 0.0, 0.0, 0.0]], np.float32)        # scores q.k / 2 = 500 and 1000
+    keys = np.array([[[10.0, 0, 0, 0]], [[20.0, 0, 0, 0]]], np.float32)
+    values = np.array([[[1.0, 2, 3, 4]], [[5.0, 6, 7, 8]]], np.float32)
+    got = sub.attend(q, keys, values)
+    check_close(got, np.array([[5.0, 6, 7, 8]]), "scores 500 and 1000 (is the largest score "
+                                                 "subtracted before exp?)")
+
+
+@points(1)
 def test_the_cache_keeps_what_was_appended_and_refuses_overflow(sub, rng):
     """KVCache(1 layer, 3 positions): append 2, read them back; a third and fourth do not fit"""
     cache = sub.KVCache(1, 3, 1, 2)

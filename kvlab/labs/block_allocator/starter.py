@@ -35,7 +35,7 @@ class BlockAllocator:
     handed out) or referenced (ref count >= 1), never both. Which free block you hand out
     next is up to you.
 
-    Chapter 4, "Paged memory for the cache": ../../../chapters/04_paged.md
+    Chapter 4, "Paged memory for the cache": chapters/04_paged.md of the course
     """
 
     def __init__(self, num_blocks, block_size):

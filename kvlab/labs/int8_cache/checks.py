@@ -7,6 +7,7 @@ codes a real int8 cache stores, the error bound, bytes per token and int8 attent
 import numpy as np
 
 import kvlab
+from kvlab.grading.remote import RemoteError
 from kvlab.grading.testkit import as_array, bundled_model, config_record, described, points
 
 
@@ -24,8 +25,15 @@ def test_a_group_whose_scale_is_one(sub, rng):
 
 @points(1)
 def test_an_all_zero_group(sub, rng):
-    """zeros: scale 0 and codes 0 (not NaN)"""
-    codes, scales = sub.quantize_int8(np.zeros((1, 4), np.float32), 4)
+    """zeros: scale 0 and codes 0, without dividing 0 by 0"""
+    try:
+        codes, scales = sub.quantize_int8.call((np.zeros((1, 4), np.float32), 4), {},
+                                               numpy_errors={"divide": "raise", "invalid": "raise"})
+    except RemoteError as error:
+        if not error.is_a("FloatingPointError"):
+            raise
+        raise AssertionError(f"quantize_int8 divided by zero ({error.message}): an all-zero group "
+                             f"has scale 0; divide it by 1 instead") from None
     codes, scales = as_array(codes, "codes", shape=(1, 4)), as_array(scales, "scales", shape=(1, 1))
     assert not codes.any() and scales[0, 0] == 0, (
         f"expected codes [0, 0, 0, 0] and scale 0, got {codes.tolist()} and {scales.tolist()}")
@@ -45,4 +53,6 @@ def test_bytes_per_token_of_the_bundled_model(sub, rng):
     config = bundled_model().config
     got = sub.int8_bytes_per_token(config_record(config), 16)
     want = kvlab.kv_bytes_per_token(config, "int8", group=16)
-    assert got == want, f"expected {want:,} B, got {described(got)}"
+    codes_only = 2 * config.n_layers * config.kv_dim
+    hint = " (did you forget the float32 scales?)" if got == codes_only else ""
+    assert got == want, f"expected {want:,} B, got {described(got)}{hint}"

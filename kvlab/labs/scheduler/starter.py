@@ -53,7 +53,7 @@ class Scheduler:
     entries. Keep the fields set up in __init__ up to date: the grader reads them through
     the methods at the end of the class (already written).
 
-    Chapter 5, "Batching and scheduling": ../../../chapters/05_batching.md
+    Chapter 5, "Batching and scheduling": chapters/05_batching.md of the course
     """
 
     def __init__(self, num_blocks, block_size, max_batch_tokens, max_batch_seqs):
