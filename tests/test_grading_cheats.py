@@ -68,6 +68,8 @@ def forge():
 DELEGATES = {
     "attention": "from kvlab import reference\n\ndef attend(q, keys, values):\n"
                  "    return reference.attention(q[None], keys, values, [len(keys) - 1])[0]\n",
+    "own_cache": "from kvlab import reference\n\ndef forward(model, tokens, cache=None):\n"
+                 "    return reference.forward(model._c, model._w, tokens)\n",
     "cache_size": "import kvlab\n\ndef kv_cache_bytes(config, seq_len, batch=1, dtype='fp16'):\n"
                   "    return kvlab.kv_cache_bytes(config, seq_len, batch, dtype)\n",
     "block_allocator": "import kvlab\n\nclass BlockAllocator(kvlab.PagedPool):\n    pass\n",

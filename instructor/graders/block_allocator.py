@@ -1,4 +1,4 @@
-"""Hidden grading tests for lab 3 (block allocator). Each test says in its message what it
+"""Hidden grading tests for lab 4 (block allocator). Each test says in its message what it
 expected. Run by the judge (kvlab/grading/judge.py), never shipped in the package.
 
 Fixed scenarios check fork, copy-on-write, free and running out of blocks one rule at a

@@ -1,4 +1,4 @@
-"""Hidden grading tests for lab 2 (cache size). Each test says in its message what it expected.
+"""Hidden grading tests for lab 3 (cache size). Each test says in its message what it expected.
 
 Run by the judge (kvlab/grading/judge.py), never shipped in the package. The answers are
 checked against kvlab's own cache arithmetic (kvlab.kv_cache_bytes), the bytes a real cache

@@ -1,4 +1,4 @@
-"""Lab 3 reference solution (instructors only: never hand this to students)."""
+"""Lab 4 reference solution (instructors only: never hand this to students)."""
 
 
 class OutOfBlocks(Exception):

@@ -1,4 +1,4 @@
-"""Lab 2 reference solution (instructors only: never hand this to students)."""
+"""Lab 3 reference solution (instructors only: never hand this to students)."""
 import numpy as np
 
 import kvlab

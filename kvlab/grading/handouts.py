@@ -1,7 +1,8 @@
 """kvlab objects a lab lends to the student's code, built inside the worker.
 
 Some labs need a real model in the student's hands (the cache-size lab fills real caches
-and measures the process's memory). The judge asks the worker for one by name
+and measures the process's memory; the own-cache lab runs a model's layers around the
+student's cache and attention). The judge asks the worker for one by name
 ({"op": "handout"}); the worker builds it here and passes the student a handle.
 
 A handed-out object shows only what its lab allows, and where the lab asks for a
@@ -15,7 +16,7 @@ from __future__ import annotations
 import functools
 import mmap
 import types
-from typing import Any
+from typing import Any, Optional
 
 import numpy as np
 
@@ -85,14 +86,76 @@ class LabModel:
         return self._model.encode(text)
 
 
+class ReferenceModel:
+    """A model's weights behind the NumPy reference's building blocks: everything a forward
+    pass needs except attention and the KV cache, which the student writes (the own-cache
+    lab). shape: a model shape (ModelConfig's fields) for random weights drawn from `seed`;
+    None for the bundled model. Arrays in and out are float32."""
+
+    def __init__(self, shape: Optional[dict] = None, seed: int = 0):
+        from kvlab.config import ModelConfig
+        from kvlab.weights import Weights
+        if shape is None:
+            model = _bundled_model()
+            self._c, self._w = model.config, model.weights
+        else:
+            self._c = ModelConfig(**shape)
+            self._w = Weights.random(self._c, seed=seed)
+        self._inv_freq = self._c.rope_inv_freq()
+        self.config = types.SimpleNamespace(**config_fields(self._c))
+
+    def embed(self, tokens) -> np.ndarray:
+        """(n, dim): the token embeddings."""
+        tokens = np.asarray(tokens, dtype=np.int64)
+        if tokens.ndim != 1 or tokens.size == 0 or tokens.min() < 0 or tokens.max() >= self._c.vocab_size:
+            raise ValueError(f"tokens must be a non-empty list of ids in [0, {self._c.vocab_size})")
+        return self._w.token_embedding[tokens].astype(np.float32)
+
+    def qkv(self, layer: int, x: np.ndarray, positions) -> tuple:
+        """q (n, n_heads, head_dim), k and v (n, n_kv_heads, head_dim) of the residual
+        stream x (n, dim) at `positions` (n,): RMSNorm, the projections, RoPE on q and k."""
+        from kvlab import reference
+        c, w, n = self._c, self._w, len(x)
+        positions = np.asarray(positions)
+        h = reference.rmsnorm(np.asarray(x, np.float32), w.attn_norm[layer], c.norm_eps)
+        q = (h @ w.wq[layer].T).reshape(n, c.n_heads, c.head_dim)
+        k = (h @ w.wk[layer].T).reshape(n, c.n_kv_heads, c.head_dim)
+        v = (h @ w.wv[layer].T).reshape(n, c.n_kv_heads, c.head_dim)
+        return (reference.rope(q, positions, self._inv_freq, c.rope_interleaved),
+                reference.rope(k, positions, self._inv_freq, c.rope_interleaved), v)
+
+    def attention_output(self, layer: int, x: np.ndarray, out: np.ndarray) -> np.ndarray:
+        """x + attention's output (n, n_heads, head_dim) projected back to (n, dim)."""
+        out = np.asarray(out, np.float32)
+        return np.asarray(x, np.float32) + out.reshape(len(out), -1) @ self._w.wo[layer].T
+
+    def mlp(self, layer: int, x: np.ndarray) -> np.ndarray:
+        """x + the SwiGLU MLP of RMSNorm(x)."""
+        from kvlab import reference
+        w = self._w
+        h = reference.rmsnorm(np.asarray(x, np.float32), w.ffn_norm[layer], self._c.norm_eps)
+        return x + (reference.silu(h @ w.w1[layer].T) * (h @ w.w3[layer].T)) @ w.w2[layer].T
+
+    def logits(self, x: np.ndarray) -> np.ndarray:
+        """(n, vocab_size): the final RMSNorm and the classifier."""
+        from kvlab import reference
+        h = reference.rmsnorm(np.asarray(x, np.float32), self._w.final_norm, self._c.norm_eps)
+        return h @ self._w.classifier.T
+
+
 @functools.lru_cache(maxsize=None)
 def _bundled_model():
     import kvlab
     return kvlab.load()
 
 
-HANDOUTS = {"lab_model": LabModel}
-PRELOADS = {"lab_model": _bundled_model}     # what a handout reads from kvlab's files
+def _reference_preload():
+    _bundled_model()
+    from kvlab import config, reference, weights  # noqa: F401  (read now, from kvlab's files)
+
+
+HANDOUTS = {"lab_model": LabModel, "reference_model": ReferenceModel}
+PRELOADS = {"lab_model": _bundled_model, "reference_model": _reference_preload}
 
 
 def preload(name: str) -> None:

@@ -53,14 +53,16 @@ class Lab:
 LABS: Dict[str, Lab] = {lab.name: lab for lab in (
     Lab("attention", 1, "Attention with a KV cache in NumPy", "01_kv_cache", 20,
         "attention and its cache"),
-    Lab("cache_size", 2, "Cache size by hand and measured", "02_cache_size", 16,
+    Lab("own_cache", 2, "Your own KV cache: same tokens, timed", "01_kv_cache", 17,
+        "a KV cache and the forward pass over it"),
+    Lab("cache_size", 3, "Cache size by hand and measured", "02_cache_size", 16,
         "the cache-size arithmetic and its measurement",
         ("kvlab.measure.resident_bytes", "kvlab.measure.release_freed_memory")),
-    Lab("block_allocator", 3, "A block allocator with fork and copy-on-write", "04_paged", 19,
+    Lab("block_allocator", 4, "A block allocator with fork and copy-on-write", "04_paged", 19,
         "a block allocator"),
-    Lab("scheduler", 4, "A batching scheduler with preemption", "05_batching", 18,
+    Lab("scheduler", 5, "A batching scheduler with preemption", "05_batching", 18,
         "a scheduler"),
-    Lab("int8_cache", 5, "int8 cache quantization with an error bound", "06_quantization", 18,
+    Lab("int8_cache", 6, "int8 cache quantization with an error bound", "06_quantization", 18,
         "int8 quantization"),
 )}
 

@@ -1,4 +1,4 @@
-"""Public self-checks for lab 2 (cache size): `kvlab check cache_size cache_size.py`.
+"""Public self-checks for lab 3 (cache size): `kvlab check cache_size cache_size.py`.
 
 The course's worked example, and a small measurement. The grade comes from hidden tests on
 shapes drawn at grading time, and from a measurement on a model that adds memory of its own

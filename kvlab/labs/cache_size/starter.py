@@ -1,4 +1,4 @@
-"""Lab 2: cache size by hand, and measured. Fill in every function marked TODO.
+"""Lab 3: cache size by hand, and measured. Fill in every function marked TODO.
 
 Check your work with:  kvlab check cache_size cache_size.py    (the public checks)
 Your grade:            kvlab grade cache_size cache_size.py    (your course runs hidden tests)

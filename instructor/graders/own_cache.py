@@ -1,0 +1,240 @@
+"""Hidden grading tests for lab 2 (your own KV cache). Each test says in its message what it
+expected. Run by the judge (kvlab/grading/judge.py), never shipped in the package.
+
+The student's cache, attention and forward pass run around the model lent to them
+(kvlab/grading/handouts.py, ReferenceModel: the NumPy reference's layers over the bundled
+model's weights, or random weights of a shape drawn here). Their logits are compared with
+kvlab.reference.forward run here without a cache; their tokens with its greedy tokens; their
+cache's bytes with the chapter 2 formula; their step times with what the judge saw the
+worker spend.
+"""
+import functools
+import time
+
+import numpy as np
+
+import kvlab
+from kvlab import reference
+from kvlab.grading.testkit import as_array, bundled_model, check_close, described, number, points
+
+LENDS = ("reference_model",)
+PROMPT = "ROMEO:\nBut soft"
+
+
+@functools.lru_cache(maxsize=None)
+def oracle(seq: tuple) -> np.ndarray:
+    """The reference's logits for a whole sequence, without a cache."""
+    model = bundled_model()
+    return reference.forward(model.config, model.weights, list(seq))
+
+
+def prepare():
+    bundled_model()
+    oracle(tuple(bundled_model().encode(PROMPT)))
+
+
+def prompt_of(rng, length=None):
+    """A prompt of real text (a slice of the bundled model's own prompt, then random bytes)."""
+    model = bundled_model()
+    ids = list(model.encode(PROMPT))
+    n = length or int(rng.integers(3, len(ids) + 1))
+    return ids[:n] if n <= len(ids) else ids + [int(t) for t in rng.integers(32, 127, n - len(ids))]
+
+
+def greedy(prompt, n_new):
+    """The reference's greedy tokens and each step's logits, without a cache."""
+    tokens, steps = list(prompt), []
+    for _ in range(n_new):
+        logits = oracle(tuple(tokens))[-1]
+        steps.append(logits)
+        tokens.append(int(np.argmax(logits)))
+    return tokens[len(prompt):], np.array(steps)
+
+
+def normal(rng, *shape):
+    return rng.standard_normal(shape).astype(np.float32)
+
+
+@points(2)
+def test_the_cache_keeps_what_was_appended(sub, rng):
+    """KVCache grows layer by layer, one or many positions at a time, and counts its bytes"""
+    n_layers, n_kv_heads, head_dim = int(rng.integers(1, 5)), int(rng.integers(1, 4)), int(rng.choice([4, 8, 16]))
+    cache = sub.KVCache(n_layers)
+    assert cache.length == 0 and cache.nbytes == 0, (
+        f"a new cache holds nothing: expected length 0 and nbytes 0, got {cache.length!r} and "
+        f"{cache.nbytes!r}")
+    kept_k = [np.zeros((0, n_kv_heads, head_dim), np.float32) for _ in range(n_layers)]
+    kept_v = [np.zeros((0, n_kv_heads, head_dim), np.float32) for _ in range(n_layers)]
+    for step, n in enumerate([int(rng.integers(2, 7)), 1, 1, int(rng.integers(2, 4))]):
+        for layer in range(n_layers):
+            k, v = normal(rng, n, n_kv_heads, head_dim), normal(rng, n, n_kv_heads, head_dim)
+            cache.append(layer, k, v)
+            kept_k[layer] = np.concatenate([kept_k[layer], k])
+            kept_v[layer] = np.concatenate([kept_v[layer], v])
+        length = len(kept_k[0])
+        assert cache.length == length, f"after step {step}: expected length {length}, got {cache.length!r}"
+        for layer in range(n_layers):
+            for name, got, want in (("keys", cache.keys(layer), kept_k[layer]),
+                                    ("values", cache.values(layer), kept_v[layer])):
+                got = as_array(got, f"{name}({layer}) after {length} positions", shape=want.shape)
+                assert np.array_equal(got, want), (
+                    f"{name}({layer}) after {length} positions does not hold what was appended, "
+                    f"in order")
+        want_bytes = 2 * n_layers * length * n_kv_heads * head_dim * 4
+        assert cache.nbytes == want_bytes, (
+            f"{n_layers} layers x {length} positions x {n_kv_heads} KV heads x {head_dim} x 4 B, "
+            f"for K and V: expected nbytes {want_bytes:,}, got {described(cache.nbytes)}")
+
+
+@points(2)
+def test_attention_matches_the_reference(sub, rng):
+    """causal GQA attention of a prefill and of a decode step, as kvlab.reference.attention"""
+    for n_heads, n_kv_heads in ((4, 4), (8, 2), (6, 1)):
+        head_dim, length = int(rng.choice([8, 16])), int(rng.integers(6, 20))
+        keys, values = normal(rng, length, n_kv_heads, head_dim), normal(rng, length, n_kv_heads, head_dim)
+        for what, positions in (("a prefill of every position", np.arange(length)),
+                                ("a decode step at the last position", np.array([length - 1])),
+                                ("the last 3 positions", np.arange(length - 3, length))):
+            q = normal(rng, len(positions), n_heads, head_dim)
+            got = sub.attention(q, keys, values, positions)
+            check_close(got, reference.attention(q, keys, values, positions),
+                        f"{n_heads} heads on {n_kv_heads} KV heads of {head_dim}, {length} "
+                        f"positions, {what} (position p sees 0..p; head h reads KV head "
+                        f"h // {n_heads // n_kv_heads})", atol=1e-5)
+
+
+@points(2, lends=LENDS)
+def test_forward_without_a_cache_matches_the_reference(sub, rng):
+    """forward(model, tokens): every row of the logits, as the reference computes them"""
+    model = sub.handout("reference_model")
+    prompt = prompt_of(rng)
+    got = sub.forward(model, prompt)
+    check_close(got, oracle(tuple(prompt)), f"forward over {len(prompt)} tokens without a cache "
+                                            f"(row t sees tokens 0..t)", atol=1e-4, rtol=1e-4)
+
+
+@points(3, lends=LENDS)
+def test_prefill_then_decode_matches_the_uncached_run(sub, rng):
+    """the prompt into a cache, then one token at a time: each row as the uncached run's"""
+    model = sub.handout("reference_model")
+    prompt = prompt_of(rng)
+    cache = sub.KVCache(bundled_model().config.n_layers)
+    got = sub.forward(model, prompt, cache)
+    check_close(got, oracle(tuple(prompt)), f"the prefill of {len(prompt)} tokens into your cache",
+                atol=1e-4, rtol=1e-4)
+    tokens = list(prompt)
+    for step in range(int(rng.integers(4, 9))):
+        token = int(rng.integers(32, 127))
+        tokens.append(token)
+        got = as_array(sub.forward(model, [token], cache), f"decode step {step}")
+        check_close(got[-1], oracle(tuple(tokens))[-1],
+                    f"decode step {step} (token {token} at position {len(tokens) - 1}) against "
+                    f"the last row of the uncached run over all {len(tokens)} tokens",
+                    atol=1e-4, rtol=1e-4)
+    assert cache.length == len(tokens), (
+        f"after a prefill of {len(prompt)} and {len(tokens) - len(prompt)} decode steps the "
+        f"cache holds {len(tokens)} positions; yours says {cache.length!r}")
+
+
+@points(3, lends=LENDS)
+def test_greedy_tokens_are_the_same_with_and_without_the_cache(sub, rng):
+    """generate with the cache and without it: the uncached reference's tokens, step by step"""
+    model = sub.handout("reference_model")
+    prompt, n_new = prompt_of(rng), int(rng.integers(12, 25))
+    want_tokens, want_logits = greedy(prompt, n_new)
+    for use_cache in (True, False):
+        mode = "with your cache" if use_cache else "without a cache"
+        got = sub.generate(model, prompt, n_new, use_cache)
+        assert isinstance(got, (tuple, list)) and len(got) == 2, (
+            f"generate {mode}: expected (tokens, step_logits), got {described(got)}")
+        tokens, logits = [int(t) for t in got[0]], as_array(got[1], f"{mode}: step logits")
+        check_close(logits, want_logits, f"{mode}: the logits of the {n_new} steps", atol=1e-4, rtol=1e-4)
+        assert tokens == want_tokens, (f"{mode}: expected the tokens {want_tokens}, got {tokens}")
+
+
+@points(1, lends=LENDS)
+def test_the_cache_holds_what_the_formula_says(sub, rng):
+    """after a generation, the cache's bytes are 2 x n_layers x positions x n_kv_heads x head_dim x 4"""
+    model = sub.handout("reference_model")
+    c = bundled_model().config
+    prompt = prompt_of(rng)
+    cache = sub.KVCache(c.n_layers)
+    sub.forward(model, prompt, cache)
+    decoded = rng.integers(32, 127, int(rng.integers(2, 6)))
+    for token in decoded:
+        sub.forward(model, [int(token)], cache)
+    length = len(prompt) + len(decoded)
+    want = kvlab.kv_cache_bytes(c, length, 1, "fp32")
+    assert cache.nbytes == want, (
+        f"{c.n_layers} layers x {length} positions x {c.n_kv_heads} KV heads x {c.head_dim} x 4 B "
+        f"for K and V: expected {want:,} B, got {described(cache.nbytes)}")
+
+
+def timing_shape(rng):
+    """A model shape for the timing test, drawn now (the student cannot have timed it)."""
+    n_kv_heads = int(rng.choice([2, 4]))
+    head_dim = int(rng.choice([32, 48]))
+    n_heads = n_kv_heads * 2
+    return {"dim": n_heads * head_dim, "hidden_dim": 3 * n_heads * head_dim,
+            "n_layers": int(rng.integers(2, 5)), "n_heads": n_heads, "n_kv_heads": n_kv_heads,
+            "vocab_size": 256, "max_seq_len": 128}
+
+
+@points(2, lends=LENDS)
+def test_step_times_are_measured(sub, rng):
+    """step_seconds on a model the grader picks: one time a step, adding up to what the process spent"""
+    shape = timing_shape(rng)
+    model = sub.handout("reference_model", shape=shape, seed=int(rng.integers(1 << 30)))
+    prompt, n_new = [int(t) for t in rng.integers(0, 256, int(rng.integers(2, 6)))], 24
+    totals = {}
+    for use_cache in (True, False):
+        mode = "with your cache" if use_cache else "without a cache"
+        started = time.perf_counter()
+        got = sub.step_seconds(model, prompt, n_new, use_cache)
+        seen = time.perf_counter() - started
+        times = as_array(got, f"step_seconds {mode}", shape=(n_new,)).astype(np.float64)
+        assert np.all(times > 0), f"step_seconds {mode}: every step takes some time, got {times.min():.3g} s"
+        total = float(times.sum())
+        assert total <= seen, (
+            f"step_seconds {mode}: your steps add up to {total:.4f} s, but the whole call took "
+            f"{seen:.4f} s as the grader saw it")
+        assert total >= 0.5 * seen - 0.05, (
+            f"step_seconds {mode}: your steps add up to {total:.4f} s of a call that took "
+            f"{seen:.4f} s: time the steps themselves, each one")
+        totals[use_cache] = total
+    assert totals[False] > totals[True], (
+        f"{n_new} tokens on a {shape['n_layers']}-layer model: without a cache your steps took "
+        f"{totals[False]:.4f} s, with it {totals[True]:.4f} s; the uncached run recomputes "
+        f"every earlier token each step, so it must take longer")
+
+
+@points(1)
+def test_fit_line(sub, rng):
+    """the least-squares line through noisy points"""
+    positions = np.arange(int(rng.integers(20, 60)))
+    a, b = float(rng.uniform(1e-3, 1e-2)), float(rng.uniform(1e-5, 1e-3))
+    seconds = a + b * positions + rng.normal(0, 1e-4, len(positions))
+    got = sub.fit_line(positions.tolist(), seconds.tolist())
+    assert isinstance(got, (tuple, list)) and len(got) == 2, f"expected (a, b), got {described(got)}"
+    want_b, want_a = np.polyfit(positions, seconds, 1)
+    check_close(np.array([number(got[0], "a"), number(got[1], "b")]), np.array([want_a, want_b]),
+                "the line (a, b) that minimizes the squared errors", atol=1e-9, rtol=1e-6)
+
+
+@points(1)
+def test_speedup_and_share_saved(sub, rng):
+    """the 48-token speedup and the share of a step saved, from two lines"""
+    cached = (float(rng.uniform(1e-3, 5e-3)), float(rng.uniform(0, 2e-6)))
+    uncached = (float(rng.uniform(1e-3, 5e-3)), float(rng.uniform(1e-4, 5e-4)))
+    prompt_len = int(rng.integers(1, 8))
+    positions = prompt_len - 1 + np.arange(48)
+    want = np.sum(uncached[0] + uncached[1] * positions) / np.sum(cached[0] + cached[1] * positions)
+    got = number(sub.predicted_speedup(cached, uncached, prompt_len, 48), "predicted_speedup")
+    check_close(np.array([got]), np.array([want]),
+                f"cached {cached}, uncached {uncached}, a {prompt_len}-token prompt, 48 steps at "
+                f"positions {prompt_len - 1}..{prompt_len + 46}", atol=0, rtol=1e-9)
+    for position in (3, 9, int(rng.integers(10, 100))):
+        want = 1 - (cached[0] + cached[1] * position) / (uncached[0] + uncached[1] * position)
+        got = number(sub.share_saved(cached, uncached, position), "share_saved")
+        check_close(np.array([got]), np.array([want]),
+                    f"share saved at position {position}: 1 - cached(p) / uncached(p)", atol=1e-12)

@@ -1,0 +1,70 @@
+"""Public self-checks for lab 2 (your own KV cache): `kvlab check own_cache own_cache.py`.
+
+Small cases you can follow by hand, and one short generation. The grade comes from hidden
+tests: random shapes for the cache and attention, prompts and decode steps compared row by
+row with the reference run without a cache, greedy tokens, the cache's bytes, and your
+timing run on a model the grader picks.
+"""
+import numpy as np
+
+from kvlab import reference
+from kvlab.grading.testkit import as_array, bundled_model, check_close, described, points
+
+LENDS = ("reference_model",)
+
+
+@points(1)
+def test_a_cache_of_two_layers(sub, rng):
+    """append 2 positions then 1 to each of 2 layers: length 3, and 2 x 2 x 3 x 1 x 2 x 4 B"""
+    cache = sub.KVCache(2)
+    k = np.arange(12, dtype=np.float32).reshape(6, 1, 2)
+    for layer in range(2):
+        cache.append(layer, k[:2], -k[:2])
+    for layer in range(2):
+        cache.append(layer, k[2:3], -k[2:3])
+    got = as_array(cache.keys(1), "keys(1)", shape=(3, 1, 2))
+    assert np.array_equal(got, k[:3]), f"keys(1) should hold the 3 appended rows in order, got {got.tolist()}"
+    assert cache.length == 3, f"expected length 3, got {cache.length!r}"
+    assert cache.nbytes == 96, f"K and V, 2 layers, 3 positions of 1 x 2 float32: expected 96, got {described(cache.nbytes)}"
+
+
+@points(1)
+def test_the_first_position_sees_only_itself(sub, rng):
+    """attention at position 0 returns v[0], whatever the query"""
+    q = np.ones((1, 2, 2), np.float32)
+    keys = np.array([[[1, 0]], [[0, 1]]], np.float32)
+    values = np.array([[[4, 5]], [[6, 7]]], np.float32)
+    got = sub.attention(q, keys, values, np.array([0]))
+    check_close(got, np.array([[[4, 5], [4, 5]]]), "a query at position 0 over 2 positions "
+                                                   "(position 1 is in the future)")
+
+
+@points(1, lends=LENDS)
+def test_forward_without_a_cache(sub, rng):
+    """the bundled model over "ROMEO:": every row of the logits as the reference's"""
+    model = bundled_model()
+    tokens = list(model.encode("ROMEO:"))
+    got = sub.forward(sub.handout("reference_model"), tokens)
+    check_close(got, reference.forward(model.config, model.weights, tokens),
+                "forward over the 6 tokens of 'ROMEO:' without a cache", atol=1e-4, rtol=1e-4)
+
+
+@points(1, lends=LENDS)
+def test_five_greedy_tokens_with_the_cache(sub, rng):
+    """after "ROMEO:", 5 greedy tokens with your cache: the reference's, run without one"""
+    model = bundled_model()
+    tokens = list(model.encode("ROMEO:"))
+    want = []
+    for _ in range(5):
+        want.append(int(np.argmax(reference.forward(model.config, model.weights, tokens + want)[-1])))
+    got = sub.generate(sub.handout("reference_model"), tokens, 5, True)
+    got_tokens = [int(t) for t in got[0]]
+    assert got_tokens == want, f"expected the tokens {want}, got {got_tokens}"
+
+
+@points(1)
+def test_a_line_through_exact_points(sub, rng):
+    """fit_line through points on t = 0.002 + 0.0001 p gives (0.002, 0.0001)"""
+    positions = list(range(10))
+    got = sub.fit_line(positions, [0.002 + 0.0001 * p for p in positions])
+    check_close(np.asarray(got, dtype=np.float64), np.array([0.002, 0.0001]), "(a, b)", atol=1e-12)
