@@ -74,6 +74,8 @@ DELEGATES = {
                   "    return kvlab.kv_cache_bytes(config, seq_len, batch, dtype)\n",
     "block_allocator": "import kvlab\n\nclass BlockAllocator(kvlab.PagedPool):\n    pass\n",
     "scheduler": "from kvlab.scheduler import Scheduler as Theirs\n",
+    "flash_decoding": "from kvlab.reference import attention\n\ndef split_attend(q, k, v, n):\n"
+                      "    return attention(q[None], k, v, [len(k) - 1])[0]\n",
     "int8_cache": "import kvlab.quant\n\ndef quantize_int8(x, group):\n"
                   "    q = kvlab.quant.quantize(x, 'int8', group)\n    return q.codes, q.scales\n",
 }

@@ -64,6 +64,8 @@ LABS: Dict[str, Lab] = {lab.name: lab for lab in (
         "a scheduler"),
     Lab("int8_cache", 6, "int8 cache quantization with an error bound", "06_quantization", 18,
         "int8 quantization"),
+    Lab("flash_decoding", 7, "Flash-decoding: pieces, a merge, any split", "07_gpu_kernels", 14,
+        "split attention and its merge"),
 )}
 
 

@@ -1,0 +1,163 @@
+"""Hidden grading tests for lab 7 (flash-decoding). Each test says in its message what it
+expected. Run by the judge (kvlab/grading/judge.py), never shipped in the package.
+
+The outputs are compared with the C core's attention over the same rows (cache.attend of
+a kvlab cache), for shapes, lengths and splits drawn at grading time: one piece, pieces of
+one position, more pieces than positions (empty ones), scores large enough to overflow an
+unshifted exp. The pieces and the merge are checked on their own too.
+"""
+import numpy as np
+
+import kvlab
+from kvlab.grading.testkit import as_array, check_close, described, points
+
+
+def shapes(rng):
+    """(n_heads, n_kv_heads, head_dim) of each kind, drawn now."""
+    n_kv, mul = int(rng.integers(2, 4)), int(rng.integers(2, 4))
+    return {"MHA": (n_kv, n_kv, int(rng.choice([8, 16]))),
+            "GQA": (n_kv * mul, n_kv, int(rng.choice([8, 16]))),
+            "MQA": (int(rng.integers(2, 6)), 1, int(rng.choice([8, 16])))}
+
+
+def rows(rng, length, n_kv_heads, head_dim, scale=1.0):
+    return ((rng.standard_normal((length, n_kv_heads, head_dim)) * scale).astype(np.float32),
+            rng.standard_normal((length, n_kv_heads, head_dim)).astype(np.float32))
+
+
+def c_attend(q, keys, values):
+    """What the C core computes for one query over these keys and values."""
+    length, n_kv_heads, head_dim = keys.shape
+    cache = kvlab.KVCache(1, n_kv_heads, head_dim, length)
+    cache.append(np.ascontiguousarray(keys[:, None]), np.ascontiguousarray(values[:, None]))
+    return cache.attend(np.ascontiguousarray(q), 0)
+
+
+def reduce_by_hand(q, keys, values):
+    """(acc, m, l) of a piece, in float64, straight from the definitions."""
+    n_heads, head_dim = q.shape
+    kv_mul = n_heads // keys.shape[1]
+    acc, m, l = np.zeros((n_heads, head_dim)), np.full(n_heads, -np.inf), np.zeros(n_heads)
+    for h in range(n_heads):
+        if len(keys):
+            s = keys[:, h // kv_mul].astype(np.float64) @ q[h] / np.sqrt(head_dim)
+            m[h] = s.max()
+            w = np.exp(s - m[h])
+            l[h], acc[h] = w.sum(), w @ values[:, h // kv_mul]
+    return acc, m, l
+
+
+def state_of(got, n_heads, head_dim, what):
+    assert isinstance(got, (tuple, list)) and len(got) == 3, f"{what}: expected (acc, m, l), got {described(got)}"
+    return (as_array(got[0], f"{what}: acc", shape=(n_heads, head_dim)),
+            as_array(got[1], f"{what}: m", shape=(n_heads,)),
+            as_array(got[2], f"{what}: l", shape=(n_heads,)))
+
+
+@points(2)
+def test_a_piece_reduces_to_its_max_sum_and_weighted_values(sub, rng):
+    """partial(q, keys, values): m the largest score, l and acc shifted by it"""
+    for kind, (n_heads, n_kv_heads, head_dim) in shapes(rng).items():
+        length = int(rng.integers(1, 12))
+        keys, values = rows(rng, length, n_kv_heads, head_dim)
+        q = rng.standard_normal((n_heads, head_dim)).astype(np.float32)
+        acc, m, l = state_of(sub.partial(q, keys, values), n_heads, head_dim, f"{kind}, {length} positions")
+        want_acc, want_m, want_l = reduce_by_hand(q, keys, values)
+        check_close(m, want_m, f"{kind}, {length} positions: m, the largest score per query head "
+                               f"(head h reads KV head h // {n_heads // n_kv_heads})")
+        check_close(l, want_l, f"{kind}, {length} positions: l, the sum of exp(s - m)")
+        check_close(acc, want_acc, f"{kind}, {length} positions: acc, the sum of exp(s - m) v")
+
+
+@points(1)
+def test_an_empty_piece(sub, rng):
+    """no positions: m = -inf, l = 0, acc = 0"""
+    n_heads, n_kv_heads, head_dim = shapes(rng)["GQA"]
+    keys, values = rows(rng, 0, n_kv_heads, head_dim)
+    q = rng.standard_normal((n_heads, head_dim)).astype(np.float32)
+    acc, m, l = state_of(sub.partial(q, keys, values), n_heads, head_dim, "an empty piece")
+    assert np.all(np.isneginf(m)) and not np.any(l) and not np.any(acc), (
+        f"an empty piece: expected m = -inf, l = 0, acc = 0 for every head, got m {m.tolist()}, "
+        f"l {l.tolist()}")
+
+
+@points(2)
+def test_merge_combines_two_pieces(sub, rng):
+    """merge of two pieces equals the reduction of both together, in either order"""
+    n_heads, n_kv_heads, head_dim = shapes(rng)["GQA"]
+    for split, scale in ((3, 1.0), (1, 1.0), (7, 40.0)):
+        length = split + int(rng.integers(1, 9))
+        keys, values = rows(rng, length, n_kv_heads, head_dim, scale)
+        q = (rng.standard_normal((n_heads, head_dim)) * scale).astype(np.float32)
+        first = reduce_by_hand(q, keys[:split], values[:split])
+        second = reduce_by_hand(q, keys[split:], values[split:])
+        whole = reduce_by_hand(q, keys, values)
+        for order, (a, b) in (("first, second", (first, second)), ("second, first", (second, first))):
+            a = tuple(np.asarray(x, np.float32) for x in a)
+            b = tuple(np.asarray(x, np.float32) for x in b)
+            acc, m, l = state_of(sub.merge(a, b), n_heads, head_dim, f"merge({order})")
+            what = f"merge({order}) of positions 0..{split - 1} and {split}..{length - 1}"
+            check_close(m, whole[1], f"{what}: m", atol=1e-4)
+            check_close(acc / l[:, None], whole[0] / whole[2][:, None],
+                        f"{what}: acc / l against the output of all {length} positions")
+
+
+@points(2)
+def test_merging_with_an_empty_piece_changes_nothing(sub, rng):
+    """an empty piece on either side, or both: no NaN, nothing changed"""
+    n_heads, n_kv_heads, head_dim = shapes(rng)["MHA"]
+    keys, values = rows(rng, 5, n_kv_heads, head_dim)
+    q = rng.standard_normal((n_heads, head_dim)).astype(np.float32)
+    full = tuple(np.asarray(x, np.float32) for x in reduce_by_hand(q, keys, values))
+    empty = (np.zeros((n_heads, head_dim), np.float32), np.full(n_heads, -np.inf, np.float32),
+             np.zeros(n_heads, np.float32))
+    for what, a, b in (("merge(empty, piece)", empty, full), ("merge(piece, empty)", full, empty)):
+        acc, m, l = state_of(sub.merge(a, b), n_heads, head_dim, what)
+        check_close(acc, full[0], f"{what}: acc")
+        check_close(l, full[2], f"{what}: l")
+    acc, m, l = state_of(sub.merge(empty, empty), n_heads, head_dim, "merge(empty, empty)")
+    assert not np.any(np.isnan(acc)) and not np.any(np.isnan(l)) and np.all(np.isneginf(m)), (
+        "merge(empty, empty) must stay empty (m = -inf, l = 0, acc = 0), with no NaN: "
+        "exp(-inf - (-inf)) is NaN")
+
+
+@points(3)
+def test_any_number_of_splits_gives_the_c_cores_attention(sub, rng):
+    """split_attend with 1, a few, one per position and more pieces than positions, as cache.attend"""
+    for kind, (n_heads, n_kv_heads, head_dim) in shapes(rng).items():
+        length = int(rng.integers(8, 40))
+        keys, values = rows(rng, length, n_kv_heads, head_dim)
+        q = rng.standard_normal((n_heads, head_dim)).astype(np.float32)
+        want = c_attend(q, keys, values)
+        for n_splits in (1, 2, int(rng.integers(3, 8)), length, length + int(rng.integers(1, 5))):
+            got = sub.split_attend(q, keys, values, n_splits)
+            check_close(got, want, f"{kind}, {length} positions in {n_splits} pieces"
+                                   + (" (some of them empty)" if n_splits > length else ""))
+
+
+@points(2)
+def test_large_scores_do_not_overflow(sub, rng):
+    """scores of about 10,000 in some pieces and small ones in others"""
+    n_heads, n_kv_heads, head_dim = shapes(rng)["GQA"]
+    length = 24
+    keys, values = rows(rng, length, n_kv_heads, head_dim)
+    keys[length // 2:] *= np.float32(100.0)                # the later pieces' scores are huge
+    q = (rng.standard_normal((n_heads, head_dim)) * 100).astype(np.float32)
+    want = c_attend(q, keys, values)
+    for n_splits in (1, 4, 24):
+        got = sub.split_attend(q, keys, values, n_splits)
+        check_close(got, want, f"scores up to about 1e4, {n_splits} pieces (is each piece's max "
+                               f"subtracted before exp, and the merge's?)", atol=1e-4)
+
+
+@points(2)
+def test_fixed_chunks_give_the_same_attention(sub, rng):
+    """attend_in_chunks with chunks of 1, of a few positions, and of more than the context"""
+    n_heads, n_kv_heads, head_dim = shapes(rng)["GQA"]
+    length = int(rng.integers(10, 50))
+    keys, values = rows(rng, length, n_kv_heads, head_dim)
+    q = rng.standard_normal((n_heads, head_dim)).astype(np.float32)
+    want = c_attend(q, keys, values)
+    for chunk in (1, int(rng.integers(2, 9)), length - 1, length + 5):
+        got = sub.attend_in_chunks(q, keys, values, chunk)
+        check_close(got, want, f"{length} positions in chunks of {chunk}")
