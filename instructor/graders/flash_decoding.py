@@ -25,6 +25,13 @@ def rows(rng, length, n_kv_heads, head_dim, scale=1.0):
             rng.standard_normal((length, n_kv_heads, head_dim)).astype(np.float32))
 
 
+def cases(rng, lengths):
+    """(kind, q, keys, values) for MHA, GQA and MQA, a length drawn from `lengths` each."""
+    for kind, (n_heads, n_kv_heads, head_dim) in shapes(rng).items():
+        keys, values = rows(rng, int(rng.integers(*lengths)), n_kv_heads, head_dim)
+        yield kind, rng.standard_normal((n_heads, head_dim)).astype(np.float32), keys, values
+
+
 def c_attend(q, keys, values):
     """What the C core computes for one query over these keys and values."""
     length, n_kv_heads, head_dim = keys.shape
@@ -57,10 +64,8 @@ def state_of(got, n_heads, head_dim, what):
 @points(2)
 def test_a_piece_reduces_to_its_max_sum_and_weighted_values(sub, rng):
     """partial(q, keys, values): m the largest score, l and acc shifted by it"""
-    for kind, (n_heads, n_kv_heads, head_dim) in shapes(rng).items():
-        length = int(rng.integers(1, 12))
-        keys, values = rows(rng, length, n_kv_heads, head_dim)
-        q = rng.standard_normal((n_heads, head_dim)).astype(np.float32)
+    for kind, q, keys, values in cases(rng, (1, 12)):
+        (n_heads, head_dim), length, n_kv_heads = q.shape, len(keys), keys.shape[1]
         acc, m, l = state_of(sub.partial(q, keys, values), n_heads, head_dim, f"{kind}, {length} positions")
         want_acc, want_m, want_l = reduce_by_hand(q, keys, values)
         check_close(m, want_m, f"{kind}, {length} positions: m, the largest score per query head "
@@ -124,11 +129,8 @@ def test_merging_with_an_empty_piece_changes_nothing(sub, rng):
 @points(3)
 def test_any_number_of_splits_gives_the_c_cores_attention(sub, rng):
     """split_attend with 1, a few, one per position and more pieces than positions, as cache.attend"""
-    for kind, (n_heads, n_kv_heads, head_dim) in shapes(rng).items():
-        length = int(rng.integers(8, 40))
-        keys, values = rows(rng, length, n_kv_heads, head_dim)
-        q = rng.standard_normal((n_heads, head_dim)).astype(np.float32)
-        want = c_attend(q, keys, values)
+    for kind, q, keys, values in cases(rng, (8, 40)):
+        length, want = len(keys), c_attend(q, keys, values)
         for n_splits in (1, 2, int(rng.integers(3, 8)), length, length + int(rng.integers(1, 5))):
             got = sub.split_attend(q, keys, values, n_splits)
             check_close(got, want, f"{kind}, {length} positions in {n_splits} pieces"

@@ -9,6 +9,14 @@ import numpy as np
 from kvlab.grading.testkit import as_array, check_close, points
 
 
+def example(seed, length, n_kv_heads):
+    """q of 2 heads of 4, and `length` positions of K and V, fixed by `seed`."""
+    rng = np.random.default_rng(seed)
+    return (rng.standard_normal((2, 4)).astype(np.float32),
+            rng.standard_normal((length, n_kv_heads, 4)).astype(np.float32),
+            rng.standard_normal((length, n_kv_heads, 4)).astype(np.float32))
+
+
 @points(1)
 def test_a_piece_of_one_position(sub, rng):
     """one position: m is its score, l is 1, acc is its value"""
@@ -24,10 +32,7 @@ def test_a_piece_of_one_position(sub, rng):
 @points(1)
 def test_two_halves_merge_into_the_whole(sub, rng):
     """a piece of positions 0-1 merged with 2-3: the attention of all four"""
-    rng = np.random.default_rng(0)
-    q = rng.standard_normal((2, 4)).astype(np.float32)
-    keys = rng.standard_normal((4, 2, 4)).astype(np.float32)
-    values = rng.standard_normal((4, 2, 4)).astype(np.float32)
+    q, keys, values = example(0, 4, 2)
     whole = sub.partial(q, keys, values)
     acc, m, l = sub.merge(sub.partial(q, keys[:2], values[:2]), sub.partial(q, keys[2:], values[2:]))
     check_close(as_array(acc, "acc") / as_array(l, "l")[:, None],
@@ -38,10 +43,7 @@ def test_two_halves_merge_into_the_whole(sub, rng):
 @points(1)
 def test_one_piece_is_plain_attention(sub, rng):
     """split_attend with 1 piece and with 3 pieces of 3 positions: softmax-weighted values"""
-    rng = np.random.default_rng(1)
-    q = rng.standard_normal((2, 4)).astype(np.float32)
-    keys = rng.standard_normal((3, 1, 4)).astype(np.float32)
-    values = rng.standard_normal((3, 1, 4)).astype(np.float32)
+    q, keys, values = example(1, 3, 1)
     scores = keys[:, 0] @ q.T / 2.0                         # (positions, heads), sqrt(4) = 2
     w = np.exp(scores - scores.max(axis=0))
     want = (w / w.sum(axis=0)).T @ values[:, 0]
