@@ -73,6 +73,8 @@ DELEGATES = {
     "cache_size": "import kvlab\n\ndef kv_cache_bytes(config, seq_len, batch=1, dtype='fp16'):\n"
                   "    return kvlab.kv_cache_bytes(config, seq_len, batch, dtype)\n",
     "block_allocator": "import kvlab\n\nclass BlockAllocator(kvlab.PagedPool):\n    pass\n",
+    "paged_attention": "import kvlab\n\ndef paged_attend(q, kb, vb, table, length):\n"
+                       "    return kvlab.PagedPool\n",
     "scheduler": "from kvlab.scheduler import Scheduler as Theirs\n",
     "flash_decoding": "from kvlab.reference import attention\n\ndef split_attend(q, k, v, n):\n"
                       "    return attention(q[None], k, v, [len(k) - 1])[0]\n",

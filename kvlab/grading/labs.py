@@ -60,11 +60,13 @@ LABS: Dict[str, Lab] = {lab.name: lab for lab in (
         ("kvlab.measure.resident_bytes", "kvlab.measure.release_freed_memory")),
     Lab("block_allocator", 4, "A block allocator with fork and copy-on-write", "04_paged", 19,
         "a block allocator"),
-    Lab("scheduler", 5, "A batching scheduler with preemption", "05_batching", 18,
+    Lab("paged_attention", 5, "Attention through a block table", "04_paged", 14,
+        "attention over a paged cache"),
+    Lab("scheduler", 6, "A batching scheduler with preemption", "05_batching", 18,
         "a scheduler"),
-    Lab("int8_cache", 6, "int8 cache quantization with an error bound", "06_quantization", 18,
+    Lab("int8_cache", 7, "int8 cache quantization with an error bound", "06_quantization", 18,
         "int8 quantization"),
-    Lab("flash_decoding", 7, "Flash-decoding: pieces, a merge, any split", "07_gpu_kernels", 14,
+    Lab("flash_decoding", 8, "Flash-decoding: pieces, a merge, any split", "07_gpu_kernels", 14,
         "split attention and its merge"),
 )}
 

@@ -1,0 +1,181 @@
+"""Hidden grading tests for lab 5 (attention through a block table). Each test says in its
+message what it expected. Run by the judge (kvlab/grading/judge.py), never shipped in the
+package.
+
+Pools are made here, of random rows or filled by the bundled model through kvlab's own
+PagedPool, with tables shuffled across the pool, lengths that leave the last block partly
+filled (its other rows hold stale values, as a reused block does) and sequences that share
+their first blocks (a fork). Attention is compared with the C core's cache.attend over the
+same rows laid out contiguously.
+"""
+import functools
+
+import numpy as np
+
+import kvlab
+from kvlab.grading.testkit import as_array, bundled_model, check_close, described, points, whole_number
+
+PROMPT = "ROMEO:\nBut soft, what light through yonder window breaks? It is the east!"
+# 73 tokens, then 21 more (94): neither fills its last block of 4 or 5 rows
+
+
+def c_attend(q, keys, values):
+    """The C core's attention for one query over contiguous keys and values."""
+    length, n_kv_heads, head_dim = keys.shape
+    cache = kvlab.KVCache(1, n_kv_heads, head_dim, length)
+    cache.append(np.ascontiguousarray(keys[:, None]), np.ascontiguousarray(values[:, None]))
+    return cache.attend(np.ascontiguousarray(q), 0)
+
+
+def random_pool(rng, n_kv_heads, head_dim, block_size, length, spare=3):
+    """(key_blocks, value_blocks, table, keys, values): a pool of random rows (stale ones
+    too) and a shuffled table holding the sequence's `length` positions."""
+    n_blocks = -(-length // block_size)
+    num_blocks = n_blocks + spare
+    shape = (num_blocks, block_size, n_kv_heads, head_dim)
+    key_blocks = rng.standard_normal(shape).astype(np.float32) * np.float32(3)   # stale rows: loud
+    value_blocks = rng.standard_normal(shape).astype(np.float32) * np.float32(3)
+    table = [int(b) for b in rng.permutation(num_blocks)[:n_blocks]]
+    if n_blocks > 1 and table == sorted(table):
+        table.reverse()                                  # never the pool's own order
+    positions = np.arange(length)
+    keys = key_blocks[np.array(table)[positions // block_size], positions % block_size]
+    values = value_blocks[np.array(table)[positions // block_size], positions % block_size]
+    return key_blocks, value_blocks, table, keys, values
+
+
+def shapes(rng):
+    n_kv, mul = int(rng.integers(2, 4)), int(rng.integers(2, 4))
+    return {"MHA": (n_kv, n_kv), "GQA": (n_kv * mul, n_kv), "MQA": (int(rng.integers(2, 6)), 1)}
+
+
+@functools.lru_cache(maxsize=None)
+def model_pool(block_size):
+    """The bundled model's K and V for PROMPT, in a kvlab PagedPool of blocks of
+    block_size, a second sequence forked from it and decoded on, and a contiguous cache."""
+    model = bundled_model()
+    tokens = model.encode(PROMPT)
+    pool = model.new_paged_pool(num_blocks=64, block_size=block_size)
+    # other sequences come and go first, so that this one's blocks are scattered over the pool
+    # and their spare rows hold stale keys
+    others = [pool.new_sequence() for _ in range(3)]
+    for i, other in enumerate(others):
+        model.prefill(model.encode("JULIET:\nO Romeo, Romeo! " * (i + 1)), other)
+    pool.free(others[0])
+    pool.free(others[2])
+    first = pool.new_sequence()
+    model.prefill(tokens, first)
+    second = pool.fork(first)
+    extra = model.encode(" and Juliet is the sun")[:21]
+    for token in extra:
+        model.decode(int(token), second)
+    contiguous = model.new_cache(128)
+    model.prefill(list(tokens) + list(extra), contiguous)
+    return pool, first, second, contiguous
+
+
+def prepare():
+    for block_size in (4, 5):
+        model_pool(block_size)
+
+
+@points(1)
+def test_blocks_needed_and_unused_rows(sub, rng):
+    """ceil(length / block_size) blocks, and the rows of the last block left empty"""
+    for _ in range(12):
+        length, block_size = int(rng.integers(1, 500)), int(rng.choice([1, 2, 3, 8, 16, 32]))
+        got = whole_number(sub.blocks_needed(length, block_size), "blocks_needed")
+        want = -(-length // block_size)
+        assert got == want, f"{length} positions in blocks of {block_size}: expected {want} blocks, got {got}"
+        got = whole_number(sub.unused_rows(length, block_size), "unused_rows")
+        assert got == want * block_size - length, (
+            f"{length} positions in {want} blocks of {block_size}: expected "
+            f"{want * block_size - length} unused rows, got {got}")
+
+
+@points(1)
+def test_slot(sub, rng):
+    """position p is in block table[p // block_size], row p % block_size"""
+    block_size = int(rng.integers(2, 9))
+    table = [int(b) for b in rng.permutation(40)[:10]]
+    for position in rng.integers(0, 10 * block_size, 15):
+        got = sub.slot(int(position), table, block_size)
+        want = (table[position // block_size], int(position % block_size))
+        assert isinstance(got, (tuple, list)) and [int(x) for x in got] == list(want), (
+            f"table {table}, blocks of {block_size}: position {position} is in block {want[0]}, "
+            f"row {want[1]}; got {described(got)}")
+
+
+@points(2)
+def test_gather_reads_through_a_shuffled_table(sub, rng):
+    """gather: the sequence's rows in position order, stale rows of the last block left out"""
+    for length, block_size in ((int(rng.integers(10, 40)), int(rng.integers(3, 8))), (1, 4), (16, 16)):
+        key_blocks, _, table, keys, _ = random_pool(rng, 2, 8, block_size, length)
+        got = as_array(sub.gather(key_blocks, table, length), "gather", shape=keys.shape)
+        assert np.array_equal(got, keys), (
+            f"{length} positions in blocks of {block_size} under table {table}: gather must "
+            f"return the rows of positions 0..{length - 1} in order (block table[p // "
+            f"{block_size}], row p % {block_size}), and nothing past them")
+
+
+@points(3)
+def test_paged_attention_matches_contiguous_attention(sub, rng):
+    """paged_attend over shuffled tables, as cache.attend over the same rows laid out in order"""
+    for kind, (n_heads, n_kv_heads) in shapes(rng).items():
+        head_dim = int(rng.choice([8, 16]))
+        for block_size in (int(rng.integers(2, 6)), 16):
+            length = int(rng.integers(block_size + 1, 60))
+            key_blocks, value_blocks, table, keys, values = random_pool(rng, n_kv_heads, head_dim,
+                                                                         block_size, length)
+            q = rng.standard_normal((n_heads, head_dim)).astype(np.float32)
+            got = sub.paged_attend(q, key_blocks, value_blocks, table, length)
+            check_close(got, c_attend(q, keys, values),
+                        f"{kind}, {length} positions in blocks of {block_size}, table {table}")
+
+
+@points(2)
+def test_the_last_block_is_read_only_up_to_the_length(sub, rng):
+    """lengths 1 past a block's end and 1 short of it: the stale rows must not count"""
+    n_heads, n_kv_heads = shapes(rng)["GQA"]
+    block_size = int(rng.integers(4, 9))
+    for length in (block_size + 1, 2 * block_size - 1, 1):
+        key_blocks, value_blocks, table, keys, values = random_pool(rng, n_kv_heads, 8, block_size, length)
+        q = rng.standard_normal((n_heads, 8)).astype(np.float32)
+        got = sub.paged_attend(q, key_blocks, value_blocks, table, length)
+        check_close(got, c_attend(q, keys, values),
+                    f"{length} positions in blocks of {block_size}: the last block holds "
+                    f"{length - (-(-length // block_size) - 1) * block_size} of them, the rest is stale")
+
+
+def check_every_layer(sub, rng, pool, handle, contiguous, what):
+    """paged_attend over the pool's layers, through the handle's table, as the contiguous cache attends."""
+    c = bundled_model().config
+    table, length = handle.block_table.tolist(), handle.length
+    for layer in range(c.n_layers):
+        q = (rng.standard_normal((c.n_heads, c.head_dim)) * 2).astype(np.float32)
+        got = sub.paged_attend(q, pool.key_codes[:, layer], pool.value_codes[:, layer], table, length)
+        check_close(got, contiguous.attend(q, layer),
+                    f"layer {layer} of a pool of blocks of {pool.block_size} (pool.key_codes[:, "
+                    f"{layer}]), {what}, table {table}, {length} positions (8 query heads on 2 KV heads)")
+
+
+@points(3)
+def test_a_pool_the_bundled_model_filled(sub, rng):
+    """a kvlab PagedPool after a prompt: every layer, as the model's contiguous cache attends"""
+    model = bundled_model()
+    pool, first, _, _ = model_pool(int(rng.choice([4, 5])))
+    table = first.block_table.tolist()
+    assert table != sorted(table) or table[0] != 0, "the grader's pool should scatter the blocks"
+    contiguous = model.new_cache(128)
+    model.prefill(model.encode(PROMPT), contiguous)
+    check_every_layer(sub, rng, pool, first, contiguous, "the prompt")
+
+
+@points(2)
+def test_a_forked_sequence_reads_its_shared_blocks(sub, rng):
+    """a fork shares the prompt's full blocks, then writes its own: its attention as a contiguous run's"""
+    pool, first, second, contiguous = model_pool(int(rng.choice([4, 5])))
+    shared = [b for b in second.block_table.tolist() if b in first.block_table.tolist()]
+    assert shared, "the fork should share blocks with its parent (the grader's own setup)"
+    check_every_layer(sub, rng, pool, second, contiguous,
+                      f"a sequence forked after the prompt (blocks {shared} shared with its parent)")
