@@ -149,6 +149,80 @@ def measure_resident_growth(model, seq_len, batch):
     assert "never held more than" in report.tests[-1].output
 
 
+OWN_CACHE = (INSTRUCTOR / "solutions" / "own_cache.py").read_text()
+
+OWN_CACHE_FAKES = {
+    # the times come from nowhere, or from the whole loop shared out evenly
+    "made-up times": ("""
+def step_seconds(model, prompt, n_new, use_cache):
+    return [1e-9 if use_cache else 2e-9] * n_new
+""", {"test_step_times_are_measured"}),
+    "the whole loop divided": ("""
+def step_seconds(model, prompt, n_new, use_cache):
+    started = time.perf_counter()
+    generate(model, prompt, n_new, use_cache)
+    return [(time.perf_counter() - started) / n_new] * n_new
+""", {"test_step_times_are_measured"}),
+    # a "cache" that only remembers the tokens: every step recomputes the whole sequence
+    "a cache never read": ("""
+_really = forward
+
+def forward(model, tokens, cache=None):
+    if cache is None:
+        return _really(model, tokens)
+    seen = getattr(cache, "seen", [])
+    logits = _really(model, seen + list(tokens))[-len(tokens):]
+    positions = np.arange(len(seen), len(seen) + len(tokens))
+    x = model.embed(tokens)
+    for layer in range(model.config.n_layers):
+        q, k, v = model.qkv(layer, x, positions)
+        cache.append(layer, k, v)                    # for length and nbytes only
+    cache.seen = seen + list(tokens)
+    return logits
+""", {"test_prefill_then_decode_matches_the_uncached_run",
+      "test_greedy_tokens_are_the_same_with_and_without_the_cache",
+      "test_step_times_are_measured"}),
+    # kvlab's own forward pass, imported by name once a test has lent a model
+    "kvlab imported by name after a lend": (EVADE + """
+def forward(model, tokens, cache=None):
+    reference = _sys.modules["importlib"].import_module("kvlab.reference")
+    return reference.forward(model._c, model._w, tokens)
+""", {"test_forward_without_a_cache_matches_the_reference",
+      "test_prefill_then_decode_matches_the_uncached_run",
+      "test_greedy_tokens_are_the_same_with_and_without_the_cache",
+      "test_the_cache_holds_what_the_formula_says", "test_step_times_are_measured"}),
+}
+
+
+@pytest.mark.parametrize("fake", list(OWN_CACHE_FAKES))
+def test_own_cache_cannot_fake_its_cache_or_its_timing(fake, tmp_path):
+    """The lent model's log shows how many tokens each step ran, and when."""
+    code, loses = OWN_CACHE_FAKES[fake]
+    submission = tmp_path / "own_cache.py"
+    submission.write_text(OWN_CACHE + code)
+    report = hidden(submission, "own_cache")
+    assert set(report.failed()) == loses, report.summary()
+
+
+def test_flash_decoding_without_pieces_earns_little(tmp_path):
+    """A plain softmax over all positions gives the right outputs, but the pieces are graded."""
+    submission = tmp_path / "flash_decoding.py"
+    submission.write_text("""
+import numpy as np
+
+def plain(q, keys, values, *ignored):
+    kv_mul = q.shape[0] // keys.shape[1]
+    k, v = np.repeat(keys, kv_mul, axis=1), np.repeat(values, kv_mul, axis=1)
+    s = np.einsum("hd,phd->hp", q, k) / np.sqrt(q.shape[1])
+    w = np.exp(s - s.max(axis=1, keepdims=True))
+    return (np.einsum("hp,phd->hd", w / w.sum(axis=1, keepdims=True), v)).astype(np.float32)
+
+split_attend = attend_in_chunks = plain
+""")
+    report = hidden(submission, "flash_decoding")
+    assert report.score <= 4, report.summary()
+
+
 def test_importing_the_instructors_solution_scores_zero(tmp_path):
     submission = tmp_path / "cache_size.py"
     submission.write_text("from instructor.solutions.cache_size import *\n")
@@ -223,26 +297,24 @@ def test_monkeypatching_kvlab_in_the_worker_changes_nothing(tmp_path):
     honest.parent.mkdir()
     honest.write_text(SOLUTION + WRONG)
     patched = tmp_path / "cache_size.py"
-    patched.write_text(SOLUTION + WRONG + EVADE + f'''
+    patched.write_text(SOLUTION + WRONG + f'''
 
-def patch():
-    """Make kvlab's arithmetic agree with the wrong answers, wherever kvlab is loaded
-    (in the worker, kvlab is there only once the grader has lent a model)."""
-    modules = _sys.modules
-    for name in ("kvlab", "kvlab.measure"):
-        if name in modules:
-            setattr(modules[name], "kv_cache" + "_bytes", lambda *args, **kwargs: 0)
-            setattr(modules[name], "kv_bytes_per" + "_token", lambda *args, **kwargs: 0)
-            with open({str(tmp_path / "patched.txt")!r}, "a") as f:
-                f.write(name + "\\n")
+def patch(model):
+    """Make kvlab's arithmetic agree with the wrong answers. In the worker kvlab is loaded
+    only once the grader lends a model, and then only reachable through it: kvlab.model's
+    globals from a method of the lent model's own model, kvlab.measure's from there."""
+    model_globals = getattr(type(getattr(model, "_mo" + "del")).forward, "__glo" + "bals__")
+    measure_globals = getattr(model_globals["Counts"].flops.fget, "__glo" + "bals__")
+    measure_globals["kv_cache" + "_bytes"] = lambda *args, **kwargs: 0
+    measure_globals["kv_bytes_per" + "_token"] = lambda *args, **kwargs: 0
+    with open({str(tmp_path / "patched.txt")!r}, "a") as f:
+        f.write("kvlab.measure\\n")
 
 _measure = measure_resident_growth
 
 def measure_resident_growth(model, seq_len, batch):
-    patch()
+    patch(model)
     return _measure(model, seq_len, batch)
-
-patch()
 ''')
     wrong, cheat = hidden(honest), hidden(patched)
     assert (tmp_path / "patched.txt").is_file(), "kvlab was never patched: the test proves nothing"

@@ -127,6 +127,29 @@ def test_merging_with_an_empty_piece_changes_nothing(sub, rng):
 
 
 @points(3)
+def test_each_piece_of_a_split_is_reduced(sub, rng):
+    """split_states: one (acc, m, l) per np.array_split piece, empty pieces included"""
+    for kind, q, keys, values in cases(rng, (5, 30)):
+        (n_heads, head_dim), length = q.shape, len(keys)
+        for n_splits in (1, int(rng.integers(2, 6)), length + int(rng.integers(1, 4))):
+            got = sub.split_states(q, keys, values, n_splits)
+            pieces = np.array_split(np.arange(length), n_splits)
+            assert isinstance(got, (list, tuple)) and len(got) == n_splits, (
+                f"{kind}, {length} positions in {n_splits} pieces: expected a list of "
+                f"{n_splits} states, got {described(got)}")
+            for i, (state, piece) in enumerate(zip(got, pieces)):
+                what = f"{kind}, {length} positions in {n_splits} pieces: piece {i} ({len(piece)} positions)"
+                acc, m, l = state_of(state, n_heads, head_dim, what)
+                want_acc, want_m, want_l = reduce_by_hand(q, keys[piece], values[piece])
+                if not len(piece):
+                    assert np.all(np.isneginf(m)) and not np.any(l) and not np.any(acc), (
+                        f"{what}: an empty piece is m = -inf, l = 0, acc = 0")
+                    continue
+                check_close(m, want_m, f"{what}: m")
+                check_close(acc / l[:, None], want_acc / want_l[:, None], f"{what}: acc / l")
+
+
+@points(2)
 def test_any_number_of_splits_gives_the_c_cores_attention(sub, rng):
     """split_attend with 1, a few, one per position and more pieces than positions, as cache.attend"""
     for kind, q, keys, values in cases(rng, (8, 40)):
@@ -137,7 +160,7 @@ def test_any_number_of_splits_gives_the_c_cores_attention(sub, rng):
                                    + (" (some of them empty)" if n_splits > length else ""))
 
 
-@points(2)
+@points(1)
 def test_large_scores_do_not_overflow(sub, rng):
     """scores of about 10,000 in some pieces and small ones in others"""
     n_heads, n_kv_heads, head_dim = shapes(rng)["GQA"]
@@ -152,7 +175,7 @@ def test_large_scores_do_not_overflow(sub, rng):
                                f"subtracted before exp, and the merge's?)", atol=1e-4)
 
 
-@points(2)
+@points(1)
 def test_fixed_chunks_give_the_same_attention(sub, rng):
     """attend_in_chunks with chunks of 1, of a few positions, and of more than the context"""
     n_heads, n_kv_heads, head_dim = shapes(rng)["GQA"]

@@ -33,10 +33,15 @@ def merge(a, b):
             scale_a * l_a + scale_b * l_b)
 
 
+def split_states(q, keys, values, n_splits):
+    return [partial(q, keys[piece], values[piece])
+            for piece in np.array_split(np.arange(len(keys)), n_splits)]
+
+
 def split_attend(q, keys, values, n_splits):
     state = partial(q, keys[:0], values[:0])             # empty: the merge's identity
-    for piece in np.array_split(np.arange(len(keys)), n_splits):
-        state = merge(state, partial(q, keys[piece], values[piece]))
+    for piece in split_states(q, keys, values, n_splits):
+        state = merge(state, piece)
     acc, _, l = state
     return (acc / l[:, None]).astype(np.float32)
 

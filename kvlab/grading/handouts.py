@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import mmap
+import time
 import types
 from typing import Any, Optional
 
@@ -90,9 +91,16 @@ class ReferenceModel:
     """A model's weights behind the NumPy reference's building blocks: everything a forward
     pass needs except attention and the KV cache, which the student writes (the own-cache
     lab). shape: a model shape (ModelConfig's fields) for random weights drawn from `seed`;
-    None for the bundled model. Arrays in and out are float32."""
+    None for the bundled model. Arrays in and out are float32.
+
+    It keeps a log the judge reads: for every embed and logits call, (name, rows,
+    perf_counter at the call, at its return). A forward pass is one embed and one logits, so
+    the log says how many tokens each step really ran through the model, and when: a cached
+    decode step embeds one token, and a step's reported time must fit the window between
+    them. (perf_counter is the system's monotonic clock: the same in every process.)"""
 
     def __init__(self, shape: Optional[dict] = None, seed: int = 0):
+        from kvlab import reference
         from kvlab.config import ModelConfig
         from kvlab.weights import Weights
         if shape is None:
@@ -101,28 +109,33 @@ class ReferenceModel:
         else:
             self._c = ModelConfig(**shape)
             self._w = Weights.random(self._c, seed=seed)
+        # bound now: once a handout is built, the worker makes kvlab unimportable by name
+        self._rmsnorm, self._rope, self._silu = reference.rmsnorm, reference.rope, reference.silu
         self._inv_freq = self._c.rope_inv_freq()
+        self._log = []
         self.config = types.SimpleNamespace(**config_fields(self._c))
 
     def embed(self, tokens) -> np.ndarray:
         """(n, dim): the token embeddings."""
+        started = time.perf_counter()
         tokens = np.asarray(tokens, dtype=np.int64)
         if tokens.ndim != 1 or tokens.size == 0 or tokens.min() < 0 or tokens.max() >= self._c.vocab_size:
             raise ValueError(f"tokens must be a non-empty list of ids in [0, {self._c.vocab_size})")
-        return self._w.token_embedding[tokens].astype(np.float32)
+        out = self._w.token_embedding[tokens].astype(np.float32)
+        self._log.append(("embed", len(tokens), started, time.perf_counter()))
+        return out
 
     def qkv(self, layer: int, x: np.ndarray, positions) -> tuple:
         """q (n, n_heads, head_dim), k and v (n, n_kv_heads, head_dim) of the residual
         stream x (n, dim) at `positions` (n,): RMSNorm, the projections, RoPE on q and k."""
-        from kvlab import reference
         c, w, n = self._c, self._w, len(x)
         positions = np.asarray(positions)
-        h = reference.rmsnorm(np.asarray(x, np.float32), w.attn_norm[layer], c.norm_eps)
+        h = self._rmsnorm(np.asarray(x, np.float32), w.attn_norm[layer], c.norm_eps)
         q = (h @ w.wq[layer].T).reshape(n, c.n_heads, c.head_dim)
         k = (h @ w.wk[layer].T).reshape(n, c.n_kv_heads, c.head_dim)
         v = (h @ w.wv[layer].T).reshape(n, c.n_kv_heads, c.head_dim)
-        return (reference.rope(q, positions, self._inv_freq, c.rope_interleaved),
-                reference.rope(k, positions, self._inv_freq, c.rope_interleaved), v)
+        return (self._rope(q, positions, self._inv_freq, c.rope_interleaved),
+                self._rope(k, positions, self._inv_freq, c.rope_interleaved), v)
 
     def attention_output(self, layer: int, x: np.ndarray, out: np.ndarray) -> np.ndarray:
         """x + attention's output (n, n_heads, head_dim) projected back to (n, dim)."""
@@ -131,16 +144,17 @@ class ReferenceModel:
 
     def mlp(self, layer: int, x: np.ndarray) -> np.ndarray:
         """x + the SwiGLU MLP of RMSNorm(x)."""
-        from kvlab import reference
         w = self._w
-        h = reference.rmsnorm(np.asarray(x, np.float32), w.ffn_norm[layer], self._c.norm_eps)
-        return x + (reference.silu(h @ w.w1[layer].T) * (h @ w.w3[layer].T)) @ w.w2[layer].T
+        h = self._rmsnorm(np.asarray(x, np.float32), w.ffn_norm[layer], self._c.norm_eps)
+        return x + (self._silu(h @ w.w1[layer].T) * (h @ w.w3[layer].T)) @ w.w2[layer].T
 
     def logits(self, x: np.ndarray) -> np.ndarray:
         """(n, vocab_size): the final RMSNorm and the classifier."""
-        from kvlab import reference
-        h = reference.rmsnorm(np.asarray(x, np.float32), self._w.final_norm, self._c.norm_eps)
-        return h @ self._w.classifier.T
+        started = time.perf_counter()
+        h = self._rmsnorm(np.asarray(x, np.float32), self._w.final_norm, self._c.norm_eps)
+        out = h @ self._w.classifier.T
+        self._log.append(("logits", len(out), started, time.perf_counter()))
+        return out
 
 
 @functools.lru_cache(maxsize=None)

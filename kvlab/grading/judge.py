@@ -40,7 +40,7 @@ import numpy as np
 
 from .labs import TEST_TIMEOUT, Lab, get_lab
 from .policy import check_source
-from .process import (WorkerDied, WorkerGone, WorkerProcess, WorkerTimeout,
+from .process import (WorkerGone, WorkerProcess, WorkerTimeout,
                       check_worker_user, harden_judge, sweep)
 from .remote import RemoteError, Session, Submission
 from .report import GradeReport, TestResult, write_atomically
@@ -49,6 +49,10 @@ OUTPUT_CAP = 64 << 10        # bytes of a test's printed output kept
 PRINTED_SHOWN = 1500         # characters of it shown with a failed test
 MESSAGE_SHOWN = 3000         # characters of a failed test's message (it may quote the student)
 SUBMISSION_LIMIT = 1 << 20   # bytes of a submission: a lab's file is a few KiB
+
+
+class NotImported(Exception):
+    """A worker could not import the submission; the message says why, for the student."""
 
 
 def load_tests(path: Path) -> List[Callable]:
@@ -112,11 +116,9 @@ _STACK = re.compile(r'^(?:Current thread 0x[0-9a-f]+ |Thread 0x[0-9a-f]+ |Stack 
 def _where_stopped(printed: str, copy: Path) -> Tuple[str, str]:
     """(where in the student's file the worker was when it was stopped, or '';
     what it printed, less the stack dump that said so)."""
-    where = ""
-    for dump in _STACK.finditer(printed):
-        found = re.search(rf'File "{re.escape(str(copy))}", line (\d+) in (\S+)', dump.group(0))
-        if found and not where:
-            where = f"line {found.group(1)} of your file, in {found.group(2)}"
+    line = re.compile(rf'File "{re.escape(str(copy))}", line (\d+) in (\S+)')
+    found = next((f for dump in _STACK.finditer(printed) for f in [line.search(dump.group(0))] if f), None)
+    where = f"line {found.group(1)} of your file, in {found.group(2)}" if found else ""
     return where, _STACK.sub("", printed)
 
 
@@ -165,17 +167,25 @@ class Judge:
         return scratch
 
     def _start(self, index: int, test: Callable, copy: Path, deadline: float) -> Session:
-        """A worker for `test`, the submission imported; RemoteError if the import raised."""
+        """A worker for `test`, the submission imported; NotImported saying why if not."""
         try:
             worker = WorkerProcess(self._scratch(index), self.worker_user, self.output_cap,
                                    preload=getattr(test, "lends", ()))
         except OSError as error:            # no process to be had (a limit reached, say)
-            raise WorkerDied(f"the grader could not start a process for your code ({error})") from None
+            raise NotImported(f"the grader could not start a process for your code ({error})") from None
         session = Session(worker, deadline)
         try:
             session.ask({"op": "load", "path": str(copy), "policy": self.lab.policy.to_dict()})
+        except (RemoteError, WorkerGone) as error:
+            if isinstance(error, WorkerTimeout):
+                why = ("your file ran too long while it was imported (is there an endless loop "
+                       "outside the functions?)")
+            else:
+                why = "your file could not be imported: " + (
+                    error.describe() if isinstance(error, RemoteError) else str(error))
+            raise NotImported(why + _printed(worker.stop())) from None
         except BaseException:
-            self.printed = worker.stop()
+            worker.stop()
             raise
         return session
 
@@ -199,7 +209,6 @@ class Judge:
         except Exception as error:      # the test could not use what came back
             result.output = (f"the grader could not use what your code returned "
                              f"({type(error).__name__}: {error})")
-        result.output = _cut(result.output, MESSAGE_SHOWN)
         return result
 
     def _all_zero(self, tests: List[Callable], why: str) -> List[TestResult]:
@@ -229,11 +238,11 @@ class Judge:
         report.output = _cut(report.output, MESSAGE_SHOWN)
         if changed:
             names = sorted({name for name, _ in changed})
-            report.refused = "files of kvlab or of the tests changed while the code ran"
+            report.refused = "files of kvlab or of the tests changed during grading"
             report.tests = self._all_zero(tests, "not graded: files of kvlab or of the tests "
-                                                 "changed while your code ran")
-            report.output = ("grading refused: these files changed while your code ran:\n  "
-                             + "\n  ".join(names[:10]))
+                                                 "changed during grading")
+            report.output = ("grading refused: these files changed during grading (by the "
+                             "code graded, or by someone editing them):\n  " + "\n  ".join(names[:10]))
         report.execution_time = time.monotonic() - started
         return report
 
@@ -261,25 +270,13 @@ class Judge:
             if end is not None and time.monotonic() > end:
                 results += self._all_zero(tests[index:], "not run: the grading time ran out")
                 break
-            deadline = time.monotonic() + self.test_timeout
-            self.printed = ""
             try:
-                session = self._start(index, test, copy, deadline)
-            except RemoteError as error:
-                why = f"your file could not be imported: {error.describe()}"
+                session = self._start(index, test, copy, time.monotonic() + self.test_timeout)
+            except NotImported as error:
                 if index == 0:           # said once, at the top
                     return self._all_zero(tests, "not graded: your file could not be "
-                                                 "imported (see above)"), why + _printed(self.printed)
-                results.append(self._all_zero([test], why)[0])
-                continue
-            except WorkerGone as error:
-                why = ("your file ran too long while it was imported (is there an endless loop "
-                       "outside the functions?)" if isinstance(error, WorkerTimeout)
-                       else f"your file could not be imported: {error}")
-                if index == 0:           # said once, at the top
-                    return self._all_zero(tests, "not graded: your file could not be "
-                                                 "imported (see above)"), why + _printed(self.printed)
-                results.append(self._all_zero([test], why + _printed(self.printed))[0])
+                                                 "imported (see above)"), str(error)
+                results.append(self._all_zero([test], _cut(str(error), MESSAGE_SHOWN))[0])
                 continue
             if self.progress:
                 print(f"  [{index + 1}/{len(tests)}] {test.__name__}", file=sys.stderr, flush=True)
@@ -291,7 +288,7 @@ class Judge:
             if where and result.output.startswith("ran too long"):
                 result.output += f"\n  it was at {where}"
             if not result.passed:
-                result.output = _cut(result.output + _printed(printed), MESSAGE_SHOWN + PRINTED_SHOWN)
+                result.output = _cut(result.output, MESSAGE_SHOWN) + _printed(printed)
             results.append(result)
         return results, ""
 

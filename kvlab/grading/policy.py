@@ -31,7 +31,7 @@ DENIED_MODULES = frozenset({
     "_signal", "atexit", "socket", "_socket", "instructor",
     # modules that import or run code named in a string
     "pydoc", "pickle", "_pickle", "copyreg", "shelve", "timeit", "doctest", "trace",
-    "profile", "cProfile", "pdb", "bdb", "unittest", "modulefinder", "xmlrpc",
+    "profile", "cProfile", "pdb", "bdb", "unittest", "modulefinder", "xmlrpc", "logging.config",
 })
 
 # Attributes of allowed modules that do what the denied modules do.

@@ -12,7 +12,6 @@ kvlab.grading.testkit checks for one.
 """
 from __future__ import annotations
 
-import time
 from typing import Any, List, Optional, Tuple
 
 from . import wire
@@ -92,9 +91,6 @@ class Session:
             return tuple(self.wrap(v) for v in value)
         return value
 
-    def seconds_left(self) -> float:
-        return self.deadline - time.monotonic()
-
 
 def _unwrap(value: Any) -> Any:
     """RemoteObjects back to handles, so that the worker passes the student's own object."""
@@ -167,9 +163,6 @@ class RemoteObject:
     def __setattr__(self, name: str, value: Any) -> None:
         raise AttributeError("the grader does not change the student's objects")
 
-    def __len__(self) -> int:
-        return RemoteCallable(self._session, self._handle, "__len__")()
-
     def __repr__(self) -> str:
         return f"<your {self._handle.type_name} object>"
 
@@ -189,8 +182,3 @@ class Submission:
     def handout(self, name: str, **kwargs) -> Any:
         result, _ = self._session.ask({"op": "handout", "name": name, "kwargs": _unwrap(kwargs)})
         return result
-
-    def value(self, name: str) -> Any:
-        """A module-level value of the student's file (not a function)."""
-        (value,), _ = self._session.ask({"op": "get", "target": None, "names": [name]})
-        return value

@@ -60,6 +60,12 @@ class Handle:
 
 
 @dataclasses.dataclass(frozen=True)
+class Encoded:
+    """A value to_json has already turned into its tree (the sender encodes each value once)."""
+    tree: Any
+
+
+@dataclasses.dataclass(frozen=True)
 class Record:
     """A plain record to send by value (the receiver reads it as a SimpleNamespace)."""
     type_name: str
@@ -82,10 +88,10 @@ def to_json(value: Any, depth: int = 0) -> Any:
     if depth > MAX_DEPTH:
         raise NotEncodable(f"containers nested more than {MAX_DEPTH} deep")
     kind = type(value)
-    if value is None or kind in (bool, int, str):
+    if value is None or kind in (bool, int, str, float):
         return value
-    if kind is float:
-        return value
+    if kind is Encoded:
+        return value.tree
     if kind is list:
         return [to_json(item, depth + 1) for item in value]
     if kind in (tuple, set, frozenset):

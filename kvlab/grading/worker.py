@@ -163,6 +163,7 @@ class Worker:
         self.read_fd, self.write_fd = read_fd, write_fd
         self.finder = KvlabFinder()
         sys.meta_path.insert(0, self.finder)
+        self.handouts = None             # kvlab/grading/handouts.py, once a test lends something
         self.objects = {}                # handle id -> object kept for the judge
         self.module = None
         self.path = None
@@ -208,10 +209,9 @@ class Worker:
         return value
 
     def by_value_or_handle(self, value):
-        """`value` if it can travel, else a handle to it (kept in this worker)."""
+        """`value`, encoded, if it can travel; else a handle to it (kept in this worker)."""
         try:
-            wire.to_json(value)
-            return value
+            return wire.Encoded(wire.to_json(value))
         except (wire.NotEncodable, RecursionError):
             handle = wire.Handle(len(self.objects) + 1, type(value).__name__)
             self.objects[handle.id] = value
@@ -262,13 +262,20 @@ class Worker:
         return None
 
     def lend(self, use):
-        """use(kvlab.grading.handouts), with kvlab importable meanwhile (its own code only)."""
+        """use(kvlab.grading.handouts), with kvlab importable meanwhile. Afterwards kvlab
+        lives on only in what was lent: its modules leave sys.modules, so no code, the
+        student's or a standard module's on its behalf (logging.config, pydoc), can import
+        it by name, and the finder refuses to load it again."""
         self.finder.lending = True
         try:
-            from kvlab.grading import handouts
-            return use(handouts)
+            if self.handouts is None:
+                from kvlab.grading import handouts
+                self.handouts = handouts
+            return use(self.handouts)
         finally:
             self.finder.lending = False
+            for name in [n for n in sys.modules if n.partition(".")[0] == "kvlab"]:
+                del sys.modules[name]
 
     def preload(self, name):
         self.lend(lambda handouts: handouts.preload(name))

@@ -5,9 +5,5 @@ EXPECTED_FAILURES = ["test_any_number_of_splits_gives_the_c_cores_attention",
 
 
 def split_attend(q, keys, values, n_splits):
-    outputs = []
-    for piece in np.array_split(np.arange(len(keys)), n_splits):
-        if len(piece):
-            acc, _, l = partial(q, keys[piece], values[piece])
-            outputs.append(acc / l[:, None])
+    outputs = [acc / l[:, None] for acc, _, l in split_states(q, keys, values, n_splits) if l.any()]
     return np.mean(outputs, axis=0).astype(np.float32)

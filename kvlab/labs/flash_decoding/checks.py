@@ -49,3 +49,15 @@ def test_one_piece_is_plain_attention(sub, rng):
     want = (w / w.sum(axis=0)).T @ values[:, 0]
     for n_splits in (1, 3):
         check_close(sub.split_attend(q, keys, values, n_splits), want, f"{n_splits} piece(s)")
+
+
+@points(1)
+def test_more_pieces_than_positions(sub, rng):
+    """3 positions in 5 pieces: the last 2 pieces are empty, and the output is unchanged"""
+    q, keys, values = example(2, 3, 1)
+    states = sub.split_states(q, keys, values, 5)
+    assert len(states) == 5, f"expected 5 states, got {len(states)}"
+    m = as_array(states[-1][1], "m of piece 4", shape=(2,))
+    assert np.all(np.isneginf(m)), f"piece 4 holds no position: expected m = -inf, got {m.tolist()}"
+    check_close(sub.split_attend(q, keys, values, 5), sub.split_attend(q, keys, values, 1),
+                "5 pieces (2 of them empty) against 1 piece (exp(-inf - (-inf)) is NaN)")

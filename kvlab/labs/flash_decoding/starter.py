@@ -47,11 +47,17 @@ def merge(a, b):
     raise NotImplementedError("merge")
 
 
+def split_states(q, keys, values, n_splits):
+    """What flash-decoding's thread blocks write: the (acc, m, l) of each of n_splits pieces
+    of (nearly) equal size, in order (np.array_split(np.arange(length), n_splits)), as a
+    list. Some pieces are empty when n_splits > length."""
+    # TODO
+    raise NotImplementedError("split_states")
+
+
 def split_attend(q, keys, values, n_splits):
-    """Attention output (n_heads, head_dim) float32, computed as flash-decoding does: split
-    the positions into n_splits pieces of (nearly) equal size, in order
-    (np.array_split(np.arange(length), n_splits)); some pieces are empty when n_splits >
-    length. Reduce each with partial, merge them all, and divide acc by l."""
+    """Attention output (n_heads, head_dim) float32 from those pieces: merge them all, then
+    divide acc by l."""
     # TODO
     raise NotImplementedError("split_attend")
 

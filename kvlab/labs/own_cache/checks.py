@@ -50,6 +50,20 @@ def test_forward_without_a_cache(sub, rng):
 
 
 @points(1, lends=LENDS)
+def test_one_decode_step_after_a_prefill(sub, rng):
+    """"ROMEO:" into your cache, then "\n" at position 6: the last row of the uncached run"""
+    model = bundled_model()
+    tokens = list(model.encode("ROMEO:\n"))
+    lent = sub.handout("reference_model")
+    cache = sub.KVCache(model.config.n_layers)
+    sub.forward(lent, tokens[:-1], cache)
+    got = as_array(sub.forward(lent, tokens[-1:], cache), "the decode step's logits")
+    check_close(got[-1], reference.forward(model.config, model.weights, tokens)[-1],
+                "the decode step of token 6 (its position is cache.length, 6, not 0)",
+                atol=1e-4, rtol=1e-4)
+
+
+@points(1, lends=LENDS)
 def test_five_greedy_tokens_with_the_cache(sub, rng):
     """after "ROMEO:", 5 greedy tokens with your cache: the reference's, run without one"""
     model = bundled_model()

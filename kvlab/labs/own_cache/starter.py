@@ -41,7 +41,8 @@ class KVCache:
         cache.keys(layer)             # (positions so far, n_kv_heads, head_dim)
         cache.values(layer)
         cache.length                  # positions every layer holds (after a whole step)
-        cache.nbytes                  # bytes of the K and V it holds: the chapter 2 formula
+        cache.nbytes                  # bytes of the K and V of the `length` positions it
+                                      # holds (not of room reserved ahead): chapter 2's formula
 
     A new cache holds nothing: length 0, nbytes 0.
     """
@@ -69,7 +70,8 @@ class KVCache:
 
     @property
     def nbytes(self):
-        # TODO: bytes of every K and V array held (an array's .nbytes)
+        # TODO: bytes of the K and V of the positions held (an array's .nbytes, if your
+        #       arrays hold exactly those positions)
         raise NotImplementedError("KVCache.nbytes")
 
 
@@ -116,9 +118,9 @@ def generate(model, prompt, n_new, use_cache=True):
 
 def step_seconds(model, prompt, n_new, use_cache):
     """Time it: the wall seconds (time.perf_counter) of each of the n_new steps of
-    generate(model, prompt, n_new, use_cache), as a list of n_new floats. Time the steps
-    themselves: the grader runs this on a model of its choosing and checks that the times
-    add up to what it saw your process spend."""
+    generate(model, prompt, n_new, use_cache), as a list of n_new floats, each taken around
+    that step's forward pass. The grader runs this on a model of its choosing, and the model
+    notes when each step's forward pass ran: every time you report must match its step."""
     # TODO
     raise NotImplementedError("step_seconds")
 
@@ -144,3 +146,16 @@ def share_saved(cached, uncached, position):
     """The share of a step's time the cache saves at `position`: 1 - cached(p) / uncached(p)."""
     # TODO
     raise NotImplementedError("share_saved")
+
+
+if __name__ == "__main__":
+    # Try your code here: the grader never runs this block. The same model it lends you:
+    from kvlab.grading.handouts import ReferenceModel
+    model = ReferenceModel()                       # the bundled model's weights
+    prompt = [10]                                  # one token
+    print(generate(model, prompt, 8, use_cache=True)[0])
+    print(generate(model, prompt, 8, use_cache=False)[0])   # the same tokens
+    cached = step_seconds(model, prompt, 48, True)
+    uncached = step_seconds(model, prompt, 48, False)
+    # then fit_line over positions 0..47 (leave out step 0, the prefill: it also pays for
+    # NumPy warming up), predicted_speedup, share_saved at positions 3 and 9

@@ -56,8 +56,10 @@ def gather(blocks, block_table, length):
 
 
 def paged_attend(q, key_blocks, value_blocks, block_table, length):
-    """One decode step's attention, (n_heads, head_dim) float32, reading K and V block by
-    block through the table, the last block only up to `length`. Softmax over all `length`
-    positions (subtract the largest score before exp)."""
+    """One decode step's attention, (n_heads, head_dim) float32, over the positions the
+    table holds, the last block only up to `length`. Softmax over all `length` positions
+    (subtract the largest score before exp). Read K and V block by block, as a kernel does:
+    the grader checks the output, so gather-then-attend passes too, but it is the copy a
+    paged kernel exists to avoid."""
     # TODO
     raise NotImplementedError("paged_attend")
