@@ -168,9 +168,15 @@ def cmd_lab(args) -> int:
         print(get_lab(args.lab).instructions.read_text())
         return 0
     if args.action == "autograder":
-        from .grading.autograder import build
+        from .grading.autograder import build, uncommitted_changes
+        from .grading.labs import find_instructor
         out = build(args.lab, args.output or f"{args.lab}.zip", args.instructor)
-        print(f"wrote {out}: upload it on Gradescope's Configure Autograder page")
+        changed = uncommitted_changes(find_instructor(args.instructor).parent)
+        if changed:
+            print(f"warning: the zip packs uncommitted changes ({', '.join(changed[:5])}); "
+                  f"build from a clean checkout to grade with a known version", file=sys.stderr)
+        print(f"wrote {out}: upload it on Gradescope's Configure Autograder page (Ubuntu 22.04 "
+              f"or later; keep it private: it holds the hidden tests)")
         return 0
     starter = start_lab(args.lab, args.dest, overwrite=args.force)
     print(f"wrote {starter} and its instructions {starter.with_suffix('.md')}")

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("kvlab._kvlab")
+from kvlab.grading import LABS  # noqa: E402
 from kvlab.grading.autograder import WORKER_USER, build, find_submission  # noqa: E402
 
 INSTRUCTOR = Path(__file__).resolve().parents[1] / "instructor"
@@ -59,7 +60,8 @@ def test_the_zip_has_what_gradescope_needs_and_nothing_of_the_instructors(packag
         hidden = archive.read("tests/cache_size.py")
     assert {"setup.sh", "run_autograder", "lab.json", "tests/cache_size.py"} <= set(names)
     assert modes["setup.sh"] == modes["run_autograder"] == 0o755
-    assert settings["lab"] == "cache_size"
+    assert settings["lab"] == "cache_size" and settings["test_timeout"] == 60
+    assert settings["total_timeout"] + settings["test_timeout"] < 600   # Gradescope's default limit
     assert hidden == (INSTRUCTOR / "graders" / "cache_size.py").read_bytes()
     for needed in ("kvlab-src/pyproject.toml", "kvlab-src/setup.py", "kvlab-src/csrc/kvlab.h",
                    "kvlab-src/kvlab/grading/judge.py", "kvlab-src/kvlab/assets/shakespeare-1m.bin"):
@@ -92,6 +94,11 @@ def test_a_missing_or_misnamed_submission(package, tmp_path):
     # one file under another name is taken; two are not
     (root / "submission" / "mine.py").write_text("x = 1\n")
     assert find_submission(root / "submission", "cache_size")[0].name == "mine.py"
+    # what a Mac's zip adds is not a second file
+    (root / "submission" / "__MACOSX").mkdir()
+    (root / "submission" / "__MACOSX" / "._mine.py").write_text("\x00\x05")
+    (root / "submission" / "._mine.py").write_text("\x00\x05")
+    assert find_submission(root / "submission", "cache_size")[0].name == "mine.py"
     (root / "submission" / "other.py").write_text("y = 1\n")
     assert find_submission(root / "submission", "cache_size")[0] is None
     # a link is never taken, even under the lab's name: it could point at a root-only file
@@ -99,6 +106,17 @@ def test_a_missing_or_misnamed_submission(package, tmp_path):
     (root / "submission" / "cache_size.py").symlink_to(tmp_path / "elsewhere.py")
     (tmp_path / "elsewhere.py").write_text("z = 1\n")
     assert find_submission(root / "submission", "cache_size")[0].name == "mine.py"
+
+
+def test_the_top_level_file_wins_over_an_old_copy_in_a_folder(package, tmp_path):
+    root = unpack(package, tmp_path / "autograder")
+    shutil.copy(INSTRUCTOR / "solutions" / "cache_size.py", root / "submission" / "cache_size.py")
+    (root / "submission" / "backup").mkdir()
+    shutil.copy(LABS["cache_size"].starter, root / "submission" / "backup" / "cache_size.py")
+    run = run_autograder(root, {"KVLAB_PYTHON": sys.executable, "KVLAB_WORKER_USER": ""})
+    assert run.returncode == 0, run.stderr
+    data = results(root)
+    assert data["score"] == 16 and "(cache_size.py, graded" in data["output"]
 
 
 @pytest.mark.skipif(os.environ.get("KVLAB_TEST_GRADESCOPE_SETUP") != "1" or os.geteuid() != 0,

@@ -26,6 +26,7 @@ import argparse
 import json
 import os
 import stat
+import subprocess
 import sys
 import zipfile
 from pathlib import Path
@@ -35,6 +36,10 @@ from .labs import TEST_TIMEOUT, find_instructor, get_lab, hidden_tests
 from .report import GradeReport
 
 WORKER_USER = "kvlab-student"
+# Gradescope stops a run at 10 minutes unless told otherwise, and then shows no results: the
+# judge stops starting tests at 8, so that the last one (60 s at most) ends in time and the
+# tests not run are listed with 0.
+TOTAL_TIMEOUT = 480.0
 VENV = "/opt/kvlab-venv"
 SOURCE_PARTS = ("pyproject.toml", "setup.py", "README.md", "csrc", "kvlab")
 BUILT = (".so", ".o", ".pyc", ".pyd")      # what a build leaves in a clone
@@ -107,7 +112,7 @@ def build(lab: str, out: Union[str, Path], instructor: Optional[Union[str, Path]
     clone = folder.parent
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    settings = {"lab": spec.name, "test_timeout": test_timeout}
+    settings = {"lab": spec.name, "test_timeout": test_timeout, "total_timeout": TOTAL_TIMEOUT}
     with zipfile.ZipFile(out, "w") as archive:
         _add(archive, "setup.sh", SETUP_SH, executable=True)
         _add(archive, "run_autograder", RUN_AUTOGRADER, executable=True)
@@ -121,22 +126,37 @@ def build(lab: str, out: Union[str, Path], instructor: Optional[Union[str, Path]
 # ---- inside the container ---------------------------------------------------------------
 
 def find_submission(folder: Path, lab: str) -> Tuple[Optional[Path], str]:
-    """The student's file: <lab>.py anywhere in the submission, else its only .py file.
-    Links are never followed (a submission could link to a file only root may read)."""
+    """The student's file: the shallowest <lab>.py in the submission, else its only .py
+    file. Links are never followed (a submission could link to a file only root may read),
+    and what a Mac's zip adds (__MACOSX/, ._ files) is not a submission."""
     files = []
-    for parent, _, names in os.walk(folder):             # does not follow linked folders
+    for parent, folders, names in os.walk(folder):       # does not follow linked folders
+        folders[:] = [f for f in folders if f != "__MACOSX"]
         for name in names:
             path = Path(parent) / name
-            if name.endswith(".py") and not path.is_symlink() and path.is_file():
+            if name.endswith(".py") and not name.startswith("._") and not path.is_symlink() \
+                    and path.is_file():
                 files.append(path)
-    files.sort()
+    files.sort(key=lambda p: (len(p.relative_to(folder).parts), str(p)))
     named = [p for p in files if p.name == f"{lab}.py"]
     if named:
         return named[0], ""
     if len(files) == 1:
         return files[0], ""
-    found = ", ".join(p.name for p in files[:5]) or "no Python file"
+    found = ", ".join(str(p.relative_to(folder)) for p in files[:5]) or "no Python file"
     return None, f"submit one file named {lab}.py (found {found})"
+
+
+def uncommitted_changes(clone: Path) -> List[str]:
+    """Files of what the zip packs that differ from the clone's last commit (git's word),
+    or [] where git cannot tell: a zip should be built from a clean checkout."""
+    try:
+        run = subprocess.run(["git", "-C", str(clone), "status", "--porcelain", "--",
+                              *SOURCE_PARTS, "instructor/graders"],
+                             capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    return [line[3:] for line in run.stdout.splitlines()] if run.returncode == 0 else []
 
 
 def run(root: Path, worker_user: Optional[str] = None) -> GradeReport:
@@ -161,7 +181,9 @@ def run(root: Path, worker_user: Optional[str] = None) -> GradeReport:
     else:
         report = Judge(spec, submission.absolute(), tests_path.resolve(), "hidden tests",
                        test_timeout=float(settings.get("test_timeout", TEST_TIMEOUT)),
+                       total_timeout=float(settings.get("total_timeout", TOTAL_TIMEOUT)),
                        worker_user=worker_user or None).run()
+        report.submission = str(submission.relative_to(root / "submission"))
     report.save(results)
     return report
 

@@ -53,11 +53,13 @@ class GradeReport:
 
     def headline(self) -> str:
         seed = f", seed {self.seed}" if self.seed is not None else ""
+        # a file is named by its path inside the submission where there is one (Gradescope)
+        name = Path(self.submission).name if Path(self.submission).is_absolute() else self.submission
         if self.refused:
-            return (f"lab {self.lab}: NOT GRADED ({self.refused})  ({Path(self.submission).name}, "
-                    f"with the {self.graded_with}{seed})")
-        return (f"lab {self.lab}: {self.score:g} / {self.max_score:g} points  "
-                f"({Path(self.submission).name}, graded with the {self.graded_with}{seed})")
+            return (f"lab {self.lab}: NOT GRADED ({self.refused})  ({name}, with the "
+                    f"{self.graded_with}{seed})")
+        return (f"lab {self.lab}: {self.score:g} / {self.max_score:g} points  ({name}, graded "
+                f"with the {self.graded_with}{seed})")
 
     def gradescope(self) -> dict:
         """The results.json Gradescope's autograder reads (its documented format)."""
