@@ -137,6 +137,12 @@ def test_setup_sh_and_the_unprivileged_student_as_on_gradescope(package):
         run = run_autograder(root, env)
         assert run.returncode == 0, run.stderr
         assert results(root)["score"] == 16, results(root)
+        # a lab whose every test lends a model, with the same installation
+        other = unpack(build("own_cache", top / "own_cache.zip", INSTRUCTOR), top / "other")
+        shutil.copy(INSTRUCTOR / "solutions" / "own_cache.py", other / "submission" / "own_cache.py")
+        run = run_autograder(other, env)
+        assert run.returncode == 0, run.stderr
+        assert results(other)["score"] == 17, results(other)
         # the student's code runs as kvlab-student: the tests, the results and kvlab itself
         # are out of reach, even with the worker's import guard taken away
         kvlab_init = next(venv.glob("lib/python3*/site-packages/kvlab/__init__.py"))

@@ -60,13 +60,12 @@ class LabModel:
     forward and encode. extra_bytes: the block each cache takes when first filled."""
 
     def __init__(self, extra_bytes: int = 0):
-        import kvlab
         if isinstance(extra_bytes, bool) or not isinstance(extra_bytes, int) or extra_bytes < 0:
             raise ValueError("extra_bytes must be a non-negative int")
         self._model = _bundled_model()
         self._extra_bytes = -(-extra_bytes // PAGE) * PAGE
         self.config = types.SimpleNamespace(**config_fields(self._model.config))
-        kvlab.measure.release_freed_memory()    # the judge watches the memory from here on
+        _kvlab().release_freed_memory()         # the judge watches the memory from here on
 
     def new_cache(self, max_seq_len: int, dtype: str = "fp32") -> LabCache:
         return LabCache(self._model.new_cache(max_seq_len, dtype), self._extra_bytes)
@@ -100,16 +99,14 @@ class ReferenceModel:
     them. (perf_counter is the system's monotonic clock: the same in every process.)"""
 
     def __init__(self, shape: Optional[dict] = None, seed: int = 0):
-        from kvlab import reference
-        from kvlab.config import ModelConfig
-        from kvlab.weights import Weights
+        kvlab = _kvlab()
         if shape is None:
             model = _bundled_model()
             self._c, self._w = model.config, model.weights
         else:
-            self._c = ModelConfig(**shape)
-            self._w = Weights.random(self._c, seed=seed)
-        # bound now: once a handout is built, the worker makes kvlab unimportable by name
+            self._c = kvlab.ModelConfig(**shape)
+            self._w = kvlab.Weights.random(self._c, seed=seed)
+        reference = kvlab.reference
         self._rmsnorm, self._rope, self._silu = reference.rmsnorm, reference.rope, reference.silu
         self._inv_freq = self._c.rope_inv_freq()
         self._log = []
@@ -159,17 +156,23 @@ class ReferenceModel:
 
 @functools.lru_cache(maxsize=None)
 def _bundled_model():
+    return _kvlab().load()
+
+
+@functools.lru_cache(maxsize=None)
+def _kvlab() -> types.SimpleNamespace:
+    """What the handouts use of kvlab, imported once. The worker preloads it while it may
+    still read kvlab's files, then becomes the student's user (who may not) and takes kvlab
+    out of sys.modules: from then on the handouts reach kvlab only through this."""
     import kvlab
-    return kvlab.load()
-
-
-def _reference_preload():
-    _bundled_model()
-    from kvlab import config, reference, weights  # noqa: F401  (read now, from kvlab's files)
+    from kvlab import config, measure, reference, weights
+    return types.SimpleNamespace(load=kvlab.load, ModelConfig=config.ModelConfig,
+                                 Weights=weights.Weights, reference=reference,
+                                 release_freed_memory=measure.release_freed_memory)
 
 
 HANDOUTS = {"lab_model": LabModel, "reference_model": ReferenceModel}
-PRELOADS = {"lab_model": _bundled_model, "reference_model": _reference_preload}
+PRELOADS = {"lab_model": _bundled_model, "reference_model": _bundled_model}
 
 
 def preload(name: str) -> None:
