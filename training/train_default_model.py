@@ -288,6 +288,9 @@ def main() -> None:
     p.add_argument("--final-eval-batches", type=int, default=32)
     p.add_argument("--seed", type=int, default=1337)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--n-kv-heads", type=int, default=CONFIG["n_kv_heads"],
+                   help="key/value heads: 2 is the bundled GQA model, 8 (one per query head) "
+                        "the MHA model the GQA lab converts")
     p.add_argument("--sample", action="store_true",
                    help=f"greedy-generate {SAMPLE_LENGTH} bytes from {SAMPLE_PROMPT!r} and "
                         "store them in the JSON as a golden test")
@@ -295,7 +298,7 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
-    c = CONFIG
+    c = dict(CONFIG, n_kv_heads=args.n_kv_heads)
     context = c["max_seq_len"]
 
     data, n_train = load_split(args.data)
@@ -355,6 +358,8 @@ def main() -> None:
 
     command = (f"python training/train_default_model.py --data ../shared/data/tinyshakespeare.txt "
                f"--steps {args.steps} --batch-size {args.batch_size} --seed {args.seed}"
+               + (f" --n-kv-heads {args.n_kv_heads} --name {args.name}"
+                  if args.n_kv_heads != CONFIG["n_kv_heads"] else "")
                + (" --sample" if args.sample else ""))
     meta = {
         "name": args.name,

@@ -1,4 +1,4 @@
-"""Lab 4 reference solution (instructors only: never hand this to students)."""
+"""Lab 5 reference solution (instructors only: never hand this to students)."""
 
 
 class OutOfBlocks(Exception):

@@ -1,4 +1,4 @@
-"""Lab 8 reference solution (instructors only: never hand this to students)."""
+"""Lab 10 reference solution (instructors only: never hand this to students)."""
 import math
 
 import numpy as np

@@ -1,4 +1,4 @@
-"""Lab 7 reference solution (instructors only: never hand this to students)."""
+"""Lab 9 reference solution (instructors only: never hand this to students)."""
 import math
 
 import numpy as np

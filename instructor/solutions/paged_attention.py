@@ -1,4 +1,4 @@
-"""Lab 5 reference solution (instructors only: never hand this to students)."""
+"""Lab 6 reference solution (instructors only: never hand this to students)."""
 import math
 
 import numpy as np

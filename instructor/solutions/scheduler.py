@@ -1,4 +1,4 @@
-"""Lab 6 reference solution (instructors only: never hand this to students)."""
+"""Lab 8 reference solution (instructors only: never hand this to students)."""
 import collections
 import dataclasses
 

@@ -1,4 +1,4 @@
-"""Lab 4: a block allocator with fork and copy-on-write. Fill in every method marked TODO.
+"""Lab 5: a block allocator with fork and copy-on-write. Fill in every method marked TODO.
 
 This is the bookkeeping half of a paged KV cache (kvlab's C pool, csrc/paged.c, and vLLM's
 block manager): which physical blocks each sequence's tokens live in, and how many

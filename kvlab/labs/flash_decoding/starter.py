@@ -1,4 +1,4 @@
-"""Lab 8: flash-decoding in NumPy. Fill in every function marked TODO.
+"""Lab 10: flash-decoding in NumPy. Fill in every function marked TODO.
 
 Chapter 7 (chapters/07_gpu_kernels.md of the course, sections 7.5 and 7.6) reduces a range of
 positions to three things per query head: m, the largest score; l, the sum of

@@ -1,4 +1,4 @@
-"""Lab 7: int8 cache quantization with an error bound. Fill in every function marked TODO.
+"""Lab 9: int8 cache quantization with an error bound. Fill in every function marked TODO.
 
 Chapter 6 (chapters/06_quantization.md) stores K and V in fewer bits. Here you write the
 int8 format kvlab's C core uses, exactly: the grader compares your codes bit for bit with

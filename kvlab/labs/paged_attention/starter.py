@@ -1,4 +1,4 @@
-"""Lab 5: attention through a block table. Fill in every function marked TODO.
+"""Lab 6: attention through a block table. Fill in every function marked TODO.
 
 Chapter 4 (chapters/04_paged.md of the course) keeps a sequence's K and V in fixed-size
 blocks of a shared pool, anywhere in it: the sequence's block table says which. Position p

@@ -1,4 +1,4 @@
-"""Lab 6: a batching scheduler with preemption. Write Scheduler.add and Scheduler.step.
+"""Lab 8: a batching scheduler with preemption. Write Scheduler.add and Scheduler.step.
 
 A continuous-batching server decides, every step, which requests run and with how many
 tokens. This is that decision, on its own: no model, no tensors, only counts of tokens
