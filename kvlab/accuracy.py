@@ -28,6 +28,7 @@ from typing import Dict, List, Optional, Sequence, Union
 import numpy as np
 
 from .measure import kv_bytes_per_token
+from .next_token_metrics import kl_divergence, log_softmax, perplexity  # noqa: F401 (re-exported)
 
 # The formats evaluate() compares by default: each a dtype name or new_cache() options.
 DEFAULT_FORMATS = (
@@ -94,12 +95,6 @@ class AccuracyReport:
             json.dump(self.as_dict(), out, indent=2)
 
 
-def _log_softmax(logits: np.ndarray) -> np.ndarray:
-    logits = logits.astype(np.float64)
-    shifted = logits - logits.max(axis=-1, keepdims=True)
-    return shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
-
-
 class _Totals:
     """Running sums for one format across windows."""
 
@@ -139,7 +134,7 @@ def evaluate(model, tokens: Sequence[int], formats: Sequence[FormatSpec] = DEFAU
     for window in windows:
         targets = window[1:]
         reference_cache = model.new_cache(len(window))
-        reference = _log_softmax(model.prefill(window, reference_cache, all_logits=True))[:-1]
+        reference = log_softmax(model.prefill(window, reference_cache, all_logits=True))[:-1]
         p = np.exp(reference)
         exact.nll -= reference[np.arange(len(targets)), targets].sum()
         keys, values = reference_cache.keys.copy(), reference_cache.values.copy()
@@ -158,7 +153,7 @@ def evaluate(model, tokens: Sequence[int], formats: Sequence[FormatSpec] = DEFAU
             total.key_error += ((stored_keys - keys).astype(np.float64) ** 2).sum(axis=(1, 2, 3))
             total.value_error += ((stored_values - values).astype(np.float64) ** 2).sum(axis=(1, 2, 3))
             # the model run on a cache of this format
-            log_q = _log_softmax(model.prefill(window, model.new_cache(len(window), **options),
+            log_q = log_softmax(model.prefill(window, model.new_cache(len(window), **options),
                                                all_logits=True))[:-1]
             total.kl += float((p * (reference - log_q)).sum())
             total.agree += int((log_q.argmax(axis=-1) == reference.argmax(axis=-1)).sum())
