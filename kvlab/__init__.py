@@ -35,6 +35,9 @@ from .weights import Weights
 __version__ = "0.1.0"
 
 DEFAULT_MODEL = Path(__file__).parent / "assets" / "shakespeare-1m.bin"
+# The same model with a key and value head for every query head (MHA), trained the same way:
+# what the GQA lab and chapter 3 convert to GQA and MQA. kvlab.load(kvlab.MHA_MODEL)
+MHA_MODEL = Path(__file__).parent / "assets" / "shakespeare-mha.bin"
 
 
 def load(path: Union[str, Path, None] = None,
@@ -60,7 +63,7 @@ def get_num_threads() -> int:
 
 __all__ = [
     "load", "generate", "Generation", "Model", "KVCache", "ModelConfig", "Weights",
-    "set_num_threads", "get_num_threads", "DEFAULT_MODEL", "KVLabError", "ConfigError",
+    "set_num_threads", "get_num_threads", "DEFAULT_MODEL", "MHA_MODEL", "KVLabError", "ConfigError",
     "WeightsError", "CheckpointError", "TokenizerError", "CacheFullError", "PagedPool",
     "PagedSequence", "PoolStats", "OutOfBlocks", "OutOfSequences", "PoolInvariantError",
     "kv_cache_bytes", "kv_bytes_per_token", "Engine", "SamplingParams", "RequestOutput",

@@ -13,6 +13,7 @@ measured around real caches includes it; a formula, or a sum of cache.nbytes, do
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import mmap
 import time
@@ -86,11 +87,21 @@ class LabModel:
         return self._model.encode(text)
 
 
+CHECKPOINTS = ("default", "mha", "default_as_mha")
+
+
 class ReferenceModel:
     """A model's weights behind the NumPy reference's building blocks: everything a forward
     pass needs except attention and the KV cache, which the student writes (the own-cache
-    lab). shape: a model shape (ModelConfig's fields) for random weights drawn from `seed`;
-    None for the bundled model. Arrays in and out are float32.
+    and GQA labs). Arrays in and out are float32. The weights are:
+      - shape (ModelConfig's fields) given: random weights of that shape drawn from `seed`;
+      - else checkpoint "default": the bundled model (GQA, 8 query heads on 2 KV heads);
+        "mha": the bundled MHA model (kvlab.MHA_MODEL, 8 KV heads, trained alike);
+        "default_as_mha": the bundled model with each KV head repeated for its 4 query heads,
+        an MHA model whose grouped heads are equal (mean-pooling it back loses nothing).
+
+    The GQA lab converts a model: key_value_weights(layer) gives a layer's wk and wv, and
+    with_key_value_weights(keys, values) a model with fewer KV heads, all else shared.
 
     It keeps a log the judge reads: for every embed and logits call, (name, rows,
     perf_counter at the call, at its return). A forward pass is one embed and one logits, so
@@ -98,19 +109,74 @@ class ReferenceModel:
     decode step embeds one token, and a step's reported time must fit the window between
     them. (perf_counter is the system's monotonic clock: the same in every process.)"""
 
-    def __init__(self, shape: Optional[dict] = None, seed: int = 0):
+    def __init__(self, shape: Optional[dict] = None, seed: int = 0, checkpoint: str = "default"):
         kvlab = _kvlab()
-        if shape is None:
+        if shape is not None:
+            config = kvlab.ModelConfig(**shape)
+            weights = kvlab.Weights.random(config, seed=seed)
+        elif checkpoint == "mha":
+            model = _mha_model()
+            config, weights = model.config, model.weights
+        elif checkpoint in ("default", "default_as_mha"):
             model = _bundled_model()
-            self._c, self._w = model.config, model.weights
+            config, weights = model.config, model.weights
+            if checkpoint == "default_as_mha":
+                config, weights = _repeat_kv_heads(config, weights)
         else:
-            self._c = kvlab.ModelConfig(**shape)
-            self._w = kvlab.Weights.random(self._c, seed=seed)
-        reference = kvlab.reference
+            raise ValueError(f"checkpoint must be one of {CHECKPOINTS}, got {checkpoint!r}")
+        self._set_weights(config, weights)
+
+    def _set_weights(self, config, weights) -> None:
+        self._c, self._w = config, weights
+        reference = _kvlab().reference
         self._rmsnorm, self._rope, self._silu = reference.rmsnorm, reference.rope, reference.silu
         self._inv_freq = self._c.rope_inv_freq()
         self._log = []
         self.config = types.SimpleNamespace(**config_fields(self._c))
+
+    def key_value_weights(self, layer: int) -> tuple:
+        """(wk, wv) of a layer, copies, each (n_kv_heads * head_dim, dim): rows
+        h * head_dim .. (h + 1) * head_dim - 1 make KV head h."""
+        if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)) or \
+                not 0 <= layer < self._c.n_layers:
+            raise ValueError(f"layer must be an int in [0, {self._c.n_layers}), got {layer!r}")
+        return self._w.wk[layer].copy(), self._w.wv[layer].copy()
+
+    def with_key_value_weights(self, keys, values) -> "ReferenceModel":
+        """A model with these wk and wv (one (n_kv_heads * head_dim, dim) array per layer
+        in each list) and this model's other weights: n_kv_heads follows from their rows."""
+        c = self._c
+        stacked = []
+        for name, arrays in (("keys", keys), ("values", values)):
+            if not isinstance(arrays, (list, tuple)) or len(arrays) != c.n_layers:
+                raise ValueError(f"{name} must be a list of {c.n_layers} arrays, one per layer")
+            arrays = [np.asarray(a) for a in arrays]
+            rows = arrays[0].shape[0] if arrays[0].ndim == 2 else -1
+            for layer, a in enumerate(arrays):
+                if a.ndim != 2 or a.shape != (rows, c.dim) or a.dtype.kind != "f":
+                    raise ValueError(f"{name}[{layer}] must be a float array of shape (n_kv_heads * "
+                                     f"{c.head_dim}, {c.dim}) like every layer's; got {a.dtype} {a.shape}")
+                if not np.isfinite(a).all():
+                    raise ValueError(f"{name}[{layer}] holds inf or nan")
+            if rows <= 0 or rows % c.head_dim or c.n_heads % (rows // c.head_dim):
+                raise ValueError(f"{name} have {rows} rows: n_kv_heads * {c.head_dim} rows are needed, "
+                                 f"with n_kv_heads dividing the {c.n_heads} query heads")
+            stacked.append(np.stack(arrays).astype(np.float32))
+        if stacked[0].shape != stacked[1].shape:
+            raise ValueError(f"keys and values give different head counts: {stacked[0].shape[1]} "
+                             f"and {stacked[1].shape[1]} rows")
+        config = c.replace(n_kv_heads=stacked[0].shape[1] // c.head_dim)
+        weights = dataclasses.replace(self._w, wk=stacked[0], wv=stacked[1])
+        weights.check(config)
+        converted = ReferenceModel.__new__(ReferenceModel)
+        converted._set_weights(config, weights)
+        return converted
+
+    def encode(self, text: str) -> list:
+        """The bundled models' tokens: the text's UTF-8 bytes."""
+        if not isinstance(text, str):
+            raise TypeError("encode takes a str")
+        return list(text.encode("utf-8"))
 
     def embed(self, tokens) -> np.ndarray:
         """(n, dim): the token embeddings."""
@@ -160,19 +226,42 @@ def _bundled_model():
 
 
 @functools.lru_cache(maxsize=None)
+def _mha_model():
+    kvlab = _kvlab()
+    return kvlab.load(kvlab.MHA_MODEL)
+
+
+def _preload_reference_models():
+    _bundled_model()
+    _mha_model()
+
+
+def _repeat_kv_heads(config, weights):
+    """The same model as MHA: each KV head's rows of wk and wv repeated for every query
+    head that reads it, so query head h has KV head h and the logits do not change."""
+    def repeated(w):           # (n_layers, n_kv_heads * head_dim, dim) -> n_heads heads
+        n_layers, _, dim = w.shape
+        heads = w.reshape(n_layers, config.n_kv_heads, config.head_dim, dim)
+        return np.repeat(heads, config.kv_mul, axis=1).reshape(n_layers, -1, dim)
+    mha = config.replace(n_kv_heads=config.n_heads)
+    return mha, dataclasses.replace(weights, wk=repeated(weights.wk), wv=repeated(weights.wv))
+
+
+@functools.lru_cache(maxsize=None)
 def _kvlab() -> types.SimpleNamespace:
     """What the handouts use of kvlab, imported once. The worker preloads it while it may
     still read kvlab's files, then becomes the student's user (who may not) and takes kvlab
     out of sys.modules: from then on the handouts reach kvlab only through this."""
     import kvlab
     from kvlab import config, measure, reference, weights
-    return types.SimpleNamespace(load=kvlab.load, ModelConfig=config.ModelConfig,
+    return types.SimpleNamespace(load=kvlab.load, MHA_MODEL=kvlab.MHA_MODEL,
+                                 ModelConfig=config.ModelConfig,
                                  Weights=weights.Weights, reference=reference,
                                  release_freed_memory=measure.release_freed_memory)
 
 
 HANDOUTS = {"lab_model": LabModel, "reference_model": ReferenceModel}
-PRELOADS = {"lab_model": _bundled_model, "reference_model": _bundled_model}
+PRELOADS = {"lab_model": _bundled_model, "reference_model": _preload_reference_models}
 
 
 def preload(name: str) -> None:

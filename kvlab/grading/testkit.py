@@ -155,3 +155,10 @@ def bundled_model():
     """The bundled model, loaded once in the judge (call it from a test file's prepare())."""
     import kvlab
     return kvlab.load()
+
+
+@functools.lru_cache(maxsize=None)
+def mha_model():
+    """The bundled MHA model (kvlab.MHA_MODEL), loaded once in the judge."""
+    import kvlab
+    return kvlab.load(kvlab.MHA_MODEL)

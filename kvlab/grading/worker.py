@@ -44,7 +44,7 @@ OUTPUT_LIMIT = 256 << 20          # bytes of files the student's code may write
 
 
 def _load_sibling(path):
-    """wire.py, policy.py and process_memory.py, by path: the worker imports nothing of
+    """wire.py, policy.py, process_memory.py and next_token_metrics.py, by path: the worker imports nothing of
     kvlab's as kvlab (the package is refused to the submission; see KvlabFinder)."""
     spec = importlib.util.spec_from_file_location(f"kvlab_worker_{path.stem}", path)
     module = importlib.util.module_from_spec(spec)
@@ -58,10 +58,13 @@ import numpy  # noqa: E402  (after sys.path is as -I left it; wire needs it too)
 wire = _load_sibling(HERE / "wire.py")
 policy = _load_sibling(HERE / "policy.py")
 process_memory = _load_sibling(HERE.parent / "process_memory.py")
+next_token_metrics = _load_sibling(HERE.parent / "next_token_metrics.py")
 
 # What a lab may lend a submission from kvlab, by the name the submission imports it as.
 LENDABLE = {"kvlab.measure.resident_bytes": process_memory.resident_bytes,
-            "kvlab.measure.release_freed_memory": process_memory.release_freed_memory}
+            "kvlab.measure.release_freed_memory": process_memory.release_freed_memory,
+            "kvlab.accuracy.perplexity": next_token_metrics.perplexity,
+            "kvlab.accuracy.kl_divergence": next_token_metrics.kl_divergence}
 
 
 def _become(uid, gid):
