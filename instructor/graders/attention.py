@@ -3,10 +3,10 @@ what it expected.
 
 Run by the judge (kvlab/grading/judge.py), never shipped in the package. The answers are
 checked against the C core's attention (cache.attend of a kvlab cache, filled by the
-bundled model or with random rows), against kvlab.reference.attention, and against the
+bundled MHA model or with random rows), against kvlab.reference.attention, and against the
 cache's own invariant: a query over the cache gives what prefill gives. Shapes, lengths
-and values are drawn at grading time; every draw has at least two KV heads shared by at
-least two query heads where the test is about GQA.
+and values are drawn at grading time. Every shape is MHA (a KV head per query head):
+chapter 3 and lab 4 (gqa) are where query heads share KV heads.
 """
 import functools
 
@@ -14,18 +14,18 @@ import numpy as np
 
 import kvlab
 from kvlab import reference
-from kvlab.grading.testkit import as_array, bundled_model, check_close, points, raises
+from kvlab.grading.testkit import as_array, check_close, mha_model, points, raises
 
 PROMPT = "ROMEO:\nBut soft, what light through yonder window breaks?"
 
 
 def shapes(rng):
-    """(n_heads, n_kv_heads, head_dim) of each kind, drawn now."""
+    """(n_heads, n_kv_heads, head_dim) of each kind, drawn now. This lab is MHA: every query
+    head has its own KV head (lab 4 lets groups share one)."""
     head_dim = lambda: int(rng.choice([4, 8, 16, 32]))     # noqa: E731
-    n = int(rng.integers(2, 7))
-    n_kv, mul = int(rng.integers(2, 5)), int(rng.integers(2, 5))
-    return {"MHA": (n, n, head_dim()), "GQA": (n_kv * mul, n_kv, head_dim()),
-            "MQA": (int(rng.integers(2, 9)), 1, head_dim())}
+    n, many = int(rng.integers(2, 7)), int(rng.integers(7, 13))
+    return {"one head": (1, 1, head_dim()), "MHA": (n, n, head_dim()),
+            "MHA, many heads": (many, many, head_dim())}
 
 
 def normal(rng, *shape, scale=1.0):
@@ -42,8 +42,8 @@ def c_attend(q, keys, values):
 
 @functools.lru_cache(maxsize=None)
 def filled():
-    """The bundled model (8 query heads, 2 KV heads of 16) with its cache after a prompt."""
-    model = bundled_model()
+    """The bundled MHA model (8 heads of 16, kvlab.MHA_MODEL) with its cache after a prompt."""
+    model = mha_model()
     cache = model.new_cache(64)
     model.prefill(model.encode(PROMPT), cache)
     return model, cache
@@ -61,32 +61,16 @@ def test_attend_a_zero_query_averages_the_values(sub, rng):
     check_close(got, values.mean(axis=0), "one head, 5 positions, q = 0", atol=1e-6)
 
 
-@points(2)
+@points(3)
 def test_attend_mha(sub, rng):
-    """multi-head attention (a KV head per query head) matches the C core"""
-    n_heads, n_kv_heads, head_dim = shapes(rng)["MHA"]
-    for length in (1, 2, int(rng.integers(3, 20)), int(rng.integers(20, 60))):
-        q = normal(rng, n_heads, head_dim)
-        keys, values = normal(rng, length, n_kv_heads, head_dim), normal(rng, length, n_kv_heads, head_dim)
-        got = sub.attend(q, keys, values)
-        check_close(got, c_attend(q, keys, values), f"MHA, {n_heads} heads of {head_dim}, "
-                                                     f"{length} cached position{'s' * (length != 1)}")
-
-
-@points(2)
-def test_attend_gqa_and_mqa(sub, rng):
-    """grouped-query and multi-query attention: query head h reads KV head h // kv_mul"""
-    drawn = shapes(rng)
-    for kind in ("GQA", "MQA"):
-        n_heads, n_kv_heads, head_dim = drawn[kind]
-        for length in (1, int(rng.integers(2, 12)), int(rng.integers(12, 60))):
+    """multi-head attention (a KV head per query head) matches the C core: one head, a few, many"""
+    for kind, (n_heads, n_kv_heads, head_dim) in shapes(rng).items():
+        for length in (1, 2, int(rng.integers(3, 20)), int(rng.integers(20, 60))):
             q = normal(rng, n_heads, head_dim)
             keys, values = normal(rng, length, n_kv_heads, head_dim), normal(rng, length, n_kv_heads, head_dim)
             got = sub.attend(q, keys, values)
-            check_close(got, c_attend(q, keys, values),
-                        f"{kind}: {n_heads} query heads, {n_kv_heads} KV head(s) of {head_dim}, "
-                        f"{length} cached position{'s' * (length != 1)} (query head h reads KV head h // "
-                        f"{n_heads // n_kv_heads})")
+            check_close(got, c_attend(q, keys, values), f"{kind}: {n_heads} head{'s' * (n_heads != 1)} "
+                        f"of {head_dim}, {length} cached position{'s' * (length != 1)}")
 
 
 @points(2)
@@ -103,13 +87,13 @@ def test_attend_large_scores_do_not_overflow(sub, rng):
 
 
 @points(3)
-def test_attend_matches_the_c_cache_of_the_bundled_model(sub, rng):
-    """over the bundled model's cache (GQA, 8 heads on 2 KV heads), every layer, as cache.attend"""
+def test_attend_matches_the_c_cache_of_the_mha_model(sub, rng):
+    """over the bundled MHA model's cache (8 heads of 16), every layer, as cache.attend"""
     model, cache = filled()
     for layer in range(model.config.n_layers):
         q = normal(rng, model.config.n_heads, model.config.head_dim, scale=2.0)
         got = sub.attend(q, cache.keys[layer], cache.values[layer])
-        check_close(got, cache.attend(q, layer), f"layer {layer} of the bundled model's cache "
+        check_close(got, cache.attend(q, layer), f"layer {layer} of the MHA model's cache "
                     f"({cache.length} positions; cache.keys[layer] is (length, n_kv_heads, head_dim))")
 
 
@@ -167,7 +151,7 @@ def test_kv_cache_refuses_what_does_not_fit_and_changes_nothing(sub, rng):
 
 @points(2)
 def test_a_cache_filled_token_by_token_gives_the_same_attention(sub, rng):
-    """the bundled model's K and V appended one token at a time, or all at once: same attention"""
+    """the MHA model's K and V appended one token at a time, or all at once: same attention"""
     model, cache = filled()
     c = model.config
     one_by_one = sub.KVCache(c.n_layers, 64, c.n_kv_heads, c.head_dim)
@@ -215,7 +199,7 @@ def test_causal_attention_matches_the_reference(sub, rng):
     drawn = shapes(rng)
     cases = [(kind, shape, T, 1.0) for kind, shape in drawn.items()
              for T in (1, 2, int(rng.integers(3, 25)))]
-    cases.append(("GQA, scores of about 1e4", drawn["GQA"], 12, 400.0 / np.sqrt(drawn["GQA"][2])))
+    cases.append(("MHA, scores of about 1e4", drawn["MHA"], 12, 400.0 / np.sqrt(drawn["MHA"][2])))
     for kind, (n_heads, n_kv_heads, head_dim), T, scale in cases:
         q, k = normal(rng, T, n_heads, head_dim, scale=scale), normal(rng, T, n_kv_heads, head_dim, scale=scale)
         v = normal(rng, T, n_kv_heads, head_dim)

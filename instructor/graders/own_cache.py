@@ -3,7 +3,7 @@ expected. Run by the judge (kvlab/grading/judge.py), never shipped in the packag
 
 The student's cache, attention and forward pass run around the model lent to them
 (kvlab/grading/handouts.py, ReferenceModel: the NumPy reference's layers over the bundled
-model's weights, or random weights of a shape drawn here). Their logits are compared with
+MHA model's weights, or random weights of a shape drawn here: chapter 1's labs are MHA). Their logits are compared with
 kvlab.reference.forward run here without a cache; their tokens with its greedy tokens; their
 cache's bytes with the chapter 2 formula; their step times with what the judge saw the
 worker spend.
@@ -15,7 +15,7 @@ import numpy as np
 
 import kvlab
 from kvlab import reference
-from kvlab.grading.testkit import as_array, bundled_model, check_close, described, number, points
+from kvlab.grading.testkit import as_array, mha_model, check_close, described, number, points
 
 LENDS = ("reference_model",)
 PROMPT = "ROMEO:\nBut soft"
@@ -24,18 +24,18 @@ PROMPT = "ROMEO:\nBut soft"
 @functools.lru_cache(maxsize=None)
 def oracle(seq: tuple) -> np.ndarray:
     """The reference's logits for a whole sequence, without a cache."""
-    model = bundled_model()
+    model = mha_model()
     return reference.forward(model.config, model.weights, list(seq))
 
 
 def prepare():
-    bundled_model()
-    oracle(tuple(bundled_model().encode(PROMPT)))
+    mha_model()
+    oracle(tuple(mha_model().encode(PROMPT)))
 
 
 def prompt_of(rng, length=None):
     """A prompt of real text (a slice of the bundled model's own prompt, then random bytes)."""
-    model = bundled_model()
+    model = mha_model()
     ids = list(model.encode(PROMPT))
     n = length or int(rng.integers(3, len(ids) + 1))
     return ids[:n] if n <= len(ids) else ids + [int(t) for t in rng.integers(32, 127, n - len(ids))]
@@ -121,8 +121,8 @@ def test_the_cache_keeps_what_was_appended(sub, rng):
 
 @points(2)
 def test_attention_matches_the_reference(sub, rng):
-    """causal GQA attention of a prefill and of a decode step, as kvlab.reference.attention"""
-    for n_heads, n_kv_heads in ((4, 4), (8, 2), (6, 1)):
+    """causal attention of a prefill and of a decode step, as kvlab.reference.attention"""
+    for n_heads, n_kv_heads in ((1, 1), (4, 4), (8, 8)):
         head_dim, length = int(rng.choice([8, 16])), int(rng.integers(6, 20))
         keys, values = normal(rng, length, n_kv_heads, head_dim), normal(rng, length, n_kv_heads, head_dim)
         for what, positions in (("a prefill of every position", np.arange(length)),
@@ -131,15 +131,14 @@ def test_attention_matches_the_reference(sub, rng):
             q = normal(rng, len(positions), n_heads, head_dim)
             got = sub.attention(q, keys, values, positions)
             check_close(got, reference.attention(q, keys, values, positions),
-                        f"{n_heads} heads on {n_kv_heads} KV heads of {head_dim}, {length} "
-                        f"positions, {what} (position p sees 0..p; head h reads KV head "
-                        f"h // {n_heads // n_kv_heads})", atol=1e-5)
+                        f"{n_heads} head{'s' * (n_heads != 1)} of {head_dim}, {length} "
+                        f"positions, {what} (position p sees 0..p)", atol=1e-5)
 
 
 @points(2, lends=LENDS)
 def test_forward_without_a_cache_matches_the_reference(sub, rng):
     """forward(model, tokens): every row of the logits, as the reference computes them"""
-    model = sub.handout("reference_model")
+    model = sub.handout("reference_model", checkpoint="mha")
     prompt = prompt_of(rng)
     got = sub.forward(model, prompt)
     check_close(got, oracle(tuple(prompt)), f"forward over {len(prompt)} tokens without a cache "
@@ -149,9 +148,9 @@ def test_forward_without_a_cache_matches_the_reference(sub, rng):
 @points(3, lends=LENDS)
 def test_prefill_then_decode_matches_the_uncached_run(sub, rng):
     """the prompt into a cache, then one token at a time: each row as the uncached run's"""
-    model = sub.handout("reference_model")
+    model = sub.handout("reference_model", checkpoint="mha")
     prompt = prompt_of(rng)
-    cache = sub.KVCache(bundled_model().config.n_layers)
+    cache = sub.KVCache(mha_model().config.n_layers)
     got = sub.forward(model, prompt, cache)
     check_close(got, oracle(tuple(prompt)), f"the prefill of {len(prompt)} tokens into your cache",
                 atol=1e-4, rtol=1e-4)
@@ -174,7 +173,7 @@ def test_prefill_then_decode_matches_the_uncached_run(sub, rng):
 @points(3, lends=LENDS)
 def test_greedy_tokens_are_the_same_with_and_without_the_cache(sub, rng):
     """generate with the cache and without it: the uncached reference's tokens, step by step"""
-    model = sub.handout("reference_model")
+    model = sub.handout("reference_model", checkpoint="mha")
     prompt, n_new = prompt_of(rng), int(rng.integers(12, 25))
     want_tokens, want_logits = greedy(prompt, n_new)
     for use_cache in (True, False):
@@ -203,8 +202,8 @@ def test_greedy_tokens_are_the_same_with_and_without_the_cache(sub, rng):
 @points(1, lends=LENDS)
 def test_the_cache_holds_what_the_formula_says(sub, rng):
     """after a generation, the cache's bytes are 2 x n_layers x positions x n_kv_heads x head_dim x 4"""
-    model = sub.handout("reference_model")
-    c = bundled_model().config
+    model = sub.handout("reference_model", checkpoint="mha")
+    c = mha_model().config
     prompt = prompt_of(rng)
     cache = sub.KVCache(c.n_layers)
     sub.forward(model, prompt, cache)
@@ -220,9 +219,8 @@ def test_the_cache_holds_what_the_formula_says(sub, rng):
 
 def timing_shape(rng):
     """A model shape for the timing test, drawn now (the student cannot have timed it)."""
-    n_kv_heads = int(rng.choice([2, 4]))
+    n_heads = n_kv_heads = int(rng.choice([4, 8]))          # MHA, as the whole lab
     head_dim = int(rng.choice([32, 48]))
-    n_heads = n_kv_heads * 2
     return {"dim": n_heads * head_dim, "hidden_dim": 3 * n_heads * head_dim,
             "n_layers": int(rng.integers(2, 5)), "n_heads": n_heads, "n_kv_heads": n_kv_heads,
             "vocab_size": 256, "max_seq_len": 128}

@@ -17,12 +17,10 @@ def softmax(scores):
 
 def attend(q, keys, values):
     n_heads, head_dim = q.shape
-    kv_mul = n_heads // keys.shape[1]          # query heads per KV head
     out = np.empty((n_heads, head_dim), dtype=np.float32)
-    for h in range(n_heads):
-        kv = h // kv_mul                       # consecutive query heads share a KV head
-        scores = keys[:, kv, :] @ q[h] / math.sqrt(head_dim)      # (length,)
-        out[h] = softmax(scores) @ values[:, kv, :]
+    for h in range(n_heads):                   # MHA: query head h has KV head h
+        scores = keys[:, h, :] @ q[h] / math.sqrt(head_dim)       # (length,)
+        out[h] = softmax(scores) @ values[:, h, :]
     return out
 
 
@@ -60,10 +58,7 @@ class KVCache:
 
 def causal_attention(q, k, v):
     T, n_heads, head_dim = q.shape
-    kv_mul = n_heads // k.shape[1]
-    keys = np.repeat(k, kv_mul, axis=1)                # head h gets KV head h // kv_mul
-    values = np.repeat(v, kv_mul, axis=1)
-    scores = np.einsum("thd,shd->hts", q, keys) / math.sqrt(head_dim)     # (n_heads, T, T)
+    scores = np.einsum("thd,shd->hts", q, k) / math.sqrt(head_dim)        # (n_heads, T, T)
     future = np.triu(np.ones((T, T), dtype=bool), k=1)                    # s > t
     scores = np.where(future, -np.inf, scores)
-    return np.einsum("hts,shd->thd", softmax(scores), values).astype(np.float32)
+    return np.einsum("hts,shd->thd", softmax(scores), v).astype(np.float32)

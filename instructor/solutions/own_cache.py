@@ -36,12 +36,11 @@ class KVCache:
 
 def attention(q, keys, values, positions):
     n, n_heads, head_dim = q.shape
-    kv_mul = n_heads // keys.shape[1]
     out = np.empty((n, n_heads, head_dim), dtype=np.float32)
     for t, p in enumerate(positions):
-        for h in range(n_heads):
-            kk = keys[:p + 1, h // kv_mul]               # the causal mask: positions 0..p
-            vv = values[:p + 1, h // kv_mul]
+        for h in range(n_heads):                        # MHA: query head h has KV head h
+            kk = keys[:p + 1, h]                        # the causal mask: positions 0..p
+            vv = values[:p + 1, h]
             scores = kk @ q[t, h] / math.sqrt(head_dim)
             weights = np.exp(scores - scores.max())
             out[t, h] = (weights / weights.sum()) @ vv

@@ -5,10 +5,11 @@ query and the cached keys and values. Here you write that step, the cache that f
 and the prefill that computes every position at once; the grader checks them against the
 C core's own attention (kvlab's cache.attend) and against kvlab.reference.
 
-Shapes (float32 throughout):
+Shapes (float32 throughout). Every query head has its own key head and value head here
+(multi-head attention, MHA): n_kv_heads == n_heads. Lab 4 lets groups of heads share one.
     q of one token          (n_heads, head_dim)
-    cached keys, values     (length, n_kv_heads, head_dim)
-    a prompt's q            (T, n_heads, head_dim);  its k, v  (T, n_kv_heads, head_dim)
+    cached keys, values     (length, n_heads, head_dim)
+    a prompt's q, k, v      (T, n_heads, head_dim)
 
 Check your work with:  kvlab check attention attention.py    (the public checks)
 Your grade:            kvlab grade attention attention.py    (your course runs hidden tests)
@@ -26,15 +27,13 @@ class CacheFullError(ValueError):
 
 
 def attend(q, keys, values):
-    """One decode step of grouped-query attention in one layer.
+    """One decode step of multi-head attention in one layer.
 
-    q: (n_heads, head_dim); keys, values: (length, n_kv_heads, head_dim).
+    q: (n_heads, head_dim); keys, values: (length, n_heads, head_dim).
     Returns (n_heads, head_dim) float32.
 
-    Query head h reads KV head h // kv_mul, where kv_mul = n_heads // n_kv_heads
-    (consecutive query heads share a KV head; kv_mul = 1 is MHA, n_kv_heads = 1 is MQA).
-    For each query head: scores = keys_of_its_head @ q[h] / sqrt(head_dim), one per
-    position; weights = softmax(scores); output = weights @ values_of_its_head.
+    For each head h: scores = keys[:, h] @ q[h] / sqrt(head_dim), one per position;
+    weights = softmax(scores); output = weights @ values[:, h].
 
     The softmax must not overflow when scores are large (thousands): exp(1000) is inf.
     Subtract the largest score before exp(); the result is mathematically the same.
@@ -91,11 +90,11 @@ class KVCache:
 def causal_attention(q, k, v):
     """Prefill: attention of T new tokens at positions 0..T-1, all at once.
 
-    q: (T, n_heads, head_dim); k, v: (T, n_kv_heads, head_dim). Returns (T, n_heads,
-    head_dim) float32. Position t sees positions 0..t (itself included) and nothing
-    later: set the scores of later positions to -inf before the softmax (the causal mask).
+    q, k, v: (T, n_heads, head_dim). Returns (T, n_heads, head_dim) float32. Position t
+    sees positions 0..t (itself included) and nothing later: set the scores of later
+    positions to -inf before the softmax (the causal mask).
     Row t must equal attend(q[t], k[:t + 1], v[:t + 1]): that is why a cache is exact.
-    Same head mapping and scaling as attend.
+    Same scaling as attend.
     """
     # TODO
     raise NotImplementedError("causal_attention")

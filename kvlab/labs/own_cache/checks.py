@@ -8,7 +8,7 @@ timing run on a model the grader picks.
 import numpy as np
 
 from kvlab import reference
-from kvlab.grading.testkit import as_array, bundled_model, check_close, described, points
+from kvlab.grading.testkit import as_array, mha_model, check_close, described, points
 
 LENDS = ("reference_model",)
 
@@ -31,20 +31,20 @@ def test_a_cache_of_two_layers(sub, rng):
 @points(1)
 def test_the_first_position_sees_only_itself(sub, rng):
     """attention at position 0 returns v[0], whatever the query"""
-    q = np.ones((1, 2, 2), np.float32)
-    keys = np.array([[[1, 0]], [[0, 1]]], np.float32)
-    values = np.array([[[4, 5]], [[6, 7]]], np.float32)
+    q = np.ones((1, 2, 2), np.float32)                          # 2 heads, each its own K and V
+    keys = np.array([[[1, 0], [0, 1]], [[0, 1], [1, 0]]], np.float32)
+    values = np.array([[[4, 5], [6, 7]], [[8, 9], [1, 2]]], np.float32)
     got = sub.attention(q, keys, values, np.array([0]))
-    check_close(got, np.array([[[4, 5], [4, 5]]]), "a query at position 0 over 2 positions "
+    check_close(got, np.array([[[4, 5], [6, 7]]]), "a query at position 0 over 2 positions "
                                                    "(position 1 is in the future)")
 
 
 @points(1, lends=LENDS)
 def test_forward_without_a_cache(sub, rng):
     """the bundled model over "ROMEO:": every row of the logits as the reference's"""
-    model = bundled_model()
+    model = mha_model()
     tokens = list(model.encode("ROMEO:"))
-    got = sub.forward(sub.handout("reference_model"), tokens)
+    got = sub.forward(sub.handout("reference_model", checkpoint="mha"), tokens)
     check_close(got, reference.forward(model.config, model.weights, tokens),
                 "forward over the 6 tokens of 'ROMEO:' without a cache", atol=1e-4, rtol=1e-4)
 
@@ -52,9 +52,9 @@ def test_forward_without_a_cache(sub, rng):
 @points(1, lends=LENDS)
 def test_one_decode_step_after_a_prefill(sub, rng):
     """"ROMEO:" into your cache, then "\n" at position 6: the last row of the uncached run"""
-    model = bundled_model()
+    model = mha_model()
     tokens = list(model.encode("ROMEO:\n"))
-    lent = sub.handout("reference_model")
+    lent = sub.handout("reference_model", checkpoint="mha")
     cache = sub.KVCache(model.config.n_layers)
     sub.forward(lent, tokens[:-1], cache)
     got = as_array(sub.forward(lent, tokens[-1:], cache), "the decode step's logits")
@@ -66,12 +66,12 @@ def test_one_decode_step_after_a_prefill(sub, rng):
 @points(1, lends=LENDS)
 def test_five_greedy_tokens_with_the_cache(sub, rng):
     """after "ROMEO:", 5 greedy tokens with your cache: the reference's, run without one"""
-    model = bundled_model()
+    model = mha_model()
     tokens = list(model.encode("ROMEO:"))
     want = []
     for _ in range(5):
         want.append(int(np.argmax(reference.forward(model.config, model.weights, tokens + want)[-1])))
-    got = sub.generate(sub.handout("reference_model"), tokens, 5, True)
+    got = sub.generate(sub.handout("reference_model", checkpoint="mha"), tokens, 5, True)
     got_tokens = [int(t) for t in got[0]]
     assert got_tokens == want, f"expected the tokens {want}, got {got_tokens}"
 

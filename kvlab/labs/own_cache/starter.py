@@ -18,7 +18,8 @@ building block a forward pass needs, except attention and the cache (yours):
     model.logits(x)                  (n, vocab_size)
 
 Try things at the end of the file under `if __name__ == "__main__":`; there
-`kvlab.grading.handouts.ReferenceModel()` gives you the same model for the bundled weights.
+`kvlab.grading.handouts.ReferenceModel(checkpoint="mha")` gives you the same model over the
+bundled MHA model's weights (8 heads, each with its own key and value head).
 
 Check your work with:  kvlab check own_cache own_cache.py    (the public checks)
 Your grade:            kvlab grade own_cache own_cache.py    (your course runs hidden tests)
@@ -76,13 +77,13 @@ class KVCache:
 
 
 def attention(q, keys, values, positions):
-    """Causal grouped-query attention for n new tokens.
+    """Causal multi-head attention for n new tokens.
 
     q: (n, n_heads, head_dim), the new tokens' queries, at `positions` (n ints);
-    keys, values: (length, n_kv_heads, head_dim), positions 0..length-1, the new ones
+    keys, values: (length, n_heads, head_dim), positions 0..length-1, the new ones
     included. The token at position p sees positions 0..p (itself included) and nothing
-    later. Query head h reads KV head h // (n_heads // n_kv_heads); scores are divided by
-    sqrt(head_dim); subtract the largest score before exp (lab 1). Returns (n, n_heads,
+    later. Query head h reads key and value head h (the lent models are MHA: n_kv_heads
+    equals n_heads; lab 4 lets heads share); scores are divided by sqrt(head_dim); subtract the largest score before exp (lab 1). Returns (n, n_heads,
     head_dim) float32. One function for prefill (n tokens) and decode (n = 1).
     """
     # TODO
@@ -151,7 +152,7 @@ def share_saved(cached, uncached, position):
 if __name__ == "__main__":
     # Try your code here: the grader never runs this block. The same model it lends you:
     from kvlab.grading.handouts import ReferenceModel
-    model = ReferenceModel()                       # the bundled model's weights
+    model = ReferenceModel(checkpoint="mha")       # the bundled MHA model's weights
     prompt = [10]                                  # one token
     print(generate(model, prompt, 8, use_cache=True)[0])
     print(generate(model, prompt, 8, use_cache=False)[0])   # the same tokens
