@@ -51,17 +51,22 @@ class Lab:
 
 
 LABS: Dict[str, Lab] = {lab.name: lab for lab in (
-    Lab("attention", 1, "Attention with a KV cache in NumPy", "01_kv_cache", 20,
+    Lab("attention", 1, "Attention with a KV cache in NumPy", "01_kv_cache", 19,
         "attention and its cache"),
     Lab("own_cache", 2, "Your own KV cache: same tokens, timed", "01_kv_cache", 17,
         "a KV cache and the forward pass over it"),
     Lab("cache_size", 3, "Cache size by hand and measured", "02_cache_size", 16,
         "the cache-size arithmetic and its measurement",
         ("kvlab.measure.resident_bytes", "kvlab.measure.release_freed_memory")),
+    Lab("gqa", 4, "GQA: attention that shares heads, and an MHA model converted", "03_gqa", 19,
+        "grouped-query attention and the conversion",
+        ("kvlab.accuracy.perplexity", "kvlab.accuracy.kl_divergence")),
     Lab("block_allocator", 5, "A block allocator with fork and copy-on-write", "04_paged", 19,
         "a block allocator"),
     Lab("paged_attention", 6, "Attention through a block table", "04_paged", 14,
         "attention over a paged cache"),
+    Lab("prefix_caching", 7, "Prefix caching: chained block hashes and LRU eviction",
+        "04_paged", 18, "a prefix cache"),
     Lab("scheduler", 8, "A batching scheduler with preemption", "05_batching", 18,
         "a scheduler"),
     Lab("int8_cache", 9, "int8 cache quantization with an error bound", "06_quantization", 18,
