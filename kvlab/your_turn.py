@@ -1,0 +1,633 @@
+"""Self-checks for the "Your turn" exercise at the end of each course notebook.
+
+Each notebook asks you to write one small function, then checks it in the next cell:
+
+    from kvlab import your_turn
+    your_turn.check("03_gqa", expand_kv_heads)
+
+`check` runs your function on a few cases, fixed and random, compares each answer with
+what kvlab's own machinery says (the NumPy reference, the C core, the paged pool, the
+engine, kvlab.quant, ...), prints a verdict and returns True or False:
+
+    not attempted yet       your function still raises NotImplementedError
+    ✓ correct: ...          every case agrees; one line on what it shows
+    not yet: ...            the first case that disagrees: what was expected, what your
+                            function gave (or the error it raised), and a hint
+
+Nothing your function does makes `check` raise: its errors are reported, not passed on.
+EXERCISES lists the exercises: notebook -> (function to write, what it does).
+"""
+from __future__ import annotations
+
+import math
+import traceback
+from functools import lru_cache
+from pathlib import Path
+from typing import Callable, NamedTuple, Optional
+
+import numpy as np
+
+from . import quant, reference
+from .config import ModelConfig
+from .engine import Engine
+from .errors import CacheFullError
+from .generate import generate
+from .measure import kv_cache_bytes, weights_bytes
+from .model import KVCache
+from .scheduler import SamplingParams
+
+
+class Exercise(NamedTuple):
+    function: str       # the name of the function the notebook asks you to write
+    description: str    # what it does, in one line
+
+
+EXERCISES = {
+    "01_kv_cache": Exercise(
+        "greedy_with_cache",
+        "greedy generation over a KV cache (prefill once, then one decode per token) that "
+        "gives the uncached run's tokens"),
+    "02_cache_size": Exercise(
+        "requests_that_fit",
+        "how many requests of a given length fit in a memory budget next to the fp16 weights"),
+    "03_gqa": Exercise(
+        "expand_kv_heads",
+        "repeat each K/V head for its group of query heads, so that plain MHA attention "
+        "equals GQA attention"),
+    "04_paged": Exercise(
+        "pool_footprint",
+        "the blocks a paged pool hands out for some sequence lengths, and the slots left "
+        "empty in them"),
+    "05_batching": Exercise(
+        "batching_steps",
+        "the steps static and continuous batching take to serve the same requests"),
+    "06_quantization": Exercise(
+        "int8_quantize_group",
+        "symmetric int8 quantization of one group: codes and scale, bit for bit with kvlab's"),
+    "07_gpu_kernels": Exercise(
+        "merge_states",
+        "merge two flash-decoding partial states (acc, m, l) into the state of both ranges"),
+}
+
+
+def check(exercise: str, answer: Callable, seed: Optional[int] = None) -> bool:
+    """Check your function for one exercise ("03_gqa", ...: see EXERCISES). Prints the
+    verdict and returns True when every case agrees. seed fixes the random cases."""
+    if exercise not in EXERCISES:
+        raise ValueError(f"no exercise {exercise!r}; the exercises are {', '.join(EXERCISES)}")
+    name = EXERCISES[exercise].function
+    if not callable(answer):
+        print(f"not yet: `{name}` should be a function; got {_short(answer)}.")
+        return False
+    rng = np.random.default_rng(seed)
+    try:
+        takeaway = _CHECKS[exercise](answer, rng)
+    except _NotAttempted:
+        print(f"{name}: not attempted yet. Replace `raise NotImplementedError` in the cell "
+              f"above with your code, run that cell, then run this one again.")
+        return False
+    except _NotYet as verdict:
+        print(f"not yet: {name}, {verdict}")
+        return False
+    except Exception as error:      # something in the answer our comparison did not expect
+        print(f"not yet: {name}: its answer could not be checked "
+              f"({type(error).__name__}: {error}). Check what your function returns.")
+        return False
+    print(f"✓ correct: {name}. {takeaway}")
+    return True
+
+
+# ---- the machinery every check shares ---------------------------------------------------
+
+class _NotAttempted(Exception):
+    """The function still raises NotImplementedError."""
+
+
+class _NotYet(Exception):
+    """A case the function got wrong: what was expected, what it gave, a hint."""
+
+    def __init__(self, case: str, expected: Optional[str], got: str, hint: str):
+        lines = [case] + ([f"  expected: {expected}"] if expected is not None else [])
+        super().__init__("\n".join(lines + [f"  got:      {got}", f"  hint:     {hint}"]))
+
+
+def _call(answer: Callable, case: str, *args, hints: Optional[dict] = None):
+    """answer(*args); its exceptions become a "not yet" that says where they happened."""
+    try:
+        return answer(*args)
+    except NotImplementedError:
+        raise _NotAttempted() from None
+    except Exception as error:
+        where = _where(answer, error)
+        hint = "your function raised an error: fix that first" + (
+            " (the line it came from is shown above)" if where else "")
+        for kind, text in (hints or {}).items():
+            if isinstance(error, kind):
+                hint = text
+        raise _NotYet(case, None, f"{type(error).__name__}: {error}{where}", hint) from None
+
+
+def _where(answer: Callable, error: Exception) -> str:
+    """' (line 3 of f: x = ...)': the last line of your code the error passed through
+    (not kvlab's, not NumPy's)."""
+    library = (str(Path(__file__).parent), str(Path(np.__file__).parent))
+    frames = [f for f in traceback.extract_tb(error.__traceback__)[1:]    # [0] is _call
+              if not f.filename.startswith(library)]
+    if not frames:
+        return ""
+    frame, code = frames[-1], getattr(answer, "__code__", None)
+    if code is not None and (frame.filename, frame.name) == (code.co_filename, code.co_name):
+        return f" (line {frame.lineno - code.co_firstlineno + 1} of {frame.name}: {frame.line})"
+    return f" (in {frame.name}: {frame.line})"
+
+
+def _short(value, limit: int = 70) -> str:
+    """A value in at most `limit` characters (arrays by shape and a few numbers)."""
+    if isinstance(value, np.ndarray):
+        text = f"array of shape {value.shape}, dtype {value.dtype}"
+        if value.size:
+            shown = np.array2string(value.ravel()[:6], precision=4, separator=", ")
+            text += f": {shown[:-1]}{', ...' if value.size > 6 else ''}]"
+        return text
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit - 4] + " ..."
+
+
+@lru_cache(maxsize=1)
+def _model():
+    """The bundled model (loaded once)."""
+    from . import load
+    return load()
+
+
+# ---- 01: the KV cache ---------------------------------------------------------------------
+
+def _check_kv_cache(answer, rng) -> str:
+    model = _model()
+    cases = [("'ROMEO:\\n' and 16 new tokens", model.encode("ROMEO:\n"), 16),
+             ("'JULIET:' and 1 new token (only the prompt's logits are needed)",
+              model.encode("JULIET:"), 1)]
+    for _ in range(3):
+        ids = rng.integers(0, model.config.vocab_size, int(rng.integers(1, 40))).tolist()
+        cases.append((f"a random prompt of {len(ids)} token ids", ids, int(rng.integers(2, 40))))
+    for number, (what, prompt, n_new) in enumerate(cases, 1):
+        case = f"case {number} of {len(cases)}: {what}, n_new={n_new}"
+        expected = _uncached(model, prompt, n_new).tokens
+        with model.counting() as counts:
+            got = _call(answer, case, model, list(prompt), n_new, hints={
+                CacheFullError: "the cache needs room for the prompt and every token "
+                                     "you decode: model.new_cache(len(prompt_ids) + n_new)"})
+        try:
+            got = [int(t) for t in got]
+        except Exception:
+            raise _NotYet(case, f"a list of {n_new} token ids", _short(got),
+                          "return the new token ids as a list of ints") from None
+        if got[:len(prompt)] == list(prompt) and len(got) == len(prompt) + n_new:
+            raise _NotYet(case, f"{n_new} new token ids", f"{len(got)} ids, the prompt's first",
+                          "return only the generated tokens, without the prompt")
+        if len(got) != n_new:
+            raise _NotYet(case, f"{n_new} token ids", f"{len(got)} token ids: {_short(got)}",
+                          "one token per step, n_new steps")
+        if got != expected:
+            first = next(i for i, (a, b) in enumerate(zip(got, expected)) if a != b)
+            hint = ("the first token is the arg-max of the prompt's logits (from prefill)"
+                    if first == 0 else
+                    "each step must feed the token it just chose: logits = model.decode(token, "
+                    "cache), and the prompt goes in once, with prefill")
+            raise _NotYet(case, f"kvlab.generate(model, prompt, {n_new}, use_cache=False).tokens",
+                          f"token {first} differs ({got[first]} where the uncached run chose "
+                          f"{expected[first]})", hint)
+        most = len(prompt) + n_new
+        if counts.tokens > most:
+            raise _NotYet(case, f"each token through the model once: at most {most} tokens run",
+                          f"{counts.tokens} tokens run through the model (the right tokens, "
+                          f"but recomputed)",
+                          "run the prompt once with model.prefill(prompt_ids, cache), then "
+                          "model.decode(token, cache) for one new token per step: no "
+                          "model.forward over the whole sequence")
+    prompt, n_new = cases[0][1], cases[0][2]
+    return (f"Your cached loop gives the uncached run's tokens exactly, and for {n_new} tokens "
+            f"after 'ROMEO:\\n' it runs {len(prompt) + n_new} tokens through the model where "
+            f"the uncached loop runs {_uncached(model, prompt, n_new).counts.tokens}: the cache "
+            f"keeps what the uncached loop computes again at every step.")
+
+
+def _uncached(model, prompt, n_new):
+    """kvlab.generate without a cache (greedy, never stopping early)."""
+    return generate(model, list(prompt), n_new, use_cache=False, stop_at_eos=False)
+
+
+# ---- 02: how big is the cache -------------------------------------------------------------
+
+def _fit(config, memory_bytes, seq_len, cache_dtype):
+    """kvlab's answer: what the weights leave, in whole requests (never below 0)."""
+    left = memory_bytes - weights_bytes(config, "fp16")
+    return max(0, left // kv_cache_bytes(config, seq_len, dtype=cache_dtype))
+
+
+def _check_cache_size(answer, rng) -> str:
+    C = ModelConfig
+    GB = 10 ** 9
+    cases = [(C.llama2_7b(), 80 * GB, 4096, "fp16"),
+             (C.llama2_7b(), 80 * GB, 4096, "int8"),
+             (C.llama3_8b(), 80 * GB, 8192, "fp16"),
+             (C.llama2_70b(), 80 * GB, 4096, "fp16"),            # the weights alone are 138 GB
+             (C.tinyllama_1b(), 24 * 2 ** 30, 2048, "fp16"),
+             (_model().config, 8 * 2 ** 20, 512, "fp32")]
+    presets = list(C.presets().values())
+    for _ in range(3):
+        config = presets[int(rng.integers(len(presets)))]
+        seq_len = int(rng.integers(1, config.max_seq_len + 1))
+        dtype = ["fp16", "bf16", "int8", "fp32"][int(rng.integers(4))]
+        per_request = kv_cache_bytes(config, seq_len, dtype=dtype)
+        whole = int(rng.integers(0, 40))            # exactly `whole` requests fit, plus a bit
+        memory = weights_bytes(config, "fp16") + whole * per_request + int(rng.integers(per_request))
+        cases.append((config, memory, seq_len, dtype))
+    for number, (config, memory, seq_len, dtype) in enumerate(cases, 1):
+        case = (f"case {number} of {len(cases)}: {config.name}, {memory:,} bytes of memory, "
+                f"requests of {seq_len:,} tokens, {dtype} cache")
+        expected = _fit(config, memory, seq_len, dtype)
+        got = _call(answer, case, config, memory, seq_len, dtype)
+        if isinstance(got, (bool, np.bool_)) or not isinstance(got, (int, np.integer, float, np.floating)):
+            raise _NotYet(case, f"a whole number of requests ({expected})", _short(got),
+                          "return a number: how many requests fit")
+        if got == expected and not isinstance(got, (int, np.integer)):
+            raise _NotYet(case, f"the whole number {expected}", _short(got),
+                          "a request fits whole or not at all: use // (floor division)")
+        if got == expected:
+            continue
+        left = memory - weights_bytes(config, "fp16")
+        per_request = kv_cache_bytes(config, seq_len, dtype=dtype)
+        mha = kv_cache_bytes(config.replace(n_kv_heads=config.n_heads), seq_len, dtype=dtype)
+        if left < 0 and got < 0:
+            hint = "when the weights alone do not fit, no request does: return 0, not a negative number"
+        elif got == memory // per_request:
+            hint = ("the weights are in memory too: subtract them first (fp16: 2 bytes x "
+                    "config.n_params())")
+        elif got == expected + 1 or math.isclose(got, left / per_request):
+            hint = "round down: a request that does not fit whole does not fit"
+        elif config.n_kv_heads != config.n_heads and got == max(0, left // mha):
+            hint = "the cache holds K and V for the KV heads (n_kv_heads), not the query heads"
+        elif dtype != "fp16" and got == max(0, left // kv_cache_bytes(config, seq_len)):
+            hint = ("the cache's format changes its bytes: pass it on, "
+                    "kvlab.kv_cache_bytes(config, seq_len, dtype=cache_dtype)")
+        else:
+            hint = ("requests = (memory - fp16 weights) // (bytes of one request's cache); "
+                    "kvlab.kv_cache_bytes(config, seq_len, dtype=cache_dtype) is the latter")
+        raise _NotYet(case, f"{expected:,} requests", _short(got), hint)
+    c7 = C.llama2_7b()
+    return (f"On an 80 GB GPU the fp16 Llama 2 7B weights leave room for "
+            f"{_fit(c7, 80 * GB, 4096, 'fp16')} requests of 4,096 tokens with an fp16 cache, "
+            f"{_fit(c7, 80 * GB, 4096, 'int8')} with int8; Llama 3 8B, with 8 KV heads instead "
+            f"of 32, fits {_fit(C.llama3_8b(), 80 * GB, 4096, 'fp16')}. The cache, not the "
+            f"model, sets how many requests a server can hold.")
+
+
+# ---- 03: GQA ------------------------------------------------------------------------------
+
+def _check_gqa(answer, rng) -> str:
+    shapes = [(5, 2, 8, 4), (6, 8, 8, 4), (7, 1, 8, 4)]     # positions, KV heads, query heads, head_dim
+    for _ in range(3):
+        n_kv = int(rng.choice([1, 2, 4, 8]))
+        shapes.append((int(rng.integers(1, 40)), n_kv, n_kv * int(rng.choice([1, 2, 4, 8])),
+                       int(rng.choice([4, 8, 16, 64]))))
+    for number, (n_pos, n_kv, n_heads, d) in enumerate(shapes, 1):
+        kind = "MHA" if n_kv == n_heads else "MQA" if n_kv == 1 else "GQA"
+        case = (f"case {number} of {len(shapes)} ({kind}): keys of shape {(n_pos, n_kv, d)}, "
+                f"n_heads={n_heads}")
+        kv_mul = n_heads // n_kv
+        expected_map = [h // kv_mul for h in range(n_heads)]
+        # K/V head j is filled with the number j (plus a little noise on every value):
+        # which K/V head a slot of the answer copies can be read off it
+        labels = np.arange(n_kv, dtype=np.float32)[None, :, None]
+        keys = (labels + 0.01 * rng.standard_normal((n_pos, n_kv, d))).astype(np.float32)
+        values = rng.standard_normal((n_pos, n_kv, d)).astype(np.float32)
+        keys_before = keys.copy()
+        got = np.asarray(_call(answer, case, keys, n_heads))
+        if not np.array_equal(keys, keys_before):
+            raise _NotYet(case, "keys left as they were", "your function changed its input",
+                          "build a new array instead of writing into keys")
+        if got.shape != (n_pos, n_heads, d):
+            hint = "one slot per query head on axis 1: (n_positions, n_heads, head_dim)"
+            if got.shape == (n_pos, n_kv, d * kv_mul):
+                hint = "repeat along axis 1, the head axis, not the last one"
+            raise _NotYet(case, f"shape {(n_pos, n_heads, d)}", f"shape {got.shape}", hint)
+        read = [int(np.rint(got[:, h].mean())) for h in range(n_heads)]
+        if read != expected_map or not np.array_equal(got, np.repeat(keys, kv_mul, axis=1)):
+            hint = "query head h reads K/V head h // kv_mul (kv_mul = n_heads // n_kv_heads)"
+            if read == [h % n_kv for h in range(n_heads)]:
+                hint = ("that interleaves the groups (np.tile, h % n_kv_heads); GQA groups "
+                        "consecutive query heads: h // kv_mul, as np.repeat does")
+            raise _NotYet(case, f"query head h -> K/V head {expected_map}",
+                          f"query head h -> K/V head {read}" if read != expected_map else
+                          "the right heads, but values that differ from the K/V rows",
+                          hint)
+        # MHA over the expansion must be GQA over the original, in NumPy and in the C core
+        q = rng.standard_normal((1, n_heads, d)).astype(np.float32)
+        last = np.array([n_pos - 1])
+        v_wide = np.asarray(_call(answer, case, values, n_heads))
+        mha = reference.attention(q, got, v_wide, last)
+        gqa = reference.attention(q, keys, values, last)
+        if not np.allclose(mha, gqa, atol=1e-5):
+            raise _NotYet(case, "MHA attention over your K and V = GQA attention over the originals",
+                          f"outputs differ by {np.abs(mha - gqa).max():.2e}",
+                          "expanding the values must follow the same rule as the keys")
+        c_mha = KVCache(1, n_heads, d, n_pos)
+        c_mha.append(got[:, None].astype(np.float32), v_wide[:, None].astype(np.float32))
+        c_gqa = KVCache(1, n_kv, d, n_pos)
+        c_gqa.append(keys[:, None], values[:, None])
+        if not np.allclose(c_mha.attend(q[0]), c_gqa.attend(q[0]), atol=1e-5):
+            raise _NotYet(case, "the C core's MHA attention over your K and V = its GQA attention",
+                          "they differ", "query head h reads K/V head h // kv_mul")
+    return ("Plain MHA attention over the expanded K and V equals GQA attention, in the NumPy "
+            "reference and in the C core. The expanded copy is kv_mul times the cache (4x for "
+            "the bundled model): GQA saves by never making it, and the C kernel reads each K/V "
+            "row once for its whole group of query heads.")
+
+
+# ---- 04: paged memory ---------------------------------------------------------------------
+
+def _pool_says(lengths, block_size):
+    """(blocks used, slots unused) of a real pool holding sequences of these lengths."""
+    model, rng = _model(), np.random.default_rng(0)
+    c = model.config
+    blocks = sum(-(-n // block_size) for n in lengths)
+    pool = model.new_paged_pool(num_blocks=max(blocks, 1), block_size=block_size,
+                                max_seqs=max(len(lengths), 1))
+    for i, n in enumerate(lengths):
+        seq = pool.new_sequence()
+        if n:
+            # distinct tokens for each sequence, so that no two share a block by prefix
+            tokens = np.concatenate([[i], rng.integers(0, 256, n - 1)]).astype(np.int32)
+            rows = np.zeros((n, c.n_layers, c.n_kv_heads, c.head_dim), dtype=np.float32)
+            pool.append(seq, tokens, rows, rows)
+    s = pool.stats()
+    return s.blocks_used, s.slots_unused
+
+
+def _check_paged(answer, rng) -> str:
+    cases = [([18], 4), ([16, 32], 16), ([0, 1, 5], 4), ([100, 7, 64], 1)]
+    for _ in range(3):
+        cases.append((rng.integers(0, 200, int(rng.integers(1, 12))).tolist(),
+                      int(rng.choice([2, 3, 4, 8, 16, 32, 64]))))
+    chat = np.clip(rng.lognormal(4.6, 0.8, 64), 8, 512).astype(int).tolist()   # as in the notebook
+    cases.append((chat, 16))
+    for number, (lengths, block_size) in enumerate(cases, 1):
+        shown = _short(lengths, 50)
+        case = f"case {number} of {len(cases)}: lengths {shown}, block_size={block_size}"
+        expected = _pool_says(lengths, block_size)
+        got = _call(answer, case, list(lengths), block_size)
+        try:
+            blocks, unused = (int(v) for v in got)
+        except Exception:
+            raise _NotYet(case, "a pair (blocks, unused_slots)", _short(got),
+                          "return two whole numbers: return blocks, unused") from None
+        if (blocks, unused) == expected:
+            continue
+        full = [n for n in lengths if n and n % block_size == 0]
+        wrong_last = sum(n // block_size + 1 for n in lengths)
+        if blocks != expected[0] and full and blocks == wrong_last:
+            hint = ("a length that is a multiple of block_size fills its last block exactly: "
+                    "ceil(n / block_size) blocks, -(-n // block_size) in whole numbers")
+        elif blocks != expected[0] and 0 in lengths and blocks == expected[0] + lengths.count(0):
+            hint = "an empty sequence (length 0) takes no block"
+        elif blocks != expected[0]:
+            hint = "each sequence takes ceil(length / block_size) blocks of its own"
+        elif full and unused == expected[1] + block_size * len(full):
+            hint = "a full last block leaves 0 slots empty, not block_size"
+        else:
+            hint = "the empty slots are those of each sequence's last block past its length"
+        raise _NotYet(case, f"{expected} (what pool.stats() says after filling a pool)",
+                      f"{(blocks, unused)}", hint)
+    blocks, unused = expected                       # the last case: the chat-like lengths
+    contiguous_empty = 100 * (1 - sum(chat) / (512 * len(chat)))
+    return (f"The paged pool agrees. Each sequence wastes less than one block: for 64 chat-like "
+            f"requests in blocks of 16, {unused:,} of {blocks * 16:,} slots are empty "
+            f"({100 * unused / (blocks * 16):.1f} %), where contiguous caches of 512 positions "
+            f"would leave {contiguous_empty:.0f} % empty.")
+
+
+# ---- 05: batching -------------------------------------------------------------------------
+
+def _engine_steps(lengths, slots):
+    """Forward calls kvlab.Engine makes for requests of 1-token prompts that generate
+    `lengths` tokens, at most `slots` sequences per step, all added at once."""
+    model = _model()
+    block_size = 16
+    blocks = sum(-(-(n + 1) // block_size) for n in lengths) + 1
+    pool = model.new_paged_pool(num_blocks=blocks, block_size=block_size, max_seqs=len(lengths))
+    engine = Engine(model, pool, max_batch_seqs=slots)
+    for i, n in enumerate(lengths):
+        engine.add_request([i % 256], SamplingParams(max_tokens=n, stop_at_eos=False))
+    steps = 0
+    while engine.has_work:
+        engine.step()
+        steps += 1
+    return steps
+
+
+def _check_batching(answer, rng) -> str:
+    cases = [([3, 1, 2], 2), ([5, 5, 5, 5], 2), ([10] * 7 + [120], 8), ([1, 9, 1, 9, 1], 1),
+             ([30, 2, 2, 2, 2, 2, 2], 2)]
+    for _ in range(3):
+        cases.append((rng.integers(1, 40, int(rng.integers(2, 12))).tolist(), int(rng.integers(1, 5))))
+    workload = np.clip(rng.lognormal(3.0, 1.1, 24), 1, 150).astype(int).tolist()
+    cases.append((workload, 8))
+    for number, (lengths, slots) in enumerate(cases, 1):
+        case = f"case {number} of {len(cases)}: output_lengths {_short(lengths, 50)}, slots={slots}"
+        static = sum(_engine_steps(lengths[i:i + slots], slots) for i in range(0, len(lengths), slots))
+        continuous = _engine_steps(lengths, slots)
+        got = _call(answer, case, list(lengths), slots)
+        try:
+            got_static, got_continuous = (int(v) for v in got)
+        except Exception:
+            raise _NotYet(case, "a pair (static_steps, continuous_steps)", _short(got),
+                          "return two whole numbers: return static, continuous") from None
+        if got_static != static:
+            raise _NotYet(case, f"static batching: {static} steps (kvlab.Engine, one group at a time)",
+                          f"{got_static}",
+                          "a static group runs until its longest request is done; the groups "
+                          "are the requests in order, `slots` at a time")
+        if got_continuous != continuous:
+            if got_continuous == math.ceil(sum(lengths) / slots):
+                hint = ("that is perfect packing; a request keeps its slot from its first step "
+                        "to its last, and requests start in order: simulate the steps")
+            elif got_continuous == static:
+                hint = ("continuous batching does not wait for the group: a finished request's "
+                        "slot goes to the next waiting request at the next step")
+            else:
+                hint = ("simulate it: each step, fill free slots with waiting requests in order, "
+                        "run one token of every running request, remove the finished ones")
+            raise _NotYet(case, f"continuous batching: {continuous} steps (kvlab.Engine, "
+                          f"max_batch_seqs={slots})", f"{got_continuous}", hint)
+    # static and continuous are the last case's: the chat-like workload
+    return (f"kvlab's engine agrees. For 24 requests of chat-like lengths and 8 slots, static "
+            f"batching takes {static} steps and continuous batching {continuous}: "
+            f"{static / continuous:.1f}x fewer forward calls, and every call reads all the "
+            f"weights once, whatever the batch.")
+
+
+# ---- 06: quantization ---------------------------------------------------------------------
+
+def _check_quantization(answer, rng) -> str:
+    halves = np.array([127, 1.5, 2.5, -2.5, 0.5, -127, 3, 0], dtype=np.float32)  # scale exactly 1
+    row = np.random.default_rng(0).standard_normal(16).astype(np.float32)
+    row[3] = 4.0                                        # the notebook's row: one large value
+    groups = [("halves round to even: max |x| = 127, so the scale is 1", halves),
+              ("the notebook's row of 16 with one large value", row)]
+    for _ in range(4):
+        d = int(rng.choice([8, 16, 32, 64, 128]))
+        x = (rng.standard_normal(d) * 10.0 ** rng.uniform(-3, 2)).astype(np.float32)
+        groups.append((f"a random group of {d} values", x))
+    groups.append(("an all-zero group", np.zeros(16, dtype=np.float32)))
+    for number, (what, x) in enumerate(groups, 1):
+        case = f"case {number} of {len(groups)}: {what}"
+        q = quant.quantize(x, "int8")                   # one group: all of x
+        want_codes, want_scale = q.codes, q.scales[0]
+        cache = KVCache(1, 1, len(x), 1, key_format="int8", value_format="int8")
+        cache.append(x[None, None, None], x[None, None, None])
+        want_codes_c, want_scale_c = cache.key_codes[0, 0, 0], cache.key_scales[0, 0, 0, 0]
+        with np.errstate(all="ignore"):
+            got = _call(answer, case, x.copy())
+        try:
+            codes, scale = got
+            codes, scale = np.asarray(codes), np.asarray(scale, dtype=np.float32)
+        except Exception:
+            raise _NotYet(case, "a pair (codes, scale)", _short(got),
+                          "return codes, scale") from None
+        if scale.size != 1:
+            raise _NotYet(case, "one scale for the whole group", f"scale {_short(scale)}",
+                          "the scale is a single number: max|x| / 127")
+        scale = np.float32(scale.reshape(()))
+        if scale != want_scale:
+            top = np.abs(x).max()
+            if top and math.isclose(scale, top / 128, rel_tol=1e-6):
+                hint = "divide by 127, not 128: the largest value must become +-127 exactly"
+            elif top and math.isclose(scale, (x.max() - x.min()) / 255, rel_tol=1e-6):
+                hint = "symmetric int8 uses max|x| / 127, not the range / 255"
+            elif not top:
+                hint = "an all-zero group has scale 0"
+            else:
+                hint = "scale = max|x| / 127 over the group, in float32"
+            raise _NotYet(case, f"scale {want_scale}", f"scale {scale}", hint)
+        if codes.shape != want_codes.shape or not np.array_equal(codes, want_codes):
+            if not np.isfinite(codes.astype(np.float64)).all() or (not np.abs(x).max()
+                                                                  and codes.any()):
+                hint = "an all-zero group has scale 0: divide by 1 instead, so its codes are 0"
+            elif codes.shape != want_codes.shape:
+                hint = "one code per value of x"
+            else:
+                wrong = np.flatnonzero(codes.astype(np.int64) != want_codes.astype(np.int64))
+                exact = (x / np.where(want_scale > 0, want_scale, 1))[wrong]
+                if np.array_equal(codes.astype(np.int64)[wrong], np.trunc(exact)):
+                    hint = "round to the nearest integer (np.rint) first: astype(np.int8) alone truncates"
+                elif np.all(np.abs(exact - np.trunc(exact)) == 0.5):
+                    hint = "round halves to even with np.rint (2.5 -> 2, 3.5 -> 4), as C's nearbyintf"
+                else:
+                    hint = ("codes = np.rint(x / scale) in float32 arithmetic: divide by the "
+                            "scale (multiplying by 1 / scale rounds differently now and then)")
+                i = wrong[0]
+                raise _NotYet(case, f"codes[{i}] = {want_codes[i]} (x[{i}] / scale = {exact[0]})",
+                              f"codes[{i}] = {codes[i]}", hint)
+            raise _NotYet(case, f"codes {_short(want_codes)}", f"codes {_short(codes)}", hint)
+        if not (np.array_equal(codes, want_codes_c) and scale == want_scale_c):
+            raise _NotYet(case, "the codes and scale an int8 KVCache stores for x",
+                          "different ones", "follow kvlab.quant's rule exactly (see above)")
+        if codes.dtype != np.int8:
+            raise _NotYet(case, "codes stored as int8 (1 byte each)", f"dtype {codes.dtype}",
+                          "convert them: codes.astype(np.int8)")
+        error = np.abs(codes.astype(np.float32) * scale - x)
+        if not (error <= quant.round_trip_error_bound(x, "int8")).all():
+            raise _NotYet(case, "every value back within half a step, max|x| / 254",
+                          f"an error of {error.max():.3g}", "codes * scale should give x back")
+    return ("Your codes and scales equal kvlab.quant's and the C int8 cache's, bit for bit, and "
+            "every value comes back within half a step (max|x| / 254). For the bundled model's "
+            "heads of 16 values that is 1.25 bytes per value instead of 4.")
+
+
+# ---- 07: flash-decoding -------------------------------------------------------------------
+
+def _state(scores, values):
+    """(acc, m, l) of one query head over some positions: their scores (n,), values (n, d)."""
+    m = scores.max()
+    p = np.exp(scores - m)
+    return p @ values, m, p.sum()
+
+
+def _close(got, want, tolerance=1e-5) -> bool:
+    """Equal to float32 rounding, relative to the largest magnitude in `want`."""
+    return np.allclose(got, want, rtol=tolerance, atol=tolerance * max(1.0, np.abs(want).max()))
+
+
+def _check_flash(answer, rng) -> str:
+    cases = []
+    for what, n, d, loud in [("positions 0-9 and 10-19, head_dim 4", 20, 4, 1.0),
+                             ("a random split, head_dim 16", int(rng.integers(2, 200)), 16, 1.0),
+                             ("a random split, head_dim 128", int(rng.integers(2, 300)), 128, 1.0),
+                             ("scores in the hundreds (exp(m) alone overflows)", 64, 32, 80.0)]:
+        split = 10 if n == 20 else int(rng.integers(1, n))
+        cases.append((what, n, d, loud, [split]))
+    cases.append(("three pieces, merged as merge(merge(a, b), c)", 90, 16, 1.0, [20, 70]))
+    for number, (what, n, d, loud, cuts) in enumerate(cases, 1):
+        case = f"case {number} of {len(cases)}: {what}, {n} positions"
+        q = (rng.standard_normal(d) * loud).astype(np.float32)
+        keys = rng.standard_normal((n, d)).astype(np.float32)
+        values = rng.standard_normal((n, d)).astype(np.float32)
+        if number == 1:
+            keys[10:] += q         # the second piece has the larger max: the first is rescaled
+        bounds = [0, *cuts, n]
+        scores = keys @ q / np.float32(np.sqrt(d))
+        pieces = [_state(scores[a:b], values[a:b]) for a, b in zip(bounds[:-1], bounds[1:])]
+        merged = pieces[0]
+        with np.errstate(all="ignore"):
+            for piece in pieces[1:]:
+                merged = _call(answer, case, merged, piece)
+                try:
+                    acc, m, l = merged
+                    merged = (np.asarray(acc, dtype=np.float32), np.float32(m), np.float32(l))
+                except Exception:
+                    raise _NotYet(case, "a triple (acc, m, l)", _short(merged),
+                                  "return acc, m, l (in that order, as the pieces are)") from None
+        acc, m, l = merged
+        want_acc, want_m, want_l = _state(scores, values)
+        if not np.isfinite(acc).all() or not np.isfinite(l):
+            raise _NotYet(case, "finite acc and l", f"acc {_short(acc)}, l {l}",
+                          "exp of a large score overflows: rescale by exp(m_i - M) with "
+                          "M = max(m1, m2), which is never more than 1")
+        if m != want_m:
+            raise _NotYet(case, f"m = {want_m}, the larger of the two maxima", f"m = {m}",
+                          "the merged m is the largest score of both pieces: max(m1, m2)")
+        if not _close(l, want_l):
+            hint = ("each l was summed under its own max: multiply by exp(m_i - M) before "
+                    "adding")
+            if _close(acc, want_acc / want_l):
+                hint = ("keep acc and l as sums: the output acc / l is taken once, after the "
+                        "last merge (a normalized piece cannot be merged again)")
+            raise _NotYet(case, f"l = {want_l} (one pass over all the positions)", f"l = {l}",
+                          hint)
+        if acc.shape != want_acc.shape or not _close(acc, want_acc):
+            raise _NotYet(case, f"acc {_short(want_acc)} (one pass over all the positions)",
+                          f"acc {_short(acc)}",
+                          "acc needs the same rescaling as l: exp(m1 - M) * acc1 + "
+                          "exp(m2 - M) * acc2; do not divide by l yet")
+        ref = reference.attention(q[None, None], keys[:, None], values[:, None], np.array([n - 1]))
+        cache = KVCache(1, 1, d, n)
+        cache.append(keys[:, None, None], values[:, None, None])
+        for name, out in (("kvlab.reference.attention", ref[0, 0]), ("cache.attend", cache.attend(q[None])[0])):
+            if not _close(acc / l, out, 1e-5 * loud):     # large scores: rounding grows with them
+                raise _NotYet(case, f"acc / l = {name}'s output", f"a difference of "
+                              f"{np.abs(acc / l - out).max():.2e}", "rescale acc and l alike")
+    return ("Merged pieces give the state of one pass over all the positions, and acc / l "
+            "equals the attention of kvlab.reference and of the C core: a GPU can give each "
+            "chunk of a long sequence its own thread block and merge exactly (flash-decoding).")
+
+
+_CHECKS = {
+    "01_kv_cache": _check_kv_cache,
+    "02_cache_size": _check_cache_size,
+    "03_gqa": _check_gqa,
+    "04_paged": _check_paged,
+    "05_batching": _check_batching,
+    "06_quantization": _check_quantization,
+    "07_gpu_kernels": _check_flash,
+}
