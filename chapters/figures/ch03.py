@@ -2,7 +2,7 @@
 
     python chapters/figures/ch03.py [--out DIR]
 
-Writes ch03_cache_bytes.png, ch03_attention_time.png and ch03.json (every number the
+Writes ch03_cache_bytes.png, ch03_attention_time.png, ch03_conversion.png and ch03.json (every number the
 chapter quotes, with the setup) into DIR (default: this script's folder). Runs in about
 15 s on a 2-core machine.
 
@@ -18,11 +18,18 @@ chapter quotes, with the setup) into DIR (default: this script's folder). Runs i
    ratios, which a busy machine disturbs less).
 4. K/V bytes one decode step reads on the bundled model (GQA) and on the same shape with
    8 KV heads (MHA) or 1 (MQA), as the C core counts them.
+5. An MHA model converted (the GQA lab's experiment): kvlab.MHA_MODEL, the bundled model's
+   MHA twin, with each group's key and value heads mean-pooled to 4, 2 and 1 KV heads, on
+   the Tiny Shakespeare validation split (from ../shared/data, or $KVLAB_SHARED), windows
+   of 512 tokens: perplexity, and KL from the MHA model's predictions (kvlab.accuracy's);
+   beside them the bundled model, trained with 2 KV heads from the start.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import os
 import time
 from pathlib import Path
 
@@ -34,9 +41,12 @@ import numpy as np  # noqa: E402
 
 import kvlab  # noqa: E402
 from common import machine  # noqa: E402  (chapters/figures/common.py)
-from kvlab import reference  # noqa: E402
+from kvlab import accuracy, reference  # noqa: E402
 
 GIB = 2 ** 30
+HERE = Path(__file__).resolve().parent
+SHARED = Path(os.environ.get("KVLAB_SHARED", HERE.parents[2] / "shared"))
+DATA = SHARED / "data" / "tinyshakespeare.txt"
 
 
 def cache_sizes() -> dict:
@@ -221,6 +231,76 @@ def plot_attention(timing: list, path: Path, machine_line: str) -> None:
     plt.close(fig)
 
 
+def mean_pooled(model, n_kv_heads: int):
+    """The model with each group of n_heads // n_kv_heads consecutive key (and value) heads
+    replaced by their mean: the conversion of Ainslie et al. (2023), before uptraining."""
+    c, w = model.config, model.weights
+
+    def pool(stacked):          # (n_layers, n_kv_heads_before * head_dim, dim)
+        n_layers, rows, dim = stacked.shape
+        heads = stacked.reshape(n_layers, n_kv_heads, rows // c.head_dim // n_kv_heads, c.head_dim, dim)
+        return heads.mean(axis=2, dtype=np.float64).reshape(n_layers, -1, dim).astype(np.float32)
+    return kvlab.Model(c.replace(n_kv_heads=n_kv_heads, name=f"{c.name} pooled to {n_kv_heads}"),
+                       dataclasses.replace(w, wk=pool(w.wk), wv=pool(w.wv)), model.tokenizer)
+
+
+def all_logits(model, tokens, context: int = 512) -> list:
+    """Each window's logits (prefill of up to `context` tokens from an empty cache)."""
+    windows = [tokens[i:i + context] for i in range(0, len(tokens), context)]
+    return [(w, model.prefill(w, model.new_cache(len(w)), all_logits=True)) for w in windows if len(w) >= 2]
+
+
+def conversion(n_tokens: int = 8192) -> dict:
+    """Perplexity and KL of the MHA model pooled to fewer KV heads, on held-out text."""
+    mha = kvlab.load(kvlab.MHA_MODEL)
+    trained_gqa = kvlab.load()
+    tokens = accuracy.validation_tokens(mha, str(DATA), n_tokens)
+
+    def perplexity(windows):     # over all windows together: exp of the mean NLL
+        nll = [np.log(accuracy.perplexity(logits, w)) * (len(w) - 1) for w, logits in windows]
+        return float(np.exp(sum(nll) / sum(len(w) - 1 for w, _ in windows)))
+
+    original = all_logits(mha, tokens)
+    rows = []
+    for n_kv_heads in (8, 4, 2, 1):
+        model = mha if n_kv_heads == 8 else mean_pooled(mha, n_kv_heads)
+        windows = original if n_kv_heads == 8 else all_logits(model, tokens)
+        kl = [accuracy.kl_divergence(a[:-1], b[:-1]) * (len(w) - 1)
+              for (w, a), (_, b) in zip(original, windows)]
+        rows.append({"model": "MHA pooled" if n_kv_heads < 8 else "MHA", "n_kv_heads": n_kv_heads,
+                     "bytes_per_token_fp32": kvlab.kv_bytes_per_token(model.config, "fp32"),
+                     "perplexity": perplexity(windows),
+                     "kl_from_mha": float(sum(kl) / sum(len(w) - 1 for w, _ in original))})
+    rows.append({"model": "trained GQA (bundled)", "n_kv_heads": trained_gqa.config.n_kv_heads,
+                 "bytes_per_token_fp32": kvlab.kv_bytes_per_token(trained_gqa.config, "fp32"),
+                 "perplexity": perplexity(all_logits(trained_gqa, tokens)), "kl_from_mha": None})
+    return {"text": f"Tiny Shakespeare validation split, first {len(tokens)} tokens, windows of 512",
+            "rows": rows}
+
+
+def plot_conversion(result: dict, path: Path) -> None:
+    rows = result["rows"]
+    pooled = [r for r in rows if r["model"] != "trained GQA (bundled)"]
+    trained = [r for r in rows if r["model"] == "trained GQA (bundled)"][0]
+    fig, ax = plt.subplots(figsize=(6.4, 4.0))
+    ax.plot([r["bytes_per_token_fp32"] for r in pooled], [r["perplexity"] for r in pooled],
+            "o-", color="tab:red", label="MHA model, KV heads mean-pooled (no training after)")
+    for r in pooled:
+        ax.annotate(f"{r['n_kv_heads']} KV", (r["bytes_per_token_fp32"], r["perplexity"]),
+                    textcoords="offset points", xytext=(6, 4), fontsize=9)
+    ax.plot([trained["bytes_per_token_fp32"]], [trained["perplexity"]], "s", color="tab:blue",
+            markersize=8, label="trained with 2 KV heads from the start (bundled model)")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("KV cache bytes per token (fp32)")
+    ax.set_ylabel("perplexity on held-out Shakespeare")
+    ax.set_title("What sharing K/V heads costs a model trained without it")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=str(Path(__file__).resolve().parent))
@@ -239,6 +319,11 @@ def main() -> None:
     one_core_read = kvlab.measure.memory_bandwidth(1 << 28, 5)["read_bytes_per_s"]
     kvlab.set_num_threads(threads_before)
     decode = decode_kv_bytes()
+    converted = conversion()
+    for r in converted["rows"]:
+        kl = "" if r["kl_from_mha"] is None else f"  KL {r['kl_from_mha']:.4f}"
+        print(f"{r['model']:<22} {r['n_kv_heads']} KV heads  {r['bytes_per_token_fp32']:>6} B/token  "
+              f"perplexity {r['perplexity']:.3f}{kl}")
 
     setup = machine()
     setup.update({"timing": "cache.attend(q, layer=0): decode attention of one token over one "
@@ -249,6 +334,7 @@ def main() -> None:
                     f"kvlab {setup['kvlab']}")
     plot_cache_bytes(sizes, out / "ch03_cache_bytes.png")
     plot_attention(timing, out / "ch03_attention_time.png", machine_line)
+    plot_conversion(converted, out / "ch03_conversion.png")
 
     at = {f"{r['threads']}t_{r['context']}_{r['n_kv_heads']}": r for r in timing}
     summary = {}
@@ -268,7 +354,7 @@ def main() -> None:
         }
     result = {"setup": setup, "cache_sizes": sizes, "head_mapping": mapping,
               "attention_timing": timing, "attention_summary": summary,
-              "decode_step_kv_bytes_at_position_255": decode,
+              "decode_step_kv_bytes_at_position_255": decode, "mha_converted": converted,
               "script_seconds": time.perf_counter() - started}
     (out / "ch03.json").write_text(json.dumps(result, indent=2))
     print(json.dumps(summary, indent=2))
