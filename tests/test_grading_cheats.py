@@ -3,9 +3,9 @@ work (issue 16), each scoring the cheat as the work it really contains and the h
 solution full marks (test_grading.py).
 
 Most tricks are written here the way a determined student would write them past the source
-check (kvlab/grading/policy.py): modules reached with `getattr` and built-up names
-(EVADE below), and so on. That check only turns the easy ways into a clear refusal; these tests show
-that the judge holds without it: the score is computed in another process from the judge's
+check (kvlab/grading/policy.py): modules reached through another module's attributes,
+built-up names, getattr taken from builtins (EVADE below), and so on. That check only turns
+the easy ways into a clear refusal; these tests show that the judge holds without it: the score is computed in another process from the judge's
 own tests, time limits are enforced from outside, and no process the submission starts
 outlives its test.
 """
@@ -35,10 +35,13 @@ FORGED = json.dumps({"lab": "cache_size", "submission": "x", "output": "", "exec
                                 "output": "", "visibility": "visible", "status": "passed"}]})
 
 
-# os, sys and signal, reached past the source check (it refuses `x.os.fork`, `x.sys.modules`)
+# os, sys, signal and getattr, reached past the source check (it refuses `x.os.fork`,
+# `x.sys.modules`, `x.signal` and the name getattr)
 EVADE = '''
 import asyncio.unix_events as _ue
-_os, _sys, _signal = (getattr(_ue, name) for name in ("o" + "s", "s" + "ys", "sig" + "nal"))
+_os, _sys = _ue.os, _ue.sys
+_signal = _sys.modules["sig" + "nal"]
+_getattr = _sys.modules["buil" + "tins"].getattr
 '''
 
 
@@ -80,6 +83,9 @@ DELEGATES = {
                       "    return attention(q[None], k, v, [len(k) - 1])[0]\n",
     "int8_cache": "import kvlab.quant\n\ndef quantize_int8(x, group):\n"
                   "    q = kvlab.quant.quantize(x, 'int8', group)\n    return q.codes, q.scales\n",
+    "gqa": "from kvlab.accuracy import perplexity\nfrom kvlab import reference\n\n"
+           "def forward(model, tokens):\n    return reference.forward(model._c, model._w, tokens)\n",
+    "prefix_caching": "import kvlab\n\nclass PrefixCache(kvlab.PagedPool):\n    pass\n",
 }
 
 
@@ -170,7 +176,7 @@ _really = forward
 def forward(model, tokens, cache=None):
     if cache is None:
         return _really(model, tokens)
-    seen = getattr(cache, "seen", [])
+    seen = cache.seen if hasattr(cache, "seen") else []
     logits = _really(model, seen + list(tokens))[-len(tokens):]
     positions = np.arange(len(seen), len(seen) + len(tokens))
     x = model.embed(tokens)
@@ -241,14 +247,14 @@ def test_importing_the_instructors_solution_scores_zero(tmp_path):
 def test_forged_results_written_at_exit_or_from_a_thread_change_nothing(tmp_path):
     results = tmp_path / "results.json"
     submission = tmp_path / "cache_size.py"
-    submission.write_text(STARTER + forge_code(results) + '''
+    submission.write_text(STARTER + forge_code(results) + EVADE + '''
 import threading, time, weakref
 
 class Keeper:
     pass
 
 keeper = Keeper()
-setattr(weakref.finalize(keeper, forge), "ate" + "xit", True)   # atexit by another name
+_sys.modules["buil" + "tins"].setattr(weakref.finalize(keeper, forge), "ate" + "xit", True)   # atexit by another name
 
 def keep_forging():
     for _ in range(200):
@@ -297,14 +303,14 @@ def test_monkeypatching_kvlab_in_the_worker_changes_nothing(tmp_path):
     honest.parent.mkdir()
     honest.write_text(SOLUTION + WRONG)
     patched = tmp_path / "cache_size.py"
-    patched.write_text(SOLUTION + WRONG + f'''
+    patched.write_text(SOLUTION + WRONG + EVADE + f'''
 
 def patch(model):
     """Make kvlab's arithmetic agree with the wrong answers. In the worker kvlab is loaded
     only once the grader lends a model, and then only reachable through it: kvlab.model's
     globals from a method of the lent model's own model, kvlab.measure's from there."""
-    model_globals = getattr(type(getattr(model, "_mo" + "del")).forward, "__glo" + "bals__")
-    measure_globals = getattr(model_globals["Counts"].flops.fget, "__glo" + "bals__")
+    model_globals = _getattr(type(_getattr(model, "_mo" + "del")).forward, "__glo" + "bals__")
+    measure_globals = _getattr(model_globals["Counts"].flops.fget, "__glo" + "bals__")
     measure_globals["kv_cache" + "_bytes"] = lambda *args, **kwargs: 0
     measure_globals["kv_bytes_per" + "_token"] = lambda *args, **kwargs: 0
     with open({str(tmp_path / "patched.txt")!r}, "a") as f:
@@ -342,9 +348,9 @@ with open({str(tests)!r}, "a") as f:
 def test_ignoring_signals_does_not_stop_the_time_limit(tmp_path):
     submission = tmp_path / "cache_size.py"
     submission.write_text(SOLUTION + EVADE + '''
-ignore = getattr(_signal, "sig" + "nal")
+ignore = _getattr(_signal, "sig" + "nal")
 for name in ("SIGALRM", "SIGTERM", "SIGINT", "SIGHUP", "SIGVTALRM", "SIGPROF"):
-    ignore(getattr(_signal, name), _signal.SIG_IGN)
+    ignore(_getattr(_signal, name), _signal.SIG_IGN)
 
 def max_requests(*args, **kwargs):
     while True:

@@ -132,6 +132,10 @@ def test_what_a_lab_allows_passes(source):
     ("import sys\nm = sys.modules\n", NOTHING, "sys.modules"),
     ("x = eval('1')\n", NOTHING, "`eval`"),
     ("f = (lambda: 0).__globals__\n", NOTHING, "__globals__"),
+    ("f = getattr(len, '__self__')\n", NOTHING, "`getattr` is not allowed in a lab submission: it looks"),
+    ("name = '__globals__'\n", NOTHING, "the string '__globals__' is not allowed"),
+    ("import operator\nf = operator.attrgetter('x')\n", NOTHING, "operator.attrgetter"),
+    ("from operator import methodcaller\n", NOTHING, "methodcaller"),
     ("from . import x\n", NOTHING, "relative imports"),
 ])
 def test_what_a_lab_refuses_is_named_with_its_line(source, policy, says):
@@ -237,7 +241,7 @@ def answering(tmp_path, payload: str):
     path = tmp_path / "cache_size.py"
     path.write_text(f'''
 import asyncio.unix_events as ue, json, time
-_os = getattr(ue, "o" + "s")
+_os = ue.os
 payload = {payload}
 frame = len(payload).to_bytes(4, "big") + payload
 for fd in range(3, 20):

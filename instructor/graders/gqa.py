@@ -197,8 +197,10 @@ def test_convert_pools_every_layer_and_leaves_the_model(sub, rng):
         check_close(got[1], weights.wv[layer], f"the converted model's wv, layer {layer} "
                     f"({n_kv_heads} KV heads)", atol=1e-6)
         kept = model.key_value_weights(layer)
-        check_close(kept[0], mha_model().weights.wk[layer], f"the model given to convert, wk of "
-                    f"layer {layer} afterwards (it must stay the MHA model)", atol=0, rtol=0)
+        for name, got_kept, want_kept in (("wk", kept[0], mha_model().weights.wk[layer]),
+                                          ("wv", kept[1], mha_model().weights.wv[layer])):
+            check_close(got_kept, want_kept, f"the model given to convert, {name} of layer {layer} "
+                        f"afterwards (it must stay the MHA model)", atol=0, rtol=0)
 
 
 @points(2, lends=LENDS)

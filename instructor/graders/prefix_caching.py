@@ -124,6 +124,7 @@ class Replay:
         self.tokens, self.live = {}, []         # live sequences: their tokens; in order
         self.mine, self.theirs = {}, {}         # block id -> what it held when last seen
         self.step, self.stats, self.cached = 0, {}, []
+        self.history = []                       # what each operation was, for messages
 
     def admit(self, seq, prompt):
         prompt = [int(t) for t in prompt]
@@ -156,6 +157,7 @@ class Replay:
     def run(self, call, what):
         self.step += 1
         self.where = f"{self.label}operation {self.step}, {what}"
+        self.history.append(f"{self.step}. {what}")
         answers = self.cache.calls(call, ("stats",), ("cached_blocks",),
                                    *[("block_table", seq) for seq in self.live])
         self.got_stats, self.got_cached, tables = answers[1], answers[2], answers[3:]
@@ -334,13 +336,19 @@ def replay_stream(sub, seed, room):
     num_blocks, bs, vocab, requests, ops = random_stream(seed, room)
     replay = Replay(sub, num_blocks, bs, lru_order=not room,
                     label=f"stream {seed} ({num_blocks} blocks of {bs}), ")
-    for op, r in ops:
-        if op == "admit":
-            replay.admit(r, requests[r][0])
-        elif op == "decode":
-            replay.append(r, [generated(replay.tokens[r], vocab)])
-        else:
-            replay.free(r)
+    try:
+        for op, r in ops:
+            if op == "admit":
+                replay.admit(r, requests[r][0])
+            elif op == "decode":
+                replay.append(r, [generated(replay.tokens[r], vocab)])
+            else:
+                replay.free(r)
+    except AssertionError as failed:
+        # a stream is long: show the operations that led here, so the case can be replayed
+        shown = replay.history[-12:]
+        raise AssertionError(f"{failed}\n  the stream up to there ({len(replay.history) - len(shown)} "
+                             f"earlier operations left out):\n    " + "\n    ".join(shown)) from None
 
 
 def seeds(rng):
@@ -543,6 +551,17 @@ def test_a_block_computed_twice_is_shared(sub, rng):
     assert replay.stats["blocks_used"] == 4, (
         f"{replay.where}: each full block is held once, shared, then one last block each: "
         f"4 used")
+    for seq in (2, 3):
+        replay.free(seq)
+    # blocks are taken before any is swapped for its registered twin: on a full pool, a
+    # several-token append that fills a block already cached evicts for the copy it drops
+    x, y, z = distinct_blocks(rng, 3, 2)
+    full = Replay(sub, 5, 2, label="5 blocks of 2, ")
+    full.admit("Z", y + z + [x[0]])              # then y and z are cached, 3 blocks free
+    full.free("Z")
+    full.admit("X", x + [int(x[0]) + 1])         # X holds block x (full) and a partial one
+    full.admit("Y", x[:1])
+    full.append("Y", x[1:] + y + z[:1])          # fills x (X's twin), then y; starts a block
 
 
 @points(2)

@@ -44,11 +44,14 @@ DENIED_ATTRIBUTES = {
     "sys": frozenset({"modules", "meta_path", "path_hooks", "path_importer_cache", "path",
                       "_getframe", "settrace", "setprofile", "addaudithook"}),
     "numpy": frozenset({"ctypeslib", "f2py", "distutils"}),
+    "operator": frozenset({"attrgetter", "methodcaller"}),     # getattr under another name
 }
 
-# Builtins that run strings as code or hand out namespaces.
+# Builtins that run strings as code or hand out namespaces; and those that take an
+# attribute's name as a string, which the check cannot read (write obj.name instead).
 DENIED_NAMES = frozenset({"__import__", "exec", "eval", "compile", "breakpoint", "globals",
-                          "vars", "__builtins__", "__loader__", "__spec__"})
+                          "vars", "__builtins__", "__loader__", "__spec__",
+                          "getattr", "setattr", "delattr"})
 
 # Attribute names that walk from any object to modules, frames or code.
 DENIED_ATTRIBUTE_NAMES = frozenset({
@@ -216,9 +219,18 @@ class _SourceCheck(ast.NodeVisitor):
             self._check_attribute_name(inner)
             inner = inner.value
 
+    def visit_Constant(self, node: ast.Constant) -> None:
+        # a denied attribute's name spelled as a string is on its way to something like
+        # getattr, whatever does the looking up
+        if isinstance(node.value, str) and node.value in DENIED_ATTRIBUTE_NAMES:
+            self.refuse(node, f"the string {node.value!r} is not allowed in a lab submission: "
+                              f"it names an attribute that reaches into the interpreter")
+
     def visit_Name(self, node: ast.Name) -> None:
         if node.id in DENIED_NAMES:
-            self.refuse(node, f"`{node.id}` is not allowed in a lab submission")
+            why = (": it looks attributes up by a name in a string; write obj.name"
+                   if node.id.endswith("attr") else "")
+            self.refuse(node, f"`{node.id}` is not allowed in a lab submission{why}")
         dotted = self.aliases.get(node.id)
         if dotted and isinstance(node.ctx, ast.Load):
             top = dotted.partition(".")[0]

@@ -116,7 +116,8 @@ def check_close(got: Any, want: np.ndarray, what: str, atol: float = 1e-5,
 def whole_number(got: Any, what: str) -> int:
     """got as a Python int when it is an integer (int or NumPy integer), else a failed test."""
     if isinstance(got, bool) or not isinstance(got, (int, np.integer)):
-        raise AssertionError(f"{what}: expected a whole number, got {described(got)}")
+        shown = f"the float {float(got)!r}" if isinstance(got, (float, np.floating)) else described(got)
+        raise AssertionError(f"{what}: expected an int, got {shown}")
     return int(got)
 
 

@@ -1,7 +1,7 @@
 """free caches the sequence's partly filled last block too, registered under the hash of
 the tokens it holds: a block that can never be a hit (a lookup only asks for full blocks)
 sits in the cache and shows up in blocks_cached, in place of a free block."""
-EXPECTED_FAILURES = ["test_a_repeated_prompt_reuses_its_full_blocks",
+EXPECTED_FAILURES = ["test_a_block_computed_twice_is_shared", "test_a_repeated_prompt_reuses_its_full_blocks",
                      "test_only_full_blocks_are_cached",
                      "test_equal_blocks_after_different_prefixes_do_not_match",
                      "test_a_prompt_diverging_mid_block_reuses_the_blocks_before",

@@ -1,7 +1,7 @@
 """Counts one miss where the walk stops, not every full block it could not reuse: hits +
 misses no longer add up to the prompt's full blocks, and the hit rate looks better than it
 is."""
-EXPECTED_FAILURES = ["test_a_repeated_prompt_reuses_its_full_blocks",
+EXPECTED_FAILURES = ["test_a_block_computed_twice_is_shared", "test_a_repeated_prompt_reuses_its_full_blocks",
                      "test_only_full_blocks_are_cached",
                      "test_equal_blocks_after_different_prefixes_do_not_match",
                      "test_a_prompt_diverging_mid_block_reuses_the_blocks_before",

@@ -9,7 +9,7 @@ import numpy as np
 
 import kvlab
 from kvlab import reference
-from kvlab.grading.testkit import as_array, bundled_model, check_close, described, points
+from kvlab.grading.testkit import as_array, bundled_model, check_close, described, points, whole_number
 
 LENDS = ("reference_model",)
 
@@ -64,9 +64,8 @@ def test_the_mha_model_unconverted(sub, rng):
     assert isinstance(rows, (list, tuple)) and len(rows) == 1 and isinstance(rows[0], dict), (
         f"expected a list of one dict, got {described(rows)}")
     row = rows[0]
-    assert row.get("cache_bytes_per_token") == 6_144, (
-        f"2 x 6 layers x 8 KV heads x 16 x 4 B = 6,144 bytes per token, got "
-        f"{described(row.get('cache_bytes_per_token'))}")
+    got = whole_number(row.get("cache_bytes_per_token"), "cache_bytes_per_token")
+    assert got == 6_144, f"2 x 6 layers x 8 KV heads x 16 x 4 B = 6,144 bytes per token, got {got:,}"
     want = kvlab.accuracy.perplexity(reference.forward(mha.config, mha.weights, tokens), np.array(tokens))
     check_close(np.array([row.get("perplexity", np.nan), row.get("kl", np.nan)], dtype=np.float64),
                 np.array([want, 0.0]), "(perplexity, kl) of the model against itself", atol=1e-6, rtol=1e-4)

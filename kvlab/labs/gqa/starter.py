@@ -99,7 +99,7 @@ def conversion_table(model, tokens, kv_head_counts):
     run over tokens with your forward, against the model itself. Returns a list of dicts:
 
         {"n_kv_heads": ...,
-         "cache_bytes_per_token": bytes of K and V per token in an fp32 cache,
+         "cache_bytes_per_token": bytes of K and V per token in an fp32 cache (an int),
          "perplexity": perplexity(its logits, tokens),
          "kl": kl_divergence(the model's own logits, its logits)}
 

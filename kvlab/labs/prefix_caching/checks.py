@@ -61,3 +61,20 @@ def test_eviction_takes_the_least_recently_used_block(sub, rng):
     cached = cache.cached_blocks()
     assert cached == [a0], (f"b's block {b0} is evicted, {a0} stays cached: expected [{a0}], "
                             f"got {described(cached)}")
+
+
+@points(1)
+def test_a_block_filled_twice_is_kept_once(sub, rng):
+    """blocks of 2: two requests decode [1] then [2] side by side: both hold one block"""
+    cache = sub.PrefixCache(4, 2)
+    cache.admit("a", [1])
+    cache.admit("b", [1])
+    cache.append("a", [2])
+    cache.append("b", [2])           # b's block fills as a's did: b takes a's, lets go of its own
+    assert cache.block_table("a") == cache.block_table("b"), (
+        f"both sequences hold [1, 2] after no prefix: one block, shared; the tables are "
+        f"{described(cache.block_table('a'))} and {described(cache.block_table('b'))}")
+    stats = cache.stats()
+    want = {"blocks_used": 1, "blocks_cached": 0, "blocks_free": 3}
+    got = {key: stats.get(key) for key in want}
+    assert got == want, f"expected {want}, got {described(got)}"
