@@ -159,10 +159,11 @@ def kv_bytes_per_token(*args):
             seen.append("opened " + path)
         except OSError as error:
             seen.append(type(error).__name__)
-    system = getattr(_ue, "s" + "ys")
-    getattr(system, "meta_" + "path").pop(0)          # the worker's finder
+    system = _ue.sys                                  # sys by another name
+    _getattr = system.modules["buil" + "tins"].getattr
+    _getattr(system, "meta_" + "path").pop(0)         # the worker's finder
     try:
-        getattr(system, "mod" + "ules")["importlib"].import_module("kvlab.quant")
+        _getattr(system, "mod" + "ules")["importlib"].import_module("kvlab.quant")
         seen.append("imported kvlab")
     except ImportError as error:
         seen.append("ImportError")
