@@ -30,6 +30,34 @@ static PyObject *OutOfSequences;
 static PyObject *PoolInvariantError;
 
 /* Raises the Python exception that matches a failed kv_status. */
+/* PyErr_Format knows no floating-point conversions (it would print the directive as is):
+ * messages that show a double format it here first. */
+static void raise_value_error_with_number(const char *before, double value, const char *after) {
+    char number[64];
+    PyOS_snprintf(number, sizeof number, "%.17g", value);
+    PyErr_Format(PyExc_ValueError, "%s%s%s", before, number, after);
+}
+
+/* A long call over the model asks this between chunks and steps (kv_set_interrupt_check),
+ * with the GIL released: it takes the GIL back for a moment and runs Python's signal
+ * handlers, so Ctrl-C raises KeyboardInterrupt within a fraction of a second. `arg` is the
+ * thread state Py_BEGIN_ALLOW_THREADS saved (its _save), which it updates. Whatever a
+ * handler raises stays set for the caller to return. */
+static int python_signals_pending(void *arg) {
+    PyThreadState **saved = arg;
+    PyEval_RestoreThread(*saved);
+    int raised = PyErr_CheckSignals() < 0;
+    *saved = PyEval_SaveThread();
+    return raised;
+}
+
+/* The exception for a call that stopped because a signal handler raised: the one it
+ * raised (normally KeyboardInterrupt). */
+static PyObject *raise_interrupted(void) {
+    if (!PyErr_Occurred()) PyErr_SetNone(PyExc_KeyboardInterrupt);
+    return NULL;
+}
+
 static PyObject *raise_status(kv_status status) {
     switch (status) {
         case KV_ERR_NOMEM: return PyErr_NoMemory();
@@ -183,7 +211,7 @@ static int check_rows(int n_layers, int n_kv_heads, int head_dim, PyObject *obj,
         return -1;
     }
     if (!PyArray_IS_C_CONTIGUOUS(a) || !PyArray_ISALIGNED(a)) {
-        PyErr_Format(PyExc_ValueError, "%s must be C-contiguous", what);
+        PyErr_Format(PyExc_ValueError, "%s must be C-contiguous and aligned (np.require(a, requirements=[\"C\", \"A\"]) makes such a copy)", what);
         return -1;
     }
     return 0;
@@ -825,7 +853,7 @@ static PyArrayObject *as_int32_vector(PyObject *obj, const char *what) {
     }
     PyArrayObject *array = (PyArrayObject *)obj;
     if (PyArray_NDIM(array) != 1 || !PyArray_IS_C_CONTIGUOUS(array) || !PyArray_ISALIGNED(array)) {
-        PyErr_Format(PyExc_ValueError, "%s must be a 1-D C-contiguous array", what);
+        PyErr_Format(PyExc_ValueError, "%s must be a 1-D C-contiguous, aligned array", what);
         return NULL;
     }
     if (PyArray_DIM(array, 0) > (1 << 30)) {
@@ -1243,7 +1271,7 @@ static int check_tokens(ModelObject *self, PyObject *obj) {
         return -1;
     }
     if (!PyArray_IS_C_CONTIGUOUS(tokens) || !PyArray_ISALIGNED(tokens)) {
-        PyErr_SetString(PyExc_ValueError, "tokens must be C-contiguous");
+        PyErr_SetString(PyExc_ValueError, "tokens must be C-contiguous and aligned");
         return -1;
     }
     if (PyArray_DIM(tokens, 0) > (1 << 16)) {
@@ -1386,6 +1414,7 @@ static PyObject *model_forward(ModelObject *self, PyObject *args, PyObject *kwds
     if (cache != NULL) cache->busy = 1;
     if (pool != NULL) pool->busy = 1;
     Py_BEGIN_ALLOW_THREADS
+    kv_set_interrupt_check(python_signals_pending, &_save);
     if (cache != NULL)
         status = kv_model_forward(&self->model, &cache->cache, ids, n_tokens, out, all_logits,
                                   &count);
@@ -1394,12 +1423,17 @@ static PyObject *model_forward(ModelObject *self, PyObject *args, PyObject *kwds
                                         all_logits, &count);
     else
         status = kv_model_forward_uncached(&self->model, ids, n_tokens, out, all_logits, &count);
+    kv_set_interrupt_check(NULL, NULL);
     Py_END_ALLOW_THREADS
     if (cache != NULL) cache->busy = 0;
     if (pool != NULL) pool->busy = 0;
     PyMem_Free(ids);
     if (status != KV_OK) {
         Py_DECREF(logits);
+        if (status == KV_ERR_INTERRUPTED) {      /* the chunks before it are in the cache */
+            add_to_counters(counters_obj, &count);
+            return raise_interrupted();
+        }
         return pool != NULL ? raise_pool_status(pool, status, n_tokens) : raise_status(status);
     }
     add_to_counters(counters_obj, &count);
@@ -1412,7 +1446,7 @@ static PyObject *model_forward(ModelObject *self, PyObject *args, PyObject *kwds
 /* Reads how to choose tokens (temperature, top_k, top_p) into *how, checked. */
 static int parse_sampling(double temperature, int top_k, double top_p, kv_sampling *how) {
     if (!(temperature >= 0.0 && temperature < INFINITY)) {
-        PyErr_Format(PyExc_ValueError, "temperature must be a finite number >= 0, got %g", temperature);
+        raise_value_error_with_number("temperature must be a finite number >= 0, got ", temperature, "");
         return -1;
     }
     if (top_k < 0) {
@@ -1420,11 +1454,36 @@ static int parse_sampling(double temperature, int top_k, double top_p, kv_sampli
         return -1;
     }
     if (!(top_p > 0.0 && top_p <= 1.0)) {
-        PyErr_Format(PyExc_ValueError, "top_p must be in (0, 1], got %g", top_p);
+        raise_value_error_with_number("top_p must be in (0, 1], got ", top_p, "");
         return -1;
     }
     *how = (kv_sampling){temperature, top_k, top_p};
     return 0;
+}
+
+/* A multi-step call that fails keeps what it completed (the cache holds those steps); the
+ * exception being raised gets them as .completed = (tokens, seconds), the first n_steps
+ * entries, so a caller loses no chosen token. */
+static void attach_completed(PyObject *tokens, PyObject *seconds, int n_steps) {
+    PyObject *type, *value, *traceback;
+    PyErr_Fetch(&type, &value, &traceback);
+    PyErr_NormalizeException(&type, &value, &traceback);
+    PyObject *done_tokens = PySequence_GetSlice(tokens, 0, n_steps);
+    PyObject *done_seconds = PySequence_GetSlice(seconds, 0, n_steps);
+    PyObject *pair = NULL;
+    if (done_tokens != NULL && done_seconds != NULL) {
+        PyObject *tokens_copy = PyArray_NewCopy((PyArrayObject *)done_tokens, NPY_CORDER);
+        PyObject *seconds_copy = PyArray_NewCopy((PyArrayObject *)done_seconds, NPY_CORDER);
+        if (tokens_copy != NULL && seconds_copy != NULL) pair = PyTuple_Pack(2, tokens_copy, seconds_copy);
+        Py_XDECREF(tokens_copy);
+        Py_XDECREF(seconds_copy);
+    }
+    if (pair == NULL || value == NULL || PyObject_SetAttrString(value, "completed", pair) < 0)
+        PyErr_Clear();   /* the original exception matters more than this extra */
+    Py_XDECREF(pair);
+    Py_XDECREF(done_tokens);
+    Py_XDECREF(done_seconds);
+    PyErr_Restore(type, value, traceback);
 }
 
 /* generate(token, cache, max_steps, temperature=0, top_k=0, top_p=1, uniforms=None,
@@ -1495,18 +1554,30 @@ static PyObject *model_generate(ModelObject *self, PyObject *args, PyObject *kwd
     int n_steps = 0;
     cache->busy = 1;
     Py_BEGIN_ALLOW_THREADS
+    kv_set_interrupt_check(python_signals_pending, &_save);
     status = kv_model_generate(&self->model, &cache->cache, token, max_steps, stop_token, &how,
                                draws, (int32_t *)PyArray_DATA((PyArrayObject *)tokens),
                                (double *)PyArray_DATA((PyArrayObject *)seconds), &n_steps,
                                &count);
+    kv_set_interrupt_check(NULL, NULL);
     Py_END_ALLOW_THREADS
     cache->busy = 0;
     PyMem_Free(draws);
     add_to_counters(counters_obj, &count);   /* what ran, even if a step then failed */
     if (status != KV_OK) {
+        if (status == KV_ERR_INTERRUPTED)
+            raise_interrupted();
+        else if (status == KV_ERR_NOT_A_NUMBER)
+            PyErr_Format(PyExc_ValueError, "decode step %d (position %d): the logits hold NaN "
+                         "(or are all -inf), so no token can be chosen; the cache keeps that "
+                         "step's token and the %d steps before", n_steps, cache->cache.length - 1,
+                         n_steps);
+        else
+            raise_status(status);
+        attach_completed(tokens, seconds, n_steps);
         Py_DECREF(tokens);
         Py_DECREF(seconds);
-        return raise_status(status);
+        return NULL;
     }
     /* the steps that ran: the first n_steps entries (copies, not views of the longer) */
     dims[0] = n_steps;
@@ -1535,7 +1606,7 @@ static PyObject *py_sample(PyObject *module, PyObject *args, PyObject *kwds) {
     kv_sampling how;
     if (parse_sampling(temperature, top_k, top_p, &how) < 0) return NULL;
     if (!(u >= 0.0 && u < 1.0)) {
-        PyErr_Format(PyExc_ValueError, "u must be in [0, 1), got %g", u);
+        raise_value_error_with_number("u must be in [0, 1), got ", u, "");
         return NULL;
     }
     /* float32, as the model's logits are; other numbers are rounded to it (forced cast) */
@@ -1799,8 +1870,12 @@ static PyObject *py_set_num_threads(PyObject *module, PyObject *arg) {
     (void)module;
     long n = PyLong_AsLong(arg);
     if (n == -1 && PyErr_Occurred()) return NULL;
-    if (n < 1 || n > 1024) {
-        PyErr_Format(PyExc_ValueError, "number of threads must be 1..1024, got %ld", n);
+    /* More threads than a few per core only slow a call down, and OpenMP may end the whole
+     * process when it cannot create them: refuse them here, with the bound. */
+    long cores = kv_available_cores(), most = 4 * cores;
+    if (n < 1 || n > most) {
+        PyErr_Format(PyExc_ValueError, "number of threads must be 1..%ld (4 per core, %ld "
+                     "cores here), got %ld", most, cores, n);
         return NULL;
     }
     kv_set_num_threads((int)n);

@@ -45,6 +45,7 @@ static inline float *kv_alloc_floats(size_t count) {
 static inline int omp_get_max_threads(void) { return 1; }
 static inline int omp_get_thread_num(void) { return 0; }
 static inline int omp_get_num_threads(void) { return 1; }
+static inline int omp_get_num_procs(void) { return 1; }
 #endif
 
 /* Wall-clock seconds from an arbitrary start, for timing inside the core (the bandwidth
@@ -70,5 +71,11 @@ int kv_threads(void);
 #define KV_MAX_LAYERS 4096
 #define KV_MAX_POSITIONS (1 << 28)   /* cache capacity */
 #define KV_MAX_TOKENS_PER_CALL (1 << 16)
+
+/* A long forward call runs in chunks of about this much work, and looks at the caller's
+ * interrupt check between them (model.c, kv_chunk_length): 2 GFLOP is a few tenths of a
+ * second on one laptop core. Calls with less work run whole, as they always did. */
+#define KV_CHUNK_FLOPS 2e9
+#define KV_CHUNK_MIN 16
 
 #endif /* KVLAB_COMMON_H */

@@ -24,6 +24,7 @@ typedef enum {
     KV_ERR_TOO_MANY_SEQUENCES, /* every sequence slot of the pool is taken */
     KV_ERR_CORRUPT,        /* kv_pool_check found a broken invariant */
     KV_ERR_NOT_A_NUMBER,   /* logits with a NaN (or all -inf): no token can be sampled */
+    KV_ERR_INTERRUPTED,    /* the caller's interrupt check asked a long call to stop */
 } kv_status;
 
 /* A human-readable sentence for a status, for error messages. */
@@ -296,7 +297,11 @@ void kv_counters_add(kv_counters *total, const kv_counters *call);
  * cache. Writes logits for every new token, (n_tokens, vocab_size), when all_logits is
  * nonzero, else only for the last one, (vocab_size,). counters, if not NULL, get what
  * the call did added to them.
- * On any error nothing is appended and cache->length is unchanged. */
+ * On any error nothing is appended and cache->length is unchanged, with one exception: a
+ * long call runs in chunks of positions (each at most about KV_CHUNK_FLOPS of work), and if
+ * the interrupt check (below) says stop between two chunks, the chunks before stay in the
+ * cache (cache->length counts them) and the result is KV_ERR_INTERRUPTED. The logits of a
+ * call are the same whatever the chunks (a prefill in parts equals one prefill). */
 kv_status kv_model_forward(const kv_model *model, kv_cache *cache, const int32_t *tokens,
                            int n_tokens, float *logits, int all_logits, kv_counters *counters);
 
@@ -340,11 +345,25 @@ typedef struct {
  * are the same as calling it token by token and sampling in between. The cache needs room
  * for max_steps more positions (else KV_ERR_CACHE_FULL, and nothing is run). If a step's
  * logits are not numbers, that step stays in the cache, *n_steps counts the steps before
- * it, and the result is KV_ERR_NOT_A_NUMBER. */
+ * it, and the result is KV_ERR_NOT_A_NUMBER. If the interrupt check (below) says stop
+ * between two steps, the result is KV_ERR_INTERRUPTED: the *n_steps completed steps are
+ * in the cache and in tokens_out, nothing else. */
 kv_status kv_model_generate(const kv_model *model, kv_cache *cache, int32_t token,
                             int max_steps, int32_t stop_token, const kv_sampling *how,
                             const double *uniforms, int32_t *tokens_out, double *seconds_out,
                             int *n_steps, kv_counters *counters);
+
+/* Stopping a long call early. A caller (Python, for Ctrl-C) may set, for the calling thread,
+ * a function that says whether to stop; kv_model_generate asks it between steps and
+ * kv_model_forward between the chunks it splits a long call into, so it is asked at least
+ * every few tenths of a second. When it says stop, the call returns KV_ERR_INTERRUPTED,
+ * having kept only what it completed: the steps before, the chunks before (each chunk's
+ * positions are in the cache; see each function). NULL (the default) never stops. */
+typedef int (*kv_interrupt_check)(void *arg);
+void kv_set_interrupt_check(kv_interrupt_check check, void *arg);
+
+/* The positions one chunk of a kv_model_forward call runs, of n_left starting at `start`. */
+int kv_chunk_length(const kv_config *config, int start, int n_left);
 
 /* Checks that every token id is in [0, vocab_size). */
 kv_status kv_check_tokens(const kv_config *config, const int32_t *tokens, int n_tokens);
@@ -373,5 +392,7 @@ kv_status kv_measure_attention_walk(int n_kv_heads, int head_dim, int context, i
 /* ---- threads ----------------------------------------------------------------------- */
 void kv_set_num_threads(int n_threads);
 int kv_get_num_threads(void);
+/* The cores this process may run on, at least 1. */
+int kv_available_cores(void);
 
 #endif /* KVLAB_H */

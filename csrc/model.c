@@ -38,17 +38,65 @@ const char *kv_strerror(kv_status status) {
         case KV_ERR_TOO_MANY_SEQUENCES: return "the pool has no room for another sequence";
         case KV_ERR_CORRUPT: return "a pool invariant is broken";
         case KV_ERR_NOT_A_NUMBER: return "the logits are not numbers (NaN, or all -inf): no token can be sampled";
+        case KV_ERR_INTERRUPTED: return "interrupted";
     }
     return "unknown error";
 }
 
 static int num_threads;  /* 0 until set: then OpenMP's default (the available cores) */
 
+/* ---- stopping early ------------------------------------------------------------------ */
+
+/* The calling thread's interrupt check (kvlab.h): per thread, because each Python thread
+ * that runs a model has its own call in flight. */
+static _Thread_local kv_interrupt_check interrupt_check;
+static _Thread_local void *interrupt_arg;
+static _Thread_local double interrupt_last_asked;
+
+void kv_set_interrupt_check(kv_interrupt_check check, void *arg) {
+    interrupt_check = check;
+    interrupt_arg = arg;
+    interrupt_last_asked = 0.0;
+}
+
+/* Whether to stop now. The check may be costly (Python's takes the GIL), so it is asked at
+ * most every 20 ms: a person pressing Ctrl-C cannot tell the difference. */
+static int interrupted(void) {
+    if (interrupt_check == NULL) return 0;
+    double now = kv_seconds();
+    if (now - interrupt_last_asked < 0.02) return 0;
+    interrupt_last_asked = now;
+    return interrupt_check(interrupt_arg) != 0;
+}
+
+/* How many of n_left tokens, starting at position `start`, one chunk of a long call runs:
+ * as many as fit in KV_CHUNK_FLOPS of work (the projections' and the classifier's 2 FLOPs
+ * per weight per token, plus attention over up to start + n_left positions), at least
+ * KV_CHUNK_MIN. Calls below
+ * that much work run in one piece, as before chunking; longer ones stop for the interrupt
+ * check between chunks. measure.py's chunk_length is the same rule. */
+int kv_chunk_length(const kv_config *c, int start, int n_left) {
+    double q_dim = (double)c->n_heads * c->head_dim, kv_dim = (double)c->n_kv_heads * c->head_dim;
+    double per_token = 2.0 * c->n_layers * ((double)c->dim * (2.0 * q_dim + 2.0 * kv_dim) +
+                                            3.0 * (double)c->dim * c->hidden_dim) +
+                       2.0 * (double)c->dim * c->vocab_size;     /* the classifier, at most */
+    double per_position = 4.0 * c->n_layers * q_dim;      /* QK and weights x V, per head */
+    double fits = KV_CHUNK_FLOPS / (per_token + per_position * ((double)start + n_left));
+    int n = fits >= n_left ? n_left : (int)fits;
+    if (n < KV_CHUNK_MIN) n = KV_CHUNK_MIN;
+    return n < n_left ? n : n_left;
+}
+
 void kv_set_num_threads(int n_threads) {
     if (n_threads > 0) num_threads = n_threads;
 }
 
 int kv_get_num_threads(void) { return kv_threads(); }
+
+int kv_available_cores(void) {
+    int n = omp_get_num_procs();      /* OpenMP counts the process's affinity mask */
+    return n > 0 ? n : 1;
+}
 
 int kv_threads(void) {
     int n = num_threads;
@@ -393,8 +441,21 @@ kv_status kv_model_forward(const kv_model *model, kv_cache *cache, const int32_t
     run_state s = {0};
     KV_CHECK(model != NULL && cache != NULL && logits != NULL, KV_ERR_INVALID_ARG);
     KV_TRY(check_cache_call(model, cache, tokens, n_tokens, n_tokens));
-    KV_TRY(run_state_alloc(&s, &model->config, n_tokens, 1));
-    run_over_cache(model, &s, cache, tokens, n_tokens, logits, all_logits);
+    const kv_config *c = &model->config;
+    int chunk = kv_chunk_length(c, cache->length, n_tokens);
+    KV_TRY(run_state_alloc(&s, c, chunk, 1));
+    /* A chunk at a time, each committed to the cache: the same results as one pass (a
+     * prefill in parts equals one prefill, bit for bit), and a place to stop between. */
+    for (int done = 0; done < n_tokens; done += chunk) {
+        if (done > 0 && interrupted()) {
+            status = KV_ERR_INTERRUPTED;
+            break;
+        }
+        chunk = kv_chunk_length(c, cache->length, n_tokens - done);
+        float *out = all_logits ? logits + (size_t)done * c->vocab_size : logits;
+        run_over_cache(model, &s, cache, tokens + done, chunk, out, all_logits);
+    }
+    if (s.count.calls > 1) s.count.calls = 1;      /* one call, however many chunks */
     kv_counters_add(counters, &s.count);
 fail:
     run_state_free(&s);
@@ -425,6 +486,10 @@ kv_status kv_model_generate(const kv_model *model, kv_cache *cache, int32_t toke
     KV_CHECK(logits != NULL && sample_scratch != NULL, KV_ERR_NOMEM);
     /* Each step is what kv_model_forward does for one token, then the choice. */
     for (int step = 0; step < max_steps; step++) {
+        if (step > 0 && interrupted()) {    /* between tokens: every step before is whole */
+            status = KV_ERR_INTERRUPTED;
+            break;
+        }
         double start = kv_seconds();
         run_over_cache(model, &s, cache, &token, 1, logits, 0);
         token = kv_sample(logits, c->vocab_size, how,

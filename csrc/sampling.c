@@ -55,7 +55,13 @@ static int by_probability(const void *a, const void *b) {
 }
 
 int kv_sample(const float *logits, int n, const kv_sampling *how, double u, void *scratch) {
-    if (how->temperature == 0.0) return kv_argmax(logits, n);
+    if (how->temperature == 0.0) {
+        /* greedy: the arg-max, unless a NaN makes "the largest" meaningless (numpy.argmax
+         * would pick the NaN's index, and a loop would then repeat it forever) */
+        for (int i = 0; i < n; i++)
+            if (logits[i] != logits[i]) return -1;
+        return kv_argmax(logits, n);
+    }
     double *probs = scratch, *work = probs + n;
     ranked_token *order = (ranked_token *)(work + n);
     double max = -INFINITY;

@@ -15,9 +15,9 @@ size_t kv_sample_scratch_bytes(int n);
 /* The token chosen from logits (n values) with the uniform number u in [0, 1): the first
  * token whose cumulative probability, in token order, exceeds u (inverse transform
  * sampling, as numpy's Generator.choice draws). scratch: kv_sample_scratch_bytes(n)
- * bytes, 8-byte aligned. Greedy ignores u and scratch and returns kv_argmax's choice (the
- * first NaN, if any, as numpy.argmax). When sampling, returns -1 if the probabilities are
- * not numbers (a NaN logit, or every logit -inf). */
+ * bytes, 8-byte aligned. Greedy ignores u and scratch and returns kv_argmax's choice, or -1
+ * if a logit is NaN. When sampling, returns -1 if the probabilities are not numbers (a NaN
+ * logit, or every logit -inf). */
 int kv_sample(const float *logits, int n, const kv_sampling *how, double u, void *scratch);
 
 #endif /* KVLAB_SAMPLING_H */

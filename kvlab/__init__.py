@@ -41,13 +41,18 @@ MHA_MODEL = Path(__file__).parent / "assets" / "shakespeare-mha.bin"
 
 
 def load(path: Union[str, Path, None] = None,
-         tokenizer: Union[str, Path, None] = None, device: str = "cpu") -> Model:
+         tokenizer: Union[str, Path, None] = None, device: str = "cpu",
+         mmap: bool = True) -> Model:
     """Load a model: None for the bundled default, a llama2.c .bin, a .gguf file, or a
     Hugging Face folder (config.json + *.safetensors). `tokenizer` overrides the
-    tokenizer found beside the weights. device="cuda" runs it on the GPU (model.to())."""
+    tokenizer found beside the weights. device="cuda" runs it on the GPU (model.to()).
+
+    A llama2.c file is memory-mapped and used in place (mmap=True): the file must then
+    stay as it is while the model is used; a call after it changed raises CheckpointError.
+    mmap=False reads the weights into memory of their own, for files that may change."""
     from .loaders import load_checkpoint
     path = Path(path) if path is not None else DEFAULT_MODEL
-    config, weights, tok = load_checkpoint(path, tokenizer)
+    config, weights, tok = load_checkpoint(path, tokenizer, mmap=mmap)
     return Model(config, weights, tok, source=str(path)).to(device)
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import List, Optional
 
@@ -141,7 +142,12 @@ def cmd_generate(args) -> int:
 
 
 def cmd_info(args) -> int:
-    model = _load(args)
+    from .errors import KVLabError
+    try:
+        model = _load(args)
+    except KVLabError as error:  # a file that is not a model: one line, not a traceback
+        print(f"kvlab: error: {' '.join(str(error).split())}", file=sys.stderr)
+        return 2
     c = model.config
     print(repr(model))
     print(f"parameters      {model.n_params:,}")
@@ -206,6 +212,17 @@ def cmd_check(args) -> int:
     return 0 if report.score == report.max_score else 1
 
 
+def positive_int(text: str) -> int:
+    """argparse type: a whole number of at least 1 (--repeats 0 has nothing to keep)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvlab", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -213,12 +230,12 @@ def build_parser() -> argparse.ArgumentParser:
     def model_args(p):
         p.add_argument("--model", default=None, help="checkpoint path (default: bundled model)")
         p.add_argument("--tokenizer", default=None, help="tokenizer file, if not beside the model")
-        p.add_argument("--threads", type=int, default=None, help="threads for the C core")
+        p.add_argument("--threads", type=positive_int, default=None, help="threads for the C core")
 
     demo = sub.add_parser("demo", help="generate with and without the KV cache and compare")
     model_args(demo)
     demo.add_argument("--prompt", default=DEMO_PROMPT)
-    demo.add_argument("--max-new-tokens", type=int, default=200)
+    demo.add_argument("--max-new-tokens", type=positive_int, default=200)
     demo.add_argument("--json", default=None, help="also write the results to this JSON file")
     demo.add_argument("--quiet", action="store_true", help="no progress bars")
     demo.set_defaults(func=cmd_demo)
@@ -226,8 +243,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="time cached against uncached generation")
     model_args(bench)
     bench.add_argument("--prompt", default=DEMO_PROMPT)
-    bench.add_argument("--max-new-tokens", type=int, default=200)
-    bench.add_argument("--repeats", type=int, default=1, help="keep the best of N runs")
+    bench.add_argument("--max-new-tokens", type=positive_int, default=200)
+    bench.add_argument("--repeats", type=positive_int, default=1, help="keep the best of N runs")
     bench.add_argument("--json", default=None, help="write results (with per-step times) here")
     bench.add_argument("--plot", default=None, help="write a PNG of latency and memory here")
     bench.add_argument("--quiet", action="store_true", help="no progress bars")
@@ -236,7 +253,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="generate text from a prompt")
     model_args(gen)
     gen.add_argument("--prompt", required=True)
-    gen.add_argument("--max-new-tokens", type=int, default=100)
+    gen.add_argument("--max-new-tokens", type=positive_int, default=100)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--top-k", type=int, default=None)
     gen.add_argument("--top-p", type=float, default=None)
@@ -289,6 +306,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     from .errors import KVLabError
     try:
         return args.func(args)
+    except BrokenPipeError:
+        # the reader went away (kvlab lab show x | head): not an error of ours. Point stdout
+        # at /dev/null so that flushing it at exit does not fail again, and stop quietly.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 1
     except (KVLabError, ValueError, TypeError, OSError, ImportError) as error:
         print(f"kvlab: error: {error}", file=sys.stderr)
         return 2

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from typing import Any, Optional
 
 import numpy as np
@@ -36,7 +37,8 @@ class ModelConfig:
     name: str = ""
 
     def __post_init__(self) -> None:
-        if self.head_dim == 0 and self.n_heads > 0:
+        self._check_sizes()  # before dim // n_heads: a string or 0 must not get that far
+        if self.head_dim == 0:
             object.__setattr__(self, "head_dim", self.dim // self.n_heads)
         self.validate()
 
@@ -73,26 +75,80 @@ class ModelConfig:
         return total
 
     def validate(self) -> None:
-        """Raise ConfigError naming the first size that does not fit."""
+        """Raise ConfigError naming the first field that does not fit (in its .field)."""
+        self._check_sizes(head_dim_may_be_0=False)
+        if self.n_heads % self.n_kv_heads != 0:
+            raise _error("n_kv_heads", f"n_kv_heads ({self.n_kv_heads}) must divide n_heads "
+                         f"({self.n_heads}) so each KV head serves a whole group")
+        if self.head_dim % 2 != 0:
+            raise _error("head_dim", f"head_dim must be even for RoPE, got {self.head_dim}")
+        # The core computes in float32: an epsilon that rounds to 0 (or to infinity) there
+        # divides by zero in RMSNorm on an all-zero row.
+        if not (_positive_finite(self.norm_eps)
+                and _FLOAT32_TINY <= float(self.norm_eps) <= _FLOAT32_MAX):
+            raise _error("norm_eps", f"norm_eps must be a positive number that float32 holds "
+                         f"({_FLOAT32_TINY:.3g} to {_FLOAT32_MAX:.3g}), got {_short(self.norm_eps)}")
+        if not _positive_finite(self.rope_theta):
+            raise _error("rope_theta", f"rope_theta must be a positive finite number, "
+                         f"got {_short(self.rope_theta)}")
+        for field in ("rope_interleaved", "tied_embeddings"):
+            if not isinstance(getattr(self, field), (bool, np.bool_)):
+                raise _error(field, f"{field} must be true or false, "
+                             f"got {_short(getattr(self, field))}")
+        if not isinstance(self.name, str):
+            raise _error("name", f"name must be a string, got {_short(self.name)}")
+        self._check_rope_scaling()
+        self._check_rope_frequencies()
+
+    def _check_sizes(self, head_dim_may_be_0: bool = True) -> None:
         for field in ("dim", "hidden_dim", "n_layers", "n_heads", "n_kv_heads",
                       "vocab_size", "max_seq_len", "head_dim"):
             value = getattr(self, field)
-            if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value <= 0:
-                raise ConfigError(f"{field} must be a positive integer, got {value!r}")
-        if self.n_heads % self.n_kv_heads != 0:
-            raise ConfigError(f"n_kv_heads ({self.n_kv_heads}) must divide n_heads "
-                              f"({self.n_heads}) so each KV head serves a whole group")
-        if self.head_dim % 2 != 0:
-            raise ConfigError(f"head_dim must be even for RoPE, got {self.head_dim}")
-        if not (self.norm_eps > 0 and math.isfinite(self.norm_eps)):
-            raise ConfigError(f"norm_eps must be a positive number, got {self.norm_eps!r}")
-        if not (self.rope_theta > 0 and math.isfinite(self.rope_theta)):
-            raise ConfigError(f"rope_theta must be a positive number, got {self.rope_theta!r}")
-        if self.rope_scaling is not None:
-            kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type"))
-            if kind not in ("llama3", "default"):
-                raise ConfigError(f"unsupported rope_scaling type {kind!r} "
-                                  "(kvlab knows 'llama3')")
+            if not isinstance(value, (int, np.integer)) or isinstance(value, (bool, np.bool_)) \
+                    or value < 0 or (value == 0 and not (field == "head_dim" and head_dim_may_be_0)):
+                raise _error(field, f"{field} must be a positive integer, got {_short(value)}")
+
+    def _check_rope_scaling(self) -> None:
+        scaling = self.rope_scaling
+        if scaling is None:
+            return
+        if not isinstance(scaling, dict):
+            raise _error("rope_scaling", f"rope_scaling must be a dict (or None), "
+                         f"got {_short(scaling)}")
+        kind = scaling.get("rope_type", scaling.get("type"))
+        if kind not in ("llama3", "default"):
+            raise _error("rope_scaling", f"unsupported rope_scaling type {_short(kind)} "
+                         "(kvlab knows 'llama3')")
+        if kind != "llama3":
+            return
+        for key, required in (("factor", True), ("low_freq_factor", False),
+                              ("high_freq_factor", False),
+                              ("original_max_position_embeddings", False)):
+            value = scaling.get(key)
+            if value is None and not required:
+                continue
+            if not _positive_finite(value):
+                raise _error("rope_scaling", f"rope_scaling {key!r} must be a positive finite "
+                             f"number, got {_short(value)}")
+        low, high = scaling.get("low_freq_factor") or 1.0, scaling.get("high_freq_factor") or 4.0
+        if not high > low:
+            raise _error("rope_scaling", f"rope_scaling 'high_freq_factor' ({high}) must be "
+                         f"greater than 'low_freq_factor' ({low})")
+
+    def _check_rope_frequencies(self) -> None:
+        """Every RoPE frequency, and its angle at any position float32 counts exactly
+        (2**24, or max_seq_len if longer), must be finite: one infinity makes every logit
+        NaN. Zero frequencies (a huge theta) are harmless: those pairs do not rotate."""
+        for field, scaled in (("rope_theta", False), ("rope_scaling", True)):
+            with np.errstate(all="ignore"):
+                freq = self._rope_inv_freq64(scaled).astype(np.float32)
+                angle = freq * np.float32(min(max(self.max_seq_len, _FLOAT32_EXACT_POSITIONS),
+                                              _FLOAT32_MAX))
+            if not (np.isfinite(angle).all() and (freq >= 0).all()):
+                setting = (f"rope_theta={self.rope_theta!r}" if field == "rope_theta" else
+                           f"rope_scaling={_short(self.rope_scaling)}")
+                raise _error(field, f"{setting} gives RoPE frequencies (or angles) that are not "
+                             "finite in float32: every logit would be NaN")
 
     def replace(self, **changes: Any) -> "ModelConfig":
         return dataclasses.replace(self, **changes)
@@ -149,18 +205,55 @@ class ModelConfig:
         band in between is blended smoothly (the rule from Meta's Llama 3.1 code).
         Computed in float64 and rounded once to float32, the precision the C core uses.
         """
+        return self._rope_inv_freq64().astype(np.float32)
+
+    def _rope_inv_freq64(self, scaled: bool = True) -> np.ndarray:
+        with np.errstate(all="ignore"):  # validate() checks the result; np.where computes
+            return self._rope_inv_freq64_unchecked(scaled)  # branches it then drops
+
+    def _rope_inv_freq64_unchecked(self, scaled: bool) -> np.ndarray:
         i = np.arange(0, self.head_dim, 2, dtype=np.float64)
-        inv_freq = 1.0 / (self.rope_theta ** (i / self.head_dim))
-        scaling = self.rope_scaling or {}
+        inv_freq = 1.0 / (float(self.rope_theta) ** (i / self.head_dim))
+        scaling = (self.rope_scaling or {}) if scaled else {}
         if scaling.get("rope_type", scaling.get("type")) == "llama3":
             factor = float(scaling["factor"])
-            low = float(scaling.get("low_freq_factor", 1.0))
-            high = float(scaling.get("high_freq_factor", 4.0))
-            old_len = float(scaling.get("original_max_position_embeddings", 8192))
+            low = float(scaling.get("low_freq_factor") or 1.0)
+            high = float(scaling.get("high_freq_factor") or 4.0)
+            old_len = float(scaling.get("original_max_position_embeddings") or 8192)
             wavelen = 2 * math.pi / inv_freq
             low_wavelen, high_wavelen = old_len / low, old_len / high
             smooth = (old_len / wavelen - low) / (high - low)
             blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
             inv_freq = np.where(wavelen > low_wavelen, inv_freq / factor,
                                 np.where(wavelen < high_wavelen, inv_freq, blended))
-        return inv_freq.astype(np.float32)
+        return inv_freq
+
+
+# The float32 range the core computes in, and the positions it counts exactly.
+_FLOAT32_TINY = float(np.finfo(np.float32).tiny)   # smallest normal float32, 1.18e-38
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
+_FLOAT32_EXACT_POSITIONS = 1 << 24
+
+
+def _positive_finite(value: Any) -> bool:
+    """A positive, finite int or float (NumPy's too): not a bool, a string, None, NaN, or
+    an integer too large for a float."""
+    if not isinstance(value, numbers.Real) or isinstance(value, (bool, np.bool_)):
+        return False
+    try:
+        return 0.0 < float(value) < math.inf
+    except OverflowError:
+        return False
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _error(field: str, message: str) -> ConfigError:
+    """A ConfigError that also says, in .field, which ModelConfig field is wrong (so that a
+    loader can name the field as its file spells it)."""
+    error = ConfigError(message)
+    error.field = field  # type: ignore[attr-defined]
+    return error

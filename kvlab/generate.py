@@ -103,7 +103,11 @@ def generate(model: Model, prompt: Union[str, Sequence[int]], max_new_tokens: in
                 logits = model.forward(ids + new_tokens)          # everything, from scratch
             else:
                 logits = model.prefill(ids, cache)                # the whole prompt at once
-            token = sample(logits, temperature, top_k, top_p, rng)
+            try:
+                token = sample(logits, temperature, top_k, top_p, rng)
+            except ValueError as error:       # the arguments were checked: bad logits
+                raise ValueError(f"generate, new token {step} (position "
+                                 f"{len(ids) + step - 1}): {error}") from None
             seconds.append(time.perf_counter() - start)
             if bar is not None:
                 bar.update(1)
@@ -115,9 +119,13 @@ def generate(model: Model, prompt: Union[str, Sequence[int]], max_new_tokens: in
         # the loop over them runs in C (a chunk at a time, so that a progress bar moves).
         while cache is not None and not stopped and len(seconds) < max_new_tokens:
             n = max_new_tokens - len(seconds)
-            picks, times = model.decode_steps(new_tokens[-1], cache,
-                                              n if bar is None else min(n, PROGRESS_CHUNK),
-                                              temperature, top_k, top_p, rng, stop_token=eos)
+            try:
+                picks, times = model.decode_steps(new_tokens[-1], cache,
+                                                  n if bar is None else min(n, PROGRESS_CHUNK),
+                                                  temperature, top_k, top_p, rng, stop_token=eos)
+            except ValueError as error:       # the arguments were checked: bad logits
+                done = len(getattr(error, "completed", ((),))[0])
+                raise ValueError(f"generate, new token {len(seconds) + done}: {error}") from None
             seconds.extend(times.tolist())
             if bar is not None:
                 bar.update(len(picks))

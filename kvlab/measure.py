@@ -106,6 +106,27 @@ class Counts:
         return Counts(**summed)
 
 
+# A long forward call runs in chunks of about this much work and can be interrupted
+# between them (csrc/common.h KV_CHUNK_FLOPS, csrc/model.c kv_chunk_length).
+CHUNK_FLOPS = 2e9
+CHUNK_MIN = 16
+
+
+def chunk_length(config: ModelConfig, start_pos: int, n_tokens: int) -> int:
+    """How many of n_tokens new tokens at start_pos.. one chunk of a forward call runs (the
+    C core's rule, to the bit): as many as fit in CHUNK_FLOPS of work, at least CHUNK_MIN.
+    Every chunk but the last has this length; calls with less work run in one piece."""
+    c = config
+    q_dim, kv_dim = float(c.n_heads * c.head_dim), float(c.n_kv_heads * c.head_dim)
+    per_token = (2.0 * c.n_layers * (float(c.dim) * (2.0 * q_dim + 2.0 * kv_dim)
+                                     + 3.0 * float(c.dim) * c.hidden_dim)
+                 + 2.0 * float(c.dim) * c.vocab_size)
+    per_position = 4.0 * c.n_layers * q_dim
+    fits = CHUNK_FLOPS / (per_token + per_position * (float(start_pos) + n_tokens))
+    n = n_tokens if fits >= n_tokens else int(fits)
+    return min(max(n, CHUNK_MIN), n_tokens)
+
+
 def forward_counts(config: ModelConfig, n_tokens: int, start_pos: int = 0,
                    all_logits: bool = False, cache: Optional[CacheFormat] = None) -> Counts:
     """What one forward call of n_tokens new tokens at positions start_pos.. does
@@ -116,13 +137,16 @@ def forward_counts(config: ModelConfig, n_tokens: int, start_pos: int = 0,
     cache = cache or CacheFormat()
     per_layer_proj = c.dim * c.q_dim + 2 * c.dim * c.kv_dim + c.q_dim * c.dim
     per_layer_mlp = 3 * c.dim * c.hidden_dim
-    n_out = T if all_logits else 1
+    chunk = chunk_length(c, start_pos, T)
+    chunks = [chunk] * (T // chunk) + ([T % chunk] if T % chunk else [])
+    n_out = T if all_logits else len(chunks)     # each chunk's last row, without all_logits
     seen = T * start_pos + T * (T + 1) // 2          # positions seen, summed over the tokens
     full_row = 2 * c.kv_dim * FLOAT                  # K and V of one position, float32
     stored_row = cache.row_bytes(c.n_kv_heads, c.head_dim)
     in_window = sum(min(cache.window, start_pos + t + 1) for t in range(T)) if cache.window else 0
-    weights = (c.n_layers * (per_layer_proj + per_layer_mlp + 2 * c.dim)   # matrices + norms
-               + c.dim + c.vocab_size * c.dim + T * c.dim) * FLOAT          # final norm, classifier, embedding rows
+    weights = (len(chunks) * (c.n_layers * (per_layer_proj + per_layer_mlp + 2 * c.dim)  # matrices + norms,
+                              + c.dim + c.vocab_size * c.dim)     # final norm, classifier: per chunk
+               + T * c.dim) * FLOAT                                # embedding rows
     return Counts(
         flops_projections=2 * T * c.n_layers * per_layer_proj,
         flops_attention=4 * seen * c.n_layers * c.n_heads * c.head_dim,
@@ -130,7 +154,8 @@ def forward_counts(config: ModelConfig, n_tokens: int, start_pos: int = 0,
         flops_logits=2 * n_out * c.dim * c.vocab_size,
         weight_bytes=weights,
         kv_read_bytes=c.n_layers * ((seen - in_window) * stored_row + in_window * full_row),
-        kv_write_bytes=c.n_layers * (T * stored_row + min(T, cache.window) * full_row),
+        kv_write_bytes=c.n_layers * (T * stored_row
+                                     + sum(min(n, cache.window) for n in chunks) * full_row),
         tokens=T, calls=1)
 
 
@@ -139,14 +164,15 @@ def _round16(n: int) -> int:
 
 
 def scratch_bytes(config: ModelConfig, n_tokens: int, n_threads: int = 1,
-                  cached: bool = True) -> int:
+                  cached: bool = True, start_pos: int = 0) -> int:
     """Activation scratch one forward call allocates (csrc/model.c, run_state): a few
     (n_tokens, width) buffers plus, per thread, the online softmax's state for each query
     head of a group (a tile of ATTENTION_TILE weights, a running max and a running sum)
     and a tile of head rows to dequantize K and V into; without a cache the whole
     sequence's K and V are rebuilt as scratch too. Nothing here grows with the context
-    already cached: attention walks it a tile at a time."""
-    c, T = config, n_tokens
+    already cached: attention walks it a tile at a time. A long call's buffers hold one
+    chunk of its tokens (chunk_length)."""
+    c, T = config, chunk_length(config, start_pos, n_tokens)
     buffers = [T * c.dim, T * c.dim, T * c.q_dim, T * c.kv_dim, T * c.kv_dim, T * c.q_dim,
                T * c.dim, T * c.hidden_dim, T * c.hidden_dim, T * c.head_dim // 2,
                T * c.head_dim // 2,
@@ -154,7 +180,7 @@ def scratch_bytes(config: ModelConfig, n_tokens: int, n_threads: int = 1,
                              + ATTENTION_TILE * _round16(c.head_dim))]
     total = sum(_round16(n) for n in buffers) * FLOAT
     if not cached:
-        total += 2 * c.n_layers * T * c.kv_dim * FLOAT
+        total += 2 * c.n_layers * n_tokens * c.kv_dim * FLOAT
     return total
 
 

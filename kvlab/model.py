@@ -45,7 +45,9 @@ def as_token_array(tokens: TokenArray, vocab_size: int) -> np.ndarray:
     if low < 0 or high >= vocab_size:
         bad = low if low < 0 else high
         raise ValueError(f"token id {bad} is out of range [0, {vocab_size})")
-    return np.ascontiguousarray(array, dtype=np.int32)
+    # a copy when the C core could not read it in place: another type, strides, or an
+    # address that is not a multiple of 4 (a view into bytes at an odd offset)
+    return np.require(array, np.int32, ["C_CONTIGUOUS", "ALIGNED"])
 
 
 def one_token(token, vocab_size: int, method: str) -> np.ndarray:
@@ -171,6 +173,7 @@ class Model:
 
     def _run(self, tokens: np.ndarray, cache, all_logits: bool) -> np.ndarray:
         """One forward call through the core, its counts added where they belong."""
+        self._check_weights()
         self._check_device(cache)
         call = np.zeros(len(core.COUNTERS), dtype=np.int64)
         logits = self._core.forward(tokens, cache, all_logits, call)
@@ -258,7 +261,13 @@ class Model:
         allocation between tokens, which is what a tiny model's step is otherwise mostly
         made of; it draws its max_steps numbers from rng before the first step, so after an
         early stop rng has moved on further than stepping would have moved it. Other
-        caches (paged, GPU) step through decode() here."""
+        caches (paged, GPU) step through decode() here.
+
+        A call that fails part-way (Ctrl-C, which stops it between two tokens, or logits
+        that hold NaN) keeps every step it completed: the cache holds their tokens (and the
+        failed step's own, for NaN logits), and the exception carries the completed steps'
+        picks and times as `error.completed`, a (tokens, seconds) pair."""
+        self._check_weights()
         one_token(token, self.config.vocab_size, "decode_steps")
         max_steps = _positive_int("max_steps", max_steps)
         check_sampling_args(temperature, top_k, top_p)
@@ -281,13 +290,23 @@ class Model:
                 self._record(call)
             return picks, seconds
         picks, seconds = [], []
-        for _ in range(max_steps):
-            start = time.perf_counter()
-            token = sample(self.decode(token, cache), temperature, top_k, top_p, rng)
-            seconds.append(time.perf_counter() - start)
-            picks.append(token)
-            if token == stop:
-                break
+        try:
+            for step in range(max_steps):
+                start = time.perf_counter()
+                logits = self.decode(token, cache)
+                try:
+                    token = sample(logits, temperature, top_k, top_p, rng)
+                except ValueError as error:       # the arguments were checked: bad logits
+                    raise ValueError(f"decode step {step} (position {cache.length - 1}): "
+                                     f"{error}; the cache keeps that step's token and the "
+                                     f"{step} steps before") from None
+                seconds.append(time.perf_counter() - start)
+                picks.append(token)
+                if token == stop:
+                    break
+        except BaseException as error:      # as the C loop does: keep what was completed
+            error.completed = (np.array(picks, dtype=np.int32), np.array(seconds))
+            raise
         return np.array(picks, dtype=np.int32), np.array(seconds)
 
     def forward(self, tokens: TokenArray, all_logits: bool = False) -> np.ndarray:
@@ -313,6 +332,7 @@ class Model:
         decode step of up to 48 sequences). Returns the last
         token's logits of each sequence, (len(seqs), vocab), each row bit-identical to
         running that sequence alone."""
+        self._check_weights()
         if len(seqs) != len(chunks):
             raise ValueError(f"{len(seqs)} sequences but {len(chunks)} chunks of tokens")
         arrays = [as_token_array(chunk, self.config.vocab_size) for chunk in chunks]
@@ -342,3 +362,10 @@ class Model:
         return (f"Model({name!r}: {self.n_params:,} params, dim={c.dim}, n_layers={c.n_layers}, "
                 f"n_heads={c.n_heads}, n_kv_heads={c.n_kv_heads} ({c.attention_kind}), "
                 f"head_dim={c.head_dim}, vocab={c.vocab_size}, context={c.max_seq_len})")
+
+    def _check_weights(self) -> None:
+        """CheckpointError if the file the core's weights are memory-mapped from changed
+        since loading (one os.stat): reading them would crash (SIGBUS) or use other numbers.
+        A GPU model reads its own copy."""
+        if self.device == "cpu":
+            self.weights.check_source()

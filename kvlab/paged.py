@@ -58,7 +58,8 @@ class PagedPool(core.PagedPool):
             if array.min() < np.iinfo(np.int32).min or array.max() > np.iinfo(np.int32).max:
                 raise ValueError("token ids must fit in 32 bits")
             array = array.astype(np.int32)
-        return super().reuse_prefix(seq, np.ascontiguousarray(array), max_tokens)
+        return super().reuse_prefix(seq, np.require(array, np.int32, ["C_CONTIGUOUS", "ALIGNED"]),
+                                    max_tokens)
 
     def stats(self) -> PoolStats:
         return PoolStats(**super().stats())

@@ -32,6 +32,9 @@ def sample(logits: np.ndarray, temperature: float = 0.0, top_k: Optional[int] = 
     NumPy twin, to read, is kvlab.reference.sample. Sampling takes one number from rng
     (rng.random()), the point where the cumulative probability is cut."""
     if temperature == 0.0:
+        logits = np.asarray(logits)
+        if np.isnan(logits).any():      # argmax would pick the NaN, again and again
+            raise ValueError("the logits hold NaN, so no token can be chosen (greedy)")
         return int(np.argmax(logits))
     # imported here: the scheduler uses this module's argument checks and runs (and is
     # tested) without the compiled core

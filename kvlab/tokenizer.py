@@ -13,7 +13,6 @@ not a full SentencePiece implementation (no normalization rules, no sampling).
 from __future__ import annotations
 
 import heapq
-import json
 import operator
 import os
 import re
@@ -162,12 +161,7 @@ class SentencePieceBPE(Tokenizer):
         """Read llama2.c's tokenizer.bin: int32 max_token_length, then per token
         (float32 score, int32 length, bytes). vocab_size=None reads to the end of the file."""
         path = Path(path)
-        try:
-            data = path.read_bytes()
-        except FileNotFoundError:
-            raise TokenizerError(f"tokenizer file not found: {path}") from None
-        except OSError as exc:
-            raise TokenizerError(f"cannot read tokenizer file {path}: {exc}") from None
+        data = _read_llama2c_vocab_file(path, vocab_size)
         pieces, scores = _parse_llama2c_vocab(data, vocab_size, path)
         return cls(pieces, scores, bos_id=1, eos_id=2, unk_id=0)
 
@@ -283,6 +277,30 @@ class SentencePieceBPE(Tokenizer):
         return self.pieces[self._check_id(id)]
 
 
+# A llama2.c token is at most 1024 bytes (max_token_length, checked below) after 8 bytes of
+# score and length; with no vocab_size to go by, a file is refused past 256 MiB (Llama 3's
+# 128,256 tokens take under 2 MB).
+_MAX_TOKEN_BYTES = 1024
+_MAX_VOCAB_FILE_BYTES = 256 << 20
+
+
+def _read_llama2c_vocab_file(path: Path, vocab_size: Optional[int]) -> bytes:
+    """The bytes of a tokenizer.bin: a regular file (a FIFO or a device is refused, not read
+    for ever), no longer than vocab_size tokens of the longest length allow."""
+    from .loaders.common import open_regular, read_bounded  # kvlab.loaders imports this module
+    limit = _MAX_VOCAB_FILE_BYTES
+    if vocab_size is not None:
+        try:
+            count = operator.index(vocab_size)
+        except TypeError:
+            raise TokenizerError(f"vocab_size must be an integer, got {vocab_size!r}") from None
+        if count <= 0:
+            raise TokenizerError(f"vocab_size must be positive, got {vocab_size}")
+        limit = min(limit, 4 + count * (8 + _MAX_TOKEN_BYTES))
+    with open_regular(path, "tokenizer file", TokenizerError) as f:
+        return read_bounded(f, path, limit, "tokenizer file", TokenizerError)
+
+
 def _parse_llama2c_vocab(data: bytes, vocab_size: Optional[int],
                          path: Path) -> Tuple[List[str], List[float]]:
     """Split tokenizer.bin into (pieces, scores), with an error naming the broken spot."""
@@ -291,7 +309,7 @@ def _parse_llama2c_vocab(data: bytes, vocab_size: Optional[int],
     if len(data) < 4:
         raise TokenizerError(f"{path}: file too short ({len(data)} bytes) for a llama2.c tokenizer")
     (max_len,) = struct.unpack_from("<i", data, 0)
-    if not 0 < max_len <= 1024:
+    if not 0 < max_len <= _MAX_TOKEN_BYTES:
         raise TokenizerError(f"{path}: max_token_length={max_len} is implausible; "
                              "is this a llama2.c tokenizer.bin?")
     pieces: List[str] = []
@@ -367,6 +385,9 @@ def _gguf_part(part: Any, kind: Any, GGUFValueType: Any) -> Any:
 # ---------------------------------------------------------------------------------------
 # Hugging Face tokenizer.json
 # ---------------------------------------------------------------------------------------
+# tokenizer.json of real models: a few MB (Llama 3's is 9 MB, Gemma's 34 MB).
+_MAX_TOKENIZER_JSON_BYTES = 256 << 20
+
 _BOS_NAMES = ("<s>", "<|begin_of_text|>", "<bos>", "<|startoftext|>")
 _EOS_NAMES = ("</s>", "<|end_of_text|>", "<eos>", "<|endoftext|>", "<|eot_id|>")
 
@@ -385,10 +406,12 @@ class HFTokenizer(Tokenizer):
         except ImportError:
             raise TokenizerError("reading tokenizer.json needs the `tokenizers` package: "
                                  "pip install tokenizers") from None
-        if not path.is_file():
-            raise TokenizerError(f"tokenizer file not found: {path}")
+        from .loaders.common import open_regular, read_bounded
+        with open_regular(path, "tokenizer file", TokenizerError) as f:
+            raw = read_bounded(f, path, _MAX_TOKENIZER_JSON_BYTES, "tokenizer file",
+                               TokenizerError)
         try:
-            self._tok = _HFTok.from_file(str(path))
+            self._tok = _HFTok.from_str(raw.decode("utf-8"))
         except Exception as exc:  # tokenizers raises a bare Exception on bad JSON
             raise TokenizerError(f"cannot read {path}: {exc}") from None
         self.path = path
@@ -427,11 +450,13 @@ class HFTokenizer(Tokenizer):
 
 
 def _special_names_from_config(path: Path) -> Dict[str, str]:
-    """bos_token / eos_token spellings from tokenizer_config.json, {} if unavailable."""
-    try:
-        config = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+    """bos_token / eos_token spellings from tokenizer_config.json, {} if there is none.
+    One that is there but unreadable, not JSON, or spells them as anything but a string,
+    an {"content": ...} object or null is a TokenizerError naming the file and field."""
+    if not path.exists():
         return {}
+    from .loaders.common import read_json_object, short
+    config = read_json_object(path, "tokenizer config", TokenizerError)
     names = {}
     for key in ("bos_token", "eos_token"):
         value = config.get(key)
@@ -439,6 +464,9 @@ def _special_names_from_config(path: Path) -> Dict[str, str]:
             value = value.get("content")
         if isinstance(value, str):
             names[key] = value
+        elif value is not None:
+            raise TokenizerError(f"tokenizer config {path}: {key!r} is {short(value)}, "
+                                 "expected a token's text")
     return names
 
 

@@ -4,11 +4,14 @@ Every loader (llama2.c .bin, Hugging Face safetensors, GGUF) produces a `Weights
 both the C core and `kvlab.reference` read one. Per-layer tensors are stacked along a
 leading n_layers axis, the llama2.c layout, so one pointer reaches every layer. Matrices
 are stored (out_features, in_features): y = W @ x. This module checks shapes; it does not
-load files (kvlab.loaders) or run anything (kvlab.model, kvlab.reference).
+load files (kvlab.loaders) or run anything (kvlab.model, kvlab.reference). Arrays may be
+views of a memory-mapped checkpoint: check_source() says whether that file is still the
+one they were mapped from.
 """
 from __future__ import annotations
 
 import dataclasses
+import operator
 from typing import Dict, Iterator, Tuple
 
 import numpy as np
@@ -56,6 +59,30 @@ class Weights:
     def items(self) -> Iterator[Tuple[str, np.ndarray]]:
         for field in dataclasses.fields(self):
             yield field.name, getattr(self, field.name)
+
+    @property
+    def mapped_files(self) -> tuple:
+        """The checkpoint files these arrays are memory-mapped from (kvlab.loaders.common.
+        MappedFile), () when every array has memory of its own."""
+        arrays = _all_arrays(self)
+        cached = self.__dict__.get("_mapped")
+        # found once; again if an array is replaced, or in a copy of this object (whose
+        # arrays copy.deepcopy copied out of the map)
+        if cached is None or cached[0] != id(self) or not all(map(operator.is_, cached[1],
+                                                                  arrays)):
+            from .loaders.common import mapped_files  # the loaders import this module
+            cached = (id(self), arrays, mapped_files(arrays))
+            self.__dict__["_mapped"] = cached
+        return cached[2]
+
+    def check_source(self) -> None:
+        """Raise CheckpointError if a file these weights are memory-mapped from has been
+        truncated, rewritten, replaced or deleted since it was mapped: reading the weights
+        then would crash the process (SIGBUS) or silently use other numbers. One os.stat
+        per mapped file, cheap enough for every forward call; nothing for weights in memory
+        of their own (Hugging Face, GGUF, kvlab.load(..., mmap=False))."""
+        for source in self.mapped_files:
+            source.check()
 
     @property
     def nbytes(self) -> int:
@@ -114,3 +141,6 @@ class Weights:
         if config.tied_embeddings:
             arrays["classifier"] = arrays["token_embedding"]
         return cls(**arrays)
+
+
+_all_arrays = operator.attrgetter(*(field.name for field in dataclasses.fields(Weights)))

@@ -7,9 +7,13 @@ the right thing (golden greedy ids, RoPE layouts), not only that they have the r
 from __future__ import annotations
 
 import json
+import mmap
+import os
 import shutil
 import struct
+import subprocess
 import sys
+import textwrap
 import tracemalloc
 from pathlib import Path
 from types import SimpleNamespace
@@ -497,3 +501,319 @@ def test_non_finite_weights_are_a_clear_error(tmp_path: Path, name: str, bad: fl
     where = "layer 2" if name in ("wq", "w2") else "row 5" if name == "token_embedding" else ""
     with pytest.raises(WeightsError, match=f"{name}.*{where}.*NaN or infinite"):
         load_checkpoint(path)
+
+
+# ---- memory maps: a file that changes after loading (issue 18) ----------------------------------
+def run_isolated(code: str, timeout: int = 120) -> subprocess.CompletedProcess:
+    """`code` in a fresh Python: a SIGBUS, a hang or a runaway read there fails the test
+    instead of killing (or starving) the test process. Address space is capped at 8 GiB."""
+    prelude = ("try:\n    import resource\n"
+               "    resource.setrlimit(resource.RLIMIT_AS, (8 << 30, resource.RLIM_INFINITY))\n"
+               "except Exception:\n    pass\n")
+    return subprocess.run([sys.executable, "-c", prelude + textwrap.dedent(code)],
+                          capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def model_calls(model):
+    """Each Model method that reads the weights, called once."""
+    pool = model.new_paged_pool(num_blocks=4, block_size=4)
+    return {"forward": lambda: model.forward([1, 2]),
+            "prefill": lambda: model.prefill([1, 2], model.new_cache(8)),
+            "decode": lambda: model.decode(1, model.new_cache(8)),
+            "decode_steps": lambda: model.decode_steps(1, model.new_cache(8), 2),
+            "decode_steps paged": lambda: model.decode_steps(1, pool.new_sequence(), 2),
+            "forward_batch": lambda: model.forward_batch([pool.new_sequence()], [[1, 2]])}
+
+
+def rewrite_same_size(path: Path, config: ModelConfig) -> None:
+    """Other weights of the same shapes written over the file in place, as a later save
+    would (its modification time moved on, as after any real rewrite)."""
+    before = path.stat()
+    data = bytearray(path.read_bytes())
+    data[-4 * config.dim * 4:] = np.full(config.dim * 4, 0.5, "<f4").tobytes()
+    with open(path, "r+b") as f:
+        f.write(data)
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns + 1_000_000_000))
+
+
+def replace_file(path: Path, config: ModelConfig) -> None:
+    save_llama2c_v1(path.with_name("other.bin"), config, Weights.random(config, seed=9))
+    os.replace(path.with_name("other.bin"), path)
+
+
+@pytest.mark.parametrize("change, message", [
+    (rewrite_same_size, "rewritten"), (replace_file, "replaced"),
+    (lambda path, config: path.unlink(), "deleted or moved")])
+def test_a_changed_mapped_file_is_refused_before_every_call(tmp_path: Path, change,
+                                                            message: str) -> None:
+    import kvlab
+    path = tmp_path / "m.bin"
+    save_llama2c_v1(path, SMALL, Weights.random(SMALL))
+    model = kvlab.load(path)
+    assert [source.path for source in model.weights.mapped_files] == [path]
+    for call in model_calls(model).values():
+        call()                                  # the file as loaded: every call runs
+    change(path, SMALL)
+    for name, call in model_calls(model).items():
+        with pytest.raises(CheckpointError, match=f"{path.name} was {message}.*mmap=False"):
+            call()
+    if path.exists():  # loading the new file again works
+        assert kvlab.load(path).forward([1, 2]).shape == (SMALL.vocab_size,)
+
+
+def test_a_truncated_mapped_file_is_an_error_not_sigbus(tmp_path: Path) -> None:
+    """Before: the next forward touched pages past the new end of the file and the process
+    died of SIGBUS. Now every call stats the file first (and save_llama2c_v1 refuses to
+    truncate the file that the weights it writes are mapped from)."""
+    path = tmp_path / "m.bin"
+    save_llama2c_v1(path, SMALL, Weights.random(SMALL))
+    result = run_isolated(f"""
+        import os, kvlab
+        from kvlab.loaders import save_llama2c_v1
+        model = kvlab.load({str(path)!r})
+        model.forward([1, 2])
+        try:
+            save_llama2c_v1({str(path)!r}, model.config, model.weights)
+        except kvlab.CheckpointError as error:
+            print("save:", error)
+        os.truncate({str(path)!r}, 1000)
+        for call in (lambda: model.forward([1, 2]), lambda: model.decode(1, model.new_cache(8)),
+                     lambda: model.decode_steps(1, model.new_cache(8), 3)):
+            try:
+                call()
+            except kvlab.CheckpointError as error:
+                print("call:", error)
+        """)
+    assert result.returncode == 0, result.stderr[-2000:]
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith("save: cannot save over") and "memory-mapped" in lines[0]
+    assert len(lines) == 4 and all("changed size from" in line and "to 1,000 bytes" in line
+                                   for line in lines[1:]), result.stdout
+
+
+@pytest.mark.parametrize("filename", ["stories260K.bin", "stories260K_v1.bin"])
+def test_mmap_false_reads_owned_copies(stories: Path, tmp_path: Path, filename: str) -> None:
+    import kvlab
+    path = tmp_path / filename
+    shutil.copy(stories / filename, path)
+    mapped = kvlab.load(path)
+    copied = kvlab.load(path, mmap=False)
+    assert copied.weights.mapped_files == ()
+    for name, array in copied.weights.items():
+        # memory of its own: the C core holds no pointer into any map of the file
+        assert array.flags.owndata and array.base is None and not is_memory_mapped(array, path), name
+        assert np.array_equal(array, getattr(mapped.weights, name)), name
+    assert copied.weights.classifier is copied.weights.token_embedding
+    expected = copied.forward([1, 2, 3])
+    os.truncate(path, 100)                      # the copy does not care
+    assert np.array_equal(copied.forward([1, 2, 3]), expected)
+    with pytest.raises(CheckpointError, match="changed size"):
+        mapped.forward([1, 2, 3])
+
+
+def test_gguf_weights_are_copies(stories: Path) -> None:
+    """The GGUF reader maps the file while it loads; no weight may point into that map."""
+    pytest.importorskip("gguf")
+    _, weights, _ = load_checkpoint(stories / "stories260K.gguf")
+    assert weights.mapped_files == ()
+    for name, array in weights.items():
+        assert array.flags.owndata or isinstance(array.base, np.ndarray) and array.base.flags.owndata, name
+        base = array
+        while base is not None:
+            assert not isinstance(base, (np.memmap, mmap.mmap)), name
+            base = getattr(base, "base", None)
+
+
+# ---- paths that are not regular files (issue 18) ----------------------------------------------
+pytestmark_fifo = pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs named pipes")
+
+
+def special(path: Path, kind: str) -> Path:
+    if kind == "fifo":
+        os.mkfifo(path)
+    else:
+        path.symlink_to({"zero": "/dev/zero", "urandom": "/dev/urandom"}[kind])
+    return path
+
+
+@pytestmark_fifo
+@pytest.mark.parametrize("kind", ["fifo", "zero"])
+@pytest.mark.parametrize("site", ["checkpoint", "gguf", "tokenizer", "sidecar",
+                                  "sidecar tokenizer", "config.json", "safetensors"])
+def test_non_regular_files_are_refused(tmp_path: Path, site: str, kind: str) -> None:
+    """Before: a FIFO hung the load for ever, /dev/zero as a tokenizer read 3.7 GB before a
+    MemoryError. Run apart, with a time limit and a cap on its memory."""
+    model = tmp_path / "m.bin"
+    save_llama2c_v1(model, SMALL, Weights.random(SMALL))
+    args = [str(model)]
+    if site in ("checkpoint", "gguf"):
+        args = [str(special(tmp_path / ("x.gguf" if site == "gguf" else "x.bin"), kind))]
+        bad = args[0]
+    elif site == "tokenizer":
+        bad = str(special(tmp_path / "tok.bin", kind))
+        args.append(bad)
+    elif site == "sidecar":
+        bad = str(special(tmp_path / "m.json", kind))
+    elif site == "sidecar tokenizer":
+        (tmp_path / "m.json").write_text(json.dumps({"tokenizer": "tok.bin"}))
+        bad = str(special(tmp_path / "tok.bin", kind))
+    else:
+        write_tiny_hf(tmp_path / "hf")
+        (tmp_path / "hf" / site if site == "config.json" else
+         tmp_path / "hf" / "model.safetensors").unlink()
+        bad = str(special(tmp_path / "hf" / ("config.json" if site == "config.json"
+                                              else "model.safetensors"), kind))
+        args = [str(tmp_path / "hf")]
+    try:
+        result = run_isolated(f"""
+            import kvlab
+            try:
+                kvlab.load(*{args!r})
+            except kvlab.KVLabError as error:
+                print(type(error).__name__, error)
+            """, timeout=60)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"loading with {site} a {kind} hung")
+    assert result.returncode == 0, result.stderr[-2000:]
+    what = "named pipe" if kind == "fifo" else "character device"
+    assert bad in result.stdout and f"is a {what}" in result.stdout, result.stdout
+    assert result.stdout.split()[0] in ("CheckpointError", "TokenizerError")
+
+
+def test_a_tokenizer_file_longer_than_its_vocabulary_allows_is_not_read(tmp_path: Path) -> None:
+    path = tmp_path / "tok.bin"
+    path.write_bytes(struct.pack("<i", 8) + b"\0" * (10 * 1032 + 1))
+    tracemalloc.start()
+    try:
+        with pytest.raises(TokenizerError, match="more than the 10,324 bytes"):
+            SentencePieceBPE.from_llama2c_file(path, 10)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 64 * 1024
+
+
+# ---- numbers and types in config files (issue 18) --------------------------------------------
+def test_hf_sizes_get_the_readers_limits_before_allocating(tmp_path: Path) -> None:
+    """Before: num_hidden_layers 2**30 allocated 256 GiB for stacked layers before a tensor
+    was looked at."""
+    for key, value in [("num_hidden_layers", 2**30), ("hidden_size", 2**20),
+                       ("vocab_size", 2**31), ("max_position_embeddings", 2**40),
+                       ("intermediate_size", -1), ("head_dim", 0)]:
+        write_tiny_hf(tmp_path / key, **{key: value})
+        tracemalloc.start()
+        try:
+            with pytest.raises(CheckpointError, match=f"config.json: '{key}' is .*expected 1.."):
+                load_checkpoint(tmp_path / key)
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert peak < 8 * 2**20, (key, peak)
+    # within the limits, but more layers than the file has: refused before allocating them
+    write_tiny_hf(tmp_path / "4096", num_hidden_layers=4096, intermediate_size=2**19)
+    tracemalloc.start()
+    try:
+        with pytest.raises(CheckpointError, match="lacks tensor|has shape"):
+            load_checkpoint(tmp_path / "4096")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 8 * 2**20
+
+
+SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+           "high_freq_factor": 4.0, "original_max_position_embeddings": 8}
+
+
+@pytest.mark.parametrize("key, value, name", [
+    # each escaped as TypeError, KeyError, AttributeError, ValueError or ZeroDivisionError
+    ("hidden_size", "32", "hidden_size"), ("num_attention_heads", [4], "num_attention_heads"),
+    ("num_key_value_heads", "2", "num_key_value_heads"), ("vocab_size", 40.0, "vocab_size"),
+    ("max_position_embeddings", None, "max_position_embeddings"),
+    ("num_hidden_layers", True, "num_hidden_layers"), ("head_dim", "8", "head_dim"),
+    ("rms_norm_eps", "1e-6", "rms_norm_eps"), ("rms_norm_eps", None, "rms_norm_eps"),
+    ("rms_norm_eps", False, "rms_norm_eps"), ("rope_theta", "10000", "rope_theta"),
+    ("rope_theta", None, "rope_theta"), ("rope_theta", 10**400, "rope_theta"),
+    ("rope_scaling", "llama3", "rope_scaling"), ("rope_scaling", [1, 2], "rope_scaling"),
+    ("rope_scaling", {"rope_type": "llama3"}, "factor"),
+    ("rope_scaling", {**SCALING, "factor": "8"}, "factor"),
+    ("rope_scaling", {**SCALING, "low_freq_factor": 0}, "low_freq_factor"),
+    ("rope_scaling", {**SCALING, "high_freq_factor": 1.0}, "high_freq_factor"),
+    ("rope_scaling", {**SCALING, "original_max_position_embeddings": "8"},
+     "original_max_position_embeddings"),
+    ("rope_parameters", "x", "rope_parameters"), ("sliding_window", "4", "sliding_window"),
+    ("tie_word_embeddings", "false", "tie_word_embeddings"),
+    ("attention_bias", "no", "attention_bias"), ("hidden_act", ["silu"], "hidden_act"),
+    ("partial_rotary_factor", "1", "partial_rotary_factor"),
+])
+def test_wrong_typed_hf_fields_are_named(tmp_path: Path, key: str, value, name: str) -> None:
+    import kvlab
+    from kvlab import cli
+    write_tiny_hf(tmp_path / "m", **{key: value})
+    with pytest.raises((CheckpointError, ConfigError)) as info:
+        load_checkpoint(tmp_path / "m")
+    message = str(info.value)
+    assert str(tmp_path / "m" / "config.json") in message and repr(name) in message, message
+    # kvlab info: one line on stderr and exit status 2, not a traceback
+    assert cli.main(["info", "--model", str(tmp_path / "m")]) == 2
+    with pytest.raises(kvlab.KVLabError):
+        kvlab.load(tmp_path / "m")
+
+
+def test_kvlab_info_on_a_bad_file_prints_one_line(tmp_path: Path, capsys) -> None:
+    from kvlab import cli
+    write_tiny_hf(tmp_path / "m", rope_scaling={"rope_type": "llama3", "factor": 8.0,
+                                                "low_freq_factor": 0})  # was ZeroDivisionError
+    assert cli.main(["info", "--model", str(tmp_path / "m")]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and "Traceback" not in captured.err
+    assert captured.err.count("\n") == 1 and "low_freq_factor" in captured.err
+
+
+@pytest.mark.parametrize("settings, field", [
+    ({"rope_scaling": {"rope_type": "llama3", "factor": 0}}, "rope_scaling"),
+    ({"rope_scaling": {"rope_type": "llama3", "factor": 1e-300}}, "rope_scaling"),
+    ({"rope_theta": 1e-300}, "rope_theta"),
+    ({"rms_norm_eps": 1e-50}, "rms_norm_eps"),
+    ({"rms_norm_eps": 1e39}, "rms_norm_eps"),
+])
+def test_hf_numbers_that_would_give_nan_are_refused_at_load(tmp_path: Path, settings,
+                                                            field: str) -> None:
+    """Before: rope_scaling.factor 0 loaded and every logit was NaN; norm_eps 1e-50 loaded
+    and then the core refused it with a message naming no field."""
+    write_tiny_hf(tmp_path / "m", **settings)
+    with pytest.raises(ConfigError, match=f"config.json: '{field}'") as info:
+        load_checkpoint(tmp_path / "m")
+    assert info.value.field in ("rope_scaling", "rope_theta", "norm_eps")
+
+
+@pytest.mark.parametrize("sidecar, match", [
+    ({"rope_theta": 1e-300}, r"rope_theta=1e-300 gives RoPE frequencies .* not finite.*"
+                             r"m.json's 'rope_theta'"),
+    ({"norm_eps": 1e-50}, r"norm_eps must be .* float32 holds.*1e-50.*m.json's 'norm_eps'"),
+    ({"norm_eps": "1e-5"}, r"m.json: 'norm_eps' must be a number, got '1e-5'"),
+    ({"rope_theta": None}, r"m.json: 'rope_theta' must be a number, got null"),
+    ({"rope_interleaved": "yes"}, r"m.json: 'rope_interleaved' must be true or false"),
+    ({"name": ["x"]}, r"m.json: 'name' must be a string"),
+    ({"tokenizer": 5}, r"m.json: 'tokenizer' must be \"bytes\" or a file name"),
+])
+def test_sidecar_values_are_checked_at_load(tmp_path: Path, sidecar, match: str) -> None:
+    save_llama2c_v1(tmp_path / "m.bin", SMALL, Weights.random(SMALL))
+    (tmp_path / "m.json").write_text(json.dumps(sidecar))
+    with pytest.raises((CheckpointError, ConfigError), match=match):
+        load_checkpoint(tmp_path / "m.bin")
+
+
+def test_model_config_names_the_field() -> None:
+    base = dict(dim=16, hidden_dim=24, n_layers=1, n_heads=2, n_kv_heads=1, vocab_size=20,
+                max_seq_len=8)
+    for changes, field in [({"norm_eps": 1e-50}, "norm_eps"), ({"norm_eps": 1e39}, "norm_eps"),
+                           ({"norm_eps": "1e-5"}, "norm_eps"), ({"rope_theta": None}, "rope_theta"),
+                           ({"rope_theta": 1e-300}, "rope_theta"), ({"dim": "16"}, "dim"),
+                           ({"n_heads": 0}, "n_heads"), ({"rope_interleaved": "no"}, "rope_interleaved"),
+                           ({"rope_scaling": {"rope_type": "llama3", "factor": 0}}, "rope_scaling"),
+                           ({"rope_scaling": "llama3"}, "rope_scaling")]:
+        with pytest.raises(ConfigError, match=f"^{field}") as info:
+            ModelConfig(**{**base, **changes})
+        assert info.value.field == field

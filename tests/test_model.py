@@ -347,21 +347,26 @@ def test_decode_steps_samples_as_decode_and_sample_do_token_by_token():
 
 
 def test_decode_steps_with_nan_logits_raises_after_that_step():
-    """A token cannot be drawn from NaN probabilities: the step that made them stays in the
-    cache (as after decode() then a failed sample()), and the error names the problem.
-    Greedy takes numpy.argmax's choice, the first NaN."""
+    """A token cannot be chosen from NaN logits, greedy or sampled (greedy used to take
+    numpy.argmax's pick, the NaN's index, forever): the step that made them stays in the
+    cache (as after decode() then a failed sample()), the error names the step, and the
+    steps before it are kept in the cache and on the exception."""
     config = kvlab.ModelConfig(dim=48, hidden_dim=64, n_layers=2, n_heads=6, n_kv_heads=2,
                                vocab_size=40, max_seq_len=96, tied_embeddings=False)
     arrays = dict(kvlab.Weights.random(config, seed=11, scale=0.3).items())
     arrays["classifier"] = arrays["classifier"].copy()
     arrays["classifier"][7] = np.nan
     model = kvlab.Model(config, kvlab.Weights(**arrays))
-    cache = model.new_cache(20)
-    model.prefill([1, 2], cache)
-    with pytest.raises(ValueError, match="not numbers"):
-        model.decode_steps(3, cache, 5, temperature=1.0, rng=np.random.default_rng(0))
-    assert cache.length == 3
-    assert model.decode_steps(3, cache, 2)[0].tolist() == [7, 7]
+    for options in ({"temperature": 1.0, "rng": np.random.default_rng(0)}, {}):
+        cache = model.new_cache(20)
+        model.prefill([1, 2], cache)
+        with pytest.raises(ValueError, match=r"decode step 0 \(position 2\).*NaN") as error:
+            model.decode_steps(3, cache, 5, **options)
+        assert cache.length == 3
+        tokens, seconds = error.value.completed
+        assert tokens.tolist() == [] and seconds.shape == (0,)
+        with pytest.raises(ValueError, match="NaN"):
+            kvlab.sampling.sample(model.decode(4, cache), **options)
 
 
 def test_decode_steps_stops_after_the_stop_token():

@@ -5,6 +5,9 @@ re-statement of llama2.c's merge loop; it does not test model loading (test_load
 """
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -198,3 +201,87 @@ def test_vocab_without_byte_pieces_uses_unk() -> None:
     assert tok.encode("ab", bos=False) == [6, 5]     # " a" (score -2) beats "ab" (-3)
     assert tok.encode("ax", bos=False) == [6, 0]     # "x" has no piece and no byte piece
     assert tok.decode([1, 6, 5]) == "ab"
+
+
+# ---- files that are not files, values of the wrong type (issue 18) ------------------------------
+@contextlib.contextmanager
+def time_limit(seconds: int):
+    """Fail instead of hanging (opening a FIFO for reading waits for a writer)."""
+    if not hasattr(signal, "SIGALRM"):
+        yield
+        return
+
+    def expire(signum, frame):
+        pytest.fail(f"took more than {seconds} s: a hang?")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def not_a_file(path: Path, kind: str) -> Path:
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "device":
+        path.symlink_to("/dev/null")    # reads as empty: safe even where it is not refused
+    else:
+        path.mkdir()
+    return path
+
+
+KINDS = {"fifo": "named pipe", "device": "character device", "folder": "folder"}
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs named pipes and /dev/null")
+@pytest.mark.parametrize("kind", KINDS)
+def test_tokenizer_paths_that_are_not_regular_files(tmp_path: Path, kind: str) -> None:
+    """Before: a FIFO hung for ever, a device was read (without end, for /dev/zero)."""
+    path = not_a_file(tmp_path / "tok.bin", kind)
+    for read in (lambda: SentencePieceBPE.from_llama2c_file(path, 512),
+                 lambda: load_tokenizer(path), lambda: load_tokenizer(path, 512)):
+        with time_limit(10), pytest.raises(TokenizerError, match=f"{path} is a {KINDS[kind]}"):
+            read()
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs named pipes and /dev/null")
+@pytest.mark.parametrize("kind", KINDS)
+def test_hf_tokenizer_files_that_are_not_regular_files(tmp_path: Path, kind: str,
+                                                       write_tokenizer_json) -> None:
+    (tmp_path / "a").mkdir()
+    path = not_a_file(tmp_path / "a" / "tokenizer.json", kind)
+    with time_limit(10), pytest.raises(TokenizerError, match=f"{path} is a {KINDS[kind]}"):
+        HFTokenizer(path)
+    # the tokenizer_config.json beside a good tokenizer.json
+    good = write_tokenizer_json(tmp_path / "b")
+    config = not_a_file(tmp_path / "b" / "tokenizer_config.json", kind)
+    with time_limit(10), pytest.raises(TokenizerError, match=f"{config} is a {KINDS[kind]}"):
+        HFTokenizer(good)
+
+
+@pytest.mark.parametrize("text, match", [
+    ("[]", "must hold a JSON object, found list"),             # was AttributeError
+    ('{"bos_token": 5}', "'bos_token' is 5"),                  # was silently ignored
+    ('{"eos_token": ["</s>"]}', "'eos_token' is an array"),
+    ("{not json", "cannot read tokenizer config"),
+])
+def test_tokenizer_config_of_the_wrong_shape(tmp_path: Path, write_tokenizer_json,
+                                            text: str, match: str) -> None:
+    path = write_tokenizer_json(tmp_path)
+    (tmp_path / "tokenizer_config.json").write_text(text)
+    with pytest.raises(TokenizerError, match=match):
+        HFTokenizer(path)
+    (tmp_path / "tokenizer_config.json").write_text('{"bos_token": {"content": "<s>"}, '
+                                                    '"eos_token": null}')
+    assert HFTokenizer(path).bos_id == 1
+
+
+def test_tokenizer_vocab_size_of_the_wrong_type(shared_models: Path) -> None:
+    path = shared_models / "stories260K" / "tok512.bin"
+    with pytest.raises(TokenizerError, match="vocab_size must be an integer"):
+        SentencePieceBPE.from_llama2c_file(path, "512")         # was TypeError
+    with pytest.raises(TokenizerError, match="vocab_size must be positive"):
+        SentencePieceBPE.from_llama2c_file(path, 0)

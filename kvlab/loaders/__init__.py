@@ -11,6 +11,10 @@ A llama2.c .bin stores only sizes, so an optional JSON sidecar with the same ste
 (`model.bin` + `model.json`) can supply the rest: "tokenizer" ("bytes" for a
 ByteTokenizer, or a tokenizer file path relative to the sidecar), "norm_eps",
 "rope_theta", "rope_interleaved", "name". Other keys are ignored (sidecars may carry notes).
+
+Every file is opened only if it is a regular file (a named pipe or a device is refused by
+name) and read no further than its format allows; a wrong-typed or implausible value in
+any header or JSON file is a CheckpointError or ConfigError naming the file and the field.
 """
 from __future__ import annotations
 
@@ -19,10 +23,10 @@ from pathlib import Path
 from typing import Any, Dict, Optional, Tuple
 
 from ..config import ModelConfig
-from ..errors import CheckpointError
+from ..errors import CheckpointError, ConfigError
 from ..tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 from ..weights import Weights
-from .common import read_json_object
+from .common import is_number, open_regular, read_json_object, short
 from .huggingface import load_hf, save_hf_llama
 from .llama2c import load_llama2c, save_llama2c_v1
 
@@ -33,8 +37,13 @@ _SIDECAR_CONFIG_KEYS = ("norm_eps", "rope_theta", "rope_interleaved", "name")
 
 def load_checkpoint(path: "str | os.PathLike[str]",
                     tokenizer_path: "str | os.PathLike[str] | None" = None,
-                    ) -> Tuple[ModelConfig, Weights, Optional[Tokenizer]]:
+                    mmap: bool = True) -> Tuple[ModelConfig, Weights, Optional[Tokenizer]]:
     """(config, weights, tokenizer) from a checkpoint file or folder.
+
+    mmap=True (the default) memory-maps a llama2.c file and uses it in place: instant, and
+    shared between processes, but the file must not change while the weights are in use
+    (Weights.check_source notices when it has). mmap=False reads the weights into memory
+    of their own. Hugging Face and GGUF weights are always converted copies.
 
     Every weight is checked to be finite (a NaN in a corrupt file is a WeightsError, not
     NaN logits later). The tokenizer comes from, in order: `tokenizer_path`; a llama2.c sidecar's
@@ -50,7 +59,8 @@ def load_checkpoint(path: "str | os.PathLike[str]",
         config, weights, tokenizer = load_gguf(path)
     else:
         # An explicit tokenizer_path makes the sidecar's and the nearby one irrelevant.
-        config, weights, tokenizer = _load_llama2c(path, want_tokenizer=tokenizer_path is None)
+        config, weights, tokenizer = _load_llama2c(path, want_tokenizer=tokenizer_path is None,
+                                                   mmap=mmap)
     weights.check_finite(str(path))
     if tokenizer_path is not None:
         tokenizer = load_tokenizer(tokenizer_path, config.vocab_size)
@@ -63,45 +73,66 @@ def detect_format(path: Path) -> str:
     if not path.exists():
         raise CheckpointError(f"checkpoint not found: {path} (no such file or directory)")
     if path.is_dir():
-        if (path / "config.json").is_file():
+        if (path / "config.json").exists():  # read (or refused) by the HF reader
             return "hf"
         raise CheckpointError(f"{path} is a folder without config.json; expected a Hugging Face "
                               "model folder, or pass the checkpoint file itself")
-    if path.suffix.lower() == ".gguf":
-        return "gguf"
-    with open(path, "rb") as f:
-        return "gguf" if f.read(4) == b"GGUF" else "llama2c"
+    with open_regular(path, "checkpoint") as f:  # a FIFO or a device is refused here
+        magic = f.read(4)
+    return "gguf" if path.suffix.lower() == ".gguf" or magic == b"GGUF" else "llama2c"
 
 
-def _load_llama2c(path: Path, want_tokenizer: bool
+def _load_llama2c(path: Path, want_tokenizer: bool, mmap: bool = True
                   ) -> Tuple[ModelConfig, Weights, Optional[Tokenizer]]:
     """A .bin plus what its sidecar (if any) says."""
-    sidecar = _read_sidecar(path.with_suffix(".json"))
+    sidecar_path = path.with_suffix(".json")
+    sidecar = _read_sidecar(sidecar_path)
     overrides = {k: sidecar[k] for k in _SIDECAR_CONFIG_KEYS if k in sidecar}
-    config, weights = load_llama2c(path, **overrides)
+    try:
+        config, weights = load_llama2c(path, mmap=mmap, **overrides)
+    except ConfigError as exc:
+        if getattr(exc, "field", None) not in overrides:
+            raise
+        # the checkpoint's path is in the message already; name the sidecar's key too
+        error = ConfigError(f"{exc} (set by {sidecar_path}'s {exc.field!r})")
+        error.field = exc.field  # type: ignore[attr-defined]
+        raise error from None
     if not want_tokenizer:
         return config, weights, None
     if "tokenizer" in sidecar:
-        return config, weights, _sidecar_tokenizer(sidecar["tokenizer"], path.parent, config)
+        return config, weights, _sidecar_tokenizer(sidecar["tokenizer"], sidecar_path, config)
     return config, weights, _nearby_tokenizer(path.parent, config)
 
 
 def _read_sidecar(path: Path) -> Dict[str, Any]:
-    return read_json_object(path) if path.is_file() else {}
+    """The sidecar's settings, each of the type ModelConfig needs (a JSON "1e-5" string or
+    null must be named here, not fail later in arithmetic)."""
+    if not path.exists():  # a dangling link counts as none; a FIFO or device is refused
+        return {}
+    sidecar = read_json_object(path, "sidecar")
+    for key, ok, kind in (("norm_eps", is_number, "a number"),
+                          ("rope_theta", is_number, "a number"),
+                          ("rope_interleaved", lambda v: isinstance(v, bool), "true or false"),
+                          ("name", lambda v: isinstance(v, str), "a string")):
+        if key in sidecar and not ok(sidecar[key]):
+            raise CheckpointError(f"sidecar {path}: {key!r} must be {kind}, "
+                                  f"got {short(sidecar[key])}")
+    return sidecar
 
 
-def _sidecar_tokenizer(spec: Any, folder: Path, config: ModelConfig) -> Tokenizer:
+def _sidecar_tokenizer(spec: Any, sidecar: Path, config: ModelConfig) -> Tokenizer:
     if spec == "bytes":
         return ByteTokenizer()
-    if isinstance(spec, str):
-        return load_tokenizer(folder / spec, config.vocab_size)
-    raise CheckpointError(f"sidecar 'tokenizer' must be \"bytes\" or a file name, got {spec!r}")
+    if isinstance(spec, str) and spec:
+        return load_tokenizer(sidecar.parent / spec, config.vocab_size)
+    raise CheckpointError(f"sidecar {sidecar}: 'tokenizer' must be \"bytes\" or a file name, "
+                          f"got {short(spec)}")
 
 
 def _nearby_tokenizer(folder: Path, config: ModelConfig) -> Optional[Tokenizer]:
     """llama2.c convention: tok{vocab}.bin (custom vocabularies) or tokenizer.bin."""
     for name in (f"tok{config.vocab_size}.bin", "tokenizer.bin"):
-        if (folder / name).is_file():
+        if (folder / name).exists():  # one that is not a regular file is refused, by name
             return load_tokenizer(folder / name, config.vocab_size)
     return None
 

@@ -27,9 +27,9 @@ from typing import Any, Dict, List, NoReturn, Optional, Tuple
 import numpy as np
 
 from ..config import ModelConfig
-from ..errors import CheckpointError, TokenizerError
+from ..errors import CheckpointError, ConfigError, TokenizerError
 from ..weights import Weights
-from .common import LIMITS
+from .common import LIMITS, config_error_in, open_regular
 
 # kvlab name -> GGUF tensor name ({i} = layer).
 _LAYER_NAMES = {
@@ -61,6 +61,8 @@ def load_gguf(path: "str | os.PathLike[str]") -> Tuple[ModelConfig, Weights, Any
         return config, weights, _embedded_tokenizer(reader)
     except CheckpointError as exc:
         raise CheckpointError(f"{path}: {exc}") from None
+    except ConfigError as exc:  # a value ModelConfig refuses (rope.freq_base=1e-300 ...)
+        raise config_error_in(exc, str(path), _GGUF_KEYS) from None
 
 
 def open_gguf(path: Path) -> Any:
@@ -69,9 +71,7 @@ def open_gguf(path: Path) -> Any:
         from gguf import GGUFReader
     except ImportError:
         raise CheckpointError("reading GGUF files needs the `gguf` package: pip install gguf") from None
-    if not path.is_file():
-        raise CheckpointError(f"checkpoint not found: {path} (no such file)")
-    check_header(path)
+    check_header(path)  # refuses a missing file, a FIFO or a device by name
     try:
         return GGUFReader(path, "r")
     except Exception as exc:  # the walk above should leave nothing for gguf to refuse; if
@@ -111,12 +111,13 @@ def check_header(path: Path) -> None:
     is not where the layout puts it or lies (partly) past the end of the file. It reads the
     header only (the file is mapped, not loaded) and allocates nothing the file size does
     not bound."""
-    size = path.stat().st_size
-    if size < 24:
-        raise CheckpointError(f"{path}: file is {size} bytes, too short for the 24-byte GGUF "
-                              "header (magic, version, tensor count, metadata count)")
-    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
-        _HeaderWalk(data, path).check()
+    with open_regular(path, "checkpoint") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size < 24:
+            raise CheckpointError(f"{path}: file is {size} bytes, too short for the 24-byte "
+                                  "GGUF header (magic, version, tensor count, metadata count)")
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+            _HeaderWalk(data, path).check()
 
 
 class _HeaderWalk:
@@ -278,6 +279,15 @@ class _HeaderWalk:
             expected += -(-nbytes // self.alignment) * self.alignment
 
 
+# kvlab's ModelConfig field -> the GGUF metadata key it comes from, to name the key in errors.
+_GGUF_KEYS = {"dim": "llama.embedding_length", "hidden_dim": "llama.feed_forward_length",
+              "n_layers": "llama.block_count", "n_heads": "llama.attention.head_count",
+              "n_kv_heads": "llama.attention.head_count_kv",
+              "max_seq_len": "llama.context_length", "head_dim": "llama.attention.key_length",
+              "norm_eps": "llama.attention.layer_norm_rms_epsilon",
+              "rope_theta": "llama.rope.freq_base"}
+
+
 def metadata(reader: Any, key: str, default: Any = None) -> Any:
     """One metadata value as plain Python (str, int, float, list)."""
     from ..tokenizer import _gguf_value  # one GGUF field decoder for the whole package
@@ -417,8 +427,10 @@ def _tensor(tensors: Dict[str, Any], name: str, shape: Tuple[int, ...]) -> Any:
 
 
 def _float32(tensor: Any, shape: Tuple[int, ...]) -> np.ndarray:
-    """A checked tensor's data as a new float32 array of NumPy shape `shape`."""
-    return np.asarray(tensor.data).reshape(shape).astype(np.float32)
+    """A checked tensor's data as a new float32 array of NumPy shape `shape`: always a
+    copy (astype copies even F32), so no weight points into gguf's memory map of the file
+    once the reader is gone, and the file may change after loading."""
+    return np.asarray(tensor.data).reshape(shape).astype(np.float32, copy=True)
 
 
 def _read(tensors: Dict[str, Any], name: str, shape: Tuple[int, ...]) -> np.ndarray:

@@ -3,7 +3,8 @@
 safetensors is parsed here with NumPy alone, because the format is small enough to read
 in a few lines: an 8-byte little-endian header length N, N bytes of JSON describing each
 tensor (dtype, shape, data_offsets relative to the end of the header), then raw data.
-Every number in the header is checked against the file before any tensor is read.
+Every number in the header is checked against the file before any tensor is read, and
+every config.json value for its type and against the readers' shared size limits.
 
 Not here: PyTorch .bin checkpoints, quantized weights, models other than Llama-like
 (llama, and mistral without a sliding window), biases, or partial rotary embeddings.
@@ -22,9 +23,10 @@ from typing import Any, Dict, List, Optional, Tuple
 import numpy as np
 
 from ..config import ModelConfig
-from ..errors import CheckpointError
+from ..errors import CheckpointError, ConfigError
 from ..weights import Weights
-from .common import read_json_object
+from .common import (LIMITS, config_error_in, is_int, is_number, open_regular,
+                     read_json_object, short)
 
 # Bytes per element of every safetensors dtype, so sizes can be checked even for
 # tensors we would not read; the three we can convert to float32 are in _READABLE.
@@ -52,8 +54,8 @@ class TensorInfo:
 def read_safetensors_header(path: "str | os.PathLike[str]") -> Dict[str, TensorInfo]:
     """Every tensor's TensorInfo, after checking the header against the file size."""
     path = Path(path)
-    size = path.stat().st_size
-    with open(path, "rb") as f:
+    with open_regular(path, "safetensors file") as f:
+        size = os.fstat(f.fileno()).st_size
         prefix = f.read(8)
         if len(prefix) < 8:
             raise CheckpointError(f"{path}: {size} bytes is too short for a safetensors file")
@@ -62,6 +64,8 @@ def read_safetensors_header(path: "str | os.PathLike[str]") -> Dict[str, TensorI
             raise CheckpointError(f"{path}: header length {header_len:,} runs past the end of "
                                   f"the file ({size:,} bytes); the file is truncated or not safetensors")
         raw = f.read(header_len)
+        if len(raw) != header_len:
+            raise CheckpointError(f"{path}: the file shrank while its header was being read")
     try:
         header = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, ValueError) as exc:
@@ -156,69 +160,146 @@ def float32_to_bf16_bits(array: np.ndarray) -> np.ndarray:
 # ---------------------------------------------------------------------------------------
 # config.json
 # ---------------------------------------------------------------------------------------
+# kvlab's ModelConfig field -> the config.json key it comes from, to name the key in errors.
+_HF_KEYS = {"dim": "hidden_size", "hidden_dim": "intermediate_size",
+            "n_layers": "num_hidden_layers", "n_heads": "num_attention_heads",
+            "n_kv_heads": "num_key_value_heads", "vocab_size": "vocab_size",
+            "max_seq_len": "max_position_embeddings", "head_dim": "head_dim",
+            "norm_eps": "rms_norm_eps", "rope_theta": "rope_theta",
+            "rope_scaling": "rope_scaling", "tied_embeddings": "tie_word_embeddings"}
+_MISSING = object()
+
+
 def config_from_hf(hf: Dict[str, Any], name: str = "") -> ModelConfig:
-    """A ModelConfig from a Llama-like config.json, refusing what kvlab cannot run."""
+    """A ModelConfig from a Llama-like config.json, refusing what kvlab cannot run.
+
+    Every value is checked for its type (a string, list, null or boolean where a number
+    belongs is named, not left to fail in arithmetic) and every size against the same
+    plausibility limits as the GGUF and llama2.c readers, before anything is allocated."""
     _check_architecture(hf)
-    heads = _required(hf, "num_attention_heads")
+    heads = _size(hf, "num_attention_heads", "n_heads")
     theta, scaling = _rope_settings(hf)
-    return ModelConfig(
-        dim=_required(hf, "hidden_size"),
-        hidden_dim=_required(hf, "intermediate_size"),
-        n_layers=_required(hf, "num_hidden_layers"),
-        n_heads=heads,
-        n_kv_heads=hf.get("num_key_value_heads") or heads,
-        vocab_size=_required(hf, "vocab_size"),
-        max_seq_len=hf.get("max_position_embeddings", 2048),  # transformers' Llama default
-        head_dim=hf.get("head_dim") or 0,                     # 0: ModelConfig uses dim // n_heads
-        norm_eps=hf.get("rms_norm_eps", 1e-6),                # transformers' Llama default
-        rope_theta=theta,
-        rope_interleaved=False,  # HF stores q/k for the rotate-half layout
-        rope_scaling=scaling,
-        tied_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        name=name,
-    )
+    head_dim = _size(hf, "head_dim", "dim", 0, null_is_default=True)  # 0: dim // n_heads
+    try:
+        return ModelConfig(
+            dim=_size(hf, "hidden_size", "dim"),
+            hidden_dim=_size(hf, "intermediate_size", "hidden_dim"),
+            n_layers=_size(hf, "num_hidden_layers", "n_layers"),
+            n_heads=heads,
+            n_kv_heads=_size(hf, "num_key_value_heads", "n_kv_heads", heads, null_is_default=True),
+            vocab_size=_size(hf, "vocab_size", "vocab_size"),
+            max_seq_len=_max_positions(hf),
+            head_dim=head_dim,
+            norm_eps=_number(hf, "rms_norm_eps", 1e-6),       # transformers' Llama default
+            rope_theta=theta,
+            rope_interleaved=False,  # HF stores q/k for the rotate-half layout
+            rope_scaling=scaling,
+            tied_embeddings=_flag(hf, "tie_word_embeddings"),
+            name=name,
+        )
+    except ConfigError as exc:
+        raise config_error_in(exc, "config.json", _HF_KEYS) from None
+
+
+def _size(hf: Dict[str, Any], key: str, field: str, default: Any = _MISSING,
+          null_is_default: bool = False) -> int:
+    """An integer size in 1..LIMITS[field]; `default` when absent (if it has one) or null
+    (where transformers reads null so too: num_key_value_heads, head_dim)."""
+    value = hf.get(key)
+    if value is None:
+        if key in hf and not null_is_default:
+            raise CheckpointError(f"config.json: {key!r} is null, expected an integer")
+        if default is _MISSING:
+            raise CheckpointError(f"config.json lacks {key!r}")
+        return default
+    if not is_int(value):
+        raise CheckpointError(f"config.json: {key!r} is {short(value)}, expected an integer")
+    if not 1 <= value <= LIMITS[field]:
+        raise CheckpointError(f"config.json: {key!r} is {value:,}, expected 1..{LIMITS[field]:,}")
+    return value
+
+
+def _max_positions(hf: Dict[str, Any]) -> int:
+    return _size(hf, "max_position_embeddings", "max_seq_len", default=2048)  # transformers' default
+
+
+def _number(hf: Dict[str, Any], key: str, default: float) -> float:
+    """A number (int or float, not a bool, a string or null); `default` when absent.
+    ModelConfig checks its range."""
+    if key not in hf:
+        return default
+    value = hf[key]
+    if not is_number(value):
+        raise CheckpointError(f"config.json: {key!r} is {short(value)}, expected a number")
+    try:
+        return float(value)
+    except OverflowError:  # an integer of hundreds of digits
+        raise CheckpointError(f"config.json: {key!r} is {short(value)}, too large "
+                              "for a number") from None
+
+
+def _flag(hf: Dict[str, Any], key: str) -> bool:
+    """true or false (absent or null: false). A string such as "false" is refused, not
+    taken as true."""
+    value = hf.get(key)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise CheckpointError(f"config.json: {key!r} is {short(value)}, expected true or false")
+    return value
 
 
 def _check_architecture(hf: Dict[str, Any]) -> None:
     model_type = hf.get("model_type")
     if model_type not in _SUPPORTED_TYPES:
-        raise CheckpointError(f"model_type {model_type!r} is not supported; kvlab loads "
-                              f"Llama-like models ({', '.join(_SUPPORTED_TYPES)})")
+        raise CheckpointError(f"config.json: 'model_type' is {short(model_type)}, which is not "
+                              f"supported; kvlab loads Llama-like models "
+                              f"({', '.join(_SUPPORTED_TYPES)})")
     window = hf.get("sliding_window")
+    if window is not None and not is_int(window):
+        raise CheckpointError(f"config.json: 'sliding_window' is {short(window)}, "
+                              "expected an integer or null")
     # A window at least as long as the context never slides, so it changes nothing.
-    if window is not None and window < hf.get("max_position_embeddings", 2048):
-        raise CheckpointError(f"sliding-window attention (sliding_window={window}) is not supported")
+    if window is not None and window < _max_positions(hf):
+        raise CheckpointError(f"config.json: 'sliding_window' is {window}: sliding-window "
+                              "attention is not supported")
     for flag in ("attention_bias", "mlp_bias"):
-        if hf.get(flag):
-            raise CheckpointError(f"{flag}=true: kvlab's Llama has no bias terms")
-    if hf.get("hidden_act", "silu") != "silu":
-        raise CheckpointError(f"hidden_act {hf['hidden_act']!r} is not supported (SwiGLU needs 'silu')")
-
-
-def _required(hf: Dict[str, Any], key: str) -> Any:
-    if key not in hf:
-        raise CheckpointError(f"config.json lacks {key!r}")
-    return hf[key]
+        if _flag(hf, flag):
+            raise CheckpointError(f"config.json: {flag!r} is true: kvlab's Llama has no bias terms")
+    act = hf.get("hidden_act", "silu")
+    if act != "silu":
+        raise CheckpointError(f"config.json: 'hidden_act' is {short(act)}, which is not "
+                              "supported (SwiGLU needs 'silu')")
 
 
 def _rope_settings(hf: Dict[str, Any]) -> Tuple[float, Optional[dict]]:
     """(rope_theta, rope_scaling) from either config style.
 
     transformers 4 writes rope_theta + rope_scaling; transformers 5 writes one
-    rope_parameters dict holding both.
+    rope_parameters dict holding both. ModelConfig checks the scaling's own fields.
     """
     params = hf.get("rope_parameters")
-    if isinstance(params, dict):
-        theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
-        scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+    if params is not None and not isinstance(params, dict):
+        raise CheckpointError(f"config.json: 'rope_parameters' is {short(params)}, "
+                              "expected an object")
+    if params is not None:
+        # transformers 5 writes rope_theta inside rope_parameters (and may leave a null
+        # at the top level)
+        theta = (_number(params, "rope_theta", 10000.0) if "rope_theta" in params
+                 else _number(hf, "rope_theta", 10000.0))
+        scaling: Any = {k: v for k, v in params.items() if k != "rope_theta"}
     else:
-        theta, scaling = hf.get("rope_theta", 10000.0), hf.get("rope_scaling")
+        theta, scaling = _number(hf, "rope_theta", 10000.0), hf.get("rope_scaling")
+    if scaling is not None and not isinstance(scaling, dict):
+        raise CheckpointError(f"config.json: 'rope_scaling' is {short(scaling)}, "
+                              "expected an object or null")
     partial = (scaling or {}).get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
     if partial != 1.0:
-        raise CheckpointError(f"partial rotary embeddings (factor {partial}) are not supported")
+        raise CheckpointError(f"config.json: 'partial_rotary_factor' is {short(partial)}: "
+                              "partial rotary embeddings are not supported")
     if not scaling or scaling.get("rope_type", scaling.get("type")) == "default":
         scaling = None
-    return float(theta), scaling
+    return theta, scaling
 
 
 # ---------------------------------------------------------------------------------------
@@ -246,19 +327,28 @@ _GLOBAL_NAMES = {
 def load_hf(folder: "str | os.PathLike[str]") -> Tuple[ModelConfig, Weights, Any]:
     """(config, float32 weights, tokenizer or None) from a Hugging Face model folder."""
     folder = Path(folder)
-    hf = _read_config_json(folder / "config.json")
+    config_path = folder / "config.json"
+    hf = _read_config_json(config_path)
+    try:
+        config = config_from_hf(hf, name=folder.name)
+    except (CheckpointError, ConfigError) as exc:
+        message = str(exc)
+        message = message[len("config.json: "):] if message.startswith("config.json: ") else message
+        error = type(exc)(f"{config_path}: {message}")
+        error.field = getattr(exc, "field", None)  # type: ignore[attr-defined]
+        raise error from None
     tensors = _tensor_index(folder)
     _reject_biases(tensors)
-    tied = bool(hf.get("tie_word_embeddings", False)) or _GLOBAL_NAMES["classifier"] not in tensors
-    config = config_from_hf(hf, name=folder.name).replace(tied_embeddings=tied)
-    weights = _gather_weights(config, tensors)
+    if not config.tied_embeddings and _GLOBAL_NAMES["classifier"] not in tensors:
+        config = config.replace(tied_embeddings=True)
+    weights = _gather_weights(config, tensors, folder)
     return config, weights, _folder_tokenizer(folder)
 
 
 def _read_config_json(path: Path) -> Dict[str, Any]:
-    if not path.is_file():
+    if not path.exists():
         raise CheckpointError(f"no {path.name} in {path.parent}")
-    return read_json_object(path)
+    return read_json_object(path, path.name)
 
 
 def _tensor_index(folder: Path) -> Dict[str, TensorInfo]:
@@ -276,18 +366,25 @@ def _tensor_index(folder: Path) -> Dict[str, TensorInfo]:
 
 def _safetensors_files(folder: Path) -> List[Path]:
     index = folder / "model.safetensors.index.json"
-    if index.is_file():
+    if index.exists():  # one that is not a regular file is refused when read
         weight_map = _read_config_json(index).get("weight_map")
         if not isinstance(weight_map, dict):
             raise CheckpointError(f"{index} has no weight_map object")
+        bad = [v for v in weight_map.values() if not (isinstance(v, str) and v)]
+        if bad:
+            raise CheckpointError(f"{index}: weight_map holds {short(bad[0])}; expected the "
+                                  "file name of a shard for every tensor")
         files = [folder / name for name in sorted(set(weight_map.values()))]
+        if not files:
+            raise CheckpointError(f"{index}: weight_map is empty; it names no shard")
     else:
         files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise CheckpointError(f"no *.safetensors files in {folder}")
     for path in files:
-        if not path.is_file():
-            raise CheckpointError(f"checkpoint shard not found: {path}")
+        if not path.exists():  # one that is not a regular file is refused when read
+            named = f" (named in {index})" if index.exists() else ""
+            raise CheckpointError(f"checkpoint shard not found: {path}{named}")
     return files
 
 
@@ -298,18 +395,30 @@ def _reject_biases(tensors: Dict[str, TensorInfo]) -> None:
                               "kvlab's Llama has no bias terms")
 
 
-def _gather_weights(config: ModelConfig, tensors: Dict[str, TensorInfo]) -> Weights:
+def _gather_weights(config: ModelConfig, tensors: Dict[str, TensorInfo],
+                    folder: Optional[Path] = None) -> Weights:
+    # Every tensor is found and its shape checked before anything is allocated: the sizes
+    # come from config.json, and a corrupt num_hidden_layers must not allocate gigabytes
+    # for tensors the files do not have. Once all match, the float32 copies are at most
+    # twice the size of the (16-bit) data really in the files.
     expected = Weights.expected_shapes(config)
-    arrays: Dict[str, np.ndarray] = {}
+    found: Dict[str, List[TensorInfo]] = {}
     for key, hf_name in _GLOBAL_NAMES.items():
         if key == "classifier" and config.tied_embeddings:
             continue
-        arrays[key] = _read_named(tensors, hf_name, expected[key])
+        found[key] = [_find(tensors, hf_name, expected[key], folder)]
     for key, pattern in _LAYER_NAMES.items():
-        stacked = np.empty(expected[key], dtype=np.float32)  # filled layer by layer
-        for i in range(config.n_layers):
-            stacked[i] = _read_named(tensors, pattern.format(i=i), expected[key][1:])
-        arrays[key] = stacked
+        found[key] = [_find(tensors, pattern.format(i=i), expected[key][1:], folder)
+                      for i in range(config.n_layers)]
+    arrays: Dict[str, np.ndarray] = {}
+    for key, infos in found.items():
+        if key in _GLOBAL_NAMES:
+            arrays[key] = read_tensor(infos[0])
+        else:
+            stacked = np.empty(expected[key], dtype=np.float32)  # filled layer by layer
+            for i, info in enumerate(infos):
+                stacked[i] = read_tensor(info)
+            arrays[key] = stacked
     if config.tied_embeddings:
         arrays["classifier"] = arrays["token_embedding"]  # one array, two names
     weights = Weights(**arrays)
@@ -317,20 +426,22 @@ def _gather_weights(config: ModelConfig, tensors: Dict[str, TensorInfo]) -> Weig
     return weights
 
 
-def _read_named(tensors: Dict[str, TensorInfo], name: str, shape: Tuple[int, ...]) -> np.ndarray:
+def _find(tensors: Dict[str, TensorInfo], name: str, shape: Tuple[int, ...],
+          folder: Optional[Path] = None) -> TensorInfo:
     info = tensors.get(name)
     if info is None:
-        raise CheckpointError(f"checkpoint lacks tensor {name!r}")
+        raise CheckpointError(f"{str(folder) + ': ' if folder else ''}checkpoint lacks "
+                              f"tensor {name!r}")
     if info.shape != tuple(shape):
-        raise CheckpointError(f"tensor {name!r} has shape {list(info.shape)}, "
+        raise CheckpointError(f"{info.path}: tensor {name!r} has shape {list(info.shape)}, "
                               f"config.json implies {list(shape)}")
-    return read_tensor(info)
+    return info
 
 
 def _folder_tokenizer(folder: Path) -> Any:
     """HFTokenizer for folder/tokenizer.json when the `tokenizers` package is there."""
     path = folder / "tokenizer.json"
-    if not path.is_file():
+    if not path.exists():  # one that is not a regular file is refused by HFTokenizer
         return None
     try:
         import tokenizers  # noqa: F401  (only asking whether it is installed)

@@ -1,9 +1,10 @@
 """Read and write llama2.c checkpoints (.bin): the legacy format and "version 1".
 
 Both are a small header followed by raw little-endian float32 arrays, so we can hand out
-NumPy views of a read-only memory map: loading is instant and nothing is copied. Every
-size is checked against the header *before* anything is mapped, so a corrupt header
-cannot make us allocate or read gigabytes. Not here: int8 "version 2" files (refused
+NumPy views of a read-only memory map: loading is instant and nothing is copied (or, with
+mmap=False, read each array into memory of its own). Every size is checked against the
+header *before* anything is mapped or read, so a corrupt header cannot make us allocate or
+read gigabytes; only regular files are opened. Not here: int8 "version 2" files (refused
 with a clear error), tokenizers (kvlab.tokenizer), format detection (kvlab.loaders).
 
 Legacy layout ("version 0"):
@@ -19,17 +20,19 @@ Version 1 layout:
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
+from typing import BinaryIO, Dict, List, Optional, Tuple
 
 import numpy as np
 
 from ..config import ModelConfig
-from ..errors import CheckpointError, WeightsError
+from ..errors import CheckpointError, ConfigError, WeightsError
 from ..weights import Weights
-from .common import LIMITS, read_json_object
+from .common import (GUARD_ATTRIBUTE, LIMITS, MappedFile, config_error_in, open_regular,
+                     read_json_object, signature)
 
 MAGIC_V1 = 0x616B3432          # "ak42" read as a little-endian uint32
 HEADER_V1_BYTES = 256
@@ -50,36 +53,34 @@ V1_ORDER = ("attn_norm", "ffn_norm", "final_norm", "token_embedding",
 # Reading
 # ---------------------------------------------------------------------------------------
 def load_llama2c(path: "str | os.PathLike[str]", name: Optional[str] = None,
-                 **overrides: object) -> Tuple[ModelConfig, Weights]:
-    """Config and memory-mapped weights of a llama2.c .bin (legacy or version 1).
+                 mmap: bool = True, **overrides: object) -> Tuple[ModelConfig, Weights]:
+    """Config and weights of a llama2.c .bin (legacy or version 1).
 
+    mmap=True hands out read-only views of a memory map of the file (nothing is copied;
+    the weights remember the file's identity, see Weights.check_source); mmap=False reads
+    the weights into arrays of their own, so later changes to the file cannot reach them.
     `overrides` replace ModelConfig fields the format does not store (norm_eps,
     rope_theta, rope_interleaved, name), e.g. from a JSON sidecar.
     """
     path = Path(path)
-    file_size = _file_size(path)
-    header, version = _read_header(path, file_size)
-    shared, fields = header
-    config = _config_from_header(fields, shared, name or path.stem, overrides)
-    order = V1_ORDER if version == 1 else LEGACY_ORDER
-    offset = HEADER_V1_BYTES if version == 1 else HEADER_LEGACY_BYTES
-    shapes = _array_shapes(config, order)
-    _check_size(path, file_size, offset, shapes)
-    return config, _map_weights(path, offset, shapes, config)
+    with open_regular(path, "checkpoint") as f:
+        st = os.fstat(f.fileno())
+        header, version = _read_header(f, path, st.st_size)
+        shared, fields = header
+        config = _config_from_header(path, fields, shared, name or path.stem, overrides)
+        order = V1_ORDER if version == 1 else LEGACY_ORDER
+        offset = HEADER_V1_BYTES if version == 1 else HEADER_LEGACY_BYTES
+        shapes = _array_shapes(config, order)
+        _check_size(path, st.st_size, offset, shapes)
+        if mmap:
+            return config, _map_weights(f, path, st, offset, shapes, config)
+        return config, _read_weights(f, path, st, offset, shapes, config)
 
 
-def _file_size(path: Path) -> int:
-    if not path.exists():
-        raise CheckpointError(f"checkpoint not found: {path} (no such file)")
-    if not path.is_file():
-        raise CheckpointError(f"checkpoint {path} is not a file")
-    return path.stat().st_size
-
-
-def _read_header(path: Path, file_size: int) -> Tuple[Tuple[bool, Dict[str, int]], int]:
+def _read_header(f: BinaryIO, path: Path, file_size: int
+                 ) -> Tuple[Tuple[bool, Dict[str, int]], int]:
     """((shared_classifier, the 7 header ints), version) without trusting any of them yet."""
-    with open(path, "rb") as f:
-        head = f.read(HEADER_V1_BYTES)
+    head = f.read(HEADER_V1_BYTES)
     if len(head) < HEADER_LEGACY_BYTES:
         raise CheckpointError(f"{path}: file is {file_size} bytes, too short for even the "
                               f"{HEADER_LEGACY_BYTES}-byte llama2.c header")
@@ -128,11 +129,14 @@ def _check_header_values(path: Path, fields: Dict[str, int], legacy: bool) -> No
                               f"n_heads={fields['n_heads']}; llama2.c needs head_size = dim / n_heads")
 
 
-def _config_from_header(fields: Dict[str, int], shared: bool, name: str,
+def _config_from_header(path: Path, fields: Dict[str, int], shared: bool, name: str,
                         overrides: Dict[str, object]) -> ModelConfig:
     settings = dict(norm_eps=1e-5, rope_theta=10000.0, rope_interleaved=True, name=name)
     settings.update(overrides)
-    return ModelConfig(**fields, tied_embeddings=shared, **settings)  # ConfigError if sizes clash
+    try:
+        return ModelConfig(**fields, tied_embeddings=shared, **settings)
+    except ConfigError as exc:  # sizes that clash, or a setting from overrides
+        raise config_error_in(exc, str(path), {}) from None
 
 
 def _array_shapes(config: ModelConfig, order: Tuple[str, ...]) -> List[Tuple[str, Tuple[int, ...]]]:
@@ -159,18 +163,53 @@ def _check_size(path: Path, file_size: int, offset: int,
                               "the header does not describe this file")
 
 
-def _map_weights(path: Path, offset: int, shapes: List[Tuple[str, Tuple[int, ...]]],
-                 config: ModelConfig) -> Weights:
-    """Read-only float32 views into one memory map of the file: nothing is copied."""
-    floats = np.memmap(path, dtype="<f4", mode="r", offset=offset)
+def _map_weights(f: BinaryIO, path: Path, st: os.stat_result, offset: int,
+                 shapes: List[Tuple[str, Tuple[int, ...]]], config: ModelConfig) -> Weights:
+    """Read-only float32 views into one memory map of the file: nothing is copied. The map
+    carries a MappedFile, so that the model can tell when the file changes under it."""
+    total = sum(math.prod(shape) for _, shape in shapes)
+    floats = np.memmap(f, dtype="<f4", mode="r", offset=offset, shape=(total,))
+    floats.filename = path.resolve()  # as np.memmap(path) would say (f is a descriptor)
+    setattr(floats, GUARD_ATTRIBUTE, MappedFile(path, st))
     arrays: Dict[str, np.ndarray] = {}
     start = 0
     for name, shape in shapes:
-        count = int(np.prod(shape))
+        count = math.prod(shape)
         # np.asarray drops the memmap subclass (so arithmetic gives plain arrays) but
         # keeps it as .base, which keeps the mapping alive as long as the view lives.
         arrays[name] = np.asarray(floats[start:start + count]).reshape(shape)
         start += count
+    return _weights(arrays, config)
+
+
+def _read_weights(f: BinaryIO, path: Path, st: os.stat_result, offset: int,
+                  shapes: List[Tuple[str, Tuple[int, ...]]], config: ModelConfig) -> Weights:
+    """Each weight read into an array of its own (mmap=False): the file can change or go
+    away afterwards without touching the model."""
+    arrays: Dict[str, np.ndarray] = {}
+    f.seek(offset)
+    for name, shape in shapes:
+        if name == "rope_tables":  # not used: skip its bytes
+            f.seek(4 * math.prod(shape), os.SEEK_CUR)
+            continue
+        array = np.empty(shape, dtype="<f4")
+        view = memoryview(array).cast("B")
+        done = 0
+        while done < len(view):
+            n = f.readinto(view[done:])
+            if not n:
+                break
+            done += n
+        if done != len(view):
+            raise CheckpointError(f"{path}: the file shrank while weight {name!r} was being "
+                                  f"read ({done:,} of {len(view):,} bytes)")
+        arrays[name] = array
+    if signature(os.fstat(f.fileno())) != signature(st):
+        raise CheckpointError(f"{path} changed while it was being read; load it again")
+    return _weights(arrays, config)
+
+
+def _weights(arrays: Dict[str, np.ndarray], config: ModelConfig) -> Weights:
     arrays.pop("rope_tables", None)
     if config.tied_embeddings:
         arrays["classifier"] = arrays["token_embedding"]
@@ -194,6 +233,7 @@ def save_llama2c_v1(path: "str | os.PathLike[str]", config: ModelConfig, weights
     """
     path = Path(path)
     _check_saveable(config, weights)
+    _check_not_mapped_from(path, weights)
     header = struct.pack("<Ii7iB", MAGIC_V1, 1, config.dim, config.hidden_dim, config.n_layers,
                          config.n_heads, config.n_kv_heads, config.vocab_size,
                          config.max_seq_len, int(config.tied_embeddings))
@@ -219,10 +259,22 @@ def _check_saveable(config: ModelConfig, weights: Weights) -> None:
         raise WeightsError("config says tied_embeddings but classifier differs from token_embedding")
 
 
+def _check_not_mapped_from(path: Path, weights: Weights) -> None:
+    """Writing truncates the file first: weights mapped from it would lose their bytes
+    (SIGBUS) before they were written back."""
+    try:
+        target = signature(os.stat(path))[:2]
+    except OSError:
+        return
+    if any(source.signature[:2] == target for source in weights.mapped_files):
+        raise CheckpointError(f"cannot save over {path}: these weights are memory-mapped from "
+                              "it; save elsewhere, or load it with mmap=False first")
+
+
 def _write_sidecar_if_needed(path: Path, config: ModelConfig) -> None:
     """Record settings the .bin cannot hold; keep other keys of an existing sidecar."""
     sidecar = path.with_suffix(".json")
-    existing = read_json_object(sidecar) if sidecar.is_file() else None
+    existing = read_json_object(sidecar, "sidecar") if sidecar.exists() else None
     non_default = any(getattr(config, k) != v for k, v in _DEFAULTS.items())
     if existing is None and not non_default:
         return

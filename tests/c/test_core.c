@@ -144,6 +144,7 @@ static void test_ops(void) {
     CHECK(kv_sample(logits, 5, &hot, 0.5, sample_scratch) == 2);
     float with_nan_logit[3] = {1.0f, NAN, 0.0f};
     CHECK(kv_sample(with_nan_logit, 3, &plain, 0.5, sample_scratch) == -1);
+    CHECK(kv_sample(with_nan_logit, 3, &greedy, 0.5, sample_scratch) == -1);   /* not argmax's 1 */
     CHECK(kv_sample(all_low, 3, &plain, 0.5, sample_scratch) == -1);
 }
 
@@ -393,6 +394,40 @@ static void test_cache(void) {
     kv_cache_free(&cache);   /* freeing twice is harmless */
 }
 
+/* An interrupt check that always says stop: a generation loop ends after its first step,
+ * keeping it; without the check the same call runs to the end. */
+static int always_stop(void *arg) {
+    (*(int *)arg)++;
+    return 1;
+}
+
+static void test_interrupts(void) {
+    test_model tm;
+    make_model(&tm, 4, 2, 6);
+    kv_cache cache;
+    CHECK(kv_cache_init(&cache, tm.model.config.n_layers, 2, 6, 30, NULL) == KV_OK);
+    int32_t picks[10];
+    int n_steps = -1;
+    int asked = 0;
+    kv_set_interrupt_check(always_stop, &asked);
+    CHECK(kv_model_generate(&tm.model, &cache, 3, 10, -1, NULL, NULL, picks, NULL, &n_steps,
+                            NULL) == KV_ERR_INTERRUPTED);
+    CHECK(asked == 1 && n_steps == 1 && cache.length == 1);   /* the first step, whole */
+    kv_set_interrupt_check(NULL, NULL);
+    CHECK(kv_model_generate(&tm.model, &cache, picks[0], 10, -1, NULL, NULL, picks, NULL,
+                            &n_steps, NULL) == KV_OK);
+    CHECK(n_steps == 10 && cache.length == 11);
+    /* the chunk rule: short calls whole, long ones in equal chunks of at least 16 */
+    CHECK(kv_chunk_length(&tm.model.config, 0, 20) == 20);
+    kv_config big = tm.model.config;
+    big.dim = 4096, big.hidden_dim = 11008, big.n_layers = 32, big.n_heads = 32;
+    big.n_kv_heads = 32, big.head_dim = 128, big.vocab_size = 32000;
+    int n = kv_chunk_length(&big, 0, 4096);
+    CHECK(n >= 16 && n < 4096 && kv_chunk_length(&big, 100000, 40) == 16);
+    kv_cache_free(&cache);
+    free_model(&tm);
+}
+
 int main(void) {
     test_ops();
     test_cache();
@@ -407,6 +442,7 @@ int main(void) {
     test_model_paths_agree(6, 2, 8, &int8);
     test_model_paths_agree(6, 2, 8, &mixed);
     test_model_paths_agree(4, 1, 10, &halves);
+    test_interrupts();
     printf("%d passed, %d failed\n", passed, failed);
     return failed ? 1 : 0;
 }

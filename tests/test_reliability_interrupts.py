@@ -1,0 +1,192 @@
+"""Issue 18: a long call stops for Ctrl-C within a fraction of a second and keeps what it
+completed; NaN logits stop generation with an error naming the step; sane bounds and clear
+messages for threads, token arrays, numbers in C messages and the command line.
+
+The interrupts are real SIGINTs sent to this process while a call runs in C, sized to take
+many seconds uninterrupted: the test checks that the call stopped early with
+KeyboardInterrupt and what the cache holds after, never how fast (benchmarks do that)."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import kvlab
+from kvlab.measure import chunk_length, forward_counts, scratch_bytes
+
+pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="SIGINT to oneself")
+
+
+@pytest.fixture(scope="module")
+def long_model():
+    """The bundled model with room for 9,000 positions: an 8,000-token call takes many
+    seconds (attention over every earlier position), a decode loop minutes."""
+    model = kvlab.load()
+    return kvlab.Model(model.config.replace(max_seq_len=9000), model.weights, model.tokenizer)
+
+
+def interrupt_after(seconds: float) -> threading.Thread:
+    def fire():
+        time.sleep(seconds)
+        os.kill(os.getpid(), signal.SIGINT)
+    thread = threading.Thread(target=fire, daemon=True)
+    thread.start()
+    return thread
+
+
+def interrupted(call, after: float = 0.3):
+    """Runs call with a SIGINT `after` seconds in: the KeyboardInterrupt it raised, and the
+    seconds the call ran (None if it finished first)."""
+    thread = interrupt_after(after)
+    started = time.perf_counter()
+    try:
+        call()
+    except KeyboardInterrupt as error:
+        thread.join()
+        return error, time.perf_counter() - started
+    thread.join()
+    time.sleep(0.05)              # a SIGINT that came after the call must not hit the next test
+    return None, None
+
+
+def test_ctrl_c_stops_a_long_uncached_forward_and_the_model_still_works(long_model):
+    tokens = np.random.default_rng(0).integers(0, 256, 8000)
+    before = long_model.forward(tokens[:40])
+    error, _ = interrupted(lambda: long_model.forward(tokens))
+    assert error is not None, "an 8,000-token forward finished before the interrupt"
+    assert np.array_equal(long_model.forward(tokens[:40]), before)
+
+
+def test_an_interrupted_prefill_keeps_whole_chunks_and_goes_on_exactly(long_model):
+    tokens = np.random.default_rng(1).integers(0, 256, 6000)
+    cache = long_model.new_cache(6000)
+    error, _ = interrupted(lambda: long_model.prefill(tokens, cache))
+    assert error is not None, "a 6,000-token prefill finished before the interrupt"
+    kept = cache.length
+    chunk = chunk_length(long_model.config, 0, len(tokens))
+    assert 0 < kept < len(tokens) and kept % chunk == 0, (kept, chunk)
+    # what it kept is what a prefill of those tokens writes, and the rest continues exactly
+    fresh = long_model.new_cache(6000)
+    long_model.prefill(tokens[:kept], fresh)
+    assert np.array_equal(cache.keys, fresh.keys) and np.array_equal(cache.values, fresh.values)
+    last = long_model.prefill(tokens[kept:kept + 30], cache)
+    assert np.array_equal(last, long_model.prefill(tokens[kept:kept + 30], fresh))
+
+
+def test_an_interrupted_decode_loop_keeps_its_steps_on_the_exception(long_model):
+    cache = long_model.new_cache(9000)
+    first = int(np.argmax(long_model.prefill([10, 20, 30], cache)))
+    error, _ = interrupted(lambda: long_model.decode_steps(first, cache, 8000), after=0.2)
+    assert error is not None, "8,000 decode steps finished before the interrupt"
+    tokens, seconds = error.completed
+    assert 0 < len(tokens) < 8000 and len(seconds) == len(tokens)
+    assert cache.length == 3 + len(tokens)          # each completed step's token, no more
+    reference = long_model.new_cache(9000)
+    long_model.prefill([10, 20, 30], reference)
+    again, _ = long_model.decode_steps(first, reference, len(tokens))
+    assert np.array_equal(tokens, again)
+    assert np.array_equal(cache.keys, reference.keys)
+
+
+def test_a_chunked_call_counts_and_returns_what_one_pass_would(long_model):
+    c = long_model.config
+    tokens = np.random.default_rng(2).integers(0, 256, 3000)
+    chunk = chunk_length(c, 0, len(tokens))
+    assert chunk < len(tokens)                       # this call is long enough to be chunked
+    long_model.reset_counters()
+    whole = long_model.forward(tokens, all_logits=True)
+    counted = long_model.counters
+    want = forward_counts(c, len(tokens), 0, True)
+    assert counted.flops == want.flops and counted.weight_bytes == want.weight_bytes
+    assert counted.calls == 1 and counted.tokens == len(tokens)
+    assert counted.scratch_bytes == scratch_bytes(c, len(tokens), kvlab.get_num_threads(),
+                                                  cached=False)
+    cache = long_model.new_cache(3000)
+    parts = np.concatenate([long_model.prefill(tokens[i:i + 500], cache, all_logits=True)
+                            for i in range(0, 3000, 500)])
+    assert np.array_equal(whole, parts)
+
+
+def test_the_chunk_rule_in_python_is_the_c_cores():
+    config = kvlab.ModelConfig.llama2_7b()
+    # one chunk for a short call; a long one splits, the same length until the last
+    assert chunk_length(kvlab.load().config, 0, 512) == 512
+    n = chunk_length(config, 0, 4096)
+    assert 16 <= n < 4096
+    assert chunk_length(config, 100_000, 10) == 10     # never fewer than 16, never more than asked
+    assert chunk_length(config, 100_000, 40) == 16
+
+
+# ---- numbers ------------------------------------------------------------------------------------
+
+def nan_model():
+    model = kvlab.load()
+    weights = model.weights
+    import dataclasses
+    broken = dataclasses.replace(weights, final_norm=np.full_like(weights.final_norm, np.nan))
+    return kvlab.Model(model.config, broken, model.tokenizer)
+
+
+@pytest.mark.parametrize("use_cache", [True, False])
+def test_greedy_generation_over_nan_logits_raises_naming_the_step(use_cache):
+    with pytest.raises(ValueError, match=r"generate, new token 0 \(position 5\).*NaN"):
+        kvlab.generate(nan_model(), "ROMEO:", 5, use_cache=use_cache)
+
+
+def test_c_messages_show_their_numbers():
+    from kvlab._core import core
+    for call, shown in ((lambda: core.sample(np.zeros(3, np.float32), -1.5, 0, 1.0, 0.5), "-1.5"),
+                        (lambda: core.sample(np.zeros(3, np.float32), 1.0, 0, 1.25, 0.5), "1.25"),
+                        (lambda: core.sample(np.zeros(3, np.float32), 1.0, 0, 1.0, 2.5), "2.5")):
+        with pytest.raises(ValueError) as error:
+            call()
+        assert shown in str(error.value) and "%" not in str(error.value)
+
+
+# ---- resources and messages --------------------------------------------------------------------
+
+def test_threads_are_bounded_by_the_cores():
+    before = kvlab.get_num_threads()
+    with pytest.raises(ValueError, match="4 per core"):
+        kvlab.set_num_threads(1024)
+    assert kvlab.get_num_threads() == before
+    try:
+        kvlab.set_num_threads(4 * len(os.sched_getaffinity(0)))      # the most it allows
+    finally:
+        kvlab.set_num_threads(before)
+
+
+def test_a_misaligned_token_array_is_copied_not_refused():
+    model = kvlab.load()
+    raw = np.zeros(4 * 6 + 1, np.uint8)
+    tokens = raw[1:].view(np.int32)                 # contiguous, at an odd address
+    tokens[:] = [82, 79, 77, 69, 79, 58]
+    assert tokens.flags.c_contiguous and not tokens.flags.aligned
+    assert np.array_equal(model.forward(tokens), model.forward(tokens.copy()))
+    pool = model.new_paged_pool(num_blocks=4, block_size=4)
+    assert pool.reuse_prefix(pool.new_sequence(), tokens) == 0
+
+
+def kvlab_cli(*args, pipe_into=None):
+    command = [sys.executable, "-m", "kvlab", *args]
+    if pipe_into is None:
+        return subprocess.run(command, capture_output=True, text=True, timeout=120)
+    shell = " ".join(command) + f" | {pipe_into}; exit ${{PIPESTATUS[0]}}"
+    return subprocess.run(["bash", "-c", shell], capture_output=True, text=True, timeout=120)
+
+
+def test_bench_refuses_zero_repeats_plainly():
+    run = kvlab_cli("bench", "--repeats", "0")
+    assert run.returncode == 2 and "--repeats: must be at least 1, got 0" in run.stderr
+    assert "Traceback" not in run.stderr
+
+
+def test_output_cut_short_by_head_is_not_an_error():
+    run = kvlab_cli("lab", "show", "scheduler", pipe_into="head -c 20 > /dev/null")
+    assert run.stderr == "", run.stderr
