@@ -1,11 +1,11 @@
 """The generation loop, with and without a KV cache, timed step by step.
 
 With the cache, the prompt is prefilled once and each new token costs one decode step
-over the cached K and V. After the prefill, the token-by-token loop over a cache runs in
-the C core (Model.decode_steps), choosing each token as kvlab.sampling.sample does, so no
-Python runs between tokens. Without it, every step re-runs the whole sequence from
-position 0, which is what the course's "uncached" measurements time. Both use the
-same sampler, so greedy generation gives the same tokens either way: the cache is exact.
+over the cached K and V. Without it, every step re-runs the whole sequence from position
+0, which is what the course's "uncached" measurements time. Both use the same sampler, so
+greedy generation gives the same tokens either way: the cache is exact. generate() reads
+as that loop; by default the cached decode steps run in the C core instead
+(Model.decode_steps, the same steps and choices with no Python between tokens).
 """
 from __future__ import annotations
 
@@ -58,13 +58,18 @@ def generate(model: Model, prompt: Union[str, Sequence[int]], max_new_tokens: in
              use_cache: bool = True, temperature: float = 0.0, top_k: Optional[int] = None,
              top_p: Optional[float] = None, seed: Optional[int] = None,
              stop_at_eos: bool = True, progress: bool = False, cache_dtype: str = "fp32",
-             **cache_options) -> Generation:
+             fast: bool = True, **cache_options) -> Generation:
     """Generate up to max_new_tokens after the prompt (text, or a list of token ids).
 
     Greedy by default (temperature 0). A seed makes sampling reproducible. The model's
     context (config.max_seq_len) bounds prompt + new tokens. cache_dtype and
     cache_options (key_dtype, value_dtype, group, key_group, value_group, window) choose
     how the KV cache stores K and V, as in model.new_cache().
+
+    The loop below is the algorithm. With a cache and fast=True (the default) its decode
+    steps run in the C core instead (_cached_loop_in_c): on a model as small as the kit's
+    a trip through Python and back costs about a sixth of a step. fast=False runs the loop
+    as written; both give the same tokens and take the same numbers from the generator.
     """
     cache_format = model.cache_format(cache_dtype, **cache_options)   # checked up front
     if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
@@ -94,44 +99,29 @@ def generate(model: Model, prompt: Union[str, Sequence[int]], max_new_tokens: in
     new_tokens: List[int] = []
     seconds: List[float] = []
     bar = _progress_bar(max_new_tokens, "cached" if use_cache else "uncached", progress)
-    stopped = False      # an end-of-sequence token was chosen (and is not kept)
+    sampling = (temperature, top_k, top_p, rng)
     with model.counting() as counts:
-        # Without a cache every step runs here; with one, only the first (the prompt).
-        for step in range(max_new_tokens if cache is None else 1):
-            start = time.perf_counter()
-            if cache is None:
-                logits = model.forward(ids + new_tokens)          # everything, from scratch
-            else:
-                logits = model.prefill(ids, cache)                # the whole prompt at once
-            try:
-                token = sample(logits, temperature, top_k, top_p, rng)
-            except ValueError as error:       # the arguments were checked: bad logits
-                raise ValueError(f"generate, new token {step} (position "
-                                 f"{len(ids) + step - 1}): {error}") from None
-            seconds.append(time.perf_counter() - start)
-            if bar is not None:
-                bar.update(1)
-            stopped = token == eos
-            if stopped:
-                break
-            new_tokens.append(token)
-        # With a cache every later step is one decode step over it, the newest token in;
-        # the loop over them runs in C (a chunk at a time, so that a progress bar moves).
-        while cache is not None and not stopped and len(seconds) < max_new_tokens:
-            n = max_new_tokens - len(seconds)
-            try:
-                picks, times = model.decode_steps(new_tokens[-1], cache,
-                                                  n if bar is None else min(n, PROGRESS_CHUNK),
-                                                  temperature, top_k, top_p, rng, stop_token=eos)
-            except ValueError as error:       # the arguments were checked: bad logits
-                done = len(getattr(error, "completed", ((),))[0])
-                raise ValueError(f"generate, new token {len(seconds) + done}: {error}") from None
-            seconds.extend(times.tolist())
-            if bar is not None:
-                bar.update(len(picks))
-            picks = picks.tolist()
-            stopped = picks[-1] == eos
-            new_tokens.extend(picks[:-1] if stopped else picks)
+        if cache is not None and fast:
+            _cached_loop_in_c(model, ids, cache, max_new_tokens, sampling, eos, new_tokens,
+                              seconds, bar)
+        else:
+            # The loop. With a cache, the prompt runs once and then only the newest token;
+            # without one, every step runs the whole sequence from position 0.
+            for step in range(max_new_tokens):
+                start = time.perf_counter()
+                if cache is None:
+                    logits = model.forward(ids + new_tokens)        # everything, from scratch
+                elif step == 0:
+                    logits = model.prefill(ids, cache)              # the whole prompt at once
+                else:
+                    logits = model.decode(new_tokens[-1], cache)    # the newest token only
+                token = _choose(logits, sampling, step, len(ids))
+                seconds.append(time.perf_counter() - start)
+                if bar is not None:
+                    bar.update(1)
+                if token == eos:                  # an end-of-sequence token is not kept
+                    break
+                new_tokens.append(token)
     if bar is not None:
         bar.close()
 
@@ -140,6 +130,50 @@ def generate(model: Model, prompt: Union[str, Sequence[int]], max_new_tokens: in
                       completion=completion, step_seconds=np.array(seconds),
                       use_cache=use_cache, cache_nbytes=cache.nbytes if cache else 0,
                       counts=counts)
+
+
+def _choose(logits: np.ndarray, sampling: tuple, step: int, prompt_len: int) -> int:
+    """The next token, as kvlab.sampling.sample chooses it; NaN logits name the step."""
+    try:
+        return sample(logits, *sampling)
+    except ValueError as error:            # the arguments were checked: bad logits
+        raise ValueError(f"generate, new token {step} (position {prompt_len + step - 1}): "
+                         f"{error}") from None
+
+
+def _cached_loop_in_c(model: Model, ids: List[int], cache, max_new_tokens: int,
+                      sampling: tuple, eos: Optional[int], new_tokens: List[int],
+                      seconds: List[float], bar) -> None:
+    """generate's loop over a cache with its decode steps in the C core (fast=True): the
+    prompt's step as in the loop, then Model.decode_steps, which runs decode and the same
+    choice of token for every later step without coming back to Python (in chunks when a
+    progress bar shows). The same tokens, the same numbers taken from rng: tested."""
+    temperature, top_k, top_p, rng = sampling
+    start = time.perf_counter()
+    token = _choose(model.prefill(ids, cache), sampling, 0, len(ids))
+    seconds.append(time.perf_counter() - start)
+    if bar is not None:
+        bar.update(1)
+    if token == eos:
+        return
+    new_tokens.append(token)
+    while len(seconds) < max_new_tokens:
+        n = max_new_tokens - len(seconds)
+        try:
+            picks, times = model.decode_steps(new_tokens[-1], cache,
+                                              n if bar is None else min(n, PROGRESS_CHUNK),
+                                              temperature, top_k, top_p, rng, stop_token=eos)
+        except ValueError as error:           # the arguments were checked: bad logits
+            done = len(getattr(error, "completed", ((),))[0])
+            raise ValueError(f"generate, new token {len(seconds) + done}: {error}") from None
+        seconds.extend(times.tolist())
+        if bar is not None:
+            bar.update(len(picks))
+        picks = picks.tolist()
+        if picks[-1] == eos:
+            new_tokens.extend(picks[:-1])
+            return
+        new_tokens.extend(picks)
 
 
 def _format_options(fmt) -> dict:

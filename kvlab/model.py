@@ -259,9 +259,9 @@ class Model:
 
         Over a KVCache the whole loop runs in C with the GIL released: no Python and no
         allocation between tokens, which is what a tiny model's step is otherwise mostly
-        made of; it draws its max_steps numbers from rng before the first step, so after an
-        early stop rng has moved on further than stepping would have moved it. Other
-        caches (paged, GPU) step through decode() here.
+        made of; it draws its max_steps numbers from rng before the first step, then leaves
+        rng as if each step had drawn its own, as stepping does. Other caches (paged, GPU)
+        step through decode() here.
 
         A call that fails part-way (Ctrl-C, which stops it between two tokens, or logits
         that hold NaN) keeps every step it completed: the cache holds their tokens (and the
@@ -280,14 +280,27 @@ class Model:
             rng = np.random.default_rng()
         if isinstance(cache, KVCache):
             call = np.zeros(len(core.COUNTERS), dtype=np.int64)
-            # the numbers each sampled step draws with, the same ones sample() would take
-            uniforms = rng.random(max_steps) if temperature > 0.0 else None
+            # the numbers each sampled step draws with, the same ones sample() would take;
+            # drawn ahead, then rng is set to have given exactly those the steps used
+            uniforms, before = None, None
+            if temperature > 0.0:
+                before = rng.bit_generator.state
+                uniforms = rng.random(max_steps)
+            used = 0
             try:
                 picks, seconds = self._core.generate(
                     int(token), cache, max_steps, temperature, top_k or 0,
                     1.0 if top_p is None else top_p, uniforms, stop, call)
+                used = len(picks)
+            except BaseException as error:
+                # an interrupt comes between steps; NaN logits fail a step that drew its number
+                used = len(getattr(error, "completed", ((),))[0]) + isinstance(error, ValueError)
+                raise
             finally:
                 self._record(call)
+                if before is not None:
+                    rng.bit_generator.state = before
+                    rng.random(used)
             return picks, seconds
         picks, seconds = [], []
         try:

@@ -127,3 +127,38 @@ def test_sampled_generation_draws_one_number_per_step_on_every_path(model):
     assert cached == kvlab.generate(model, [5, 6], use_cache=False, **kwargs).tokens
     assert cached == kvlab.generate(model, [5, 6], progress=True, **kwargs).tokens
     assert cached != kvlab.generate(model, [5, 6], max_new_tokens=40).tokens   # it sampled
+
+
+@pytest.mark.parametrize("sampling", [{}, {"temperature": 0.9, "top_k": 20, "top_p": 0.9, "seed": 3}])
+def test_the_loop_as_written_and_the_c_loop_give_the_same_generation(model, sampling):
+    """generate(fast=False) runs the loop the chapter shows; the default runs its decode
+    steps in C: the same tokens, greedy or seeded sampling, with or without a progress bar."""
+    plain = kvlab.generate(model, [5, 6], max_new_tokens=40, fast=False, **sampling)
+    assert plain.tokens == kvlab.generate(model, [5, 6], max_new_tokens=40, **sampling).tokens
+    assert plain.tokens == kvlab.generate(model, [5, 6], max_new_tokens=40, progress=True,
+                                          **sampling).tokens
+    assert len(plain.step_seconds) == 40
+
+
+def test_the_c_loop_takes_from_rng_exactly_the_numbers_its_steps_use(model):
+    """decode_steps over a KVCache draws its numbers ahead in C; over a paged sequence it
+    steps in Python, one number per step. After a stop token ends both early, both have
+    taken the same numbers: the next draw is the same."""
+    stop = None
+    for seed in range(20):              # a seed whose run stops early on some token
+        probe = model.new_cache(40)
+        first = int(np.argmax(model.prefill([1, 2, 3], probe)))
+        picks, _ = model.decode_steps(first, probe, 30, temperature=1.0,
+                                      rng=np.random.default_rng(seed))
+        if len(set(picks.tolist())) > 3:
+            stop, at = int(picks[5]), seed
+            break
+    assert stop is not None
+    results = []
+    for cache in (model.new_cache(40), model.new_paged_pool(num_blocks=16, block_size=4).new_sequence()):
+        rng = np.random.default_rng(at)
+        first = int(np.argmax(model.prefill([1, 2, 3], cache)))
+        picks, _ = model.decode_steps(first, cache, 30, temperature=1.0, rng=rng, stop_token=stop)
+        results.append((picks.tolist(), rng.random()))
+    assert results[0] == results[1]
+    assert results[0][0][-1] == stop and len(results[0][0]) <= 6
