@@ -26,6 +26,7 @@ from .errors import (CacheFullError, CheckpointError, ConfigError, CudaError, KV
                      WeightsError)
 from .engine import Engine, RequestOutput, StepResult
 from .generate import Generation, generate
+from .loaders import load_checkpoint
 from .measure import kv_bytes_per_token, kv_cache_bytes
 from .model import KVCache, Model
 from .paged import PagedPool, PagedSequence, PoolStats
@@ -50,7 +51,6 @@ def load(path: Union[str, Path, None] = None,
     A llama2.c file is memory-mapped and used in place (mmap=True): the file must then
     stay as it is while the model is used; a call after it changed raises CheckpointError.
     mmap=False reads the weights into memory of their own, for files that may change."""
-    from .loaders import load_checkpoint
     path = Path(path) if path is not None else DEFAULT_MODEL
     config, weights, tok = load_checkpoint(path, tokenizer, mmap=mmap)
     return Model(config, weights, tok, source=str(path)).to(device)

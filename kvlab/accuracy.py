@@ -27,6 +27,7 @@ from typing import Dict, List, Optional, Sequence, Union
 
 import numpy as np
 
+from .generate import generate
 from .measure import kv_bytes_per_token
 from .next_token_metrics import kl_divergence, log_softmax, perplexity  # noqa: F401 (re-exported)
 
@@ -166,7 +167,7 @@ def evaluate(model, tokens: Sequence[int], formats: Sequence[FormatSpec] = DEFAU
     exact_perplexity = float(np.exp(exact.nll / n_predicted))
     results = []
     for fmt, total in zip(fmts, totals):
-        perplexity = float(np.exp(total.nll / n_predicted))
+        format_perplexity = float(np.exp(total.nll / n_predicted))
         results.append(FormatAccuracy(
             name=fmt.name,
             bytes_per_token=kv_bytes_per_token(config, fmt.key, value_dtype=fmt.value,
@@ -176,8 +177,8 @@ def evaluate(model, tokens: Sequence[int], formats: Sequence[FormatSpec] = DEFAU
             value_error=np.sqrt(total.value_error / np.maximum(value_norm, 1e-30)).tolist(),
             kl=total.kl / n_predicted,
             top1=total.agree / n_predicted,
-            perplexity=perplexity,
-            perplexity_change=100.0 * (perplexity / exact_perplexity - 1.0)))
+            perplexity=format_perplexity,
+            perplexity_change=100.0 * (format_perplexity / exact_perplexity - 1.0)))
     return AccuracyReport(model=config.name or model.source, n_tokens=n_predicted + len(windows),
                           context=context, formats=results)
 
@@ -204,7 +205,6 @@ def generated_tokens(model, n_tokens: int, prompt: Union[str, Sequence[int]] = "
                      seed: int = 0, temperature: float = 1.0) -> np.ndarray:
     """Text the model wrote itself (sampled with an fp32 cache): for models without a
     held-out split of their training data, such as stories260K."""
-    from .generate import generate
     ids: List[int] = []
     step = 0
     while len(ids) < n_tokens:

@@ -39,8 +39,9 @@ import numpy as np
 
 from ._core import core
 from .errors import CacheFullError, ConfigError, CudaError, OutOfBlocks
-from .measure import Counts, forward_counts
-from .model import Model, TokenArray, as_token_array
+from .counts import Counts
+from .measure import forward_counts
+from .model import DEVICE_MODELS, Model, TokenArray, as_token_array
 from .paged import PagedPool
 from .quant import CacheFormat, Quantized, dequantize
 
@@ -637,6 +638,9 @@ class CudaModel(Model):
 
     def __repr__(self) -> str:
         return super().__repr__()[:-1] + ", device='cuda')"
+
+
+DEVICE_MODELS["cuda"] = CudaModel          # Model.to("cuda")
 
 
 __all__ = ["is_available", "why_not", "device_info", "extension", "check_format", "FORMATS",

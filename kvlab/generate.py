@@ -16,7 +16,7 @@ from typing import List, Optional, Sequence, Union
 import numpy as np
 
 from .errors import CacheFullError
-from .measure import Counts
+from .counts import Counts
 from .model import Model
 from .sampling import check_sampling_args, sample
 

@@ -21,7 +21,10 @@ import dataclasses
 
 from typing import Optional
 
+from ._core import core
 from .config import ModelConfig
+from .counts import Counts  # noqa: F401 (re-exported: kvlab.measure.Counts)
+from .generate import generate
 from .process_memory import peak_resident_bytes, release_freed_memory, resident_bytes  # noqa: F401
 from .quant import CacheFormat
 
@@ -75,36 +78,6 @@ def weights_bytes(config: ModelConfig, dtype: str = "fp16") -> int:
 
 
 # ---- work per forward call ----------------------------------------------------------------
-
-@dataclasses.dataclass
-class Counts:
-    """FLOPs and bytes of forward calls; the same fields as the C core's kv_counters.
-    A FLOP is one multiply or one add (a multiply-add is 2)."""
-    flops_projections: int = 0   # Wq, Wk, Wv, Wo
-    flops_attention: int = 0     # q . k over the visible positions, and the mix of V
-    flops_mlp: int = 0           # W1, W3, W2
-    flops_logits: int = 0        # the classifier
-    weight_bytes: int = 0        # weights read, each matrix once per call
-    kv_read_bytes: int = 0       # K and V read by attention
-    kv_write_bytes: int = 0      # K and V written
-    scratch_bytes: int = 0       # peak activation scratch of one call
-    tokens: int = 0              # tokens run through the model
-    calls: int = 0
-
-    @property
-    def flops(self) -> int:
-        return self.flops_projections + self.flops_attention + self.flops_mlp + self.flops_logits
-
-    @property
-    def bytes_moved(self) -> int:
-        return self.weight_bytes + self.kv_read_bytes + self.kv_write_bytes
-
-    def __add__(self, other: "Counts") -> "Counts":
-        summed = {f.name: getattr(self, f.name) + getattr(other, f.name)
-                  for f in dataclasses.fields(self)}
-        summed["scratch_bytes"] = max(self.scratch_bytes, other.scratch_bytes)
-        return Counts(**summed)
-
 
 # A long forward call runs in chunks of about this much work and can be interrupted
 # between them (csrc/common.h KV_CHUNK_FLOPS, csrc/model.c kv_chunk_length).
@@ -215,7 +188,6 @@ def memory_bandwidth(n_bytes: int = 1 << 28, repeats: int = 3) -> dict:
     {'read_bytes_per_s', 'triad_bytes_per_s'}, best of `repeats` passes over arrays of
     n_bytes each (three are allocated; make them much larger than the CPU's caches). The
     yardstick for "bytes read per second" figures of decode and attention."""
-    from ._core import core
     if isinstance(n_bytes, bool) or not isinstance(n_bytes, int) or n_bytes < 1 << 20:
         raise ValueError(f"n_bytes must be an integer of at least 1 MiB, got {n_bytes!r}")
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
@@ -230,7 +202,6 @@ def attention_walk_bandwidth(context: int, n_kv_heads: int = 8, head_dim: int = 
     fetched ahead, the heads shared among the core's threads) when it computes nothing:
     the ceiling of attention's access pattern, to compare with memory_bandwidth's plain
     read. The best of `repeats` passes, each from memory."""
-    from ._core import core
     for name, value in (("context", context), ("n_kv_heads", n_kv_heads),
                         ("head_dim", head_dim), ("repeats", repeats)):
         if isinstance(value, bool) or not isinstance(value, int):
@@ -325,7 +296,6 @@ def working_memory(model, prompt, new_tokens: int = 256) -> WorkingMemory:
     by the core. Without a cache the last step holds activations for the whole sequence
     and rebuilds all of its K and V; with one, a step holds one token's activations and
     the cache holds every K and V once."""
-    from .generate import generate
 
     with_cache = generate(model, prompt, new_tokens, use_cache=True, stop_at_eos=False)
     without = generate(model, prompt, new_tokens, use_cache=False, stop_at_eos=False)

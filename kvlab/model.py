@@ -10,14 +10,14 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from typing import Iterator, Optional, Sequence, Tuple, Union
+from typing import Callable, Dict, Iterator, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
 from ._core import core
 from .config import ModelConfig
 from .errors import TokenizerError
-from .measure import Counts
+from .counts import Counts
 from .quant import CacheFormat
 from .sampling import check_sampling_args, sample
 from .paged import PagedPool, PagedSequence
@@ -82,6 +82,11 @@ def _device_name(device: str) -> str:
     raise ValueError(f"unknown device {device!r}: kvlab runs on 'cpu' or 'cuda' (the first GPU)")
 
 
+# How to move a model to another device, by device name. A backend registers itself when
+# it is imported (kvlab.cuda does, and kvlab imports it), so this file imports none.
+DEVICE_MODELS: Dict[str, Callable[["Model"], "Model"]] = {}
+
+
 def _device_of(cache) -> str:
     """Where a cache (or a paged pool's sequence) keeps its K and V."""
     return getattr(cache, "device", None) or getattr(getattr(cache, "pool", None), "device", "cpu")
@@ -127,9 +132,8 @@ class Model:
         name = _device_name(device)
         if name == self.device:
             return self
-        if name == "cuda":
-            from .cuda import CudaModel
-            return CudaModel(self)
+        if name != "cpu":
+            return DEVICE_MODELS[name](self)
         return Model(self.config, self.weights, self.tokenizer, self.source)
 
     # ---- counting ----------------------------------------------------------------------

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from .errors import TokenizerError
+from .files import open_regular, read_bounded, read_json_object, short
 
 
 class Tokenizer:
@@ -287,7 +288,6 @@ _MAX_VOCAB_FILE_BYTES = 256 << 20
 def _read_llama2c_vocab_file(path: Path, vocab_size: Optional[int]) -> bytes:
     """The bytes of a tokenizer.bin: a regular file (a FIFO or a device is refused, not read
     for ever), no longer than vocab_size tokens of the longest length allow."""
-    from .loaders.common import open_regular, read_bounded  # kvlab.loaders imports this module
     limit = _MAX_VOCAB_FILE_BYTES
     if vocab_size is not None:
         try:
@@ -406,7 +406,6 @@ class HFTokenizer(Tokenizer):
         except ImportError:
             raise TokenizerError("reading tokenizer.json needs the `tokenizers` package: "
                                  "pip install tokenizers") from None
-        from .loaders.common import open_regular, read_bounded
         with open_regular(path, "tokenizer file", TokenizerError) as f:
             raw = read_bounded(f, path, _MAX_TOKENIZER_JSON_BYTES, "tokenizer file",
                                TokenizerError)
@@ -455,7 +454,6 @@ def _special_names_from_config(path: Path) -> Dict[str, str]:
     an {"content": ...} object or null is a TokenizerError naming the file and field."""
     if not path.exists():
         return {}
-    from .loaders.common import read_json_object, short
     config = read_json_object(path, "tokenizer config", TokenizerError)
     names = {}
     for key in ("bos_token", "eos_token"):

@@ -18,6 +18,7 @@ import numpy as np
 
 from .config import ModelConfig
 from .errors import WeightsError
+from .files import mapped_files
 
 
 PER_LAYER = ("attn_norm", "wq", "wk", "wv", "wo", "ffn_norm", "w1", "w2", "w3")
@@ -62,7 +63,7 @@ class Weights:
 
     @property
     def mapped_files(self) -> tuple:
-        """The checkpoint files these arrays are memory-mapped from (kvlab.loaders.common.
+        """The checkpoint files these arrays are memory-mapped from (kvlab.files.
         MappedFile), () when every array has memory of its own."""
         arrays = _all_arrays(self)
         cached = self.__dict__.get("_mapped")
@@ -70,7 +71,6 @@ class Weights:
         # arrays copy.deepcopy copied out of the map)
         if cached is None or cached[0] != id(self) or not all(map(operator.is_, cached[1],
                                                                   arrays)):
-            from .loaders.common import mapped_files  # the loaders import this module
             cached = (id(self), arrays, mapped_files(arrays))
             self.__dict__["_mapped"] = cached
         return cached[2]

@@ -27,7 +27,7 @@ from typing import Callable, NamedTuple, Optional
 
 import numpy as np
 
-from . import quant, reference
+from . import load, quant, reference
 from .config import ModelConfig
 from .engine import Engine
 from .errors import CacheFullError
@@ -156,7 +156,6 @@ def _short(value, limit: int = 70) -> str:
 @lru_cache(maxsize=1)
 def _model():
     """The bundled model (loaded once)."""
-    from . import load
     return load()
 
 

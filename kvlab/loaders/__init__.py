@@ -26,7 +26,8 @@ from ..config import ModelConfig
 from ..errors import CheckpointError, ConfigError
 from ..tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 from ..weights import Weights
-from .common import is_number, open_regular, read_json_object, short
+from ..files import is_number, open_regular, read_json_object, short
+from .gguf import load_gguf   # (which imports the gguf package only when it reads a file)
 from .huggingface import load_hf, save_hf_llama
 from .llama2c import load_llama2c, save_llama2c_v1
 
@@ -55,7 +56,6 @@ def load_checkpoint(path: "str | os.PathLike[str]",
     if kind == "hf":
         config, weights, tokenizer = load_hf(path)
     elif kind == "gguf":
-        from .gguf import load_gguf  # imports the gguf package lazily
         config, weights, tokenizer = load_gguf(path)
     else:
         # An explicit tokenizer_path makes the sidecar's and the nearby one irrelevant.

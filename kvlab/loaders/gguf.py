@@ -28,8 +28,9 @@ import numpy as np
 
 from ..config import ModelConfig
 from ..errors import CheckpointError, ConfigError, TokenizerError
+from ..files import LIMITS, config_error_in, open_regular
+from ..tokenizer import SentencePieceBPE, _gguf_value   # one GGUF field decoder for the package
 from ..weights import Weights
-from .common import LIMITS, config_error_in, open_regular
 
 # kvlab name -> GGUF tensor name ({i} = layer).
 _LAYER_NAMES = {
@@ -290,7 +291,6 @@ _GGUF_KEYS = {"dim": "llama.embedding_length", "hidden_dim": "llama.feed_forward
 
 def metadata(reader: Any, key: str, default: Any = None) -> Any:
     """One metadata value as plain Python (str, int, float, list)."""
-    from ..tokenizer import _gguf_value  # one GGUF field decoder for the whole package
     value = _gguf_value(reader, key)
     return default if value is None else value
 
@@ -442,7 +442,6 @@ def _embedded_tokenizer(reader: Any) -> Optional[Any]:
     """SentencePieceBPE for a 'llama' vocabulary, None when there is no usable one."""
     if metadata(reader, "tokenizer.ggml.model") != "llama":
         return None
-    from ..tokenizer import SentencePieceBPE
     try:
         return SentencePieceBPE.from_gguf(reader)
     except TokenizerError as exc:

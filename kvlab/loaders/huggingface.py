@@ -24,8 +24,9 @@ import numpy as np
 
 from ..config import ModelConfig
 from ..errors import CheckpointError, ConfigError
+from ..tokenizer import HFTokenizer
 from ..weights import Weights
-from .common import (LIMITS, config_error_in, is_int, is_number, open_regular,
+from ..files import (LIMITS, config_error_in, is_int, is_number, open_regular,
                      read_json_object, short)
 
 # Bytes per element of every safetensors dtype, so sizes can be checked even for
@@ -447,7 +448,6 @@ def _folder_tokenizer(folder: Path) -> Any:
         import tokenizers  # noqa: F401  (only asking whether it is installed)
     except ImportError:
         return None
-    from ..tokenizer import HFTokenizer
     return HFTokenizer(path)
 
 

@@ -31,7 +31,7 @@ import numpy as np
 from ..config import ModelConfig
 from ..errors import CheckpointError, ConfigError, WeightsError
 from ..weights import Weights
-from .common import (GUARD_ATTRIBUTE, LIMITS, MappedFile, config_error_in, open_regular,
+from ..files import (GUARD_ATTRIBUTE, LIMITS, MappedFile, config_error_in, open_regular,
                      read_json_object, signature)
 
 MAGIC_V1 = 0x616B3432          # "ak42" read as a little-endian uint32

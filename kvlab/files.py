@@ -1,4 +1,4 @@
-"""Small helpers the checkpoint and tokenizer readers share (not a reader itself).
+"""Reading checkpoint and tokenizer files safely: helpers the readers share (not a reader).
 
 Three kinds: plausibility limits for the sizes a file chooses; opening and reading files
 safely (regular files only, every read bounded by what the format allows); and
@@ -12,7 +12,7 @@ import stat
 from pathlib import Path
 from typing import Any, BinaryIO, Dict, Optional, Tuple, Type
 
-from ..errors import CheckpointError, ConfigError, KVLabError
+from .errors import CheckpointError, ConfigError, KVLabError
 
 # Far above any model this kit will meet, far below sizes that would wrap an int32
 # or make the size arithmetic meaningless. They exist to reject garbage headers early

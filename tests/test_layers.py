@@ -1,0 +1,74 @@
+"""The package's layers: no module imports one that imports it back, and the imports made
+inside functions are the few with a reason other than dodging a cycle (issue 19)."""
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "kvlab"
+
+# module -> modules it imports lazily, and why (never "to break a cycle")
+LAZY_ALLOWED = {
+    "kvlab.cli": "each command imports what it needs, so `kvlab --help` starts fast",
+    "kvlab.sampling": "the scheduler uses its checks without the compiled core",
+    "kvlab.cuda": "the CUDA extension is optional: built only where nvcc was found",
+    "kvlab._core": "the compiled core's import error is turned into a clear message",
+}
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def resolve(module: str, node: ast.ImportFrom, is_package: bool) -> list:
+    base = module.split(".") if is_package else module.split(".")[:-1]
+    base = base[:len(base) - (node.level - 1)]
+    target = ".".join(base + ([node.module] if node.module else []))
+    if node.module:
+        return [target]
+    return [f"{target}.{alias.name}" for alias in node.names]
+
+
+def imports(lazy: bool) -> dict:
+    graph = {}
+    for path in PACKAGE.rglob("*.py"):
+        if "labs" in path.parts:          # students' starters and checks, not the package's code
+            continue
+        name, tree = module_name(path), ast.parse(path.read_text())
+        nodes = ast.walk(tree) if lazy else tree.body
+        found = set()
+        for node in nodes:
+            if isinstance(node, ast.ImportFrom) and node.level > 0:
+                if lazy and node in tree.body:
+                    continue
+                found.update(resolve(name, node, path.name == "__init__.py"))
+        graph[name] = found
+    return graph
+
+
+def test_no_module_imports_one_that_imports_it_back():
+    graph = imports(lazy=False)
+    modules = set(graph)
+
+    def known(target):       # `from . import x` may name a module or a name of a package
+        return target if target in modules else target.rsplit(".", 1)[0]
+    edges = {m: {known(t) for t in targets} - {m} for m, targets in graph.items()}
+    cycles = []
+
+    def visit(node, path):
+        for nxt in edges.get(node, ()):
+            if nxt in path:
+                cycles.append(path[path.index(nxt):] + [nxt])
+            elif nxt in edges and len(path) < 30:
+                visit(nxt, path + [nxt])
+    for start in edges:
+        if start != "kvlab":                 # the package imports its modules, by design
+            visit(start, [start])
+    cycles = [c for c in cycles if "kvlab" not in c]
+    assert not cycles, f"import cycles: {cycles[:5]}"
+
+
+def test_imports_inside_functions_have_a_reason():
+    lazy = {m: t for m, t in imports(lazy=True).items() if t}
+    unexplained = {m: sorted(t) for m, t in lazy.items()
+                   if m not in LAZY_ALLOWED and not m.startswith("kvlab.grading")}
+    assert not unexplained, f"imports inside functions without a stated reason: {unexplained}"
