@@ -1887,6 +1887,38 @@ static PyObject *py_get_num_threads(PyObject *module, PyObject *Py_UNUSED(ignore
     return PyLong_FromLong(kv_get_num_threads());
 }
 
+/* The kernel tiers by name, as set_kernels and KVLAB_KERNELS take them. */
+static const char *const kernel_names[] = {[KV_KERNELS_FAST] = "fast",
+                                           [KV_KERNELS_PLAIN] = "plain"};
+
+/* kv_set_kernels by name; ValueError naming `source` (the argument or the variable) else */
+static int set_kernels_named(const char *name, const char *source) {
+    for (int k = KV_KERNELS_FAST; k <= KV_KERNELS_PLAIN; k++) {
+        if (strcmp(name, kernel_names[k]) == 0) {
+            kv_set_kernels((kv_kernels)k);
+            return 0;
+        }
+    }
+    PyErr_Format(PyExc_ValueError, "%s must be 'fast' or 'plain', got '%s'", source, name);
+    return -1;
+}
+
+static PyObject *py_set_kernels(PyObject *module, PyObject *arg) {
+    (void)module;
+    const char *name = PyUnicode_Check(arg) ? PyUnicode_AsUTF8(arg) : NULL;
+    if (name == NULL) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "kernels must be a str");
+        return NULL;
+    }
+    if (set_kernels_named(name, "kernels") < 0) return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_get_kernels(PyObject *module, PyObject *Py_UNUSED(ignored)) {
+    (void)module;
+    return PyUnicode_FromString(kernel_names[kv_get_kernels()]);
+}
+
 static PyObject *py_memory_bandwidth(PyObject *module, PyObject *args) {
     (void)module;
     Py_ssize_t n_bytes = 1 << 29;
@@ -1932,6 +1964,9 @@ static PyObject *py_attention_walk_bandwidth(PyObject *module, PyObject *args) {
 static PyMethodDef module_methods[] = {
     {"set_num_threads", py_set_num_threads, METH_O, "Threads used by the C core."},
     {"get_num_threads", py_get_num_threads, METH_NOARGS, "Threads used by the C core."},
+    {"set_kernels", py_set_kernels, METH_O,
+     "set_kernels('fast' | 'plain'): the kernels the C core runs (the same bits either way)."},
+    {"get_kernels", py_get_kernels, METH_NOARGS, "The kernels the C core runs: 'fast' or 'plain'."},
     {"memory_bandwidth", py_memory_bandwidth, METH_VARARGS,
      "memory_bandwidth(n_bytes=512 MiB, repeats=5) -> {'read_bytes_per_s', 'triad_bytes_per_s'}:\n"
      "memory bandwidth measured with the core's threads, reading only and STREAM's triad\n"
@@ -1998,6 +2033,10 @@ static int add_counter_names(PyObject *module) {
 PyMODINIT_FUNC PyInit__kvlab(void) {
     import_array();
     if (fetch_errors() < 0) return NULL;
+    /* KVLAB_KERNELS=plain runs every model of the process on the plain kernels */
+    const char *kernels = getenv("KVLAB_KERNELS");
+    if (kernels != NULL && kernels[0] != '\0' && set_kernels_named(kernels, "KVLAB_KERNELS") < 0)
+        return NULL;
     if (PyType_Ready(&CacheType) < 0 || PyType_Ready(&ModelType) < 0 ||
         PyType_Ready(&PoolType) < 0 || PyType_Ready(&SequenceType) < 0)
         return NULL;

@@ -1,4 +1,6 @@
-/* attention.c: causal grouped-query attention (MHA, GQA and MQA are one code path).
+/* attention.c: causal grouped-query attention (MHA, GQA and MQA are one code path): the
+ * fast tier. kv_plain_attention (plain.c) is the same computation as plain loops, to be
+ * read first; this one must give its bits exactly (tests/c/test_core.c).
  *
  * Query head h reads key/value head h / kv_mul, where kv_mul = n_heads / n_kv_heads:
  * with kv_mul = 1 that is multi-head attention, with n_kv_heads = 1 multi-query.

@@ -11,6 +11,7 @@
 
 #include "attention.h"
 #include "common.h"
+#include "plain.h"
 #include "store.h"
 
 static const kv_cache_format fp32_format = {KV_FMT_F32, KV_FMT_F32, 0, 0, 0};
@@ -145,8 +146,12 @@ kv_status kv_cache_attend(const kv_cache *cache, int layer, const float *q, int 
     KV_CHECK(scratch != NULL, KV_ERR_NOMEM);
     /* q is the query of the last cached token: it sees every position, itself included */
     kv_layer_view view = kv_cache_layer_view(cache, layer);
-    kv_attention(out, q, &view, 1, cache->length - 1, n_heads, cache->n_kv_heads,
-                 cache->head_dim, scratch, stride, n_threads);
+    if (kv_get_kernels() == KV_KERNELS_PLAIN)
+        kv_plain_attention(out, q, &view, 1, cache->length - 1, n_heads, cache->n_kv_heads,
+                           cache->head_dim, scratch, stride, n_threads);
+    else
+        kv_attention(out, q, &view, 1, cache->length - 1, n_heads, cache->n_kv_heads,
+                     cache->head_dim, scratch, stride, n_threads);
 fail:
     free(scratch);
     return status;

@@ -395,4 +395,12 @@ int kv_get_num_threads(void);
 /* The cores this process may run on, at least 1. */
 int kv_available_cores(void);
 
+/* ---- kernels ------------------------------------------------------------------------ */
+/* Which kernels the CPU core runs, for the whole process: the fast ones (ops.c,
+ * attention.c; the default) or the plain ones written to be read (plain.c), which give
+ * the same bits. A forward call runs on the tier set when it started. */
+typedef enum { KV_KERNELS_FAST = 0, KV_KERNELS_PLAIN = 1 } kv_kernels;
+void kv_set_kernels(kv_kernels kernels);
+kv_kernels kv_get_kernels(void);
+
 #endif /* KVLAB_H */

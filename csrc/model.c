@@ -11,8 +11,10 @@
  * read in place from the caller's buffers; activations live in one scratch allocation
  * made per call (run_state). kv_model_generate is the generation loop built on it: decode
  * steps over a contiguous cache with the token chosen in between (sampling.c), its scratch
- * made once for all the steps. This file does not own the cache layouts (kvcache.c,
- * paged.c) or the attention math (attention.c).
+ * made once for all the steps. Each kernel is called on the tier the process chose
+ * (kv_set_kernels): the fast one (ops.c, attention.c) or the plain one (plain.c), one
+ * branch per call. This file does not own the cache layouts (kvcache.c, paged.c) or the
+ * attention math (attention.c, plain.c).
  */
 #include <math.h>
 #include <string.h>
@@ -21,6 +23,7 @@
 #include "common.h"
 #include "ops.h"
 #include "paged.h"
+#include "plain.h"
 #include "sampling.h"
 #include "store.h"
 
@@ -44,6 +47,7 @@ const char *kv_strerror(kv_status status) {
 }
 
 static int num_threads;  /* 0 until set: then OpenMP's default (the available cores) */
+static kv_kernels kernels;   /* KV_KERNELS_FAST until set */
 
 /* ---- stopping early ------------------------------------------------------------------ */
 
@@ -98,6 +102,12 @@ int kv_available_cores(void) {
     return n > 0 ? n : 1;
 }
 
+void kv_set_kernels(kv_kernels tier) {
+    if (tier == KV_KERNELS_FAST || tier == KV_KERNELS_PLAIN) kernels = tier;
+}
+
+kv_kernels kv_get_kernels(void) { return kernels; }
+
 int kv_threads(void) {
     int n = num_threads;
     return n > 0 ? n : omp_get_max_threads();
@@ -151,6 +161,7 @@ typedef struct {
                          to dequantize K and V into */
     size_t score_stride;
     int n_threads;    /* threads of this call's attention loops: one scores row each */
+    kv_kernels kernels;    /* the tier of kernels the whole call runs on */
     float *block;     /* the single allocation all of the above point into */
     int n_runs;
     token_run *runs;       /* (n_runs,) */
@@ -174,6 +185,7 @@ static kv_status run_state_alloc(run_state *s, const kv_config *c, int n_tokens,
     size_t kv_dim = (size_t)c->n_kv_heads * c->head_dim, half = (size_t)c->head_dim / 2;
     s->score_stride = kv_attention_scratch(c->n_heads, c->n_kv_heads, c->head_dim);
     s->n_threads = kv_threads();
+    s->kernels = kv_get_kernels();
     size_t sizes[] = {T * c->dim, T * c->dim, T * q_dim, T * kv_dim, T * kv_dim, T * q_dim,
                       T * c->dim, T * c->hidden_dim, T * c->hidden_dim, T * half, T * half,
                       (size_t)s->n_threads * s->score_stride};
@@ -214,10 +226,42 @@ static void fill_rope_tables(run_state *s, const kv_model *m) {
     }
 }
 
-static void rmsnorm_rows(float *out, const float *x, const float *weight, int n_rows,
-                         int dim, float eps) {
+/* ---- the kernels, each on the call's tier ------------------------------------------- */
+
+static void rmsnorm(const run_state *s, float *out, const float *x, const float *weight,
+                    int dim, float eps) {
+    if (s->kernels == KV_KERNELS_PLAIN) kv_plain_rmsnorm(out, x, weight, dim, eps);
+    else kv_rmsnorm(out, x, weight, dim, eps);
+}
+
+static void rmsnorm_rows(const run_state *s, float *out, const float *x, const float *weight,
+                         int n_rows, int dim, float eps) {
     for (int t = 0; t < n_rows; t++)
-        kv_rmsnorm(out + (size_t)t * dim, x + (size_t)t * dim, weight, dim, eps);
+        rmsnorm(s, out + (size_t)t * dim, x + (size_t)t * dim, weight, dim, eps);
+}
+
+static void rope(const run_state *s, float *vec, int n_heads, const kv_config *c,
+                 const float *cos_table, const float *sin_table) {
+    if (s->kernels == KV_KERNELS_PLAIN)
+        kv_plain_rope(vec, n_heads, c->head_dim, cos_table, sin_table, c->rope_interleaved);
+    else
+        kv_rope(vec, n_heads, c->head_dim, cos_table, sin_table, c->rope_interleaved);
+}
+
+static void swiglu(const run_state *s, float *gate, const float *up, size_t n) {
+    if (s->kernels == KV_KERNELS_PLAIN) kv_plain_swiglu(gate, up, n);
+    else kv_swiglu(gate, up, n);
+}
+
+static void attention(const run_state *s, const kv_config *c, float *out, const float *q,
+                      const kv_layer_view *view, int n_tokens, int start_pos, float *scratch,
+                      int n_threads) {
+    if (s->kernels == KV_KERNELS_PLAIN)
+        kv_plain_attention(out, q, view, n_tokens, start_pos, c->n_heads, c->n_kv_heads,
+                           c->head_dim, scratch, s->score_stride, n_threads);
+    else
+        kv_attention(out, q, view, n_tokens, start_pos, c->n_heads, c->n_kv_heads,
+                     c->head_dim, scratch, s->score_stride, n_threads);
 }
 
 static void add_rows(float *x, const float *delta, size_t count) {
@@ -228,7 +272,8 @@ static void add_rows(float *x, const float *delta, size_t count) {
  * one pass over W for the whole batch, whichever sequences the tokens belong to */
 static void project(run_state *s, int64_t *flops, float *out, const float *x, const float *w,
                     int n_tokens, int in_dim, int out_dim) {
-    kv_matmul(out, x, w, n_tokens, in_dim, out_dim);
+    if (s->kernels == KV_KERNELS_PLAIN) kv_plain_matmul(out, x, w, n_tokens, in_dim, out_dim);
+    else kv_matmul(out, x, w, n_tokens, in_dim, out_dim);
     *flops += 2 * (int64_t)n_tokens * in_dim * out_dim;
     s->count.weight_bytes += (int64_t)in_dim * out_dim * (int64_t)sizeof(float);
 }
@@ -237,7 +282,11 @@ static void project(run_state *s, int64_t *flops, float *out, const float *x, co
 static void project_many(run_state *s, int64_t *flops, int n, float *const *outs,
                          const float *const *ws, const int *out_dims, const float *x,
                          int n_tokens, int in_dim) {
-    kv_matmul_many(n, outs, ws, out_dims, x, n_tokens, in_dim);
+    if (s->kernels == KV_KERNELS_PLAIN)
+        for (int m = 0; m < n; m++)
+            kv_plain_matmul(outs[m], x, ws[m], n_tokens, in_dim, out_dims[m]);
+    else
+        kv_matmul_many(n, outs, ws, out_dims, x, n_tokens, in_dim);
     for (int m = 0; m < n; m++) {
         *flops += 2 * (int64_t)n_tokens * in_dim * out_dims[m];
         s->count.weight_bytes += (int64_t)in_dim * out_dims[m] * (int64_t)sizeof(float);
@@ -269,9 +318,8 @@ static void attend_runs(const kv_config *c, run_state *s, int layer) {
     size_t q_dim = (size_t)c->n_heads * c->head_dim;
     if (s->n_runs == 1) {
         token_run *run = &s->runs[0];
-        kv_attention(s->att_out, s->q, view_of(s, layer, 0), run->n_tokens, run->start_pos,
-                     c->n_heads, c->n_kv_heads, c->head_dim, s->scores, s->score_stride,
-                     s->n_threads);
+        attention(s, c, s->att_out, s->q, view_of(s, layer, 0), run->n_tokens, run->start_pos,
+                  s->scores, s->n_threads);
         return;
     }
     long work = 0;
@@ -282,9 +330,8 @@ static void attend_runs(const kv_config *c, run_state *s, int layer) {
     for (int r = 0; r < s->n_runs; r++) {
         token_run *run = &s->runs[r];
         float *scratch = s->scores + (size_t)omp_get_thread_num() * s->score_stride;
-        kv_attention(s->att_out + run->first * q_dim, s->q + run->first * q_dim,
-                     view_of(s, layer, r), run->n_tokens, run->start_pos, c->n_heads,
-                     c->n_kv_heads, c->head_dim, scratch, s->score_stride, 1);
+        attention(s, c, s->att_out + run->first * q_dim, s->q + run->first * q_dim,
+                  view_of(s, layer, r), run->n_tokens, run->start_pos, scratch, 1);
     }
 }
 
@@ -295,7 +342,7 @@ static void attention_block(const kv_model *m, run_state *s, int layer, int n_to
     size_t dim = (size_t)c->dim, half = (size_t)c->head_dim / 2;
 
     int64_t *flops = &s->count.flops_projections;
-    rmsnorm_rows(s->xb, s->x, w->attn_norm + layer * dim, n_tokens, c->dim, c->norm_eps);
+    rmsnorm_rows(s, s->xb, s->x, w->attn_norm + layer * dim, n_tokens, c->dim, c->norm_eps);
     s->count.weight_bytes += (int64_t)dim * (int64_t)sizeof(float);
     /* Q, K and V from the same input, in one pass over the threads */
     float *qkv[3] = {s->q, s->k, s->v};
@@ -308,9 +355,8 @@ static void attention_block(const kv_model *m, run_state *s, int layer, int n_to
         const kv_layer_view *view = view_of(s, layer, r);
         for (int t = run->first; t < run->first + run->n_tokens; t++) {
             const float *cos_t = s->rope_cos + t * half, *sin_t = s->rope_sin + t * half;
-            kv_rope(s->q + t * q_dim, c->n_heads, c->head_dim, cos_t, sin_t, c->rope_interleaved);
-            kv_rope(s->k + t * kv_dim, c->n_kv_heads, c->head_dim, cos_t, sin_t,
-                    c->rope_interleaved);
+            rope(s, s->q + t * q_dim, c->n_heads, c, cos_t, sin_t);
+            rope(s, s->k + t * kv_dim, c->n_kv_heads, c, cos_t, sin_t);
             /* This is the moment a token's K and V are computed: once, and kept (quantized
              * here if the cache stores fewer bits). */
             size_t slot = kv_view_slot(view, run->start_pos + t - run->first);
@@ -339,13 +385,13 @@ static void mlp_block(const kv_model *m, run_state *s, int layer, int n_tokens) 
     const kv_weights *w = &m->weights;
     size_t dim = (size_t)c->dim, hidden = (size_t)c->hidden_dim;
     int64_t *flops = &s->count.flops_mlp;
-    rmsnorm_rows(s->xb, s->x, w->ffn_norm + layer * dim, n_tokens, c->dim, c->norm_eps);
+    rmsnorm_rows(s, s->xb, s->x, w->ffn_norm + layer * dim, n_tokens, c->dim, c->norm_eps);
     s->count.weight_bytes += (int64_t)dim * (int64_t)sizeof(float);
     float *gate_up[2] = {s->hb, s->hb2};
     const float *w13[2] = {w->w1 + layer * hidden * dim, w->w3 + layer * hidden * dim};
     int hidden_dims[2] = {c->hidden_dim, c->hidden_dim};
     project_many(s, flops, 2, gate_up, w13, hidden_dims, s->xb, n_tokens, c->dim);
-    kv_swiglu(s->hb, s->hb2, (size_t)n_tokens * c->hidden_dim);
+    swiglu(s, s->hb, s->hb2, (size_t)n_tokens * c->hidden_dim);
     project(s, flops, s->proj, s->hb, w->w2 + layer * dim * hidden, n_tokens, c->hidden_dim, c->dim);
     add_rows(s->x, s->proj, (size_t)n_tokens * dim);
 }
@@ -378,8 +424,8 @@ static void forward_tokens(const kv_model *model, run_state *s, const int32_t *t
     int n_rows = all_logits ? n_tokens : s->n_runs;
     for (int i = 0; i < n_rows; i++) {
         int t = all_logits ? i : s->runs[i].first + s->runs[i].n_tokens - 1;
-        kv_rmsnorm(s->xb + (size_t)i * c->dim, s->x + (size_t)t * c->dim,
-                   model->weights.final_norm, c->dim, c->norm_eps);
+        rmsnorm(s, s->xb + (size_t)i * c->dim, s->x + (size_t)t * c->dim,
+                model->weights.final_norm, c->dim, c->norm_eps);
     }
     s->count.weight_bytes += (int64_t)c->dim * (int64_t)sizeof(float);
     project(s, &s->count.flops_logits, logits, s->xb, model->weights.classifier, n_rows,

@@ -1,4 +1,6 @@
-/* ops.c: matrix products, RMSNorm, RoPE, softmax and SwiGLU for the CPU core.
+/* ops.c: matrix products, RMSNorm, RoPE, softmax and SwiGLU for the CPU core: the fast
+ * tier. plain.c has the same math as plain loops, to be read first; these must give its
+ * bits exactly (tests/c/test_core.c), and KVLAB_KERNELS=plain runs it instead.
  *
  * Why a fixed summation order: floating-point addition is not associative, so a dot
  * product summed in a different order gives slightly different bits. Every dot product

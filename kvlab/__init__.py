@@ -66,9 +66,21 @@ def get_num_threads() -> int:
     return _core.get_num_threads()
 
 
+def set_kernels(kernels: str) -> None:
+    """Which kernels the C core runs, in the whole process: "fast" (the default: tiled,
+    vectorized, csrc/ops.c and csrc/attention.c) or "plain" (csrc/plain.c: loops written to
+    be read, the ones the chapters quote). Both give the same logits and tokens, bit for
+    bit; plain is slower. The environment variable KVLAB_KERNELS sets it at import."""
+    _core.set_kernels(kernels)
+
+
+def get_kernels() -> str:
+    return _core.get_kernels()
+
+
 __all__ = [
     "load", "generate", "Generation", "Model", "KVCache", "ModelConfig", "Weights",
-    "set_num_threads", "get_num_threads", "DEFAULT_MODEL", "MHA_MODEL", "KVLabError", "ConfigError",
+    "set_num_threads", "get_num_threads", "set_kernels", "get_kernels", "DEFAULT_MODEL", "MHA_MODEL", "KVLabError", "ConfigError",
     "WeightsError", "CheckpointError", "TokenizerError", "CacheFullError", "PagedPool",
     "PagedSequence", "PoolStats", "OutOfBlocks", "OutOfSequences", "PoolInvariantError",
     "kv_cache_bytes", "kv_bytes_per_token", "Engine", "SamplingParams", "RequestOutput",

@@ -2,7 +2,9 @@
  *
  * Ops against naive loops, the contiguous cache, the paged pool's bookkeeping, every
  * cache element format's round trip, and a tiny random model whose cached, uncached and
- * paged runs must agree bit for bit (and, in quantized caches, prefill with decode).
+ * paged runs must agree bit for bit (and, in quantized caches, prefill with decode), and
+ * the two tiers of kernels, plain (plain.c) and fast (ops.c, attention.c), compared with
+ * memcmp over formats, shapes and thread counts.
  * Built by the Makefile beside this file and run plainly and under valgrind (CI). Each
  * CHECK that fails prints where; the last line is "N passed, N failed".
  */
@@ -11,9 +13,12 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "attention.h"
 #include "kvlab.h"
-#include "sampling.h"
 #include "ops.h"
+#include "paged.h"
+#include "plain.h"
+#include "sampling.h"
 #include "store.h"
 
 static int passed, failed;
@@ -288,6 +293,268 @@ static void test_model_paths_agree(int n_heads, int n_kv_heads, int head_dim,
     free_model(&tm);
 }
 
+
+/* ---- the two tiers: plain and fast kernels give the same bits ------------------------------ */
+
+static int same_bits(const float *a, const float *b, size_t n) {
+    return memcmp(a, b, n * sizeof(float)) == 0;
+}
+
+/* dot products, RMSNorm, RoPE and SwiGLU, over lengths with and without leftovers past the
+ * last chunk of eight */
+static void test_tiers_small_ops(void) {
+    int dot_same = 1, norm_same = 1, rope_same = 1;
+    for (int n = 0; n <= 70; n++) {
+        float *a = random_floats((size_t)n + 1, 2.0f), *b = random_floats((size_t)n + 1, 2.0f);
+        float *w = random_floats((size_t)n + 1, 1.0f);
+        float fast[72], plain[72];
+        float d_fast = kv_dot(a, b, n), d_plain = kv_plain_dot(a, b, n);
+        dot_same &= memcmp(&d_fast, &d_plain, sizeof d_fast) == 0;
+        if (n > 0) {
+            kv_rmsnorm(fast, a, w, n, 1e-5f);
+            kv_plain_rmsnorm(plain, a, w, n, 1e-5f);
+            norm_same &= same_bits(fast, plain, (size_t)n);
+        }
+        free(a); free(b); free(w);
+    }
+    for (int head_dim = 2; head_dim <= 40; head_dim += 2) {
+        for (int interleaved = 0; interleaved <= 1; interleaved++) {
+            int n_heads = 3;
+            float *fast = random_floats((size_t)n_heads * head_dim, 3.0f);
+            float *plain = malloc(sizeof(float) * n_heads * head_dim);
+            memcpy(plain, fast, sizeof(float) * n_heads * head_dim);
+            float cos_t[20], sin_t[20];
+            for (int i = 0; i < head_dim / 2; i++) {
+                float angle = 7.0f * powf(10000.0f, -2.0f * i / head_dim);
+                cos_t[i] = cosf(angle);
+                sin_t[i] = sinf(angle);
+            }
+            kv_rope(fast, n_heads, head_dim, cos_t, sin_t, interleaved);
+            kv_plain_rope(plain, n_heads, head_dim, cos_t, sin_t, interleaved);
+            rope_same &= same_bits(fast, plain, (size_t)n_heads * head_dim);
+            free(fast); free(plain);
+        }
+    }
+    CHECK(dot_same);
+    CHECK(norm_same);
+    CHECK(rope_same);
+
+    /* SwiGLU over gates from -100 to 100 (e^-g underflows past 87), zeros of both signs,
+     * and lengths that end inside a chunk of eight; the longest is split over threads */
+    int swiglu_same = 1;
+    size_t lengths[] = {1, 5, 8, 13, 64, 1001, 140007};
+    for (size_t k = 0; k < sizeof lengths / sizeof lengths[0]; k++) {
+        size_t n = lengths[k];
+        float *fast = random_floats(n, 100.0f), *up = random_floats(n, 2.0f);
+        if (n > 3) fast[1] = 0.0f, fast[2] = -0.0f, fast[3] = 1e-30f;
+        float *plain = malloc(n * sizeof(float));
+        memcpy(plain, fast, n * sizeof(float));
+        for (int threads = 1; threads <= 2; threads++) {
+            memcpy(fast, plain, n * sizeof(float));
+            kv_set_num_threads(threads);
+            kv_swiglu(fast, up, n);
+            float *expected = malloc(n * sizeof(float));
+            memcpy(expected, plain, n * sizeof(float));
+            kv_plain_swiglu(expected, up, n);
+            swiglu_same &= same_bits(fast, expected, n);
+            free(expected);
+        }
+        free(fast); free(plain); free(up);
+    }
+    kv_set_num_threads(1);
+    CHECK(swiglu_same);
+}
+
+/* The matrix product over shapes that reach each of the fast kernel's paths: fewer than 16
+ * tokens (decode), triples of tokens and the one or two left over, more than 48 tokens
+ * (chunks of tokens), rows longer than 1,024 (panels of columns), out_dim not a multiple
+ * of 4, and in_dim not a multiple of 8; one and two threads; several matrices at once. */
+static void test_tiers_matmul(void) {
+    int tokens[] = {1, 2, 3, 5, 16, 17, 50, 97};
+    int ins[] = {1, 7, 8, 19, 64, 1030};
+    int outs[] = {1, 3, 4, 7, 9, 33};
+    int all_same = 1, many_same = 1;
+    for (int threads = 1; threads <= 2; threads++) {
+        kv_set_num_threads(threads);
+        for (size_t a = 0; a < sizeof tokens / sizeof tokens[0]; a++) {
+            for (size_t b = 0; b < sizeof ins / sizeof ins[0]; b++) {
+                int n_tokens = tokens[a], in_dim = ins[b];
+                float *x = random_floats((size_t)n_tokens * in_dim, 1.0f);
+                for (size_t c = 0; c < sizeof outs / sizeof outs[0]; c++) {
+                    int out_dim = outs[c];
+                    float *w = random_floats((size_t)out_dim * in_dim, 1.0f);
+                    float *fast = malloc(sizeof(float) * n_tokens * out_dim);
+                    float *plain = malloc(sizeof(float) * n_tokens * out_dim);
+                    kv_matmul(fast, x, w, n_tokens, in_dim, out_dim);
+                    kv_plain_matmul(plain, x, w, n_tokens, in_dim, out_dim);
+                    all_same &= same_bits(fast, plain, (size_t)n_tokens * out_dim);
+                    free(w); free(fast); free(plain);
+                }
+                /* Wq, Wk and Wv of different heights in one call */
+                int dims[3] = {33, 9, 9};
+                float *ws[3], *fast[3], *plain[3];
+                for (int m = 0; m < 3; m++) {
+                    ws[m] = random_floats((size_t)dims[m] * in_dim, 1.0f);
+                    fast[m] = malloc(sizeof(float) * n_tokens * dims[m]);
+                    plain[m] = malloc(sizeof(float) * n_tokens * dims[m]);
+                    kv_plain_matmul(plain[m], x, ws[m], n_tokens, in_dim, dims[m]);
+                }
+                kv_matmul_many(3, fast, (const float *const *)ws, dims, x, n_tokens, in_dim);
+                for (int m = 0; m < 3; m++) {
+                    many_same &= same_bits(fast[m], plain[m], (size_t)n_tokens * dims[m]);
+                    free(ws[m]); free(fast[m]); free(plain[m]);
+                }
+                free(x);
+            }
+        }
+    }
+    kv_set_num_threads(1);
+    CHECK(all_same);
+    CHECK(many_same);
+}
+
+/* Both tiers of attention over one layer of n_positions random K/V rows, in a contiguous
+ * cache (block_size 0) or a paged pool of blocks of block_size, for a prefill of 7 new
+ * tokens and for a decode step; 1 if every output is bit-identical. A format that does not
+ * suit head_dim (a group that does not divide it) counts as agreeing. */
+static int attention_tiers_agree(int n_heads, int n_kv_heads, int head_dim,
+                                 const kv_cache_format *format, int block_size, int n_threads) {
+    if (format != NULL &&
+        (kv_store_group(format->key_format, format->key_group, head_dim) < 0 ||
+         kv_store_group(format->value_format, format->value_group, head_dim) < 0))
+        return 1;
+    enum { n_positions = 45 };
+    int kv_dim = n_kv_heads * head_dim, q_dim = n_heads * head_dim;
+    float *keys = random_floats((size_t)n_positions * kv_dim, 2.0f);
+    float *values = random_floats((size_t)n_positions * kv_dim, 1.0f);
+    int32_t ids[n_positions] = {0};
+    kv_cache cache = {0};
+    kv_pool pool = {0};
+    int seq = 0, same = 1;
+    if (block_size == 0) {
+        same &= kv_cache_init(&cache, 1, n_kv_heads, head_dim, n_positions, format) == KV_OK;
+        same &= kv_cache_append(&cache, n_positions, keys, values) == KV_OK;
+    } else {
+        int n_blocks = (n_positions + block_size - 1) / block_size;
+        same &= kv_pool_init(&pool, 1, n_kv_heads, head_dim, n_blocks + 2, block_size, 1,
+                             n_blocks, format) == KV_OK;
+        same &= kv_pool_seq_new(&pool, &seq) == KV_OK;
+        same &= kv_pool_append(&pool, seq, ids, n_positions, keys, values) == KV_OK;
+    }
+    size_t stride = kv_attention_scratch(n_heads, n_kv_heads, head_dim);
+    float *scratch = malloc(sizeof(float) * stride * n_threads);
+    float *q = random_floats((size_t)7 * q_dim, 2.0f);
+    float *fast = malloc(sizeof(float) * 7 * q_dim), *plain = malloc(sizeof(float) * 7 * q_dim);
+    int n_new[2] = {7, 1};
+    for (int k = 0; k < 2 && same; k++) {
+        int n_tokens = n_new[k], start_pos = n_positions - n_tokens;
+        kv_layer_view view = block_size == 0 ? kv_cache_layer_view(&cache, 0)
+                                             : kv_pool_layer_view(&pool, seq, 0);
+        /* as in a forward call: the newest rows also come as computed (the window's) */
+        view.new_key = keys + (size_t)start_pos * kv_dim;
+        view.new_value = values + (size_t)start_pos * kv_dim;
+        view.new_start = start_pos;
+        memset(scratch, 0xFF, sizeof(float) * stride * n_threads);   /* NaN: unread */
+        kv_attention(fast, q, &view, n_tokens, start_pos, n_heads, n_kv_heads, head_dim,
+                     scratch, stride, n_threads);
+        memset(scratch, 0xFF, sizeof(float) * stride * n_threads);
+        kv_plain_attention(plain, q, &view, n_tokens, start_pos, n_heads, n_kv_heads, head_dim,
+                           scratch, stride, n_threads);
+        same &= same_bits(fast, plain, (size_t)n_tokens * q_dim);
+    }
+    free(keys); free(values); free(scratch); free(q); free(fast); free(plain);
+    kv_cache_free(&cache);
+    kv_pool_free(&pool);
+    return same;
+}
+
+static void test_tiers_attention(void) {
+    const kv_cache_format formats[] = {
+        {KV_FMT_F32, KV_FMT_F32, 0, 0, 0},
+        {KV_FMT_F16, KV_FMT_F16, 0, 0, 0},
+        {KV_FMT_BF16, KV_FMT_BF16, 0, 0, 0},
+        {KV_FMT_I8, KV_FMT_I8, 0, 0, 0},       /* a scale per head */
+        {KV_FMT_I4, KV_FMT_I4, 0, 0, 0},       /* groups of 32 where they fit */
+        {KV_FMT_FP8, KV_FMT_FP8, 0, 0, 0},
+        {KV_FMT_I8, KV_FMT_FP8, 8, 2, 0},      /* groups of 8 (decoded in registers), of 2 */
+        {KV_FMT_I4, KV_FMT_I8, 4, 6, 0},       /* groups that are no power of two */
+        {KV_FMT_F32, KV_FMT_F32, 0, 0, 4},     /* with residual windows */
+        {KV_FMT_I8, KV_FMT_I4, 0, 0, 3},
+        {KV_FMT_F16, KV_FMT_BF16, 0, 0, 5},
+        {KV_FMT_FP8, KV_FMT_I8, 0, 0, 20},     /* a window wider than the new tokens */
+    };
+    int heads[][2] = {{4, 4}, {6, 2}, {8, 2}, {7, 1}};   /* MHA, GQA (3 and 4), MQA (7) */
+    int head_dims[] = {6, 8, 10, 16, 36, 64};
+    int block_sizes[] = {0, 5, 16};
+    int cases = 0, agreeing = 0;
+    for (size_t f = 0; f < sizeof formats / sizeof formats[0]; f++)
+        for (size_t h = 0; h < sizeof heads / sizeof heads[0]; h++)
+            for (size_t d = 0; d < sizeof head_dims / sizeof head_dims[0]; d++)
+                for (size_t b = 0; b < sizeof block_sizes / sizeof block_sizes[0]; b++)
+                    for (int threads = 1; threads <= 2; threads++) {
+                        int ok = attention_tiers_agree(heads[h][0], heads[h][1], head_dims[d],
+                                                       &formats[f], block_sizes[b], threads);
+                        if (!ok)
+                            fprintf(stderr, "attention tiers differ: format %zu, %d/%d heads, "
+                                    "head_dim %d, block %d, %d threads\n", f, heads[h][0],
+                                    heads[h][1], head_dims[d], block_sizes[b], threads);
+                        cases++;
+                        agreeing += ok;
+                    }
+    CHECK(cases == agreeing);
+}
+
+/* The whole model on each tier: prefill with every token's logits, decode steps, the
+ * paged pool, a batch, and the generation loop give the same bits. */
+static void test_model_tiers_agree(int n_heads, int n_kv_heads, int head_dim,
+                                   const kv_cache_format *format, int threads) {
+    test_model tm;
+    make_model(&tm, n_heads, n_kv_heads, head_dim);
+    const kv_model *m = &tm.model;
+    int V = m->config.vocab_size, L = m->config.n_layers;
+    int32_t tokens[20];
+    for (int i = 0; i < 20; i++) tokens[i] = (int32_t)(i * 11 % V);
+    size_t per_tier = (size_t)V * 20 /* prefill */ + (size_t)V * 6 /* decode */ +
+                      (size_t)V * 20 /* paged */ + (size_t)V * 2 /* batch */;
+    float *logits[2] = {malloc(sizeof(float) * per_tier), malloc(sizeof(float) * per_tier)};
+    int32_t picks[2][6];
+    kv_set_num_threads(threads);
+    for (int tier = 0; tier < 2; tier++) {
+        kv_set_kernels(tier == 0 ? KV_KERNELS_FAST : KV_KERNELS_PLAIN);
+        float *out = logits[tier];
+        kv_cache cache;
+        kv_pool pool;
+        int a, b, n_steps = 0;
+        CHECK(kv_cache_init(&cache, L, n_kv_heads, head_dim, 40, format) == KV_OK);
+        CHECK(kv_model_forward(m, &cache, tokens, 14, out, 1, NULL) == KV_OK);
+        out += (size_t)V * 14;
+        for (int i = 14; i < 20; i++, out += V)
+            CHECK(kv_model_forward(m, &cache, tokens + i, 1, out, 0, NULL) == KV_OK);
+        CHECK(kv_model_generate(m, &cache, tokens[0], 6, -1, NULL, NULL, picks[tier], NULL,
+                                &n_steps, NULL) == KV_OK);
+        CHECK(kv_pool_init(&pool, L, n_kv_heads, head_dim, 24, 5, 2, 12, format) == KV_OK);
+        CHECK(kv_pool_seq_new(&pool, &a) == KV_OK && kv_pool_seq_new(&pool, &b) == KV_OK);
+        CHECK(kv_model_forward_paged(m, &pool, a, tokens, 13, out, 1, NULL) == KV_OK);
+        out += (size_t)V * 13;
+        CHECK(kv_model_forward_paged(m, &pool, b, tokens + 3, 7, out, 0, NULL) == KV_OK);
+        out += V;   /* b's last token only */
+        int seqs[2] = {a, b}, counts[2] = {1, 3};
+        int32_t batch[4] = {tokens[13], tokens[5], tokens[6], tokens[7]};
+        CHECK(kv_model_forward_batch(m, &pool, 2, seqs, counts, batch, out, NULL) == KV_OK);
+        out += (size_t)V * 2;
+        CHECK((size_t)(out - logits[tier]) <= per_tier);
+        kv_cache_free(&cache);
+        kv_pool_free(&pool);
+    }
+    kv_set_kernels(KV_KERNELS_FAST);
+    kv_set_num_threads(1);
+    CHECK(same_bits(logits[0], logits[1], (size_t)V * (14 + 6 + 13 + 1 + 2)));
+    CHECK(memcmp(picks[0], picks[1], sizeof picks[0]) == 0);
+    free(logits[0]);
+    free(logits[1]);
+    free_model(&tm);
+}
+
 /* ---- element formats ------------------------------------------------------------------------ */
 
 static void test_store_formats(void) {
@@ -443,6 +710,17 @@ int main(void) {
     test_model_paths_agree(6, 2, 8, &mixed);
     test_model_paths_agree(4, 1, 10, &halves);
     test_interrupts();
+    test_tiers_small_ops();
+    test_tiers_matmul();
+    test_tiers_attention();
+    for (int threads = 1; threads <= 2; threads++) {
+        test_model_tiers_agree(4, 4, 6, NULL, threads);    /* MHA, head_dim with leftovers */
+        test_model_tiers_agree(6, 2, 8, NULL, threads);    /* GQA */
+        test_model_tiers_agree(4, 1, 10, NULL, threads);   /* MQA */
+        test_model_tiers_agree(6, 2, 8, &int8, threads);
+        test_model_tiers_agree(6, 2, 8, &mixed, threads);
+        test_model_tiers_agree(4, 1, 10, &halves, threads);
+    }
     printf("%d passed, %d failed\n", passed, failed);
     return failed ? 1 : 0;
 }

@@ -1,0 +1,42 @@
+/* plain.h: the plain tier of the core's kernels, written to be read (internal).
+ *
+ * Attention, the matrix product, RMSNorm, RoPE and SwiGLU as plain loops with shape
+ * comments, in llama2.c's style: no intrinsics, no prefetching, no macros that make
+ * functions. They are the specification: the fast kernels (ops.c, attention.c) are tested
+ * equal to them bit for bit (tests/c/test_core.c), the chapters quote them, and
+ * kv_set_kernels(KV_KERNELS_PLAIN) (KVLAB_KERNELS=plain in Python) runs the whole model on
+ * them, with the same logits and tokens. Each one's NumPy twin is in kvlab/reference.py.
+ */
+#ifndef KVLAB_PLAIN_H
+#define KVLAB_PLAIN_H
+
+#include <stddef.h>
+
+#include "attention.h"
+
+/* sum_i a[i] * b[i] over n values, in the core's one summation order (see plain.c) */
+float kv_plain_dot(const float *a, const float *b, int n);
+
+/* out (n_tokens, out_dim) = x (n_tokens, in_dim) . w (out_dim, in_dim)^T */
+void kv_plain_matmul(float *out, const float *x, const float *w, int n_tokens, int in_dim,
+                     int out_dim);
+
+/* out (dim,) = x / sqrt(mean(x^2) + eps) * weight, one row */
+void kv_plain_rmsnorm(float *out, const float *x, const float *weight, int dim, float eps);
+
+/* vec (n_heads, head_dim) rotated in place by one position's angles, cos and sin
+ * (head_dim / 2,) each; interleaved picks the pair layout */
+void kv_plain_rope(float *vec, int n_heads, int head_dim, const float *cos_table,
+                   const float *sin_table, int interleaved);
+
+/* gate (n,) = silu(gate) * up */
+void kv_plain_swiglu(float *gate, const float *up, size_t n);
+
+/* Causal grouped-query attention, with the arguments of kv_attention (attention.h): out and
+ * q (n_tokens, n_heads * head_dim), the new tokens at start_pos .. start_pos + n_tokens - 1
+ * already in the view; scratch holds n_threads rows of scratch_stride >= head_dim floats. */
+void kv_plain_attention(float *out, const float *q, const kv_layer_view *view, int n_tokens,
+                        int start_pos, int n_heads, int n_kv_heads, int head_dim,
+                        float *scratch, size_t scratch_stride, int n_threads);
+
+#endif /* KVLAB_PLAIN_H */
