@@ -26,6 +26,7 @@
 #include "attention.h"
 #include "common.h"
 #include "ops.h"
+#include "simd.h"
 #include "quant.h"
 #include "store.h"
 

@@ -14,6 +14,7 @@
 #include "attention.h"
 #include "common.h"
 #include "ops.h"
+#include "simd.h"
 
 /* Why several runs at once: one core reading one run front to back gets only about
  * 16 GB/s of this 2-core machine's memory, the same with or without software prefetch,

@@ -65,6 +65,10 @@ static inline double kv_seconds(void) {
  * to the calling thread and Python code often calls from several threads. */
 int kv_threads(void);
 
+/* Whether the caller's interrupt check (kv_set_interrupt_check) says stop; asked at most
+ * every 20 ms, so long loops may call it as often as they like (runtime.c). */
+int kv_interrupted(void);
+
 /* Largest sizes the core accepts, so that every product of them used as an index fits. */
 #define KV_MAX_WIDTH (1 << 16)       /* dim, hidden_dim, n_heads * head_dim, kv_dim */
 #define KV_MAX_VOCAB (1 << 24)

@@ -20,6 +20,7 @@
 
 #include "common.h"
 #include "ops.h"
+#include "simd.h"
 
 /* The matrix product's kernels: a few rows of w against a few tokens, every dot product
  * summed in kv_dot's order (eight multiply-add lanes, added pairwise, then the tail), so

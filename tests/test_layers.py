@@ -72,3 +72,40 @@ def test_imports_inside_functions_have_a_reason():
     unexplained = {m: sorted(t) for m, t in lazy.items()
                    if m not in LAZY_ALLOWED and not m.startswith("kvlab.grading")}
     assert not unexplained, f"imports inside functions without a stated reason: {unexplained}"
+
+
+CSRC = PACKAGE.parent / "csrc"
+
+
+def c_calls() -> dict:
+    """For each C file of the core (the Python binding aside): the other files whose
+    kv_* functions it calls (a function belongs to the file that defines it)."""
+    import re
+    sources = {p.name: p.read_text() for p in CSRC.glob("*.c") if p.name != "_kvlab.c"}
+    defined = {}
+    for name, text in sources.items():
+        for match in re.finditer(r"^[a-z][\w \*]*?\b(kv_\w+)\([^;]*?\)\s*\{", text, re.M | re.S):
+            defined[match.group(1)] = name
+    calls = {}
+    for name, text in sources.items():
+        used = set(re.findall(r"\b(kv_\w+)\s*\(", text))
+        calls[name] = {defined[f] for f in used if f in defined and defined[f] != name}
+    return calls
+
+
+def test_no_c_file_calls_a_file_that_calls_it_back():
+    calls = c_calls()
+    assert "model.c" in calls and calls["model.c"], "the scan found nothing: fix the test"
+    cycles = []
+
+    def visit(node, path):
+        for nxt in calls.get(node, ()):
+            if nxt in path:
+                cycles.append(path[path.index(nxt):] + [nxt])
+            elif len(path) < 20:
+                visit(nxt, path + [nxt])
+    for start in calls:
+        visit(start, [start])
+    assert not cycles, f"C files that call each other back: {cycles[:5]}"
+    # the run-time settings are a leaf: every math file may use them, they use none
+    assert calls["runtime.c"] == set()

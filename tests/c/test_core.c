@@ -16,6 +16,7 @@
 #include "attention.h"
 #include "kvlab.h"
 #include "ops.h"
+#include "simd.h"
 #include "paged.h"
 #include "plain.h"
 #include "sampling.h"

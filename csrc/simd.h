@@ -1,0 +1,101 @@
+/* simd.h: the vector helpers the fast tier is built from (private to ops.c, attention.c
+ * and bandwidth.c; the plain tier, plain.c, uses none of it).
+ *
+ * Eight-float vectors (GCC's vector extension: one AVX register), the one fused
+ * multiply-add and the one order of adding lanes every dot product uses, and the hints
+ * (ALWAYS_INLINE, IN_REGISTER) that make the compiler keep sums in registers.
+ */
+#ifndef KVLAB_SIMD_H
+#define KVLAB_SIMD_H
+
+#include <stddef.h>
+#include <string.h>
+#if defined(__FMA__) || defined(__AVX__)
+#include <immintrin.h>
+#endif
+
+/* Eight float lanes: one AVX register (or two SSE registers on older CPUs). */
+typedef float v8f __attribute__((vector_size(32)));
+
+/* For kernels whose loops must be unrolled and their sums kept in registers at every call
+ * site: inlined even where the compiler's own heuristics would not. */
+#define ALWAYS_INLINE inline __attribute__((always_inline))
+
+static inline v8f load8(const float *p) {
+    v8f v;
+    memcpy(&v, p, sizeof v);  /* unaligned load; compiles to one vmovups */
+    return v;
+}
+
+/* acc + a * b, lane by lane: one fused multiply-add (one rounding) where the CPU has
+ * them (-march=native on x86 since 2013), else a multiply and an add. Every dot product
+ * of the matrix products uses this, so all of them still round the same way. */
+static inline v8f madd(v8f a, v8f b, v8f acc) {
+#ifdef __FMA__
+    return (v8f)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)acc);
+#else
+    return acc + a * b;
+#endif
+}
+
+/* Keeps a loaded vector in a register. Without it GCC folds each load into every
+ * multiply-add that uses it ("vfmadd231ps (mem), ..."), which looks free but repeats the
+ * load: the matrix product's 4 x 3 kernel made 24 loads for 12 multiply-adds instead of 7,
+ * and ran at about half of the multiply-add rate, waiting on loads. */
+#if defined(__GNUC__) && defined(__AVX__)   /* a v8f fits one AVX register */
+#define IN_REGISTER(v) __asm__("" : "+x"(v))
+#else
+#define IN_REGISTER(v) ((void)0)
+#endif
+
+/* The one association order for the eight lanes. */
+static inline float reduce_lanes(v8f lanes) {
+    return ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) +
+           ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
+}
+
+/* Four floats: what reduce_lanes4 returns. */
+typedef float v4f __attribute__((vector_size(16)));
+
+/* reduce_lanes of four vectors at once: lane j of the result is reduce_lanes of the j-th
+ * argument, bit for bit (the same additions; a + b and b + a round alike). Three
+ * horizontal adds and one add, instead of four rounds of shuffles and scalar adds. */
+static inline v4f reduce_lanes4(v8f a, v8f b, v8f c, v8f d) {
+#ifdef __AVX__
+    __m256 ab = _mm256_hadd_ps((__m256)a, (__m256)b);    /* a0+a1 a2+a3 b0+b1 b2+b3 | a4+a5 .. */
+    __m256 cd = _mm256_hadd_ps((__m256)c, (__m256)d);
+    __m256 quarters = _mm256_hadd_ps(ab, cd);             /* (a0+a1)+(a2+a3) (b..) (c..) (d..) | .. */
+    return (v4f)_mm_add_ps(_mm256_castps256_ps128(quarters), _mm256_extractf128_ps(quarters, 1));
+#else
+    return (v4f){reduce_lanes(a), reduce_lanes(b), reduce_lanes(c), reduce_lanes(d)};
+#endif
+}
+
+/* x in all eight lanes (one broadcast; "zero + x" would cost an addition as well). */
+static inline v8f splat(float x) {
+    return (v8f){x, x, x, x, x, x, x, x};
+}
+
+/* Leftover elements after the last full chunk of eight, added in order. */
+static inline float add_tail(float sum, const float *a, const float *b, int from, int n) {
+    for (int i = from; i < n; i++) sum += a[i] * b[i];
+    return sum;
+}
+
+/* sum_i a[i] * b[i], in the core's fixed summation order: eight running lanes over
+ * chunks of eight (multiply-adds), the lanes added pairwise, then the leftover elements
+ * in order (plain.c's kv_plain_dot is the same, as loops).
+ * Defined here, not in ops.c, so that attention's inner loops inline it. */
+static inline float kv_dot(const float *a, const float *b, int n) {
+    v8f acc = {0};
+    int n8 = n & ~7;
+    for (int i = 0; i < n8; i += 8) acc = madd(load8(a + i), load8(b + i), acc);
+    return add_tail(reduce_lanes(acc), a, b, n8, n);
+}
+
+/* y += alpha * x */
+static inline void kv_axpy(float *y, float alpha, const float *x, int n) {
+    for (int i = 0; i < n; i++) y[i] += alpha * x[i];
+}
+
+#endif /* KVLAB_SIMD_H */
