@@ -14,14 +14,18 @@ continuous batching.
     engine.outputs                        # every request's generated tokens and text
 
 Greedy outputs are identical, token for token, to kvlab.generate on each prompt alone,
-whatever else is in the batch and however often a request was preempted: the core's
-results for a sequence do not depend on the batch around it (fp32 and every cache format).
+whatever else is in the batch, however often a request was preempted, and however often
+a step was interrupted (KeyboardInterrupt, an error) before run() was called again: the
+core's results for a sequence do not depend on the batch around it (fp32 and every cache
+format), and a step commits its bookkeeping as soon as the pool has changed (see Engine).
+A request whose next token cannot be chosen fails alone, with finish_reason "error: ...".
 This file is bookkeeping; no tensor is touched here.
 """
 from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import threading
 import time
 from pathlib import Path
@@ -32,7 +36,8 @@ import numpy as np
 from .model import Model, as_token_array
 from .paged import PagedPool
 from .sampling import sample as sample_token
-from .scheduler import Request, Sample, SamplingParams, Scheduler, State, requests_fit
+from .scheduler import (Request, Sample, SamplingParams, Scheduler, State, positive_int,
+                        requests_fit)
 
 
 @dataclasses.dataclass
@@ -51,6 +56,13 @@ class StepResult:
     finished: List[int]
     new_tokens: Dict[int, List[int]]   # request id -> the token sampled for each sample
     seconds: float
+    failed: Dict[int, str] = dataclasses.field(default_factory=dict)   # id -> why (also finished)
+
+    @property
+    def idle(self) -> bool:
+        """Nothing happened: no tokens run or chosen, no request admitted, preempted or done."""
+        return not (self.batch_size or self.new_tokens or self.finished or self.admitted
+                    or self.preemptions)
 
     def __str__(self) -> str:
         return (f"step {self.step}: {self.batch_size} seqs, {self.prefill_tokens} prefill + "
@@ -58,7 +70,8 @@ class StepResult:
                 f"{self.blocks_free} free / {self.blocks_cached} cached"
                 + (f", {self.preemptions} preempted" if self.preemptions else "")
                 + (f", {self.prefix_hit_tokens} prefix-hit tokens" if self.prefix_hit_tokens else "")
-                + (f", finished {self.finished}" if self.finished else ""))
+                + (f", finished {self.finished}" if self.finished else "")
+                + (f", failed {sorted(self.failed)}" if self.failed else ""))
 
 
 @dataclasses.dataclass
@@ -67,15 +80,22 @@ class RequestOutput:
     prompt: List[int]
     outputs: List[List[int]]     # one token list per sample
     texts: List[str]             # decoded, when the model has a tokenizer
-    finish_reasons: List[str]    # "length" or "eos" per sample
+    finish_reasons: List[str]    # per sample: "length", "eos", or "error: step N: why" when
+                                 # its next token could not be chosen (the request failed)
     preemptions: int
 
 
 class _PoolSpace:
-    """The scheduler's view of the pool (kvlab.scheduler.BlockSpace)."""
+    """The scheduler's view of the pool (kvlab.scheduler.BlockSpace). Every call may be
+    repeated after an interruption: a sample's handle is dropped only once its sequence is
+    freed, and a freed handle (seq.alive False) is never freed twice."""
 
     def __init__(self, pool: PagedPool):
         self.pool = pool
+        # the names of the pool's live sequences before the step's first new_sequence/fork:
+        # a sequence made by a call that was then interrupted (before its handle was stored)
+        # is one that is live, not named here, and held by no sample
+        self.before_making: Optional[set] = None
 
     def available(self) -> int:
         return self.pool.available_blocks
@@ -89,6 +109,8 @@ class _PoolSpace:
         return self.pool.blocks_needed(sample.seq, n_tokens)
 
     def start(self, request: Request) -> int:
+        self.release(request)                 # what an interrupted start or release left
+        self.about_to_make()
         hits = 0
         for sample in request.active():
             sample.seq = self.pool.new_sequence()
@@ -100,9 +122,24 @@ class _PoolSpace:
 
     def release(self, request: Request) -> None:
         for sample in request.samples:
-            if sample.seq is not None:
+            self.drop(sample)
+
+    def drop(self, sample: Sample) -> None:
+        """Free one sample's sequence, if it has one: no K and V, nothing to choose from."""
+        if sample.seq is not None:
+            if sample.seq.alive:
                 self.pool.free(sample.seq)
-                sample.seq = None
+            sample.seq = None
+        sample.computed, sample.logits = 0, None
+
+    def about_to_make(self) -> None:
+        if self.before_making is None:
+            self.before_making = _names(self.pool.sequences())
+
+
+def _names(seqs) -> set:
+    # (id, serial) names a sequence for good: a freed slot's id is reused
+    return {(seq.id, seq.serial) for seq in seqs}
 
 
 class _BlockTracer:
@@ -119,6 +156,7 @@ class _BlockTracer:
     def __init__(self, pool: PagedPool, sink):
         self.pool, self.sink = pool, sink
         self.before = self._state()
+        self.undelivered: List[dict] = []   # events whose sink call raised, oldest first
 
     def _state(self):
         # (id, serial) names a sequence for good: a freed slot's id is reused
@@ -163,17 +201,46 @@ class _BlockTracer:
         for block in sorted(cached0 - cached1):
             if refs1[block] == 0 and block not in explained:   # dropped, not reused
                 events.append({"event": "evicted", "block": block})
-        for event in events:
-            self.sink({"step": step, "phase": phase, **event})
+        # the pool's state counts as seen before any event is sent, and an event leaves the
+        # queue only once the sink returned: a sink that raises loses nothing, and gets
+        # again only the event it raised on
         self.before = (refs1, cached1, tables1)
+        self.undelivered.extend({"step": step, "phase": phase, **event} for event in events)
+        while self.undelivered:
+            self.sink(self.undelivered[0])
+            del self.undelivered[0]
 
 
 class Engine:
-    """Continuous batching of many requests over one paged pool (see the module text)."""
+    """Continuous batching of many requests over one paged pool (see the module text).
+
+    Failures. A request whose next token cannot be chosen (the sampler raises, or the
+    logits hold NaN) fails alone: its samples finish with finish_reason "error: step N:
+    why", its blocks are freed, and the other requests go on. Anything else that raises
+    in step() (KeyboardInterrupt, a forward call's error, a trace sink's, a bug) leaves the
+    engine and its pool consistent and resumable: calling step() or run() again gives every
+    request exactly the tokens an uninterrupted run gives. How: a step commits as it goes.
+    Once forward_batch returns, each sequence's `computed` count (and the logits row it
+    will choose from) is recorded before anything else runs, so K and V in the pool and the
+    bookkeeping never disagree for long; a token is committed by appending it, and a
+    sampler interrupted before that puts its random generator back. If the exception came
+    between a pool call and its bookkeeping, the engine repairs the difference before it
+    re-raises: a sequence made but never stored is freed, a sample whose K and V went in
+    but whose logits were lost is recomputed from its tokens (like a preemption, not counted
+    as one), and the queues are put right. Trace events are sent in order, each until the
+    sink returns: one a sink raised on is sent again first on the next step (has_work
+    stays True until then). Sequences made on the pool by hand are left alone; if they
+    hold what waiting requests need, step() and run() raise RuntimeError, never loop."""
 
     def __init__(self, model: Model, pool: PagedPool, max_batch_tokens: int = 256,
                  max_batch_seqs: Optional[int] = None,
                  trace: Union[None, str, Path, list] = None):
+        _check_pool_fits(model, pool)
+        max_batch_tokens = positive_int("max_batch_tokens", max_batch_tokens)
+        if max_batch_seqs is not None:
+            max_batch_seqs = positive_int("max_batch_seqs", max_batch_seqs)
+        if trace is not None and not isinstance(trace, (list, str, os.PathLike)):
+            raise TypeError(f"trace must be a file path, a list or None, got {type(trace).__name__}")
         self.model, self.pool = model, pool
         self.scheduler = Scheduler(pool.block_size, max_batch_tokens,
                                    min(max_batch_seqs or pool.max_seqs, pool.max_seqs))
@@ -185,6 +252,8 @@ class Engine:
         # (the queues and the pool change together within a step).
         self._lock = threading.RLock()
         self._eos = getattr(model.tokenizer, "eos_id", None)
+        self._interrupted = False      # a step raised: samples may hold logits to choose from
+        self._unrepaired = False       # ... and repairing after it was interrupted too
         self._trace_file = None
         self._tracer = None
         if trace is not None:
@@ -228,52 +297,83 @@ class Engine:
         for i in range(params.n):
             rng = np.random.default_rng(None if params.seed is None else params.seed + i)
             request.samples.append(Sample(index=i, tokens=list(ids), prompt_len=len(ids), rng=rng))
-        self.requests[request.id] = request
-        self.scheduler.add(request)
-        self._next_id += 1
+        self._next_id += 1             # first: an interruption may skip an id, never reuse one
+        try:
+            self.requests[request.id] = request
+            self.scheduler.add(request)
+        except BaseException:          # known but not queued: the next step queues it
+            self._unrepaired = True
+            raise
         return request.id
 
     @property
     def has_work(self) -> bool:
-        return self.scheduler.has_work
+        """Requests to run, or trace events a raising sink has not taken yet: step() again."""
+        return (self._unrepaired or self.scheduler.has_work
+                or bool(self._tracer is not None and self._tracer.undelivered))
 
     # ---- one step ---------------------------------------------------------------------
     def step(self) -> StepResult:
         """Schedule, run one batched forward call, sample; returns what happened. Steps
-        asked for by several threads at once run one after the other."""
+        asked for by several threads at once run one after the other. If it raises, the
+        engine is left resumable (see the class text). Raises RuntimeError rather than
+        return a step that did nothing while requests wait (for blocks or sequences held
+        outside the engine): stepping again would do nothing either."""
         with self._lock:
-            return self._step()
+            if not self._unrepaired:
+                self.space.before_making = None
+            try:
+                result = self._step()
+            except BaseException:
+                self._interrupted = self._unrepaired = True
+                try:
+                    self._repair()
+                    self._unrepaired = False
+                except BaseException:      # interrupted again: the next step repairs
+                    pass
+                raise
+            if result.idle and self.has_work:  # the next step would do nothing either
+                raise RuntimeError(self._why_stuck())
+            return result
 
     def _step(self) -> StepResult:
         start = time.perf_counter()
         step_number = self.scheduler.step_count
-        decision = self.scheduler.schedule(self.space)
-        self._trace(step_number, "admit")
         new_tokens: Dict[int, List[int]] = {}
         finished: List[int] = []
+        failed: Dict[int, str] = {}
+        if self._unrepaired:
+            self._repair()
+            self._unrepaired = False
+        if self._interrupted:
+            # tokens whose K and V went in during a step that then raised: choose them now
+            self._choose(list(self.scheduler.running), step_number, new_tokens, failed)
+            self._retire(finished)
+            self._interrupted = False
+        decision = self.scheduler.schedule(self.space)
+        self._trace(step_number, "admit")
         prefill = decode = 0
         if decision.items:
-            seqs = [sample.seq for _, sample, _ in decision.items]
-            chunks = [sample.tokens[sample.computed:sample.computed + n]
-                      for _, sample, n in decision.items]
-            logits = self.model.forward_batch(seqs, chunks)
-            self._trace(step_number, "forward")
-            for (request, sample, n), row in zip(decision.items, logits):
+            for _, sample, n in decision.items:
                 if sample.pending == 1 and sample.computed >= sample.prompt_len:
                     decode += 1
                 else:
                     prefill += n
+            seqs = [sample.seq for _, sample, _ in decision.items]
+            chunks = [sample.tokens[sample.computed:sample.computed + n]
+                      for _, sample, n in decision.items]
+            logits = self.model.forward_batch(seqs, chunks)
+            # Commit at once: these tokens' K and V are in the pool now. A sample whose
+            # tokens are all computed keeps its logits row until its next token is chosen.
+            for (_, sample, n), row in zip(decision.items, logits):
                 sample.computed += n
-                if sample.computed < len(sample.tokens):
-                    continue                       # a prompt chunk: no token to choose yet
-                for chosen in self._choose(request, sample, row):
-                    new_tokens.setdefault(request.id, []).append(chosen)
-            for request in {r.id: r for r, _, _ in decision.items}.values():
-                if request.finished and request.state is State.RUNNING:
-                    self.space.release(request)
-                    self.scheduler.finish(request)
-                    finished.append(request.id)
-            self._trace(step_number, "sample")
+                if sample.computed == len(sample.tokens):
+                    sample.logits = row
+            self._trace(step_number, "forward")
+            batch = list({r.id: r for r, _, _ in decision.items}.values())
+            self._choose(batch, step_number, new_tokens, failed)
+        self._retire(finished)
+        self._trace(step_number, "sample")
         stats = self.pool.stats()
         result = StepResult(step=step_number, batch_size=len(decision.items),
                             prefill_tokens=prefill, decode_tokens=decode,
@@ -282,35 +382,142 @@ class Engine:
                             preemptions=len(decision.preempted),
                             prefix_hit_tokens=decision.prefix_hit_tokens,
                             admitted=[r.id for r in decision.admitted], finished=finished,
-                            new_tokens=new_tokens, seconds=time.perf_counter() - start)
+                            new_tokens=new_tokens, seconds=time.perf_counter() - start,
+                            failed=failed)
         self.metrics.append(result)
         return result
 
-    def _choose(self, request: Request, sample: Sample, logits: np.ndarray) -> List[int]:
-        """Sample the next token of `sample`; at the end of a prompt with n > 1, first fork
-        it into the request's other samples, each choosing from the same logits."""
-        p = request.params
-        targets = [sample]
-        if not request.forked and p.n > 1:
-            for other in request.samples[1:]:
-                other.seq = self.pool.fork(sample.seq)        # shares every block
-                other.computed = sample.computed
-            request.forked = True
-            targets = request.samples
-        chosen = []
-        for target in targets:
-            token = sample_token(logits, p.temperature, p.top_k, p.top_p, target.rng)
+    def _choose(self, requests: List[Request], step: int, new_tokens: Dict[int, List[int]],
+                failed: Dict[int, str]) -> None:
+        """Choose the next token of every sample of `requests` that has all its tokens
+        computed. At the end of a prompt with n > 1, first fork it into the request's
+        other samples, each choosing from the same logits. A request whose token cannot
+        be chosen fails; the others go on."""
+        for request in requests:
+            if request.state is not State.RUNNING or request.finished:
+                continue
+            if not request.forked and request.params.n > 1 and _ready(request.samples[0]):
+                self._fork(request)
+            for sample in request.samples:
+                if not _ready(sample):
+                    continue
+                try:
+                    token = self._choose_one(request, sample)
+                except Exception as error:         # this request alone fails
+                    why = f"error: step {step}: {type(error).__name__}: {error}"
+                    for s in request.samples:
+                        if not s.finished:
+                            s.finished, s.finish_reason = True, why
+                    failed[request.id] = why
+                    break
+                if token is not None:
+                    new_tokens.setdefault(request.id, []).append(token)
+
+    def _fork(self, request: Request) -> None:
+        """The prompt is done: the other samples share its blocks (copy on write later).
+        Samples already forked by an interrupted call keep their sequence."""
+        lead = request.samples[0]
+        self.space.about_to_make()
+        for other in request.samples[1:]:
+            if other.seq is None and not other.finished:
+                other.seq = self.pool.fork(lead.seq)
+                other.computed, other.logits = lead.computed, lead.logits
+        request.forked = True
+
+    def _choose_one(self, request: Request, sample: Sample) -> Optional[int]:
+        """Sample's next token from its logits, committed (None: it chose end of sequence).
+        Raises, changing nothing, if no token can be chosen; an interrupted choice puts the
+        random generator back, so that choosing again draws the same number."""
+        p, row = request.params, sample.logits
+        if np.isnan(row).any():
+            raise ValueError("the logits hold NaN: no token can be chosen")
+        state = sample.rng.bit_generator.state if p.temperature > 0.0 else None
+        length = len(sample.tokens)
+        try:
+            token = sample_token(row, p.temperature, p.top_k, p.top_p, sample.rng)
+            if not 0 <= token < self.model.config.vocab_size:
+                raise ValueError(f"the sampler chose token {token}, outside [0, "
+                                 f"{self.model.config.vocab_size})")
             if p.stop_at_eos and self._eos is not None and token == self._eos:
-                target.finished, target.finish_reason = True, "eos"
+                sample.finished, sample.finish_reason = True, "eos"
+                token = None
             else:
-                target.tokens.append(token)
-                chosen.append(token)
-                if len(target.outputs) >= p.max_tokens:
-                    target.finished, target.finish_reason = True, "length"
-            if target.finished and target.seq is not None:
-                self.pool.free(target.seq)                    # its blocks are free now
-                target.seq = None
-        return chosen
+                sample.tokens.append(token)            # the commit
+        except BaseException:
+            if state is not None and len(sample.tokens) == length and not sample.finished:
+                sample.rng.bit_generator.state = state
+            raise
+        sample.logits = None
+        if len(sample.outputs) >= p.max_tokens:
+            sample.finished, sample.finish_reason = True, "length"
+        if sample.finished:
+            self.space.drop(sample)                    # its blocks are free now
+        return token
+
+    def _retire(self, finished: List[int]) -> None:
+        """Every running request whose samples are all done leaves, its blocks freed."""
+        for request in list(self.scheduler.running):
+            if request.finished:
+                self.space.release(request)
+                self.scheduler.finish(request)
+                finished.append(request.id)
+
+    def _repair(self) -> None:
+        """After a step raised: make the queues, the samples and the pool agree again, so
+        that the next step goes on as if nothing had happened (see the class text)."""
+        scheduler, space = self.scheduler, self.space
+        held = set()
+        for request in self.requests.values():
+            running, waiting = request in scheduler.running, request in scheduler.waiting
+            if request.state is State.FINISHED:
+                if running or waiting:
+                    scheduler.finish(request)
+                if any(s.seq is not None for s in request.samples):
+                    space.release(request)
+                continue
+            if running and waiting:
+                scheduler.running.remove(request)
+                running = False
+            elif not running and not waiting:         # lost between the queues
+                scheduler.waiting.appendleft(request)
+                waiting = True
+            request.state = State.RUNNING if running else State.WAITING
+            if waiting:
+                if any(s.seq is not None for s in request.samples):
+                    space.release(request)             # recomputed when admitted
+                continue
+            for sample in request.samples:
+                if not sample.finished and len(sample.outputs) >= request.params.max_tokens:
+                    sample.finished, sample.finish_reason = True, "length"
+                if sample.finished and sample.seq is not None:
+                    space.drop(sample)
+            if not self._samples_agree_with_pool(request):
+                scheduler.preempt(request, space, count=False)
+                continue
+            held |= _names(s.seq for s in request.samples if s.seq is not None)
+        if space.before_making is not None:            # sequences made, then lost
+            for seq in self.pool.sequences():
+                name = (seq.id, seq.serial)
+                if name not in held and name not in space.before_making:
+                    self.pool.free(seq)
+            space.before_making = None
+
+    def _samples_agree_with_pool(self, request: Request) -> bool:
+        """Whether a running request's samples can go on from what the pool holds. Tokens
+        a forward call computed before it raised count as computed; a sample whose tokens
+        are all computed but whose logits were lost cannot choose: it must be recomputed."""
+        lead = request.samples[0]
+        for sample in request.samples:
+            seq = sample.seq
+            if sample.finished or (seq is None and not request.forked and sample is not lead):
+                continue                               # not forked yet
+            if seq is None or not seq.alive or not sample.computed <= seq.length <= len(sample.tokens):
+                return False
+            if seq.length > sample.computed:
+                sample.computed, sample.logits = seq.length, None
+            if sample.computed == len(sample.tokens) and sample.logits is None:
+                return False
+        return True
 
     def _trace(self, step: int, phase: str) -> None:
         if self._tracer is not None:
@@ -318,27 +525,39 @@ class Engine:
 
     # ---- all of it --------------------------------------------------------------------
     def run(self, progress: bool = True) -> Dict[int, RequestOutput]:
-        """Step until every request is finished; returns their outputs by request id."""
+        """Step until every request is finished; returns their outputs by request id.
+        Never loops without progress: see step()."""
         bar = None
         if progress:
             from tqdm.auto import tqdm
             total = sum(r.params.max_tokens * r.params.n for r in self.requests.values()
                         if r.state is not State.FINISHED)
             bar = tqdm(total=total, desc="engine", unit="tok")
-        while self.has_work:
-            result = self.step()
+        try:
+            while self.has_work:
+                result = self.step()
+                if bar is not None:
+                    bar.update(sum(len(t) for t in result.new_tokens.values()))
+                    bar.set_postfix(batch=result.batch_size, blocks=result.blocks_used,
+                                    refresh=False)
+        finally:
             if bar is not None:
-                bar.update(sum(len(t) for t in result.new_tokens.values()))
-                bar.set_postfix(batch=result.batch_size, blocks=result.blocks_used, refresh=False)
-        if bar is not None:
-            bar.close()
-        if self._trace_file is not None:
-            self._trace_file.flush()
+                bar.close()
+            if self._trace_file is not None:
+                self._trace_file.flush()
         return self.outputs
+
+    def _why_stuck(self) -> str:
+        stats = self.pool.stats()
+        return (f"the engine cannot make progress: {len(self.scheduler.waiting)} requests "
+                f"wait and none runs, but the pool has only {self.pool.available_blocks} "
+                f"blocks to give and {self.pool.max_seqs - self.pool.live_sequences} sequences "
+                f"left ({stats.n_sequences} sequences made outside the engine hold "
+                f"{stats.blocks_used} blocks); free them, or give the engine a pool of its own")
 
     @property
     def outputs(self) -> Dict[int, RequestOutput]:
-        """Every finished request's output, by id."""
+        """Every finished request's output, by id (failed ones too: see finish_reasons)."""
         done = {}
         for request in self.requests.values():
             if request.state is not State.FINISHED:
@@ -362,3 +581,31 @@ class Engine:
         if self._trace_file is not None:
             self._trace_file.close()
             self._trace_file = None
+
+
+def _ready(sample: Sample) -> bool:
+    """Every token of the sample is computed and its next one is still to choose."""
+    return (not sample.finished and sample.seq is not None and sample.logits is not None
+            and sample.computed == len(sample.tokens))
+
+
+def _check_pool_fits(model: Model, pool: PagedPool) -> None:
+    """Refuse a pool this model cannot run on (every step would raise)."""
+    if not isinstance(pool, PagedPool):
+        raise TypeError(f"pool must be a kvlab.PagedPool (model.new_paged_pool(...)), got "
+                        f"{type(pool).__name__}")
+    where = getattr(pool, "device", "cpu")
+    if where != model.device:
+        raise ValueError(f"this pool keeps its K and V on {where!r} but the model runs on "
+                         f"{model.device!r}: make the pool with model.new_paged_pool")
+    if hasattr(pool, "n_layers"):                      # a GPU pool says so itself
+        shape = (pool.n_layers, pool.n_kv_heads, pool.head_dim)
+    else:                                              # (num_blocks, n_layers, block_size,
+        codes = pool.key_codes                         #  n_kv_heads, per head)
+        per_head = codes.shape[4] * (2 if pool.key_dtype == "int4" else 1)
+        shape = (codes.shape[1], codes.shape[3], per_head)
+    c = model.config
+    if shape != (c.n_layers, c.n_kv_heads, c.head_dim):
+        raise ValueError(f"this pool holds {shape[0]} layers x {shape[1]} KV heads x {shape[2]}, "
+                         f"but the model needs {c.n_layers} x {c.n_kv_heads} x {c.head_dim}: "
+                         f"make the pool with model.new_paged_pool")

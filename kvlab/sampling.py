@@ -12,9 +12,18 @@ from typing import Optional
 import numpy as np
 
 
+# The smallest temperature above 0 accepted: the smallest normal float32. Logits are
+# float32, so dividing them by anything at least this large stays finite in the sampler's
+# double arithmetic; a smaller (denormal) temperature overflows them to infinity.
+MIN_TEMPERATURE = float(np.finfo(np.float32).tiny)
+
+
 def check_sampling_args(temperature: float, top_k: Optional[int], top_p: Optional[float]) -> None:
     if not (temperature >= 0.0 and np.isfinite(temperature)):
         raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
+    if 0.0 < temperature < MIN_TEMPERATURE:
+        raise ValueError(f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE:.3g} "
+                         f"(smaller ones overflow the logits), got {temperature!r}")
     if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, (int, np.integer))
                               or top_k < 1):
         raise ValueError(f"top_k must be a positive integer or None, got {top_k!r}")

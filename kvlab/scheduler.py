@@ -15,6 +15,12 @@ Each step:
      budget lasts and the pool has blocks for their first chunk. Admission may find the
      start of a prompt already in the pool's prefix cache; those tokens are not computed.
 
+If a step is interrupted in a call to the pool (the engine's recovery relies on this),
+every request is still in one queue, and a waiting one holds at worst some sequences
+still to free: a preemption moves the request to the waiting queue before it frees its
+sequences, an admission gives it sequences while it still waits, and
+BlockSpace.start/release may be repeated (start frees what the request still holds first).
+
 A request asks for n samples (SamplingParams.n). It starts as one sequence; when its
 prompt is done, the engine forks it into n, which share the prompt's blocks (copy on
 write). A preempted request keeps the tokens it generated; each of its samples is
@@ -29,7 +35,14 @@ from typing import Any, Deque, Dict, List, Optional, Protocol
 
 import numpy as np
 
-from .sampling import check_sampling_args
+from .sampling import MIN_TEMPERATURE, check_sampling_args  # noqa: F401 (MIN_TEMPERATURE re-exported)
+
+
+def positive_int(name: str, value) -> int:
+    """value as an int, if it is a positive integer (not a bool, not 2.5); else ValueError."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    return int(value)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,10 +58,8 @@ class SamplingParams:
 
     def __post_init__(self):
         for name in ("max_tokens", "n"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        check_sampling_args(self.temperature, self.top_k, self.top_p)
+            positive_int(name, getattr(self, name))
+        check_sampling_args(self.temperature, self.top_k, self.top_p)   # incl. MIN_TEMPERATURE
 
 
 class State(enum.Enum):
@@ -68,7 +79,9 @@ class Sample:
     computed: int = 0
     seq: Any = None
     finished: bool = False
-    finish_reason: str = ""         # "length" or "eos"
+    finish_reason: str = ""         # "length", "eos", or "error: ..." (the engine's words)
+    logits: Any = None              # the engine's: the row to choose the next token from,
+                                    # kept while every token is computed and none chosen yet
 
     @property
     def outputs(self) -> List[int]:
@@ -115,10 +128,11 @@ class BlockSpace(Protocol):
     def start(self, request: Request) -> int:
         """Give the request's active samples sequences (using the prefix cache); returns
         the tokens found there, which each sample then need not compute. Blocks found in
-        the cache are taken out of it, so available() may drop."""
+        the cache are taken out of it, so available() may drop. Sequences the request
+        still holds (a start or release that was interrupted) are freed first."""
 
     def release(self, request: Request) -> None:
-        """Free every sequence of the request (its full blocks stay cached)."""
+        """Free every sequence of the request (its full blocks stay cached); safe to repeat."""
 
 
 @dataclasses.dataclass
@@ -139,11 +153,9 @@ class Scheduler:
     chunked prefill and preemption by recompute (see the module text)."""
 
     def __init__(self, block_size: int, max_batch_tokens: int = 256, max_batch_seqs: int = 64):
-        if max_batch_tokens < 1 or max_batch_seqs < 1:
-            raise ValueError("max_batch_tokens and max_batch_seqs must be positive")
-        self.block_size = block_size
-        self.max_batch_tokens = max_batch_tokens
-        self.max_batch_seqs = max_batch_seqs
+        self.block_size = positive_int("block_size", block_size)
+        self.max_batch_tokens = positive_int("max_batch_tokens", max_batch_tokens)
+        self.max_batch_seqs = positive_int("max_batch_seqs", max_batch_seqs)
         self.waiting: Deque[Request] = deque()
         self.running: List[Request] = []        # in order of admission
         self.step_count = 0
@@ -156,8 +168,28 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def finish(self, request: Request) -> None:
+        """The request is done (finished or failed): it leaves whichever queue holds it."""
         request.state = State.FINISHED
+        if request in self.running:
+            self.running.remove(request)
+        if request in self.waiting:
+            self.waiting.remove(request)
+
+    def preempt(self, request: Request, space: BlockSpace, count: bool = True) -> None:
+        """Send a running request back to the front of the waiting queue, its sequences
+        freed, to be recomputed (prompt + what it generated) when admitted again. The queues
+        change first: if freeing is interrupted, the request waits with some sequences left,
+        and admission (space.start) frees them. count=False: a recompute that is not a
+        preemption (the engine's recovery from an interrupted step)."""
         self.running.remove(request)
+        request.state = State.WAITING
+        self.waiting.appendleft(request)
+        if count:
+            request.preemptions += 1
+        request.forked = request.forked or any(s.outputs for s in request.samples)
+        space.release(request)
+        for sample in request.samples:
+            sample.seq, sample.computed, sample.logits = None, 0, None
 
     def schedule(self, space: BlockSpace) -> ScheduledStep:
         step = ScheduledStep(items=[])
@@ -190,21 +222,16 @@ class Scheduler:
         return step
 
     def _preempt(self, request: Request, space: BlockSpace, step: ScheduledStep) -> None:
-        space.release(request)
-        for sample in request.samples:
-            sample.seq, sample.computed = None, 0
-        request.forked = request.forked or any(s.outputs for s in request.samples)
-        request.state = State.WAITING
-        request.preemptions += 1
-        self.running.remove(request)
-        self.waiting.appendleft(request)
         step.preempted.append(request)
+        self.preempt(request, space)
 
     def _admit(self, space: BlockSpace, step: ScheduledStep, budget: int, reserved: int) -> None:
         while self.waiting and budget > 0:
             request = self.waiting[0]
             samples = request.active()
-            if len(step.items) + len(samples) > self.max_batch_seqs:
+            # a request with more samples than a batch holds (forked, then preempted) is
+            # admitted into an empty batch; its samples then take turns, as running ones do
+            if step.items and len(step.items) + len(samples) > self.max_batch_seqs:
                 break
             # every sample will be a sequence of its own (a fresh request forks into n),
             # and running requests that have not forked yet will need their slots too
@@ -224,14 +251,14 @@ class Scheduler:
             plan, need, left = [], 0, budget
             for sample in samples:
                 take = min(sample.pending, left)
-                if take > 0:
+                if take > 0 and len(step.items) + len(plan) < self.max_batch_seqs:
                     plan.append((request, sample, take))
                     need += space.needed(sample, take)
                     left -= take
             if need > space.available() - reserved:
                 space.release(request)                # undo; it stays first in line
                 for sample in request.samples:
-                    sample.seq, sample.computed = None, 0
+                    sample.seq, sample.computed, sample.logits = None, 0, None
                 break
             self.waiting.popleft()
             request.state = State.RUNNING

@@ -614,3 +614,18 @@ def test_admission_keeps_sequence_slots_for_forks_still_to_come(model):
     outputs = engine.run(progress=False)
     assert [len(outputs[r].outputs) for r in (a, b)] == [3, 4]
     pool.check()
+
+
+def test_a_forked_request_larger_than_a_batch_is_readmitted_after_preemption(model):
+    # Issue 18: with max_batch_seqs=2, an n=3 request preempted after forking waited for
+    # a batch with room for all three samples, which never came; every step did nothing
+    pool = model.new_paged_pool(4, block_size=2)
+    engine = kvlab.Engine(model, pool, max_batch_seqs=2)
+    requests = {}
+    for prompt, params in (([1, 2, 3, 4], SamplingParams(max_tokens=2)),
+                           ([9], SamplingParams(max_tokens=2, n=3, temperature=0.8, seed=2))):
+        requests[engine.add_request(prompt, params)] = (prompt, params)
+    metrics = drain(engine, pool)
+    assert sum(m.preemptions for m in metrics) >= 1
+    assert max(m.batch_size for m in metrics) == 2
+    assert_outputs_match_generate(model, engine.outputs, requests)

@@ -75,6 +75,7 @@ class FakePool:
         return blocks_for(sample.computed + n, self.block_size) - have + copy
 
     def start(self, request):
+        self.release(request)          # what an interrupted start or release left (the contract)
         hits = 0
         for sample in request.active():
             sample.seq = self.next_seq
@@ -287,3 +288,86 @@ def test_requests_that_can_never_fit_are_explained():
 def test_sampling_params_are_checked(kwargs, match):
     with pytest.raises(ValueError, match=match):
         sched.SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs, name", [({"max_batch_tokens": 2.5}, "max_batch_tokens"),
+                                          ({"max_batch_tokens": True}, "max_batch_tokens"),
+                                          ({"max_batch_tokens": 0}, "max_batch_tokens"),
+                                          ({"max_batch_seqs": 0.5}, "max_batch_seqs"),
+                                          ({"block_size": 4.0}, "block_size")])
+def test_batch_limits_must_be_positive_integers(kwargs, name):
+    # a budget of 2.5 tokens was accepted, then every step failed slicing a prompt with it
+    args = {"block_size": 4, **kwargs}
+    with pytest.raises(ValueError, match=f"{name} must be a positive integer, got "):
+        sched.Scheduler(**args)
+
+
+@pytest.mark.parametrize("temperature", [1e-320, 5e-324, 1e-39])
+def test_denormal_temperatures_are_refused(temperature):
+    # they passed the checks, then the sampler overflowed the logits divided by them
+    with pytest.raises(ValueError, match=r"temperature must be 0 \(greedy\) or at least 1.18e-38"):
+        sched.SamplingParams(temperature=temperature)
+
+
+@pytest.mark.parametrize("temperature", [0.0, float(np.finfo(np.float32).tiny), 1e-30, 0.7])
+def test_small_normal_temperatures_are_accepted(temperature):
+    assert sched.SamplingParams(temperature=temperature).temperature == temperature
+
+
+class Interrupting(FakePool):
+    """A FakePool whose release is interrupted after freeing its first sequence."""
+    armed = False
+
+    def release(self, request):
+        if self.armed and sum(s.seq is not None for s in request.samples) > 1:
+            self.armed = False
+            first = next(s for s in request.samples if s.seq is not None)
+            self.own.pop(first.seq, None)
+            first.seq = None
+            raise KeyboardInterrupt
+        super().release(request)
+
+
+def test_an_interrupted_preemption_leaves_the_request_waiting_and_all_finish():
+    # the queues change before the pool: an interrupted preemption leaves the request
+    # waiting (first in line) with some sequences to free, which admission frees
+    scheduler = sched.Scheduler(block_size=2, max_batch_tokens=64)
+    pool = Interrupting(9, 2)
+    old, new = make_request(0, 4, max_tokens=6), make_request(1, 2, max_tokens=6, n=2)
+    interrupted = []
+
+    def arm(step):
+        if new.forked and new.state is sched.State.RUNNING and not interrupted:
+            pool.armed = True
+            try:
+                scheduler.preempt(new, pool)
+            except KeyboardInterrupt:
+                interrupted.append(new)
+            assert new.state is sched.State.WAITING and new not in scheduler.running
+            assert scheduler.waiting[0] is new
+            assert any(s.seq is not None for s in new.samples)     # left to free
+
+    drive(scheduler, pool, [old, new], on_step=arm)
+    assert interrupted and all(r.finished for r in (old, new))
+    assert pool.used() == 0 and pool.own == {}
+
+
+def test_finish_takes_a_request_out_of_either_queue():
+    scheduler = sched.Scheduler(block_size=4)
+    waiting = make_request(0, 3)
+    scheduler.add(waiting)
+    scheduler.finish(waiting)
+    assert waiting.state is sched.State.FINISHED and not scheduler.has_work
+
+
+def test_a_forked_request_with_more_samples_than_a_batch_comes_back_after_preemption():
+    # n=3 samples forked, then preempted, with max_batch_seqs=2: admission asked for room
+    # for all three in one batch and never found it; every later step did nothing
+    scheduler = sched.Scheduler(block_size=2, max_batch_tokens=64, max_batch_seqs=2)
+    pool = FakePool(4, 2)
+    old, new = make_request(0, 4, max_tokens=2), make_request(1, 1, max_tokens=2, n=3)
+    steps = drive(scheduler, pool, [old, new], max_steps=100)
+    assert new.preemptions >= 1 and len(new.active()) == 0
+    assert all(len(step.items) <= 2 for step in steps)
+    assert all(len(s.outputs) == 2 for s in new.samples) and old.finished
+    assert pool.used() == 0
