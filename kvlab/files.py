@@ -140,17 +140,21 @@ class MappedFile:
 
     A map reads the file itself, not a copy: if the file is truncated afterwards, touching
     the missing pages kills the process with SIGBUS; if it is rewritten in place, the
-    weights change under the model. check() compares the file's device, inode, size and
-    modification time with the ones it was mapped with (one os.stat) and raises
-    CheckpointError when they differ, before any weight is read."""
+    weights change under the model. check() compares the mapped file's size and
+    modification time with the ones it was mapped with and raises CheckpointError when they
+    differ, before any weight is read. It asks the file itself, through a descriptor of its
+    own (one os.fstat), not its path: a file deleted or renamed over after loading stays
+    mapped, unchanged, and the model goes on with it; and a process that has since given up
+    the right to open the path (the grading worker drops privileges) can still check."""
 
-    def __init__(self, path: "str | os.PathLike[str]", st: os.stat_result) -> None:
-        self.path = Path(os.path.abspath(path))  # the same file after a chdir
-        self.signature = signature(st)
+    def __init__(self, path: "str | os.PathLike[str]", f: Any) -> None:
+        self.path = Path(os.path.abspath(path))  # for messages
+        self._fd = os.dup(f.fileno())             # the mapped file, whatever its path becomes
+        self.signature = signature(os.fstat(self._fd))
 
     def check(self) -> None:
         try:
-            now: Optional[Signature] = signature(os.stat(self.path))
+            now: Optional[Signature] = signature(os.fstat(self._fd))
         except OSError:
             now = None
         if now != self.signature:
@@ -158,9 +162,7 @@ class MappedFile:
 
     def _what_changed(self, now: Optional[Signature]) -> str:
         if now is None:
-            change = "was deleted or moved"
-        elif now[:2] != self.signature[:2]:
-            change = "was replaced by another file"
+            change = "can no longer be read"
         elif now[2] != self.signature[2]:
             change = f"changed size from {self.signature[2]:,} to {now[2]:,} bytes"
         else:
@@ -168,6 +170,14 @@ class MappedFile:
         return (f"checkpoint {self.path} {change} after it was loaded; its weights are "
                 "memory-mapped, so the model would read the new bytes (or crash on missing "
                 "ones): load it again (kvlab.load(..., mmap=False) copies the weights instead)")
+
+    def __del__(self) -> None:
+        fd = getattr(self, "_fd", None)
+        if fd is not None:
+            os.close(fd)
+
+    def __deepcopy__(self, memo: dict) -> "MappedFile":
+        return self          # one descriptor per mapping: copies of weights share it
 
     def __repr__(self) -> str:
         return f"MappedFile({str(self.path)!r})"

@@ -77,8 +77,8 @@ class Weights:
 
     def check_source(self) -> None:
         """Raise CheckpointError if a file these weights are memory-mapped from has been
-        truncated, rewritten, replaced or deleted since it was mapped: reading the weights
-        then would crash the process (SIGBUS) or silently use other numbers. One os.stat
+        truncated or rewritten in place since it was mapped: reading the weights
+        then would crash the process (SIGBUS) or silently use other numbers. One os.fstat
         per mapped file, cheap enough for every forward call; nothing for weights in memory
         of their own (Hugging Face, GGUF, kvlab.load(..., mmap=False))."""
         for source in self.mapped_files:

@@ -173,20 +173,23 @@ def test_a_misaligned_token_array_is_copied_not_refused():
     assert pool.reuse_prefix(pool.new_sequence(), tokens) == 0
 
 
-def kvlab_cli(*args, pipe_into=None):
+def kvlab_cli(*args, pipe_into=None, cwd):
+    """The command line, run from `cwd` (not the repository root, whose source folder would
+    shadow an installed kvlab)."""
     command = [sys.executable, "-m", "kvlab", *args]
     if pipe_into is None:
-        return subprocess.run(command, capture_output=True, text=True, timeout=120)
+        return subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=cwd)
     shell = " ".join(command) + f" | {pipe_into}; exit ${{PIPESTATUS[0]}}"
-    return subprocess.run(["bash", "-c", shell], capture_output=True, text=True, timeout=120)
+    return subprocess.run(["bash", "-c", shell], capture_output=True, text=True, timeout=120,
+                          cwd=cwd)
 
 
-def test_bench_refuses_zero_repeats_plainly():
-    run = kvlab_cli("bench", "--repeats", "0")
+def test_bench_refuses_zero_repeats_plainly(tmp_path):
+    run = kvlab_cli("bench", "--repeats", "0", cwd=tmp_path)
     assert run.returncode == 2 and "--repeats: must be at least 1, got 0" in run.stderr
     assert "Traceback" not in run.stderr
 
 
-def test_output_cut_short_by_head_is_not_an_error():
-    run = kvlab_cli("lab", "show", "scheduler", pipe_into="head -c 20 > /dev/null")
+def test_output_cut_short_by_head_is_not_an_error(tmp_path):
+    run = kvlab_cli("lab", "show", "scheduler", pipe_into="head -c 20 > /dev/null", cwd=tmp_path)
     assert run.stderr == "", run.stderr

@@ -170,7 +170,7 @@ def _map_weights(f: BinaryIO, path: Path, st: os.stat_result, offset: int,
     total = sum(math.prod(shape) for _, shape in shapes)
     floats = np.memmap(f, dtype="<f4", mode="r", offset=offset, shape=(total,))
     floats.filename = path.resolve()  # as np.memmap(path) would say (f is a descriptor)
-    setattr(floats, GUARD_ATTRIBUTE, MappedFile(path, st))
+    setattr(floats, GUARD_ATTRIBUTE, MappedFile(path, f))
     arrays: Dict[str, np.ndarray] = {}
     start = 0
     for name, shape in shapes:
