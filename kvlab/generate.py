@@ -31,6 +31,8 @@ class Generation:
     use_cache: bool
     cache_nbytes: int           # bytes the KV cache reserved (0 without a cache)
     counts: Counts = dataclasses.field(default_factory=Counts)  # FLOPs and bytes, counted by the core
+    finish_reason: str = "length"   # "length": max_new_tokens reached; "eos": the model chose
+                                    # its end-of-sequence token (not kept in tokens); as the Engine's
 
     @property
     def text(self) -> str:
@@ -100,10 +102,12 @@ def generate(model: Model, prompt: Union[str, Sequence[int]], max_new_tokens: in
     seconds: List[float] = []
     bar = _progress_bar(max_new_tokens, "cached" if use_cache else "uncached", progress)
     sampling = (temperature, top_k, top_p, rng)
+    finish_reason = "length"
     with model.counting() as counts:
         if cache is not None and fast:
-            _cached_loop_in_c(model, ids, cache, max_new_tokens, sampling, eos, new_tokens,
-                              seconds, bar)
+            if _cached_loop_in_c(model, ids, cache, max_new_tokens, sampling, eos, new_tokens,
+                                 seconds, bar):
+                finish_reason = "eos"
         else:
             # The loop. With a cache, the prompt runs once and then only the newest token;
             # without one, every step runs the whole sequence from position 0.
@@ -120,6 +124,7 @@ def generate(model: Model, prompt: Union[str, Sequence[int]], max_new_tokens: in
                 if bar is not None:
                     bar.update(1)
                 if token == eos:                  # an end-of-sequence token is not kept
+                    finish_reason = "eos"
                     break
                 new_tokens.append(token)
     if bar is not None:
@@ -129,7 +134,7 @@ def generate(model: Model, prompt: Union[str, Sequence[int]], max_new_tokens: in
     return Generation(prompt=prompt_text, prompt_tokens=list(ids), tokens=new_tokens,
                       completion=completion, step_seconds=np.array(seconds),
                       use_cache=use_cache, cache_nbytes=cache.nbytes if cache else 0,
-                      counts=counts)
+                      counts=counts, finish_reason=finish_reason)
 
 
 def _choose(logits: np.ndarray, sampling: tuple, step: int, prompt_len: int) -> int:
@@ -143,11 +148,12 @@ def _choose(logits: np.ndarray, sampling: tuple, step: int, prompt_len: int) -> 
 
 def _cached_loop_in_c(model: Model, ids: List[int], cache, max_new_tokens: int,
                       sampling: tuple, eos: Optional[int], new_tokens: List[int],
-                      seconds: List[float], bar) -> None:
+                      seconds: List[float], bar) -> bool:
     """generate's loop over a cache with its decode steps in the C core (fast=True): the
     prompt's step as in the loop, then Model.decode_steps, which runs decode and the same
     choice of token for every later step without coming back to Python (in chunks when a
-    progress bar shows). The same tokens, the same numbers taken from rng: tested."""
+    progress bar shows). The same tokens, the same numbers taken from rng: tested. Returns
+    whether the end-of-sequence token stopped it."""
     temperature, top_k, top_p, rng = sampling
     start = time.perf_counter()
     token = _choose(model.prefill(ids, cache), sampling, 0, len(ids))
@@ -155,7 +161,7 @@ def _cached_loop_in_c(model: Model, ids: List[int], cache, max_new_tokens: int,
     if bar is not None:
         bar.update(1)
     if token == eos:
-        return
+        return True
     new_tokens.append(token)
     while len(seconds) < max_new_tokens:
         n = max_new_tokens - len(seconds)
@@ -172,8 +178,9 @@ def _cached_loop_in_c(model: Model, ids: List[int], cache, max_new_tokens: int,
         picks = picks.tolist()
         if picks[-1] == eos:
             new_tokens.extend(picks[:-1])
-            return
+            return True
         new_tokens.extend(picks)
+    return False
 
 
 def _format_options(fmt) -> dict:

@@ -65,17 +65,20 @@ class _StopAt:
         return " ".join(map(str, ids))
 
 
-@pytest.mark.parametrize("use_cache", [True, False])
+@pytest.mark.parametrize("use_cache, fast", [(True, True), (True, False), (False, True)])
 @pytest.mark.parametrize("progress", [False, True])
-def test_greedy_generation_stops_at_eos_without_keeping_it(model, use_cache, progress):
+def test_greedy_generation_stops_at_eos_without_keeping_it(model, use_cache, fast, progress):
     """Greedy over a cache runs its token loop in C (Model.decode_steps), in chunks when a
     progress bar shows; the Python loop (no cache) must stop at the same place."""
     run = kvlab.generate(model, [1, 2, 3], max_new_tokens=40, stop_at_eos=False).tokens
     eos = run[25]
     stopping = kvlab.Model(model.config, model.weights, tokenizer=_StopAt(eos))
     out = kvlab.generate(stopping, [1, 2, 3], max_new_tokens=40, use_cache=use_cache,
-                         progress=progress)
+                         progress=progress, fast=fast)
     assert out.tokens == run[:run.index(eos)]
+    assert out.finish_reason == "eos"            # as the Engine's RequestOutput says it
+    full = kvlab.generate(model, [1, 2, 3], max_new_tokens=40, use_cache=use_cache, fast=fast)
+    assert full.finish_reason == "length" and len(full.tokens) == 40
     assert len(out.step_seconds) == len(out.tokens) + 1     # the step that chose EOS counts
     assert out.counts.calls == len(out.step_seconds)
 
