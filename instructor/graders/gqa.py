@@ -13,10 +13,9 @@ import functools
 
 import numpy as np
 
-import kvlab
 from kvlab import reference
 from kvlab.accuracy import kl_divergence, perplexity
-from kvlab.grading.testkit import (as_array, bundled_model, check_close, described, mha_model,
+from kvlab.grading.testkit import (as_array, c_attend, bundled_model, check_close, described, mha_model,
                                    number, points, raises, whole_number)
 
 LENDS = ("reference_model",)
@@ -65,14 +64,6 @@ def shapes(rng):
     n_kv, mul = int(rng.integers(2, 5)), int(rng.integers(2, 5))
     return {"MHA": (n, n, head_dim()), "GQA": (n_kv * mul, n_kv, head_dim()),
             "MQA": (int(rng.integers(2, 9)), 1, head_dim())}
-
-
-def c_attend(q, keys, values):
-    """What the C core computes for one token's q over these keys and values."""
-    length, n_kv_heads, head_dim = keys.shape
-    cache = kvlab.KVCache(1, n_kv_heads, head_dim, length)
-    cache.append(np.ascontiguousarray(keys[:, None]), np.ascontiguousarray(values[:, None]))
-    return cache.attend(np.ascontiguousarray(q), 0)
 
 
 def pooled(w, n_kv_heads, head_dim):

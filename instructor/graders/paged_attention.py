@@ -12,19 +12,10 @@ import functools
 
 import numpy as np
 
-import kvlab
-from kvlab.grading.testkit import as_array, bundled_model, check_close, described, points, whole_number
+from kvlab.grading.testkit import as_array, c_attend, bundled_model, check_close, described, points, whole_number
 
 PROMPT = "ROMEO:\nBut soft, what light through yonder window breaks? It is the east!"
 # 73 tokens, then 21 more (94): neither fills its last block of 4 or 5 rows
-
-
-def c_attend(q, keys, values):
-    """The C core's attention for one query over contiguous keys and values."""
-    length, n_kv_heads, head_dim = keys.shape
-    cache = kvlab.KVCache(1, n_kv_heads, head_dim, length)
-    cache.append(np.ascontiguousarray(keys[:, None]), np.ascontiguousarray(values[:, None]))
-    return cache.attend(np.ascontiguousarray(q), 0)
 
 
 def random_pool(rng, n_kv_heads, head_dim, block_size, length, spare=3):

@@ -163,3 +163,13 @@ def mha_model():
     """The bundled MHA model (kvlab.MHA_MODEL), loaded once in the judge."""
     import kvlab
     return kvlab.load(kvlab.MHA_MODEL)
+
+
+def c_attend(q: np.ndarray, keys: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """What the C core computes for one token's q (n_heads, head_dim) over these keys and
+    values (length, n_kv_heads, head_dim): cache.attend of a one-layer kvlab cache."""
+    import kvlab
+    length, n_kv_heads, head_dim = keys.shape
+    cache = kvlab.KVCache(1, n_kv_heads, head_dim, length)
+    cache.append(np.ascontiguousarray(keys[:, None]), np.ascontiguousarray(values[:, None]))
+    return cache.attend(np.ascontiguousarray(q), 0)
