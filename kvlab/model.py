@@ -381,8 +381,9 @@ class Model:
                 f"head_dim={c.head_dim}, vocab={c.vocab_size}, context={c.max_seq_len})")
 
     def _check_weights(self) -> None:
-        """CheckpointError if the file the core's weights are memory-mapped from changed
-        since loading (one os.stat): reading them would crash (SIGBUS) or use other numbers.
+        """CheckpointError if the file the core's weights are memory-mapped from was
+        truncated or rewritten since loading (one os.fstat): reading them would crash
+        (SIGBUS) or use other numbers.
         A GPU model reads its own copy."""
         if self.device == "cpu":
             self.weights.check_source()

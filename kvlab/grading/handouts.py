@@ -1,8 +1,8 @@
 """kvlab objects a lab lends to the student's code, built inside the worker.
 
 Some labs need a real model in the student's hands (the cache-size lab fills real caches
-and measures the process's memory; the own-cache lab runs a model's layers around the
-student's cache and attention). The judge asks the worker for one by name
+and measures the process's memory; the own-cache and GQA labs run a model's layers around
+the student's cache and attention, and the GQA lab converts the model's key/value heads). The judge asks the worker for one by name
 ({"op": "handout"}); the worker builds it here and passes the student a handle.
 
 A handed-out object shows only what its lab allows, and where the lab asks for a
