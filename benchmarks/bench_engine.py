@@ -42,7 +42,7 @@ def throughput(model: kvlab.Model, batch: int, new_tokens: int = 64, prompt_len:
     engine = kvlab.Engine(model, pool, max_batch_tokens=max(256, batch * prompt_len))
     for _ in range(batch):
         prompt = rng.integers(0, model.config.vocab_size, prompt_len).tolist()
-        engine.add_request(prompt, kvlab.SamplingParams(max_tokens=new_tokens, stop_at_eos=False))
+        engine.add_request(prompt, kvlab.SamplingParams(max_new_tokens=new_tokens, stop_at_eos=False))
     start = time.perf_counter()
     engine.run(progress=False)
     seconds = time.perf_counter() - start
@@ -58,7 +58,7 @@ def workload(model: kvlab.Model, n_requests: int, max_len: int, seed: int = 0) -
     for _ in range(n_requests):
         prompt = rng.integers(0, model.config.vocab_size, int(rng.integers(8, 64))).tolist()
         new = int(min(max_len - 64, max(4, rng.lognormal(np.log(max_len / 8), 0.9))))
-        requests.append((prompt, kvlab.SamplingParams(max_tokens=new, stop_at_eos=False)))
+        requests.append((prompt, kvlab.SamplingParams(max_new_tokens=new, stop_at_eos=False)))
     return requests
 
 
@@ -102,7 +102,7 @@ def memory_budget(model: kvlab.Model, n_requests: int, n_static: int = 16) -> di
     paged = serve(model, paged_pool, requests)
     return {"model": model.config.name, "max_len": max_len, "budget_bytes": budget,
             "requests": n_requests,
-            "tokens": sum(p.max_tokens for _, p in requests), "static": static, "paged": paged}
+            "tokens": sum(p.max_new_tokens for _, p in requests), "static": static, "paged": paged}
 
 
 def main() -> None:

@@ -200,18 +200,16 @@ static void add_rows(float *x, const float *delta, size_t count) {
     for (size_t i = 0; i < count; i++) x[i] += delta[i];
 }
 
-/* out = W x for every token, with its FLOPs counted in *flops and W's bytes as read:
- * one pass over W for the whole batch, whichever sequences the tokens belong to */
-static void project(run_state *s, int64_t *flops, float *out, const float *x, const float *w,
+/* out = W x for every token: one pass over W for the whole batch, whichever sequences
+ * the tokens belong to */
+static void project(const run_state *s, float *out, const float *x, const float *w,
                     int n_tokens, int in_dim, int out_dim) {
     if (s->kernels == KV_KERNELS_PLAIN) kv_plain_matmul(out, x, w, n_tokens, in_dim, out_dim);
     else kv_matmul(out, x, w, n_tokens, in_dim, out_dim);
-    *flops += 2 * (int64_t)n_tokens * in_dim * out_dim;
-    s->count.weight_bytes += (int64_t)in_dim * out_dim * (int64_t)sizeof(float);
 }
 
 /* Several projections of the same input x at once (see kv_matmul_many) */
-static void project_many(run_state *s, int64_t *flops, int n, float *const *outs,
+static void project_many(const run_state *s, int n, float *const *outs,
                          const float *const *ws, const int *out_dims, const float *x,
                          int n_tokens, int in_dim) {
     if (s->kernels == KV_KERNELS_PLAIN)
@@ -219,28 +217,6 @@ static void project_many(run_state *s, int64_t *flops, int n, float *const *outs
             kv_plain_matmul(outs[m], x, ws[m], n_tokens, in_dim, out_dims[m]);
     else
         kv_matmul_many(n, outs, ws, out_dims, x, n_tokens, in_dim);
-    for (int m = 0; m < n; m++) {
-        *flops += 2 * (int64_t)n_tokens * in_dim * out_dims[m];
-        s->count.weight_bytes += (int64_t)in_dim * out_dims[m] * (int64_t)sizeof(float);
-    }
-}
-
-/* Attention's reads and arithmetic: token t sees start_pos + t + 1 positions, the most
- * recent `window` of them in float32 and the rest as stored (codes, scales and zero
- * points); each new row is written as stored, and the last window of them in float32. */
-static void count_attention(run_state *s, const kv_config *c, const kv_layer_view *view,
-                            int start_pos, int n_tokens) {
-    int64_t seen = (int64_t)n_tokens * start_pos + (int64_t)n_tokens * (n_tokens + 1) / 2;
-    int64_t full_row = (int64_t)c->n_kv_heads * c->head_dim * (int64_t)sizeof(float);
-    int64_t stored_row = (int64_t)(kv_store_row_nbytes(view->key) + kv_store_row_nbytes(view->value));
-    int64_t in_window = 0;   /* positions read in float32 */
-    for (int t = 0; t < n_tokens && view->window > 0; t++)
-        in_window += start_pos + t + 1 < view->window ? start_pos + t + 1 : view->window;
-    s->count.flops_attention += 4 * seen * c->n_heads * c->head_dim;  /* q.k, then p*v */
-    s->count.kv_read_bytes += (seen - in_window) * stored_row + in_window * 2 * full_row;
-    s->count.kv_write_bytes += (int64_t)n_tokens * stored_row;
-    if (view->window > 0)
-        s->count.kv_write_bytes += 2 * full_row * (n_tokens < view->window ? n_tokens : view->window);
 }
 
 /* Attention of every run over its own sequence. One run (a prefill or a decode) spreads
@@ -273,15 +249,13 @@ static void attention_block(const kv_model *m, run_state *s, int layer, int n_to
     size_t q_dim = (size_t)c->n_heads * c->head_dim, kv_dim = (size_t)c->n_kv_heads * c->head_dim;
     size_t dim = (size_t)c->dim, half = (size_t)c->head_dim / 2;
 
-    int64_t *flops = &s->count.flops_projections;
     rmsnorm_rows(s, s->xb, s->x, w->attn_norm + layer * dim, n_tokens, c->dim, c->norm_eps);
-    s->count.weight_bytes += (int64_t)dim * (int64_t)sizeof(float);
     /* Q, K and V from the same input, in one pass over the threads */
     float *qkv[3] = {s->q, s->k, s->v};
     const float *wqkv[3] = {w->wq + layer * q_dim * dim, w->wk + layer * kv_dim * dim,
                             w->wv + layer * kv_dim * dim};
     int qkv_dims[3] = {(int)q_dim, (int)kv_dim, (int)kv_dim};
-    project_many(s, flops, 3, qkv, wqkv, qkv_dims, s->xb, n_tokens, c->dim);
+    project_many(s, 3, qkv, wqkv, qkv_dims, s->xb, n_tokens, c->dim);
     for (int r = 0; r < s->n_runs; r++) {
         const token_run *run = &s->runs[r];
         const kv_layer_view *view = view_of(s, layer, r);
@@ -300,15 +274,13 @@ static void attention_block(const kv_model *m, run_state *s, int layer, int n_to
     for (int r = 0; r < s->n_runs; r++) {
         const token_run *run = &s->runs[r];
         const kv_layer_view *view = view_of(s, layer, r);
-        count_attention(s, c, view, run->start_pos, run->n_tokens);
         /* the residual window: the newest rows also stay in full precision */
         kv_window_keep(view->window_key, view->window, (int)kv_dim, run->start_pos,
                        s->k + run->first * kv_dim, kv_dim, run->n_tokens);
         kv_window_keep(view->window_value, view->window, (int)kv_dim, run->start_pos,
                        s->v + run->first * kv_dim, kv_dim, run->n_tokens);
     }
-    project(s, flops, s->proj, s->att_out, w->wo + layer * dim * q_dim, n_tokens, (int)q_dim,
-            c->dim);
+    project(s, s->proj, s->att_out, w->wo + layer * dim * q_dim, n_tokens, (int)q_dim, c->dim);
     add_rows(s->x, s->proj, (size_t)n_tokens * dim);
 }
 
@@ -316,16 +288,54 @@ static void mlp_block(const kv_model *m, run_state *s, int layer, int n_tokens) 
     const kv_config *c = &m->config;
     const kv_weights *w = &m->weights;
     size_t dim = (size_t)c->dim, hidden = (size_t)c->hidden_dim;
-    int64_t *flops = &s->count.flops_mlp;
     rmsnorm_rows(s, s->xb, s->x, w->ffn_norm + layer * dim, n_tokens, c->dim, c->norm_eps);
-    s->count.weight_bytes += (int64_t)dim * (int64_t)sizeof(float);
     float *gate_up[2] = {s->hb, s->hb2};
     const float *w13[2] = {w->w1 + layer * hidden * dim, w->w3 + layer * hidden * dim};
     int hidden_dims[2] = {c->hidden_dim, c->hidden_dim};
-    project_many(s, flops, 2, gate_up, w13, hidden_dims, s->xb, n_tokens, c->dim);
+    project_many(s, 2, gate_up, w13, hidden_dims, s->xb, n_tokens, c->dim);
     swiglu(s, s->hb, s->hb2, (size_t)n_tokens * c->hidden_dim);
-    project(s, flops, s->proj, s->hb, w->w2 + layer * dim * hidden, n_tokens, c->hidden_dim, c->dim);
+    project(s, s->proj, s->hb, w->w2 + layer * dim * hidden, n_tokens, c->hidden_dim, c->dim);
     add_rows(s->x, s->proj, (size_t)n_tokens * dim);
+}
+
+/* What one forward_tokens call did, from the shapes alone, added to s->count once the
+ * math is done (kvlab/measure.py's forward_counts is the same arithmetic, and the tests
+ * hold the two equal). Weights: each matrix and norm vector read once for the whole batch,
+ * the embedding rows once per token. Attention, per layer and run: token t sees
+ * start_pos + t + 1 positions, the most recent `window` of them in float32 and the rest as
+ * stored (codes, scales and zero points); each new row is written as stored, and the last
+ * window of them in float32 too. */
+static void count_forward(const kv_model *model, run_state *s, int n_tokens, int n_rows) {
+    const kv_config *c = &model->config;
+    const int64_t f = (int64_t)sizeof(float), n = n_tokens, L = c->n_layers, dim = c->dim;
+    const int64_t q_dim = (int64_t)c->n_heads * c->head_dim;
+    const int64_t kv_dim = (int64_t)c->n_kv_heads * c->head_dim, hidden = c->hidden_dim;
+    const int64_t qkvo = dim * (q_dim + 2 * kv_dim) + q_dim * dim;    /* Wq Wk Wv, then Wo */
+    const int64_t mlp = 3 * dim * hidden;                              /* W1 W3, then W2 */
+    kv_counters *count = &s->count;
+    count->flops_projections += 2 * n * L * qkvo;
+    count->flops_mlp += 2 * n * L * mlp;
+    count->flops_logits += 2 * (int64_t)n_rows * dim * c->vocab_size;
+    count->weight_bytes += f * (n * dim                   /* embedding rows */
+                                + L * (qkvo + mlp + 2 * dim)   /* + the two norm vectors */
+                                + dim                     /* final norm */
+                                + dim * c->vocab_size);   /* classifier */
+    for (int layer = 0; layer < c->n_layers; layer++)
+        for (int r = 0; r < s->n_runs; r++) {
+            const kv_layer_view *view = view_of(s, layer, r);
+            int64_t start = s->runs[r].start_pos, m = s->runs[r].n_tokens, window = view->window;
+            int64_t seen = m * start + m * (m + 1) / 2;
+            int64_t stored_row = (int64_t)(kv_store_row_nbytes(view->key) +
+                                           kv_store_row_nbytes(view->value));
+            int64_t in_window = 0;   /* positions read in float32 */
+            for (int64_t t = 0; t < m && window > 0; t++)
+                in_window += start + t + 1 < window ? start + t + 1 : window;
+            count->flops_attention += 4 * seen * q_dim;                /* q.k, then p*v */
+            count->kv_read_bytes += (seen - in_window) * stored_row + in_window * 2 * kv_dim * f;
+            count->kv_write_bytes += m * stored_row + 2 * kv_dim * f * (m < window ? m : window);
+        }
+    count->tokens += n_tokens;
+    count->calls += 1;
 }
 
 /* The forward pass proper. The caller has checked every argument, filled s->runs and
@@ -337,7 +347,6 @@ static void forward_tokens(const kv_model *model, run_state *s, const int32_t *t
     for (int t = 0; t < n_tokens; t++)
         memcpy(s->x + (size_t)t * c->dim, model->weights.token_embedding + (size_t)tokens[t] * c->dim,
                (size_t)c->dim * sizeof(float));
-    s->count.weight_bytes += (int64_t)n_tokens * c->dim * (int64_t)sizeof(float);
     fill_rope_tables(s, model);
     for (int layer = 0; layer < c->n_layers; layer++) {
         for (int r = 0; r < s->n_runs; r++) {
@@ -359,11 +368,8 @@ static void forward_tokens(const kv_model *model, run_state *s, const int32_t *t
         rmsnorm(s, s->xb + (size_t)i * c->dim, s->x + (size_t)t * c->dim,
                 model->weights.final_norm, c->dim, c->norm_eps);
     }
-    s->count.weight_bytes += (int64_t)c->dim * (int64_t)sizeof(float);
-    project(s, &s->count.flops_logits, logits, s->xb, model->weights.classifier, n_rows,
-            c->dim, c->vocab_size);
-    s->count.tokens += n_tokens;
-    s->count.calls += 1;
+    project(s, logits, s->xb, model->weights.classifier, n_rows, c->dim, c->vocab_size);
+    count_forward(model, s, n_tokens, n_rows);
 }
 
 void kv_counters_add(kv_counters *total, const kv_counters *call) {

@@ -21,15 +21,16 @@ from typing import Union
 from . import accuracy, cuda, quant
 from ._core import core as _core
 from .config import ModelConfig
-from .errors import (CacheFullError, CheckpointError, ConfigError, CudaError, KVLabError,
-                     OutOfBlocks, OutOfSequences, PoolInvariantError, TokenizerError,
+from .errors import (CacheFullError, CheckpointError, ConfigError, ContextLengthError,
+                     CudaError, KVLabError, OutOfBlocks, OutOfSequences, PoolInvariantError, TokenizerError,
                      WeightsError)
-from .engine import Engine, RequestOutput, StepResult
+from .engine import CompletionOutput, Engine, RequestOutput, StepResult
 from .generate import Generation, generate
 from .loaders import load_checkpoint
 from .measure import kv_bytes_per_token, kv_cache_bytes
 from .model import KVCache, Model
 from .paged import PagedPool, PagedSequence, PoolStats
+from .quant import CacheFormat
 from .scheduler import SamplingParams
 from .weights import Weights
 
@@ -80,9 +81,10 @@ def get_kernels() -> str:
 
 __all__ = [
     "load", "generate", "Generation", "Model", "KVCache", "ModelConfig", "Weights",
-    "set_num_threads", "get_num_threads", "set_kernels", "get_kernels", "DEFAULT_MODEL", "MHA_MODEL", "KVLabError", "ConfigError",
-    "WeightsError", "CheckpointError", "TokenizerError", "CacheFullError", "PagedPool",
-    "PagedSequence", "PoolStats", "OutOfBlocks", "OutOfSequences", "PoolInvariantError",
+    "set_num_threads", "get_num_threads", "set_kernels", "get_kernels", "DEFAULT_MODEL",
+    "MHA_MODEL", "KVLabError", "ConfigError", "WeightsError", "CheckpointError",
+    "TokenizerError", "CacheFullError", "ContextLengthError", "PagedPool", "PagedSequence",
+    "PoolStats", "OutOfBlocks", "OutOfSequences", "PoolInvariantError", "CacheFormat",
     "kv_cache_bytes", "kv_bytes_per_token", "Engine", "SamplingParams", "RequestOutput",
-    "StepResult", "CudaError", "cuda",
+    "CompletionOutput", "StepResult", "CudaError", "cuda",
 ]

@@ -131,7 +131,7 @@ def cmd_generate(args) -> int:
     model = _load(args)
     out = kvlab.generate(model, args.prompt, args.max_new_tokens, use_cache=not args.no_cache,
                          temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                         seed=args.seed, progress=False, cache_dtype=args.cache_dtype,
+                         seed=args.seed, progress=False, dtype=args.cache_dtype,
                          window=args.window)
     print(out.text)
     cache = (f"{args.cache_dtype} KV cache of {out.cache_nbytes:,} B" if out.use_cache

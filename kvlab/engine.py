@@ -8,7 +8,7 @@ then samples each sequence's next token. Requests join and leave between steps:
 continuous batching.
 
     engine = kvlab.Engine(model, model.new_paged_pool(num_blocks=256, block_size=16))
-    engine.add_request("ROMEO:", kvlab.SamplingParams(max_tokens=40))
+    engine.add_request("ROMEO:", kvlab.SamplingParams(max_new_tokens=40))
     while engine.has_work:
         print(engine.step())              # what happened: batch, tokens, blocks, preemptions
     engine.outputs                        # every request's generated tokens and text
@@ -33,8 +33,11 @@ from typing import Dict, List, Optional, Sequence, Union
 
 import numpy as np
 
+from .deprecation import renamed
+from .errors import ContextLengthError
 from .model import Model, as_token_array
 from .paged import PagedPool
+from .quant import CacheFormat
 from .sampling import sample as sample_token
 from .scheduler import (Request, Sample, SamplingParams, Scheduler, State, positive_int,
                         requests_fit)
@@ -74,15 +77,60 @@ class StepResult:
                 + (f", failed {sorted(self.failed)}" if self.failed else ""))
 
 
+@dataclasses.dataclass(eq=False)
+class CompletionOutput:
+    """One sample of a finished request: vLLM's CompletionOutput, in kvlab.Generation's
+    words (vLLM's token_ids and text are tokens and completion here)."""
+    index: int                   # which sample of the request (0 .. n - 1)
+    tokens: List[int]            # the generated ids, in order
+    completion: str              # the generated text alone ("" without a tokenizer)
+    finish_reason: str           # "length", "eos", or "error: step N: why" when its next
+                                 # token could not be chosen (the request failed)
+
+    def __eq__(self, other) -> bool:
+        if isinstance(other, list):                   # outputs[i] == [ids], the old shape
+            return list(self._old_shape()) == other
+        if not isinstance(other, CompletionOutput):
+            return NotImplemented
+        return ((self.index, self.tokens, self.completion, self.finish_reason)
+                == (other.index, other.tokens, other.completion, other.finish_reason))
+
+    # Before issue 19, RequestOutput.outputs[i] was sample i's token list: reading it as a
+    # list still works for a release, and says what to write instead.
+    def _old_shape(self) -> List[int]:
+        renamed("RequestOutput.outputs[i] as a token list", "RequestOutput.outputs[i].tokens",
+                stacklevel=4)
+        return self.tokens
+
+    def __iter__(self):
+        return iter(self._old_shape())
+
+    def __len__(self) -> int:
+        return len(self._old_shape())
+
+    def __getitem__(self, item):
+        return self._old_shape()[item]
+
+
 @dataclasses.dataclass
 class RequestOutput:
+    """A finished request: its prompt ids and one CompletionOutput per sample (n of them),
+    the shape of vLLM's RequestOutput."""
     id: int
     prompt: List[int]
-    outputs: List[List[int]]     # one token list per sample
-    texts: List[str]             # decoded, when the model has a tokenizer
-    finish_reasons: List[str]    # per sample: "length", "eos", or "error: step N: why" when
-                                 # its next token could not be chosen (the request failed)
+    outputs: List[CompletionOutput]
     preemptions: int
+
+    @property
+    def texts(self) -> List[str]:
+        renamed("RequestOutput.texts", "[o.completion for o in RequestOutput.outputs]")
+        return [o.completion for o in self.outputs]
+
+    @property
+    def finish_reasons(self) -> List[str]:
+        renamed("RequestOutput.finish_reasons",
+                "[o.finish_reason for o in RequestOutput.outputs]")
+        return [o.finish_reason for o in self.outputs]
 
 
 class _PoolSpace:
@@ -232,9 +280,24 @@ class Engine:
     stays True until then). Sequences made on the pool by hand are left alone; if they
     hold what waiting requests need, step() and run() raise RuntimeError, never loop."""
 
-    def __init__(self, model: Model, pool: PagedPool, max_batch_tokens: int = 256,
-                 max_batch_seqs: Optional[int] = None,
-                 trace: Union[None, str, Path, list] = None):
+    def __init__(self, model: Model, pool: Optional[PagedPool] = None,
+                 max_batch_tokens: int = 256, max_batch_seqs: Optional[int] = None,
+                 trace: Union[None, str, Path, list] = None, *,
+                 num_blocks: Optional[int] = None, block_size: Optional[int] = None,
+                 dtype: Union[None, str, CacheFormat] = None):
+        """Serve `model` from `pool`, or from a pool of its own made here with
+        model.new_paged_pool(num_blocks, block_size (16), dtype ("fp32")). max_batch_tokens
+        bounds the tokens of one forward call, max_batch_seqs its sequences (default: all
+        the pool allows); trace: a file path or a list that receives the block events."""
+        if pool is None:
+            if num_blocks is None:
+                raise TypeError("Engine needs a pool, or num_blocks (with block_size and "
+                                "dtype if not 16 and fp32) to make one")
+            pool = model.new_paged_pool(num_blocks, 16 if block_size is None else block_size,
+                                        "fp32" if dtype is None else dtype)
+        elif (num_blocks, block_size, dtype) != (None, None, None):
+            raise TypeError("the pool given fixes num_blocks, block_size and dtype: pass "
+                            "either a pool or those, not both")
         _check_pool_fits(model, pool)
         max_batch_tokens = positive_int("max_batch_tokens", max_batch_tokens)
         if max_batch_seqs is not None:
@@ -283,9 +346,10 @@ class Engine:
         else:
             ids = as_token_array(prompt, self.model.config.vocab_size).tolist()  # checks ids
         context = self.model.config.max_seq_len
-        if len(ids) + params.max_tokens > context:
-            raise ValueError(f"request rejected: prompt ({len(ids)} tokens) + max_tokens "
-                             f"({params.max_tokens}) exceeds the model's context of {context}")
+        if len(ids) + params.max_new_tokens > context:
+            raise ContextLengthError(f"request rejected: prompt ({len(ids)} tokens) + "
+                                     f"max_new_tokens ({params.max_new_tokens}) exceeds the "
+                                     f"model's context of {context} tokens")
         why = requests_fit(len(ids), params, self.pool.block_size, self.pool.num_blocks,
                            self.pool.max_blocks_per_seq)
         if why is not None:
@@ -448,7 +512,7 @@ class Engine:
                 sample.rng.bit_generator.state = state
             raise
         sample.logits = None
-        if len(sample.outputs) >= p.max_tokens:
+        if len(sample.outputs) >= p.max_new_tokens:
             sample.finished, sample.finish_reason = True, "length"
         if sample.finished:
             self.space.drop(sample)                    # its blocks are free now
@@ -487,7 +551,7 @@ class Engine:
                     space.release(request)             # recomputed when admitted
                 continue
             for sample in request.samples:
-                if not sample.finished and len(sample.outputs) >= request.params.max_tokens:
+                if not sample.finished and len(sample.outputs) >= request.params.max_new_tokens:
                     sample.finished, sample.finish_reason = True, "length"
                 if sample.finished and sample.seq is not None:
                     space.drop(sample)
@@ -530,7 +594,7 @@ class Engine:
         bar = None
         if progress:
             from tqdm.auto import tqdm
-            total = sum(r.params.max_tokens * r.params.n for r in self.requests.values()
+            total = sum(r.params.max_new_tokens * r.params.n for r in self.requests.values()
                         if r.state is not State.FINISHED)
             bar = tqdm(total=total, desc="engine", unit="tok")
         try:
@@ -557,16 +621,18 @@ class Engine:
 
     @property
     def outputs(self) -> Dict[int, RequestOutput]:
-        """Every finished request's output, by id (failed ones too: see finish_reasons)."""
+        """Every finished request's output, by id (failed ones too: see each sample's
+        finish_reason)."""
         done = {}
         for request in self.requests.values():
             if request.state is not State.FINISHED:
                 continue
-            outputs = [s.outputs for s in request.samples]
-            texts = ([self.model.decode_text(o) for o in outputs]
-                     if self.model.tokenizer is not None else ["" for _ in outputs])
-            done[request.id] = RequestOutput(request.id, request.prompt, outputs, texts,
-                                             [s.finish_reason for s in request.samples],
+            outputs = [CompletionOutput(s.index, list(s.outputs),
+                                        (self.model.decode_text(s.outputs)
+                                         if self.model.tokenizer is not None else ""),
+                                        s.finish_reason)
+                       for s in request.samples]
+            done[request.id] = RequestOutput(request.id, request.prompt, outputs,
                                              request.preemptions)
         return done
 

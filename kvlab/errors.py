@@ -31,6 +31,13 @@ class CacheFullError(KVLabError, ValueError):
     """Appending would go past the cache's capacity (max_seq_len)."""
 
 
+class ContextLengthError(CacheFullError):
+    """A request is too long for the model: prompt + max_new_tokens (or an uncached
+    forward's tokens) exceed config.max_seq_len. The one "too long" error of generate,
+    Engine.add_request and Model.forward; a CacheFullError (and so a ValueError) too, so
+    code that caught either before still catches it."""
+
+
 class OutOfBlocks(KVLabError, RuntimeError):
     """The paged pool has no free block left (nor a cached one to evict)."""
 

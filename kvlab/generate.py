@@ -15,9 +15,11 @@ from typing import List, Optional, Sequence, Union
 
 import numpy as np
 
-from .errors import CacheFullError
 from .counts import Counts
+from .deprecation import renamed
+from .errors import ContextLengthError
 from .model import Model
+from .quant import CacheFormat
 from .sampling import check_sampling_args, sample
 
 
@@ -59,21 +61,25 @@ PROGRESS_CHUNK = 16
 def generate(model: Model, prompt: Union[str, Sequence[int]], max_new_tokens: int = 48,
              use_cache: bool = True, temperature: float = 0.0, top_k: Optional[int] = None,
              top_p: Optional[float] = None, seed: Optional[int] = None,
-             stop_at_eos: bool = True, progress: bool = False, cache_dtype: str = "fp32",
-             fast: bool = True, **cache_options) -> Generation:
+             stop_at_eos: bool = True, progress: bool = False,
+             dtype: Union[str, CacheFormat] = "fp32", fast: bool = True,
+             **cache_options) -> Generation:
     """Generate up to max_new_tokens after the prompt (text, or a list of token ids).
 
     Greedy by default (temperature 0). A seed makes sampling reproducible. The model's
-    context (config.max_seq_len) bounds prompt + new tokens. cache_dtype and
-    cache_options (key_dtype, value_dtype, group, key_group, value_group, window) choose
-    how the KV cache stores K and V, as in model.new_cache().
+    context (config.max_seq_len) bounds prompt + new tokens (ContextLengthError). dtype (a
+    name or a CacheFormat) and cache_options (key_dtype, value_dtype, group, key_group,
+    value_group, window) choose how the KV cache stores K and V, as in model.new_cache().
 
     The loop below is the algorithm. With a cache and fast=True (the default) its decode
     steps run in the C core instead (_cached_loop_in_c): on a model as small as the kit's
     a trip through Python and back costs about a sixth of a step. fast=False runs the loop
     as written; both give the same tokens and take the same numbers from the generator.
     """
-    cache_format = model.cache_format(cache_dtype, **cache_options)   # checked up front
+    if "cache_dtype" in cache_options:            # its name before dtype was one word
+        renamed("generate(cache_dtype=...)", "generate(dtype=...)")
+        dtype = cache_options.pop("cache_dtype")
+    cache_format = model.cache_format(dtype, **cache_options)   # checked up front
     if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
     check_sampling_args(temperature, top_k, top_p)
@@ -88,7 +94,7 @@ def generate(model: Model, prompt: Union[str, Sequence[int]], max_new_tokens: in
             raise ValueError("the prompt has no token ids")
     context = model.config.max_seq_len
     if len(ids) + max_new_tokens > context:
-        raise CacheFullError(f"prompt ({len(ids)} tokens) + max_new_tokens ({max_new_tokens}) "
+        raise ContextLengthError(f"prompt ({len(ids)} tokens) + max_new_tokens ({max_new_tokens}) "
                              f"exceeds the model's context of {context} tokens")
     rng = np.random.default_rng(seed)
     eos = getattr(model.tokenizer, "eos_id", None) if stop_at_eos else None
@@ -96,7 +102,7 @@ def generate(model: Model, prompt: Union[str, Sequence[int]], max_new_tokens: in
     capacity = len(ids) + max_new_tokens - 1
     if use_cache and cache_format.window > capacity:
         cache_format = dataclasses.replace(cache_format, window=capacity)
-    cache = (model.new_cache(capacity, **_format_options(cache_format)) if use_cache else None)
+    cache = (model.new_cache(capacity, cache_format) if use_cache else None)
 
     new_tokens: List[int] = []
     seconds: List[float] = []
@@ -181,11 +187,6 @@ def _cached_loop_in_c(model: Model, ids: List[int], cache, max_new_tokens: int,
             return True
         new_tokens.extend(picks)
     return False
-
-
-def _format_options(fmt) -> dict:
-    return {"key_dtype": fmt.key, "value_dtype": fmt.value, "key_group": fmt.key_group or None,
-            "value_group": fmt.value_group or None, "window": fmt.window}
 
 
 def _progress_bar(total: int, label: str, enabled: bool):

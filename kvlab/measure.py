@@ -19,11 +19,12 @@ from __future__ import annotations
 
 import dataclasses
 
-from typing import Optional
+from typing import Optional, Union
 
 from ._core import core
 from .config import ModelConfig
 from .counts import Counts  # noqa: F401 (re-exported: kvlab.measure.Counts)
+from .deprecation import default_changed
 from .generate import generate
 from .process_memory import peak_resident_bytes, release_freed_memory, resident_bytes  # noqa: F401
 from .quant import CacheFormat
@@ -40,31 +41,45 @@ def _element_bytes(dtype: str) -> int:
         raise ValueError(f"unknown dtype {dtype!r}; known: {sorted(BYTES_PER_ELEMENT)}") from None
 
 
-def cache_format(config: ModelConfig, dtype: str = "fp16", *, key_dtype: Optional[str] = None,
-                 value_dtype: Optional[str] = None, group: Optional[int] = None,
-                 key_group: Optional[int] = None, value_group: Optional[int] = None,
-                 window: int = 0) -> CacheFormat:
-    """The CacheFormat these arguments describe for this model's heads (checked)."""
-    return CacheFormat.make(config.head_dim, dtype, key=key_dtype, value=value_dtype, group=group,
-                            key_group=key_group, value_group=value_group, window=window)
+def cache_format(config: ModelConfig, dtype: Union[None, str, CacheFormat] = None, *,
+                 key_dtype: Optional[str] = None, value_dtype: Optional[str] = None,
+                 group: Optional[int] = None, key_group: Optional[int] = None,
+                 value_group: Optional[int] = None, window: int = 0) -> CacheFormat:
+    """The CacheFormat these arguments describe for this model's heads (checked), as
+    model.new_cache() reads them: dtype a format name or a CacheFormat, fp32 if unset."""
+    return _cache_format(config, dtype, "kvlab.measure.cache_format", key_dtype=key_dtype,
+                         value_dtype=value_dtype, group=group, key_group=key_group,
+                         value_group=value_group, window=window)
 
 
-def kv_bytes_per_token(config: ModelConfig, dtype: str = "fp16", **format_options) -> int:
+def _cache_format(config: ModelConfig, dtype, caller: str, key_dtype: Optional[str] = None,
+                  value_dtype: Optional[str] = None, **options) -> CacheFormat:
+    if dtype is None:
+        if key_dtype is None or value_dtype is None:   # the default decides the answer
+            default_changed(f"{caller}'s dtype", "'fp16'", "'fp32', as for model.new_cache",
+                            stacklevel=4)
+        dtype = "fp32"
+    return CacheFormat.make(config.head_dim, dtype, key=key_dtype, value=value_dtype, **options)
+
+
+def kv_bytes_per_token(config: ModelConfig, dtype: Union[None, str, CacheFormat] = None,
+                       **format_options) -> int:
     """Bytes one token adds to the cache, over all layers, K and V (scales and zero points
-    included). format_options: key_dtype, value_dtype, group, key_group, value_group."""
-    fmt = cache_format(config, dtype, **format_options)
+    included). dtype and format_options (key_dtype, value_dtype, group, key_group,
+    value_group) as for model.new_cache: fp32 if unset."""
+    fmt = _cache_format(config, dtype, "kv_bytes_per_token", **format_options)
     return config.n_layers * fmt.row_bytes(config.n_kv_heads, config.head_dim)
 
 
-def kv_cache_bytes(config: ModelConfig, seq_len: int, batch: int = 1, dtype: str = "fp16",
-                   **format_options) -> int:
+def kv_cache_bytes(config: ModelConfig, seq_len: int, batch: int = 1,
+                   dtype: Union[None, str, CacheFormat] = None, **format_options) -> int:
     """Bytes of K and V for `batch` requests of `seq_len` tokens each: exactly what
-    model.new_cache(seq_len, dtype, ...) allocates per request. format_options: key_dtype,
-    value_dtype, group, key_group, value_group, window."""
+    model.new_cache(seq_len, dtype, ...) allocates per request, with the same default
+    (fp32). format_options: key_dtype, value_dtype, group, key_group, value_group, window."""
     for name, value in (("seq_len", seq_len), ("batch", batch)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
-    fmt = cache_format(config, dtype, **format_options)
+    fmt = _cache_format(config, dtype, "kv_cache_bytes", **format_options)
     if fmt.window > seq_len:
         raise ValueError(f"window ({fmt.window}) cannot be longer than the cache ({seq_len} positions)")
     per_request = (config.n_layers * fmt.row_bytes(config.n_kv_heads, config.head_dim) * seq_len

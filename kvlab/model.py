@@ -16,8 +16,9 @@ import numpy as np
 
 from ._core import core
 from .config import ModelConfig
-from .errors import TokenizerError
 from .counts import Counts
+from .deprecation import renamed
+from .errors import ContextLengthError, TokenizerError
 from .quant import CacheFormat
 from .sampling import check_sampling_args, sample
 from .paged import PagedPool, PagedSequence
@@ -185,19 +186,20 @@ class Model:
         return logits
 
     # ---- caches ----------------------------------------------------------------------
-    def cache_format(self, dtype: str = "fp32", *, key_dtype: Optional[str] = None,
+    def cache_format(self, dtype: Union[str, CacheFormat] = "fp32", *, key_dtype: Optional[str] = None,
                      value_dtype: Optional[str] = None, group: Optional[int] = None,
                      key_group: Optional[int] = None, value_group: Optional[int] = None,
                      window: int = 0) -> CacheFormat:
         """The CacheFormat these arguments describe for this model's heads: dtype is one of
         fp32, fp16, bf16, int8, int4, fp8 for both K and V, key_dtype/value_dtype override
         it; group is the values per scale (default: one scale per head for int8 and fp8,
-        32 values for int4); window keeps the most recent positions in float32."""
+        32 values for int4); window keeps the most recent positions in float32. dtype may
+        be a CacheFormat instead, alone; it is checked against this model's head_dim."""
         return CacheFormat.make(self.config.head_dim, dtype, key=key_dtype, value=value_dtype,
                                 group=group, key_group=key_group, value_group=value_group,
                                 window=window)
 
-    def new_cache(self, max_seq_len: Optional[int] = None, dtype: str = "fp32",
+    def new_cache(self, max_seq_len: Optional[int] = None, dtype: Union[str, CacheFormat] = "fp32",
                   **format_options) -> KVCache:
         """A contiguous KV cache for one sequence, holding up to max_seq_len positions
         (default: the model's context length). Its memory is reserved now, in full.
@@ -226,7 +228,8 @@ class Model:
         return (c.n_layers, c.n_kv_heads, c.head_dim, int(num_blocks), int(block_size),
                 int(max_seqs), int(max_blocks_per_seq))
 
-    def new_paged_pool(self, num_blocks: int, block_size: int = 16, dtype: str = "fp32",
+    def new_paged_pool(self, num_blocks: int, block_size: int = 16,
+                       dtype: Union[str, CacheFormat] = "fp32",
                        max_seqs: int = 256, max_blocks_per_seq: Optional[int] = None,
                        prefix_cache: bool = True, **format_options) -> PagedPool:
         """A paged KV cache: num_blocks blocks of block_size positions, shared by up to
@@ -240,16 +243,35 @@ class Model:
                          prefix_cache=bool(prefix_cache), **fmt.core_arguments())
 
     # ---- running ---------------------------------------------------------------------
+    def forward(self, tokens: TokenArray, cache: Optional[Cache] = None,
+                all_logits: bool = False) -> np.ndarray:
+        """The forward pass, the one entry to it. With a cache (a KVCache, or a
+        PagedSequence of a paged pool), the tokens are the sequence's next positions: their
+        K and V are computed once and appended, and they attend over everything the cache
+        holds. Without one, the tokens are the whole sequence from position 0, every K and
+        V recomputed, as a model without a KV cache does on every step. Returns the last
+        token's logits (vocab,), or every new token's (len(tokens), vocab) with all_logits.
+        prefill and decode below are the same call under the names the chapters use."""
+        if isinstance(cache, (bool, np.bool_)):      # the old forward(tokens, all_logits)
+            renamed("model.forward(tokens, all_logits) with all_logits second",
+                    "model.forward(tokens, all_logits=...)")
+            cache, all_logits = None, bool(cache)
+        ids = as_token_array(tokens, self.config.vocab_size)
+        if cache is None and len(ids) > self.config.max_seq_len:
+            raise ContextLengthError(f"{len(ids)} tokens exceed the model's context of "
+                                     f"{self.config.max_seq_len} (config.max_seq_len)")
+        return self._run(ids, cache, all_logits)
+
     def prefill(self, tokens: TokenArray, cache: Cache, all_logits: bool = False) -> np.ndarray:
         """Run a prompt (or any chunk of new tokens) in one causal pass, appending its K
-        and V to the cache (a KVCache, or a PagedSequence of a paged pool). Returns the
-        last token's logits (vocab,), or every token's (len(tokens), vocab) with
-        all_logits=True."""
-        return self._run(as_token_array(tokens, self.config.vocab_size), cache, all_logits)
+        and V to the cache: forward(tokens, cache). Returns the last token's logits
+        (vocab,), or every token's (len(tokens), vocab) with all_logits=True."""
+        return self.forward(tokens, cache, all_logits)
 
     def decode(self, token: int, cache: Cache) -> np.ndarray:
-        """One generation step: a single new token attends over the cache. Returns (vocab,)."""
-        return self._run(one_token(token, self.config.vocab_size, "decode"), cache, False)
+        """One generation step: a single new token attends over the cache,
+        forward([token], cache). Returns (vocab,)."""
+        return self.forward(one_token(token, self.config.vocab_size, "decode"), cache)
 
     def decode_steps(self, token: int, cache: Cache, max_steps: int, temperature: float = 0.0,
                      top_k: Optional[int] = None, top_p: Optional[float] = None,
@@ -325,11 +347,6 @@ class Model:
             error.completed = (np.array(picks, dtype=np.int32), np.array(seconds))
             raise
         return np.array(picks, dtype=np.int32), np.array(seconds)
-
-    def forward(self, tokens: TokenArray, all_logits: bool = False) -> np.ndarray:
-        """The no-cache path: run the whole sequence from position 0, recomputing every
-        token's K and V, as a model without a KV cache does on every step."""
-        return self._run(as_token_array(tokens, self.config.vocab_size), None, all_logits)
 
     # ---- text ------------------------------------------------------------------------
     def _require_tokenizer(self) -> Tokenizer:

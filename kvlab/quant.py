@@ -23,7 +23,7 @@ module stores no cache: quantized caches belong to the C core.
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import Optional, Union
 
 import numpy as np
 
@@ -80,12 +80,27 @@ class CacheFormat:
     window: int = 0
 
     @classmethod
-    def make(cls, head_dim: int, dtype: str = "fp32", *, key: Optional[str] = None,
-             value: Optional[str] = None, group: Optional[int] = None,
-             key_group: Optional[int] = None, value_group: Optional[int] = None,
-             window: int = 0) -> "CacheFormat":
+    def make(cls, head_dim: int, dtype: Union[str, "CacheFormat"] = "fp32", *,
+             key: Optional[str] = None, value: Optional[str] = None,
+             group: Optional[int] = None, key_group: Optional[int] = None,
+             value_group: Optional[int] = None, window: int = 0) -> "CacheFormat":
         """dtype sets both formats, key/value override it; group applies to whichever of
-        them has groups unless key_group/value_group say otherwise."""
+        them has groups unless key_group/value_group say otherwise. dtype may also be a
+        CacheFormat, then alone: it is checked against head_dim and returned as it is."""
+        if isinstance(dtype, CacheFormat):
+            given = {"key": key, "value": value, "group": group, "key_group": key_group,
+                     "value_group": value_group, "window": window or None}
+            extra = sorted(name for name, v in given.items() if v is not None)
+            if extra:
+                raise TypeError(f"dtype is a CacheFormat, which says everything: drop "
+                                f"{', '.join(extra)} (or pass dtype as a name)")
+            fmt = dtype
+            return cls.make(head_dim, key=fmt.key, value=fmt.value,
+                            key_group=fmt.key_group or None, value_group=fmt.value_group or None,
+                            window=fmt.window)
+        if not isinstance(dtype, str):
+            raise TypeError(f"dtype must be a format name ({', '.join(FORMATS)}) or a "
+                            f"kvlab.CacheFormat, got {type(dtype).__name__}")
         key, value = key or dtype, value or dtype
         for name in (key, value):
             if not isinstance(name, str) or name not in FORMATS:

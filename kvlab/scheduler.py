@@ -35,6 +35,7 @@ from typing import Any, Deque, Dict, List, Optional, Protocol
 
 import numpy as np
 
+from .deprecation import renamed
 from .sampling import MIN_TEMPERATURE, check_sampling_args  # noqa: F401 (MIN_TEMPERATURE re-exported)
 
 
@@ -45,10 +46,12 @@ def positive_int(name: str, value) -> int:
     return int(value)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, init=False)
 class SamplingParams:
-    """How to generate for one request (the same rules as kvlab.generate)."""
-    max_tokens: int = 16
+    """How to generate for one request (the same rules and names as kvlab.generate).
+    max_new_tokens is the length limit, what vLLM's SamplingParams calls max_tokens: the
+    old spelling SamplingParams(max_tokens=...) still works, with a DeprecationWarning."""
+    max_new_tokens: int = 16
     temperature: float = 0.0
     top_k: Optional[int] = None
     top_p: Optional[float] = None
@@ -56,10 +59,28 @@ class SamplingParams:
     n: int = 1                      # samples of one prompt, sharing its blocks
     stop_at_eos: bool = True
 
-    def __post_init__(self):
-        for name in ("max_tokens", "n"):
+    def __init__(self, max_new_tokens: Optional[int] = None, temperature: float = 0.0,
+                 top_k: Optional[int] = None, top_p: Optional[float] = None,
+                 seed: Optional[int] = None, n: int = 1, stop_at_eos: bool = True, *,
+                 max_tokens: Optional[int] = None):
+        if max_tokens is not None:               # the name before the API had one word
+            if max_new_tokens is not None:
+                raise TypeError("give max_new_tokens only (max_tokens is its old name)")
+            renamed("SamplingParams(max_tokens=...)", "SamplingParams(max_new_tokens=...)")
+            max_new_tokens = max_tokens
+        values = {"max_new_tokens": 16 if max_new_tokens is None else max_new_tokens,
+                  "temperature": temperature, "top_k": top_k, "top_p": top_p, "seed": seed,
+                  "n": n, "stop_at_eos": stop_at_eos}
+        for name, value in values.items():
+            object.__setattr__(self, name, value)   # frozen: set once, here
+        for name in ("max_new_tokens", "n"):
             positive_int(name, getattr(self, name))
         check_sampling_args(self.temperature, self.top_k, self.top_p)   # incl. MIN_TEMPERATURE
+
+    @property
+    def max_tokens(self) -> int:
+        renamed("SamplingParams.max_tokens", "SamplingParams.max_new_tokens")
+        return self.max_new_tokens
 
 
 class State(enum.Enum):
@@ -277,15 +298,15 @@ def blocks_for(n_tokens: int, block_size: int) -> int:
 def requests_fit(prompt_len: int, params: SamplingParams, block_size: int, num_blocks: int,
                  max_blocks_per_seq: int) -> Optional[str]:
     """Why a request could never run in this pool even alone, or None if it can. Its
-    longest sequence holds prompt + max_tokens - 1 tokens (the last sampled token is
+    longest sequence holds prompt + max_new_tokens - 1 tokens (the last sampled token is
     never fed back), and after a preemption each sample is recomputed separately."""
-    longest = blocks_for(prompt_len + params.max_tokens - 1, block_size)
+    longest = blocks_for(prompt_len + params.max_new_tokens - 1, block_size)
     if longest > max_blocks_per_seq:
-        return (f"prompt ({prompt_len} tokens) + max_tokens ({params.max_tokens}) needs "
+        return (f"prompt ({prompt_len} tokens) + max_new_tokens ({params.max_new_tokens}) needs "
                 f"{longest} blocks of {block_size}, more than a sequence may hold "
                 f"(max_blocks_per_seq={max_blocks_per_seq})")
     if params.n * longest > num_blocks:
-        return (f"prompt ({prompt_len} tokens) + max_tokens ({params.max_tokens}) for n={params.n} "
+        return (f"prompt ({prompt_len} tokens) + max_new_tokens ({params.max_new_tokens}) for n={params.n} "
                 f"samples needs up to {params.n * longest} blocks of {block_size}; the pool "
                 f"has {num_blocks}")
     return None

@@ -267,7 +267,8 @@ def _check_cache_size(answer, rng) -> str:
             hint = "round down: a request that does not fit whole does not fit"
         elif config.n_kv_heads != config.n_heads and got == max(0, left // mha):
             hint = "the cache holds K and V for the KV heads (n_kv_heads), not the query heads"
-        elif dtype != "fp16" and got == max(0, left // kv_cache_bytes(config, seq_len)):
+        elif got in {max(0, left // kv_cache_bytes(config, seq_len, dtype=forgot))
+                     for forgot in ("fp16", "fp32") if forgot != dtype}:   # not passed on
             hint = ("the cache's format changes its bytes: pass it on, "
                     "kvlab.kv_cache_bytes(config, seq_len, dtype=cache_dtype)")
         else:
@@ -417,7 +418,7 @@ def _engine_steps(lengths, slots):
     pool = model.new_paged_pool(num_blocks=blocks, block_size=block_size, max_seqs=len(lengths))
     engine = Engine(model, pool, max_batch_seqs=slots)
     for i, n in enumerate(lengths):
-        engine.add_request([i % 256], SamplingParams(max_tokens=n, stop_at_eos=False))
+        engine.add_request([i % 256], SamplingParams(max_new_tokens=n, stop_at_eos=False))
     steps = 0
     while engine.has_work:
         engine.step()

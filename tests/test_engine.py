@@ -44,9 +44,9 @@ def expected_tokens(model, prompt, params, sample, **cache_format):
     """What kvlab.generate makes for sample `sample` of a request, the prompt alone."""
     seed = None if params.seed is None else params.seed + sample
     dtype = cache_format.pop("dtype", "fp32")
-    return kvlab.generate(model, prompt, max_new_tokens=params.max_tokens,
+    return kvlab.generate(model, prompt, max_new_tokens=params.max_new_tokens,
                           temperature=params.temperature, top_k=params.top_k,
-                          top_p=params.top_p, seed=seed, cache_dtype=dtype,
+                          top_p=params.top_p, seed=seed, dtype=dtype,
                           **cache_format).tokens
 
 
@@ -57,9 +57,9 @@ def assert_outputs_match_generate(model, outputs, requests, **cache_format):
         out = outputs[rid]
         assert out.prompt == list(prompt)
         assert len(out.outputs) == params.n
-        for i, tokens in enumerate(out.outputs):
+        for i, sample in enumerate(out.outputs):
             want = expected_tokens(model, prompt, params, i, **cache_format)
-            assert tokens == want, f"request {rid} sample {i} differs from kvlab.generate"
+            assert sample.index == i and sample.tokens == want, f"request {rid} sample {i} differs from kvlab.generate"
 
 
 def drain(engine, pool):
@@ -82,7 +82,7 @@ def blocks_for(n_tokens, block_size):
 def single_request_blocks(prompt, params, block_size):
     """Blocks one request can hold at most: each sample's prompt + max_tokens - 1 tokens
     (the last sampled token is never fed back)."""
-    return params.n * blocks_for(len(prompt) + params.max_tokens - 1, block_size)
+    return params.n * blocks_for(len(prompt) + params.max_new_tokens - 1, block_size)
 
 
 # ---- the contract under random workloads -------------------------------------------------------
@@ -103,9 +103,9 @@ def random_workload(seed):
         n = int(rng.choice([1, 1, 2, 3]))
         max_tokens = int(rng.integers(1, 21))
         if rng.random() < 0.5:
-            params = SamplingParams(max_tokens=max_tokens, n=n)
+            params = SamplingParams(max_new_tokens=max_tokens, n=n)
         else:
-            params = SamplingParams(max_tokens=max_tokens, temperature=0.8,
+            params = SamplingParams(max_new_tokens=max_tokens, temperature=0.8,
                                     seed=int(rng.integers(10_000)), n=n)
         arrival = 0 if rng.random() < 0.4 else int(rng.integers(1, 15))
         requests.append((prompt, params, arrival))
@@ -144,8 +144,8 @@ def test_outputs_match_generate_whatever_the_arrival_order(model, seed):
 def test_tiny_pool_preempts_and_still_matches_generate(model):
     rng = np.random.default_rng(7)
     block_size = 4
-    requests = [(random_ids(rng, 12 + 2 * k), SamplingParams(max_tokens=12 + k)) for k in range(5)]
-    requests.append((random_ids(rng, 14), SamplingParams(max_tokens=14, temperature=0.8,
+    requests = [(random_ids(rng, 12 + 2 * k), SamplingParams(max_new_tokens=12 + k)) for k in range(5)]
+    requests.append((random_ids(rng, 14), SamplingParams(max_new_tokens=14, temperature=0.8,
                                                          seed=11, n=2)))
     # just enough blocks for the largest request on its own: all six cannot run together
     num_blocks = max(single_request_blocks(p, sp, block_size) for p, sp in requests)
@@ -170,7 +170,7 @@ def test_tiny_pool_preempts_and_still_matches_generate(model):
 @pytest.mark.parametrize("budget", [16, 7])
 def test_long_prompt_is_prefilled_in_chunks_of_the_token_budget(model, budget):
     prompt = random_ids(np.random.default_rng(3), 100)
-    params = SamplingParams(max_tokens=5)
+    params = SamplingParams(max_new_tokens=5)
     pool = model.new_paged_pool(32, block_size=16)
     engine = kvlab.Engine(model, pool, max_batch_tokens=budget)
     rid = engine.add_request(prompt, params)
@@ -182,7 +182,7 @@ def test_long_prompt_is_prefilled_in_chunks_of_the_token_budget(model, budget):
     last_chunk = 100 - budget * (chunks - 1)
     assert [m.prefill_tokens for m in metrics[:chunks]] == [budget] * (chunks - 1) + [last_chunk]
     assert all(m.decode_tokens == 1 and m.prefill_tokens == 0 for m in metrics[chunks:])
-    assert len(metrics) == chunks + params.max_tokens - 1
+    assert len(metrics) == chunks + params.max_new_tokens - 1
     assert_outputs_match_generate(model, engine.outputs, {rid: (prompt, params)})
 
 
@@ -194,7 +194,7 @@ def test_no_step_runs_more_tokens_than_the_budget(model):
     requests = {}
     for length in (100, 37, 3, 64, 20):
         prompt = random_ids(rng, length)
-        params = SamplingParams(max_tokens=8)
+        params = SamplingParams(max_new_tokens=8)
         requests[engine.add_request(prompt, params)] = (prompt, params)
     metrics = drain(engine, pool)
     assert all(m.prefill_tokens + m.decode_tokens <= budget for m in metrics)
@@ -209,7 +209,7 @@ def test_max_batch_seqs_caps_the_batch(model):
     engine = kvlab.Engine(model, pool, max_batch_seqs=3)
     requests = {}
     for length in range(2, 9):
-        prompt, params = random_ids(rng, length), SamplingParams(max_tokens=4)
+        prompt, params = random_ids(rng, length), SamplingParams(max_new_tokens=4)
         requests[engine.add_request(prompt, params)] = (prompt, params)
     metrics = drain(engine, pool)
     assert max(m.batch_size for m in metrics) == 3
@@ -228,7 +228,7 @@ def test_a_decode_step_runs_every_sequence_in_one_forward_call(model):
     pool = model.new_paged_pool(64, block_size=16)
     engine = kvlab.Engine(model, pool, max_batch_tokens=256)
     for k in range(8):
-        engine.add_request(random_ids(rng, 3 + k), SamplingParams(max_tokens=6))
+        engine.add_request(random_ids(rng, 3 + k), SamplingParams(max_new_tokens=6))
     first = engine.step()                            # every prompt, all at once
     assert first.batch_size == 8 and len(first.new_tokens) == 8
 
@@ -246,7 +246,7 @@ def test_a_decode_step_runs_every_sequence_in_one_forward_call(model):
 @pytest.mark.parametrize("length, hit", [(40, 32), (36, 32), (33, 32), (32, 24), (7, 0)])
 def test_repeated_prompt_hits_the_prefix_cache_for_full_blocks_only(model, length, hit):
     prompt = random_ids(np.random.default_rng(length), length)
-    params = SamplingParams(max_tokens=5)
+    params = SamplingParams(max_new_tokens=5)
     pool = model.new_paged_pool(32, block_size=8)
     engine = kvlab.Engine(model, pool)
     first = engine.add_request(prompt, params)
@@ -270,7 +270,7 @@ def test_repeated_prompt_hits_the_prefix_cache_for_full_blocks_only(model, lengt
 def test_n_samples_fork_the_prompt_and_copy_the_shared_partial_block_on_write(model):
     block_size = 8
     prompt = random_ids(np.random.default_rng(9), 20)     # 2 full blocks + 4 rows of a third
-    params = SamplingParams(max_tokens=6, temperature=0.8, seed=42, n=3)
+    params = SamplingParams(max_new_tokens=6, temperature=0.8, seed=42, n=3)
     pool = model.new_paged_pool(32, block_size=block_size)
     trace = []
     engine = kvlab.Engine(model, pool, trace=trace)
@@ -324,9 +324,9 @@ def preempting_workload(model, trace):
     engine = kvlab.Engine(model, pool, trace=trace)
     requests = {}
     for k in range(6):
-        prompt, params = random_ids(rng, 10 + 3 * k), SamplingParams(max_tokens=12)
+        prompt, params = random_ids(rng, 10 + 3 * k), SamplingParams(max_new_tokens=12)
         if k in (1, 4):                       # two sampled requests with three samples each
-            params = SamplingParams(max_tokens=6, n=3, temperature=0.8, seed=k)
+            params = SamplingParams(max_new_tokens=6, n=3, temperature=0.8, seed=k)
         requests[engine.add_request(prompt, params)] = (prompt, params)
     return engine, pool, requests
 
@@ -359,10 +359,10 @@ def test_trace_file_holds_one_json_event_per_line(model, tmp_path):
         pool = model.new_paged_pool(12, block_size=4)
         engine = kvlab.Engine(model, pool, trace=trace)
         rng = np.random.default_rng(13)
-        engine.add_request(random_ids(rng, 10), SamplingParams(max_tokens=6, temperature=0.8,
+        engine.add_request(random_ids(rng, 10), SamplingParams(max_new_tokens=6, temperature=0.8,
                                                                seed=1, n=2))
         for k in range(4):
-            engine.add_request(random_ids(rng, 8 + k), SamplingParams(max_tokens=10))
+            engine.add_request(random_ids(rng, 8 + k), SamplingParams(max_new_tokens=10))
         return engine
 
     path = tmp_path / "trace.jsonl"
@@ -398,16 +398,16 @@ def test_requests_that_could_never_fit_are_rejected_up_front(model):
     pool = model.new_paged_pool(8, block_size=4, max_seqs=4)
     engine = kvlab.Engine(model, pool)
     with pytest.raises(ValueError, match=r"request rejected: .*the pool has 8"):
-        engine.add_request([1] * 40, SamplingParams(max_tokens=1))      # 10 blocks of 8
+        engine.add_request([1] * 40, SamplingParams(max_new_tokens=1))      # 10 blocks of 8
     with pytest.raises(ValueError, match=r"request rejected: .*the pool has 8"):
-        engine.add_request([1] * 30, SamplingParams(max_tokens=4))      # 33 tokens: 9 blocks
+        engine.add_request([1] * 30, SamplingParams(max_new_tokens=4))      # 33 tokens: 9 blocks
     with pytest.raises(ValueError, match=r"request rejected: .*n=5"):
-        engine.add_request([1] * 6, SamplingParams(max_tokens=3, n=5))  # 5 x 2 blocks
+        engine.add_request([1] * 6, SamplingParams(max_new_tokens=3, n=5))  # 5 x 2 blocks
     with pytest.raises(ValueError, match=r"request rejected: .*max_seqs=4"):
-        engine.add_request([1], SamplingParams(max_tokens=1, n=5))     # 5 sequences of 1 block
+        engine.add_request([1], SamplingParams(max_new_tokens=1, n=5))     # 5 sequences of 1 block
     short_table = model.new_paged_pool(64, block_size=4, max_blocks_per_seq=2)
     with pytest.raises(ValueError, match=r"request rejected: .*max_blocks_per_seq=2"):
-        kvlab.Engine(model, short_table).add_request([1] * 8, SamplingParams(max_tokens=2))
+        kvlab.Engine(model, short_table).add_request([1] * 8, SamplingParams(max_new_tokens=2))
     # a rejected request leaves nothing behind
     assert not engine.has_work and engine.requests == {}
     assert pool.stats().blocks_used == 0
@@ -419,8 +419,8 @@ def test_requests_that_exactly_fill_the_pool_are_accepted_and_finish(model):
     pool = model.new_paged_pool(8, block_size=4)
     engine = kvlab.Engine(model, pool)
     requests = {}
-    for prompt, params in ((random_ids(rng, 30), SamplingParams(max_tokens=3)),
-                           (random_ids(rng, 6), SamplingParams(max_tokens=3, n=4,
+    for prompt, params in ((random_ids(rng, 30), SamplingParams(max_new_tokens=3)),
+                           (random_ids(rng, 6), SamplingParams(max_new_tokens=3, n=4,
                                                                temperature=0.8, seed=5))):
         requests[engine.add_request(prompt, params)] = (prompt, params)
     drain(engine, pool)
@@ -441,9 +441,9 @@ def test_bad_prompts_are_rejected(model):
 
 
 @pytest.mark.parametrize("kwargs, name", [
-    ({"max_tokens": 0}, "max_tokens"),
-    ({"max_tokens": 2.5}, "max_tokens"),
-    ({"max_tokens": True}, "max_tokens"),
+    ({"max_new_tokens": 0}, "max_new_tokens"),
+    ({"max_new_tokens": 2.5}, "max_new_tokens"),
+    ({"max_new_tokens": True}, "max_new_tokens"),
     ({"n": 0}, "n must"),
     ({"temperature": -0.5}, "temperature"),
     ({"temperature": float("nan")}, "temperature"),
@@ -535,10 +535,10 @@ def test_quantized_pool_matches_generate_with_the_same_cache_format(model, cache
     pool = model.new_paged_pool(40, block_size=8, **cache_format)
     engine = kvlab.Engine(model, pool, max_batch_tokens=32)
     requests = {}
-    for prompt, params in ((random_ids(rng, 30), SamplingParams(max_tokens=12)),
-                           (random_ids(rng, 5), SamplingParams(max_tokens=15, temperature=0.8,
+    for prompt, params in ((random_ids(rng, 30), SamplingParams(max_new_tokens=12)),
+                           (random_ids(rng, 5), SamplingParams(max_new_tokens=15, temperature=0.8,
                                                                seed=3, n=2)),
-                           (random_ids(rng, 17), SamplingParams(max_tokens=9))):
+                           (random_ids(rng, 17), SamplingParams(max_new_tokens=9))):
         requests[engine.add_request(prompt, params)] = (prompt, params)
     drain(engine, pool)
     assert_outputs_match_generate(model, engine.outputs, requests, **cache_format)
@@ -549,8 +549,8 @@ def test_quantized_pool_matches_generate_with_the_same_cache_format(model, cache
 def test_run_returns_every_request_with_decoded_texts(model):
     pool = model.new_paged_pool(64, block_size=16)
     engine = kvlab.Engine(model, pool)
-    greedy = engine.add_request("ROMEO:", SamplingParams(max_tokens=20))
-    sampled = engine.add_request([72, 105], SamplingParams(max_tokens=5, temperature=0.8,
+    greedy = engine.add_request("ROMEO:", SamplingParams(max_new_tokens=20))
+    sampled = engine.add_request([72, 105], SamplingParams(max_new_tokens=5, temperature=0.8,
                                                            seed=2, n=2))
     engine.step()
     assert engine.outputs == {}              # nothing finished yet: nothing reported
@@ -560,14 +560,17 @@ def test_run_returns_every_request_with_decoded_texts(model):
     assert outputs == engine.outputs
     assert outputs[greedy].prompt == model.encode("ROMEO:")
     for out in outputs.values():
-        assert out.texts == [model.decode_text(tokens) for tokens in out.outputs]
-        assert out.finish_reasons == ["length"] * len(out.outputs)   # no EOS in this model
+        for sample in out.outputs:
+            assert isinstance(sample, kvlab.CompletionOutput)
+            assert sample.completion == model.decode_text(sample.tokens)
+            assert sample.finish_reason == "length"          # no EOS in this model
         assert out.preemptions == 0
-    assert [len(t) for t in outputs[sampled].outputs] == [5, 5]
-    assert outputs[greedy].texts[0] == kvlab.generate(model, "ROMEO:", max_new_tokens=20).completion
+    assert [len(o.tokens) for o in outputs[sampled].outputs] == [5, 5]
+    alone = kvlab.generate(model, "ROMEO:", max_new_tokens=20)
+    assert outputs[greedy].outputs[0].completion == alone.completion
     assert_outputs_match_generate(
-        model, outputs, {greedy: (model.encode("ROMEO:"), SamplingParams(max_tokens=20)),
-                         sampled: ([72, 105], SamplingParams(max_tokens=5, temperature=0.8,
+        model, outputs, {greedy: (model.encode("ROMEO:"), SamplingParams(max_new_tokens=20)),
+                         sampled: ([72, 105], SamplingParams(max_new_tokens=5, temperature=0.8,
                                                              seed=2, n=2))})
     assert not engine.has_work and engine.run(progress=False) == outputs
 
@@ -584,7 +587,7 @@ def test_an_engine_shared_by_threads_serializes_its_steps(model):
 
     def worker(part):
         for prompt in part:
-            ids[engine.add_request(prompt, SamplingParams(max_tokens=8))] = prompt
+            ids[engine.add_request(prompt, SamplingParams(max_new_tokens=8))] = prompt
             engine.step()
         while engine.has_work:
             engine.step()
@@ -598,7 +601,7 @@ def test_an_engine_shared_by_threads_serializes_its_steps(model):
     outputs = engine.outputs
     assert len(outputs) == 8
     for rid, prompt in ids.items():
-        assert outputs[rid].outputs[0] == kvlab.generate(model, prompt, 8).tokens
+        assert outputs[rid].outputs[0].tokens == kvlab.generate(model, prompt, 8).tokens
 
 
 def test_admission_keeps_sequence_slots_for_forks_still_to_come(model):
@@ -607,8 +610,8 @@ def test_admission_keeps_sequence_slots_for_forks_still_to_come(model):
     # will need 7 sequences; the second waits, and both finish.
     pool = model.new_paged_pool(32, block_size=2, max_seqs=6)
     engine = kvlab.Engine(model, pool, max_batch_tokens=2)
-    a = engine.add_request([5], SamplingParams(max_tokens=2, n=3))
-    b = engine.add_request([6], SamplingParams(max_tokens=1, n=4))
+    a = engine.add_request([5], SamplingParams(max_new_tokens=2, n=3))
+    b = engine.add_request([6], SamplingParams(max_new_tokens=1, n=4))
     first = engine.step()
     assert first.admitted == [a]
     outputs = engine.run(progress=False)
@@ -622,8 +625,8 @@ def test_a_forked_request_larger_than_a_batch_is_readmitted_after_preemption(mod
     pool = model.new_paged_pool(4, block_size=2)
     engine = kvlab.Engine(model, pool, max_batch_seqs=2)
     requests = {}
-    for prompt, params in (([1, 2, 3, 4], SamplingParams(max_tokens=2)),
-                           ([9], SamplingParams(max_tokens=2, n=3, temperature=0.8, seed=2))):
+    for prompt, params in (([1, 2, 3, 4], SamplingParams(max_new_tokens=2)),
+                           ([9], SamplingParams(max_new_tokens=2, n=3, temperature=0.8, seed=2))):
         requests[engine.add_request(prompt, params)] = (prompt, params)
     metrics = drain(engine, pool)
     assert sum(m.preemptions for m in metrics) >= 1

@@ -7,6 +7,11 @@ from kvlab.measure import kv_bytes_per_token, kv_cache_bytes, weights_bytes
 GiB = 1024 ** 3
 
 
+@pytest.fixture(scope="module")
+def model():
+    return kvlab.load()
+
+
 def test_the_worked_example_of_the_chapter():
     llama = kvlab.ModelConfig.llama2_7b()          # 32 layers, 4096 hidden, MHA
     assert kv_bytes_per_token(llama, "fp16") == 524_288                 # 512 KiB
@@ -20,7 +25,43 @@ def test_the_worked_example_of_the_chapter():
 def test_gqa_divides_cache_bytes_by_the_group_size():
     big = kvlab.ModelConfig.llama2_70b()           # 64 query heads, 8 KV heads
     mha = big.replace(n_kv_heads=big.n_heads)
-    assert kv_bytes_per_token(mha) == 8 * kv_bytes_per_token(big)
+    assert kv_bytes_per_token(mha, "fp16") == 8 * kv_bytes_per_token(big, "fp16")
+
+
+def test_the_formulas_default_to_new_caches_format_and_say_the_default_changed(model):
+    # kv_cache_bytes once defaulted to fp16 while new_cache defaults to fp32: now both
+    # mean fp32, and leaving dtype out says so (for one release) since the number changed.
+    config = model.config
+    with pytest.warns(FutureWarning, match="kv_cache_bytes's dtype now defaults to 'fp32'"):
+        assert kv_cache_bytes(config, 300) == model.new_cache(300).nbytes
+    with pytest.warns(FutureWarning, match="kv_bytes_per_token's dtype now defaults"):
+        assert kv_bytes_per_token(config) == kv_bytes_per_token(config, "fp32")
+    # nothing to say when both sides are named
+    assert kv_bytes_per_token(config, key_dtype="int8", value_dtype="fp16") > 0
+
+
+def test_a_cache_format_object_is_a_dtype_everywhere(model):
+    fmt = kvlab.CacheFormat.make(model.config.head_dim, key="int8", value="int4", window=4)
+    cache = model.new_cache(64, fmt)
+    assert (cache.key_dtype, cache.value_dtype, cache.window) == ("int8", "int4", 4)
+    assert cache.nbytes == kv_cache_bytes(model.config, 64, dtype=fmt)
+    assert model.new_cache(64, fmt).nbytes == model.new_cache(64, key_dtype="int8",
+                                                             value_dtype="int4", window=4).nbytes
+    pool = model.new_paged_pool(8, 16, fmt)
+    assert (pool.key_dtype, pool.value_dtype, pool.window) == ("int8", "int4", 4)
+    assert kvlab.generate(model, [1, 2, 3], 5, dtype=fmt).tokens == \
+        kvlab.generate(model, [1, 2, 3], 5, key_dtype="int8", value_dtype="int4", window=4).tokens
+    engine = kvlab.Engine(model, num_blocks=8, dtype=fmt)
+    assert engine.pool.key_dtype == "int8"
+    # a CacheFormat says everything: options beside it are refused, not merged
+    with pytest.raises(TypeError, match="drop group"):
+        model.new_cache(64, fmt, group=8)
+    # and it is checked against the model: groups must divide this model's head_dim
+    odd = kvlab.CacheFormat.make(model.config.head_dim * 3, "int8", group=model.config.head_dim * 3)
+    with pytest.raises(ValueError, match="must divide head_dim"):
+        model.new_cache(64, odd)
+    with pytest.raises(TypeError, match="dtype must be a format name"):
+        model.new_cache(64, 8)
 
 
 @pytest.mark.parametrize("preset", sorted(kvlab.ModelConfig.presets()))

@@ -499,7 +499,7 @@ def test_bad_formats_are_refused_by_caches_and_pools(model, options, match):
     with pytest.raises(ValueError, match=match):
         model.new_paged_pool(num_blocks=4, block_size=4, **options)
     with pytest.raises(ValueError, match=match):
-        kvlab.kv_cache_bytes(model.config, 16, **options)
+        kvlab.kv_cache_bytes(model.config, 16, **{"dtype": "fp32", **options})
 
 
 def test_group_applies_to_the_side_that_has_groups(model):

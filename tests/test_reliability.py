@@ -48,9 +48,9 @@ def churn(model: kvlab.Model, rounds: int) -> None:
         # the no-cache path, generation and a small engine run now and then
         model.forward(prompt, all_logits=(i % 2 == 0))
         if i % 25 == 0:
-            kvlab.generate(model, prompt, max_new_tokens=5, cache_dtype="int8")
+            kvlab.generate(model, prompt, max_new_tokens=5, dtype="int8")
             engine = kvlab.Engine(model, model.new_paged_pool(num_blocks=8, block_size=4))
-            engine.add_request(prompt, kvlab.SamplingParams(max_tokens=4, n=2, seed=i,
+            engine.add_request(prompt, kvlab.SamplingParams(max_new_tokens=4, n=2, seed=i,
                                                             temperature=0.7))
             engine.run(progress=False)
 
@@ -516,7 +516,7 @@ class EngineFuzz(RuleBasedStateMachine):
           temperature=st.sampled_from([0.0, 0.0, 0.7, -1.0]), seed=st.integers(0, 9))
     def add(self, prompt, max_tokens, n, temperature, seed):
         try:
-            params = kvlab.SamplingParams(max_tokens=max_tokens, n=n, temperature=temperature,
+            params = kvlab.SamplingParams(max_new_tokens=max_tokens, n=n, temperature=temperature,
                                           seed=seed)
             rid = self.engine.add_request(prompt, params)
         except (ValueError, TypeError):
@@ -536,8 +536,9 @@ class EngineFuzz(RuleBasedStateMachine):
         for rid, out in self.engine.outputs.items():
             params = self.accepted[rid]
             assert len(out.outputs) == params.n
-            for tokens in out.outputs:
-                assert len(tokens) <= params.max_tokens
+            for sample in out.outputs:
+                tokens = sample.tokens
+                assert len(tokens) <= params.max_new_tokens
                 assert all(0 <= t < self.model.config.vocab_size for t in tokens)
 
     def teardown(self):

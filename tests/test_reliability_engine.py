@@ -48,7 +48,7 @@ def expected(model, prompt, params, sample=0):
     if key not in _expected_cache:
         seed = None if params.seed is None else params.seed + sample
         _expected_cache[key] = kvlab.generate(
-            model, list(prompt), max_new_tokens=params.max_tokens,
+            model, list(prompt), max_new_tokens=params.max_new_tokens,
             temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
             seed=seed).tokens
     return _expected_cache[key]
@@ -58,9 +58,10 @@ def assert_matches_generate(model, outputs, requests):
     """requests: request id -> (prompt, SamplingParams)."""
     assert sorted(outputs) == sorted(requests)
     for rid, (prompt, params) in requests.items():
-        assert outputs[rid].finish_reasons == ["length"] * params.n, outputs[rid].finish_reasons
-        for i, tokens in enumerate(outputs[rid].outputs):
-            assert tokens == expected(model, prompt, params, i), \
+        reasons = [o.finish_reason for o in outputs[rid].outputs]
+        assert reasons == ["length"] * params.n, reasons
+        for i, sample in enumerate(outputs[rid].outputs):
+            assert sample.tokens == expected(model, prompt, params, i), \
                 f"request {rid} sample {i} differs from kvlab.generate"
 
 
@@ -98,7 +99,7 @@ def assert_consistent(engine):
         if request.state is State.RUNNING:
             for sample in request.active():
                 assert sample.seq is not None and sample.seq.alive
-                assert len(sample.outputs) < request.params.max_tokens
+                assert len(sample.outputs) < request.params.max_new_tokens
     # every sequence in the pool is a sample's: nothing made and lost
     assert {(s.id, s.serial) for s in pool.sequences()} == held
 
@@ -183,11 +184,11 @@ def workload(model, trace=None):
     seeded n=2 request that forks, and greedy requests."""
     rng = np.random.default_rng(1)
     shared = rng.integers(0, 256, 23).tolist()
-    requests = [(shared, SamplingParams(max_tokens=6)),
-                (shared[:17] + [5, 6], SamplingParams(max_tokens=5)),
-                (rng.integers(0, 256, 9).tolist(), SamplingParams(max_tokens=5, n=2,
+    requests = [(shared, SamplingParams(max_new_tokens=6)),
+                (shared[:17] + [5, 6], SamplingParams(max_new_tokens=5)),
+                (rng.integers(0, 256, 9).tolist(), SamplingParams(max_new_tokens=5, n=2,
                                                                   temperature=0.8, seed=3)),
-                (rng.integers(0, 256, 4).tolist(), SamplingParams(max_tokens=7))]
+                (rng.integers(0, 256, 4).tolist(), SamplingParams(max_new_tokens=7))]
     pool = model.new_paged_pool(12, block_size=4)
     engine = kvlab.Engine(model, pool, max_batch_tokens=8, trace=trace)
     ids = {engine.add_request(p, sp): (p, sp) for p, sp in requests}
@@ -254,7 +255,7 @@ def test_interrupt_after_forward_batch_returned_gives_generates_text(model, step
 
 def test_an_interrupt_mid_prompt_keeps_the_chunk_and_recomputes_nothing(model):
     prompt = np.random.default_rng(2).integers(0, 256, 60).tolist()
-    params = SamplingParams(max_tokens=4)
+    params = SamplingParams(max_new_tokens=4)
     engine = kvlab.Engine(model, model.new_paged_pool(32, block_size=4), max_batch_tokens=8)
     rid = engine.add_request(prompt, params)
     model.reset_counters()
@@ -277,7 +278,7 @@ def test_an_interrupt_after_the_last_chunk_recomputes_from_the_prefix_cache(mode
     # the logits that choose the first token were lost with the interrupt: the request is
     # recomputed, and its full blocks come back from the prefix cache
     prompt = np.random.default_rng(3).integers(0, 256, 30).tolist()
-    params = SamplingParams(max_tokens=4)
+    params = SamplingParams(max_new_tokens=4)
     engine = kvlab.Engine(model, model.new_paged_pool(32, block_size=4), max_batch_tokens=16)
     rid = engine.add_request(prompt, params)
     model.reset_counters()
@@ -297,7 +298,7 @@ def test_an_interrupt_after_the_last_chunk_recomputes_from_the_prefix_cache(mode
 
 @pytest.mark.parametrize("when", ["before", "after"])
 def test_an_interrupted_sampler_puts_the_random_generator_back(model, when):
-    params = SamplingParams(max_tokens=8, temperature=0.8, seed=5, n=3)
+    params = SamplingParams(max_new_tokens=8, temperature=0.8, seed=5, n=3)
     prompt = [10, 20, 30, 40, 50]
     for k in range(1, 3 * 8 + 1):
         engine = kvlab.Engine(model, model.new_paged_pool(16, block_size=4))
@@ -352,8 +353,8 @@ def test_a_sampling_error_fails_that_request_alone_and_run_finishes(model):
     engine = kvlab.Engine(model, model.new_paged_pool(32, block_size=4), max_batch_tokens=8)
     good = {}
     for prompt in ([1, 2, 3], list(range(40, 60))):
-        good[engine.add_request(prompt, SamplingParams(max_tokens=6))] = (prompt, SamplingParams(max_tokens=6))
-    bad = engine.add_request([7, 8, 9, 10], overflowing(max_tokens=6, n=2, seed=1))
+        good[engine.add_request(prompt, SamplingParams(max_new_tokens=6))] = (prompt, SamplingParams(max_new_tokens=6))
+    bad = engine.add_request([7, 8, 9, 10], overflowing(max_new_tokens=6, n=2, seed=1))
     step_of = {}
     while engine.has_work:
         assert len(engine.metrics) < MAX_STEPS
@@ -364,20 +365,20 @@ def test_a_sampling_error_fails_that_request_alone_and_run_finishes(model):
             assert rid in result.finished
     outputs = engine.outputs
     assert list(step_of) == [bad]
-    reasons = outputs[bad].finish_reasons
+    reasons = [o.finish_reason for o in outputs[bad].outputs]
     assert len(reasons) == 2 and reasons[0] == reasons[1]
     assert reasons[0].startswith(f"error: step {step_of[bad]}: ValueError: ")
-    assert "logits" in reasons[0] and outputs[bad].outputs == [[], []]
+    assert "logits" in reasons[0] and [o.tokens for o in outputs[bad].outputs] == [[], []]
     assert_matches_generate(model, {r: outputs[r] for r in good}, good)
     assert engine.pool.stats().blocks_used == 0
     # run() once more is a no-op, not an endless loop
-    assert engine.run(progress=False)[bad].finish_reasons == reasons
+    assert [o.finish_reason for o in engine.run(progress=False)[bad].outputs] == reasons
 
 
 def test_run_finishes_after_a_sampling_error_instead_of_looping(model):
     engine = kvlab.Engine(model, model.new_paged_pool(16, block_size=4))
-    bad = engine.add_request([1, 2, 3], overflowing(max_tokens=5))
-    good = engine.add_request([4, 5, 6], SamplingParams(max_tokens=5))
+    bad = engine.add_request([1, 2, 3], overflowing(max_new_tokens=5))
+    good = engine.add_request([4, 5, 6], SamplingParams(max_new_tokens=5))
     steps = 0
     real_step = engine.step
 
@@ -389,8 +390,8 @@ def test_run_finishes_after_a_sampling_error_instead_of_looping(model):
 
     engine.step = counted
     outputs = engine.run(progress=False)
-    assert outputs[bad].finish_reasons[0].startswith("error: step 0: ")
-    assert_matches_generate(model, {good: outputs[good]}, {good: ([4, 5, 6], SamplingParams(max_tokens=5))})
+    assert outputs[bad].outputs[0].finish_reason.startswith("error: step 0: ")
+    assert_matches_generate(model, {good: outputs[good]}, {good: ([4, 5, 6], SamplingParams(max_new_tokens=5))})
 
 
 def test_any_exception_from_the_sampler_fails_only_its_request(model):
@@ -412,11 +413,11 @@ def test_any_exception_from_the_sampler_fails_only_its_request(model):
         outputs = engine.run(progress=False)
     finally:
         kvlab.engine.sample_token = sampler
-    why = outputs[target].finish_reasons
+    why = [o.finish_reason for o in outputs[target].outputs]
     assert all(r.startswith("error: step ") and "ZeroDivisionError: float division by zero" in r
                for r in why)
     # the tokens chosen before the failure are kept
-    assert [len(o) for o in outputs[target].outputs] == [1, 1]
+    assert [len(o.tokens) for o in outputs[target].outputs] == [1, 1]
     del ids[target]
     assert_matches_generate(model, {r: outputs[r] for r in ids}, ids)
     assert_consistent(engine)
@@ -428,11 +429,11 @@ def test_nan_logits_fail_the_request_naming_the_step_and_others_go_on(model, tem
     # fails at the step where it happened, whatever the sampler does with NaN
     engine = kvlab.Engine(model, model.new_paged_pool(32, block_size=4), max_batch_tokens=8)
     prompt = list(range(30, 50))                  # 20 tokens: 3 chunks of 8 ... then decodes
-    poisoned = engine.add_request(prompt, SamplingParams(max_tokens=6, temperature=temperature,
+    poisoned = engine.add_request(prompt, SamplingParams(max_new_tokens=6, temperature=temperature,
                                                          seed=4))
     others = {}
     for p in ([1, 2, 3, 4], [9] * 11):
-        others[engine.add_request(p, SamplingParams(max_tokens=6))] = (p, SamplingParams(max_tokens=6))
+        others[engine.add_request(p, SamplingParams(max_new_tokens=6))] = (p, SamplingParams(max_new_tokens=6))
     real = model.forward_batch
     poison_at = 4                                  # the 5th forward call: mid-generation
 
@@ -450,11 +451,11 @@ def test_nan_logits_fail_the_request_naming_the_step_and_others_go_on(model, tem
         outputs = engine.run(progress=False)
     finally:
         del model.forward_batch
-    reason = outputs[poisoned].finish_reasons[0]
+    reason = outputs[poisoned].outputs[0].finish_reason
     assert reason == f"error: step {poison_at}: ValueError: the logits hold NaN: no token can be chosen"
     assert engine.metrics[poison_at].failed == {poisoned: reason}
-    good_tokens = expected(model, prompt, SamplingParams(max_tokens=6, temperature=temperature, seed=4))
-    produced = outputs[poisoned].outputs[0]
+    good_tokens = expected(model, prompt, SamplingParams(max_new_tokens=6, temperature=temperature, seed=4))
+    produced = outputs[poisoned].outputs[0].tokens
     assert 0 < len(produced) < 6 and produced == good_tokens[:len(produced)]
     assert_matches_generate(model, {r: outputs[r] for r in others}, others)
     assert engine.pool.stats().blocks_used == 0
@@ -466,13 +467,13 @@ def test_a_request_failing_beside_one_mid_prompt_leaves_it_alone(model):
     rng = np.random.default_rng(6)
     long_prompt = rng.integers(0, 256, 50).tolist()
     engine = kvlab.Engine(model, model.new_paged_pool(40, block_size=4), max_batch_tokens=12)
-    bad = engine.add_request(long_prompt[:9], overflowing(max_tokens=4))
-    good = engine.add_request(long_prompt, SamplingParams(max_tokens=5))
+    bad = engine.add_request(long_prompt[:9], overflowing(max_new_tokens=4))
+    good = engine.add_request(long_prompt, SamplingParams(max_new_tokens=5))
     first = engine.step()
     assert first.failed and bad in first.failed
     assert engine.requests[good].samples[0].computed < 50     # mid-prompt
     outputs = engine.run(progress=False)
-    assert_matches_generate(model, {good: outputs[good]}, {good: (long_prompt, SamplingParams(max_tokens=5))})
+    assert_matches_generate(model, {good: outputs[good]}, {good: (long_prompt, SamplingParams(max_new_tokens=5))})
     assert engine.pool.stats().blocks_used == 0
 
 
@@ -481,7 +482,7 @@ def test_run_refuses_to_spin_when_the_pool_is_held_outside_the_engine(model):
     squatter = pool.new_sequence()
     model.prefill(list(range(28)), squatter)            # 7 of 8 blocks
     engine = kvlab.Engine(model, pool)
-    engine.add_request(list(range(10)), SamplingParams(max_tokens=3))   # needs 3 blocks
+    engine.add_request(list(range(10)), SamplingParams(max_new_tokens=3))   # needs 3 blocks
     steps = 0
     real_step = engine.step
 
@@ -498,8 +499,8 @@ def test_run_refuses_to_spin_when_the_pool_is_held_outside_the_engine(model):
         real_step()                                     # step() alone says so too
     assert squatter.alive and squatter.length == 28     # the engine never touches it
     pool.free(squatter)
-    assert engine.run(progress=False)[0].outputs[0] == expected(model, list(range(10)),
-                                                                 SamplingParams(max_tokens=3))
+    assert engine.run(progress=False)[0].outputs[0].tokens == expected(model, list(range(10)),
+                                                                 SamplingParams(max_new_tokens=3))
 
 
 # ---- construction ---------------------------------------------------------------------------------
@@ -571,7 +572,7 @@ class InterruptedEngine(RuleBasedStateMachine):
     def add(self, prefix, tail, max_tokens, n, sampled, seed):
         # prompts that share their starts, for the prefix cache
         prompt = ([3, 1, 4, 1, 5, 9, 2, 6][:prefix * 4] + tail) or [7]
-        params = SamplingParams(max_tokens=max_tokens, n=n, temperature=0.8 if sampled else 0.0,
+        params = SamplingParams(max_new_tokens=max_tokens, n=n, temperature=0.8 if sampled else 0.0,
                                 seed=seed)
         try:
             rid = self.engine.add_request(prompt, params)
@@ -603,11 +604,12 @@ class InterruptedEngine(RuleBasedStateMachine):
         if not hasattr(self, "engine"):
             return
         outputs = self.engine.run(progress=False)
-        options = {} if self.fmt == "fp32" else {"cache_dtype": self.fmt}
+        options = {} if self.fmt == "fp32" else {"dtype": self.fmt}
         for rid, (prompt, params) in self.requests.items():
-            for i, tokens in enumerate(outputs[rid].outputs):
+            for i, sample in enumerate(outputs[rid].outputs):
+                tokens = sample.tokens
                 seed = None if params.seed is None else params.seed + i
-                want = kvlab.generate(self.model, prompt, params.max_tokens,
+                want = kvlab.generate(self.model, prompt, params.max_new_tokens,
                                       temperature=params.temperature, seed=seed,
                                       **options).tokens
                 assert tokens == want, f"request {rid} sample {i}"
@@ -633,8 +635,8 @@ def test_interrupts_around_an_end_of_sequence_resume_exactly(model):
         engine = kvlab.Engine(model, model.new_paged_pool(26, block_size=2), max_batch_tokens=3,
                               trace=Sink())
         engine._eos = eos
-        engine.add_request(prompt, SamplingParams(max_tokens=20, n=2))
-        engine.add_request([1, 2], SamplingParams(max_tokens=5))
+        engine.add_request(prompt, SamplingParams(max_new_tokens=20, n=2))
+        engine.add_request([1, 2], SamplingParams(max_new_tokens=5))
         return engine
 
     engine = make()
@@ -645,6 +647,6 @@ def test_interrupts_around_an_end_of_sequence_resume_exactly(model):
             engine = make()
             with injected(engine, Injector(at=[k], when=when)):
                 outputs = run_through(engine)
-            assert outputs[0].outputs == [before_eos] * 2, (when, k)
-            assert outputs[0].finish_reasons == ["eos", "eos"]
+            assert [o.tokens for o in outputs[0].outputs] == [before_eos] * 2, (when, k)
+            assert [o.finish_reason for o in outputs[0].outputs] == ["eos", "eos"]
             assert engine.pool.stats().blocks_used == 0

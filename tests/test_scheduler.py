@@ -117,7 +117,7 @@ class FakePool:
 
 
 def make_request(rid, prompt_len, max_tokens=4, n=1):
-    params = sched.SamplingParams(max_tokens=max_tokens, n=n)
+    params = sched.SamplingParams(max_new_tokens=max_tokens, n=n)
     request = sched.Request(id=rid, prompt=[1] * prompt_len, params=params, arrival=rid)
     request.samples = [sched.Sample(index=i, tokens=[1] * prompt_len, prompt_len=prompt_len)
                        for i in range(n)]
@@ -145,7 +145,7 @@ def drive(scheduler, pool, requests, max_steps=10_000, on_step=None):
                 targets = request.samples
             for target in targets:
                 target.tokens.append(7)
-                if len(target.outputs) >= request.params.max_tokens:
+                if len(target.outputs) >= request.params.max_new_tokens:
                     target.finished = True
         for request in {r.id: r for r, _, _ in step.items}.values():
             if request.finished and request.state is sched.State.RUNNING:
@@ -264,25 +264,25 @@ def test_random_workloads_always_finish_within_the_pool(seed):
         requests.append(make_request(rid, int(rng.integers(1, 30)), int(rng.integers(1, 12)),
                                      int(rng.integers(1, 4))))
     # just enough blocks for the largest request alone: heavy preemption
-    need = max(r.params.n * blocks_for(len(r.prompt) + r.params.max_tokens - 1, block_size)
+    need = max(r.params.n * blocks_for(len(r.prompt) + r.params.max_new_tokens - 1, block_size)
                for r in requests)
     pool = FakePool(need + int(rng.integers(0, 4)), block_size)
     scheduler = sched.Scheduler(block_size, budget, max_batch_seqs=int(rng.integers(1, 9)))
     drive(scheduler, pool, requests)
     assert all(r.finished and r.state is sched.State.FINISHED for r in requests)
-    assert all(len(s.outputs) == r.params.max_tokens for r in requests for s in r.samples)
+    assert all(len(s.outputs) == r.params.max_new_tokens for r in requests for s in r.samples)
     assert pool.used() == 0
 
 
 def test_requests_that_can_never_fit_are_explained():
-    params = sched.SamplingParams(max_tokens=10)
+    params = sched.SamplingParams(max_new_tokens=10)
     assert sched.requests_fit(20, params, 4, 100, 100) is None
     assert "max_blocks_per_seq" in sched.requests_fit(200, params, 4, 100, 20)
-    why = sched.requests_fit(20, sched.SamplingParams(max_tokens=10, n=4), 4, 20, 100)
+    why = sched.requests_fit(20, sched.SamplingParams(max_new_tokens=10, n=4), 4, 20, 100)
     assert "n=4" in why and "the pool has 20" in why
 
 
-@pytest.mark.parametrize("kwargs, match", [({"max_tokens": 0}, "max_tokens"), ({"n": 0}, "n must"),
+@pytest.mark.parametrize("kwargs, match", [({"max_new_tokens": 0}, "max_new_tokens"), ({"n": 0}, "n must"),
                                            ({"temperature": -1}, "temperature"),
                                            ({"top_k": 0}, "top_k"), ({"top_p": 1.5}, "top_p")])
 def test_sampling_params_are_checked(kwargs, match):

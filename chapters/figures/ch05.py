@@ -61,16 +61,16 @@ def equality_check(model: kvlab.Model) -> dict:
     engine = kvlab.Engine(model, pool, max_batch_tokens=64)
     requests = []
     for i, prompt in enumerate(prompts):
-        params = (kvlab.SamplingParams(max_tokens=60) if i % 2 == 0 else
-                  kvlab.SamplingParams(max_tokens=60, temperature=0.8, top_k=40, seed=i, n=2))
+        params = (kvlab.SamplingParams(max_new_tokens=60) if i % 2 == 0 else
+                  kvlab.SamplingParams(max_new_tokens=60, temperature=0.8, top_k=40, seed=i, n=2))
         requests.append((engine.add_request(prompt, params), prompt, params))
     outputs = engine.run(progress=False)
     same, samples = True, 0
     for rid, prompt, p in requests:
         for i in range(p.n):
-            alone = kvlab.generate(model, prompt, p.max_tokens, temperature=p.temperature,
+            alone = kvlab.generate(model, prompt, p.max_new_tokens, temperature=p.temperature,
                                    top_k=p.top_k, seed=None if p.seed is None else p.seed + i)
-            same &= alone.tokens == outputs[rid].outputs[i]
+            same &= alone.tokens == outputs[rid].outputs[i].tokens
             samples += 1
     return {"requests": len(prompts), "samples": samples, "pool_blocks": 14, "block_size": 16,
             "max_batch_tokens": 64, "steps": len(engine.metrics),
@@ -89,7 +89,7 @@ def throughput_run(model: kvlab.Model, batch: int, new_tokens: int = 8,
     engine = kvlab.Engine(model, pool, max_batch_tokens=max(256, batch * prompt_len))
     for _ in range(batch):
         prompt = rng.integers(0, model.config.vocab_size, prompt_len).tolist()
-        engine.add_request(prompt, kvlab.SamplingParams(max_tokens=new_tokens, stop_at_eos=False))
+        engine.add_request(prompt, kvlab.SamplingParams(max_new_tokens=new_tokens, stop_at_eos=False))
     decode_seconds, weight_bytes, kv_bytes, flops, decode_tokens = [], 0, 0, 0, 0
     start = time.perf_counter()
     while engine.has_work:
@@ -196,9 +196,9 @@ def memory_budget(model: kvlab.Model, n_requests: int = 96, n_static: int = 16,
         run["seconds_each_round"] = times[name]
     return {"model": model.config.name, "max_len": max_len, "budget_bytes": budget,
             "static_blocks": static_pool.num_blocks, "paged_blocks": paged_pool.num_blocks,
-            "requests": n_requests, "tokens": sum(p.max_tokens for _, p in requests),
-            "mean_new_tokens": float(np.mean([p.max_tokens for _, p in requests])),
-            "max_new_tokens": max(p.max_tokens for _, p in requests), **results}
+            "requests": n_requests, "tokens": sum(p.max_new_tokens for _, p in requests),
+            "mean_new_tokens": float(np.mean([p.max_new_tokens for _, p in requests])),
+            "max_new_tokens": max(p.max_new_tokens for _, p in requests), **results}
 
 
 # ---- exact arithmetic the text shows ----------------------------------------------------

@@ -96,7 +96,7 @@ class KvlabReference:
         self.requests, self.done = {}, []
 
     def add(self, request_id, prompt_len, max_new_tokens):
-        params = kvlab_scheduler.SamplingParams(max_tokens=max_new_tokens)
+        params = kvlab_scheduler.SamplingParams(max_new_tokens=max_new_tokens)
         request = kvlab_scheduler.Request(id=request_id, prompt=[1] * prompt_len,
                                           params=params, arrival=request_id)
         request.samples = [kvlab_scheduler.Sample(index=0, tokens=[1] * prompt_len,
@@ -111,7 +111,7 @@ class KvlabReference:
             sample.computed += n
             if sample.computed == len(sample.tokens):
                 sample.tokens.append(7)
-                sample.finished = len(sample.outputs) >= request.params.max_tokens
+                sample.finished = len(sample.outputs) >= request.params.max_new_tokens
         for request in {r.id: r for r, _, _ in decided.items}.values():
             if request.finished and request.state is kvlab_scheduler.State.RUNNING:
                 self.pool.release(request)

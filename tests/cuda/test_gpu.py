@@ -220,8 +220,8 @@ def test_stories260k_writes_the_golden_text(shared_models, golden):
     out = kvlab.generate(model, golden.prompt, max_new_tokens=60, stop_at_eos=False)
     assert out.tokens == golden.ids[4:64]
     for fmt in ("fp16", "bf16", "int8"):
-        gpu_text = kvlab.generate(model, golden.prompt, 40, cache_dtype=fmt).tokens
-        cpu_text = kvlab.generate(cpu, golden.prompt, 40, cache_dtype=fmt).tokens
+        gpu_text = kvlab.generate(model, golden.prompt, 40, dtype=fmt).tokens
+        cpu_text = kvlab.generate(cpu, golden.prompt, 40, dtype=fmt).tokens
         assert gpu_text == cpu_text, fmt
 
 
@@ -234,10 +234,10 @@ def test_stories260k_engine_on_the_gpu(shared_models):
     for model in (cpu, cpu.to("cuda")):
         engine = kvlab.Engine(model, model.new_paged_pool(num_blocks=64, block_size=16),
                               max_batch_tokens=64)
-        ids = [engine.add_request(p, kvlab.SamplingParams(max_tokens=24))
+        ids = [engine.add_request(p, kvlab.SamplingParams(max_new_tokens=24))
                for p in ("Once upon a time", "Lily had a", "The dog")]
         engine.run()
-        texts[model.device] = [engine.outputs[i].texts for i in ids]
+        texts[model.device] = [[o.completion for o in engine.outputs[i].outputs] for i in ids]
         engine.pool.check()
     assert texts["cuda"] == texts["cpu"]
 
