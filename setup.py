@@ -1,7 +1,7 @@
 """Build script for kvlab's C extension (metadata lives in pyproject.toml).
 
-One extension, kvlab._kvlab, is built from csrc/*.c with -O3 and OpenMP when the
-compiler has it. Environment switches:
+One extension, kvlab._kvlab, is built from the C core (csrc/*.c, no Python) and its Python
+binding (csrc/python/*.c) with -O3 and OpenMP when the compiler has it. Environment switches:
   KVLAB_PORTABLE=1   do not tune for this machine's CPU (-march=native is the default,
                      because kvlab is normally built from source where it runs)
   KVLAB_NO_OPENMP=1  build single-threaded
@@ -33,6 +33,8 @@ from setuptools.command.build_ext import build_ext
 
 HERE = Path(__file__).parent
 CORE_SOURCES = sorted(str(p.relative_to(HERE)) for p in (HERE / "csrc").glob("*.c"))
+BINDING_DIR = HERE / "csrc" / "python"
+BINDING_SOURCES = sorted(str(p.relative_to(HERE)) for p in BINDING_DIR.glob("*.c"))
 CUDA_DIR = HERE / "csrc" / "cuda"
 CUDA_SOURCES = sorted(CUDA_DIR.glob("*.cu"))
 CUDA_HEADERS = [*CUDA_DIR.glob("*.cuh"), *CUDA_DIR.glob("*.h"), HERE / "csrc" / "kvlab.h",
@@ -155,9 +157,10 @@ class BuildExt(build_ext):
 EXTENSIONS = [
     Extension(
         "kvlab._kvlab",
-        sources=CORE_SOURCES,
+        sources=CORE_SOURCES + BINDING_SOURCES,
         include_dirs=["csrc", numpy.get_include()],
-        depends=[str(p.relative_to(HERE)) for p in (HERE / "csrc").glob("*.h")],
+        depends=[str(p.relative_to(HERE))
+                 for p in [*(HERE / "csrc").glob("*.h"), *BINDING_DIR.glob("*.h")]],
     )
 ]
 if NVCC:

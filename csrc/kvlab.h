@@ -3,7 +3,7 @@
  * Plain C11, no Python: a model is a config plus pointers into weight buffers that the
  * caller owns (NumPy arrays, a memory-mapped checkpoint ...), and a KV cache is memory
  * this core owns. Every function that can fail returns a kv_status; nothing here prints,
- * exits or touches Python. The Python binding (_kvlab.c) is the only layer above this.
+ * exits or touches Python. The Python binding (csrc/python/) is the only layer above this.
  */
 #ifndef KVLAB_H
 #define KVLAB_H

@@ -1,5 +1,5 @@
 /* model_args.h: a model's config dict and its weight arrays as the Python bindings read
- * them. Shared by the CPU binding (_kvlab.c) and the GPU one (cuda/_cuda.c), which check
+ * them. Shared by the CPU binding (python/model.c) and the GPU one (cuda/_cuda.c), which check
  * the same config and expect the same thirteen arrays; each then keeps the weights its
  * own way (borrowed in place, or copied to the GPU). Include after Python.h and NumPy's
  * arrayobject.h. */

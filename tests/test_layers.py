@@ -1,6 +1,7 @@
 """The package's layers: no module imports one that imports it back, and the imports made
 inside functions are the few with a reason other than dodging a cycle (issue 19)."""
 import ast
+import re
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "kvlab"
@@ -75,27 +76,31 @@ def test_imports_inside_functions_have_a_reason():
 
 
 CSRC = PACKAGE.parent / "csrc"
+BINDING = CSRC / "python"     # the Python binding: the one layer above the core (csrc/*.c)
 
 
-def c_calls() -> dict:
-    """For each C file of the core (the Python binding aside): the other files whose
-    kv_* functions it calls (a function belongs to the file that defines it)."""
-    import re
-    sources = {p.name: p.read_text() for p in CSRC.glob("*.c") if p.name != "_kvlab.c"}
+def c_functions(folder: Path) -> dict:
+    """Each kv_* function defined in folder's C files -> its file, relative to csrc/."""
     defined = {}
-    for name, text in sources.items():
-        for match in re.finditer(r"^[a-z][\w \*]*?\b(kv_\w+)\([^;]*?\)\s*\{", text, re.M | re.S):
-            defined[match.group(1)] = name
+    for path in sorted(folder.glob("*.c")):
+        for match in re.finditer(r"^[A-Za-z][\w \*]*?\b(kv_\w+)\([^;]*?\)\s*\{", path.read_text(),
+                                 re.M | re.S):
+            defined[match.group(1)] = str(path.relative_to(CSRC))
+    return defined
+
+
+def c_calls(folder: Path, defined: dict) -> dict:
+    """For each C file of folder: the other files, among those of `defined`, whose kv_*
+    functions it calls (a function belongs to the file that defines it)."""
     calls = {}
-    for name, text in sources.items():
-        used = set(re.findall(r"\b(kv_\w+)\s*\(", text))
+    for path in sorted(folder.glob("*.c")):
+        name = str(path.relative_to(CSRC))
+        used = set(re.findall(r"\b(kv_\w+)\s*\(", path.read_text()))
         calls[name] = {defined[f] for f in used if f in defined and defined[f] != name}
     return calls
 
 
-def test_no_c_file_calls_a_file_that_calls_it_back():
-    calls = c_calls()
-    assert "model.c" in calls and calls["model.c"], "the scan found nothing: fix the test"
+def call_cycles(calls: dict) -> list:
     cycles = []
 
     def visit(node, path):
@@ -106,6 +111,31 @@ def test_no_c_file_calls_a_file_that_calls_it_back():
                 visit(nxt, path + [nxt])
     for start in calls:
         visit(start, [start])
+    return cycles
+
+
+def test_no_c_file_calls_a_file_that_calls_it_back():
+    calls = c_calls(CSRC, c_functions(CSRC))
+    assert "model.c" in calls and calls["model.c"], "the scan found nothing: fix the test"
+    cycles = call_cycles(calls)
     assert not cycles, f"C files that call each other back: {cycles[:5]}"
     # the run-time settings are a leaf: every math file may use them, they use none
     assert calls["runtime.c"] == set()
+    # the binding's files (one per object) layer the same way among themselves
+    binding = c_calls(BINDING, c_functions(BINDING))
+    assert binding.get("python/model.c"), "the scan found no binding: fix the test"
+    cycles = call_cycles(binding)
+    assert not cycles, f"binding files that call each other back: {cycles[:5]}"
+
+
+def test_the_python_binding_is_the_only_layer_above_the_core():
+    """The core (csrc/*.c, *.h) is plain C: it includes neither Python.h nor NumPy and calls
+    nothing of the binding (csrc/python/), which calls into it."""
+    with_python = [p.name for p in [*CSRC.glob("*.c"), *CSRC.glob("*.h")]
+                   if re.search(r'^\s*#\s*include\s*[<"](Python\.h|numpy/)', p.read_text(), re.M)]
+    assert not with_python, f"core files that include Python or NumPy: {with_python}"
+    binding_functions = c_functions(BINDING)
+    assert "kv_py_array" in binding_functions, "the scan found no binding: fix the test"
+    calls_up = {f: sorted(t) for f, t in c_calls(CSRC, binding_functions).items() if t}
+    assert not calls_up, f"core files that call the binding: {calls_up}"
+    assert any(c_calls(BINDING, c_functions(CSRC)).values()), "the binding calls no core file?"

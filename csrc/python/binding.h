@@ -1,0 +1,169 @@
+/* binding.h: what the files of the Python binding (csrc/python/) share.
+ *
+ * The binding is the only layer above the C core (the .c files of csrc/, which never
+ * include Python.h). It turns Python arguments into what the core takes, releases the GIL
+ * around long core calls, and turns each kv_status into an exception of kvlab.errors.
+ * Ranges and room are the core's to check: the binding checks what the core cannot see
+ * (Python types, the arrays behind its pointers, objects in use by another thread) and
+ * words the core's refusals so that they name the argument at fault. The few ranges it
+ * checks as well say why where they are (most bound what the binding allocates).
+ *
+ * One file per object: errors.c, arrays.c (every array argument), stores.c (cache formats
+ * and K/V views), cache.c (KVCache), pool.c (PagedPool, PagedSequence), model.c (Model),
+ * module.c (module functions and PyInit__kvlab).
+ */
+#ifndef KVLAB_PY_BINDING_H
+#define KVLAB_PY_BINDING_H
+
+/* Every file includes this header first: Python.h must come before any system header
+ * (it sets feature macros such as _POSIX_C_SOURCE). */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+/* NumPy's C API is a table of function pointers that import_array() fills in. Every file
+ * must use the same table: PY_ARRAY_UNIQUE_SYMBOL names it, module.c (which defines
+ * KV_PY_IMPORTS_NUMPY before including this header) defines it and calls import_array(),
+ * and every other file declares it extern (NO_IMPORT_ARRAY). */
+#define NPY_NO_DEPRECATED_API NPY_2_0_API_VERSION
+#define PY_ARRAY_UNIQUE_SYMBOL kvlab_PyArray_API
+#ifndef KV_PY_IMPORTS_NUMPY
+#define NO_IMPORT_ARRAY
+#endif
+#include <numpy/arrayobject.h>
+
+#include "kvlab.h"
+
+/* ---- errors.c: exceptions --------------------------------------------------------- */
+
+/* kvlab.errors' classes, looked up once at import (kv_py_fetch_errors). */
+typedef struct {
+    PyObject *cache_full, *config, *weights, *out_of_blocks, *out_of_sequences,
+        *pool_invariant;
+} kv_py_errors;
+extern kv_py_errors kv_py_error;
+
+int kv_py_fetch_errors(void);
+
+/* Raises the exception for a failed kv_status and returns NULL. The class follows from
+ * the status (CacheFullError, OutOfBlocks, MemoryError, ValueError ...); the message is
+ * the printf-style `format` (PyUnicode_FromFormat's directives), or the core's own
+ * sentence when format is NULL. Every refusal of the core goes through here (but for
+ * KVCache.attend's layer, an index: IndexError). */
+PyObject *kv_py_raise(kv_status status, const char *format, ...);
+
+/* ValueError "<before><value><after>": PyErr_Format cannot print a double. */
+PyObject *kv_py_raise_with_number(const char *before, double value, const char *after);
+
+/* The core's interrupt check (kv_set_interrupt_check) during a call that released the
+ * GIL: arg is the PyThreadState * that Py_BEGIN_ALLOW_THREADS saved (&_save). */
+int kv_py_signals_pending(void *arg);
+
+/* ---- arrays.c: NumPy arrays in and out --------------------------------------------- */
+
+#define KV_PY_ANY (-1)      /* a size kv_py_array takes whatever it is */
+#define KV_PY_MAX_DIMS 4
+#define KV_PY_WRITABLE 1    /* flags: the core writes into the array */
+
+/* What one array argument must be. Designated initializers read best at a call site:
+ *   kv_py_array(obj, &(kv_py_array_spec){.name = "q", .type = NPY_FLOAT32, .ndim = 2,
+ *                                        .shape = {KV_PY_ANY, head_dim},
+ *                                        .axes = "n_heads,head_dim"}) */
+typedef struct {
+    const char *name;                 /* the argument, as messages name it */
+    int type;                         /* NPY_FLOAT32, NPY_INT32 ... */
+    int ndim;
+    npy_intp shape[KV_PY_MAX_DIMS];   /* each axis' size, or KV_PY_ANY */
+    const char *axes;                 /* for messages: the axes' names, comma-separated,
+                                         or NULL to show sizes only */
+    int flags;                        /* KV_PY_WRITABLE */
+    PyObject *error;                  /* raise this for every refusal; NULL: TypeError for
+                                         type and byte order, ValueError for the rest */
+} kv_py_array_spec;
+
+/* obj as an array the core may read through its data pointer: that dtype in native byte
+ * order, that rank and shape, C-contiguous, aligned, every axis at most INT_MAX (so that
+ * sizes fit the core's ints), writable if asked. A borrowed reference (obj itself, which
+ * the caller holds), or NULL with an exception that names the argument. */
+PyArrayObject *kv_py_array(PyObject *obj, const kv_py_array_spec *spec);
+
+/* A read-only ndarray over memory that owner holds, which it keeps alive (its base).
+ * strides NULL means C order. */
+PyObject *kv_py_readonly_view(PyObject *owner, void *data, int type, int ndim,
+                              npy_intp *dims, npy_intp *strides);
+
+/* ---- stores.c: cache formats and views of K/V storage ------------------------------ */
+
+extern const char *const kv_py_format_names[];
+
+/* The constructor's format arguments into *format: names parsed (ValueError for an unknown
+ * one), groups and window as given; the core checks the numbers. */
+int kv_py_make_format(kv_cache_format *format, const char *key_name, const char *value_name,
+                      int key_group, int value_group, int window);
+int kv_py_parse_format(const char *name, const char *what, kv_format *format);
+
+/* After the core refused a cache or pool with KV_ERR_INVALID_ARG: raises the message for a
+ * group that does not suit its format and head_dim and returns 1, or returns 0 (the fault
+ * is elsewhere). */
+int kv_py_group_refused(const kv_cache_format *format, int head_dim);
+
+int kv_py_code_type(kv_format format);
+PyObject *kv_py_format_name(kv_format format);
+
+enum { KV_PY_CODES, KV_PY_SCALES, KV_PY_ZEROS };   /* the parts of a store */
+/* getset closures of key_codes ... value_zeros: (is_value << 2) | part */
+#define KV_PY_PART(is_value, part) ((void *)(intptr_t)(((is_value) << 2) | (part)))
+
+/* A read-only zero-copy view of one part of a store; see stores.c. */
+PyObject *kv_py_store_view(PyObject *owner, const kv_store *store, int part, int n_lead,
+                           const npy_intp *lead_dims, const npy_intp *lead_strides);
+
+/* ---- the objects -------------------------------------------------------------------- */
+
+/* busy: a forward pass is writing the cache or pool with the GIL released; every other
+ * use is refused meanwhile (RuntimeError), from any thread. */
+typedef struct {
+    PyObject_HEAD
+    kv_cache cache;
+    int busy;
+} CacheObject;
+
+typedef struct {
+    PyObject_HEAD
+    kv_pool pool;
+    int busy;
+} PoolObject;
+
+typedef struct {
+    PyObject_HEAD
+    PoolObject *pool;   /* strong reference: a handle keeps its pool alive */
+    int seq;            /* slot in pool->seqs */
+    uint32_t serial;    /* the slot's serial when this handle was made */
+} SequenceObject;
+
+extern PyTypeObject kv_py_cache_type, kv_py_pool_type, kv_py_sequence_type, kv_py_model_type;
+
+/* cache.c. 0 if the cache is initialized and not in use, else -1 with RuntimeError. */
+int kv_py_cache_ready(CacheObject *cache);
+/* The exception for a call over this cache that the core refused: the cache full
+ * (n_positions more did not fit), or shaped for another model (model's config); any other
+ * status in the core's words. Returns NULL. */
+PyObject *kv_py_cache_refused(const CacheObject *cache, kv_status status, int n_positions,
+                              const kv_config *model);
+
+/* pool.c. 0 if the pool is initialized and not in use, else -1 with RuntimeError. */
+int kv_py_pool_ready(PoolObject *pool);
+/* The slot of obj, a live PagedSequence of this pool, or -1 with an exception set. */
+int kv_py_sequence_slot(PoolObject *pool, PyObject *obj);
+/* As kv_py_cache_refused, for a pool: out of blocks or sequence slots, a full block
+ * table (appending n_tokens), or shaped for another model. */
+PyObject *kv_py_pool_refused(const PoolObject *pool, kv_status status, int n_tokens,
+                             const kv_config *model);
+
+/* model.c. How to choose tokens (temperature, top_k, top_p) into *how, each checked:
+ * 0, or -1 with ValueError naming the argument. */
+int kv_py_parse_sampling(double temperature, int top_k, double top_p, kv_sampling *how);
+
+/* The kv_counters fields, in order: a counters array has this many int64 entries. */
+#define KV_PY_N_COUNTERS ((npy_intp)(sizeof(kv_counters) / sizeof(int64_t)))
+
+#endif /* KVLAB_PY_BINDING_H */

@@ -1,0 +1,354 @@
+/* cache.c: KVCache, one sequence's contiguous cache (kv_cache), owned by the core.
+ *
+ * Its keys, values, codes and scales are zero-copy read-only views whose base is the
+ * cache object, so the memory lives as long as any view of it; that is also why a cache
+ * cannot be initialized twice (the memory under existing views would be freed).
+ */
+#include "binding.h"
+
+#include <limits.h>
+
+static int require_initialized(const CacheObject *self) {
+    if (self->cache.key.codes == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "KVCache was not initialized");
+        return -1;
+    }
+    return 0;
+}
+
+int kv_py_cache_ready(CacheObject *self) {
+    if (require_initialized(self) < 0) return -1;
+    if (self->busy) {
+        PyErr_SetString(PyExc_RuntimeError,
+                        "this KVCache is in use by a forward pass in another thread; "
+                        "give each thread its own cache");
+        return -1;
+    }
+    return 0;
+}
+
+PyObject *kv_py_cache_refused(const CacheObject *cache, kv_status status, int n_positions,
+                              const kv_config *model) {
+    const kv_cache *c = &cache->cache;
+    if (status == KV_ERR_CACHE_FULL)
+        return kv_py_raise(status, "the KV cache is full: it holds %d of %d positions and "
+                           "cannot take %d more (make it with a larger max_seq_len, or "
+                           "truncate/reset it)", c->length, c->capacity, n_positions);
+    if (status == KV_ERR_CACHE_MISMATCH && model != NULL)
+        return kv_py_raise(status, "this cache holds %d layers x %d KV heads x %d, but the "
+                           "model needs %d x %d x %d", c->n_layers, c->n_kv_heads, c->head_dim,
+                           model->n_layers, model->n_kv_heads, model->head_dim);
+    return kv_py_raise(status, NULL);
+}
+
+/* ---- life -------------------------------------------------------------------------- */
+
+static int cache_init(CacheObject *self, PyObject *args, PyObject *kwds) {
+    static char *kwlist[] = {"n_layers", "n_kv_heads", "head_dim", "capacity", "key_format",
+                             "value_format", "key_group", "value_group", "window", NULL};
+    int n_layers, n_kv_heads, head_dim, capacity, key_group = 0, value_group = 0, window = 0;
+    const char *key_name = "fp32", *value_name = "fp32";
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "iiii|ssiii", kwlist, &n_layers, &n_kv_heads,
+                                     &head_dim, &capacity, &key_name, &value_name, &key_group,
+                                     &value_group, &window))
+        return -1;
+    if (self->cache.key.codes != NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "KVCache is already initialized");
+        return -1;
+    }
+    kv_cache_format format;
+    if (kv_py_make_format(&format, key_name, value_name, key_group, value_group, window) < 0)
+        return -1;
+    /* the core checks every number; on refusal it leaves the cache zeroed */
+    kv_status status = kv_cache_init(&self->cache, n_layers, n_kv_heads, head_dim, capacity,
+                                     &format);
+    if (status == KV_OK) return 0;
+    if (status != KV_ERR_INVALID_ARG)
+        kv_py_raise(status, NULL);
+    else if (!kv_py_group_refused(&format, head_dim))
+        kv_py_raise(status, "KVCache(n_layers=%d, n_kv_heads=%d, head_dim=%d, capacity=%d, "
+                    "window=%d) is refused: sizes must be positive (n_layers up to 4096, "
+                    "n_kv_heads * head_dim up to 65536, capacity up to 2**28) and the window "
+                    "between 0 and capacity", n_layers, n_kv_heads, head_dim, capacity, window);
+    return -1;
+}
+
+static void cache_dealloc(CacheObject *self) {
+    kv_cache_free(&self->cache);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+/* ---- views ------------------------------------------------------------------------- */
+
+/* One part of the K or V store, (n_layers, length, n_kv_heads, per head). */
+static PyObject *cache_store_view(CacheObject *self, const kv_store *store, int part) {
+    if (require_initialized(self) < 0) return NULL;
+    const kv_cache *c = &self->cache;
+    npy_intp lead_dims[2] = {c->n_layers, c->length};
+    npy_intp lead_strides[2] = {(npy_intp)c->n_kv_heads * c->capacity, 1};  /* layer, position */
+    return kv_py_store_view((PyObject *)self, store, part, 2, lead_dims, lead_strides);
+}
+
+/* keys and values as numbers: the stored floats themselves for fp32 and fp16 */
+static PyObject *cache_float_view(CacheObject *self, const kv_store *store, const char *what) {
+    if (require_initialized(self) < 0) return NULL;
+    if (store->format != KV_FMT_F32 && store->format != KV_FMT_F16) {
+        const char *side = what[0] == 'k' ? "key" : "value";
+        PyErr_Format(PyExc_TypeError, "this cache stores its %s as %s codes, not floats: "
+                     "see %s_codes and %s_scales, or dequantized() for float32 copies",
+                     what, kv_py_format_names[store->format], side, side);
+        return NULL;
+    }
+    return cache_store_view(self, store, KV_PY_CODES);
+}
+
+static PyObject *cache_get_keys(CacheObject *self, void *closure) {
+    return cache_float_view(self, &self->cache.key, "keys");
+}
+
+static PyObject *cache_get_values(CacheObject *self, void *closure) {
+    return cache_float_view(self, &self->cache.value, "values");
+}
+
+/* key_codes, key_scales, ... value_zeros: closure = KV_PY_PART(is_value, part) */
+static PyObject *cache_get_part(CacheObject *self, void *closure) {
+    int which = (int)(intptr_t)closure;
+    return cache_store_view(self, (which >> 2) ? &self->cache.value : &self->cache.key,
+                            which & 3);
+}
+
+/* ---- attributes -------------------------------------------------------------------- */
+
+/* closure NULL: the keys' attribute; non-NULL: the values' */
+static PyObject *cache_get_format(CacheObject *self, void *closure) {
+    if (require_initialized(self) < 0) return NULL;
+    return kv_py_format_name((closure ? &self->cache.value : &self->cache.key)->format);
+}
+
+static PyObject *cache_get_group(CacheObject *self, void *closure) {
+    return PyLong_FromLong((closure ? &self->cache.value : &self->cache.key)->group);
+}
+
+static PyObject *cache_get_window(CacheObject *self, void *closure) {
+    return PyLong_FromLong(self->cache.window);
+}
+
+static PyObject *cache_get_length(CacheObject *self, void *closure) {
+    return PyLong_FromLong(self->cache.length);
+}
+
+static PyObject *cache_get_capacity(CacheObject *self, void *closure) {
+    return PyLong_FromLong(self->cache.capacity);
+}
+
+static PyObject *cache_get_nbytes(CacheObject *self, void *closure) {
+    return PyLong_FromSize_t(self->cache.key.codes ? kv_cache_nbytes(&self->cache) : 0);
+}
+
+static PyObject *cache_get_shape(CacheObject *self, void *closure) {
+    const kv_cache *c = &self->cache;
+    return Py_BuildValue("(iiii)", c->n_layers, c->capacity, c->n_kv_heads, c->head_dim);
+}
+
+static PyObject *cache_repr(CacheObject *self) {
+    const kv_cache *c = &self->cache;
+    if (c->key.codes == NULL) return PyUnicode_FromString("KVCache(uninitialized)");
+    char window[32] = "";
+    if (c->window > 0) PyOS_snprintf(window, sizeof window, ", window=%d", c->window);
+    const char *key = kv_py_format_names[c->key.format];
+    const char *value = kv_py_format_names[c->value.format];
+    if (c->key.format == c->value.format && c->key.group == c->value.group)
+        return PyUnicode_FromFormat(
+            "KVCache(length=%d, capacity=%d, n_layers=%d, n_kv_heads=%d, head_dim=%d, "
+            "dtype=%s%s, nbytes=%zu)", c->length, c->capacity, c->n_layers, c->n_kv_heads,
+            c->head_dim, key, window, kv_cache_nbytes(c));
+    return PyUnicode_FromFormat(
+        "KVCache(length=%d, capacity=%d, n_layers=%d, n_kv_heads=%d, head_dim=%d, "
+        "key_dtype=%s, value_dtype=%s%s, nbytes=%zu)", c->length, c->capacity, c->n_layers,
+        c->n_kv_heads, c->head_dim, key, value, window, kv_cache_nbytes(c));
+}
+
+/* ---- methods ----------------------------------------------------------------------- */
+
+static PyObject *cache_dequantized(CacheObject *self, PyObject *Py_UNUSED(ignored)) {
+    if (kv_py_cache_ready(self) < 0) return NULL;
+    const kv_cache *c = &self->cache;
+    npy_intp dims[4] = {c->n_layers, c->length, c->n_kv_heads, c->head_dim};
+    PyObject *keys = PyArray_SimpleNew(4, dims, NPY_FLOAT32);
+    PyObject *values = keys ? PyArray_SimpleNew(4, dims, NPY_FLOAT32) : NULL;
+    if (values == NULL) {
+        Py_XDECREF(keys);
+        return NULL;
+    }
+    kv_cache_read(c, (float *)PyArray_DATA((PyArrayObject *)keys),
+                  (float *)PyArray_DATA((PyArrayObject *)values));
+    return Py_BuildValue("(NN)", keys, values);
+}
+
+static PyObject *cache_attend(CacheObject *self, PyObject *args, PyObject *kwds) {
+    static char *kwlist[] = {"q", "layer", NULL};
+    PyObject *q_obj;
+    int layer = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O|i", kwlist, &q_obj, &layer)) return NULL;
+    if (kv_py_cache_ready(self) < 0) return NULL;
+    const kv_cache *c = &self->cache;
+    /* head_dim is the binding's to check: the core reads n_heads rows of head_dim */
+    PyArrayObject *q = kv_py_array(q_obj, &(kv_py_array_spec){
+        .name = "q", .type = NPY_FLOAT32, .ndim = 2, .shape = {KV_PY_ANY, c->head_dim},
+        .axes = "n_heads,head_dim"});
+    if (q == NULL) return NULL;
+    int n_heads = (int)PyArray_DIM(q, 0);
+    PyObject *out = PyArray_SimpleNew(2, PyArray_DIMS(q), NPY_FLOAT32);
+    if (out == NULL) return NULL;
+    /* q is only read; a private copy keeps another thread from changing it under us */
+    PyObject *q_copy = PyArray_NewCopy(q, NPY_CORDER);
+    if (q_copy == NULL) {
+        Py_DECREF(out);
+        return NULL;
+    }
+    kv_status status;
+    self->busy = 1;
+    Py_BEGIN_ALLOW_THREADS
+    status = kv_cache_attend(c, layer, (const float *)PyArray_DATA((PyArrayObject *)q_copy),
+                             n_heads, (float *)PyArray_DATA((PyArrayObject *)out));
+    Py_END_ALLOW_THREADS
+    self->busy = 0;
+    Py_DECREF(q_copy);
+    if (status == KV_OK) return out;
+    Py_DECREF(out);
+    if (status != KV_ERR_INVALID_ARG) return kv_py_raise(status, NULL);
+    /* the core refused the layer, an empty cache or the heads: say which */
+    if (layer < 0 || layer >= c->n_layers) {
+        PyErr_Format(PyExc_IndexError, "layer %d out of range [0, %d)", layer, c->n_layers);
+        return NULL;
+    }
+    if (c->length == 0)
+        return kv_py_raise(status, "the cache is empty: nothing to attend to");
+    return kv_py_raise(status, "q must have shape (n_heads, head_dim=%d) with n_heads a "
+                       "multiple of n_kv_heads=%d, at most %d heads, got %d heads",
+                       c->head_dim, c->n_kv_heads, 65536 / c->head_dim, n_heads);
+}
+
+static PyObject *cache_reset(CacheObject *self, PyObject *Py_UNUSED(ignored)) {
+    if (kv_py_cache_ready(self) < 0) return NULL;
+    kv_cache_truncate(&self->cache, 0);
+    Py_RETURN_NONE;
+}
+
+static PyObject *cache_truncate(CacheObject *self, PyObject *arg) {
+    if (kv_py_cache_ready(self) < 0) return NULL;
+    long length = PyLong_AsLong(arg);
+    if (length == -1 && PyErr_Occurred()) return NULL;
+    /* the core takes an int: a length beyond one is refused all the same, never wrapped */
+    int n = length > INT_MAX ? INT_MAX : length < INT_MIN ? INT_MIN : (int)length;
+    kv_status status = kv_cache_truncate(&self->cache, n);
+    if (status == KV_OK) Py_RETURN_NONE;
+    const kv_cache *c = &self->cache;
+    if (c->window > 0 && length >= 0 && length <= c->length)
+        return kv_py_raise(status, "truncate(%ld): a cache with a residual window can only be "
+                           "reset: the full-precision rows of the positions before the cut "
+                           "are gone", length);
+    return kv_py_raise(status, "truncate(%ld): length must be between 0 and the current "
+                       "length %d", length, c->length);
+}
+
+static PyObject *cache_append(CacheObject *self, PyObject *args) {
+    PyObject *keys_obj, *values_obj;
+    if (!PyArg_ParseTuple(args, "OO", &keys_obj, &values_obj)) return NULL;
+    if (kv_py_cache_ready(self) < 0) return NULL;
+    const kv_cache *c = &self->cache;
+    kv_py_array_spec rows = {.name = "keys", .type = NPY_FLOAT32, .ndim = 4,
+                             .shape = {KV_PY_ANY, c->n_layers, c->n_kv_heads, c->head_dim},
+                             .axes = "n_tokens,n_layers,n_kv_heads,head_dim"};
+    PyArrayObject *keys = kv_py_array(keys_obj, &rows);
+    if (keys == NULL) return NULL;
+    rows.name = "values";
+    rows.shape[0] = PyArray_DIM(keys, 0);   /* as many as the keys */
+    PyArrayObject *values = kv_py_array(values_obj, &rows);
+    if (values == NULL) return NULL;
+    int n = (int)PyArray_DIM(keys, 0);
+    kv_status status = kv_cache_append(&self->cache, n, (const float *)PyArray_DATA(keys),
+                                       (const float *)PyArray_DATA(values));
+    if (status == KV_OK) Py_RETURN_NONE;
+    if (status == KV_ERR_INVALID_ARG)
+        return kv_py_raise(status, "append needs at least one row: keys and values of shape "
+                           "(n_tokens >= 1, n_layers, n_kv_heads, head_dim)");
+    return kv_py_cache_refused(self, status, n, NULL);
+}
+
+/* ---- the type ---------------------------------------------------------------------- */
+
+static PyGetSetDef cache_getset[] = {
+    {"keys", (getter)cache_get_keys, NULL,
+     "Cached keys of the filled positions, a read-only zero-copy ndarray\n"
+     "(n_layers, length, n_kv_heads, head_dim), after RoPE: float32, or float16 in an fp16\n"
+     "cache. Other formats store codes: see key_codes, or dequantized().", NULL},
+    {"values", (getter)cache_get_values, NULL,
+     "Cached values of the filled positions, a read-only zero-copy ndarray\n"
+     "(n_layers, length, n_kv_heads, head_dim), as for keys.", NULL},
+    {"key_codes", (getter)cache_get_part, NULL,
+     "The stored key codes, zero-copy, (n_layers, length, n_kv_heads, per head): float32,\n"
+     "float16, bf16 bits as uint16, int8, int4 packed two per uint8 (head_dim / 2 per head),\n"
+     "or fp8 e4m3 bits as uint8.", KV_PY_PART(0, KV_PY_CODES)},
+    {"key_scales", (getter)cache_get_part, NULL,
+     "Scales of the key groups, zero-copy, (n_layers, length, n_kv_heads, head_dim / group);\n"
+     "None for fp32, fp16 and bf16.", KV_PY_PART(0, KV_PY_SCALES)},
+    {"key_zeros", (getter)cache_get_part, NULL,
+     "Zero points of the key groups (int4 only, else None).", KV_PY_PART(0, KV_PY_ZEROS)},
+    {"value_codes", (getter)cache_get_part, NULL, "As key_codes, for V.",
+     KV_PY_PART(1, KV_PY_CODES)},
+    {"value_scales", (getter)cache_get_part, NULL, "As key_scales, for V.",
+     KV_PY_PART(1, KV_PY_SCALES)},
+    {"value_zeros", (getter)cache_get_part, NULL, "As key_zeros, for V.",
+     KV_PY_PART(1, KV_PY_ZEROS)},
+    {"key_dtype", (getter)cache_get_format, NULL, "Element format of the keys.", NULL},
+    {"value_dtype", (getter)cache_get_format, NULL, "Element format of the values.", (void *)1},
+    {"key_group", (getter)cache_get_group, NULL, "Key values per scale (0: no scales).", NULL},
+    {"value_group", (getter)cache_get_group, NULL, "Value values per scale.", (void *)1},
+    {"window", (getter)cache_get_window, NULL,
+     "Residual window: each query reads this many most recent positions (itself included)\n"
+     "in float32.", NULL},
+    {"length", (getter)cache_get_length, NULL, "Positions filled so far.", NULL},
+    {"capacity", (getter)cache_get_capacity, NULL, "Positions reserved (max_seq_len).", NULL},
+    {"nbytes", (getter)cache_get_nbytes, NULL,
+     "Bytes this cache allocated for K and V (the full capacity).", NULL},
+    {"shape", (getter)cache_get_shape, NULL,
+     "(n_layers, capacity, n_kv_heads, head_dim) of the K (or V) buffer.", NULL},
+    {NULL}
+};
+
+static PyMethodDef cache_methods[] = {
+    {"reset", (PyCFunction)cache_reset, METH_NOARGS, "Forget every cached token (length = 0)."},
+    {"truncate", (PyCFunction)cache_truncate, METH_O,
+     "truncate(n): roll back to the first n tokens, as if the rest never came."},
+    {"append", (PyCFunction)cache_append, METH_VARARGS,
+     "append(keys, values): write given K/V rows, each (n_tokens, n_layers, n_kv_heads,\n"
+     "head_dim) float32, without a model (for exercises and benchmarks); quantized as the\n"
+     "cache stores them."},
+    {"dequantized", (PyCFunction)cache_dequantized, METH_NOARGS,
+     "dequantized() -> (keys, values): float32 copies, (n_layers, length, n_kv_heads,\n"
+     "head_dim), of what the most recent token's attention read: the codes decoded, and the\n"
+     "residual window's rows in full precision."},
+    {"attend", (PyCFunction)(void (*)(void))cache_attend, METH_VARARGS | METH_KEYWORDS,
+     "attend(q, layer=0) -> out: the attention of one token's queries q, float32\n"
+     "(n_heads, head_dim), over every cached position of a layer, as the last cached token\n"
+     "would attend (the cache is not changed). Decode attention on its own."},
+    {NULL}
+};
+
+PyTypeObject kv_py_cache_type = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "kvlab._kvlab.KVCache",
+    .tp_doc = PyDoc_STR("KVCache(n_layers, n_kv_heads, head_dim, capacity, key_format='fp32',\n"
+                        "        value_format='fp32', key_group=0, value_group=0, window=0)\n\n"
+                        "A contiguous KV cache for one sequence, K and V each stored as fp32,\n"
+                        "fp16, bf16, int8, int4 or fp8. Usually made with model.new_cache()."),
+    .tp_basicsize = sizeof(CacheObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)cache_init,
+    .tp_dealloc = (destructor)cache_dealloc,
+    .tp_repr = (reprfunc)cache_repr,
+    .tp_methods = cache_methods,
+    .tp_getset = cache_getset,
+};

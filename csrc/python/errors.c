@@ -1,0 +1,76 @@
+/* errors.c: the core's kv_status codes as Python exceptions, and Ctrl-C during a call.
+ *
+ * The classes are kvlab.errors', looked up at import, so that a student sees the same
+ * names whichever layer (Python or C) found the problem. One function, kv_py_raise, picks
+ * the class for every status; callers only choose the words.
+ */
+#include "binding.h"
+
+#include <stdarg.h>
+
+kv_py_errors kv_py_error;
+
+int kv_py_fetch_errors(void) {
+    PyObject *errors = PyImport_ImportModule("kvlab.errors");
+    if (errors == NULL) return -1;
+    kv_py_error.cache_full = PyObject_GetAttrString(errors, "CacheFullError");
+    kv_py_error.config = PyObject_GetAttrString(errors, "ConfigError");
+    kv_py_error.weights = PyObject_GetAttrString(errors, "WeightsError");
+    kv_py_error.out_of_blocks = PyObject_GetAttrString(errors, "OutOfBlocks");
+    kv_py_error.out_of_sequences = PyObject_GetAttrString(errors, "OutOfSequences");
+    kv_py_error.pool_invariant = PyObject_GetAttrString(errors, "PoolInvariantError");
+    Py_DECREF(errors);
+    kv_py_errors *e = &kv_py_error;
+    if (e->cache_full && e->config && e->weights && e->out_of_blocks && e->out_of_sequences &&
+        e->pool_invariant)
+        return 0;
+    Py_CLEAR(e->cache_full); Py_CLEAR(e->config); Py_CLEAR(e->weights);
+    Py_CLEAR(e->out_of_blocks); Py_CLEAR(e->out_of_sequences); Py_CLEAR(e->pool_invariant);
+    return -1;
+}
+
+PyObject *kv_py_raise(kv_status status, const char *format, ...) {
+    PyObject *type;
+    switch (status) {
+        case KV_ERR_NOMEM: return PyErr_NoMemory();
+        case KV_ERR_INTERRUPTED:
+            /* the signal handler's own exception (normally KeyboardInterrupt) is set */
+            if (!PyErr_Occurred()) PyErr_SetNone(PyExc_KeyboardInterrupt);
+            return NULL;
+        case KV_ERR_CACHE_FULL:
+        case KV_ERR_TABLE_FULL: type = kv_py_error.cache_full; break;
+        case KV_ERR_OUT_OF_BLOCKS: type = kv_py_error.out_of_blocks; break;
+        case KV_ERR_TOO_MANY_SEQUENCES: type = kv_py_error.out_of_sequences; break;
+        case KV_ERR_CORRUPT: type = kv_py_error.pool_invariant; break;
+        default: type = PyExc_ValueError; break;
+    }
+    if (format == NULL) {
+        PyErr_SetString(type, kv_strerror(status));
+        return NULL;
+    }
+    va_list args;
+    va_start(args, format);
+    PyErr_FormatV(type, format, args);
+    va_end(args);
+    return NULL;
+}
+
+PyObject *kv_py_raise_with_number(const char *before, double value, const char *after) {
+    char number[64];
+    PyOS_snprintf(number, sizeof number, "%.17g", value);
+    PyErr_Format(PyExc_ValueError, "%s%s%s", before, number, after);
+    return NULL;
+}
+
+/* A long call over the model asks this between chunks and steps, with the GIL released:
+ * it takes the GIL back for a moment and runs Python's signal handlers, so Ctrl-C raises
+ * KeyboardInterrupt within a fraction of a second. It updates the saved thread state,
+ * which PyEval_SaveThread gives anew. Whatever a handler raises stays set for the caller
+ * to return (kv_py_raise(KV_ERR_INTERRUPTED, ...)). */
+int kv_py_signals_pending(void *arg) {
+    PyThreadState **saved = arg;
+    PyEval_RestoreThread(*saved);
+    int raised = PyErr_CheckSignals() < 0;
+    *saved = PyEval_SaveThread();
+    return raised;
+}

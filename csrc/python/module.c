@@ -1,0 +1,319 @@
+/* module.c: the module kvlab._kvlab itself: its functions (sampling one row, the
+ * quantization formats on their own, threads, kernel tiers, bandwidth measurements), the
+ * COUNTERS names, and PyInit__kvlab, which imports NumPy's C API for every file.
+ */
+#define KV_PY_IMPORTS_NUMPY   /* this file defines NumPy's API table: see binding.h */
+#include "binding.h"
+
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "sampling.h"
+#include "store.h"
+
+/* ---- sampling ---------------------------------------------------------------------- */
+
+/* sample(logits, temperature=0, top_k=0, top_p=1, u=0) -> token: kv_sample on one row. */
+static PyObject *py_sample(PyObject *module, PyObject *args, PyObject *kwds) {
+    static char *kwlist[] = {"logits", "temperature", "top_k", "top_p", "u", NULL};
+    PyObject *logits_obj;
+    double temperature = 0.0, top_p = 1.0, u = 0.0;
+    int top_k = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O|didd", kwlist, &logits_obj, &temperature,
+                                     &top_k, &top_p, &u))
+        return NULL;
+    kv_sampling how;
+    if (kv_py_parse_sampling(temperature, top_k, top_p, &how) < 0) return NULL;
+    if (!(u >= 0.0 && u < 1.0))
+        return kv_py_raise_with_number("u must be in [0, 1), got ", u, "");
+    /* The one argument converted rather than checked: any row of numbers is rounded to
+     * float32, as the model's logits are (kvlab.sampling.sample takes lists too). */
+    PyArrayObject *logits = (PyArrayObject *)PyArray_FROMANY(
+        logits_obj, NPY_FLOAT32, 1, 1, NPY_ARRAY_CARRAY_RO | NPY_ARRAY_FORCECAST);
+    if (logits == NULL) return NULL;
+    npy_intp n = PyArray_DIM(logits, 0);
+    /* the scratch kv_sample needs grows with n: bounded so that its size fits an int */
+    int most = (int)(INT32_MAX / kv_sample_scratch_bytes(1));
+    if (n < 1 || n > most) {
+        Py_DECREF(logits);
+        PyErr_Format(PyExc_ValueError, "logits must hold 1 to %d values, got %zd", most,
+                     (Py_ssize_t)n);
+        return NULL;
+    }
+    void *scratch = PyMem_Malloc(kv_sample_scratch_bytes((int)n));
+    if (scratch == NULL) {
+        Py_DECREF(logits);
+        return PyErr_NoMemory();
+    }
+    int chosen = kv_sample((const float *)PyArray_DATA(logits), (int)n, &how, u, scratch);
+    PyMem_Free(scratch);
+    Py_DECREF(logits);
+    if (chosen < 0) return kv_py_raise(KV_ERR_NOT_A_NUMBER, NULL);
+    return PyLong_FromLong(chosen);
+}
+
+/* ---- quantization ------------------------------------------------------------------ */
+
+/* Rows x (rows, d) written into a one-layer store of `rows` slots, as a cache would store
+ * them: the C side of kvlab.quant, for checking the two agree. *x_out: x (borrowed).
+ * 0 with the store filled, or -1 with an exception set. */
+static int store_rows(PyObject *x_obj, const char *name, int group, kv_store *store,
+                      PyArrayObject **x_out) {
+    PyArrayObject *x = kv_py_array(x_obj, &(kv_py_array_spec){
+        .name = "x", .type = NPY_FLOAT32, .ndim = 2, .shape = {KV_PY_ANY, KV_PY_ANY},
+        .axes = "rows,d", .error = PyExc_TypeError});
+    if (x == NULL) return -1;
+    kv_format format;
+    if (kv_py_parse_format(name, "cache", &format) < 0) return -1;
+    npy_intp rows = PyArray_DIM(x, 0), d = PyArray_DIM(x, 1);
+    /* one layer and one KV head: a row of x is a head row; the core checks the sizes */
+    kv_status status = kv_store_init(store, format, group, 1, (size_t)rows, 1, (int)d);
+    if (status == KV_ERR_INVALID_ARG) {
+        kv_py_raise(status, "x (%zd rows of %zd values) cannot be stored as %s with group %d: "
+                    "x needs at least one row, rows of 1 to 65536 values (an even number for "
+                    "int4), and the group must divide the row length (and be even for int4; "
+                    "0 for float formats)", (Py_ssize_t)rows, (Py_ssize_t)d, name, group);
+        return -1;
+    }
+    if (status != KV_OK) {
+        kv_py_raise(status, NULL);
+        return -1;
+    }
+    for (npy_intp r = 0; r < rows; r++)
+        kv_store_write(store, 0, (size_t)r, (const float *)PyArray_DATA(x) + r * d);
+    *x_out = x;
+    return 0;
+}
+
+/* quantize(x, format, group=0) -> (codes, scales, zeros) */
+static PyObject *py_quantize(PyObject *module, PyObject *args) {
+    PyObject *x_obj, *result = NULL;
+    PyArrayObject *x;
+    const char *name;
+    int group = 0;
+    kv_store store;
+    if (!PyArg_ParseTuple(args, "Os|i", &x_obj, &name, &group)) return NULL;
+    if (store_rows(x_obj, name, group, &store, &x) < 0) return NULL;
+    npy_intp rows = (npy_intp)store.slots;   /* one KV head: head rows are whole rows */
+    npy_intp code_dims[2] = {rows, (npy_intp)store.head_bytes / (store.format == KV_FMT_F32 ? 4 :
+                                   store.format <= KV_FMT_BF16 ? 2 : 1)};
+    npy_intp group_dims[2] = {rows, store.groups_per_head};
+    PyObject *codes = PyArray_SimpleNew(2, code_dims, kv_py_code_type(store.format));
+    PyObject *scales = store.scales ? PyArray_SimpleNew(2, group_dims, NPY_FLOAT32) : Py_NewRef(Py_None);
+    PyObject *zeros = store.zeros ? PyArray_SimpleNew(2, group_dims, NPY_FLOAT32) : Py_NewRef(Py_None);
+    if (codes != NULL && scales != NULL && zeros != NULL) {
+        memcpy(PyArray_DATA((PyArrayObject *)codes), store.codes, (size_t)rows * store.head_bytes);
+        size_t param_bytes = (size_t)rows * store.groups_per_head * sizeof(float);
+        if (store.scales) memcpy(PyArray_DATA((PyArrayObject *)scales), store.scales, param_bytes);
+        if (store.zeros) memcpy(PyArray_DATA((PyArrayObject *)zeros), store.zeros, param_bytes);
+        result = PyTuple_Pack(3, codes, scales, zeros);
+    }
+    Py_XDECREF(codes);
+    Py_XDECREF(scales);
+    Py_XDECREF(zeros);
+    kv_store_free(&store);
+    return result;
+}
+
+/* round_trip(x, format, group=0) -> the float32 values the stored codes decode to */
+static PyObject *py_round_trip(PyObject *module, PyObject *args) {
+    PyObject *x_obj;
+    PyArrayObject *x;
+    const char *name;
+    int group = 0;
+    kv_store store;
+    if (!PyArg_ParseTuple(args, "Os|i", &x_obj, &name, &group)) return NULL;
+    if (store_rows(x_obj, name, group, &store, &x) < 0) return NULL;
+    PyObject *out = PyArray_SimpleNew(2, PyArray_DIMS(x), NPY_FLOAT32);
+    if (out != NULL)
+        for (size_t r = 0; r < store.slots; r++)
+            kv_store_read(&store, 0, r, (float *)PyArray_DATA((PyArrayObject *)out) + r * store.head_dim);
+    kv_store_free(&store);
+    return out;
+}
+
+/* ---- threads and kernels ----------------------------------------------------------- */
+
+static PyObject *py_set_num_threads(PyObject *module, PyObject *arg) {
+    long n = PyLong_AsLong(arg);
+    if (n == -1 && PyErr_Occurred()) return NULL;
+    /* More threads than a few per core only slow a call down, and OpenMP may end the whole
+     * process when it cannot create them: refuse them here, with the bound. */
+    long cores = kv_available_cores(), most = 4 * cores;
+    if (n < 1 || n > most) {
+        PyErr_Format(PyExc_ValueError, "number of threads must be 1..%ld (4 per core, %ld "
+                     "cores here), got %ld", most, cores, n);
+        return NULL;
+    }
+    kv_set_num_threads((int)n);
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_get_num_threads(PyObject *module, PyObject *Py_UNUSED(ignored)) {
+    return PyLong_FromLong(kv_get_num_threads());
+}
+
+/* The kernel tiers by name, as set_kernels and KVLAB_KERNELS take them. */
+static const char *const kernel_names[] = {[KV_KERNELS_FAST] = "fast",
+                                           [KV_KERNELS_PLAIN] = "plain"};
+
+/* kv_set_kernels by name; ValueError naming `source` (the argument or the variable) else */
+static int set_kernels_named(const char *name, const char *source) {
+    for (int k = KV_KERNELS_FAST; k <= KV_KERNELS_PLAIN; k++) {
+        if (strcmp(name, kernel_names[k]) == 0) {
+            kv_set_kernels((kv_kernels)k);
+            return 0;
+        }
+    }
+    PyErr_Format(PyExc_ValueError, "%s must be 'fast' or 'plain', got '%s'", source, name);
+    return -1;
+}
+
+static PyObject *py_set_kernels(PyObject *module, PyObject *arg) {
+    const char *name = PyUnicode_Check(arg) ? PyUnicode_AsUTF8(arg) : NULL;
+    if (name == NULL) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "kernels must be a str");
+        return NULL;
+    }
+    if (set_kernels_named(name, "kernels") < 0) return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_get_kernels(PyObject *module, PyObject *Py_UNUSED(ignored)) {
+    return PyUnicode_FromString(kernel_names[kv_get_kernels()]);
+}
+
+/* ---- bandwidth --------------------------------------------------------------------- */
+
+/* Both measurements take at most 1000 repeats (a call should end) and memory_bandwidth
+ * arrays of at least 4 KiB: the binding's own bounds. The rest of the ranges are the core's. */
+
+static PyObject *py_memory_bandwidth(PyObject *module, PyObject *args) {
+    Py_ssize_t n_bytes = 1 << 29;
+    int repeats = 5;
+    if (!PyArg_ParseTuple(args, "|ni", &n_bytes, &repeats)) return NULL;
+    double read = 0, triad = 0;
+    float checksum = 0;
+    kv_status status = KV_ERR_INVALID_ARG;
+    if (n_bytes >= 4096 && repeats <= 1000) {
+        Py_BEGIN_ALLOW_THREADS
+        status = kv_measure_bandwidth((size_t)n_bytes / sizeof(float), repeats, &read, &triad,
+                                      &checksum);
+        Py_END_ALLOW_THREADS
+    }
+    if (status == KV_ERR_INVALID_ARG)
+        return kv_py_raise(status, "n_bytes must be 4096 to 2**34 (16 GiB), repeats 1..1000, "
+                           "got %zd and %d", n_bytes, repeats);
+    if (status != KV_OK) return kv_py_raise(status, NULL);
+    return Py_BuildValue("{s:d,s:d}", "read_bytes_per_s", read, "triad_bytes_per_s", triad);
+}
+
+static PyObject *py_attention_walk_bandwidth(PyObject *module, PyObject *args) {
+    int n_kv_heads, head_dim, context, repeats = 3;
+    if (!PyArg_ParseTuple(args, "iii|i", &n_kv_heads, &head_dim, &context, &repeats)) return NULL;
+    double bytes_per_s = 0;
+    float checksum = 0;
+    kv_status status = KV_ERR_INVALID_ARG;
+    if (repeats <= 1000) {
+        Py_BEGIN_ALLOW_THREADS
+        status = kv_measure_attention_walk(n_kv_heads, head_dim, context, repeats, &bytes_per_s,
+                                           &checksum);
+        Py_END_ALLOW_THREADS
+    }
+    if (status == KV_ERR_INVALID_ARG)
+        return kv_py_raise(status, "attention_walk_bandwidth needs 1..1024 KV heads, head_dim "
+                           "a multiple of 8 up to 1024, a context of 16..%d and repeats 1..1000 "
+                           "(got %d, %d, %d, %d)", 1 << 22, n_kv_heads, head_dim, context, repeats);
+    if (status != KV_OK) return kv_py_raise(status, NULL);
+    return PyFloat_FromDouble(bytes_per_s);
+}
+
+/* ---- the module -------------------------------------------------------------------- */
+
+static PyMethodDef module_methods[] = {
+    {"set_num_threads", py_set_num_threads, METH_O, "Threads used by the C core."},
+    {"get_num_threads", py_get_num_threads, METH_NOARGS, "Threads used by the C core."},
+    {"set_kernels", py_set_kernels, METH_O,
+     "set_kernels('fast' | 'plain'): the kernels the C core runs (the same bits either way)."},
+    {"get_kernels", py_get_kernels, METH_NOARGS, "The kernels the C core runs: 'fast' or 'plain'."},
+    {"memory_bandwidth", py_memory_bandwidth, METH_VARARGS,
+     "memory_bandwidth(n_bytes=512 MiB, repeats=5) -> {'read_bytes_per_s', 'triad_bytes_per_s'}:\n"
+     "memory bandwidth measured with the core's threads, reading only and STREAM's triad\n"
+     "(each array n_bytes; three are allocated)."},
+    {"attention_walk_bandwidth", py_attention_walk_bandwidth, METH_VARARGS,
+     "attention_walk_bandwidth(n_kv_heads, head_dim, context, repeats=3) -> bytes/s: decode\n"
+     "attention's walk through an fp32 cache (each head's keys and values a tile of 16 rows\n"
+     "at a time, the next tile fetched ahead) with no arithmetic, read from memory."},
+    {"sample", (PyCFunction)(void (*)(void))py_sample, METH_VARARGS | METH_KEYWORDS,
+     "sample(logits, temperature=0, top_k=0, top_p=1, u=0) -> token id: the choice the\n"
+     "generation loop makes from one row of logits (arg-max at temperature 0; otherwise\n"
+     "temperature, top-k, top-p, then the first token whose cumulative probability exceeds\n"
+     "the uniform number u)."},
+    {"quantize", py_quantize, METH_VARARGS,
+     "quantize(x, format, group=0) -> (codes, scales, zeros): float32 rows (rows, d) stored\n"
+     "as a cache stores them (fp32, fp16, bf16, int8, int4 or fp8), as kvlab.quant defines."},
+    {"round_trip", py_round_trip, METH_VARARGS,
+     "round_trip(x, format, group=0) -> float32: x stored as a cache stores it and read back."},
+    {NULL}
+};
+
+static struct PyModuleDef kvlab_module = {
+    PyModuleDef_HEAD_INIT,
+    .m_name = "_kvlab",
+    .m_doc = "kvlab's C core: Model and KVCache. Use the kvlab package rather than this module.",
+    .m_size = -1,
+    .m_methods = module_methods,
+};
+
+/* The kv_counters fields, in order: what each entry of a counters array counts. */
+static const char *const counter_names[] = {"flops_projections", "flops_attention", "flops_mlp",
+                                            "flops_logits", "weight_bytes", "kv_read_bytes",
+                                            "kv_write_bytes", "scratch_bytes", "tokens", "calls"};
+_Static_assert(sizeof counter_names / sizeof counter_names[0] == (size_t)KV_PY_N_COUNTERS,
+               "counter_names must name every kv_counters field");
+
+static int add_counter_names(PyObject *module) {
+    PyObject *names = PyTuple_New(KV_PY_N_COUNTERS);
+    if (names == NULL) return -1;
+    for (int i = 0; i < KV_PY_N_COUNTERS; i++) {
+        PyObject *name = PyUnicode_FromString(counter_names[i]);
+        if (name == NULL) {
+            Py_DECREF(names);
+            return -1;
+        }
+        PyTuple_SET_ITEM(names, i, name);
+    }
+    int result = PyModule_AddObjectRef(module, "COUNTERS", names);
+    Py_DECREF(names);
+    return result;
+}
+
+PyMODINIT_FUNC PyInit__kvlab(void) {
+    import_array();
+    if (kv_py_fetch_errors() < 0) return NULL;
+    /* KVLAB_KERNELS=plain runs every model of the process on the plain kernels */
+    const char *kernels = getenv("KVLAB_KERNELS");
+    if (kernels != NULL && kernels[0] != '\0' && set_kernels_named(kernels, "KVLAB_KERNELS") < 0)
+        return NULL;
+    if (PyType_Ready(&kv_py_cache_type) < 0 || PyType_Ready(&kv_py_model_type) < 0 ||
+        PyType_Ready(&kv_py_pool_type) < 0 || PyType_Ready(&kv_py_sequence_type) < 0)
+        return NULL;
+    PyObject *module = PyModule_Create(&kvlab_module);
+    if (module == NULL) return NULL;
+    if (PyModule_AddObjectRef(module, "KVCache", (PyObject *)&kv_py_cache_type) < 0 ||
+        PyModule_AddObjectRef(module, "Model", (PyObject *)&kv_py_model_type) < 0 ||
+        PyModule_AddObjectRef(module, "PagedPool", (PyObject *)&kv_py_pool_type) < 0 ||
+        PyModule_AddObjectRef(module, "PagedSequence", (PyObject *)&kv_py_sequence_type) < 0 ||
+        add_counter_names(module) < 0 ||
+#ifdef _OPENMP
+        PyModule_AddIntConstant(module, "HAS_OPENMP", 1) < 0
+#else
+        PyModule_AddIntConstant(module, "HAS_OPENMP", 0) < 0
+#endif
+    ) {
+        Py_DECREF(module);
+        return NULL;
+    }
+    return module;
+}
