@@ -173,28 +173,43 @@ typedef struct {
                               to a freed sequence is recognised as stale */
 } kv_seq;
 
-/* A pool of fixed-size blocks shared by many sequences (vLLM's PagedAttention idea).
- * Block b holds block_size rows of K and of V for every layer and KV head, in two
- * kv_stores whose slots b * block_size .. b * block_size + block_size - 1 are its rows:
- *   key, value: (n_layers, n_kv_heads, num_blocks, block_size, head_dim) in their formats
- * Why layer- and head-major: attention reads one KV head of one layer of a sequence's
- * blocks at a time, so blocks that are neighbours in the pool (as they are when handed
- * out in order) are neighbours in memory and stream like a contiguous cache; a
- * block-major layout would interleave other layers' rows and make every block a separate
- * short read. Copy-on-write therefore copies 2 x n_layers x n_kv_heads runs of rows.
- * Python shows the same memory block-first, (num_blocks, n_layers, block_size,
- * n_kv_heads, head_dim), as strided views.
+/* ---- the block manager: which block holds which positions (blocks.c) ---------------- */
+
+/* Copy rows [0, rows) of block src into block dst, in every layer, K and V: what a store
+ * must do before a sequence writes into a block it no longer shares (copy-on-write). */
+typedef struct {
+    int32_t dst, src, rows;
+} kv_block_copy;
+
+/* What happened to a block, for a notebook to replay (recorded only when asked:
+ * kv_blocks_record_events). refs is the block's reference count after the event. */
+typedef enum {
+    KV_EVENT_ALLOCATED,   /* a free (or just evicted) block starts holding a sequence's rows */
+    KV_EVENT_EVICTED,     /* a cached block dropped from the prefix cache, to be reused */
+    KV_EVENT_SHARED,      /* one more sequence uses a block: fork, prefix hit, duplicate found */
+    KV_EVENT_COPIED,      /* copy-on-write: `other` copied into `block` for one sequence */
+    KV_EVENT_RELEASED,    /* one sequence fewer uses a block that others still use */
+    KV_EVENT_FREED,       /* no sequence uses a block: to the prefix cache or the free stack */
+} kv_event_kind;
+
+typedef struct {
+    kv_event_kind kind;
+    int32_t block, refs;
+    int32_t other;        /* COPIED: the source; SHARED: the duplicate replaced (or -1) */
+    int32_t seq, index;   /* the sequence and block-table index it concerns, or -1 */
+    uint8_t prefix_hit;   /* SHARED by kv_blocks_reuse_prefix */
+    uint8_t cached;       /* FREED: kept in the prefix cache (1) or free (0) */
+} kv_block_event;
+
+/* Block tables, reference counts, the free stack and the prefix cache (a hash chain plus
+ * an LRU list) of num_blocks blocks of block_size positions. It holds no K or V (no float
+ * anywhere): the CPU pool below and the GPU pool (kvlab/cuda.py) each pair one with stores
+ * of their own, and perform the copies it asks for.
  * A block with ref_count 0 is either free (on the free stack) or cached: a full block
  * kept for prefix reuse, findable by hash, evicted least-recently-used first. */
 typedef struct {
     int num_blocks, block_size;
-    int n_layers, n_kv_heads, head_dim;
     int max_seqs, max_blocks_per_seq;
-    kv_store key, value;    /* (n_layers, n_kv_heads, num_blocks * block_size slots, head_dim) */
-    int window;             /* residual window (0: none) */
-    float *window_key;      /* (max_seqs, n_layers, window, kv_dim): each sequence's rows of
-                               its last window positions, position p in row p % window */
-    float *window_value;
     int32_t *ref_count;     /* (num_blocks,) block-table entries pointing at each block */
     int32_t *fill;          /* (num_blocks,) rows written (a block is full at block_size) */
     int32_t *tokens;        /* (num_blocks, block_size) token id of every written row */
@@ -216,6 +231,69 @@ typedef struct {
     uint64_t hash_mask;     /* all ones; tests narrow it to force hash collisions */
     kv_seq *seqs;           /* (max_seqs,) */
     int32_t *tables;        /* (max_seqs, max_blocks_per_seq) storage of every block table */
+    /* the event log, when recording (kv_blocks_record_events) */
+    int record_events;
+    kv_block_event *events;
+    size_t n_events, events_capacity;
+    int events_lost;        /* growing the log failed: some events are missing */
+} kv_blocks;
+
+kv_status kv_blocks_init(kv_blocks *blocks, int num_blocks, int block_size, int max_seqs,
+                         int max_blocks_per_seq);
+void kv_blocks_free(kv_blocks *blocks);      /* accepts a zeroed or half-built one */
+kv_status kv_blocks_seq_check(const kv_blocks *blocks, int seq);
+kv_status kv_blocks_seq_new(kv_blocks *blocks, int *seq);
+kv_status kv_blocks_seq_free(kv_blocks *blocks, int seq);
+/* A child that shares every block of seq (ref counts go up, nothing is copied). */
+kv_status kv_blocks_seq_fork(kv_blocks *blocks, int seq, int *child);
+/* For an empty sequence: attach the cached full blocks that hold the longest prefix of
+ * tokens[0 .. max_tokens) and set its length; *n_reused = tokens covered. */
+kv_status kv_blocks_reuse_prefix(kv_blocks *blocks, int seq, const int32_t *tokens,
+                                 int max_tokens, int *n_reused);
+/* Blocks that can be handed out now: free ones, and cached ones that would be evicted. */
+int kv_blocks_available(const kv_blocks *blocks);
+/* How many blocks kv_blocks_reserve(blocks, seq, n_tokens) would take (new blocks, plus one
+ * if the last block is shared and partly filled); KV_ERR_TABLE_FULL if they would not fit
+ * the sequence's block table. Changes nothing. */
+kv_status kv_blocks_needed(const kv_blocks *blocks, int seq, int n_tokens, int *needed);
+/* Makes room for n_tokens more positions of seq: a private copy of its last block if that
+ * one is shared and partly filled (copy-on-write), then fresh blocks, evicting cached ones
+ * when the free stack is empty. *n_copies (0 or 1) copies are written to copies: the caller
+ * performs them on its stores before any row is written. Either everything succeeds or
+ * nothing changes. */
+kv_status kv_blocks_reserve(kv_blocks *blocks, int seq, int n_tokens, kv_block_copy *copies,
+                            int *n_copies);
+/* After the rows are written: records their tokens, advances the length, and offers every
+ * block that just became full to the prefix cache (swapping in the cached twin when the
+ * same block was computed twice). KV_ERR_INVALID_ARG, changing nothing, unless
+ * kv_blocks_reserve made room for these n_tokens first; after it, it cannot fail. */
+kv_status kv_blocks_commit(kv_blocks *blocks, int seq, const int32_t *tokens, int n_tokens);
+/* Starts (1) or stops (0) recording events; stopping drops the ones not taken. */
+void kv_blocks_record_events(kv_blocks *blocks, int on);
+/* Verifies every invariant; on failure writes what broke into message. */
+kv_status kv_blocks_check(const kv_blocks *blocks, char *message, size_t message_size);
+
+/* ---- the paged KV cache (paged.c): a block manager and the K/V stores ---------------- */
+
+/* A pool of fixed-size blocks shared by many sequences (vLLM's PagedAttention idea).
+ * Block b holds block_size rows of K and of V for every layer and KV head, in two
+ * kv_stores whose slots b * block_size .. b * block_size + block_size - 1 are its rows:
+ *   key, value: (n_layers, n_kv_heads, num_blocks, block_size, head_dim) in their formats
+ * Why layer- and head-major: attention reads one KV head of one layer of a sequence's
+ * blocks at a time, so blocks that are neighbours in the pool (as they are when handed
+ * out in order) are neighbours in memory and stream like a contiguous cache; a
+ * block-major layout would interleave other layers' rows and make every block a separate
+ * short read. Copy-on-write therefore copies 2 x n_layers x n_kv_heads runs of rows.
+ * Python shows the same memory block-first, (num_blocks, n_layers, block_size,
+ * n_kv_heads, head_dim), as strided views. Which block holds what is `blocks`' business. */
+typedef struct {
+    kv_blocks blocks;       /* the bookkeeping: block tables, ref counts, prefix cache */
+    int n_layers, n_kv_heads, head_dim;
+    kv_store key, value;    /* (n_layers, n_kv_heads, num_blocks * block_size slots, head_dim) */
+    int window;             /* residual window (0: none) */
+    float *window_key;      /* (max_seqs, n_layers, window, kv_dim): each sequence's rows of
+                               its last window positions, position p in row p % window */
+    float *window_value;
 } kv_pool;
 
 typedef struct {
@@ -235,34 +313,21 @@ void kv_pool_free(kv_pool *pool);          /* accepts a zeroed or half-built poo
 size_t kv_pool_nbytes(const kv_pool *pool);
 kv_status kv_pool_check_fits(const kv_pool *pool, const kv_config *config);
 
-kv_status kv_pool_seq_new(kv_pool *pool, int *seq);
-kv_status kv_pool_seq_free(kv_pool *pool, int seq);
-/* A child that shares every block of seq (ref counts go up, nothing is copied). */
+/* Sequences are made, freed and matched against the prefix cache on pool->blocks
+ * (kv_blocks_seq_new, kv_blocks_seq_free, kv_blocks_reuse_prefix). A pool with a residual
+ * window caches no block (blocks.prefix_cache is 0): the window's full-precision rows
+ * belong to a sequence, not to the shared blocks, so a new sequence could not get them
+ * back. A fork needs the pool, for those rows: */
 kv_status kv_pool_seq_fork(kv_pool *pool, int seq, int *child);
-/* For an empty sequence: attach the cached full blocks that hold the longest prefix of
- * tokens[0 .. max_tokens) and set its length; *n_reused = tokens covered. A pool with a
- * residual window reuses nothing: the window's full-precision rows belong to a sequence,
- * not to the shared blocks, so a new sequence could not get them back. */
-kv_status kv_pool_reuse_prefix(kv_pool *pool, int seq, const int32_t *tokens, int max_tokens,
-                               int *n_reused);
 /* Appends n_tokens rows of given K and V, each (n_tokens, n_layers, n_kv_heads, head_dim):
  * the pool's bookkeeping without a model, for tests and exercises. */
 kv_status kv_pool_append(kv_pool *pool, int seq, const int32_t *tokens, int n_tokens,
                          const float *keys, const float *values);
-/* Blocks a pool can hand out now: free ones, and cached ones it would evict. */
-int kv_pool_blocks_available(const kv_pool *pool);
-
-/* How many blocks kv_pool_reserve(pool, seq, n_tokens) would take (new blocks, plus one
- * if the last block is shared and partly filled); KV_ERR_TABLE_FULL if they would not fit
- * the sequence's block table. Changes nothing. */
-kv_status kv_pool_blocks_needed(const kv_pool *pool, int seq, int n_tokens, int *needed);
 
 /* Copies a sequence's K and V, as its most recent token's attention read them, into
  * float32 (n_layers, length, n_kv_heads, head_dim) buffers (see kv_cache_read). */
 kv_status kv_pool_gather(const kv_pool *pool, int seq, float *keys, float *values);
-kv_status kv_pool_stats_get(const kv_pool *pool, kv_pool_stats *stats);
-/* Verifies every invariant; on failure writes what broke into message. */
-kv_status kv_pool_check(const kv_pool *pool, char *message, size_t message_size);
+kv_status kv_blocks_stats(const kv_blocks *blocks, kv_pool_stats *stats);
 
 /* ---- counting what a forward pass does -------------------------------------------- */
 

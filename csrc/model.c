@@ -505,8 +505,8 @@ kv_status kv_model_forward_paged(const kv_model *model, kv_pool *pool, int seq,
     const kv_config *c = &model->config;
     KV_TRY(kv_pool_check_fits(pool, c));
     KV_TRY(kv_check_tokens(c, tokens, n_tokens));
-    KV_TRY(kv_pool_seq_check(pool, seq));
-    int start_pos = pool->seqs[seq].length;
+    KV_TRY(kv_blocks_seq_check(&pool->blocks, seq));
+    int start_pos = pool->blocks.seqs[seq].length;
     KV_TRY(run_state_alloc(&s, c, n_tokens, 1));
     s.runs[0] = (token_run){0, n_tokens, start_pos};
     /* Last fallible step: blocks for the new positions (copy-on-write included). It
@@ -515,7 +515,7 @@ kv_status kv_model_forward_paged(const kv_model *model, kv_pool *pool, int seq,
     for (int layer = 0; layer < c->n_layers; layer++)
         *view_of(&s, layer, 0) = kv_pool_layer_view(pool, seq, layer);
     forward_tokens(model, &s, tokens, n_tokens, logits, all_logits);
-    kv_pool_commit(pool, seq, tokens, n_tokens);
+    kv_blocks_commit(&pool->blocks, seq, tokens, n_tokens);
     kv_counters_add(counters, &s.count);
 fail:
     run_state_free(&s);
@@ -528,7 +528,7 @@ kv_status kv_model_forward_batch(const kv_model *model, kv_pool *pool, int n_seq
     kv_status status = KV_OK;
     run_state s = {0};
     KV_CHECK(model != NULL && pool != NULL && logits != NULL && seqs != NULL &&
-             n_tokens != NULL && n_seqs > 0 && n_seqs <= pool->max_seqs, KV_ERR_INVALID_ARG);
+             n_tokens != NULL && n_seqs > 0 && n_seqs <= pool->blocks.max_seqs, KV_ERR_INVALID_ARG);
     KV_TRY(kv_model_check(model));
     const kv_config *c = &model->config;
     KV_TRY(kv_pool_check_fits(pool, c));
@@ -537,29 +537,29 @@ kv_status kv_model_forward_batch(const kv_model *model, kv_pool *pool, int n_seq
     long total = 0;
     int blocks_needed = 0;
     for (int i = 0; i < n_seqs; i++) {
-        KV_TRY(kv_pool_seq_check(pool, seqs[i]));
+        KV_TRY(kv_blocks_seq_check(&pool->blocks, seqs[i]));
         for (int j = 0; j < i; j++) KV_CHECK(seqs[j] != seqs[i], KV_ERR_INVALID_ARG);
         KV_CHECK(n_tokens[i] >= 1 && n_tokens[i] <= KV_MAX_TOKENS_PER_CALL, KV_ERR_INVALID_ARG);
         total += n_tokens[i];
         KV_CHECK(total <= KV_MAX_TOKENS_PER_CALL, KV_ERR_INVALID_ARG);
         int needed;
-        KV_TRY(kv_pool_blocks_needed(pool, seqs[i], n_tokens[i], &needed));
+        KV_TRY(kv_blocks_needed(&pool->blocks, seqs[i], n_tokens[i], &needed));
         blocks_needed += needed;
     }
     KV_TRY(kv_check_tokens(c, tokens, (int)total));
-    KV_CHECK(blocks_needed <= kv_pool_blocks_available(pool), KV_ERR_OUT_OF_BLOCKS);
+    KV_CHECK(blocks_needed <= kv_blocks_available(&pool->blocks), KV_ERR_OUT_OF_BLOCKS);
     KV_TRY(run_state_alloc(&s, c, (int)total, n_seqs));
     /* Nothing below can fail: each reservation fits in what was counted above (a
      * copy-on-write counted for two forks of one block happens only once, if at all). */
     for (int i = 0, first = 0; i < n_seqs; first += n_tokens[i], i++) {
-        s.runs[i] = (token_run){first, n_tokens[i], pool->seqs[seqs[i]].length};
+        s.runs[i] = (token_run){first, n_tokens[i], pool->blocks.seqs[seqs[i]].length};
         kv_pool_reserve(pool, seqs[i], n_tokens[i]);
         for (int layer = 0; layer < c->n_layers; layer++)
             *view_of(&s, layer, i) = kv_pool_layer_view(pool, seqs[i], layer);
     }
     forward_tokens(model, &s, tokens, (int)total, logits, 0);
     for (int i = 0; i < n_seqs; i++)
-        kv_pool_commit(pool, seqs[i], tokens + s.runs[i].first, n_tokens[i]);
+        kv_blocks_commit(&pool->blocks, seqs[i], tokens + s.runs[i].first, n_tokens[i]);
     kv_counters_add(counters, &s.count);
 fail:
     run_state_free(&s);

@@ -16,10 +16,10 @@ element formats, so its codes are the CPU's codes bit for bit (the GPU writes th
 same rounding as csrc/quant.c). Reading them (keys, values, key_codes, dequantized(),
 pool.gather ...) copies them to the host every time: what you get is a snapshot, and a
 large pool's codes are a large copy. A paged pool's bookkeeping (block tables, reference
-counts, copy-on-write decisions, the prefix cache) is the CPU core's own, kept by a small
-"shadow" PagedPool on the host: only the K and V rows live on the GPU, under the same block
-ids. This module decides which slots each call writes and reads; the kernels (csrc/cuda/)
-do the arithmetic.
+counts, copy-on-write decisions, the prefix cache) is the C core's block manager, the same
+one the CPU pool uses (csrc/blocks.c, which holds no K or V): it says which block copies to
+make, this module makes them on the GPU. This module decides which slots each call writes
+and reads; the kernels (csrc/cuda/) do the arithmetic.
 
 What the GPU path does not do: int4 and fp8 caches, a residual window, different formats
 for K and V, head_dim other than a multiple of 8 up to 256. Its sums run in another order
@@ -42,7 +42,7 @@ from .errors import CacheFullError, ConfigError, CudaError, OutOfBlocks
 from .counts import Counts
 from .measure import forward_counts
 from .model import DEVICE_MODELS, Model, TokenArray, as_token_array
-from .paged import PagedPool
+from .paged import PoolViews
 from .quant import CacheFormat, Quantized, dequantize
 
 FORMATS = ("fp32", "fp16", "bf16", "int8")   # what a GPU cache can store
@@ -353,11 +353,12 @@ class CudaCache(_StoreViews):
                 f"dtype={self._fmt.key}, device='cuda', nbytes={self.nbytes})")
 
 
-class CudaPagedPool(_StoreViews, PagedPool):
+class CudaPagedPool(_StoreViews, PoolViews, core.BlockManager):
     """A paged KV cache whose K and V rows live in GPU memory. Everything about blocks
-    (block tables, ref counts, copy-on-write, prefix cache, stats, pictures) is the CPU
-    PagedPool's own, run on a shadow pool of one 1-value row per slot: the bookkeeping does
-    not depend on what a row holds. Reading K/V (key_codes, gather ...) copies from the GPU."""
+    (block tables, ref counts, copy-on-write, prefix cache, events, stats, pictures) is the
+    block manager the CPU pool uses too (csrc/blocks.c): it says which rows to copy, and
+    this pool copies them on the GPU. Reading K/V (key_codes, gather ...) copies from the
+    GPU."""
 
     device = "cuda"
 
@@ -368,7 +369,7 @@ class CudaPagedPool(_StoreViews, PagedPool):
         if max_blocks_per_seq * block_size > MAX_POSITIONS:
             raise ValueError(f"a GPU pool's sequences hold at most {MAX_POSITIONS} positions: "
                              f"max_blocks_per_seq={max_blocks_per_seq} is too many")
-        super().__init__(1, 1, 1, num_blocks, block_size, max_seqs, max_blocks_per_seq,
+        super().__init__(num_blocks, block_size, max_seqs, max_blocks_per_seq,
                          prefix_cache=bool(prefix_cache))
         self.n_layers, self.n_kv_heads, self.head_dim = n_layers, n_kv_heads, head_dim
         self._fmt = fmt
@@ -400,30 +401,21 @@ class CudaPagedPool(_StoreViews, PagedPool):
             return super().reuse_prefix(seq, tokens, max_tokens)
 
     # ---- rows on the device ----------------------------------------------------------------
-    def _append_rows(self, seq, tokens: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
-        """Takes blocks for n new positions of seq and records their tokens (the CPU pool's
-        own reserve and commit), then returns where the new K/V rows go (int64 slots, -1 for
-        rows already there) and seq's block table. Raises, changing nothing, if the pool has
-        no room (OutOfBlocks, CacheFullError)."""
-        n, bs = len(tokens), self.block_size
-        start = seq.length
-        before = seq.block_table.copy()
-        shadow = np.zeros((n, 1, 1, 1), dtype=np.float32)
-        super().append(seq, np.ascontiguousarray(tokens, dtype=np.int32), shadow, shadow)
+    def _reserve_rows(self, seq, n: int) -> Tuple[np.ndarray, np.ndarray]:
+        """Takes blocks for n new positions of seq (the block manager's reserve), performs
+        on the GPU the copy-on-write it asks for, and returns where the new K/V rows go
+        (int64 slots) and seq's block table. Raises, changing nothing, if the pool has no
+        room (OutOfBlocks, CacheFullError). The caller writes the rows, then commits."""
+        start, bs = seq.length, self.block_size
+        for dst, src, rows in self.reserve(seq, n):
+            try:
+                self._store.copy_rows(dst * bs, src * bs, rows)
+            except BaseException as error:
+                self._broken = f"copy-on-write failed after blocks were taken: {error}"
+                raise
         table = seq.block_table.copy()
-        refs = self.ref_counts
-        i = start // bs
-        if start % bs and table[i] != before[i] and refs[table[i]] == 1:
-            # copy-on-write: the partly filled last block was shared; the sequence now owns
-            # a copy, which needs the rows written so far (the CPU pool copied its own)
-            self._store.copy_rows(int(table[i]) * bs, int(before[i]) * bs, start % bs)
         positions = np.arange(start, start + n, dtype=np.int64)
-        blocks = table[positions // bs]
-        slots = blocks.astype(np.int64) * bs + positions % bs
-        # A block that became full may have been swapped for an identical cached one (the
-        # prefix cache keeps one copy). If another sequence holds it too, its rows are
-        # already there and must not change under that sequence: skip them.
-        slots[refs[blocks] > 1] = -1
+        slots = table[positions // bs].astype(np.int64) * bs + positions % bs
         return slots, table
 
     def append(self, seq, tokens, keys: np.ndarray, values: np.ndarray) -> None:
@@ -436,13 +428,15 @@ class CudaPagedPool(_StoreViews, PagedPool):
         for name, rows in (("keys", keys), ("values", values)):
             if not isinstance(rows, np.ndarray) or rows.dtype != np.float32 or rows.shape != want:
                 raise ValueError(f"{name} must be a float32 array of shape {want}")
+        ids = np.ascontiguousarray(tokens, dtype=np.int32)
         with self._using():
-            slots, _ = self._append_rows(seq, tokens)
+            slots, _ = self._reserve_rows(seq, len(ids))
             try:
                 self._store.write(slots, np.ascontiguousarray(keys), np.ascontiguousarray(values))
             except BaseException as error:
                 self._broken = f"writing rows failed after blocks were taken: {error}"
                 raise
+            self.commit(seq, ids)
 
     def _slots_of(self, seq) -> np.ndarray:
         positions = np.arange(seq.length, dtype=np.int64)
@@ -609,7 +603,7 @@ class CudaModel(Model):
             rows: List[Tuple[np.ndarray, np.ndarray]] = []
             try:
                 for seq, a in zip(seqs, arrays):
-                    rows.append(pool._append_rows(seq, a))
+                    rows.append(pool._reserve_rows(seq, len(a)))
                 tables = np.zeros((len(seqs), max_blocks), dtype=np.int32)
                 for r, (_, table) in enumerate(rows):
                     tables[r, :len(table)] = table
@@ -617,9 +611,11 @@ class CudaModel(Model):
                 logits = self._forward(np.concatenate(arrays), pool._store, runs, tables, bs,
                                        np.concatenate([slots for slots, _ in rows]), all_logits)
             except BaseException as error:
-                if rows:   # blocks were taken and tokens recorded, but K/V never written
+                if rows:   # blocks were taken, but K/V never (or not all) written
                     pool._broken = f"a forward pass failed after the pool took its blocks: {error}"
                 raise
+            for seq, a in zip(seqs, arrays):
+                pool.commit(seq, a)
         self._record(self._counts(runs, all_logits, pool._fmt))
         return logits
 

@@ -36,7 +36,7 @@ import numpy as np
 from .deprecation import renamed
 from .errors import ContextLengthError
 from .model import Model, as_token_array
-from .paged import PagedPool
+from .paged import PagedPool, PoolViews
 from .quant import CacheFormat
 from .sampling import sample as sample_token
 from .scheduler import (Request, Sample, SamplingParams, Scheduler, State, positive_int,
@@ -191,72 +191,41 @@ def _names(seqs) -> set:
 
 
 class _BlockTracer:
-    """Block events for a notebook to replay, found by comparing the pool before and after
-    each phase of a step:
+    """Block events for a notebook to replay, as the pool's block manager records them
+    (pool.record_events, pool.take_events; csrc/blocks.c), each tagged with the step and
+    the phase of the step it happened in:
       allocated  a free block (or an evicted cached one) starts holding a sequence's rows
-      shared     one more sequence uses a block: a fork, a prefix-cache hit, or a block the
-                 pool found it had computed twice ("replaces": the duplicate, then freed)
-      copied     copy-on-write: a sequence's shared, partly filled block copied to a new one
+      shared     one more sequence uses a block: a fork, a prefix-cache hit ("prefix_hit"),
+                 or a block the pool found it had computed twice ("replaces": the duplicate,
+                 released or freed next)
+      copied     copy-on-write: "from" a shared, partly filled block to a new one
       released   one sequence fewer uses a block that others still use ("refs" left)
       freed      no sequence uses a block any more ("to": the prefix cache, or the free list)
-      evicted    a cached block dropped from the prefix cache to be reused."""
+      evicted    a cached block dropped from the prefix cache to be reused.
+    "refs" is the block's reference count after the event; "seq" and "index" say which
+    sequence's block table and entry, where one does."""
 
     def __init__(self, pool: PagedPool, sink):
         self.pool, self.sink = pool, sink
-        self.before = self._state()
+        pool.record_events = False      # anything recorded before is not this engine's
+        pool.record_events = True
         self.undelivered: List[dict] = []   # events whose sink call raised, oldest first
 
-    def _state(self):
-        # (id, serial) names a sequence for good: a freed slot's id is reused
-        tables = {(seq.id, seq.serial): seq.block_table.tolist() for seq in self.pool.sequences()}
-        return self.pool.ref_counts.copy(), set(self.pool.cached_blocks), tables
-
     def record(self, step: int, phase: str) -> None:
-        (refs0, cached0, tables0), (refs1, cached1, tables1) = self.before, self._state()
-        events, explained = [], set()
-        for seq, table in tables1.items():
-            for i, (old, new) in enumerate(zip(tables0.get(seq, []), table)):
-                if old == new:
-                    continue
-                explained.add(new)
-                if refs1[old] > 0:                   # the old block is still someone's
-                    if new in cached0:
-                        events.append({"event": "evicted", "block": new})
-                    events.append({"event": "copied", "block": new, "from": old,
-                                   "refs": int(refs1[new]), "seq": seq[0], "index": i})
-                else:
-                    events.append({"event": "shared", "block": new, "refs": int(refs1[new]),
-                                   "replaces": old, "seq": seq[0], "index": i})
-        for block in np.flatnonzero(refs0 != refs1).tolist():
-            before, after = int(refs0[block]), int(refs1[block])
-            if block in explained:
-                continue
-            if before == 0 and after > 0:
-                if block in cached0 and phase == "admit":
-                    events.append({"event": "shared", "block": block, "refs": after,
-                                   "prefix_hit": True})
-                else:
-                    if block in cached0:
-                        events.append({"event": "evicted", "block": block})
-                    events.append({"event": "allocated", "block": block, "refs": after})
-            elif after > before:
-                events.append({"event": "shared", "block": block, "refs": after})
-            elif after == 0:
-                events.append({"event": "freed", "block": block,
-                               "to": "cached" if block in cached1 else "free"})
-            else:                                    # one user fewer, others remain
-                events.append({"event": "released", "block": block, "refs": after})
-        for block in sorted(cached0 - cached1):
-            if refs1[block] == 0 and block not in explained:   # dropped, not reused
-                events.append({"event": "evicted", "block": block})
-        # the pool's state counts as seen before any event is sent, and an event leaves the
-        # queue only once the sink returned: a sink that raises loses nothing, and gets
-        # again only the event it raised on
-        self.before = (refs1, cached1, tables1)
-        self.undelivered.extend({"step": step, "phase": phase, **event} for event in events)
+        """Moves the pool's new events, tagged, to the queue (an event leaves the pool's log
+        once it is in the queue)."""
+        self.undelivered.extend({"step": step, "phase": phase, **event}
+                                for event in self.pool.take_events())
+
+    def deliver(self) -> None:
+        """Sends the queue, oldest first; an event leaves it only once the sink returned, so
+        a sink that raises loses nothing and gets again only the event it raised on."""
         while self.undelivered:
             self.sink(self.undelivered[0])
             del self.undelivered[0]
+
+    def close(self) -> None:
+        self.pool.record_events = False
 
 
 class Engine:
@@ -275,9 +244,9 @@ class Engine:
     between a pool call and its bookkeeping, the engine repairs the difference before it
     re-raises: a sequence made but never stored is freed, a sample whose K and V went in
     but whose logits were lost is recomputed from its tokens (like a preemption, not counted
-    as one), and the queues are put right. Trace events are sent in order, each until the
-    sink returns: one a sink raised on is sent again first on the next step (has_work
-    stays True until then). Sequences made on the pool by hand are left alone; if they
+    as one), and the queues are put right. Trace events are sent in order at the end of a step,
+    each until the sink returns: one a sink raised on is sent again first on the next step,
+    before any new work (has_work stays True until then). Sequences made on the pool by hand are left alone; if they
     hold what waiting requests need, step() and run() raise RuntimeError, never loop."""
 
     def __init__(self, model: Model, pool: Optional[PagedPool] = None,
@@ -384,6 +353,11 @@ class Engine:
         return a step that did nothing while requests wait (for blocks or sequences held
         outside the engine): stepping again would do nothing either."""
         with self._lock:
+            # Trace events go to the sink between steps, never in the middle of one: a sink
+            # that raises stops the engine before new work (so it cannot make new events
+            # faster than they are sent), and never leaves a step half done.
+            if self._tracer is not None:
+                self._tracer.deliver()
             if not self._unrepaired:
                 self.space.before_making = None
             try:
@@ -396,6 +370,8 @@ class Engine:
                 except BaseException:      # interrupted again: the next step repairs
                     pass
                 raise
+            if self._tracer is not None:
+                self._tracer.deliver()         # if it raises, the step is done all the same
             if result.idle and self.has_work:  # the next step would do nothing either
                 raise RuntimeError(self._why_stuck())
             return result
@@ -643,7 +619,10 @@ class Engine:
         self.close()
 
     def close(self) -> None:
-        """Close the trace file, if trace= named one (also done by `with Engine(...)`)."""
+        """Stop tracing and close the trace file, if trace= named one (also done by
+        `with Engine(...)`)."""
+        if self._tracer is not None:
+            self._tracer.close()
         if self._trace_file is not None:
             self._trace_file.close()
             self._trace_file = None
@@ -657,7 +636,7 @@ def _ready(sample: Sample) -> bool:
 
 def _check_pool_fits(model: Model, pool: PagedPool) -> None:
     """Refuse a pool this model cannot run on (every step would raise)."""
-    if not isinstance(pool, PagedPool):
+    if not isinstance(pool, PoolViews):
         raise TypeError(f"pool must be a kvlab.PagedPool (model.new_paged_pool(...)), got "
                         f"{type(pool).__name__}")
     where = getattr(pool, "device", "cpu")

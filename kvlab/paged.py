@@ -1,8 +1,10 @@
 """kvlab.PagedPool: the paged KV cache as a Python object you can look at.
 
-The pool itself (blocks, block tables, ref counts, copy-on-write, prefix cache) is C
-(csrc/paged.c); this module adds what a notebook needs on top: statistics with the
-internal-fragmentation figure, and text and HTML pictures of which block holds what.
+The pool itself is C: its block manager (block tables, ref counts, copy-on-write, prefix
+cache: csrc/blocks.c) and the K/V stores behind the blocks (csrc/paged.c). This module adds
+what a notebook needs on top, for any pool whichever device holds its rows (the GPU pool,
+kvlab.cuda.CudaPagedPool, shares it): statistics with the internal-fragmentation figure,
+and text and HTML pictures of which block holds what.
 
     pool = model.new_paged_pool(num_blocks=64, block_size=16)
     seq = pool.new_sequence()
@@ -42,8 +44,10 @@ class PoolStats:
         return 100.0 * self.slots_unused / self.slots_allocated if self.slots_allocated else 0.0
 
 
-class PagedPool(core.PagedPool):
-    """A pool of fixed-size KV blocks shared by many sequences (see csrc/paged.c)."""
+class PoolViews:
+    """What every paged pool shows, over its block manager (core.BlockManager: the CPU
+    PagedPool below, and kvlab.cuda.CudaPagedPool). isinstance(pool, PoolViews) is how
+    kvlab recognises a paged pool on any device."""
 
     def reuse_prefix(self, seq, tokens, max_tokens=None) -> int:
         """Attach the cached full blocks holding the longest prefix of tokens[:max_tokens]
@@ -133,3 +137,8 @@ class PagedPool(core.PagedPool):
                 f"<div style='max-width:760px'>{''.join(cells)}</div>"
                 f"<table><tr><th>sequence</th><th>length</th><th>block table</th></tr>"
                 f"{''.join(rows)}</table></div>")
+
+
+class PagedPool(PoolViews, core.PagedPool):
+    """A pool of fixed-size KV blocks shared by many sequences, K and V in host memory
+    (csrc/blocks.c keeps the books, csrc/paged.c the rows)."""

@@ -286,8 +286,10 @@ def test_n_samples_fork_the_prompt_and_copy_the_shared_partial_block_on_write(mo
     assert [int(pool.ref_counts[b]) for b in shared] == [3, 3, 3]
     assert max(pool.ref_counts) == 3
     forked = [e for e in trace if e["step"] == 0 and e["event"] == "shared"]
-    assert sorted(e["block"] for e in forked) == sorted(shared)
-    assert all(e["refs"] == 3 and e["phase"] == "sample" for e in forked)
+    # two forks, each sharing every block of the prompt: 2 references, then 3
+    assert [(e["block"], e["refs"]) for e in forked] == ([(b, 2) for b in shared]
+                                                         + [(b, 3) for b in shared])
+    assert all(e["phase"] == "sample" and e["index"] == shared.index(e["block"]) for e in forked)
 
     second = engine.step()
     pool.check()

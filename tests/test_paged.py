@@ -1099,10 +1099,15 @@ def test_bad_tokens_on_a_paged_sequence_change_nothing():
 def test_uninitialized_and_reinitialized_objects_raise_instead_of_crashing():
     empty = kvlab.PagedPool.__new__(kvlab.PagedPool)
     for action in (empty.new_sequence, empty.stats, empty.check, empty.sequences,
-                   lambda: empty.key_codes, lambda: empty.ref_counts, empty.render, lambda: repr(empty)):
+                   lambda: empty.key_codes, lambda: empty.ref_counts, empty.render, lambda: repr(empty),
+                   lambda: empty.free_blocks, lambda: empty.cached_blocks, empty.take_events,
+                   lambda: empty.num_blocks):
         with pytest.raises(RuntimeError, match="not initialized"):
             action()
-    assert empty.free_blocks == [] and empty.cached_blocks == [] and empty.nbytes == 0
+    assert empty.nbytes == 0 and not empty.record_events
+    bare = kvlab._kvlab.BlockManager.__new__(kvlab._kvlab.BlockManager)
+    with pytest.raises(RuntimeError, match="BlockManager was not initialized"):
+        bare.new_sequence()
     pool = kvlab.PagedPool(1, 1, 2, 4, 2)
     with pytest.raises(RuntimeError, match="already initialized"):
         pool.__init__(1, 1, 2, 4, 2)

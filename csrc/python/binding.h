@@ -9,7 +9,8 @@
  * checks as well say why where they are (most bound what the binding allocates).
  *
  * One file per object: errors.c, arrays.c (every array argument), stores.c (cache formats
- * and K/V views), cache.c (KVCache), pool.c (PagedPool, PagedSequence), model.c (Model),
+ * and K/V views), cache.c (KVCache), blocks.c (BlockManager, PagedSequence), pool.c
+ * (PagedPool: a BlockManager with K/V stores), model.c (Model),
  * module.c (module functions and PyInit__kvlab).
  */
 #ifndef KVLAB_PY_BINDING_H
@@ -127,20 +128,30 @@ typedef struct {
     int busy;
 } CacheObject;
 
+/* A paged pool's block manager (kv_blocks): a BlockManager alone (its own, `own`), or the
+ * one inside a PagedPool (the base of PoolObject; blocks points into its kv_pool). busy is
+ * as for a cache: set while a forward pass writes the pool. */
 typedef struct {
     PyObject_HEAD
-    kv_pool pool;
+    kv_blocks *blocks;
+    kv_blocks own;
     int busy;
+} BlocksObject;
+
+typedef struct {
+    BlocksObject base;
+    kv_pool pool;
 } PoolObject;
 
 typedef struct {
     PyObject_HEAD
-    PoolObject *pool;   /* strong reference: a handle keeps its pool alive */
-    int seq;            /* slot in pool->seqs */
-    uint32_t serial;    /* the slot's serial when this handle was made */
+    BlocksObject *owner; /* strong reference: a handle keeps its pool alive */
+    int seq;             /* slot in owner->blocks->seqs */
+    uint32_t serial;     /* the slot's serial when this handle was made */
 } SequenceObject;
 
-extern PyTypeObject kv_py_cache_type, kv_py_pool_type, kv_py_sequence_type, kv_py_model_type;
+extern PyTypeObject kv_py_cache_type, kv_py_blocks_type, kv_py_pool_type, kv_py_sequence_type,
+    kv_py_model_type;
 
 /* cache.c. 0 if the cache is initialized and not in use, else -1 with RuntimeError. */
 int kv_py_cache_ready(CacheObject *cache);
@@ -150,12 +161,24 @@ int kv_py_cache_ready(CacheObject *cache);
 PyObject *kv_py_cache_refused(const CacheObject *cache, kv_status status, int n_positions,
                               const kv_config *model);
 
+/* blocks.c. 0 if the block manager is initialized and not in use, else -1 with
+ * RuntimeError. */
+int kv_py_blocks_ready(BlocksObject *blocks);
+/* The slot of obj, a live PagedSequence of this block manager, or -1 with an exception. */
+int kv_py_sequence_slot(BlocksObject *blocks, PyObject *obj);
+/* The exception for a refusal of the block manager: out of blocks or sequence slots, or a
+ * full block table (appending n_tokens); any other status in the core's words. NULL. */
+PyObject *kv_py_blocks_refused(const BlocksObject *blocks, kv_status status, int n_tokens);
+/* A new handle to slot seq. */
+PyObject *kv_py_new_sequence_handle(BlocksObject *blocks, int seq);
+
 /* pool.c. 0 if the pool is initialized and not in use, else -1 with RuntimeError. */
 int kv_py_pool_ready(PoolObject *pool);
-/* The slot of obj, a live PagedSequence of this pool, or -1 with an exception set. */
-int kv_py_sequence_slot(PoolObject *pool, PyObject *obj);
-/* As kv_py_cache_refused, for a pool: out of blocks or sequence slots, a full block
- * table (appending n_tokens), or shaped for another model. */
+/* The PagedPool that holds the sequence obj (a PagedSequence), ready for a forward pass,
+ * and its slot in *seq; NULL with TypeError if its pool keeps no K and V here (a GPU
+ * pool's block manager), or another exception as kv_py_sequence_slot. */
+PoolObject *kv_py_pool_of(PyObject *obj, int *seq);
+/* As kv_py_blocks_refused, and a pool shaped for another model (model's config). */
 PyObject *kv_py_pool_refused(const PoolObject *pool, kv_status status, int n_tokens,
                              const kv_config *model);
 

@@ -178,9 +178,7 @@ static PyObject *model_forward(ModelObject *self, PyObject *args, PyObject *kwds
     PoolObject *pool = NULL;
     int seq = -1;
     if (PyObject_TypeCheck(cache_obj, &kv_py_sequence_type)) {
-        pool = ((SequenceObject *)cache_obj)->pool;
-        if (kv_py_pool_ready(pool) < 0 || (seq = kv_py_sequence_slot(pool, cache_obj)) < 0)
-            return NULL;
+        if ((pool = kv_py_pool_of(cache_obj, &seq)) == NULL) return NULL;
     } else if (cache_obj != Py_None) {
         if (!PyObject_TypeCheck(cache_obj, &kv_py_cache_type)) {
             PyErr_Format(PyExc_TypeError, "cache must be a KVCache, a PagedSequence or None, "
@@ -207,7 +205,7 @@ static PyObject *model_forward(ModelObject *self, PyObject *args, PyObject *kwds
     kv_status status;
     kv_counters count = {0};
     if (cache != NULL) cache->busy = 1;
-    if (pool != NULL) pool->busy = 1;
+    if (pool != NULL) pool->base.busy = 1;
     Py_BEGIN_ALLOW_THREADS
     kv_set_interrupt_check(kv_py_signals_pending, &_save);
     if (cache != NULL)
@@ -221,7 +219,7 @@ static PyObject *model_forward(ModelObject *self, PyObject *args, PyObject *kwds
     kv_set_interrupt_check(NULL, NULL);
     Py_END_ALLOW_THREADS
     if (cache != NULL) cache->busy = 0;
-    if (pool != NULL) pool->busy = 0;
+    if (pool != NULL) pool->base.busy = 0;
     /* what ran, even if interrupted between chunks; a refused call ran nothing */
     add_to_counters(counters, &count);
     if (status != KV_OK) {
@@ -450,16 +448,13 @@ static PyObject *model_forward_batch(ModelObject *self, PyObject *args, PyObject
                          Py_TYPE(item)->tp_name);
             goto done;
         }
-        PoolObject *owner = ((SequenceObject *)item)->pool;
-        if (pool == NULL) {
-            pool = owner;
-            if (kv_py_pool_ready(pool) < 0) goto done;
-        }
+        PoolObject *owner = kv_py_pool_of(item, &slots[i]);
+        if (owner == NULL) goto done;
+        if (pool == NULL) pool = owner;
         if (owner != pool) {
             PyErr_SetString(PyExc_ValueError, "every sequence of a batch must come from one pool");
             goto done;
         }
-        if ((slots[i] = kv_py_sequence_slot(pool, item)) < 0) goto done;
         counts[i] = ((const int32_t *)PyArray_DATA(count_array))[i];
         total += counts[i];
     }
@@ -475,12 +470,12 @@ static PyObject *model_forward_batch(ModelObject *self, PyObject *args, PyObject
     if (logits == NULL || (ids = copy_ids(tokens, (npy_intp)total)) == NULL) goto done;
     kv_status status;
     kv_counters count = {0};
-    pool->busy = 1;
+    pool->base.busy = 1;
     Py_BEGIN_ALLOW_THREADS
     status = kv_model_forward_batch(&self->model, &pool->pool, (int)n_seqs, slots, counts, ids,
                                     (float *)PyArray_DATA((PyArrayObject *)logits), &count);
     Py_END_ALLOW_THREADS
-    pool->busy = 0;
+    pool->base.busy = 0;
     if (status == KV_ERR_INVALID_ARG)
         batch_refused(status, slots, counts, n_seqs);
     else if (status == KV_ERR_TOKEN_RANGE)

@@ -297,12 +297,13 @@ PyMODINIT_FUNC PyInit__kvlab(void) {
     if (kernels != NULL && kernels[0] != '\0' && set_kernels_named(kernels, "KVLAB_KERNELS") < 0)
         return NULL;
     if (PyType_Ready(&kv_py_cache_type) < 0 || PyType_Ready(&kv_py_model_type) < 0 ||
-        PyType_Ready(&kv_py_pool_type) < 0 || PyType_Ready(&kv_py_sequence_type) < 0)
+        PyType_Ready(&kv_py_blocks_type) < 0 || PyType_Ready(&kv_py_pool_type) < 0 || PyType_Ready(&kv_py_sequence_type) < 0)
         return NULL;
     PyObject *module = PyModule_Create(&kvlab_module);
     if (module == NULL) return NULL;
     if (PyModule_AddObjectRef(module, "KVCache", (PyObject *)&kv_py_cache_type) < 0 ||
         PyModule_AddObjectRef(module, "Model", (PyObject *)&kv_py_model_type) < 0 ||
+        PyModule_AddObjectRef(module, "BlockManager", (PyObject *)&kv_py_blocks_type) < 0 ||
         PyModule_AddObjectRef(module, "PagedPool", (PyObject *)&kv_py_pool_type) < 0 ||
         PyModule_AddObjectRef(module, "PagedSequence", (PyObject *)&kv_py_sequence_type) < 0 ||
         add_counter_names(module) < 0 ||

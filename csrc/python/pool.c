@@ -1,19 +1,14 @@
-/* pool.c: PagedPool, the paged KV cache (kv_pool), and PagedSequence, a handle to one of
- * its sequences.
+/* pool.c: PagedPool, the paged KV cache on the CPU (kv_pool): a BlockManager (blocks.c),
+ * whose methods it inherits, with the C core's K/V stores behind its blocks.
  *
- * A handle holds its pool (a strong reference) and the slot's serial when it was made: a
- * freed slot is given to later sequences, and the serial tells a stale handle from the
- * slot's new owner, so a handle to a freed sequence raises instead of touching another's.
+ * What is a pool's own: its rows (key_codes ... value_zeros, append, gather), its format,
+ * and a fork, which also copies the sequence's residual-window rows. reserve() and commit()
+ * are refused: the forward pass and append() write the rows between the two.
  */
 #include "binding.h"
 
 int kv_py_pool_ready(PoolObject *self) {
-    if (self->busy) {
-        PyErr_SetString(PyExc_RuntimeError,
-                        "this PagedPool is in use by a forward pass in another thread; "
-                        "one thread at a time may use a pool");
-        return -1;
-    }
+    if (kv_py_blocks_ready(&self->base) < 0) return -1;
     if (self->pool.key.codes == NULL) {
         PyErr_SetString(PyExc_RuntimeError, "PagedPool was not initialized");
         return -1;
@@ -21,60 +16,36 @@ int kv_py_pool_ready(PoolObject *self) {
     return 0;
 }
 
-int kv_py_sequence_slot(PoolObject *pool, PyObject *obj) {
-    if (!PyObject_TypeCheck(obj, &kv_py_sequence_type)) {
-        PyErr_Format(PyExc_TypeError, "expected a PagedSequence, got %s", Py_TYPE(obj)->tp_name);
-        return -1;
+PoolObject *kv_py_pool_of(PyObject *obj, int *seq) {
+    BlocksObject *owner = ((SequenceObject *)obj)->owner;
+    if (!PyObject_TypeCheck((PyObject *)owner, &kv_py_pool_type)) {
+        PyErr_Format(PyExc_TypeError, "this sequence's pool (%s) keeps no K and V in host "
+                     "memory: run it with the model that made the pool",
+                     Py_TYPE(owner)->tp_name);
+        return NULL;
     }
-    SequenceObject *handle = (SequenceObject *)obj;
-    if (handle->pool != pool) {
-        PyErr_SetString(PyExc_ValueError, "this sequence belongs to another pool");
-        return -1;
-    }
-    const kv_seq *q = &pool->pool.seqs[handle->seq];
-    if (!q->alive || q->serial != handle->serial) {
-        PyErr_SetString(PyExc_ValueError, "this sequence was freed; it cannot be used any more");
-        return -1;
-    }
-    return handle->seq;
+    PoolObject *pool = (PoolObject *)owner;
+    if (kv_py_pool_ready(pool) < 0 || (*seq = kv_py_sequence_slot(owner, obj)) < 0) return NULL;
+    return pool;
 }
 
 PyObject *kv_py_pool_refused(const PoolObject *pool, kv_status status, int n_tokens,
                              const kv_config *model) {
     const kv_pool *p = &pool->pool;
-    switch (status) {
-        case KV_ERR_OUT_OF_BLOCKS:
-            return kv_py_raise(status, "out of blocks: appending %d tokens needs more blocks "
-                               "than the pool has free (%d) or cached (%d) of %d; the pool is "
-                               "unchanged", n_tokens, p->n_free, p->n_cached, p->num_blocks);
-        case KV_ERR_TABLE_FULL:
-            return kv_py_raise(status, "the sequence's block table is full (%d blocks of %d "
-                               "tokens); the pool is unchanged", p->max_blocks_per_seq,
-                               p->block_size);
-        case KV_ERR_TOO_MANY_SEQUENCES:
-            return kv_py_raise(status, "the pool already holds max_seqs=%d sequences; free one",
-                               p->max_seqs);
-        case KV_ERR_CACHE_MISMATCH:
-            if (model == NULL) break;
-            return kv_py_raise(status, "this pool holds %d layers x %d KV heads x %d, but the "
-                               "model needs %d x %d x %d", p->n_layers, p->n_kv_heads,
-                               p->head_dim, model->n_layers, model->n_kv_heads, model->head_dim);
-        default: break;
-    }
-    return kv_py_raise(status, NULL);
-}
-
-static PyObject *new_handle(PoolObject *pool, int seq) {
-    SequenceObject *handle = PyObject_New(SequenceObject, &kv_py_sequence_type);
-    if (handle == NULL) return NULL;
-    Py_INCREF(pool);
-    handle->pool = pool;
-    handle->seq = seq;
-    handle->serial = pool->pool.seqs[seq].serial;
-    return (PyObject *)handle;
+    if (status == KV_ERR_CACHE_MISMATCH && model != NULL)
+        return kv_py_raise(status, "this pool holds %d layers x %d KV heads x %d, but the "
+                           "model needs %d x %d x %d", p->n_layers, p->n_kv_heads, p->head_dim,
+                           model->n_layers, model->n_kv_heads, model->head_dim);
+    return kv_py_blocks_refused(&pool->base, status, n_tokens);
 }
 
 /* ---- life -------------------------------------------------------------------------- */
+
+static PyObject *pool_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
+    PoolObject *self = (PoolObject *)PyType_GenericNew(type, args, kwds);
+    if (self != NULL) self->base.blocks = &self->pool.blocks;
+    return (PyObject *)self;
+}
 
 static int pool_init(PoolObject *self, PyObject *args, PyObject *kwds) {
     static char *kwlist[] = {"n_layers", "n_kv_heads", "head_dim", "num_blocks", "block_size",
@@ -107,8 +78,8 @@ static int pool_init(PoolObject *self, PyObject *args, PyObject *kwds) {
     kv_status status = kv_pool_init(&self->pool, n_layers, n_kv_heads, head_dim, num_blocks,
                                     block_size, max_seqs, max_blocks_per_seq, &format);
     if (status == KV_OK) {
-        if (hash_bits < 64) self->pool.hash_mask = ((uint64_t)1 << hash_bits) - 1;
-        self->pool.prefix_cache = prefix_cache;
+        if (hash_bits < 64) self->pool.blocks.hash_mask = ((uint64_t)1 << hash_bits) - 1;
+        if (!prefix_cache) self->pool.blocks.prefix_cache = 0;   /* a window turned it off */
         return 0;
     }
     if (status != KV_ERR_INVALID_ARG)
@@ -131,15 +102,6 @@ static void pool_dealloc(PoolObject *self) {
 
 /* ---- views and attributes ---------------------------------------------------------- */
 
-/* A read-only zero-copy view of pool memory, C order; its base is the pool. */
-static PyObject *pool_view(PoolObject *self, void *data, int type, int ndim, npy_intp *dims) {
-    if (self->pool.key.codes == NULL) {
-        PyErr_SetString(PyExc_RuntimeError, "PagedPool was not initialized");
-        return NULL;
-    }
-    return kv_py_readonly_view((PyObject *)self, data, type, ndim, dims, NULL);
-}
-
 /* key_codes, key_scales, ... value_zeros of the whole pool: closure = KV_PY_PART(is_value,
  * part). The memory is head-major (n_layers, n_kv_heads, num_blocks, block_size, ...);
  * shown block-first, so that key_codes[b] is everything block b holds. */
@@ -147,9 +109,10 @@ static PyObject *pool_get_part(PoolObject *self, void *closure) {
     if (kv_py_pool_ready(self) < 0) return NULL;
     int which = (int)(intptr_t)closure;
     const kv_pool *p = &self->pool;
-    npy_intp lead_dims[3] = {p->num_blocks, p->n_layers, p->block_size};
-    npy_intp slots = (npy_intp)p->num_blocks * p->block_size;
-    npy_intp lead_strides[3] = {p->block_size, (npy_intp)p->n_kv_heads * slots, 1};
+    int num_blocks = p->blocks.num_blocks, block_size = p->blocks.block_size;
+    npy_intp lead_dims[3] = {num_blocks, p->n_layers, block_size};
+    npy_intp slots = (npy_intp)num_blocks * block_size;
+    npy_intp lead_strides[3] = {block_size, (npy_intp)p->n_kv_heads * slots, 1};
     return kv_py_store_view((PyObject *)self, (which >> 2) ? &p->value : &p->key, which & 3, 3,
                             lead_dims, lead_strides);
 }
@@ -164,131 +127,41 @@ static PyObject *pool_get_group(PoolObject *self, void *closure) {
     return PyLong_FromLong((closure ? &self->pool.value : &self->pool.key)->group);
 }
 
-static PyObject *pool_get_ref_counts(PoolObject *self, void *closure) {
-    npy_intp dims[1] = {self->pool.num_blocks};
-    return pool_view(self, self->pool.ref_count, NPY_INT32, 1, dims);
-}
-
-static PyObject *pool_get_fill(PoolObject *self, void *closure) {
-    npy_intp dims[1] = {self->pool.num_blocks};
-    return pool_view(self, self->pool.fill, NPY_INT32, 1, dims);
-}
-
-static PyObject *pool_get_block_tokens(PoolObject *self, void *closure) {
-    npy_intp dims[2] = {self->pool.num_blocks, self->pool.block_size};
-    return pool_view(self, self->pool.tokens, NPY_INT32, 2, dims);
-}
-
-static PyObject *pool_get_free_blocks(PoolObject *self, void *closure) {
-    const kv_pool *p = &self->pool;
-    PyObject *list = PyList_New(p->n_free);
-    for (int i = 0; list != NULL && i < p->n_free; i++) {
-        PyObject *item = PyLong_FromLong(p->free_stack[i]);
-        if (item == NULL) Py_CLEAR(list);
-        else PyList_SET_ITEM(list, i, item);
-    }
-    return list;
-}
-
-static PyObject *pool_get_cached_blocks(PoolObject *self, void *closure) {
-    PyObject *list = PyList_New(0);
-    if (list == NULL || self->pool.lru_next == NULL) return list;
-    for (int32_t b = self->pool.lru_head; b >= 0; b = self->pool.lru_next[b]) {
-        PyObject *item = PyLong_FromLong(b);
-        if (item == NULL || PyList_Append(list, item) < 0) {
-            Py_XDECREF(item);
-            Py_DECREF(list);
-            return NULL;
-        }
-        Py_DECREF(item);
-    }
-    return list;
-}
-
 #define POOL_INT_GETTER(name, expr)                                        \
     static PyObject *pool_get_##name(PoolObject *self, void *closure) {    \
         return PyLong_FromLongLong((long long)(expr));                     \
     }
-POOL_INT_GETTER(num_blocks, self->pool.num_blocks)
-POOL_INT_GETTER(block_size, self->pool.block_size)
-POOL_INT_GETTER(max_seqs, self->pool.max_seqs)
-POOL_INT_GETTER(max_blocks_per_seq, self->pool.max_blocks_per_seq)
 POOL_INT_GETTER(nbytes, self->pool.key.codes ? kv_pool_nbytes(&self->pool) : 0)
 POOL_INT_GETTER(window, self->pool.window)
-POOL_INT_GETTER(available_blocks, self->pool.n_free + self->pool.n_cached)
-
-static PyObject *pool_get_live_sequences(PoolObject *self, void *closure) {
-    long live = 0;
-    for (int s = 0; self->pool.seqs != NULL && s < self->pool.max_seqs; s++)
-        live += self->pool.seqs[s].alive;
-    return PyLong_FromLong(live);
-}
 
 /* ---- methods ----------------------------------------------------------------------- */
 
-static PyObject *pool_new_sequence(PoolObject *self, PyObject *Py_UNUSED(ignored)) {
-    if (kv_py_pool_ready(self) < 0) return NULL;
-    int seq;
-    kv_status status = kv_pool_seq_new(&self->pool, &seq);
-    if (status != KV_OK) return kv_py_pool_refused(self, status, 0, NULL);
-    return new_handle(self, seq);
-}
-
 static PyObject *pool_fork(PoolObject *self, PyObject *arg) {
     if (kv_py_pool_ready(self) < 0) return NULL;
-    int seq = kv_py_sequence_slot(self, arg);
+    int seq = kv_py_sequence_slot(&self->base, arg);
     if (seq < 0) return NULL;
     int child;
     kv_status status = kv_pool_seq_fork(&self->pool, seq, &child);
     if (status != KV_OK) return kv_py_pool_refused(self, status, 0, NULL);
-    return new_handle(self, child);
+    return kv_py_new_sequence_handle(&self->base, child);
 }
 
-static PyObject *pool_free_sequence(PoolObject *self, PyObject *arg) {
-    if (kv_py_pool_ready(self) < 0) return NULL;
-    int seq = kv_py_sequence_slot(self, arg);
-    if (seq < 0) return NULL;
-    kv_pool_seq_free(&self->pool, seq);
-    Py_RETURN_NONE;
+static PyObject *pool_refuses_rows_unwritten(PoolObject *self, PyObject *args) {
+    PyErr_SetString(PyExc_TypeError, "a PagedPool writes K and V between reserve and commit "
+                    "itself: use model.prefill(tokens, seq) or pool.append(seq, tokens, keys, "
+                    "values) (reserve/commit are for a BlockManager whose rows live elsewhere)");
+    return NULL;
 }
 
 static const kv_py_array_spec token_ids = {.name = "tokens", .type = NPY_INT32, .ndim = 1,
                                            .shape = {KV_PY_ANY}, .axes = "n_tokens"};
-
-static PyObject *pool_reuse_prefix(PoolObject *self, PyObject *args) {
-    PyObject *seq_obj, *tokens_obj, *max_obj = Py_None;
-    if (!PyArg_ParseTuple(args, "OO|O", &seq_obj, &tokens_obj, &max_obj)) return NULL;
-    if (kv_py_pool_ready(self) < 0) return NULL;
-    int seq = kv_py_sequence_slot(self, seq_obj);
-    if (seq < 0) return NULL;
-    PyArrayObject *tokens = kv_py_array(tokens_obj, &token_ids);
-    if (tokens == NULL) return NULL;
-    int n = (int)PyArray_DIM(tokens, 0), max_tokens = n;
-    long requested = n;
-    if (max_obj != Py_None) {
-        requested = PyLong_AsLong(max_obj);
-        if (requested == -1 && PyErr_Occurred()) return NULL;
-        /* at most the tokens given; any negative number (which the core refuses) as -1 */
-        if (requested < n) max_tokens = requested < 0 ? -1 : (int)requested;
-    }
-    int reused = 0;
-    kv_status status = kv_pool_reuse_prefix(&self->pool, seq,
-                                            (const int32_t *)PyArray_DATA(tokens), max_tokens,
-                                            &reused);
-    if (status == KV_OK) return PyLong_FromLong(reused);
-    if (status != KV_ERR_INVALID_ARG) return kv_py_pool_refused(self, status, 0, NULL);
-    if (max_tokens < 0)
-        return kv_py_raise(status, "max_tokens must be >= 0, got %ld", requested);
-    return kv_py_raise(status, "reuse_prefix needs an empty sequence; this one holds %d "
-                       "positions", self->pool.seqs[seq].length);
-}
 
 static PyObject *pool_append(PoolObject *self, PyObject *args) {
     PyObject *seq_obj, *tokens_obj, *keys_obj, *values_obj;
     if (!PyArg_ParseTuple(args, "OOOO", &seq_obj, &tokens_obj, &keys_obj, &values_obj))
         return NULL;
     if (kv_py_pool_ready(self) < 0) return NULL;
-    int seq = kv_py_sequence_slot(self, seq_obj);
+    int seq = kv_py_sequence_slot(&self->base, seq_obj);
     if (seq < 0) return NULL;
     PyArrayObject *tokens = kv_py_array(tokens_obj, &token_ids);
     if (tokens == NULL) return NULL;
@@ -312,28 +185,12 @@ static PyObject *pool_append(PoolObject *self, PyObject *args) {
     return kv_py_pool_refused(self, status, n, NULL);
 }
 
-static PyObject *pool_blocks_needed(PoolObject *self, PyObject *args) {
-    PyObject *handle;
-    int n_tokens;
-    if (!PyArg_ParseTuple(args, "Oi", &handle, &n_tokens)) return NULL;
-    if (kv_py_pool_ready(self) < 0) return NULL;
-    int seq = kv_py_sequence_slot(self, handle);
-    if (seq < 0) return NULL;
-    int needed;
-    kv_status status = kv_pool_blocks_needed(&self->pool, seq, n_tokens, &needed);
-    if (status == KV_OK) return PyLong_FromLong(needed);
-    if (status == KV_ERR_INVALID_ARG)
-        return kv_py_raise(status, "n_tokens must be at least 1 (and a sequence holds at most "
-                           "2**30 positions), got %d", n_tokens);
-    return kv_py_pool_refused(self, status, n_tokens, NULL);
-}
-
 static PyObject *pool_gather(PoolObject *self, PyObject *arg) {
     if (kv_py_pool_ready(self) < 0) return NULL;
-    int seq = kv_py_sequence_slot(self, arg);
+    int seq = kv_py_sequence_slot(&self->base, arg);
     if (seq < 0) return NULL;
     const kv_pool *p = &self->pool;
-    npy_intp dims[4] = {p->n_layers, p->seqs[seq].length, p->n_kv_heads, p->head_dim};
+    npy_intp dims[4] = {p->n_layers, p->blocks.seqs[seq].length, p->n_kv_heads, p->head_dim};
     PyObject *keys = PyArray_SimpleNew(4, dims, NPY_FLOAT32);
     PyObject *values = keys ? PyArray_SimpleNew(4, dims, NPY_FLOAT32) : NULL;
     if (values == NULL) {
@@ -343,44 +200,6 @@ static PyObject *pool_gather(PoolObject *self, PyObject *arg) {
     kv_pool_gather(p, seq, (float *)PyArray_DATA((PyArrayObject *)keys),
                    (float *)PyArray_DATA((PyArrayObject *)values));
     return Py_BuildValue("(NN)", keys, values);
-}
-
-static PyObject *pool_stats(PoolObject *self, PyObject *Py_UNUSED(ignored)) {
-    if (kv_py_pool_ready(self) < 0) return NULL;
-    kv_pool_stats st;
-    kv_pool_stats_get(&self->pool, &st);
-    return Py_BuildValue("{s:i,s:i,s:i,s:L,s:L,s:i,s:L,s:L}", "blocks_used", st.blocks_used,
-                         "blocks_free", st.blocks_free, "blocks_cached", st.blocks_cached,
-                         "tokens_stored", (long long)st.tokens_stored, "slots_unused",
-                         (long long)st.slots_unused, "n_sequences", st.n_sequences,
-                         "prefix_hits", (long long)st.prefix_hits, "prefix_misses",
-                         (long long)st.prefix_misses);
-}
-
-static PyObject *pool_check(PoolObject *self, PyObject *Py_UNUSED(ignored)) {
-    if (kv_py_pool_ready(self) < 0) return NULL;
-    char message[256];
-    kv_status status = kv_pool_check(&self->pool, message, sizeof message);
-    if (status == KV_ERR_CORRUPT)
-        return kv_py_raise(status, "pool invariant broken: %s", message);
-    if (status != KV_OK) return kv_py_raise(status, NULL);
-    Py_RETURN_NONE;
-}
-
-static PyObject *pool_sequences(PoolObject *self, PyObject *Py_UNUSED(ignored)) {
-    if (kv_py_pool_ready(self) < 0) return NULL;
-    PyObject *list = PyList_New(0);
-    for (int s = 0; list != NULL && s < self->pool.max_seqs; s++) {
-        if (!self->pool.seqs[s].alive) continue;
-        PyObject *handle = new_handle(self, s);
-        if (handle == NULL || PyList_Append(list, handle) < 0) {
-            Py_XDECREF(handle);
-            Py_CLEAR(list);
-            break;
-        }
-        Py_DECREF(handle);
-    }
-    return list;
 }
 
 static PyGetSetDef pool_getset[] = {
@@ -406,50 +225,27 @@ static PyGetSetDef pool_getset[] = {
     {"value_group", (getter)pool_get_group, NULL, "Value values per scale.", (void *)1},
     {"window", (getter)pool_get_window, NULL,
      "Residual window: each query reads this many most recent positions in float32.", NULL},
-    {"ref_counts", (getter)pool_get_ref_counts, NULL, "Block-table references per block (view).", NULL},
-    {"fill", (getter)pool_get_fill, NULL, "Rows written per block (view).", NULL},
-    {"block_tokens", (getter)pool_get_block_tokens, NULL,
-     "Token id of every written row, (num_blocks, block_size) (view).", NULL},
-    {"free_blocks", (getter)pool_get_free_blocks, NULL, "Free block ids, next to be used last.", NULL},
-    {"cached_blocks", (getter)pool_get_cached_blocks, NULL,
-     "Unreferenced blocks kept for prefix reuse, least recently used first.", NULL},
-    {"num_blocks", (getter)pool_get_num_blocks, NULL, NULL, NULL},
-    {"block_size", (getter)pool_get_block_size, NULL, NULL, NULL},
-    {"max_seqs", (getter)pool_get_max_seqs, NULL, NULL, NULL},
-    {"max_blocks_per_seq", (getter)pool_get_max_blocks_per_seq, NULL, NULL, NULL},
     {"nbytes", (getter)pool_get_nbytes, NULL, "Bytes of K/V storage the pool allocated.", NULL},
-    {"live_sequences", (getter)pool_get_live_sequences, NULL,
-     "Sequences alive in the pool (at most max_seqs).", NULL},
-    {"available_blocks", (getter)pool_get_available_blocks, NULL,
-     "Blocks that can be handed out now: free ones and cached ones (evicted if needed).", NULL},
     {NULL}
 };
 
 static PyMethodDef pool_methods[] = {
-    {"new_sequence", (PyCFunction)pool_new_sequence, METH_NOARGS, "A new, empty sequence."},
     {"fork", (PyCFunction)pool_fork, METH_O,
-     "fork(seq): a child sharing all of seq's blocks (copy-on-write on the next write)."},
-    {"free", (PyCFunction)pool_free_sequence, METH_O,
-     "free(seq): drop seq's blocks (full ones stay cached for prefix reuse)."},
-    {"reuse_prefix", (PyCFunction)pool_reuse_prefix, METH_VARARGS,
-     "reuse_prefix(seq, tokens, max_tokens=len(tokens)) -> tokens reused: attach the cached\n"
-     "full blocks holding the longest prefix of tokens[:max_tokens] to an empty seq."},
+     "fork(seq): a child sharing all of seq's blocks (copy-on-write on the next write),\n"
+     "with a copy of seq's residual-window rows."},
     {"append", (PyCFunction)pool_append, METH_VARARGS,
      "append(seq, tokens, keys, values): write given K/V rows, each\n"
      "(n_tokens, n_layers, n_kv_heads, head_dim) float32, without a model. The prefix\n"
      "cache takes rows to be what the model computes for these tokens: full blocks with\n"
      "the same tokens after the same prefix are shared. For rows that are not (random\n"
      "test data), use distinct tokens or a pool made with prefix_cache=False."},
-    {"blocks_needed", (PyCFunction)pool_blocks_needed, METH_VARARGS,
-     "blocks_needed(seq, n_tokens) -> blocks that appending n_tokens to seq would take\n"
-     "(new blocks, plus one if its last block is shared and partly filled: copy-on-write)."},
     {"gather", (PyCFunction)pool_gather, METH_O,
      "gather(seq) -> (keys, values): float32 copies, (n_layers, length, n_kv_heads,\n"
      "head_dim), of what seq's most recent token's attention read (dequantized)."},
-    {"stats", (PyCFunction)pool_stats, METH_NOARGS, "Counts of blocks, rows and prefix hits."},
-    {"check", (PyCFunction)pool_check, METH_NOARGS,
-     "Verify every invariant; raises PoolInvariantError if one is broken."},
-    {"sequences", (PyCFunction)pool_sequences, METH_NOARGS, "Handles of every live sequence."},
+    {"reserve", (PyCFunction)pool_refuses_rows_unwritten, METH_VARARGS,
+     "Refused: a PagedPool writes its rows itself (prefill, append)."},
+    {"commit", (PyCFunction)pool_refuses_rows_unwritten, METH_VARARGS,
+     "Refused: a PagedPool writes its rows itself (prefill, append)."},
     {NULL}
 };
 
@@ -462,85 +258,12 @@ PyTypeObject kv_py_pool_type = {
                         "          value_group=0, window=0, prefix_cache=True)\n\n"
                         "A paged KV cache: one pool of fixed-size blocks shared by many\n"
                         "sequences. Usually made with model.new_paged_pool(...)."),
+    .tp_base = &kv_py_blocks_type,
     .tp_basicsize = sizeof(PoolObject),
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE,
-    .tp_new = PyType_GenericNew,
+    .tp_new = pool_new,
     .tp_init = (initproc)pool_init,
     .tp_dealloc = (destructor)pool_dealloc,
     .tp_methods = pool_methods,
     .tp_getset = pool_getset,
-};
-
-/* ---- PagedSequence ----------------------------------------------------------------- */
-
-static void sequence_dealloc(SequenceObject *self) {
-    Py_XDECREF(self->pool);
-    PyObject_Free(self);
-}
-
-static int sequence_alive(const SequenceObject *self) {
-    const kv_seq *q = &self->pool->pool.seqs[self->seq];
-    return q->alive && q->serial == self->serial;
-}
-
-static PyObject *sequence_get_alive(SequenceObject *self, void *closure) {
-    return PyBool_FromLong(sequence_alive(self));
-}
-
-static PyObject *sequence_get_length(SequenceObject *self, void *closure) {
-    if (kv_py_sequence_slot(self->pool, (PyObject *)self) < 0) return NULL;
-    return PyLong_FromLong(self->pool->pool.seqs[self->seq].length);
-}
-
-static PyObject *sequence_get_id(SequenceObject *self, void *closure) {
-    return PyLong_FromLong(self->seq);
-}
-
-static PyObject *sequence_get_serial(SequenceObject *self, void *closure) {
-    return PyLong_FromUnsignedLong(self->serial);
-}
-
-static PyObject *sequence_get_pool(SequenceObject *self, void *closure) {
-    Py_INCREF(self->pool);
-    return (PyObject *)self->pool;
-}
-
-static PyObject *sequence_get_block_table(SequenceObject *self, void *closure) {
-    if (kv_py_sequence_slot(self->pool, (PyObject *)self) < 0) return NULL;
-    const kv_seq *q = &self->pool->pool.seqs[self->seq];
-    npy_intp dims[1] = {q->n_blocks};
-    return pool_view(self->pool, q->block_table, NPY_INT32, 1, dims);
-}
-
-static PyObject *sequence_repr(SequenceObject *self) {
-    if (!sequence_alive(self)) return PyUnicode_FromFormat("PagedSequence(id=%d, freed)", self->seq);
-    const kv_seq *q = &self->pool->pool.seqs[self->seq];
-    return PyUnicode_FromFormat("PagedSequence(id=%d, length=%d, blocks=%d)", self->seq,
-                                q->length, q->n_blocks);
-}
-
-static PyGetSetDef sequence_getset[] = {
-    {"length", (getter)sequence_get_length, NULL, "Positions filled.", NULL},
-    {"block_table", (getter)sequence_get_block_table, NULL,
-     "Physical block id of each logical block, an int32 read-only view. Position pos\n"
-     "lives in row pos % block_size of block block_table[pos // block_size].", NULL},
-    {"id", (getter)sequence_get_id, NULL, "Slot number in the pool.", NULL},
-    {"serial", (getter)sequence_get_serial, NULL,
-     "How many sequences the slot had held when this one was made: (id, serial) names a\n"
-     "sequence for good, since a freed slot's id is given to a later sequence.", NULL},
-    {"alive", (getter)sequence_get_alive, NULL, "False once freed.", NULL},
-    {"pool", (getter)sequence_get_pool, NULL, "The pool holding this sequence.", NULL},
-    {NULL}
-};
-
-PyTypeObject kv_py_sequence_type = {
-    PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "kvlab._kvlab.PagedSequence",
-    .tp_doc = PyDoc_STR("A sequence of a PagedPool: a block table and a length. Made by\n"
-                        "pool.new_sequence() or pool.fork(seq)."),
-    .tp_basicsize = sizeof(SequenceObject),
-    .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_dealloc = (destructor)sequence_dealloc,
-    .tp_repr = (reprfunc)sequence_repr,
-    .tp_getset = sequence_getset,
 };

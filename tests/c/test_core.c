@@ -204,7 +204,7 @@ static void test_model_paths_agree(int n_heads, int n_kv_heads, int head_dim,
     kv_pool pool;
     CHECK(kv_pool_init(&pool, m->config.n_layers, n_kv_heads, head_dim, 16, 3, 4, 16, format) == KV_OK);
     int seq;
-    CHECK(kv_pool_seq_new(&pool, &seq) == KV_OK);
+    CHECK(kv_blocks_seq_new(&pool.blocks, &seq) == KV_OK);
 
     float *cached = malloc(sizeof(float) * V), *paged = malloc(sizeof(float) * V);
     float *uncached = malloc(sizeof(float) * V), *step = malloc(sizeof(float) * V);
@@ -226,7 +226,7 @@ static void test_model_paths_agree(int n_heads, int n_kv_heads, int head_dim,
     /* the no-cache path computes in fp32, so only an fp32 cache matches it exactly */
     if (format == NULL) CHECK(uncached_equal);
     char message[256];
-    CHECK(kv_pool_check(&pool, message, sizeof message) == KV_OK);
+    CHECK(kv_blocks_check(&pool.blocks, message, sizeof message) == KV_OK);
 
     /* errors change nothing */
     int32_t bad = V;
@@ -439,7 +439,7 @@ static int attention_tiers_agree(int n_heads, int n_kv_heads, int head_dim,
         int n_blocks = (n_positions + block_size - 1) / block_size;
         same &= kv_pool_init(&pool, 1, n_kv_heads, head_dim, n_blocks + 2, block_size, 1,
                              n_blocks, format) == KV_OK;
-        same &= kv_pool_seq_new(&pool, &seq) == KV_OK;
+        same &= kv_blocks_seq_new(&pool.blocks, &seq) == KV_OK;
         same &= kv_pool_append(&pool, seq, ids, n_positions, keys, values) == KV_OK;
     }
     size_t stride = kv_attention_scratch(n_heads, n_kv_heads, head_dim);
@@ -534,7 +534,7 @@ static void test_model_tiers_agree(int n_heads, int n_kv_heads, int head_dim,
         CHECK(kv_model_generate(m, &cache, tokens[0], 6, -1, NULL, NULL, picks[tier], NULL,
                                 &n_steps, NULL) == KV_OK);
         CHECK(kv_pool_init(&pool, L, n_kv_heads, head_dim, 24, 5, 2, 12, format) == KV_OK);
-        CHECK(kv_pool_seq_new(&pool, &a) == KV_OK && kv_pool_seq_new(&pool, &b) == KV_OK);
+        CHECK(kv_blocks_seq_new(&pool.blocks, &a) == KV_OK && kv_blocks_seq_new(&pool.blocks, &b) == KV_OK);
         CHECK(kv_model_forward_paged(m, &pool, a, tokens, 13, out, 1, NULL) == KV_OK);
         out += (size_t)V * 13;
         CHECK(kv_model_forward_paged(m, &pool, b, tokens + 3, 7, out, 0, NULL) == KV_OK);
@@ -611,37 +611,81 @@ static void test_pool(void) {
     int a, b, c;
     int32_t tokens[12] = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12};
     int32_t other[12] = {21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32};
-    CHECK(kv_pool_seq_new(&pool, &a) == KV_OK);
+    CHECK(kv_blocks_seq_new(&pool.blocks, &a) == KV_OK);
     append_rows(&pool, a, tokens, 6, KV_OK);                 /* blocks 0, 1 (half full) */
-    CHECK(pool.seqs[a].n_blocks == 2 && pool.n_free == 4);
+    CHECK(pool.blocks.seqs[a].n_blocks == 2 && pool.blocks.n_free == 4);
 
     CHECK(kv_pool_seq_fork(&pool, a, &b) == KV_OK);           /* shares both, copies nothing */
-    CHECK(pool.ref_count[0] == 2 && pool.ref_count[1] == 2 && pool.n_free == 4);
+    CHECK(pool.blocks.ref_count[0] == 2 && pool.blocks.ref_count[1] == 2 && pool.blocks.n_free == 4);
     append_rows(&pool, b, tokens + 6, 1, KV_OK);              /* copy-on-write of block 1 */
-    CHECK(pool.ref_count[1] == 1 && pool.seqs[b].block_table[1] != 1 && pool.n_free == 3);
-    CHECK(kv_pool_check(&pool, message, sizeof message) == KV_OK);
+    CHECK(pool.blocks.ref_count[1] == 1 && pool.blocks.seqs[b].block_table[1] != 1 && pool.blocks.n_free == 3);
+    CHECK(kv_blocks_check(&pool.blocks, message, sizeof message) == KV_OK);
 
     append_rows(&pool, b, tokens + 7, 6, KV_ERR_TABLE_FULL);   /* 13 rows need 4 blocks > 3 */
-    CHECK(pool.seqs[b].length == 7);
-    CHECK(kv_pool_seq_new(&pool, &c) == KV_OK);
+    CHECK(pool.blocks.seqs[b].length == 7);
+    CHECK(kv_blocks_seq_new(&pool.blocks, &c) == KV_OK);
     append_rows(&pool, c, other, 12, KV_OK);                   /* takes the last 3 blocks */
     append_rows(&pool, a, tokens + 6, 3, KV_ERR_OUT_OF_BLOCKS); /* needs one more: none */
-    CHECK(pool.seqs[a].length == 6 && pool.n_free == 0);
-    CHECK(kv_pool_check(&pool, message, sizeof message) == KV_OK);
+    CHECK(pool.blocks.seqs[a].length == 6 && pool.blocks.n_free == 0);
+    CHECK(kv_blocks_check(&pool.blocks, message, sizeof message) == KV_OK);
 
     /* freeing c keeps its full blocks cached; a new prompt with the same tokens reuses them */
-    CHECK(kv_pool_seq_free(&pool, c) == KV_OK);
-    CHECK(pool.n_cached == 3 && pool.n_free == 0);
+    CHECK(kv_blocks_seq_free(&pool.blocks, c) == KV_OK);
+    CHECK(pool.blocks.n_cached == 3 && pool.blocks.n_free == 0);
     int d, reused = -1;
-    CHECK(kv_pool_seq_new(&pool, &d) == KV_OK);
-    CHECK(kv_pool_reuse_prefix(&pool, d, other, 11, &reused) == KV_OK);
-    CHECK(reused == 8 && pool.prefix_hits == 2 && pool.n_cached == 1);
+    CHECK(kv_blocks_seq_new(&pool.blocks, &d) == KV_OK);
+    CHECK(kv_blocks_reuse_prefix(&pool.blocks, d, other, 11, &reused) == KV_OK);
+    CHECK(reused == 8 && pool.blocks.prefix_hits == 2 && pool.blocks.n_cached == 1);
     /* slot ids are reused (d took c's slot); the Python handles carry a serial number to
      * tell a stale handle apart. Slots never used, or out of range, are refused: */
-    CHECK(d == c && kv_pool_seq_free(&pool, 3) == KV_ERR_NO_SEQUENCE);
-    CHECK(kv_pool_seq_free(&pool, -1) == KV_ERR_NO_SEQUENCE && kv_pool_seq_free(&pool, 99) == KV_ERR_NO_SEQUENCE);
-    CHECK(kv_pool_check(&pool, message, sizeof message) == KV_OK);
+    CHECK(d == c && kv_blocks_seq_free(&pool.blocks, 3) == KV_ERR_NO_SEQUENCE);
+    CHECK(kv_blocks_seq_free(&pool.blocks, -1) == KV_ERR_NO_SEQUENCE && kv_blocks_seq_free(&pool.blocks, 99) == KV_ERR_NO_SEQUENCE);
+    CHECK(kv_blocks_check(&pool.blocks, message, sizeof message) == KV_OK);
     kv_pool_free(&pool);
+}
+
+/* The block manager alone: no K or V, the copy it asks for, and the events it records
+ * (what the engine's tracer and the GPU pool read). */
+static void test_block_manager(void) {
+    kv_blocks blocks;
+    kv_block_copy copies[1];
+    int n_copies = -1, a, b, reused;
+    int32_t tokens[8] = {1, 2, 3, 4, 5, 6, 7, 8};
+    CHECK(kv_blocks_init(&blocks, 4, 4, 3, 2) == KV_OK);
+    kv_blocks_record_events(&blocks, 1);
+    CHECK(kv_blocks_seq_new(&blocks, &a) == KV_OK);
+    CHECK(kv_blocks_reserve(&blocks, a, 6, copies, &n_copies) == KV_OK && n_copies == 0);
+    kv_blocks_commit(&blocks, a, tokens, 6);                     /* block 0 full, 1 half */
+    CHECK(blocks.n_events == 2 && blocks.events[0].kind == KV_EVENT_ALLOCATED &&
+          blocks.events[0].block == 0 && blocks.events[1].block == 1 &&
+          blocks.events[1].index == 1 && blocks.events[1].refs == 1);
+    CHECK(kv_blocks_seq_fork(&blocks, a, &b) == KV_OK);
+    CHECK(blocks.n_events == 4 && blocks.events[3].kind == KV_EVENT_SHARED &&
+          blocks.events[3].refs == 2 && blocks.events[3].seq == b);
+    /* b writes into the shared half block: it gets a copy, which the caller must fill */
+    CHECK(kv_blocks_reserve(&blocks, b, 1, copies, &n_copies) == KV_OK && n_copies == 1);
+    CHECK(copies[0].src == 1 && copies[0].dst == 2 && copies[0].rows == 2);
+    CHECK(blocks.events[4].kind == KV_EVENT_COPIED && blocks.events[4].other == 1 &&
+          blocks.events[5].kind == KV_EVENT_RELEASED && blocks.events[5].refs == 1);
+    kv_blocks_commit(&blocks, b, tokens + 6, 1);
+    /* out of room changes nothing and records nothing */
+    size_t seen = blocks.n_events;
+    CHECK(kv_blocks_reserve(&blocks, a, 8, copies, &n_copies) == KV_ERR_TABLE_FULL);
+    CHECK(blocks.n_events == seen);
+    CHECK(kv_blocks_seq_free(&blocks, a) == KV_OK);              /* 1 freed, 0 still b's */
+    CHECK(blocks.events[seen].kind == KV_EVENT_FREED && blocks.events[seen].block == 1 &&
+          !blocks.events[seen].cached && blocks.events[seen + 1].kind == KV_EVENT_RELEASED);
+    CHECK(kv_blocks_seq_free(&blocks, b) == KV_OK);              /* 0 full: kept, cached */
+    CHECK(blocks.events[blocks.n_events - 1].kind == KV_EVENT_FREED &&
+          blocks.events[blocks.n_events - 1].block == 0 && blocks.events[blocks.n_events - 1].cached);
+    CHECK(kv_blocks_seq_new(&blocks, &a) == KV_OK);
+    CHECK(kv_blocks_reuse_prefix(&blocks, a, tokens, 8, &reused) == KV_OK && reused == 4);
+    CHECK(blocks.events[blocks.n_events - 1].prefix_hit);
+    char message[256];
+    CHECK(kv_blocks_check(&blocks, message, sizeof message) == KV_OK);
+    kv_blocks_record_events(&blocks, 0);
+    CHECK(blocks.n_events == 0);
+    kv_blocks_free(&blocks);
 }
 
 static void test_cache(void) {
@@ -700,6 +744,7 @@ int main(void) {
     test_ops();
     test_cache();
     test_pool();
+    test_block_manager();
     test_store_formats();
     test_model_paths_agree(4, 4, 6, NULL);   /* MHA */
     test_model_paths_agree(6, 2, 8, NULL);   /* GQA */

@@ -121,20 +121,44 @@ def test_copy_on_write_copies_the_written_rows(fake_store):
     check_same(cpu, gpu, [(a, b), (ca, cb)])
 
 
-def test_rows_of_a_shared_twin_block_are_not_written(fake_store):
-    """Two sequences fill the same prefix side by side: the second one's full block is
-    swapped for the first one's, which the first still reads; the GPU must not write it."""
+def test_a_block_computed_twice_is_swapped_for_its_twin_after_the_write(fake_store):
+    """Two sequences fill the same prefix side by side: the second one writes its rows into
+    a block of its own, and the commit swaps that block for the first one's (which the first
+    still reads, unchanged) and frees the duplicate: as on the CPU, with no rows skipped."""
     cpu, gpu = make_pools(fake_store, "fp32", block_size=4)
     pairs = [(cpu.new_sequence(), gpu.new_sequence()) for _ in range(2)]
     tokens = [5, 6, 7, 8, 1]
     for a, b in pairs:
         keys, values = rows_for(tokens, 0)
         cpu.append(a, np.array(tokens, np.int32), keys, values)
-        slots, _ = gpu._append_rows(b, np.array(tokens, np.int32))
+        slots, table = gpu._reserve_rows(b, len(tokens))
+        assert (slots >= 0).all() and len(set(slots.tolist())) == len(tokens)
         gpu._store.write(slots, keys, values)
+        gpu.commit(b, np.array(tokens, np.int32))
     assert pairs[0][1].block_table[0] == pairs[1][1].block_table[0]
-    assert (slots[:4] == -1).all() and slots[4] >= 0     # the second sequence's view
+    assert table[0] != pairs[1][1].block_table[0]        # written, then swapped for the twin
+    assert gpu.ref_counts[table[0]] == 0                 # and the duplicate freed
     check_same(cpu, gpu, pairs)
+
+
+def test_the_gpu_pool_is_a_block_manager_with_no_shadow_rows(fake_store):
+    """The GPU pool's bookkeeping is the C block manager itself (no CPU pool of dummy rows):
+    reserve() says which rows to copy, and the pool copies them in its own storage."""
+    cpu, gpu = make_pools(fake_store, "fp32", block_size=4)
+    assert isinstance(gpu, kvlab._kvlab.BlockManager) and not isinstance(gpu, kvlab._kvlab.PagedPool)
+    assert isinstance(gpu, kvlab.paged.PoolViews) and isinstance(cpu, kvlab.paged.PoolViews)
+    seq = gpu.new_sequence()
+    assert gpu.reserve(seq, 6) == [] and seq.length == 0 and len(seq.block_table) == 2
+    gpu.commit(seq, np.arange(6, dtype=np.int32))
+    child = gpu.fork(seq)
+    [(dst, src, rows)] = gpu.reserve(child, 1)            # copy-on-write of the half block
+    assert (src, rows) == (seq.block_table[1], 2) and dst == child.block_table[1] != src
+    with pytest.raises(ValueError, match="commit follows reserve"):
+        gpu.commit(child, np.arange(9, dtype=np.int32))    # one position was reserved
+    gpu.commit(child, np.array([7], np.int32))
+    gpu.check()
+    with pytest.raises(TypeError, match="writes K and V between reserve and commit itself"):
+        cpu.reserve(cpu.new_sequence(), 1)
 
 
 @pytest.mark.parametrize("fmt_name", ["fp32", "fp16", "bf16", "int8"])
