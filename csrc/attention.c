@@ -88,6 +88,7 @@ static ALWAYS_INLINE v8u32 widen_bytes(const uint8_t *bytes, int is_signed) {
     return wide;
 }
 
+/* [quote ch07-load-chunk] */
 /* values i .. i+7 of row r */
 static ALWAYS_INLINE v8f load_chunk(const tile_rows *rows, int r, int i, int head_dim,
                                     int kind) {
@@ -101,6 +102,7 @@ static ALWAYS_INLINE v8f load_chunk(const tile_rows *rows, int r, int i, int hea
         typedef int32_t v8i32 __attribute__((vector_size(32)));
         return __builtin_convertvector((v8i32)codes, v8f) * rows->scales[group];
     }
+/* [end ch07-load-chunk] */
     if (kind == ROWS_FP8) {   /* the bit trick of kv_dequantize_fp8, eight lanes at once */
         v8u32 codes = widen_bytes(rows->codes + (size_t)r * head_dim + i, 0);
         v8f magnitude = as_floats((codes & 0x7F) << 20) * 0x1p120f;
@@ -172,6 +174,7 @@ static ALWAYS_INLINE void fetch_ahead(const tile_rows *rows, size_t step, size_t
  * Why several rows at once even for one query: a multiply-add takes four cycles to finish
  * and the core starts two per cycle, so a single running sum per row would leave the core
  * waiting on each addition before the next. */
+/* [quote ch07-score-block] */
 static ALWAYS_INLINE void score_block(float *weights, int at, const float *queries,
                                       int head_dim, const tile_rows *rows, int r0, float scale,
                                       int kind, int QB, int RB) {
@@ -191,6 +194,7 @@ static ALWAYS_INLINE void score_block(float *weights, int at, const float *queri
             for (int r = 0; r < RB; r++) sums[m][r] = madd(query, keys[r], sums[m][r]);
         }
     }
+/* [end ch07-score-block] */
     /* the lanes of each running sum added up, four sums at a time where they come in fours */
     float dots[4][8];
     if (QB == 4) {
@@ -237,6 +241,7 @@ static ALWAYS_INLINE void score_rows(float *weights, int at, const float *querie
     }
 }
 
+/* [quote ch07-score-tile] */
 /* weights[m][at + r] = q_m . row_r * scale for the group's kv_mul query heads and the n
  * rows: four query heads at a time against two rows, then two against four and one
  * against eight, so that every group size keeps eight sums going (enough to keep both
@@ -255,6 +260,7 @@ static ALWAYS_INLINE void score_tile(float *weights, int at, const float *querie
         score_rows(weights + m * TILE, at, queries + (size_t)m * head_dim, head_dim, rows, n,
                    scale, kind, 1, 8, m == 0);
 }
+/* [end ch07-score-tile] */
 
 /* results_m[i .. i + 8 DB) += sum over the n rows of weights[m][at + r] * row_r, for QB
  * query heads: QB x DB running sums, loaded from the outputs, kept in registers while the
@@ -443,6 +449,7 @@ void kv_attention(float *out, const float *q, const kv_layer_view *view, int n_t
     size_t q_dim = (size_t)n_heads * head_dim;
     float scale = 1.0f / sqrtf((float)head_dim);
 
+    /* [quote ch07-kv-attention] */
     /* One iteration per (token, KV head): the kv_mul query heads that share a KV head are
      * done together, so each key and value row is read from memory (and dequantized)
      * once for all of them (the point of grouped-query attention), not once per head.
@@ -513,6 +520,7 @@ void kv_attention(float *out, const float *q, const kv_layer_view *view, int n_t
                 float inv_sum = 1.0f / running_sum[m];
                 float *result = results + (size_t)m * head_dim;
                 for (int i = 0; i < head_dim; i++) result[i] *= inv_sum;
+    /* [end ch07-kv-attention] */
             }
         }
     }

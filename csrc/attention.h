@@ -30,10 +30,12 @@ typedef struct {
     int new_start;
 } kv_layer_view;
 
+/* [quote ch04-kv-view-slot] */
 static inline size_t kv_view_slot(const kv_layer_view *view, int pos) {
     return (size_t)view->block_table[pos / view->block_size] * (size_t)view->block_size +
            (size_t)(pos % view->block_size);
 }
+/* [end ch04-kv-view-slot] */
 
 /* The view of one layer of a contiguous cache (kvcache.c); the paged pool's is in paged.h. */
 kv_layer_view kv_cache_layer_view(const kv_cache *cache, int layer);

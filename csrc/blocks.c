@@ -1,3 +1,4 @@
+/* [quote ch04-the-design] */
 /* blocks.c: the block manager of the paged KV cache: block tables, reference counts,
  * copy-on-write, prefix caching. No K or V here.
  *
@@ -17,6 +18,7 @@
  * must move (copy-on-write), kv_blocks_reserve returns the copy, and the owner of the
  * stores performs it: paged.c on the CPU, kvlab/cuda.py on the GPU.
  */
+/* [end ch04-the-design] */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -166,6 +168,7 @@ static uint64_t splitmix64(uint64_t x) {
     return x ^ (x >> 31);
 }
 
+/* [quote ch04-chain-hash-and-lookup] */
 static uint64_t chain_hash(const kv_blocks *p, int32_t parent, const int32_t *tokens) {
     uint64_t h = parent >= 0 ? p->hash[parent] : ROOT_HASH;
     for (int i = 0; i < p->block_size; i++) h = splitmix64(h ^ (uint32_t)tokens[i]);
@@ -187,6 +190,7 @@ static int32_t lookup(const kv_blocks *p, int32_t parent, const int32_t *tokens)
     }
     return -1;
 }
+/* [end ch04-chain-hash-and-lookup] */
 
 static void unregister(kv_blocks *p, int32_t b) {
     int32_t *link = &p->bucket_head[p->hash[b] & (uint64_t)(p->n_buckets - 1)];
@@ -213,6 +217,7 @@ static void register_full_block(kv_blocks *p, int32_t b, int32_t parent) {
 
 /* ---- blocks ------------------------------------------------------------------------------ */
 
+/* [quote ch04-take-block-release-block-retain-block] */
 int kv_blocks_available(const kv_blocks *p) { return p->n_free + p->n_cached; }
 
 /* A block for new rows: a free one, else the least recently used cached one. Callers
@@ -253,6 +258,7 @@ static void release_block(kv_blocks *p, int32_t b) {
 static void retain_block(kv_blocks *p, int32_t b) {
     if (p->ref_count[b]++ == 0) lru_remove(p, b);
 }
+/* [end ch04-take-block-release-block-retain-block] */
 
 /* ---- sequences ---------------------------------------------------------------------------- */
 
@@ -271,6 +277,7 @@ kv_status kv_blocks_seq_new(kv_blocks *p, int *seq) {
     return KV_ERR_TOO_MANY_SEQUENCES;
 }
 
+/* [quote ch04-kv-blocks-seq-free] */
 kv_status kv_blocks_seq_free(kv_blocks *p, int seq) {
     kv_status status = kv_blocks_seq_check(p, seq);
     if (status != KV_OK) return status;
@@ -281,7 +288,9 @@ kv_status kv_blocks_seq_free(kv_blocks *p, int seq) {
     q->n_blocks = q->length = 0;
     return KV_OK;
 }
+/* [end ch04-kv-blocks-seq-free] */
 
+/* [quote ch04-kv-blocks-seq-fork] */
 kv_status kv_blocks_seq_fork(kv_blocks *p, int seq, int *child) {
     kv_status status = kv_blocks_seq_check(p, seq);
     if (status != KV_OK) return status;
@@ -297,7 +306,9 @@ kv_status kv_blocks_seq_fork(kv_blocks *p, int seq, int *child) {
     copy->length = parent->length;
     return KV_OK;
 }
+/* [end ch04-kv-blocks-seq-fork] */
 
+/* [quote ch04-kv-blocks-reuse-prefix] */
 kv_status kv_blocks_reuse_prefix(kv_blocks *p, int seq, const int32_t *tokens, int max_tokens,
                                  int *n_reused) {
     kv_status status = kv_blocks_seq_check(p, seq);
@@ -326,6 +337,7 @@ kv_status kv_blocks_reuse_prefix(kv_blocks *p, int seq, const int32_t *tokens, i
     *n_reused = q->length;
     return KV_OK;
 }
+/* [end ch04-kv-blocks-reuse-prefix] */
 
 /* ---- writing rows: reserve, (the owner writes them), commit ---------------------------- */
 
@@ -342,6 +354,7 @@ kv_status kv_blocks_needed(const kv_blocks *p, int seq, int n_tokens, int *neede
     return KV_OK;
 }
 
+/* [quote ch04-kv-blocks-reserve] */
 kv_status kv_blocks_reserve(kv_blocks *p, int seq, int n_tokens, kv_block_copy *copies,
                             int *n_copies) {
     int bs = p->block_size, needed;
@@ -379,6 +392,7 @@ kv_status kv_blocks_reserve(kv_blocks *p, int seq, int n_tokens, kv_block_copy *
     }
     return KV_OK;
 }
+/* [end ch04-kv-blocks-reserve] */
 
 kv_status kv_blocks_commit(kv_blocks *p, int seq, const int32_t *tokens, int n_tokens) {
     kv_status status = kv_blocks_seq_check(p, seq);

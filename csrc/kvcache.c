@@ -81,6 +81,7 @@ kv_status kv_cache_truncate(kv_cache *cache, int length) {
     return KV_OK;
 }
 
+/* [quote ch01-kv-cache-append] */
 kv_status kv_cache_append(kv_cache *cache, int n_tokens, const float *keys, const float *values) {
     if (cache->key.codes == NULL || keys == NULL || values == NULL || n_tokens <= 0)
         return KV_ERR_INVALID_ARG;
@@ -100,6 +101,7 @@ kv_status kv_cache_append(kv_cache *cache, int n_tokens, const float *keys, cons
     cache->length += n_tokens;
     return KV_OK;
 }
+/* [end ch01-kv-cache-append] */
 
 kv_status kv_cache_read(const kv_cache *cache, float *keys, float *values) {
     if (cache->key.codes == NULL || keys == NULL || values == NULL) return KV_ERR_INVALID_ARG;
@@ -121,6 +123,7 @@ kv_status kv_cache_read(const kv_cache *cache, float *keys, float *values) {
     return KV_OK;
 }
 
+/* [quote ch04-kv-cache-layer-view] */
 kv_layer_view kv_cache_layer_view(const kv_cache *cache, int layer) {
     static const int32_t single_block = 0;  /* the contiguous cache is one big block */
     kv_layer_view view = {&cache->key, &cache->value, layer, &single_block, cache->capacity,
@@ -131,6 +134,7 @@ kv_layer_view kv_cache_layer_view(const kv_cache *cache, int layer) {
     }
     return view;
 }
+/* [end ch04-kv-cache-layer-view] */
 
 kv_status kv_cache_attend(const kv_cache *cache, int layer, const float *q, int n_heads,
                           float *out) {

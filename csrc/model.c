@@ -200,6 +200,7 @@ static void add_rows(float *x, const float *delta, size_t count) {
     for (size_t i = 0; i < count; i++) x[i] += delta[i];
 }
 
+/* [quote ch05-project-one-pass-over] */
 /* out = W x for every token: one pass over W for the whole batch, whichever sequences
  * the tokens belong to */
 static void project(const run_state *s, float *out, const float *x, const float *w,
@@ -207,6 +208,7 @@ static void project(const run_state *s, float *out, const float *x, const float 
     if (s->kernels == KV_KERNELS_PLAIN) kv_plain_matmul(out, x, w, n_tokens, in_dim, out_dim);
     else kv_matmul(out, x, w, n_tokens, in_dim, out_dim);
 }
+/* [end ch05-project-one-pass-over] */
 
 /* Several projections of the same input x at once (see kv_matmul_many) */
 static void project_many(const run_state *s, int n, float *const *outs,
@@ -255,6 +257,7 @@ static void attention_block(const kv_model *m, run_state *s, int layer, int n_to
     const float *wqkv[3] = {w->wq + layer * q_dim * dim, w->wk + layer * kv_dim * dim,
                             w->wv + layer * kv_dim * dim};
     int qkv_dims[3] = {(int)q_dim, (int)kv_dim, (int)kv_dim};
+    /* [quote ch01-attention-block-k-and-v] */
     project_many(s, 3, qkv, wqkv, qkv_dims, s->xb, n_tokens, c->dim);
     for (int r = 0; r < s->n_runs; r++) {
         const token_run *run = &s->runs[r];
@@ -271,6 +274,8 @@ static void attention_block(const kv_model *m, run_state *s, int layer, int n_to
         }
     }
     attend_runs(c, s, layer);
+    /* [end ch01-attention-block-k-and-v] */
+    /* [quote ch06-attention-block-after-attention-the] */
     for (int r = 0; r < s->n_runs; r++) {
         const token_run *run = &s->runs[r];
         const kv_layer_view *view = view_of(s, layer, r);
@@ -280,6 +285,7 @@ static void attention_block(const kv_model *m, run_state *s, int layer, int n_to
         kv_window_keep(view->window_value, view->window, (int)kv_dim, run->start_pos,
                        s->v + run->first * kv_dim, kv_dim, run->n_tokens);
     }
+    /* [end ch06-attention-block-after-attention-the] */
     project(s, s->proj, s->att_out, w->wo + layer * dim * q_dim, n_tokens, (int)q_dim, c->dim);
     add_rows(s->x, s->proj, (size_t)n_tokens * dim);
 }
@@ -410,6 +416,7 @@ fail:
 
 /* n_tokens new tokens through the model at the cache's next positions, their K and V
  * appended: all of kv_model_forward's work, and each step of kv_model_generate's. */
+/* [quote ch01-kv-model-forward-and-the-step] */
 static void run_over_cache(const kv_model *model, run_state *s, kv_cache *cache,
                            const int32_t *tokens, int n_tokens, float *logits, int all_logits) {
     s->runs[0] = (token_run){0, n_tokens, cache->length};
@@ -445,6 +452,7 @@ fail:
     run_state_free(&s);
     return status;
 }
+/* [end ch01-kv-model-forward-and-the-step] */
 
 kv_status kv_model_generate(const kv_model *model, kv_cache *cache, int32_t token,
                             int max_steps, int32_t stop_token, const kv_sampling *how,
@@ -495,6 +503,7 @@ fail:
     return status;
 }
 
+/* [quote ch04-kv-model-forward-paged] */
 kv_status kv_model_forward_paged(const kv_model *model, kv_pool *pool, int seq,
                                  const int32_t *tokens, int n_tokens, float *logits,
                                  int all_logits, kv_counters *counters) {
@@ -521,7 +530,9 @@ fail:
     run_state_free(&s);
     return status;
 }
+/* [end ch04-kv-model-forward-paged] */
 
+/* [quote ch05-kv-model-forward-batch] */
 kv_status kv_model_forward_batch(const kv_model *model, kv_pool *pool, int n_seqs,
                                  const int *seqs, const int *n_tokens, const int32_t *tokens,
                                  float *logits, kv_counters *counters) {
@@ -565,7 +576,9 @@ fail:
     run_state_free(&s);
     return status;
 }
+/* [end ch05-kv-model-forward-batch] */
 
+/* [quote ch01-kv-model-forward-uncached] */
 kv_status kv_model_forward_uncached(const kv_model *model, const int32_t *tokens,
                                     int n_tokens, float *logits, int all_logits,
                                     kv_counters *counters) {
@@ -582,5 +595,6 @@ kv_status kv_model_forward_uncached(const kv_model *model, const int32_t *tokens
     kv_counters_add(counters, &count);
 fail:
     kv_cache_free(&scratch);
+/* [end ch01-kv-model-forward-uncached] */
     return status;
 }

@@ -331,6 +331,7 @@ static inline v8f exp_nonpositive(v8f x) {
     return (v8f)((v8i)result & ~too_small);
 }
 
+/* [quote ch07-kv-softmax-tile] */
 float kv_softmax_tile(float *scores, int n, float *running_max, float *running_sum) {
     /* the tile as two chunks of eight; a short tile padded with -inf, whose exponential
      * is 0 (a full one, the common case, is read in place) */
@@ -363,6 +364,7 @@ float kv_softmax_tile(float *scores, int n, float *running_max, float *running_s
     *running_max = new_max;
     return correction;
 }
+/* [end ch07-kv-softmax-tile] */
 
 /* silu(g) * u for eight values. silu(g) = g / (1 + e^-g); with e = e^-|g|, always the
  * exponential of a number <= 0, that is g / (1 + e) for g >= 0 and g e / (1 + e) for

@@ -102,6 +102,7 @@ kv_status kv_pool_seq_fork(kv_pool *pool, int seq, int *child) {
 
 /* ---- writing rows: reserve, write, commit -------------------------------------------------- */
 
+/* [quote ch04-kv-pool-reserve] */
 kv_status kv_pool_reserve(kv_pool *pool, int seq, int n_tokens) {
     kv_block_copy copies[1];
     int n_copies = 0;
@@ -117,7 +118,9 @@ kv_status kv_pool_reserve(kv_pool *pool, int seq, int n_tokens) {
         }
     return KV_OK;
 }
+/* [end ch04-kv-pool-reserve] */
 
+/* [quote ch07-kv-pool-layer-view] */
 kv_layer_view kv_pool_layer_view(const kv_pool *pool, int seq, int layer) {
     const kv_seq *q = &pool->blocks.seqs[seq];
     kv_layer_view view = {&pool->key, &pool->value, layer, q->block_table,
@@ -129,6 +132,7 @@ kv_layer_view kv_pool_layer_view(const kv_pool *pool, int seq, int layer) {
     }
     return view;
 }
+/* [end ch07-kv-pool-layer-view] */
 
 kv_status kv_pool_append(kv_pool *pool, int seq, const int32_t *tokens, int n_tokens,
                          const float *keys, const float *values) {

@@ -159,6 +159,7 @@ static float softmax_tile(float *scores, int n, float *running_max, float *runni
  * a query at query_pos reads it: inside the residual window (its last `window` positions)
  * the exact rows kept beside the cache, else the row the cache stores, found through the
  * block table and decoded into buffer (head_dim floats) unless it is float32 already. */
+/* [quote ch04-cached-row] */
 static const float *cached_row(const kv_layer_view *view, int is_value, int pos, int head,
                                int query_pos, int head_dim, float *buffer) {
     const kv_store *store = is_value ? view->value : view->key;
@@ -172,6 +173,7 @@ static const float *cached_row(const kv_layer_view *view, int is_value, int pos,
     return (is_value ? view->window_value : view->window_key) +
            (size_t)(pos % view->window) * kv_dim + (size_t)head * head_dim;
 }
+/* [end ch04-cached-row] */
 
 /* y += a * x, rounded as the fast kernels round it: their chunks of eight values take a
  * fused multiply-add each, the leftovers past them a multiply and an add. */
@@ -188,6 +190,7 @@ static void add_scaled(float *y, float a, const float *x, int n) {
  * so no row of scores as long as the context is ever needed. The fast kernel's bits
  * depend on where its tiles start, so these start where its do: at position 0, for every
  * query, alone in a decode step or in a prefill. */
+/* [quote ch01-kv-plain-attention] */
 void kv_plain_attention(float *out, const float *q, const kv_layer_view *view, int n_tokens,
                         int start_pos, int n_heads, int n_kv_heads, int head_dim,
                         float *scratch, size_t scratch_stride, int n_threads) {
@@ -216,6 +219,7 @@ void kv_plain_attention(float *out, const float *q, const kv_layer_view *view, i
                                                   head_dim, row);
                     weights[r] = kv_plain_dot(q_h, key, head_dim) * scale;
                 }
+/* [end ch01-kv-plain-attention] */
                 /* the online softmax: the scores become e^(score - max so far), and what
                  * the outputs summed under an older, smaller max is scaled to match */
                 float correction = softmax_tile(weights, n, &running_max, &running_sum);

@@ -88,6 +88,7 @@ static inline float at_most(float x, float bound) { return x < bound ? x : bound
 
 /* The scale of a symmetric group: its largest magnitude maps to the largest code. Stores
  * it, and returns what to divide by (1 for an all-zero group, which stays zero). */
+/* [quote ch06-symmetric-scale-and-kv-quantize-i8] */
 static float symmetric_scale(float *scale, const float *v, int group, float largest_code) {
     float largest = 0.0f;
     for (int i = 0; i < group; i++) largest = at_least(fabsf(v[i]), largest);
@@ -107,6 +108,7 @@ void kv_quantize_i8(int8_t *codes, float *scales, const float *x, size_t n, int 
         }
     }
 }
+/* [end ch06-symmetric-scale-and-kv-quantize-i8] */
 
 void kv_dequantize_i8(float *x, const int8_t *codes, const float *scales, size_t n, int group) {
     for (size_t g = 0; g < n / (size_t)group; g++) {

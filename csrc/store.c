@@ -61,11 +61,13 @@ kv_status kv_store_init(kv_store *store, kv_format format, int group, int n_laye
     KV_CHECK(rows / ((size_t)n_layers * n_kv_heads) == slots &&
              rows <= ((size_t)1 << 40) / (store->head_bytes + 8 * (size_t)store->groups_per_head),
              KV_ERR_NOMEM);   /* no cache of a terabyte or more */
+    /* [quote ch02-kv-store-init-reserving-the-codes] */
     /* calloc: an unfilled slot reads as 0, never as old garbage, and the operating system
      * hands out zero pages only when they are first touched, so a large cache costs
      * physical memory as it fills (watch the process's resident size grow). */
     store->codes = calloc(rows, store->head_bytes);
     KV_CHECK(store->codes != NULL, KV_ERR_NOMEM);
+    /* [end ch02-kv-store-init-reserving-the-codes] */
     if (has_scales(format)) {
         store->scales = calloc(rows * store->groups_per_head, sizeof(float));
         KV_CHECK(store->scales != NULL, KV_ERR_NOMEM);
@@ -88,6 +90,7 @@ void kv_store_free(kv_store *store) {
     memset(store, 0, sizeof *store);
 }
 
+/* [quote ch02-kv-store-row-nbytes-and-kv-store-nbytes] */
 size_t kv_store_row_nbytes(const kv_store *store) {
     size_t params = (store->scales ? 1 : 0) + (store->zeros ? 1 : 0);
     return (size_t)store->n_kv_heads *
@@ -97,6 +100,7 @@ size_t kv_store_row_nbytes(const kv_store *store) {
 size_t kv_store_nbytes(const kv_store *store) {
     return (size_t)store->n_layers * store->slots * kv_store_row_nbytes(store);
 }
+/* [end ch02-kv-store-row-nbytes-and-kv-store-nbytes] */
 
 #define head_index kv_store_head_index
 

@@ -53,9 +53,11 @@ class ModelConfig:
         return self.n_heads * self.head_dim
 
     @property
+    # [quote ch03-modelconfig-kv-mul]
     def kv_mul(self) -> int:
         """How many query heads share one key/value head (1 = MHA, n_heads = MQA)."""
         return self.n_heads // self.n_kv_heads
+    # [end ch03-modelconfig-kv-mul]
 
     @property
     def attention_kind(self) -> str:
@@ -158,6 +160,7 @@ class ModelConfig:
 
     # ---- presets: well-known shapes (sizes only; no weights come with them) -------------
     @classmethod
+    # [quote ch02-modelconfig-presets-llama-2]
     def llama2_7b(cls) -> "ModelConfig":
         return cls(dim=4096, hidden_dim=11008, n_layers=32, n_heads=32, n_kv_heads=32,
                    vocab_size=32000, max_seq_len=4096, tied_embeddings=False, name="Llama 2 7B")
@@ -173,6 +176,7 @@ class ModelConfig:
         return cls(dim=4096, hidden_dim=14336, n_layers=32, n_heads=32, n_kv_heads=8,
                    vocab_size=128256, max_seq_len=8192, rope_theta=500000.0,
                    rope_interleaved=False, tied_embeddings=False, name="Llama 3 8B")
+    # [end ch02-modelconfig-presets-llama-2]
 
     @classmethod
     def tinyllama_1b(cls) -> "ModelConfig":

@@ -376,6 +376,7 @@ class Engine:
                 raise RuntimeError(self._why_stuck())
             return result
 
+    # [quote ch05-engine-step-runs]
     def _step(self) -> StepResult:
         start = time.perf_counter()
         step_number = self.scheduler.step_count
@@ -426,6 +427,7 @@ class Engine:
                             failed=failed)
         self.metrics.append(result)
         return result
+    # [end ch05-engine-step-runs]
 
     def _choose(self, requests: List[Request], step: int, new_tokens: Dict[int, List[int]],
                 failed: Dict[int, str]) -> None:

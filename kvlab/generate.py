@@ -117,6 +117,7 @@ def generate(model: Model, prompt: Union[str, Sequence[int]], max_new_tokens: in
         else:
             # The loop. With a cache, the prompt runs once and then only the newest token;
             # without one, every step runs the whole sequence from position 0.
+            # [quote ch01-generate-the-loop]
             for step in range(max_new_tokens):
                 start = time.perf_counter()
                 if cache is None:
@@ -133,6 +134,7 @@ def generate(model: Model, prompt: Union[str, Sequence[int]], max_new_tokens: in
                     finish_reason = "eos"
                     break
                 new_tokens.append(token)
+            # [end ch01-generate-the-loop]
     if bar is not None:
         bar.close()
 

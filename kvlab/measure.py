@@ -62,6 +62,7 @@ def _cache_format(config: ModelConfig, dtype, caller: str, key_dtype: Optional[s
     return CacheFormat.make(config.head_dim, dtype, key=key_dtype, value=value_dtype, **options)
 
 
+# [quote ch02-kv-bytes-per-token-and-kv-cache-bytes]
 def kv_bytes_per_token(config: ModelConfig, dtype: Union[None, str, CacheFormat] = None,
                        **format_options) -> int:
     """Bytes one token adds to the cache, over all layers, K and V (scales and zero points
@@ -85,6 +86,7 @@ def kv_cache_bytes(config: ModelConfig, seq_len: int, batch: int = 1,
     per_request = (config.n_layers * fmt.row_bytes(config.n_kv_heads, config.head_dim) * seq_len
                    + fmt.window_bytes(config.n_layers, config.n_kv_heads, config.head_dim))
     return per_request * batch
+# [end ch02-kv-bytes-per-token-and-kv-cache-bytes]
 
 
 def weights_bytes(config: ModelConfig, dtype: str = "fp16") -> int:

@@ -24,6 +24,7 @@ PagedSequence = core.PagedSequence
 
 
 @dataclasses.dataclass(frozen=True)
+# [quote ch04-poolstats]
 class PoolStats:
     blocks_used: int        # referenced by at least one block table
     blocks_free: int        # on the free list
@@ -42,6 +43,7 @@ class PoolStats:
     def fragmentation_percent(self) -> float:
         """Share of allocated slots that hold nothing."""
         return 100.0 * self.slots_unused / self.slots_allocated if self.slots_allocated else 0.0
+# [end ch04-poolstats]
 
 
 class PoolViews:

@@ -192,6 +192,7 @@ def e4m3_decode(codes: np.ndarray) -> np.ndarray:
     return np.where(codes & 0x80, -value, value).astype(np.float32)
 
 
+# [quote ch06-quantize]
 def quantize(x: np.ndarray, fmt: str, group: Optional[int] = None) -> Quantized:
     """Quantize float32 x (..., head_dim) along its last axis."""
     x = np.ascontiguousarray(x, dtype=np.float32)
@@ -220,6 +221,7 @@ def quantize(x: np.ndarray, fmt: str, group: Optional[int] = None) -> Quantized:
     codes = codes.reshape(x.shape)
     packed = (codes[..., 0::2] | (codes[..., 1::2] << 4)).astype(np.uint8)
     return Quantized(fmt, packed, scale, low.astype(np.float32), group)
+# [end ch06-quantize]
 
 
 def dequantize(q: Quantized) -> np.ndarray:

@@ -107,6 +107,7 @@ class ReferenceCache:
         return self.value[:, :self.length]
 
 
+# [quote ch01-attention]
 def attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray,
               positions: np.ndarray) -> np.ndarray:
     """Causal grouped-query attention.
@@ -125,6 +126,7 @@ def attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray,
     scores = np.where(future[None], np.float32(-np.inf), scores)
     weights = softmax(scores).astype(np.float32)
     return np.einsum("htp,phd->thd", weights, values)
+# [end ch01-attention]
 
 
 def forward(config: ModelConfig, weights: Weights, tokens: Sequence[int],
@@ -138,6 +140,7 @@ def forward(config: ModelConfig, weights: Weights, tokens: Sequence[int],
     tokens = np.asarray(tokens, dtype=np.int64)
     if tokens.ndim != 1 or tokens.size == 0 or tokens.min() < 0 or tokens.max() >= config.vocab_size:
         raise ValueError(f"tokens must be a non-empty 1-D sequence of ids in [0, {config.vocab_size})")
+    # [quote ch01-forward-k-and-v]
     if cache is None:
         cache = ReferenceCache(config, max_seq_len=len(tokens))
     start = cache.length
@@ -165,6 +168,7 @@ def forward(config: ModelConfig, weights: Weights, tokens: Sequence[int],
             out = np.concatenate([attention(q[t:t + 1], *cache.visible(layer, int(p)), positions[t:t + 1])
                                   for t, p in enumerate(positions)])
         x = x + out.reshape(n, H * hd) @ w.wo[layer].T
+    # [end ch01-forward-k-and-v]
         # MLP sublayer (SwiGLU)
         h = rmsnorm(x, w.ffn_norm[layer], config.norm_eps)
         x = x + (silu(h @ w.w1[layer].T) * (h @ w.w3[layer].T)) @ w.w2[layer].T

@@ -212,6 +212,7 @@ class Scheduler:
         for sample in request.samples:
             sample.seq, sample.computed, sample.logits = None, 0, None
 
+    # [quote ch05-scheduler-schedule]
     def schedule(self, space: BlockSpace) -> ScheduledStep:
         step = ScheduledStep(items=[])
         budget = self.max_batch_tokens
@@ -241,10 +242,13 @@ class Scheduler:
             self._admit(space, step, budget, sum(reserved.values()))
         self.step_count += 1
         return step
+    # [end ch05-scheduler-schedule]
 
+    # [quote ch05-scheduler-preempt]
     def _preempt(self, request: Request, space: BlockSpace, step: ScheduledStep) -> None:
         step.preempted.append(request)
         self.preempt(request, space)
+    # [end ch05-scheduler-preempt]
 
     def _admit(self, space: BlockSpace, step: ScheduledStep, budget: int, reserved: int) -> None:
         while self.waiting and budget > 0:

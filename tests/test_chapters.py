@@ -41,23 +41,48 @@ def test_the_chapter_and_its_notebook_exist(slug):
     assert (REPO / "notebooks" / f"{slug}.ipynb").is_file()
 
 
+MARKER = re.compile(r"\[(quote|end) (ch\d\d-[a-z0-9-]+)\]")
+
+
 @pytest.mark.parametrize("slug", SLUGS)
-def test_quoted_code_still_exists(slug):
+def test_quoted_code_is_marked_in_the_source(slug):
+    """Every quote starts after a "[quote NAME]" comment and ends before "[end NAME]" in the
+    quoted file, so an edit to the code around it cannot move it silently, and a reader of
+    the code sees which chapter quotes what."""
     includes = directives(chapter_text(slug), "literalinclude")
     assert includes, f"{slug}.md quotes no code from the kit"
     for path, options in includes:
         source = (CHAPTERS / path).resolve()
         assert source.is_file() and REPO in source.parents, f"{slug}: {path} is not a file of the kit"
         assert options.get("caption"), f"{slug}: the quote from {path} has no caption"
+        start, end = options.get("start-after", ""), options.get("end-before", "")
+        assert not {"start-at", "end-at", "lines"} & set(options), \
+            f"{slug}: quote {path} must use markers (:start-after: and :end-before:)"
+        begin, finish = MARKER.fullmatch(start), MARKER.fullmatch(end)
+        assert begin and begin[1] == "quote" and finish and finish[1] == "end" \
+            and begin[2] == finish[2], f"{slug}: quote {path} must be [quote NAME] .. [end NAME]"
         text = source.read_text()
-        start = options.get("start-at") or options.get("start-after")
-        assert start, f"{slug}: quote {path} must say where it starts (:start-at:)"
-        begin = text.find(start)
-        assert begin >= 0, f"{slug}: {path} no longer contains {start!r}"
-        end = options.get("end-before") or options.get("end-at")
-        if end:
-            assert text.find(end, begin + len(start)) >= 0, \
-                f"{slug}: {path} has no {end!r} after {start!r}"
+        assert text.count(start) == 1 and text.count(end) == 1, \
+            f"{slug}: {path} must hold {start!r} and {end!r} once each"
+        body = text[text.index(start):text.index(end)]
+        assert text.index(start) < text.index(end) and body.count("\n") > 1, \
+            f"{slug}: {path}: {start!r} must come before {end!r}, with code between"
+        assert not MARKER.search(body[len(start):]), \
+            f"{slug}: the quote {start!r} of {path} holds another quote's marker"
+
+
+def test_every_marker_in_the_kit_is_quoted_by_a_chapter():
+    quoted = set()
+    for slug in SLUGS:
+        for _, options in directives(chapter_text(slug), "literalinclude"):
+            quoted.add(options.get("start-after"))
+    sources = [p for folder in ("csrc", "kvlab") for p in (REPO / folder).rglob("*")
+               if p.suffix in (".c", ".h", ".py", ".cu") and p.is_file()]
+    for source in sources:
+        for kind, name in MARKER.findall(source.read_text()):
+            if kind == "quote":
+                assert f"[quote {name}]" in quoted, \
+                    f"{source.relative_to(REPO)}: [quote {name}] is quoted by no chapter"
 
 
 @pytest.mark.parametrize("slug", SLUGS)
