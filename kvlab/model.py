@@ -256,7 +256,11 @@ class Model:
             renamed("model.forward(tokens, all_logits) with all_logits second",
                     "model.forward(tokens, all_logits=...)")
             cache, all_logits = None, bool(cache)
-        ids = as_token_array(tokens, self.config.vocab_size)
+        return self._forward_ids(as_token_array(tokens, self.config.vocab_size), cache,
+                                 all_logits)
+
+    def _forward_ids(self, ids: np.ndarray, cache: Optional[Cache], all_logits: bool) -> np.ndarray:
+        """forward() once the ids are checked (decode checks its one token its own way)."""
         if cache is None and len(ids) > self.config.max_seq_len:
             raise ContextLengthError(f"{len(ids)} tokens exceed the model's context of "
                                      f"{self.config.max_seq_len} (config.max_seq_len)")
@@ -271,7 +275,7 @@ class Model:
     def decode(self, token: int, cache: Cache) -> np.ndarray:
         """One generation step: a single new token attends over the cache,
         forward([token], cache). Returns (vocab,)."""
-        return self.forward(one_token(token, self.config.vocab_size, "decode"), cache)
+        return self._forward_ids(one_token(token, self.config.vocab_size, "decode"), cache, False)
 
     def decode_steps(self, token: int, cache: Cache, max_steps: int, temperature: float = 0.0,
                      top_k: Optional[int] = None, top_p: Optional[float] = None,
