@@ -268,7 +268,7 @@ kv_status kv_blocks_seq_new(kv_blocks *p, int *seq) {
         if (!p->seqs[s].alive) {
             kv_seq *q = &p->seqs[s];
             q->alive = 1;
-            q->n_blocks = q->length = 0;
+            q->n_blocks = q->length = q->reserved = 0;
             q->serial++;
             *seq = s;
             return KV_OK;
@@ -285,7 +285,7 @@ kv_status kv_blocks_seq_free(kv_blocks *p, int seq) {
     /* last block first, so a chain's tail is evicted before its head */
     for (int i = q->n_blocks - 1; i >= 0; i--) release_block(p, q->block_table[i]);
     q->alive = 0;
-    q->n_blocks = q->length = 0;
+    q->n_blocks = q->length = q->reserved = 0;
     return KV_OK;
 }
 /* [end ch04-kv-blocks-seq-free] */
@@ -294,6 +294,7 @@ kv_status kv_blocks_seq_free(kv_blocks *p, int seq) {
 kv_status kv_blocks_seq_fork(kv_blocks *p, int seq, int *child) {
     kv_status status = kv_blocks_seq_check(p, seq);
     if (status != KV_OK) return status;
+    if (p->seqs[seq].reserved > 0) return KV_ERR_PENDING;   /* its last blocks hold nothing yet */
     status = kv_blocks_seq_new(p, child);
     if (status != KV_OK) return status;
     kv_seq *parent = &p->seqs[seq], *copy = &p->seqs[*child];
@@ -314,6 +315,7 @@ kv_status kv_blocks_reuse_prefix(kv_blocks *p, int seq, const int32_t *tokens, i
     kv_status status = kv_blocks_seq_check(p, seq);
     if (status != KV_OK) return status;
     kv_seq *q = &p->seqs[seq];
+    if (q->reserved > 0) return KV_ERR_PENDING;
     if (q->length != 0 || max_tokens < 0 || (tokens == NULL && max_tokens > 0))
         return KV_ERR_INVALID_ARG;
     int n_full = p->prefix_cache ? max_tokens / p->block_size : 0;
@@ -345,6 +347,7 @@ kv_status kv_blocks_needed(const kv_blocks *p, int seq, int n_tokens, int *neede
     kv_status status = kv_blocks_seq_check(p, seq);
     if (status != KV_OK) return status;
     const kv_seq *q = &p->seqs[seq];
+    if (q->reserved > 0) return KV_ERR_PENDING;
     if (n_tokens <= 0 || n_tokens > (1 << 30) - q->length) return KV_ERR_INVALID_ARG;
     int32_t last = q->n_blocks > 0 ? q->block_table[q->n_blocks - 1] : -1;
     int copy_last = q->length % p->block_size > 0 && p->ref_count[last] > 1;
@@ -390,6 +393,7 @@ kv_status kv_blocks_reserve(kv_blocks *p, int seq, int n_tokens, kv_block_copy *
         note(p, about_seq(KV_EVENT_ALLOCATED, b, seq, q->n_blocks));
         q->block_table[q->n_blocks++] = b;
     }
+    q->reserved = n_tokens;
     return KV_OK;
 }
 /* [end ch04-kv-blocks-reserve] */
@@ -399,8 +403,9 @@ kv_status kv_blocks_commit(kv_blocks *p, int seq, const int32_t *tokens, int n_t
     if (status != KV_OK) return status;
     kv_seq *q = &p->seqs[seq];
     int bs = p->block_size, old_length = q->length;
-    if (tokens == NULL || n_tokens <= 0 || n_tokens > (int64_t)q->n_blocks * bs - old_length)
-        return KV_ERR_INVALID_ARG;                   /* not reserved: no blocks to hold them */
+    if (tokens == NULL || n_tokens <= 0 || n_tokens != q->reserved)
+        return KV_ERR_INVALID_ARG;           /* not what was reserved: no blocks to hold them */
+    q->reserved = 0;
     for (int t = 0; t < n_tokens; t++) {
         int pos = old_length + t;
         int32_t b = q->block_table[pos / bs];
@@ -469,14 +474,17 @@ kv_status kv_blocks_check(const kv_blocks *p, char *message, size_t message_size
     for (int s = 0; s < p->max_seqs; s++) {
         const kv_seq *q = &p->seqs[s];
         if (!q->alive) continue;
-        if (q->length < 0 || q->n_blocks != blocks_for(p, q->length) ||
+        if (q->length < 0 || q->reserved < 0 ||
+            q->n_blocks != blocks_for(p, q->length + q->reserved) ||
             q->n_blocks > p->max_blocks_per_seq)
-            BROKEN("sequence %d: length %d does not fit its %d blocks", s, q->length, q->n_blocks);
+            BROKEN("sequence %d: length %d (and %d reserved) does not fit its %d blocks", s,
+                   q->length, q->reserved, q->n_blocks);
         for (int i = 0; i < q->n_blocks; i++) {
             int32_t b = q->block_table[i];
             if (b < 0 || b >= n) BROKEN("sequence %d: block id %d out of range", s, b);
             refs[b]++;
-            int rows = i < q->n_blocks - 1 ? bs : q->length - i * bs;
+            int rows = q->length - i * bs;       /* rows committed in this block */
+            rows = rows > bs ? bs : rows < 0 ? 0 : rows;
             if (p->fill[b] < rows)
                 BROKEN("sequence %d reads %d rows of block %d, which holds %d", s, rows, b,
                        p->fill[b]);

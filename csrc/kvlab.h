@@ -25,6 +25,7 @@ typedef enum {
     KV_ERR_CORRUPT,        /* kv_pool_check found a broken invariant */
     KV_ERR_NOT_A_NUMBER,   /* logits with a NaN (or all -inf): no token can be sampled */
     KV_ERR_INTERRUPTED,    /* the caller's interrupt check asked a long call to stop */
+    KV_ERR_PENDING,        /* a paged sequence's reservation is not committed yet */
 } kv_status;
 
 /* A human-readable sentence for a status, for error messages. */
@@ -168,6 +169,7 @@ typedef struct {
     int32_t *block_table;  /* (max_blocks_per_seq,) physical block ids; first n_blocks valid */
     int n_blocks;
     int length;            /* positions filled */
+    int reserved;          /* positions reserved past length and not committed yet (0: none) */
     int alive;
     uint32_t serial;       /* bumped each time this slot gets a new sequence, so a handle
                               to a freed sequence is recognised as stale */
@@ -260,13 +262,15 @@ kv_status kv_blocks_needed(const kv_blocks *blocks, int seq, int n_tokens, int *
  * one is shared and partly filled (copy-on-write), then fresh blocks, evicting cached ones
  * when the free stack is empty. *n_copies (0 or 1) copies are written to copies: the caller
  * performs them on its stores before any row is written. Either everything succeeds or
- * nothing changes. */
+ * nothing changes. Until kv_blocks_commit of exactly these n_tokens (or a free), the
+ * reservation is pending: reserving, forking, reusing a prefix or asking blocks_needed
+ * for that sequence is refused (KV_ERR_PENDING). */
 kv_status kv_blocks_reserve(kv_blocks *blocks, int seq, int n_tokens, kv_block_copy *copies,
                             int *n_copies);
 /* After the rows are written: records their tokens, advances the length, and offers every
  * block that just became full to the prefix cache (swapping in the cached twin when the
- * same block was computed twice). KV_ERR_INVALID_ARG, changing nothing, unless
- * kv_blocks_reserve made room for these n_tokens first; after it, it cannot fail. */
+ * same block was computed twice). KV_ERR_INVALID_ARG, changing nothing, unless a pending
+ * kv_blocks_reserve made room for exactly these n_tokens; after it, it cannot fail. */
 kv_status kv_blocks_commit(kv_blocks *blocks, int seq, const int32_t *tokens, int n_tokens);
 /* Starts (1) or stops (0) recording events; stopping drops the ones not taken. */
 void kv_blocks_record_events(kv_blocks *blocks, int on);

@@ -22,6 +22,8 @@ const char *kv_strerror(kv_status status) {
         case KV_ERR_CORRUPT: return "a pool invariant is broken";
         case KV_ERR_NOT_A_NUMBER: return "the logits are not numbers (NaN, or all -inf): no token can be sampled";
         case KV_ERR_INTERRUPTED: return "interrupted";
+        case KV_ERR_PENDING:
+            return "the sequence has reserved positions not committed yet: commit (or free) it first";
     }
     return "unknown error";
 }

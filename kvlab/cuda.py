@@ -396,6 +396,14 @@ class CudaPagedPool(_StoreViews, PoolViews, core.BlockManager):
         with self._using():
             super().free(seq)
 
+    def reserve(self, seq, n_tokens: int) -> list:
+        with self._using():
+            return super().reserve(seq, n_tokens)
+
+    def commit(self, seq, tokens) -> None:
+        with self._using():
+            super().commit(seq, tokens)
+
     def reuse_prefix(self, seq, tokens, max_tokens=None) -> int:
         with self._using():
             return super().reuse_prefix(seq, tokens, max_tokens)
@@ -407,7 +415,7 @@ class CudaPagedPool(_StoreViews, PoolViews, core.BlockManager):
         (int64 slots) and seq's block table. Raises, changing nothing, if the pool has no
         room (OutOfBlocks, CacheFullError). The caller writes the rows, then commits."""
         start, bs = seq.length, self.block_size
-        for dst, src, rows in self.reserve(seq, n):
+        for dst, src, rows in core.BlockManager.reserve(self, seq, n):
             try:
                 self._store.copy_rows(dst * bs, src * bs, rows)
             except BaseException as error:
@@ -421,8 +429,9 @@ class CudaPagedPool(_StoreViews, PoolViews, core.BlockManager):
     def append(self, seq, tokens, keys: np.ndarray, values: np.ndarray) -> None:
         """Write given K/V rows, each (n_tokens, n_layers, n_kv_heads, head_dim) float32, to
         the GPU, without a model: the pool's bookkeeping as for a forward pass."""
-        tokens = np.asarray(tokens)
-        if tokens.ndim != 1 or tokens.dtype.kind not in "iu" or len(tokens) == 0:
+        if not isinstance(tokens, np.ndarray) or tokens.dtype != np.int32:
+            raise TypeError("tokens must be an int32 array, as PagedPool.append takes them")
+        if tokens.ndim != 1 or len(tokens) == 0:
             raise ValueError("tokens must be a non-empty 1-D array of integer ids")
         want = (len(tokens), self.n_layers, self.n_kv_heads, self.head_dim)
         for name, rows in (("keys", keys), ("values", values)):
@@ -436,7 +445,7 @@ class CudaPagedPool(_StoreViews, PoolViews, core.BlockManager):
             except BaseException as error:
                 self._broken = f"writing rows failed after blocks were taken: {error}"
                 raise
-            self.commit(seq, ids)
+            core.BlockManager.commit(self, seq, ids)
 
     def _slots_of(self, seq) -> np.ndarray:
         positions = np.arange(seq.length, dtype=np.int64)
@@ -610,12 +619,12 @@ class CudaModel(Model):
                 runs = list(zip(map(len, arrays), starts))
                 logits = self._forward(np.concatenate(arrays), pool._store, runs, tables, bs,
                                        np.concatenate([slots for slots, _ in rows]), all_logits)
+                for seq, a in zip(seqs, arrays):
+                    core.BlockManager.commit(pool, seq, a)
             except BaseException as error:
                 if rows:   # blocks were taken, but K/V never (or not all) written
                     pool._broken = f"a forward pass failed after the pool took its blocks: {error}"
                 raise
-            for seq, a in zip(seqs, arrays):
-                pool.commit(seq, a)
         self._record(self._counts(runs, all_logits, pool._fmt))
         return logits
 

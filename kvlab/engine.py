@@ -203,13 +203,18 @@ class _BlockTracer:
       freed      no sequence uses a block any more ("to": the prefix cache, or the free list)
       evicted    a cached block dropped from the prefix cache to be reused.
     "refs" is the block's reference count after the event; "seq" and "index" say which
-    sequence's block table and entry, where one does."""
+    sequence's block table and entry, where one does. The pool records only while a step
+    runs (what is done to the pool by hand between steps is not the engine's), so an
+    engine dropped without close() leaves no recording on; what a step that raised did,
+    and the repair after it, comes with phase "repair"."""
 
     def __init__(self, pool: PagedPool, sink):
         self.pool, self.sink = pool, sink
-        pool.record_events = False      # anything recorded before is not this engine's
-        pool.record_events = True
         self.undelivered: List[dict] = []   # events whose sink call raised, oldest first
+
+    def start(self) -> None:
+        self.pool.record_events = False     # anything recorded before is not this engine's
+        self.pool.record_events = True
 
     def record(self, step: int, phase: str) -> None:
         """Moves the pool's new events, tagged, to the queue (an event leaves the pool's log
@@ -224,8 +229,13 @@ class _BlockTracer:
             self.sink(self.undelivered[0])
             del self.undelivered[0]
 
-    def close(self) -> None:
-        self.pool.record_events = False
+    def stop(self, step: int) -> None:
+        """Takes what the pool recorded since the last phase (nothing, unless the step
+        raised), then stops the recording."""
+        try:
+            self.record(step, "repair")
+        finally:
+            self.pool.record_events = False
 
 
 class Engine:
@@ -358,6 +368,7 @@ class Engine:
             # faster than they are sent), and never leaves a step half done.
             if self._tracer is not None:
                 self._tracer.deliver()
+                self._tracer.start()
             if not self._unrepaired:
                 self.space.before_making = None
             try:
@@ -370,6 +381,9 @@ class Engine:
                 except BaseException:      # interrupted again: the next step repairs
                     pass
                 raise
+            finally:
+                if self._tracer is not None:
+                    self._tracer.stop(self.scheduler.step_count)
             if self._tracer is not None:
                 self._tracer.deliver()         # if it raises, the step is done all the same
             if result.idle and self.has_work:  # the next step would do nothing either
@@ -621,10 +635,7 @@ class Engine:
         self.close()
 
     def close(self) -> None:
-        """Stop tracing and close the trace file, if trace= named one (also done by
-        `with Engine(...)`)."""
-        if self._tracer is not None:
-            self._tracer.close()
+        """Close the trace file, if trace= named one (also done by `with Engine(...)`)."""
         if self._trace_file is not None:
             self._trace_file.close()
             self._trace_file = None

@@ -62,13 +62,13 @@ def generate(model: Model, prompt: Union[str, Sequence[int]], max_new_tokens: in
              use_cache: bool = True, temperature: float = 0.0, top_k: Optional[int] = None,
              top_p: Optional[float] = None, seed: Optional[int] = None,
              stop_at_eos: bool = True, progress: bool = False,
-             dtype: Union[str, CacheFormat] = "fp32", fast: bool = True,
+             dtype: Union[None, str, CacheFormat] = None, fast: bool = True,
              **cache_options) -> Generation:
     """Generate up to max_new_tokens after the prompt (text, or a list of token ids).
 
     Greedy by default (temperature 0). A seed makes sampling reproducible. The model's
     context (config.max_seq_len) bounds prompt + new tokens (ContextLengthError). dtype (a
-    name or a CacheFormat) and cache_options (key_dtype, value_dtype, group, key_group,
+    name or a CacheFormat; fp32 if unset) and cache_options (key_dtype, value_dtype, group, key_group,
     value_group, window) choose how the KV cache stores K and V, as in model.new_cache().
 
     The loop below is the algorithm. With a cache and fast=True (the default) its decode
@@ -77,9 +77,11 @@ def generate(model: Model, prompt: Union[str, Sequence[int]], max_new_tokens: in
     as written; both give the same tokens and take the same numbers from the generator.
     """
     if "cache_dtype" in cache_options:            # its name before dtype was one word
+        if dtype is not None:
+            raise TypeError("give dtype only (cache_dtype is its old name)")
         renamed("generate(cache_dtype=...)", "generate(dtype=...)")
         dtype = cache_options.pop("cache_dtype")
-    cache_format = model.cache_format(dtype, **cache_options)   # checked up front
+    cache_format = model.cache_format("fp32" if dtype is None else dtype, **cache_options)
     if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
     check_sampling_args(temperature, top_k, top_p)

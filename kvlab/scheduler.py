@@ -77,6 +77,15 @@ class SamplingParams:
             positive_int(name, getattr(self, name))
         check_sampling_args(self.temperature, self.top_k, self.top_p)   # incl. MIN_TEMPERATURE
 
+    def __setstate__(self, state: dict) -> None:
+        """Unpickling, also of a SamplingParams pickled when the length limit was called
+        max_tokens (its value is kept, under the new name)."""
+        state = dict(state)
+        if "max_tokens" in state:
+            state.setdefault("max_new_tokens", state.pop("max_tokens"))
+        for name, value in state.items():
+            object.__setattr__(self, name, value)
+
     @property
     def max_tokens(self) -> int:
         renamed("SamplingParams.max_tokens", "SamplingParams.max_new_tokens")

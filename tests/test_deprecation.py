@@ -94,3 +94,19 @@ def test_engine_makes_its_own_pool_or_takes_one_not_both(model):
         kvlab.Engine(model, model.new_paged_pool(8), num_blocks=8)
     with pytest.raises(TypeError, match="needs a pool, or num_blocks"):
         kvlab.Engine(model)
+
+
+def test_old_and_new_names_together_are_refused_not_merged(model):
+    with pytest.raises(TypeError, match="give dtype only"):
+        kvlab.generate(model, [1, 2], 3, dtype="fp16", cache_dtype="int8")
+
+
+def test_a_sampling_params_pickled_with_the_old_name_keeps_its_length_limit():
+    import pickle
+    params = SamplingParams(max_new_tokens=5, temperature=0.5)
+    state = dict(params.__dict__)
+    state["max_tokens"] = state.pop("max_new_tokens")    # as the previous release pickled it
+    restored = SamplingParams.__new__(SamplingParams)
+    restored.__setstate__(state)
+    assert restored == params and restored.max_new_tokens == 5
+    assert pickle.loads(pickle.dumps(params)) == params

@@ -63,12 +63,13 @@ PyObject *kv_py_blocks_refused(const BlocksObject *owner, kv_status status, int 
 }
 
 PyObject *kv_py_new_sequence_handle(BlocksObject *owner, int seq) {
-    SequenceObject *handle = PyObject_New(SequenceObject, &kv_py_sequence_type);
+    SequenceObject *handle = PyObject_GC_New(SequenceObject, &kv_py_sequence_type);
     if (handle == NULL) return NULL;
     Py_INCREF(owner);
     handle->owner = owner;
     handle->seq = seq;
     handle->serial = owner->blocks->seqs[seq].serial;
+    PyObject_GC_Track(handle);
     return (PyObject *)handle;
 }
 
@@ -80,6 +81,12 @@ static PyObject *blocks_new(PyTypeObject *type, PyObject *args, PyObject *kwds) 
     return (PyObject *)self;
 }
 
+/* 1 if self is a PagedPool, whose rows the core's stores hold: reserve and commit, which
+ * leave the writing of rows to the caller, are not for it. */
+static int is_pool(BlocksObject *self) {
+    return PyObject_TypeCheck((PyObject *)self, &kv_py_pool_type);
+}
+
 static int blocks_init(BlocksObject *self, PyObject *args, PyObject *kwds) {
     static char *kwlist[] = {"num_blocks", "block_size", "max_seqs", "max_blocks_per_seq",
                              "hash_bits", "prefix_cache", NULL};
@@ -88,6 +95,11 @@ static int blocks_init(BlocksObject *self, PyObject *args, PyObject *kwds) {
     if (!PyArg_ParseTupleAndKeywords(args, kwds, "ii|iiip", kwlist, &num_blocks, &block_size,
                                      &max_seqs, &max_blocks_per_seq, &hash_bits, &prefix_cache))
         return -1;
+    if (self->blocks != &self->own) {
+        PyErr_SetString(PyExc_TypeError, "a PagedPool is made with PagedPool's arguments "
+                        "(BlockManager.__init__ does not apply to it)");
+        return -1;
+    }
     if (self->own.seqs != NULL) {
         /* re-initializing would free what existing handles and views still show */
         PyErr_SetString(PyExc_RuntimeError, "BlockManager is already initialized");
@@ -216,7 +228,9 @@ static PyObject *blocks_fork(BlocksObject *self, PyObject *arg) {
     int seq = kv_py_sequence_slot(self, arg);
     if (seq < 0) return NULL;
     int child;
-    kv_status status = kv_blocks_seq_fork(self->blocks, seq, &child);
+    /* a pool's fork also copies the sequence's residual-window rows */
+    kv_status status = is_pool(self) ? kv_pool_seq_fork(&((PoolObject *)self)->pool, seq, &child)
+                                     : kv_blocks_seq_fork(self->blocks, seq, &child);
     if (status != KV_OK) return kv_py_blocks_refused(self, status, 0);
     return kv_py_new_sequence_handle(self, child);
 }
@@ -276,10 +290,18 @@ static PyObject *blocks_blocks_needed(BlocksObject *self, PyObject *args) {
     return kv_py_blocks_refused(self, status, n_tokens);
 }
 
+static PyObject *refuse_rows_of_a_pool(void) {
+    PyErr_SetString(PyExc_TypeError, "a PagedPool writes K and V between reserve and commit "
+                    "itself: use model.prefill(tokens, seq) or pool.append(seq, tokens, keys, "
+                    "values) (reserve/commit are for a BlockManager whose rows live elsewhere)");
+    return NULL;
+}
+
 static PyObject *blocks_reserve(BlocksObject *self, PyObject *args) {
     PyObject *handle;
     int n_tokens;
     if (!PyArg_ParseTuple(args, "Oi", &handle, &n_tokens)) return NULL;
+    if (is_pool(self)) return refuse_rows_of_a_pool();
     if (kv_py_blocks_ready(self) < 0) return NULL;
     int seq = kv_py_sequence_slot(self, handle);
     if (seq < 0) return NULL;
@@ -312,6 +334,7 @@ static PyObject *blocks_reserve(BlocksObject *self, PyObject *args) {
 static PyObject *blocks_commit(BlocksObject *self, PyObject *args) {
     PyObject *handle, *tokens_obj;
     if (!PyArg_ParseTuple(args, "OO", &handle, &tokens_obj)) return NULL;
+    if (is_pool(self)) return refuse_rows_of_a_pool();
     if (kv_py_blocks_ready(self) < 0) return NULL;
     int seq = kv_py_sequence_slot(self, handle);
     if (seq < 0) return NULL;
@@ -321,12 +344,10 @@ static PyObject *blocks_commit(BlocksObject *self, PyObject *args) {
     kv_status status = kv_blocks_commit(self->blocks, seq, (const int32_t *)PyArray_DATA(tokens),
                                         n);
     if (status == KV_OK) Py_RETURN_NONE;
-    if (status == KV_ERR_INVALID_ARG) {
-        const kv_seq *q = &self->blocks->seqs[seq];
-        return kv_py_raise(status, "commit of %d tokens: reserve() made room for %lld "
-                           "(tokens must not be empty, and commit follows reserve)", n,
-                           (long long)q->n_blocks * self->blocks->block_size - q->length);
-    }
+    if (status == KV_ERR_INVALID_ARG)
+        return kv_py_raise(status, "commit of %d tokens: reserve() made room for %d (commit "
+                           "follows reserve, with as many tokens)", n,
+                           self->blocks->seqs[seq].reserved);
     return kv_py_blocks_refused(self, status, n);
 }
 
@@ -491,9 +512,18 @@ PyTypeObject kv_py_blocks_type = {
 
 /* ---- PagedSequence ----------------------------------------------------------------- */
 
+/* Handles take part in garbage collection: a pool subclass that keeps handles in its own
+ * attributes makes a cycle (pool -> handle -> pool), which the collector must see to free
+ * (the pool's __dict__ is cleared to break it, so a handle needs no tp_clear). */
+static int sequence_traverse(SequenceObject *self, visitproc visit, void *arg) {
+    Py_VISIT(self->owner);
+    return 0;
+}
+
 static void sequence_dealloc(SequenceObject *self) {
+    PyObject_GC_UnTrack(self);
     Py_XDECREF(self->owner);
-    PyObject_Free(self);
+    PyObject_GC_Del(self);
 }
 
 static int sequence_alive(const SequenceObject *self) {
@@ -556,7 +586,8 @@ PyTypeObject kv_py_sequence_type = {
     .tp_doc = PyDoc_STR("A sequence of a PagedPool: a block table and a length. Made by\n"
                         "pool.new_sequence() or pool.fork(seq)."),
     .tp_basicsize = sizeof(SequenceObject),
-    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_traverse = (traverseproc)sequence_traverse,
     .tp_dealloc = (destructor)sequence_dealloc,
     .tp_repr = (reprfunc)sequence_repr,
     .tp_getset = sequence_getset,

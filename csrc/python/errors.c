@@ -42,6 +42,7 @@ PyObject *kv_py_raise(kv_status status, const char *format, ...) {
         case KV_ERR_OUT_OF_BLOCKS: type = kv_py_error.out_of_blocks; break;
         case KV_ERR_TOO_MANY_SEQUENCES: type = kv_py_error.out_of_sequences; break;
         case KV_ERR_CORRUPT: type = kv_py_error.pool_invariant; break;
+        case KV_ERR_PENDING: type = PyExc_RuntimeError; break;   /* a call out of order */
         default: type = PyExc_ValueError; break;
     }
     if (format == NULL) {

@@ -1,9 +1,10 @@
 /* pool.c: PagedPool, the paged KV cache on the CPU (kv_pool): a BlockManager (blocks.c),
  * whose methods it inherits, with the C core's K/V stores behind its blocks.
  *
- * What is a pool's own: its rows (key_codes ... value_zeros, append, gather), its format,
- * and a fork, which also copies the sequence's residual-window rows. reserve() and commit()
- * are refused: the forward pass and append() write the rows between the two.
+ * What is a pool's own: its rows (key_codes ... value_zeros, append, gather) and its
+ * format. BlockManager's fork copies a pool sequence's residual-window rows too, and its
+ * reserve() and commit() refuse a pool: the forward pass and append() write the rows
+ * between the two.
  */
 #include "binding.h"
 
@@ -136,23 +137,6 @@ POOL_INT_GETTER(window, self->pool.window)
 
 /* ---- methods ----------------------------------------------------------------------- */
 
-static PyObject *pool_fork(PoolObject *self, PyObject *arg) {
-    if (kv_py_pool_ready(self) < 0) return NULL;
-    int seq = kv_py_sequence_slot(&self->base, arg);
-    if (seq < 0) return NULL;
-    int child;
-    kv_status status = kv_pool_seq_fork(&self->pool, seq, &child);
-    if (status != KV_OK) return kv_py_pool_refused(self, status, 0, NULL);
-    return kv_py_new_sequence_handle(&self->base, child);
-}
-
-static PyObject *pool_refuses_rows_unwritten(PoolObject *self, PyObject *args) {
-    PyErr_SetString(PyExc_TypeError, "a PagedPool writes K and V between reserve and commit "
-                    "itself: use model.prefill(tokens, seq) or pool.append(seq, tokens, keys, "
-                    "values) (reserve/commit are for a BlockManager whose rows live elsewhere)");
-    return NULL;
-}
-
 static const kv_py_array_spec token_ids = {.name = "tokens", .type = NPY_INT32, .ndim = 1,
                                            .shape = {KV_PY_ANY}, .axes = "n_tokens"};
 
@@ -230,9 +214,6 @@ static PyGetSetDef pool_getset[] = {
 };
 
 static PyMethodDef pool_methods[] = {
-    {"fork", (PyCFunction)pool_fork, METH_O,
-     "fork(seq): a child sharing all of seq's blocks (copy-on-write on the next write),\n"
-     "with a copy of seq's residual-window rows."},
     {"append", (PyCFunction)pool_append, METH_VARARGS,
      "append(seq, tokens, keys, values): write given K/V rows, each\n"
      "(n_tokens, n_layers, n_kv_heads, head_dim) float32, without a model. The prefix\n"
@@ -242,10 +223,6 @@ static PyMethodDef pool_methods[] = {
     {"gather", (PyCFunction)pool_gather, METH_O,
      "gather(seq) -> (keys, values): float32 copies, (n_layers, length, n_kv_heads,\n"
      "head_dim), of what seq's most recent token's attention read (dequantized)."},
-    {"reserve", (PyCFunction)pool_refuses_rows_unwritten, METH_VARARGS,
-     "Refused: a PagedPool writes its rows itself (prefill, append)."},
-    {"commit", (PyCFunction)pool_refuses_rows_unwritten, METH_VARARGS,
-     "Refused: a PagedPool writes its rows itself (prefill, append)."},
     {NULL}
 };
 

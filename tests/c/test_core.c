@@ -648,6 +648,7 @@ static void test_pool(void) {
  * (what the engine's tracer and the GPU pool read). */
 static void test_block_manager(void) {
     kv_blocks blocks;
+    char message[256];
     kv_block_copy copies[1];
     int n_copies = -1, a, b, reused;
     int32_t tokens[8] = {1, 2, 3, 4, 5, 6, 7, 8};
@@ -668,6 +669,14 @@ static void test_block_manager(void) {
     CHECK(blocks.events[4].kind == KV_EVENT_COPIED && blocks.events[4].other == 1 &&
           blocks.events[5].kind == KV_EVENT_RELEASED && blocks.events[5].refs == 1);
     kv_blocks_commit(&blocks, b, tokens + 6, 1);
+    /* while a reservation is pending, nothing else may be asked of that sequence */
+    CHECK(kv_blocks_reserve(&blocks, b, 1, copies, &n_copies) == KV_OK && n_copies == 0);
+    CHECK(kv_blocks_seq_fork(&blocks, b, &reused) == KV_ERR_PENDING);
+    CHECK(kv_blocks_reserve(&blocks, b, 1, copies, &n_copies) == KV_ERR_PENDING);
+    CHECK(kv_blocks_needed(&blocks, b, 1, &reused) == KV_ERR_PENDING);
+    CHECK(kv_blocks_commit(&blocks, b, tokens, 2) == KV_ERR_INVALID_ARG);   /* 1 reserved */
+    CHECK(kv_blocks_check(&blocks, message, sizeof message) == KV_OK);
+    CHECK(kv_blocks_commit(&blocks, b, tokens + 7, 1) == KV_OK);
     /* out of room changes nothing and records nothing */
     size_t seen = blocks.n_events;
     CHECK(kv_blocks_reserve(&blocks, a, 8, copies, &n_copies) == KV_ERR_TABLE_FULL);
@@ -679,9 +688,8 @@ static void test_block_manager(void) {
     CHECK(blocks.events[blocks.n_events - 1].kind == KV_EVENT_FREED &&
           blocks.events[blocks.n_events - 1].block == 0 && blocks.events[blocks.n_events - 1].cached);
     CHECK(kv_blocks_seq_new(&blocks, &a) == KV_OK);
-    CHECK(kv_blocks_reuse_prefix(&blocks, a, tokens, 8, &reused) == KV_OK && reused == 4);
+    CHECK(kv_blocks_reuse_prefix(&blocks, a, tokens, 8, &reused) == KV_OK && reused == 8);
     CHECK(blocks.events[blocks.n_events - 1].prefix_hit);
-    char message[256];
     CHECK(kv_blocks_check(&blocks, message, sizeof message) == KV_OK);
     kv_blocks_record_events(&blocks, 0);
     CHECK(blocks.n_events == 0);

@@ -159,6 +159,11 @@ def test_the_gpu_pool_is_a_block_manager_with_no_shadow_rows(fake_store):
     gpu.check()
     with pytest.raises(TypeError, match="writes K and V between reserve and commit itself"):
         cpu.reserve(cpu.new_sequence(), 1)
+    # ids as the CPU pool takes them: int32, never an int64 silently wrapped
+    keys, values = rows_for([1, 2], 0)
+    for tokens in (np.array([1, 2**32 + 2]), [1, 2]):
+        with pytest.raises(TypeError, match="int32 array"):
+            gpu.append(gpu.new_sequence(), tokens, keys, values)
 
 
 @pytest.mark.parametrize("fmt_name", ["fp32", "fp16", "bf16", "int8"])

@@ -1,0 +1,143 @@
+"""The paged pool's block manager (csrc/blocks.c) as Python sees it, kvlab._kvlab.BlockManager:
+the bookkeeping alone, whose reservations say which rows to copy, and the rules that keep a
+reservation from being misused (found by trying to break it). The pool built on it is
+tested in test_paged.py; the GPU pool's use of it in tests/cuda/test_host_logic.py."""
+import gc
+import weakref
+
+import numpy as np
+import pytest
+
+import kvlab
+from kvlab import _kvlab as core
+
+
+def ids(*tokens):
+    return np.array(tokens, dtype=np.int32)
+
+
+def test_a_reservation_is_committed_with_exactly_its_tokens_before_anything_else():
+    blocks = core.BlockManager(8, 4)
+    seq = blocks.new_sequence()
+    assert blocks.reserve(seq, 2) == [] and seq.length == 0
+    blocks.check()                                       # pending is a legal state
+    with pytest.raises(RuntimeError, match="reserved positions not committed"):
+        blocks.reserve(seq, 1)
+    with pytest.raises(RuntimeError, match="reserved positions not committed"):
+        blocks.fork(seq)
+    with pytest.raises(RuntimeError, match="reserved positions not committed"):
+        blocks.blocks_needed(seq, 1)
+    with pytest.raises(ValueError, match="made room for 2"):
+        blocks.commit(seq, ids(1))
+    blocks.commit(seq, ids(1, 2))
+    assert seq.length == 2 and blocks.blocks_needed(seq, 1) == 0
+    with pytest.raises(ValueError, match="made room for 0"):
+        blocks.commit(seq, ids(3))                       # nothing reserved any more
+    blocks.check()
+
+
+def test_reuse_prefix_refuses_a_sequence_with_a_pending_reservation():
+    # it once wrote past the end of the block table (a heap overflow)
+    blocks = core.BlockManager(8, 1, max_seqs=1, max_blocks_per_seq=4)
+    tokens = np.arange(4, dtype=np.int32)
+    seq = blocks.new_sequence()
+    blocks.reserve(seq, 4)
+    blocks.commit(seq, tokens)
+    blocks.free(seq)
+    seq = blocks.new_sequence()
+    blocks.reserve(seq, 4)
+    with pytest.raises(RuntimeError, match="reserved positions not committed"):
+        blocks.reuse_prefix(seq, tokens)
+    blocks.free(seq)                                     # a free ends the reservation too
+    blocks.check()
+    assert not blocks.ref_counts.any()
+
+
+def test_copy_on_write_copies_the_block_that_holds_the_next_position():
+    blocks = core.BlockManager(8, 4)
+    parent = blocks.new_sequence()
+    blocks.reserve(parent, 6)
+    blocks.commit(parent, ids(1, 2, 3, 4, 5, 6))
+    child = blocks.fork(parent)
+    [(dst, src, rows)] = blocks.reserve(child, 1)
+    assert (src, rows) == (parent.block_table[1], 2) and dst == child.block_table[1] != src
+    blocks.commit(child, ids(9))
+    assert blocks.block_tokens[src].tolist()[:3] == [5, 6, 0]       # the parent's, untouched
+    assert blocks.block_tokens[dst].tolist()[:3] == [5, 6, 9]
+    blocks.check()
+
+
+def test_a_pool_refuses_reserve_and_commit_even_called_through_its_base_class():
+    model = kvlab.load()
+    pool = model.new_paged_pool(8, 4, window=2)
+    seq = pool.new_sequence()
+    model.prefill([1, 2, 3], seq)
+    for call in (lambda: pool.reserve(seq, 1), lambda: core.BlockManager.reserve(pool, seq, 1),
+                 lambda: core.BlockManager.commit(pool, seq, ids(4))):
+        with pytest.raises(TypeError, match="writes K and V between reserve and commit itself"):
+            call()
+    # and the base class's fork of a pool sequence copies its window rows, as pool.fork does
+    child = core.BlockManager.fork(pool, seq)
+    for want, got in zip(pool.gather(seq), pool.gather(child)):
+        np.testing.assert_array_equal(got, want)
+    with pytest.raises(TypeError, match="PagedPool is made with PagedPool's arguments"):
+        core.BlockManager.__init__(pool, 4, 4)
+    pool.check()
+
+
+def test_events_replay_into_the_reference_counts():
+    blocks = core.BlockManager(6, 2, hash_bits=2)       # collisions, eviction, copies
+    blocks.record_events = True
+    rng = np.random.default_rng(3)
+    refs, live = {}, []
+    for _ in range(300):
+        action = rng.choice(["new", "grow", "grow", "fork", "free", "reuse"])
+        try:
+            if action == "new" or not live:
+                live.append(blocks.new_sequence())
+            elif action == "grow":
+                seq = live[int(rng.integers(len(live)))]
+                n = int(rng.integers(1, 4))
+                blocks.reserve(seq, n)
+                blocks.commit(seq, rng.integers(0, 3, n).astype(np.int32))
+            elif action == "fork":
+                live.append(blocks.fork(live[int(rng.integers(len(live)))]))
+            elif action == "free":
+                blocks.free(live.pop(int(rng.integers(len(live)))))
+            else:
+                seq = blocks.new_sequence()
+                live.append(seq)
+                blocks.reuse_prefix(seq, rng.integers(0, 3, 6).astype(np.int32))
+        except (kvlab.OutOfBlocks, kvlab.OutOfSequences, kvlab.CacheFullError):
+            pass
+        for event in blocks.take_events():
+            refs[event["block"]] = event.get("refs", 0) if event["event"] != "evicted" \
+                else refs.get(event["block"], 0)
+        assert refs == {b: int(blocks.ref_counts[b]) for b in refs}
+        blocks.check()
+
+
+def test_a_traced_engine_leaves_no_recording_on_between_steps():
+    model = kvlab.load()
+    pool = model.new_paged_pool(16, 4)
+    trace = []
+    engine = kvlab.Engine(model, pool, trace=trace)
+    engine.add_request([1, 2, 3], kvlab.SamplingParams(max_new_tokens=3))
+    engine.step()
+    assert trace and not pool.record_events
+    del engine                                           # dropped without close()
+    seq = pool.new_sequence()
+    model.prefill([4, 5, 6, 7, 8], seq)
+    assert not pool.record_events and pool.take_events() == []
+
+
+def test_a_handle_kept_on_a_pool_subclass_does_not_keep_the_pool_alive():
+    class Pool(core.BlockManager):
+        pass
+
+    pool = Pool(4, 4)
+    pool.sequence = pool.new_sequence()                 # pool -> handle -> pool
+    gone = weakref.ref(pool)
+    del pool
+    gc.collect()
+    assert gone() is None
