@@ -21,6 +21,7 @@ from .errors import ContextLengthError
 from .model import Model
 from .quant import CacheFormat
 from .sampling import check_sampling_args, sample
+from .speculative import Drafter, SpeculationStats, speculative_loop
 
 
 @dataclasses.dataclass
@@ -35,6 +36,7 @@ class Generation:
     counts: Counts = dataclasses.field(default_factory=Counts)  # FLOPs and bytes, counted by the core
     finish_reason: str = "length"   # "length": max_new_tokens reached; "eos": the model chose
                                     # its end-of-sequence token (not kept in tokens); as the Engine's
+    speculation: Optional[SpeculationStats] = None   # with speculate=: drafted, accepted, passes
 
     @property
     def text(self) -> str:
@@ -63,6 +65,7 @@ def generate(model: Model, prompt: Union[str, Sequence[int]], max_new_tokens: in
              top_p: Optional[float] = None, seed: Optional[int] = None,
              stop_at_eos: bool = True, progress: bool = False,
              dtype: Union[None, str, CacheFormat] = None, fast: bool = True,
+             speculate: Optional[Drafter] = None, draft_tokens: int = 4,
              **cache_options) -> Generation:
     """Generate up to max_new_tokens after the prompt (text, or a list of token ids).
 
@@ -75,6 +78,10 @@ def generate(model: Model, prompt: Union[str, Sequence[int]], max_new_tokens: in
     steps run in the C core instead (_cached_loop_in_c): on a model as small as the kit's
     a trip through Python and back costs about a sixth of a step. fast=False runs the loop
     as written; both give the same tokens and take the same numbers from the generator.
+
+    speculate (a drafter from kvlab.speculative: PromptLookup(), DraftModel(...)) checks up
+    to draft_tokens guessed tokens per forward pass, greedy only; the tokens are the same,
+    and out.speculation says how many passes it saved.
     """
     if "cache_dtype" in cache_options:            # its name before dtype was one word
         if dtype is not None:
@@ -98,6 +105,8 @@ def generate(model: Model, prompt: Union[str, Sequence[int]], max_new_tokens: in
     if len(ids) + max_new_tokens > context:
         raise ContextLengthError(f"prompt ({len(ids)} tokens) + max_new_tokens ({max_new_tokens}) "
                              f"exceeds the model's context of {context} tokens")
+    if speculate is not None:
+        _check_speculation(model, speculate, draft_tokens, temperature, use_cache, cache_format)
     rng = np.random.default_rng(seed)
     eos = getattr(model.tokenizer, "eos_id", None) if stop_at_eos else None
     # The last sampled token is never fed back, so the cache needs one slot less.
@@ -111,8 +120,15 @@ def generate(model: Model, prompt: Union[str, Sequence[int]], max_new_tokens: in
     bar = _progress_bar(max_new_tokens, "cached" if use_cache else "uncached", progress)
     sampling = (temperature, top_k, top_p, rng)
     finish_reason = "length"
+    stats = SpeculationStats(draft_tokens) if speculate is not None else None
     with model.counting() as counts:
-        if cache is not None and fast:
+        if stats is not None:
+            passes_before = getattr(speculate, "passes", 0)
+            if speculative_loop(model, ids, cache, max_new_tokens, speculate, stats, eos,
+                                new_tokens, seconds, bar):
+                finish_reason = "eos"
+            stats.draft_passes = getattr(speculate, "passes", 0) - passes_before
+        elif cache is not None and fast:
             if _cached_loop_in_c(model, ids, cache, max_new_tokens, sampling, eos, new_tokens,
                                  seconds, bar):
                 finish_reason = "eos"
@@ -144,7 +160,25 @@ def generate(model: Model, prompt: Union[str, Sequence[int]], max_new_tokens: in
     return Generation(prompt=prompt_text, prompt_tokens=list(ids), tokens=new_tokens,
                       completion=completion, step_seconds=np.array(seconds),
                       use_cache=use_cache, cache_nbytes=cache.nbytes if cache else 0,
-                      counts=counts, finish_reason=finish_reason)
+                      counts=counts, finish_reason=finish_reason, speculation=stats)
+
+
+def _check_speculation(model: Model, drafter, draft_tokens, temperature, use_cache,
+                       cache_format) -> None:
+    if not hasattr(drafter, "propose"):
+        raise TypeError(f"speculate takes a drafter (kvlab.speculative.PromptLookup(), "
+                        f"DraftModel(...)), got {type(drafter).__name__}")
+    if isinstance(draft_tokens, bool) or not isinstance(draft_tokens, (int, np.integer)) \
+            or draft_tokens < 1:
+        raise ValueError(f"draft_tokens must be a positive integer, got {draft_tokens!r}")
+    if temperature != 0.0:
+        raise ValueError("speculate= decodes greedily (temperature 0) so far: the rejection "
+                         "rule that keeps a sampled output's distribution is not in the kit yet")
+    if not use_cache or cache_format.window > 0:
+        raise ValueError("speculation rolls rejected drafts back with cache.truncate: it needs "
+                         "a cache (use_cache=True) without a residual window")
+    if hasattr(drafter, "check_compatible"):
+        drafter.check_compatible(model)
 
 
 def _choose(logits: np.ndarray, sampling: tuple, step: int, prompt_len: int) -> int:

@@ -161,7 +161,8 @@ class Model:
         try:
             yield counts
         finally:
-            open_blocks.remove(block)
+            # by identity: list.remove would compare the arrays, which fails when blocks nest
+            del open_blocks[next(i for i, b in enumerate(open_blocks) if b is block)]
             counts.__dict__.update(_as_counts(block).__dict__)
 
     def _record(self, call: np.ndarray) -> None:

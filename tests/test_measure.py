@@ -281,6 +281,17 @@ def test_counting_block_keeps_its_own_peak():
     assert small.calls == 1 and model.counters.calls == 2
 
 
+def test_counting_blocks_nest():
+    # generate counts inside its own block; a caller's block around it sees the same calls
+    model = random_model(SHAPES[0])
+    with model.counting() as outer:
+        model.forward([1, 2])
+        with model.counting() as inner:
+            model.forward([3])
+        model.forward([4])
+    assert (outer.calls, inner.calls) == (3, 1)
+
+
 def test_per_token_saving_grows_with_position():
     from kvlab.measure import per_token_saving
     llama = kvlab.ModelConfig.llama2_7b()

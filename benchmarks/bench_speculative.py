@@ -1,0 +1,84 @@
+"""Speculative decoding against plain greedy decoding, side by side (issue 20).
+
+For each text (one where prompt lookup helps: repetitive; one where it helps less: fresh
+prose) and each drafter, runs plain decoding and speculative decoding in turn, several
+rounds, and reports the best wall time of each, their ratio, the acceptance rate and the
+forward passes saved. The outputs are checked identical every time. Prints a table and
+writes JSON (benchmarks/results/speculative.json unless --out says otherwise).
+
+    python benchmarks/bench_speculative.py [--model PATH] [--new-tokens 200] [--rounds 3]
+
+Plain decoding here is generate(fast=False), the same Python loop per token that
+speculation runs per pass, so the ratio measures passes saved, not the C token loop
+(generate's default, fast=True, which runs every decode step in C).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import kvlab
+from kvlab.speculative import DraftModel, PromptLookup
+
+TEXTS = {
+    "repetitive": "ROMEO:\nBut soft, what light through yonder window breaks?\n" * 3 + "ROMEO:\n",
+    "fresh": "KING HENRY:\nNow, lords, the field is ours, and yet the day\n",
+}
+
+
+def timed(work):
+    start = time.perf_counter()
+    result = work()
+    return time.perf_counter() - start, result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--new-tokens", type=int, default=200)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--draft-tokens", type=int, default=4)
+    parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "speculative.json"))
+    args = parser.parse_args()
+    model = kvlab.load(args.model)
+    drafters = {"prompt lookup": lambda: PromptLookup(),
+                "first 2 layers": lambda: DraftModel.first_layers(model, 2)}
+    if args.model is None:
+        drafters["MHA model (same size)"] = lambda: DraftModel(kvlab.load(kvlab.MHA_MODEL))
+    rows = []
+    for text_name, text in TEXTS.items():
+        for drafter_name, make in drafters.items():
+            drafter = make()
+            best_plain = best_spec = float("inf")
+            for _ in range(args.rounds):          # in turn, so both meet the same machine
+                t_plain, plain = timed(lambda: kvlab.generate(model, text, args.new_tokens,
+                                                              fast=False))
+                t_spec, spec = timed(lambda: kvlab.generate(
+                    model, text, args.new_tokens, speculate=drafter,
+                    draft_tokens=args.draft_tokens))
+                assert spec.tokens == plain.tokens, "speculation changed the output"
+                best_plain, best_spec = min(best_plain, t_plain), min(best_spec, t_spec)
+            s = spec.speculation
+            rows.append({"text": text_name, "drafter": drafter_name, "k": args.draft_tokens,
+                         "plain_s": best_plain, "speculative_s": best_spec,
+                         "speedup": best_plain / best_spec, "acceptance": s.acceptance_rate,
+                         "passes": 1 + s.verify_passes, "passes_plain": s.tokens,
+                         "passes_saved": s.passes_saved, "draft_passes": s.draft_passes})
+    print(f"{model!r}, {args.new_tokens} new tokens, k = {args.draft_tokens}, best of "
+          f"{args.rounds} rounds in turn")
+    print(f"{'text':<11}{'drafter':<23}{'accept':>7}{'passes':>12}{'draft':>7}"
+          f"{'plain s':>9}{'spec s':>8}{'speedup':>9}")
+    for r in rows:
+        print(f"{r['text']:<11}{r['drafter']:<23}{r['acceptance']:>7.2f}"
+              f"{r['passes']:>5} of {r['passes_plain']:<4}{r['draft_passes']:>7}"
+              f"{r['plain_s']:>9.3f}{r['speculative_s']:>8.3f}{r['speedup']:>8.2f}x")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"model": repr(model), "rows": rows}, indent=2))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

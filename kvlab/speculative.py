@@ -1,0 +1,189 @@
+"""Speculative decoding: guess several tokens cheaply, check them all in one forward pass.
+
+Decoding runs one forward pass per token, and on a small batch each pass reads every
+weight for one token's worth of arithmetic. Speculation makes each pass count for more: a
+drafter proposes k tokens, the model runs its newest token and the k drafts over the cache
+in ONE pass (verification is a prefill: chapter 1's causal pass over new tokens), and keeps
+the drafts as long as they are what it would have chosen itself, plus one token of its own
+after them. The K and V of the rejected drafts were written to the cache and are simply cut
+off again (cache.truncate): rollback is the cache forgetting positions, which it never
+needed. With greedy choice the output is the model's own, token for token (tested on every
+model the kit ships or reads); only the number of passes changes.
+
+Drafters (anything with propose(tokens, k) -> a list of at most k ids):
+    PromptLookup(ngram=3)          the tokens that followed the last n-gram the last time it
+                                   occurred in the context: no second model (prompt lookup)
+    DraftModel(small_model)        a smaller model with the same vocabulary, greedy
+    DraftModel.first_layers(model, n)  the model's own first n layers and classifier
+                                   (self-speculation), so the bundled model can demo it alone
+
+    out = kvlab.generate(model, prompt, 100, speculate=PromptLookup(), draft_tokens=4)
+    out.speculation.acceptance_rate, out.speculation.passes_saved
+
+So far greedy decoding only (temperature 0): the rejection rule that keeps a sampled
+output's distribution unchanged is not in the kit yet, and generate refuses temperature > 0
+with a drafter rather than pretend.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import List, Optional, Protocol, Sequence
+
+import numpy as np
+
+from .model import Model
+from .sampling import sample
+
+
+class Drafter(Protocol):
+    def propose(self, tokens: Sequence[int], k: int) -> List[int]:
+        """At most k token ids likely to follow `tokens` (the whole context so far)."""
+
+
+@dataclasses.dataclass
+class SpeculationStats:
+    """What speculation did in one generate call."""
+    draft_tokens: int                  # k: drafts asked for per pass (fewer near the end)
+    verify_passes: int = 0             # forward passes of the model after the prompt's
+    drafted: int = 0                   # draft tokens proposed and checked
+    accepted: int = 0                  # ... that the model agreed with
+    accepted_at: List[int] = dataclasses.field(default_factory=list)   # accepted[i]: drafts
+                                       # accepted at position i of a pass (0 = the first)
+    proposed_at: List[int] = dataclasses.field(default_factory=list)   # drafts proposed there
+    draft_passes: int = 0              # forward passes the drafter ran (0 for prompt lookup)
+    tokens: int = 0                    # tokens generated (EOS included, if it stopped there)
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def acceptance_by_position(self) -> List[float]:
+        return [a / p if p else 0.0 for a, p in zip(self.accepted_at, self.proposed_at)]
+
+    @property
+    def passes_saved(self) -> int:
+        """Forward passes of the model that plain decoding would have run and this did not
+        (one per token after the first, against one per verification)."""
+        return max(0, self.tokens - 1) - self.verify_passes
+
+
+class PromptLookup:
+    """Prompt lookup: find the most recent earlier place where the context's last n tokens
+    (n = ngram, then shorter, down to min_ngram) occurred, and propose what followed it.
+    Free to run, and right surprisingly often: text repeats itself (names, code, quotes)."""
+
+    def __init__(self, ngram: int = 3, min_ngram: int = 1):
+        if not 1 <= min_ngram <= ngram:
+            raise ValueError(f"need 1 <= min_ngram <= ngram, got {min_ngram} and {ngram}")
+        self.ngram, self.min_ngram = ngram, min_ngram
+
+    def propose(self, tokens: Sequence[int], k: int) -> List[int]:
+        tokens = list(tokens)
+        for n in range(min(self.ngram, len(tokens) - 1), self.min_ngram - 1, -1):
+            tail = tokens[-n:]
+            # latest match first, and never the tail itself
+            for start in range(len(tokens) - n - 1, -1, -1):
+                if tokens[start:start + n] == tail:
+                    follow = tokens[start + n:start + n + k]
+                    if follow:
+                        return follow
+        return []
+
+
+class DraftModel:
+    """A smaller model that drafts greedily, over a KV cache of its own. Between calls its
+    cache keeps what it computed that is still in the context, and forgets (truncates) the
+    drafts the target model rejected."""
+
+    def __init__(self, model: Model, dtype: str = "fp32"):
+        self.model = model
+        self.cache = model.new_cache(dtype=dtype)     # its own cache, in any format
+        self.cached: List[int] = []    # the tokens whose K and V are in self.cache
+        self.passes = 0                # forward passes run, over every call
+
+    @classmethod
+    def first_layers(cls, model: Model, n_layers: int, dtype: str = "fp32") -> "DraftModel":
+        """Self-speculation: the model's own first n_layers, then its final norm and
+        classifier, as the drafter (the weights are shared, not copied)."""
+        if not 1 <= n_layers < model.config.n_layers:
+            raise ValueError(f"n_layers must be between 1 and {model.config.n_layers - 1}, "
+                             f"got {n_layers}")
+        w = model.weights
+        layers = {name: getattr(w, name)[:n_layers] for name in
+                  ("attn_norm", "wq", "wk", "wv", "wo", "ffn_norm", "w1", "w2", "w3")}
+        small = Model(model.config.replace(n_layers=n_layers), dataclasses.replace(w, **layers),
+                      model.tokenizer, source=f"{model.source} (first {n_layers} layers)")
+        return cls(small, dtype)
+
+    def check_compatible(self, target: Model) -> None:
+        if self.model.config.vocab_size != target.config.vocab_size:
+            raise ValueError(f"the draft model's vocabulary ({self.model.config.vocab_size} "
+                             f"ids) is not the model's ({target.config.vocab_size})")
+
+    def propose(self, tokens: Sequence[int], k: int) -> List[int]:
+        tokens = list(tokens)
+        if k < 1 or len(tokens) + k > self.cache.capacity:
+            return []
+        # keep the longest cached prefix of the context, and always feed at least one token
+        keep = 0
+        limit = min(len(self.cached), len(tokens) - 1)
+        while keep < limit and self.cached[keep] == tokens[keep]:
+            keep += 1
+        self.cache.truncate(keep)
+        logits = self.model.prefill(tokens[keep:], self.cache)
+        self.passes += 1
+        drafts = [int(np.argmax(logits))]
+        while len(drafts) < k:
+            logits = self.model.decode(drafts[-1], self.cache)
+            self.passes += 1
+            drafts.append(int(np.argmax(logits)))
+        self.cached = tokens + drafts[:-1]
+        return drafts
+
+
+def speculative_loop(model: Model, ids: List[int], cache, max_new_tokens: int,
+                     drafter: Drafter, stats: SpeculationStats, eos: Optional[int],
+                     new_tokens: List[int], seconds: List[float], bar) -> bool:
+    """generate's loop with speculation (greedy): prefill, then per pass the newest token
+    and k drafts in one forward over the cache, the drafts kept up to the first the model
+    disagrees with, one token of the model's own after them, and the rejected drafts' K and
+    V cut off again. Returns whether the end-of-sequence token stopped it."""
+    k = stats.draft_tokens
+    start = time.perf_counter()
+    token = sample(model.prefill(ids, cache))           # greedy, as generate chooses
+    produced = [token]
+    while True:
+        elapsed = time.perf_counter() - start
+        for token in produced:
+            seconds.append(elapsed / len(produced))
+            stats.tokens += 1
+            if bar is not None:
+                bar.update(1)
+            if token == eos:                  # not kept, as in generate
+                return True
+            new_tokens.append(token)
+        room = max_new_tokens - len(new_tokens)
+        if room <= 0:
+            return False
+        start = time.perf_counter()
+        # drafts that could all be kept, with the model's own token after them
+        drafts = drafter.propose(ids + new_tokens, min(k, room - 1)) if room > 1 else []
+        drafts = [int(d) for d in drafts[:room - 1]]
+        rows = model.forward([new_tokens[-1]] + drafts, cache, all_logits=True)
+        stats.verify_passes += 1
+        accepted = 0
+        while accepted < len(drafts) and sample(rows[accepted]) == drafts[accepted]:
+            accepted += 1
+        for i in range(len(drafts)):
+            if i == len(stats.proposed_at):
+                stats.proposed_at.append(0)
+                stats.accepted_at.append(0)
+            stats.proposed_at[i] += 1
+            stats.accepted_at[i] += i < accepted
+        stats.drafted += len(drafts)
+        stats.accepted += accepted
+        # the cache now holds the newest token and every draft: keep the accepted ones
+        cache.truncate(len(ids) + len(new_tokens) + accepted)
+        produced = drafts[:accepted] + [sample(rows[accepted])]

@@ -1,0 +1,139 @@
+"""Speculative decoding (kvlab/speculative.py): greedy output identical to plain decoding,
+token for token, with every drafter on every model the kit ships or reads; the counters
+add up; what it cannot do yet is refused, not approximated."""
+import numpy as np
+import pytest
+
+import kvlab
+from kvlab.speculative import DraftModel, PromptLookup
+
+PROMPT = "ROMEO:\nBut soft, what light through yonder window breaks?\nROMEO:\nBut soft"
+
+
+@pytest.fixture(scope="module")
+def model():
+    return kvlab.load()
+
+
+@pytest.fixture(scope="module")
+def mha():
+    return kvlab.load(kvlab.MHA_MODEL)
+
+
+def drafters(model, mha):
+    return {"prompt lookup": PromptLookup(), "prompt lookup 1-gram": PromptLookup(1),
+            "first 2 layers": DraftModel.first_layers(model, 2),
+            "first 5 layers": DraftModel.first_layers(model, 5),
+            "the MHA model": DraftModel(mha)}
+
+
+def assert_same_as_plain(model, prompt, n_new, drafter, k, **options):
+    plain = kvlab.generate(model, prompt, n_new, **options)
+    with model.counting() as counts:
+        out = kvlab.generate(model, prompt, n_new, speculate=drafter, draft_tokens=k, **options)
+    assert out.tokens == plain.tokens and out.finish_reason == plain.finish_reason
+    s = out.speculation
+    # every token produced is counted; the model ran the prompt once, then once per pass
+    assert s.tokens == len(out.tokens) + (out.finish_reason == "eos")
+    assert counts.calls == 1 + s.verify_passes
+    assert s.passes_saved == max(0, s.tokens - 1) - s.verify_passes >= 0
+    assert 0 <= s.accepted <= s.drafted and sum(s.accepted_at) == s.accepted
+    assert sum(s.proposed_at) == s.drafted and len(s.proposed_at) <= k
+    assert all(0 <= r <= 1 for r in s.acceptance_by_position)
+    assert len(out.step_seconds) == s.tokens and out.seconds > 0
+    return out
+
+
+@pytest.mark.parametrize("k", [1, 3, 8])
+def test_greedy_output_is_the_models_own_with_every_drafter(model, mha, k):
+    for name, drafter in drafters(model, mha).items():
+        out = assert_same_as_plain(model, PROMPT, 60, drafter, k)
+        assert out.speculation.draft_tokens == k, name
+
+
+def test_the_mha_model_with_the_bundled_one_as_its_drafter_and_a_quantized_cache(model, mha):
+    for dtype in ("fp32", "int8", "fp16"):
+        assert_same_as_plain(mha, PROMPT, 50, DraftModel(model, dtype="int4"), 4, dtype=dtype)
+        assert_same_as_plain(mha, PROMPT, 50, PromptLookup(), 4, dtype=dtype)
+
+
+def test_stories260k_a_model_read_from_llama2c_files(shared_models):
+    stories = kvlab.load(shared_models / "stories260K" / "stories260K.bin",
+                         tokenizer=shared_models / "stories260K" / "tok512.bin")
+    prompt = "Once upon a time, there was a little girl named Lily. Lily"
+    for drafter in (PromptLookup(), DraftModel.first_layers(stories, 3)):
+        for n_new in (1, 2, 100):
+            assert_same_as_plain(stories, prompt, n_new, drafter, 4)
+
+
+class _StopAt:
+    """Just enough of a tokenizer: `eos_id` ends a sequence (the bundled one has no EOS)."""
+
+    def __init__(self, eos_id):
+        self.eos_id = eos_id
+
+    def decode(self, ids):
+        return " ".join(map(str, ids))
+
+
+def test_it_stops_at_the_end_of_sequence_token_wherever_a_pass_meets_it(model):
+    # the EOS token as an accepted draft, as the model's own token after the drafts, or
+    # as the first token: the output stops there, as plain decoding does
+    text = "To be, or not to be, that is the question. " * 3
+    run = kvlab.generate(model, text, 60, stop_at_eos=False).tokens
+    for index in (0, 5, 17, 31, 44):
+        stopping = kvlab.Model(model.config, model.weights, tokenizer=_StopAt(run[index]))
+        for drafter in (PromptLookup(), DraftModel.first_layers(model, 3)):
+            out = assert_same_as_plain(stopping, [1] + list(text.encode()), 60, drafter, 5)
+            assert out.finish_reason == "eos" and out.tokens == run[:run.index(run[index])]
+
+
+def test_prompt_lookup_saves_passes_on_repetitive_text(model):
+    text = "To be, or not to be, that is the question. " * 4
+    out = kvlab.generate(model, text, 80, speculate=PromptLookup(), draft_tokens=6)
+    assert out.speculation.accepted > 20 and out.speculation.passes_saved > 20
+
+
+def test_prompt_lookup_proposes_what_followed_the_latest_match():
+    lookup = PromptLookup(ngram=2)
+    assert lookup.propose([1, 2, 3, 9, 1, 2, 4, 5, 1, 2], 3) == [4, 5, 1]   # latest "1 2"
+    assert lookup.propose([7, 8, 9], 3) == []                             # nothing repeats
+    assert lookup.propose([5, 6, 5], 4) == [6, 5]                         # 1-gram fallback
+    assert PromptLookup(2, min_ngram=2).propose([5, 6, 5], 4) == []
+    with pytest.raises(ValueError, match="min_ngram"):
+        PromptLookup(1, min_ngram=2)
+
+
+def test_a_draft_model_keeps_its_cache_across_calls_and_forgets_rejected_drafts(model, mha):
+    drafter = DraftModel(mha)
+    first = kvlab.generate(model, PROMPT, 30, speculate=drafter)
+    again = kvlab.generate(model, PROMPT, 30, speculate=drafter)   # its cache starts full
+    assert first.tokens == again.tokens
+    assert again.speculation.draft_passes > 0
+    other = kvlab.generate(model, "JULIET:\n", 30, speculate=drafter)
+    assert other.tokens == kvlab.generate(model, "JULIET:\n", 30).tokens
+
+
+def test_what_speculation_cannot_do_yet_is_refused(model, mha):
+    with pytest.raises(ValueError, match="greedily"):
+        kvlab.generate(model, PROMPT, 5, speculate=PromptLookup(), temperature=0.8, seed=1)
+    with pytest.raises(ValueError, match="without a residual window"):
+        kvlab.generate(model, PROMPT, 5, speculate=PromptLookup(), dtype="int8", window=4)
+    with pytest.raises(ValueError, match="needs a cache"):
+        kvlab.generate(model, PROMPT, 5, speculate=PromptLookup(), use_cache=False)
+    with pytest.raises(ValueError, match="draft_tokens"):
+        kvlab.generate(model, PROMPT, 5, speculate=PromptLookup(), draft_tokens=0)
+    with pytest.raises(TypeError, match="takes a drafter"):
+        kvlab.generate(model, PROMPT, 5, speculate="ngram")
+    with pytest.raises(ValueError, match="n_layers must be between 1 and"):
+        DraftModel.first_layers(model, model.config.n_layers)
+    small_vocab = kvlab.Model(model.config.replace(vocab_size=128), _shrunk(model.weights, 128))
+    with pytest.raises(ValueError, match="vocabulary"):
+        kvlab.generate(model, [1, 2, 3], 5, speculate=DraftModel(small_vocab))
+
+
+def _shrunk(weights, vocab):
+    import dataclasses
+    embedding = np.ascontiguousarray(weights.token_embedding[:vocab])
+    return dataclasses.replace(weights, token_embedding=embedding,
+                               classifier=np.ascontiguousarray(weights.classifier[:vocab]))
