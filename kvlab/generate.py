@@ -80,8 +80,8 @@ def generate(model: Model, prompt: Union[str, Sequence[int]], max_new_tokens: in
     as written; both give the same tokens and take the same numbers from the generator.
 
     speculate (a drafter from kvlab.speculative: PromptLookup(), DraftModel(...)) checks up
-    to draft_tokens guessed tokens per forward pass, greedy only; the tokens are the same,
-    and out.speculation says how many passes it saved.
+    to draft_tokens guessed tokens per forward pass: greedy, the same tokens; sampled, the
+    same distribution (the rejection rule). out.speculation says how many passes it saved.
     """
     if "cache_dtype" in cache_options:            # its name before dtype was one word
         if dtype is not None:
@@ -106,7 +106,7 @@ def generate(model: Model, prompt: Union[str, Sequence[int]], max_new_tokens: in
         raise ContextLengthError(f"prompt ({len(ids)} tokens) + max_new_tokens ({max_new_tokens}) "
                              f"exceeds the model's context of {context} tokens")
     if speculate is not None:
-        _check_speculation(model, speculate, draft_tokens, temperature, use_cache, cache_format)
+        _check_speculation(model, speculate, draft_tokens, use_cache, cache_format)
     rng = np.random.default_rng(seed)
     eos = getattr(model.tokenizer, "eos_id", None) if stop_at_eos else None
     # The last sampled token is never fed back, so the cache needs one slot less.
@@ -124,8 +124,8 @@ def generate(model: Model, prompt: Union[str, Sequence[int]], max_new_tokens: in
     with model.counting() as counts:
         if stats is not None:
             passes_before = getattr(speculate, "passes", 0)
-            if speculative_loop(model, ids, cache, max_new_tokens, speculate, stats, eos,
-                                new_tokens, seconds, bar):
+            if speculative_loop(model, ids, cache, max_new_tokens, speculate, sampling, stats,
+                                eos, new_tokens, seconds, bar):
                 finish_reason = "eos"
             stats.draft_passes = getattr(speculate, "passes", 0) - passes_before
         elif cache is not None and fast:
@@ -163,17 +163,13 @@ def generate(model: Model, prompt: Union[str, Sequence[int]], max_new_tokens: in
                       counts=counts, finish_reason=finish_reason, speculation=stats)
 
 
-def _check_speculation(model: Model, drafter, draft_tokens, temperature, use_cache,
-                       cache_format) -> None:
+def _check_speculation(model: Model, drafter, draft_tokens, use_cache, cache_format) -> None:
     if not hasattr(drafter, "propose"):
         raise TypeError(f"speculate takes a drafter (kvlab.speculative.PromptLookup(), "
                         f"DraftModel(...)), got {type(drafter).__name__}")
     if isinstance(draft_tokens, bool) or not isinstance(draft_tokens, (int, np.integer)) \
             or draft_tokens < 1:
         raise ValueError(f"draft_tokens must be a positive integer, got {draft_tokens!r}")
-    if temperature != 0.0:
-        raise ValueError("speculate= decodes greedily (temperature 0) so far: the rejection "
-                         "rule that keeps a sampled output's distribution is not in the kit yet")
     if not use_cache or cache_format.window > 0:
         raise ValueError("speculation rolls rejected drafts back with cache.truncate: it needs "
                          "a cache (use_cache=True) without a residual window")

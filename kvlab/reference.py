@@ -176,12 +176,11 @@ def forward(config: ModelConfig, weights: Weights, tokens: Sequence[int],
     return rmsnorm(x, w.final_norm, config.norm_eps) @ w.classifier.T
 
 
-def sample(logits: np.ndarray, temperature: float, top_k: Optional[int], top_p: Optional[float],
-           u: float) -> int:
-    """The next token, chosen as the C core chooses it (csrc/sampling.c), with u, a number
-    in [0, 1), as the random draw. Greedy (temperature 0) takes the arg-max."""
-    if temperature == 0.0:
-        return int(np.argmax(logits))
+def probabilities(logits: np.ndarray, temperature: float, top_k: Optional[int],
+                  top_p: Optional[float]) -> np.ndarray:
+    """The distribution sampling draws the next token from (temperature > 0): softmax of
+    logits / temperature over the top_k most likely tokens, then the smallest set of most
+    likely tokens whose probability reaches top_p, renormalized. float64, sums to 1."""
     scaled = logits.astype(np.float64) / temperature
     if top_k is not None and top_k < scaled.size:
         kth_largest = np.partition(scaled, -top_k)[-top_k]
@@ -196,6 +195,16 @@ def sample(logits: np.ndarray, temperature: float, top_k: Optional[int], top_p: 
         kept = np.zeros_like(probs)
         kept[keep] = probs[keep]
         probs = kept / kept.sum()
+    return probs
+
+
+def sample(logits: np.ndarray, temperature: float, top_k: Optional[int], top_p: Optional[float],
+           u: float) -> int:
+    """The next token, chosen as the C core chooses it (csrc/sampling.c), with u, a number
+    in [0, 1), as the random draw. Greedy (temperature 0) takes the arg-max."""
+    if temperature == 0.0:
+        return int(np.argmax(logits))
+    probs = probabilities(logits, temperature, top_k, top_p)
     # inverse transform sampling: the first token whose cumulative probability exceeds u
     cdf = np.cumsum(probs)
     return int(np.searchsorted(cdf / cdf[-1], u, side="right"))

@@ -20,9 +20,14 @@ Drafters (anything with propose(tokens, k) -> a list of at most k ids):
     out = kvlab.generate(model, prompt, 100, speculate=PromptLookup(), draft_tokens=4)
     out.speculation.acceptance_rate, out.speculation.passes_saved
 
-So far greedy decoding only (temperature 0): the rejection rule that keeps a sampled
-output's distribution unchanged is not in the kit yet, and generate refuses temperature > 0
-with a drafter rather than pretend.
+Sampling (temperature > 0, with top_k and top_p as generate takes them) uses the rejection
+rule of speculative sampling (Leviathan et al. 2023, Chen et al. 2023), which leaves the
+output's distribution exactly the model's: draft x, drawn with probability q(x), is kept
+with probability min(1, p(x) / q(x)), where p is the model's distribution at that position;
+at the first draft refused, the token is drawn from max(0, p - q) renormalized instead, and
+after k kept drafts, one more from p. A prompt-lookup draft is certain (q(x) = 1). The
+tokens are the same in distribution, not draw for draw: plain sampling and speculation use
+the random numbers differently (tested statistically on a small vocabulary).
 """
 from __future__ import annotations
 
@@ -33,12 +38,16 @@ from typing import List, Optional, Protocol, Sequence
 import numpy as np
 
 from .model import Model
+from .reference import probabilities
 from .sampling import sample
 
 
 class Drafter(Protocol):
-    def propose(self, tokens: Sequence[int], k: int) -> List[int]:
-        """At most k token ids likely to follow `tokens` (the whole context so far)."""
+    def propose(self, tokens: Sequence[int], k: int, sampling: Optional[tuple] = None) -> List[int]:
+        """At most k token ids likely to follow `tokens` (the whole context so far), drawn
+        with sampling = (temperature, top_k, top_p, rng) when it is given. A drafter whose
+        drafts are random sets last_probabilities: q, the distribution each was drawn
+        from; None (or no such attribute) means each draft was certain."""
 
 
 @dataclasses.dataclass
@@ -79,7 +88,9 @@ class PromptLookup:
             raise ValueError(f"need 1 <= min_ngram <= ngram, got {min_ngram} and {ngram}")
         self.ngram, self.min_ngram = ngram, min_ngram
 
-    def propose(self, tokens: Sequence[int], k: int) -> List[int]:
+    last_probabilities = None          # its drafts are certain: q(x) = 1
+
+    def propose(self, tokens: Sequence[int], k: int, sampling: Optional[tuple] = None) -> List[int]:
         tokens = list(tokens)
         for n in range(min(self.ngram, len(tokens) - 1), self.min_ngram - 1, -1):
             tail = tokens[-n:]
@@ -102,6 +113,7 @@ class DraftModel:
         self.cache = model.new_cache(dtype=dtype)     # its own cache, in any format
         self.cached: List[int] = []    # the tokens whose K and V are in self.cache
         self.passes = 0                # forward passes run, over every call
+        self.last_probabilities: Optional[List[np.ndarray]] = None
 
     @classmethod
     def first_layers(cls, model: Model, n_layers: int, dtype: str = "fp32") -> "DraftModel":
@@ -122,8 +134,11 @@ class DraftModel:
             raise ValueError(f"the draft model's vocabulary ({self.model.config.vocab_size} "
                              f"ids) is not the model's ({target.config.vocab_size})")
 
-    def propose(self, tokens: Sequence[int], k: int) -> List[int]:
+    def propose(self, tokens: Sequence[int], k: int, sampling: Optional[tuple] = None) -> List[int]:
+        """k drafts, greedy, or drawn from the draft model's own distribution (q, kept in
+        last_probabilities) with the same temperature, top_k and top_p."""
         tokens = list(tokens)
+        self.last_probabilities = None
         if k < 1 or len(tokens) + k > self.cache.capacity:
             return []
         # keep the longest cached prefix of the context, and always feed at least one token
@@ -134,26 +149,66 @@ class DraftModel:
         self.cache.truncate(keep)
         logits = self.model.prefill(tokens[keep:], self.cache)
         self.passes += 1
-        drafts = [int(np.argmax(logits))]
-        while len(drafts) < k:
+        drafts: List[int] = []
+        q: List[np.ndarray] = []
+        while True:
+            if sampling is None or sampling[0] == 0.0:
+                drafts.append(sample(logits))
+            else:
+                temperature, top_k, top_p, rng = sampling
+                q.append(probabilities(logits, temperature, top_k, top_p))
+                drafts.append(_draw(q[-1], rng))
+            if len(drafts) == k:
+                break
             logits = self.model.decode(drafts[-1], self.cache)
             self.passes += 1
-            drafts.append(int(np.argmax(logits)))
         self.cached = tokens + drafts[:-1]
+        self.last_probabilities = q or None
         return drafts
 
 
+def _draw(probs: np.ndarray, rng: np.random.Generator) -> int:
+    """A token drawn from a distribution (inverse transform with one number from rng)."""
+    cdf = np.cumsum(probs)
+    return min(int(np.searchsorted(cdf / cdf[-1], rng.random(), side="right")), len(probs) - 1)
+
+
+def _verify(rows: np.ndarray, drafts: List[int], q: Optional[List[np.ndarray]],
+            sampling: tuple) -> tuple:
+    """(drafts kept, the model's token after them). rows[i]: the model's logits for the
+    position of drafts[i] (and rows[len(drafts)] after the last)."""
+    temperature, top_k, top_p, rng = sampling
+    if temperature == 0.0:                     # greedy: kept while it is the arg-max
+        accepted = 0
+        while accepted < len(drafts) and sample(rows[accepted]) == drafts[accepted]:
+            accepted += 1
+        return accepted, sample(rows[accepted])
+    for i, x in enumerate(drafts):
+        p = probabilities(rows[i], temperature, top_k, top_p)
+        if q is not None:
+            q_i = q[i]
+        else:                                  # a certain draft: q is all on x
+            q_i = np.zeros_like(p)
+            q_i[x] = 1.0
+        if rng.random() * q_i[x] < p[x]:       # kept with probability min(1, p(x) / q(x))
+            continue
+        residual = np.maximum(p - q_i, 0.0)    # refused: draw from what p has beyond q
+        return i, _draw(residual if residual.sum() > 0 else p, rng)
+    return len(drafts), sample(rows[len(drafts)], temperature, top_k, top_p, rng)
+
+
 def speculative_loop(model: Model, ids: List[int], cache, max_new_tokens: int,
-                     drafter: Drafter, stats: SpeculationStats, eos: Optional[int],
-                     new_tokens: List[int], seconds: List[float], bar) -> bool:
-    """generate's loop with speculation (greedy): prefill, then per pass the newest token
-    and k drafts in one forward over the cache, the drafts kept up to the first the model
-    disagrees with, one token of the model's own after them, and the rejected drafts' K and
-    V cut off again. Returns whether the end-of-sequence token stopped it."""
+                     drafter: Drafter, sampling: tuple, stats: SpeculationStats,
+                     eos: Optional[int], new_tokens: List[int], seconds: List[float],
+                     bar) -> bool:
+    """generate's loop with speculation: prefill, then per pass the newest token and k
+    drafts in one forward over the cache, the drafts kept up to the first the model
+    refuses, one token of the model's own after them, and the refused drafts' K and V cut
+    off again. Returns whether the end-of-sequence token stopped it."""
     k = stats.draft_tokens
+    temperature, top_k, top_p, rng = sampling
     start = time.perf_counter()
-    token = sample(model.prefill(ids, cache))           # greedy, as generate chooses
-    produced = [token]
+    produced = [sample(model.prefill(ids, cache), temperature, top_k, top_p, rng)]
     while True:
         elapsed = time.perf_counter() - start
         for token in produced:
@@ -169,13 +224,12 @@ def speculative_loop(model: Model, ids: List[int], cache, max_new_tokens: int,
             return False
         start = time.perf_counter()
         # drafts that could all be kept, with the model's own token after them
-        drafts = drafter.propose(ids + new_tokens, min(k, room - 1)) if room > 1 else []
+        drafts = drafter.propose(ids + new_tokens, min(k, room - 1), sampling) if room > 1 else []
         drafts = [int(d) for d in drafts[:room - 1]]
+        q = getattr(drafter, "last_probabilities", None) if drafts else None
         rows = model.forward([new_tokens[-1]] + drafts, cache, all_logits=True)
         stats.verify_passes += 1
-        accepted = 0
-        while accepted < len(drafts) and sample(rows[accepted]) == drafts[accepted]:
-            accepted += 1
+        accepted, token = _verify(rows, drafts, q, sampling)
         for i in range(len(drafts)):
             if i == len(stats.proposed_at):
                 stats.proposed_at.append(0)
@@ -186,4 +240,4 @@ def speculative_loop(model: Model, ids: List[int], cache, max_new_tokens: int,
         stats.accepted += accepted
         # the cache now holds the newest token and every draft: keep the accepted ones
         cache.truncate(len(ids) + len(new_tokens) + accepted)
-        produced = drafts[:accepted] + [sample(rows[accepted])]
+        produced = drafts[:accepted] + [token]

@@ -1,6 +1,7 @@
 """Speculative decoding (kvlab/speculative.py): greedy output identical to plain decoding,
-token for token, with every drafter on every model the kit ships or reads; the counters
-add up; what it cannot do yet is refused, not approximated."""
+token for token, with every drafter on every model the kit ships or reads; sampled output
+with the model's own distribution (a chi-square test on a small vocabulary); the counters
+add up; what it cannot do is refused, not approximated."""
 import numpy as np
 import pytest
 
@@ -115,8 +116,6 @@ def test_a_draft_model_keeps_its_cache_across_calls_and_forgets_rejected_drafts(
 
 
 def test_what_speculation_cannot_do_yet_is_refused(model, mha):
-    with pytest.raises(ValueError, match="greedily"):
-        kvlab.generate(model, PROMPT, 5, speculate=PromptLookup(), temperature=0.8, seed=1)
     with pytest.raises(ValueError, match="without a residual window"):
         kvlab.generate(model, PROMPT, 5, speculate=PromptLookup(), dtype="int8", window=4)
     with pytest.raises(ValueError, match="needs a cache"):
@@ -137,3 +136,78 @@ def _shrunk(weights, vocab):
     embedding = np.ascontiguousarray(weights.token_embedding[:vocab])
     return dataclasses.replace(weights, token_embedding=embedding,
                                classifier=np.ascontiguousarray(weights.classifier[:vocab]))
+
+
+# ---- sampling: the rejection rule keeps the model's distribution -----------------------------
+
+def _tiny(seed, vocab=5):
+    config = kvlab.ModelConfig(dim=16, hidden_dim=24, n_layers=2, n_heads=2, n_kv_heads=1,
+                               head_dim=8, vocab_size=vocab, max_seq_len=32)
+    weights = kvlab.Weights.random(config, seed=seed)
+    for name in ("token_embedding", "classifier"):      # sharper than uniform, far from certain
+        setattr(weights, name, np.ascontiguousarray(getattr(weights, name) * 2))
+    return kvlab.Model(config, weights)
+
+
+def _exact_joint(model, prompt, n, temperature, top_k):
+    """P(first n tokens) under plain sampling, from the model's own distributions."""
+    from kvlab.reference import probabilities
+    vocab = model.config.vocab_size
+    joint = {(): 1.0}
+    for _ in range(n):
+        grown = {}
+        for prefix, mass in joint.items():
+            p = probabilities(model.forward(list(prompt) + list(prefix)), temperature, top_k, None)
+            for t in range(vocab):
+                if p[t] > 0:
+                    grown[prefix + (t,)] = mass * p[t]
+        joint = grown
+    return joint
+
+
+def _chi_square(counts, exact, runs):
+    """Pearson's statistic of the counts against the exact distribution, rare outcomes
+    pooled so that every expected count is at least 5, and its degrees of freedom."""
+    outcomes = sorted(exact, key=exact.get, reverse=True)
+    expected = np.array([exact[o] * runs for o in outcomes])
+    observed = np.array([counts.get(o, 0) for o in outcomes], dtype=float)
+    keep = expected >= 5
+    expected = np.append(expected[keep], expected[~keep].sum())
+    observed = np.append(observed[keep], observed[~keep].sum())
+    return float(((observed - expected) ** 2 / expected).sum()), len(expected) - 1
+
+
+def _sampled(model, prompt, drafter, runs, n, temperature, top_k):
+    counts, drafted, accepted = {}, 0, 0
+    for seed in range(runs):
+        out = kvlab.generate(model, prompt, n, temperature=temperature, top_k=top_k, seed=seed,
+                             speculate=drafter, draft_tokens=2, stop_at_eos=False)
+        counts[tuple(out.tokens)] = counts.get(tuple(out.tokens), 0) + 1
+        drafted += out.speculation.drafted
+        accepted += out.speculation.accepted
+    return counts, drafted, accepted
+
+
+@pytest.mark.parametrize("drafter_name", ["prompt lookup", "draft model"])
+def test_sampled_tokens_have_the_models_distribution(drafter_name, monkeypatch):
+    model = _tiny(1)
+    prompt = [1, 2, 3, 1, 2, 3, 1, 2]                   # prompt lookup proposes "3 1 2 ..."
+    temperature, top_k, n, runs = 0.9, 4, 4, 3000
+    make = (lambda: PromptLookup(2)) if drafter_name == "prompt lookup" else (lambda: DraftModel(_tiny(2)))
+    exact = _exact_joint(model, prompt, n, temperature, top_k)
+    counts, drafted, accepted = _sampled(model, prompt, make(), runs, n, temperature, top_k)
+    assert drafted > runs and 0 < accepted < drafted    # drafts were made, kept and refused
+    assert set(counts) <= set(exact)                    # nothing the model could not draw
+    statistic, dof = _chi_square(counts, exact, runs)
+    # chi-square with dof degrees of freedom: mean dof, deviation sqrt(2 dof); five
+    # deviations above the mean is a p-value near 1e-5 (the draws are seeded: no flakes)
+    limit = dof + 5 * np.sqrt(2 * dof)
+    assert statistic < limit, (statistic, dof, drafter_name)
+
+    # and the test can tell: keeping every draft (no rejection rule) fails it
+    def keep_all(rows, drafts, q, sampling):
+        temperature, top_k, top_p, rng = sampling
+        return len(drafts), kvlab.sampling.sample(rows[len(drafts)], temperature, top_k, top_p, rng)
+    monkeypatch.setattr(kvlab.speculative, "_verify", keep_all)
+    counts, _, _ = _sampled(model, prompt, make(), runs, n, temperature, top_k)
+    assert _chi_square(counts, exact, runs)[0] > limit
