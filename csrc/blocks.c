@@ -341,6 +341,28 @@ kv_status kv_blocks_reuse_prefix(kv_blocks *p, int seq, const int32_t *tokens, i
 }
 /* [end ch04-kv-blocks-reuse-prefix] */
 
+kv_status kv_blocks_truncate(kv_blocks *p, int seq, int length) {
+    kv_status status = kv_blocks_seq_check(p, seq);
+    if (status != KV_OK) return status;
+    kv_seq *q = &p->seqs[seq];
+    if (q->reserved > 0) return KV_ERR_PENDING;
+    if (length < 0 || length > q->length) return KV_ERR_INVALID_ARG;
+    int keep = blocks_for(p, length);
+    for (int i = q->n_blocks - 1; i >= keep; i--) release_block(p, q->block_table[i]);
+    q->n_blocks = keep;
+    q->length = length;
+    int rows = length % p->block_size;
+    if (rows > 0 && p->ref_count[q->block_table[keep - 1]] == 1) {
+        /* its own block, cut: rows past the cut will be overwritten, so it may no longer be
+         * found by its tokens, nor may blocks cached after it (a new generation) */
+        int32_t b = q->block_table[keep - 1];
+        if (p->registered[b]) unregister(p, b);
+        p->generation[b]++;
+        p->fill[b] = rows;
+    }
+    return KV_OK;
+}
+
 /* ---- writing rows: reserve, (the owner writes them), commit ---------------------------- */
 
 kv_status kv_blocks_needed(const kv_blocks *p, int seq, int n_tokens, int *needed) {

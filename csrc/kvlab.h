@@ -272,6 +272,12 @@ kv_status kv_blocks_reserve(kv_blocks *blocks, int seq, int n_tokens, kv_block_c
  * same block was computed twice). KV_ERR_INVALID_ARG, changing nothing, unless a pending
  * kv_blocks_reserve made room for exactly these n_tokens; after it, it cannot fail. */
 kv_status kv_blocks_commit(kv_blocks *blocks, int seq, const int32_t *tokens, int n_tokens);
+/* Forgets positions length .. of seq (0 <= length <= its length): blocks past the new end
+ * are released, and a block cut in two keeps the rows before the cut. A block the sequence
+ * shares keeps its rows for the others (the next write copies it first); one it holds alone
+ * leaves the prefix cache, since its rows past the cut will be overwritten. Rollback of
+ * speculative decoding's refused drafts. */
+kv_status kv_blocks_truncate(kv_blocks *blocks, int seq, int length);
 /* Starts (1) or stops (0) recording events; stopping drops the ones not taken. */
 void kv_blocks_record_events(kv_blocks *blocks, int on);
 /* Verifies every invariant; on failure writes what broke into message. */
@@ -323,6 +329,9 @@ kv_status kv_pool_check_fits(const kv_pool *pool, const kv_config *config);
  * belong to a sequence, not to the shared blocks, so a new sequence could not get them
  * back. A fork needs the pool, for those rows: */
 kv_status kv_pool_seq_fork(kv_pool *pool, int seq, int *child);
+/* kv_blocks_truncate; a pool with a residual window truncates only to 0 or to the length it
+ * has (the window's full-precision rows before the cut are gone), as a contiguous cache. */
+kv_status kv_pool_truncate(kv_pool *pool, int seq, int length);
 /* Appends n_tokens rows of given K and V, each (n_tokens, n_layers, n_kv_heads, head_dim):
  * the pool's bookkeeping without a model, for tests and exercises. */
 kv_status kv_pool_append(kv_pool *pool, int seq, const int32_t *tokens, int n_tokens,

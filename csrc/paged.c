@@ -100,6 +100,14 @@ kv_status kv_pool_seq_fork(kv_pool *pool, int seq, int *child) {
     return KV_OK;
 }
 
+kv_status kv_pool_truncate(kv_pool *pool, int seq, int length) {
+    kv_status status = kv_blocks_seq_check(&pool->blocks, seq);
+    if (status != KV_OK) return status;
+    int current = pool->blocks.seqs[seq].length;
+    if (pool->window > 0 && length != 0 && length != current) return KV_ERR_INVALID_ARG;
+    return kv_blocks_truncate(&pool->blocks, seq, length);
+}
+
 /* ---- writing rows: reserve, write, commit -------------------------------------------------- */
 
 /* [quote ch04-kv-pool-reserve] */

@@ -396,6 +396,10 @@ class CudaPagedPool(_StoreViews, PoolViews, core.BlockManager):
         with self._using():
             super().free(seq)
 
+    def truncate(self, seq, length: int) -> None:
+        with self._using():
+            super().truncate(seq, length)
+
     def reserve(self, seq, n_tokens: int) -> list:
         with self._using():
             return super().reserve(seq, n_tokens)

@@ -141,3 +141,42 @@ def test_a_handle_kept_on_a_pool_subclass_does_not_keep_the_pool_alive():
     del pool
     gc.collect()
     assert gone() is None
+
+
+def test_a_truncated_paged_sequence_continues_as_if_the_cut_never_ran():
+    # speculative decoding's rollback on a paged pool: the refused drafts' positions go,
+    # and what comes next is computed exactly as on a sequence that never held them
+    model = kvlab.load()
+    pool = model.new_paged_pool(16, 4)
+    tokens = [5, 6, 7, 8, 9, 10, 11, 12, 13, 14]
+    seq, other = pool.new_sequence(), pool.new_sequence()
+    model.prefill(tokens, seq)
+    model.prefill(tokens[:7], other)
+    kept = [a.copy() for a in pool.gather(other)]
+    sibling = pool.fork(seq)                             # shares every block of seq
+    pool.truncate(seq, 6)                                # cuts a block the fork still reads
+    assert seq.length == 6 and len(seq.block_table) == 2
+    got = model.prefill([20, 21, 22], seq)
+    fresh = pool.new_sequence()
+    np.testing.assert_array_equal(got, model.prefill(tokens[:6] + [20, 21, 22], fresh))
+    for a, b in zip(pool.gather(sibling), model_rows(model, tokens)):
+        np.testing.assert_array_equal(a, b)              # the fork's rows did not move
+    for a, b in zip(pool.gather(other), kept):
+        np.testing.assert_array_equal(a, b)
+    with pytest.raises(ValueError, match="between 0 and the sequence's length 9"):
+        pool.truncate(seq, 10)
+    pool.truncate(seq, 0)
+    pool.check()
+    windowed = model.new_paged_pool(8, 4, dtype="int8", window=2)
+    w = windowed.new_sequence()
+    model.prefill(tokens[:5], w)
+    with pytest.raises(ValueError, match="residual window can only truncate to 0"):
+        windowed.truncate(w, 3)
+    windowed.truncate(w, 0)
+
+
+def model_rows(model, tokens):
+    pool = model.new_paged_pool(8, 4, prefix_cache=False)
+    seq = pool.new_sequence()
+    model.prefill(tokens, seq)
+    return pool.gather(seq)

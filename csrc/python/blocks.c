@@ -11,6 +11,8 @@
  */
 #include "binding.h"
 
+#include <limits.h>
+
 int kv_py_blocks_ready(BlocksObject *self) {
     if (self->busy) {
         PyErr_SetString(PyExc_RuntimeError,
@@ -351,6 +353,29 @@ static PyObject *blocks_commit(BlocksObject *self, PyObject *args) {
     return kv_py_blocks_refused(self, status, n);
 }
 
+static PyObject *blocks_truncate(BlocksObject *self, PyObject *args) {
+    PyObject *handle;
+    long length;
+    if (!PyArg_ParseTuple(args, "Ol", &handle, &length)) return NULL;
+    if (kv_py_blocks_ready(self) < 0) return NULL;
+    int seq = kv_py_sequence_slot(self, handle);
+    if (seq < 0) return NULL;
+    /* the core takes an int: a length beyond one is refused all the same, never wrapped */
+    int n = length > INT_MAX ? INT_MAX : length < INT_MIN ? INT_MIN : (int)length;
+    kv_status status = is_pool(self) ? kv_pool_truncate(&((PoolObject *)self)->pool, seq, n)
+                                     : kv_blocks_truncate(self->blocks, seq, n);
+    if (status == KV_OK) Py_RETURN_NONE;
+    int current = self->blocks->seqs[seq].length;
+    if (status == KV_ERR_INVALID_ARG && length >= 0 && length <= current)
+        return kv_py_raise(status, "truncate(seq, %ld): a pool with a residual window can only "
+                           "truncate to 0: the full-precision rows of the positions before "
+                           "the cut are gone", length);
+    if (status == KV_ERR_INVALID_ARG)
+        return kv_py_raise(status, "truncate(seq, %ld): length must be between 0 and the "
+                           "sequence's length %d", length, current);
+    return kv_py_blocks_refused(self, status, 0);
+}
+
 static PyObject *blocks_stats(BlocksObject *self, PyObject *Py_UNUSED(ignored)) {
     if (kv_py_blocks_ready(self) < 0) return NULL;
     kv_pool_stats st;
@@ -480,6 +505,10 @@ static PyMethodDef blocks_methods[] = {
     {"commit", (PyCFunction)blocks_commit, METH_VARARGS,
      "commit(seq, tokens): the rows reserve() made room for are written: records their\n"
      "tokens, advances seq.length, and offers full blocks to the prefix cache."},
+    {"truncate", (PyCFunction)blocks_truncate, METH_VARARGS,
+     "truncate(seq, length): forget seq's positions from length on (its blocks past the new\n"
+     "end are released; a block cut in two keeps the rows before the cut). The rollback of\n"
+     "speculative decoding's refused drafts, as KVCache.truncate is."},
     {"stats", (PyCFunction)blocks_stats, METH_NOARGS, "Counts of blocks, rows and prefix hits."},
     {"check", (PyCFunction)blocks_check, METH_NOARGS,
      "Verify every invariant; raises PoolInvariantError if one is broken."},

@@ -690,9 +690,41 @@ static void test_block_manager(void) {
     CHECK(kv_blocks_seq_new(&blocks, &a) == KV_OK);
     CHECK(kv_blocks_reuse_prefix(&blocks, a, tokens, 8, &reused) == KV_OK && reused == 8);
     CHECK(blocks.events[blocks.n_events - 1].prefix_hit);
+
     CHECK(kv_blocks_check(&blocks, message, sizeof message) == KV_OK);
     kv_blocks_record_events(&blocks, 0);
     CHECK(blocks.n_events == 0);
+    kv_blocks_free(&blocks);
+}
+
+/* truncate: blocks past the cut released; a block cut in two that the sequence holds alone
+ * leaves the prefix cache, one it shares stays and is copied on the next write */
+static void test_block_truncate(void) {
+    kv_blocks blocks;
+    kv_block_copy copies[1];
+    int n_copies, a, b;
+    char message[256];
+    int32_t tokens[10] = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10};
+    CHECK(kv_blocks_init(&blocks, 8, 4, 3, 4) == KV_OK);
+    CHECK(kv_blocks_seq_new(&blocks, &a) == KV_OK);
+    CHECK(kv_blocks_reserve(&blocks, a, 10, copies, &n_copies) == KV_OK);
+    CHECK(kv_blocks_commit(&blocks, a, tokens, 10) == KV_OK);      /* 3 blocks, 2 registered */
+    CHECK(kv_blocks_seq_fork(&blocks, a, &b) == KV_OK);
+    CHECK(kv_blocks_truncate(&blocks, a, 11) == KV_ERR_INVALID_ARG);
+    CHECK(kv_blocks_truncate(&blocks, a, 6) == KV_OK);             /* cuts shared block 1 */
+    CHECK(blocks.seqs[a].n_blocks == 2 && blocks.seqs[a].length == 6);
+    CHECK(blocks.registered[blocks.seqs[a].block_table[1]]);      /* b still reads it */
+    CHECK(kv_blocks_reserve(&blocks, a, 1, copies, &n_copies) == KV_OK && n_copies == 1);
+    CHECK(copies[0].rows == 2 && copies[0].dst == blocks.seqs[a].block_table[1]);
+    CHECK(kv_blocks_commit(&blocks, a, tokens, 1) == KV_OK);
+    CHECK(kv_blocks_seq_free(&blocks, b) == KV_OK);
+    CHECK(kv_blocks_truncate(&blocks, a, 5) == KV_OK);             /* its own copy, cut */
+    CHECK(blocks.fill[blocks.seqs[a].block_table[1]] == 1);
+    CHECK(kv_blocks_truncate(&blocks, a, 3) == KV_OK);             /* a registered block, alone */
+    CHECK(!blocks.registered[blocks.seqs[a].block_table[0]] && blocks.fill[blocks.seqs[a].block_table[0]] == 3);
+    CHECK(kv_blocks_check(&blocks, message, sizeof message) == KV_OK);
+    CHECK(kv_blocks_truncate(&blocks, a, 0) == KV_OK && blocks.seqs[a].n_blocks == 0);
+    CHECK(kv_blocks_check(&blocks, message, sizeof message) == KV_OK);
     kv_blocks_free(&blocks);
 }
 
@@ -753,6 +785,7 @@ int main(void) {
     test_cache();
     test_pool();
     test_block_manager();
+    test_block_truncate();
     test_store_formats();
     test_model_paths_agree(4, 4, 6, NULL);   /* MHA */
     test_model_paths_agree(6, 2, 8, NULL);   /* GQA */
