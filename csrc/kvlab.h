@@ -395,12 +395,14 @@ kv_status kv_model_forward_paged(const kv_model *model, kv_pool *pool, int seq,
  * `tokens`, run through the model together. Every weight matrix is streamed once per 48
  * tokens of the batch (matrix-matrix, see TOKEN_CHUNK in ops.c); attention is each
  * sequence's own. logits gets one row per sequence, (n_seqs, vocab_size): its last new
- * token's. Each sequence's results are bit-identical to running it alone. The sequences
- * must be distinct; blocks for all of them are checked first, so on KV_ERR_OUT_OF_BLOCKS
- * (or any error) the pool is as it was. */
+ * token's; with all_logits, one row per token (sum of n_tokens, vocab_size), in the order
+ * of `tokens` (speculative decoding verifies every draft of every sequence at once). Each
+ * sequence's results are bit-identical to running it alone. The sequences must be
+ * distinct; blocks for all of them are checked first, so on KV_ERR_OUT_OF_BLOCKS (or any
+ * error) the pool is as it was. */
 kv_status kv_model_forward_batch(const kv_model *model, kv_pool *pool, int n_seqs,
                                  const int *seqs, const int *n_tokens, const int32_t *tokens,
-                                 float *logits, kv_counters *counters);
+                                 float *logits, int all_logits, kv_counters *counters);
 
 /* How to choose: temperature 0 takes the arg-max (greedy); otherwise the logits are divided
  * by the temperature, cut to the top_k largest (0: no cut) and then to the smallest set of

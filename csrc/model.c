@@ -535,7 +535,7 @@ fail:
 /* [quote ch05-kv-model-forward-batch] */
 kv_status kv_model_forward_batch(const kv_model *model, kv_pool *pool, int n_seqs,
                                  const int *seqs, const int *n_tokens, const int32_t *tokens,
-                                 float *logits, kv_counters *counters) {
+                                 float *logits, int all_logits, kv_counters *counters) {
     kv_status status = KV_OK;
     run_state s = {0};
     KV_CHECK(model != NULL && pool != NULL && logits != NULL && seqs != NULL &&
@@ -568,7 +568,7 @@ kv_status kv_model_forward_batch(const kv_model *model, kv_pool *pool, int n_seq
         for (int layer = 0; layer < c->n_layers; layer++)
             *view_of(&s, layer, i) = kv_pool_layer_view(pool, seqs[i], layer);
     }
-    forward_tokens(model, &s, tokens, (int)total, logits, 0);
+    forward_tokens(model, &s, tokens, (int)total, logits, all_logits);
     for (int i = 0; i < n_seqs; i++)
         kv_blocks_commit(&pool->blocks, seqs[i], tokens + s.runs[i].first, n_tokens[i]);
     kv_counters_add(counters, &s.count);

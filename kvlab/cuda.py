@@ -632,7 +632,8 @@ class CudaModel(Model):
         self._record(self._counts(runs, all_logits, pool._fmt))
         return logits
 
-    def forward_batch(self, seqs: Sequence, chunks: Sequence[TokenArray]) -> np.ndarray:
+    def forward_batch(self, seqs: Sequence, chunks: Sequence[TokenArray],
+                      all_logits: bool = False) -> np.ndarray:
         """One engine step over sequences of one CudaPagedPool (see Model.forward_batch):
         each row of the returned logits is its sequence's last new token's."""
         if len(seqs) != len(chunks):
@@ -643,7 +644,7 @@ class CudaModel(Model):
             if not isinstance(seq, core.PagedSequence) or not isinstance(seq.pool, CudaPagedPool):
                 raise TypeError(f"seqs[{i}] is not a sequence of a GPU pool (model.new_paged_pool())")
         arrays = [as_token_array(chunk, self.config.vocab_size) for chunk in chunks]
-        return self._forward_paged(list(seqs), arrays, False)
+        return self._forward_paged(list(seqs), arrays, bool(all_logits))
 
     def __repr__(self) -> str:
         return super().__repr__()[:-1] + ", device='cuda')"

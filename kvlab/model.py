@@ -363,14 +363,15 @@ class Model:
     def encode(self, text: str, bos: bool = True) -> list:
         return self._require_tokenizer().encode(text, bos=bos)
 
-    def forward_batch(self, seqs: Sequence[PagedSequence],
-                      chunks: Sequence[TokenArray]) -> np.ndarray:
+    def forward_batch(self, seqs: Sequence[PagedSequence], chunks: Sequence[TokenArray],
+                      all_logits: bool = False) -> np.ndarray:
         """One step of a batching engine: each sequence (of one paged pool) gets its chunk
         of new tokens (part of a prompt, or one decode token), all run through the model
         together, every weight matrix streamed once per 48 tokens of the batch (once for a
-        decode step of up to 48 sequences). Returns the last
-        token's logits of each sequence, (len(seqs), vocab), each row bit-identical to
-        running that sequence alone."""
+        decode step of up to 48 sequences). Returns the last token's logits of each
+        sequence, (len(seqs), vocab), or with all_logits every token's, (total tokens,
+        vocab) in the chunks' order; each row bit-identical to running that sequence
+        alone."""
         self._check_weights()
         if len(seqs) != len(chunks):
             raise ValueError(f"{len(seqs)} sequences but {len(chunks)} chunks of tokens")
@@ -379,7 +380,8 @@ class Model:
             self._check_device(seq)
         counts = np.array([len(a) for a in arrays], dtype=np.int32)
         call = np.zeros(len(core.COUNTERS), dtype=np.int64)
-        logits = self._core.forward_batch(list(seqs), np.concatenate(arrays), counts, call)
+        logits = self._core.forward_batch(list(seqs), np.concatenate(arrays), counts, call,
+                                          bool(all_logits))
         self._record(call)
         return logits
 

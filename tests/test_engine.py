@@ -468,6 +468,27 @@ def alone(model, chunks):
     return logits
 
 
+def test_forward_batch_gives_every_tokens_logits_when_asked(model):
+    # what speculative decoding needs to verify every draft of every sequence in one call
+    rng = np.random.default_rng(16)
+    pool = model.new_paged_pool(64, block_size=4)
+    histories = [random_ids(rng, n) for n in (9, 4, 1)]
+    chunks = [random_ids(rng, n) for n in (3, 1, 5)]
+    seqs = [pool.new_sequence() for _ in histories]
+    for seq, history in zip(seqs, histories):
+        model.prefill(history, seq)
+    rows = model.forward_batch(seqs, chunks, all_logits=True)
+    assert rows.shape == (9, model.config.vocab_size)
+    start = 0
+    for history, chunk in zip(histories, chunks):
+        cache = model.new_cache(len(history) + len(chunk))
+        model.prefill(history, cache)
+        want = model.prefill(chunk, cache, all_logits=True)
+        np.testing.assert_array_equal(rows[start:start + len(chunk)], want)
+        start += len(chunk)
+    pool.check()
+
+
 def test_forward_batch_rows_are_bit_identical_to_each_sequence_alone(model):
     rng = np.random.default_rng(15)
     pool = model.new_paged_pool(64, block_size=4)

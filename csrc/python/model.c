@@ -405,14 +405,15 @@ static PyObject *batch_refused(kv_status status, const int *slots, const int *co
     return kv_py_raise(status, NULL);
 }
 
-/* forward_batch(seqs, tokens, n_tokens, counters=None): one engine step (see
- * kv_model_forward_batch). seqs: PagedSequence handles of one pool; tokens: int32, the
+/* forward_batch(seqs, tokens, n_tokens, counters=None, all_logits=False): one engine step
+ * (see kv_model_forward_batch). seqs: PagedSequence handles of one pool; tokens: int32, the
  * sequences' new tokens one after another; n_tokens: how many belong to each. */
 static PyObject *model_forward_batch(ModelObject *self, PyObject *args, PyObject *kwds) {
-    static char *kwlist[] = {"seqs", "tokens", "n_tokens", "counters", NULL};
+    static char *kwlist[] = {"seqs", "tokens", "n_tokens", "counters", "all_logits", NULL};
     PyObject *seqs_obj, *tokens_obj, *counts_obj, *counters = Py_None;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOO|O", kwlist, &seqs_obj, &tokens_obj,
-                                     &counts_obj, &counters))
+    int all_logits = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOO|Op", kwlist, &seqs_obj, &tokens_obj,
+                                     &counts_obj, &counters, &all_logits))
         return NULL;
     if (model_ready(self, counters) < 0) return NULL;
     PyArrayObject *tokens = call_tokens(tokens_obj);
@@ -465,7 +466,7 @@ static PyObject *model_forward_batch(ModelObject *self, PyObject *args, PyObject
                      (Py_ssize_t)PyArray_DIM(tokens, 0));
         goto done;
     }
-    npy_intp dims[2] = {n_seqs, c->vocab_size};
+    npy_intp dims[2] = {all_logits ? (npy_intp)total : n_seqs, c->vocab_size};
     logits = PyArray_SimpleNew(2, dims, NPY_FLOAT32);
     if (logits == NULL || (ids = copy_ids(tokens, (npy_intp)total)) == NULL) goto done;
     kv_status status;
@@ -473,7 +474,8 @@ static PyObject *model_forward_batch(ModelObject *self, PyObject *args, PyObject
     pool->base.busy = 1;
     Py_BEGIN_ALLOW_THREADS
     status = kv_model_forward_batch(&self->model, &pool->pool, (int)n_seqs, slots, counts, ids,
-                                    (float *)PyArray_DATA((PyArrayObject *)logits), &count);
+                                    (float *)PyArray_DATA((PyArrayObject *)logits), all_logits,
+                                    &count);
     Py_END_ALLOW_THREADS
     pool->base.busy = 0;
     if (status == KV_ERR_INVALID_ARG)
@@ -513,7 +515,8 @@ static PyMethodDef model_methods[] = {
      "wall time. The cache needs room for max_steps more."},
     {"forward_batch", (PyCFunction)(void (*)(void))model_forward_batch,
      METH_VARARGS | METH_KEYWORDS,
-     "forward_batch(seqs, tokens, n_tokens, counters=None) -> logits (len(seqs), vocab)\n\n"
+     "forward_batch(seqs, tokens, n_tokens, counters=None, all_logits=False) -> logits\n"
+     "(len(seqs), vocab), or (len(tokens), vocab) with all_logits\n\n"
      "One step of a batching engine: seqs are PagedSequences of one pool; tokens (int32)\n"
      "holds their new tokens one sequence after another, n_tokens (int32) how many each.\n"
      "Every weight matrix is streamed once per 48 tokens of the batch; each row of logits is its\n"

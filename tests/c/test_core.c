@@ -541,7 +541,7 @@ static void test_model_tiers_agree(int n_heads, int n_kv_heads, int head_dim,
         out += V;   /* b's last token only */
         int seqs[2] = {a, b}, counts[2] = {1, 3};
         int32_t batch[4] = {tokens[13], tokens[5], tokens[6], tokens[7]};
-        CHECK(kv_model_forward_batch(m, &pool, 2, seqs, counts, batch, out, NULL) == KV_OK);
+        CHECK(kv_model_forward_batch(m, &pool, 2, seqs, counts, batch, out, 0, NULL) == KV_OK);
         out += (size_t)V * 2;
         CHECK((size_t)(out - logits[tier]) <= per_tier);
         kv_cache_free(&cache);
