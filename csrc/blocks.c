@@ -409,6 +409,13 @@ kv_status kv_blocks_reserve(kv_blocks *p, int seq, int n_tokens, kv_block_copy *
         note(p, copied);
         release_block(p, last);
         copies[(*n_copies)++] = (kv_block_copy){copy, last, partial_rows};
+    } else if (partial_rows > 0 && p->registered[last]) {
+        /* a full block the prefix cache knows, cut by a truncate and now this sequence's
+         * alone: its rows past the cut are about to change, so it leaves the cache first
+         * (and blocks cached after it with it: a new generation) */
+        unregister(p, last);
+        p->generation[last]++;
+        p->fill[last] = partial_rows;
     }
     for (int i = 0; i < new_blocks; i++) {
         int32_t b = take_block(p);

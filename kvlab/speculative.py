@@ -143,10 +143,12 @@ class DraftModel:
             return []
         # keep the longest cached prefix of the context, and always feed at least one token
         keep = 0
-        limit = min(len(self.cached), len(tokens) - 1)
+        limit = min(len(self.cached), len(tokens) - 1, self.cache.length)
         while keep < limit and self.cached[keep] == tokens[keep]:
             keep += 1
-        self.cache.truncate(keep)
+        self.cached = []               # until the cache holds what it says again (an
+        self.cache.truncate(keep)      # interrupted call leaves it unknown)
+        self.cached = tokens[:keep]
         logits = self.model.prefill(tokens[keep:], self.cache)
         self.passes += 1
         drafts: List[int] = []
@@ -173,6 +175,17 @@ def _draw(probs: np.ndarray, rng: np.random.Generator) -> int:
     return min(int(np.searchsorted(cdf / cdf[-1], rng.random(), side="right")), len(probs) - 1)
 
 
+def _checked(drafts, k: int) -> List[int]:
+    """A drafter's proposal as at most k token ids (the model checks their range)."""
+    if drafts is None or isinstance(drafts, (str, bytes)):
+        raise TypeError(f"a drafter's propose() returns a list of token ids, got {drafts!r}")
+    drafts = list(drafts)[:k]
+    for d in drafts:
+        if isinstance(d, (bool, np.bool_)) or not isinstance(d, (int, np.integer)):
+            raise TypeError(f"a drafter proposed {d!r}: drafts are integer token ids")
+    return [int(d) for d in drafts]
+
+
 def _verify(rows: np.ndarray, drafts: List[int], q: Optional[List[np.ndarray]],
             sampling: tuple) -> tuple:
     """(drafts kept, the model's token after them). rows[i]: the model's logits for the
@@ -184,6 +197,8 @@ def _verify(rows: np.ndarray, drafts: List[int], q: Optional[List[np.ndarray]],
             accepted += 1
         return accepted, sample(rows[accepted])
     for i, x in enumerate(drafts):
+        if np.isnan(rows[i]).any():            # as sample() refuses them
+            raise ValueError("the logits hold NaN, so no token can be chosen")
         p = probabilities(rows[i], temperature, top_k, top_p)
         if q is not None:
             q_i = q[i]
@@ -224,9 +239,13 @@ def speculative_loop(model: Model, ids: List[int], cache, max_new_tokens: int,
             return False
         start = time.perf_counter()
         # drafts that could all be kept, with the model's own token after them
-        drafts = drafter.propose(ids + new_tokens, min(k, room - 1), sampling) if room > 1 else []
-        drafts = [int(d) for d in drafts[:room - 1]]
+        wanted = min(k, room - 1)
+        drafts = _checked(drafter.propose(ids + new_tokens, wanted, sampling), wanted) \
+            if wanted > 0 else []
         q = getattr(drafter, "last_probabilities", None) if drafts else None
+        if q is not None and len(q) < len(drafts):
+            raise ValueError(f"the drafter gave {len(drafts)} drafts but {len(q)} "
+                             f"distributions (last_probabilities) to check them with")
         rows = model.forward([new_tokens[-1]] + drafts, cache, all_logits=True)
         stats.verify_passes += 1
         accepted, token = _verify(rows, drafts, q, sampling)

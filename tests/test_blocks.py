@@ -180,3 +180,29 @@ def model_rows(model, tokens):
     seq = pool.new_sequence()
     model.prefill(tokens, seq)
     return pool.gather(seq)
+
+
+def test_a_cut_block_written_once_it_is_no_longer_shared_leaves_the_prefix_cache_first():
+    # found by review: it stayed registered, and the commit that filled it again registered
+    # it a second time (check() failed, or a lookup looped)
+    blocks = core.BlockManager(4, 2)
+    a = blocks.new_sequence()
+    blocks.reserve(a, 4)
+    blocks.commit(a, ids(1, 2, 4, 4))
+    b = blocks.fork(a)
+    blocks.truncate(a, 3)
+    blocks.free(b)
+    assert blocks.reserve(a, 1) == []                   # its alone now: written in place
+    blocks.commit(a, ids(5))
+    blocks.check()
+    model = kvlab.load()
+    pool = model.new_paged_pool(4, 2)
+    seq = pool.new_sequence()
+    model.prefill([1, 2, 4, 4], seq)
+    fork = pool.fork(seq)
+    pool.truncate(seq, 3)
+    pool.free(fork)
+    model.prefill([6], seq)
+    pool.check()
+    again = pool.new_sequence()
+    assert pool.reuse_prefix(again, [1, 2, 4, 4, 9]) == 2   # the first block only: 4 4 is gone

@@ -211,3 +211,57 @@ def test_sampled_tokens_have_the_models_distribution(drafter_name, monkeypatch):
     monkeypatch.setattr(kvlab.speculative, "_verify", keep_all)
     counts, _, _ = _sampled(model, prompt, make(), runs, n, temperature, top_k)
     assert _chi_square(counts, exact, runs)[0] > limit
+
+
+class _Junk:
+    """A drafter that proposes what it is given to propose."""
+    last_probabilities = None
+
+    def __init__(self, proposal):
+        self.proposal = proposal
+
+    def propose(self, tokens, k, sampling=None):
+        return self.proposal
+
+
+def test_a_drafters_junk_is_refused_or_cut_to_k(model):
+    for junk, error in ((None, "returns a list of token ids"), ([2.7], "integer token ids"),
+                        ([True], "integer token ids"), ("abc", "returns a list")):
+        with pytest.raises(TypeError, match=error):
+            kvlab.generate(model, PROMPT, 5, speculate=_Junk(junk))
+    with pytest.raises(ValueError, match="out of range"):
+        kvlab.generate(model, PROMPT, 5, speculate=_Junk([999]))
+    many = kvlab.generate(model, PROMPT, 20, speculate=_Junk(list(range(40))), draft_tokens=3)
+    assert many.tokens == kvlab.generate(model, PROMPT, 20).tokens
+    assert len(many.speculation.proposed_at) == 3          # never more than k checked
+    gen = kvlab.generate(model, PROMPT, 8, speculate=_Junk(iter([1, 2, 3])))
+    assert gen.tokens == kvlab.generate(model, PROMPT, 8).tokens
+
+
+def test_a_draft_model_interrupted_mid_proposal_drafts_correctly_after(model, mha):
+    drafter = DraftModel(mha)
+    kvlab.generate(model, PROMPT, 30, speculate=drafter)
+    real, calls = drafter.model.decode, [0]
+
+    def flaky(token, cache):
+        calls[0] += 1
+        if calls[0] == 3:
+            raise KeyboardInterrupt
+        return real(token, cache)
+    drafter.model.decode = flaky
+    with pytest.raises(KeyboardInterrupt):
+        kvlab.generate(model, "JULIET:\nO Romeo", 30, speculate=drafter)
+    del drafter.model.decode
+    again = kvlab.generate(model, PROMPT, 30, speculate=drafter)
+    assert again.tokens == kvlab.generate(model, PROMPT, 30).tokens
+    fresh = kvlab.generate(model, PROMPT, 30, speculate=DraftModel(mha))
+    assert again.speculation.accepted == fresh.speculation.accepted   # its cache is right
+
+
+def test_nan_logits_in_a_checked_row_raise_when_sampling():
+    from kvlab.speculative import _verify
+    rows = np.array([[0, 0, 0, 5, 0], [np.nan] * 5, [0] * 5], dtype=np.float32)
+    rng = np.random.default_rng(0)
+    with pytest.raises(ValueError, match="NaN"):
+        for _ in range(50):                 # the first draft is kept sooner or later
+            _verify(rows, [3, 3], None, (1.0, None, None, rng))

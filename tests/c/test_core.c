@@ -725,6 +725,20 @@ static void test_block_truncate(void) {
     CHECK(kv_blocks_check(&blocks, message, sizeof message) == KV_OK);
     CHECK(kv_blocks_truncate(&blocks, a, 0) == KV_OK && blocks.seqs[a].n_blocks == 0);
     CHECK(kv_blocks_check(&blocks, message, sizeof message) == KV_OK);
+    /* cut while shared, written once it is this sequence's alone: it leaves the prefix
+     * cache before the write (found by review: it was registered twice) */
+    int32_t four[4] = {1, 2, 4, 4}, five = 5, six = 6;
+    CHECK(kv_blocks_reserve(&blocks, a, 4, copies, &n_copies) == KV_OK);
+    CHECK(kv_blocks_commit(&blocks, a, four, 4) == KV_OK);
+    CHECK(kv_blocks_seq_fork(&blocks, a, &b) == KV_OK);
+    CHECK(kv_blocks_truncate(&blocks, a, 3) == KV_OK && kv_blocks_seq_free(&blocks, b) == KV_OK);
+    CHECK(kv_blocks_reserve(&blocks, a, 1, copies, &n_copies) == KV_OK && n_copies == 0);
+    CHECK(!blocks.registered[blocks.seqs[a].block_table[0]]);
+    CHECK(kv_blocks_commit(&blocks, a, &five, 1) == KV_OK);
+    CHECK(kv_blocks_check(&blocks, message, sizeof message) == KV_OK);
+    CHECK(kv_blocks_reserve(&blocks, a, 1, copies, &n_copies) == KV_OK);
+    CHECK(kv_blocks_commit(&blocks, a, &six, 1) == KV_OK);
+    CHECK(kv_blocks_check(&blocks, message, sizeof message) == KV_OK);
     kv_blocks_free(&blocks);
 }
 
