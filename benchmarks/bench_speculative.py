@@ -11,6 +11,11 @@ writes JSON (benchmarks/results/speculative.json unless --out says otherwise).
 Plain decoding here is generate(fast=False), the same Python loop per token that
 speculation runs per pass, so the ratio measures passes saved, not the C token loop
 (generate's default, fast=True, which runs every decode step in C).
+
+Speculation pays when a pass over 1 + k tokens costs little more than a pass over one,
+which is when a pass is bound by reading the weights. The second table says how much a
+pass costs against the tokens it runs, on the model given or (--shape 110m) on random
+weights of the Llama-2-style 110M shape, at a context of 256.
 """
 from __future__ import annotations
 
@@ -34,6 +39,23 @@ def timed(work):
     return time.perf_counter() - start, result
 
 
+def pass_costs(model, rounds: int, context: int = 256, sizes=(1, 2, 3, 5, 9)) -> dict:
+    """Best milliseconds of one forward pass over n new tokens after `context` cached ones
+    (the drafts are cut off again after each, as speculation does)."""
+    cache = model.new_cache(context + max(sizes))
+    model.prefill([t % model.config.vocab_size for t in range(1, context + 1)], cache)
+    costs = {}
+    for n in sizes:
+        best = float("inf")
+        for _ in range(max(3, rounds)):
+            start = time.perf_counter()
+            model.forward([7 + i for i in range(n)], cache, all_logits=True)
+            best = min(best, time.perf_counter() - start)
+            cache.truncate(context)
+        costs[n] = best * 1000
+    return costs
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None)
@@ -41,6 +63,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--draft-tokens", type=int, default=4)
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "speculative.json"))
+    parser.add_argument("--shape", choices=["110m"], default=None,
+                        help="also time passes on random weights of this shape")
     args = parser.parse_args()
     model = kvlab.load(args.model)
     drafters = {"prompt lookup": lambda: PromptLookup(),
@@ -74,9 +98,23 @@ def main() -> None:
         print(f"{r['text']:<11}{r['drafter']:<23}{r['acceptance']:>7.2f}"
               f"{r['passes']:>5} of {r['passes_plain']:<4}{r['draft_passes']:>7}"
               f"{r['plain_s']:>9.3f}{r['speculative_s']:>8.3f}{r['speedup']:>8.2f}x")
+    costs = {repr(model): pass_costs(model, args.rounds)}
+    if args.shape == "110m":
+        config = kvlab.ModelConfig(dim=768, hidden_dim=2048, n_layers=12, n_heads=12,
+                                   n_kv_heads=12, head_dim=64, vocab_size=32000,
+                                   max_seq_len=1024, name="110M shape, random weights")
+        big = kvlab.Model(config, kvlab.Weights.random(config, seed=0))
+        costs[repr(big)] = pass_costs(big, args.rounds)
+    print("\nthe cost of one pass against the new tokens it runs (context 256), "
+          "relative to one token")
+    for name, by_n in costs.items():
+        print(f"  {name}")
+        print("    " + "  ".join(f"{n} tok: {ms:.2f} ms ({ms / by_n[1]:.2f}x)"
+                                  for n, ms in by_n.items()))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"model": repr(model), "rows": rows}, indent=2))
+    out.write_text(json.dumps({"model": repr(model), "rows": rows,
+                               "pass_ms_by_new_tokens": costs}, indent=2))
     print(f"wrote {out}")
 
 
