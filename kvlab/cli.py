@@ -126,18 +126,38 @@ def cmd_bench(args) -> int:
     return 0 if identical else 1
 
 
+def _drafter(spec: str, model):
+    """--speculate's drafter: 'lookup', 'layers:N', or a draft model's checkpoint."""
+    from .speculative import DraftModel, PromptLookup
+    if spec == "lookup":
+        return PromptLookup()
+    if spec.startswith("layers:"):
+        count = spec.split(":", 1)[1]
+        if not count.isdigit():
+            raise SystemExit(f"kvlab: error: --speculate layers:N needs a number, got {spec!r}")
+        return DraftModel.first_layers(model, int(count))
+    import kvlab
+    return DraftModel(kvlab.load(spec))
+
+
 def cmd_generate(args) -> int:
     import kvlab
     model = _load(args)
+    drafter = _drafter(args.speculate, model) if args.speculate else None
     out = kvlab.generate(model, args.prompt, args.max_new_tokens, use_cache=not args.no_cache,
                          temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                          seed=args.seed, progress=False, dtype=args.cache_dtype,
-                         window=args.window)
+                         window=args.window, speculate=drafter, draft_tokens=args.draft_tokens)
     print(out.text)
     cache = (f"{args.cache_dtype} KV cache of {out.cache_nbytes:,} B" if out.use_cache
              else "without KV cache")
     print(f"\n[{len(out.tokens)} tokens in {out.seconds:.3f} s, "
           f"{out.tokens_per_second:,.1f} tokens/s, {cache}]", file=sys.stderr)
+    if out.speculation is not None:
+        s = out.speculation
+        print(f"[speculation: {s.accepted} of {s.drafted} drafts kept "
+              f"({s.acceptance_rate:.0%}), {1 + s.verify_passes} passes for {s.tokens} tokens, "
+              f"{s.draft_passes} drafter passes]", file=sys.stderr)
     return 0
 
 
@@ -264,6 +284,11 @@ def build_parser() -> argparse.ArgumentParser:
                      help="how the KV cache stores K and V (default fp32)")
     gen.add_argument("--window", type=int, default=0,
                      help="keep the most recent N positions in fp32 (quantized caches)")
+    gen.add_argument("--speculate", default=None, metavar="DRAFTER",
+                     help="speculative decoding: 'lookup' (prompt lookup), 'layers:N' (the "
+                          "model's own first N layers) or a draft model's checkpoint path")
+    gen.add_argument("--draft-tokens", type=positive_int, default=4,
+                     help="drafts checked per pass with --speculate (default 4)")
     gen.set_defaults(func=cmd_generate)
 
     info = sub.add_parser("info", help="print a model's shape and sizes")

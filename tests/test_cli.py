@@ -25,6 +25,20 @@ def test_generate_and_info(capsys):
     assert "parameters" in capsys.readouterr().out
 
 
+def test_generate_with_speculation_prints_the_same_text_and_what_it_saved(capsys):
+    import kvlab
+    base = ["generate", "--prompt", "ROMEO:\nROMEO:\nROMEO:", "--max-new-tokens", "40"]
+    assert cli.main(base) == 0
+    plain = capsys.readouterr().out
+    for drafter in ("lookup", "layers:2", str(kvlab.MHA_MODEL)):
+        assert cli.main(base + ["--speculate", drafter, "--draft-tokens", "3"]) == 0
+        captured = capsys.readouterr()
+        assert captured.out == plain                      # greedy: the same text
+        assert "[speculation: " in captured.err and "drafts kept" in captured.err
+    with pytest.raises(SystemExit, match="layers:N needs a number"):
+        cli.main(base + ["--speculate", "layers:two"])
+
+
 def test_generate_on_a_quantized_cache(capsys):
     args = ["generate", "--prompt", "KING:", "--max-new-tokens", "20", "--cache-dtype", "int8"]
     assert cli.main(args) == 0
