@@ -306,3 +306,39 @@ def test_one_thread_at_a_time_per_cache():
     for t in threads:
         t.join()
     assert all("another thread" in str(e) for e in errors)
+
+
+def test_speculative_decoding_on_the_gpu_keeps_plain_decodings_tokens():
+    """Greedy speculation checks its drafts with a pass over several tokens, which on the GPU
+    sums in another order than a pass over one (tiled matrix product against matrix-vector):
+    the tokens must be plain GPU decoding's, except after an arg-max that was a near tie."""
+    from kvlab.speculative import DraftModel, PromptLookup
+    model = kvlab.load(device="cuda")
+    prompt = "ROMEO:\nBut soft, what light through yonder window breaks?\nROMEO:\nBut soft"
+    plain = kvlab.generate(model, prompt, 80)
+    for drafter in (PromptLookup(), DraftModel.first_layers(model.to("cpu"), 2),
+                    DraftModel(kvlab.load(kvlab.MHA_MODEL, device="cuda"))):
+        spec = kvlab.generate(model, prompt, 80, speculate=drafter, draft_tokens=4)
+        assert spec.speculation.verify_passes < 79
+        if spec.tokens == plain.tokens:
+            continue
+        i = next(j for j, (a, b) in enumerate(zip(spec.tokens, plain.tokens)) if a != b)
+        logits = model.prefill(model.encode(prompt) + plain.tokens[:i], model.new_cache())
+        second, first = np.sort(logits)[-2:]
+        assert first - second < 1e-3 * max(1.0, abs(first)), (type(drafter).__name__, i)
+
+
+def test_forward_batch_all_logits_on_the_gpu_matches_the_cpu():
+    cpu, gpu = make("gqa-hd16", seed=6)
+    histories, chunks = [tokens_for(9, seed=7), tokens_for(3, seed=8)], [tokens_for(4, seed=9),
+                                                                         tokens_for(1, seed=10)]
+    rows = {}
+    for model in (cpu, gpu):
+        pool = model.new_paged_pool(16, 4)
+        seqs = [pool.new_sequence() for _ in histories]
+        for seq, history in zip(seqs, histories):
+            model.prefill(history, seq)
+        rows[model.device] = model.forward_batch(seqs, chunks, all_logits=True)
+        pool.check()
+    assert rows["cuda"].shape == rows["cpu"].shape == (5, cpu.config.vocab_size)
+    assert rel_err(rows["cuda"], rows["cpu"]) < 1e-4
