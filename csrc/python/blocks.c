@@ -75,6 +75,13 @@ PyObject *kv_py_new_sequence_handle(BlocksObject *owner, int seq) {
     return (PyObject *)handle;
 }
 
+/* The slot of handle, a live sequence of this block manager, which is ready for use; or -1
+ * with the exception (the prologue of every method that takes a sequence). */
+static int ready_slot(BlocksObject *self, PyObject *handle) {
+    if (kv_py_blocks_ready(self) < 0) return -1;
+    return kv_py_sequence_slot(self, handle);
+}
+
 /* ---- life -------------------------------------------------------------------------- */
 
 static PyObject *blocks_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
@@ -226,8 +233,7 @@ static PyObject *blocks_new_sequence(BlocksObject *self, PyObject *Py_UNUSED(ign
 }
 
 static PyObject *blocks_fork(BlocksObject *self, PyObject *arg) {
-    if (kv_py_blocks_ready(self) < 0) return NULL;
-    int seq = kv_py_sequence_slot(self, arg);
+    int seq = ready_slot(self, arg);
     if (seq < 0) return NULL;
     int child;
     /* a pool's fork also copies the sequence's residual-window rows */
@@ -238,8 +244,7 @@ static PyObject *blocks_fork(BlocksObject *self, PyObject *arg) {
 }
 
 static PyObject *blocks_free_sequence(BlocksObject *self, PyObject *arg) {
-    if (kv_py_blocks_ready(self) < 0) return NULL;
-    int seq = kv_py_sequence_slot(self, arg);
+    int seq = ready_slot(self, arg);
     if (seq < 0) return NULL;
     kv_blocks_seq_free(self->blocks, seq);
     Py_RETURN_NONE;
@@ -251,8 +256,7 @@ static const kv_py_array_spec token_ids = {.name = "tokens", .type = NPY_INT32, 
 static PyObject *blocks_reuse_prefix(BlocksObject *self, PyObject *args) {
     PyObject *seq_obj, *tokens_obj, *max_obj = Py_None;
     if (!PyArg_ParseTuple(args, "OO|O", &seq_obj, &tokens_obj, &max_obj)) return NULL;
-    if (kv_py_blocks_ready(self) < 0) return NULL;
-    int seq = kv_py_sequence_slot(self, seq_obj);
+    int seq = ready_slot(self, seq_obj);
     if (seq < 0) return NULL;
     PyArrayObject *tokens = kv_py_array(tokens_obj, &token_ids);
     if (tokens == NULL) return NULL;
@@ -280,8 +284,7 @@ static PyObject *blocks_blocks_needed(BlocksObject *self, PyObject *args) {
     PyObject *handle;
     int n_tokens;
     if (!PyArg_ParseTuple(args, "Oi", &handle, &n_tokens)) return NULL;
-    if (kv_py_blocks_ready(self) < 0) return NULL;
-    int seq = kv_py_sequence_slot(self, handle);
+    int seq = ready_slot(self, handle);
     if (seq < 0) return NULL;
     int needed;
     kv_status status = kv_blocks_needed(self->blocks, seq, n_tokens, &needed);
@@ -304,8 +307,7 @@ static PyObject *blocks_reserve(BlocksObject *self, PyObject *args) {
     int n_tokens;
     if (!PyArg_ParseTuple(args, "Oi", &handle, &n_tokens)) return NULL;
     if (is_pool(self)) return refuse_rows_of_a_pool();
-    if (kv_py_blocks_ready(self) < 0) return NULL;
-    int seq = kv_py_sequence_slot(self, handle);
+    int seq = ready_slot(self, handle);
     if (seq < 0) return NULL;
     /* made before the reservation, so that nothing can fail after it */
     PyObject *list = PyList_New(0);
@@ -337,8 +339,7 @@ static PyObject *blocks_commit(BlocksObject *self, PyObject *args) {
     PyObject *handle, *tokens_obj;
     if (!PyArg_ParseTuple(args, "OO", &handle, &tokens_obj)) return NULL;
     if (is_pool(self)) return refuse_rows_of_a_pool();
-    if (kv_py_blocks_ready(self) < 0) return NULL;
-    int seq = kv_py_sequence_slot(self, handle);
+    int seq = ready_slot(self, handle);
     if (seq < 0) return NULL;
     PyArrayObject *tokens = kv_py_array(tokens_obj, &token_ids);
     if (tokens == NULL) return NULL;
@@ -357,8 +358,7 @@ static PyObject *blocks_truncate(BlocksObject *self, PyObject *args) {
     PyObject *handle;
     long length;
     if (!PyArg_ParseTuple(args, "Ol", &handle, &length)) return NULL;
-    if (kv_py_blocks_ready(self) < 0) return NULL;
-    int seq = kv_py_sequence_slot(self, handle);
+    int seq = ready_slot(self, handle);
     if (seq < 0) return NULL;
     /* the core takes an int: a length beyond one is refused all the same, never wrapped */
     int n = length > INT_MAX ? INT_MAX : length < INT_MIN ? INT_MIN : (int)length;
