@@ -28,6 +28,9 @@ typedef struct {
     float *window_key, *window_value;         /* (window, kv_dim), or NULL */
     const float *new_key, *new_value;         /* (n_tokens, kv_dim) of this call, or NULL */
     int new_start;
+    float *attention;          /* (n_kv_heads, block_size) weights each row received, to add
+                                  this call's to (a contiguous cache that tracks them), or NULL */
+    float *attention_scratch;  /* (block_size + head_dim) floats, with attention */
 } kv_layer_view;
 
 /* [quote ch04-kv-view-slot] */
@@ -39,6 +42,9 @@ static inline size_t kv_view_slot(const kv_layer_view *view, int pos) {
 
 /* The view of one layer of a contiguous cache (kvcache.c); the paged pool's is in paged.h. */
 kv_layer_view kv_cache_layer_view(const kv_cache *cache, int layer);
+/* After a forward call wrote n_tokens rows from row cache->length on, at the next positions:
+ * records their positions (if the cache keeps them) and advances length and next_position. */
+void kv_cache_note_appended(kv_cache *cache, int n_tokens);
 
 /* For each of n_tokens new queries, at positions start_pos .. start_pos + n_tokens - 1,
  * attends over positions 0 .. its own position (the causal mask). q and out are
@@ -50,6 +56,13 @@ kv_layer_view kv_cache_layer_view(const kv_cache *cache, int layer);
 void kv_attention(float *out, const float *q, const kv_layer_view *view, int n_tokens,
                   int start_pos, int n_heads, int n_kv_heads, int head_dim, float *scratch,
                   size_t scratch_stride, int n_threads);
+
+/* Adds to view->attention the weight each new query (n_tokens of them, at rows start_pos
+ * on, q as for kv_attention) gives every row it sees, summed over the query heads that
+ * share a KV head: the softmax of kv_attention again, as plain loops (attention_weights.c),
+ * for the eviction policies that keep the rows attended most. The new rows start at 0. */
+void kv_attention_weights_add(const kv_layer_view *view, const float *q, int n_tokens,
+                              int start_pos, int n_heads, int n_kv_heads, int head_dim);
 
 /* Positions attention takes at a time: a tile of keys scored, one online-softmax step
  * (kv_softmax_tile, ops.h, takes up to 16 scores), the tile of values mixed. Counted from

@@ -54,8 +54,13 @@ void kv_cache_free(kv_cache *cache) {
     kv_store_free(&cache->value);
     free(cache->window_key);
     free(cache->window_value);
+    free(cache->positions);
+    free(cache->attention);
+    free(cache->attention_scratch);
     cache->window_key = cache->window_value = NULL;
-    cache->length = cache->capacity = cache->window = 0;
+    cache->positions = NULL;
+    cache->attention = cache->attention_scratch = NULL;
+    cache->length = cache->capacity = cache->window = cache->next_position = 0;
 }
 
 static size_t kv_dim(const kv_cache *cache) {
@@ -72,12 +77,104 @@ size_t kv_cache_nbytes(const kv_cache *cache) {
     return kv_store_nbytes(&cache->key) + kv_store_nbytes(&cache->value) + window_bytes;
 }
 
+/* Index of row `row` of (layer, head) in positions and attention */
+static size_t row_index(const kv_cache *cache, int layer, int head, int row) {
+    return ((size_t)layer * cache->n_kv_heads + head) * (size_t)cache->capacity + (size_t)row;
+}
+
 kv_status kv_cache_truncate(kv_cache *cache, int length) {
-    /* Positions past `length` become free again; their bytes are simply overwritten
-     * by the next tokens, since attention never reads past cache->length. */
+    /* Rows past `length` become free again; their bytes are simply overwritten by the
+     * next tokens, since attention never reads past cache->length. */
     if (length < 0 || length > cache->length) return KV_ERR_INVALID_ARG;
     if (cache->window > 0 && length != 0 && length != cache->length) return KV_ERR_INVALID_ARG;
+    int cut = cache->length - length;
+    if (length > 0 && cut > 0 && cache->positions != NULL) {
+        /* only the newest positions can be taken back, or next_position would lie */
+        int first_cut = cache->next_position - cut;
+        for (int layer = 0; layer < cache->n_layers; layer++)
+            for (int head = 0; head < cache->n_kv_heads; head++)
+                for (int row = length; row < cache->length; row++)
+                    if (cache->positions[row_index(cache, layer, head, row)] !=
+                        first_cut + (row - length))
+                        return KV_ERR_INVALID_ARG;
+    }
     cache->length = length;
+    cache->next_position = length == 0 ? 0 : cache->next_position - cut;
+    return KV_OK;
+}
+
+/* Rows new_rows .. new_rows + n_tokens - 1 were just written with the next positions. */
+void kv_cache_note_appended(kv_cache *cache, int n_tokens) {
+    for (int layer = 0; layer < cache->n_layers && cache->positions != NULL; layer++)
+        for (int head = 0; head < cache->n_kv_heads; head++)
+            for (int t = 0; t < n_tokens; t++)
+                cache->positions[row_index(cache, layer, head, cache->length + t)] =
+                    cache->next_position + t;
+    cache->length += n_tokens;
+    cache->next_position += n_tokens;
+}
+
+/* [quote ch08-kv-cache-keep] */
+kv_status kv_cache_keep(kv_cache *cache, int n_keep, const int32_t *rows) {
+    if (cache->key.codes == NULL || n_keep < 0 || n_keep > cache->length ||
+        (rows == NULL && n_keep > 0) || cache->window > 0)
+        return KV_ERR_INVALID_ARG;
+    int n_heads = cache->n_kv_heads;
+    /* rows[layer][i][head]: the i-th row this (layer, head) keeps */
+#define KEPT(layer, i, head) rows[((size_t)(layer) * n_keep + (i)) * n_heads + (head)]
+    for (int layer = 0; layer < cache->n_layers; layer++)
+        for (int head = 0; head < n_heads; head++)
+            for (int i = 0; i < n_keep; i++)
+                if (KEPT(layer, i, head) < (i == 0 ? 0 : KEPT(layer, i - 1, head) + 1) ||
+                    KEPT(layer, i, head) >= cache->length)
+                    return KV_ERR_INVALID_ARG;
+    if (cache->positions == NULL) {   /* from now on row i need not hold position i */
+        cache->positions = malloc(row_index(cache, cache->n_layers, 0, 0) * sizeof(int32_t));
+        if (cache->positions == NULL) return KV_ERR_NOMEM;
+        for (int layer = 0; layer < cache->n_layers; layer++)
+            for (int head = 0; head < n_heads; head++)
+                for (int row = 0; row < cache->length; row++)
+                    cache->positions[row_index(cache, layer, head, row)] = row;
+    }
+    /* Move each kept row down to its place. Rows only move towards the front, and
+     * row i comes from a row at or after i, so no row is overwritten before it is read. */
+    for (int layer = 0; layer < cache->n_layers; layer++)
+        for (int head = 0; head < n_heads; head++)
+            for (int i = 0; i < n_keep; i++) {
+                int row = KEPT(layer, i, head);
+                if (row == i) continue;
+                kv_store_copy_head(&cache->key, layer, head, (size_t)i, (size_t)row, 1);
+                kv_store_copy_head(&cache->value, layer, head, (size_t)i, (size_t)row, 1);
+                size_t to = row_index(cache, layer, head, i), from = row_index(cache, layer, head, row);
+                cache->positions[to] = cache->positions[from];
+                if (cache->attention != NULL) cache->attention[to] = cache->attention[from];
+            }
+#undef KEPT
+    cache->length = n_keep;   /* next_position stays: the next token comes after them all */
+    return KV_OK;
+}
+/* [end ch08-kv-cache-keep] */
+
+kv_status kv_cache_track_attention(kv_cache *cache, int on) {
+    if (cache->key.codes == NULL || cache->window > 0) return KV_ERR_INVALID_ARG;
+    if (!on) {
+        free(cache->attention);
+        free(cache->attention_scratch);
+        cache->attention = cache->attention_scratch = NULL;
+        return KV_OK;
+    }
+    float *sums = cache->attention;
+    float *scratch = cache->attention_scratch;
+    if (sums == NULL) sums = kv_alloc_floats(row_index(cache, cache->n_layers, 0, 0));
+    if (scratch == NULL) scratch = kv_alloc_floats((size_t)cache->capacity + cache->head_dim);
+    if (sums == NULL || scratch == NULL) {
+        if (sums != cache->attention) free(sums);
+        if (scratch != cache->attention_scratch) free(scratch);
+        return KV_ERR_NOMEM;
+    }
+    memset(sums, 0, row_index(cache, cache->n_layers, 0, 0) * sizeof(float));
+    cache->attention = sums;
+    cache->attention_scratch = scratch;
     return KV_OK;
 }
 
@@ -92,13 +189,15 @@ kv_status kv_cache_append(kv_cache *cache, int n_tokens, const float *keys, cons
             size_t src = ((size_t)t * cache->n_layers + layer) * row;
             kv_store_write(&cache->key, layer, (size_t)(cache->length + t), keys + src);
             kv_store_write(&cache->value, layer, (size_t)(cache->length + t), values + src);
+            for (int head = 0; head < cache->n_kv_heads && cache->attention != NULL; head++)
+                cache->attention[row_index(cache, layer, head, cache->length + t)] = 0.0f;
         }
         kv_window_keep(ring(cache->window_key, cache, layer), cache->window, (int)row,
                        cache->length, keys + layer * row, token_stride, n_tokens);
         kv_window_keep(ring(cache->window_value, cache, layer), cache->window, (int)row,
                        cache->length, values + layer * row, token_stride, n_tokens);
     }
-    cache->length += n_tokens;
+    kv_cache_note_appended(cache, n_tokens);
     return KV_OK;
 }
 /* [end ch01-kv-cache-append] */
@@ -126,11 +225,16 @@ kv_status kv_cache_read(const kv_cache *cache, float *keys, float *values) {
 /* [quote ch04-kv-cache-layer-view] */
 kv_layer_view kv_cache_layer_view(const kv_cache *cache, int layer) {
     static const int32_t single_block = 0;  /* the contiguous cache is one big block */
-    kv_layer_view view = {&cache->key, &cache->value, layer, &single_block, cache->capacity,
-                          cache->window, NULL, NULL, NULL, NULL, cache->length};
+    kv_layer_view view = {.key = &cache->key, .value = &cache->value, .layer = layer,
+                          .block_table = &single_block, .block_size = cache->capacity,
+                          .window = cache->window, .new_start = cache->length};
     if (cache->window > 0) {
         view.window_key = ring(cache->window_key, cache, layer);
         view.window_value = ring(cache->window_value, cache, layer);
+    }
+    if (cache->attention != NULL) {
+        view.attention = cache->attention + row_index(cache, layer, 0, 0);
+        view.attention_scratch = cache->attention_scratch;
     }
     return view;
 }

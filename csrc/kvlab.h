@@ -133,6 +133,16 @@ typedef struct {
     float *window_key;       /* (n_layers, window, kv_dim) float32 rows of the last window
                                 positions, position p in row p % window; NULL if window 0 */
     float *window_value;
+    /* Keeping fewer positions (kvlab/cache_policy.py): rows can be dropped (kv_cache_keep),
+     * so row i need not hold position i. Both arrays are NULL until first needed. */
+    int next_position;       /* position of the next token (RoPE's angle): length, plus every
+                                row dropped so far */
+    int32_t *positions;      /* (n_layers, n_kv_heads, capacity) the position each row holds;
+                                NULL: row i holds position i */
+    float *attention;        /* (n_layers, n_kv_heads, capacity) attention weight each row has
+                                received since it was written, summed over the queries and the
+                                query heads of its group; NULL: not tracked */
+    float *attention_scratch;  /* (capacity + head_dim) one query's weights, and a key row */
 } kv_cache;
 
 /* format may be NULL (fp32, no window). */
@@ -141,9 +151,24 @@ kv_status kv_cache_init(kv_cache *cache, int n_layers, int n_kv_heads, int head_
 void kv_cache_free(kv_cache *cache);   /* accepts a zeroed or half-built cache */
 /* Bytes allocated: codes, scales and zero points of K and V, and the window rows. */
 size_t kv_cache_nbytes(const kv_cache *cache);
-/* Rolls back to `length` tokens. With a residual window only length 0 is possible: the
- * full-precision rows of the positions before a cut are gone (KV_ERR_INVALID_ARG). */
+/* Rolls back to `length` rows, as if the newest tokens never came: next_position goes back
+ * by as many. With a residual window only length 0 is possible: the full-precision rows of
+ * the positions before a cut are gone (KV_ERR_INVALID_ARG). After rows were dropped, the
+ * rows cut must hold the newest positions (they do unless kv_cache_keep dropped one of
+ * them since); length 0 forgets everything, positions included. */
 kv_status kv_cache_truncate(kv_cache *cache, int length);
+/* Keeps n_keep rows of each layer and KV head and drops the rest: rows is
+ * (n_layers, n_keep, n_kv_heads), rows[l][i][h] the i-th row of layer l, head h to keep,
+ * strictly increasing in i and below length. The kept rows move to the front in order
+ * (K, V, positions, attention weights), length becomes n_keep and next_position stays:
+ * the next token still gets the next position. Each head may keep different positions;
+ * attention reads rows 0 .. length - 1 of every head, whatever positions they hold.
+ * Refused (KV_ERR_INVALID_ARG, nothing changed) for a cache with a residual window. */
+kv_status kv_cache_keep(kv_cache *cache, int n_keep, const int32_t *rows);
+/* Starts (1) or stops (0) summing, for every row, the attention weight the queries of later
+ * forward calls give it (cache->attention), for eviction policies that keep the rows
+ * attended most (H2O, SnapKV). Starting zeroes the sums. Refused with a residual window. */
+kv_status kv_cache_track_attention(kv_cache *cache, int on);
 /* Appends n_tokens rows of given K and V, each (n_tokens, n_layers, n_kv_heads, head_dim),
  * quantized as the cache stores them: filling a cache without a model, for tests,
  * benchmarks and exercises. */
@@ -332,6 +357,18 @@ kv_status kv_pool_seq_fork(kv_pool *pool, int seq, int *child);
 /* kv_blocks_truncate; a pool with a residual window truncates only to 0 or to the length it
  * has (the window's full-precision rows before the cut are gone), as a contiguous cache. */
 kv_status kv_pool_truncate(kv_pool *pool, int seq, int length);
+/* Keeps n_keep rows of each layer and KV head and drops the rest: rows is
+ * (n_layers, n_keep, n_kv_heads), rows[l][i][h] the i-th row of layer l, head h to keep,
+ * strictly increasing in i and below length. The kept rows move to the front in order
+ * (K, V, positions, attention weights), length becomes n_keep and next_position stays:
+ * the next token still gets the next position. Each head may keep different positions;
+ * attention reads rows 0 .. length - 1 of every head, whatever positions they hold.
+ * Refused (KV_ERR_INVALID_ARG, nothing changed) for a cache with a residual window. */
+kv_status kv_cache_keep(kv_cache *cache, int n_keep, const int32_t *rows);
+/* Starts (1) or stops (0) summing, for every row, the attention weight the queries of later
+ * forward calls give it (cache->attention), for eviction policies that keep the rows
+ * attended most (H2O, SnapKV). Starting zeroes the sums. Refused with a residual window. */
+kv_status kv_cache_track_attention(kv_cache *cache, int on);
 /* Appends n_tokens rows of given K and V, each (n_tokens, n_layers, n_kv_heads, head_dim):
  * the pool's bookkeeping without a model, for tests and exercises. */
 kv_status kv_pool_append(kv_pool *pool, int seq, const int32_t *tokens, int n_tokens,

@@ -72,7 +72,9 @@ kv_status kv_model_check(const kv_model *model) {
 typedef struct {
     int first;
     int n_tokens;
-    int start_pos;
+    int start_pos;   /* the cache row of the first new token: where it is written and what
+                        the causal mask counts from */
+    int position;    /* its position, for RoPE: start_pos, unless the cache dropped rows */
 } token_run;
 
 /* Activations for one forward call over n_tokens tokens. */
@@ -148,7 +150,7 @@ static void fill_rope_tables(run_state *s, const kv_model *m) {
     int half = m->config.head_dim / 2;
     for (int r = 0; r < s->n_runs; r++) {
         for (int t = s->runs[r].first; t < s->runs[r].first + s->runs[r].n_tokens; t++) {
-            float pos = (float)(s->runs[r].start_pos + t - s->runs[r].first);
+            float pos = (float)(s->runs[r].position + t - s->runs[r].first);
             for (int i = 0; i < half; i++) {
                 float angle = pos * m->weights.rope_inv_freq[i];
                 s->rope_cos[(size_t)t * half + i] = cosf(angle);
@@ -275,6 +277,13 @@ static void attention_block(const kv_model *m, run_state *s, int layer, int n_to
     }
     attend_runs(c, s, layer);
     /* [end ch01-attention-block-k-and-v] */
+    for (int r = 0; r < s->n_runs; r++) {   /* for an eviction policy that asked for them */
+        const token_run *run = &s->runs[r];
+        const kv_layer_view *view = view_of(s, layer, r);
+        if (view->attention != NULL)
+            kv_attention_weights_add(view, s->q + run->first * q_dim, run->n_tokens,
+                                     run->start_pos, c->n_heads, c->n_kv_heads, c->head_dim);
+    }
     /* [quote ch06-attention-block-after-attention-the] */
     for (int r = 0; r < s->n_runs; r++) {
         const token_run *run = &s->runs[r];
@@ -419,11 +428,11 @@ fail:
 /* [quote ch01-kv-model-forward-and-the-step] */
 static void run_over_cache(const kv_model *model, run_state *s, kv_cache *cache,
                            const int32_t *tokens, int n_tokens, float *logits, int all_logits) {
-    s->runs[0] = (token_run){0, n_tokens, cache->length};
+    s->runs[0] = (token_run){0, n_tokens, cache->length, cache->next_position};
     for (int layer = 0; layer < model->config.n_layers; layer++)
         *view_of(s, layer, 0) = kv_cache_layer_view(cache, layer);
     forward_tokens(model, s, tokens, n_tokens, logits, all_logits);
-    cache->length += n_tokens;
+    kv_cache_note_appended(cache, n_tokens);
 }
 
 kv_status kv_model_forward(const kv_model *model, kv_cache *cache, const int32_t *tokens,
@@ -517,7 +526,7 @@ kv_status kv_model_forward_paged(const kv_model *model, kv_pool *pool, int seq,
     KV_TRY(kv_blocks_seq_check(&pool->blocks, seq));
     int start_pos = pool->blocks.seqs[seq].length;
     KV_TRY(run_state_alloc(&s, c, n_tokens, 1));
-    s.runs[0] = (token_run){0, n_tokens, start_pos};
+    s.runs[0] = (token_run){0, n_tokens, start_pos, start_pos};
     /* Last fallible step: blocks for the new positions (copy-on-write included). It
      * changes nothing when it fails, and nothing after it can fail. */
     KV_TRY(kv_pool_reserve(pool, seq, n_tokens));
@@ -563,7 +572,8 @@ kv_status kv_model_forward_batch(const kv_model *model, kv_pool *pool, int n_seq
     /* Nothing below can fail: each reservation fits in what was counted above (a
      * copy-on-write counted for two forks of one block happens only once, if at all). */
     for (int i = 0, first = 0; i < n_seqs; first += n_tokens[i], i++) {
-        s.runs[i] = (token_run){first, n_tokens[i], pool->blocks.seqs[seqs[i]].length};
+        int length = pool->blocks.seqs[seqs[i]].length;
+        s.runs[i] = (token_run){first, n_tokens[i], length, length};
         kv_pool_reserve(pool, seqs[i], n_tokens[i]);
         for (int layer = 0; layer < c->n_layers; layer++)
             *view_of(&s, layer, i) = kv_pool_layer_view(pool, seqs[i], layer);

@@ -131,9 +131,9 @@ kv_status kv_pool_reserve(kv_pool *pool, int seq, int n_tokens) {
 /* [quote ch07-kv-pool-layer-view] */
 kv_layer_view kv_pool_layer_view(const kv_pool *pool, int seq, int layer) {
     const kv_seq *q = &pool->blocks.seqs[seq];
-    kv_layer_view view = {&pool->key, &pool->value, layer, q->block_table,
-                          pool->blocks.block_size, pool->window, NULL, NULL, NULL, NULL,
-                          q->length};
+    kv_layer_view view = {.key = &pool->key, .value = &pool->value, .layer = layer,
+                          .block_table = q->block_table, .block_size = pool->blocks.block_size,
+                          .window = pool->window, .new_start = q->length};
     if (pool->window > 0) {
         view.window_key = window_rows(pool->window_key, pool, seq, layer);
         view.window_value = window_rows(pool->window_value, pool, seq, layer);

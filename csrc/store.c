@@ -158,19 +158,24 @@ const float *kv_store_head(const kv_store *store, int layer, size_t slot, int he
     return buffer;
 }
 
-void kv_store_copy(const kv_store *store, int layer, size_t dst, size_t src, size_t n_rows) {
+void kv_store_copy_head(const kv_store *store, int layer, int head, size_t dst, size_t src,
+                        size_t n_rows) {
     size_t per_head = (size_t)store->groups_per_head;
-    for (int head = 0; head < store->n_kv_heads; head++) {
-        size_t d = head_index(store, layer, head, dst), s = head_index(store, layer, head, src);
-        memcpy(store->codes + d * store->head_bytes, store->codes + s * store->head_bytes,
-               n_rows * store->head_bytes);
-        if (store->scales)
-            memcpy(store->scales + d * per_head, store->scales + s * per_head,
-                   n_rows * per_head * sizeof(float));
-        if (store->zeros)
-            memcpy(store->zeros + d * per_head, store->zeros + s * per_head,
-                   n_rows * per_head * sizeof(float));
-    }
+    size_t d = head_index(store, layer, head, dst), s = head_index(store, layer, head, src);
+    /* memmove: a cache that drops rows moves later rows down over earlier ones */
+    memmove(store->codes + d * store->head_bytes, store->codes + s * store->head_bytes,
+            n_rows * store->head_bytes);
+    if (store->scales)
+        memmove(store->scales + d * per_head, store->scales + s * per_head,
+                n_rows * per_head * sizeof(float));
+    if (store->zeros)
+        memmove(store->zeros + d * per_head, store->zeros + s * per_head,
+                n_rows * per_head * sizeof(float));
+}
+
+void kv_store_copy(const kv_store *store, int layer, size_t dst, size_t src, size_t n_rows) {
+    for (int head = 0; head < store->n_kv_heads; head++)
+        kv_store_copy_head(store, layer, head, dst, src, n_rows);
 }
 
 void kv_window_keep(float *ring, int window, int kv_dim, int first_pos, const float *rows,

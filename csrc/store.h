@@ -42,6 +42,11 @@ void kv_store_read(const kv_store *store, int layer, size_t slot, float *row);
 const float *kv_store_head(const kv_store *store, int layer, size_t slot, int head,
                            float *buffer);
 
+/* Copies n_rows rows (codes, scales, zero points) of one KV head from slot src to slot dst
+ * of a layer; the two ranges may overlap. */
+void kv_store_copy_head(const kv_store *store, int layer, int head, size_t dst, size_t src,
+                        size_t n_rows);
+
 /* Copies n_rows rows (codes, scales, zero points) from slot src to slot dst of a layer. */
 void kv_store_copy(const kv_store *store, int layer, size_t dst, size_t src, size_t n_rows);
 

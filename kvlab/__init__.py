@@ -18,7 +18,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Union
 
-from . import accuracy, cuda, quant, speculative
+from . import accuracy, cache_policy, cuda, quant, speculative
 from ._core import core as _core
 from .config import ModelConfig
 from .errors import (CacheFullError, CheckpointError, ConfigError, ContextLengthError,

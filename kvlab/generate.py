@@ -18,6 +18,7 @@ import numpy as np
 from .counts import Counts
 from .deprecation import renamed
 from .errors import ContextLengthError
+from .cache_policy import CachePolicy
 from .model import Model
 from .quant import CacheFormat
 from .sampling import check_sampling_args, sample
@@ -66,7 +67,7 @@ def generate(model: Model, prompt: Union[str, Sequence[int]], max_new_tokens: in
              stop_at_eos: bool = True, progress: bool = False,
              dtype: Union[None, str, CacheFormat] = None, fast: bool = True,
              speculate: Optional[Drafter] = None, draft_tokens: int = 4,
-             **cache_options) -> Generation:
+             cache_policy: Optional[CachePolicy] = None, **cache_options) -> Generation:
     """Generate up to max_new_tokens after the prompt (text, or a list of token ids).
 
     Greedy by default (temperature 0). A seed makes sampling reproducible. The model's
@@ -82,6 +83,12 @@ def generate(model: Model, prompt: Union[str, Sequence[int]], max_new_tokens: in
     speculate (a drafter from kvlab.speculative: PromptLookup(), DraftModel(...)) checks up
     to draft_tokens guessed tokens per forward pass: greedy, the same tokens; sampled, the
     same distribution (the rejection rule). out.speculation says how many passes it saved.
+
+    cache_policy (from kvlab.cache_policy: SlidingWindow(64), AttentionSinks(4, 60),
+    HeavyHitters(64), SnapKV(64)) keeps fewer positions: the cache holds the policy's
+    budget of rows and drops the others as the sequence grows. A policy with a fixed
+    budget (all but SnapKV) may generate past the model's context; the positions it then
+    uses were never seen in training.
     """
     if "cache_dtype" in cache_options:            # its name before dtype was one word
         if dtype is not None:
@@ -102,7 +109,10 @@ def generate(model: Model, prompt: Union[str, Sequence[int]], max_new_tokens: in
         if not ids:
             raise ValueError("the prompt has no token ids")
     context = model.config.max_seq_len
-    if len(ids) + max_new_tokens > context:
+    if cache_policy is not None:
+        _check_cache_policy(cache_policy, use_cache, speculate, cache_format)
+    bounded = cache_policy is not None and cache_policy.bounded
+    if len(ids) + max_new_tokens > context and not bounded:
         raise ContextLengthError(f"prompt ({len(ids)} tokens) + max_new_tokens ({max_new_tokens}) "
                              f"exceeds the model's context of {context} tokens")
     if speculate is not None:
@@ -113,7 +123,10 @@ def generate(model: Model, prompt: Union[str, Sequence[int]], max_new_tokens: in
     capacity = len(ids) + max_new_tokens - 1
     if use_cache and cache_format.window > capacity:
         cache_format = dataclasses.replace(cache_format, window=capacity)
-    cache = (model.new_cache(capacity, cache_format) if use_cache else None)
+    if cache_policy is not None:
+        cache = cache_policy.new_cache(model, cache_format, **({} if bounded else {"max_seq_len": capacity}))
+    else:
+        cache = (model.new_cache(capacity, cache_format) if use_cache else None)
 
     new_tokens: List[int] = []
     seconds: List[float] = []
@@ -128,6 +141,18 @@ def generate(model: Model, prompt: Union[str, Sequence[int]], max_new_tokens: in
                                 eos, new_tokens, seconds, bar):
                 finish_reason = "eos"
             stats.draft_passes = getattr(speculate, "passes", 0) - passes_before
+        elif cache_policy is not None:
+            for step in range(max_new_tokens):
+                start = time.perf_counter()
+                new = ids if step == 0 else [new_tokens[-1]]
+                token = _choose(cache_policy.forward(model, new, cache), sampling, step, len(ids))
+                seconds.append(time.perf_counter() - start)
+                if bar is not None:
+                    bar.update(1)
+                if token == eos:
+                    finish_reason = "eos"
+                    break
+                new_tokens.append(token)
         elif cache is not None and fast:
             if _cached_loop_in_c(model, ids, cache, max_new_tokens, sampling, eos, new_tokens,
                                  seconds, bar):
@@ -175,6 +200,21 @@ def _check_speculation(model: Model, drafter, draft_tokens, use_cache, cache_for
                          "a cache (use_cache=True) without a residual window")
     if hasattr(drafter, "check_compatible"):
         drafter.check_compatible(model)
+
+
+def _check_cache_policy(policy, use_cache, speculate, cache_format) -> None:
+    if not isinstance(policy, CachePolicy):
+        raise TypeError(f"cache_policy takes a policy from kvlab.cache_policy "
+                        f"(SlidingWindow(64), AttentionSinks(4, 60), HeavyHitters(64), "
+                        f"SnapKV(64)), got {type(policy).__name__}")
+    if not use_cache:
+        raise ValueError("a cache_policy decides what a cache keeps: it needs use_cache=True")
+    if speculate is not None:
+        raise ValueError("speculate and cache_policy cannot be combined yet: rolling back "
+                         "drafts after rows were dropped is not supported")
+    if cache_format.window > 0:
+        raise ValueError("a cache_policy drops rows; a residual window keeps its rows by "
+                         "position: give window=0")
 
 
 def _choose(logits: np.ndarray, sampling: tuple, step: int, prompt_len: int) -> int:

@@ -141,6 +141,44 @@ static PyObject *cache_get_capacity(CacheObject *self, void *closure) {
     return PyLong_FromLong(self->cache.capacity);
 }
 
+static PyObject *cache_get_next_position(CacheObject *self, void *closure) {
+    return PyLong_FromLong(self->cache.next_position);
+}
+
+static PyObject *cache_get_tracks_attention(CacheObject *self, void *closure) {
+    return PyBool_FromLong(self->cache.attention != NULL);
+}
+
+/* A copy (n_layers, length, n_kv_heads) of per-row bookkeeping kept (n_layers, n_kv_heads,
+ * capacity) in the core: copies, because the core may free or move it under a view. */
+static PyObject *per_row_copy(const kv_cache *c, const void *source, int type) {
+    npy_intp dims[3] = {c->n_layers, c->length, c->n_kv_heads};
+    PyObject *array = PyArray_ZEROS(3, dims, type, 0);
+    if (array == NULL) return NULL;
+    for (int layer = 0; layer < c->n_layers; layer++)
+        for (int row = 0; row < c->length; row++)
+            for (int head = 0; head < c->n_kv_heads; head++) {
+                size_t from = ((size_t)layer * c->n_kv_heads + head) * c->capacity + row;
+                void *to = PyArray_GETPTR3((PyArrayObject *)array, layer, row, head);
+                if (type == NPY_INT32)
+                    *(int32_t *)to = source ? ((const int32_t *)source)[from] : row;
+                else
+                    *(float *)to = ((const float *)source)[from];
+            }
+    return array;
+}
+
+static PyObject *cache_get_positions(CacheObject *self, void *closure) {
+    if (require_initialized(self) < 0) return NULL;
+    return per_row_copy(&self->cache, self->cache.positions, NPY_INT32);
+}
+
+static PyObject *cache_get_attention_weights(CacheObject *self, void *closure) {
+    if (require_initialized(self) < 0) return NULL;
+    if (self->cache.attention == NULL) Py_RETURN_NONE;
+    return per_row_copy(&self->cache, self->cache.attention, NPY_FLOAT32);
+}
+
 static PyObject *cache_get_nbytes(CacheObject *self, void *closure) {
     return PyLong_FromSize_t(self->cache.key.codes ? kv_cache_nbytes(&self->cache) : 0);
 }
@@ -248,8 +286,45 @@ static PyObject *cache_truncate(CacheObject *self, PyObject *arg) {
         return kv_py_raise(status, "truncate(%ld): a cache with a residual window can only be "
                            "reset: the full-precision rows of the positions before the cut "
                            "are gone", length);
+    if (c->positions != NULL && length >= 0 && length <= c->length)
+        return kv_py_raise(status, "truncate(%ld): the rows past %ld do not hold the newest "
+                           "positions (rows were dropped since they came), so they cannot "
+                           "be taken back", length, length);
     return kv_py_raise(status, "truncate(%ld): length must be between 0 and the current "
                        "length %d", length, c->length);
+}
+
+static PyObject *cache_keep(CacheObject *self, PyObject *arg) {
+    if (kv_py_cache_ready(self) < 0) return NULL;
+    const kv_cache *c = &self->cache;
+    if (c->window > 0)
+        return kv_py_raise(KV_ERR_INVALID_ARG, "keep(): a cache with a residual window "
+                           "cannot drop rows: its full-precision rows are kept by position");
+    PyArrayObject *rows = kv_py_array(arg, &(kv_py_array_spec){
+        .name = "rows", .type = NPY_INT32, .ndim = 3,
+        .shape = {c->n_layers, KV_PY_ANY, c->n_kv_heads}, .axes = "n_layers,n_keep,n_kv_heads"});
+    if (rows == NULL) return NULL;
+    int n_keep = (int)PyArray_DIM(rows, 1);
+    kv_status status = kv_cache_keep(&self->cache, n_keep, (const int32_t *)PyArray_DATA(rows));
+    if (status == KV_OK) Py_RETURN_NONE;
+    if (status == KV_ERR_INVALID_ARG)
+        return kv_py_raise(status, "keep(rows): rows[layer, :, head] must be strictly "
+                           "increasing row numbers below the length %d (got %d rows to keep)",
+                           c->length, n_keep);
+    return kv_py_raise(status, NULL);
+}
+
+static PyObject *cache_track_attention(CacheObject *self, PyObject *args, PyObject *kwds) {
+    static char *kwlist[] = {"on", NULL};
+    int on = 1;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|p", kwlist, &on)) return NULL;
+    if (kv_py_cache_ready(self) < 0) return NULL;
+    kv_status status = kv_cache_track_attention(&self->cache, on);
+    if (status == KV_OK) Py_RETURN_NONE;
+    if (status == KV_ERR_INVALID_ARG)
+        return kv_py_raise(status, "track_attention(): a cache with a residual window reads "
+                           "its newest rows in full precision; its weights are not tracked");
+    return kv_py_raise(status, NULL);
 }
 
 static PyObject *cache_append(CacheObject *self, PyObject *args) {
@@ -310,6 +385,19 @@ static PyGetSetDef cache_getset[] = {
      "in float32.", NULL},
     {"length", (getter)cache_get_length, NULL, "Positions filled so far.", NULL},
     {"capacity", (getter)cache_get_capacity, NULL, "Positions reserved (max_seq_len).", NULL},
+    {"next_position", (getter)cache_get_next_position, NULL,
+     "Position of the next token (its RoPE angle): length, plus every row keep() dropped.",
+     NULL},
+    {"positions", (getter)cache_get_positions, NULL,
+     "The position each kept row holds, int32 (n_layers, length, n_kv_heads), indexed as\n"
+     "keys are (a copy): arange(length) until keep() drops rows; after, each layer and head\n"
+     "may hold different positions.", NULL},
+    {"tracks_attention", (getter)cache_get_tracks_attention, NULL,
+     "Whether forward calls add up the attention weight each row receives.", NULL},
+    {"attention_weights", (getter)cache_get_attention_weights, NULL,
+     "The attention weight each row has received since it was written, summed over the\n"
+     "queries of forward calls and the query heads of its KV head, float32\n"
+     "(n_layers, length, n_kv_heads) (a copy); None unless track_attention() is on.", NULL},
     {"nbytes", (getter)cache_get_nbytes, NULL,
      "Bytes this cache allocated for K and V (the full capacity).", NULL},
     {"shape", (getter)cache_get_shape, NULL,
@@ -318,9 +406,20 @@ static PyGetSetDef cache_getset[] = {
 };
 
 static PyMethodDef cache_methods[] = {
-    {"reset", (PyCFunction)cache_reset, METH_NOARGS, "Forget every cached token (length = 0)."},
+    {"reset", (PyCFunction)cache_reset, METH_NOARGS,
+     "Forget every cached token (length = 0, next_position = 0)."},
     {"truncate", (PyCFunction)cache_truncate, METH_O,
-     "truncate(n): roll back to the first n tokens, as if the rest never came."},
+     "truncate(n): roll back to the first n rows, as if the newest tokens never came\n"
+     "(next_position goes back by as many)."},
+    {"keep", (PyCFunction)cache_keep, METH_O,
+     "keep(rows): keep only these rows, int32 (n_layers, n_keep, n_kv_heads), strictly\n"
+     "increasing along n_keep, and drop the rest: the kept rows move to the front, length\n"
+     "becomes n_keep, and next_position stays (see positions). Each layer and head may keep\n"
+     "different rows. kvlab.cache_policy decides which rows to keep."},
+    {"track_attention", (PyCFunction)(void (*)(void))cache_track_attention,
+     METH_VARARGS | METH_KEYWORDS,
+     "track_attention(on=True): start (from zero) or stop adding up the attention weight\n"
+     "each row receives in later forward calls (see attention_weights)."},
     {"append", (PyCFunction)cache_append, METH_VARARGS,
      "append(keys, values): write given K/V rows, each (n_tokens, n_layers, n_kv_heads,\n"
      "head_dim) float32, without a model (for exercises and benchmarks); quantized as the\n"

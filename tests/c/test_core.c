@@ -794,6 +794,74 @@ static void test_interrupts(void) {
     free_model(&tm);
 }
 
+/* Keeping fewer rows: kv_cache_keep moves the kept rows (per head) to the front and keeps
+ * their positions; the next token is still rotated by its true position; truncate takes
+ * back only the newest positions; the tracked attention weights sum to one per query head. */
+static void test_cache_keep(const kv_cache_format *format) {
+    test_model tm;
+    make_model(&tm, 4, 2, 8);
+    const kv_model *m = &tm.model;
+    const kv_config *c = &m->config;
+    int V = c->vocab_size;
+    int32_t tokens[12];
+    for (int i = 0; i < 12; i++) tokens[i] = (int32_t)(i * 5 % V);
+    kv_cache cache, full;
+    CHECK(kv_cache_init(&cache, c->n_layers, 2, 8, 12, format) == KV_OK);
+    CHECK(kv_cache_init(&full, c->n_layers, 2, 8, 12, format) == KV_OK);
+    float *logits = malloc(sizeof(float) * V), *want = malloc(sizeof(float) * V);
+    CHECK(kv_model_forward(m, &cache, tokens, 6, logits, 0, NULL) == KV_OK);
+    CHECK(kv_model_forward(m, &full, tokens, 6, want, 0, NULL) == KV_OK);
+    CHECK(cache.positions == NULL && cache.next_position == 6);
+    /* (layer, i, head): head 0 keeps rows 1 4 5, head 1 keeps rows 0 2 5 */
+    int32_t rows[2 * 3 * 2] = {1, 0, 4, 2, 5, 5,  1, 0, 4, 2, 5, 5};
+    int32_t bad[2 * 3 * 2] = {1, 0, 1, 2, 5, 5,  1, 0, 4, 2, 5, 5};   /* 1 twice in head 0 */
+    CHECK(kv_cache_keep(&cache, 3, bad) == KV_ERR_INVALID_ARG && cache.length == 6);
+    CHECK(kv_cache_keep(&cache, 7, rows) == KV_ERR_INVALID_ARG);
+    CHECK(kv_cache_keep(&cache, 3, rows) == KV_OK);
+    CHECK(cache.length == 3 && cache.next_position == 6);
+    float a[64], b[64];
+    const int32_t kept0[3] = {1, 4, 5}, kept1[3] = {0, 2, 5};
+    int same = 1;
+    for (int layer = 0; layer < c->n_layers; layer++)
+        for (int i = 0; i < 3; i++) {
+            kv_store_read(&cache.key, layer, (size_t)i, a);
+            kv_store_read(&full.key, layer, (size_t)kept0[i], b);
+            same &= memcmp(a, b, 8 * sizeof(float)) == 0;             /* head 0 */
+            kv_store_read(&full.key, layer, (size_t)kept1[i], b);
+            same &= memcmp(a + 8, b + 8, 8 * sizeof(float)) == 0;     /* head 1 */
+            same &= cache.positions[((size_t)layer * 2 + 0) * 12 + i] == kept0[i];
+            same &= cache.positions[((size_t)layer * 2 + 1) * 12 + i] == kept1[i];
+        }
+    CHECK(same);
+    /* the next tokens are rotated as positions 6 and 7, whatever rows are left */
+    CHECK(kv_cache_track_attention(&cache, 1) == KV_OK);
+    CHECK(kv_model_forward(m, &cache, tokens + 6, 2, logits, 0, NULL) == KV_OK);
+    CHECK(cache.length == 5 && cache.next_position == 8);
+    CHECK(cache.positions[3] == 6 && cache.positions[4] == 7);
+    float total = 0.0f;
+    for (int row = 0; row < cache.length; row++) total += cache.attention[row];   /* layer 0, head 0 */
+    CHECK(fabsf(total - 2 * 2) < 1e-4f);   /* 2 queries x kv_mul 2, each head's weights sum to 1 */
+    CHECK(kv_cache_truncate(&cache, 4) == KV_OK && cache.next_position == 7);
+    int32_t drop_newest[2 * 3 * 2] = {0, 0, 1, 1, 2, 2,  0, 0, 1, 1, 2, 2};
+    CHECK(kv_cache_keep(&cache, 3, drop_newest) == KV_OK);          /* position 6 dropped */
+    CHECK(kv_cache_truncate(&cache, 2) == KV_ERR_INVALID_ARG);      /* 5 is not the newest */
+    CHECK(kv_cache_truncate(&cache, 0) == KV_OK && cache.next_position == 0);
+    CHECK(kv_cache_track_attention(&cache, 0) == KV_OK && cache.attention == NULL);
+    CHECK(kv_model_forward(m, &cache, tokens, 6, logits, 0, NULL) == KV_OK);
+    CHECK(memcmp(logits, want, sizeof(float) * V) == 0);           /* like new after a reset */
+    kv_cache windowed;
+    const kv_cache_format with_window = {KV_FMT_I8, KV_FMT_I8, 0, 0, 2};
+    CHECK(kv_cache_init(&windowed, c->n_layers, 2, 8, 12, &with_window) == KV_OK);
+    CHECK(kv_cache_keep(&windowed, 0, NULL) == KV_ERR_INVALID_ARG);
+    CHECK(kv_cache_track_attention(&windowed, 1) == KV_ERR_INVALID_ARG);
+    kv_cache_free(&windowed);
+    kv_cache_free(&cache);
+    kv_cache_free(&full);
+    free(logits);
+    free(want);
+    free_model(&tm);
+}
+
 int main(void) {
     test_ops();
     test_cache();
@@ -810,6 +878,8 @@ int main(void) {
     test_model_paths_agree(6, 2, 8, &int8);
     test_model_paths_agree(6, 2, 8, &mixed);
     test_model_paths_agree(4, 1, 10, &halves);
+    test_cache_keep(NULL);
+    test_cache_keep(&int8);
     test_interrupts();
     test_tiers_small_ops();
     test_tiers_matmul();

@@ -1,0 +1,245 @@
+"""Keeping fewer positions: cache policies that decide which rows a KV cache keeps.
+
+The other levers shrink each row (GQA: fewer heads; kvlab.quant: fewer bits) or stop
+wasting rows (kvlab.paged). These keep fewer rows, so that a cache of `budget` rows serves a
+sequence of any length:
+
+    SlidingWindow(window)          the newest `window` positions (Mistral's sliding window)
+    AttentionSinks(sinks, window)  the first `sinks` positions and the newest `window`
+                                   (StreamingLLM: the first tokens soak up attention)
+    HeavyHitters(budget, recent)   the newest `recent`, and the rest by the attention they
+                                   have received so far (H2O's heavy hitters)
+    SnapKV(budget, observation)    after the prompt, the prompt rows the prompt's last
+                                   `observation` queries attend to most (SnapKV); then the
+                                   cache grows as usual
+
+    policy = SlidingWindow(64)
+    cache = policy.new_cache(model)
+    logits = policy.forward(model, prompt_ids, cache)       # drops rows as it must
+    cache.positions                                         # which positions are kept
+
+How a policy runs: tokens go through the model as ordinary forward calls. When the cache
+holds `budget` rows and another token comes, the policy picks `budget - 1` rows to keep
+(keep() below), and the core moves them to the front of the cache (cache.keep). Tokens that
+fit without dropping anything go in one call; after that, one at a time, so every query sees
+exactly the rows the policy would leave it token by token, however the tokens are split.
+Each layer and KV head may keep different rows (H2O and SnapKV choose per head).
+
+RoPE: positions as stored. A row keeps the rotation of the position it was computed at,
+and a new token is rotated by its true position (cache.next_position), so attention sees
+the same relative distances as without dropping anything. StreamingLLM instead rotates the
+kept keys by their place in the shortened cache, so no position past the model's training
+context is ever used; kvlab does not, and says so: past config.max_seq_len a model meets
+rotations it was never trained on (tests/test_cache_policy.py checks both halves of this).
+
+Not here: the attention arithmetic (csrc/model.c), moving rows (csrc/kvcache.c), the sums
+of attention weights (csrc/attention_weights.c), accuracy against a budget (kvlab.accuracy).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+
+from .model import KVCache, Model, as_token_array
+
+
+def _count(name: str, value, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
+        raise ValueError(f"{name} must be an integer of at least {minimum}, got {value!r}")
+    return int(value)
+
+
+def newest_rows(length: int, n: int, cache: KVCache) -> np.ndarray:
+    """Rows length - n .. length - 1 for every layer and KV head: (n_layers, n, n_kv_heads)."""
+    rows = np.arange(length - n, length, dtype=np.int32)
+    return np.broadcast_to(rows[None, :, None], (cache.shape[0], n, cache.shape[2]))
+
+
+def most_attended(weights: np.ndarray, n: int) -> np.ndarray:
+    """The n rows with the largest weights for each layer and KV head, in row order.
+    weights: (n_layers, n_rows, n_kv_heads). Ties go to the earlier row."""
+    order = np.argsort(-weights, axis=1, kind="stable")[:, :n, :]
+    return np.sort(order, axis=1).astype(np.int32)
+
+
+class CachePolicy:
+    """A cache of at most `budget` rows, and the rule for which ones to keep."""
+
+    name = "policy"
+    budget: int
+    tracks_attention = False   # keep() reads cache.attention_weights
+    bounded = True             # never holds more than `budget` rows, however long the sequence
+
+    def keep(self, cache: KVCache, n_keep: int) -> np.ndarray:
+        """The rows to keep, (n_layers, n_keep, n_kv_heads) int32, increasing along
+        axis 1, when the cache is full and one more token is coming."""
+        raise NotImplementedError
+
+    def new_cache(self, model: Model, dtype="fp32", **format_options) -> KVCache:
+        """A cache of exactly `budget` rows for this policy: its memory stays the same
+        however long the sequence grows."""
+        cache = model.new_cache(self.budget, dtype, **format_options)
+        self._prepare(cache)
+        return cache
+
+    def _prepare(self, cache: KVCache) -> None:
+        if cache.window:
+            raise ValueError(f"{self.name}: a cache with a residual window keeps its newest "
+                             f"rows by position and cannot drop rows; make it with window=0")
+        if cache.capacity < self.budget:
+            raise ValueError(f"{self.name} keeps {self.budget} rows but this cache has room "
+                             f"for {cache.capacity}: make it with policy.new_cache(model)")
+        if self.tracks_attention and not cache.tracks_attention:
+            cache.track_attention(True)
+
+    # [quote ch08-policy-forward]
+    def forward(self, model: Model, tokens, cache: KVCache, all_logits: bool = False) -> np.ndarray:
+        """model.forward(tokens, cache, all_logits), dropping rows whenever the cache is full
+        and another token comes."""
+        ids = as_token_array(tokens, model.config.vocab_size)
+        self._prepare(cache)
+        pieces, done = [], 0
+        while done < len(ids):
+            if cache.length >= self.budget:              # full: make room for one token
+                cache.keep(np.ascontiguousarray(self.keep(cache, self.budget - 1), np.int32))
+            # as many tokens as fit before the next drop, in one call
+            n = min(self.budget - cache.length, len(ids) - done)
+            pieces.append(model.forward(ids[done:done + n], cache, all_logits))
+            done += n
+        return np.concatenate(pieces) if all_logits else pieces[-1]
+    # [end ch08-policy-forward]
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(budget={self.budget})"
+
+
+# [quote ch08-policies]
+class SlidingWindow(CachePolicy):
+    """Each token sees itself and the window - 1 positions before it."""
+
+    name = "window"
+
+    def __init__(self, window: int):
+        self.window = self.budget = _count("window", window, 1)
+
+    def keep(self, cache, n_keep):
+        return newest_rows(cache.length, n_keep, cache)
+
+    def __repr__(self):
+        return f"SlidingWindow(window={self.window})"
+
+
+class AttentionSinks(CachePolicy):
+    """The first `sinks` positions, which soak up the attention a query gives to nothing
+    in particular, and the newest `window` (the token's own row included)."""
+
+    name = "sinks"
+
+    def __init__(self, sinks: int = 4, window: int = 60):
+        self.sinks = _count("sinks", sinks, 1)
+        self.window = _count("window", window, 1)
+        self.budget = self.sinks + self.window
+
+    def keep(self, cache, n_keep):
+        # rows never move past each other, so the first rows hold the first positions
+        first = np.broadcast_to(np.arange(self.sinks, dtype=np.int32)[None, :, None],
+                                (cache.shape[0], self.sinks, cache.shape[2]))
+        return np.concatenate([first, newest_rows(cache.length, n_keep - self.sinks, cache)],
+                              axis=1)
+
+    def __repr__(self):
+        return f"AttentionSinks(sinks={self.sinks}, window={self.window})"
+
+
+class HeavyHitters(CachePolicy):
+    """H2O: the newest `recent` rows, and the others by the attention weight they have
+    received since they came (summed over every later query), per layer and KV head."""
+
+    name = "h2o"
+    tracks_attention = True
+
+    def __init__(self, budget: int, recent: Optional[int] = None):
+        self.budget = _count("budget", budget, 2)
+        self.recent = self.budget // 2 if recent is None else _count("recent", recent, 1)
+        if self.recent >= self.budget:
+            raise ValueError(f"recent ({self.recent}) must be below the budget ({self.budget})")
+
+    def keep(self, cache, n_keep):
+        recent = min(self.recent, n_keep)
+        older = cache.length - recent
+        heavy = most_attended(cache.attention_weights[:, :older, :], n_keep - recent)
+        return np.concatenate([heavy, newest_rows(cache.length, recent, cache)], axis=1)
+
+    def __repr__(self):
+        return f"HeavyHitters(budget={self.budget}, recent={self.recent})"
+# [end ch08-policies]
+
+
+class SnapKV(CachePolicy):
+    """SnapKV: once the prompt has run, keep `budget` of its rows: its last `observation`
+    positions, and the earlier ones that those positions' queries attend to most (weights
+    smoothed over `kernel` neighbouring rows, so a chosen row brings its neighbours), per
+    layer and KV head. Tokens after the prompt are appended as usual: the cache must have
+    room for them (new_cache's max_seq_len)."""
+
+    name = "snapkv"
+    bounded = False
+
+    def __init__(self, budget: int, observation: int = 16, kernel: int = 5):
+        self.budget = _count("budget", budget, 1)
+        self.observation = _count("observation", observation, 1)
+        self.kernel = _count("kernel", kernel, 1)
+        if self.observation > self.budget:
+            raise ValueError(f"observation ({self.observation}) must not exceed the budget "
+                             f"({self.budget}): the observed rows are always kept")
+
+    def new_cache(self, model: Model, dtype="fp32", max_seq_len: Optional[int] = None,
+                  **format_options) -> KVCache:
+        """A cache that holds the whole prompt until it is compressed, and what follows:
+        max_seq_len positions (default: the model's context)."""
+        cache = model.new_cache(max_seq_len, dtype, **format_options)
+        self._prepare(cache)
+        return cache
+
+    def forward(self, model, tokens, cache, all_logits=False):
+        """The first call (the prompt) runs in two parts, the last `observation` tokens
+        with their attention counted, then compresses the cache to `budget` rows; later
+        calls are plain model.forward."""
+        ids = as_token_array(tokens, model.config.vocab_size)
+        self._prepare(cache)
+        if cache.next_position > 0:
+            return model.forward(ids, cache, all_logits)
+        n_observed = min(self.observation, len(ids))
+        pieces = []
+        if len(ids) > n_observed:
+            pieces.append(model.forward(ids[:-n_observed], cache, all_logits))
+        cache.track_attention(True)
+        try:
+            pieces.append(model.forward(ids[-n_observed:], cache, all_logits))
+            weights = cache.attention_weights
+        finally:
+            cache.track_attention(False)
+        if cache.length > self.budget:
+            cache.keep(np.ascontiguousarray(self.keep_from(weights, n_observed, cache), np.int32))
+        return np.concatenate(pieces) if all_logits else pieces[-1]
+
+    def keep_from(self, weights: np.ndarray, n_observed: int, cache: KVCache) -> np.ndarray:
+        """The prompt rows to keep, from the observation queries' weights."""
+        older = weights[:, :cache.length - n_observed, :]
+        pad = self.kernel // 2
+        padded = np.pad(older, ((0, 0), (pad, self.kernel - 1 - pad), (0, 0)), mode="edge")
+        smoothed = np.stack([padded[:, i:i + older.shape[1], :] for i in range(self.kernel)]).mean(0)
+        chosen = most_attended(smoothed, self.budget - n_observed)
+        return np.concatenate([chosen, newest_rows(cache.length, n_observed, cache)], axis=1)
+
+    def keep(self, cache, n_keep):
+        raise RuntimeError("SnapKV compresses once, after the prompt; it does not drop rows "
+                           "while decoding")
+
+    def __repr__(self):
+        return f"SnapKV(budget={self.budget}, observation={self.observation})"
+
+
+POLICIES = {"window": SlidingWindow, "sinks": AttentionSinks, "h2o": HeavyHitters,
+            "snapkv": SnapKV}
