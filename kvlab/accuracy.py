@@ -18,6 +18,13 @@ which it was not trained on; stories260K is evaluated on text it generated itsel
 
     report = kvlab.accuracy.evaluate(model, tokens)
     print(report.table())
+
+Keeping fewer positions (kvlab.cache_policy) costs accuracy too: evaluate_budgets() runs
+each window's first half as a prompt and scores the second half, teacher-forced, with a
+cache that keeps only `budget` rows under each policy, against the full cache.
+
+    report = kvlab.accuracy.evaluate_budgets(model, tokens, budgets=(16, 32, 64))
+    print(report.table())
 """
 from __future__ import annotations
 
@@ -27,6 +34,7 @@ from typing import Dict, List, Optional, Sequence, Union
 
 import numpy as np
 
+from .cache_policy import AttentionSinks, CachePolicy, HeavyHitters, SlidingWindow, SnapKV
 from .generate import generate
 from .measure import kv_bytes_per_token
 from .next_token_metrics import kl_divergence, log_softmax, perplexity  # noqa: F401 (re-exported)
@@ -214,3 +222,146 @@ def generated_tokens(model, n_tokens: int, prompt: Union[str, Sequence[int]] = "
         ids.extend(out.prompt_tokens + out.tokens)
         step += 1
     return np.asarray(ids[:n_tokens], dtype=np.int64)
+
+
+# ---- keeping fewer positions ------------------------------------------------------------
+
+def make_policy(name: str, budget: int) -> CachePolicy:
+    """The policy `name` at a cache budget of `budget` rows, as evaluate_budgets compares
+    them: window: the newest rows; sinks: 4 first rows + the newest; h2o: half recent,
+    half heavy hitters; snapkv: the prompt compressed to `budget` rows, observed by its last
+    budget // 4 queries (at most 16)."""
+    if name == "window":
+        return SlidingWindow(budget)
+    if name == "sinks":
+        return AttentionSinks(min(4, budget - 1), budget - min(4, budget - 1))
+    if name == "h2o":
+        return HeavyHitters(budget)
+    if name == "snapkv":
+        return SnapKV(budget, observation=max(1, min(16, budget // 4)))
+    raise ValueError(f"unknown policy {name!r}: one of window, sinks, h2o, snapkv")
+
+
+@dataclasses.dataclass
+class BudgetAccuracy:
+    """One policy at one budget, against the full cache, on the second halves of the windows."""
+    policy: str
+    budget: int                   # rows the cache keeps
+    mean_rows: float              # rows each scored position attended to, on average
+    kl: float                     # mean KL(p_full || p_policy), nats
+    top1: float                   # fraction of positions whose argmax agrees with the full cache
+    perplexity: float
+    perplexity_change: float      # percent, against the full cache
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass
+class BudgetReport:
+    """evaluate_budgets()'s result."""
+    model: str
+    context: int                  # tokens per window: the first half prompt, the rest scored
+    n_scored: int                 # positions scored, all windows together
+    full_perplexity: float
+    results: List[BudgetAccuracy]
+
+    def of(self, policy: str) -> List[BudgetAccuracy]:
+        return [r for r in self.results if r.policy == policy]
+
+    def table(self) -> str:
+        lines = [f"{self.model}: {self.n_scored:,} positions scored (second halves of windows of "
+                 f"{self.context}); full cache perplexity {self.full_perplexity:.4f}",
+                 f"{'policy':<8}{'budget':>8}{'rows read':>11}{'KL (nats)':>12}{'top-1':>8}"
+                 f"{'perplexity':>12}{'change':>10}"]
+        for r in self.results:
+            lines.append(f"{r.policy:<8}{r.budget:>8}{r.mean_rows:>11.1f}{r.kl:>12.2e}"
+                         f"{100 * r.top1:>7.2f}%{r.perplexity:>12.4f}{r.perplexity_change:>+9.2f}%")
+        lines.append("rows read: the mean rows a scored position attended to (SnapKV compresses "
+                     "the prompt only: later tokens add rows)")
+        return "\n".join(lines)
+
+    def as_dict(self) -> dict:
+        return {"model": self.model, "context": self.context, "n_scored": self.n_scored,
+                "full_perplexity": self.full_perplexity,
+                "results": [r.as_dict() for r in self.results]}
+
+
+def _rows_seen(policy: CachePolicy, prompt: int, n_scored: int) -> float:
+    """Mean rows the queries that predict the n_scored tokens after the prompt attend to:
+    the prompt's last query, then each continuation query but the last. A bounded policy
+    holds at most its budget; SnapKV's prompt was whole for the prompt's own queries, then
+    compressed, and every later token adds a row."""
+    queries = np.arange(prompt - 1, prompt - 1 + n_scored)     # positions of the queries
+    if policy.bounded:
+        return float(np.minimum(queries + 1, policy.budget).mean())
+    kept = min(prompt, policy.budget)
+    return float(np.where(queries < prompt, queries + 1, kept + queries - prompt + 1).mean())
+
+
+def _scored_logits(model, policy: CachePolicy, window: np.ndarray, prompt: int) -> np.ndarray:
+    """The logits that predict window[prompt:], with the policy's cache: the prompt's last
+    row, then every continuation row but the last."""
+    cache = (policy.new_cache(model) if policy.bounded
+             else policy.new_cache(model, max_seq_len=len(window)))
+    last = policy.forward(model, window[:prompt], cache)
+    rest = policy.forward(model, window[prompt:-1], cache, all_logits=True) \
+        if len(window) - 1 > prompt else np.zeros((0, len(last)), np.float32)
+    return np.concatenate([last[None], rest])
+
+
+def evaluate_budgets(model, tokens: Sequence[int], budgets: Sequence[int] = (16, 32, 64),
+                     policies: Sequence[str] = ("window", "sinks", "h2o", "snapkv"),
+                     context: Optional[int] = None, progress: bool = False) -> BudgetReport:
+    """Perplexity, KL and top-1 agreement of each policy at each budget against the full
+    cache (see the module text). context: tokens per window (default: the model's context,
+    at most 256); its first half is the prompt, and a budget should be below it."""
+    tokens = np.asarray(tokens)
+    config = model.config
+    context = context or min(256, config.max_seq_len)
+    if not 4 <= context <= config.max_seq_len:
+        raise ValueError(f"context must be between 4 and the model's {config.max_seq_len} tokens")
+    if tokens.ndim != 1 or len(tokens) < context:
+        raise ValueError(f"tokens must be a 1-D sequence of at least one window ({context} ids)")
+    runs = [(name, int(budget), make_policy(name, int(budget)))
+            for name in policies for budget in budgets]          # checks every one up front
+    prompt = context // 2
+    windows = [tokens[i:i + context] for i in range(0, len(tokens) - context + 1, context)]
+    totals = {(name, budget): _Totals(1) for name, budget, _ in runs}
+    full_nll, n_scored = 0.0, 0
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+        bar = tqdm(total=len(windows) * (len(runs) + 1), desc="cache budgets", unit="run")
+    for window in windows:
+        targets = window[prompt:]
+        full = log_softmax(model.forward(window, model.new_cache(len(window)),
+                                         all_logits=True))[prompt - 1:-1]
+        p = np.exp(full)
+        full_nll -= full[np.arange(len(targets)), targets].sum()
+        n_scored += len(targets)
+        if bar is not None:
+            bar.update(1)
+        for name, budget, policy in runs:
+            total = totals[(name, budget)]
+            log_q = log_softmax(_scored_logits(model, policy, window, prompt))
+            total.kl += float((p * (full - log_q)).sum())
+            total.agree += int((log_q.argmax(axis=-1) == full.argmax(axis=-1)).sum())
+            total.nll -= log_q[np.arange(len(targets)), targets].sum()
+            if bar is not None:
+                bar.update(1)
+    if bar is not None:
+        bar.close()
+    full_perplexity = float(np.exp(full_nll / n_scored))
+    results = []
+    for name, budget, _ in runs:
+        total = totals[(name, budget)]
+        ppl = float(np.exp(total.nll / n_scored))
+        results.append(BudgetAccuracy(policy=name, budget=budget,
+                                      mean_rows=_rows_seen(make_policy(name, budget), prompt,
+                                                           context - prompt),
+                                      kl=total.kl / n_scored,
+                                      top1=total.agree / n_scored, perplexity=ppl,
+                                      perplexity_change=100.0 * (ppl / full_perplexity - 1.0)))
+    return BudgetReport(model=config.name or model.source, context=context, n_scored=n_scored,
+                        full_perplexity=full_perplexity, results=results)

@@ -105,3 +105,27 @@ def test_validation_split_comes_from_the_model_card(model, shared_models, tmp_pa
     short.write_text("too short")
     with pytest.raises(ValueError, match="validation split"):
         accuracy.validation_tokens(model, str(short))
+
+
+# ---- keeping fewer positions --------------------------------------------------------------
+
+def test_budgets_that_hold_everything_cost_nothing():
+    model = kvlab.load()
+    tokens = np.arange(128) % 200 + 3
+    report = accuracy.evaluate_budgets(model, tokens, budgets=(64, 8), context=64)
+    for policy in ("window", "sinks", "h2o", "snapkv"):
+        whole, small = report.of(policy)
+        assert whole.budget == 64 and whole.kl == 0.0 and whole.top1 == 1.0
+        assert whole.perplexity_change == 0.0
+        assert small.kl > 0.0
+    assert report.n_scored == 64 and report.of("window")[1].mean_rows == 8.0
+    assert report.of("snapkv")[1].mean_rows > 8.0      # the cache grows after the prompt
+    assert "snapkv" in report.table() and report.as_dict()["results"][0]["policy"] == "window"
+
+
+@pytest.mark.parametrize("kwargs", [{"policies": ("lru",)}, {"budgets": (0,)},
+                                    {"context": 2}, {"context": 10_000}])
+def test_evaluate_budgets_refuses_what_it_cannot_run(kwargs):
+    model = kvlab.load()
+    with pytest.raises(ValueError):
+        accuracy.evaluate_budgets(model, np.arange(300) % 200, **kwargs)
