@@ -35,6 +35,9 @@ class ModelConfig:
     rope_scaling: Optional[dict] = None
     tied_embeddings: bool = True  # classifier shares the token embedding matrix
     name: str = ""
+    # Mistral-style sliding-window attention: each token attends to itself and the
+    # sliding_window - 1 positions before it (None: to every earlier position).
+    sliding_window: Optional[int] = None
 
     def __post_init__(self) -> None:
         self._check_sizes()  # before dim // n_heads: a string or 0 must not get that far
@@ -97,6 +100,11 @@ class ModelConfig:
             if not isinstance(getattr(self, field), (bool, np.bool_)):
                 raise _error(field, f"{field} must be true or false, "
                              f"got {_short(getattr(self, field))}")
+        window = self.sliding_window
+        if window is not None and (isinstance(window, (bool, np.bool_))
+                                   or not isinstance(window, (int, np.integer)) or window < 1):
+            raise _error("sliding_window", f"sliding_window must be a positive integer or "
+                         f"None, got {_short(window)}")
         if not isinstance(self.name, str):
             raise _error("name", f"name must be a string, got {_short(self.name)}")
         self._check_rope_scaling()

@@ -18,7 +18,7 @@ import numpy as np
 from .counts import Counts
 from .deprecation import renamed
 from .errors import ContextLengthError
-from .cache_policy import CachePolicy
+from .cache_policy import CachePolicy, SlidingWindow
 from .model import Model
 from .quant import CacheFormat
 from .sampling import check_sampling_args, sample
@@ -88,7 +88,8 @@ def generate(model: Model, prompt: Union[str, Sequence[int]], max_new_tokens: in
     HeavyHitters(64), SnapKV(64)) keeps fewer positions: the cache holds the policy's
     budget of rows and drops the others as the sequence grows. A policy with a fixed
     budget (all but SnapKV) may generate past the model's context; the positions it then
-    uses were never seen in training.
+    uses were never seen in training. A model whose config has a sliding_window runs with
+    SlidingWindow(config.sliding_window) by itself, as it was trained.
     """
     if "cache_dtype" in cache_options:            # its name before dtype was one word
         if dtype is not None:
@@ -109,6 +110,10 @@ def generate(model: Model, prompt: Union[str, Sequence[int]], max_new_tokens: in
         if not ids:
             raise ValueError("the prompt has no token ids")
     context = model.config.max_seq_len
+    window = model.config.sliding_window
+    if cache_policy is None and window is not None and use_cache and \
+            len(ids) + max_new_tokens - 1 > window:
+        cache_policy = SlidingWindow(window)      # the model's own attention: its last window
     if cache_policy is not None:
         _check_cache_policy(cache_policy, use_cache, speculate, cache_format)
     bounded = cache_policy is not None and cache_policy.bounded

@@ -177,10 +177,24 @@ class Model:
             raise ValueError(f"this cache keeps its K and V on {_device_of(cache)!r} but the model "
                              f"runs on {self.device!r}: make caches with the model that uses them")
 
+    def _check_window(self, cache, n_new: int) -> None:
+        """A sliding-window model attends to its last config.sliding_window positions only;
+        the core attends to every row a cache holds, so a call that would leave more rows
+        than that visible is refused, not run with the wrong attention."""
+        window = self.config.sliding_window
+        rows = n_new + (0 if cache is None else cache.length)
+        if window is not None and rows > window:
+            raise ValueError(
+                f"this model attends to its last {window} positions (config.sliding_window), "
+                f"but this call would let a token see {rows}: run it over a cache that keeps "
+                f"at most {window} rows, kvlab.cache_policy.SlidingWindow({window}) "
+                f"(kvlab.generate does so by itself)")
+
     def _run(self, tokens: np.ndarray, cache, all_logits: bool) -> np.ndarray:
         """One forward call through the core, its counts added where they belong."""
         self._check_weights()
         self._check_device(cache)
+        self._check_window(cache, len(tokens))
         call = np.zeros(len(core.COUNTERS), dtype=np.int64)
         logits = self._core.forward(tokens, cache, all_logits, call)
         self._record(call)
@@ -307,6 +321,7 @@ class Model:
             raise ValueError(f"stop_token {stop_token} is out of range [0, "
                              f"{self.config.vocab_size}) (or None for no stop)")
         self._check_device(cache)
+        self._check_window(cache, max_steps)
         if temperature > 0.0 and rng is None:
             rng = np.random.default_rng()
         if isinstance(cache, KVCache):
@@ -376,8 +391,9 @@ class Model:
         if len(seqs) != len(chunks):
             raise ValueError(f"{len(seqs)} sequences but {len(chunks)} chunks of tokens")
         arrays = [as_token_array(chunk, self.config.vocab_size) for chunk in chunks]
-        for seq in seqs:
+        for seq, chunk in zip(seqs, arrays):
             self._check_device(seq)
+            self._check_window(seq, len(chunk))
         counts = np.array([len(a) for a in arrays], dtype=np.int32)
         call = np.zeros(len(core.COUNTERS), dtype=np.int64)
         logits = self._core.forward_batch(list(seqs), np.concatenate(arrays), counts, call,

@@ -329,3 +329,54 @@ def test_keep_differs_per_head(model, ids):
     np.testing.assert_array_equal(cache.keys[:, :, 0], full_keys[:, [1, 4], 0])
     np.testing.assert_array_equal(cache.keys[:, :, 1], full_keys[:, [0, 5], 1])
     assert list(cache.positions[0, :, 1]) == [0, 5]
+
+
+# ---- models trained with a sliding window (Mistral) -----------------------------------------
+
+@pytest.fixture(scope="module")
+def mistral(tmp_path_factory):
+    """A tiny random Mistral with a window of 8, written by transformers itself."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.MistralConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=128,
+        sliding_window=8, rms_norm_eps=1e-5, tie_word_embeddings=False)
+    hf = transformers.MistralForCausalLM(config).eval()
+    folder = tmp_path_factory.mktemp("mistral")
+    hf.save_pretrained(folder, safe_serialization=True)
+    return hf, kvlab.load(folder)
+
+
+def test_a_sliding_window_model_loads_with_its_window(mistral):
+    _, model = mistral
+    assert model.config.sliding_window == 8
+
+
+def test_a_sliding_window_model_matches_transformers(mistral):
+    torch = pytest.importorskip("torch")
+    hf, model = mistral
+    tokens = [int(t) for t in (np.arange(30) * 7 + 3) % 64]
+    with torch.no_grad():
+        want = hf(torch.tensor([tokens])).logits[0].numpy()
+    policy = SlidingWindow(8)
+    got = policy.forward(model, tokens, policy.new_cache(model), all_logits=True)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+    # and greedy generation past the window gives transformers' tokens
+    with torch.no_grad():
+        hf_out = hf.generate(torch.tensor([tokens[:5]]), max_new_tokens=25, do_sample=False,
+                             pad_token_id=0)[0, 5:].tolist()
+    out = kvlab.generate(model, tokens[:5], max_new_tokens=25, stop_at_eos=False)
+    assert out.tokens == hf_out
+
+
+def test_a_sliding_window_model_refuses_a_cache_that_sees_too_much(mistral):
+    _, model = mistral
+    with pytest.raises(ValueError, match="sliding_window"):
+        model.forward(list(range(9)))
+    cache = model.new_cache(32)
+    model.forward(list(range(8)), cache)
+    with pytest.raises(ValueError, match="SlidingWindow"):
+        model.decode(1, cache)
+    assert cache.length == 8

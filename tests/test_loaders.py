@@ -388,7 +388,7 @@ def test_corrupt_safetensors(tmp_path: Path) -> None:
 def test_unsupported_hf_models(tmp_path: Path) -> None:
     cases = {"qwen": dict(model_type="qwen2"), "bias": dict(attention_bias=True),
              "mlpbias": dict(mlp_bias=True), "gelu": dict(hidden_act="gelu"),
-             "window": dict(model_type="mistral", sliding_window=4),
+             "window": dict(model_type="mistral", sliding_window=0),
              "scaling": dict(rope_scaling={"rope_type": "yarn", "factor": 4.0})}
     for name, change in cases.items():
         write_tiny_hf(tmp_path / name, **change)
@@ -396,6 +396,9 @@ def test_unsupported_hf_models(tmp_path: Path) -> None:
             load_checkpoint(tmp_path / name)
     write_tiny_hf(tmp_path / "mistral", model_type="mistral", sliding_window=None)
     assert load_checkpoint(tmp_path / "mistral")[0].dim == SMALL.dim
+    # a window that slides is kept (tests/test_cache_policy.py runs such a model)
+    write_tiny_hf(tmp_path / "slides", model_type="mistral", sliding_window=4)
+    assert load_checkpoint(tmp_path / "slides")[0].sliding_window == 4
 
 
 def test_hf_transformers5_rope_parameters(tmp_path: Path) -> None:

@@ -7,7 +7,8 @@ Every number in the header is checked against the file before any tensor is read
 every config.json value for its type and against the readers' shared size limits.
 
 Not here: PyTorch .bin checkpoints, quantized weights, models other than Llama-like
-(llama, and mistral without a sliding window), biases, or partial rotary embeddings.
+(llama and mistral), biases, or partial rotary embeddings. A sliding window (Mistral) is
+kept in the config: kvlab.generate runs such a model with a SlidingWindow cache policy.
 Weights are converted to float32 and stacked per layer, so this loader copies (unlike
 the llama2.c loader, which maps the file).
 """
@@ -167,7 +168,8 @@ _HF_KEYS = {"dim": "hidden_size", "hidden_dim": "intermediate_size",
             "n_kv_heads": "num_key_value_heads", "vocab_size": "vocab_size",
             "max_seq_len": "max_position_embeddings", "head_dim": "head_dim",
             "norm_eps": "rms_norm_eps", "rope_theta": "rope_theta",
-            "rope_scaling": "rope_scaling", "tied_embeddings": "tie_word_embeddings"}
+            "rope_scaling": "rope_scaling", "tied_embeddings": "tie_word_embeddings",
+            "sliding_window": "sliding_window"}
 _MISSING = object()
 
 
@@ -197,6 +199,7 @@ def config_from_hf(hf: Dict[str, Any], name: str = "") -> ModelConfig:
             rope_scaling=scaling,
             tied_embeddings=_flag(hf, "tie_word_embeddings"),
             name=name,
+            sliding_window=_sliding_window(hf),
         )
     except ConfigError as exc:
         raise config_error_in(exc, "config.json", _HF_KEYS) from None
@@ -260,10 +263,9 @@ def _check_architecture(hf: Dict[str, Any]) -> None:
     if window is not None and not is_int(window):
         raise CheckpointError(f"config.json: 'sliding_window' is {short(window)}, "
                               "expected an integer or null")
-    # A window at least as long as the context never slides, so it changes nothing.
-    if window is not None and window < _max_positions(hf):
-        raise CheckpointError(f"config.json: 'sliding_window' is {window}: sliding-window "
-                              "attention is not supported")
+    if window is not None and window < 1:
+        raise CheckpointError(f"config.json: 'sliding_window' is {window}: it must be a "
+                              "positive number of positions")
     for flag in ("attention_bias", "mlp_bias"):
         if _flag(hf, flag):
             raise CheckpointError(f"config.json: {flag!r} is true: kvlab's Llama has no bias terms")
@@ -271,6 +273,12 @@ def _check_architecture(hf: Dict[str, Any]) -> None:
     if act != "silu":
         raise CheckpointError(f"config.json: 'hidden_act' is {short(act)}, which is not "
                               "supported (SwiGLU needs 'silu')")
+
+
+def _sliding_window(hf: Dict[str, Any]) -> Optional[int]:
+    """The window, or None where it never slides: absent, null, or at least the context."""
+    window = hf.get("sliding_window")
+    return int(window) if window is not None and window < _max_positions(hf) else None
 
 
 def _rope_settings(hf: Dict[str, Any]) -> Tuple[float, Optional[dict]]:
@@ -478,9 +486,10 @@ def save_hf_llama(folder: "str | os.PathLike[str]", config: ModelConfig, weights
 
 def config_to_hf(config: ModelConfig, dtype: str = "float32") -> Dict[str, Any]:
     """config.json contents (transformers 4 style, which transformers 5 also reads)."""
+    windowed = config.sliding_window is not None     # transformers' Llama has no window
     return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+        "architectures": ["MistralForCausalLM" if windowed else "LlamaForCausalLM"],
+        "model_type": "mistral" if windowed else "llama",
         "hidden_size": config.dim,
         "intermediate_size": config.hidden_dim,
         "num_hidden_layers": config.n_layers,
@@ -493,6 +502,7 @@ def config_to_hf(config: ModelConfig, dtype: str = "float32") -> Dict[str, Any]:
         "rope_theta": config.rope_theta,
         "rope_scaling": config.rope_scaling,
         "tie_word_embeddings": config.tied_embeddings,
+        "sliding_window": config.sliding_window,
         "hidden_act": "silu",
         "attention_bias": False,
         "mlp_bias": False,
