@@ -34,7 +34,7 @@ from typing import Dict, List, Optional, Sequence, Union
 
 import numpy as np
 
-from .cache_policy import AttentionSinks, CachePolicy, HeavyHitters, SlidingWindow, SnapKV
+from .cache_policy import CachePolicy, make_policy
 from .generate import generate
 from .measure import kv_bytes_per_token
 from .next_token_metrics import kl_divergence, log_softmax, perplexity  # noqa: F401 (re-exported)
@@ -225,22 +225,6 @@ def generated_tokens(model, n_tokens: int, prompt: Union[str, Sequence[int]] = "
 
 
 # ---- keeping fewer positions ------------------------------------------------------------
-
-def make_policy(name: str, budget: int) -> CachePolicy:
-    """The policy `name` at a cache budget of `budget` rows, as evaluate_budgets compares
-    them: window: the newest rows; sinks: 4 first rows + the newest; h2o: half recent,
-    half heavy hitters; snapkv: the prompt compressed to `budget` rows, observed by its last
-    budget // 4 queries (at most 16)."""
-    if name == "window":
-        return SlidingWindow(budget)
-    if name == "sinks":
-        return AttentionSinks(min(4, budget - 1), budget - min(4, budget - 1))
-    if name == "h2o":
-        return HeavyHitters(budget)
-    if name == "snapkv":
-        return SnapKV(budget, observation=max(1, min(16, budget // 4)))
-    raise ValueError(f"unknown policy {name!r}: one of window, sinks, h2o, snapkv")
-
 
 @dataclasses.dataclass
 class BudgetAccuracy:

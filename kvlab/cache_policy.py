@@ -241,5 +241,18 @@ class SnapKV(CachePolicy):
         return f"SnapKV(budget={self.budget}, observation={self.observation})"
 
 
-POLICIES = {"window": SlidingWindow, "sinks": AttentionSinks, "h2o": HeavyHitters,
-            "snapkv": SnapKV}
+def make_policy(name: str, budget: int) -> CachePolicy:
+    """The policy `name` at a cache budget of `budget` rows, as kvlab.accuracy's
+    evaluate_budgets and `kvlab generate --cache-policy NAME:BUDGET` make them. window: the
+    newest rows; sinks: the 4 first rows and the newest; h2o: half recent, half heavy
+    hitters; snapkv: the prompt compressed to `budget` rows, observed by its last
+    budget // 4 queries (at most 16)."""
+    if name == "window":
+        return SlidingWindow(budget)
+    if name == "sinks":
+        return AttentionSinks(min(4, budget - 1), budget - min(4, budget - 1))
+    if name == "h2o":
+        return HeavyHitters(budget)
+    if name == "snapkv":
+        return SnapKV(budget, observation=max(1, min(16, budget // 4)))
+    raise ValueError(f"unknown policy {name!r}: one of window, sinks, h2o, snapkv")

@@ -140,17 +140,34 @@ def _drafter(spec: str, model):
     return DraftModel(kvlab.load(spec))
 
 
+def _cache_policy(spec: str):
+    """--cache-policy's policy: NAME:BUDGET, NAME one of window, sinks, h2o, snapkv."""
+    from .cache_policy import make_policy
+    name, _, budget = spec.partition(":")
+    if not budget.isdigit():
+        raise SystemExit(f"kvlab: error: --cache-policy takes NAME:BUDGET (window:64, sinks:64, "
+                         f"h2o:64, snapkv:64), got {spec!r}")
+    try:
+        return make_policy(name, int(budget))
+    except ValueError as error:
+        raise SystemExit(f"kvlab: error: --cache-policy {spec}: {error}") from None
+
+
 def cmd_generate(args) -> int:
     import kvlab
     model = _load(args)
     drafter = _drafter(args.speculate, model) if args.speculate else None
+    policy = _cache_policy(args.cache_policy) if args.cache_policy else None
     out = kvlab.generate(model, args.prompt, args.max_new_tokens, use_cache=not args.no_cache,
                          temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                          seed=args.seed, progress=False, dtype=args.cache_dtype,
-                         window=args.window, speculate=drafter, draft_tokens=args.draft_tokens)
+                         window=args.window, speculate=drafter, draft_tokens=args.draft_tokens,
+                         cache_policy=policy)
     print(out.text)
     cache = (f"{args.cache_dtype} KV cache of {out.cache_nbytes:,} B" if out.use_cache
              else "without KV cache")
+    if policy is not None:
+        cache += f", keeping {policy}"
     print(f"\n[{len(out.tokens)} tokens in {out.seconds:.3f} s, "
           f"{out.tokens_per_second:,.1f} tokens/s, {cache}]", file=sys.stderr)
     if out.speculation is not None:
@@ -289,6 +306,10 @@ def build_parser() -> argparse.ArgumentParser:
                           "model's own first N layers) or a draft model's checkpoint path")
     gen.add_argument("--draft-tokens", type=positive_int, default=4,
                      help="drafts checked per pass with --speculate (default 4)")
+    gen.add_argument("--cache-policy", default=None, metavar="NAME:BUDGET",
+                     help="keep at most BUDGET positions in the cache: window (the newest), "
+                          "sinks (the first 4 and the newest), h2o (the newest and the most "
+                          "attended) or snapkv (the prompt compressed once), e.g. window:64")
     gen.set_defaults(func=cmd_generate)
 
     info = sub.add_parser("info", help="print a model's shape and sizes")

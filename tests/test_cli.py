@@ -39,6 +39,18 @@ def test_generate_with_speculation_prints_the_same_text_and_what_it_saved(capsys
         cli.main(base + ["--speculate", "layers:two"])
 
 
+def test_generate_with_a_cache_policy_runs_past_the_context(capsys):
+    import kvlab
+    n = kvlab.load().config.max_seq_len + 10
+    args = ["generate", "--prompt", "KING:", "--max-new-tokens", str(n)]
+    assert cli.main(args + ["--cache-policy", "sinks:32"]) == 0
+    captured = capsys.readouterr()
+    assert f"[{n} tokens" in captured.err and "AttentionSinks(sinks=4, window=28)" in captured.err
+    for bad in ("window", "window:x", "lru:8", "sinks:1"):
+        with pytest.raises(SystemExit, match="--cache-policy"):
+            cli.main(args + ["--cache-policy", bad])
+
+
 def test_generate_on_a_quantized_cache(capsys):
     args = ["generate", "--prompt", "KING:", "--max-new-tokens", "20", "--cache-dtype", "int8"]
     assert cli.main(args) == 0
