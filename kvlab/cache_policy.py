@@ -84,6 +84,9 @@ class CachePolicy:
         return cache
 
     def _prepare(self, cache: KVCache) -> None:
+        if not isinstance(cache, KVCache):
+            raise TypeError(f"{self.name} drops rows of a contiguous CPU cache (KVCache), got "
+                            f"{type(cache).__name__}: paged pools and GPU caches keep every row")
         if cache.window:
             raise ValueError(f"{self.name}: a cache with a residual window keeps its newest "
                              f"rows by position and cannot drop rows; make it with window=0")

@@ -238,6 +238,9 @@ def test_a_policy_refuses_a_cache_it_cannot_use(model):
         SlidingWindow(16).forward(model, [1, 2], model.new_cache(8))
     with pytest.raises(ValueError, match="residual window"):
         SlidingWindow(16).forward(model, [1, 2], model.new_cache(16, "int8", window=4))
+    pool = model.new_paged_pool(num_blocks=8, block_size=4)
+    with pytest.raises(TypeError, match="KVCache"):
+        SlidingWindow(16).forward(model, [1, 2], pool.new_sequence())
 
 
 @pytest.mark.parametrize("dtype", ["fp16", "int8", "int4"])
