@@ -268,7 +268,7 @@ kv_status kv_blocks_seq_new(kv_blocks *p, int *seq) {
         if (!p->seqs[s].alive) {
             kv_seq *q = &p->seqs[s];
             q->alive = 1;
-            q->n_blocks = q->length = q->reserved = 0;
+            q->n_blocks = q->length = q->reserved = q->next_position = q->compacted = 0;
             q->serial++;
             *seq = s;
             return KV_OK;
@@ -285,7 +285,7 @@ kv_status kv_blocks_seq_free(kv_blocks *p, int seq) {
     /* last block first, so a chain's tail is evicted before its head */
     for (int i = q->n_blocks - 1; i >= 0; i--) release_block(p, q->block_table[i]);
     q->alive = 0;
-    q->n_blocks = q->length = q->reserved = 0;
+    q->n_blocks = q->length = q->reserved = q->next_position = q->compacted = 0;
     return KV_OK;
 }
 /* [end ch04-kv-blocks-seq-free] */
@@ -305,6 +305,8 @@ kv_status kv_blocks_seq_fork(kv_blocks *p, int seq, int *child) {
     }
     copy->n_blocks = parent->n_blocks;
     copy->length = parent->length;
+    copy->next_position = parent->next_position;
+    copy->compacted = parent->compacted;
     return KV_OK;
 }
 /* [end ch04-kv-blocks-seq-fork] */
@@ -335,7 +337,7 @@ kv_status kv_blocks_reuse_prefix(kv_blocks *p, int seq, const int32_t *tokens, i
         note(p, hit);
         parent = b;
     }
-    q->length = q->n_blocks * p->block_size;
+    q->length = q->next_position = q->n_blocks * p->block_size;
     *n_reused = q->length;
     return KV_OK;
 }
@@ -350,6 +352,8 @@ kv_status kv_blocks_truncate(kv_blocks *p, int seq, int length) {
     int keep = blocks_for(p, length);
     for (int i = q->n_blocks - 1; i >= keep; i--) release_block(p, q->block_table[i]);
     q->n_blocks = keep;
+    q->next_position = length == 0 ? 0 : q->next_position - (q->length - length);
+    if (length == 0) q->compacted = 0;    /* empty: row i holds position i again */
     q->length = length;
     int rows = length % p->block_size;
     if (rows > 0 && p->ref_count[q->block_table[keep - 1]] == 1) {
@@ -442,13 +446,14 @@ kv_status kv_blocks_commit(kv_blocks *p, int seq, const int32_t *tokens, int n_t
         if (p->fill[b] < pos % bs + 1) p->fill[b] = pos % bs + 1;
     }
     q->length = old_length + n_tokens;
+    q->next_position += n_tokens;
     /* Blocks that became full in this call join the prefix cache (unless it is off). A
      * block the cache already knows (two sequences computed the same prefix side by side,
      * as a batch does) is a duplicate: the sequence switches to the known block and this
      * copy is freed, so the memory is shared and the next blocks chain on from a registered
      * parent. The K and V are the same bits, since the core computes a prefix the same way
      * every time. */
-    for (int i = old_length / bs; p->prefix_cache && i < q->length / bs; i++) {
+    for (int i = old_length / bs; p->prefix_cache && !q->compacted && i < q->length / bs; i++) {
         int32_t b = q->block_table[i], parent = i > 0 ? q->block_table[i - 1] : -1;
         int32_t twin = parent < 0 || p->registered[parent]
                            ? lookup(p, parent, p->tokens + (size_t)b * bs) : -1;
@@ -463,6 +468,28 @@ kv_status kv_blocks_commit(kv_blocks *p, int seq, const int32_t *tokens, int n_t
             register_full_block(p, b, parent);
         }
     }
+    return KV_OK;
+}
+
+kv_status kv_blocks_drop_rows(kv_blocks *p, int seq, int n_keep) {
+    kv_status status = kv_blocks_seq_check(p, seq);
+    if (status != KV_OK) return status;
+    kv_seq *q = &p->seqs[seq];
+    if (q->reserved > 0) return KV_ERR_PENDING;
+    if (n_keep < 0 || n_keep > q->length) return KV_ERR_INVALID_ARG;
+    for (int i = 0; i < q->n_blocks; i++)
+        if (p->ref_count[q->block_table[i]] != 1) return KV_ERR_INVALID_ARG;
+    /* Its rows no longer follow its tokens: no block of it may be found by them, nor any
+     * block cached after it (a new generation). */
+    for (int i = 0; i < q->n_blocks; i++) {
+        int32_t b = q->block_table[i];
+        if (p->registered[b]) unregister(p, b);
+        p->generation[b]++;
+    }
+    int next_position = q->next_position;
+    kv_blocks_truncate(p, seq, n_keep);     /* cannot fail: checked above */
+    q->next_position = next_position;
+    q->compacted = 1;
     return KV_OK;
 }
 
@@ -503,6 +530,9 @@ kv_status kv_blocks_check(const kv_blocks *p, char *message, size_t message_size
     for (int s = 0; s < p->max_seqs; s++) {
         const kv_seq *q = &p->seqs[s];
         if (!q->alive) continue;
+        if (q->next_position < q->length || (!q->compacted && q->next_position != q->length))
+            BROKEN("sequence %d: next position %d with %d rows%s", s, q->next_position,
+                   q->length, q->compacted ? "" : " none dropped");
         if (q->length < 0 || q->reserved < 0 ||
             q->n_blocks != blocks_for(p, q->length + q->reserved) ||
             q->n_blocks > p->max_blocks_per_seq)

@@ -103,7 +103,7 @@ kv_status kv_cache_truncate(kv_cache *cache, int length) {
     return KV_OK;
 }
 
-/* Rows new_rows .. new_rows + n_tokens - 1 were just written with the next positions. */
+/* The n_tokens rows from row cache->length on were just written, at the next positions. */
 void kv_cache_note_appended(kv_cache *cache, int n_tokens) {
     for (int layer = 0; layer < cache->n_layers && cache->positions != NULL; layer++)
         for (int head = 0; head < cache->n_kv_heads; head++)
@@ -122,12 +122,8 @@ kv_status kv_cache_keep(kv_cache *cache, int n_keep, const int32_t *rows) {
     int n_heads = cache->n_kv_heads;
     /* rows[layer][i][head]: the i-th row this (layer, head) keeps */
 #define KEPT(layer, i, head) rows[((size_t)(layer) * n_keep + (i)) * n_heads + (head)]
-    for (int layer = 0; layer < cache->n_layers; layer++)
-        for (int head = 0; head < n_heads; head++)
-            for (int i = 0; i < n_keep; i++)
-                if (KEPT(layer, i, head) < (i == 0 ? 0 : KEPT(layer, i - 1, head) + 1) ||
-                    KEPT(layer, i, head) >= cache->length)
-                    return KV_ERR_INVALID_ARG;
+    if (!kv_rows_to_keep_valid(rows, cache->n_layers, n_keep, n_heads, cache->length))
+        return KV_ERR_INVALID_ARG;
     if (cache->positions == NULL) {   /* from now on row i need not hold position i */
         cache->positions = malloc(row_index(cache, cache->n_layers, 0, 0) * sizeof(int32_t));
         if (cache->positions == NULL) return KV_ERR_NOMEM;

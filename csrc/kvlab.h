@@ -155,7 +155,8 @@ size_t kv_cache_nbytes(const kv_cache *cache);
  * by as many. With a residual window only length 0 is possible: the full-precision rows of
  * the positions before a cut are gone (KV_ERR_INVALID_ARG). After rows were dropped, the
  * rows cut must hold the newest positions (they do unless kv_cache_keep dropped one of
- * them since); length 0 forgets everything, positions included. */
+ * them since), and rows dropped meanwhile do not come back; length 0 forgets everything,
+ * positions included. */
 kv_status kv_cache_truncate(kv_cache *cache, int length);
 /* Keeps n_keep rows of each layer and KV head and drops the rest: rows is
  * (n_layers, n_keep, n_kv_heads), rows[l][i][h] the i-th row of layer l, head h to keep,
@@ -195,6 +196,10 @@ typedef struct {
     int n_blocks;
     int length;            /* positions filled */
     int reserved;          /* positions reserved past length and not committed yet (0: none) */
+    int next_position;     /* position of the next token (RoPE's angle): length, plus every
+                              row dropped (kv_pool_keep) */
+    int compacted;         /* rows were dropped: row i no longer holds position i, so its
+                              blocks are never offered to the prefix cache */
     int alive;
     uint32_t serial;       /* bumped each time this slot gets a new sequence, so a handle
                               to a freed sequence is recognised as stale */
@@ -303,6 +308,11 @@ kv_status kv_blocks_commit(kv_blocks *blocks, int seq, const int32_t *tokens, in
  * leaves the prefix cache, since its rows past the cut will be overwritten. Rollback of
  * speculative decoding's refused drafts. */
 kv_status kv_blocks_truncate(kv_blocks *blocks, int seq, int length);
+/* After the pool moved the rows seq keeps to its first n_keep rows (kv_pool_keep): the
+ * rows past them are forgotten (blocks past the new end released), its blocks leave the
+ * prefix cache, and next_position stays. KV_ERR_INVALID_ARG, changing nothing, if a block
+ * of seq is shared (its rows are others' too) or n_keep is not in [0, length]. */
+kv_status kv_blocks_drop_rows(kv_blocks *blocks, int seq, int n_keep);
 /* Starts (1) or stops (0) recording events; stopping drops the ones not taken. */
 void kv_blocks_record_events(kv_blocks *blocks, int on);
 /* Verifies every invariant; on failure writes what broke into message. */
@@ -329,6 +339,8 @@ typedef struct {
     float *window_key;      /* (max_seqs, n_layers, window, kv_dim): each sequence's rows of
                                its last window positions, position p in row p % window */
     float *window_value;
+    int32_t *positions;     /* (n_layers, n_kv_heads, slots) the position each row of a
+                               compacted sequence holds; NULL until a sequence drops rows */
 } kv_pool;
 
 typedef struct {
@@ -355,20 +367,17 @@ kv_status kv_pool_check_fits(const kv_pool *pool, const kv_config *config);
  * back. A fork needs the pool, for those rows: */
 kv_status kv_pool_seq_fork(kv_pool *pool, int seq, int *child);
 /* kv_blocks_truncate; a pool with a residual window truncates only to 0 or to the length it
- * has (the window's full-precision rows before the cut are gone), as a contiguous cache. */
+ * has (the window's full-precision rows before the cut are gone), as a contiguous cache.
+ * After a sequence dropped rows, only rows holding its newest positions can be cut. */
 kv_status kv_pool_truncate(kv_pool *pool, int seq, int length);
-/* Keeps n_keep rows of each layer and KV head and drops the rest: rows is
- * (n_layers, n_keep, n_kv_heads), rows[l][i][h] the i-th row of layer l, head h to keep,
- * strictly increasing in i and below length. The kept rows move to the front in order
- * (K, V, positions, attention weights), length becomes n_keep and next_position stays:
- * the next token still gets the next position. Each head may keep different positions;
- * attention reads rows 0 .. length - 1 of every head, whatever positions they hold.
- * Refused (KV_ERR_INVALID_ARG, nothing changed) for a cache with a residual window. */
-kv_status kv_cache_keep(kv_cache *cache, int n_keep, const int32_t *rows);
-/* Starts (1) or stops (0) summing, for every row, the attention weight the queries of later
- * forward calls give it (cache->attention), for eviction policies that keep the rows
- * attended most (H2O, SnapKV). Starting zeroes the sums. Refused with a residual window. */
-kv_status kv_cache_track_attention(kv_cache *cache, int on);
+/* kv_cache_keep for one sequence of the pool: its kept rows move to its first n_keep rows
+ * (per layer and KV head), the blocks past them are released, next_position stays, and
+ * from then on its blocks are not offered to the prefix cache. Refused, changing nothing:
+ * a pool with a residual window, a pending reservation (KV_ERR_PENDING), a block the
+ * sequence shares with another (its rows are the other's too: KV_ERR_INVALID_ARG). */
+kv_status kv_pool_keep(kv_pool *pool, int seq, int n_keep, const int32_t *rows);
+/* The position row `row` of seq holds (row itself, unless the sequence dropped rows). */
+int kv_pool_position(const kv_pool *pool, int seq, int layer, int head, int row);
 /* Appends n_tokens rows of given K and V, each (n_tokens, n_layers, n_kv_heads, head_dim):
  * the pool's bookkeeping without a model, for tests and exercises. */
 kv_status kv_pool_append(kv_pool *pool, int seq, const int32_t *tokens, int n_tokens,

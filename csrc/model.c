@@ -419,6 +419,8 @@ static kv_status check_cache_call(const kv_model *model, const kv_cache *cache,
     KV_TRY(kv_cache_check_fits(cache, &model->config));
     KV_TRY(kv_check_tokens(&model->config, tokens, n_tokens));
     KV_CHECK(n_positions <= cache->capacity - cache->length, KV_ERR_CACHE_FULL);
+    /* a cache that drops rows runs on forever, but positions stay where RoPE means them */
+    KV_CHECK(n_positions <= KV_MAX_POSITIONS - cache->next_position, KV_ERR_CACHE_FULL);
 fail:
     return status;
 }
@@ -524,9 +526,11 @@ kv_status kv_model_forward_paged(const kv_model *model, kv_pool *pool, int seq,
     KV_TRY(kv_pool_check_fits(pool, c));
     KV_TRY(kv_check_tokens(c, tokens, n_tokens));
     KV_TRY(kv_blocks_seq_check(&pool->blocks, seq));
+    KV_CHECK(n_tokens <= KV_MAX_POSITIONS - pool->blocks.seqs[seq].next_position,
+             KV_ERR_CACHE_FULL);
     int start_pos = pool->blocks.seqs[seq].length;
     KV_TRY(run_state_alloc(&s, c, n_tokens, 1));
-    s.runs[0] = (token_run){0, n_tokens, start_pos, start_pos};
+    s.runs[0] = (token_run){0, n_tokens, start_pos, pool->blocks.seqs[seq].next_position};
     /* Last fallible step: blocks for the new positions (copy-on-write included). It
      * changes nothing when it fails, and nothing after it can fail. */
     KV_TRY(kv_pool_reserve(pool, seq, n_tokens));
@@ -534,6 +538,7 @@ kv_status kv_model_forward_paged(const kv_model *model, kv_pool *pool, int seq,
         *view_of(&s, layer, 0) = kv_pool_layer_view(pool, seq, layer);
     forward_tokens(model, &s, tokens, n_tokens, logits, all_logits);
     kv_blocks_commit(&pool->blocks, seq, tokens, n_tokens);
+    kv_pool_note_positions(pool, seq, n_tokens);
     kv_counters_add(counters, &s.count);
 fail:
     run_state_free(&s);
@@ -560,6 +565,8 @@ kv_status kv_model_forward_batch(const kv_model *model, kv_pool *pool, int n_seq
         KV_TRY(kv_blocks_seq_check(&pool->blocks, seqs[i]));
         for (int j = 0; j < i; j++) KV_CHECK(seqs[j] != seqs[i], KV_ERR_INVALID_ARG);
         KV_CHECK(n_tokens[i] >= 1 && n_tokens[i] <= KV_MAX_TOKENS_PER_CALL, KV_ERR_INVALID_ARG);
+        KV_CHECK(n_tokens[i] <= KV_MAX_POSITIONS - pool->blocks.seqs[seqs[i]].next_position,
+                 KV_ERR_CACHE_FULL);
         total += n_tokens[i];
         KV_CHECK(total <= KV_MAX_TOKENS_PER_CALL, KV_ERR_INVALID_ARG);
         int needed;
@@ -572,15 +579,17 @@ kv_status kv_model_forward_batch(const kv_model *model, kv_pool *pool, int n_seq
     /* Nothing below can fail: each reservation fits in what was counted above (a
      * copy-on-write counted for two forks of one block happens only once, if at all). */
     for (int i = 0, first = 0; i < n_seqs; first += n_tokens[i], i++) {
-        int length = pool->blocks.seqs[seqs[i]].length;
-        s.runs[i] = (token_run){first, n_tokens[i], length, length};
+        const kv_seq *q = &pool->blocks.seqs[seqs[i]];
+        s.runs[i] = (token_run){first, n_tokens[i], q->length, q->next_position};
         kv_pool_reserve(pool, seqs[i], n_tokens[i]);
         for (int layer = 0; layer < c->n_layers; layer++)
             *view_of(&s, layer, i) = kv_pool_layer_view(pool, seqs[i], layer);
     }
     forward_tokens(model, &s, tokens, (int)total, logits, all_logits);
-    for (int i = 0; i < n_seqs; i++)
+    for (int i = 0; i < n_seqs; i++) {
         kv_blocks_commit(&pool->blocks, seqs[i], tokens + s.runs[i].first, n_tokens[i]);
+        kv_pool_note_positions(pool, seqs[i], n_tokens[i]);
+    }
     kv_counters_add(counters, &s.count);
 fail:
     run_state_free(&s);

@@ -71,6 +71,7 @@ void kv_pool_free(kv_pool *pool) {
     kv_store_free(&pool->value);
     free(pool->window_key);
     free(pool->window_value);
+    free(pool->positions);
     memset(pool, 0, sizeof *pool);
 }
 
@@ -100,12 +101,89 @@ kv_status kv_pool_seq_fork(kv_pool *pool, int seq, int *child) {
     return KV_OK;
 }
 
+/* positions' index of (layer, head, slot) */
+static size_t position_index(const kv_pool *p, int layer, int head, size_t slot) {
+    return ((size_t)layer * p->n_kv_heads + head) * p->key.slots + slot;
+}
+
+int kv_pool_position(const kv_pool *pool, int seq, int layer, int head, int row) {
+    const kv_seq *q = &pool->blocks.seqs[seq];
+    if (!q->compacted) return row;
+    kv_layer_view view = kv_pool_layer_view(pool, seq, layer);
+    return pool->positions[position_index(pool, layer, head, kv_view_slot(&view, row))];
+}
+
 kv_status kv_pool_truncate(kv_pool *pool, int seq, int length) {
     kv_status status = kv_blocks_seq_check(&pool->blocks, seq);
     if (status != KV_OK) return status;
-    int current = pool->blocks.seqs[seq].length;
+    const kv_seq *q = &pool->blocks.seqs[seq];
+    int current = q->length;
     if (pool->window > 0 && length != 0 && length != current) return KV_ERR_INVALID_ARG;
+    if (q->compacted && length > 0 && length <= current && q->reserved == 0) {
+        /* only the newest positions can be taken back, or next_position would lie */
+        int first_cut = q->next_position - (current - length);
+        for (int layer = 0; layer < pool->n_layers; layer++)
+            for (int head = 0; head < pool->n_kv_heads; head++)
+                for (int row = length; row < current; row++)
+                    if (kv_pool_position(pool, seq, layer, head, row) != first_cut + row - length)
+                        return KV_ERR_INVALID_ARG;
+    }
     return kv_blocks_truncate(&pool->blocks, seq, length);
+}
+
+void kv_pool_note_positions(kv_pool *pool, int seq, int n_tokens) {
+    const kv_seq *q = &pool->blocks.seqs[seq];
+    if (!q->compacted) return;     /* row i holds position i: nothing to write down */
+    for (int layer = 0; layer < pool->n_layers; layer++) {
+        kv_layer_view view = kv_pool_layer_view(pool, seq, layer);
+        for (int head = 0; head < pool->n_kv_heads; head++)
+            for (int row = q->length - n_tokens; row < q->length; row++)
+                pool->positions[position_index(pool, layer, head, kv_view_slot(&view, row))] =
+                    q->next_position - (q->length - row);
+    }
+}
+
+kv_status kv_pool_keep(kv_pool *pool, int seq, int n_keep, const int32_t *rows) {
+    kv_status status = kv_blocks_seq_check(&pool->blocks, seq);
+    if (status != KV_OK) return status;
+    kv_seq *q = &pool->blocks.seqs[seq];
+    if (q->reserved > 0) return KV_ERR_PENDING;
+    if (pool->window > 0 || n_keep < 0 || n_keep > q->length || (rows == NULL && n_keep > 0))
+        return KV_ERR_INVALID_ARG;
+    for (int i = 0; i < q->n_blocks; i++)     /* shared rows belong to the others too */
+        if (pool->blocks.ref_count[q->block_table[i]] != 1) return KV_ERR_INVALID_ARG;
+    int n_heads = pool->n_kv_heads;
+#define KEPT(layer, i, head) rows[((size_t)(layer) * n_keep + (i)) * n_heads + (head)]
+    if (!kv_rows_to_keep_valid(rows, pool->n_layers, n_keep, n_heads, q->length))
+        return KV_ERR_INVALID_ARG;
+    if (pool->positions == NULL) {
+        pool->positions = malloc(position_index(pool, pool->n_layers, 0, 0) * sizeof(int32_t));
+        if (pool->positions == NULL) return KV_ERR_NOMEM;
+    }
+    if (!q->compacted) {     /* its first drop: write down the positions its rows hold */
+        for (int layer = 0; layer < pool->n_layers; layer++) {
+            kv_layer_view view = kv_pool_layer_view(pool, seq, layer);
+            for (int head = 0; head < n_heads; head++)
+                for (int row = 0; row < q->length; row++)
+                    pool->positions[position_index(pool, layer, head, kv_view_slot(&view, row))] = row;
+        }
+    }
+    /* as kv_cache_keep: each kept row moves down to its place, never over an unread one */
+    for (int layer = 0; layer < pool->n_layers; layer++) {
+        kv_layer_view view = kv_pool_layer_view(pool, seq, layer);
+        for (int head = 0; head < n_heads; head++)
+            for (int i = 0; i < n_keep; i++) {
+                int row = KEPT(layer, i, head);
+                if (row == i) continue;
+                size_t to = kv_view_slot(&view, i), from = kv_view_slot(&view, row);
+                kv_store_copy_head(&pool->key, layer, head, to, from, 1);
+                kv_store_copy_head(&pool->value, layer, head, to, from, 1);
+                pool->positions[position_index(pool, layer, head, to)] =
+                    pool->positions[position_index(pool, layer, head, from)];
+            }
+    }
+#undef KEPT
+    return kv_blocks_drop_rows(&pool->blocks, seq, n_keep);   /* cannot fail: checked above */
 }
 
 /* ---- writing rows: reserve, write, commit -------------------------------------------------- */
@@ -123,6 +201,10 @@ kv_status kv_pool_reserve(kv_pool *pool, int seq, int n_tokens) {
                           (size_t)copies[i].rows);
             kv_store_copy(&pool->value, layer, copies[i].dst * bs, copies[i].src * bs,
                           (size_t)copies[i].rows);
+            for (int head = 0; head < pool->n_kv_heads && pool->positions != NULL; head++)
+                memcpy(pool->positions + position_index(pool, layer, head, copies[i].dst * bs),
+                       pool->positions + position_index(pool, layer, head, copies[i].src * bs),
+                       (size_t)copies[i].rows * sizeof(int32_t));
         }
     return KV_OK;
 }
@@ -166,6 +248,7 @@ kv_status kv_pool_append(kv_pool *pool, int seq, const int32_t *tokens, int n_to
                        token_stride, n_tokens);
     }
     kv_blocks_commit(&pool->blocks, seq, tokens, n_tokens);
+    kv_pool_note_positions(pool, seq, n_tokens);
     return KV_OK;
 }
 

@@ -10,6 +10,10 @@
  * After the rows are written, kv_blocks_commit(&pool->blocks, ...) records them. */
 kv_status kv_pool_reserve(kv_pool *pool, int seq, int n_tokens);
 
+/* After kv_blocks_commit of n_tokens rows of seq: writes down their positions if the
+ * sequence dropped rows before (kv_pool_keep), so that rows and positions stay paired. */
+void kv_pool_note_positions(kv_pool *pool, int seq, int n_tokens);
+
 /* The view of one layer of seq that the forward pass reads and writes. */
 kv_layer_view kv_pool_layer_view(const kv_pool *pool, int seq, int layer);
 

@@ -178,6 +178,21 @@ void kv_store_copy(const kv_store *store, int layer, size_t dst, size_t src, siz
         kv_store_copy_head(store, layer, head, dst, src, n_rows);
 }
 
+int kv_rows_to_keep_valid(const int32_t *rows, int n_layers, int n_keep, int n_kv_heads,
+                          int length) {
+    for (int layer = 0; layer < n_layers; layer++)
+        for (int head = 0; head < n_kv_heads; head++) {
+            int previous = -1;
+            for (int i = 0; i < n_keep; i++) {
+                int row = rows[((size_t)layer * n_keep + i) * n_kv_heads + head];
+                int increasing = row > previous, inside = row < length;
+                if (!increasing || !inside) return 0;
+                previous = row;
+            }
+        }
+    return 1;
+}
+
 void kv_window_keep(float *ring, int window, int kv_dim, int first_pos, const float *rows,
                     size_t row_stride, int n_tokens) {
     if (window <= 0) return;

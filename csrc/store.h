@@ -50,6 +50,12 @@ void kv_store_copy_head(const kv_store *store, int layer, int head, size_t dst, 
 /* Copies n_rows rows (codes, scales, zero points) from slot src to slot dst of a layer. */
 void kv_store_copy(const kv_store *store, int layer, size_t dst, size_t src, size_t n_rows);
 
+/* Whether rows, (n_layers, n_keep, n_kv_heads), names rows a cache or sequence of `length`
+ * rows can keep (kv_cache_keep, kv_pool_keep): in each layer and head, row numbers that
+ * only go up and stay below length. */
+int kv_rows_to_keep_valid(const int32_t *rows, int n_layers, int n_keep, int n_kv_heads,
+                          int length);
+
 /* The residual window keeps full-precision rows of a sequence's last `window` positions
  * in a ring of `window` rows per layer: position pos lives in row pos % window. */
 static inline float *kv_window_row(float *ring, int window, int kv_dim, int pos) {

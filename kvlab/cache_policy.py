@@ -41,6 +41,8 @@ from typing import Optional
 
 import numpy as np
 
+from ._core import core
+from .errors import CacheFullError
 from .model import KVCache, Model, as_token_array
 
 
@@ -63,6 +65,34 @@ def most_attended(weights: np.ndarray, n: int) -> np.ndarray:
     return np.sort(order, axis=1).astype(np.int32)
 
 
+class PagedRows:
+    """A sequence of a CPU paged pool as a policy sees a cache: its length, shape and
+    positions, and keep(), which the pool does for it (PagedPool.keep)."""
+
+    tracks_attention = False
+
+    def __init__(self, seq, model: Model):
+        self.seq, pool, c = seq, seq.pool, model.config
+        self.shape = (c.n_layers, pool.max_blocks_per_seq * pool.block_size, c.n_kv_heads,
+                      c.head_dim)
+        self.capacity, self.window = self.shape[1], pool.window
+
+    @property
+    def length(self) -> int:
+        return self.seq.length
+
+    @property
+    def next_position(self) -> int:
+        return self.seq.next_position
+
+    @property
+    def positions(self) -> np.ndarray:
+        return self.seq.pool.positions(self.seq)
+
+    def keep(self, rows: np.ndarray) -> None:
+        self.seq.pool.keep(self.seq, rows)
+
+
 class CachePolicy:
     """A cache of at most `budget` rows, and the rule for which ones to keep."""
 
@@ -80,34 +110,41 @@ class CachePolicy:
         """A cache of exactly `budget` rows for this policy: its memory stays the same
         however long the sequence grows."""
         cache = model.new_cache(self.budget, dtype, **format_options)
-        self._prepare(cache)
+        self._prepare(cache, model)
         return cache
 
-    def _prepare(self, cache: KVCache) -> None:
-        if not isinstance(cache, KVCache):
-            raise TypeError(f"{self.name} drops rows of a contiguous CPU cache (KVCache), got "
-                            f"{type(cache).__name__}: paged pools and GPU caches keep every row")
+    def _prepare(self, cache, model: Model):
+        """The cache (or a paged sequence, as PagedRows) checked for this policy."""
+        if isinstance(cache, core.PagedSequence) and isinstance(cache.pool, core.PagedPool):
+            if self.tracks_attention:
+                raise TypeError(f"{self.name} ranks rows by the attention they receive, which "
+                                f"only a contiguous KVCache adds up: use model.new_cache()")
+            cache = PagedRows(cache, model)
+        elif not isinstance(cache, KVCache):
+            raise TypeError(f"{self.name} drops rows of a KVCache or of a sequence of a CPU "
+                            f"PagedPool, got {type(cache).__name__}: GPU caches keep every row")
         if cache.window:
             raise ValueError(f"{self.name}: a cache with a residual window keeps its newest "
                              f"rows by position and cannot drop rows; make it with window=0")
-        if cache.capacity < self.budget:
+        if self.bounded and cache.capacity < self.budget:
             raise ValueError(f"{self.name} keeps {self.budget} rows but this cache has room "
                              f"for {cache.capacity}: make it with policy.new_cache(model)")
         if self.tracks_attention and not cache.tracks_attention:
             cache.track_attention(True)
+        return cache
 
     # [quote ch08-policy-forward]
     def forward(self, model: Model, tokens, cache: KVCache, all_logits: bool = False) -> np.ndarray:
         """model.forward(tokens, cache, all_logits), dropping rows whenever the cache is full
         and another token comes."""
         ids = as_token_array(tokens, model.config.vocab_size)
-        self._prepare(cache)
+        rows = self._prepare(cache, model)      # the cache, or a paged sequence's rows
         pieces, done = [], 0
         while done < len(ids):
-            if cache.length >= self.budget:              # full: make room for one token
-                cache.keep(np.ascontiguousarray(self.keep(cache, self.budget - 1), np.int32))
+            if rows.length >= self.budget:               # full: make room for one token
+                rows.keep(np.ascontiguousarray(self.keep(rows, self.budget - 1), np.int32))
             # as many tokens as fit before the next drop, in one call
-            n = min(self.budget - cache.length, len(ids) - done)
+            n = min(self.budget - rows.length, len(ids) - done)
             pieces.append(model.forward(ids[done:done + n], cache, all_logits))
             done += n
         return np.concatenate(pieces) if all_logits else pieces[-1]
@@ -156,8 +193,9 @@ class AttentionSinks(CachePolicy):
 
 
 class HeavyHitters(CachePolicy):
-    """H2O: the newest `recent` rows, and the others by the attention weight they have
-    received since they came (summed over every later query), per layer and KV head."""
+    """H2O: the newest `recent` rows (the new token's own included), and budget - recent
+    others by the attention weight they have received since they came (summed over every
+    later query), per layer and KV head."""
 
     name = "h2o"
     tracks_attention = True
@@ -169,7 +207,7 @@ class HeavyHitters(CachePolicy):
             raise ValueError(f"recent ({self.recent}) must be below the budget ({self.budget})")
 
     def keep(self, cache, n_keep):
-        recent = min(self.recent, n_keep)
+        recent = min(self.recent - 1, n_keep)      # the token on its way is the last recent one
         older = cache.length - recent
         heavy = most_attended(cache.attention_weights[:, :older, :], n_keep - recent)
         return np.concatenate([heavy, newest_rows(cache.length, recent, cache)], axis=1)
@@ -183,8 +221,10 @@ class SnapKV(CachePolicy):
     """SnapKV: once the prompt has run, keep `budget` of its rows: its last `observation`
     positions, and the earlier ones that those positions' queries attend to most (weights
     smoothed over `kernel` neighbouring rows, so a chosen row brings its neighbours), per
-    layer and KV head. Tokens after the prompt are appended as usual: the cache must have
-    room for them (new_cache's max_seq_len)."""
+    layer and KV head. The prompt is the first forward call on an empty cache; tokens after
+    it are appended as usual: the cache must have room for them (new_cache's max_seq_len).
+    The smoothing is a moving average that repeats the edge rows, not zeros as an average
+    pool with padding would."""
 
     name = "snapkv"
     bounded = False
@@ -202,7 +242,7 @@ class SnapKV(CachePolicy):
         """A cache that holds the whole prompt until it is compressed, and what follows:
         max_seq_len positions (default: the model's context)."""
         cache = model.new_cache(max_seq_len, dtype, **format_options)
-        self._prepare(cache)
+        self._prepare(cache, model)
         return cache
 
     def forward(self, model, tokens, cache, all_logits=False):
@@ -210,9 +250,16 @@ class SnapKV(CachePolicy):
         with their attention counted, then compresses the cache to `budget` rows; later
         calls are plain model.forward."""
         ids = as_token_array(tokens, model.config.vocab_size)
-        self._prepare(cache)
+        if not isinstance(cache, KVCache):
+            raise TypeError(f"SnapKV ranks rows by the attention they receive, which only a "
+                            f"contiguous KVCache adds up, got {type(cache).__name__}")
+        self._prepare(cache, model)
         if cache.next_position > 0:
             return model.forward(ids, cache, all_logits)
+        if len(ids) > cache.capacity:       # before anything runs: a failed call changes nothing
+            raise CacheFullError(f"the prompt has {len(ids)} tokens but the cache holds "
+                                 f"{cache.capacity}: SnapKV runs the whole prompt before it "
+                                 f"compresses")
         n_observed = min(self.observation, len(ids))
         pieces = []
         if len(ids) > n_observed:

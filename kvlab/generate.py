@@ -15,10 +15,10 @@ from typing import List, Optional, Sequence, Union
 
 import numpy as np
 
+from .cache_policy import CachePolicy, SlidingWindow
 from .counts import Counts
 from .deprecation import renamed
 from .errors import ContextLengthError
-from .cache_policy import CachePolicy, SlidingWindow
 from .model import Model
 from .quant import CacheFormat
 from .sampling import check_sampling_args, sample
@@ -110,13 +110,23 @@ def generate(model: Model, prompt: Union[str, Sequence[int]], max_new_tokens: in
         if not ids:
             raise ValueError("the prompt has no token ids")
     context = model.config.max_seq_len
+    # The last sampled token is never fed back, so the cache needs one slot less.
+    capacity = len(ids) + max_new_tokens - 1
     window = model.config.sliding_window
-    if cache_policy is None and window is not None and use_cache and \
-            len(ids) + max_new_tokens - 1 > window:
+    if cache_policy is None and window is not None and capacity > window:
+        if not use_cache or speculate is not None or cache_format.window > 0:
+            raise ValueError(f"this model attends to its last {window} positions "
+                             f"(config.sliding_window), which kvlab runs over a cache that drops "
+                             f"older rows (kvlab.cache_policy.SlidingWindow): that needs "
+                             f"use_cache=True, no speculate= and no residual window, or at most "
+                             f"{window} positions in all")
         cache_policy = SlidingWindow(window)      # the model's own attention: its last window
     if cache_policy is not None:
         _check_cache_policy(cache_policy, use_cache, speculate, cache_format)
     bounded = cache_policy is not None and cache_policy.bounded
+    if bounded and capacity <= cache_policy.budget:
+        # it would never drop a row: a plain cache, no larger than needed
+        cache_policy, bounded = None, False
     if len(ids) + max_new_tokens > context and not bounded:
         raise ContextLengthError(f"prompt ({len(ids)} tokens) + max_new_tokens ({max_new_tokens}) "
                              f"exceeds the model's context of {context} tokens")
@@ -124,12 +134,12 @@ def generate(model: Model, prompt: Union[str, Sequence[int]], max_new_tokens: in
         _check_speculation(model, speculate, draft_tokens, use_cache, cache_format)
     rng = np.random.default_rng(seed)
     eos = getattr(model.tokenizer, "eos_id", None) if stop_at_eos else None
-    # The last sampled token is never fed back, so the cache needs one slot less.
-    capacity = len(ids) + max_new_tokens - 1
     if use_cache and cache_format.window > capacity:
         cache_format = dataclasses.replace(cache_format, window=capacity)
-    if cache_policy is not None:
-        cache = cache_policy.new_cache(model, cache_format, **({} if bounded else {"max_seq_len": capacity}))
+    if bounded:
+        cache = cache_policy.new_cache(model, cache_format)
+    elif cache_policy is not None:
+        cache = cache_policy.new_cache(model, cache_format, max_seq_len=capacity)
     else:
         cache = (model.new_cache(capacity, cache_format) if use_cache else None)
 

@@ -182,13 +182,27 @@ class Model:
         the core attends to every row a cache holds, so a call that would leave more rows
         than that visible is refused, not run with the wrong attention."""
         window = self.config.sliding_window
-        rows = n_new + (0 if cache is None else cache.length)
-        if window is not None and rows > window:
+        if window is None:
+            return
+        if cache is None:
+            oldest, newest = 0, n_new - 1
+        else:
+            # the newest query must not see a kept row older than its window (a cache that
+            # dropped rows knows which positions its rows hold)
+            next_position = getattr(cache, "next_position", cache.length)   # GPU: no drops
+            newest = next_position + n_new - 1
+            kept = None
+            if cache.length and isinstance(cache, KVCache):
+                kept = cache.positions
+            elif cache.length and isinstance(cache, PagedSequence) and hasattr(cache.pool, "positions"):
+                kept = cache.pool.positions(cache)
+            oldest = int(kept.min()) if kept is not None else next_position - cache.length
+        if newest - oldest + 1 > window:
             raise ValueError(
                 f"this model attends to its last {window} positions (config.sliding_window), "
-                f"but this call would let a token see {rows}: run it over a cache that keeps "
-                f"at most {window} rows, kvlab.cache_policy.SlidingWindow({window}) "
-                f"(kvlab.generate does so by itself)")
+                f"but this call would let position {newest} see position {oldest}: run it "
+                f"over a cache that keeps only the last {window}, "
+                f"kvlab.cache_policy.SlidingWindow({window}) (kvlab.generate does so by itself)")
 
     def _run(self, tokens: np.ndarray, cache, all_logits: bool) -> np.ndarray:
         """One forward call through the core, its counts added where they belong."""

@@ -171,25 +171,30 @@ def test_each_query_gives_out_one_unit_of_weight_per_head(model, ids):
 
 
 def test_heavy_hitters_keep_the_recent_rows_and_the_most_attended(model, ids):
+    """HeavyHitters(20, recent=6): after each step, the 6 newest positions (the new token's
+    included) and the 14 most attended of the rest."""
     policy = HeavyHitters(20, recent=6)
     cache = policy.new_cache(model)
     policy.forward(model, ids[:20], cache)
     weights, positions = cache.attention_weights, cache.positions
     policy.forward(model, ids[20:21], cache)
-    kept = cache.positions[:, :19, :]
+    kept = cache.positions
     for layer in range(cache.shape[0]):
         for head in range(cache.shape[2]):
-            older = weights[layer, :14, head]
-            heavy = np.sort(np.argsort(-older, kind="stable")[:13])
-            want = np.concatenate([positions[layer, heavy, head], positions[layer, 14:, head]])
+            older = weights[layer, :15, head]
+            heavy = np.sort(np.argsort(-older, kind="stable")[:14])
+            want = np.concatenate([positions[layer, heavy, head], positions[layer, 15:, head], [20]])
             np.testing.assert_array_equal(kept[layer, :, head], want)
-    assert (cache.positions[:, -1, :] == 20).all()
+    assert (cache.positions[:, -6:, :] == np.arange(15, 21)[None, :, None]).all()
 
 
 def test_generate_with_a_policy_keeps_memory_flat(model):
     out = kvlab.generate(model, "ROMEO:", max_new_tokens=40, cache_policy=SlidingWindow(16))
+    longer = kvlab.generate(model, "ROMEO:", max_new_tokens=80, cache_policy=SlidingWindow(16))
+    assert len(out.tokens) == 40 and out.cache_nbytes == longer.cache_nbytes
+    # a run that fits in the budget needs no policy, and no more memory than it uses
     short = kvlab.generate(model, "ROMEO:", max_new_tokens=4, cache_policy=SlidingWindow(16))
-    assert len(out.tokens) == 40 and out.cache_nbytes == short.cache_nbytes
+    assert short.cache_nbytes < out.cache_nbytes
     # the same as the policy run by hand
     ids = model.encode("ROMEO:")
     policy = SlidingWindow(16)
@@ -238,8 +243,10 @@ def test_a_policy_refuses_a_cache_it_cannot_use(model):
         SlidingWindow(16).forward(model, [1, 2], model.new_cache(8))
     with pytest.raises(ValueError, match="residual window"):
         SlidingWindow(16).forward(model, [1, 2], model.new_cache(16, "int8", window=4))
-    pool = model.new_paged_pool(num_blocks=8, block_size=4)
     with pytest.raises(TypeError, match="KVCache"):
+        SlidingWindow(16).forward(model, [1, 2], np.zeros(16))
+    pool = model.new_paged_pool(num_blocks=8, block_size=4, max_blocks_per_seq=2)
+    with pytest.raises(ValueError, match="room for 8"):
         SlidingWindow(16).forward(model, [1, 2], pool.new_sequence())
 
 
@@ -383,3 +390,81 @@ def test_a_sliding_window_model_refuses_a_cache_that_sees_too_much(mistral):
     with pytest.raises(ValueError, match="SlidingWindow"):
         model.decode(1, cache)
     assert cache.length == 8
+
+
+# ---- a paged pool's sequences ---------------------------------------------------------------
+
+@pytest.mark.parametrize("policy", [SlidingWindow(16), AttentionSinks(4, 12)])
+def test_a_paged_sequence_keeps_the_same_rows_as_a_cache(model, ids, policy):
+    """Over a paged sequence the policy drops the same rows, the pool moves them as the
+    cache does, and the logits are the same bits; the blocks past the kept rows go back."""
+    cache = policy.new_cache(model)
+    want = policy.forward(model, ids, cache, all_logits=True)
+    pool = model.new_paged_pool(num_blocks=16, block_size=4)
+    seq = pool.new_sequence()
+    np.testing.assert_array_equal(policy.forward(model, ids, seq, all_logits=True), want)
+    np.testing.assert_array_equal(pool.positions(seq), cache.positions)
+    np.testing.assert_array_equal(pool.gather(seq)[0], cache.keys)
+    assert seq.next_position == len(ids) and seq.length == 16
+    assert pool.stats().blocks_used == 4
+    pool.check()
+    # a batch step over it rotates by its true position too
+    rows = np.ascontiguousarray(policy.keep(cache, 15))
+    cache.keep(rows)
+    pool.keep(seq, rows)
+    batch = model.forward_batch([seq, pool.new_sequence()], [[7], ids[:3]])
+    np.testing.assert_array_equal(batch[0], model.forward([7], cache))
+
+
+def test_a_paged_sequence_that_dropped_rows_never_feeds_the_prefix_cache(model, ids):
+    pool = model.new_paged_pool(num_blocks=32, block_size=4)
+    seq = pool.new_sequence()
+    model.forward(ids[:16], seq)                    # four full blocks, in the prefix cache
+    SlidingWindow(8).forward(model, ids[16:20], seq)
+    model.forward(ids[20:28], seq)                  # more full blocks, after the drop
+    fresh = pool.new_sequence()
+    assert pool.reuse_prefix(fresh, ids[:28]) == 0  # its rows no longer follow its tokens
+    pool.check()
+
+
+def test_a_shared_paged_sequence_refuses_to_drop_rows(model, ids):
+    pool = model.new_paged_pool(num_blocks=16, block_size=4)
+    seq = pool.new_sequence()
+    model.forward(ids[:10], seq)
+    child = pool.fork(seq)
+    with pytest.raises(ValueError, match="shared"):
+        SlidingWindow(8).forward(model, ids[10:12], seq)
+    assert seq.length == 10 and seq.next_position == 10
+    pool.free(child)
+    SlidingWindow(8).forward(model, ids[10:12], seq)
+    assert seq.length == 8 and seq.next_position == 12
+    pool.truncate(seq, 7)                           # the newest position, 11, taken back
+    assert seq.next_position == 11
+    kept = np.ascontiguousarray(np.broadcast_to(np.array([0, 1, 2, 3, 4, 6], np.int32)[None, :, None],
+                                                (model.config.n_layers, 6, model.config.n_kv_heads)))
+    pool.keep(seq, kept)                            # 9 dropped: row 5 now holds 10
+    with pytest.raises(ValueError, match="between 0|newest"):
+        pool.truncate(seq, 4)
+    pool.check()
+
+
+def test_attention_ranked_policies_need_a_contiguous_cache(model):
+    pool = model.new_paged_pool(num_blocks=16, block_size=4)
+    for policy in (HeavyHitters(8), SnapKV(8, observation=2)):
+        with pytest.raises(TypeError, match="attention"):
+            policy.forward(model, [1, 2, 3], pool.new_sequence())
+
+
+def test_a_sliding_window_model_refuses_a_policy_that_keeps_older_positions(mistral):
+    """Rows are not enough: sinks older than the window would be seen."""
+    _, model = mistral
+    with pytest.raises(ValueError, match="sliding_window"):
+        AttentionSinks(2, 4).forward(model, list(range(12)), AttentionSinks(2, 4).new_cache(model))
+
+
+def test_a_sliding_window_model_says_why_generate_cannot_run_it(mistral):
+    _, model = mistral
+    for kwargs in ({"use_cache": False}, {"speculate": kvlab.speculative.PromptLookup()}):
+        with pytest.raises(ValueError, match="its last 8 positions"):
+            kvlab.generate(model, [1, 2, 3], max_new_tokens=10, **kwargs)
+    assert len(kvlab.generate(model, [1, 2, 3], max_new_tokens=6, use_cache=False).tokens) == 6

@@ -366,6 +366,11 @@ static PyObject *blocks_truncate(BlocksObject *self, PyObject *args) {
                                      : kv_blocks_truncate(self->blocks, seq, n);
     if (status == KV_OK) Py_RETURN_NONE;
     int current = self->blocks->seqs[seq].length;
+    if (status == KV_ERR_INVALID_ARG && length >= 0 && length <= current &&
+        self->blocks->seqs[seq].compacted)
+        return kv_py_raise(status, "truncate(seq, %ld): the rows past %ld do not hold the "
+                           "newest positions (rows were dropped since they came), so they "
+                           "cannot be taken back", length, length);
     if (status == KV_ERR_INVALID_ARG && length >= 0 && length <= current)
         return kv_py_raise(status, "truncate(seq, %ld): a pool with a residual window can only "
                            "truncate to 0: the full-precision rows of the positions before "
@@ -569,6 +574,11 @@ static PyObject *sequence_get_length(SequenceObject *self, void *closure) {
     return PyLong_FromLong(self->owner->blocks->seqs[self->seq].length);
 }
 
+static PyObject *sequence_get_next_position(SequenceObject *self, void *closure) {
+    if (kv_py_sequence_slot(self->owner, (PyObject *)self) < 0) return NULL;
+    return PyLong_FromLong(self->owner->blocks->seqs[self->seq].next_position);
+}
+
 static PyObject *sequence_get_id(SequenceObject *self, void *closure) {
     return PyLong_FromLong(self->seq);
 }
@@ -596,7 +606,10 @@ static PyObject *sequence_repr(SequenceObject *self) {
 }
 
 static PyGetSetDef sequence_getset[] = {
-    {"length", (getter)sequence_get_length, NULL, "Positions filled.", NULL},
+    {"length", (getter)sequence_get_length, NULL, "Rows filled (positions, unless the pool's "
+     "keep() dropped some).", NULL},
+    {"next_position", (getter)sequence_get_next_position, NULL,
+     "Position of the next token (its RoPE angle): length, plus every row keep() dropped.", NULL},
     {"block_table", (getter)sequence_get_block_table, NULL,
      "Physical block id of each logical block, an int32 read-only view. Position pos\n"
      "lives in row pos % block_size of block block_table[pos // block_size].", NULL},

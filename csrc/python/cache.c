@@ -169,12 +169,12 @@ static PyObject *per_row_copy(const kv_cache *c, const void *source, int type) {
 }
 
 static PyObject *cache_get_positions(CacheObject *self, void *closure) {
-    if (require_initialized(self) < 0) return NULL;
+    if (kv_py_cache_ready(self) < 0) return NULL;   /* a forward in another thread moves length */
     return per_row_copy(&self->cache, self->cache.positions, NPY_INT32);
 }
 
 static PyObject *cache_get_attention_weights(CacheObject *self, void *closure) {
-    if (require_initialized(self) < 0) return NULL;
+    if (kv_py_cache_ready(self) < 0) return NULL;
     if (self->cache.attention == NULL) Py_RETURN_NONE;
     return per_row_copy(&self->cache, self->cache.attention, NPY_FLOAT32);
 }
@@ -410,7 +410,7 @@ static PyMethodDef cache_methods[] = {
      "Forget every cached token (length = 0, next_position = 0)."},
     {"truncate", (PyCFunction)cache_truncate, METH_O,
      "truncate(n): roll back to the first n rows, as if the newest tokens never came\n"
-     "(next_position goes back by as many)."},
+     "(next_position goes back by as many; rows keep() dropped meanwhile stay dropped)."},
     {"keep", (PyCFunction)cache_keep, METH_O,
      "keep(rows): keep only these rows, int32 (n_layers, n_keep, n_kv_heads), strictly\n"
      "increasing along n_keep, and drop the rest: the kept rows move to the front, length\n"

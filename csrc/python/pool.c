@@ -186,6 +186,53 @@ static PyObject *pool_gather(PoolObject *self, PyObject *arg) {
     return Py_BuildValue("(NN)", keys, values);
 }
 
+static PyObject *pool_positions(PoolObject *self, PyObject *arg) {
+    if (kv_py_pool_ready(self) < 0) return NULL;
+    int seq = kv_py_sequence_slot(&self->base, arg);
+    if (seq < 0) return NULL;
+    const kv_pool *p = &self->pool;
+    npy_intp dims[3] = {p->n_layers, p->blocks.seqs[seq].length, p->n_kv_heads};
+    PyObject *positions = PyArray_SimpleNew(3, dims, NPY_INT32);
+    if (positions == NULL) return NULL;
+    for (int layer = 0; layer < dims[0]; layer++)
+        for (int row = 0; row < dims[1]; row++)
+            for (int head = 0; head < dims[2]; head++)
+                *(int32_t *)PyArray_GETPTR3((PyArrayObject *)positions, layer, row, head) =
+                    kv_pool_position(p, seq, layer, head, row);
+    return positions;
+}
+
+static PyObject *pool_keep(PoolObject *self, PyObject *args) {
+    PyObject *handle, *rows_obj;
+    if (!PyArg_ParseTuple(args, "OO", &handle, &rows_obj)) return NULL;
+    if (kv_py_pool_ready(self) < 0) return NULL;
+    int seq = kv_py_sequence_slot(&self->base, handle);
+    if (seq < 0) return NULL;
+    kv_pool *p = &self->pool;
+    const kv_seq *q = &p->blocks.seqs[seq];
+    if (p->window > 0)
+        return kv_py_raise(KV_ERR_INVALID_ARG, "keep(): a pool with a residual window cannot "
+                           "drop rows: its full-precision rows are kept by position");
+    PyArrayObject *rows = kv_py_array(rows_obj, &(kv_py_array_spec){
+        .name = "rows", .type = NPY_INT32, .ndim = 3,
+        .shape = {p->n_layers, KV_PY_ANY, p->n_kv_heads}, .axes = "n_layers,n_keep,n_kv_heads"});
+    if (rows == NULL) return NULL;
+    int n_keep = (int)PyArray_DIM(rows, 1);
+    kv_status status = kv_pool_keep(p, seq, n_keep, (const int32_t *)PyArray_DATA(rows));
+    if (status == KV_OK) Py_RETURN_NONE;
+    if (status == KV_ERR_INVALID_ARG) {
+        for (int i = 0; i < q->n_blocks; i++)
+            if (p->blocks.ref_count[q->block_table[i]] != 1)
+                return kv_py_raise(status, "keep(): block %d of this sequence is shared (a fork "
+                                   "or a prefix found in the cache): its rows are another "
+                                   "sequence's too, so they cannot be moved", q->block_table[i]);
+        return kv_py_raise(status, "keep(seq, rows): rows[layer, :, head] must be strictly "
+                           "increasing row numbers below the length %d (got %d rows to keep)",
+                           q->length, n_keep);
+    }
+    return kv_py_pool_refused(self, status, 0, NULL);
+}
+
 static PyGetSetDef pool_getset[] = {
     {"key_codes", (getter)pool_get_part, NULL,
      "Every block's stored keys, zero-copy and read-only, block first:\n"
@@ -220,6 +267,15 @@ static PyMethodDef pool_methods[] = {
      "cache takes rows to be what the model computes for these tokens: full blocks with\n"
      "the same tokens after the same prefix are shared. For rows that are not (random\n"
      "test data), use distinct tokens or a pool made with prefix_cache=False."},
+    {"keep", (PyCFunction)pool_keep, METH_VARARGS,
+     "keep(seq, rows): keep only these rows of seq, int32 (n_layers, n_keep, n_kv_heads),\n"
+     "strictly increasing along n_keep, and drop the rest, as KVCache.keep: the kept rows\n"
+     "move to its first rows, the blocks past them go back to the pool, next_position\n"
+     "stays, and its blocks are no longer offered to the prefix cache. Refused for a\n"
+     "sequence that shares a block (a fork, a prefix found in the cache)."},
+    {"positions", (PyCFunction)pool_positions, METH_O,
+     "positions(seq) -> int32 (n_layers, length, n_kv_heads): the position each row of seq\n"
+     "holds (arange(length) until keep() drops rows)."},
     {"gather", (PyCFunction)pool_gather, METH_O,
      "gather(seq) -> (keys, values): float32 copies, (n_layers, length, n_kv_heads,\n"
      "head_dim), of what seq's most recent token's attention read (dequantized)."},

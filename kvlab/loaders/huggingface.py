@@ -276,9 +276,12 @@ def _check_architecture(hf: Dict[str, Any]) -> None:
 
 
 def _sliding_window(hf: Dict[str, Any]) -> Optional[int]:
-    """The window, or None where it never slides: absent, null, or at least the context."""
+    """The window, or None where it never slides: absent, null, at least the context, or
+    in a Llama config (transformers' Llama ignores the key; Mistral applies it)."""
     window = hf.get("sliding_window")
-    return int(window) if window is not None and window < _max_positions(hf) else None
+    if hf.get("model_type") != "mistral" or window is None or window >= _max_positions(hf):
+        return None
+    return int(window)
 
 
 def _rope_settings(hf: Dict[str, Any]) -> Tuple[float, Optional[dict]]:

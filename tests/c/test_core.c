@@ -862,6 +862,54 @@ static void test_cache_keep(const kv_cache_format *format) {
     free_model(&tm);
 }
 
+/* kv_pool_keep does to one sequence of a pool what kv_cache_keep does to a cache: the same
+ * rows kept, the same logits after, the blocks past them back in the pool, none of its
+ * blocks in the prefix cache, and a shared sequence refused. */
+static void test_pool_keep(void) {
+    test_model tm;
+    make_model(&tm, 4, 2, 8);
+    const kv_model *m = &tm.model;
+    const kv_config *c = &m->config;
+    int V = c->vocab_size;
+    int32_t tokens[12];
+    for (int i = 0; i < 12; i++) tokens[i] = (int32_t)(i * 5 % V);
+    kv_cache cache;
+    kv_pool pool;
+    char message[256];
+    int seq, child, other, reused;
+    CHECK(kv_cache_init(&cache, c->n_layers, 2, 8, 12, NULL) == KV_OK);
+    CHECK(kv_pool_init(&pool, c->n_layers, 2, 8, 8, 3, 4, 4, NULL) == KV_OK);
+    CHECK(kv_blocks_seq_new(&pool.blocks, &seq) == KV_OK);
+    float *logits = malloc(sizeof(float) * V), *want = malloc(sizeof(float) * V);
+    CHECK(kv_model_forward(m, &cache, tokens, 9, want, 0, NULL) == KV_OK);
+    CHECK(kv_model_forward_paged(m, &pool, seq, tokens, 9, logits, 0, NULL) == KV_OK);
+    int32_t rows[2 * 4 * 2] = {0, 1, 3, 2, 7, 5, 8, 8,  0, 1, 3, 2, 7, 5, 8, 8};
+    CHECK(kv_blocks_seq_fork(&pool.blocks, seq, &child) == KV_OK);
+    CHECK(kv_pool_keep(&pool, seq, 4, rows) == KV_ERR_INVALID_ARG);    /* shared blocks */
+    CHECK(kv_blocks_seq_free(&pool.blocks, child) == KV_OK);
+    CHECK(kv_pool_keep(&pool, seq, 4, rows) == KV_OK);
+    CHECK(kv_cache_keep(&cache, 4, rows) == KV_OK);
+    CHECK(pool.blocks.seqs[seq].length == 4 && pool.blocks.seqs[seq].next_position == 9);
+    CHECK(pool.blocks.seqs[seq].n_blocks == 2);                         /* one block back */
+    CHECK(kv_pool_position(&pool, seq, 1, 1, 2) == 5 && kv_pool_position(&pool, seq, 1, 0, 2) == 7);
+    CHECK(kv_model_forward(m, &cache, tokens + 9, 2, want, 0, NULL) == KV_OK);
+    CHECK(kv_model_forward_paged(m, &pool, seq, tokens + 9, 2, logits, 0, NULL) == KV_OK);
+    CHECK(memcmp(logits, want, sizeof(float) * V) == 0);
+    CHECK(kv_pool_position(&pool, seq, 0, 0, 5) == 10);
+    CHECK(kv_blocks_check(&pool.blocks, message, sizeof message) == KV_OK);
+    CHECK(kv_blocks_seq_new(&pool.blocks, &other) == KV_OK);
+    CHECK(kv_blocks_reuse_prefix(&pool.blocks, other, tokens, 6, &reused) == KV_OK && reused == 0);
+    CHECK(kv_pool_truncate(&pool, seq, 5) == KV_OK && pool.blocks.seqs[seq].next_position == 10);
+    CHECK(kv_pool_truncate(&pool, seq, 0) == KV_OK && pool.blocks.seqs[seq].next_position == 0);
+    CHECK(!pool.blocks.seqs[seq].compacted);
+    CHECK(kv_blocks_check(&pool.blocks, message, sizeof message) == KV_OK);
+    kv_pool_free(&pool);
+    kv_cache_free(&cache);
+    free(logits);
+    free(want);
+    free_model(&tm);
+}
+
 int main(void) {
     test_ops();
     test_cache();
@@ -880,6 +928,7 @@ int main(void) {
     test_model_paths_agree(4, 1, 10, &halves);
     test_cache_keep(NULL);
     test_cache_keep(&int8);
+    test_pool_keep();
     test_interrupts();
     test_tiers_small_ops();
     test_tiers_matmul();
