@@ -20,6 +20,20 @@ core's results for a sequence do not depend on the batch around it (fp32 and eve
 format), and a step commits its bookkeeping as soon as the pool has changed (see Engine).
 A request whose next token cannot be chosen fails alone, with finish_reason "error: ...".
 This file is bookkeeping; no tensor is touched here.
+
+Speculative decoding (Engine(..., speculate=PromptLookup(), draft_tokens=4)): before each
+step, every sample about to decode asks the drafter for up to draft_tokens guesses of its
+next tokens; the scheduler lets them ride on the sample's chunk (its newest token) in what
+certain work leaves of the token budget and the free blocks; the one forward call returns
+every token's logits; each sample keeps its drafts up to the first the model refuses, plus
+one token of the model's own (kvlab.speculative: the same functions as kvlab.generate), and
+the refused drafts' K and V are cut off again (pool.truncate), so that every sequence holds
+what plain decoding would hold. Greedy outputs are the same, token for token, as without
+speculation; sampled ones have the same distribution (seeded: exactly
+generate(speculate=...)'s tokens while every pass has room for all its drafts). (With
+draft_tokens >= block_size, a block filled by refused drafts alone goes to the prefix cache
+when the cut releases it, as a freed sequence's full blocks do: unreferenced, evictable,
+and exact for those tokens.)
 """
 from __future__ import annotations
 
@@ -29,7 +43,7 @@ import os
 import threading
 import time
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence, Union
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -41,6 +55,8 @@ from .quant import CacheFormat
 from .sampling import sample as sample_token
 from .scheduler import (Request, Sample, SamplingParams, Scheduler, State, positive_int,
                         requests_fit)
+from .speculative import (Drafter, SpeculationStats, check_drafter, keep_until_stop,
+                          propose_drafts, verify_drafts)
 
 
 @dataclasses.dataclass
@@ -49,7 +65,7 @@ class StepResult:
     step: int
     batch_size: int              # sequences in the forward call
     prefill_tokens: int          # prompt (or recomputed) tokens run
-    decode_tokens: int           # sequences that fed one generated token
+    decode_tokens: int           # sequences that fed one generated token (and its drafts)
     blocks_used: int
     blocks_free: int
     blocks_cached: int
@@ -57,9 +73,12 @@ class StepResult:
     prefix_hit_tokens: int       # prompt tokens found in the prefix cache at admission
     admitted: List[int]          # request ids
     finished: List[int]
-    new_tokens: Dict[int, List[int]]   # request id -> the token sampled for each sample
+    new_tokens: Dict[int, List[int]]   # request id -> the tokens chosen, sample by sample
+                                       # (one each; with speculation, maybe several)
     seconds: float
     failed: Dict[int, str] = dataclasses.field(default_factory=dict)   # id -> why (also finished)
+    drafted: int = 0             # speculation: draft tokens run in the forward call
+    accepted: int = 0            # drafts the model agreed with (checked this step)
 
     @property
     def idle(self) -> bool:
@@ -69,7 +88,9 @@ class StepResult:
 
     def __str__(self) -> str:
         return (f"step {self.step}: {self.batch_size} seqs, {self.prefill_tokens} prefill + "
-                f"{self.decode_tokens} decode tokens, blocks {self.blocks_used} used / "
+                f"{self.decode_tokens} decode tokens"
+                + (f" + {self.drafted} drafts ({self.accepted} kept)" if self.drafted else "")
+                + f", blocks {self.blocks_used} used / "
                 f"{self.blocks_free} free / {self.blocks_cached} cached"
                 + (f", {self.preemptions} preempted" if self.preemptions else "")
                 + (f", {self.prefix_hit_tokens} prefix-hit tokens" if self.prefix_hit_tokens else "")
@@ -86,6 +107,7 @@ class CompletionOutput:
     completion: str              # the generated text alone ("" without a tokenizer)
     finish_reason: str           # "length", "eos", or "error: step N: why" when its next
                                  # token could not be chosen (the request failed)
+    speculation: Optional[SpeculationStats] = None   # with speculate=: as Generation's
 
     def __eq__(self, other) -> bool:
         if isinstance(other, list):                   # outputs[i] == [ids], the old shape
@@ -120,6 +142,8 @@ class RequestOutput:
     prompt: List[int]
     outputs: List[CompletionOutput]
     preemptions: int
+    # with speculate=: the samples' counts added up (SpeculationStats.total)
+    speculation: Optional[SpeculationStats] = dataclasses.field(default=None, compare=False)
 
     @property
     def texts(self) -> List[str]:
@@ -131,6 +155,16 @@ class RequestOutput:
         renamed("RequestOutput.finish_reasons",
                 "[o.finish_reason for o in RequestOutput.outputs]")
         return [o.finish_reason for o in self.outputs]
+
+
+@dataclasses.dataclass
+class _Speculation:
+    """One sample's speculative decoding: its counters, its drafter (made at its first
+    proposal: its own where the engine's drafter can spawn one, since a DraftModel's cache
+    holds one context) and q, the distributions its drafts were drawn from (None: certain)."""
+    stats: SpeculationStats
+    drafter: Any = None
+    q: Optional[list] = None
 
 
 class _PoolSpace:
@@ -257,17 +291,30 @@ class Engine:
     as one), and the queues are put right. Trace events are sent in order at the end of a step,
     each until the sink returns: one a sink raised on is sent again first on the next step,
     before any new work (has_work stays True until then). Sequences made on the pool by hand are left alone; if they
-    hold what waiting requests need, step() and run() raise RuntimeError, never loop."""
+    hold what waiting requests need, step() and run() raise RuntimeError, never loop.
+
+    Speculation (speculate=) keeps these promises: drafts wait on their sample until they
+    are checked (a step that raised before checking them checks them later; the random
+    generator is put back if a proposal or a check is interrupted), the K and V of drafts
+    whose logits were lost are cut off, and a token is never reported (new_tokens) and then
+    taken back: drafts become tokens only once checked. A drafter that raises or proposes
+    junk fails its request alone, as a sampler does."""
 
     def __init__(self, model: Model, pool: Optional[PagedPool] = None,
                  max_batch_tokens: int = 256, max_batch_seqs: Optional[int] = None,
                  trace: Union[None, str, Path, list] = None, *,
                  num_blocks: Optional[int] = None, block_size: Optional[int] = None,
-                 dtype: Union[None, str, CacheFormat] = None):
+                 dtype: Union[None, str, CacheFormat] = None,
+                 speculate: Optional[Drafter] = None, draft_tokens: int = 4):
         """Serve `model` from `pool`, or from a pool of its own made here with
         model.new_paged_pool(num_blocks, block_size (16), dtype ("fp32")). max_batch_tokens
-        bounds the tokens of one forward call, max_batch_seqs its sequences (default: all
-        the pool allows); trace: a file path or a list that receives the block events."""
+        bounds the tokens of one forward call (drafts included), max_batch_seqs its
+        sequences (default: all the pool allows); trace: a file path or a list that
+        receives the block events. speculate: a drafter (kvlab.speculative.PromptLookup(),
+        DraftModel(...)) that proposes up to draft_tokens tokens per sample and pass, as
+        in kvlab.generate (see the module text); it needs a pool without a residual window."""
+        if speculate is not None:
+            check_drafter(model, speculate, draft_tokens)
         if pool is None:
             if num_blocks is None:
                 raise TypeError("Engine needs a pool, or num_blocks (with block_size and "
@@ -278,12 +325,17 @@ class Engine:
             raise TypeError("the pool given fixes num_blocks, block_size and dtype: pass "
                             "either a pool or those, not both")
         _check_pool_fits(model, pool)
+        if speculate is not None and getattr(pool, "window", 0):
+            raise ValueError("speculation rolls rejected drafts back with pool.truncate: it "
+                             "needs a pool without a residual window")
         max_batch_tokens = positive_int("max_batch_tokens", max_batch_tokens)
         if max_batch_seqs is not None:
             max_batch_seqs = positive_int("max_batch_seqs", max_batch_seqs)
         if trace is not None and not isinstance(trace, (list, str, os.PathLike)):
             raise TypeError(f"trace must be a file path, a list or None, got {type(trace).__name__}")
         self.model, self.pool = model, pool
+        self.speculate = speculate
+        self.draft_tokens = int(draft_tokens) if speculate is not None else None
         self.scheduler = Scheduler(pool.block_size, max_batch_tokens,
                                    min(max_batch_seqs or pool.max_seqs, pool.max_seqs))
         self.space = _PoolSpace(pool)
@@ -339,7 +391,10 @@ class Engine:
         request = Request(id=self._next_id, prompt=list(ids), params=params, arrival=self._next_id)
         for i in range(params.n):
             rng = np.random.default_rng(None if params.seed is None else params.seed + i)
-            request.samples.append(Sample(index=i, tokens=list(ids), prompt_len=len(ids), rng=rng))
+            speculation = (_Speculation(SpeculationStats(self.draft_tokens))
+                           if self.speculate is not None else None)
+            request.samples.append(Sample(index=i, tokens=list(ids), prompt_len=len(ids), rng=rng,
+                                          speculation=speculation))
         self._next_id += 1             # first: an interruption may skip an id, never reuse one
         try:
             self.requests[request.id] = request
@@ -400,33 +455,49 @@ class Engine:
         if self._unrepaired:
             self._repair()
             self._unrepaired = False
+        accepted = 0
         if self._interrupted:
             # tokens whose K and V went in during a step that then raised: choose them now
-            self._choose(list(self.scheduler.running), step_number, new_tokens, failed)
+            accepted += self._choose(list(self.scheduler.running), step_number, new_tokens,
+                                     failed)
             self._retire(finished)
             self._interrupted = False
+        if self.speculate is not None:
+            self._propose(step_number, failed)        # drafts, for the scheduler to fit in
+            self._retire(finished)
         decision = self.scheduler.schedule(self.space)
         self._trace(step_number, "admit")
-        prefill = decode = 0
+        prefill = decode = drafted = 0
         if decision.items:
-            for _, sample, n in decision.items:
+            chunks = [_chunk(sample, n) for _, sample, n in decision.items]  # (own, drafts)
+            for (_, sample, _), (own, drafts) in zip(decision.items, chunks):
                 if sample.pending == 1 and sample.computed >= sample.prompt_len:
                     decode += 1
                 else:
-                    prefill += n
+                    prefill += len(own)
+                drafted += len(drafts)
             seqs = [sample.seq for _, sample, _ in decision.items]
-            chunks = [sample.tokens[sample.computed:sample.computed + n]
-                      for _, sample, n in decision.items]
-            logits = self.model.forward_batch(seqs, chunks)
+            fed = [own + drafts for own, drafts in chunks]
+            if drafted:     # every token's logits: the drafts' rows check them
+                logits = self.model.forward_batch(seqs, fed, all_logits=True)
+            else:
+                logits = self.model.forward_batch(seqs, fed)
             # Commit at once: these tokens' K and V are in the pool now. A sample whose
-            # tokens are all computed keeps its logits row until its next token is chosen.
-            for (_, sample, n), row in zip(decision.items, logits):
-                sample.computed += n
-                if sample.computed == len(sample.tokens):
-                    sample.logits = row
+            # tokens are all computed keeps its logits row until its next token is chosen
+            # (with drafts: that row and the drafts' rows, until they are checked).
+            end = 0
+            for i, ((_, sample, _), (own, drafts)) in enumerate(zip(decision.items, chunks)):
+                end += len(own) + len(drafts)
+                sample.computed += len(own)
+                if sample.computed < len(sample.tokens):
+                    continue
+                if not drafted:                        # one row per sequence
+                    sample.logits = logits[i]
+                else:                                  # one per token: its last, its drafts
+                    sample.logits = logits[end - 1 - len(drafts):end] if drafts else logits[end - 1]
             self._trace(step_number, "forward")
             batch = list({r.id: r for r, _, _ in decision.items}.values())
-            self._choose(batch, step_number, new_tokens, failed)
+            accepted += self._choose(batch, step_number, new_tokens, failed)
         self._retire(finished)
         self._trace(step_number, "sample")
         stats = self.pool.stats()
@@ -438,17 +509,18 @@ class Engine:
                             prefix_hit_tokens=decision.prefix_hit_tokens,
                             admitted=[r.id for r in decision.admitted], finished=finished,
                             new_tokens=new_tokens, seconds=time.perf_counter() - start,
-                            failed=failed)
+                            failed=failed, drafted=drafted, accepted=accepted)
         self.metrics.append(result)
         return result
     # [end ch05-engine-step-runs]
 
     def _choose(self, requests: List[Request], step: int, new_tokens: Dict[int, List[int]],
-                failed: Dict[int, str]) -> None:
+                failed: Dict[int, str]) -> int:
         """Choose the next token of every sample of `requests` that has all its tokens
-        computed. At the end of a prompt with n > 1, first fork it into the request's
-        other samples, each choosing from the same logits. A request whose token cannot
-        be chosen fails; the others go on."""
+        computed (with drafts: check them). At the end of a prompt with n > 1, first fork
+        it into the request's other samples, each choosing from the same logits. A request
+        whose token cannot be chosen fails; the others go on. Returns the drafts kept."""
+        accepted = 0
         for request in requests:
             if request.state is not State.RUNNING or request.finished:
                 continue
@@ -458,16 +530,25 @@ class Engine:
                 if not _ready(sample):
                     continue
                 try:
-                    token = self._choose_one(request, sample)
+                    if sample.logits.ndim == 2:         # the newest token's row and drafts'
+                        tokens, kept = self._check_drafts(request, sample)
+                        accepted += kept
+                    else:
+                        tokens = self._choose_one(request, sample)
                 except Exception as error:         # this request alone fails
-                    why = f"error: step {step}: {type(error).__name__}: {error}"
-                    for s in request.samples:
-                        if not s.finished:
-                            s.finished, s.finish_reason = True, why
-                    failed[request.id] = why
+                    self._fail(request, step, error, failed)
                     break
-                if token is not None:
-                    new_tokens.setdefault(request.id, []).append(token)
+                if tokens:
+                    new_tokens.setdefault(request.id, []).extend(tokens)
+        return accepted
+
+    @staticmethod
+    def _fail(request: Request, step: int, error: Exception, failed: Dict[int, str]) -> None:
+        why = f"error: step {step}: {type(error).__name__}: {error}"
+        for s in request.samples:
+            if not s.finished:
+                s.finished, s.finish_reason = True, why
+        failed[request.id] = why
 
     def _fork(self, request: Request) -> None:
         """The prompt is done: the other samples share its blocks (copy on write later).
@@ -480,8 +561,8 @@ class Engine:
                 other.computed, other.logits = lead.computed, lead.logits
         request.forked = True
 
-    def _choose_one(self, request: Request, sample: Sample) -> Optional[int]:
-        """Sample's next token from its logits, committed (None: it chose end of sequence).
+    def _choose_one(self, request: Request, sample: Sample) -> List[int]:
+        """Sample's next token from its logits, committed ([]: it chose end of sequence).
         Raises, changing nothing, if no token can be chosen; an interrupted choice puts the
         random generator back, so that choosing again draws the same number."""
         p, row = request.params, sample.logits
@@ -506,9 +587,93 @@ class Engine:
         sample.logits = None
         if len(sample.outputs) >= p.max_new_tokens:
             sample.finished, sample.finish_reason = True, "length"
+        if sample.speculation is not None:             # a pass with no drafts to check
+            stats = sample.speculation.stats
+            stats.verify_passes += stats.tokens > 0    # (the first token is the prompt's)
+            stats.tokens += 1
         if sample.finished:
             self.space.drop(sample)                    # its blocks are free now
-        return token
+        return [] if token is None else [token]
+
+    # ---- speculative decoding -----------------------------------------------------------
+    def _propose(self, step: int, failed: Dict[int, str]) -> None:
+        """Drafts for every running sample about to decode (its newest token is the only
+        one to feed) that has none for its current tokens yet. Drafts wait on the sample
+        until they are checked, through a preemption or an interrupted step. A drafter
+        that raises or proposes junk fails that request alone."""
+        for request in self.scheduler.running:
+            if request.finished:
+                continue
+            for sample in request.active():
+                if (sample.seq is None or sample.pending != 1 or not sample.outputs
+                        or sample.drafted_after == len(sample.tokens)):
+                    continue
+                try:
+                    self._propose_one(request, sample)
+                except Exception as error:
+                    self._fail(request, step, error, failed)
+                    break
+
+    def _propose_one(self, request: Request, sample: Sample) -> None:
+        """Ask the sample's drafter for drafts after its tokens (kvlab.speculative's rules:
+        at most draft_tokens, none that could not be kept before max_new_tokens). An
+        interrupted proposal puts the random generator back (a DraftModel samples its
+        drafts from it when the request samples)."""
+        p, spec = request.params, sample.speculation
+        if spec.drafter is None:
+            spawn = getattr(self.speculate, "spawn", None)
+            spec.drafter = spawn() if callable(spawn) else self.speculate
+        sampling = (p.temperature, p.top_k, p.top_p, sample.rng)
+        state = sample.rng.bit_generator.state if p.temperature > 0.0 else None
+        passes = getattr(spec.drafter, "passes", 0)
+        try:
+            drafts, q = propose_drafts(spec.drafter, sample.tokens, self.draft_tokens,
+                                       p.max_new_tokens - len(sample.outputs), sampling,
+                                       self.model.config.vocab_size)
+        except BaseException:
+            if state is not None:
+                sample.rng.bit_generator.state = state
+            raise
+        finally:
+            spec.stats.draft_passes += getattr(spec.drafter, "passes", 0) - passes
+        sample.drafts, spec.q = drafts, q
+        sample.drafted_after = len(sample.tokens)      # last: now they count
+
+    def _check_drafts(self, request: Request, sample: Sample) -> Tuple[List[int], int]:
+        """Check the drafts that ran after the sample's newest token, as kvlab.generate
+        does: the tokens plain decoding would have chosen, committed, and how many drafts
+        were kept. The pool is left holding what plain decoding holds (one row per token
+        fed: every token but the last chosen); the refused drafts' rows are cut off. Raises
+        before the commit if no token can be chosen; an interrupted check puts the random
+        generator back, so that checking again (cutting nothing more) gives the same tokens."""
+        p, rows, spec = request.params, sample.logits, sample.speculation
+        drafts = sample.drafts[:len(rows) - 1]
+        q = None if spec.q is None else spec.q[:len(drafts)]
+        state = sample.rng.bit_generator.state if p.temperature > 0.0 else None
+        fed = len(sample.tokens) - 1                   # tokens fed before the newest
+        try:
+            accepted, token = verify_drafts(rows, drafts, q,
+                                            (p.temperature, p.top_k, p.top_p, sample.rng))
+            eos = self._eos if p.stop_at_eos else None
+            kept, stop = keep_until_stop(drafts[:accepted] + [token], eos,
+                                         p.max_new_tokens - len(sample.outputs))
+            chosen = len(kept) + (stop == "eos")       # an EOS token is chosen, not kept
+            # first the cut (repeating it cuts nothing more), then the commit below
+            self.pool.truncate(sample.seq, fed + chosen)
+        except BaseException:
+            if state is not None:
+                sample.rng.bit_generator.state = state
+            raise
+        # the commit: no call between these lines, so an exception cannot split it
+        sample.tokens.extend(kept)
+        sample.computed, sample.logits = fed + chosen, None
+        if stop is not None:
+            sample.finished, sample.finish_reason = True, stop
+        spec.stats.count_pass(len(drafts), accepted)
+        spec.stats.tokens += chosen
+        if sample.finished:
+            self.space.drop(sample)                    # its blocks are free now
+        return kept, accepted
 
     def _retire(self, finished: List[int]) -> None:
         """Every running request whose samples are all done leaves, its blocks freed."""
@@ -517,6 +682,7 @@ class Engine:
                 self.space.release(request)
                 self.scheduler.finish(request)
                 finished.append(request.id)
+                _drop_drafters(request)
 
     def _repair(self) -> None:
         """After a step raised: make the queues, the samples and the pool agree again, so
@@ -530,6 +696,7 @@ class Engine:
                     scheduler.finish(request)
                 if any(s.seq is not None for s in request.samples):
                     space.release(request)
+                _drop_drafters(request)
                 continue
             if running and waiting:
                 scheduler.running.remove(request)
@@ -561,13 +728,25 @@ class Engine:
     def _samples_agree_with_pool(self, request: Request) -> bool:
         """Whether a running request's samples can go on from what the pool holds. Tokens
         a forward call computed before it raised count as computed; a sample whose tokens
-        are all computed but whose logits were lost cannot choose: it must be recomputed."""
+        are all computed but whose logits were lost cannot choose: it must be recomputed.
+        A sample holding its drafts' logits checks them next step; the K and V of drafts
+        whose logits were lost are cut off (the drafts are checked after the recompute)."""
         lead = request.samples[0]
         for sample in request.samples:
             seq = sample.seq
             if sample.finished or (seq is None and not request.forked and sample is not lead):
                 continue                               # not forked yet
-            if seq is None or not seq.alive or not sample.computed <= seq.length <= len(sample.tokens):
+            if seq is None or not seq.alive:
+                return False
+            if sample.logits is not None and sample.logits.ndim == 2:     # drafts to check
+                n_drafts = len(sample.logits) - 1      # (their rows may be cut already)
+                if not sample.computed == len(sample.tokens) <= seq.length \
+                        <= sample.computed + n_drafts:
+                    return False
+                continue
+            if seq.length > len(sample.tokens):        # drafts' rows, their logits lost
+                self.pool.truncate(seq, len(sample.tokens))
+            if not sample.computed <= seq.length <= len(sample.tokens):
                 return False
             if seq.length > sample.computed:
                 sample.computed, sample.logits = seq.length, None
@@ -622,11 +801,23 @@ class Engine:
             outputs = [CompletionOutput(s.index, list(s.outputs),
                                         (self.model.decode_text(s.outputs)
                                          if self.model.tokenizer is not None else ""),
-                                        s.finish_reason)
+                                        s.finish_reason,
+                                        s.speculation.stats if s.speculation else None)
                        for s in request.samples]
+            total = (SpeculationStats.total([o.speculation for o in outputs], self.draft_tokens)
+                     if self.speculate is not None else None)
             done[request.id] = RequestOutput(request.id, request.prompt, outputs,
-                                             request.preemptions)
+                                             request.preemptions, total)
         return done
+
+    @property
+    def speculation(self) -> Optional[SpeculationStats]:
+        """With speculate=: what speculation did so far, every request's samples added up
+        (finished or not); None without."""
+        if self.speculate is None:
+            return None
+        return SpeculationStats.total([s.speculation.stats for r in self.requests.values()
+                                       for s in r.samples], self.draft_tokens)
 
     def __enter__(self) -> "Engine":
         return self
@@ -639,6 +830,25 @@ class Engine:
         if self._trace_file is not None:
             self._trace_file.close()
             self._trace_file = None
+
+
+def _drop_drafters(request: Request) -> None:
+    """A finished request's drafters (a DraftModel's cache each) are no longer needed."""
+    for sample in request.samples:
+        if sample.speculation is not None:
+            sample.speculation.drafter = None
+
+
+def _chunk(sample: Sample, n: int) -> Tuple[List[int], List[int]]:
+    """What a scheduled item of n tokens feeds: the sample's next own tokens, and when
+    they are all it has left, its drafts after them (speculation: n - own of them). The
+    drafts that fit (maybe none) are checked after this chunk, the others never, so they
+    are kept as the sample's drafts: a retry of a step that raised runs the same."""
+    own = sample.tokens[sample.computed:sample.computed + n]
+    if len(own) < sample.pending or not sample.live_drafts:
+        return own, []
+    sample.drafts = sample.drafts[:n - len(own)]
+    return own, sample.drafts
 
 
 def _ready(sample: Sample) -> bool:

@@ -22,7 +22,7 @@ from .errors import ContextLengthError
 from .model import Model
 from .quant import CacheFormat
 from .sampling import check_sampling_args, sample
-from .speculative import Drafter, SpeculationStats, speculative_loop
+from .speculative import Drafter, SpeculationStats, check_drafter, speculative_loop
 
 
 @dataclasses.dataclass
@@ -204,17 +204,10 @@ def generate(model: Model, prompt: Union[str, Sequence[int]], max_new_tokens: in
 
 
 def _check_speculation(model: Model, drafter, draft_tokens, use_cache, cache_format) -> None:
-    if not hasattr(drafter, "propose"):
-        raise TypeError(f"speculate takes a drafter (kvlab.speculative.PromptLookup(), "
-                        f"DraftModel(...)), got {type(drafter).__name__}")
-    if isinstance(draft_tokens, bool) or not isinstance(draft_tokens, (int, np.integer)) \
-            or draft_tokens < 1:
-        raise ValueError(f"draft_tokens must be a positive integer, got {draft_tokens!r}")
+    check_drafter(model, drafter, draft_tokens)
     if not use_cache or cache_format.window > 0:
         raise ValueError("speculation rolls rejected drafts back with cache.truncate: it needs "
                          "a cache (use_cache=True) without a residual window")
-    if hasattr(drafter, "check_compatible"):
-        drafter.check_compatible(model)
 
 
 def _check_cache_policy(policy, use_cache, speculate, cache_format) -> None:

@@ -14,6 +14,9 @@ Each step:
   2. If nothing was preempted, waiting requests are admitted in arrival order while the
      budget lasts and the pool has blocks for their first chunk. Admission may find the
      start of a prompt already in the pool's prefix cache; those tokens are not computed.
+  3. With speculative decoding, a sample's draft tokens (guesses of its next tokens,
+     Sample.drafts) ride on the chunk that ends its tokens, as many as the budget and the
+     blocks left over allow: guesses come after all certain work and never preempt.
 
 If a step is interrupted in a call to the pool (the engine's recovery relies on this),
 every request is still in one queue, and a waiting one holds at worst some sequences
@@ -31,7 +34,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 from collections import deque
-from typing import Any, Deque, Dict, List, Optional, Protocol
+from typing import Any, Deque, Dict, List, Optional, Protocol, Tuple
 
 import numpy as np
 
@@ -112,10 +115,21 @@ class Sample:
     finish_reason: str = ""         # "length", "eos", or "error: ..." (the engine's words)
     logits: Any = None              # the engine's: the row to choose the next token from,
                                     # kept while every token is computed and none chosen yet
+                                    # (with drafts: that row, then one per draft)
+    drafts: List[int] = dataclasses.field(default_factory=list)   # guesses of the tokens
+    drafted_after: int = -1         # after tokens[:drafted_after]: they count while no
+                                    # token has been added since (see live_drafts)
+    speculation: Any = None         # the engine's: the sample's drafter and counters
 
     @property
     def outputs(self) -> List[int]:
         return self.tokens[self.prompt_len:]
+
+    @property
+    def live_drafts(self) -> List[int]:
+        """The drafts proposed after the sample's current tokens (none once a token has
+        been added since they were proposed)."""
+        return self.drafts if self.drafted_after == len(self.tokens) else []
 
     @property
     def pending(self) -> int:
@@ -247,11 +261,35 @@ class Scheduler:
                 step.items.append((request, sample, take))
                 reserved[request.id] = reserved.get(request.id, 0) + need
                 budget -= take
+        reserved_blocks = sum(reserved.values())
         if not step.preempted:
-            self._admit(space, step, budget, sum(reserved.values()))
+            budget, reserved_blocks = self._admit(space, step, budget, reserved_blocks)
+        self._add_drafts(space, step, budget, reserved_blocks)
         self.step_count += 1
         return step
     # [end ch05-scheduler-schedule]
+
+    def _add_drafts(self, space: BlockSpace, step: ScheduledStep, budget: int,
+                    reserved: int) -> None:
+        """Lengthen each scheduled chunk that ends its sample's tokens by the sample's
+        drafts, as many as the budget and the blocks not yet reserved allow, in batch
+        order. Drafts are guesses: they take what is left, and a sample with none (or
+        no room for them) runs as it would without speculation."""
+        for i, (request, sample, take) in enumerate(step.items):
+            drafts = sample.live_drafts
+            if not drafts or take != sample.pending or budget == 0:
+                continue
+            base = space.needed(sample, take)
+            extra = min(len(drafts), budget)
+            while extra > 0:
+                more = space.needed(sample, take + extra) - base
+                if more <= space.available() - reserved:
+                    break
+                extra -= 1
+            if extra > 0:
+                step.items[i] = (request, sample, take + extra)
+                reserved += more
+                budget -= extra
 
     # [quote ch05-scheduler-preempt]
     def _preempt(self, request: Request, space: BlockSpace, step: ScheduledStep) -> None:
@@ -259,7 +297,10 @@ class Scheduler:
         self.preempt(request, space)
     # [end ch05-scheduler-preempt]
 
-    def _admit(self, space: BlockSpace, step: ScheduledStep, budget: int, reserved: int) -> None:
+    def _admit(self, space: BlockSpace, step: ScheduledStep, budget: int,
+               reserved: int) -> Tuple[int, int]:
+        """Admits waiting requests (see the module text); returns the budget and the blocks
+        reserved after them."""
         while self.waiting and budget > 0:
             request = self.waiting[0]
             samples = request.active()
@@ -302,6 +343,7 @@ class Scheduler:
             step.items.extend(plan)
             reserved += need
             budget = left
+        return budget, reserved
 
 
 def blocks_for(n_tokens: int, block_size: int) -> int:

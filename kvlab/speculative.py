@@ -28,12 +28,16 @@ at the first draft refused, the token is drawn from max(0, p - q) renormalized i
 after k kept drafts, one more from p. A prompt-lookup draft is certain (q(x) = 1). The
 tokens are the same in distribution, not draw for draw: plain sampling and speculation use
 the random numbers differently (tested statistically on a small vocabulary).
+
+kvlab.generate (speculative_loop below) and the batching engine (kvlab.Engine(...,
+speculate=...)) share the steps of a pass: propose_drafts, verify_drafts, keep_until_stop
+and SpeculationStats.count_pass.
 """
 from __future__ import annotations
 
 import dataclasses
 import time
-from typing import List, Optional, Protocol, Sequence
+from typing import Iterable, List, Optional, Protocol, Sequence, Tuple
 
 import numpy as np
 
@@ -47,12 +51,15 @@ class Drafter(Protocol):
         """At most k token ids likely to follow `tokens` (the whole context so far), drawn
         with sampling = (temperature, top_k, top_p, rng) when it is given. A drafter whose
         drafts are random sets last_probabilities: q, the distribution each was drawn
-        from; None (or no such attribute) means each draft was certain."""
+        from; None (or no such attribute) means each draft was certain. A drafter that
+        keeps state about one context (DraftModel: its cache) may also have spawn(): a
+        drafter like it with state of its own, which the engine gives each sequence."""
 
 
 @dataclasses.dataclass
 class SpeculationStats:
-    """What speculation did in one generate call."""
+    """What speculation did in one generate call, or for one sample of an Engine request
+    (the totals of several sequences: SpeculationStats.total)."""
     draft_tokens: int                  # k: drafts asked for per pass (fewer near the end)
     verify_passes: int = 0             # forward passes of the model after the prompt's
     drafted: int = 0                   # draft tokens proposed and checked
@@ -62,6 +69,8 @@ class SpeculationStats:
     proposed_at: List[int] = dataclasses.field(default_factory=list)   # drafts proposed there
     draft_passes: int = 0              # forward passes the drafter ran (0 for prompt lookup)
     tokens: int = 0                    # tokens generated (EOS included, if it stopped there)
+    sequences: int = 1                 # sequences counted: each one's first token came from
+                                       # its prompt's pass, not from a verification
 
     @property
     def acceptance_rate(self) -> float:
@@ -74,8 +83,37 @@ class SpeculationStats:
     @property
     def passes_saved(self) -> int:
         """Forward passes of the model that plain decoding would have run and this did not
-        (one per token after the first, against one per verification)."""
-        return max(0, self.tokens - 1) - self.verify_passes
+        (one per token after each sequence's first, against one per verification)."""
+        return max(0, self.tokens - self.sequences) - self.verify_passes
+
+    def count_pass(self, drafted: int, accepted: int) -> None:
+        """One verification pass: `drafted` drafts checked, the first `accepted` kept."""
+        for i in range(drafted):
+            if i == len(self.proposed_at):
+                self.proposed_at.append(0)
+                self.accepted_at.append(0)
+            self.proposed_at[i] += 1
+            self.accepted_at[i] += i < accepted
+        self.verify_passes += 1
+        self.drafted += drafted
+        self.accepted += accepted
+
+    @classmethod
+    def total(cls, parts: Iterable["SpeculationStats"], draft_tokens: int) -> "SpeculationStats":
+        """The sum of several sequences' counts (a sequence that has made no token yet has
+        no first token: it is not counted in `sequences`)."""
+        out = cls(draft_tokens, sequences=0)
+        for part in parts:
+            for name in ("verify_passes", "drafted", "accepted", "draft_passes", "tokens"):
+                setattr(out, name, getattr(out, name) + getattr(part, name))
+            out.sequences += part.sequences if part.tokens else 0
+            for i in range(len(part.proposed_at)):
+                if i == len(out.proposed_at):
+                    out.proposed_at.append(0)
+                    out.accepted_at.append(0)
+                out.proposed_at[i] += part.proposed_at[i]
+                out.accepted_at[i] += part.accepted_at[i]
+        return out
 
 
 class PromptLookup:
@@ -109,7 +147,7 @@ class DraftModel:
     drafts the target model rejected."""
 
     def __init__(self, model: Model, dtype: str = "fp32"):
-        self.model = model
+        self.model, self.dtype = model, dtype
         self.cache = model.new_cache(dtype=dtype)     # its own cache, in any format
         self.cached: List[int] = []    # the tokens whose K and V are in self.cache
         self.passes = 0                # forward passes run, over every call
@@ -128,6 +166,12 @@ class DraftModel:
         small = Model(model.config.replace(n_layers=n_layers), dataclasses.replace(w, **layers),
                       model.tokenizer, source=f"{model.source} (first {n_layers} layers)")
         return cls(small, dtype)
+
+    def spawn(self) -> "DraftModel":
+        """A drafter with the same model (weights shared) and a cache of its own. The
+        engine drafts for each sequence with its own: a cache holds one context, and two
+        sequences drafted in turn with one drafter would refill it at every call."""
+        return DraftModel(self.model, self.dtype)
 
     def check_compatible(self, target: Model) -> None:
         if self.model.config.vocab_size != target.config.vocab_size:
@@ -175,21 +219,52 @@ def _draw(probs: np.ndarray, rng: np.random.Generator) -> int:
     return min(int(np.searchsorted(cdf / cdf[-1], rng.random(), side="right")), len(probs) - 1)
 
 
-def _checked(drafts, k: int) -> List[int]:
-    """A drafter's proposal as at most k token ids (the model checks their range)."""
+def check_drafter(model: Model, drafter, draft_tokens) -> None:
+    """TypeError / ValueError, at once, for a drafter or a draft_tokens that cannot work."""
+    if isinstance(drafter, type) or not callable(getattr(drafter, "propose", None)):
+        what = (f"the class {drafter.__name__}" if isinstance(drafter, type)
+                else type(drafter).__name__)
+        raise TypeError(f"speculate takes a drafter (kvlab.speculative.PromptLookup(), "
+                        f"DraftModel(...)), got {what}")
+    if isinstance(draft_tokens, bool) or not isinstance(draft_tokens, (int, np.integer)) \
+            or draft_tokens < 1:
+        raise ValueError(f"draft_tokens must be a positive integer, got {draft_tokens!r}")
+    if hasattr(drafter, "check_compatible"):
+        drafter.check_compatible(model)
+
+
+def propose_drafts(drafter: Drafter, context: Sequence[int], k: int, room: int,
+                   sampling: tuple, vocab_size: int) -> Tuple[List[int], Optional[list]]:
+    """The drafts for the next pass after `context`, and the distributions they were drawn
+    from (None: certain). At most k, and at most room - 1 when only `room` more tokens may
+    be generated: drafts that could all be kept, with the model's own token after them.
+    A drafter's junk is refused (TypeError, ValueError); a proposal longer than asked is cut."""
+    wanted = min(k, room - 1)
+    if wanted <= 0:
+        return [], None
+    drafts = drafter.propose(context, wanted, sampling)
     if drafts is None or isinstance(drafts, (str, bytes)):
         raise TypeError(f"a drafter's propose() returns a list of token ids, got {drafts!r}")
-    drafts = list(drafts)[:k]
+    drafts = list(drafts)[:wanted]
     for d in drafts:
         if isinstance(d, (bool, np.bool_)) or not isinstance(d, (int, np.integer)):
             raise TypeError(f"a drafter proposed {d!r}: drafts are integer token ids")
-    return [int(d) for d in drafts]
+        if not 0 <= d < vocab_size:
+            raise ValueError(f"a drafter proposed token {d}, out of range [0, {vocab_size})")
+    drafts = [int(d) for d in drafts]
+    q = getattr(drafter, "last_probabilities", None) if drafts else None
+    if q is not None and len(q) < len(drafts):
+        raise ValueError(f"the drafter gave {len(drafts)} drafts but {len(q)} "
+                         f"distributions (last_probabilities) to check them with")
+    return drafts, q
 
 
-def _verify(rows: np.ndarray, drafts: List[int], q: Optional[List[np.ndarray]],
-            sampling: tuple) -> tuple:
+def verify_drafts(rows: np.ndarray, drafts: List[int], q: Optional[list],
+                  sampling: tuple) -> Tuple[int, int]:
     """(drafts kept, the model's token after them). rows[i]: the model's logits for the
-    position of drafts[i] (and rows[len(drafts)] after the last)."""
+    position of drafts[i] (and rows[len(drafts)] after the last). Greedy: kept while each
+    is the arg-max; sampled: the rejection rule (see the module text), its random numbers
+    from sampling's rng. Raises ValueError on NaN in a row it reads."""
     temperature, top_k, top_p, rng = sampling
     if temperature == 0.0:                     # greedy: kept while it is the arg-max
         accepted = 0
@@ -212,6 +287,19 @@ def _verify(rows: np.ndarray, drafts: List[int], q: Optional[List[np.ndarray]],
     return len(drafts), sample(rows[len(drafts)], temperature, top_k, top_p, rng)
 
 
+def keep_until_stop(produced: List[int], eos: Optional[int],
+                    room: int) -> Tuple[List[int], Optional[str]]:
+    """What plain decoding keeps of the tokens one pass produced, taken one by one: it
+    stops at the end-of-sequence token (not kept: "eos") or once `room` tokens are kept
+    ("length"); None when it goes on."""
+    for i, token in enumerate(produced):
+        if token == eos:
+            return produced[:i], "eos"
+        if i + 1 == room:
+            return produced[:i + 1], "length"
+    return list(produced), None
+
+
 def speculative_loop(model: Model, ids: List[int], cache, max_new_tokens: int,
                      drafter: Drafter, sampling: tuple, stats: SpeculationStats,
                      eos: Optional[int], new_tokens: List[int], seconds: List[float],
@@ -220,43 +308,27 @@ def speculative_loop(model: Model, ids: List[int], cache, max_new_tokens: int,
     drafts in one forward over the cache, the drafts kept up to the first the model
     refuses, one token of the model's own after them, and the refused drafts' K and V cut
     off again. Returns whether the end-of-sequence token stopped it."""
-    k = stats.draft_tokens
     temperature, top_k, top_p, rng = sampling
     start = time.perf_counter()
     produced = [sample(model.prefill(ids, cache), temperature, top_k, top_p, rng)]
     while True:
         elapsed = time.perf_counter() - start
-        for token in produced:
-            seconds.append(elapsed / len(produced))
-            stats.tokens += 1
-            if bar is not None:
-                bar.update(1)
-            if token == eos:                  # not kept, as in generate
-                return True
-            new_tokens.append(token)
-        room = max_new_tokens - len(new_tokens)
-        if room <= 0:
-            return False
+        kept, stop = keep_until_stop(produced, eos, max_new_tokens - len(new_tokens))
+        used = len(kept) + (stop == "eos")          # an EOS token counts as generated
+        seconds.extend([elapsed / len(produced)] * used)
+        stats.tokens += used
+        if bar is not None:
+            bar.update(used)
+        new_tokens.extend(kept)
+        if stop is not None:
+            return stop == "eos"
         start = time.perf_counter()
-        # drafts that could all be kept, with the model's own token after them
-        wanted = min(k, room - 1)
-        drafts = _checked(drafter.propose(ids + new_tokens, wanted, sampling), wanted) \
-            if wanted > 0 else []
-        q = getattr(drafter, "last_probabilities", None) if drafts else None
-        if q is not None and len(q) < len(drafts):
-            raise ValueError(f"the drafter gave {len(drafts)} drafts but {len(q)} "
-                             f"distributions (last_probabilities) to check them with")
+        drafts, q = propose_drafts(drafter, ids + new_tokens, stats.draft_tokens,
+                                   max_new_tokens - len(new_tokens), sampling,
+                                   model.config.vocab_size)
         rows = model.forward([new_tokens[-1]] + drafts, cache, all_logits=True)
-        stats.verify_passes += 1
-        accepted, token = _verify(rows, drafts, q, sampling)
-        for i in range(len(drafts)):
-            if i == len(stats.proposed_at):
-                stats.proposed_at.append(0)
-                stats.accepted_at.append(0)
-            stats.proposed_at[i] += 1
-            stats.accepted_at[i] += i < accepted
-        stats.drafted += len(drafts)
-        stats.accepted += accepted
+        accepted, token = verify_drafts(rows, drafts, q, sampling)
+        stats.count_pass(len(drafts), accepted)
         # the cache now holds the newest token and every draft: keep the accepted ones
         cache.truncate(len(ids) + len(new_tokens) + accepted)
         produced = drafts[:accepted] + [token]

@@ -371,3 +371,60 @@ def test_a_forked_request_with_more_samples_than_a_batch_comes_back_after_preemp
     assert all(len(step.items) <= 2 for step in steps)
     assert all(len(s.outputs) == 2 for s in new.samples) and old.finished
     assert pool.used() == 0
+
+
+# ---- speculative decoding: drafts ride on the chunk that ends a sample's tokens ---------
+
+def decoding(scheduler, pool, requests):
+    """Admit the requests and run their prompts; each sample then has one token to feed,
+    and four drafts proposed after it."""
+    for request in requests:
+        scheduler.add(request)
+    for request, sample, n in scheduler.schedule(pool).items:
+        pool.run(sample, n)
+        sample.tokens.append(7)
+    for request in requests:
+        assert request.state is sched.State.RUNNING
+        for sample in request.samples:
+            sample.drafts, sample.drafted_after = [7, 7, 7, 7], len(sample.tokens)
+
+
+def test_drafts_take_what_certain_work_leaves_of_the_budget():
+    scheduler = sched.Scheduler(block_size=4, max_batch_tokens=64)
+    pool = FakePool(64, 4)
+    a, b = make_request(0, 3, max_tokens=10), make_request(1, 3, max_tokens=10)
+    decoding(scheduler, pool, [a, b])
+    scheduler.add(make_request(2, 6))
+    scheduler.max_batch_tokens = 10
+    step = scheduler.schedule(pool)
+    # the two decodes and the new prompt first (8 tokens), then 2 drafts for the oldest
+    assert [(r.id, n) for r, _, n in step.items] == [(0, 3), (1, 1), (2, 6)]
+    assert step.n_tokens == 10
+    scheduler.max_batch_tokens = 64
+    assert [n for _, _, n in scheduler.schedule(pool).items] == [5, 5, 6]
+
+
+def test_drafts_never_preempt_and_take_only_blocks_left_over():
+    scheduler = sched.Scheduler(block_size=4, max_batch_tokens=64)
+    pool = FakePool(3, 4)
+    a, b = make_request(0, 3, max_tokens=10), make_request(1, 3, max_tokens=10)
+    decoding(scheduler, pool, [a, b])                  # a block each: one left
+    step = scheduler.schedule(pool)
+    # a's newest token and 4 drafts need one more block; b's drafts would need another
+    assert [(r.id, n) for r, _, n in step.items] == [(0, 5), (1, 1)]
+    assert not step.preempted and a.preemptions == b.preemptions == 0
+
+
+def test_drafts_wait_for_the_chunk_that_ends_the_tokens():
+    scheduler = sched.Scheduler(block_size=4, max_batch_tokens=6)
+    pool = FakePool(16, 4)
+    request = make_request(0, 10, max_tokens=10)
+    sample = request.samples[0]
+    sample.drafts, sample.drafted_after = [7, 7], 10   # proposed, then preempted (say)
+    scheduler.add(request)
+    first = scheduler.schedule(pool)
+    assert [n for _, _, n in first.items] == [6]       # part of the tokens: no drafts
+    pool.run(sample, 6)
+    assert [n for _, _, n in scheduler.schedule(pool).items] == [4 + 2]
+    sample.tokens.append(7)                            # a token chosen since: stale drafts
+    assert sample.live_drafts == []

@@ -208,7 +208,7 @@ def test_sampled_tokens_have_the_models_distribution(drafter_name, monkeypatch):
     def keep_all(rows, drafts, q, sampling):
         temperature, top_k, top_p, rng = sampling
         return len(drafts), kvlab.sampling.sample(rows[len(drafts)], temperature, top_k, top_p, rng)
-    monkeypatch.setattr(kvlab.speculative, "_verify", keep_all)
+    monkeypatch.setattr(kvlab.speculative, "verify_drafts", keep_all)
     counts, _, _ = _sampled(model, prompt, make(), runs, n, temperature, top_k)
     assert _chi_square(counts, exact, runs)[0] > limit
 
@@ -259,9 +259,9 @@ def test_a_draft_model_interrupted_mid_proposal_drafts_correctly_after(model, mh
 
 
 def test_nan_logits_in_a_checked_row_raise_when_sampling():
-    from kvlab.speculative import _verify
+    from kvlab.speculative import verify_drafts
     rows = np.array([[0, 0, 0, 5, 0], [np.nan] * 5, [0] * 5], dtype=np.float32)
     rng = np.random.default_rng(0)
     with pytest.raises(ValueError, match="NaN"):
         for _ in range(50):                 # the first draft is kept sooner or later
-            _verify(rows, [3, 3], None, (1.0, None, None, rng))
+            verify_drafts(rows, [3, 3], None, (1.0, None, None, rng))
