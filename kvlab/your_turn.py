@@ -28,6 +28,7 @@ from typing import Callable, NamedTuple, Optional
 import numpy as np
 
 from . import load, quant, reference
+from .cache_policy import HeavyHitters, most_attended
 from .config import ModelConfig
 from .engine import Engine
 from .errors import CacheFullError
@@ -67,6 +68,10 @@ EXERCISES = {
     "07_gpu_kernels": Exercise(
         "merge_states",
         "merge two flash-decoding partial states (acc, m, l) into the state of both ranges"),
+    "08_fewer_positions": Exercise(
+        "h2o_keep",
+        "the rows an H2O cache keeps for one layer and KV head: the newest, and the older "
+        "rows that have received the most attention"),
 }
 
 
@@ -622,6 +627,113 @@ def _check_flash(answer, rng) -> str:
             "chunk of a long sequence its own thread block and merge exactly (flash-decoding).")
 
 
+# ---- 08: keeping fewer positions ----------------------------------------------------------
+
+def _h2o_rows(weights, n_keep, recent, ties_to_later=False, smallest=False, among_all=False):
+    """HeavyHitters.keep for one layer and KV head (the options: plausible mistakes)."""
+    weights = np.asarray(weights, dtype=np.float32)
+    recent = min(recent, n_keep)
+    older = len(weights) if among_all else len(weights) - recent
+    scores = -weights[:older] if smallest else weights[:older]
+    if ties_to_later:
+        heavy = np.sort(np.argsort(scores, kind="stable")[::-1][:n_keep - recent])
+    else:
+        heavy = most_attended(scores[None, :, None], n_keep - recent)[0, :, 0]
+    return np.concatenate([heavy, np.arange(len(weights) - recent, len(weights))]).astype(np.int64)
+
+
+class _YourHeavyHitters(HeavyHitters):
+    """HeavyHitters whose rows come from the answer, one layer and KV head at a time."""
+
+    def __init__(self, answer, budget, recent):
+        super().__init__(budget, recent)
+        self.answer = answer
+
+    def keep(self, cache, n_keep):
+        weights = cache.attention_weights
+        rows = np.empty((weights.shape[0], n_keep, weights.shape[2]), dtype=np.int32)
+        for layer in range(weights.shape[0]):
+            for head in range(weights.shape[2]):
+                rows[layer, :, head] = self.answer(weights[layer, :, head].copy(), n_keep, self.recent)
+        return rows
+
+
+def _check_h2o(answer, rng) -> str:
+    model = _model()
+    text = model.encode("First Citizen: Before we proceed any further, hear me speak. All: Speak, "
+                        "speak. First Citizen: You are all resolved rather to die than to famish?")
+    cases = [("the newest rows have received little attention yet",
+              [5.0, 0.1, 3.0, 0.2, 0.3, 4.0, 0.05, 0.01], 5, 2),
+             ("the newest rows have the largest weights", [0.2, 3.0, 0.1, 0.4, 9.0, 8.0], 4, 2),
+             ("equal weights", [1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 0.0, 0.0], 4, 1),
+             ("recent = n_keep: no room for heavy hitters", [3.0, 2.0, 1.0, 0.5, 0.2, 0.1], 5, 5)]
+    for number, (what, weights, n_keep, recent) in enumerate(cases, 1):
+        case = (f"case {number} of {len(cases) + 2}: {what}: weights={weights}, n_keep={n_keep}, "
+                f"recent={recent}")
+        expected = _h2o_rows(weights, n_keep, recent)
+        got = _call(answer, case, np.asarray(weights, dtype=np.float32), n_keep, recent)
+        try:
+            got = np.asarray(got).astype(np.int64).ravel()
+        except Exception:
+            raise _NotYet(case, f"{n_keep} row indices", _short(got),
+                          "return the row indices to keep, as an array of ints") from None
+        if np.array_equal(got, expected):
+            continue
+        if len(got) == n_keep and np.array_equal(np.sort(got), expected):
+            hint = "the rows must come in increasing order (np.sort): the cache keeps them in order"
+        elif len(np.unique(got)) < len(got):
+            hint = ("each row once: choose the heavy hitters among the older rows only, "
+                    "weights[:len(weights) - recent]; the newest are kept anyway")
+        elif len(got) != n_keep:
+            hint = f"keep exactly n_keep rows: {n_keep} here"
+        elif np.array_equal(got, np.sort(np.argsort(-np.asarray(weights), kind="stable")[:n_keep])):
+            hint = ("the newest `recent` rows are always kept, whatever their weight: few "
+                    "queries have seen them yet")
+        elif np.array_equal(got, _h2o_rows(weights, n_keep, recent, ties_to_later=True)):
+            hint = ("ties go to the earlier row: np.argsort(-weights, kind=\"stable\") keeps "
+                    "equal weights in row order")
+        elif np.array_equal(got, _h2o_rows(weights, n_keep, recent, smallest=True)):
+            hint = "the heavy hitters are the rows with the largest weights, not the smallest"
+        else:
+            hint = ("the newest min(recent, n_keep) rows, and the n_keep - recent older rows "
+                    "with the largest weights, all in increasing order")
+        raise _NotYet(case, f"rows {expected.tolist()}", f"rows {got.tolist()}", hint)
+    # a real cache: every layer and KV head, against HeavyHitters.keep
+    for number in (len(cases) + 1, len(cases) + 2):
+        budget = int(rng.integers(8, 40))
+        recent = int(rng.integers(1, budget))
+        start = int(rng.integers(0, len(text) - budget))
+        case = (f"case {number} of {len(cases) + 2}: the bundled model's cache after "
+                f"HeavyHitters({budget}, recent={recent}) ran {budget} tokens")
+        policy = HeavyHitters(budget, recent)
+        cache = policy.new_cache(model)
+        policy.forward(model, text[start:start + budget], cache)
+        expected = policy.keep(cache, budget - 1)
+        weights = cache.attention_weights
+        for layer in range(weights.shape[0]):
+            for head in range(weights.shape[2]):
+                got = _call(answer, case, weights[layer, :, head].copy(), budget - 1, recent)
+                got = np.asarray(got).astype(np.int64).ravel()
+                if not np.array_equal(got, expected[layer, :, head]):
+                    raise _NotYet(f"{case}, layer {layer}, KV head {head}",
+                                  f"rows {expected[layer, :, head].tolist()}",
+                                  f"rows {got.tolist()}",
+                                  "compare with the small cases above: the newest rows, then "
+                                  "the heaviest older ones, in increasing order")
+    # the whole policy on your rows: the kit's logits, bit for bit
+    theirs, yours = HeavyHitters(16, 6), _YourHeavyHitters(answer, 16, 6)
+    want = theirs.forward(model, text, theirs.new_cache(model), all_logits=True)
+    got = yours.forward(model, text, yours.new_cache(model), all_logits=True)
+    if not np.array_equal(got, want):
+        raise _NotYet(f"a HeavyHitters(16, recent=6) policy built on your function, "
+                      f"{len(text)} tokens", "HeavyHitters' logits", "different logits",
+                      "the rows differ somewhere: check the cases above")
+    return (f"Your rows are HeavyHitters.keep's for every layer and KV head, and a policy built "
+            f"on them gives the kit's logits bit for bit over {len(text)} tokens: H2O keeps the "
+            f"newest rows and the older ones attention has used most, summed over every query "
+            f"since they came, which favours the oldest positions.")
+
+
 _CHECKS = {
     "01_kv_cache": _check_kv_cache,
     "02_cache_size": _check_cache_size,
@@ -630,4 +742,5 @@ _CHECKS = {
     "05_batching": _check_batching,
     "06_quantization": _check_quantization,
     "07_gpu_kernels": _check_flash,
+    "08_fewer_positions": _check_h2o,
 }

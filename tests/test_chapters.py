@@ -1,6 +1,7 @@
 """The chapters (chapters/*.md) stay true to the repository: every quoted piece of code
 still exists where the chapter says, every figure is made by the chapter's script, and
 every linked notebook and lab exists. The figure scripts themselves run here too."""
+import json
 import re
 import subprocess
 import sys
@@ -11,7 +12,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 CHAPTERS = REPO / "chapters"
 SLUGS = ["01_kv_cache", "02_cache_size", "03_gqa", "04_paged", "05_batching",
-         "06_quantization", "07_gpu_kernels"]
+         "06_quantization", "07_gpu_kernels", "08_fewer_positions"]
 
 DIRECTIVE = re.compile(r"^(`{3,})\{(?P<name>[\w-]+)\}\s*(?P<arg>.*?)\n(?P<body>.*?)^\1\s*$",
                        re.M | re.S)
@@ -96,6 +97,24 @@ def test_every_figure_is_made_by_the_chapter_script(slug):
         stem = Path(figure).stem
         assert script.is_file() and stem in script.read_text(), \
             f"{slug}: no code in {script.relative_to(REPO)} makes {figure}"
+
+
+def test_the_numbers_a_chapter_prints_are_its_scripts():
+    """A figure script may list, under "quoted" in its chNN.json, each number its chapter
+    prints, formatted exactly as printed: the chapter's text must hold every one (white
+    space aside), so a rerun that changes a number fails here until the prose agrees."""
+    checked = 0
+    for slug in SLUGS:
+        path = CHAPTERS / "figures" / f"ch{slug[:2]}.json"
+        quoted = json.loads(path.read_text()).get("quoted") if path.is_file() else None
+        if not quoted:
+            continue
+        text = " ".join(chapter_text(slug).split())
+        missing = {key: value for key, value in quoted.items()
+                   if " ".join(value.split()) not in text}
+        assert not missing, f"{slug}.md does not print these numbers of {path.name}: {missing}"
+        checked += 1
+    assert checked, "no chapter lists its quoted numbers"
 
 
 @pytest.mark.parametrize("slug", SLUGS)

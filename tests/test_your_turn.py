@@ -184,6 +184,24 @@ def _merge(a, b, rescale_acc=True, rescale_l=True, subtract_max=True, normalize=
     return (acc / l, m, np.float32(1)) if normalize else (acc, m, l)
 
 
+def _h2o(weights, n_keep, recent, rank_all=False, heavy_among_all=False, in_weight_order=False,
+         ties_to_later=False, smallest=False):
+    weights = np.asarray(weights)
+    recent = min(recent, n_keep)
+    if rank_all:                                  # the newest rows not set apart
+        return np.sort(np.argsort(-weights, kind="stable")[:n_keep])
+    older = len(weights) if heavy_among_all else len(weights) - recent
+    scores = weights[:older] if smallest else -weights[:older]
+    order = np.argsort(scores, kind="stable")
+    if ties_to_later:
+        order = np.argsort(-scores, kind="stable")[::-1]
+    heavy = order[:n_keep - recent]
+    newest = np.arange(len(weights) - recent, len(weights))
+    if in_weight_order:
+        return np.concatenate([heavy, newest])
+    return np.sort(np.concatenate([heavy, newest]))
+
+
 WRONG = [
     # (exercise, what the student wrote, words the hint must contain)
     ("01_kv_cache", _uncached_loop, "model.prefill"),
@@ -219,6 +237,11 @@ WRONG = [
     ("07_gpu_kernels", lambda a, b: _merge(a, b, subtract_max=False), "overflows"),
     ("07_gpu_kernels", lambda a, b: _merge(a, b, normalize=True), "after the last merge"),
     ("07_gpu_kernels", lambda a, b: (_merge(a, b)[0], a[1], _merge(a, b)[2]), "max(m1, m2)"),
+    ("08_fewer_positions", lambda w, n, r: _h2o(w, n, r, rank_all=True), "newest `recent` rows"),
+    ("08_fewer_positions", lambda w, n, r: _h2o(w, n, r, heavy_among_all=True), "older rows only"),
+    ("08_fewer_positions", lambda w, n, r: _h2o(w, n, r, in_weight_order=True), "increasing order"),
+    ("08_fewer_positions", lambda w, n, r: _h2o(w, n, r, ties_to_later=True), "earlier row"),
+    ("08_fewer_positions", lambda w, n, r: _h2o(w, n, r, smallest=True), "largest weights"),
 ]
 
 
