@@ -201,7 +201,7 @@ def cmd_lab(args) -> int:
     from .grading import LABS, get_lab, start_lab
     if args.action == "list" or args.lab is None:
         for lab in LABS.values():
-            print(f"{lab.number}. {lab.name:16} {lab.points:>3} points  {lab.title}  "
+            print(f"{lab.number:>2}. {lab.name:20} {lab.points:>3} points  {lab.title}  "
                   f"(chapter {lab.chapter})")
         if args.action != "list":
             print(f"kvlab lab {args.action}: which lab?", file=sys.stderr)

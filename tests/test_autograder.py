@@ -108,6 +108,23 @@ def test_a_missing_or_misnamed_submission(package, tmp_path):
     assert find_submission(root / "submission", "cache_size")[0].name == "mine.py"
 
 
+def test_a_lab_whose_model_stays_in_the_judge_is_graded_in_its_package(tmp_path):
+    """speculative_decoding serves its model from the judge's process (kvlab/grading/served.py):
+    the zip's judge loads it, and its worker never loads kvlab."""
+    package = build("speculative_decoding", tmp_path / "speculative_decoding.zip", INSTRUCTOR)
+    with zipfile.ZipFile(package) as archive:
+        names = archive.namelist()
+    assert [n for n in names if n.startswith("tests/")] == ["tests/speculative_decoding.py"]
+    assert "kvlab-src/kvlab/grading/served.py" in names
+    root = unpack(package, tmp_path / "autograder")
+    shutil.copy(INSTRUCTOR / "solutions" / "speculative_decoding.py",
+                root / "submission" / "speculative_decoding.py")
+    run = run_autograder(root, {"KVLAB_PYTHON": sys.executable, "KVLAB_WORKER_USER": ""})
+    assert run.returncode == 0, run.stderr
+    data = results(root)
+    assert data["score"] == 18 == sum(t["max_score"] for t in data["tests"]), data
+
+
 def test_the_top_level_file_wins_over_an_old_copy_in_a_folder(package, tmp_path):
     root = unpack(package, tmp_path / "autograder")
     shutil.copy(INSTRUCTOR / "solutions" / "cache_size.py", root / "submission" / "cache_size.py")
@@ -143,6 +160,14 @@ def test_setup_sh_and_the_unprivileged_student_as_on_gradescope(package):
         run = run_autograder(other, env)
         assert run.returncode == 0, run.stderr
         assert results(other)["score"] == 17, results(other)
+        # a lab whose model stays in the judge (root), its worker kvlab-student
+        served = unpack(build("speculative_decoding", top / "speculative_decoding.zip", INSTRUCTOR),
+                        top / "served")
+        shutil.copy(INSTRUCTOR / "solutions" / "speculative_decoding.py",
+                    served / "submission" / "speculative_decoding.py")
+        run = run_autograder(served, env)
+        assert run.returncode == 0, run.stderr
+        assert results(served)["score"] == 18, results(served)
         # the student's code runs as kvlab-student: the tests, the results and kvlab itself
         # are out of reach, even with the worker's import guard taken away
         kvlab_init = next(venv.glob("lib/python3*/site-packages/kvlab/__init__.py"))

@@ -86,6 +86,9 @@ DELEGATES = {
     "gqa": "from kvlab.accuracy import perplexity\nfrom kvlab import reference\n\n"
            "def forward(model, tokens):\n    return reference.forward(model._c, model._w, tokens)\n",
     "prefix_caching": "import kvlab\n\nclass PrefixCache(kvlab.PagedPool):\n    pass\n",
+    "speculative_decoding": "from kvlab.speculative import PromptLookup\n\n"
+                            "def propose(tokens, k, max_ngram=3):\n"
+                            "    return PromptLookup(max_ngram).propose(tokens, k)\n",
 }
 
 
@@ -207,6 +210,65 @@ def test_own_cache_cannot_fake_its_cache_or_its_timing(fake, tmp_path):
     submission = tmp_path / "own_cache.py"
     submission.write_text(OWN_CACHE + code)
     report = hidden(submission, "own_cache")
+    assert set(report.failed()) == loses, report.summary()
+
+
+SPECULATIVE = (INSTRUCTOR / "solutions" / "speculative_decoding.py").read_text()
+USES_PROPOSE = {"test_propose_on_crafted_contexts", "test_propose_on_random_contexts",
+                "test_speculative_generation_keeps_the_greedy_tokens",
+                "test_speculation_takes_fewer_passes_than_tokens", "test_measurement_reports_what_ran"}
+
+SPECULATIVE_FAKES = {
+    # plain decoding, reported as speculation: the grader counts the passes itself
+    "plain decoding with made-up stats": ("""
+def generate_speculative(model, prompt, n_new, k=4, max_ngram=3):
+    tokens = generate_plain(model, prompt, n_new)
+    return tokens, {"passes": n_new // 3, "drafted": n_new, "accepted": n_new // 2}
+""", {"test_speculation_takes_fewer_passes_than_tokens", "test_measurement_reports_what_ran"}),
+    # the count and the model behind the proxy, reached for: the proxy has neither
+    "the grader's count and model reached through the proxy": ("""
+def generate_speculative(model, prompt, n_new, k=4, max_ngram=3):
+    for reach in (lambda: model.passes.clear(), lambda: model._model, lambda: model._cache):
+        try:
+            reach()
+        except AttributeError:
+            pass
+    return generate_plain(model, prompt, n_new), {"passes": 1, "drafted": 0, "accepted": 0}
+""", {"test_speculation_takes_fewer_passes_than_tokens", "test_measurement_reports_what_ran"}),
+    # a report that nothing measured
+    "a measurement made up": ("""
+def measure(model, prompt, n_new, k=4, max_ngram=3):
+    return {"passes_plain": n_new, "passes_speculative": n_new // 3, "drafted": n_new,
+            "accepted": n_new // 2, "acceptance_rate": 0.5, "seconds_plain": 0.3,
+            "seconds_speculative": 0.1, "speedup": 3.0}
+""", {"test_measurement_reports_what_ran"}),
+    # the passes counted honestly, plain decoding's time stretched to flatter speculation
+    "plain decoding's time stretched": ("""
+_measured = measure
+
+def measure(model, prompt, n_new, k=4, max_ngram=3):
+    report = _measured(model, prompt, n_new, k, max_ngram)
+    report["seconds_plain"] *= 3
+    report["speedup"] = report["seconds_plain"] / report["seconds_speculative"]
+    return report
+""", {"test_measurement_reports_what_ran"}),
+    # kvlab's own drafter, imported by name past the source check: no test lends the worker
+    # anything, so kvlab is never loaded there, and the finder refuses to load it
+    "kvlab.speculative imported past the check": (EVADE + """
+def propose(tokens, k, max_ngram=3):
+    speculative = _sys.modules["importlib"].import_module("kvlab.speculative")
+    return speculative.PromptLookup(max_ngram).propose(tokens, k)
+""", USES_PROPOSE),
+}
+
+
+@pytest.mark.parametrize("fake", list(SPECULATIVE_FAKES))
+def test_speculative_decoding_cannot_fake_its_passes_or_its_measurement(fake, tmp_path):
+    """The model stays in the judge, which counts and times every pass it runs."""
+    code, loses = SPECULATIVE_FAKES[fake]
+    submission = tmp_path / "speculative_decoding.py"
+    submission.write_text(SPECULATIVE + code)
+    report = hidden(submission, "speculative_decoding")
     assert set(report.failed()) == loses, report.summary()
 
 

@@ -14,7 +14,7 @@ import pytest
 from kvlab.grading import wire
 from kvlab.grading.policy import Policy, check_source, import_refusal
 from kvlab.grading.process import OutputCapture, WorkerProcess, WorkerTimeout
-from kvlab.grading.remote import RemoteError, Session
+from kvlab.grading.remote import RemoteError, ServedObject, Session
 
 INSTRUCTOR = Path(__file__).resolve().parents[1] / "instructor"
 
@@ -39,6 +39,8 @@ def test_values_travel_with_their_types():
         assert got.flags.writeable
     record = round_trip(wire.Record("ModelConfig", {"n_layers": 2, "dim": 8}))
     assert isinstance(record, types.SimpleNamespace) and record.n_layers == 2
+    served = wire.Served(3, "Model", ("forward", "new_cache"), ("config",))
+    assert round_trip([served]) == [served]
 
 
 def nested(depth):
@@ -64,6 +66,9 @@ def test_what_has_no_by_value_form_is_refused_when_sent(value):
     b"{\"$scalar\": [\"<i8\"]}", b"{\"$dict\": [[1]]}", b"{\"$dict\": [[[1], 2]]}",
     b"{\"$record\": [\"x\", {\"not a name\": 1}]}", b"{\"$handle\": [\"1\", \"x\"]}",
     b"{\"$set\": [[1]]}", b"[" * 100000 + b"]" * 100000,
+    b"{\"$served\": [1, \"Model\", [\"not a name\"], []]}", b"{\"$served\": [1, \"Model\", []]}",
+    b"{\"$served\": [\"1\", \"Model\", [], []]}",
+    b"{\"$served\": [1, \"Model\", " + json.dumps(["m%d" % i for i in range(65)]).encode() + b", []]}",
 ])
 def test_anything_a_worker_could_send_that_is_not_a_value_is_refused(payload):
     with pytest.raises(wire.WireError):
@@ -286,3 +291,94 @@ def test_the_judge_will_not_run_with_asserts_stripped(tmp_path):
                          cwd=tmp_path, capture_output=True, text=True, timeout=60)
     assert run.returncode != 0 and "without -O" in run.stderr
     assert not (tmp_path / "z.json").exists()
+
+
+# ---- objects the judge serves by reference -------------------------------------------------------
+
+class Counter(ServedObject):
+    """A judge-side object as a lab would serve one: it counts the calls made to it."""
+    served_methods = ("add", "child", "fail")
+    served_attributes = ("total",)
+
+    def __init__(self):
+        self.total, self.calls, self.secret = 0, 0, "not for the worker"
+
+    def add(self, n, times=1):
+        if not isinstance(n, int):
+            raise TypeError(f"add takes an int, got {n!r}")
+        self.calls += 1
+        self.total += n * times
+        return np.arange(self.total)
+
+    def child(self):
+        if not hasattr(self, "kid"):
+            self.kid = Counter()
+        return self.kid
+
+    def fail(self):
+        class CacheFullError(ValueError):
+            pass
+        raise CacheFullError("no room")
+
+
+def test_an_object_served_by_reference_stays_in_the_judge(tmp_path):
+    worker, session = start(tmp_path, '''
+def use(counter):
+    got = counter.add(2).tolist() + counter.add(n=1, times=3).tolist()
+    try:
+        counter.fail()
+    except ValueError as error:
+        failed = (type(error).__name__, str(error))
+    refused = []
+    for name in ("secret", "calls", "__dict__"):
+        try:
+            getattr(counter, name)
+        except AttributeError as error:
+            refused.append(str(error))
+    try:
+        counter.total = 99
+    except AttributeError as error:
+        refused.append(str(error))
+    try:
+        counter.add(object())
+    except TypeError as error:
+        refused.append(str(error))
+    return got, counter.total, failed, refused, repr(counter), counter.child(), counter
+''')
+    try:
+        from kvlab.grading.remote import Submission
+        counter = Counter()
+        got, total, failed, refused, shown, child, same = Submission(session).use(counter)
+        assert got == [0, 1] + [0, 1, 2, 3, 4] and total == 5 == counter.total
+        assert counter.calls == 2                   # counted here, where the worker cannot reach
+        assert failed == ("CacheFullError", "no room")
+        assert "no attribute 'secret'" in refused[0] and "no attribute 'calls'" in refused[1]
+        assert "'__dict__'" in refused[2] and "cannot be changed" in refused[3]
+        assert "cannot take" in refused[4] and counter.total == 5
+        assert shown == "<the grader's Counter>"
+        assert same is counter and child is counter.kid       # the judge's own objects come back
+    finally:
+        worker.stop()
+
+
+def test_forged_calls_to_the_judge_are_answered_with_an_error():
+    """What a worker sends as a call is untrusted: only a served object's served names,
+    with arguments by value."""
+    session = Session(None, time.monotonic() + 30)
+    counter = Counter()
+    ref = session.unwrap(counter)
+    assert session.unwrap([counter]) == [ref]              # one id per object
+    for request, says in [
+        ("not a dict", "must be a dict"),
+        ({"id": 99, "name": "add", "args": [1]}, "not an object the grader lent"),
+        ({"id": "1", "name": "add", "args": [1]}, "not an object the grader lent"),
+        ({"id": ref.id, "name": "secret", "get": True}, "no attribute 'secret'"),
+        ({"id": ref.id, "name": "__init__", "args": []}, "no method '__init__'"),
+        ({"id": ref.id, "name": "add", "args": "1"}, "must be a list"),
+        ({"id": ref.id, "name": "add", "args": [wire.Handle(1, "Box")]}, "not objects of yours"),
+        ({"id": ref.id, "name": "add", "args": [wire.Served(7, "Counter")]}, "not an object"),
+    ]:
+        answer = session.serve(request)
+        assert "raised" in answer and says in answer["raised"]["message"], (request, answer)
+    assert counter.calls == 0
+    assert session.serve({"id": ref.id, "name": "total", "get": True}) == {"ok": wire.Encoded(0)}

@@ -15,7 +15,8 @@ How a grade is made (each file does one part):
     wire.py      the values that pass between them (no pickle)
     remote.py    the student's functions and objects as a test calls them
     testkit.py   what tests are written with: @points, raises, check_close
-    handouts.py  kvlab objects a lab lends the student's code
+    handouts.py  kvlab objects a lab lends the student's code, built in the worker
+    served.py    kvlab objects a lab lends by reference: they stay in the judge
     report.py    the grade, and Gradescope's results.json
     runner.py    grade() and check(): start a judge, read its report
     autograder.py  the Gradescope package, and its entry point on Gradescope

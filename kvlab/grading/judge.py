@@ -218,7 +218,7 @@ class Judge:
         started = time.monotonic()
         tests = load_tests(self.tests_path)
         import kvlab
-        from . import handouts, testkit  # noqa: F401  (all the judge will import, imported now)
+        from . import handouts, served, testkit  # noqa: F401  (all the judge will import, imported now)
         guarded = [Path(kvlab.__file__).resolve().parent, self.tests_path.resolve()]
         before = fingerprint(guarded)
         report = GradeReport(self.lab.name, str(self.submission), [], "", 0.0,

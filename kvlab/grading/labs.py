@@ -1,4 +1,5 @@
-"""The labs, in the order of the chapters they go with; where each one's files are.
+"""The labs, in the order of the chapters they go with (the last, speculative decoding, goes
+back to chapter 1's decoding loop once the course is done); where each one's files are.
 
 A lab ships in kvlab/labs/<name>/ as README.md (the instructions), starter.py (what the
 student edits) and checks.py (public self-checks). Its grading tests, with their hidden
@@ -73,6 +74,8 @@ LABS: Dict[str, Lab] = {lab.name: lab for lab in (
         "int8 quantization"),
     Lab("flash_decoding", 10, "Flash-decoding: pieces, a merge, any split", "07_gpu_kernels", 14,
         "split attention and its merge"),
+    Lab("speculative_decoding", 11, "Speculative decoding: prompt lookup, one-pass verification, "
+        "rollback", "01_kv_cache", 18, "speculative decoding"),
 )}
 
 

@@ -236,6 +236,11 @@ class WorkerProcess:
 
     def request(self, message: dict, deadline: float):
         """Send `message`, return the decoded answer (a dict)."""
+        self.send(message, deadline)
+        return self.receive(deadline)
+
+    def send(self, message: dict, deadline: float) -> None:
+        """Send one frame: a request, or the reply to a call the worker made to the judge."""
         view = memoryview(wire.frame(wire.encode(message)))
         while view:
             self._wait(self.requests, True, deadline)
@@ -245,6 +250,9 @@ class WorkerProcess:
                 continue
             except (BrokenPipeError, ConnectionResetError):
                 raise WorkerDied(self.exit_description()) from None
+
+    def receive(self, deadline: float) -> dict:
+        """The worker's next frame, decoded: an answer, or a call it makes to the judge."""
         try:
             length = wire.frame_length(self._read_exactly(wire.HEADER_SIZE, deadline))
             answer = wire.decode(self._read_exactly(length, deadline))

@@ -9,10 +9,18 @@ student's code returns can run code in the judge, override __eq__ or change late
 When the student's code raises, the call raises RemoteError with the exception's type
 names, message and the line of the student's file; `raises("CacheFullError")` in
 kvlab.grading.testkit checks for one.
+
+The other way round, a test can lend the student's code an object of the judge's by
+reference (a ServedObject, passed as an argument): it never leaves the judge's process, and
+the worker gets a proxy whose method calls and attribute reads come back here as requests
+({"judge": {...}} frames, answered while the judge waits for the call that made them).
+Only the methods and attributes the object's class names can be reached, with arguments
+that travel by value; whatever they do (a forward pass, say) is done, and can be counted,
+where the student's code cannot reach.
 """
 from __future__ import annotations
 
-from typing import Any, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 from . import wire
 from .process import WorkerGarbled, WorkerProcess
@@ -67,42 +75,135 @@ def _answer(answer: dict) -> Any:
     return answer["ok"]
 
 
+class ServedObject:
+    """An object of the judge's that a test lends the student's code by reference: pass it
+    as an argument to the student's function and the worker gets a proxy. The student's
+    code may call the methods named in `served_methods` and read the attributes named in
+    `served_attributes`, nothing else; each call runs here, in the judge, with arguments
+    that came by value (ServedObjects among them come back as themselves). What a method
+    raises reaches the student's code as an exception of the same name."""
+    served_methods: Tuple[str, ...] = ()
+    served_attributes: Tuple[str, ...] = ()
+
+    @property
+    def served_type_name(self) -> str:
+        return type(self).__name__
+
+
+class NotServed(LookupError):
+    """The worker named an object, method or attribute the judge does not serve it."""
+
+
 class Session:
-    """One worker and the deadline of the test it serves."""
+    """One worker and the deadline of the test it serves, and the judge's objects lent to
+    its code by reference."""
 
     def __init__(self, worker: WorkerProcess, deadline: float):
         self.worker, self.deadline = worker, deadline
+        self.served: Dict[int, ServedObject] = {}       # id sent to the worker -> object
+        self._served_ids: Dict[int, int] = {}           # id(object) -> that id
 
     def ask(self, message: dict) -> Tuple[Any, dict]:
-        """(result, the whole answer); raises RemoteError when the student's code raised."""
-        answer = self.worker.request(message, self.deadline)
+        """(result, the whole answer); raises RemoteError when the student's code raised.
+        Calls the student's code makes meanwhile to objects served to it are answered."""
+        self.worker.send(message, self.deadline)
+        while True:
+            answer = self.worker.receive(self.deadline)
+            if "judge" not in answer:
+                break
+            self.worker.send(self.serve(answer["judge"]), self.deadline)
         result = _answer(answer)
         if isinstance(result, RemoteError):
             raise result
         return self.wrap(result), answer
 
     def wrap(self, value: Any) -> Any:
-        """Handles become RemoteObjects, inside containers too."""
+        """Handles become RemoteObjects and served references the judge's own objects,
+        inside containers too."""
         if isinstance(value, wire.Handle):
             return RemoteObject(self, value)
+        if isinstance(value, wire.Served):
+            if value.id not in self.served:
+                raise WorkerGarbled("the worker process named an object the grader never lent it")
+            return self.served[value.id]
         if type(value) is list:
             return [self.wrap(v) for v in value]
         if type(value) is tuple:
             return tuple(self.wrap(v) for v in value)
+        if type(value) is dict:
+            return {k: self.wrap(v) for k, v in value.items()}
         return value
 
+    def unwrap(self, value: Any) -> Any:
+        """What a value is sent as: RemoteObjects as their handles (the worker passes the
+        student's own object), ServedObjects as references to them (lent from now on)."""
+        if isinstance(value, RemoteObject):
+            return object.__getattribute__(value, "_handle")
+        if isinstance(value, ServedObject):
+            key = id(value)
+            if key not in self._served_ids:
+                self._served_ids[key] = len(self.served) + 1
+                self.served[self._served_ids[key]] = value
+            cls = type(value)
+            return wire.Served(self._served_ids[key], value.served_type_name,
+                               tuple(cls.served_methods), tuple(cls.served_attributes))
+        if type(value) is list:
+            return [self.unwrap(v) for v in value]
+        if type(value) is tuple:
+            return tuple(self.unwrap(v) for v in value)
+        if type(value) is dict:
+            return {k: self.unwrap(v) for k, v in value.items()}
+        return value
 
-def _unwrap(value: Any) -> Any:
-    """RemoteObjects back to handles, so that the worker passes the student's own object."""
-    if isinstance(value, RemoteObject):
-        return object.__getattribute__(value, "_handle")
-    if type(value) is list:
-        return [_unwrap(v) for v in value]
-    if type(value) is tuple:
-        return tuple(_unwrap(v) for v in value)
-    if type(value) is dict:
-        return {k: _unwrap(v) for k, v in value.items()}
-    return value
+    def _served_arguments(self, value: Any) -> Any:
+        """A call's arguments as a served method takes them: references to served objects
+        become the objects; a handle to one of the student's objects is refused (a served
+        method takes values, and must not call back into the worker)."""
+        if isinstance(value, wire.Handle):
+            raise TypeError("the grader's objects take numbers, strings, lists and arrays, "
+                            "and the grader's own objects, not objects of yours")
+        if isinstance(value, wire.Served):
+            if value.id not in self.served:
+                raise NotServed("that is not an object the grader lent your code")
+            return self.served[value.id]
+        if type(value) is list:
+            return [self._served_arguments(v) for v in value]
+        if type(value) is tuple:
+            return tuple(self._served_arguments(v) for v in value)
+        if type(value) is dict:
+            return {k: self._served_arguments(v) for k, v in value.items()}
+        return value
+
+    def serve(self, request: Any) -> dict:
+        """Run one call the student's code made to a served object, here; its result (or
+        what it raised) as the frame to send back. The request is the worker's, so it is
+        checked: a known object, a name its class serves, arguments by value."""
+        try:
+            if type(request) is not dict:
+                raise NotServed("a call to the grader's objects must be a dict")
+            target = self.served.get(request.get("id")) if type(request.get("id")) is int else None
+            name, args, kwargs = request.get("name"), request.get("args", []), request.get("kwargs", {})
+            if target is None:
+                raise NotServed("that is not an object the grader lent your code")
+            cls = type(target)
+            if type(args) is not list or type(kwargs) is not dict or \
+                    any(type(k) is not str for k in kwargs):
+                raise NotServed("a call's arguments must be a list and a dict of named ones")
+            args, kwargs = self._served_arguments(args), self._served_arguments(kwargs)
+            if request.get("get") is True:
+                if name not in cls.served_attributes:
+                    raise AttributeError(f"the grader's {target.served_type_name} has no "
+                                         f"attribute {name!r} to read")
+                result = getattr(target, name)
+            else:
+                if name not in cls.served_methods:
+                    raise AttributeError(f"the grader's {target.served_type_name} has no "
+                                         f"method {name!r}")
+                result = getattr(target, name)(*args, **kwargs)
+            return {"ok": wire.Encoded(wire.to_json(self.unwrap(result)))}
+        except Exception as error:       # what the student's call did wrong, for them to see
+            return {"raised": {"types": [c.__name__ for c in type(error).__mro__],
+                               "message": str(error)[:MESSAGE_CAP], "where": ""}}
 
 
 class RemoteCallable:
@@ -117,9 +218,10 @@ class RemoteCallable:
     def call(self, args: tuple, kwargs: dict, numpy_errors: Optional[dict] = None):
         """The call, with NumPy's floating-point error handling set to `numpy_errors` (as
         numpy.errstate takes it) around it, e.g. {"divide": "raise"}."""
-        result, _ = self._session.ask({"op": "call", "target": self._target, "name": self._name,
-                                       "args": _unwrap(list(args)), "kwargs": _unwrap(kwargs),
-                                       "numpy_errors": numpy_errors})
+        session = self._session
+        result, _ = session.ask({"op": "call", "target": self._target, "name": self._name,
+                                 "args": session.unwrap(list(args)), "kwargs": session.unwrap(kwargs),
+                                 "numpy_errors": numpy_errors})
         return result
 
     def __repr__(self) -> str:
@@ -156,7 +258,7 @@ class RemoteObject:
         """[self.name(*args) for (name, *args) in calls], in one round trip; with attrs,
         each result is the tuple of those attributes of what the call returned."""
         results, _ = self._session.ask({"op": "calls", "target": self._handle,
-                                        "calls": [[c[0], _unwrap(list(c[1:]))] for c in calls],
+                                        "calls": [[c[0], self._session.unwrap(list(c[1:]))] for c in calls],
                                         "attrs": list(attrs) if attrs else None})
         return results
 
@@ -180,5 +282,6 @@ class Submission:
         return RemoteCallable(self._session, None, name)
 
     def handout(self, name: str, **kwargs) -> Any:
-        result, _ = self._session.ask({"op": "handout", "name": name, "kwargs": _unwrap(kwargs)})
+        result, _ = self._session.ask({"op": "handout", "name": name,
+                                       "kwargs": self._session.unwrap(kwargs)})
         return result

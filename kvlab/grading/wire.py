@@ -13,6 +13,8 @@ JSON in which every JSON object is a tagged container this module made:
     {"$scalar": [dtype, "base64"]}         a NumPy number, kept as one (np.int64, ...)
     {"$record": [type name, {field: value}]}   a plain record, read back as a SimpleNamespace
     {"$handle": [id, type name]}     an object that stays in the worker (see Handle)
+    {"$served": [id, type name, [methods], [attributes]]}   an object that stays in the
+                                     judge, lent to the student's code by reference (Served)
 
 Decoding checks every tag, dtype, shape and size, and refuses anything else with
 WireError: a hostile worker can make a call fail, never make the judge run its code.
@@ -57,6 +59,20 @@ class Handle:
     """An object that lives in the worker: its id there, and its type's name."""
     id: int
     type_name: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Served:
+    """An object that lives in the judge and is lent to the worker by reference: its id
+    there, its type's name, and the methods the student's code may call on it and the
+    attributes it may read (each call or read is a request back to the judge)."""
+    id: int
+    type_name: str
+    methods: tuple = ()
+    attributes: tuple = ()
+
+
+MAX_SERVED_NAMES = 64        # methods and attributes of one served object
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,6 +129,8 @@ def to_json(value: Any, depth: int = 0) -> Any:
                                               for k, v in value.fields.items()}]}
     if kind is Handle:
         return {"$handle": [value.id, value.type_name]}
+    if kind is Served:
+        return {"$served": [value.id, value.type_name, list(value.methods), list(value.attributes)]}
     raise NotEncodable(f"a {kind.__name__} object")
 
 
@@ -215,6 +233,14 @@ def from_json(tree: Any, depth: int = 0, budget: Any = None) -> Any:
                 or type(body[1]) is not str:
             raise WireError("$handle needs [id, type name]")
         return Handle(body[0], body[1][:200])
+    if tag == "$served":
+        if type(body) is not list or len(body) != 4 or type(body[0]) is not int \
+                or type(body[1]) is not str or any(
+                    type(names) is not list or len(names) > MAX_SERVED_NAMES
+                    or any(type(n) is not str or not n.isidentifier() for n in names)
+                    for names in body[2:]):
+            raise WireError("$served needs [id, type name, [method names], [attribute names]]")
+        return Served(body[0], body[1][:200], tuple(body[2]), tuple(body[3]))
     raise WireError(f"unknown tag {tag!r}")
 
 

@@ -23,6 +23,12 @@ and answers {"ok": value} (plus "callable" for "get"), or {"raised": {"types", "
 "where"}} when the student's code raised. Values that cannot travel by value (the student's
 own objects) stay here in a table and travel as handles.
 
+An object the judge lends by reference (a model that stays in the judge's process, say)
+arrives as a served reference and reaches the student's code as a JudgeObject: each of its
+method calls and attribute reads is a frame to the judge, {"judge": {"id", "name", "args",
+"kwargs", "get"}}, sent while the judge waits for the request in progress, and answered
+{"ok": value} or {"raised": ...} (raised here again as an exception of the same name).
+
 Everything here runs beside the student's code and can be changed by it: the worker is
 not trusted. What makes grading safe is that the judge computes every expected value, and
 the score, in its own process from its own copy of the tests.
@@ -161,6 +167,56 @@ class NotInYourFile(AttributeError):
     """The test asked for a function or class the submission does not define."""
 
 
+# What an exception raised by the judge's side of a served call becomes here: the most
+# specific of these among its classes (its own name is kept: CacheFullError stays one).
+JUDGE_ERRORS = {"TypeError": TypeError, "ValueError": ValueError, "IndexError": IndexError,
+                "KeyError": KeyError, "AttributeError": AttributeError,
+                "LookupError": LookupError}
+
+
+def _judge_error(raised):
+    """The exception to raise in the student's code for what a served call raised."""
+    types = raised.get("types") if type(raised) is dict else None
+    types = [t for t in types if type(t) is str] if type(types) is list else []
+    message = raised.get("message", "") if type(raised) is dict else ""
+    base = next((JUDGE_ERRORS[t] for t in types if t in JUDGE_ERRORS), RuntimeError)
+    name = types[0] if types and types[0].isidentifier() else base.__name__
+    cls = base if name == base.__name__ else type(name, (base,), {"__module__": "grader"})
+    return cls(str(message))
+
+
+class JudgeObject:
+    """An object of the grader's, lent by reference: it stays in the judge's process, and
+    every method call or attribute read on it here is a request to the judge."""
+    __slots__ = ("_worker", "_served")
+
+    def __init__(self, worker, served):
+        object.__setattr__(self, "_worker", worker)
+        object.__setattr__(self, "_served", served)
+
+    def __getattr__(self, name):
+        served, worker = self._served, self._worker
+        if name in served.methods:
+            def method(*args, **kwargs):
+                return worker.call_judge(served, name, args, kwargs)
+            method.__name__ = method.__qualname__ = name
+            return method
+        if name in served.attributes:
+            return worker.call_judge(served, name, get=True)
+        offered = ", ".join(sorted(served.methods + served.attributes))
+        raise AttributeError(f"the grader's {served.type_name} has no attribute {name!r} "
+                             f"(it has: {offered})")
+
+    def __setattr__(self, name, value):
+        raise AttributeError(f"the grader's {self._served.type_name} cannot be changed")
+
+    def __dir__(self):
+        return sorted(self._served.methods + self._served.attributes)
+
+    def __repr__(self):
+        return f"<the grader's {self._served.type_name}>"
+
+
 class Worker:
     def __init__(self, read_fd, write_fd):
         self.read_fd, self.write_fd = read_fd, write_fd
@@ -171,6 +227,7 @@ class Worker:
         self.module = None
         self.path = None
         self.rules = None
+        self.judge_objects = {}          # served id -> its JudgeObject (one per object)
 
     # ---- frames ------------------------------------------------------------------------
     def _read_exactly(self, n):
@@ -191,18 +248,25 @@ class Worker:
         return None if payload is None else wire.decode(payload)
 
     def send(self, message):
-        data = wire.frame(wire.encode(message))
+        self.send_frame(wire.frame(wire.encode(message)))
+
+    def send_frame(self, data):
         view = memoryview(data)
         while view:
             view = view[os.write(self.write_fd, view):]
 
     # ---- values ------------------------------------------------------------------------
     def resolve(self, value):
-        """Arguments as the student's code should see them: handles become their objects."""
+        """Arguments as the student's code should see them: handles become their objects,
+        and references to the judge's objects JudgeObjects."""
         if isinstance(value, wire.Handle):
             if value.id not in self.objects:
                 raise LookupError(f"no object {value.id} in this worker")
             return self.objects[value.id]
+        if isinstance(value, wire.Served):
+            if value.id not in self.judge_objects:
+                self.judge_objects[value.id] = JudgeObject(self, value)
+            return self.judge_objects[value.id]
         if type(value) is list:
             return [self.resolve(v) for v in value]
         if type(value) is tuple:
@@ -211,10 +275,41 @@ class Worker:
             return {k: self.resolve(v) for k, v in value.items()}
         return value
 
+    def outgoing(self, value):
+        """`value` as it is sent: JudgeObjects as the references they stand for."""
+        if type(value) is JudgeObject:
+            return object.__getattribute__(value, "_served")
+        if type(value) is list:
+            return [self.outgoing(v) for v in value]
+        if type(value) is tuple:
+            return tuple(self.outgoing(v) for v in value)
+        if type(value) is dict:
+            return {k: self.outgoing(v) for k, v in value.items()}
+        return value
+
+    def call_judge(self, served, name, args=(), kwargs=None, get=False):
+        """A method call (or, with get, an attribute read) on an object the judge lent by
+        reference: sent to the judge, which runs it and answers."""
+        try:
+            frame = wire.frame(wire.encode({"judge": {
+                "id": served.id, "name": name, "get": bool(get),
+                "args": self.outgoing(list(args)), "kwargs": self.outgoing(dict(kwargs or {}))}}))
+        except (wire.NotEncodable, RecursionError) as error:
+            raise TypeError(f"the grader's {served.type_name}.{name} takes numbers, strings, "
+                            f"lists and arrays of them, and the grader's own objects "
+                            f"(it cannot take {error})") from None
+        self.send_frame(frame)
+        answer = self.receive()
+        if type(answer) is not dict:           # the judge is gone: grading is over
+            raise SystemExit(0)
+        if "raised" in answer:
+            raise _judge_error(answer["raised"])
+        return self.resolve(answer.get("ok"))
+
     def by_value_or_handle(self, value):
         """`value`, encoded, if it can travel; else a handle to it (kept in this worker)."""
         try:
-            return wire.Encoded(wire.to_json(value))
+            return wire.Encoded(wire.to_json(self.outgoing(value)))
         except (wire.NotEncodable, RecursionError):
             handle = wire.Handle(len(self.objects) + 1, type(value).__name__)
             self.objects[handle.id] = value

@@ -1,0 +1,422 @@
+"""Hidden grading tests for lab 11 (speculative decoding). Each test says in its message what
+it expected. Run by the judge (kvlab/grading/judge.py), never shipped in the package.
+
+The model the student's functions get is served from the judge (kvlab/grading/served.py,
+ServedModel): it and its caches stay in this process, and the student's code calls them
+from the worker. So every forward pass it runs is counted here, with its tokens, where it
+started and the arg-max of every row, and every cache is read here directly: nothing the
+student's code reports is taken on trust. The oracles are the judge's own too: kvlab's
+PromptLookup for the drafter, a plain greedy loop over kvlab's model for the tokens, and a
+fresh kvlab cache that only ever ran the accepted tokens for rollback (K and V bit for bit:
+on the CPU kvlab's forward gives the same K and V for a position however the tokens before
+it were split into passes).
+
+Cases are drawn at grading time: the token ids of the crafted drafter contexts, the
+prompts (lines of the play, repeated and cut anywhere), k, the n-gram order, the lengths.
+"""
+import functools
+import time
+
+import numpy as np
+
+from kvlab.grading.served import ServedModel
+from kvlab.grading.testkit import bundled_model, described, number, points, whole_number
+from kvlab.speculative import PromptLookup
+
+LINES = ("ROMEO:\nBut soft, what light through yonder window breaks?\n",
+         "JULIET:\nO Romeo, Romeo! wherefore art thou Romeo?\n",
+         "First Citizen:\nBefore we proceed any further, hear me speak.\n",
+         "GLOUCESTER:\nNow is the winter of our discontent\n",
+         "HAMLET:\nTo be, or not to be, that is the question.\n",
+         "MENENIUS:\nI tell you, friends, most charitable care\n")
+REPORT = ("passes_plain", "passes_speculative", "drafted", "accepted", "acceptance_rate",
+          "seconds_plain", "seconds_speculative", "speedup")
+
+
+def prepare():
+    bundled_model()
+    greedy(tuple(bundled_model().encode(LINES[0])), 8)
+
+
+@functools.lru_cache(maxsize=None)
+def greedy(prompt: tuple, n_new: int) -> tuple:
+    """The model's greedy tokens after `prompt`: a prefill, then one token a pass."""
+    model = bundled_model()
+    cache = model.new_cache(len(prompt) + n_new)
+    tokens = [int(np.argmax(model.prefill(list(prompt), cache)))]
+    while len(tokens) < n_new:
+        tokens.append(int(np.argmax(model.decode(tokens[-1], cache))))
+    return tuple(tokens)
+
+
+def repetitive_prompt(rng) -> list:
+    """A line of the play twice, then the start of it again, cut anywhere."""
+    line = LINES[int(rng.integers(len(LINES)))]
+    return bundled_model().encode(line + line + line[:int(rng.integers(3, len(line)))])
+
+
+def text_prompt(rng) -> list:
+    """The start of a line: nothing in it repeats for long."""
+    line = LINES[int(rng.integers(len(LINES)))]
+    return bundled_model().encode(line[:int(rng.integers(6, len(line)))])
+
+
+def show(tokens, limit=10) -> str:
+    tokens = [int(t) for t in tokens]
+    if len(tokens) <= limit:
+        return str(tokens)
+    return f"[..., {', '.join(map(str, tokens[-limit:]))}] ({len(tokens)} tokens)"
+
+
+def token_list(got, what) -> list:
+    """What came back as a list of token ids, or a failed test."""
+    if isinstance(got, np.ndarray) and got.ndim == 1 and got.dtype.kind in "iu":
+        got = got.tolist()
+    if not isinstance(got, (list, tuple)):
+        raise AssertionError(f"{what}: expected a list of token ids, got {described(got)}")
+    return [whole_number(t, f"{what}, item {i}") for i, t in enumerate(got)]
+
+
+def pair(got, what) -> tuple:
+    """verify's (accepted, token), or a failed test."""
+    if not isinstance(got, (tuple, list)) or len(got) != 2:
+        raise AssertionError(f"{what}: expected (accepted, token), got {described(got)}")
+    return whole_number(got[0], f"{what}: accepted"), whole_number(got[1], f"{what}: token")
+
+
+def same_cache(cache, tokens, what):
+    """The served cache holds exactly the K and V of `tokens`, bit for bit: what a fresh
+    kvlab cache that ran only those tokens (in one pass) holds."""
+    tokens = [int(t) for t in tokens]
+    assert cache.length == len(tokens), (
+        f"{what}: the cache should hold {len(tokens)} positions, it holds {cache.length} "
+        f"(tokens {show(cache.tokens)}; expected {show(tokens)})")
+    assert cache.tokens == tokens, (
+        f"{what}: the cache holds the wrong tokens: {show(cache.tokens)}, expected {show(tokens)}")
+    model = bundled_model()
+    fresh = model.new_cache(max(len(tokens), 1))
+    if tokens:
+        model.prefill(tokens, fresh)
+    for name, got, want in (("keys", cache._cache.keys, fresh.keys),
+                            ("values", cache._cache.values, fresh.values)):
+        assert np.array_equal(got, want), (
+            f"{what}: the cache's {name} differ from those of a cache that only ever ran "
+            f"{show(tokens)}")
+
+
+class Verification:
+    """A served model and a cache holding a context minus its newest token, run by the
+    judge; the model's own greedy continuation of the context, to make drafts from."""
+
+    def __init__(self, prompt, k):
+        self.model = ServedModel()
+        self.context = [int(t) for t in prompt]
+        self.cache = self.model.new_cache(len(self.context) + k + 2)
+        self.model.forward(self.context[:-1], self.cache)
+        self.newest = self.context[-1]
+        self.mark = len(self.model.passes)
+
+    def want(self, drafts):
+        """(accepted, token) by the greedy rule, from the judge's own runs of the model."""
+        accepted = 0
+        for d in drafts:
+            if greedy(tuple(self.context + drafts[:accepted]), 1)[0] != d:
+                break
+            accepted += 1
+        return accepted, greedy(tuple(self.context + drafts[:accepted]), 1)[0]
+
+    def run(self, sub, drafts, what):
+        """The student's verify on these drafts; its (accepted, token), and that it ran
+        exactly one pass of the newest token and the drafts with every row."""
+        got = pair(sub.verify(self.model, self.cache, self.newest, list(drafts)), what)
+        ran = self.model.passes[self.mark:]
+        tokens = [self.newest] + list(drafts)
+        assert len(ran) == 1, (
+            f"{what}: verify runs ONE forward pass, of the newest token and every draft "
+            f"together; the model ran {len(ran)}: " + ", ".join(show(p.tokens, 6) for p in ran))
+        assert list(ran[0].tokens) == tokens, (
+            f"{what}: the pass must run the newest token then the drafts, {show(tokens)} "
+            f"(the cache holds the context before the newest token); it ran {show(ran[0].tokens)}")
+        assert ran[0].all_logits, (
+            f"{what}: the pass needs a row of logits for every token it runs "
+            f"(all_logits=True): row i says what the model would choose after token i")
+        return got
+
+
+def wrong_token(rng, right):
+    while True:
+        token = int(rng.integers(32, 127))
+        if token != right:
+            return token
+
+
+# ---- the drafter ---------------------------------------------------------------------------
+
+@points(2)
+def test_propose_on_crafted_contexts(sub, rng):
+    """prompt lookup, one rule a case: the latest match, the longest n-gram first, k, no match"""
+    letters = "abcdrsxyzPQRSW"
+    ids = {c: int(t) for c, t in zip(letters, rng.choice(256, len(letters), replace=False))}
+    cases = (   # context, k, max_ngram, what follows, what it tests
+        ("abcPQabcRSabc", 2, 3, "RS", "two earlier matches of the last 3 tokens: the latest one wins"),
+        ("abcdPQRSWabcd", 3, 3, "PQR", "at most k tokens after the match"),
+        ("abcdPQRabc", 9, 3, "dPQRabc", "fewer than k tokens follow the match: all of them"),
+        ("abcPQzbcRSabc", 2, 3, "PQ",
+         "the last 3 tokens match far back, the last 2 more recently: the longer n-gram wins"),
+        ("abcPQzbcRSabc", 2, 1, "RS",
+         "the same context with max_ngram=1: the latest match of the last token"),
+        ("xybPQrsb", 2, 3, "PQ", "no match of the last 3 or 2 tokens: the last token alone"),
+        ("abcdxyz", 4, 3, "", "no earlier occurrence of even the last token: no drafts"),
+        ("abab", 4, 3, "ab", "the match may overlap the end: what follows it runs into the tail"),
+        ("aaaa", 3, 3, "a", "aaaa: the last 3 tokens first occur at the start, then 1 token follows"),
+        ("a", 3, 3, "", "a single token: nothing before it to match"),
+        ("abcPQabc", 0, 3, "", "k = 0: no drafts"),
+    )
+    for context, k, max_ngram, follows, why in cases:
+        tokens = [ids[c] for c in context]
+        want = [ids[c] for c in follows]
+        call = f"propose({tokens}, k={k}, max_ngram={max_ngram})"
+        got = token_list(sub.propose(tokens, k, max_ngram), call)
+        assert got == want, f"{call} ({why}): expected {want}, got {got}"
+    assert token_list(sub.propose([], 4, 3), "propose([], 4, 3)") == [], (
+        "propose([], k=4, max_ngram=3): an empty context has nothing to match")
+
+
+@points(1)
+def test_propose_on_random_contexts(sub, rng):
+    """prompt lookup on random contexts over a few token ids, as kvlab's own drafter proposes"""
+    for _ in range(40):
+        alphabet = rng.choice(256, int(rng.integers(2, 7)), replace=False)
+        tokens = [int(t) for t in rng.choice(alphabet, int(rng.integers(2, 40)))]
+        k, max_ngram = int(rng.integers(1, 7)), int(rng.integers(1, 5))
+        want = PromptLookup(max_ngram).propose(tokens, k)
+        got = token_list(sub.propose(tokens, k, max_ngram), f"propose(..., k={k}, max_ngram={max_ngram})")
+        assert got == want, (f"propose({tokens}, k={k}, max_ngram={max_ngram}): expected {want}, "
+                             f"got {got}")
+
+
+# ---- verification and rollback ------------------------------------------------------------
+
+@points(2)
+def test_verify_keeps_drafts_the_model_agrees_with(sub, rng):
+    """every draft the model's own choice: all kept, and the model's next token after them, from one pass"""
+    for k in (1, int(rng.integers(2, 5)), int(rng.integers(5, 8))):
+        prompt = repetitive_prompt(rng) if k > 1 else text_prompt(rng)
+        v = Verification(prompt, k)
+        drafts = list(greedy(tuple(v.context), k + 1))
+        drafts, bonus = drafts[:k], drafts[k]
+        what = f"verify with {k} draft{'s' * (k > 1)} {drafts}, each the model's greedy choice"
+        accepted, token = v.run(sub, drafts, what)
+        assert accepted == k, (f"{what}: {'all ' * (k > 1)}{k} should be accepted, your verify "
+                               f"says {accepted}")
+        assert token == bonus, (
+            f"{what}: the token after them is the arg-max of the last row (row {k}), {bonus}; "
+            f"got {token}")
+
+
+@points(2)
+def test_verify_stops_at_the_first_wrong_draft(sub, rng):
+    """a wrong first draft: none kept, the correction; right, wrong, right: only those before the wrong one"""
+    # all wrong
+    v = Verification(text_prompt(rng), 4)
+    right = greedy(tuple(v.context), 1)[0]
+    drafts = [wrong_token(rng, right) for _ in range(int(rng.integers(1, 5)))]
+    what = f"verify with drafts {drafts}, the first of them not the model's choice ({right})"
+    got = v.run(sub, drafts, what)
+    assert got == (0, right), (
+        f"{what}: expected (0, {right}): nothing kept, and the model's own token from row 0; "
+        f"got {got}")
+    # right, right, ..., wrong, then the model's choice after the wrong one
+    for j in (1, int(rng.integers(2, 4))):
+        v = Verification(repetitive_prompt(rng), j + 2)
+        ahead = list(greedy(tuple(v.context), j + 1))
+        wrong = wrong_token(rng, ahead[j])
+        after = greedy(tuple(v.context + ahead[:j] + [wrong]), 1)[0]
+        drafts = ahead[:j] + [wrong, after]
+        what = (f"verify with drafts {drafts}: {j} the model would choose, then {wrong} "
+                f"where it would choose {ahead[j]}, then {after}, its choice after {wrong}")
+        got = v.run(sub, drafts, what)
+        assert got == (j, ahead[j]), (
+            f"{what}: expected ({j}, {ahead[j]}): the drafts before the wrong one kept, none "
+            f"after it (a draft after a wrong one was checked against the wrong context), and "
+            f"the model's token from row {j}; got {got}")
+
+
+@points(1)
+def test_verify_without_drafts_is_a_decode_step(sub, rng):
+    """no drafts: one pass of the newest token alone, nothing kept, and the model's next token"""
+    for prompt in (text_prompt(rng), repetitive_prompt(rng)):
+        v = Verification(prompt, 0)
+        want = greedy(tuple(v.context), 1)[0]
+        what = f"verify with no drafts after {show(v.context)}"
+        got = v.run(sub, [], what)
+        assert got == (0, want), f"{what}: expected (0, {want}), a plain decode step; got {got}"
+
+
+@points(2)
+def test_rollback_keeps_only_the_accepted_drafts(sub, rng):
+    """rollback(cache, n, accepted) after a pass of n drafts: K and V as if only the accepted ones ran"""
+    n = int(rng.integers(3, 7))
+    for accepted in (0, int(rng.integers(1, n)), n):
+        v = Verification(repetitive_prompt(rng), n)
+        drafts = [int(t) for t in rng.integers(32, 127, n)]
+        v.model.forward([v.newest] + drafts, v.cache, all_logits=True)
+        what = (f"a cache of {len(v.context) - 1} positions after a pass of the newest token and "
+                f"{n} drafts {drafts}, then rollback(cache, {n}, {accepted})")
+        sub.rollback(v.cache, n, accepted)
+        same_cache(v.cache, v.context + drafts[:accepted], what)
+    v = Verification(text_prompt(rng), 0)
+    v.model.forward([v.newest], v.cache, all_logits=True)
+    sub.rollback(v.cache, 0, 0)
+    same_cache(v.cache, v.context, "after a pass of the newest token alone, rollback(cache, 0, 0)")
+
+
+@points(1)
+def test_verify_leaves_the_cache_holding_the_accepted_tokens(sub, rng):
+    """the cache after verify (all right, first wrong, some right, none): the accepted tokens' K and V only"""
+    k = int(rng.integers(3, 6))
+    v = Verification(repetitive_prompt(rng), k)
+    ahead = list(greedy(tuple(v.context), k + 1))
+    j = int(rng.integers(1, k - 1))
+    wrong = wrong_token(rng, ahead[j])
+    # after the wrong draft, the model's own choice in a context holding it: not to be kept
+    after = list(greedy(tuple(v.context + ahead[:j] + [wrong]), k - j - 1))
+    cases = (("every draft right", ahead[:k]),
+             ("the first draft wrong", [wrong_token(rng, ahead[0])] + ahead[1:k]),
+             (f"the first {j} right, then a wrong one", ahead[:j] + [wrong] + after),
+             ("no drafts", []))
+    for why, drafts in cases:
+        v = Verification(v.context, k)
+        accepted, _ = pair(sub.verify(v.model, v.cache, v.newest, drafts), f"verify, {why}")
+        kept, _ = v.want(drafts)
+        assert accepted == kept, (f"verify with drafts {drafts} ({why}): expected {kept} accepted, "
+                                  f"got {accepted}")
+        same_cache(v.cache, v.context + drafts[:kept],
+                   f"after verify with drafts {drafts} ({why}): the context, the newest token "
+                   f"and the {kept} accepted drafts, and nothing of the rest")
+
+
+# ---- generation ----------------------------------------------------------------------------
+
+@points(1)
+def test_plain_generation_is_greedy(sub, rng):
+    """generate_plain: the model's greedy tokens, from a prefill and one single-token pass a token"""
+    model = ServedModel()
+    prompt, n_new = text_prompt(rng), int(rng.integers(8, 30))
+    got = token_list(sub.generate_plain(model, prompt, n_new), "generate_plain")
+    want = list(greedy(tuple(prompt), n_new))
+    assert got == want, f"generate_plain, {n_new} tokens after {show(prompt)}: expected {want}, got {got}"
+    ran = [len(p.tokens) for p in model.passes]
+    assert ran == [len(prompt)] + [1] * (n_new - 1), (
+        f"generate_plain: a prefill of the {len(prompt)} prompt tokens, then one pass of one "
+        f"token for each of the other {n_new - 1}; the model ran passes of {ran} tokens")
+
+
+def text(ids) -> str:
+    """The text of some token ids (the bundled model's tokens are bytes), for messages."""
+    model = bundled_model()
+    return model.decode_text([t for t in ids if 0 <= t < model.config.vocab_size])
+
+
+def speculative_tokens(sub, model, prompt, n_new, k, max_ngram):
+    what = f"generate_speculative, {n_new} tokens after {show(prompt)}, k={k}, max_ngram={max_ngram}"
+    got = sub.generate_speculative(model, prompt, n_new, k, max_ngram)
+    if not isinstance(got, (tuple, list)) or len(got) != 2:
+        raise AssertionError(f"{what}: expected (tokens, stats), got {described(got)}")
+    tokens, want = token_list(got[0], what), list(greedy(tuple(prompt), n_new))
+    if len(tokens) != n_new:
+        raise AssertionError(f"{what}: expected {n_new} tokens, got {len(tokens)}")
+    if tokens != want:
+        first = next(i for i, (a, b) in enumerate(zip(tokens, want)) if a != b)
+        raise AssertionError(
+            f"{what}: your tokens differ from plain greedy decoding's from token {first} on: "
+            f"expected {want[first:first + 8]} ({text(want[first:])!r}), got "
+            f"{tokens[first:first + 8]} ({text(tokens[first:])!r}), after {show(want[:first], 8)}")
+    return what
+
+
+@points(2)
+def test_speculative_generation_keeps_the_greedy_tokens(sub, rng):
+    """generate_speculative: token for token plain greedy decoding's, for several k, n-gram orders, prompts"""
+    draw = lambda low, high: int(rng.integers(low, high))      # noqa: E731
+    cases = [(repetitive_prompt(rng), draw(30, 61), draw(2, 7), draw(1, 5)),
+             (text_prompt(rng), draw(20, 41), draw(1, 7), draw(1, 5)),
+             (repetitive_prompt(rng), int(rng.integers(2, 6)), 6, 3),
+             (bundled_model().encode("\n"), int(rng.integers(10, 25)), int(rng.integers(1, 5)), 3),
+             (text_prompt(rng), 1, 4, 3)]
+    for prompt, n_new, k, max_ngram in cases:
+        speculative_tokens(sub, ServedModel(), prompt, n_new, k, max_ngram)
+
+
+@points(2)
+def test_speculation_takes_fewer_passes_than_tokens(sub, rng):
+    """repetitive prompts: the greedy tokens in fewer passes than tokens, as the grader counts; k drafts at most"""
+    for _ in range(2):
+        model = ServedModel()
+        prompt, n_new = repetitive_prompt(rng), int(rng.integers(32, 49))
+        k, max_ngram = int(rng.integers(2, 7)), int(rng.integers(2, 5))
+        what = speculative_tokens(sub, model, prompt, n_new, k, max_ngram)
+        ran = [len(p.tokens) for p in model.passes]
+        assert len(ran) < n_new, (
+            f"{what}: {n_new} tokens in {len(ran)} forward passes, as the grader counted them "
+            f"(passes of {ran} tokens): speculation must take fewer passes than tokens on a "
+            f"prompt that repeats itself")
+        for cache in model.caches_used():
+            later = [len(p.tokens) for p in model.passes_over(cache)[1:]]
+            assert max(later, default=0) <= k + 1, (
+                f"{what}: a verification pass runs the newest token and at most k = {k} drafts; "
+                f"the passes after the prefill ran {later} tokens")
+
+
+@points(2)
+def test_measurement_reports_what_ran(sub, rng):
+    """measure: passes, drafts, acceptance rate and times as the grader counted and timed them"""
+    model = ServedModel()
+    prompt, n_new = repetitive_prompt(rng), int(rng.integers(32, 49))
+    k, max_ngram = int(rng.integers(2, 7)), int(rng.integers(2, 5))
+    what = f"measure({n_new} tokens after {show(prompt, 6)}, k={k}, max_ngram={max_ngram})"
+    started = time.perf_counter()
+    got = sub.measure(model, prompt, n_new, k, max_ngram)
+    ended = time.perf_counter()
+    if not isinstance(got, dict) or not set(REPORT) <= set(got):
+        missing = sorted(set(REPORT) - set(got)) if isinstance(got, dict) else list(REPORT)
+        raise AssertionError(f"{what}: expected a dict with the keys {list(REPORT)}; missing "
+                             f"{missing}, in {described(got)}")
+    caches = model.caches_used()
+    assert len(caches) == 2, (
+        f"{what}: measure runs generate_plain, then generate_speculative, once each and each "
+        f"over a cache of its own; the grader saw passes over {len(caches)} caches")
+    plain, spec = (model.passes_over(cache) for cache in caches)
+    counts = {"passes_plain": len(plain), "passes_speculative": len(spec),
+              "drafted": sum(len(p.drafts) for p in spec[1:]),
+              "accepted": sum(p.accepted for p in spec[1:])}
+    for key, want in counts.items():
+        reported = whole_number(got[key], f"{what}: {key}")
+        assert reported == want, (
+            f"{what}: you report {key} = {reported}, the grader counted {want} (plain decoding "
+            f"over the first cache: {len(plain)} passes; speculation over the second: "
+            f"{len(spec)} passes, whose drafts it checked itself)")
+    rate = counts["accepted"] / counts["drafted"] if counts["drafted"] else 0.0
+    reported = number(got["acceptance_rate"], f"{what}: acceptance_rate")
+    assert abs(reported - rate) <= 1e-9, (
+        f"{what}: acceptance_rate is accepted / drafted, {counts['accepted']} / "
+        f"{counts['drafted']} = {rate:.6g}; you report {reported:.6g}")
+    seconds = {key: number(got[key], f"{what}: {key}") for key in ("seconds_plain", "seconds_speculative")}
+    # a run's time covers its passes (from the first's start to the last's end, as the judge
+    # saw them, on the clock every process shares), and fits in the call beside the other run
+    for key, passes, room in (("seconds_plain", plain, spec[0].started - started),
+                              ("seconds_speculative", spec, ended - plain[-1].ended)):
+        window = passes[-1].ended - passes[0].started
+        assert seconds[key] >= window - 1e-6, (
+            f"{what}: {key} is {seconds[key] * 1e3:.3f} ms, but that run's passes alone took "
+            f"{window * 1e3:.3f} ms as the grader saw them: time the whole run, with "
+            f"time.perf_counter before and after it")
+        most = min(room, 2 * window + 0.1)
+        assert seconds[key] <= most, (
+            f"{what}: {key} is {seconds[key] * 1e3:.3f} ms, but that run's passes took "
+            f"{window * 1e3:.3f} ms and the run can have taken at most {most * 1e3:.3f} ms as "
+            f"the grader saw it: time the run alone, with time.perf_counter before and after it")
+    speedup = number(got["speedup"], f"{what}: speedup")
+    want = seconds["seconds_plain"] / seconds["seconds_speculative"]
+    assert abs(speedup - want) <= 1e-6 * want, (
+        f"{what}: speedup is seconds_plain / seconds_speculative = {want:.6g}; you report {speedup:.6g}")

@@ -1,0 +1,185 @@
+"""kvlab objects the judge lends the student's code by reference: they stay in the judge.
+
+A handout (handouts.py) is built inside the worker, beside the student's code, which can
+therefore reach into it. The objects here never leave the judge's process: the student's
+code gets a proxy (kvlab/grading/remote.py, ServedObject; worker.py, JudgeObject) whose
+method calls come back to the judge and run here. So what they count cannot be forged
+from the worker, and what they hold is read by the tests directly.
+
+ServedModel is the bundled model as the speculative-decoding lab lends it: the same calls
+as kvlab's Model (forward over a cache, new_cache, encode, decode_text, config) and caches
+with kvlab's KVCache's length, capacity, truncate, keys and values. It writes down every
+forward pass it runs (Pass: which cache, where it started, the tokens, the arg-max of each
+row, when), which is how the lab's tests count passes and accepted drafts.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import List, Tuple
+
+import numpy as np
+
+from .remote import ServedObject
+from .wire import Record
+
+MAX_CACHES = 64           # caches one served model makes (each holds at most the context)
+
+
+@dataclasses.dataclass(frozen=True)
+class Pass:
+    """One forward pass the served model ran."""
+    cache: "ServedCache"
+    start: int                    # positions the cache held before it
+    tokens: Tuple[int, ...]       # the tokens it ran (at positions start, start + 1, ...)
+    all_logits: bool              # every row asked for, or only the last
+    picks: Tuple[int, ...]        # the arg-max of each row (the greedy choice after each token)
+    context: Tuple[int, ...]      # what the cache held before it (start tokens)
+    started: float                # time.perf_counter() when it began and ended (the same
+    ended: float                  # clock in every process of the machine)
+
+    @property
+    def drafts(self) -> Tuple[int, ...]:
+        """Read as a verification pass: the tokens after the first."""
+        return self.tokens[1:]
+
+    @property
+    def accepted(self) -> int:
+        """Drafts the greedy rule keeps: while draft i is the arg-max of row i."""
+        kept = 0
+        while kept < len(self.drafts) and self.drafts[kept] == self.picks[kept]:
+            kept += 1
+        return kept
+
+
+class ServedCache(ServedObject):
+    """A kvlab KVCache made by a ServedModel, in the judge: length, capacity, truncate(n),
+    keys and values (copies, (n_layers, length, n_kv_heads, head_dim)), as kvlab's."""
+    served_methods = ("truncate",)
+    served_attributes = ("length", "capacity", "keys", "values")
+    served_type_name = "KVCache"
+
+    def __init__(self, model: "ServedModel", cache, number: int):
+        self._model, self._cache, self.number = model, cache, number
+        self.tokens: List[int] = []        # the token of every position it holds
+
+    @property
+    def length(self) -> int:
+        return self._cache.length
+
+    @property
+    def capacity(self) -> int:
+        return self._cache.capacity
+
+    @property
+    def keys(self) -> np.ndarray:
+        return self._cache.keys.copy()
+
+    @property
+    def values(self) -> np.ndarray:
+        return self._cache.values.copy()
+
+    def truncate(self, n) -> None:
+        """Keep the first n positions, as if the rest never came."""
+        if isinstance(n, (bool, np.bool_)) or not isinstance(n, (int, np.integer)):
+            raise TypeError(f"truncate(n) takes an int, got {n!r}")
+        if not 0 <= n <= self.length:
+            raise ValueError(f"truncate({int(n)}): the cache holds {self.length} positions; "
+                             f"n must be between 0 and {self.length}")
+        self._cache.truncate(int(n))
+        del self.tokens[int(n):]
+
+    def __repr__(self) -> str:
+        return f"<cache {self.number}: {self.length} of {self.capacity} positions>"
+
+
+class ServedModel(ServedObject):
+    """The bundled model, served from the judge, with a record of every forward pass.
+
+        model.config                     shape (vocab_size, n_layers, max_seq_len, ...)
+        model.new_cache(max_seq_len=None)
+        model.forward(tokens, cache, all_logits=False)
+        model.encode(text), model.decode_text(ids)
+    """
+    served_methods = ("forward", "new_cache", "encode", "decode_text")
+    served_attributes = ("config",)
+    served_type_name = "Model"
+
+    def __init__(self, model=None):
+        if model is None:
+            from .testkit import bundled_model
+            model = bundled_model()
+        self._model = model
+        self.passes: List[Pass] = []
+        self.caches: List[ServedCache] = []
+
+    @property
+    def config(self) -> Record:
+        from .handouts import config_fields
+        return Record("ModelConfig", config_fields(self._model.config))
+
+    def new_cache(self, max_seq_len=None) -> ServedCache:
+        """A cache for up to max_seq_len positions (default: the model's context)."""
+        context = self._model.config.max_seq_len
+        if max_seq_len is None:
+            max_seq_len = context
+        if isinstance(max_seq_len, (bool, np.bool_)) or not isinstance(max_seq_len, (int, np.integer)) \
+                or not 1 <= max_seq_len <= context:
+            raise ValueError(f"max_seq_len must be an int from 1 to the model's context, "
+                             f"{context}; got {max_seq_len!r}")
+        if len(self.caches) >= MAX_CACHES:
+            raise ValueError(f"this model has made {MAX_CACHES} caches already: reuse one "
+                             f"(cache.truncate(0) empties it)")
+        cache = ServedCache(self, self._model.new_cache(int(max_seq_len)), len(self.caches))
+        self.caches.append(cache)
+        return cache
+
+    def forward(self, tokens, cache=None, all_logits=False) -> np.ndarray:
+        """Run `tokens` at the cache's next positions, appending their K and V; the last
+        row of logits (vocab_size,), or every row (len(tokens), vocab_size) with
+        all_logits=True. One call is one forward pass."""
+        if not isinstance(cache, ServedCache) or cache._model is not self:
+            raise TypeError("forward(tokens, cache, all_logits=False) runs the tokens over a "
+                            "cache this model made (model.new_cache()); got "
+                            + ("no cache" if cache is None else "something else"))
+        if not isinstance(all_logits, (bool, np.bool_)):
+            raise TypeError(f"all_logits is True or False, got {all_logits!r}")
+        if isinstance(tokens, (int, np.integer)):
+            raise TypeError("forward takes a list of token ids (write [token] for one)")
+        ids = np.asarray(tokens)
+        if ids.dtype == object:
+            raise TypeError("token ids must be integers")
+        context, start = tuple(cache.tokens), cache.length
+        started = time.perf_counter()
+        rows = self._model.forward(ids, cache._cache, all_logits=True)
+        ended = time.perf_counter()
+        ran = tuple(int(t) for t in ids.tolist())
+        cache.tokens.extend(ran)
+        self.passes.append(Pass(cache, start, ran, bool(all_logits),
+                                tuple(int(i) for i in np.argmax(rows, axis=-1)), context,
+                                started, ended))
+        return rows if all_logits else rows[-1]
+
+    def encode(self, text) -> list:
+        if not isinstance(text, str):
+            raise TypeError("encode takes a str")
+        return [int(t) for t in self._model.encode(text)]
+
+    def decode_text(self, ids) -> str:
+        ids = [int(t) for t in ids]
+        return self._model.decode_text(ids)
+
+    def passes_over(self, cache: ServedCache, since: int = 0) -> List[Pass]:
+        """The passes run over `cache`, from pass number `since` on."""
+        return [p for p in self.passes[since:] if p.cache is cache]
+
+    def caches_used(self, since: int = 0) -> List[ServedCache]:
+        """The caches passes ran over from pass number `since` on, in the order first used."""
+        used: List[ServedCache] = []
+        for p in self.passes[since:]:
+            if not any(c is p.cache for c in used):
+                used.append(p.cache)
+        return used
+
+    def __repr__(self) -> str:
+        return f"<served model: {len(self.passes)} passes, {len(self.caches)} caches>"
