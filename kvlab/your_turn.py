@@ -654,7 +654,9 @@ class _YourHeavyHitters(HeavyHitters):
         rows = np.empty((weights.shape[0], n_keep, weights.shape[2]), dtype=np.int32)
         for layer in range(weights.shape[0]):
             for head in range(weights.shape[2]):
-                rows[layer, :, head] = self.answer(weights[layer, :, head].copy(), n_keep, self.recent)
+                # the token on its way will be the newest: keep recent - 1 of the others
+                rows[layer, :, head] = self.answer(weights[layer, :, head].copy(), n_keep,
+                                                   self.recent - 1)
         return rows
 
 
@@ -704,7 +706,9 @@ def _check_h2o(answer, rng) -> str:
         recent = int(rng.integers(1, budget))
         start = int(rng.integers(0, len(text) - budget))
         case = (f"case {number} of {len(cases) + 2}: the bundled model's cache after "
-                f"HeavyHitters({budget}, recent={recent}) ran {budget} tokens")
+                f"HeavyHitters({budget}, recent={recent}) ran {budget} tokens, making room for "
+                f"one more: h2o_keep(weights, {budget - 1}, recent={recent - 1}), since the "
+                f"token on its way is the newest of the {recent}")
         policy = HeavyHitters(budget, recent)
         cache = policy.new_cache(model)
         policy.forward(model, text[start:start + budget], cache)
@@ -712,7 +716,7 @@ def _check_h2o(answer, rng) -> str:
         weights = cache.attention_weights
         for layer in range(weights.shape[0]):
             for head in range(weights.shape[2]):
-                got = _call(answer, case, weights[layer, :, head].copy(), budget - 1, recent)
+                got = _call(answer, case, weights[layer, :, head].copy(), budget - 1, recent - 1)
                 got = np.asarray(got).astype(np.int64).ravel()
                 if not np.array_equal(got, expected[layer, :, head]):
                     raise _NotYet(f"{case}, layer {layer}, KV head {head}",
