@@ -72,6 +72,7 @@ size_t kv_cache_nbytes(const kv_cache *cache) {
     return kv_store_nbytes(&cache->key) + kv_store_nbytes(&cache->value) + window_bytes;
 }
 
+/* [quote ch09-kv-cache-truncate] */
 kv_status kv_cache_truncate(kv_cache *cache, int length) {
     /* Positions past `length` become free again; their bytes are simply overwritten
      * by the next tokens, since attention never reads past cache->length. */
@@ -80,6 +81,7 @@ kv_status kv_cache_truncate(kv_cache *cache, int length) {
     cache->length = length;
     return KV_OK;
 }
+/* [end ch09-kv-cache-truncate] */
 
 /* [quote ch01-kv-cache-append] */
 kv_status kv_cache_append(kv_cache *cache, int n_tokens, const float *keys, const float *values) {

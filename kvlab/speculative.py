@@ -90,6 +90,7 @@ class PromptLookup:
 
     last_probabilities = None          # its drafts are certain: q(x) = 1
 
+    # [quote ch09-prompt-lookup]
     def propose(self, tokens: Sequence[int], k: int, sampling: Optional[tuple] = None) -> List[int]:
         tokens = list(tokens)
         for n in range(min(self.ngram, len(tokens) - 1), self.min_ngram - 1, -1):
@@ -101,6 +102,7 @@ class PromptLookup:
                     if follow:
                         return follow
         return []
+    # [end ch09-prompt-lookup]
 
 
 class DraftModel:
@@ -115,6 +117,7 @@ class DraftModel:
         self.passes = 0                # forward passes run, over every call
         self.last_probabilities: Optional[List[np.ndarray]] = None
 
+    # [quote ch09-first-layers]
     @classmethod
     def first_layers(cls, model: Model, n_layers: int, dtype: str = "fp32") -> "DraftModel":
         """Self-speculation: the model's own first n_layers, then its final norm and
@@ -128,6 +131,7 @@ class DraftModel:
         small = Model(model.config.replace(n_layers=n_layers), dataclasses.replace(w, **layers),
                       model.tokenizer, source=f"{model.source} (first {n_layers} layers)")
         return cls(small, dtype)
+    # [end ch09-first-layers]
 
     def check_compatible(self, target: Model) -> None:
         if self.model.config.vocab_size != target.config.vocab_size:
@@ -186,6 +190,7 @@ def _checked(drafts, k: int) -> List[int]:
     return [int(d) for d in drafts]
 
 
+# [quote ch09-verify]
 def _verify(rows: np.ndarray, drafts: List[int], q: Optional[List[np.ndarray]],
             sampling: tuple) -> tuple:
     """(drafts kept, the model's token after them). rows[i]: the model's logits for the
@@ -210,6 +215,7 @@ def _verify(rows: np.ndarray, drafts: List[int], q: Optional[List[np.ndarray]],
         residual = np.maximum(p - q_i, 0.0)    # refused: draw from what p has beyond q
         return i, _draw(residual if residual.sum() > 0 else p, rng)
     return len(drafts), sample(rows[len(drafts)], temperature, top_k, top_p, rng)
+# [end ch09-verify]
 
 
 def speculative_loop(model: Model, ids: List[int], cache, max_new_tokens: int,
@@ -238,6 +244,7 @@ def speculative_loop(model: Model, ids: List[int], cache, max_new_tokens: int,
         if room <= 0:
             return False
         start = time.perf_counter()
+        # [quote ch09-speculative-pass]
         # drafts that could all be kept, with the model's own token after them
         wanted = min(k, room - 1)
         drafts = _checked(drafter.propose(ids + new_tokens, wanted, sampling), wanted) \
@@ -260,3 +267,4 @@ def speculative_loop(model: Model, ids: List[int], cache, max_new_tokens: int,
         # the cache now holds the newest token and every draft: keep the accepted ones
         cache.truncate(len(ids) + len(new_tokens) + accepted)
         produced = drafts[:accepted] + [token]
+        # [end ch09-speculative-pass]

@@ -184,6 +184,24 @@ def _merge(a, b, rescale_acc=True, rescale_l=True, subtract_max=True, normalize=
     return (acc / l, m, np.float32(1)) if normalize else (acc, m, l)
 
 
+def _spec_step(model, cache, tokens, drafts, cut=0, own=True, stop=True, shift=0, one_pass=True):
+    """One greedy speculative step, with the mistakes students make as switches."""
+    if one_pass:
+        rows = model.forward([tokens[-1]] + list(drafts), cache, all_logits=True)
+    else:
+        rows = [model.decode(t, cache) for t in [tokens[-1]] + list(drafts)]
+    if stop:
+        kept = 0
+        while kept < len(drafts) and int(np.argmax(rows[min(kept + shift, len(drafts))])) == drafts[kept]:
+            kept += 1
+    else:                                          # counts every draft that matches its row
+        kept = sum(int(np.argmax(rows[i])) == d for i, d in enumerate(drafts))
+    out = list(drafts[:kept]) + ([int(np.argmax(rows[min(kept + shift, len(drafts))]))] if own else [])
+    if cut is not None:
+        cache.truncate(len(tokens) + kept + cut)
+    return out
+
+
 WRONG = [
     # (exercise, what the student wrote, words the hint must contain)
     ("01_kv_cache", _uncached_loop, "model.prefill"),
@@ -219,6 +237,12 @@ WRONG = [
     ("07_gpu_kernels", lambda a, b: _merge(a, b, subtract_max=False), "overflows"),
     ("07_gpu_kernels", lambda a, b: _merge(a, b, normalize=True), "after the last merge"),
     ("07_gpu_kernels", lambda a, b: (_merge(a, b)[0], a[1], _merge(a, b)[2]), "max(m1, m2)"),
+    ("09_speculative", lambda m, c, t, d: _spec_step(m, c, t, d, cut=None), "still in the cache"),
+    ("09_speculative", lambda m, c, t, d: _spec_step(m, c, t, d, cut=1), "first refused draft"),
+    ("09_speculative", lambda m, c, t, d: _spec_step(m, c, t, d, own=False), "model's own"),
+    ("09_speculative", lambda m, c, t, d: _spec_step(m, c, t, d, stop=False), "stop at the first"),
+    ("09_speculative", lambda m, c, t, d: _spec_step(m, c, t, d, shift=1), "rows[i]"),
+    ("09_speculative", lambda m, c, t, d: _spec_step(m, c, t, d, one_pass=False), "one pass"),
 ]
 
 
