@@ -343,6 +343,7 @@ kv_status kv_blocks_reuse_prefix(kv_blocks *p, int seq, const int32_t *tokens, i
 }
 /* [end ch04-kv-blocks-reuse-prefix] */
 
+/* [quote ch09-kv-blocks-truncate] */
 kv_status kv_blocks_truncate(kv_blocks *p, int seq, int length) {
     kv_status status = kv_blocks_seq_check(p, seq);
     if (status != KV_OK) return status;
@@ -366,6 +367,7 @@ kv_status kv_blocks_truncate(kv_blocks *p, int seq, int length) {
     }
     return KV_OK;
 }
+/* [end ch09-kv-blocks-truncate] */
 
 /* ---- writing rows: reserve, (the owner writes them), commit ---------------------------- */
 

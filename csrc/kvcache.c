@@ -82,6 +82,7 @@ static size_t row_index(const kv_cache *cache, int layer, int head, int row) {
     return ((size_t)layer * cache->n_kv_heads + head) * (size_t)cache->capacity + (size_t)row;
 }
 
+/* [quote ch09-kv-cache-truncate] */
 kv_status kv_cache_truncate(kv_cache *cache, int length) {
     /* Rows past `length` become free again; their bytes are simply overwritten by the
      * next tokens, since attention never reads past cache->length. */
@@ -102,6 +103,7 @@ kv_status kv_cache_truncate(kv_cache *cache, int length) {
     cache->next_position = length == 0 ? 0 : cache->next_position - cut;
     return KV_OK;
 }
+/* [end ch09-kv-cache-truncate] */
 
 /* The n_tokens rows from row cache->length on were just written, at the next positions. */
 void kv_cache_note_appended(kv_cache *cache, int n_tokens) {

@@ -375,6 +375,7 @@ static void forward_tokens(const kv_model *model, run_state *s, const int32_t *t
         mlp_block(model, s, layer, n_tokens);
     }
 
+    /* [quote ch09-forward-tokens-logits] */
     /* Only the rows whose logits were asked for go through the final norm and the
      * classifier, the largest matrix of a small model. */
     int n_rows = all_logits ? n_tokens : s->n_runs;
@@ -384,6 +385,7 @@ static void forward_tokens(const kv_model *model, run_state *s, const int32_t *t
                 model->weights.final_norm, c->dim, c->norm_eps);
     }
     project(s, logits, s->xb, model->weights.classifier, n_rows, c->dim, c->vocab_size);
+    /* [end ch09-forward-tokens-logits] */
     count_forward(model, s, n_tokens, n_rows);
 }
 

@@ -128,6 +128,7 @@ class PromptLookup:
 
     last_probabilities = None          # its drafts are certain: q(x) = 1
 
+    # [quote ch09-prompt-lookup]
     def propose(self, tokens: Sequence[int], k: int, sampling: Optional[tuple] = None) -> List[int]:
         tokens = list(tokens)
         for n in range(min(self.ngram, len(tokens) - 1), self.min_ngram - 1, -1):
@@ -139,6 +140,7 @@ class PromptLookup:
                     if follow:
                         return follow
         return []
+    # [end ch09-prompt-lookup]
 
 
 class DraftModel:
@@ -153,6 +155,7 @@ class DraftModel:
         self.passes = 0                # forward passes run, over every call
         self.last_probabilities: Optional[List[np.ndarray]] = None
 
+    # [quote ch09-first-layers]
     @classmethod
     def first_layers(cls, model: Model, n_layers: int, dtype: str = "fp32") -> "DraftModel":
         """Self-speculation: the model's own first n_layers, then its final norm and
@@ -166,6 +169,7 @@ class DraftModel:
         small = Model(model.config.replace(n_layers=n_layers), dataclasses.replace(w, **layers),
                       model.tokenizer, source=f"{model.source} (first {n_layers} layers)")
         return cls(small, dtype)
+    # [end ch09-first-layers]
 
     def spawn(self) -> "DraftModel":
         """A drafter with the same model (weights shared) and a cache of its own. The
@@ -259,6 +263,7 @@ def propose_drafts(drafter: Drafter, context: Sequence[int], k: int, room: int,
     return drafts, q
 
 
+# [quote ch09-verify]
 def verify_drafts(rows: np.ndarray, drafts: List[int], q: Optional[list],
                   sampling: tuple) -> Tuple[int, int]:
     """(drafts kept, the model's token after them). rows[i]: the model's logits for the
@@ -285,6 +290,7 @@ def verify_drafts(rows: np.ndarray, drafts: List[int], q: Optional[list],
         residual = np.maximum(p - q_i, 0.0)    # refused: draw from what p has beyond q
         return i, _draw(residual if residual.sum() > 0 else p, rng)
     return len(drafts), sample(rows[len(drafts)], temperature, top_k, top_p, rng)
+# [end ch09-verify]
 
 
 def keep_until_stop(produced: List[int], eos: Optional[int],
@@ -323,6 +329,8 @@ def speculative_loop(model: Model, ids: List[int], cache, max_new_tokens: int,
         if stop is not None:
             return stop == "eos"
         start = time.perf_counter()
+        # [quote ch09-speculative-pass]
+        # drafts that could all be kept, with the model's own token after them
         drafts, q = propose_drafts(drafter, ids + new_tokens, stats.draft_tokens,
                                    max_new_tokens - len(new_tokens), sampling,
                                    model.config.vocab_size)
@@ -332,3 +340,4 @@ def speculative_loop(model: Model, ids: List[int], cache, max_new_tokens: int,
         # the cache now holds the newest token and every draft: keep the accepted ones
         cache.truncate(len(ids) + len(new_tokens) + accepted)
         produced = drafts[:accepted] + [token]
+        # [end ch09-speculative-pass]

@@ -36,6 +36,7 @@ from .generate import generate
 from .measure import kv_cache_bytes, weights_bytes
 from .model import KVCache
 from .scheduler import SamplingParams
+from .speculative import PromptLookup
 
 
 class Exercise(NamedTuple):
@@ -72,6 +73,10 @@ EXERCISES = {
         "h2o_keep",
         "the rows an H2O cache keeps for one layer and KV head: the newest, and the older "
         "rows that have received the most attention"),
+    "09_speculative": Exercise(
+        "speculative_step",
+        "one greedy speculative step: verify the drafts in one pass over the cache, keep the "
+        "agreed prefix and the model's own token, truncate the rest"),
 }
 
 
@@ -737,6 +742,120 @@ def _check_h2o(answer, rng) -> str:
             f"newest rows and the older ones attention has used most, summed over every query "
             f"since they came, which favours the oldest positions.")
 
+# ---- 09: speculative decoding -------------------------------------------------------------
+
+def _greedy_after(model, tokens, n):
+    """The n tokens plain greedy decoding chooses after `tokens`."""
+    return generate(model, list(tokens), n, stop_at_eos=False).tokens
+
+
+def _check_speculative(answer, rng) -> str:
+    model = _model()
+    texts = ["ROMEO:\nBut soft, what light through yonder window breaks?\nROMEO:\nBut soft",
+             "KING HENRY:\nNow, lords, the field is ours, and yet the day\n", "First Citizen:\n"]
+    cases = []
+    for text in texts:                       # the context: the text and what greedy adds to it
+        tokens = model.encode(text)
+        tokens += _greedy_after(model, tokens, int(rng.integers(1, 12)))
+        truth = _greedy_after(model, tokens, 9)
+        wrong = [(t + 1 + int(rng.integers(200))) % model.config.vocab_size for t in truth]
+        # after a refused draft, a draft that is what the model would choose there: kept
+        # by nobody who stops at the first refusal
+        after_wrong = _greedy_after(model, tokens + [truth[0], wrong[1]], 1)
+        cases += [(tokens, truth[:2] + wrong[2:5], "5 drafts, the first 2 right"),
+                  (tokens, wrong[:4], "4 drafts, all refused"),
+                  (tokens, [truth[0], wrong[1]] + after_wrong,
+                   "3 drafts, the second refused, the third what the model would choose after it"),
+                  (tokens, truth[:4], "4 drafts the model agrees with"),
+                  (tokens, [], "no drafts (a plain decode step)")]
+    tokens = model.encode(texts[0])
+    truth = _greedy_after(model, tokens, 9)
+    cases.append((tokens, truth[:1] + [truth[1] if rng.random() < 0.5 else 0] + truth[2:8],
+                  "8 drafts"))
+    for number, (tokens, drafts, what) in enumerate(cases, 1):
+        case = f"case {number} of {len(cases) + 1}: {what}, after {_short(model.decode_text(tokens), 40)}"
+        truth = _greedy_after(model, tokens, len(drafts) + 1)
+        kept = 0
+        while kept < len(drafts) and drafts[kept] == truth[kept]:
+            kept += 1
+        expected = truth[:kept + 1]
+        cache = model.new_cache(len(tokens) + len(drafts) + 1)
+        model.prefill(tokens[:-1], cache)
+        with model.counting() as counts:
+            got = _call(answer, case, model, cache, list(tokens), list(drafts), hints={
+                ValueError: "cache.truncate(n) only shortens the cache: after the pass it holds "
+                            "len(tokens) + len(drafts) positions, and you keep len(tokens) + "
+                            "kept of them",
+                CacheFullError: "run the newest token and the drafts once, over the cache as "
+                                "it is: model.forward([tokens[-1]] + drafts, cache, "
+                                "all_logits=True)"})
+        try:
+            got = [int(t) for t in got]
+        except Exception:
+            raise _NotYet(case, f"a list of token ids: {expected}", _short(got),
+                          "return the kept drafts and the model's own token, as a list") from None
+        if got != expected:
+            if got == drafts[:kept]:
+                hint = ("after the kept drafts comes one token of the model's own: the arg-max "
+                        "of the row after the last kept draft, rows[kept]")
+            elif got[:-1] == drafts[:len(got) - 1] and len(got) - 1 > kept:
+                hint = ("stop at the first draft the model refuses: every draft after it was "
+                        "checked against a context that is not the text")
+            else:
+                hint = ("rows[i] is the model's choice for the position of drafts[i] (row 0 "
+                        "comes from the newest token, tokens[-1]); keep drafts while "
+                        "np.argmax(rows[i]) == drafts[i]")
+            raise _NotYet(case, f"{expected} (kept {kept} of {len(drafts)} drafts, then the "
+                          f"model's own token)", f"{got}", hint)
+        if counts.calls != 1:
+            raise _NotYet(case, "one forward pass of the model", f"{counts.calls} passes "
+                          f"(the right tokens)", "the point is one pass: model.forward("
+                          "[tokens[-1]] + drafts, cache, all_logits=True) checks every draft "
+                          "at once")
+        want = len(tokens) + kept
+        if cache.length != want:
+            if cache.length == len(tokens) + len(drafts):
+                hint = ("the refused drafts' K and V are still in the cache: "
+                        "cache.truncate(len(tokens) + kept)")
+            elif cache.length == want + 1:
+                hint = ("the cache keeps the first refused draft: its K and V belong to a "
+                        "token that is not in the text; truncate to len(tokens) + kept")
+            else:
+                hint = ("the cache should hold the context and the kept drafts, not the "
+                        "model's own token (it is fed next step): truncate to "
+                        "len(tokens) + kept")
+            raise _NotYet(case, f"cache.length == {want} (the context and {kept} kept drafts)",
+                          f"cache.length == {cache.length}", hint)
+        fresh = model.new_cache(want)
+        model.prefill(list(tokens) + list(drafts[:kept]), fresh)
+        if not (np.array_equal(cache.keys, fresh.keys) and np.array_equal(cache.values, fresh.values)):
+            raise _NotYet(case, "the K and V a prefill of the context and the kept drafts writes",
+                          "other K and V in the cache",
+                          "feed the newest token first: model.forward([tokens[-1]] + drafts, "
+                          "cache, all_logits=True)")
+    # the last case: the step, over and over, drafted by prompt lookup, is greedy decoding
+    case = (f"case {len(cases) + 1} of {len(cases) + 1}: 60 tokens after {_short(texts[0], 40)}, "
+            f"your step in a loop with prompt lookup drafts (k = 4)")
+    tokens = model.encode(texts[0])
+    prompt_len, n_new = len(tokens), 60
+    cache = model.new_cache(prompt_len + n_new + 4)
+    tokens.append(int(np.argmax(model.prefill(tokens, cache))))
+    drafter, passes = PromptLookup(), 0
+    while len(tokens) - prompt_len < n_new:
+        drafts = drafter.propose(tokens, 4)
+        got = _call(answer, case, model, cache, list(tokens), drafts)
+        tokens += [int(t) for t in got]
+        passes += 1
+    expected = generate(model, texts[0], n_new).tokens
+    got = tokens[prompt_len:prompt_len + n_new]
+    if got != expected:
+        raise _NotYet(case, "kvlab.generate's 60 tokens", _short(got),
+                      "each step must leave the cache holding exactly the text so far, less "
+                      "its newest token")
+    return (f"Stepped through 60 tokens with prompt lookup, your step gives kvlab.generate's "
+            f"tokens in {passes + 1} forward passes of the model instead of {n_new}: the "
+            f"drafts it keeps cost no pass of their own.")
+
 
 _CHECKS = {
     "01_kv_cache": _check_kv_cache,
@@ -747,4 +866,5 @@ _CHECKS = {
     "06_quantization": _check_quantization,
     "07_gpu_kernels": _check_flash,
     "08_fewer_positions": _check_h2o,
+    "09_speculative": _check_speculative,
 }

@@ -12,7 +12,10 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 CHAPTERS = REPO / "chapters"
 SLUGS = ["01_kv_cache", "02_cache_size", "03_gqa", "04_paged", "05_batching",
-         "06_quantization", "07_gpu_kernels", "08_fewer_positions"]
+         "06_quantization", "07_gpu_kernels", "08_fewer_positions", "09_speculative"]
+# chapters whose every decimal number and percentage in the prose is checked against the
+# figure script's JSON (test_prose_numbers_come_from_the_json)
+NUMBERS_FROM_JSON = ["09_speculative"]
 
 DIRECTIVE = re.compile(r"^(`{3,})\{(?P<name>[\w-]+)\}\s*(?P<arg>.*?)\n(?P<body>.*?)^\1\s*$",
                        re.M | re.S)
@@ -142,3 +145,50 @@ def test_the_figure_script_runs(slug, tmp_path):
     made = {p.name for p in tmp_path.glob("*.png")}
     wanted = {Path(arg).name for arg, _ in directives(chapter_text(slug), "figure")}
     assert wanted <= made, f"{script.name} did not write {sorted(wanted - made)}"
+
+
+def _json_numbers(value):
+    if isinstance(value, bool):
+        return
+    if isinstance(value, (int, float)):
+        yield value
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from _json_numbers(v)
+    elif isinstance(value, list):
+        for v in value:
+            yield from _json_numbers(v)
+
+
+def _prose(text):
+    """The chapter without its code: no fenced blocks other than figures (whose captions
+    and alt texts are prose), no inline code, no link targets, no arXiv identifiers, no
+    heading numbers."""
+    text = DIRECTIVE.sub(lambda m: m[0] if m["name"] == "figure" else "", text)
+    text = re.sub(r"^(`{3,}).*?^\1\s*$", "", text, flags=re.M | re.S)
+    text = re.sub(r"`[^`]*`", "", text)
+    text = re.sub(r"\]\([^)]*\)", "]", text)
+    text = re.sub(r"arXiv:\S+", "", text)                      # paper identifiers
+    return re.sub(r"^#+ [\d.]+", "", text, flags=re.M)
+
+
+@pytest.mark.parametrize("slug", NUMBERS_FROM_JSON)
+def test_prose_numbers_come_from_the_json(slug):
+    """Every decimal number (1.46x, 0.45 ms) and every percentage in the chapter's prose is a
+    number of chNN.json, as the script wrote it, at the precision the prose shows (a
+    percentage may be a fraction in the JSON): measured numbers are copied, never typed."""
+    import json
+    numbers = list(_json_numbers(json.loads((CHAPTERS / "figures" / f"ch{slug[:2]}.json").read_text())))
+    text = chapter_text(slug)
+    sections = set(re.findall(r"^#+ (\d+\.\d+) ", text, re.M))    # "9.4" names a section
+    prose = _prose(text)
+    missing = []
+    for match in re.finditer(r"(?<![\w.])(\d[\d,]*(?:\.\d+)?)(\s?%)?(?![\w.]*\d)", prose):
+        text, percent = match[1].replace(",", ""), match[2]
+        if ("." not in text and not percent) or text in sections:
+            continue                      # whole numbers (counts, settings), section numbers
+        places = len(text.split(".")[1]) if "." in text else 0
+        scales = (1, 100) if percent else (1,)
+        if not any(f"{v * scale:.{places}f}" == text for v in numbers for scale in scales):
+            missing.append(match[0])
+    assert not missing, f"{slug}: numbers in the prose that ch{slug[:2]}.json does not hold: {missing}"

@@ -200,6 +200,22 @@ def _h2o(weights, n_keep, recent, rank_all=False, heavy_among_all=False, in_weig
     if in_weight_order:
         return np.concatenate([heavy, newest])
     return np.sort(np.concatenate([heavy, newest]))
+def _spec_step(model, cache, tokens, drafts, cut=0, own=True, stop=True, shift=0, one_pass=True):
+    """One greedy speculative step, with the mistakes students make as switches."""
+    if one_pass:
+        rows = model.forward([tokens[-1]] + list(drafts), cache, all_logits=True)
+    else:
+        rows = [model.decode(t, cache) for t in [tokens[-1]] + list(drafts)]
+    if stop:
+        kept = 0
+        while kept < len(drafts) and int(np.argmax(rows[min(kept + shift, len(drafts))])) == drafts[kept]:
+            kept += 1
+    else:                                          # counts every draft that matches its row
+        kept = sum(int(np.argmax(rows[i])) == d for i, d in enumerate(drafts))
+    out = list(drafts[:kept]) + ([int(np.argmax(rows[min(kept + shift, len(drafts))]))] if own else [])
+    if cut is not None:
+        cache.truncate(len(tokens) + kept + cut)
+    return out
 
 
 WRONG = [
@@ -242,6 +258,12 @@ WRONG = [
     ("08_fewer_positions", lambda w, n, r: _h2o(w, n, r, in_weight_order=True), "increasing order"),
     ("08_fewer_positions", lambda w, n, r: _h2o(w, n, r, ties_to_later=True), "earlier row"),
     ("08_fewer_positions", lambda w, n, r: _h2o(w, n, r, smallest=True), "largest weights"),
+    ("09_speculative", lambda m, c, t, d: _spec_step(m, c, t, d, cut=None), "still in the cache"),
+    ("09_speculative", lambda m, c, t, d: _spec_step(m, c, t, d, cut=1), "first refused draft"),
+    ("09_speculative", lambda m, c, t, d: _spec_step(m, c, t, d, own=False), "model's own"),
+    ("09_speculative", lambda m, c, t, d: _spec_step(m, c, t, d, stop=False), "stop at the first"),
+    ("09_speculative", lambda m, c, t, d: _spec_step(m, c, t, d, shift=1), "rows[i]"),
+    ("09_speculative", lambda m, c, t, d: _spec_step(m, c, t, d, one_pass=False), "one pass"),
 ]
 
 

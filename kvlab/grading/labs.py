@@ -1,5 +1,4 @@
-"""The labs, in the order of the chapters they go with (the last, speculative decoding, goes
-back to chapter 1's decoding loop once the course is done); where each one's files are.
+"""The labs, in the order of the chapters they go with; where each one's files are.
 
 A lab ships in kvlab/labs/<name>/ as README.md (the instructions), starter.py (what the
 student edits) and checks.py (public self-checks). Its grading tests, with their hidden
@@ -75,7 +74,7 @@ LABS: Dict[str, Lab] = {lab.name: lab for lab in (
     Lab("flash_decoding", 10, "Flash-decoding: pieces, a merge, any split", "07_gpu_kernels", 14,
         "split attention and its merge"),
     Lab("speculative_decoding", 11, "Speculative decoding: prompt lookup, one-pass verification, "
-        "rollback", "01_kv_cache", 18, "speculative decoding"),
+        "rollback", "09_speculative", 18, "speculative decoding"),
 )}
 
 

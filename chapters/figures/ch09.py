@@ -1,0 +1,776 @@
+"""Figures and numbers for chapter 9, "Speculative decoding and the cache".
+
+    python chapters/figures/ch09.py [--out DIR] [--threads N] [--rounds R]
+
+Writes ch09_pass_cost.png, ch09_step.png, ch09_acceptance.png and ch09.json (every number
+the chapter quotes, with the setup). Five measurements:
+
+1. What one forward pass over the cache costs against the number of new tokens it runs
+   (context 256; the tokens are cut off again after each pass, as speculation does), on
+   the bundled model and on random weights of the Llama-2-style 110M shape (stories110M):
+   the median of several interleaved runs, with the fastest and slowest, and what the
+   core counted (weight bytes, FLOPs).
+2. Greedy speculation gives exactly plain decoding's tokens: every drafter of the kit, on
+   three prompts, k = 1, 2, 4 and 8, fp32 and int8 caches, and a loop written out by hand
+   over a paged pool (whose truncates release blocks); the token lists are compared.
+3. One real speculative step, drawn (ch09_step.png).
+4. The rejection rule of speculative sampling keeps the model's distribution: the output
+   distribution of one position worked out exactly, and 20,000 seeded draws through the
+   kit's own verify_drafts.
+5. Acceptance against speedup: a drafter whose acceptance is set by hand (it drafts the
+   plain run's own tokens, each spoiled with probability 1 - alpha, independently, as the
+   papers' formula assumes) on both models, and the kit's real drafters on texts where
+   prompt lookup helps and where it does not, each timed against plain decoding in the
+   same rounds (median over rounds).
+
+Runs in about half a minute on the 2-core development machine (one core thread by
+default: on a shared machine a single thread is far less disturbed by other processes).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+
+import kvlab  # noqa: E402
+import common  # noqa: E402  (chapters/figures/common.py puts benchmarks/ on the path)
+from bench_speculative import TEXTS  # noqa: E402  (the benchmark's own two texts)
+from kvlab.reference import probabilities  # noqa: E402
+from kvlab.sampling import sample  # noqa: E402
+from kvlab.speculative import DraftModel, PromptLookup, _draw, verify_drafts  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+SHARED = Path(os.environ.get("KVLAB_SHARED", HERE.parents[2] / "shared"))
+STORIES = SHARED / "models" / "stories260K"
+SIZES = [1, 2, 3, 4, 5, 7, 9, 12, 16]      # new tokens per pass: k drafts + 1
+K = 4                                      # drafts per pass in the timed runs
+ALPHAS = [0.0, 0.5, 0.8, 0.9, 1.0]         # the oracle's set acceptance (110M shape: no 0.9)
+
+
+def stories110m_shape() -> kvlab.Model:
+    """Random weights in the shape of llama2.c's stories110M (the Llama-2-style 110M shape
+    of benchmarks/bench_speculative.py --shape 110m)."""
+    config = kvlab.ModelConfig(dim=768, hidden_dim=2048, n_layers=12, n_heads=12,
+                               n_kv_heads=12, head_dim=64, vocab_size=32000,
+                               max_seq_len=1024, name="random stories110M shape")
+    return kvlab.Model(config, kvlab.Weights.random(config, seed=0))
+
+
+def spread(values) -> dict:
+    values = np.asarray(values, dtype=float)
+    return {"median": float(np.median(values)), "min": float(values.min()),
+            "max": float(values.max()), "runs": len(values)}
+
+
+# ---- 1. the cost of a pass against its new tokens -----------------------------------------
+
+def pass_costs(model: kvlab.Model, reps: int, context: int = 256) -> dict:
+    """Milliseconds of model.forward(n new tokens, all_logits=True) after `context` cached
+    ones, for every n in SIZES, `reps` times in turn (every size meets the same noise)."""
+    cache = model.new_cache(context + max(SIZES))
+    model.prefill([t % model.config.vocab_size for t in range(1, context + 1)], cache)
+    new = [7 + i for i in range(max(SIZES))]
+    model.forward(new[:4], cache, all_logits=True)          # warm up
+    cache.truncate(context)
+    times = {n: [] for n in SIZES}
+    for _ in range(reps):
+        for n in SIZES:
+            start = time.perf_counter()
+            model.forward(new[:n], cache, all_logits=True)
+            times[n].append(1000 * (time.perf_counter() - start))
+            cache.truncate(context)
+    counted = {}
+    for n in SIZES:
+        with model.counting() as counts:
+            model.forward(new[:n], cache, all_logits=True)
+        cache.truncate(context)
+        counted[n] = {"weight_bytes": counts.weight_bytes, "flops": counts.flops,
+                      "kv_read_bytes": counts.kv_read_bytes}
+    one = np.median(times[1])
+    rows = []
+    for n in SIZES:
+        s = spread(times[n])
+        rows.append({"new_tokens": n, "ms": s, "relative_to_one": s["median"] / one,
+                     "relative_min": s["min"] / one, "relative_max": s["max"] / one,
+                     "ms_per_token": s["median"] / n, **counted[n],
+                     # what the median pass achieved
+                     "weight_gb_per_s": counted[n]["weight_bytes"] / s["median"] / 1e6,
+                     "gflop_per_s": counted[n]["flops"] / s["median"] / 1e6})
+    return {"model": model.config.name, "params": model.n_params,
+            "params_millions": model.n_params / 1e6, "weights_bytes": model.weights_nbytes,
+            "weights_mb": model.weights_nbytes / 1e6, "context": context, "reps": reps,
+            "threads": kvlab.get_num_threads(),
+            "rows": rows}
+
+
+def relative_cost(table: dict, n: int) -> float:
+    """A pass over n new tokens in units of a pass over one (interpolated between sizes)."""
+    sizes = [r["new_tokens"] for r in table["rows"]]
+    return float(np.interp(n, sizes, [r["relative_to_one"] for r in table["rows"]]))
+
+
+def one_token_ms(model: kvlab.Model, reps: int, context: int = 256) -> float:
+    cache = model.new_cache(context + 1)
+    model.prefill([t % model.config.vocab_size for t in range(1, context + 1)], cache)
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        model.forward([7], cache)
+        times.append(1000 * (time.perf_counter() - start))
+        cache.truncate(context)
+    return float(np.median(times))
+
+
+# ---- 2. greedy speculation gives plain decoding's tokens ------------------------------------
+
+def exactness(model: kvlab.Model, mha: kvlab.Model, stories) -> dict:
+    prompts = {**TEXTS, "citizen": "First Citizen:\n"}
+    drafters = {"prompt lookup": PromptLookup,
+                "first 2 layers": lambda: DraftModel.first_layers(model, 2),
+                "MHA model (same size)": lambda: DraftModel(mha)}
+    runs = []
+    for prompt_name, prompt in prompts.items():
+        plain = {dtype: kvlab.generate(model, prompt, 100, dtype=dtype).tokens
+                 for dtype in ("fp32", "int8")}
+        for drafter_name, make in drafters.items():
+            for k in (1, 2, 4, 8):
+                for dtype in ("fp32", "int8"):
+                    if dtype == "int8" and drafter_name != "prompt lookup":
+                        continue
+                    out = kvlab.generate(model, prompt, 100, speculate=make(), draft_tokens=k,
+                                         dtype=dtype)
+                    runs.append({"model": model.config.name, "prompt": prompt_name,
+                                 "drafter": drafter_name, "k": k, "cache": dtype,
+                                 "identical": out.tokens == plain[dtype]})
+    if stories is not None:
+        prompt = "Once upon a time"
+        plain = kvlab.generate(stories, prompt, 100, stop_at_eos=False).tokens
+        for drafter_name, make in (("prompt lookup", PromptLookup),
+                                   ("first 2 layers", lambda: DraftModel.first_layers(stories, 2))):
+            for k in (1, 2, 4, 8):
+                out = kvlab.generate(stories, prompt, 100, speculate=make(), draft_tokens=k,
+                                     stop_at_eos=False)
+                runs.append({"model": stories.config.name, "prompt": "once upon a time",
+                             "drafter": drafter_name, "k": k, "cache": "fp32",
+                             "identical": out.tokens == plain})
+    return {"runs": len(runs), "identical": sum(r["identical"] for r in runs),
+            "all_identical": all(r["identical"] for r in runs), "new_tokens": 100,
+            "each_run": runs}
+
+
+def paged_by_hand(model: kvlab.Model, prompt: str, n_new: int = 100, k: int = K,
+                  block_size: int = 4) -> dict:
+    """The speculative loop written out over a paged pool: prefill, then per pass the newest
+    token and up to k prompt-lookup drafts in one forward over the sequence's blocks, the
+    accepted prefix kept and the rest cut off with pool.truncate (which releases blocks)."""
+    pool = model.new_paged_pool(num_blocks=64, block_size=block_size)
+    seq = pool.new_sequence()
+    ids = model.encode(prompt)
+    drafter = PromptLookup()
+    new = [sample(model.prefill(ids, seq))]
+    passes, released, truncates_releasing = 0, 0, 0
+    while len(new) < n_new:
+        drafts = drafter.propose(ids + new, min(k, n_new - len(new) - 1))
+        rows = model.forward([new[-1]] + drafts, seq, all_logits=True)
+        passes += 1
+        accepted = 0
+        while accepted < len(drafts) and sample(rows[accepted]) == drafts[accepted]:
+            accepted += 1
+        before = pool.stats().blocks_used
+        pool.truncate(seq, len(ids) + len(new) + accepted)
+        freed = before - pool.stats().blocks_used
+        released += freed
+        truncates_releasing += freed > 0
+        new += drafts[:accepted] + [sample(rows[accepted])]
+    plain = kvlab.generate(model, prompt, n_new).tokens
+    return {"prompt": prompt, "new_tokens": n_new, "k": k, "block_size": block_size,
+            "passes": passes, "blocks_released": released,
+            "passes_whose_truncate_released_a_block": truncates_releasing,
+            "identical_to_plain": new == plain}
+
+
+# ---- 3. one step, drawn ---------------------------------------------------------------------
+
+def one_step(model: kvlab.Model, prompt: str, k: int = K) -> dict:
+    """The first pass of a greedy prompt-lookup run that keeps some drafts and refuses the
+    rest, recorded from a contiguous cache."""
+    ids = model.encode(prompt)
+    cache = model.new_cache(len(ids) + 200)
+    new = [sample(model.prefill(ids, cache))]
+    drafter = PromptLookup()
+    for _ in range(200):
+        drafts = drafter.propose(ids + new, k)
+        before = cache.length
+        rows = model.forward([new[-1]] + drafts, cache, all_logits=True)
+        after_verify = cache.length
+        choices = [sample(r) for r in rows]
+        accepted = 0
+        while accepted < len(drafts) and choices[accepted] == drafts[accepted]:
+            accepted += 1
+        cache.truncate(len(ids) + len(new) + accepted)
+        if len(drafts) == k and 0 < accepted < k:
+            return {"context": ids + new, "context_text": model.decode_text(ids + new),
+                    "drafts": drafts, "drafts_text": model.decode_text(drafts),
+                    "choices": choices, "accepted": accepted, "own_token": choices[accepted],
+                    "cache_before": before, "cache_after_verify": after_verify,
+                    "cache_after_truncate": cache.length}
+        new += drafts[:accepted] + [choices[accepted]]
+    raise RuntimeError("no pass kept some drafts and refused others")
+
+
+# ---- 4. the rejection rule keeps the distribution -------------------------------------------
+
+def rejection_rule(model: kvlab.Model, prompt: str, draws: int = 20000, seed: int = 0) -> dict:
+    """At one position: p, the model's distribution (temperature 1), and q, the distribution
+    of a drafter made of the model's first 2 layers. The rule's output distribution worked
+    out exactly, and `draws` seeded runs of the kit's verify_drafts with one draft drawn from q."""
+    ids = model.encode(prompt)
+    p_logits = model.forward(ids)
+    q_logits = DraftModel.first_layers(model, 2).model.forward(ids)
+    p = probabilities(p_logits, 1.0, None, None)
+    q = probabilities(q_logits, 1.0, None, None)
+    kept = np.minimum(p, q)                               # q(x) min(1, p(x)/q(x))
+    residual = np.maximum(p - q, 0.0)
+    exact = kept + (1 - kept.sum()) * residual / residual.sum()
+    rng = np.random.default_rng(seed)
+    rows = np.stack([p_logits, p_logits])                # the bonus row is never used here
+    counts = np.zeros_like(p)
+    for _ in range(draws):
+        x = _draw(q, rng)
+        accepted, token = verify_drafts(rows, [x], [q], (1.0, None, None, rng))
+        counts[x if accepted else token] += 1
+    empirical = counts / draws
+    plain = np.bincount([_draw(p, rng) for _ in range(draws)], minlength=p.size) / draws
+
+    def tv(a, b):
+        return float(0.5 * np.abs(a - b).sum())
+    return {"prompt": prompt, "temperature": 1.0, "draws": draws, "seed": seed,
+            "draft_acceptance_probability": float(kept.sum()),
+            "tv_q_vs_p": tv(q, p), "exact_rule_max_error": float(np.abs(exact - p).max()),
+            "tv_rule_draws_vs_p": tv(empirical, p), "tv_plain_draws_vs_p": tv(plain, p),
+            "most_likely": {"token": int(np.argmax(p)),
+                            "text": model.decode_text([int(np.argmax(p))]),
+                            "p": float(p.max()), "q": float(q[np.argmax(p)]),
+                            "rule_draws": float(empirical[np.argmax(p)])}}
+
+
+# ---- 5. acceptance against speedup --------------------------------------------------------
+
+def tokens_per_pass(alpha, k):
+    """(1 - alpha^(k+1)) / (1 - alpha): expected tokens per pass when each of k drafts is
+    accepted with probability alpha, given the ones before it were (Leviathan et al.)."""
+    alpha = np.asarray(alpha, dtype=float)
+    k = np.asarray(k, dtype=float)
+    safe = np.minimum(alpha, 1 - 1e-12)
+    return np.where(alpha >= 1.0, k + 1, (1 - safe ** (k + 1)) / (1 - safe))
+
+
+class Oracle:
+    """Drafts the plain run's own next tokens, each one spoiled (replaced by another
+    token) with probability 1 - alpha, independently: acceptance as the formula assumes."""
+
+    def __init__(self, truth, alpha: float, vocab: int, seed: int = 0):
+        self.truth, self.alpha, self.vocab = truth, alpha, vocab
+        self.rng = np.random.default_rng(seed)
+
+    def propose(self, tokens, k, sampling=None):
+        drafts = []
+        for i in range(k):
+            t = self.truth[min(len(tokens) + i, len(self.truth) - 1)]
+            if self.rng.random() >= self.alpha:
+                t = (t + 1 + int(self.rng.integers(self.vocab - 1))) % self.vocab
+            drafts.append(t)
+        return drafts
+
+
+class Recorder:
+    """A drafter around another that notes each pass's drafts, so that what each pass
+    kept can be read off the output afterwards."""
+
+    def __init__(self, inner):
+        self.inner, self.log, self.seconds = inner, [], 0.0
+
+    @property
+    def passes(self):
+        return getattr(self.inner, "passes", 0)
+
+    @property
+    def last_probabilities(self):
+        return getattr(self.inner, "last_probabilities", None)
+
+    def check_compatible(self, target):
+        if hasattr(self.inner, "check_compatible"):
+            self.inner.check_compatible(target)
+
+    def propose(self, tokens, k, sampling=None):
+        start = time.perf_counter()
+        drafts = list(self.inner.propose(tokens, k, sampling))[:k]
+        self.seconds += time.perf_counter() - start
+        self.log.append((len(tokens), drafts))
+        return drafts
+
+
+def what_passes_kept(log, full) -> dict:
+    """Per pass: drafts proposed and kept (a refused draft never equals the token put in
+    its place, greedy or sampled, so the kept ones are the prefix that matches the output)."""
+    proposed, kept = [], []
+    for position, drafts in log:
+        a = 0
+        while a < len(drafts) and position + a < len(full) and drafts[a] == full[position + a]:
+            a += 1
+        proposed.append(len(drafts))
+        kept.append(a)
+    proposed, kept = np.array(proposed), np.array(kept)
+    refusals = int(np.sum(kept < proposed))
+    accepted = int(kept.sum())
+    alpha = accepted / (accepted + refusals) if accepted + refusals else 0.0
+    return {"proposed": proposed, "kept": kept, "accepted": accepted, "refusals": refusals,
+            "drafted": int(proposed.sum()), "alpha": alpha,
+            "passes_without_drafts": int(np.sum(proposed == 0))}
+
+
+def timed(work):
+    start = time.perf_counter()
+    out = work()
+    return time.perf_counter() - start, out
+
+
+def decode_seconds(out) -> float:
+    """The time of a generate() call after its first token: the prompt's pass and the
+    call's setup left out, since plain and speculative decoding pay them alike."""
+    return float(np.sum(out.step_seconds[1:]))
+
+
+def speed_runs(configs: list, rounds: int, cost_tables: dict, draft_cost: dict,
+               c_loop: bool = True) -> list:
+    """Every config: plain decoding (the same Python loop per token, fast=False, and, with
+    c_loop, the C loop, fast=True) and speculative decoding, run in turn in every round.
+    Times are the decode part of each run (after the first token); a speedup is the median
+    over the rounds of plain time / speculative time in the same round (neighbours in time
+    meet the same load from other processes)."""
+    times = {i: {"plain_python": [], "plain_c": [], "speculative": []} for i in range(len(configs))}
+    outs = {}
+    for _ in range(rounds):
+        plains = {}                           # configs that differ only in the drafter share
+        for i, c in enumerate(configs):       # their plain runs within a round
+            m, prompt, n, kw = c["model"], c["prompt"], c["new_tokens"], c["sampling"]
+            key = (m.config.name, str(prompt), n, str(kw))
+            if key not in plains:
+                plain = kvlab.generate(m, prompt, n, fast=False, stop_at_eos=False, **kw)
+                fast = (kvlab.generate(m, prompt, n, stop_at_eos=False, **kw)
+                        if c_loop else None)
+                plains[key] = (plain, decode_seconds(plain),
+                               decode_seconds(fast) if c_loop else float("nan"))
+            plain, t_python, t_c = plains[key]
+            times[i]["plain_python"].append(t_python)
+            times[i]["plain_c"].append(t_c)
+            drafter = Recorder(c["drafter"](plain.tokens))
+            spec = kvlab.generate(m, prompt, n, speculate=drafter, draft_tokens=c["k"],
+                                  stop_at_eos=False, **kw)
+            times[i]["speculative"].append(decode_seconds(spec))
+            if not kw:
+                assert spec.tokens == plain.tokens, "speculation changed the greedy output"
+            outs[i] = (spec, drafter)
+    rows = []
+    for i, c in enumerate(configs):
+        cost_table = cost_tables[c["model"].config.name]
+        one_ms = cost_table["rows"][0]["ms"]["median"]
+        spec, drafter = outs[i]
+        s = spec.speculation
+        full = spec.prompt_tokens + spec.tokens
+        kept = what_passes_kept(drafter.log, full)
+        decoded = s.tokens - 1                     # tokens after the prompt's pass
+        passes = s.verify_passes
+        # the formula, pass by pass: a pass with n drafts yields (1 - a^(n+1)) / (1 - a)
+        as_drafted = float(np.mean(tokens_per_pass(kept["alpha"], kept["proposed"])))
+        # predicted time in units of one plain decode step: what each pass cost in the
+        # table (1 + n new tokens), plus the drafter's own passes
+        units = sum(relative_cost(cost_table, n + 1) for n in kept["proposed"])
+        units += s.draft_passes * draft_cost.get(c["drafter_name"], 0.0)
+        t = {name: spread(1000 * np.array(v)) for name, v in times[i].items()
+             if c_loop or name != "plain_c"}
+        per_round = [p / q for p, q in zip(times[i]["plain_python"], times[i]["speculative"])]
+        per_round_c = [p / q for p, q in zip(times[i]["plain_c"], times[i]["speculative"])]
+        rows.append({
+            "model": c["model"].config.name, "text": c["text"], "drafter": c["drafter_name"],
+            "completion_start": spec.completion[:48],
+            "sampling": "greedy" if not c["sampling"] else (
+                f"temperature {c['sampling']['temperature']}, top_k {c['sampling']['top_k']}"),
+            "alpha_set": c.get("alpha"), "k": c["k"], "new_tokens": s.tokens,
+            "decoded_tokens": decoded, "passes": passes, "tokens_per_pass": decoded / passes,
+            "acceptance_rate_kit": s.acceptance_rate, "alpha_measured": kept["alpha"],
+            "drafted": kept["drafted"], "accepted": kept["accepted"],
+            "refusals": kept["refusals"], "passes_without_drafts": kept["passes_without_drafts"],
+            "draft_passes": s.draft_passes,
+            "drafter_ms_per_pass": 1000 * drafter.seconds / passes,
+            "tokens_per_pass_formula_k": float(tokens_per_pass(kept["alpha"], c["k"])),
+            "tokens_per_pass_formula_as_drafted": as_drafted,
+            "speedup_predicted": decoded / units,
+            "decode_ms": t,
+            "python_ms_per_plain_step_beyond_table": (t["plain_python"]["median"] / decoded
+                                                      - one_ms),
+            "python_ms_per_pass_beyond_table": (t["speculative"]["median"] - units * one_ms)
+                                                / passes,
+            "speedup_vs_python_loop": float(np.median(per_round)),
+            "speedup_vs_python_loop_rounds": spread(per_round),
+            "speedup_vs_c_loop": float(np.median(per_round_c)) if c_loop else None,
+        })
+    return rows
+
+
+# ---- figures -------------------------------------------------------------------------------
+
+def plot_pass_cost(tables, path: Path) -> None:
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.8))
+    for table, marker in zip(tables, "os"):
+        n = [r["new_tokens"] for r in table["rows"]]
+        med = np.array([r["relative_to_one"] for r in table["rows"]])
+        lo = med - np.array([r["relative_min"] for r in table["rows"]])
+        hi = np.array([r["relative_max"] for r in table["rows"]]) - med
+        left.errorbar(n, med, yerr=[lo, hi], fmt=marker + "-", capsize=3,
+                      label=f"{table['model']} ({table['params_millions']:.1f} M, "
+                            f"{table['threads']} thread{'s' if table['threads'] > 1 else ''}), "
+                            f"{table['rows'][0]['ms']['median']:.2f} ms for 1")
+    n = np.array(SIZES)
+    left.plot(n, n, ":", color="grey", label="n times one token (no sharing)")
+    left.axhline(1, color="grey", lw=0.8)
+    left.set_xlabel("new tokens in the pass (k drafts + 1)")
+    left.set_ylabel("time of the pass / time of a 1-token pass")
+    left.set_title("One forward pass over the cache (context 256), median\n"
+                   "and range of the runs", fontsize=10)
+    left.legend(fontsize=8)
+    left.grid(alpha=0.3)
+    big = tables[-1]
+    w = [r["weight_bytes"] / big["rows"][0]["weight_bytes"] for r in big["rows"]]
+    f = [r["flops"] / big["rows"][0]["flops"] for r in big["rows"]]
+    right.plot(n, w, "o-", label="weight bytes read")
+    right.plot(n, f, "s-", label="FLOPs")
+    right.plot(n, [r["relative_to_one"] for r in big["rows"]], "^--", label="time (measured)")
+    right.set_xlabel("new tokens in the pass")
+    right.set_ylabel("relative to a 1-token pass")
+    right.set_title(f"{big['model']}: what the core counted per pass", fontsize=10)
+    right.legend(fontsize=8)
+    right.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def plot_step(step: dict, model: kvlab.Model, path: Path) -> None:
+    def char(t):
+        text = model.decode_text([t])
+        return {"\n": "\u21b5", " ": "\u2423"}.get(text, text)
+    context, drafts, choices = step["context"], step["drafts"], step["choices"]
+    show, k, a = 10, len(drafts), step["accepted"]   # the context's last `show` positions
+    colours = {"cached": "#c8d3e6", "newest": "#7aa6e0", "kept": "#9ed39e",
+               "refused": "#f2a3a3", "own": "#ffd9a0", "empty": "#ffffff"}
+    fig, ax = plt.subplots(figsize=(10, 4.0))
+
+    def box(x, y, label, kind, dashed=False):
+        ax.add_patch(plt.Rectangle((x, y), 0.92, 0.5, facecolor=colours[kind],
+                                   edgecolor="black" if kind != "empty" else "#999999",
+                                   ls="--" if dashed else "-"))
+        ax.text(x + 0.46, y + 0.25, label, ha="center", va="center", fontsize=10,
+                family="monospace")
+
+    rows = [
+        (2.4, f"before the pass: the cache holds {step['cache_before']} positions; the newest "
+              f"token and {k} drafts are not in it yet"),
+        (1.2, "model.forward([newest] + drafts, cache, all_logits=True): "
+              f"{step['cache_after_verify']} positions, and {k + 1} rows of logits"),
+        (0.0, f"cache.truncate({step['cache_after_truncate']}): the refused drafts' positions "
+              f"are free again"),
+    ]
+    for r, (y, title) in enumerate(rows):
+        ax.text(-0.3, y + 0.62, title, fontsize=9, ha="left")
+        for i in range(show - 1):
+            box(i, y, char(context[len(context) - show + i]), "cached")
+        box(show - 1, y, char(context[-1]), "empty" if r == 0 else "newest", dashed=r == 0)
+        for j, d in enumerate(drafts):
+            x = show + j
+            if r == 0:
+                box(x, y, char(d), "empty", dashed=True)
+            elif r == 1:
+                box(x, y, char(d), "kept" if j < a else "refused")
+            elif j < a:
+                box(x, y, char(d), "kept")
+            elif j == a:
+                box(x, y, char(step["own_token"]), "own", dashed=True)
+            else:
+                box(x, y, "", "empty")
+        if r == 1:
+            for j in range(k + 1):
+                ax.text(show - 1 + j + 0.46, y - 0.2, char(choices[j]), ha="center",
+                        fontsize=9, family="monospace", color="#444444")
+            ax.text(show + k + 0.1, y - 0.2, "\u2190 the model's arg-max of each row",
+                    fontsize=8, color="#444444")
+    handles = [plt.Rectangle((0, 0), 1, 1, facecolor=colours[c], edgecolor="black")
+               for c in ("cached", "newest", "kept", "refused", "own")]
+    ax.legend(handles, ["K/V cached earlier", "newest token (K/V written by the pass)",
+                        "draft kept", "draft refused", "the model's own token (next pass)"],
+              fontsize=8, loc="lower center", bbox_to_anchor=(0.5, -0.12), ncol=5,
+              frameon=False)
+    ax.set_xlim(-0.4, show + k + 4.5)
+    ax.set_ylim(-0.45, 3.2)
+    ax.axis("off")
+    ax.set_title(f"One speculative step of the bundled model (greedy, prompt lookup, k = {k})",
+                 fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def plot_acceptance(oracle_rows, real_rows, tables, path: Path) -> None:
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 5.4))
+    a = np.linspace(0, 1, 101)
+    for k, style in ((1, ":"), (2, "-."), (4, "-"), (8, "--")):
+        left.plot(a, tokens_per_pass(a, k), style, color="grey", lw=1,
+                  label=f"(1 - a^(k+1)) / (1 - a), k = {k}")
+    markers = {"random stories110M shape": "s", "shakespeare-1m": "o"}
+    colours = {"random stories110M shape": "C1", "shakespeare-1m": "C0"}
+    for name in markers:
+        rows = [r for r in oracle_rows if r["model"] == name]
+        left.plot([r["alpha_measured"] for r in rows], [r["tokens_per_pass"] for r in rows],
+                  markers[name], color=colours[name], mfc="none", ms=8,
+                  label=f"set acceptance, k = {K}: {name}")
+    for row in real_rows:
+        left.plot(row["alpha_measured"], row["tokens_per_pass"], real_marker(row), ms=10,
+                  color=real_colour(row))
+    left.set_xlabel("a: the chance a draft is accepted, given the ones before it were")
+    left.set_ylabel("tokens per forward pass of the model")
+    left.set_title("Tokens per pass: the papers' formula and the kit", fontsize=10)
+    left.legend(fontsize=7, loc="upper left")
+    left.grid(alpha=0.3)
+    own = []
+    for table in tables:
+        name = table["model"]
+        own += right.plot(a, tokens_per_pass(a, K) / relative_cost(table, K + 1), "-",
+                          color=colours[name], lw=1,
+                          label=f"formula / cost of a {K + 1}-token pass: {name}")
+        rows = [r for r in oracle_rows if r["model"] == name]
+        speedup = np.array([r["speedup_vs_python_loop"] for r in rows])
+        low = np.array([r["speedup_vs_python_loop_rounds"]["min"] for r in rows])
+        high = np.array([r["speedup_vs_python_loop_rounds"]["max"] for r in rows])
+        own.append(right.errorbar([r["alpha_measured"] for r in rows], speedup,
+                                  yerr=[speedup - low, high - speedup], fmt=markers[name],
+                                  color=colours[name], mfc="none", ms=8, capsize=3,
+                                  label=f"set acceptance, measured: {name}"))
+    handles = []
+    for row in real_rows:
+        handles += right.plot(row["alpha_measured"], row["speedup_vs_python_loop"],
+                              real_marker(row), ms=10, color=real_colour(row),
+                              label=f"{row['drafter']}, {row['text']} text"
+                                    f"{'' if row['sampling'] == 'greedy' else ', sampled'}"
+                                    f" ({row['model']})")
+    right.axhline(1, color="black", lw=0.8)
+    right.set_xlabel("a (measured)")
+    right.set_ylabel("speedup: plain decode time / speculative decode time")
+    right.set_title(f"Wall time, k = {K}, medians and ranges over the rounds", fontsize=10)
+    right.legend(handles=own, fontsize=7, loc="upper left")
+    right.grid(alpha=0.3)
+    fig.legend(handles=handles, fontsize=7, loc="lower center", ncol=3, frameon=False,
+               title="the kit's drafters (stars: greedy, triangles: sampled)", title_fontsize=8)
+    fig.tight_layout(rect=(0, 0.14, 1, 1))
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def real_marker(row) -> str:
+    return "*" if row["sampling"] == "greedy" else "v"
+
+
+def real_colour(row) -> str:
+    palette = {("shakespeare-1m", "prompt lookup", "repetitive"): "C2",
+               ("shakespeare-1m", "prompt lookup", "fresh"): "C8",
+               ("shakespeare-1m", "first 2 layers", "fresh"): "C3",
+               ("shakespeare-1m", "MHA model (same size)", "fresh"): "C4"}
+    return palette.get((row["model"], row["drafter"], row["text"]), "C5")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", default=str(HERE))
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--rounds", type=int, default=5,
+                        help="rounds of the timed runs on the bundled model (3 on the 110M shape)")
+    args = parser.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    kvlab.set_num_threads(args.threads)
+    started = time.perf_counter()
+    load_before = os.getloadavg()
+    sections = {}
+
+    def clock(name):
+        sections[name] = round(time.perf_counter() - started - sum(sections.values()), 1)
+
+    model = kvlab.load()
+    mha = kvlab.load(kvlab.MHA_MODEL)
+    stories = None
+    if (STORIES / "stories260K.bin").exists():
+        stories = kvlab.load(STORIES / "stories260K.bin", tokenizer=STORIES / "tok512.bin")
+    else:
+        print(f"({STORIES} not found: stories260K skipped)")
+    big = stories110m_shape()
+    clock("load")
+
+    # 1. pass costs
+    tables = [pass_costs(model, 20), pass_costs(big, 7)]
+    stories_table = pass_costs(stories, 20) if stories is not None else None
+    for table in tables:
+        print(table["model"], "  ".join(f"{r['new_tokens']}: {r['ms']['median']:.2f} ms "
+                                        f"({r['relative_to_one']:.2f}x)" for r in table["rows"]))
+    draft_cost = {"first 2 layers": one_token_ms(DraftModel.first_layers(model, 2).model, 20)
+                  / one_token_ms(model, 20),
+                  "MHA model (same size)": one_token_ms(mha, 20) / one_token_ms(model, 20)}
+    print("draft pass / model pass:", draft_cost)
+    clock("pass costs")
+
+    # 2. same tokens
+    exact = exactness(model, mha, stories)
+    print(f"greedy: {exact['identical']} of {exact['runs']} runs identical to plain decoding")
+    paged = paged_by_hand(model, TEXTS["fresh"])
+    print("paged, by hand:", paged)
+    clock("exactness")
+
+    # 3. one step
+    step = one_step(model, TEXTS["fresh"])
+    print("one step:", {k: v for k, v in step.items() if k not in ("context", "context_text")})
+
+    # 4. the rejection rule
+    rule = rejection_rule(model, "ROMEO:\nBut soft, what light through yonder ")
+    print("rejection rule:", rule)
+    clock("step and rule")
+
+    # 5. acceptance against speedup
+    oracle_configs = []
+    for m, n, prompt in ((model, 201, TEXTS["fresh"]),
+                         (big, 26, np.random.default_rng(1).integers(3, 32000, 16).tolist())):
+        for alpha in ALPHAS if m is model else [a for a in ALPHAS if a != 0.9]:
+            oracle_configs.append({
+                "model": m, "prompt": prompt, "new_tokens": n, "sampling": {}, "k": K,
+                "text": "set acceptance", "alpha": alpha, "drafter_name": "oracle",
+                "drafter": (lambda truth, m=m, alpha=alpha, prompt=prompt: Oracle(
+                    (m.encode(prompt) if isinstance(prompt, str) else list(prompt)) + truth,
+                    alpha, m.config.vocab_size, seed=1))})
+    sampled = {"temperature": 0.8, "top_k": 40, "seed": 1}
+    real_configs = [
+        {"text": "repetitive", "prompt": TEXTS["repetitive"], "sampling": {},
+         "drafter_name": "prompt lookup"},
+        {"text": "fresh", "prompt": TEXTS["fresh"], "sampling": {},
+         "drafter_name": "prompt lookup"},
+        {"text": "fresh", "prompt": TEXTS["fresh"], "sampling": sampled,
+         "drafter_name": "prompt lookup"},
+        {"text": "fresh", "prompt": TEXTS["fresh"], "sampling": {},
+         "drafter_name": "first 2 layers"},
+        {"text": "fresh", "prompt": TEXTS["fresh"], "sampling": {},
+         "drafter_name": "MHA model (same size)"},
+    ]
+    makers = {"prompt lookup": lambda truth: PromptLookup(),
+              "first 2 layers": lambda truth: DraftModel.first_layers(model, 2),
+              "MHA model (same size)": lambda truth: DraftModel(mha)}
+    for c in real_configs:
+        c.update(model=model, new_tokens=201, k=K, drafter=makers[c["drafter_name"]])
+    if stories is not None:
+        for kw in ({}, sampled):
+            real_configs.append({"text": "a story", "prompt": "Once upon a time", "sampling": kw,
+                                 "drafter_name": "prompt lookup", "model": stories,
+                                 "new_tokens": 201, "k": K,
+                                 "drafter": lambda truth: PromptLookup()})
+    small_rows = speed_runs([c for c in oracle_configs if c["model"] is model] + real_configs,
+                            args.rounds, {model.config.name: tables[0],
+                                          "stories260K": stories_table}, draft_cost)
+    clock("speed, bundled model")
+    big_rows = speed_runs([c for c in oracle_configs if c["model"] is big],
+                          3, {big.config.name: tables[1]}, {}, c_loop=False)
+    clock("speed, 110M shape")
+    oracle_rows = [r for r in small_rows + big_rows if r["drafter"] == "oracle"]
+    real_rows = [r for r in small_rows if r["drafter"] != "oracle"]
+    for r in oracle_rows + real_rows:
+        print(f"{r['model']:<26}{r['drafter']:<22}{r['text']:<15}{r['sampling'][:8]:<9}"
+              f"a {r['alpha_measured']:.2f} kit {r['acceptance_rate_kit']:.2f}  "
+              f"tok/pass {r['tokens_per_pass']:.2f} (formula {r['tokens_per_pass_formula_k']:.2f}, "
+              f"as drafted {r['tokens_per_pass_formula_as_drafted']:.2f})  "
+              f"beyond the table: {r['python_ms_per_pass_beyond_table']:.3f} ms/pass, "
+              f"{r['python_ms_per_plain_step_beyond_table']:.3f} ms/plain step  "
+              f"speedup {r['speedup_vs_python_loop']:.2f}x "
+              f"[{r['speedup_vs_python_loop_rounds']['min']:.2f}-"
+              f"{r['speedup_vs_python_loop_rounds']['max']:.2f}] predicted "
+              f"{r['speedup_predicted']:.2f}x, vs C loop {r['speedup_vs_c_loop'] or 0:.2f}x")
+
+    plot_pass_cost(tables, out / "ch09_pass_cost.png")
+    plot_step(step, model, out / "ch09_step.png")
+    plot_acceptance(oracle_rows, real_rows, tables[::-1], out / "ch09_acceptance.png")
+
+    ch07 = json.loads((HERE / "ch07.json").read_text())
+    summary = {}
+    for table in tables:
+        name = table["model"]
+        rows = [r for r in oracle_rows if r["model"] == name]
+        cost = relative_cost(table, K + 1)
+        grid = np.linspace(0, 1, 10001)
+        summary[name] = {
+            # the most a pass of k drafts can give: k + 1 tokens for the price of that pass
+            "best_speedup_k4": (K + 1) / cost,
+            # the acceptance above which k = 4 beats plain decoding, drafts costing nothing
+            "break_even_alpha_k4": float(grid[np.argmax(tokens_per_pass(grid, K) >= cost)]),
+            "plain_python_ms_per_token": float(np.median(
+                [r["decode_ms"]["plain_python"]["median"] / r["decoded_tokens"] for r in rows])),
+            "python_ms_per_pass_beyond_table": float(np.median(
+                [r["python_ms_per_pass_beyond_table"] for r in rows])),
+            "one_token_pass_ms": table["rows"][0]["ms"]["median"],
+            # how far the measured speedups of the set-acceptance runs were from predicted
+            "largest_deviation_from_prediction": float(max(
+                abs(r["speedup_vs_python_loop"] / r["speedup_predicted"] - 1) for r in rows)),
+        }
+        if rows[0]["decode_ms"].get("plain_c"):
+            summary[name]["plain_c_ms_per_token"] = float(np.median(
+                [r["decode_ms"]["plain_c"]["median"] / r["decoded_tokens"] for r in rows]))
+    result = {
+        "setup": {**common.machine(), "threads": kvlab.get_num_threads(),
+                  "rounds": args.rounds, "k": K,
+                  "load_average_before_after": [list(load_before), list(os.getloadavg())],
+                  "models": {m.config.name: {"params": m.n_params,
+                                             "params_millions": m.n_params / 1e6,
+                                             "weights_bytes": m.weights_nbytes,
+                                             "weights_mb": m.weights_nbytes / 1e6}
+                             for m in [model, mha, big] + ([stories] if stories else [])},
+                  "timing": "decode time of generate() calls (the steps after the first "
+                            "token); every configuration runs plain (fast=False, and fast=True "
+                            "on the small models) and speculative in turn, in each round; "
+                            "times: medians over the rounds with the fastest and slowest; "
+                            "speedups: the median of the per-round ratios, with their range",
+                  "seconds": None},
+        "pass_cost": tables,
+        "pass_cost_stories260k": stories_table,
+        "draft_pass_cost_relative": draft_cost,
+        "exactness": exact,
+        "paged_by_hand": paged,
+        "step": {k: v for k, v in step.items() if k != "context"},
+        "rejection_rule": rule,
+        "oracle": oracle_rows,
+        "summary": summary,
+        "drafters": real_rows,
+        "ridge_from_ch07": {"cpu_flops_per_byte": ch07["intensity_flops_per_byte"]["cpu_ridge"],
+                            "cpu_read_gb_per_s": ch07["cpu"]["read_bytes_per_s"] / 1e9,
+                            "cpu_threads": ch07["setup"]["kvlab_threads"],
+                            "h200_flops_per_byte": ch07["intensity_flops_per_byte"]["h200_ridge"]},
+    }
+    clock("plots")
+    result["setup"]["seconds"] = round(time.perf_counter() - started, 1)
+    result["setup"]["seconds_by_part"] = sections
+    print(sections)
+    (out / "ch09.json").write_text(json.dumps(result, indent=1))
+    print(f"wrote {out} in {result['setup']['seconds']} s")
+
+
+if __name__ == "__main__":
+    main()
