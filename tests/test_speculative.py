@@ -67,6 +67,19 @@ def test_stories260k_a_model_read_from_llama2c_files(shared_models):
             assert_same_as_plain(stories, prompt, n_new, drafter, 4)
 
 
+@pytest.mark.parametrize("path", ["mlxd-tiny-llama3-random",
+                                  "llama2-tiny-random-gguf/llama-2-tiny-random.gguf"])
+def test_models_read_from_safetensors_and_gguf(shared_models, path):
+    """Greedy speculation keeps plain decoding's tokens on every kind of file the kit reads:
+    a Hugging Face folder (Llama 3, rope scaling, untied) and a GGUF file."""
+    model = kvlab.load(shared_models / path)
+    drafters = [PromptLookup()]
+    if model.config.n_layers > 1:
+        drafters.append(DraftModel.first_layers(model, 1))
+    for drafter in drafters:
+        assert_same_as_plain(model, [1, 5, 9, 5, 9, 5, 9, 3], 40, drafter, 4)
+
+
 class _StopAt:
     """Just enough of a tokenizer: `eos_id` ends a sequence (the bundled one has no EOS)."""
 
