@@ -673,7 +673,9 @@ def _check_h2o(answer, rng) -> str:
               [5.0, 0.1, 3.0, 0.2, 0.3, 4.0, 0.05, 0.01], 5, 2),
              ("the newest rows have the largest weights", [0.2, 3.0, 0.1, 0.4, 9.0, 8.0], 4, 2),
              ("equal weights", [1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 0.0, 0.0], 4, 1),
-             ("recent = n_keep: no room for heavy hitters", [3.0, 2.0, 1.0, 0.5, 0.2, 0.1], 5, 5)]
+             ("recent = n_keep: no room for heavy hitters", [3.0, 2.0, 1.0, 0.5, 0.2, 0.1], 5, 5),
+             ("recent = 0: heavy hitters only (HeavyHitters(budget, recent=1) asks for this)",
+              [0.5, 2.0, 1.0, 3.0, 0.2], 3, 0)]
     for number, (what, weights, n_keep, recent) in enumerate(cases, 1):
         case = (f"case {number} of {len(cases) + 2}: {what}: weights={weights}, n_keep={n_keep}, "
                 f"recent={recent}")

@@ -415,7 +415,10 @@ def quoted(result: dict) -> dict:
     for name, values in long["perplexity"].items():
         for (a, b), v in zip(long["ranges"], values):
             q[f"long_{name}_{a}"] = f"{v:.2f}"
-    q["long_check"] = f"{long['numpy_sinks_vs_kit_max_abs_logit_difference']:.0e}"
+    # an upper bound, as the chapter says "within": rounded up, never down
+    worst = long['numpy_sinks_vs_kit_max_abs_logit_difference']
+    exponent = math.floor(math.log10(worst)) if worst > 0 else -9
+    q["long_check"] = f"{math.ceil(worst / 10 ** exponent)}e{exponent:03d}"
     for r in result["decode_times"]:
         tag = f"time_{r['model']}_{r['context']}_{r['policy']}"
         q[tag] = f"{1e6 * r['seconds']:,.0f} µs"
