@@ -289,8 +289,9 @@ def _scored_logits(model, policy: CachePolicy, window: np.ndarray, prompt: int) 
     cache = (policy.new_cache(model) if policy.bounded
              else policy.new_cache(model, max_seq_len=len(window)))
     last = policy.forward(model, window[:prompt], cache)
-    rest = policy.forward(model, window[prompt:-1], cache, all_logits=True) \
-        if len(window) - 1 > prompt else np.zeros((0, len(last)), np.float32)
+    if len(window) - 1 == prompt:          # one token scored: the prompt's last row alone
+        return last[None]
+    rest = policy.forward(model, window[prompt:-1], cache, all_logits=True)
     return np.concatenate([last[None], rest])
 
 
@@ -311,6 +312,7 @@ def evaluate_budgets(model, tokens: Sequence[int], budgets: Sequence[int] = (16,
             for name in policies for budget in budgets]          # checks every one up front
     prompt = context // 2
     windows = [tokens[i:i + context] for i in range(0, len(tokens) - context + 1, context)]
+    # the KL, agreement and NLL sums of _Totals; no per-layer K/V errors here (1 layer of 0s)
     totals = {(name, budget): _Totals(1) for name, budget, _ in runs}
     full_nll, n_scored = 0.0, 0
     bar = None
