@@ -74,6 +74,32 @@ typedef struct {
  * n_heads, head_dim even) and that no weight pointer is NULL. */
 kv_status kv_model_check(const kv_model *model);
 
+/* ---- how a weight matrix is stored ----------------------------------------------- */
+
+/* Element formats of a weight matrix (out_dim rows of in_dim values; kvlab/weight_formats.py
+ * defines each in NumPy). Every format's values are exact float32 numbers, so a product
+ * over a matrix in any format gives, bit for bit, the float32 product over its values
+ * dequantized: the formats change the bytes read, not the arithmetic. */
+typedef enum {
+    KV_WEIGHT_F32,    /* float32 */
+    KV_WEIGHT_F16,    /* IEEE half */
+    KV_WEIGHT_BF16,   /* the top 16 bits of a float32 */
+    KV_WEIGHT_Q8_0,   /* GGUF's Q8_0: blocks of 32 values, each a half scale d and 32 int8
+                         codes q, value = d * q; 34 bytes a block, in_dim a multiple of 32 */
+} kv_weight_format;
+
+#define KV_Q8_0_BLOCK 32        /* values per Q8_0 block */
+#define KV_Q8_0_BLOCK_BYTES 34  /* its half scale, then its 32 codes */
+
+/* Bytes of one row of in_dim values in a format; 0 if in_dim does not suit it. */
+size_t kv_weight_row_bytes(kv_weight_format format, int in_dim);
+
+/* out (n_tokens, out_dim) = x (n_tokens, in_dim) . w^T, w out_dim rows of
+ * kv_weight_row_bytes(format, in_dim) bytes, on the process's kernel tier: what a model's
+ * projections will do with weights in that format, for tests and benchmarks. */
+kv_status kv_weights_matmul(float *out, const float *x, const uint8_t *w,
+                            kv_weight_format format, int n_tokens, int in_dim, int out_dim);
+
 /* ---- how a cache stores K and V --------------------------------------------------- */
 
 /* Element formats of a cache (kvlab/quant.py defines each one, in NumPy). */

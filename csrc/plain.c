@@ -20,6 +20,7 @@
 
 #include "common.h"
 #include "plain.h"
+#include "quant.h"
 #include "store.h"
 
 /* acc + a * b. With one rounding where the CPU has fused multiply-add instructions (the
@@ -62,6 +63,26 @@ void kv_plain_matmul(float *out, const float *x, const float *w, int n_tokens, i
         for (int t = 0; t < n_tokens; t++)
             out[(size_t)t * out_dim + o] =
                 kv_plain_dot(w + (size_t)o * in_dim, x + (size_t)t * in_dim, in_dim);
+}
+
+/* NumPy twin: x @ dequantize(w).T (kvlab/weight_formats.py). A matrix stored in fewer bytes
+ * (fp16, bf16, Q8_0) is the same product: each row made float32 first, then the same dot
+ * products. The fast tier (weight_formats.c) converts in registers instead, and must give
+ * these bits. */
+void kv_plain_matmul_weights(float *out, const float *x, const uint8_t *w,
+                             kv_weight_format format, int n_tokens, int in_dim, int out_dim,
+                             float *scratch) {
+    // out (n_tokens, out_dim), x (n_tokens, in_dim), w (out_dim, row bytes),
+    // scratch (threads, in_dim): one row's float32 values per thread
+    size_t row_bytes = kv_weight_row_bytes(format, in_dim);
+    #pragma omp parallel for num_threads(kv_threads()) \
+        if ((long)n_tokens * out_dim * in_dim >= KV_PARALLEL_MIN_WORK)
+    for (int o = 0; o < out_dim; o++) {
+        float *row = scratch + (size_t)omp_get_thread_num() * in_dim;
+        kv_weight_row_dequantize(format, w + (size_t)o * row_bytes, in_dim, row);
+        for (int t = 0; t < n_tokens; t++)
+            out[(size_t)t * out_dim + o] = kv_plain_dot(row, x + (size_t)t * in_dim, in_dim);
+    }
 }
 
 /* NumPy twin: rmsnorm in kvlab/reference.py. */

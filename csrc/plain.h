@@ -11,11 +11,18 @@
 #define KVLAB_PLAIN_H
 
 #include <stddef.h>
+#include <stdint.h>
 
 #include "attention.h"
 
 /* sum_i a[i] * b[i] over n values, in the core's one summation order (see plain.c) */
 float kv_plain_dot(const float *a, const float *b, int n);
+
+/* kv_plain_matmul over a matrix stored as `format` (kvlab.h): each row made float32 in
+ * scratch (in_dim floats per thread), then the same dot products */
+void kv_plain_matmul_weights(float *out, const float *x, const uint8_t *w,
+                             kv_weight_format format, int n_tokens, int in_dim, int out_dim,
+                             float *scratch);
 
 /* out (n_tokens, out_dim) = x (n_tokens, in_dim) . w (out_dim, in_dim)^T */
 void kv_plain_matmul(float *out, const float *x, const float *w, int n_tokens, int in_dim,

@@ -191,3 +191,51 @@ void kv_dequantize_fp8(float *x, const uint8_t *codes, const float *scales, size
         }
     }
 }
+
+/* ---- weight matrices (kvlab.h's kv_weight_format) ---------------------------------- */
+
+size_t kv_weight_row_bytes(kv_weight_format format, int in_dim) {
+    if (in_dim <= 0) return 0;
+    switch (format) {
+    case KV_WEIGHT_F32: return (size_t)in_dim * 4;
+    case KV_WEIGHT_F16:
+    case KV_WEIGHT_BF16: return (size_t)in_dim * 2;
+    case KV_WEIGHT_Q8_0:
+        return in_dim % KV_Q8_0_BLOCK ? 0 : (size_t)(in_dim / KV_Q8_0_BLOCK) * KV_Q8_0_BLOCK_BYTES;
+    }
+    return 0;
+}
+
+static float half_at(const uint8_t *bytes) {
+    uint16_t code;
+    float value;
+    memcpy(&code, bytes, sizeof code);
+    kv_dequantize_f16(&value, &code, 1);
+    return value;
+}
+
+void kv_weight_row_dequantize(kv_weight_format format, const uint8_t *row, int in_dim,
+                              float *out) {
+    switch (format) {
+    case KV_WEIGHT_F32:
+        memcpy(out, row, (size_t)in_dim * sizeof(float));
+        return;
+    case KV_WEIGHT_F16:
+    case KV_WEIGHT_BF16:
+        for (int i = 0; i < in_dim; i++) {
+            uint16_t code;
+            memcpy(&code, row + 2 * (size_t)i, sizeof code);
+            if (format == KV_WEIGHT_F16) kv_dequantize_f16(&out[i], &code, 1);
+            else kv_dequantize_bf16(&out[i], &code, 1);
+        }
+        return;
+    case KV_WEIGHT_Q8_0:
+        for (int b = 0; b < in_dim / KV_Q8_0_BLOCK; b++) {
+            const uint8_t *block = row + (size_t)b * KV_Q8_0_BLOCK_BYTES;
+            float scale = half_at(block);
+            const int8_t *codes = (const int8_t *)(block + 2);
+            for (int i = 0; i < KV_Q8_0_BLOCK; i++) out[b * KV_Q8_0_BLOCK + i] = scale * (float)codes[i];
+        }
+        return;
+    }
+}

@@ -39,4 +39,9 @@ void kv_dequantize_i4(float *x, const uint8_t *codes, const float *scales, const
 void kv_quantize_fp8(uint8_t *codes, float *scales, const float *x, size_t n, int group);
 void kv_dequantize_fp8(float *x, const uint8_t *codes, const float *scales, size_t n, int group);
 
+/* The float32 values of one row of a weight matrix (in_dim of them) into out: the
+ * dequantization kvlab/weight_formats.py defines (kv_weight_row_bytes is in kvlab.h). */
+void kv_weight_row_dequantize(kv_weight_format format, const uint8_t *row, int in_dim,
+                              float *out);
+
 #endif /* KVLAB_QUANT_H */

@@ -14,13 +14,16 @@
 #include <string.h>
 
 #include "attention.h"
+#include "common.h"
 #include "kvlab.h"
 #include "ops.h"
 #include "simd.h"
 #include "paged.h"
 #include "plain.h"
+#include "quant.h"
 #include "sampling.h"
 #include "store.h"
+#include "weight_formats.h"
 
 static int passed, failed;
 
@@ -910,6 +913,61 @@ static void test_pool_keep(void) {
     free_model(&tm);
 }
 
+/* A weight matrix in fp16, bf16 or Q8_0 gives, bit for bit, the float32 product over its
+ * dequantized values, on both tiers, for a decode step and for a prefill, with leftover
+ * columns (16-bit formats) and rows. */
+static void test_weight_formats(void) {
+    const kv_weight_format formats[] = {KV_WEIGHT_F32, KV_WEIGHT_F16, KV_WEIGHT_BF16, KV_WEIGHT_Q8_0};
+    const int in_dims[] = {64, 70, 96};
+    const int token_counts[] = {1, 3, 5, 17};
+    int out_dim = 13;
+    CHECK(kv_weight_row_bytes(KV_WEIGHT_Q8_0, 70) == 0 && kv_weight_row_bytes(KV_WEIGHT_Q8_0, 64) == 68);
+    CHECK(kv_weight_row_bytes(KV_WEIGHT_BF16, 70) == 140 && kv_weight_row_bytes(KV_WEIGHT_F32, 0) == 0);
+    for (int f = 0; f < 4; f++)
+        for (int d = 0; d < 3; d++) {
+            int in_dim = in_dims[d];
+            size_t row_bytes = kv_weight_row_bytes(formats[f], in_dim);
+            if (row_bytes == 0) continue;
+            uint8_t *w = malloc(row_bytes * out_dim);
+            float *values = malloc(sizeof(float) * in_dim * out_dim);
+            float *source = random_floats((size_t)in_dim * out_dim, 1.0f);
+            for (int o = 0; o < out_dim; o++) {     /* the matrix, written in its format */
+                uint8_t *row = w + row_bytes * o;
+                const float *src = source + (size_t)o * in_dim;
+                for (int i = 0; i < in_dim; i++) {
+                    if (formats[f] == KV_WEIGHT_F32) memcpy(row + 4 * i, &src[i], 4);
+                    if (formats[f] == KV_WEIGHT_F16 || formats[f] == KV_WEIGHT_BF16) {
+                        uint16_t code = formats[f] == KV_WEIGHT_F16 ? kv_f32_to_f16(src[i])
+                                                                    : kv_f32_to_bf16(src[i]);
+                        memcpy(row + 2 * i, &code, 2);
+                    }
+                }
+                for (int b = 0; formats[f] == KV_WEIGHT_Q8_0 && b < in_dim / 32; b++) {
+                    uint16_t scale = kv_f32_to_f16(0.01f * (float)(b + o + 1));
+                    memcpy(row + 34 * b, &scale, 2);
+                    for (int i = 0; i < 32; i++)
+                        row[34 * b + 2 + i] = (uint8_t)(int8_t)((o * 31 + b * 7 + i * 13) % 255 - 127);
+                }
+                kv_weight_row_dequantize(formats[f], row, in_dim, values + (size_t)o * in_dim);
+            }
+            for (int n = 0; n < 4; n++) {
+                int n_tokens = token_counts[n];
+                float *x = random_floats((size_t)n_tokens * in_dim, 1.0f);
+                size_t outs = (size_t)n_tokens * out_dim;
+                float *fast = malloc(sizeof(float) * outs), *plain = malloc(sizeof(float) * outs);
+                float *want = malloc(sizeof(float) * outs);
+                float *scratch = malloc(sizeof(float) * in_dim * kv_threads());
+                kv_matmul(want, x, values, n_tokens, in_dim, out_dim);
+                kv_matmul_weights(fast, x, w, formats[f], n_tokens, in_dim, out_dim, scratch);
+                kv_plain_matmul_weights(plain, x, w, formats[f], n_tokens, in_dim, out_dim, scratch);
+                CHECK(memcmp(fast, want, sizeof(float) * outs) == 0);
+                CHECK(memcmp(plain, want, sizeof(float) * outs) == 0);
+                free(x); free(fast); free(plain); free(want); free(scratch);
+            }
+            free(w); free(values); free(source);
+        }
+}
+
 int main(void) {
     test_ops();
     test_cache();
@@ -929,6 +987,7 @@ int main(void) {
     test_cache_keep(NULL);
     test_cache_keep(&int8);
     test_pool_keep();
+    test_weight_formats();
     test_interrupts();
     test_tiers_small_ops();
     test_tiers_matmul();

@@ -1,0 +1,145 @@
+/* weight_formats.c: weight matrices in fp16, bf16 and Q8_0, and the fast tier of the
+ * matrix product over them.
+ *
+ * Each weight becomes its float32 value in a register (a half or bf16 widened, a Q8_0 code
+ * times its block's scale, which is exact: 8 bits times 11 fit float32's 24) and meets the
+ * activations in kv_dot's order: eight running lanes of multiply-adds over chunks of eight,
+ * the lanes added pairwise, leftovers in order. So the result is the float32 product over
+ * the dequantized matrix, bit for bit (plain.c's kv_plain_matmul_weights is the spec).
+ * What changes is the memory read: a decode step streams 2 bytes a weight, or 1.0625,
+ * instead of 4. Not here: which matrices of a model use which format (model.c, loaders).
+ */
+#include <stdlib.h>
+#include <string.h>
+
+#include "common.h"
+#include "ops.h"
+#include "plain.h"
+#include "quant.h"
+#include "simd.h"
+#include "weight_formats.h"
+
+/* ---- eight weights at a time, as float32 ------------------------------------------------- */
+
+/* eight int8 codes as floats (exact) */
+static ALWAYS_INLINE v8f int8_to_floats(const int8_t *codes) {
+#ifdef __AVX2__
+    __m256i wide = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)codes));
+    return (v8f)_mm256_cvtepi32_ps(wide);
+#else
+    v8f out;
+    for (int j = 0; j < 8; j++) out[j] = (float)codes[j];
+    return out;
+#endif
+}
+
+/* eight halves or bf16s as floats (exact) */
+static ALWAYS_INLINE v8f halves_to_floats(const uint8_t *bytes, int bf16) {
+    v8f out;
+    if (bf16) {
+#ifdef __AVX2__
+        __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)bytes));
+        return (v8f)_mm256_slli_epi32(wide, 16);
+#endif
+    } else {
+#ifdef __F16C__
+        return (v8f)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)bytes));
+#endif
+    }
+    uint16_t codes[8];
+    memcpy(codes, bytes, sizeof codes);
+    for (int j = 0; j < 8; j++) {
+        float value;
+        if (bf16) kv_dequantize_bf16(&value, &codes[j], 1);
+        else kv_dequantize_f16(&value, &codes[j], 1);
+        out[j] = value;
+    }
+    return out;
+}
+
+/* a Q8_0 block's scale, a half, as a float */
+static ALWAYS_INLINE float block_scale(const uint8_t *block) {
+#ifdef __F16C__
+    uint16_t code;
+    memcpy(&code, block, sizeof code);
+    return _cvtsh_ss(code);
+#else
+    uint16_t code;
+    float value;
+    memcpy(&code, block, sizeof code);
+    kv_dequantize_f16(&value, &code, 1);
+    return value;
+#endif
+}
+
+/* A row of a matrix in a 16-bit or Q8_0 format against x, in kv_dot's order (eight lanes
+ * of multiply-adds, added pairwise, leftovers in order), each weight made float32 on the
+ * way. (Four rows at a time, sharing each chunk of x, measured slower here: 0.97-1.09x of
+ * fp32 against 1.7-1.9x for this, benchmarks/bench_weights.py.) */
+static float dot_row(const uint8_t *row, kv_weight_format format, const float *x, int in_dim) {
+    v8f acc = {0};
+    if (format == KV_WEIGHT_Q8_0) {
+        for (int b = 0; b < in_dim / KV_Q8_0_BLOCK; b++) {
+            const uint8_t *block = row + (size_t)b * KV_Q8_0_BLOCK_BYTES;
+            v8f scale = splat(block_scale(block));
+            const int8_t *codes = (const int8_t *)(block + 2);
+            const float *xb = x + b * KV_Q8_0_BLOCK;
+            for (int j = 0; j < KV_Q8_0_BLOCK; j += 8)
+                acc = madd(int8_to_floats(codes + j) * scale, load8(xb + j), acc);
+        }
+        return reduce_lanes(acc);            /* in_dim is a multiple of 32: no leftovers */
+    }
+    int bf16 = format == KV_WEIGHT_BF16, n8 = in_dim & ~7;
+    for (int i = 0; i < n8; i += 8)
+        acc = madd(halves_to_floats(row + 2 * (size_t)i, bf16), load8(x + i), acc);
+    float sum = reduce_lanes(acc);
+    for (int i = n8; i < in_dim; i++) {      /* the leftovers, in order, as kv_dot */
+        float w;
+        kv_weight_row_dequantize(format, row + 2 * (size_t)i, 1, &w);
+        sum += w * x[i];
+    }
+    return sum;
+}
+
+void kv_matmul_weights(float *out, const float *x, const uint8_t *w, kv_weight_format format,
+                       int n_tokens, int in_dim, int out_dim, float *scratch) {
+    if (format == KV_WEIGHT_F32) {
+        kv_matmul(out, x, (const float *)(const void *)w, n_tokens, in_dim, out_dim);
+        return;
+    }
+    size_t row_bytes = kv_weight_row_bytes(format, in_dim);
+    /* Few tokens (decode): each row is converted as it streams past, once per token, which
+     * costs little beside the memory read. Many tokens (prefill): each row is converted
+     * once into the thread's scratch and used by every token. */
+    int convert_once = n_tokens >= 4;
+    #pragma omp parallel for schedule(static) num_threads(kv_threads()) \
+        if ((long)n_tokens * out_dim * in_dim >= KV_PARALLEL_MIN_WORK)
+    for (int o = 0; o < out_dim; o++) {
+        const uint8_t *row = w + (size_t)o * row_bytes;
+        if (convert_once) {
+            float *values = scratch + (size_t)omp_get_thread_num() * in_dim;
+            kv_weight_row_dequantize(format, row, in_dim, values);
+            for (int t = 0; t < n_tokens; t++)
+                out[(size_t)t * out_dim + o] = kv_dot(values, x + (size_t)t * in_dim, in_dim);
+        } else {
+            for (int t = 0; t < n_tokens; t++)
+                out[(size_t)t * out_dim + o] = dot_row(row, format, x + (size_t)t * in_dim, in_dim);
+        }
+    }
+}
+
+kv_status kv_weights_matmul(float *out, const float *x, const uint8_t *w,
+                            kv_weight_format format, int n_tokens, int in_dim, int out_dim) {
+    if (out == NULL || x == NULL || w == NULL || n_tokens <= 0 || out_dim <= 0 ||
+        (int)format < KV_WEIGHT_F32 || (int)format > KV_WEIGHT_Q8_0 ||
+        kv_weight_row_bytes(format, in_dim) == 0)
+        return KV_ERR_INVALID_ARG;
+    float *scratch = kv_alloc_floats((size_t)kv_threads() * in_dim);
+    if (scratch == NULL) return KV_ERR_NOMEM;
+    if (kv_get_kernels() == KV_KERNELS_PLAIN)
+        kv_plain_matmul_weights(out, x, w, format, n_tokens, in_dim, out_dim, scratch);
+    else
+        kv_matmul_weights(out, x, w, format, n_tokens, in_dim, out_dim, scratch);
+    free(scratch);
+    return KV_OK;
+}
