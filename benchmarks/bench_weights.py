@@ -5,13 +5,15 @@
 A decode step reads every weight once, so its projections' time is about the weights'
 bytes over the read bandwidth. For one model shape this runs the products of one decode
 token (every layer's Wq, Wk, Wv, Wo, W1, W3, W2 and the classifier, random weights) through
-kvlab._kvlab.matmul in each format, the formats taking turns within each round, and reports
+kvlab._kvlab.matmul in each format (and Q8_0 against int8 activations, llama.cpp's way:
+"q8_0 x int8"), the variants taking turns within each round, and reports
 per format the median time, the speedup over fp32 measured in the same rounds, the bytes
 read per second, and that as a share of the machine's read bandwidth
 (kvlab._kvlab.memory_bandwidth, measured in the same run). The products are checked equal,
 bit for bit, to the fp32 product over the dequantized weights before anything is timed.
 
 This is the kernels alone (issue 21's first step): the model does not use the formats yet.
+"q8_0 x int8" is checked against kvlab.weight_formats.matmul_int8 instead (x is rounded).
 """
 from __future__ import annotations
 
@@ -68,38 +70,43 @@ def main(argv=None) -> int:
             values = np.ascontiguousarray(weight_formats.dequantize(codes, fmt, in_dim))
             x = x_of[in_dim]
             assert np.array_equal(core.matmul(x, codes, fmt), core.matmul(x, values, "fp32")), fmt
+    (out_dim, in_dim), codes = shapes[0], stored["q8_0"][0]
+    assert np.array_equal(core.matmul(x_of[in_dim], codes, "q8_0", "int8"),
+                          weight_formats.matmul_int8(x_of[in_dim], codes, in_dim))
     bandwidth = core.memory_bandwidth()["read_bytes_per_s"]
+    variants = list(weight_formats.FORMATS) + ["q8_0 x int8"]
 
-    def one_token(fmt):
+    def one_token(variant):
+        fmt, *int8 = variant.split(" x ")
         start = time.perf_counter()
         for (out_dim, in_dim), codes in zip(shapes, stored[fmt]):
-            core.matmul(x_of[in_dim], codes, fmt)
+            core.matmul(x_of[in_dim], codes, fmt, "int8" if int8 else "fp32")
         return time.perf_counter() - start
 
-    seconds = {fmt: [] for fmt in weight_formats.FORMATS}
-    ratios = {fmt: [] for fmt in weight_formats.FORMATS}
-    for fmt in weight_formats.FORMATS:
-        one_token(fmt)                                       # warm up
+    seconds = {v: [] for v in variants}
+    ratios = {v: [] for v in variants}
+    for variant in variants:
+        one_token(variant)                                   # warm up
     for r in range(args.rounds):
-        order = weight_formats.FORMATS[r % 4:] + weight_formats.FORMATS[:r % 4]
-        taken = {fmt: one_token(fmt) for fmt in order}
-        for fmt in weight_formats.FORMATS:
-            seconds[fmt].append(taken[fmt])
-            ratios[fmt].append(taken["fp32"] / taken[fmt])
+        order = variants[r % len(variants):] + variants[:r % len(variants)]
+        taken = {v: one_token(v) for v in order}
+        for v in variants:
+            seconds[v].append(taken[v])
+            ratios[v].append(taken["fp32"] / taken[v])
     rows = []
     print(f"{args.shape} shape, {args.tokens} token(s) a product, {core.get_num_threads()} "
           f"threads, read bandwidth {bandwidth / 1e9:.1f} GB/s, median of {args.rounds} rounds")
-    print(f"{'format':<8}{'weight bytes':>14}{'ms':>9}{'vs fp32':>10}{'GB/s':>8}{'of read bw':>12}")
-    for fmt in weight_formats.FORMATS:
-        nbytes = sum(c.nbytes for c in stored[fmt])
-        median = statistics.median(seconds[fmt])
-        speedup = statistics.median(ratios[fmt])
+    print(f"{'format':<13}{'weight bytes':>14}{'ms':>9}{'vs fp32':>10}{'GB/s':>8}{'of read bw':>12}")
+    for variant in variants:
+        nbytes = sum(c.nbytes for c in stored[variant.split(" x ")[0]])
+        median = statistics.median(seconds[variant])
+        speedup = statistics.median(ratios[variant])
         rate = nbytes / median
-        rows.append({"format": fmt, "weight_bytes": nbytes, "ms": 1e3 * median,
-                     "ms_runs": [1e3 * s for s in seconds[fmt]], "speedup_vs_fp32": speedup,
-                     "speedup_runs": ratios[fmt], "bytes_per_s": rate,
+        rows.append({"format": variant, "weight_bytes": nbytes, "ms": 1e3 * median,
+                     "ms_runs": [1e3 * s for s in seconds[variant]], "speedup_vs_fp32": speedup,
+                     "speedup_runs": ratios[variant], "bytes_per_s": rate,
                      "share_of_read_bandwidth": rate / bandwidth})
-        print(f"{fmt:<8}{nbytes:>14,}{1e3 * median:>9.2f}{speedup:>9.2f}x{rate / 1e9:>8.1f}"
+        print(f"{variant:<13}{nbytes:>14,}{1e3 * median:>9.2f}{speedup:>9.2f}x{rate / 1e9:>8.1f}"
               f"{100 * rate / bandwidth:>11.0f}%")
     if args.json:
         Path(args.json).write_text(json.dumps(

@@ -85,6 +85,48 @@ void kv_plain_matmul_weights(float *out, const float *x, const uint8_t *w,
     }
 }
 
+/* Q8_0 weights against activations quantized to int8 per block of 32 (the other way to
+ * use Q8_0: integer products, as llama.cpp does). Not the float32 product of the dequantized
+ * matrix: x is rounded too. The order is the spec the fast tier (weight_formats.c) keeps:
+ * lane m of eight sums, in each block, the four products of weights 4m .. 4m + 3 as an
+ * exact integer, then adds it times the two scales; the lanes are added pairwise. NumPy
+ * twin: kvlab.weight_formats.matmul_int8. */
+void kv_plain_matmul_int8(float *out, const float *x, const uint8_t *w, int n_tokens,
+                          int in_dim, int out_dim, float *x_scales, int8_t *x_codes) {
+    // out (n_tokens, out_dim), x (n_tokens, in_dim), w (out_dim, Q8_0 row bytes),
+    // x_scales (n_tokens, in_dim / 32) and x_codes (n_tokens, in_dim): x quantized here
+    int n_blocks = in_dim / KV_Q8_0_BLOCK;
+    size_t row_bytes = kv_weight_row_bytes(KV_WEIGHT_Q8_0, in_dim);
+    for (int t = 0; t < n_tokens; t++)
+        kv_quantize_activations_q8(x + (size_t)t * in_dim, in_dim, x_scales + (size_t)t * n_blocks,
+                                   x_codes + (size_t)t * in_dim);
+    #pragma omp parallel for num_threads(kv_threads()) \
+        if ((long)n_tokens * out_dim * in_dim >= KV_PARALLEL_MIN_WORK)
+    for (int o = 0; o < out_dim; o++) {
+        const uint8_t *row = w + (size_t)o * row_bytes;
+        for (int t = 0; t < n_tokens; t++) {
+            const int8_t *xq = x_codes + (size_t)t * in_dim;
+            float lanes[8] = {0};
+            for (int b = 0; b < n_blocks; b++) {
+                const uint8_t *block = row + (size_t)b * KV_Q8_0_BLOCK_BYTES;
+                uint16_t half;
+                float w_scale;
+                memcpy(&half, block, sizeof half);
+                kv_dequantize_f16(&w_scale, &half, 1);
+                float scale = w_scale * x_scales[(size_t)t * n_blocks + b];
+                const int8_t *wq = (const int8_t *)(block + 2);
+                for (int m = 0; m < 8; m++) {
+                    int32_t partial = 0;
+                    for (int i = 4 * m; i < 4 * m + 4; i++)
+                        partial += (int32_t)wq[i] * xq[b * KV_Q8_0_BLOCK + i];
+                    lanes[m] = multiply_add(scale, (float)partial, lanes[m]);
+                }
+            }
+            out[(size_t)t * out_dim + o] = add_lanes(lanes);
+        }
+    }
+}
+
 /* NumPy twin: rmsnorm in kvlab/reference.py. */
 void kv_plain_rmsnorm(float *out, const float *x, const float *weight, int dim, float eps) {
     // out (dim,), x (dim,), weight (dim,)

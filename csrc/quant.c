@@ -239,3 +239,18 @@ void kv_weight_row_dequantize(kv_weight_format format, const uint8_t *row, int i
         return;
     }
 }
+
+void kv_quantize_activations_q8(const float *x, int in_dim, float *scales, int8_t *codes) {
+    for (int b = 0; b < in_dim / KV_Q8_0_BLOCK; b++) {
+        const float *block = x + b * KV_Q8_0_BLOCK;
+        float amax = 0.0f;
+        for (int i = 0; i < KV_Q8_0_BLOCK; i++) {
+            float magnitude = fabsf(block[i]);
+            amax = magnitude > amax ? magnitude : amax;
+        }
+        float scale = amax / 127.0f, inverse = scale > 0.0f ? 1.0f / scale : 0.0f;
+        scales[b] = scale;
+        for (int i = 0; i < KV_Q8_0_BLOCK; i++)
+            codes[b * KV_Q8_0_BLOCK + i] = (int8_t)roundf(block[i] * inverse);
+    }
+}

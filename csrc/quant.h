@@ -44,4 +44,9 @@ void kv_dequantize_fp8(float *x, const uint8_t *codes, const float *scales, size
 void kv_weight_row_dequantize(kv_weight_format format, const uint8_t *row, int in_dim,
                               float *out);
 
+/* A row of activations (in_dim, a multiple of 32) as Q8_0 blocks for the integer dot
+ * products of kv_weights_matmul_int8: per block of 32 a float32 scale amax / 127 and codes
+ * roundf(x / scale), as ggml quantizes (its scale is a half; this one stays float32). */
+void kv_quantize_activations_q8(const float *x, int in_dim, float *scales, int8_t *codes);
+
 #endif /* KVLAB_QUANT_H */

@@ -143,3 +143,68 @@ kv_status kv_weights_matmul(float *out, const float *x, const uint8_t *w,
     free(scratch);
     return KV_OK;
 }
+
+/* ---- Q8_0 against int8 activations ------------------------------------------------------ */
+
+/* One Q8_0 row against a token's quantized activations, in kv_plain_matmul_int8's order:
+ * per block, the products of 32 byte pairs summed four at a time as exact integers
+ * (maddubs multiplies |w| by x with w's sign, in pairs; madd adds the pairs), made float and
+ * added times the two scales into eight lanes. */
+static float dot_row_int8(const uint8_t *row, const float *x_scales, const int8_t *x_codes,
+                          int n_blocks) {
+    v8f acc = {0};
+    for (int b = 0; b < n_blocks; b++) {
+        const uint8_t *block = row + (size_t)b * KV_Q8_0_BLOCK_BYTES;
+        v8f scale = splat(block_scale(block) * x_scales[b]);
+        const int8_t *wq = (const int8_t *)(block + 2), *xq = x_codes + b * KV_Q8_0_BLOCK;
+        v8f partial;
+#ifdef __AVX2__
+        __m256i wv = _mm256_loadu_si256((const __m256i *)wq);
+        __m256i xv = _mm256_loadu_si256((const __m256i *)xq);
+        __m256i pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(wv, wv), _mm256_sign_epi8(xv, wv));
+        __m256i fours = _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
+        partial = (v8f)_mm256_cvtepi32_ps(fours);
+#else
+        for (int m = 0; m < 8; m++) {
+            int32_t sum = 0;
+            for (int i = 4 * m; i < 4 * m + 4; i++) sum += (int32_t)wq[i] * xq[i];
+            partial[m] = (float)sum;
+        }
+#endif
+        acc = madd(scale, partial, acc);
+    }
+    return reduce_lanes(acc);
+}
+
+kv_status kv_weights_matmul_int8(float *out, const float *x, const uint8_t *w, int n_tokens,
+                                 int in_dim, int out_dim) {
+    if (out == NULL || x == NULL || w == NULL || n_tokens <= 0 || out_dim <= 0 ||
+        kv_weight_row_bytes(KV_WEIGHT_Q8_0, in_dim) == 0)
+        return KV_ERR_INVALID_ARG;
+    int n_blocks = in_dim / KV_Q8_0_BLOCK;
+    float *x_scales = kv_alloc_floats((size_t)n_tokens * n_blocks);
+    int8_t *x_codes = malloc((size_t)n_tokens * in_dim);
+    if (x_scales == NULL || x_codes == NULL) {
+        free(x_scales);
+        free(x_codes);
+        return KV_ERR_NOMEM;
+    }
+    if (kv_get_kernels() == KV_KERNELS_PLAIN) {
+        kv_plain_matmul_int8(out, x, w, n_tokens, in_dim, out_dim, x_scales, x_codes);
+    } else {
+        size_t row_bytes = kv_weight_row_bytes(KV_WEIGHT_Q8_0, in_dim);
+        for (int t = 0; t < n_tokens; t++)
+            kv_quantize_activations_q8(x + (size_t)t * in_dim, in_dim, x_scales + (size_t)t * n_blocks,
+                                       x_codes + (size_t)t * in_dim);
+        #pragma omp parallel for schedule(static) num_threads(kv_threads()) \
+            if ((long)n_tokens * out_dim * in_dim >= KV_PARALLEL_MIN_WORK)
+        for (int o = 0; o < out_dim; o++)
+            for (int t = 0; t < n_tokens; t++)
+                out[(size_t)t * out_dim + o] =
+                    dot_row_int8(w + (size_t)o * row_bytes, x_scales + (size_t)t * n_blocks,
+                                 x_codes + (size_t)t * in_dim, n_blocks);
+    }
+    free(x_scales);
+    free(x_codes);
+    return KV_OK;
+}

@@ -17,6 +17,11 @@ same bytes (csrc/weight_formats.c; kvlab._kvlab.matmul runs its product), and it
 is the float32 product over dequantize()'s values, bit for bit: every format's values are
 exact float32 numbers, so only the bytes read change, not the arithmetic.
 
+matmul_int8() is the other way to use Q8_0 weights, llama.cpp's: the activations are
+quantized to int8 per block of 32 as well, and the products are integer sums. It is not the
+float32 product (x is rounded too), so it has its own definition here, which the core's
+kvlab._kvlab.matmul(x, w, "q8_0", "int8") follows bit for bit.
+
 Q8_0 is quantized as ggml does it: d = max|x| / 127 in float32, q = round(x * (1 / d)),
 halves away from zero, and d stored as a half. So a matrix the kit writes is the one
 llama.cpp would write from the same float32 weights.
@@ -99,3 +104,39 @@ def dequantize(codes: np.ndarray, fmt: str, in_dim: int) -> np.ndarray:
     blocks = codes.view(Q8_0_DTYPE).reshape(out_dim, in_dim // Q8_0_BLOCK)
     values = blocks["d"].astype(np.float32)[..., None] * blocks["q"].astype(np.float32)
     return values.reshape(out_dim, in_dim)
+
+
+def quantize_activations(x: np.ndarray) -> tuple:
+    """A row of activations (in_dim, a multiple of 32) as int8 per block of 32: float32
+    scales amax / 127 (in_dim / 32,) and codes round(x / scale), halves away from zero."""
+    x = np.asarray(x, dtype=np.float32)
+    blocks = x.reshape(-1, Q8_0_BLOCK)
+    scales = np.abs(blocks).max(axis=-1) / np.float32(127)
+    inverse = np.where(scales > 0, np.float32(1) / np.where(scales > 0, scales, 1), 0)
+    codes = _round_half_away(blocks * inverse.astype(np.float32)[:, None]).astype(np.int8)
+    return scales.astype(np.float32), codes.reshape(-1)
+
+
+def matmul_int8(x: np.ndarray, codes: np.ndarray, in_dim: int) -> np.ndarray:
+    """x (n_tokens, in_dim) against Q8_0 weights, llama.cpp's way: x quantized per block of
+    32 too, and in each block lane m (of eight) takes the exact integer sum of the products
+    of weights 4m .. 4m + 3, times the two scales, with one rounding (a fused multiply-add,
+    as the core does where the CPU has one); the lanes are added pairwise at the end."""
+    check_format("q8_0", in_dim)
+    blocks = np.ascontiguousarray(codes, dtype=np.uint8).view(Q8_0_DTYPE)
+    blocks = blocks.reshape(codes.shape[0], in_dim // Q8_0_BLOCK)
+    w_scales = blocks["d"].astype(np.float32)                       # (out_dim, n_blocks)
+    w_codes = blocks["q"].astype(np.int32)                          # (out_dim, n_blocks, 32)
+    out = np.empty((len(x), codes.shape[0]), dtype=np.float32)
+    for t, row in enumerate(np.asarray(x, dtype=np.float32)):
+        x_scales, x_codes = quantize_activations(row)
+        products = w_codes * x_codes.reshape(-1, Q8_0_BLOCK).astype(np.int32)
+        partial = products.reshape(*products.shape[:2], 8, 4).sum(-1)   # (out, blocks, 8)
+        scale = (w_scales * x_scales).astype(np.float32)             # float32 products
+        lanes = np.zeros((codes.shape[0], 8), dtype=np.float32)
+        for b in range(partial.shape[1]):    # one rounding per step: float64 holds it exactly
+            exact = scale[:, b, None].astype(np.float64) * partial[:, b].astype(np.float64)
+            lanes = (exact + lanes.astype(np.float64)).astype(np.float32)
+        out[t] = ((lanes[:, 0] + lanes[:, 1]) + (lanes[:, 2] + lanes[:, 3])) + \
+                 ((lanes[:, 4] + lanes[:, 5]) + (lanes[:, 6] + lanes[:, 7]))
+    return out

@@ -87,3 +87,29 @@ def test_the_numpy_side_refuses_what_it_cannot_store():
         wf.row_bytes("int4", 64)
     with pytest.raises(ValueError, match="2-D"):
         wf.quantize(np.zeros(8, np.float32), "fp16")
+
+
+@pytest.mark.parametrize("n_tokens", [1, 2, 5])
+def test_int8_activations_follow_their_numpy_definition(tiers, n_tokens):
+    """Q8_0 weights against int8 activations (llama.cpp's way) are not the float32 product,
+    so they have their own spec: kvlab.weight_formats.matmul_int8, bit for bit, both tiers;
+    and within a rounding of x of the float32 product."""
+    rng = np.random.default_rng(n_tokens)
+    codes = wf.quantize(random_matrix(rng, 41, 128), "q8_0")
+    x = (rng.standard_normal((n_tokens, 128)) * 3).astype(np.float32)
+    x[0, :32] = 0.0                               # a block of zeros: a scale of 0
+    want = wf.matmul_int8(x, codes, 128)
+    for tier in tiers:
+        core.set_kernels(tier)
+        np.testing.assert_array_equal(core.matmul(x, codes, "q8_0", "int8"), want)
+    exact = core.matmul(x, codes, "q8_0")
+    assert np.abs(want - exact).max() <= 0.02 * np.abs(exact).max()
+
+
+def test_int8_activations_only_with_q8_0():
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((1, 64)).astype(np.float32)
+    with pytest.raises(ValueError, match="q8_0"):
+        core.matmul(x, wf.quantize(random_matrix(rng, 4, 64), "fp16"), "fp16", "int8")
+    with pytest.raises(ValueError, match="activations"):
+        core.matmul(x, wf.quantize(random_matrix(rng, 4, 64), "q8_0"), "q8_0", "int4")

@@ -236,14 +236,24 @@ static const char *const weight_format_names[] = {[KV_WEIGHT_F32] = "fp32", [KV_
 
 static PyObject *py_matmul(PyObject *module, PyObject *args) {
     PyObject *x_obj, *w_obj;
-    const char *name;
-    if (!PyArg_ParseTuple(args, "OOs", &x_obj, &w_obj, &name)) return NULL;
+    const char *name, *activations = "fp32";
+    if (!PyArg_ParseTuple(args, "OOs|s", &x_obj, &w_obj, &name, &activations)) return NULL;
+    int int8 = strcmp(activations, "int8") == 0;
+    if (!int8 && strcmp(activations, "fp32") != 0) {
+        PyErr_Format(PyExc_ValueError, "activations must be 'fp32' or 'int8', got '%s'",
+                     activations);
+        return NULL;
+    }
     int format = -1;
     for (int f = KV_WEIGHT_F32; f <= KV_WEIGHT_Q8_0; f++)
         if (strcmp(name, weight_format_names[f]) == 0) format = f;
     if (format < 0) {
         PyErr_Format(PyExc_ValueError, "weight format must be fp32, fp16, bf16 or q8_0, got '%s'",
                      name);
+        return NULL;
+    }
+    if (int8 && format != KV_WEIGHT_Q8_0) {
+        PyErr_Format(PyExc_ValueError, "int8 activations go with q8_0 weights, not '%s'", name);
         return NULL;
     }
     PyArrayObject *x = kv_py_array(x_obj, &(kv_py_array_spec){
@@ -265,9 +275,15 @@ static PyObject *py_matmul(PyObject *module, PyObject *args) {
     if (out == NULL) return NULL;
     kv_status status;
     Py_BEGIN_ALLOW_THREADS
-    status = kv_weights_matmul((float *)PyArray_DATA((PyArrayObject *)out),
-                               (const float *)PyArray_DATA(x), (const uint8_t *)PyArray_DATA(w),
-                               (kv_weight_format)format, n_tokens, in_dim, (int)dims[1]);
+    if (int8)
+        status = kv_weights_matmul_int8((float *)PyArray_DATA((PyArrayObject *)out),
+                                        (const float *)PyArray_DATA(x),
+                                        (const uint8_t *)PyArray_DATA(w), n_tokens, in_dim,
+                                        (int)dims[1]);
+    else
+        status = kv_weights_matmul((float *)PyArray_DATA((PyArrayObject *)out),
+                                   (const float *)PyArray_DATA(x), (const uint8_t *)PyArray_DATA(w),
+                                   (kv_weight_format)format, n_tokens, in_dim, (int)dims[1]);
     Py_END_ALLOW_THREADS
     if (status == KV_OK) return out;
     Py_DECREF(out);
@@ -281,7 +297,9 @@ static PyMethodDef module_methods[] = {
      "matmul(x, w, format) -> x @ dequantize(w).T: x float32 (n_tokens, in_dim), w float32\n"
      "(out_dim, in_dim) for 'fp32', else uint8 (out_dim, row bytes) as\n"
      "kvlab.weight_formats.quantize writes it ('fp16', 'bf16', 'q8_0'); on the kernel tier\n"
-     "set by set_kernels. Equal bit for bit to the fp32 product over the dequantized matrix."},
+     "set by set_kernels. Equal bit for bit to the fp32 product over the dequantized matrix.\n"
+     "matmul(x, w, 'q8_0', 'int8') quantizes x to int8 per block of 32 and sums integer\n"
+     "products instead (kvlab.weight_formats.matmul_int8 is its NumPy twin)."},
     {"set_num_threads", py_set_num_threads, METH_O, "Threads used by the C core."},
     {"get_num_threads", py_get_num_threads, METH_NOARGS, "Threads used by the C core."},
     {"set_kernels", py_set_kernels, METH_O,

@@ -966,6 +966,27 @@ static void test_weight_formats(void) {
             }
             free(w); free(values); free(source);
         }
+    /* Q8_0 against int8 activations: the fast tier gives the plain tier's bits */
+    int in_dim = 96, n_tokens = 3;
+    size_t row_bytes = kv_weight_row_bytes(KV_WEIGHT_Q8_0, in_dim);
+    uint8_t *w = malloc(row_bytes * out_dim);
+    for (int o = 0; o < out_dim; o++)
+        for (int b = 0; b < in_dim / 32; b++) {
+            uint16_t scale = kv_f32_to_f16(0.02f * (float)(b + o + 1));
+            memcpy(w + row_bytes * o + 34 * b, &scale, 2);
+            for (int i = 0; i < 32; i++)
+                w[row_bytes * o + 34 * b + 2 + i] = (uint8_t)(int8_t)((o * 29 + b * 5 + i * 11) % 255 - 127);
+        }
+    float *x = random_floats((size_t)n_tokens * in_dim, 2.0f);
+    float *fast = malloc(sizeof(float) * n_tokens * out_dim), *plain = malloc(sizeof(float) * n_tokens * out_dim);
+    kv_kernels before = kv_get_kernels();
+    CHECK(kv_weights_matmul_int8(fast, x, w, n_tokens, in_dim, out_dim) == KV_OK);
+    kv_set_kernels(KV_KERNELS_PLAIN);
+    CHECK(kv_weights_matmul_int8(plain, x, w, n_tokens, in_dim, out_dim) == KV_OK);
+    kv_set_kernels(before);
+    CHECK(memcmp(fast, plain, sizeof(float) * n_tokens * out_dim) == 0);
+    CHECK(kv_weights_matmul_int8(fast, x, w, n_tokens, 70, out_dim) == KV_ERR_INVALID_ARG);
+    free(w); free(x); free(fast); free(plain);
 }
 
 int main(void) {
