@@ -36,7 +36,7 @@ SHAPES = {   # (dim, hidden_dim, n_layers, vocab_size): llama2.c's stories model
 }
 
 
-def matrices(shape: str, rng: np.random.Generator):
+def matrices(shape: str):
     """(out_dim, in_dim) of every matrix one decode token multiplies, in order."""
     dim, hidden, n_layers, vocab = SHAPES[shape]
     per_layer = [(dim, dim)] * 4 + [(hidden, dim), (hidden, dim), (dim, hidden)]
@@ -54,7 +54,7 @@ def main(argv=None) -> int:
     if args.threads:
         core.set_num_threads(args.threads)
     rng = np.random.default_rng(0)
-    shapes = matrices(args.shape, rng)
+    shapes = matrices(args.shape)
     # One distinct random matrix per distinct shape, quantized once per format; every layer
     # reads its own copy, so the weights cannot sit in a cache between layers.
     stored = {fmt: [] for fmt in weight_formats.FORMATS}

@@ -156,19 +156,7 @@ def generate(model: Model, prompt: Union[str, Sequence[int]], max_new_tokens: in
                                 eos, new_tokens, seconds, bar):
                 finish_reason = "eos"
             stats.draft_passes = getattr(speculate, "passes", 0) - passes_before
-        elif cache_policy is not None:
-            for step in range(max_new_tokens):
-                start = time.perf_counter()
-                new = ids if step == 0 else [new_tokens[-1]]
-                token = _choose(cache_policy.forward(model, new, cache), sampling, step, len(ids))
-                seconds.append(time.perf_counter() - start)
-                if bar is not None:
-                    bar.update(1)
-                if token == eos:
-                    finish_reason = "eos"
-                    break
-                new_tokens.append(token)
-        elif cache is not None and fast:
+        elif cache is not None and fast and cache_policy is None:
             if _cached_loop_in_c(model, ids, cache, max_new_tokens, sampling, eos, new_tokens,
                                  seconds, bar):
                 finish_reason = "eos"
@@ -180,6 +168,8 @@ def generate(model: Model, prompt: Union[str, Sequence[int]], max_new_tokens: in
                 start = time.perf_counter()
                 if cache is None:
                     logits = model.forward(ids + new_tokens)        # everything, from scratch
+                elif cache_policy is not None:      # the same, dropping rows as it must (ch. 8)
+                    logits = cache_policy.forward(model, new_tokens[-1:] if step else ids, cache)
                 elif step == 0:
                     logits = model.prefill(ids, cache)              # the whole prompt at once
                 else:

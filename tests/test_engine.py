@@ -29,6 +29,7 @@ import pytest
 
 import kvlab
 from kvlab import SamplingParams
+from block_trace import replay
 
 MAX_STEPS = 2000   # far more than any workload here needs: hitting it means a deadlock
 
@@ -307,15 +308,6 @@ def test_n_samples_fork_the_prompt_and_copy_the_shared_partial_block_on_write(mo
 
 
 # ---- the block trace ----------------------------------------------------------------------------
-
-def replay(events, refs):
-    """Reference counts as a notebook rebuilds them from trace events."""
-    for event in events:
-        if event["event"] in ("allocated", "shared", "copied", "released"):
-            refs[event["block"]] = event["refs"]
-        elif event["event"] == "freed":
-            refs[event["block"]] = 0
-    return refs
 
 
 def preempting_workload(model, trace):

@@ -25,6 +25,7 @@ import kvlab.engine
 from kvlab import SamplingParams
 from kvlab.scheduler import State
 from kvlab.speculative import DraftModel, PromptLookup
+from block_trace import replay
 
 MAX_STEPS = 2000
 
@@ -93,17 +94,6 @@ def pool_holds_plain_decodings_rows(engine):
             stored = np.concatenate([pool.block_tokens[b] for b in table])[:seq.length] \
                 if table else np.zeros(0)
             assert stored.tolist() == sample.tokens[:seq.length]
-
-
-def replay(events):
-    """Reference counts rebuilt from trace events, as a notebook does."""
-    refs = {}
-    for event in events:
-        if event["event"] in ("allocated", "shared", "copied", "released"):
-            refs[event["block"]] = event["refs"]
-        elif event["event"] == "freed":
-            refs[event["block"]] = 0
-    return refs
 
 
 def cached_blocks(pool):

@@ -29,6 +29,7 @@ import kvlab
 import kvlab.engine
 from kvlab import SamplingParams
 from kvlab.scheduler import State
+from block_trace import replay
 
 MAX_STEPS = 2000
 MAX_RESUMES = 500
@@ -63,17 +64,6 @@ def assert_matches_generate(model, outputs, requests):
         for i, sample in enumerate(outputs[rid].outputs):
             assert sample.tokens == expected(model, prompt, params, i), \
                 f"request {rid} sample {i} differs from kvlab.generate"
-
-
-def replay(events):
-    """Reference counts rebuilt from trace events, as a notebook does."""
-    refs = {}
-    for event in events:
-        if event["event"] in ("allocated", "shared", "copied", "released"):
-            refs[event["block"]] = event["refs"]
-        elif event["event"] == "freed":
-            refs[event["block"]] = 0
-    return refs
 
 
 def assert_consistent(engine):

@@ -143,3 +143,9 @@ PyObject *kv_py_readonly_view(PyObject *owner, void *data, int type, int ndim,
     }
     return view;
 }
+
+PyArrayObject *kv_py_rows_to_keep(PyObject *obj, int n_layers, int n_kv_heads) {
+    return kv_py_array(obj, &(kv_py_array_spec){
+        .name = "rows", .type = NPY_INT32, .ndim = 3, .shape = {n_layers, KV_PY_ANY, n_kv_heads},
+        .axes = "n_layers,n_keep,n_kv_heads"});
+}

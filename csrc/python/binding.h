@@ -87,6 +87,10 @@ typedef struct {
  * the caller holds), or NULL with an exception that names the argument. */
 PyArrayObject *kv_py_array(PyObject *obj, const kv_py_array_spec *spec);
 
+/* The rows argument of KVCache.keep and PagedPool.keep: int32 (n_layers, n_keep,
+ * n_kv_heads), checked as kv_py_array checks (the core checks the row numbers). */
+PyArrayObject *kv_py_rows_to_keep(PyObject *obj, int n_layers, int n_kv_heads);
+
 /* A read-only ndarray over memory that owner holds, which it keeps alive (its base).
  * strides NULL means C order. */
 PyObject *kv_py_readonly_view(PyObject *owner, void *data, int type, int ndim,

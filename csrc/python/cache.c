@@ -300,9 +300,7 @@ static PyObject *cache_keep(CacheObject *self, PyObject *arg) {
     if (c->window > 0)
         return kv_py_raise(KV_ERR_INVALID_ARG, "keep(): a cache with a residual window "
                            "cannot drop rows: its full-precision rows are kept by position");
-    PyArrayObject *rows = kv_py_array(arg, &(kv_py_array_spec){
-        .name = "rows", .type = NPY_INT32, .ndim = 3,
-        .shape = {c->n_layers, KV_PY_ANY, c->n_kv_heads}, .axes = "n_layers,n_keep,n_kv_heads"});
+    PyArrayObject *rows = kv_py_rows_to_keep(arg, c->n_layers, c->n_kv_heads);
     if (rows == NULL) return NULL;
     int n_keep = (int)PyArray_DIM(rows, 1);
     kv_status status = kv_cache_keep(&self->cache, n_keep, (const int32_t *)PyArray_DATA(rows));

@@ -213,9 +213,7 @@ static PyObject *pool_keep(PoolObject *self, PyObject *args) {
     if (p->window > 0)
         return kv_py_raise(KV_ERR_INVALID_ARG, "keep(): a pool with a residual window cannot "
                            "drop rows: its full-precision rows are kept by position");
-    PyArrayObject *rows = kv_py_array(rows_obj, &(kv_py_array_spec){
-        .name = "rows", .type = NPY_INT32, .ndim = 3,
-        .shape = {p->n_layers, KV_PY_ANY, p->n_kv_heads}, .axes = "n_layers,n_keep,n_kv_heads"});
+    PyArrayObject *rows = kv_py_rows_to_keep(rows_obj, p->n_layers, p->n_kv_heads);
     if (rows == NULL) return NULL;
     int n_keep = (int)PyArray_DIM(rows, 1);
     kv_status status = kv_pool_keep(p, seq, n_keep, (const int32_t *)PyArray_DATA(rows));
