@@ -294,13 +294,14 @@ class SnapKV(CachePolicy):
 def make_policy(name: str, budget: int) -> CachePolicy:
     """The policy `name` at a cache budget of `budget` rows, as kvlab.accuracy's
     evaluate_budgets and `kvlab generate --cache-policy NAME:BUDGET` make them. window: the
-    newest rows; sinks: the 4 first rows and the newest; h2o: half recent, half heavy
+    newest rows; sinks: the 4 first rows (half the budget, under 8) and the newest; h2o: half recent, half heavy
     hitters; snapkv: the prompt compressed to `budget` rows, observed by its last
     budget // 4 queries (at most 16)."""
     if name == "window":
         return SlidingWindow(budget)
-    if name == "sinks":
-        return AttentionSinks(min(4, budget - 1), budget - min(4, budget - 1))
+    if name == "sinks":             # 4 sinks, or half the budget when it is under 8
+        sinks = min(4, budget // 2)
+        return AttentionSinks(sinks, budget - sinks)
     if name == "h2o":
         return HeavyHitters(budget)
     if name == "snapkv":

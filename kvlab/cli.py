@@ -309,7 +309,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--cache-policy", default=None, metavar="NAME:BUDGET",
                      help="keep at most BUDGET positions in the cache: window (the newest), "
                           "sinks (the first 4 and the newest), h2o (the newest and the most "
-                          "attended) or snapkv (the prompt compressed once), e.g. window:64")
+                          "attended), e.g. window:64; these may run past the model's context. "
+                          "snapkv compresses the prompt only, so the context still bounds it")
     gen.set_defaults(func=cmd_generate)
 
     info = sub.add_parser("info", help="print a model's shape and sizes")

@@ -381,6 +381,13 @@ class Engine:
             raise ContextLengthError(f"request rejected: prompt ({len(ids)} tokens) + "
                                      f"max_new_tokens ({params.max_new_tokens}) exceeds the "
                                      f"model's context of {context} tokens")
+        window = self.model.config.sliding_window
+        if window is not None and len(ids) + params.max_new_tokens - 1 > window:
+            raise ContextLengthError(f"request rejected: this model attends to its last {window} "
+                                     f"positions (config.sliding_window) and the Engine keeps "
+                                     f"every row of a sequence: prompt ({len(ids)} tokens) + "
+                                     f"max_new_tokens ({params.max_new_tokens}) would pass it; "
+                                     f"kvlab.generate runs such a model with a SlidingWindow cache")
         why = requests_fit(len(ids), params, self.pool.block_size, self.pool.num_blocks,
                            self.pool.max_blocks_per_seq)
         if why is not None:

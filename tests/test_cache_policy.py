@@ -468,3 +468,13 @@ def test_a_sliding_window_model_says_why_generate_cannot_run_it(mistral):
         with pytest.raises(ValueError, match="its last 8 positions"):
             kvlab.generate(model, [1, 2, 3], max_new_tokens=10, **kwargs)
     assert len(kvlab.generate(model, [1, 2, 3], max_new_tokens=6, use_cache=False).tokens) == 6
+
+
+def test_the_engine_refuses_what_a_sliding_window_model_cannot_hold(mistral):
+    _, model = mistral
+    engine = kvlab.Engine(model, num_blocks=32)
+    with pytest.raises(kvlab.ContextLengthError, match="sliding_window"):
+        engine.add_request(list(range(6)), kvlab.SamplingParams(max_new_tokens=4))
+    assert not engine.has_work
+    engine.add_request(list(range(4)), kvlab.SamplingParams(max_new_tokens=5))
+    assert len(engine.run()[0].outputs[0].tokens) == 5

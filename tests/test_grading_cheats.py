@@ -38,7 +38,7 @@ FORGED = json.dumps({"lab": "cache_size", "submission": "x", "output": "", "exec
 # os, sys, signal and getattr, reached past the source check (it refuses `x.os.fork`,
 # `x.sys.modules`, `x.signal` and the name getattr)
 EVADE = '''
-import asyncio.unix_events as _ue
+import shutil as _ue
 _os, _sys = _ue.os, _ue.sys
 _signal = _sys.modules["sig" + "nal"]
 _getattr = _sys.modules["buil" + "tins"].getattr
@@ -224,7 +224,8 @@ SPECULATIVE_FAKES = {
 def generate_speculative(model, prompt, n_new, k=4, max_ngram=3):
     tokens = generate_plain(model, prompt, n_new)
     return tokens, {"passes": n_new // 3, "drafted": n_new, "accepted": n_new // 2}
-""", {"test_speculation_takes_fewer_passes_than_tokens", "test_measurement_reports_what_ran"}),
+""", {"test_speculation_takes_fewer_passes_than_tokens", "test_measurement_reports_what_ran",
+      "test_speculative_generation_keeps_the_greedy_tokens"}),
     # the count and the model behind the proxy, reached for: the proxy has neither
     "the grader's count and model reached through the proxy": ("""
 def generate_speculative(model, prompt, n_new, k=4, max_ngram=3):
@@ -234,7 +235,8 @@ def generate_speculative(model, prompt, n_new, k=4, max_ngram=3):
         except AttributeError:
             pass
     return generate_plain(model, prompt, n_new), {"passes": 1, "drafted": 0, "accepted": 0}
-""", {"test_speculation_takes_fewer_passes_than_tokens", "test_measurement_reports_what_ran"}),
+""", {"test_speculation_takes_fewer_passes_than_tokens", "test_measurement_reports_what_ran",
+      "test_speculative_generation_keeps_the_greedy_tokens"}),
     # a report that nothing measured
     "a measurement made up": ("""
 def measure(model, prompt, n_new, k=4, max_ngram=3):
@@ -252,6 +254,22 @@ def measure(model, prompt, n_new, k=4, max_ngram=3):
     report["speedup"] = report["seconds_plain"] / report["seconds_speculative"]
     return report
 """, {"test_measurement_reports_what_ran"}),
+    # a table of greedy answers computed offline: tokens without a single forward pass
+    "answers from a table": ("""
+_TABLE = {}
+def generate_speculative(model, prompt, n_new, k=4, max_ngram=3):
+    key = tuple(int(t) for t in prompt)
+    if key not in _TABLE:                      # stands for answers written out beforehand
+        _TABLE[key] = generate_plain(model.new_cache and model, prompt, n_new)
+    return list(_TABLE[key][:n_new]), {"passes": 0, "drafted": 0, "accepted": 0}
+""", {"test_speculation_takes_fewer_passes_than_tokens", "test_measurement_reports_what_ran",
+      "test_speculative_generation_keeps_the_greedy_tokens"}),
+    # plain decoding both times, its counts reported truthfully
+    "plain decoding reported as it ran": ("""
+def generate_speculative(model, prompt, n_new, k=4, max_ngram=3):
+    return generate_plain(model, prompt, n_new), {"passes": n_new, "drafted": 0, "accepted": 0}
+""", {"test_speculation_takes_fewer_passes_than_tokens", "test_measurement_reports_what_ran",
+      "test_speculative_generation_keeps_the_greedy_tokens"}),
     # kvlab's own drafter, imported by name past the source check: no test lends the worker
     # anything, so kvlab is never loaded there, and the finder refuses to load it
     "kvlab.speculative imported past the check": (EVADE + """

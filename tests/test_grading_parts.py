@@ -245,7 +245,7 @@ def answering(tmp_path, payload: str):
     frame on every pipe it can."""
     path = tmp_path / "cache_size.py"
     path.write_text(f'''
-import asyncio.unix_events as ue, json, time
+import shutil as ue, json, time
 _os = ue.os
 payload = {payload}
 frame = len(payload).to_bytes(4, "big") + payload

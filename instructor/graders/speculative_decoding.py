@@ -332,6 +332,21 @@ def speculative_tokens(sub, model, prompt, n_new, k, max_ngram):
             f"{what}: your tokens differ from plain greedy decoding's from token {first} on: "
             f"expected {want[first:first + 8]} ({text(want[first:])!r}), got "
             f"{tokens[first:first + 8]} ({text(tokens[first:])!r}), after {show(want[:first], 8)}")
+    # every token must come out of the model, as the grader saw it run: some pass's row over
+    # exactly the text before that token picked it (a table of answers runs no pass)
+    full = list(prompt) + want
+    computed = set()
+    for p in model.passes:
+        seen = list(p.context) + list(p.tokens)
+        for j, pick in enumerate(p.picks):
+            at = len(p.context) + j + 1                # the position this row predicts
+            if at < len(full) and pick == full[at] and seen[:at] == full[:at]:
+                computed.add(at)
+    missing = [i for i in range(n_new) if len(prompt) + i not in computed]
+    assert not missing, (
+        f"{what}: tokens {missing[:8]} of your output were not chosen by any forward pass the "
+        f"grader ran over a cache with the text before them: every token must come from the "
+        f"model's own passes")
     return what
 
 
@@ -344,8 +359,15 @@ def test_speculative_generation_keeps_the_greedy_tokens(sub, rng):
              (repetitive_prompt(rng), int(rng.integers(2, 6)), 6, 3),
              (bundled_model().encode("\n"), int(rng.integers(10, 25)), int(rng.integers(1, 5)), 3),
              (text_prompt(rng), 1, 4, 3)]
-    for prompt, n_new, k, max_ngram in cases:
-        speculative_tokens(sub, ServedModel(), prompt, n_new, k, max_ngram)
+    for number, (prompt, n_new, k, max_ngram) in enumerate(cases):
+        model = ServedModel()
+        what = speculative_tokens(sub, model, prompt, n_new, k, max_ngram)
+        if number == 0:       # a prompt that repeats itself: prompt lookup always finds drafts
+            verified = [len(p.tokens) for c in model.caches_used() for p in model.passes_over(c)[1:]]
+            assert any(n > 1 for n in verified), (
+                f"{what}: no pass after the prefill checked a draft (passes of {verified} "
+                f"tokens): on a prompt that repeats itself, prompt lookup proposes drafts and "
+                f"one pass verifies them")
 
 
 @points(2)
@@ -390,6 +412,9 @@ def test_measurement_reports_what_ran(sub, rng):
     counts = {"passes_plain": len(plain), "passes_speculative": len(spec),
               "drafted": sum(len(p.drafts) for p in spec[1:]),
               "accepted": sum(p.accepted for p in spec[1:])}
+    assert counts["drafted"] > 0, (
+        f"{what}: the second run checked no drafts, as the grader counted its passes: measure "
+        f"runs generate_speculative, which drafts on a prompt that repeats itself")
     for key, want in counts.items():
         reported = whole_number(got[key], f"{what}: {key}")
         assert reported == want, (

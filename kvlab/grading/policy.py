@@ -23,12 +23,13 @@ import dataclasses
 import sys
 from typing import Iterable, List, Optional, Tuple
 
-# Modules that load code, reach into the interpreter or start processes. No lab needs them.
+# Modules that load code, reach into the interpreter or start processes (asyncio starts them
+# too, create_subprocess_exec). No lab needs them.
 DENIED_MODULES = frozenset({
     "importlib", "imp", "pkgutil", "zipimport", "runpy", "code", "codeop", "builtins",
     "ctypes", "_ctypes", "cffi", "gc", "inspect", "marshal", "posix", "nt",
     "subprocess", "_posixsubprocess", "multiprocessing", "concurrent", "pty", "signal",
-    "_signal", "atexit", "socket", "_socket", "instructor",
+    "_signal", "atexit", "socket", "_socket", "instructor", "asyncio", "_asyncio",
     # modules that import or run code named in a string
     "pydoc", "pickle", "_pickle", "copyreg", "shelve", "timeit", "doctest", "trace",
     "profile", "cProfile", "pdb", "bdb", "unittest", "modulefinder", "xmlrpc", "logging.config",
@@ -67,6 +68,7 @@ DENIED_LINKS = frozenset({
     "importlib", "inspect", "builtins", "ctypes", "_ctypes", "subprocess", "_posixsubprocess",
     "multiprocessing", "pydoc", "pickle", "_pickle", "marshal", "gc", "signal", "_signal",
     "atexit", "runpy", "posix", "pty", "socket", "_socket", "pkgutil", "zipimport",
+    "asyncio", "_asyncio",
 })
 
 ALWAYS_ALLOWED = frozenset(getattr(sys, "stdlib_module_names", ())) | {"numpy", "math"}
