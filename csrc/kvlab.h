@@ -47,33 +47,6 @@ typedef struct {
                              0: rotate (x[i], x[i + head_dim/2]) (Hugging Face) */
 } kv_config;
 
-/* Pointers into caller-owned float32 buffers, row-major, matrices (out, in): y = W x.
- * Per-layer tensors are stacked along a leading n_layers axis. */
-typedef struct {
-    const float *token_embedding; /* (vocab_size, dim) */
-    const float *attn_norm;       /* (n_layers, dim) */
-    const float *wq;              /* (n_layers, n_heads * head_dim, dim) */
-    const float *wk;              /* (n_layers, n_kv_heads * head_dim, dim) */
-    const float *wv;              /* (n_layers, n_kv_heads * head_dim, dim) */
-    const float *wo;              /* (n_layers, dim, n_heads * head_dim) */
-    const float *ffn_norm;        /* (n_layers, dim) */
-    const float *w1;              /* (n_layers, hidden_dim, dim)  gate */
-    const float *w2;              /* (n_layers, dim, hidden_dim)  down */
-    const float *w3;              /* (n_layers, hidden_dim, dim)  up */
-    const float *final_norm;      /* (dim,) */
-    const float *classifier;      /* (vocab_size, dim); may equal token_embedding (tied) */
-    const float *rope_inv_freq;   /* (head_dim / 2,) rotation speed of each pair */
-} kv_weights;
-
-typedef struct {
-    kv_config config;
-    kv_weights weights;
-} kv_model;
-
-/* Checks that the config's sizes are positive and fit together (n_kv_heads divides
- * n_heads, head_dim even) and that no weight pointer is NULL. */
-kv_status kv_model_check(const kv_model *model);
-
 /* ---- how a weight matrix is stored ----------------------------------------------- */
 
 /* Element formats of a weight matrix (out_dim rows of in_dim values; kvlab/weight_formats.py
@@ -90,6 +63,47 @@ typedef enum {
 
 #define KV_Q8_0_BLOCK 32        /* values per Q8_0 block */
 #define KV_Q8_0_BLOCK_BYTES 34  /* its half scale, then its 32 codes */
+
+/* One weight matrix: rows of kv_weight_row_bytes(format, in_dim) bytes in caller-owned
+ * memory (a layer's matrices stacked along a leading n_layers axis). A zeroed format is
+ * float32, so code that knows only float32 weights sets data alone. */
+typedef struct {
+    const void *data;
+    kv_weight_format format;
+} kv_matrix;
+
+/* Pointers into caller-owned buffers, row-major, matrices (out, in): y = W x. Per-layer
+ * tensors are stacked along a leading n_layers axis. The norm vectors and RoPE's speeds
+ * are always float32; each matrix has a format of its own. */
+typedef struct {
+    kv_matrix token_embedding;    /* (vocab_size, dim) */
+    const float *attn_norm;       /* (n_layers, dim) */
+    kv_matrix wq;                 /* (n_layers, n_heads * head_dim, dim) */
+    kv_matrix wk;                 /* (n_layers, n_kv_heads * head_dim, dim) */
+    kv_matrix wv;                 /* (n_layers, n_kv_heads * head_dim, dim) */
+    kv_matrix wo;                 /* (n_layers, dim, n_heads * head_dim) */
+    const float *ffn_norm;        /* (n_layers, dim) */
+    kv_matrix w1;                 /* (n_layers, hidden_dim, dim)  gate */
+    kv_matrix w2;                 /* (n_layers, dim, hidden_dim)  down */
+    kv_matrix w3;                 /* (n_layers, hidden_dim, dim)  up */
+    const float *final_norm;      /* (dim,) */
+    kv_matrix classifier;         /* (vocab_size, dim); may equal token_embedding (tied) */
+    const float *rope_inv_freq;   /* (head_dim / 2,) rotation speed of each pair */
+} kv_weights;
+
+typedef struct {
+    kv_config config;
+    kv_weights weights;
+    int int8_activations;  /* 1: products with Q8_0 matrices quantize the activations to int8
+                              too (kv_weights_matmul_int8, llama.cpp's way: faster, not the
+                              float32 product); 0: float32 activations, the product over the
+                              dequantized matrix bit for bit */
+} kv_model;
+
+/* Checks that the config's sizes are positive and fit together (n_kv_heads divides
+ * n_heads, head_dim even), that no weight pointer is NULL and that each matrix's format
+ * suits its rows (Q8_0 needs rows of whole blocks of 32). */
+kv_status kv_model_check(const kv_model *model);
 
 /* Bytes of one row of in_dim values in a format; 0 if in_dim does not suit it. */
 size_t kv_weight_row_bytes(kv_weight_format format, int in_dim);

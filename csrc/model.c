@@ -24,8 +24,10 @@
 #include "ops.h"
 #include "paged.h"
 #include "plain.h"
+#include "quant.h"
 #include "sampling.h"
 #include "store.h"
+#include "weight_formats.h"
 
 /* How many of n_left tokens, starting at position `start`, one chunk of a long call runs:
  * as many as fit in KV_CHUNK_FLOPS of work (the projections' and the classifier's 2 FLOPs
@@ -58,12 +60,35 @@ kv_status kv_model_check(const kv_model *model) {
         !isfinite(c->norm_eps))
         return KV_ERR_INVALID_ARG;
     const kv_weights *w = &model->weights;
-    const float *required[] = {w->token_embedding, w->attn_norm, w->wq, w->wk, w->wv, w->wo,
-                               w->ffn_norm, w->w1, w->w2, w->w3, w->final_norm,
-                               w->classifier, w->rope_inv_freq};
-    for (size_t i = 0; i < sizeof required / sizeof required[0]; i++)
-        if (required[i] == NULL) return KV_ERR_INVALID_ARG;
+    const float *vectors[] = {w->attn_norm, w->ffn_norm, w->final_norm, w->rope_inv_freq};
+    for (size_t i = 0; i < sizeof vectors / sizeof vectors[0]; i++)
+        if (vectors[i] == NULL) return KV_ERR_INVALID_ARG;
+    int q_dim = c->n_heads * c->head_dim;
+    const kv_matrix *matrices[] = {&w->token_embedding, &w->wq, &w->wk, &w->wv, &w->wo,
+                                   &w->w1, &w->w2, &w->w3, &w->classifier};
+    const int in_dims[] = {c->dim, c->dim, c->dim, c->dim, q_dim, c->dim, c->hidden_dim,
+                           c->dim, c->dim};
+    for (size_t i = 0; i < sizeof matrices / sizeof matrices[0]; i++)
+        if (matrices[i]->data == NULL || (int)matrices[i]->format < KV_WEIGHT_F32 ||
+            (int)matrices[i]->format > KV_WEIGHT_Q8_0 ||
+            kv_weight_row_bytes(matrices[i]->format, in_dims[i]) == 0)
+            return KV_ERR_INVALID_ARG;
     return KV_OK;
+}
+
+/* Matrix `index` of a stack of them (a layer's Wq, say), each n_rows rows of in_dim. */
+static kv_matrix nth_matrix(kv_matrix stack, int index, size_t n_rows, int in_dim) {
+    size_t bytes = n_rows * kv_weight_row_bytes(stack.format, in_dim);
+    return (kv_matrix){(const uint8_t *)stack.data + (size_t)index * bytes, stack.format};
+}
+
+/* Does any matrix of the model have `format`? */
+static int has_format(const kv_weights *w, kv_weight_format format) {
+    const kv_matrix *matrices[] = {&w->wq, &w->wk, &w->wv, &w->wo, &w->w1, &w->w2, &w->w3,
+                                   &w->classifier};
+    for (size_t i = 0; i < sizeof matrices / sizeof matrices[0]; i++)
+        if (matrices[i]->format == format) return 1;
+    return 0;
 }
 
 /* One sequence's part of a forward call: n_tokens new tokens at positions start_pos ..
@@ -96,6 +121,12 @@ typedef struct {
     size_t score_stride;
     int n_threads;    /* threads of this call's attention loops: one scores row each */
     kv_kernels kernels;    /* the tier of kernels the whole call runs on */
+    int int8_activations;  /* the model's: products with Q8_0 matrices quantize x too */
+    float *weight_rows;    /* rows of a matrix stored in fewer bytes, made float32 (four
+                              rows of the widest input per thread); NULL if all are float32 */
+    float *x_scales;       /* (n_tokens, widest input / 32) and ... */
+    int8_t *x_codes;       /* (n_tokens, widest input) activations as int8, for Q8_0
+                              products with int8_activations; NULL otherwise */
     float *block;     /* the single allocation all of the above point into */
     int n_runs;
     token_run *runs;       /* (n_runs,) */
@@ -114,17 +145,30 @@ static void run_state_free(run_state *s) {
 
 static size_t round_up16(size_t n) { return (n + 15) & ~(size_t)15; }
 
-static kv_status run_state_alloc(run_state *s, const kv_config *c, int n_tokens, int n_runs) {
+static kv_status run_state_alloc(run_state *s, const kv_model *m, int n_tokens, int n_runs) {
+    const kv_config *c = &m->config;
     size_t T = (size_t)n_tokens, q_dim = (size_t)c->n_heads * c->head_dim;
     size_t kv_dim = (size_t)c->n_kv_heads * c->head_dim, half = (size_t)c->head_dim / 2;
     s->score_stride = kv_attention_scratch(c->n_heads, c->n_kv_heads, c->head_dim);
     s->n_threads = kv_threads();
     s->kernels = kv_get_kernels();
+    s->int8_activations = m->int8_activations;
+    int widest = c->dim > c->hidden_dim ? c->dim : c->hidden_dim;
+    if ((int)q_dim > widest) widest = (int)q_dim;
+    int converted = has_format(&m->weights, KV_WEIGHT_F16) ||
+                    has_format(&m->weights, KV_WEIGHT_BF16) ||
+                    (has_format(&m->weights, KV_WEIGHT_Q8_0) && !m->int8_activations);
+    int int8 = has_format(&m->weights, KV_WEIGHT_Q8_0) && m->int8_activations;
+    float *x_codes_floats = NULL;   /* the int8 codes, in float-sized slots */
     size_t sizes[] = {T * c->dim, T * c->dim, T * q_dim, T * kv_dim, T * kv_dim, T * q_dim,
                       T * c->dim, T * c->hidden_dim, T * c->hidden_dim, T * half, T * half,
-                      (size_t)s->n_threads * s->score_stride};
+                      (size_t)s->n_threads * s->score_stride,
+                      converted ? kv_weights_scratch_floats(widest) : 0,
+                      int8 ? T * (size_t)(widest / KV_Q8_0_BLOCK) : 0,
+                      int8 ? (T * (size_t)widest + 3) / 4 : 0};
     float **slots[] = {&s->x, &s->xb, &s->q, &s->k, &s->v, &s->att_out, &s->proj, &s->hb,
-                       &s->hb2, &s->rope_cos, &s->rope_sin, &s->scores};
+                       &s->hb2, &s->rope_cos, &s->rope_sin, &s->scores, &s->weight_rows,
+                       &s->x_scales, &x_codes_floats};
     size_t total = 0;
     for (size_t i = 0; i < sizeof sizes / sizeof sizes[0]; i++) total += round_up16(sizes[i]);
     s->count.scratch_bytes = (int64_t)(total * sizeof(float));
@@ -135,9 +179,10 @@ static kv_status run_state_alloc(run_state *s, const kv_config *c, int n_tokens,
     if (s->block == NULL || s->views == NULL || s->runs == NULL) return KV_ERR_NOMEM;
     float *next = s->block;
     for (size_t i = 0; i < sizeof sizes / sizeof sizes[0]; i++) {
-        *slots[i] = next;
+        *slots[i] = sizes[i] > 0 ? next : NULL;
         next += round_up16(sizes[i]);
     }
+    s->x_codes = (int8_t *)x_codes_floats;
     return KV_OK;
 }
 
@@ -202,25 +247,45 @@ static void add_rows(float *x, const float *delta, size_t count) {
     for (size_t i = 0; i < count; i++) x[i] += delta[i];
 }
 
+/* out = W x over a matrix stored in fewer bytes (weight_formats.c) */
+static void project_formatted(const run_state *s, float *out, const float *x, kv_matrix w,
+                              int n_tokens, int in_dim, int out_dim) {
+    int plain = s->kernels == KV_KERNELS_PLAIN;
+    if (w.format == KV_WEIGHT_Q8_0 && s->int8_activations) {
+        if (plain) kv_plain_matmul_int8(out, x, w.data, n_tokens, in_dim, out_dim, s->x_scales, s->x_codes);
+        else kv_matmul_int8(out, x, w.data, n_tokens, in_dim, out_dim, s->x_scales, s->x_codes);
+    } else if (plain) {
+        kv_plain_matmul_weights(out, x, w.data, w.format, n_tokens, in_dim, out_dim, s->weight_rows);
+    } else {
+        kv_matmul_weights(out, x, w.data, w.format, n_tokens, in_dim, out_dim, s->weight_rows);
+    }
+}
+
 /* [quote ch05-project-one-pass-over] */
 /* out = W x for every token: one pass over W for the whole batch, whichever sequences
  * the tokens belong to */
-static void project(const run_state *s, float *out, const float *x, const float *w,
+static void project(const run_state *s, float *out, const float *x, kv_matrix w,
                     int n_tokens, int in_dim, int out_dim) {
-    if (s->kernels == KV_KERNELS_PLAIN) kv_plain_matmul(out, x, w, n_tokens, in_dim, out_dim);
-    else kv_matmul(out, x, w, n_tokens, in_dim, out_dim);
+    if (w.format != KV_WEIGHT_F32) project_formatted(s, out, x, w, n_tokens, in_dim, out_dim);
+    else if (s->kernels == KV_KERNELS_PLAIN) kv_plain_matmul(out, x, w.data, n_tokens, in_dim, out_dim);
+    else kv_matmul(out, x, w.data, n_tokens, in_dim, out_dim);
 }
 /* [end ch05-project-one-pass-over] */
 
-/* Several projections of the same input x at once (see kv_matmul_many) */
-static void project_many(const run_state *s, int n, float *const *outs,
-                         const float *const *ws, const int *out_dims, const float *x,
-                         int n_tokens, int in_dim) {
-    if (s->kernels == KV_KERNELS_PLAIN)
-        for (int m = 0; m < n; m++)
-            kv_plain_matmul(outs[m], x, ws[m], n_tokens, in_dim, out_dims[m]);
+/* Several projections of the same input x at once (see kv_matmul_many): float32 matrices
+ * in one parallel region, others one after another */
+static void project_many(const run_state *s, int n, float *const *outs, const kv_matrix *ws,
+                         const int *out_dims, const float *x, int n_tokens, int in_dim) {
+    int all_f32 = 1;
+    const float *floats[4];
+    for (int m = 0; m < n; m++) {
+        all_f32 &= ws[m].format == KV_WEIGHT_F32;
+        floats[m] = ws[m].data;
+    }
+    if (s->kernels == KV_KERNELS_PLAIN || !all_f32)
+        for (int m = 0; m < n; m++) project(s, outs[m], x, ws[m], n_tokens, in_dim, out_dims[m]);
     else
-        kv_matmul_many(n, outs, ws, out_dims, x, n_tokens, in_dim);
+        kv_matmul_many(n, outs, floats, out_dims, x, n_tokens, in_dim);
 }
 
 /* Attention of every run over its own sequence. One run (a prefill or a decode) spreads
@@ -256,8 +321,9 @@ static void attention_block(const kv_model *m, run_state *s, int layer, int n_to
     rmsnorm_rows(s, s->xb, s->x, w->attn_norm + layer * dim, n_tokens, c->dim, c->norm_eps);
     /* Q, K and V from the same input, in one pass over the threads */
     float *qkv[3] = {s->q, s->k, s->v};
-    const float *wqkv[3] = {w->wq + layer * q_dim * dim, w->wk + layer * kv_dim * dim,
-                            w->wv + layer * kv_dim * dim};
+    kv_matrix wqkv[3] = {nth_matrix(w->wq, layer, q_dim, c->dim),
+                         nth_matrix(w->wk, layer, kv_dim, c->dim),
+                         nth_matrix(w->wv, layer, kv_dim, c->dim)};
     int qkv_dims[3] = {(int)q_dim, (int)kv_dim, (int)kv_dim};
     /* [quote ch01-attention-block-k-and-v] */
     project_many(s, 3, qkv, wqkv, qkv_dims, s->xb, n_tokens, c->dim);
@@ -295,7 +361,8 @@ static void attention_block(const kv_model *m, run_state *s, int layer, int n_to
                        s->v + run->first * kv_dim, kv_dim, run->n_tokens);
     }
     /* [end ch06-attention-block-after-attention-the] */
-    project(s, s->proj, s->att_out, w->wo + layer * dim * q_dim, n_tokens, (int)q_dim, c->dim);
+    project(s, s->proj, s->att_out, nth_matrix(w->wo, layer, dim, (int)q_dim), n_tokens,
+            (int)q_dim, c->dim);
     add_rows(s->x, s->proj, (size_t)n_tokens * dim);
 }
 
@@ -305,12 +372,19 @@ static void mlp_block(const kv_model *m, run_state *s, int layer, int n_tokens) 
     size_t dim = (size_t)c->dim, hidden = (size_t)c->hidden_dim;
     rmsnorm_rows(s, s->xb, s->x, w->ffn_norm + layer * dim, n_tokens, c->dim, c->norm_eps);
     float *gate_up[2] = {s->hb, s->hb2};
-    const float *w13[2] = {w->w1 + layer * hidden * dim, w->w3 + layer * hidden * dim};
+    kv_matrix w13[2] = {nth_matrix(w->w1, layer, hidden, c->dim),
+                        nth_matrix(w->w3, layer, hidden, c->dim)};
     int hidden_dims[2] = {c->hidden_dim, c->hidden_dim};
     project_many(s, 2, gate_up, w13, hidden_dims, s->xb, n_tokens, c->dim);
     swiglu(s, s->hb, s->hb2, (size_t)n_tokens * c->hidden_dim);
-    project(s, s->proj, s->hb, w->w2 + layer * dim * hidden, n_tokens, c->hidden_dim, c->dim);
+    project(s, s->proj, s->hb, nth_matrix(w->w2, layer, dim, c->hidden_dim), n_tokens,
+            c->hidden_dim, c->dim);
     add_rows(s->x, s->proj, (size_t)n_tokens * dim);
+}
+
+/* Bytes of n_rows rows of in_dim values in a matrix's format */
+static int64_t matrix_bytes(kv_matrix m, int64_t n_rows, int in_dim) {
+    return n_rows * (int64_t)kv_weight_row_bytes(m.format, in_dim);
 }
 
 /* What one forward_tokens call did, from the shapes alone, added to s->count once the
@@ -331,10 +405,18 @@ static void count_forward(const kv_model *model, run_state *s, int n_tokens, int
     count->flops_projections += 2 * n * L * qkvo;
     count->flops_mlp += 2 * n * L * mlp;
     count->flops_logits += 2 * (int64_t)n_rows * dim * c->vocab_size;
-    count->weight_bytes += f * (n * dim                   /* embedding rows */
-                                + L * (qkvo + mlp + 2 * dim)   /* + the two norm vectors */
-                                + dim                     /* final norm */
-                                + dim * c->vocab_size);   /* classifier */
+    const kv_weights *w = &model->weights;
+    count->weight_bytes += n * matrix_bytes(w->token_embedding, 1, c->dim)   /* embedding rows */
+                           + L * (matrix_bytes(w->wq, q_dim, c->dim) +
+                                  matrix_bytes(w->wk, kv_dim, c->dim) +
+                                  matrix_bytes(w->wv, kv_dim, c->dim) +
+                                  matrix_bytes(w->wo, dim, (int)q_dim) +
+                                  matrix_bytes(w->w1, hidden, c->dim) +
+                                  matrix_bytes(w->w3, hidden, c->dim) +
+                                  matrix_bytes(w->w2, dim, c->hidden_dim) +
+                                  f * 2 * dim)                          /* the two norms */
+                           + f * dim                                    /* final norm */
+                           + matrix_bytes(w->classifier, c->vocab_size, c->dim);
     for (int layer = 0; layer < c->n_layers; layer++)
         for (int r = 0; r < s->n_runs; r++) {
             const kv_layer_view *view = view_of(s, layer, r);
@@ -359,9 +441,10 @@ static void count_forward(const kv_model *model, run_state *s, int n_tokens, int
 static void forward_tokens(const kv_model *model, run_state *s, const int32_t *tokens,
                            int n_tokens, float *logits, int all_logits) {
     const kv_config *c = &model->config;
-    for (int t = 0; t < n_tokens; t++)
-        memcpy(s->x + (size_t)t * c->dim, model->weights.token_embedding + (size_t)tokens[t] * c->dim,
-               (size_t)c->dim * sizeof(float));
+    for (int t = 0; t < n_tokens; t++) {   /* the token's row of the embedding, as float32 */
+        kv_matrix row = nth_matrix(model->weights.token_embedding, tokens[t], 1, c->dim);
+        kv_weight_row_dequantize(row.format, row.data, c->dim, s->x + (size_t)t * c->dim);
+    }
     fill_rope_tables(s, model);
     for (int layer = 0; layer < c->n_layers; layer++) {
         for (int r = 0; r < s->n_runs; r++) {
@@ -447,7 +530,7 @@ kv_status kv_model_forward(const kv_model *model, kv_cache *cache, const int32_t
     KV_TRY(check_cache_call(model, cache, tokens, n_tokens, n_tokens));
     const kv_config *c = &model->config;
     int chunk = kv_chunk_length(c, cache->length, n_tokens);
-    KV_TRY(run_state_alloc(&s, c, chunk, 1));
+    KV_TRY(run_state_alloc(&s, model, chunk, 1));
     /* A chunk at a time, each committed to the cache: the same results as one pass (a
      * prefill in parts equals one prefill, bit for bit), and a place to stop between. */
     for (int done = 0; done < n_tokens; done += chunk) {
@@ -485,7 +568,7 @@ kv_status kv_model_generate(const kv_model *model, kv_cache *cache, int32_t toke
     KV_TRY(check_cache_call(model, cache, &token, 1, max_steps));   /* a position per step */
     const kv_config *c = &model->config;
     KV_CHECK(stop_token < c->vocab_size, KV_ERR_TOKEN_RANGE);
-    KV_TRY(run_state_alloc(&s, c, 1, 1));
+    KV_TRY(run_state_alloc(&s, model, 1, 1));
     logits = kv_alloc_floats((size_t)c->vocab_size);
     sample_scratch = malloc(kv_sample_scratch_bytes(c->vocab_size));
     KV_CHECK(logits != NULL && sample_scratch != NULL, KV_ERR_NOMEM);
@@ -531,7 +614,7 @@ kv_status kv_model_forward_paged(const kv_model *model, kv_pool *pool, int seq,
     KV_CHECK(n_tokens <= KV_MAX_POSITIONS - pool->blocks.seqs[seq].next_position,
              KV_ERR_CACHE_FULL);
     int start_pos = pool->blocks.seqs[seq].length;
-    KV_TRY(run_state_alloc(&s, c, n_tokens, 1));
+    KV_TRY(run_state_alloc(&s, model, n_tokens, 1));
     s.runs[0] = (token_run){0, n_tokens, start_pos, pool->blocks.seqs[seq].next_position};
     /* Last fallible step: blocks for the new positions (copy-on-write included). It
      * changes nothing when it fails, and nothing after it can fail. */
@@ -577,7 +660,7 @@ kv_status kv_model_forward_batch(const kv_model *model, kv_pool *pool, int n_seq
     }
     KV_TRY(kv_check_tokens(c, tokens, (int)total));
     KV_CHECK(blocks_needed <= kv_blocks_available(&pool->blocks), KV_ERR_OUT_OF_BLOCKS);
-    KV_TRY(run_state_alloc(&s, c, (int)total, n_seqs));
+    KV_TRY(run_state_alloc(&s, model, (int)total, n_seqs));
     /* Nothing below can fail: each reservation fits in what was counted above (a
      * copy-on-write counted for two forks of one block happens only once, if at all). */
     for (int i = 0, first = 0; i < n_seqs; first += n_tokens[i], i++) {

@@ -57,34 +57,40 @@ static int read_config(PyObject *config, PyObject *error_type, kv_config *c) {
 
 #define N_WEIGHTS 13
 
-/* One weight array the model expects: its name in the weights dict, its shape, and the
- * kv_weights field that will point at its data. */
+/* One weight array the model expects: its name in the weights dict, its shape as float32
+ * values, and the kv_weights fields that will hold its data and, for a matrix, its format
+ * (NULL for the vectors, always float32). */
 typedef struct {
     const char *name;
     int ndim;
     npy_intp shape[3];
-    const float **data;
+    const void **data;
+    kv_weight_format *format;
 } weight_spec;
 
-/* The thirteen arrays of a model of config c, each aimed at its field of w. */
+/* The thirteen arrays of a model of config c, each aimed at its fields of w. */
 static void weight_specs(const kv_config *c, kv_weights *w, weight_spec table[N_WEIGHTS]) {
     npy_intp L = c->n_layers, D = c->dim, H = c->hidden_dim, V = c->vocab_size;
     npy_intp Q = (npy_intp)c->n_heads * c->head_dim, KV = (npy_intp)c->n_kv_heads * c->head_dim;
+#define MATRIX(field) (const void **)&w->field.data, &w->field.format
+#define VECTOR(field) (const void **)&w->field, NULL
     const weight_spec specs[N_WEIGHTS] = {
-        {"token_embedding", 2, {V, D}, &w->token_embedding},
-        {"attn_norm", 2, {L, D}, &w->attn_norm},
-        {"wq", 3, {L, Q, D}, &w->wq},
-        {"wk", 3, {L, KV, D}, &w->wk},
-        {"wv", 3, {L, KV, D}, &w->wv},
-        {"wo", 3, {L, D, Q}, &w->wo},
-        {"ffn_norm", 2, {L, D}, &w->ffn_norm},
-        {"w1", 3, {L, H, D}, &w->w1},
-        {"w2", 3, {L, D, H}, &w->w2},
-        {"w3", 3, {L, H, D}, &w->w3},
-        {"final_norm", 1, {D}, &w->final_norm},
-        {"classifier", 2, {V, D}, &w->classifier},
-        {"rope_inv_freq", 1, {c->head_dim / 2}, &w->rope_inv_freq},
+        {"token_embedding", 2, {V, D}, MATRIX(token_embedding)},
+        {"attn_norm", 2, {L, D}, VECTOR(attn_norm)},
+        {"wq", 3, {L, Q, D}, MATRIX(wq)},
+        {"wk", 3, {L, KV, D}, MATRIX(wk)},
+        {"wv", 3, {L, KV, D}, MATRIX(wv)},
+        {"wo", 3, {L, D, Q}, MATRIX(wo)},
+        {"ffn_norm", 2, {L, D}, VECTOR(ffn_norm)},
+        {"w1", 3, {L, H, D}, MATRIX(w1)},
+        {"w2", 3, {L, D, H}, MATRIX(w2)},
+        {"w3", 3, {L, H, D}, MATRIX(w3)},
+        {"final_norm", 1, {D}, VECTOR(final_norm)},
+        {"classifier", 2, {V, D}, MATRIX(classifier)},
+        {"rope_inv_freq", 1, {c->head_dim / 2}, VECTOR(rope_inv_freq)},
     };
+#undef MATRIX
+#undef VECTOR
     memcpy(table, specs, sizeof specs);
 }
 

@@ -121,7 +121,7 @@ static void kernel_4x1(const four_rows *f, int t, const float *x, int in_dim) {
  * dim 1024) stays in the L2 cache while every row of w passes over it. A weight matrix
  * larger than the caches is therefore streamed from memory once per 48 tokens: once per
  * decode step of up to 48 sequences, several times for a long prompt. */
-#define TOKEN_CHUNK 48
+#define TOKEN_CHUNK KV_TOKEN_CHUNK
 /* Rows longer than twice this are taken PANEL columns at a time: four rows of 2,048 floats
  * (32 KiB) would not stay in the L1 cache while three tokens' columns stream past them;
  * a panel of four rows (8 KiB) does. The running sums wait in memory between panels. */
@@ -134,33 +134,24 @@ static inline void fetch_slice(const char *rows, size_t total, size_t slice, siz
         __builtin_prefetch(rows + *fetched);
 }
 
-/* out rows o .. o+3 (or the last few) for tokens first .. first + chunk - 1 */
-static void row_block(float *out, const float *x, const float *w, int first, int chunk,
-                      int o, int in_dim, int out_dim) {
-    const float *w_rows = w + (size_t)o * in_dim;
+/* Four rows (f) against tokens first .. first + chunk - 1, x the inputs of token 0; the
+ * next_bytes bytes at next_rows (the rows to come) are fetched meanwhile. */
+static void four_rows_block(const four_rows *f, const float *x, int first, int chunk,
+                            int in_dim, const char *next_rows, size_t next_bytes) {
     size_t stride = (size_t)in_dim;
-    if (o + 4 > out_dim) {   /* the last few rows, one dot product at a time */
-        for (int r = o; r < out_dim; r++)
-            for (int t = first; t < first + chunk; t++)
-                out[(size_t)t * out_dim + r] = kv_dot(w + (size_t)r * stride, x + (size_t)t * stride, in_dim);
-        return;
-    }
-    four_rows f = neighbours(w, out, o, in_dim, out_dim);
     int n8 = in_dim & ~7, n_triples = chunk / 3;
     int panel = in_dim > 2 * PANEL ? PANEL : n8;
     int n_panels = n8 > 0 ? (n8 + panel - 1) / panel : 0;
     /* While these four rows work through the chunk's tokens, the next four rows are
      * fetched, a slice before each call of the kernel: at their first use they would
      * otherwise come from memory, one stall after another. */
-    const char *next_rows = (const char *)(w_rows + 4 * stride);
-    size_t next_bytes = o + 8 <= out_dim ? 16 * stride : 0;
     size_t slice = (next_bytes / (size_t)(n_panels * n_triples + 1) + 63) & ~(size_t)63;
     size_t fetched = 0;
     if (n_panels <= 1) {   /* the whole row at once: sums straight to the output */
         for (int j = 0; j < n_triples; j++) {
             fetch_slice(next_rows, next_bytes, slice, &fetched);
             int t = first + 3 * j;
-            kernel_4x3(NULL, &f, t, x + (size_t)t * stride, 0, n8, in_dim, 0);
+            kernel_4x3(NULL, f, t, x + (size_t)t * stride, 0, n8, in_dim, 0);
         }
     } else {
         sums_4x3 sums[TOKEN_CHUNK / 3];
@@ -170,18 +161,44 @@ static void row_block(float *out, const float *x, const float *w, int first, int
             for (int j = 0; j < n_triples; j++) {
                 fetch_slice(next_rows, next_bytes, slice, &fetched);
                 int t = first + 3 * j;
-                kernel_4x3(&sums[j], &f, t, x + (size_t)t * stride, from, to, in_dim, 1);
+                kernel_4x3(&sums[j], f, t, x + (size_t)t * stride, from, to, in_dim, 1);
             }
         }
         for (int j = 0; j < n_triples; j++) {
             int t = first + 3 * j;
             for (int k = 0; k < 3; k++)
-                finish_four(&f, t + k, sums[j].sum[k][0], sums[j].sum[k][1], sums[j].sum[k][2],
+                finish_four(f, t + k, sums[j].sum[k][0], sums[j].sum[k][1], sums[j].sum[k][2],
                             sums[j].sum[k][3], x + (size_t)(t + k) * stride, n8, in_dim);
         }
     }
     for (int t = first + 3 * n_triples; t < first + chunk; t++)   /* one or two tokens over */
-        kernel_4x1(&f, t, x + (size_t)t * stride, in_dim);
+        kernel_4x1(f, t, x + (size_t)t * stride, in_dim);
+}
+
+void kv_matmul_four_rows(float *out, const float *x, const float *const rows[4], int o,
+                         int first, int chunk, int in_dim, int out_dim) {
+    four_rows f;
+    for (int r = 0; r < 4; r++) {
+        f.rows[r] = rows[r];
+        f.outs[r] = out + o + r;
+        f.out_strides[r] = (size_t)out_dim;
+    }
+    four_rows_block(&f, x, first, chunk, in_dim, NULL, 0);
+}
+
+/* out rows o .. o+3 (or the last few) for tokens first .. first + chunk - 1 */
+static void row_block(float *out, const float *x, const float *w, int first, int chunk,
+                      int o, int in_dim, int out_dim) {
+    size_t stride = (size_t)in_dim;
+    if (o + 4 > out_dim) {   /* the last few rows, one dot product at a time */
+        for (int r = o; r < out_dim; r++)
+            for (int t = first; t < first + chunk; t++)
+                out[(size_t)t * out_dim + r] = kv_dot(w + (size_t)r * stride, x + (size_t)t * stride, in_dim);
+        return;
+    }
+    four_rows f = neighbours(w, out, o, in_dim, out_dim);
+    const char *next_rows = (const char *)(w + (size_t)(o + 4) * stride);
+    four_rows_block(&f, x, first, chunk, in_dim, next_rows, o + 8 <= out_dim ? 16 * stride : 0);
 }
 
 /* Row block `block` of the matrices taken together (each matrix's blocks in turn), for

@@ -20,6 +20,16 @@ void kv_matmul(float *out, const float *x, const float *w, int n_tokens, int in_
 void kv_matmul_many(int n_matrices, float *const *outs, const float *const *ws,
                     const int *out_dims, const float *x, int n_tokens, int in_dim);
 
+/* Tokens a product takes at a time, so that their inputs stay in the L2 cache while the
+ * rows of w pass over them (ops.c). */
+#define KV_TOKEN_CHUNK 48
+
+/* Four rows of a matrix, float32 wherever they lie (rows[r] is output o + r), against tokens
+ * first .. first + chunk - 1 (chunk <= KV_TOKEN_CHUNK) of x (in_dim each): out[t * out_dim +
+ * o + r], in kv_dot's order. For rows made float32 on the way (weight_formats.c). */
+void kv_matmul_four_rows(float *out, const float *x, const float *const rows[4], int o,
+                         int first, int chunk, int in_dim, int out_dim);
+
 /* out = x / sqrt(mean(x^2) + eps) * weight, one row of length dim */
 void kv_rmsnorm(float *out, const float *x, const float *weight, int dim, float eps);
 

@@ -101,29 +101,64 @@ static float dot_row(const uint8_t *row, kv_weight_format format, const float *x
     return sum;
 }
 
+/* Rows lo .. hi - 1 of w against few tokens (a decode step): each row is made float32 as
+ * it streams past, once per token, which costs little beside the memory read. */
+static void rows_streamed(float *out, const float *x, const uint8_t *w, kv_weight_format format,
+                          int n_tokens, int in_dim, int out_dim, int lo, int hi) {
+    size_t row_bytes = kv_weight_row_bytes(format, in_dim);
+    for (int o = lo; o < hi; o++)
+        for (int t = 0; t < n_tokens; t++)
+            out[(size_t)t * out_dim + o] = dot_row(w + (size_t)o * row_bytes, format,
+                                                   x + (size_t)t * in_dim, in_dim);
+}
+
+/* Row blocks lo .. hi - 1 (four rows each) of w against many tokens (a prefill, a big
+ * batch): for each chunk of tokens, a block's four rows are made float32 in `rows` (4 *
+ * in_dim floats) and go through the float32 kernel (kv_matmul_four_rows), so the rows are
+ * converted once per chunk of KV_TOKEN_CHUNK tokens, not once per token. */
+static void blocks_converted(float *out, const float *x, const uint8_t *w,
+                             kv_weight_format format, int n_tokens, int in_dim, int out_dim,
+                             int lo, int hi, float *rows) {
+    size_t row_bytes = kv_weight_row_bytes(format, in_dim);
+    const float *four[4] = {rows, rows + in_dim, rows + 2 * (size_t)in_dim, rows + 3 * (size_t)in_dim};
+    for (int first = 0; first < n_tokens; first += KV_TOKEN_CHUNK) {
+        int chunk = n_tokens - first < KV_TOKEN_CHUNK ? n_tokens - first : KV_TOKEN_CHUNK;
+        for (int block = lo; block < hi; block++) {
+            int o = 4 * block, n_rows = out_dim - o < 4 ? out_dim - o : 4;
+            for (int r = 0; r < n_rows; r++)
+                kv_weight_row_dequantize(format, w + (size_t)(o + r) * row_bytes, in_dim, rows + (size_t)r * in_dim);
+            if (n_rows == 4) {
+                kv_matmul_four_rows(out, x, four, o, first, chunk, in_dim, out_dim);
+                continue;
+            }
+            for (int r = 0; r < n_rows; r++)   /* the last few rows, one dot product at a time */
+                for (int t = first; t < first + chunk; t++)
+                    out[(size_t)t * out_dim + o + r] = kv_dot(rows + (size_t)r * in_dim,
+                                                              x + (size_t)t * in_dim, in_dim);
+        }
+    }
+}
+
 void kv_matmul_weights(float *out, const float *x, const uint8_t *w, kv_weight_format format,
                        int n_tokens, int in_dim, int out_dim, float *scratch) {
     if (format == KV_WEIGHT_F32) {
         kv_matmul(out, x, (const float *)(const void *)w, n_tokens, in_dim, out_dim);
         return;
     }
-    size_t row_bytes = kv_weight_row_bytes(format, in_dim);
-    /* Few tokens (decode): each row is converted as it streams past, once per token, which
-     * costs little beside the memory read. Many tokens (prefill): each row is converted
-     * once into the thread's scratch and used by every token. */
-    int convert_once = n_tokens >= 4;
-    #pragma omp parallel for schedule(static) num_threads(kv_threads()) \
-        if ((long)n_tokens * out_dim * in_dim >= KV_PARALLEL_MIN_WORK)
-    for (int o = 0; o < out_dim; o++) {
-        const uint8_t *row = w + (size_t)o * row_bytes;
-        if (convert_once) {
-            float *values = scratch + (size_t)omp_get_thread_num() * in_dim;
-            kv_weight_row_dequantize(format, row, in_dim, values);
-            for (int t = 0; t < n_tokens; t++)
-                out[(size_t)t * out_dim + o] = kv_dot(values, x + (size_t)t * in_dim, in_dim);
+    /* Each thread takes a contiguous share of the rows, the same for every chunk of
+     * tokens, and its own 4 * in_dim floats of scratch. */
+    int n_blocks = (out_dim + 3) / 4;
+    #pragma omp parallel num_threads(kv_threads()) \
+        if ((long)n_tokens * out_dim * in_dim >= KV_PARALLEL_MIN_WORK && n_blocks > 1)
+    {
+        int team = omp_get_num_threads(), me = omp_get_thread_num();
+        if (n_tokens < KV_CONVERT_ONCE_TOKENS) {
+            rows_streamed(out, x, w, format, n_tokens, in_dim, out_dim,
+                          (int)((long)out_dim * me / team), (int)((long)out_dim * (me + 1) / team));
         } else {
-            for (int t = 0; t < n_tokens; t++)
-                out[(size_t)t * out_dim + o] = dot_row(row, format, x + (size_t)t * in_dim, in_dim);
+            blocks_converted(out, x, w, format, n_tokens, in_dim, out_dim,
+                             (int)((long)n_blocks * me / team), (int)((long)n_blocks * (me + 1) / team),
+                             scratch + (size_t)me * 4 * in_dim);
         }
     }
 }
@@ -134,7 +169,7 @@ kv_status kv_weights_matmul(float *out, const float *x, const uint8_t *w,
         (int)format < KV_WEIGHT_F32 || (int)format > KV_WEIGHT_Q8_0 ||
         kv_weight_row_bytes(format, in_dim) == 0)
         return KV_ERR_INVALID_ARG;
-    float *scratch = kv_alloc_floats((size_t)kv_threads() * in_dim);
+    float *scratch = kv_alloc_floats(kv_weights_scratch_floats(in_dim));
     if (scratch == NULL) return KV_ERR_NOMEM;
     if (kv_get_kernels() == KV_KERNELS_PLAIN)
         kv_plain_matmul_weights(out, x, w, format, n_tokens, in_dim, out_dim, scratch);
@@ -176,6 +211,22 @@ static float dot_row_int8(const uint8_t *row, const float *x_scales, const int8_
     return reduce_lanes(acc);
 }
 
+void kv_matmul_int8(float *out, const float *x, const uint8_t *w, int n_tokens, int in_dim,
+                    int out_dim, float *x_scales, int8_t *x_codes) {
+    int n_blocks = in_dim / KV_Q8_0_BLOCK;
+    size_t row_bytes = kv_weight_row_bytes(KV_WEIGHT_Q8_0, in_dim);
+    for (int t = 0; t < n_tokens; t++)
+        kv_quantize_activations_q8(x + (size_t)t * in_dim, in_dim, x_scales + (size_t)t * n_blocks,
+                                   x_codes + (size_t)t * in_dim);
+    #pragma omp parallel for schedule(static) num_threads(kv_threads()) \
+        if ((long)n_tokens * out_dim * in_dim >= KV_PARALLEL_MIN_WORK)
+    for (int o = 0; o < out_dim; o++)
+        for (int t = 0; t < n_tokens; t++)
+            out[(size_t)t * out_dim + o] =
+                dot_row_int8(w + (size_t)o * row_bytes, x_scales + (size_t)t * n_blocks,
+                             x_codes + (size_t)t * in_dim, n_blocks);
+}
+
 kv_status kv_weights_matmul_int8(float *out, const float *x, const uint8_t *w, int n_tokens,
                                  int in_dim, int out_dim) {
     if (out == NULL || x == NULL || w == NULL || n_tokens <= 0 || out_dim <= 0 ||
@@ -189,22 +240,15 @@ kv_status kv_weights_matmul_int8(float *out, const float *x, const uint8_t *w, i
         free(x_codes);
         return KV_ERR_NOMEM;
     }
-    if (kv_get_kernels() == KV_KERNELS_PLAIN) {
+    if (kv_get_kernels() == KV_KERNELS_PLAIN)
         kv_plain_matmul_int8(out, x, w, n_tokens, in_dim, out_dim, x_scales, x_codes);
-    } else {
-        size_t row_bytes = kv_weight_row_bytes(KV_WEIGHT_Q8_0, in_dim);
-        for (int t = 0; t < n_tokens; t++)
-            kv_quantize_activations_q8(x + (size_t)t * in_dim, in_dim, x_scales + (size_t)t * n_blocks,
-                                       x_codes + (size_t)t * in_dim);
-        #pragma omp parallel for schedule(static) num_threads(kv_threads()) \
-            if ((long)n_tokens * out_dim * in_dim >= KV_PARALLEL_MIN_WORK)
-        for (int o = 0; o < out_dim; o++)
-            for (int t = 0; t < n_tokens; t++)
-                out[(size_t)t * out_dim + o] =
-                    dot_row_int8(w + (size_t)o * row_bytes, x_scales + (size_t)t * n_blocks,
-                                 x_codes + (size_t)t * in_dim, n_blocks);
-    }
+    else
+        kv_matmul_int8(out, x, w, n_tokens, in_dim, out_dim, x_scales, x_codes);
     free(x_scales);
     free(x_codes);
     return KV_OK;
+}
+
+size_t kv_weights_scratch_floats(int in_dim) {
+    return (size_t)kv_threads() * 4 * (size_t)in_dim;
 }

@@ -15,10 +15,25 @@
 
 #include "kvlab.h"
 
+/* From this many tokens on, a product converts each row to float32 once per chunk of
+ * tokens and runs the float32 kernel over it; below, each row is converted as it streams
+ * past, once per token. */
+#define KV_CONVERT_ONCE_TOKENS 4
+
+/* Floats of scratch kv_matmul_weights and kv_plain_matmul_weights need for rows of in_dim:
+ * four rows per thread (kv_threads()). */
+size_t kv_weights_scratch_floats(int in_dim);
+
 /* The fast tier: out (n_tokens, out_dim) = x (n_tokens, in_dim) . w^T, w in `format`, equal
  * bit for bit to kv_plain_matmul_weights (plain.c) and to kv_matmul over the dequantized
- * matrix. scratch: in_dim floats per thread (kv_threads()), for products of many tokens. */
+ * matrix. scratch: kv_weights_scratch_floats(in_dim) floats. */
 void kv_matmul_weights(float *out, const float *x, const uint8_t *w, kv_weight_format format,
                        int n_tokens, int in_dim, int out_dim, float *scratch);
+
+/* The fast tier of kv_plain_matmul_int8 (Q8_0 weights against x quantized to int8 per block
+ * of 32), bit for bit: x_scales (n_tokens, in_dim / 32) and x_codes (n_tokens, in_dim) are
+ * the caller's scratch, filled here. */
+void kv_matmul_int8(float *out, const float *x, const uint8_t *w, int n_tokens, int in_dim,
+                    int out_dim, float *x_scales, int8_t *x_codes);
 
 #endif /* KVLAB_WEIGHT_FORMATS_H */

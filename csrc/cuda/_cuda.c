@@ -649,7 +649,7 @@ static int model_init(ModelObject *self, PyObject *args, PyObject *kwds) {
         }
         PyArrayObject *a = checked_array(obj, table[i].name, NPY_FLOAT32, table[i].ndim, table[i].shape);
         if (a == NULL) return -1;
-        *table[i].data = (const float *)PyArray_DATA(a);
+        *table[i].data = PyArray_DATA(a);   /* float32: the formats stay zero */
     }
     /* The copy holds the GIL: the arrays are the dict's, and another thread could drop
      * them from it while the copy ran. */

@@ -69,11 +69,18 @@ static kv_cuda_err upload(float **device, const float *host, size_t count) {
     return err;
 }
 
+/* a float32 matrix's values */
+static const float *f32(kv_matrix m) { return (const float *)m.data; }
+
 extern "C" kv_cuda_err kv_cuda_model_init(kv_cuda_model *m, const kv_model *host) {
     kv_cuda_err err = 0;
     memset(m, 0, sizeof *m);
     const kv_config *c = &host->config;
     const kv_weights *w = &host->weights;
+    const kv_matrix *matrices[] = {&w->token_embedding, &w->wq, &w->wk, &w->wv, &w->wo, &w->w1,
+                                   &w->w2, &w->w3, &w->classifier};
+    for (size_t i = 0; i < sizeof matrices / sizeof matrices[0]; i++)
+        if (matrices[i]->format != KV_WEIGHT_F32) return KV_CUDA_INVALID_VALUE;  /* CPU only, for now */
     if (c->dim <= 0 || c->hidden_dim <= 0 || c->n_layers <= 0 || c->n_heads <= 0 ||
         c->n_kv_heads <= 0 || c->n_heads % c->n_kv_heads != 0 || c->vocab_size <= 0 ||
         c->head_dim % 8 != 0 || c->head_dim <= 0 || c->head_dim > KV_CUDA_MAX_HEAD_DIM)
@@ -82,31 +89,31 @@ extern "C" kv_cuda_err kv_cuda_model_init(kv_cuda_model *m, const kv_model *host
     size_t L = c->n_layers, D = c->dim, H = c->hidden_dim, V = c->vocab_size;
     size_t Q = (size_t)c->n_heads * c->head_dim, KV = (size_t)c->n_kv_heads * c->head_dim;
     size_t f = sizeof(float);
-    KV_CUDA_TRY(upload(&m->token_embedding, w->token_embedding, V * D));
+    KV_CUDA_TRY(upload(&m->token_embedding, f32(w->token_embedding), V * D));
     KV_CUDA_TRY(upload(&m->attn_norm, w->attn_norm, L * D));
     /* Wq, Wk and Wv of a layer one after another: (Q + 2 KV) rows that one product fills */
     KV_CUDA_TRY(kv_cuda_alloc((void **)&m->wqkv, L * (Q + 2 * KV) * D * f));
     for (size_t l = 0; l < L; l++) {
         float *layer = m->wqkv + l * (Q + 2 * KV) * D;
-        KV_CUDA_TRY(kv_cuda_to_device(layer, w->wq + l * Q * D, Q * D * f));
-        KV_CUDA_TRY(kv_cuda_to_device(layer + Q * D, w->wk + l * KV * D, KV * D * f));
-        KV_CUDA_TRY(kv_cuda_to_device(layer + (Q + KV) * D, w->wv + l * KV * D, KV * D * f));
+        KV_CUDA_TRY(kv_cuda_to_device(layer, f32(w->wq) + l * Q * D, Q * D * f));
+        KV_CUDA_TRY(kv_cuda_to_device(layer + Q * D, f32(w->wk) + l * KV * D, KV * D * f));
+        KV_CUDA_TRY(kv_cuda_to_device(layer + (Q + KV) * D, f32(w->wv) + l * KV * D, KV * D * f));
     }
-    KV_CUDA_TRY(upload(&m->wo, w->wo, L * D * Q));
+    KV_CUDA_TRY(upload(&m->wo, f32(w->wo), L * D * Q));
     KV_CUDA_TRY(upload(&m->ffn_norm, w->ffn_norm, L * D));
     /* W1 (gate) then W3 (up) of a layer: the rows of one product, read by swiglu.cu */
     KV_CUDA_TRY(kv_cuda_alloc((void **)&m->w13, L * 2 * H * D * f));
     for (size_t l = 0; l < L; l++) {
         float *layer = m->w13 + l * 2 * H * D;
-        KV_CUDA_TRY(kv_cuda_to_device(layer, w->w1 + l * H * D, H * D * f));
-        KV_CUDA_TRY(kv_cuda_to_device(layer + H * D, w->w3 + l * H * D, H * D * f));
+        KV_CUDA_TRY(kv_cuda_to_device(layer, f32(w->w1) + l * H * D, H * D * f));
+        KV_CUDA_TRY(kv_cuda_to_device(layer + H * D, f32(w->w3) + l * H * D, H * D * f));
     }
-    KV_CUDA_TRY(upload(&m->w2, w->w2, L * D * H));
+    KV_CUDA_TRY(upload(&m->w2, f32(w->w2), L * D * H));
     KV_CUDA_TRY(upload(&m->final_norm, w->final_norm, D));
-    if (w->classifier == w->token_embedding)
+    if (f32(w->classifier) == f32(w->token_embedding))
         m->classifier = m->token_embedding;   /* tied: one copy serves both */
     else
-        KV_CUDA_TRY(upload(&m->classifier, w->classifier, V * D));
+        KV_CUDA_TRY(upload(&m->classifier, f32(w->classifier), V * D));
     KV_CUDA_TRY(upload(&m->rope_inv_freq, w->rope_inv_freq, (size_t)c->head_dim / 2));
     m->weight_bytes = f * (V * D * (m->classifier == m->token_embedding ? 1 : 2) +
                            L * (2 * D + (Q + 2 * KV) * D + D * Q + 3 * H * D) + D +

@@ -1,4 +1,4 @@
-/* model.c: Model, the forward pass over float32 weights borrowed from NumPy arrays.
+/* model.c: Model, the forward pass over weights borrowed from NumPy arrays.
  *
  * The weights are never copied: the model keeps a reference to each array and the core
  * reads their memory. Each call copies the caller's token ids (and sampling numbers) while
@@ -21,23 +21,60 @@ typedef struct {
 
 /* ---- weights ----------------------------------------------------------------------- */
 
-/* Checks one weight array and borrows its data pointer; keeps a reference in *keep. */
-static int take_weight(PyObject *weights, const weight_spec *spec, PyObject **keep) {
+/* The format `formats` (None or a dict of format names) gives weight `spec`: float32 unless
+ * named there, and only a matrix may be named. */
+static int weight_format(PyObject *formats, const weight_spec *spec, kv_weight_format *format) {
+    *format = KV_WEIGHT_F32;
+    if (formats == Py_None) return 0;
+    PyObject *name = PyDict_GetItemString(formats, spec->name);   /* borrowed */
+    if (name == NULL) return 0;
+    if (!PyUnicode_Check(name)) {
+        PyErr_Format(kv_py_error.weights, "the format of weight %s must be a str", spec->name);
+        return -1;
+    }
+    if (kv_py_parse_weight_format(PyUnicode_AsUTF8(name), format) < 0) return -1;
+    if (spec->format == NULL && *format != KV_WEIGHT_F32) {
+        PyErr_Format(kv_py_error.weights, "weight %s is a vector: always fp32", spec->name);
+        return -1;
+    }
+    return 0;
+}
+
+/* Checks one weight array and borrows its data pointer; keeps a reference in *keep. A
+ * float32 array has the spec's shape; a matrix in another format is uint8, its last axis
+ * the bytes of a row (kvlab.weight_formats.quantize). */
+static int take_weight(PyObject *weights, PyObject *formats, const weight_spec *spec,
+                       PyObject **keep) {
     PyObject *obj = PyDict_GetItemString(weights, spec->name);  /* borrowed */
     if (obj == NULL) {
         PyErr_Format(kv_py_error.weights, "weights are missing %s", spec->name);
         return -1;
     }
+    kv_weight_format format;
+    if (weight_format(formats, spec, &format) < 0) return -1;
     char name[64];
     PyOS_snprintf(name, sizeof name, "weight %s", spec->name);
     kv_py_array_spec want = {.name = name, .type = NPY_FLOAT32, .ndim = spec->ndim,
                              .error = kv_py_error.weights};
     for (int i = 0; i < spec->ndim; i++) want.shape[i] = spec->shape[i];
+    if (format != KV_WEIGHT_F32) {
+        int in_dim = (int)spec->shape[spec->ndim - 1];
+        size_t row_bytes = kv_weight_row_bytes(format, in_dim);
+        if (row_bytes == 0) {
+            PyErr_Format(kv_py_error.weights, "weight %s: rows of %d values do not suit %s "
+                         "(q8_0 needs a multiple of 32)", spec->name, in_dim,
+                         kv_py_weight_format_names[format]);
+            return -1;
+        }
+        want.type = NPY_UINT8;
+        want.shape[spec->ndim - 1] = (npy_intp)row_bytes;
+    }
     PyArrayObject *array = kv_py_array(obj, &want);
     if (array == NULL) return -1;
     Py_INCREF(obj);
     *keep = obj;
-    *spec->data = (const float *)PyArray_DATA(array);
+    *spec->data = PyArray_DATA(array);
+    if (spec->format != NULL) *spec->format = format;
     return 0;
 }
 
@@ -47,12 +84,18 @@ static void model_release_arrays(ModelObject *self) {
 }
 
 static int model_init(ModelObject *self, PyObject *args, PyObject *kwds) {
-    static char *kwlist[] = {"config", "weights", NULL};
-    PyObject *config, *weights;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!O!", kwlist, &PyDict_Type, &config,
-                                     &PyDict_Type, &weights))
+    static char *kwlist[] = {"config", "weights", "formats", "int8_activations", NULL};
+    PyObject *config, *weights, *formats = Py_None;
+    int int8_activations = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!O!|Op", kwlist, &PyDict_Type, &config,
+                                     &PyDict_Type, &weights, &formats, &int8_activations))
         return -1;
-    if (self->model.weights.token_embedding != NULL) {
+    if (formats != Py_None && !PyDict_Check(formats)) {
+        PyErr_SetString(PyExc_TypeError, "formats must be a dict of weight names to format "
+                        "names, or None");
+        return -1;
+    }
+    if (self->model.weights.token_embedding.data != NULL) {
         /* another thread may be running a forward pass on the current weights */
         PyErr_SetString(PyExc_RuntimeError, "Model is already initialized");
         return -1;
@@ -72,7 +115,8 @@ static int model_init(ModelObject *self, PyObject *args, PyObject *kwds) {
     weight_spec table[N_WEIGHTS];
     weight_specs(c, &self->model.weights, table);
     for (int i = 0; i < N_WEIGHTS; i++)
-        if (take_weight(weights, &table[i], &self->arrays[i]) < 0) goto fail;
+        if (take_weight(weights, formats, &table[i], &self->arrays[i]) < 0) goto fail;
+    self->model.int8_activations = int8_activations;
     if (kv_model_check(&self->model) != KV_OK) {   /* what is left: the core's size limits */
         PyErr_SetString(kv_py_error.config, "model sizes exceed what kvlab supports (widths up "
                         "to 65536, vocab up to 2**24, layers up to 4096)");
@@ -99,7 +143,7 @@ static int model_ready(const ModelObject *self, PyObject *counters) {
             .name = "counters", .type = NPY_INT64, .ndim = 1, .shape = {KV_PY_N_COUNTERS},
             .axes = "len(COUNTERS)", .flags = KV_PY_WRITABLE, .error = PyExc_TypeError}) == NULL)
         return -1;
-    if (self->model.weights.token_embedding == NULL) {
+    if (self->model.weights.token_embedding.data == NULL) {
         PyErr_SetString(PyExc_RuntimeError, "Model was not initialized");
         return -1;
     }
@@ -527,8 +571,11 @@ static PyMethodDef model_methods[] = {
 PyTypeObject kv_py_model_type = {
     PyVarObject_HEAD_INIT(NULL, 0)
     .tp_name = "kvlab._kvlab.Model",
-    .tp_doc = PyDoc_STR("Model(config: dict, weights: dict)\n\n"
-                        "The C forward pass over float32 weights borrowed from NumPy arrays.\n"
+    .tp_doc = PyDoc_STR("Model(config: dict, weights: dict, formats=None, int8_activations=False)\n\n"
+                        "The C forward pass over weights borrowed from NumPy arrays: float32,\n"
+                        "or for a matrix named in formats ('fp16', 'bf16', 'q8_0') uint8 rows as\n"
+                        "kvlab.weight_formats.quantize writes them. int8_activations: products\n"
+                        "with q8_0 matrices quantize the activations to int8 too.\n"
                         "Usually made by kvlab.load()."),
     .tp_basicsize = sizeof(ModelObject),
     .tp_flags = Py_TPFLAGS_DEFAULT,

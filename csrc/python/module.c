@@ -231,8 +231,20 @@ static PyObject *py_attention_walk_bandwidth(PyObject *module, PyObject *args) {
 
 /* ---- weights in fewer bytes --------------------------------------------------------- */
 
-static const char *const weight_format_names[] = {[KV_WEIGHT_F32] = "fp32", [KV_WEIGHT_F16] = "fp16",
+const char *const kv_py_weight_format_names[] = {[KV_WEIGHT_F32] = "fp32", [KV_WEIGHT_F16] = "fp16",
                                                   [KV_WEIGHT_BF16] = "bf16", [KV_WEIGHT_Q8_0] = "q8_0"};
+
+int kv_py_parse_weight_format(const char *name, kv_weight_format *format) {
+    for (int f = KV_WEIGHT_F32; f <= KV_WEIGHT_Q8_0; f++)
+        if (name != NULL && strcmp(name, kv_py_weight_format_names[f]) == 0) {
+            *format = (kv_weight_format)f;
+            return 0;
+        }
+    if (!PyErr_Occurred())
+        PyErr_Format(PyExc_ValueError, "weight format must be fp32, fp16, bf16 or q8_0, got '%s'",
+                     name);
+    return -1;
+}
 
 static PyObject *py_matmul(PyObject *module, PyObject *args) {
     PyObject *x_obj, *w_obj;
@@ -244,14 +256,8 @@ static PyObject *py_matmul(PyObject *module, PyObject *args) {
                      activations);
         return NULL;
     }
-    int format = -1;
-    for (int f = KV_WEIGHT_F32; f <= KV_WEIGHT_Q8_0; f++)
-        if (strcmp(name, weight_format_names[f]) == 0) format = f;
-    if (format < 0) {
-        PyErr_Format(PyExc_ValueError, "weight format must be fp32, fp16, bf16 or q8_0, got '%s'",
-                     name);
-        return NULL;
-    }
+    kv_weight_format format;
+    if (kv_py_parse_weight_format(name, &format) < 0) return NULL;
     if (int8 && format != KV_WEIGHT_Q8_0) {
         PyErr_Format(PyExc_ValueError, "int8 activations go with q8_0 weights, not '%s'", name);
         return NULL;

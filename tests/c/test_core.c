@@ -164,20 +164,22 @@ typedef struct {
     float *buffers[13];
 } test_model;
 
-static void make_model(test_model *tm, int n_heads, int n_kv_heads, int head_dim) {
-    kv_config c = {.dim = 24, .hidden_dim = 40, .n_layers = 2, .n_heads = n_heads,
+static void make_model_sized(test_model *tm, int dim, int hidden_dim, int n_heads,
+                             int n_kv_heads, int head_dim) {
+    kv_config c = {.dim = dim, .hidden_dim = hidden_dim, .n_layers = 2, .n_heads = n_heads,
                    .n_kv_heads = n_kv_heads, .head_dim = head_dim, .vocab_size = 31,
                    .max_seq_len = 64, .norm_eps = 1e-5f, .rope_interleaved = 1};
     size_t L = c.n_layers, D = c.dim, H = c.hidden_dim, V = c.vocab_size;
     size_t Q = (size_t)n_heads * head_dim, KV = (size_t)n_kv_heads * head_dim;
     size_t sizes[13] = {V * D, L * D, L * Q * D, L * KV * D, L * KV * D, L * D * Q,
                         L * D, L * H * D, L * D * H, L * H * D, D, V * D, (size_t)head_dim / 2};
-    const float **slots[13] = {&tm->model.weights.token_embedding, &tm->model.weights.attn_norm,
-                               &tm->model.weights.wq, &tm->model.weights.wk, &tm->model.weights.wv,
-                               &tm->model.weights.wo, &tm->model.weights.ffn_norm,
-                               &tm->model.weights.w1, &tm->model.weights.w2, &tm->model.weights.w3,
-                               &tm->model.weights.final_norm, &tm->model.weights.classifier,
-                               &tm->model.weights.rope_inv_freq};
+    memset(tm, 0, sizeof *tm);   /* every matrix float32 (a zeroed format) */
+    kv_weights *w = &tm->model.weights;
+    const void **slots[13] = {&w->token_embedding.data, (const void **)&w->attn_norm,
+                              &w->wq.data, &w->wk.data, &w->wv.data, &w->wo.data,
+                              (const void **)&w->ffn_norm, &w->w1.data, &w->w2.data, &w->w3.data,
+                              (const void **)&w->final_norm, &w->classifier.data,
+                              (const void **)&w->rope_inv_freq};
     tm->model.config = c;
     for (int i = 0; i < 13; i++) {
         tm->buffers[i] = random_floats(sizes[i], 0.3f);
@@ -185,6 +187,10 @@ static void make_model(test_model *tm, int n_heads, int n_kv_heads, int head_dim
     }
     for (int i = 0; i < head_dim / 2; i++)
         tm->buffers[12][i] = powf(10000.0f, -2.0f * i / head_dim);
+}
+
+static void make_model(test_model *tm, int n_heads, int n_kv_heads, int head_dim) {
+    make_model_sized(tm, 24, 40, n_heads, n_kv_heads, head_dim);
 }
 
 static void free_model(test_model *tm) {
@@ -956,7 +962,7 @@ static void test_weight_formats(void) {
                 size_t outs = (size_t)n_tokens * out_dim;
                 float *fast = malloc(sizeof(float) * outs), *plain = malloc(sizeof(float) * outs);
                 float *want = malloc(sizeof(float) * outs);
-                float *scratch = malloc(sizeof(float) * in_dim * kv_threads());
+                float *scratch = malloc(sizeof(float) * kv_weights_scratch_floats(in_dim));
                 kv_matmul(want, x, values, n_tokens, in_dim, out_dim);
                 kv_matmul_weights(fast, x, w, formats[f], n_tokens, in_dim, out_dim, scratch);
                 kv_plain_matmul_weights(plain, x, w, formats[f], n_tokens, in_dim, out_dim, scratch);
@@ -989,6 +995,132 @@ static void test_weight_formats(void) {
     free(w); free(x); free(fast); free(plain);
 }
 
+/* n_rows rows of in_dim floats written in `format` (Q8_0 as ggml quantizes: a half scale
+ * amax / 127 per block, codes rounded), and their values read back into `values`. */
+static uint8_t *encode_rows(const float *src, size_t n_rows, int in_dim, kv_weight_format format,
+                            float *values) {
+    size_t row_bytes = kv_weight_row_bytes(format, in_dim);
+    uint8_t *out = malloc(row_bytes * n_rows);
+    for (size_t o = 0; o < n_rows; o++) {
+        uint8_t *row = out + row_bytes * o;
+        const float *x = src + o * in_dim;
+        for (int i = 0; format != KV_WEIGHT_Q8_0 && i < in_dim; i++) {
+            uint16_t code = format == KV_WEIGHT_F16 ? kv_f32_to_f16(x[i]) : kv_f32_to_bf16(x[i]);
+            memcpy(row + 2 * i, &code, 2);
+        }
+        for (int b = 0; format == KV_WEIGHT_Q8_0 && b < in_dim / 32; b++) {
+            float amax = 0.0f;
+            for (int i = 0; i < 32; i++) amax = fmaxf(amax, fabsf(x[32 * b + i]));
+            float d = amax / 127.0f, inverse = d > 0.0f ? 1.0f / d : 0.0f;
+            uint16_t scale = kv_f32_to_f16(d);
+            memcpy(row + 34 * b, &scale, 2);
+            for (int i = 0; i < 32; i++) row[34 * b + 2 + i] = (uint8_t)(int8_t)roundf(x[32 * b + i] * inverse);
+        }
+        kv_weight_row_dequantize(format, row, in_dim, values + o * in_dim);
+    }
+    return out;
+}
+
+/* Logits of 10 tokens, all of them: a prefill of 6 on a cache, then 4 decode steps, on
+ * whichever tier is set (cache capacity 10) */
+static void run_ten(const kv_model *m, const int32_t *tokens, float *logits) {
+    const kv_config *c = &m->config;
+    kv_cache cache;
+    CHECK(kv_cache_init(&cache, c->n_layers, c->n_kv_heads, c->head_dim, 10, NULL) == KV_OK);
+    CHECK(kv_model_forward(m, &cache, tokens, 6, logits, 1, NULL) == KV_OK);
+    for (int i = 6; i < 10; i++)
+        CHECK(kv_model_forward(m, &cache, tokens + i, 1, logits + (size_t)i * c->vocab_size, 0, NULL) == KV_OK);
+    kv_cache_free(&cache);
+}
+
+/* A model whose matrices are fp16, bf16 or Q8_0 gives, bit for bit, the logits of the
+ * float32 model over their dequantized values (float32 activations); on both tiers;
+ * prefill and decode alike, and paged alike; with int8 activations the tiers agree and
+ * prefill equals decode. */
+static void test_model_weight_formats(void) {
+    test_model tm;
+    make_model_sized(&tm, 64, 96, 4, 2, 16);
+    const kv_config *c = &tm.model.config;
+    size_t L = c->n_layers, D = c->dim, H = c->hidden_dim, V = c->vocab_size;
+    size_t Q = (size_t)c->n_heads * c->head_dim, KV = (size_t)c->n_kv_heads * c->head_dim;
+    int32_t tokens[10];
+    for (int i = 0; i < 10; i++) tokens[i] = (int32_t)(i * 11 % (int)V);
+    kv_weight_format formats[] = {KV_WEIGHT_F16, KV_WEIGHT_BF16, KV_WEIGHT_Q8_0};
+    kv_kernels before = kv_get_kernels();
+    for (int f = 0; f < 3; f++) {
+        kv_model stored = tm.model, dequantized = tm.model;
+        kv_matrix *matrices[] = {&stored.weights.token_embedding, &stored.weights.wq,
+                                 &stored.weights.wk, &stored.weights.wv, &stored.weights.wo,
+                                 &stored.weights.w1, &stored.weights.w2, &stored.weights.w3,
+                                 &stored.weights.classifier};
+        kv_matrix *floats[] = {&dequantized.weights.token_embedding, &dequantized.weights.wq,
+                               &dequantized.weights.wk, &dequantized.weights.wv,
+                               &dequantized.weights.wo, &dequantized.weights.w1,
+                               &dequantized.weights.w2, &dequantized.weights.w3,
+                               &dequantized.weights.classifier};
+        size_t rows[] = {V, L * Q, L * KV, L * KV, L * D, L * H, L * D, L * H, V};
+        int in_dims[] = {(int)D, (int)D, (int)D, (int)D, (int)Q, (int)D, (int)H, (int)D, (int)D};
+        void *buffers[18];
+        for (int i = 0; i < 9; i++) {
+            float *values = malloc(sizeof(float) * rows[i] * in_dims[i]);
+            uint8_t *bytes = encode_rows(matrices[i]->data, rows[i], in_dims[i], formats[f], values);
+            *matrices[i] = (kv_matrix){bytes, formats[f]};
+            *floats[i] = (kv_matrix){values, KV_WEIGHT_F32};
+            buffers[2 * i] = bytes;
+            buffers[2 * i + 1] = values;
+        }
+        CHECK(kv_model_check(&stored) == KV_OK);
+        size_t n = 10 * V;
+        float *want = malloc(sizeof(float) * n), *got = malloc(sizeof(float) * n);
+        float *plain = malloc(sizeof(float) * n), *paged = malloc(sizeof(float) * n);
+        run_ten(&dequantized, tokens, want);
+        run_ten(&stored, tokens, got);
+        CHECK(memcmp(want, got, sizeof(float) * n) == 0);
+        kv_set_kernels(KV_KERNELS_PLAIN);
+        run_ten(&stored, tokens, plain);
+        kv_set_kernels(before);
+        CHECK(memcmp(want, plain, sizeof(float) * n) == 0);
+        kv_pool pool;   /* all ten tokens in one paged call */
+        int seq;
+        CHECK(kv_pool_init(&pool, c->n_layers, c->n_kv_heads, c->head_dim, 4, 4, 1, 4, NULL) == KV_OK);
+        CHECK(kv_blocks_seq_new(&pool.blocks, &seq) == KV_OK);
+        CHECK(kv_model_forward_paged(&stored, &pool, seq, tokens, 10, paged, 1, NULL) == KV_OK);
+        CHECK(memcmp(want, paged, sizeof(float) * n) == 0);
+        kv_pool_free(&pool);
+        kv_counters counts = {0}, float_counts = {0};
+        CHECK(kv_model_forward_uncached(&stored, tokens, 3, got, 0, &counts) == KV_OK);
+        CHECK(kv_model_forward_uncached(&dequantized, tokens, 3, got, 0, &float_counts) == KV_OK);
+        /* the bytes read shrink with the matrices (1/2, or 34/128), the norms stay float32 */
+        double ratio = (double)counts.weight_bytes / (double)float_counts.weight_bytes;
+        double least = formats[f] == KV_WEIGHT_Q8_0 ? 34.0 / 128.0 : 0.5;
+        CHECK(ratio > least && ratio < least * 1.05 && counts.flops_mlp == float_counts.flops_mlp);
+        if (formats[f] == KV_WEIGHT_Q8_0) {   /* int8 activations: prefill = decode, tiers agree */
+            stored.int8_activations = 1;
+            float *stepped = malloc(sizeof(float) * n);
+            run_ten(&stored, tokens, got);
+            kv_cache cache;
+            CHECK(kv_cache_init(&cache, c->n_layers, c->n_kv_heads, c->head_dim, 10, NULL) == KV_OK);
+            for (int i = 0; i < 10; i++)
+                CHECK(kv_model_forward(&stored, &cache, tokens + i, 1, stepped + (size_t)i * V, 0, NULL) == KV_OK);
+            kv_cache_free(&cache);
+            CHECK(memcmp(got, stepped, sizeof(float) * n) == 0);
+            CHECK(memcmp(got, want, sizeof(float) * n) != 0);   /* x was rounded */
+            kv_set_kernels(KV_KERNELS_PLAIN);
+            run_ten(&stored, tokens, plain);
+            kv_set_kernels(before);
+            CHECK(memcmp(got, plain, sizeof(float) * n) == 0);
+            free(stepped);
+        }
+        /* a Q8_0 matrix whose rows are not whole blocks is refused */
+        stored.weights.w2.format = KV_WEIGHT_Q8_0;
+        stored.config.hidden_dim = 80;
+        if (formats[f] == KV_WEIGHT_Q8_0) CHECK(kv_model_check(&stored) == KV_ERR_INVALID_ARG);
+        free(want); free(got); free(plain); free(paged);
+        for (int i = 0; i < 18; i++) free(buffers[i]);
+    }
+    free_model(&tm);
+}
+
 int main(void) {
     test_ops();
     test_cache();
@@ -996,6 +1128,7 @@ int main(void) {
     test_block_manager();
     test_block_truncate();
     test_store_formats();
+    test_model_weight_formats();
     test_model_paths_agree(4, 4, 6, NULL);   /* MHA */
     test_model_paths_agree(6, 2, 8, NULL);   /* GQA */
     test_model_paths_agree(4, 1, 10, NULL);  /* MQA */
