@@ -115,8 +115,8 @@ kv_status kv_weights_matmul(float *out, const float *x, const uint8_t *w,
                             kv_weight_format format, int n_tokens, int in_dim, int out_dim);
 /* The same product for Q8_0 weights with the activations quantized to int8 per block of 32
  * (float32 scales) and integer dot products, as llama.cpp does: not the float32 product, x
- * is rounded too (kvlab.weight_formats.matmul_int8 is its NumPy twin). Weight codes must be
- * in -127..127, as every Q8_0 quantizer writes them. */
+ * is rounded too (kvlab.weight_formats.matmul_int8 is its NumPy twin). Every int8 weight
+ * code works, -128 too. */
 kv_status kv_weights_matmul_int8(float *out, const float *x, const uint8_t *w, int n_tokens,
                                  int in_dim, int out_dim);
 

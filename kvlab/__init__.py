@@ -8,6 +8,7 @@
     cache.keys.shape                                      # (n_layers, length, n_kv_heads, head_dim)
     pool = model.new_paged_pool(num_blocks=64, block_size=16)   # the paged cache
     small = model.new_cache(256, "int8")                 # K and V stored in 8 bits
+    fast = kvlab.load(weights="q8_0")                    # the weights in 8 bits (Q8_0)
     gpu = model.to("cuda")                               # the same on a GPU (kvlab.cuda)
 
 The C core (csrc/) runs the model; kvlab.reference is the same math in plain NumPy;
@@ -16,9 +17,9 @@ kvlab.cuda runs it on an NVIDIA GPU where one is there (kvlab.cuda.is_available(
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Union
+from typing import Optional, Union
 
-from . import accuracy, cache_policy, cuda, quant, speculative
+from . import accuracy, cache_policy, cuda, quant, speculative, weight_formats
 from ._core import core as _core
 from .config import ModelConfig
 from .errors import (CacheFullError, CheckpointError, ConfigError, ContextLengthError,
@@ -44,17 +45,38 @@ MHA_MODEL = Path(__file__).parent / "assets" / "shakespeare-mha.bin"
 
 def load(path: Union[str, Path, None] = None,
          tokenizer: Union[str, Path, None] = None, device: str = "cpu",
-         mmap: bool = True) -> Model:
+         mmap: bool = True, weights: Optional[str] = None,
+         activations: Optional[str] = None) -> Model:
     """Load a model: None for the bundled default, a llama2.c .bin, a .gguf file, or a
     Hugging Face folder (config.json + *.safetensors). `tokenizer` overrides the
     tokenizer found beside the weights. device="cuda" runs it on the GPU (model.to()).
 
     A llama2.c file is memory-mapped and used in place (mmap=True): the file must then
     stay as it is while the model is used; a call after it changed raises CheckpointError.
-    mmap=False reads the weights into memory of their own, for files that may change."""
+    mmap=False reads the weights into memory of their own, for files that may change.
+
+    weights: the format to store every matrix in: "fp32", "fp16", "bf16" or "q8_0" ("int8"
+    says the same: int8 codes, a half scale per 32). None keeps the checkpoint's own
+    (fp16/bf16 safetensors and GGUF F16/BF16/Q8_0 as they are). Decode reads every weight
+    once per token, so fewer bytes run faster. activations: see Model ("int8" for Q8_0
+    matrices by default, "fp32" for the product over the dequantized weights, exactly)."""
+    fmt = _weight_format_name(weights)
     path = Path(path) if path is not None else DEFAULT_MODEL
-    config, weights, tok = load_checkpoint(path, tokenizer, mmap=mmap)
-    return Model(config, weights, tok, source=str(path)).to(device)
+    config, stored, tok = load_checkpoint(path, tokenizer, mmap=mmap, weight_format=fmt)
+    if fmt is not None:
+        stored = stored.converted(fmt)
+    return Model(config, stored, tok, source=str(path), activations=activations).to(device)
+
+
+def _weight_format_name(name: Optional[str]) -> Optional[str]:
+    if name is None:
+        return None
+    if name == "int8":
+        return "q8_0"
+    if name not in weight_formats.FORMATS:
+        raise ValueError(f"weights must be one of {', '.join(weight_formats.FORMATS)} or "
+                         f"'int8' (= q8_0), got {name!r}")
+    return name
 
 
 def set_num_threads(n: int) -> None:

@@ -501,7 +501,9 @@ class CudaModel(Model):
         if c.head_dim % 8 or c.head_dim > MAX_HEAD_DIM:
             raise ConfigError(f"the CUDA backend needs head_dim a multiple of 8 up to "
                               f"{MAX_HEAD_DIM}, this model has {c.head_dim}")
-        super().__init__(c, model.weights, model.tokenizer, model.source)
+        # The kernels read float32 weights: a model stored in fewer bytes runs its values,
+        # with float32 activations (the GPU's logits are then the float32 model's).
+        super().__init__(c, model.weights.float32(), model.tokenizer, model.source)
         self._gpu = ext.Model(*self._core_arguments())
         self._gpu_lock = threading.Lock()
 

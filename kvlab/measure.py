@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from typing import Optional, Union
+from typing import Dict, Optional, Union
 
+from . import weight_formats
 from ._core import core
 from .config import ModelConfig
 from .counts import Counts  # noqa: F401 (re-exported: kvlab.measure.Counts)
@@ -118,11 +119,13 @@ def chunk_length(config: ModelConfig, start_pos: int, n_tokens: int) -> int:
 
 
 def forward_counts(config: ModelConfig, n_tokens: int, start_pos: int = 0,
-                   all_logits: bool = False, cache: Optional[CacheFormat] = None) -> Counts:
+                   all_logits: bool = False, cache: Optional[CacheFormat] = None,
+                   weights: Optional[Dict[str, str]] = None) -> Counts:
     """What one forward call of n_tokens new tokens at positions start_pos.. does
     (scratch_bytes aside: see scratch_bytes()), on a cache stored as `cache` (default
     fp32): attention reads each position as stored, except the residual window's in
-    float32, and writes each new row as stored plus the window's float32 copy."""
+    float32, and writes each new row as stored plus the window's float32 copy. `weights`:
+    the matrices' formats by name (Weights.formats), float32 where not named."""
     c, T = config, n_tokens
     cache = cache or CacheFormat()
     per_layer_proj = c.dim * c.q_dim + 2 * c.dim * c.kv_dim + c.q_dim * c.dim
@@ -134,15 +137,24 @@ def forward_counts(config: ModelConfig, n_tokens: int, start_pos: int = 0,
     full_row = 2 * c.kv_dim * FLOAT                  # K and V of one position, float32
     stored_row = cache.row_bytes(c.n_kv_heads, c.head_dim)
     in_window = sum(min(cache.window, start_pos + t + 1) for t in range(T)) if cache.window else 0
-    weights = (len(chunks) * (c.n_layers * (per_layer_proj + per_layer_mlp + 2 * c.dim)  # matrices + norms,
-                              + c.dim + c.vocab_size * c.dim)     # final norm, classifier: per chunk
-               + T * c.dim) * FLOAT                                # embedding rows
+    formats = weights or {}
+
+    def matrix_bytes(name: str, rows: int, in_dim: int) -> int:
+        return rows * weight_formats.row_bytes(formats.get(name, "fp32"), in_dim)
+
+    layer_bytes = (matrix_bytes("wq", c.q_dim, c.dim) + matrix_bytes("wk", c.kv_dim, c.dim)
+                   + matrix_bytes("wv", c.kv_dim, c.dim) + matrix_bytes("wo", c.dim, c.q_dim)
+                   + matrix_bytes("w1", c.hidden_dim, c.dim) + matrix_bytes("w3", c.hidden_dim, c.dim)
+                   + matrix_bytes("w2", c.dim, c.hidden_dim) + 2 * c.dim * FLOAT)   # + the norms
+    weights_read = (len(chunks) * (c.n_layers * layer_bytes + c.dim * FLOAT       # final norm,
+                                   + matrix_bytes("classifier", c.vocab_size, c.dim))  # per chunk
+                    + T * matrix_bytes("token_embedding", 1, c.dim))                # embedding rows
     return Counts(
         flops_projections=2 * T * c.n_layers * per_layer_proj,
         flops_attention=4 * seen * c.n_layers * c.n_heads * c.head_dim,
         flops_mlp=2 * T * c.n_layers * per_layer_mlp,
         flops_logits=2 * n_out * c.dim * c.vocab_size,
-        weight_bytes=weights,
+        weight_bytes=weights_read,
         kv_read_bytes=c.n_layers * ((seen - in_window) * stored_row + in_window * full_row),
         kv_write_bytes=c.n_layers * (T * stored_row
                                      + sum(min(n, cache.window) for n in chunks) * full_row),
@@ -154,20 +166,30 @@ def _round16(n: int) -> int:
 
 
 def scratch_bytes(config: ModelConfig, n_tokens: int, n_threads: int = 1,
-                  cached: bool = True, start_pos: int = 0) -> int:
+                  cached: bool = True, start_pos: int = 0,
+                  weights: Optional[Dict[str, str]] = None, int8_activations: bool = False) -> int:
     """Activation scratch one forward call allocates (csrc/model.c, run_state): a few
     (n_tokens, width) buffers plus, per thread, the online softmax's state for each query
     head of a group (a tile of ATTENTION_TILE weights, a running max and a running sum)
     and a tile of head rows to dequantize K and V into; without a cache the whole
     sequence's K and V are rebuilt as scratch too. Nothing here grows with the context
     already cached: attention walks it a tile at a time. A long call's buffers hold one
-    chunk of its tokens (chunk_length)."""
+    chunk of its tokens (chunk_length). Matrices stored in fewer bytes (`weights`, their
+    formats by name) add four rows of the widest input per thread to make float32 in, or,
+    for Q8_0 with int8_activations, each token's activations as int8 and their scales."""
     c, T = config, chunk_length(config, start_pos, n_tokens)
     buffers = [T * c.dim, T * c.dim, T * c.q_dim, T * c.kv_dim, T * c.kv_dim, T * c.q_dim,
                T * c.dim, T * c.hidden_dim, T * c.hidden_dim, T * c.head_dim // 2,
                T * c.head_dim // 2,
                n_threads * (_round16(c.kv_mul * (ATTENTION_TILE + 2))
                              + ATTENTION_TILE * _round16(c.head_dim))]
+    # (the embedding is read a row at a time, straight into the residual stream)
+    formats = {fmt for name, fmt in (weights or {}).items() if name != "token_embedding"}
+    widest = max(c.dim, c.hidden_dim, c.q_dim)
+    if formats & {"fp16", "bf16"} or ("q8_0" in formats and not int8_activations):
+        buffers.append(n_threads * 4 * widest)
+    if "q8_0" in formats and int8_activations:
+        buffers += [T * (widest // weight_formats.Q8_0_BLOCK), (T * widest + 3) // 4]
     total = sum(_round16(n) for n in buffers) * FLOAT
     if not cached:
         total += 2 * c.n_layers * n_tokens * c.kv_dim * FLOAT

@@ -1,7 +1,8 @@
 """kvlab.Model: a loaded model with the C forward pass, and how to call it from NumPy.
 
 A Model bundles a ModelConfig, its Weights (NumPy arrays, often memory-mapped from the
-checkpoint file and never copied), an optional tokenizer, and the compiled core. It
+checkpoint file and never copied; matrices in float32 or fewer bytes, see
+kvlab.weight_formats), an optional tokenizer, and the compiled core. It
 converts and checks Python inputs, then hands them to C. It is not the generation loop
 (kvlab.generate) nor the math (csrc/model.c; readable twin: kvlab.reference).
 """
@@ -23,7 +24,8 @@ from .quant import CacheFormat
 from .sampling import check_sampling_args, sample
 from .paged import PagedPool, PagedSequence
 from .tokenizer import Tokenizer
-from .weights import Weights
+from . import weight_formats
+from .weights import MATRICES, Weights
 
 KVCache = core.KVCache
 
@@ -99,23 +101,43 @@ class Model:
     device = "cpu"   # where forward passes run; kvlab.cuda.CudaModel runs them on the GPU
 
     def __init__(self, config: ModelConfig, weights: Weights,
-                 tokenizer: Optional[Tokenizer] = None, source: str = ""):
+                 tokenizer: Optional[Tokenizer] = None, source: str = "",
+                 activations: Optional[str] = None):
+        """activations: how products with Q8_0 matrices treat their input. "int8" quantizes
+        it per block of 32 too and sums integer products, as llama.cpp does (faster; not the
+        float32 product); "fp32" keeps it float32, so every logit equals, bit for bit, the
+        float32 model's over the dequantized weights. None: "int8" when a matrix is Q8_0,
+        else "fp32" (nothing else reads it)."""
         weights.check(config)
+        has_q8_0 = "q8_0" in weights.formats.values()
+        if activations is None:
+            activations = "int8" if has_q8_0 else "fp32"
+        if activations not in ("fp32", "int8"):
+            raise ValueError(f"activations must be 'fp32' or 'int8', got {activations!r}")
         self.config = config
         self.weights = weights
         self.tokenizer = tokenizer
         self.source = source
-        self._core = core.Model(*self._core_arguments())
+        self.activations = activations
+        self._core = core.Model(*self._core_arguments(),
+                                formats=self._stored_formats(),
+                                int8_activations=activations == "int8" and has_q8_0)
         # what every forward call did, as counted by the core (see kvlab.measure.Counts):
         # totals for the model, and per thread the arrays of open counting() blocks
         self._counters = np.zeros(len(core.COUNTERS), dtype=np.int64)
         self._counters_lock = threading.Lock()
         self._thread = threading.local()
 
+    def _stored_formats(self) -> Dict[str, str]:
+        """The matrices not stored as float32, and their formats, for the core."""
+        return {name: fmt for name, fmt in self.weights.formats.items() if fmt != "fp32"}
+
     def _core_arguments(self) -> tuple:
-        """The config dict and weight arrays a compiled model (CPU or CUDA) is made from."""
+        """The config dict and weight arrays a compiled model (CPU or CUDA) is made from:
+        a matrix stored in fewer bytes as the uint8 rows the core reads."""
         config = self.config
-        arrays = dict(self.weights.items())
+        arrays = {name: weight_formats.as_bytes(array) if name in MATRICES else array
+                  for name, array in self.weights.items()}
         arrays["rope_inv_freq"] = config.rope_inv_freq()
         core_config = {
             "dim": config.dim, "hidden_dim": config.hidden_dim, "n_layers": config.n_layers,
@@ -135,7 +157,7 @@ class Model:
             return self
         if name != "cpu":
             return DEVICE_MODELS[name](self)
-        return Model(self.config, self.weights, self.tokenizer, self.source)
+        return Model(self.config, self.weights, self.tokenizer, self.source, self.activations)
 
     # ---- counting ----------------------------------------------------------------------
     @property
@@ -425,14 +447,22 @@ class Model:
 
     @property
     def weights_nbytes(self) -> int:
+        """Bytes of weight memory (a tied classifier counted once), in the formats stored."""
         return self.weights.nbytes
+
+    @property
+    def weight_format(self) -> str:
+        """The matrices' format ('fp32', 'fp16', 'bf16', 'q8_0'), or 'mixed'."""
+        return self.weights.format
 
     def __repr__(self) -> str:
         c = self.config
         name = c.name or self.source or "model"
+        stored = "" if self.weight_format == "fp32" else (
+            f", weights={self.weight_format}" + (", int8 activations" if self.activations == "int8" else ""))
         return (f"Model({name!r}: {self.n_params:,} params, dim={c.dim}, n_layers={c.n_layers}, "
                 f"n_heads={c.n_heads}, n_kv_heads={c.n_kv_heads} ({c.attention_kind}), "
-                f"head_dim={c.head_dim}, vocab={c.vocab_size}, context={c.max_seq_len})")
+                f"head_dim={c.head_dim}, vocab={c.vocab_size}, context={c.max_seq_len}{stored})")
 
     def _check_weights(self) -> None:
         """CheckpointError if the file the core's weights are memory-mapped from was

@@ -149,7 +149,7 @@ def forward(config: ModelConfig, weights: Weights, tokens: Sequence[int],
     positions = np.arange(start, start + len(tokens))
     inv_freq = config.rope_inv_freq()
     n, H, KVH, hd = len(tokens), config.n_heads, config.n_kv_heads, config.head_dim
-    w = weights
+    w = weights.float32()          # matrices stored in fewer bytes: their float32 values
 
     x = w.token_embedding[tokens].astype(np.float32)             # (n, dim)
     for layer in range(config.n_layers):

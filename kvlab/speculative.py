@@ -167,7 +167,8 @@ class DraftModel:
         layers = {name: getattr(w, name)[:n_layers] for name in
                   ("attn_norm", "wq", "wk", "wv", "wo", "ffn_norm", "w1", "w2", "w3")}
         small = Model(model.config.replace(n_layers=n_layers), dataclasses.replace(w, **layers),
-                      model.tokenizer, source=f"{model.source} (first {n_layers} layers)")
+                      model.tokenizer, source=f"{model.source} (first {n_layers} layers)",
+                      activations=model.activations)
         return cls(small, dtype)
     # [end ch09-first-layers]
 

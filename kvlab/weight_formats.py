@@ -25,6 +25,13 @@ kvlab._kvlab.matmul(x, w, "q8_0", "int8") follows bit for bit.
 Q8_0 is quantized as ggml does it: d = max|x| / 127 in float32, q = round(x * (1 / d)),
 halves away from zero, and d stored as a half. So a matrix the kit writes is the one
 llama.cpp would write from the same float32 weights.
+
+A model keeps each matrix as a typed array whose dtype says its format (stored() makes
+one, format_of() reads it): float32, float16, BF16_DTYPE (a bf16 in a one-field record,
+since NumPy has no bf16) or Q8_0_DTYPE (one record per block, so a (n_layers, out_dim,
+in_dim) matrix is (n_layers, out_dim, in_dim / 32) blocks). values() gives the float32
+numbers back; as_bytes() the uint8 rows the core reads. A GGUF file's Q8_0 tensor is such
+an array already, read in place.
 """
 from __future__ import annotations
 
@@ -36,6 +43,9 @@ FORMATS = ("fp32", "fp16", "bf16", "q8_0")
 Q8_0_BLOCK = 32          # weights per block
 Q8_0_BLOCK_BYTES = 34    # a half scale, then 32 int8 codes
 Q8_0_DTYPE = np.dtype([("d", "<f2"), ("q", "i1", (Q8_0_BLOCK,))])
+BF16_DTYPE = np.dtype([("bf16", "<u2")])
+_DTYPES = {"fp32": np.dtype("<f4"), "fp16": np.dtype("<f2"), "bf16": BF16_DTYPE,
+           "q8_0": Q8_0_DTYPE}
 
 
 def check_format(fmt: str, in_dim: int) -> None:
@@ -140,3 +150,67 @@ def matmul_int8(x: np.ndarray, codes: np.ndarray, in_dim: int) -> np.ndarray:
         out[t] = ((lanes[:, 0] + lanes[:, 1]) + (lanes[:, 2] + lanes[:, 3])) + \
                  ((lanes[:, 4] + lanes[:, 5]) + (lanes[:, 6] + lanes[:, 7]))
     return out
+
+
+# ---- matrices of a model, as typed arrays -------------------------------------------------
+
+def format_of(array: np.ndarray) -> str:
+    """The format a matrix is stored in, from its dtype ('fp32', 'fp16', 'bf16', 'q8_0');
+    ValueError for any other dtype."""
+    for fmt, dtype in _DTYPES.items():
+        if array.dtype == dtype:
+            return fmt
+    raise ValueError(f"a weight matrix is float32, float16, bf16 (weight_formats.BF16_DTYPE) "
+                     f"or Q8_0 blocks (weight_formats.Q8_0_DTYPE), got dtype {array.dtype}")
+
+
+def logical_shape(array: np.ndarray) -> tuple:
+    """The shape of the float32 values a stored matrix stands for."""
+    if format_of(array) == "q8_0":
+        return (*array.shape[:-1], array.shape[-1] * Q8_0_BLOCK)
+    return array.shape
+
+
+def stored(values: np.ndarray, fmt: str) -> np.ndarray:
+    """Float32 values (..., in_dim) stored in `fmt`: the same array for fp32, else a typed
+    array made a layer (a leading index) at a time, so that no float64 copy of a whole
+    model is ever needed."""
+    values = np.asarray(values)
+    in_dim = values.shape[-1]
+    check_format(fmt, in_dim)
+    if fmt == "fp32" and values.dtype == np.float32:
+        return values
+    if values.dtype != np.float32:
+        values = values.astype(np.float32)
+    rows = values.reshape(-1, in_dim)
+    n_rows = rows.shape[0]
+    out = np.empty((n_rows, row_bytes(fmt, in_dim)), dtype=np.uint8)
+    step = max(1, (16 << 20) // (in_dim * 4))            # about 16 MiB of values at a time
+    for first in range(0, n_rows, step):
+        out[first:first + step] = quantize(rows[first:first + step], fmt).view(np.uint8)
+    return out.view(_DTYPES[fmt]).reshape(*values.shape[:-1], -1)
+
+
+def values(array: np.ndarray) -> np.ndarray:
+    """The float32 numbers a stored matrix stands for (the array itself if it is float32)."""
+    fmt = format_of(array)
+    if fmt == "fp32":
+        return array
+    shape = logical_shape(array)
+    in_dim = shape[-1]
+    rows = np.ascontiguousarray(array).reshape(-1, array.shape[-1])
+    out = np.empty((rows.shape[0], in_dim), dtype=np.float32)
+    step = max(1, (16 << 20) // (in_dim * 4))
+    for first in range(0, rows.shape[0], step):
+        chunk = rows[first:first + step]
+        out[first:first + step] = dequantize(chunk.view(np.uint8).reshape(len(chunk), -1), fmt, in_dim)
+    return out.reshape(shape)
+
+
+def as_bytes(array: np.ndarray) -> np.ndarray:
+    """A stored matrix as the core reads it: uint8 (..., row_bytes), the same memory
+    (float32 matrices are passed as they are)."""
+    if format_of(array) == "fp32":
+        return array
+    array = np.ascontiguousarray(array)
+    return array.view(np.uint8).reshape(*array.shape[:-1], -1)

@@ -1,12 +1,14 @@
-"""The weights of a Llama-family model as named float32 NumPy arrays.
+"""The weights of a Llama-family model as named NumPy arrays.
 
 Every loader (llama2.c .bin, Hugging Face safetensors, GGUF) produces a `Weights`, and
 both the C core and `kvlab.reference` read one. Per-layer tensors are stacked along a
 leading n_layers axis, the llama2.c layout, so one pointer reaches every layer. Matrices
-are stored (out_features, in_features): y = W @ x. This module checks shapes; it does not
-load files (kvlab.loaders) or run anything (kvlab.model, kvlab.reference). Arrays may be
-views of a memory-mapped checkpoint: check_source() says whether that file is still the
-one they were mapped from.
+are stored (out_features, in_features): y = W @ x. The norm vectors are float32; each
+matrix may be stored in fewer bytes (fp16, bf16, Q8_0: kvlab.weight_formats, whose dtype
+says which), and `converted()` stores them so, `float32()` gives their values back. This
+module checks shapes; it does not load files (kvlab.loaders) or run anything
+(kvlab.model, kvlab.reference). Arrays may be views of a memory-mapped checkpoint:
+check_source() says whether that file is still the one they were mapped from.
 """
 from __future__ import annotations
 
@@ -16,16 +18,19 @@ from typing import Dict, Iterator, Tuple
 
 import numpy as np
 
+from . import weight_formats
 from .config import ModelConfig
 from .errors import WeightsError
 from .files import mapped_files
 
 
 PER_LAYER = ("attn_norm", "wq", "wk", "wv", "wo", "ffn_norm", "w1", "w2", "w3")
+MATRICES = ("token_embedding", "wq", "wk", "wv", "wo", "w1", "w2", "w3", "classifier")
 
 
 @dataclasses.dataclass
 class Weights:
+    # shapes of the float32 values; a Q8_0 matrix's array has in_dim / 32 blocks per row
     token_embedding: np.ndarray  # (vocab_size, dim)
     attn_norm: np.ndarray        # (n_layers, dim)            RMSNorm before attention
     wq: np.ndarray               # (n_layers, n_heads * head_dim, dim)
@@ -94,16 +99,59 @@ class Weights:
                 total += array.nbytes
         return total
 
+    @property
+    def formats(self) -> Dict[str, str]:
+        """Each matrix's format ('fp32', 'fp16', 'bf16', 'q8_0'), by name."""
+        return {name: weight_formats.format_of(getattr(self, name)) for name in MATRICES}
+
+    @property
+    def format(self) -> str:
+        """The matrices' format when they share one, else 'mixed'."""
+        formats = set(self.formats.values())
+        return formats.pop() if len(formats) == 1 else "mixed"
+
+    def converted(self, fmt: str) -> "Weights":
+        """These weights with every matrix stored in `fmt` (from its float32 values; one
+        already in fmt is kept as it is, a tied classifier stays tied). The norm vectors
+        stay float32."""
+        done: Dict[int, np.ndarray] = {}
+        arrays = {}
+        for name, array in self.items():
+            if name not in MATRICES or weight_formats.format_of(array) == fmt:
+                arrays[name] = array
+            elif id(array) in done:
+                arrays[name] = done[id(array)]
+            else:
+                arrays[name] = done[id(array)] = weight_formats.stored(
+                    weight_formats.values(array), fmt)
+        return Weights(**arrays)
+
+    def float32(self) -> "Weights":
+        """These weights with every matrix as its float32 values (self if all are)."""
+        if all(fmt == "fp32" for fmt in self.formats.values()):
+            return self
+        return self.converted("fp32")
+
     def check(self, config: ModelConfig) -> None:
-        """Raise WeightsError unless every array is float32, C-contiguous and shaped for config."""
+        """Raise WeightsError unless every array is C-contiguous and shaped for config: the
+        norm vectors float32, each matrix float32 or stored in a kvlab.weight_formats format."""
         for name, shape in self.expected_shapes(config).items():
             array = getattr(self, name)
             if not isinstance(array, np.ndarray):
                 raise WeightsError(f"weight {name!r} must be a numpy array, got {type(array).__name__}")
-            if array.dtype != np.float32:
-                raise WeightsError(f"weight {name!r} must be float32, got {array.dtype}")
-            if array.shape != shape:
-                raise WeightsError(f"weight {name!r} has shape {array.shape}, expected {shape}")
+            if name in MATRICES:
+                try:
+                    fmt = weight_formats.format_of(array)
+                    weight_formats.check_format(fmt, shape[-1])
+                except ValueError as exc:
+                    raise WeightsError(f"weight {name!r}: {exc}") from None
+                got = weight_formats.logical_shape(array)
+            else:
+                if array.dtype != np.float32:
+                    raise WeightsError(f"weight {name!r} must be float32, got {array.dtype}")
+                got = array.shape
+            if got != shape:
+                raise WeightsError(f"weight {name!r} has shape {got}, expected {shape}")
             if not array.flags.c_contiguous:
                 raise WeightsError(f"weight {name!r} must be C-contiguous")
 
@@ -117,9 +165,9 @@ class Weights:
                 continue
             seen.add(id(array))
             rows = array.reshape(array.shape[0], -1) if array.ndim > 1 else array.reshape(1, -1)
-            step = max(1, (4 << 20) // max(1, rows.shape[1] * 4))
+            step = max(1, (4 << 20) // max(1, rows.shape[1] * array.itemsize))
             for first in range(0, rows.shape[0], step):
-                chunk = rows[first:first + step]
+                chunk = _finite_view(rows[first:first + step])
                 if not np.isfinite(chunk).all():
                     bad = first + int(np.flatnonzero(~np.isfinite(chunk).all(axis=1))[0])
                     where = f" (layer {bad})" if name in PER_LAYER else f" (row {bad})" if array.ndim > 1 else ""
@@ -141,6 +189,17 @@ class Weights:
         if config.tied_embeddings:
             arrays["classifier"] = arrays["token_embedding"]
         return cls(**arrays)
+
+
+def _finite_view(rows: np.ndarray) -> np.ndarray:
+    """Numbers of a chunk of stored rows whose finiteness is theirs: the values of float
+    formats, a Q8_0 block's scales (its codes are integers)."""
+    fmt = weight_formats.format_of(rows) if rows.dtype != np.float32 else "fp32"
+    if fmt == "q8_0":
+        return rows["d"]
+    if fmt == "bf16":
+        return weight_formats.values(rows)
+    return rows
 
 
 _all_arrays = operator.attrgetter(*(field.name for field in dataclasses.fields(Weights)))

@@ -38,8 +38,13 @@ _SIDECAR_CONFIG_KEYS = ("norm_eps", "rope_theta", "rope_interleaved", "name")
 
 def load_checkpoint(path: "str | os.PathLike[str]",
                     tokenizer_path: "str | os.PathLike[str] | None" = None,
-                    mmap: bool = True) -> Tuple[ModelConfig, Weights, Optional[Tokenizer]]:
+                    mmap: bool = True, weight_format: Optional[str] = None,
+                    ) -> Tuple[ModelConfig, Weights, Optional[Tokenizer]]:
     """(config, weights, tokenizer) from a checkpoint file or folder.
+
+    weight_format: the format the caller will store the matrices in (kvlab.load converts them
+    afterwards), or None; a GGUF tensor type the core cannot read is dequantized straight
+    to it (to q8_0 when None).
 
     mmap=True (the default) memory-maps a llama2.c file and uses it in place: instant, and
     shared between processes, but the file must not change while the weights are in use
