@@ -22,7 +22,9 @@ def _load(args) -> "kvlab.Model":  # noqa: F821
     import kvlab
     if getattr(args, "threads", None) is not None:
         kvlab.set_num_threads(args.threads)
-    return kvlab.load(args.model, tokenizer=args.tokenizer)
+    return kvlab.load(args.model, tokenizer=args.tokenizer,
+                      weights=getattr(args, "weights", None),
+                      activations=getattr(args, "activations", None))
 
 
 def _bytes(n: int) -> str:
@@ -188,7 +190,11 @@ def cmd_info(args) -> int:
     c = model.config
     print(repr(model))
     print(f"parameters      {model.n_params:,}")
-    print(f"weights         {_bytes(model.weights_nbytes)}")
+    formats = model.weights.formats
+    stored = model.weight_format if model.weight_format != "mixed" else ", ".join(
+        f"{name} {fmt}" for name, fmt in formats.items())
+    activations = f", {model.activations} activations" if "q8_0" in formats.values() else ""
+    print(f"weights         {_bytes(model.weights_nbytes)}, {stored}{activations}")
     print(f"KV per token    {2 * c.n_layers * c.kv_dim * 4:,} B (fp32)")
     print(f"RoPE            theta {c.rope_theta:g}, "
           f"{'interleaved pairs' if c.rope_interleaved else 'rotate-half'}"
@@ -268,6 +274,12 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--model", default=None, help="checkpoint path (default: bundled model)")
         p.add_argument("--tokenizer", default=None, help="tokenizer file, if not beside the model")
         p.add_argument("--threads", type=positive_int, default=None, help="threads for the C core")
+        p.add_argument("--weights", default=None, choices=["fp32", "fp16", "bf16", "q8_0", "int8"],
+                       help="store the weight matrices in this format (int8 = q8_0: 8-bit codes, "
+                            "a scale per 32); default: as the checkpoint stores them")
+        p.add_argument("--activations", default=None, choices=["fp32", "int8"],
+                       help="q8_0 products on int8 activations (the default, faster) or on "
+                            "float32 ones (the float32 product over the dequantized weights)")
 
     demo = sub.add_parser("demo", help="generate with and without the KV cache and compare")
     model_args(demo)

@@ -25,6 +25,16 @@ def test_generate_and_info(capsys):
     assert "parameters" in capsys.readouterr().out
 
 
+def test_weights_in_fewer_bytes_from_the_command_line(capsys):
+    assert cli.main(["info", "--weights", "int8"]) == 0
+    assert "1,164,288 B (1.1 MiB), q8_0, int8 activations" in capsys.readouterr().out
+    assert cli.main(["info", "--weights", "q8_0", "--activations", "fp32"]) == 0
+    assert "q8_0, fp32 activations" in capsys.readouterr().out
+    assert cli.main(["generate", "--weights", "bf16", "--prompt", "KING:",
+                     "--max-new-tokens", "10"]) == 0
+    assert capsys.readouterr().out.startswith("KING:")
+
+
 def test_generate_with_speculation_prints_the_same_text_and_what_it_saved(capsys):
     import kvlab
     base = ["generate", "--prompt", "ROMEO:\nROMEO:\nROMEO:", "--max-new-tokens", "40"]
