@@ -101,15 +101,95 @@ static float dot_row(const uint8_t *row, kv_weight_format format, const float *x
     return sum;
 }
 
+/* Four rows, wherever they lie, against x: out[r] is row r's dot_row, bit for bit (each
+ * row keeps its own eight lanes, in kv_dot's order). Four chains of multiply-adds instead
+ * of one: a single row's chain waits on the multiply-add's latency at every chunk of
+ * eight, which caps it near two weights a cycle, below what memory delivers. */
+static void dot_rows4(const uint8_t *const rows[4], kv_weight_format format, const float *x,
+                      int in_dim, float out[4]) {
+    v8f a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+    if (format == KV_WEIGHT_Q8_0) {
+        for (int b = 0; b < in_dim / KV_Q8_0_BLOCK; b++) {
+            size_t at = (size_t)b * KV_Q8_0_BLOCK_BYTES;
+            v8f s0 = splat(block_scale(rows[0] + at)), s1 = splat(block_scale(rows[1] + at));
+            v8f s2 = splat(block_scale(rows[2] + at)), s3 = splat(block_scale(rows[3] + at));
+            const float *xb = x + b * KV_Q8_0_BLOCK;
+            for (int j = 0; j < KV_Q8_0_BLOCK; j += 8) {
+                v8f xv = load8(xb + j);
+                size_t c = at + 2 + (size_t)j;
+                a0 = madd(int8_to_floats((const int8_t *)rows[0] + c) * s0, xv, a0);
+                a1 = madd(int8_to_floats((const int8_t *)rows[1] + c) * s1, xv, a1);
+                a2 = madd(int8_to_floats((const int8_t *)rows[2] + c) * s2, xv, a2);
+                a3 = madd(int8_to_floats((const int8_t *)rows[3] + c) * s3, xv, a3);
+            }
+        }
+        v4f sums = reduce_lanes4(a0, a1, a2, a3);    /* no leftovers: whole blocks */
+        for (int r = 0; r < 4; r++) out[r] = sums[r];
+        return;
+    }
+    int bf16 = format == KV_WEIGHT_BF16, n8 = in_dim & ~7;
+    for (int i = 0; i < n8; i += 8) {
+        v8f xv = load8(x + i);
+        a0 = madd(halves_to_floats(rows[0] + 2 * (size_t)i, bf16), xv, a0);
+        a1 = madd(halves_to_floats(rows[1] + 2 * (size_t)i, bf16), xv, a1);
+        a2 = madd(halves_to_floats(rows[2] + 2 * (size_t)i, bf16), xv, a2);
+        a3 = madd(halves_to_floats(rows[3] + 2 * (size_t)i, bf16), xv, a3);
+    }
+    v4f sums = reduce_lanes4(a0, a1, a2, a3);
+    for (int r = 0; r < 4; r++) {
+        float sum = sums[r];
+        for (int i = n8; i < in_dim; i++) {   /* the leftovers, in order, as kv_dot */
+            float w;
+            kv_weight_row_dequantize(format, rows[r] + 2 * (size_t)i, 1, &w);
+            sum += w * x[i];
+        }
+        out[r] = sum;
+    }
+}
+
 /* Rows lo .. hi - 1 of w against few tokens (a decode step): each row is made float32 as
- * it streams past, once per token, which costs little beside the memory read. */
+ * it streams past, once per token, which costs little beside the memory read. The rows
+ * are read as four runs side by side, a row of each at a time, as ops.c's small batches
+ * are: four streams for the hardware prefetcher to follow, four chains of arithmetic. */
 static void rows_streamed(float *out, const float *x, const uint8_t *w, kv_weight_format format,
                           int n_tokens, int in_dim, int out_dim, int lo, int hi) {
     size_t row_bytes = kv_weight_row_bytes(format, in_dim);
-    for (int o = lo; o < hi; o++)
+    int per_run = (hi - lo) / 4;
+    for (int k = 0; k < per_run; k++) {
+        int o[4] = {lo + k, lo + per_run + k, lo + 2 * per_run + k, lo + 3 * per_run + k};
+        const uint8_t *rows[4] = {w + (size_t)o[0] * row_bytes, w + (size_t)o[1] * row_bytes,
+                                  w + (size_t)o[2] * row_bytes, w + (size_t)o[3] * row_bytes};
+        for (int t = 0; t < n_tokens; t++) {
+            float sums[4];
+            dot_rows4(rows, format, x + (size_t)t * in_dim, in_dim, sums);
+            for (int r = 0; r < 4; r++) out[(size_t)t * out_dim + o[r]] = sums[r];
+        }
+    }
+    for (int o = lo + 4 * per_run; o < hi; o++)   /* the last few, one at a time */
         for (int t = 0; t < n_tokens; t++)
             out[(size_t)t * out_dim + o] = dot_row(w + (size_t)o * row_bytes, format,
                                                    x + (size_t)t * in_dim, in_dim);
+}
+
+/* A row's float32 values (exact, as kv_weight_row_dequantize), eight at a time */
+static void convert_row(kv_weight_format format, const uint8_t *row, int in_dim, float *out) {
+    if (format == KV_WEIGHT_Q8_0) {
+        for (int b = 0; b < in_dim / KV_Q8_0_BLOCK; b++) {
+            const uint8_t *block = row + (size_t)b * KV_Q8_0_BLOCK_BYTES;
+            v8f scale = splat(block_scale(block));
+            for (int j = 0; j < KV_Q8_0_BLOCK; j += 8) {
+                v8f values = int8_to_floats((const int8_t *)block + 2 + j) * scale;
+                memcpy(out + b * KV_Q8_0_BLOCK + j, &values, sizeof values);
+            }
+        }
+        return;
+    }
+    int bf16 = format == KV_WEIGHT_BF16, n8 = in_dim & ~7;
+    for (int i = 0; i < n8; i += 8) {
+        v8f values = halves_to_floats(row + 2 * (size_t)i, bf16);
+        memcpy(out + i, &values, sizeof values);
+    }
+    kv_weight_row_dequantize(format, row + 2 * (size_t)n8, in_dim - n8, out + n8);
 }
 
 /* Row blocks lo .. hi - 1 (four rows each) of w against many tokens (a prefill, a big
@@ -126,7 +206,7 @@ static void blocks_converted(float *out, const float *x, const uint8_t *w,
         for (int block = lo; block < hi; block++) {
             int o = 4 * block, n_rows = out_dim - o < 4 ? out_dim - o : 4;
             for (int r = 0; r < n_rows; r++)
-                kv_weight_row_dequantize(format, w + (size_t)(o + r) * row_bytes, in_dim, rows + (size_t)r * in_dim);
+                convert_row(format, w + (size_t)(o + r) * row_bytes, in_dim, rows + (size_t)r * in_dim);
             if (n_rows == 4) {
                 kv_matmul_four_rows(out, x, four, o, first, chunk, in_dim, out_dim);
                 continue;
