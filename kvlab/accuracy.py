@@ -19,6 +19,13 @@ which it was not trained on; stories260K is evaluated on text it generated itsel
     report = kvlab.accuracy.evaluate(model, tokens)
     print(report.table())
 
+Storing the weights in fewer bytes (kvlab.weight_formats) costs accuracy as well, and the
+two add up: evaluate_weights() runs every combination of a weight format and a cache
+format against float32 weights with an fp32 cache, on the same windows.
+
+    report = kvlab.accuracy.evaluate_weights(model, tokens)
+    print(report.table())
+
 Keeping fewer positions (kvlab.cache_policy) costs accuracy too: evaluate_budgets() runs
 each window's first half as a prompt and scores the second half, teacher-forced, with a
 cache that keeps only `budget` rows under each policy, against the full cache.
@@ -351,3 +358,155 @@ def evaluate_budgets(model, tokens: Sequence[int], budgets: Sequence[int] = (16,
                                       perplexity_change=100.0 * (ppl / full_perplexity - 1.0)))
     return BudgetReport(model=config.name or model.source, context=context, n_scored=n_scored,
                         full_perplexity=full_perplexity, results=results)
+
+
+# ---- weights in fewer bytes, and with the cache's -------------------------------------
+
+# The weight formats evaluate_weights() compares by default: a kvlab.weight_formats format,
+# "q8_0 x int8" for Q8_0 with its activations in int8 too (the Model default for Q8_0).
+DEFAULT_WEIGHT_VARIANTS = ("fp32", "fp16", "bf16", "q8_0 x fp32", "q8_0 x int8")
+DEFAULT_CACHE_FORMATS = ("fp32", "int8", "int4")
+
+
+@dataclasses.dataclass
+class CombinationAccuracy:
+    """One weight format with one cache format, against float32 weights and an fp32 cache."""
+    weights: str                  # e.g. "q8_0 x int8": the format, then the activations
+    cache: str                    # the cache format's name
+    weight_bytes: int             # the model's weights in this format
+    cache_bytes_per_token: int    # K and V of one position over all layers, as stored
+    kl: float                     # mean KL(p_exact || p_this), nats
+    top1: float
+    perplexity: float
+    perplexity_change: float      # percent, against float32 weights with an fp32 cache
+
+    def bytes_read(self, context: int) -> int:
+        """What one decode step reads at `context` cached positions: every weight once,
+        and every position's K and V."""
+        return self.weight_bytes + context * self.cache_bytes_per_token
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass
+class CombinationReport:
+    """evaluate_weights()'s result: one CombinationAccuracy per weight and cache format."""
+    model: str
+    n_tokens: int
+    context: int
+    exact_perplexity: float       # float32 weights, fp32 cache
+    results: List[CombinationAccuracy]
+
+    def __getitem__(self, key: tuple) -> CombinationAccuracy:
+        weights, cache = key
+        for r in self.results:
+            if (r.weights, r.cache) == (weights, cache):
+                return r
+        raise KeyError(f"no ({weights!r}, {cache!r}) in this report")
+
+    def table(self) -> str:
+        head = (f"{'weights':<14}{'cache':<8}{'weight bytes':>14}{'KV B/token':>12}"
+                f"{'read at ' + str(self.context):>14}{'KL (nats)':>12}{'top-1':>8}"
+                f"{'perplexity':>12}{'change':>9}")
+        lines = [f"{self.model}: {self.n_tokens:,} tokens in windows of {self.context}; "
+                 f"float32 weights with an fp32 cache: perplexity {self.exact_perplexity:.4f}",
+                 head]
+        for r in self.results:
+            lines.append(f"{r.weights:<14}{r.cache:<8}{r.weight_bytes:>14,}"
+                         f"{r.cache_bytes_per_token:>12,}{r.bytes_read(self.context):>14,}"
+                         f"{r.kl:>12.2e}{100 * r.top1:>7.2f}%{r.perplexity:>12.4f}"
+                         f"{r.perplexity_change:>+8.3f}%")
+        lines.append(f"read at {self.context}: bytes one decode step reads with "
+                     f"{self.context} positions cached (the weights, then K and V)")
+        return "\n".join(lines)
+
+    def as_dict(self) -> dict:
+        return {"model": self.model, "n_tokens": self.n_tokens, "context": self.context,
+                "exact_perplexity": self.exact_perplexity,
+                "results": [r.as_dict() for r in self.results]}
+
+    def save_json(self, path: str) -> None:
+        with open(path, "w") as out:
+            json.dump(self.as_dict(), out, indent=2)
+
+
+def _weight_variant(model, variant: str):
+    """The model with its matrices stored as `variant` says ("fp16", "q8_0 x int8" ...)."""
+    from .model import Model
+    from .weight_formats import FORMATS
+    fmt, _, activations = variant.partition(" x ")
+    activations = activations or "fp32"
+    if fmt not in FORMATS or activations not in ("fp32", "int8") or (
+            activations == "int8" and fmt != "q8_0"):
+        raise ValueError(f"weight variant must be a format ({', '.join(FORMATS)}), or "
+                         f"'q8_0 x int8' / 'q8_0 x fp32', got {variant!r}")
+    return Model(model.config, model.weights.float32().converted(fmt), model.tokenizer,
+                 model.source, activations=activations)
+
+
+def evaluate_weights(model, tokens: Sequence[int],
+                     weights: Sequence[str] = DEFAULT_WEIGHT_VARIANTS,
+                     caches: Sequence[FormatSpec] = DEFAULT_CACHE_FORMATS,
+                     context: Optional[int] = None, progress: bool = False) -> CombinationReport:
+    """Every weight variant with every cache format, teacher-forced on `tokens` in windows
+    of `context` tokens (default: the model's context, at most 512), against the model's
+    float32 weights (their dequantized values, for a model loaded in fewer bytes) with an
+    fp32 cache: KL, top-1 agreement and perplexity change, and the bytes each reads."""
+    tokens = np.asarray(tokens)
+    config = model.config
+    context = context or min(512, config.max_seq_len)
+    if not 2 <= context <= config.max_seq_len:
+        raise ValueError(f"context must be between 2 and the model's {config.max_seq_len} tokens")
+    if tokens.ndim != 1 or len(tokens) < 2:
+        raise ValueError("tokens must be a 1-D sequence of at least 2 token ids")
+    exact_model = _weight_variant(model, "fp32")
+    variants = [(name, _weight_variant(model, name)) for name in weights]
+    specs = [_options(spec) for spec in caches]
+    cache_formats = [model.cache_format(**spec) for spec in specs]
+    windows = [tokens[i:i + context] for i in range(0, len(tokens) - 1, context)]
+    windows = [w for w in windows if len(w) >= 2]
+    runs = [(name, variant, spec, fmt) for name, variant in variants
+            for spec, fmt in zip(specs, cache_formats)]
+    totals = {(name, fmt.name): _Totals(config.n_layers) for name, _, _, fmt in runs}
+    exact_nll, n_predicted = 0.0, 0
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+        bar = tqdm(total=len(windows) * (len(runs) + 1), desc="weight x cache formats", unit="run")
+    for window in windows:
+        targets = window[1:]
+        exact = log_softmax(exact_model.prefill(window, exact_model.new_cache(len(window)),
+                                                all_logits=True))[:-1]
+        p = np.exp(exact)
+        exact_nll -= exact[np.arange(len(targets)), targets].sum()
+        n_predicted += len(targets)
+        if bar is not None:
+            bar.update(1)
+        for name, variant, spec, fmt in runs:
+            options = {**spec, "window": min(fmt.window, len(window))}
+            log_q = log_softmax(variant.prefill(window, variant.new_cache(len(window), **options),
+                                                all_logits=True))[:-1]
+            total = totals[(name, fmt.name)]
+            total.kl += float((p * (exact - log_q)).sum())
+            total.agree += int((log_q.argmax(axis=-1) == exact.argmax(axis=-1)).sum())
+            total.nll -= log_q[np.arange(len(targets)), targets].sum()
+            if bar is not None:
+                bar.update(1)
+    if bar is not None:
+        bar.close()
+    exact_perplexity = float(np.exp(exact_nll / n_predicted))
+    results = []
+    for name, variant, _, fmt in runs:
+        total = totals[(name, fmt.name)]
+        ppl = float(np.exp(total.nll / n_predicted))
+        results.append(CombinationAccuracy(
+            weights=name, cache=fmt.name, weight_bytes=variant.weights_nbytes,
+            cache_bytes_per_token=kv_bytes_per_token(config, fmt.key, value_dtype=fmt.value,
+                                                     key_group=fmt.key_group or None,
+                                                     value_group=fmt.value_group or None),
+            kl=total.kl / n_predicted, top1=total.agree / n_predicted, perplexity=ppl,
+            perplexity_change=100.0 * (ppl / exact_perplexity - 1.0)))
+    return CombinationReport(model=config.name or model.source,
+                             n_tokens=n_predicted + len(windows), context=context,
+                             exact_perplexity=exact_perplexity, results=results)

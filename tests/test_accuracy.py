@@ -129,3 +129,41 @@ def test_evaluate_budgets_refuses_what_it_cannot_run(kwargs):
     model = kvlab.load()
     with pytest.raises(ValueError):
         accuracy.evaluate_budgets(model, np.arange(300) % 200, **kwargs)
+
+
+# ---- weight formats, and weight x cache formats ----------------------------------------------
+
+@pytest.fixture(scope="module")
+def combinations(model, text_tokens):
+    return accuracy.evaluate_weights(model, text_tokens, context=96)
+
+
+def test_float32_weights_with_an_fp32_cache_cost_nothing(combinations):
+    exact = combinations["fp32", "fp32"]
+    assert exact.kl == 0 and exact.top1 == 1 and exact.perplexity_change == 0
+    assert exact.weight_bytes == 4_364_800 and exact.cache_bytes_per_token == 1536
+
+
+def test_the_weights_and_the_caches_bytes_and_costs(combinations, model):
+    fp16, q8 = combinations["fp16", "fp32"], combinations["q8_0 x int8", "fp32"]
+    assert fp16.weight_bytes == model.weights.converted("fp16").nbytes
+    assert q8.weight_bytes == model.weights.converted("q8_0").nbytes < fp16.weight_bytes
+    # fewer weight bits cost more, and a cache's cost adds to the weights'
+    assert 0 < fp16.kl < combinations["bf16", "fp32"].kl < q8.kl
+    assert combinations["q8_0 x int8", "int4 g16"].kl > combinations["fp32", "int4 g16"].kl * 0.8
+    assert q8.top1 > 0.95 and abs(q8.perplexity_change) < 1
+    exact_q8 = combinations["q8_0 x fp32", "fp32"]
+    assert exact_q8.weight_bytes == q8.weight_bytes and exact_q8.kl < q8.kl
+    assert q8.bytes_read(96) == q8.weight_bytes + 96 * 1536
+    table = combinations.table()
+    assert "q8_0 x int8" in table and "read at 96" in table
+    assert json.loads(json.dumps(combinations.as_dict()))["results"][0]["weights"] == "fp32"
+
+
+def test_evaluate_weights_refuses_what_it_cannot_run(model, text_tokens):
+    with pytest.raises(ValueError, match="weight variant"):
+        accuracy.evaluate_weights(model, text_tokens, weights=["fp16 x int8"])
+    with pytest.raises(ValueError, match="weight variant"):
+        accuracy.evaluate_weights(model, text_tokens, weights=["q4_0"])
+    with pytest.raises(ValueError, match="context"):
+        accuracy.evaluate_weights(model, text_tokens, context=1)
