@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from typing import Dict, Optional, Union
+from typing import Dict, Optional, Tuple, Union
 
 from . import weight_formats
 from ._core import core
@@ -91,8 +91,31 @@ def kv_cache_bytes(config: ModelConfig, seq_len: int, batch: int = 1,
 
 
 def weights_bytes(config: ModelConfig, dtype: str = "fp16") -> int:
-    """Bytes of the model's weights stored in dtype."""
+    """Bytes of the model's weights stored in dtype: a cache dtype name (every parameter
+    that many bytes), or "q8_0" (34 bytes per 32: the weight_formats layout)."""
+    if dtype == "q8_0":
+        return config.n_params() * weight_formats.Q8_0_BLOCK_BYTES // weight_formats.Q8_0_BLOCK
     return config.n_params() * _element_bytes(dtype)
+
+
+# [quote ch06-whose-bytes]
+def decode_step_bytes(config: ModelConfig, context: int, batch: int = 1,
+                      weights: str = "fp16", cache: str = "fp16") -> Tuple[int, int]:
+    """(weight bytes, cache bytes) one decode step of `batch` sequences reads with `context`
+    positions cached each: every weight once for the whole batch (the embedding table aside:
+    a row per token), and every position's K and V for each sequence."""
+    per_step = weights_bytes(config, weights)
+    if not config.tied_embeddings:          # the embedding is looked up, not multiplied
+        per_step -= weights_bytes(config, weights) * config.vocab_size * config.dim // config.n_params()
+    return per_step, batch * context * kv_bytes_per_token(config, cache)
+
+
+def crossover_context(config: ModelConfig, batch: int = 1, weights: str = "fp16",
+                      cache: str = "fp16") -> float:
+    """The context at which a decode step reads as many bytes of K and V as of weights."""
+    weight_part, _ = decode_step_bytes(config, 0, batch, weights, cache)
+    return weight_part / (batch * kv_bytes_per_token(config, cache))
+# [end ch06-whose-bytes]
 
 
 # ---- work per forward call ----------------------------------------------------------------

@@ -2,8 +2,8 @@
 
     python chapters/figures/ch06.py [--out DIR] [--threads N]
 
-Writes ch06_errors.png, ch06_accuracy.png, ch06_attention.png and ch06.json (every
-number the chapter quotes, with the setup):
+Writes ch06_errors.png, ch06_accuracy.png, ch06_attention.png, ch06_whose_bytes.png and
+ch06.json (every number the chapter quotes, with the setup):
 
 1. Bytes per token of each format, scales and zero points included
    (kvlab.kv_bytes_per_token), for the bundled model, stories260K and two large shapes,
@@ -16,6 +16,12 @@ number the chapter quotes, with the setup):
 4. Decode attention alone (cache.attend) on one Llama 3 8B layer (32 query heads, 8 KV
    heads of head_dim 128) filled with random rows, every format timed round-robin, best
    of 15, as benchmarks/bench_quant.py does at more contexts.
+5. Weights or cache, whose bytes: for the presets, the bytes a decode step reads of each
+   (kvlab.measure.decode_step_bytes), the context where the cache's overtake the weights'
+   per batch and format, and what each quantization saves at a few (context, batch)
+   points; measured, every weight format with every cache format on the same held-out
+   text (kvlab.accuracy.evaluate_weights), and decode on the stories15M shape per weight
+   format (benchmarks/bench_weights.py's model, a few interleaved rounds).
 
 Runs in well under 60 s on the 2-core development machine.
 """
@@ -37,7 +43,8 @@ import numpy as np  # noqa: E402
 import kvlab  # noqa: E402
 import common  # noqa: E402,F401  (chapters/figures/common.py puts benchmarks/ on the path)
 import bench_quant  # noqa: E402
-from kvlab import accuracy, quant  # noqa: E402
+import bench_weights  # noqa: E402
+from kvlab import accuracy, measure, quant  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 SHARED = Path(os.environ.get("KVLAB_SHARED", HERE.parents[2] / "shared"))
@@ -210,6 +217,104 @@ def plot_attention(rows, path: Path) -> None:
     plt.close(fig)
 
 
+# ---- 5. weights or cache: whose bytes? ----------------------------------------------------
+
+WHOSE_PRESETS = ["tinyllama-1.1b", "llama2-7b", "llama3-8b", "llama2-70b"]
+WEIGHT_FORMATS = ["fp16", "q8_0"]
+CACHE_FORMATS = ["fp16", "int8", "int4"]
+BATCHES = [1, 8, 32]
+POINTS = [(4096, 1), (4096, 16), (32768, 1), (32768, 16)]     # (context, batch)
+
+
+def whose_bytes() -> dict:
+    presets = kvlab.ModelConfig.presets()
+    table = {}
+    for name in WHOSE_PRESETS:
+        c = presets[name]
+        table[name] = {
+            "weights_per_step": {w: measure.decode_step_bytes(c, 0, 1, w)[0] for w in WEIGHT_FORMATS},
+            "kv_per_token": {f: kvlab.kv_bytes_per_token(c, f) for f in CACHE_FORMATS},
+            "crossover": {f"{w} weights, {f} cache": {str(b): round(measure.crossover_context(c, b, w, f))
+                                                      for b in BATCHES}
+                          for w in WEIGHT_FORMATS for f in CACHE_FORMATS},
+            "saved_at": [_savings(c, context, batch) for context, batch in POINTS],
+        }
+    return table
+
+
+def _savings(config, context: int, batch: int) -> dict:
+    """Share of an fp16/fp16 decode step's bytes that Q8_0 weights, an int8 cache, or both save."""
+    def total(w, f):
+        return sum(measure.decode_step_bytes(config, context, batch, w, f))
+    base = total("fp16", "fp16")
+    weight_part, cache_part = measure.decode_step_bytes(config, context, batch, "fp16", "fp16")
+    return {"context": context, "batch": batch, "cache_share": cache_part / base,
+            "q8_0_weights": 1 - total("q8_0", "fp16") / base,
+            "int8_cache": 1 - total("fp16", "int8") / base,
+            "both": 1 - total("q8_0", "int8") / base}
+
+
+def decode_by_weight_format(rounds: int = 3) -> list:
+    """Greedy decode on the stories15M shape (random weights), each weight format in turn."""
+    models = bench_weights.build_models("15m")
+    prompt = np.random.default_rng(1).integers(0, 32000, 16).astype(np.int32)
+    bench_weights.check(models, prompt[:6])
+    times, ratios = bench_weights.interleaved(
+        bench_weights.VARIANTS, rounds, lambda v: bench_weights.decode_seconds(models[v], prompt, 16))
+    rows = []
+    for v in bench_weights.VARIANTS:
+        seconds = float(np.median(times[v]))
+        step_bytes = bench_weights.bytes_per_decode_step(models[v], prompt)
+        rows.append({"weights": v, "weights_nbytes": models[v].weights_nbytes,
+                     "decode_tokens_per_s": 1 / seconds,
+                     "speedup_vs_fp32": float(np.median(ratios[v])),
+                     "read_gb_per_s": step_bytes / seconds / 1e9})
+    return rows
+
+
+def plot_whose_bytes(table, combos, path: Path) -> None:
+    """Left: bytes a Llama 3 8B decode step reads against context, weights flat and cache
+    growing, batch 1 and 16. Right: what each weight x cache combination costs the bundled
+    model in KL against its bytes."""
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    c = kvlab.ModelConfig.llama3_8b()
+    contexts = np.logspace(np.log10(512), np.log10(131072), 60)
+    for batch, style in ((1, "-"), (16, "--")):
+        for f, color in zip(CACHE_FORMATS, ("C0", "C1", "C2")):
+            kv = [measure.decode_step_bytes(c, int(n), batch, "fp16", f)[1] / 1e9 for n in contexts]
+            left.plot(contexts, kv, style, color=color, label=f"K/V {f}, batch {batch}")
+    for w, color in zip(WEIGHT_FORMATS, ("k", "grey")):
+        left.axhline(table["llama3-8b"]["weights_per_step"][w] / 1e9, color=color, lw=1.5,
+                     label=f"weights {w}")
+    left.set_xscale("log", base=2)
+    left.set_yscale("log")
+    left.set_xlabel("positions cached per sequence")
+    left.set_ylabel("GB read per decode step")
+    left.set_title("Llama 3 8B: whose bytes does a decode step read?", fontsize=10)
+    left.legend(fontsize=7, ncol=2)
+    left.grid(alpha=0.3, which="both")
+    report = combos[0]
+    for r in report["results"]:
+        if r["weights"] == "fp32" and r["cache"] == "fp32":
+            continue
+        marker = {"fp32": "o", "int8 g16": "s", "int4 g16": "^"}.get(r["cache"], "x")
+        right.scatter(r["weight_bytes"] / 1e6, max(r["kl"], 1e-8), marker=marker,
+                      color=f"C{['fp32', 'fp16', 'bf16', 'q8_0 x fp32', 'q8_0 x int8'].index(r['weights'])}")
+    for i, w in enumerate(["fp32", "fp16", "bf16", "q8_0 x fp32", "q8_0 x int8"]):
+        right.scatter([], [], color=f"C{i}", label=f"weights {w}")
+    for cache, marker in (("fp32", "o"), ("int8 g16", "s"), ("int4 g16", "^")):
+        right.scatter([], [], color="k", marker=marker, label=f"cache {cache}")
+    right.set_yscale("log")
+    right.set_xlabel("weight MB (the bundled model)")
+    right.set_ylabel("mean KL against fp32 / fp32, nats (log)")
+    right.set_title("What the bytes cost: weights x cache formats", fontsize=10)
+    right.legend(fontsize=7, ncol=2)
+    right.grid(alpha=0.3, which="both")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default=str(HERE))
@@ -260,7 +365,29 @@ def main() -> None:
         print(f"{r['context']:>6} {r['format']:<5}{r['ms']:8.2f} ms {r['speedup_vs_fp32']:6.2f}x"
               f"{r['gb_per_s']:7.2f} GB/s")
 
+    whose = whose_bytes()
+    for name, row in whose.items():
+        print(name, "crossover (fp16 weights, fp16 cache):",
+              row["crossover"]["fp16 weights, fp16 cache"])
+    combos = []
+    report = accuracy.evaluate_weights(model, tokens, context=512)
+    report.model += " (Tiny Shakespeare validation split)"
+    print(report.table())
+    combos.append(report.as_dict())
+    if stories is not None:
+        # its hidden width (172) is no multiple of Q8_0's block of 32: 16-bit weights only
+        report = accuracy.evaluate_weights(stories, story_tokens, weights=("fp32", "fp16", "bf16"),
+                                           context=512)
+        report.model += " (text it generated)"
+        print(report.table())
+        combos.append(report.as_dict())
+    decode = decode_by_weight_format()
+    for r in decode:
+        print(f"15M shape, {r['weights']:<12} {r['decode_tokens_per_s']:8.1f} tok/s "
+              f"{r['speedup_vs_fp32']:5.2f}x {r['read_gb_per_s']:6.1f} GB/s")
+
     plot_errors(errors, out / "ch06_errors.png")
+    plot_whose_bytes(whose, combos, out / "ch06_whose_bytes.png")
     plot_accuracy(reports, out / "ch06_accuracy.png")
     plot_attention(times, out / "ch06_attention.png")
 
@@ -288,6 +415,9 @@ def main() -> None:
             fmt: (16 * 2**30) // kvlab.kv_bytes_per_token(kvlab.ModelConfig.llama3_8b(), fmt)
             for fmt in FORMATS},
         "bench_quant_json_accuracy": stored,
+        "whose_bytes": whose,
+        "weights_x_cache_accuracy": combos,
+        "decode_by_weight_format_15m": decode,
     }
     result["setup"]["seconds"] = round(time.perf_counter() - started, 1)
     (out / "ch06.json").write_text(json.dumps(result, indent=1))
