@@ -27,11 +27,12 @@ halves away from zero, and d stored as a half. So a matrix the kit writes is the
 llama.cpp would write from the same float32 weights.
 
 A model keeps each matrix as a typed array whose dtype says its format (stored() makes
-one, format_of() reads it): float32, float16, BF16_DTYPE (a bf16 in a one-field record,
-since NumPy has no bf16) or Q8_0_DTYPE (one record per block, so a (n_layers, out_dim,
-in_dim) matrix is (n_layers, out_dim, in_dim / 32) blocks). values() gives the float32
-numbers back; as_bytes() the uint8 rows the core reads. A GGUF file's Q8_0 tensor is such
-an array already, read in place.
+one from values, empty() an unfilled one for a loader to fill, format_of() reads it):
+float32, float16, BF16_DTYPE (a bf16 in a one-field record, since NumPy has no bf16) or
+Q8_0_DTYPE (one record per block, so a (n_layers, out_dim, in_dim) matrix is (n_layers,
+out_dim, in_dim / 32) blocks). values() gives the float32 numbers back; as_bytes() the uint8
+rows the core reads. A GGUF file's Q8_0 tensor has these bytes already: kvlab.loaders.gguf
+copies them as they are.
 """
 from __future__ import annotations
 
@@ -169,6 +170,15 @@ def logical_shape(array: np.ndarray) -> tuple:
     if format_of(array) == "q8_0":
         return (*array.shape[:-1], array.shape[-1] * Q8_0_BLOCK)
     return array.shape
+
+
+def empty(shape: tuple, fmt: str) -> np.ndarray:
+    """A new, unfilled matrix stored in `fmt` whose float32 values have `shape` (..., in_dim):
+    what a loader fills layer by layer from a file's bytes."""
+    check_format(fmt, shape[-1])
+    if fmt == "q8_0":
+        shape = (*shape[:-1], shape[-1] // Q8_0_BLOCK)
+    return np.empty(shape, dtype=_DTYPES[fmt])
 
 
 def stored(values: np.ndarray, fmt: str) -> np.ndarray:

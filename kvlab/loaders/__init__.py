@@ -42,14 +42,17 @@ def load_checkpoint(path: "str | os.PathLike[str]",
                     ) -> Tuple[ModelConfig, Weights, Optional[Tokenizer]]:
     """(config, weights, tokenizer) from a checkpoint file or folder.
 
-    weight_format: the format the caller will store the matrices in (kvlab.load converts them
-    afterwards), or None; a GGUF tensor type the core cannot read is dequantized straight
-    to it (to q8_0 when None).
+    Matrices come in the checkpoint's own format where the core reads it: fp32, fp16 and
+    bf16 safetensors, GGUF F32, F16, BF16 and Q8_0. weight_format: the format the caller
+    will store the matrices in (kvlab.load converts them afterwards), or None; a GGUF tensor
+    type the core cannot read (Q4_K, ...) is dequantized straight to it (to q8_0 when None,
+    fp16 for rows that are not whole Q8_0 blocks), with a warning that says what it cost.
 
     mmap=True (the default) memory-maps a llama2.c file and uses it in place: instant, and
     shared between processes, but the file must not change while the weights are in use
     (Weights.check_source notices when it has). mmap=False reads the weights into memory
-    of their own. Hugging Face and GGUF weights are always converted copies.
+    of their own. Hugging Face and GGUF weights are always copies (each stacks a matrix's
+    layers, which the files keep apart, into one array).
 
     Every weight is checked to be finite (a NaN in a corrupt file is a WeightsError, not
     NaN logits later). The tokenizer comes from, in order: `tokenizer_path`; a llama2.c sidecar's
@@ -61,7 +64,7 @@ def load_checkpoint(path: "str | os.PathLike[str]",
     if kind == "hf":
         config, weights, tokenizer = load_hf(path)
     elif kind == "gguf":
-        config, weights, tokenizer = load_gguf(path)
+        config, weights, tokenizer = load_gguf(path, weight_format=weight_format)
     else:
         # An explicit tokenizer_path makes the sidecar's and the nearby one irrelevant.
         config, weights, tokenizer = _load_llama2c(path, want_tokenizer=tokenizer_path is None,

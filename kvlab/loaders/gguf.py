@@ -1,4 +1,4 @@
-"""Read Llama checkpoints in GGUF format (llama.cpp's file format), F32/F16 only.
+"""Read Llama checkpoints in GGUF format (llama.cpp's file format).
 
 The `gguf` package (pip install gguf) parses the container; this module maps its
 metadata keys and tensor names onto kvlab's ModelConfig and Weights. Two things to know:
@@ -6,8 +6,22 @@ metadata keys and tensor names onto kvlab's ModelConfig and Weights. Two things 
     a NumPy shape: a (out_features, in_features) matrix appears as [in, out].
   * llama.cpp's converter permutes q/k rows to the interleaved RoPE layout (the
     llama2.c / Meta one), so GGUF models use rope_interleaved=True.
-Not here: quantized tensors (Q4_0, Q8_0, K-quants, BF16, ...), which are refused by name,
-architectures other than "llama", and RoPE scaling stored in GGUF (rope_freqs).
+Not here: architectures other than "llama", and RoPE scaling stored in GGUF (rope_freqs).
+
+Tensor types. kvlab's core reads four of GGUF's types as they are (kvlab.weight_formats):
+F32, F16, BF16 and Q8_0 (fp32, fp16, bf16, q8_0, byte for byte). A matrix whose layers all
+have one of these types keeps it. Any other type (Q4_0, Q4_1, Q5_0, Q5_1, the K-quants Q2_K
+.. Q6_K, the IQ types, ...) is dequantized with the gguf package, a few megabytes at a time,
+and stored in a format the core reads: `weight_format` (kvlab.load's weights=), q8_0 when
+that is None, fp16 where a row is not a whole number of Q8_0 blocks. So is a matrix whose
+layers differ in type (Q4_K_M files mix Q4_K and Q6_K). That costs memory (q8_0 takes 8.5
+bits a weight, Q4_K 4.5) and time (NumPy, not C), so one warning says what it cost. The norm
+vectors are always float32, whatever their type in the file.
+
+The weights are copies, never views of the file: the core wants one pointer that reaches
+every layer of a matrix (Weights stacks them), and a GGUF file stores each layer as a tensor
+of its own, with other tensors between them. So a kept matrix is copied, layer by layer,
+from the file's bytes into one stacked array; a memory map cannot be used in place.
 
 Every count, length, offset and size in a GGUF file is a number the file chooses, and the
 `gguf` package believes them: a corrupt array length makes it loop for ever, a tensor's
@@ -21,16 +35,20 @@ import math
 import mmap
 import os
 import struct
+import sys
+import time
+import warnings
 from pathlib import Path
 from typing import Any, Dict, List, NoReturn, Optional, Tuple
 
 import numpy as np
 
+from .. import weight_formats
 from ..config import ModelConfig
 from ..errors import CheckpointError, ConfigError, TokenizerError
 from ..files import LIMITS, config_error_in, open_regular
 from ..tokenizer import SentencePieceBPE, _gguf_value   # one GGUF field decoder for the package
-from ..weights import Weights
+from ..weights import MATRICES, Weights
 
 # kvlab name -> GGUF tensor name ({i} = layer).
 _LAYER_NAMES = {
@@ -51,19 +69,39 @@ _GLOBAL_NAMES = {
 }
 
 
-def load_gguf(path: "str | os.PathLike[str]") -> Tuple[ModelConfig, Weights, Any]:
-    """(config, float32 weights, tokenizer or None) from a llama GGUF file."""
+# GGUF tensor types the core reads as they are -> the kvlab weight format of the same bytes.
+_KEPT_TYPES = {"F32": "fp32", "F16": "fp16", "BF16": "bf16", "Q8_0": "q8_0"}
+# Rows are dequantized about this many bytes of float32 values at a time: the gguf package
+# makes a few temporaries of that size, so a 500 MB token_embd needs no gigabytes of scratch.
+_DEQUANTIZE_CHUNK_BYTES = 16 << 20
+
+
+def load_gguf(path: "str | os.PathLike[str]", weight_format: Optional[str] = None
+              ) -> Tuple[ModelConfig, Weights, Any]:
+    """(config, weights, tokenizer or None) from a llama GGUF file.
+
+    A matrix keeps its GGUF type where the core reads it as it is (F32, F16, BF16, Q8_0:
+    fp32, fp16, bf16, q8_0). Any other type is dequantized and stored as `weight_format`
+    (None: q8_0, or fp16 for rows that are not whole Q8_0 blocks), with one warning that
+    says what it cost. The norm vectors are float32."""
+    if weight_format is not None and weight_format not in weight_formats.FORMATS:
+        raise ValueError(f"weight_format must be one of {', '.join(weight_formats.FORMATS)} "
+                         f"or None, got {weight_format!r}")
     path = Path(path)
     reader = open_gguf(path)  # its errors name the file already
+    cost = _DequantizeCost()
     try:
         tensors = {t.name: t for t in reader.tensors}
         config = config_from_gguf(reader, tensors, name=path.stem)
-        weights = _gather_weights(config, tensors)
-        return config, weights, _embedded_tokenizer(reader)
+        weights = _gather_weights(config, tensors, weight_format, _big_endian(reader), cost)
+        tokenizer = _embedded_tokenizer(reader)
     except CheckpointError as exc:
         raise CheckpointError(f"{path}: {exc}") from None
     except ConfigError as exc:  # a value ModelConfig refuses (rope.freq_base=1e-300 ...)
         raise config_error_in(exc, str(path), _GGUF_KEYS) from None
+    if cost.tensors:
+        warnings.warn(f"{path}: {cost.summary()}", stacklevel=_stacklevel_outside_kvlab())
+    return config, weights, tokenizer
 
 
 def open_gguf(path: Path) -> Any:
@@ -381,11 +419,13 @@ def _vocab_size(reader: Any, tensors: Dict[str, Any]) -> int:
     return rows
 
 
-def _gather_weights(config: ModelConfig, tensors: Dict[str, Any]) -> Weights:
+def _gather_weights(config: ModelConfig, tensors: Dict[str, Any], fallback: Optional[str],
+                    big_endian: bool, cost: "_DequantizeCost") -> Weights:
     # Every tensor is found and checked before anything is allocated: the sizes come from
     # metadata, and a corrupt block_count or embedding_length must not allocate gigabytes
-    # for tensors the file does not have. Once all of them match, the float32 copies are
-    # at most twice the size of the (F16) data really in the file.
+    # for tensors the file does not have. Once all of them match, a kept matrix takes the
+    # bytes it has in the file, a dequantized one a bounded multiple of them (at most
+    # 32 / 1.125 = 28x: Q1_0 stored as fp32), and float32 norms twice their F16 bytes.
     expected = Weights.expected_shapes(config)
     found: Dict[str, List[Any]] = {}
     for key, gguf_name in _GLOBAL_NAMES.items():
@@ -397,28 +437,27 @@ def _gather_weights(config: ModelConfig, tensors: Dict[str, Any]) -> Weights:
                       for i in range(config.n_layers)]
     arrays: Dict[str, np.ndarray] = {}
     for key, parts in found.items():
-        if key in _GLOBAL_NAMES:
-            arrays[key] = _float32(parts[0], expected[key])
+        per_layer = key in _LAYER_NAMES
+        if key in MATRICES:
+            arrays[key] = _matrix(parts, expected[key], per_layer, fallback, big_endian, cost)
         else:
-            arrays[key] = np.empty(expected[key], dtype=np.float32)
-            for i, tensor in enumerate(parts):
-                arrays[key][i] = _float32(tensor, expected[key][1:])
+            norm = np.empty(expected[key], dtype=np.float32)
+            for target, tensor in zip(_layers(norm, per_layer), parts):
+                target[...] = _float32_values(tensor, np.asarray(tensor.data), big_endian)
+            arrays[key] = norm
     if config.tied_embeddings:
-        arrays["classifier"] = arrays["token_embedding"]
+        arrays["classifier"] = arrays["token_embedding"]  # one array, two names
     weights = Weights(**arrays)
     weights.check(config)
     return weights
 
 
 def _tensor(tensors: Dict[str, Any], name: str, shape: Tuple[int, ...]) -> Any:
-    """The gguf tensor `name`, checked to be F32 or F16 and of NumPy shape `shape`."""
+    """The gguf tensor `name`, checked to have NumPy shape `shape` (its type was checked to
+    be a GGML type, with rows of whole blocks, by check_header)."""
     tensor = tensors.get(name)
     if tensor is None:
         raise CheckpointError(f"GGUF file lacks tensor {name!r}")
-    kind = tensor.tensor_type.name
-    if kind not in ("F32", "F16"):
-        raise CheckpointError(f"tensor {name!r} has type {kind}; kvlab reads F32 and F16 only "
-                              "(dequantize the model first)")
     numpy_shape = tuple(int(n) for n in reversed(tensor.shape))  # ggml ne -> row-major
     if numpy_shape != tuple(shape):
         raise CheckpointError(f"tensor {name!r} has shape {list(numpy_shape)} (GGUF ne "
@@ -426,16 +465,160 @@ def _tensor(tensors: Dict[str, Any], name: str, shape: Tuple[int, ...]) -> Any:
     return tensor
 
 
-def _float32(tensor: Any, shape: Tuple[int, ...]) -> np.ndarray:
-    """A checked tensor's data as a new float32 array of NumPy shape `shape`: always a
-    copy (astype copies even F32), so no weight points into gguf's memory map of the file
-    once the reader is gone, and the file may change after loading."""
-    return np.asarray(tensor.data).reshape(shape).astype(np.float32, copy=True)
+def _layers(stacked: np.ndarray, per_layer: bool) -> List[np.ndarray]:
+    """The views of `stacked` that the GGUF tensors of one weight fill: one per layer, or
+    the whole array for a global tensor."""
+    return list(stacked) if per_layer else [stacked]
 
 
-def _read(tensors: Dict[str, Any], name: str, shape: Tuple[int, ...]) -> np.ndarray:
-    """One tensor as a new float32 array of NumPy shape `shape`."""
-    return _float32(_tensor(tensors, name, shape), shape)
+def _matrix(parts: List[Any], shape: Tuple[int, ...], per_layer: bool,
+            fallback: Optional[str], big_endian: bool, cost: "_DequantizeCost") -> np.ndarray:
+    """A new stacked array of a matrix's GGUF tensors (one per layer, or one): in their own
+    format when all have the same type the core reads, else dequantized into the fallback.
+    Always a copy, so no weight points into gguf's memory map of the file once the reader
+    is gone, and the file may change after loading."""
+    kinds = {tensor.tensor_type.name for tensor in parts}
+    kept = _KEPT_TYPES.get(next(iter(kinds))) if len(kinds) == 1 else None
+    if kept is not None:
+        stacked = weight_formats.empty(shape, kept)
+        for target, tensor in zip(_layers(stacked, per_layer), parts):
+            _copy_kept(target, tensor, kept, big_endian)
+        return stacked
+    fmt = _fallback_format(fallback, shape[-1])
+    stacked = weight_formats.empty(shape, fmt)
+    start = time.perf_counter()
+    for target, tensor in zip(_layers(stacked, per_layer), parts):
+        _dequantize_into(target, tensor, fmt, big_endian)
+    cost.add(parts, stacked, time.perf_counter() - start)
+    return stacked
+
+
+def _fallback_format(requested: Optional[str], in_dim: int) -> str:
+    """The format a dequantized matrix is stored in: the one asked for, else q8_0 (the
+    fewest bytes the core reads), unless its rows are not whole Q8_0 blocks: then fp16."""
+    fmt = requested or "q8_0"
+    if fmt == "q8_0" and in_dim % weight_formats.Q8_0_BLOCK:
+        return "fp16"
+    return fmt
+
+
+def _copy_kept(target: np.ndarray, tensor: Any, fmt: str, big_endian: bool) -> None:
+    """Fill `target` (stored in `fmt`, the format of the tensor's type) with the tensor."""
+    data = np.asarray(tensor.data)
+    if fmt in ("fp32", "fp16"):
+        # gguf gives F32 and F16 typed, in the file's byte order; assigning converts it
+        target[...] = data.reshape(target.shape)
+        return
+    # BF16 and Q8_0 come as raw bytes, (rows, bytes a row), which are the format's bytes
+    _refuse_big_endian(tensor, big_endian)
+    target_bytes = target.view(np.uint8)
+    target_bytes[...] = data.reshape(target_bytes.shape)
+
+
+def _dequantize_into(target: np.ndarray, tensor: Any, fmt: str, big_endian: bool) -> None:
+    """Fill `target` (stored in `fmt`) with a tensor of any type, dequantized a chunk of
+    rows at a time."""
+    data = np.asarray(tensor.data)
+    rows_in = data.reshape(-1, data.shape[-1])             # the file's rows: values or bytes
+    rows_out = target.reshape(-1, target.shape[-1])        # a view: target is contiguous
+    in_dim = weight_formats.logical_shape(target)[-1]
+    step = max(1, _DEQUANTIZE_CHUNK_BYTES // (4 * in_dim))
+    # A corrupt block's scale can make infinities or NaNs: Weights.check_finite names the
+    # weight and layer afterwards, so NumPy's overflow and cast warnings would only be noise.
+    with np.errstate(over="ignore", invalid="ignore"):
+        for first in range(0, len(rows_in), step):
+            values = _float32_values(tensor, rows_in[first:first + step], big_endian)
+            rows_out[first:first + step] = weight_formats.stored(values, fmt)
+
+
+def _float32_values(tensor: Any, data: np.ndarray, big_endian: bool) -> np.ndarray:
+    """The float32 values of `data` (the tensor's data, or some of its rows), whatever the
+    tensor's type: always a new array."""
+    if data.dtype.kind == "f":  # F32, F16, F64: typed, in the file's byte order
+        return data.astype(np.float32)
+    kind = tensor.tensor_type.name
+    _refuse_big_endian(tensor, big_endian)
+    try:
+        from gguf.quants import dequantize
+    except ImportError:  # gguf releases before the NumPy dequantizers (2024)
+        raise CheckpointError(f"tensor {tensor.name!r} has type {kind}, and this gguf package "
+                              "cannot dequantize it: pip install -U gguf") from None
+    try:
+        return dequantize(data, tensor.tensor_type)
+    except NotImplementedError:
+        raise CheckpointError(f"tensor {tensor.name!r} has type {kind}, which the gguf package "
+                              "cannot dequantize (kvlab reads F32, F16, BF16 and Q8_0 as they "
+                              "are, and dequantizes the types gguf.quants knows)") from None
+
+
+def _big_endian(reader: Any) -> bool:
+    """Whether the file was written big-endian: its version's low half is then 0 (the rule
+    of check_header and of gguf's reader)."""
+    return int.from_bytes(bytes(reader.data[4:8]), "little") & 0xFFFF == 0
+
+
+def _refuse_big_endian(tensor: Any, big_endian: bool) -> None:
+    # gguf gives every type but F32/F16 (and the integers) as raw bytes, with no byte order
+    # applied, and its tools disagree on whether a big-endian file swaps the halves inside
+    # BF16 values and quantized blocks: reading them either way could be wrong, silently.
+    if big_endian:
+        raise CheckpointError(f"tensor {tensor.name!r} has type {tensor.tensor_type.name} in a "
+                              "big-endian GGUF file; kvlab reads only F32 and F16 tensors "
+                              "from big-endian files")
+
+
+class _DequantizeCost:
+    """What dequantizing took, over all matrices, for the one warning that says so."""
+
+    def __init__(self) -> None:
+        self.types: Dict[str, int] = {}       # GGUF type -> tensors of it dequantized
+        self.formats: List[str] = []          # kvlab formats they were stored in
+        self.tensors = self.file_bytes = self.stored_bytes = 0
+        self.seconds = 0.0
+
+    def add(self, parts: List[Any], stacked: np.ndarray, seconds: float) -> None:
+        for tensor in parts:
+            kind = tensor.tensor_type.name
+            self.types[kind] = self.types.get(kind, 0) + 1
+            self.file_bytes += int(tensor.n_bytes)
+        self.tensors += len(parts)
+        fmt = weight_formats.format_of(stacked)
+        if fmt not in self.formats:
+            self.formats.append(fmt)
+        self.stored_bytes += stacked.nbytes
+        self.seconds += seconds
+
+    def summary(self) -> str:
+        kinds = sorted(self.types)
+        if len(kinds) == 1:
+            types = f"of type {kinds[0]}"
+        else:
+            listed = [f"{kind} ({self.types[kind]})" for kind in kinds]
+            types = f"of types {', '.join(listed[:-1])} and {listed[-1]}"
+        formats = " and ".join(self.formats)
+        return (f"dequantized {self.tensors} GGUF tensors {types} with the gguf package "
+                f"in {self.seconds:.2f} s (kvlab's core reads F32, F16, BF16 and Q8_0 as they "
+                f"are, one type for all layers of a matrix); stored as {formats}, they take "
+                f"{_bytes_text(self.stored_bytes)}, against {_bytes_text(self.file_bytes)} in "
+                f"the file ({self.stored_bytes / max(1, self.file_bytes):.2f}x). "
+                "kvlab.load(path, weights=...) chooses the format they are stored in.")
+
+
+def _bytes_text(n: int) -> str:
+    """1,234 bytes; 12.3 MiB"""
+    if n < 1 << 20:
+        return f"{n:,} bytes"
+    return f"{n / (1 << 30):,.2f} GiB" if n >= 1 << 30 else f"{n / (1 << 20):,.1f} MiB"
+
+
+def _stacklevel_outside_kvlab() -> int:
+    """The stacklevel that points a warning, given by the function calling this, at the
+    first caller outside kvlab: the user's line, whether it called kvlab.load,
+    load_checkpoint or load_gguf."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_globals.get("__name__", "").split(".")[0] == "kvlab":
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def _embedded_tokenizer(reader: Any) -> Optional[Any]:

@@ -9,8 +9,11 @@ every config.json value for its type and against the readers' shared size limits
 Not here: PyTorch .bin checkpoints, quantized weights, models other than Llama-like
 (llama and mistral), biases, or partial rotary embeddings. A sliding window (Mistral) is
 kept in the config: kvlab.generate runs such a model with a SlidingWindow cache policy.
-Weights are converted to float32 and stacked per layer, so this loader copies (unlike
-the llama2.c loader, which maps the file).
+A matrix keeps its dtype, which the core reads as it is: F32, F16 and BF16 become kvlab's
+fp32, fp16 and bf16 (kvlab.weight_formats), so a 16-bit checkpoint takes half the memory
+of float32 (a matrix whose layers differ in dtype becomes fp32, which holds all three
+exactly). The norm vectors become float32. Per-layer tensors are stacked into one array a
+matrix, so this loader copies (unlike the llama2.c loader, which maps the file).
 """
 from __future__ import annotations
 
@@ -23,18 +26,20 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
+from .. import weight_formats
 from ..config import ModelConfig
 from ..errors import CheckpointError, ConfigError
 from ..tokenizer import HFTokenizer
-from ..weights import Weights
+from ..weights import MATRICES, Weights
 from ..files import (LIMITS, config_error_in, is_int, is_number, open_regular,
                      read_json_object, short)
 
 # Bytes per element of every safetensors dtype, so sizes can be checked even for
-# tensors we would not read; the three we can convert to float32 are in _READABLE.
+# tensors we would not read; the three we read (and keep) are in _READABLE.
 _ITEMSIZE = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "I16": 2, "U16": 2,
              "F16": 2, "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
 _READABLE = {"F32": "<f4", "F16": "<f2", "BF16": "<u2"}
+_KEPT_FORMATS = {"F32": "fp32", "F16": "fp16", "BF16": "bf16"}   # dtype -> weight format
 _MAX_HEADER = 100 * 1024 * 1024  # the safetensors spec's own limit on the JSON header
 
 _SUPPORTED_TYPES = ("llama", "mistral")
@@ -109,17 +114,36 @@ def _is_count(value: Any) -> bool:
 
 def read_tensor(info: TensorInfo) -> np.ndarray:
     """One tensor as a new float32 array (F32, F16 or BF16 on disk)."""
-    if info.dtype not in _READABLE:
-        raise CheckpointError(f"{info.path}: dtype {info.dtype} is not supported "
-                              f"(kvlab reads {', '.join(_READABLE)})")
+    raw = _read_raw(info)
+    if info.dtype == "BF16":
+        # bfloat16 is the top half of a float32: put the 16 bits back in the high half.
+        return (raw.astype(np.uint32) << 16).view(np.float32).reshape(info.shape)
+    return raw.astype(np.float32, copy=False).reshape(info.shape)
+
+
+def read_stored(info: TensorInfo) -> np.ndarray:
+    """One tensor as a new array in its own weight format (kvlab.weight_formats): float32
+    for F32, float16 for F16, BF16_DTYPE for BF16; the bytes of the file, not converted."""
+    raw = _read_raw(info)
+    if info.dtype == "BF16":
+        return raw.view(weight_formats.BF16_DTYPE).reshape(info.shape)
+    return raw.reshape(info.shape)
+
+
+def _read_raw(info: TensorInfo) -> np.ndarray:
+    """A tensor's elements as a new flat array of their own dtype (BF16 as uint16)."""
+    _check_readable(info)
     count = math.prod(info.shape)
     raw = np.fromfile(info.path, dtype=_READABLE[info.dtype], count=count, offset=info.start)
     if raw.size != count:  # the file shrank since the header was checked
         raise CheckpointError(f"{info.path}: could not read all of a tensor at byte {info.start}")
-    if info.dtype == "BF16":
-        # bfloat16 is the top half of a float32: put the 16 bits back in the high half.
-        return (raw.astype(np.uint32) << 16).view(np.float32).reshape(info.shape)
-    return raw.astype(np.float32).reshape(info.shape)
+    return raw
+
+
+def _check_readable(info: TensorInfo) -> None:
+    if info.dtype not in _READABLE:
+        raise CheckpointError(f"{info.path}: dtype {info.dtype} is not supported "
+                              f"(kvlab reads {', '.join(_READABLE)})")
 
 
 def write_safetensors(path: "str | os.PathLike[str]", tensors: Dict[str, np.ndarray],
@@ -411,8 +435,8 @@ def _gather_weights(config: ModelConfig, tensors: Dict[str, TensorInfo],
                     folder: Optional[Path] = None) -> Weights:
     # Every tensor is found and its shape checked before anything is allocated: the sizes
     # come from config.json, and a corrupt num_hidden_layers must not allocate gigabytes
-    # for tensors the files do not have. Once all match, the float32 copies are at most
-    # twice the size of the (16-bit) data really in the files.
+    # for tensors the files do not have. Once all match, a matrix takes the bytes it has in
+    # the files (twice them where its layers mix 16-bit and F32 dtypes), a norm at most twice.
     expected = Weights.expected_shapes(config)
     found: Dict[str, List[TensorInfo]] = {}
     for key, hf_name in _GLOBAL_NAMES.items():
@@ -424,18 +448,29 @@ def _gather_weights(config: ModelConfig, tensors: Dict[str, TensorInfo],
                       for i in range(config.n_layers)]
     arrays: Dict[str, np.ndarray] = {}
     for key, infos in found.items():
+        fmt = _stored_format(infos) if key in MATRICES else "fp32"   # norms: float32
+        read = read_stored if fmt != "fp32" else read_tensor
         if key in _GLOBAL_NAMES:
-            arrays[key] = read_tensor(infos[0])
+            arrays[key] = read(infos[0])
         else:
-            stacked = np.empty(expected[key], dtype=np.float32)  # filled layer by layer
+            stacked = weight_formats.empty(expected[key], fmt)  # filled layer by layer
             for i, info in enumerate(infos):
-                stacked[i] = read_tensor(info)
+                stacked[i] = read(info)
             arrays[key] = stacked
     if config.tied_embeddings:
         arrays["classifier"] = arrays["token_embedding"]  # one array, two names
     weights = Weights(**arrays)
     weights.check(config)
     return weights
+
+
+def _stored_format(infos: List[TensorInfo]) -> str:
+    """The weight format of a matrix's tensors (one per layer, or one): their own when they
+    share a dtype, else fp32, which holds the values of all three exactly."""
+    for info in infos:
+        _check_readable(info)
+    dtypes = {info.dtype for info in infos}
+    return _KEPT_FORMATS[dtypes.pop()] if len(dtypes) == 1 else "fp32"
 
 
 def _find(tensors: Dict[str, TensorInfo], name: str, shape: Tuple[int, ...],
@@ -476,10 +511,12 @@ def save_hf_llama(folder: "str | os.PathLike[str]", config: ModelConfig, weights
     HF checkpoints expect the rotate-half RoPE layout. If `config.rope_interleaved` is
     True (llama2.c, GGUF), the rows of wq and wk are permuted so that the saved model
     computes exactly the same function; loading it back gives rope_interleaved=False.
+    A matrix stored in fewer bytes (fp16, bf16, q8_0) is written as its values, in `dtype`.
     """
     if dtype not in _DTYPES:
         raise CheckpointError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
     weights.check(config)
+    weights = weights.float32()   # safetensors has no q8_0, and the writer converts values
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps(config_to_hf(config, dtype), indent=2) + "\n",

@@ -225,7 +225,8 @@ _DEFAULTS = {"norm_eps": 1e-5, "rope_theta": 10000.0, "rope_interleaved": True}
 
 
 def save_llama2c_v1(path: "str | os.PathLike[str]", config: ModelConfig, weights: Weights) -> None:
-    """Write a version-1 llama2.c checkpoint (float32).
+    """Write a version-1 llama2.c checkpoint (float32; a matrix stored in fewer bytes, such
+    as fp16 or q8_0, is written as its values).
 
     The format stores only the seven sizes and the shared-classifier flag. If the config
     has another norm_eps / rope_theta / RoPE layout, those go into a JSON sidecar next to
@@ -234,6 +235,7 @@ def save_llama2c_v1(path: "str | os.PathLike[str]", config: ModelConfig, weights
     path = Path(path)
     _check_saveable(config, weights)
     _check_not_mapped_from(path, weights)
+    weights = weights.float32()
     header = struct.pack("<Ii7iB", MAGIC_V1, 1, config.dim, config.hidden_dim, config.n_layers,
                          config.n_heads, config.n_kv_heads, config.vocab_size,
                          config.max_seq_len, int(config.tied_embeddings))
