@@ -44,7 +44,9 @@ import numpy as np
 from .cache_policy import CachePolicy, make_policy
 from .generate import generate
 from .measure import kv_bytes_per_token
+from .model import Model
 from .next_token_metrics import kl_divergence, log_softmax, perplexity  # noqa: F401 (re-exported)
+from .weight_formats import FORMATS
 
 # The formats evaluate() compares by default: each a dtype name or new_cache() options.
 DEFAULT_FORMATS = (
@@ -433,8 +435,6 @@ class CombinationReport:
 
 def _weight_variant(model, variant: str):
     """The model with its matrices stored as `variant` says ("fp16", "q8_0 x int8" ...)."""
-    from .model import Model
-    from .weight_formats import FORMATS
     fmt, _, activations = variant.partition(" x ")
     activations = activations or "fp32"
     if fmt not in FORMATS or activations not in ("fp32", "int8") or (

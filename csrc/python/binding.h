@@ -96,12 +96,15 @@ PyArrayObject *kv_py_rows_to_keep(PyObject *obj, int n_layers, int n_kv_heads);
 PyObject *kv_py_readonly_view(PyObject *owner, void *data, int type, int ndim,
                               npy_intp *dims, npy_intp *strides);
 
-/* ---- module.c: weight formats ------------------------------------------------------ */
+/* ---- weight_formats.c: weight matrices' formats ------------------------------------ */
 
 extern const char *const kv_py_weight_format_names[];
 
 /* A weight format's name ('fp32', 'fp16', 'bf16', 'q8_0') into *format; ValueError otherwise. */
 int kv_py_parse_weight_format(const char *name, kv_weight_format *format);
+
+/* matmul(x, w, format, activations='fp32'): the module's function (see module.c's table) */
+PyObject *kv_py_matmul(PyObject *module, PyObject *args);
 
 /* ---- stores.c: cache formats and views of K/V storage ------------------------------ */
 
