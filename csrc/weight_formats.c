@@ -261,10 +261,26 @@ kv_status kv_weights_matmul(float *out, const float *x, const uint8_t *w,
 
 /* ---- Q8_0 against int8 activations ------------------------------------------------------ */
 
+#ifdef __AVX2__
+/* The eight exact sums w[4m] x[4m] + ... + w[4m + 3] x[4m + 3] of 32 int8 pairs: |w| times
+ * x with w's sign, as unsigned by signed bytes (the instructions' operand kinds). With
+ * AVX-512 VNNI one instruction adds the four products; otherwise maddubs adds them in pairs
+ * (at most 2 x 128 x 127, below int16's limit, so never saturated) and madd adds the pairs:
+ * the same integers either way. */
+static ALWAYS_INLINE __m256i sums_of_four(__m256i w, __m256i x, __m256i ones) {
+    __m256i magnitude = _mm256_sign_epi8(w, w), signed_x = _mm256_sign_epi8(x, w);
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    (void)ones;
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), magnitude, signed_x);
+#else
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, signed_x), ones);
+#endif
+}
+#endif
+
 /* One Q8_0 row against a token's quantized activations, in kv_plain_matmul_int8's order:
  * per block, the products of 32 byte pairs summed four at a time as exact integers
- * (maddubs multiplies |w| by x with w's sign, in pairs; madd adds the pairs), made float and
- * added times the two scales into eight lanes. */
+ * (sums_of_four), made float and added times the two scales into eight lanes. */
 static float dot_row_int8(const uint8_t *row, const float *x_scales, const int8_t *x_codes,
                           int n_blocks) {
     v8f acc = {0};
@@ -276,9 +292,7 @@ static float dot_row_int8(const uint8_t *row, const float *x_scales, const int8_
 #ifdef __AVX2__
         __m256i wv = _mm256_loadu_si256((const __m256i *)wq);
         __m256i xv = _mm256_loadu_si256((const __m256i *)xq);
-        __m256i pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(wv, wv), _mm256_sign_epi8(xv, wv));
-        __m256i fours = _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
-        partial = (v8f)_mm256_cvtepi32_ps(fours);
+        partial = (v8f)_mm256_cvtepi32_ps(sums_of_four(wv, xv, _mm256_set1_epi16(1)));
 #else
         for (int m = 0; m < 8; m++) {
             int32_t sum = 0;
@@ -305,8 +319,7 @@ static void dot_rows4_int8(const uint8_t *const rows[4], const float *x_scales,
         for (int r = 0; r < 4; r++) {
             v8f scale = splat(block_scale(rows[r] + at) * x_scales[b]);
             __m256i wv = _mm256_loadu_si256((const __m256i *)(rows[r] + at + 2));
-            __m256i pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(wv, wv), _mm256_sign_epi8(xv, wv));
-            acc[r] = madd(scale, (v8f)_mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones)), acc[r]);
+            acc[r] = madd(scale, (v8f)_mm256_cvtepi32_ps(sums_of_four(wv, xv, ones)), acc[r]);
         }
     }
     v4f sums = reduce_lanes4(acc[0], acc[1], acc[2], acc[3]);
