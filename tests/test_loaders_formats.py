@@ -17,7 +17,7 @@ import kvlab
 from kvlab import weight_formats
 from kvlab.config import ModelConfig
 from kvlab.errors import CheckpointError
-from kvlab.loaders import load_checkpoint, save_hf_llama
+from kvlab.loaders import load_checkpoint, save_gguf, save_hf_llama
 from kvlab.loaders.huggingface import interleaved_to_half
 from kvlab.weights import MATRICES, Weights
 
@@ -216,3 +216,42 @@ def test_saving_weights_in_fewer_bytes_writes_their_values(tmp_path, weights) ->
         if key in ("wq", "wk"):     # saved for the rotate-half RoPE layout
             values = interleaved_to_half(values, CONFIG.head_dim)
         np.testing.assert_array_equal(getattr(loaded, key), values, err_msg=key)
+
+
+# ---- writing GGUF files (kvlab.loaders.save_gguf) ------------------------------------------------
+
+@pytest.mark.parametrize("fmt", ["fp32", "fp16", "bf16", "q8_0"])
+@pytest.mark.parametrize("interleaved", [True, False])
+def test_save_gguf_writes_each_format_as_it_is_stored(tmp_path, fmt, interleaved):
+    config = kvlab.ModelConfig(dim=64, hidden_dim=96, n_layers=2, n_heads=4, n_kv_heads=2,
+                               head_dim=16, vocab_size=300, max_seq_len=64,
+                               rope_interleaved=interleaved)
+    stored = kvlab.Weights.random(config, seed=5).converted(fmt)
+    path = tmp_path / f"model-{fmt}.gguf"
+    save_gguf(path, config, stored, placeholder_vocabulary=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")                 # nothing was dequantized
+        back = kvlab.load(path, activations="fp32")
+    assert back.weights.formats == stored.formats and back.tokenizer is not None
+    tokens = [1, 7, 200, 299, 4]
+    want = kvlab.Model(config, stored, activations="fp32").forward(tokens, all_logits=True)
+    got = back.forward(tokens, all_logits=True)
+    if interleaved:        # the same bytes: the same logits, bit for bit
+        for name in ("wq", "w2", "classifier"):
+            np.testing.assert_array_equal(weight_formats.as_bytes(getattr(back.weights, name)),
+                                          weight_formats.as_bytes(getattr(stored, name)))
+        np.testing.assert_array_equal(got, want)
+    else:                  # Wq, Wk rows permuted to GGUF's interleaved pairs: attention's sums
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)   # run in another order
+
+
+def test_save_gguf_refuses_what_it_cannot_write(tmp_path):
+    small = kvlab.ModelConfig(dim=32, hidden_dim=64, n_layers=1, n_heads=2, n_kv_heads=2,
+                              head_dim=16, vocab_size=100, max_seq_len=32)
+    with pytest.raises(CheckpointError, match="at least 259 tokens"):
+        save_gguf(tmp_path / "x.gguf", small, kvlab.Weights.random(small), placeholder_vocabulary=True)
+    scaled = small.replace(vocab_size=300, rope_scaling={
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 16})
+    with pytest.raises(CheckpointError, match="RoPE scaling"):
+        save_gguf(tmp_path / "y.gguf", scaled, kvlab.Weights.random(scaled))

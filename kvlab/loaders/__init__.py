@@ -28,10 +28,11 @@ from ..tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 from ..weights import Weights
 from ..files import is_number, open_regular, read_json_object, short
 from .gguf import load_gguf   # (which imports the gguf package only when it reads a file)
+from .gguf_writer import save_gguf
 from .huggingface import load_hf, save_hf_llama
 from .llama2c import load_llama2c, save_llama2c_v1
 
-__all__ = ["load_checkpoint", "detect_format", "save_llama2c_v1", "save_hf_llama"]
+__all__ = ["load_checkpoint", "detect_format", "save_llama2c_v1", "save_hf_llama", "save_gguf"]
 
 _SIDECAR_CONFIG_KEYS = ("norm_eps", "rope_theta", "rope_interleaved", "name")
 

@@ -51,7 +51,7 @@ from ..tokenizer import SentencePieceBPE, _gguf_value   # one GGUF field decoder
 from ..weights import MATRICES, Weights
 
 # kvlab name -> GGUF tensor name ({i} = layer).
-_LAYER_NAMES = {
+GGUF_LAYER_NAMES = {
     "attn_norm": "blk.{i}.attn_norm.weight",
     "wq": "blk.{i}.attn_q.weight",
     "wk": "blk.{i}.attn_k.weight",
@@ -62,7 +62,7 @@ _LAYER_NAMES = {
     "w2": "blk.{i}.ffn_down.weight",
     "w3": "blk.{i}.ffn_up.weight",
 }
-_GLOBAL_NAMES = {
+GGUF_GLOBAL_NAMES = {
     "token_embedding": "token_embd.weight",
     "final_norm": "output_norm.weight",
     "classifier": "output.weight",
@@ -382,7 +382,7 @@ def config_from_gguf(reader: Any, tensors: Dict[str, Any], name: str = "") -> Mo
         norm_eps=number("attention.layer_norm_rms_epsilon", 1e-5),
         rope_theta=number("rope.freq_base", 10000.0),
         rope_interleaved=True,  # llama.cpp permutes q/k to the interleaved layout
-        tied_embeddings=_GLOBAL_NAMES["classifier"] not in tensors,
+        tied_embeddings=GGUF_GLOBAL_NAMES["classifier"] not in tensors,
         name=name,  # the file name; general.name is often just "llama"
     )
 
@@ -405,7 +405,7 @@ def _reject_rope_scaling(reader: Any, tensors: Dict[str, Any]) -> None:
 
 def _vocab_size(reader: Any, tensors: Dict[str, Any]) -> int:
     """Rows of token_embd (the weights decide); the token list may be shorter, not longer."""
-    embd = tensors.get(_GLOBAL_NAMES["token_embedding"])
+    embd = tensors.get(GGUF_GLOBAL_NAMES["token_embedding"])
     if embd is None:
         raise CheckpointError("GGUF file lacks tensor 'token_embd.weight'")
     rows = int(embd.shape[-1])  # ne is reversed: the last entry is the row count
@@ -428,16 +428,16 @@ def _gather_weights(config: ModelConfig, tensors: Dict[str, Any], fallback: Opti
     # 32 / 1.125 = 28x: Q1_0 stored as fp32), and float32 norms twice their F16 bytes.
     expected = Weights.expected_shapes(config)
     found: Dict[str, List[Any]] = {}
-    for key, gguf_name in _GLOBAL_NAMES.items():
+    for key, gguf_name in GGUF_GLOBAL_NAMES.items():
         if key == "classifier" and config.tied_embeddings:
             continue
         found[key] = [_tensor(tensors, gguf_name, expected[key])]
-    for key, pattern in _LAYER_NAMES.items():
+    for key, pattern in GGUF_LAYER_NAMES.items():
         found[key] = [_tensor(tensors, pattern.format(i=i), expected[key][1:])
                       for i in range(config.n_layers)]
     arrays: Dict[str, np.ndarray] = {}
     for key, parts in found.items():
-        per_layer = key in _LAYER_NAMES
+        per_layer = key in GGUF_LAYER_NAMES
         if key in MATRICES:
             arrays[key] = _matrix(parts, expected[key], per_layer, fallback, big_endian, cost)
         else:
