@@ -17,6 +17,10 @@ measured in the same run). Before anything is timed, every float32-activation va
 logits are checked equal, bit for bit, to the float32 model's over the same dequantized
 weights, and "q8_0 x int8"'s to agree with every path of its own.
 
+--gguf DIR also writes the random weights as DIR/random-SHAPE-q8_0.gguf and -f32.gguf
+(kvlab.loaders.save_gguf, with a placeholder vocabulary), so that llama.cpp can run the
+very same numbers (llama-bench -m FILE), and checks that kvlab reads them back byte for byte.
+
 --kernels times the matrix products of one decode token alone instead (kvlab._kvlab.matmul
 over every layer's matrices and the classifier), the kernels without the rest of the model.
 """
@@ -118,8 +122,27 @@ def interleaved(variants: list, rounds: int, run) -> tuple:
     return times, ratios
 
 
+def write_gguf(models: dict, folder: Path, shape: str) -> list:
+    """The fp32 and Q8_0 weights as GGUF files other engines read; checked read back."""
+    from kvlab.loaders import save_gguf
+    folder.mkdir(parents=True, exist_ok=True)
+    written = []
+    for variant, ggml in (("q8_0", "q8_0"), ("fp32", "f32")):
+        model = models[variant]
+        path = folder / f"random-{shape}-{ggml}.gguf"
+        save_gguf(path, model.config, model.weights, placeholder_vocabulary=True)
+        back = kvlab.load(path)
+        assert all(np.array_equal(weight_formats.as_bytes(getattr(back.weights, name)),
+                                  weight_formats.as_bytes(getattr(model.weights, name)))
+                   for name in model.weights.formats), path
+        print(f"wrote {path} ({path.stat().st_size:,} bytes)")
+        written.append(str(path))
+    return written
+
+
 def bench_model(args, bandwidth: float) -> dict:
     models = build_models(args.shape)
+    written = write_gguf(models, Path(args.gguf), args.shape) if args.gguf else []
     rng = np.random.default_rng(1)
     vocab = models["fp32"].config.vocab_size
     short = rng.integers(0, vocab, 16).astype(np.int32)
@@ -155,7 +178,7 @@ def bench_model(args, bandwidth: float) -> dict:
               f"{100 * rate / bandwidth:>6.0f}%{row['prefill_tokens_per_s']:>15.1f}"
               f"{row['prefill_speedup_vs_fp32']:>8.2f}x")
     return {"mode": "model", "variants": rows, "decode_steps": args.steps,
-            "prefill_tokens": args.prompt}
+            "prefill_tokens": args.prompt, "gguf_files": written}
 
 
 def kernel_matrices(shape: str) -> list:
@@ -214,6 +237,8 @@ def main(argv=None) -> int:
     parser.add_argument("--prompt", type=int, default=256, help="prefill length")
     parser.add_argument("--threads", type=int, default=0, help="0: the core's default")
     parser.add_argument("--kernels", action="store_true", help="the products alone")
+    parser.add_argument("--gguf", default=None, metavar="DIR",
+                        help="also write the weights as GGUF (q8_0, f32) for other engines")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     if args.threads:
