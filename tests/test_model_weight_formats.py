@@ -159,3 +159,24 @@ def test_load_stores_the_bundled_model_in_fewer_bytes_and_it_still_writes():
         drafter = DraftModel.first_layers(small, 2)
         assert drafter.model.activations == small.activations
         assert drafter.model.weight_format == fmt
+
+
+@pytest.mark.parametrize("fmt, activations", [("fp16", "fp32"), ("bf16", "fp32"),
+                                              ("q8_0", "fp32"), ("q8_0", "int8")])
+def test_the_thread_count_changes_no_bit(fmt, activations):
+    # wide enough that a decode step's products are split between threads
+    config = kvlab.ModelConfig(dim=256, hidden_dim=512, n_layers=1, n_heads=4, n_kv_heads=2,
+                               head_dim=64, vocab_size=512, max_seq_len=64)
+    small = kvlab.Model(config, kvlab.Weights.random(config, seed=9).converted(fmt),
+                        activations=activations)
+    before = kvlab.get_num_threads()
+    try:
+        results = []
+        for threads in (1, 2, 3):
+            kvlab.set_num_threads(threads)
+            results.append(all_paths(small))
+    finally:
+        kvlab.set_num_threads(before)
+    for other in results[1:]:
+        for path, got in other.items():
+            np.testing.assert_array_equal(got, results[0][path], err_msg=path)
