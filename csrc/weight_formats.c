@@ -329,6 +329,41 @@ static void dot_rows4_int8(const uint8_t *const rows[4], const float *x_scales,
 #endif
 }
 
+/* The same for two tokens at once (a prefill, a batch): each row's codes are loaded, and
+ * their magnitudes taken, once for both tokens; eight chains side by side. out0 and out1
+ * are each token's four dot_row_int8s, bit for bit. */
+static void dot_rows4_int8_pair(const uint8_t *const rows[4], const float *scales0,
+                                const int8_t *codes0, const float *scales1,
+                                const int8_t *codes1, int n_blocks, float out0[4],
+                                float out1[4]) {
+#ifdef __AVX2__
+    v8f acc0[4] = {{0}, {0}, {0}, {0}}, acc1[4] = {{0}, {0}, {0}, {0}};
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int b = 0; b < n_blocks; b++) {
+        size_t at = (size_t)b * KV_Q8_0_BLOCK_BYTES;
+        __m256i x0 = _mm256_loadu_si256((const __m256i *)(codes0 + b * KV_Q8_0_BLOCK));
+        __m256i x1 = _mm256_loadu_si256((const __m256i *)(codes1 + b * KV_Q8_0_BLOCK));
+        for (int r = 0; r < 4; r++) {
+            float w_scale = block_scale(rows[r] + at);
+            __m256i wv = _mm256_loadu_si256((const __m256i *)(rows[r] + at + 2));
+            acc0[r] = madd(splat(w_scale * scales0[b]),
+                           (v8f)_mm256_cvtepi32_ps(sums_of_four(wv, x0, ones)), acc0[r]);
+            acc1[r] = madd(splat(w_scale * scales1[b]),
+                           (v8f)_mm256_cvtepi32_ps(sums_of_four(wv, x1, ones)), acc1[r]);
+        }
+    }
+    v4f sums0 = reduce_lanes4(acc0[0], acc0[1], acc0[2], acc0[3]);
+    v4f sums1 = reduce_lanes4(acc1[0], acc1[1], acc1[2], acc1[3]);
+    for (int r = 0; r < 4; r++) {
+        out0[r] = sums0[r];
+        out1[r] = sums1[r];
+    }
+#else
+    dot_rows4_int8(rows, scales0, codes0, n_blocks, out0);
+    dot_rows4_int8(rows, scales1, codes1, n_blocks, out1);
+#endif
+}
+
 void kv_matmul_int8(float *out, const float *x, const uint8_t *w, int n_tokens, int in_dim,
                     int out_dim, float *x_scales, int8_t *x_codes) {
     int n_blocks = in_dim / KV_Q8_0_BLOCK;
@@ -348,7 +383,18 @@ void kv_matmul_int8(float *out, const float *x, const uint8_t *w, int n_tokens, 
             int o[4] = {lo + k, lo + per_run + k, lo + 2 * per_run + k, lo + 3 * per_run + k};
             const uint8_t *rows[4] = {w + (size_t)o[0] * row_bytes, w + (size_t)o[1] * row_bytes,
                                       w + (size_t)o[2] * row_bytes, w + (size_t)o[3] * row_bytes};
-            for (int t = 0; t < n_tokens; t++) {
+            int t = 0;
+            for (; t + 2 <= n_tokens; t += 2) {     /* two tokens share each row's loads */
+                float sums0[4], sums1[4];
+                dot_rows4_int8_pair(rows, x_scales + (size_t)t * n_blocks, x_codes + (size_t)t * in_dim,
+                                    x_scales + (size_t)(t + 1) * n_blocks,
+                                    x_codes + (size_t)(t + 1) * in_dim, n_blocks, sums0, sums1);
+                for (int r = 0; r < 4; r++) {
+                    out[(size_t)t * out_dim + o[r]] = sums0[r];
+                    out[(size_t)(t + 1) * out_dim + o[r]] = sums1[r];
+                }
+            }
+            for (; t < n_tokens; t++) {
                 float sums[4];
                 dot_rows4_int8(rows, x_scales + (size_t)t * n_blocks, x_codes + (size_t)t * in_dim,
                                n_blocks, sums);
