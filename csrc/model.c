@@ -119,11 +119,13 @@ typedef struct {
                          softmax's running max and sum per query head of a group, and rows
                          to dequantize K and V into */
     size_t score_stride;
-    int n_threads;    /* threads of this call's attention loops: one scores row each */
+    int n_threads;    /* threads of this call's attention loops (one scores row each) and of
+                         products over weight_rows (four rows each) */
     kv_kernels kernels;    /* the tier of kernels the whole call runs on */
     int int8_activations;  /* the model's: products with Q8_0 matrices quantize x too */
     float *weight_rows;    /* rows of a matrix stored in fewer bytes, made float32 (four
-                              rows of the widest input per thread); NULL if all are float32 */
+                              rows of the widest input for each of n_threads); NULL if all
+                              are float32 */
     float *x_scales;       /* (n_tokens, widest input / 32) and ... */
     int8_t *x_codes;       /* (n_tokens, widest input) activations as int8, for Q8_0
                               products with int8_activations; NULL otherwise */
@@ -163,7 +165,7 @@ static kv_status run_state_alloc(run_state *s, const kv_model *m, int n_tokens, 
     size_t sizes[] = {T * c->dim, T * c->dim, T * q_dim, T * kv_dim, T * kv_dim, T * q_dim,
                       T * c->dim, T * c->hidden_dim, T * c->hidden_dim, T * half, T * half,
                       (size_t)s->n_threads * s->score_stride,
-                      converted ? kv_weights_scratch_floats(widest) : 0,
+                      converted ? kv_weights_scratch_floats(widest, s->n_threads) : 0,
                       int8 ? T * (size_t)(widest / KV_Q8_0_BLOCK) : 0,
                       int8 ? (T * (size_t)widest + 3) / 4 : 0};
     float **slots[] = {&s->x, &s->xb, &s->q, &s->k, &s->v, &s->att_out, &s->proj, &s->hb,
@@ -255,9 +257,11 @@ static void project_formatted(const run_state *s, float *out, const float *x, kv
         if (plain) kv_plain_matmul_int8(out, x, w.data, n_tokens, in_dim, out_dim, s->x_scales, s->x_codes);
         else kv_matmul_int8(out, x, w.data, n_tokens, in_dim, out_dim, s->x_scales, s->x_codes);
     } else if (plain) {
-        kv_plain_matmul_weights(out, x, w.data, w.format, n_tokens, in_dim, out_dim, s->weight_rows);
+        kv_plain_matmul_weights(out, x, w.data, w.format, n_tokens, in_dim, out_dim,
+                                s->weight_rows, s->n_threads);
     } else {
-        kv_matmul_weights(out, x, w.data, w.format, n_tokens, in_dim, out_dim, s->weight_rows);
+        kv_matmul_weights(out, x, w.data, w.format, n_tokens, in_dim, out_dim, s->weight_rows,
+                          s->n_threads);
     }
 }
 

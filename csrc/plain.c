@@ -71,11 +71,11 @@ void kv_plain_matmul(float *out, const float *x, const float *w, int n_tokens, i
  * these bits. */
 void kv_plain_matmul_weights(float *out, const float *x, const uint8_t *w,
                              kv_weight_format format, int n_tokens, int in_dim, int out_dim,
-                             float *scratch) {
+                             float *scratch, int n_threads) {
     // out (n_tokens, out_dim), x (n_tokens, in_dim), w (out_dim, row bytes),
-    // scratch (threads, in_dim): one row's float32 values per thread
+    // scratch (n_threads, in_dim): one row's float32 values per thread
     size_t row_bytes = kv_weight_row_bytes(format, in_dim);
-    #pragma omp parallel for num_threads(kv_threads()) \
+    #pragma omp parallel for num_threads(n_threads) \
         if ((long)n_tokens * out_dim * in_dim >= KV_PARALLEL_MIN_WORK)
     for (int o = 0; o < out_dim; o++) {
         float *row = scratch + (size_t)omp_get_thread_num() * in_dim;

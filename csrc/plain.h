@@ -19,10 +19,11 @@
 float kv_plain_dot(const float *a, const float *b, int n);
 
 /* kv_plain_matmul over a matrix stored as `format` (kvlab.h): each row made float32 in
- * scratch (in_dim floats per thread), then the same dot products */
+ * scratch (in_dim floats per thread), then the same dot products, on at most n_threads
+ * threads (the count scratch was sized for) */
 void kv_plain_matmul_weights(float *out, const float *x, const uint8_t *w,
                              kv_weight_format format, int n_tokens, int in_dim, int out_dim,
-                             float *scratch);
+                             float *scratch, int n_threads);
 
 /* Q8_0 weights against x quantized to int8 per block of 32 (into x_scales, x_codes): integer
  * dot products, in the order plain.c states */

@@ -220,7 +220,7 @@ static void blocks_converted(float *out, const float *x, const uint8_t *w,
 }
 
 void kv_matmul_weights(float *out, const float *x, const uint8_t *w, kv_weight_format format,
-                       int n_tokens, int in_dim, int out_dim, float *scratch) {
+                       int n_tokens, int in_dim, int out_dim, float *scratch, int n_threads) {
     if (format == KV_WEIGHT_F32) {
         kv_matmul(out, x, (const float *)(const void *)w, n_tokens, in_dim, out_dim);
         return;
@@ -228,7 +228,7 @@ void kv_matmul_weights(float *out, const float *x, const uint8_t *w, kv_weight_f
     /* Each thread takes a contiguous share of the rows, the same for every chunk of
      * tokens, and its own 4 * in_dim floats of scratch. */
     int n_blocks = (out_dim + 3) / 4;
-    #pragma omp parallel num_threads(kv_threads()) \
+    #pragma omp parallel num_threads(n_threads) \
         if ((long)n_tokens * out_dim * in_dim >= KV_PARALLEL_MIN_WORK && n_blocks > 1)
     {
         int team = omp_get_num_threads(), me = omp_get_thread_num();
@@ -249,12 +249,13 @@ kv_status kv_weights_matmul(float *out, const float *x, const uint8_t *w,
         (int)format < KV_WEIGHT_F32 || (int)format > KV_WEIGHT_Q8_0 ||
         kv_weight_row_bytes(format, in_dim) == 0)
         return KV_ERR_INVALID_ARG;
-    float *scratch = kv_alloc_floats(kv_weights_scratch_floats(in_dim));
+    int n_threads = kv_threads();
+    float *scratch = kv_alloc_floats(kv_weights_scratch_floats(in_dim, n_threads));
     if (scratch == NULL) return KV_ERR_NOMEM;
     if (kv_get_kernels() == KV_KERNELS_PLAIN)
-        kv_plain_matmul_weights(out, x, w, format, n_tokens, in_dim, out_dim, scratch);
+        kv_plain_matmul_weights(out, x, w, format, n_tokens, in_dim, out_dim, scratch, n_threads);
     else
-        kv_matmul_weights(out, x, w, format, n_tokens, in_dim, out_dim, scratch);
+        kv_matmul_weights(out, x, w, format, n_tokens, in_dim, out_dim, scratch, n_threads);
     free(scratch);
     return KV_OK;
 }
@@ -431,6 +432,6 @@ kv_status kv_weights_matmul_int8(float *out, const float *x, const uint8_t *w, i
     return KV_OK;
 }
 
-size_t kv_weights_scratch_floats(int in_dim) {
-    return (size_t)kv_threads() * 4 * (size_t)in_dim;
+size_t kv_weights_scratch_floats(int in_dim, int n_threads) {
+    return (size_t)n_threads * 4 * (size_t)in_dim;
 }

@@ -20,15 +20,16 @@
  * past, once per token. */
 #define KV_CONVERT_ONCE_TOKENS 4
 
-/* Floats of scratch kv_matmul_weights and kv_plain_matmul_weights need for rows of in_dim:
- * four rows per thread (kv_threads()). */
-size_t kv_weights_scratch_floats(int in_dim);
+/* Floats of scratch kv_matmul_weights and kv_plain_matmul_weights need for rows of in_dim
+ * on n_threads threads: four rows per thread. The products take the same n_threads (not
+ * kv_threads() again: another thread may change that between the allocation and the use). */
+size_t kv_weights_scratch_floats(int in_dim, int n_threads);
 
 /* The fast tier: out (n_tokens, out_dim) = x (n_tokens, in_dim) . w^T, w in `format`, equal
  * bit for bit to kv_plain_matmul_weights (plain.c) and to kv_matmul over the dequantized
- * matrix. scratch: kv_weights_scratch_floats(in_dim) floats. */
+ * matrix. scratch: kv_weights_scratch_floats(in_dim, n_threads) floats. */
 void kv_matmul_weights(float *out, const float *x, const uint8_t *w, kv_weight_format format,
-                       int n_tokens, int in_dim, int out_dim, float *scratch);
+                       int n_tokens, int in_dim, int out_dim, float *scratch, int n_threads);
 
 /* The fast tier of kv_plain_matmul_int8 (Q8_0 weights against x quantized to int8 per block
  * of 32), bit for bit: x_scales (n_tokens, in_dim / 32) and x_codes (n_tokens, in_dim) are

@@ -114,6 +114,14 @@ class Weights:
         """These weights with every matrix stored in `fmt` (from its float32 values; one
         already in fmt is kept as it is, a tied classifier stays tied). The norm vectors
         stay float32."""
+        for name in MATRICES:   # every matrix checked before any is converted
+            try:
+                in_dim = weight_formats.logical_shape(getattr(self, name))[-1]
+                weight_formats.check_format(fmt, in_dim)
+            except ValueError as exc:
+                hint = " (fp16 or bf16 store any row)" if fmt == "q8_0" else ""
+                raise WeightsError(f"weight {name!r} cannot be stored as {fmt}: {exc}{hint}"
+                                   ) from None
         done: Dict[int, np.ndarray] = {}
         arrays = {}
         for name, array in self.items():

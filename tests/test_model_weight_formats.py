@@ -140,8 +140,13 @@ def test_what_does_not_fit_is_refused_by_name(float_model):
                                              "wq": weights.wq.astype(np.float64)}))
     odd = kvlab.ModelConfig(dim=48, hidden_dim=64, n_layers=1, n_heads=3, n_kv_heads=3,
                             head_dim=16, vocab_size=20, max_seq_len=16)
-    with pytest.raises(ValueError, match="whole number of blocks"):
+    with pytest.raises(WeightsError, match="'token_embedding' cannot be stored as q8_0: "
+                                           ".*whole number of blocks"):
         kvlab.Weights.random(odd).converted("q8_0")
+    config_dict, arrays = float_model._core_arguments()
+    for name in ("wqq", 1):     # a misspelt name is refused, not passed over as float32
+        with pytest.raises(WeightsError, match="not one of the model's weights"):
+            core.Model(config_dict, arrays, formats={name: "fp16"})
     with pytest.raises(ValueError, match="activations must be"):
         kvlab.Model(config, weights, activations="int4")
     with pytest.raises(ValueError, match="weights must be one of"):

@@ -78,6 +78,25 @@ static int take_weight(PyObject *weights, PyObject *formats, const weight_spec *
     return 0;
 }
 
+/* Every key of `formats` names one of the model's weights: a misspelt or unknown name
+ * would otherwise be passed over, and its matrix read as float32 without a word. */
+static int check_format_names(PyObject *formats, const weight_spec table[N_WEIGHTS]) {
+    if (formats == Py_None) return 0;
+    PyObject *key, *value;
+    Py_ssize_t pos = 0;
+    while (PyDict_Next(formats, &pos, &key, &value)) {
+        int known = 0;
+        for (int i = 0; i < N_WEIGHTS && PyUnicode_Check(key); i++)
+            known |= PyUnicode_CompareWithASCIIString(key, table[i].name) == 0;
+        if (!known) {
+            PyErr_Format(kv_py_error.weights, "formats names %R, which is not one of the "
+                         "model's weights", key);
+            return -1;
+        }
+    }
+    return 0;
+}
+
 static void model_release_arrays(ModelObject *self) {
     for (int i = 0; i < N_WEIGHTS; i++) Py_CLEAR(self->arrays[i]);
     memset(&self->model, 0, sizeof self->model);
@@ -114,6 +133,7 @@ static int model_init(ModelObject *self, PyObject *args, PyObject *kwds) {
     }
     weight_spec table[N_WEIGHTS];
     weight_specs(c, &self->model.weights, table);
+    if (check_format_names(formats, table) < 0) goto fail;
     for (int i = 0; i < N_WEIGHTS; i++)
         if (take_weight(weights, formats, &table[i], &self->arrays[i]) < 0) goto fail;
     self->model.int8_activations = int8_activations;

@@ -962,16 +962,39 @@ static void test_weight_formats(void) {
                 size_t outs = (size_t)n_tokens * out_dim;
                 float *fast = malloc(sizeof(float) * outs), *plain = malloc(sizeof(float) * outs);
                 float *want = malloc(sizeof(float) * outs);
-                float *scratch = malloc(sizeof(float) * kv_weights_scratch_floats(in_dim));
+                int n_threads = kv_threads();
+                float *scratch = malloc(sizeof(float) * kv_weights_scratch_floats(in_dim, n_threads));
                 kv_matmul(want, x, values, n_tokens, in_dim, out_dim);
-                kv_matmul_weights(fast, x, w, formats[f], n_tokens, in_dim, out_dim, scratch);
-                kv_plain_matmul_weights(plain, x, w, formats[f], n_tokens, in_dim, out_dim, scratch);
+                kv_matmul_weights(fast, x, w, formats[f], n_tokens, in_dim, out_dim, scratch, n_threads);
+                kv_plain_matmul_weights(plain, x, w, formats[f], n_tokens, in_dim, out_dim, scratch,
+                                        n_threads);
                 CHECK(memcmp(fast, want, sizeof(float) * outs) == 0);
                 CHECK(memcmp(plain, want, sizeof(float) * outs) == 0);
                 free(x); free(fast); free(plain); free(want); free(scratch);
             }
             free(w); free(values); free(source);
         }
+    /* The products run on the threads their scratch was sized for, whatever kv_threads()
+     * says by then (another thread may have changed it since the allocation): scratch for
+     * one thread, then a canary that more threads' rows would overwrite. */
+    {
+        int in = 64, out = 64, tokens = 48;   /* enough work for a parallel region */
+        size_t one = kv_weights_scratch_floats(in, 1);
+        float *scratch = malloc(sizeof(float) * 4 * one);
+        for (size_t i = one; i < 4 * one; i++) scratch[i] = -7.0f;
+        uint8_t *w16 = calloc((size_t)out, kv_weight_row_bytes(KV_WEIGHT_F16, in));
+        float *xs = random_floats((size_t)tokens * in, 1.0f);
+        float *ys = malloc(sizeof(float) * tokens * out);
+        int threads_before = kv_threads();
+        kv_set_num_threads(4);
+        kv_matmul_weights(ys, xs, w16, KV_WEIGHT_F16, tokens, in, out, scratch, 1);
+        kv_plain_matmul_weights(ys, xs, w16, KV_WEIGHT_F16, tokens, in, out, scratch, 1);
+        kv_set_num_threads(threads_before);
+        int intact = 1;
+        for (size_t i = one; i < 4 * one; i++) intact &= scratch[i] == -7.0f;
+        CHECK(intact);
+        free(scratch); free(w16); free(xs); free(ys);
+    }
     /* Q8_0 against int8 activations: the fast tier gives the plain tier's bits */
     int in_dim = 96, n_tokens = 3;
     size_t row_bytes = kv_weight_row_bytes(KV_WEIGHT_Q8_0, in_dim);
