@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import warnings
 from typing import Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -503,6 +504,11 @@ class CudaModel(Model):
                               f"{MAX_HEAD_DIM}, this model has {c.head_dim}")
         # The kernels read float32 weights: a model stored in fewer bytes runs its values,
         # with float32 activations (the GPU's logits are then the float32 model's).
+        if model.weight_format != "fp32":
+            warnings.warn(f"the GPU backend reads float32 weights: this model's "
+                          f"{model.weight_format} matrices go to the GPU as their float32 values "
+                          f"(4 bytes a weight) and its products use float32 activations, so "
+                          f"its logits are the float32 model's over those values", stacklevel=3)
         super().__init__(c, model.weights.float32(), model.tokenizer, model.source)
         self._gpu = ext.Model(*self._core_arguments())
         self._gpu_lock = threading.Lock()

@@ -102,8 +102,10 @@ def weights_bytes(config: ModelConfig, dtype: str = "fp16") -> int:
 def decode_step_bytes(config: ModelConfig, context: int, batch: int = 1,
                       weights: str = "fp16", cache: str = "fp16") -> Tuple[int, int]:
     """(weight bytes, cache bytes) one decode step of `batch` sequences reads with `context`
-    positions cached each: every weight once for the whole batch (the embedding table aside:
-    a row per token), and every position's K and V for each sequence."""
+    positions cached each: every weight once for the whole batch, and every position's K and
+    V for each sequence. An untied embedding table is left out (a step looks up one row of
+    it per token, not the table); the norms are priced like the matrices (they are a few
+    thousandths of the bytes)."""
     per_step = weights_bytes(config, weights)
     if not config.tied_embeddings:          # the embedding is looked up, not multiplied
         per_step -= weights_bytes(config, weights) * config.vocab_size * config.dim // config.n_params()

@@ -107,13 +107,16 @@ class Model:
         it per block of 32 too and sums integer products, as llama.cpp does (faster; not the
         float32 product); "fp32" keeps it float32, so every logit equals, bit for bit, the
         float32 model's over the dequantized weights. None: "int8" when a matrix is Q8_0,
-        else "fp32" (nothing else reads it)."""
+        else "fp32"; "int8" without a Q8_0 matrix is refused."""
         weights.check(config)
         has_q8_0 = "q8_0" in weights.formats.values()
         if activations is None:
             activations = "int8" if has_q8_0 else "fp32"
         if activations not in ("fp32", "int8"):
             raise ValueError(f"activations must be 'fp32' or 'int8', got {activations!r}")
+        if activations == "int8" and not has_q8_0:
+            raise ValueError("activations='int8' goes with Q8_0 weights, and this model has "
+                             "none: load it with weights='q8_0' (or leave activations unset)")
         self.config = config
         self.weights = weights
         self.tokenizer = tokenizer
@@ -121,7 +124,7 @@ class Model:
         self.activations = activations
         self._core = core.Model(*self._core_arguments(),
                                 formats=self._stored_formats(),
-                                int8_activations=activations == "int8" and has_q8_0)
+                                int8_activations=activations == "int8")
         # what every forward call did, as counted by the core (see kvlab.measure.Counts):
         # totals for the model, and per thread the arrays of open counting() blocks
         self._counters = np.zeros(len(core.COUNTERS), dtype=np.int64)

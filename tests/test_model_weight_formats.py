@@ -149,6 +149,8 @@ def test_what_does_not_fit_is_refused_by_name(float_model):
             core.Model(config_dict, arrays, formats={name: "fp16"})
     with pytest.raises(ValueError, match="activations must be"):
         kvlab.Model(config, weights, activations="int4")
+    with pytest.raises(ValueError, match="goes with Q8_0 weights"):
+        kvlab.Model(config, weights.converted("fp16"), activations="int8")
     with pytest.raises(ValueError, match="weights must be one of"):
         kvlab.load(weights="int4")
 

@@ -9,9 +9,10 @@ numbers). The norms are F32. GGUF keeps RoPE's pairs interleaved (llama.cpp's co
 permutes q and k rows to that layout), so a model with Hugging Face's rotate-half layout
 has its Wq and Wk rows permuted on the way out, as that converter does.
 
-A GGUF file names its tokenizer; llama.cpp refuses a file without one. A model with no
-SentencePiece-style vocabulary to write gets, with placeholder_vocabulary=True, one
-made up for the purpose (<unk>, <s>, </s>, the 256 byte tokens, then tok{i}): enough for
+No tokenizer is written (kvlab reads such a file back with tokenizer None: pass
+kvlab.load(path, tokenizer=...)). llama.cpp refuses a file without a vocabulary, so a model
+meant for llama.cpp's benchmarks gets, with placeholder_vocabulary=True, one made up for
+the purpose (<unk>, <s>, </s>, the 256 byte tokens, then tok{i}): enough for
 llama.cpp's benchmarks to run the weights, meaningless as text. Not here: reading (see
 kvlab.loaders.gguf) and any other architecture than llama.
 """
