@@ -123,19 +123,35 @@ class _Totals:
         self.agree = 0
         self.nll = 0.0
 
+    def score(self, p: np.ndarray, reference: np.ndarray, log_q: np.ndarray,
+              targets: np.ndarray) -> None:
+        """Add one window: KL(p || q) summed over its positions (p = exp(reference), the
+        reference's log-probabilities), how many top tokens agree, and the text's negative
+        log-likelihood under q."""
+        self.kl += float((p * (reference - log_q)).sum())
+        self.agree += int((log_q.argmax(axis=-1) == reference.argmax(axis=-1)).sum())
+        self.nll -= log_q[np.arange(len(targets)), targets].sum()
+
+
+def _checked_text(config, tokens: Sequence[int], context: Optional[int]) -> tuple:
+    """tokens as an array and the window length (default: the context, at most 512),
+    ValueError for what cannot be scored."""
+    tokens = np.asarray(tokens)
+    context = context or min(512, config.max_seq_len)
+    if not 2 <= context <= config.max_seq_len:
+        raise ValueError(f"context must be between 2 and the model's {config.max_seq_len} tokens")
+    if tokens.ndim != 1 or len(tokens) < 2:
+        raise ValueError("tokens must be a 1-D sequence of at least 2 token ids")
+    return tokens, context
+
 
 def evaluate(model, tokens: Sequence[int], formats: Sequence[FormatSpec] = DEFAULT_FORMATS,
              context: Optional[int] = None, progress: bool = False) -> AccuracyReport:
     """Compare cache formats against the fp32 cache on `tokens` (see the module text).
     formats: dtype names or dicts of new_cache() options. context: tokens per window
     (default: the model's context, at most 512)."""
-    tokens = np.asarray(tokens)
     config = model.config
-    context = context or min(512, config.max_seq_len)
-    if not 2 <= context <= config.max_seq_len:
-        raise ValueError(f"context must be between 2 and the model's {config.max_seq_len} tokens")
-    if tokens.ndim != 1 or len(tokens) < 2:
-        raise ValueError("tokens must be a 1-D sequence of at least 2 token ids")
+    tokens, context = _checked_text(config, tokens, context)
     specs = [_options(spec) for spec in formats]
     fmts = [model.cache_format(**spec) for spec in specs]    # checks every spec up front
     windows = [tokens[i:i + context] for i in range(0, len(tokens) - 1, context)]
@@ -173,9 +189,7 @@ def evaluate(model, tokens: Sequence[int], formats: Sequence[FormatSpec] = DEFAU
             # the model run on a cache of this format
             log_q = log_softmax(model.prefill(window, model.new_cache(len(window), **options),
                                                all_logits=True))[:-1]
-            total.kl += float((p * (reference - log_q)).sum())
-            total.agree += int((log_q.argmax(axis=-1) == reference.argmax(axis=-1)).sum())
-            total.nll -= log_q[np.arange(len(targets)), targets].sum()
+            total.score(p, reference, log_q, targets)
             if bar is not None:
                 bar.update(1)
     if bar is not None:
@@ -340,9 +354,7 @@ def evaluate_budgets(model, tokens: Sequence[int], budgets: Sequence[int] = (16,
         for name, budget, policy in runs:
             total = totals[(name, budget)]
             log_q = log_softmax(_scored_logits(model, policy, window, prompt))
-            total.kl += float((p * (full - log_q)).sum())
-            total.agree += int((log_q.argmax(axis=-1) == full.argmax(axis=-1)).sum())
-            total.nll -= log_q[np.arange(len(targets)), targets].sum()
+            total.score(p, full, log_q, targets)
             if bar is not None:
                 bar.update(1)
     if bar is not None:
@@ -453,13 +465,8 @@ def evaluate_weights(model, tokens: Sequence[int],
     of `context` tokens (default: the model's context, at most 512), against the model's
     float32 weights (their dequantized values, for a model loaded in fewer bytes) with an
     fp32 cache: KL, top-1 agreement and perplexity change, and the bytes each reads."""
-    tokens = np.asarray(tokens)
     config = model.config
-    context = context or min(512, config.max_seq_len)
-    if not 2 <= context <= config.max_seq_len:
-        raise ValueError(f"context must be between 2 and the model's {config.max_seq_len} tokens")
-    if tokens.ndim != 1 or len(tokens) < 2:
-        raise ValueError("tokens must be a 1-D sequence of at least 2 token ids")
+    tokens, context = _checked_text(config, tokens, context)
     exact_model = _weight_variant(model, "fp32")
     variants = [(name, _weight_variant(model, name)) for name in weights]
     specs = [_options(spec) for spec in caches]
@@ -487,10 +494,7 @@ def evaluate_weights(model, tokens: Sequence[int],
             options = {**spec, "window": min(fmt.window, len(window))}
             log_q = log_softmax(variant.prefill(window, variant.new_cache(len(window), **options),
                                                 all_logits=True))[:-1]
-            total = totals[(name, fmt.name)]
-            total.kl += float((p * (exact - log_q)).sum())
-            total.agree += int((log_q.argmax(axis=-1) == exact.argmax(axis=-1)).sum())
-            total.nll -= log_q[np.arange(len(targets)), targets].sum()
+            totals[(name, fmt.name)].score(p, exact, log_q, targets)
             if bar is not None:
                 bar.update(1)
     if bar is not None:

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 import kvlab
+from kvlab.loaders.gguf_writer import add_llama_config
 from kvlab.measure import release_freed_memory, resident_bytes
 
 
@@ -319,16 +320,7 @@ def write_small_gguf(path, config: kvlab.ModelConfig, weights: kvlab.Weights) ->
     writer = gguf.GGUFWriter(path, "llama")
     writer.add_custom_alignment(32)    # the default, written out so that it can be mutated
     writer.add_name("small")
-    writer.add_context_length(config.max_seq_len)
-    writer.add_embedding_length(config.dim)
-    writer.add_feed_forward_length(config.hidden_dim)
-    writer.add_block_count(config.n_layers)
-    writer.add_head_count(config.n_heads)
-    writer.add_head_count_kv(config.n_kv_heads)
-    writer.add_key_length(config.head_dim)
-    writer.add_rope_dimension_count(config.head_dim)
-    writer.add_layer_norm_rms_eps(config.norm_eps)
-    writer.add_rope_freq_base(config.rope_theta)
+    add_llama_config(writer, config)
     writer.add_tokenizer_model("llama")
     writer.add_token_list(GGUF_TOKENS)
     writer.add_token_scores([-float(i) for i in range(len(GGUF_TOKENS))])

@@ -272,6 +272,15 @@ def decode_by_weight_format(rounds: int = 3) -> list:
     return rows
 
 
+def _log_panel(ax, xlabel: str, ylabel: str, title: str) -> None:
+    ax.set_yscale("log")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=7, ncol=2)
+    ax.grid(alpha=0.3, which="both")
+
+
 def plot_whose_bytes(table, combos, path: Path) -> None:
     """Left: bytes a Llama 3 8B decode step reads against context, weights flat and cache
     growing, batch 1 and 16. Right: what each weight x cache combination costs the bundled
@@ -287,12 +296,8 @@ def plot_whose_bytes(table, combos, path: Path) -> None:
         left.axhline(table["llama3-8b"]["weights_per_step"][w] / 1e9, color=color, lw=1.5,
                      label=f"weights {w}")
     left.set_xscale("log", base=2)
-    left.set_yscale("log")
-    left.set_xlabel("positions cached per sequence")
-    left.set_ylabel("GB read per decode step")
-    left.set_title("Llama 3 8B: whose bytes does a decode step read?", fontsize=10)
-    left.legend(fontsize=7, ncol=2)
-    left.grid(alpha=0.3, which="both")
+    _log_panel(left, "positions cached per sequence", "GB read per decode step",
+               "Llama 3 8B: whose bytes does a decode step read?")
     report = combos[0]
     for r in report["results"]:
         if r["weights"] == "fp32" and r["cache"] == "fp32":
@@ -304,12 +309,8 @@ def plot_whose_bytes(table, combos, path: Path) -> None:
         right.scatter([], [], color=f"C{i}", label=f"weights {w}")
     for cache, marker in (("fp32", "o"), ("int8 g16", "s"), ("int4 g16", "^")):
         right.scatter([], [], color="k", marker=marker, label=f"cache {cache}")
-    right.set_yscale("log")
-    right.set_xlabel("weight MB (the bundled model)")
-    right.set_ylabel("mean KL against fp32 / fp32, nats (log)")
-    right.set_title("What the bytes cost: weights x cache formats", fontsize=10)
-    right.legend(fontsize=7, ncol=2)
-    right.grid(alpha=0.3, which="both")
+    _log_panel(right, "weight MB (the bundled model)", "mean KL against fp32 / fp32, nats (log)",
+               "What the bytes cost: weights x cache formats")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

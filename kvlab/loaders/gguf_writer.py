@@ -46,17 +46,7 @@ def save_gguf(path: "str | os.PathLike[str]", config: ModelConfig, weights: Weig
         raise CheckpointError("RoPE scaling is not written to GGUF files by kvlab")
     writer = gguf.GGUFWriter(os.fspath(path), "llama")
     writer.add_name(name or config.name or "kvlab model")
-    writer.add_context_length(config.max_seq_len)
-    writer.add_embedding_length(config.dim)
-    writer.add_feed_forward_length(config.hidden_dim)
-    writer.add_block_count(config.n_layers)
-    writer.add_head_count(config.n_heads)
-    writer.add_head_count_kv(config.n_kv_heads)
-    writer.add_key_length(config.head_dim)
-    writer.add_value_length(config.head_dim)
-    writer.add_rope_dimension_count(config.head_dim)
-    writer.add_layer_norm_rms_eps(config.norm_eps)
-    writer.add_rope_freq_base(config.rope_theta)
+    add_llama_config(writer, config)
     if placeholder_vocabulary:
         _add_placeholder_vocabulary(writer, gguf, config.vocab_size)
 
@@ -82,6 +72,22 @@ def save_gguf(path: "str | os.PathLike[str]", config: ModelConfig, weights: Weig
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+def add_llama_config(writer: Any, config: ModelConfig) -> None:
+    """The llama.* metadata of config into a gguf.GGUFWriter: the sizes, the norm's epsilon
+    and RoPE's base (kvlab.loaders.gguf reads them back into the same ModelConfig)."""
+    writer.add_context_length(config.max_seq_len)
+    writer.add_embedding_length(config.dim)
+    writer.add_feed_forward_length(config.hidden_dim)
+    writer.add_block_count(config.n_layers)
+    writer.add_head_count(config.n_heads)
+    writer.add_head_count_kv(config.n_kv_heads)
+    writer.add_key_length(config.head_dim)
+    writer.add_value_length(config.head_dim)
+    writer.add_rope_dimension_count(config.head_dim)
+    writer.add_layer_norm_rms_eps(config.norm_eps)
+    writer.add_rope_freq_base(config.rope_theta)
 
 
 def _add_placeholder_vocabulary(writer: Any, gguf: Any, vocab_size: int) -> None:

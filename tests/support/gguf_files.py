@@ -14,6 +14,8 @@ from typing import Dict, List, Optional, Sequence, Union
 
 import numpy as np
 
+from kvlab.loaders.gguf_writer import add_llama_config
+
 # kvlab name -> GGUF tensor name ({i} = layer), as llama.cpp's converter writes them
 LAYER_TENSORS = {"attn_norm": "blk.{i}.attn_norm.weight", "wq": "blk.{i}.attn_q.weight",
                  "wk": "blk.{i}.attn_k.weight", "wv": "blk.{i}.attn_v.weight",
@@ -42,16 +44,7 @@ def write_llama_gguf(path, config, weights, types: Optional[Types] = None,
     types = types or {}
     endian = gguf.GGUFEndian.BIG if big_endian else gguf.GGUFEndian.LITTLE
     writer = gguf.GGUFWriter(path, "llama", endianess=endian)
-    writer.add_context_length(config.max_seq_len)
-    writer.add_embedding_length(config.dim)
-    writer.add_feed_forward_length(config.hidden_dim)
-    writer.add_block_count(config.n_layers)
-    writer.add_head_count(config.n_heads)
-    writer.add_head_count_kv(config.n_kv_heads)
-    writer.add_key_length(config.head_dim)
-    writer.add_rope_dimension_count(config.head_dim)
-    writer.add_layer_norm_rms_eps(config.norm_eps)
-    writer.add_rope_freq_base(config.rope_theta)
+    add_llama_config(writer, config)
 
     def add(gguf_name: str, values: np.ndarray, kind: str) -> None:
         data = values if kind == "F32" else encode(values, kind, rng)
