@@ -21,6 +21,11 @@ weights, and "q8_0 x int8"'s to agree with every path of its own.
 (kvlab.loaders.save_gguf, with a placeholder vocabulary), so that llama.cpp can run the
 very same numbers (llama-bench -m FILE), and checks that kvlab reads them back byte for byte.
 
+--llama-bench PATH (with --gguf) also runs llama.cpp's llama-bench on those two files, in
+turns with kvlab decoding the same files loaded by kvlab.load (Q8_0 with its default int8
+activations, F32), and reports both engines' decode and prefill tokens/s side by side. Not
+part of CI: llama.cpp is built by hand from a source package.
+
 --kernels times the matrix products of one decode token alone instead (kvlab._kvlab.matmul
 over every layer's matrices and the classifier), the kernels without the rest of the model.
 """
@@ -140,6 +145,48 @@ def write_gguf(models: dict, folder: Path, shape: str) -> list:
     return written
 
 
+def llama_bench(binary: str, path: str, threads: int, prompt: int, steps: int) -> tuple:
+    """llama.cpp's (decode, prefill) tokens/s on a GGUF file: one run of each test."""
+    import subprocess
+    out = subprocess.run([binary, "-m", path, "-t", str(threads), "-p", str(prompt), "-n",
+                          str(steps), "-r", "1", "-o", "json"], capture_output=True, text=True,
+                         check=True).stdout
+    tests = json.loads(out)
+    decode = next(t["avg_ts"] for t in tests if t["n_gen"] > 0)
+    prefill = next(t["avg_ts"] for t in tests if t["n_prompt"] > 0)
+    return decode, prefill
+
+
+def compare_llama_cpp(args, files: list) -> list:
+    """kvlab and llama.cpp on the same GGUF files, in turns, medians of args.rounds."""
+    threads = core.get_num_threads()
+    rng = np.random.default_rng(1)
+    rows = []
+    for path in files:
+        model = kvlab.load(path)
+        short = rng.integers(0, model.config.vocab_size, 16).astype(np.int32)
+        long = rng.integers(0, model.config.vocab_size, args.prompt).astype(np.int32)
+        theirs, ours = [], []
+        for _ in range(args.rounds):
+            theirs.append(llama_bench(args.llama_bench, path, threads, args.prompt, args.steps))
+            ours.append((1 / decode_seconds(model, short, args.steps),
+                         args.prompt / prefill_seconds(model, long)))
+        row = {"file": Path(path).name, "weights": model.weight_format,
+               "activations": model.activations,
+               "kvlab_decode_tokens_per_s": statistics.median(o[0] for o in ours),
+               "llama_cpp_decode_tokens_per_s": statistics.median(t[0] for t in theirs),
+               "kvlab_prefill_tokens_per_s": statistics.median(o[1] for o in ours),
+               "llama_cpp_prefill_tokens_per_s": statistics.median(t[1] for t in theirs),
+               "runs": {"kvlab": ours, "llama_cpp": theirs}}
+        rows.append(row)
+        print(f"{row['file']:<26} decode kvlab {row['kvlab_decode_tokens_per_s']:7.1f} "
+              f"llama.cpp {row['llama_cpp_decode_tokens_per_s']:7.1f} tok/s "
+              f"({row['kvlab_decode_tokens_per_s'] / row['llama_cpp_decode_tokens_per_s']:.2f}x); "
+              f"prefill {args.prompt}: kvlab {row['kvlab_prefill_tokens_per_s']:7.1f} "
+              f"llama.cpp {row['llama_cpp_prefill_tokens_per_s']:7.1f} tok/s")
+    return rows
+
+
 def bench_model(args, bandwidth: float) -> dict:
     models = build_models(args.shape)
     written = write_gguf(models, Path(args.gguf), args.shape) if args.gguf else []
@@ -177,8 +224,9 @@ def bench_model(args, bandwidth: float) -> dict:
               f"{row['decode_speedup_vs_fp32']:>8.2f}x{rate / 1e9:>11.1f}"
               f"{100 * rate / bandwidth:>6.0f}%{row['prefill_tokens_per_s']:>15.1f}"
               f"{row['prefill_speedup_vs_fp32']:>8.2f}x")
+    against = compare_llama_cpp(args, written) if args.llama_bench and written else []
     return {"mode": "model", "variants": rows, "decode_steps": args.steps,
-            "prefill_tokens": args.prompt, "gguf_files": written}
+            "prefill_tokens": args.prompt, "gguf_files": written, "llama_cpp": against}
 
 
 def kernel_matrices(shape: str) -> list:
@@ -239,8 +287,12 @@ def main(argv=None) -> int:
     parser.add_argument("--kernels", action="store_true", help="the products alone")
     parser.add_argument("--gguf", default=None, metavar="DIR",
                         help="also write the weights as GGUF (q8_0, f32) for other engines")
+    parser.add_argument("--llama-bench", default=None, metavar="PATH",
+                        help="llama.cpp's llama-bench, run on the --gguf files beside kvlab")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
+    if args.llama_bench and not args.gguf:
+        parser.error("--llama-bench needs --gguf DIR (the files both engines read)")
     if args.threads:
         kvlab.set_num_threads(args.threads)
     bandwidth = memory_bandwidth()["read_bytes_per_s"]
