@@ -25,7 +25,7 @@ from .config import ModelConfig
 from .errors import (CacheFullError, CheckpointError, ConfigError, ContextLengthError,
                      CudaError, KVLabError, OutOfBlocks, OutOfSequences, PoolInvariantError, TokenizerError,
                      WeightsError)
-from .engine import CompletionOutput, Engine, RequestOutput, StepResult
+from .engine import CompletionOutput, Engine, RequestMetrics, RequestOutput, StepResult
 from .generate import Generation, generate
 from .loaders import load_checkpoint
 from .measure import kv_bytes_per_token, kv_cache_bytes
@@ -107,6 +107,6 @@ __all__ = [
     "MHA_MODEL", "KVLabError", "ConfigError", "WeightsError", "CheckpointError",
     "TokenizerError", "CacheFullError", "ContextLengthError", "PagedPool", "PagedSequence",
     "PoolStats", "OutOfBlocks", "OutOfSequences", "PoolInvariantError", "CacheFormat",
-    "kv_cache_bytes", "kv_bytes_per_token", "Engine", "SamplingParams", "RequestOutput",
+    "kv_cache_bytes", "kv_bytes_per_token", "Engine", "SamplingParams", "RequestOutput", "RequestMetrics",
     "CompletionOutput", "StepResult", "CudaError", "cuda",
 ]

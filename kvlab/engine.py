@@ -43,7 +43,7 @@ import os
 import threading
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -135,6 +135,35 @@ class CompletionOutput:
 
 
 @dataclasses.dataclass
+class RequestMetrics:
+    """How long a request took, in the units a user feels (seconds on the engine's clock):
+    time to first token (from arrival: queueing and prefill), time per output token after
+    it (decode, shared with the batch), and end to end."""
+    arrival_time: float
+    first_token_time: Optional[float]   # None if it failed before choosing one
+    finished_time: float
+    output_tokens: int                  # of its longest sample
+
+    @property
+    def ttft(self) -> Optional[float]:
+        """Time to first token: arrival until the first generated token was chosen."""
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    @property
+    def e2e(self) -> float:
+        """End-to-end latency: arrival until the last token."""
+        return self.finished_time - self.arrival_time
+
+    @property
+    def tpot(self) -> Optional[float]:
+        """Time per output token after the first (vLLM's TPOT): (e2e - ttft) / (tokens - 1);
+        None for fewer than two tokens."""
+        if self.first_token_time is None or self.output_tokens < 2:
+            return None
+        return (self.finished_time - self.first_token_time) / (self.output_tokens - 1)
+
+
+@dataclasses.dataclass
 class RequestOutput:
     """A finished request: its prompt ids and one CompletionOutput per sample (n of them),
     the shape of vLLM's RequestOutput."""
@@ -144,6 +173,8 @@ class RequestOutput:
     preemptions: int
     # with speculate=: the samples' counts added up (SpeculationStats.total)
     speculation: Optional[SpeculationStats] = dataclasses.field(default=None, compare=False)
+    # when it arrived, got its first token and finished (engine clock): TTFT, TPOT, e2e
+    metrics: Optional[RequestMetrics] = dataclasses.field(default=None, compare=False)
 
     @property
     def texts(self) -> List[str]:
@@ -305,14 +336,17 @@ class Engine:
                  trace: Union[None, str, Path, list] = None, *,
                  num_blocks: Optional[int] = None, block_size: Optional[int] = None,
                  dtype: Union[None, str, CacheFormat] = None,
-                 speculate: Optional[Drafter] = None, draft_tokens: int = 4):
+                 speculate: Optional[Drafter] = None, draft_tokens: int = 4,
+                 clock: Callable[[], float] = time.perf_counter):
         """Serve `model` from `pool`, or from a pool of its own made here with
         model.new_paged_pool(num_blocks, block_size (16), dtype ("fp32")). max_batch_tokens
         bounds the tokens of one forward call (drafts included), max_batch_seqs its
         sequences (default: all the pool allows); trace: a file path or a list that
         receives the block events. speculate: a drafter (kvlab.speculative.PromptLookup(),
         DraftModel(...)) that proposes up to draft_tokens tokens per sample and pass, as
-        in kvlab.generate (see the module text); it needs a pool without a residual window."""
+        in kvlab.generate (see the module text); it needs a pool without a residual window.
+        clock: the seconds each request's arrival, first token and end are read from
+        (RequestOutput.metrics)."""
         if speculate is not None:
             check_drafter(model, speculate, draft_tokens)
         if pool is None:
@@ -333,7 +367,10 @@ class Engine:
             max_batch_seqs = positive_int("max_batch_seqs", max_batch_seqs)
         if trace is not None and not isinstance(trace, (list, str, os.PathLike)):
             raise TypeError(f"trace must be a file path, a list or None, got {type(trace).__name__}")
+        if not callable(clock):
+            raise TypeError(f"clock must be a function returning seconds, got {type(clock).__name__}")
         self.model, self.pool = model, pool
+        self._clock = clock
         self.speculate = speculate
         self.draft_tokens = int(draft_tokens) if speculate is not None else None
         self.scheduler = Scheduler(pool.block_size, max_batch_tokens,
@@ -360,13 +397,22 @@ class Engine:
 
     # ---- requests ---------------------------------------------------------------------
     def add_request(self, prompt: Union[str, Sequence[int]],
-                    params: Optional[SamplingParams] = None) -> int:
+                    params: Optional[SamplingParams] = None,
+                    arrival_time: Optional[float] = None) -> int:
         """Queue a request; returns its id. Raises ValueError at once if it could never
-        fit the pool, even running alone."""
+        fit the pool, even running alone. arrival_time: when it arrived on the engine's
+        clock, if earlier than now (a load generator adding the requests that arrived
+        during a step); its latencies count from then."""
         with self._lock:
-            return self._add_request(prompt, params)
+            return self._add_request(prompt, params, arrival_time)
 
-    def _add_request(self, prompt, params) -> int:
+    def _add_request(self, prompt, params, arrival_time=None) -> int:
+        now = self._clock()
+        if arrival_time is not None and not (isinstance(arrival_time, (int, float))
+                                             and not isinstance(arrival_time, bool)
+                                             and arrival_time <= now):
+            raise ValueError(f"arrival_time must be a time on the engine's clock no later "
+                             f"than now ({now}), got {arrival_time!r}")
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a kvlab.SamplingParams, got {type(params).__name__}")
@@ -395,7 +441,8 @@ class Engine:
         if params.n > self.pool.max_seqs:
             raise ValueError(f"request rejected: n={params.n} samples need as many sequences; "
                              f"the pool allows max_seqs={self.pool.max_seqs}")
-        request = Request(id=self._next_id, prompt=list(ids), params=params, arrival=self._next_id)
+        request = Request(id=self._next_id, prompt=list(ids), params=params, arrival=self._next_id,
+                          arrived=now if arrival_time is None else float(arrival_time))
         for i in range(params.n):
             rng = np.random.default_rng(None if params.seed is None else params.seed + i)
             speculation = (_Speculation(SpeculationStats(self.draft_tokens))
@@ -547,6 +594,8 @@ class Engine:
                     break
                 if tokens:
                     new_tokens.setdefault(request.id, []).extend(tokens)
+                    if request.first_token_at is None:
+                        request.first_token_at = self._clock()
         return accepted
 
     @staticmethod
@@ -686,6 +735,7 @@ class Engine:
         """Every running request whose samples are all done leaves, its blocks freed."""
         for request in list(self.scheduler.running):
             if request.finished:
+                request.finished_at = self._clock()
                 self.space.release(request)
                 self.scheduler.finish(request)
                 finished.append(request.id)
@@ -699,6 +749,8 @@ class Engine:
         for request in self.requests.values():
             running, waiting = request in scheduler.running, request in scheduler.waiting
             if request.state is State.FINISHED:
+                if request.finished_at is None:
+                    request.finished_at = self._clock()
                 if running or waiting:
                     scheduler.finish(request)
                 if any(s.seq is not None for s in request.samples):
@@ -813,8 +865,11 @@ class Engine:
                        for s in request.samples]
             total = (SpeculationStats.total([o.speculation for o in outputs], self.draft_tokens)
                      if self.speculate is not None else None)
+            finished_at = request.arrived if request.finished_at is None else request.finished_at
+            metrics = RequestMetrics(request.arrived, request.first_token_at, finished_at,
+                                     max(len(o.tokens) for o in outputs))
             done[request.id] = RequestOutput(request.id, request.prompt, outputs,
-                                             request.preemptions, total)
+                                             request.preemptions, total, metrics)
         return done
 
     @property

@@ -147,6 +147,10 @@ class Request:
     state: State = State.WAITING
     preemptions: int = 0
     forked: bool = False            # n > 1 and the samples exist as separate sequences
+    # when, on the engine's clock (seconds): it arrived, its first token was chosen, it left
+    arrived: float = 0.0
+    first_token_at: Optional[float] = None
+    finished_at: Optional[float] = None
 
     def active(self) -> List[Sample]:
         """Samples that still generate and have (or will get) a sequence of their own."""

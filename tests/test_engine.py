@@ -647,3 +647,54 @@ def test_a_forked_request_larger_than_a_batch_is_readmitted_after_preemption(mod
     assert sum(m.preemptions for m in metrics) >= 1
     assert max(m.batch_size for m in metrics) == 2
     assert_outputs_match_generate(model, engine.outputs, requests)
+
+
+# ---- latency in the units users feel (RequestOutput.metrics) ----------------------------------
+
+class StepClock:
+    """A clock that moves one second each time it is read: every reading is distinct and
+    known, so the latencies below are exact counts of readings."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        self.now += 1.0
+        return self.now
+
+
+def test_each_request_records_its_arrival_first_token_and_end(model):
+    clock = StepClock()
+    engine = kvlab.Engine(model, num_blocks=64, block_size=4, max_batch_tokens=8, clock=clock)
+    long = engine.add_request(list(range(1, 21)), SamplingParams(max_new_tokens=5))
+    short = engine.add_request([5, 6, 7], SamplingParams(max_new_tokens=3))
+    first_seen, last_seen = {}, {}
+    while engine.has_work:
+        result = engine.step()
+        for rid in result.new_tokens:
+            first_seen.setdefault(rid, result.step)
+            last_seen[rid] = result.step
+    outputs = engine.outputs
+    for rid in (long, short):
+        m = outputs[rid].metrics
+        assert m.arrival_time < m.first_token_time <= m.finished_time
+        assert m.ttft == m.first_token_time - m.arrival_time and m.e2e == m.finished_time - m.arrival_time
+        assert m.output_tokens == len(outputs[rid].outputs[0].tokens)
+        assert m.tpot == pytest.approx((m.finished_time - m.first_token_time) / (m.output_tokens - 1))
+    # the 20-token prompt is prefilled in chunks of 8: its first token comes two steps
+    # after it arrived, and its TTFT covers them
+    assert first_seen[long] == 2 and outputs[long].metrics.ttft > 0
+    assert outputs[long].metrics == outputs[long].metrics and outputs[long] == outputs[long]
+
+
+def test_arrival_time_counts_from_when_the_request_arrived(model):
+    clock = StepClock()
+    engine = kvlab.Engine(model, num_blocks=16, block_size=4, clock=clock)
+    rid = engine.add_request([1, 2, 3], SamplingParams(max_new_tokens=1), arrival_time=0.5)
+    engine.run(progress=False)
+    m = engine.outputs[rid].metrics
+    assert m.arrival_time == 0.5 and m.output_tokens == 1 and m.tpot is None
+    with pytest.raises(ValueError, match="no later than now"):
+        engine.add_request([1, 2], arrival_time=clock.now + 100)
+    with pytest.raises(TypeError, match="clock must be"):
+        kvlab.Engine(model, num_blocks=16, clock=3.0)
