@@ -1,0 +1,35 @@
+"""benchmarks/bench_serve.py: a Poisson load's requests all come back, with latencies that
+make sense, and a short run writes its table's numbers to JSON."""
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+import kvlab
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+sys.path.insert(0, str(BENCHMARKS))
+import bench_serve  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def model():
+    return kvlab.load()
+
+
+def test_the_workload_arrives_in_order_at_about_the_rate(model):
+    requests = bench_serve.workload(model, 200, rate=50.0, seed=1)
+    arrivals = [r[0] for r in requests]
+    assert arrivals == sorted(arrivals) and 2.0 < arrivals[-1] < 6.0     # 200 at 50/s: ~4 s
+    assert all(8 <= len(prompt) < 96 and 16 <= new < 96 for _, prompt, new in requests)
+
+
+def test_a_short_run_serves_every_request_and_writes_json(model, tmp_path):
+    out = tmp_path / "serve.json"
+    assert bench_serve.main(["--rates", "200", "--requests", "6", "--budgets", "32",
+                             "--json", str(out)]) == 0
+    run = json.loads(out.read_text())["runs"][0]
+    assert run["requests"] == 6 and run["tokens_per_s"] > 0
+    assert 0 < run["ttft_p50_ms"] <= run["ttft_p99_ms"] <= run["e2e_p99_ms"]
+    assert 0 < run["tpot_p50_ms"] <= run["tpot_p99_ms"]
