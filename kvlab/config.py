@@ -174,6 +174,16 @@ class ModelConfig:
                    vocab_size=32000, max_seq_len=4096, tied_embeddings=False, name="Llama 2 7B")
 
     @classmethod
+    def llama31_8b(cls) -> "ModelConfig":
+        """Llama 3 8B's shape trained to 128K positions (RoPE scaled as Llama 3.1 does)."""
+        return cls(dim=4096, hidden_dim=14336, n_layers=32, n_heads=32, n_kv_heads=8,
+                   vocab_size=128256, max_seq_len=131072, rope_theta=500000.0,
+                   rope_interleaved=False, tied_embeddings=False, name="Llama 3.1 8B",
+                   rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                 "high_freq_factor": 4.0,
+                                 "original_max_position_embeddings": 8192})
+
+    @classmethod
     def llama2_70b(cls) -> "ModelConfig":
         return cls(dim=8192, hidden_dim=28672, n_layers=80, n_heads=64, n_kv_heads=8,
                    vocab_size=32000, max_seq_len=4096, tied_embeddings=False,
@@ -206,7 +216,8 @@ class ModelConfig:
     @classmethod
     def presets(cls) -> dict:
         return {"llama2-7b": cls.llama2_7b(), "llama2-70b": cls.llama2_70b(),
-                "llama3-8b": cls.llama3_8b(), "tinyllama-1.1b": cls.tinyllama_1b(),
+                "llama3-8b": cls.llama3_8b(), "llama3.1-8b": cls.llama31_8b(),
+                "tinyllama-1.1b": cls.tinyllama_1b(),
                 "stories260k": cls.stories260k(), "shakespeare-1m": cls.shakespeare_1m()}
 
     # ---- RoPE ------------------------------------------------------------------------

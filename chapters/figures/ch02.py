@@ -39,8 +39,8 @@ BATCHES = (64, 16)        # 64 first: the first measurement in a fresh process
 BIG = 65536               # positions of the cache filled step by step
 STEP = 4096
 FORMATS = ("fp32", "fp16", "int8", "fp8", "int4")
-PRESETS = ("llama2-7b", "llama3-8b", "llama2-70b", "tinyllama-1.1b", "stories260k",
-           "shakespeare-1m")
+PRESETS = ("llama2-7b", "llama3-8b", "llama3.1-8b", "llama2-70b", "tinyllama-1.1b",
+           "stories260k", "shakespeare-1m")
 
 
 def worked_example() -> dict:
@@ -157,6 +157,12 @@ def plot_growth(rows: dict, path: Path) -> None:
         ax.plot([cross], [row["weights_bytes_fp16"] / GIB], "o", color=color, ms=5)
         ctx = row["max_seq_len"]
         ax.plot([ctx], [ctx * per_token / GIB], "|", color=color, ms=12, mew=2)
+    # Llama 3.1 8B: Llama 3 8B's shape (the same line), trained to 128K positions
+    long = rows["llama3.1-8b"]
+    ctx, per_token = long["max_seq_len"], long["bytes_per_token"]["fp16"]
+    ax.plot([ctx], [ctx * per_token / GIB], "|", color=colors["llama3-8b"], ms=12, mew=2)
+    ax.annotate(f"{long['name']}: one request\nat {ctx // 1024}K", (ctx, ctx * per_token / GIB),
+                textcoords="offset points", xytext=(6, -22), fontsize=7, color=colors["llama3-8b"])
     ax.set_xscale("log", base=2)
     ax.set_yscale("log", base=2)
     ax.set_xticks([2 ** k for k in range(8, 21, 2)],
