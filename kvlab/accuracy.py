@@ -41,6 +41,7 @@ from typing import Dict, List, Optional, Sequence, Union
 
 import numpy as np
 
+from ._text import signed
 from .cache_policy import CachePolicy, make_policy
 from .generate import generate
 from .measure import kv_bytes_per_token
@@ -99,7 +100,7 @@ class AccuracyReport:
         for f in self.formats:
             lines.append(f"{f.name:<22}{f.bytes_per_token:>12,}{max(f.key_error):>10.2e}"
                          f"{max(f.value_error):>10.2e}{f.kl:>12.2e}{100 * f.top1:>7.2f}%"
-                         f"{f.perplexity:>12.4f}{f.perplexity_change:>+8.3f}%")
+                         f"{f.perplexity:>12.4f}{signed(f.perplexity_change, 3):>8}%")
         lines.append("K/V error: the worst layer's relative RMS error; change: perplexity "
                      "against the fp32 cache")
         return "\n".join(lines)
@@ -283,7 +284,8 @@ class BudgetReport:
                  f"{'perplexity':>12}{'change':>10}"]
         for r in self.results:
             lines.append(f"{r.policy:<8}{r.budget:>8}{r.mean_rows:>11.1f}{r.kl:>12.2e}"
-                         f"{100 * r.top1:>7.2f}%{r.perplexity:>12.4f}{r.perplexity_change:>+9.2f}%")
+                         f"{100 * r.top1:>7.2f}%{r.perplexity:>12.4f}"
+                         f"{signed(r.perplexity_change, 2):>9}%")
         lines.append("rows read: the mean rows a scored position attended to (SnapKV compresses "
                      "the prompt only: later tokens add rows)")
         return "\n".join(lines)
@@ -430,7 +432,7 @@ class CombinationReport:
             lines.append(f"{r.weights:<14}{r.cache:<8}{r.weight_bytes:>14,}"
                          f"{r.cache_bytes_per_token:>12,}{r.bytes_read(self.context):>14,}"
                          f"{r.kl:>12.2e}{100 * r.top1:>7.2f}%{r.perplexity:>12.4f}"
-                         f"{r.perplexity_change:>+8.3f}%")
+                         f"{signed(r.perplexity_change, 3):>8}%")
         lines.append(f"read at {self.context}: bytes one decode step reads with "
                      f"{self.context} positions cached (the weights, then K and V)")
         return "\n".join(lines)

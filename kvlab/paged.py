@@ -19,6 +19,7 @@ import html
 
 import numpy as np
 from ._core import core
+from ._text import plural
 
 PagedSequence = core.PagedSequence
 
@@ -88,9 +89,11 @@ class PoolViews:
             else:
                 cells.append("c" if b in cached else ".")
         s = self.stats()
-        lines = [f"PagedPool: {self.num_blocks} blocks x {self.block_size} tokens, "
+        lines = [f"PagedPool: {plural(self.num_blocks, 'block')} x "
+                 f"{plural(self.block_size, 'token')}, "
                  f"{s.blocks_used} used, {s.blocks_cached} cached, {s.blocks_free} free; "
-                 f"{s.tokens_stored} tokens stored, {s.slots_unused} slots unused "
+                 f"{plural(s.tokens_stored, 'token')} stored, "
+                 f"{plural(s.slots_unused, 'slot')} unused "
                  f"({s.fragmentation_percent:.1f} %); prefix hits {s.prefix_hits}, "
                  f"misses {s.prefix_misses}"]
         for start in range(0, self.num_blocks, width):
@@ -132,9 +135,10 @@ class PoolViews:
         s = self.stats()
         legend = " ".join(f'<span style="background:{c};padding:0 4px">{html.escape(k)}</span>'
                           for k, c in colors.items())
-        return (f"<div><b>PagedPool</b>: {self.num_blocks} blocks x {self.block_size} tokens; "
+        return (f"<div><b>PagedPool</b>: {plural(self.num_blocks, 'block')} x "
+                f"{plural(self.block_size, 'token')}; "
                 f"{s.blocks_used} used, {s.blocks_cached} cached, {s.blocks_free} free; "
-                f"{s.tokens_stored} tokens, {s.slots_unused} slots unused "
+                f"{plural(s.tokens_stored, 'token')}, {plural(s.slots_unused, 'slot')} unused "
                 f"({s.fragmentation_percent:.1f} %) {legend}"
                 f"<div style='max-width:760px'>{''.join(cells)}</div>"
                 f"<table><tr><th>sequence</th><th>length</th><th>block table</th></tr>"

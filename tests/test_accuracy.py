@@ -167,3 +167,15 @@ def test_evaluate_weights_refuses_what_it_cannot_run(model, text_tokens):
         accuracy.evaluate_weights(model, text_tokens, weights=["q4_0"])
     with pytest.raises(ValueError, match="context"):
         accuracy.evaluate_weights(model, text_tokens, context=1)
+
+
+def test_a_change_that_rounds_to_zero_prints_without_a_minus_sign():
+    """Issue 22: perplexity 0.0004 % lower printed as "-0.000%"; nothing changed at that
+    precision, so it prints "+0.000%". A real decrease keeps its sign."""
+    def row(name, change):
+        return accuracy.FormatAccuracy(name, 640, [0.0], [0.0], 0.0, 1.0, 2.0, change)
+    report = accuracy.AccuracyReport("m", 100, 50, [row("a", -0.00044), row("b", -0.035),
+                                                    row("c", 0.0), row("d", 0.2114)])
+    lines = report.table().splitlines()[2:6]
+    assert [line.split()[-1] for line in lines] == ["+0.000%", "-0.035%", "+0.000%", "+0.211%"]
+    assert "-0.000" not in report.table()

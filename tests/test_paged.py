@@ -1377,3 +1377,15 @@ def test_a_pool_without_prefix_cache_never_shares_blocks_by_their_tokens():
             assert np.array_equal(gathered_values, -keys.transpose(1, 0, 2, 3))
             assert pool.stats().blocks_used == 6
             assert pool.reuse_prefix(pool.new_sequence(), np.zeros(40, np.int32)) == 0
+
+
+def test_render_counts_read_in_the_right_number():
+    """Issue 22: a pool's summary said "1 slots"; one of anything is singular."""
+    pool, rows = small_pool(num_blocks=1, block_size=2)
+    seq = pool.new_sequence()
+    append(pool, rows, seq, [7])
+    for text in (pool.render(), pool._repr_html_()):
+        assert "1 block x 2 tokens" in text and "1 token" in text and "1 slot unused" in text
+        assert "1 blocks" not in text and "1 tokens" not in text and "1 slots" not in text
+    append(pool, rows, seq, [8], before=[7])
+    assert "2 tokens stored, 0 slots unused" in pool.render()
