@@ -18,13 +18,23 @@ from typing import List, Optional
 DEMO_PROMPT = "ROMEO:\n"
 
 
-def _load(args) -> "kvlab.Model":  # noqa: F821
+def _load(args, needs_tokenizer: bool = False) -> "kvlab.Model":  # noqa: F821
+    """The model --model names. needs_tokenizer: the command encodes a text prompt, so a
+    checkpoint without a tokenizer is refused here, in the command line's words (--tokenizer
+    PATH), before any work; the Python API's own error names its keyword, tokenizer=PATH."""
     import kvlab
     if getattr(args, "threads", None) is not None:
         kvlab.set_num_threads(args.threads)
-    return kvlab.load(args.model, tokenizer=args.tokenizer,
-                      weights=getattr(args, "weights", None),
-                      activations=getattr(args, "activations", None))
+    model = kvlab.load(args.model, tokenizer=args.tokenizer,
+                       weights=getattr(args, "weights", None),
+                       activations=getattr(args, "activations", None))
+    if needs_tokenizer and model.tokenizer is None:
+        raise kvlab.TokenizerError(
+            f"{model.source} has no tokenizer that kvlab can read (none in the checkpoint or "
+            f"beside it; a tokenizer.json also needs `pip install tokenizers`), and "
+            f"`kvlab {args.command}` needs one to encode the prompt: pass --tokenizer PATH "
+            f"(a tokenizer.json or a llama2.c tokenizer .bin)")
+    return model
 
 
 def _bytes(n: int) -> str:
@@ -39,7 +49,7 @@ def _bytes(n: int) -> str:
 
 def cmd_demo(args) -> int:
     import kvlab
-    model = _load(args)
+    model = _load(args, needs_tokenizer=True)
     c = model.config
     print(f"kvlab demo: {model!r}")
     print(f"prompt {args.prompt!r}, {args.max_new_tokens} new tokens, greedy, "
@@ -54,6 +64,9 @@ def cmd_demo(args) -> int:
     print("--- without a cache (every step recomputes the whole sequence) ---")
     print(uncached.text)
     print("---")
+    # A newcomer's first question is why the text loops: say it is expected, not a bug.
+    print(f"(the loops are normal: greedy decoding always takes the likeliest token, and a "
+          f"{model.n_params / 1e6:.1f}M-parameter model soon repeats itself)")
     identical = cached.tokens == uncached.tokens
     speedup = uncached.seconds / cached.seconds
     per_token = 2 * c.n_layers * c.kv_dim * 4
@@ -68,6 +81,14 @@ def cmd_demo(args) -> int:
     print(f"KV cache:         2 (K,V) x {c.n_layers} layers x {c.n_kv_heads} KV heads x "
           f"{c.head_dim} x 4 B = {per_token:,} B per token; this run reserved "
           f"{_bytes(cached.cache_nbytes)}")
+    # generate() reserves prompt + new - 1 positions (kvlab/generate.py): the last new token
+    # is only sampled, never run through the model, so its K and V are never computed. (A
+    # model with a sliding window keeps fewer: then this explanation would not hold.)
+    reserved_positions = len(cached.prompt_tokens) + args.max_new_tokens - 1
+    if cached.cache_nbytes == reserved_positions * per_token:
+        print(f"                  = {reserved_positions} positions for "
+              f"{len(cached.prompt_tokens)} prompt + {args.max_new_tokens} new tokens - 1: the "
+              f"last new token is never run through the model, so it needs no K and V")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"model": str(model.source), "prompt": args.prompt,
@@ -82,7 +103,12 @@ def cmd_bench(args) -> int:
     """Cached against uncached generation, timed step by step, with counts and a plot."""
     import kvlab
     from .measure import arithmetic_ratio
-    model = _load(args)
+    if args.plot and not _matplotlib_installed():
+        # say so now, not after the whole benchmark has run
+        print(f"kvlab: error: --plot {args.plot} needs matplotlib, which is not installed: "
+              f"pip install matplotlib (or run without --plot); nothing was run", file=sys.stderr)
+        return 2
+    model = _load(args, needs_tokenizer=True)
     threads = kvlab.get_num_threads()
     kvlab.generate(model, args.prompt, max_new_tokens=4)            # warm up
     runs = {}
@@ -128,6 +154,14 @@ def cmd_bench(args) -> int:
     return 0 if identical else 1
 
 
+def _matplotlib_installed() -> bool:
+    try:
+        import matplotlib  # noqa: F401  (only asking whether it is installed)
+    except ImportError:
+        return False
+    return True
+
+
 def _drafter(spec: str, model):
     """--speculate's drafter: 'lookup', 'layers:N', or a draft model's checkpoint."""
     from .speculative import DraftModel, PromptLookup
@@ -157,7 +191,7 @@ def _cache_policy(spec: str):
 
 def cmd_generate(args) -> int:
     import kvlab
-    model = _load(args)
+    model = _load(args, needs_tokenizer=True)
     drafter = _drafter(args.speculate, model) if args.speculate else None
     policy = _cache_policy(args.cache_policy) if args.cache_policy else None
     out = kvlab.generate(model, args.prompt, args.max_new_tokens, use_cache=not args.no_cache,
@@ -214,7 +248,7 @@ def cmd_lab(args) -> int:
             return 2
         return 0
     if args.action == "show":
-        print(get_lab(args.lab).instructions.read_text())
+        print(get_lab(args.lab).instructions_text())
         return 0
     if args.action == "autograder":
         from .grading.autograder import build, uncommitted_changes
@@ -266,58 +300,106 @@ def positive_int(text: str) -> int:
     return value
 
 
+class HelpWithDefaults(argparse.ArgumentDefaultsHelpFormatter):
+    """Every option's help ends with its default, except where there is none to show (None,
+    a flag's False) or the help already says it in its own words."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        help_text = action.help or ""
+        if action.default is None or action.default is False or "default" in help_text:
+            return help_text
+        return super()._get_help_string(action)
+
+
+def _description() -> str:
+    """The module docstring's first paragraph, whole: its first line alone would cut off a
+    sentence that wraps onto the next one."""
+    return " ".join(__doc__.split("\n\n", 1)[0].split())
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvlab", description=__doc__.splitlines()[0])
+    from . import __version__      # kvlab is already imported: this module is part of it
+    parser = argparse.ArgumentParser(
+        prog="kvlab", description=_description(), formatter_class=HelpWithDefaults,
+        epilog="Also reachable as `python -m kvlab`. `kvlab COMMAND --help` lists a command's "
+               "options and their defaults.")
+    parser.add_argument("--version", action="version", version=f"kvlab {__version__}",
+                        help="print kvlab's version and exit")
     sub = parser.add_subparsers(dest="command", required=True)
 
+    def add_command(name: str, help_text: str) -> argparse.ArgumentParser:
+        return sub.add_parser(name, help=help_text, description=help_text,
+                              formatter_class=HelpWithDefaults)
+
     def model_args(p):
-        p.add_argument("--model", default=None, help="checkpoint path (default: bundled model)")
-        p.add_argument("--tokenizer", default=None, help="tokenizer file, if not beside the model")
-        p.add_argument("--threads", type=positive_int, default=None, help="threads for the C core")
+        p.add_argument("--model", default=None,
+                       help="checkpoint: a llama2.c .bin, a .gguf file or a Hugging Face folder "
+                            "(default: the bundled Shakespeare model)")
+        p.add_argument("--tokenizer", default=None,
+                       help="tokenizer file (tokenizer.json or a llama2.c tokenizer .bin), for a "
+                            "checkpoint with none in it or beside it")
+        p.add_argument("--threads", type=positive_int, default=None,
+                       help="threads for the C core (default: every available core)")
         p.add_argument("--weights", default=None, choices=["fp32", "fp16", "bf16", "q8_0", "int8"],
-                       help="store the weight matrices in this format (int8 = q8_0: 8-bit codes, "
-                            "a scale per 32); default: as the checkpoint stores them")
+                       help="store the weight matrices in this format; int8 is q8_0: 8-bit codes, "
+                            "a scale per 32 (default: as the checkpoint stores them)")
         p.add_argument("--activations", default=None, choices=["fp32", "int8"],
                        help="q8_0 products on int8 activations (the default, faster) or on "
                             "float32 ones (the float32 product over the dequantized weights)")
 
-    demo = sub.add_parser("demo", help="generate with and without the KV cache and compare")
+    prompt_help = f"the text to continue (default: {DEMO_PROMPT!r})"
+    demo = add_command("demo", "generate with and without the KV cache and compare")
     model_args(demo)
-    demo.add_argument("--prompt", default=DEMO_PROMPT)
-    demo.add_argument("--max-new-tokens", type=positive_int, default=200)
+    demo.add_argument("--prompt", default=DEMO_PROMPT, help=prompt_help)
+    demo.add_argument("--max-new-tokens", type=positive_int, default=200,
+                      help="tokens to generate after the prompt, greedily")
     demo.add_argument("--json", default=None, help="also write the results to this JSON file")
     demo.add_argument("--quiet", action="store_true", help="no progress bars")
     demo.set_defaults(func=cmd_demo)
 
-    bench = sub.add_parser("bench", help="time cached against uncached generation")
+    bench = add_command("bench", "time cached against uncached generation")
     model_args(bench)
-    bench.add_argument("--prompt", default=DEMO_PROMPT)
-    bench.add_argument("--max-new-tokens", type=positive_int, default=200)
+    bench.add_argument("--prompt", default=DEMO_PROMPT, help=prompt_help)
+    bench.add_argument("--max-new-tokens", type=positive_int, default=200,
+                       help="tokens to generate after the prompt, every one: an end-of-text "
+                            "token does not stop the run")
     bench.add_argument("--repeats", type=positive_int, default=1, help="keep the best of N runs")
     bench.add_argument("--json", default=None, help="write results (with per-step times) here")
-    bench.add_argument("--plot", default=None, help="write a PNG of latency and memory here")
+    bench.add_argument("--plot", default=None,
+                       help="write a PNG of latency and memory here (needs matplotlib)")
     bench.add_argument("--quiet", action="store_true", help="no progress bars")
     bench.set_defaults(func=cmd_bench)
 
-    gen = sub.add_parser("generate", help="generate text from a prompt")
+    gen = add_command("generate", "generate text from a prompt")
     model_args(gen)
-    gen.add_argument("--prompt", required=True)
-    gen.add_argument("--max-new-tokens", type=positive_int, default=100)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-k", type=int, default=None)
-    gen.add_argument("--top-p", type=float, default=None)
-    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--prompt", required=True, help="the text to continue (required)")
+    gen.add_argument("--max-new-tokens", type=positive_int, default=100,
+                     help="most tokens to generate after the prompt; fewer if the model ends "
+                          "the text")
+    gen.add_argument("--temperature", type=float, default=0.0,
+                     help="0 takes the likeliest token every step (greedy); above 0 samples, "
+                          "more freely the higher it is, e.g. 0.8")
+    gen.add_argument("--top-k", type=int, default=None,
+                     help="with --temperature above 0: sample among the K likeliest tokens only "
+                          "(default: all)")
+    gen.add_argument("--top-p", type=float, default=None,
+                     help="with --temperature above 0: sample among the fewest likeliest tokens "
+                          "whose probabilities add up to P, in (0, 1] (default: all)")
+    gen.add_argument("--seed", type=int, default=None,
+                     help="the sampler's seed: the same seed gives the same text (default: a "
+                          "new one each run)")
     gen.add_argument("--no-cache", action="store_true", help="recompute everything each step")
     gen.add_argument("--cache-dtype", default="fp32",
                      choices=["fp32", "fp16", "bf16", "int8", "int4", "fp8"],
-                     help="how the KV cache stores K and V (default fp32)")
+                     help="how the KV cache stores K and V")
     gen.add_argument("--window", type=int, default=0,
-                     help="keep the most recent N positions in fp32 (quantized caches)")
+                     help="keep the most recent N positions in fp32, with a quantized "
+                          "--cache-dtype; 0 keeps none")
     gen.add_argument("--speculate", default=None, metavar="DRAFTER",
                      help="speculative decoding: 'lookup' (prompt lookup), 'layers:N' (the "
                           "model's own first N layers) or a draft model's checkpoint path")
     gen.add_argument("--draft-tokens", type=positive_int, default=4,
-                     help="drafts checked per pass with --speculate (default 4)")
+                     help="drafts checked per pass with --speculate")
     gen.add_argument("--cache-policy", default=None, metavar="NAME:BUDGET",
                      help="keep at most BUDGET positions in the cache: window (the newest), "
                           "sinks (the first 4 and the newest), h2o (the newest and the most "
@@ -325,26 +407,29 @@ def build_parser() -> argparse.ArgumentParser:
                           "snapkv compresses the prompt only, so the context still bounds it")
     gen.set_defaults(func=cmd_generate)
 
-    info = sub.add_parser("info", help="print a model's shape and sizes")
+    info = add_command("info", "print a model's shape and sizes")
     model_args(info)
     info.set_defaults(func=cmd_info)
 
-    lab = sub.add_parser("lab", help="the graded labs: list them, show one, copy a starter, "
-                                     "build a Gradescope autograder")
-    lab.add_argument("action", choices=["list", "show", "start", "autograder"])
+    lab = add_command("lab", "the graded labs: list them, show one, copy a starter, build a "
+                             "Gradescope autograder")
+    lab.add_argument("action", choices=["list", "show", "start", "autograder"],
+                     help="list the labs; show LAB's instructions; start LAB: copy its starter "
+                          "and instructions into DEST; autograder: build LAB's Gradescope zip")
     lab.add_argument("lab", nargs="?", default=None, help="lab name (see kvlab lab list)")
-    lab.add_argument("dest", nargs="?", default=".", help="folder for the starter (start)")
+    lab.add_argument("dest", nargs="?", default=".",
+                     help="with start: the folder to copy the starter into")
     lab.add_argument("--force", action="store_true", help="overwrite an existing starter")
-    lab.add_argument("-o", "--output", default=None, help="the autograder zip (default LAB.zip)")
+    lab.add_argument("-o", "--output", default=None, help="the autograder zip (default: LAB.zip)")
     lab.add_argument("--instructor", default=None,
                      help="the instructor/ folder with the hidden tests (default: the clone's)")
     lab.set_defaults(func=cmd_lab)
 
-    grade = sub.add_parser("grade", help="grade a lab submission and write results.json")
+    grade = add_command("grade", "grade a lab submission and write results.json")
     grade.add_argument("lab", help="lab name (see kvlab lab list)")
     grade.add_argument("submission", help="your .py file")
     grade.add_argument("--results", default="results.json",
-                       help="Gradescope-style results file to write (default results.json)")
+                       help="Gradescope-style results file to write")
     grade.add_argument("--instructor", default=None,
                        help="the instructor/ folder with the hidden tests (default: the clone's, "
                             "or $KVLAB_INSTRUCTOR)")
@@ -353,7 +438,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="the hidden cases' seed (to see again the cases of an earlier grade)")
     grade.set_defaults(func=cmd_grade)
 
-    check = sub.add_parser("check", help="run a lab's public self-checks on your file")
+    check = add_command("check", "run a lab's public self-checks on your file")
     check.add_argument("lab", help="lab name (see kvlab lab list)")
     check.add_argument("submission", help="your .py file")
     check.set_defaults(func=cmd_check)

@@ -1,4 +1,5 @@
 """The `kvlab` command line, called in-process through kvlab.cli.main."""
+import argparse
 import json
 import subprocess
 import sys
@@ -16,6 +17,22 @@ def test_demo_reports_identical_text_and_a_speedup(capsys, tmp_path):
     assert "speedup:" in printed and "per token" in printed
     result = json.loads(out_json.read_text())
     assert result["identical"] is True and result["speedup"] > 0
+
+
+def test_demo_explains_the_repetition_and_the_positions_it_reserved(capsys, tmp_path):
+    import kvlab
+    model = kvlab.load()
+    out_json = tmp_path / "demo.json"
+    assert cli.main(["demo", "--max-new-tokens", "40", "--quiet", "--json", str(out_json)]) == 0
+    printed = capsys.readouterr().out
+    assert "greedy decoding" in printed and "repeats" in printed
+    # what the demo says it reserved is what the cache holds: prompt + new - 1 positions
+    prompt_tokens = len(model.encode(cli.DEMO_PROMPT))
+    positions = prompt_tokens + 40 - 1
+    assert f"= {positions} positions for {prompt_tokens} prompt + 40 new tokens - 1" in printed
+    assert "never run through the model" in printed
+    c = model.config
+    assert json.loads(out_json.read_text())["cache_nbytes"] == positions * 2 * c.n_layers * c.kv_dim * 4
 
 
 def test_generate_and_info(capsys):
@@ -91,6 +108,74 @@ def test_python_dash_m_works_outside_the_source_tree(tmp_path):
 def test_bad_arguments_exit_with_usage():
     with pytest.raises(SystemExit):
         cli.main(["generate"])          # --prompt is required
+
+
+def _commands() -> dict:
+    """Each subcommand's parser, by name."""
+    parser = cli.build_parser()
+    return next(action.choices for action in parser._actions
+                if isinstance(action, argparse._SubParsersAction))
+
+
+def test_the_description_is_the_docstrings_whole_first_paragraph(capsys, monkeypatch):
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["--help"])
+    assert exited.value.code == 0
+    shown = " ".join(capsys.readouterr().out.split())
+    first_paragraph = " ".join(cli.__doc__.split("\n\n")[0].split())
+    assert first_paragraph.endswith(".") and first_paragraph in shown
+    # a first sentence that wraps onto a second line is not cut at the line's end
+    monkeypatch.setattr(cli, "__doc__", "The command line: it runs\nthe model.\n\nMore.\n")
+    assert cli.build_parser().description == "The command line: it runs the model."
+
+
+def test_every_option_of_every_command_has_help_and_shows_its_default():
+    for name, command in _commands().items():
+        shown = " ".join(command.format_help().split())
+        assert "(default: None)" not in shown and "(default: False)" not in shown, name
+        for action in command._actions:
+            assert action.help, f"kvlab {name} {'/'.join(action.option_strings) or action.dest}"
+            if action.default in (None, False, argparse.SUPPRESS) or "default" in action.help:
+                continue
+            assert f"(default: {action.default})" in shown, (name, action.dest)
+    shown = " ".join(_commands()["generate"].format_help().split())
+    for default in ("(default: 100)", "(default: 0.0)", "(default: fp32)", "(default: 4)"):
+        assert default in shown
+
+
+def test_version_prints_kvlabs_version(capsys):
+    import kvlab
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["--version"])
+    assert exited.value.code == 0
+    assert capsys.readouterr().out == f"kvlab {kvlab.__version__}\n"
+
+
+def test_a_checkpoint_without_a_tokenizer_asks_for_the_command_line_option(capsys, tmp_path):
+    import kvlab
+    from kvlab.loaders import save_hf_llama
+    bundled = kvlab.load()
+    folder = tmp_path / "hf"
+    save_hf_llama(folder, bundled.config, bundled.weights)    # config.json + safetensors only
+    for command in (["generate", "--prompt", "KING:"], ["demo", "--quiet"], ["bench", "--quiet"]):
+        assert cli.main(command + ["--model", str(folder)]) == 2
+        err = capsys.readouterr().err
+        assert "--tokenizer PATH" in err and "tokenizer=PATH" not in err, err
+        assert f"kvlab {command[0]}" in err
+    assert cli.main(["info", "--model", str(folder)]) == 0    # needs no tokenizer
+    # the Python API keeps its own words: the keyword argument
+    with pytest.raises(kvlab.TokenizerError, match="tokenizer=PATH"):
+        kvlab.generate(kvlab.load(folder), "KING:", 2)
+
+
+def test_bench_plot_without_matplotlib_fails_before_running_anything(capsys, tmp_path,
+                                                                     monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)        # import matplotlib fails
+    monkeypatch.setattr(cli, "_load", lambda *args, **kwargs: pytest.fail("the benchmark ran"))
+    out_png = tmp_path / "bench.png"
+    assert cli.main(["bench", "--quiet", "--plot", str(out_png)]) == 2
+    err = capsys.readouterr().err
+    assert "--plot" in err and "pip install matplotlib" in err and not out_png.exists()
 
 
 def test_bench_writes_a_table_json_and_a_plot(capsys, tmp_path):

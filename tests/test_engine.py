@@ -386,6 +386,19 @@ def test_trace_file_holds_one_json_event_per_line(model, tmp_path):
     assert events == in_memory
 
 
+def test_leaving_a_with_block_closes_the_trace_file(model, tmp_path):
+    """The README's way: step() alone never flushes the file, so it can stay empty until
+    the engine is closed; `with` closes it."""
+    path = tmp_path / "trace.jsonl"
+    with kvlab.Engine(model, model.new_paged_pool(12, block_size=4), trace=path) as engine:
+        request = engine.add_request("ROMEO:", SamplingParams(max_new_tokens=8))
+        while engine.has_work:
+            engine.step()
+    events = [json.loads(line) for line in path.read_text().splitlines()]
+    assert {"allocated", "freed"} <= {e["event"] for e in events}
+    assert len(engine.outputs[request].outputs[0].tokens) == 8     # outputs outlive the file
+
+
 # ---- rejections ---------------------------------------------------------------------------------
 
 def test_requests_that_could_never_fit_are_rejected_up_front(model):

@@ -12,6 +12,8 @@ import json
 import re
 import zlib
 from pathlib import Path
+from urllib.parse import urlparse
+from urllib.request import url2pathname
 
 import pytest
 
@@ -22,6 +24,7 @@ from kvlab.grading import LABS, check, grade, start_lab  # noqa: E402
 from kvlab.grading.judge import load_tests  # noqa: E402
 
 INSTRUCTOR = Path(__file__).resolve().parents[1] / "instructor"
+CHAPTERS = Path(__file__).resolve().parents[1] / "chapters"
 MISTAKES = sorted((INSTRUCTOR / "mistakes").glob("*/*.py"))
 
 
@@ -250,6 +253,35 @@ def test_lab_start_copies_the_starter_and_will_not_overwrite(tmp_path, capsys):
     assert "already exists" in capsys.readouterr().err and copied.read_text() == "# my work\n"
     with pytest.raises(ValueError, match="no lab named"):
         start_lab("no_such_lab", tmp_path)
+
+
+@pytest.mark.parametrize("lab", list(LABS))
+def test_a_started_labs_instructions_link_to_its_chapter_from_where_they_were_copied(
+        lab, tmp_path, capsys):
+    """README.md's `chapters/NAME.md` is relative to the course's repository: the copy in
+    the student's folder links to a chapter file that exists, whatever the folder."""
+    assert cli.main(["lab", "start", lab, str(tmp_path / "work")]) == 0
+    capsys.readouterr()
+    copied = (tmp_path / "work" / f"{lab}.md").read_text(encoding="utf-8")
+    links = re.findall(r"\]\(([^)\s]+)\)", copied)
+    assert len(links) == copied.count("`chapters/") >= 1, copied[:400]
+    targets = []
+    for link in links:
+        assert urlparse(link).scheme == "file", link
+        targets.append(Path(url2pathname(urlparse(link).path)))
+    assert f"{LABS[lab].chapter}.md" in {target.name for target in targets}
+    for target in targets:        # the course's own chapter (installed with kvlab, or the clone's)
+        assert target.is_absolute() and target.read_bytes() == (CHAPTERS / target.name).read_bytes()
+    # kvlab lab show prints the same
+    assert cli.main(["lab", "show", lab]) == 0
+    assert capsys.readouterr().out.rstrip("\n") == copied.rstrip("\n")
+
+
+def test_without_its_chapters_a_lab_keeps_the_courses_own_reference(tmp_path, monkeypatch):
+    from kvlab.grading import labs
+    monkeypatch.setattr(labs, "CHAPTER_DIRS", (tmp_path,))
+    lab = LABS["int8_cache"]
+    assert lab.instructions_text() == lab.instructions.read_text(encoding="utf-8")
 
 
 def test_kvlab_grade_and_check_print_a_summary(tmp_path, capsys, monkeypatch):

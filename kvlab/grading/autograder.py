@@ -10,7 +10,7 @@ builds the zip that Gradescope's "Configure Autograder" page takes as it is:
     run_autograder    run for every submission: closes the source and results folders to
                       that user, then python -m kvlab.grading.autograder run ...
     kvlab-src/        the kvlab this clone holds (pyproject.toml, setup.py, README.md, csrc/,
-                      kvlab/): the same code that wrote the zip grades with it
+                      kvlab/, chapters/): the same code that wrote the zip grades with it
     tests/LAB.py      the hidden grading tests (from instructor/graders/)
     lab.json          which lab, and the time limits
 
@@ -41,7 +41,8 @@ WORKER_USER = "kvlab-student"
 # tests not run are listed with 0.
 TOTAL_TIMEOUT = 480.0
 VENV = "/opt/kvlab-venv"
-SOURCE_PARTS = ("pyproject.toml", "setup.py", "README.md", "csrc", "kvlab")
+# chapters: pyproject.toml installs them with kvlab (kvlab.chapters), so pip needs them there
+SOURCE_PARTS = ("pyproject.toml", "setup.py", "README.md", "csrc", "kvlab", "chapters")
 BUILT = (".so", ".o", ".pyc", ".pyd")      # what a build leaves in a clone
 
 SETUP_SH = f"""#!/usr/bin/env bash

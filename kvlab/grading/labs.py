@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import shutil
 from pathlib import Path
 from typing import Dict, Optional, Tuple, Union
@@ -16,6 +17,12 @@ from typing import Dict, Optional, Tuple, Union
 from .policy import Policy
 
 LABS_DIR = Path(__file__).resolve().parents[1] / "labs"
+# Where a chapter can be opened: the copy installed with kvlab (pyproject.toml ships the
+# repository's chapters/ as kvlab/chapters), else a clone's own chapters/ (running from the
+# source tree, or an editable install).
+CHAPTER_DIRS = (LABS_DIR.parent / "chapters", LABS_DIR.parents[1] / "chapters")
+# How a lab's README.md names a chapter: "(`chapters/06_quantization.md` of the course)".
+CHAPTER_REFERENCE = re.compile(r"`chapters/(?P<file>[\w.-]+\.md)` of the course")
 TEST_TIMEOUT = 60.0          # seconds a test may take, its worker's start included
 
 
@@ -44,6 +51,13 @@ class Lab:
     @property
     def instructions(self) -> Path:
         return self.folder / "README.md"
+
+    def instructions_text(self) -> str:
+        """The instructions, each chapter they name given as a link to a file the student
+        can open: the README's own `chapters/NAME.md` is relative to the course's
+        repository, which means nothing next to a copy in the student's folder."""
+        text = self.instructions.read_text(encoding="utf-8")
+        return CHAPTER_REFERENCE.sub(_link_to_chapter, text)
 
     @property
     def policy(self) -> Policy:
@@ -78,6 +92,22 @@ LABS: Dict[str, Lab] = {lab.name: lab for lab in (
 )}
 
 
+def chapter_file(file_name: str) -> Optional[Path]:
+    """The chapter chapters/<file_name> as this kvlab can open it, or None."""
+    for folder in CHAPTER_DIRS:
+        path = folder / file_name
+        if path.is_file():
+            return path
+    return None
+
+
+def _link_to_chapter(reference: "re.Match[str]") -> str:
+    path = chapter_file(reference["file"])
+    if path is None:        # a kvlab without its chapters: the course's own name for it
+        return reference[0]
+    return f"{reference[0]}: [`{path}`]({path.as_uri()})"
+
+
 def get_lab(name: str) -> Lab:
     try:
         return LABS[name]
@@ -107,8 +137,8 @@ def hidden_tests(lab: Lab, instructor: Optional[Path]) -> Optional[Path]:
 
 def start_lab(name: str, dest: Union[str, Path] = ".", overwrite: bool = False) -> Path:
     """Copy lab `name`'s starter to dest/<name>.py and its instructions to
-    dest/<name>.md; returns the starter's new path. Refuses to overwrite a student's
-    work unless told to."""
+    dest/<name>.md, with links to the chapters that work from there (Lab.instructions_text);
+    returns the starter's new path. Refuses to overwrite a student's work unless told to."""
     lab = get_lab(name)
     dest = Path(dest)
     dest.mkdir(parents=True, exist_ok=True)
@@ -118,5 +148,5 @@ def start_lab(name: str, dest: Union[str, Path] = ".", overwrite: bool = False) 
             raise FileExistsError(f"{path} already exists (pass overwrite=True, or --force, "
                                   f"to replace it)")
     shutil.copyfile(lab.starter, starter)
-    shutil.copyfile(lab.instructions, instructions)
+    instructions.write_text(lab.instructions_text(), encoding="utf-8")
     return starter
