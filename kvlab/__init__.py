@@ -19,7 +19,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional, Union
 
-from . import accuracy, cache_policy, cuda, quant, speculative, weight_formats
+from . import accuracy, cache_policy, cuda, quant, serving, speculative, weight_formats
 from ._core import core as _core
 from .config import ModelConfig
 from .errors import (CacheFullError, CheckpointError, ConfigError, ContextLengthError,

@@ -1,6 +1,6 @@
 """The `kvlab` command line: run the bundled model, time it, and work through the graded labs.
 
-`kvlab demo`, `kvlab bench`, `kvlab generate`, `kvlab info`, and for the labs
+`kvlab demo`, `kvlab bench`, `kvlab generate`, `kvlab info`, `kvlab serve-bench`, and for the labs
 `kvlab lab list|show|start|autograder`, `kvlab check LAB SUBMISSION` and
 `kvlab grade LAB SUBMISSION`.
 
@@ -214,6 +214,24 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def cmd_serve_bench(args) -> int:
+    import kvlab
+    model = _load(args)
+    rates = [float(r) for r in args.rates.split(",")]
+    budgets = [int(b) for b in args.budgets.split(",")]
+    if min(rates) <= 0 or min(budgets) < 1:
+        print("kvlab serve-bench: rates must be positive and budgets at least 1", file=sys.stderr)
+        return 2
+    print(f"kvlab serve-bench: {model!r}, {args.requests} requests per run, Poisson arrivals, "
+          f"{kvlab.get_num_threads()} threads")
+    rows = kvlab.serving.sweep(model, rates, budgets, args.requests, args.seed)
+    if args.json:
+        with open(args.json, "w") as out:
+            json.dump({"model": model.source, "requests_per_run": args.requests, "runs": rows},
+                      out, indent=1)
+    return 0
+
+
 def cmd_info(args) -> int:
     from .errors import KVLabError
     try:
@@ -406,6 +424,17 @@ def build_parser() -> argparse.ArgumentParser:
                           "attended), e.g. window:64; these may run past the model's context. "
                           "snapkv compresses the prompt only, so the context still bounds it")
     gen.set_defaults(func=cmd_generate)
+
+    serve = add_command("serve-bench", "serve requests arriving at random (Poisson) at several "
+                                       "rates: throughput against latency (TTFT, TPOT)")
+    model_args(serve)
+    serve.add_argument("--rates", default="2,8,32", help="requests a second, comma-separated")
+    serve.add_argument("--requests", type=positive_int, default=40, help="requests per run")
+    serve.add_argument("--budgets", default="64,256",
+                       help="max_batch_tokens values (chunked prefill's budget), comma-separated")
+    serve.add_argument("--seed", type=int, default=0, help="seed of the arrivals and prompts")
+    serve.add_argument("--json", default=None, help="also write every run's numbers here")
+    serve.set_defaults(func=cmd_serve_bench)
 
     info = add_command("info", "print a model's shape and sizes")
     model_args(info)

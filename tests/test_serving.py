@@ -1,4 +1,4 @@
-"""benchmarks/bench_serve.py: a Poisson load's requests all come back, with latencies that
+"""kvlab.serving and benchmarks/bench_serve.py: a Poisson load's requests all come back, with latencies that
 make sense, and a short run writes its table's numbers to JSON."""
 import json
 import sys
@@ -19,7 +19,7 @@ def model():
 
 
 def test_the_workload_arrives_in_order_at_about_the_rate(model):
-    requests = bench_serve.workload(model, 200, rate=50.0, seed=1)
+    requests = kvlab.serving.workload(model, 200, rate=50.0, seed=1)
     arrivals = [r[0] for r in requests]
     assert arrivals == sorted(arrivals) and 2.0 < arrivals[-1] < 6.0     # 200 at 50/s: ~4 s
     assert all(8 <= len(prompt) < 96 and 16 <= new < 96 for _, prompt, new in requests)
@@ -33,3 +33,13 @@ def test_a_short_run_serves_every_request_and_writes_json(model, tmp_path):
     assert run["requests"] == 6 and run["tokens_per_s"] > 0
     assert 0 < run["ttft_p50_ms"] <= run["ttft_p99_ms"] <= run["e2e_p99_ms"]
     assert 0 < run["tpot_p50_ms"] <= run["tpot_p99_ms"]
+
+
+def test_kvlab_serve_bench_prints_the_table(capsys, tmp_path):
+    from kvlab import cli
+    out = tmp_path / "serve.json"
+    assert cli.main(["serve-bench", "--rates", "200", "--requests", "4", "--budgets", "16",
+                     "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "TTFT p50" in printed and json.loads(out.read_text())["runs"][0]["requests"] == 4
+    assert cli.main(["serve-bench", "--rates", "0"]) == 2
