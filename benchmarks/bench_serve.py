@@ -17,9 +17,8 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import kvlab  # noqa: E402
-from kvlab import serving  # noqa: E402
+import kvlab
+from kvlab import serving
 
 
 def main(argv=None) -> int:
