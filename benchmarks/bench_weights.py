@@ -40,11 +40,10 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import kvlab  # noqa: E402
-from kvlab import weight_formats  # noqa: E402
-from kvlab._core import core  # noqa: E402
-from kvlab.measure import memory_bandwidth  # noqa: E402
+import kvlab
+from kvlab import weight_formats
+from kvlab._core import core
+from kvlab.measure import memory_bandwidth
 
 SHAPES = {   # (dim, hidden_dim, n_layers, n_heads, vocab_size): llama2.c's stories models
     "15m": (288, 768, 6, 6, 32000),

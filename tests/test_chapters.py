@@ -192,3 +192,12 @@ def test_prose_numbers_come_from_the_json(slug):
         if not any(f"{v * scale:.{places}f}" == text for v in numbers for scale in scales):
             missing.append(match[0])
     assert not missing, f"{slug}: numbers in the prose that ch{slug[:2]}.json does not hold: {missing}"
+
+
+def test_every_arxiv_paper_a_chapter_cites_is_in_the_references():
+    listed = set(re.findall(r"arXiv:(\d{4}\.\d{4,5})", (CHAPTERS / "references.md").read_text()))
+    cited = {number for slug in SLUGS
+             for number in re.findall(r"arXiv:(\d{4}\.\d{4,5})", chapter_text(slug))}
+    assert cited and cited <= listed, f"cited but not in references.md: {sorted(cited - listed)}"
+    for number in listed:   # each listed with its link
+        assert f"(https://arxiv.org/abs/{number})" in (CHAPTERS / "references.md").read_text()
