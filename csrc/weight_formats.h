@@ -3,9 +3,11 @@
  *
  * A matrix is out_dim rows of kv_weight_row_bytes(format, in_dim) bytes each. Decode reads
  * every weight once per token, so its speed is the read bandwidth over the weights' bytes:
- * fp16 and bf16 halve them, Q8_0 takes 34 bytes for 32 values (1.0625 a value). The
- * activations stay float32, and each weight is turned into its float32 value where it is
- * used, so the products equal the float32 products over the dequantized matrix bit for bit.
+ * fp16 and bf16 halve them, Q8_0 takes 34 bytes for 32 values (1.0625 a value). In
+ * kv_matmul_weights the activations stay float32 and each weight is turned into its float32
+ * value where it is used, so the products equal the float32 products over the dequantized
+ * matrix bit for bit. kv_matmul_int8 is the other way for Q8_0 (a model's int8_activations):
+ * the activations are rounded to int8 too, and the products have their own spec.
  */
 #ifndef KVLAB_WEIGHT_FORMATS_H
 #define KVLAB_WEIGHT_FORMATS_H
