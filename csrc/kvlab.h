@@ -540,11 +540,22 @@ int kv_chunk_length(const kv_config *config, int start, int n_left);
 /* Checks that every token id is in [0, vocab_size). */
 kv_status kv_check_tokens(const kv_config *config, const int32_t *tokens, int n_tokens);
 
-/* The no-cache path: runs the whole sequence from position 0 in a scratch cache that
- * is thrown away afterwards, as a model without a KV cache must on every step. */
+/* What the no-cache path holds of the K and V it rebuilds: every layer's, in a scratch
+ * cache the size of the one a cached run keeps (the cached path run over a cache that is
+ * thrown away), or one layer's at a time, since each layer attends only to the K and V it
+ * has just computed. The same logits either way, bit for bit. */
+typedef enum {
+    KV_UNCACHED_ALL_LAYERS = 0,
+    KV_UNCACHED_ONE_LAYER = 1,
+} kv_uncached_kv;
+
+/* The no-cache path: runs the whole sequence from position 0, as a model without a KV
+ * cache must on every step, holding its K and V as `keep` says. ALL_LAYERS runs in chunks
+ * (a place to stop between them); ONE_LAYER runs all the tokens in one pass, because a
+ * later chunk would need the earlier chunks' K and V of every layer. */
 kv_status kv_model_forward_uncached(const kv_model *model, const int32_t *tokens,
                                     int n_tokens, float *logits, int all_logits,
-                                    kv_counters *counters);
+                                    kv_uncached_kv keep, kv_counters *counters);
 
 /* ---- the machine -------------------------------------------------------------------- */
 

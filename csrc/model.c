@@ -341,8 +341,8 @@ static void attention_block(const kv_model *m, run_state *s, int layer, int n_to
             /* This is the moment a token's K and V are computed: once, and kept (quantized
              * here if the cache stores fewer bits). */
             size_t slot = kv_view_slot(view, run->start_pos + t - run->first);
-            kv_store_write(view->key, layer, slot, s->k + t * kv_dim);
-            kv_store_write(view->value, layer, slot, s->v + t * kv_dim);
+            kv_store_write(view->key, view->layer, slot, s->k + t * kv_dim);
+            kv_store_write(view->value, view->layer, slot, s->v + t * kv_dim);
         }
     }
     attend_runs(c, s, layer);
@@ -686,16 +686,45 @@ fail:
 }
 /* [end ch05-kv-model-forward-batch] */
 
+/* The uncached forward that holds one layer's K and V at a time: a scratch cache of one
+ * layer, which every layer's view points into, each layer writing over the last one's. */
+static kv_status forward_one_layer_kv(const kv_model *model, const int32_t *tokens,
+                                      int n_tokens, float *logits, int all_logits,
+                                      kv_counters *counters) {
+    kv_status status = KV_OK;
+    kv_cache one_layer = {0};
+    run_state s = {0};
+    const kv_config *c = &model->config;
+    KV_TRY(kv_cache_init(&one_layer, 1, c->n_kv_heads, c->head_dim, n_tokens, NULL));
+    KV_TRY(run_state_alloc(&s, model, n_tokens, 1));
+    s.runs[0] = (token_run){0, n_tokens, 0, 0};
+    for (int layer = 0; layer < c->n_layers; layer++)
+        *view_of(&s, layer, 0) = kv_cache_layer_view(&one_layer, 0);
+    forward_tokens(model, &s, tokens, n_tokens, logits, all_logits);
+    s.count.scratch_bytes += (int64_t)kv_cache_nbytes(&one_layer);
+    kv_counters_add(counters, &s.count);
+fail:
+    run_state_free(&s);
+    kv_cache_free(&one_layer);
+    return status;
+}
+
 /* [quote ch01-kv-model-forward-uncached] */
 kv_status kv_model_forward_uncached(const kv_model *model, const int32_t *tokens,
                                     int n_tokens, float *logits, int all_logits,
-                                    kv_counters *counters) {
+                                    kv_uncached_kv keep, kv_counters *counters) {
     kv_status status = KV_OK;
     kv_cache scratch = {0};
     kv_counters count = {0};
-    KV_CHECK(model != NULL && n_tokens > 0, KV_ERR_INVALID_ARG);
+    KV_CHECK(model != NULL && logits != NULL && n_tokens > 0 &&
+             (keep == KV_UNCACHED_ALL_LAYERS || keep == KV_UNCACHED_ONE_LAYER),
+             KV_ERR_INVALID_ARG);
     KV_TRY(kv_model_check(model));
     const kv_config *c = &model->config;
+    if (keep == KV_UNCACHED_ONE_LAYER) {
+        KV_TRY(kv_check_tokens(c, tokens, n_tokens));
+        return forward_one_layer_kv(model, tokens, n_tokens, logits, all_logits, counters);
+    }
     KV_TRY(kv_cache_init(&scratch, c->n_layers, c->n_kv_heads, c->head_dim, n_tokens, NULL));
     KV_TRY(kv_model_forward(model, &scratch, tokens, n_tokens, logits, all_logits, &count));
     /* the K and V this call rebuilt from scratch are working memory too */

@@ -552,7 +552,11 @@ class CudaModel(Model):
                              f"heads x {holder.head_dim}, but the model needs {c.n_layers} x "
                              f"{c.n_kv_heads} x {c.head_dim}")
 
-    def _run(self, tokens: np.ndarray, cache, all_logits: bool) -> np.ndarray:
+    def _run(self, tokens: np.ndarray, cache, all_logits: bool,
+             one_layer_kv: bool = False) -> np.ndarray:
+        if one_layer_kv:
+            raise ValueError("uncached_kv='one_layer' runs on the CPU; the GPU's no-cache path "
+                             "holds every layer's K and V")
         if cache is None:
             logits = self._forward_uncached(tokens, all_logits)
         elif isinstance(cache, CudaCache):

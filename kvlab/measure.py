@@ -192,7 +192,8 @@ def _round16(n: int) -> int:
 
 def scratch_bytes(config: ModelConfig, n_tokens: int, n_threads: int = 1,
                   cached: bool = True, start_pos: int = 0,
-                  weights: Optional[Dict[str, str]] = None, int8_activations: bool = False) -> int:
+                  weights: Optional[Dict[str, str]] = None, int8_activations: bool = False,
+                  uncached_kv: str = "all_layers") -> int:
     """Activation scratch one forward call allocates (csrc/model.c, run_state): a few
     (n_tokens, width) buffers plus, per thread, the online softmax's state for each query
     head of a group (a tile of ATTENTION_TILE weights, a running max and a running sum)
@@ -201,8 +202,17 @@ def scratch_bytes(config: ModelConfig, n_tokens: int, n_threads: int = 1,
     already cached: attention walks it a tile at a time. A long call's buffers hold one
     chunk of its tokens (chunk_length). Matrices stored in fewer bytes (`weights`, their
     formats by name) add four rows of the widest input per thread to make float32 in, or,
-    for Q8_0 with int8_activations, each token's activations as int8 and their scales."""
-    c, T = config, chunk_length(config, start_pos, n_tokens)
+    for Q8_0 with int8_activations, each token's activations as int8 and their scales.
+
+    Without a cache (cached=False), uncached_kv says how the K and V are held, as
+    Model.forward's argument does: "all_layers" (every layer's, the buffers a chunk of the
+    tokens at a time) or "one_layer" (one layer's, the buffers for every token at once:
+    a later chunk would need the earlier chunks' K and V of every layer)."""
+    if uncached_kv not in ("all_layers", "one_layer"):
+        raise ValueError(f"uncached_kv must be all_layers or one_layer, got {uncached_kv!r}")
+    one_layer = not cached and uncached_kv == "one_layer"
+    c = config
+    T = n_tokens if one_layer else chunk_length(config, start_pos, n_tokens)
     buffers = [T * c.dim, T * c.dim, T * c.q_dim, T * c.kv_dim, T * c.kv_dim, T * c.q_dim,
                T * c.dim, T * c.hidden_dim, T * c.hidden_dim, T * c.head_dim // 2,
                T * c.head_dim // 2,
@@ -217,7 +227,7 @@ def scratch_bytes(config: ModelConfig, n_tokens: int, n_threads: int = 1,
         buffers += [T * (widest // weight_formats.Q8_0_BLOCK), (T * widest + 3) // 4]
     total = sum(_round16(n) for n in buffers) * FLOAT
     if not cached:
-        total += 2 * c.n_layers * n_tokens * c.kv_dim * FLOAT
+        total += 2 * (1 if one_layer else c.n_layers) * n_tokens * c.kv_dim * FLOAT
     return total
 
 
@@ -344,6 +354,7 @@ class WorkingMemory:
     cached_scratch: int       # peak scratch of any one call, with the cache
     cache_bytes: int          # the cache itself (reserved for prompt + new tokens)
     uncached_scratch: int     # peak scratch of any one call without a cache
+    uncached_one_layer_scratch: int = 0   # the same, holding one layer's K and V at a time
 
     @property
     def cached_total(self) -> int:
@@ -351,8 +362,14 @@ class WorkingMemory:
 
     @property
     def ratio(self) -> float:
-        """Working memory without a cache over working memory with one."""
+        """Working memory without a cache (every layer's K and V held) over working memory
+        with one."""
         return self.uncached_scratch / self.cached_total
+
+    @property
+    def one_layer_ratio(self) -> float:
+        """The same, for the uncached run that holds one layer's K and V at a time."""
+        return self.uncached_one_layer_scratch / self.cached_total
 
 
 def working_memory(model, prompt, new_tokens: int = 256) -> WorkingMemory:
@@ -363,9 +380,14 @@ def working_memory(model, prompt, new_tokens: int = 256) -> WorkingMemory:
 
     with_cache = generate(model, prompt, new_tokens, use_cache=True, stop_at_eos=False)
     without = generate(model, prompt, new_tokens, use_cache=False, stop_at_eos=False)
+    # the uncached run's largest step, the last, again holding one layer's K and V at a time
+    last_step = without.prompt_tokens + without.tokens[:-1]
+    with model.counting() as one_layer:
+        model.forward(last_step, uncached_kv="one_layer")
     return WorkingMemory(new_tokens=new_tokens, cached_scratch=with_cache.counts.scratch_bytes,
                          cache_bytes=with_cache.cache_nbytes,
-                         uncached_scratch=without.counts.scratch_bytes)
+                         uncached_scratch=without.counts.scratch_bytes,
+                         uncached_one_layer_scratch=one_layer.scratch_bytes)
 
 
 def per_token_saving(config: ModelConfig, position: int) -> float:

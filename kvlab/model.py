@@ -33,6 +33,8 @@ SCRATCH = core.COUNTERS.index("scratch_bytes")
 
 TokenArray = Union[Sequence[int], np.ndarray]
 Cache = Union[KVCache, PagedSequence]
+# What forward() without a cache may hold of the K and V it rebuilds (chapter 1)
+UNCACHED_KV = ("all_layers", "one_layer")
 
 
 def as_token_array(tokens: TokenArray, vocab_size: int) -> np.ndarray:
@@ -229,13 +231,14 @@ class Model:
                 f"over a cache that keeps only the last {window}, "
                 f"kvlab.cache_policy.SlidingWindow({window}) (kvlab.generate does so by itself)")
 
-    def _run(self, tokens: np.ndarray, cache, all_logits: bool) -> np.ndarray:
+    def _run(self, tokens: np.ndarray, cache, all_logits: bool,
+             one_layer_kv: bool = False) -> np.ndarray:
         """One forward call through the core, its counts added where they belong."""
         self._check_weights()
         self._check_device(cache)
         self._check_window(cache, len(tokens))
         call = np.zeros(len(core.COUNTERS), dtype=np.int64)
-        logits = self._core.forward(tokens, cache, all_logits, call)
+        logits = self._core.forward(tokens, cache, all_logits, call, one_layer_kv)
         self._record(call)
         return logits
 
@@ -298,26 +301,40 @@ class Model:
 
     # ---- running ---------------------------------------------------------------------
     def forward(self, tokens: TokenArray, cache: Optional[Cache] = None,
-                all_logits: bool = False) -> np.ndarray:
+                all_logits: bool = False, *, uncached_kv: str = "all_layers") -> np.ndarray:
         """The forward pass, the one entry to it. With a cache (a KVCache, or a
         PagedSequence of a paged pool), the tokens are the sequence's next positions: their
         K and V are computed once and appended, and they attend over everything the cache
         holds. Without one, the tokens are the whole sequence from position 0, every K and
         V recomputed, as a model without a KV cache does on every step. Returns the last
         token's logits (vocab,), or every new token's (len(tokens), vocab) with all_logits.
-        prefill and decode below are the same call under the names the chapters use."""
+        prefill and decode below are the same call under the names the chapters use.
+
+        uncached_kv says what a call without a cache holds of the K and V it rebuilds:
+        "all_layers" (the cached path over a cache thrown away afterwards) or "one_layer"
+        (each layer's over the last one's: a layer attends only to the K and V it has just
+        computed). The same logits, bit for bit; chapter 1 compares their memory."""
         if isinstance(cache, (bool, np.bool_)):      # the old forward(tokens, all_logits)
             renamed("model.forward(tokens, all_logits) with all_logits second",
                     "model.forward(tokens, all_logits=...)")
             cache, all_logits = None, bool(cache)
+        if uncached_kv not in UNCACHED_KV:
+            raise ValueError(f"uncached_kv must be one of {', '.join(UNCACHED_KV)}, "
+                             f"got {uncached_kv!r}")
+        if uncached_kv != "all_layers" and cache is not None:
+            raise ValueError("uncached_kv is how a call without a cache holds K and V: "
+                             "give cache=None")
         return self._forward_ids(as_token_array(tokens, self.config.vocab_size), cache,
-                                 all_logits)
+                                 all_logits, uncached_kv == "one_layer")
 
-    def _forward_ids(self, ids: np.ndarray, cache: Optional[Cache], all_logits: bool) -> np.ndarray:
+    def _forward_ids(self, ids: np.ndarray, cache: Optional[Cache], all_logits: bool,
+                     one_layer_kv: bool = False) -> np.ndarray:
         """forward() once the ids are checked (decode checks its one token its own way)."""
         if cache is None and len(ids) > self.config.max_seq_len:
             raise ContextLengthError(f"{len(ids)} tokens exceed the model's context of "
                                      f"{self.config.max_seq_len} (config.max_seq_len)")
+        if one_layer_kv:
+            return self._run(ids, cache, all_logits, one_layer_kv=True)
         return self._run(ids, cache, all_logits)
 
     def prefill(self, tokens: TokenArray, cache: Cache, all_logits: bool = False) -> np.ndarray:

@@ -165,6 +165,16 @@ def test_core_counters_equal_the_formulas_call_by_call(shape):
         counted = model.counters
         assert without_scratch(counted) == forward_counts(c, n, start, all_logits)
         assert counted.scratch_bytes == scratch_bytes(c, n, threads, cached)
+    # without a cache, holding one layer's K and V at a time: the same logits and work,
+    # one layer's K and V in place of all of them, and the buffers for every token at once
+    for n in (5, 12):
+        model.reset_counters()
+        held_one = model.forward(tokens[:n], all_logits=True, uncached_kv="one_layer")
+        counted = model.counters
+        assert np.array_equal(held_one, model.forward(tokens[:n], all_logits=True))
+        assert without_scratch(counted) == forward_counts(c, n, 0, True)
+        assert counted.scratch_bytes == scratch_bytes(c, n, threads, cached=False,
+                                                      uncached_kv="one_layer")
 
 
 @pytest.mark.parametrize("options", [{"dtype": "int8"}, {"dtype": "int4", "window": 3},
@@ -270,6 +280,31 @@ def test_working_memory_of_256_tokens_follows_from_the_shapes():
                                         scratch_bytes(c, 1, threads))
     assert report.cache_bytes == kv_cache_bytes(c, 258, dtype="fp32")
     assert report.ratio > 1
+    # holding one layer's K and V at a time saves the other layers' (this shape's calls
+    # run in one chunk, so the buffers are the same size either way)
+    assert report.uncached_one_layer_scratch == scratch_bytes(c, 258, threads, cached=False,
+                                                              uncached_kv="one_layer")
+    assert (report.uncached_scratch - report.uncached_one_layer_scratch
+            == (c.n_layers - 1) * 2 * 258 * c.kv_dim * 4)
+    assert report.one_layer_ratio < report.ratio
+
+
+def test_uncached_kv_is_checked_and_means_no_cache():
+    model = random_model(SHAPES[0])
+    with pytest.raises(ValueError, match="uncached_kv must be one of"):
+        model.forward([1, 2], uncached_kv="none")
+    with pytest.raises(ValueError, match="give cache=None"):
+        model.forward([1, 2], model.new_cache(4), uncached_kv="one_layer")
+    with pytest.raises(ValueError, match="uncached_kv must be"):
+        scratch_bytes(model.config, 4, cached=False, uncached_kv="two")
+    # a long sequence held one layer at a time runs in one piece: its buffers span it all
+    c = kvlab.ModelConfig.llama2_7b()
+    assert kvlab.measure.chunk_length(c, 0, 262) < 262
+    one = scratch_bytes(c, 262, cached=False, uncached_kv="one_layer")
+    one_layer_kv = 2 * 262 * c.kv_dim * 4
+    assert one - one_layer_kv > 10 * scratch_bytes(c, 262)   # 262 tokens' buffers, not 16's
+    # ... and still far less than the cache it does without (chapter 1: about 0.2x)
+    assert one < 0.25 * kv_cache_bytes(c, 262, dtype="fp32")
 
 
 def test_counting_block_keeps_its_own_peak():

@@ -226,12 +226,17 @@ static PyObject *forward_failed(const ModelObject *self, kv_status status, const
 }
 
 static PyObject *model_forward(ModelObject *self, PyObject *args, PyObject *kwds) {
-    static char *kwlist[] = {"tokens", "cache", "all_logits", "counters", NULL};
+    static char *kwlist[] = {"tokens", "cache", "all_logits", "counters", "one_layer_kv", NULL};
     PyObject *tokens_obj, *cache_obj = Py_None, *counters = Py_None;
-    int all_logits = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O|OpO", kwlist, &tokens_obj, &cache_obj,
-                                     &all_logits, &counters))
+    int all_logits = 0, one_layer_kv = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O|OpOp", kwlist, &tokens_obj, &cache_obj,
+                                     &all_logits, &counters, &one_layer_kv))
         return NULL;
+    if (one_layer_kv && cache_obj != Py_None) {
+        PyErr_SetString(PyExc_ValueError, "one_layer_kv is a way to run without a cache: "
+                        "give cache=None");
+        return NULL;
+    }
     if (model_ready(self, counters) < 0) return NULL;
     PyArrayObject *tokens = call_tokens(tokens_obj);
     if (tokens == NULL) return NULL;
@@ -279,7 +284,9 @@ static PyObject *model_forward(ModelObject *self, PyObject *args, PyObject *kwds
         status = kv_model_forward_paged(&self->model, &pool->pool, seq, ids, n_tokens, out,
                                         all_logits, &count);
     else
-        status = kv_model_forward_uncached(&self->model, ids, n_tokens, out, all_logits, &count);
+        status = kv_model_forward_uncached(&self->model, ids, n_tokens, out, all_logits,
+                                           one_layer_kv ? KV_UNCACHED_ONE_LAYER
+                                                        : KV_UNCACHED_ALL_LAYERS, &count);
     kv_set_interrupt_check(NULL, NULL);
     Py_END_ALLOW_THREADS
     if (cache != NULL) cache->busy = 0;
@@ -563,10 +570,12 @@ done:
 
 static PyMethodDef model_methods[] = {
     {"forward", (PyCFunction)(void (*)(void))model_forward, METH_VARARGS | METH_KEYWORDS,
-     "forward(tokens, cache=None, all_logits=False, counters=None) -> logits\n\n"
+     "forward(tokens, cache=None, all_logits=False, counters=None, one_layer_kv=False)\n"
+     "    -> logits\n\n"
      "tokens: 1-D int32 array. With a cache, runs the tokens at positions\n"
      "cache.length.. and appends their K and V; without one, runs the whole sequence\n"
-     "from position 0 in throw-away scratch (the no-cache path). Returns float32 logits\n"
+     "from position 0 in throw-away scratch (the no-cache path), holding every layer's\n"
+     "K and V, or one layer's at a time with one_layer_kv. Returns float32 logits\n"
      "(len(tokens), vocab) if all_logits else the last row (vocab,). counters: an int64\n"
      "array named by COUNTERS that gets what the call did (FLOPs, bytes) added to it."},
     {"generate", (PyCFunction)(void (*)(void))model_generate, METH_VARARGS | METH_KEYWORDS,

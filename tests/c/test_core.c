@@ -227,8 +227,20 @@ static void test_model_paths_agree(int n_heads, int n_kv_heads, int head_dim,
     for (int i = 8; i < 20; i++) {
         CHECK(kv_model_forward(m, &cache, tokens + i, 1, cached, 0, NULL) == KV_OK);
         CHECK(kv_model_forward_paged(m, &pool, seq, tokens + i, 1, paged, 0, NULL) == KV_OK);
-        CHECK(kv_model_forward_uncached(m, tokens, i + 1, uncached, 0, NULL) == KV_OK);
+        kv_counters all_layers = {0}, one_layer = {0};
+        CHECK(kv_model_forward_uncached(m, tokens, i + 1, uncached, 0, KV_UNCACHED_ALL_LAYERS,
+                                        &all_layers) == KV_OK);
         uncached_equal &= memcmp(cached, uncached, sizeof(float) * V) == 0;
+        /* one layer's K and V at a time: the same bits, and that layer's K and V fewer
+         * bytes of scratch for every other layer */
+        CHECK(kv_model_forward_uncached(m, tokens, i + 1, uncached, 0, KV_UNCACHED_ONE_LAYER,
+                                        &one_layer) == KV_OK);
+        uncached_equal &= memcmp(cached, uncached, sizeof(float) * V) == 0;
+        CHECK(all_layers.scratch_bytes - one_layer.scratch_bytes ==
+              (int64_t)(m->config.n_layers - 1) * 2 * (i + 1) * n_kv_heads * head_dim *
+              (int64_t)sizeof(float));
+        CHECK(one_layer.flops_attention == all_layers.flops_attention &&
+              one_layer.tokens == all_layers.tokens);
         all_equal &= memcmp(cached, paged, sizeof(float) * V) == 0;
     }
     CHECK(all_equal);
@@ -241,6 +253,10 @@ static void test_model_paths_agree(int n_heads, int n_kv_heads, int head_dim,
     int32_t bad = V;
     CHECK(kv_model_forward(m, &cache, &bad, 1, cached, 0, NULL) == KV_ERR_TOKEN_RANGE);
     CHECK(kv_model_forward(m, &cache, tokens, 1, cached, 0, NULL) == KV_ERR_CACHE_FULL);
+    CHECK(kv_model_forward_uncached(m, &bad, 1, uncached, 0, KV_UNCACHED_ONE_LAYER, NULL) ==
+          KV_ERR_TOKEN_RANGE);
+    CHECK(kv_model_forward_uncached(m, tokens, 2, uncached, 0, (kv_uncached_kv)2, NULL) ==
+          KV_ERR_INVALID_ARG);
     CHECK(cache.length == 20);
 
     /* the greedy loop in C: the same picks and the same cache as decode steps with an
@@ -1111,8 +1127,10 @@ static void test_model_weight_formats(void) {
         CHECK(memcmp(want, paged, sizeof(float) * n) == 0);
         kv_pool_free(&pool);
         kv_counters counts = {0}, float_counts = {0};
-        CHECK(kv_model_forward_uncached(&stored, tokens, 3, got, 0, &counts) == KV_OK);
-        CHECK(kv_model_forward_uncached(&dequantized, tokens, 3, got, 0, &float_counts) == KV_OK);
+        CHECK(kv_model_forward_uncached(&stored, tokens, 3, got, 0, KV_UNCACHED_ALL_LAYERS, &counts) ==
+              KV_OK);
+        CHECK(kv_model_forward_uncached(&dequantized, tokens, 3, got, 0, KV_UNCACHED_ALL_LAYERS,
+                                        &float_counts) == KV_OK);
         /* the bytes read shrink with the matrices (1/2, or 34/128), the norms stay float32 */
         double ratio = (double)counts.weight_bytes / (double)float_counts.weight_bytes;
         double least = formats[f] == KV_WEIGHT_Q8_0 ? 34.0 / 128.0 : 0.5;
