@@ -15,7 +15,14 @@ SLUGS = ["01_kv_cache", "02_cache_size", "03_gqa", "04_paged", "05_batching",
          "06_quantization", "07_gpu_kernels", "08_fewer_positions", "09_speculative"]
 # chapters whose every decimal number and percentage in the prose is checked against the
 # figure script's JSON (test_prose_numbers_come_from_the_json)
-NUMBERS_FROM_JSON = ["09_speculative"]
+NUMBERS_FROM_JSON = [
+    "08_fewer_positions",
+    "09_speculative",
+]
+# The units a number of the JSON may be shown in: as stored, per thousand (ms from s, GB
+# from MB), per million, billion or trillion (M parameters, GFLOP, TFLOP), per KiB, MiB or
+# GiB (bytes shown in binary units), or in thousands (ms from seconds).
+UNIT_SCALES = (1, 1e3, 1e-3, 1e-6, 1e-9, 1e-12, 2.0 ** -10, 2.0 ** -20, 2.0 ** -30)
 
 DIRECTIVE = re.compile(r"^(`{3,})\{(?P<name>[\w-]+)\}\s*(?P<arg>.*?)\n(?P<body>.*?)^\1\s*$",
                        re.M | re.S)
@@ -176,7 +183,10 @@ def _prose(text):
 def test_prose_numbers_come_from_the_json(slug):
     """Every decimal number (1.46x, 0.45 ms) and every percentage in the chapter's prose is a
     number of chNN.json, as the script wrote it, at the precision the prose shows (a
-    percentage may be a fraction in the JSON): measured numbers are copied, never typed."""
+    percentage may be a fraction in the JSON, any number may be shown in another unit,
+    UNIT_SCALES): measured numbers are copied, never typed. A number the chapter quotes
+    from elsewhere (the course, a paper, a data sheet) is in the JSON too, from the
+    script's own table of such facts, with where it comes from."""
     import json
     numbers = list(_json_numbers(json.loads((CHAPTERS / "figures" / f"ch{slug[:2]}.json").read_text())))
     text = chapter_text(slug)
@@ -188,7 +198,7 @@ def test_prose_numbers_come_from_the_json(slug):
         if ("." not in text and not percent) or text in sections:
             continue                      # whole numbers (counts, settings), section numbers
         places = len(text.split(".")[1]) if "." in text else 0
-        scales = (1, 100) if percent else (1,)
+        scales = (1, 100) if percent else UNIT_SCALES
         if not any(f"{v * scale:.{places}f}" == text for v in numbers for scale in scales):
             missing.append(match[0])
     assert not missing, f"{slug}: numbers in the prose that ch{slug[:2]}.json does not hold: {missing}"
