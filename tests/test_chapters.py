@@ -16,6 +16,7 @@ SLUGS = ["01_kv_cache", "02_cache_size", "03_gqa", "04_paged", "05_batching",
 # chapters whose every decimal number and percentage in the prose is checked against the
 # figure script's JSON (test_prose_numbers_come_from_the_json)
 NUMBERS_FROM_JSON = [
+    "01_kv_cache",
     "08_fewer_positions",
     "09_speculative",
 ]

@@ -13,11 +13,12 @@ Runs in about 30 s on a 2-core machine.
    cache on the Llama 2 7B shape, the whole-run ratio for 2,048 tokens (arithmetic_ratio),
    where it crosses 1,000x, and per_token_saving by position.
 3. Timing on this machine, one thread of the C core: 48 new tokens after a short prompt,
-   cached and uncached, each step's best of 15 runs (the course's experiment, on the kit's
-   models),
-   and the wall time of every step of a 256-token run.
-4. Working memory (kvlab.measure.working_memory) for 256 new tokens, and the same
-   accounting from the shapes (kvlab.measure.scratch_bytes) for the Llama 2 7B shape.
+   cached and uncached, 15 runs each way in turn (the course's experiment, on the kit's
+   models), and every step of a 256-token run, 5 runs each way: medians and spreads.
+4. Working memory (kvlab.measure.working_memory) for 256 new tokens, the uncached run
+   holding every layer's K and V or one layer's at a time; the same accountings from the
+   shapes (kvlab.measure.scratch_bytes) for larger shapes; and the accounting of a program
+   that also keeps whole score matrices and every position's logits.
 """
 from __future__ import annotations
 
@@ -34,15 +35,22 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 import kvlab  # noqa: E402
-from common import machine  # noqa: E402  (chapters/figures/common.py)
+from common import machine, spread  # noqa: E402  (chapters/figures/common.py)
 from kvlab import measure  # noqa: E402
 
 THREADS = 1            # the timed runs: see the note in setup()
+FLOAT = 4              # bytes of a float32
 PROMPT = "ROMEO:\n"
 STORIES_PROMPT = "Once upon a time"
 COURSE = {"new_tokens": 48, "cached_seconds": 8.85, "uncached_seconds": 78.95,
+          "time_ratio": 78.95 / 8.85, "cached_seconds_per_token": 8.85 / 48,
           "working_memory_ratio_256": 8.3, "per_token_saving": "75-90 %",
-          "arithmetic_2048": "over 1,000x"}
+          "arithmetic_2048": "over 1,000x",
+          "source": "the course's chapter on the KV cache (shared/seeds)"}
+# Reruns of an earlier version of this script on another machine, reported in issue 22:
+# the 256-token run's time ratio, above its FLOP ratio there.
+RERUNS_ELSEWHERE = {"speedup_256": [124.7, 143.4],
+                    "source": "issue 22: two reruns of ch01.py on another machine"}
 
 
 def load_stories():
@@ -97,10 +105,11 @@ def arithmetic() -> dict:
     for field in ("flops_projections", "flops_mlp", "flops_attention", "flops_logits"):
         parts[field] = {"uncached": getattr(u, field), "cached": getattr(k, field),
                         "ratio": getattr(u, field) / getattr(k, field)}
-    saving = {str(p): measure.per_token_saving(c, p) for p in range(16)}
+    saving = {str(p): measure.per_token_saving(c, p) for p in (*range(16), 99, 2047)}
     step = {str(p): {"cached_flops": int(cached[p]), "uncached_flops": int(uncached[p])}
             for p in (0, 1, 3, 9, 99, 1023, 2047)}
     return {"config": c.name, "prompt_len": 1, "new_tokens": 2048,
+            "weights_bytes_fp16": measure.weights_bytes(c, "fp16"),
             "arithmetic_ratio_2048": ratio_2048,
             "tokens_through_model": {"uncached": u.tokens, "cached": k.tokens,
                                      "ratio": u.tokens / k.tokens},
@@ -117,63 +126,61 @@ def arithmetic() -> dict:
 
 # ---- 3. timing ----------------------------------------------------------------------------
 
-def timing_48(model, prompt: str, repeats: int = 15) -> dict:
-    """48 new tokens, cached and uncached, `repeats` runs of each in turn (so both meet the
-    same load). A busy machine interrupts some steps of some runs; each step's fastest time
-    over the runs, summed, is the closest to what the steps cost (best_steps_*), and the
-    fastest whole run is reported beside it (best_run_*)."""
+def timing_48(model, prompt: str, runs: int = 15) -> dict:
+    """48 new tokens, cached and uncached, `runs` runs of each in turn (so each pair meets
+    the same load). Other processes interrupt some runs on a shared machine, so the chapter
+    quotes the median run and the spread over the runs (common.spread): the whole run's
+    seconds each way, and the ratio of each pair."""
     kvlab.generate(model, prompt, 8, use_cache=True)            # warm up
     steps = {True: [], False: []}
     same = True
-    for _ in range(repeats):
+    for _ in range(runs):
         a = kvlab.generate(model, prompt, 48, use_cache=True, stop_at_eos=False)
         b = kvlab.generate(model, prompt, 48, use_cache=False, stop_at_eos=False)
         steps[True].append(a.step_seconds)
         steps[False].append(b.step_seconds)
         same = same and a.tokens == b.tokens
-    best_c = float(np.min(np.stack(steps[True]), axis=0).sum())
-    best_u = float(np.min(np.stack(steps[False]), axis=0).sum())
-    run_c = float(min(s.sum() for s in steps[True]))
-    run_u = float(min(s.sum() for s in steps[False]))
-    return {"model": model.config.name, "params": model.n_params, "prompt": prompt,
-            "prompt_tokens": len(a.prompt_tokens), "new_tokens": 48, "repeats": repeats,
+    cached = [float(s.sum()) for s in steps[True]]
+    uncached = [float(s.sum()) for s in steps[False]]
+    median_c, median_u = float(np.median(cached)), float(np.median(uncached))
+    return {"model": model.config.name, "params": model.n_params,
+            "weights_bytes": model.weights_nbytes, "prompt": prompt,
+            "prompt_tokens": len(a.prompt_tokens), "new_tokens": 48, "runs": runs,
             "same_tokens": same, "completion": a.completion,
-            "cached_seconds": best_c, "uncached_seconds": best_u,
-            "speedup": best_u / best_c,
-            "best_run_cached_seconds": run_c, "best_run_uncached_seconds": run_u,
-            "best_run_speedup": run_u / run_c,
+            "cached_seconds": spread(cached), "uncached_seconds": spread(uncached),
+            "speedup": spread([u / c for u, c in zip(uncached, cached)]),
             "cached_flops": a.flops, "uncached_flops": b.flops,
             "flop_ratio": b.flops / a.flops,
-            "cached_gflops_per_s": a.flops / best_c / 1e9,
-            "uncached_gflops_per_s": b.flops / best_u / 1e9,
-            "cached_ms_per_token": 1e3 * best_c / 48,
-            "cached_decode_ms_median": 1e3 * float(np.median(np.min(np.stack(steps[True]), axis=0)[1:])),
-            "first_step_ms": {"cached": 1e3 * float(np.min(np.stack(steps[True]), axis=0)[0]),
-                              "uncached": 1e3 * float(np.min(np.stack(steps[False]), axis=0)[0])}}
+            "cached_gflops_per_s": a.flops / median_c / 1e9,
+            "uncached_gflops_per_s": b.flops / median_u / 1e9,
+            "cached_decode_ms": spread([1e3 * float(np.median(s[1:])) for s in steps[True]])}
 
 
-def step_times(model, new_tokens: int = 256, repeats: int = 2) -> dict:
-    """Per-step wall times, the element-wise best of `repeats` runs of each."""
-    best = {}
-    for use_cache in (True, False):
-        runs = [kvlab.generate(model, PROMPT, new_tokens, use_cache=use_cache).step_seconds
-                for _ in range(repeats)]
-        best[use_cache] = np.min(np.stack(runs), axis=0)
+def step_times(model, new_tokens: int = 256, runs: int = 5) -> dict:
+    """Per-step wall times of `runs` runs each way, in turn: the whole runs' ratio over the
+    runs (common.spread), and each step's median for the figure."""
+    times = {True: [], False: []}
+    for _ in range(runs):
+        for use_cache in (True, False):
+            times[use_cache].append(kvlab.generate(model, PROMPT, new_tokens, use_cache=use_cache,
+                                                   stop_at_eos=False).step_seconds)
+    median = {k: np.median(np.stack(v), axis=0) for k, v in times.items()}
     prompt_len = len(model.encode(PROMPT))
     positions = prompt_len - 1 + np.arange(new_tokens)   # position of the step's last input
     tokens_in = positions + 1                            # tokens an uncached step runs
+    cached = [float(s.sum()) for s in times[True]]
+    uncached = [float(s.sum()) for s in times[False]]
     return {"model": model.config.name, "prompt_tokens": prompt_len, "new_tokens": new_tokens,
-            "repeats": repeats,
-            "cached_total_seconds": float(best[True].sum()),
-            "uncached_total_seconds": float(best[False].sum()),
-            "speedup": float(best[False].sum() / best[True].sum()),
+            "runs": runs,
+            "cached_seconds": spread(cached), "uncached_seconds": spread(uncached),
+            "speedup": spread([u / c for u, c in zip(uncached, cached)]),
             "flop_ratio": measure.arithmetic_ratio(model.config, prompt_len, new_tokens),
-            "cached_decode_ms_median": 1e3 * float(np.median(best[True][1:])),
-            "uncached_ms_at": {str(int(t)): 1e3 * float(best[False][i])
+            "cached_decode_ms_median": 1e3 * float(np.median(median[True][1:])),
+            "uncached_ms_at": {str(int(t)): 1e3 * float(median[False][i])
                                for i, t in enumerate(tokens_in) if int(t) in (8, 64, 128, 262)},
             # an uncached step's time per token it runs, around the last 16 steps
-            "uncached_ms_per_token_last": 1e3 * float(np.median(best[False][-16:] / tokens_in[-16:])),
-            "_curves": (positions, best[True], best[False])}
+            "uncached_ms_per_token_last": 1e3 * float(np.median(median[False][-16:] / tokens_in[-16:])),
+            "_curves": (positions, median[True], median[False])}
 
 
 # ---- 4. working memory ----------------------------------------------------------------------
@@ -183,6 +190,7 @@ def working(model, prompt: str, new_tokens: int = 256) -> dict:
     c = model.config
     length = len(model.encode(prompt)) + new_tokens - 1       # the last step's tokens
     rebuilt_kv = measure.kv_cache_bytes(c, length, dtype="fp32")
+    one_layer_kv = rebuilt_kv // c.n_layers
     return {"model": c.name, "new_tokens": new_tokens, "threads": kvlab.get_num_threads(),
             "tokens_last_step": length,
             "cached_scratch": w.cached_scratch, "cache_bytes": w.cache_bytes,
@@ -190,21 +198,45 @@ def working(model, prompt: str, new_tokens: int = 256) -> dict:
             "uncached_rebuilt_kv": rebuilt_kv,
             "uncached_activations": w.uncached_scratch - rebuilt_kv,
             "ratio": w.ratio,
+            # the same last step, holding one layer's K and V at a time
+            "one_layer": {"scratch": w.uncached_one_layer_scratch, "kv": one_layer_kv,
+                          "activations": w.uncached_one_layer_scratch - one_layer_kv,
+                          "ratio": w.one_layer_ratio},
             "kv_floats_per_token": 2 * c.n_layers * c.kv_dim,
-            "activation_floats_per_token": 3 * c.dim + 2 * c.q_dim + 2 * c.kv_dim
-                                           + 2 * c.hidden_dim + c.head_dim}
+            "activation_floats_per_token": activation_floats(c)}
+
+
+def activation_floats(c) -> int:
+    """The floats of scratch one token needs in a forward call (csrc/model.c, run_state)."""
+    return 3 * c.dim + 2 * c.q_dim + 2 * c.kv_dim + 2 * c.hidden_dim + c.head_dim
 
 
 def working_from_shapes(c, length: int) -> dict:
-    """The same accounting as working_memory, from the shapes: the last uncached step
-    against the cache plus the scratch of one cached step (fp32, one thread)."""
-    uncached = measure.scratch_bytes(c, length, 1, cached=False)
-    cached = measure.kv_cache_bytes(c, length, dtype="fp32") + measure.scratch_bytes(c, 1, 1)
-    return {"config": c.name, "tokens": length, "uncached": uncached, "cached": cached,
-            "ratio": uncached / cached,
+    """The same accountings as working_memory, from the shapes: the last uncached step
+    (every layer's K and V held, or one layer's) against the cache plus the scratch of one
+    cached step (fp32, one thread). Then a third program's: one that also keeps a layer's
+    whole (heads, tokens, tokens) matrices of scores and of softmax weights at once, and
+    computes logits at every position without a cache (at the last one only with it), as
+    straightforward implementations do."""
+    cache = measure.kv_cache_bytes(c, length, dtype="fp32")
+    cached = cache + measure.scratch_bytes(c, 1, 1)
+    all_layers = measure.scratch_bytes(c, length, 1, cached=False)
+    one_layer = measure.scratch_bytes(c, length, 1, cached=False, uncached_kv="one_layer")
+    matrices = 2 * c.n_heads * length * length * FLOAT
+    logits = length * c.vocab_size * FLOAT
+    return {"config": c.name, "n_layers": c.n_layers, "tokens": length, "cache_bytes": cache,
+            "cached": cached, "all_layers": all_layers, "ratio": all_layers / cached,
+            "one_layer": one_layer, "one_layer_ratio": one_layer / cached,
+            "one_layer_kv_bytes": cache // c.n_layers,
+            "whole_matrices": {
+                "score_matrices": matrices, "every_logit": logits,
+                "uncached": all_layers + matrices + logits,
+                "cached": cached + c.vocab_size * FLOAT,
+                "ratio": (all_layers + matrices + logits) / (cached + c.vocab_size * FLOAT),
+                "one_layer_ratio": (one_layer + matrices + logits)
+                                   / (cached + c.vocab_size * FLOAT)},
             "kv_floats_per_token": 2 * c.n_layers * c.kv_dim,
-            "activation_floats_per_token": 3 * c.dim + 2 * c.q_dim + 2 * c.kv_dim
-                                           + 2 * c.hidden_dim + c.head_dim}
+            "activation_floats_per_token": activation_floats(c)}
 
 
 # ---- figures --------------------------------------------------------------------------------
@@ -220,7 +252,7 @@ def plot_step_time(steps: dict, path: Path) -> None:
     ax.set_xlabel("position of the step's newest input token")
     ax.set_ylabel("ms per step (log scale)")
     ax.set_title(f"{steps['model']}: {steps['new_tokens']} greedy tokens, {THREADS} thread, "
-                 f"best of {steps['repeats']}", fontsize=10)
+                 f"median of {steps['runs']} runs", fontsize=10)
     ax.legend(fontsize=8, loc="upper left")
     ax.grid(alpha=0.3, which="both")
     fig.tight_layout()
@@ -256,32 +288,54 @@ def plot_flops(arith: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def plot_working_memory(rows: list, path: Path) -> None:
-    fig, ax = plt.subplots(figsize=(8.5, 3.2), dpi=100)
-    labels, y = [], 0
-    for row in rows:
-        kib = 1 / 1024
-        ax.barh(y + 0.2, row["cache_bytes"] * kib, 0.35, color="#4c78a8", label="KV cache" if y == 0 else None)
-        ax.barh(y + 0.2, row["cached_scratch"] * kib, 0.35, left=row["cache_bytes"] * kib,
-                color="#9ecae9", label="scratch of one call" if y == 0 else None)
-        ax.barh(y - 0.2, row["uncached_rebuilt_kv"] * kib, 0.35, color="#e45756",
-                label="K and V rebuilt each step" if y == 0 else None)
-        ax.barh(y - 0.2, row["uncached_activations"] * kib, 0.35,
-                left=row["uncached_rebuilt_kv"] * kib, color="#ff9d98",
-                label="activations of every token" if y == 0 else None)
-        ax.text(row["uncached_scratch"] * kib, y - 0.2, f"  {row['ratio']:.1f}x", va="center",
-                fontsize=8)
-        labels += [f"{row['model']}\nwithout cache", f"{row['model']}\nwith cache"]
-        y += 1
-    ticks = []
-    for i in range(len(rows)):
-        ticks += [i - 0.2, i + 0.2]
-    ax.set_yticks(ticks, labels, fontsize=7)
-    ax.set_xlabel("KiB of working memory, peak (256 new tokens)")
-    ax.set_title("what each way of generating holds at its peak", fontsize=10)
-    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
-    ax.set_xlim(0, max(r["uncached_scratch"] for r in rows) / 1024 * 1.12)
-    fig.tight_layout()
+def plot_working_memory(rows: list, shape: dict, path: Path) -> None:
+    """Left, measured: for each kit model, the cached run (cache + scratch) against the
+    uncached run holding every layer's K and V or one layer's. Right: the same three bars
+    from the shapes of a 7B model, where the activations are small beside the cache."""
+    colors = {"cache": "#4c78a8", "scratch": "#9ecae9", "kv": "#e45756", "act": "#ff9d98"}
+    fig, axes = plt.subplots(1, 2, figsize=(11, 3.6), dpi=100,
+                             gridspec_kw={"width_ratios": [1.6, 1]})
+
+    def bars(ax, y, cache, scratch, kv_all, act_all, kv_one, act_one, unit, legend):
+        for dy, parts in ((0.3, ((cache, "cache", "KV cache"), (scratch, "scratch", "scratch of one call"))),
+                          (0.0, ((kv_all, "kv", "K and V rebuilt"), (act_all, "act", "activations and attention scratch"))),
+                          (-0.3, ((kv_one, "kv", None), (act_one, "act", None)))):
+            left = 0.0
+            for value, color, label in parts:
+                ax.barh(y + dy, value * unit, 0.26, left=left, color=colors[color],
+                        label=label if legend else None)
+                left += value * unit
+        total = cache + scratch
+        for dy, kv, act in ((0.0, kv_all, act_all), (-0.3, kv_one, act_one)):
+            ax.text((kv + act) * unit, y + dy, f"  {(kv + act) / total:.2f}x", va="center", fontsize=7)
+
+    left, right = axes
+    labels, ticks = [], []
+    for i, row in enumerate(rows):
+        one = row["one_layer"]
+        bars(left, i, row["cache_bytes"], row["cached_scratch"], row["uncached_rebuilt_kv"],
+             row["uncached_activations"], one["kv"], one["activations"], 1 / 1024, i == 0)
+        ticks += [i + 0.3, i, i - 0.3]
+        labels += [f"{row['model']}: with the cache", "without: all layers' K, V",
+                   "without: one layer's K, V"]
+    left.set_yticks(ticks, labels, fontsize=7)
+    left.set_xlabel("KiB, peak of one call (measured, 256 new tokens)")
+    left.set_title("the kit's models, counted by the core", fontsize=10)
+    left.set_xlim(0, max(r["uncached_scratch"] for r in rows) / 1024 * 1.15)
+
+    c = shape
+    cache, kv_one = c["cache_bytes"], c["cache_bytes"] // c["n_layers"]
+    bars(right, 0, cache, c["cached"] - cache, cache, c["all_layers"] - cache, kv_one,
+         c["one_layer"] - kv_one, 1e-6, False)
+    right.set_yticks([0.3, 0, -0.3], ["with the cache", "without: all layers' K, V",
+                                      "without: one layer's K, V"], fontsize=7)
+    right.set_xlabel(f"MB, from the shapes ({c['tokens']} tokens, fp32)")
+    right.set_title(f"{c['config']} shape", fontsize=10)
+    right.set_xlim(0, max(c["all_layers"], c["cached"]) * 1e-6 * 1.15)
+    for ax in axes:
+        ax.grid(alpha=0.3, axis="x")
+    fig.legend(*left.get_legend_handles_labels(), loc="lower center", ncol=4, fontsize=8)
+    fig.tight_layout(rect=(0, 0.08, 1, 1))
     fig.savefig(path, dpi=100)
     plt.close(fig)
 
@@ -310,7 +364,7 @@ def main() -> None:
                                 "from a second thread",
                         "model": "shakespeare-1m (kvlab.load())",
                         "stories260K": stories is not None},
-              "course": COURSE}
+              "course": COURSE, "reruns_elsewhere": RERUNS_ELSEWHERE}
     result["exactness"] = {"shakespeare-1m": exactness(model)}
     arith = arithmetic()
     result["arithmetic"] = arith
@@ -328,11 +382,13 @@ def main() -> None:
     result["working_memory_256"] = {row["model"]: row for row in wm}
     result["working_memory_from_shapes"] = {
         c.name: working_from_shapes(c, 262) for c in
-        (kvlab.ModelConfig.shakespeare_1m(), kvlab.ModelConfig.llama2_7b())}
+        (kvlab.ModelConfig.shakespeare_1m(), kvlab.ModelConfig.stories260k(),
+         kvlab.ModelConfig.tinyllama_1b(), kvlab.ModelConfig.llama2_7b())}
 
     plot_step_time(steps, out / "ch01_step_time.png")
     plot_flops(arith, out / "ch01_flops.png")
-    plot_working_memory(wm, out / "ch01_working_memory.png")
+    plot_working_memory(wm, result["working_memory_from_shapes"]["Llama 2 7B"],
+                        out / "ch01_working_memory.png")
     result["setup"]["script_seconds"] = round(time.perf_counter() - started, 1)
     (out / "ch01.json").write_text(json.dumps(strip(result), indent=2) + "\n")
     print(json.dumps(strip(result)["timing_48"], indent=1))
