@@ -631,7 +631,8 @@ static void test_pool(void) {
     kv_pool pool, refused;
     char message[256];
     CHECK(kv_pool_init(&refused, 2, 1, 4, 6, 0, 4, 3, NULL) == KV_ERR_INVALID_ARG);  /* block size 0 */
-    CHECK(kv_pool_init(&refused, 2, 1, 4, 6, 257, 4, 3, NULL) == KV_ERR_INVALID_ARG);
+    CHECK(kv_pool_init(&refused, 2, 1, 4, 6, 4097, 4, 3, NULL) == KV_ERR_INVALID_ARG);
+    CHECK(kv_pool_init(&refused, 2, 1, 4, 1 << 21, 4096, 4, 3, NULL) == KV_ERR_INVALID_ARG);
     CHECK(kv_pool_init(&pool, 2, 1, 4, 6, 4, 4, 3, NULL) == KV_OK);
     int a, b, c;
     int32_t tokens[12] = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12};
