@@ -1,14 +1,16 @@
 """Serving measured in latency: the Engine under Poisson arrivals, at several request rates.
 
     python benchmarks/bench_serve.py [--rates 2,8,32] [--requests 40] [--budgets 64,256]
-                                     [--json out.json]
+                                     [--memory paged,contiguous] [--json out.json]
+                                     [--plot out.png]
 
 kvlab.serving's sweep (also `kvlab serve-bench`): requests arrive as a Poisson process at
 each rate (prompts cut from the bundled model's text, 16-95 new tokens each), and one
 Engine serves them in real time, each request's latency counted from its arrival. Per rate
 and per max_batch_tokens (chunked prefill's budget: a bigger budget finishes prompts
 sooner, a smaller one keeps decode steps short) it prints throughput (generated tokens a
-second), TTFT and TPOT p50/p99, and end-to-end p50/p99. Greedy, fp32 cache.
+second), TTFT and TPOT p50/p99, and end-to-end p50/p99, on a paged pool and on contiguous
+caches of the same bytes. Greedy, fp32 cache.
 """
 from __future__ import annotations
 
@@ -27,11 +29,18 @@ def main(argv=None) -> int:
     parser.add_argument("--requests", type=int, default=40, help="requests per run")
     parser.add_argument("--budgets", default="64,256", help="max_batch_tokens values")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--memory", default="paged,contiguous",
+                        help="paged and/or contiguous, comma-separated")
     parser.add_argument("--json", default=None)
+    parser.add_argument("--plot", default=None, help="a PNG of latency against throughput")
     args = parser.parse_args(argv)
     model = kvlab.load()
     rows = serving.sweep(model, [float(r) for r in args.rates.split(",")],
-                         [int(b) for b in args.budgets.split(",")], args.requests, args.seed)
+                         [int(b) for b in args.budgets.split(",")], args.requests, args.seed,
+                         memories=args.memory.split(","))
+    if args.plot:
+        serving.plot(rows, args.plot)
+        print(f"wrote {args.plot}")
     if args.json:
         Path(args.json).write_text(json.dumps({"model": "bundled", "threads": kvlab.get_num_threads(),
                                                "requests_per_run": args.requests, "runs": rows},

@@ -219,16 +219,29 @@ def cmd_serve_bench(args) -> int:
     model = _load(args)
     rates = [float(r) for r in args.rates.split(",")]
     budgets = [int(b) for b in args.budgets.split(",")]
+    memories = args.memory.split(",")
     if min(rates) <= 0 or min(budgets) < 1:
         print("kvlab serve-bench: rates must be positive and budgets at least 1", file=sys.stderr)
         return 2
+    if not set(memories) <= set(kvlab.serving.MEMORIES):
+        print(f"kvlab serve-bench: --memory takes {' and/or '.join(kvlab.serving.MEMORIES)}, "
+              f"got {args.memory}", file=sys.stderr)
+        return 2
+    if args.plot and not _matplotlib_installed():
+        print(f"kvlab: error: --plot {args.plot} needs matplotlib, which is not installed: "
+              f"pip install matplotlib (or run without --plot); nothing was run", file=sys.stderr)
+        return 2
     print(f"kvlab serve-bench: {model!r}, {args.requests} requests per run, Poisson arrivals, "
           f"{kvlab.get_num_threads()} threads")
-    rows = kvlab.serving.sweep(model, rates, budgets, args.requests, args.seed)
+    rows = kvlab.serving.sweep(model, rates, budgets, args.requests, args.seed,
+                               memories=memories)
     if args.json:
         with open(args.json, "w") as out:
             json.dump({"model": model.source, "requests_per_run": args.requests, "runs": rows},
                       out, indent=1)
+    if args.plot:
+        kvlab.serving.plot(rows, args.plot)
+        print(f"wrote {args.plot}")
     return 0
 
 
@@ -433,7 +446,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--budgets", default="64,256",
                        help="max_batch_tokens values (chunked prefill's budget), comma-separated")
     serve.add_argument("--seed", type=int, default=0, help="seed of the arrivals and prompts")
+    serve.add_argument("--memory", default="paged",
+                       help="paged, contiguous (the same bytes as whole-context caches, one "
+                            "per request), or both, comma-separated (default: %(default)s)")
     serve.add_argument("--json", default=None, help="also write every run's numbers here")
+    serve.add_argument("--plot", default=None,
+                       help="write a PNG of latency against throughput here (needs matplotlib)")
     serve.set_defaults(func=cmd_serve_bench)
 
     info = add_command("info", "print a model's shape and sizes")

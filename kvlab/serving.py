@@ -9,8 +9,9 @@ through one Engine in real time: before each step it adds every request whose ar
 has passed, stamped with that time (Engine.add_request(arrival_time=)), so time spent
 waiting for a busy engine counts in the request's latency, as it does for a user. It
 returns throughput and the p50/p99 of time to first token (TTFT), time per output token
-after it (TPOT) and end-to-end latency (RequestOutput.metrics). `kvlab serve-bench` and
-benchmarks/bench_serve.py print them for several rates and token budgets.
+after it (TPOT) and end-to-end latency (RequestOutput.metrics), on a paged pool or on
+contiguous caches of the same bytes. `kvlab serve-bench` and benchmarks/bench_serve.py print
+them for several rates, token budgets and memories, and plot() draws them.
 """
 from __future__ import annotations
 
@@ -44,10 +45,26 @@ def workload(model, n_requests: int, rate: float, seed: int = 0) -> List[Tuple[f
     return requests
 
 
+MEMORIES = ("paged", "contiguous")
+
+
 def serve(model, requests: list, budget: int = 256, num_blocks: int = 512,
-          block_size: int = 16) -> dict:
+          block_size: int = 16, memory: str = "paged") -> dict:
     """Run `requests` (workload()'s) through one Engine in real time; its throughput and
-    the percentiles of its requests' latencies, in milliseconds."""
+    the percentiles of its requests' latencies, in milliseconds.
+
+    memory="paged" gives the engine num_blocks blocks of block_size positions;
+    "contiguous" gives it the same bytes as blocks of a whole context
+    (config.max_seq_len positions), one per request, reserved whole from its admission to
+    its end, as contiguous caches are (Orca batched continuously this way)."""
+    if memory not in MEMORIES:
+        raise ValueError(f"memory must be one of {', '.join(MEMORIES)}, got {memory!r}")
+    if memory == "contiguous":
+        context = model.config.max_seq_len
+        if num_blocks * block_size < context:
+            raise ValueError(f"{num_blocks} blocks of {block_size} hold less than one context "
+                             f"of {context} positions: no contiguous cache fits")
+        num_blocks, block_size = num_blocks * block_size // context, context
     engine = Engine(model, num_blocks=num_blocks, block_size=block_size, max_batch_tokens=budget)
     start = time.perf_counter()
     pending = sorted(requests, key=lambda r: r[0])
@@ -70,7 +87,7 @@ def serve(model, requests: list, budget: int = 256, num_blocks: int = 512,
     def ms(values, q):
         return 1e3 * float(np.percentile(values, q)) if values else float("nan")
 
-    return {"budget": budget, "requests": len(metrics), "seconds": seconds,
+    return {"memory": memory, "budget": budget, "requests": len(metrics), "seconds": seconds,
             "tokens_per_s": sum(m.output_tokens for m in metrics) / seconds,
             "ttft_p50_ms": ms(ttft, 50), "ttft_p99_ms": ms(ttft, 99),
             "tpot_p50_ms": ms(tpot, 50), "tpot_p99_ms": ms(tpot, 99),
@@ -78,26 +95,64 @@ def serve(model, requests: list, budget: int = 256, num_blocks: int = 512,
             "steps": len(engine.metrics)}
 
 
-TABLE_HEAD = (f"{'rate/s':>7}{'budget':>8}{'tok/s':>9}{'TTFT p50':>10}{'p99':>9}{'TPOT p50':>10}"
-              f"{'p99':>8}{'e2e p50':>10}{'p99':>9}   (ms)")
+TABLE_HEAD = (f"{'rate/s':>7}{'memory':>11}{'budget':>8}{'tok/s':>9}{'TTFT p50':>10}{'p99':>9}"
+              f"{'TPOT p50':>10}{'p99':>8}{'e2e p50':>10}{'p99':>9}   (ms)")
 
 
 def table_row(rate: float, row: dict) -> str:
-    return (f"{rate:>7g}{row['budget']:>8}{row['tokens_per_s']:>9.0f}{row['ttft_p50_ms']:>10.1f}"
+    return (f"{rate:>7g}{row['memory']:>11}{row['budget']:>8}{row['tokens_per_s']:>9.0f}"
+            f"{row['ttft_p50_ms']:>10.1f}"
             f"{row['ttft_p99_ms']:>9.1f}{row['tpot_p50_ms']:>10.2f}{row['tpot_p99_ms']:>8.2f}"
             f"{row['e2e_p50_ms']:>10.1f}{row['e2e_p99_ms']:>9.1f}")
 
 
-def sweep(model, rates, budgets, n_requests: int = 40, seed: int = 0, out=print) -> list:
-    """serve() at every rate and budget (the same requests at one rate for every budget),
-    each row printed as it comes; the rows."""
+def sweep(model, rates, budgets, n_requests: int = 40, seed: int = 0, out=print,
+          memories=("paged",)) -> list:
+    """serve() at every rate, budget and memory (the same requests at one rate for all of
+    them), each row printed as it comes; the rows."""
+    for memory in memories:
+        if memory not in MEMORIES:
+            raise ValueError(f"memory must be one of {', '.join(MEMORIES)}, got {memory!r}")
     serve(model, workload(model, 4, 100.0, seed), budgets[0])          # warm up
     out(TABLE_HEAD)
     rows = []
     for rate in rates:
         requests = workload(model, n_requests, rate, seed)
-        for budget in budgets:
-            row = {"rate": rate, **serve(model, requests, budget)}
-            rows.append(row)
-            out(table_row(rate, row))
+        for memory in memories:
+            for budget in budgets:
+                row = {"rate": rate, **serve(model, requests, budget, memory=memory)}
+                rows.append(row)
+                out(table_row(rate, row))
     return rows
+
+
+def plot(rows: list, path, title: str = "") -> None:
+    """Latency against throughput, one line per memory and budget through its rates: p50
+    (solid) and p99 (dashed) of the time to first token, left, and of the time per output
+    token, right. Needs matplotlib."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
+    series = sorted({(r["memory"], r["budget"]) for r in rows})
+    for i, (memory, budget) in enumerate(series):
+        mine = sorted((r for r in rows if (r["memory"], r["budget"]) == (memory, budget)),
+                      key=lambda r: r["rate"])
+        color = f"C{i}"
+        x = [r["tokens_per_s"] for r in mine]
+        for ax, metric in zip(axes, ("ttft", "tpot")):
+            ax.plot(x, [r[f"{metric}_p50_ms"] for r in mine], "o-", color=color, ms=3,
+                    label=f"{memory}, max_batch_tokens={budget}")
+            ax.plot(x, [r[f"{metric}_p99_ms"] for r in mine], "s--", color=color, ms=3)
+    for ax, name in zip(axes, ("time to first token", "time per output token")):
+        ax.set_xlabel("throughput, generated tokens per second")
+        ax.set_ylabel(f"{name}, ms (log)\nsolid: p50, dashed: p99", fontsize=9)
+        ax.set_yscale("log")
+        ax.grid(alpha=0.3, which="both")
+    rates = sorted({r["rate"] for r in rows})
+    axes[0].set_title(title or f"Poisson arrivals at {', '.join(f'{r:g}' for r in rates)} "
+                      "requests/s", fontsize=10)
+    axes[1].legend(fontsize=7, ncol=1, loc="upper left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

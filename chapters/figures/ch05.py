@@ -13,9 +13,11 @@ quotes, with the setup). Three measurements, all through kvlab.Engine:
    time) over a few rounds run round-robin: the machine is shared, and other processes
    only ever add time to a step. The core's counters give the weight and K/V bytes and
    the FLOPs per token.
-3. One KV memory budget (16 contiguous caches of 512 positions, fp32): static batches of
-   16 requests on contiguous reservations against the paged engine (continuous batching),
-   on 96 requests of long-tailed lengths (the workload of benchmarks/bench_engine.py).
+3. One KV memory budget (16 contiguous caches of 512 positions, fp32), served four ways:
+   static or continuous batching, on contiguous reservations (a pool of one 512-position
+   block per request) or on a paged pool of 16-position blocks, on 96 requests of
+   long-tailed lengths (the workload of benchmarks/bench_engine.py); 3 rounds in turn,
+   medians and spreads of the wall time.
 
 Runs in well under 60 s on the 2-core development machine (one core thread by default:
 on a shared machine a single thread is far less disturbed by other processes).
@@ -36,7 +38,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 import kvlab  # noqa: E402
-import common  # noqa: E402,F401  (chapters/figures/common.py puts benchmarks/ on the path)
+from common import machine, spread  # noqa: E402  (chapters/figures/common.py puts benchmarks/ on the path)
 from bench_engine import workload  # noqa: E402  (the benchmark's own long-tailed requests)
 
 HERE = Path(__file__).resolve().parent
@@ -142,15 +144,16 @@ def throughput(models, rounds: int) -> list:
     return rows
 
 
-# ---- 3. one memory budget: static contiguous vs continuous paged -------------------------
+# ---- 3. one memory budget: static or continuous, contiguous or paged ---------------------
+
+# The four ways to serve, each (scheduling, memory): the two effects apart and together.
+WAYS = (("static", "contiguous"), ("continuous", "contiguous"),
+        ("static", "paged"), ("continuous", "paged"))
 
 
-
-def serve(model, pool, requests, static_batch: int = 0) -> dict:
-    """Every request to the end; with static_batch, that many at a time, each group running
-    until its slowest request is done, before the next group starts."""
-    groups = ([requests[i:i + static_batch] for i in range(0, len(requests), static_batch)]
-              if static_batch else [requests])
+def serve(model, pool, groups) -> dict:
+    """Every request to the end, a group at a time: each group runs until its slowest
+    request is done before the next starts (one group of all of them: continuous)."""
     running, made, generated, preemptions = [], [], 0, 0
     start = time.perf_counter()
     with model.counting() as counts:          # what the core did, over the whole run
@@ -172,30 +175,54 @@ def serve(model, pool, requests, static_batch: int = 0) -> dict:
             "tokens_run": counts.tokens, "running_per_step": running, "tokens_so_far": made}
 
 
+def static_groups(requests, memory: str, pool, n_static: int) -> list:
+    """Static batches. Contiguous: n_static requests at a time, each reserving a whole
+    context. Paged: as many requests as the pool holds at their final lengths, known here
+    in advance (a server does not know them: this is static batching at its best)."""
+    groups, group, blocks = [], [], 0
+    for prompt, params in requests:
+        need = -(-(len(prompt) + params.max_new_tokens) // pool.block_size)
+        full = len(group) == n_static if memory == "contiguous" else blocks + need > pool.num_blocks
+        if group and full:
+            groups.append(group)
+            group, blocks = [], 0
+        group.append((prompt, params))
+        blocks += need
+    return groups + [group]
+
+
 def memory_budget(model: kvlab.Model, n_requests: int = 96, n_static: int = 16,
-                  rounds: int = 1) -> dict:
+                  rounds: int = 3) -> dict:
     max_len = model.config.max_seq_len
     budget = kvlab.kv_cache_bytes(model.config, max_len, n_static, dtype="fp32")
     requests = workload(model, n_requests, max_len)
     paged_blocks = budget // (16 * kvlab.kv_bytes_per_token(model.config, "fp32"))
-    results, times = {}, {"static": [], "paged": []}
-    for _ in range(rounds):                      # alternate, keep each one's best time
-        # Static: 16 requests at a time, each with room for max_len positions. A pool of
-        # 256-position blocks, two per request, is exactly 16 contiguous caches of 512.
-        # Fresh pools every round: a used pool's prefix cache would remember the prompts.
-        static_pool = model.new_paged_pool(num_blocks=max_len // 256 * n_static, block_size=256)
-        paged_pool = model.new_paged_pool(num_blocks=paged_blocks, block_size=16)
-        assert static_pool.nbytes == budget == paged_pool.nbytes
-        for name, pool, static in (("static", static_pool, n_static), ("paged", paged_pool, 0)):
-            run = serve(model, pool, requests, static)
-            times[name].append(round(run["seconds"], 2))
-            if name not in results or run["seconds"] < results[name]["seconds"]:
-                results[name] = run
+    results, times = {}, {f"{s}_{m}": [] for s, m in WAYS}
+    for _ in range(rounds):                      # in turn, so each meets the same load
+        for scheduling, memory in WAYS:
+            # Contiguous: one block of a whole context per request, reserved whole (16 of
+            # them in the budget). Paged: blocks of 16. Fresh pools every run: a used
+            # pool's prefix cache would remember the prompts.
+            pool = (model.new_paged_pool(num_blocks=n_static, block_size=max_len)
+                    if memory == "contiguous" else
+                    model.new_paged_pool(num_blocks=paged_blocks, block_size=16))
+            assert pool.nbytes == budget
+            groups = (static_groups(requests, memory, pool, n_static) if scheduling == "static"
+                      else [requests])
+            run = serve(model, pool, groups)
+            name = f"{scheduling}_{memory}"
+            times[name].append(run["seconds"])
+            results[name] = {"scheduling": scheduling, "memory": memory,
+                             "block_size": pool.block_size, "groups": len(groups), **run}
     for name, run in results.items():
-        run["tokens_per_s"] = run["tokens"] / run["seconds"]
-        run["seconds_each_round"] = times[name]
+        run["seconds"] = spread(times[name])
+        run["tokens_per_s"] = run["tokens"] / run["seconds"]["median"]
+    base = results["static_contiguous"]
+    for run in results.values():
+        run["steps_vs_static_contiguous"] = base["steps"] / run["steps"]
+        run["speedup_vs_static_contiguous"] = base["seconds"]["median"] / run["seconds"]["median"]
     return {"model": model.config.name, "max_len": max_len, "budget_bytes": budget,
-            "static_blocks": static_pool.num_blocks, "paged_blocks": paged_pool.num_blocks,
+            "contiguous_blocks": n_static, "paged_blocks": paged_blocks, "rounds": rounds,
             "requests": n_requests, "tokens": sum(p.max_new_tokens for _, p in requests),
             "mean_new_tokens": float(np.mean([p.max_new_tokens for _, p in requests])),
             "max_new_tokens": max(p.max_new_tokens for _, p in requests), **results}
@@ -252,14 +279,17 @@ def plot_throughput(rows, path: Path) -> None:
     plt.close(fig)
 
 
+WAY_LABELS = {"static_contiguous": "static, contiguous", "continuous_contiguous": "continuous, contiguous",
+              "static_paged": "static, paged", "continuous_paged": "continuous, paged"}
+
+
 def plot_budget(budget, path: Path) -> None:
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.6))
-    for name, label, style in (("static", "static batches of 16, contiguous caches", "-"),
-                               ("paged", "continuous batching, paged pool", "-")):
+    for name, label in WAY_LABELS.items():
         run = budget[name]
         steps = np.arange(1, run["steps"] + 1)
-        left.plot(steps, run["running_per_step"], style, lw=0.8, label=label)
-        right.plot(steps, run["tokens_so_far"], style, label=f"{label}: {run['steps']} steps")
+        left.plot(steps, run["running_per_step"], lw=0.8, label=label)
+        right.plot(steps, run["tokens_so_far"], label=f"{label}: {run['steps']} steps")
     left.set_xlabel("engine step")
     left.set_ylabel("sequences in the step's batch")
     left.set_title(f"{budget['requests']} requests, one K/V budget of "
@@ -306,10 +336,11 @@ def main() -> None:
               f" B/token  K/V {r['kv_read_bytes_per_token']:>9,.0f} B/token"
               f"  {r['weight_gb_per_s']:5.2f} GB/s {r['gflop_per_s']:5.1f} GFLOP/s")
     budget = memory_budget(model)
-    for name in ("static", "paged"):
+    for name in WAY_LABELS:
         r = budget[name]
         print(f"{name}: {r['steps']} steps, running peak {r['peak_running']} mean "
-              f"{r['mean_running']:.1f}, {r['seconds']:.2f} s, {r['tokens_per_s']:,.0f} tok/s, "
+              f"{r['mean_running']:.1f}, {r['seconds']['median']:.2f} s, "
+              f"{r['tokens_per_s']:,.0f} tok/s, "
               f"{r['flops'] / 1e9:.1f} GFLOP, weights {r['weight_bytes'] / 1e9:.2f} GB, "
               f"K/V {r['kv_read_bytes'] / 1e9:.2f} GB, {r['tokens_run']:,} tokens run")
 
@@ -319,11 +350,10 @@ def main() -> None:
     # the engine benchmark's stored run (benchmarks/bench_engine.py), quoted by the text
     bench = HERE.parents[1] / "benchmarks" / "results" / "engine.json"
     stored = json.loads(bench.read_text())["memory_budget"] if bench.is_file() else None
-    for name in ("static", "paged"):        # the figure's data, not quoted: kept out
+    for name in WAY_LABELS:                  # the figure's data, not quoted: kept out
         del budget[name]["running_per_step"], budget[name]["tokens_so_far"]
     result = {
-        "setup": {"kvlab": kvlab.__version__, "threads": kvlab.get_num_threads(),
-                  "cpu_count": os.cpu_count(), "processor": platform.processor(),
+        "setup": {**machine(), "threads": kvlab.get_num_threads(),
                   "machine": platform.machine(), "python": platform.python_version(),
                   "models": {m.config.name: {"params": m.n_params, "weights_bytes": m.weights_nbytes,
                                              "n_layers": m.config.n_layers,
