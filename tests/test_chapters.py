@@ -212,3 +212,41 @@ def test_every_arxiv_paper_a_chapter_cites_is_in_the_references():
     assert cited and cited <= listed, f"cited but not in references.md: {sorted(cited - listed)}"
     for number in listed:   # each listed with its link
         assert f"(https://arxiv.org/abs/{number})" in (CHAPTERS / "references.md").read_text()
+
+
+# Each entry of references.md is a list item that opens with its MyST target, on a line of
+# its own: "- (ref-NAME)=", then the entry. A chapter cites it as [text](references.md#ref-NAME).
+REFERENCE_LABEL = re.compile(r"^- \((ref-[a-z0-9-]+)\)=$", re.M)
+# Entries that only chapter 5 draws on (batching and scheduling): chapters 1 and 5 do not
+# link their sources to references.md yet.
+CITED_BY_CHAPTERS_1_AND_5 = {"ref-orca", "ref-sarathi", "ref-sarathi-serve"}
+
+
+def reference_labels():
+    text = (CHAPTERS / "references.md").read_text()
+    labels = REFERENCE_LABEL.findall(text)
+    entries = re.findall(r"^- ", text, re.M)
+    assert labels and len(labels) == len(entries), \
+        "every entry of references.md must open with its label, '- (ref-NAME)=' on a line of its own"
+    assert len(set(labels)) == len(labels), f"labels used twice in references.md: {labels}"
+    return set(labels)
+
+
+def cited_labels(slug):
+    return set(re.findall(r"references\.md#([\w-]+)", chapter_text(slug)))
+
+
+@pytest.mark.parametrize("slug", SLUGS)
+def test_every_citation_points_at_an_entry_of_the_references(slug):
+    missing = cited_labels(slug) - reference_labels()
+    assert not missing, f"{slug} cites labels that references.md does not have: {sorted(missing)}"
+
+
+def test_every_entry_of_the_references_is_cited():
+    """An entry no chapter cites is either a source the prose no longer uses or a fact the
+    prose states without its citation."""
+    labels = reference_labels()
+    assert CITED_BY_CHAPTERS_1_AND_5 <= labels
+    cited = set().union(*(cited_labels(slug) for slug in SLUGS))
+    uncited = labels - cited - CITED_BY_CHAPTERS_1_AND_5
+    assert not uncited, f"entries of references.md that no chapter cites: {sorted(uncited)}"
