@@ -43,3 +43,29 @@ def test_kvlab_serve_bench_prints_the_table(capsys, tmp_path):
     printed = capsys.readouterr().out
     assert "TTFT p50" in printed and json.loads(out.read_text())["runs"][0]["requests"] == 4
     assert cli.main(["serve-bench", "--rates", "0"]) == 2
+
+
+def test_contiguous_memory_reserves_a_whole_context_per_request(model):
+    # the same bytes as 512 blocks of 16 are 16 contiguous caches of the bundled model's 512
+    requests = kvlab.serving.workload(model, 24, rate=500.0, seed=2)
+    paged = kvlab.serving.serve(model, requests, budget=256, memory="paged")
+    contiguous = kvlab.serving.serve(model, requests, budget=256, memory="contiguous")
+    assert paged["requests"] == contiguous["requests"] == 24
+    assert contiguous["memory"] == "contiguous" and paged["memory"] == "paged"
+    # at most 16 requests hold a cache at once: more steps for the same tokens
+    assert contiguous["steps"] > paged["steps"]
+    with pytest.raises(ValueError, match="memory must be one of"):
+        kvlab.serving.serve(model, requests, memory="virtual")
+    with pytest.raises(ValueError, match="no contiguous cache fits"):
+        kvlab.serving.serve(model, requests, num_blocks=2, memory="contiguous")
+
+
+def test_serve_bench_plots_both_memories(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    from kvlab import cli
+    png = tmp_path / "serve.png"
+    assert cli.main(["serve-bench", "--rates", "300,600", "--requests", "4", "--budgets", "32",
+                     "--memory", "paged,contiguous", "--plot", str(png)]) == 0
+    printed = capsys.readouterr().out
+    assert "contiguous" in printed and png.stat().st_size > 10_000
+    assert cli.main(["serve-bench", "--memory", "swap"]) == 2
