@@ -17,6 +17,9 @@ SLUGS = ["01_kv_cache", "02_cache_size", "03_gqa", "04_paged", "05_batching",
 # figure script's JSON (test_prose_numbers_come_from_the_json)
 NUMBERS_FROM_JSON = [
     "01_kv_cache",
+    "02_cache_size",
+    "03_gqa",
+    "04_paged",
     "08_fewer_positions",
     "09_speculative",
 ]
@@ -172,8 +175,11 @@ def _prose(text):
     """The chapter without its code: no fenced blocks other than figures (whose captions
     and alt texts are prose), no inline code, no link targets, no arXiv identifiers, no
     heading numbers."""
-    text = DIRECTIVE.sub(lambda m: m[0] if m["name"] == "figure" else "", text)
-    text = re.sub(r"^(`{3,}).*?^\1\s*$", "", text, flags=re.M | re.S)
+    def body_if_figure(block):       # a figure's options and caption, without its fences
+        if block[0].startswith(block[1] + "{figure}"):
+            return block[0].split("\n", 1)[1].rsplit(block[1], 1)[0]
+        return ""
+    text = re.sub(r"^(`{3,}).*?^\1\s*$", body_if_figure, text, flags=re.M | re.S)
     text = re.sub(r"`[^`]*`", "", text)
     text = re.sub(r"\]\([^)]*\)", "]", text)
     text = re.sub(r"arXiv:\S+", "", text)                      # paper identifiers
@@ -194,13 +200,18 @@ def test_prose_numbers_come_from_the_json(slug):
     sections = set(re.findall(r"^#+ (\d+\.\d+) ", text, re.M))    # "9.4" names a section
     prose = _prose(text)
     missing = []
-    for match in re.finditer(r"(?<![\w.])(\d[\d,]*(?:\.\d+)?)(\s?%)?(?![\w.]*\d)", prose):
-        text, percent = match[1].replace(",", ""), match[2]
+    for match in re.finditer(r"(?<![\w.])(\d[\d,]*(?:\.\d+)?)(e-?\d+)?(\s?%)?(?![\w.]*\d)",
+                             prose):
+        text, exponent, percent = match[1].replace(",", ""), match[2], match[3]
         if ("." not in text and not percent) or text in sections:
             continue                      # whole numbers (counts, settings), section numbers
         places = len(text.split(".")[1]) if "." in text else 0
         scales = (1, 100) if percent else UNIT_SCALES
-        if not any(f"{v * scale:.{places}f}" == text for v in numbers for scale in scales):
+        if exponent:                      # 3.6e-7, written as Python writes 3.6e-07
+            text, shown = f"{text}e{int(exponent[1:]):+03d}", f".{places}e"
+        else:
+            shown = f".{places}f"
+        if not any(f"{v * scale:{shown}}" == text for v in numbers for scale in scales):
             missing.append(match[0])
     assert not missing, f"{slug}: numbers in the prose that ch{slug[:2]}.json does not hold: {missing}"
 

@@ -3,7 +3,8 @@
     python chapters/figures/ch02.py [--out DIR]
 
 Writes ch02_cache_growth.png, ch02_formula_vs_measured.png and ch02.json (every number
-the chapter quotes, with the setup) into DIR (default: this script's folder). Runs in
+the chapter quotes, with the setup; "facts": those it quotes from elsewhere, with their
+sources) into DIR (default: this script's folder). Runs in
 about 20 s on a 2-core machine.
 
 1. Exact arithmetic (kvlab.kv_bytes_per_token, kvlab.kv_cache_bytes): the Llama 2 7B
@@ -41,6 +42,15 @@ STEP = 4096
 FORMATS = ("fp32", "fp16", "int8", "fp8", "int4")
 PRESETS = ("llama2-7b", "llama3-8b", "llama3.1-8b", "llama2-70b", "tinyllama-1.1b",
            "stories260k", "shakespeare-1m")
+# numbers the chapter quotes from elsewhere, with where they come from (written to the JSON
+# as "facts")
+FACTS = {
+    "llama_3_1_version": {
+        "value": 3.1,
+        "source": "a model's name, not a measurement: Meta's Llama 3.1 (July 2024), "
+                  "meta-llama/Llama-3.1-8B on Hugging Face; its shape is the llama3.1-8b "
+                  "preset of kvlab.ModelConfig"},
+}
 
 
 def worked_example() -> dict:
@@ -58,7 +68,11 @@ def worked_example() -> dict:
             "params": c.n_params(), "weights_bytes_fp16": weights,
             "weights_gb": weights / 1e9, "weights_gib": weights / GIB,
             "requests_of_4096_to_outgrow_weights": math.floor(weights / request) + 1,
-            "bytes_per_token": {f: kvlab.kv_bytes_per_token(c, f) for f in FORMATS}}
+            "cache_16x4096_over_weights": sixteen / weights,
+            "gb_per_gib": GIB / 1e9,
+            "bytes_per_token": {f: kvlab.kv_bytes_per_token(c, f) for f in FORMATS},
+            "fraction_of_fp16": {f: kvlab.kv_bytes_per_token(c, f) / per_token
+                                 for f in FORMATS}}
 
 
 def presets() -> dict:
@@ -117,6 +131,7 @@ def fill_curve(model) -> dict:
             "positions_written": written, "resident_growth": growth,
             "created_growth": growth[0], "full_growth": growth[-1],
             "full_over_formula": growth[-1] / cache.nbytes,
+            "full_excess_over_formula": growth[-1] / cache.nbytes - 1,
             "growth_per_position_fit": float(np.polyfit(written, growth, 1)[0])}
 
 
@@ -126,6 +141,7 @@ def memory_report(model, batch: int) -> dict:
             "allocated_bytes": r.allocated_bytes,
             "rss_after_create": r.rss_after_create, "rss_after_fill": r.rss_after_fill,
             "fill_over_formula": r.rss_after_fill / r.formula_bytes,
+            "fill_excess_over_formula": r.rss_after_fill / r.formula_bytes - 1,
             "create_over_formula": r.rss_after_create / r.formula_bytes,
             "weights_bytes": r.weights_bytes, "scratch_bytes": r.scratch_bytes,
             "table": r.table()}
@@ -238,6 +254,7 @@ def main() -> None:
                         "memory": "resident sizes from /proc/self/status (VmRSS), glibc malloc"},
               "course": {"bytes_per_token": 524288, "gib_per_request_4096": 2,
                          "gib_16_requests": 32, "weights_gb_fp16": 14},
+              "facts": FACTS,
               "worked_example": worked_example(), "presets": rows,
               "bundled": measured(model), "measure_memory": reports, "fill_curve": curve}
     plot_growth(rows, out / "ch02_cache_growth.png")

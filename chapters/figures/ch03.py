@@ -3,7 +3,8 @@
     python chapters/figures/ch03.py [--out DIR]
 
 Writes ch03_cache_bytes.png, ch03_attention_time.png, ch03_conversion.png and ch03.json (every number the
-chapter quotes, with the setup) into DIR (default: this script's folder). Runs in about
+chapter quotes, with the setup; "facts": those it quotes from elsewhere, with their
+sources) into DIR (default: this script's folder). Runs in about
 15 s on a 2-core machine.
 
 1. Cache sizes of the preset shapes (exact arithmetic, kvlab.kv_cache_bytes), and of the
@@ -47,6 +48,18 @@ GIB = 2 ** 30
 HERE = Path(__file__).resolve().parent
 SHARED = Path(os.environ.get("KVLAB_SHARED", HERE.parents[2] / "shared"))
 DATA = SHARED / "data" / "tinyshakespeare.txt"
+# numbers the chapter quotes from elsewhere, with where they come from (written to the JSON
+# as "facts")
+FACTS = {
+    "course_weights_gb_fp16": {
+        "value": 14,
+        "source": "the course's worked example (7 billion parameters x 2 bytes); the "
+                  "kit's Llama 2 7B shape has 13.5 GB (cache_sizes)"},
+    "gqa_uptraining_share": {
+        "value": 0.05,
+        "source": "Ainslie et al. 2023, GQA, arXiv:2305.13245, abstract: converted "
+                  "checkpoints are uptrained with 5% of the original pre-training compute"},
+}
 
 
 def cache_sizes() -> dict:
@@ -351,9 +364,17 @@ def main() -> None:
             "mqa_GBps": at[key(1)]["GBps"],
             "mqa_GFLOPs": at[key(1)]["flops"] / at[key(1)]["seconds"] / 1e9,
             "one_core_read_GBps": one_core_read / 1e9,
+            # the MQA speedup at the other contexts: [smallest, largest]
+            "mha_over_mqa_median_round_other_contexts": [
+                f(r["mha_over_this_median_round"] for r in timing if r["threads"] == threads
+                  and r["n_kv_heads"] == 1 and r["context"] != 4096) for f in (min, max)],
         }
+    # FLOPs per byte of K and V read (fp32), by shape: kv_mul / 2, whatever the context
+    intensity = {name: at[f"1t_4096_{n}"]["flops"] / at[f"1t_4096_{n}"]["kv_bytes_read"]
+                 for name, n in (("MHA", 32), ("GQA", 8), ("MQA", 1))}
     result = {"setup": setup, "cache_sizes": sizes, "head_mapping": mapping,
               "attention_timing": timing, "attention_summary": summary,
+              "flops_per_kv_byte_fp32": intensity, "facts": FACTS,
               "decode_step_kv_bytes_at_position_255": decode, "mha_converted": converted,
               "script_seconds": time.perf_counter() - started}
     (out / "ch03.json").write_text(json.dumps(result, indent=2))

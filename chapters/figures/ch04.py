@@ -3,7 +3,7 @@
     python chapters/figures/ch04.py [--out DIR]
 
 Writes ch04_block_table.png, ch04_capacity.png and ch04.json (every number the chapter
-quotes, with the setup) into DIR (default: this script's folder). Runs in about 10 s on a
+quotes, with the setup; "facts": those it quotes from elsewhere, with their sources) into DIR (default: this script's folder). Runs in about 10 s on a
 2-core machine.
 
 1. A small pool (16 blocks of 4 positions) on the bundled model: a prompt, a fork, a
@@ -39,6 +39,24 @@ import kvlab  # noqa: E402
 import common  # noqa: E402  (chapters/figures/common.py)
 
 COLORS = {"used": "#4c78a8", "shared": "#f58518", "cached": "#9ecae9", "free": "#eeeeee"}
+# numbers the chapter quotes from elsewhere, with where they come from (written to the JSON
+# as "facts")
+FACTS = {
+    "vllm_token_state_percent": {
+        "value": [20.4, 38.2],
+        "source": "Kwon et al. 2023, vLLM, arXiv:2309.06180, Figure 2 and the text on it: "
+                  "in the serving systems it profiled, only 20.4% - 38.2% of the KV cache "
+                  "memory held actual token states"},
+    "paged_over_contiguous_before_fetch_ahead": {
+        "value": 1.3965020552527743,
+        "source": "this script's decode_timing at 8,192 positions (paged_over_contiguous_"
+                  "median) as committed in chapters/figures/ch04.json at 4af9a04, before "
+                  "commit d07361e made attention fetch ahead across blocks"},
+    "vllm_default_block_size": {
+        "value": 16,
+        "source": "vLLM engine arguments, --block-size (docs.vllm.ai, engine_args): "
+                  "default 16"},
+}
 
 
 def machine() -> dict:
@@ -217,7 +235,9 @@ def block_size_sweep(model, lengths) -> list:
         out.append({"block_size": bs, "blocks_used": s.blocks_used,
                     "slots_unused": s.slots_unused, "slots_unused_formula": formula,
                     "fragmentation_percent": s.fragmentation_percent,
-                    "table_entries": int(sum(-(-int(n) // bs) for n in lengths))})
+                    "table_entries": int(sum(-(-int(n) // bs) for n in lengths)),
+                    # the mean unused slots per sequence if lengths fall evenly in a block
+                    "expected_unused_per_sequence": (bs - 1) / 2})
     return out
 
 
@@ -416,9 +436,11 @@ def main() -> None:
         "requests_generated": len(lengths),
         "length_mean": float(lengths.mean()), "length_median": float(np.median(lengths)),
         "length_p90": float(np.percentile(lengths, 90)), "length_max": int(lengths.max()),
+        "share_at_most_p90": float(np.mean(lengths <= np.floor(np.percentile(lengths, 90)))),
         "length_min": int(lengths.min()),
         "contiguous_admitted": contiguous["admitted"],
         "contiguous_unused_percent": contiguous["unused_percent"],
+        "contiguous_used_percent": 100 - contiguous["unused_percent"],
         "paged_admitted": paged["admitted"], "paged_block_size": paged["block_size"],
         "paged_num_blocks": paged["num_blocks"], "paged_pool_nbytes": paged["pool_nbytes"],
         "paged_blocks_used": paged["blocks_used"], "paged_blocks_free": paged["blocks_free"],
@@ -437,7 +459,8 @@ def main() -> None:
     }
     result = {"setup": setup, "pool_picture": picture, "capacity": capacity,
               "identical_logits": identical, "prefix_sharing": prefix,
-              "decode_timing": timing, "script_seconds": time.perf_counter() - started}
+              "decode_timing": timing, "facts": FACTS,
+              "script_seconds": time.perf_counter() - started}
     (out / "ch04.json").write_text(json.dumps(result, indent=2))
     print(picture["render"])
     print("\n".join(events))
