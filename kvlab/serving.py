@@ -127,32 +127,49 @@ def sweep(model, rates, budgets, n_requests: int = 40, seed: int = 0, out=print,
 
 
 def plot(rows: list, path, title: str = "") -> None:
-    """Latency against throughput, one line per memory and budget through its rates: p50
-    (solid) and p99 (dashed) of the time to first token, left, and of the time per output
-    token, right. Needs matplotlib."""
+    """Against the request rate (log): throughput, left; the time to first token, middle;
+    the time per output token, right; p50 solid and p99 dashed, one color per memory and
+    budget. Needs matplotlib."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
+    from matplotlib.ticker import FuncFormatter, NullFormatter
+    fig, axes = plt.subplots(1, 3, figsize=(12, 3.8))
     series = sorted({(r["memory"], r["budget"]) for r in rows})
     for i, (memory, budget) in enumerate(series):
         mine = sorted((r for r in rows if (r["memory"], r["budget"]) == (memory, budget)),
                       key=lambda r: r["rate"])
-        color = f"C{i}"
-        x = [r["tokens_per_s"] for r in mine]
-        for ax, metric in zip(axes, ("ttft", "tpot")):
-            ax.plot(x, [r[f"{metric}_p50_ms"] for r in mine], "o-", color=color, ms=3,
-                    label=f"{memory}, max_batch_tokens={budget}")
-            ax.plot(x, [r[f"{metric}_p99_ms"] for r in mine], "s--", color=color, ms=3)
-    for ax, name in zip(axes, ("time to first token", "time per output token")):
-        ax.set_xlabel("throughput, generated tokens per second")
-        ax.set_ylabel(f"{name}, ms (log)\nsolid: p50, dashed: p99", fontsize=9)
-        ax.set_yscale("log")
+        color, rates = f"C{i}", [r["rate"] for r in mine]
+        axes[0].plot(rates, [r["tokens_per_s"] for r in mine], "o-", color=color, ms=3,
+                     label=f"{memory}, max_batch_tokens={budget}")
+        for ax, metric in zip(axes[1:], ("ttft", "tpot")):
+            ax.plot(rates, [r[f"{metric}_p50_ms"] for r in mine], "o-", color=color, ms=3)
+            ax.plot(rates, [r[f"{metric}_p99_ms"] for r in mine], "s--", color=color, ms=3)
+    axes[0].set_ylabel("generated tokens per second")
+    axes[1].set_ylabel("time to first token, ms (log)")
+    axes[2].set_ylabel("time per output token, ms (log)")
+    all_rates = sorted({r["rate"] for r in rows})
+    for ax in axes:
+        ax.set_xscale("log")
+        ax.set_xticks(all_rates, [f"{rate:g}" for rate in all_rates])
+        ax.xaxis.set_minor_formatter(NullFormatter())
+        ax.set_xlabel("requests arriving per second (log)")
         ax.grid(alpha=0.3, which="both")
-    rates = sorted({r["rate"] for r in rows})
-    axes[0].set_title(title or f"Poisson arrivals at {', '.join(f'{r:g}' for r in rates)} "
-                      "requests/s", fontsize=10)
-    axes[1].legend(fontsize=7, ncol=1, loc="upper left")
+    for ax in axes[1:]:
+        ax.set_yscale("log")
+        ax.yaxis.set_major_formatter(FuncFormatter(_one_two_five))
+        ax.yaxis.set_minor_formatter(FuncFormatter(_one_two_five))
+        ax.set_title("solid: p50, dashed: p99", fontsize=9)
+    axes[0].set_title(title or "Poisson arrivals", fontsize=9)
+    axes[0].legend(fontsize=7, loc="upper left")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def _one_two_five(value: float, _position) -> str:
+    """A log axis's tick label at 1, 2 and 5 times a power of ten, none elsewhere."""
+    if value <= 0:
+        return ""
+    power = 10.0 ** np.floor(np.log10(value))
+    return f"{value:g}" if round(value / power) in (1, 2, 5) else ""

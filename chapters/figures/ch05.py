@@ -2,8 +2,8 @@
 
     python chapters/figures/ch05.py [--out DIR] [--threads N]
 
-Writes ch05_throughput.png, ch05_budget.png and ch05.json (every number the chapter
-quotes, with the setup). Three measurements, all through kvlab.Engine:
+Writes ch05_throughput.png, ch05_budget.png, ch05_latency.png and ch05.json (every number
+the chapter quotes, with the setup). Four measurements, all through kvlab.Engine:
 
 1. The engine's outputs equal kvlab.generate, token for token: greedy and sampled
    requests (n=2) on a pool small enough to force preemptions.
@@ -18,6 +18,9 @@ quotes, with the setup). Three measurements, all through kvlab.Engine:
    block per request) or on a paged pool of 16-position blocks, on 96 requests of
    long-tailed lengths (the workload of benchmarks/bench_engine.py); 3 rounds in turn,
    medians and spreads of the wall time.
+4. Latency under a Poisson load (kvlab.serving, what `kvlab serve-bench` runs): time to
+   first token and time per output token, p50 and p99, against throughput, at four request
+   rates, paged and contiguous, for two max_batch_tokens; medians of 3 rounds.
 
 Runs in well under 60 s on the 2-core development machine (one core thread by default:
 on a shared machine a single thread is far less disturbed by other processes).
@@ -228,6 +231,45 @@ def memory_budget(model: kvlab.Model, n_requests: int = 96, n_static: int = 16,
             "max_new_tokens": max(p.max_new_tokens for _, p in requests), **results}
 
 
+# ---- 4. latency under a Poisson load: what a user waits for ---------------------------
+
+LATENCY_RATES = (25.0, 50.0, 100.0, 200.0)
+LATENCY_BUDGETS = (64, 512)
+LATENCY_STATS = ("tokens_per_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms",
+                 "e2e_p50_ms", "e2e_p99_ms")
+
+
+def latency(model, n_requests: int = 60, rounds: int = 3) -> dict:
+    """kvlab.serving's sweep (what `kvlab serve-bench` runs): requests arrive as a Poisson
+    process at each rate and one Engine serves them in real time, on a paged pool or on
+    contiguous caches of the same bytes, with two token budgets (max_batch_tokens). Each
+    round runs every configuration once; each statistic is the median over the rounds, with
+    its spread."""
+    runs = {}
+    for round_ in range(rounds):
+        rows = kvlab.serving.sweep(model, LATENCY_RATES, LATENCY_BUDGETS, n_requests, seed=0,
+                                   out=lambda line: None, memories=("paged", "contiguous"))
+        for row in rows:
+            runs.setdefault((row["rate"], row["memory"], row["budget"]), []).append(row)
+    table = []
+    for (rate, memory, budget), rows in runs.items():
+        entry = {"rate": rate, "memory": memory, "budget": budget, "requests": n_requests,
+                 "steps": spread([r["steps"] for r in rows])}
+        for stat in LATENCY_STATS:
+            entry[stat] = spread([r[stat] for r in rows])
+        table.append(entry)
+    return {"rates": list(LATENCY_RATES), "budgets": list(LATENCY_BUDGETS),
+            "requests_per_run": n_requests, "rounds": rounds, "runs": table}
+
+
+def plot_latency(result: dict, path: Path) -> None:
+    """kvlab.serving.plot of the medians over the rounds."""
+    rows = [{**{k: v for k, v in r.items() if not isinstance(v, dict)},
+             **{stat: r[stat]["median"] for stat in LATENCY_STATS}} for r in result["runs"]]
+    kvlab.serving.plot(rows, path, title=f"Poisson arrivals, {result['requests_per_run']} "
+                                         f"requests a run, medians of {result['rounds']} runs")
+
+
 # ---- exact arithmetic the text shows ----------------------------------------------------
 
 def llama2_7b_arithmetic(batch: int = 16, context: int = 4096) -> dict:
@@ -344,7 +386,15 @@ def main() -> None:
               f"{r['flops'] / 1e9:.1f} GFLOP, weights {r['weight_bytes'] / 1e9:.2f} GB, "
               f"K/V {r['kv_read_bytes'] / 1e9:.2f} GB, {r['tokens_run']:,} tokens run")
 
+    served = latency(model)
+    for r in served["runs"]:
+        print(f"{r['rate']:>6g}/s {r['memory']:>10} {r['budget']:>4}: "
+              f"{r['tokens_per_s']['median']:7.0f} tok/s  TTFT p50 {r['ttft_p50_ms']['median']:7.1f}"
+              f" p99 {r['ttft_p99_ms']['median']:7.1f}  TPOT p50 {r['tpot_p50_ms']['median']:5.2f}"
+              f" p99 {r['tpot_p99_ms']['median']:5.2f} ms")
+
     plot_throughput(rows, out / "ch05_throughput.png")
+    plot_latency(served, out / "ch05_latency.png")
     plot_budget(budget, out / "ch05_budget.png")
 
     # the engine benchmark's stored run (benchmarks/bench_engine.py), quoted by the text
@@ -369,6 +419,7 @@ def main() -> None:
         "equality": equal,
         "throughput": rows,
         "memory_budget": budget,
+        "latency": served,
         "bench_engine_json": stored,
     }
     result["setup"]["seconds"] = round(time.perf_counter() - started, 1)
