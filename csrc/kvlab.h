@@ -434,6 +434,30 @@ kv_status kv_pool_append(kv_pool *pool, int seq, const int32_t *tokens, int n_to
 kv_status kv_pool_gather(const kv_pool *pool, int seq, float *keys, float *values);
 kv_status kv_blocks_stats(const kv_blocks *blocks, kv_pool_stats *stats);
 
+/* Preemption by swapping (vLLM): a sequence's K and V go to host memory that the caller
+ * owns, its blocks go back to the pool, and later it comes back in fresh blocks and goes
+ * on exactly where it stopped, with no prefill of its tokens again. The host copy is one
+ * buffer: a header (the pool's shape and formats, the sequence's length, next position and
+ * whether it dropped rows), its tokens, then its rows exactly as the stores hold them
+ * (codes, scales and zero points of K, then of V, each (n_layers, n_kv_heads, length, ...)),
+ * the positions of its rows if it dropped rows, and its residual window's float32 rows.
+ * Bytes of that buffer for seq now: KV_ERR_PENDING while a reservation is pending. */
+kv_status kv_pool_swap_size(const kv_pool *pool, int seq, size_t *size);
+/* Copies seq into host (size bytes, as kv_pool_swap_size says), then frees seq: only its
+ * own references go, so a block it shares (a fork, a prefix found in the cache) keeps its
+ * rows for the others, and its full blocks stay in the prefix cache as a freed sequence's
+ * do. On any refusal nothing changes. */
+kv_status kv_pool_swap_out(kv_pool *pool, int seq, void *host, size_t size);
+/* A new sequence *seq holding what host holds (kv_pool_swap_out of a pool of the same
+ * shape and formats: any block size), in fresh blocks: the same rows bit for bit, tokens,
+ * length, next position, positions and window rows, so that its next forward calls give
+ * the logits they would have given before the swap. Its full blocks join the prefix cache
+ * as a prefill's do. The host buffer is only read: it may be swapped in again. Refused,
+ * changing nothing: KV_ERR_CACHE_MISMATCH (another shape or format), KV_ERR_INVALID_ARG
+ * (not such a buffer), KV_ERR_TABLE_FULL, KV_ERR_OUT_OF_BLOCKS, KV_ERR_TOO_MANY_SEQUENCES,
+ * KV_ERR_NOMEM. */
+kv_status kv_pool_swap_in(kv_pool *pool, const void *host, size_t size, int *seq);
+
 /* ---- counting what a forward pass does -------------------------------------------- */
 
 /* What forward calls did, counted by the core as it runs each operation (kvlab.measure

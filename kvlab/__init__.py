@@ -30,7 +30,7 @@ from .generate import Generation, generate
 from .loaders import load_checkpoint
 from .measure import kv_bytes_per_token, kv_cache_bytes
 from .model import KVCache, Model
-from .paged import PagedPool, PagedSequence, PoolStats
+from .paged import PagedPool, PagedSequence, PoolStats, SwappedSequence
 from .quant import CacheFormat
 from .scheduler import SamplingParams
 from .weights import Weights
@@ -106,7 +106,8 @@ __all__ = [
     "set_num_threads", "get_num_threads", "set_kernels", "get_kernels", "DEFAULT_MODEL",
     "MHA_MODEL", "KVLabError", "ConfigError", "WeightsError", "CheckpointError",
     "TokenizerError", "CacheFullError", "ContextLengthError", "PagedPool", "PagedSequence",
-    "PoolStats", "OutOfBlocks", "OutOfSequences", "PoolInvariantError", "CacheFormat",
+    "PoolStats", "SwappedSequence", "OutOfBlocks", "OutOfSequences", "PoolInvariantError",
+    "CacheFormat",
     "kv_cache_bytes", "kv_bytes_per_token", "Engine", "SamplingParams", "RequestOutput", "RequestMetrics",
     "CompletionOutput", "StepResult", "CudaError", "cuda",
 ]

@@ -21,6 +21,14 @@ format), and a step commits its bookkeeping as soon as the pool has changed (see
 A request whose next token cannot be chosen fails alone, with finish_reason "error: ...".
 This file is bookkeeping; no tensor is touched here.
 
+Preemption (Engine(..., preemption=)): when the pool runs out of blocks, the most recently
+admitted request gives its blocks back. "recompute" (the default) drops its K and V: when
+it is admitted again, its prompt and the tokens it generated are run through the model
+again (less what the prefix cache still holds). "swap" copies its K and V to host memory
+first (pool.swap_out) and, on admission, into fresh blocks (pool.swap_in): bytes moved
+instead of a prefill. The tokens are the same either way; each StepResult counts what a
+step recomputed (recomputed_tokens) and swapped (swapped_out_blocks ... swapped_in_bytes).
+
 Speculative decoding (Engine(..., speculate=PromptLookup(), draft_tokens=4)): before each
 step, every sample about to decode asks the drafter for up to draft_tokens guesses of its
 next tokens; the scheduler lets them ride on the sample's chunk (its newest token) in what
@@ -79,6 +87,12 @@ class StepResult:
     failed: Dict[int, str] = dataclasses.field(default_factory=dict)   # id -> why (also finished)
     drafted: int = 0             # speculation: draft tokens run in the forward call
     accepted: int = 0            # drafts the model agreed with (checked this step)
+    recomputed_tokens: int = 0   # prefill tokens computed once already, before a preemption
+                                 # dropped their K and V (preemption by recompute's cost)
+    swapped_out_blocks: int = 0  # preemption by swapping: blocks of K and V copied to host
+    swapped_out_bytes: int = 0   # memory (pool.swap_out) and their bytes,
+    swapped_in_blocks: int = 0   # and blocks copied back into the pool (pool.swap_in)
+    swapped_in_bytes: int = 0
 
     @property
     def idle(self) -> bool:
@@ -93,6 +107,12 @@ class StepResult:
                 + f", blocks {self.blocks_used} used / "
                 f"{self.blocks_free} free / {self.blocks_cached} cached"
                 + (f", {self.preemptions} preempted" if self.preemptions else "")
+                + (f", {self.recomputed_tokens} tokens recomputed"
+                   if self.recomputed_tokens else "")
+                + (f", {self.swapped_out_blocks} blocks swapped out "
+                   f"({self.swapped_out_bytes:,} bytes)" if self.swapped_out_blocks else "")
+                + (f", {self.swapped_in_blocks} blocks swapped in "
+                   f"({self.swapped_in_bytes:,} bytes)" if self.swapped_in_blocks else "")
                 + (f", {self.prefix_hit_tokens} prefix-hit tokens" if self.prefix_hit_tokens else "")
                 + (f", finished {self.finished}" if self.finished else "")
                 + (f", failed {sorted(self.failed)}" if self.failed else ""))
@@ -198,13 +218,26 @@ class _Speculation:
     q: Optional[list] = None
 
 
+@dataclasses.dataclass
+class _SwapTraffic:
+    """What preemption by swapping moved in one step (StepResult's swapped_* fields)."""
+    out_blocks: int = 0
+    out_bytes: int = 0
+    in_blocks: int = 0
+    in_bytes: int = 0
+
+
 class _PoolSpace:
     """The scheduler's view of the pool (kvlab.scheduler.BlockSpace). Every call may be
     repeated after an interruption: a sample's handle is dropped only once its sequence is
-    freed, and a freed handle (seq.alive False) is never freed twice."""
+    freed, and a freed handle (seq.alive False) is never freed twice. A host copy
+    (sample.swapped) is valid for good: it holds the K and V of the sample's first
+    copy.length tokens, which never change, so one that outlived an interruption is still
+    right to swap in."""
 
     def __init__(self, pool: PagedPool):
         self.pool = pool
+        self.swapped = _SwapTraffic()        # this step's; the engine resets it per step
         # the names of the pool's live sequences before the step's first new_sequence/fork:
         # a sequence made by a call that was then interrupted (before its handle was stored)
         # is one that is live, not named here, and held by no sample
@@ -225,7 +258,17 @@ class _PoolSpace:
         self.release(request)                 # what an interrupted start or release left
         self.about_to_make()
         hits = 0
+        # Swapped samples first: the scheduler counted their blocks before the prefix cache
+        # was searched, and a cached block that a prefix hit takes is gone for them.
         for sample in request.active():
+            if sample.swapped is not None:
+                sample.seq = self.pool.swap_in(sample.swapped)
+                sample.computed = sample.swapped.length
+                self.swapped.in_blocks += sample.swapped.n_blocks
+                self.swapped.in_bytes += sample.swapped.nbytes
+        for sample in request.active():
+            if sample.swapped is not None:
+                continue
             sample.seq = self.pool.new_sequence()
             # at least the last token is computed: its logits choose the next token
             reusable = np.asarray(sample.tokens[:-1], dtype=np.int32)
@@ -238,12 +281,31 @@ class _PoolSpace:
             self.drop(sample)
 
     def drop(self, sample: Sample) -> None:
-        """Free one sample's sequence, if it has one: no K and V, nothing to choose from."""
+        """Free one sample's sequence, if it has one: no K and V in the pool, nothing to
+        choose from. A host copy stays while the sample still generates."""
         if sample.seq is not None:
             if sample.seq.alive:
                 self.pool.free(sample.seq)
             sample.seq = None
-        sample.computed, sample.logits = 0, None
+        if sample.finished:
+            sample.swapped = None
+        sample.forget_sequence()
+
+    def swap_out(self, request: Request) -> None:
+        """Preemption by swapping: each active sample's K and V to host memory
+        (sample.swapped), its sequence freed. A sample is swapped only if its rows are
+        exactly its computed tokens and one token is still to feed (its logits choose the
+        next): one whose logits an interrupted step lost is left to be recomputed."""
+        for sample in request.active():
+            seq = sample.seq
+            if seq is None or not seq.alive:
+                continue
+            if not 0 < sample.computed == seq.length < len(sample.tokens):
+                continue
+            host = self.pool.swap_out(seq)
+            sample.swapped = host
+            self.swapped.out_blocks += host.n_blocks
+            self.swapped.out_bytes += host.nbytes
 
     def about_to_make(self) -> None:
         if self.before_making is None:
@@ -337,7 +399,8 @@ class Engine:
                  num_blocks: Optional[int] = None, block_size: Optional[int] = None,
                  dtype: Union[None, str, CacheFormat] = None,
                  speculate: Optional[Drafter] = None, draft_tokens: int = 4,
-                 clock: Callable[[], float] = time.perf_counter):
+                 clock: Callable[[], float] = time.perf_counter,
+                 preemption: str = "recompute"):
         """Serve `model` from `pool`, or from a pool of its own made here with
         model.new_paged_pool(num_blocks, block_size (16), dtype ("fp32")). max_batch_tokens
         bounds the tokens of one forward call (drafts included), max_batch_seqs its
@@ -346,7 +409,9 @@ class Engine:
         DraftModel(...)) that proposes up to draft_tokens tokens per sample and pass, as
         in kvlab.generate (see the module text); it needs a pool without a residual window.
         clock: the seconds each request's arrival, first token and end are read from
-        (RequestOutput.metrics)."""
+        (RequestOutput.metrics). preemption: what a request preempted for lack of blocks
+        does with its K and V, "recompute" (drop them; prefill again on readmission) or
+        "swap" (copy them to host memory and back; see the module text)."""
         if speculate is not None:
             check_drafter(model, speculate, draft_tokens)
         if pool is None:
@@ -369,12 +434,18 @@ class Engine:
             raise TypeError(f"trace must be a file path, a list or None, got {type(trace).__name__}")
         if not callable(clock):
             raise TypeError(f"clock must be a function returning seconds, got {type(clock).__name__}")
+        if preemption == "swap" and not callable(getattr(pool, "swap_out", None)):
+            raise ValueError(f"preemption='swap' copies K and V to host memory with "
+                             f"pool.swap_out, which {type(pool).__name__} does not have: use "
+                             f"preemption='recompute'")
         self.model, self.pool = model, pool
         self._clock = clock
         self.speculate = speculate
         self.draft_tokens = int(draft_tokens) if speculate is not None else None
         self.scheduler = Scheduler(pool.block_size, max_batch_tokens,
-                                   min(max_batch_seqs or pool.max_seqs, pool.max_seqs))
+                                   min(max_batch_seqs or pool.max_seqs, pool.max_seqs),
+                                   preemption)    # checks preemption's value
+        self.preemption = preemption
         self.space = _PoolSpace(pool)
         self.requests: Dict[int, Request] = {}
         self.metrics: List[StepResult] = []
@@ -506,6 +577,7 @@ class Engine:
         new_tokens: Dict[int, List[int]] = {}
         finished: List[int] = []
         failed: Dict[int, str] = {}
+        self.space.swapped = _SwapTraffic()
         if self._unrepaired:
             self._repair()
             self._unrepaired = False
@@ -521,7 +593,7 @@ class Engine:
             self._retire(finished)
         decision = self.scheduler.schedule(self.space)
         self._trace(step_number, "admit")
-        prefill = decode = drafted = 0
+        prefill = decode = drafted = recomputed = 0
         if decision.items:
             chunks = [_chunk(sample, n) for _, sample, n in decision.items]  # (own, drafts)
             for (_, sample, _), (own, drafts) in zip(decision.items, chunks):
@@ -530,6 +602,8 @@ class Engine:
                 else:
                     prefill += len(own)
                 drafted += len(drafts)
+                recomputed += max(0, min(sample.computed + len(own), sample.computed_before)
+                                  - sample.computed)
             seqs = [sample.seq for _, sample, _ in decision.items]
             fed = [own + drafts for own, drafts in chunks]
             if drafted:     # every token's logits: the drafts' rows check them
@@ -554,7 +628,7 @@ class Engine:
             accepted += self._choose(batch, step_number, new_tokens, failed)
         self._retire(finished)
         self._trace(step_number, "sample")
-        stats = self.pool.stats()
+        stats, swapped = self.pool.stats(), self.space.swapped
         result = StepResult(step=step_number, batch_size=len(decision.items),
                             prefill_tokens=prefill, decode_tokens=decode,
                             blocks_used=stats.blocks_used, blocks_free=stats.blocks_free,
@@ -563,7 +637,12 @@ class Engine:
                             prefix_hit_tokens=decision.prefix_hit_tokens,
                             admitted=[r.id for r in decision.admitted], finished=finished,
                             new_tokens=new_tokens, seconds=time.perf_counter() - start,
-                            failed=failed, drafted=drafted, accepted=accepted)
+                            failed=failed, drafted=drafted, accepted=accepted,
+                            recomputed_tokens=recomputed,
+                            swapped_out_blocks=swapped.out_blocks,
+                            swapped_out_bytes=swapped.out_bytes,
+                            swapped_in_blocks=swapped.in_blocks,
+                            swapped_in_bytes=swapped.in_bytes)
         self.metrics.append(result)
         return result
     # [end ch05-engine-step-runs]

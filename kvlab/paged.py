@@ -10,6 +10,8 @@ and text and HTML pictures of which block holds what.
     seq = pool.new_sequence()
     model.prefill(tokens, seq)          # K and V land in blocks seq.block_table
     child = pool.fork(seq)              # shares every block; copy-on-write later
+    host = pool.swap_out(child)         # its K and V to host memory, its blocks freed
+    child = pool.swap_in(host)          # back in fresh blocks, bit for bit
     pool                                # in a notebook: the block map
 """
 from __future__ import annotations
@@ -20,6 +22,7 @@ import html
 import numpy as np
 from ._core import core
 from ._text import plural
+from .errors import OutOfBlocks
 
 PagedSequence = core.PagedSequence
 
@@ -45,6 +48,27 @@ class PoolStats:
         """Share of allocated slots that hold nothing."""
         return 100.0 * self.slots_unused / self.slots_allocated if self.slots_allocated else 0.0
 # [end ch04-poolstats]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class SwappedSequence:
+    """A paged sequence swapped out to host memory (PagedPool.swap_out): its tokens, its
+    K and V rows exactly as the pool stored them (codes, scales and zero points of a
+    quantized format, not dequantized floats), and what it needs to go on where it
+    stopped. PagedPool.swap_in puts it back into fresh blocks of a pool of the same shape
+    and formats. `data` is one read-only byte buffer laid out by the core (csrc/swap.c)."""
+    data: np.ndarray        # uint8 (nbytes,), read-only
+    length: int             # positions it holds
+    n_blocks: int           # blocks it held, and takes to come back (same block size)
+
+    @property
+    def nbytes(self) -> int:
+        """Host memory it takes: what a swap moves each way."""
+        return self.data.nbytes
+
+    def __repr__(self) -> str:
+        return (f"SwappedSequence(length={self.length}, n_blocks={self.n_blocks}, "
+                f"nbytes={self.nbytes:,})")
 
 
 class PoolViews:
@@ -148,3 +172,41 @@ class PoolViews:
 class PagedPool(PoolViews, core.PagedPool):
     """A pool of fixed-size KV blocks shared by many sequences, K and V in host memory
     (csrc/blocks.c keeps the books, csrc/paged.c the rows)."""
+
+    # Swapping copies with the core (csrc/swap.c), not with NumPy over key_codes and the
+    # other views: the views are read-only and strided (a sequence's rows are one run per
+    # layer, KV head and block), and a sequence swapped in must get its blocks, rows,
+    # tokens and state in one call that either does everything or, refused, nothing.
+    def swap_out(self, seq) -> SwappedSequence:
+        """Preemption by swapping, first half: copy seq's K and V (every layer, exactly the
+        bytes the pool stores), its tokens and its state to host memory, then free seq.
+        Only seq's own references go: a block it shares with another sequence (a fork, a
+        prefix found in the cache) keeps its rows for that one, and its full blocks stay in
+        the prefix cache as a freed sequence's do. Returns the copy; seq is freed. Raises,
+        changing nothing, for a sequence with a reservation pending or of another pool."""
+        if not isinstance(seq, PagedSequence):
+            raise TypeError(f"expected a PagedSequence, got {type(seq).__name__}")
+        length, n_blocks = seq.length, len(seq.block_table)   # (a freed one raises here)
+        data = super().swap_out(seq)
+        data.flags.writeable = False        # the rows must come back as they left
+        return SwappedSequence(data, length, n_blocks)
+
+    def swap_in(self, host: SwappedSequence) -> PagedSequence:
+        """Preemption by swapping, second half: a new sequence, in fresh blocks, holding
+        exactly what swap_out copied: its next forward calls give, bit for bit, the logits
+        they would have given had it never left (no prefill again). host stays valid (it
+        can be swapped in again); drop it to free its memory. Raises, changing nothing:
+        OutOfBlocks (fewer than host.n_blocks free or cached blocks), OutOfSequences,
+        CacheFullError (more blocks than a sequence may hold), ValueError (a copy from a
+        pool of another shape or cache format)."""
+        if not isinstance(host, SwappedSequence):
+            raise TypeError(f"swap_in takes what swap_out returned (a SwappedSequence), "
+                            f"got {type(host).__name__}")
+        # the core refuses it too; this says how many blocks it lacks, in this pool's size
+        needed = -(-host.length // self.block_size)
+        if needed > self.available_blocks:
+            raise OutOfBlocks(f"swap_in of a sequence of {host.length} tokens needs {needed} "
+                              f"blocks of {self.block_size}; the pool has "
+                              f"{self.available_blocks} free or cached of {self.num_blocks}; "
+                              f"the pool is unchanged")
+        return super().swap_in(host.data)

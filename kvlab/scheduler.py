@@ -10,7 +10,10 @@ Each step:
      decode, or the next chunk of a prompt (chunked prefill), within a per-step token
      budget (max_batch_tokens). If the pool cannot hold a sample's new tokens, the most
      recently admitted running request is preempted: its blocks are freed and it goes back
-     to the front of the waiting queue, to be recomputed later (preemption by recompute).
+     to the front of the waiting queue, to be recomputed later (preemption by recompute),
+     or, with Scheduler(preemption="swap"), its K and V are copied to host memory first
+     and copied back into fresh blocks when it is admitted again (preemption by swapping:
+     bytes moved instead of tokens run through the model again).
   2. If nothing was preempted, waiting requests are admitted in arrival order while the
      budget lasts and the pool has blocks for their first chunk. Admission may find the
      start of a prompt already in the pool's prefix cache; those tokens are not computed.
@@ -27,7 +30,8 @@ BlockSpace.start/release may be repeated (start frees what the request still hol
 A request asks for n samples (SamplingParams.n). It starts as one sequence; when its
 prompt is done, the engine forks it into n, which share the prompt's blocks (copy on
 write). A preempted request keeps the tokens it generated; each of its samples is
-recomputed as its own sequence (prompt + outputs) when it is admitted again.
+recomputed as its own sequence (prompt + outputs) when it is admitted again, or swapped
+back in as its own sequence.
 """
 from __future__ import annotations
 
@@ -109,7 +113,7 @@ class Sample:
     tokens: List[int]               # prompt, then the generated tokens
     prompt_len: int
     rng: Any = None                 # the sampler's generator (the engine's business)
-    computed: int = 0
+    computed: int = 0               # 0 while waiting, unless swapped (below)
     seq: Any = None
     finished: bool = False
     finish_reason: str = ""         # "length", "eos", or "error: ..." (the engine's words)
@@ -120,6 +124,12 @@ class Sample:
     drafted_after: int = -1         # after tokens[:drafted_after]: they count while no
                                     # token has been added since (see live_drafts)
     speculation: Any = None         # the engine's: the sample's drafter and counters
+    swapped: Any = None             # the engine's: while preempted by swapping, its K and V
+                                    # in host memory (anything with a .length: the tokens
+                                    # they hold, which `computed` then counts)
+    computed_before: int = 0        # the most tokens it had computed before a preemption
+                                    # dropped their K and V (stats: computing them again
+                                    # is what preemption by recompute costs)
 
     @property
     def outputs(self) -> List[int]:
@@ -135,6 +145,13 @@ class Sample:
     def pending(self) -> int:
         """Tokens whose K and V are still to be computed (the last one is fed next)."""
         return len(self.tokens) - self.computed
+
+    def forget_sequence(self) -> None:
+        """Its sequence is gone (freed, or swapped out): no K and V in the pool, no logits.
+        `computed` counts the tokens whose K and V wait in host memory (swapped), which
+        come back when it is admitted again; without a host copy, none."""
+        self.seq, self.logits = None, None
+        self.computed = 0 if self.swapped is None else self.swapped.length
 
 
 @dataclasses.dataclass(eq=False)
@@ -180,7 +197,14 @@ class BlockSpace(Protocol):
         still holds (a start or release that was interrupted) are freed first."""
 
     def release(self, request: Request) -> None:
-        """Free every sequence of the request (its full blocks stay cached); safe to repeat."""
+        """Free every sequence of the request (its full blocks stay cached); safe to repeat.
+        Host copies of swapped samples stay."""
+
+    def swap_out(self, request: Request) -> None:
+        """Only for Scheduler(preemption="swap"): copy the K and V of each active sample's
+        sequence to host memory (sample.swapped) and free the sequence. A sample it cannot
+        resume from a copy is left alone (release() frees it; it is recomputed). start()
+        swaps the copies back in (and counts them as no prefix hits)."""
 
 
 @dataclasses.dataclass
@@ -196,14 +220,22 @@ class ScheduledStep:
         return sum(n for _, _, n in self.items)
 
 
+PREEMPTION_MODES = ("recompute", "swap")   # what a preempted request's K and V become
+
+
 class Scheduler:
     """Waiting and running queues, a token budget per step, admission by free blocks,
-    chunked prefill and preemption by recompute (see the module text)."""
+    chunked prefill and preemption by recompute or by swapping (see the module text)."""
 
-    def __init__(self, block_size: int, max_batch_tokens: int = 256, max_batch_seqs: int = 64):
+    def __init__(self, block_size: int, max_batch_tokens: int = 256, max_batch_seqs: int = 64,
+                 preemption: str = "recompute"):
         self.block_size = positive_int("block_size", block_size)
         self.max_batch_tokens = positive_int("max_batch_tokens", max_batch_tokens)
         self.max_batch_seqs = positive_int("max_batch_seqs", max_batch_seqs)
+        if preemption not in PREEMPTION_MODES:
+            choices = " or ".join(repr(mode) for mode in PREEMPTION_MODES)
+            raise ValueError(f"preemption must be {choices}, got {preemption!r}")
+        self.preemption = preemption
         self.waiting: Deque[Request] = deque()
         self.running: List[Request] = []        # in order of admission
         self.step_count = 0
@@ -225,19 +257,26 @@ class Scheduler:
 
     def preempt(self, request: Request, space: BlockSpace, count: bool = True) -> None:
         """Send a running request back to the front of the waiting queue, its sequences
-        freed, to be recomputed (prompt + what it generated) when admitted again. The queues
-        change first: if freeing is interrupted, the request waits with some sequences left,
-        and admission (space.start) frees them. count=False: a recompute that is not a
-        preemption (the engine's recovery from an interrupted step)."""
+        freed, to be recomputed (prompt + what it generated) when admitted again; with
+        preemption="swap", each sample's K and V go to host memory first and come back on
+        admission. The queues change first: if freeing is interrupted, the request waits
+        with some sequences left, and admission (space.start) frees them. count=False: a
+        recompute that is not a preemption (the engine's recovery from an interrupted
+        step), never a swap."""
         self.running.remove(request)
         request.state = State.WAITING
         self.waiting.appendleft(request)
         if count:
             request.preemptions += 1
         request.forked = request.forked or any(s.outputs for s in request.samples)
+        if count and self.preemption == "swap":
+            space.swap_out(request)
+        for sample in request.samples:
+            if sample.swapped is None:                # its K and V are about to be dropped
+                sample.computed_before = max(sample.computed_before, sample.computed)
         space.release(request)
         for sample in request.samples:
-            sample.seq, sample.computed, sample.logits = None, 0, None
+            sample.forget_sequence()
 
     # [quote ch05-scheduler-schedule]
     def schedule(self, space: BlockSpace) -> ScheduledStep:
@@ -319,10 +358,12 @@ class Scheduler:
             if space.sequences_left() - owed < needs:
                 break
             # Admission only when the pool has blocks for every sample's first chunk,
-            # counted as if nothing were in the prefix cache ...
+            # counted as if nothing were in the prefix cache (a swapped sample's tokens
+            # come back into fresh blocks first: its `computed` counts them, else 0) ...
             share = max(1, budget // len(samples))
-            first_chunks = [min(s.pending, share) for s in samples]
-            if sum(-(-n // self.block_size) for n in first_chunks) > space.available() - reserved:
+            fresh = sum(blocks_for(s.computed + min(s.pending, share), self.block_size)
+                        for s in samples)
+            if fresh > space.available() - reserved:
                 break
             # ... and again once the cache has been searched: blocks found there are
             # shared, not new, but a cached block the request takes is no longer available
@@ -336,9 +377,11 @@ class Scheduler:
                     left -= take
             if need > space.available() - reserved:
                 space.release(request)                # undo; it stays first in line
-                for sample in request.samples:
-                    sample.seq, sample.computed, sample.logits = None, 0, None
+                for sample in request.samples:        # (host copies stay, for next time)
+                    sample.forget_sequence()
                 break
+            for sample in request.samples:            # back in the pool: copies not needed
+                sample.swapped = None
             self.waiting.popleft()
             request.state = State.RUNNING
             self.running.append(request)

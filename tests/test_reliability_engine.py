@@ -10,7 +10,7 @@ naming the step and why, and the others go on; run() never loops without progres
 
 Interrupts are injected by wrapping every call a step makes into its collaborators (the
 model's forward_batch, the sampler, the scheduler, the engine's view of the pool, the
-pool's own methods and the trace sink) and raising at the k-th call, either before the
+pool's own methods, swap_out and swap_in included, and the trace sink) and raising at the k-th call, either before the
 call (it did not happen) or after it (it happened, its result was lost): the second is
 what a Ctrl-C during forward_batch does, since the C call completes and the interrupt is
 raised as it returns.
@@ -81,6 +81,9 @@ def assert_consistent(engine):
         assert where == 1, f"request {request.id} is in {where} queues"
         assert (request in running) == (request.state is State.RUNNING)
         for sample in request.samples:
+            if sample.swapped is not None:               # preempted by swapping: waits
+                assert request.state is State.WAITING    # with its K and V in host memory
+                assert sample.computed == sample.swapped.length
             if request.state is State.WAITING or sample.finished:
                 assert sample.seq is None                # its blocks are freed
             elif sample.seq is not None:                 # (not forked yet: None)
@@ -140,8 +143,8 @@ def injected(engine, injector):
     """Every collaborator of engine's steps, wrapped by injector, for the with block."""
     model, pool, space = engine.model, engine.pool, engine.space
     patched = [(model, "forward_batch"), (engine.scheduler, "schedule"), (space, "start"),
-               (space, "release"), (pool, "new_sequence"), (pool, "fork"), (pool, "free"),
-               (pool, "reuse_prefix")]
+               (space, "release"), (space, "swap_out"), (pool, "new_sequence"), (pool, "fork"),
+               (pool, "free"), (pool, "reuse_prefix"), (pool, "swap_out"), (pool, "swap_in")]
     for owner, name in patched:
         setattr(owner, name, injector.wrap(name, getattr(owner, name)))
     sampler = kvlab.engine.sample_token
@@ -169,7 +172,7 @@ def run_through(engine, error=KeyboardInterrupt, check=True):
     raise AssertionError("the engine did not finish")
 
 
-def workload(model, trace=None):
+def workload(model, trace=None, preemption="recompute"):
     """Chunked prefill (a budget of 8), preemption (12 blocks of 4), a prefix-cache hit, a
     seeded n=2 request that forks, and greedy requests."""
     rng = np.random.default_rng(1)
@@ -180,29 +183,32 @@ def workload(model, trace=None):
                                                                   temperature=0.8, seed=3)),
                 (rng.integers(0, 256, 4).tolist(), SamplingParams(max_new_tokens=7))]
     pool = model.new_paged_pool(12, block_size=4)
-    engine = kvlab.Engine(model, pool, max_batch_tokens=8, trace=trace)
+    engine = kvlab.Engine(model, pool, max_batch_tokens=8, trace=trace, preemption=preemption)
     ids = {engine.add_request(p, sp): (p, sp) for p, sp in requests}
     return engine, ids
 
 
-def count_calls(model):
-    engine, _ = workload(model, Sink())
+def count_calls(model, preemption="recompute"):
+    engine, _ = workload(model, Sink(), preemption)
     with injected(engine, Injector()) as counter:
         engine.run(progress=False)
     assert engine.metrics and sum(m.preemptions for m in engine.metrics) >= 1
     assert sum(m.prefix_hit_tokens for m in engine.metrics) > 0
+    if preemption == "swap":
+        assert sum(m.swapped_in_blocks for m in engine.metrics) > 0
     return counter.calls
 
 
 # ---- the interrupt sweep -------------------------------------------------------------------------
 
+@pytest.mark.parametrize("preemption", ["recompute", "swap"])
 @pytest.mark.parametrize("when", ["before", "after"])
-def test_an_interrupt_at_any_call_of_any_step_resumes_exactly(model, when):
-    total = count_calls(model)
+def test_an_interrupt_at_any_call_of_any_step_resumes_exactly(model, when, preemption):
+    total = count_calls(model, preemption)
     assert total > 100
     for k in range(1, total + 1):
         trace = Sink()
-        engine, ids = workload(model, trace)
+        engine, ids = workload(model, trace, preemption)
         with injected(engine, Injector(at=[k], when=when)) as injector:
             outputs = run_through(engine)
         assert len(injector.fired) == 1, k
@@ -216,7 +222,7 @@ def test_an_interrupt_at_any_call_of_any_step_resumes_exactly(model, when):
 
 @pytest.mark.parametrize("seed", range(6))
 def test_repeated_interrupts_even_during_recovery_still_finish_exactly(model, seed):
-    engine, ids = workload(model, Sink())
+    engine, ids = workload(model, Sink(), preemption=["recompute", "swap"][seed // 3])
     when = ["before", "after"][seed % 2]
     with injected(engine, Injector(rate=0.15, seed=seed, when=when)) as injector:
         outputs = run_through(engine, check=False)     # a repair may itself be interrupted
@@ -545,15 +551,16 @@ class InterruptedEngine(RuleBasedStateMachine):
 
     @initialize(num_blocks=st.integers(6, 24), block_size=st.sampled_from([1, 2, 4, 8]),
                 budget=st.integers(1, 24), seqs=st.integers(1, 4),
-                fmt=st.sampled_from(["fp32", "int8"]))
-    def make(self, num_blocks, block_size, budget, seqs, fmt):
+                fmt=st.sampled_from(["fp32", "int8"]),
+                preemption=st.sampled_from(["recompute", "swap"]))
+    def make(self, num_blocks, block_size, budget, seqs, fmt, preemption):
         if InterruptedEngine.model is None:
             InterruptedEngine.model = kvlab.load()
         self.fmt = fmt
         self.pool = self.model.new_paged_pool(num_blocks, block_size, dtype=fmt, max_seqs=6)
         self.trace = Sink()
         self.engine = kvlab.Engine(self.model, self.pool, max_batch_tokens=budget,
-                                   max_batch_seqs=seqs, trace=self.trace)
+                                   max_batch_seqs=seqs, trace=self.trace, preemption=preemption)
         self.requests = {}
 
     @rule(prefix=st.integers(0, 2), tail=st.lists(st.integers(0, 255), max_size=12),

@@ -274,6 +274,93 @@ def test_random_workloads_always_finish_within_the_pool(seed):
     assert pool.used() == 0
 
 
+class SwappingPool(FakePool):
+    """A FakePool for Scheduler(preemption="swap"): swap_out frees a sample's blocks and
+    gives it a host copy that remembers how many tokens it holds; start() puts them back
+    into blocks of the sample's own (a copy shares nothing)."""
+
+    def swap_out(self, request):
+        for sample in request.active():
+            if sample.seq is not None and 0 < sample.computed < len(sample.tokens):
+                sample.swapped = types.SimpleNamespace(length=sample.computed)
+                self.own.pop(sample.seq)
+                self.group.pop(sample.seq, None)
+                self.partial_shared.discard(sample.seq)
+                sample.seq = None
+
+    def start(self, request):
+        self.release(request)
+        hits = 0
+        for sample in request.active():
+            sample.seq = self.next_seq
+            self.next_seq += 1
+            if sample.swapped is not None:
+                sample.computed = sample.swapped.length
+            else:
+                sample.computed = min(self.prefix_hits.get(request.id, 0), len(sample.tokens) - 1)
+                hits += sample.computed
+            self.own[sample.seq] = blocks_for(sample.computed, self.block_size)
+        return hits
+
+
+def tight_workload(seed):
+    """Random requests and a pool just large enough for the largest alone (heavy
+    preemption): (requests, block_size, num_blocks, budget, max_batch_seqs)."""
+    rng = np.random.default_rng(seed)
+    block_size = int(rng.choice([1, 2, 4, 8]))
+    requests = [make_request(rid, int(rng.integers(1, 30)), int(rng.integers(4, 16)),
+                             int(rng.integers(1, 4))) for rid in range(int(rng.integers(4, 12)))]
+    need = max(r.params.n * blocks_for(len(r.prompt) + r.params.max_new_tokens - 1, block_size)
+               for r in requests)
+    return requests, block_size, need, int(rng.integers(8, 40)), int(rng.integers(2, 9))
+
+
+def test_preemption_by_swapping_computes_every_token_once():
+    swapping = 0
+    for seed in range(12):
+        computed = {}
+        for preemption in ("recompute", "swap"):
+            requests, block_size, num_blocks, budget, seqs = tight_workload(seed)
+            pool = (SwappingPool if preemption == "swap" else FakePool)(num_blocks, block_size)
+            scheduler = sched.Scheduler(block_size, budget, seqs, preemption=preemption)
+            steps = drive(scheduler, pool, requests)        # never past the pool (run())
+            assert all(r.finished for r in requests) and pool.used() == 0
+            assert all(s.swapped is None for r in requests for s in r.samples)
+            computed[preemption] = sum(step.n_tokens for step in steps)
+            preempted = sum(len(step.preempted) for step in steps)
+            # each prompt once (its samples fork after it), then every sample's tokens but
+            # its last; recompute computes the preempted requests' tokens again
+            once = sum(len(r.prompt) + r.params.n * (r.params.max_new_tokens - 1)
+                       for r in requests)
+            if preemption == "swap":
+                assert computed["swap"] == once, seed
+                swapping += preempted > 0
+            else:
+                assert (computed["recompute"] > once) == (preempted > 0), seed
+    assert swapping >= 8                          # the workloads do preempt
+
+
+def test_a_sample_swapped_mid_prompt_waits_with_its_tokens_counted():
+    scheduler = sched.Scheduler(block_size=2, max_batch_tokens=2, preemption="swap")
+    pool = SwappingPool(8, 2)
+    decoding, prompt = make_request(0, 2, max_tokens=12), make_request(1, 10, max_tokens=2)
+    seen = []
+
+    def watch(step):
+        for sample in prompt.samples:
+            if step.preempted and sample.swapped is not None:
+                seen.append((sample.computed, sample.swapped.length, sample.seq))
+    drive(scheduler, pool, [decoding, prompt], on_step=watch)
+    assert seen and all(0 < c == n < 10 and seq is None for c, n, seq in seen)
+    assert prompt.preemptions >= 1 and prompt.finished
+
+
+def test_preemption_modes_are_named():
+    assert sched.Scheduler(4).preemption == "recompute"
+    with pytest.raises(ValueError, match="preemption must be 'recompute' or 'swap', got 'disk'"):
+        sched.Scheduler(4, preemption="disk")
+
+
 def test_requests_that_can_never_fit_are_explained():
     params = sched.SamplingParams(max_new_tokens=10)
     assert sched.requests_fit(20, params, 4, 100, 100) is None

@@ -1,10 +1,10 @@
 /* pool.c: PagedPool, the paged KV cache on the CPU (kv_pool): a BlockManager (blocks.c),
  * whose methods it inherits, with the C core's K/V stores behind its blocks.
  *
- * What is a pool's own: its rows (key_codes ... value_zeros, append, gather) and its
- * format. BlockManager's fork copies a pool sequence's residual-window rows too, and its
- * reserve() and commit() refuse a pool: the forward pass and append() write the rows
- * between the two.
+ * What is a pool's own: its rows (key_codes ... value_zeros, append, gather, swap_out and
+ * swap_in) and its format. BlockManager's fork copies a pool sequence's residual-window
+ * rows too, and its reserve() and commit() refuse a pool: the forward pass and append()
+ * write the rows between the two.
  */
 #include "binding.h"
 
@@ -232,6 +232,58 @@ static PyObject *pool_keep(PoolObject *self, PyObject *args) {
     return kv_py_pool_refused(self, status, 0, NULL);
 }
 
+/* ---- swapping a sequence to host memory and back (csrc/swap.c) ----------------------- */
+
+static PyObject *pool_swap_out(PoolObject *self, PyObject *arg) {
+    if (kv_py_pool_ready(self) < 0) return NULL;
+    int seq = kv_py_sequence_slot(&self->base, arg);
+    if (seq < 0) return NULL;
+    size_t size;
+    kv_status status = kv_pool_swap_size(&self->pool, seq, &size);
+    if (status != KV_OK) return kv_py_pool_refused(self, status, 0, NULL);
+    npy_intp dims[1] = {(npy_intp)size};
+    /* made before the swap, so that the sequence is freed only once its copy has a home */
+    PyObject *host = PyArray_SimpleNew(1, dims, NPY_UINT8);
+    if (host == NULL) return NULL;
+    status = kv_pool_swap_out(&self->pool, seq, PyArray_DATA((PyArrayObject *)host), size);
+    if (status == KV_OK) return host;
+    Py_DECREF(host);
+    return kv_py_pool_refused(self, status, 0, NULL);
+}
+
+static PyObject *pool_swap_in(PoolObject *self, PyObject *arg) {
+    if (kv_py_pool_ready(self) < 0) return NULL;
+    static const kv_py_array_spec bytes = {.name = "host", .type = NPY_UINT8, .ndim = 1,
+                                           .shape = {KV_PY_ANY}, .axes = "nbytes"};
+    PyArrayObject *host = kv_py_array(arg, &bytes);
+    if (host == NULL) return NULL;
+    const kv_blocks *p = &self->pool.blocks;
+    int seq;
+    kv_status status = kv_pool_swap_in(&self->pool, PyArray_DATA(host),
+                                       (size_t)PyArray_NBYTES(host), &seq);
+    switch (status) {
+        case KV_OK: return kv_py_new_sequence_handle(&self->base, seq);
+        case KV_ERR_INVALID_ARG:
+            return kv_py_raise(status, "swap_in: these %zd bytes are not a sequence that "
+                               "swap_out copied out of a pool (or they were changed since)",
+                               (Py_ssize_t)PyArray_NBYTES(host));
+        case KV_ERR_CACHE_MISMATCH:
+            return kv_py_raise(status, "swap_in: this sequence was swapped out of a pool of "
+                               "another shape or cache format (layers, KV heads, head_dim, "
+                               "key and value formats and groups, and window must all match)");
+        case KV_ERR_OUT_OF_BLOCKS:
+            return kv_py_raise(status, "swap_in: the sequence needs more blocks than the pool "
+                               "has free (%d) or cached (%d) of %d; the pool is unchanged",
+                               p->n_free, p->n_cached, p->num_blocks);
+        case KV_ERR_TABLE_FULL:
+            return kv_py_raise(status, "swap_in: the sequence needs more blocks than a "
+                               "sequence of this pool may hold (max_blocks_per_seq=%d of %d "
+                               "tokens); the pool is unchanged", p->max_blocks_per_seq,
+                               p->block_size);
+        default: return kv_py_pool_refused(self, status, 0, NULL);
+    }
+}
+
 static PyGetSetDef pool_getset[] = {
     {"key_codes", (getter)pool_get_part, NULL,
      "Every block's stored keys, zero-copy and read-only, block first:\n"
@@ -275,6 +327,15 @@ static PyMethodDef pool_methods[] = {
     {"positions", (PyCFunction)pool_positions, METH_O,
      "positions(seq) -> int32 (n_layers, length, n_kv_heads): the position each row of seq\n"
      "holds (arange(length) until keep() drops rows)."},
+    {"swap_out", (PyCFunction)pool_swap_out, METH_O,
+     "swap_out(seq) -> uint8 array: seq's K and V, tokens and state copied to host memory\n"
+     "(its rows exactly as stored), then seq freed (only its own references: blocks it\n"
+     "shares keep their rows). kvlab.PagedPool.swap_out wraps the bytes in a\n"
+     "SwappedSequence."},
+    {"swap_in", (PyCFunction)pool_swap_in, METH_O,
+     "swap_in(host) -> PagedSequence: a new sequence in fresh blocks holding the bytes\n"
+     "swap_out gave, bit for bit. Refused, changing nothing, when the pool lacks blocks or\n"
+     "a sequence slot, or the bytes come from a pool of another shape or format."},
     {"gather", (PyCFunction)pool_gather, METH_O,
      "gather(seq) -> (keys, values): float32 copies, (n_layers, length, n_kv_heads,\n"
      "head_dim), of what seq's most recent token's attention read (dequantized)."},

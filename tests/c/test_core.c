@@ -936,6 +936,131 @@ static void test_pool_keep(void) {
     free_model(&tm);
 }
 
+/* Preemption by swapping (swap.c): a sequence copied to host memory and back goes on bit
+ * for bit (its next logits equal those of a twin never swapped), in every cache format and
+ * with a residual window; swapping out a sequence that shares blocks leaves them intact for
+ * the other; every refusal changes nothing; the host copy may come back twice; and a
+ * sequence that dropped rows comes back with the positions its rows hold. */
+static void test_pool_swap(const kv_cache_format *format) {
+    test_model tm;
+    make_model(&tm, 4, 2, 8);
+    const kv_model *m = &tm.model;
+    size_t V = (size_t)m->config.vocab_size, logits_bytes = V * sizeof(float);
+    int32_t tokens[16];
+    for (int i = 0; i < 16; i++) tokens[i] = (int32_t)(i * 7 % (int)V);
+    kv_pool pool, other;
+    char message[256];
+    /* blocks of 3 rows: 10 tokens end in a partly filled block */
+    CHECK(kv_pool_init(&pool, 2, 2, 8, 16, 3, 5, 16, format) == KV_OK);
+    int twin, seq, child, hog, back, again, spare[5], n_spare = 0;
+    float *want = malloc(logits_bytes), *got = malloc(logits_bytes);
+    CHECK(kv_blocks_seq_new(&pool.blocks, &twin) == KV_OK);
+    CHECK(kv_blocks_seq_new(&pool.blocks, &seq) == KV_OK);
+    CHECK(kv_model_forward_paged(m, &pool, twin, tokens, 10, want, 0, NULL) == KV_OK);
+    CHECK(kv_model_forward_paged(m, &pool, seq, tokens, 10, got, 0, NULL) == KV_OK);
+    CHECK(kv_pool_seq_fork(&pool, seq, &child) == KV_OK);      /* shares every block of seq */
+
+    /* a pending reservation, or a buffer of the wrong size: refused, nothing changes */
+    size_t size = 0;
+    int pending;
+    CHECK(kv_blocks_seq_new(&pool.blocks, &pending) == KV_OK);
+    CHECK(kv_pool_reserve(&pool, pending, 1) == KV_OK);
+    CHECK(kv_pool_swap_size(&pool, pending, &size) == KV_ERR_PENDING);
+    CHECK(kv_pool_swap_out(&pool, pending, got, sizeof(float)) == KV_ERR_PENDING);
+    CHECK(kv_blocks_seq_free(&pool.blocks, pending) == KV_OK);
+    CHECK(kv_pool_swap_size(&pool, seq, &size) == KV_OK && size > 0);
+    uint8_t *host = malloc(size);
+    CHECK(kv_pool_swap_out(&pool, seq, host, size - 1) == KV_ERR_INVALID_ARG);
+    CHECK(kv_pool_swap_out(&pool, seq, NULL, size) == KV_ERR_INVALID_ARG);
+    CHECK(pool.blocks.seqs[seq].alive && pool.blocks.seqs[seq].length == 10);
+
+    int refs_before = pool.blocks.ref_count[pool.blocks.seqs[seq].block_table[0]];
+    CHECK(kv_pool_swap_out(&pool, seq, host, size) == KV_OK);
+    CHECK(!pool.blocks.seqs[seq].alive);
+    CHECK(kv_blocks_check(&pool.blocks, message, sizeof message) == KV_OK);
+    CHECK(pool.blocks.ref_count[pool.blocks.seqs[child].block_table[0]] == refs_before - 1);
+    /* the twin's next logits, to compare the swapped sequence's with when it is back */
+    CHECK(kv_model_forward_paged(m, &pool, twin, tokens + 10, 1, want, 0, NULL) == KV_OK);
+
+    /* refusals, each changing nothing: too few blocks, no sequence slot, not a swapped
+     * sequence, a pool of another shape */
+    CHECK(kv_blocks_seq_new(&pool.blocks, &hog) == KV_OK);
+    int32_t filler[48];
+    for (int i = 0; i < 48; i++) filler[i] = 100 + i;       /* no prefix to share */
+    int short_by_one = (kv_blocks_available(&pool.blocks) - 3) * 3;   /* seq needs 4 */
+    append_rows(&pool, hog, filler, short_by_one, KV_OK);
+    int available = kv_blocks_available(&pool.blocks), live = 0;
+    CHECK(available == 3);
+    CHECK(kv_pool_swap_in(&pool, host, size, &back) == KV_ERR_OUT_OF_BLOCKS);
+    CHECK(kv_blocks_available(&pool.blocks) == available);
+    CHECK(kv_blocks_seq_free(&pool.blocks, hog) == KV_OK);
+    while (kv_blocks_seq_new(&pool.blocks, &spare[n_spare]) == KV_OK) n_spare++;
+    CHECK(kv_pool_swap_in(&pool, host, size, &back) == KV_ERR_TOO_MANY_SEQUENCES);
+    for (int i = 0; i < n_spare; i++) CHECK(kv_blocks_seq_free(&pool.blocks, spare[i]) == KV_OK);
+    for (int s = 0; s < pool.blocks.max_seqs; s++) live += pool.blocks.seqs[s].alive;
+    CHECK(live == 2);                                          /* twin and child */
+    host[0] ^= 1;
+    CHECK(kv_pool_swap_in(&pool, host, size, &back) == KV_ERR_INVALID_ARG);
+    host[0] ^= 1;
+    CHECK(kv_pool_swap_in(&pool, host, size + 1, &back) == KV_ERR_INVALID_ARG);
+    CHECK(kv_pool_init(&other, 2, 1, 8, 16, 3, 5, 16, format) == KV_OK);
+    CHECK(kv_pool_swap_in(&other, host, size, &back) == KV_ERR_CACHE_MISMATCH);
+    kv_pool_free(&other);
+    CHECK(kv_blocks_check(&pool.blocks, message, sizeof message) == KV_OK);
+
+    /* back, twice (the host copy is only read), in a pool of another block size too: each
+     * goes on as the twin does */
+    CHECK(kv_pool_swap_in(&pool, host, size, &back) == KV_OK);
+    CHECK(pool.blocks.seqs[back].length == 10 && pool.blocks.seqs[back].next_position == 10);
+    CHECK(kv_pool_swap_in(&pool, host, size, &again) == KV_OK);
+    CHECK(kv_blocks_check(&pool.blocks, message, sizeof message) == KV_OK);
+    CHECK(kv_model_forward_paged(m, &pool, back, tokens + 10, 1, got, 0, NULL) == KV_OK);
+    CHECK(memcmp(got, want, logits_bytes) == 0);
+    CHECK(kv_model_forward_paged(m, &pool, again, tokens + 10, 1, got, 0, NULL) == KV_OK);
+    CHECK(memcmp(got, want, logits_bytes) == 0);
+    CHECK(kv_pool_init(&other, 2, 2, 8, 8, 5, 2, 8, format) == KV_OK);
+    CHECK(kv_pool_swap_in(&other, host, size, &back) == KV_OK);
+    CHECK(kv_model_forward_paged(m, &other, back, tokens + 10, 1, got, 0, NULL) == KV_OK);
+    CHECK(memcmp(got, want, logits_bytes) == 0);
+    CHECK(kv_blocks_check(&other.blocks, message, sizeof message) == KV_OK);
+    kv_pool_free(&other);
+    free(host);
+
+    /* a sequence that dropped rows (no window: kv_pool_keep refuses one) comes back with
+     * its rows' positions, next_position and all: it goes on as a contiguous cache that
+     * dropped the same rows */
+    if (pool.window == 0) {
+        kv_cache cache;
+        int32_t rows[2 * 4 * 2] = {0, 1, 3, 2, 7, 5, 8, 8,  0, 1, 3, 2, 7, 5, 8, 8};
+        int32_t own[9];
+        for (int i = 0; i < 9; i++) own[i] = (int32_t)((i * 5 + 3) % (int)V);
+        int solo;
+        CHECK(kv_cache_init(&cache, 2, 2, 8, 16, format) == KV_OK);
+        CHECK(kv_blocks_seq_new(&pool.blocks, &solo) == KV_OK);
+        CHECK(kv_model_forward(m, &cache, own, 9, want, 0, NULL) == KV_OK);
+        CHECK(kv_model_forward_paged(m, &pool, solo, own, 9, got, 0, NULL) == KV_OK);
+        CHECK(kv_cache_keep(&cache, 4, rows) == KV_OK);
+        CHECK(kv_pool_keep(&pool, solo, 4, rows) == KV_OK);
+        int position = kv_pool_position(&pool, solo, 1, 1, 2);
+        CHECK(kv_pool_swap_size(&pool, solo, &size) == KV_OK);
+        host = malloc(size);
+        CHECK(kv_pool_swap_out(&pool, solo, host, size) == KV_OK);
+        CHECK(kv_pool_swap_in(&pool, host, size, &solo) == KV_OK);
+        CHECK(pool.blocks.seqs[solo].compacted && pool.blocks.seqs[solo].next_position == 9);
+        CHECK(kv_pool_position(&pool, solo, 1, 1, 2) == position && position == 5);
+        CHECK(kv_model_forward(m, &cache, own + 4, 2, want, 0, NULL) == KV_OK);
+        CHECK(kv_model_forward_paged(m, &pool, solo, own + 4, 2, got, 0, NULL) == KV_OK);
+        CHECK(memcmp(got, want, logits_bytes) == 0);
+        CHECK(kv_blocks_check(&pool.blocks, message, sizeof message) == KV_OK);
+        free(host);
+        kv_cache_free(&cache);
+    }
+    kv_pool_free(&pool);
+    free(want);
+    free(got);
+    free_model(&tm);
+}
+
 /* A weight matrix in fp16, bf16 or Q8_0 gives, bit for bit, the float32 product over its
  * dequantized values, on both tiers, for a decode step and for a prefill, with leftover
  * columns (16-bit formats) and rows. */
@@ -1183,6 +1308,10 @@ int main(void) {
     test_cache_keep(NULL);
     test_cache_keep(&int8);
     test_pool_keep();
+    test_pool_swap(NULL);
+    test_pool_swap(&int8);
+    test_pool_swap(&mixed);
+    test_pool_swap(&halves);
     test_weight_formats();
     test_interrupts();
     test_tiers_small_ops();

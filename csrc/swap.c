@@ -1,0 +1,217 @@
+/* swap.c: preemption by swapping: one sequence of a paged pool copied to host memory and
+ * back (vLLM's swap-out and swap-in).
+ *
+ * When the pool runs out of blocks, a request can be preempted two ways. Recompute frees
+ * its blocks and, later, runs its prompt and the tokens it generated through the model
+ * again. Swap copies its K and V out of the pool first, and later copies them into fresh
+ * blocks: no model work, only bytes moved, and the sequence goes on bit for bit.
+ *
+ * Why this is C and not NumPy views of the stores: the stores are head-major (kvlab.h),
+ * so a sequence's rows are a run per (layer, KV head, block) in codes, scales and zero
+ * points, and Python sees them only as read-only views; and a sequence swapped in must
+ * get its blocks, tokens, rows, positions and window rows together, after every check,
+ * so that a refusal changes nothing. Here that is one function each way.
+ *
+ * The host copy is one buffer, laid out by this file alone:
+ *   swap_header, tokens (length int32), then for K and then V: codes
+ *   (n_layers, n_kv_heads, length, head_bytes), scales and zero points (n_layers,
+ *   n_kv_heads, length, groups_per_head float32) where the format has them; positions
+ *   (n_layers, n_kv_heads, length int32) if the sequence dropped rows (kv_pool_keep); its
+ *   residual window's rows, K then V, (n_layers, window, kv_dim float32) each.
+ * Only a sequence's `length` rows are copied: rows past it in its last block were never
+ * written, and a block is the pool's unit, not the host's.
+ */
+#include <string.h>
+
+#include "common.h"
+#include "paged.h"
+#include "store.h"
+
+#define SWAP_MAGIC 0x6b767377u   /* "kvsw": these bytes are a swapped-out sequence */
+
+/* What the rows are and what the sequence needs to go on: swap-in refuses a buffer whose
+ * shape or formats are not the pool's (the rows would be read as something else). */
+typedef struct {
+    uint32_t magic;
+    int32_t n_layers, n_kv_heads, head_dim, window;
+    int32_t key_format, key_group, value_format, value_group;
+    int32_t length, next_position, compacted;
+} swap_header;
+
+/* One array of the pool laid out (n_layers, n_kv_heads, slots, row_bytes): a store's
+ * codes, scales or zero points, or the positions of a compacted sequence's rows. */
+typedef struct {
+    uint8_t *base;
+    size_t row_bytes;
+} pool_part;
+
+/* The parts a sequence's rows occupy, in the order the host copy holds them; returns how
+ * many (at most 7). */
+static int parts_of(const kv_pool *pool, int compacted, pool_part parts[7]) {
+    int n = 0;
+    const kv_store *stores[2] = {&pool->key, &pool->value};
+    for (int i = 0; i < 2; i++) {
+        const kv_store *s = stores[i];
+        size_t params = (size_t)s->groups_per_head * sizeof(float);
+        parts[n++] = (pool_part){s->codes, s->head_bytes};
+        if (s->scales) parts[n++] = (pool_part){(uint8_t *)s->scales, params};
+        if (s->zeros) parts[n++] = (pool_part){(uint8_t *)s->zeros, params};
+    }
+    if (compacted) parts[n++] = (pool_part){(uint8_t *)pool->positions, sizeof(int32_t)};
+    return n;
+}
+
+static size_t window_bytes(const kv_pool *pool) {
+    return (size_t)pool->n_layers * pool->window * pool->n_kv_heads * pool->head_dim *
+           sizeof(float);
+}
+
+/* Bytes of the host copy of a sequence of `length` rows. */
+static size_t swap_bytes(const kv_pool *pool, int length, int compacted) {
+    size_t head_rows = (size_t)pool->n_layers * pool->n_kv_heads * (size_t)length;
+    pool_part parts[7];
+    int n = parts_of(pool, compacted, parts);
+    size_t size = sizeof(swap_header) + (size_t)length * sizeof(int32_t);
+    for (int i = 0; i < n; i++) size += head_rows * parts[i].row_bytes;
+    return size + 2 * window_bytes(pool);
+}
+
+/* Copies the first `length` rows of one part of a sequence (block table `table`) between
+ * the pool and host memory: to_host 1 copies out, 0 copies in (host is then only read:
+ * swap-in's buffer is the caller's, const). Returns where the host memory goes on. */
+static uint8_t *copy_part(const kv_pool *pool, pool_part part, const int32_t *table, int length,
+                          uint8_t *host, int to_host) {
+    size_t block_size = (size_t)pool->blocks.block_size, slots = pool->key.slots;
+    for (int layer = 0; layer < pool->n_layers; layer++)
+        for (int head = 0; head < pool->n_kv_heads; head++)
+            for (int start = 0; start < length; start += (int)block_size) {
+                size_t rows = (size_t)(length - start) < block_size ? (size_t)(length - start)
+                                                                     : block_size;
+                size_t slot = (size_t)table[start / block_size] * block_size;
+                uint8_t *pooled = part.base + (((size_t)layer * pool->n_kv_heads + head) * slots +
+                                               slot) * part.row_bytes;
+                if (to_host)
+                    memcpy(host, pooled, rows * part.row_bytes);
+                else
+                    memcpy(pooled, host, rows * part.row_bytes);
+                host += rows * part.row_bytes;
+            }
+    return host;
+}
+
+/* The sequence's window rows, K and V, (n_layers, window, kv_dim) each: contiguous per
+ * sequence (paged.c), so layer 0's view is where they start. */
+static float *window_key_of(const kv_pool *pool, int seq) {
+    return kv_pool_layer_view(pool, seq, 0).window_key;
+}
+
+static float *window_value_of(const kv_pool *pool, int seq) {
+    return kv_pool_layer_view(pool, seq, 0).window_value;
+}
+
+kv_status kv_pool_swap_size(const kv_pool *pool, int seq, size_t *size) {
+    kv_status status = kv_blocks_seq_check(&pool->blocks, seq);
+    if (status != KV_OK) return status;
+    const kv_seq *q = &pool->blocks.seqs[seq];
+    if (q->reserved > 0) return KV_ERR_PENDING;   /* its last blocks hold nothing yet */
+    *size = swap_bytes(pool, q->length, q->compacted);
+    return KV_OK;
+}
+
+kv_status kv_pool_swap_out(kv_pool *pool, int seq, void *host, size_t size) {
+    size_t want;
+    kv_status status = kv_pool_swap_size(pool, seq, &want);
+    if (status != KV_OK) return status;
+    if (host == NULL || size != want) return KV_ERR_INVALID_ARG;
+    const kv_seq *q = &pool->blocks.seqs[seq];
+    swap_header header = {SWAP_MAGIC, pool->n_layers, pool->n_kv_heads, pool->head_dim,
+                          pool->window, pool->key.format, pool->key.group, pool->value.format,
+                          pool->value.group, q->length, q->next_position, q->compacted};
+    uint8_t *at = host;
+    memcpy(at, &header, sizeof header);
+    at += sizeof header;
+    int block_size = pool->blocks.block_size;
+    for (int start = 0; start < q->length; start += block_size) {
+        int rows = q->length - start < block_size ? q->length - start : block_size;
+        memcpy(at, pool->blocks.tokens + (size_t)q->block_table[start / block_size] * block_size,
+               (size_t)rows * sizeof(int32_t));
+        at += (size_t)rows * sizeof(int32_t);
+    }
+    pool_part parts[7];
+    int n_parts = parts_of(pool, q->compacted, parts);
+    for (int i = 0; i < n_parts; i++)
+        at = copy_part(pool, parts[i], q->block_table, q->length, at, 1);
+    if (pool->window > 0) {
+        memcpy(at, window_key_of(pool, seq), window_bytes(pool));
+        memcpy(at + window_bytes(pool), window_value_of(pool, seq), window_bytes(pool));
+    }
+    /* Only this sequence's references go: a block another sequence shares keeps its rows
+     * (its reference count drops by one), and its full blocks stay cached. */
+    return kv_blocks_seq_free(&pool->blocks, seq);
+}
+
+/* Whether the header describes rows this pool stores the same way. */
+static int same_layout(const kv_pool *pool, const swap_header *h) {
+    return h->n_layers == pool->n_layers && h->n_kv_heads == pool->n_kv_heads &&
+           h->head_dim == pool->head_dim && h->window == pool->window &&
+           h->key_format == (int32_t)pool->key.format && h->key_group == pool->key.group &&
+           h->value_format == (int32_t)pool->value.format && h->value_group == pool->value.group;
+}
+
+kv_status kv_pool_swap_in(kv_pool *pool, const void *host, size_t size, int *seq) {
+    kv_blocks *blocks = &pool->blocks;
+    swap_header h;
+    if (blocks->seqs == NULL || host == NULL || seq == NULL || size < sizeof h)
+        return KV_ERR_INVALID_ARG;
+    memcpy(&h, host, sizeof h);
+    if (h.magic != SWAP_MAGIC) return KV_ERR_INVALID_ARG;
+    if (!same_layout(pool, &h)) return KV_ERR_CACHE_MISMATCH;
+    if (h.length < 0 || h.length > (1 << 30) || (h.compacted != 0 && h.compacted != 1) ||
+        h.next_position < h.length || (!h.compacted && h.next_position != h.length) ||
+        size != swap_bytes(pool, h.length, h.compacted))
+        return KV_ERR_INVALID_ARG;
+    /* Everything that could refuse, before anything changes. */
+    int block_size = blocks->block_size;
+    int n_blocks = (int)(((int64_t)h.length + block_size - 1) / block_size);
+    if (n_blocks > blocks->max_blocks_per_seq) return KV_ERR_TABLE_FULL;
+    if (n_blocks > kv_blocks_available(blocks)) return KV_ERR_OUT_OF_BLOCKS;
+    int free_slot = 0;
+    for (int s = 0; s < blocks->max_seqs && !free_slot; s++) free_slot = !blocks->seqs[s].alive;
+    if (!free_slot) return KV_ERR_TOO_MANY_SEQUENCES;
+    if (h.compacted && pool->positions == NULL) {   /* kv_pool_keep makes it the same way */
+        pool->positions = malloc((size_t)pool->n_layers * pool->n_kv_heads * pool->key.slots *
+                                 sizeof(int32_t));
+        if (pool->positions == NULL) return KV_ERR_NOMEM;
+    }
+    /* the tokens, aligned for kv_blocks_commit (the host buffer need not be) */
+    int32_t *tokens = malloc((size_t)(h.length > 0 ? h.length : 1) * sizeof(int32_t));
+    if (tokens == NULL) return KV_ERR_NOMEM;
+    const uint8_t *at = (const uint8_t *)host + sizeof h;
+    memcpy(tokens, at, (size_t)h.length * sizeof(int32_t));
+    at += (size_t)h.length * sizeof(int32_t);
+
+    /* From here on nothing can fail: the checks above are the ones these calls make. */
+    kv_blocks_seq_new(blocks, seq);
+    kv_seq *q = &blocks->seqs[*seq];
+    q->compacted = h.compacted;   /* before the commit: such blocks are never cached */
+    if (h.length > 0) {
+        kv_block_copy copies[1];   /* a new sequence shares no block: nothing to copy */
+        int n_copies = 0;
+        kv_blocks_reserve(blocks, *seq, h.length, copies, &n_copies);
+        pool_part parts[7];
+        int n_parts = parts_of(pool, h.compacted, parts);
+        for (int i = 0; i < n_parts; i++)
+            at = copy_part(pool, parts[i], q->block_table, h.length, (uint8_t *)at, 0);
+        /* The rows are in: the commit records the tokens and offers full blocks to the
+         * prefix cache, which may find one computed meanwhile and share it instead (the
+         * same bits: the core computes a prefix the same way every time). */
+        kv_blocks_commit(blocks, *seq, tokens, h.length);
+    }
+    q->next_position = h.next_position;
+    if (pool->window > 0) {
+        memcpy(window_key_of(pool, *seq), at, window_bytes(pool));
+        memcpy(window_value_of(pool, *seq), at + window_bytes(pool), window_bytes(pool));
+    }
+    free(tokens);
+    return KV_OK;
+}
