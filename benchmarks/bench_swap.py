@@ -72,10 +72,12 @@ def bench_one_sequence(model: kvlab.Model, n: int, dtype: str, repeats: int) -> 
     model.prefill(tokens, recomputed)
     assert np.array_equal(model.decode(1, swapped), model.decode(1, recomputed))
     median = {name: statistics.median(values) for name, values in times.items()}
+    ratios = [r / s for r, s in zip(times["recompute"], times["swap"])]   # each round's
     return {"tokens": n, "dtype": dtype, "blocks": blocks, "bytes_moved": nbytes,
             "swap_out_s": median["swap_out"], "swap_in_s": median["swap_in"],
             "swap_s": median["swap"], "recompute_s": median["recompute"],
             "recompute_over_swap": median["recompute"] / median["swap"],
+            "recompute_over_swap_range": [min(ratios), max(ratios)], "rounds": repeats,
             "swap_GBps": 2 * nbytes / median["swap"] / 1e9}
 
 
@@ -126,6 +128,8 @@ def bench_engine(model: kvlab.Model, n_requests: int, repeats: int) -> dict:
     for preemption, results in runs.items():
         row = dict(results[0])
         row["seconds"] = statistics.median(r["seconds"] for r in results)
+        row["seconds_range"] = [min(r["seconds"] for r in results),
+                                max(r["seconds"] for r in results)]
         rows.append(row)
     assert rows[0].pop("tokens") == rows[1].pop("tokens"), "the modes generated different tokens"
     return {"requests": n_requests, "num_blocks": num_blocks, "block_size": BLOCK_SIZE,

@@ -21,6 +21,8 @@ the chapter quotes, with the setup). Four measurements, all through kvlab.Engine
 4. Latency under a Poisson load (kvlab.serving, what `kvlab serve-bench` runs): time to
    first token and time per output token, p50 and p99, against throughput, at four request
    rates, paged and contiguous, for two max_batch_tokens; medians of 3 rounds.
+5. Preemption by swapping against recompute (benchmarks/bench_swap.py): one sequence of
+   64 to 1,024 tokens swapped out and in, or recomputed; and the Engine in both modes.
 
 Runs in well under 60 s on the 2-core development machine (one core thread by default:
 on a shared machine a single thread is far less disturbed by other processes).
@@ -43,6 +45,7 @@ import numpy as np  # noqa: E402
 import kvlab  # noqa: E402
 from common import machine, spread  # noqa: E402  (chapters/figures/common.py puts benchmarks/ on the path)
 from bench_engine import workload  # noqa: E402  (the benchmark's own long-tailed requests)
+import bench_swap  # noqa: E402  (swapping against recompute, as the benchmark measures it)
 
 HERE = Path(__file__).resolve().parent
 SHARED = Path(os.environ.get("KVLAB_SHARED", HERE.parents[2] / "shared"))
@@ -270,6 +273,18 @@ def plot_latency(result: dict, path: Path) -> None:
                                          f"requests a run, medians of {result['rounds']} runs")
 
 
+# ---- 5. preemption: swapping against recompute ------------------------------------------
+
+def preemption(model, contexts=(64, 256, 1024), rounds: int = 9) -> dict:
+    """benchmarks/bench_swap.py's two measurements: one sequence swapped out and in against
+    recomputed, for several lengths (the bundled model's context raised to fit); and the
+    Engine on a workload too large for its pool, preempting by recompute and by swapping,
+    with the same tokens."""
+    long = bench_swap.long_context(model, max(contexts))
+    sequences = [bench_swap.bench_one_sequence(long, n, "fp32", rounds) for n in contexts]
+    return {"sequences": sequences, "engine": bench_swap.bench_engine(model, 16, 3)}
+
+
 # ---- exact arithmetic the text shows ----------------------------------------------------
 
 def llama2_7b_arithmetic(batch: int = 16, context: int = 4096) -> dict:
@@ -393,6 +408,14 @@ def main() -> None:
               f" p99 {r['ttft_p99_ms']['median']:7.1f}  TPOT p50 {r['tpot_p50_ms']['median']:5.2f}"
               f" p99 {r['tpot_p99_ms']['median']:5.2f} ms")
 
+    preempt = preemption(model)
+    for r in preempt["sequences"]:
+        print(f"{r['tokens']:>5} tokens: swap {1e6 * r['swap_s']:7.0f} us, recompute "
+              f"{1e3 * r['recompute_s']:7.2f} ms: {r['recompute_over_swap']:.0f}x")
+    for r in preempt["engine"]["runs"]:
+        print(f"engine, {r['preemption']:>9}: {r['seconds']:.2f} s, {r['preemptions']} preemptions, "
+              f"{r['recomputed_tokens']} tokens recomputed, {r['swapped_out_bytes']:,} B swapped out")
+
     plot_throughput(rows, out / "ch05_throughput.png")
     plot_latency(served, out / "ch05_latency.png")
     plot_budget(budget, out / "ch05_budget.png")
@@ -420,6 +443,7 @@ def main() -> None:
         "throughput": rows,
         "memory_budget": budget,
         "latency": served,
+        "preemption": preempt,
         "bench_engine_json": stored,
     }
     result["setup"]["seconds"] = round(time.perf_counter() - started, 1)
