@@ -238,7 +238,8 @@ def decode_times(model, context: int, budget: int = BUDGET, repeats: int = 25, s
     """One decode step with a full cache of `context` positions against one step with each
     policy's cache of `budget` rows (its steady state: a bounded policy drops a row and adds
     one; SnapKV's compressed cache takes one more row), round-robin, best of `repeats`
-    (each timed step right after an untimed one on the same cache)."""
+    (each timed step right after an untimed one on the same cache); the median, and every
+    round's time in order (seconds_by_round), so that a caller can take each round's ratios."""
     c = model.config
     rng = np.random.default_rng(seed)
     rows = rng.standard_normal((context, c.n_layers, c.n_kv_heads, c.head_dim), dtype=np.float32)
@@ -281,7 +282,8 @@ def decode_times(model, context: int, budget: int = BUDGET, repeats: int = 25, s
                     "rows": cache.length if policy is None or policy.bounded else budget,
                     "cache_nbytes": cache.nbytes, "seconds": best[name],
                     "median_seconds": float(np.median(samples[name])),
-                    "full_over_this": best["full"] / best[name]})
+                    "full_over_this": best["full"] / best[name],
+                    "seconds_by_round": samples[name]})
     return out
 
 

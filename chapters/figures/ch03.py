@@ -5,7 +5,7 @@
 Writes ch03_cache_bytes.png, ch03_attention_time.png, ch03_conversion.png and ch03.json (every number the
 chapter quotes, with the setup; "facts": those it quotes from elsewhere, with their
 sources) into DIR (default: this script's folder). Runs in about
-15 s on a 2-core machine.
+20 s on a 2-core machine.
 
 1. Cache sizes of the preset shapes (exact arithmetic, kvlab.kv_cache_bytes), and of the
    Llama 2 7B shape with its 32 KV heads cut to 16, 8, 4, 2 and 1 (config.replace).
@@ -14,9 +14,11 @@ sources) into DIR (default: this script's folder). Runs in about
    head's output says which KV head it read.
 3. Decode attention alone (cache.attend: one token's queries over one layer's cache) for
    32 query heads of head_dim 128 over caches with 32, 8 and 1 KV heads (the MHA, GQA and
-   MQA shapes of one layer of a 7B/8B model), filled with random rows. Best of 15 rounds,
-   the three shapes measured in turn within each round (and the median of the per-round
-   ratios, which a busy machine disturbs less).
+   MQA shapes of one layer of a 7B/8B model), filled with random rows. 25 rounds, the
+   three shapes measured in turn within each round (so each pair meets the same load):
+   the median round and the spread over the rounds (common.spread) of each time, read
+   rate and per-round ratio; at 4,096 positions each round also measures what one core
+   reads from memory (kvlab.measure.memory_bandwidth, one pass).
 4. K/V bytes one decode step reads on the bundled model (GQA) and on the same shape with
    8 KV heads (MHA) or 1 (MQA), as the C core counts them.
 5. An MHA model converted (the GQA lab's experiment): kvlab.MHA_MODEL, the bundled model's
@@ -41,7 +43,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 import kvlab  # noqa: E402
-from common import machine  # noqa: E402  (chapters/figures/common.py)
+from common import machine, spread  # noqa: E402  (chapters/figures/common.py)
 from kvlab import accuracy, reference  # noqa: E402
 
 GIB = 2 ** 30
@@ -123,10 +125,17 @@ def head_mapping(rng) -> dict:
     return out
 
 
-def attention_timing(rng, contexts, threads, repeats=15) -> list:
+ROUNDS = 25
+BANDWIDTH_CONTEXT = 4096      # the context whose rounds also measure one core's read rate
+
+
+def attention_timing(rng, contexts, threads, repeats=ROUNDS) -> tuple:
+    """Decode attention of the three shapes, `repeats` rounds of the three in turn, and at
+    BANDWIDTH_CONTEXT one pass of memory_bandwidth after them in each round: (rows, the
+    read rates in bytes/s)."""
     n_heads, head_dim = 32, 128
     kvlab.set_num_threads(threads)
-    results = []
+    results, read_rates = [], []
     for context in contexts:
         caches = {}
         for n_kv in (32, 8, 1):
@@ -143,18 +152,26 @@ def attention_timing(rng, contexts, threads, repeats=15) -> list:
                 start = time.perf_counter()
                 cache.attend(q, 0)
                 rounds[n_kv].append(time.perf_counter() - start)
+            if context == BANDWIDTH_CONTEXT:
+                read_rates.append(kvlab.measure.memory_bandwidth(1 << 28, 1)["read_bytes_per_s"])
         for n_kv, times in rounds.items():
-            seconds = min(times)
             kv_bytes = 2 * context * n_kv * head_dim * 4
+            flops = 4 * n_heads * context * head_dim
             # the MHA time over this shape's, round by round (both met the same load)
-            ratio = float(np.median(np.array(rounds[32]) / np.array(times)))
+            ratios = np.array(rounds[32]) / np.array(times)
+            row = {}
+            if context == BANDWIDTH_CONTEXT:     # this shape's read rate over one core's, by round
+                row["GBps_over_one_core_read"] = spread(
+                    kv_bytes / np.array(times) / np.array(read_rates[-repeats:]))
             results.append({"threads": threads, "context": context, "n_heads": n_heads,
-                            "n_kv_heads": n_kv, "head_dim": head_dim, "seconds": seconds,
-                            "kv_bytes_read": kv_bytes, "GBps": kv_bytes / seconds / 1e9,
-                            "flops": 4 * n_heads * context * head_dim,
-                            "mha_over_this_median_round": ratio})
+                            "n_kv_heads": n_kv, "head_dim": head_dim,
+                            "seconds": spread(times), "best_seconds": min(times),
+                            "kv_bytes_read": kv_bytes,
+                            "GBps": spread(kv_bytes / np.array(times) / 1e9),
+                            "flops": flops, "GFLOPs": spread(flops / np.array(times) / 1e9),
+                            "mha_over_this": spread(ratios), **row})
         del caches
-    return results
+    return results, read_rates
 
 
 def decode_kv_bytes() -> dict:
@@ -226,9 +243,12 @@ def plot_attention(timing: list, path: Path, machine_line: str) -> None:
     for n_kv in (32, 8, 1):
         rows = [r for r in one if r["n_kv_heads"] == n_kv]
         ctx = [r["context"] for r in rows]
-        left.plot(ctx, [1e3 * r["seconds"] for r in rows], "o-", color=colors[n_kv],
-                  label=names[n_kv])
-        right.plot(ctx, [r["GBps"] for r in rows], "o-", color=colors[n_kv], label=names[n_kv])
+        for ax, get, scale in ((left, "seconds", 1e3), (right, "GBps", 1)):
+            med = np.array([scale * r[get]["median"] for r in rows])
+            low = np.array([scale * r[get]["min"] for r in rows])
+            high = np.array([scale * r[get]["max"] for r in rows])
+            ax.errorbar(ctx, med, yerr=[med - low, high - med], fmt="o-", capsize=3,
+                        color=colors[n_kv], label=names[n_kv])
     for ax in (left, right):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("context (cached positions)")
@@ -327,9 +347,10 @@ def main() -> None:
     sizes = cache_sizes()
     mapping = head_mapping(rng)
     contexts = (512, 1024, 2048, 4096, 8192)
-    timing = attention_timing(rng, contexts, threads=1)
-    # what one core can read from memory, the yardstick for the timings' GB/s
-    one_core_read = kvlab.measure.memory_bandwidth(1 << 28, 5)["read_bytes_per_s"]
+    timing, read_rates = attention_timing(rng, contexts, threads=1)
+    # what one core can read from memory, the yardstick for the timings' GB/s, measured in
+    # the rounds at BANDWIDTH_CONTEXT
+    one_core_read = spread(np.array(read_rates) / 1e9)
     kvlab.set_num_threads(threads_before)
     decode = decode_kv_bytes()
     converted = conversion()
@@ -340,11 +361,13 @@ def main() -> None:
 
     setup = machine()
     setup.update({"timing": "cache.attend(q, layer=0): decode attention of one token over one "
-                            "layer, fp32 cache of random rows, 32 query heads of head_dim 128; "
-                            "best of 15 rounds, the three shapes in turn in each round",
-                  "default_threads": threads_before})
-    machine_line = (f"{setup['cpu']}, {setup['cpu_count']} cores; best of 15; "
-                    f"kvlab {setup['kvlab']}")
+                            f"layer, fp32 cache of random rows, 32 query heads of head_dim 128; "
+                            f"{ROUNDS} rounds, the three shapes in turn in each round; medians "
+                            "and spreads over the rounds (common.spread), a ratio taken round "
+                            "by round",
+                  "rounds": ROUNDS, "default_threads": threads_before})
+    machine_line = (f"{setup['cpu']}, {setup['cpu_count']} cores (shared); median and range "
+                    f"of {ROUNDS} rounds; kvlab {setup['kvlab']}")
     plot_cache_bytes(sizes, out / "ch03_cache_bytes.png")
     plot_attention(timing, out / "ch03_attention_time.png", machine_line)
     plot_conversion(converted, out / "ch03_conversion.png")
@@ -354,19 +377,20 @@ def main() -> None:
     for threads in (1,):
         key = lambda n: f"{threads}t_4096_{n}"  # noqa: E731
         summary[f"context_4096_threads_{threads}"] = {
-            "mha_ms": 1e3 * at[key(32)]["seconds"], "gqa_ms": 1e3 * at[key(8)]["seconds"],
-            "mqa_ms": 1e3 * at[key(1)]["seconds"],
-            "mha_over_gqa": at[key(32)]["seconds"] / at[key(8)]["seconds"],
-            "mha_over_mqa": at[key(32)]["seconds"] / at[key(1)]["seconds"],
-            "mha_over_gqa_median_round": at[key(8)]["mha_over_this_median_round"],
-            "mha_over_mqa_median_round": at[key(1)]["mha_over_this_median_round"],
+            "mha_ms": {k: 1e3 * v if k != "runs" else v for k, v in at[key(32)]["seconds"].items()},
+            "gqa_ms": {k: 1e3 * v if k != "runs" else v for k, v in at[key(8)]["seconds"].items()},
+            "mqa_ms": {k: 1e3 * v if k != "runs" else v for k, v in at[key(1)]["seconds"].items()},
+            "mha_over_gqa": at[key(8)]["mha_over_this"],
+            "mha_over_mqa": at[key(1)]["mha_over_this"],
             "mha_GBps": at[key(32)]["GBps"], "gqa_GBps": at[key(8)]["GBps"],
             "mqa_GBps": at[key(1)]["GBps"],
-            "mqa_GFLOPs": at[key(1)]["flops"] / at[key(1)]["seconds"] / 1e9,
-            "one_core_read_GBps": one_core_read / 1e9,
-            # the MQA speedup at the other contexts: [smallest, largest]
-            "mha_over_mqa_median_round_other_contexts": [
-                f(r["mha_over_this_median_round"] for r in timing if r["threads"] == threads
+            "mqa_GFLOPs": at[key(1)]["GFLOPs"],
+            "one_core_read_GBps": one_core_read,
+            "mha_GBps_over_one_core_read": at[key(32)]["GBps_over_one_core_read"],
+            "gqa_GBps_over_one_core_read": at[key(8)]["GBps_over_one_core_read"],
+            # the median MQA speedup at the other contexts: [smallest, largest]
+            "mha_over_mqa_other_contexts": [
+                f(r["mha_over_this"]["median"] for r in timing if r["threads"] == threads
                   and r["n_kv_heads"] == 1 and r["context"] != 4096) for f in (min, max)],
         }
     # FLOPs per byte of K and V read (fp32), by shape: kv_mul / 2, whatever the context

@@ -18,8 +18,9 @@ quotes, with the setup; "facts": those it quotes from elsewhere, with their sour
 3. Paged and contiguous give bit-identical logits (prefill and 48 decode steps, several
    block sizes, a forked child, a reused prefix).
 4. Decode step time over a paged and a contiguous cache of the same content (a one-layer
-   model whose decode step is nearly all attention; one thread; 15 rounds of 16 steps,
-   the two in turn; best round and median of the per-round ratios).
+   model whose decode step is nearly all attention; one thread; 31 rounds of 16 steps,
+   the two in turn, so each pair meets the same load): the median and spread
+   (common.spread) of each one's time per step and of the per-round ratio.
 """
 from __future__ import annotations
 
@@ -347,7 +348,10 @@ def prefix_sharing(model) -> dict:
 
 # ---- 4. the block table costs (almost) nothing ----------------------------------------------
 
-def decode_timing(rng, contexts=(1024, 8192), steps=16, repeats=15) -> list:
+ROUNDS = 31
+
+
+def decode_timing(rng, contexts=(1024, 8192), steps=16, repeats=ROUNDS) -> list:
     """One thread: on a shared machine a second OpenMP thread that gets descheduled makes
     the other wait, and that noise would swamp the difference being measured."""
     threads_before = kvlab.get_num_threads()
@@ -384,11 +388,12 @@ def decode_timing(rng, contexts=(1024, 8192), steps=16, repeats=15) -> list:
                 start = time.perf_counter()
                 run()
                 times[name].append((time.perf_counter() - start) / steps)
-        ratio = float(np.median(np.array(times["paged"]) / np.array(times["contiguous"])))
-        out.append({"context": context, "block_size": 16,
-                    "contiguous_us": 1e6 * min(times["contiguous"]),
-                    "paged_us": 1e6 * min(times["paged"]), "paged_over_contiguous_median": ratio,
-                    "threads": 1})
+        ratios = np.array(times["paged"]) / np.array(times["contiguous"])
+        out.append({"context": context, "block_size": 16, "steps_per_round": steps,
+                    "rounds": repeats,
+                    "contiguous_us": common.spread(1e6 * np.array(times["contiguous"])),
+                    "paged_us": common.spread(1e6 * np.array(times["paged"])),
+                    "paged_over_contiguous": common.spread(ratios), "threads": 1})
     kvlab.set_num_threads(threads_before)
     return out
 

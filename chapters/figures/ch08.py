@@ -22,7 +22,9 @@ functions, at smaller sizes:
 5. Past the trained context: perplexity by position over 2,048 held-out tokens, teacher-
    forced, for the full cache, window, sinks (positions as stored, and re-rotated by
    place in the cache as StreamingLLM does, in NumPy) and H2O.
-6. Decode time per token: the full cache against each policy's 64 rows, round-robin.
+6. Decode time per token: the full cache against each policy's 64 rows, round-robin,
+   25 rounds: the median and spread (common.spread) of each step's time and of the
+   per-round ratio of the full cache's step to the policy's (the best round kept too).
 7. Multi-head latent attention (DeepSeek-V2): cache bytes per token for its published
    shapes against MHA, GQA and MQA of the same shape, and a NumPy check that attention
    over the latent cache, with W_UK absorbed into the query, equals attention over the
@@ -42,7 +44,7 @@ import numpy as np
 
 import kvlab
 import common  # noqa: E402,F401  (chapters/figures/common.py puts benchmarks/ on the path)
-from common import machine  # noqa: E402
+from common import machine, spread  # noqa: E402
 import bench_policies as bench  # noqa: E402
 from kvlab import accuracy  # noqa: E402
 from kvlab.cache_policy import HeavyHitters, SnapKV  # noqa: E402
@@ -58,6 +60,7 @@ FULL_MAX = 4096
 BUDGETS = (8, 16, 32, 64, 96)
 ACCURACY_TOKENS, STORY_TOKENS = 2048, 1024
 LONG_TOKENS = 2048
+ROUNDS = 25                      # decode timing: rounds of the round-robin
 EDGES = [0, 256, 512, 1024, 1536, 2048]
 PROMPT_LEN = 256
 COLORS = {"full": "#444444", "window": "#4c78a8", "sinks": "#f58518", "h2o": "#54a24b",
@@ -367,6 +370,24 @@ def plot_mla(mla, path: Path) -> None:
     plt.close(fig)
 
 
+def with_spreads(rows: list) -> list:
+    """bench_policies.decode_times' rows (one context, the full cache first) with each
+    step's time and the full cache's time over the policy's as spreads over the rounds
+    (the ratio taken round by round: both steps met the same load); its best round kept."""
+    full = np.array(next(r for r in rows if r["policy"] == "full")["seconds_by_round"])
+    out = []
+    for r in rows:
+        r = dict(r)
+        by_round = np.array(r.pop("seconds_by_round"))
+        r.pop("median_seconds", None)
+        r["best_seconds"] = r.pop("seconds")
+        r["full_over_this_best"] = r.pop("full_over_this")
+        r["seconds"] = spread(by_round)
+        r["full_over_this"] = spread(full / by_round)
+        out.append(r)
+    return out
+
+
 # ---- the numbers the chapter prints ---------------------------------------------------------
 
 def _pct(x: float) -> str:
@@ -380,7 +401,8 @@ def quoted(result: dict) -> dict:
     q = {"prompt_tokens": f"{setup['prompt_tokens']}-token prompt",
          "accuracy_tokens": f"{setup['accuracy_tokens']:,} tokens of its held-out",
          "story_tokens": f"{setup['story_tokens']:,} tokens of text it generated",
-         "long_tokens": f"first {setup['long_tokens']:,} tokens"}
+         "long_tokens": f"first {setup['long_tokens']:,} tokens",
+         "cpu": setup["cpu"], "decode_rounds": f"{setup['rounds']} rounds"}
     memory = {(r["policy"], r["generated"]): r for r in result["memory"]}
     for name in ("window", "sinks"):
         growth = [memory[(name, n)]["resident_growth"] // 1024 for n in LENGTHS]
@@ -421,9 +443,10 @@ def quoted(result: dict) -> dict:
     q["long_check"] = f"{math.ceil(worst / 10 ** exponent)}e{exponent:03d}"
     for r in result["decode_times"]:
         tag = f"time_{r['model']}_{r['context']}_{r['policy']}"
-        q[tag] = f"{1e6 * r['seconds']:,.0f} µs"
+        q[tag] = f"{1e6 * r['seconds']['median']:,.0f} µs"
         if r["policy"] != "full":
-            q[tag + "_ratio"] = f"{r['full_over_this']:.1f}x"
+            ratio = r["full_over_this"]
+            q[tag + "_ratio"] = f"{ratio['median']:.1f}x ({ratio['min']:.1f}-{ratio['max']:.1f})"
     mla = result["mla"]
     for name, v in mla["bytes_per_token"].items():
         q[f"mla_{name}"] = f"{v:,}"
@@ -496,11 +519,13 @@ def main() -> None:
         print(f"{name:<34}" + "".join(f"{v:>9.3f}" for v in values))
 
     # 6. decode time per token
-    times = (bench.decode_times(model, 512) + bench.decode_times(model, 16384)
-             + bench.decode_times(bench.random_gqa(16384), 16384))
+    times = []
+    for m, context in ((model, 512), (model, 16384), (bench.random_gqa(16384), 16384)):
+        times += with_spreads(bench.decode_times(m, context, repeats=ROUNDS))
     for r in times:
-        print(f"{r['model']:<20}{r['context']:>7,} {r['policy']:<7}{1e6 * r['seconds']:>8.0f} us"
-              f"{r['full_over_this']:>8.2f}x")
+        print(f"{r['model']:<20}{r['context']:>7,} {r['policy']:<7}"
+              f"{1e6 * r['seconds']['median']:>8.0f} us {r['full_over_this']['median']:>6.2f}x "
+              f"({r['full_over_this']['min']:.2f}-{r['full_over_this']['max']:.2f})")
 
     # 7. MLA
     mla = mla_bytes()
@@ -516,7 +541,11 @@ def main() -> None:
                   "accuracy_tokens": ACCURACY_TOKENS, "story_tokens": STORY_TOKENS,
                   "long_tokens": LONG_TOKENS,
                   "decode_times": "random K/V rows by cache.append, one token per call, "
-                                  "round-robin, best of 25",
+                                  f"round-robin, {ROUNDS} rounds: seconds and full_over_this "
+                                  "(the full cache's step over the policy's, round by round) "
+                                  "as median and spread over the rounds, best_seconds the "
+                                  "fastest round",
+                  "rounds": ROUNDS,
                   "seconds": None},
         "memory": memory, "attention_share": shares, "accuracy": reports, "kept": kept,
         "past_context": long, "decode_times": times, "mla": mla, "mla_demo": demo,

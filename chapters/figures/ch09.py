@@ -8,8 +8,9 @@ the chapter quotes, with the setup). Five measurements:
 1. What one forward pass over the cache costs against the number of new tokens it runs
    (context 256; the tokens are cut off again after each pass, as speculation does), on
    the bundled model and on random weights of the Llama-2-style 110M shape (stories110M):
-   the median of several interleaved runs, with the fastest and slowest, and what the
-   core counted (weight bytes, FLOPs).
+   the median of several interleaved runs, with the fastest and slowest, each size's cost
+   relative to a one-token pass taken run by run, and what the core counted (weight bytes,
+   FLOPs); then a draft model's one-token pass against the model's, in turn.
 2. Greedy speculation gives exactly plain decoding's tokens: every drafter of the kit, on
    three prompts, k = 1, 2, 4 and 8, fp32 and int8 caches, and a loop written out by hand
    over a paged pool (whose truncates release blocks); the token lists are compared.
@@ -22,6 +23,10 @@ the chapter quotes, with the setup). Five measurements:
    papers' formula assumes) on both models, and the kit's real drafters on texts where
    prompt lookup helps and where it does not, each timed against plain decoding in the
    same rounds (median over rounds).
+
+Every timing goes into the JSON as common.spread over its runs: the median, the fastest
+and slowest, the quartiles and the number of runs; a ratio of two times is taken run by
+run (both met the same load) and its spread reported.
 
 Runs in about half a minute on the 2-core development machine (one core thread by
 default: on a shared machine a single thread is far less disturbed by other processes).
@@ -42,6 +47,7 @@ import numpy as np  # noqa: E402
 
 import kvlab  # noqa: E402
 import common  # noqa: E402  (chapters/figures/common.py puts benchmarks/ on the path)
+from common import spread  # noqa: E402
 from bench_speculative import TEXTS  # noqa: E402  (the benchmark's own two texts)
 from kvlab.reference import probabilities  # noqa: E402
 from kvlab.sampling import sample  # noqa: E402
@@ -53,6 +59,8 @@ STORIES = SHARED / "models" / "stories260K"
 SIZES = [1, 2, 3, 4, 5, 7, 9, 12, 16]      # new tokens per pass: k drafts + 1
 K = 4                                      # drafts per pass in the timed runs
 ALPHAS = [0.0, 0.5, 0.8, 0.9, 1.0]         # the oracle's set acceptance (110M shape: no 0.9)
+PASS_REPS = {"small": 100, "110m": 11}     # runs of each pass size (section 1)
+BIG_ROUNDS = 5                             # rounds of the timed runs on the 110M shape
 
 
 def stories110m_shape() -> kvlab.Model:
@@ -62,12 +70,6 @@ def stories110m_shape() -> kvlab.Model:
                                n_kv_heads=12, head_dim=64, vocab_size=32000,
                                max_seq_len=1024, name="random stories110M shape")
     return kvlab.Model(config, kvlab.Weights.random(config, seed=0))
-
-
-def spread(values) -> dict:
-    values = np.asarray(values, dtype=float)
-    return {"median": float(np.median(values)), "min": float(values.min()),
-            "max": float(values.max()), "runs": len(values)}
 
 
 # ---- 1. the cost of a pass against its new tokens -----------------------------------------
@@ -94,16 +96,18 @@ def pass_costs(model: kvlab.Model, reps: int, context: int = 256) -> dict:
         cache.truncate(context)
         counted[n] = {"weight_bytes": counts.weight_bytes, "flops": counts.flops,
                       "kv_read_bytes": counts.kv_read_bytes}
-    one = np.median(times[1])
+    one = np.array(times[1])
     rows = []
     for n in SIZES:
-        s = spread(times[n])
-        rows.append({"new_tokens": n, "ms": s, "relative_to_one": s["median"] / one,
-                     "relative_min": s["min"] / one, "relative_max": s["max"] / one,
+        s, ms = spread(times[n]), np.array(times[n])
+        # this size's time over the one-token pass of the same run (both met the same load)
+        relative = spread(ms / one)
+        rows.append({"new_tokens": n, "ms": s, "relative": relative,
+                     "relative_to_one": relative["median"],
                      "ms_per_token": s["median"] / n, **counted[n],
-                     # what the median pass achieved
-                     "weight_gb_per_s": counted[n]["weight_bytes"] / s["median"] / 1e6,
-                     "gflop_per_s": counted[n]["flops"] / s["median"] / 1e6})
+                     # what the passes achieved (times in ms)
+                     "weight_gb_per_s": spread(counted[n]["weight_bytes"] / ms / 1e6),
+                     "gflop_per_s": spread(counted[n]["flops"] / ms / 1e6)})
     return {"model": model.config.name, "params": model.n_params,
             "params_millions": model.n_params / 1e6, "weights_bytes": model.weights_nbytes,
             "weights_mb": model.weights_nbytes / 1e6, "context": context, "reps": reps,
@@ -117,16 +121,26 @@ def relative_cost(table: dict, n: int) -> float:
     return float(np.interp(n, sizes, [r["relative_to_one"] for r in table["rows"]]))
 
 
-def one_token_ms(model: kvlab.Model, reps: int, context: int = 256) -> float:
-    cache = model.new_cache(context + 1)
-    model.prefill([t % model.config.vocab_size for t in range(1, context + 1)], cache)
-    times = []
+def draft_pass_costs(model: kvlab.Model, drafters: dict, reps: int, context: int = 256) -> dict:
+    """A one-token pass of each drafter's model over its own cache of `context` positions,
+    in turn with one of the model's, `reps` times: {name: spread of the drafter's time over
+    the model's, run by run}, and the model's own one-token ms."""
+    models = {"model": model, **drafters}
+    caches = {}
+    for name, m in models.items():
+        caches[name] = m.new_cache(context + 1)
+        m.prefill([t % m.config.vocab_size for t in range(1, context + 1)], caches[name])
+    times = {name: [] for name in models}
     for _ in range(reps):
-        start = time.perf_counter()
-        model.forward([7], cache)
-        times.append(1000 * (time.perf_counter() - start))
-        cache.truncate(context)
-    return float(np.median(times))
+        for name, m in models.items():
+            start = time.perf_counter()
+            m.forward([7], caches[name])
+            times[name].append(1000 * (time.perf_counter() - start))
+            caches[name].truncate(context)
+    model_ms = np.array(times["model"])
+    out = {name: spread(np.array(times[name]) / model_ms) for name in drafters}
+    out["model_one_token_ms"] = spread(model_ms)
+    return out
 
 
 # ---- 2. greedy speculation gives plain decoding's tokens ------------------------------------
@@ -357,6 +371,7 @@ def speed_runs(configs: list, rounds: int, cost_tables: dict, draft_cost: dict,
     over the rounds of plain time / speculative time in the same round (neighbours in time
     meet the same load from other processes)."""
     times = {i: {"plain_python": [], "plain_c": [], "speculative": []} for i in range(len(configs))}
+    drafter_ms = {i: [] for i in range(len(configs))}      # per round: drafting ms per pass
     outs = {}
     for _ in range(rounds):
         plains = {}                           # configs that differ only in the drafter share
@@ -376,6 +391,7 @@ def speed_runs(configs: list, rounds: int, cost_tables: dict, draft_cost: dict,
             spec = kvlab.generate(m, prompt, n, speculate=drafter, draft_tokens=c["k"],
                                   stop_at_eos=False, **kw)
             times[i]["speculative"].append(decode_seconds(spec))
+            drafter_ms[i].append(1000 * drafter.seconds / spec.speculation.verify_passes)
             if not kw:
                 assert spec.tokens == plain.tokens, "speculation changed the greedy output"
             outs[i] = (spec, drafter)
@@ -410,7 +426,7 @@ def speed_runs(configs: list, rounds: int, cost_tables: dict, draft_cost: dict,
             "drafted": kept["drafted"], "accepted": kept["accepted"],
             "refusals": kept["refusals"], "passes_without_drafts": kept["passes_without_drafts"],
             "draft_passes": s.draft_passes,
-            "drafter_ms_per_pass": 1000 * drafter.seconds / passes,
+            "drafter_ms_per_pass": spread(drafter_ms[i]),
             "tokens_per_pass_formula_k": float(tokens_per_pass(kept["alpha"], c["k"])),
             "tokens_per_pass_formula_as_drafted": as_drafted,
             "speedup_predicted": decoded / units,
@@ -422,6 +438,7 @@ def speed_runs(configs: list, rounds: int, cost_tables: dict, draft_cost: dict,
             "speedup_vs_python_loop": float(np.median(per_round)),
             "speedup_vs_python_loop_rounds": spread(per_round),
             "speedup_vs_c_loop": float(np.median(per_round_c)) if c_loop else None,
+            "speedup_vs_c_loop_rounds": spread(per_round_c) if c_loop else None,
         })
     return rows
 
@@ -433,8 +450,8 @@ def plot_pass_cost(tables, path: Path) -> None:
     for table, marker in zip(tables, "os"):
         n = [r["new_tokens"] for r in table["rows"]]
         med = np.array([r["relative_to_one"] for r in table["rows"]])
-        lo = med - np.array([r["relative_min"] for r in table["rows"]])
-        hi = np.array([r["relative_max"] for r in table["rows"]]) - med
+        lo = med - np.array([r["relative"]["min"] for r in table["rows"]])
+        hi = np.array([r["relative"]["max"] for r in table["rows"]]) - med
         left.errorbar(n, med, yerr=[lo, hi], fmt=marker + "-", capsize=3,
                       label=f"{table['model']} ({table['params_millions']:.1f} M, "
                             f"{table['threads']} thread{'s' if table['threads'] > 1 else ''}), "
@@ -599,8 +616,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default=str(HERE))
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--rounds", type=int, default=5,
-                        help="rounds of the timed runs on the bundled model (3 on the 110M shape)")
+    parser.add_argument("--rounds", type=int, default=7,
+                        help=f"rounds of the timed runs on the bundled model ({BIG_ROUNDS} "
+                             "on the 110M shape)")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -623,14 +641,16 @@ def main() -> None:
     clock("load")
 
     # 1. pass costs
-    tables = [pass_costs(model, 20), pass_costs(big, 7)]
-    stories_table = pass_costs(stories, 20) if stories is not None else None
+    tables = [pass_costs(model, PASS_REPS["small"]), pass_costs(big, PASS_REPS["110m"])]
+    stories_table = pass_costs(stories, PASS_REPS["small"]) if stories is not None else None
     for table in tables:
         print(table["model"], "  ".join(f"{r['new_tokens']}: {r['ms']['median']:.2f} ms "
                                         f"({r['relative_to_one']:.2f}x)" for r in table["rows"]))
-    draft_cost = {"first 2 layers": one_token_ms(DraftModel.first_layers(model, 2).model, 20)
-                  / one_token_ms(model, 20),
-                  "MHA model (same size)": one_token_ms(mha, 20) / one_token_ms(model, 20)}
+    drafter_models = {"first 2 layers": DraftModel.first_layers(model, 2).model,
+                      "MHA model (same size)": mha}
+    draft_costs = draft_pass_costs(model, drafter_models, PASS_REPS["small"])
+    draft_cost = {name: s["median"] for name, s in draft_costs.items()
+                  if name != "model_one_token_ms"}
     print("draft pass / model pass:", draft_cost)
     clock("pass costs")
 
@@ -690,7 +710,7 @@ def main() -> None:
                                           "stories260K": stories_table}, draft_cost)
     clock("speed, bundled model")
     big_rows = speed_runs([c for c in oracle_configs if c["model"] is big],
-                          3, {big.config.name: tables[1]}, {}, c_loop=False)
+                          BIG_ROUNDS, {big.config.name: tables[1]}, {}, c_loop=False)
     clock("speed, 110M shape")
     oracle_rows = [r for r in small_rows + big_rows if r["drafter"] == "oracle"]
     real_rows = [r for r in small_rows if r["drafter"] != "oracle"]
@@ -704,7 +724,8 @@ def main() -> None:
               f"speedup {r['speedup_vs_python_loop']:.2f}x "
               f"[{r['speedup_vs_python_loop_rounds']['min']:.2f}-"
               f"{r['speedup_vs_python_loop_rounds']['max']:.2f}] predicted "
-              f"{r['speedup_predicted']:.2f}x, vs C loop {r['speedup_vs_c_loop'] or 0:.2f}x")
+              f"{r['speedup_predicted']:.2f}x, vs C loop {r['speedup_vs_c_loop'] or 0:.2f}x  "
+              f"drafting {r['drafter_ms_per_pass']['median']:.3f} ms/pass")
 
     plot_pass_cost(tables, out / "ch09_pass_cost.png")
     plot_step(step, model, out / "ch09_step.png")
@@ -717,26 +738,44 @@ def main() -> None:
         rows = [r for r in oracle_rows if r["model"] == name]
         cost = relative_cost(table, K + 1)
         grid = np.linspace(0, 1, 10001)
+
+        def break_even(c):     # the acceptance above which k = 4 beats plain decoding
+            beats = tokens_per_pass(grid, K) >= c
+            return float(grid[np.argmax(beats)]) if beats.any() else None
+        five = next(r for r in table["rows"] if r["new_tokens"] == K + 1)["relative"]
+        # all the set-acceptance runs of a model share one plain run per round: its time per
+        # token, as a spread over the rounds (a spread divides by a constant term by term)
+        plain = rows[0]["decode_ms"]
+        per_token = {loop: {k: v / rows[0]["decoded_tokens"] if k != "runs" else v
+                            for k, v in plain[loop].items()}
+                     for loop in ("plain_python", "plain_c") if loop in plain}
         summary[name] = {
             # the most a pass of k drafts can give: k + 1 tokens for the price of that pass
             "best_speedup_k4": (K + 1) / cost,
+            # the same from the quartiles of the runs' relative cost of a (k + 1)-token pass
+            # (the middle half of the runs; a single interrupted pass makes the extremes of
+            # a ratio meaningless)
+            "best_speedup_k4_middle_half": [(K + 1) / five["q3"], (K + 1) / five["q1"]],
             # the acceptance above which k = 4 beats plain decoding, drafts costing nothing
-            "break_even_alpha_k4": float(grid[np.argmax(tokens_per_pass(grid, K) >= cost)]),
-            "plain_python_ms_per_token": float(np.median(
-                [r["decode_ms"]["plain_python"]["median"] / r["decoded_tokens"] for r in rows])),
+            "break_even_alpha_k4": break_even(cost),
+            "break_even_alpha_k4_middle_half": [break_even(five["q1"]), break_even(five["q3"])],
+            "plain_python_ms_per_token": per_token["plain_python"],
             "python_ms_per_pass_beyond_table": float(np.median(
                 [r["python_ms_per_pass_beyond_table"] for r in rows])),
             "one_token_pass_ms": table["rows"][0]["ms"]["median"],
             # how far the measured speedups of the set-acceptance runs were from predicted
             "largest_deviation_from_prediction": float(max(
                 abs(r["speedup_vs_python_loop"] / r["speedup_predicted"] - 1) for r in rows)),
+            # drafting by hand (the oracle), ms per pass: the smallest and largest median
+            "oracle_drafter_ms_per_pass": [f(r["drafter_ms_per_pass"]["median"] for r in rows)
+                                           for f in (min, max)],
         }
-        if rows[0]["decode_ms"].get("plain_c"):
-            summary[name]["plain_c_ms_per_token"] = float(np.median(
-                [r["decode_ms"]["plain_c"]["median"] / r["decoded_tokens"] for r in rows]))
+        if "plain_c" in per_token:
+            summary[name]["plain_c_ms_per_token"] = per_token["plain_c"]
     result = {
         "setup": {**common.machine(), "threads": kvlab.get_num_threads(),
-                  "rounds": args.rounds, "k": K,
+                  "rounds": args.rounds, "rounds_110m": BIG_ROUNDS, "pass_reps": PASS_REPS,
+                  "k": K,
                   "load_average_before_after": [list(load_before), list(os.getloadavg())],
                   "models": {m.config.name: {"params": m.n_params,
                                              "params_millions": m.n_params / 1e6,
@@ -751,7 +790,7 @@ def main() -> None:
                   "seconds": None},
         "pass_cost": tables,
         "pass_cost_stories260k": stories_table,
-        "draft_pass_cost_relative": draft_cost,
+        "draft_pass_cost_relative": draft_costs,
         "exactness": exact,
         "paged_by_hand": paged,
         "step": {k: v for k, v in step.items() if k != "context"},
