@@ -8,15 +8,24 @@ binding (csrc/python/*.c) with -O3 and OpenMP when the compiler has it. Environm
   KVLAB_SANITIZE=1   build with AddressSanitizer and UBSan (for the sanitizer CI lane;
                      the C core only, no CUDA extension)
 
-A second extension, kvlab._cuda (csrc/cuda/: the GPU backend), is built when nvcc is found
-($CUDA_HOME/bin/nvcc, else nvcc on the PATH): each .cu file is compiled by nvcc, the
-binding csrc/cuda/_cuda.c by the C compiler, and the whole linked against the static CUDA
-runtime (no other CUDA library), so that importing it needs no GPU and no driver. Where nvcc
-is found, a .cu file that does not compile fails the build (CI has nvcc and must see such
-errors). Machine code for sm_90 (H100, H200) plus compute_80 PTX, which the driver compiles
-for any newer GPU at first use.
-  KVLAB_NO_CUDA=1       build the CPU extension only, even where nvcc is found
-  KVLAB_CUDA_GENCODE    nvcc -gencode flags instead of the default two, space-separated
+A second extension, kvlab._cuda (csrc/cuda/: the GPU backend), is built where it can be
+used: nvcc is found ($CUDA_HOME/bin/nvcc, else nvcc on the PATH) and the driver reports a
+GPU (nvidia-smi), or KVLAB_CUDA=1 asks for it (CI does, so that every kernel compiles in
+every run). A CPU-only machine with nvcc is spared the minutes nvcc takes. Each .cu file is
+compiled by nvcc, the binding csrc/cuda/_cuda.c by the C compiler, and the whole linked
+against the static CUDA runtime (no other CUDA library), so that importing it needs no GPU
+and no driver. A .cu file that does not compile fails the build.
+
+Machine code for the GPU that is present (its compute capability, asked of the driver), or
+where none is, for the GPUs students have: sm_75 (T4), sm_80 (A100), sm_86 (RTX 30xx, A10),
+sm_89 (RTX 40xx, L4) and sm_90 (H100, H200), plus sm_70 (V100) where this nvcc still
+compiles for it (CUDA 12; CUDA 13 dropped it); and PTX of the newest, which the driver
+compiles for any later GPU at first use.
+  KVLAB_NO_CUDA=1       build the CPU extension only
+  KVLAB_CUDA=1          build the CUDA extension even where no GPU is seen (needs nvcc)
+  KVLAB_CUDA_ARCH       the architectures instead: "75", "sm_86", "80,90", or "all" (the
+                        list above); one nvcc cannot compile is an error
+  KVLAB_CUDA_GENCODE    raw nvcc -gencode flags instead of all of the above, space-separated
 """
 import os
 import shlex
@@ -39,7 +48,9 @@ CUDA_DIR = HERE / "csrc" / "cuda"
 CUDA_SOURCES = sorted(CUDA_DIR.glob("*.cu"))
 CUDA_HEADERS = [*CUDA_DIR.glob("*.cuh"), *CUDA_DIR.glob("*.h"), HERE / "csrc" / "kvlab.h",
                 HERE / "csrc" / "model_args.h"]
-DEFAULT_GENCODE = ["-gencode=arch=compute_90,code=sm_90", "-gencode=arch=compute_80,code=compute_80"]
+# The compute capabilities of the GPUs students have, oldest first: V100, T4, A100,
+# RTX 30xx/A10, RTX 40xx/L4, H100/H200.
+STUDENT_ARCHS = ("70", "75", "80", "86", "89", "90")
 
 
 def compiler_accepts(flags):
@@ -86,7 +97,94 @@ def cuda_library_dirs(nvcc):
     return [d for d in dirs or fallback if Path(d).is_dir()]
 
 
+def present_gpu_archs():
+    """The compute capabilities of this machine's GPUs ("75", "90", ...), as the driver's
+    nvidia-smi reports them; none without a driver or a GPU."""
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return []
+    try:
+        result = subprocess.run([smi, "--query-gpu=compute_cap", "--format=csv,noheader"],
+                                capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return []
+    if result.returncode != 0:
+        return []
+    archs = {line.strip().replace(".", "") for line in result.stdout.splitlines()}
+    return sorted(a for a in archs if a.isdigit())
+
+
+def nvcc_archs(nvcc):
+    """The real architectures this nvcc compiles for ("75", "80", ...)."""
+    result = subprocess.run([nvcc, "--list-gpu-arch"], capture_output=True, text=True)
+    return {word.split("_", 1)[1] for word in result.stdout.split()
+            if word.startswith("compute_") and word.split("_", 1)[1].isdigit()}
+
+
+def requested_archs(value):
+    """KVLAB_CUDA_ARCH as a list of compute capabilities: "all", or "75", "sm_86", "80,90"."""
+    if value.strip() == "all":
+        return list(STUDENT_ARCHS)
+    archs = []
+    for word in value.replace(" ", ",").split(","):
+        word = word.strip().lower()
+        for prefix in ("sm_", "compute_"):
+            word = word[len(prefix):] if word.startswith(prefix) else word
+        if word:
+            if not word.isdigit():
+                raise SystemExit(f"kvlab: KVLAB_CUDA_ARCH={value!r}: {word!r} is not an "
+                                 f"architecture such as 75, sm_86 or 90")
+            archs.append(word)
+    return archs
+
+
+def cuda_gencode(nvcc):
+    """nvcc's -gencode flags (see the module text) and the architectures they name."""
+    if os.environ.get("KVLAB_CUDA_GENCODE"):
+        flags = os.environ["KVLAB_CUDA_GENCODE"].split()
+        return flags, [flag.split("code=")[-1] for flag in flags]
+    supported = nvcc_archs(nvcc)
+    if os.environ.get("KVLAB_CUDA_ARCH"):
+        archs = requested_archs(os.environ["KVLAB_CUDA_ARCH"])
+        missing = [a for a in archs if a not in supported]
+        if missing and os.environ["KVLAB_CUDA_ARCH"].strip() != "all":
+            raise SystemExit(f"kvlab: this nvcc cannot compile for {', '.join('sm_' + a for a in missing)} "
+                             f"(it knows {', '.join('sm_' + a for a in sorted(supported, key=int))})")
+    else:
+        present = [a for a in present_gpu_archs() if a in supported]
+        # a GPU newer than this nvcc runs the PTX of the newest architecture it knows
+        archs = present or list(STUDENT_ARCHS)
+        dropped = [a for a in archs if a not in supported]
+        if dropped:
+            print(f"kvlab: this nvcc does not compile for {', '.join('sm_' + a for a in dropped)} "
+                  f"(sm_70, the V100, needs CUDA 12's nvcc)", file=sys.stderr)
+    archs = sorted({a for a in archs if a in supported}, key=int)
+    if not archs:
+        raise SystemExit("kvlab: no GPU architecture left that this nvcc compiles for; "
+                         "set KVLAB_CUDA_ARCH or KVLAB_NO_CUDA=1")
+    flags = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs]
+    flags.append(f"-gencode=arch=compute_{archs[-1]},code=compute_{archs[-1]}")   # PTX
+    return flags, [f"sm_{a}" for a in archs] + [f"compute_{archs[-1]}"]
+
+
+def cuda_to_build(nvcc):
+    """Whether to build kvlab._cuda, and why not when not."""
+    if os.environ.get("KVLAB_NO_CUDA") or os.environ.get("KVLAB_SANITIZE"):
+        return False, None
+    asked = os.environ.get("KVLAB_CUDA", "") not in ("", "0")
+    if nvcc is None:
+        if asked:
+            raise SystemExit("kvlab: KVLAB_CUDA=1 asks for the CUDA backend, but nvcc is not "
+                             "found (set CUDA_HOME, or put nvcc on the PATH)")
+        return False, "nvcc not found (CUDA_HOME or PATH)"
+    if asked or present_gpu_archs():
+        return True, None
+    return False, ("no GPU seen by nvidia-smi (KVLAB_CUDA=1 builds the CUDA backend "
+                   "anyway)")
+
+
 NVCC = find_nvcc()
+BUILD_CUDA, NO_CUDA_REASON = cuda_to_build(NVCC)
 
 
 class BuildExt(build_ext):
@@ -115,7 +213,8 @@ class BuildExt(build_ext):
     def compile_cuda(self, ext):
         """Compiles every .cu file with nvcc (in parallel; unchanged ones are kept) and hands
         the objects to the linker with the static CUDA runtime. A failure stops the build."""
-        gencode = os.environ.get("KVLAB_CUDA_GENCODE", "").split() or DEFAULT_GENCODE
+        gencode, archs = cuda_gencode(NVCC)
+        print(f"kvlab: compiling the CUDA backend for {' '.join(archs)}", flush=True)
         out_dir = Path(self.build_temp, "cuda")
         out_dir.mkdir(parents=True, exist_ok=True)
         newest_header = max(p.stat().st_mtime for p in CUDA_HEADERS)
@@ -146,9 +245,8 @@ class BuildExt(build_ext):
         ext.extra_objects = [str(obj) for obj, _ in results]
         ext.library_dirs = cuda_library_dirs(NVCC)
         ext.libraries = ["cudart_static", "rt", "pthread", "dl", "stdc++"]
-        archs = " ".join(flag.split("code=")[-1] for flag in gencode)
         ext.define_macros = [("KV_CUDA_SOURCES", '"' + " ".join(p.name for p in CUDA_SOURCES) + '"'),
-                             ("KV_CUDA_ARCHS", '"' + archs + '"')]
+                             ("KV_CUDA_ARCHS", '"' + " ".join(archs) + '"')]
         # the binding is C11 without OpenMP; the sanitizer never gets here (see find_nvcc)
         ext.extra_compile_args = [a for a in ext.extra_compile_args if a != "-fopenmp"]
         ext.extra_link_args = [a for a in ext.extra_link_args if a != "-fopenmp"]
@@ -163,16 +261,15 @@ EXTENSIONS = [
                  for p in [*(HERE / "csrc").glob("*.h"), *BINDING_DIR.glob("*.h")]],
     )
 ]
-if NVCC:
+if BUILD_CUDA:
     EXTENSIONS.append(Extension(
         "kvlab._cuda",
         sources=["csrc/cuda/_cuda.c"],
         include_dirs=["csrc", "csrc/cuda", numpy.get_include()],
         depends=[str(p.relative_to(HERE)) for p in CUDA_SOURCES + CUDA_HEADERS],
     ))
-elif not os.environ.get("KVLAB_NO_CUDA") and not os.environ.get("KVLAB_SANITIZE"):
-    print("kvlab: nvcc not found (CUDA_HOME or PATH): building without the CUDA backend",
-          file=sys.stderr)
+elif NO_CUDA_REASON:
+    print(f"kvlab: {NO_CUDA_REASON}: building without the CUDA backend", file=sys.stderr)
 
 setup(
     ext_modules=EXTENSIONS,

@@ -32,8 +32,7 @@ from statistics import median
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import kvlab  # noqa: E402
+import kvlab  # noqa: E402  (the installed kvlab, or the checkout's on PYTHONPATH: gpu_check.sh)
 from kvlab import quant, reference  # noqa: E402
 
 N_HEADS, N_KV_HEADS, HEAD_DIM = 32, 8, 128          # Llama 3 8B's attention
@@ -94,10 +93,12 @@ def time_attention(store, batch: int, context: int, block_size: int, scattered: 
     return median(seconds)
 
 
-def attention_benchmarks(ext, copy_bw: float, formats) -> list:
+def attention_benchmarks(ext, copy_bw: float, formats, rows=None, save=lambda: None) -> list:
+    """Every format, batch and context; each row appended to `rows` as it is measured, and
+    save() called after each, so that a run cut short keeps what it measured."""
     rng = np.random.default_rng(0)
     slots = max(BATCHES) * max(CONTEXTS)
-    rows = []
+    rows = [] if rows is None else rows
     for name in formats:
         fmt = quant.CacheFormat.make(HEAD_DIM, name)
         store = ext.KVStore(1, N_KV_HEADS, HEAD_DIM, slots, fmt.key, fmt.value, fmt.key_group,
@@ -122,6 +123,7 @@ def attention_benchmarks(ext, copy_bw: float, formats) -> list:
                 if "paged_seconds" in row:
                     row["paged_over_contiguous"] = row["paged_seconds"] / row["contiguous_seconds"]
                 rows.append(row)
+                save()
         del store
     return rows
 
@@ -217,7 +219,7 @@ def decode_hf(hf, prompt, n_new, torch, device: str = "cuda"):
     return n_new / (time.perf_counter() - start), first, out
 
 
-def end_to_end(models, n_prompt=32, n_new=128) -> list:
+def end_to_end(models, n_prompt=32, n_new=128, rows=None, save=lambda: None) -> list:
     try:
         import torch
         import transformers
@@ -225,7 +227,7 @@ def end_to_end(models, n_prompt=32, n_new=128) -> list:
     except ImportError as error:
         torch = transformers = None
         hf_reason = f"no torch/transformers ({error})"
-    rows = []
+    rows = [] if rows is None else rows
     for label, make in models:
         row = {"model": label}
         try:
@@ -251,6 +253,7 @@ def end_to_end(models, n_prompt=32, n_new=128) -> list:
             row["error"] = f"{type(error).__name__}: {error}"
         print(f"  {row}", flush=True)
         rows.append(row)
+        save()
     return rows
 
 
@@ -294,8 +297,9 @@ def print_tables(results: dict) -> None:
               + (f"{hf:9.1f} {r['speedup']:7.2f}x {r['first_step_logits_relative_difference']:11.1e}"
                  if hf else f"  (transformers skipped: {r.get('hf_skipped')})"))
     targets = results["targets"]
-    print(f"\ntargets: attention >= 80 % of copy at batch >= 16, context >= 4K: "
-          f"worst {targets['worst_share_fp16']:.0%} (fp16); paged at most 5 % slower: worst "
+    print(f"\ntargets: attention >= 85 % of copy at batch >= 16, context >= 4K: "
+          f"worst {targets['worst_share_fp16']:.0%} (fp16), {targets['worst_share_bf16']:.0%} "
+          f"(bf16); paged at most 5 % slower: worst "
           f"{targets['worst_paged_over_contiguous']:.3f}x")
 
 
@@ -318,34 +322,46 @@ def main() -> None:
     ext = kvlab.cuda.extension()
     started = time.perf_counter()
     results = {"device": kvlab.cuda.device_info(), "python": platform.python_version(),
-               "formats": args.formats.split(","),
+               "formats": args.formats.split(","), "complete": False,
                "shape": {"n_heads": N_HEADS, "n_kv_heads": N_KV_HEADS, "head_dim": HEAD_DIM}}
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+
+    def save() -> None:
+        """The JSON as far as it goes (a run killed by a time limit keeps what it measured)."""
+        results["seconds"] = time.perf_counter() - started
+        partial = args.json.with_suffix(".partial")
+        partial.write_text(json.dumps(results, indent=1))
+        partial.replace(args.json)
+
     print(f"device: {results['device']}", flush=True)
     results["copy"] = copy_bandwidth(ext, copy_bytes)
+    save()
     print(f"copy: {results['copy']['bytes_per_s'] / 1e12:.2f} TB/s", flush=True)
     print("attention:", flush=True)
-    results["attention"] = attention_benchmarks(ext, results["copy"]["bytes_per_s"], results["formats"])
+    results["attention"] = []
+    attention_benchmarks(ext, results["copy"]["bytes_per_s"], results["formats"],
+                         results["attention"], save)
     big = [r for r in results["attention"] if r["batch"] >= 16 and r["context"] >= 4096]
-    results["targets"] = {   # the issue's: >= 80 % of the copy, paged <= 1.05x contiguous
-        "worst_share_fp16": min((r["contiguous_share_of_copy"] for r in big
-                                 if r["format"] == "fp16"), default=float("nan")),
+    results["targets"] = {   # >= 85 % of the copy (fp16, bf16), paged <= 1.05x contiguous
+        **{f"worst_share_{name}": min((r["contiguous_share_of_copy"] for r in big
+                                       if r["format"] == name), default=float("nan"))
+           for name in ("fp16", "bf16")},
         "worst_paged_over_contiguous": max((r["paged_over_contiguous"] for r in big
                                             if "paged_over_contiguous" in r), default=float("nan")),
     }
+    save()
     models = []
     stories = shared_models() / "stories260K"
     if (stories / "stories260K.bin").exists():
         models.append(("stories260K", lambda: kvlab.load(stories / "stories260K.bin",
                                                          tokenizer=stories / "tok512.bin")))
     models.append(("random 0.5B", lambda: random_llama(**random_shape)))
+    results["end_to_end"] = []
     if not args.skip_end_to_end:
         print("end to end:", flush=True)
-        results["end_to_end"] = end_to_end(models, n_new=n_new)
-    else:
-        results["end_to_end"] = []
-    results["seconds"] = time.perf_counter() - started
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(results, indent=1))
+        end_to_end(models, n_new=n_new, rows=results["end_to_end"], save=save)
+    results["complete"] = True
+    save()
     print_tables(results)
     print(f"\nwrote {args.json} ({results['seconds']:.0f} s)")
 
