@@ -71,14 +71,15 @@ def bench_decode(context: int, repeats: int, steps: int, rng) -> dict:
         variants[f"paged_{block_size}"] = paged
 
     # Rounds alternate between the variants, so a slow spell of the machine hits all of
-    # them alike; each keeps its best round.
-    best = {name: float("inf") for name in variants}
+    # them alike; each keeps its best round (and every round's time, in "round_seconds").
+    taken = {name: [] for name in variants}
     for _ in range(repeats):
         for name, run in variants.items():
             start = time.perf_counter()
             run()
-            best[name] = min(best[name], (time.perf_counter() - start) / steps)
-    result = {"context": context, "contiguous_s": best["contiguous"]}
+            taken[name].append((time.perf_counter() - start) / steps)
+    best = {name: min(seconds) for name, seconds in taken.items()}
+    result = {"context": context, "contiguous_s": best["contiguous"], "round_seconds": taken}
     for block_size in BLOCK_SIZES:
         result[f"paged_{block_size}_s"] = best[f"paged_{block_size}"]
         result[f"paged_{block_size}_ratio"] = best[f"paged_{block_size}"] / best["contiguous"]

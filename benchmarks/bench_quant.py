@@ -6,8 +6,9 @@
 2. Decode attention alone at long context: one layer shaped like Llama 3 8B's (32 query
    heads, 8 KV heads of head_dim 128), a cache filled with random K/V rows by
    cache.append, and cache.attend(q) timed for every format, interleaved in one run
-   (round-robin, best of N), so the ratio to fp32 is measured side by side. Also the
-   bytes attention reads per second (codes, scales and zero points).
+   (round-robin, each format first in turn, best of N; every round's times are kept in the
+   JSON too), so the ratio to fp32 is measured side by side. Also the bytes attention
+   reads per second (codes, scales and zero points).
 3. Accuracy (kvlab.accuracy): the bundled model on the validation split of Tiny
    Shakespeare it was not trained on, and stories260K (if ../shared/models is present)
    on text it generated; perplexity change, KL and top-1 agreement against fp32.
@@ -61,17 +62,22 @@ def attention_times(contexts, repeats: int) -> list:
             cache.append(keys, values)
             cache.attend(q)                                    # touch every page once
             caches[fmt] = cache
-        best = {fmt: float("inf") for fmt in FORMATS}
-        for _ in range(repeats):                               # round-robin: same conditions
-            for fmt, cache in caches.items():
+        taken = {fmt: [] for fmt in FORMATS}
+        for r in range(repeats):                               # round-robin: same conditions
+            order = FORMATS[r % len(FORMATS):] + FORMATS[:r % len(FORMATS)]   # each first in turn
+            for fmt in order:
                 start = time.perf_counter()
-                cache.attend(q)
-                best[fmt] = min(best[fmt], time.perf_counter() - start)
+                caches[fmt].attend(q)
+                taken[fmt].append(time.perf_counter() - start)
+        best = {fmt: min(taken[fmt]) for fmt in FORMATS}
         for fmt in FORMATS:
             read = caches[fmt].nbytes                          # every row of K and V, once
             rows.append({"context": context, "format": fmt, "seconds": best[fmt],
                          "ratio_to_fp32": best["fp32"] / best[fmt],
-                         "bytes_read": read, "gb_per_s": read / best[fmt] / 1e9})
+                         "bytes_read": read, "gb_per_s": read / best[fmt] / 1e9,
+                         # every round's time, and fp32's time over this format's in it
+                         "round_seconds": taken[fmt],
+                         "round_ratios_to_fp32": [f / t for f, t in zip(taken["fp32"], taken[fmt])]})
         del caches
     return rows
 

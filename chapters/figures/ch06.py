@@ -1,9 +1,14 @@
 """Figures and numbers for chapter 6, "Quantizing the cache".
 
-    python chapters/figures/ch06.py [--out DIR] [--threads N]
+    python chapters/figures/ch06.py [--out DIR] [--threads N] [--sections 1,2,3,4,5]
 
 Writes ch06_errors.png, ch06_accuracy.png, ch06_attention.png, ch06_whose_bytes.png and
-ch06.json (every number the chapter quotes, with the setup):
+ch06.json (every number the chapter quotes, with the setup; "facts": those it quotes from
+elsewhere, with their sources; "from_other_chapters": what it quotes of chapters 3 and 7,
+read from their JSON files beside this script). The five sections below can be run
+separately (--sections): the ones not run keep their numbers from the ch06.json already in
+DIR, and setup.section_runs says when each section ran; each section's figure is drawn
+only when it runs. Sections:
 
 1. Bytes per token of each format, scales and zero points included
    (kvlab.kv_bytes_per_token), for the bundled model, stories260K and two large shapes,
@@ -14,20 +19,25 @@ ch06.json (every number the chapter quotes, with the setup):
 3. Accuracy (kvlab.accuracy.evaluate): the bundled model on 2,048 tokens of the Tiny
    Shakespeare validation split, stories260K (where present) on 2,048 tokens it wrote.
 4. Decode attention alone (cache.attend) on one Llama 3 8B layer (32 query heads, 8 KV
-   heads of head_dim 128) filled with random rows, every format timed round-robin, best
-   of 15, as benchmarks/bench_quant.py does at more contexts.
+   heads of head_dim 128) filled with random rows, every format timed round-robin in 25
+   rounds, as benchmarks/bench_quant.py does at more contexts: the median of the rounds,
+   with their spread (chapters/figures/common.py's spread), and each round's fp32 time
+   over the format's, median and spread.
 5. Weights or cache, whose bytes: for the presets, the bytes a decode step reads of each
    (kvlab.measure.decode_step_bytes), the context where the cache's overtake the weights'
    per batch and format, and what each quantization saves at a few (context, batch)
    points; measured, every weight format with every cache format on the same held-out
    text (kvlab.accuracy.evaluate_weights), and decode on the stories15M shape per weight
-   format (benchmarks/bench_weights.py's model, a few interleaved rounds).
+   format (benchmarks/bench_weights.py's model, 15 interleaved rounds: medians and spreads).
 
-Runs in well under 60 s on the 2-core development machine.
+The quantization benchmark's stored accuracy run (benchmarks/results/bench_quant.json,
+not tracked by git) is copied into the JSON when present, and kept from the earlier
+ch06.json otherwise. Runs in about 20 s on the 2-core development machine.
 """
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 import platform
@@ -41,7 +51,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 import kvlab  # noqa: E402
-import common  # noqa: E402,F401  (chapters/figures/common.py puts benchmarks/ on the path)
+from common import machine, spread  # noqa: E402  (common.py also puts benchmarks/ on the path)
 import bench_quant  # noqa: E402
 import bench_weights  # noqa: E402
 from kvlab import accuracy, measure, quant  # noqa: E402
@@ -55,6 +65,24 @@ FORMATS = ["fp32", "fp16", "bf16", "fp8", "int8", "int4"]
 SPECS = ["fp32", "fp16", "bf16", "fp8", "int8", "int4", {"dtype": "int4", "window": 32},
          {"key_dtype": "int8", "value_dtype": "int4"}]
 LABELS = ["fp32", "fp16", "bf16", "fp8", "int8", "int4", "int4 +window 32", "int8 K, int4 V"]
+ATTENTION_ROUNDS = 25
+DECODE_ROUNDS = 15
+# numbers the chapter quotes from elsewhere, with where they come from (written to the JSON
+# as "facts")
+FACTS = {
+    "check_yourself_int8_group": {
+        "value": [0.01, -0.02, 0.03, 12.7],
+        "source": "made-up values for Check yourself, question 2: a group of small values "
+                  "with one outlier"},
+}
+# the JSON keys each section writes (those of a section not run are kept from the last run)
+SECTION_KEYS = {
+    1: ["bytes_per_token", "allocation_matches_formula", "tokens_in_16_gib_llama3_8b"],
+    2: ["round_trip", "c_codes_equal_kvlab_quant"],
+    3: ["accuracy"],
+    4: ["attention", "attention_summary"],
+    5: ["whose_bytes", "weights_x_cache_accuracy", "decode_by_weight_format_15m"],
+}
 
 
 # ---- 1. bytes per token ----------------------------------------------------------------------
@@ -134,12 +162,34 @@ def codes_match(model, keys, values) -> dict:
 
 # ---- 4. attention speed --------------------------------------------------------------------
 
-def attention_times(contexts, repeats: int = 15) -> list:
+def attention_times(contexts, repeats: int = ATTENTION_ROUNDS) -> list:
     """benchmarks/bench_quant.py's measurement (one Llama 3 8B layer, every format timed
-    round-robin), in this chapter's units."""
-    return [{"context": r["context"], "format": r["format"], "ms": 1e3 * r["seconds"],
-             "speedup_vs_fp32": r["ratio_to_fp32"], "cache_bytes": r["bytes_read"],
-             "gb_per_s": r["gb_per_s"]} for r in bench_quant.attention_times(contexts, repeats)]
+    round-robin), in this chapter's units: the median of the rounds and their spread, the
+    speed-up as the median of each round's fp32 time over the format's."""
+    rows = []
+    for r in bench_quant.attention_times(contexts, repeats):
+        ms = spread([1e3 * s for s in r["round_seconds"]])
+        speedup = spread(r["round_ratios_to_fp32"])
+        rows.append({"context": r["context"], "format": r["format"],
+                     "bytes_per_value": quant.bytes_per_value(r["format"], 128),
+                     "ms": ms["median"], "ms_spread": ms,
+                     "speedup_vs_fp32": speedup["median"], "speedup_spread": speedup,
+                     "cache_bytes": r["bytes_read"], "gb_per_s": r["bytes_read"] / ms["median"] / 1e6,
+                     "best_ms": 1e3 * r["seconds"]})
+    return rows
+
+
+def attention_summary(rows) -> dict:
+    """Per format, the range of the median speed-ups over the contexts, and of the single
+    rounds' speed-ups."""
+    summary = {}
+    for fmt in FORMATS[1:]:
+        mine = [r for r in rows if r["format"] == fmt]
+        medians = [r["speedup_vs_fp32"] for r in mine]
+        summary[fmt] = {"speedup_median_range": [min(medians), max(medians)],
+                        "speedup_round_range": [min(r["speedup_spread"]["min"] for r in mine),
+                                                max(r["speedup_spread"]["max"] for r in mine)]}
+    return summary
 
 
 # ---- figures -------------------------------------------------------------------------------
@@ -203,13 +253,18 @@ def plot_attention(rows, path: Path) -> None:
     for j, context in enumerate(contexts):
         mine = [r for r in rows if r["context"] == context]
         x = np.arange(len(mine)) + (j - (len(contexts) - 1) / 2) * width
-        ax.bar(x, [r["speedup_vs_fp32"] for r in mine], width,
+        medians = np.array([r["speedup_vs_fp32"] for r in mine])
+        low = medians - [r["speedup_spread"]["q1"] for r in mine]
+        high = [r["speedup_spread"]["q3"] for r in mine] - medians
+        ax.bar(x, medians, width, yerr=[low, high], capsize=2, error_kw={"lw": 0.8},
                label=f"{context:,} positions (fp32: {mine[0]['ms']:.1f} ms)")
     ax.set_xticks(np.arange(len(FORMATS)),
                   [f"{f}\n{quant.bytes_per_value(f, 128):.3g} B/value" for f in FORMATS], fontsize=8)
     ax.axhline(1, color="k", lw=0.6)
     ax.set_ylabel("speed against fp32 (x)")
-    ax.set_title("Decode attention alone, one Llama 3 8B layer (cache.attend)", fontsize=10)
+    rounds = rows[0]["speedup_spread"]["runs"]
+    ax.set_title(f"Decode attention alone, one Llama 3 8B layer (cache.attend): median of "
+                 f"{rounds} rounds, bars: their quartiles", fontsize=9)
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3, axis="y")
     fig.tight_layout()
@@ -254,8 +309,9 @@ def _savings(config, context: int, batch: int) -> dict:
             "both": 1 - total("q8_0", "int8") / base}
 
 
-def decode_by_weight_format(rounds: int = 3) -> list:
-    """Greedy decode on the stories15M shape (random weights), each weight format in turn."""
+def decode_by_weight_format(rounds: int = DECODE_ROUNDS) -> list:
+    """Greedy decode on the stories15M shape (random weights), each weight format in turn:
+    medians over the rounds, with their spread."""
     models = bench_weights.build_models("15m")
     prompt = np.random.default_rng(1).integers(0, 32000, 16).astype(np.int32)
     bench_weights.check(models, prompt[:6])
@@ -265,9 +321,12 @@ def decode_by_weight_format(rounds: int = 3) -> list:
     for v in bench_weights.VARIANTS:
         seconds = float(np.median(times[v]))
         step_bytes = bench_weights.bytes_per_decode_step(models[v], prompt)
+        speedup = spread(ratios[v])
         rows.append({"weights": v, "weights_nbytes": models[v].weights_nbytes,
+                     "fp32_bytes_over_these": models["fp32"].weights_nbytes / models[v].weights_nbytes,
                      "decode_tokens_per_s": 1 / seconds,
-                     "speedup_vs_fp32": float(np.median(ratios[v])),
+                     "tokens_per_s_spread": spread([1 / t for t in times[v]]),
+                     "speedup_vs_fp32": speedup["median"], "speedup_spread": speedup,
                      "read_gb_per_s": step_bytes / seconds / 1e9})
     return rows
 
@@ -316,16 +375,59 @@ def plot_whose_bytes(table, combos, path: Path) -> None:
     plt.close(fig)
 
 
+def other_chapters() -> dict:
+    """What the chapter quotes of chapters 3 and 7, from their JSON files beside this
+    script (None where a file or number is missing: rerun that chapter's script)."""
+    def read(name, *keys):
+        try:
+            value = json.loads((HERE / name).read_text())
+            for key in keys:
+                value = value[key]
+            return value
+        except (OSError, KeyError, ValueError):
+            print(f"({name}: no {'.'.join(keys)})")
+            return None
+    return {
+        "ch03_gqa_fp32_4096_ms": {
+            "value": read("ch03.json", "attention_summary", "context_4096_threads_1", "gqa_ms"),
+            "source": "chapter 3's run, ch03.json attention_summary.context_4096_threads_1."
+                      "gqa_ms: the same fp32 layer (32 query heads, 8 KV heads of 128) at "
+                      "4,096 positions, one thread"},
+        "ch07_fp32_fraction_of_read_bw_range": {
+            "value": read("ch07.json", "cpu", "summary", "fp32", "fraction_of_read_bw_range"),
+            "source": "chapter 7's run, ch07.json cpu.summary.fp32.fraction_of_read_bw_range: "
+                      "fp32 decode attention's bytes per second over the measured read "
+                      "bandwidth, lowest and highest over 1K-16K positions"},
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default=str(HERE))
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--tokens", type=int, default=2048)
+    parser.add_argument("--sections", default="1,2,3,4,5",
+                        help="the sections to run; the others keep their numbers from the "
+                             "ch06.json in --out")
     args = parser.parse_args()
+    sections = sorted({int(x) for x in args.sections.split(",")})
+    if not sections or not set(sections) <= set(SECTION_KEYS):
+        parser.error(f"--sections takes numbers from {sorted(SECTION_KEYS)}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    previous = json.loads((out / "ch06.json").read_text()) if (out / "ch06.json").is_file() else {}
+    skipped = [n for n in SECTION_KEYS if n not in sections]
+    missing = [n for n in skipped if any(key not in previous for key in SECTION_KEYS[n])]
+    if missing:
+        parser.error(f"{out / 'ch06.json'} holds no earlier run of sections {missing}: run them")
     kvlab.set_num_threads(args.threads)
     started = time.perf_counter()
+    load_before = os.getloadavg()
+    today = datetime.datetime.now().isoformat(timespec="minutes")
+    result = {key: previous[key] for n in skipped for key in SECTION_KEYS[n]}
+    section_runs = {n: previous.get("setup", {}).get("section_runs", {}).get(str(n), "an earlier run")
+                    for n in skipped}
+    seconds = {}
 
     model = kvlab.load()
     stories = None
@@ -333,96 +435,133 @@ def main() -> None:
         stories = kvlab.load(STORIES / "stories260K.bin", tokenizer=STORIES / "tok512.bin")
     else:
         print(f"({STORIES} not found: stories260K skipped)")
-
-    configs = [model.config, kvlab.ModelConfig.stories260k(), kvlab.ModelConfig.llama2_7b(),
-               kvlab.ModelConfig.llama3_8b()]
-    sizes = bytes_table(configs)
-    allocation_ok = check_allocation(model)
-    print("bytes per token:", json.dumps(sizes, indent=1), "allocation matches:", allocation_ok)
-
     # held-out text: the validation split recorded in the model card (kvlab.accuracy)
     tokens = accuracy.validation_tokens(model, str(DATA), args.tokens)
-    keys, values = real_kv(model, tokens[:512])
-    errors = round_trip(keys, values)
-    matches = codes_match(model, keys, values)
-    for fmt, row in errors.items():
-        print(f"{fmt:<5} rel RMS {row['relative_rms_error']:.2e}  max {row['max_abs_error']:.3g}"
-              f"  within bound {row['within_bound']}  C codes = kvlab.quant {matches[fmt]}")
+    story_tokens = (accuracy.generated_tokens(stories, args.tokens, seed=0)
+                    if stories is not None else None)
 
-    reports = []
-    report = accuracy.evaluate(model, tokens, SPECS, context=512)
-    report.model += " (Tiny Shakespeare validation split)"
-    print(report.table())
-    reports.append(report.as_dict())
-    if stories is not None:
-        story_tokens = accuracy.generated_tokens(stories, args.tokens, seed=0)
-        report = accuracy.evaluate(stories, story_tokens, SPECS, context=512)
-        report.model += " (text it generated)"
+    def ran(n, since):
+        seconds[n] = round(time.perf_counter() - since, 1)
+        section_runs[n] = f"{today}, {seconds[n]} s"
+
+    if 1 in sections:
+        since = time.perf_counter()
+        configs = [model.config, kvlab.ModelConfig.stories260k(), kvlab.ModelConfig.llama2_7b(),
+                   kvlab.ModelConfig.llama3_8b()]
+        result["bytes_per_token"] = bytes_table(configs)
+        result["allocation_matches_formula"] = check_allocation(model)
+        result["tokens_in_16_gib_llama3_8b"] = {
+            fmt: (16 * 2**30) // kvlab.kv_bytes_per_token(kvlab.ModelConfig.llama3_8b(), fmt)
+            for fmt in FORMATS}
+        print("bytes per token:", json.dumps(result["bytes_per_token"], indent=1),
+              "allocation matches:", result["allocation_matches_formula"])
+        ran(1, since)
+
+    if 2 in sections:
+        since = time.perf_counter()
+        keys, values = real_kv(model, tokens[:512])
+        errors = round_trip(keys, values)
+        matches = codes_match(model, keys, values)
+        for fmt, row in errors.items():
+            print(f"{fmt:<5} rel RMS {row['relative_rms_error']:.2e}  max {row['max_abs_error']:.3g}"
+                  f"  within bound {row['within_bound']}  C codes = kvlab.quant {matches[fmt]}")
+        plot_errors(errors, out / "ch06_errors.png")
+        for row in errors.values():
+            del row["_scaled"]
+        result["round_trip"], result["c_codes_equal_kvlab_quant"] = errors, matches
+        ran(2, since)
+
+    if 3 in sections:
+        since = time.perf_counter()
+        reports = []
+        report = accuracy.evaluate(model, tokens, SPECS, context=512)
+        report.model += " (Tiny Shakespeare validation split)"
         print(report.table())
         reports.append(report.as_dict())
+        if stories is not None:
+            report = accuracy.evaluate(stories, story_tokens, SPECS, context=512)
+            report.model += " (text it generated)"
+            print(report.table())
+            reports.append(report.as_dict())
+        plot_accuracy(reports, out / "ch06_accuracy.png")
+        result["accuracy"] = reports
+        ran(3, since)
 
-    times = attention_times([4096, 16384])
-    for r in times:
-        print(f"{r['context']:>6} {r['format']:<5}{r['ms']:8.2f} ms {r['speedup_vs_fp32']:6.2f}x"
-              f"{r['gb_per_s']:7.2f} GB/s")
+    if 4 in sections:
+        since = time.perf_counter()
+        times = attention_times([4096, 16384])
+        for r in times:
+            print(f"{r['context']:>6} {r['format']:<5}{r['ms']:8.2f} ms "
+                  f"({r['ms_spread']['min']:.2f}-{r['ms_spread']['max']:.2f}) "
+                  f"{r['speedup_vs_fp32']:6.2f}x ({r['speedup_spread']['min']:.2f}-"
+                  f"{r['speedup_spread']['max']:.2f}) {r['gb_per_s']:7.2f} GB/s")
+        plot_attention(times, out / "ch06_attention.png")
+        result["attention"], result["attention_summary"] = times, attention_summary(times)
+        ran(4, since)
 
-    whose = whose_bytes()
-    for name, row in whose.items():
-        print(name, "crossover (fp16 weights, fp16 cache):",
-              row["crossover"]["fp16 weights, fp16 cache"])
-    combos = []
-    report = accuracy.evaluate_weights(model, tokens, context=512)
-    report.model += " (Tiny Shakespeare validation split)"
-    print(report.table())
-    combos.append(report.as_dict())
-    if stories is not None:
-        # its hidden width (172) is no multiple of Q8_0's block of 32: 16-bit weights only
-        report = accuracy.evaluate_weights(stories, story_tokens, weights=("fp32", "fp16", "bf16"),
-                                           context=512)
-        report.model += " (text it generated)"
+    if 5 in sections:
+        since = time.perf_counter()
+        whose = whose_bytes()
+        for name, row in whose.items():
+            print(name, "crossover (fp16 weights, fp16 cache):",
+                  row["crossover"]["fp16 weights, fp16 cache"])
+        combos = []
+        report = accuracy.evaluate_weights(model, tokens, context=512)
+        report.model += " (Tiny Shakespeare validation split)"
         print(report.table())
         combos.append(report.as_dict())
-    decode = decode_by_weight_format()
-    for r in decode:
-        print(f"15M shape, {r['weights']:<12} {r['decode_tokens_per_s']:8.1f} tok/s "
-              f"{r['speedup_vs_fp32']:5.2f}x {r['read_gb_per_s']:6.1f} GB/s")
+        if stories is not None:
+            # its hidden width (172) is no multiple of Q8_0's block of 32: 16-bit weights only
+            report = accuracy.evaluate_weights(stories, story_tokens,
+                                               weights=("fp32", "fp16", "bf16"), context=512)
+            report.model += " (text it generated)"
+            print(report.table())
+            combos.append(report.as_dict())
+        decode = decode_by_weight_format()
+        for r in decode:
+            print(f"15M shape, {r['weights']:<12} {r['decode_tokens_per_s']:8.1f} tok/s "
+                  f"{r['speedup_vs_fp32']:5.2f}x ({r['speedup_spread']['min']:.2f}-"
+                  f"{r['speedup_spread']['max']:.2f}) {r['read_gb_per_s']:6.1f} GB/s")
+        plot_whose_bytes(whose, combos, out / "ch06_whose_bytes.png")
+        result["whose_bytes"], result["weights_x_cache_accuracy"] = whose, combos
+        result["decode_by_weight_format_15m"] = decode
+        ran(5, since)
 
-    plot_errors(errors, out / "ch06_errors.png")
-    plot_whose_bytes(whose, combos, out / "ch06_whose_bytes.png")
-    plot_accuracy(reports, out / "ch06_accuracy.png")
-    plot_attention(times, out / "ch06_attention.png")
-
-    for row in errors.values():
-        del row["_scaled"]
-    # the quantization benchmark's stored run (benchmarks/bench_quant.py), quoted by the text
+    # the quantization benchmark's stored run (benchmarks/bench_quant.py), quoted by the
+    # text; the results folder is not tracked, so an earlier copy is kept when it is absent
     bench = HERE.parents[1] / "benchmarks" / "results" / "bench_quant.json"
-    stored = json.loads(bench.read_text())["accuracy"] if bench.is_file() else None
+    if bench.is_file():
+        stored = json.loads(bench.read_text())["accuracy"]
+        stored_from = f"{bench.relative_to(HERE.parents[1])}, read {today}"
+    else:
+        stored = previous.get("bench_quant_json_accuracy")
+        stored_from = previous.get("setup", {}).get(
+            "bench_quant_json_from", "benchmarks/results/bench_quant.json, as copied by an "
+                                     "earlier run of this script")
     result = {
-        "setup": {"kvlab": kvlab.__version__, "threads": kvlab.get_num_threads(),
-                  "cpu_count": os.cpu_count(), "processor": platform.processor(),
-                  "machine": platform.machine(), "python": platform.python_version(),
+        "setup": {**machine(), "threads": kvlab.get_num_threads(), "machine": platform.machine(),
                   "accuracy_tokens": args.tokens, "accuracy_context": 512,
                   "round_trip_tokens": 512,
                   "attention": "one Llama 3 8B layer (32 heads, 8 KV heads, head_dim 128), "
-                               "random K/V rows, cache.attend, best of 15 round-robin",
-                  "seconds": None},
-        "bytes_per_token": sizes,
-        "allocation_matches_formula": allocation_ok,
-        "round_trip": errors,
-        "c_codes_equal_kvlab_quant": matches,
-        "accuracy": reports,
-        "attention": times,
-        "tokens_in_16_gib_llama3_8b": {
-            fmt: (16 * 2**30) // kvlab.kv_bytes_per_token(kvlab.ModelConfig.llama3_8b(), fmt)
-            for fmt in FORMATS},
+                               f"random K/V rows, cache.attend, {ATTENTION_ROUNDS} rounds, "
+                               "the formats in turn (each first in turn): the median, and "
+                               "the spread over the rounds; speed-ups: the median of each "
+                               "round's fp32 time over the format's",
+                  "decode": "stories15M shape, random weights, median of 16 decode steps "
+                            f"after 16 tokens, {DECODE_ROUNDS} interleaved rounds "
+                            "(benchmarks/bench_weights.py): the median and the spread over "
+                            "the rounds",
+                  "bench_quant_json_from": stored_from,
+                  "section_runs": {str(n): section_runs[n] for n in sorted(section_runs)},
+                  "load_average_before_after": [load_before, os.getloadavg()],
+                  "seconds": round(time.perf_counter() - started, 1)},
+        **{key: result[key] for n in SECTION_KEYS for key in SECTION_KEYS[n]},
         "bench_quant_json_accuracy": stored,
-        "whose_bytes": whose,
-        "weights_x_cache_accuracy": combos,
-        "decode_by_weight_format_15m": decode,
+        "facts": FACTS,
+        "from_other_chapters": other_chapters(),
     }
-    result["setup"]["seconds"] = round(time.perf_counter() - started, 1)
     (out / "ch06.json").write_text(json.dumps(result, indent=1))
-    print(f"wrote {out} in {result['setup']['seconds']} s")
+    print(f"wrote {out} in {result['setup']['seconds']} s (sections {sections})")
 
 
 if __name__ == "__main__":

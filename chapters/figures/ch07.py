@@ -1,14 +1,22 @@
 """Figures and numbers for chapter 7, "Kernels for decode attention".
 
-    python chapters/figures/ch07.py [--out DIR]
+    python chapters/figures/ch07.py [--out DIR] [--rounds 11]
 
-Measures, on this machine: the memory read bandwidth (kvlab's own probe, csrc/bandwidth.c),
-a NumPy float32 matrix product as the CPU's practical compute roof, and decode attention
-alone (cache.attend) on one Llama 3 8B-shaped layer (32 query heads, 8 KV heads of
-head_dim 128) at 1K to 16K positions, in fp32, fp16 and int8. Checks a NumPy
-flash-decoding split/merge against cache.attend and kvlab.reference. Everything about
-the H200 is arithmetic from published figures (a bandwidth model), not a measurement.
-Writes ch07_roofline.png, ch07_cpu_attention.png, ch07_h200_estimate.png and ch07.json.
+Measures, on this machine: the memory read bandwidth (kvlab's own probe, csrc/bandwidth.c,
+before every round and at the end), a NumPy float32 matrix product as the CPU's
+practical compute roof, decode attention alone (cache.attend) on one Llama 3 8B-shaped
+layer (32 query heads, 8 KV heads of head_dim 128) at 1K to 16K positions in fp32, fp16
+and int8, all threads against one at 16K, and a paged decode step against a contiguous
+one (benchmarks/bench_paged.py's model). Every timing is taken in rounds, the compared
+variants in turn (each first in turn; bench_paged.py keeps its own order), and reported as
+the median over the rounds with their spread (chapters/figures/common.spread); a speed-up
+is the median of each round's ratio. The two roofs keep their best measurement instead (a roof is the most the machine
+delivers; a slower pass only saw other work), with the spread beside it. Checks a NumPy
+flash-decoding split/merge against cache.attend and kvlab.reference. Everything about the
+H200 is arithmetic from published figures (a bandwidth model, FACTS), not a measurement.
+Writes ch07_roofline.png, ch07_cpu_attention.png, ch07_h200_estimate.png and ch07.json
+(every number the chapter quotes, with the setup; "facts": those it quotes from elsewhere,
+with their sources). Runs in about 15 s on the 2-core development machine.
 """
 from __future__ import annotations
 
@@ -25,17 +33,51 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 import kvlab  # noqa: E402
-from common import machine  # noqa: E402  (chapters/figures/common.py)
-# one layer of Llama 3 8B (32 query heads, 8 KV heads of 128), filled and timed as the
-# benchmark does (common.py puts benchmarks/ on the path)
-from bench_cpu import (HEAD_DIM, N_HEADS, N_KV_HEADS, best_of, filled_cache,  # noqa: E402
-                       numpy_matmul_flops, time_attend)
+from common import machine, spread  # noqa: E402  (chapters/figures/common.py)
+# one layer of Llama 3 8B (32 query heads, 8 KV heads of 128), filled as the benchmark
+# does (common.py puts benchmarks/ on the path)
+import bench_paged  # noqa: E402
+from bench_cpu import HEAD_DIM, N_HEADS, N_KV_HEADS, filled_cache  # noqa: E402
 from kvlab import measure, reference  # noqa: E402
 
-# Published H200 SXM figures (NVIDIA's data sheet): HBM3e bandwidth, dense BF16 tensor-core
-# throughput (the 1,979 TFLOPS on the sheet is "with sparsity"), streaming multiprocessors.
-H200 = {"hbm_bytes_per_s": 4.8e12, "bf16_dense_flops": 989e12, "sms": 132}
+# numbers the chapter quotes from elsewhere, with where they come from (written to the JSON
+# as "facts")
+FACTS = {
+    "h200_hbm_bytes_per_s": {
+        "value": 4.8e12,
+        "source": "NVIDIA H200 Tensor Core GPU data sheet (references.md, ref-h200), H200 "
+                  "SXM: GPU memory bandwidth 4.8 TB/s (HBM3e)"},
+    "h200_bf16_dense_flops": {
+        "value": 989e12,
+        "source": "NVIDIA H200 data sheet, H200 SXM: BFLOAT16 Tensor Core 1,979 TFLOPS "
+                  "'with sparsity', so 989 TFLOPS dense"},
+    "h200_fp32_flops": {
+        "value": 67e12,
+        "source": "NVIDIA H200 data sheet, H200 SXM: FP32 67 TFLOPS"},
+    "h200_sms": {
+        "value": 132,
+        "source": "NVIDIA Hopper Architecture In-Depth (references.md, ref-hopper): 132 "
+                  "streaming multiprocessors in the SXM5 part, which the H200 shares"},
+    "hopper_shared_memory_kb": {
+        "value": {"per_sm": 228, "per_thread_block": 227},
+        "source": "NVIDIA Hopper Tuning Guide (references.md, ref-hopper): up to 228 KB of "
+                  "shared memory per SM, at most 227 KB for one thread block"},
+    "readme_paged_over_contiguous": {
+        "value": [0.91, 1.0],
+        "source": "README.md, benchmarks/bench_paged.py's run (block size 16, 128 to 32K "
+                  "positions, best of 15 rounds each) as committed at 71244c7"},
+    "readme_paged_over_contiguous_earlier": {
+        "value": [0.78, 1.07],
+        "source": "README.md, an earlier run of benchmarks/bench_paged.py (block size 16, "
+                  "128 to 32K positions, best of 15 rounds each), committed at 579c205 and "
+                  "replaced at 71244c7"},
+}
+H200 = {"hbm_bytes_per_s": FACTS["h200_hbm_bytes_per_s"]["value"],
+        "bf16_dense_flops": FACTS["h200_bf16_dense_flops"]["value"],
+        "fp32_flops": FACTS["h200_fp32_flops"]["value"], "sms": FACTS["h200_sms"]["value"]}
 CONTEXTS_CPU = [1024, 2048, 4096, 8192, 16384]
+CONTEXTS_PAGED = [128, 512, 2048, 8192, 32768]   # bench_paged.py's
+PAGED_BLOCK = 16
 CONTEXTS_GPU = [4096, 8192, 16384, 32768]
 FORMATS = ["fp32", "fp16", "int8"]
 
@@ -66,10 +108,62 @@ def measure_bandwidth():
     return {k: float(v) for k, v in bw.items()}
 
 
+def matmul_flops_runs(runs: int) -> list:
+    """FLOP/s of each of `runs` NumPy float32 1024 x 1024 matrix products (OpenBLAS, every
+    core), as benchmarks/bench_cpu.py's numpy_matmul_flops measures them."""
+    a = np.random.default_rng(0).standard_normal((1024, 1024), dtype=np.float32)
+    a @ a
+    flops = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        a @ a
+        flops.append(2 * 1024 ** 3 / (time.perf_counter() - start))
+    return flops
+
+
+def copies_of(context, dtype, rows):
+    """Enough copies of a filled cache (64 MiB at least, twice the L3 cache) that cycling
+    through them, every call reads its K and V from memory (benchmarks/bench_cpu.py's
+    time_attend)."""
+    first = filled_cache(context, dtype, rows)
+    return [first] + [filled_cache(context, dtype, rows)
+                      for _ in range(-(-(64 << 20) // first.nbytes) - 1)]
+
+
+def attend_seconds(copies, q) -> float:
+    """One round: the median time of cache.attend over each copy in turn (4 calls at least)."""
+    seconds = []
+    for i in range(max(4, len(copies))):
+        cache = copies[i % len(copies)]
+        start = time.perf_counter()
+        cache.attend(q)
+        seconds.append(time.perf_counter() - start)
+    return float(np.median(seconds))
+
+
+def paged_rounds(rounds: int) -> list:
+    """bench_paged.py's decode step (one layer, 8 query heads, 2 KV heads of 64) over a
+    contiguous cache and a paged one, in turn: per context, the median of each round's
+    paged time over its contiguous time, and the spread."""
+    rng = np.random.default_rng(0)
+    rows = []
+    for context in CONTEXTS_PAGED:
+        r = bench_paged.bench_decode(context, rounds, 8, rng)
+        contiguous, paged = r["round_seconds"]["contiguous"], r["round_seconds"][f"paged_{PAGED_BLOCK}"]
+        ratio = spread([p / c for p, c in zip(paged, contiguous)])
+        rows.append({"context": context, "block_size": PAGED_BLOCK,
+                     "contiguous_us": 1e6 * float(np.median(contiguous)),
+                     "paged_us": 1e6 * float(np.median(paged)),
+                     "paged_over_contiguous": ratio["median"], "paged_over_contiguous_spread": ratio})
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default=str(Path(__file__).resolve().parent))
+    parser.add_argument("--rounds", type=int, default=11, help="rounds of every timing")
     args = parser.parse_args()
+    rounds = args.rounds
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
@@ -78,33 +172,84 @@ def main() -> None:
     threads = kvlab.get_num_threads()
 
     # ---- the CPU: bandwidth, compute, decode attention ------------------------------------
-    bandwidths = [measure_bandwidth()]
-    matmul_flops = numpy_matmul_flops()
+    # the roofs keep their best measurement: a roof is the most the machine delivers, and
+    # on a shared machine a slower pass only saw other work (their spread is kept too)
+    bandwidths = []
+    matmul_runs = matmul_flops_runs(rounds)
+    matmul_flops = max(matmul_runs)
     q = rng.standard_normal((N_HEADS, HEAD_DIM), dtype=np.float32)
     kv_rows = rng.standard_normal((max(CONTEXTS_CPU), 1, N_KV_HEADS, HEAD_DIM), dtype=np.float32)
+    # every context and format is timed in every round (contexts and formats each first in
+    # turn), after a bandwidth measurement: a slow spell of the shared machine hits them alike
+    copies = {(context, dtype): copies_of(context, dtype, kv_rows)
+              for context in CONTEXTS_CPU for dtype in FORMATS}
+    # one thread against all of them, 16K fp32 (128 MiB, four times the L3 cache), in the
+    # same rounds: the round's all-thread time is its (16384, "fp32") one
+    taken = {key: [] for key in copies}
+    one_thread = []
+    for r in range(rounds):
+        bandwidths.append(measure_bandwidth())
+        for context in CONTEXTS_CPU[r % len(CONTEXTS_CPU):] + CONTEXTS_CPU[:r % len(CONTEXTS_CPU)]:
+            for dtype in FORMATS[r % len(FORMATS):] + FORMATS[:r % len(FORMATS)]:
+                taken[context, dtype].append(attend_seconds(copies[context, dtype], q))
+            if context == 16384:
+                kvlab.set_num_threads(1)
+                one_thread.append(attend_seconds(copies[16384, "fp32"], q))
+                kvlab.set_num_threads(threads)
     rows = []
     for context in CONTEXTS_CPU:
-        if context == 4096:       # the machine is shared: measure the bandwidth in between too
-            bandwidths.append(measure_bandwidth())
         for dtype in FORMATS:
-            seconds, nbytes = time_attend(context, dtype, kv_rows, q)
+            nbytes = copies[context, dtype][0].nbytes
+            mine, fp32 = taken[context, dtype], taken[context, "fp32"]
+            seconds = spread(mine)
             flops = 4 * context * N_HEADS * HEAD_DIM        # q.k and p.v: 2 FLOPs each
-            rows.append({"context": context, "dtype": dtype, "seconds": seconds,
-                         "bytes_read": nbytes, "bytes_per_s": nbytes / seconds,
-                         "flops": flops, "flops_per_s": flops / seconds,
+            speedup = spread([f / t for f, t in zip(fp32, mine)])
+            rows.append({"context": context, "dtype": dtype, "seconds": seconds["median"],
+                         "seconds_spread": seconds,
+                         "bytes_read": nbytes, "bytes_per_s": nbytes / seconds["median"],
+                         "bytes_per_s_spread": spread([nbytes / t for t in mine]),
+                         "round_spread_percent": 100 * (seconds["max"] - seconds["min"]) / seconds["median"],
+                         "speedup_vs_fp32": speedup["median"], "speedup_vs_fp32_spread": speedup,
+                         "flops": flops, "flops_per_s": flops / seconds["median"],
                          "flops_per_byte": flops / nbytes})
+    del copies
     bandwidths.append(measure_bandwidth())
     read_bw = max(b["read_bytes_per_s"] for b in bandwidths)
     for row in rows:
         row["fraction_of_read_bw"] = row["bytes_per_s"] / read_bw
+    summary = {}
+    for dtype in FORMATS:
+        mine = [r for r in rows if r["dtype"] == dtype]
+        summary[dtype] = {
+            "gb_per_s_range": [min(r["bytes_per_s"] for r in mine) / 1e9,
+                               max(r["bytes_per_s"] for r in mine) / 1e9],
+            "fraction_of_read_bw_range": [min(r["fraction_of_read_bw"] for r in mine),
+                                          max(r["fraction_of_read_bw"] for r in mine)],
+            "speedup_vs_fp32_range": [min(r["speedup_vs_fp32"] for r in mine),
+                                      max(r["speedup_vs_fp32"] for r in mine)],
+            "speedup_vs_fp32_round_range": [min(r["speedup_vs_fp32_spread"]["min"] for r in mine),
+                                            max(r["speedup_vs_fp32_spread"]["max"] for r in mine)],
+            "speedup_vs_fp32_quartile_range": [min(r["speedup_vs_fp32_spread"]["q1"] for r in mine),
+                                               max(r["speedup_vs_fp32_spread"]["q3"] for r in mine)],
+            "round_spread_percent_range": [min(r["round_spread_percent"] for r in mine),
+                                           max(r["round_spread_percent"] for r in mine)]}
+    summary["round_spread_percent_range"] = [min(r["round_spread_percent"] for r in rows),
+                                             max(r["round_spread_percent"] for r in rows)]
+    summary["fp32_over_int8_bytes"] = (rows[0]["bytes_read"] /
+                                       [r for r in rows if r["dtype"] == "int8"][0]["bytes_read"])
 
-    # one thread against all of them, 16K fp32 (128 MiB, four times the L3 cache)
-    cache = filled_cache(16384, "fp32", kv_rows)
-    t_all = best_of(10, lambda: cache.attend(q))
-    kvlab.set_num_threads(1)
-    t_one = best_of(10, lambda: cache.attend(q))
-    kvlab.set_num_threads(threads)
-    del cache
+    all_threads = taken[16384, "fp32"]
+    t_all, t_one = spread(all_threads), spread(one_thread)
+    thread_speedup = spread([o / a for o, a in zip(one_thread, all_threads)])
+
+    # ---- paged against contiguous: bench_paged.py's decode step ------------------------------
+    paged = paged_rounds(rounds)
+    paged_summary = {"ratio_range": [min(r["paged_over_contiguous"] for r in paged),
+                                     max(r["paged_over_contiguous"] for r in paged)],
+                     "round_ratio_range": [min(r["paged_over_contiguous_spread"]["min"] for r in paged),
+                                           max(r["paged_over_contiguous_spread"]["max"] for r in paged)],
+                     "quartile_range": [min(r["paged_over_contiguous_spread"]["q1"] for r in paged),
+                                        max(r["paged_over_contiguous_spread"]["q3"] for r in paged)]}
 
     # ---- flash-decoding split/merge against the C kernel and the reference ----------------
     context = 4096
@@ -142,11 +287,19 @@ def main() -> None:
     kv_mul = cfg.n_heads // cfg.n_kv_heads
     intensity = {"attention_fp32": 4 * kv_mul * cfg.head_dim / (2 * cfg.head_dim * 4),
                  "attention_fp16": 4 * kv_mul * cfg.head_dim / (2 * cfg.head_dim * 2),
+                 "attention_fp16_bytes_per_flop": (2 * cfg.head_dim * 2) / (4 * kv_mul * cfg.head_dim),
                  "attention_int8": 4 * kv_mul * cfg.head_dim / (per_token["int8"] / cfg.n_layers / cfg.n_kv_heads),
                  "attention_fp16_mha": 4 * cfg.head_dim / (2 * cfg.head_dim * 2),
                  "weights_fp16_per_batch_row": 1.0,     # 2 FLOPs per weight per row / 2 bytes
                  "h200_ridge": flops_gpu / bw_gpu,
+                 "h200_fp32_ridge": H200["fp32_flops"] / bw_gpu,
                  "cpu_ridge": matmul_flops / read_bw}
+    # decode attention with an fp16 cache at the H200's bandwidth: its FLOP/s, and the
+    # share of the chip's dense bf16 arithmetic that is
+    h200["attention_fp16_flops_per_s"] = intensity["attention_fp16"] * bw_gpu
+    h200["attention_fp16_share_of_bf16_peak"] = intensity["attention_fp16"] * bw_gpu / flops_gpu
+    # the reads take this many times longer than the arithmetic (the ridge over the intensity)
+    h200["kv_read_over_compute_time"] = flops_gpu / bw_gpu / intensity["attention_fp16"]
     # occupancy model: one thread block per (sequence, KV head, split); the chip's bandwidth
     # is assumed to scale with the share of its 132 SMs that have a block (an assumption)
     kv32 = h200["contexts"][32768]["kv_fp16_bytes"]
@@ -164,16 +317,20 @@ def main() -> None:
 
     fig, ax = plt.subplots(figsize=(6.4, 3.6))
     for d, style in zip(FORMATS, ("o-", "s-", "^-")):
-        ax.plot([r["context"] for r in by_fmt[d]], [r["bytes_per_s"] / 1e9 for r in by_fmt[d]],
-                style, label=f"decode attention, {d} cache")
+        median = np.array([r["bytes_per_s"] / 1e9 for r in by_fmt[d]])
+        low = median - [r["bytes_per_s_spread"]["q1"] / 1e9 for r in by_fmt[d]]
+        high = [r["bytes_per_s_spread"]["q3"] / 1e9 for r in by_fmt[d]] - median
+        ax.errorbar([r["context"] for r in by_fmt[d]], median, yerr=[low, high], fmt=style,
+                    capsize=2, lw=1, label=f"decode attention, {d} cache")
     ax.axhline(read_bw / 1e9, color="k", ls="--", lw=1, label="memory read bandwidth (measured)")
     ax.set_xscale("log", base=2)
     ax.set_xticks(CONTEXTS_CPU, [f"{c // 1024}K" for c in CONTEXTS_CPU])
     ax.set_ylim(0, read_bw / 1e9 * 1.15)
     ax.set_xlabel("context (positions in the cache)")
     ax.set_ylabel("bytes of K and V read, GB/s")
-    ax.set_title(f"cache.attend, one Llama 3 8B layer, {threads} threads", fontsize=10)
-    ax.legend(fontsize=7, loc="lower left", ncol=2)
+    ax.set_title(f"cache.attend, one Llama 3 8B layer, {threads} threads: median of {rounds} "
+                 "rounds, bars: their quartiles", fontsize=9)
+    ax.legend(fontsize=7, loc="lower left", bbox_to_anchor=(0, 0.6), ncol=2)
     fig.tight_layout()
     fig.savefig(out / "ch07_cpu_attention.png", dpi=100)
     plt.close(fig)
@@ -246,12 +403,27 @@ def main() -> None:
                   "attention_shape": {"n_heads": N_HEADS, "n_kv_heads": N_KV_HEADS,
                                       "head_dim": HEAD_DIM, "layers": 1},
                   "load_average_before_after": [load_before, os.getloadavg()],
-                  "note": "one run; timings on this shared 2-core machine vary from run to run"},
+                  "rounds": rounds,
+                  "timing": f"every timing in {rounds} rounds, the compared variants in turn "
+                            "(each first in turn); times: the median over the rounds, with "
+                            "their spread (min, max, quartiles); speed-ups and ratios: the "
+                            "median of each round's ratio, with its spread; an attention "
+                            "round: the median of one call per copy of the cache (4 at "
+                            "least); the roofs (read bandwidth, matrix product): the best "
+                            "measurement, as a roof is the most the machine delivers, with "
+                            "the spread of all of them"},
         "cpu": {"bandwidth_runs": bandwidths, "read_bytes_per_s": read_bw,
-                "numpy_matmul_flops_per_s": matmul_flops, "attention": rows,
-                "threads_16k_fp32": {"all_threads_s": t_all, "one_thread_s": t_one,
-                                     "speedup": t_one / t_all}},
+                "read_bytes_per_s_spread": spread([b["read_bytes_per_s"] for b in bandwidths]),
+                "numpy_matmul_flops_per_s": matmul_flops,
+                "numpy_matmul_flops_spread": spread(matmul_runs),
+                "attention": rows, "summary": summary,
+                "threads_16k_fp32": {"all_threads_s": t_all["median"], "one_thread_s": t_one["median"],
+                                     "all_threads_spread": t_all, "one_thread_spread": t_one,
+                                     "speedup": thread_speedup["median"],
+                                     "speedup_spread": thread_speedup},
+                "paged_over_contiguous": paged, "paged_summary": paged_summary},
         "split_check": split_check,
+        "facts": FACTS,
         "h200_published": H200,
         "h200_estimate": h200,
         "intensity_flops_per_byte": intensity,
@@ -263,7 +435,13 @@ def main() -> None:
     for r in rows:
         print(f"{r['context']:>6} {r['dtype']:>5} {1e3 * r['seconds']:7.2f} ms "
               f"{r['bytes_per_s'] / 1e9:6.2f} GB/s ({100 * r['fraction_of_read_bw']:.0f} %)")
-    print(f"16K fp32: one thread {1e3 * t_one:.2f} ms, {threads} threads {1e3 * t_all:.2f} ms")
+    print(f"16K fp32: one thread {1e3 * t_one['median']:.2f} ms, {threads} threads "
+          f"{1e3 * t_all['median']:.2f} ms, {thread_speedup['median']:.2f}x "
+          f"({thread_speedup['min']:.2f}-{thread_speedup['max']:.2f})")
+    for r in paged:
+        print(f"paged/contiguous at {r['context']:>6}: {r['paged_over_contiguous']:.3f} "
+              f"({r['paged_over_contiguous_spread']['min']:.3f}-"
+              f"{r['paged_over_contiguous_spread']['max']:.3f})")
     print("split check", split_check)
     print(f"wrote {out} in {result['seconds']:.1f} s")
 
