@@ -379,7 +379,9 @@ kv_status kv_blocks_needed(const kv_blocks *p, int seq, int n_tokens, int *neede
     if (status != KV_OK) return status;
     const kv_seq *q = &p->seqs[seq];
     if (q->reserved > 0) return KV_ERR_PENDING;
-    if (n_tokens <= 0 || n_tokens > (1 << 30) - q->length) return KV_ERR_INVALID_ARG;
+    /* at most 2**30 positions: rows, and positions too (next_position, which a sequence
+     * that dropped rows carries past its length), so that neither ever overflows */
+    if (n_tokens <= 0 || n_tokens > (1 << 30) - q->next_position) return KV_ERR_INVALID_ARG;
     int32_t last = q->n_blocks > 0 ? q->block_table[q->n_blocks - 1] : -1;
     int copy_last = q->length % p->block_size > 0 && p->ref_count[last] > 1;
     int new_blocks = blocks_for(p, q->length + n_tokens) - q->n_blocks;

@@ -454,9 +454,14 @@ kv_status kv_pool_swap_out(kv_pool *pool, int seq, void *host, size_t size);
  * the logits they would have given before the swap. Its full blocks join the prefix cache
  * as a prefill's do. The host buffer is only read: it may be swapped in again. Refused,
  * changing nothing: KV_ERR_CACHE_MISMATCH (another shape or format), KV_ERR_INVALID_ARG
- * (not such a buffer), KV_ERR_TABLE_FULL, KV_ERR_OUT_OF_BLOCKS, KV_ERR_TOO_MANY_SEQUENCES,
- * KV_ERR_NOMEM. */
+ * (not such a buffer: a header, size or row positions that no swap-out writes),
+ * KV_ERR_TABLE_FULL, KV_ERR_OUT_OF_BLOCKS, KV_ERR_TOO_MANY_SEQUENCES, KV_ERR_NOMEM. The rows
+ * and tokens themselves are taken as they are, as kv_pool_append takes any rows: bytes
+ * changed there are not detected (there is no checksum). */
 kv_status kv_pool_swap_in(kv_pool *pool, const void *host, size_t size, int *seq);
+/* The length (positions) the host copy's header gives, or -1 if host is not big enough to
+ * hold a header or does not start as one. */
+int kv_swap_length(const void *host, size_t size);
 
 /* ---- counting what a forward pass does -------------------------------------------- */
 
@@ -575,8 +580,10 @@ typedef enum {
 
 /* The no-cache path: runs the whole sequence from position 0, as a model without a KV
  * cache must on every step, holding its K and V as `keep` says. ALL_LAYERS runs in chunks
- * (a place to stop between them); ONE_LAYER runs all the tokens in one pass, because a
- * later chunk would need the earlier chunks' K and V of every layer. */
+ * of tokens through every layer (a place to stop between them); ONE_LAYER cannot (a later
+ * chunk would need the earlier chunks' K and V of every layer), so it goes layer by layer,
+ * its buffers sized for all the tokens, and each layer over the tokens in the same chunks,
+ * the interrupt check asked between them (stopped: KV_ERR_INTERRUPTED, nothing counted). */
 kv_status kv_model_forward_uncached(const kv_model *model, const int32_t *tokens,
                                     int n_tokens, float *logits, int all_logits,
                                     kv_uncached_kv keep, kv_counters *counters);

@@ -134,6 +134,10 @@ typedef struct {
     token_run *runs;       /* (n_runs,) */
     kv_layer_view *views;  /* (n_layers, n_runs) where each run's K and V live, per layer */
     kv_counters count;     /* what this call did, handed to the caller if it succeeds */
+    int layers_in_chunks;  /* the one-layer uncached pass (forward_one_layer_kv): each layer
+                              goes over the tokens a chunk at a time, the interrupt check
+                              asked between chunks ... */
+    int interrupted;       /* ... and it said stop: forward_tokens returned without logits */
 } run_state;
 
 static void run_state_free(run_state *s) {
@@ -391,6 +395,19 @@ static int64_t matrix_bytes(kv_matrix m, int64_t n_rows, int in_dim) {
     return n_rows * (int64_t)kv_weight_row_bytes(m.format, in_dim);
 }
 
+/* Bytes of one layer's weights: its seven matrices and two norm vectors. */
+static int64_t layer_weight_bytes(const kv_model *model) {
+    const kv_config *c = &model->config;
+    const kv_weights *w = &model->weights;
+    const int64_t dim = c->dim, hidden = c->hidden_dim;
+    const int64_t q_dim = (int64_t)c->n_heads * c->head_dim;
+    const int64_t kv_dim = (int64_t)c->n_kv_heads * c->head_dim;
+    return matrix_bytes(w->wq, q_dim, c->dim) + matrix_bytes(w->wk, kv_dim, c->dim) +
+           matrix_bytes(w->wv, kv_dim, c->dim) + matrix_bytes(w->wo, dim, (int)q_dim) +
+           matrix_bytes(w->w1, hidden, c->dim) + matrix_bytes(w->w3, hidden, c->dim) +
+           matrix_bytes(w->w2, dim, c->hidden_dim) + (int64_t)sizeof(float) * 2 * dim;
+}
+
 /* What one forward_tokens call did, from the shapes alone, added to s->count once the
  * math is done (kvlab/measure.py's forward_counts is the same arithmetic, and the tests
  * hold the two equal). Weights: each matrix and norm vector read once for the whole batch,
@@ -411,14 +428,7 @@ static void count_forward(const kv_model *model, run_state *s, int n_tokens, int
     count->flops_logits += 2 * (int64_t)n_rows * dim * c->vocab_size;
     const kv_weights *w = &model->weights;
     count->weight_bytes += n * matrix_bytes(w->token_embedding, 1, c->dim)   /* embedding rows */
-                           + L * (matrix_bytes(w->wq, q_dim, c->dim) +
-                                  matrix_bytes(w->wk, kv_dim, c->dim) +
-                                  matrix_bytes(w->wv, kv_dim, c->dim) +
-                                  matrix_bytes(w->wo, dim, (int)q_dim) +
-                                  matrix_bytes(w->w1, hidden, c->dim) +
-                                  matrix_bytes(w->w3, hidden, c->dim) +
-                                  matrix_bytes(w->w2, dim, c->hidden_dim) +
-                                  f * 2 * dim)                          /* the two norms */
+                           + L * layer_weight_bytes(model)
                            + f * dim                                    /* final norm */
                            + matrix_bytes(w->classifier, c->vocab_size, c->dim);
     for (int layer = 0; layer < c->n_layers; layer++)
@@ -439,6 +449,52 @@ static void count_forward(const kv_model *model, run_state *s, int n_tokens, int
     count->calls += 1;
 }
 
+/* One layer of the one-layer uncached pass (forward_one_layer_kv) over all its tokens, in
+ * the chunks kv_model_forward would run (kv_chunk_length), the interrupt check asked between
+ * them: one pass over thousands of tokens could otherwise run for minutes deaf to Ctrl-C.
+ * The chunks give the one pass's numbers bit for bit: every layer before is done for every
+ * token, this layer's K and V of the chunks before are in the one-layer cache for the
+ * chunk's attention, and a token's products and attention do not depend on the tokens run
+ * beside it (a prefill in parts equals one prefill). Each chunk works in the call's
+ * buffers from its first token on. Returns 0 if the check said stop. */
+static int layer_in_chunks(const kv_model *model, run_state *s, int layer) {
+    const kv_config *c = &model->config;
+    size_t dim = (size_t)c->dim, hidden = (size_t)c->hidden_dim, half = (size_t)c->head_dim / 2;
+    size_t q_dim = (size_t)c->n_heads * c->head_dim, kv_dim = (size_t)c->n_kv_heads * c->head_dim;
+    int n_tokens = s->runs[0].n_tokens, n_chunks = 0;
+    for (int start = 0; start < n_tokens; n_chunks++) {
+        if ((layer > 0 || start > 0) && kv_interrupted()) {
+            s->interrupted = 1;
+            return 0;
+        }
+        int n = kv_chunk_length(c, start, n_tokens - start);
+        token_run run = {0, n, start, start};
+        run_state chunk = *s;
+        chunk.runs = &run;
+        chunk.x += start * dim;
+        chunk.xb += start * dim;
+        chunk.proj += start * dim;
+        chunk.q += start * q_dim;
+        chunk.att_out += start * q_dim;
+        chunk.k += start * kv_dim;
+        chunk.v += start * kv_dim;
+        chunk.hb += start * hidden;
+        chunk.hb2 += start * hidden;
+        chunk.rope_cos += start * half;
+        chunk.rope_sin += start * half;
+        kv_layer_view *view = view_of(&chunk, layer, 0);
+        view->new_key = chunk.k;
+        view->new_value = chunk.v;
+        view->new_start = start;
+        attention_block(model, &chunk, layer, n);
+        mlp_block(model, &chunk, layer, n);
+        start += n;
+    }
+    /* each chunk read the layer's weights again, as kv_model_forward's chunks do */
+    s->count.weight_bytes += (int64_t)(n_chunks - 1) * layer_weight_bytes(model);
+    return 1;
+}
+
 /* The forward pass proper. The caller has checked every argument, filled s->runs and
  * s->views, and made room in the cache for every run's new positions. Logits: every
  * token's with all_logits, else the last token's of each run, one row per run. */
@@ -451,6 +507,10 @@ static void forward_tokens(const kv_model *model, run_state *s, const int32_t *t
     }
     fill_rope_tables(s, model);
     for (int layer = 0; layer < c->n_layers; layer++) {
+        if (s->layers_in_chunks) {
+            if (!layer_in_chunks(model, s, layer)) return;   /* interrupted: no logits */
+            continue;
+        }
         for (int r = 0; r < s->n_runs; r++) {
             /* each run's new rows, read in full precision inside the residual window */
             kv_layer_view *view = view_of(s, layer, r);
@@ -700,7 +760,11 @@ static kv_status forward_one_layer_kv(const kv_model *model, const int32_t *toke
     s.runs[0] = (token_run){0, n_tokens, 0, 0};
     for (int layer = 0; layer < c->n_layers; layer++)
         *view_of(&s, layer, 0) = kv_cache_layer_view(&one_layer, 0);
+    s.layers_in_chunks = 1;
     forward_tokens(model, &s, tokens, n_tokens, logits, all_logits);
+    /* stopped: an uncached call keeps nothing, and counts nothing (as kv_model_forward
+     * over its scratch cache) */
+    KV_CHECK(!s.interrupted, KV_ERR_INTERRUPTED);
     s.count.scratch_bytes += (int64_t)kv_cache_nbytes(&one_layer);
     kv_counters_add(counters, &s.count);
 fail:

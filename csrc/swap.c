@@ -158,6 +158,22 @@ static int same_layout(const kv_pool *pool, const swap_header *h) {
            h->value_format == (int32_t)pool->value.format && h->value_group == pool->value.group;
 }
 
+/* Whether the positions of a compacted sequence's rows, (n_layers, n_kv_heads, length) as the
+ * host copy holds them, are ones kv_pool_keep and the forward pass can leave: for each
+ * (layer, head), strictly increasing and below next_position (row i holds a position at
+ * least i). Other numbers would be read as positions by truncate() and by the sliding-window
+ * check (kvlab/model.py), so a host copy that holds them is refused. */
+static int positions_valid(const int32_t *positions, size_t n_lists, int length,
+                           int next_position) {
+    for (size_t list = 0; list < n_lists; list++) {
+        const int32_t *p = positions + list * (size_t)length;
+        for (int row = 0; row < length; row++)
+            if (p[row] < row || p[row] >= next_position || (row > 0 && p[row] <= p[row - 1]))
+                return 0;
+    }
+    return 1;
+}
+
 kv_status kv_pool_swap_in(kv_pool *pool, const void *host, size_t size, int *seq) {
     kv_blocks *blocks = &pool->blocks;
     swap_header h;
@@ -166,8 +182,11 @@ kv_status kv_pool_swap_in(kv_pool *pool, const void *host, size_t size, int *seq
     memcpy(&h, host, sizeof h);
     if (h.magic != SWAP_MAGIC) return KV_ERR_INVALID_ARG;
     if (!same_layout(pool, &h)) return KV_ERR_CACHE_MISMATCH;
+    /* a sequence with a window never drops rows (kv_pool_keep refuses it) */
     if (h.length < 0 || h.length > (1 << 30) || (h.compacted != 0 && h.compacted != 1) ||
-        h.next_position < h.length || (!h.compacted && h.next_position != h.length) ||
+        (h.compacted && pool->window > 0) ||
+        h.next_position < h.length || h.next_position > (1 << 30) ||
+        (!h.compacted && h.next_position != h.length) ||
         size != swap_bytes(pool, h.length, h.compacted))
         return KV_ERR_INVALID_ARG;
     /* Everything that could refuse, before anything changes. */
@@ -178,17 +197,37 @@ kv_status kv_pool_swap_in(kv_pool *pool, const void *host, size_t size, int *seq
     int free_slot = 0;
     for (int s = 0; s < blocks->max_seqs && !free_slot; s++) free_slot = !blocks->seqs[s].alive;
     if (!free_slot) return KV_ERR_TOO_MANY_SEQUENCES;
-    if (h.compacted && pool->positions == NULL) {   /* kv_pool_keep makes it the same way */
-        pool->positions = malloc((size_t)pool->n_layers * pool->n_kv_heads * pool->key.slots *
-                                 sizeof(int32_t));
-        if (pool->positions == NULL) return KV_ERR_NOMEM;
-    }
-    /* the tokens, aligned for kv_blocks_commit (the host buffer need not be) */
-    int32_t *tokens = malloc((size_t)(h.length > 0 ? h.length : 1) * sizeof(int32_t));
+    /* The tokens, and the positions of a compacted sequence, copied out of the host buffer
+     * first: aligned for kv_blocks_commit (the host buffer need not be), and checked on
+     * this copy, which is the one that goes into the pool (the caller's buffer may change
+     * meanwhile: swap-in runs without the GIL). */
+    pool_part parts[7];
+    int n_parts = parts_of(pool, h.compacted, parts);
+    size_t n_lists = (size_t)pool->n_layers * pool->n_kv_heads;
+    size_t n_positions = h.compacted ? n_lists * (size_t)h.length : 0;
+    int32_t *tokens = malloc(((size_t)h.length + n_positions + 1) * sizeof(int32_t));
     if (tokens == NULL) return KV_ERR_NOMEM;
+    int32_t *positions = tokens + h.length;
     const uint8_t *at = (const uint8_t *)host + sizeof h;
     memcpy(tokens, at, (size_t)h.length * sizeof(int32_t));
     at += (size_t)h.length * sizeof(int32_t);
+    if (h.compacted) {   /* the last part, after the stores' rows */
+        size_t stores = 0;
+        for (int i = 0; i < n_parts - 1; i++) stores += n_lists * h.length * parts[i].row_bytes;
+        memcpy(positions, at + stores, n_positions * sizeof(int32_t));
+        if (!positions_valid(positions, n_lists, h.length, h.next_position)) {
+            free(tokens);
+            return KV_ERR_INVALID_ARG;
+        }
+    }
+    if (h.compacted && pool->positions == NULL) {   /* kv_pool_keep makes it the same way */
+        pool->positions = malloc((size_t)pool->n_layers * pool->n_kv_heads * pool->key.slots *
+                                 sizeof(int32_t));
+        if (pool->positions == NULL) {
+            free(tokens);
+            return KV_ERR_NOMEM;
+        }
+    }
 
     /* From here on nothing can fail: the checks above are the ones these calls make. */
     kv_blocks_seq_new(blocks, seq);
@@ -198,10 +237,13 @@ kv_status kv_pool_swap_in(kv_pool *pool, const void *host, size_t size, int *seq
         kv_block_copy copies[1];   /* a new sequence shares no block: nothing to copy */
         int n_copies = 0;
         kv_blocks_reserve(blocks, *seq, h.length, copies, &n_copies);
-        pool_part parts[7];
-        int n_parts = parts_of(pool, h.compacted, parts);
-        for (int i = 0; i < n_parts; i++)
-            at = copy_part(pool, parts[i], q->block_table, h.length, (uint8_t *)at, 0);
+        for (int i = 0; i < n_parts; i++) {
+            if (h.compacted && i == n_parts - 1)    /* the positions: the checked copy */
+                copy_part(pool, parts[i], q->block_table, h.length, (uint8_t *)positions, 0);
+            else
+                at = copy_part(pool, parts[i], q->block_table, h.length, (uint8_t *)at, 0);
+        }
+        if (h.compacted) at += n_positions * sizeof(int32_t);
         /* The rows are in: the commit records the tokens and offers full blocks to the
          * prefix cache, which may find one computed meanwhile and share it instead (the
          * same bits: the core computes a prefix the same way every time). */
@@ -214,4 +256,11 @@ kv_status kv_pool_swap_in(kv_pool *pool, const void *host, size_t size, int *seq
     }
     free(tokens);
     return KV_OK;
+}
+
+int kv_swap_length(const void *host, size_t size) {
+    swap_header h;
+    if (host == NULL || size < sizeof h) return -1;
+    memcpy(&h, host, sizeof h);
+    return h.magic == SWAP_MAGIC && h.length >= 0 ? h.length : -1;
 }

@@ -206,10 +206,15 @@ def scratch_bytes(config: ModelConfig, n_tokens: int, n_threads: int = 1,
 
     Without a cache (cached=False), uncached_kv says how the K and V are held, as
     Model.forward's argument does: "all_layers" (every layer's, the buffers a chunk of the
-    tokens at a time) or "one_layer" (one layer's, the buffers for every token at once:
-    a later chunk would need the earlier chunks' K and V of every layer)."""
+    tokens at a time) or "one_layer" (one layer's, the buffers for every token at once: a
+    chunk of tokens through every layer would need the earlier chunks' K and V of every
+    layer, so it goes layer by layer over all the tokens). cached=True takes only
+    "all_layers", as Model.forward does."""
     if uncached_kv not in ("all_layers", "one_layer"):
         raise ValueError(f"uncached_kv must be all_layers or one_layer, got {uncached_kv!r}")
+    if cached and uncached_kv != "all_layers":      # as Model.forward refuses it
+        raise ValueError("uncached_kv is how a call without a cache holds K and V: "
+                         "give cached=False")
     one_layer = not cached and uncached_kv == "one_layer"
     c = config
     T = n_tokens if one_layer else chunk_length(config, start_pos, n_tokens)
@@ -354,7 +359,9 @@ class WorkingMemory:
     cached_scratch: int       # peak scratch of any one call, with the cache
     cache_bytes: int          # the cache itself (reserved for prompt + new tokens)
     uncached_scratch: int     # peak scratch of any one call without a cache
-    uncached_one_layer_scratch: int = 0   # the same, holding one layer's K and V at a time
+    # the same, holding one layer's K and V at a time (None for a model on the GPU, whose
+    # no-cache path holds every layer's)
+    uncached_one_layer_scratch: Optional[int] = None
 
     @property
     def cached_total(self) -> int:
@@ -367,8 +374,11 @@ class WorkingMemory:
         return self.uncached_scratch / self.cached_total
 
     @property
-    def one_layer_ratio(self) -> float:
-        """The same, for the uncached run that holds one layer's K and V at a time."""
+    def one_layer_ratio(self) -> Optional[float]:
+        """The same, for the uncached run that holds one layer's K and V at a time (None
+        where it was not measured)."""
+        if self.uncached_one_layer_scratch is None:
+            return None
         return self.uncached_one_layer_scratch / self.cached_total
 
 
@@ -381,13 +391,17 @@ def working_memory(model, prompt, new_tokens: int = 256) -> WorkingMemory:
     with_cache = generate(model, prompt, new_tokens, use_cache=True, stop_at_eos=False)
     without = generate(model, prompt, new_tokens, use_cache=False, stop_at_eos=False)
     # the uncached run's largest step, the last, again holding one layer's K and V at a time
-    last_step = without.prompt_tokens + without.tokens[:-1]
-    with model.counting() as one_layer:
-        model.forward(last_step, uncached_kv="one_layer")
+    # (on the CPU: the GPU's no-cache path holds every layer's, and refuses the other way)
+    one_layer = None
+    if model.device == "cpu":
+        last_step = without.prompt_tokens + without.tokens[:-1]
+        with model.counting() as counted:
+            model.forward(last_step, uncached_kv="one_layer")
+        one_layer = counted.scratch_bytes
     return WorkingMemory(new_tokens=new_tokens, cached_scratch=with_cache.counts.scratch_bytes,
                          cache_bytes=with_cache.cache_nbytes,
                          uncached_scratch=without.counts.scratch_bytes,
-                         uncached_one_layer_scratch=one_layer.scratch_bytes)
+                         uncached_one_layer_scratch=one_layer)
 
 
 def per_token_saving(config: ModelConfig, position: int) -> float:

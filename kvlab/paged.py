@@ -22,7 +22,6 @@ import html
 import numpy as np
 from ._core import core
 from ._text import plural
-from .errors import OutOfBlocks
 
 PagedSequence = core.PagedSequence
 
@@ -196,17 +195,16 @@ class PagedPool(PoolViews, core.PagedPool):
         exactly what swap_out copied: its next forward calls give, bit for bit, the logits
         they would have given had it never left (no prefill again). host stays valid (it
         can be swapped in again); drop it to free its memory. Raises, changing nothing:
-        OutOfBlocks (fewer than host.n_blocks free or cached blocks), OutOfSequences,
+        OutOfBlocks (fewer free or cached blocks than its length takes in this pool's
+        block size: host.n_blocks if the same), OutOfSequences,
         CacheFullError (more blocks than a sequence may hold), ValueError (a copy from a
-        pool of another shape or cache format)."""
+        pool of another shape or cache format, or bytes whose header, size or row positions
+        no swap_out writes). The K and V rows and tokens are taken as they are, as append()
+        takes any rows: bytes changed there are not detected."""
         if not isinstance(host, SwappedSequence):
             raise TypeError(f"swap_in takes what swap_out returned (a SwappedSequence), "
                             f"got {type(host).__name__}")
-        # the core refuses it too; this says how many blocks it lacks, in this pool's size
-        needed = -(-host.length // self.block_size)
-        if needed > self.available_blocks:
-            raise OutOfBlocks(f"swap_in of a sequence of {host.length} tokens needs {needed} "
-                              f"blocks of {self.block_size}; the pool has "
-                              f"{self.available_blocks} free or cached of {self.num_blocks}; "
-                              f"the pool is unchanged")
+        # Only the bytes are trusted: the core reads the length and everything else from
+        # their header and checks it (host.length and host.n_blocks are for the caller's
+        # bookkeeping, and a SwappedSequence can be made with any numbers).
         return super().swap_in(host.data)

@@ -289,6 +289,30 @@ def test_working_memory_of_256_tokens_follows_from_the_shapes():
     assert report.one_layer_ratio < report.ratio
 
 
+def test_working_memory_of_a_model_on_the_gpu_skips_the_one_layer_run(monkeypatch):
+    # The GPU's no-cache path holds every layer's K and V and refuses uncached_kv=
+    # "one_layer": working_memory reports what it ran (None for the other way) instead of
+    # raising after both generations. A stand-in for kvlab.cuda.CudaModel: its generations
+    # run on the CPU model, and a forward of its own would raise as the GPU model's does.
+    from kvlab import measure
+    model = random_model(SHAPES[0])
+
+    class OnTheGpu:
+        device = "cuda"
+
+        def forward(self, *args, **kwargs):
+            raise ValueError("uncached_kv='one_layer' runs on the CPU")
+
+    real_generate = measure.generate
+    monkeypatch.setattr(measure, "generate",
+                        lambda _, *args, **kwargs: real_generate(model, *args, **kwargs))
+    report = measure.working_memory(OnTheGpu(), [1, 2, 3], new_tokens=5)
+    assert report.uncached_one_layer_scratch is None and report.one_layer_ratio is None
+    assert report.uncached_scratch == scratch_bytes(model.config, 7, kvlab.get_num_threads(),
+                                                    cached=False)
+    assert report.ratio > 0
+
+
 def test_uncached_kv_is_checked_and_means_no_cache():
     model = random_model(SHAPES[0])
     with pytest.raises(ValueError, match="uncached_kv must be one of"):
@@ -297,6 +321,9 @@ def test_uncached_kv_is_checked_and_means_no_cache():
         model.forward([1, 2], model.new_cache(4), uncached_kv="one_layer")
     with pytest.raises(ValueError, match="uncached_kv must be"):
         scratch_bytes(model.config, 4, cached=False, uncached_kv="two")
+    # with a cache there is no other way to hold K and V: refused, as forward refuses it
+    with pytest.raises(ValueError, match="give cached=False"):
+        scratch_bytes(model.config, 4, uncached_kv="one_layer")
     # a long sequence held one layer at a time runs in one piece: its buffers span it all
     c = kvlab.ModelConfig.llama2_7b()
     assert kvlab.measure.chunk_length(c, 0, 262) < 262

@@ -63,6 +63,23 @@ def test_ctrl_c_stops_a_long_uncached_forward_and_the_model_still_works(long_mod
     assert np.array_equal(long_model.forward(tokens[:40]), before)
 
 
+def test_ctrl_c_stops_a_long_uncached_forward_holding_one_layer(long_model):
+    # It goes layer by layer over every token, so it cannot keep finished chunks as a
+    # prefill does; it still stops between chunks of each layer (it ran in one pass, deaf
+    # to Ctrl-C for as long as the whole call took: seconds here, minutes for 60,000).
+    model = kvlab.Model(long_model.config.replace(max_seq_len=16000), long_model.weights)
+    tokens = np.random.default_rng(0).integers(0, 256, 16000)
+    before = model.forward(tokens[:40], uncached_kv="one_layer")
+    model.reset_counters()
+    error, seconds = interrupted(lambda: model.forward(tokens, uncached_kv="one_layer"))
+    assert error is not None, "a 16,000-token forward finished before the interrupt"
+    assert model.counters.calls == 0                       # a stopped call counts nothing
+    # a Ctrl-C that waited for the end of the call would still raise, after it: this bound
+    # is far above a chunk's time and far below the whole call's (tens of seconds)
+    assert seconds < 3.0, f"the call ran {seconds:.1f} s, not stopped at the interrupt"
+    assert np.array_equal(model.forward(tokens[:40], uncached_kv="one_layer"), before)
+
+
 def test_an_interrupted_prefill_keeps_whole_chunks_and_goes_on_exactly(long_model):
     tokens = np.random.default_rng(1).integers(0, 256, 6000)
     cache = long_model.new_cache(6000)
@@ -111,6 +128,18 @@ def test_a_chunked_call_counts_and_returns_what_one_pass_would(long_model):
     parts = np.concatenate([long_model.prefill(tokens[i:i + 500], cache, all_logits=True)
                             for i in range(0, 3000, 500)])
     assert np.array_equal(whole, parts)
+    # holding one layer's K and V, each layer goes over the same chunks: the same logits
+    # and work, but the final norm and the classifier read once, not once a chunk
+    long_model.reset_counters()
+    one_layer = long_model.forward(tokens, all_logits=True, uncached_kv="one_layer")
+    counted = long_model.counters
+    assert np.array_equal(whole, one_layer)
+    n_chunks = -(-len(tokens) // chunk)
+    once = 4 * c.dim + 4 * c.dim * c.vocab_size
+    assert counted.flops == want.flops and counted.calls == 1
+    assert counted.weight_bytes == want.weight_bytes - (n_chunks - 1) * once
+    assert counted.scratch_bytes == scratch_bytes(c, len(tokens), kvlab.get_num_threads(),
+                                                  cached=False, uncached_kv="one_layer")
 
 
 def test_the_chunk_rule_in_python_is_the_c_cores():

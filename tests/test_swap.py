@@ -213,13 +213,16 @@ def test_swap_in_refused_for_lack_of_blocks_changes_nothing(small):
     with pytest.raises(kvlab.OutOfBlocks, match="13 tokens needs 4 blocks of 4; the pool "
                        "has 3 free or cached of 8; the pool is unchanged"):
         pool.swap_in(host)
-    # the core's own refusal, for a host copy that claims fewer tokens than it holds
-    with pytest.raises(kvlab.OutOfBlocks, match="the pool is unchanged"):
-        pool.swap_in(kvlab.SwappedSequence(host.data, 1, 1))
+    # only the bytes count: a wrapper that claims other numbers (or none) changes nothing
+    for length in (1, 10**30, None):
+        with pytest.raises(kvlab.OutOfBlocks, match="13 tokens needs 4 blocks of 4; the "
+                           "pool has 3 free or cached of 8; the pool is unchanged"):
+            pool.swap_in(kvlab.SwappedSequence(host.data, length, 1))
     assert_unchanged(before, pool)
     pool.check()
     pool.free(hog)                                            # cached blocks count
     assert len(pool.swap_in(host).block_table) == 4
+    assert pool.swap_in(kvlab.SwappedSequence(host.data, None, None)).length == 13
     pool.check()
 
 
@@ -255,6 +258,159 @@ def test_swap_in_refusals_change_nothing(small):
     assert_unchanged(before, pool)
     pool.check()
     del a
+
+
+# ---- host copies that no swap_out writes -------------------------------------------------------
+
+HEADER = ["magic", "n_layers", "n_kv_heads", "head_dim", "window", "key_format", "key_group",
+          "value_format", "value_group", "length", "next_position", "compacted"]   # int32 each
+
+
+def header(data: np.ndarray) -> dict:
+    return dict(zip(HEADER, data[:4 * len(HEADER)].view(np.int32).tolist()))
+
+
+def with_header(data: np.ndarray, **fields) -> np.ndarray:
+    data = data.copy()
+    words = data[:4 * len(HEADER)].view(np.int32)
+    for name, value in fields.items():
+        words[HEADER.index(name)] = value
+    return data
+
+
+def compacted_copy(model, pool):
+    """A host copy of a sequence that dropped rows, and where its positions lie in it
+    (n_layers, n_kv_heads, length int32, the last part when there is no window)."""
+    seq = pool.new_sequence()
+    model.prefill(list(range(3, 15)), seq)
+    pool.keep(seq, np.array([[[0, 0], [2, 1], [5, 7], [11, 11]]] * 2, dtype=np.int32))
+    host = pool.swap_out(seq)
+    c = model.config
+    return host, slice(host.nbytes - c.n_layers * c.n_kv_heads * 4 * 4, None)
+
+
+@pytest.mark.parametrize("where, value", [((0, 0, 0), -1), ((1, 1, 3), 12), ((1, 1, 3), 10**6),
+                                          ((0, 1, 1), 0), ((1, 0, 2), 1)],
+                         ids=["negative", "at next_position", "far past it", "repeated",
+                              "decreasing"])
+def test_swap_in_refuses_row_positions_no_swap_out_writes(small, where, value):
+    # Positions are read back as such (positions(), truncate(), a sliding-window model's
+    # check of the oldest one): each (layer, head)'s must rise strictly below next_position.
+    pool = small.new_paged_pool(num_blocks=16, block_size=4)
+    host, at = compacted_copy(small, pool)
+    assert header(host.data)["compacted"] == 1 and header(host.data)["next_position"] == 12
+    tampered = host.data.copy()
+    positions = tampered[at].view(np.int32).reshape(2, 2, 4)
+    assert positions[0, 0].tolist() == [0, 2, 5, 11] and positions[0, 1].tolist() == [0, 1, 7, 11]
+    positions[where] = value
+    before = snapshot(pool)
+    with pytest.raises(ValueError, match="header, size or row positions"):
+        pool.swap_in(kvlab.SwappedSequence(tampered, 4, 1))
+    assert_unchanged(before, pool)
+    pool.check()
+    assert pool.positions(pool.swap_in(host))[0, :, 1].tolist() == [0, 1, 7, 11]
+
+
+def test_swap_in_refuses_a_window_sequence_that_claims_dropped_rows(small):
+    # keep() refuses a pool with a residual window: no swap_out writes such a copy
+    pool = small.new_paged_pool(num_blocks=16, block_size=4, dtype="int8", window=3)
+    host = pool.swap_out(_filled(small, pool, 6))
+    c, length = small.config, 6
+    window_rows = 2 * c.n_layers * 3 * c.kv_dim * 4
+    positions = np.tile(np.arange(length, dtype=np.int32), c.n_layers * c.n_kv_heads)
+    data = with_header(host.data, compacted=1)
+    data = np.concatenate([data[:-window_rows], positions.view(np.uint8), data[-window_rows:]])
+    before = snapshot(pool)
+    with pytest.raises(ValueError, match="not a sequence that swap_out copied"):
+        pool.swap_in(kvlab.SwappedSequence(data, length, 2))
+    assert_unchanged(before, pool)
+
+
+def test_next_position_stays_within_2_30_after_a_swap(small):
+    # A sequence holds at most 2**30 positions: a host copy past that is refused, and one
+    # at the edge can take no more rows (before, next_position overflowed an int32).
+    pool = small.new_paged_pool(num_blocks=16, block_size=4)
+    host, _ = compacted_copy(small, pool)
+    before = snapshot(pool)
+    for past in (2**30 + 1, 2**31 - 1, -5):
+        with pytest.raises(ValueError, match="not a sequence that swap_out copied"):
+            pool.swap_in(kvlab.SwappedSequence(with_header(host.data, next_position=past), 4, 1))
+    assert_unchanged(before, pool)
+    seq = pool.swap_in(kvlab.SwappedSequence(with_header(host.data, next_position=2**30 - 1), 4, 1))
+    rows = np.zeros((2, 2, 2, 8), dtype=np.float32)
+    before = snapshot(pool)
+    with pytest.raises(ValueError, match="at most 2\\*\\*30 positions"):
+        pool.append(seq, np.array([1, 2], dtype=np.int32), rows, rows)
+    with pytest.raises(kvlab.CacheFullError):
+        small.decode(1, seq)
+    assert_unchanged(before, pool)
+    pool.append(seq, np.array([1], dtype=np.int32), rows[:1], rows[:1])   # the last one fits
+    assert pool.positions(seq)[0, -1].tolist() == [2**30 - 1] * 2
+    pool.check()
+
+
+def test_swapping_leaks_no_references(small):
+    import sys
+    pool = small.new_paged_pool(num_blocks=16, block_size=4)
+    seq = _filled(small, pool, 9)
+    host = pool.swap_out(seq)
+    refs = sys.getrefcount(host.data)
+    assert refs == 2                                          # the SwappedSequence's, the call's
+    pool_refs, data_refs = sys.getrefcount(pool), sys.getrefcount(host.data)
+    for _ in range(50):
+        back = pool.swap_in(host)
+        again = pool.swap_out(back)
+        refs = sys.getrefcount(again.data)
+        assert refs == 2
+        del back, again
+        with pytest.raises(ValueError):
+            pool.swap_in(kvlab.SwappedSequence(host.data[:-1], 9, 3))
+    refs = sys.getrefcount(pool), sys.getrefcount(host.data)
+    assert refs == (pool_refs, data_refs)
+    pool.check()
+    assert pool.stats().n_sequences == 0
+
+
+def test_a_pool_swapping_in_another_thread_refuses_cleanly(small):
+    """Swaps run without the GIL, the pool busy meanwhile: the pool's other operations
+    from another thread either work or raise RuntimeError ("in use"), never a crash or a
+    corrupt pool, and the swapped rows come back bit for bit."""
+    import threading
+    pool = small.new_paged_pool(num_blocks=200, block_size=16, max_blocks_per_seq=100)
+    seq, twin = pool.new_sequence(), pool.new_sequence()
+    rng = np.random.default_rng(0)
+    rows = rng.standard_normal((1500, 2, 2, 8)).astype(np.float32)
+    tokens = np.arange(1500, dtype=np.int32) + 100            # nothing to share
+    pool.append(seq, tokens, rows, rows)
+    keys = pool.gather(seq)[0]
+    done, errors, held = threading.Event(), [], {"seq": seq}
+
+    def worker():
+        try:
+            for _ in range(100):
+                held["seq"] = pool.swap_in(pool.swap_out(held["seq"]))
+        except BaseException as error:                    # noqa: B902 (reported below)
+            errors.append(error)
+        finally:
+            done.set()
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    refused = 0
+    while not done.is_set():
+        for action in (pool.stats, pool.check, lambda: pool.gather(twin),
+                       lambda: pool.free(pool.new_sequence())):
+            try:
+                action()
+            except RuntimeError as error:
+                assert "in use" in str(error)
+                refused += 1
+    thread.join()
+    assert not errors, errors
+    # another thread found the pool busy: it ran while a swap was copying, without the GIL
+    assert refused > 0
+    pool.check()
+    assert np.array_equal(pool.gather(held["seq"])[0], keys)
 
 
 def _filled(model, pool, n):

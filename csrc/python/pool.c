@@ -234,6 +234,10 @@ static PyObject *pool_keep(PoolObject *self, PyObject *args) {
 
 /* ---- swapping a sequence to host memory and back (csrc/swap.c) ----------------------- */
 
+/* A swap copies a sequence's K and V, as many bytes as the sequence holds (hundreds of
+ * megabytes for a long one of a large model), so it runs without the GIL, the pool marked
+ * busy meanwhile as for a forward pass. */
+
 static PyObject *pool_swap_out(PoolObject *self, PyObject *arg) {
     if (kv_py_pool_ready(self) < 0) return NULL;
     int seq = kv_py_sequence_slot(&self->base, arg);
@@ -245,7 +249,12 @@ static PyObject *pool_swap_out(PoolObject *self, PyObject *arg) {
     /* made before the swap, so that the sequence is freed only once its copy has a home */
     PyObject *host = PyArray_SimpleNew(1, dims, NPY_UINT8);
     if (host == NULL) return NULL;
-    status = kv_pool_swap_out(&self->pool, seq, PyArray_DATA((PyArrayObject *)host), size);
+    void *data = PyArray_DATA((PyArrayObject *)host);
+    self->base.busy = 1;
+    Py_BEGIN_ALLOW_THREADS
+    status = kv_pool_swap_out(&self->pool, seq, data, size);
+    Py_END_ALLOW_THREADS
+    self->base.busy = 0;
     if (status == KV_OK) return host;
     Py_DECREF(host);
     return kv_py_pool_refused(self, status, 0, NULL);
@@ -258,28 +267,42 @@ static PyObject *pool_swap_in(PoolObject *self, PyObject *arg) {
     PyArrayObject *host = kv_py_array(arg, &bytes);
     if (host == NULL) return NULL;
     const kv_blocks *p = &self->pool.blocks;
+    const void *data = PyArray_DATA(host);
+    size_t size = (size_t)PyArray_NBYTES(host);
     int seq;
-    kv_status status = kv_pool_swap_in(&self->pool, PyArray_DATA(host),
-                                       (size_t)PyArray_NBYTES(host), &seq);
+    kv_status status;
+    /* the array stays alive (its caller holds it); the core copies what it checks before
+     * it checks it, so another thread writing into it meanwhile cannot get past a check */
+    self->base.busy = 1;
+    Py_BEGIN_ALLOW_THREADS
+    status = kv_pool_swap_in(&self->pool, data, size, &seq);
+    Py_END_ALLOW_THREADS
+    self->base.busy = 0;
+    /* the header's length, for the messages: the core refuses for room only after checking
+     * the header */
+    int length = kv_swap_length(data, size);
+    int needed = length < 0 ? 0 : (int)(((int64_t)length + p->block_size - 1) / p->block_size);
     switch (status) {
         case KV_OK: return kv_py_new_sequence_handle(&self->base, seq);
         case KV_ERR_INVALID_ARG:
             return kv_py_raise(status, "swap_in: these %zd bytes are not a sequence that "
-                               "swap_out copied out of a pool (or they were changed since)",
-                               (Py_ssize_t)PyArray_NBYTES(host));
+                               "swap_out copied out of a pool: their header, size or row "
+                               "positions are not ones a swap-out writes",
+                               (Py_ssize_t)size);
         case KV_ERR_CACHE_MISMATCH:
             return kv_py_raise(status, "swap_in: this sequence was swapped out of a pool of "
                                "another shape or cache format (layers, KV heads, head_dim, "
                                "key and value formats and groups, and window must all match)");
         case KV_ERR_OUT_OF_BLOCKS:
-            return kv_py_raise(status, "swap_in: the sequence needs more blocks than the pool "
-                               "has free (%d) or cached (%d) of %d; the pool is unchanged",
-                               p->n_free, p->n_cached, p->num_blocks);
+            return kv_py_raise(status, "swap_in of a sequence of %d tokens needs %d blocks of "
+                               "%d; the pool has %d free or cached of %d; the pool is "
+                               "unchanged", length, needed, p->block_size,
+                               p->n_free + p->n_cached, p->num_blocks);
         case KV_ERR_TABLE_FULL:
-            return kv_py_raise(status, "swap_in: the sequence needs more blocks than a "
-                               "sequence of this pool may hold (max_blocks_per_seq=%d of %d "
-                               "tokens); the pool is unchanged", p->max_blocks_per_seq,
-                               p->block_size);
+            return kv_py_raise(status, "swap_in of a sequence of %d tokens needs %d blocks of "
+                               "%d, more than a sequence of this pool may hold "
+                               "(max_blocks_per_seq=%d); the pool is unchanged", length,
+                               needed, p->block_size, p->max_blocks_per_seq);
         default: return kv_py_pool_refused(self, status, 0, NULL);
     }
 }

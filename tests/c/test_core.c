@@ -809,6 +809,19 @@ static void test_interrupts(void) {
     CHECK(kv_model_generate(&tm.model, &cache, picks[0], 10, -1, NULL, NULL, picks, NULL,
                             &n_steps, NULL) == KV_OK);
     CHECK(n_steps == 10 && cache.length == 11);
+    /* the uncached pass that holds one layer's K and V at a time stops too, between layers
+     * (and between the chunks of a long call), keeping and counting nothing */
+    float logits[31];
+    kv_counters counted = {0};
+    asked = 0;
+    kv_set_interrupt_check(always_stop, &asked);
+    CHECK(kv_model_forward_uncached(&tm.model, picks, 10, logits, 0, KV_UNCACHED_ONE_LAYER,
+                                    &counted) == KV_ERR_INTERRUPTED);
+    CHECK(asked == 1 && counted.calls == 0 && counted.tokens == 0);
+    kv_set_interrupt_check(NULL, NULL);
+    CHECK(kv_model_forward_uncached(&tm.model, picks, 10, logits, 0, KV_UNCACHED_ONE_LAYER,
+                                    &counted) == KV_OK);
+    CHECK(counted.calls == 1 && counted.tokens == 10);
     /* the chunk rule: short calls whole, long ones in equal chunks of at least 16 */
     CHECK(kv_chunk_length(&tm.model.config, 0, 20) == 20);
     kv_config big = tm.model.config;
@@ -1045,6 +1058,23 @@ static void test_pool_swap(const kv_cache_format *format) {
         CHECK(kv_pool_swap_size(&pool, solo, &size) == KV_OK);
         host = malloc(size);
         CHECK(kv_pool_swap_out(&pool, solo, host, size) == KV_OK);
+        /* positions no swap-out writes (the last ones in the buffer, (layers, heads, 4)),
+         * or a next position past 2**30: refused, nothing changes */
+        int32_t *positions = (int32_t *)(host + size - 2 * 2 * 4 * sizeof(int32_t)), keep_one;
+        int32_t *next_position = (int32_t *)(host + 10 * sizeof(int32_t)), next = *next_position;
+        int free_before = kv_blocks_available(&pool.blocks), bad[][2] = {
+            {15, 9}, {15, 1000}, {0, -1}, {1, 0}, {6, 1}};   /* (index, value) */
+        for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+            keep_one = positions[bad[i][0]];
+            positions[bad[i][0]] = bad[i][1];    /* >= next, negative, repeated, decreasing */
+            CHECK(kv_pool_swap_in(&pool, host, size, &solo) == KV_ERR_INVALID_ARG);
+            positions[bad[i][0]] = keep_one;
+        }
+        *next_position = (1 << 30) + 1;
+        CHECK(kv_pool_swap_in(&pool, host, size, &solo) == KV_ERR_INVALID_ARG);
+        *next_position = next;
+        CHECK(kv_blocks_available(&pool.blocks) == free_before);
+        CHECK(kv_blocks_check(&pool.blocks, message, sizeof message) == KV_OK);
         CHECK(kv_pool_swap_in(&pool, host, size, &solo) == KV_OK);
         CHECK(pool.blocks.seqs[solo].compacted && pool.blocks.seqs[solo].next_position == 9);
         CHECK(kv_pool_position(&pool, solo, 1, 1, 2) == position && position == 5);
