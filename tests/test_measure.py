@@ -324,7 +324,7 @@ def test_uncached_kv_is_checked_and_means_no_cache():
     # with a cache there is no other way to hold K and V: refused, as forward refuses it
     with pytest.raises(ValueError, match="give cached=False"):
         scratch_bytes(model.config, 4, uncached_kv="one_layer")
-    # a long sequence held one layer at a time runs in one piece: its buffers span it all
+    # a long sequence held one layer at a time goes layer by layer: its buffers span it all
     c = kvlab.ModelConfig.llama2_7b()
     assert kvlab.measure.chunk_length(c, 0, 262) < 262
     one = scratch_bytes(c, 262, cached=False, uncached_kv="one_layer")
