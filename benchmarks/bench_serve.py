@@ -1,6 +1,6 @@
 """Serving measured in latency: the Engine under Poisson arrivals, at several request rates.
 
-    python benchmarks/bench_serve.py [--rates 2,8,32] [--requests 40] [--budgets 64,256]
+    python benchmarks/bench_serve.py [--rates 50,200,400] [--requests 40] [--budgets 64,256]
                                      [--memory paged,contiguous] [--json out.json]
                                      [--plot out.png]
 
@@ -25,14 +25,14 @@ from kvlab import serving
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--rates", default="2,8,32", help="requests a second, comma-separated")
+    parser.add_argument("--rates", default="50,200,400", help="requests a second, comma-separated")
     parser.add_argument("--requests", type=int, default=40, help="requests per run")
     parser.add_argument("--budgets", default="64,256", help="max_batch_tokens values")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--memory", default="paged,contiguous",
                         help="paged and/or contiguous, comma-separated")
     parser.add_argument("--json", default=None)
-    parser.add_argument("--plot", default=None, help="a PNG of latency against throughput")
+    parser.add_argument("--plot", default=None, help="a PNG of throughput and latency against the request rate")
     args = parser.parse_args(argv)
     model = kvlab.load()
     rows = serving.sweep(model, [float(r) for r in args.rates.split(",")],

@@ -441,7 +441,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve = add_command("serve-bench", "serve requests arriving at random (Poisson) at several "
                                        "rates: throughput against latency (TTFT, TPOT)")
     model_args(serve)
-    serve.add_argument("--rates", default="2,8,32", help="requests a second, comma-separated")
+    serve.add_argument("--rates", default="50,200,400", help="requests a second, comma-separated")
     serve.add_argument("--requests", type=positive_int, default=40, help="requests per run")
     serve.add_argument("--budgets", default="64,256",
                        help="max_batch_tokens values (chunked prefill's budget), comma-separated")
@@ -451,7 +451,8 @@ def build_parser() -> argparse.ArgumentParser:
                             "per request), or both, comma-separated (default: %(default)s)")
     serve.add_argument("--json", default=None, help="also write every run's numbers here")
     serve.add_argument("--plot", default=None,
-                       help="write a PNG of latency against throughput here (needs matplotlib)")
+                       help="write a PNG of throughput, TTFT and TPOT against the request "
+                            "rate here (needs matplotlib)")
     serve.set_defaults(func=cmd_serve_bench)
 
     info = add_command("info", "print a model's shape and sizes")
