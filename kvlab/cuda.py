@@ -89,7 +89,30 @@ def why_not() -> Optional[str]:
         return f"no CUDA GPU on this machine ({name}: {text})"
     if code != 0:
         return f"the CUDA runtime cannot start ({name}: {text})"
+    major, minor = ext.device_info()["capability"]
+    if not runs_on((major, minor), ext.ARCHS):
+        return (f"kvlab's CUDA extension was compiled for {ext.ARCHS}, which this GPU "
+                f"(compute capability {major}.{minor}) cannot run: rebuild it here (pip install "
+                f"builds for the GPU it sees), or with KVLAB_CUDA_ARCH={major}{minor}")
     return None
+
+
+def runs_on(capability, archs: str) -> bool:
+    """Can a GPU of this compute capability (major, minor) run an extension compiled for
+    `archs` ("sm_75 sm_90 compute_90", the extension's ARCHS)? Machine code for sm_XY runs on
+    any X.Z with Z >= Y (the same major version); PTX for compute_XY is compiled by the
+    driver for any GPU of X.Y or newer."""
+    major, minor = capability
+    for arch in archs.split():
+        kind, _, number = arch.partition("_")
+        if not number.isdigit():
+            continue
+        arch_major, arch_minor = int(number[:-1]), int(number[-1])
+        if kind == "sm" and arch_major == major and arch_minor <= minor:
+            return True
+        if kind == "compute" and (arch_major, arch_minor) <= (major, minor):
+            return True
+    return False
 
 
 def is_available() -> bool:

@@ -208,3 +208,16 @@ def test_formats_the_gpu_cannot_store_are_refused_up_front():
         fmt = CacheFormat.make(D, dtype, **kwargs)
         with pytest.raises(ValueError):
             CudaCache(L, H, D, 8, fmt, store=object())
+
+
+def test_which_gpus_an_extension_runs_on():
+    # machine code runs within its major version, PTX on its own and every newer GPU
+    from kvlab.cuda import runs_on
+    built = "sm_75 sm_80 sm_86 sm_89 sm_90 compute_90"
+    assert all(runs_on(cap, built) for cap in [(7, 5), (8, 0), (8, 6), (8, 7), (8, 9), (9, 0),
+                                               (10, 0), (12, 0)])
+    assert not runs_on((7, 0), built)                          # a V100: no sm_70 code
+    assert runs_on((8, 9), "sm_80") and not runs_on((9, 0), "sm_80")
+    assert not runs_on((7, 5), "sm_86 compute_86")             # PTX never runs on older GPUs
+    assert runs_on((12, 0), "sm_86 compute_86")
+    assert not runs_on((8, 0), "")
