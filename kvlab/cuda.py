@@ -647,7 +647,9 @@ class CudaModel(Model):
             bs = pool.block_size
             ends = [s + len(a) for s, a in zip(starts, arrays)]
             max_blocks = max(-(-end // bs) for end in ends)
-            self._gpu.reserve(sum(map(len, arrays)), len(seqs), max_blocks, max(ends))
+            n_tokens = sum(map(len, arrays))   # logits: each run's last token's, or all
+            self._gpu.reserve(n_tokens, len(seqs), max_blocks, max(ends),
+                              n_tokens if all_logits else len(seqs))
             rows: List[Tuple[np.ndarray, np.ndarray]] = []
             try:
                 for seq, a in zip(seqs, arrays):

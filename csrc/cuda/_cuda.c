@@ -386,7 +386,7 @@ static int check_attention(StoreObject *self, PyObject *q_obj, PyObject *tables_
     a->max_seen = 0;
     for (int i = 0; i < a->n_q; i++) {
         if (rows[i] < 0 || rows[i] >= a->n_tables || seen[i] < 1 ||
-            seen[i] > KV_CUDA_SPLIT * 65535 ||
+            seen[i] > KV_CUDA_MAX_POSITIONS ||
             (seen[i] + (long long)block_size - 1) / block_size > a->max_blocks) {
             PyErr_Format(PyExc_ValueError, "query %d: table row %d or positions %d do not fit "
                          "the tables (%d rows of %d blocks of %d)", i, rows[i], seen[i],
@@ -678,22 +678,25 @@ static int model_ready(ModelObject *self) {
     return 0;
 }
 
-/* reserve(n_tokens, n_runs, max_blocks, max_seen): device scratch for a call this large,
+/* reserve(n_tokens, n_runs, max_blocks, max_seen, n_logits): device scratch for a call this
+ * large, n_logits of whose rows of logits are wanted (n_runs, or n_tokens with all_logits),
  * so that a forward call that follows allocates nothing (kvlab/cuda.py makes the paged
  * pool's bookkeeping changes only after this has succeeded). */
 static PyObject *model_reserve(ModelObject *self, PyObject *args) {
-    int n_tokens, n_runs, max_blocks, max_seen;
-    if (!PyArg_ParseTuple(args, "iiii", &n_tokens, &n_runs, &max_blocks, &max_seen)) return NULL;
+    int n_tokens, n_runs, max_blocks, max_seen, n_logits;
+    if (!PyArg_ParseTuple(args, "iiiii", &n_tokens, &n_runs, &max_blocks, &max_seen, &n_logits))
+        return NULL;
     if (model_ready(self) < 0) return NULL;
     if (n_tokens < 1 || n_tokens > (1 << 16) || n_runs < 1 || n_runs > n_tokens ||
-        max_blocks < 1 || max_seen < 1 || max_seen > KV_CUDA_SPLIT * 65535) {
+        max_blocks < 1 || max_seen < 1 || max_seen > KV_CUDA_MAX_POSITIONS || n_logits < 1 ||
+        n_logits > n_tokens) {
         PyErr_SetString(PyExc_ValueError, "reserve: sizes out of range");
         return NULL;
     }
     kv_cuda_err err;
     self->busy = 1;
     Py_BEGIN_ALLOW_THREADS
-    err = kv_cuda_model_reserve(&self->model, n_tokens, n_runs, max_blocks, max_seen);
+    err = kv_cuda_model_reserve(&self->model, n_tokens, n_runs, max_blocks, max_seen, n_logits);
     Py_END_ALLOW_THREADS
     self->busy = 0;
     if (err != 0) return raise_cuda(err, "allocating activation scratch on the GPU");
@@ -762,7 +765,7 @@ static PyObject *model_forward(ModelObject *self, PyObject *args, PyObject *kwds
     long long n_blocks = (long long)(k->slots / (size_t)block_size);
     long long total = 0;
     for (npy_intp r = 0; r < R; r++) {
-        if (n[r] < 1 || start[r] < 0 || (long long)start[r] + n[r] > KV_CUDA_SPLIT * 65535LL) {
+        if (n[r] < 1 || start[r] < 0 || (long long)start[r] + n[r] > KV_CUDA_MAX_POSITIONS) {
             PyErr_Format(PyExc_ValueError, "run %zd: %d tokens at position %d", (Py_ssize_t)r,
                          n[r], start[r]);
             return NULL;
@@ -855,7 +858,8 @@ static PyGetSetDef model_getset[] = {
 
 static PyMethodDef model_methods[] = {
     {"reserve", (PyCFunction)model_reserve, METH_VARARGS,
-     "reserve(n_tokens, n_runs, max_blocks, max_seen): scratch for a call of this size."},
+     "reserve(n_tokens, n_runs, max_blocks, max_seen, n_logits): scratch for a call of this\n"
+     "size whose logits are n_logits rows (n_runs, or n_tokens with all_logits)."},
     {"forward", (PyCFunction)(void (*)(void))model_forward, METH_VARARGS | METH_KEYWORDS,
      "forward(tokens, store, run_tokens, run_start, tables, block_size, write_slots,\n"
      "        all_logits=False) -> logits\n\n"
@@ -1001,7 +1005,7 @@ PyMODINIT_FUNC PyInit__cuda(void) {
         PyModule_AddObjectRef(module, "KVStore", (PyObject *)&StoreType) < 0 ||
         PyModule_AddObjectRef(module, "Model", (PyObject *)&ModelType) < 0 ||
         PyModule_AddStringConstant(module, "ARCHS", KV_CUDA_ARCHS) < 0 ||
-        PyModule_AddIntConstant(module, "SPLIT", KV_CUDA_SPLIT) < 0 ||
+        PyModule_AddIntConstant(module, "MAX_SPLIT", KV_CUDA_MAX_SPLIT) < 0 ||
         PyModule_AddIntConstant(module, "MAX_HEAD_DIM", KV_CUDA_MAX_HEAD_DIM) < 0 ||
         PyModule_AddIntConstant(module, "MATVEC_MAX_TOKENS", KV_CUDA_MATVEC_MAX_TOKENS) < 0) {
         Py_XDECREF(sources);

@@ -12,7 +12,9 @@
  * The host works out, once per call, every token's position, where its K and V go (the
  * slot mapping) and which block table its query reads, and copies them over in one transfer;
  * the same numbers serve every layer. Nothing here knows about block allocation: the slots
- * and tables come from the caller (kvlab/cuda.py, through the binding).
+ * and tables come from the caller (kvlab/cuda.py, through the binding). Only the rows whose
+ * logits are returned (each run's last token, or every token with all_logits) go through
+ * the classifier, and the scratch holds logits for those rows only.
  */
 #include <stdlib.h>
 #include <string.h>
@@ -39,8 +41,11 @@ typedef struct {
     size_t total;
 } layout;
 
+/* T tokens, of which n_logits rows of logits are wanted: one per run, or every token's with
+ * all_logits. The logits buffer is sized by those rows, not by T: a 32K-token prompt with a
+ * 128K vocabulary would otherwise reserve 32K x 128K floats (16 GiB) to return one row. */
 static void plan(const kv_config *c, int T, int n_runs, int max_blocks, int max_seen,
-                 layout *l) {
+                 int n_logits, layout *l) {
     size_t q_dim = (size_t)c->n_heads * c->head_dim, kv_dim = (size_t)c->n_kv_heads * c->head_dim;
     size_t f = sizeof(float), t = (size_t)T;
     l->slots = 0;
@@ -54,7 +59,7 @@ static void plan(const kv_config *c, int T, int n_runs, int max_blocks, int max_
     l->h13 = l->att + round256(t * q_dim * f);
     l->hb = l->h13 + round256(t * 2 * c->hidden_dim * f);
     l->logits = l->hb + round256(t * c->hidden_dim * f);
-    l->attention = l->logits + round256(t * c->vocab_size * f);
+    l->attention = l->logits + round256((size_t)n_logits * c->vocab_size * f);
     size_t per_query = kv_cuda_attention_query_bytes(c->n_heads, c->head_dim, max_seen);
     size_t all = per_query * t;
     size_t cap = per_query > ATTENTION_SCRATCH_BYTES ? per_query : ATTENTION_SCRATCH_BYTES;
@@ -141,11 +146,12 @@ static int grow(int need, int have, int least) {
 }
 
 extern "C" kv_cuda_err kv_cuda_model_reserve(kv_cuda_model *m, int n_tokens, int n_runs,
-                                             int max_blocks, int max_seen) {
-    if (n_tokens <= 0 || n_runs <= 0 || max_blocks <= 0 || max_seen <= 0)
+                                             int max_blocks, int max_seen, int n_logits) {
+    if (n_tokens <= 0 || n_runs <= 0 || max_blocks <= 0 || max_seen <= 0 || n_logits <= 0 ||
+        n_logits > n_tokens)
         return KV_CUDA_INVALID_VALUE;
     if (m->work != NULL && n_tokens <= m->cap_tokens && n_runs <= m->cap_runs &&
-        max_blocks <= m->cap_blocks && max_seen <= m->cap_seen)
+        max_blocks <= m->cap_blocks && max_seen <= m->cap_seen && n_logits <= m->cap_logits)
         return 0;
     /* Grow with room to spare (twice the old size, at least what is asked): a decode loop
      * asks for one more position every step, and cudaMalloc / cudaFree wait for the GPU,
@@ -154,11 +160,12 @@ extern "C" kv_cuda_err kv_cuda_model_reserve(kv_cuda_model *m, int n_tokens, int
     int runs = grow(n_runs, m->cap_runs, 1);
     int blocks = grow(max_blocks, m->cap_blocks, 64);
     int seen = grow(max_seen, m->cap_seen, 4096);
+    int logits = grow(n_logits, m->cap_logits, 1);
     layout l;
-    plan(&m->config, tokens, runs, blocks, seen, &l);
+    plan(&m->config, tokens, runs, blocks, seen, logits, &l);
     kv_cuda_free(m->work);
     m->work = NULL;
-    m->cap_tokens = m->cap_runs = m->cap_blocks = m->cap_seen = 0;
+    m->cap_tokens = m->cap_runs = m->cap_blocks = m->cap_seen = m->cap_logits = 0;
     kv_cuda_err err = kv_cuda_alloc(&m->work, l.total);
     if (err != 0) return err;
     m->work_bytes = l.total;
@@ -166,11 +173,12 @@ extern "C" kv_cuda_err kv_cuda_model_reserve(kv_cuda_model *m, int n_tokens, int
     m->cap_runs = runs;
     m->cap_blocks = blocks;
     m->cap_seen = seen;
+    m->cap_logits = logits;
     return 0;
 }
 
-/* out = x . W^T: the matrix-vector kernel while it reads W once for all tokens, else the
- * tiled matrix product */
+/* out = x . W^T: the matrix-vector kernel while it reads W once for all tokens (a decode
+ * step's batch, up to KV_CUDA_MATVEC_MAX_TOKENS), else the tiled matrix product */
 static kv_cuda_err project(float *out, const float *x, const float *w, int n_tokens, int in_dim,
                            int out_dim, int accumulate) {
     if (n_tokens <= KV_CUDA_MATVEC_MAX_TOKENS)
@@ -218,13 +226,13 @@ extern "C" kv_cuda_err kv_cuda_forward(kv_cuda_model *m, const kv_store *key, co
     int max_seen = 0;
     for (int r = 0; r < b->n_runs; r++)
         if (b->run_start[r] + b->run_tokens[r] > max_seen) max_seen = b->run_start[r] + b->run_tokens[r];
-    RETURN_IF_FAILED(kv_cuda_model_reserve(m, T, b->n_runs, b->max_blocks, max_seen));
+    RETURN_IF_FAILED(kv_cuda_model_reserve(m, T, b->n_runs, b->max_blocks, max_seen, n_out));
 
     /* Where everything is: the activations at their places in the reserved layout, this
      * call's integer arguments packed at the start in its own (no larger) layout. */
     layout l, args;
-    plan(c, m->cap_tokens, m->cap_runs, m->cap_blocks, m->cap_seen, &l);
-    plan(c, T, b->n_runs, b->max_blocks, max_seen, &args);
+    plan(c, m->cap_tokens, m->cap_runs, m->cap_blocks, m->cap_seen, m->cap_logits, &l);
+    plan(c, T, b->n_runs, b->max_blocks, max_seen, n_out, &args);
     uint8_t *work = (uint8_t *)m->work;
     RETURN_IF_FAILED(upload_arguments(work, &args, b));
     const int64_t *slots = (const int64_t *)(work + args.slots);

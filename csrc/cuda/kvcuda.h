@@ -32,14 +32,21 @@ typedef int kv_cuda_err;   /* a cudaError_t: 0 (cudaSuccess) or the error's numb
 /* cudaErrorInvalidValue: what these functions return for arguments that make no sense */
 #define KV_CUDA_INVALID_VALUE 1
 
-/* Positions one attention thread block reads: the flash-decoding split. Fixed, so that a
- * query's result depends on its context length alone, never on the batch around it. */
-#define KV_CUDA_SPLIT 256
+/* Positions one attention thread block reads: the flash-decoding split. It is chosen from
+ * the query's own length (attention.cu, split_positions), never from the batch around it,
+ * so that a query's result depends on its context alone: about KV_CUDA_TARGET_SPLITS splits
+ * of a multiple of 32 positions, at least KV_CUDA_MIN_SPLIT and at most KV_CUDA_MAX_SPLIT
+ * positions each (longer contexts get more splits of KV_CUDA_MAX_SPLIT). */
+#define KV_CUDA_MIN_SPLIT 32
+#define KV_CUDA_MAX_SPLIT 256
+#define KV_CUDA_TARGET_SPLITS 32
+/* A grid has at most 65535 splits of a query: the longest context is this many positions. */
+#define KV_CUDA_MAX_POSITIONS (KV_CUDA_MAX_SPLIT * 65535)
 /* Largest head_dim the attention kernel handles (8 values per lane, 32 lanes). */
 #define KV_CUDA_MAX_HEAD_DIM 256
 /* Up to this many tokens a projection is a matrix-vector product (every weight read once
- * for all of them); more tokens go to the tiled matrix-matrix kernel. */
-#define KV_CUDA_MATVEC_MAX_TOKENS 8
+ * for all of them: a decode step's batch); more tokens go to the tiled matrix-matrix kernel. */
+#define KV_CUDA_MATVEC_MAX_TOKENS 16
 
 /* ---- the device ------------------------------------------------------------------------ */
 const char *kv_cuda_error_name(kv_cuda_err err);     /* "cudaErrorMemoryAllocation" */
@@ -144,7 +151,7 @@ typedef struct {
     /* activations and call arguments, grown as calls need (see forward.cu) */
     void *work;
     size_t work_bytes;
-    int cap_tokens, cap_runs, cap_blocks, cap_seen;
+    int cap_tokens, cap_runs, cap_blocks, cap_seen, cap_logits;
 } kv_cuda_model;
 
 /* Copies a CPU model's weights (host pointers, kvlab.h) to the device. */
@@ -167,9 +174,10 @@ typedef struct {
 } kv_cuda_batch;
 
 /* Makes sure the device scratch holds a call of this size (the one step that may run out
- * of memory); kv_cuda_forward on a batch no larger then allocates nothing. */
+ * of memory): n_logits rows of logits are wanted (n_runs, or n_tokens with all_logits);
+ * kv_cuda_forward on a batch no larger then allocates nothing. */
 kv_cuda_err kv_cuda_model_reserve(kv_cuda_model *model, int n_tokens, int n_runs, int max_blocks,
-                                  int max_seen);
+                                  int max_seen, int n_logits);
 /* The forward pass: writes every new token's K and V into the stores and logits (host)
  * (n_tokens or n_runs rows of vocab_size floats). The caller has checked every id, slot
  * and block (the binding does). Returns once the logits are on the host. */

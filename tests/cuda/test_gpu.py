@@ -79,7 +79,7 @@ def test_prefill_and_decode_match_the_cpu(name, fmt):
 
 @pytest.mark.parametrize("name", sorted(SHAPES))
 def test_long_context_crosses_several_splits(name):
-    """600 positions: three flash-decoding splits of 256, merged."""
+    """600 positions: 19 flash-decoding splits of 32, merged."""
     cpu, gpu = make(name, seed=3)
     tokens = tokens_for(600, seed=5)
     cache_c, cache_g = cpu.new_cache(640), gpu.new_cache(640)
@@ -116,7 +116,10 @@ def test_paged_and_contiguous_give_identical_bits(fmt, block_size):
     cache = gpu.new_cache(300, fmt)
     pool = gpu.new_paged_pool(num_blocks=400, block_size=block_size, dtype=fmt)
     filler = pool.new_sequence()                     # blocks of the pool not in order
-    gpu.prefill(tokens[:9], filler)
+    # 20 tokens: the tiled matrix product, as for the 260 below. The pool swaps seq's full
+    # blocks of this prefix for the filler's (computed twice, kept once), so the filler's K/V
+    # must come from the same kernels: a call of up to 16 tokens sums in another order.
+    gpu.prefill(tokens[:20], filler)
     seq = pool.new_sequence()
     for chunk in (tokens[:260], tokens[260:263], tokens[263:280]):
         np.testing.assert_array_equal(gpu.prefill(chunk, seq, all_logits=True),
@@ -201,6 +204,80 @@ def test_decode_attention_alone_matches_the_cpu(fmt, length):
     q = (3 * rng.standard_normal((n_heads, head_dim))).astype(np.float32)
     for layer in range(n_layers):
         assert rel_err(gpu.attend(q, layer), cpu.attend(q, layer)) < 1e-5
+
+
+@pytest.mark.parametrize("fmt", ["fp32", "bf16"])
+def test_a_query_gets_the_same_bits_alone_and_in_any_batch(fmt):
+    """Each query's split is chosen from its own length (32 to 256 positions), so queries
+    of different lengths in one call, whose grid is sized by the longest, give exactly the
+    bits each gives alone; and a sequence decoded beside others gets its lone logits."""
+    n_layers, n_kv_heads, head_dim, n_heads = 1, 2, 64, 8
+    rng = np.random.default_rng(12)
+    rows = rng.standard_normal((3000, n_layers, n_kv_heads, head_dim)).astype(np.float32)
+    fmt_obj = kvlab.quant.CacheFormat.make(head_dim, fmt)
+    gpu = kvlab.cuda.CudaCache(n_layers, n_kv_heads, head_dim, 3000, fmt_obj)
+    gpu.append(rows, rows[::-1].copy())
+    seen = np.array([3000, 1, 40, 1025, 257, 2048, 1024], np.int32)   # splits of 32 ... 96
+    q = (3 * rng.standard_normal((len(seen), n_heads, head_dim))).astype(np.float32)
+
+    def attend(which):
+        return gpu._store.attend(0, q[which], np.zeros((1, 1), np.int32), 3000,
+                                 np.zeros(len(which), np.int32), seen[which])
+
+    together = attend(list(range(len(seen))))
+    for i in range(len(seen)):
+        np.testing.assert_array_equal(attend([i])[0], together[i])
+    np.testing.assert_array_equal(attend([4, 1])[1], together[1])
+
+    _, model = make("gqa-hd16", seed=11)
+    tokens = tokens_for(300, seed=11)
+    pool = model.new_paged_pool(num_blocks=64, block_size=16, dtype=fmt)
+    long, short = pool.new_sequence(), pool.new_sequence()
+    model.prefill(tokens[:290], long)
+    model.prefill(tokens[:20], short)
+    twin = pool.fork(short)
+    alone = model.decode(int(tokens[20]), short)
+    batched = model.forward_batch([long, twin], [tokens[290:291], tokens[20:21]])
+    np.testing.assert_array_equal(batched[1], alone)
+    pool.check()
+
+
+@pytest.mark.parametrize("name", ["gqa-hd16", "mha-hd8-odd-hidden"])
+def test_up_to_16_tokens_in_one_call_give_decodings_bits(name):
+    """Up to KV_CUDA_MATVEC_MAX_TOKENS tokens a projection is the matrix-vector kernel, which
+    sums every output in one order whatever the token count (one row or several per warp),
+    and every other step works a token or a query at a time: so a prefill of n <= 16 tokens
+    gives, bit for bit, the logits of decoding them one by one."""
+    cpu, gpu = make(name, seed=14)
+    tokens = tokens_for(40, seed=14)
+    for n in (3, 6, 11, 16):                   # one, two and four output rows per warp
+        cache_a, cache_b = gpu.new_cache(64), gpu.new_cache(64)
+        gpu.prefill(tokens[:20], cache_a)
+        gpu.prefill(tokens[:20], cache_b)
+        together = gpu.prefill(tokens[20:20 + n], cache_a, all_logits=True)
+        one_by_one = np.stack([gpu.decode(int(t), cache_b) for t in tokens[20:20 + n]])
+        np.testing.assert_array_equal(together, one_by_one)
+        cache_c = cpu.new_cache(64)
+        cpu.prefill(tokens[:20], cache_c)
+        assert rel_err(together, cpu.prefill(tokens[20:20 + n], cache_c, all_logits=True)) < 1e-4
+
+
+def test_the_logits_scratch_holds_the_rows_returned_not_every_tokens():
+    """A prefill returns one row of logits: forward.cu reserves that one row, not tokens x
+    vocabulary (for a 32K prompt and a 128K vocabulary that would be 16 GiB)."""
+    config = kvlab.ModelConfig(dim=64, hidden_dim=96, n_layers=1, n_heads=4, n_kv_heads=2,
+                               head_dim=16, vocab_size=8192, max_seq_len=512)
+    cpu = kvlab.Model(config, kvlab.Weights.random(config, seed=1))
+    gpu = cpu.to("cuda")
+    tokens = tokens_for(400, vocab=8192, seed=13)
+    every_row = 400 * 8192 * 4
+    cache = gpu.new_cache(400)
+    last = gpu.prefill(tokens, cache)
+    assert gpu._gpu.scratch_bytes < every_row / 2
+    assert rel_err(last, cpu.prefill(tokens, cpu.new_cache(400))) < 1e-4
+    rows = gpu.forward(tokens, all_logits=True)
+    assert rows.shape == (400, 8192) and gpu._gpu.scratch_bytes >= every_row
+    assert rel_err(rows[-1], last) < 1e-4
 
 
 def test_stories260k_writes_the_golden_text(shared_models, golden):

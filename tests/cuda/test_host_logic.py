@@ -221,3 +221,42 @@ def test_which_gpus_an_extension_runs_on():
     assert not runs_on((7, 5), "sm_86 compute_86")             # PTX never runs on older GPUs
     assert runs_on((12, 0), "sm_86 compute_86")
     assert not runs_on((8, 0), "")
+
+
+class FakeGpuModel:
+    """A stand-in for kvlab._cuda.Model: records what the host asks it to reserve, returns
+    logits of the shape the real one returns (zeros)."""
+
+    def __init__(self, config, *weights):
+        self.vocab = config["vocab_size"] if isinstance(config, dict) else config.vocab_size
+        self.reserved = []
+        self.scratch_bytes = 0
+
+    def reserve(self, n_tokens, n_runs, max_blocks, max_seen, n_logits):
+        assert 1 <= n_runs <= n_tokens and 1 <= n_logits <= n_tokens
+        self.reserved.append((n_tokens, n_runs, n_logits))
+
+    def forward(self, tokens, store, run_tokens, run_start, tables, block_size, slots,
+                all_logits=False):
+        return np.zeros((len(tokens) if all_logits else len(run_tokens), self.vocab), np.float32)
+
+
+def test_the_logits_scratch_is_asked_for_the_rows_wanted(fake_store, monkeypatch):
+    """A call reserves logits for one row per run unless all_logits asks for every token's
+    (csrc/cuda/forward.cu sizes the buffer by that count, not tokens x vocabulary)."""
+    import types
+    import kvlab.cuda as kc
+    monkeypatch.setattr(kc, "extension", lambda: types.SimpleNamespace(Model=FakeGpuModel))
+    cpu = kvlab.load()
+    gpu = kc.CudaModel(cpu)
+    c = gpu.config
+    fmt = CacheFormat.make(c.head_dim, "fp32")
+    pool = CudaPagedPool(c.n_layers, c.n_kv_heads, c.head_dim, 64, 16, 8, 64, fmt,
+                         store=fake_store(c.n_layers, c.n_kv_heads, c.head_dim, 64 * 16, fmt))
+    a, b = pool.new_sequence(), pool.new_sequence()
+    assert gpu.prefill(np.arange(300) % c.vocab_size, a).shape == (c.vocab_size,)
+    assert gpu.prefill(np.arange(5), b, all_logits=True).shape == (5, c.vocab_size)
+    assert gpu.forward_batch([a, b], [[1, 2, 3], [4]]).shape == (2, c.vocab_size)
+    assert gpu.forward_batch([a, b], [[1, 2], [4]], all_logits=True).shape == (3, c.vocab_size)
+    assert gpu._gpu.reserved == [(300, 1, 1), (5, 1, 5), (4, 2, 2), (3, 2, 3)]
+    pool.check()
