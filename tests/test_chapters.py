@@ -220,6 +220,19 @@ def test_prose_numbers_come_from_the_json(slug):
     assert not missing, f"{slug}: numbers in the prose that ch{slug[:2]}.json does not hold: {missing}"
 
 
+def test_numbers_one_chapter_copies_from_another_are_current():
+    """Chapter 9 quotes chapter 7's ridge point and read bandwidth; ch09.py copies them
+    from ch07.json when it runs. Rerunning ch07.py alone must not leave chapter 9 quoting
+    the older figures (rerun ch09.py, or copy the block again)."""
+    ch07 = json.loads((CHAPTERS / "figures" / "ch07.json").read_text())
+    ch09 = json.loads((CHAPTERS / "figures" / "ch09.json").read_text())
+    assert ch09["ridge_from_ch07"] == {
+        "cpu_flops_per_byte": ch07["intensity_flops_per_byte"]["cpu_ridge"],
+        "cpu_read_gb_per_s": ch07["cpu"]["read_bytes_per_s"] / 1e9,
+        "cpu_threads": ch07["setup"]["kvlab_threads"],
+        "h200_flops_per_byte": ch07["intensity_flops_per_byte"]["h200_ridge"]}
+
+
 def test_every_arxiv_paper_a_chapter_cites_is_in_the_references():
     listed = set(re.findall(r"arXiv:(\d{4}\.\d{4,5})", (CHAPTERS / "references.md").read_text()))
     cited = {number for slug in SLUGS
