@@ -506,7 +506,9 @@ kv_status kv_model_forward(const kv_model *model, kv_cache *cache, const int32_t
 
 /* The same over a sequence of a paged pool. Blocks for the new positions are taken
  * (copying a shared partial block first) before anything is written; on
- * KV_ERR_OUT_OF_BLOCKS or any other error the pool is exactly as it was. */
+ * KV_ERR_OUT_OF_BLOCKS or any other error the pool is exactly as it was, except that a
+ * long call interrupted between its chunks keeps the chunks before (KV_ERR_INTERRUPTED,
+ * as kv_model_forward). */
 kv_status kv_model_forward_paged(const kv_model *model, kv_pool *pool, int seq,
                                  const int32_t *tokens, int n_tokens, float *logits,
                                  int all_logits, kv_counters *counters);

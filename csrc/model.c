@@ -675,19 +675,34 @@ kv_status kv_model_forward_paged(const kv_model *model, kv_pool *pool, int seq,
     KV_TRY(kv_pool_check_fits(pool, c));
     KV_TRY(kv_check_tokens(c, tokens, n_tokens));
     KV_TRY(kv_blocks_seq_check(&pool->blocks, seq));
-    KV_CHECK(n_tokens <= KV_MAX_POSITIONS - pool->blocks.seqs[seq].next_position,
-             KV_ERR_CACHE_FULL);
-    int start_pos = pool->blocks.seqs[seq].length;
-    KV_TRY(run_state_alloc(&s, model, n_tokens, 1));
-    s.runs[0] = (token_run){0, n_tokens, start_pos, pool->blocks.seqs[seq].next_position};
-    /* Last fallible step: blocks for the new positions (copy-on-write included). It
-     * changes nothing when it fails, and nothing after it can fail. */
-    KV_TRY(kv_pool_reserve(pool, seq, n_tokens));
-    for (int layer = 0; layer < c->n_layers; layer++)
-        *view_of(&s, layer, 0) = kv_pool_layer_view(pool, seq, layer);
-    forward_tokens(model, &s, tokens, n_tokens, logits, all_logits);
-    kv_blocks_commit(&pool->blocks, seq, tokens, n_tokens);
-    kv_pool_note_positions(pool, seq, n_tokens);
+    kv_seq *q = &pool->blocks.seqs[seq];
+    KV_CHECK(n_tokens <= KV_MAX_POSITIONS - q->next_position, KV_ERR_CACHE_FULL);
+    /* Blocks for every new position must be there now, so that a call refused for want of
+     * them changes nothing. (Each chunk below then reserves its own: committing a chunk
+     * never leaves fewer blocks available, so those reservations cannot fail.) */
+    int needed;
+    KV_TRY(kv_blocks_needed(&pool->blocks, seq, n_tokens, &needed));
+    KV_CHECK(needed <= kv_blocks_available(&pool->blocks), KV_ERR_OUT_OF_BLOCKS);
+    int chunk = kv_chunk_length(c, q->length, n_tokens);
+    KV_TRY(run_state_alloc(&s, model, chunk, 1));
+    /* A chunk at a time, as kv_model_forward: reserve its blocks (copy-on-write included),
+     * run the layers through the sequence's views, commit its tokens. */
+    for (int done = 0; done < n_tokens; done += chunk) {
+        if (done > 0 && kv_interrupted()) {
+            status = KV_ERR_INTERRUPTED;
+            break;
+        }
+        chunk = kv_chunk_length(c, q->length, n_tokens - done);
+        KV_TRY(kv_pool_reserve(pool, seq, chunk));
+        s.runs[0] = (token_run){0, chunk, q->length, q->next_position};
+        for (int layer = 0; layer < c->n_layers; layer++)
+            *view_of(&s, layer, 0) = kv_pool_layer_view(pool, seq, layer);
+        float *out = all_logits ? logits + (size_t)done * c->vocab_size : logits;
+        forward_tokens(model, &s, tokens + done, chunk, out, all_logits);
+        kv_blocks_commit(&pool->blocks, seq, tokens + done, chunk);
+        kv_pool_note_positions(pool, seq, chunk);
+    }
+    if (s.count.calls > 1) s.count.calls = 1;      /* one call, however many chunks */
     kv_counters_add(counters, &s.count);
 fail:
     run_state_free(&s);

@@ -96,6 +96,25 @@ def test_an_interrupted_prefill_keeps_whole_chunks_and_goes_on_exactly(long_mode
     assert np.array_equal(last, long_model.prefill(tokens[kept:kept + 30], fresh))
 
 
+def test_an_interrupted_paged_prefill_keeps_whole_chunks_and_goes_on_exactly(long_model):
+    # a paged sequence's long call goes in the same chunks, each reserved and committed
+    tokens = np.random.default_rng(1).integers(0, 256, 6000)
+    pool = long_model.new_paged_pool(num_blocks=400, block_size=16)
+    seq = pool.new_sequence()
+    error, _ = interrupted(lambda: long_model.forward(tokens, seq))
+    assert error is not None, "a 6,000-token paged prefill finished before the interrupt"
+    kept = seq.length
+    chunk = chunk_length(long_model.config, 0, len(tokens))
+    assert 0 < kept < len(tokens) and kept % chunk == 0, (kept, chunk)
+    assert pool.stats().blocks_used == -(-kept // 16)      # no block held past what it kept
+    fresh = pool.new_sequence()
+    long_model.forward(tokens[:kept], fresh)
+    for mine, theirs in zip(pool.gather(seq), pool.gather(fresh)):
+        assert np.array_equal(mine, theirs)
+    rest = tokens[kept:kept + 30]
+    assert np.array_equal(long_model.forward(rest, seq), long_model.forward(rest, fresh))
+
+
 def test_an_interrupted_decode_loop_keeps_its_steps_on_the_exception(long_model):
     cache = long_model.new_cache(9000)
     first = int(np.argmax(long_model.prefill([10, 20, 30], cache)))
@@ -128,6 +147,20 @@ def test_a_chunked_call_counts_and_returns_what_one_pass_would(long_model):
     parts = np.concatenate([long_model.prefill(tokens[i:i + 500], cache, all_logits=True)
                             for i in range(0, 3000, 500)])
     assert np.array_equal(whole, parts)
+    # a paged sequence goes in the same chunks: the same logits, work and scratch
+    seq = long_model.new_paged_pool(num_blocks=200, block_size=16).new_sequence()
+    long_model.reset_counters()
+    assert np.array_equal(whole, long_model.forward(tokens, seq, all_logits=True))
+    counted = long_model.counters
+    assert counted.flops == want.flops and counted.calls == 1
+    assert counted.scratch_bytes == scratch_bytes(c, len(tokens), kvlab.get_num_threads())
+    # blocks for every chunk are checked before the first runs: a refusal changes nothing
+    small = long_model.new_paged_pool(num_blocks=150, block_size=16)
+    seq = small.new_sequence()
+    long_model.forward(tokens[:5], seq)
+    with pytest.raises(kvlab.OutOfBlocks):
+        long_model.forward(tokens, seq)
+    assert seq.length == 5 and small.stats().blocks_used == 1
     # holding one layer's K and V, each layer goes over the same chunks: the same logits
     # and work, but the final norm and the classifier read once, not once a chunk
     long_model.reset_counters()
