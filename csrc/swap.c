@@ -227,6 +227,7 @@ kv_status kv_pool_swap_in(kv_pool *pool, const void *host, size_t size, int *seq
             free(tokens);
             return KV_ERR_NOMEM;
         }
+        parts[n_parts - 1].base = (uint8_t *)pool->positions;   /* was NULL in parts_of */
     }
 
     /* From here on nothing can fail: the checks above are the ones these calls make. */
@@ -243,7 +244,7 @@ kv_status kv_pool_swap_in(kv_pool *pool, const void *host, size_t size, int *seq
             else
                 at = copy_part(pool, parts[i], q->block_table, h.length, (uint8_t *)at, 0);
         }
-        if (h.compacted) at += n_positions * sizeof(int32_t);
+        /* (a compacted sequence has no window rows: nothing follows its positions) */
         /* The rows are in: the commit records the tokens and offers full blocks to the
          * prefix cache, which may find one computed meanwhile and share it instead (the
          * same bits: the core computes a prefix the same way every time). */

@@ -192,14 +192,22 @@ def test_a_sequence_that_dropped_rows_comes_back_with_its_positions(small):
     pool.keep(seq, rows)
     cache.keep(rows)
     positions = pool.positions(seq)
-    back = pool.swap_in(pool.swap_out(seq))
+    host = pool.swap_out(seq)
+    # into another pool too, one where no sequence has dropped rows yet (it has no
+    # positions to write them into until then)
+    other = small.new_paged_pool(num_blocks=16, block_size=4)
+    elsewhere = other.swap_in(host)
+    back = pool.swap_in(host)
     assert np.array_equal(pool.positions(back), positions)
+    assert np.array_equal(other.positions(elsewhere), positions)
     token = 4
     for _ in range(3):
         want, got = small.decode(token, cache), small.decode(token, back)
         assert np.array_equal(want, got)
+        assert np.array_equal(small.decode(token, elsewhere), want)
         token = int(np.argmax(want))
     pool.check()
+    other.check()
 
 
 def test_swap_in_refused_for_lack_of_blocks_changes_nothing(small):

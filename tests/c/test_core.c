@@ -1082,6 +1082,16 @@ static void test_pool_swap(const kv_cache_format *format) {
         CHECK(kv_model_forward_paged(m, &pool, solo, own + 4, 2, got, 0, NULL) == KV_OK);
         CHECK(memcmp(got, want, logits_bytes) == 0);
         CHECK(kv_blocks_check(&pool.blocks, message, sizeof message) == KV_OK);
+        /* and into a pool where no sequence has dropped rows yet (no positions array) */
+        kv_pool fresh;
+        int there;
+        CHECK(kv_pool_init(&fresh, 2, 2, 8, 16, 3, 5, 16, format) == KV_OK);
+        CHECK(fresh.positions == NULL);
+        CHECK(kv_pool_swap_in(&fresh, host, size, &there) == KV_OK);
+        CHECK(kv_pool_position(&fresh, there, 1, 1, 2) == position);
+        CHECK(kv_model_forward_paged(m, &fresh, there, own + 4, 2, got, 0, NULL) == KV_OK);
+        CHECK(memcmp(got, want, logits_bytes) == 0);
+        kv_pool_free(&fresh);
         free(host);
         kv_cache_free(&cache);
     }
