@@ -334,6 +334,18 @@ def test_swap_in_refuses_a_window_sequence_that_claims_dropped_rows(small):
     assert_unchanged(before, pool)
 
 
+def test_a_host_copy_over_2_gib_is_not_refused_for_its_size(small):
+    # A long sequence of a large model swaps out gigabytes (about 2,000 tokens of an fp32
+    # 7B shape make 2 GiB); swap_in once refused any array over 2**31 - 1 bytes, so what
+    # swap_out gave could never come back. Its size is the core's size_t: these bytes (2 GiB
+    # of zeros, never touched, so never resident) are refused for their header alone.
+    pool = small.new_paged_pool(num_blocks=16, block_size=4)
+    huge = np.zeros(2**31 + 16, dtype=np.uint8)
+    with pytest.raises(ValueError, match="not a sequence that swap_out copied") as refused:
+        pool.swap_in(kvlab.SwappedSequence(huge, 0, 0))
+    assert "2147483664 bytes" in str(refused.value)
+
+
 def test_next_position_stays_within_2_30_after_a_swap(small):
     # A sequence holds at most 2**30 positions: a host copy past that is refused, and one
     # at the edge can take no more rows (before, next_position overflowed an int32).

@@ -100,7 +100,7 @@ PyArrayObject *kv_py_array(PyObject *obj, const kv_py_array_spec *spec) {
                      spec->ndim, expected, actual);
         goto done;
     }
-    for (int i = 0; i < spec->ndim; i++) {
+    for (int i = 0; i < spec->ndim && !(spec->flags & KV_PY_SIZE_T_AXES); i++) {
         /* the core counts in ints: a larger axis would wrap round when passed to it */
         if (PyArray_DIM(a, i) > INT_MAX) {
             PyErr_Format(value_error, "%s is too large: %zd entries on axis %d, at most %d",

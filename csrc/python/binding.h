@@ -64,6 +64,7 @@ int kv_py_signals_pending(void *arg);
 #define KV_PY_ANY (-1)      /* a size kv_py_array takes whatever it is */
 #define KV_PY_MAX_DIMS 4
 #define KV_PY_WRITABLE 1    /* flags: the core writes into the array */
+#define KV_PY_SIZE_T_AXES 2 /* flags: the core takes the axes as size_t: no INT_MAX limit */
 
 /* What one array argument must be. Designated initializers read best at a call site:
  *   kv_py_array(obj, &(kv_py_array_spec){.name = "q", .type = NPY_FLOAT32, .ndim = 2,
@@ -76,14 +77,14 @@ typedef struct {
     npy_intp shape[KV_PY_MAX_DIMS];   /* each axis' size, or KV_PY_ANY */
     const char *axes;                 /* for messages: the axes' names, comma-separated,
                                          or NULL to show sizes only */
-    int flags;                        /* KV_PY_WRITABLE */
+    int flags;                        /* KV_PY_WRITABLE, KV_PY_SIZE_T_AXES */
     PyObject *error;                  /* raise this for every refusal; NULL: TypeError for
                                          type and byte order, ValueError for the rest */
 } kv_py_array_spec;
 
 /* obj as an array the core may read through its data pointer: that dtype in native byte
  * order, that rank and shape, C-contiguous, aligned, every axis at most INT_MAX (so that
- * sizes fit the core's ints), writable if asked. A borrowed reference (obj itself, which
+ * sizes fit the core's ints) unless KV_PY_SIZE_T_AXES, writable if asked. A borrowed reference (obj itself, which
  * the caller holds), or NULL with an exception that names the argument. */
 PyArrayObject *kv_py_array(PyObject *obj, const kv_py_array_spec *spec);
 

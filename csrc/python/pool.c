@@ -262,8 +262,10 @@ static PyObject *pool_swap_out(PoolObject *self, PyObject *arg) {
 
 static PyObject *pool_swap_in(PoolObject *self, PyObject *arg) {
     if (kv_py_pool_ready(self) < 0) return NULL;
+    /* a long sequence of a large model is gigabytes: its size goes to the core as size_t */
     static const kv_py_array_spec bytes = {.name = "host", .type = NPY_UINT8, .ndim = 1,
-                                           .shape = {KV_PY_ANY}, .axes = "nbytes"};
+                                           .shape = {KV_PY_ANY}, .axes = "nbytes",
+                                           .flags = KV_PY_SIZE_T_AXES};
     PyArrayObject *host = kv_py_array(arg, &bytes);
     if (host == NULL) return NULL;
     const kv_blocks *p = &self->pool.blocks;
