@@ -295,14 +295,18 @@ class _PoolSpace:
         """Preemption by swapping: each active sample's K and V to host memory
         (sample.swapped), its sequence freed. A sample is swapped only if its rows are
         exactly its computed tokens and one token is still to feed (its logits choose the
-        next): one whose logits an interrupted step lost is left to be recomputed."""
+        next): one whose logits an interrupted step lost is left to be recomputed, and so
+        is one whose copy finds no host memory (the pool is unchanged then)."""
         for sample in request.active():
             seq = sample.seq
             if seq is None or not seq.alive:
                 continue
             if not 0 < sample.computed == seq.length < len(sample.tokens):
                 continue
-            host = self.pool.swap_out(seq)
+            try:
+                host = self.pool.swap_out(seq)
+            except MemoryError:
+                continue
             sample.swapped = host
             self.swapped.out_blocks += host.n_blocks
             self.swapped.out_bytes += host.nbytes

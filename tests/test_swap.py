@@ -525,6 +525,23 @@ def test_steps_say_what_they_swapped(model):
     assert sum(m.recomputed_tokens for m in metrics) == 0
 
 
+def test_a_swap_that_finds_no_host_memory_falls_back_to_recompute(model, monkeypatch):
+    # swap_out allocates the host copy before it touches the pool: a MemoryError there
+    # leaves the sequence as it was, and the engine recomputes that request instead
+    requests = workload()
+    want, _ = serve(model, requests, 21, "recompute")
+    refused = []
+
+    def no_memory(self, seq):
+        refused.append(seq.length)
+        raise MemoryError
+    monkeypatch.setattr(kvlab.PagedPool, "swap_out", no_memory)
+    got, metrics = serve(model, requests, 21, "swap")
+    assert got == want and refused
+    t = totals(metrics)
+    assert t["preemptions"] >= 1 and t["recomputed_tokens"] > 0 and t["swapped_out_blocks"] == 0
+
+
 def test_a_request_preempted_mid_prompt_is_swapped_back_mid_prompt(model):
     # Two tokens a step: a long decode (A) and a long prompt fed one token a step (B) beside
     # it. The pool runs out while B is still in its prompt, and B, admitted last, goes.
