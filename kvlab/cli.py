@@ -214,23 +214,33 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def _comma_list(text: str, kind, option: str, what: str) -> list:
+    """--rates 50,200 as [50.0, 200.0], each finite and above zero; else a ValueError
+    naming the option."""
+    try:
+        values = [kind(v) for v in text.split(",")]
+    except ValueError:
+        values = []
+    if not values or not all(0 < v < float("inf") for v in values):
+        raise ValueError(f"{option} takes {what} above zero, comma-separated, got {text!r}")
+    return values
+
+
 def cmd_serve_bench(args) -> int:
     import kvlab
-    model = _load(args)
-    rates = [float(r) for r in args.rates.split(",")]
-    budgets = [int(b) for b in args.budgets.split(",")]
+    # every argument checked before the model loads and anything runs
+    rates = _comma_list(args.rates, float, "--rates", "numbers")
+    budgets = _comma_list(args.budgets, int, "--budgets", "whole numbers")
     memories = args.memory.split(",")
-    if min(rates) <= 0 or min(budgets) < 1:
-        print("kvlab serve-bench: rates must be positive and budgets at least 1", file=sys.stderr)
-        return 2
-    if not set(memories) <= set(kvlab.serving.MEMORIES):
-        print(f"kvlab serve-bench: --memory takes {' and/or '.join(kvlab.serving.MEMORIES)}, "
-              f"got {args.memory}", file=sys.stderr)
-        return 2
+    for memory in memories:
+        if memory not in kvlab.serving.MEMORIES:
+            raise ValueError(f"--memory takes {' and/or '.join(kvlab.serving.MEMORIES)}, "
+                             f"comma-separated, got {args.memory!r}")
     if args.plot and not _matplotlib_installed():
         print(f"kvlab: error: --plot {args.plot} needs matplotlib, which is not installed: "
               f"pip install matplotlib (or run without --plot); nothing was run", file=sys.stderr)
         return 2
+    model = _load(args)
     print(f"kvlab serve-bench: {model!r}, {args.requests} requests per run, Poisson arrivals, "
           f"{kvlab.get_num_threads()} threads")
     rows = kvlab.serving.sweep(model, rates, budgets, args.requests, args.seed,

@@ -333,9 +333,7 @@ class Model:
         if cache is None and len(ids) > self.config.max_seq_len:
             raise ContextLengthError(f"{len(ids)} tokens exceed the model's context of "
                                      f"{self.config.max_seq_len} (config.max_seq_len)")
-        if one_layer_kv:
-            return self._run(ids, cache, all_logits, one_layer_kv=True)
-        return self._run(ids, cache, all_logits)
+        return self._run(ids, cache, all_logits, one_layer_kv)
 
     def prefill(self, tokens: TokenArray, cache: Cache, all_logits: bool = False) -> np.ndarray:
         """Run a prompt (or any chunk of new tokens) in one causal pass, appending its K

@@ -46,6 +46,18 @@ def workload(model, n_requests: int, rate: float, seed: int = 0) -> List[Tuple[f
 
 
 MEMORIES = ("paged", "contiguous")
+CONTIGUOUS_MAX_CONTEXT = 4096   # the pool's largest block (csrc/python/pool.c)
+
+
+def check_memory(memory: str, model=None) -> None:
+    """Refuse a memory name serve() does not know, or a context too long to emulate."""
+    if memory not in MEMORIES:
+        raise ValueError(f"memory must be one of {', '.join(MEMORIES)}, got {memory!r}")
+    if memory == "contiguous" and model is not None and \
+            model.config.max_seq_len > CONTIGUOUS_MAX_CONTEXT:
+        raise ValueError(f"memory='contiguous' holds each request's whole context as one "
+                         f"block, and blocks hold at most {CONTIGUOUS_MAX_CONTEXT} positions: "
+                         f"this model's context is {model.config.max_seq_len}")
 
 
 def serve(model, requests: list, budget: int = 256, num_blocks: int = 512,
@@ -57,8 +69,7 @@ def serve(model, requests: list, budget: int = 256, num_blocks: int = 512,
     "contiguous" gives it the same bytes as blocks of a whole context
     (config.max_seq_len positions), one per request, reserved whole from its admission to
     its end, as contiguous caches are (Orca batched continuously this way)."""
-    if memory not in MEMORIES:
-        raise ValueError(f"memory must be one of {', '.join(MEMORIES)}, got {memory!r}")
+    check_memory(memory, model)
     if memory == "contiguous":
         context = model.config.max_seq_len
         if num_blocks * block_size < context:
@@ -110,9 +121,8 @@ def sweep(model, rates, budgets, n_requests: int = 40, seed: int = 0, out=print,
           memories=("paged",)) -> list:
     """serve() at every rate, budget and memory (the same requests at one rate for all of
     them), each row printed as it comes; the rows."""
-    for memory in memories:
-        if memory not in MEMORIES:
-            raise ValueError(f"memory must be one of {', '.join(MEMORIES)}, got {memory!r}")
+    for memory in memories:               # before the warm-up, not after it
+        check_memory(memory, model)
     serve(model, workload(model, 4, 100.0, seed), budgets[0])          # warm up
     out(TABLE_HEAD)
     rows = []

@@ -42,7 +42,11 @@ def test_kvlab_serve_bench_prints_the_table(capsys, tmp_path):
                      "--json", str(out)]) == 0
     printed = capsys.readouterr().out
     assert "TTFT p50" in printed and json.loads(out.read_text())["runs"][0]["requests"] == 4
-    assert cli.main(["serve-bench", "--rates", "0"]) == 2
+    # bad arguments are named, before the model loads
+    for option, value in [("--rates", "0"), ("--rates", "abc"), ("--rates", "nan"),
+                          ("--budgets", "0"), ("--budgets", "1.5"), ("--memory", "swap")]:
+        assert cli.main(["serve-bench", option, value, "--model", "/nonexistent"]) == 2
+        assert f"{option} takes" in capsys.readouterr().err
 
 
 def test_contiguous_memory_reserves_a_whole_context_per_request(model):
@@ -58,6 +62,11 @@ def test_contiguous_memory_reserves_a_whole_context_per_request(model):
         kvlab.serving.serve(model, requests, memory="virtual")
     with pytest.raises(ValueError, match="no contiguous cache fits"):
         kvlab.serving.serve(model, requests, num_blocks=2, memory="contiguous")
+    # a context longer than a block may be is refused plainly, before anything runs
+    long = kvlab.Model(model.config.replace(max_seq_len=8192), model.weights)
+    with pytest.raises(ValueError, match="blocks hold at most 4096 positions: this model's "
+                                         "context is 8192"):
+        kvlab.serving.sweep(long, [100.0], [16], memories=("paged", "contiguous"))
 
 
 def test_serve_bench_plots_both_memories(tmp_path, capsys):
@@ -68,4 +77,3 @@ def test_serve_bench_plots_both_memories(tmp_path, capsys):
                      "--memory", "paged,contiguous", "--plot", str(png)]) == 0
     printed = capsys.readouterr().out
     assert "contiguous" in printed and png.stat().st_size > 10_000
-    assert cli.main(["serve-bench", "--memory", "swap"]) == 2
