@@ -429,8 +429,9 @@ static void count_forward(const kv_model *model, run_state *s, int n_tokens, int
     const kv_weights *w = &model->weights;
     count->weight_bytes += n * matrix_bytes(w->token_embedding, 1, c->dim)   /* embedding rows */
                            + L * layer_weight_bytes(model)
-                           + f * dim                                    /* final norm */
-                           + matrix_bytes(w->classifier, c->vocab_size, c->dim);
+                           + (n_rows > 0 ? f * dim                      /* final norm */
+                                           + matrix_bytes(w->classifier, c->vocab_size, c->dim)
+                                         : 0);
     for (int layer = 0; layer < c->n_layers; layer++)
         for (int r = 0; r < s->n_runs; r++) {
             const kv_layer_view *view = view_of(s, layer, r);
@@ -497,7 +498,8 @@ static int layer_in_chunks(const kv_model *model, run_state *s, int layer) {
 
 /* The forward pass proper. The caller has checked every argument, filled s->runs and
  * s->views, and made room in the cache for every run's new positions. Logits: every
- * token's with all_logits, else the last token's of each run, one row per run. */
+ * token's with all_logits, else the last token's of each run, one row per run; none with
+ * logits NULL (a chunk of a long call before its last: nobody reads them). */
 static void forward_tokens(const kv_model *model, run_state *s, const int32_t *tokens,
                            int n_tokens, float *logits, int all_logits) {
     const kv_config *c = &model->config;
@@ -525,13 +527,14 @@ static void forward_tokens(const kv_model *model, run_state *s, const int32_t *t
     /* [quote ch09-forward-tokens-logits] */
     /* Only the rows whose logits were asked for go through the final norm and the
      * classifier, the largest matrix of a small model. */
-    int n_rows = all_logits ? n_tokens : s->n_runs;
+    int n_rows = logits == NULL ? 0 : all_logits ? n_tokens : s->n_runs;
     for (int i = 0; i < n_rows; i++) {
         int t = all_logits ? i : s->runs[i].first + s->runs[i].n_tokens - 1;
         rmsnorm(s, s->xb + (size_t)i * c->dim, s->x + (size_t)t * c->dim,
                 model->weights.final_norm, c->dim, c->norm_eps);
     }
-    project(s, logits, s->xb, model->weights.classifier, n_rows, c->dim, c->vocab_size);
+    if (n_rows > 0)
+        project(s, logits, s->xb, model->weights.classifier, n_rows, c->dim, c->vocab_size);
     /* [end ch09-forward-tokens-logits] */
     count_forward(model, s, n_tokens, n_rows);
 }
@@ -574,6 +577,15 @@ fail:
     return status;
 }
 
+/* Where a chunk of a long call (its positions done .. done + chunk of n_tokens) writes its
+ * logits: its rows of every token's, or, with only the last token's wanted, the last
+ * chunk alone (NULL: the chunks before skip the final norm and the classifier). */
+static float *chunk_logits(const kv_config *c, float *logits, int all_logits, int done,
+                           int chunk, int n_tokens) {
+    if (all_logits) return logits + (size_t)done * c->vocab_size;
+    return done + chunk == n_tokens ? logits : NULL;
+}
+
 /* n_tokens new tokens through the model at the cache's next positions, their K and V
  * appended: all of kv_model_forward's work, and each step of kv_model_generate's. */
 /* [quote ch01-kv-model-forward-and-the-step] */
@@ -603,8 +615,8 @@ kv_status kv_model_forward(const kv_model *model, kv_cache *cache, const int32_t
             break;
         }
         chunk = kv_chunk_length(c, cache->length, n_tokens - done);
-        float *out = all_logits ? logits + (size_t)done * c->vocab_size : logits;
-        run_over_cache(model, &s, cache, tokens + done, chunk, out, all_logits);
+        run_over_cache(model, &s, cache, tokens + done, chunk,
+                       chunk_logits(c, logits, all_logits, done, chunk, n_tokens), all_logits);
     }
     if (s.count.calls > 1) s.count.calls = 1;      /* one call, however many chunks */
     kv_counters_add(counters, &s.count);
@@ -697,8 +709,8 @@ kv_status kv_model_forward_paged(const kv_model *model, kv_pool *pool, int seq,
         s.runs[0] = (token_run){0, chunk, q->length, q->next_position};
         for (int layer = 0; layer < c->n_layers; layer++)
             *view_of(&s, layer, 0) = kv_pool_layer_view(pool, seq, layer);
-        float *out = all_logits ? logits + (size_t)done * c->vocab_size : logits;
-        forward_tokens(model, &s, tokens + done, chunk, out, all_logits);
+        forward_tokens(model, &s, tokens + done, chunk,
+                       chunk_logits(c, logits, all_logits, done, chunk, n_tokens), all_logits);
         kv_blocks_commit(&pool->blocks, seq, tokens + done, chunk);
         kv_pool_note_positions(pool, seq, chunk);
     }

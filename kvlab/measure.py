@@ -157,7 +157,7 @@ def forward_counts(config: ModelConfig, n_tokens: int, start_pos: int = 0,
     per_layer_mlp = 3 * c.dim * c.hidden_dim
     chunk = chunk_length(c, start_pos, T)
     chunks = [chunk] * (T // chunk) + ([T % chunk] if T % chunk else [])
-    n_out = T if all_logits else len(chunks)     # each chunk's last row, without all_logits
+    n_out = T if all_logits else 1               # without all_logits, the last row alone
     seen = T * start_pos + T * (T + 1) // 2          # positions seen, summed over the tokens
     full_row = 2 * c.kv_dim * FLOAT                  # K and V of one position, float32
     stored_row = cache.row_bytes(c.n_kv_heads, c.head_dim)
@@ -171,8 +171,11 @@ def forward_counts(config: ModelConfig, n_tokens: int, start_pos: int = 0,
                    + matrix_bytes("wv", c.kv_dim, c.dim) + matrix_bytes("wo", c.dim, c.q_dim)
                    + matrix_bytes("w1", c.hidden_dim, c.dim) + matrix_bytes("w3", c.hidden_dim, c.dim)
                    + matrix_bytes("w2", c.dim, c.hidden_dim) + 2 * c.dim * FLOAT)   # + the norms
-    weights_read = (len(chunks) * (c.n_layers * layer_bytes + c.dim * FLOAT       # final norm,
-                                   + matrix_bytes("classifier", c.vocab_size, c.dim))  # per chunk
+    # the layers once per chunk; the final norm and the classifier once per chunk that
+    # writes logits (every chunk with all_logits, else only the last)
+    weights_read = (len(chunks) * c.n_layers * layer_bytes
+                    + (len(chunks) if all_logits else 1)
+                    * (c.dim * FLOAT + matrix_bytes("classifier", c.vocab_size, c.dim))
                     + T * matrix_bytes("token_embedding", 1, c.dim))                # embedding rows
     return Counts(
         flops_projections=2 * T * c.n_layers * per_layer_proj,

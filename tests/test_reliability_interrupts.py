@@ -143,6 +143,12 @@ def test_a_chunked_call_counts_and_returns_what_one_pass_would(long_model):
     assert counted.calls == 1 and counted.tokens == len(tokens)
     assert counted.scratch_bytes == scratch_bytes(c, len(tokens), kvlab.get_num_threads(),
                                                   cached=False)
+    # wanting the last token's logits alone, the chunks before skip the classifier
+    long_model.reset_counters()
+    assert np.array_equal(long_model.forward(tokens), whole[-1])
+    counted, want_last = long_model.counters, forward_counts(c, len(tokens), 0, False)
+    assert counted.flops_logits == want_last.flops_logits == 2 * c.dim * c.vocab_size
+    assert counted.flops == want_last.flops and counted.weight_bytes == want_last.weight_bytes
     cache = long_model.new_cache(3000)
     parts = np.concatenate([long_model.prefill(tokens[i:i + 500], cache, all_logits=True)
                             for i in range(0, 3000, 500)])
