@@ -37,3 +37,15 @@ def test_notebook_is_stored_without_outputs(path):
         if cell.cell_type == "code":
             assert not cell.outputs and cell.execution_count is None, \
                 f"{path.name} was saved with outputs: clear them before committing"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
+def test_every_cell_has_an_id(path):
+    """nbformat 4.5 cells carry ids; a cell added by hand without one makes every reader
+    warn (MissingIDFieldWarning), and a future nbformat refuse the file."""
+    import json
+    cells = json.loads(path.read_text())["cells"]
+    missing = [i for i, cell in enumerate(cells) if "id" not in cell]
+    assert not missing, f"{path.name}: cells {missing} have no id"
+    ids = [cell["id"] for cell in cells]
+    assert len(set(ids)) == len(ids), f"{path.name}: cell ids repeat"
