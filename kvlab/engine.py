@@ -227,6 +227,22 @@ class _SwapTraffic:
     in_bytes: int = 0
 
 
+class _FinishedOutputs(dict):
+    """Engine.outputs: a dict of the finished requests' outputs whose missing keys say
+    why (a request still waiting or running, or no such request)."""
+
+    def __init__(self, states: Dict[int, State]):
+        super().__init__()
+        self._states = states
+
+    def __missing__(self, rid):
+        state = self._states.get(rid)
+        if state is None:
+            raise KeyError(f"no request {rid!r} was added to this engine")
+        raise KeyError(f"request {rid} is not finished yet ({state.value}): step() "
+                       f"until it is, or run() to finish every request")
+
+
 class _PoolSpace:
     """The scheduler's view of the pool (kvlab.scheduler.BlockSpace). Every call may be
     repeated after an interruption: a sample's handle is dropped only once its sequence is
@@ -935,8 +951,8 @@ class Engine:
     @property
     def outputs(self) -> Dict[int, RequestOutput]:
         """Every finished request's output, by id (failed ones too: see each sample's
-        finish_reason)."""
-        done = {}
+        finish_reason). Asking for one not finished yet raises a KeyError that says so."""
+        done = _FinishedOutputs({rid: r.state for rid, r in self.requests.items()})
         for request in self.requests.values():
             if request.state is not State.FINISHED:
                 continue

@@ -18,6 +18,7 @@ memory) and `working_memory` (peak working memory with and without a cache) run 
 from __future__ import annotations
 
 import dataclasses
+import numbers
 
 from typing import Dict, Optional, Tuple, Union
 
@@ -40,6 +41,12 @@ def _element_bytes(dtype: str) -> int:
         return BYTES_PER_ELEMENT[dtype]
     except KeyError:
         raise ValueError(f"unknown dtype {dtype!r}; known: {sorted(BYTES_PER_ELEMENT)}") from None
+
+
+def _whole(name: str, value, least: int) -> None:
+    """Refuse, naming the argument, a count that is not an integer of at least `least`."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < least:
+        raise ValueError(f"{name} must be an integer of at least {least}, got {value!r}")
 
 
 def cache_format(config: ModelConfig, dtype: Union[None, str, CacheFormat] = None, *,
@@ -151,6 +158,8 @@ def forward_counts(config: ModelConfig, n_tokens: int, start_pos: int = 0,
     fp32): attention reads each position as stored, except the residual window's in
     float32, and writes each new row as stored plus the window's float32 copy. `weights`:
     the matrices' formats by name (Weights.formats), float32 where not named."""
+    _whole("n_tokens", n_tokens, 1)
+    _whole("start_pos", start_pos, 0)
     c, T = config, n_tokens
     cache = cache or CacheFormat()
     per_layer_proj = c.dim * c.q_dim + 2 * c.dim * c.kv_dim + c.q_dim * c.dim
@@ -213,6 +222,8 @@ def scratch_bytes(config: ModelConfig, n_tokens: int, n_threads: int = 1,
     chunk of tokens through every layer would need the earlier chunks' K and V of every
     layer, so it goes layer by layer over all the tokens). cached=True takes only
     "all_layers", as Model.forward does."""
+    _whole("n_tokens", n_tokens, 1)
+    _whole("n_threads", n_threads, 1)
     if uncached_kv not in ("all_layers", "one_layer"):
         raise ValueError(f"uncached_kv must be all_layers or one_layer, got {uncached_kv!r}")
     if cached and uncached_kv != "all_layers":      # as Model.forward refuses it
@@ -243,6 +254,8 @@ def generation_counts(config: ModelConfig, prompt_len: int, new_tokens: int,
                       use_cache: bool = True) -> Counts:
     """The work of kvlab.generate: with the cache, one prefill of the prompt and one
     decode per further token; without it, the whole sequence from scratch every step."""
+    _whole("prompt_len", prompt_len, 1)
+    _whole("new_tokens", new_tokens, 1)
     total = Counts()
     for step in range(new_tokens):
         if not use_cache:
@@ -411,6 +424,7 @@ def per_token_saving(config: ModelConfig, position: int) -> float:
     """Share of one step's FLOPs that the cache saves when generating the token at
     `position` (0-based): the uncached step reruns all position + 1 tokens, the cached
     step only the newest. About 1 - 1/(position + 1): 75 % at position 3, 90 % at 9."""
+    _whole("position", position, 0)
     cached = forward_counts(config, 1, position).flops
     uncached = forward_counts(config, position + 1, 0).flops
     return 1.0 - cached / uncached

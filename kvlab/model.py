@@ -444,6 +444,8 @@ class Model:
         self._check_weights()
         if len(seqs) != len(chunks):
             raise ValueError(f"{len(seqs)} sequences but {len(chunks)} chunks of tokens")
+        if len(seqs) == 0:
+            raise ValueError("forward_batch needs at least one sequence and its chunk")
         arrays = [as_token_array(chunk, self.config.vocab_size) for chunk in chunks]
         for seq, chunk in zip(seqs, arrays):
             self._check_device(seq)

@@ -538,6 +538,8 @@ def test_forward_batch_errors_leave_the_pool_unchanged(model):
         model.forward_batch([a, other], [[1], [2]])
     with pytest.raises(ValueError, match="2 sequences but 1 chunks"):
         model.forward_batch([a, b], [[1]])
+    with pytest.raises(ValueError, match="at least one sequence"):
+        model.forward_batch([], [])
     with pytest.raises(ValueError, match="out of range"):
         model.forward_batch([a, b], [[1], [256]])
     # each alone would fit in the 3 blocks left (2 each); together they need 4
@@ -711,3 +713,18 @@ def test_arrival_time_counts_from_when_the_request_arrived(model):
         engine.add_request([1, 2], arrival_time=clock.now + 100)
     with pytest.raises(TypeError, match="clock must be"):
         kvlab.Engine(model, num_blocks=16, clock=3.0)
+
+
+def test_asking_for_an_unfinished_requests_output_says_so(model):
+    engine = kvlab.Engine(model, num_blocks=32, block_size=4)
+    rid = engine.add_request([1, 2, 3], SamplingParams(max_new_tokens=3))
+    with pytest.raises(KeyError, match=f"request {rid} is not finished yet \\(waiting\\)"):
+        engine.outputs[rid]
+    engine.step()
+    with pytest.raises(KeyError, match="not finished yet \\(running\\)"):
+        engine.outputs[rid]
+    with pytest.raises(KeyError, match="no request 99 was added"):
+        engine.outputs[99]
+    assert engine.outputs.get(rid) is None and rid not in engine.outputs
+    engine.run()
+    assert len(engine.outputs[rid].outputs[0].tokens) == 3

@@ -408,3 +408,19 @@ def test_attention_walk_bandwidth_is_measured_by_the_core():
         kvlab.measure.attention_walk_bandwidth(8)
     with pytest.raises(ValueError, match="must be an integer"):
         kvlab.measure.attention_walk_bandwidth(64.0)
+
+
+@pytest.mark.parametrize("call, name", [
+    (lambda c: kvlab.measure.per_token_saving(c, -1), "position"),
+    (lambda c: kvlab.measure.per_token_saving(c, 2.5), "position"),
+    (lambda c: kvlab.measure.arithmetic_ratio(c, 0, 10), "prompt_len"),
+    (lambda c: kvlab.measure.arithmetic_ratio(c, 1, 0), "new_tokens"),
+    (lambda c: kvlab.measure.forward_counts(c, 0), "n_tokens"),
+    (lambda c: kvlab.measure.forward_counts(c, 4, start_pos=-2), "start_pos"),
+    (lambda c: kvlab.measure.scratch_bytes(c, True), "n_tokens"),
+    (lambda c: kvlab.measure.scratch_bytes(c, 4, n_threads=0), "n_threads"),
+])
+def test_counts_from_the_shapes_refuse_impossible_arguments_by_name(call, name):
+    # (these once divided by zero or multiplied a list by a float)
+    with pytest.raises(ValueError, match=f"{name} must be an integer of at least"):
+        call(kvlab.ModelConfig.llama2_7b())
