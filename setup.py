@@ -16,7 +16,8 @@ compiled by nvcc, the binding csrc/cuda/_cuda.c by the C compiler, and the whole
 against the static CUDA runtime (no other CUDA library), so that importing it needs no GPU
 and no driver. A .cu file that does not compile fails the build.
 
-Machine code for the GPU that is present (its compute capability, asked of the driver), or
+Machine code for the GPU that is present (its compute capability, asked of the driver; for
+a GPU newer than this nvcc, the newest architecture nvcc knows, whose PTX runs on it), or
 where none is, for the GPUs students have: sm_75 (T4), sm_80 (A100), sm_86 (RTX 30xx, A10),
 sm_89 (RTX 40xx, L4) and sm_90 (H100, H200), plus sm_70 (V100) where this nvcc still
 compiles for it (CUDA 12; CUDA 13 dropped it); and PTX of the newest, which the driver
@@ -27,6 +28,7 @@ compiles for any later GPU at first use.
                         list above); one nvcc cannot compile is an error
   KVLAB_CUDA_GENCODE    raw nvcc -gencode flags instead of all of the above, space-separated
 """
+import functools
 import os
 import shlex
 import shutil
@@ -97,21 +99,22 @@ def cuda_library_dirs(nvcc):
     return [d for d in dirs or fallback if Path(d).is_dir()]
 
 
+@functools.lru_cache(maxsize=None)
 def present_gpu_archs():
     """The compute capabilities of this machine's GPUs ("75", "90", ...), as the driver's
-    nvidia-smi reports them; none without a driver or a GPU."""
+    nvidia-smi reports them; none without a driver or a GPU. (Asked once.)"""
     smi = shutil.which("nvidia-smi")
     if smi is None:
-        return []
+        return ()
     try:
         result = subprocess.run([smi, "--query-gpu=compute_cap", "--format=csv,noheader"],
                                 capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.SubprocessError):
-        return []
+        return ()
     if result.returncode != 0:
-        return []
+        return ()
     archs = {line.strip().replace(".", "") for line in result.stdout.splitlines()}
-    return sorted(a for a in archs if a.isdigit())
+    return tuple(sorted((a for a in archs if a.isdigit()), key=int))
 
 
 def nvcc_archs(nvcc):
@@ -151,9 +154,16 @@ def cuda_gencode(nvcc):
             raise SystemExit(f"kvlab: this nvcc cannot compile for {', '.join('sm_' + a for a in missing)} "
                              f"(it knows {', '.join('sm_' + a for a in sorted(supported, key=int))})")
     else:
-        present = [a for a in present_gpu_archs() if a in supported]
-        # a GPU newer than this nvcc runs the PTX of the newest architecture it knows
-        archs = present or list(STUDENT_ARCHS)
+        seen = present_gpu_archs()
+        present = [a for a in seen if a in supported]
+        newest = max(supported, key=int)
+        if present:
+            archs = present
+        elif any(int(a) > int(newest) for a in seen):
+            # a GPU newer than this nvcc runs the PTX of the newest architecture it knows
+            archs = [newest]
+        else:
+            archs = list(STUDENT_ARCHS)
         dropped = [a for a in archs if a not in supported]
         if dropped:
             print(f"kvlab: this nvcc does not compile for {', '.join('sm_' + a for a in dropped)} "

@@ -98,9 +98,8 @@ if [ "$smoke" -eq 0 ]; then
     timeout 150 $PYTHON -m pytest -q -p no:cacheprovider -ra tests/cuda 2>&1 \
         | tee "$RESULTS/gpu_tests.log" | tail -n 40
     tests=${PIPESTATUS[0]}
-    for failed in $(grep -oE "^FAILED [^ ]+" "$RESULTS/gpu_tests.log" | cut -d' ' -f2 | head -n 1); do
-        sanitize "$failed"
-    done
+    failed=$(grep -m1 -oE "^FAILED [^ ]+" "$RESULTS/gpu_tests.log" | cut -d' ' -f2)
+    [ -n "$failed" ] && sanitize "$failed"
 fi
 
 log "== benchmarks ($(elapsed))"

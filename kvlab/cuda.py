@@ -32,6 +32,7 @@ why_not() say whether this machine can run the GPU path.
 from __future__ import annotations
 
 import contextlib
+import re
 import threading
 import warnings
 from typing import Iterator, List, Optional, Sequence, Tuple
@@ -56,6 +57,7 @@ _CUDA_INSUFFICIENT_DRIVER, _CUDA_NO_DEVICE = 35, 100
 _extension = None
 _import_error: Optional[str] = None
 _probe: Optional[tuple] = None   # the runtime's answer to "is there a GPU?", asked once
+_capability: Optional[tuple] = None   # that GPU's compute capability, asked once
 
 
 def _load_extension():
@@ -72,7 +74,7 @@ def _load_extension():
 
 def why_not() -> Optional[str]:
     """None if a GPU can be used, else why not: no CUDA extension (kvlab was built without
-    nvcc), no driver, or no GPU."""
+    nvcc), no driver, no GPU, or a GPU the extension was not compiled for."""
     ext = _load_extension()
     if ext is None:
         return ("kvlab was built without its CUDA extension (kvlab._cuda: "
@@ -89,7 +91,10 @@ def why_not() -> Optional[str]:
         return f"no CUDA GPU on this machine ({name}: {text})"
     if code != 0:
         return f"the CUDA runtime cannot start ({name}: {text})"
-    major, minor = ext.device_info()["capability"]
+    global _capability
+    if _capability is None:
+        _capability = tuple(ext.device_info()["capability"])
+    major, minor = _capability
     if not runs_on((major, minor), ext.ARCHS):
         return (f"kvlab's CUDA extension was compiled for {ext.ARCHS}, which this GPU "
                 f"(compute capability {major}.{minor}) cannot run: rebuild it here (pip install "
@@ -103,14 +108,18 @@ def runs_on(capability, archs: str) -> bool:
     any X.Z with Z >= Y (the same major version); PTX for compute_XY is compiled by the
     driver for any GPU of X.Y or newer."""
     major, minor = capability
-    for arch in archs.split():
-        kind, _, number = arch.partition("_")
-        if not number.isdigit():
-            continue
-        arch_major, arch_minor = int(number[:-1]), int(number[-1])
-        if kind == "sm" and arch_major == major and arch_minor <= minor:
+    # (KVLAB_CUDA_GENCODE builds may name them as "[sm_90,compute_90]" or "sm_90a")
+    named = re.findall(r"(sm|compute)_(\d+)([a-z]?)", archs)
+    if not named:               # "": compiled for nothing; else names this cannot read
+        return bool(archs.strip())   # (then let the runtime say)
+    for kind, number, suffix in named:
+        arch = (int(number[:-1]), int(number[-1]))
+        if suffix == "a":       # features of that one GPU: it alone runs them
+            if arch == (major, minor):
+                return True
+        elif kind == "sm" and arch[0] == major and arch[1] <= minor:
             return True
-        if kind == "compute" and (arch_major, arch_minor) <= (major, minor):
+        elif kind == "compute" and arch <= (major, minor):
             return True
     return False
 

@@ -221,6 +221,9 @@ def test_which_gpus_an_extension_runs_on():
     assert not runs_on((7, 5), "sm_86 compute_86")             # PTX never runs on older GPUs
     assert runs_on((12, 0), "sm_86 compute_86")
     assert not runs_on((8, 0), "")
+    # as KVLAB_CUDA_GENCODE builds may name them: lists, and sm_90a (that one GPU's features)
+    assert runs_on((9, 0), "[sm_90,compute_90]") and runs_on((9, 0), "sm_90a")
+    assert not runs_on((10, 0), "sm_90a compute_90a") and runs_on((10, 0), "sm_90a compute_90")
 
 
 class FakeGpuModel:
