@@ -205,3 +205,35 @@ def kv_bytes_per_token(*args):
             in first, first
     finally:
         shutil.rmtree(top, ignore_errors=True)
+
+
+def test_a_judge_that_fails_still_leaves_gradescope_a_results_json(package, tmp_path,
+                                                                   monkeypatch):
+    # a bug in the judge must not leave the submission as "the autograder failed" with no
+    # results; it gives no points and says whose fault it is
+    from kvlab.grading import autograder, judge, process
+    root = unpack(package, tmp_path / "autograder")
+    shutil.copy(INSTRUCTOR / "solutions" / "cache_size.py", root / "submission" / "cache_size.py")
+    monkeypatch.setattr(process, "harden_judge", lambda: None)     # (this is the test process)
+
+    def broken(self):
+        raise RuntimeError("a bug of the judge's")
+    monkeypatch.setattr(judge.Judge, "run", broken)
+    report = autograder.run(root)
+    data = results(root)
+    assert report.score == data["score"] == 0 and len(data["tests"]) == 10
+    assert "a bug of the judge's" in data["output"] and "kvlab's fault" in data["output"]
+    assert all(t["score"] == 0 and t["max_score"] > 0 for t in data["tests"])
+
+
+def test_an_instructor_with_a_plain_pip_install_builds_from_the_clone_root(tmp_path,
+                                                                        monkeypatch):
+    # pip install . (not -e) puts the package away from the clone: the instructor/ folder
+    # of the directory kvlab runs in is the one, as the README's "from a clone" says
+    from kvlab.grading import labs
+    monkeypatch.setattr(labs, "LABS_DIR", tmp_path / "site-packages" / "kvlab" / "labs")
+    monkeypatch.delenv("KVLAB_INSTRUCTOR", raising=False)
+    monkeypatch.chdir(tmp_path)
+    assert labs.find_instructor() is None
+    monkeypatch.chdir(INSTRUCTOR.parent)
+    assert labs.find_instructor() == INSTRUCTOR.resolve()

@@ -132,6 +132,30 @@ def test_a_syntax_error_is_reported_once_with_its_line(tmp_path):
     assert report.summary().count("line 3") == 1
 
 
+@pytest.mark.parametrize("what, bytes_added, said", [
+    ("a NUL byte", b"\n# \x00\n", "not graded"),
+    ("an expression nested past the parser", b"\nx = " + b"-" * 3000 + b"1\n", "not graded"),
+    ("an expression nested past the source check", b"\nx = " + b"-" * 600 + b"1\n",
+     "not graded")])
+def test_a_file_python_cannot_read_scores_zero_and_says_why(tmp_path, what, bytes_added, said):
+    # (these raised out of the judge: ValueError on some Pythons for the NUL byte, and
+    # RecursionError for deep nesting, so Gradescope got no results.json)
+    path = tmp_path / "cache_size.py"
+    path.write_bytes((INSTRUCTOR / "solutions" / "cache_size.py").read_bytes() + bytes_added)
+    report = hidden("cache_size", path)
+    assert report.score == 0 and report.tests, what
+    assert all(t.output.startswith(said) for t in report.tests), report.tests[0].output
+    assert "line None" not in report.output
+
+
+def test_a_byte_order_mark_is_not_code(tmp_path):
+    # Windows editors may save UTF-8 with a BOM; Python runs such a file, and so grading does
+    path = tmp_path / "cache_size.py"
+    path.write_bytes(b"\xef\xbb\xbf" + (INSTRUCTOR / "solutions" / "cache_size.py").read_bytes())
+    report = hidden("cache_size", path)
+    assert report.score == report.max_score, report.summary()
+
+
 def test_an_import_error_is_reported_once_with_its_line(tmp_path):
     broken = tmp_path / "broken.py"
     broken.write_text("import math\n\nx = 1 / 0\n")

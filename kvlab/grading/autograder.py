@@ -109,7 +109,7 @@ def build(lab: str, out: Union[str, Path], instructor: Optional[Union[str, Path]
     tests = hidden_tests(spec, folder)
     if tests is None:
         raise FileNotFoundError("the hidden tests are in instructor/graders/ of a kvlab clone: run "
-                                "this from a clone, or pass --instructor DIR")
+                                "this from the root of a clone, or pass --instructor DIR")
     clone = folder.parent
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -180,10 +180,20 @@ def run(root: Path, worker_user: Optional[str] = None) -> GradeReport:
                                          t.visibility) for t in tests],
                              problem, 0.0, "hidden tests")
     else:
-        report = Judge(spec, submission.absolute(), tests_path.resolve(), "hidden tests",
-                       test_timeout=float(settings.get("test_timeout", TEST_TIMEOUT)),
-                       total_timeout=float(settings.get("total_timeout", TOTAL_TIMEOUT)),
-                       worker_user=worker_user or None).run()
+        try:
+            report = Judge(spec, submission.absolute(), tests_path.resolve(), "hidden tests",
+                           test_timeout=float(settings.get("test_timeout", TEST_TIMEOUT)),
+                           total_timeout=float(settings.get("total_timeout", TOTAL_TIMEOUT)),
+                           worker_user=worker_user or None).run()
+        except Exception as error:
+            # A bug of the judge's must still leave Gradescope a results.json (else the
+            # submission shows only "the autograder failed"), and give no points.
+            why = (f"the autograder itself failed ({type(error).__name__}: {error}); this is "
+                   f"kvlab's fault, not your file's: tell your instructor")
+            report = GradeReport(spec.name, f"{spec.name}.py",
+                                 [TestResult(title(t), 0.0, t.points, "not graded: " + why,
+                                             t.visibility) for t in load_tests(tests_path)],
+                                 why, 0.0, "hidden tests")
         report.submission = str(submission.relative_to(root / "submission"))
     report.save(results)
     return report

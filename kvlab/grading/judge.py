@@ -105,7 +105,7 @@ def read_submission(path: Path) -> str:
         data = f.read(SUBMISSION_LIMIT + 1)
     if len(data) > SUBMISSION_LIMIT:
         raise OSError(f"{path.name} is larger than {SUBMISSION_LIMIT:,} bytes")
-    return data.decode("utf-8")
+    return data.decode("utf-8-sig")     # (a byte-order mark, as Windows editors write, is not code)
 
 
 # faulthandler's dump of a thread's stack, as the worker prints it when asked where it is
@@ -255,10 +255,17 @@ class Judge:
         try:
             refused = check_source(source, self.lab.policy, self.submission.name)
         except SyntaxError as error:
-            where = f"line {error.lineno}" + (f", column {error.offset}" if error.offset else "")
+            where = (f" at line {error.lineno}" + (f", column {error.offset}" if error.offset else "")
+                     if error.lineno else "")
             text = f"\n    {error.text.rstrip()}" if error.text else ""
-            why = f"your file has a syntax error at {where}: {error.msg}{text}"
+            why = f"your file has a syntax error{where}: {error.msg}{text}"
             return self._all_zero(tests, "not graded: your file has a syntax error (see above)"), why
+        except (ValueError, RecursionError, MemoryError) as error:
+            # what Python's parser raises for a NUL byte (some versions) or for expressions
+            # nested deeper than it (or the check walking the tree) can follow
+            why = (f"your file could not be read as Python source: {type(error).__name__}: "
+                   f"{error}")
+            return self._all_zero(tests, "not graded: see above"), why
         if refused:
             why = ("your file uses what this lab does not allow, so it is not graded:\n  "
                    + "\n  ".join(str(v) for v in refused))

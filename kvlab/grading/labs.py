@@ -117,9 +117,11 @@ def get_lab(name: str) -> Lab:
 
 def find_instructor(explicit: Optional[Union[str, Path]] = None) -> Optional[Path]:
     """The instructor/ folder with the hidden tests: the one given, else $KVLAB_INSTRUCTOR,
-    else the one beside the package in a clone of the repository; None when there is none."""
+    else the one beside the package in a clone of the repository (pip install -e), else the
+    current directory's, when run from the root of a clone after a plain pip install; None
+    when there is none."""
     for candidate in (explicit, os.environ.get("KVLAB_INSTRUCTOR"),
-                      LABS_DIR.parents[1] / "instructor"):
+                      LABS_DIR.parents[1] / "instructor", Path.cwd() / "instructor"):
         if candidate and (Path(candidate) / "graders").is_dir():
             return Path(candidate).resolve()
         if explicit is not None and candidate is explicit:
