@@ -280,6 +280,18 @@ def test_lab_start_copies_the_starter_and_will_not_overwrite(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("lab", list(LABS))
+def test_the_instructions_list_what_the_grader_refuses(lab):
+    # "you may import the standard library" is true except for these: the instructions
+    # name every one (from the policy's own lists), and a file using one is not graded
+    from kvlab.grading import policy
+    text = LABS[lab].instructions_text()
+    assert "## What the grader refuses" in text and "standard library" in text
+    for name in (policy.DENIED_NAMES | policy.DENIED_MODULES | policy.DENIED_ATTRIBUTE_NAMES):
+        assert f"`{name}`" in text, name
+    assert "`os.system`" in text and "`sys.modules`" in text
+
+
+@pytest.mark.parametrize("lab", list(LABS))
 def test_a_started_labs_instructions_link_to_its_chapter_from_where_they_were_copied(
         lab, tmp_path, capsys):
     """README.md's `chapters/NAME.md` is relative to the course's repository: the copy in

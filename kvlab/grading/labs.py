@@ -14,7 +14,7 @@ import shutil
 from pathlib import Path
 from typing import Dict, Optional, Tuple, Union
 
-from .policy import Policy
+from .policy import Policy, refused_text
 
 LABS_DIR = Path(__file__).resolve().parents[1] / "labs"
 # Where a chapter can be opened: the copy installed with kvlab (pyproject.toml ships the
@@ -57,7 +57,7 @@ class Lab:
         can open: the README's own `chapters/NAME.md` is relative to the course's
         repository, which means nothing next to a copy in the student's folder."""
         text = self.instructions.read_text(encoding="utf-8")
-        return CHAPTER_REFERENCE.sub(_link_to_chapter, text)
+        return CHAPTER_REFERENCE.sub(_link_to_chapter, text).rstrip("\n") + "\n\n" + refused_text()
 
     @property
     def policy(self) -> Policy:

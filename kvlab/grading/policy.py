@@ -74,6 +74,24 @@ DENIED_LINKS = frozenset({
 ALWAYS_ALLOWED = frozenset(getattr(sys, "stdlib_module_names", ())) | {"numpy", "math"}
 
 
+def refused_text() -> str:
+    """The lists above as every lab's instructions end with them: "you may import the
+    standard library" is true except for these, which reach around the grader."""
+    def names(items):
+        return ", ".join(f"`{n}`" for n in sorted(items, key=lambda n: n.lstrip("_")))
+    attributes = [f"{module}.{name}" for module, denied in sorted(DENIED_ATTRIBUTES.items())
+                  for name in sorted(denied)]
+    return ("## What the grader refuses\n\n"
+            "A few parts of Python reach around the grader (they load code, read other "
+            "objects' namespaces or frames, or start processes), so a file that uses any of "
+            "them is not graded at all. `kvlab check LAB your_file.py` names every one it "
+            "finds. Write `obj.name` where you would write `getattr(obj, \"name\")`.\n\n"
+            f"- the builtins {names(DENIED_NAMES)};\n"
+            f"- the attributes {names(DENIED_ATTRIBUTE_NAMES)};\n"
+            f"- the modules {names(DENIED_MODULES)};\n"
+            f"- {names(attributes)}.\n")
+
+
 @dataclasses.dataclass(frozen=True)
 class Policy:
     """One lab's rule. topic: what the lab is about writing ("a KV cache"); kvlab: the
