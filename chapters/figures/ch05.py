@@ -17,7 +17,7 @@ the chapter quotes, with the setup). Four measurements, all through kvlab.Engine
    static or continuous batching, on contiguous reservations (a pool of one 512-position
    block per request) or on a paged pool of 16-position blocks, on 96 requests of
    long-tailed lengths (the workload of benchmarks/bench_engine.py); 3 rounds in turn,
-   medians and spreads of the wall time; then the same on the stories15M shape (2 rounds).
+   medians and spreads of the wall time; then the same on the stories15M shape (3 rounds).
 4. Latency under a Poisson load (kvlab.serving, what `kvlab serve-bench` runs): time to
    first token and time per output token, p50 and p99, against throughput, at four request
    rates, paged and contiguous, for two max_batch_tokens; medians of 3 rounds.
@@ -184,10 +184,12 @@ def serve(model, pool, groups) -> dict:
 def static_groups(requests, memory: str, pool, n_static: int) -> list:
     """Static batches. Contiguous: n_static requests at a time, each reserving a whole
     context. Paged: as many requests as the pool holds at their final lengths, known here
-    in advance (a server does not know them: this is static batching at its best)."""
+    in advance (a server does not know them: this is static batching at its best). A
+    request's final length is its prompt and every new token but the last, which is never
+    run through the model."""
     groups, group, blocks = [], [], 0
     for prompt, params in requests:
-        need = -(-(len(prompt) + params.max_new_tokens) // pool.block_size)
+        need = -(-(len(prompt) + params.max_new_tokens - 1) // pool.block_size)
         full = len(group) == n_static if memory == "contiguous" else blocks + need > pool.num_blocks
         if group and full:
             groups.append(group)
@@ -394,7 +396,7 @@ def main() -> None:
               f"  {r['weight_gb_per_s']:5.2f} GB/s {r['gflop_per_s']:5.1f} GFLOP/s")
     budget = memory_budget(model)
     # the same four ways on a model whose weights do not fit in the CPU's caches
-    budget_15m = memory_budget(models[-1], rounds=2)
+    budget_15m = memory_budget(models[-1], rounds=3)
     for name in WAY_LABELS:
         r = budget_15m[name]
         print(f"{budget_15m['model']}, {name}: {r['steps']} steps, {r['seconds']['median']:.2f} s")
