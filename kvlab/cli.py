@@ -191,6 +191,13 @@ def _cache_policy(spec: str):
 
 def cmd_generate(args) -> int:
     import kvlab
+    # options that would change nothing are refused, not ignored
+    if args.temperature == 0 and (args.top_k is not None or args.top_p is not None):
+        raise ValueError("--top-k and --top-p cut the tokens sampled from: give --temperature "
+                         "above 0 too (at 0 the likeliest token is taken)")
+    if args.window and args.cache_dtype == "fp32":
+        raise ValueError("--window keeps the newest positions in fp32 beside a quantized cache: "
+                         "give --cache-dtype (int8, int4, fp8, fp16, bf16) too")
     model = _load(args, needs_tokenizer=True)
     drafter = _drafter(args.speculate, model) if args.speculate else None
     policy = _cache_policy(args.cache_policy) if args.cache_policy else None

@@ -87,6 +87,18 @@ def test_generate_on_a_quantized_cache(capsys):
     assert f"int8 KV cache of {24 * 6 * 2 * 2 * 20:,} B" in captured.err
 
 
+@pytest.mark.parametrize("options, said", [
+    (["--top-k", "5"], "give --temperature above 0"),
+    (["--top-p", "0.9"], "give --temperature above 0"),
+    (["--window", "8"], "give --cache-dtype")])
+def test_generate_refuses_options_that_would_change_nothing(capsys, options, said):
+    # (they were ignored: greedy decoding with a top-k, an fp32 window beside an fp32 cache)
+    assert cli.main(["generate", "--prompt", "KING:", *options]) == 2
+    assert said in capsys.readouterr().err
+    assert cli.main(["generate", "--prompt", "KING:", "--max-new-tokens", "2",
+                     "--temperature", "0.8", "--cache-dtype", "int8", *options]) == 0
+
+
 def test_missing_checkpoint_is_a_clean_error(capsys, tmp_path):
     assert cli.main(["info", "--model", str(tmp_path / "nope.bin")]) == 2
     assert "error" in capsys.readouterr().err
