@@ -251,8 +251,11 @@ class _PoolSpace:
     copy.length tokens, which never change, so one that outlived an interruption is still
     right to swap in."""
 
-    def __init__(self, pool: PagedPool):
+    def __init__(self, pool: PagedPool, swap_space: Optional[int] = None,
+                 swapped_bytes: Callable[[], int] = lambda: 0):
         self.pool = pool
+        self.swap_space = swap_space         # the most bytes host copies may hold, or None
+        self.swapped_bytes = swapped_bytes   # what they hold now
         self.swapped = _SwapTraffic()        # this step's; the engine resets it per step
         # the names of the pool's live sequences before the step's first new_sequence/fork:
         # a sequence made by a call that was then interrupted (before its handle was stored)
@@ -312,12 +315,16 @@ class _PoolSpace:
         (sample.swapped), its sequence freed. A sample is swapped only if its rows are
         exactly its computed tokens and one token is still to feed (its logits choose the
         next): one whose logits an interrupted step lost is left to be recomputed, and so
-        is one whose copy finds no host memory (the pool is unchanged then)."""
+        is one whose copy would pass swap_space or finds no host memory (the pool is
+        unchanged then)."""
         for sample in request.active():
             seq = sample.seq
             if seq is None or not seq.alive:
                 continue
             if not 0 < sample.computed == seq.length < len(sample.tokens):
+                continue
+            if (self.swap_space is not None and
+                    self.swapped_bytes() + self.pool.swap_nbytes(seq) > self.swap_space):
                 continue
             try:
                 host = self.pool.swap_out(seq)
@@ -420,7 +427,7 @@ class Engine:
                  dtype: Union[None, str, CacheFormat] = None,
                  speculate: Optional[Drafter] = None, draft_tokens: int = 4,
                  clock: Callable[[], float] = time.perf_counter,
-                 preemption: str = "recompute"):
+                 preemption: str = "recompute", swap_space: Optional[int] = None):
         """Serve `model` from `pool`, or from a pool of its own made here with
         model.new_paged_pool(num_blocks, block_size (16), dtype ("fp32")). max_batch_tokens
         bounds the tokens of one forward call (drafts included), max_batch_seqs its
@@ -431,7 +438,9 @@ class Engine:
         clock: the seconds each request's arrival, first token and end are read from
         (RequestOutput.metrics). preemption: what a request preempted for lack of blocks
         does with its K and V, "recompute" (drop them; prefill again on readmission) or
-        "swap" (copy them to host memory and back; see the module text)."""
+        "swap" (copy them to host memory and back; see the module text). swap_space: with
+        "swap", the most bytes the host copies may hold at once (None: no limit, as vLLM's
+        swap_space caps them); a request whose copy would not fit is recomputed instead."""
         if speculate is not None:
             check_drafter(model, speculate, draft_tokens)
         if pool is None:
@@ -466,7 +475,13 @@ class Engine:
                                    min(max_batch_seqs or pool.max_seqs, pool.max_seqs),
                                    preemption)    # checks preemption's value
         self.preemption = preemption
-        self.space = _PoolSpace(pool)
+        if swap_space is not None:
+            if preemption != "swap":
+                raise ValueError("swap_space caps the host copies of preemption='swap'; "
+                                 f"this engine preempts by {preemption}")
+            swap_space = positive_int("swap_space", swap_space)
+        self.swap_space = swap_space
+        self.space = _PoolSpace(pool, swap_space, self._swapped_bytes)
         self.requests: Dict[int, Request] = {}
         self.metrics: List[StepResult] = []
         self._next_id = 0
@@ -947,6 +962,11 @@ class Engine:
                 f"blocks to give and {self.pool.max_seqs - self.pool.live_sequences} sequences "
                 f"left ({stats.n_sequences} sequences made outside the engine hold "
                 f"{stats.blocks_used} blocks); free them, or give the engine a pool of its own")
+
+    def _swapped_bytes(self) -> int:
+        """Host memory the samples' swapped-out K and V hold now."""
+        return sum(s.swapped.nbytes for r in self.requests.values() for s in r.samples
+                   if s.swapped is not None)
 
     @property
     def outputs(self) -> Dict[int, RequestOutput]:

@@ -478,9 +478,9 @@ def workload(seed=12):
     return requests
 
 
-def serve(model, requests, num_blocks, preemption, **kwargs):
+def serve(model, requests, num_blocks, preemption, swap_space=None, **kwargs):
     pool = model.new_paged_pool(num_blocks, block_size=4, **kwargs)
-    engine = kvlab.Engine(model, pool, preemption=preemption)
+    engine = kvlab.Engine(model, pool, preemption=preemption, swap_space=swap_space)
     for prompt, params in requests:
         engine.add_request(prompt, params)
     while engine.has_work:
@@ -542,6 +542,38 @@ def test_a_swap_that_finds_no_host_memory_falls_back_to_recompute(model, monkeyp
     assert t["preemptions"] >= 1 and t["recomputed_tokens"] > 0 and t["swapped_out_blocks"] == 0
 
 
+def test_swap_space_caps_the_host_copies_and_the_rest_is_recomputed(model):
+    requests = workload()
+    want, _ = serve(model, requests, 21, "recompute")
+    # no room for any copy: every preemption recomputes
+    none, metrics = serve(model, requests, 21, "swap", swap_space=1)
+    t = totals(metrics)
+    assert none == want and t["preemptions"] >= 1 and t["swapped_out_blocks"] == 0
+    # room for everything: as without a cap
+    _, free = serve(model, requests, 21, "swap")
+    roomy, metrics = serve(model, requests, 21, "swap", swap_space=1 << 40)
+    assert roomy == want and totals(metrics) == totals(free)
+    # room for the largest copy alone: never more than that held at once
+    largest = max(m.swapped_out_bytes for m in free)
+    pool = model.new_paged_pool(21, block_size=4)
+    engine = kvlab.Engine(model, pool, preemption="swap", swap_space=largest)
+    for prompt, params in requests:
+        engine.add_request(prompt, params)
+    held = []
+    while engine.has_work:
+        engine.step()
+        held.append(engine._swapped_bytes())
+    assert 0 < max(held) <= largest
+    assert {rid: [o.tokens for o in out.outputs] for rid, out in engine.outputs.items()} == want
+
+
+def test_swap_nbytes_is_what_swap_out_copies(small):
+    pool = small.new_paged_pool(num_blocks=16, block_size=4, dtype="int8", window=3)
+    seq = _filled(small, pool, 6)
+    size = pool.swap_nbytes(seq)
+    assert seq.alive and pool.swap_out(seq).nbytes == size
+
+
 def test_a_request_preempted_mid_prompt_is_swapped_back_mid_prompt(model):
     # Two tokens a step: a long decode (A) and a long prompt fed one token a step (B) beside
     # it. The pool runs out while B is still in its prompt, and B, admitted last, goes.
@@ -571,6 +603,11 @@ def test_a_request_preempted_mid_prompt_is_swapped_back_mid_prompt(model):
 def test_bad_preemption_modes_are_refused(model):
     with pytest.raises(ValueError, match="preemption must be 'recompute' or 'swap', got 'swapping'"):
         kvlab.Engine(model, num_blocks=16, preemption="swapping")
+    with pytest.raises(ValueError, match="swap_space caps the host copies of preemption='swap'"):
+        kvlab.Engine(model, num_blocks=16, swap_space=1 << 20)
+    for bad in (0, -1, 2.5, True):
+        with pytest.raises((ValueError, TypeError), match="swap_space"):
+            kvlab.Engine(model, num_blocks=16, preemption="swap", swap_space=bad)
     assert kvlab.Engine(model, num_blocks=16).preemption == "recompute"
 
     class CannotSwap(kvlab.PagedPool):

@@ -260,6 +260,16 @@ static PyObject *pool_swap_out(PoolObject *self, PyObject *arg) {
     return kv_py_pool_refused(self, status, 0, NULL);
 }
 
+static PyObject *pool_swap_nbytes(PoolObject *self, PyObject *arg) {
+    if (kv_py_pool_ready(self) < 0) return NULL;
+    int seq = kv_py_sequence_slot(&self->base, arg);
+    if (seq < 0) return NULL;
+    size_t size;
+    kv_status status = kv_pool_swap_size(&self->pool, seq, &size);
+    if (status != KV_OK) return kv_py_pool_refused(self, status, 0, NULL);
+    return PyLong_FromSize_t(size);
+}
+
 static PyObject *pool_swap_in(PoolObject *self, PyObject *arg) {
     if (kv_py_pool_ready(self) < 0) return NULL;
     /* a long sequence of a large model is gigabytes: its size goes to the core as size_t */
@@ -357,6 +367,9 @@ static PyMethodDef pool_methods[] = {
      "(its rows exactly as stored), then seq freed (only its own references: blocks it\n"
      "shares keep their rows). kvlab.PagedPool.swap_out wraps the bytes in a\n"
      "SwappedSequence."},
+    {"swap_nbytes", (PyCFunction)pool_swap_nbytes, METH_O,
+     "swap_nbytes(seq) -> int: the bytes swap_out(seq) would copy to host memory, before\n"
+     "copying them (refused as swap_out refuses)."},
     {"swap_in", (PyCFunction)pool_swap_in, METH_O,
      "swap_in(host) -> PagedSequence: a new sequence in fresh blocks holding the bytes\n"
      "swap_out gave, bit for bit. Refused, changing nothing, when the pool lacks blocks or\n"
