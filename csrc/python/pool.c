@@ -238,13 +238,29 @@ static PyObject *pool_keep(PoolObject *self, PyObject *args) {
  * megabytes for a long one of a large model), so it runs without the GIL, the pool marked
  * busy meanwhile as for a forward pass. */
 
-static PyObject *pool_swap_out(PoolObject *self, PyObject *arg) {
-    if (kv_py_pool_ready(self) < 0) return NULL;
-    int seq = kv_py_sequence_slot(&self->base, arg);
-    if (seq < 0) return NULL;
+/* The slot of sequence `arg` and the bytes its host copy takes; -1 with the exception set
+ * for a sequence that cannot be swapped out now. */
+static int swap_size_of(PoolObject *self, PyObject *arg, int *seq, size_t *size) {
+    if (kv_py_pool_ready(self) < 0) return -1;
+    *seq = kv_py_sequence_slot(&self->base, arg);
+    if (*seq < 0) return -1;
+    kv_status status = kv_pool_swap_size(&self->pool, *seq, size);
+    if (status == KV_OK) return 0;
+    kv_py_pool_refused(self, status, 0, NULL);
+    return -1;
+}
+
+static PyObject *pool_swap_nbytes(PoolObject *self, PyObject *arg) {
+    int seq;
     size_t size;
-    kv_status status = kv_pool_swap_size(&self->pool, seq, &size);
-    if (status != KV_OK) return kv_py_pool_refused(self, status, 0, NULL);
+    return swap_size_of(self, arg, &seq, &size) < 0 ? NULL : PyLong_FromSize_t(size);
+}
+
+static PyObject *pool_swap_out(PoolObject *self, PyObject *arg) {
+    int seq;
+    size_t size;
+    if (swap_size_of(self, arg, &seq, &size) < 0) return NULL;
+    kv_status status;
     npy_intp dims[1] = {(npy_intp)size};
     /* made before the swap, so that the sequence is freed only once its copy has a home */
     PyObject *host = PyArray_SimpleNew(1, dims, NPY_UINT8);
@@ -258,16 +274,6 @@ static PyObject *pool_swap_out(PoolObject *self, PyObject *arg) {
     if (status == KV_OK) return host;
     Py_DECREF(host);
     return kv_py_pool_refused(self, status, 0, NULL);
-}
-
-static PyObject *pool_swap_nbytes(PoolObject *self, PyObject *arg) {
-    if (kv_py_pool_ready(self) < 0) return NULL;
-    int seq = kv_py_sequence_slot(&self->base, arg);
-    if (seq < 0) return NULL;
-    size_t size;
-    kv_status status = kv_pool_swap_size(&self->pool, seq, &size);
-    if (status != KV_OK) return kv_py_pool_refused(self, status, 0, NULL);
-    return PyLong_FromSize_t(size);
 }
 
 static PyObject *pool_swap_in(PoolObject *self, PyObject *arg) {
