@@ -156,10 +156,10 @@ def cuda_gencode(nvcc):
     else:
         seen = present_gpu_archs()
         present = [a for a in seen if a in supported]
-        newest = max(supported, key=int)
+        newest = max(supported, key=int, default=None)
         if present:
             archs = present
-        elif any(int(a) > int(newest) for a in seen):
+        elif newest is not None and any(int(a) > int(newest) for a in seen):
             # a GPU newer than this nvcc runs the PTX of the newest architecture it knows
             archs = [newest]
         else:

@@ -705,7 +705,8 @@ kv_status kv_model_forward_paged(const kv_model *model, kv_pool *pool, int seq,
             break;
         }
         chunk = kv_chunk_length(c, q->length, n_tokens - done);
-        KV_TRY(kv_pool_reserve(pool, seq, chunk));
+        status = kv_pool_reserve(pool, seq, chunk);   /* cannot fail: checked above; were */
+        if (status != KV_OK) break;                   /* it to, the chunks before stay */
         s.runs[0] = (token_run){0, chunk, q->length, q->next_position};
         for (int layer = 0; layer < c->n_layers; layer++)
             *view_of(&s, layer, 0) = kv_pool_layer_view(pool, seq, layer);

@@ -302,7 +302,8 @@ def cmd_lab(args) -> int:
         from .grading.autograder import build, uncommitted_changes
         from .grading.labs import find_instructor
         out = build(args.lab, args.output or f"{args.lab}.zip", args.instructor)
-        changed = uncommitted_changes(find_instructor(args.instructor).parent)
+        clone = find_instructor(args.instructor, from_clone_here=True).parent
+        changed = uncommitted_changes(clone)
         if changed:
             print(f"warning: the zip packs uncommitted changes ({', '.join(changed[:5])}); "
                   f"build from a clean checkout to grade with a known version", file=sys.stderr)

@@ -109,7 +109,7 @@ def runs_on(capability, archs: str) -> bool:
     driver for any GPU of X.Y or newer."""
     major, minor = capability
     # (KVLAB_CUDA_GENCODE builds may name them as "[sm_90,compute_90]" or "sm_90a")
-    named = re.findall(r"(sm|compute)_(\d+)([a-z]?)", archs)
+    named = re.findall(r"(sm|compute)_(\d{2,})([a-z]?)", archs)
     if not named:               # "": compiled for nothing; else names this cannot read
         return bool(archs.strip())   # (then let the runtime say)
     for kind, number, suffix in named:

@@ -222,8 +222,18 @@ def test_a_judge_that_fails_still_leaves_gradescope_a_results_json(package, tmp_
     report = autograder.run(root)
     data = results(root)
     assert report.score == data["score"] == 0 and len(data["tests"]) == 10
-    assert "a bug of the judge's" in data["output"] and "kvlab's fault" in data["output"]
+    # the student sees the kind of error, not its text (it may come from the hidden tests)
+    assert "RuntimeError" in data["output"] and "kvlab's fault" in data["output"]
+    assert "a bug of the judge's" not in json.dumps(data)
     assert all(t["score"] == 0 and t["max_score"] > 0 for t in data["tests"])
+    # hidden tests that do not even load: still a results.json, one row worth the lab
+    monkeypatch.undo()
+    monkeypatch.setattr(process, "harden_judge", lambda: None)
+    (root / "source" / "tests" / "cache_size.py").write_text("raise RuntimeError('secret 42')\n")
+    autograder.run(root)
+    data = results(root)
+    assert data["score"] == 0 and [t["max_score"] for t in data["tests"]] == [16]
+    assert "secret 42" not in json.dumps(data)
 
 
 def test_an_instructor_with_a_plain_pip_install_builds_from_the_clone_root(tmp_path,
@@ -233,7 +243,13 @@ def test_an_instructor_with_a_plain_pip_install_builds_from_the_clone_root(tmp_p
     from kvlab.grading import labs
     monkeypatch.setattr(labs, "LABS_DIR", tmp_path / "site-packages" / "kvlab" / "labs")
     monkeypatch.delenv("KVLAB_INSTRUCTOR", raising=False)
-    monkeypatch.chdir(tmp_path)
-    assert labs.find_instructor() is None
     monkeypatch.chdir(INSTRUCTOR.parent)
-    assert labs.find_instructor() == INSTRUCTOR.resolve()
+    assert labs.find_instructor(from_clone_here=True) == INSTRUCTOR.resolve()
+    assert build("cache_size", tmp_path / "cache_size.zip").is_file()
+    # never for grading, nor from a folder that is not a clone: a TA grading in a student's
+    # folder must not take the "hidden tests" a student planted in instructor/graders/
+    assert labs.find_instructor() is None
+    planted = tmp_path / "student"
+    (planted / "instructor" / "graders").mkdir(parents=True)
+    monkeypatch.chdir(planted)
+    assert labs.find_instructor() is None and labs.find_instructor(from_clone_here=True) is None

@@ -148,6 +148,22 @@ def test_a_file_python_cannot_read_scores_zero_and_says_why(tmp_path, what, byte
     assert "line None" not in report.output
 
 
+@pytest.mark.parametrize("coding", ["utf-7", "latin-1", "no-such-encoding"])
+def test_a_file_in_another_encoding_is_not_graded(tmp_path, coding):
+    # Python runs a file in the encoding its coding line names, the check reads UTF-8: in
+    # utf-7, "+AAo-" is a newline to Python and part of a comment to the check, so code
+    # the check never saw would run. Refused before anything runs.
+    path = tmp_path / "cache_size.py"
+    marker = tmp_path / "ran"
+    hidden_code = f"+AAo-open({str(marker)!r}, 'w').write('ran')"
+    path.write_bytes(f"# coding: {coding}\n".encode() +
+                     (INSTRUCTOR / "solutions" / "cache_size.py").read_bytes() +
+                     f"\n# {hidden_code}\n".encode())
+    report = hidden("cache_size", path)
+    assert report.score == 0 and "encoding" in report.output, report.output
+    assert not marker.exists()
+
+
 def test_a_byte_order_mark_is_not_code(tmp_path):
     # Windows editors may save UTF-8 with a BOM; Python runs such a file, and so grading does
     path = tmp_path / "cache_size.py"
@@ -286,9 +302,22 @@ def test_the_instructions_list_what_the_grader_refuses(lab):
     from kvlab.grading import policy
     text = LABS[lab].instructions_text()
     assert "## What the grader refuses" in text and "standard library" in text
-    for name in (policy.DENIED_NAMES | policy.DENIED_MODULES | policy.DENIED_ATTRIBUTE_NAMES):
-        assert f"`{name}`" in text, name
-    assert "`os.system`" in text and "`sys.modules`" in text
+    section = text.split("## What the grader refuses")[1]
+    lines = {line.split(" ")[2]: line for line in section.splitlines() if line.startswith("- the ")}
+    listed = {kind: re.findall(r"`([^`]+)`", lines[kind]) for kind in ("builtins", "modules")}
+    listed["attributes"] = re.findall(r"`([^`]+)`", lines["attributes"])
+    # and what they say is what the check does: a file using any one of them is refused
+    use = {"builtins": "x = {}\n", "modules": "import {}\n", "attributes": "x = object().{}\n"}
+    for kind, names in listed.items():
+        assert names, kind
+        for name in names:
+            refused = policy.check_source(use[kind].format(name), LABS[lab].policy, "f.py")
+            assert refused, f"the instructions list the {kind[:-1]} {name}, which is allowed"
+    for dotted in ("os.system", "sys.modules", "operator.attrgetter"):
+        assert f"`{dotted}`" in section
+        module, attribute = dotted.split(".")
+        assert policy.check_source(f"import {module}\nx = {module}.{attribute}\n",
+                                   LABS[lab].policy, "f.py")
 
 
 @pytest.mark.parametrize("lab", list(LABS))
@@ -317,7 +346,8 @@ def test_without_its_chapters_a_lab_keeps_the_courses_own_reference(tmp_path, mo
     from kvlab.grading import labs
     monkeypatch.setattr(labs, "CHAPTER_DIRS", (tmp_path,))
     lab = LABS["int8_cache"]
-    assert lab.instructions_text() == lab.instructions.read_text(encoding="utf-8")
+    # the README as it is (then the refused names, appended)
+    assert lab.instructions_text().startswith(lab.instructions.read_text(encoding="utf-8"))
 
 
 def test_kvlab_grade_and_check_print_a_summary(tmp_path, capsys, monkeypatch):

@@ -105,7 +105,7 @@ def build(lab: str, out: Union[str, Path], instructor: Optional[Union[str, Path]
           test_timeout: float = TEST_TIMEOUT) -> Path:
     """Write lab `lab`'s Gradescope autograder to `out` (a .zip); returns its path."""
     spec = get_lab(lab)
-    folder = find_instructor(instructor)
+    folder = find_instructor(instructor, from_clone_here=True)
     tests = hidden_tests(spec, folder)
     if tests is None:
         raise FileNotFoundError("the hidden tests are in instructor/graders/ of a kvlab clone: run "
@@ -162,9 +162,8 @@ def uncommitted_changes(clone: Path) -> List[str]:
 
 def run(root: Path, worker_user: Optional[str] = None) -> GradeReport:
     """Grade /autograder/submission with /autograder/source/tests, and write results.json."""
-    from .judge import Judge, load_tests, title
+    from .judge import Judge
     from .process import harden_judge
-    from .report import TestResult
     source = root / "source"
     settings = json.loads((source / "lab.json").read_text())
     spec = get_lab(settings["lab"])
@@ -174,11 +173,7 @@ def run(root: Path, worker_user: Optional[str] = None) -> GradeReport:
     harden_judge()
     submission, problem = find_submission(root / "submission", spec.name)
     if submission is None:
-        tests = load_tests(tests_path)
-        report = GradeReport(spec.name, f"{spec.name}.py",
-                             [TestResult(title(t), 0.0, t.points, "not graded: " + problem,
-                                         t.visibility) for t in tests],
-                             problem, 0.0, "hidden tests")
+        report = _zero_report(spec, tests_path, problem)
     else:
         try:
             report = Judge(spec, submission.absolute(), tests_path.resolve(), "hidden tests",
@@ -186,17 +181,31 @@ def run(root: Path, worker_user: Optional[str] = None) -> GradeReport:
                            total_timeout=float(settings.get("total_timeout", TOTAL_TIMEOUT)),
                            worker_user=worker_user or None).run()
         except Exception as error:
-            # A bug of the judge's must still leave Gradescope a results.json (else the
-            # submission shows only "the autograder failed"), and give no points.
-            why = (f"the autograder itself failed ({type(error).__name__}: {error}); this is "
-                   f"kvlab's fault, not your file's: tell your instructor")
-            report = GradeReport(spec.name, f"{spec.name}.py",
-                                 [TestResult(title(t), 0.0, t.points, "not graded: " + why,
-                                             t.visibility) for t in load_tests(tests_path)],
-                                 why, 0.0, "hidden tests")
+            # A bug of the judge's (or of the hidden tests') must still leave Gradescope a
+            # results.json, else the submission shows only "the autograder failed"; it gives
+            # no points. The student sees the kind of error, the log (stderr) all of it: its
+            # text may come from the hidden tests.
+            print(f"kvlab autograder: the judge failed: {error!r}", file=sys.stderr)
+            report = _zero_report(spec, tests_path,
+                                  f"the autograder itself failed ({type(error).__name__}); this "
+                                  f"is kvlab's fault, not your file's: tell your instructor")
         report.submission = str(submission.relative_to(root / "submission"))
     report.save(results)
     return report
+
+
+def _zero_report(spec, tests_path: Path, why: str) -> GradeReport:
+    """Every hidden test at zero, saying why; one row worth the lab's points if even the
+    tests cannot be loaded."""
+    from .judge import load_tests, title
+    from .report import TestResult
+    try:
+        rows = [TestResult(title(t), 0.0, t.points, "not graded: " + why, t.visibility)
+                for t in load_tests(tests_path)]
+    except Exception as error:
+        print(f"kvlab autograder: the hidden tests do not load: {error!r}", file=sys.stderr)
+        rows = [TestResult("the hidden tests", 0.0, float(spec.points), "not graded: " + why)]
+    return GradeReport(spec.name, f"{spec.name}.py", rows, why, 0.0, "hidden tests")
 
 
 def main(argv: Optional[List[str]] = None) -> int:

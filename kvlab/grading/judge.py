@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import importlib.util
+import io
 import json
 import os
 import re
@@ -33,6 +34,7 @@ import stat
 import sys
 import tempfile
 import time
+import tokenize
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Tuple
 
@@ -105,6 +107,16 @@ def read_submission(path: Path) -> str:
         data = f.read(SUBMISSION_LIMIT + 1)
     if len(data) > SUBMISSION_LIMIT:
         raise OSError(f"{path.name} is larger than {SUBMISSION_LIMIT:,} bytes")
+    # Python reads a file in the encoding its coding line names; the check reads the text
+    # as UTF-8. Another encoding (utf-7 hides code in what UTF-8 reads as a comment) would
+    # have the check read one program and the worker run another: refused.
+    try:
+        encoding, _ = tokenize.detect_encoding(io.BytesIO(data).readline)
+    except SyntaxError as error:
+        raise OSError(f"{path.name}: {error.msg}") from None
+    if encoding not in ("utf-8", "utf-8-sig"):
+        raise OSError(f"{path.name} declares the encoding {encoding}: save it as UTF-8 and "
+                      f"remove its coding line")
     return data.decode("utf-8-sig")     # (a byte-order mark, as Windows editors write, is not code)
 
 
@@ -153,7 +165,7 @@ class Judge:
         copy = self.folder / "code" / f"{self.lab.name}.py"
         copy.parent.mkdir()
         os.chmod(copy.parent, 0o755)
-        copy.write_text(source)
+        copy.write_text(source, encoding="utf-8")      # the text the check read, as UTF-8
         os.chmod(copy, 0o644)
         return copy
 

@@ -115,13 +115,19 @@ def get_lab(name: str) -> Lab:
         raise ValueError(f"no lab named {name!r}; the labs are: {', '.join(LABS)}") from None
 
 
-def find_instructor(explicit: Optional[Union[str, Path]] = None) -> Optional[Path]:
+def find_instructor(explicit: Optional[Union[str, Path]] = None,
+                    from_clone_here: bool = False) -> Optional[Path]:
     """The instructor/ folder with the hidden tests: the one given, else $KVLAB_INSTRUCTOR,
-    else the one beside the package in a clone of the repository (pip install -e), else the
-    current directory's, when run from the root of a clone after a plain pip install; None
-    when there is none."""
+    else the one beside the package in a clone of the repository (pip install -e); with
+    from_clone_here, else the current directory's when it is the root of a clone (an
+    instructor building a Gradescope package after a plain pip install). Never the current
+    directory's otherwise: a TA grading in a student's folder must not take hidden tests
+    planted there. None when there is none."""
+    here = Path.cwd()
+    clone_here = from_clone_here and (here / "kvlab" / "grading").is_dir()
     for candidate in (explicit, os.environ.get("KVLAB_INSTRUCTOR"),
-                      LABS_DIR.parents[1] / "instructor", Path.cwd() / "instructor"):
+                      LABS_DIR.parents[1] / "instructor",
+                      here / "instructor" if clone_here else None):
         if candidate and (Path(candidate) / "graders").is_dir():
             return Path(candidate).resolve()
         if explicit is not None and candidate is explicit:
