@@ -127,3 +127,17 @@ def test_threads_on_separate_caches_match_serial_runs(model):
     for t in threads:
         t.join()
     assert results == serial
+
+
+def test_appending_another_caches_views_as_they_are_says_how_to_lay_them_out(model):
+    # cache.keys is (n_layers, length, ...); append takes (n_tokens, n_layers, ...): the
+    # copy from one cache into another is a natural mistake, refused with the way out
+    source, target = model.new_cache(40), model.new_cache(40)
+    model.prefill(list(range(1, 20)), source)
+    with pytest.raises(ValueError, match=r"transpose\(1, 0, 2, 3\)"):
+        target.append(source.keys, source.values)
+    assert target.length == 0
+    token_major = [np.ascontiguousarray(v.transpose(1, 0, 2, 3)) for v in (source.keys, source.values)]
+    target.append(*token_major)
+    assert np.array_equal(target.keys, source.keys) and np.array_equal(target.values, source.values)
+    assert np.array_equal(model.decode(5, target), model.decode(5, source))

@@ -325,11 +325,31 @@ static PyObject *cache_track_attention(CacheObject *self, PyObject *args, PyObje
     return kv_py_raise(status, NULL);
 }
 
+/* Whether obj is laid out as cache.keys gives rows, (n_layers, length, n_kv_heads, head_dim),
+ * rather than append's (n_tokens, n_layers, ...): the natural mistake of copying one cache
+ * into another, worth its own message. (When length == n_layers the two cannot be told
+ * apart by shape.) */
+static int layer_major(PyObject *obj, const kv_cache *c) {
+    if (!PyArray_Check(obj) || PyArray_NDIM((PyArrayObject *)obj) != 4) return 0;
+    const npy_intp *d = PyArray_DIMS((PyArrayObject *)obj);
+    return d[0] == c->n_layers && d[1] != c->n_layers && d[2] == c->n_kv_heads &&
+           d[3] == c->head_dim;
+}
+
 static PyObject *cache_append(CacheObject *self, PyObject *args) {
     PyObject *keys_obj, *values_obj;
     if (!PyArg_ParseTuple(args, "OO", &keys_obj, &values_obj)) return NULL;
     if (kv_py_cache_ready(self) < 0) return NULL;
     const kv_cache *c = &self->cache;
+    if (layer_major(keys_obj, c) || layer_major(values_obj, c)) {
+        PyErr_SetString(PyExc_ValueError,
+                        "append takes rows token by token, (n_tokens, n_layers, n_kv_heads, "
+                        "head_dim); these are laid out as cache.keys and cache.values give "
+                        "them, (n_layers, length, n_kv_heads, head_dim): pass "
+                        "np.ascontiguousarray(keys.transpose(1, 0, 2, 3)), and the same for "
+                        "the values");
+        return NULL;
+    }
     kv_py_array_spec rows = {.name = "keys", .type = NPY_FLOAT32, .ndim = 4,
                              .shape = {KV_PY_ANY, c->n_layers, c->n_kv_heads, c->head_dim},
                              .axes = "n_tokens,n_layers,n_kv_heads,head_dim"};
