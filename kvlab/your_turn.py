@@ -270,14 +270,20 @@ def _check_cache_size(answer, rng) -> str:
                           "return a number: how many requests fit")
         if got == expected and not isinstance(got, (int, np.integer)):
             raise _NotYet(case, f"the whole number {expected}", _short(got),
-                          "a request fits whole or not at all: use // (floor division)")
+                          "return an int: a request fits whole or not at all (// of floats "
+                          "is still a float; int(...) makes it a whole number)")
         if got == expected:
             continue
         left = memory - weights_bytes(config, "fp16")
         per_request = kv_cache_bytes(config, seq_len, dtype=dtype)
         mha = kv_cache_bytes(config.replace(n_kv_heads=config.n_heads), seq_len, dtype=dtype)
+        no_scales = 2 * config.n_layers * config.n_kv_heads * config.head_dim * seq_len
         if left < 0 and got < 0:
             hint = "when the weights alone do not fit, no request does: return 0, not a negative number"
+        elif dtype == "int8" and got == max(0, left // no_scales):
+            hint = ("an int8 cache is 1 byte per value plus a float32 scale per group of values "
+                    "(per head, by default): kvlab.kv_cache_bytes(config, seq_len, "
+                    "dtype='int8') counts them")
         elif got == memory // per_request:
             hint = ("the weights are in memory too: subtract them first (fp16: 2 bytes x "
                     "config.n_params())")
@@ -351,7 +357,9 @@ def _check_gqa(answer, rng) -> str:
                           f"outputs differ by {np.abs(mha - gqa).max():.2e}",
                           "expanding the values must follow the same rule as the keys")
         c_mha = KVCache(1, n_heads, d, n_pos)
-        c_mha.append(got[:, None].astype(np.float32), v_wide[:, None].astype(np.float32))
+        # (any layout of a right answer: fancy indexing and broadcast views are strided)
+        c_mha.append(np.ascontiguousarray(got[:, None], dtype=np.float32),
+                     np.ascontiguousarray(v_wide[:, None], dtype=np.float32))
         c_gqa = KVCache(1, n_kv, d, n_pos)
         c_gqa.append(keys[:, None], values[:, None])
         if not np.allclose(c_mha.attend(q[0]), c_gqa.attend(q[0]), atol=1e-5):

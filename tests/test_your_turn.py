@@ -105,6 +105,19 @@ def test_errors_in_the_answer_are_reported_not_raised(capsys):
     assert "KeyError: 8" in out and "line 3 of expand_kv_heads" in out and "groups[n_heads]" in out
 
 
+@pytest.mark.parametrize("expand", [
+    lambda keys, n: keys[:, [h // (n // keys.shape[1]) for h in range(n)]],
+    lambda keys, n: np.broadcast_to(keys[:, :, None], (keys.shape[0], keys.shape[1],
+                                                        n // keys.shape[1], keys.shape[2])
+                                    ).reshape(keys.shape[0], n, keys.shape[2]),
+    lambda keys, n: np.repeat(keys, n // keys.shape[1], axis=1)[:, :, ::-1][:, :, ::-1]],
+    ids=["fancy indexing", "broadcast view", "strided view"])
+def test_a_right_answer_passes_whatever_its_memory_layout(expand, capsys):
+    # (strided answers were refused by the check's own KVCache.append)
+    ok, out = run_check("03_gqa", expand, capsys)
+    assert ok is True, out
+
+
 def test_answer_that_is_not_a_function(capsys):
     ok, out = run_check("04_paged", None, capsys)
     assert ok is False and "should be a function" in out
@@ -230,6 +243,9 @@ WRONG = [
     ("02_cache_size", lambda *a: _fit(*a, rounding=lambda x, y: x / y), "round down"),
     ("02_cache_size", lambda *a: _fit(*a, dtype=False), "format"),
     ("02_cache_size", lambda *a: _fit(*a, kv_heads=False), "n_kv_heads"),
+    ("02_cache_size", lambda c, m, n, d: (_fit(c, m, n, d) if d != "int8" else max(
+        0, (m - 2 * c.n_params()) // (2 * c.n_layers * c.n_kv_heads * c.head_dim * n))),
+     "float32 scale"),
     ("03_gqa", lambda keys, n: np.tile(keys, (1, n // keys.shape[1], 1)), "np.tile"),
     ("03_gqa", lambda keys, n: np.repeat(keys, n // keys.shape[1], axis=2), "axis 1"),
     ("03_gqa", lambda keys, n: keys, "one slot per query head"),
