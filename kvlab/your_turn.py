@@ -513,8 +513,12 @@ def _check_quantization(answer, rng) -> str:
         cache = KVCache(1, 1, len(x), 1, key_format="int8", value_format="int8")
         cache.append(x[None, None, None], x[None, None, None])
         want_codes_c, want_scale_c = cache.key_codes[0, 0, 0], cache.key_scales[0, 0, 0, 0]
-        with np.errstate(all="ignore"):
-            got = _call(answer, case, x.copy())
+        zero_hint = "an all-zero group has scale 0: divide by 1 instead, so its codes are 0"
+        # An all-zero group divided by its scale is 0 / 0: NaN, which astype(np.int8) turns
+        # into whatever the machine makes of it (0 on x86, so the codes would look right).
+        with np.errstate(all="raise" if not np.abs(x).max() else "ignore"):
+            got = _call(answer, case, x.copy(), hints={
+                FloatingPointError: zero_hint + " (here it divided 0 by 0)"})
         try:
             codes, scale = got
             codes, scale = np.asarray(codes), np.asarray(scale, dtype=np.float32)
@@ -539,7 +543,7 @@ def _check_quantization(answer, rng) -> str:
         if codes.shape != want_codes.shape or not np.array_equal(codes, want_codes):
             if not np.isfinite(codes.astype(np.float64)).all() or (not np.abs(x).max()
                                                                   and codes.any()):
-                hint = "an all-zero group has scale 0: divide by 1 instead, so its codes are 0"
+                hint = zero_hint
             elif codes.shape != want_codes.shape:
                 hint = "one code per value of x"
             else:

@@ -259,6 +259,8 @@ WRONG = [
     ("05_batching", lambda ls, s: (_static(ls, s), math.ceil(sum(ls) / s)), "perfect packing"),
     ("05_batching", lambda ls, s: (sum(ls), _continuous(ls, s)), "longest request"),
     ("06_quantization", lambda x: _int8(x, rounding=np.trunc), "truncates"),
+    ("06_quantization", lambda x: (np.rint(x / (np.abs(x).max() / np.float32(127))).astype(np.int8),
+                                   np.abs(x).max() / np.float32(127)), "divided 0 by 0"),
     ("06_quantization", lambda x: _int8(x, rounding=lambda v: np.floor(v + 0.5)), "halves to even"),
     ("06_quantization", lambda x: _int8(x, divisor=128), "not 128"),
     ("06_quantization", lambda x: _int8(x, divisor=255, symmetric=False), "not the range"),
