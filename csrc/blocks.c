@@ -38,9 +38,7 @@ kv_status kv_blocks_init(kv_blocks *p, int num_blocks, int block_size, int max_s
                          int max_blocks_per_seq) {
     kv_status status = KV_OK;
     memset(p, 0, sizeof *p);
-    /* Blocks as long as a whole context (up to 4,096 positions) are allowed: a pool of
-     * one block per sequence is a set of contiguous caches, reserved whole (chapter 5). */
-    KV_CHECK(num_blocks > 0 && block_size >= 1 && block_size <= 4096 && max_seqs > 0 &&
+    KV_CHECK(num_blocks > 0 && block_size >= 1 && block_size <= KV_MAX_BLOCK_SIZE && max_seqs > 0 &&
              max_blocks_per_seq > 0, KV_ERR_INVALID_ARG);
     KV_CHECK(num_blocks <= (1 << 24) && (int64_t)num_blocks * block_size <= ((int64_t)1 << 32) &&
              max_seqs <= (1 << 20) &&

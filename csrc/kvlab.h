@@ -316,6 +316,10 @@ typedef struct {
     int events_lost;        /* growing the log failed: some events are missing */
 } kv_blocks;
 
+/* The longest block: as long as a whole context, so that a pool of one block per sequence
+ * is a set of contiguous caches, reserved whole (chapter 5). */
+#define KV_MAX_BLOCK_SIZE 4096
+
 kv_status kv_blocks_init(kv_blocks *blocks, int num_blocks, int block_size, int max_seqs,
                          int max_blocks_per_seq);
 void kv_blocks_free(kv_blocks *blocks);      /* accepts a zeroed or half-built one */

@@ -964,8 +964,9 @@ class Engine:
                 f"{stats.blocks_used} blocks); free them, or give the engine a pool of its own")
 
     def _swapped_bytes(self) -> int:
-        """Host memory the samples' swapped-out K and V hold now."""
-        return sum(s.swapped.nbytes for r in self.requests.values() for s in r.samples
+        """Host memory the samples' swapped-out K and V hold now (only waiting requests
+        hold copies: admission and the end drop them)."""
+        return sum(s.swapped.nbytes for r in self.scheduler.waiting for s in r.samples
                    if s.swapped is not None)
 
     @property

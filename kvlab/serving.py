@@ -20,6 +20,7 @@ from typing import List, Tuple
 
 import numpy as np
 
+from ._core import core
 from .engine import Engine
 from .scheduler import SamplingParams
 
@@ -46,7 +47,6 @@ def workload(model, n_requests: int, rate: float, seed: int = 0) -> List[Tuple[f
 
 
 MEMORIES = ("paged", "contiguous")
-CONTIGUOUS_MAX_CONTEXT = 4096   # the pool's largest block (csrc/python/pool.c)
 
 
 def check_memory(memory: str, model=None) -> None:
@@ -54,9 +54,9 @@ def check_memory(memory: str, model=None) -> None:
     if memory not in MEMORIES:
         raise ValueError(f"memory must be one of {', '.join(MEMORIES)}, got {memory!r}")
     if memory == "contiguous" and model is not None and \
-            model.config.max_seq_len > CONTIGUOUS_MAX_CONTEXT:
+            model.config.max_seq_len > core.MAX_BLOCK_SIZE:
         raise ValueError(f"memory='contiguous' holds each request's whole context as one "
-                         f"block, and blocks hold at most {CONTIGUOUS_MAX_CONTEXT} positions: "
+                         f"block, and blocks hold at most {core.MAX_BLOCK_SIZE} positions: "
                          f"this model's context is {model.config.max_seq_len}")
 
 

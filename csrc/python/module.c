@@ -312,6 +312,7 @@ PyMODINIT_FUNC PyInit__kvlab(void) {
         PyModule_AddObjectRef(module, "Model", (PyObject *)&kv_py_model_type) < 0 ||
         PyModule_AddObjectRef(module, "BlockManager", (PyObject *)&kv_py_blocks_type) < 0 ||
         PyModule_AddObjectRef(module, "PagedPool", (PyObject *)&kv_py_pool_type) < 0 ||
+        PyModule_AddIntConstant(module, "MAX_BLOCK_SIZE", KV_MAX_BLOCK_SIZE) < 0 ||
         PyModule_AddObjectRef(module, "PagedSequence", (PyObject *)&kv_py_sequence_type) < 0 ||
         add_counter_names(module) < 0 ||
 #ifdef _OPENMP

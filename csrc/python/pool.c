@@ -88,12 +88,12 @@ static int pool_init(PoolObject *self, PyObject *args, PyObject *kwds) {
     else if (!kv_py_group_refused(&format, head_dim))
         kv_py_raise(status, "PagedPool(n_layers=%d, n_kv_heads=%d, head_dim=%d, num_blocks=%d, "
                     "block_size=%d, max_seqs=%d, max_blocks_per_seq=%d, window=%d) is refused: "
-                    "sizes must be positive, block_size at most 4096, num_blocks at most 2**24 "
+                    "sizes must be positive, block_size at most %d, num_blocks at most 2**24 "
                     "(and num_blocks * block_size at most 2**32), "
                     "max_seqs at most 2**20, max_seqs * max_blocks_per_seq at most 2**28 "
                     "(n_layers up to 4096, n_kv_heads * head_dim up to 65536) and the window "
                     "between 0 and 2**20", n_layers, n_kv_heads, head_dim, num_blocks,
-                    block_size, max_seqs, max_blocks_per_seq, window);
+                    block_size, max_seqs, max_blocks_per_seq, window, KV_MAX_BLOCK_SIZE);
     return -1;
 }
 
