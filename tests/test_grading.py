@@ -148,20 +148,49 @@ def test_a_file_python_cannot_read_scores_zero_and_says_why(tmp_path, what, byte
     assert "line None" not in report.output
 
 
-@pytest.mark.parametrize("coding", ["utf-7", "latin-1", "no-such-encoding"])
-def test_a_file_in_another_encoding_is_not_graded(tmp_path, coding):
-    # Python runs a file in the encoding its coding line names, the check reads UTF-8: in
-    # utf-7, "+AAo-" is a newline to Python and part of a comment to the check, so code
-    # the check never saw would run. Refused before anything runs.
-    path = tmp_path / "cache_size.py"
+def utf7_submission(tmp_path, first_line: bytes):
+    """The cache_size solution saved so that, read as utf-7, a line the check reads as a
+    comment ("+AAo-" is a newline in utf-7) writes a marker file; and that marker."""
     marker = tmp_path / "ran"
-    hidden_code = f"+AAo-open({str(marker)!r}, 'w').write('ran')"
-    path.write_bytes(f"# coding: {coding}\n".encode() +
-                     (INSTRUCTOR / "solutions" / "cache_size.py").read_bytes() +
-                     f"\n# {hidden_code}\n".encode())
+    solution = (INSTRUCTOR / "solutions" / "cache_size.py").read_text()
+    # utf-7 gives '+' a meaning: the solution's one '+=' said without it
+    solution = solution.replace("per_token += 2 * config.n_layers * config.n_kv_heads * 4",
+                                "per_token = per_token - (-2 * config.n_layers * config.n_kv_heads * 4)")
+    hidden_code = f"open({str(marker)!r}, 'w').write('ran')".encode("utf-7")
+    path = tmp_path / "cache_size.py"
+    path.write_bytes(first_line + solution.encode() + b"\n# +AAo-" + hidden_code + b"\n")
+    return path, marker
+
+
+@pytest.mark.parametrize("first_line", [b"# coding: utf-7\n", b"# coding: latin-1\n",
+                                        b"# coding: no-such-encoding\n",
+                                        b"\r# coding: utf-7\n", b"  \r# coding: utf-7\n"],
+                         ids=["utf-7", "latin-1", "unknown", "after a lone CR",
+                              "after spaces and a lone CR"])
+def test_a_file_in_another_encoding_is_not_graded(tmp_path, first_line):
+    # Python runs a file in the encoding its coding line names (and finds that line after
+    # a lone \r, as tokenize.detect_encoding does not), the check reads UTF-8: in utf-7,
+    # "+AAo-" is a newline to Python and part of a comment to the check, so code the check
+    # never saw would run. Refused before anything runs.
+    path, marker = utf7_submission(tmp_path, first_line)
     report = hidden("cache_size", path)
     assert report.score == 0 and "encoding" in report.output, report.output
     assert not marker.exists()
+
+
+def test_the_worker_runs_the_text_the_check_read_whatever_the_bytes_declare(tmp_path,
+                                                                            monkeypatch):
+    # the deeper guard: with the judge's encoding check out of the way, the worker compiles
+    # the checked text (a str: its coding line means nothing), so the payload stays a
+    # comment and the solution is graded as the check read it
+    from kvlab.grading import judge
+    monkeypatch.setattr(judge.tokenize, "detect_encoding", lambda readline: ("utf-8", []))
+    path, marker = utf7_submission(tmp_path, b"\r# coding: utf-7\n")
+    # the judge in this process (grade() starts one of its own), its workers as always
+    report = judge.Judge(LABS["cache_size"], path, graders("cache_size"), "hidden tests",
+                         seed=1).run()
+    assert not marker.exists(), "code the check never read ran"
+    assert report.score == report.max_score, report.summary()
 
 
 def test_a_byte_order_mark_is_not_code(tmp_path):

@@ -110,8 +110,10 @@ def read_submission(path: Path) -> str:
     # Python reads a file in the encoding its coding line names; the check reads the text
     # as UTF-8. Another encoding (utf-7 hides code in what UTF-8 reads as a comment) would
     # have the check read one program and the worker run another: refused.
+    # (lines as CPython's tokenizer splits them: a lone \r ends a line there too)
+    lines = data.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
     try:
-        encoding, _ = tokenize.detect_encoding(io.BytesIO(data).readline)
+        encoding, _ = tokenize.detect_encoding(io.BytesIO(lines).readline)
     except SyntaxError as error:
         raise OSError(f"{path.name}: {error.msg}") from None
     if encoding not in ("utf-8", "utf-8-sig"):

@@ -356,7 +356,13 @@ class Worker:
         self.module = importlib.util.module_from_spec(spec)
         sys.modules[SUBMISSION] = self.module
         self.guard_imports()
-        spec.loader.exec_module(self.module)
+        # Compiled from the text the judge checked, not loaded as a file: a file's bytes are
+        # decoded as its coding line says (CPython finds one even after a lone \r, where
+        # tokenize.detect_encoding does not), a str is taken as it is. So the code that runs
+        # is the code check_source parsed, whatever the bytes declare.
+        with open(path, encoding="utf-8", newline="") as f:
+            code = compile(f.read(), str(path), "exec")
+        exec(code, self.module.__dict__)
         return None
 
     def lend(self, use):
