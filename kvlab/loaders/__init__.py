@@ -26,6 +26,7 @@ from ..config import ModelConfig
 from ..errors import CheckpointError, ConfigError
 from ..tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 from ..weights import Weights
+from ..registry import KNOWN_MODELS
 from ..files import is_number, open_regular, read_json_object, short
 from .gguf import load_gguf   # (which imports the gguf package only when it reads a file)
 from .gguf_writer import save_gguf
@@ -80,7 +81,8 @@ def load_checkpoint(path: "str | os.PathLike[str]",
 def detect_format(path: Path) -> str:
     """'hf', 'gguf' or 'llama2c' for an existing path; CheckpointError otherwise."""
     if not path.exists():
-        raise CheckpointError(f"checkpoint not found: {path} (no such file or directory)")
+        raise CheckpointError(f"checkpoint not found: {path} (no such file or directory; "
+                              f"the named models kvlab can fetch are: {', '.join(KNOWN_MODELS)})")
     if path.is_dir():
         if (path / "config.json").exists():  # read (or refused) by the HF reader
             return "hf"
