@@ -26,6 +26,7 @@ from .config import ModelConfig
 from .errors import (CacheFullError, CheckpointError, ConfigError, ContextLengthError,
                      CudaError, FetchError, KVLabError, OutOfBlocks, OutOfSequences, PoolInvariantError, TokenizerError,
                      WeightsError)
+from .chat import Chat
 from .engine import CompletionOutput, Engine, RequestMetrics, RequestOutput, StepResult
 from .generate import Generation, generate
 from .loaders import load_checkpoint
@@ -114,4 +115,5 @@ __all__ = [
     "CacheFormat",
     "kv_cache_bytes", "kv_bytes_per_token", "Engine", "SamplingParams", "RequestOutput", "RequestMetrics",
     "CompletionOutput", "StepResult", "CudaError", "cuda", "fetch", "FetchError", "registry",
+    "Chat",
 ]

@@ -190,12 +190,19 @@ def _cache_policy(spec: str):
         raise SystemExit(f"kvlab: error: --cache-policy {spec}: {error}") from None
 
 
-def cmd_generate(args) -> int:
-    import kvlab
-    # options that would change nothing are refused, not ignored
+def _check_sampling_options(args) -> None:
+    """Options that would change nothing are refused, not ignored; bad values before the
+    model loads."""
+    from .sampling import check_sampling_args
     if args.temperature == 0 and (args.top_k is not None or args.top_p is not None):
         raise ValueError("--top-k and --top-p cut the tokens sampled from: give --temperature "
                          "above 0 too (at 0 the likeliest token is taken)")
+    check_sampling_args(args.temperature, args.top_k, args.top_p)
+
+
+def cmd_generate(args) -> int:
+    import kvlab
+    _check_sampling_options(args)
     if args.window and args.cache_dtype == "fp32":
         raise ValueError("--window keeps the newest positions in fp32 beside a quantized cache: "
                          "give --cache-dtype (int8, int4, fp8, fp16, bf16) too")
@@ -220,6 +227,53 @@ def cmd_generate(args) -> int:
               f"({s.acceptance_rate:.0%}), {1 + s.verify_passes} passes for {s.tokens} tokens, "
               f"{s.draft_passes} drafter passes]", file=sys.stderr)
     return 0
+
+
+CHAT_MODEL = "smollm2-135m"
+
+
+def cmd_chat(args) -> int:
+    import kvlab
+    from .chat import Chat
+    _check_sampling_options(args)
+    model = _load(args, needs_tokenizer=True)
+    chat = Chat(model, system=args.system, max_seq_len=args.context, dtype=args.cache_dtype)
+    print(f"kvlab chat: {model!r}, {kvlab.get_num_threads()} threads; one KV cache of "
+          f"{chat.cache.capacity:,} positions ({chat.cache.nbytes:,} B) for the whole "
+          f"conversation. /reset starts again, /exit (or Ctrl-D) ends.", file=sys.stderr)
+    while True:
+        try:
+            text = input("you> ")
+        except EOFError:
+            print(file=sys.stderr)
+            return 0
+        except KeyboardInterrupt:
+            print(file=sys.stderr)
+            return 0
+        if text.strip() in ("/exit", "/quit"):
+            return 0
+        if text.strip() == "/reset":
+            chat.reset()
+            print("[a new conversation]", file=sys.stderr)
+            continue
+        if not text.strip():
+            continue
+        print("assistant> ", end="", flush=True)
+        try:
+            turn = chat.send(text, args.max_new_tokens, args.temperature, args.top_k,
+                             args.top_p, args.seed,
+                             stream=lambda piece: print(piece, end="", flush=True))
+        except KeyboardInterrupt:   # stops this answer only; the conversation is as before it
+            print("\n[interrupted: that message and its answer are not kept]", file=sys.stderr)
+            continue
+        except kvlab.ContextLengthError as error:
+            print(f"\n[{error}]", file=sys.stderr)
+            continue
+        print()
+        ended = "" if turn.finish_reason == "eos" else ", cut at --max-new-tokens"
+        print(f"[prefilled {turn.prefilled} tokens, reused {turn.reused} from the cache; "
+              f"first token after {turn.first_token_seconds:.2f} s; {len(turn.tokens)} tokens "
+              f"at {turn.tokens_per_second:,.0f} tokens/s{ended}]", file=sys.stderr)
 
 
 def _comma_list(text: str, kind, option: str, what: str) -> list:
@@ -470,6 +524,26 @@ def build_parser() -> argparse.ArgumentParser:
                           "attended), e.g. window:64; these may run past the model's context. "
                           "snapkv compresses the prompt only, so the context still bounds it")
     gen.set_defaults(func=cmd_generate)
+
+    talk = add_command("chat", "talk with a chat model; one KV cache keeps the conversation, so "
+                               "each turn prefills only the new message")
+    model_args(talk)
+    talk.set_defaults(model=CHAT_MODEL)
+    talk.add_argument("--system", default=None,
+                      help="the system prompt (default: the chat template's own)")
+    talk.add_argument("--max-new-tokens", type=positive_int, default=256,
+                      help="most tokens in one answer")
+    talk.add_argument("--temperature", type=float, default=0.0,
+                      help="0 takes the likeliest token every step (greedy); above 0 samples")
+    talk.add_argument("--top-k", type=int, default=None, help="with --temperature: the K likeliest only")
+    talk.add_argument("--top-p", type=float, default=None, help="with --temperature: nucleus P")
+    talk.add_argument("--seed", type=int, default=None, help="the sampler's seed")
+    talk.add_argument("--context", type=positive_int, default=2048,
+                      help="positions the conversation's cache holds (at most the model's context)")
+    talk.add_argument("--cache-dtype", default="fp32",
+                      choices=["fp32", "fp16", "bf16", "int8", "int4", "fp8"],
+                      help="how the KV cache stores K and V")
+    talk.set_defaults(func=cmd_chat)
 
     serve = add_command("serve-bench", "serve requests arriving at random (Poisson) at several "
                                        "rates: throughput against latency (TTFT, TPOT)")

@@ -15,6 +15,7 @@ from typing import List, Optional, Sequence, Union
 
 import numpy as np
 
+from . import chat
 from .cache_policy import CachePolicy, SlidingWindow
 from .counts import Counts
 from .deprecation import renamed
@@ -61,14 +62,21 @@ class Generation:
 PROGRESS_CHUNK = 16
 
 
-def generate(model: Model, prompt: Union[str, Sequence[int]], max_new_tokens: int = 48,
+def generate(model: Model, prompt: Union[str, Sequence[int], None] = None,
+             max_new_tokens: int = 48,
              use_cache: bool = True, temperature: float = 0.0, top_k: Optional[int] = None,
              top_p: Optional[float] = None, seed: Optional[int] = None,
              stop_at_eos: bool = True, progress: bool = False,
              dtype: Union[None, str, CacheFormat] = None, fast: bool = True,
              speculate: Optional[Drafter] = None, draft_tokens: int = 4,
-             cache_policy: Optional[CachePolicy] = None, **cache_options) -> Generation:
+             cache_policy: Optional[CachePolicy] = None,
+             messages: Optional[Sequence[dict]] = None, **cache_options) -> Generation:
     """Generate up to max_new_tokens after the prompt (text, or a list of token ids).
+
+    messages (instead of a prompt), for a chat model: [{"role": "user", "content": ...}],
+    rendered with the model's chat template (kvlab.chat); the answer stops at the
+    template's end-of-turn token (<|im_end|> for ChatML), and out.completion is the answer.
+    kvlab.chat.Chat keeps a conversation's cache across turns.
 
     Greedy by default (temperature 0). A seed makes sampling reproducible. The model's
     context (config.max_seq_len) bounds prompt + new tokens (ContextLengthError). dtype (a
@@ -100,7 +108,15 @@ def generate(model: Model, prompt: Union[str, Sequence[int]], max_new_tokens: in
     if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
     check_sampling_args(temperature, top_k, top_p)
-    if isinstance(prompt, str):
+    eos = getattr(model.tokenizer, "eos_id", None)
+    if messages is not None:
+        if prompt is not None:
+            raise TypeError("give a prompt or messages, not both")
+        prompt_text, ids = chat.prompt(model, messages)
+        eos = chat.end_of_turn_id(model.tokenizer)
+    elif prompt is None:
+        raise TypeError("generate needs a prompt (text or token ids) or messages")
+    elif isinstance(prompt, str):
         prompt_text, ids = prompt, model.encode(prompt)
         if not ids:
             raise ValueError("the prompt is empty and the tokenizer has no BOS token to "
@@ -133,7 +149,7 @@ def generate(model: Model, prompt: Union[str, Sequence[int]], max_new_tokens: in
     if speculate is not None:
         _check_speculation(model, speculate, draft_tokens, use_cache, cache_format)
     rng = np.random.default_rng(seed)
-    eos = getattr(model.tokenizer, "eos_id", None) if stop_at_eos else None
+    eos = eos if stop_at_eos else None
     if use_cache and cache_format.window > capacity:
         cache_format = dataclasses.replace(cache_format, window=capacity)
     if bounded:

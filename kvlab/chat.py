@@ -1,0 +1,296 @@
+"""Chat: a model's chat template, and a conversation that keeps its KV cache across turns.
+
+A chat model is trained on conversations written in one fixed layout, its chat template
+(a Jinja template stored with the model: tokenizer.chat_template in a GGUF file). SmolLM2's
+is ChatML:
+
+    <|im_start|>system
+    You are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>
+    <|im_start|>user
+    What is a KV cache?<|im_end|>
+    <|im_start|>assistant
+
+and the model answers until it writes <|im_end|>, its end-of-turn token.
+
+Every turn re-sends the whole conversation, so each prompt starts with the previous one:
+the system prompt, the earlier questions and answers. That is the course's prefix reuse in
+its most common real form. `Chat` keeps one KV cache for the conversation and, for each new
+turn, prefills only the tokens after the longest prefix the cache already holds (the new
+user message and the template's markers around it); `Turn.reused` and `Turn.prefilled` say
+how many tokens each side took.
+
+render() renders a template as Hugging Face transformers does (jinja2's sandbox, trimmed
+blocks, `raise_exception`, `tojson`), so the text, and so the tokens, are the ones the model
+was trained on. Not here: the tokenizer (kvlab.tokenizer, kvlab.gguf_tokenizer) and the
+generation loop of one prompt (kvlab.generate, which takes messages= too).
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from .errors import ContextLengthError, TokenizerError
+from .sampling import check_sampling_args, sample
+
+Message = Dict[str, str]          # {"role": "user", "content": "..."}
+ROLES = ("system", "user", "assistant")
+# The end-of-turn markers of the common chat formats (ChatML, Llama 3, Gemma, Phi-3): the
+# first one the vocabulary holds as a single token ends an answer; else the EOS token does.
+END_OF_TURN_NAMES = ("<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|end|>")
+
+
+# ---- the template ----------------------------------------------------------------------------
+
+def render(template: str, messages: Sequence[Message], add_generation_prompt: bool = True,
+           **variables) -> str:
+    """The conversation as the text the template makes of it. add_generation_prompt ends
+    it with the opening of the assistant's turn, where the model is to go on. `variables`
+    are passed to the template as well (bos_token, eos_token ...)."""
+    check_messages(messages)
+    try:
+        import jinja2
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+    except ImportError:
+        raise TokenizerError("rendering a chat template needs jinja2: pip install jinja2") from None
+
+    def raise_exception(message: str):
+        raise TokenizerError(f"the chat template refused the conversation: {message}")
+
+    # A template comes with a downloaded model: the sandbox keeps it from reaching Python
+    # objects. trim_blocks and lstrip_blocks are how transformers renders templates, and
+    # template authors write for that.
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=["jinja2.ext.loopcontrols"])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = raise_exception
+    try:
+        compiled = env.from_string(template)
+        return compiled.render(messages=[dict(m) for m in messages],
+                               add_generation_prompt=add_generation_prompt, **variables)
+    except jinja2.TemplateError as exc:
+        raise TokenizerError(f"the chat template cannot be rendered: "
+                             f"{type(exc).__name__}: {exc}") from None
+
+
+def _tojson(value, indent=None) -> str:
+    import json
+    return json.dumps(value, indent=indent, ensure_ascii=False)
+
+
+def check_messages(messages: Sequence[Message]) -> None:
+    """TypeError/ValueError naming the first message that is not {"role": one of ROLES,
+    "content": a str}."""
+    if isinstance(messages, (str, bytes, dict)) or not isinstance(messages, Sequence):
+        raise TypeError(f"messages is a list of {{'role': ..., 'content': ...}} dicts, got "
+                        f"{type(messages).__name__}")
+    if not messages:
+        raise ValueError("messages is empty: give at least one {'role': 'user', 'content': ...}")
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise TypeError(f"messages[{i}] is a {type(message).__name__}, not a dict with "
+                            f"'role' and 'content'")
+        role, content = message.get("role"), message.get("content")
+        if role not in ROLES:
+            raise ValueError(f"messages[{i}]['role'] is {role!r}; expected one of {', '.join(ROLES)}")
+        if not isinstance(content, str):
+            raise TypeError(f"messages[{i}]['content'] is {type(content).__name__}, not a str")
+
+
+def chat_template(model) -> str:
+    """The model's chat template; TokenizerError where it has none."""
+    template = getattr(model.tokenizer, "chat_template", None)
+    if not template:
+        raise TokenizerError(f"{model.source} has no chat template (a chat model's GGUF file "
+                             f"keeps one as tokenizer.chat_template): it is not a chat model, "
+                             f"so give it a prompt to continue instead of messages")
+    return template
+
+
+def prompt(model, messages: Sequence[Message],
+           add_generation_prompt: bool = True) -> Tuple[str, List[int]]:
+    """The rendered conversation, and its token ids. The template writes any BOS it wants
+    as text, so the tokenizer adds none of its own (as transformers' apply_chat_template)."""
+    tokenizer = model.tokenizer
+    text = render(chat_template(model), messages, add_generation_prompt,
+                  **_special_texts(tokenizer))
+    return text, tokenizer.encode(text, bos=False)
+
+
+def _special_texts(tokenizer) -> Dict[str, str]:
+    texts = {}
+    for name in ("bos", "eos"):
+        id = getattr(tokenizer, f"{name}_id", None)
+        texts[f"{name}_token"] = tokenizer.id_to_piece(id) if id is not None else ""
+    return texts
+
+
+def end_of_turn_id(tokenizer) -> Optional[int]:
+    """The token that ends an assistant's turn: the first of END_OF_TURN_NAMES that the
+    tokenizer reads as one token, else its EOS."""
+    for name in END_OF_TURN_NAMES:
+        try:
+            ids = tokenizer.encode(name, bos=False)
+        except TokenizerError:
+            continue
+        if len(ids) == 1:
+            return ids[0]
+    return getattr(tokenizer, "eos_id", None)
+
+
+# ---- a conversation over one cache -----------------------------------------------------------
+
+@dataclasses.dataclass
+class Turn:
+    """One answer, and what it cost."""
+    reply: str                   # the assistant's text
+    tokens: List[int]            # its token ids (the end-of-turn token not included)
+    prompt_tokens: int           # tokens of the whole conversation sent this turn
+    reused: int                  # of those, already in the cache from earlier turns
+    prefilled: int               # of those, run now (prompt_tokens - reused)
+    first_token_seconds: float   # from the call to the first token chosen (the prefill)
+    seconds: float               # the whole turn
+    finish_reason: str           # "eos": the model ended its turn; "length": max_new_tokens
+
+    @property
+    def tokens_per_second(self) -> float:
+        decode = self.seconds - self.first_token_seconds
+        return (len(self.tokens) - 1) / decode if decode > 0 and len(self.tokens) > 1 else 0.0
+
+
+# Tokens decoded between two calls of a Chat.send stream callback.
+STREAM_CHUNK = 4
+
+
+class Chat:
+    """A conversation with a chat model, its K and V kept in one cache across turns.
+
+        chat = kvlab.Chat(kvlab.load("smollm2-135m"))
+        turn = chat.send("What is a KV cache?")
+        turn.reply, turn.reused, turn.prefilled
+
+    max_seq_len bounds the whole conversation (the cache holds that many positions, its
+    memory taken up front); dtype is the cache's format, as in model.new_cache. system
+    replaces the template's default system prompt."""
+
+    def __init__(self, model, system: Optional[str] = None, max_seq_len: int = 2048,
+                 dtype="fp32") -> None:
+        chat_template(model)            # refuse a model without one now, not at the first turn
+        self.model = model
+        self.system = system
+        self.cache = model.new_cache(min(max_seq_len, model.config.max_seq_len), dtype)
+        self.stop_id = end_of_turn_id(model.tokenizer)
+        self.messages: List[Message] = []
+        self.tokens: List[int] = []     # the ids whose K and V the cache holds, in order
+
+    def reset(self) -> None:
+        """Forget the conversation (the cache keeps its memory, empty)."""
+        self.messages.clear()
+        self.tokens.clear()
+        self.cache.truncate(0)
+
+    def conversation(self, pending: Optional[str] = None) -> List[Message]:
+        system = [{"role": "system", "content": self.system}] if self.system is not None else []
+        user = [{"role": "user", "content": pending}] if pending is not None else []
+        return system + self.messages + user
+
+    def send(self, text: str, max_new_tokens: int = 256, temperature: float = 0.0,
+             top_k: Optional[int] = None, top_p: Optional[float] = None,
+             seed: Optional[int] = None,
+             stream: Optional[Callable[[str], None]] = None) -> Turn:
+        """The assistant's answer to `text`. Prefills only what the cache does not hold yet,
+        then decodes until the end-of-turn token or max_new_tokens. stream, if given, is
+        called with each new piece of the reply's text as it is made.
+
+        A call that fails (a bad argument, the context full, Ctrl-C) leaves the conversation
+        as it was: the message is not added and the cache keeps only the earlier turns."""
+        if not isinstance(text, str):
+            raise TypeError(f"the message is a str, got {type(text).__name__}")
+        if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+        check_sampling_args(temperature, top_k, top_p)
+        start = time.perf_counter()
+        _, ids = prompt(self.model, self.conversation(pending=text))
+        if len(ids) + max_new_tokens - 1 > self.cache.capacity:
+            raise ContextLengthError(
+                f"the conversation would take {len(ids)} tokens + up to {max_new_tokens} new "
+                f"ones, more than the {self.cache.capacity} positions this chat holds: reset() "
+                f"it, or start a Chat with a larger max_seq_len (the model's context is "
+                f"{self.model.config.max_seq_len})")
+        reused = _common_prefix(self.tokens, ids)
+        reused = min(reused, len(ids) - 1)         # at least one token runs, for its logits
+        rng = np.random.default_rng(seed)
+        sampling = (temperature, top_k, top_p, rng)
+        try:
+            self.cache.truncate(reused)            # drop what the new prompt does not share
+            del self.tokens[reused:]
+            reply, first_seconds, finish = self._answer(ids[reused:], max_new_tokens,
+                                                        sampling, stream, start)
+        except BaseException:
+            self.cache.truncate(min(self.cache.length, reused))   # the earlier turns only
+            raise
+        # the cache holds the prompt and the reply, but for a last token chosen and not run
+        # (the end-of-turn token is never kept; a reply cut at max_new_tokens loses its last)
+        self.tokens = ids + (reply if finish == "eos" else reply[:-1])
+        if self.cache.length != len(self.tokens):      # an internal invariant of this class
+            raise AssertionError(f"chat cache holds {self.cache.length} rows for "
+                                 f"{len(self.tokens)} tokens")
+        self.messages += [{"role": "user", "content": text},
+                          {"role": "assistant", "content": self.model.decode_text(reply)}]
+        return Turn(reply=self.messages[-1]["content"], tokens=reply, prompt_tokens=len(ids),
+                    reused=reused, prefilled=len(ids) - reused,
+                    first_token_seconds=first_seconds, seconds=time.perf_counter() - start,
+                    finish_reason=finish)
+
+    def _answer(self, new_ids: List[int], max_new_tokens: int, sampling: tuple,
+                stream: Optional[Callable[[str], None]], start: float):
+        """(reply ids without the end-of-turn token, seconds to the first, finish reason).
+        On "eos" every reply id is in the cache; on "length" all but the last."""
+        temperature, top_k, top_p, rng = sampling
+        first = sample(self.model.prefill(new_ids, self.cache), *sampling)
+        first_seconds = time.perf_counter() - start
+        if first == self.stop_id:
+            return [], first_seconds, "eos"
+        reply, shown = [first], ""
+        while len(reply) < max_new_tokens:
+            steps = min(max_new_tokens - len(reply), STREAM_CHUNK if stream else max_new_tokens)
+            picks, _ = self.model.decode_steps(reply[-1], self.cache, steps, temperature,
+                                               top_k, top_p, rng, stop_token=self.stop_id)
+            picks = picks.tolist()
+            if picks[-1] == self.stop_id:
+                reply += picks[:-1]
+                shown = _stream(self.model, reply, shown, stream, final=True)
+                return reply, first_seconds, "eos"
+            reply += picks
+            shown = _stream(self.model, reply, shown, stream, final=False)
+        _stream(self.model, reply, shown, stream, final=True)
+        return reply, first_seconds, "length"
+
+
+def _stream(model, reply: List[int], shown: str, stream, final: bool) -> str:
+    """Call stream with the text the reply added since `shown`; a character still cut in
+    half by the last token (shown as U+FFFD) waits for the next call, unless final."""
+    if stream is None:
+        return shown
+    text = model.decode_text(reply)
+    if not final:
+        text = text.rstrip("\ufffd")
+    if text.startswith(shown) and len(text) > len(shown):
+        stream(text[len(shown):])
+        return text
+    return shown
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+__all__ = ["Chat", "Turn", "render", "prompt", "end_of_turn_id", "check_messages",
+           "chat_template", "END_OF_TURN_NAMES"]
