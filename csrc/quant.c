@@ -201,9 +201,20 @@ size_t kv_weight_row_bytes(kv_weight_format format, int in_dim) {
     case KV_WEIGHT_F16:
     case KV_WEIGHT_BF16: return (size_t)in_dim * 2;
     case KV_WEIGHT_Q8_0:
-        return in_dim % KV_Q8_0_BLOCK ? 0 : (size_t)(in_dim / KV_Q8_0_BLOCK) * KV_Q8_0_BLOCK_BYTES;
+    case KV_WEIGHT_Q4_0:
+    case KV_WEIGHT_Q4_1:   /* whole blocks of 32 only */
+        return in_dim % 32 ? 0 : (size_t)(in_dim / 32) * kv_weight_block_bytes(format);
     }
     return 0;
+}
+
+size_t kv_weight_block_bytes(kv_weight_format format) {
+    switch (format) {
+    case KV_WEIGHT_Q8_0: return KV_Q8_0_BLOCK_BYTES;
+    case KV_WEIGHT_Q4_0: return KV_Q4_0_BLOCK_BYTES;
+    case KV_WEIGHT_Q4_1: return KV_Q4_1_BLOCK_BYTES;
+    default: return 0;
+    }
 }
 
 static float half_at(const uint8_t *bytes) {
@@ -235,6 +246,24 @@ void kv_weight_row_dequantize(kv_weight_format format, const uint8_t *row, int i
             float scale = half_at(block);
             const int8_t *codes = (const int8_t *)(block + 2);
             for (int i = 0; i < KV_Q8_0_BLOCK; i++) out[b * KV_Q8_0_BLOCK + i] = scale * (float)codes[i];
+        }
+        return;
+    case KV_WEIGHT_Q4_0:
+        for (int b = 0; b < in_dim / KV_Q4_BLOCK; b++) {
+            const uint8_t *block = row + (size_t)b * KV_Q4_0_BLOCK_BYTES;
+            float d = half_at(block);
+            for (int i = 0; i < KV_Q4_BLOCK; i++)   /* exact: 11 bits times 4 */
+                out[b * KV_Q4_BLOCK + i] = d * (float)(kv_q4_code(block + 2, i) - 8);
+        }
+        return;
+    case KV_WEIGHT_Q4_1:
+        for (int b = 0; b < in_dim / KV_Q4_BLOCK; b++) {
+            const uint8_t *block = row + (size_t)b * KV_Q4_1_BLOCK_BYTES;
+            float d = half_at(block), m = half_at(block + 2);
+            /* d * code is exact (11 bits times 4), so the one rounding is the add's, fused
+             * multiply-add or not */
+            for (int i = 0; i < KV_Q4_BLOCK; i++)
+                out[b * KV_Q4_BLOCK + i] = d * (float)kv_q4_code(block + 4, i) + m;
         }
         return;
     }

@@ -1191,12 +1191,12 @@ static void test_weight_formats(void) {
     float *x = random_floats((size_t)n_tokens * in_dim, 2.0f);
     float *fast = malloc(sizeof(float) * n_tokens * out_dim), *plain = malloc(sizeof(float) * n_tokens * out_dim);
     kv_kernels before = kv_get_kernels();
-    CHECK(kv_weights_matmul_int8(fast, x, w, n_tokens, in_dim, out_dim) == KV_OK);
+    CHECK(kv_weights_matmul_int8(fast, x, w, KV_WEIGHT_Q8_0, n_tokens, in_dim, out_dim) == KV_OK);
     kv_set_kernels(KV_KERNELS_PLAIN);
-    CHECK(kv_weights_matmul_int8(plain, x, w, n_tokens, in_dim, out_dim) == KV_OK);
+    CHECK(kv_weights_matmul_int8(plain, x, w, KV_WEIGHT_Q8_0, n_tokens, in_dim, out_dim) == KV_OK);
     kv_set_kernels(before);
     CHECK(memcmp(fast, plain, sizeof(float) * n_tokens * out_dim) == 0);
-    CHECK(kv_weights_matmul_int8(fast, x, w, n_tokens, 70, out_dim) == KV_ERR_INVALID_ARG);
+    CHECK(kv_weights_matmul_int8(fast, x, w, KV_WEIGHT_Q8_0, n_tokens, 70, out_dim) == KV_ERR_INVALID_ARG);
     free(w); free(x); free(fast); free(plain);
 }
 
