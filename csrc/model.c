@@ -132,7 +132,7 @@ typedef struct {
     float *weight_rows;    /* rows of a matrix stored in fewer bytes, made float32 (four
                               rows of the widest input for each of n_threads); NULL if all
                               are float32 */
-    float *x_scales;       /* (n_tokens, widest input / 32) and ... */
+    float *x_scales;       /* (2, n_tokens, widest input / 32): scales and d_x * code sums */
     int8_t *x_codes;       /* (n_tokens, widest input) activations as int8, for block-format
                               products with int8_activations; NULL otherwise */
     float *block;     /* the single allocation all of the above point into */
@@ -173,7 +173,7 @@ static kv_status run_state_alloc(run_state *s, const kv_model *m, int n_tokens, 
                       T * c->dim, T * c->hidden_dim, T * c->hidden_dim, T * half, T * half,
                       (size_t)s->n_threads * s->score_stride,
                       converted ? kv_weights_scratch_floats(widest, s->n_threads) : 0,
-                      int8 ? T * (size_t)(widest / KV_Q8_0_BLOCK) : 0,
+                      int8 ? 2 * T * (size_t)(widest / KV_Q8_0_BLOCK) : 0,
                       int8 ? (T * (size_t)widest + 3) / 4 : 0};
     float **slots[] = {&s->x, &s->xb, &s->q, &s->k, &s->v, &s->att_out, &s->proj, &s->hb,
                        &s->hb2, &s->rope_cos, &s->rope_sin, &s->scores, &s->weight_rows,

@@ -269,7 +269,8 @@ void kv_weight_row_dequantize(kv_weight_format format, const uint8_t *row, int i
     }
 }
 
-void kv_quantize_activations_q8(const float *x, int in_dim, float *scales, int8_t *codes) {
+void kv_quantize_activations_q8(const float *x, int in_dim, float *scales, int8_t *codes,
+                                float *sums) {
     for (int b = 0; b < in_dim / KV_Q8_0_BLOCK; b++) {
         const float *block = x + b * KV_Q8_0_BLOCK;
         float amax = 0.0f;
@@ -279,7 +280,11 @@ void kv_quantize_activations_q8(const float *x, int in_dim, float *scales, int8_
         }
         float scale = amax / 127.0f, inverse = scale > 0.0f ? 1.0f / scale : 0.0f;
         scales[b] = scale;
-        for (int i = 0; i < KV_Q8_0_BLOCK; i++)
+        int32_t sum = 0;
+        for (int i = 0; i < KV_Q8_0_BLOCK; i++) {
             codes[b * KV_Q8_0_BLOCK + i] = (int8_t)roundf(block[i] * inverse);
+            sum += codes[b * KV_Q8_0_BLOCK + i];
+        }
+        sums[b] = scale * (float)sum;
     }
 }

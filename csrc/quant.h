@@ -61,7 +61,10 @@ static inline int kv_q4_code(const uint8_t *codes, int i) {
 
 /* A row of activations (in_dim, a multiple of 32) as Q8_0 blocks for the integer dot
  * products of kv_weights_matmul_int8: per block of 32 a float32 scale amax / 127 and codes
- * roundf(x / scale), as ggml quantizes (its scale is a half; this one stays float32). */
-void kv_quantize_activations_q8(const float *x, int in_dim, float *scales, int8_t *codes);
+ * roundf(x / scale), as ggml quantizes (its scale is a half; this one stays float32); and
+ * sums (in_dim / 32,): each block's scale times the exact sum of its codes, the part of a
+ * Q4_1 product that the block's m multiplies (llama.cpp's Q8_1 keeps it the same way). */
+void kv_quantize_activations_q8(const float *x, int in_dim, float *scales, int8_t *codes,
+                                float *sums);
 
 #endif /* KVLAB_QUANT_H */

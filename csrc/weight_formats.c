@@ -295,31 +295,32 @@ kv_status kv_weights_matmul(float *out, const float *x, const uint8_t *w,
 /* ---- Q8_0, Q4_0 and Q4_1 against int8 activations -------------------------------------- */
 
 /* What one block of a token's quantized activations brings to every row's block: its 32
- * codes, its scale, and for the Q4 formats the sums of its codes four at a time (Q4_0's
- * "- 8" and Q4_1's m multiply them, kv_plain_matmul_int8). Made once per token and block,
- * shared by the four rows of a step. */
+ * codes, its scale d_x, and what the Q4 formats need besides (made once per token and
+ * block, shared by the four rows of a step). */
 typedef struct {
 #ifdef __AVX2__
-    __m256i codes;     /* (32,) int8 */
-    __m256i sums4;     /* (8,) int32: codes 4m .. 4m + 3 summed */
+    __m256i codes;       /* (32,) int8 */
+    __m256i sums4x8;     /* (8,) int32: 8 times codes 4m .. 4m + 3 summed (Q4_0's "- 8") */
+    __m128 scale_sum;    /* (d_x, d_x * sum of the 32 codes, 0, 0) (Q4_1) */
 #else
     const int8_t *codes;
-    int32_t sums4[8];
+    float sum;           /* d_x * sum of the 32 codes (Q4_1) */
 #endif
-    v8f sums4_float;   /* (8,) sums4 as floats (Q4_1 only) */
     float scale;
 } x_block;
 
-/* One block of a weight row: its scale d, Q4_1's m, and its codes (a Q4 block's unpacked,
- * one to a byte, in value order). Made once per row and block, shared by the step's
- * tokens. */
+/* One block of a weight row: its scale d and its codes (a Q4 block's unpacked, one to a
+ * byte, in value order); Q4_1's d and m side by side (d, m, 0, 0). Made once per row and
+ * block, shared by the step's tokens. */
 typedef struct {
 #ifdef __AVX2__
-    __m256i codes;     /* (32,) Q8_0: int8; Q4: 0 .. 15 */
+    __m256i codes;       /* (32,) Q8_0: int8; Q4: 0 .. 15 */
+    __m128 d_m;          /* (d, m, 0, 0) (Q4_1) */
 #else
     const uint8_t *codes;
+    float m;
 #endif
-    float d, m;
+    float d;
 } w_block;
 
 #ifdef __AVX2__
@@ -342,112 +343,170 @@ static ALWAYS_INLINE __m256i sums_of_four(__m256i w, __m256i x) {
 }
 
 /* A Q4 block's 16 code bytes as its 32 codes in value order, one a byte: the low nibbles
- * (values 0 .. 15) in the low half of the register, the high nibbles (16 .. 31) above. */
+ * (values 0 .. 15) in the low half of the register, the high nibbles (16 .. 31) above. The
+ * 16 bytes are loaded into both halves and the upper half shifted right by 4 (a shift of
+ * 32-bit lanes: what crosses into a byte from its neighbour is masked off with the rest). */
 static ALWAYS_INLINE __m256i unpack_nibbles(const uint8_t *bytes) {
-    __m128i packed = _mm_loadu_si128((const __m128i *)bytes), low4 = _mm_set1_epi8(0x0F);
-    __m128i low = _mm_and_si128(packed, low4);
-    __m128i high = _mm_and_si128(_mm_srli_epi16(packed, 4), low4);
-    return _mm256_set_m128i(high, low);
+    __m256i both = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)bytes));
+    __m256i shifted = _mm256_srlv_epi32(both, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4));
+    return _mm256_and_si256(shifted, _mm256_set1_epi8(0x0F));
+}
+
+/* acc + a * b on four floats, rounded as madd rounds */
+static ALWAYS_INLINE __m128 madd4(__m128 a, __m128 b, __m128 acc) {
+#ifdef __FMA__
+    return _mm_fmadd_ps(a, b, acc);
+#else
+    return _mm_add_ps(acc, _mm_mul_ps(a, b));
+#endif
+}
+#else
+/* acc + a * b, rounded as madd rounds */
+static ALWAYS_INLINE float madd1(float a, float b, float acc) {
+#ifdef __FMA__
+    return fmaf(a, b, acc);
+#else
+    return acc + a * b;
+#endif
 }
 #endif
 
-static ALWAYS_INLINE x_block load_x_block(const int8_t *codes, float scale,
+static ALWAYS_INLINE x_block load_x_block(const int8_t *codes, float scale, float sum,
                                           kv_weight_format format) {
     x_block xb;
     xb.scale = scale;
 #ifdef __AVX2__
     xb.codes = _mm256_loadu_si256((const __m256i *)codes);
-    if (format != KV_WEIGHT_Q8_0) xb.sums4 = sums_of_four_unsigned(_mm256_set1_epi8(1), xb.codes);
-    if (format == KV_WEIGHT_Q4_1) xb.sums4_float = (v8f)_mm256_cvtepi32_ps(xb.sums4);
+    if (format == KV_WEIGHT_Q4_0)
+        xb.sums4x8 = _mm256_slli_epi32(sums_of_four_unsigned(_mm256_set1_epi8(1), xb.codes), 3);
+    if (format == KV_WEIGHT_Q4_1) xb.scale_sum = _mm_setr_ps(scale, sum, 0.0f, 0.0f);
 #else
     xb.codes = codes;
-    for (int m = 0; m < 8; m++) {
-        xb.sums4[m] = codes[4 * m] + codes[4 * m + 1] + codes[4 * m + 2] + codes[4 * m + 3];
-        xb.sums4_float[m] = (float)xb.sums4[m];
-    }
+    xb.sum = sum;
 #endif
     return xb;
 }
 
 static ALWAYS_INLINE w_block load_w_block(const uint8_t *block, kv_weight_format format) {
     w_block wb;
-    wb.d = block_scale(block);
-    wb.m = format == KV_WEIGHT_Q4_1 ? block_scale(block + 2) : 0.0f;
-    const uint8_t *codes = block + (format == KV_WEIGHT_Q4_1 ? 4 : 2);
 #ifdef __AVX2__
+    if (format == KV_WEIGHT_Q4_1) {   /* d and m converted by one instruction */
+        uint32_t d_m;
+        memcpy(&d_m, block, sizeof d_m);
+        wb.d_m = _mm_cvtph_ps(_mm_cvtsi32_si128((int)d_m));
+        wb.d = _mm_cvtss_f32(wb.d_m);
+    } else {
+        wb.d = block_scale(block);
+    }
+    const uint8_t *codes = block + (format == KV_WEIGHT_Q4_1 ? 4 : 2);
     wb.codes = format == KV_WEIGHT_Q8_0 ? _mm256_loadu_si256((const __m256i *)codes)
                                         : unpack_nibbles(codes);
 #else
-    wb.codes = codes;
+    wb.d = block_scale(block);
+    wb.m = format == KV_WEIGHT_Q4_1 ? block_scale(block + 2) : 0.0f;
+    wb.codes = block + (format == KV_WEIGHT_Q4_1 ? 4 : 2);
 #endif
     return wb;
 }
 
-/* acc + one weight block against one activation block, in kv_plain_matmul_int8's order:
- * lane m adds d_w d_x times the exact integer sum of the products of codes 4m .. 4m + 3,
- * then, for Q4_1, m_w d_x times the sum of those four x codes. */
-static ALWAYS_INLINE v8f add_block(v8f acc, const w_block *wb, const x_block *xb,
-                                   kv_weight_format format) {
+/* One row's running sums: eight lanes, and Q4_1's m part (in lane 1 of m_part with
+ * AVX2, where lane 0 gathers d * d_x products nobody reads) */
+typedef struct {
+    v8f lanes;
+#ifdef __AVX2__
+    __m128 m_part;
+#else
+    float m_part;
+#endif
+} row_sums;
+
+/* sums + one weight block against one activation block, in kv_plain_matmul_int8's order:
+ * lane m adds d_w d_x times the exact integer sum of the products of codes 4m .. 4m + 3;
+ * for Q4_1 the m part adds m_w times the block's d_x * sum of x codes. */
+static ALWAYS_INLINE void add_block(row_sums *sums, const w_block *wb, const x_block *xb,
+                                    kv_weight_format format) {
     v8f partial;
 #ifdef __AVX2__
-    __m256i sums;
+    __m256i ints;
+    float scale;
     if (format == KV_WEIGHT_Q8_0) {
-        sums = sums_of_four(wb->codes, xb->codes);
+        ints = sums_of_four(wb->codes, xb->codes);
     } else {
         /* maddubs and dpbusd take the nibbles as they are, unsigned; Q4_0's code - 8 is
          * then the sum of code * x less 8 times the sum of the x codes (exact integers) */
-        sums = sums_of_four_unsigned(wb->codes, xb->codes);
-        if (format == KV_WEIGHT_Q4_0) sums = _mm256_sub_epi32(sums, _mm256_slli_epi32(xb->sums4, 3));
+        ints = sums_of_four_unsigned(wb->codes, xb->codes);
+        if (format == KV_WEIGHT_Q4_0) ints = _mm256_sub_epi32(ints, xb->sums4x8);
     }
-    partial = (v8f)_mm256_cvtepi32_ps(sums);
+    partial = (v8f)_mm256_cvtepi32_ps(ints);
+    if (format == KV_WEIGHT_Q4_1) {
+        /* (d, m) times (d_x, sum): lane 0 is d * d_x; the m part in lane 1, fused */
+        scale = _mm_cvtss_f32(_mm_mul_ps(wb->d_m, xb->scale_sum));
+        sums->m_part = madd4(wb->d_m, xb->scale_sum, sums->m_part);
+    } else {
+        scale = wb->d * xb->scale;
+    }
+    sums->lanes = madd(splat(scale), partial, sums->lanes);
 #else
     for (int m = 0; m < 8; m++) {
         int32_t sum = 0;
         for (int i = 4 * m; i < 4 * m + 4; i++) {
-            int32_t code = format == KV_WEIGHT_Q8_0 ? (int8_t)wb->codes[i] : kv_q4_code(wb->codes, i);
+            int32_t code = format == KV_WEIGHT_Q8_0 ? (int8_t)wb->codes[i]
+                         : format == KV_WEIGHT_Q4_0 ? kv_q4_code(wb->codes, i) - 8
+                                                    : kv_q4_code(wb->codes, i);
             sum += code * xb->codes[i];
         }
-        if (format == KV_WEIGHT_Q4_0) sum -= 8 * xb->sums4[m];
         partial[m] = (float)sum;
     }
+    sums->lanes = madd(splat(wb->d * xb->scale), partial, sums->lanes);
+    if (format == KV_WEIGHT_Q4_1) sums->m_part = madd1(wb->m, xb->sum, sums->m_part);
 #endif
-    acc = madd(splat(wb->d * xb->scale), partial, acc);
-    if (format == KV_WEIGHT_Q4_1) acc = madd(splat(wb->m * xb->scale), xb->sums4_float, acc);
-    return acc;
+}
+
+/* The total of a row's sums, given its lanes' pairwise sum */
+static ALWAYS_INLINE float row_total(const row_sums *sums, float lanes_total,
+                                     kv_weight_format format) {
+    if (format != KV_WEIGHT_Q4_1) return lanes_total;
+#ifdef __AVX2__
+    return lanes_total + sums->m_part[1];
+#else
+    return lanes_total + sums->m_part;
+#endif
 }
 
 /* One row against a token's quantized activations: kv_plain_matmul_int8's sum, bit for bit */
 static ALWAYS_INLINE float dot_row_int8(const uint8_t *row, kv_weight_format format,
-                                        const float *x_scales, const int8_t *x_codes,
-                                        int n_blocks) {
+                                        const float *x_scales, const float *x_sums,
+                                        const int8_t *x_codes, int n_blocks) {
     size_t block_bytes = kv_weight_block_bytes(format);
-    v8f acc = {0};
+    row_sums sums;
+    memset(&sums, 0, sizeof sums);
     for (int b = 0; b < n_blocks; b++) {
-        x_block xb = load_x_block(x_codes + 32 * b, x_scales[b], format);
+        x_block xb = load_x_block(x_codes + 32 * b, x_scales[b], x_sums[b], format);
         w_block wb = load_w_block(row + (size_t)b * block_bytes, format);
-        acc = add_block(acc, &wb, &xb, format);
+        add_block(&sums, &wb, &xb, format);
     }
-    return reduce_lanes(acc);
+    return row_total(&sums, reduce_lanes(sums.lanes), format);
 }
 
 /* Four rows, wherever they lie, against one token's quantized activations: out[r] is row
- * r's dot_row_int8, bit for bit (each row its own eight lanes); the token's block is loaded
- * once for the four, and four chains of arithmetic run side by side. */
+ * r's dot_row_int8, bit for bit (each row its own sums); the token's block is loaded once
+ * for the four, and four chains of arithmetic run side by side. */
 static ALWAYS_INLINE void dot_rows4_int8(const uint8_t *const rows[4], kv_weight_format format,
-                                         const float *x_scales, const int8_t *x_codes,
-                                         int n_blocks, float out[4]) {
+                                         const float *x_scales, const float *x_sums,
+                                         const int8_t *x_codes, int n_blocks, float out[4]) {
     size_t block_bytes = kv_weight_block_bytes(format);
-    v8f acc[4] = {{0}, {0}, {0}, {0}};
+    row_sums sums[4];
+    memset(sums, 0, sizeof sums);
     for (int b = 0; b < n_blocks; b++) {
         size_t at = (size_t)b * block_bytes;
-        x_block xb = load_x_block(x_codes + 32 * b, x_scales[b], format);
+        x_block xb = load_x_block(x_codes + 32 * b, x_scales[b], x_sums[b], format);
         for (int r = 0; r < 4; r++) {
             w_block wb = load_w_block(rows[r] + at, format);
-            acc[r] = add_block(acc[r], &wb, &xb, format);
+            add_block(&sums[r], &wb, &xb, format);
         }
     }
-    v4f sums = reduce_lanes4(acc[0], acc[1], acc[2], acc[3]);
-    for (int r = 0; r < 4; r++) out[r] = sums[r];
+    v4f totals = reduce_lanes4(sums[0].lanes, sums[1].lanes, sums[2].lanes, sums[3].lanes);
+    for (int r = 0; r < 4; r++) out[r] = row_total(&sums[r], totals[r], format);
 }
 
 /* The same for two tokens at once (a prefill, a batch): each row's block is loaded and
@@ -455,26 +514,29 @@ static ALWAYS_INLINE void dot_rows4_int8(const uint8_t *const rows[4], kv_weight
  * four dot_row_int8s, bit for bit. */
 static ALWAYS_INLINE void dot_rows4_int8_pair(const uint8_t *const rows[4],
                                               kv_weight_format format, const float *scales0,
-                                              const int8_t *codes0, const float *scales1,
+                                              const float *sums0, const int8_t *codes0,
+                                              const float *scales1, const float *sums1,
                                               const int8_t *codes1, int n_blocks,
                                               float out0[4], float out1[4]) {
     size_t block_bytes = kv_weight_block_bytes(format);
-    v8f acc0[4] = {{0}, {0}, {0}, {0}}, acc1[4] = {{0}, {0}, {0}, {0}};
+    row_sums acc0[4], acc1[4];
+    memset(acc0, 0, sizeof acc0);
+    memset(acc1, 0, sizeof acc1);
     for (int b = 0; b < n_blocks; b++) {
         size_t at = (size_t)b * block_bytes;
-        x_block x0 = load_x_block(codes0 + 32 * b, scales0[b], format);
-        x_block x1 = load_x_block(codes1 + 32 * b, scales1[b], format);
+        x_block x0 = load_x_block(codes0 + 32 * b, scales0[b], sums0[b], format);
+        x_block x1 = load_x_block(codes1 + 32 * b, scales1[b], sums1[b], format);
         for (int r = 0; r < 4; r++) {
             w_block wb = load_w_block(rows[r] + at, format);
-            acc0[r] = add_block(acc0[r], &wb, &x0, format);
-            acc1[r] = add_block(acc1[r], &wb, &x1, format);
+            add_block(&acc0[r], &wb, &x0, format);
+            add_block(&acc1[r], &wb, &x1, format);
         }
     }
-    v4f sums0 = reduce_lanes4(acc0[0], acc0[1], acc0[2], acc0[3]);
-    v4f sums1 = reduce_lanes4(acc1[0], acc1[1], acc1[2], acc1[3]);
+    v4f totals0 = reduce_lanes4(acc0[0].lanes, acc0[1].lanes, acc0[2].lanes, acc0[3].lanes);
+    v4f totals1 = reduce_lanes4(acc1[0].lanes, acc1[1].lanes, acc1[2].lanes, acc1[3].lanes);
     for (int r = 0; r < 4; r++) {
-        out0[r] = sums0[r];
-        out1[r] = sums1[r];
+        out0[r] = row_total(&acc0[r], totals0[r], format);
+        out1[r] = row_total(&acc1[r], totals1[r], format);
     }
 }
 
@@ -486,7 +548,9 @@ static ALWAYS_INLINE void rows_int8(float *out, const uint8_t *w, kv_weight_form
                                     int n_tokens, int in_dim, int out_dim,
                                     const float *x_scales, const int8_t *x_codes, int lo,
                                     int hi) {
+    // x_scales (2, n_tokens, n_blocks): the blocks' scales, then their d_x * sums of codes
     int n_blocks = in_dim / 32;
+    const float *x_sums = x_scales + (size_t)n_tokens * n_blocks;
     size_t row_bytes = kv_weight_row_bytes(format, in_dim);
     int per_run = (hi - lo) / 4;
     for (int k = 0; k < per_run; k++) {
@@ -496,8 +560,9 @@ static ALWAYS_INLINE void rows_int8(float *out, const uint8_t *w, kv_weight_form
         int t = 0;
         for (; t + 2 <= n_tokens; t += 2) {     /* two tokens share each row's loads */
             float sums0[4], sums1[4];
-            dot_rows4_int8_pair(rows, format, x_scales + (size_t)t * n_blocks,
-                                x_codes + (size_t)t * in_dim, x_scales + (size_t)(t + 1) * n_blocks,
+            size_t at0 = (size_t)t * n_blocks, at1 = (size_t)(t + 1) * n_blocks;
+            dot_rows4_int8_pair(rows, format, x_scales + at0, x_sums + at0,
+                                x_codes + (size_t)t * in_dim, x_scales + at1, x_sums + at1,
                                 x_codes + (size_t)(t + 1) * in_dim, n_blocks, sums0, sums1);
             for (int r = 0; r < 4; r++) {
                 out[(size_t)t * out_dim + o[r]] = sums0[r];
@@ -507,7 +572,8 @@ static ALWAYS_INLINE void rows_int8(float *out, const uint8_t *w, kv_weight_form
         for (; t < n_tokens; t++) {
             float sums[4];
             dot_rows4_int8(rows, format, x_scales + (size_t)t * n_blocks,
-                           x_codes + (size_t)t * in_dim, n_blocks, sums);
+                           x_sums + (size_t)t * n_blocks, x_codes + (size_t)t * in_dim, n_blocks,
+                           sums);
             for (int r = 0; r < 4; r++) out[(size_t)t * out_dim + o[r]] = sums[r];
         }
     }
@@ -515,7 +581,7 @@ static ALWAYS_INLINE void rows_int8(float *out, const uint8_t *w, kv_weight_form
         for (int t = 0; t < n_tokens; t++)
             out[(size_t)t * out_dim + o] =
                 dot_row_int8(w + (size_t)o * row_bytes, format, x_scales + (size_t)t * n_blocks,
-                             x_codes + (size_t)t * in_dim, n_blocks);
+                             x_sums + (size_t)t * n_blocks, x_codes + (size_t)t * in_dim, n_blocks);
 }
 
 #define ROWS_INT8_FOR(name, format)                                                         \
@@ -530,9 +596,10 @@ ROWS_INT8_FOR(rows_int8_q4_1, KV_WEIGHT_Q4_1)
 void kv_matmul_int8(float *out, const float *x, const uint8_t *w, kv_weight_format format,
                     int n_tokens, int in_dim, int out_dim, float *x_scales, int8_t *x_codes) {
     int n_blocks = in_dim / 32;
+    float *x_sums = x_scales + (size_t)n_tokens * n_blocks;
     for (int t = 0; t < n_tokens; t++)
         kv_quantize_activations_q8(x + (size_t)t * in_dim, in_dim, x_scales + (size_t)t * n_blocks,
-                                   x_codes + (size_t)t * in_dim);
+                                   x_codes + (size_t)t * in_dim, x_sums + (size_t)t * n_blocks);
     void (*rows)(float *, const uint8_t *, int, int, int, const float *, const int8_t *, int, int) =
         format == KV_WEIGHT_Q4_0 ? rows_int8_q4_0 :
         format == KV_WEIGHT_Q4_1 ? rows_int8_q4_1 : rows_int8_q8_0;
@@ -552,7 +619,7 @@ kv_status kv_weights_matmul_int8(float *out, const float *x, const uint8_t *w,
         !kv_weight_takes_int8(format) || kv_weight_row_bytes(format, in_dim) == 0)
         return KV_ERR_INVALID_ARG;
     int n_blocks = in_dim / 32;
-    float *x_scales = kv_alloc_floats((size_t)n_tokens * n_blocks);
+    float *x_scales = kv_alloc_floats(2 * (size_t)n_tokens * n_blocks);   /* and the sums */
     int8_t *x_codes = malloc((size_t)n_tokens * in_dim);
     if (x_scales == NULL || x_codes == NULL) {
         free(x_scales);

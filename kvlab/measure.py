@@ -249,7 +249,8 @@ def scratch_bytes(config: ModelConfig, n_tokens: int, n_threads: int = 1,
     if formats & {"fp16", "bf16"} or (blocks and not int8_activations):
         buffers.append(n_threads * 4 * widest)
     if blocks and int8_activations:
-        buffers += [T * (widest // weight_formats.Q8_0_BLOCK), (T * widest + 3) // 4]
+        # each block's scale and its scale times the sum of its codes, then the codes
+        buffers += [2 * T * (widest // weight_formats.Q8_0_BLOCK), (T * widest + 3) // 4]
     total = sum(_round16(n) for n in buffers) * FLOAT
     if not cached:
         total += 2 * (1 if one_layer else c.n_layers) * n_tokens * c.kv_dim * FLOAT

@@ -209,9 +209,10 @@ def matmul_int8(x: np.ndarray, codes: np.ndarray, in_dim: int, fmt: str = "q8_0"
     way: x quantized per block of 32 too (quantize_activations), and in each block lane m
     (of eight) adds the exact integer sum of the four products code * x_code of weights
     4m .. 4m + 3, times d_w * d_x, with one rounding (a fused multiply-add, as the core
-    does where the CPU has one). For q4_1, whose weight is d_w * q + m_w, lane m then adds
-    m_w * d_x times the exact sum of those four x codes, the same way (the m part of every
-    product, factored out). The lanes are added pairwise at the end."""
+    does where the CPU has one); the lanes are added pairwise at the end. q4_1's weight is
+    d_w * q + m_w: its m part is m_w times the block's d_x * (sum of its 32 x codes), made
+    once per activation block (llama.cpp's Q8_1 idea), summed block after block in a
+    running sum of its own (one rounding each) and added to the lanes' total at the end."""
     if fmt not in BLOCK_FORMATS:
         raise ValueError(f"int8 activations go with {', '.join(BLOCK_FORMATS)} weights, not {fmt!r}")
     check_format(fmt, in_dim)
@@ -221,16 +222,17 @@ def matmul_int8(x: np.ndarray, codes: np.ndarray, in_dim: int, fmt: str = "q8_0"
         x_scales, x_codes = quantize_activations(row)
         x_blocks = x_codes.reshape(-1, Q8_0_BLOCK).astype(np.int32)           # (blocks, 32)
         partial = (w_codes * x_blocks).reshape(*w_codes.shape[:2], 8, 4).sum(-1)  # (out, blocks, 8)
-        x_sums = x_blocks.reshape(-1, 8, 4).sum(-1)                           # (blocks, 8)
+        x_sums = (x_scales * x_blocks.sum(-1).astype(np.float32)).astype(np.float32)  # (blocks,)
         scale = (w_d * x_scales).astype(np.float32)                          # float32 products
-        m_scale = (w_m * x_scales).astype(np.float32)
         lanes = np.zeros((codes.shape[0], 8), dtype=np.float32)
+        m_part = np.zeros(codes.shape[0], dtype=np.float32)
         for b in range(partial.shape[1]):
             lanes = _fma(scale[:, b, None], partial[:, b], lanes)
-            if fmt == "q4_1":
-                lanes = _fma(m_scale[:, b, None], x_sums[None, b], lanes)
+            m_part = _fma(w_m[:, b], x_sums[b], m_part)
         out[t] = ((lanes[:, 0] + lanes[:, 1]) + (lanes[:, 2] + lanes[:, 3])) + \
                  ((lanes[:, 4] + lanes[:, 5]) + (lanes[:, 6] + lanes[:, 7]))
+        if fmt == "q4_1":
+            out[t] += m_part
     return out
 
 
