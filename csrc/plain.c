@@ -66,9 +66,9 @@ void kv_plain_matmul(float *out, const float *x, const float *w, int n_tokens, i
 }
 
 /* NumPy twin: x @ dequantize(w).T (kvlab/weight_formats.py). A matrix stored in fewer bytes
- * (fp16, bf16, Q8_0, Q4_0, Q4_1) is the same product: each row made float32 first, then the same dot
- * products. The fast tier (weight_formats.c) converts in registers instead, and must give
- * these bits. */
+ * (fp16, bf16, Q8_0, Q4_0, Q4_1) is the same product: each row made float32 first, then the
+ * same dot products. The fast tier (weight_formats.c) converts in registers instead, and must
+ * give these bits. */
 void kv_plain_matmul_weights(float *out, const float *x, const uint8_t *w,
                              kv_weight_format format, int n_tokens, int in_dim, int out_dim,
                              float *scratch, int n_threads) {
@@ -143,7 +143,8 @@ void kv_plain_matmul_int8(float *out, const float *x, const uint8_t *w, kv_weigh
                     lanes[m] = multiply_add(scale, (float)partial, lanes[m]);
                 }
                 if (format == KV_WEIGHT_Q4_1)
-                    m_part = multiply_add(half_at(block + 2), x_sums[(size_t)t * n_blocks + b], m_part);
+                    m_part = multiply_add(half_at(block + 2), x_sums[(size_t)t * n_blocks + b],
+                                          m_part);
             }
             float sum = add_lanes(lanes);
             out[(size_t)t * out_dim + o] = format == KV_WEIGHT_Q4_1 ? sum + m_part : sum;

@@ -214,7 +214,8 @@ def matmul_int8(x: np.ndarray, codes: np.ndarray, in_dim: int, fmt: str = "q8_0"
     once per activation block (llama.cpp's Q8_1 idea), summed block after block in a
     running sum of its own (one rounding each) and added to the lanes' total at the end."""
     if fmt not in BLOCK_FORMATS:
-        raise ValueError(f"int8 activations go with {', '.join(BLOCK_FORMATS)} weights, not {fmt!r}")
+        raise ValueError(f"int8 activations go with {', '.join(BLOCK_FORMATS)} weights, "
+                         f"not {fmt!r}")
     check_format(fmt, in_dim)
     w_codes, w_d, w_m = _weight_codes(codes, fmt, in_dim)   # (out, blocks, 32), (out, blocks) x2
     out = np.empty((len(x), codes.shape[0]), dtype=np.float32)

@@ -119,7 +119,8 @@ class Weights:
                 in_dim = weight_formats.logical_shape(getattr(self, name))[-1]
                 weight_formats.check_format(fmt, in_dim)
             except ValueError as exc:
-                hint = " (fp16 or bf16 store any row)" if fmt in weight_formats.BLOCK_FORMATS else ""
+                blocks = fmt in weight_formats.BLOCK_FORMATS
+                hint = " (fp16 or bf16 store any row)" if blocks else ""
                 raise WeightsError(f"weight {name!r} cannot be stored as {fmt}: {exc}{hint}"
                                    ) from None
         done: Dict[int, np.ndarray] = {}
