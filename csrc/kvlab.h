@@ -59,10 +59,20 @@ typedef enum {
     KV_WEIGHT_BF16,   /* the top 16 bits of a float32 */
     KV_WEIGHT_Q8_0,   /* GGUF's Q8_0: blocks of 32 values, each a half scale d and 32 int8
                          codes q, value = d * q; 34 bytes a block, in_dim a multiple of 32 */
+    KV_WEIGHT_Q4_0,   /* GGUF's Q4_0: blocks of 32, a half d, then 16 bytes: byte j holds
+                         value j's 4-bit code in its low nibble, value j + 16's in its high;
+                         value = d * (code - 8); 18 bytes a block */
+    KV_WEIGHT_Q4_1,   /* GGUF's Q4_1: blocks of 32, a half d, a half m, then the same 16
+                         bytes of nibbles; value = d * code + m; 20 bytes a block */
 } kv_weight_format;
+
+#define KV_WEIGHT_LAST KV_WEIGHT_Q4_1   /* the last valid kv_weight_format */
 
 #define KV_Q8_0_BLOCK 32        /* values per Q8_0 block */
 #define KV_Q8_0_BLOCK_BYTES 34  /* its half scale, then its 32 codes */
+#define KV_Q4_BLOCK 32          /* values per Q4_0 or Q4_1 block */
+#define KV_Q4_0_BLOCK_BYTES 18  /* its half d, then 16 bytes of two codes each */
+#define KV_Q4_1_BLOCK_BYTES 20  /* its half d, its half m, then 16 bytes of codes */
 
 /* One weight matrix: rows of kv_weight_row_bytes(format, in_dim) bytes in caller-owned
  * memory (a layer's matrices stacked along a leading n_layers axis). A zeroed format is
@@ -94,15 +104,16 @@ typedef struct {
 typedef struct {
     kv_config config;
     kv_weights weights;
-    int int8_activations;  /* 1: products with Q8_0 matrices quantize the activations to int8
-                              too (kv_weights_matmul_int8, llama.cpp's way: faster, not the
+    int int8_activations;  /* 1: products with Q8_0, Q4_0 and Q4_1 matrices quantize the
+                              activations to int8 too (kv_weights_matmul_int8, llama.cpp's
+                              way: faster, not the
                               float32 product); 0: float32 activations, the product over the
                               dequantized matrix bit for bit */
 } kv_model;
 
 /* Checks that the config's sizes are positive and fit together (n_kv_heads divides
  * n_heads, head_dim even), that no weight pointer is NULL and that each matrix's format
- * suits its rows (Q8_0 needs rows of whole blocks of 32). */
+ * suits its rows (Q8_0, Q4_0 and Q4_1 need rows of whole blocks of 32). */
 kv_status kv_model_check(const kv_model *model);
 
 /* Bytes of one row of in_dim values in a format; 0 if in_dim does not suit it. */
@@ -113,12 +124,12 @@ size_t kv_weight_row_bytes(kv_weight_format format, int in_dim);
  * projections will do with weights in that format, for tests and benchmarks. */
 kv_status kv_weights_matmul(float *out, const float *x, const uint8_t *w,
                             kv_weight_format format, int n_tokens, int in_dim, int out_dim);
-/* The same product for Q8_0 weights with the activations quantized to int8 per block of 32
- * (float32 scales) and integer dot products, as llama.cpp does: not the float32 product, x
- * is rounded too (kvlab.weight_formats.matmul_int8 is its NumPy twin). Every int8 weight
- * code works, -128 too. */
-kv_status kv_weights_matmul_int8(float *out, const float *x, const uint8_t *w, int n_tokens,
-                                 int in_dim, int out_dim);
+/* The same product for Q8_0, Q4_0 or Q4_1 weights with the activations quantized to int8
+ * per block of 32 (float32 scales) and integer dot products, as llama.cpp does: not the
+ * float32 product, x is rounded too (kvlab.weight_formats.matmul_int8 is its NumPy twin).
+ * Every weight code works, Q8_0's -128 too. KV_ERR_INVALID_ARG for any other format. */
+kv_status kv_weights_matmul_int8(float *out, const float *x, const uint8_t *w,
+                                 kv_weight_format format, int n_tokens, int in_dim, int out_dim);
 
 /* ---- how a cache stores K and V --------------------------------------------------- */
 

@@ -70,7 +70,7 @@ kv_status kv_model_check(const kv_model *model) {
                            c->dim, c->dim};
     for (size_t i = 0; i < sizeof matrices / sizeof matrices[0]; i++)
         if (matrices[i]->data == NULL || (int)matrices[i]->format < KV_WEIGHT_F32 ||
-            (int)matrices[i]->format > KV_WEIGHT_Q8_0 ||
+            (int)matrices[i]->format > KV_WEIGHT_LAST ||
             kv_weight_row_bytes(matrices[i]->format, in_dims[i]) == 0)
             return KV_ERR_INVALID_ARG;
     return KV_OK;
@@ -82,12 +82,18 @@ static kv_matrix nth_matrix(kv_matrix stack, int index, size_t n_rows, int in_di
     return (kv_matrix){(const uint8_t *)stack.data + (size_t)index * bytes, stack.format};
 }
 
-/* Does any matrix of the model have `format`? */
-static int has_format(const kv_weights *w, kv_weight_format format) {
+/* Does any matrix of the model take the int8 path (int8 = 1: a block format with
+ * int8_activations), or need rows made float32 in scratch (int8 = 0: any other format but
+ * float32)? */
+static int has_matrix_for(const kv_model *m, int int8) {
+    const kv_weights *w = &m->weights;
     const kv_matrix *matrices[] = {&w->wq, &w->wk, &w->wv, &w->wo, &w->w1, &w->w2, &w->w3,
                                    &w->classifier};
-    for (size_t i = 0; i < sizeof matrices / sizeof matrices[0]; i++)
-        if (matrices[i]->format == format) return 1;
+    for (size_t i = 0; i < sizeof matrices / sizeof matrices[0]; i++) {
+        kv_weight_format f = matrices[i]->format;
+        int takes_int8 = kv_weight_takes_int8(f) && m->int8_activations;
+        if (int8 ? takes_int8 : f != KV_WEIGHT_F32 && !takes_int8) return 1;
+    }
     return 0;
 }
 
@@ -122,12 +128,12 @@ typedef struct {
     int n_threads;    /* threads of this call's attention loops (one scores row each) and of
                          products over weight_rows (four rows each) */
     kv_kernels kernels;    /* the tier of kernels the whole call runs on */
-    int int8_activations;  /* the model's: products with Q8_0 matrices quantize x too */
+    int int8_activations;  /* the model's: products with Q8_0, Q4_0, Q4_1 matrices quantize x too */
     float *weight_rows;    /* rows of a matrix stored in fewer bytes, made float32 (four
                               rows of the widest input for each of n_threads); NULL if all
                               are float32 */
-    float *x_scales;       /* (n_tokens, widest input / 32) and ... */
-    int8_t *x_codes;       /* (n_tokens, widest input) activations as int8, for Q8_0
+    float *x_scales;       /* (2, n_tokens, widest input / 32): scales and d_x * code sums */
+    int8_t *x_codes;       /* (n_tokens, widest input) activations as int8, for block-format
                               products with int8_activations; NULL otherwise */
     float *block;     /* the single allocation all of the above point into */
     int n_runs;
@@ -161,16 +167,13 @@ static kv_status run_state_alloc(run_state *s, const kv_model *m, int n_tokens, 
     s->int8_activations = m->int8_activations;
     int widest = c->dim > c->hidden_dim ? c->dim : c->hidden_dim;
     if ((int)q_dim > widest) widest = (int)q_dim;
-    int converted = has_format(&m->weights, KV_WEIGHT_F16) ||
-                    has_format(&m->weights, KV_WEIGHT_BF16) ||
-                    (has_format(&m->weights, KV_WEIGHT_Q8_0) && !m->int8_activations);
-    int int8 = has_format(&m->weights, KV_WEIGHT_Q8_0) && m->int8_activations;
+    int converted = has_matrix_for(m, 0), int8 = has_matrix_for(m, 1);
     float *x_codes_floats = NULL;   /* the int8 codes, in float-sized slots */
     size_t sizes[] = {T * c->dim, T * c->dim, T * q_dim, T * kv_dim, T * kv_dim, T * q_dim,
                       T * c->dim, T * c->hidden_dim, T * c->hidden_dim, T * half, T * half,
                       (size_t)s->n_threads * s->score_stride,
                       converted ? kv_weights_scratch_floats(widest, s->n_threads) : 0,
-                      int8 ? T * (size_t)(widest / KV_Q8_0_BLOCK) : 0,
+                      int8 ? 2 * T * (size_t)(widest / KV_Q8_0_BLOCK) : 0,
                       int8 ? (T * (size_t)widest + 3) / 4 : 0};
     float **slots[] = {&s->x, &s->xb, &s->q, &s->k, &s->v, &s->att_out, &s->proj, &s->hb,
                        &s->hb2, &s->rope_cos, &s->rope_sin, &s->scores, &s->weight_rows,
@@ -257,9 +260,13 @@ static void add_rows(float *x, const float *delta, size_t count) {
 static void project_formatted(const run_state *s, float *out, const float *x, kv_matrix w,
                               int n_tokens, int in_dim, int out_dim) {
     int plain = s->kernels == KV_KERNELS_PLAIN;
-    if (w.format == KV_WEIGHT_Q8_0 && s->int8_activations) {
-        if (plain) kv_plain_matmul_int8(out, x, w.data, n_tokens, in_dim, out_dim, s->x_scales, s->x_codes);
-        else kv_matmul_int8(out, x, w.data, n_tokens, in_dim, out_dim, s->x_scales, s->x_codes);
+    if (kv_weight_takes_int8(w.format) && s->int8_activations) {
+        if (plain)
+            kv_plain_matmul_int8(out, x, w.data, w.format, n_tokens, in_dim, out_dim, s->x_scales,
+                                 s->x_codes);
+        else
+            kv_matmul_int8(out, x, w.data, w.format, n_tokens, in_dim, out_dim, s->x_scales,
+                           s->x_codes);
     } else if (plain) {
         kv_plain_matmul_weights(out, x, w.data, w.format, n_tokens, in_dim, out_dim,
                                 s->weight_rows, s->n_threads);

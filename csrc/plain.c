@@ -66,9 +66,9 @@ void kv_plain_matmul(float *out, const float *x, const float *w, int n_tokens, i
 }
 
 /* NumPy twin: x @ dequantize(w).T (kvlab/weight_formats.py). A matrix stored in fewer bytes
- * (fp16, bf16, Q8_0) is the same product: each row made float32 first, then the same dot
- * products. The fast tier (weight_formats.c) converts in registers instead, and must give
- * these bits. */
+ * (fp16, bf16, Q8_0, Q4_0, Q4_1) is the same product: each row made float32 first, then the
+ * same dot products. The fast tier (weight_formats.c) converts in registers instead, and must
+ * give these bits. */
 void kv_plain_matmul_weights(float *out, const float *x, const uint8_t *w,
                              kv_weight_format format, int n_tokens, int in_dim, int out_dim,
                              float *scratch, int n_threads) {
@@ -85,44 +85,69 @@ void kv_plain_matmul_weights(float *out, const float *x, const uint8_t *w,
     }
 }
 
-/* Q8_0 weights against activations quantized to int8 per block of 32 (the other way to
- * use Q8_0: integer products, as llama.cpp does). Not the float32 product of the dequantized
- * matrix: x is rounded too. The order is the spec the fast tier (weight_formats.c) keeps:
- * lane m of eight sums, in each block, the four products of weights 4m .. 4m + 3 as an
- * exact integer, then adds it times the two scales; the lanes are added pairwise. NumPy
- * twin: kvlab.weight_formats.matmul_int8. */
-void kv_plain_matmul_int8(float *out, const float *x, const uint8_t *w, int n_tokens,
-                          int in_dim, int out_dim, float *x_scales, int8_t *x_codes) {
-    // out (n_tokens, out_dim), x (n_tokens, in_dim), w (out_dim, Q8_0 row bytes),
-    // x_scales (n_tokens, in_dim / 32) and x_codes (n_tokens, in_dim): x quantized here
-    int n_blocks = in_dim / KV_Q8_0_BLOCK;
-    size_t row_bytes = kv_weight_row_bytes(KV_WEIGHT_Q8_0, in_dim);
+/* A half at bytes, as a float (exact) */
+static float half_at(const uint8_t *bytes) {
+    uint16_t half;
+    float value;
+    memcpy(&half, bytes, sizeof half);
+    kv_dequantize_f16(&value, &half, 1);
+    return value;
+}
+
+/* The integer code of value i (0 .. 31) of a block of Q8_0, Q4_0 or Q4_1 weights, `codes`
+ * its code bytes: the weight is d * code (Q8_0, Q4_0) or d * code + m (Q4_1). */
+static int32_t weight_code(kv_weight_format format, const uint8_t *codes, int i) {
+    if (format == KV_WEIGHT_Q8_0) return (int8_t)codes[i];
+    if (format == KV_WEIGHT_Q4_0) return kv_q4_code(codes, i) - 8;
+    return kv_q4_code(codes, i);   /* Q4_1: 0 .. 15, the block's min m added apart */
+}
+
+/* Q8_0, Q4_0 or Q4_1 weights against activations quantized to int8 per block of 32 (the
+ * other way to use them: integer products, as llama.cpp does). Not the float32 product of
+ * the dequantized matrix: x is rounded too. The order is the spec the fast tier
+ * (weight_formats.c) keeps: lane m of eight takes, in each block, the exact integer sum of
+ * the four products code * x_code of values 4m .. 4m + 3, times d_w * d_x (one rounding);
+ * the lanes are added pairwise. Q4_1's weight is d_w * code + m_w: its m part comes to
+ * m_w times the block's d_x * (sum of its 32 x codes), computed once per activation block
+ * (llama.cpp's Q8_1 idea), and these are summed block after block in a running sum of
+ * their own (one rounding each), added to the lanes' total at the end. NumPy twin:
+ * kvlab.weight_formats.matmul_int8. */
+void kv_plain_matmul_int8(float *out, const float *x, const uint8_t *w, kv_weight_format format,
+                          int n_tokens, int in_dim, int out_dim, float *x_scales,
+                          int8_t *x_codes) {
+    // out (n_tokens, out_dim), x (n_tokens, in_dim), w (out_dim, row bytes),
+    // x_scales (2, n_tokens, in_dim / 32): each block's scale d_x, then its d_x * sum of codes;
+    // x_codes (n_tokens, in_dim): x quantized here
+    int n_blocks = in_dim / 32;
+    size_t row_bytes = kv_weight_row_bytes(format, in_dim);
+    size_t block_bytes = kv_weight_block_bytes(format);
+    int header = format == KV_WEIGHT_Q4_1 ? 4 : 2;   /* d, and Q4_1's m, before the codes */
+    float *x_sums = x_scales + (size_t)n_tokens * n_blocks;
     for (int t = 0; t < n_tokens; t++)
         kv_quantize_activations_q8(x + (size_t)t * in_dim, in_dim, x_scales + (size_t)t * n_blocks,
-                                   x_codes + (size_t)t * in_dim);
+                                   x_codes + (size_t)t * in_dim, x_sums + (size_t)t * n_blocks);
     #pragma omp parallel for num_threads(kv_threads()) \
         if ((long)n_tokens * out_dim * in_dim >= KV_PARALLEL_MIN_WORK)
     for (int o = 0; o < out_dim; o++) {
         const uint8_t *row = w + (size_t)o * row_bytes;
         for (int t = 0; t < n_tokens; t++) {
             const int8_t *xq = x_codes + (size_t)t * in_dim;
-            float lanes[8] = {0};
+            float lanes[8] = {0}, m_part = 0.0f;
             for (int b = 0; b < n_blocks; b++) {
-                const uint8_t *block = row + (size_t)b * KV_Q8_0_BLOCK_BYTES;
-                uint16_t half;
-                float w_scale;
-                memcpy(&half, block, sizeof half);
-                kv_dequantize_f16(&w_scale, &half, 1);
-                float scale = w_scale * x_scales[(size_t)t * n_blocks + b];
-                const int8_t *wq = (const int8_t *)(block + 2);
+                const uint8_t *block = row + (size_t)b * block_bytes;
+                float scale = half_at(block) * x_scales[(size_t)t * n_blocks + b];
                 for (int m = 0; m < 8; m++) {
                     int32_t partial = 0;
                     for (int i = 4 * m; i < 4 * m + 4; i++)
-                        partial += (int32_t)wq[i] * xq[b * KV_Q8_0_BLOCK + i];
+                        partial += weight_code(format, block + header, i) * xq[b * 32 + i];
                     lanes[m] = multiply_add(scale, (float)partial, lanes[m]);
                 }
+                if (format == KV_WEIGHT_Q4_1)
+                    m_part = multiply_add(half_at(block + 2), x_sums[(size_t)t * n_blocks + b],
+                                          m_part);
             }
-            out[(size_t)t * out_dim + o] = add_lanes(lanes);
+            float sum = add_lanes(lanes);
+            out[(size_t)t * out_dim + o] = format == KV_WEIGHT_Q4_1 ? sum + m_part : sum;
         }
     }
 }

@@ -25,10 +25,12 @@ void kv_plain_matmul_weights(float *out, const float *x, const uint8_t *w,
                              kv_weight_format format, int n_tokens, int in_dim, int out_dim,
                              float *scratch, int n_threads);
 
-/* Q8_0 weights against x quantized to int8 per block of 32 (into x_scales, x_codes): integer
- * dot products, in the order plain.c states */
-void kv_plain_matmul_int8(float *out, const float *x, const uint8_t *w, int n_tokens,
-                          int in_dim, int out_dim, float *x_scales, int8_t *x_codes);
+/* Q8_0, Q4_0 or Q4_1 weights against x quantized to int8 per block of 32 (into x_scales,
+ * (2, n_tokens, in_dim / 32): scales, then scales times the blocks' sums of codes; and
+ * x_codes): integer dot products, in the order plain.c states */
+void kv_plain_matmul_int8(float *out, const float *x, const uint8_t *w, kv_weight_format format,
+                          int n_tokens, int in_dim, int out_dim, float *x_scales,
+                          int8_t *x_codes);
 
 /* out (n_tokens, out_dim) = x (n_tokens, in_dim) . w (out_dim, in_dim)^T */
 void kv_plain_matmul(float *out, const float *x, const float *w, int n_tokens, int in_dim,

@@ -201,9 +201,20 @@ size_t kv_weight_row_bytes(kv_weight_format format, int in_dim) {
     case KV_WEIGHT_F16:
     case KV_WEIGHT_BF16: return (size_t)in_dim * 2;
     case KV_WEIGHT_Q8_0:
-        return in_dim % KV_Q8_0_BLOCK ? 0 : (size_t)(in_dim / KV_Q8_0_BLOCK) * KV_Q8_0_BLOCK_BYTES;
+    case KV_WEIGHT_Q4_0:
+    case KV_WEIGHT_Q4_1:   /* whole blocks of 32 only */
+        return in_dim % 32 ? 0 : (size_t)(in_dim / 32) * kv_weight_block_bytes(format);
     }
     return 0;
+}
+
+size_t kv_weight_block_bytes(kv_weight_format format) {
+    switch (format) {
+    case KV_WEIGHT_Q8_0: return KV_Q8_0_BLOCK_BYTES;
+    case KV_WEIGHT_Q4_0: return KV_Q4_0_BLOCK_BYTES;
+    case KV_WEIGHT_Q4_1: return KV_Q4_1_BLOCK_BYTES;
+    default: return 0;
+    }
 }
 
 static float half_at(const uint8_t *bytes) {
@@ -237,10 +248,29 @@ void kv_weight_row_dequantize(kv_weight_format format, const uint8_t *row, int i
             for (int i = 0; i < KV_Q8_0_BLOCK; i++) out[b * KV_Q8_0_BLOCK + i] = scale * (float)codes[i];
         }
         return;
+    case KV_WEIGHT_Q4_0:
+        for (int b = 0; b < in_dim / KV_Q4_BLOCK; b++) {
+            const uint8_t *block = row + (size_t)b * KV_Q4_0_BLOCK_BYTES;
+            float d = half_at(block);
+            for (int i = 0; i < KV_Q4_BLOCK; i++)   /* exact: 11 bits times 4 */
+                out[b * KV_Q4_BLOCK + i] = d * (float)(kv_q4_code(block + 2, i) - 8);
+        }
+        return;
+    case KV_WEIGHT_Q4_1:
+        for (int b = 0; b < in_dim / KV_Q4_BLOCK; b++) {
+            const uint8_t *block = row + (size_t)b * KV_Q4_1_BLOCK_BYTES;
+            float d = half_at(block), m = half_at(block + 2);
+            /* d * code is exact (11 bits times 4), so the one rounding is the add's, fused
+             * multiply-add or not */
+            for (int i = 0; i < KV_Q4_BLOCK; i++)
+                out[b * KV_Q4_BLOCK + i] = d * (float)kv_q4_code(block + 4, i) + m;
+        }
+        return;
     }
 }
 
-void kv_quantize_activations_q8(const float *x, int in_dim, float *scales, int8_t *codes) {
+void kv_quantize_activations_q8(const float *x, int in_dim, float *scales, int8_t *codes,
+                                float *sums) {
     for (int b = 0; b < in_dim / KV_Q8_0_BLOCK; b++) {
         const float *block = x + b * KV_Q8_0_BLOCK;
         float amax = 0.0f;
@@ -250,7 +280,11 @@ void kv_quantize_activations_q8(const float *x, int in_dim, float *scales, int8_
         }
         float scale = amax / 127.0f, inverse = scale > 0.0f ? 1.0f / scale : 0.0f;
         scales[b] = scale;
-        for (int i = 0; i < KV_Q8_0_BLOCK; i++)
+        int32_t sum = 0;
+        for (int i = 0; i < KV_Q8_0_BLOCK; i++) {
             codes[b * KV_Q8_0_BLOCK + i] = (int8_t)roundf(block[i] * inverse);
+            sum += codes[b * KV_Q8_0_BLOCK + i];
+        }
+        sums[b] = scale * (float)sum;
     }
 }

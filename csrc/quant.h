@@ -44,9 +44,27 @@ void kv_dequantize_fp8(float *x, const uint8_t *codes, const float *scales, size
 void kv_weight_row_dequantize(kv_weight_format format, const uint8_t *row, int in_dim,
                               float *out);
 
+/* Bytes of one block of 32 values of a block format (Q8_0, Q4_0, Q4_1); 0 for the others. */
+size_t kv_weight_block_bytes(kv_weight_format format);
+
+/* Does a product with a matrix in this format take int8 activations (a model's
+ * int8_activations)? The block formats do: Q8_0, Q4_0, Q4_1. */
+static inline int kv_weight_takes_int8(kv_weight_format format) {
+    return format == KV_WEIGHT_Q8_0 || format == KV_WEIGHT_Q4_0 || format == KV_WEIGHT_Q4_1;
+}
+
+/* The 4-bit code of value i (0 .. 31) of a Q4_0 or Q4_1 block's 16 code bytes: the low
+ * nibble of byte i for the first 16, the high nibble of byte i - 16 for the others. */
+static inline int kv_q4_code(const uint8_t *codes, int i) {
+    return i < 16 ? codes[i] & 0x0F : codes[i - 16] >> 4;
+}
+
 /* A row of activations (in_dim, a multiple of 32) as Q8_0 blocks for the integer dot
  * products of kv_weights_matmul_int8: per block of 32 a float32 scale amax / 127 and codes
- * roundf(x / scale), as ggml quantizes (its scale is a half; this one stays float32). */
-void kv_quantize_activations_q8(const float *x, int in_dim, float *scales, int8_t *codes);
+ * roundf(x / scale), as ggml quantizes (its scale is a half; this one stays float32); and
+ * sums (in_dim / 32,): each block's scale times the exact sum of its codes, the part of a
+ * Q4_1 product that the block's m multiplies (llama.cpp's Q8_1 keeps it the same way). */
+void kv_quantize_activations_q8(const float *x, int in_dim, float *scales, int8_t *codes,
+                                float *sums);
 
 #endif /* KVLAB_QUANT_H */

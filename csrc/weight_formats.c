@@ -1,8 +1,10 @@
-/* weight_formats.c: weight matrices in fp16, bf16 and Q8_0, and the fast tier of the
- * matrix product over them.
+/* weight_formats.c: weight matrices in fp16, bf16, Q8_0, Q4_0 and Q4_1, and the fast tier
+ * of the matrix product over them.
  *
  * Each weight becomes its float32 value in a register (a half or bf16 widened, a Q8_0 code
- * times its block's scale, which is exact: 8 bits times 11 fit float32's 24) and meets the
+ * times its block's scale, which is exact: 8 bits times 11 fit float32's 24; a Q4_0 code
+ * minus 8 times d, exact too; a Q4_1 code times d plus m, whose one rounding is the add's,
+ * as in kv_weight_row_dequantize) and meets the
  * activations in kv_dot's order: eight running lanes of multiply-adds over chunks of eight,
  * the lanes added pairwise, leftovers in order. So the result is the float32 product over
  * the dequantized matrix, bit for bit (plain.c's kv_plain_matmul_weights is the spec).
@@ -57,7 +59,7 @@ static ALWAYS_INLINE v8f halves_to_floats(const uint8_t *bytes, int bf16) {
     return out;
 }
 
-/* a Q8_0 block's scale, a half, as a float */
+/* a block's scale d (or Q4_1's m, at block + 2), a half, as a float */
 static ALWAYS_INLINE float block_scale(const uint8_t *block) {
 #ifdef __F16C__
     uint16_t code;
@@ -72,20 +74,50 @@ static ALWAYS_INLINE float block_scale(const uint8_t *block) {
 #endif
 }
 
-/* A row of a matrix in a 16-bit or Q8_0 format against x, in kv_dot's order (eight lanes
+/* eight 4-bit codes as floats (exact): the low nibbles of bytes[0 .. 7], or their high
+ * nibbles (high = 1) */
+static ALWAYS_INLINE v8f nibbles_to_floats(const uint8_t *bytes, int high) {
+#ifdef __AVX2__
+    __m256i wide = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)bytes));
+    wide = high ? _mm256_srli_epi32(wide, 4) : _mm256_and_si256(wide, _mm256_set1_epi32(0x0F));
+    return (v8f)_mm256_cvtepi32_ps(wide);
+#else
+    v8f out;
+    for (int j = 0; j < 8; j++) out[j] = (float)(high ? bytes[j] >> 4 : bytes[j] & 0x0F);
+    return out;
+#endif
+}
+
+/* The 32 float32 values of a Q8_0, Q4_0 or Q4_1 block, eight to a vector, equal to
+ * kv_weight_row_dequantize's. A Q4 block's values 0 .. 15 are its bytes' low nibbles,
+ * 16 .. 31 their high nibbles. */
+static ALWAYS_INLINE void block_to_floats(const uint8_t *block, kv_weight_format format,
+                                          v8f out[4]) {
+    v8f d = splat(block_scale(block));
+    if (format == KV_WEIGHT_Q8_0) {
+        for (int j = 0; j < 4; j++) out[j] = int8_to_floats((const int8_t *)block + 2 + 8 * j) * d;
+        return;
+    }
+    const uint8_t *codes = block + (format == KV_WEIGHT_Q4_1 ? 4 : 2);
+    for (int j = 0; j < 4; j++) {
+        v8f code = nibbles_to_floats(codes + 8 * (j & 1), j >> 1);
+        if (format == KV_WEIGHT_Q4_0) out[j] = (code - splat(8.0f)) * d;   /* both exact */
+        else out[j] = madd(code, d, splat(block_scale(block + 2)));   /* code * d exact */
+    }
+}
+
+/* A row of a matrix in a 16-bit or block format against x, in kv_dot's order (eight lanes
  * of multiply-adds, added pairwise, leftovers in order), each weight made float32 on the
  * way. (Four rows at a time, sharing each chunk of x, measured slower here: 0.97-1.09x of
  * fp32 against 1.7-1.9x for this, benchmarks/bench_weights.py.) */
 static float dot_row(const uint8_t *row, kv_weight_format format, const float *x, int in_dim) {
     v8f acc = {0};
-    if (format == KV_WEIGHT_Q8_0) {
-        for (int b = 0; b < in_dim / KV_Q8_0_BLOCK; b++) {
-            const uint8_t *block = row + (size_t)b * KV_Q8_0_BLOCK_BYTES;
-            v8f scale = splat(block_scale(block));
-            const int8_t *codes = (const int8_t *)(block + 2);
-            const float *xb = x + b * KV_Q8_0_BLOCK;
-            for (int j = 0; j < KV_Q8_0_BLOCK; j += 8)
-                acc = madd(int8_to_floats(codes + j) * scale, load8(xb + j), acc);
+    if (kv_weight_takes_int8(format)) {    /* a block format */
+        size_t block_bytes = kv_weight_block_bytes(format);
+        for (int b = 0; b < in_dim / 32; b++) {
+            v8f values[4];
+            block_to_floats(row + (size_t)b * block_bytes, format, values);
+            for (int j = 0; j < 4; j++) acc = madd(values[j], load8(x + 32 * b + 8 * j), acc);
         }
         return reduce_lanes(acc);            /* in_dim is a multiple of 32: no leftovers */
     }
@@ -108,19 +140,21 @@ static float dot_row(const uint8_t *row, kv_weight_format format, const float *x
 static void dot_rows4(const uint8_t *const rows[4], kv_weight_format format, const float *x,
                       int in_dim, float out[4]) {
     v8f a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
-    if (format == KV_WEIGHT_Q8_0) {
-        for (int b = 0; b < in_dim / KV_Q8_0_BLOCK; b++) {
-            size_t at = (size_t)b * KV_Q8_0_BLOCK_BYTES;
-            v8f s0 = splat(block_scale(rows[0] + at)), s1 = splat(block_scale(rows[1] + at));
-            v8f s2 = splat(block_scale(rows[2] + at)), s3 = splat(block_scale(rows[3] + at));
-            const float *xb = x + b * KV_Q8_0_BLOCK;
-            for (int j = 0; j < KV_Q8_0_BLOCK; j += 8) {
-                v8f xv = load8(xb + j);
-                size_t c = at + 2 + (size_t)j;
-                a0 = madd(int8_to_floats((const int8_t *)rows[0] + c) * s0, xv, a0);
-                a1 = madd(int8_to_floats((const int8_t *)rows[1] + c) * s1, xv, a1);
-                a2 = madd(int8_to_floats((const int8_t *)rows[2] + c) * s2, xv, a2);
-                a3 = madd(int8_to_floats((const int8_t *)rows[3] + c) * s3, xv, a3);
+    if (kv_weight_takes_int8(format)) {    /* a block format */
+        size_t block_bytes = kv_weight_block_bytes(format);
+        for (int b = 0; b < in_dim / 32; b++) {
+            size_t at = (size_t)b * block_bytes;
+            v8f xv[4], v0[4], v1[4], v2[4], v3[4];
+            for (int j = 0; j < 4; j++) xv[j] = load8(x + 32 * b + 8 * j);
+            block_to_floats(rows[0] + at, format, v0);
+            block_to_floats(rows[1] + at, format, v1);
+            block_to_floats(rows[2] + at, format, v2);
+            block_to_floats(rows[3] + at, format, v3);
+            for (int j = 0; j < 4; j++) {
+                a0 = madd(v0[j], xv[j], a0);
+                a1 = madd(v1[j], xv[j], a1);
+                a2 = madd(v2[j], xv[j], a2);
+                a3 = madd(v3[j], xv[j], a3);
             }
         }
         v4f sums = reduce_lanes4(a0, a1, a2, a3);    /* no leftovers: whole blocks */
@@ -173,14 +207,12 @@ static void rows_streamed(float *out, const float *x, const uint8_t *w, kv_weigh
 
 /* A row's float32 values (exact, as kv_weight_row_dequantize), eight at a time */
 static void convert_row(kv_weight_format format, const uint8_t *row, int in_dim, float *out) {
-    if (format == KV_WEIGHT_Q8_0) {
-        for (int b = 0; b < in_dim / KV_Q8_0_BLOCK; b++) {
-            const uint8_t *block = row + (size_t)b * KV_Q8_0_BLOCK_BYTES;
-            v8f scale = splat(block_scale(block));
-            for (int j = 0; j < KV_Q8_0_BLOCK; j += 8) {
-                v8f values = int8_to_floats((const int8_t *)block + 2 + j) * scale;
-                memcpy(out + b * KV_Q8_0_BLOCK + j, &values, sizeof values);
-            }
+    if (kv_weight_takes_int8(format)) {    /* a block format */
+        size_t block_bytes = kv_weight_block_bytes(format);
+        for (int b = 0; b < in_dim / 32; b++) {
+            v8f values[4];
+            block_to_floats(row + (size_t)b * block_bytes, format, values);
+            memcpy(out + 32 * b, values, sizeof values);
         }
         return;
     }
@@ -246,7 +278,7 @@ void kv_matmul_weights(float *out, const float *x, const uint8_t *w, kv_weight_f
 kv_status kv_weights_matmul(float *out, const float *x, const uint8_t *w,
                             kv_weight_format format, int n_tokens, int in_dim, int out_dim) {
     if (out == NULL || x == NULL || w == NULL || n_tokens <= 0 || out_dim <= 0 ||
-        (int)format < KV_WEIGHT_F32 || (int)format > KV_WEIGHT_Q8_0 ||
+        (int)format < KV_WEIGHT_F32 || (int)format > KV_WEIGHT_LAST ||
         kv_weight_row_bytes(format, in_dim) == 0)
         return KV_ERR_INVALID_ARG;
     int n_threads = kv_threads();
@@ -260,163 +292,334 @@ kv_status kv_weights_matmul(float *out, const float *x, const uint8_t *w,
     return KV_OK;
 }
 
-/* ---- Q8_0 against int8 activations ------------------------------------------------------ */
+/* ---- Q8_0, Q4_0 and Q4_1 against int8 activations -------------------------------------- */
+
+/* What one block of a token's quantized activations brings to every row's block: its 32
+ * codes, its scale d_x, and what the Q4 formats need besides (made once per token and
+ * block, shared by the four rows of a step). */
+typedef struct {
+#ifdef __AVX2__
+    __m256i codes;       /* (32,) int8 */
+    __m256i sums4x8;     /* (8,) int32: 8 times codes 4m .. 4m + 3 summed (Q4_0's "- 8") */
+    __m128 scale_sum;    /* (d_x, d_x * sum of the 32 codes, 0, 0) (Q4_1) */
+#else
+    const int8_t *codes;
+    float sum;           /* d_x * sum of the 32 codes (Q4_1) */
+#endif
+    float scale;
+} x_block;
+
+/* One block of a weight row: its scale d and its codes (a Q4 block's unpacked, one to a
+ * byte, in value order); Q4_1's d and m side by side (d, m, 0, 0). Made once per row and
+ * block, shared by the step's tokens. */
+typedef struct {
+#ifdef __AVX2__
+    __m256i codes;       /* (32,) Q8_0: int8; Q4: 0 .. 15 */
+    __m128 d_m;          /* (d, m, 0, 0) (Q4_1) */
+#else
+    const uint8_t *codes;
+    float m;
+#endif
+    float d;
+} w_block;
 
 #ifdef __AVX2__
-/* The eight exact sums w[4m] x[4m] + ... + w[4m + 3] x[4m + 3] of 32 int8 pairs: |w| times
- * x with w's sign, as unsigned by signed bytes (the instructions' operand kinds). With
- * AVX-512 VNNI one instruction adds the four products; otherwise maddubs adds them in pairs
- * (at most 2 x 128 x 127, below int16's limit, so never saturated) and madd adds the pairs:
- * the same integers either way. */
-static ALWAYS_INLINE __m256i sums_of_four(__m256i w, __m256i x, __m256i ones) {
-    __m256i magnitude = _mm256_sign_epi8(w, w), signed_x = _mm256_sign_epi8(x, w);
+/* The eight exact sums u[4m] s[4m] + ... + u[4m + 3] s[4m + 3] of 32 pairs of an unsigned
+ * byte u by a signed byte s (the instructions' operand kinds). With AVX-512 VNNI one
+ * instruction adds the four products; otherwise maddubs adds them in pairs and madd adds
+ * the pairs: the same integers either way, as long as a pair stays below int16's limit
+ * (every caller's does: at most 2 x 128 x 127). */
+static ALWAYS_INLINE __m256i sums_of_four_unsigned(__m256i u, __m256i s) {
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-    (void)ones;
-    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), magnitude, signed_x);
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
 #else
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, signed_x), ones);
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+#endif
+}
+
+/* The same for two signed bytes w and x: |w| times x with w's sign */
+static ALWAYS_INLINE __m256i sums_of_four(__m256i w, __m256i x) {
+    return sums_of_four_unsigned(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
+}
+
+/* A Q4 block's 16 code bytes as its 32 codes in value order, one a byte: the low nibbles
+ * (values 0 .. 15) in the low half of the register, the high nibbles (16 .. 31) above. The
+ * 16 bytes are loaded into both halves and the upper half shifted right by 4 (a shift of
+ * 32-bit lanes: what crosses into a byte from its neighbour is masked off with the rest). */
+static ALWAYS_INLINE __m256i unpack_nibbles(const uint8_t *bytes) {
+    __m256i both = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)bytes));
+    __m256i shifted = _mm256_srlv_epi32(both, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4));
+    return _mm256_and_si256(shifted, _mm256_set1_epi8(0x0F));
+}
+
+/* acc + a * b on four floats, rounded as madd rounds */
+static ALWAYS_INLINE __m128 madd4(__m128 a, __m128 b, __m128 acc) {
+#ifdef __FMA__
+    return _mm_fmadd_ps(a, b, acc);
+#else
+    return _mm_add_ps(acc, _mm_mul_ps(a, b));
+#endif
+}
+#else
+/* acc + a * b, rounded as madd rounds */
+static ALWAYS_INLINE float madd1(float a, float b, float acc) {
+#ifdef __FMA__
+    return fmaf(a, b, acc);
+#else
+    return acc + a * b;
 #endif
 }
 #endif
 
-/* One Q8_0 row against a token's quantized activations, in kv_plain_matmul_int8's order:
- * per block, the products of 32 byte pairs summed four at a time as exact integers
- * (sums_of_four), made float and added times the two scales into eight lanes. */
-static float dot_row_int8(const uint8_t *row, const float *x_scales, const int8_t *x_codes,
-                          int n_blocks) {
-    v8f acc = {0};
-    for (int b = 0; b < n_blocks; b++) {
-        const uint8_t *block = row + (size_t)b * KV_Q8_0_BLOCK_BYTES;
-        v8f scale = splat(block_scale(block) * x_scales[b]);
-        const int8_t *wq = (const int8_t *)(block + 2), *xq = x_codes + b * KV_Q8_0_BLOCK;
-        v8f partial;
+static ALWAYS_INLINE x_block load_x_block(const int8_t *codes, float scale, float sum,
+                                          kv_weight_format format) {
+    x_block xb;
+    xb.scale = scale;
 #ifdef __AVX2__
-        __m256i wv = _mm256_loadu_si256((const __m256i *)wq);
-        __m256i xv = _mm256_loadu_si256((const __m256i *)xq);
-        partial = (v8f)_mm256_cvtepi32_ps(sums_of_four(wv, xv, _mm256_set1_epi16(1)));
+    xb.codes = _mm256_loadu_si256((const __m256i *)codes);
+    if (format == KV_WEIGHT_Q4_0)
+        xb.sums4x8 = _mm256_slli_epi32(sums_of_four_unsigned(_mm256_set1_epi8(1), xb.codes), 3);
+    if (format == KV_WEIGHT_Q4_1) xb.scale_sum = _mm_setr_ps(scale, sum, 0.0f, 0.0f);
 #else
-        for (int m = 0; m < 8; m++) {
-            int32_t sum = 0;
-            for (int i = 4 * m; i < 4 * m + 4; i++) sum += (int32_t)wq[i] * xq[i];
-            partial[m] = (float)sum;
-        }
+    xb.codes = codes;
+    xb.sum = sum;
 #endif
-        acc = madd(scale, partial, acc);
+    return xb;
+}
+
+static ALWAYS_INLINE w_block load_w_block(const uint8_t *block, kv_weight_format format) {
+    w_block wb;
+#ifdef __AVX2__
+    if (format == KV_WEIGHT_Q4_1) {   /* d and m converted by one instruction */
+        uint32_t d_m;
+        memcpy(&d_m, block, sizeof d_m);
+        wb.d_m = _mm_cvtph_ps(_mm_cvtsi32_si128((int)d_m));
+        wb.d = _mm_cvtss_f32(wb.d_m);
+    } else {
+        wb.d = block_scale(block);
     }
-    return reduce_lanes(acc);
+    const uint8_t *codes = block + (format == KV_WEIGHT_Q4_1 ? 4 : 2);
+    wb.codes = format == KV_WEIGHT_Q8_0 ? _mm256_loadu_si256((const __m256i *)codes)
+                                        : unpack_nibbles(codes);
+#else
+    wb.d = block_scale(block);
+    wb.m = format == KV_WEIGHT_Q4_1 ? block_scale(block + 2) : 0.0f;
+    wb.codes = block + (format == KV_WEIGHT_Q4_1 ? 4 : 2);
+#endif
+    return wb;
 }
 
-/* Four Q8_0 rows, wherever they lie, against one token's quantized activations: out[r] is
- * row r's dot_row_int8, bit for bit (each row its own eight lanes); the token's codes are
- * loaded once for the four, and four chains of arithmetic run side by side. */
-static void dot_rows4_int8(const uint8_t *const rows[4], const float *x_scales,
-                           const int8_t *x_codes, int n_blocks, float out[4]) {
+/* One row's running sums: eight lanes, and Q4_1's m part (in lane 1 of m_part with
+ * AVX2, where lane 0 gathers d * d_x products nobody reads) */
+typedef struct {
+    v8f lanes;
 #ifdef __AVX2__
-    v8f acc[4] = {{0}, {0}, {0}, {0}};
-    const __m256i ones = _mm256_set1_epi16(1);
+    __m128 m_part;
+#else
+    float m_part;
+#endif
+} row_sums;
+
+/* sums + one weight block against one activation block, in kv_plain_matmul_int8's order:
+ * lane m adds d_w d_x times the exact integer sum of the products of codes 4m .. 4m + 3;
+ * for Q4_1 the m part adds m_w times the block's d_x * sum of x codes. */
+static ALWAYS_INLINE void add_block(row_sums *sums, const w_block *wb, const x_block *xb,
+                                    kv_weight_format format) {
+    v8f partial;
+#ifdef __AVX2__
+    __m256i ints;
+    float scale;
+    if (format == KV_WEIGHT_Q8_0) {
+        ints = sums_of_four(wb->codes, xb->codes);
+    } else {
+        /* maddubs and dpbusd take the nibbles as they are, unsigned; Q4_0's code - 8 is
+         * then the sum of code * x less 8 times the sum of the x codes (exact integers) */
+        ints = sums_of_four_unsigned(wb->codes, xb->codes);
+        if (format == KV_WEIGHT_Q4_0) ints = _mm256_sub_epi32(ints, xb->sums4x8);
+    }
+    partial = (v8f)_mm256_cvtepi32_ps(ints);
+    if (format == KV_WEIGHT_Q4_1) {
+        /* (d, m) times (d_x, sum): lane 0 is d * d_x; the m part in lane 1, fused */
+        scale = _mm_cvtss_f32(_mm_mul_ps(wb->d_m, xb->scale_sum));
+        sums->m_part = madd4(wb->d_m, xb->scale_sum, sums->m_part);
+    } else {
+        scale = wb->d * xb->scale;
+    }
+    sums->lanes = madd(splat(scale), partial, sums->lanes);
+#else
+    for (int m = 0; m < 8; m++) {
+        int32_t sum = 0;
+        for (int i = 4 * m; i < 4 * m + 4; i++) {
+            int32_t code = format == KV_WEIGHT_Q8_0 ? (int8_t)wb->codes[i]
+                         : format == KV_WEIGHT_Q4_0 ? kv_q4_code(wb->codes, i) - 8
+                                                    : kv_q4_code(wb->codes, i);
+            sum += code * xb->codes[i];
+        }
+        partial[m] = (float)sum;
+    }
+    sums->lanes = madd(splat(wb->d * xb->scale), partial, sums->lanes);
+    if (format == KV_WEIGHT_Q4_1) sums->m_part = madd1(wb->m, xb->sum, sums->m_part);
+#endif
+}
+
+/* The total of a row's sums, given its lanes' pairwise sum */
+static ALWAYS_INLINE float row_total(const row_sums *sums, float lanes_total,
+                                     kv_weight_format format) {
+    if (format != KV_WEIGHT_Q4_1) return lanes_total;
+#ifdef __AVX2__
+    return lanes_total + sums->m_part[1];
+#else
+    return lanes_total + sums->m_part;
+#endif
+}
+
+/* One row against a token's quantized activations: kv_plain_matmul_int8's sum, bit for bit */
+static ALWAYS_INLINE float dot_row_int8(const uint8_t *row, kv_weight_format format,
+                                        const float *x_scales, const float *x_sums,
+                                        const int8_t *x_codes, int n_blocks) {
+    size_t block_bytes = kv_weight_block_bytes(format);
+    row_sums sums;
+    memset(&sums, 0, sizeof sums);
     for (int b = 0; b < n_blocks; b++) {
-        size_t at = (size_t)b * KV_Q8_0_BLOCK_BYTES;
-        __m256i xv = _mm256_loadu_si256((const __m256i *)(x_codes + b * KV_Q8_0_BLOCK));
+        x_block xb = load_x_block(x_codes + 32 * b, x_scales[b], x_sums[b], format);
+        w_block wb = load_w_block(row + (size_t)b * block_bytes, format);
+        add_block(&sums, &wb, &xb, format);
+    }
+    return row_total(&sums, reduce_lanes(sums.lanes), format);
+}
+
+/* Four rows, wherever they lie, against one token's quantized activations: out[r] is row
+ * r's dot_row_int8, bit for bit (each row its own sums); the token's block is loaded once
+ * for the four, and four chains of arithmetic run side by side. */
+static ALWAYS_INLINE void dot_rows4_int8(const uint8_t *const rows[4], kv_weight_format format,
+                                         const float *x_scales, const float *x_sums,
+                                         const int8_t *x_codes, int n_blocks, float out[4]) {
+    size_t block_bytes = kv_weight_block_bytes(format);
+    row_sums sums[4];
+    memset(sums, 0, sizeof sums);
+    for (int b = 0; b < n_blocks; b++) {
+        size_t at = (size_t)b * block_bytes;
+        x_block xb = load_x_block(x_codes + 32 * b, x_scales[b], x_sums[b], format);
         for (int r = 0; r < 4; r++) {
-            v8f scale = splat(block_scale(rows[r] + at) * x_scales[b]);
-            __m256i wv = _mm256_loadu_si256((const __m256i *)(rows[r] + at + 2));
-            acc[r] = madd(scale, (v8f)_mm256_cvtepi32_ps(sums_of_four(wv, xv, ones)), acc[r]);
+            w_block wb = load_w_block(rows[r] + at, format);
+            add_block(&sums[r], &wb, &xb, format);
         }
     }
-    v4f sums = reduce_lanes4(acc[0], acc[1], acc[2], acc[3]);
-    for (int r = 0; r < 4; r++) out[r] = sums[r];
-#else
-    for (int r = 0; r < 4; r++) out[r] = dot_row_int8(rows[r], x_scales, x_codes, n_blocks);
-#endif
+    v4f totals = reduce_lanes4(sums[0].lanes, sums[1].lanes, sums[2].lanes, sums[3].lanes);
+    for (int r = 0; r < 4; r++) out[r] = row_total(&sums[r], totals[r], format);
 }
 
-/* The same for two tokens at once (a prefill, a batch): each row's codes are loaded, and
- * their magnitudes taken, once for both tokens; eight chains side by side. out0 and out1
- * are each token's four dot_row_int8s, bit for bit. */
-static void dot_rows4_int8_pair(const uint8_t *const rows[4], const float *scales0,
-                                const int8_t *codes0, const float *scales1,
-                                const int8_t *codes1, int n_blocks, float out0[4],
-                                float out1[4]) {
-#ifdef __AVX2__
-    v8f acc0[4] = {{0}, {0}, {0}, {0}}, acc1[4] = {{0}, {0}, {0}, {0}};
-    const __m256i ones = _mm256_set1_epi16(1);
+/* The same for two tokens at once (a prefill, a batch): each row's block is loaded and
+ * unpacked once for both tokens; eight chains side by side. out0 and out1 are each token's
+ * four dot_row_int8s, bit for bit. */
+static ALWAYS_INLINE void dot_rows4_int8_pair(const uint8_t *const rows[4],
+                                              kv_weight_format format, const float *scales0,
+                                              const float *sums0, const int8_t *codes0,
+                                              const float *scales1, const float *sums1,
+                                              const int8_t *codes1, int n_blocks,
+                                              float out0[4], float out1[4]) {
+    size_t block_bytes = kv_weight_block_bytes(format);
+    row_sums acc0[4], acc1[4];
+    memset(acc0, 0, sizeof acc0);
+    memset(acc1, 0, sizeof acc1);
     for (int b = 0; b < n_blocks; b++) {
-        size_t at = (size_t)b * KV_Q8_0_BLOCK_BYTES;
-        __m256i x0 = _mm256_loadu_si256((const __m256i *)(codes0 + b * KV_Q8_0_BLOCK));
-        __m256i x1 = _mm256_loadu_si256((const __m256i *)(codes1 + b * KV_Q8_0_BLOCK));
+        size_t at = (size_t)b * block_bytes;
+        x_block x0 = load_x_block(codes0 + 32 * b, scales0[b], sums0[b], format);
+        x_block x1 = load_x_block(codes1 + 32 * b, scales1[b], sums1[b], format);
         for (int r = 0; r < 4; r++) {
-            float w_scale = block_scale(rows[r] + at);
-            __m256i wv = _mm256_loadu_si256((const __m256i *)(rows[r] + at + 2));
-            acc0[r] = madd(splat(w_scale * scales0[b]),
-                           (v8f)_mm256_cvtepi32_ps(sums_of_four(wv, x0, ones)), acc0[r]);
-            acc1[r] = madd(splat(w_scale * scales1[b]),
-                           (v8f)_mm256_cvtepi32_ps(sums_of_four(wv, x1, ones)), acc1[r]);
+            w_block wb = load_w_block(rows[r] + at, format);
+            add_block(&acc0[r], &wb, &x0, format);
+            add_block(&acc1[r], &wb, &x1, format);
         }
     }
-    v4f sums0 = reduce_lanes4(acc0[0], acc0[1], acc0[2], acc0[3]);
-    v4f sums1 = reduce_lanes4(acc1[0], acc1[1], acc1[2], acc1[3]);
+    v4f totals0 = reduce_lanes4(acc0[0].lanes, acc0[1].lanes, acc0[2].lanes, acc0[3].lanes);
+    v4f totals1 = reduce_lanes4(acc1[0].lanes, acc1[1].lanes, acc1[2].lanes, acc1[3].lanes);
     for (int r = 0; r < 4; r++) {
-        out0[r] = sums0[r];
-        out1[r] = sums1[r];
+        out0[r] = row_total(&acc0[r], totals0[r], format);
+        out1[r] = row_total(&acc1[r], totals1[r], format);
     }
-#else
-    dot_rows4_int8(rows, scales0, codes0, n_blocks, out0);
-    dot_rows4_int8(rows, scales1, codes1, n_blocks, out1);
-#endif
 }
 
-void kv_matmul_int8(float *out, const float *x, const uint8_t *w, int n_tokens, int in_dim,
-                    int out_dim, float *x_scales, int8_t *x_codes) {
-    int n_blocks = in_dim / KV_Q8_0_BLOCK;
-    size_t row_bytes = kv_weight_row_bytes(KV_WEIGHT_Q8_0, in_dim);
+/* Rows lo .. hi - 1 of w against every token's quantized activations: the rows read as four
+ * runs side by side (as rows_streamed does), every token against each four, two tokens at
+ * a time where there are two. Inlined into one copy per format (rows_int8_q8_0, ...), so
+ * that no test of the format is left in the loops. */
+static ALWAYS_INLINE void rows_int8(float *out, const uint8_t *w, kv_weight_format format,
+                                    int n_tokens, int in_dim, int out_dim,
+                                    const float *x_scales, const int8_t *x_codes, int lo,
+                                    int hi) {
+    // x_scales (2, n_tokens, n_blocks): the blocks' scales, then their d_x * sums of codes
+    int n_blocks = in_dim / 32;
+    const float *x_sums = x_scales + (size_t)n_tokens * n_blocks;
+    size_t row_bytes = kv_weight_row_bytes(format, in_dim);
+    int per_run = (hi - lo) / 4;
+    for (int k = 0; k < per_run; k++) {
+        int o[4] = {lo + k, lo + per_run + k, lo + 2 * per_run + k, lo + 3 * per_run + k};
+        const uint8_t *rows[4] = {w + (size_t)o[0] * row_bytes, w + (size_t)o[1] * row_bytes,
+                                  w + (size_t)o[2] * row_bytes, w + (size_t)o[3] * row_bytes};
+        int t = 0;
+        for (; t + 2 <= n_tokens; t += 2) {     /* two tokens share each row's loads */
+            float sums0[4], sums1[4];
+            size_t at0 = (size_t)t * n_blocks, at1 = (size_t)(t + 1) * n_blocks;
+            dot_rows4_int8_pair(rows, format, x_scales + at0, x_sums + at0,
+                                x_codes + (size_t)t * in_dim, x_scales + at1, x_sums + at1,
+                                x_codes + (size_t)(t + 1) * in_dim, n_blocks, sums0, sums1);
+            for (int r = 0; r < 4; r++) {
+                out[(size_t)t * out_dim + o[r]] = sums0[r];
+                out[(size_t)(t + 1) * out_dim + o[r]] = sums1[r];
+            }
+        }
+        for (; t < n_tokens; t++) {
+            float sums[4];
+            dot_rows4_int8(rows, format, x_scales + (size_t)t * n_blocks,
+                           x_sums + (size_t)t * n_blocks, x_codes + (size_t)t * in_dim, n_blocks,
+                           sums);
+            for (int r = 0; r < 4; r++) out[(size_t)t * out_dim + o[r]] = sums[r];
+        }
+    }
+    for (int o = lo + 4 * per_run; o < hi; o++)   /* the last few, one at a time */
+        for (int t = 0; t < n_tokens; t++)
+            out[(size_t)t * out_dim + o] =
+                dot_row_int8(w + (size_t)o * row_bytes, format, x_scales + (size_t)t * n_blocks,
+                             x_sums + (size_t)t * n_blocks, x_codes + (size_t)t * in_dim, n_blocks);
+}
+
+#define ROWS_INT8_FOR(name, format)                                                         \
+    static void name(float *out, const uint8_t *w, int n_tokens, int in_dim, int out_dim,   \
+                     const float *x_scales, const int8_t *x_codes, int lo, int hi) {        \
+        rows_int8(out, w, format, n_tokens, in_dim, out_dim, x_scales, x_codes, lo, hi);    \
+    }
+ROWS_INT8_FOR(rows_int8_q8_0, KV_WEIGHT_Q8_0)
+ROWS_INT8_FOR(rows_int8_q4_0, KV_WEIGHT_Q4_0)
+ROWS_INT8_FOR(rows_int8_q4_1, KV_WEIGHT_Q4_1)
+
+void kv_matmul_int8(float *out, const float *x, const uint8_t *w, kv_weight_format format,
+                    int n_tokens, int in_dim, int out_dim, float *x_scales, int8_t *x_codes) {
+    int n_blocks = in_dim / 32;
+    float *x_sums = x_scales + (size_t)n_tokens * n_blocks;
     for (int t = 0; t < n_tokens; t++)
         kv_quantize_activations_q8(x + (size_t)t * in_dim, in_dim, x_scales + (size_t)t * n_blocks,
-                                   x_codes + (size_t)t * in_dim);
-    /* Each thread a contiguous share of the rows, read as four runs side by side (as
-     * rows_streamed does), every token against each four. */
+                                   x_codes + (size_t)t * in_dim, x_sums + (size_t)t * n_blocks);
+    void (*rows)(float *, const uint8_t *, int, int, int, const float *, const int8_t *, int, int) =
+        format == KV_WEIGHT_Q4_0 ? rows_int8_q4_0 :
+        format == KV_WEIGHT_Q4_1 ? rows_int8_q4_1 : rows_int8_q8_0;
+    /* Each thread a contiguous share of the rows */
     #pragma omp parallel num_threads(kv_threads()) \
         if ((long)n_tokens * out_dim * in_dim >= KV_PARALLEL_MIN_WORK && out_dim > 1)
     {
         int team = omp_get_num_threads(), me = omp_get_thread_num();
-        int lo = (int)((long)out_dim * me / team), hi = (int)((long)out_dim * (me + 1) / team);
-        int per_run = (hi - lo) / 4;
-        for (int k = 0; k < per_run; k++) {
-            int o[4] = {lo + k, lo + per_run + k, lo + 2 * per_run + k, lo + 3 * per_run + k};
-            const uint8_t *rows[4] = {w + (size_t)o[0] * row_bytes, w + (size_t)o[1] * row_bytes,
-                                      w + (size_t)o[2] * row_bytes, w + (size_t)o[3] * row_bytes};
-            int t = 0;
-            for (; t + 2 <= n_tokens; t += 2) {     /* two tokens share each row's loads */
-                float sums0[4], sums1[4];
-                dot_rows4_int8_pair(rows, x_scales + (size_t)t * n_blocks, x_codes + (size_t)t * in_dim,
-                                    x_scales + (size_t)(t + 1) * n_blocks,
-                                    x_codes + (size_t)(t + 1) * in_dim, n_blocks, sums0, sums1);
-                for (int r = 0; r < 4; r++) {
-                    out[(size_t)t * out_dim + o[r]] = sums0[r];
-                    out[(size_t)(t + 1) * out_dim + o[r]] = sums1[r];
-                }
-            }
-            for (; t < n_tokens; t++) {
-                float sums[4];
-                dot_rows4_int8(rows, x_scales + (size_t)t * n_blocks, x_codes + (size_t)t * in_dim,
-                               n_blocks, sums);
-                for (int r = 0; r < 4; r++) out[(size_t)t * out_dim + o[r]] = sums[r];
-            }
-        }
-        for (int o = lo + 4 * per_run; o < hi; o++)   /* the last few, one at a time */
-            for (int t = 0; t < n_tokens; t++)
-                out[(size_t)t * out_dim + o] =
-                    dot_row_int8(w + (size_t)o * row_bytes, x_scales + (size_t)t * n_blocks,
-                                 x_codes + (size_t)t * in_dim, n_blocks);
+        rows(out, w, n_tokens, in_dim, out_dim, x_scales, x_codes,
+             (int)((long)out_dim * me / team), (int)((long)out_dim * (me + 1) / team));
     }
 }
 
-kv_status kv_weights_matmul_int8(float *out, const float *x, const uint8_t *w, int n_tokens,
-                                 int in_dim, int out_dim) {
+kv_status kv_weights_matmul_int8(float *out, const float *x, const uint8_t *w,
+                                 kv_weight_format format, int n_tokens, int in_dim, int out_dim) {
     if (out == NULL || x == NULL || w == NULL || n_tokens <= 0 || out_dim <= 0 ||
-        kv_weight_row_bytes(KV_WEIGHT_Q8_0, in_dim) == 0)
+        !kv_weight_takes_int8(format) || kv_weight_row_bytes(format, in_dim) == 0)
         return KV_ERR_INVALID_ARG;
-    int n_blocks = in_dim / KV_Q8_0_BLOCK;
-    float *x_scales = kv_alloc_floats((size_t)n_tokens * n_blocks);
+    int n_blocks = in_dim / 32;
+    float *x_scales = kv_alloc_floats(2 * (size_t)n_tokens * n_blocks);   /* and the sums */
     int8_t *x_codes = malloc((size_t)n_tokens * in_dim);
     if (x_scales == NULL || x_codes == NULL) {
         free(x_scales);
@@ -424,9 +627,9 @@ kv_status kv_weights_matmul_int8(float *out, const float *x, const uint8_t *w, i
         return KV_ERR_NOMEM;
     }
     if (kv_get_kernels() == KV_KERNELS_PLAIN)
-        kv_plain_matmul_int8(out, x, w, n_tokens, in_dim, out_dim, x_scales, x_codes);
+        kv_plain_matmul_int8(out, x, w, format, n_tokens, in_dim, out_dim, x_scales, x_codes);
     else
-        kv_matmul_int8(out, x, w, n_tokens, in_dim, out_dim, x_scales, x_codes);
+        kv_matmul_int8(out, x, w, format, n_tokens, in_dim, out_dim, x_scales, x_codes);
     free(x_scales);
     free(x_codes);
     return KV_OK;

@@ -3,11 +3,12 @@
  *
  * A matrix is out_dim rows of kv_weight_row_bytes(format, in_dim) bytes each. Decode reads
  * every weight once per token, so its speed is the read bandwidth over the weights' bytes:
- * fp16 and bf16 halve them, Q8_0 takes 34 bytes for 32 values (1.0625 a value). In
- * kv_matmul_weights the activations stay float32 and each weight is turned into its float32
- * value where it is used, so the products equal the float32 products over the dequantized
- * matrix bit for bit. kv_matmul_int8 is the other way for Q8_0 (a model's int8_activations):
- * the activations are rounded to int8 too, and the products have their own spec.
+ * fp16 and bf16 halve them, Q8_0 takes 34 bytes for 32 values (1.0625 a value), Q4_0 18
+ * and Q4_1 20 (0.5625 and 0.625). In kv_matmul_weights the activations stay float32 and
+ * each weight is turned into its float32 value where it is used, so the products equal the
+ * float32 products over the dequantized matrix bit for bit. kv_matmul_int8 is the other way
+ * for Q8_0, Q4_0 and Q4_1 (a model's int8_activations): the activations are rounded to
+ * int8 too, and the products have their own spec.
  */
 #ifndef KVLAB_WEIGHT_FORMATS_H
 #define KVLAB_WEIGHT_FORMATS_H
@@ -33,10 +34,11 @@ size_t kv_weights_scratch_floats(int in_dim, int n_threads);
 void kv_matmul_weights(float *out, const float *x, const uint8_t *w, kv_weight_format format,
                        int n_tokens, int in_dim, int out_dim, float *scratch, int n_threads);
 
-/* The fast tier of kv_plain_matmul_int8 (Q8_0 weights against x quantized to int8 per block
- * of 32), bit for bit: x_scales (n_tokens, in_dim / 32) and x_codes (n_tokens, in_dim) are
- * the caller's scratch, filled here. */
-void kv_matmul_int8(float *out, const float *x, const uint8_t *w, int n_tokens, int in_dim,
-                    int out_dim, float *x_scales, int8_t *x_codes);
+/* The fast tier of kv_plain_matmul_int8 (Q8_0, Q4_0 or Q4_1 weights against x quantized to
+ * int8 per block of 32), bit for bit: x_scales (2, n_tokens, in_dim / 32) (the blocks'
+ * scales, then each one times the sum of its codes) and x_codes (n_tokens, in_dim) are the
+ * caller's scratch, filled here. */
+void kv_matmul_int8(float *out, const float *x, const uint8_t *w, kv_weight_format format,
+                    int n_tokens, int in_dim, int out_dim, float *x_scales, int8_t *x_codes);
 
 #endif /* KVLAB_WEIGHT_FORMATS_H */

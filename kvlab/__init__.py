@@ -60,10 +60,11 @@ def load(path: Union[str, Path, None] = None,
     stay as it is while the model is used; a call after it changed raises CheckpointError.
     mmap=False reads the weights into memory of their own, for files that may change.
 
-    weights: the format to store every matrix in: "fp32", "fp16", "bf16" or "q8_0" ("int8"
-    says the same: int8 codes, a half scale per 32). None keeps the checkpoint's own
-    (fp16/bf16 safetensors and GGUF F16/BF16/Q8_0 as they are). Decode reads every weight
-    once per token, so fewer bytes run faster. activations: see Model ("int8" for Q8_0
+    weights: the format to store every matrix in: "fp32", "fp16", "bf16", "q8_0" ("int8"
+    says the same: int8 codes, a half scale per 32), "q4_0" or "q4_1" (GGUF's 4-bit blocks
+    of 32). None keeps the checkpoint's own (fp16/bf16 safetensors and GGUF
+    F16/BF16/Q8_0/Q4_0/Q4_1 as they are). Decode reads every weight once per token, so
+    fewer bytes run faster. activations: see Model ("int8" for Q8_0, Q4_0 and Q4_1
     matrices by default, "fp32" for the product over the dequantized weights, exactly)."""
     fmt = _weight_format_name(weights)
     path = registry.resolve(path) if path is not None else DEFAULT_MODEL

@@ -47,7 +47,7 @@ from .generate import generate
 from .measure import kv_bytes_per_token
 from .model import Model
 from .next_token_metrics import kl_divergence, log_softmax, perplexity  # noqa: F401 (re-exported)
-from .weight_formats import FORMATS
+from .weight_formats import BLOCK_FORMATS, FORMATS
 
 # The formats evaluate() compares by default: each a dtype name or new_cache() options.
 DEFAULT_FORMATS = (
@@ -380,6 +380,8 @@ def evaluate_budgets(model, tokens: Sequence[int], budgets: Sequence[int] = (16,
 
 # The weight formats evaluate_weights() compares by default: a kvlab.weight_formats format,
 # "q8_0 x int8" for Q8_0 with its activations in int8 too (the Model default for Q8_0).
+# q4_0 and q4_1 take the same suffixes ("q4_1 x int8", "q4_0 x fp32") but are not run by
+# default (chapter 6's figures compare these five).
 DEFAULT_WEIGHT_VARIANTS = ("fp32", "fp16", "bf16", "q8_0 x fp32", "q8_0 x int8")
 DEFAULT_CACHE_FORMATS = ("fp32", "int8", "int4")
 
@@ -452,9 +454,10 @@ def _weight_variant(model, variant: str):
     fmt, _, activations = variant.partition(" x ")
     activations = activations or "fp32"
     if fmt not in FORMATS or activations not in ("fp32", "int8") or (
-            activations == "int8" and fmt != "q8_0"):
-        raise ValueError(f"weight variant must be a format ({', '.join(FORMATS)}), or "
-                         f"'q8_0 x int8' / 'q8_0 x fp32', got {variant!r}")
+            activations == "int8" and fmt not in BLOCK_FORMATS):
+        raise ValueError(f"weight variant must be a format ({', '.join(FORMATS)}), or a "
+                         f"block format ({', '.join(BLOCK_FORMATS)}) with ' x int8' or "
+                         f"' x fp32' ('q4_1 x int8'), got {variant!r}")
     return Model(model.config, model.weights.float32().converted(fmt), model.tokenizer,
                  model.source, activations=activations)
 

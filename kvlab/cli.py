@@ -330,7 +330,8 @@ def cmd_info(args) -> int:
     formats = model.weights.formats
     stored = model.weight_format if model.weight_format != "mixed" else ", ".join(
         f"{name} {fmt}" for name, fmt in formats.items())
-    activations = f", {model.activations} activations" if "q8_0" in formats.values() else ""
+    blocks = set(formats.values()) & {"q8_0", "q4_0", "q4_1"}   # the formats int8 applies to
+    activations = f", {model.activations} activations" if blocks else ""
     print(f"weights         {_bytes(model.weights_nbytes)}, {stored}{activations}")
     print(f"KV per token    {2 * c.n_layers * c.kv_dim * 4:,} B (fp32)")
     print(f"RoPE            theta {c.rope_theta:g}, "
@@ -458,11 +459,14 @@ def build_parser() -> argparse.ArgumentParser:
                             "checkpoint with none in it or beside it")
         p.add_argument("--threads", type=positive_int, default=None,
                        help="threads for the C core (default: every available core)")
-        p.add_argument("--weights", default=None, choices=["fp32", "fp16", "bf16", "q8_0", "int8"],
+        p.add_argument("--weights", default=None,
+                       choices=["fp32", "fp16", "bf16", "q8_0", "q4_0", "q4_1", "int8"],
                        help="store the weight matrices in this format; int8 is q8_0: 8-bit codes, "
-                            "a scale per 32 (default: as the checkpoint stores them)")
+                            "a scale per 32; q4_0 and q4_1 are GGUF's 4-bit blocks of 32 "
+                            "(default: as the checkpoint stores them)")
         p.add_argument("--activations", default=None, choices=["fp32", "int8"],
-                       help="q8_0 products on int8 activations (the default, faster) or on "
+                       help="q8_0, q4_0 and q4_1 products on int8 activations (the default, "
+                            "faster) or on "
                             "float32 ones (the float32 product over the dequantized weights)")
 
     prompt_help = f"the text to continue (default: {DEMO_PROMPT!r})"

@@ -99,9 +99,13 @@ def kv_cache_bytes(config: ModelConfig, seq_len: int, batch: int = 1,
 
 def weights_bytes(config: ModelConfig, dtype: str = "fp16") -> int:
     """Bytes of the model's weights stored in dtype: a cache dtype name (every parameter
-    that many bytes), or "q8_0" (34 bytes per 32: the weight_formats layout)."""
-    if dtype == "q8_0":
-        return config.n_params() * weight_formats.Q8_0_BLOCK_BYTES // weight_formats.Q8_0_BLOCK
+    that many bytes), or a block format of kvlab.weight_formats: "q8_0" (34 bytes per 32),
+    "q4_0" (18 per 32) or "q4_1" (20 per 32)."""
+    if dtype in weight_formats.BLOCK_FORMATS:
+        block_bytes = {"q8_0": weight_formats.Q8_0_BLOCK_BYTES,
+                       "q4_0": weight_formats.Q4_0_BLOCK_BYTES,
+                       "q4_1": weight_formats.Q4_1_BLOCK_BYTES}[dtype]
+        return config.n_params() * block_bytes // weight_formats.Q8_0_BLOCK
     return config.n_params() * _element_bytes(dtype)
 
 
@@ -214,7 +218,8 @@ def scratch_bytes(config: ModelConfig, n_tokens: int, n_threads: int = 1,
     already cached: attention walks it a tile at a time. A long call's buffers hold one
     chunk of its tokens (chunk_length). Matrices stored in fewer bytes (`weights`, their
     formats by name) add four rows of the widest input per thread to make float32 in, or,
-    for Q8_0 with int8_activations, each token's activations as int8 and their scales.
+    for the block formats (Q8_0, Q4_0, Q4_1) with int8_activations, each token's
+    activations as int8 and their scales.
 
     Without a cache (cached=False), uncached_kv says how the K and V are held, as
     Model.forward's argument does: "all_layers" (every layer's, the buffers a chunk of the
@@ -240,10 +245,12 @@ def scratch_bytes(config: ModelConfig, n_tokens: int, n_threads: int = 1,
     # (the embedding is read a row at a time, straight into the residual stream)
     formats = {fmt for name, fmt in (weights or {}).items() if name != "token_embedding"}
     widest = max(c.dim, c.hidden_dim, c.q_dim)
-    if formats & {"fp16", "bf16"} or ("q8_0" in formats and not int8_activations):
+    blocks = formats & set(weight_formats.BLOCK_FORMATS)
+    if formats & {"fp16", "bf16"} or (blocks and not int8_activations):
         buffers.append(n_threads * 4 * widest)
-    if "q8_0" in formats and int8_activations:
-        buffers += [T * (widest // weight_formats.Q8_0_BLOCK), (T * widest + 3) // 4]
+    if blocks and int8_activations:
+        # each block's scale and its scale times the sum of its codes, then the codes
+        buffers += [2 * T * (widest // weight_formats.Q8_0_BLOCK), (T * widest + 3) // 4]
     total = sum(_round16(n) for n in buffers) * FLOAT
     if not cached:
         total += 2 * (1 if one_layer else c.n_layers) * n_tokens * c.kv_dim * FLOAT

@@ -105,20 +105,22 @@ class Model:
     def __init__(self, config: ModelConfig, weights: Weights,
                  tokenizer: Optional[Tokenizer] = None, source: str = "",
                  activations: Optional[str] = None):
-        """activations: how products with Q8_0 matrices treat their input. "int8" quantizes
-        it per block of 32 too and sums integer products, as llama.cpp does (faster; not the
-        float32 product); "fp32" keeps it float32, so every logit equals, bit for bit, the
-        float32 model's over the dequantized weights. None: "int8" when a matrix is Q8_0,
-        else "fp32"; "int8" without a Q8_0 matrix is refused."""
+        """activations: how products with block-format matrices (Q8_0, Q4_0, Q4_1) treat
+        their input. "int8" quantizes it per block of 32 too and sums integer products, as
+        llama.cpp does (faster; not the float32 product); "fp32" keeps it float32, so every
+        logit equals, bit for bit, the float32 model's over the dequantized weights. None:
+        "int8" when a matrix is Q8_0, Q4_0 or Q4_1, else "fp32"; "int8" without one is
+        refused."""
         weights.check(config)
-        has_q8_0 = "q8_0" in weights.formats.values()
+        has_blocks = bool(set(weights.formats.values()) & set(weight_formats.BLOCK_FORMATS))
         if activations is None:
-            activations = "int8" if has_q8_0 else "fp32"
+            activations = "int8" if has_blocks else "fp32"
         if activations not in ("fp32", "int8"):
             raise ValueError(f"activations must be 'fp32' or 'int8', got {activations!r}")
-        if activations == "int8" and not has_q8_0:
-            raise ValueError("activations='int8' goes with Q8_0 weights, and this model has "
-                             "none: load it with weights='q8_0' (or leave activations unset)")
+        if activations == "int8" and not has_blocks:
+            raise ValueError("activations='int8' goes with Q8_0, Q4_0 or Q4_1 weights, and "
+                             "this model has none: load it with weights='q8_0' (or leave "
+                             "activations unset)")
         self.config = config
         self.weights = weights
         self.tokenizer = tokenizer
@@ -472,7 +474,7 @@ class Model:
 
     @property
     def weight_format(self) -> str:
-        """The matrices' format ('fp32', 'fp16', 'bf16', 'q8_0'), or 'mixed'."""
+        """The matrices' format ('fp32', 'fp16', 'bf16', 'q8_0', 'q4_0', 'q4_1'), or 'mixed'."""
         return self.weights.format
 
     def __repr__(self) -> str:

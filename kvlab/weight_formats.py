@@ -1,4 +1,4 @@
-"""How a weight matrix can be stored: fp32, fp16, bf16 and GGUF's Q8_0, in NumPy.
+"""How a weight matrix can be stored: fp32, fp16, bf16 and GGUF's Q8_0, Q4_0, Q4_1, in NumPy.
 
 Decode reads every weight once per token, so a step's time is about the weights' bytes
 over the read bandwidth. Storing them in fewer bytes is the other half of quantization
@@ -10,6 +10,11 @@ over the read bandwidth. Storing them in fewer bytes is the other half of quanti
     bf16    2                in_dim bf16 (the top 16 bits of a float32, rounded to nearest even)
     q8_0    34 / 32          in_dim / 32 blocks, each a half scale d and 32 int8 codes q;
                              the weight is d * q (GGUF's Q8_0 layout, byte for byte)
+    q4_0    18 / 32          blocks of 32: a half d, then 16 bytes, byte j holding weight
+                             j's 4-bit code q in its low nibble and weight j + 16's in its
+                             high nibble; the weight is d * (q - 8) (GGUF's Q4_0)
+    q4_1    20 / 32          blocks of 32: a half d, a half m, then the same 16 bytes of
+                             nibbles; the weight is d * q + m (GGUF's Q4_1)
 
 quantize() writes a matrix (out_dim, in_dim) as these bytes, one row of row_bytes() bytes
 per output; dequantize() gives back the float32 values they stand for. The C core reads the
@@ -17,22 +22,26 @@ same bytes (csrc/weight_formats.c; kvlab._kvlab.matmul runs its product), and it
 is the float32 product over dequantize()'s values, bit for bit: every format's values are
 exact float32 numbers, so only the bytes read change, not the arithmetic.
 
-matmul_int8() is the other way to use Q8_0 weights, llama.cpp's: the activations are
-quantized to int8 per block of 32 as well, and the products are integer sums. It is not the
-float32 product (x is rounded too), so it has its own definition here, which the core's
-kvlab._kvlab.matmul(x, w, "q8_0", "int8") follows bit for bit.
+matmul_int8() is the other way to use the block formats (Q8_0, Q4_0, Q4_1), llama.cpp's:
+the activations are quantized to int8 per block of 32 as well, and the products are integer
+sums. It is not the float32 product (x is rounded too), so it has its own definition here,
+which the core's kvlab._kvlab.matmul(x, w, fmt, "int8") follows bit for bit.
 
-Q8_0 is quantized as ggml does it: d = max|x| / 127 in float32, q = round(x * (1 / d)),
-halves away from zero, and d stored as a half. So a matrix the kit writes is the one
-llama.cpp would write from the same float32 weights.
+Each format is quantized as ggml's reference quantizers do it, in float32. Q8_0: d =
+max|x| / 127, q = round(x * (1 / d)), halves away from zero. Q4_0: `max` the value of
+largest magnitude, with its sign, d = max / -8, q = min(15, trunc(x * (1 / d) + 8.5)).
+Q4_1: d = (max - min) / 15, q = min(15, trunc((x - min) * (1 / d) + 0.5)), m = min. 1 / d
+is 0 where d is. d and m are stored as halves (the codes come from the float32 d). So a
+matrix the kit writes is the one llama.cpp would write from the same float32 weights (the
+gguf package's own quantizer gives the same bytes, tests/test_weight_formats.py).
 
 A model keeps each matrix as a typed array whose dtype says its format (stored() makes
 one from values, empty() an unfilled one for a loader to fill, format_of() reads it):
 float32, float16, BF16_DTYPE (a bf16 in a one-field record, since NumPy has no bf16) or
-Q8_0_DTYPE (one record per block, so a (n_layers, out_dim, in_dim) matrix is (n_layers,
-out_dim, in_dim / 32) blocks). values() gives the float32 numbers back; as_bytes() the uint8
-rows the core reads. A GGUF file's Q8_0 tensor has these bytes already: kvlab.loaders.gguf
-copies them as they are.
+Q8_0_DTYPE, Q4_0_DTYPE, Q4_1_DTYPE (one record per block, so a (n_layers, out_dim, in_dim)
+matrix is (n_layers, out_dim, in_dim / 32) blocks). values() gives the float32 numbers back;
+as_bytes() the uint8 rows the core reads. A GGUF file's Q8_0, Q4_0 and Q4_1 tensors have
+these bytes already: kvlab.loaders.gguf copies them as they are.
 """
 from __future__ import annotations
 
@@ -40,33 +49,56 @@ import numpy as np
 
 from .quant import bf16_round
 
-FORMATS = ("fp32", "fp16", "bf16", "q8_0")
+FORMATS = ("fp32", "fp16", "bf16", "q8_0", "q4_0", "q4_1")
 Q8_0_BLOCK = 32          # weights per block
 Q8_0_BLOCK_BYTES = 34    # a half scale, then 32 int8 codes
 Q8_0_DTYPE = np.dtype([("d", "<f2"), ("q", "i1", (Q8_0_BLOCK,))])
+Q4_BLOCK = 32            # weights per Q4_0 or Q4_1 block
+Q4_0_BLOCK_BYTES = 18    # a half d, then 16 bytes of two 4-bit codes each
+Q4_1_BLOCK_BYTES = 20    # a half d, a half m, then the same 16 bytes
+Q4_0_DTYPE = np.dtype([("d", "<f2"), ("qs", "u1", (Q4_BLOCK // 2,))])
+Q4_1_DTYPE = np.dtype([("d", "<f2"), ("m", "<f2"), ("qs", "u1", (Q4_BLOCK // 2,))])
 BF16_DTYPE = np.dtype([("bf16", "<u2")])
 _DTYPES = {"fp32": np.dtype("<f4"), "fp16": np.dtype("<f2"), "bf16": BF16_DTYPE,
-           "q8_0": Q8_0_DTYPE}
+           "q8_0": Q8_0_DTYPE, "q4_0": Q4_0_DTYPE, "q4_1": Q4_1_DTYPE}
+BLOCK_FORMATS = ("q8_0", "q4_0", "q4_1")   # blocks of 32; the ones matmul_int8 takes
 
 
 def check_format(fmt: str, in_dim: int) -> None:
     if fmt not in FORMATS:
         raise ValueError(f"weight format must be one of {', '.join(FORMATS)}, got {fmt!r}")
-    if fmt == "q8_0" and in_dim % Q8_0_BLOCK:
-        raise ValueError(f"q8_0 stores blocks of {Q8_0_BLOCK} weights: a row of {in_dim} "
+    if fmt in BLOCK_FORMATS and in_dim % Q8_0_BLOCK:
+        raise ValueError(f"{fmt} stores blocks of {Q8_0_BLOCK} weights: a row of {in_dim} "
                          f"is not a whole number of blocks")
 
 
 def row_bytes(fmt: str, in_dim: int) -> int:
     """Bytes of one row of in_dim weights."""
     check_format(fmt, in_dim)
-    if fmt == "q8_0":
-        return in_dim // Q8_0_BLOCK * Q8_0_BLOCK_BYTES
+    if fmt in BLOCK_FORMATS:
+        return in_dim // Q8_0_BLOCK * _DTYPES[fmt].itemsize
     return in_dim * (4 if fmt == "fp32" else 2)
 
 
 def bytes_per_weight(fmt: str) -> float:
-    return {"fp32": 4.0, "fp16": 2.0, "bf16": 2.0, "q8_0": Q8_0_BLOCK_BYTES / Q8_0_BLOCK}[fmt]
+    return {"fp32": 4.0, "fp16": 2.0, "bf16": 2.0, "q8_0": Q8_0_BLOCK_BYTES / Q8_0_BLOCK,
+            "q4_0": Q4_0_BLOCK_BYTES / Q4_BLOCK, "q4_1": Q4_1_BLOCK_BYTES / Q4_BLOCK}[fmt]
+
+
+def _pack_nibbles(q: np.ndarray) -> np.ndarray:
+    """Codes 0 .. 15 (..., 32) as GGUF packs them: byte j = q[j] | q[j + 16] << 4."""
+    q = q.astype(np.uint8)
+    return q[..., :Q4_BLOCK // 2] | (q[..., Q4_BLOCK // 2:] << np.uint8(4))
+
+
+def _unpack_nibbles(qs: np.ndarray) -> np.ndarray:
+    """The 32 codes (..., 32) of a block's 16 bytes, in weight order."""
+    return np.concatenate([qs & np.uint8(0x0F), qs >> np.uint8(4)], axis=-1)
+
+
+def _inverse(d: np.ndarray) -> np.ndarray:
+    """1 / d in float32, 0 where d is 0 (an all-equal block)."""
+    return np.where(d != 0, np.float32(1) / np.where(d != 0, d, 1), 0).astype(np.float32)
 
 
 def _round_half_away(v: np.ndarray) -> np.ndarray:
@@ -89,10 +121,26 @@ def quantize(w: np.ndarray, fmt: str) -> np.ndarray:
     if fmt == "bf16":
         return bf16_round(w).astype("<u2").view(np.uint8).reshape(out_dim, -1)
     blocks = w.reshape(out_dim, in_dim // Q8_0_BLOCK, Q8_0_BLOCK)
+    packed = np.empty(blocks.shape[:2], dtype=_DTYPES[fmt])
+    if fmt == "q4_0":
+        # the value of largest magnitude, sign kept: it gets code 0 (d = max / -8 < 0 when
+        # max > 0), the other end of the range reaches code 16, which is cut to 15
+        at = np.abs(blocks).argmax(axis=-1)[..., None]
+        biggest = np.take_along_axis(blocks, at, axis=-1)[..., 0]
+        d = biggest / np.float32(-8)
+        q = np.trunc(blocks * _inverse(d)[..., None] + np.float32(8.5))
+        packed["d"], packed["qs"] = d.astype("<f2"), _pack_nibbles(np.minimum(q, 15))
+        return packed.view(np.uint8).reshape(out_dim, -1)
+    if fmt == "q4_1":
+        low, high = blocks.min(axis=-1), blocks.max(axis=-1)
+        d = (high - low) / np.float32(15)
+        q = np.trunc((blocks - low[..., None]) * _inverse(d)[..., None] + np.float32(0.5))
+        packed["d"], packed["m"] = d.astype("<f2"), low.astype("<f2")
+        packed["qs"] = _pack_nibbles(np.minimum(q, 15))
+        return packed.view(np.uint8).reshape(out_dim, -1)
     d = np.abs(blocks).max(axis=-1) / np.float32(127)                 # float32, as ggml
     inverse = np.where(d > 0, np.float32(1) / np.where(d > 0, d, 1), 0).astype(np.float32)
     q = _round_half_away(blocks * inverse[..., None]).astype(np.int8)
-    packed = np.empty(blocks.shape[:2], dtype=Q8_0_DTYPE)
     packed["d"], packed["q"] = d.astype("<f2"), q
     return packed.view(np.uint8).reshape(out_dim, -1)
 
@@ -112,8 +160,15 @@ def dequantize(codes: np.ndarray, fmt: str, in_dim: int) -> np.ndarray:
     if fmt == "bf16":
         bits = codes.view("<u2").astype(np.uint32) << 16
         return bits.view(np.float32).reshape(out_dim, in_dim)
-    blocks = codes.view(Q8_0_DTYPE).reshape(out_dim, in_dim // Q8_0_BLOCK)
-    values = blocks["d"].astype(np.float32)[..., None] * blocks["q"].astype(np.float32)
+    blocks = codes.view(_DTYPES[fmt]).reshape(out_dim, in_dim // Q8_0_BLOCK)
+    d = blocks["d"].astype(np.float32)[..., None]
+    if fmt == "q4_0":      # d * (q - 8): exact in float32
+        values = d * (_unpack_nibbles(blocks["qs"]).astype(np.float32) - np.float32(8))
+    elif fmt == "q4_1":    # d * q exact, then one rounding: the add's
+        values = d * _unpack_nibbles(blocks["qs"]).astype(np.float32) + \
+            blocks["m"].astype(np.float32)[..., None]
+    else:
+        values = d * blocks["q"].astype(np.float32)
     return values.reshape(out_dim, in_dim)
 
 
@@ -128,46 +183,76 @@ def quantize_activations(x: np.ndarray) -> tuple:
     return scales.astype(np.float32), codes.reshape(-1)
 
 
-def matmul_int8(x: np.ndarray, codes: np.ndarray, in_dim: int) -> np.ndarray:
-    """x (n_tokens, in_dim) against Q8_0 weights, llama.cpp's way: x quantized per block of
-    32 too, and in each block lane m (of eight) takes the exact integer sum of the products
-    of weights 4m .. 4m + 3, times the two scales, with one rounding (a fused multiply-add,
-    as the core does where the CPU has one); the lanes are added pairwise at the end."""
-    check_format("q8_0", in_dim)
-    blocks = np.ascontiguousarray(codes, dtype=np.uint8).view(Q8_0_DTYPE)
+def _weight_codes(codes: np.ndarray, fmt: str, in_dim: int) -> tuple:
+    """A block-format matrix's integer codes (out_dim, n_blocks, 32), d (out_dim, n_blocks)
+    and Q4_1's m (out_dim, n_blocks; zeros for the others), all as the products use them:
+    Q8_0's q, Q4_0's q - 8, Q4_1's q (its m apart)."""
+    blocks = np.ascontiguousarray(codes, dtype=np.uint8).view(_DTYPES[fmt])
     blocks = blocks.reshape(codes.shape[0], in_dim // Q8_0_BLOCK)
-    w_scales = blocks["d"].astype(np.float32)                       # (out_dim, n_blocks)
-    w_codes = blocks["q"].astype(np.int32)                          # (out_dim, n_blocks, 32)
+    d = blocks["d"].astype(np.float32)
+    if fmt == "q8_0":
+        return blocks["q"].astype(np.int32), d, np.zeros_like(d)
+    q = _unpack_nibbles(blocks["qs"]).astype(np.int32)
+    if fmt == "q4_0":
+        return q - 8, d, np.zeros_like(d)
+    return q, d, blocks["m"].astype(np.float32)
+
+
+def _fma(a: np.ndarray, b: np.ndarray, acc: np.ndarray) -> np.ndarray:
+    """acc + a * b in float32 with one rounding (a fused multiply-add, as the core does
+    where the CPU has one): float64 holds these products exactly."""
+    return (a.astype(np.float64) * b.astype(np.float64) + acc.astype(np.float64)).astype(np.float32)
+
+
+def matmul_int8(x: np.ndarray, codes: np.ndarray, in_dim: int, fmt: str = "q8_0") -> np.ndarray:
+    """x (n_tokens, in_dim) against block-format weights (q8_0, q4_0 or q4_1), llama.cpp's
+    way: x quantized per block of 32 too (quantize_activations), and in each block lane m
+    (of eight) adds the exact integer sum of the four products code * x_code of weights
+    4m .. 4m + 3, times d_w * d_x, with one rounding (a fused multiply-add, as the core
+    does where the CPU has one); the lanes are added pairwise at the end. q4_1's weight is
+    d_w * q + m_w: its m part is m_w times the block's d_x * (sum of its 32 x codes), made
+    once per activation block (llama.cpp's Q8_1 idea), summed block after block in a
+    running sum of its own (one rounding each) and added to the lanes' total at the end."""
+    if fmt not in BLOCK_FORMATS:
+        raise ValueError(f"int8 activations go with {', '.join(BLOCK_FORMATS)} weights, "
+                         f"not {fmt!r}")
+    check_format(fmt, in_dim)
+    w_codes, w_d, w_m = _weight_codes(codes, fmt, in_dim)   # (out, blocks, 32), (out, blocks) x2
     out = np.empty((len(x), codes.shape[0]), dtype=np.float32)
     for t, row in enumerate(np.asarray(x, dtype=np.float32)):
         x_scales, x_codes = quantize_activations(row)
-        products = w_codes * x_codes.reshape(-1, Q8_0_BLOCK).astype(np.int32)
-        partial = products.reshape(*products.shape[:2], 8, 4).sum(-1)   # (out, blocks, 8)
-        scale = (w_scales * x_scales).astype(np.float32)             # float32 products
+        x_blocks = x_codes.reshape(-1, Q8_0_BLOCK).astype(np.int32)           # (blocks, 32)
+        partial = (w_codes * x_blocks).reshape(*w_codes.shape[:2], 8, 4).sum(-1)  # (out, blocks, 8)
+        x_sums = (x_scales * x_blocks.sum(-1).astype(np.float32)).astype(np.float32)  # (blocks,)
+        scale = (w_d * x_scales).astype(np.float32)                          # float32 products
         lanes = np.zeros((codes.shape[0], 8), dtype=np.float32)
-        for b in range(partial.shape[1]):    # one rounding per step: float64 holds it exactly
-            exact = scale[:, b, None].astype(np.float64) * partial[:, b].astype(np.float64)
-            lanes = (exact + lanes.astype(np.float64)).astype(np.float32)
+        m_part = np.zeros(codes.shape[0], dtype=np.float32)
+        for b in range(partial.shape[1]):
+            lanes = _fma(scale[:, b, None], partial[:, b], lanes)
+            m_part = _fma(w_m[:, b], x_sums[b], m_part)
         out[t] = ((lanes[:, 0] + lanes[:, 1]) + (lanes[:, 2] + lanes[:, 3])) + \
                  ((lanes[:, 4] + lanes[:, 5]) + (lanes[:, 6] + lanes[:, 7]))
+        if fmt == "q4_1":
+            out[t] += m_part
     return out
 
 
 # ---- matrices of a model, as typed arrays -------------------------------------------------
 
 def format_of(array: np.ndarray) -> str:
-    """The format a matrix is stored in, from its dtype ('fp32', 'fp16', 'bf16', 'q8_0');
-    ValueError for any other dtype."""
+    """The format a matrix is stored in, from its dtype ('fp32', 'fp16', 'bf16', 'q8_0',
+    'q4_0', 'q4_1'); ValueError for any other dtype."""
     for fmt, dtype in _DTYPES.items():
         if array.dtype == dtype:
             return fmt
     raise ValueError(f"a weight matrix is float32, float16, bf16 (weight_formats.BF16_DTYPE) "
-                     f"or Q8_0 blocks (weight_formats.Q8_0_DTYPE), got dtype {array.dtype}")
+                     f"or Q8_0, Q4_0, Q4_1 blocks (weight_formats.Q8_0_DTYPE, Q4_0_DTYPE, "
+                     f"Q4_1_DTYPE), got dtype {array.dtype}")
 
 
 def logical_shape(array: np.ndarray) -> tuple:
     """The shape of the float32 values a stored matrix stands for."""
-    if format_of(array) == "q8_0":
+    if format_of(array) in BLOCK_FORMATS:
         return (*array.shape[:-1], array.shape[-1] * Q8_0_BLOCK)
     return array.shape
 
@@ -176,7 +261,7 @@ def empty(shape: tuple, fmt: str) -> np.ndarray:
     """A new, unfilled matrix stored in `fmt` whose float32 values have `shape` (..., in_dim):
     what a loader fills layer by layer from a file's bytes."""
     check_format(fmt, shape[-1])
-    if fmt == "q8_0":
+    if fmt in BLOCK_FORMATS:
         shape = (*shape[:-1], shape[-1] // Q8_0_BLOCK)
     return np.empty(shape, dtype=_DTYPES[fmt])
 

@@ -4,9 +4,9 @@ Every loader (llama2.c .bin, Hugging Face safetensors, GGUF) produces a `Weights
 both the C core and `kvlab.reference` read one. Per-layer tensors are stacked along a
 leading n_layers axis, the llama2.c layout, so one pointer reaches every layer. Matrices
 are stored (out_features, in_features): y = W @ x. The norm vectors are float32; each
-matrix may be stored in fewer bytes (fp16, bf16, Q8_0: kvlab.weight_formats, whose dtype
-says which), and `converted()` stores them so, `float32()` gives their values back. This
-module checks shapes; it does not load files (kvlab.loaders) or run anything
+matrix may be stored in fewer bytes (fp16, bf16, Q8_0, Q4_0, Q4_1: kvlab.weight_formats,
+whose dtype says which), and `converted()` stores them so, `float32()` gives their values
+back. This module checks shapes; it does not load files (kvlab.loaders) or run anything
 (kvlab.model, kvlab.reference). Arrays may be views of a memory-mapped checkpoint:
 check_source() says whether that file is still the one they were mapped from.
 """
@@ -30,7 +30,7 @@ MATRICES = ("token_embedding", "wq", "wk", "wv", "wo", "w1", "w2", "w3", "classi
 
 @dataclasses.dataclass
 class Weights:
-    # shapes of the float32 values; a Q8_0 matrix's array has in_dim / 32 blocks per row
+    # shapes of the float32 values; a block-format matrix's array has in_dim / 32 blocks a row
     token_embedding: np.ndarray  # (vocab_size, dim)
     attn_norm: np.ndarray        # (n_layers, dim)            RMSNorm before attention
     wq: np.ndarray               # (n_layers, n_heads * head_dim, dim)
@@ -101,7 +101,7 @@ class Weights:
 
     @property
     def formats(self) -> Dict[str, str]:
-        """Each matrix's format ('fp32', 'fp16', 'bf16', 'q8_0'), by name."""
+        """Each matrix's format ('fp32', 'fp16', 'bf16', 'q8_0', 'q4_0', 'q4_1'), by name."""
         return {name: weight_formats.format_of(getattr(self, name)) for name in MATRICES}
 
     @property
@@ -119,7 +119,8 @@ class Weights:
                 in_dim = weight_formats.logical_shape(getattr(self, name))[-1]
                 weight_formats.check_format(fmt, in_dim)
             except ValueError as exc:
-                hint = " (fp16 or bf16 store any row)" if fmt == "q8_0" else ""
+                blocks = fmt in weight_formats.BLOCK_FORMATS
+                hint = " (fp16 or bf16 store any row)" if blocks else ""
                 raise WeightsError(f"weight {name!r} cannot be stored as {fmt}: {exc}{hint}"
                                    ) from None
         done: Dict[int, np.ndarray] = {}
@@ -201,10 +202,12 @@ class Weights:
 
 def _finite_view(rows: np.ndarray) -> np.ndarray:
     """Numbers of a chunk of stored rows whose finiteness is theirs: the values of float
-    formats, a Q8_0 block's scales (its codes are integers)."""
+    formats, a block's scales (its codes are integers): Q8_0's and Q4_0's d, Q4_1's d and m."""
     fmt = weight_formats.format_of(rows) if rows.dtype != np.float32 else "fp32"
-    if fmt == "q8_0":
+    if fmt in ("q8_0", "q4_0"):
         return rows["d"]
+    if fmt == "q4_1":
+        return np.concatenate([rows["d"], rows["m"]], axis=-1)
     if fmt == "bf16":
         return weight_formats.values(rows)
     return rows

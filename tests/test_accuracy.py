@@ -164,9 +164,17 @@ def test_evaluate_weights_refuses_what_it_cannot_run(model, text_tokens):
     with pytest.raises(ValueError, match="weight variant"):
         accuracy.evaluate_weights(model, text_tokens, weights=["fp16 x int8"])
     with pytest.raises(ValueError, match="weight variant"):
-        accuracy.evaluate_weights(model, text_tokens, weights=["q4_0"])
+        accuracy.evaluate_weights(model, text_tokens, weights=["q5_0"])
     with pytest.raises(ValueError, match="context"):
         accuracy.evaluate_weights(model, text_tokens, context=1)
+
+
+def test_evaluate_weights_takes_the_4_bit_formats(model, text_tokens):
+    report = accuracy.evaluate_weights(model, text_tokens[:97],
+                                       weights=["q4_1 x int8", "q4_0 x fp32"], caches=["fp32"],
+                                       context=96)
+    q4_1, q4_0 = report["q4_1 x int8", "fp32"], report["q4_0 x fp32", "fp32"]
+    assert q4_1.weight_bytes < q4_0.weight_bytes * 20 / 18 * 1.01 and q4_1.kl > 0 and q4_0.kl > 0
 
 
 def test_a_change_that_rounds_to_zero_prints_without_a_minus_sign():

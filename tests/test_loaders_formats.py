@@ -1,5 +1,5 @@
-"""Tests of loading weights in fewer bytes: GGUF F16, BF16 and Q8_0 matrices and 16-bit
-safetensors keep their format, byte for byte; other GGUF types (Q4_0, the K-quants) are
+"""Tests of loading weights in fewer bytes: GGUF F16, BF16, Q8_0, Q4_0 and Q4_1 matrices and
+16-bit safetensors keep their format, byte for byte; other GGUF types (Q5_0, the K-quants) are
 dequantized into a format the core reads, with one warning that says what it cost.
 
 The GGUF files are written here (tests/support/gguf_files.py) with a tiny random config
@@ -28,7 +28,8 @@ CONFIG = ModelConfig(dim=256, hidden_dim=256, n_layers=2, n_heads=4, n_kv_heads=
                      vocab_size=32, max_seq_len=16, rope_interleaved=True,
                      tied_embeddings=False)
 TOKENS = [1, 5, 7, 3, 9, 30, 2]
-KEPT = {"F16": "fp16", "BF16": "bf16", "Q8_0": "q8_0"}     # GGUF type -> weight format
+KEPT = {"F16": "fp16", "BF16": "bf16", "Q8_0": "q8_0", "Q4_0": "q4_0",   # GGUF type -> kvlab
+        "Q4_1": "q4_1"}
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +77,7 @@ def assert_same_logits_as_float32(model: kvlab.Model) -> None:
 
 
 # ---- GGUF types the core reads: kept as they are -----------------------------------------
-@pytest.mark.parametrize("kind", ["F16", "BF16", "Q8_0"])
+@pytest.mark.parametrize("kind", ["F16", "BF16", "Q8_0", "Q4_0", "Q4_1"])
 def test_kept_gguf_types_are_the_files_bytes(tmp_path, weights, kind) -> None:
     path = tmp_path / f"{kind}.gguf"
     write_llama_gguf(path, CONFIG, weights, default=kind)
@@ -101,7 +102,7 @@ def test_a_tied_gguf_keeps_one_array(tmp_path) -> None:
 
 
 # ---- other GGUF types: dequantized into a format the core reads ------------------------------
-@pytest.mark.parametrize("kind", ["Q4_0", "Q4_K", "Q6_K"])
+@pytest.mark.parametrize("kind", ["Q5_0", "Q4_K", "Q6_K"])
 @pytest.mark.parametrize("asked", [None, "fp16"])
 def test_other_gguf_types_are_dequantized(tmp_path, weights, kind, asked) -> None:
     path = tmp_path / f"{kind}.gguf"
@@ -152,9 +153,9 @@ def test_a_tied_gguf_dequantizes_its_embedding_once(tmp_path) -> None:
     config = CONFIG.replace(tied_embeddings=True)
     path = tmp_path / "tied.gguf"
     write_llama_gguf(path, config, Weights.random(config), default="Q8_0",
-                     types={"token_embedding": "Q4_0"})
+                     types={"token_embedding": "Q5_0"})
     model, message = load_warning(path)
-    assert "dequantized 1 GGUF tensors of type Q4_0" in message
+    assert "dequantized 1 GGUF tensors of type Q5_0" in message
     assert model.weights.classifier is model.weights.token_embedding
 
 
@@ -220,7 +221,7 @@ def test_saving_weights_in_fewer_bytes_writes_their_values(tmp_path, weights) ->
 
 # ---- writing GGUF files (kvlab.loaders.save_gguf) ------------------------------------------------
 
-@pytest.mark.parametrize("fmt", ["fp32", "fp16", "bf16", "q8_0"])
+@pytest.mark.parametrize("fmt", ["fp32", "fp16", "bf16", "q8_0", "q4_0", "q4_1"])
 @pytest.mark.parametrize("interleaved", [True, False])
 def test_save_gguf_writes_each_format_as_it_is_stored(tmp_path, fmt, interleaved):
     config = kvlab.ModelConfig(dim=64, hidden_dim=96, n_layers=2, n_heads=4, n_kv_heads=2,

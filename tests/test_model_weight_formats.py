@@ -1,8 +1,8 @@
 """A model whose matrices are stored in fewer bytes (kvlab.weight_formats, Weights.converted,
 Model(activations=), kvlab.load(weights=)): with float32 activations its logits are the
 float32 model's over the dequantized weights, bit for bit, on every path and both kernel
-tiers; with int8 activations (Q8_0) every path still agrees with every other; the bytes
-read are counted per format."""
+tiers; with int8 activations (Q8_0, Q4_0, Q4_1, and a model mixing them) every path still
+agrees with every other; the bytes read are counted per format."""
 import numpy as np
 import pytest
 
@@ -30,6 +30,15 @@ def tiers():
     before = core.get_kernels()
     yield ("fast", "plain")
     core.set_kernels(before)
+
+
+def mixed(weights):
+    """The weights with q4_0, q4_1 and q8_0 matrices side by side (a GGUF file's Q4_1
+    layers with a Q8_0 embedding, say), and a float32 classifier."""
+    formats = {"token_embedding": "q8_0", "wq": "q4_0", "wk": "q4_1", "wv": "q4_0",
+               "wo": "q4_1", "w1": "q4_1", "w2": "q4_0", "w3": "q8_0", "classifier": "fp32"}
+    return kvlab.Weights(**{name: wf.stored(wf.values(array), formats[name])
+                            if name in formats else array for name, array in weights.items()})
 
 
 def all_paths(model):
@@ -66,7 +75,8 @@ def test_converted_weights_keep_norms_float32_and_a_tied_classifier_tied():
     config = kvlab.ModelConfig(dim=64, hidden_dim=96, n_layers=2, n_heads=4, n_kv_heads=4,
                                head_dim=16, vocab_size=40, max_seq_len=32, tied_embeddings=True)
     weights = kvlab.Weights.random(config)
-    for fmt, share in (("fp16", 0.5), ("bf16", 0.5), ("q8_0", 34 / 128)):
+    for fmt, share in (("fp16", 0.5), ("bf16", 0.5), ("q8_0", 34 / 128), ("q4_0", 18 / 128),
+                       ("q4_1", 20 / 128)):
         small = weights.converted(fmt)
         small.check(config)
         assert small.classifier is small.token_embedding
@@ -79,10 +89,11 @@ def test_converted_weights_keep_norms_float32_and_a_tied_classifier_tied():
     assert mixed.format == "mixed" and mixed.formats["wq"] == "fp16"
 
 
-@pytest.mark.parametrize("fmt", ["fp16", "bf16", "q8_0"])
+@pytest.mark.parametrize("fmt", ["fp16", "bf16", "q8_0", "q4_0", "q4_1", "mixed"])
 def test_float32_activations_give_the_float32_models_logits_over_the_values(float_model, fmt,
                                                                             tiers):
-    stored = float_model.weights.converted(fmt)
+    stored = (mixed(float_model.weights) if fmt == "mixed"
+              else float_model.weights.converted(fmt))
     small = kvlab.Model(float_model.config, stored, activations="fp32")
     over_values = kvlab.Model(float_model.config, stored.float32())
     for tier in tiers:
@@ -96,8 +107,11 @@ def test_float32_activations_give_the_float32_models_logits_over_the_values(floa
                                rtol=1e-4, atol=1e-4)
 
 
-def test_int8_activations_agree_on_every_path_and_both_tiers(float_model, tiers):
-    small = kvlab.Model(float_model.config, float_model.weights.converted("q8_0"))
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_0", "q4_1", "mixed"])
+def test_int8_activations_agree_on_every_path_and_both_tiers(float_model, tiers, fmt):
+    stored = (mixed(float_model.weights) if fmt == "mixed"
+              else float_model.weights.converted(fmt))
+    small = kvlab.Model(float_model.config, stored)
     assert small.activations == "int8" and "int8 activations" in repr(small)
     results = {}
     for tier in tiers:
@@ -112,7 +126,8 @@ def test_int8_activations_agree_on_every_path_and_both_tiers(float_model, tiers)
     assert (got.argmax(-1) == exact["cached"].argmax(-1)).mean() >= 0.75
 
 
-@pytest.mark.parametrize("fmt, int8", [("fp16", False), ("q8_0", False), ("q8_0", True)])
+@pytest.mark.parametrize("fmt, int8", [("fp16", False), ("q8_0", False), ("q8_0", True),
+                                       ("q4_0", True), ("q4_1", False), ("q4_1", True)])
 def test_the_bytes_read_and_the_scratch_are_counted_per_format(float_model, fmt, int8):
     stored = float_model.weights.converted(fmt)
     small = kvlab.Model(float_model.config, stored, activations="int8" if int8 else "fp32")
@@ -149,15 +164,24 @@ def test_what_does_not_fit_is_refused_by_name(float_model):
             core.Model(config_dict, arrays, formats={name: "fp16"})
     with pytest.raises(ValueError, match="activations must be"):
         kvlab.Model(config, weights, activations="int4")
-    with pytest.raises(ValueError, match="goes with Q8_0 weights"):
+    with pytest.raises(ValueError, match="goes with Q8_0, Q4_0 or Q4_1 weights"):
         kvlab.Model(config, weights.converted("fp16"), activations="int8")
     with pytest.raises(ValueError, match="weights must be one of"):
         kvlab.load(weights="int4")
+    with pytest.raises(WeightsError, match="'token_embedding' cannot be stored as q4_1: "
+                                           ".*whole number of blocks"):
+        kvlab.Weights.random(odd).converted("q4_1")
+    arrays["wq"] = wf.as_bytes(weights.converted("q4_0").wq)[..., :-1]   # a byte short a row
+    with pytest.raises(WeightsError, match="wq"):
+        core.Model(config_dict, arrays, formats={"wq": "q4_0"})
+    arrays["wq"] = wf.as_bytes(weights.converted("q4_1").wq)              # q4_1's row bytes
+    with pytest.raises(WeightsError, match="wq"):
+        core.Model(config_dict, arrays, formats={"wq": "q4_0"})
 
 
 def test_load_stores_the_bundled_model_in_fewer_bytes_and_it_still_writes():
     full = kvlab.load()
-    for name, fmt in (("int8", "q8_0"), ("bf16", "bf16")):
+    for name, fmt in (("int8", "q8_0"), ("bf16", "bf16"), ("q4_0", "q4_0"), ("q4_1", "q4_1")):
         small = kvlab.load(weights=name)
         assert small.weight_format == fmt and small.weights_nbytes < 0.55 * full.weights_nbytes
         text = kvlab.generate(small, "ROMEO:", max_new_tokens=20).text
@@ -169,12 +193,15 @@ def test_load_stores_the_bundled_model_in_fewer_bytes_and_it_still_writes():
 
 
 @pytest.mark.parametrize("fmt, activations", [("fp16", "fp32"), ("bf16", "fp32"),
-                                              ("q8_0", "fp32"), ("q8_0", "int8")])
+                                              ("q8_0", "fp32"), ("q8_0", "int8"),
+                                              ("q4_0", "int8"), ("q4_1", "int8"),
+                                              ("q4_1", "fp32"), ("mixed", "int8")])
 def test_the_thread_count_changes_no_bit(fmt, activations):
     # wide enough that a decode step's products are split between threads
     config = kvlab.ModelConfig(dim=256, hidden_dim=512, n_layers=1, n_heads=4, n_kv_heads=2,
                                head_dim=64, vocab_size=512, max_seq_len=64)
-    small = kvlab.Model(config, kvlab.Weights.random(config, seed=9).converted(fmt),
+    weights = kvlab.Weights.random(config, seed=9)
+    small = kvlab.Model(config, mixed(weights) if fmt == "mixed" else weights.converted(fmt),
                         activations=activations)
     before = kvlab.get_num_threads()
     try:

@@ -62,7 +62,7 @@ static int take_weight(PyObject *weights, PyObject *formats, const weight_spec *
         size_t row_bytes = kv_weight_row_bytes(format, in_dim);
         if (row_bytes == 0) {
             PyErr_Format(kv_py_error.weights, "weight %s: rows of %d values do not suit %s "
-                         "(q8_0 needs a multiple of 32)", spec->name, in_dim,
+                         "(q8_0, q4_0 and q4_1 need a multiple of 32)", spec->name, in_dim,
                          kv_py_weight_format_names[format]);
             return -1;
         }
@@ -602,9 +602,10 @@ PyTypeObject kv_py_model_type = {
     .tp_name = "kvlab._kvlab.Model",
     .tp_doc = PyDoc_STR("Model(config: dict, weights: dict, formats=None, int8_activations=False)\n\n"
                         "The C forward pass over weights borrowed from NumPy arrays: float32,\n"
-                        "or for a matrix named in formats ('fp16', 'bf16', 'q8_0') uint8 rows as\n"
-                        "kvlab.weight_formats.quantize writes them. int8_activations: products\n"
-                        "with q8_0 matrices quantize the activations to int8 too.\n"
+                        "or for a matrix named in formats ('fp16', 'bf16', 'q8_0', 'q4_0', 'q4_1')\n"
+                        "uint8 rows as kvlab.weight_formats.quantize writes them.\n"
+                        "int8_activations: products with q8_0, q4_0 and q4_1 matrices quantize\n"
+                        "the activations to int8 too.\n"
                         "Usually made by kvlab.load()."),
     .tp_basicsize = sizeof(ModelObject),
     .tp_flags = Py_TPFLAGS_DEFAULT,

@@ -235,10 +235,11 @@ static PyMethodDef module_methods[] = {
     {"matmul", kv_py_matmul, METH_VARARGS,
      "matmul(x, w, format) -> x @ dequantize(w).T: x float32 (n_tokens, in_dim), w float32\n"
      "(out_dim, in_dim) for 'fp32', else uint8 (out_dim, row bytes) as\n"
-     "kvlab.weight_formats.quantize writes it ('fp16', 'bf16', 'q8_0'); on the kernel tier\n"
-     "set by set_kernels. Equal bit for bit to the fp32 product over the dequantized matrix.\n"
-     "matmul(x, w, 'q8_0', 'int8') quantizes x to int8 per block of 32 and sums integer\n"
-     "products instead (kvlab.weight_formats.matmul_int8 is its NumPy twin)."},
+     "kvlab.weight_formats.quantize writes it ('fp16', 'bf16', 'q8_0', 'q4_0', 'q4_1'); on\n"
+     "the kernel tier set by set_kernels. Equal bit for bit to the fp32 product over the\n"
+     "dequantized matrix. matmul(x, w, 'q8_0' | 'q4_0' | 'q4_1', 'int8') quantizes x to int8\n"
+     "per block of 32 and sums integer products instead (kvlab.weight_formats.matmul_int8\n"
+     "is its NumPy twin)."},
     {"set_num_threads", py_set_num_threads, METH_O, "Threads used by the C core."},
     {"get_num_threads", py_get_num_threads, METH_NOARGS, "Threads used by the C core."},
     {"set_kernels", py_set_kernels, METH_O,

@@ -7,16 +7,18 @@
 #include <string.h>
 
 const char *const kv_py_weight_format_names[] = {[KV_WEIGHT_F32] = "fp32", [KV_WEIGHT_F16] = "fp16",
-                                                  [KV_WEIGHT_BF16] = "bf16", [KV_WEIGHT_Q8_0] = "q8_0"};
+                                                  [KV_WEIGHT_BF16] = "bf16", [KV_WEIGHT_Q8_0] = "q8_0",
+                                                  [KV_WEIGHT_Q4_0] = "q4_0", [KV_WEIGHT_Q4_1] = "q4_1"};
 
 int kv_py_parse_weight_format(const char *name, kv_weight_format *format) {
-    for (int f = KV_WEIGHT_F32; f <= KV_WEIGHT_Q8_0; f++)
+    for (int f = KV_WEIGHT_F32; f <= KV_WEIGHT_LAST; f++)
         if (name != NULL && strcmp(name, kv_py_weight_format_names[f]) == 0) {
             *format = (kv_weight_format)f;
             return 0;
         }
     if (!PyErr_Occurred())
-        PyErr_Format(PyExc_ValueError, "weight format must be fp32, fp16, bf16 or q8_0, got '%s'",
+        PyErr_Format(PyExc_ValueError, "weight format must be fp32, fp16, bf16, q8_0, q4_0 or q4_1, "
+                     "got '%s'",
                      name);
     return -1;
 }
@@ -33,8 +35,9 @@ PyObject *kv_py_matmul(PyObject *module, PyObject *args) {
     }
     kv_weight_format format;
     if (kv_py_parse_weight_format(name, &format) < 0) return NULL;
-    if (int8 && format != KV_WEIGHT_Q8_0) {
-        PyErr_Format(PyExc_ValueError, "int8 activations go with q8_0 weights, not '%s'", name);
+    if (int8 && format != KV_WEIGHT_Q8_0 && format != KV_WEIGHT_Q4_0 && format != KV_WEIGHT_Q4_1) {
+        PyErr_Format(PyExc_ValueError, "int8 activations go with q8_0, q4_0 or q4_1 weights, "
+                     "not '%s'", name);
         return NULL;
     }
     PyArrayObject *x = kv_py_array(x_obj, &(kv_py_array_spec){
@@ -44,7 +47,7 @@ PyObject *kv_py_matmul(PyObject *module, PyObject *args) {
     int n_tokens = (int)PyArray_DIM(x, 0), in_dim = (int)PyArray_DIM(x, 1);
     size_t row_bytes = kv_weight_row_bytes((kv_weight_format)format, in_dim);
     if (row_bytes == 0)
-        return kv_py_raise(KV_ERR_INVALID_ARG, "in_dim %d does not suit %s (q8_0 needs a "
+        return kv_py_raise(KV_ERR_INVALID_ARG, "in_dim %d does not suit %s (q8_0, q4_0 and q4_1 need a "
                            "multiple of 32)", in_dim, name);
     PyArrayObject *w = kv_py_array(w_obj, &(kv_py_array_spec){
         .name = "w", .type = format == KV_WEIGHT_F32 ? NPY_FLOAT32 : NPY_UINT8, .ndim = 2,
@@ -59,8 +62,8 @@ PyObject *kv_py_matmul(PyObject *module, PyObject *args) {
     if (int8)
         status = kv_weights_matmul_int8((float *)PyArray_DATA((PyArrayObject *)out),
                                         (const float *)PyArray_DATA(x),
-                                        (const uint8_t *)PyArray_DATA(w), n_tokens, in_dim,
-                                        (int)dims[1]);
+                                        (const uint8_t *)PyArray_DATA(w), format, n_tokens,
+                                        in_dim, (int)dims[1]);
     else
         status = kv_weights_matmul((float *)PyArray_DATA((PyArrayObject *)out),
                                    (const float *)PyArray_DATA(x), (const uint8_t *)PyArray_DATA(w),

@@ -45,7 +45,7 @@ def load_checkpoint(path: "str | os.PathLike[str]",
     """(config, weights, tokenizer) from a checkpoint file or folder.
 
     Matrices come in the checkpoint's own format where the core reads it: fp32, fp16 and
-    bf16 safetensors, GGUF F32, F16, BF16 and Q8_0. weight_format: the format the caller
+    bf16 safetensors, GGUF F32, F16, BF16, Q8_0, Q4_0 and Q4_1. weight_format: the format the caller
     will store the matrices in (kvlab.load converts them afterwards), or None; a GGUF tensor
     type the core cannot read (Q4_K, ...) is dequantized straight to it (to q8_0 when None,
     fp16 for rows that are not whole Q8_0 blocks), with a warning that says what it cost.

@@ -8,15 +8,19 @@ metadata keys and tensor names onto kvlab's ModelConfig and Weights. Two things 
     llama2.c / Meta one), so GGUF models use rope_interleaved=True.
 Not here: architectures other than "llama", and RoPE scaling stored in GGUF (rope_freqs).
 
-Tensor types. kvlab's core reads four of GGUF's types as they are (kvlab.weight_formats):
-F32, F16, BF16 and Q8_0 (fp32, fp16, bf16, q8_0, byte for byte). A matrix whose layers all
-have one of these types keeps it. Any other type (Q4_0, Q4_1, Q5_0, Q5_1, the K-quants Q2_K
-.. Q6_K, the IQ types, ...) is dequantized with the gguf package, a few megabytes at a time,
-and stored in a format the core reads: `weight_format` (kvlab.load's weights=), q8_0 when
-that is None, fp16 where a row is not a whole number of Q8_0 blocks. So is a matrix whose
-layers differ in type (Q4_K_M files mix Q4_K and Q6_K). That costs memory (q8_0 takes 8.5
-bits a weight, Q4_K 4.5) and time (NumPy, not C), so one warning says what it cost. The norm
-vectors are always float32, whatever their type in the file.
+Tensor types. kvlab's core reads six of GGUF's types as they are (kvlab.weight_formats):
+F32, F16, BF16, Q8_0, Q4_0 and Q4_1 (fp32, fp16, bf16, q8_0, q4_0, q4_1, byte for byte). A
+matrix whose layers all have one of these types keeps it: these are the types whose blocks
+are 32 values with one or two half scales, which the core's kernels unpack (nibbles with an
+and and a shift) and multiply against int8 activations directly. Any other type (Q5_0,
+Q5_1, the K-quants Q2_K .. Q6_K, the IQ types, ...) is dequantized with the gguf package, a
+few megabytes at a time, and stored in a format the core reads: `weight_format`
+(kvlab.load's weights=), q8_0 when that is None, fp16 where a row is not a whole number of
+Q8_0 blocks. The K-quants' 256-value super-blocks with 6-bit sub-scales (and Q5's fifth bit
+kept apart) need kernels of their own, left for later. So is a matrix whose layers differ
+in type (Q4_K_M files mix Q4_K and Q6_K). That costs memory (q8_0 takes 8.5 bits a weight,
+Q4_K 4.5) and time (NumPy, not C), so one warning says what it cost. The norm vectors are
+always float32, whatever their type in the file.
 
 The weights are copies, never views of the file: the core wants one pointer that reaches
 every layer of a matrix (Weights stacks them), and a GGUF file stores each layer as a tensor
@@ -70,7 +74,8 @@ GGUF_GLOBAL_NAMES = {
 
 
 # GGUF tensor types the core reads as they are -> the kvlab weight format of the same bytes.
-_KEPT_TYPES = {"F32": "fp32", "F16": "fp16", "BF16": "bf16", "Q8_0": "q8_0"}
+_KEPT_TYPES = {"F32": "fp32", "F16": "fp16", "BF16": "bf16", "Q8_0": "q8_0", "Q4_0": "q4_0",
+               "Q4_1": "q4_1"}
 # Rows are dequantized about this many bytes of float32 values at a time: the gguf package
 # makes a few temporaries of that size, so a 500 MB token_embd needs no gigabytes of scratch.
 _DEQUANTIZE_CHUNK_BYTES = 16 << 20
@@ -80,8 +85,8 @@ def load_gguf(path: "str | os.PathLike[str]", weight_format: Optional[str] = Non
               ) -> Tuple[ModelConfig, Weights, Any]:
     """(config, weights, tokenizer or None) from a llama GGUF file.
 
-    A matrix keeps its GGUF type where the core reads it as it is (F32, F16, BF16, Q8_0:
-    fp32, fp16, bf16, q8_0). Any other type is dequantized and stored as `weight_format`
+    A matrix keeps its GGUF type where the core reads it as it is (F32, F16, BF16, Q8_0,
+    Q4_0, Q4_1: fp32, fp16, bf16, q8_0, q4_0, q4_1). Any other type is dequantized and stored as `weight_format`
     (None: q8_0, or fp16 for rows that are not whole Q8_0 blocks), with one warning that
     says what it cost. The norm vectors are float32."""
     if weight_format is not None and weight_format not in weight_formats.FORMATS:
@@ -509,7 +514,7 @@ def _copy_kept(target: np.ndarray, tensor: Any, fmt: str, big_endian: bool) -> N
         # gguf gives F32 and F16 typed, in the file's byte order; assigning converts it
         target[...] = data.reshape(target.shape)
         return
-    # BF16 and Q8_0 come as raw bytes, (rows, bytes a row), which are the format's bytes
+    # BF16, Q8_0, Q4_0 and Q4_1 come as raw bytes, (rows, bytes a row): the format's bytes
     _refuse_big_endian(tensor, big_endian)
     target_bytes = target.view(np.uint8)
     target_bytes[...] = data.reshape(target_bytes.shape)
@@ -547,8 +552,8 @@ def _float32_values(tensor: Any, data: np.ndarray, big_endian: bool) -> np.ndarr
         return dequantize(data, tensor.tensor_type)
     except NotImplementedError:
         raise CheckpointError(f"tensor {tensor.name!r} has type {kind}, which the gguf package "
-                              "cannot dequantize (kvlab reads F32, F16, BF16 and Q8_0 as they "
-                              "are, and dequantizes the types gguf.quants knows)") from None
+                              "cannot dequantize (kvlab reads F32, F16, BF16, Q8_0, Q4_0 and "
+                              "Q4_1 as they are, and dequantizes the types gguf.quants knows)") from None
 
 
 def _big_endian(reader: Any) -> bool:
@@ -597,8 +602,8 @@ class _DequantizeCost:
             types = f"of types {', '.join(listed[:-1])} and {listed[-1]}"
         formats = " and ".join(self.formats)
         return (f"dequantized {self.tensors} GGUF tensors {types} with the gguf package "
-                f"in {self.seconds:.2f} s (kvlab's core reads F32, F16, BF16 and Q8_0 as they "
-                f"are, one type for all layers of a matrix); stored as {formats}, they take "
+                f"in {self.seconds:.2f} s (kvlab's core reads F32, F16, BF16, Q8_0, Q4_0 and "
+                f"Q4_1 as they are, one type for all layers of a matrix); stored as {formats}, they take "
                 f"{_bytes_text(self.stored_bytes)}, against {_bytes_text(self.file_bytes)} in "
                 f"the file ({self.stored_bytes / max(1, self.file_bytes):.2f}x). "
                 "kvlab.load(path, weights=...) chooses the format they are stored in.")

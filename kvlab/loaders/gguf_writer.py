@@ -3,8 +3,8 @@
     save_gguf("model-q8_0.gguf", model.config, model.weights.converted("q8_0"))
 
 Each matrix is written in the format it is stored in, its bytes as they are: float32 as
-F32, fp16 as F16, bf16 as BF16 and Q8_0 as Q8_0, which is GGUF's own layout (so a Q8_0
-model written here and read back holds the same bytes, and llama.cpp reads the same
+F32, fp16 as F16, bf16 as BF16 and Q8_0, Q4_0, Q4_1 as themselves, GGUF's own layouts (so a
+Q8_0 model written here and read back holds the same bytes, and llama.cpp reads the same
 numbers). The norms are F32. GGUF keeps RoPE's pairs interleaved (llama.cpp's converter
 permutes q and k rows to that layout), so a model with Hugging Face's rotate-half layout
 has its Wq and Wk rows permuted on the way out, as that converter does.
@@ -31,7 +31,8 @@ from .gguf import GGUF_GLOBAL_NAMES, GGUF_LAYER_NAMES
 from .huggingface import half_to_interleaved
 
 # kvlab's format -> the GGML tensor type that holds the same bytes
-_GGML_TYPES = {"fp32": "F32", "fp16": "F16", "bf16": "BF16", "q8_0": "Q8_0"}
+_GGML_TYPES = {"fp32": "F32", "fp16": "F16", "bf16": "BF16", "q8_0": "Q8_0", "q4_0": "Q4_0",
+               "q4_1": "Q4_1"}
 
 
 def save_gguf(path: "str | os.PathLike[str]", config: ModelConfig, weights: Weights,

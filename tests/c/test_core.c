@@ -1101,17 +1101,33 @@ static void test_pool_swap(const kv_cache_format *format) {
     free_model(&tm);
 }
 
-/* A weight matrix in fp16, bf16 or Q8_0 gives, bit for bit, the float32 product over its
+/* A weight matrix in fp16, bf16, Q8_0, Q4_0 or Q4_1 gives, bit for bit, the float32 product over its
  * dequantized values, on both tiers, for a decode step and for a prefill, with leftover
  * columns (16-bit formats) and rows. */
 static void test_weight_formats(void) {
-    const kv_weight_format formats[] = {KV_WEIGHT_F32, KV_WEIGHT_F16, KV_WEIGHT_BF16, KV_WEIGHT_Q8_0};
+    const kv_weight_format formats[] = {KV_WEIGHT_F32, KV_WEIGHT_F16, KV_WEIGHT_BF16, KV_WEIGHT_Q8_0,
+                                        KV_WEIGHT_Q4_0, KV_WEIGHT_Q4_1};
     const int in_dims[] = {64, 70, 96};
     const int token_counts[] = {1, 3, 5, 17};
     int out_dim = 13;
     CHECK(kv_weight_row_bytes(KV_WEIGHT_Q8_0, 70) == 0 && kv_weight_row_bytes(KV_WEIGHT_Q8_0, 64) == 68);
     CHECK(kv_weight_row_bytes(KV_WEIGHT_BF16, 70) == 140 && kv_weight_row_bytes(KV_WEIGHT_F32, 0) == 0);
-    for (int f = 0; f < 4; f++)
+    CHECK(kv_weight_row_bytes(KV_WEIGHT_Q4_0, 64) == 36 && kv_weight_row_bytes(KV_WEIGHT_Q4_1, 64) == 40);
+    CHECK(kv_weight_row_bytes(KV_WEIGHT_Q4_0, 48) == 0 && kv_weight_row_bytes(KV_WEIGHT_Q4_1, 70) == 0);
+    {   /* GGUF's nibble order: byte j holds value j (low nibble) and value j + 16 (high) */
+        uint8_t block[20] = {0};
+        uint16_t d = kv_f32_to_f16(0.5f), m = kv_f32_to_f16(-1.0f);
+        memcpy(block, &d, 2);
+        memcpy(block + 2, &m, 2);
+        block[2 + 3] = 0x9 | 0xF << 4;             /* Q4_0: value 3 is 9, value 19 is 15 */
+        float v[32];
+        kv_weight_row_dequantize(KV_WEIGHT_Q4_0, block, 32, v);
+        CHECK(v[3] == 0.5f && v[19] == 3.5f && v[0] == -4.0f);
+        block[4 + 3] = 0x2 | 0x7 << 4;             /* Q4_1: value 3 is 2, value 19 is 7 */
+        kv_weight_row_dequantize(KV_WEIGHT_Q4_1, block, 32, v);
+        CHECK(v[3] == 0.0f && v[19] == 2.5f && v[0] == -1.0f);
+    }
+    for (int f = 0; f < 6; f++)
         for (int d = 0; d < 3; d++) {
             int in_dim = in_dims[d];
             size_t row_bytes = kv_weight_row_bytes(formats[f], in_dim);
@@ -1135,6 +1151,16 @@ static void test_weight_formats(void) {
                     memcpy(row + 34 * b, &scale, 2);
                     for (int i = 0; i < 32; i++)
                         row[34 * b + 2 + i] = (uint8_t)(int8_t)((o * 31 + b * 7 + i * 13) % 255 - 127);
+                }
+                int q4_header = formats[f] == KV_WEIGHT_Q4_1 ? 4 : 2;
+                size_t q4_bytes = kv_weight_block_bytes(formats[f]);
+                for (int b = 0; formats[f] >= KV_WEIGHT_Q4_0 && b < in_dim / 32; b++) {
+                    uint16_t d = kv_f32_to_f16(0.01f * (float)(b + o + 1));
+                    uint16_t m = kv_f32_to_f16(-0.07f * (float)(b - o));
+                    memcpy(row + q4_bytes * b, &d, 2);
+                    memcpy(row + q4_bytes * b + 2, &m, 2);   /* Q4_0: the first code byte */
+                    for (int i = q4_header; i < (int)q4_bytes; i++)
+                        row[q4_bytes * b + i] = (uint8_t)((o * 37 + b * 11 + i * 29) % 256);
                 }
                 kv_weight_row_dequantize(formats[f], row, in_dim, values + (size_t)o * in_dim);
             }
@@ -1177,27 +1203,42 @@ static void test_weight_formats(void) {
         CHECK(intact);
         free(scratch); free(w16); free(xs); free(ys);
     }
-    /* Q8_0 against int8 activations: the fast tier gives the plain tier's bits */
-    int in_dim = 96, n_tokens = 3;
-    size_t row_bytes = kv_weight_row_bytes(KV_WEIGHT_Q8_0, in_dim);
-    uint8_t *w = malloc(row_bytes * out_dim);
-    for (int o = 0; o < out_dim; o++)
-        for (int b = 0; b < in_dim / 32; b++) {
-            uint16_t scale = kv_f32_to_f16(0.02f * (float)(b + o + 1));
-            memcpy(w + row_bytes * o + 34 * b, &scale, 2);
-            for (int i = 0; i < 32; i++)
-                w[row_bytes * o + 34 * b + 2 + i] = (uint8_t)(int8_t)((o * 29 + b * 5 + i * 11) % 255 - 127);
-        }
-    float *x = random_floats((size_t)n_tokens * in_dim, 2.0f);
-    float *fast = malloc(sizeof(float) * n_tokens * out_dim), *plain = malloc(sizeof(float) * n_tokens * out_dim);
+    /* Q8_0, Q4_0 and Q4_1 against int8 activations: the fast tier gives the plain tier's
+     * bits, for 1, 2, 3 and 5 tokens (pairs and a lone one) and 13 rows (four runs and a
+     * leftover); any bytes at all as codes */
+    const kv_weight_format blocks[] = {KV_WEIGHT_Q8_0, KV_WEIGHT_Q4_0, KV_WEIGHT_Q4_1};
+    const int int8_tokens[] = {1, 2, 3, 5};
+    int in_dim = 96;
     kv_kernels before = kv_get_kernels();
-    CHECK(kv_weights_matmul_int8(fast, x, w, n_tokens, in_dim, out_dim) == KV_OK);
-    kv_set_kernels(KV_KERNELS_PLAIN);
-    CHECK(kv_weights_matmul_int8(plain, x, w, n_tokens, in_dim, out_dim) == KV_OK);
-    kv_set_kernels(before);
-    CHECK(memcmp(fast, plain, sizeof(float) * n_tokens * out_dim) == 0);
-    CHECK(kv_weights_matmul_int8(fast, x, w, n_tokens, 70, out_dim) == KV_ERR_INVALID_ARG);
-    free(w); free(x); free(fast); free(plain);
+    for (int f = 0; f < 3; f++)
+        for (int n = 0; n < 4; n++) {
+            int n_tokens = int8_tokens[n];
+            size_t row_bytes = kv_weight_row_bytes(blocks[f], in_dim);
+            size_t block_bytes = kv_weight_block_bytes(blocks[f]);
+            uint8_t *w = malloc(row_bytes * out_dim);
+            for (int o = 0; o < out_dim; o++)
+                for (int b = 0; b < in_dim / 32; b++) {
+                    uint8_t *block = w + row_bytes * o + block_bytes * b;
+                    for (size_t i = 0; i < block_bytes; i++)
+                        block[i] = (uint8_t)((o * 29 + b * 5 + (int)i * 11 + f) % 255);
+                    uint16_t scale = kv_f32_to_f16(0.02f * (float)(b + o + 1));
+                    uint16_t min = kv_f32_to_f16(-0.3f * (float)(b - o + 2));
+                    memcpy(block, &scale, 2);
+                    if (blocks[f] == KV_WEIGHT_Q4_1) memcpy(block + 2, &min, 2);
+                }
+            float *x = random_floats((size_t)n_tokens * in_dim, 2.0f);
+            float *fast = malloc(sizeof(float) * n_tokens * out_dim);
+            float *plain = malloc(sizeof(float) * n_tokens * out_dim);
+            CHECK(kv_weights_matmul_int8(fast, x, w, blocks[f], n_tokens, in_dim, out_dim) == KV_OK);
+            kv_set_kernels(KV_KERNELS_PLAIN);
+            CHECK(kv_weights_matmul_int8(plain, x, w, blocks[f], n_tokens, in_dim, out_dim) == KV_OK);
+            kv_set_kernels(before);
+            CHECK(memcmp(fast, plain, sizeof(float) * n_tokens * out_dim) == 0);
+            CHECK(kv_weights_matmul_int8(fast, x, w, blocks[f], n_tokens, 70, out_dim) == KV_ERR_INVALID_ARG);
+            CHECK(kv_weights_matmul_int8(fast, x, w, KV_WEIGHT_F16, n_tokens, 64, out_dim) ==
+                  KV_ERR_INVALID_ARG);
+            free(w); free(x); free(fast); free(plain);
+        }
 }
 
 /* n_rows rows of in_dim floats written in `format` (Q8_0 as ggml quantizes: a half scale
@@ -1209,7 +1250,8 @@ static uint8_t *encode_rows(const float *src, size_t n_rows, int in_dim, kv_weig
     for (size_t o = 0; o < n_rows; o++) {
         uint8_t *row = out + row_bytes * o;
         const float *x = src + o * in_dim;
-        for (int i = 0; format != KV_WEIGHT_Q8_0 && i < in_dim; i++) {
+        int blocks = format == KV_WEIGHT_Q8_0 || format == KV_WEIGHT_Q4_0 || format == KV_WEIGHT_Q4_1;
+        for (int i = 0; !blocks && i < in_dim; i++) {
             uint16_t code = format == KV_WEIGHT_F16 ? kv_f32_to_f16(x[i]) : kv_f32_to_bf16(x[i]);
             memcpy(row + 2 * i, &code, 2);
         }
@@ -1220,6 +1262,29 @@ static uint8_t *encode_rows(const float *src, size_t n_rows, int in_dim, kv_weig
             uint16_t scale = kv_f32_to_f16(d);
             memcpy(row + 34 * b, &scale, 2);
             for (int i = 0; i < 32; i++) row[34 * b + 2 + i] = (uint8_t)(int8_t)roundf(x[32 * b + i] * inverse);
+        }
+        size_t q4_bytes = kv_weight_block_bytes(format);
+        for (int b = 0; (format == KV_WEIGHT_Q4_0 || format == KV_WEIGHT_Q4_1) && b < in_dim / 32; b++) {
+            /* min and max: Q4_1 codes (x - min) / d, d = (max - min) / 15; Q4_0 codes x / d + 8,
+             * d = max|x| / 8 (not ggml's choice of sign, which does not matter here) */
+            float lo = x[32 * b], hi = x[32 * b], amax = 0.0f;
+            for (int i = 0; i < 32; i++) {
+                lo = fminf(lo, x[32 * b + i]);
+                hi = fmaxf(hi, x[32 * b + i]);
+                amax = fmaxf(amax, fabsf(x[32 * b + i]));
+            }
+            int q4_1 = format == KV_WEIGHT_Q4_1;
+            float d = q4_1 ? (hi - lo) / 15.0f : amax / 8.0f, inverse = d > 0.0f ? 1.0f / d : 0.0f;
+            uint16_t d_half = kv_f32_to_f16(d), m_half = kv_f32_to_f16(lo);
+            uint8_t *block = row + q4_bytes * b, *codes = block + (q4_1 ? 4 : 2);
+            memcpy(block, &d_half, 2);
+            if (q4_1) memcpy(block + 2, &m_half, 2);
+            memset(codes, 0, 16);
+            for (int i = 0; i < 32; i++) {
+                float q = q4_1 ? (x[32 * b + i] - lo) * inverse + 0.5f : x[32 * b + i] * inverse + 8.5f;
+                int code = q < 0.0f ? 0 : q > 15.0f ? 15 : (int)q;
+                codes[i % 16] |= (uint8_t)(code << (i < 16 ? 0 : 4));
+            }
         }
         kv_weight_row_dequantize(format, row, in_dim, values + o * in_dim);
     }
@@ -1238,7 +1303,7 @@ static void run_ten(const kv_model *m, const int32_t *tokens, float *logits) {
     kv_cache_free(&cache);
 }
 
-/* A model whose matrices are fp16, bf16 or Q8_0 gives, bit for bit, the logits of the
+/* A model whose matrices are fp16, bf16, Q8_0, Q4_0 or Q4_1 gives, bit for bit, the logits of the
  * float32 model over their dequantized values (float32 activations); on both tiers;
  * prefill and decode alike, and paged alike; with int8 activations the tiers agree and
  * prefill equals decode. */
@@ -1250,9 +1315,10 @@ static void test_model_weight_formats(void) {
     size_t Q = (size_t)c->n_heads * c->head_dim, KV = (size_t)c->n_kv_heads * c->head_dim;
     int32_t tokens[10];
     for (int i = 0; i < 10; i++) tokens[i] = (int32_t)(i * 11 % (int)V);
-    kv_weight_format formats[] = {KV_WEIGHT_F16, KV_WEIGHT_BF16, KV_WEIGHT_Q8_0};
+    kv_weight_format formats[] = {KV_WEIGHT_F16, KV_WEIGHT_BF16, KV_WEIGHT_Q8_0, KV_WEIGHT_Q4_0,
+                                  KV_WEIGHT_Q4_1};
     kv_kernels before = kv_get_kernels();
-    for (int f = 0; f < 3; f++) {
+    for (int f = 0; f < 5; f++) {
         kv_model stored = tm.model, dequantized = tm.model;
         kv_matrix *matrices[] = {&stored.weights.token_embedding, &stored.weights.wq,
                                  &stored.weights.wk, &stored.weights.wv, &stored.weights.wo,
@@ -1299,9 +1365,10 @@ static void test_model_weight_formats(void) {
                                         &float_counts) == KV_OK);
         /* the bytes read shrink with the matrices (1/2, or 34/128), the norms stay float32 */
         double ratio = (double)counts.weight_bytes / (double)float_counts.weight_bytes;
-        double least = formats[f] == KV_WEIGHT_Q8_0 ? 34.0 / 128.0 : 0.5;
+        double least = formats[f] == KV_WEIGHT_F16 || formats[f] == KV_WEIGHT_BF16
+                           ? 0.5 : (double)kv_weight_block_bytes(formats[f]) / 128.0;
         CHECK(ratio > least && ratio < least * 1.05 && counts.flops_mlp == float_counts.flops_mlp);
-        if (formats[f] == KV_WEIGHT_Q8_0) {   /* int8 activations: prefill = decode, tiers agree */
+        if (kv_weight_takes_int8(formats[f])) {   /* int8 activations: prefill = decode, tiers agree */
             stored.int8_activations = 1;
             float *stepped = malloc(sizeof(float) * n);
             run_ten(&stored, tokens, got);
@@ -1318,10 +1385,9 @@ static void test_model_weight_formats(void) {
             CHECK(memcmp(got, plain, sizeof(float) * n) == 0);
             free(stepped);
         }
-        /* a Q8_0 matrix whose rows are not whole blocks is refused */
-        stored.weights.w2.format = KV_WEIGHT_Q8_0;
+        /* a block-format matrix whose rows are not whole blocks is refused */
         stored.config.hidden_dim = 80;
-        if (formats[f] == KV_WEIGHT_Q8_0) CHECK(kv_model_check(&stored) == KV_ERR_INVALID_ARG);
+        if (kv_weight_takes_int8(formats[f])) CHECK(kv_model_check(&stored) == KV_ERR_INVALID_ARG);
         free(want); free(got); free(plain); free(paged);
         for (int i = 0; i < 18; i++) free(buffers[i]);
     }
