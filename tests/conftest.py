@@ -40,6 +40,21 @@ def shared_models() -> Path:
     return path
 
 
+# The one place tests find SmolLM2-135M-Instruct's GGUF file (a 'gpt2' byte-level vocabulary,
+# pre-tokenizer 'smollm'): KVLAB_SMOLLM2_GGUF names the file. To be pointed at kvlab's model
+# fetcher once there is one.
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> Path:
+    named = os.environ.get("KVLAB_SMOLLM2_GGUF")
+    if not named:
+        pytest.skip("SmolLM2's GGUF file is not given (set KVLAB_SMOLLM2_GGUF to "
+                    "SmolLM2-135M-Instruct.Q4_1.gguf)")
+    path = Path(named).expanduser()
+    if not path.is_file():
+        pytest.skip(f"SmolLM2's GGUF file not found at {path} (KVLAB_SMOLLM2_GGUF)")
+    return path
+
+
 # ---- golden stories260K tokenization and greedy output (from ../shared/models/README.md) ----
 class Golden:
     prompt = "Once upon a time"
