@@ -173,8 +173,9 @@ def from_gguf(reader: Any) -> GGUFTokenizer:
             raise TokenizerError("GGUF file has neither tokenizer.ggml.scores nor "
                                  "tokenizer.ggml.merges for its 'llama' vocabulary")
         add_space_prefix = _flag(reader, "tokenizer.ggml.add_space_prefix", True)
-        pipeline = _sentencepiece(tokens, vocab, merges or _merges_from_scores(tokens, scores, special),
-                                  ids["unknown"], add_space_prefix)
+        if merges is None:   # the usual case: SentencePiece stores scores, not merges
+            merges = _merges_from_scores(tokens, scores, special)
+        pipeline = _sentencepiece(tokens, vocab, merges, ids["unknown"], add_space_prefix)
         add_bos_default = True          # llama.cpp: an SPM vocabulary adds BOS
     else:
         pre = _string(reader, "tokenizer.ggml.pre") or "default"  # llama.cpp's fallback too
@@ -299,6 +300,11 @@ def _merges(reader: Any, vocab: Dict[str, int]) -> Optional[List[Tuple[str, str]
 # ---------------------------------------------------------------------------------------
 # Building the pipelines
 # ---------------------------------------------------------------------------------------
+# SentencePiece's own limit on a piece is 16 characters by default (max_sentencepiece_length);
+# llama2.c's tokenizer.bin allows 1024 bytes (kvlab.tokenizer).
+_LONGEST_MERGED_PIECE = 1024
+
+
 def _merges_from_scores(tokens: Sequence[str], scores: Sequence[float],
                         special: set) -> List[Tuple[str, str]]:
     """The merges a SentencePiece BPE vocabulary implies.
@@ -310,9 +316,17 @@ def _merges_from_scores(tokens: Sequence[str], scores: Sequence[float],
     the product of a merge, nor a half of one, as in SentencePiece.
     """
     ids = {t: i for i, t in enumerate(tokens) if i not in special}
+    # Only a cut whose halves have lengths some piece has can give two pieces; and a piece
+    # longer than any real one (a corrupt file's megabyte string) would cost its length
+    # squared to cut, so it is left whole: no merge makes it.
+    lengths = sorted({len(t) for t in ids})
     ranked = []
     for piece, id in ids.items():
-        for cut in range(1, len(piece)):
+        if len(piece) > _LONGEST_MERGED_PIECE:
+            continue
+        for cut in lengths:
+            if cut >= len(piece):
+                break
             left, right = piece[:cut], piece[cut:]
             if left in ids and right in ids:
                 ranked.append((-float(scores[id]), id, cut, left, right))

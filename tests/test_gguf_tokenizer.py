@@ -343,3 +343,23 @@ def test_bos_default_follows_each_tokenizer() -> None:
     assert kvlab.tokenizer.ByteTokenizer().encode("ab") == [97, 98]
     model = kvlab.load()
     assert model.encode("ab") == model.tokenizer.encode("ab", bos=True)
+
+
+def test_llama_any_text_matches_the_readable_tokenizer(shared_models: Path) -> None:
+    """On any text (hypothesis draws them), the library pipeline of stories260K's vocabulary
+    gives the readable llama2.c tokenizer's ids and decodes back to the text."""
+    from hypothesis import assume, given, settings, strategies as st
+    reader = gguf.GGUFReader(shared_file(shared_models, "stories260K/stories260K.gguf"))
+    ours, readable = from_gguf(reader), SentencePieceBPE.from_gguf(reader)
+
+    @settings(max_examples=300, deadline=None)
+    @given(st.text(st.characters(blacklist_categories=("Cs",)), max_size=60)
+           | st.text("ab \n\t.,'0123456789éü日🙂<>/", max_size=60))
+    def check(text: str) -> None:
+        # the readable tokenizer spells special tokens out: texts without them
+        assume(not any(name in text for name in ours.special_tokens))
+        ids = ours.encode(text)
+        assert ids == readable.encode(text)
+        assert ours.decode(ids) == text
+
+    check()
