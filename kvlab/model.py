@@ -431,7 +431,9 @@ class Model:
                                  "or load it with tokenizer=PATH")
         return self.tokenizer
 
-    def encode(self, text: str, bos: bool = True) -> list:
+    def encode(self, text: str, bos: Optional[bool] = None) -> list:
+        """Token ids of `text`. bos None: BOS first if this model's tokenizer adds one (its
+        add_bos: llama2.c and SentencePiece vocabularies do, SmolLM2's does not)."""
         return self._require_tokenizer().encode(text, bos=bos)
 
     def forward_batch(self, seqs: Sequence[PagedSequence], chunks: Sequence[TokenArray],

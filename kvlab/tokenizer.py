@@ -3,8 +3,11 @@
 Three kinds, behind one small interface (`Tokenizer`):
   * ByteTokenizer     - one token per UTF-8 byte (vocab 256), for byte-level toy models.
   * SentencePieceBPE  - the llama2.c algorithm over a SentencePiece vocabulary (pieces and
-                        scores), read from a llama2.c `tokenizer.bin` or from a GGUF file.
+                        scores), read from a llama2.c `tokenizer.bin` (or, for study, from a
+                        GGUF file's 'llama' vocabulary).
   * HFTokenizer       - a thin wrapper around the `tokenizers` package for `tokenizer.json`.
+A GGUF file's own tokenizer, as kvlab.load uses it, is built with the `tokenizers` package
+from the file's metadata: kvlab.gguf_tokenizer.
 
 This module does not run models or load weights (see kvlab.loaders). It is written to be
 read: SentencePieceBPE is a faithful, readable re-statement of llama2.c's greedy merge rule,
@@ -30,9 +33,15 @@ class Tokenizer:
     vocab_size: int = 0
     bos_id: Optional[int] = None   # beginning-of-sequence token, None if the vocab has none
     eos_id: Optional[int] = None   # end-of-sequence token, None if the vocab has none
+    add_bos: bool = False          # what encode(text) does about BOS when not told
 
-    def encode(self, text: str, bos: bool = True) -> List[int]:
+    def encode(self, text: str, bos: Optional[bool] = None) -> List[int]:
+        """Token ids of `text`; BOS first if `bos`, or, when bos is None, if this tokenizer's
+        model expects one (add_bos)."""
         raise NotImplementedError
+
+    def _wants_bos(self, bos: Optional[bool]) -> bool:
+        return self.add_bos if bos is None else bool(bos)
 
     def decode(self, ids: Sequence[int]) -> str:
         """Text of a whole sequence of ids (a leading BOS is skipped)."""
@@ -66,7 +75,7 @@ class ByteTokenizer(Tokenizer):
 
     vocab_size = 256
 
-    def encode(self, text: str, bos: bool = True) -> List[int]:
+    def encode(self, text: str, bos: Optional[bool] = None) -> List[int]:
         return list(_utf8(text))
 
     def decode(self, ids: Sequence[int]) -> str:
@@ -111,6 +120,8 @@ class SentencePieceBPE(Tokenizer):
     decode(ids): concatenate pieces, `<0xXX>` pieces become raw bytes, BOS/EOS add no text,
     and the space right after a BOS is dropped (it was the dummy prefix).
     """
+
+    add_bos = True   # llama2.c and SentencePiece models were trained with BOS first
 
     def __init__(self, pieces: Sequence[str], scores: Sequence[float],
                  bos_id: Optional[int] = 1, eos_id: Optional[int] = 2,
@@ -168,7 +179,9 @@ class SentencePieceBPE(Tokenizer):
 
     @classmethod
     def from_gguf(cls, reader: Any) -> "SentencePieceBPE":
-        """Read the vocabulary embedded in a GGUF file (a `gguf.GGUFReader`)."""
+        """Read the vocabulary embedded in a GGUF file (a `gguf.GGUFReader`), to step through
+        the readable algorithm on it; kvlab.load builds a GGUF file's tokenizer with the
+        `tokenizers` package instead (kvlab.gguf_tokenizer), which gives the same ids."""
         model = _gguf_value(reader, "tokenizer.ggml.model")
         if model != "llama":
             raise TokenizerError(f"GGUF tokenizer model is {model!r}; only 'llama' "
@@ -197,11 +210,11 @@ class SentencePieceBPE(Tokenizer):
                    special_ids=special)
 
     # ---- encode --------------------------------------------------------------------------
-    def encode(self, text: str, bos: bool = True) -> List[int]:
+    def encode(self, text: str, bos: Optional[bool] = None) -> List[int]:
         _utf8(text)  # type and encodability check
         ids = self._initial_tokens(" " + text if text else "")
         ids = self._merge(ids)
-        if bos and self.bos_id is not None:
+        if self._wants_bos(bos) and self.bos_id is not None:
             ids.insert(0, self.bos_id)
         return ids
 
@@ -396,8 +409,11 @@ class HFTokenizer(Tokenizer):
     """A `tokenizers.Tokenizer` from tokenizer.json behind kvlab's interface.
 
     The file's own pipeline does the work (normalizer, pre-tokenizer, model, decoder);
-    we only add BOS ourselves, so `encode(bos=False)` means exactly no BOS.
+    we only add BOS ourselves, so `encode(bos=False)` means exactly no BOS. Not told,
+    encode adds BOS (add_bos), as kvlab always has for these folders.
     """
+
+    add_bos = True
 
     def __init__(self, path: "str | os.PathLike[str]") -> None:
         path = Path(path)
@@ -430,10 +446,10 @@ class HFTokenizer(Tokenizer):
                 return self._tok.token_to_id(name)
         return None
 
-    def encode(self, text: str, bos: bool = True) -> List[int]:
+    def encode(self, text: str, bos: Optional[bool] = None) -> List[int]:
         _utf8(text)
         ids = list(self._tok.encode(text, add_special_tokens=False).ids)
-        if bos and self.bos_id is not None:
+        if self._wants_bos(bos) and self.bos_id is not None:
             ids.insert(0, self.bos_id)
         return ids
 

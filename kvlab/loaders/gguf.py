@@ -51,7 +51,8 @@ from .. import weight_formats
 from ..config import ModelConfig
 from ..errors import CheckpointError, ConfigError, TokenizerError
 from ..files import LIMITS, config_error_in, open_regular
-from ..tokenizer import SentencePieceBPE, _gguf_value   # one GGUF field decoder for the package
+from .. import gguf_tokenizer
+from ..tokenizer import _gguf_value   # one GGUF field decoder for the package
 from ..weights import MATRICES, Weights
 
 # kvlab name -> GGUF tensor name ({i} = layer).
@@ -627,10 +628,16 @@ def _stacklevel_outside_kvlab() -> int:
 
 
 def _embedded_tokenizer(reader: Any) -> Optional[Any]:
-    """SentencePieceBPE for a 'llama' vocabulary, None when there is no usable one."""
-    if metadata(reader, "tokenizer.ggml.model") != "llama":
+    """The file's own tokenizer ('llama' and 'gpt2' vocabularies, kvlab.gguf_tokenizer); None
+    when it has no vocabulary, or one of a kind kvlab does not build (a one-line warning
+    names it: the weights are still usable with token ids)."""
+    if _gguf_value(reader, "tokenizer.ggml.model") is None:
         return None
     try:
-        return SentencePieceBPE.from_gguf(reader)
+        return gguf_tokenizer.from_gguf(reader)
+    except gguf_tokenizer.UnsupportedVocabulary as exc:
+        warnings.warn(f"{exc}; the model is loaded without a tokenizer",
+                      stacklevel=_stacklevel_outside_kvlab())
+        return None
     except TokenizerError as exc:
         raise CheckpointError(f"the GGUF file's embedded vocabulary is unusable: {exc}") from None
