@@ -529,10 +529,13 @@ def build_parser() -> argparse.ArgumentParser:
                           "snapkv compresses the prompt only, so the context still bounds it")
     gen.set_defaults(func=cmd_generate)
 
-    talk = add_command("chat", "talk with a chat model; one KV cache keeps the conversation, so "
-                               "each turn prefills only the new message")
+    talk = add_command("chat", "talk with a chat model (default: smollm2-135m, fetched once); one "
+                               "KV cache keeps the conversation, so each turn prefills only the "
+                               "new message. Its products take float32 activations unless "
+                               "--activations int8: on this small model int8 activations (llama.cpp's "
+                               "way) flip close calls, e.g. the capital of France")
     model_args(talk)
-    talk.set_defaults(model=CHAT_MODEL)
+    talk.set_defaults(model=CHAT_MODEL, activations="fp32")
     talk.add_argument("--system", default=None,
                       help="the system prompt (default: the chat template's own)")
     talk.add_argument("--max-new-tokens", type=positive_int, default=256,

@@ -194,9 +194,24 @@ def test_end_of_turn_prefers_the_templates_marker():
 
 # ---- the real chat model ---------------------------------------------------------------------
 
-def test_smollm2_chat_answers_and_reuses_its_cache(smollm2):
-    if getattr(smollm2.tokenizer, "chat_template", None) is None:
-        pytest.skip("this kvlab reads no chat template from the GGUF file")
+@pytest.fixture(scope="module")
+def smollm2_fp32_activations(smollm2_path):
+    """SmolLM2 as `kvlab chat` runs it: float32 activations (int8 ones, llama.cpp's way,
+    answer "L'Étoile, ..." to this question, as llama.cpp does on the same file: the
+    answer's first token is a near tie that their rounding flips)."""
+    return kvlab.load(smollm2_path, activations="fp32")
+
+
+def test_smollm2_has_its_chat_template(smollm2):
+    assert "<|im_start|>" in smollm2.tokenizer.chat_template
+    assert end_of_turn_id(smollm2.tokenizer) == 2          # <|im_end|>
+    text, ids = kvlab.chat.prompt(smollm2, [{"role": "user", "content": "Hi"}])
+    assert text.endswith("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
+    assert ids[0] == 1 and ids.count(1) == 3               # <|im_start|> as one token, 3 times
+
+
+def test_smollm2_chat_answers_and_reuses_its_cache(smollm2_fp32_activations):
+    smollm2 = smollm2_fp32_activations
     chat = Chat(smollm2, max_seq_len=512)
     first = chat.send("What is the capital of France?", max_new_tokens=24)
     assert "Paris" in first.reply and first.finish_reason == "eos"
