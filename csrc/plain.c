@@ -85,15 +85,6 @@ void kv_plain_matmul_weights(float *out, const float *x, const uint8_t *w,
     }
 }
 
-/* A half at bytes, as a float (exact) */
-static float half_at(const uint8_t *bytes) {
-    uint16_t half;
-    float value;
-    memcpy(&half, bytes, sizeof half);
-    kv_dequantize_f16(&value, &half, 1);
-    return value;
-}
-
 /* The integer code of value i (0 .. 31) of a block of Q8_0, Q4_0 or Q4_1 weights, `codes`
  * its code bytes: the weight is d * code (Q8_0, Q4_0) or d * code + m (Q4_1). */
 static int32_t weight_code(kv_weight_format format, const uint8_t *codes, int i) {
@@ -135,7 +126,7 @@ void kv_plain_matmul_int8(float *out, const float *x, const uint8_t *w, kv_weigh
             float lanes[8] = {0}, m_part = 0.0f;
             for (int b = 0; b < n_blocks; b++) {
                 const uint8_t *block = row + (size_t)b * block_bytes;
-                float scale = half_at(block) * x_scales[(size_t)t * n_blocks + b];
+                float scale = kv_half_at(block) * x_scales[(size_t)t * n_blocks + b];
                 for (int m = 0; m < 8; m++) {
                     int32_t partial = 0;
                     for (int i = 4 * m; i < 4 * m + 4; i++)
@@ -143,7 +134,7 @@ void kv_plain_matmul_int8(float *out, const float *x, const uint8_t *w, kv_weigh
                     lanes[m] = multiply_add(scale, (float)partial, lanes[m]);
                 }
                 if (format == KV_WEIGHT_Q4_1)
-                    m_part = multiply_add(half_at(block + 2), x_sums[(size_t)t * n_blocks + b],
+                    m_part = multiply_add(kv_half_at(block + 2), x_sums[(size_t)t * n_blocks + b],
                                           m_part);
             }
             float sum = add_lanes(lanes);

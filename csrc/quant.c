@@ -217,10 +217,10 @@ size_t kv_weight_block_bytes(kv_weight_format format) {
     }
 }
 
-static float half_at(const uint8_t *bytes) {
+float kv_half_at(const uint8_t *bytes) {
     uint16_t code;
     float value;
-    memcpy(&code, bytes, sizeof code);
+    memcpy(&code, bytes, sizeof code);    /* a block's halves need not be 2-byte aligned */
     kv_dequantize_f16(&value, &code, 1);
     return value;
 }
@@ -243,7 +243,7 @@ void kv_weight_row_dequantize(kv_weight_format format, const uint8_t *row, int i
     case KV_WEIGHT_Q8_0:
         for (int b = 0; b < in_dim / KV_Q8_0_BLOCK; b++) {
             const uint8_t *block = row + (size_t)b * KV_Q8_0_BLOCK_BYTES;
-            float scale = half_at(block);
+            float scale = kv_half_at(block);
             const int8_t *codes = (const int8_t *)(block + 2);
             for (int i = 0; i < KV_Q8_0_BLOCK; i++) out[b * KV_Q8_0_BLOCK + i] = scale * (float)codes[i];
         }
@@ -251,7 +251,7 @@ void kv_weight_row_dequantize(kv_weight_format format, const uint8_t *row, int i
     case KV_WEIGHT_Q4_0:
         for (int b = 0; b < in_dim / KV_Q4_BLOCK; b++) {
             const uint8_t *block = row + (size_t)b * KV_Q4_0_BLOCK_BYTES;
-            float d = half_at(block);
+            float d = kv_half_at(block);
             for (int i = 0; i < KV_Q4_BLOCK; i++)   /* exact: 11 bits times 4 */
                 out[b * KV_Q4_BLOCK + i] = d * (float)(kv_q4_code(block + 2, i) - 8);
         }
@@ -259,7 +259,7 @@ void kv_weight_row_dequantize(kv_weight_format format, const uint8_t *row, int i
     case KV_WEIGHT_Q4_1:
         for (int b = 0; b < in_dim / KV_Q4_BLOCK; b++) {
             const uint8_t *block = row + (size_t)b * KV_Q4_1_BLOCK_BYTES;
-            float d = half_at(block), m = half_at(block + 2);
+            float d = kv_half_at(block), m = kv_half_at(block + 2);
             /* d * code is exact (11 bits times 4), so the one rounding is the add's, fused
              * multiply-add or not */
             for (int i = 0; i < KV_Q4_BLOCK; i++)

@@ -20,6 +20,8 @@ uint8_t kv_f32_to_e4m3(float value);
 /* n values, n a multiple of group: float formats, rounding to nearest even */
 void kv_quantize_f16(uint16_t *codes, const float *x, size_t n);
 void kv_dequantize_f16(float *x, const uint16_t *codes, size_t n);
+/* The half stored at `bytes` (any alignment: a weight block's scale), as a float (exact). */
+float kv_half_at(const uint8_t *bytes);
 void kv_quantize_bf16(uint16_t *codes, const float *x, size_t n);
 void kv_dequantize_bf16(float *x, const uint16_t *codes, size_t n);
 
