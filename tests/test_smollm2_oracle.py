@@ -3,7 +3,7 @@
 transformers reads the GGUF itself (it dequantizes every tensor to float32) and runs its
 own LlamaForCausalLM: an implementation kvlab shares nothing with, on the real trained
 model. kvlab runs float32 activations, over the file's values (weights="fp32": dequantized
-once, exactly) and over the matrices kept in their GGUF bytes where this kvlab keeps them.
+once, exactly; the logits only) and over the matrices kept in their GGUF bytes.
 The token ids come from transformers' tokenizer, so these tests check the forward pass
 alone (tests/test_gguf_tokenizer.py checks the tokenizer).
 
@@ -73,14 +73,25 @@ VARIANTS = {
 }
 
 
-@pytest.fixture(scope="module", params=sorted(VARIANTS))
-def ours(request, smollm2_path):
-    model = kvlab.load(smollm2_path, **VARIANTS[request.param])
+def _load(path, variant):
+    model = kvlab.load(path, **VARIANTS[variant])
     kept = set(model.weights.formats.values())
-    if request.param.startswith("kept") and not kept & {"q4_0", "q4_1"}:
+    if variant.startswith("kept") and not kept & {"q4_0", "q4_1"}:
         pytest.skip(f"this kvlab stores SmolLM2's Q4_1 matrices as {sorted(kept)}, not as "
                     f"they are in the file, so its values differ from the file's")
     return model
+
+
+@pytest.fixture(scope="module", params=sorted(VARIANTS))
+def ours(request, smollm2_path):
+    """kvlab both ways: the file's values as float32 matrices, and its matrices as kept."""
+    return _load(smollm2_path, request.param)
+
+
+@pytest.fixture(scope="module")
+def kept(smollm2_path):
+    """The model as kvlab keeps it (Q4_1 and Q8_0 bytes), with float32 activations."""
+    return _load(smollm2_path, "kept weights, fp32 activations")
 
 
 def _relative_rms(got, want):
@@ -100,22 +111,22 @@ def test_logits_match_transformers(oracle, ours, prompt):
     assert _relative_rms(steps, want) < 1e-3
 
 
-def test_greedy_tokens_match_transformers(oracle, ours):
+def test_greedy_tokens_match_transformers(oracle, kept):
     """kvlab's 64 greedy tokens are transformers' greedy choices: one transformers pass
     over the prompt and kvlab's tokens gives the argmax after every prefix, which is what
     its step-by-step greedy generation would pick (and 64 times cheaper to run)."""
     tokenizer, hf = oracle
     ids = _ids(tokenizer, PROMPTS[2])
-    got = kvlab.generate(ours, ids, max_new_tokens=64, stop_at_eos=False).tokens
+    got = kvlab.generate(kept, ids, max_new_tokens=64, stop_at_eos=False).tokens
     want = _hf_logits(hf, ids + got[:-1])[len(ids) - 1:].argmax(axis=-1).tolist()
     assert got == want
 
 
-def test_perplexity_matches_transformers(oracle, ours):
+def test_perplexity_matches_transformers(oracle, kept):
     tokenizer, hf = oracle
     ids = _ids(tokenizer, TEXT)
     assert len(ids) > 150
     want = perplexity(_hf_logits(hf, ids), np.array(ids))
-    got = perplexity(ours.forward(ids, all_logits=True), np.array(ids))
+    got = perplexity(kept.forward(ids, all_logits=True), np.array(ids))
     assert abs(got - want) < 1e-3, (got, want)
     assert 2 < want < 100       # a trained model on English: a sanity bound, not the check
