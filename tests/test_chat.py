@@ -219,3 +219,59 @@ def test_smollm2_chat_answers_and_reuses_its_cache(smollm2_fp32_activations):
     assert second.reused >= first.prompt_tokens + len(first.tokens) - 1
     fresh = kvlab.generate(smollm2, messages=chat.messages[:-1], max_new_tokens=24)
     assert second.tokens == fresh.tokens
+
+
+# ---- a template is untrusted input ------------------------------------------------------------
+
+@pytest.mark.parametrize("template, words", [
+    ("{% for i in range(100000) %}{% for j in range(300) %}{% endfor %}{% endfor %}", "steps"),
+    ("{{ ('x' * 10**8) | length }}", "repeats"),
+    ("{{ 2 ** 100000000 }}", "power"),
+    ("{% for i in range(100000) %}{{ 'abcdefghijklmnop' }}{% endfor %}", "characters"),
+    ("{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}", "RecursionError"),
+    ("{{ 1 / 0 }}", "ZeroDivisionError"),
+    ("{% for %}", "TemplateSyntaxError"),
+])
+def test_a_template_that_runs_away_is_stopped_by_name(template, words):
+    with pytest.raises(TokenizerError, match=words):
+        render(template, [{"role": "user", "content": "x"}])
+
+
+def test_a_template_that_renders_nothing_is_refused(model, monkeypatch):
+    monkeypatch.setattr(TemplatedBytes, "chat_template", "{% if false %}x{% endif %}")
+    with pytest.raises(TokenizerError, match="no text"):
+        kvlab.generate(model, messages=[{"role": "user", "content": "y"}])
+    with pytest.raises(TokenizerError, match="no text"):
+        Chat(model).send("y")
+
+
+def test_a_turn_failing_mid_answer_after_cutting_the_cache_back(model):
+    """The new prompt shares only part of the cached turns (the system prompt changed), so
+    the cache is cut back before the answer starts; the stream then fails part-way. The
+    conversation and the cache stay as they were up to the shared part, and the next turn
+    is a fresh run's answer."""
+    chat = Chat(model, system="Be brief", max_seq_len=512)
+    chat.send("Speak", max_new_tokens=12)
+    before = list(chat.messages)
+    chat.system = "Be long"
+
+    def fails_after_two(piece, seen=[]):
+        seen.append(piece)
+        if len(seen) == 2:
+            raise RuntimeError("the notebook cell was stopped")
+
+    with pytest.raises(RuntimeError):
+        chat.send("Again", max_new_tokens=40, stream=fails_after_two)
+    assert chat.messages == before
+    assert chat.cache.length == len(chat.tokens) <= len("S:Be ")
+    turn = chat.send("Again", max_new_tokens=12)
+    fresh = kvlab.generate(model, messages=chat.conversation()[:-1], max_new_tokens=12)
+    assert turn.tokens == fresh.tokens
+
+
+def test_a_hugging_face_folder_brings_its_chat_template(tmp_path, write_tokenizer_json):
+    from kvlab.tokenizer import HFTokenizer
+    path = write_tokenizer_json(tmp_path / "tok")
+    assert HFTokenizer(path).chat_template is None
+    (path.parent / "chat_template.jinja").write_text(CHATML)
+    assert HFTokenizer(path).chat_template == CHATML

