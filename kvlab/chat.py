@@ -147,6 +147,10 @@ def check_messages(messages: Sequence[Message]) -> None:
             raise TypeError(f"messages[{i}] is a {type(message).__name__}, not a dict with "
                             f"'role' and 'content'")
         role, content = message.get("role"), message.get("content")
+        for key in ("role", "content"):
+            if key not in message:
+                raise TypeError(f"messages[{i}] has no {key!r}: a message is "
+                                f"{{'role': ..., 'content': ...}}")
         if role not in ROLES:
             raise ValueError(f"messages[{i}]['role'] is {role!r}; expected one of {', '.join(ROLES)}")
         if not isinstance(content, str):
@@ -270,7 +274,7 @@ class Chat:
         A call that fails (a bad argument, the context full, Ctrl-C) leaves the conversation
         as it was: the message is not added and the cache keeps only the earlier turns."""
         if not isinstance(text, str):
-            raise TypeError(f"the message is a str, got {type(text).__name__}")
+            raise TypeError(f"send takes the user's message as a str, got {type(text).__name__}")
         if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
         check_sampling_args(temperature, top_k, top_p)

@@ -215,6 +215,11 @@ def cmd_generate(args) -> int:
                          window=args.window, speculate=drafter, draft_tokens=args.draft_tokens,
                          cache_policy=policy)
     print(out.text)
+    if not out.tokens and out.finish_reason == "eos":
+        print("[the model ended the text at once: its first token was its end-of-text token"
+              + ("; --prompt is text to continue, and a chat model answers questions in "
+                 "`kvlab chat`" if getattr(model.tokenizer, "chat_template", None) else "")
+              + "]", file=sys.stderr)
     cache = (f"{args.cache_dtype} KV cache of {out.cache_nbytes:,} B" if out.use_cache
              else "without KV cache")
     if policy is not None:
@@ -237,6 +242,10 @@ def cmd_chat(args) -> int:
     from .chat import Chat
     _check_sampling_options(args)
     model = _load(args, needs_tokenizer=True)
+    if not getattr(model.tokenizer, "chat_template", None):
+        raise kvlab.TokenizerError(f"{model.source} is not a chat model (it has no chat "
+                                   f"template); give it a text to continue with `kvlab generate "
+                                   f"--model {args.model} --prompt TEXT`")
     chat = Chat(model, system=args.system, max_seq_len=args.context, dtype=args.cache_dtype)
     print(f"kvlab chat: {model!r}, {kvlab.get_num_threads()} threads; one KV cache of "
           f"{chat.cache.capacity:,} positions ({chat.cache.nbytes:,} B) for the whole "
@@ -266,8 +275,12 @@ def cmd_chat(args) -> int:
         except KeyboardInterrupt:   # stops this answer only; the conversation is as before it
             print("\n[interrupted: that message and its answer are not kept]", file=sys.stderr)
             continue
-        except kvlab.ContextLengthError as error:
-            print(f"\n[{error}]", file=sys.stderr)
+        except kvlab.ContextLengthError:
+            print(f"\n[the conversation and room for an answer of --max-new-tokens "
+                  f"{args.max_new_tokens} do not fit the {chat.cache.capacity} positions of "
+                  f"--context: /reset starts again; or run kvlab chat with a larger --context "
+                  f"(up to {model.config.max_seq_len}) or a smaller --max-new-tokens]",
+                  file=sys.stderr)
             continue
         print()
         ended = "" if turn.finish_reason == "eos" else ", cut at --max-new-tokens"
@@ -449,11 +462,13 @@ def build_parser() -> argparse.ArgumentParser:
         return sub.add_parser(name, help=help_text, description=help_text,
                               formatter_class=HelpWithDefaults)
 
-    def model_args(p):
-        p.add_argument("--model", default=None,
+    def model_args(p, model=None, activations=None):
+        """The options every command that runs a model has; `model` and `activations` are
+        this command's defaults where they are not the package's (kvlab chat's)."""
+        p.add_argument("--model", default=model,
                        help="checkpoint: a llama2.c .bin, a .gguf file, a Hugging Face folder or "
                             "a named model (smollm2-135m, fetched once: see kvlab fetch --list) "
-                            "(default: the bundled Shakespeare model)")
+                            f"(default: {model or 'the bundled Shakespeare model'})")
         p.add_argument("--tokenizer", default=None,
                        help="tokenizer file (tokenizer.json or a llama2.c tokenizer .bin), for a "
                             "checkpoint with none in it or beside it")
@@ -464,10 +479,11 @@ def build_parser() -> argparse.ArgumentParser:
                        help="store the weight matrices in this format; int8 is q8_0: 8-bit codes, "
                             "a scale per 32; q4_0 and q4_1 are GGUF's 4-bit blocks of 32 "
                             "(default: as the checkpoint stores them)")
-        p.add_argument("--activations", default=None, choices=["fp32", "int8"],
-                       help="q8_0, q4_0 and q4_1 products on int8 activations (the default, "
-                            "faster) or on "
-                            "float32 ones (the float32 product over the dequantized weights)")
+        default = ("float32 (the default here)" if activations == "fp32"
+                   else "int8 (the default, faster)")
+        p.add_argument("--activations", default=activations, choices=["fp32", "int8"],
+                       help="q8_0, q4_0 and q4_1 products on int8 activations or on float32 ones "
+                            f"(the float32 product over the dequantized weights): {default}")
 
     prompt_help = f"the text to continue (default: {DEMO_PROMPT!r})"
     demo = add_command("demo", "generate with and without the KV cache and compare")
@@ -534,8 +550,7 @@ def build_parser() -> argparse.ArgumentParser:
                                "new message. Its products take float32 activations unless "
                                "--activations int8: on this small model int8 activations (llama.cpp's "
                                "way) flip close calls, e.g. the capital of France")
-    model_args(talk)
-    talk.set_defaults(model=CHAT_MODEL, activations="fp32")
+    model_args(talk, model=CHAT_MODEL, activations="fp32")
     talk.add_argument("--system", default=None,
                       help="the system prompt (default: the chat template's own)")
     talk.add_argument("--max-new-tokens", type=positive_int, default=256,

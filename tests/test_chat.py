@@ -275,3 +275,19 @@ def test_a_hugging_face_folder_brings_its_chat_template(tmp_path, write_tokenize
     assert HFTokenizer(path).chat_template is None
     (path.parent / "chat_template.jinja").write_text(CHATML)
     assert HFTokenizer(path).chat_template == CHATML
+
+
+def test_kvlab_chat_refuses_a_model_without_a_template_in_cli_words(capsys):
+    from kvlab.cli import main
+    assert main(["chat", "--model", str(kvlab.DEFAULT_MODEL)]) == 2
+    assert "kvlab generate --model" in capsys.readouterr().err
+
+
+def test_kvlab_chat_says_which_options_make_room(model, monkeypatch, capsys):
+    from kvlab import cli
+    monkeypatch.setattr(cli, "_load", lambda args, needs_tokenizer=False: model)
+    lines = iter(["Speak", "/exit"])
+    monkeypatch.setattr("builtins.input", lambda prompt: next(lines))
+    assert cli.main(["chat", "--context", "20", "--max-new-tokens", "30"]) == 0
+    err = capsys.readouterr().err
+    assert "--context" in err and "--max-new-tokens" in err and "/reset" in err

