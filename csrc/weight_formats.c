@@ -294,6 +294,14 @@ kv_status kv_weights_matmul(float *out, const float *x, const uint8_t *w,
 
 /* ---- Q8_0, Q4_0 and Q4_1 against int8 activations -------------------------------------- */
 
+/* How far ahead of the block being read each row's stream is prefetched, in bytes. A
+ * decode step's product waits on memory otherwise: four streams a thread, each only a
+ * few hundred bytes a row, which the hardware prefetcher ramps up on too late (measured on
+ * SmolLM2's shapes, one thread: 30 layers of Q4_1 products 7.0 -> 5.1-5.7 ms). */
+#ifndef KV_INT8_PREFETCH
+#define KV_INT8_PREFETCH 384
+#endif
+
 /* What one block of a token's quantized activations brings to every row's block: its 32
  * codes, its scale d_x, and what the Q4 formats need besides (made once per token and
  * block, shared by the four rows of a step). */
@@ -501,6 +509,7 @@ static ALWAYS_INLINE void dot_rows4_int8(const uint8_t *const rows[4], kv_weight
         size_t at = (size_t)b * block_bytes;
         x_block xb = load_x_block(x_codes + 32 * b, x_scales[b], x_sums[b], format);
         for (int r = 0; r < 4; r++) {
+            __builtin_prefetch(rows[r] + at + KV_INT8_PREFETCH);
             w_block wb = load_w_block(rows[r] + at, format);
             add_block(&sums[r], &wb, &xb, format);
         }
