@@ -499,11 +499,51 @@ static ALWAYS_INLINE float dot_row_int8(const uint8_t *row, kv_weight_format for
 
 /* Four rows, wherever they lie, against one token's quantized activations: out[r] is row
  * r's dot_row_int8, bit for bit (each row its own sums); the token's block is loaded once
- * for the four, and four chains of arithmetic run side by side. */
+ * for the four, and four chains of arithmetic run side by side. With AVX2 the four rows'
+ * block headers are read as one vector: one conversion of their halves, one multiply for
+ * the four scales d_w * d_x (each the same float32 product as add_block's) and, for
+ * Q4_1, one multiply-add for the four m parts (lane 2r + 1 is row r's running sum, each
+ * lane rounded as madd1 rounds it); each row then takes its scale from its lane. */
 static ALWAYS_INLINE void dot_rows4_int8(const uint8_t *const rows[4], kv_weight_format format,
                                          const float *x_scales, const float *x_sums,
                                          const int8_t *x_codes, int n_blocks, float out[4]) {
     size_t block_bytes = kv_weight_block_bytes(format);
+#ifdef __AVX2__
+    size_t header = format == KV_WEIGHT_Q4_1 ? 4 : 2;   /* d, and Q4_1's m, before the codes */
+    v8f lanes[4] = {{0}, {0}, {0}, {0}};
+    v8f m_parts = {0};   /* lane 2r + 1: row r's m part (Q4_1) */
+    for (int b = 0; b < n_blocks; b++) {
+        size_t at = (size_t)b * block_bytes;
+        x_block xb = load_x_block(x_codes + 32 * b, x_scales[b], x_sums[b], format);
+        int heads[4];   /* each row's d (and Q4_1's m): halves, with what follows */
+        for (int r = 0; r < 4; r++) {
+            __builtin_prefetch(rows[r] + at + KV_INT8_PREFETCH);
+            memcpy(&heads[r], rows[r] + at, sizeof heads[r]);
+        }
+        /* gathered in registers (a store of four and a load of them would stall) */
+        v8f d_m = (v8f)_mm256_cvtph_ps(_mm_setr_epi32(heads[0], heads[1], heads[2], heads[3]));
+        /* (d_x, d_x * sum of x codes) in every pair of lanes */
+        v8f x_pair = (v8f)_mm256_castpd_ps(_mm256_broadcastsd_pd(
+            _mm_castps_pd(_mm_unpacklo_ps(_mm_set_ss(x_scales[b]), _mm_set_ss(x_sums[b])))));
+        __m256 scales = (__m256)(d_m * x_pair);   /* lane 2r: row r's d_w * d_x */
+        if (format == KV_WEIGHT_Q4_1) m_parts = madd(d_m, x_pair, m_parts);
+        for (int r = 0; r < 4; r++) {
+            const uint8_t *codes = rows[r] + at + header;
+            __m256i ints;
+            if (format == KV_WEIGHT_Q8_0) {
+                ints = sums_of_four(_mm256_loadu_si256((const __m256i *)codes), xb.codes);
+            } else {
+                ints = sums_of_four_unsigned(unpack_nibbles(codes), xb.codes);
+                if (format == KV_WEIGHT_Q4_0) ints = _mm256_sub_epi32(ints, xb.sums4x8);
+            }
+            __m256 scale = _mm256_permutevar8x32_ps(scales, _mm256_set1_epi32(2 * r));
+            lanes[r] = madd((v8f)scale, (v8f)_mm256_cvtepi32_ps(ints), lanes[r]);
+        }
+    }
+    v4f totals = reduce_lanes4(lanes[0], lanes[1], lanes[2], lanes[3]);
+    for (int r = 0; r < 4; r++)
+        out[r] = format == KV_WEIGHT_Q4_1 ? totals[r] + m_parts[2 * r + 1] : totals[r];
+#else
     row_sums sums[4];
     memset(sums, 0, sizeof sums);
     for (int b = 0; b < n_blocks; b++) {
@@ -517,6 +557,7 @@ static ALWAYS_INLINE void dot_rows4_int8(const uint8_t *const rows[4], kv_weight
     }
     v4f totals = reduce_lanes4(sums[0].lanes, sums[1].lanes, sums[2].lanes, sums[3].lanes);
     for (int r = 0; r < 4; r++) out[r] = row_total(&sums[r], totals[r], format);
+#endif
 }
 
 /* The same for two tokens at once (a prefill, a batch): each row's block is loaded and
