@@ -1204,14 +1204,14 @@ static void test_weight_formats(void) {
         free(scratch); free(w16); free(xs); free(ys);
     }
     /* Q8_0, Q4_0 and Q4_1 against int8 activations: the fast tier gives the plain tier's
-     * bits, for 1, 2, 3 and 5 tokens (pairs and a lone one) and 13 rows (four runs and a
-     * leftover); any bytes at all as codes */
+     * bits, for 1, 2, 3, 5 and 7 tokens (fours, pairs and a lone one) and 13 rows (four runs
+     * and a leftover); any bytes at all as codes */
     const kv_weight_format blocks[] = {KV_WEIGHT_Q8_0, KV_WEIGHT_Q4_0, KV_WEIGHT_Q4_1};
-    const int int8_tokens[] = {1, 2, 3, 5};
+    const int int8_tokens[] = {1, 2, 3, 5, 7};
     int in_dim = 96;
     kv_kernels before = kv_get_kernels();
     for (int f = 0; f < 3; f++)
-        for (int n = 0; n < 4; n++) {
+        for (int n = 0; n < 5; n++) {
             int n_tokens = int8_tokens[n];
             size_t row_bytes = kv_weight_row_bytes(blocks[f], in_dim);
             size_t block_bytes = kv_weight_block_bytes(blocks[f]);
