@@ -736,8 +736,9 @@ static void quantize_token_pairs(const float *x, int in_dim, float *pairs, int8_
     }
 }
 
-void kv_matmul_int8(float *out, const float *x, const uint8_t *w, kv_weight_format format,
-                    int n_tokens, int in_dim, int out_dim, float *x_scales, int8_t *x_codes) {
+void kv_matmul_int8_many(int n_matrices, float *const *outs, const uint8_t *const *ws,
+                         kv_weight_format format, const int *out_dims, const float *x,
+                         int n_tokens, int in_dim, float *x_scales, int8_t *x_codes) {
     int n_blocks = in_dim / 32;
     float *x_pairs = x_scales;   /* (n_tokens, n_blocks, 2): the same floats, side by side */
     for (int t = 0; t < n_tokens; t++)
@@ -746,14 +747,28 @@ void kv_matmul_int8(float *out, const float *x, const uint8_t *w, kv_weight_form
     void (*rows)(float *, const uint8_t *, int, int, int, const float *, const int8_t *, int, int) =
         format == KV_WEIGHT_Q4_0 ? rows_int8_q4_0 :
         format == KV_WEIGHT_Q4_1 ? rows_int8_q4_1 : rows_int8_q8_0;
-    /* Each thread a contiguous share of the rows */
+    long work = 0;
+    int most_rows = 0;
+    for (int m = 0; m < n_matrices; m++) {
+        work += (long)n_tokens * out_dims[m] * in_dim;
+        most_rows = out_dims[m] > most_rows ? out_dims[m] : most_rows;
+    }
+    /* One parallel region for all the matrices (a decode step pays its start and its end
+     * once, not once a matrix): each thread a contiguous share of every matrix's rows, one
+     * matrix after another, without waiting for the others (no output is shared). */
     #pragma omp parallel num_threads(kv_threads()) \
-        if ((long)n_tokens * out_dim * in_dim >= KV_PARALLEL_MIN_WORK && out_dim > 1)
+        if (work >= KV_PARALLEL_MIN_WORK && most_rows > 1)
     {
         int team = omp_get_num_threads(), me = omp_get_thread_num();
-        rows(out, w, n_tokens, in_dim, out_dim, x_pairs, x_codes,
-             (int)((long)out_dim * me / team), (int)((long)out_dim * (me + 1) / team));
+        for (int m = 0; m < n_matrices; m++)
+            rows(outs[m], ws[m], n_tokens, in_dim, out_dims[m], x_pairs, x_codes,
+                 (int)((long)out_dims[m] * me / team), (int)((long)out_dims[m] * (me + 1) / team));
     }
+}
+
+void kv_matmul_int8(float *out, const float *x, const uint8_t *w, kv_weight_format format,
+                    int n_tokens, int in_dim, int out_dim, float *x_scales, int8_t *x_codes) {
+    kv_matmul_int8_many(1, &out, &w, format, &out_dim, x, n_tokens, in_dim, x_scales, x_codes);
 }
 
 kv_status kv_weights_matmul_int8(float *out, const float *x, const uint8_t *w,

@@ -42,4 +42,11 @@ void kv_matmul_weights(float *out, const float *x, const uint8_t *w, kv_weight_f
 void kv_matmul_int8(float *out, const float *x, const uint8_t *w, kv_weight_format format,
                     int n_tokens, int in_dim, int out_dim, float *x_scales, int8_t *x_codes);
 
+/* kv_matmul_int8 of several matrices in one format against the same x (a layer's Q, K and
+ * V; its gate and up projections): outs[m] (n_tokens, out_dims[m]) = x . ws[m]^T, each
+ * bit for bit kv_matmul_int8's, with x quantized once and one parallel region for all. */
+void kv_matmul_int8_many(int n_matrices, float *const *outs, const uint8_t *const *ws,
+                         kv_weight_format format, const int *out_dims, const float *x,
+                         int n_tokens, int in_dim, float *x_scales, int8_t *x_codes);
+
 #endif /* KVLAB_WEIGHT_FORMATS_H */
