@@ -719,12 +719,59 @@ ROWS_INT8_FOR(rows_int8_q8_0, KV_WEIGHT_Q8_0)
 ROWS_INT8_FOR(rows_int8_q4_0, KV_WEIGHT_Q4_0)
 ROWS_INT8_FOR(rows_int8_q4_1, KV_WEIGHT_Q4_1)
 
-/* A token's activations quantized as kv_quantize_activations_q8 does it, its scales and
- * sums written side by side (n_blocks, 2), a chunk of blocks at a time */
+#ifdef __AVX2__
+/* roundf of eight floats (halves away from zero, as the plain tier's quantizer rounds; the
+ * vector instructions' own rounding sends halves to even): the truncation, plus the sign
+ * where the part cut off is a half or more. v - trunc(v) is exact. */
+static ALWAYS_INLINE __m256 round_half_away(__m256 v) {
+    __m256 whole = _mm256_round_ps(v, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+    __m256 sign_bit = _mm256_set1_ps(-0.0f);
+    __m256 cut = _mm256_andnot_ps(sign_bit, _mm256_sub_ps(v, whole));    /* |v - trunc(v)| */
+    __m256 one = _mm256_or_ps(_mm256_and_ps(v, sign_bit), _mm256_set1_ps(1.0f));   /* +-1 */
+    __m256 up = _mm256_cmp_ps(cut, _mm256_set1_ps(0.5f), _CMP_GE_OQ);
+    return _mm256_add_ps(whole, _mm256_and_ps(up, one));
+}
+#endif
+
+/* A token's activations quantized as kv_quantize_activations_q8 does it (the same codes,
+ * scales and sums, bit for bit), its scales and sums written side by side (n_blocks, 2).
+ * With AVX2 a block at a time in four vectors: the largest magnitude (a maximum, in any
+ * order), the one scalar scale and inverse, the codes rounded as roundf rounds and packed,
+ * their exact integer sum. */
 static void quantize_token_pairs(const float *x, int in_dim, float *pairs, int8_t *codes) {
+    int n_blocks = in_dim / 32;
+#ifdef __AVX2__
+    __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+    for (int b = 0; b < n_blocks; b++) {
+        const float *block = x + 32 * (size_t)b;
+        __m256 v[4], amax = _mm256_setzero_ps();
+        for (int j = 0; j < 4; j++) {
+            v[j] = _mm256_loadu_ps(block + 8 * j);
+            /* max(|x|, amax): amax where |x| is NaN, as the plain tier's comparison keeps it */
+            amax = _mm256_max_ps(_mm256_and_ps(v[j], abs_mask), amax);
+        }
+        __m128 half = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+        half = _mm_max_ps(half, _mm_movehl_ps(half, half));
+        half = _mm_max_ss(half, _mm_movehdup_ps(half));
+        float scale = _mm_cvtss_f32(half) / 127.0f, inverse = scale > 0.0f ? 1.0f / scale : 0.0f;
+        __m256i ints[4];
+        for (int j = 0; j < 4; j++)
+            ints[j] = _mm256_cvttps_epi32(round_half_away(_mm256_mul_ps(v[j], _mm256_set1_ps(inverse))));
+        __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(ints[0], ints[1]),
+                                           _mm256_packs_epi32(ints[2], ints[3]));
+        bytes = _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+        _mm256_storeu_si256((__m256i *)(codes + 32 * (size_t)b), bytes);
+        __m256i total = _mm256_add_epi32(_mm256_add_epi32(ints[0], ints[1]),
+                                         _mm256_add_epi32(ints[2], ints[3]));
+        __m128i sum4 = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
+        sum4 = _mm_add_epi32(sum4, _mm_shuffle_epi32(sum4, 0x4E));
+        sum4 = _mm_add_epi32(sum4, _mm_shuffle_epi32(sum4, 0xB1));
+        pairs[2 * b] = scale;
+        pairs[2 * b + 1] = scale * (float)_mm_cvtsi128_si32(sum4);
+    }
+#else
     enum { CHUNK = 64 };
     float scales[CHUNK], sums[CHUNK];
-    int n_blocks = in_dim / 32;
     for (int first = 0; first < n_blocks; first += CHUNK) {
         int n = n_blocks - first < CHUNK ? n_blocks - first : CHUNK;
         kv_quantize_activations_q8(x + 32 * (size_t)first, 32 * n, scales,
@@ -734,16 +781,26 @@ static void quantize_token_pairs(const float *x, int in_dim, float *pairs, int8_
             pairs[2 * (first + b) + 1] = sums[b];
         }
     }
+#endif
+}
+
+/* Tokens first .. last - 1 of x quantized (quantize_token_pairs) */
+static void quantize_tokens(const float *x, int in_dim, float *x_pairs, int8_t *x_codes,
+                            int first, int last) {
+    int n_blocks = in_dim / 32;
+    for (int t = first; t < last; t++)
+        quantize_token_pairs(x + (size_t)t * in_dim, in_dim, x_pairs + 2 * (size_t)t * n_blocks,
+                             x_codes + (size_t)t * in_dim);
 }
 
 void kv_matmul_int8_many(int n_matrices, float *const *outs, const uint8_t *const *ws,
                          kv_weight_format format, const int *out_dims, const float *x,
                          int n_tokens, int in_dim, float *x_scales, int8_t *x_codes) {
-    int n_blocks = in_dim / 32;
     float *x_pairs = x_scales;   /* (n_tokens, n_blocks, 2): the same floats, side by side */
-    for (int t = 0; t < n_tokens; t++)
-        quantize_token_pairs(x + (size_t)t * in_dim, in_dim, x_pairs + 2 * (size_t)t * n_blocks,
-                             x_codes + (size_t)t * in_dim);
+    /* many tokens (a prefill) are quantized by the team, each thread a share; a few before */
+    int team_quantizes = n_tokens >= 8;
+    if (!team_quantizes)
+        quantize_tokens(x, in_dim, x_pairs, x_codes, 0, n_tokens);
     void (*rows)(float *, const uint8_t *, int, int, int, const float *, const int8_t *, int, int) =
         format == KV_WEIGHT_Q4_0 ? rows_int8_q4_0 :
         format == KV_WEIGHT_Q4_1 ? rows_int8_q4_1 : rows_int8_q8_0;
@@ -760,6 +817,11 @@ void kv_matmul_int8_many(int n_matrices, float *const *outs, const uint8_t *cons
         if (work >= KV_PARALLEL_MIN_WORK && most_rows > 1)
     {
         int team = omp_get_num_threads(), me = omp_get_thread_num();
+        if (team_quantizes) {
+            quantize_tokens(x, in_dim, x_pairs, x_codes, (int)((long)n_tokens * me / team),
+                            (int)((long)n_tokens * (me + 1) / team));
+            #pragma omp barrier
+        }
         for (int m = 0; m < n_matrices; m++)
             rows(outs[m], ws[m], n_tokens, in_dim, out_dims[m], x_pairs, x_codes,
                  (int)((long)out_dims[m] * me / team), (int)((long)out_dims[m] * (me + 1) / team));
