@@ -132,7 +132,9 @@ typedef struct {
     float *weight_rows;    /* rows of a matrix stored in fewer bytes, made float32 (four
                               rows of the widest input for each of n_threads); NULL if all
                               are float32 */
-    float *x_scales;       /* (2, n_tokens, widest input / 32): scales and d_x * code sums */
+    float *x_scales;       /* (2 * n_tokens * widest input / 32) scales and d_x * code sums:
+                              the plain tier writes (2, n_tokens, blocks), the fast (n_tokens,
+                              blocks, 2) */
     int8_t *x_codes;       /* (n_tokens, widest input) activations as int8, for block-format
                               products with int8_activations; NULL otherwise */
     float *block;     /* the single allocation all of the above point into */
