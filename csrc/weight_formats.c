@@ -658,6 +658,89 @@ static ALWAYS_INLINE void dot_rows4_int8_tokens4(const uint8_t *const rows[4],
 }
 #endif
 
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__FMA__)
+#define KV_INT8_TILE_512 1
+/* dot_rows4_int8_tokens4 with 512-bit registers: two tokens to a register (token 2p in
+ * lanes 0 .. 7, 2p + 1 in lanes 8 .. 15), so each instruction does two (row, token) pairs'
+ * work. Lane for lane the same operations in the same order: each pair's eight lanes, its
+ * scale d_w * d_x (a product of the same two floats), its m part, bit for bit. */
+static ALWAYS_INLINE void dot_rows4_int8_tokens4_512(const uint8_t *const rows[4],
+                                                     kv_weight_format format,
+                                                     const float *const pairs[4],
+                                                     const int8_t *const codes[4], int n_blocks,
+                                                     float out[4][4]) {
+    size_t block_bytes = kv_weight_block_bytes(format);
+    size_t header = format == KV_WEIGHT_Q4_1 ? 4 : 2;   /* d, and Q4_1's m, before the codes */
+    __m512 lanes[4][2], m_parts[2];   /* [row][token pair], [token pair] */
+    for (int r = 0; r < 4; r++) lanes[r][0] = lanes[r][1] = _mm512_setzero_ps();
+    m_parts[0] = m_parts[1] = _mm512_setzero_ps();
+    /* each half's scale for row r: lane 2r of its half */
+    __m512i pick[4];
+    for (int r = 0; r < 4; r++)
+        pick[r] = _mm512_setr_epi32(2 * r, 2 * r, 2 * r, 2 * r, 2 * r, 2 * r, 2 * r, 2 * r,
+                                    8 + 2 * r, 8 + 2 * r, 8 + 2 * r, 8 + 2 * r, 8 + 2 * r,
+                                    8 + 2 * r, 8 + 2 * r, 8 + 2 * r);
+    __m512i shifts = _mm512_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4, 0, 0, 0, 0, 4, 4, 4, 4);
+    for (int b = 0; b < n_blocks; b++) {
+        size_t at = (size_t)b * block_bytes;
+        __m256 d_m = (__m256)headers4(rows, at);
+        __m512 d_m2 = _mm512_insertf32x8(_mm512_castps256_ps512(d_m), d_m, 1);
+        __m512 scales[2];
+        __m512i x_codes[2], x_sums4x8[2];
+        for (int p = 0; p < 2; p++) {
+            __m512 x_pair = _mm512_insertf32x8(
+                _mm512_castps256_ps512((__m256)x_pair_splat(pairs[2 * p] + 2 * b)),
+                (__m256)x_pair_splat(pairs[2 * p + 1] + 2 * b), 1);
+            scales[p] = _mm512_mul_ps(d_m2, x_pair);
+            if (format == KV_WEIGHT_Q4_1) m_parts[p] = _mm512_fmadd_ps(d_m2, x_pair, m_parts[p]);
+            x_codes[p] = _mm512_inserti64x4(
+                _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(codes[2 * p] + 32 * b))),
+                _mm256_loadu_si256((const __m256i *)(codes[2 * p + 1] + 32 * b)), 1);
+            if (format == KV_WEIGHT_Q4_0)
+                x_sums4x8[p] = _mm512_slli_epi32(
+                    _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8(1), x_codes[p]), 3);
+        }
+        for (int r = 0; r < 4; r++) {
+            const uint8_t *w_at = rows[r] + at + header;
+            __m512i w_codes;
+            if (format == KV_WEIGHT_Q8_0) {
+                w_codes = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)w_at));
+            } else {   /* the 16 bytes in every quarter; the high nibbles in quarters 1 and 3 */
+                w_codes = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)w_at));
+                w_codes = _mm512_and_si512(_mm512_srlv_epi32(w_codes, shifts),
+                                           _mm512_set1_epi8(0x0F));
+            }
+            for (int p = 0; p < 2; p++) {
+                __m512i ints;
+                if (format == KV_WEIGHT_Q8_0) {   /* |w| times x with w's sign, as sums_of_four */
+                    ints = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_abs_epi8(w_codes),
+                                               _mm512_mask_sub_epi8(x_codes[p],
+                                                   _mm512_movepi8_mask(w_codes),
+                                                   _mm512_setzero_si512(), x_codes[p]));
+                } else {
+                    ints = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w_codes, x_codes[p]);
+                    if (format == KV_WEIGHT_Q4_0) ints = _mm512_sub_epi32(ints, x_sums4x8[p]);
+                }
+                __m512 scale = _mm512_permutexvar_ps(pick[r], scales[p]);
+                lanes[r][p] = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(ints), lanes[r][p]);
+            }
+        }
+    }
+    for (int t = 0; t < 4; t++) {
+        int p = t / 2, high = t % 2;
+        v8f half[4];
+        for (int r = 0; r < 4; r++)
+            half[r] = (v8f)(high ? _mm512_extractf32x8_ps(lanes[r][p], 1)
+                                 : _mm512_castps512_ps256(lanes[r][p]));
+        v4f totals = reduce_lanes4(half[0], half[1], half[2], half[3]);
+        v8f m_half = (v8f)(high ? _mm512_extractf32x8_ps(m_parts[p], 1)
+                                : _mm512_castps512_ps256(m_parts[p]));
+        for (int r = 0; r < 4; r++)
+            out[t][r] = format == KV_WEIGHT_Q4_1 ? totals[r] + m_half[2 * r + 1] : totals[r];
+    }
+}
+#endif
+
 /* Rows lo .. hi - 1 of w against every token's quantized activations: the rows read as four
  * runs side by side (as rows_streamed does), every token against each four: four tokens
  * at a time where there are four (with AVX2), then two, then one. Inlined into one copy
@@ -682,7 +765,11 @@ static ALWAYS_INLINE void rows_int8(float *out, const uint8_t *w, kv_weight_form
             float sums[4][4];
             const float *pairs[4] = {PAIRS(t), PAIRS(t + 1), PAIRS(t + 2), PAIRS(t + 3)};
             const int8_t *codes[4] = {CODES(t), CODES(t + 1), CODES(t + 2), CODES(t + 3)};
+#ifdef KV_INT8_TILE_512
+            dot_rows4_int8_tokens4_512(rows, format, pairs, codes, n_blocks, sums);
+#else
             dot_rows4_int8_tokens4(rows, format, pairs, codes, n_blocks, sums);
+#endif
             for (int i = 0; i < 4; i++)
                 for (int r = 0; r < 4; r++) out[(size_t)(t + i) * out_dim + o[r]] = sums[i][r];
         }
