@@ -132,7 +132,9 @@ typedef struct {
     float *weight_rows;    /* rows of a matrix stored in fewer bytes, made float32 (four
                               rows of the widest input for each of n_threads); NULL if all
                               are float32 */
-    float *x_scales;       /* (2, n_tokens, widest input / 32): scales and d_x * code sums */
+    float *x_scales;       /* (2 * n_tokens * widest input / 32) scales and d_x * code sums:
+                              the plain tier writes (2, n_tokens, blocks), the fast (n_tokens,
+                              blocks, 2) */
     int8_t *x_codes;       /* (n_tokens, widest input) activations as int8, for block-format
                               products with int8_activations; NULL otherwise */
     float *block;     /* the single allocation all of the above point into */
@@ -288,17 +290,24 @@ static void project(const run_state *s, float *out, const float *x, kv_matrix w,
 /* [end ch05-project-one-pass-over] */
 
 /* Several projections of the same input x at once (see kv_matmul_many): float32 matrices
- * in one parallel region, others one after another */
+ * in one parallel region, block-format matrices of one format against int8 activations
+ * too (x quantized once, kv_matmul_int8_many), others one after another */
 static void project_many(const run_state *s, int n, float *const *outs, const kv_matrix *ws,
                          const int *out_dims, const float *x, int n_tokens, int in_dim) {
-    int all_f32 = 1;
+    int all_f32 = 1, all_int8 = kv_weight_takes_int8(ws[0].format) && s->int8_activations;
     const float *floats[4];
+    const uint8_t *bytes[4];
     for (int m = 0; m < n; m++) {
         all_f32 &= ws[m].format == KV_WEIGHT_F32;
+        all_int8 &= ws[m].format == ws[0].format;
         floats[m] = ws[m].data;
+        bytes[m] = ws[m].data;
     }
-    if (s->kernels == KV_KERNELS_PLAIN || !all_f32)
+    if (s->kernels == KV_KERNELS_PLAIN || !(all_f32 || all_int8))
         for (int m = 0; m < n; m++) project(s, outs[m], x, ws[m], n_tokens, in_dim, out_dims[m]);
+    else if (all_int8)
+        kv_matmul_int8_many(n, outs, bytes, ws[0].format, out_dims, x, n_tokens, in_dim,
+                            s->x_scales, s->x_codes);
     else
         kv_matmul_many(n, outs, floats, out_dims, x, n_tokens, in_dim);
 }

@@ -294,6 +294,15 @@ kv_status kv_weights_matmul(float *out, const float *x, const uint8_t *w,
 
 /* ---- Q8_0, Q4_0 and Q4_1 against int8 activations -------------------------------------- */
 
+/* How far ahead of the block being read each row's stream is prefetched in a decode step,
+ * in bytes. Its product waits on memory otherwise: four streams a thread, a few hundred
+ * bytes a row, which the hardware prefetcher ramps up on too late. 1024 bytes (about three
+ * rows of 576 Q4_1 weights) measured best of 256 .. 2048 on SmolLM2's shapes, one thread:
+ * 30 layers of Q4_1 products 7.0 -> 4.6 ms, of Q8_0 10.2 -> 7.1 ms. */
+#ifndef KV_INT8_PREFETCH
+#define KV_INT8_PREFETCH 1024
+#endif
+
 /* What one block of a token's quantized activations brings to every row's block: its 32
  * codes, its scale d_x, and what the Q4 formats need besides (made once per token and
  * block, shared by the four rows of a step). */
@@ -473,49 +482,114 @@ static ALWAYS_INLINE float row_total(const row_sums *sums, float lanes_total,
 #endif
 }
 
+/* A token's quantized activations, as the fast tier keeps them: x_pairs (n_blocks, 2), each
+ * block's scale d_x beside its d_x * sum of codes (so that one 8-byte load brings both),
+ * and x_codes (n_blocks * 32,). */
+
 /* One row against a token's quantized activations: kv_plain_matmul_int8's sum, bit for bit */
 static ALWAYS_INLINE float dot_row_int8(const uint8_t *row, kv_weight_format format,
-                                        const float *x_scales, const float *x_sums,
-                                        const int8_t *x_codes, int n_blocks) {
+                                        const float *x_pairs, const int8_t *x_codes,
+                                        int n_blocks) {
     size_t block_bytes = kv_weight_block_bytes(format);
     row_sums sums;
     memset(&sums, 0, sizeof sums);
     for (int b = 0; b < n_blocks; b++) {
-        x_block xb = load_x_block(x_codes + 32 * b, x_scales[b], x_sums[b], format);
+        x_block xb = load_x_block(x_codes + 32 * b, x_pairs[2 * b], x_pairs[2 * b + 1], format);
         w_block wb = load_w_block(row + (size_t)b * block_bytes, format);
         add_block(&sums, &wb, &xb, format);
     }
     return row_total(&sums, reduce_lanes(sums.lanes), format);
 }
 
+#ifdef __AVX2__
+/* The four rows' block headers at byte `at`, converted at once: (d0, m0, d1, m1, .., d3, m3)
+ * for Q4_1; for Q8_0 and Q4_0 lanes 2r hold the d's (the odd lanes convert the first codes,
+ * which nobody reads). Gathered in registers: a store of four and a load of them would
+ * stall on the store buffer. */
+static ALWAYS_INLINE v8f headers4(const uint8_t *const rows[4], size_t at) {
+    int heads[4];
+    for (int r = 0; r < 4; r++) memcpy(&heads[r], rows[r] + at, sizeof heads[r]);
+    return (v8f)_mm256_cvtph_ps(_mm_setr_epi32(heads[0], heads[1], heads[2], heads[3]));
+}
+
+/* A block's (d_x, d_x * sum of codes) in every pair of lanes: one broadcast load */
+static ALWAYS_INLINE v8f x_pair_splat(const float *pair) {
+    double both;
+    memcpy(&both, pair, sizeof both);
+    return (v8f)_mm256_castpd_ps(_mm256_set1_pd(both));
+}
+
+/* The exact integer sums of four products of one weight block's codes (Q8_0: int8; Q4:
+ * the unpacked nibbles) with one token's block */
+static ALWAYS_INLINE __m256i block_ints(__m256i w_codes, const x_block *xb,
+                                        kv_weight_format format) {
+    if (format == KV_WEIGHT_Q8_0) return sums_of_four(w_codes, xb->codes);
+    /* maddubs and dpbusd take the nibbles as they are, unsigned; Q4_0's code - 8 is then
+     * the sum of code * x less 8 times the sum of the x codes (exact integers) */
+    __m256i ints = sums_of_four_unsigned(w_codes, xb->codes);
+    return format == KV_WEIGHT_Q4_0 ? _mm256_sub_epi32(ints, xb->sums4x8) : ints;
+}
+
+static ALWAYS_INLINE __m256i load_w_codes(const uint8_t *codes, kv_weight_format format) {
+    return format == KV_WEIGHT_Q8_0 ? _mm256_loadu_si256((const __m256i *)codes)
+                                    : unpack_nibbles(codes);
+}
+#endif
+
 /* Four rows, wherever they lie, against one token's quantized activations: out[r] is row
  * r's dot_row_int8, bit for bit (each row its own sums); the token's block is loaded once
- * for the four, and four chains of arithmetic run side by side. */
+ * for the four, and four chains of arithmetic run side by side. With AVX2 the four rows'
+ * block headers are read as one vector: one conversion of their halves, one multiply for
+ * the four scales d_w * d_x (each the same float32 product as add_block's) and, for
+ * Q4_1, one multiply-add for the four m parts (lane 2r + 1 is row r's running sum, each
+ * lane rounded as madd1 rounds it); each row then takes its scale from its lane. */
 static ALWAYS_INLINE void dot_rows4_int8(const uint8_t *const rows[4], kv_weight_format format,
-                                         const float *x_scales, const float *x_sums,
-                                         const int8_t *x_codes, int n_blocks, float out[4]) {
+                                         const float *x_pairs, const int8_t *x_codes,
+                                         int n_blocks, float out[4]) {
     size_t block_bytes = kv_weight_block_bytes(format);
+#ifdef __AVX2__
+    size_t header = format == KV_WEIGHT_Q4_1 ? 4 : 2;   /* d, and Q4_1's m, before the codes */
+    v8f lanes[4] = {{0}, {0}, {0}, {0}};
+    v8f m_parts = {0};   /* lane 2r + 1: row r's m part (Q4_1) */
+    for (int b = 0; b < n_blocks; b++) {
+        size_t at = (size_t)b * block_bytes;
+        x_block xb = load_x_block(x_codes + 32 * b, x_pairs[2 * b], x_pairs[2 * b + 1], format);
+        for (int r = 0; r < 4; r++) __builtin_prefetch(rows[r] + at + KV_INT8_PREFETCH);
+        v8f d_m = headers4(rows, at), x_pair = x_pair_splat(x_pairs + 2 * b);
+        __m256 scales = (__m256)(d_m * x_pair);   /* lane 2r: row r's d_w * d_x */
+        if (format == KV_WEIGHT_Q4_1) m_parts = madd(d_m, x_pair, m_parts);
+        for (int r = 0; r < 4; r++) {
+            __m256i ints = block_ints(load_w_codes(rows[r] + at + header, format), &xb, format);
+            __m256 scale = _mm256_permutevar8x32_ps(scales, _mm256_set1_epi32(2 * r));
+            lanes[r] = madd((v8f)scale, (v8f)_mm256_cvtepi32_ps(ints), lanes[r]);
+        }
+    }
+    v4f totals = reduce_lanes4(lanes[0], lanes[1], lanes[2], lanes[3]);
+    for (int r = 0; r < 4; r++)
+        out[r] = format == KV_WEIGHT_Q4_1 ? totals[r] + m_parts[2 * r + 1] : totals[r];
+#else
     row_sums sums[4];
     memset(sums, 0, sizeof sums);
     for (int b = 0; b < n_blocks; b++) {
         size_t at = (size_t)b * block_bytes;
-        x_block xb = load_x_block(x_codes + 32 * b, x_scales[b], x_sums[b], format);
+        x_block xb = load_x_block(x_codes + 32 * b, x_pairs[2 * b], x_pairs[2 * b + 1], format);
         for (int r = 0; r < 4; r++) {
+            __builtin_prefetch(rows[r] + at + KV_INT8_PREFETCH);
             w_block wb = load_w_block(rows[r] + at, format);
             add_block(&sums[r], &wb, &xb, format);
         }
     }
     v4f totals = reduce_lanes4(sums[0].lanes, sums[1].lanes, sums[2].lanes, sums[3].lanes);
     for (int r = 0; r < 4; r++) out[r] = row_total(&sums[r], totals[r], format);
+#endif
 }
 
-/* The same for two tokens at once (a prefill, a batch): each row's block is loaded and
- * unpacked once for both tokens; eight chains side by side. out0 and out1 are each token's
- * four dot_row_int8s, bit for bit. */
+/* The same for two tokens at once (a batch of two or three, a leftover pair): each row's
+ * block is loaded and unpacked once for both tokens; eight chains side by side. out0 and
+ * out1 are each token's four dot_row_int8s, bit for bit. */
 static ALWAYS_INLINE void dot_rows4_int8_pair(const uint8_t *const rows[4],
-                                              kv_weight_format format, const float *scales0,
-                                              const float *sums0, const int8_t *codes0,
-                                              const float *scales1, const float *sums1,
+                                              kv_weight_format format, const float *pairs0,
+                                              const int8_t *codes0, const float *pairs1,
                                               const int8_t *codes1, int n_blocks,
                                               float out0[4], float out1[4]) {
     size_t block_bytes = kv_weight_block_bytes(format);
@@ -524,8 +598,8 @@ static ALWAYS_INLINE void dot_rows4_int8_pair(const uint8_t *const rows[4],
     memset(acc1, 0, sizeof acc1);
     for (int b = 0; b < n_blocks; b++) {
         size_t at = (size_t)b * block_bytes;
-        x_block x0 = load_x_block(codes0 + 32 * b, scales0[b], sums0[b], format);
-        x_block x1 = load_x_block(codes1 + 32 * b, scales1[b], sums1[b], format);
+        x_block x0 = load_x_block(codes0 + 32 * b, pairs0[2 * b], pairs0[2 * b + 1], format);
+        x_block x1 = load_x_block(codes1 + 32 * b, pairs1[2 * b], pairs1[2 * b + 1], format);
         for (int r = 0; r < 4; r++) {
             w_block wb = load_w_block(rows[r] + at, format);
             add_block(&acc0[r], &wb, &x0, format);
@@ -540,30 +614,170 @@ static ALWAYS_INLINE void dot_rows4_int8_pair(const uint8_t *const rows[4],
     }
 }
 
+#ifdef __AVX2__
+/* Four rows against four tokens (a prefill): each row's block is unpacked once for the four
+ * tokens and each token's block loaded once for the four rows; sixteen chains of
+ * arithmetic side by side. out[t][r] is token t's dot_row_int8 of row r, bit for bit: each
+ * (row, token) pair keeps its own eight lanes and m part and adds its blocks in the same
+ * order with the same roundings; the tile changes only which pairs run together. The
+ * scales come as in dot_rows4_int8: the rows' headers converted once a block, times each
+ * token's (d_x, d_x * sum) in every pair of lanes, each pair's taken from its lane. */
+static ALWAYS_INLINE void dot_rows4_int8_tokens4(const uint8_t *const rows[4],
+                                                 kv_weight_format format,
+                                                 const float *const pairs[4],
+                                                 const int8_t *const codes[4], int n_blocks,
+                                                 float out[4][4]) {
+    size_t block_bytes = kv_weight_block_bytes(format);
+    size_t header = format == KV_WEIGHT_Q4_1 ? 4 : 2;   /* d, and Q4_1's m, before the codes */
+    v8f lanes[4][4];   /* [token][row] */
+    v8f m_parts[4];    /* [token], lane 2r + 1: row r's m part (Q4_1) */
+    memset(lanes, 0, sizeof lanes);
+    memset(m_parts, 0, sizeof m_parts);
+    for (int b = 0; b < n_blocks; b++) {
+        size_t at = (size_t)b * block_bytes;
+        v8f d_m = headers4(rows, at);
+        __m256i w_codes[4];
+        for (int r = 0; r < 4; r++) w_codes[r] = load_w_codes(rows[r] + at + header, format);
+        for (int t = 0; t < 4; t++) {
+            x_block xb = load_x_block(codes[t] + 32 * b, 0.0f, 0.0f, format);
+            v8f x_pair = x_pair_splat(pairs[t] + 2 * b);
+            __m256 scales = (__m256)(d_m * x_pair);   /* lane 2r: row r's d_w * d_x */
+            if (format == KV_WEIGHT_Q4_1) m_parts[t] = madd(d_m, x_pair, m_parts[t]);
+            for (int r = 0; r < 4; r++) {
+                __m256i ints = block_ints(w_codes[r], &xb, format);
+                __m256 scale = _mm256_permutevar8x32_ps(scales, _mm256_set1_epi32(2 * r));
+                lanes[t][r] = madd((v8f)scale, (v8f)_mm256_cvtepi32_ps(ints), lanes[t][r]);
+            }
+        }
+    }
+    for (int t = 0; t < 4; t++) {
+        v4f totals = reduce_lanes4(lanes[t][0], lanes[t][1], lanes[t][2], lanes[t][3]);
+        for (int r = 0; r < 4; r++)
+            out[t][r] = format == KV_WEIGHT_Q4_1 ? totals[r] + m_parts[t][2 * r + 1] : totals[r];
+    }
+}
+#endif
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__FMA__)
+#define KV_INT8_TILE_512 1
+/* dot_rows4_int8_tokens4 with 512-bit registers: two tokens to a register (token 2p in
+ * lanes 0 .. 7, 2p + 1 in lanes 8 .. 15), so each instruction does two (row, token) pairs'
+ * work. Lane for lane the same operations in the same order: each pair's eight lanes, its
+ * scale d_w * d_x (a product of the same two floats), its m part, bit for bit. */
+static ALWAYS_INLINE void dot_rows4_int8_tokens4_512(const uint8_t *const rows[4],
+                                                     kv_weight_format format,
+                                                     const float *const pairs[4],
+                                                     const int8_t *const codes[4], int n_blocks,
+                                                     float out[4][4]) {
+    size_t block_bytes = kv_weight_block_bytes(format);
+    size_t header = format == KV_WEIGHT_Q4_1 ? 4 : 2;   /* d, and Q4_1's m, before the codes */
+    __m512 lanes[4][2], m_parts[2];   /* [row][token pair], [token pair] */
+    for (int r = 0; r < 4; r++) lanes[r][0] = lanes[r][1] = _mm512_setzero_ps();
+    m_parts[0] = m_parts[1] = _mm512_setzero_ps();
+    /* each half's scale for row r: lane 2r of its half */
+    __m512i pick[4];
+    for (int r = 0; r < 4; r++)
+        pick[r] = _mm512_setr_epi32(2 * r, 2 * r, 2 * r, 2 * r, 2 * r, 2 * r, 2 * r, 2 * r,
+                                    8 + 2 * r, 8 + 2 * r, 8 + 2 * r, 8 + 2 * r, 8 + 2 * r,
+                                    8 + 2 * r, 8 + 2 * r, 8 + 2 * r);
+    __m512i shifts = _mm512_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4, 0, 0, 0, 0, 4, 4, 4, 4);
+    for (int b = 0; b < n_blocks; b++) {
+        size_t at = (size_t)b * block_bytes;
+        __m256 d_m = (__m256)headers4(rows, at);
+        __m512 d_m2 = _mm512_insertf32x8(_mm512_castps256_ps512(d_m), d_m, 1);
+        __m512 scales[2];
+        __m512i x_codes[2], x_sums4x8[2];
+        for (int p = 0; p < 2; p++) {
+            __m512 x_pair = _mm512_insertf32x8(
+                _mm512_castps256_ps512((__m256)x_pair_splat(pairs[2 * p] + 2 * b)),
+                (__m256)x_pair_splat(pairs[2 * p + 1] + 2 * b), 1);
+            scales[p] = _mm512_mul_ps(d_m2, x_pair);
+            if (format == KV_WEIGHT_Q4_1) m_parts[p] = _mm512_fmadd_ps(d_m2, x_pair, m_parts[p]);
+            x_codes[p] = _mm512_inserti64x4(
+                _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(codes[2 * p] + 32 * b))),
+                _mm256_loadu_si256((const __m256i *)(codes[2 * p + 1] + 32 * b)), 1);
+            if (format == KV_WEIGHT_Q4_0)
+                x_sums4x8[p] = _mm512_slli_epi32(
+                    _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8(1), x_codes[p]), 3);
+        }
+        for (int r = 0; r < 4; r++) {
+            const uint8_t *w_at = rows[r] + at + header;
+            __m512i w_codes;
+            if (format == KV_WEIGHT_Q8_0) {
+                w_codes = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)w_at));
+            } else {   /* the 16 bytes in every quarter; the high nibbles in quarters 1 and 3 */
+                w_codes = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)w_at));
+                w_codes = _mm512_and_si512(_mm512_srlv_epi32(w_codes, shifts),
+                                           _mm512_set1_epi8(0x0F));
+            }
+            for (int p = 0; p < 2; p++) {
+                __m512i ints;
+                if (format == KV_WEIGHT_Q8_0) {   /* |w| times x with w's sign, as sums_of_four */
+                    ints = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_abs_epi8(w_codes),
+                                               _mm512_mask_sub_epi8(x_codes[p],
+                                                   _mm512_movepi8_mask(w_codes),
+                                                   _mm512_setzero_si512(), x_codes[p]));
+                } else {
+                    ints = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w_codes, x_codes[p]);
+                    if (format == KV_WEIGHT_Q4_0) ints = _mm512_sub_epi32(ints, x_sums4x8[p]);
+                }
+                __m512 scale = _mm512_permutexvar_ps(pick[r], scales[p]);
+                lanes[r][p] = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(ints), lanes[r][p]);
+            }
+        }
+    }
+    for (int t = 0; t < 4; t++) {
+        int p = t / 2, high = t % 2;
+        v8f half[4];
+        for (int r = 0; r < 4; r++)
+            half[r] = (v8f)(high ? _mm512_extractf32x8_ps(lanes[r][p], 1)
+                                 : _mm512_castps512_ps256(lanes[r][p]));
+        v4f totals = reduce_lanes4(half[0], half[1], half[2], half[3]);
+        v8f m_half = (v8f)(high ? _mm512_extractf32x8_ps(m_parts[p], 1)
+                                : _mm512_castps512_ps256(m_parts[p]));
+        for (int r = 0; r < 4; r++)
+            out[t][r] = format == KV_WEIGHT_Q4_1 ? totals[r] + m_half[2 * r + 1] : totals[r];
+    }
+}
+#endif
+
 /* Rows lo .. hi - 1 of w against every token's quantized activations: the rows read as four
- * runs side by side (as rows_streamed does), every token against each four, two tokens at
- * a time where there are two. Inlined into one copy per format (rows_int8_q8_0, ...), so
- * that no test of the format is left in the loops. */
+ * runs side by side (as rows_streamed does), every token against each four: four tokens
+ * at a time where there are four (with AVX2), then two, then one. Inlined into one copy
+ * per format (rows_int8_q8_0, ...), so that no test of the format is left in the loops. */
 static ALWAYS_INLINE void rows_int8(float *out, const uint8_t *w, kv_weight_format format,
                                     int n_tokens, int in_dim, int out_dim,
-                                    const float *x_scales, const int8_t *x_codes, int lo,
+                                    const float *x_pairs, const int8_t *x_codes, int lo,
                                     int hi) {
-    // x_scales (2, n_tokens, n_blocks): the blocks' scales, then their d_x * sums of codes
+    // x_pairs (n_tokens, n_blocks, 2): each block's scale and d_x * sum of codes
     int n_blocks = in_dim / 32;
-    const float *x_sums = x_scales + (size_t)n_tokens * n_blocks;
     size_t row_bytes = kv_weight_row_bytes(format, in_dim);
     int per_run = (hi - lo) / 4;
+#define PAIRS(t) (x_pairs + 2 * (size_t)(t) * n_blocks)
+#define CODES(t) (x_codes + (size_t)(t) * in_dim)
     for (int k = 0; k < per_run; k++) {
         int o[4] = {lo + k, lo + per_run + k, lo + 2 * per_run + k, lo + 3 * per_run + k};
         const uint8_t *rows[4] = {w + (size_t)o[0] * row_bytes, w + (size_t)o[1] * row_bytes,
                                   w + (size_t)o[2] * row_bytes, w + (size_t)o[3] * row_bytes};
         int t = 0;
+#ifdef __AVX2__
+        for (; t + 4 <= n_tokens; t += 4) {     /* four tokens against the four rows */
+            float sums[4][4];
+            const float *pairs[4] = {PAIRS(t), PAIRS(t + 1), PAIRS(t + 2), PAIRS(t + 3)};
+            const int8_t *codes[4] = {CODES(t), CODES(t + 1), CODES(t + 2), CODES(t + 3)};
+#ifdef KV_INT8_TILE_512
+            dot_rows4_int8_tokens4_512(rows, format, pairs, codes, n_blocks, sums);
+#else
+            dot_rows4_int8_tokens4(rows, format, pairs, codes, n_blocks, sums);
+#endif
+            for (int i = 0; i < 4; i++)
+                for (int r = 0; r < 4; r++) out[(size_t)(t + i) * out_dim + o[r]] = sums[i][r];
+        }
+#endif
         for (; t + 2 <= n_tokens; t += 2) {     /* two tokens share each row's loads */
             float sums0[4], sums1[4];
-            size_t at0 = (size_t)t * n_blocks, at1 = (size_t)(t + 1) * n_blocks;
-            dot_rows4_int8_pair(rows, format, x_scales + at0, x_sums + at0,
-                                x_codes + (size_t)t * in_dim, x_scales + at1, x_sums + at1,
-                                x_codes + (size_t)(t + 1) * in_dim, n_blocks, sums0, sums1);
+            dot_rows4_int8_pair(rows, format, PAIRS(t), CODES(t), PAIRS(t + 1), CODES(t + 1),
+                                n_blocks, sums0, sums1);
             for (int r = 0; r < 4; r++) {
                 out[(size_t)t * out_dim + o[r]] = sums0[r];
                 out[(size_t)(t + 1) * out_dim + o[r]] = sums1[r];
@@ -571,46 +785,139 @@ static ALWAYS_INLINE void rows_int8(float *out, const uint8_t *w, kv_weight_form
         }
         for (; t < n_tokens; t++) {
             float sums[4];
-            dot_rows4_int8(rows, format, x_scales + (size_t)t * n_blocks,
-                           x_sums + (size_t)t * n_blocks, x_codes + (size_t)t * in_dim, n_blocks,
-                           sums);
+            dot_rows4_int8(rows, format, PAIRS(t), CODES(t), n_blocks, sums);
             for (int r = 0; r < 4; r++) out[(size_t)t * out_dim + o[r]] = sums[r];
         }
     }
     for (int o = lo + 4 * per_run; o < hi; o++)   /* the last few, one at a time */
         for (int t = 0; t < n_tokens; t++)
             out[(size_t)t * out_dim + o] =
-                dot_row_int8(w + (size_t)o * row_bytes, format, x_scales + (size_t)t * n_blocks,
-                             x_sums + (size_t)t * n_blocks, x_codes + (size_t)t * in_dim, n_blocks);
+                dot_row_int8(w + (size_t)o * row_bytes, format, PAIRS(t), CODES(t), n_blocks);
+#undef PAIRS
+#undef CODES
 }
 
 #define ROWS_INT8_FOR(name, format)                                                         \
     static void name(float *out, const uint8_t *w, int n_tokens, int in_dim, int out_dim,   \
-                     const float *x_scales, const int8_t *x_codes, int lo, int hi) {        \
-        rows_int8(out, w, format, n_tokens, in_dim, out_dim, x_scales, x_codes, lo, hi);    \
+                     const float *x_pairs, const int8_t *x_codes, int lo, int hi) {         \
+        rows_int8(out, w, format, n_tokens, in_dim, out_dim, x_pairs, x_codes, lo, hi);     \
     }
 ROWS_INT8_FOR(rows_int8_q8_0, KV_WEIGHT_Q8_0)
 ROWS_INT8_FOR(rows_int8_q4_0, KV_WEIGHT_Q4_0)
 ROWS_INT8_FOR(rows_int8_q4_1, KV_WEIGHT_Q4_1)
 
-void kv_matmul_int8(float *out, const float *x, const uint8_t *w, kv_weight_format format,
-                    int n_tokens, int in_dim, int out_dim, float *x_scales, int8_t *x_codes) {
+#ifdef __AVX2__
+/* roundf of eight floats (halves away from zero, as the plain tier's quantizer rounds; the
+ * vector instructions' own rounding sends halves to even): the truncation, plus the sign
+ * where the part cut off is a half or more. v - trunc(v) is exact. */
+static ALWAYS_INLINE __m256 round_half_away(__m256 v) {
+    __m256 whole = _mm256_round_ps(v, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+    __m256 sign_bit = _mm256_set1_ps(-0.0f);
+    __m256 cut = _mm256_andnot_ps(sign_bit, _mm256_sub_ps(v, whole));    /* |v - trunc(v)| */
+    __m256 one = _mm256_or_ps(_mm256_and_ps(v, sign_bit), _mm256_set1_ps(1.0f));   /* +-1 */
+    __m256 up = _mm256_cmp_ps(cut, _mm256_set1_ps(0.5f), _CMP_GE_OQ);
+    return _mm256_add_ps(whole, _mm256_and_ps(up, one));
+}
+#endif
+
+/* A token's activations quantized as kv_quantize_activations_q8 does it (the same codes,
+ * scales and sums, bit for bit), its scales and sums written side by side (n_blocks, 2).
+ * With AVX2 a block at a time in four vectors: the largest magnitude (a maximum, in any
+ * order), the one scalar scale and inverse, the codes rounded as roundf rounds and packed,
+ * their exact integer sum. */
+static void quantize_token_pairs(const float *x, int in_dim, float *pairs, int8_t *codes) {
     int n_blocks = in_dim / 32;
-    float *x_sums = x_scales + (size_t)n_tokens * n_blocks;
-    for (int t = 0; t < n_tokens; t++)
-        kv_quantize_activations_q8(x + (size_t)t * in_dim, in_dim, x_scales + (size_t)t * n_blocks,
-                                   x_codes + (size_t)t * in_dim, x_sums + (size_t)t * n_blocks);
+#ifdef __AVX2__
+    __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+    for (int b = 0; b < n_blocks; b++) {
+        const float *block = x + 32 * (size_t)b;
+        __m256 v[4], amax = _mm256_setzero_ps();
+        for (int j = 0; j < 4; j++) {
+            v[j] = _mm256_loadu_ps(block + 8 * j);
+            /* max(|x|, amax): amax where |x| is NaN, as the plain tier's comparison keeps it */
+            amax = _mm256_max_ps(_mm256_and_ps(v[j], abs_mask), amax);
+        }
+        __m128 half = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+        half = _mm_max_ps(half, _mm_movehl_ps(half, half));
+        half = _mm_max_ss(half, _mm_movehdup_ps(half));
+        float scale = _mm_cvtss_f32(half) / 127.0f, inverse = scale > 0.0f ? 1.0f / scale : 0.0f;
+        __m256i ints[4];
+        for (int j = 0; j < 4; j++)
+            ints[j] = _mm256_cvttps_epi32(round_half_away(_mm256_mul_ps(v[j], _mm256_set1_ps(inverse))));
+        __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(ints[0], ints[1]),
+                                           _mm256_packs_epi32(ints[2], ints[3]));
+        bytes = _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+        _mm256_storeu_si256((__m256i *)(codes + 32 * (size_t)b), bytes);
+        __m256i total = _mm256_add_epi32(_mm256_add_epi32(ints[0], ints[1]),
+                                         _mm256_add_epi32(ints[2], ints[3]));
+        __m128i sum4 = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
+        sum4 = _mm_add_epi32(sum4, _mm_shuffle_epi32(sum4, 0x4E));
+        sum4 = _mm_add_epi32(sum4, _mm_shuffle_epi32(sum4, 0xB1));
+        pairs[2 * b] = scale;
+        pairs[2 * b + 1] = scale * (float)_mm_cvtsi128_si32(sum4);
+    }
+#else
+    enum { CHUNK = 64 };
+    float scales[CHUNK], sums[CHUNK];
+    for (int first = 0; first < n_blocks; first += CHUNK) {
+        int n = n_blocks - first < CHUNK ? n_blocks - first : CHUNK;
+        kv_quantize_activations_q8(x + 32 * (size_t)first, 32 * n, scales,
+                                   codes + 32 * (size_t)first, sums);
+        for (int b = 0; b < n; b++) {
+            pairs[2 * (first + b)] = scales[b];
+            pairs[2 * (first + b) + 1] = sums[b];
+        }
+    }
+#endif
+}
+
+/* Tokens first .. last - 1 of x quantized (quantize_token_pairs) */
+static void quantize_tokens(const float *x, int in_dim, float *x_pairs, int8_t *x_codes,
+                            int first, int last) {
+    int n_blocks = in_dim / 32;
+    for (int t = first; t < last; t++)
+        quantize_token_pairs(x + (size_t)t * in_dim, in_dim, x_pairs + 2 * (size_t)t * n_blocks,
+                             x_codes + (size_t)t * in_dim);
+}
+
+void kv_matmul_int8_many(int n_matrices, float *const *outs, const uint8_t *const *ws,
+                         kv_weight_format format, const int *out_dims, const float *x,
+                         int n_tokens, int in_dim, float *x_scales, int8_t *x_codes) {
+    float *x_pairs = x_scales;   /* (n_tokens, n_blocks, 2): the same floats, side by side */
+    /* many tokens (a prefill) are quantized by the team, each thread a share; a few before */
+    int team_quantizes = n_tokens >= 8;
+    if (!team_quantizes)
+        quantize_tokens(x, in_dim, x_pairs, x_codes, 0, n_tokens);
     void (*rows)(float *, const uint8_t *, int, int, int, const float *, const int8_t *, int, int) =
         format == KV_WEIGHT_Q4_0 ? rows_int8_q4_0 :
         format == KV_WEIGHT_Q4_1 ? rows_int8_q4_1 : rows_int8_q8_0;
-    /* Each thread a contiguous share of the rows */
+    long work = 0;
+    int most_rows = 0;
+    for (int m = 0; m < n_matrices; m++) {
+        work += (long)n_tokens * out_dims[m] * in_dim;
+        most_rows = out_dims[m] > most_rows ? out_dims[m] : most_rows;
+    }
+    /* One parallel region for all the matrices (a decode step pays its start and its end
+     * once, not once a matrix): each thread a contiguous share of every matrix's rows, one
+     * matrix after another, without waiting for the others (no output is shared). */
     #pragma omp parallel num_threads(kv_threads()) \
-        if ((long)n_tokens * out_dim * in_dim >= KV_PARALLEL_MIN_WORK && out_dim > 1)
+        if (work >= KV_PARALLEL_MIN_WORK && most_rows > 1)
     {
         int team = omp_get_num_threads(), me = omp_get_thread_num();
-        rows(out, w, n_tokens, in_dim, out_dim, x_scales, x_codes,
-             (int)((long)out_dim * me / team), (int)((long)out_dim * (me + 1) / team));
+        if (team_quantizes) {
+            quantize_tokens(x, in_dim, x_pairs, x_codes, (int)((long)n_tokens * me / team),
+                            (int)((long)n_tokens * (me + 1) / team));
+            #pragma omp barrier
+        }
+        for (int m = 0; m < n_matrices; m++)
+            rows(outs[m], ws[m], n_tokens, in_dim, out_dims[m], x_pairs, x_codes,
+                 (int)((long)out_dims[m] * me / team), (int)((long)out_dims[m] * (me + 1) / team));
     }
+}
+
+void kv_matmul_int8(float *out, const float *x, const uint8_t *w, kv_weight_format format,
+                    int n_tokens, int in_dim, int out_dim, float *x_scales, int8_t *x_codes) {
+    kv_matmul_int8_many(1, &out, &w, format, &out_dim, x, n_tokens, in_dim, x_scales, x_codes);
 }
 
 kv_status kv_weights_matmul_int8(float *out, const float *x, const uint8_t *w,

@@ -35,10 +35,18 @@ void kv_matmul_weights(float *out, const float *x, const uint8_t *w, kv_weight_f
                        int n_tokens, int in_dim, int out_dim, float *scratch, int n_threads);
 
 /* The fast tier of kv_plain_matmul_int8 (Q8_0, Q4_0 or Q4_1 weights against x quantized to
- * int8 per block of 32), bit for bit: x_scales (2, n_tokens, in_dim / 32) (the blocks'
- * scales, then each one times the sum of its codes) and x_codes (n_tokens, in_dim) are the
- * caller's scratch, filled here. */
+ * int8 per block of 32), bit for bit: x_scales (2 * n_tokens * in_dim / 32 floats) and
+ * x_codes (n_tokens, in_dim) are the caller's scratch, filled here (x_scales as (n_tokens,
+ * in_dim / 32, 2): each block's scale beside its scale times the sum of its codes, where
+ * the plain tier writes all the scales, then all the sums). */
 void kv_matmul_int8(float *out, const float *x, const uint8_t *w, kv_weight_format format,
                     int n_tokens, int in_dim, int out_dim, float *x_scales, int8_t *x_codes);
+
+/* kv_matmul_int8 of several matrices in one format against the same x (a layer's Q, K and
+ * V; its gate and up projections): outs[m] (n_tokens, out_dims[m]) = x . ws[m]^T, each
+ * bit for bit kv_matmul_int8's, with x quantized once and one parallel region for all. */
+void kv_matmul_int8_many(int n_matrices, float *const *outs, const uint8_t *const *ws,
+                         kv_weight_format format, const int *out_dims, const float *x,
+                         int n_tokens, int in_dim, float *x_scales, int8_t *x_codes);
 
 #endif /* KVLAB_WEIGHT_FORMATS_H */

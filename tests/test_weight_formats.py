@@ -151,7 +151,7 @@ def test_the_numpy_side_refuses_what_it_cannot_store():
 def test_int8_activations_follow_their_numpy_definition(tiers, fmt, n_tokens, out_dim):
     """Block-format weights against int8 activations (llama.cpp's way) are not the float32
     product, so they have their own spec: kvlab.weight_formats.matmul_int8, bit for bit,
-    both tiers, for 1, 2, 3 and many tokens (the fast tier takes tokens two at a time) and
+    both tiers, for 1, 2, 3 and many tokens (the fast tier takes tokens four, then two at a time) and
     out_dims that are not multiples of 4 (its last rows one at a time); and within a
     rounding of x of the float32 product."""
     rng = np.random.default_rng(n_tokens * 7 + out_dim)

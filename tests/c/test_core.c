@@ -1204,14 +1204,14 @@ static void test_weight_formats(void) {
         free(scratch); free(w16); free(xs); free(ys);
     }
     /* Q8_0, Q4_0 and Q4_1 against int8 activations: the fast tier gives the plain tier's
-     * bits, for 1, 2, 3 and 5 tokens (pairs and a lone one) and 13 rows (four runs and a
-     * leftover); any bytes at all as codes */
+     * bits, for 1, 2, 3, 5 and 7 tokens (fours, pairs and a lone one) and 13 rows (four runs
+     * and a leftover); any bytes at all as codes */
     const kv_weight_format blocks[] = {KV_WEIGHT_Q8_0, KV_WEIGHT_Q4_0, KV_WEIGHT_Q4_1};
-    const int int8_tokens[] = {1, 2, 3, 5};
+    const int int8_tokens[] = {1, 2, 3, 5, 7};
     int in_dim = 96;
     kv_kernels before = kv_get_kernels();
     for (int f = 0; f < 3; f++)
-        for (int n = 0; n < 4; n++) {
+        for (int n = 0; n < 5; n++) {
             int n_tokens = int8_tokens[n];
             size_t row_bytes = kv_weight_row_bytes(blocks[f], in_dim);
             size_t block_bytes = kv_weight_block_bytes(blocks[f]);
@@ -1239,6 +1239,37 @@ static void test_weight_formats(void) {
                   KV_ERR_INVALID_ARG);
             free(w); free(x); free(fast); free(plain);
         }
+    /* Activations whose scaled values fall on halves (k + 0.5 and -(k + 0.5): roundf sends
+     * them away from zero, the vector rounding to even), for 1 and 9 tokens: the tiers still
+     * quantize them alike */
+    for (int n = 0; n < 2; n++) {
+        int n_tokens = n == 0 ? 1 : 9, ties_dim = 64, ties_out = 8;
+        size_t row_bytes = kv_weight_row_bytes(KV_WEIGHT_Q8_0, ties_dim);
+        uint8_t *w = malloc(row_bytes * ties_out);
+        for (size_t i = 0; i < row_bytes * ties_out; i++) w[i] = (uint8_t)(i * 37 % 251);
+        for (int o = 0; o < ties_out; o++)
+            for (int b = 0; b < ties_dim / 32; b++) {
+                uint16_t scale = kv_f32_to_f16(0.01f * (float)(o + b + 1));
+                memcpy(w + row_bytes * o + 34 * b, &scale, 2);
+            }
+        float *x = malloc(sizeof(float) * n_tokens * ties_dim);
+        for (int t = 0; t < n_tokens; t++)
+            for (int i = 0; i < ties_dim; i++) {
+                /* block 0: largest 127, so d_x = 1; block 1: largest 63.5, d_x = 0.5 */
+                float *at = x + (size_t)t * ties_dim + i;
+                int k = (i * 7 + t) % 31 - 15, sign = (i + t) % 2 ? -1 : 1;
+                if (i < 32) *at = i == 0 ? 127.0f : (float)sign * ((float)k + 0.5f);
+                else *at = i == 32 ? -63.5f : (float)sign * 0.5f * ((float)k + 0.5f);
+            }
+        float *fast = malloc(sizeof(float) * n_tokens * ties_out);
+        float *plain = malloc(sizeof(float) * n_tokens * ties_out);
+        CHECK(kv_weights_matmul_int8(fast, x, w, KV_WEIGHT_Q8_0, n_tokens, ties_dim, ties_out) == KV_OK);
+        kv_set_kernels(KV_KERNELS_PLAIN);
+        CHECK(kv_weights_matmul_int8(plain, x, w, KV_WEIGHT_Q8_0, n_tokens, ties_dim, ties_out) == KV_OK);
+        kv_set_kernels(before);
+        CHECK(memcmp(fast, plain, sizeof(float) * n_tokens * ties_out) == 0);
+        free(w); free(x); free(fast); free(plain);
+    }
 }
 
 /* n_rows rows of in_dim floats written in `format` (Q8_0 as ggml quantizes: a half scale
