@@ -400,9 +400,13 @@ static ALWAYS_INLINE w_block load_w_block(const uint8_t *block, kv_weight_format
     w_block wb;
 #ifdef __AVX2__
     if (format == KV_WEIGHT_Q4_1) {   /* d and m converted by one instruction */
+#ifdef __F16C__
         uint32_t d_m;
         memcpy(&d_m, block, sizeof d_m);
         wb.d_m = _mm_cvtph_ps(_mm_cvtsi32_si128((int)d_m));
+#else   /* AVX2 without F16C (a VM may hide it): the same exact conversions, one by one */
+        wb.d_m = _mm_setr_ps(block_scale(block), block_scale(block + 2), 0.0f, 0.0f);
+#endif
         wb.d = _mm_cvtss_f32(wb.d_m);
     } else {
         wb.d = block_scale(block);
@@ -507,9 +511,18 @@ static ALWAYS_INLINE float dot_row_int8(const uint8_t *row, kv_weight_format for
  * which nobody reads). Gathered in registers: a store of four and a load of them would
  * stall on the store buffer. */
 static ALWAYS_INLINE v8f headers4(const uint8_t *const rows[4], size_t at) {
+#ifdef __F16C__
     int heads[4];
     for (int r = 0; r < 4; r++) memcpy(&heads[r], rows[r] + at, sizeof heads[r]);
     return (v8f)_mm256_cvtph_ps(_mm_setr_epi32(heads[0], heads[1], heads[2], heads[3]));
+#else   /* AVX2 without F16C (a VM may hide it): the same exact conversions, one by one */
+    v8f out;
+    for (int r = 0; r < 4; r++) {
+        out[2 * r] = block_scale(rows[r] + at);
+        out[2 * r + 1] = block_scale(rows[r] + at + 2);
+    }
+    return out;
+#endif
 }
 
 /* A block's (d_x, d_x * sum of codes) in every pair of lanes: one broadcast load */
