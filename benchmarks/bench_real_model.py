@@ -16,9 +16,9 @@ and, each in a fresh child process, the resident memory the load added (the weig
 whatever loading left behind), beside the file's size. Token ids only: the prompt is ids
 1000, 1001, ... (no tokenizer is needed to time a forward pass).
 
-The model comes from the first argument, else $KVLAB_SMOLLM2_GGUF, else
-/tmp/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf; when there is none the benchmark says so and
-exits 0, so a machine without the file skips it.
+The model comes from the first argument, else $KVLAB_SMOLLM2_GGUF, else the named model
+smollm2-135m (kvlab.fetch: fetched into the cache folder once); where it cannot be had the
+benchmark says so and exits 0.
 """
 from __future__ import annotations
 
@@ -36,12 +36,20 @@ import numpy as np
 import kvlab
 from kvlab.process_memory import release_freed_memory, resident_bytes
 
-DEFAULT_PATH = "/tmp/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 VARIANTS = {"q4_1 (kept)": None, "q8_0": "q8_0"}   # name -> kvlab.load's weights=
 
 
 def model_path(argument) -> Path:
-    return Path(argument or os.environ.get("KVLAB_SMOLLM2_GGUF") or DEFAULT_PATH)
+    """The file to time: the argument, else $KVLAB_SMOLLM2_GGUF, else the named model
+    smollm2-135m (fetched into the cache folder once); None where it cannot be had."""
+    named = argument or os.environ.get("KVLAB_SMOLLM2_GGUF")
+    if named:
+        return Path(named)
+    try:
+        return kvlab.fetch("smollm2-135m")
+    except kvlab.FetchError as error:
+        print(f"skipped: {error}")
+        return None
 
 
 def decode_tokens_per_second(model, steps: int) -> float:
@@ -88,8 +96,10 @@ def main(argv=None) -> int:
     parser.add_argument("--memory-of", default=None, help=argparse.SUPPRESS)   # the child's job
     args = parser.parse_args(argv)
     path = model_path(args.model)
+    if path is None:
+        return 0
     if not path.is_file():
-        print(f"skipped: no model at {path} (give a path or set KVLAB_SMOLLM2_GGUF)")
+        print(f"skipped: no model at {path}")
         return 0
     if args.memory_of:
         print(json.dumps(load_memory(path, None if args.memory_of == "kept" else args.memory_of)))
