@@ -5,6 +5,7 @@
  * are bit-identical to the NumPy reference. Why these formats, and what each costs in
  * precision, is the subject of the chapter on cache quantization.
  */
+#include <float.h>
 #include <math.h>
 #include <string.h>
 
@@ -274,15 +275,22 @@ void kv_quantize_activations_q8(const float *x, int in_dim, float *scales, int8_
     for (int b = 0; b < in_dim / KV_Q8_0_BLOCK; b++) {
         const float *block = x + b * KV_Q8_0_BLOCK;
         float amax = 0.0f;
+        int finite = 1;
         for (int i = 0; i < KV_Q8_0_BLOCK; i++) {
             float magnitude = fabsf(block[i]);
+            finite &= magnitude <= FLT_MAX;          /* false for inf and NaN */
             amax = magnitude > amax ? magnitude : amax;
         }
-        float scale = amax / 127.0f, inverse = scale > 0.0f ? 1.0f / scale : 0.0f;
+        /* A block holding inf or NaN has no int8 codes: its scale is NaN (so every product
+         * with it is NaN, as the float32 product would be) and its codes 0. A scale so small
+         * that 1 / scale overflows (amax below about 4e-37) rounds every code to 0. */
+        float scale = finite ? amax / 127.0f : NAN;
+        float inverse = scale > 0.0f ? 1.0f / scale : 0.0f;
+        if (inverse > FLT_MAX) inverse = 0.0f;
         scales[b] = scale;
         int32_t sum = 0;
         for (int i = 0; i < KV_Q8_0_BLOCK; i++) {
-            codes[b * KV_Q8_0_BLOCK + i] = (int8_t)roundf(block[i] * inverse);
+            codes[b * KV_Q8_0_BLOCK + i] = finite ? (int8_t)roundf(block[i] * inverse) : 0;
             sum += codes[b * KV_Q8_0_BLOCK + i];
         }
         sums[b] = scale * (float)sum;

@@ -11,6 +11,8 @@
  * What changes is the memory read: a decode step streams 2 bytes a weight, or 1.0625,
  * instead of 4. Not here: which matrices of a model use which format (model.c, loaders).
  */
+#include <float.h>
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -671,7 +673,8 @@ static ALWAYS_INLINE void dot_rows4_int8_tokens4(const uint8_t *const rows[4],
 }
 #endif
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__FMA__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && \
+    defined(__AVX512VNNI__) && defined(__FMA__)
 #define KV_INT8_TILE_512 1
 /* dot_rows4_int8_tokens4 with 512-bit registers: two tokens to a register (token 2p in
  * lanes 0 .. 7, 2p + 1 in lanes 8 .. 15), so each instruction does two (row, token) pairs'
@@ -844,16 +847,25 @@ static void quantize_token_pairs(const float *x, int in_dim, float *pairs, int8_
     __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
     for (int b = 0; b < n_blocks; b++) {
         const float *block = x + 32 * (size_t)b;
-        __m256 v[4], amax = _mm256_setzero_ps();
+        __m256 v[4], amax = _mm256_setzero_ps(), finite = _mm256_castsi256_ps(_mm256_set1_epi32(-1));
         for (int j = 0; j < 4; j++) {
             v[j] = _mm256_loadu_ps(block + 8 * j);
-            /* max(|x|, amax): amax where |x| is NaN, as the plain tier's comparison keeps it */
-            amax = _mm256_max_ps(_mm256_and_ps(v[j], abs_mask), amax);
+            __m256 magnitude = _mm256_and_ps(v[j], abs_mask);
+            /* |x| <= FLT_MAX is false for inf and NaN, as in the plain tier */
+            finite = _mm256_and_ps(finite, _mm256_cmp_ps(magnitude, _mm256_set1_ps(FLT_MAX), _CMP_LE_OQ));
+            amax = _mm256_max_ps(magnitude, amax);
+        }
+        if (_mm256_movemask_ps(finite) != 0xFF) {   /* inf or NaN: scale NaN, codes 0 */
+            memset(codes + 32 * (size_t)b, 0, 32);
+            pairs[2 * b] = NAN;
+            pairs[2 * b + 1] = NAN;
+            continue;
         }
         __m128 half = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
         half = _mm_max_ps(half, _mm_movehl_ps(half, half));
         half = _mm_max_ss(half, _mm_movehdup_ps(half));
         float scale = _mm_cvtss_f32(half) / 127.0f, inverse = scale > 0.0f ? 1.0f / scale : 0.0f;
+        if (inverse > FLT_MAX) inverse = 0.0f;    /* amax below ~4e-37: every code rounds to 0 */
         __m256i ints[4];
         for (int j = 0; j < 4; j++)
             ints[j] = _mm256_cvttps_epi32(round_half_away(_mm256_mul_ps(v[j], _mm256_set1_ps(inverse))));

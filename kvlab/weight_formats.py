@@ -177,10 +177,17 @@ def quantize_activations(x: np.ndarray) -> tuple:
     scales amax / 127 (in_dim / 32,) and codes round(x / scale), halves away from zero."""
     x = np.asarray(x, dtype=np.float32)
     blocks = x.reshape(-1, Q8_0_BLOCK)
-    scales = np.abs(blocks).max(axis=-1) / np.float32(127)
-    inverse = np.where(scales > 0, np.float32(1) / np.where(scales > 0, scales, 1), 0)
-    codes = _round_half_away(blocks * inverse.astype(np.float32)[:, None]).astype(np.int8)
-    return scales.astype(np.float32), codes.reshape(-1)
+    # A block holding inf or NaN has no codes: scale NaN (its products are NaN, as in
+    # float32), codes 0. A scale whose inverse overflows float32 rounds every code to 0.
+    finite = np.isfinite(blocks).all(axis=-1)
+    with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+        scales = np.where(finite, np.abs(blocks).max(axis=-1) / np.float32(127), np.nan)
+        scales = scales.astype(np.float32)
+        inverse = np.where(scales > 0, np.float32(1) / np.where(scales > 0, scales, 1), 0)
+        inverse = np.where(np.isfinite(inverse), inverse, 0).astype(np.float32)
+        products = np.where(finite[:, None], blocks * inverse[:, None], 0)
+    codes = _round_half_away(products).astype(np.int8)
+    return scales, codes.reshape(-1)
 
 
 def _weight_codes(codes: np.ndarray, fmt: str, in_dim: int) -> tuple:

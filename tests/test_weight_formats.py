@@ -166,6 +166,37 @@ def test_int8_activations_follow_their_numpy_definition(tiers, fmt, n_tokens, ou
     assert np.abs(want - exact).max() <= 0.02 * np.abs(exact).max()
 
 
+@pytest.mark.parametrize("fmt", wf.BLOCK_FORMATS)
+@pytest.mark.parametrize("n_tokens, out_dim", [(1, 41), (2, 41), (5, 41), (9, 300)])
+def test_int8_activations_that_are_not_finite_or_tiny(tiers, fmt, n_tokens, out_dim):
+    """A block of activations holding NaN or inf has no int8 codes: its products are NaN,
+    as float32's would be (not a finite number made of undefined conversions); a block
+    whose scale's inverse overflows (amax below about 4e-37) gives codes of 0. Both tiers
+    as the spec, bit for bit, also where the products run in parallel (9 x 300)."""
+    rng = np.random.default_rng(n_tokens + out_dim)
+    codes = wf.quantize(random_matrix(rng, out_dim, 128), fmt)
+    x = rng.standard_normal((n_tokens, 128)).astype(np.float32)
+    x[0, 5] = np.nan                              # block 0 of the first token
+    x[-1, 40] = np.inf                            # block 1 of the last
+    x[-1, 64:96] = 0.0
+    x[-1, 65], x[-1, 66] = 3e-37, -1e-37          # block 2: a scale of about 2e-39
+    want = wf.matmul_int8(x, codes, 128, fmt)
+    assert np.isnan(want[0]).all() and np.isnan(want[-1]).all()
+    if n_tokens > 2:
+        assert np.isfinite(want[1:-1]).all()      # the other tokens are not touched
+    for tier in tiers:
+        core.set_kernels(tier)
+        np.testing.assert_array_equal(core.matmul(x, codes, fmt, "int8"), want)
+    tiny = x[-1:].copy()
+    tiny[0, 40] = 0.0                             # the tiny block alone: it adds 0
+    no_block = tiny.copy()
+    no_block[0, 64:96] = 0.0
+    for tier in tiers:
+        core.set_kernels(tier)
+        np.testing.assert_array_equal(core.matmul(tiny, codes, fmt, "int8"),
+                                      core.matmul(no_block, codes, fmt, "int8"))
+
+
 @pytest.mark.parametrize("fmt", ["q4_0", "q4_1"])
 def test_int8_q4_takes_every_code(tiers, fmt):
     """Random bytes: every nibble 0 .. 15 against codes up to +-127, with any d and m (no
