@@ -343,7 +343,8 @@ def cmd_info(args) -> int:
     formats = model.weights.formats
     stored = model.weight_format if model.weight_format != "mixed" else ", ".join(
         f"{name} {fmt}" for name, fmt in formats.items())
-    blocks = set(formats.values()) & {"q8_0", "q4_0", "q4_1"}   # the formats int8 applies to
+    from .weight_formats import BLOCK_FORMATS     # the formats int8 activations apply to
+    blocks = set(formats.values()) & set(BLOCK_FORMATS)
     activations = f", {model.activations} activations" if blocks else ""
     print(f"weights         {_bytes(model.weights_nbytes)}, {stored}{activations}")
     print(f"KV per token    {2 * c.n_layers * c.kv_dim * 4:,} B (fp32)")

@@ -102,9 +102,7 @@ def weights_bytes(config: ModelConfig, dtype: str = "fp16") -> int:
     that many bytes), or a block format of kvlab.weight_formats: "q8_0" (34 bytes per 32),
     "q4_0" (18 per 32) or "q4_1" (20 per 32)."""
     if dtype in weight_formats.BLOCK_FORMATS:
-        block_bytes = {"q8_0": weight_formats.Q8_0_BLOCK_BYTES,
-                       "q4_0": weight_formats.Q4_0_BLOCK_BYTES,
-                       "q4_1": weight_formats.Q4_1_BLOCK_BYTES}[dtype]
+        block_bytes = weight_formats.row_bytes(dtype, weight_formats.Q8_0_BLOCK)
         return config.n_params() * block_bytes // weight_formats.Q8_0_BLOCK
     return config.n_params() * _element_bytes(dtype)
 
