@@ -107,6 +107,34 @@ def check(exercise: str, answer: Callable, seed: Optional[int] = None) -> bool:
     return True
 
 
+def answer(chapter: str, question: int, value) -> bool:
+    """Check your answer to a "Check yourself" question whose answer is a number:
+    `answer("02_cache_size", 3, 1.5e9)`. Prints the verdict and returns True when the
+    answer is close enough (each question says how close, usually 1 %). The kit works the
+    expected answer out itself, from its own functions or the chapter's measurements."""
+    from .questions import numbers
+    table = numbers(chapter)
+    if question not in table:
+        asked = ", ".join(str(n) for n in sorted(table)) or "none"
+        raise ValueError(f"chapter {chapter} has no number question {question!r}; "
+                         f"its number questions are: {asked}")
+    wanted = table[question]
+    try:
+        got = float(value)
+    except (TypeError, ValueError):
+        print(f"not yet: question {question} of {chapter} wants a number "
+              f"({wanted.unit}); got {_short(value)}.")
+        return False
+    expected = float(wanted.expected())
+    if math.isfinite(got) and math.isclose(got, expected, rel_tol=wanted.rel_tol):
+        print(f"✓ correct: question {question} of {chapter}: {expected:,.6g} {wanted.unit}.")
+        return True
+    hint = f" Hint: {wanted.hint}" if wanted.hint else ""
+    print(f"not yet: question {question} of {chapter}: {got:,.6g} {wanted.unit} is more than "
+          f"{wanted.rel_tol:.0%} away from the answer.{hint}")
+    return False
+
+
 # ---- the machinery every check shares ---------------------------------------------------
 
 class _NotAttempted(Exception):

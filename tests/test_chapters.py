@@ -152,8 +152,13 @@ def test_the_figure_script_runs(slug, tmp_path):
     env = {"MPLBACKEND": "Agg", "PATH": "/usr/bin:/bin",
            "PYTHONPATH": str(Path(kvlab.__file__).parents[1])}
     import os
-    env.update({k: v for k, v in os.environ.items() if k in ("HOME", "KVLAB_SHARED", "LANG")})
-    run = subprocess.run([sys.executable, str(script), "--out", str(tmp_path)], cwd=tmp_path,
+    env.update({k: v for k, v in os.environ.items()
+                if k in ("HOME", "KVLAB_SHARED", "LANG", "KVLAB_CACHE", "XDG_CACHE_HOME",
+                         "KVLAB_SMOLLM2_GGUF")})
+    # --quick: each script's short run (fewer rounds, shorter texts), to show it still works;
+    # the numbers the chapter prints come from its full run, in chNN.json
+    run = subprocess.run([sys.executable, str(script), "--out", str(tmp_path), "--quick"],
+                         cwd=tmp_path,
                          env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
     made = {p.name for p in tmp_path.glob("*.png")}
@@ -274,3 +279,44 @@ def test_every_entry_of_the_references_is_cited():
     cited = set().union(*(cited_labels(slug) for slug in SLUGS))
     uncited = labels - cited
     assert not uncited, f"entries of references.md that no chapter cites: {sorted(uncited)}"
+
+
+OBJECTIVES = re.compile(r"^After this chapter you can:\n\n((?:- .+\n(?:  .+\n)*)+)", re.M)
+
+
+@pytest.mark.parametrize("slug", SLUGS)
+def test_each_chapter_opens_with_objectives_and_its_key_idea(slug):
+    """Before its first section a chapter says what a reader will be able to do (3 to 5
+    objectives, "After this chapter you can:" and a list) and states its key idea in a
+    paragraph that opens "**The key idea.**"."""
+    text = chapter_text(slug)
+    opening = text.split("\n## ", 1)[0]
+    found = OBJECTIVES.search(opening)
+    assert found, f"{slug}: no 'After this chapter you can:' list before the first section"
+    items = re.findall(r"^- ", found[1], re.M)
+    assert 3 <= len(items) <= 5, f"{slug}: {len(items)} objectives; a chapter states 3 to 5"
+    assert re.search(r"^\*\*The key idea\.\*\* \S", opening, re.M), \
+        f"{slug}: no '**The key idea.**' paragraph before the first section"
+
+
+# the sections that may follow a chapter's summary: pointers, not new material
+AFTER_SUMMARY = {"In the notebook", "Check yourself", "Lab", "The lab", "Labs", "Sources"}
+
+
+@pytest.mark.parametrize("slug", SLUGS)
+def test_each_chapter_closes_with_a_summary(slug):
+    headings = re.findall(r"^## (?:[\d.]+ )?(.+?)\s*$", chapter_text(slug), re.M)
+    assert "Summary" in headings, f"{slug}: no '## Summary' section"
+    after = headings[headings.index("Summary") + 1:]
+    assert set(after) <= AFTER_SUMMARY, \
+        f"{slug}: new material after the summary: {sorted(set(after) - AFTER_SUMMARY)}"
+
+
+APPENDICES = ["appendix_measuring", "appendix_course"]
+
+
+@pytest.mark.parametrize("name", APPENDICES)
+def test_the_appendices_exist_and_are_linked(name):
+    assert (CHAPTERS / f"{name}.md").is_file()
+    linking = [slug for slug in SLUGS if f"({name}.md" in chapter_text(slug)]
+    assert linking, f"no chapter links {name}.md"

@@ -239,6 +239,9 @@ def plot_measured(reports: list, curve: dict, model_name: str, path: Path) -> No
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=str(Path(__file__).resolve().parent))
+    parser.add_argument("--quick", action="store_true",
+                        help="a short run that checks the script works (the tests run this);"
+                             " its numbers are not the chapter's")
     out = Path(parser.parse_args().out)
     out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()

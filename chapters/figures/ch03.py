@@ -337,6 +337,9 @@ def plot_conversion(result: dict, path: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=str(Path(__file__).resolve().parent))
+    parser.add_argument("--quick", action="store_true",
+                        help="a short run that checks the script works (the tests run this);"
+                             " its numbers are not the chapter's")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -368,6 +368,9 @@ def plot_budget(budget, path: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default=str(HERE))
+    parser.add_argument("--quick", action="store_true",
+                        help="a short run that checks the script works (the tests run this);"
+                             " its numbers are not the chapter's")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args()

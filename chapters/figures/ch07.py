@@ -161,6 +161,9 @@ def paged_rounds(rounds: int) -> list:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default=str(Path(__file__).resolve().parent))
+    parser.add_argument("--quick", action="store_true",
+                        help="a short run that checks the script works (the tests run this);"
+                             " its numbers are not the chapter's")
     parser.add_argument("--rounds", type=int, default=11, help="rounds of every timing")
     args = parser.parse_args()
     rounds = args.rounds
