@@ -36,3 +36,30 @@ def spread(values) -> dict:
     q1, _, q3 = statistics.quantiles(values, n=4, method="inclusive")
     return {"median": statistics.median(values), "min": values[0], "max": values[-1],
             "q1": q1, "q3": q3, "runs": len(values)}
+
+
+def shared_folder():
+    """The course's shared folder (models, data) when it is here: $KVLAB_SHARED, else the
+    folder `shared` beside the repository; None when neither exists."""
+    for folder in (os.environ.get("KVLAB_SHARED"), Path(__file__).resolve().parents[3] / "shared"):
+        if folder and Path(folder, "data").is_dir():
+            return Path(folder)
+    return None
+
+
+def english_text(n_chars: int = 20_000):
+    """Real English text for the accuracy measurements: the opening n_chars characters of
+    tinyshakespeare (shared/data), and where it came from. Without the shared folder (a
+    student's clone), the kit's own README stands in, and the name says so: numbers from it
+    are not the chapter's."""
+    shared = shared_folder()
+    if shared is not None and (shared / "data" / "tinyshakespeare.txt").is_file():
+        path = shared / "data" / "tinyshakespeare.txt"
+        return path.read_text()[:n_chars], "tinyshakespeare.txt"
+    readme = Path(__file__).resolve().parents[2] / "README.md"
+    return readme.read_text()[:n_chars], "README.md (tinyshakespeare.txt was not found)"
+
+
+def smollm2(**options):
+    """SmolLM2-135M-Instruct, fetched once into the cache (kvlab fetch smollm2-135m)."""
+    return kvlab.load("smollm2-135m", **options)
