@@ -12,25 +12,29 @@ functions, at smaller sizes:
    bundled model generating up to 16,384 tokens with SlidingWindow(64) and
    AttentionSinks(4, 60), and with a full cache sized for the sequence up to 4,096;
    cache.nbytes and the process's resident growth with the cache alive.
-2. Where attention goes: the share of the first 4 positions in the attention of
-   queries 128-255 (cache.track_attention), the reason for attention sinks.
-3. Accuracy against the budget (kvlab.accuracy.evaluate_budgets): the bundled model on
-   2,048 tokens of the Tiny Shakespeare validation split, stories260K (where present) on
-   1,024 tokens it wrote; budgets 8 to 96 rows, windows of 256 (128 prompt, 128 scored).
+2. Where attention goes: the share of position 0 and of the first 4 positions in the
+   attention of queries 128-255 (cache.track_attention), the reason for attention sinks,
+   on the bundled model and on SmolLM2-135M-Instruct (trained, 8,192 positions).
+3. Accuracy against the budget (kvlab.accuracy.evaluate_budgets) on SmolLM2: the first
+   2,048 tokens of Tiny Shakespeare (common.english_text) as one window, its first 1,024
+   the prompt and the next 1,024 scored, at budgets of 64, 256 and 1,024 rows.
 4. Which positions survive: cache.positions after a 256-token prompt under
-   HeavyHitters(64) and SnapKV(64), per layer and KV head.
-5. Past the trained context: perplexity by position over 2,048 held-out tokens, teacher-
-   forced, for the full cache, window, sinks (positions as stored, and re-rotated by
-   place in the cache as StreamingLLM does, in NumPy) and H2O.
+   HeavyHitters(64) and SnapKV(64), per layer and KV head, on SmolLM2.
+5. Positions as stored against StreamingLLM's re-rotation: (a) the bundled model past its
+   trained context, perplexity by position over 2,048 held-out tokens, teacher-forced,
+   for the full cache, window, sinks (as stored, and re-rotated by place in the cache, in
+   NumPy) and H2O; (b) SmolLM2 inside its context, the same NumPy code on the scored
+   half of section 3's text, window against sinks as stored and re-rotated.
 6. Decode time per token: the full cache against each policy's 64 rows, round-robin,
    25 rounds: the median and spread (common.spread) of each step's time and of the
    per-round ratio of the full cache's step to the policy's (the best round kept too).
 7. Multi-head latent attention (DeepSeek-V2): cache bytes per token for its published
    shapes against MHA, GQA and MQA of the same shape, and a NumPy check that attention
    over the latent cache, with W_UK absorbed into the query, equals attention over the
-   up-projected keys and values.
+   up-projected keys and values. DeepSeek-V3's cache per token, from its published shape.
 
-Runs in about 45 s on the 2-core development machine (1 thread).
+The full run takes several minutes on a 2-core machine (SmolLM2's policies decode a token
+at a time); --quick runs the same code on shorter texts, fewer lengths and rounds.
 """
 from __future__ import annotations
 
@@ -57,12 +61,16 @@ THREADS = 1
 BUDGET = bench.BUDGET
 LENGTHS = (256, 1024, 4096, 16384)
 FULL_MAX = 4096
-BUDGETS = (8, 16, 32, 64, 96)
-ACCURACY_TOKENS, STORY_TOKENS = 2048, 1024
+SMOL_BUDGETS = (64, 256, 1024)   # SmolLM2: rows kept
+SMOL_CONTEXT = 2048              # SmolLM2: one window, the first half the prompt
 LONG_TOKENS = 2048
 ROUNDS = 25                      # decode timing: rounds of the round-robin
 EDGES = [0, 256, 512, 1024, 1536, 2048]
 PROMPT_LEN = 256
+CHECK_TOKENS = 192               # the NumPy reference against the kit's AttentionSinks
+QUICK = dict(LENGTHS=(256, 1024), FULL_MAX=1024, SMOL_BUDGETS=(16, 64), SMOL_CONTEXT=192,
+             LONG_TOKENS=640, ROUNDS=3, EDGES=[0, 256, 512, 640], PROMPT_LEN=96,
+             CHECK_TOKENS=96)
 COLORS = {"full": "#444444", "window": "#4c78a8", "sinks": "#f58518", "h2o": "#54a24b",
           "snapkv": "#b279a2", "sinks, re-rotated (StreamingLLM)": "#e45756"}
 
@@ -76,6 +84,29 @@ DEEPSEEK_V2 = {"n_layers": 60, "n_heads": 128, "head_dim": 128, "kv_lora_rank": 
                          "config.json: num_hidden_layers 60, num_attention_heads 128, "
                          "qk_nope_head_dim 128, v_head_dim 128, kv_lora_rank 512, "
                          "qk_rope_head_dim 64"}
+# DeepSeek-V3 (arXiv:2412.19437, section 4.2, "Model Hyper-Parameters"): 61 layers, 128
+# heads of 128, KV compression d_c = 512, decoupled RoPE key d_h^R = 64; the same MLA as
+# V2. The cache is counted in bf16 here, as for V2.
+DEEPSEEK_V3 = {"n_layers": 61, "n_heads": 128, "head_dim": 128, "kv_lora_rank": 512,
+               "rope_head_dim": 64, "hidden": 7168, "bytes_per_element": 2,
+               "source": "DeepSeek-V3 technical report, arXiv:2412.19437, section 4.2: 61 "
+                         "Transformer layers, hidden 7168, 128 heads of d_h = 128, d_c = 512, "
+                         "d_h^R = 64; deepseek-ai/DeepSeek-V3 config.json: "
+                         "num_hidden_layers 61, kv_lora_rank 512, qk_rope_head_dim 64"}
+# Other facts the chapter quotes, with their sources
+FACTS = {
+    "mistral_v01_window": {"value": 4096, "source": "Jiang et al. 2023, arXiv:2310.06825 "
+                           "(Mistral 7B v0.1: sliding window 4,096)"},
+    "mistral_v02": {"sliding_window": None, "context": 32768,
+                    "source": "Mistral-7B-Instruct-v0.2 model card (Hugging Face): 'No "
+                              "Sliding-Window Attention', 32k context"},
+    "gemma2": {"local_window": 4096, "global_context": 8192, "pattern": "alternating",
+               "source": "Gemma Team 2024, arXiv:2408.00118 (local 4,096 / global 8,192, "
+                         "every other layer)"},
+    "gemma3": {"local_window": 1024, "local_per_global": 5,
+               "source": "Gemma Team 2025, arXiv:2503.19786 (5 local layers per global, "
+                         "local span 1,024)"},
+}
 
 
 # ---- 2. where attention goes -------------------------------------------------------------
@@ -86,7 +117,8 @@ def attention_share(model, tokens, first: int = 4, windows: int = 4, context: in
     layer and KV head), against the share an even spread would give them."""
     kv_mul = model.config.n_heads // model.config.n_kv_heads
     half = context // 2
-    shares = []
+    windows = max(1, min(windows, len(tokens) // context))
+    shares, firsts = [], []
     for w in range(windows):
         window = tokens[w * context:(w + 1) * context]
         cache = model.new_cache(context)
@@ -95,10 +127,15 @@ def attention_share(model, tokens, first: int = 4, windows: int = 4, context: in
         model.forward(window[half:], cache)
         # weights summed over the `half` queries and the kv_mul query heads of a KV head
         shares.append(cache.attention_weights[:, :first, :].sum(axis=1) / (half * kv_mul))
+        firsts.append(cache.attention_weights[:, 0, :] / (half * kv_mul))
     shares = np.mean(shares, axis=0)                     # (n_layers, n_kv_heads)
+    position_0 = np.mean(firsts, axis=0)
     even = float(np.mean([first / (p + 1) for p in range(half, context)]))
     return {"model": model.config.name, "first": first, "queries": [half, context - 1],
             "mean_share": float(shares.mean()), "max_share": float(shares.max()),
+            "position_0_share": float(position_0.mean()),
+            "position_0_max": float(position_0.max()),
+            "position_0_layers_over_half": int((position_0.mean(axis=1) > 0.5).sum()),
             "even_share": even, "per_layer_head": shares.tolist()}
 
 
@@ -117,6 +154,44 @@ def kept_positions(model, tokens) -> dict:
                      "mean_kept_below_64": float((positions < 64).sum(axis=1).mean()),
                      "mean_kept_below_128": float((positions < 128).sum(axis=1).mean())}
     return out
+
+
+# ---- 5b. StreamingLLM's re-rotation inside a trained context ------------------------------
+
+def rerotation_inside_context(model, ids, budget: int = BUDGET, sinks: int = 4,
+                              check_tokens: int = CHECK_TOKENS) -> dict:
+    """SmolLM2 (float32 weights, for the NumPy forward pass) on ids, teacher-forced: the
+    perplexity of the scored half (the second half of ids, as in section 3) when every
+    query sees all positions (full), the newest `budget` (window), or `sinks` first ones
+    and the newest budget - sinks, with each key at its own position (as stored, the kit's
+    choice) or the sinks re-rotated by their place in the cache (StreamingLLM). All four in
+    bench_policies.sinks_reference; its as-stored sinks checked against the kit's
+    AttentionSinks on the first check_tokens tokens."""
+    from kvlab.cache_policy import AttentionSinks
+    ids = np.asarray(ids)
+    n = len(ids)
+    policy = AttentionSinks(sinks, budget - sinks)
+    kit = policy.forward(model, ids[:check_tokens], policy.new_cache(model), all_logits=True)
+    ref = bench.sinks_reference(model, ids[:check_tokens], sinks, budget - sinks, rerotate=False)
+    check = float(np.abs(kit - ref).max())
+    del kit, ref
+    runs = {"full": (0, n, False), "window": (0, budget, False),
+            "sinks, as stored": (sinks, budget - sinks, False),
+            "sinks, re-rotated (StreamingLLM)": (sinks, budget - sinks, True)}
+    scored = np.arange(n // 2 - 1, n - 1)            # the logits that predict ids[n // 2:]
+    perplexity, seconds = {}, {}
+    for name, (k, window, rerotate) in runs.items():
+        start = time.perf_counter()
+        logits = bench.sinks_reference(model, ids, k, window, rerotate=rerotate)[scored]
+        seconds[name] = time.perf_counter() - start
+        logits = logits - logits.max(axis=1, keepdims=True)
+        nll = np.log(np.exp(logits).sum(axis=1)) - logits[np.arange(len(scored)), ids[scored + 1]]
+        perplexity[name] = float(np.exp(nll.mean()))
+        del logits
+    return {"model": model.config.name, "tokens": n, "scored": [int(n // 2), n],
+            "budget": budget, "sinks": sinks, "perplexity": perplexity, "seconds": seconds,
+            "numpy_sinks_vs_kit_max_abs_logit_difference": check, "check_tokens": check_tokens,
+            "weights": "float32, dequantized from the Q4_1 file"}
 
 
 # ---- 7. multi-head latent attention --------------------------------------------------------
@@ -272,7 +347,8 @@ def plot_accuracy(reports, path: Path) -> None:
         row[1].set_title(f"{name}: same most likely token as the full cache", fontsize=9)
         for ax in row:
             ax.set_xscale("log", base=2)
-            ax.set_xticks(list(BUDGETS), [str(b) for b in BUDGETS])
+            budgets = sorted({r["budget"] for r in report["results"]})
+            ax.set_xticks(budgets, [str(b) for b in budgets])
             ax.xaxis.set_minor_locator(plt.NullLocator())
             ax.set_xlabel(f"budget: rows kept (windows of {report['context']}, "
                           f"the first {report['context'] // 2} the prompt)")
@@ -286,7 +362,7 @@ def plot_accuracy(reports, path: Path) -> None:
 def plot_kept(kept_by_model, path: Path) -> None:
     plt = pyplot()
     n = len(kept_by_model)
-    fig, axes = plt.subplots(n, 2, figsize=(11, 1.0 + 2.0 * n), squeeze=False)
+    fig, axes = plt.subplots(n, 2, figsize=(11, 1.5 + 3.5 * n), squeeze=False)
     for row, (model_name, kept) in zip(axes, kept_by_model.items()):
         for ax, (policy, title) in zip(row, (("h2o", f"HeavyHitters({BUDGET})"),
                                              ("snapkv", f"SnapKV({BUDGET}, observation 16)"))):
@@ -298,9 +374,10 @@ def plot_kept(kept_by_model, path: Path) -> None:
                     image[layer * n_heads + head, positions[layer, :, head]] = 1
             ax.imshow(image, aspect="auto", cmap="Greys", interpolation="nearest",
                       extent=(-0.5, PROMPT_LEN - 0.5, n_layers * n_heads - 0.5, -0.5))
-            ax.set_yticks(range(0, n_layers * n_heads, n_heads),
-                          [f"layer {layer}" for layer in range(n_layers)], fontsize=7)
-            for layer in range(1, n_layers):
+            step = max(1, n_layers // 6)
+            ax.set_yticks(range(0, n_layers * n_heads, n_heads * step),
+                          [f"layer {layer}" for layer in range(0, n_layers, step)], fontsize=7)
+            for layer in range(step, n_layers, step):
                 ax.axhline(layer * n_heads - 0.5, color="#4c78a8", lw=0.4)
             ax.set_xlabel(f"position in the {PROMPT_LEN}-token prompt", fontsize=8)
             ax.set_title(f"{model_name}, {title}", fontsize=9)
@@ -399,8 +476,7 @@ def quoted(result: dict) -> dict:
     every one of these strings)."""
     setup = result["setup"]
     q = {"prompt_tokens": f"{setup['prompt_tokens']}-token prompt",
-         "accuracy_tokens": f"{setup['accuracy_tokens']:,} tokens of its held-out",
-         "story_tokens": f"{setup['story_tokens']:,} tokens of text it generated",
+         "smollm2_tokens": f"first {setup['smollm2_tokens']:,} tokens of Tiny Shakespeare",
          "long_tokens": f"first {setup['long_tokens']:,} tokens",
          "cpu": setup["cpu"], "decode_rounds": f"{setup['rounds']} rounds"}
     memory = {(r["policy"], r["generated"]): r for r in result["memory"]}
@@ -419,16 +495,16 @@ def quoted(result: dict) -> dict:
     for share in result["attention_share"]:
         key = share["model"]
         q[f"share_{key}_mean"] = f"{100 * share['mean_share']:.2f} %"
-        q[f"share_{key}_max"] = f"{100 * share['max_share']:.1f} %"
+        q[f"share_{key}_position_0"] = f"{100 * share['position_0_share']:.1f} %"
         q[f"share_{key}_even"] = f"{100 * share['even_share']:.1f} %"
     for report in result["accuracy"]:
         key = report["model"].split(" (")[0]
-        q[f"{key}_full_perplexity"] = f"{report['full_perplexity']:.3f}"
+        q[f"{key}_full_perplexity"] = f"{report['full_perplexity']:.2f}"
         for r in report["results"]:
-            q[f"{key}_{r['policy']}_{r['budget']}_change"] = _pct(r["perplexity_change"])
-            q[f"{key}_{r['policy']}_{r['budget']}_top1"] = f"{100 * r['top1']:.1f} %"
+            tag = f"{key}_{r['policy']}_{r['budget']}"
+            q[tag] = f"{_pct(r['perplexity_change'])} ({100 * r['top1']:.1f} %)"
             if r["policy"] == "snapkv":
-                q[f"{key}_snapkv_{r['budget']}_rows"] = f"{r['mean_rows']:.1f}"
+                q[f"{key}_snapkv_{r['budget']}_rows"] = f"{r['mean_rows']:,.1f}"
     for model_name, kept in result["kept"].items():
         for policy in ("h2o", "snapkv"):
             k = kept[policy]
@@ -447,6 +523,13 @@ def quoted(result: dict) -> dict:
         if r["policy"] != "full":
             ratio = r["full_over_this"]
             q[tag + "_ratio"] = f"{ratio['median']:.1f}x ({ratio['min']:.1f}-{ratio['max']:.1f})"
+    inside = result["inside_context"]
+    for name, v in inside["perplexity"].items():
+        q[f"inside_{name}"] = f"{v:.2f}"
+    worst = inside["numpy_sinks_vs_kit_max_abs_logit_difference"]
+    exponent = math.floor(math.log10(worst)) if worst > 0 else -9
+    q["inside_check"] = f"{math.ceil(worst / 10 ** exponent)}e{exponent:03d}"
+    q["mla_v3"] = f"{result['mla_v3']['bytes_per_token']['MLA']:,} bytes"
     mla = result["mla"]
     for name, v in mla["bytes_per_token"].items():
         q[f"mla_{name}"] = f"{v:,}"
@@ -472,8 +555,11 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true",
                         help="a short run that checks the script works (the tests run this);"
                              " its numbers are not the chapter's")
-    out = Path(parser.parse_args().out)
+    args = parser.parse_args()
+    out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.quick:
+        globals().update(QUICK)
     started = time.perf_counter()
     kvlab.set_num_threads(THREADS)
     model = kvlab.load()
@@ -487,43 +573,43 @@ def main() -> None:
         print(f"{r['policy']:<7}{r['generated']:>7,} tokens: {r['rows']:>6,} rows, nbytes "
               f"{r['cache_nbytes']:>10,}, resident growth {r['resident_growth']:>10,}")
 
-    stories = bench.load_stories()
-    if stories is None:
-        print(f"({bench.STORIES} not found: stories260K skipped)")
-    tokens = accuracy.validation_tokens(model, str(bench.DATA), max(ACCURACY_TOKENS, LONG_TOKENS))
-    story_tokens = (accuracy.generated_tokens(stories, STORY_TOKENS, seed=0)
-                    if stories is not None else None)
-    texts = [(model, tokens, " (Tiny Shakespeare validation split)")]
-    if stories is not None:
-        texts.append((stories, story_tokens, " (text it generated)"))
+    tokens = accuracy.validation_tokens(model, str(bench.DATA), LONG_TOKENS)
+    smol = common.smollm2()
+    text, text_source = common.english_text()
+    smol_tokens = np.asarray(smol.encode(text))
 
     # 2. where attention goes
-    shares = [attention_share(m, t) for m, t, _ in texts]
+    shares = [attention_share(model, tokens), attention_share(smol, smol_tokens)]
     for s in shares:
-        print(f"{s['model']}: first {s['first']} positions get {100 * s['mean_share']:.2f} % of "
-              f"the attention (most: {100 * s['max_share']:.1f} %; an even spread: "
-              f"{100 * s['even_share']:.1f} %)")
+        print(f"{s['model']}: position 0 gets {100 * s['position_0_share']:.2f} %, the first "
+              f"{s['first']} {100 * s['mean_share']:.2f} % of the attention (most: "
+              f"{100 * s['max_share']:.1f} %; an even spread: {100 * s['even_share']:.1f} %)")
 
-    # 3. accuracy against the budget
-    reports = []
-    for m, t, label in texts:
-        n = ACCURACY_TOKENS if m is model else STORY_TOKENS
-        report = accuracy.evaluate_budgets(m, t[:n], BUDGETS)
-        report.model += label
-        print(report.table())
-        reports.append(report.as_dict())
+    # 3. accuracy against the budget, SmolLM2
+    report = accuracy.evaluate_budgets(smol, smol_tokens[:SMOL_CONTEXT], SMOL_BUDGETS,
+                                       context=SMOL_CONTEXT)
+    report.model += f" ({text_source})"
+    print(report.table())
+    reports = [report.as_dict()]
 
     # 4. which positions survive
-    kept = {m.config.name: kept_positions(m, t) for m, t, _ in texts}
+    kept = {smol.config.name: kept_positions(smol, smol_tokens)}
 
-    # 5. past the trained context
+    # 5. past the trained context (the bundled model), and inside it (SmolLM2)
     long = bench.past_context(model, tokens[:LONG_TOKENS], EDGES)
     for name, values in long["perplexity"].items():
         print(f"{name:<34}" + "".join(f"{v:>9.3f}" for v in values))
+    del smol
+    smol32 = common.smollm2(weights="fp32")
+    inside = rerotation_inside_context(smol32, smol_tokens[:SMOL_CONTEXT],
+                                       check_tokens=CHECK_TOKENS)
+    del smol32
+    print(inside)
 
     # 6. decode time per token
     times = []
-    for m, context in ((model, 512), (model, 16384), (bench.random_gqa(16384), 16384)):
+    for m, context in ((model, min(512, max(LENGTHS))), (model, max(LENGTHS)),
+                       (bench.random_gqa(max(LENGTHS)), max(LENGTHS))):
         times += with_spreads(bench.decode_times(m, context, repeats=ROUNDS))
     for r in times:
         print(f"{r['model']:<20}{r['context']:>7,} {r['policy']:<7}"
@@ -532,16 +618,21 @@ def main() -> None:
 
     # 7. MLA
     mla = mla_bytes()
+    mla_v3 = mla_bytes(DEEPSEEK_V3)
     demo = mla_demo()
-    print(json.dumps(mla["bytes_per_token"]), demo)
+    print(json.dumps(mla["bytes_per_token"]), json.dumps(mla_v3["bytes_per_token"]), demo)
 
     result = {
         "setup": {**machine(), "threads": THREADS, "budget": BUDGET, "prompt": bench.PROMPT,
+                  "quick": args.quick,
+                  "machine_note": "a 2-core machine shared with other jobs while it ran: "
+                                  "times are medians over rounds taken side by side",
                   "prompt_tokens": len(model.encode(bench.PROMPT)),
                   "memory": "resident sizes from /proc/self/status (VmRSS), glibc malloc; "
                             "growth from before the cache was made to after the last token, "
                             "cache alive",
-                  "accuracy_tokens": ACCURACY_TOKENS, "story_tokens": STORY_TOKENS,
+                  "smollm2_text": text_source, "smollm2_tokens": SMOL_CONTEXT,
+                  "smollm2_budgets": list(SMOL_BUDGETS),
                   "long_tokens": LONG_TOKENS,
                   "decode_times": "random K/V rows by cache.append, one token per call, "
                                   f"round-robin, {ROUNDS} rounds: seconds and full_over_this "
@@ -550,8 +641,10 @@ def main() -> None:
                                   "fastest round",
                   "rounds": ROUNDS,
                   "seconds": None},
+        "facts": FACTS,
         "memory": memory, "attention_share": shares, "accuracy": reports, "kept": kept,
-        "past_context": long, "decode_times": times, "mla": mla, "mla_demo": demo,
+        "past_context": long, "inside_context": inside, "decode_times": times,
+        "mla": mla, "mla_v3": mla_v3, "mla_demo": demo,
     }
     plot_memory(memory, model.config, out / "ch08_memory.png")
     plot_accuracy(reports, out / "ch08_accuracy.png")
