@@ -752,8 +752,8 @@ def _check_h2o(answer, rng) -> str:
         elif np.array_equal(got, _h2o_rows(weights, n_keep, recent, smallest=True)):
             hint = "the heavy hitters are the rows with the largest weights, not the smallest"
         else:
-            hint = ("the newest min(recent, n_keep) rows, and the n_keep - recent older rows "
-                    "with the largest weights, all in increasing order")
+            hint = ("the newest min(recent, n_keep) rows, and the n_keep - min(recent, n_keep) "
+                    "older rows with the largest weights, all in increasing order")
         raise _NotYet(case, f"rows {expected.tolist()}", f"rows {got.tolist()}", hint)
     # a real cache: every layer and KV head, against HeavyHitters.keep
     for number in (len(cases) + 1, len(cases) + 2):
