@@ -529,7 +529,6 @@ def quoted(result: dict) -> dict:
     worst = inside["numpy_sinks_vs_kit_max_abs_logit_difference"]
     exponent = math.floor(math.log10(worst)) if worst > 0 else -9
     q["inside_check"] = f"{math.ceil(worst / 10 ** exponent)}e{exponent:03d}"
-    q["mla_v3"] = f"{result['mla_v3']['bytes_per_token']['MLA']:,} bytes"
     mla = result["mla"]
     for name, v in mla["bytes_per_token"].items():
         q[f"mla_{name}"] = f"{v:,}"
