@@ -14,7 +14,7 @@ kvlab.Engine:
    within one round and the chapter quotes the median over the rounds. The core's counters
    give the weight and K/V bytes and the FLOPs per token; with the data sheets' FLOP/s and
    bandwidth, this CPU's ridge point against an H100's and an H200's.
-3. One K/V memory budget (8 contiguous caches of 256 positions), served four ways: static
+3. One K/V memory budget (6 contiguous caches of 256 positions), served four ways: static
    or continuous batching, on contiguous reservations (one 256-position block per request)
    or on a paged pool of 16-position blocks; SmolLM2 (Q8_0, int8 activations) with its
    context cut to 256 positions, long-tailed request lengths (as benchmarks/bench_engine.py's
@@ -269,7 +269,7 @@ def workload(model: kvlab.Model, n_requests: int, max_len: int, seed: int = 0) -
     return requests
 
 
-def memory_budget(model: kvlab.Model, n_requests: int, rounds: int, n_static: int = 8) -> dict:
+def memory_budget(model: kvlab.Model, n_requests: int, rounds: int, n_static: int = 6) -> dict:
     max_len = model.config.max_seq_len
     budget = kvlab.kv_cache_bytes(model.config, max_len, n_static, dtype="fp32")
     requests = workload(model, n_requests, max_len)
