@@ -393,8 +393,8 @@ def plot_throughput(result: dict, ridges: dict, path: Path) -> None:
                label="weights read per token")
     right.plot(b, [r["kv_read_bytes_per_token"] / 1e6 for r in first], "s--",
                label="K/V read per token (contexts of 5 to 6 tokens)")
-    right.set_title(f"SmolLM2-135M, {names[0]}: bytes per generated token\n(counted by the core)",
-                    fontsize=10)
+    right.set_title(f"SmolLM2-135M, {names[0].split(',')[0]} weights: bytes per generated "
+                    f"token\n(counted by the core)", fontsize=10)
     left.set_xscale("log", base=2)
     left.set_yscale("log")
     left.set_xlabel("requests decoded together (batch size)")
@@ -424,7 +424,7 @@ def plot_budget(budget, path: Path) -> None:
     left.set_xlabel("engine step")
     left.set_ylabel("sequences in the step's batch")
     left.set_title(f"{budget['requests']} requests, one K/V budget of "
-                   f"{budget['budget_bytes'] / 2**20:.0f} MiB (SmolLM2-135M)", fontsize=10)
+                   f"{budget['budget_bytes'] / 2**20:.1f} MiB (SmolLM2-135M)", fontsize=10)
     left.legend(fontsize=8)
     left.grid(alpha=0.3)
     right.set_xlabel("engine step")
