@@ -12,7 +12,7 @@ def _chapter_json() -> dict:
     """chapters/figures/ch05.json: installed as kvlab.chapters, or beside the repository."""
     try:
         from importlib.resources import files
-        return json.loads(files("kvlab.chapters").joinpath("figures", "ch05.json").read_text())
+        return json.loads(files("kvlab.chapters").joinpath("figures").joinpath("ch05.json").read_text())
     except (ModuleNotFoundError, FileNotFoundError, OSError):
         path = Path(__file__).resolve().parents[2] / "chapters" / "figures" / "ch05.json"
         return json.loads(path.read_text())
