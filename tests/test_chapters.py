@@ -9,10 +9,8 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-CHAPTERS = REPO / "chapters"
-SLUGS = ["01_kv_cache", "02_cache_size", "03_gqa", "04_paged", "05_batching",
-         "06_quantization", "07_gpu_kernels", "08_fewer_positions", "09_speculative"]
+from chapter_files import CHAPTERS, REPO, SLUGS, chapter_text, directives
+
 # chapters whose every decimal number and percentage in the prose is checked against the
 # figure script's JSON (test_prose_numbers_come_from_the_json)
 NUMBERS_FROM_JSON = [
@@ -30,25 +28,6 @@ NUMBERS_FROM_JSON = [
 # from MB), per million, billion or trillion (M parameters, GFLOP, TFLOP), per KiB, MiB or
 # GiB (bytes shown in binary units), or in thousands (ms from seconds).
 UNIT_SCALES = (1, 1e3, 1e-3, 1e-6, 1e-9, 1e-12, 2.0 ** -10, 2.0 ** -20, 2.0 ** -30)
-
-DIRECTIVE = re.compile(r"^(`{3,})\{(?P<name>[\w-]+)\}\s*(?P<arg>.*?)\n(?P<body>.*?)^\1\s*$",
-                       re.M | re.S)
-
-
-def directives(text, name):
-    """(argument, {option: value}) for each ```{name} block in a MyST file."""
-    found = []
-    for match in DIRECTIVE.finditer(text):
-        if match["name"] != name:
-            continue
-        options = dict(re.findall(r"^:([\w-]+):\s*(.*?)\s*$", match["body"], re.M))
-        found.append((match["arg"].strip(), options))
-    return found
-
-
-def chapter_text(slug):
-    return (CHAPTERS / f"{slug}.md").read_text()
-
 
 @pytest.mark.parametrize("slug", SLUGS)
 def test_the_chapter_and_its_notebook_exist(slug):
