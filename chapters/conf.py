@@ -16,7 +16,9 @@ root_doc = "index"
 # Only the chapters are pages: not the figure scripts' folder, not the build itself.
 exclude_patterns = ["_build", "figures/__pycache__", "README.md"]
 
-myst_enable_extensions = ["dollarmath", "colon_fence"]
+# No MyST extensions: the chapters use only what GitHub's Markdown view also shows (no $math$,
+# which would load MathJax from the internet).
+myst_enable_extensions = []
 # "[section](05_batching.md#53-what-batching-buys)" links resolve to headings' anchors
 myst_heading_anchors = 3
 
