@@ -145,9 +145,15 @@ def timing_48(model, prompt, runs: int = 15, new_tokens: int = 48) -> dict:
     kvlab.generate(model, prompt, 4, use_cache=True)            # warm up
     steps = {True: [], False: []}
     same = True
-    for _ in range(runs):
-        a = kvlab.generate(model, prompt, new_tokens, use_cache=True, stop_at_eos=False)
-        b = kvlab.generate(model, prompt, new_tokens, use_cache=False, stop_at_eos=False)
+    for round in range(runs):
+        # each round starts with the other way (appendix_measuring.md#measuring-side-by-side)
+        for use_cache in ((True, False) if round % 2 == 0 else (False, True)):
+            out = kvlab.generate(model, prompt, new_tokens, use_cache=use_cache,
+                                 stop_at_eos=False)
+            if use_cache:
+                a = out
+            else:
+                b = out
         steps[True].append(a.step_seconds)
         steps[False].append(b.step_seconds)
         same = same and a.tokens == b.tokens
@@ -191,9 +197,7 @@ def smollm2_timing(runs: int, new_tokens: int) -> dict:
                 "arithmetic_ratio_2048": measure.arithmetic_ratio(c, len(ids), 2048),
                 "per_token_saving": {str(p): measure.per_token_saving(c, p)
                                      for p in (len(ids) - 1, len(ids) + new_tokens - 2)},
-                "config": {"n_layers": c.n_layers, "dim": c.dim, "n_heads": c.n_heads,
-                           "n_kv_heads": c.n_kv_heads, "head_dim": c.head_dim,
-                           "vocab_size": c.vocab_size, "max_seq_len": c.max_seq_len}})
+                "config": c.to_dict()})
     return row
 
 
@@ -201,8 +205,8 @@ def step_times(model, new_tokens: int = 256, runs: int = 5) -> dict:
     """Per-step wall times of `runs` runs each way, in turn: the whole runs' ratio over the
     runs (common.spread), and each step's median for the figure."""
     times = {True: [], False: []}
-    for _ in range(runs):
-        for use_cache in (True, False):
+    for round in range(runs):
+        for use_cache in ((True, False) if round % 2 == 0 else (False, True)):
             times[use_cache].append(kvlab.generate(model, PROMPT, new_tokens, use_cache=use_cache,
                                                    stop_at_eos=False).step_seconds)
     median = {k: np.median(np.stack(v), axis=0) for k, v in times.items()}
