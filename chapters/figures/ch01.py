@@ -21,7 +21,7 @@ Runs in about 3 minutes on a quiet 2-core machine (most of it SmolLM2's uncached
    the bundled model.
 4. Working memory (kvlab.measure.working_memory) for 256 new tokens, the uncached run
    holding every layer's K and V or one layer's at a time; the same accountings from the
-   shapes (kvlab.measure.scratch_bytes) for larger shapes; and the accounting of a program
+   shapes (kvlab.measure.scratch_bytes) for larger shapes, SmolLM2's among them; and the accounting of a program
    that also keeps whole score matrices and every position's logits.
 """
 from __future__ import annotations
@@ -438,6 +438,7 @@ def main() -> None:
     result["working_memory_from_shapes"] = {
         c.name: working_from_shapes(c, 262) for c in
         (kvlab.ModelConfig.shakespeare_1m(), kvlab.ModelConfig.stories260k(),
+         kvlab.ModelConfig(**smol["config"]).replace(name="SmolLM2-135M"),
          kvlab.ModelConfig.tinyllama_1b(), kvlab.ModelConfig.llama2_7b())}
     # Appendix B (chapters/appendix_course.md) sets the course's figures beside the kit's
     result["course_vs_kit"] = {
