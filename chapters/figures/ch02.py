@@ -250,7 +250,7 @@ def pyplot():
     return plt
 
 
-def plot_growth(rows: dict, path: Path) -> None:
+def plot_growth(rows: dict, path: Path, smol: dict = None) -> None:
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(8, 4.2), dpi=100)
     tokens = np.logspace(np.log10(256), np.log10(1_048_576), 200)
@@ -272,19 +272,30 @@ def plot_growth(rows: dict, path: Path) -> None:
     ax.plot([ctx], [ctx * per_token / GIB], "|", color=colors["llama3-8b"], ms=12, mew=2)
     ax.annotate(f"{long['name']}: one request\nat {ctx // 1024}K", (ctx, ctx * per_token / GIB),
                 textcoords="offset points", xytext=(6, -22), fontsize=7, color=colors["llama3-8b"])
+    if smol is not None:      # the kit's real model: its fp16 cache against its weights
+        color, per_token = "#f58518", smol["formats"]["fp16"]["bytes_per_token"]
+        ax.plot(tokens, tokens * per_token / GIB, color=color,
+                label=f"SmolLM2-135M (GQA, {per_token / 1024:g} KiB/token)")
+        for fmt, style in (("fp16", "--"), ("q4_1", ":")):
+            weights = smol["weights"][fmt]["measured"]
+            ax.axhline(weights / GIB, color=color, ls=style, lw=1)
+            ax.plot([weights // per_token + 1], [weights / GIB], "o", color=color, ms=5)
+        ctx = smol["config"]["max_seq_len"]
+        ax.plot([ctx], [ctx * per_token / GIB], "|", color=color, ms=12, mew=2)
     ax.set_xscale("log", base=2)
     ax.set_yscale("log", base=2)
     ax.set_xticks([2 ** k for k in range(8, 21, 2)],
                   [f"{2 ** k}" if k < 10 else f"{2 ** k // 1024}K" if k < 20 else "1M"
                    for k in range(8, 21, 2)])
     ax.xaxis.set_minor_locator(plt.NullLocator())
-    ax.set_yticks([2.0 ** k for k in range(-8, 9, 2)],
-                  [f"1/{2 ** -k}" if k < 0 else f"{2 ** k}" for k in range(-8, 9, 2)])
+    ax.set_yticks([2.0 ** k for k in range(-10, 9, 2)],
+                  [f"1/{2 ** -k}" if k < 0 else f"{2 ** k}" for k in range(-10, 9, 2)])
     ax.yaxis.set_minor_locator(plt.NullLocator())
     ax.set_xlabel("tokens in the cache, summed over requests (log scale)")
     ax.set_ylabel("GiB, fp16 (log scale)")
-    ax.set_title("KV cache (lines) against the fp16 weights (dashed); dots: cache = weights;\n"
-                 "bars: one request at the model's full context", fontsize=9)
+    ax.set_title("KV cache (lines) against the fp16 weights (dashed; dotted: SmolLM2's Q4_1 "
+                 "weights);\ndots: cache = weights; bars: one request at the model's full context",
+                 fontsize=9)
     ax.legend(fontsize=7, loc="upper left")
     ax.grid(alpha=0.3, which="major")
     fig.tight_layout()
@@ -359,7 +370,7 @@ def main() -> None:
               "worked_example": worked_example(), "presets": rows,
               "bundled": measured(model), "measure_memory": reports, "fill_curve": curve,
               "smollm2": smol, "design_questions": design_questions()}
-    plot_growth(rows, out / "ch02_cache_growth.png")
+    plot_growth(rows, out / "ch02_cache_growth.png", smol)
     plot_measured(reports, curve, model.config.name, out / "ch02_formula_vs_measured.png")
     result["setup"]["script_seconds"] = round(time.perf_counter() - started, 1)
     (out / "ch02.json").write_text(json.dumps(result, indent=2) + "\n")
