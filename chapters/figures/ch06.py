@@ -1,23 +1,25 @@
 """Figures and numbers for chapter 6, "Quantizing the cache".
 
-    python chapters/figures/ch06.py [--out DIR] [--threads N] [--sections 1,2,3,4,5]
+    python chapters/figures/ch06.py [--out DIR] [--threads N] [--sections 1,2,3,4,5,6] [--quick]
 
 Writes ch06_errors.png, ch06_accuracy.png, ch06_attention.png, ch06_whose_bytes.png and
 ch06.json (every number the chapter quotes, with the setup; "facts": those it quotes from
-elsewhere, with their sources; "from_other_chapters": what it quotes of chapters 3 and 7,
-read from their JSON files beside this script). The five sections below can be run
-separately (--sections): the ones not run keep their numbers from the ch06.json already in
-DIR, and setup.section_runs says when each section ran; each section's figure is drawn
-only when it runs. Sections:
+elsewhere, with their sources; "from_other_chapters": what it quotes of chapter 7, read
+from its JSON beside this script; "quoted": whole numbers the prose prints). The real
+model is SmolLM2-135M-Instruct (kvlab.load("smollm2-135m"), its Q4_1 file), the text the
+opening of Tiny Shakespeare (common.english_text()). The sections can be run separately
+(--sections): the ones not run keep their numbers from the ch06.json already in DIR, and
+setup.section_runs says when each section ran; each section's figure is drawn only when
+it runs. Sections:
 
 1. Bytes per token of each format, scales and zero points included
-   (kvlab.kv_bytes_per_token), for the bundled model, stories260K and two large shapes,
+   (kvlab.kv_bytes_per_token), for SmolLM2-135M, stories260K and two large shapes,
    checked against what a real cache allocates.
-2. Round-trip error of real keys and values: the bundled model's K/V for 512 tokens of
-   held-out Shakespeare, quantized by kvlab.quant, against kvlab.quant's error bound; the
-   C cache's codes compared with kvlab.quant's, bit for bit.
-3. Accuracy (kvlab.accuracy.evaluate): the bundled model on 2,048 tokens of the Tiny
-   Shakespeare validation split, stories260K (where present) on 2,048 tokens it wrote.
+2. Round-trip error of real keys and values: SmolLM2's K/V for 512 tokens of English,
+   quantized by kvlab.quant, against kvlab.quant's error bound; the C cache's codes
+   compared with kvlab.quant's, bit for bit.
+3. Accuracy of each cache format against the fp32 cache (kvlab.accuracy.evaluate):
+   SmolLM2 with float32 activations on 2,048 tokens in windows of 512.
 4. Decode attention alone (cache.attend) on one Llama 3 8B layer (32 query heads, 8 KV
    heads of head_dim 128) filled with random rows, every format timed round-robin in 25
    rounds, as benchmarks/bench_quant.py does at more contexts: the median of the rounds,
@@ -26,13 +28,15 @@ only when it runs. Sections:
 5. Weights or cache, whose bytes: for the presets, the bytes a decode step reads of each
    (kvlab.measure.decode_step_bytes), the context where the cache's overtake the weights'
    per batch and format, and what each quantization saves at a few (context, batch)
-   points; measured, every weight format with every cache format on the same held-out
-   text (kvlab.accuracy.evaluate_weights), and decode on the stories15M shape per weight
-   format (benchmarks/bench_weights.py's model, 15 interleaved rounds: medians and spreads).
+   points; measured on SmolLM2, each weight format (the file's Q4_1, Q8_0, fp16, fp32)
+   with float32 or int8 activations and an fp32 or int8 cache, against the file's values
+   in float32 (weights_accuracy); the near tie of "What is the capital of France?" under
+   both activations; the down-projection's input per layer (massive activations).
+6. Decode on the stories15M shape per weight format (benchmarks/bench_weights.py's model,
+   15 interleaved rounds: medians and spreads).
 
-The quantization benchmark's stored accuracy run (benchmarks/results/bench_quant.json,
-not tracked by git) is copied into the JSON when present, and kept from the earlier
-ch06.json otherwise. Runs in about 20 s on the 2-core development machine.
+The full run takes about 10 minutes on the shared 2-core machine (sections 3 and 5 run
+SmolLM2 over 2,048 tokens many times); --quick about a minute.
 """
 from __future__ import annotations
 
@@ -123,7 +127,8 @@ def bytes_table(configs) -> dict:
             row["int4 g8"] = kvlab.kv_bytes_per_token(config, "int4", group=8)
         row["int8 K / int4 V"] = kvlab.kv_bytes_per_token(config, "int8", value_dtype="int4")
         table[config.name] = {"n_layers": config.n_layers, "n_kv_heads": config.n_kv_heads,
-                              "head_dim": config.head_dim, "bytes_per_token": row}
+                              "head_dim": config.head_dim, "bytes_per_token": row,
+                              "fraction_of_fp32": {f: b / row["fp32"] for f, b in row.items()}}
     return table
 
 
@@ -524,7 +529,7 @@ def massive_activations(model) -> dict:
 
 
 def other_chapters() -> dict:
-    """What the chapter quotes of chapters 3 and 7, from their JSON files beside this
+    """What the chapter quotes of chapter 7, from its JSON file beside this
     script (None where a file or number is missing: rerun that chapter's script)."""
     def read(name, *keys):
         try:
@@ -536,11 +541,6 @@ def other_chapters() -> dict:
             print(f"({name}: no {'.'.join(keys)})")
             return None
     return {
-        "ch03_gqa_fp32_4096_ms": {
-            "value": read("ch03.json", "attention_summary", "context_4096_threads_1", "gqa_ms"),
-            "source": "chapter 3's run, ch03.json attention_summary.context_4096_threads_1."
-                      "gqa_ms: the same fp32 layer (32 query heads, 8 KV heads of 128) at "
-                      "4,096 positions, one thread"},
         "ch07_fp32_fraction_of_read_bw_range": {
             "value": read("ch07.json", "cpu", "summary", "fp32", "fraction_of_read_bw_range"),
             "source": "chapter 7's run, ch07.json cpu.summary.fp32.fraction_of_read_bw_range: "
