@@ -397,9 +397,8 @@ def plot_whose_bytes(table, combos, path: Path) -> None:
         right.scatter([], [], color=f"C{i}", label=f"weights {name}")
     for cache, marker in (("fp32", "o"), ("int8", "s")):
         right.scatter([], [], color="k", marker=marker, label=f"cache {cache}")
-    _log_panel(right, "weight MB (SmolLM2-135M)",
-               "mean KL against fp32 / fp32, nats (log; 0 drawn at 1e-8)",
-               "What the bytes cost: weights x cache formats")
+    _log_panel(right, "weight MB (SmolLM2-135M)", "mean KL, nats (log; 0 drawn at 1e-8)",
+               "SmolLM2: KL against float32 weights, fp32 cache")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
