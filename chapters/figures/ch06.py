@@ -35,7 +35,7 @@ it runs. Sections:
 6. Decode on the stories15M shape per weight format (benchmarks/bench_weights.py's model,
    15 interleaved rounds: medians and spreads).
 
-The full run takes about 10 minutes on the shared 2-core machine (sections 3 and 5 run
+The full run takes about 15 minutes on the shared 2-core machine (sections 3 and 5 run
 SmolLM2 over 2,048 tokens many times); --quick about a minute.
 """
 from __future__ import annotations
@@ -79,11 +79,11 @@ FACTS = {
         "source": "made-up values for Check yourself, question 2: a group of small values "
                   "with one outlier"},
     "kivi": {
-        "value": {"key_group_tokens": [32, 128], "bits": 2},
+        "value": {"group_size_G": 32, "residual_length_R": 128, "bits": 2},
         "source": "Liu et al., KIVI, 2024 (arXiv:2402.02750): keys quantized per channel in "
-                  "groups of G tokens, values per token; the most recent tokens (fewer than a "
-                  "group's worth, up to the residual length R) stay in full precision until a "
-                  "group fills"},
+                  "groups of G tokens, values per token; the most recent tokens (up to the "
+                  "residual length R) stay in full precision until a group fills; G and R "
+                  "as in the paper's experiments"},
     "vllm_fp8_cache": {
         "value": {"format": "fp8 e4m3", "scales": ["per tensor", "per attention head"]},
         "source": "vLLM documentation, Quantized KV Cache (docs.vllm.ai/en/latest/features/"
