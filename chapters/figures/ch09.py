@@ -144,6 +144,7 @@ def pass_costs(model: kvlab.Model, reps: int, context: int = 256) -> dict:
         rows.append({"new_tokens": n, "ms": s, "relative": relative,
                      "relative_to_one": relative["median"],
                      "ms_per_token": s["median"] / n, **counted[n],
+                     "flops_per_weight_byte": counted[n]["flops"] / counted[n]["weight_bytes"],
                      # what the passes achieved (times in ms)
                      "weight_gb_per_s": spread(counted[n]["weight_bytes"] / ms / 1e6),
                      "gflop_per_s": spread(counted[n]["flops"] / ms / 1e6)})
