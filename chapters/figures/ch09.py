@@ -84,6 +84,7 @@ TASKS = {
     "a story": "Write a short story about a cat.",
 }
 SAMPLED = {"temperature": 0.8, "top_k": 40, "seed": 1}
+LOOKUP_3 = "prompt lookup, 3-token match"  # PromptLookup(ngram=3, min_ngram=3)
 
 # Facts the chapter quotes from papers and data sheets, with their sources.
 FACTS = {
@@ -591,7 +592,7 @@ def label(row) -> str:
 
 
 def plot_acceptance(oracle_rows, real_rows, table, path: Path) -> None:
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 5.6))
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 6.4))
     a = np.linspace(0, 1, 101)
     for k, style in ((1, ":"), (2, "-."), (4, "-"), (8, "--")):
         left.plot(a, tokens_per_pass(a, k), style, color="grey", lw=1,
@@ -601,11 +602,12 @@ def plot_acceptance(oracle_rows, real_rows, table, path: Path) -> None:
               label=f"set acceptance, k = {K}")
     handles = []
     for i, row in enumerate(real_rows):
-        marker = "*" if row["drafter"] == "prompt lookup" else "^"
+        marker = ("*" if row["drafter"] == "prompt lookup" else
+                  "P" if row["drafter"] == LOOKUP_3 else "^")
         left.plot(row["alpha_measured"], row["tokens_per_pass"], marker, ms=10,
-                  color=f"C{i + 1}")
+                  color=f"C{i % 10}")
         handles += right.plot(row["alpha_measured"], row["speedup_vs_c_loop"], marker, ms=10,
-                              color=f"C{i + 1}", label=label(row))
+                              color=f"C{i % 10}", label=label(row))
     left.set_xlabel("a: the chance a draft is accepted, given the ones before it were")
     left.set_ylabel("tokens per forward pass of the model")
     left.set_title("Tokens per pass: the papers' formula and the kit", fontsize=10)
@@ -627,20 +629,21 @@ def plot_acceptance(oracle_rows, real_rows, table, path: Path) -> None:
     right.legend(handles=own, fontsize=7, loc="upper left")
     right.grid(alpha=0.3)
     fig.legend(handles=handles, fontsize=7, loc="lower center", ncol=3, frameon=False,
-               title="the kit's drafters (stars: prompt lookup, triangles: first L layers)",
+               title="the kit's drafters (stars: prompt lookup, pluses: after a 3-token "
+                     "match only, triangles: first L layers)",
                title_fontsize=8)
-    fig.tight_layout(rect=(0, 0.16, 1, 1))
+    fig.tight_layout(rect=(0, 0.22, 1, 1))
     fig.savefig(path, dpi=100)
     plt.close(fig)
 
 
 def plot_position(real_rows, path: Path) -> None:
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.0), sharey=True)
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.6), sharey=True)
     for i, row in enumerate(real_rows):
-        ax = left if row["drafter"] == "prompt lookup" else right
+        ax = left if row["drafter"].startswith("prompt lookup") else right
         rates = row["acceptance_by_position"]
-        ax.plot(range(1, len(rates) + 1), rates, "*-" if ax is left else "^-",
-                color=f"C{i + 1}", label=label(row))
+        style = {"prompt lookup": "*-", LOOKUP_3: "P--"}.get(row["drafter"], "^-")
+        ax.plot(range(1, len(rates) + 1), rates, style, color=f"C{i % 10}", label=label(row))
     for ax, title in ((left, "prompt lookup"), (right, "self-speculation: the first L of 30 layers")):
         ax.set_xlabel("draft position in the pass")
         ax.set_xticks(range(1, K + 1))
@@ -667,7 +670,7 @@ def main() -> None:
     rounds = 2 if quick else args.rounds
     pass_reps = 3 if quick else 15
     new_tokens = 24 if quick else 120          # per timed run (the self-speculation runs: 80)
-    self_tokens = 16 if quick else 80
+    self_tokens = 16 if quick else 60
     first_layers = [15] if quick else FIRST_LAYERS
     alphas = [0.0, 1.0] if quick else ALPHAS
     tasks = ["repeat a paragraph", "a story"] if quick else list(TASKS)
@@ -729,6 +732,10 @@ def main() -> None:
         configs.append({"prompt": chat_ids(smol, task), "new_tokens": new_tokens,
                         "sampling": {}, "text": task, "drafter_name": "prompt lookup",
                         "drafter": lambda truth: PromptLookup()})
+        # drafts only after a match of 3 tokens: fewer drafts, each more likely kept
+        configs.append({"prompt": chat_ids(smol, task), "new_tokens": new_tokens,
+                        "sampling": {}, "text": task, "drafter_name": LOOKUP_3,
+                        "drafter": lambda truth: PromptLookup(ngram=3, min_ngram=3)})
     if not quick:
         configs.append({"prompt": chat_ids(smol, "summary"), "new_tokens": new_tokens,
                         "sampling": SAMPLED, "text": "summary",
@@ -782,7 +789,8 @@ def main() -> None:
         "largest_deviation_from_prediction": float(max(
             abs(r["speedup_vs_python_loop"] / r["speedup_predicted"] - 1) for r in oracle_rows)),
         "prompt_lookup_ms_per_pass": [f(r["drafter_ms_per_pass"]["median"] for r in real_rows
-                                        if r["drafter"] == "prompt lookup") for f in (min, max)],
+                                        if r["drafter"].startswith("prompt lookup"))
+                                      for f in (min, max)],
     }
     result = {
         "setup": {**common.machine(), "threads": kvlab.get_num_threads(),
