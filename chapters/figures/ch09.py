@@ -586,6 +586,13 @@ def plot_step(step: dict, model: kvlab.Model, path: Path) -> None:
     plt.close(fig)
 
 
+def colour(row) -> str:
+    """One colour per task for prompt lookup (both variants), one per L for the layers."""
+    if row["drafter"].startswith("first"):
+        return f"C{5 + FIRST_LAYERS.index(int(row['drafter'].split()[1])) % 5}"
+    return f"C{list(TASKS).index(row['text'])}" if row["sampling"] == "greedy" else "C9"
+
+
 def label(row) -> str:
     sampled = "" if row["sampling"] == "greedy" else ", sampled"
     return f"{row['drafter']}: {row['text']}{sampled}"
@@ -605,9 +612,9 @@ def plot_acceptance(oracle_rows, real_rows, table, path: Path) -> None:
         marker = ("*" if row["drafter"] == "prompt lookup" else
                   "P" if row["drafter"] == LOOKUP_3 else "^")
         left.plot(row["alpha_measured"], row["tokens_per_pass"], marker, ms=10,
-                  color=f"C{i % 10}")
+                  color=colour(row))
         handles += right.plot(row["alpha_measured"], row["speedup_vs_c_loop"], marker, ms=10,
-                              color=f"C{i % 10}", label=label(row))
+                              color=colour(row), label=label(row))
     left.set_xlabel("a: the chance a draft is accepted, given the ones before it were")
     left.set_ylabel("tokens per forward pass of the model")
     left.set_title("Tokens per pass: the papers' formula and the kit", fontsize=10)
@@ -643,7 +650,7 @@ def plot_position(real_rows, path: Path) -> None:
         ax = left if row["drafter"].startswith("prompt lookup") else right
         rates = row["acceptance_by_position"]
         style = {"prompt lookup": "*-", LOOKUP_3: "P--"}.get(row["drafter"], "^-")
-        ax.plot(range(1, len(rates) + 1), rates, style, color=f"C{i % 10}", label=label(row))
+        ax.plot(range(1, len(rates) + 1), rates, style, color=colour(row), label=label(row))
     for ax, title in ((left, "prompt lookup"), (right, "self-speculation: the first L of 30 layers")):
         ax.set_xlabel("draft position in the pass")
         ax.set_xticks(range(1, K + 1))
