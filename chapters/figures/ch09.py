@@ -675,7 +675,7 @@ def main() -> None:
     args = parser.parse_args()
     quick = args.quick
     rounds = 2 if quick else args.rounds
-    pass_reps = 3 if quick else 15
+    pass_reps = 3 if quick else 25
     new_tokens = 24 if quick else 120          # per timed run (the self-speculation runs: 80)
     self_tokens = 16 if quick else 60
     first_layers = [15] if quick else FIRST_LAYERS
