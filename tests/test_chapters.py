@@ -9,10 +9,8 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-CHAPTERS = REPO / "chapters"
-SLUGS = ["01_kv_cache", "02_cache_size", "03_gqa", "04_paged", "05_batching",
-         "06_quantization", "07_gpu_kernels", "08_fewer_positions", "09_speculative"]
+from chapter_files import CHAPTERS, REPO, SLUGS, chapter_text, directives
+
 # chapters whose every decimal number and percentage in the prose is checked against the
 # figure script's JSON (test_prose_numbers_come_from_the_json)
 NUMBERS_FROM_JSON = [
@@ -30,25 +28,6 @@ NUMBERS_FROM_JSON = [
 # from MB), per million, billion or trillion (M parameters, GFLOP, TFLOP), per KiB, MiB or
 # GiB (bytes shown in binary units), or in thousands (ms from seconds).
 UNIT_SCALES = (1, 1e3, 1e-3, 1e-6, 1e-9, 1e-12, 2.0 ** -10, 2.0 ** -20, 2.0 ** -30)
-
-DIRECTIVE = re.compile(r"^(`{3,})\{(?P<name>[\w-]+)\}\s*(?P<arg>.*?)\n(?P<body>.*?)^\1\s*$",
-                       re.M | re.S)
-
-
-def directives(text, name):
-    """(argument, {option: value}) for each ```{name} block in a MyST file."""
-    found = []
-    for match in DIRECTIVE.finditer(text):
-        if match["name"] != name:
-            continue
-        options = dict(re.findall(r"^:([\w-]+):\s*(.*?)\s*$", match["body"], re.M))
-        found.append((match["arg"].strip(), options))
-    return found
-
-
-def chapter_text(slug):
-    return (CHAPTERS / f"{slug}.md").read_text()
-
 
 @pytest.mark.parametrize("slug", SLUGS)
 def test_the_chapter_and_its_notebook_exist(slug):
@@ -194,18 +173,12 @@ def _prose(text):
     return re.sub(r"^#+ [\d.]+", "", text, flags=re.M)
 
 
-@pytest.mark.parametrize("slug", NUMBERS_FROM_JSON)
-def test_prose_numbers_come_from_the_json(slug):
-    """Every decimal number (1.46x, 0.45 ms) and every percentage in the chapter's prose is a
-    number of chNN.json, as the script wrote it, at the precision the prose shows (a
-    percentage may be a fraction in the JSON, any number may be shown in another unit,
-    UNIT_SCALES): measured numbers are copied, never typed. A number the chapter quotes
-    from elsewhere (the course, a paper, a data sheet) is in the JSON too, from the
-    script's own table of such facts, with where it comes from."""
-    import json
+def numbers_not_in_the_json(text, json_names):
+    """The decimal numbers and percentages of a text's prose that none of the JSON files
+    (chapters/figures/NAME) holds at the precision shown."""
     # a number is matched without its sign ("-0.030 %" reads as 0.030), so the JSON's are too
-    numbers = [abs(v) for v in _json_numbers(json.loads((CHAPTERS / "figures" / f"ch{slug[:2]}.json").read_text()))]
-    text = chapter_text(slug)
+    numbers = [abs(v) for name in json_names
+               for v in _json_numbers(json.loads((CHAPTERS / "figures" / name).read_text()))]
     sections = set(re.findall(r"^#+ (\d+\.\d+) ", text, re.M))    # "9.4" names a section
     prose = _prose(text)
     missing = []
@@ -222,7 +195,27 @@ def test_prose_numbers_come_from_the_json(slug):
             shown = f".{places}f"
         if not any(f"{v * scale:{shown}}" == text for v in numbers for scale in scales):
             missing.append(match[0])
+    return missing
+
+
+@pytest.mark.parametrize("slug", NUMBERS_FROM_JSON)
+def test_prose_numbers_come_from_the_json(slug):
+    """Every decimal number (1.46x, 0.45 ms) and every percentage in the chapter's prose is a
+    number of chNN.json, as the script wrote it, at the precision the prose shows (a
+    percentage may be a fraction in the JSON, any number may be shown in another unit,
+    UNIT_SCALES): measured numbers are copied, never typed. A number the chapter quotes
+    from elsewhere (the course, a paper, a data sheet) is in the JSON too, from the
+    script's own table of such facts, with where it comes from."""
+    missing = numbers_not_in_the_json(chapter_text(slug), [f"ch{slug[:2]}.json"])
     assert not missing, f"{slug}: numbers in the prose that ch{slug[:2]}.json does not hold: {missing}"
+
+
+def test_the_course_appendix_numbers_come_from_chapter_1s_json():
+    """Appendix B sets the course's own figures against the kit's: both kinds are in
+    ch01.json (the course's in its table of facts), so a rerun cannot leave it stale."""
+    missing = numbers_not_in_the_json((CHAPTERS / "appendix_course.md").read_text(),
+                                      ["ch01.json"])
+    assert not missing, f"appendix_course.md: numbers that ch01.json does not hold: {missing}"
 
 
 def test_numbers_one_chapter_copies_from_another_are_current():

@@ -216,6 +216,24 @@ def fails():
         worker.stop()
 
 
+def test_the_students_numpy_runs_on_one_blas_thread(tmp_path, monkeypatch):
+    """A timed step measures the student's code, not BLAS threads fighting over the cores."""
+    for name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+        monkeypatch.delenv(name, raising=False)
+    worker, session = start(tmp_path, '''
+import os
+
+def blas_threads():
+    return [os.environ.get(name) for name in
+            ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")]
+''')
+    try:
+        from kvlab.grading.remote import Submission
+        assert Submission(session).blas_threads() == ["1", "1", "1"]
+    finally:
+        worker.stop()
+
+
 def test_a_worker_past_its_deadline_is_stopped_from_outside(tmp_path):
     worker, session = start(tmp_path, "def spin():\n    while True:\n        pass\n")
     session.deadline = time.monotonic() + 0.5

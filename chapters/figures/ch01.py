@@ -4,7 +4,8 @@
 
 Writes ch01_step_time.png, ch01_flops.png, ch01_working_memory.png and ch01.json (every
 number the chapter quotes, with the setup) into DIR (default: this script's folder).
-Runs in about 30 s on a 2-core machine.
+Runs in about 3 minutes on a quiet 2-core machine (most of it SmolLM2's uncached runs);
+--quick runs the same code with fewer rounds and tokens, in well under a minute.
 
 1. Exactness: greedy generation with and without the cache gives the same tokens; the
    logits of every decode step equal, bit for bit, the rows of one uncached pass over
@@ -12,12 +13,15 @@ Runs in about 30 s on a 2-core machine.
 2. Arithmetic from the shapes alone (kvlab.measure): FLOPs per step with and without the
    cache on the Llama 2 7B shape, the whole-run ratio for 2,048 tokens (arithmetic_ratio),
    where it crosses 1,000x, and per_token_saving by position.
-3. Timing on this machine, one thread of the C core: 48 new tokens after a short prompt,
-   cached and uncached, 15 runs each way in turn (the course's experiment, on the kit's
-   models), and every step of a 256-token run, 5 runs each way: medians and spreads.
+3. Timing on this machine, one thread of the C core, cached and uncached in turn (A, B,
+   A, B: each pair meets the same load; the ratio quoted is the median of the pairs'
+   ratios): 48 new tokens on SmolLM2-135M-Instruct after a chat prompt (a system and a
+   user message, kvlab.chat.prompt), the course's experiment on a trained model; the same
+   on the bundled model (the instant first demo); and every step of a 256-token run of
+   the bundled model.
 4. Working memory (kvlab.measure.working_memory) for 256 new tokens, the uncached run
    holding every layer's K and V or one layer's at a time; the same accountings from the
-   shapes (kvlab.measure.scratch_bytes) for larger shapes; and the accounting of a program
+   shapes (kvlab.measure.scratch_bytes) for larger shapes, SmolLM2's among them; and the accounting of a program
    that also keeps whole score matrices and every position's logits.
 """
 from __future__ import annotations
@@ -35,13 +39,20 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 import kvlab  # noqa: E402
-from common import machine, spread  # noqa: E402  (chapters/figures/common.py)
+import kvlab.chat  # noqa: E402
+from common import machine, smollm2, spread  # noqa: E402  (chapters/figures/common.py)
 from kvlab import measure  # noqa: E402
 
 THREADS = 1            # the timed runs: see the note in setup()
 FLOAT = 4              # bytes of a float32
 PROMPT = "ROMEO:\n"
 STORIES_PROMPT = "Once upon a time"
+# SmolLM2's chat prompt: its own default system message and a question whose answer runs
+# past 48 tokens (the runs do not stop at the end of the answer, so both ways run 48 steps)
+CHAT = [{"role": "system",
+         "content": "You are a helpful AI assistant named SmolLM, trained by Hugging Face"},
+        {"role": "user", "content": "Explain in a few sentences why a language model "
+                                    "writes its answer one token at a time."}]
 COURSE = {"new_tokens": 48, "cached_seconds": 8.85, "uncached_seconds": 78.95,
           "time_ratio": 78.95 / 8.85, "cached_seconds_per_token": 8.85 / 48,
           "working_memory_ratio_256": 8.3, "per_token_saving": "75-90 %",
@@ -126,17 +137,23 @@ def arithmetic() -> dict:
 
 # ---- 3. timing ----------------------------------------------------------------------------
 
-def timing_48(model, prompt: str, runs: int = 15) -> dict:
-    """48 new tokens, cached and uncached, `runs` runs of each in turn (so each pair meets
-    the same load). Other processes interrupt some runs on a shared machine, so the chapter
-    quotes the median run and the spread over the runs (common.spread): the whole run's
-    seconds each way, and the ratio of each pair."""
-    kvlab.generate(model, prompt, 8, use_cache=True)            # warm up
+def timing_48(model, prompt, runs: int = 15, new_tokens: int = 48) -> dict:
+    """new_tokens after `prompt` (text or token ids), cached and uncached, `runs` rounds of
+    one run each way in turn (so each pair meets the same load). Other processes interrupt
+    some runs on a shared machine, so the chapter quotes the median run and the spread over
+    the runs (common.spread): the whole run's seconds each way, and the ratio of each pair."""
+    kvlab.generate(model, prompt, 4, use_cache=True)            # warm up
     steps = {True: [], False: []}
     same = True
-    for _ in range(runs):
-        a = kvlab.generate(model, prompt, 48, use_cache=True, stop_at_eos=False)
-        b = kvlab.generate(model, prompt, 48, use_cache=False, stop_at_eos=False)
+    for round in range(runs):
+        # each round starts with the other way (appendix_measuring.md#measuring-side-by-side)
+        for use_cache in ((True, False) if round % 2 == 0 else (False, True)):
+            out = kvlab.generate(model, prompt, new_tokens, use_cache=use_cache,
+                                 stop_at_eos=False)
+            if use_cache:
+                a = out
+            else:
+                b = out
         steps[True].append(a.step_seconds)
         steps[False].append(b.step_seconds)
         same = same and a.tokens == b.tokens
@@ -144,8 +161,9 @@ def timing_48(model, prompt: str, runs: int = 15) -> dict:
     uncached = [float(s.sum()) for s in steps[False]]
     median_c, median_u = float(np.median(cached)), float(np.median(uncached))
     return {"model": model.config.name, "params": model.n_params,
-            "weights_bytes": model.weights_nbytes, "prompt": prompt,
-            "prompt_tokens": len(a.prompt_tokens), "new_tokens": 48, "runs": runs,
+            "weights_bytes": model.weights_nbytes,
+            "prompt": prompt if isinstance(prompt, str) else None,
+            "prompt_tokens": len(a.prompt_tokens), "new_tokens": new_tokens, "runs": runs,
             "same_tokens": same, "completion": a.completion,
             "cached_seconds": spread(cached), "uncached_seconds": spread(uncached),
             "speedup": spread([u / c for u, c in zip(uncached, cached)]),
@@ -153,15 +171,42 @@ def timing_48(model, prompt: str, runs: int = 15) -> dict:
             "flop_ratio": b.flops / a.flops,
             "cached_gflops_per_s": a.flops / median_c / 1e9,
             "uncached_gflops_per_s": b.flops / median_u / 1e9,
-            "cached_decode_ms": spread([1e3 * float(np.median(s[1:])) for s in steps[True]])}
+            "cached_decode_ms": spread([1e3 * float(np.median(s[1:])) for s in steps[True]]),
+            # the whole run's time per generated token, each way
+            "cached_ms_per_token": 1e3 * median_c / new_tokens,
+            "uncached_ms_per_token": 1e3 * median_u / new_tokens,
+            "cached_gflop_per_token": a.flops / new_tokens / 1e9,
+            "uncached_gflop_per_token": b.flops / new_tokens / 1e9,
+            "tokens_through_model": {"cached": len(a.prompt_tokens) + new_tokens - 1,
+                                     "uncached": sum(len(a.prompt_tokens) + i
+                                                     for i in range(new_tokens))}}
+
+
+def smollm2_timing(runs: int, new_tokens: int) -> dict:
+    """The course's experiment on a trained chat model: SmolLM2-135M-Instruct (its Q4_1
+    weights, as fetched; int8 activations, the kit's default for them), a ChatML prompt of
+    a system and a user message, greedy, cached against uncached in turn."""
+    model = smollm2()
+    text, ids = kvlab.chat.prompt(model, CHAT)
+    row = timing_48(model, ids, runs=runs, new_tokens=new_tokens)
+    answer = kvlab.generate(model, messages=CHAT, max_new_tokens=new_tokens)
+    c = model.config
+    row.update({"messages": CHAT, "prompt_text": text, "weights": "q4_1",
+                "answer_tokens_before_end_of_turn": len(answer.tokens),
+                "answer_ended_within": answer.finish_reason != "length",
+                "arithmetic_ratio_2048": measure.arithmetic_ratio(c, len(ids), 2048),
+                "per_token_saving": {str(p): measure.per_token_saving(c, p)
+                                     for p in (len(ids) - 1, len(ids) + new_tokens - 2)},
+                "config": c.to_dict()})
+    return row
 
 
 def step_times(model, new_tokens: int = 256, runs: int = 5) -> dict:
     """Per-step wall times of `runs` runs each way, in turn: the whole runs' ratio over the
     runs (common.spread), and each step's median for the figure."""
     times = {True: [], False: []}
-    for _ in range(runs):
-        for use_cache in (True, False):
+    for round in range(runs):
+        for use_cache in ((True, False) if round % 2 == 0 else (False, True)):
             times[use_cache].append(kvlab.generate(model, PROMPT, new_tokens, use_cache=use_cache,
                                                    stop_at_eos=False).step_seconds)
     median = {k: np.median(np.stack(v), axis=0) for k, v in times.items()}
@@ -352,41 +397,61 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true",
                         help="a short run that checks the script works (the tests run this);"
                              " its numbers are not the chapter's")
-    out = Path(parser.parse_args().out)
+    args = parser.parse_args()
+    out, quick = Path(args.out), args.quick
     out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     default_threads = kvlab.get_num_threads()
     kvlab.set_num_threads(THREADS)
+    # --quick: the same code, fewer rounds and tokens
+    runs_48, runs_steps, steps_tokens, wm_tokens = (3, 2, 64, 64) if quick else (15, 5, 256, 256)
+    smol_runs, smol_tokens = (2, 8) if quick else (7, 48)
 
     model = kvlab.load()
     stories = load_stories()
     result = {"setup": {**machine(), "default_threads": default_threads, "threads": THREADS,
-                        "note": "timed with one thread of the C core: on this shared 2-core "
-                                "machine two threads wait on each other whenever another "
-                                "process holds a core, and these small models gain nothing "
-                                "from a second thread",
-                        "model": "shakespeare-1m (kvlab.load())",
+                        "quick": quick,
+                        "note": "a shared 2-core machine (other agents' jobs ran beside these "
+                                "runs); timed with one thread of the C core, cached and "
+                                "uncached in turn, ratios as medians of the pairs' ratios "
+                                "(chapters/appendix_measuring.md)",
+                        "model": "shakespeare-1m (kvlab.load()); SmolLM2-135M-Instruct Q4_1 "
+                                 "(kvlab.load('smollm2-135m')) for the chat timing",
                         "stories260K": stories is not None},
               "course": COURSE, "reruns_elsewhere": RERUNS_ELSEWHERE}
     result["exactness"] = {"shakespeare-1m": exactness(model)}
     arith = arithmetic()
     result["arithmetic"] = arith
-    result["timing_48"] = {"shakespeare-1m": timing_48(model, PROMPT)}
+    result["timing_48"] = {"shakespeare-1m": timing_48(model, PROMPT, runs=runs_48)}
     if stories is not None:
         result["exactness"]["stories260K"] = {
             "same_tokens": kvlab.generate(stories, STORIES_PROMPT, 48).tokens
             == kvlab.generate(stories, STORIES_PROMPT, 48, use_cache=False).tokens}
-        result["timing_48"]["stories260K"] = timing_48(stories, STORIES_PROMPT)
-    steps = step_times(model)
+        result["timing_48"]["stories260K"] = timing_48(stories, STORIES_PROMPT, runs=runs_48)
+    # the bundled model's step times before SmolLM2 is loaded: loading and freeing its
+    # large blocks moves glibc's mmap threshold, and the uncached steps' fresh scratch would
+    # then come from the heap at a cost that varies from step to step
+    steps = step_times(model, new_tokens=steps_tokens, runs=runs_steps)
     result["step_times_256"] = steps
-    wm = [working(model, PROMPT)]
+    result["timing_48"]["smollm2"] = smol = smollm2_timing(smol_runs, smol_tokens)
+    wm = [working(model, PROMPT, wm_tokens)]
     if stories is not None:
-        wm.append(working(stories, STORIES_PROMPT))
+        wm.append(working(stories, STORIES_PROMPT, wm_tokens))
     result["working_memory_256"] = {row["model"]: row for row in wm}
     result["working_memory_from_shapes"] = {
         c.name: working_from_shapes(c, 262) for c in
         (kvlab.ModelConfig.shakespeare_1m(), kvlab.ModelConfig.stories260k(),
+         kvlab.ModelConfig(**smol["config"]).replace(name="SmolLM2-135M"),
          kvlab.ModelConfig.tinyllama_1b(), kvlab.ModelConfig.llama2_7b())}
+    # Appendix B (chapters/appendix_course.md) sets the course's figures beside the kit's
+    result["course_vs_kit"] = {
+        "course_seconds_per_token": COURSE["cached_seconds_per_token"],
+        "course_time_ratio": COURSE["time_ratio"],
+        "smollm2_cached_ms_per_token": smol["cached_ms_per_token"],
+        "smollm2_time_ratio": smol["speedup"]["median"],
+        "smollm2_flop_ratio": smol["flop_ratio"],
+        "course_over_smollm2_per_token": COURSE["cached_seconds_per_token"]
+                                         / (smol["cached_ms_per_token"] / 1e3)}
 
     plot_step_time(steps, out / "ch01_step_time.png")
     plot_flops(arith, out / "ch01_flops.png")
@@ -394,7 +459,9 @@ def main() -> None:
                         out / "ch01_working_memory.png")
     result["setup"]["script_seconds"] = round(time.perf_counter() - started, 1)
     (out / "ch01.json").write_text(json.dumps(strip(result), indent=2) + "\n")
-    print(json.dumps(strip(result)["timing_48"], indent=1))
+    print(json.dumps({k: {f: v[f] for f in ("speedup", "flop_ratio", "cached_ms_per_token",
+                                              "uncached_ms_per_token", "same_tokens")}
+                      for k, v in strip(result)["timing_48"].items()}, indent=1))
     print(f"wrote {out}/ch01_*.png and ch01.json in {result['setup']['script_seconds']} s")
 
 

@@ -1,6 +1,6 @@
 """Figures and numbers for chapter 3, "Sharing keys and values: MHA, GQA, MQA".
 
-    python chapters/figures/ch03.py [--out DIR]
+    python chapters/figures/ch03.py [--out DIR] [--quick]
 
 Writes ch03_cache_bytes.png, ch03_attention_time.png, ch03_conversion.png and ch03.json (every number the
 chapter quotes, with the setup; "facts": those it quotes from elsewhere, with their
@@ -349,14 +349,16 @@ def main() -> None:
 
     sizes = cache_sizes()
     mapping = head_mapping(rng)
-    contexts = (512, 1024, 2048, 4096, 8192)
-    timing, read_rates = attention_timing(rng, contexts, threads=1)
+    # --quick: two contexts, 3 rounds, 1,024 held-out tokens (the same code, shorter)
+    contexts = (512, BANDWIDTH_CONTEXT) if args.quick else (512, 1024, 2048, 4096, 8192)
+    rounds = 3 if args.quick else ROUNDS
+    timing, read_rates = attention_timing(rng, contexts, threads=1, repeats=rounds)
     # what one core can read from memory, the yardstick for the timings' GB/s, measured in
     # the rounds at BANDWIDTH_CONTEXT
     one_core_read = spread(np.array(read_rates) / 1e9)
     kvlab.set_num_threads(threads_before)
     decode = decode_kv_bytes()
-    converted = conversion()
+    converted = conversion(1024 if args.quick else 8192)
     for r in converted["rows"]:
         kl = "" if r["kl_from_mha"] is None else f"  KL {r['kl_from_mha']:.4f}"
         print(f"{r['model']:<22} {r['n_kv_heads']} KV heads  {r['bytes_per_token_fp32']:>6} B/token  "
@@ -365,12 +367,12 @@ def main() -> None:
     setup = machine()
     setup.update({"timing": "cache.attend(q, layer=0): decode attention of one token over one "
                             f"layer, fp32 cache of random rows, 32 query heads of head_dim 128; "
-                            f"{ROUNDS} rounds, the three shapes in turn in each round; medians "
+                            f"{rounds} rounds, the three shapes in turn in each round; medians "
                             "and spreads over the rounds (common.spread), a ratio taken round "
                             "by round",
-                  "rounds": ROUNDS, "default_threads": threads_before})
+                  "rounds": rounds, "default_threads": threads_before})
     machine_line = (f"{setup['cpu']}, {setup['cpu_count']} cores (shared); median and range "
-                    f"of {ROUNDS} rounds; kvlab {setup['kvlab']}")
+                    f"of {rounds} rounds; kvlab {setup['kvlab']}")
     plot_cache_bytes(sizes, out / "ch03_cache_bytes.png")
     plot_attention(timing, out / "ch03_attention_time.png", machine_line)
     plot_conversion(converted, out / "ch03_conversion.png")

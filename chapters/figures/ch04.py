@@ -1,6 +1,6 @@
 """Figures and numbers for chapter 4, "Paged memory for the cache".
 
-    python chapters/figures/ch04.py [--out DIR]
+    python chapters/figures/ch04.py [--out DIR] [--quick]
 
 Writes ch04_block_table.png, ch04_capacity.png and ch04.json (every number the chapter
 quotes, with the setup; "facts": those it quotes from elsewhere, with their sources) into DIR (default: this script's folder). Runs in about 10 s on a
@@ -435,7 +435,7 @@ def main() -> None:
 
     identical = identical_logits(model)
     prefix = prefix_sharing(model)
-    timing = decode_timing(rng)
+    timing = decode_timing(rng, repeats=3 if args.quick else ROUNDS)   # --quick: 3 rounds
 
     admitted = lengths[:paged["admitted"]]
     capacity = {

@@ -1,38 +1,39 @@
 """Figures and numbers for chapter 5, "Batching and scheduling".
 
-    python chapters/figures/ch05.py [--out DIR] [--threads N]
+    python chapters/figures/ch05.py [--out DIR] [--threads N] [--quick]
 
 Writes ch05_throughput.png, ch05_budget.png, ch05_latency.png and ch05.json (every number
-the chapter quotes, with the setup). Four measurements, all through kvlab.Engine:
+the chapter quotes, with the setup and the facts it quotes from data sheets). All through
+kvlab.Engine:
 
-1. The engine's outputs equal kvlab.generate, token for token: greedy and sampled
-   requests (n=2) on a pool small enough to force preemptions.
-2. Decode throughput against batch size: B requests of 16-token prompts and 8 new
-   tokens each, B = 1 .. 64, on the bundled model, stories260K (where present) and random
-   weights shaped like stories15M. Decode tokens/s is B / (the fastest decode step's
-   time) over a few rounds run round-robin: the machine is shared, and other processes
-   only ever add time to a step. The core's counters give the weight and K/V bytes and
-   the FLOPs per token.
-3. One KV memory budget (16 contiguous caches of 512 positions, fp32), served four ways:
-   static or continuous batching, on contiguous reservations (a pool of one 512-position
-   block per request) or on a paged pool of 16-position blocks, on 96 requests of
-   long-tailed lengths (the workload of benchmarks/bench_engine.py); 3 rounds in turn,
-   medians and spreads of the wall time; then the same on the stories15M shape (3 rounds).
-4. Latency under a Poisson load (kvlab.serving, what `kvlab serve-bench` runs): time to
-   first token and time per output token, p50 and p99, against throughput, at four request
-   rates, paged and contiguous, for two max_batch_tokens; medians of 3 rounds.
-5. Preemption by swapping against recompute (benchmarks/bench_swap.py): one sequence of
-   64 to 1,024 tokens swapped out and in, or recomputed; and the Engine in both modes.
+1. The engine's outputs equal kvlab.generate, token for token: greedy and sampled requests
+   (n=2) on a pool small enough to force preemptions (the bundled model: an instant run).
+2. Decode throughput against batch size on SmolLM2-135M: Q8_0 and Q4_1 weights with int8
+   activations, and float32 weights. B requests decode together for B = 1 .. 32; a round
+   runs every batch size of every format once, in turn, so each ratio to batch 1 is taken
+   within one round and the chapter quotes the median over the rounds. The core's counters
+   give the weight and K/V bytes and the FLOPs per token; with the data sheets' FLOP/s and
+   bandwidth, this CPU's ridge point against an H100's and an H200's.
+3. One K/V memory budget (6 contiguous caches of 256 positions), served four ways: static
+   or continuous batching, on contiguous reservations (one 256-position block per request)
+   or on a paged pool of 16-position blocks; SmolLM2 (Q8_0, int8 activations) with its
+   context cut to 256 positions, long-tailed request lengths (as benchmarks/bench_engine.py's
+   workload); the four in turn each round, ratios within a round.
+4. Latency under a Poisson load (kvlab.serving.serve, what `kvlab serve-bench` runs) on the
+   same model: time to first token and time per output token, p50 and p99, at three request
+   rates: paged with two max_batch_tokens, and contiguous caches of the same bytes.
+5. Preemption by swapping against recompute (benchmarks/bench_swap.py) on the bundled model.
 
-Runs in about 4 minutes on the 2-core development machine (one core thread by default:
-on a shared machine a single thread is far less disturbed by other processes).
+The full run takes a few minutes on the 2-core development machine (one core thread by
+default: on a shared machine one thread is far less disturbed by other processes);
+--quick runs the same code on fewer batch sizes, requests and rounds.
 """
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
+import statistics
 import time
 from pathlib import Path
 
@@ -43,21 +44,40 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 import kvlab  # noqa: E402
-from common import machine, spread  # noqa: E402  (chapters/figures/common.py puts benchmarks/ on the path)
-from bench_engine import workload  # noqa: E402  (the benchmark's own long-tailed requests)
+from common import english_text, machine, smollm2  # noqa: E402  (puts benchmarks/ on the path)
 import bench_swap  # noqa: E402  (swapping against recompute, as the benchmark measures it)
 
 HERE = Path(__file__).resolve().parent
-SHARED = Path(os.environ.get("KVLAB_SHARED", HERE.parents[2] / "shared"))
-STORIES = SHARED / "models" / "stories260K"
-BATCHES = [1, 2, 4, 8, 16, 32, 64]
 
-
-def stories15m_shape() -> kvlab.Model:
-    """Random weights in the shape of llama2.c's stories15M (15.2 M parameters)."""
-    config = kvlab.ModelConfig(dim=288, hidden_dim=768, n_layers=6, n_heads=6, n_kv_heads=6,
-                               vocab_size=32000, max_seq_len=512, name="random stories15M shape")
-    return kvlab.Model(config, kvlab.Weights.random(config, seed=0))
+# Facts the chapter quotes from data sheets and documentation, with their sources.
+FACTS = {
+    "h100_hbm_bytes_per_s": {
+        "value": 3.35e12,
+        "source": "NVIDIA H100 Tensor Core GPU data sheet (references.md, ref-h100), H100 "
+                  "SXM: GPU memory bandwidth 3.35 TB/s (HBM3)"},
+    "h100_bf16_dense_flops": {
+        "value": 989e12,
+        "source": "NVIDIA H100 data sheet (ref-h100): BF16 Tensor Core 1,979 TFLOPS 'with "
+                  "sparsity', so 989 TFLOPS dense"},
+    "h200_hbm_bytes_per_s": {
+        "value": 4.8e12,
+        "source": "NVIDIA H200 Tensor Core GPU data sheet (references.md, ref-h200), H200 "
+                  "SXM: GPU memory bandwidth 4.8 TB/s (HBM3e)"},
+    "h200_bf16_dense_flops": {
+        "value": 989e12,
+        "source": "NVIDIA H200 data sheet (ref-h200): BF16 Tensor Core 1,979 TFLOPS 'with "
+                  "sparsity', so 989 TFLOPS dense (the H100's Hopper chip)"},
+    "vllm_v1_preemption": {
+        "value": "recompute",
+        "source": "vLLM documentation, Optimization and Tuning (vLLM V1; references.md, "
+                  "ref-vllm-preemption): preempted requests are recomputed when KV cache "
+                  "space becomes available again (PreemptionMode.RECOMPUTE)"},
+}
+FORMATS = {                    # name: kvlab.load's arguments for SmolLM2
+    "Q8_0, int8 activations": {"weights": "q8_0"},
+    "Q4_1, int8 activations": {"weights": "q4_1"},
+    "float32": {"weights": "fp32"},
+}
 
 
 # ---- 1. same tokens as kvlab.generate ----------------------------------------------------
@@ -89,8 +109,10 @@ def equality_check(model: kvlab.Model) -> dict:
 
 # ---- 2. throughput against batch size ----------------------------------------------------
 
-def throughput_run(model: kvlab.Model, batch: int, new_tokens: int = 8,
-                   prompt_len: int = 16) -> dict:
+def decode_run(model: kvlab.Model, batch: int, new_tokens: int, prompt_len: int = 4,
+               count: bool = False) -> dict:
+    """B requests of random prompts decoded together: the median decode step's time, and
+    (count=True) what the core counted per generated token in the decode steps."""
     rng = np.random.default_rng(batch)
     blocks = batch * -(-(prompt_len + new_tokens) // 16) + 4
     pool = model.new_paged_pool(num_blocks=blocks, block_size=16, max_seqs=batch)
@@ -98,56 +120,81 @@ def throughput_run(model: kvlab.Model, batch: int, new_tokens: int = 8,
     for _ in range(batch):
         prompt = rng.integers(0, model.config.vocab_size, prompt_len).tolist()
         engine.add_request(prompt, kvlab.SamplingParams(max_new_tokens=new_tokens, stop_at_eos=False))
-    decode_seconds, weight_bytes, kv_bytes, flops, decode_tokens = [], 0, 0, 0, 0
-    start = time.perf_counter()
+    seconds, weight_bytes, kv_bytes, flops, tokens = [], 0, 0, 0, 0
     while engine.has_work:
         with model.counting() as counts:
             step = engine.step()
         if step.prefill_tokens == 0 and step.decode_tokens:
-            decode_seconds.append(step.seconds)
+            seconds.append(step.seconds)
             weight_bytes += counts.weight_bytes
             kv_bytes += counts.kv_read_bytes
             flops += counts.flops
-            decode_tokens += step.decode_tokens
-    total = time.perf_counter() - start
-    return {"decode_tokens_per_s": batch / min(decode_seconds),
-            "end_to_end_tokens_per_s": batch * new_tokens / total,
-            "weight_bytes_per_token": weight_bytes / decode_tokens,
-            "kv_read_bytes_per_token": kv_bytes / decode_tokens,
-            "flops_per_token": flops / decode_tokens}
+            tokens += step.decode_tokens
+    row = {"step_s": statistics.median(seconds)}
+    if count:
+        row.update(weight_bytes_per_token=weight_bytes / tokens,
+                   kv_read_bytes_per_token=kv_bytes / tokens, flops_per_token=flops / tokens)
+    return row
 
 
-def throughput(models, rounds: int) -> list:
-    best = {}
-    # round-robin: every size sees the same noise; small models are cheap, so more rounds
-    def rounds_for(model):
-        return rounds if model.n_params > 5_000_000 else 2 * rounds
-    for r in range(2 * rounds):
-        for model in [m for m in models if r < rounds_for(m)]:
-            throughput_run(model, 1, new_tokens=4)          # warm up (pages, threads)
-            for batch in BATCHES:
-                row = throughput_run(model, batch)
-                key = (model.config.name, batch)
-                old = best.get(key)
-                if old is None:
-                    best[key] = row
-                else:
-                    for name in ("decode_tokens_per_s", "end_to_end_tokens_per_s"):
-                        old[name] = max(old[name], row[name])
+def throughput(models: dict, batches, rounds: int, new_tokens: int) -> dict:
+    """Every batch size of every format once per round, in turn: a round's ratios to its
+    own batch 1 meet the same load; the medians over the rounds are quoted."""
+    steps = {(name, b): [] for name in models for b in batches}
+    counted = {}
+    for name, model in models.items():          # counters do not depend on timing: once
+        decode_run(model, 1, 2)                  # warm up (pages, caches)
+        for b in batches:
+            counted[(name, b)] = decode_run(model, b, 3, count=True)
+    for _ in range(rounds):
+        for b in batches:
+            for name, model in models.items():
+                steps[(name, b)].append(decode_run(model, b, new_tokens)["step_s"])
     rows = []
-    for model in models:
-        base = best[(model.config.name, 1)]["decode_tokens_per_s"]
-        for batch in BATCHES:
-            row = best[(model.config.name, batch)]
-            # what a decode step achieved: weight bytes streamed and arithmetic per second
-            row["weight_gb_per_s"] = row["decode_tokens_per_s"] * row["weight_bytes_per_token"] / 1e9
-            row["gflop_per_s"] = row["decode_tokens_per_s"] * row["flops_per_token"] / 1e9
-            rows.append({"model": model.config.name, "rounds": rounds_for(model),
-                         "params": model.n_params,
-                         "weights_bytes": model.weights_nbytes, "batch": batch,
-                         **{k: round(v, 2) for k, v in row.items()},
-                         "speedup_vs_batch1": round(row["decode_tokens_per_s"] / base, 2)})
-    return rows
+    for name, model in models.items():
+        for b in batches:
+            runs = steps[(name, b)]
+            ratios = [steps[(name, 1)][r] * b / runs[r] for r in range(rounds)]
+            tok_s = statistics.median(b / s for s in runs)
+            c = counted[(name, b)]
+            rows.append({"format": name, "batch": b, "rounds": rounds,
+                         "weights_bytes": model.weights_nbytes,
+                         "decode_tokens_per_s": round(tok_s, 1),
+                         "speedup_vs_batch1": round(statistics.median(ratios), 2),
+                         "speedup_range": [round(min(ratios), 2), round(max(ratios), 2)],
+                         "weight_bytes_per_token": c["weight_bytes_per_token"],
+                         "kv_read_bytes_per_token": c["kv_read_bytes_per_token"],
+                         "flops_per_token": c["flops_per_token"],
+                         # what a decode step achieved: weight bytes streamed, arithmetic done
+                         "weight_gb_per_s": round(tok_s * c["weight_bytes_per_token"] / 1e9, 1),
+                         "gflop_per_s": round(tok_s * c["flops_per_token"] / 1e9, 1),
+                         "flops_per_weight_byte": round(c["flops_per_token"] / c["weight_bytes_per_token"], 2)})
+    return {"batches": list(batches), "new_tokens": new_tokens, "prompt_tokens": 4,
+            "rounds": rounds, "rows": rows}
+
+
+def ridge(result: dict, params: int) -> dict:
+    """Where the weight products stop being limited by memory. A sequence of a decode batch
+    does 2 FLOPs per weight, so a batch of B does 2B FLOPs per weight read: per weight byte
+    2B / (bytes per weight). The CPU's ridge: the most arithmetic per second any batch
+    reached over the weight bytes per second batch 1 streamed (one format's own run); the
+    GPUs' from their data sheets, for bf16 weights (2 bytes: B FLOPs per byte)."""
+    out = {}
+    for name in dict.fromkeys(r["format"] for r in result["rows"]):
+        mine = [r for r in result["rows"] if r["format"] == name]
+        one = mine[0]
+        peak = max(r["gflop_per_s"] for r in mine)
+        flops_per_byte = peak / one["weight_gb_per_s"]
+        per_sequence = 2 * params / one["weights_bytes"]      # FLOPs per weight byte at B=1
+        out[name] = {"batch1_weight_gb_per_s": one["weight_gb_per_s"],
+                     "peak_gflop_per_s": peak,
+                     "ridge_flops_per_byte": round(flops_per_byte, 2),
+                     "flops_per_weight_byte_per_sequence": round(per_sequence, 3),
+                     "ridge_batch": round(flops_per_byte / per_sequence, 1)}
+    for gpu in ("h100", "h200"):
+        r = FACTS[f"{gpu}_bf16_dense_flops"]["value"] / FACTS[f"{gpu}_hbm_bytes_per_s"]["value"]
+        out[gpu] = {"ridge_flops_per_byte": round(r), "ridge_batch_bf16_weights": round(r)}
+    return out
 
 
 # ---- 3. one memory budget: static or continuous, contiguous or paged ---------------------
@@ -155,6 +202,16 @@ def throughput(models, rounds: int) -> list:
 # The four ways to serve, each (scheduling, memory): the two effects apart and together.
 WAYS = (("static", "contiguous"), ("continuous", "contiguous"),
         ("static", "paged"), ("continuous", "paged"))
+WAY_LABELS = {"static_contiguous": "static, contiguous",
+              "continuous_contiguous": "continuous, contiguous",
+              "static_paged": "static, paged", "continuous_paged": "continuous, paged"}
+
+
+def short_context(model: kvlab.Model, context: int) -> kvlab.Model:
+    """The same weights with a shorter context: a contiguous cache reserves the whole
+    context, so the budget below counts caches of `context` positions."""
+    return kvlab.Model(model.config.replace(max_seq_len=context), model.weights,
+                       model.tokenizer, activations=model.activations)
 
 
 def serve(model, pool, groups) -> dict:
@@ -199,8 +256,20 @@ def static_groups(requests, memory: str, pool, n_static: int) -> list:
     return groups + [group]
 
 
-def memory_budget(model: kvlab.Model, n_requests: int = 96, n_static: int = 16,
-                  rounds: int = 3) -> dict:
+def workload(model: kvlab.Model, n_requests: int, max_len: int, seed: int = 0) -> list:
+    """Long-tailed lengths, as benchmarks/bench_engine.py's: most requests are short, a few
+    run long (up to max_len in all); short prompts of random tokens (4 to 15), so that the
+    run is mostly decode steps, where batching matters."""
+    rng = np.random.default_rng(seed)
+    requests = []
+    for _ in range(n_requests):
+        prompt = rng.integers(0, model.config.vocab_size, int(rng.integers(4, 16))).tolist()
+        new = int(min(max_len - 16, max(4, rng.lognormal(np.log(max_len / 8), 0.9))))
+        requests.append((prompt, kvlab.SamplingParams(max_new_tokens=new, stop_at_eos=False)))
+    return requests
+
+
+def memory_budget(model: kvlab.Model, n_requests: int, rounds: int, n_static: int = 6) -> dict:
     max_len = model.config.max_seq_len
     budget = kvlab.kv_cache_bytes(model.config, max_len, n_static, dtype="fp32")
     requests = workload(model, n_requests, max_len)
@@ -222,13 +291,15 @@ def memory_budget(model: kvlab.Model, n_requests: int = 96, n_static: int = 16,
             times[name].append(run["seconds"])
             results[name] = {"scheduling": scheduling, "memory": memory,
                              "block_size": pool.block_size, "groups": len(groups), **run}
-    for name, run in results.items():
-        run["seconds"] = spread(times[name])
-        run["tokens_per_s"] = run["tokens"] / run["seconds"]["median"]
     base = results["static_contiguous"]
-    for run in results.values():
+    for name, run in results.items():
+        ratios = [b / t for b, t in zip(times["static_contiguous"], times[name])]
+        run["seconds"] = statistics.median(times[name])
+        run["seconds_runs"] = times[name]
+        run["tokens_per_s"] = run["tokens"] / run["seconds"]
         run["steps_vs_static_contiguous"] = base["steps"] / run["steps"]
-        run["speedup_vs_static_contiguous"] = base["seconds"]["median"] / run["seconds"]["median"]
+        # the ratio within each round, then the median over the rounds
+        run["speedup_vs_static_contiguous"] = statistics.median(ratios)
     return {"model": model.config.name, "max_len": max_len, "budget_bytes": budget,
             "contiguous_blocks": n_static, "paged_blocks": paged_blocks, "rounds": rounds,
             "requests": n_requests, "tokens": sum(p.max_new_tokens for _, p in requests),
@@ -238,53 +309,53 @@ def memory_budget(model: kvlab.Model, n_requests: int = 96, n_static: int = 16,
 
 # ---- 4. latency under a Poisson load: what a user waits for ---------------------------
 
-LATENCY_RATES = (50.0, 100.0, 200.0, 400.0)
-LATENCY_BUDGETS = (64, 512)
+LATENCY_CONFIGS = (("paged", 512), ("paged", 32), ("contiguous", 512))
 LATENCY_STATS = ("tokens_per_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms",
                  "e2e_p50_ms", "e2e_p99_ms")
 
 
-def latency(model, n_requests: int = 60, rounds: int = 3) -> dict:
-    """kvlab.serving's sweep (what `kvlab serve-bench` runs): requests arrive as a Poisson
-    process at each rate and one Engine serves them in real time, on a paged pool or on
-    contiguous caches of the same bytes, with two token budgets (max_batch_tokens). Each
-    round runs every configuration once; each statistic is the median over the rounds, with
-    its spread."""
-    runs = {}
-    for round_ in range(rounds):
-        rows = kvlab.serving.sweep(model, LATENCY_RATES, LATENCY_BUDGETS, n_requests, seed=0,
-                                   out=lambda line: None, memories=("paged", "contiguous"))
-        for row in rows:
-            runs.setdefault((row["rate"], row["memory"], row["budget"]), []).append(row)
-    table = []
-    for (rate, memory, budget), rows in runs.items():
-        entry = {"rate": rate, "memory": memory, "budget": budget, "requests": n_requests,
-                 "steps": spread([r["steps"] for r in rows])}
-        for stat in LATENCY_STATS:
-            entry[stat] = spread([r[stat] for r in rows])
-        table.append(entry)
-    return {"rates": list(LATENCY_RATES), "budgets": list(LATENCY_BUDGETS),
-            "requests_per_run": n_requests, "rounds": rounds, "runs": table}
+def latency_workload(model, n_requests: int, rate: float, seed: int = 0) -> list:
+    """kvlab.serving.workload's shape, (arrival second, prompt ids, new tokens), sized for a
+    135 M model on a CPU: prompts of 8 to 47 tokens of English text, 4 to 19 new tokens,
+    arriving as a Poisson process at `rate` a second."""
+    rng = np.random.default_rng(seed)
+    text = model.encode(english_text(8_000)[0])
+    arrivals = np.cumsum(rng.exponential(1.0 / rate, n_requests))
+    requests = []
+    for arrival in arrivals:
+        length = int(rng.integers(8, 48))
+        start = int(rng.integers(0, len(text) - length))
+        requests.append((float(arrival), text[start:start + length], int(rng.integers(4, 20))))
+    return requests
 
 
-def plot_latency(result: dict, path: Path) -> None:
-    """kvlab.serving.plot of the medians over the rounds."""
-    rows = [{**{k: v for k, v in r.items() if not isinstance(v, dict)},
-             **{stat: r[stat]["median"] for stat in LATENCY_STATS}} for r in result["runs"]]
-    kvlab.serving.plot(rows, path, title=f"Poisson arrivals, {result['requests_per_run']} "
-                                         f"requests a run, medians of {result['rounds']} runs")
+def latency(model, rates, n_requests: int, num_blocks: int) -> dict:
+    """kvlab.serving.serve at each rate, for each (memory, token budget): the same requests
+    at one rate for all four, run one after the other. A pool of num_blocks blocks of 16;
+    contiguous caches of the same bytes hold num_blocks * 16 / context requests."""
+    runs = []
+    for rate in rates:
+        requests = latency_workload(model, n_requests, rate)
+        for memory, budget in LATENCY_CONFIGS:
+            row = kvlab.serving.serve(model, requests, budget, num_blocks=num_blocks,
+                                      memory=memory)
+            runs.append({"rate": rate, **row})
+    return {"rates": list(rates), "requests_per_run": n_requests, "num_blocks": num_blocks,
+            "block_size": 16, "context": model.config.max_seq_len,
+            "contiguous_requests": num_blocks * 16 // model.config.max_seq_len, "runs": runs}
 
 
 # ---- 5. preemption: swapping against recompute ------------------------------------------
 
-def preemption(model, contexts=(64, 256, 1024), rounds: int = 9) -> dict:
+def preemption(model, contexts=(64, 256, 1024), rounds: int = 9,
+               engine_rounds: int = 3) -> dict:
     """benchmarks/bench_swap.py's two measurements: one sequence swapped out and in against
     recomputed, for several lengths (the bundled model's context raised to fit); and the
     Engine on a workload too large for its pool, preempting by recompute and by swapping,
     with the same tokens."""
     long = bench_swap.long_context(model, max(contexts) + 1)   # and one more step after
     sequences = [bench_swap.bench_one_sequence(long, n, "fp32", rounds) for n in contexts]
-    return {"sequences": sequences, "engine": bench_swap.bench_engine(model, 16, 3)}
+    return {"sequences": sequences, "engine": bench_swap.bench_engine(model, 16, engine_rounds)}
 
 
 # ---- exact arithmetic the text shows ----------------------------------------------------
@@ -307,24 +378,29 @@ def llama2_7b_arithmetic(batch: int = 16, context: int = 4096) -> dict:
 
 # ---- figures -------------------------------------------------------------------------------
 
-def plot_throughput(rows, path: Path) -> None:
+def plot_throughput(result: dict, ridges: dict, path: Path) -> None:
+    rows = result["rows"]
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.8))
-    for name in dict.fromkeys(r["model"] for r in rows):
-        mine = [r for r in rows if r["model"] == name]
+    names = list(dict.fromkeys(r["format"] for r in rows))
+    for name in names:
+        mine = [r for r in rows if r["format"] == name]
         b = [r["batch"] for r in mine]
-        left.plot(b, [r["decode_tokens_per_s"] for r in mine], "o-", label=name)
-        if name.startswith("random"):
-            right.plot(b, [r["weight_bytes_per_token"] / 1e6 for r in mine], "o-",
-                       label="weights read per token")
-            right.plot(b, [r["kv_read_bytes_per_token"] / 1e6 for r in mine], "s--",
-                       label="K/V read per token (contexts of 17 to 23 tokens)")
-            right.set_title(f"{name}: bytes per generated token\n(counted by the core)",
-                            fontsize=10)
+        left.plot(b, [r["decode_tokens_per_s"] for r in mine], "o-",
+                  label=f"{name} (ridge near batch {ridges[name]['ridge_batch']:g})")
+    first = [r for r in rows if r["format"] == names[0]]
+    b = [r["batch"] for r in first]
+    right.plot(b, [r["weight_bytes_per_token"] / 1e6 for r in first], "o-",
+               label="weights read per token")
+    right.plot(b, [r["kv_read_bytes_per_token"] / 1e6 for r in first], "s--",
+               label="K/V read per token (contexts of 5 to 6 tokens)")
+    right.set_title(f"SmolLM2-135M, {names[0].split(',')[0]} weights: bytes per generated "
+                    f"token\n(counted by the core)", fontsize=10)
     left.set_xscale("log", base=2)
     left.set_yscale("log")
     left.set_xlabel("requests decoded together (batch size)")
     left.set_ylabel("decode tokens/s")
-    left.set_title("Decode throughput of kvlab.Engine", fontsize=10)
+    left.set_title(f"SmolLM2-135M decode throughput, kvlab.Engine (medians of "
+                   f"{result['rounds']} rounds)", fontsize=10)
     left.grid(alpha=0.3, which="both")
     left.legend(fontsize=8)
     right.set_xscale("log", base=2)
@@ -338,10 +414,6 @@ def plot_throughput(rows, path: Path) -> None:
     plt.close(fig)
 
 
-WAY_LABELS = {"static_contiguous": "static, contiguous", "continuous_contiguous": "continuous, contiguous",
-              "static_paged": "static, paged", "continuous_paged": "continuous, paged"}
-
-
 def plot_budget(budget, path: Path) -> None:
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.6))
     for name, label in WAY_LABELS.items():
@@ -352,7 +424,7 @@ def plot_budget(budget, path: Path) -> None:
     left.set_xlabel("engine step")
     left.set_ylabel("sequences in the step's batch")
     left.set_title(f"{budget['requests']} requests, one K/V budget of "
-                   f"{budget['budget_bytes'] / 2**20:.0f} MiB ({budget['model']})", fontsize=10)
+                   f"{budget['budget_bytes'] / 2**20:.1f} MiB (SmolLM2-135M)", fontsize=10)
     left.legend(fontsize=8)
     left.grid(alpha=0.3)
     right.set_xlabel("engine step")
@@ -365,6 +437,12 @@ def plot_budget(budget, path: Path) -> None:
     plt.close(fig)
 
 
+def plot_latency(result: dict, path: Path) -> None:
+    kvlab.serving.plot(result["runs"], path,
+                       title=f"SmolLM2-135M, Poisson arrivals, {result['requests_per_run']} "
+                             f"requests a run")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default=str(HERE))
@@ -372,54 +450,52 @@ def main() -> None:
                         help="a short run that checks the script works (the tests run this);"
                              " its numbers are not the chapter's")
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     kvlab.set_num_threads(args.threads)
     started = time.perf_counter()
+    quick = args.quick
+    batches = [1, 4, 16] if quick else [1, 2, 4, 8, 16, 32]
+    formats = ({k: FORMATS[k] for k in ("Q4_1, int8 activations", "float32")} if quick
+               else FORMATS)
 
-    model = kvlab.load()
-    models = [model]
-    stories = None
-    if (STORIES / "stories260K.bin").exists():
-        stories = kvlab.load(STORIES / "stories260K.bin", tokenizer=STORIES / "tok512.bin")
-        models.append(stories)
-    else:
-        print(f"({STORIES} not found: stories260K skipped)")
-    models.append(stories15m_shape())
+    bundled = kvlab.load()
+    equal = equality_check(bundled)
+    print("engine vs generate:", equal, flush=True)
 
-    equal = equality_check(model)
-    print("engine vs generate:", equal)
-    rows = throughput(models, args.rounds)
-    for r in rows:
-        print(f"{r['model']:<26}{r['batch']:>4}{r['decode_tokens_per_s']:>10,.0f} tok/s"
-              f"{r['speedup_vs_batch1']:>7.2f}x  weights {r['weight_bytes_per_token']:>12,.0f}"
-              f" B/token  K/V {r['kv_read_bytes_per_token']:>9,.0f} B/token"
-              f"  {r['weight_gb_per_s']:5.2f} GB/s {r['gflop_per_s']:5.1f} GFLOP/s")
-    budget = memory_budget(model)
-    # the same four ways on a model whose weights do not fit in the CPU's caches
-    budget_15m = memory_budget(models[-1], rounds=3)
-    for name in WAY_LABELS:
-        r = budget_15m[name]
-        print(f"{budget_15m['model']}, {name}: {r['steps']} steps, {r['seconds']['median']:.2f} s")
-        del r["running_per_step"], r["tokens_so_far"]
+    models = {name: smollm2(**options) for name, options in formats.items()}
+    q8 = models.get("Q8_0, int8 activations") or next(iter(models.values()))
+    params = q8.n_params
+    tp = throughput(models, batches, rounds=1 if quick else 3, new_tokens=3 if quick else 5)
+    ridges = ridge(tp, params)
+    for r in tp["rows"]:
+        print(f"{r['format']:<24}{r['batch']:>4}{r['decode_tokens_per_s']:>8,.0f} tok/s"
+              f"{r['speedup_vs_batch1']:>7.2f}x {r['speedup_range']}  weights "
+              f"{r['weight_bytes_per_token']:>12,.0f} B/token  {r['weight_gb_per_s']:5.1f} GB/s"
+              f" {r['gflop_per_s']:5.1f} GFLOP/s", flush=True)
+    print("ridges:", ridges, flush=True)
+
+    served_model = short_context(q8, 128 if quick else 256)
+    budget = memory_budget(served_model, n_requests=6 if quick else 24, rounds=1 if quick else 2)
     for name in WAY_LABELS:
         r = budget[name]
         print(f"{name}: {r['steps']} steps, running peak {r['peak_running']} mean "
-              f"{r['mean_running']:.1f}, {r['seconds']['median']:.2f} s, "
-              f"{r['tokens_per_s']:,.0f} tok/s, "
+              f"{r['mean_running']:.1f}, {r['seconds']:.2f} s "
+              f"({r['speedup_vs_static_contiguous']:.2f}x), {r['tokens_per_s']:,.0f} tok/s, "
               f"{r['flops'] / 1e9:.1f} GFLOP, weights {r['weight_bytes'] / 1e9:.2f} GB, "
-              f"K/V {r['kv_read_bytes'] / 1e9:.2f} GB, {r['tokens_run']:,} tokens run")
+              f"K/V {r['kv_read_bytes'] / 1e9:.2f} GB, {r['tokens_run']:,} tokens run", flush=True)
 
-    served = latency(model)
+    served = latency(served_model, (4.0, 16.0) if quick else (1.0, 4.0, 16.0),
+                     n_requests=3 if quick else 10, num_blocks=64)
     for r in served["runs"]:
         print(f"{r['rate']:>6g}/s {r['memory']:>10} {r['budget']:>4}: "
-              f"{r['tokens_per_s']['median']:7.0f} tok/s  TTFT p50 {r['ttft_p50_ms']['median']:7.1f}"
-              f" p99 {r['ttft_p99_ms']['median']:7.1f}  TPOT p50 {r['tpot_p50_ms']['median']:5.2f}"
-              f" p99 {r['tpot_p99_ms']['median']:5.2f} ms")
+              f"{r['tokens_per_s']:7.0f} tok/s  TTFT p50 {r['ttft_p50_ms']:7.1f}"
+              f" p99 {r['ttft_p99_ms']:7.1f}  TPOT p50 {r['tpot_p50_ms']:5.1f}"
+              f" p99 {r['tpot_p99_ms']:5.1f} ms", flush=True)
 
-    preempt = preemption(model)
+    preempt = preemption(bundled, contexts=(64, 256) if quick else (64, 256, 1024),
+                         rounds=3 if quick else 9, engine_rounds=1 if quick else 3)
     for r in preempt["sequences"]:
         print(f"{r['tokens']:>5} tokens: swap {1e6 * r['swap_s']:7.0f} us, recompute "
               f"{1e3 * r['recompute_s']:7.2f} ms: {r['recompute_over_swap']:.0f}x")
@@ -427,7 +503,7 @@ def main() -> None:
         print(f"engine, {r['preemption']:>9}: {r['seconds']:.2f} s, {r['preemptions']} preemptions, "
               f"{r['recomputed_tokens']} tokens recomputed, {r['swapped_out_bytes']:,} B swapped out")
 
-    plot_throughput(rows, out / "ch05_throughput.png")
+    plot_throughput(tp, ridges, out / "ch05_throughput.png")
     plot_latency(served, out / "ch05_latency.png")
     plot_budget(budget, out / "ch05_budget.png")
 
@@ -436,21 +512,23 @@ def main() -> None:
     result = {
         "setup": {**machine(), "threads": kvlab.get_num_threads(),
                   "machine": platform.machine(), "python": platform.python_version(),
-                  "models": {m.config.name: {"params": m.n_params, "weights_bytes": m.weights_nbytes,
-                                             "n_layers": m.config.n_layers,
-                                             "n_kv_heads": m.config.n_kv_heads,
-                                             "head_dim": m.config.head_dim}
-                             for m in models},
-                  "throughput_workload": "B requests, 16-token random prompts, 8 new tokens, "
-                                         "greedy; decode tok/s = B / fastest decode step time, "
-                                         f"best of {args.rounds} round-robin rounds ({2 * args.rounds} "
-                                         "for the models under 5 M parameters)",
+                  "shared_machine": "a 2-core virtual machine shared with other work while "
+                                    "it ran: ratios are taken within rounds run in turn",
+                  "quick": quick,
+                  "models": {name: {"params": m.n_params, "weights_bytes": m.weights_nbytes,
+                                    "weight_format": m.weight_format,
+                                    "activations": m.activations,
+                                    "n_layers": m.config.n_layers,
+                                    "n_kv_heads": m.config.n_kv_heads,
+                                    "head_dim": m.config.head_dim}
+                             for name, m in {**models, "bundled": bundled}.items()},
                   "seconds": None},
+        "facts": FACTS,
         "llama2_7b_arithmetic": llama2_7b_arithmetic(),
         "equality": equal,
-        "throughput": rows,
+        "throughput": tp,
+        "ridge": ridges,
         "memory_budget": budget,
-        "memory_budget_15m": budget_15m,
         "latency": served,
         "preemption": preempt,
     }

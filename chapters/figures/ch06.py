@@ -1,23 +1,25 @@
 """Figures and numbers for chapter 6, "Quantizing the cache".
 
-    python chapters/figures/ch06.py [--out DIR] [--threads N] [--sections 1,2,3,4,5]
+    python chapters/figures/ch06.py [--out DIR] [--threads N] [--sections 1,2,3,4,5,6] [--quick]
 
 Writes ch06_errors.png, ch06_accuracy.png, ch06_attention.png, ch06_whose_bytes.png and
 ch06.json (every number the chapter quotes, with the setup; "facts": those it quotes from
-elsewhere, with their sources; "from_other_chapters": what it quotes of chapters 3 and 7,
-read from their JSON files beside this script). The five sections below can be run
-separately (--sections): the ones not run keep their numbers from the ch06.json already in
-DIR, and setup.section_runs says when each section ran; each section's figure is drawn
-only when it runs. Sections:
+elsewhere, with their sources; "from_other_chapters": what it quotes of chapter 7, read
+from its JSON beside this script; "quoted": whole numbers the prose prints). The real
+model is SmolLM2-135M-Instruct (kvlab.load("smollm2-135m"), its Q4_1 file), the text the
+opening of Tiny Shakespeare (common.english_text()). The sections can be run separately
+(--sections): the ones not run keep their numbers from the ch06.json already in DIR, and
+setup.section_runs says when each section ran; each section's figure is drawn only when
+it runs. Sections:
 
 1. Bytes per token of each format, scales and zero points included
-   (kvlab.kv_bytes_per_token), for the bundled model, stories260K and two large shapes,
+   (kvlab.kv_bytes_per_token), for SmolLM2-135M, stories260K and two large shapes,
    checked against what a real cache allocates.
-2. Round-trip error of real keys and values: the bundled model's K/V for 512 tokens of
-   held-out Shakespeare, quantized by kvlab.quant, against kvlab.quant's error bound; the
-   C cache's codes compared with kvlab.quant's, bit for bit.
-3. Accuracy (kvlab.accuracy.evaluate): the bundled model on 2,048 tokens of the Tiny
-   Shakespeare validation split, stories260K (where present) on 2,048 tokens it wrote.
+2. Round-trip error of real keys and values: SmolLM2's K/V for 512 tokens of English,
+   quantized by kvlab.quant, against kvlab.quant's error bound; the C cache's codes
+   compared with kvlab.quant's, bit for bit.
+3. Accuracy of each cache format against the fp32 cache (kvlab.accuracy.evaluate):
+   SmolLM2 with float32 activations on 2,048 tokens in windows of 512.
 4. Decode attention alone (cache.attend) on one Llama 3 8B layer (32 query heads, 8 KV
    heads of head_dim 128) filled with random rows, every format timed round-robin in 25
    rounds, as benchmarks/bench_quant.py does at more contexts: the median of the rounds,
@@ -26,13 +28,15 @@ only when it runs. Sections:
 5. Weights or cache, whose bytes: for the presets, the bytes a decode step reads of each
    (kvlab.measure.decode_step_bytes), the context where the cache's overtake the weights'
    per batch and format, and what each quantization saves at a few (context, batch)
-   points; measured, every weight format with every cache format on the same held-out
-   text (kvlab.accuracy.evaluate_weights), and decode on the stories15M shape per weight
-   format (benchmarks/bench_weights.py's model, 15 interleaved rounds: medians and spreads).
+   points; measured on SmolLM2, each weight format (the file's Q4_1, Q8_0, fp16, fp32)
+   with float32 or int8 activations and an fp32 or int8 cache, against the file's values
+   in float32 (weights_accuracy); the near tie of "What is the capital of France?" under
+   both activations; the down-projection's input per layer (massive activations).
+6. Decode on the stories15M shape per weight format (benchmarks/bench_weights.py's model,
+   15 interleaved rounds: medians and spreads).
 
-The quantization benchmark's stored accuracy run (benchmarks/results/bench_quant.json,
-not tracked by git) is copied into the JSON when present, and kept from the earlier
-ch06.json otherwise. Runs in about 20 s on the 2-core development machine.
+The full run takes about 15 minutes on the shared 2-core machine (sections 3 and 5 run
+SmolLM2 over 2,048 tokens many times); --quick about a minute.
 """
 from __future__ import annotations
 
@@ -51,15 +55,13 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 import kvlab  # noqa: E402
-from common import machine, spread  # noqa: E402  (common.py also puts benchmarks/ on the path)
+from common import english_text, machine, smollm2, spread  # noqa: E402  (common.py also puts benchmarks/ on the path)
 import bench_quant  # noqa: E402
 import bench_weights  # noqa: E402
-from kvlab import accuracy, measure, quant  # noqa: E402
+from kvlab import accuracy, chat, measure, quant, reference  # noqa: E402
+from kvlab.model import Model  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
-SHARED = Path(os.environ.get("KVLAB_SHARED", HERE.parents[2] / "shared"))
-STORIES = SHARED / "models" / "stories260K"
-DATA = SHARED / "data" / "tinyshakespeare.txt"
 FORMATS = ["fp32", "fp16", "bf16", "fp8", "int8", "int4"]
 # the formats evaluate() compares (its default list, spelled out) and their labels
 SPECS = ["fp32", "fp16", "bf16", "fp8", "int8", "int4", {"dtype": "int4", "window": 32},
@@ -67,6 +69,8 @@ SPECS = ["fp32", "fp16", "bf16", "fp8", "int8", "int4", {"dtype": "int4", "windo
 LABELS = ["fp32", "fp16", "bf16", "fp8", "int8", "int4", "int4 +window 32", "int8 K, int4 V"]
 ATTENTION_ROUNDS = 25
 DECODE_ROUNDS = 15
+# the chat question whose first answer token is a near tie (README, tests/test_chat.py)
+NEAR_TIE_QUESTION = "What is the capital of France?"
 # numbers the chapter quotes from elsewhere, with where they come from (written to the JSON
 # as "facts")
 FACTS = {
@@ -74,14 +78,38 @@ FACTS = {
         "value": [0.01, -0.02, 0.03, 12.7],
         "source": "made-up values for Check yourself, question 2: a group of small values "
                   "with one outlier"},
+    "kivi": {
+        "value": {"group_size_G": 32, "residual_length_R": 128, "bits": 2},
+        "source": "Liu et al., KIVI, 2024 (arXiv:2402.02750): keys quantized per channel in "
+                  "groups of G tokens, values per token; the most recent tokens (up to the "
+                  "residual length R) stay in full precision until a group fills; G and R "
+                  "as in the paper's experiments"},
+    "vllm_fp8_cache": {
+        "value": {"format": "fp8 e4m3", "scales": ["per tensor", "per attention head"]},
+        "source": "vLLM documentation, Quantized KV Cache (docs.vllm.ai/en/latest/features/"
+                  "quantization/quantized_kvcache/): kv_cache_dtype='fp8', one scale per "
+                  "K and V tensor or per KV head, from calibration (llm-compressor) or "
+                  "estimated on the fly; default scales 1.0"},
+    "sglang_fp8_cache": {
+        "value": {"formats": ["fp8_e5m2", "fp8_e4m3"]},
+        "source": "SGLang documentation, Quantized KV Cache (docs.sglang.io/advanced_features/"
+                  "quantized_kv_cache.html)"},
+    "gqa_uptraining_compute": {
+        "value": 0.05,
+        "source": "Ainslie et al., GQA, 2023 (arXiv:2305.13245): multi-head checkpoints "
+                  "converted to GQA by mean-pooling heads and uptrained with 5 % of the "
+                  "original pre-training compute"},
 }
+# the sections' formats for SmolLM2 (head_dim 64): int8 and fp8 one scale per head row,
+# int4 groups of 32
 # the JSON keys each section writes (those of a section not run are kept from the last run)
 SECTION_KEYS = {
     1: ["bytes_per_token", "allocation_matches_formula", "tokens_in_16_gib_llama3_8b"],
     2: ["round_trip", "c_codes_equal_kvlab_quant"],
     3: ["accuracy"],
     4: ["attention", "attention_summary"],
-    5: ["whose_bytes", "weights_x_cache_accuracy", "decode_by_weight_format_15m"],
+    5: ["whose_bytes", "weights_x_cache_accuracy", "near_tie", "massive_activations"],
+    6: ["decode_by_weight_format_15m"],
 }
 
 
@@ -99,7 +127,8 @@ def bytes_table(configs) -> dict:
             row["int4 g8"] = kvlab.kv_bytes_per_token(config, "int4", group=8)
         row["int8 K / int4 V"] = kvlab.kv_bytes_per_token(config, "int8", value_dtype="int4")
         table[config.name] = {"n_layers": config.n_layers, "n_kv_heads": config.n_kv_heads,
-                              "head_dim": config.head_dim, "bytes_per_token": row}
+                              "head_dim": config.head_dim, "bytes_per_token": row,
+                              "fraction_of_fp32": {f: b / row["fp32"] for f, b in row.items()}}
     return table
 
 
@@ -205,7 +234,7 @@ def plot_errors(errors, path: Path) -> None:
     ax.set_xscale("log")
     ax.set_xlabel("|dequantized - exact| / largest |value| of its head row")
     ax.set_ylabel("values")
-    ax.set_title("Round-trip error of the bundled model's K and V (512 held-out tokens)",
+    ax.set_title("Round-trip error of SmolLM2's K and V (512 tokens of English)",
                  fontsize=10)
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
@@ -357,26 +386,149 @@ def plot_whose_bytes(table, combos, path: Path) -> None:
     left.set_xscale("log", base=2)
     _log_panel(left, "positions cached per sequence", "GB read per decode step",
                "Llama 3 8B: whose bytes does a decode step read?")
-    report = combos[0]
-    for r in report["results"]:
+    names = list(dict.fromkeys(r["weights"] for r in combos["results"]))
+    for r in combos["results"]:
         if r["weights"] == "fp32" and r["cache"] == "fp32":
             continue
-        marker = {"fp32": "o", "int8 g16": "s", "int4 g16": "^"}.get(r["cache"], "x")
-        right.scatter(r["weight_bytes"] / 1e6, max(r["kl"], 1e-8), marker=marker,
-                      color=f"C{['fp32', 'fp16', 'bf16', 'q8_0 x fp32', 'q8_0 x int8'].index(r['weights'])}")
-    for i, w in enumerate(["fp32", "fp16", "bf16", "q8_0 x fp32", "q8_0 x int8"]):
-        right.scatter([], [], color=f"C{i}", label=f"weights {w}")
-    for cache, marker in (("fp32", "o"), ("int8 g16", "s"), ("int4 g16", "^")):
+        right.scatter(r["weight_bytes"] / 1e6, max(r["kl"], 1e-8),
+                      marker={"fp32": "o", "int8": "s", "int4": "^"}.get(r["cache"], "x"),
+                      color=f"C{names.index(r['weights'])}")
+    for i, name in enumerate(names):
+        right.scatter([], [], color=f"C{i}", label=f"weights {name}")
+    for cache, marker in (("fp32", "o"), ("int8", "s")):
         right.scatter([], [], color="k", marker=marker, label=f"cache {cache}")
-    _log_panel(right, "weight MB (the bundled model)", "mean KL against fp32 / fp32, nats (log)",
-               "What the bytes cost: weights x cache formats")
+    _log_panel(right, "weight MB (SmolLM2-135M)", "mean KL, nats (log; 0 drawn at 1e-8)",
+               "SmolLM2: KL against float32 weights, fp32 cache")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
 
 
+# ---- 5b. SmolLM2's weights: formats and activations --------------------------------------
+
+def weight_variants(model) -> dict:
+    """SmolLM2 as the file stores it (Q4_1 matrices, a Q8_0 embedding) and converted, each
+    with float32 or int8 activations. The reference, "fp32": the file's values in float32;
+    the original training weights are not in the file, so every row measures what its
+    format adds to the file's values."""
+    exact = model.weights.float32()
+    c, tok, src = model.config, model.tokenizer, model.source
+    q8 = exact.converted("q8_0")
+    return {
+        "fp32": Model(c, exact, tok, src, activations="fp32"),
+        "fp16": Model(c, exact.converted("fp16"), tok, src, activations="fp32"),
+        "file (Q4_1) x fp32": Model(c, model.weights, tok, src, activations="fp32"),
+        "file (Q4_1) x int8": Model(c, model.weights, tok, src, activations="int8"),
+        "q8_0 x fp32": Model(c, q8, tok, src, activations="fp32"),
+        "q8_0 x int8": Model(c, q8, tok, src, activations="int8"),
+    }
+
+
+def weights_accuracy(variants: dict, tokens, caches, context: int) -> dict:
+    """Every weight variant with every cache format, teacher-forced on `tokens` in windows of
+    `context`, against variants["fp32"] with an fp32 cache (kvlab.accuracy.evaluate_weights'
+    measure, for variants it cannot build: the file's own mixed Q4_1/Q8_0 weights)."""
+    exact_model = variants["fp32"]
+    windows = [tokens[i:i + context] for i in range(0, len(tokens) - 1, context)]
+    windows = [w for w in windows if len(w) >= 2]
+    runs = [(name, cache) for name in variants for cache in caches]
+    totals = {run: {"kl": 0.0, "agree": 0, "nll": 0.0} for run in runs}
+    exact_nll, n = 0.0, 0
+    for window in windows:
+        targets = window[1:]
+        rows = np.arange(len(targets))
+        exact = accuracy.log_softmax(exact_model.prefill(
+            window, exact_model.new_cache(len(window)), all_logits=True))[:-1]
+        p = np.exp(exact)
+        exact_nll -= exact[rows, targets].sum()
+        n += len(targets)
+        for name, cache in runs:
+            m = variants[name]
+            log_q = accuracy.log_softmax(m.prefill(window, m.new_cache(len(window), cache),
+                                                   all_logits=True))[:-1]
+            t = totals[(name, cache)]
+            t["kl"] += float((p * (exact - log_q)).sum())
+            t["agree"] += int((log_q.argmax(-1) == exact.argmax(-1)).sum())
+            t["nll"] -= log_q[rows, targets].sum()
+    exact_ppl = float(np.exp(exact_nll / n))
+    results = []
+    for name, cache in runs:
+        t, m = totals[(name, cache)], variants[name]
+        ppl = float(np.exp(t["nll"] / n))
+        results.append({"weights": name, "cache": cache, "weight_bytes": m.weights_nbytes,
+                        "cache_bytes_per_token": kvlab.kv_bytes_per_token(m.config, cache),
+                        "kl": t["kl"] / n, "top1": t["agree"] / n, "perplexity": ppl,
+                        "perplexity_change": 100 * (ppl / exact_ppl - 1)})
+    return {"model": exact_model.config.name, "n_tokens": n + len(windows), "context": context,
+            "exact_perplexity": exact_ppl, "results": results}
+
+
+def near_tie(model) -> dict:
+    """The first answer token to NEAR_TIE_QUESTION with float32 and with int8 activations:
+    the two best tokens' logits, and the greedy answer's start."""
+    messages = [{"role": "user", "content": NEAR_TIE_QUESTION}]
+    rows = {}
+    for act in ("fp32", "int8"):
+        m = Model(model.config, model.weights, model.tokenizer, model.source, activations=act)
+        _, ids = chat.prompt(m, messages)
+        logits = m.prefill(ids, m.new_cache(len(ids)))
+        best = [int(t) for t in np.argsort(logits)[::-1][:2]]
+        answer = kvlab.generate(m, messages=messages, max_new_tokens=8)
+        rows[act] = {"prompt_tokens": len(ids),
+                     "top2": [{"token": m.decode_text([t]), "logit": float(logits[t])} for t in best],
+                     "margin": float(logits[best[0]] - logits[best[1]]),
+                     "answer_start": m.decode_text(answer.tokens)}
+    return {"question": NEAR_TIE_QUESTION, **rows}
+
+
+def massive_activations(model) -> dict:
+    """The input of each layer's down-projection (w2: silu(h w1) * (h w3)) on the chat
+    prompt of NEAR_TIE_QUESTION, computed with kvlab.reference's float32 pieces: the
+    largest magnitude per layer on token 0 and on every other token, and what int8
+    activations (Q8_0's blocks of 32, scale = max / 127) make of the block that holds
+    the largest value."""
+    c, w = model.config, model.weights.float32()
+    _, ids = chat.prompt(model, [{"role": "user", "content": NEAR_TIE_QUESTION}])
+    tokens = np.asarray(ids)
+    n, positions, inv_freq = len(tokens), np.arange(len(tokens)), c.rope_inv_freq()
+    x = w.token_embedding[tokens].astype(np.float32)
+    first, rest, worst = [], [], None
+    for layer in range(c.n_layers):      # kvlab.reference.forward, keeping the w2 inputs
+        h = reference.rmsnorm(x, w.attn_norm[layer], c.norm_eps)
+        q = reference.rope((h @ w.wq[layer].T).reshape(n, c.n_heads, c.head_dim), positions,
+                           inv_freq, c.rope_interleaved)
+        k = reference.rope((h @ w.wk[layer].T).reshape(n, c.n_kv_heads, c.head_dim), positions,
+                           inv_freq, c.rope_interleaved)
+        v = (h @ w.wv[layer].T).reshape(n, c.n_kv_heads, c.head_dim)
+        x = x + reference.attention(q, k, v, positions).reshape(n, -1) @ w.wo[layer].T
+        h = reference.rmsnorm(x, w.ffn_norm[layer], c.norm_eps)
+        w2_input = reference.silu(h @ w.w1[layer].T) * (h @ w.w3[layer].T)
+        x = x + w2_input @ w.w2[layer].T
+        first.append(float(np.abs(w2_input[0]).max()))
+        rest.append(float(np.abs(w2_input[1:]).max()))
+        if worst is None or first[-1] > worst[0]:
+            worst = (first[-1], layer, w2_input[0].copy())
+    logits = reference.rmsnorm(x, w.final_norm, c.norm_eps) @ w.classifier.T
+    same = float(np.abs(logits[-1] - model.prefill(ids, model.new_cache(n))).max())
+    peak, layer, row = worst
+    channel = int(np.abs(row).argmax())
+    block = row[channel // 32 * 32: channel // 32 * 32 + 32]
+    q = quant.quantize(block, "int8")               # Q8_0's activation rounding, one block
+    others = np.delete(np.abs(block), channel % 32)
+    back = np.delete(quant.dequantize(q), channel % 32)
+    big = [i for i, v in enumerate(first) if v > 10 * max(rest)]
+    return {"prompt_tokens": n, "token_0": model.tokenizer.id_to_piece(int(tokens[0])),
+            "w2_input_max_token_0": first, "w2_input_max_other_tokens": rest,
+            "layers_token_0_over_10x_others": big, "largest": peak, "largest_layer": layer,
+            "largest_channel": channel, "max_other_tokens_all_layers": max(rest),
+            "block_others_max": float(others.max()), "block_others_median": float(np.median(others)),
+            "int8_step": float(q.scales.ravel()[0]),
+            "block_others_rounded_to_zero": int((back == 0).sum()),
+            "reference_vs_kvlab_last_logits_max_difference": same}
+
+
 def other_chapters() -> dict:
-    """What the chapter quotes of chapters 3 and 7, from their JSON files beside this
+    """What the chapter quotes of chapter 7, from its JSON file beside this
     script (None where a file or number is missing: rerun that chapter's script)."""
     def read(name, *keys):
         try:
@@ -388,11 +540,6 @@ def other_chapters() -> dict:
             print(f"({name}: no {'.'.join(keys)})")
             return None
     return {
-        "ch03_gqa_fp32_4096_ms": {
-            "value": read("ch03.json", "attention_summary", "context_4096_threads_1", "gqa_ms"),
-            "source": "chapter 3's run, ch03.json attention_summary.context_4096_threads_1."
-                      "gqa_ms: the same fp32 layer (32 query heads, 8 KV heads of 128) at "
-                      "4,096 positions, one thread"},
         "ch07_fp32_fraction_of_read_bw_range": {
             "value": read("ch07.json", "cpu", "summary", "fp32", "fraction_of_read_bw_range"),
             "source": "chapter 7's run, ch07.json cpu.summary.fp32.fraction_of_read_bw_range: "
@@ -405,11 +552,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default=str(HERE))
     parser.add_argument("--quick", action="store_true",
-                        help="a short run that checks the script works (the tests run this);"
-                             " its numbers are not the chapter's")
+                        help="a short run that checks the script works (the tests run this):"
+                             " fewer tokens and rounds; its numbers are not the chapter's")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--tokens", type=int, default=2048)
-    parser.add_argument("--sections", default="1,2,3,4,5",
+    parser.add_argument("--sections", default="1,2,3,4,5,6",
                         help="the sections to run; the others keep their numbers from the "
                              "ch06.json in --out")
     args = parser.parse_args()
@@ -423,6 +570,13 @@ def main() -> None:
     missing = [n for n in skipped if any(key not in previous for key in SECTION_KEYS[n])]
     if missing:
         parser.error(f"{out / 'ch06.json'} holds no earlier run of sections {missing}: run them")
+    # --quick: the same code paths on a short text and few rounds
+    n_tokens = 128 if args.quick else args.tokens
+    context = 64 if args.quick else 512
+    round_trip_tokens = 64 if args.quick else 512
+    attention_rounds = 3 if args.quick else ATTENTION_ROUNDS
+    attention_contexts = [1024] if args.quick else [4096, 16384]
+    decode_rounds = 3 if args.quick else DECODE_ROUNDS
     kvlab.set_num_threads(args.threads)
     started = time.perf_counter()
     load_before = os.getloadavg()
@@ -432,20 +586,15 @@ def main() -> None:
                     for n in skipped}
     seconds = {}
 
-    model = kvlab.load()
-    stories = None
-    if (STORIES / "stories260K.bin").exists():
-        stories = kvlab.load(STORIES / "stories260K.bin", tokenizer=STORIES / "tok512.bin")
-    else:
-        print(f"({STORIES} not found: stories260K skipped)")
-    # held-out text: the validation split recorded in the model card (kvlab.accuracy)
-    tokens = accuracy.validation_tokens(model, str(DATA), args.tokens)
-    story_tokens = (accuracy.generated_tokens(stories, args.tokens, seed=0)
-                    if stories is not None else None)
+    # SmolLM2-135M-Instruct as the file stores it (Q4_1), run with float32 activations: the
+    # cache formats are compared on the file's own values, exactly
+    model = smollm2(activations="fp32")
+    text, text_source = english_text()
+    tokens = np.asarray(model.encode(text), dtype=np.int64)[:n_tokens]
 
     def ran(n, since):
         seconds[n] = round(time.perf_counter() - since, 1)
-        section_runs[n] = f"{today}, {seconds[n]} s"
+        section_runs[n] = f"{today}, {seconds[n]} s" + (" (--quick)" if args.quick else "")
 
     if 1 in sections:
         since = time.perf_counter()
@@ -462,7 +611,7 @@ def main() -> None:
 
     if 2 in sections:
         since = time.perf_counter()
-        keys, values = real_kv(model, tokens[:512])
+        keys, values = real_kv(model, tokens[:round_trip_tokens])
         errors = round_trip(keys, values)
         matches = codes_match(model, keys, values)
         for fmt, row in errors.items():
@@ -476,23 +625,17 @@ def main() -> None:
 
     if 3 in sections:
         since = time.perf_counter()
-        reports = []
-        report = accuracy.evaluate(model, tokens, SPECS, context=512)
-        report.model += " (Tiny Shakespeare validation split)"
+        report = accuracy.evaluate(model, tokens, SPECS, context=context)
+        report.model += f" ({text_source})"
         print(report.table())
-        reports.append(report.as_dict())
-        if stories is not None:
-            report = accuracy.evaluate(stories, story_tokens, SPECS, context=512)
-            report.model += " (text it generated)"
-            print(report.table())
-            reports.append(report.as_dict())
+        reports = [report.as_dict()]
         plot_accuracy(reports, out / "ch06_accuracy.png")
         result["accuracy"] = reports
         ran(3, since)
 
     if 4 in sections:
         since = time.perf_counter()
-        times = attention_times([4096, 16384])
+        times = attention_times(attention_contexts, attention_rounds)
         for r in times:
             print(f"{r['context']:>6} {r['format']:<5}{r['ms']:8.2f} ms "
                   f"({r['ms_spread']['min']:.2f}-{r['ms_spread']['max']:.2f}) "
@@ -508,63 +651,70 @@ def main() -> None:
         for name, row in whose.items():
             print(name, "crossover (fp16 weights, fp16 cache):",
                   row["crossover"]["fp16 weights, fp16 cache"])
-        combos = []
-        report = accuracy.evaluate_weights(model, tokens, context=512)
-        report.model += " (Tiny Shakespeare validation split)"
-        print(report.table())
-        combos.append(report.as_dict())
-        if stories is not None:
-            # its hidden width (172) is no multiple of Q8_0's block of 32: 16-bit weights only
-            report = accuracy.evaluate_weights(stories, story_tokens,
-                                               weights=("fp32", "fp16", "bf16"), context=512)
-            report.model += " (text it generated)"
-            print(report.table())
-            combos.append(report.as_dict())
-        decode = decode_by_weight_format()
+        combos = weights_accuracy(weight_variants(model), tokens, ("fp32", "int8"), context)
+        combos["model"] += f" ({text_source})"
+        for r in combos["results"]:
+            print(f"{r['weights']:<20}{r['cache']:<6}{r['weight_bytes']:>12,} KL {r['kl']:.2e} "
+                  f"top-1 {100 * r['top1']:.2f} % ppl {r['perplexity_change']:+.3f} %")
+        result["near_tie"] = near_tie(model)
+        result["massive_activations"] = massive_activations(model)
+        print(json.dumps(result["near_tie"], indent=1, ensure_ascii=False))
+        print({k: v for k, v in result["massive_activations"].items() if not isinstance(v, list)})
+        plot_whose_bytes(whose, combos, out / "ch06_whose_bytes.png")
+        result["whose_bytes"], result["weights_x_cache_accuracy"] = whose, combos
+        ran(5, since)
+
+    if 6 in sections:
+        since = time.perf_counter()
+        decode = decode_by_weight_format(decode_rounds)
         for r in decode:
             print(f"15M shape, {r['weights']:<12} {r['decode_tokens_per_s']:8.1f} tok/s "
                   f"{r['speedup_vs_fp32']:5.2f}x ({r['speedup_spread']['min']:.2f}-"
                   f"{r['speedup_spread']['max']:.2f}) {r['read_gb_per_s']:6.1f} GB/s")
-        plot_whose_bytes(whose, combos, out / "ch06_whose_bytes.png")
-        result["whose_bytes"], result["weights_x_cache_accuracy"] = whose, combos
         result["decode_by_weight_format_15m"] = decode
-        ran(5, since)
+        ran(6, since)
 
-    # the quantization benchmark's stored run (benchmarks/bench_quant.py), quoted by the
-    # text; the results folder is not tracked, so an earlier copy is kept when it is absent
-    bench = HERE.parents[1] / "benchmarks" / "results" / "bench_quant.json"
-    if bench.is_file():
-        stored = json.loads(bench.read_text())["accuracy"]
-        stored_from = f"{bench.relative_to(HERE.parents[1])}, read {today}"
-    else:
-        stored = previous.get("bench_quant_json_accuracy")
-        stored_from = previous.get("setup", {}).get(
-            "bench_quant_json_from", "benchmarks/results/bench_quant.json, as copied by an "
-                                     "earlier run of this script")
     result = {
         "setup": {**machine(), "threads": kvlab.get_num_threads(), "machine": platform.machine(),
-                  "accuracy_tokens": args.tokens, "accuracy_context": 512,
-                  "round_trip_tokens": 512,
+                  "shared_machine": "a shared 2-core machine: other jobs ran beside these "
+                                    "timings, so only side-by-side ratios are quoted "
+                                    "(chapters/appendix_measuring.md)",
+                  "model": f"{model.config.name}, float32 activations (cache formats); "
+                           "weight variants in weights_x_cache_accuracy",
+                  "text": text_source, "accuracy_tokens": int(len(tokens)),
+                  "accuracy_context": context, "round_trip_tokens": round_trip_tokens,
+                  "quick": args.quick,
                   "attention": "one Llama 3 8B layer (32 heads, 8 KV heads, head_dim 128), "
-                               f"random K/V rows, cache.attend, {ATTENTION_ROUNDS} rounds, "
+                               f"random K/V rows, cache.attend, {attention_rounds} rounds, "
                                "the formats in turn (each first in turn): the median, and "
                                "the spread over the rounds; speed-ups: the median of each "
                                "round's fp32 time over the format's",
                   "decode": "stories15M shape, random weights, median of 16 decode steps "
-                            f"after 16 tokens, {DECODE_ROUNDS} interleaved rounds "
+                            f"after 16 tokens, {decode_rounds} interleaved rounds "
                             "(benchmarks/bench_weights.py): the median and the spread over "
                             "the rounds",
-                  "bench_quant_json_from": stored_from,
                   "section_runs": {str(n): section_runs[n] for n in sorted(section_runs)},
                   "load_average_before_after": [load_before, os.getloadavg()],
                   "seconds": round(time.perf_counter() - started, 1)},
         **{key: result[key] for n in SECTION_KEYS for key in SECTION_KEYS[n]},
-        "bench_quant_json_accuracy": stored,
         "facts": FACTS,
         "from_other_chapters": other_chapters(),
     }
-    (out / "ch06.json").write_text(json.dumps(result, indent=1))
+    result["quoted"] = quoted(result)
+    (out / "ch06.json").write_text(json.dumps(result, indent=1, ensure_ascii=False))
     print(f"wrote {out} in {result['setup']['seconds']} s (sections {sections})")
+
+
+def quoted(result) -> dict:
+    """Whole numbers the chapter prints (the number test skips whole numbers), formatted as
+    printed."""
+    big = result["massive_activations"]
+    tie = result["near_tie"]
+    return {"largest_w2_input": f"{big['largest']:,.0f}",
+            "largest_layer": f"layer {big['largest_layer']}",
+            "other_tokens_max": f"{big['max_other_tokens_all_layers']:.0f}",
+            "fp32_first_token": tie["fp32"]["top2"][0]["token"].strip(),
+            "int8_answer": tie["int8"]["answer_start"].split(",")[0]}
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Figures and numbers for chapter 7, "Kernels for decode attention".
 
-    python chapters/figures/ch07.py [--out DIR] [--rounds 11]
+    python chapters/figures/ch07.py [--out DIR] [--rounds 11] [--quick]
 
 Measures, on this machine: the memory read bandwidth (kvlab's own probe, csrc/bandwidth.c,
 before every round and at the end), a NumPy float32 matrix product as the CPU's
@@ -141,13 +141,13 @@ def attend_seconds(copies, q) -> float:
     return float(np.median(seconds))
 
 
-def paged_rounds(rounds: int) -> list:
+def paged_rounds(rounds: int, contexts=CONTEXTS_PAGED) -> list:
     """bench_paged.py's decode step (one layer, 8 query heads, 2 KV heads of 64) over a
     contiguous cache and a paged one, in turn: per context, the median of each round's
     paged time over its contiguous time, and the spread."""
     rng = np.random.default_rng(0)
     rows = []
-    for context in CONTEXTS_PAGED:
+    for context in contexts:
         r = bench_paged.bench_decode(context, rounds, 8, rng)
         contiguous, paged = r["round_seconds"]["contiguous"], r["round_seconds"][f"paged_{PAGED_BLOCK}"]
         ratio = spread([p / c for p, c in zip(paged, contiguous)])
@@ -158,6 +158,95 @@ def paged_rounds(rounds: int) -> list:
     return rows
 
 
+def h200_estimate(cfg) -> tuple:
+    """The H200 by arithmetic (bytes / bandwidth, FLOPs / peak), nothing measured: the
+    estimate's numbers, the intensities of decode attention and of the weights, and the
+    occupancy model of flash-decoding at 32K positions: (h200, intensity, occupancy)."""
+    bw_gpu, flops_gpu, sms = H200["hbm_bytes_per_s"], H200["bf16_dense_flops"], H200["sms"]
+    weights = measure.weights_bytes(cfg, "fp16")
+    # what a decode step reads of the weights: every matrix, but of the (untied) input
+    # embedding table only one row per token (measure.decode_step_bytes, as chapter 6.9)
+    weights_read, _ = measure.decode_step_bytes(cfg, 0, weights="fp16")
+    per_token = {d: kvlab.kv_bytes_per_token(cfg, d) for d in ("fp32", "fp16", "int8")}
+    attn_flops_per_pos = 4 * cfg.n_layers * cfg.n_heads * cfg.head_dim
+    h200 = {"weights_fp16_bytes": weights,
+            "embedding_table_fp16_bytes": weights - weights_read,
+            "weights_read_per_step_bytes": weights_read,
+            "weights_read_ms": 1e3 * weights_read / bw_gpu,
+            "kv_bytes_per_token": per_token, "contexts": {}}
+    for ctx in CONTEXTS_GPU:
+        kv = kvlab.kv_cache_bytes(cfg, ctx, dtype="fp16")
+        kv8 = kvlab.kv_cache_bytes(cfg, ctx, dtype="int8")
+        h200["contexts"][ctx] = {
+            "kv_fp16_bytes": kv, "kv_fp16_read_ms": 1e3 * kv / bw_gpu,
+            "kv_int8_bytes": kv8, "kv_int8_read_ms": 1e3 * kv8 / bw_gpu,
+            "attention_flops": attn_flops_per_pos * ctx,
+            "attention_compute_ms": 1e3 * attn_flops_per_pos * ctx / flops_gpu,
+            "batch16_kv_fp16_read_ms": 16e3 * kv / bw_gpu}
+    h200["kv_32k_over_weights_read"] = h200["contexts"][32768]["kv_fp16_bytes"] / weights_read
+    h200["batch16_kv_32k_over_weights_read"] = 16 * h200["contexts"][32768]["kv_fp16_bytes"] / weights_read
+    kv_mul = cfg.n_heads // cfg.n_kv_heads
+    intensity = {"attention_fp32": 4 * kv_mul * cfg.head_dim / (2 * cfg.head_dim * 4),
+                 "attention_fp16": 4 * kv_mul * cfg.head_dim / (2 * cfg.head_dim * 2),
+                 "attention_fp16_bytes_per_flop": (2 * cfg.head_dim * 2) / (4 * kv_mul * cfg.head_dim),
+                 "attention_int8": 4 * kv_mul * cfg.head_dim / (per_token["int8"] / cfg.n_layers / cfg.n_kv_heads),
+                 "attention_fp16_mha": 4 * cfg.head_dim / (2 * cfg.head_dim * 2),
+                 "weights_fp16_per_batch_row": 1.0,     # 2 FLOPs per weight per row / 2 bytes
+                 "h200_ridge": flops_gpu / bw_gpu,
+                 "h200_fp32_ridge": H200["fp32_flops"] / bw_gpu}
+    # decode attention with an fp16 cache at the H200's bandwidth: its FLOP/s, and the
+    # share of the chip's dense bf16 arithmetic that is
+    h200["attention_fp16_flops_per_s"] = intensity["attention_fp16"] * bw_gpu
+    h200["attention_fp16_share_of_bf16_peak"] = intensity["attention_fp16"] * bw_gpu / flops_gpu
+    # the reads take this many times longer than the arithmetic (the ridge over the intensity)
+    h200["kv_read_over_compute_time"] = flops_gpu / bw_gpu / intensity["attention_fp16"]
+    # occupancy model: one thread block per (sequence, KV head, split); the chip's bandwidth
+    # is assumed to scale with the share of its 132 SMs that have a block (an assumption)
+    kv32 = h200["contexts"][32768]["kv_fp16_bytes"]
+    occupancy = {}
+    for batch in (1, 4, 16):
+        occupancy[batch] = {}
+        for splits in (1, 2, 4, 8, 16, 32, 64):
+            blocks = batch * cfg.n_kv_heads * splits
+            share = min(1.0, blocks / sms)
+            occupancy[batch][splits] = {"blocks": blocks, "sm_share": share,
+                                        "ms": 1e3 * batch * kv32 / (bw_gpu * share)}
+    return h200, intensity, occupancy
+
+
+def plot_h200_estimate(h200: dict, occupancy: dict, path: Path) -> None:
+    """The H200 estimate (pure arithmetic, h200_estimate): left, the read time of a decode
+    step's cache against context; right, the occupancy model of flash-decoding."""
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(8.6, 3.4))
+    ctxs = CONTEXTS_GPU
+    a1.plot(ctxs, [h200["contexts"][c]["kv_fp16_read_ms"] for c in ctxs], "o-", label="K/V, fp16, batch 1")
+    a1.plot(ctxs, [h200["contexts"][c]["kv_int8_read_ms"] for c in ctxs], "^-", label="K/V, int8, batch 1")
+    a1.plot(ctxs, [h200["contexts"][c]["batch16_kv_fp16_read_ms"] for c in ctxs], "s-",
+            label="K/V, fp16, batch 16")
+    a1.axhline(h200["weights_read_ms"], color="k", ls="--", lw=1, label="weights read per step, fp16")
+    a1.set_xscale("log", base=2)
+    a1.set_yscale("log")
+    a1.set_xticks(ctxs, [f"{c // 1024}K" for c in ctxs])
+    a1.set_xlabel("context per sequence")
+    a1.set_ylabel("ms per decode step at 4.8 TB/s")
+    a1.set_title("Llama 3 8B on an H200: bytes / bandwidth", fontsize=9)
+    a1.legend(fontsize=7)
+    for batch, style in zip((1, 4, 16), ("o-", "s-", "^-")):
+        sp = sorted(occupancy[batch])
+        a2.plot(sp, [occupancy[batch][s]["ms"] for s in sp], style, label=f"batch {batch}")
+    a2.set_xscale("log", base=2)
+    a2.set_yscale("log")
+    a2.set_xticks(sp, [str(s) for s in sp])
+    a2.set_xlabel("splits per (sequence, KV head)")
+    a2.set_ylabel("ms for the attention's reads")
+    a2.set_title("32K context: more splits fill the 132 SMs", fontsize=9)
+    a2.legend(fontsize=7)
+    fig.suptitle("estimates from a bandwidth model, not measurements", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default=str(Path(__file__).resolve().parent))
@@ -166,7 +255,10 @@ def main() -> None:
                              " its numbers are not the chapter's")
     parser.add_argument("--rounds", type=int, default=11, help="rounds of every timing")
     args = parser.parse_args()
-    rounds = args.rounds
+    # --quick: 2 rounds, the smallest and largest contexts (the same code, shorter)
+    rounds = 2 if args.quick else args.rounds
+    contexts_cpu = CONTEXTS_CPU[::len(CONTEXTS_CPU) - 1] if args.quick else CONTEXTS_CPU
+    contexts_paged = CONTEXTS_PAGED[:2] if args.quick else CONTEXTS_PAGED
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
@@ -181,18 +273,18 @@ def main() -> None:
     matmul_runs = matmul_flops_runs(rounds)
     matmul_flops = max(matmul_runs)
     q = rng.standard_normal((N_HEADS, HEAD_DIM), dtype=np.float32)
-    kv_rows = rng.standard_normal((max(CONTEXTS_CPU), 1, N_KV_HEADS, HEAD_DIM), dtype=np.float32)
+    kv_rows = rng.standard_normal((max(contexts_cpu), 1, N_KV_HEADS, HEAD_DIM), dtype=np.float32)
     # every context and format is timed in every round (contexts and formats each first in
     # turn), after a bandwidth measurement: a slow spell of the shared machine hits them alike
     copies = {(context, dtype): copies_of(context, dtype, kv_rows)
-              for context in CONTEXTS_CPU for dtype in FORMATS}
+              for context in contexts_cpu for dtype in FORMATS}
     # one thread against all of them, 16K fp32 (128 MiB, four times the L3 cache), in the
     # same rounds: the round's all-thread time is its (16384, "fp32") one
     taken = {key: [] for key in copies}
     one_thread = []
     for r in range(rounds):
         bandwidths.append(measure_bandwidth())
-        for context in CONTEXTS_CPU[r % len(CONTEXTS_CPU):] + CONTEXTS_CPU[:r % len(CONTEXTS_CPU)]:
+        for context in contexts_cpu[r % len(contexts_cpu):] + contexts_cpu[:r % len(contexts_cpu)]:
             for dtype in FORMATS[r % len(FORMATS):] + FORMATS[:r % len(FORMATS)]:
                 taken[context, dtype].append(attend_seconds(copies[context, dtype], q))
             if context == 16384:
@@ -200,7 +292,7 @@ def main() -> None:
                 one_thread.append(attend_seconds(copies[16384, "fp32"], q))
                 kvlab.set_num_threads(threads)
     rows = []
-    for context in CONTEXTS_CPU:
+    for context in contexts_cpu:
         for dtype in FORMATS:
             nbytes = copies[context, dtype][0].nbytes
             mine, fp32 = taken[context, dtype], taken[context, "fp32"]
@@ -246,7 +338,7 @@ def main() -> None:
     thread_speedup = spread([o / a for o, a in zip(one_thread, all_threads)])
 
     # ---- paged against contiguous: bench_paged.py's decode step ------------------------------
-    paged = paged_rounds(rounds)
+    paged = paged_rounds(rounds, contexts_paged)
     paged_summary = {"ratio_range": [min(r["paged_over_contiguous"] for r in paged),
                                      max(r["paged_over_contiguous"] for r in paged)],
                      "round_ratio_range": [min(r["paged_over_contiguous_spread"]["min"] for r in paged),
@@ -272,48 +364,9 @@ def main() -> None:
 
     # ---- the H200 by arithmetic: bytes / bandwidth ------------------------------------------
     cfg = kvlab.ModelConfig.llama3_8b()
-    bw_gpu, flops_gpu, sms = H200["hbm_bytes_per_s"], H200["bf16_dense_flops"], H200["sms"]
-    weights = measure.weights_bytes(cfg, "fp16")
-    per_token = {d: kvlab.kv_bytes_per_token(cfg, d) for d in ("fp32", "fp16", "int8")}
-    attn_flops_per_pos = 4 * cfg.n_layers * cfg.n_heads * cfg.head_dim
-    h200 = {"weights_fp16_bytes": weights, "weights_read_ms": 1e3 * weights / bw_gpu,
-            "kv_bytes_per_token": per_token, "contexts": {}}
-    for ctx in CONTEXTS_GPU:
-        kv = kvlab.kv_cache_bytes(cfg, ctx, dtype="fp16")
-        kv8 = kvlab.kv_cache_bytes(cfg, ctx, dtype="int8")
-        h200["contexts"][ctx] = {
-            "kv_fp16_bytes": kv, "kv_fp16_read_ms": 1e3 * kv / bw_gpu,
-            "kv_int8_bytes": kv8, "kv_int8_read_ms": 1e3 * kv8 / bw_gpu,
-            "attention_flops": attn_flops_per_pos * ctx,
-            "attention_compute_ms": 1e3 * attn_flops_per_pos * ctx / flops_gpu,
-            "batch16_kv_fp16_read_ms": 16e3 * kv / bw_gpu}
-    kv_mul = cfg.n_heads // cfg.n_kv_heads
-    intensity = {"attention_fp32": 4 * kv_mul * cfg.head_dim / (2 * cfg.head_dim * 4),
-                 "attention_fp16": 4 * kv_mul * cfg.head_dim / (2 * cfg.head_dim * 2),
-                 "attention_fp16_bytes_per_flop": (2 * cfg.head_dim * 2) / (4 * kv_mul * cfg.head_dim),
-                 "attention_int8": 4 * kv_mul * cfg.head_dim / (per_token["int8"] / cfg.n_layers / cfg.n_kv_heads),
-                 "attention_fp16_mha": 4 * cfg.head_dim / (2 * cfg.head_dim * 2),
-                 "weights_fp16_per_batch_row": 1.0,     # 2 FLOPs per weight per row / 2 bytes
-                 "h200_ridge": flops_gpu / bw_gpu,
-                 "h200_fp32_ridge": H200["fp32_flops"] / bw_gpu,
-                 "cpu_ridge": matmul_flops / read_bw}
-    # decode attention with an fp16 cache at the H200's bandwidth: its FLOP/s, and the
-    # share of the chip's dense bf16 arithmetic that is
-    h200["attention_fp16_flops_per_s"] = intensity["attention_fp16"] * bw_gpu
-    h200["attention_fp16_share_of_bf16_peak"] = intensity["attention_fp16"] * bw_gpu / flops_gpu
-    # the reads take this many times longer than the arithmetic (the ridge over the intensity)
-    h200["kv_read_over_compute_time"] = flops_gpu / bw_gpu / intensity["attention_fp16"]
-    # occupancy model: one thread block per (sequence, KV head, split); the chip's bandwidth
-    # is assumed to scale with the share of its 132 SMs that have a block (an assumption)
-    kv32 = h200["contexts"][32768]["kv_fp16_bytes"]
-    occupancy = {}
-    for batch in (1, 4, 16):
-        occupancy[batch] = {}
-        for splits in (1, 2, 4, 8, 16, 32, 64):
-            blocks = batch * cfg.n_kv_heads * splits
-            share = min(1.0, blocks / sms)
-            occupancy[batch][splits] = {"blocks": blocks, "sm_share": share,
-                                        "ms": 1e3 * batch * kv32 / (bw_gpu * share)}
+    flops_gpu, bw_gpu = H200["bf16_dense_flops"], H200["hbm_bytes_per_s"]
+    h200, intensity, occupancy = h200_estimate(cfg)
+    intensity["cpu_ridge"] = matmul_flops / read_bw
 
     # ---- figures --------------------------------------------------------------------------
     by_fmt = {d: [r for r in rows if r["dtype"] == d] for d in FORMATS}
@@ -327,7 +380,7 @@ def main() -> None:
                     capsize=2, lw=1, label=f"decode attention, {d} cache")
     ax.axhline(read_bw / 1e9, color="k", ls="--", lw=1, label="memory read bandwidth (measured)")
     ax.set_xscale("log", base=2)
-    ax.set_xticks(CONTEXTS_CPU, [f"{c // 1024}K" for c in CONTEXTS_CPU])
+    ax.set_xticks(contexts_cpu, [f"{c // 1024}K" for c in contexts_cpu])
     ax.set_ylim(0, read_bw / 1e9 * 1.15)
     ax.set_xlabel("context (positions in the cache)")
     ax.set_ylabel("bytes of K and V read, GB/s")
@@ -372,34 +425,7 @@ def main() -> None:
     fig.savefig(out / "ch07_roofline.png", dpi=100)
     plt.close(fig)
 
-    fig, (a1, a2) = plt.subplots(1, 2, figsize=(8.6, 3.4))
-    ctxs = CONTEXTS_GPU
-    a1.plot(ctxs, [h200["contexts"][c]["kv_fp16_read_ms"] for c in ctxs], "o-", label="K/V, fp16, batch 1")
-    a1.plot(ctxs, [h200["contexts"][c]["kv_int8_read_ms"] for c in ctxs], "^-", label="K/V, int8, batch 1")
-    a1.plot(ctxs, [h200["contexts"][c]["batch16_kv_fp16_read_ms"] for c in ctxs], "s-",
-            label="K/V, fp16, batch 16")
-    a1.axhline(h200["weights_read_ms"], color="k", ls="--", lw=1, label="all weights, fp16")
-    a1.set_xscale("log", base=2)
-    a1.set_yscale("log")
-    a1.set_xticks(ctxs, [f"{c // 1024}K" for c in ctxs])
-    a1.set_xlabel("context per sequence")
-    a1.set_ylabel("ms per decode step at 4.8 TB/s")
-    a1.set_title("Llama 3 8B on an H200: bytes / bandwidth", fontsize=9)
-    a1.legend(fontsize=7)
-    for batch, style in zip((1, 4, 16), ("o-", "s-", "^-")):
-        sp = sorted(occupancy[batch])
-        a2.plot(sp, [occupancy[batch][s]["ms"] for s in sp], style, label=f"batch {batch}")
-    a2.set_xscale("log", base=2)
-    a2.set_yscale("log")
-    a2.set_xticks(sp, [str(s) for s in sp])
-    a2.set_xlabel("splits per (sequence, KV head)")
-    a2.set_ylabel("ms for the attention's reads")
-    a2.set_title("32K context: more splits fill the 132 SMs", fontsize=9)
-    a2.legend(fontsize=7)
-    fig.suptitle("estimates from a bandwidth model, not measurements", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(out / "ch07_h200_estimate.png", dpi=100)
-    plt.close(fig)
+    plot_h200_estimate(h200, occupancy, out / "ch07_h200_estimate.png")
 
     result = {
         "setup": {**machine(), "kvlab_threads": threads,

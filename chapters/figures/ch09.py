@@ -1,35 +1,39 @@
 """Figures and numbers for chapter 9, "Speculative decoding and the cache".
 
-    python chapters/figures/ch09.py [--out DIR] [--threads N] [--rounds R]
+    python chapters/figures/ch09.py [--out DIR] [--threads N] [--rounds R] [--quick]
 
-Writes ch09_pass_cost.png, ch09_step.png, ch09_acceptance.png and ch09.json (every number
-the chapter quotes, with the setup). Five measurements:
+Writes ch09_pass_cost.png, ch09_step.png, ch09_acceptance.png, ch09_position.png and
+ch09.json (every number the chapter quotes, with the setup and a table of facts quoted from
+papers). The measurements are on SmolLM2-135M-Instruct (kvlab.load("smollm2-135m"), Q4_1
+weights), except the two that show a mechanism and need no trained model, on the bundled
+model:
 
 1. What one forward pass over the cache costs against the number of new tokens it runs
-   (context 256; the tokens are cut off again after each pass, as speculation does), on
-   the bundled model and on random weights of the Llama-2-style 110M shape (stories110M):
-   the median of several interleaved runs, with the fastest and slowest, each size's cost
-   relative to a one-token pass taken run by run, and what the core counted (weight bytes,
-   FLOPs); then a draft model's one-token pass against the model's, in turn.
-2. Greedy speculation gives exactly plain decoding's tokens: every drafter of the kit, on
-   three prompts, k = 1, 2, 4 and 8, fp32 and int8 caches, and a loop written out by hand
-   over a paged pool (whose truncates release blocks); the token lists are compared.
-3. One real speculative step, drawn (ch09_step.png).
-4. The rejection rule of speculative sampling keeps the model's distribution: the output
-   distribution of one position worked out exactly, and 20,000 seeded draws through the
-   kit's own verify_drafts.
-5. Acceptance against speedup: a drafter whose acceptance is set by hand (it drafts the
-   plain run's own tokens, each spoiled with probability 1 - alpha, independently, as the
-   papers' formula assumes) on both models, and the kit's real drafters on texts where
-   prompt lookup helps and where it does not, each timed against plain decoding in the
-   same rounds (median over rounds).
+   (context 256; the tokens are cut off again after each pass, as speculation does): the
+   median of several interleaved runs, each size relative to the same run's one-token
+   pass, and what the core counted (weight bytes, FLOPs); then a pass of the model's own
+   first L layers (self-speculation) against a pass of the whole model, in turn.
+2. Greedy speculation gives exactly plain decoding's tokens: prompt lookup and the model's
+   first layers on SmolLM2's chat tasks, k = 1, 2, 4 and 8, fp32 and int8 caches; every
+   drafter of the kit on the bundled model; and a loop written out by hand over a paged
+   pool (bundled model), whose truncates release blocks.
+3. One real speculative step of SmolLM2, drawn (ch09_step.png).
+4. The rejection rule of speculative sampling keeps the model's distribution (bundled
+   model): one position's output distribution worked out exactly, and seeded draws through
+   the kit's own verify_drafts.
+5. Acceptance against speedup on SmolLM2, k = 4: a drafter whose acceptance is set by hand
+   (it drafts the plain run's own tokens, each spoiled with probability 1 - alpha,
+   independently, as the papers' formula assumes); prompt lookup on chat tasks that copy
+   from the prompt (repeat a paragraph, rewrite it, summarize it, comment code) and on one
+   that does not (a story); self-speculation with the model's first L layers. Each is timed
+   against plain decoding (generate's C loop and the same Python loop) in alternating
+   rounds; a speedup is the median of the per-round ratios. Acceptance by draft position
+   is drawn in ch09_position.png.
 
-Every timing goes into the JSON as common.spread over its runs: the median, the fastest
-and slowest, the quartiles and the number of runs; a ratio of two times is taken run by
-run (both met the same load) and its spread reported.
-
-Runs in about half a minute on the 2-core development machine (one core thread by
-default: on a shared machine a single thread is far less disturbed by other processes).
+--quick runs the same code with fewer rounds, fewer tokens and fewer configurations (the
+tests run it); its numbers are not the chapter's. The full run takes a few minutes on the
+shared 2-core machine (one core thread by default: a single thread is far less disturbed
+by other processes; see chapters/appendix_measuring.md).
 """
 from __future__ import annotations
 
@@ -49,28 +53,64 @@ import kvlab  # noqa: E402
 import common  # noqa: E402  (chapters/figures/common.py puts benchmarks/ on the path)
 from common import spread  # noqa: E402
 from bench_speculative import TEXTS  # noqa: E402  (the benchmark's own two texts)
+from kvlab import chat  # noqa: E402
 from kvlab.reference import probabilities  # noqa: E402
 from kvlab.sampling import sample  # noqa: E402
 from kvlab.speculative import DraftModel, PromptLookup, _draw, verify_drafts  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
-SHARED = Path(os.environ.get("KVLAB_SHARED", HERE.parents[2] / "shared"))
-STORIES = SHARED / "models" / "stories260K"
 SIZES = [1, 2, 3, 4, 5, 7, 9, 12, 16]      # new tokens per pass: k drafts + 1
 K = 4                                      # drafts per pass in the timed runs
-ALPHAS = [0.0, 0.5, 0.8, 0.9, 1.0]         # the oracle's set acceptance (110M shape: no 0.9)
-PASS_REPS = {"small": 100, "110m": 11}     # runs of each pass size (section 1)
-BIG_ROUNDS = 5                             # rounds of the timed runs on the 110M shape
+ALPHAS = [0.0, 0.5, 0.8, 0.9, 1.0]         # the oracle's set acceptance
+FIRST_LAYERS = [8, 15, 22, 28]             # self-speculation: SmolLM2's first L of 30 layers
+
+PARAGRAPH = ("The KV cache stores the keys and values of every token the model has already "
+             "seen, so that each new token computes only its own. Without it, every step "
+             "would recompute attention over the whole prefix, and generation would slow "
+             "down as the text grows. The price is memory: the cache grows by the same "
+             "number of bytes with every token, for every request.")
+CODE = '''def mean_and_spread(values):
+    n = len(values)
+    mean = sum(values) / n
+    spread = max(values) - min(values)
+    return mean, spread
+'''
+# SmolLM2's chat tasks: four whose answer copies from the prompt, one that copies nothing
+TASKS = {
+    "repeat a paragraph": "Repeat this paragraph word for word:\n\n" + PARAGRAPH,
+    "past tense": "Rewrite this paragraph in the past tense:\n\n" + PARAGRAPH,
+    "summary": "Summarize this paragraph in two sentences:\n\n" + PARAGRAPH,
+    "comment code": "Add a comment above each line of this Python function:\n\n" + CODE,
+    "a story": "Write a short story about a cat.",
+}
+SAMPLED = {"temperature": 0.8, "top_k": 40, "seed": 1}
+LOOKUP_3 = "prompt lookup, 3-token match"  # PromptLookup(ngram=3, min_ngram=3)
+
+# Facts the chapter quotes from papers and data sheets, with their sources.
+FACTS = {
+    "leviathan": {"speedup": [2, 3], "model": "T5-XXL (11B)",
+                  "source": "Leviathan et al. 2023, arXiv:2211.17192, abstract"},
+    "chen": {"speedup": [2, 2.5], "model": "Chinchilla 70B with a 4B draft model",
+             "source": "Chen et al. 2023, arXiv:2302.01318, abstract"},
+    "prompt_lookup": {"speedup": [2, 4], "model": "Mistral-7B-Instruct, greedy, one A100",
+                      "source": "Saxena 2023, github.com/apoorvumang/prompt-lookup-decoding"},
+    "magicdec": {"speedup_llama2_7b_32k": 2.0, "speedup_llama3_1_8b": 1.84,
+                 "batch_sizes": [32, 256], "hardware": "8 NVIDIA A100",
+                 "drafter": "a draft model with a sparse (StreamingLLM) KV cache",
+                 "source": "Chen, Tiwari, Sadhukhan et al. 2024 (MagicDec), "
+                           "arXiv:2408.11049 (v3), abstract"},
+    "layerskip": {"source": "Elhoushi et al. 2024, arXiv:2404.16710: trained with layer "
+                            "dropout and an early-exit loss so that early layers draft"},
+}
 
 
-def stories110m_shape() -> kvlab.Model:
-    """Random weights in the shape of llama2.c's stories110M (the Llama-2-style 110M shape
-    of benchmarks/bench_speculative.py --shape 110m)."""
-    config = kvlab.ModelConfig(dim=768, hidden_dim=2048, n_layers=12, n_heads=12,
-                               n_kv_heads=12, head_dim=64, vocab_size=32000,
-                               max_seq_len=1024, name="random stories110M shape")
-    return kvlab.Model(config, kvlab.Weights.random(config, seed=0))
+def messages(task: str) -> list:
+    return [{"role": "user", "content": TASKS[task]}]
 
+
+def chat_ids(model: kvlab.Model, task: str) -> list:
+    """The task as SmolLM2's chat template lays it out, in token ids."""
+    return list(chat.prompt(model, messages(task))[1])
 
 # ---- 1. the cost of a pass against its new tokens -----------------------------------------
 
@@ -105,6 +145,7 @@ def pass_costs(model: kvlab.Model, reps: int, context: int = 256) -> dict:
         rows.append({"new_tokens": n, "ms": s, "relative": relative,
                      "relative_to_one": relative["median"],
                      "ms_per_token": s["median"] / n, **counted[n],
+                     "flops_per_weight_byte": counted[n]["flops"] / counted[n]["weight_bytes"],
                      # what the passes achieved (times in ms)
                      "weight_gb_per_s": spread(counted[n]["weight_bytes"] / ms / 1e6),
                      "gflop_per_s": spread(counted[n]["flops"] / ms / 1e6)})
@@ -143,40 +184,41 @@ def draft_pass_costs(model: kvlab.Model, drafters: dict, reps: int, context: int
     return out
 
 
+
 # ---- 2. greedy speculation gives plain decoding's tokens ------------------------------------
 
-def exactness(model: kvlab.Model, mha: kvlab.Model, stories) -> dict:
-    prompts = {**TEXTS, "citizen": "First Citizen:\n"}
-    drafters = {"prompt lookup": PromptLookup,
-                "first 2 layers": lambda: DraftModel.first_layers(model, 2),
-                "MHA model (same size)": lambda: DraftModel(mha)}
+def exactness(smol: kvlab.Model, model: kvlab.Model, mha: kvlab.Model, tasks: list,
+              ks: list, new_tokens: int) -> dict:
+    """Token lists of plain and speculative greedy generation, compared: SmolLM2 on chat
+    tasks (prompt lookup with fp32 and int8 caches, its first 15 layers), and the bundled
+    model with every drafter of the kit."""
     runs = []
-    for prompt_name, prompt in prompts.items():
-        plain = {dtype: kvlab.generate(model, prompt, 100, dtype=dtype).tokens
-                 for dtype in ("fp32", "int8")}
-        for drafter_name, make in drafters.items():
-            for k in (1, 2, 4, 8):
-                for dtype in ("fp32", "int8"):
-                    if dtype == "int8" and drafter_name != "prompt lookup":
-                        continue
-                    out = kvlab.generate(model, prompt, 100, speculate=make(), draft_tokens=k,
-                                         dtype=dtype)
-                    runs.append({"model": model.config.name, "prompt": prompt_name,
-                                 "drafter": drafter_name, "k": k, "cache": dtype,
-                                 "identical": out.tokens == plain[dtype]})
-    if stories is not None:
-        prompt = "Once upon a time"
-        plain = kvlab.generate(stories, prompt, 100, stop_at_eos=False).tokens
-        for drafter_name, make in (("prompt lookup", PromptLookup),
-                                   ("first 2 layers", lambda: DraftModel.first_layers(stories, 2))):
-            for k in (1, 2, 4, 8):
-                out = kvlab.generate(stories, prompt, 100, speculate=make(), draft_tokens=k,
-                                     stop_at_eos=False)
-                runs.append({"model": stories.config.name, "prompt": "once upon a time",
-                             "drafter": drafter_name, "k": k, "cache": "fp32",
-                             "identical": out.tokens == plain})
+
+    def compare(m, prompt_name, prompt, drafter_name, make, k, dtype, **kw):
+        plain = kvlab.generate(m, prompt, new_tokens, dtype=dtype, **kw).tokens
+        out = kvlab.generate(m, prompt, new_tokens, speculate=make(), draft_tokens=k,
+                             dtype=dtype, **kw)
+        runs.append({"model": m.config.name, "prompt": prompt_name, "drafter": drafter_name,
+                     "k": k, "cache": dtype, "identical": out.tokens == plain})
+
+    for task in tasks:
+        ids = chat_ids(smol, task)
+        for k in ks:
+            for dtype in ("fp32", "int8"):
+                compare(smol, task, ids, "prompt lookup", PromptLookup, k, dtype)
+        compare(smol, task, ids, "first 15 layers",
+                lambda: DraftModel.first_layers(smol, 15), K, "fp32")
+    small = {"prompt lookup": PromptLookup,
+             "first 2 layers": lambda: DraftModel.first_layers(model, 2),
+             "MHA model (same size)": lambda: DraftModel(mha)}
+    for prompt_name, prompt in TEXTS.items():
+        for drafter_name, make in small.items():
+            for k in ks:
+                compare(model, prompt_name, prompt, drafter_name, make, k, "fp32",
+                        stop_at_eos=False)
     return {"runs": len(runs), "identical": sum(r["identical"] for r in runs),
-            "all_identical": all(r["identical"] for r in runs), "new_tokens": 100,
+            "all_identical": all(r["identical"] for r in runs), "new_tokens": new_tokens,
+            "runs_smollm2": sum(r["model"] == smol.config.name for r in runs),
             "each_run": runs}
 
 
@@ -211,16 +253,17 @@ def paged_by_hand(model: kvlab.Model, prompt: str, n_new: int = 100, k: int = K,
             "identical_to_plain": new == plain}
 
 
+
 # ---- 3. one step, drawn ---------------------------------------------------------------------
 
-def one_step(model: kvlab.Model, prompt: str, k: int = K) -> dict:
+def one_step(model: kvlab.Model, ids: list, k: int = K) -> dict:
     """The first pass of a greedy prompt-lookup run that keeps some drafts and refuses the
     rest, recorded from a contiguous cache."""
-    ids = model.encode(prompt)
-    cache = model.new_cache(len(ids) + 200)
+    ids = list(ids)
+    cache = model.new_cache(len(ids) + 300)
     new = [sample(model.prefill(ids, cache))]
     drafter = PromptLookup()
-    for _ in range(200):
+    for _ in range(250):
         drafts = drafter.propose(ids + new, k)
         before = cache.length
         rows = model.forward([new[-1]] + drafts, cache, all_logits=True)
@@ -230,10 +273,14 @@ def one_step(model: kvlab.Model, prompt: str, k: int = K) -> dict:
         while accepted < len(drafts) and choices[accepted] == drafts[accepted]:
             accepted += 1
         cache.truncate(len(ids) + len(new) + accepted)
-        if len(drafts) == k and 0 < accepted < k:
-            return {"context": ids + new, "context_text": model.decode_text(ids + new),
+        if len(drafts) == k and 1 < accepted < k:
+            return {"context": ids + new,
+                    "context_text": model.decode_text((ids + new)[-12:]),
                     "drafts": drafts, "drafts_text": model.decode_text(drafts),
                     "choices": choices, "accepted": accepted, "own_token": choices[accepted],
+                    "own_token_text": model.decode_text([choices[accepted]]),
+                    "refused_text": model.decode_text([drafts[accepted]]),
+                    "newest_text": model.decode_text([new[-1]]),
                     "cache_before": before, "cache_after_verify": after_verify,
                     "cache_after_truncate": cache.length}
         new += drafts[:accepted] + [choices[accepted]]
@@ -274,6 +321,7 @@ def rejection_rule(model: kvlab.Model, prompt: str, draws: int = 20000, seed: in
                             "text": model.decode_text([int(np.argmax(p))]),
                             "p": float(p.max()), "q": float(q[np.argmax(p)]),
                             "rule_draws": float(empirical[np.argmax(p)])}}
+
 
 
 # ---- 5. acceptance against speedup --------------------------------------------------------
@@ -363,13 +411,12 @@ def decode_seconds(out) -> float:
     return float(np.sum(out.step_seconds[1:]))
 
 
-def speed_runs(configs: list, rounds: int, cost_tables: dict, draft_cost: dict,
-               c_loop: bool = True) -> list:
-    """Every config: plain decoding (the same Python loop per token, fast=False, and, with
-    c_loop, the C loop, fast=True) and speculative decoding, run in turn in every round.
-    Times are the decode part of each run (after the first token); a speedup is the median
-    over the rounds of plain time / speculative time in the same round (neighbours in time
-    meet the same load from other processes)."""
+def speed_runs(configs: list, rounds: int, cost_table: dict, draft_cost: dict) -> list:
+    """Every config: plain decoding (generate's C loop, fast=True, its default, and the
+    same Python loop per token that speculation runs per pass, fast=False) and speculative
+    decoding, run in turn in every round. Times are the decode part of each run (after the
+    first token); a speedup is the median over the rounds of plain time / speculative time
+    in the same round (neighbours in time meet the same load from other processes)."""
     times = {i: {"plain_python": [], "plain_c": [], "speculative": []} for i in range(len(configs))}
     drafter_ms = {i: [] for i in range(len(configs))}      # per round: drafting ms per pass
     outs = {}
@@ -377,28 +424,25 @@ def speed_runs(configs: list, rounds: int, cost_tables: dict, draft_cost: dict,
         plains = {}                           # configs that differ only in the drafter share
         for i, c in enumerate(configs):       # their plain runs within a round
             m, prompt, n, kw = c["model"], c["prompt"], c["new_tokens"], c["sampling"]
-            key = (m.config.name, str(prompt), n, str(kw))
+            key = (str(prompt), n, str(kw))
             if key not in plains:
-                plain = kvlab.generate(m, prompt, n, fast=False, stop_at_eos=False, **kw)
-                fast = (kvlab.generate(m, prompt, n, stop_at_eos=False, **kw)
-                        if c_loop else None)
-                plains[key] = (plain, decode_seconds(plain),
-                               decode_seconds(fast) if c_loop else float("nan"))
+                plain = kvlab.generate(m, prompt, n, fast=False, **kw)
+                fast = kvlab.generate(m, prompt, n, **kw)
+                assert fast.tokens == plain.tokens
+                plains[key] = (plain, decode_seconds(plain), decode_seconds(fast))
             plain, t_python, t_c = plains[key]
             times[i]["plain_python"].append(t_python)
             times[i]["plain_c"].append(t_c)
             drafter = Recorder(c["drafter"](plain.tokens))
-            spec = kvlab.generate(m, prompt, n, speculate=drafter, draft_tokens=c["k"],
-                                  stop_at_eos=False, **kw)
+            spec = kvlab.generate(m, prompt, n, speculate=drafter, draft_tokens=c["k"], **kw)
             times[i]["speculative"].append(decode_seconds(spec))
             drafter_ms[i].append(1000 * drafter.seconds / spec.speculation.verify_passes)
             if not kw:
                 assert spec.tokens == plain.tokens, "speculation changed the greedy output"
             outs[i] = (spec, drafter)
     rows = []
+    one_ms = cost_table["rows"][0]["ms"]["median"]
     for i, c in enumerate(configs):
-        cost_table = cost_tables[c["model"].config.name]
-        one_ms = cost_table["rows"][0]["ms"]["median"]
         spec, drafter = outs[i]
         s = spec.speculation
         full = spec.prompt_tokens + spec.tokens
@@ -411,18 +455,19 @@ def speed_runs(configs: list, rounds: int, cost_tables: dict, draft_cost: dict,
         # table (1 + n new tokens), plus the drafter's own passes
         units = sum(relative_cost(cost_table, n + 1) for n in kept["proposed"])
         units += s.draft_passes * draft_cost.get(c["drafter_name"], 0.0)
-        t = {name: spread(1000 * np.array(v)) for name, v in times[i].items()
-             if c_loop or name != "plain_c"}
+        t = {name: spread(1000 * np.array(v)) for name, v in times[i].items()}
         per_round = [p / q for p, q in zip(times[i]["plain_python"], times[i]["speculative"])]
         per_round_c = [p / q for p, q in zip(times[i]["plain_c"], times[i]["speculative"])]
         rows.append({
             "model": c["model"].config.name, "text": c["text"], "drafter": c["drafter_name"],
-            "completion_start": spec.completion[:48],
+            "completion_start": spec.completion[:80],
             "sampling": "greedy" if not c["sampling"] else (
                 f"temperature {c['sampling']['temperature']}, top_k {c['sampling']['top_k']}"),
             "alpha_set": c.get("alpha"), "k": c["k"], "new_tokens": s.tokens,
             "decoded_tokens": decoded, "passes": passes, "tokens_per_pass": decoded / passes,
             "acceptance_rate_kit": s.acceptance_rate, "alpha_measured": kept["alpha"],
+            "acceptance_by_position": s.acceptance_by_position,
+            "proposed_at": list(s.proposed_at), "accepted_at": list(s.accepted_at),
             "drafted": kept["drafted"], "accepted": kept["accepted"],
             "refusals": kept["refusals"], "passes_without_drafts": kept["passes_without_drafts"],
             "draft_passes": s.draft_passes,
@@ -431,49 +476,43 @@ def speed_runs(configs: list, rounds: int, cost_tables: dict, draft_cost: dict,
             "tokens_per_pass_formula_as_drafted": as_drafted,
             "speedup_predicted": decoded / units,
             "decode_ms": t,
-            "python_ms_per_plain_step_beyond_table": (t["plain_python"]["median"] / decoded
-                                                      - one_ms),
-            "python_ms_per_pass_beyond_table": (t["speculative"]["median"] - units * one_ms)
-                                                / passes,
+            "plain_c_ms_per_token": t["plain_c"]["median"] / decoded,
+            "plain_python_ms_per_token": t["plain_python"]["median"] / decoded,
             "speedup_vs_python_loop": float(np.median(per_round)),
             "speedup_vs_python_loop_rounds": spread(per_round),
-            "speedup_vs_c_loop": float(np.median(per_round_c)) if c_loop else None,
-            "speedup_vs_c_loop_rounds": spread(per_round_c) if c_loop else None,
+            "speedup_vs_c_loop": float(np.median(per_round_c)),
+            "speedup_vs_c_loop_rounds": spread(per_round_c),
         })
     return rows
 
 
 # ---- figures -------------------------------------------------------------------------------
 
-def plot_pass_cost(tables, path: Path) -> None:
+def plot_pass_cost(table, path: Path) -> None:
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.8))
-    for table, marker in zip(tables, "os"):
-        n = [r["new_tokens"] for r in table["rows"]]
-        med = np.array([r["relative_to_one"] for r in table["rows"]])
-        lo = med - np.array([r["relative"]["min"] for r in table["rows"]])
-        hi = np.array([r["relative"]["max"] for r in table["rows"]]) - med
-        left.errorbar(n, med, yerr=[lo, hi], fmt=marker + "-", capsize=3,
-                      label=f"{table['model']} ({table['params_millions']:.1f} M, "
-                            f"{table['threads']} thread{'s' if table['threads'] > 1 else ''}), "
-                            f"{table['rows'][0]['ms']['median']:.2f} ms for 1")
-    n = np.array(SIZES)
+    n = [r["new_tokens"] for r in table["rows"]]
+    med = np.array([r["relative_to_one"] for r in table["rows"]])
+    lo = med - np.array([r["relative"]["min"] for r in table["rows"]])
+    hi = np.array([r["relative"]["max"] for r in table["rows"]]) - med
+    left.errorbar(n, med, yerr=[lo, hi], fmt="o-", capsize=3,
+                  label=f"SmolLM2-135M ({table['threads']} thread), "
+                        f"{table['rows'][0]['ms']['median']:.1f} ms for 1")
     left.plot(n, n, ":", color="grey", label="n times one token (no sharing)")
     left.axhline(1, color="grey", lw=0.8)
     left.set_xlabel("new tokens in the pass (k drafts + 1)")
     left.set_ylabel("time of the pass / time of a 1-token pass")
-    left.set_title("One forward pass over the cache (context 256), median\n"
-                   "and range of the runs", fontsize=10)
+    left.set_title(f"One forward pass over the cache (context {table['context']}),\n"
+                   "median and range of the runs", fontsize=10)
     left.legend(fontsize=8)
     left.grid(alpha=0.3)
-    big = tables[-1]
-    w = [r["weight_bytes"] / big["rows"][0]["weight_bytes"] for r in big["rows"]]
-    f = [r["flops"] / big["rows"][0]["flops"] for r in big["rows"]]
+    w = [r["weight_bytes"] / table["rows"][0]["weight_bytes"] for r in table["rows"]]
+    f = [r["flops"] / table["rows"][0]["flops"] for r in table["rows"]]
     right.plot(n, w, "o-", label="weight bytes read")
     right.plot(n, f, "s-", label="FLOPs")
-    right.plot(n, [r["relative_to_one"] for r in big["rows"]], "^--", label="time (measured)")
+    right.plot(n, med, "^--", label="time (measured)")
     right.set_xlabel("new tokens in the pass")
     right.set_ylabel("relative to a 1-token pass")
-    right.set_title(f"{big['model']}: what the core counted per pass", fontsize=10)
+    right.set_title("SmolLM2-135M: what the core counted per pass", fontsize=10)
     right.legend(fontsize=8)
     right.grid(alpha=0.3)
     fig.tight_layout()
@@ -483,20 +522,22 @@ def plot_pass_cost(tables, path: Path) -> None:
 
 def plot_step(step: dict, model: kvlab.Model, path: Path) -> None:
     def char(t):
-        text = model.decode_text([t])
-        return {"\n": "\u21b5", " ": "\u2423"}.get(text, text)
+        text = model.decode_text([t]).replace("\n", "\u21b5").replace(" ", "\u2423")
+        return text if len(text) <= 7 else text[:6] + "\u2026"
     context, drafts, choices = step["context"], step["drafts"], step["choices"]
-    show, k, a = 10, len(drafts), step["accepted"]   # the context's last `show` positions
+    show, k, a = 6, len(drafts), step["accepted"]   # the context's last `show` positions
+    width = 1.45
     colours = {"cached": "#c8d3e6", "newest": "#7aa6e0", "kept": "#9ed39e",
                "refused": "#f2a3a3", "own": "#ffd9a0", "empty": "#ffffff"}
-    fig, ax = plt.subplots(figsize=(10, 4.0))
+    fig, ax = plt.subplots(figsize=(11, 4.0))
 
     def box(x, y, label, kind, dashed=False):
-        ax.add_patch(plt.Rectangle((x, y), 0.92, 0.5, facecolor=colours[kind],
+        ax.add_patch(plt.Rectangle((x * width, y), width * 0.94, 0.5,
+                                   facecolor=colours[kind],
                                    edgecolor="black" if kind != "empty" else "#999999",
                                    ls="--" if dashed else "-"))
-        ax.text(x + 0.46, y + 0.25, label, ha="center", va="center", fontsize=10,
-                family="monospace")
+        ax.text(x * width + width * 0.47, y + 0.25, label, ha="center", va="center",
+                fontsize=9, family="monospace")
 
     rows = [
         (2.4, f"before the pass: the cache holds {step['cache_before']} positions; the newest "
@@ -525,9 +566,9 @@ def plot_step(step: dict, model: kvlab.Model, path: Path) -> None:
                 box(x, y, "", "empty")
         if r == 1:
             for j in range(k + 1):
-                ax.text(show - 1 + j + 0.46, y - 0.2, char(choices[j]), ha="center",
-                        fontsize=9, family="monospace", color="#444444")
-            ax.text(show + k + 0.1, y - 0.2, "\u2190 the model's arg-max of each row",
+                ax.text((show - 1 + j) * width + width * 0.47, y - 0.2, char(choices[j]),
+                        ha="center", fontsize=8, family="monospace", color="#444444")
+            ax.text((show + k) * width + 0.1, y - 0.2, "\u2190 the model's arg-max of each row",
                     fontsize=8, color="#444444")
     handles = [plt.Rectangle((0, 0), 1, 1, facecolor=colours[c], edgecolor="black")
                for c in ("cached", "newest", "kept", "refused", "own")]
@@ -535,81 +576,92 @@ def plot_step(step: dict, model: kvlab.Model, path: Path) -> None:
                         "draft kept", "draft refused", "the model's own token (next pass)"],
               fontsize=8, loc="lower center", bbox_to_anchor=(0.5, -0.12), ncol=5,
               frameon=False)
-    ax.set_xlim(-0.4, show + k + 4.5)
+    ax.set_xlim(-0.4, (show + k) * width + 4.5)
     ax.set_ylim(-0.45, 3.2)
     ax.axis("off")
-    ax.set_title(f"One speculative step of the bundled model (greedy, prompt lookup, k = {k})",
+    ax.set_title(f"One speculative step of SmolLM2-135M (greedy, prompt lookup, k = {k})",
                  fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
 
 
-def plot_acceptance(oracle_rows, real_rows, tables, path: Path) -> None:
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 5.4))
+def colour(row) -> str:
+    """One colour per task for prompt lookup (both variants), one per L for the layers."""
+    if row["drafter"].startswith("first"):
+        return f"C{5 + FIRST_LAYERS.index(int(row['drafter'].split()[1])) % 5}"
+    return f"C{list(TASKS).index(row['text'])}" if row["sampling"] == "greedy" else "C9"
+
+
+def label(row) -> str:
+    sampled = "" if row["sampling"] == "greedy" else ", sampled"
+    return f"{row['drafter']}: {row['text']}{sampled}"
+
+
+def plot_acceptance(oracle_rows, real_rows, table, path: Path) -> None:
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 6.4))
     a = np.linspace(0, 1, 101)
     for k, style in ((1, ":"), (2, "-."), (4, "-"), (8, "--")):
         left.plot(a, tokens_per_pass(a, k), style, color="grey", lw=1,
                   label=f"(1 - a^(k+1)) / (1 - a), k = {k}")
-    markers = {"random stories110M shape": "s", "shakespeare-1m": "o"}
-    colours = {"random stories110M shape": "C1", "shakespeare-1m": "C0"}
-    for name in markers:
-        rows = [r for r in oracle_rows if r["model"] == name]
-        left.plot([r["alpha_measured"] for r in rows], [r["tokens_per_pass"] for r in rows],
-                  markers[name], color=colours[name], mfc="none", ms=8,
-                  label=f"set acceptance, k = {K}: {name}")
-    for row in real_rows:
-        left.plot(row["alpha_measured"], row["tokens_per_pass"], real_marker(row), ms=10,
-                  color=real_colour(row))
+    left.plot([r["alpha_measured"] for r in oracle_rows],
+              [r["tokens_per_pass"] for r in oracle_rows], "o", color="C0", mfc="none", ms=8,
+              label=f"set acceptance, k = {K}")
+    handles = []
+    for i, row in enumerate(real_rows):
+        marker = ("*" if row["drafter"] == "prompt lookup" else
+                  "P" if row["drafter"] == LOOKUP_3 else "^")
+        left.plot(row["alpha_measured"], row["tokens_per_pass"], marker, ms=10,
+                  color=colour(row))
+        handles += right.plot(row["alpha_measured"], row["speedup_vs_c_loop"], marker, ms=10,
+                              color=colour(row), label=label(row))
     left.set_xlabel("a: the chance a draft is accepted, given the ones before it were")
     left.set_ylabel("tokens per forward pass of the model")
     left.set_title("Tokens per pass: the papers' formula and the kit", fontsize=10)
     left.legend(fontsize=7, loc="upper left")
     left.grid(alpha=0.3)
-    own = []
-    for table in tables:
-        name = table["model"]
-        own += right.plot(a, tokens_per_pass(a, K) / relative_cost(table, K + 1), "-",
-                          color=colours[name], lw=1,
-                          label=f"formula / cost of a {K + 1}-token pass: {name}")
-        rows = [r for r in oracle_rows if r["model"] == name]
-        speedup = np.array([r["speedup_vs_python_loop"] for r in rows])
-        low = np.array([r["speedup_vs_python_loop_rounds"]["min"] for r in rows])
-        high = np.array([r["speedup_vs_python_loop_rounds"]["max"] for r in rows])
-        own.append(right.errorbar([r["alpha_measured"] for r in rows], speedup,
-                                  yerr=[speedup - low, high - speedup], fmt=markers[name],
-                                  color=colours[name], mfc="none", ms=8, capsize=3,
-                                  label=f"set acceptance, measured: {name}"))
-    handles = []
-    for row in real_rows:
-        handles += right.plot(row["alpha_measured"], row["speedup_vs_python_loop"],
-                              real_marker(row), ms=10, color=real_colour(row),
-                              label=f"{row['drafter']}, {row['text']} text"
-                                    f"{'' if row['sampling'] == 'greedy' else ', sampled'}"
-                                    f" ({row['model']})")
+    own = right.plot(a, tokens_per_pass(a, K) / relative_cost(table, K + 1), "-", color="C0",
+                     lw=1, label=f"formula / cost of a {K + 1}-token pass")
+    speedup = np.array([r["speedup_vs_c_loop"] for r in oracle_rows])
+    low = np.array([r["speedup_vs_c_loop_rounds"]["min"] for r in oracle_rows])
+    high = np.array([r["speedup_vs_c_loop_rounds"]["max"] for r in oracle_rows])
+    own.append(right.errorbar([r["alpha_measured"] for r in oracle_rows], speedup,
+                              yerr=[speedup - low, high - speedup], fmt="o", color="C0",
+                              mfc="none", ms=8, capsize=3, label="set acceptance, measured"))
     right.axhline(1, color="black", lw=0.8)
     right.set_xlabel("a (measured)")
     right.set_ylabel("speedup: plain decode time / speculative decode time")
-    right.set_title(f"Wall time, k = {K}, medians and ranges over the rounds", fontsize=10)
+    right.set_title(f"SmolLM2-135M, k = {K}, against generate's default loop\n"
+                    "(medians and ranges over the rounds)", fontsize=10)
     right.legend(handles=own, fontsize=7, loc="upper left")
     right.grid(alpha=0.3)
     fig.legend(handles=handles, fontsize=7, loc="lower center", ncol=3, frameon=False,
-               title="the kit's drafters (stars: greedy, triangles: sampled)", title_fontsize=8)
-    fig.tight_layout(rect=(0, 0.14, 1, 1))
+               title="the kit's drafters (stars: prompt lookup, pluses: after a 3-token "
+                     "match only, triangles: first L layers)",
+               title_fontsize=8)
+    fig.tight_layout(rect=(0, 0.22, 1, 1))
     fig.savefig(path, dpi=100)
     plt.close(fig)
 
 
-def real_marker(row) -> str:
-    return "*" if row["sampling"] == "greedy" else "v"
-
-
-def real_colour(row) -> str:
-    palette = {("shakespeare-1m", "prompt lookup", "repetitive"): "C2",
-               ("shakespeare-1m", "prompt lookup", "fresh"): "C8",
-               ("shakespeare-1m", "first 2 layers", "fresh"): "C3",
-               ("shakespeare-1m", "MHA model (same size)", "fresh"): "C4"}
-    return palette.get((row["model"], row["drafter"], row["text"]), "C5")
+def plot_position(real_rows, path: Path) -> None:
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.6), sharey=True)
+    for i, row in enumerate(real_rows):
+        ax = left if row["drafter"].startswith("prompt lookup") else right
+        rates = row["acceptance_by_position"]
+        style = {"prompt lookup": "*-", LOOKUP_3: "P--"}.get(row["drafter"], "^-")
+        ax.plot(range(1, len(rates) + 1), rates, style, color=colour(row), label=label(row))
+    for ax, title in ((left, "prompt lookup"), (right, "self-speculation: the first L of 30 layers")):
+        ax.set_xlabel("draft position in the pass")
+        ax.set_xticks(range(1, K + 1))
+        ax.set_title(f"SmolLM2-135M, {title}, k = {K}", fontsize=10)
+        ax.legend(fontsize=7)
+        ax.grid(alpha=0.3)
+    left.set_ylabel("share of the drafts at that position kept")
+    left.set_ylim(0, 1.02)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
 
 
 def main() -> None:
@@ -619,10 +671,16 @@ def main() -> None:
                         help="a short run that checks the script works (the tests run this);"
                              " its numbers are not the chapter's")
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--rounds", type=int, default=7,
-                        help=f"rounds of the timed runs on the bundled model ({BIG_ROUNDS} "
-                             "on the 110M shape)")
+    parser.add_argument("--rounds", type=int, default=5, help="rounds of the timed runs")
     args = parser.parse_args()
+    quick = args.quick
+    rounds = 2 if quick else args.rounds
+    pass_reps = 3 if quick else 25
+    new_tokens = 24 if quick else 120          # per timed run (the self-speculation runs: 80)
+    self_tokens = 16 if quick else 60
+    first_layers = [15] if quick else FIRST_LAYERS
+    alphas = [0.0, 1.0] if quick else ALPHAS
+    tasks = ["repeat a paragraph", "a story"] if quick else list(TASKS)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     kvlab.set_num_threads(args.threads)
@@ -633,174 +691,145 @@ def main() -> None:
     def clock(name):
         sections[name] = round(time.perf_counter() - started - sum(sections.values()), 1)
 
+    smol = common.smollm2()
     model = kvlab.load()
     mha = kvlab.load(kvlab.MHA_MODEL)
-    stories = None
-    if (STORIES / "stories260K.bin").exists():
-        stories = kvlab.load(STORIES / "stories260K.bin", tokenizer=STORIES / "tok512.bin")
-    else:
-        print(f"({STORIES} not found: stories260K skipped)")
-    big = stories110m_shape()
     clock("load")
 
     # 1. pass costs
-    tables = [pass_costs(model, PASS_REPS["small"]), pass_costs(big, PASS_REPS["110m"])]
-    stories_table = pass_costs(stories, PASS_REPS["small"]) if stories is not None else None
-    for table in tables:
-        print(table["model"], "  ".join(f"{r['new_tokens']}: {r['ms']['median']:.2f} ms "
-                                        f"({r['relative_to_one']:.2f}x)" for r in table["rows"]))
-    drafter_models = {"first 2 layers": DraftModel.first_layers(model, 2).model,
-                      "MHA model (same size)": mha}
-    draft_costs = draft_pass_costs(model, drafter_models, PASS_REPS["small"])
+    table = pass_costs(smol, pass_reps)
+    print(table["model"], "  ".join(f"{r['new_tokens']}: {r['ms']['median']:.2f} ms "
+                                    f"({r['relative_to_one']:.2f}x)" for r in table["rows"]))
+    drafter_models = {f"first {n} layers": DraftModel.first_layers(smol, n).model
+                      for n in first_layers}
+    draft_costs = draft_pass_costs(smol, drafter_models, pass_reps)
     draft_cost = {name: s["median"] for name, s in draft_costs.items()
                   if name != "model_one_token_ms"}
     print("draft pass / model pass:", draft_cost)
     clock("pass costs")
 
     # 2. same tokens
-    exact = exactness(model, mha, stories)
+    exact = exactness(smol, model, mha, tasks[:1] if quick else tasks[:3],
+                      [4] if quick else [1, 2, 4, 8], 16 if quick else 40)
     print(f"greedy: {exact['identical']} of {exact['runs']} runs identical to plain decoding")
     paged = paged_by_hand(model, TEXTS["fresh"])
     print("paged, by hand:", paged)
     clock("exactness")
 
     # 3. one step
-    step = one_step(model, TEXTS["fresh"])
-    print("one step:", {k: v for k, v in step.items() if k not in ("context", "context_text")})
+    step = one_step(smol, chat_ids(smol, "past tense"))
+    print("one step:", {k: v for k, v in step.items() if k != "context"})
 
     # 4. the rejection rule
-    rule = rejection_rule(model, "ROMEO:\nBut soft, what light through yonder ")
+    rule = rejection_rule(model, "ROMEO:\nBut soft, what light through yonder ",
+                          draws=2000 if quick else 20000)
     print("rejection rule:", rule)
     clock("step and rule")
 
-    # 5. acceptance against speedup
-    oracle_configs = []
-    for m, n, prompt in ((model, 201, TEXTS["fresh"]),
-                         (big, 26, np.random.default_rng(1).integers(3, 32000, 16).tolist())):
-        for alpha in ALPHAS if m is model else [a for a in ALPHAS if a != 0.9]:
-            oracle_configs.append({
-                "model": m, "prompt": prompt, "new_tokens": n, "sampling": {}, "k": K,
-                "text": "set acceptance", "alpha": alpha, "drafter_name": "oracle",
-                "drafter": (lambda truth, m=m, alpha=alpha, prompt=prompt: Oracle(
-                    (m.encode(prompt) if isinstance(prompt, str) else list(prompt)) + truth,
-                    alpha, m.config.vocab_size, seed=1))})
-    sampled = {"temperature": 0.8, "top_k": 40, "seed": 1}
-    real_configs = [
-        {"text": "repetitive", "prompt": TEXTS["repetitive"], "sampling": {},
-         "drafter_name": "prompt lookup"},
-        {"text": "fresh", "prompt": TEXTS["fresh"], "sampling": {},
-         "drafter_name": "prompt lookup"},
-        {"text": "fresh", "prompt": TEXTS["fresh"], "sampling": sampled,
-         "drafter_name": "prompt lookup"},
-        {"text": "fresh", "prompt": TEXTS["fresh"], "sampling": {},
-         "drafter_name": "first 2 layers"},
-        {"text": "fresh", "prompt": TEXTS["fresh"], "sampling": {},
-         "drafter_name": "MHA model (same size)"},
-    ]
-    makers = {"prompt lookup": lambda truth: PromptLookup(),
-              "first 2 layers": lambda truth: DraftModel.first_layers(model, 2),
-              "MHA model (same size)": lambda truth: DraftModel(mha)}
-    for c in real_configs:
-        c.update(model=model, new_tokens=201, k=K, drafter=makers[c["drafter_name"]])
-    if stories is not None:
-        for kw in ({}, sampled):
-            real_configs.append({"text": "a story", "prompt": "Once upon a time", "sampling": kw,
-                                 "drafter_name": "prompt lookup", "model": stories,
-                                 "new_tokens": 201, "k": K,
-                                 "drafter": lambda truth: PromptLookup()})
-    small_rows = speed_runs([c for c in oracle_configs if c["model"] is model] + real_configs,
-                            args.rounds, {model.config.name: tables[0],
-                                          "stories260K": stories_table}, draft_cost)
-    clock("speed, bundled model")
-    big_rows = speed_runs([c for c in oracle_configs if c["model"] is big],
-                          BIG_ROUNDS, {big.config.name: tables[1]}, {}, c_loop=False)
-    clock("speed, 110M shape")
-    oracle_rows = [r for r in small_rows + big_rows if r["drafter"] == "oracle"]
-    real_rows = [r for r in small_rows if r["drafter"] != "oracle"]
-    for r in oracle_rows + real_rows:
-        print(f"{r['model']:<26}{r['drafter']:<22}{r['text']:<15}{r['sampling'][:8]:<9}"
+    # 5. acceptance against speedup, on SmolLM2
+    configs = []
+    story = chat_ids(smol, "a story")
+    for alpha in alphas:
+        configs.append({"prompt": story, "new_tokens": new_tokens, "sampling": {},
+                        "text": "a story, set acceptance", "alpha": alpha,
+                        "drafter_name": "oracle",
+                        "drafter": lambda truth, alpha=alpha: Oracle(
+                            story + truth, alpha, smol.config.vocab_size, seed=1)})
+    for task in tasks:
+        configs.append({"prompt": chat_ids(smol, task), "new_tokens": new_tokens,
+                        "sampling": {}, "text": task, "drafter_name": "prompt lookup",
+                        "drafter": lambda truth: PromptLookup()})
+        # drafts only after a match of 3 tokens: fewer drafts, each more likely kept
+        configs.append({"prompt": chat_ids(smol, task), "new_tokens": new_tokens,
+                        "sampling": {}, "text": task, "drafter_name": LOOKUP_3,
+                        "drafter": lambda truth: PromptLookup(ngram=3, min_ngram=3)})
+    if not quick:
+        configs.append({"prompt": chat_ids(smol, "summary"), "new_tokens": new_tokens,
+                        "sampling": SAMPLED, "text": "summary",
+                        "drafter_name": "prompt lookup", "drafter": lambda truth: PromptLookup()})
+    self_task = "past tense" if not quick else tasks[0]
+    for n in first_layers:
+        configs.append({"prompt": chat_ids(smol, self_task), "new_tokens": self_tokens,
+                        "sampling": {}, "text": self_task, "drafter_name": f"first {n} layers",
+                        "drafter": lambda truth, n=n: DraftModel.first_layers(smol, n)})
+    for c in configs:
+        c.update(model=smol, k=K)
+    rows = speed_runs(configs, rounds, table, draft_cost)
+    clock("speed")
+    oracle_rows = [r for r in rows if r["drafter"] == "oracle"]
+    real_rows = [r for r in rows if r["drafter"] != "oracle"]
+    for r in rows:
+        print(f"{r['drafter']:<18}{r['text']:<26}{r['sampling'][:8]:<9}"
               f"a {r['alpha_measured']:.2f} kit {r['acceptance_rate_kit']:.2f}  "
-              f"tok/pass {r['tokens_per_pass']:.2f} (formula {r['tokens_per_pass_formula_k']:.2f}, "
-              f"as drafted {r['tokens_per_pass_formula_as_drafted']:.2f})  "
-              f"beyond the table: {r['python_ms_per_pass_beyond_table']:.3f} ms/pass, "
-              f"{r['python_ms_per_plain_step_beyond_table']:.3f} ms/plain step  "
-              f"speedup {r['speedup_vs_python_loop']:.2f}x "
-              f"[{r['speedup_vs_python_loop_rounds']['min']:.2f}-"
-              f"{r['speedup_vs_python_loop_rounds']['max']:.2f}] predicted "
-              f"{r['speedup_predicted']:.2f}x, vs C loop {r['speedup_vs_c_loop'] or 0:.2f}x  "
+              f"tok/pass {r['tokens_per_pass']:.2f} (formula {r['tokens_per_pass_formula_k']:.2f})"
+              f"  by position {[round(x, 2) for x in r['acceptance_by_position']]}  "
+              f"vs C {r['speedup_vs_c_loop']:.2f}x "
+              f"[{r['speedup_vs_c_loop_rounds']['min']:.2f}-"
+              f"{r['speedup_vs_c_loop_rounds']['max']:.2f}], vs Python "
+              f"{r['speedup_vs_python_loop']:.2f}x, predicted {r['speedup_predicted']:.2f}x  "
               f"drafting {r['drafter_ms_per_pass']['median']:.3f} ms/pass")
 
-    plot_pass_cost(tables, out / "ch09_pass_cost.png")
-    plot_step(step, model, out / "ch09_step.png")
-    plot_acceptance(oracle_rows, real_rows, tables[::-1], out / "ch09_acceptance.png")
+    plot_pass_cost(table, out / "ch09_pass_cost.png")
+    plot_step(step, smol, out / "ch09_step.png")
+    plot_acceptance(oracle_rows, real_rows, table, out / "ch09_acceptance.png")
+    plot_position(real_rows, out / "ch09_position.png")
 
     ch07 = json.loads((HERE / "ch07.json").read_text())
-    summary = {}
-    for table in tables:
-        name = table["model"]
-        rows = [r for r in oracle_rows if r["model"] == name]
-        cost = relative_cost(table, K + 1)
-        grid = np.linspace(0, 1, 10001)
+    cost = relative_cost(table, K + 1)
+    grid = np.linspace(0, 1, 10001)
 
-        def break_even(c):     # the acceptance above which k = 4 beats plain decoding
-            beats = tokens_per_pass(grid, K) >= c
-            return float(grid[np.argmax(beats)]) if beats.any() else None
-        five = next(r for r in table["rows"] if r["new_tokens"] == K + 1)["relative"]
-        # all the set-acceptance runs of a model share one plain run per round: its time per
-        # token, as a spread over the rounds (a spread divides by a constant term by term)
-        plain = rows[0]["decode_ms"]
-        per_token = {loop: {k: v / rows[0]["decoded_tokens"] if k != "runs" else v
-                            for k, v in plain[loop].items()}
-                     for loop in ("plain_python", "plain_c") if loop in plain}
-        summary[name] = {
-            # the most a pass of k drafts can give: k + 1 tokens for the price of that pass
-            "best_speedup_k4": (K + 1) / cost,
-            # the same from the quartiles of the runs' relative cost of a (k + 1)-token pass
-            # (the middle half of the runs; a single interrupted pass makes the extremes of
-            # a ratio meaningless)
-            "best_speedup_k4_middle_half": [(K + 1) / five["q3"], (K + 1) / five["q1"]],
-            # the acceptance above which k = 4 beats plain decoding, drafts costing nothing
-            "break_even_alpha_k4": break_even(cost),
-            "break_even_alpha_k4_middle_half": [break_even(five["q1"]), break_even(five["q3"])],
-            "plain_python_ms_per_token": per_token["plain_python"],
-            "python_ms_per_pass_beyond_table": float(np.median(
-                [r["python_ms_per_pass_beyond_table"] for r in rows])),
-            "one_token_pass_ms": table["rows"][0]["ms"]["median"],
-            # how far the measured speedups of the set-acceptance runs were from predicted
-            "largest_deviation_from_prediction": float(max(
-                abs(r["speedup_vs_python_loop"] / r["speedup_predicted"] - 1) for r in rows)),
-            # drafting by hand (the oracle), ms per pass: the smallest and largest median
-            "oracle_drafter_ms_per_pass": [f(r["drafter_ms_per_pass"]["median"] for r in rows)
-                                           for f in (min, max)],
-        }
-        if "plain_c" in per_token:
-            summary[name]["plain_c_ms_per_token"] = per_token["plain_c"]
+    def break_even(c):     # the acceptance above which k = 4 beats plain decoding
+        beats = tokens_per_pass(grid, K) >= c
+        return float(grid[np.argmax(beats)]) if beats.any() else None
+    five = next(r for r in table["rows"] if r["new_tokens"] == K + 1)["relative"]
+    summary = {
+        # the most a pass of k drafts can give: k + 1 tokens for the price of that pass
+        "best_speedup_k4": (K + 1) / cost,
+        "best_speedup_k4_middle_half": [(K + 1) / five["q3"], (K + 1) / five["q1"]],
+        # the acceptance above which k = 4 beats plain decoding, drafts costing nothing
+        "break_even_alpha_k4": break_even(cost),
+        "break_even_alpha_k4_middle_half": [break_even(five["q1"]), break_even(five["q3"])],
+        "one_token_pass_ms": table["rows"][0]["ms"]["median"],
+        "plain_c_ms_per_token": float(np.median([r["plain_c_ms_per_token"] for r in rows])),
+        "plain_python_ms_per_token": float(np.median([r["plain_python_ms_per_token"]
+                                                      for r in rows])),
+        "largest_deviation_from_prediction": float(max(
+            abs(r["speedup_vs_python_loop"] / r["speedup_predicted"] - 1) for r in oracle_rows)),
+        "prompt_lookup_ms_per_pass": [f(r["drafter_ms_per_pass"]["median"] for r in real_rows
+                                        if r["drafter"].startswith("prompt lookup"))
+                                      for f in (min, max)],
+    }
     result = {
         "setup": {**common.machine(), "threads": kvlab.get_num_threads(),
-                  "rounds": args.rounds, "rounds_110m": BIG_ROUNDS, "pass_reps": PASS_REPS,
-                  "k": K,
+                  "machine_note": "a shared 2-core virtual machine: other processes ran "
+                                  "beside these measurements (ratios are taken run by run)",
+                  "quick": quick, "rounds": rounds, "pass_reps": pass_reps, "k": K,
+                  "new_tokens": new_tokens, "self_speculation_new_tokens": self_tokens,
                   "load_average_before_after": [list(load_before), list(os.getloadavg())],
                   "models": {m.config.name: {"params": m.n_params,
                                              "params_millions": m.n_params / 1e6,
                                              "weights_bytes": m.weights_nbytes,
-                                             "weights_mb": m.weights_nbytes / 1e6}
-                             for m in [model, mha, big] + ([stories] if stories else [])},
+                                             "weights_mb": m.weights_nbytes / 1e6,
+                                             "n_layers": m.config.n_layers}
+                             for m in (smol, model, mha)},
+                  "smollm2_weights": "Q4_1 GGUF, int8 activations (kvlab.load's defaults)",
+                  "tasks": TASKS, "sampled": SAMPLED,
                   "timing": "decode time of generate() calls (the steps after the first "
-                            "token); every configuration runs plain (fast=False, and fast=True "
-                            "on the small models) and speculative in turn, in each round; "
-                            "times: medians over the rounds with the fastest and slowest; "
-                            "speedups: the median of the per-round ratios, with their range",
+                            "token); every configuration runs plain (fast=True, generate's "
+                            "default C loop, and fast=False, the Python loop) and speculative "
+                            "in turn, in each round; speedups: the median of the per-round "
+                            "ratios, with their range",
                   "seconds": None},
-        "pass_cost": tables,
-        "pass_cost_stories260k": stories_table,
+        "facts": FACTS,
+        "pass_cost": table,
         "draft_pass_cost_relative": draft_costs,
         "exactness": exact,
         "paged_by_hand": paged,
         "step": {k: v for k, v in step.items() if k != "context"},
         "rejection_rule": rule,
         "oracle": oracle_rows,
-        "summary": summary,
         "drafters": real_rows,
+        "summary": summary,
         "ridge_from_ch07": {"cpu_flops_per_byte": ch07["intensity_flops_per_byte"]["cpu_ridge"],
                             "cpu_read_gb_per_s": ch07["cpu"]["read_bytes_per_s"] / 1e9,
                             "cpu_threads": ch07["setup"]["kvlab_threads"],

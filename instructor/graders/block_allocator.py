@@ -1,10 +1,10 @@
-"""Hidden grading tests for lab 4 (block allocator). Each test says in its message what it
+"""Hidden grading tests for lab 5 (block allocator). Each test says in its message what it
 expected. Run by the judge (kvlab/grading/judge.py), never shipped in the package.
 
 Fixed scenarios check fork, copy-on-write, free and running out of blocks one rule at a
 time. Then seeded random runs of new / append / fork / free check the allocator's
 invariants after every operation (the ones kvlab's own pool.check() verifies), and drive
-kvlab's C pool (kvlab.PagedPool, csrc/paged.c) with the very same operations: your
+kvlab's C pool (kvlab.PagedPool, whose block manager is csrc/blocks.c) with the very same operations: your
 allocator must have as many free blocks as the pool after every step, copy a block
 exactly when the pool does and run out of blocks at exactly the same operations. The pool
 keeps freed full blocks for prefix reuse ("cached"), and hands them out when it needs

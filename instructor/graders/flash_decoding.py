@@ -1,4 +1,4 @@
-"""Hidden grading tests for lab 8 (flash-decoding). Each test says in its message what it
+"""Hidden grading tests for lab 10 (flash-decoding). Each test says in its message what it
 expected. Run by the judge (kvlab/grading/judge.py), never shipped in the package.
 
 The outputs are compared with the C core's attention over the same rows (cache.attend of

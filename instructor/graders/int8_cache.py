@@ -1,4 +1,4 @@
-"""Hidden grading tests for lab 7 (int8 cache quantization). Each test says in its message
+"""Hidden grading tests for lab 9 (int8 cache quantization). Each test says in its message
 what it expected. Run by the judge (kvlab/grading/judge.py), never shipped in the package.
 
 Codes and scales are checked bit for bit against kvlab.quant (the NumPy specification) and

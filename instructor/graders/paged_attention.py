@@ -1,4 +1,4 @@
-"""Hidden grading tests for lab 5 (attention through a block table). Each test says in its
+"""Hidden grading tests for lab 6 (attention through a block table). Each test says in its
 message what it expected. Run by the judge (kvlab/grading/judge.py), never shipped in the
 package.
 

@@ -2,7 +2,7 @@
 expected. Run by the judge (kvlab/grading/judge.py), never shipped in the package.
 
 Every test replays a stream of requests (admit a prompt, decode a few tokens, free) on the
-student's PrefixCache and on kvlab's C pool (kvlab.PagedPool, csrc/paged.c) side by side,
+student's PrefixCache and on kvlab's C pool (kvlab.PagedPool, whose block manager is csrc/blocks.c) side by side,
 and compares them after every operation. The pool is fed token ids and rows of zeros (its
 append without a model), except in the last test, where the bundled model computes the rows
 and picks the tokens. What must agree:

@@ -1,4 +1,4 @@
-"""Hidden grading tests for lab 6 (scheduler). Each test says in its message what it expected.
+"""Hidden grading tests for lab 8 (scheduler). Each test says in its message what it expected.
 Run by the judge (kvlab/grading/judge.py), never shipped in the package.
 
 Small fixed workloads check one rule at a time (chunked prefill, the token budget, FIFO

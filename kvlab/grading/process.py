@@ -31,6 +31,7 @@ from . import wire
 WORKER_SCRIPT = Path(__file__).resolve().with_name("worker.py")
 ENV_KEPT = ("PATH", "LANG", "LC_ALL", "KVLAB_NUM_THREADS", "OMP_NUM_THREADS",
             "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
+BLAS_THREADS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
 PR_SET_DUMPABLE, PR_SET_CHILD_SUBREAPER = 4, 36
 
 
@@ -200,6 +201,11 @@ class WorkerProcess:
         env = {name: os.environ[name] for name in ENV_KEPT if name in os.environ}
         env.update(HOME=str(folder), TMPDIR=str(folder), MPLBACKEND="Agg",
                    PYTHONIOENCODING="utf-8")
+        # The student's NumPy runs its products on one thread unless the grader's machine says
+        # otherwise: BLAS threads that fight over a shared machine's cores made a student's
+        # own-cache timings swing by 41-90x, and a timed step must measure the code, not them.
+        for name in BLAS_THREADS:
+            env.setdefault(name, "1")
         try:
             self.process = subprocess.Popen(
                 command, cwd=folder, env=env, stdin=subprocess.DEVNULL, stdout=output_w,

@@ -1,4 +1,4 @@
-"""Public self-checks for lab 4 (block allocator): `kvlab check block_allocator block_allocator.py`.
+"""Public self-checks for lab 5 (block allocator): `kvlab check block_allocator block_allocator.py`.
 
 One rule each, on tiny pools. The grade comes from hidden tests: fixed scenarios for every
 rule and random runs of operations compared, step by step, with kvlab's C pool.

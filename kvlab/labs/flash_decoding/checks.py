@@ -1,4 +1,4 @@
-"""Public self-checks for lab 8 (flash-decoding): `kvlab check flash_decoding flash_decoding.py`.
+"""Public self-checks for lab 10 (flash-decoding): `kvlab check flash_decoding flash_decoding.py`.
 
 Cases small enough to follow by hand. The grade comes from hidden tests: random MHA, GQA and
 MQA shapes split every way, compared with the C core's attention; the pieces and the merge

@@ -1,4 +1,4 @@
-"""Public self-checks for lab 7 (int8 cache): `kvlab check int8_cache int8_cache.py`.
+"""Public self-checks for lab 9 (int8 cache): `kvlab check int8_cache int8_cache.py`.
 
 Cases you can check by hand. The grade comes from hidden tests: random inputs with
 outliers, zeros, tiny and huge values compared bit for bit with kvlab's codes and with the

@@ -51,7 +51,7 @@ def test_forward_without_a_cache(sub, rng):
 
 @points(1, lends=LENDS)
 def test_one_decode_step_after_a_prefill(sub, rng):
-    """"ROMEO:" into your cache, then "\n" at position 6: the last row of the uncached run"""
+    """"ROMEO:" into your cache, then "\\n" at position 6: the last row of the uncached run"""
     model = mha_model()
     tokens = list(model.encode("ROMEO:\n"))
     lent = sub.handout("reference_model", checkpoint="mha")

@@ -1,4 +1,4 @@
-"""Public self-checks for lab 5 (attention through a block table):
+"""Public self-checks for lab 6 (attention through a block table):
 `kvlab check paged_attention paged_attention.py`.
 
 A pool of 3 blocks of 2 positions you can follow by hand. The grade comes from hidden tests:

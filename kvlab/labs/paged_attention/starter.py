@@ -50,7 +50,7 @@ def slot(position, block_table, block_size):
 def gather(blocks, block_table, length):
     """The sequence's rows of one layer's K (or V) in position order: (length, n_kv_heads,
     head_dim) float32, read through the table (what a kernel should NOT have to do before
-    attending: see the chapter's question 5)."""
+    attending: see chapter 7's question 5)."""
     # TODO
     raise NotImplementedError("gather")
 

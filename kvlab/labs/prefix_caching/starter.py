@@ -4,7 +4,7 @@ Many prompts start with the same tokens (a system prompt, the earlier turns of a
 the K and V of a position depend only on the tokens up to it. So a paged cache can keep the
 full blocks of finished requests and hand them to a later prompt that starts the same way:
 that prompt skips their prefill. This is the bookkeeping half of kvlab's prefix cache
-(csrc/paged.c) and of vLLM's: which blocks are cached, under which hash, which one to evict.
+(csrc/blocks.c) and of vLLM's: which blocks are cached, under which hash, which one to evict.
 It stores no keys or values, only token ids, block ids and counts.
 
 Check your work with:  kvlab check prefix_caching prefix_caching.py    (the public checks)

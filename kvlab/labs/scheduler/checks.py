@@ -1,4 +1,4 @@
-"""Public self-checks for lab 6 (scheduler): `kvlab check scheduler scheduler.py`.
+"""Public self-checks for lab 8 (scheduler): `kvlab check scheduler scheduler.py`.
 
 The simplest rules on tiny workloads. The grade comes from hidden tests: every rule on
 fixed workloads, and random workloads on tight caches checked step by step against the
