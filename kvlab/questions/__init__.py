@@ -11,6 +11,8 @@ The worked answers, with their reasoning, are for instructors (instructor/chapte
 from __future__ import annotations
 
 import importlib
+import json
+from pathlib import Path
 from typing import Callable, Dict, NamedTuple
 
 CHAPTERS = ("01_kv_cache", "02_cache_size", "03_gqa", "04_paged", "05_batching",
@@ -22,6 +24,18 @@ class Number(NamedTuple):
     unit: str                       # what the number counts ("bytes", "x", "%", ...)
     rel_tol: float = 0.01           # an answer this close (relative) is right
     hint: str = ""                  # said when the answer is wrong
+
+
+def figures(name: str) -> dict:
+    """A chapter's measurements, chapters/figures/NAME ("ch05.json"): installed with the
+    package as kvlab.chapters, or read from the repository beside the kit (an editable
+    install, a clone)."""
+    try:
+        from importlib.resources import files
+        return json.loads(files("kvlab.chapters").joinpath("figures", name).read_text())
+    except (ModuleNotFoundError, OSError):       # FileNotFoundError, NotADirectoryError too
+        path = Path(__file__).resolve().parents[2] / "chapters" / "figures" / name
+        return json.loads(path.read_text())
 
 
 def numbers(chapter: str) -> Dict[int, Number]:

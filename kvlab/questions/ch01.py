@@ -3,23 +3,10 @@ answer is a number, worked out with kvlab.measure (and, for the SmolLM2 run, the
 length chapters/figures/ch01.json recorded)."""
 from __future__ import annotations
 
-import json
-from pathlib import Path
 
 from .. import measure
 from ..config import ModelConfig
-from . import Number
-
-
-def _figures(name: str) -> dict:
-    """A chapter's measurements (chapters/figures/NAME), installed as kvlab.chapters or in
-    the repository beside the kit."""
-    try:
-        from importlib.resources import files
-        return json.loads(files("kvlab.chapters").joinpath("figures", name).read_text())
-    except (ModuleNotFoundError, FileNotFoundError, NotADirectoryError):
-        path = Path(__file__).resolve().parents[2] / "chapters" / "figures" / name
-        return json.loads(path.read_text())
+from . import Number, figures
 
 
 def _saving_at_99() -> float:
@@ -29,8 +16,8 @@ def _saving_at_99() -> float:
 def _uncached_tokens_smollm2() -> float:
     """Tokens the uncached 48-token SmolLM2 run pushes through the model: every step runs
     the whole sequence so far."""
-    run = _figures("ch01.json")["timing_48"]["smollm2"]
-    config = ModelConfig(**_figures("ch02.json")["smollm2"]["config"])
+    run = figures("ch01.json")["timing_48"]["smollm2"]
+    config = ModelConfig(**figures("ch02.json")["smollm2"]["config"])
     return measure.generation_counts(config, run["prompt_tokens"], run["new_tokens"],
                                      use_cache=False).tokens
 

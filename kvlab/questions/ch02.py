@@ -3,25 +3,12 @@ worked out with kvlab.kv_cache_bytes and kvlab.kv_bytes_per_token from the shape
 Llama presets; Llama 3 70B's and SmolLM2's as chapters/figures/ch02.json recorded them)."""
 from __future__ import annotations
 
-import json
-from pathlib import Path
 
 from .. import measure
 from ..config import ModelConfig
-from . import Number
+from . import Number, figures
 
 GB = 10 ** 9
-
-
-def _figures(name: str) -> dict:
-    """A chapter's measurements (chapters/figures/NAME), installed as kvlab.chapters or in
-    the repository beside the kit."""
-    try:
-        from importlib.resources import files
-        return json.loads(files("kvlab.chapters").joinpath("figures", name).read_text())
-    except (ModuleNotFoundError, FileNotFoundError, NotADirectoryError):
-        path = Path(__file__).resolve().parents[2] / "chapters" / "figures" / name
-        return json.loads(path.read_text())
 
 
 def _llama3_8b_request() -> int:
@@ -41,14 +28,14 @@ def _gqa_factor() -> float:
 
 
 def _llama3_70b_per_gpu() -> int:
-    fact = _figures("ch02.json")["facts"]["llama3_70b"]
+    fact = figures("ch02.json")["facts"]["llama3_70b"]
     config = ModelConfig(**fact["config"])
     one_gpu = config.replace(n_kv_heads=config.n_kv_heads // fact["gpus"])
     return measure.kv_bytes_per_token(one_gpu, "fp16")
 
 
 def _smollm2_chats_int8() -> int:
-    config = ModelConfig(**_figures("ch02.json")["smollm2"]["config"])
+    config = ModelConfig(**figures("ch02.json")["smollm2"]["config"])
     return GB // measure.kv_cache_bytes(config, 4096, dtype="int8")
 
 

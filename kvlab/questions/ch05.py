@@ -2,20 +2,8 @@
 number, worked out with the kit (and the data-sheet facts of the chapter's ch05.json)."""
 from __future__ import annotations
 
-import json
-from pathlib import Path
 
-from . import Number
-
-
-def _chapter_json() -> dict:
-    """chapters/figures/ch05.json: installed as kvlab.chapters, or beside the repository."""
-    try:
-        from importlib.resources import files
-        return json.loads(files("kvlab.chapters").joinpath("figures").joinpath("ch05.json").read_text())
-    except (ModuleNotFoundError, FileNotFoundError, OSError):
-        path = Path(__file__).resolve().parents[2] / "chapters" / "figures" / "ch05.json"
-        return json.loads(path.read_text())
+from . import Number, figures
 
 
 def _weights_per_token_at_batch_32() -> float:
@@ -28,7 +16,7 @@ def _weights_per_token_at_batch_32() -> float:
 def _h100_ridge() -> float:
     """Question 2: the H100's FLOPs per byte at its ridge, from the data sheet's dense bf16
     FLOP/s and its memory bandwidth."""
-    facts = _chapter_json()["facts"]
+    facts = figures("ch05.json")["facts"]
     return facts["h100_bf16_dense_flops"]["value"] / facts["h100_hbm_bytes_per_s"]["value"]
 
 

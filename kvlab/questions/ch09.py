@@ -3,20 +3,8 @@ Each expected answer is worked out with the kit (a real verification pass, a mod
 config's shape) or read from the chapter's measurements (chapters/figures/ch09.json)."""
 from __future__ import annotations
 
-import json
-from pathlib import Path
 
-from . import Number
-
-
-def _chapter_json() -> dict:
-    """ch09.json as installed (kvlab.chapters), else from the repository."""
-    try:
-        from importlib.resources import files
-        return json.loads(files("kvlab.chapters").joinpath("figures/ch09.json").read_text())
-    except (ModuleNotFoundError, FileNotFoundError, OSError):
-        path = Path(__file__).resolve().parents[2] / "chapters" / "figures" / "ch09.json"
-        return json.loads(path.read_text())
+from . import Number, figures
 
 
 def _rows_of_logits() -> float:
@@ -42,7 +30,7 @@ def _best_speedup() -> float:
 
 def _break_even() -> float:
     """Q7: the acceptance a at which k = 4 drafts pay for SmolLM2's measured 5-token pass."""
-    cost = next(r["relative_to_one"] for r in _chapter_json()["pass_cost"]["rows"]
+    cost = next(r["relative_to_one"] for r in figures("ch09.json")["pass_cost"]["rows"]
                 if r["new_tokens"] == 5)
     low, high = 0.0, 1.0                        # tokens per pass rises with a: bisect
     for _ in range(60):
