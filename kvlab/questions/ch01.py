@@ -3,7 +3,6 @@ answer is a number, worked out with kvlab.measure (and, for the SmolLM2 run, the
 length chapters/figures/ch01.json recorded)."""
 from __future__ import annotations
 
-
 from .. import measure
 from ..config import ModelConfig
 from . import Number, figures

@@ -3,7 +3,6 @@ worked out with kvlab.kv_cache_bytes and kvlab.kv_bytes_per_token from the shape
 Llama presets; Llama 3 70B's and SmolLM2's as chapters/figures/ch02.json recorded them)."""
 from __future__ import annotations
 
-
 from .. import measure
 from ..config import ModelConfig
 from . import Number, figures

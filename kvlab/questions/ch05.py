@@ -2,7 +2,6 @@
 number, worked out with the kit (and the data-sheet facts of the chapter's ch05.json)."""
 from __future__ import annotations
 
-
 from . import Number, figures
 
 

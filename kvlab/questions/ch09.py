@@ -3,7 +3,6 @@ Each expected answer is worked out with the kit (a real verification pass, a mod
 config's shape) or read from the chapter's measurements (chapters/figures/ch09.json)."""
 from __future__ import annotations
 
-
 from . import Number, figures
 
 
