@@ -19,7 +19,9 @@ functions, at smaller sizes:
    2,048 tokens of Tiny Shakespeare (common.english_text) as one window, its first 1,024
    the prompt and the next 1,024 scored, at budgets of 64, 256 and 1,024 rows.
 4. Which positions survive: cache.positions after a 256-token prompt under
-   HeavyHitters(64) and SnapKV(64), per layer and KV head, on SmolLM2.
+   HeavyHitters(64) and SnapKV(64), per layer and KV head, on SmolLM2 (drawn in
+   ch08_kept.png; ch08.json keeps only their summary, summarize_kept: how many heads keep
+   each position).
 5. Positions as stored against StreamingLLM's re-rotation: (a) the bundled model past its
    trained context, perplexity by position over 2,048 held-out tokens, teacher-forced,
    for the full cache, window, sinks (as stored, and re-rotated by place in the cache, in
@@ -114,7 +116,8 @@ FACTS = {
 def attention_share(model, tokens, first: int = 4, windows: int = 4, context: int = 256) -> dict:
     """The share of attention that queries at positions context/2 .. context-1 give to the
     first `first` positions, mean over windows, layers and heads (and the largest of any
-    layer and KV head), against the share an even spread would give them."""
+    layer and KV head), against the share an even spread would give them. Summaries only:
+    the per-head shares are not written."""
     kv_mul = model.config.n_heads // model.config.n_kv_heads
     half = context // 2
     windows = max(1, min(windows, len(tokens) // context))
@@ -136,24 +139,33 @@ def attention_share(model, tokens, first: int = 4, windows: int = 4, context: in
             "position_0_share": float(position_0.mean()),
             "position_0_max": float(position_0.max()),
             "position_0_layers_over_half": int((position_0.mean(axis=1) > 0.5).sum()),
-            "even_share": even, "per_layer_head": shares.tolist()}
+            "even_share": even}
 
 
 # ---- 4. which positions survive -----------------------------------------------------------
 
 def kept_positions(model, tokens) -> dict:
+    """{policy: cache.positions (n_layers, rows, n_kv_heads)} after the prompt, for the
+    figure; ch08.json gets summarize_kept of each."""
     prompt = tokens[:PROMPT_LEN]
     out = {}
     for name, policy in (("h2o", HeavyHitters(BUDGET)), ("snapkv", SnapKV(BUDGET))):
         cache = bench.policy_cache(model, policy, PROMPT_LEN + 1)
         policy.forward(model, prompt, cache)
-        positions = cache.positions                        # (n_layers, rows, n_kv_heads)
-        out[name] = {"positions": positions.tolist(),
-                     "heads_keeping_position_0": int((positions == 0).any(axis=1).sum()),
-                     "heads": int(positions.shape[0] * positions.shape[2]),
-                     "mean_kept_below_64": float((positions < 64).sum(axis=1).mean()),
-                     "mean_kept_below_128": float((positions < 128).sum(axis=1).mean())}
+        out[name] = np.array(cache.positions)
     return out
+
+
+def summarize_kept(positions, prompt_len: int) -> dict:
+    """What ch08.json keeps of one policy's kept positions (n_layers, rows, n_kv_heads):
+    how many layer-and-KV-head pairs keep position 0, out of how many, and how many keep
+    each position of the prompt (the column sums of ch08_kept.png)."""
+    positions = np.asarray(positions)
+    per_head = positions.transpose(0, 2, 1).reshape(-1, positions.shape[1])   # (heads, rows)
+    return {"heads_keeping_position_0": int((per_head == 0).any(axis=1).sum()),
+            "heads": int(per_head.shape[0]), "rows": int(per_head.shape[1]),
+            "heads_keeping_each_position":
+                np.bincount(per_head.ravel(), minlength=prompt_len).tolist()}
 
 
 # ---- 5b. StreamingLLM's re-rotation inside a trained context ------------------------------
@@ -366,7 +378,7 @@ def plot_kept(kept_by_model, path: Path) -> None:
     for row, (model_name, kept) in zip(axes, kept_by_model.items()):
         for ax, (policy, title) in zip(row, (("h2o", f"HeavyHitters({BUDGET})"),
                                              ("snapkv", f"SnapKV({BUDGET}, observation 16)"))):
-            positions = np.array(kept[policy]["positions"])          # (layers, rows, heads)
+            positions = kept[policy]                                  # (layers, rows, heads)
             n_layers, _, n_heads = positions.shape
             image = np.zeros((n_layers * n_heads, PROMPT_LEN))
             for layer in range(n_layers):
@@ -641,7 +653,10 @@ def main() -> None:
                   "rounds": ROUNDS,
                   "seconds": None},
         "facts": FACTS,
-        "memory": memory, "attention_share": shares, "accuracy": reports, "kept": kept,
+        "memory": memory, "attention_share": shares, "accuracy": reports,
+        "kept": {name: {policy: summarize_kept(positions, PROMPT_LEN)
+                        for policy, positions in by_policy.items()}
+                 for name, by_policy in kept.items()},
         "past_context": long, "inside_context": inside, "decode_times": times,
         "mla": mla, "mla_v3": mla_v3, "mla_demo": demo,
     }
