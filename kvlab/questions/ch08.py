@@ -8,29 +8,14 @@
 """
 from __future__ import annotations
 
-import json
-from functools import lru_cache
-from pathlib import Path
-
-from . import Number
+from . import Number, figures
 from ..config import ModelConfig
 from ..measure import kv_cache_bytes
 
 
-@lru_cache(maxsize=1)
-def _chapter_json() -> dict:
-    """ch08.json, installed (kvlab.chapters) or in the repository."""
-    try:
-        from importlib.resources import files
-        return json.loads((files("kvlab.chapters") / "figures" / "ch08.json").read_text())
-    except (ModuleNotFoundError, FileNotFoundError, OSError):
-        path = Path(__file__).resolve().parents[2] / "chapters" / "figures" / "ch08.json"
-        return json.loads(path.read_text())
-
-
 def _mla_bytes_per_token(key: str) -> float:
     """(d_c + d_R) values per layer, times layers, times bytes per element."""
-    shape = _chapter_json()[key]["shape"]
+    shape = figures("ch08.json")[key]["shape"]
     return float((shape["kv_lora_rank"] + shape["rope_head_dim"]) * shape["n_layers"]
                  * shape["bytes_per_element"])
 
