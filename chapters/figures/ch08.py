@@ -490,7 +490,7 @@ def quoted(result: dict) -> dict:
     q = {"prompt_tokens": f"{setup['prompt_tokens']}-token prompt",
          "smollm2_tokens": f"first {setup['smollm2_tokens']:,} tokens of Tiny Shakespeare",
          "long_tokens": f"first {setup['long_tokens']:,} tokens",
-         "cpu": setup["cpu"], "decode_rounds": f"{setup['rounds']} rounds"}
+         "decode_rounds": f"{setup['rounds']} rounds"}
     memory = {(r["policy"], r["generated"]): r for r in result["memory"]}
     for name in ("window", "sinks"):
         growth = [memory[(name, n)]["resident_growth"] // 1024 for n in LENGTHS]
