@@ -1,6 +1,7 @@
 """Figures and numbers for chapter 5, "Batching and scheduling".
 
-    python chapters/figures/ch05.py [--out DIR] [--threads N] [--quick]
+    python chapters/figures/ch05.py [--out DIR] [--threads N] [--rounds R] [--budget-rounds R]
+                                    [--quick]
 
 Writes ch05_throughput.png, ch05_budget.png, ch05_latency.png and ch05.json (every number
 the chapter quotes, with the setup and the facts it quotes from data sheets). All through
@@ -450,6 +451,9 @@ def main() -> None:
                         help="a short run that checks the script works (the tests run this);"
                              " its numbers are not the chapter's")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="rounds of the throughput runs (the memory budget's: --budget-rounds)")
+    parser.add_argument("--budget-rounds", type=int, default=2)
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -467,7 +471,8 @@ def main() -> None:
     models = {name: smollm2(**options) for name, options in formats.items()}
     q8 = models.get("Q8_0, int8 activations") or next(iter(models.values()))
     params = q8.n_params
-    tp = throughput(models, batches, rounds=1 if quick else 3, new_tokens=3 if quick else 5)
+    tp = throughput(models, batches, rounds=1 if quick else args.rounds,
+                    new_tokens=3 if quick else 5)
     ridges = ridge(tp, params)
     for r in tp["rows"]:
         print(f"{r['format']:<24}{r['batch']:>4}{r['decode_tokens_per_s']:>8,.0f} tok/s"
@@ -477,7 +482,8 @@ def main() -> None:
     print("ridges:", ridges, flush=True)
 
     served_model = short_context(q8, 128 if quick else 256)
-    budget = memory_budget(served_model, n_requests=6 if quick else 24, rounds=1 if quick else 2)
+    budget = memory_budget(served_model, n_requests=6 if quick else 24,
+                           rounds=1 if quick else args.budget_rounds)
     for name in WAY_LABELS:
         r = budget[name]
         print(f"{name}: {r['steps']} steps, running peak {r['peak_running']} mean "
