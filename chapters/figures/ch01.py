@@ -411,8 +411,8 @@ def main() -> None:
     stories = load_stories()
     result = {"setup": {**machine(), "default_threads": default_threads, "threads": THREADS,
                         "quick": quick,
-                        "note": "a shared 2-core machine (other agents' jobs ran beside these "
-                                "runs); timed with one thread of the C core, cached and "
+                        "note": "a shared 2-core machine, quiet during the final run (load "
+                                "average about 1); timed with one thread of the C core, cached and "
                                 "uncached in turn, ratios as medians of the pairs' ratios "
                                 "(chapters/appendix_measuring.md)",
                         "model": "shakespeare-1m (kvlab.load()); SmolLM2-135M-Instruct Q4_1 "
