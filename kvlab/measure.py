@@ -405,9 +405,11 @@ class WorkingMemory:
 
 def working_memory(model, prompt, new_tokens: int = 256) -> WorkingMemory:
     """Generate with and without the cache and compare peak working memory, as counted
-    by the core. Without a cache the last step holds activations for the whole sequence
-    and rebuilds all of its K and V; with one, a step holds one token's activations and
-    the cache holds every K and V once."""
+    by the core. Without a cache the last step rebuilds every K and V of the sequence and
+    runs its tokens in chunks (measure.chunk_length), so it holds every layer's K and V and
+    one chunk's activations (one_layer: one layer's K and V, but every token's
+    activations); with a cache, a step holds one token's activations and the cache holds
+    every K and V once."""
 
     with_cache = generate(model, prompt, new_tokens, use_cache=True, stop_at_eos=False)
     without = generate(model, prompt, new_tokens, use_cache=False, stop_at_eos=False)

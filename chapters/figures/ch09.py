@@ -801,8 +801,8 @@ def main() -> None:
     }
     result = {
         "setup": {**common.machine(), "threads": kvlab.get_num_threads(),
-                  "machine_note": "a shared 2-core virtual machine: other processes ran "
-                                  "beside these measurements (ratios are taken run by run)",
+                  "machine_note": "a shared 2-core virtual machine, quiet during the final "
+                                  "run (load average about 1); ratios are taken run by run",
                   "quick": quick, "rounds": rounds, "pass_reps": pass_reps, "k": K,
                   "new_tokens": new_tokens, "self_speculation_new_tokens": self_tokens,
                   "load_average_before_after": [list(load_before), list(os.getloadavg())],
