@@ -34,6 +34,7 @@ from .engine import Engine
 from .errors import CacheFullError
 from .generate import generate
 from .measure import kv_cache_bytes, weights_bytes
+from .questions import numbers as question_numbers
 from .model import KVCache
 from .scheduler import SamplingParams
 from .speculative import PromptLookup
@@ -112,8 +113,7 @@ def answer(chapter: str, question: int, value) -> bool:
     `answer("02_cache_size", 3, 1.5e9)`. Prints the verdict and returns True when the
     answer is close enough (each question says how close, usually 1 %). The kit works the
     expected answer out itself, from its own functions or the chapter's measurements."""
-    from .questions import numbers
-    table = numbers(chapter)
+    table = question_numbers(chapter)
     if question not in table:
         asked = ", ".join(str(n) for n in sorted(table)) or "none"
         raise ValueError(f"chapter {chapter} has no number question {question!r}; "

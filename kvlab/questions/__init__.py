@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib
 import json
+from importlib.resources import files
 from pathlib import Path
 from typing import Callable, Dict, NamedTuple
 
@@ -31,8 +32,9 @@ def figures(name: str) -> dict:
     package as kvlab.chapters, or read from the repository beside the kit (an editable
     install, a clone)."""
     try:
-        from importlib.resources import files
-        return json.loads(files("kvlab.chapters").joinpath("figures", name).read_text())
+        # kvlab.chapters has no __init__.py: files() gives a MultiplexedPath, whose
+        # joinpath takes one part at a time ("/" does the same)
+        return json.loads((files("kvlab.chapters") / "figures" / name).read_text())
     except (ModuleNotFoundError, OSError):       # FileNotFoundError, NotADirectoryError too
         path = Path(__file__).resolve().parents[2] / "chapters" / "figures" / name
         return json.loads(path.read_text())

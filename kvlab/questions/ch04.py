@@ -1,12 +1,12 @@
 """Chapter 4 (paged memory): the Check yourself questions whose answer is a number."""
 from . import Number
+import kvlab
 
 
 def _q1_blocks_after_fork_and_two_decodes() -> float:
     """Run the question on a kvlab pool: 100 tokens in blocks of 16, a fork, one decode
     step each for the parent and the child; the blocks the pool then has in use."""
     import numpy as np
-    import kvlab
     model = kvlab.load()
     pool = model.new_paged_pool(num_blocks=32, block_size=16)
     parent = pool.new_sequence()

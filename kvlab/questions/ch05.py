@@ -3,12 +3,13 @@ number, worked out with the kit (and the data-sheet facts of the chapter's ch05.
 from __future__ import annotations
 
 from . import Number, figures
+from ..config import ModelConfig
+from ..measure import weights_bytes
+import kvlab
 
 
 def _weights_per_token_at_batch_32() -> float:
     """Question 1: Llama 2 7B's fp16 weights, read once per step, shared by 32 tokens."""
-    from ..config import ModelConfig
-    from ..measure import weights_bytes
     return weights_bytes(ModelConfig.llama2_7b(), "fp16") / 32
 
 
@@ -22,7 +23,6 @@ def _h100_ridge() -> float:
 def _static_mean_batch() -> float:
     """Question 5: serve the 16 requests (15 of 20 tokens, one of 400) as one static batch
     with kvlab.Engine and average the batch size over its steps."""
-    import kvlab
     model = kvlab.load()
     engine = kvlab.Engine(model, model.new_paged_pool(num_blocks=64, block_size=16))
     for n in [20] * 15 + [400]:

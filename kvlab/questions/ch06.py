@@ -5,6 +5,9 @@ from __future__ import annotations
 import numpy as np
 
 from . import Number
+import kvlab
+from kvlab import quant
+from kvlab import measure
 
 # The inputs the questions state (chapters/06_quantization.md, "Check yourself")
 GROUP = [0.01, -0.02, 0.03, 12.7]            # question 2
@@ -12,17 +15,14 @@ OUTLIER, REST = 3065.0, 0.9                   # question 7: one large value, 31 
 
 
 def _llama2_int8() -> float:
-    import kvlab
     return kvlab.kv_bytes_per_token(kvlab.ModelConfig.llama2_7b(), "int8")
 
 
 def _int8_scale() -> float:
-    from kvlab import quant
     return float(quant.quantize(np.asarray(GROUP, dtype=np.float32), "int8").scales.ravel()[0])
 
 
 def _window_share() -> float:
-    import kvlab
     config = kvlab.ModelConfig.llama3_8b()
     plain = kvlab.kv_cache_bytes(config, 4096, dtype="int4")
     windowed = kvlab.kv_cache_bytes(config, 4096, dtype="int4", window=32)
@@ -30,8 +30,6 @@ def _window_share() -> float:
 
 
 def _better_saving() -> float:
-    import kvlab
-    from kvlab import measure
     config = kvlab.ModelConfig.llama3_8b()
 
     def total(weights, cache):
@@ -41,7 +39,6 @@ def _better_saving() -> float:
 
 
 def _outlier_step() -> float:
-    from kvlab import quant
     block = np.full(32, REST, dtype=np.float32)
     block[0] = OUTLIER
     return float(quant.quantize(block, "int8").scales.ravel()[0])

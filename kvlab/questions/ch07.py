@@ -1,31 +1,29 @@
 """Chapter 7 (kernels for decode attention): the Check yourself questions whose answer is a
 number."""
 from . import Number
+import kvlab
+import math
 
 
 def _mistral_7b():
     """Mistral 7B's attention shape (Jiang et al., 2023): 32 layers, 32 query heads, 8 KV
     heads of head_dim 128 (the same shape as Llama 3 8B's attention)."""
-    import kvlab
     return kvlab.ModelConfig.llama3_8b().replace(vocab_size=32000, name="Mistral 7B shape")
 
 
 def _q1_int4_intensity() -> float:
     """FLOPs per byte of decode attention over kvlab's int4 cache (4 bits a value, one
     fp32 scale and zero point per 32 values)."""
-    import kvlab
     c = _mistral_7b()
     flops_per_position = 4 * c.n_heads * c.head_dim * c.n_layers      # q.k and p.v
     return flops_per_position / kvlab.kv_bytes_per_token(c, "int4")
 
 
 def _q3_factor_of_acc1() -> float:
-    import math
     return math.exp(3.0 - max(3.0, 5.0))
 
 
 def _q4_blocks() -> float:
-    import kvlab
     return 2 * kvlab.ModelConfig.llama3_8b().n_kv_heads      # batch 2
 
 

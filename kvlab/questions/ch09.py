@@ -4,11 +4,13 @@ config's shape) or read from the chapter's measurements (chapters/figures/ch09.j
 from __future__ import annotations
 
 from . import Number, figures
+import kvlab
+from ..config import ModelConfig
+from ..measure import kv_bytes_per_token
 
 
 def _rows_of_logits() -> float:
     """Q1: a real verification of the newest token and 4 drafts on the bundled model."""
-    import kvlab
     model = kvlab.load()
     cache = model.new_cache(64)
     model.prefill(model.encode("ROMEO:\n"), cache)
@@ -41,8 +43,6 @@ def _break_even() -> float:
 def _verify_intensity() -> float:
     """Q8: decode attention's FLOPs per byte of K/V read for Llama 3 8B with an fp16 cache
     (chapter 7.1: 2 * kv_mul / b), when a verification brings 5 query tokens per read."""
-    from ..config import ModelConfig
-    from ..measure import kv_bytes_per_token
     config = ModelConfig.llama3_8b()
     kv_mul = config.n_heads // config.n_kv_heads
     values_per_token = 2 * config.n_layers * config.n_kv_heads * config.head_dim
