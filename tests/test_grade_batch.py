@@ -94,6 +94,8 @@ def test_grade_all_grades_each_submission_and_writes_results_and_a_summary(submi
 
 
 def test_grade_all_refuses_in_words_before_grading(submissions, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)                # where --out's default, graded/, would go
+
     def refused(*argv):
         assert cli.main(["grade-all", *argv, "--quiet"]) == 2
         return capsys.readouterr().err
@@ -112,11 +114,17 @@ def test_grade_all_refuses_in_words_before_grading(submissions, tmp_path, capsys
                    str(blocked / "graded"))
     assert "cannot write the results to" in said and str(blocked / "graded") in said
     assert "no graders/ folder" in refused(LAB, str(submissions), "--instructor", str(tmp_path))
+    (tmp_path / "other" / "graders").mkdir(parents=True)      # an instructor/ without this lab
+    assert f"has no graders/{LAB}.py" in refused(LAB, str(submissions), "--instructor",
+                                                 str(tmp_path / "other"))
+    clash = tmp_path / "clash"
+    (clash / "summary.csv").mkdir(parents=True)
+    assert "would take the summary's place" in refused(LAB, str(clash), "--instructor",
+                                                       str(INSTRUCTOR))
     assert not (tmp_path / "graded").exists()
     # never the public checks: no instructor/ found is an error that says how to name one
     as_after_a_plain_pip_install(monkeypatch)
-    monkeypatch.chdir(tmp_path)
-    said = refused(LAB, str(submissions), "--out", str(tmp_path / "graded"))
+    said = refused(LAB, str(submissions))
     assert "hidden tests only" in said and "--instructor" in said and "KVLAB_INSTRUCTOR" in said
     assert not (tmp_path / "graded").exists()
     with pytest.raises(SystemExit):

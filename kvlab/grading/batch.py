@@ -94,7 +94,11 @@ def grade_all(lab: str, submissions: Union[str, Path], out: Union[str, Path], *,
         if not tests_path.is_file():
             raise FileNotFoundError(f"no test file at {tests_path}")
     else:
-        tests_path = hidden_tests(spec, find_instructor(instructor))
+        folder = find_instructor(instructor)
+        tests_path = hidden_tests(spec, folder)
+        if folder is not None and tests_path is None:
+            raise FileNotFoundError(f"{folder} has no graders/{spec.name}.py: no hidden tests "
+                                    f"for lab {spec.name} there")
         if tests_path is None:
             raise FileNotFoundError(
                 f"no hidden tests for lab {spec.name}: grade-all grades with the hidden tests "
@@ -109,6 +113,9 @@ def grade_all(lab: str, submissions: Union[str, Path], out: Union[str, Path], *,
                          f"file per student")
     if out.resolve() == submissions.resolve():
         raise ValueError("--out must be another folder than the submissions'")
+    if SUMMARY in entries:
+        raise ValueError(f"a submission named {SUMMARY} in {submissions} would take the "
+                         f"summary's place in the results: rename it")
     _writable_folder(out)
 
     from tqdm.auto import tqdm
