@@ -50,6 +50,19 @@ def submissions(tmp_path):
     (folder / "erin.py").write_text(SOLUTION.read_text() + "\n\ndef slot(position, block_table, "
                                     "block_size):\n    while True:\n        pass\n")  # hangs
     (folder / "submission_metadata.yml").write_text(":submission_101:\n")  # not a submission
+    # graded last, it rewrites what the batch wrote for the others and its own score: the
+    # batch writes every file again from the judges' reports at the end
+    out = tmp_path / "graded"
+    (folder / "zoe.py").write_text(SOLUTION.read_text() + f"""
+for name in ("bob", "zoe"):
+    try:
+        with open({str(out)!r} + "/" + name + "/results.json", "w") as forged:
+            forged.write('{{"score": 99, "tests": []}}')
+    except OSError:
+        pass
+with open({str(out)!r} + "/summary.csv", "w") as forged:
+    forged.write("student,score\\nzoe,99\\n")
+""")
     return folder
 
 
@@ -59,9 +72,9 @@ def test_grade_all_grades_each_submission_and_writes_results_and_a_summary(submi
     assert cli.main(["grade-all", LAB, str(submissions), "--out", str(out), "--instructor",
                      str(INSTRUCTOR), "--seed", "1", "--test-timeout", "3", "--quiet"]) == 0
     printed = capsys.readouterr().out
-    assert f"wrote 5 results.json files under {out}" in printed
+    assert f"wrote 6 results.json files under {out}" in printed
     rows = rows_of(out)
-    assert list(rows) == ["bob", "carol", "dave", "erin", "submission_101"]
+    assert list(rows) == ["bob", "carol", "dave", "erin", "submission_101", "zoe"]
     full = labs.LABS[LAB].points
     tests = list(rows["bob"])[7:]
     assert len(tests) == 7 and all(t.startswith("test_") for t in tests)
@@ -76,6 +89,7 @@ def test_grade_all_grades_each_submission_and_writes_results_and_a_summary(submi
 
     good = rows["submission_101"]
     assert (good["score"], good["failed"], good["error"]) == (str(full), "", "")
+    assert rows["zoe"]["score"] == str(full)        # its forgeries are gone (99 is not 14)
     assert good["file"] == f"submission_101/{LAB}.py" and good["seed"] == "1"
     bob = rows["bob"]
     assert set(bob["failed"].split(";")) == expected_failures(MISTAKE)
