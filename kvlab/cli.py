@@ -2,8 +2,8 @@
 
 `kvlab demo`, `kvlab bench`, `kvlab generate`, `kvlab chat`, `kvlab info`, `kvlab fetch`,
 `kvlab serve-bench`, and for the labs
-`kvlab lab list|show|start|autograder`, `kvlab check LAB SUBMISSION` and
-`kvlab grade LAB SUBMISSION`.
+`kvlab lab list|show|start|autograder`, `kvlab check LAB SUBMISSION`,
+`kvlab grade LAB SUBMISSION` and, for instructors, `kvlab grade-all LAB SUBMISSIONS`.
 
 Also reachable as `python -m kvlab`. Each subcommand is a thin layer over the public API
 (kvlab.load, kvlab.generate), so what it prints is what a notebook would compute.
@@ -406,10 +406,27 @@ def cmd_grade(args) -> int:
                    public=args.public, seed=args.seed, progress=True)
     print(report.summary())
     if report.graded_with == "public checks" and not args.public:
-        print("(no hidden tests here, so these are the public checks: your course grades with "
+        from .grading.labs import instructor_hint
+        print("(no hidden tests found, so these are the public checks: your course grades with "
               "hidden tests)")
+        print(f"(instructors: {instructor_hint()})")
     if args.results:
         print(f"wrote {args.results}")
+    return 0
+
+
+def cmd_grade_all(args) -> int:
+    """Exit status 0 once every submission has its row, whatever the scores."""
+    from .grading.batch import SUMMARY, grade_all
+    rows = grade_all(args.lab, args.submissions, args.out, instructor=args.instructor,
+                     seed=args.seed, test_timeout=args.test_timeout, progress=not args.quiet)
+    for row in rows:
+        r = row.report
+        print(f"{row.student:24} {r.score:>5g} / {r.max_score:<4g}"
+              + (f"  {row.error}" if row.error else "")
+              + (f"  failed: {', '.join(r.failed())}" if r.failed() and not row.error else ""))
+    print(f"wrote {len(rows)} results.json files under {args.out} and "
+          f"{os.path.join(args.out, SUMMARY)}")
     return 0
 
 
@@ -429,6 +446,17 @@ def positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def positive_seconds(text: str) -> float:
+    """argparse type: a finite number of seconds above zero."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be above 0 seconds, got {text}")
     return value
 
 
@@ -609,7 +637,9 @@ def build_parser() -> argparse.ArgumentParser:
     lab.add_argument("--force", action="store_true", help="overwrite an existing starter")
     lab.add_argument("-o", "--output", default=None, help="the autograder zip (default: LAB.zip)")
     lab.add_argument("--instructor", default=None,
-                     help="the instructor/ folder with the hidden tests (default: the clone's)")
+                     help="the instructor/ folder with the hidden tests (default: "
+                          "$KVLAB_INSTRUCTOR, else the clone's: the one kvlab runs from "
+                          "(pip install -e .) or the current directory's, at a clone's root)")
     lab.set_defaults(func=cmd_lab)
 
     grade = add_command("grade", "grade a lab submission and write results.json")
@@ -618,12 +648,36 @@ def build_parser() -> argparse.ArgumentParser:
     grade.add_argument("--results", default="results.json",
                        help="Gradescope-style results file to write")
     grade.add_argument("--instructor", default=None,
-                       help="the instructor/ folder with the hidden tests (default: the clone's, "
-                            "or $KVLAB_INSTRUCTOR)")
+                       help="the instructor/ folder with the hidden tests (default: "
+                            "$KVLAB_INSTRUCTOR, else the clone's when kvlab runs from its "
+                            "source tree, pip install -e .; after a plain pip install . name "
+                            "it here). Without one, the public checks grade, and it says so")
     grade.add_argument("--public", action="store_true", help="grade with the public checks only")
     grade.add_argument("--seed", type=int, default=None,
                        help="the hidden cases' seed (to see again the cases of an earlier grade)")
     grade.set_defaults(func=cmd_grade)
+
+    batch = add_command("grade-all", "instructors: grade a folder of submissions with the "
+                                     "hidden tests, writing OUT/STUDENT/results.json for each "
+                                     "and OUT/summary.csv")
+    batch.add_argument("lab", help="lab name (see kvlab lab list)")
+    batch.add_argument("submissions",
+                       help="a folder holding a folder per student with the lab's file in it "
+                            "(LAB.py, else its only .py file: Gradescope's export, "
+                            "submission_ID/), or one .py file per student (NAME.py)")
+    batch.add_argument("--out", default="graded",
+                       help="where to write each student's results.json and summary.csv")
+    batch.add_argument("--instructor", default=None,
+                       help="the instructor/ folder with the hidden tests, found as by kvlab "
+                            "grade (default: $KVLAB_INSTRUCTOR, else the clone's when kvlab "
+                            "runs from its source tree); never the public checks")
+    batch.add_argument("--seed", type=int, default=None,
+                       help="the hidden cases' seed for every submission (default: a new one "
+                            "each, given in its results)")
+    batch.add_argument("--test-timeout", type=positive_seconds, default=60.0,
+                       help="seconds each test may take, its worker's start included")
+    batch.add_argument("--quiet", action="store_true", help="no progress bar")
+    batch.set_defaults(func=cmd_grade_all)
 
     check = add_command("check", "run a lab's public self-checks on your file")
     check.add_argument("lab", help="lab name (see kvlab lab list)")

@@ -3,8 +3,9 @@
     kvlab lab list                         # the labs, in course order, with their points
     kvlab lab start cache_size .           # copy the starter and its instructions
     kvlab check cache_size cache_size.py   # the lab's public self-checks
-    kvlab grade cache_size cache_size.py   # the hidden tests where instructor/ is present
+    kvlab grade cache_size cache_size.py   # the hidden tests where instructor/ is found
     kvlab lab autograder cache_size -o cache_size.zip   # a Gradescope autograder
+    kvlab grade-all cache_size submissions/ --instructor DIR   # a class, summary.csv
 
 How a grade is made (each file does one part):
     labs.py      the labs, their points, what each lets a submission import
@@ -19,6 +20,7 @@ How a grade is made (each file does one part):
     served.py    kvlab objects a lab lends by reference: they stay in the judge
     report.py    the grade, and Gradescope's results.json
     runner.py    grade() and check(): start a judge, read its report
+    batch.py     grade_all(): a folder of submissions, a judge each, and a CSV summary
     autograder.py  the Gradescope package, and its entry point on Gradescope
 """
 from .labs import LABS, Lab, get_lab, start_lab

@@ -118,15 +118,18 @@ def get_lab(name: str) -> Lab:
 def find_instructor(explicit: Optional[Union[str, Path]] = None,
                     from_clone_here: bool = False) -> Optional[Path]:
     """The instructor/ folder with the hidden tests: the one given, else $KVLAB_INSTRUCTOR,
-    else the one beside the package in a clone of the repository (pip install -e); with
-    from_clone_here, else the current directory's when it is the root of a clone (an
-    instructor building a Gradescope package after a plain pip install). Never the current
-    directory's otherwise: a TA grading in a student's folder must not take hidden tests
-    planted there. None when there is none."""
+    else the one beside the package when kvlab runs from its source tree (an editable
+    install, pip install -e, or PYTHONPATH pointing at the clone); with from_clone_here,
+    else the current directory's when it is the root of a clone (an instructor building a
+    Gradescope package after a plain pip install). After a plain `pip install .` the
+    package lives in site-packages, so grading finds no instructor/ unless it is named:
+    never the current directory's, which could be a student's folder, and a TA grading
+    there must not take hidden tests planted in it (instructor_hint() says where one is).
+    None when there is none."""
     here = Path.cwd()
     clone_here = from_clone_here and (here / "kvlab" / "grading").is_dir()
     for candidate in (explicit, os.environ.get("KVLAB_INSTRUCTOR"),
-                      LABS_DIR.parents[1] / "instructor",
+                      _source_tree() / "instructor" if _source_tree() else None,
                       here / "instructor" if clone_here else None):
         if candidate and (Path(candidate) / "graders").is_dir():
             return Path(candidate).resolve()
@@ -134,6 +137,30 @@ def find_instructor(explicit: Optional[Union[str, Path]] = None,
             raise FileNotFoundError(f"{explicit} has no graders/ folder: it is not the "
                                     f"instructor/ folder of a kvlab clone")
     return None
+
+
+def _source_tree() -> Optional[Path]:
+    """The clone this kvlab runs from, or None for an installed copy (site-packages)."""
+    root = LABS_DIR.parents[1]
+    return root if (root / "pyproject.toml").is_file() else None
+
+
+HOW_TO_NAME_INSTRUCTOR = (
+    "kvlab grade takes the hidden tests from --instructor DIR, else $KVLAB_INSTRUCTOR, else "
+    "the clone's instructor/ when kvlab runs from its source tree (pip install -e .); after "
+    "a plain pip install . name it: --instructor path/to/kvlab/instructor")
+
+
+def instructor_hint() -> str:
+    """What to do when no instructor/ was found: the sentence above, and the instructor/
+    folder of a clone in the current directory or one of its parents, where there is one
+    (named, never used: the current directory could be a student's)."""
+    for folder in (Path.cwd(), *Path.cwd().parents):
+        candidate = folder / "instructor"
+        if (candidate / "graders").is_dir() and (folder / "kvlab" / "grading").is_dir():
+            return (f"{HOW_TO_NAME_INSTRUCTOR} (there is one at {candidate}: if it is yours, "
+                    f"pass --instructor {candidate})")
+    return HOW_TO_NAME_INSTRUCTOR
 
 
 def hidden_tests(lab: Lab, instructor: Optional[Path]) -> Optional[Path]:
