@@ -102,3 +102,30 @@ def test_own_cache_wrong_tokens_are_shown_as_text(tmp_path):
     report = check("own_cache", with_mistake(tmp_path, "own_cache", wrong))
     output = outputs(report)["test_five_greedy_tokens_with_the_cache"].output
     assert "from token 2 on" in output and "'" in output, output
+
+
+# ---- paged_attention's public checks ------------------------------------------------------
+
+@pytest.mark.parametrize("mistake, hint", [
+    ("head_mapping_swapped", "reading KV head h % 2"),
+    ("scale_by_head_dim", "scores divided by head_dim"),
+    ("reads_whole_blocks", "rows past the length (7) are stale")])
+def test_paged_attention_public_checks_catch_attention_mistakes_and_name_them(tmp_path, mistake, hint):
+    """A swapped GQA head mapping and a wrong scale passed the public checks (a query of
+    zeros) 3/3: the GQA check with a real query fails them, each with its own hint."""
+    report = check("paged_attention", with_mistake(tmp_path, "paged_attention", planted("paged_attention", mistake)))
+    failed = outputs(report)["test_gqa_attention_with_a_query"]
+    assert not failed.passed and hint in failed.output, report.summary()
+    others = ("reading KV head", "divided by head_dim", "unscaled", "are stale")
+    assert [h for h in others if h in failed.output] == [h for h in others if h in hint], failed.output
+
+
+def test_paged_attention_the_stale_row_hint_shows_only_for_stale_rows(tmp_path):
+    report = check("paged_attention", with_mistake(tmp_path, "paged_attention", planted("paged_attention", "reads_whole_blocks")))
+    equal = outputs(report)["test_equal_scores_average_the_values"]
+    assert not equal.passed and "past the length" in equal.output, equal.output
+    unscaled = ("_scaled = paged_attend\n\n\ndef paged_attend(q, *rest):\n"
+                "    return _scaled(q * np.float32(math.sqrt(q.shape[-1])), *rest)   # no scale at all\n")
+    report = check("paged_attention", with_mistake(tmp_path, "paged_attention", unscaled))
+    assert outputs(report)["test_equal_scores_average_the_values"].passed    # q = 0: no scale
+    assert not outputs(report)["test_gqa_attention_with_a_query"].passed
