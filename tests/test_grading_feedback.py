@@ -129,3 +129,42 @@ def test_paged_attention_the_stale_row_hint_shows_only_for_stale_rows(tmp_path):
     report = check("paged_attention", with_mistake(tmp_path, "paged_attention", unscaled))
     assert outputs(report)["test_equal_scores_average_the_values"].passed    # q = 0: no scale
     assert not outputs(report)["test_gqa_attention_with_a_query"].passed
+
+
+# ---- speculative_decoding ---------------------------------------------------------------
+
+def test_a_cache_full_of_rejected_drafts_points_at_rollback():
+    """A loop without rollback overflows its cache: the message must name the pass whose
+    rejected drafts stayed, and the rollback, not a larger max_seq_len."""
+    from kvlab.errors import CacheFullError
+    from kvlab.grading.served import ServedModel
+    model = ServedModel()
+    prompt = model.encode("ROMEO:\nBut soft")
+    cache = model.new_cache(len(prompt) + 8)
+    newest = int(np.argmax(model.forward(prompt, cache)))
+    wrong = (newest + 1) % 256                    # the bundled model has 256 tokens (bytes)
+    with pytest.raises(CacheFullError) as caught:
+        for _ in range(4):                       # 1 + 3 drafts a pass, never rolled back
+            model.forward([newest, wrong, wrong, wrong], cache, all_logits=True)
+    message = str(caught.value)
+    assert "rejected drafts' K and V stayed" in message and "cache.truncate" in message, message
+    assert f"should have held {len(prompt) + 1}" in message, message
+    assert "larger max_seq_len" not in message
+    # a cache too small for what is asked of it, with nothing rolled back wrong: the message
+    # asks about the loop, and names no pass
+    cache = model.new_cache(len(prompt))
+    model.forward(prompt, cache)
+    with pytest.raises(CacheFullError) as caught:
+        model.forward([newest], cache)
+    assert "rollback" in str(caught.value) and "stayed in it" not in str(caught.value)
+
+
+def test_speculative_public_tokens_are_shown_as_text(tmp_path):
+    wrong = ('_right = generate_speculative\n\n\n'
+             'def generate_speculative(model, prompt, n_new, k=4, max_ngram=3):\n'
+             '    tokens, stats = _right(model, prompt, n_new, k, max_ngram)\n'
+             '    return tokens[:20] + [32] * (n_new - 20), stats\n')
+    report = check("speculative_decoding", with_mistake(tmp_path, "speculative_decoding", wrong))
+    output = outputs(report)["test_speculation_keeps_plain_decodings_tokens"].output
+    assert "your tokens differ from token" in output and "'" in output, output
+    assert output.count(",") < 40, output                 # not two lists of 24 numbers
