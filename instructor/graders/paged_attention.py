@@ -127,15 +127,35 @@ def test_paged_attention_matches_contiguous_attention(sub, rng):
 @points(2)
 def test_the_last_block_is_read_only_up_to_the_length(sub, rng):
     """lengths 1 past a block's end and 1 short of it: the stale rows must not count"""
+    # Compared with the student's own attention over the same rows in blocks of 1, where no
+    # row is stale: the attention itself (its scale, its heads) is the other tests' concern,
+    # so a mistake there fails them, not this one. The last row in the length must count.
     n_heads, n_kv_heads = shapes(rng)["GQA"]
     block_size = int(rng.integers(4, 9))
     for length in (block_size + 1, 2 * block_size - 1, 1):
         key_blocks, value_blocks, table, keys, values = random_pool(rng, n_kv_heads, 8, block_size, length)
         q = rng.standard_normal((n_heads, 8)).astype(np.float32)
-        got = sub.paged_attend(q, key_blocks, value_blocks, table, length)
-        check_close(got, c_attend(q, keys, values),
-                    f"{length} positions in blocks of {block_size}: the last block holds "
-                    f"{length - (-(-length // block_size) - 1) * block_size} of them, the rest is stale")
+        held = length - (-(-length // block_size) - 1) * block_size
+        what = (f"{length} positions in blocks of {block_size}, table {table}: the last block "
+                f"holds {held} of them, its other {block_size - held} rows are stale")
+        got = as_array(sub.paged_attend(q, key_blocks, value_blocks, table, length), what,
+                       shape=(n_heads, 8))
+        alone = sub.paged_attend(q, keys[:, None], values[:, None], list(range(length)), length)
+        try:
+            check_close(got, as_array(alone, what, shape=(n_heads, 8)), what)
+        except AssertionError as error:
+            raise AssertionError(
+                f"{error}; 'expected' is your own paged_attend over the same {length} rows in "
+                f"blocks of 1, where no row is stale: rows past the length must not count") from None
+        changed_keys, changed_values = key_blocks.copy(), value_blocks.copy()
+        last = (table[(length - 1) // block_size], (length - 1) % block_size)
+        changed_keys[last] += np.float32(2)
+        changed_values[last] += np.float32(5)
+        again = as_array(sub.paged_attend(q, changed_keys, changed_values, table, length), what,
+                         shape=(n_heads, 8))
+        assert not np.allclose(again, got, rtol=1e-5, atol=1e-5), (
+            f"{what}: the row of position {length - 1} (block {last[0]}, row {last[1]}) changed, "
+            f"and your output did not: every position up to the length must count")
 
 
 def check_every_layer(sub, rng, pool, handle, contiguous, what):

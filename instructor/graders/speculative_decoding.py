@@ -390,6 +390,42 @@ def test_speculation_takes_fewer_passes_than_tokens(sub, rng):
                 f"the passes after the prefill ran {later} tokens")
 
 
+@points(1)
+def test_drafts_never_pass_the_tokens_still_wanted(sub, rng):
+    """near the end: at most the tokens still wanted minus one drafts a pass, and no pass after the last token"""
+    # The tokens chosen before each pass are counted as the greedy rule keeps them, from the
+    # passes the grader saw (a mistake in verify is the verify tests' concern, not this one's).
+    for n_new in (2, int(rng.integers(3, 9)), int(rng.integers(9, 25))):
+        model = ServedModel()
+        prompt, k, max_ngram = repetitive_prompt(rng), int(rng.integers(4, 8)), int(rng.integers(2, 5))
+        what = f"generate_speculative, {n_new} tokens after {show(prompt)}, k={k}, max_ngram={max_ngram}"
+        got = sub.generate_speculative(model, prompt, n_new, k, max_ngram)
+        if not isinstance(got, (tuple, list)) or len(got) != 2:
+            raise AssertionError(f"{what}: expected (tokens, stats), got {described(got)}")
+        caches = model.caches_used()
+        assert len(caches) == 1, (f"{what}: one cache, prefilled with the prompt, then verified "
+                                  f"on; the model ran passes over {len(caches)} caches")
+        passes = model.passes_over(caches[0])
+        ran = [len(p.tokens) for p in passes]
+        assert passes[0].start == 0 and passes[0].tokens == tuple(prompt), (
+            f"{what}: the first pass is the prefill of the prompt; the model ran passes of {ran} tokens")
+        chosen = 1                                          # the prefill's token
+        for p in passes[1:]:
+            wanted = n_new - chosen
+            assert wanted > 0, (f"{what}: a pass ran after all {n_new} tokens were chosen (passes "
+                                f"of {ran} tokens): stop at n_new")
+            cap = min(k, wanted - 1)
+            assert len(p.drafts) <= cap, (
+                f"{what}: with {chosen} of {n_new} tokens chosen, a pass checked "
+                f"{len(p.drafts)} drafts; at most min(k, {wanted} still wanted - 1) = {cap}: the "
+                f"pass adds a token of its own after the accepted drafts, so more drafts could "
+                f"never all be kept, and the model runs tokens that are thrown away")
+            chosen += p.accepted + 1
+        assert n_new < 3 or any(p.drafts for p in passes[1:]), (
+            f"{what}: no pass after the prefill checked a draft (passes of {ran} tokens): on a "
+            f"prompt that repeats itself, prompt lookup proposes drafts and one pass verifies them")
+
+
 @points(2)
 def test_measurement_reports_what_ran(sub, rng):
     """measure: passes, drafts, acceptance rate and times as the grader counted and timed them"""

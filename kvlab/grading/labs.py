@@ -88,7 +88,7 @@ LABS: Dict[str, Lab] = {lab.name: lab for lab in (
     Lab("flash_decoding", 10, "Flash-decoding: pieces, a merge, any split", "07_gpu_kernels", 14,
         "split attention and its merge"),
     Lab("speculative_decoding", 11, "Speculative decoding: prompt lookup, one-pass verification, "
-        "rollback", "09_speculative", 18, "speculative decoding"),
+        "rollback", "09_speculative", 19, "speculative decoding"),
 )}
 
 

@@ -20,6 +20,7 @@ from typing import List, Tuple
 
 import numpy as np
 
+from ..errors import CacheFullError
 from .remote import ServedObject
 from .wire import Record
 
@@ -151,7 +152,12 @@ class ServedModel(ServedObject):
             raise TypeError("token ids must be integers")
         context, start = tuple(cache.tokens), cache.length
         started = time.perf_counter()
-        rows = self._model.forward(ids, cache._cache, all_logits=True)
+        try:
+            rows = self._model.forward(ids, cache._cache, all_logits=True)
+        except CacheFullError as error:
+            if len(ids) + start <= cache.capacity:
+                raise
+            raise CacheFullError(self.overflow(cache, len(ids))) from None
         ended = time.perf_counter()
         ran = tuple(int(t) for t in ids.tolist())
         cache.tokens.extend(ran)
@@ -159,6 +165,27 @@ class ServedModel(ServedObject):
                                 tuple(int(i) for i in np.argmax(rows, axis=-1)), context,
                                 started, ended))
         return rows if all_logits else rows[-1]
+
+    def overflow(self, cache: ServedCache, n: int) -> str:
+        """Why `cache` cannot take n more positions, for a speculative loop: the likely cause
+        is not its size but rejected drafts left in it (a missing rollback), so say which
+        pass left them, where the passes show it."""
+        message = (f"the KV cache is full: it holds {cache.length} of {cache.capacity} "
+                   f"positions and cannot take {n} more")
+        passes = self.passes_over(cache)
+        for before, after in zip(passes[1:], passes[2:]):
+            kept = before.start + 1 + before.accepted        # newest token and accepted drafts
+            if len(before.drafts) > before.accepted and after.start > kept:
+                return (f"{message}. After the pass at position {before.start}, which checked "
+                        f"{len(before.drafts)} drafts and accepted {before.accepted}, the cache "
+                        f"should have held {kept} positions, but the next pass started at "
+                        f"{after.start}: the rejected drafts' K and V stayed in it. Roll back "
+                        f"after each verification pass (cache.truncate): that, not a larger "
+                        f"cache, is the fix")
+        return (f"{message}. If it was made for the prompt and the tokens wanted, the likely "
+                f"cause is in the loop, not the size: are the rejected drafts cut off the cache "
+                f"after each verification pass (rollback, cache.truncate), and does no pass "
+                f"draft more than the tokens still wanted minus one?")
 
     def encode(self, text) -> list:
         if not isinstance(text, str):

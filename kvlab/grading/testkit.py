@@ -94,8 +94,12 @@ def as_array(got: Any, what: str, shape: Optional[tuple] = None, dtype: Any = No
 
 
 def check_close(got: Any, want: np.ndarray, what: str, atol: float = 1e-5,
-                rtol: float = 1e-5) -> None:
-    """got must have want's shape, be finite and agree to atol + rtol * |want|."""
+                rtol: float = 1e-5, hints: tuple = ()) -> None:
+    """got must have want's shape, be finite and agree to atol + rtol * |want|.
+
+    hints: (wrong, hint) pairs, each what a known mistake computes and what to say about
+    it. A hint is shown only when got fails and agrees with its `wrong` (to the same
+    tolerance): a hint about positions is never shown for a wrong scale."""
     want = np.asarray(want, dtype=np.float64)
     got = as_array(got, what, shape=want.shape)
     if not np.issubdtype(got.dtype, np.number):
@@ -109,8 +113,50 @@ def check_close(got: Any, want: np.ndarray, what: str, atol: float = 1e-5,
         return
     worst = np.unravel_index(np.argmax(error - rtol * np.abs(want)), error.shape)
     at = tuple(int(i) for i in worst)
-    raise AssertionError(f"{what}: off by up to {error.max():.3g} (at index {at}: expected "
-                         f"{want[worst]:.6g}, got {float(got[worst]):.6g})")
+    message = (f"{what}: off by up to {error.max():.3g} (at index {at}: expected "
+               f"{want[worst]:.6g}, got {float(got[worst]):.6g})")
+    for wrong, hint in hints:
+        if matches(got, wrong, atol, rtol):
+            message += f": {hint}"
+            break
+    raise AssertionError(message)
+
+
+def matches(got: np.ndarray, wrong: Any, atol: float = 1e-5, rtol: float = 1e-5) -> bool:
+    """Whether got agrees with `wrong` (what a known mistake computes) to the tolerance."""
+    wrong = np.asarray(wrong, dtype=np.float64)
+    if wrong.shape != got.shape:
+        return False
+    return bool(np.all(np.abs(got.astype(np.float64) - wrong) <= atol + rtol * np.abs(wrong)))
+
+
+def check_tokens(got: Any, want: list, what: str, text: Optional[Callable] = None) -> None:
+    """got must be the token ids `want`. A failure names the first token that differs, with
+    a few of each from there (and their text, where `text` turns ids into it), not two
+    whole lists of numbers."""
+    if isinstance(got, np.ndarray) and got.ndim == 1 and got.dtype.kind in "iu":
+        got = got.tolist()
+    if not isinstance(got, (list, tuple)):
+        raise AssertionError(f"{what}: expected a list of {len(want)} token ids, got {described(got)}")
+    got = [whole_number(t, f"{what}, item {i}") for i, t in enumerate(got)]
+    want = [int(t) for t in want]
+    if got == want:
+        return
+    first = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+
+    def shown(ids):
+        if not ids:
+            return "nothing"
+        words = f"{ids[:8]}" if len(ids) <= 8 else f"[{', '.join(map(str, ids[:8]))}, ...]"
+        return words + (f" ({text(ids)!r})" if text is not None else "")
+    before = ""
+    if first:
+        ids = want[max(0, first - 8):first]
+        before = (f", after {'[..., ' + str(ids)[1:] if first > 8 else ids}"
+                  + (f" ({text(ids)!r})" if text is not None else ""))
+    size = "" if len(got) == len(want) else f" ({len(got)} tokens where {len(want)} are expected)"
+    raise AssertionError(f"{what}: your tokens differ from token {first} on{size}: expected "
+                         f"{shown(want[first:])}, got {shown(got[first:])}{before}")
 
 
 def whole_number(got: Any, what: str) -> int:

@@ -8,9 +8,36 @@ timing run on a model the grader picks.
 import numpy as np
 
 from kvlab import reference
-from kvlab.grading.testkit import as_array, mha_model, check_close, described, points
+from kvlab.grading.testkit import as_array, mha_model, check_close, check_tokens, described, points
 
 LENDS = ("reference_model",)
+
+
+def last_token_at_position_zero(model, tokens, sees_only_itself):
+    """The logits of tokens[-1], decoded after the others, by a forward pass that gives it
+    position 0 (RoPE at 0) instead of len(tokens) - 1: the mistake the decode check names.
+    sees_only_itself: the causal mask at position 0 too, so it reads the cache's first row
+    only; else it reads every cached row. (What the mistake computes, for a hint shown only
+    when the student's logits match it.)"""
+    c, w = model.config, model.weights.float32()
+    prefix = reference.ReferenceCache(c, max_seq_len=len(tokens))
+    reference.forward(c, model.weights, tokens[:-1], prefix)
+    n, H, KVH, hd = 1, c.n_heads, c.n_kv_heads, c.head_dim
+    at = np.array([0])
+    x = w.token_embedding[np.array(tokens[-1:])].astype(np.float32)
+    for layer in range(c.n_layers):
+        h = reference.rmsnorm(x, w.attn_norm[layer], c.norm_eps)
+        q = reference.rope((h @ w.wq[layer].T).reshape(n, H, hd), at, c.rope_inv_freq(), c.rope_interleaved)
+        k = reference.rope((h @ w.wk[layer].T).reshape(n, KVH, hd), at, c.rope_inv_freq(), c.rope_interleaved)
+        v = (h @ w.wv[layer].T).reshape(n, KVH, hd)
+        keys = np.concatenate([prefix.key[layer, :len(tokens) - 1], k])
+        values = np.concatenate([prefix.value[layer, :len(tokens) - 1], v])
+        mask_at = at if sees_only_itself else np.array([len(tokens) - 1])
+        out = reference.attention(q, keys, values, mask_at)
+        x = x + out.reshape(n, H * hd) @ w.wo[layer].T
+        h = reference.rmsnorm(x, w.ffn_norm[layer], c.norm_eps)
+        x = x + (reference.silu(h @ w.w1[layer].T) * (h @ w.w3[layer].T)) @ w.w2[layer].T
+    return (reference.rmsnorm(x, w.final_norm, c.norm_eps) @ w.classifier.T)[-1]
 
 
 @points(1)
@@ -58,9 +85,10 @@ def test_one_decode_step_after_a_prefill(sub, rng):
     cache = sub.KVCache(model.config.n_layers)
     sub.forward(lent, tokens[:-1], cache)
     got = as_array(sub.forward(lent, tokens[-1:], cache), "the decode step's logits")
+    hint = "that is what token 6 gives at position 0: its position is cache.length, 6, not 0"
     check_close(got[-1], reference.forward(model.config, model.weights, tokens)[-1],
-                "the decode step of token 6 (its position is cache.length, 6, not 0)",
-                atol=1e-4, rtol=1e-4)
+                "the decode step of token 6", atol=1e-4, rtol=1e-4,
+                hints=[(last_token_at_position_zero(model, tokens, only), hint) for only in (False, True)])
 
 
 @points(1, lends=LENDS)
@@ -72,8 +100,26 @@ def test_five_greedy_tokens_with_the_cache(sub, rng):
     for _ in range(5):
         want.append(int(np.argmax(reference.forward(model.config, model.weights, tokens + want)[-1])))
     got = sub.generate(sub.handout("reference_model", checkpoint="mha"), tokens, 5, True)
-    got_tokens = [int(t) for t in got[0]]
-    assert got_tokens == want, f"expected the tokens {want}, got {got_tokens}"
+    if not isinstance(got, (tuple, list)) or len(got) != 2:
+        raise AssertionError(f"generate returns (tokens, step_logits), got {described(got)}")
+    check_tokens(got[0], want, "5 greedy tokens after 'ROMEO:' with your cache",
+                 text=model.decode_text)
+
+
+@points(1, lends=LENDS)
+def test_step_seconds_times_each_step(sub, rng):
+    """step_seconds without a cache: 8 times, each its own step's (an uncached step grows with the sequence)"""
+    model = mha_model()
+    tokens = list(model.encode("ROMEO:"))
+    got = sub.step_seconds(sub.handout("reference_model", checkpoint="mha"), tokens, 8, False)
+    times = as_array(got, "step_seconds without a cache", shape=(8,)).astype(np.float64)
+    assert np.all(np.isfinite(times)) and np.all(times > 0), (
+        f"step_seconds: each step's wall time is a positive number of seconds, got {times.tolist()}")
+    assert len(set(times.tolist())) > 1, (
+        f"step_seconds without a cache: every step reports the same {times[0] * 1e3:.3f} ms, "
+        f"an average; each step's own time is asked for (the grader compares each with the time "
+        f"its forward pass ran, and an uncached step runs the whole sequence so far, so later "
+        f"ones take longer): time each step itself (time.perf_counter before and after it)")
 
 
 @points(1)

@@ -12,7 +12,7 @@ measurement compared with what the grader counted and timed.
 import numpy as np
 
 from kvlab.grading.served import ServedModel
-from kvlab.grading.testkit import bundled_model, described, points
+from kvlab.grading.testkit import bundled_model, check_tokens, described, points
 
 LINE = "ROMEO:\nBut soft, what light through yonder window breaks?\n"
 
@@ -24,6 +24,12 @@ def greedy(prompt, n_new):
     while len(tokens) < n_new:
         tokens.append(int(np.argmax(model.decode(tokens[-1], cache))))
     return tokens
+
+
+def text(ids):
+    """The text of some token ids, for messages (ids outside the vocabulary left out)."""
+    model = bundled_model()
+    return model.decode_text([t for t in ids if 0 <= t < model.config.vocab_size])
 
 
 @points(1)
@@ -77,7 +83,7 @@ def test_speculation_keeps_plain_decodings_tokens(sub, rng):
     want = greedy(prompt, 24)
     got = sub.generate_speculative(model, prompt, 24, 4, 3)
     assert isinstance(got, (tuple, list)) and len(got) == 2, f"expected (tokens, stats), got {described(got)}"
-    assert [int(t) for t in got[0]] == want, f"expected the greedy tokens {want}, got {described(got[0])}"
+    check_tokens(got[0], want, "24 tokens after a line of the play twice", text=text)
     assert len(model.passes) < 24, f"24 tokens took {len(model.passes)} forward passes"
 
 
