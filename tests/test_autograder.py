@@ -124,7 +124,8 @@ def test_a_lab_whose_model_stays_in_the_judge_is_graded_in_its_package(tmp_path)
     run = run_autograder(root, {"KVLAB_PYTHON": sys.executable, "KVLAB_WORKER_USER": ""})
     assert run.returncode == 0, run.stderr
     data = results(root)
-    assert data["score"] == 18 == sum(t["max_score"] for t in data["tests"]), data
+    full = LABS["speculative_decoding"].points
+    assert data["score"] == full == sum(t["max_score"] for t in data["tests"]), data
 
 
 def test_the_top_level_file_wins_over_an_old_copy_in_a_folder(package, tmp_path):
@@ -169,7 +170,7 @@ def test_setup_sh_and_the_unprivileged_student_as_on_gradescope(package):
                     served / "submission" / "speculative_decoding.py")
         run = run_autograder(served, env)
         assert run.returncode == 0, run.stderr
-        assert results(served)["score"] == 18, results(served)
+        assert results(served)["score"] == LABS["speculative_decoding"].points, results(served)
         # the student's code runs as kvlab-student: the tests, the results and kvlab itself
         # are out of reach, even with the worker's import guard taken away
         kvlab_init = next(venv.glob("lib/python3*/site-packages/kvlab/__init__.py"))
