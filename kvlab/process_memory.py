@@ -61,15 +61,19 @@ def release_freed_memory() -> None:
     something still held it. Where neither exists (Windows, musl) it does nothing."""
     try:
         import ctypes
-        import ctypes.util
-        if sys.platform == "darwin":
-            libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.dylib")
-            libc.malloc_zone_pressure_relief(None, ctypes.c_size_t(0))
+        here = ctypes.CDLL(None)        # the C library this process already has loaded
+    except (OSError, TypeError):        # Windows: no dlopen(NULL)
+        return
+    for name in ("malloc_trim", "malloc_zone_pressure_relief"):
+        try:
+            release = getattr(here, name)
+        except AttributeError:          # not this C library's
+            continue
+        if name == "malloc_trim":
+            release(0)
         else:
-            libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-            libc.malloc_trim(0)
-    except (OSError, AttributeError, TypeError):
-        pass
+            release(None, ctypes.c_size_t(0))
+        return
 
 
 def resident_bytes() -> int:
