@@ -400,8 +400,17 @@ def cmd_lab(args) -> int:
     return 0
 
 
+def _sandbox_note() -> None:
+    """Off Linux, say once (before the results) that the sandbox is a weaker one."""
+    from .grading.process import sandbox_note
+    note = sandbox_note()
+    if note:
+        print(note)
+
+
 def cmd_grade(args) -> int:
     from .grading import grade
+    _sandbox_note()
     report = grade(args.lab, args.submission, results=args.results, instructor=args.instructor,
                    public=args.public, seed=args.seed, progress=True)
     print(report.summary())
@@ -433,6 +442,7 @@ def cmd_grade_all(args) -> int:
 def cmd_check(args) -> int:
     """Like a test runner: exit status 1 while a check fails."""
     from .grading import check
+    _sandbox_note()
     report = check(args.lab, args.submission, progress=True)
     print(report.summary())
     return 0 if report.score == report.max_score else 1

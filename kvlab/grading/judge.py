@@ -43,7 +43,7 @@ import numpy as np
 from .labs import TEST_TIMEOUT, Lab, get_lab
 from .policy import check_source
 from .process import (WorkerGone, WorkerProcess, WorkerTimeout,
-                      check_worker_user, harden_judge, sweep)
+                      check_worker_user, harden_judge, require_worker_support, sweep)
 from .remote import RemoteError, Session, Submission
 from .report import GradeReport, TestResult, write_atomically
 
@@ -332,6 +332,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = parser.parse_args(argv)
     if sys.flags.optimize:
         parser.error("the judge's checks are assert statements: run it without -O")
+    require_worker_support()
     harden_judge()
     sys.dont_write_bytecode = True
     judge = Judge(get_lab(args.lab), Path(args.submission).absolute(), Path(args.tests).resolve(),

@@ -11,11 +11,17 @@ outside the worker:
   `sweep()` kills every descendant until none is left;
 - identity: given a user, the worker runs as that user (the autograder creates one), so it
   cannot read the tests, write the results or signal the judge.
+
+That is the hardened judge, for Linux (and so Gradescope). On macOS the same judge and
+worker run with a weaker sandbox, which is enough for a student's own `kvlab check`: no
+subreaper (a process the code detaches escapes the sweep), no closing to debuggers, no
+death signal, and no peak memory read from outside (SANDBOX_NOTE says so to the student).
+Windows has no way to hand the worker the two pipe ends it talks over (pass_fds) nor to
+wait on a pipe (select): WorkerProcess refuses there, in words (require_worker_support).
 """
 from __future__ import annotations
 
 import os
-import pwd
 import select
 import signal
 import subprocess
@@ -25,6 +31,8 @@ import time
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
+import psutil
+
 from .. import process_memory
 from . import wire
 
@@ -33,6 +41,32 @@ ENV_KEPT = ("PATH", "LANG", "LC_ALL", "KVLAB_NUM_THREADS", "OMP_NUM_THREADS",
             "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
 BLAS_THREADS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
 PR_SET_DUMPABLE, PR_SET_CHILD_SUBREAPER = 4, 36
+LINUX = sys.platform.startswith("linux")
+
+# Said once wherever a student runs the judge off Linux (kvlab check / kvlab grade).
+SANDBOX_NOTE = ("note: off Linux, kvlab's grader runs your code with a weaker sandbox (no "
+                "reaping of processes it detaches, no peak-memory watch from outside): fine "
+                "for checking your work; grades come from the Linux autograder.")
+
+
+class PlatformUnsupported(OSError):
+    """The grader cannot run a worker on this system (Windows)."""
+
+
+def require_worker_support() -> None:
+    """Raise PlatformUnsupported, in words, where a worker cannot be run: the judge talks to
+    it over two pipes it inherits by number (pass_fds) and waits on them with select, both of
+    which are POSIX only."""
+    if os.name != "posix":
+        raise PlatformUnsupported(
+            f"kvlab's grader (kvlab check, kvlab grade) runs your code in a process of its own "
+            f"that it talks to over inherited pipes, which this system ({sys.platform}) does "
+            f"not offer. Run it under WSL (Windows Subsystem for Linux), on macOS or on Linux.")
+
+
+def sandbox_note() -> Optional[str]:
+    """What a student off Linux should know about the sandbox; None on Linux."""
+    return None if LINUX else SANDBOX_NOTE
 
 
 class WorkerGone(Exception):
@@ -54,7 +88,7 @@ class WorkerGarbled(WorkerGone):
 def harden_judge() -> None:
     """Make this process the reaper of every orphan its workers leave, and keep processes
     of the same user from reading its memory or attaching a debugger (Linux only)."""
-    if not sys.platform.startswith("linux"):
+    if not LINUX:
         return
     import ctypes
     libc = ctypes.CDLL(None, use_errno=True)
@@ -63,19 +97,14 @@ def harden_judge() -> None:
 
 
 def _process_table() -> Dict[int, Tuple[int, str]]:
-    """pid -> (parent pid, state) of every process /proc shows."""
+    """pid -> (parent pid, state) of every process psutil sees; state is "Z" for a zombie
+    (as /proc/PID/stat writes it), else psutil's word for it."""
     table = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
+    for proc in psutil.process_iter(["ppid", "status"]):
+        parent, status = proc.info.get("ppid"), proc.info.get("status")
+        if parent is None:             # gone meanwhile, or not ours to read
             continue
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as f:
-                stat = f.read().decode(errors="replace")
-        except OSError:
-            continue
-        fields = stat.rpartition(")")[2].split()     # after "pid (command name)"
-        if len(fields) >= 2:
-            table[int(entry)] = (int(fields[1]), fields[0])
+        table[proc.pid] = (parent, "Z" if status == psutil.STATUS_ZOMBIE else str(status))
     return table
 
 
@@ -94,10 +123,9 @@ def descendants(root: int) -> List[Tuple[int, str]]:
 
 def sweep(patience: float = 5.0) -> bool:
     """Kill every descendant of this process and reap the ones that became its children.
-    True when none is left. Without /proc (macOS) there is nothing to walk: the caller's
-    process-group kill is all there is."""
-    if not os.path.isdir("/proc/self"):
-        return True
+    True when none is left. Off Linux the judge is no subreaper: what a process detached
+    from its parent is no descendant any more, and only the process-group kill reaches it."""
+    kill_signal = getattr(signal, "SIGKILL", signal.SIGTERM)
     deadline = time.monotonic() + patience
     while True:
         below = descendants(os.getpid())
@@ -106,7 +134,7 @@ def sweep(patience: float = 5.0) -> bool:
         for pid, state in below:
             if state != "Z":
                 try:
-                    os.kill(pid, signal.SIGKILL)
+                    os.kill(pid, kill_signal)
                 except (ProcessLookupError, PermissionError):
                     pass
         for pid, _ in below:
@@ -154,6 +182,10 @@ def worker_identity(user: Optional[str]) -> Optional[Tuple[int, int]]:
     if not user:
         return None
     try:
+        import pwd
+    except ImportError:
+        raise ValueError(f"running submissions as {user!r} needs a POSIX system") from None
+    try:
         entry = pwd.getpwnam(user)
     except KeyError:
         raise ValueError(f"no user named {user!r} to run submissions as (the autograder's "
@@ -186,6 +218,7 @@ class WorkerProcess:
 
     def __init__(self, folder: Path, user: Optional[str] = None, output_cap: int = 64 << 10,
                  max_processes: int = 256, preload: Tuple[str, ...] = ()):
+        require_worker_support()
         self.folder = folder
         identity = worker_identity(user)
         to_worker_r, to_worker_w = os.pipe()
@@ -284,10 +317,11 @@ class WorkerProcess:
     # ---- memory, read from outside -----------------------------------------------------
     def reset_peak_memory(self) -> Optional[int]:
         """Restart the worker's peak resident memory from its present size, and return that
-        size in bytes; None without /proc (the peak is then unknown). Where /proc is, a
-        worker that keeps the judge out (an undumpable one, say) fails its test."""
+        size in bytes; None off Linux (the peak is then unknown: no other system lets it be
+        restarted). On Linux a worker that keeps the judge out (an undumpable one, say)
+        fails its test."""
         pid = str(self.process.pid)
-        if not os.path.isdir("/proc/self"):
+        if not process_memory.PROC:
             return None
         if not process_memory.reset_peak(pid):
             raise WorkerGone("the grader could not watch your process's memory (did your "
@@ -300,6 +334,8 @@ class WorkerProcess:
 
     def ask_where(self) -> None:
         """Have the worker print where its main thread is (faulthandler, on SIGUSR1)."""
+        if not hasattr(signal, "SIGUSR1"):
+            return
         try:
             os.kill(self.process.pid, signal.SIGUSR1)
             time.sleep(0.3)

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Optional, Union
 
 from .labs import TEST_TIMEOUT, find_instructor, get_lab, hidden_tests
+from .process import require_worker_support
 from .report import GradeReport
 
 TOTAL_TIMEOUT = 1800.0       # seconds for a whole grading
@@ -30,6 +31,7 @@ def grade(lab: str, submission: Union[str, Path], results: Optional[Union[str, P
     names a test file), else with the lab's public checks; the report says which. Never
     raises for anything the submission does: a broken submission scores 0 with the reason."""
     spec = get_lab(lab)
+    require_worker_support()                      # Windows: PlatformUnsupported, in words
     submission = Path(submission).absolute()      # a link is not followed: the judge refuses it
     if not submission.exists():
         raise FileNotFoundError(f"no submission at {submission}")

@@ -37,7 +37,6 @@ import builtins
 import faulthandler
 import importlib.util
 import os
-import resource
 import signal
 import sys
 import traceback
@@ -47,6 +46,11 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 SUBMISSION = "submission"
 OUTPUT_LIMIT = 256 << 20          # bytes of files the student's code may write
+
+try:                              # POSIX only: the judge refuses to start a worker elsewhere
+    import resource
+except ImportError:
+    resource = None
 
 
 def _load_sibling(path):
@@ -86,7 +90,9 @@ def _become(uid, gid):
 def _limit_resources(max_processes):
     """Limits the student's code cannot raise again: no core files, bounded files, and (when
     the worker runs as a user of its own) a bounded number of processes. The worker dies
-    with the judge (set after any change of user, which clears it)."""
+    with the judge (set after any change of user, which clears it; Linux only)."""
+    if resource is None:
+        return
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
     resource.setrlimit(resource.RLIMIT_FSIZE, (OUTPUT_LIMIT, OUTPUT_LIMIT))
     if max_processes:
@@ -443,7 +449,10 @@ def main(argv):
     worker = Worker(read_fd, write_fd)
     _first_out()
     # where the student's code is when the judge's time runs out: the judge asks, then kills
-    faulthandler.register(signal.SIGUSR1, all_threads=False)
+    if hasattr(signal, "SIGUSR1"):
+        faulthandler.register(signal.SIGUSR1, all_threads=False)
+    # off Linux the lent resident_bytes reads psutil: imported now, before the student's code
+    process_memory.resident_bytes()
     for name in options["--preload"]:       # kvlab loaded while its files can still be read
         worker.preload(name)
     if options["--user"]:
