@@ -177,7 +177,11 @@ def as_after_a_plain_pip_install(monkeypatch):
 
 
 def test_from_the_source_tree_the_clones_instructor_is_found(monkeypatch):
+    """kvlab running from a clone (pip install -e, PYTHONPATH at the clone) grades with that
+    clone's instructor/ (the tests may run an installed kvlab: put its labs in the clone)."""
     monkeypatch.delenv("KVLAB_INSTRUCTOR", raising=False)
+    monkeypatch.setattr(labs, "LABS_DIR", REPO / "kvlab" / "labs")
+    assert labs._source_tree() == REPO
     assert labs.find_instructor() == INSTRUCTOR.resolve()
 
 

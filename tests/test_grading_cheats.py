@@ -216,7 +216,8 @@ def test_own_cache_cannot_fake_its_cache_or_its_timing(fake, tmp_path):
 SPECULATIVE = (INSTRUCTOR / "solutions" / "speculative_decoding.py").read_text()
 USES_PROPOSE = {"test_propose_on_crafted_contexts", "test_propose_on_random_contexts",
                 "test_speculative_generation_keeps_the_greedy_tokens",
-                "test_speculation_takes_fewer_passes_than_tokens", "test_measurement_reports_what_ran"}
+                "test_speculation_takes_fewer_passes_than_tokens", "test_measurement_reports_what_ran",
+                "test_drafts_never_pass_the_tokens_still_wanted"}
 
 SPECULATIVE_FAKES = {
     # plain decoding, reported as speculation: the grader counts the passes itself
@@ -225,7 +226,8 @@ def generate_speculative(model, prompt, n_new, k=4, max_ngram=3):
     tokens = generate_plain(model, prompt, n_new)
     return tokens, {"passes": n_new // 3, "drafted": n_new, "accepted": n_new // 2}
 """, {"test_speculation_takes_fewer_passes_than_tokens", "test_measurement_reports_what_ran",
-      "test_speculative_generation_keeps_the_greedy_tokens"}),
+      "test_speculative_generation_keeps_the_greedy_tokens",
+      "test_drafts_never_pass_the_tokens_still_wanted"}),
     # the count and the model behind the proxy, reached for: the proxy has neither
     "the grader's count and model reached through the proxy": ("""
 def generate_speculative(model, prompt, n_new, k=4, max_ngram=3):
@@ -236,7 +238,8 @@ def generate_speculative(model, prompt, n_new, k=4, max_ngram=3):
             pass
     return generate_plain(model, prompt, n_new), {"passes": 1, "drafted": 0, "accepted": 0}
 """, {"test_speculation_takes_fewer_passes_than_tokens", "test_measurement_reports_what_ran",
-      "test_speculative_generation_keeps_the_greedy_tokens"}),
+      "test_speculative_generation_keeps_the_greedy_tokens",
+      "test_drafts_never_pass_the_tokens_still_wanted"}),
     # a report that nothing measured
     "a measurement made up": ("""
 def measure(model, prompt, n_new, k=4, max_ngram=3):
@@ -263,13 +266,15 @@ def generate_speculative(model, prompt, n_new, k=4, max_ngram=3):
         _TABLE[key] = generate_plain(model.new_cache and model, prompt, n_new)
     return list(_TABLE[key][:n_new]), {"passes": 0, "drafted": 0, "accepted": 0}
 """, {"test_speculation_takes_fewer_passes_than_tokens", "test_measurement_reports_what_ran",
-      "test_speculative_generation_keeps_the_greedy_tokens"}),
+      "test_speculative_generation_keeps_the_greedy_tokens",
+      "test_drafts_never_pass_the_tokens_still_wanted"}),
     # plain decoding both times, its counts reported truthfully
     "plain decoding reported as it ran": ("""
 def generate_speculative(model, prompt, n_new, k=4, max_ngram=3):
     return generate_plain(model, prompt, n_new), {"passes": n_new, "drafted": 0, "accepted": 0}
 """, {"test_speculation_takes_fewer_passes_than_tokens", "test_measurement_reports_what_ran",
-      "test_speculative_generation_keeps_the_greedy_tokens"}),
+      "test_speculative_generation_keeps_the_greedy_tokens",
+      "test_drafts_never_pass_the_tokens_still_wanted"}),
     # kvlab's own drafter, imported by name past the source check: no test lends the worker
     # anything, so kvlab is never loaded there, and the finder refuses to load it
     "kvlab.speculative imported past the check": (EVADE + """
