@@ -25,8 +25,12 @@ linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="re
 
 
 def _env():
+    """The environment of a child Python: it imports the kvlab these tests import (installed,
+    or built in place), never the source folder, which has no compiled extension in CI."""
+    import kvlab
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    here = str(Path(kvlab.__file__).resolve().parents[1])
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [here, env.get("PYTHONPATH")]))
     return env
 
 
@@ -107,7 +111,7 @@ sys.platform = "win32"
 import importlib.util
 import kvlab.grading, kvlab.grading.judge, kvlab.grading.process, kvlab.grading.runner
 import kvlab.grading.autograder, kvlab.grading.batch, kvlab.cli
-spec = importlib.util.spec_from_file_location("w", "kvlab/grading/worker.py")
+spec = importlib.util.spec_from_file_location("w", kvlab.grading.process.WORKER_SCRIPT)
 worker = importlib.util.module_from_spec(spec); spec.loader.exec_module(worker)
 assert worker.resource is None
 worker._limit_resources(0)             # nothing to limit, no AttributeError
@@ -135,7 +139,7 @@ print("cli:", kvlab.cli.main(["check", "cache_size", "x.py"]))
 def test_grading_imports_and_refuses_in_words_on_windows(tmp_path):
     """Without pwd, resource or fcntl the grading modules import; a check then says what
     Windows lacks and what to use instead (not an AttributeError)."""
-    run = _python(WINDOWS, ROOT)
+    run = _python(WINDOWS, tmp_path)
     assert run.returncode == 0, run.stderr[-3000:]
     assert "identity: running submissions as 'nobody' needs a POSIX system" in run.stdout
     refused = [line for line in run.stdout.splitlines() if line.startswith("refused:")]
