@@ -46,29 +46,15 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 import kvlab  # noqa: E402
-from common import english_text, machine, smollm2  # noqa: E402  (puts benchmarks/ on the path)
+from common import english_text, gpu_facts, machine, smollm2  # noqa: E402  (puts benchmarks/ on the path)
 import bench_swap  # noqa: E402  (swapping against recompute, as the benchmark measures it)
 
 HERE = Path(__file__).resolve().parent
 
 # Facts the chapter quotes from data sheets and documentation, with their sources.
 FACTS = {
-    "h100_hbm_bytes_per_s": {
-        "value": 3.35e12,
-        "source": "NVIDIA H100 Tensor Core GPU data sheet (references.md, ref-h100), H100 "
-                  "SXM: GPU memory bandwidth 3.35 TB/s (HBM3)"},
-    "h100_bf16_dense_flops": {
-        "value": 989e12,
-        "source": "NVIDIA H100 data sheet (ref-h100): BF16 Tensor Core 1,979 TFLOPS 'with "
-                  "sparsity', so 989 TFLOPS dense"},
-    "h200_hbm_bytes_per_s": {
-        "value": 4.8e12,
-        "source": "NVIDIA H200 Tensor Core GPU data sheet (references.md, ref-h200), H200 "
-                  "SXM: GPU memory bandwidth 4.8 TB/s (HBM3e)"},
-    "h200_bf16_dense_flops": {
-        "value": 989e12,
-        "source": "NVIDIA H200 data sheet (ref-h200): BF16 Tensor Core 1,979 TFLOPS 'with "
-                  "sparsity', so 989 TFLOPS dense (the H100's Hopper chip)"},
+    **gpu_facts("h100_hbm_bytes_per_s", "h100_bf16_dense_flops", "h200_hbm_bytes_per_s",
+                "h200_bf16_dense_flops"),
     "vllm_v1_preemption": {
         "value": "recompute",
         "source": "vLLM documentation, Optimization and Tuning (vLLM V1; references.md, "

@@ -33,7 +33,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 import kvlab  # noqa: E402
-from common import machine, spread  # noqa: E402  (chapters/figures/common.py)
+from common import gpu_facts, machine, spread  # noqa: E402  (chapters/figures/common.py)
 # one layer of Llama 3 8B (32 query heads, 8 KV heads of 128), filled as the benchmark
 # does (common.py puts benchmarks/ on the path)
 import bench_paged  # noqa: E402
@@ -43,21 +43,7 @@ from kvlab import measure, reference  # noqa: E402
 # numbers the chapter quotes from elsewhere, with where they come from (written to the JSON
 # as "facts")
 FACTS = {
-    "h200_hbm_bytes_per_s": {
-        "value": 4.8e12,
-        "source": "NVIDIA H200 Tensor Core GPU data sheet (references.md, ref-h200), H200 "
-                  "SXM: GPU memory bandwidth 4.8 TB/s (HBM3e)"},
-    "h200_bf16_dense_flops": {
-        "value": 989e12,
-        "source": "NVIDIA H200 data sheet, H200 SXM: BFLOAT16 Tensor Core 1,979 TFLOPS "
-                  "'with sparsity', so 989 TFLOPS dense"},
-    "h200_fp32_flops": {
-        "value": 67e12,
-        "source": "NVIDIA H200 data sheet, H200 SXM: FP32 67 TFLOPS"},
-    "h200_sms": {
-        "value": 132,
-        "source": "NVIDIA Hopper Architecture In-Depth (references.md, ref-hopper): 132 "
-                  "streaming multiprocessors in the SXM5 part, which the H200 shares"},
+    **gpu_facts("h200_hbm_bytes_per_s", "h200_bf16_dense_flops", "h200_fp32_flops", "h200_sms"),
     "hopper_shared_memory_kb": {
         "value": {"per_sm": 228, "per_thread_block": 227},
         "source": "NVIDIA Hopper Tuning Guide (references.md, ref-hopper): up to 228 KB of "

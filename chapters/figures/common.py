@@ -12,6 +12,40 @@ import kvlab
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
 
+# GPU figures from the makers' data sheets, which chapters 5 and 7 quote (each script copies
+# the ones it uses into its JSON's "facts", with the source).
+GPU_FACTS = {
+    "h100_hbm_bytes_per_s": {
+        "value": 3.35e12,
+        "source": "NVIDIA H100 Tensor Core GPU data sheet (references.md, ref-h100), H100 "
+                  "SXM: GPU memory bandwidth 3.35 TB/s (HBM3)"},
+    "h100_bf16_dense_flops": {
+        "value": 989e12,
+        "source": "NVIDIA H100 data sheet (ref-h100), H100 SXM: BF16 Tensor Core 1,979 "
+                  "TFLOPS 'with sparsity', so 989 TFLOPS dense"},
+    "h200_hbm_bytes_per_s": {
+        "value": 4.8e12,
+        "source": "NVIDIA H200 Tensor Core GPU data sheet (references.md, ref-h200), H200 "
+                  "SXM: GPU memory bandwidth 4.8 TB/s (HBM3e)"},
+    "h200_bf16_dense_flops": {
+        "value": 989e12,
+        "source": "NVIDIA H200 data sheet (ref-h200), H200 SXM: BFLOAT16 Tensor Core 1,979 "
+                  "TFLOPS 'with sparsity', so 989 TFLOPS dense (the H100's Hopper chip)"},
+    "h200_fp32_flops": {
+        "value": 67e12,
+        "source": "NVIDIA H200 data sheet, H200 SXM: FP32 67 TFLOPS"},
+    "h200_sms": {
+        "value": 132,
+        "source": "NVIDIA Hopper Architecture In-Depth (references.md, ref-hopper): 132 "
+                  "streaming multiprocessors in the SXM5 part, which the H200 shares"},
+}
+
+
+def gpu_facts(*names: str) -> dict:
+    """The named entries of GPU_FACTS, for a script's own table of facts."""
+    return {name: GPU_FACTS[name] for name in names}
+
+
 def machine() -> dict:
     """The CPU's name, its core count and the software versions, for the JSON's setup."""
     name = platform.processor()
