@@ -110,9 +110,9 @@ def check(exercise: str, answer: Callable, seed: Optional[int] = None) -> bool:
 
 def answer(chapter: str, question: int, value) -> bool:
     """Check your answer to a "Check yourself" question whose answer is a number:
-    `answer("02_cache_size", 3, 1.5e9)`. Prints the verdict and returns True when the
-    answer is close enough (each question says how close, usually 1 %). The kit works the
-    expected answer out itself, from its own functions or the chapter's measurements."""
+    `answer("02_cache_size", 6, 40960)`. Prints the verdict and returns True when the
+    answer is close enough (each question sets how close: most within 1 %). The kit works
+    the expected answer out itself, from its own functions or the chapter's measurements."""
     table = question_numbers(chapter)
     if question not in table:
         asked = ", ".join(str(n) for n in sorted(table)) or "none"
@@ -120,6 +120,8 @@ def answer(chapter: str, question: int, value) -> bool:
                          f"its number questions are: {asked}")
     wanted = table[question]
     try:
+        if isinstance(value, bool):
+            raise TypeError("a truth value is not a number")
         got = float(value)
     except (TypeError, ValueError):
         print(f"not yet: question {question} of {chapter} wants a number "
@@ -127,12 +129,18 @@ def answer(chapter: str, question: int, value) -> bool:
         return False
     expected = float(wanted.expected())
     if math.isfinite(got) and math.isclose(got, expected, rel_tol=wanted.rel_tol):
-        print(f"✓ correct: question {question} of {chapter}: {expected:,.6g} {wanted.unit}.")
+        print(f"✓ correct: question {question} of {chapter}: your {_number(got)} "
+              f"({wanted.unit}); the kit works out {_number(expected)}.")
         return True
     hint = f" Hint: {wanted.hint}" if wanted.hint else ""
-    print(f"not yet: question {question} of {chapter}: {got:,.6g} {wanted.unit} is more than "
-          f"{wanted.rel_tol:.0%} away from the answer.{hint}")
+    print(f"not yet: question {question} of {chapter}: {_number(got)} ({wanted.unit}) is more "
+          f"than {wanted.rel_tol:.0%} away from the answer.{hint}")
     return False
+
+
+def _number(x: float) -> str:
+    """A whole number in full (1,073,741,824), any other to six significant digits."""
+    return f"{int(x):,}" if math.isfinite(x) and x == int(x) and abs(x) < 1e18 else f"{x:,.6g}"
 
 
 # ---- the machinery every check shares ---------------------------------------------------

@@ -57,6 +57,7 @@ def test_the_check_accepts_the_answer_and_refuses_a_wrong_one(chapter, question,
     assert not your_turn.answer(chapter, question, expected * 2)
     assert not your_turn.answer(chapter, question, "a lot")
     assert not your_turn.answer(chapter, question, float("nan"))
+    assert not your_turn.answer(chapter, question, True)      # a truth value is no number
     out = capsys.readouterr().out
     assert "✓ correct" in out and "not yet" in out
 

@@ -149,14 +149,16 @@ def _grade_one(spec, student, entry, submissions, tests_path, seed, test_timeout
     try:
         report = grade(spec.name, file, tests=tests_path, seed=seed, test_timeout=test_timeout)
     except Exception as error:        # the judge's own failure: this row says so, the batch goes on
-        why = f"not graded: {type(error).__name__}: {str(error).splitlines()[0][:300]}"
+        why = f"not graded: {type(error).__name__}: {_one_line(str(error))}"
         return Graded(student, relative, zero_report(spec, tests_path, why), why)
     report.submission = relative
-    return Graded(student, relative, report, report.refused or _first_line(report.output))
+    return Graded(student, relative, report, _one_line(report.refused or report.output))
 
 
-def _first_line(text: str) -> str:
-    return text.strip().splitlines()[0][:300] if text.strip() else ""
+def _one_line(text: str, limit: int = 500) -> str:
+    """A message for one CSV cell: its lines joined (a refusal says why on its second line),
+    cut at `limit` characters."""
+    return " ".join(text.split())[:limit]
 
 
 def _save(out: Path, row: Graded) -> None:
