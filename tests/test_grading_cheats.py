@@ -1,5 +1,6 @@
-"""What a submission cannot do to its own grade: one regression test per trick that used to
-work (issue 16), each scoring the cheat as the work it really contains and the honest
+"""What a submission cannot do to its own grade. First the cheats of instructor/cheats/ (issue
+34): for every graded test, a submission that skips exactly the work the test names earns
+0 on it. Then one regression test per trick that used to work (issue 16), each scoring the cheat as the work it really contains and the honest
 solution full marks (test_grading.py).
 
 Most tricks are written here the way a determined student would write them past the source
@@ -9,17 +10,20 @@ the easy ways into a clear refusal; these tests show that the judge holds withou
 own tests, time limits are enforced from outside, and no process the submission starts
 outlives its test.
 """
+import ast
 import json
 import os
 import subprocess
 import sys
 import time
+import zlib
 from pathlib import Path
 
 import pytest
 
 pytest.importorskip("kvlab._kvlab")
 from kvlab.grading import LABS, grade  # noqa: E402
+from kvlab.grading.judge import load_tests  # noqa: E402
 from kvlab.grading.labs import get_lab  # noqa: E402
 from kvlab.grading.process import WorkerProcess  # noqa: E402
 from kvlab.grading.remote import RemoteError, Session  # noqa: E402
@@ -43,6 +47,50 @@ _os, _sys = _ue.os, _ue.sys
 _signal = _sys.modules["sig" + "nal"]
 _getattr = _sys.modules["buil" + "tins"].getattr
 '''
+
+
+CHEATS = sorted((INSTRUCTOR / "cheats").glob("*/*.py"))
+
+
+def graders(lab):
+    return INSTRUCTOR / "graders" / f"{lab}.py"
+
+
+def cheat_targets(path: Path) -> set:
+    """The TARGETS list a cheat file declares (read without running it)."""
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", "") == "TARGETS":
+            return set(ast.literal_eval(node.value))
+    raise AssertionError(f"{path} declares no TARGETS")
+
+
+@pytest.mark.parametrize("cheat", CHEATS, ids=[f"{p.parent.name}/{p.stem}" for p in CHEATS])
+def test_a_cheat_earns_nothing_on_the_tests_whose_work_it_skips(cheat, tmp_path):
+    """instructor/cheats/<lab>/<cheat>.py replaces some of the reference solution's functions
+    with code that skips the work its TARGETS tests name (a table of the worked examples,
+    recomputing instead of caching, counts without the thing counted ...): graded past the
+    source check, it earns 0 on each of them, whatever the draw."""
+    lab = cheat.parent.name
+    submission = tmp_path / f"{lab}.py"
+    submission.write_text((INSTRUCTOR / "solutions" / f"{lab}.py").read_text() + "\n\n"
+                          + cheat.read_text())
+    report = grade(lab, submission, tests=graders(lab), seed=zlib.crc32(cheat.stem.encode()))
+    aimed = cheat_targets(cheat)
+    assert aimed and aimed <= {t.function for t in report.tests}, "unknown test names"
+    # graded, not refused: the cheat is the judge's to catch, not the source check's
+    assert not report.refused and report.graded_with == "hidden tests", report.summary()
+    earned = {t.function: t.score for t in report.tests if t.function in aimed and t.score > 0}
+    assert not earned, f"{cheat.name} earned {earned}\n{report.summary()}"
+    # and the rest of the solution still runs: the cheat fails for what it skips
+    assert report.score > 0, report.summary()
+
+
+@pytest.mark.parametrize("lab", list(LABS))
+def test_every_graded_test_has_a_cheat_that_it_catches(lab):
+    tests = {t.__name__ for t in load_tests(graders(lab))}
+    aimed = set().union(*[cheat_targets(p) for p in CHEATS if p.parent.name == lab])
+    assert aimed <= tests, f"cheats name tests {lab} does not have: {sorted(aimed - tests)}"
+    assert tests <= aimed, f"no cheat in instructor/cheats/{lab}/ targets {sorted(tests - aimed)}"
 
 
 def hidden(submission, lab="cache_size", **options):
