@@ -192,18 +192,35 @@ _quantize = pydoc.locate("kvlab.quant.quantize")
     assert report.score == 0 and "`pydoc` is not allowed" in report.output
 
 
-def test_a_measurement_made_up_from_the_lent_model_scores_nothing(tmp_path):
-    """The lent model's extra block is easy to read off it; the judge also watches the
-    worker's memory from outside, so a number nothing allocated does not pass."""
+def test_a_lent_model_holds_nothing_in_the_worker(tmp_path):
+    """What the cache-size lab's model keeps for the grader (its secret block size, which
+    caches were filled) and the GQA lab's reference functions were once attributes of an
+    object in the worker. Now every lent object stays in the judge: the proxy the student's
+    code holds answers only the names the object serves, and nothing else is behind it."""
     submission = tmp_path / "cache_size.py"
-    submission.write_text(SOLUTION + '''
+    found = tmp_path / "found.txt"
+    submission.write_text(SOLUTION + EVADE + f'''
 
 def measure_resident_growth(model, seq_len, batch):
-    return batch * (kv_cache_bytes(model.config, seq_len, 1, "fp32") + model._extra_bytes)
+    reached = []
+    for name in ("_extra" + "_bytes", "_model", "caches", "__di" + "ct__", "log"):
+        try:
+            reached.append((name, repr(_getattr(model, name))[:200]))
+        except AttributeError:
+            pass
+    _inside = _getattr(object, "__getattri" + "bute__")
+    served, worker = _inside(model, "_served"), _inside(model, "_worker")
+    reached += [("kvlab module", n) for n in _sys.modules if n.partition(".")[0] == "kvlab"]
+    fields = _getattr(worker, "__di" + "ct__")
+    reached += [("worker", n) for n in fields if "module 'kvlab" in repr(fields[n])]
+    with open({str(found)!r}, "w") as f:
+        f.write(repr((served, reached)))
+    return 0
 ''')
     report = hidden(submission)
+    text = found.read_text()
+    assert "Served(" in text and text.endswith(", [])"), text
     assert report.failed() == ["test_measured_growth_matches_the_formula"], report.summary()
-    assert "never held more than" in report.tests[-1].output
 
 
 OWN_CACHE = (INSTRUCTOR / "solutions" / "own_cache.py").read_text()
@@ -239,8 +256,9 @@ def forward(model, tokens, cache=None):
 """, {"test_prefill_then_decode_matches_the_uncached_run",
       "test_greedy_tokens_are_the_same_with_and_without_the_cache",
       "test_step_times_are_measured"}),
-    # kvlab's own forward pass, imported by name once a test has lent a model
-    "kvlab imported by name after a lend": (EVADE + """
+    # kvlab's own forward pass, imported by name past the source check: the model is lent
+    # from the judge, kvlab is never loaded in the worker, and the finder refuses to load it
+    "kvlab imported by name past the check": (EVADE + """
 def forward(model, tokens, cache=None):
     reference = _sys.modules["importlib"].import_module("kvlab.reference")
     return reference.forward(model._c, model._w, tokens)
@@ -418,48 +436,6 @@ def kv_bytes_per_token(*args):
     assert json.loads(results.read_text())["score"] == 0
     ended = [t for t in report.tests if t.function.startswith("test_bytes_per_token")]
     assert ended and all("exit status 0" in t.output for t in ended)
-
-
-# ---- the submission changes what the expected values are computed with ----------------------
-
-WRONG = '''
-def kv_bytes_per_token(n_layers, n_kv_heads, head_dim, bytes_per_element):
-    return 0
-
-def kv_cache_bytes(config, seq_len, batch=1, dtype="fp16"):
-    return 0
-'''
-
-
-def test_monkeypatching_kvlab_in_the_worker_changes_nothing(tmp_path):
-    honest = tmp_path / "honest" / "cache_size.py"
-    honest.parent.mkdir()
-    honest.write_text(SOLUTION + WRONG)
-    patched = tmp_path / "cache_size.py"
-    patched.write_text(SOLUTION + WRONG + EVADE + f'''
-
-def patch(model):
-    """Make kvlab's arithmetic agree with the wrong answers. In the worker kvlab is loaded
-    only once the grader lends a model, and then only reachable through it: kvlab.model's
-    globals from a method of the lent model's own model, kvlab.measure's from there."""
-    model_globals = _getattr(type(_getattr(model, "_mo" + "del")).forward, "__glo" + "bals__")
-    measure_globals = _getattr(model_globals["Counts"].flops.fget, "__glo" + "bals__")
-    measure_globals["kv_cache" + "_bytes"] = lambda *args, **kwargs: 0
-    measure_globals["kv_bytes_per" + "_token"] = lambda *args, **kwargs: 0
-    with open({str(tmp_path / "patched.txt")!r}, "a") as f:
-        f.write("kvlab.measure\\n")
-
-_measure = measure_resident_growth
-
-def measure_resident_growth(model, seq_len, batch):
-    patch(model)
-    return _measure(model, seq_len, batch)
-''')
-    wrong, cheat = hidden(honest), hidden(patched)
-    assert (tmp_path / "patched.txt").is_file(), "kvlab was never patched: the test proves nothing"
-    assert not cheat.output, cheat.output          # it imported, patched and ran
-    assert cheat.failed() == wrong.failed() and cheat.score == wrong.score < wrong.max_score
-    assert "test_cache_bytes_worked_example" in cheat.failed()
 
 
 def test_changing_the_tests_file_costs_the_whole_grade(tmp_path):

@@ -4,14 +4,16 @@ Run by the judge (kvlab/grading/judge.py), never shipped in the package. The ans
 checked against kvlab's own cache arithmetic (kvlab.kv_cache_bytes), the bytes a real cache
 allocates (cache.nbytes) and the course's worked example, on shapes drawn at grading time.
 The measurement is checked against what the caches really take: the model lent to the
-student's code (kvlab/grading/handouts.py) gives each cache an extra block of memory of a
-size drawn here, so only a measurement of resident memory around filled caches is right.
+student's code (kvlab/grading/handouts.py, LabModel) stays in the judge and gives each
+cache it fills an extra block of memory of a size drawn here, so only a measurement of
+resident memory around filled caches is right; and the model knows which caches were
+filled, which bounds the answer from above.
 """
 import mmap
 
 import kvlab
-from kvlab.grading.testkit import (bundled_model, config_record, described, number, peak_growth,
-                                   points, whole_number)
+from kvlab.grading.handouts import LabModel
+from kvlab.grading.testkit import bundled_model, config_record, described, number, points, whole_number
 
 GiB = 1024 ** 3
 LLAMA2_7B = kvlab.ModelConfig.llama2_7b()
@@ -149,21 +151,24 @@ def test_max_requests_returns_a_whole_number(sub, rng):
                          f"tokens: {want} requests fit, you say {got}")
 
 
-@points(2, lends=("lab_model",))
+@points(2)
 def test_measured_growth_matches_the_formula(sub, rng):
     """filling real caches grows resident memory by what they hold: a measurement, not a formula"""
     config = bundled_model().config
     seq_len, batch = int(rng.integers(192, 321)), int(rng.integers(16, 25))
     per_cache = kvlab.kv_cache_bytes(config, seq_len, 1, "fp32")
     extra = -(-int(per_cache * rng.uniform(0.4, 1.0)) // mmap.PAGESIZE) * mmap.PAGESIZE
-    lent = sub.handout("lab_model", extra_bytes=extra)
-    with peak_growth(sub) as grown:
-        got = number(sub.measure_resident_growth(lent, seq_len, batch), "measure_resident_growth")
-    if grown.bytes is not None:        # Linux: the judge saw how much the process really took
-        assert got <= 1.25 * grown.bytes + (2 << 20), (
-            f"you report {got:,.0f} B, but while your function ran the process never held more "
-            f"than {grown.bytes:,} B above its size when it was called: create the caches, "
-            f"fill them, and measure")
+    lent = LabModel(extra_bytes=extra)
+    got = number(sub.measure_resident_growth(lent, seq_len, batch), "measure_resident_growth")
+    filled = [c for c in lent.caches if c.filled]
+    assert len(filled) >= batch, (
+        f"measure_resident_growth(model, {seq_len}, {batch}) filled {len(filled)} of the "
+        f"{len(lent.caches)} caches it made: the growth asked for is that of {batch} filled "
+        f"caches living at once (make and fill each one, then measure)")
+    held = lent.filled_bytes()
+    assert got <= 1.25 * held + (2 << 20), (
+        f"you report {got:,.0f} B, but the caches your function filled hold {held:,} B in "
+        f"all: create the caches, fill them, and measure")
     want = batch * (per_cache + extra)
     assert abs(got - want) <= 0.1 * want, (
         f"{batch} fp32 caches of {seq_len} tokens, from the model the grader lends you (it "

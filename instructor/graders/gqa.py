@@ -15,10 +15,10 @@ import numpy as np
 
 from kvlab import reference
 from kvlab.accuracy import kl_divergence, perplexity
+from kvlab.grading.handouts import ReferenceModel
 from kvlab.grading.testkit import (as_array, c_attend, bundled_model, check_close, described, mha_model,
                                    number, points, raises, whole_number)
 
-LENDS = ("reference_model",)
 PROMPT = "ROMEO:\nBut soft, what light through yonder window breaks?"
 
 # Text to measure the converted models on (Romeo and Juliet, act 2 scene 2: public domain).
@@ -177,12 +177,15 @@ def test_mean_pool_refuses_a_count_that_does_not_divide(sub, rng):
                                      f"expected shape (12, 3), got {got.shape}")
 
 
-@points(2, lends=LENDS)
+@points(2)
 def test_convert_pools_every_layer_and_leaves_the_model(sub, rng):
     """convert(model, n): every layer's wk and wv pooled; the model given keeps its own"""
     n_kv_heads = int(rng.choice([2, 4]))      # GQA: groups of more than one, more than one group
-    model = sub.handout("reference_model", checkpoint="mha")
+    model = ReferenceModel(checkpoint="mha")
     small = sub.convert(model, n_kv_heads)
+    assert isinstance(small, ReferenceModel), (
+        f"convert should return the model that model.with_key_value_weights(keys, values) "
+        f"makes, got {described(small)}")
     config, weights = converted(n_kv_heads)
     for layer in range(config.n_layers):
         got = small.key_value_weights(layer)
@@ -199,11 +202,11 @@ def test_convert_pools_every_layer_and_leaves_the_model(sub, rng):
                         f"afterwards (it must stay the MHA model)", atol=0, rtol=0)
 
 
-@points(2, lends=LENDS)
+@points(2)
 def test_forward_matches_the_reference(sub, rng):
     """forward over the MHA model, and over one converted here, as kvlab.reference.forward"""
     tokens = stretch(rng, int(rng.integers(20, 60)))
-    model = sub.handout("reference_model", checkpoint="mha")
+    model = ReferenceModel(checkpoint="mha")
     check_close(sub.forward(model, list(tokens)), oracle(8, tokens),
                 f"forward of the MHA model over {len(tokens)} tokens", atol=1e-4, rtol=1e-4)
     n_kv_heads = int(rng.choice([2, 4]))      # GQA: groups of more than one, more than one group
@@ -214,11 +217,11 @@ def test_forward_matches_the_reference(sub, rng):
                 f"{len(tokens)} tokens", atol=1e-4, rtol=1e-4)
 
 
-@points(2, lends=LENDS)
+@points(2)
 def test_a_model_whose_grouped_heads_are_equal_converts_without_loss(sub, rng):
     """the bundled GQA model written as MHA (heads repeated), converted back, gives its logits"""
     tokens = stretch(rng, int(rng.integers(20, 60)))
-    model = sub.handout("reference_model", checkpoint="default_as_mha")
+    model = ReferenceModel(checkpoint="default_as_mha")
     back = sub.convert(model, 2)
     bundled = bundled_model()
     want = reference.forward(bundled.config, bundled.weights, list(tokens))
@@ -227,12 +230,12 @@ def test_a_model_whose_grouped_heads_are_equal_converts_without_loss(sub, rng):
                 "model's own logits (averaging equal heads changes nothing)", atol=1e-4, rtol=1e-4)
 
 
-@points(3, lends=LENDS)
+@points(3)
 def test_conversion_table(sub, rng):
     """bytes per token, perplexity and KL of each conversion, as measured here on the same text"""
     tokens = stretch(rng, int(rng.integers(80, 140)))
     counts = [int(g) for g in rng.permutation([8, 4, 2, 1])[:3]]
-    model = sub.handout("reference_model", checkpoint="mha")
+    model = ReferenceModel(checkpoint="mha")
     rows = sub.conversion_table(model, list(tokens), counts)
     assert isinstance(rows, (list, tuple)) and len(rows) == len(counts), (
         f"conversion_table for n_kv_heads {counts}: expected a list of {len(counts)} dicts, got "

@@ -3,10 +3,13 @@ expected. Run by the judge (kvlab/grading/judge.py), never shipped in the packag
 
 The student's cache, attention and forward pass run around the model lent to them
 (kvlab/grading/handouts.py, ReferenceModel: the NumPy reference's layers over the bundled
-MHA model's weights, or random weights of a shape drawn here: chapter 1's labs are MHA). Their logits are compared with
-kvlab.reference.forward run here without a cache; their tokens with its greedy tokens; their
-cache's bytes with the chapter 2 formula; their step times with what the judge saw the
-worker spend.
+MHA model's weights, or random weights of a shape drawn here: chapter 1's labs are MHA).
+The model stays in the judge and logs every call the student's code makes to it. Their
+logits are compared with kvlab.reference.forward run here without a cache; their tokens
+with its greedy tokens; what each step ran through the model (one new token's embedding
+and one row of q, k and v a layer, once the prompt is cached) with that log; their cache's
+bytes with the chapter 2 formula; their step times with the time each step's forward pass
+took as the model saw it.
 """
 import functools
 import time
@@ -15,9 +18,9 @@ import numpy as np
 
 import kvlab
 from kvlab import reference
+from kvlab.grading.handouts import ReferenceModel
 from kvlab.grading.testkit import as_array, mha_model, check_close, described, number, points
 
-LENDS = ("reference_model",)
 PROMPT = "ROMEO:\nBut soft"
 
 
@@ -51,30 +54,55 @@ def greedy(prompt, n_new):
     return tokens[len(prompt):], np.array(steps)
 
 
-def model_log(model):
-    """The lent model's log: (name, rows, started, ended) of every embed and logits call."""
-    (log,) = model.attrs("_log")
-    return [tuple(entry) for entry in log]
+class Step:
+    """One forward pass as the lent model saw it: the rows it embedded, the rows of each
+    qkv call, and the seconds from the start of model.embed to the end of model.logits."""
+
+    def __init__(self, embed):
+        self.rows, self.qkv_rows, self.started, self.seconds = embed.rows, [], embed.started, None
 
 
 def steps_seen(log, what):
-    """(rows embedded, seconds from embed to logits) of each forward pass in `log`: one
-    embed and one logits each, in turn."""
-    embeds = [e for e in log if e[0] == "embed"]
-    logits = [e for e in log if e[0] == "logits"]
-    assert len(embeds) == len(logits), (
-        f"{what}: each forward pass runs the model once, model.embed first and model.logits "
-        f"last; the model saw {len(embeds)} embed calls and {len(logits)} logits calls")
-    return [(e[1], out[3] - e[2]) for e, out in zip(embeds, logits)]
+    """The forward passes in the lent model's log (kvlab/grading/handouts.py, Call): each is
+    one model.embed, its layers, then one model.logits."""
+    steps, step = [], None
+    for call in log:
+        if call.name == "embed":
+            assert step is None, (
+                f"{what}: model.embed was called again before model.logits ended the forward "
+                f"pass it began: a forward pass is one embed, the layers, then one logits")
+            step = Step(call)
+        elif step is None:
+            raise AssertionError(f"{what}: model.{call.name} was called outside a forward pass "
+                                 f"(before model.embed began one)")
+        elif call.name == "qkv":
+            step.qkv_rows.append(call.rows)
+        elif call.name == "logits":
+            step.seconds = call.ended - step.started
+            steps.append(step)
+            step = None
+    assert step is None, f"{what}: a forward pass called model.embed but never model.logits"
+    return steps
 
 
-def check_decoding_reads_the_cache(rows, first, what):
-    """After a prefill of `first` tokens, each cached step ran exactly one new token."""
-    want = [first] + [1] * (len(rows) - 1)
+def check_decoding_reads_the_cache(steps, first, what, n_layers=None):
+    """After a prefill of `first` tokens, each cached step ran exactly one new token: one
+    embedding, and q, k and v of one row in every layer (the earlier K and V are cached)."""
+    n_layers = n_layers or mha_model().config.n_layers
+    rows = [s.rows for s in steps]
+    want = [first] + [1] * (len(steps) - 1)
     assert rows == want, (
         f"{what}: with the cache, the prefill runs the prompt's {first} tokens and every later "
         f"step only the one new token (its K and V come from the cache); the model was asked "
-        f"to run {rows} tokens")
+        f"to embed {rows} tokens")
+    for i, (step, n) in enumerate(zip(steps, want)):
+        wider = [r for r in step.qkv_rows if r != n]
+        assert len(step.qkv_rows) == n_layers and not wider, (
+            f"{what}: step {i} embedded {n} token{'s' * (n != 1)}, so each of the "
+            f"{n_layers} layers computes q, k and v of {n} row{'s' * (n != 1)} once; "
+            f"model.qkv ran {step.qkv_rows} rows: with a cache the earlier tokens' K and V "
+            f"are read from it, not computed again")
+
 
 
 def first_wrong_step(got, want):
@@ -135,20 +163,20 @@ def test_attention_matches_the_reference(sub, rng):
                         f"positions, {what} (position p sees 0..p)", atol=1e-5)
 
 
-@points(2, lends=LENDS)
+@points(2)
 def test_forward_without_a_cache_matches_the_reference(sub, rng):
     """forward(model, tokens): every row of the logits, as the reference computes them"""
-    model = sub.handout("reference_model", checkpoint="mha")
+    model = ReferenceModel(checkpoint="mha")
     prompt = prompt_of(rng)
     got = sub.forward(model, prompt)
     check_close(got, oracle(tuple(prompt)), f"forward over {len(prompt)} tokens without a cache "
                                             f"(row t sees tokens 0..t)", atol=1e-4, rtol=1e-4)
 
 
-@points(3, lends=LENDS)
+@points(3)
 def test_prefill_then_decode_matches_the_uncached_run(sub, rng):
     """the prompt into a cache, then one token at a time: each row as the uncached run's"""
-    model = sub.handout("reference_model", checkpoint="mha")
+    model = ReferenceModel(checkpoint="mha")
     prompt = prompt_of(rng)
     cache = sub.KVCache(mha_model().config.n_layers)
     got = sub.forward(model, prompt, cache)
@@ -166,19 +194,19 @@ def test_prefill_then_decode_matches_the_uncached_run(sub, rng):
     assert cache.length == len(tokens), (
         f"after a prefill of {len(prompt)} and {len(tokens) - len(prompt)} decode steps the "
         f"cache holds {len(tokens)} positions; yours says {cache.length!r}")
-    rows = [r for r, _ in steps_seen(model_log(model), "the prefill and decode steps")]
-    check_decoding_reads_the_cache(rows, len(prompt), "forward(model, [token], cache)")
+    check_decoding_reads_the_cache(steps_seen(model.log, "the prefill and decode steps"),
+                                   len(prompt), "forward(model, [token], cache)")
 
 
-@points(3, lends=LENDS)
+@points(3)
 def test_greedy_tokens_are_the_same_with_and_without_the_cache(sub, rng):
     """generate with the cache and without it: the uncached reference's tokens, step by step"""
-    model = sub.handout("reference_model", checkpoint="mha")
+    model = ReferenceModel(checkpoint="mha")
     prompt, n_new = prompt_of(rng), int(rng.integers(12, 25))
     want_tokens, want_logits = greedy(prompt, n_new)
     for use_cache in (True, False):
         mode = "with your cache" if use_cache else "without a cache"
-        seen = len(model_log(model))
+        seen = len(model.log)
         got = sub.generate(model, prompt, n_new, use_cache)
         assert isinstance(got, (tuple, list)) and len(got) == 2, (
             f"generate {mode}: expected (tokens, step_logits), got {described(got)}")
@@ -190,19 +218,20 @@ def test_greedy_tokens_are_the_same_with_and_without_the_cache(sub, rng):
                         f"{mode}: step {step} (position {len(prompt) - 1 + step}), the first "
                         f"whose logits differ from the uncached reference's", atol=1e-4, rtol=1e-4)
         assert tokens == want_tokens, (f"{mode}: expected the tokens {want_tokens}, got {tokens}")
-        rows = [r for r, _ in steps_seen(model_log(model)[seen:], f"generate {mode}")]
+        steps = steps_seen(model.log[seen:], f"generate {mode}")
+        rows = [step.rows for step in steps]
         if use_cache:
-            check_decoding_reads_the_cache(rows, len(prompt), f"generate {mode}")
+            check_decoding_reads_the_cache(steps, len(prompt), f"generate {mode}")
         else:
             assert rows == [len(prompt) + i for i in range(n_new)], (
                 f"generate {mode}: every step runs the whole sequence so far (no cache); the "
                 f"model was asked to run {rows} tokens")
 
 
-@points(1, lends=LENDS)
+@points(1)
 def test_the_cache_holds_what_the_formula_says(sub, rng):
     """after a generation, the cache's bytes are 2 x n_layers x positions x n_kv_heads x head_dim x 4"""
-    model = sub.handout("reference_model", checkpoint="mha")
+    model = ReferenceModel(checkpoint="mha")
     c = mha_model().config
     prompt = prompt_of(rng)
     cache = sub.KVCache(c.n_layers)
@@ -226,29 +255,36 @@ def timing_shape(rng):
             "vocab_size": 256, "max_seq_len": 128}
 
 
-@points(2, lends=LENDS)
+@points(2)
 def test_step_times_are_measured(sub, rng):
     """step_seconds on a model the grader picks: each step's own time, as the model saw the step run"""
     shape = timing_shape(rng)
-    model = sub.handout("reference_model", shape=shape, seed=int(rng.integers(1 << 30)))
+    model = ReferenceModel(shape=shape, seed=int(rng.integers(1 << 30)))
     prompt, n_new = [int(t) for t in rng.integers(0, 256, int(rng.integers(2, 6)))], 24
     totals = {}
     for use_cache in (True, False):
         mode = "with your cache" if use_cache else "without a cache"
-        seen = len(model_log(model))
+        seen = len(model.log)
         started = time.perf_counter()
         got = sub.step_seconds(model, prompt, n_new, use_cache)
         call = time.perf_counter() - started
         times = as_array(got, f"step_seconds {mode}", shape=(n_new,)).astype(np.float64)
-        steps = steps_seen(model_log(model)[seen:], f"step_seconds {mode}")
+        steps = steps_seen(model.log[seen:], f"step_seconds {mode}")
         assert len(steps) == n_new, (
             f"step_seconds {mode}: {n_new} steps run the model {n_new} times; it ran {len(steps)}")
+        if use_cache:            # the cached run's times are a cached run's
+            check_decoding_reads_the_cache(steps, len(prompt), f"step_seconds {mode}",
+                                           shape["n_layers"])
+        else:
+            assert [step.rows for step in steps] == [len(prompt) + i for i in range(n_new)], (
+                f"step_seconds {mode}: every step runs the whole sequence so far; the model "
+                f"was asked to run {[step.rows for step in steps]} tokens")
         assert times.sum() <= call, (
             f"step_seconds {mode}: your steps add up to {times.sum():.4f} s, but the whole call "
             f"took {call:.4f} s as the grader saw it")
         # a step's time is measured around its forward pass: at least the model's own part of
         # it (embed to logits), and not much more
-        for i, ((_, window), reported) in enumerate(zip(steps, times)):
+        for i, (window, reported) in enumerate(zip([step.seconds for step in steps], times)):
             assert 0.9 * window - 2e-4 <= reported <= 1.5 * window + 3e-3, (
                 f"step_seconds {mode}, step {i}: you report {reported * 1e3:.3f} ms, but that "
                 f"step's forward pass ran {window * 1e3:.3f} ms from model.embed to "

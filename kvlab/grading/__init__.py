@@ -16,8 +16,9 @@ How a grade is made (each file does one part):
     wire.py      the values that pass between them (no pickle)
     remote.py    the student's functions and objects as a test calls them
     testkit.py   what tests are written with: @points, raises, check_close
-    handouts.py  kvlab objects a lab lends the student's code, built in the worker
-    served.py    kvlab objects a lab lends by reference: they stay in the judge
+    handouts.py  what the own-cache, cache-size and GQA labs lend (models, kvlab functions)
+    served.py    the speculative-decoding lab's model and the passes it ran
+                 (both stay in the judge: the student's code holds proxies)
     report.py    the grade, and Gradescope's results.json
     runner.py    grade() and check(): start a judge, read its report
     batch.py     grade_all(): a folder of submissions, a judge each, and a CSV summary

@@ -1,15 +1,25 @@
-"""kvlab objects a lab lends to the student's code, built inside the worker.
+"""What the own-cache, cache-size and GQA labs lend the student's code, served from the judge.
 
-Some labs need a real model in the student's hands (the cache-size lab fills real caches
-and measures the process's memory; the own-cache and GQA labs run a model's layers around
-the student's cache and attention, and the GQA lab converts the model's key/value heads). The judge asks the worker for one by name
-({"op": "handout"}); the worker builds it here and passes the student a handle.
+These objects never leave the judge's process. A test makes one and passes it to the
+student's function; the worker gets a proxy (kvlab/grading/remote.py, ServedObject) whose
+method calls and attribute reads come back here and run here. So what a lent object keeps
+for the grader (the cache-size lab's secret block size, the own-cache lab's log of calls)
+is out of the student's reach, and kvlab itself is never loaded in a worker.
 
-A handed-out object shows only what its lab allows, and where the lab asks for a
-measurement it carries something the student's code cannot know in advance: the
-cache-size lab's model gives every cache it makes an extra block of memory, of a size the
-judge picks at grading time, that is taken when the cache is first filled. Resident memory
-measured around real caches includes it; a formula, or a sum of cache.nbytes, does not.
+- LabModel: the bundled model as the cache-size lab lends it. Each cache it fills takes an
+  extra block of memory of a size the test draws at grading time, so only resident memory
+  measured around real, filled caches gives the right answer, and the model knows exactly
+  which caches were filled, which bounds any measurement from above.
+- ReferenceModel: the NumPy reference's building blocks of a forward pass (everything but
+  attention and the cache, which the student writes), with a log of every call.
+- LentFunctions: the few kvlab functions a lab lets a submission import
+  (`kvlab.measure.resident_bytes`, `kvlab.accuracy.perplexity`, ...). The worker's stand-in
+  modules forward each call here: resident memory is that of this process, where the lent
+  model and its caches live.
+
+A student can build the same objects to try their code outside the grader
+(`kvlab.grading.handouts.ReferenceModel(checkpoint="mha")`); they then run in the student's
+own process, and `kvlab.measure` measures that one.
 """
 from __future__ import annotations
 
@@ -17,16 +27,24 @@ import dataclasses
 import functools
 import mmap
 import time
-import types
-from typing import Any, Optional
+from typing import List, NamedTuple, Optional, Tuple
 
 import numpy as np
 
+import kvlab
+from kvlab import measure, next_token_metrics, reference
+from kvlab.config import ModelConfig
+from kvlab.weights import Weights
+
+from .remote import ServedObject
+from .wire import Record
+
 PAGE = mmap.PAGESIZE
+MAX_CACHES = 64           # caches one lent model makes (each holds at most the context)
 
 
 def config_fields(config) -> dict:
-    """A model's shape as plain numbers (what the cache-size lab's functions receive)."""
+    """A model's shape as plain numbers (what the labs' functions receive)."""
     return {"dim": config.dim, "hidden_dim": config.hidden_dim, "n_layers": config.n_layers,
             "n_heads": config.n_heads, "n_kv_heads": config.n_kv_heads,
             "head_dim": config.head_dim, "kv_dim": config.kv_dim,
@@ -34,13 +52,36 @@ def config_fields(config) -> dict:
             "n_params": config.n_params()}
 
 
-class LabCache:
-    """A cache the lab's model made: the real KV cache plus the extra block."""
+def _count(value, what: str, low: int, high: int) -> int:
+    """An int argument of the student's in [low, high], or a ValueError naming it."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) \
+            or not low <= value <= high:
+        raise ValueError(f"{what} must be an int from {low} to {high}, got {value!r}")
+    return int(value)
 
-    def __init__(self, cache, extra_bytes: int):
-        self._cache = cache
-        self._extra = mmap.mmap(-1, max(extra_bytes, PAGE)) if extra_bytes else None
-        self._touched = False
+
+def _token_ids(tokens, vocab_size: int) -> np.ndarray:
+    """A non-empty list of token ids in [0, vocab_size), as an int64 array."""
+    if isinstance(tokens, (int, np.integer, str, bytes)):
+        raise TypeError("tokens must be a list of token ids (write [token] for one)")
+    ids = np.asarray(tokens)
+    if ids.ndim != 1 or ids.size == 0 or ids.dtype.kind not in "iu" \
+            or ids.min() < 0 or ids.max() >= vocab_size:
+        raise ValueError(f"tokens must be a non-empty list of int ids in [0, {vocab_size})")
+    return ids.astype(np.int64)
+
+
+# ---- the cache-size lab ------------------------------------------------------------------
+
+class LabCache(ServedObject):
+    """A cache the lab's model made: a real kvlab KV cache and the extra block."""
+    served_attributes = ("length", "capacity")
+    served_type_name = "KVCache"
+
+    def __init__(self, model: "LabModel", cache, extra_bytes: int):
+        self._model, self._cache, self._extra_bytes = model, cache, extra_bytes
+        self._extra = None
+        self.filled = False
 
     @property
     def length(self) -> int:
@@ -50,47 +91,84 @@ class LabCache:
     def capacity(self) -> int:
         return self._cache.capacity
 
+    @property
+    def held_bytes(self) -> int:
+        """What this cache holds in memory once filled: its K and V, and the extra block."""
+        return self._cache.nbytes + (self._extra_bytes if self.filled else 0)
+
     def _fill_extra(self) -> None:
-        if self._extra is not None and not self._touched:
-            np.frombuffer(self._extra, dtype=np.uint8)[::PAGE] = 1   # one write a page
-            self._touched = True
+        if not self.filled:
+            if self._extra_bytes:
+                self._extra = mmap.mmap(-1, self._extra_bytes)
+                np.frombuffer(self._extra, dtype=np.uint8)[::PAGE] = 1   # one write a page
+            self.filled = True
 
 
-class LabModel:
+class LabModel(ServedObject):
     """The bundled model, lent to a submission: config (plain numbers), new_cache, prefill,
     forward and encode. extra_bytes: the block each cache takes when first filled."""
+    served_methods = ("new_cache", "prefill", "forward", "encode")
+    served_attributes = ("config",)
+    served_type_name = "Model"
 
     def __init__(self, extra_bytes: int = 0):
         if isinstance(extra_bytes, bool) or not isinstance(extra_bytes, int) or extra_bytes < 0:
             raise ValueError("extra_bytes must be a non-negative int")
-        self._model = _bundled_model()
+        self._model = bundled_model()
         self._extra_bytes = -(-extra_bytes // PAGE) * PAGE
-        self.config = types.SimpleNamespace(**config_fields(self._model.config))
-        _kvlab().release_freed_memory()         # the judge watches the memory from here on
+        self.config = Record("ModelConfig", config_fields(self._model.config))
+        self.caches: List[LabCache] = []
 
-    def new_cache(self, max_seq_len: int, dtype: str = "fp32") -> LabCache:
-        return LabCache(self._model.new_cache(max_seq_len, dtype), self._extra_bytes)
+    def new_cache(self, max_seq_len, dtype: str = "fp32") -> LabCache:
+        context = self._model.config.max_seq_len
+        max_seq_len = _count(max_seq_len, "max_seq_len", 1, context)
+        if dtype not in ("fp32", "fp16", "int8"):
+            raise ValueError(f"dtype must be 'fp32', 'fp16' or 'int8', got {dtype!r}")
+        if len(self.caches) >= MAX_CACHES:
+            raise ValueError(f"this model has made {MAX_CACHES} caches already")
+        cache = LabCache(self, self._model.new_cache(max_seq_len, dtype), self._extra_bytes)
+        self.caches.append(cache)
+        return cache
 
-    def prefill(self, tokens, cache: LabCache):
-        if not isinstance(cache, LabCache):
-            raise TypeError("prefill needs a cache made by this model's new_cache")
-        logits = self._model.prefill(tokens, cache._cache)
+    def prefill(self, tokens, cache):
+        """Run `tokens` into `cache` (made by this model); the last row of logits."""
+        if not isinstance(cache, LabCache) or cache._model is not self:
+            raise TypeError("prefill(tokens, cache) needs a cache made by this model's new_cache")
+        logits = self._model.prefill(_token_ids(tokens, self._model.config.vocab_size), cache._cache)
         cache._fill_extra()
         return logits
 
-    def forward(self, tokens, cache: Any = None):
+    def forward(self, tokens, cache=None):
         if cache is not None:
             return self.prefill(tokens, cache)
-        return self._model.forward(tokens)
+        return self._model.forward(_token_ids(tokens, self._model.config.vocab_size))
 
-    def encode(self, text: str):
-        return self._model.encode(text)
+    def encode(self, text) -> list:
+        if not isinstance(text, str):
+            raise TypeError("encode takes a str")
+        return [int(t) for t in self._model.encode(text)]
+
+    def filled_bytes(self) -> int:
+        """What the caches this model has filled hold, extra blocks included (the judge
+        keeps every cache alive until the test ends, so this is also the most they held)."""
+        return sum(c.held_bytes for c in self.caches if c.filled)
+
+
+# ---- the own-cache and GQA labs ----------------------------------------------------------
+
+class Call(NamedTuple):
+    """One call the student's code made to a ReferenceModel, as the judge saw it."""
+    name: str             # embed, qkv, attention_output, mlp or logits
+    layer: Optional[int]  # the layer, for qkv, attention_output and mlp
+    rows: int             # how many token rows it ran
+    started: float        # time.perf_counter() when it began and ended (the same clock in
+    ended: float          # every process of the machine)
 
 
 CHECKPOINTS = ("default", "mha", "default_as_mha")
 
 
-class ReferenceModel:
+class ReferenceModel(ServedObject):
     """A model's weights behind the NumPy reference's building blocks: everything a forward
     pass needs except attention and the KV cache, which the student writes (the own-cache
     and GQA labs). Arrays in and out are float32. The weights are:
@@ -103,22 +181,23 @@ class ReferenceModel:
     The GQA lab converts a model: key_value_weights(layer) gives a layer's wk and wv, and
     with_key_value_weights(keys, values) a model with fewer KV heads, all else shared.
 
-    It keeps a log the judge reads: for every embed and logits call, (name, rows,
-    perf_counter at the call, at its return). A forward pass is one embed and one logits, so
-    the log says how many tokens each step really ran through the model, and when: a cached
-    decode step embeds one token, and a step's reported time must fit the window between
-    them. (perf_counter is the system's monotonic clock: the same in every process.)"""
+    `log` holds a Call for every embed, qkv, attention_output, mlp and logits: how many
+    rows each step really ran through the model, and when (a cached decode step embeds one
+    token and computes one row of q, k and v a layer)."""
+    served_methods = ("embed", "qkv", "attention_output", "mlp", "logits",
+                      "key_value_weights", "with_key_value_weights", "encode")
+    served_attributes = ("config",)
+    served_type_name = "Model"
 
     def __init__(self, shape: Optional[dict] = None, seed: int = 0, checkpoint: str = "default"):
-        kvlab = _kvlab()
         if shape is not None:
-            config = kvlab.ModelConfig(**shape)
-            weights = kvlab.Weights.random(config, seed=seed)
+            config = ModelConfig(**shape)
+            weights = Weights.random(config, seed=seed)
         elif checkpoint == "mha":
-            model = _mha_model()
+            model = mha_model()
             config, weights = model.config, model.weights
         elif checkpoint in ("default", "default_as_mha"):
-            model = _bundled_model()
+            model = bundled_model()
             config, weights = model.config, model.weights
             if checkpoint == "default_as_mha":
                 config, weights = _repeat_kv_heads(config, weights)
@@ -128,18 +207,27 @@ class ReferenceModel:
 
     def _set_weights(self, config, weights) -> None:
         self._c, self._w = config, weights
-        reference = _kvlab().reference
-        self._rmsnorm, self._rope, self._silu = reference.rmsnorm, reference.rope, reference.silu
-        self._inv_freq = self._c.rope_inv_freq()
-        self._log = []
-        self.config = types.SimpleNamespace(**config_fields(self._c))
+        self._inv_freq = config.rope_inv_freq()
+        self.log: List[Call] = []
+        self.config = Record("ModelConfig", config_fields(config))
 
-    def key_value_weights(self, layer: int) -> tuple:
+    def _logged(self, name: str, layer: Optional[int], rows: int, started: float) -> None:
+        self.log.append(Call(name, layer, rows, started, time.perf_counter()))
+
+    def _layer(self, layer) -> int:
+        return _count(layer, "layer", 0, self._c.n_layers - 1)
+
+    def _rows(self, x, what: str, width: int) -> np.ndarray:
+        x = np.asarray(x)
+        if x.ndim != 2 or x.shape[1] != width or x.shape[0] == 0 or x.dtype.kind not in "fiu":
+            raise ValueError(f"{what} must be a numeric array of shape (n, {width}), got "
+                             f"{x.dtype} {x.shape}")
+        return x.astype(np.float32)
+
+    def key_value_weights(self, layer) -> Tuple[np.ndarray, np.ndarray]:
         """(wk, wv) of a layer, copies, each (n_kv_heads * head_dim, dim): rows
         h * head_dim .. (h + 1) * head_dim - 1 make KV head h."""
-        if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)) or \
-                not 0 <= layer < self._c.n_layers:
-            raise ValueError(f"layer must be an int in [0, {self._c.n_layers}), got {layer!r}")
+        layer = self._layer(layer)
         return self._w.wk[layer].copy(), self._w.wv[layer].copy()
 
     def with_key_value_weights(self, keys, values) -> "ReferenceModel":
@@ -172,7 +260,7 @@ class ReferenceModel:
         converted._set_weights(config, weights)
         return converted
 
-    def encode(self, text: str) -> list:
+    def encode(self, text) -> list:
         """The bundled models' tokens: the text's UTF-8 bytes."""
         if not isinstance(text, str):
             raise TypeError("encode takes a str")
@@ -181,59 +269,61 @@ class ReferenceModel:
     def embed(self, tokens) -> np.ndarray:
         """(n, dim): the token embeddings."""
         started = time.perf_counter()
-        tokens = np.asarray(tokens, dtype=np.int64)
-        if tokens.ndim != 1 or tokens.size == 0 or tokens.min() < 0 or tokens.max() >= self._c.vocab_size:
-            raise ValueError(f"tokens must be a non-empty list of ids in [0, {self._c.vocab_size})")
-        out = self._w.token_embedding[tokens].astype(np.float32)
-        self._log.append(("embed", len(tokens), started, time.perf_counter()))
+        ids = _token_ids(tokens, self._c.vocab_size)
+        out = self._w.token_embedding[ids].astype(np.float32)
+        self._logged("embed", None, len(ids), started)
         return out
 
-    def qkv(self, layer: int, x: np.ndarray, positions) -> tuple:
+    def qkv(self, layer, x, positions) -> tuple:
         """q (n, n_heads, head_dim), k and v (n, n_kv_heads, head_dim) of the residual
         stream x (n, dim) at `positions` (n,): RMSNorm, the projections, RoPE on q and k."""
-        c, w, n = self._c, self._w, len(x)
+        started = time.perf_counter()
+        c, w, layer = self._c, self._w, self._layer(layer)
+        x = self._rows(x, "x", c.dim)
+        n = len(x)
         positions = np.asarray(positions)
-        h = self._rmsnorm(np.asarray(x, np.float32), w.attn_norm[layer], c.norm_eps)
+        if positions.shape != (n,) or positions.dtype.kind not in "iu" or positions.min() < 0:
+            raise ValueError(f"positions must be {n} non-negative ints, one per row of x")
+        h = reference.rmsnorm(x, w.attn_norm[layer], c.norm_eps)
         q = (h @ w.wq[layer].T).reshape(n, c.n_heads, c.head_dim)
         k = (h @ w.wk[layer].T).reshape(n, c.n_kv_heads, c.head_dim)
         v = (h @ w.wv[layer].T).reshape(n, c.n_kv_heads, c.head_dim)
-        return (self._rope(q, positions, self._inv_freq, c.rope_interleaved),
-                self._rope(k, positions, self._inv_freq, c.rope_interleaved), v)
-
-    def attention_output(self, layer: int, x: np.ndarray, out: np.ndarray) -> np.ndarray:
-        """x + attention's output (n, n_heads, head_dim) projected back to (n, dim)."""
-        out = np.asarray(out, np.float32)
-        return np.asarray(x, np.float32) + out.reshape(len(out), -1) @ self._w.wo[layer].T
-
-    def mlp(self, layer: int, x: np.ndarray) -> np.ndarray:
-        """x + the SwiGLU MLP of RMSNorm(x)."""
-        w = self._w
-        h = self._rmsnorm(np.asarray(x, np.float32), w.ffn_norm[layer], self._c.norm_eps)
-        return x + (self._silu(h @ w.w1[layer].T) * (h @ w.w3[layer].T)) @ w.w2[layer].T
-
-    def logits(self, x: np.ndarray) -> np.ndarray:
-        """(n, vocab_size): the final RMSNorm and the classifier."""
-        started = time.perf_counter()
-        h = self._rmsnorm(np.asarray(x, np.float32), self._w.final_norm, self._c.norm_eps)
-        out = h @ self._w.classifier.T
-        self._log.append(("logits", len(out), started, time.perf_counter()))
+        out = (reference.rope(q, positions, self._inv_freq, c.rope_interleaved),
+               reference.rope(k, positions, self._inv_freq, c.rope_interleaved), v)
+        self._logged("qkv", layer, n, started)
         return out
 
+    def attention_output(self, layer, x, out) -> np.ndarray:
+        """x + attention's output (n, n_heads, head_dim) projected back to (n, dim)."""
+        started = time.perf_counter()
+        c, layer = self._c, self._layer(layer)
+        x = self._rows(x, "x", c.dim)
+        out = np.asarray(out)
+        if out.shape != (len(x), c.n_heads, c.head_dim) or out.dtype.kind not in "fiu":
+            raise ValueError(f"out must be attention's output, shape ({len(x)}, {c.n_heads}, "
+                             f"{c.head_dim}), got {out.dtype} {out.shape}")
+        result = x + out.astype(np.float32).reshape(len(x), -1) @ self._w.wo[layer].T
+        self._logged("attention_output", layer, len(x), started)
+        return result
 
-@functools.lru_cache(maxsize=None)
-def _bundled_model():
-    return _kvlab().load()
+    def mlp(self, layer, x) -> np.ndarray:
+        """x + the SwiGLU MLP of RMSNorm(x)."""
+        started = time.perf_counter()
+        w, layer = self._w, self._layer(layer)
+        x = self._rows(x, "x", self._c.dim)
+        h = reference.rmsnorm(x, w.ffn_norm[layer], self._c.norm_eps)
+        result = x + (reference.silu(h @ w.w1[layer].T) * (h @ w.w3[layer].T)) @ w.w2[layer].T
+        self._logged("mlp", layer, len(x), started)
+        return result
 
-
-@functools.lru_cache(maxsize=None)
-def _mha_model():
-    kvlab = _kvlab()
-    return kvlab.load(kvlab.MHA_MODEL)
-
-
-def _preload_reference_models():
-    _bundled_model()
-    _mha_model()
+    def logits(self, x) -> np.ndarray:
+        """(n, vocab_size): the final RMSNorm and the classifier."""
+        started = time.perf_counter()
+        x = self._rows(x, "x", self._c.dim)
+        h = reference.rmsnorm(x, self._w.final_norm, self._c.norm_eps)
+        out = h @ self._w.classifier.T
+        self._logged("logits", None, len(out), started)
+        return out
 
 
 def _repeat_kv_heads(config, weights):
@@ -248,31 +338,45 @@ def _repeat_kv_heads(config, weights):
 
 
 @functools.lru_cache(maxsize=None)
-def _kvlab() -> types.SimpleNamespace:
-    """What the handouts use of kvlab, imported once. The worker preloads it while it may
-    still read kvlab's files, then becomes the student's user (who may not) and takes kvlab
-    out of sys.modules: from then on the handouts reach kvlab only through this."""
-    import kvlab
-    from kvlab import config, measure, reference, weights
-    return types.SimpleNamespace(load=kvlab.load, MHA_MODEL=kvlab.MHA_MODEL,
-                                 ModelConfig=config.ModelConfig,
-                                 Weights=weights.Weights, reference=reference,
-                                 release_freed_memory=measure.release_freed_memory)
+def bundled_model():
+    """The bundled model, loaded once in this process."""
+    return kvlab.load()
 
 
-HANDOUTS = {"lab_model": LabModel, "reference_model": ReferenceModel}
-PRELOADS = {"lab_model": _bundled_model, "reference_model": _preload_reference_models}
+@functools.lru_cache(maxsize=None)
+def mha_model():
+    """The bundled MHA model (kvlab.MHA_MODEL), loaded once in this process."""
+    return kvlab.load(kvlab.MHA_MODEL)
 
 
-def preload(name: str) -> None:
-    """Read now what handout `name` needs from kvlab's files (before the worker gives up
-    the right to read them)."""
-    if name not in PRELOADS:
-        raise LookupError(f"no handout named {name!r}")
-    PRELOADS[name]()
+# ---- kvlab functions a lab lends ---------------------------------------------------------
+
+# What a lab may lend a submission from kvlab, by the name the submission imports it as
+# (Lab.kvlab in labs.py); the worker's stand-in for each forwards its calls here.
+LENDABLE = {"kvlab.measure.resident_bytes": measure.resident_bytes,
+            "kvlab.measure.release_freed_memory": measure.release_freed_memory,
+            "kvlab.accuracy.perplexity": next_token_metrics.perplexity,
+            "kvlab.accuracy.kl_divergence": next_token_metrics.kl_divergence}
 
 
-def make(name: str, **kwargs):
-    if name not in HANDOUTS:
-        raise LookupError(f"no handout named {name!r}")
-    return HANDOUTS[name](**kwargs)
+def lent_name(dotted: str) -> str:
+    """The method name a lent function is served under: its own name."""
+    return dotted.rpartition(".")[2]
+
+
+class LentFunctions(ServedObject):
+    """The kvlab functions one lab lends, run in the judge for the worker's stand-ins."""
+    served_type_name = "kvlab"
+
+    def __init__(self, dotted_names):
+        unknown = [name for name in dotted_names if name not in LENDABLE]
+        if unknown:
+            raise LookupError(f"the grader cannot lend {unknown}")
+        self.functions = {lent_name(name): LENDABLE[name] for name in dotted_names}
+        self.served_methods = tuple(self.functions)
+
+    def __getattr__(self, name):
+        functions = self.__dict__.get("functions", {})
+        if name not in functions:
+            raise AttributeError(name)
+        return functions[name]

@@ -40,6 +40,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
+from .handouts import LentFunctions
 from .labs import TEST_TIMEOUT, Lab, get_lab
 from .policy import check_source
 from .process import (WorkerGone, WorkerProcess, WorkerTimeout,
@@ -183,11 +184,10 @@ class Judge:
     def _start(self, index: int, test: Callable, copy: Path, deadline: float) -> Session:
         """A worker for `test`, the submission imported; NotImported saying why if not."""
         try:
-            worker = WorkerProcess(self._scratch(index), self.worker_user, self.output_cap,
-                                   preload=getattr(test, "lends", ()))
+            worker = WorkerProcess(self._scratch(index), self.worker_user, self.output_cap)
         except OSError as error:            # no process to be had (a limit reached, say)
             raise NotImported(f"the grader could not start a process for your code ({error})") from None
-        session = Session(worker, deadline)
+        session = Session(worker, deadline, LentFunctions(self.lab.kvlab) if self.lab.kvlab else None)
         try:
             session.ask({"op": "load", "path": str(copy), "policy": self.lab.policy.to_dict()})
         except (RemoteError, WorkerGone) as error:

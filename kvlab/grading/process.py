@@ -14,8 +14,8 @@ outside the worker:
 
 That is the hardened judge, for Linux (and so Gradescope). On macOS the same judge and
 worker run with a weaker sandbox, which is enough for a student's own `kvlab check`: no
-subreaper (a process the code detaches escapes the sweep), no closing to debuggers, no
-death signal, and no peak memory read from outside (SANDBOX_NOTE says so to the student).
+subreaper (a process the code detaches escapes the sweep), no closing to debuggers and no
+death signal (SANDBOX_NOTE says so to the student).
 Windows has no way to hand the worker the two pipe ends it talks over (pass_fds) nor to
 wait on a pipe (select): WorkerProcess refuses there, in words (require_worker_support).
 """
@@ -33,7 +33,6 @@ from typing import Dict, List, Optional, Tuple
 
 import psutil
 
-from .. import process_memory
 from . import wire
 
 WORKER_SCRIPT = Path(__file__).resolve().with_name("worker.py")
@@ -45,7 +44,7 @@ LINUX = sys.platform.startswith("linux")
 
 # Said once wherever a student runs the judge off Linux (kvlab check / kvlab grade).
 SANDBOX_NOTE = ("note: off Linux, kvlab's grader runs your code with a weaker sandbox (no "
-                "reaping of processes it detaches, no peak-memory watch from outside): fine "
+                "reaping of processes it detaches, nor a worker that dies with the judge): fine "
                 "for checking your work; grades come from the Linux autograder.")
 
 
@@ -217,7 +216,7 @@ class WorkerProcess:
     """One worker: a Python process running worker.py in `folder`, answering requests."""
 
     def __init__(self, folder: Path, user: Optional[str] = None, output_cap: int = 64 << 10,
-                 max_processes: int = 256, preload: Tuple[str, ...] = ()):
+                 max_processes: int = 256):
         require_worker_support()
         self.folder = folder
         identity = worker_identity(user)
@@ -226,9 +225,7 @@ class WorkerProcess:
         output_r, output_w = os.pipe()
         command = [sys.executable, "-I", "-B", str(WORKER_SCRIPT), str(to_worker_r),
                    str(from_worker_w)]
-        for name in preload:
-            command += ["--preload", name]
-        if identity:                    # the worker becomes the user itself, after preloading
+        if identity:                    # the worker becomes the user itself
             command += ["--user", f"{identity[0]}:{identity[1]}",
                         "--max-processes", str(max_processes)]
         env = {name: os.environ[name] for name in ENV_KEPT if name in os.environ}
@@ -313,24 +310,6 @@ class WorkerProcess:
                 name = f"signal {-code}"
             return f"the Python process running your code was killed by {name}"
         return f"the Python process running your code ended (exit status {code})"
-
-    # ---- memory, read from outside -----------------------------------------------------
-    def reset_peak_memory(self) -> Optional[int]:
-        """Restart the worker's peak resident memory from its present size, and return that
-        size in bytes; None off Linux (the peak is then unknown: no other system lets it be
-        restarted). On Linux a worker that keeps the judge out (an undumpable one, say)
-        fails its test."""
-        pid = str(self.process.pid)
-        if not process_memory.PROC:
-            return None
-        if not process_memory.reset_peak(pid):
-            raise WorkerGone("the grader could not watch your process's memory (did your "
-                             "code change what may read it?)")
-        return 1024 * process_memory.status_kib("VmRSS", pid)
-
-    def peak_memory(self) -> int:
-        """The worker's peak resident memory (VmHWM) in bytes (0 where unknown)."""
-        return 1024 * process_memory.status_kib("VmHWM", str(self.process.pid))
 
     def ask_where(self) -> None:
         """Have the worker print where its main thread is (faulthandler, on SIGUSR1)."""

@@ -79,7 +79,7 @@ class ServedObject:
     """An object of the judge's that a test lends the student's code by reference: pass it
     as an argument to the student's function and the worker gets a proxy. The student's
     code may call the methods named in `served_methods` and read the attributes named in
-    `served_attributes`, nothing else; each call runs here, in the judge, with arguments
+    `served_attributes` (the class's, or the object's own where it sets them), nothing else; each call runs here, in the judge, with arguments
     that came by value (ServedObjects among them come back as themselves). What a method
     raises reaches the student's code as an exception of the same name."""
     served_methods: Tuple[str, ...] = ()
@@ -98,10 +98,14 @@ class Session:
     """One worker and the deadline of the test it serves, and the judge's objects lent to
     its code by reference."""
 
-    def __init__(self, worker: WorkerProcess, deadline: float):
+    def __init__(self, worker: WorkerProcess, deadline: float,
+                 lent_functions: Optional[ServedObject] = None):
         self.worker, self.deadline = worker, deadline
         self.served: Dict[int, ServedObject] = {}       # id sent to the worker -> object
         self._served_ids: Dict[int, int] = {}           # id(object) -> that id
+        if lent_functions is not None:     # what the lab lends from kvlab, at its known id
+            self.served[wire.LENT_FUNCTIONS_ID] = lent_functions
+            self._served_ids[id(lent_functions)] = wire.LENT_FUNCTIONS_ID
 
     def ask(self, message: dict) -> Tuple[Any, dict]:
         """(result, the whole answer); raises RemoteError when the student's code raised.
@@ -142,11 +146,10 @@ class Session:
         if isinstance(value, ServedObject):
             key = id(value)
             if key not in self._served_ids:
-                self._served_ids[key] = len(self.served) + 1
+                self._served_ids[key] = max(self.served, default=wire.LENT_FUNCTIONS_ID) + 1
                 self.served[self._served_ids[key]] = value
-            cls = type(value)
             return wire.Served(self._served_ids[key], value.served_type_name,
-                               tuple(cls.served_methods), tuple(cls.served_attributes))
+                               tuple(value.served_methods), tuple(value.served_attributes))
         if type(value) is list:
             return [self.unwrap(v) for v in value]
         if type(value) is tuple:
@@ -185,18 +188,17 @@ class Session:
             name, args, kwargs = request.get("name"), request.get("args", []), request.get("kwargs", {})
             if target is None:
                 raise NotServed("that is not an object the grader lent your code")
-            cls = type(target)
             if type(args) is not list or type(kwargs) is not dict or \
                     any(type(k) is not str for k in kwargs):
                 raise NotServed("a call's arguments must be a list and a dict of named ones")
             args, kwargs = self._served_arguments(args), self._served_arguments(kwargs)
             if request.get("get") is True:
-                if name not in cls.served_attributes:
+                if name not in target.served_attributes:
                     raise AttributeError(f"the grader's {target.served_type_name} has no "
                                          f"attribute {name!r} to read")
                 result = getattr(target, name)
             else:
-                if name not in cls.served_methods:
+                if name not in target.served_methods:
                     raise AttributeError(f"the grader's {target.served_type_name} has no "
                                          f"method {name!r}")
                 result = getattr(target, name)(*args, **kwargs)
@@ -270,8 +272,8 @@ class RemoteObject:
 
 
 class Submission:
-    """The student's module: `sub.name(...)` calls a function or class of theirs;
-    `sub.handout(name, **kwargs)` asks the worker for an object the lab lends them."""
+    """The student's module: `sub.name(...)` calls a function or class of theirs (the
+    judge's objects lent to it are passed as arguments: kvlab/grading/handouts.py)."""
 
     def __init__(self, session: Session):
         object.__setattr__(self, "_session", session)
@@ -280,8 +282,3 @@ class Submission:
         if name.startswith("__"):
             raise AttributeError(name)
         return RemoteCallable(self._session, None, name)
-
-    def handout(self, name: str, **kwargs) -> Any:
-        result, _ = self._session.ask({"op": "handout", "name": name,
-                                       "kwargs": self._session.unwrap(kwargs)})
-        return result

@@ -1,8 +1,7 @@
-"""kvlab objects the judge lends the student's code by reference: they stay in the judge.
+"""The speculative-decoding lab's model, lent to the student's code by reference.
 
-A handout (handouts.py) is built inside the worker, beside the student's code, which can
-therefore reach into it. The objects here never leave the judge's process: the student's
-code gets a proxy (kvlab/grading/remote.py, ServedObject; worker.py, JudgeObject) whose
+Like every object a lab lends (handouts.py has the other labs'), it never leaves the
+judge's process: the student's code gets a proxy (kvlab/grading/remote.py, ServedObject; worker.py, JudgeObject) whose
 method calls come back to the judge and run here. So what they count cannot be forged
 from the worker, and what they hold is read by the tests directly.
 
@@ -21,10 +20,10 @@ from typing import List, Tuple
 import numpy as np
 
 from ..errors import CacheFullError
+from .handouts import MAX_CACHES, bundled_model, config_fields
 from .remote import ServedObject
 from .wire import Record
 
-MAX_CACHES = 64           # caches one served model makes (each holds at most the context)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,7 +107,6 @@ class ServedModel(ServedObject):
 
     def __init__(self, model=None):
         if model is None:
-            from .testkit import bundled_model
             model = bundled_model()
         self._model = model
         self.passes: List[Pass] = []
@@ -116,7 +114,6 @@ class ServedModel(ServedObject):
 
     @property
     def config(self) -> Record:
-        from .handouts import config_fields
         return Record("ModelConfig", config_fields(self._model.config))
 
     def new_cache(self, max_seq_len=None) -> ServedCache:

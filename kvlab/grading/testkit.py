@@ -19,29 +19,25 @@ plain Python (the judge refuses to run with -O, which would strip it).
 from __future__ import annotations
 
 import contextlib
-import functools
 from typing import Any, Callable, Optional
 
 import numpy as np
 
 from . import wire
-from .handouts import config_fields
+from .handouts import bundled_model, config_fields, mha_model  # noqa: F401  (for the tests)
 from .remote import RemoteError, RemoteObject
 
 VISIBILITIES = ("visible", "hidden", "after_due_date", "after_published")
 
 
-def points(n: float, visibility: str = "visible", lends: tuple = ()) -> Callable:
-    """Mark a test and say what passing it is worth (visibility: Gradescope's names).
-    lends: the handouts (kvlab/grading/handouts.py) the test will ask for; their worker
-    loads them from kvlab's files before it runs the student's code, and only theirs does."""
+def points(n: float, visibility: str = "visible") -> Callable:
+    """Mark a test and say what passing it is worth (visibility: Gradescope's names)."""
     if visibility not in VISIBILITIES:
         raise ValueError(f"visibility must be one of {VISIBILITIES}")
 
     def mark(function: Callable) -> Callable:
         function.points = float(n)
         function.visibility = visibility
-        function.lends = tuple(lends)
         return function
     return mark
 
@@ -177,38 +173,6 @@ def number(got: Any, what: str) -> float:
 def config_record(config) -> wire.Record:
     """A kvlab.ModelConfig as the labs' functions receive it: plain numbers, by value."""
     return wire.Record("ModelConfig", config_fields(config))
-
-
-class PeakGrowth:
-    """bytes: how far the worker's resident memory rose above its size when the block began,
-    at its highest (None where Linux cannot tell)."""
-    bytes: Optional[int] = None
-
-
-@contextlib.contextmanager
-def peak_growth(sub):
-    """Watch the worker's memory from outside while the block runs: a measurement the
-    student reports cannot be more than what their process really took."""
-    worker = sub._session.worker
-    start = worker.reset_peak_memory()
-    growth = PeakGrowth()
-    yield growth
-    if start is not None:
-        growth.bytes = max(worker.peak_memory() - start, 0)
-
-
-@functools.lru_cache(maxsize=None)
-def bundled_model():
-    """The bundled model, loaded once in the judge (call it from a test file's prepare())."""
-    import kvlab
-    return kvlab.load()
-
-
-@functools.lru_cache(maxsize=None)
-def mha_model():
-    """The bundled MHA model (kvlab.MHA_MODEL), loaded once in the judge."""
-    import kvlab
-    return kvlab.load(kvlab.MHA_MODEL)
 
 
 def c_attend(q: np.ndarray, keys: np.ndarray, values: np.ndarray) -> np.ndarray:

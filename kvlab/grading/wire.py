@@ -72,6 +72,10 @@ class Served:
     attributes: tuple = ()
 
 
+# The id of the kvlab functions a lab lends (kvlab.measure.resident_bytes, ...), served by
+# the judge to every worker of that lab: the worker's stand-in modules call them by it.
+LENT_FUNCTIONS_ID = 0
+
 MAX_SERVED_NAMES = 64        # methods and attributes of one served object
 
 
@@ -83,9 +87,16 @@ class Encoded:
 
 @dataclasses.dataclass(frozen=True)
 class Record:
-    """A plain record to send by value (the receiver reads it as a SimpleNamespace)."""
+    """A plain record to send by value (the receiver reads it as a SimpleNamespace); its
+    fields read as attributes here too (record.n_layers)."""
     type_name: str
     fields: dict
+
+    def __getattr__(self, name):
+        fields = self.__dict__.get("fields")
+        if type(fields) is dict and name in fields:
+            return fields[name]
+        raise AttributeError(f"{self.__dict__.get('type_name', 'record')} has no field {name!r}")
 
 
 # ---- values to JSON and back -----------------------------------------------------------

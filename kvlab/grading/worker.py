@@ -2,13 +2,16 @@
 
 The judge (kvlab/grading/judge.py) starts one worker per test as
 
-    python -I -B worker.py READ_FD WRITE_FD [--user UID:GID] [--max-processes N] [--preload NAME]
+    python -I -B worker.py READ_FD WRITE_FD [--user UID:GID] [--max-processes N]
 
 in an empty folder, with a clean environment, in a session of its own. On the Gradescope
-autograder it starts as root, loads what its lab lends (--preload: the bundled model,
-while kvlab's files can still be read) and becomes an unprivileged user (--user) before it
-reads a line of the student's code. It never sees the tests, their points, the
-results file or the judge's files. It reads requests from READ_FD and answers on WRITE_FD,
+autograder it starts as root and becomes an unprivileged user (--user) before it reads a
+line of the student's code. It never sees the tests, their points, the results file or the
+judge's files, and it never loads kvlab: of kvlab's files it reads only wire.py (the
+values it sends and receives) and policy.py (what the submission may import), by path.
+Whatever a lab lends the student's code (a model, its caches, kvlab.measure's functions)
+stays in the judge and is reached through proxies, so nothing in this process is worth
+stealing: no reference answer, no log the grader reads, no secret. It reads requests from READ_FD and answers on WRITE_FD,
 one frame each way at a time (kvlab/grading/wire.py):
 
     {"op": "load", "path": P, "policy": {...}}   import the submission from P
@@ -17,17 +20,18 @@ one frame each way at a time (kvlab/grading/wire.py):
     {"op": "get", "target": handle or None, "names": [N, ...]}
     {"op": "calls", "target": handle, "calls": [[N, [args]], ...], "attrs": [A, ...] or None}
                                       several calls at once (and attributes of their results)
-    {"op": "handout", "name": N, "kwargs": {...}}   a kvlab object the lab lends the student
 
 and answers {"ok": value} (plus "callable" for "get"), or {"raised": {"types", "message",
 "where"}} when the student's code raised. Values that cannot travel by value (the student's
 own objects) stay here in a table and travel as handles.
 
-An object the judge lends by reference (a model that stays in the judge's process, say)
-arrives as a served reference and reaches the student's code as a JudgeObject: each of its
-method calls and attribute reads is a frame to the judge, {"judge": {"id", "name", "args",
-"kwargs", "get"}}, sent while the judge waits for the request in progress, and answered
-{"ok": value} or {"raised": ...} (raised here again as an exception of the same name).
+An object the judge lends (a model that stays in the judge's process, say) arrives as a
+served reference and reaches the student's code as a JudgeObject: each of its method calls
+and attribute reads is a frame to the judge, {"judge": {"id", "name", "args", "kwargs",
+"get"}}, sent while the judge waits for the request in progress, and answered {"ok": value}
+or {"raised": ...} (raised here again as an exception of the same name). The kvlab
+functions a lab lends (`from kvlab.measure import resident_bytes`) are stand-ins that call
+the judge the same way, at the served id wire.LENT_FUNCTIONS_ID.
 
 Everything here runs beside the student's code and can be changed by it: the worker is
 not trusted. What makes grading safe is that the judge computes every expected value, and
@@ -54,8 +58,8 @@ except ImportError:
 
 
 def _load_sibling(path):
-    """wire.py, policy.py, process_memory.py and next_token_metrics.py, by path: the worker imports nothing of
-    kvlab's as kvlab (the package is refused to the submission; see KvlabFinder)."""
+    """wire.py and policy.py, by path: the worker imports nothing of kvlab's as kvlab (the
+    package is refused to the submission; see KvlabFinder)."""
     spec = importlib.util.spec_from_file_location(f"kvlab_worker_{path.stem}", path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module           # dataclasses look their module up there
@@ -67,14 +71,6 @@ import numpy  # noqa: E402  (after sys.path is as -I left it; wire needs it too)
 
 wire = _load_sibling(HERE / "wire.py")
 policy = _load_sibling(HERE / "policy.py")
-process_memory = _load_sibling(HERE.parent / "process_memory.py")
-next_token_metrics = _load_sibling(HERE.parent / "next_token_metrics.py")
-
-# What a lab may lend a submission from kvlab, by the name the submission imports it as.
-LENDABLE = {"kvlab.measure.resident_bytes": process_memory.resident_bytes,
-            "kvlab.measure.release_freed_memory": process_memory.release_freed_memory,
-            "kvlab.accuracy.perplexity": next_token_metrics.perplexity,
-            "kvlab.accuracy.kl_divergence": next_token_metrics.kl_divergence}
 
 
 def _become(uid, gid):
@@ -135,29 +131,37 @@ def _describe(error, path):
 
 
 class KvlabFinder:
-    """Refuses instructor/ always, and kvlab except while the worker builds a handout: however
-    a module is imported (importlib, pydoc.locate, unpickling), the import system asks this
-    finder first. What a lab lends from kvlab the submission gets from lent_modules()."""
-
-    def __init__(self):
-        self.lending = False
+    """Refuses kvlab and instructor/: however a module is imported (importlib, pydoc.locate,
+    unpickling), the import system asks this finder first. What a lab lends from kvlab the
+    submission gets from lent_modules()."""
 
     def find_spec(self, name, path=None, target=None):
         top = name.partition(".")[0]
         if top == "instructor":
             raise ImportError("`instructor` is the course's own material: it is not yours to import")
-        if top == "kvlab" and not self.lending:
+        if top == "kvlab":
             raise ImportError(f"`{name}` is not available to a lab submission")
         return None
 
 
-def lent_modules(allowed):
+def lent_function(worker, dotted, served):
+    """The stand-in for a kvlab function a lab lends: each call is a request to the judge."""
+    name = dotted.rpartition(".")[2]
+
+    def function(*args, **kwargs):
+        return worker.call_judge(served, name, args, kwargs)
+    function.__name__ = function.__qualname__ = name
+    function.__module__ = dotted.rpartition(".")[0]
+    return function
+
+
+def lent_modules(worker, allowed):
     """Stand-ins for the kvlab modules a lab lends: {"kvlab": ..., "kvlab.measure": ...},
-    each holding only the lent names (the real functions, from LENDABLE)."""
+    each holding only the lent names, whose calls run in the judge."""
+    served = wire.Served(wire.LENT_FUNCTIONS_ID, "kvlab",
+                         tuple(d.rpartition(".")[2] for d in allowed), ())
     modules = {}
     for dotted in allowed:
-        if dotted not in LENDABLE:
-            raise LookupError(f"the worker cannot lend {dotted!r}")
         parts = dotted.split(".")
         for i in range(1, len(parts)):
             name = ".".join(parts[:i])
@@ -165,7 +169,7 @@ def lent_modules(allowed):
                 modules[name] = types.ModuleType(name, "lent to a lab submission by the grader")
                 if i > 1:
                     setattr(modules[".".join(parts[:i - 1])], parts[i - 1], modules[name])
-        setattr(modules[".".join(parts[:-1])], parts[-1], LENDABLE[dotted])
+        setattr(modules[".".join(parts[:-1])], parts[-1], lent_function(worker, dotted, served))
     return modules
 
 
@@ -228,7 +232,6 @@ class Worker:
         self.read_fd, self.write_fd = read_fd, write_fd
         self.finder = KvlabFinder()
         sys.meta_path.insert(0, self.finder)
-        self.handouts = None             # kvlab/grading/handouts.py, once a test lends something
         self.objects = {}                # handle id -> object kept for the judge
         self.module = None
         self.path = None
@@ -338,7 +341,7 @@ class Worker:
         module_globals = self.module.__dict__
         rules = self.rules
 
-        lent = lent_modules(rules.kvlab)
+        lent = lent_modules(self, rules.kvlab)
 
         def guarded_import(name, globals=None, locals=None, fromlist=(), level=0):
             if not isinstance(name, str):
@@ -371,25 +374,6 @@ class Worker:
         exec(code, self.module.__dict__)
         return None
 
-    def lend(self, use):
-        """use(kvlab.grading.handouts), with kvlab importable meanwhile. Afterwards kvlab
-        lives on only in what was lent: its modules leave sys.modules, so no code, the
-        student's or a standard module's on its behalf (logging.config, pydoc), can import
-        it by name, and the finder refuses to load it again."""
-        self.finder.lending = True
-        try:
-            if self.handouts is None:
-                from kvlab.grading import handouts
-                self.handouts = handouts
-            return use(self.handouts)
-        finally:
-            self.finder.lending = False
-            for name in [n for n in sys.modules if n.partition(".")[0] == "kvlab"]:
-                del sys.modules[name]
-
-    def preload(self, name):
-        self.lend(lambda handouts: handouts.preload(name))
-
     def handle(self, request):
         op = request.get("op")
         if op == "load":
@@ -419,10 +403,6 @@ class Worker:
                 callables.append(callable(value))
                 values.append(None if callable(value) else self.by_value_or_handle(value))
             return {"ok": values, "callable": callables}
-        if op == "handout":
-            made = self.lend(lambda handouts: handouts.make(request["name"],
-                                                            **self.resolve(request["kwargs"])))
-            return {"ok": self.by_value_or_handle(made)}
         raise RuntimeError(f"unknown request {op!r}")
 
     def serve(self):
@@ -438,23 +418,16 @@ class Worker:
 
 
 def main(argv):
-    """worker.py READ_FD WRITE_FD [--user UID:GID] [--max-processes N] [--preload NAME]..."""
+    """worker.py READ_FD WRITE_FD [--user UID:GID] [--max-processes N]"""
     read_fd, write_fd = int(argv[1]), int(argv[2])
-    options = {"--user": None, "--max-processes": "0", "--preload": []}
+    options = {"--user": None, "--max-processes": "0"}
     for flag, value in zip(argv[3::2], argv[4::2]):
-        if flag == "--preload":
-            options[flag].append(value)
-        else:
-            options[flag] = value
+        options[flag] = value
     worker = Worker(read_fd, write_fd)
     _first_out()
     # where the student's code is when the judge's time runs out: the judge asks, then kills
     if hasattr(signal, "SIGUSR1"):
         faulthandler.register(signal.SIGUSR1, all_threads=False)
-    # off Linux the lent resident_bytes reads psutil: imported now, before the student's code
-    process_memory.resident_bytes()
-    for name in options["--preload"]:       # kvlab loaded while its files can still be read
-        worker.preload(name)
     if options["--user"]:
         uid, gid = (int(n) for n in options["--user"].split(":"))
         _become(uid, gid)

@@ -5,6 +5,7 @@ shapes drawn at grading time, and from a measurement on a model that adds memory
 to every cache it fills (a size chosen at grading time, so only a real measurement fits).
 """
 import kvlab
+from kvlab.grading.handouts import LabModel
 from kvlab.grading.testkit import (bundled_model, config_record, described, number, points,
                                    whole_number)
 
@@ -46,11 +47,11 @@ def test_requests_that_fit_in_80_gb(sub, rng):
         f"of 4,096 tokens ({2 * GiB:,} B of fp16 cache each): expected {want}, got {described(got)}")
 
 
-@points(1, lends=("lab_model",))
+@points(1)
 def test_a_small_measurement(sub, rng):
     """16 fp32 caches of 192 tokens of the bundled model, filled: within 20 % of the formula"""
     want = kvlab.kv_cache_bytes(bundled_model().config, 192, 16, "fp32")
-    got = number(sub.measure_resident_growth(sub.handout("lab_model", extra_bytes=0), 192, 16),
+    got = number(sub.measure_resident_growth(LabModel(), 192, 16),
                  "measure_resident_growth")
     assert abs(got - want) <= 0.2 * want, (
         f"16 caches of 192 tokens hold {want:,} B once filled; you measured {got:,.0f} B. Fill "

@@ -9,9 +9,8 @@ import numpy as np
 
 import kvlab
 from kvlab import reference
+from kvlab.grading.handouts import ReferenceModel
 from kvlab.grading.testkit import as_array, bundled_model, check_close, described, points, whole_number
-
-LENDS = ("reference_model",)
 
 
 @points(1)
@@ -45,22 +44,22 @@ def test_four_heads_pooled_to_two(sub, rng):
     check_close(got, np.array([[1, 3], [15, 0]]), "4 heads of head_dim 1 pooled to 2")
 
 
-@points(1, lends=LENDS)
+@points(1)
 def test_forward_of_the_bundled_gqa_model(sub, rng):
     """the bundled model (8 query heads on 2 KV heads) over "ROMEO:": the reference's logits"""
     model = bundled_model()
     tokens = list(model.encode("ROMEO:"))
-    got = sub.forward(sub.handout("reference_model"), tokens)
+    got = sub.forward(ReferenceModel(), tokens)
     check_close(got, reference.forward(model.config, model.weights, tokens),
                 "forward over the 6 tokens of 'ROMEO:'", atol=1e-4, rtol=1e-4)
 
 
-@points(1, lends=LENDS)
+@points(1)
 def test_the_mha_model_unconverted(sub, rng):
     """conversion_table of the MHA model for [8] KV heads: itself, KL 0, 6,144 bytes per token"""
     mha = kvlab.load(kvlab.MHA_MODEL)
     tokens = list(mha.encode("ROMEO:\nBut soft, what light"))
-    rows = sub.conversion_table(sub.handout("reference_model", checkpoint="mha"), tokens, [8])
+    rows = sub.conversion_table(ReferenceModel(checkpoint="mha"), tokens, [8])
     assert isinstance(rows, (list, tuple)) and len(rows) == 1 and isinstance(rows[0], dict), (
         f"expected a list of one dict, got {described(rows)}")
     row = rows[0]

@@ -8,9 +8,8 @@ timing run on a model the grader picks.
 import numpy as np
 
 from kvlab import reference
+from kvlab.grading.handouts import ReferenceModel
 from kvlab.grading.testkit import as_array, mha_model, check_close, check_tokens, described, points
-
-LENDS = ("reference_model",)
 
 
 def last_token_at_position_zero(model, tokens, sees_only_itself):
@@ -66,22 +65,22 @@ def test_the_first_position_sees_only_itself(sub, rng):
                                                    "(position 1 is in the future)")
 
 
-@points(1, lends=LENDS)
+@points(1)
 def test_forward_without_a_cache(sub, rng):
     """the bundled model over "ROMEO:": every row of the logits as the reference's"""
     model = mha_model()
     tokens = list(model.encode("ROMEO:"))
-    got = sub.forward(sub.handout("reference_model", checkpoint="mha"), tokens)
+    got = sub.forward(ReferenceModel(checkpoint="mha"), tokens)
     check_close(got, reference.forward(model.config, model.weights, tokens),
                 "forward over the 6 tokens of 'ROMEO:' without a cache", atol=1e-4, rtol=1e-4)
 
 
-@points(1, lends=LENDS)
+@points(1)
 def test_one_decode_step_after_a_prefill(sub, rng):
     """"ROMEO:" into your cache, then "\\n" at position 6: the last row of the uncached run"""
     model = mha_model()
     tokens = list(model.encode("ROMEO:\n"))
-    lent = sub.handout("reference_model", checkpoint="mha")
+    lent = ReferenceModel(checkpoint="mha")
     cache = sub.KVCache(model.config.n_layers)
     sub.forward(lent, tokens[:-1], cache)
     got = as_array(sub.forward(lent, tokens[-1:], cache), "the decode step's logits")
@@ -91,7 +90,7 @@ def test_one_decode_step_after_a_prefill(sub, rng):
                 hints=[(last_token_at_position_zero(model, tokens, only), hint) for only in (False, True)])
 
 
-@points(1, lends=LENDS)
+@points(1)
 def test_five_greedy_tokens_with_the_cache(sub, rng):
     """after "ROMEO:", 5 greedy tokens with your cache: the reference's, run without one"""
     model = mha_model()
@@ -99,19 +98,19 @@ def test_five_greedy_tokens_with_the_cache(sub, rng):
     want = []
     for _ in range(5):
         want.append(int(np.argmax(reference.forward(model.config, model.weights, tokens + want)[-1])))
-    got = sub.generate(sub.handout("reference_model", checkpoint="mha"), tokens, 5, True)
+    got = sub.generate(ReferenceModel(checkpoint="mha"), tokens, 5, True)
     if not isinstance(got, (tuple, list)) or len(got) != 2:
         raise AssertionError(f"generate returns (tokens, step_logits), got {described(got)}")
     check_tokens(got[0], want, "5 greedy tokens after 'ROMEO:' with your cache",
                  text=model.decode_text)
 
 
-@points(1, lends=LENDS)
+@points(1)
 def test_step_seconds_times_each_step(sub, rng):
     """step_seconds without a cache: 8 times, each its own step's (an uncached step grows with the sequence)"""
     model = mha_model()
     tokens = list(model.encode("ROMEO:"))
-    got = sub.step_seconds(sub.handout("reference_model", checkpoint="mha"), tokens, 8, False)
+    got = sub.step_seconds(ReferenceModel(checkpoint="mha"), tokens, 8, False)
     times = as_array(got, "step_seconds without a cache", shape=(8,)).astype(np.float64)
     assert np.all(np.isfinite(times)) and np.all(times > 0), (
         f"step_seconds: each step's wall time is a positive number of seconds, got {times.tolist()}")
