@@ -1,11 +1,9 @@
 """How much physical memory a process holds: from Linux's /proc, elsewhere (macOS, Windows)
 from psutil.
 
-kvlab.measure re-exports these for notebooks and labs. This file imports only the standard
-library at import time (ctypes and psutil only when called) and nothing relative, because
-the grading worker lends `resident_bytes` and `release_freed_memory` to a lab's submission
-without importing the rest of kvlab, and the judge reads a worker's memory from outside
-with `status_kib` and `reset_peak`.
+kvlab.measure re-exports these for notebooks and labs (and the grading judge serves them to
+the cache-size lab's submissions: kvlab/grading/handouts.py). This file imports only the
+standard library at import time (ctypes and psutil only when called).
 
 On Linux the figures are /proc's own (VmRSS, VmHWM), exactly as before; psutil's resident
 size there is the same count of pages, and it is what every other system reports through.
@@ -30,19 +28,6 @@ def status_kib(field: str, pid: str = "self") -> int:
     except (OSError, ValueError, IndexError):
         pass
     return 0
-
-
-def reset_peak(pid: str = "self") -> bool:
-    """Start a process's peak (VmHWM) again from its present size; False where Linux cannot
-    (and everywhere else: no other system lets a peak be restarted)."""
-    if not PROC:
-        return False
-    try:
-        with open(f"/proc/{pid}/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
 
 
 def _psutil_memory():

@@ -58,7 +58,8 @@ apt-get install -y --no-install-recommends python3 python3-venv python3-dev buil
 "$VENV/bin/pip" install --upgrade pip
 "$VENV/bin/pip" install "$SOURCE/kvlab-src"
 # the students' code runs as this user: it cannot read the tests, the results or kvlab
-# itself (the worker loads what a lab lends before it becomes this user)
+# itself (the worker reads the two files of kvlab it needs, wire.py and policy.py, before it
+# becomes this user; whatever a lab lends stays in the judge)
 id -u {WORKER_USER} >/dev/null 2>&1 || useradd --system --no-create-home --shell /usr/sbin/nologin {WORKER_USER}
 chmod -R a+rX "$VENV"
 chmod -R go-rwx "$VENV"/lib/python3*/site-packages/kvlab
