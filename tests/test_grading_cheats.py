@@ -225,37 +225,7 @@ def measure_resident_growth(model, seq_len, batch):
 
 OWN_CACHE = (INSTRUCTOR / "solutions" / "own_cache.py").read_text()
 
-OWN_CACHE_FAKES = {
-    # the times come from nowhere, or from the whole loop shared out evenly
-    "made-up times": ("""
-def step_seconds(model, prompt, n_new, use_cache):
-    return [1e-9 if use_cache else 2e-9] * n_new
-""", {"test_step_times_are_measured"}),
-    "the whole loop divided": ("""
-def step_seconds(model, prompt, n_new, use_cache):
-    started = time.perf_counter()
-    generate(model, prompt, n_new, use_cache)
-    return [(time.perf_counter() - started) / n_new] * n_new
-""", {"test_step_times_are_measured"}),
-    # a "cache" that only remembers the tokens: every step recomputes the whole sequence
-    "a cache never read": ("""
-_really = forward
-
-def forward(model, tokens, cache=None):
-    if cache is None:
-        return _really(model, tokens)
-    seen = cache.seen if hasattr(cache, "seen") else []
-    logits = _really(model, seen + list(tokens))[-len(tokens):]
-    positions = np.arange(len(seen), len(seen) + len(tokens))
-    x = model.embed(tokens)
-    for layer in range(model.config.n_layers):
-        q, k, v = model.qkv(layer, x, positions)
-        cache.append(layer, k, v)                    # for length and nbytes only
-    cache.seen = seen + list(tokens)
-    return logits
-""", {"test_prefill_then_decode_matches_the_uncached_run",
-      "test_greedy_tokens_are_the_same_with_and_without_the_cache",
-      "test_step_times_are_measured"}),
+OWN_CACHE_FAKES = {     # (made-up step times, a cache never read: instructor/cheats/own_cache/)
     # kvlab's own forward pass, imported by name past the source check: the model is lent
     # from the judge, kvlab is never loaded in the worker, and the finder refuses to load it
     "kvlab imported by name past the check": (EVADE + """

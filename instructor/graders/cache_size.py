@@ -44,9 +44,15 @@ def shape_text(config):
 
 @points(1)
 def test_bytes_per_token_worked_example(sub, rng):
-    """Llama 2 7B in fp16: 512 KiB per token"""
+    """Llama 2 7B in fp16: 512 KiB per token; and its shape at other depths and widths, drawn now"""
     got = sub.kv_bytes_per_token(32, 32, 128, 2)
     assert got == 524_288, f"32 layers x 32 KV heads x 128 x 2 bytes: expected 524,288, got {described(got)}"
+    for _ in range(3):      # the worked example's arithmetic, not its answer
+        n_layers, size = int(rng.integers(1, 81)), int(rng.choice([1, 2, 4]))
+        got = sub.kv_bytes_per_token(n_layers, 32, 128, size)
+        want = 2 * n_layers * 32 * 128 * size
+        assert got == want, (f"Llama 2 7B's heads (32 KV heads x 128) with {n_layers} layers and "
+                             f"{size}-byte values: expected {want:,}, got {described(got)}")
 
 
 @points(1)
@@ -63,22 +69,35 @@ def test_bytes_per_token_counts_keys_and_values(sub, rng):
 
 @points(2)
 def test_cache_bytes_worked_example(sub, rng):
-    """Llama 2 7B, fp16: 2 GiB for 4,096 tokens, 32 GiB for 16 requests"""
+    """Llama 2 7B, fp16: 2 GiB for 4,096 tokens, 32 GiB for 16 requests; and other lengths, batches and formats, drawn now"""
     config = config_record(LLAMA2_7B)
     one = sub.kv_cache_bytes(config, 4096, 1, "fp16")
     assert one == 2 * GiB, f"one request of 4,096 tokens: expected {2 * GiB:,} B (2 GiB), got {described(one)}"
     sixteen = sub.kv_cache_bytes(config, 4096, 16, "fp16")
     assert sixteen == 32 * GiB, f"16 requests: expected {32 * GiB:,} B (32 GiB), got {described(sixteen)}"
+    for dtype in rng.permutation(["fp16", "fp32", "int8"]):
+        seq_len, batch = int(rng.integers(1, 8193)), int(rng.integers(1, 33))
+        got = sub.kv_cache_bytes(config, seq_len, batch, str(dtype))
+        want = kvlab.kv_cache_bytes(LLAMA2_7B, seq_len, batch, str(dtype))
+        assert got == want, (f"Llama 2 7B, {dtype}, {batch} requests of {seq_len:,} tokens: "
+                             f"expected {want:,} B, got {described(got)}")
 
 
 @points(2)
 def test_cache_bytes_gqa(sub, rng):
-    """GQA caches only the KV heads: Llama 3 8B has 8 of them for 32 query heads"""
+    """GQA caches only the KV heads: Llama 3 8B has 8 of them for 32 query heads (and 4, 2 or 1, drawn now)"""
     seq_len = int(rng.integers(1000, 9000))
     got = sub.kv_cache_bytes(config_record(LLAMA3_8B), seq_len, 1, "bf16")
     want = kvlab.kv_cache_bytes(LLAMA3_8B, seq_len, 1, "bf16")
     assert got == want, (f"Llama 3 8B (32 layers, 8 KV heads x 128), {seq_len:,} tokens in bf16: "
                          f"expected {want:,} B, got {described(got)}")
+    n_kv_heads = int(rng.choice([4, 2, 1]))
+    fewer = LLAMA3_8B.replace(n_kv_heads=n_kv_heads)
+    got = sub.kv_cache_bytes(config_record(fewer), seq_len, 1, "bf16")
+    want = kvlab.kv_cache_bytes(fewer, seq_len, 1, "bf16")
+    assert got == want, (f"Llama 3 8B's shape with {n_kv_heads} KV head{'s' * (n_kv_heads > 1)} "
+                         f"for its 32 query heads, {seq_len:,} tokens in bf16: expected {want:,} B, "
+                         f"got {described(got)}")
 
 
 @points(2)
@@ -108,13 +127,21 @@ def test_cache_bytes_int8_counts_its_scales(sub, rng):
 
 @points(1)
 def test_cache_bytes_match_a_real_cache(sub, rng):
-    """the formula equals what model.new_cache allocates"""
+    """the formula equals what a real cache allocates: the bundled model's, and caches of shapes drawn now"""
     model = bundled_model()
     for dtype in ("fp32", "fp16", "int8"):
         positions = int(rng.integers(10, 500))
         cache = model.new_cache(positions, dtype)
         got = sub.kv_cache_bytes(config_record(model.config), positions, 1, dtype)
         assert got == cache.nbytes, (f"the bundled model's {dtype} cache of {positions} positions "
+                                     f"allocates {cache.nbytes:,} B; your formula says {described(got)}")
+    for config in random_configs(rng, 3):
+        config = config.replace(n_layers=int(rng.integers(1, 9)))      # a cache small enough to make
+        dtype, positions = str(rng.choice(["fp32", "fp16", "int8"])), int(rng.integers(10, 300))
+        cache = kvlab.KVCache(config.n_layers, config.n_kv_heads, config.head_dim, positions,
+                              key_format=dtype, value_format=dtype)
+        got = sub.kv_cache_bytes(config_record(config), positions, 1, dtype)
+        assert got == cache.nbytes, (f"a {dtype} cache of {positions} positions for {shape_text(config)} "
                                      f"allocates {cache.nbytes:,} B; your formula says {described(got)}")
 
 

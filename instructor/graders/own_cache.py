@@ -230,7 +230,7 @@ def test_greedy_tokens_are_the_same_with_and_without_the_cache(sub, rng):
 
 @points(1)
 def test_the_cache_holds_what_the_formula_says(sub, rng):
-    """after a generation, the cache's bytes are 2 x n_layers x positions x n_kv_heads x head_dim x 4"""
+    """after a generation, the cache holds every position's K and V, 2 x n_layers x positions x n_kv_heads x head_dim x 4 bytes"""
     model = ReferenceModel(checkpoint="mha")
     c = mha_model().config
     prompt = prompt_of(rng)
@@ -244,6 +244,14 @@ def test_the_cache_holds_what_the_formula_says(sub, rng):
     assert cache.nbytes == want, (
         f"{c.n_layers} layers x {length} positions x {c.n_kv_heads} KV heads x {c.head_dim} x 4 B "
         f"for K and V: expected {want:,} B, got {described(cache.nbytes)}")
+    # the bytes counted are bytes held: the K and V of every position, as the reference's
+    held = reference.ReferenceCache(c, max_seq_len=length)
+    reference.forward(c, mha_model().weights, list(prompt) + [int(t) for t in decoded], held)
+    layer = int(rng.integers(0, c.n_layers))
+    for name, got, kept in (("keys", cache.keys(layer), held.key), ("values", cache.values(layer), held.value)):
+        check_close(as_array(got, f"{name}({layer})", shape=(length, c.n_kv_heads, c.head_dim)),
+                    kept[layer, :length], f"{name}({layer}) after a prefill of {len(prompt)} and "
+                    f"{len(decoded)} decode steps: every position's, in order", atol=1e-4, rtol=1e-4)
 
 
 def timing_shape(rng):
