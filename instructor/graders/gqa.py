@@ -168,13 +168,17 @@ def test_mean_pool_refuses_a_count_that_does_not_divide(sub, rng):
     """n_kv_heads that does not divide n_heads (or is 0) raises ValueError, and one that
     does is not refused (a function that always raises earns nothing here; whether it pools
     right is the test above's)"""
-    w = normal(rng, 6 * 4, 3)
-    for n_kv_heads in (4, 5, 0):
-        with raises("ValueError", f"mean_pool_heads of 6 heads to {n_kv_heads}"):
-            sub.mean_pool_heads(w, n_kv_heads, 4)
-    got = np.asarray(sub.mean_pool_heads(w, 3, 4))
-    assert got.shape == (3 * 4, 3), (f"6 heads of 4 rows pooled to 3, which divides them: "
-                                     f"expected shape (12, 3), got {got.shape}")
+    n_heads, head_dim = int(rng.choice([6, 8, 10, 12])), int(rng.choice([2, 4]))
+    w = normal(rng, n_heads * head_dim, 3)
+    refused = [0] + [g for g in range(2, n_heads) if n_heads % g]
+    for n_kv_heads in rng.permutation(refused)[:3]:
+        with raises("ValueError", f"mean_pool_heads of {n_heads} heads to {n_kv_heads}"):
+            sub.mean_pool_heads(w, int(n_kv_heads), head_dim)
+    n_kv_heads = int(rng.choice([g for g in range(2, n_heads) if n_heads % g == 0]))
+    got = np.asarray(sub.mean_pool_heads(w, n_kv_heads, head_dim))
+    assert got.shape == (n_kv_heads * head_dim, 3), (
+        f"{n_heads} heads of {head_dim} rows pooled to {n_kv_heads}, which divides them: "
+        f"expected shape ({n_kv_heads * head_dim}, 3), got {got.shape}")
 
 
 @points(2)
