@@ -1,10 +1,14 @@
-"""kvlab/grading/handouts.py: the models a lab lends, as the GQA lab uses them."""
+"""kvlab/grading/handouts.py: the models and functions a lab lends (served from the judge),
+as the own-cache, cache-size and GQA labs use them."""
+import mmap
+import re
+
 import numpy as np
 import pytest
 
 import kvlab
 from kvlab import reference
-from kvlab.grading.handouts import ReferenceModel
+from kvlab.grading.handouts import LabModel, LentFunctions, ReferenceModel
 
 TOKENS = list(b"ROMEO:\nBut soft")
 
@@ -76,3 +80,57 @@ def test_bad_arguments_are_named():
         ReferenceModel().key_value_weights(6)
     with pytest.raises(TypeError, match="encode takes a str"):
         ReferenceModel().encode(b"bytes")
+
+
+def test_every_call_is_logged_with_its_rows():
+    """The own-cache lab's grader reads what each step ran from this log, in the judge."""
+    model = ReferenceModel(checkpoint="mha")
+    forward(model, TOKENS)
+    names = [call.name for call in model.log]
+    assert names[0] == "embed" and names[-1] == "logits"
+    assert names.count("qkv") == names.count("mlp") == model.config.n_layers
+    assert {call.rows for call in model.log} == {len(TOKENS)}
+    assert [call.layer for call in model.log if call.name == "qkv"] == list(range(6))
+    assert all(call.ended >= call.started for call in model.log)
+
+
+@pytest.mark.parametrize("call, says", [
+    (lambda m: m.qkv(0, np.zeros((2, 128)), [0]), "positions must be 2"),
+    (lambda m: m.qkv(0, np.zeros((2, 64)), [0, 1]), "x must be a numeric array of shape"),
+    (lambda m: m.attention_output(0, np.zeros((1, 128)), np.zeros((1, 8, 8))), "out must be"),
+    (lambda m: m.embed([256]), "ids in [0, 256)"),
+    (lambda m: m.embed([]), "non-empty"),
+    (lambda m: m.mlp(True, np.zeros((1, 128))), "layer must be an int"),
+])
+def test_bad_arrays_are_refused_before_the_log(call, says):
+    model = ReferenceModel(checkpoint="mha")
+    with pytest.raises(ValueError, match=re.escape(says)):
+        call(model)
+    assert model.log == []
+
+
+def test_the_lab_model_knows_what_its_caches_hold():
+    """The cache-size lab's model: its block is taken when a cache is first filled, and the
+    bytes held are what the grader bounds a measurement by."""
+    model = LabModel(extra_bytes=10_000)                   # rounded up to whole pages
+    assert model.config.n_layers == kvlab.load().config.n_layers
+    empty, full = model.new_cache(64), model.new_cache(64)
+    assert model.filled_bytes() == 0 and not empty.filled
+    model.prefill(list(range(64)), full)
+    block = -(-10_000 // mmap.PAGESIZE) * mmap.PAGESIZE
+    assert full.filled and full.length == 64
+    assert model.filled_bytes() == full.held_bytes == full._cache.nbytes + block
+    with pytest.raises(TypeError, match="made by this model"):
+        LabModel().prefill([1], full)
+    with pytest.raises(ValueError, match="max_seq_len must be an int"):
+        model.new_cache(10**6)
+
+
+def test_lent_functions_are_the_labs_own_and_no_more():
+    lent = LentFunctions(("kvlab.measure.resident_bytes", "kvlab.accuracy.perplexity"))
+    assert lent.served_methods == ("resident_bytes", "perplexity")
+    assert lent.resident_bytes() > 0
+    with pytest.raises(AttributeError):
+        lent.kl_divergence
+    with pytest.raises(LookupError, match="cannot lend"):
+        LentFunctions(("kvlab.reference.forward",))

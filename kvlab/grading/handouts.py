@@ -78,8 +78,10 @@ class LabCache(ServedObject):
     served_attributes = ("length", "capacity")
     served_type_name = "KVCache"
 
-    def __init__(self, model: "LabModel", cache, extra_bytes: int):
-        self._model, self._cache, self._extra_bytes = model, cache, extra_bytes
+    def __init__(self, maker: object, cache, extra_bytes: int):
+        # the model's token, not the model: no cycle, so a cache's memory goes the moment
+        # its model does, not at some later garbage collection inside another measurement
+        self._maker, self._cache, self._extra_bytes = maker, cache, extra_bytes
         self._extra = None
         self.filled = False
 
@@ -118,6 +120,7 @@ class LabModel(ServedObject):
         self._extra_bytes = -(-extra_bytes // PAGE) * PAGE
         self.config = Record("ModelConfig", config_fields(self._model.config))
         self.caches: List[LabCache] = []
+        self._token = object()
 
     def new_cache(self, max_seq_len, dtype: str = "fp32") -> LabCache:
         context = self._model.config.max_seq_len
@@ -126,13 +129,13 @@ class LabModel(ServedObject):
             raise ValueError(f"dtype must be 'fp32', 'fp16' or 'int8', got {dtype!r}")
         if len(self.caches) >= MAX_CACHES:
             raise ValueError(f"this model has made {MAX_CACHES} caches already")
-        cache = LabCache(self, self._model.new_cache(max_seq_len, dtype), self._extra_bytes)
+        cache = LabCache(self._token, self._model.new_cache(max_seq_len, dtype), self._extra_bytes)
         self.caches.append(cache)
         return cache
 
     def prefill(self, tokens, cache):
         """Run `tokens` into `cache` (made by this model); the last row of logits."""
-        if not isinstance(cache, LabCache) or cache._model is not self:
+        if not isinstance(cache, LabCache) or cache._maker is not self._token:
             raise TypeError("prefill(tokens, cache) needs a cache made by this model's new_cache")
         logits = self._model.prefill(_token_ids(tokens, self._model.config.vocab_size), cache._cache)
         cache._fill_extra()

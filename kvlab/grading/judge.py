@@ -22,6 +22,7 @@ when the test ends the worker and everything it started are killed. So:
 from __future__ import annotations
 
 import argparse
+import gc
 import hashlib
 import importlib.util
 import io
@@ -183,6 +184,7 @@ class Judge:
 
     def _start(self, index: int, test: Callable, copy: Path, deadline: float) -> Session:
         """A worker for `test`, the submission imported; NotImported saying why if not."""
+        gc.collect()        # the last test's garbage goes now, not inside this one's measurement
         try:
             worker = WorkerProcess(self._scratch(index), self.worker_user, self.output_cap)
         except OSError as error:            # no process to be had (a limit reached, say)
