@@ -13,7 +13,7 @@ import functools
 import numpy as np
 
 from kvlab import reference
-from kvlab.grading.testkit import as_array, c_attend, check_close, mha_model, points, raises
+from kvlab.grading.testkit import as_array, c_attend, check_close, matches, mha_model, points, raises
 
 PROMPT = "ROMEO:\nBut soft, what light through yonder window breaks?"
 
@@ -46,10 +46,20 @@ def prepare():
 
 @points(1)
 def test_attend_a_zero_query_averages_the_values(sub, rng):
-    """a query of zeros weighs every position alike: the output is the mean of the values"""
-    keys, values = normal(rng, 5, 1, 4), normal(rng, 5, 1, 4)
-    got = sub.attend(np.zeros((1, 4), np.float32), keys, values)
-    check_close(got, values.mean(axis=0), "one head, 5 positions, q = 0", atol=1e-6)
+    """a query of zeros weighs every position alike: the output is the mean of the values
+    (and a query that is not zero does not: its weights come from its scores)"""
+    n_heads, n_kv_heads, head_dim = shapes(rng)[("one head", "MHA")[int(rng.integers(2))]]
+    length = int(rng.integers(3, 12))
+    keys, values = normal(rng, length, n_kv_heads, head_dim), normal(rng, length, n_kv_heads, head_dim)
+    what = f"{n_heads} head{'s' * (n_heads != 1)} of {head_dim}, {length} positions"
+    got = sub.attend(np.zeros((n_heads, head_dim), np.float32), keys, values)
+    check_close(got, values.mean(axis=0), f"{what}, q = 0", atol=1e-6)
+    # scores of a few units: far from equal, so the weights are far from 1 / length
+    q = normal(rng, n_heads, head_dim, scale=3.0)
+    got = as_array(sub.attend(q, keys, values), f"{what}, q not 0", shape=(n_heads, head_dim))
+    assert not matches(got, values.mean(axis=0)), (
+        f"{what}, a query that is not zero: expected each position weighed by softmax(q . k / "
+        f"sqrt(head_dim)), got the plain mean of the values, as if every score were equal")
 
 
 @points(3)
@@ -75,6 +85,21 @@ def test_attend_large_scores_do_not_overflow(sub, rng):
     want = reference.attention(q[None], keys, values, np.array([19]))[0]
     check_close(got, want, "scores of about 1e4 (exp(1e4) overflows: is the largest score "
                            "subtracted before exp?)")
+    # Scores that far apart give one-hot weights: a softmax of close scores of about 1e4 does
+    # not. Keys moved along q add the same shift to every score of a head, which a softmax
+    # does not see: the output must be the one for the small scores.
+    length = int(rng.integers(8, 30))
+    q = normal(rng, n_heads, head_dim)
+    keys, values = normal(rng, length, n_kv_heads, head_dim), normal(rng, length, n_kv_heads, head_dim)
+    shift = rng.uniform(5e3, 1.2e4)
+    along_q = shift * np.sqrt(head_dim) / np.sum(q.astype(np.float64) ** 2, axis=1)
+    shifted = (keys + (along_q[:, None] * q)[None]).astype(np.float32)
+    small = as_array(sub.attend(q, keys, values), "attend", shape=(n_heads, head_dim))
+    got = sub.attend(q, shifted, values)
+    check_close(got, small, f"{length} positions whose scores, a few units apart, are all raised by "
+                            f"{shift:,.0f}: softmax(s + c) = softmax(s), so the output must be the one "
+                            f"for the scores before the shift (subtract the largest score before exp; "
+                            f"close scores do not give one-hot weights)", atol=1e-2)
 
 
 @points(3)
@@ -90,54 +115,73 @@ def test_attend_matches_the_c_cache_of_the_mha_model(sub, rng):
 
 @points(2)
 def test_kv_cache_appends_and_reads_back(sub, rng):
-    """KVCache keeps what was appended, layer by layer, one or many positions at a time"""
-    mine = sub.KVCache(3, 10, 2, 4)
-    k, v = normal(rng, 3, 10, 2, 4), normal(rng, 3, 10, 2, 4)
+    """KVCache keeps what was appended, layer by layer, one or many positions at a time; its
+    length is the smallest count of any layer, wherever that layer is"""
+    n_layers, n_kv_heads, head_dim = int(rng.integers(3, 6)), int(rng.integers(1, 4)), int(rng.choice([2, 4, 8]))
+    first, more = int(rng.integers(2, 5)), int(rng.integers(2, 5))     # positions per round
+    max_len = first + 1 + more + int(rng.integers(0, 4))
+    full = first + 1 + more                                           # what every layer ends with
+    behind = int(rng.integers(1, n_layers - 1))                       # neither the first nor the last
+    mine = sub.KVCache(n_layers, max_len, n_kv_heads, head_dim)
+    k, v = normal(rng, n_layers, max_len, n_kv_heads, head_dim), normal(rng, n_layers, max_len, n_kv_heads, head_dim)
     assert mine.length == 0, f"a new cache: expected length 0, got {mine.length!r}"
-    for layer in range(3):
-        mine.append(layer, k[layer, :3], v[layer, :3])       # three positions at once
-    assert mine.length == 3, f"after appending 3 positions to every layer: expected length 3, got {mine.length!r}"
-    mine.append(0, k[0, 3], v[0, 3])                         # one position, (n_kv_heads, head_dim)
-    mine.append(0, k[0, 4:6], v[0, 4:6])
-    assert mine.length == 3, (f"layer 0 holds 6 positions, layers 1 and 2 hold 3: expected length 3 "
-                              f"(the smallest count), got {mine.length!r}")
-    for layer, count in ((0, 6), (1, 3), (2, 3)):
+    for layer in range(n_layers):
+        mine.append(layer, k[layer, :first], v[layer, :first])       # several positions at once
+    assert mine.length == first, (f"after appending {first} positions to each of {n_layers} layers: "
+                                  f"expected length {first}, got {mine.length!r}")
+    mine.append(0, k[0, first], v[0, first])                          # one position, (n_kv_heads, head_dim)
+    mine.append(0, k[0, first + 1:full], v[0, first + 1:full])
+    assert mine.length == first, (f"layer 0 holds {full} positions, the other layers {first}: expected "
+                                  f"length {first} (the smallest count), got {mine.length!r}")
+    for layer in range(1, n_layers):                                  # all but one catch up
+        if layer != behind:
+            mine.append(layer, k[layer, first:full], v[layer, first:full])
+    assert mine.length == first, (f"every layer holds {full} positions but layer {behind} of "
+                                  f"{n_layers}, which holds {first}: expected length {first} (the "
+                                  f"smallest count, whichever layer has it), got {mine.length!r}")
+    for layer in range(n_layers):
+        count = first if layer == behind else full
         for name, got, want in (("keys", mine.keys(layer), k[layer, :count]),
                                 ("values", mine.values(layer), v[layer, :count])):
             got = as_array(got, f"{name}({layer})")
             assert got.shape == want.shape, (f"{name}({layer}) after {count} positions: expected shape "
                                              f"{want.shape}, got {got.shape}")
             assert np.array_equal(got, want), f"{name}({layer}) does not hold what was appended to layer {layer}"
-    for layer in (1, 2):
-        mine.append(layer, k[layer, 3:6], v[layer, 3:6])
-    assert mine.length == 6, f"after 6 positions in every layer: expected length 6, got {mine.length!r}"
+    mine.append(behind, k[behind, first:full], v[behind, first:full])
+    assert mine.length == full, f"after {full} positions in every layer: expected length {full}, got {mine.length!r}"
 
 
 @points(2)
 def test_kv_cache_refuses_what_does_not_fit_and_changes_nothing(sub, rng):
     """appending past max_len raises CacheFullError and leaves the cache as it was"""
-    mine = sub.KVCache(2, 5, 2, 4)
-    k, v = normal(rng, 2, 8, 2, 4), normal(rng, 2, 8, 2, 4)
-    for layer in range(2):
-        mine.append(layer, k[layer, :3], v[layer, :3])
-    attempts = [(1, 3, "3 positions into a layer with 2 free"), (0, 3, "3 positions into a layer with 2 free")]
-    for layer, n, what in attempts:
-        with raises("CacheFullError", f"append of {what} (layer {layer})"):
-            mine.append(layer, k[layer, 3:3 + n], v[layer, 3:3 + n])
-        for other in range(2):
+    n_layers, n_kv_heads, head_dim = int(rng.integers(2, 4)), int(rng.integers(1, 4)), int(rng.choice([2, 4, 8]))
+    free = int(rng.integers(1, 4))
+    filled = int(rng.integers(2, 6))
+    max_len = filled + free
+    mine = sub.KVCache(n_layers, max_len, n_kv_heads, head_dim)
+    k, v = normal(rng, n_layers, max_len + 4, n_kv_heads, head_dim), normal(rng, n_layers, max_len + 4, n_kv_heads, head_dim)
+    for layer in range(n_layers):
+        mine.append(layer, k[layer, :filled], v[layer, :filled])
+    attempts = [(int(rng.integers(n_layers)), free + int(rng.integers(1, 4))) for _ in range(2)]
+    for layer, n in attempts:
+        what = f"{n} positions into a layer with {free} free"
+        with raises("CacheFullError", f"append of {what} (layer {layer}, max_len {max_len})"):
+            mine.append(layer, k[layer, filled:filled + n], v[layer, filled:filled + n])
+        for other in range(n_layers):
             got = as_array(mine.keys(other), f"keys({other})")
-            assert got.shape[0] == 3 and np.array_equal(got, k[other, :3]) and \
-                np.array_equal(as_array(mine.values(other), f"values({other})"), v[other, :3]), (
-                    f"after refusing {what} (layer {layer}), layer {other} should still hold its 3 "
-                    f"positions and nothing else; its keys are now {got.shape[0]} positions")
-        assert mine.length == 3, f"a refused append changed length from 3 to {mine.length!r}"
-    for layer in range(2):
-        mine.append(layer, k[layer, 3:5], v[layer, 3:5])     # exactly what is left: fits
-    assert mine.length == 5 and np.array_equal(as_array(mine.keys(1), "keys(1)"), k[1, :5]), (
-        "after the refusals, 2 more positions (exactly what is left) should fit and be kept")
+            assert got.shape[0] == filled and np.array_equal(got, k[other, :filled]) and \
+                np.array_equal(as_array(mine.values(other), f"values({other})"), v[other, :filled]), (
+                    f"after refusing {what} (layer {layer}), layer {other} should still hold its "
+                    f"{filled} positions and nothing else; its keys are now {got.shape[0]} positions")
+        assert mine.length == filled, f"a refused append changed length from {filled} to {mine.length!r}"
+    for layer in range(n_layers):
+        mine.append(layer, k[layer, filled:max_len], v[layer, filled:max_len])   # exactly what is left: fits
+    assert mine.length == max_len and np.array_equal(as_array(mine.keys(1), "keys(1)"), k[1, :max_len]), (
+        f"after the refusals, {free} more position{'s' * (free != 1)} (exactly what is left) should "
+        f"fit and be kept")
     with raises("CacheFullError", "append of 1 position to a full layer"):
-        mine.append(0, k[0, 5], v[0, 5])
-    assert mine.length == 5, f"a refused append to a full cache changed length to {mine.length!r}"
+        mine.append(0, k[0, max_len], v[0, max_len])
+    assert mine.length == max_len, f"a refused append to a full cache changed length to {mine.length!r}"
 
 
 @points(2)
