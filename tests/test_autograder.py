@@ -157,7 +157,8 @@ def test_setup_sh_and_the_unprivileged_student_as_on_gradescope(package):
         run = run_autograder(root, env)
         assert run.returncode == 0, run.stderr
         assert results(root)["score"] == 16, results(root)
-        # a lab whose every test lends a model, with the same installation
+        # a lab whose model, served from the judge (root), logs every call of the worker's
+        # code (kvlab-student), with the same installation
         other = unpack(build("own_cache", top / "own_cache.zip", INSTRUCTOR), top / "other")
         shutil.copy(INSTRUCTOR / "solutions" / "own_cache.py", other / "submission" / "own_cache.py")
         run = run_autograder(other, env)

@@ -5,9 +5,16 @@ The outputs are compared with the C core's attention over the same rows (cache.a
 a kvlab cache), for shapes, lengths and splits drawn at grading time: one piece, pieces of
 one position, more pieces than positions (empty ones), scores large enough to overflow an
 unshifted exp. The pieces and the merge are checked on their own too.
+
+A split gives the same output as plain attention, so the output alone cannot show that a
+split was made. So split_attend and attend_in_chunks also run once with the grader's own
+partial in place of the student's (kvlab/grading/remote.py, ServedFunction): it records
+which positions each piece held, and scales each piece's acc and l by a factor drawn now,
+which moves the output to a value only merging those pieces gives.
 """
 import numpy as np
 
+from kvlab.grading.remote import ServedFunction
 from kvlab.grading.testkit import as_array, c_attend, check_close, described, points
 
 
@@ -43,6 +50,38 @@ def reduce_by_hand(q, keys, values):
             w = np.exp(s - m[h])
             l[h], acc[h] = w.sum(), w @ values[:, h // kv_mul]
     return acc, m, l
+
+
+def through_the_pieces(sub, name, q, keys, values, how, pieces, rng, what):
+    """Run the student's `name`(q, keys, values, how) with the grader's partial in place of
+    theirs, which scales each piece's acc and l by a factor drawn now: the pieces it was
+    given must be `pieces` (position ranges; empty ones may be left out), and the output
+    must be the merge of what it returned."""
+    def scaled_partial(q_, keys_, values_):
+        acc, m, l = reduce_by_hand(np.asarray(q_), np.asarray(keys_), np.asarray(values_))
+        factor = rng.uniform(0.25, 4.0) if len(keys_) else 1.0
+        return ((acc * factor).astype(np.float32), m.astype(np.float32),
+                (l * factor).astype(np.float32))
+    served = ServedFunction(scaled_partial)
+    got = getattr(sub, name).call((q, keys, values, how), {}, replace={"partial": served})
+    given = [np.asarray(call[0][1]) for call in served.calls if len(call[0][1])]
+    want_pieces = [keys[piece] for piece in pieces if len(piece)]
+    sizes = [len(g) for g in given]
+    assert len(given) == len(want_pieces) and all(
+        g.shape == w.shape and np.array_equal(g, w) for g, w in zip(given, want_pieces)), (
+        f"{what}: your {name} should reduce each piece with your partial (the grader put its "
+        f"own partial in its place for this call) and merge the results; partial was given "
+        f"pieces of {sizes} positions, where the pieces are "
+        f"{[len(piece) for piece in pieces if len(piece)]} positions, in order")
+    states = [call[2] for call in served.calls]
+    top = np.max([m for _, m, _ in states], axis=0)
+    weights = [np.exp(m.astype(np.float64) - top) for _, m, _ in states]
+    acc = sum(w[:, None] * a.astype(np.float64) for w, (a, _, _) in zip(weights, states))
+    norm = sum(w * l.astype(np.float64) for w, (_, _, l) in zip(weights, states))
+    check_close(got, acc / norm[:, None],
+                f"{what}, run with the grader's partial in place of yours (it scales each "
+                f"piece's acc and l by a factor of its own): your {name}'s output should be "
+                f"the merge of the pieces partial returned, acc / l", atol=1e-4, rtol=1e-4)
 
 
 def state_of(got, n_heads, head_dim, what):
@@ -149,6 +188,10 @@ def test_any_number_of_splits_gives_the_c_cores_attention(sub, rng):
             got = sub.split_attend(q, keys, values, n_splits)
             check_close(got, want, f"{kind}, {length} positions in {n_splits} pieces"
                                    + (" (some of them empty)" if n_splits > length else ""))
+        n_splits = int(rng.integers(2, 8))
+        through_the_pieces(sub, "split_attend", q, keys, values, n_splits,
+                           np.array_split(np.arange(length), n_splits), rng,
+                           f"{kind}, {length} positions in {n_splits} pieces")
 
 
 @points(1)
@@ -164,6 +207,9 @@ def test_large_scores_do_not_overflow(sub, rng):
         got = sub.split_attend(q, keys, values, n_splits)
         check_close(got, want, f"scores up to about 1e4, {n_splits} pieces (is each piece's max "
                                f"subtracted before exp, and the merge's?)", atol=1e-4)
+    through_the_pieces(sub, "split_attend", q, keys, values, 4,
+                       np.array_split(np.arange(length), 4), rng,
+                       "scores up to about 1e4, 4 pieces (is the merge's max subtracted before exp?)")
 
 
 @points(1)
@@ -177,3 +223,7 @@ def test_fixed_chunks_give_the_same_attention(sub, rng):
     for chunk in (1, int(rng.integers(2, 9)), length - 1, length + 5):
         got = sub.attend_in_chunks(q, keys, values, chunk)
         check_close(got, want, f"{length} positions in chunks of {chunk}")
+    chunk = int(rng.integers(2, 9))
+    through_the_pieces(sub, "attend_in_chunks", q, keys, values, chunk,
+                       [np.arange(a, min(a + chunk, length)) for a in range(0, length, chunk)],
+                       rng, f"{length} positions in chunks of {chunk}")

@@ -90,6 +90,23 @@ class ServedObject:
         return type(self).__name__
 
 
+class ServedFunction(ServedObject):
+    """A function of the judge's, put in place of one of the submission's own for a call
+    (RemoteCallable.call(..., replace={"partial": ServedFunction(...)})). Every call the
+    student's code makes to it runs here and is kept in `calls` (args, kwargs, result)."""
+    served_methods = ("call",)
+    served_type_name = "function"
+
+    def __init__(self, function):
+        self.function = function
+        self.calls: List[tuple] = []
+
+    def call(self, *args, **kwargs):
+        result = self.function(*args, **kwargs)
+        self.calls.append((args, kwargs, result))
+        return result
+
+
 class NotServed(LookupError):
     """The worker named an object, method or attribute the judge does not serve it."""
 
@@ -217,13 +234,17 @@ class RemoteCallable:
     def __call__(self, *args, **kwargs):
         return self.call(args, kwargs)
 
-    def call(self, args: tuple, kwargs: dict, numpy_errors: Optional[dict] = None):
+    def call(self, args: tuple, kwargs: dict, numpy_errors: Optional[dict] = None,
+             replace: Optional[Dict[str, "ServedFunction"]] = None):
         """The call, with NumPy's floating-point error handling set to `numpy_errors` (as
-        numpy.errstate takes it) around it, e.g. {"divide": "raise"}."""
+        numpy.errstate takes it) around it, e.g. {"divide": "raise"}, and the submission's
+        module-level functions named in `replace` swapped for these judge-side ones while
+        it runs (so a test sees, and chooses, what the student's function gets from them)."""
         session = self._session
         result, _ = session.ask({"op": "call", "target": self._target, "name": self._name,
                                  "args": session.unwrap(list(args)), "kwargs": session.unwrap(kwargs),
-                                 "numpy_errors": numpy_errors})
+                                 "numpy_errors": numpy_errors,
+                                 "replace": session.unwrap(dict(replace)) if replace else None})
         return result
 
     def __repr__(self) -> str:

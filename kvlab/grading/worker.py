@@ -16,7 +16,9 @@ one frame each way at a time (kvlab/grading/wire.py):
 
     {"op": "load", "path": P, "policy": {...}}   import the submission from P
     {"op": "call", "target": handle or None, "name": N, "args": [...], "kwargs": {...},
-     "numpy_errors": {"divide": "raise", ...} or None}
+     "numpy_errors": {"divide": "raise", ...} or None,
+     "replace": {name: served function, ...} or None}   the submission's own functions of
+                                      those names are the judge's during the call
     {"op": "get", "target": handle or None, "names": [N, ...]}
     {"op": "calls", "target": handle, "calls": [[N, [args]], ...], "attrs": [A, ...] or None}
                                       several calls at once (and attributes of their results)
@@ -38,6 +40,7 @@ not trusted. What makes grading safe is that the judge computes every expected v
 the score, in its own process from its own copy of the tests.
 """
 import builtins
+import contextlib
 import faulthandler
 import importlib.util
 import os
@@ -144,12 +147,13 @@ class KvlabFinder:
         return None
 
 
-def lent_function(worker, dotted, served):
-    """The stand-in for a kvlab function a lab lends: each call is a request to the judge."""
+def lent_function(worker, dotted, served, method=None):
+    """The stand-in for a function the judge serves (a kvlab function a lab lends: its
+    method of that name; with `method`, that method): each call is a request to the judge."""
     name = dotted.rpartition(".")[2]
 
     def function(*args, **kwargs):
-        return worker.call_judge(served, name, args, kwargs)
+        return worker.call_judge(served, method or name, args, kwargs)
     function.__name__ = function.__qualname__ = name
     function.__module__ = dotted.rpartition(".")[0]
     return function
@@ -374,6 +378,26 @@ class Worker:
         exec(code, self.module.__dict__)
         return None
 
+    @contextlib.contextmanager
+    def replaced(self, functions):
+        """The submission's module-level functions of these names replaced, for one call, by
+        functions the judge serves (a test of split_attend that hands it the grader's own
+        partial, say: what the student's code does with what it returns is then checked)."""
+        module, missing = self.module.__dict__, object()
+        saved = {name: module.get(name, missing) for name in functions}
+        for name, served in functions.items():
+            if not isinstance(served, wire.Served):
+                raise RuntimeError(f"the grader's {name} is not a served function")
+            module[name] = lent_function(self, name, served, method="call")
+        try:
+            yield
+        finally:
+            for name, old in saved.items():
+                if old is missing:
+                    module.pop(name, None)
+                else:
+                    module[name] = old
+
     def handle(self, request):
         op = request.get("op")
         if op == "load":
@@ -383,7 +407,8 @@ class Worker:
         if op == "call":
             function = getattr(self.target(request["target"], request["name"]), request["name"])
             args, kwargs = self.resolve(request["args"]), self.resolve(request["kwargs"])
-            with numpy.errstate(**(request.get("numpy_errors") or {})):
+            with numpy.errstate(**(request.get("numpy_errors") or {})), \
+                    self.replaced(request.get("replace") or {}):
                 result = function(*args, **kwargs)
             return {"ok": self.by_value_or_handle(result)}
         if op == "calls":                 # several method calls on one object, in order

@@ -2,13 +2,14 @@
 attend_in_chunks ignore n_splits and chunk, split_states hands back the whole context as its
 first piece and empty ones after it, and the merge is never written.
 
-It also earns the three tests that compare only the outputs (test_any_number_of_splits_
-gives_the_c_cores_attention, test_large_scores_do_not_overflow, test_fixed_chunks_give_the_
-same_attention: 4 of 14 points). No grader can take them back: split then merged, the output
-is plain attention's (that is the point of the merge), to float32 rounding either way, so
-only the pieces and the merge tell the work apart, and they are graded on their own."""
+The outputs alone cannot tell it from a split (merged, the pieces give plain attention's
+output): the grader also runs split_attend and attend_in_chunks with its own partial in
+place of the student's, which records the pieces and scales each one's acc and l, so an
+output that never came from the pieces is caught."""
 TARGETS = ["test_each_piece_of_a_split_is_reduced", "test_merge_combines_two_pieces",
-           "test_merging_with_an_empty_piece_changes_nothing"]
+           "test_merging_with_an_empty_piece_changes_nothing",
+           "test_any_number_of_splits_gives_the_c_cores_attention",
+           "test_large_scores_do_not_overflow", "test_fixed_chunks_give_the_same_attention"]
 
 
 def plain(q, keys, values, *ignored):
