@@ -400,3 +400,34 @@ def test_forged_calls_to_the_judge_are_answered_with_an_error():
         assert "raised" in answer and says in answer["raised"]["message"], (request, answer)
     assert counter.calls == 0
     assert session.serve({"id": ref.id, "name": "total", "get": True}) == {"ok": wire.Encoded(0)}
+
+
+def test_a_call_can_run_with_the_graders_function_in_place_of_the_students(tmp_path):
+    """RemoteCallable.call(replace=...): the submission's module-level function of that name
+    is the judge's for one call (every call of it recorded here), and is its own again
+    afterwards, also when the call raised."""
+    worker, session = start(tmp_path, '''
+def square(x):
+    return x * x
+
+def total(xs):
+    return sum(square(x) for x in xs)
+
+def broken(xs):
+    square(xs[0])
+    raise ValueError("after one call")
+''')
+    try:
+        from kvlab.grading.remote import ServedFunction, Submission
+        sub = Submission(session)
+        cube = ServedFunction(lambda x: x ** 3)
+        assert sub.total.call(([1, 2, 3],), {}, replace={"square": cube}) == 36
+        assert [call[0] for call in cube.calls] == [(1,), (2,), (3,)]
+        assert sub.total([1, 2, 3]) == 14                         # its own square again
+        with pytest.raises(RemoteError, match="after one call"):
+            sub.broken.call(([5],), {}, replace={"square": cube})
+        assert cube.calls[-1][2] == 125 and sub.total([2]) == 4
+        assert sub.total.call(([2],), {}, replace={"missing": cube}) == 4
+        assert sub.square(3) == 9
+    finally:
+        worker.stop()
