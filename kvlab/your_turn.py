@@ -127,6 +127,10 @@ def answer(chapter: str, question: int, value) -> bool:
         print(f"not yet: question {question} of {chapter} wants a number "
               f"({wanted.unit}); got {_short(value)}.")
         return False
+    if wanted.whole and not (math.isfinite(got) and got.is_integer()):
+        print(f"not yet: question {question} of {chapter} counts {wanted.unit}: a whole "
+              f"number; got {_number(got)}.")
+        return False
     expected = float(wanted.expected())
     if math.isfinite(got) and math.isclose(got, expected, rel_tol=wanted.rel_tol):
         print(f"✓ correct: question {question} of {chapter}: your {_number(got)} "

@@ -53,13 +53,18 @@ def test_the_check_accepts_the_answer_and_refuses_a_wrong_one(chapter, question,
     expected = float(wanted.expected())
     assert expected == expected and expected != 0, f"{chapter} {question}: works out {expected}"
     assert your_turn.answer(chapter, question, expected)
-    assert your_turn.answer(chapter, question, expected * (1 + wanted.rel_tol / 2))
+    if wanted.whole:            # a count: close is not enough, it must be a whole number
+        assert expected.is_integer(), f"{chapter} {question}: a count of {expected}"
+        assert not your_turn.answer(chapter, question, expected + 0.2)
+    else:
+        assert your_turn.answer(chapter, question, expected * (1 + wanted.rel_tol / 2))
     assert not your_turn.answer(chapter, question, expected * 2)
     assert not your_turn.answer(chapter, question, "a lot")
     assert not your_turn.answer(chapter, question, float("nan"))
     assert not your_turn.answer(chapter, question, True)      # a truth value is no number
     out = capsys.readouterr().out
     assert "✓ correct" in out and "not yet" in out
+    assert ("a whole number; got" in out) == wanted.whole
 
 
 def test_there_are_number_questions():

@@ -25,6 +25,7 @@ class Number(NamedTuple):
     unit: str                       # what the number counts ("bytes", "x", "%", ...)
     rel_tol: float = 0.01           # an answer this close (relative) is right
     hint: str = ""                  # said when the answer is wrong
+    whole: bool = False             # a count of whole things (requests, blocks): 30.2 is wrong
 
 
 def figures(name: str) -> dict:

@@ -41,14 +41,14 @@ def _smollm2_chats_int8() -> int:
 NUMBERS = {
     1: Number(expected=_llama3_8b_request, unit="bytes", rel_tol=0.01,
               hint="2 x 32 layers x 8 KV heads x 128 x 2 bytes per token, times 8,192"),
-    2: Number(expected=_requests_in_80_gb, unit="requests (fp16 cache)", rel_tol=0.01,
+    2: Number(expected=_requests_in_80_gb, unit="requests (fp16 cache)", rel_tol=0.01, whole=True,
               hint="(80e9 - the fp16 weights) // one request's cache; whole requests only"),
     5: Number(expected=_gqa_factor, unit="x", rel_tol=0.01,
               hint="the weights are the same; the cache per token is divided by "
                    "n_heads / n_kv_heads"),
     6: Number(expected=_llama3_70b_per_gpu, unit="bytes per token per GPU", rel_tol=0.01,
               hint="each GPU holds every layer, but only 8 / 8 = 1 KV head of each"),
-    7: Number(expected=_smollm2_chats_int8, unit="chats (int8 cache)", rel_tol=0.01,
+    7: Number(expected=_smollm2_chats_int8, unit="chats (int8 cache)", rel_tol=0.01, whole=True,
               hint="10**9 // kvlab.kv_cache_bytes(config, 4096, dtype='int8'): the int8 "
                    "format stores a scale beside each head row, which kv_cache_bytes counts"),
 }

@@ -25,7 +25,7 @@ NUMBERS = {
     1: Number(expected=_q1_bytes_per_token, unit="bytes per token",
               hint="2 (K and V) x n_layers x n_kv_heads x head_dim x 2 bytes: only the K/V "
                    "heads count, not the 40 query heads"),
-    2: Number(expected=_q2_kv_head_of_query_head_13, unit="K/V head", rel_tol=0.0,
+    2: Number(expected=_q2_kv_head_of_query_head_13, unit="K/V head", rel_tol=0.0, whole=True,
               hint="kv_mul = n_heads / n_kv_heads; query head h reads K/V head h // kv_mul"),
     5: Number(expected=_q5_repeated_bytes, unit="bytes",
               hint="after np.repeat, K and V each have n_heads heads (not n_kv_heads) for "

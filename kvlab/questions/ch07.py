@@ -33,6 +33,6 @@ NUMBERS = {
                    "plus its share of the 8 bytes of scale and zero point per 32 values"),
     3: Number(expected=_q3_factor_of_acc1, unit="(the factor acc1 is multiplied by)",
               hint="M = max(m1, m2); each partial sum is multiplied by exp(m_i - M)"),
-    4: Number(expected=_q4_blocks, unit="thread blocks", rel_tol=0.0,
+    4: Number(expected=_q4_blocks, unit="thread blocks", rel_tol=0.0, whole=True,
               hint="one block per (sequence, KV head) pair; Llama 3 8B has 8 KV heads"),
 }
