@@ -16,6 +16,9 @@ from kvlab.grading.testkit import as_array, c_attend, bundled_model, check_close
 
 PROMPT = "ROMEO:\nBut soft, what light through yonder window breaks? It is the east!"
 # 73 tokens, then 21 more (94): neither fills its last block of 4 or 5 rows
+FILLER = ("MERCUTIO:\nNay, gentle Romeo, we must have you dance. I dreamt a dream to-night. "
+          "O, then, I see Queen Mab hath been with you. She is the fairies' midwife, and she "
+          "comes in shape no bigger than an agate-stone on the fore-finger of an alderman. ") * 2
 
 
 def random_pool(rng, n_kv_heads, head_dim, block_size, length, spare=3):
@@ -48,12 +51,16 @@ def model_pool(block_size):
     tokens = model.encode(PROMPT)
     pool = model.new_paged_pool(num_blocks=64, block_size=block_size)
     # other sequences come and go first, so that this one's blocks are scattered over the pool
-    # and their spare rows hold stale keys
+    # and their spare rows hold stale keys: a filler takes every block left, so that the
+    # blocks PROMPT and its fork take are all reused ones (their last blocks included)
     others = [pool.new_sequence() for _ in range(3)]
     for i, other in enumerate(others):
         model.prefill(model.encode("JULIET:\nO Romeo, Romeo! " * (i + 1)), other)
-    pool.free(others[0])
+    filler = pool.new_sequence()
+    model.prefill(model.encode(FILLER)[:pool.stats().blocks_free * block_size], filler)
     pool.free(others[2])
+    pool.free(filler)
+    pool.free(others[0])
     first = pool.new_sequence()
     model.prefill(tokens, first)
     second = pool.fork(first)
@@ -73,8 +80,10 @@ def prepare():
 @points(1)
 def test_blocks_needed_and_unused_rows(sub, rng):
     """ceil(length / block_size) blocks, and the rows of the last block left empty"""
-    for _ in range(12):
+    for i in range(12):
         length, block_size = int(rng.integers(1, 500)), int(rng.choice([1, 2, 3, 8, 16, 32]))
+        if i % 3 == 0:                          # lengths that fill their last block exactly
+            length = block_size * int(rng.integers(1, 500 // block_size + 1))
         got = whole_number(sub.blocks_needed(length, block_size), "blocks_needed")
         want = -(-length // block_size)
         assert got == want, f"{length} positions in blocks of {block_size}: expected {want} blocks, got {got}"
@@ -126,10 +135,11 @@ def test_paged_attention_matches_contiguous_attention(sub, rng):
 
 @points(2)
 def test_the_last_block_is_read_only_up_to_the_length(sub, rng):
-    """lengths 1 past a block's end and 1 short of it: the stale rows must not count"""
+    """lengths 1 past a block's end and 1 short of it: stale rows must not count, the rest must"""
     # Compared with the student's own attention over the same rows in blocks of 1, where no
     # row is stale: the attention itself (its scale, its heads) is the other tests' concern,
-    # so a mistake there fails them, not this one. The last row in the length must count.
+    # so a mistake there fails them, not this one. Every row in the length must count (an
+    # output that reads only the last row would match itself in blocks of 1 too).
     n_heads, n_kv_heads = shapes(rng)["GQA"]
     block_size = int(rng.integers(4, 9))
     for length in (block_size + 1, 2 * block_size - 1, 1):
@@ -156,18 +166,36 @@ def test_the_last_block_is_read_only_up_to_the_length(sub, rng):
         assert not np.allclose(again, got, rtol=1e-5, atol=1e-5), (
             f"{what}: the row of position {length - 1} (block {last[0]}, row {last[1]}) changed, "
             f"and your output did not: every position up to the length must count")
+        # and every other position counts too (a gentle query: no row's weight is tiny)
+        gentle = q * np.float32(0.1)
+        before = as_array(sub.paged_attend(gentle, key_blocks, value_blocks, table, length), what,
+                          shape=(n_heads, 8))
+        for position in range(length - 1):
+            block, row = table[position // block_size], position % block_size
+            changed_values = value_blocks.copy()
+            changed_values[block, row] += np.float32(5)
+            again = as_array(sub.paged_attend(gentle, key_blocks, changed_values, table, length),
+                             what, shape=(n_heads, 8))
+            assert not np.allclose(again, before, rtol=1e-5, atol=1e-5), (
+                f"{what}: the value of position {position} (block {block}, row {row}) changed, "
+                f"and your output did not: every position up to the length must count")
 
 
 def check_every_layer(sub, rng, pool, handle, contiguous, what):
     """paged_attend over the pool's layers, through the handle's table, as the contiguous cache attends."""
     c = bundled_model().config
     table, length = handle.block_table.tolist(), handle.length
+    last, held = table[(length - 1) // pool.block_size], (length - 1) % pool.block_size + 1
+    assert np.all(np.abs(pool.key_codes[last, :, held:]).max(axis=(2, 3)) > 0), (
+        "the last block's unused rows should hold stale keys (the grader's own setup)")
     for layer in range(c.n_layers):
         q = (rng.standard_normal((c.n_heads, c.head_dim)) * 2).astype(np.float32)
         got = sub.paged_attend(q, pool.key_codes[:, layer], pool.value_codes[:, layer], table, length)
         check_close(got, contiguous.attend(q, layer),
                     f"layer {layer} of a pool of blocks of {pool.block_size} (pool.key_codes[:, "
-                    f"{layer}]), {what}, table {table}, {length} positions (8 query heads on 2 KV heads)")
+                    f"{layer}]), {what}, table {table}, {length} positions (8 query heads on 2 KV "
+                    f"heads; the last block, {last}, holds {held} of them, its other rows are "
+                    f"stale)")
 
 
 @points(3)

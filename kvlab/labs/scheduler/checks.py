@@ -1,7 +1,7 @@
 """Public self-checks for lab 8 (scheduler): `kvlab check scheduler scheduler.py`.
 
 The simplest rules on tiny workloads. The grade comes from hidden tests: every rule on
-fixed workloads, and random workloads on tight caches checked step by step against the
+small workloads (worked examples and drawn ones), and random workloads on tight caches checked step by step against the
 rules and against kvlab's own scheduler.
 """
 from kvlab.grading.testkit import points, raises
