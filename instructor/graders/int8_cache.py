@@ -5,6 +5,10 @@ Codes and scales are checked bit for bit against kvlab.quant (the NumPy specific
 against what the C core stores in an int8 cache; the error bound against the round trip
 and against kvlab.quant.round_trip_error_bound; the byte count against
 kvlab.kv_bytes_per_token and a real cache's nbytes; int8 attention against cache.attend.
+
+Every input is drawn at grading time (a worked example is one case among drawn ones): the
+rows of exact halves, the zero groups and the rows where multiplying is not dividing; the
+prompt whose K and V the bundled model's caches hold; codes and scales of other shapes.
 """
 import numpy as np
 
@@ -13,11 +17,21 @@ import kvlab.quant
 from kvlab.grading.remote import RemoteError
 from kvlab.grading.testkit import as_array, bundled_model, config_record, described, points
 
-PROMPT = "ROMEO:\nBut soft, what light through yonder window breaks?"
+LINES = ("ROMEO:\nBut soft, what light through yonder window breaks?",
+         "JULIET:\nO Romeo, Romeo! wherefore art thou Romeo?",
+         "First Citizen:\nBefore we proceed any further, hear me speak.",
+         "HAMLET:\nTo be, or not to be, that is the question.")
 
 
 def prepare():
     bundled_model()
+
+
+def drawn_prompt(rng) -> str:
+    """A line of the play cut anywhere past its first words, drawn at grading time: the
+    bundled model's cache of it holds K and V no table written beforehand has."""
+    line = LINES[int(rng.integers(len(LINES)))]
+    return line[:int(rng.integers(16, len(line) + 1))]
 
 
 def quantize(sub, x, group):
@@ -77,11 +91,15 @@ def hard_inputs(rng, shape=(6, 3, 32)):
     x[0, 1, :half] = 0.0                               # zero groups next to non-zero ones
     x[1] *= np.float32(1e30)                           # huge
     x[2] *= np.float32(1e-30)                          # tiny
+    x[2, -1] *= np.float32(1e-8)                       # tinier: 127 / max |x| overflows
     x[3, :, 5] = np.float32(500.0)                     # one outlier per row
     x[3, -1, -3] = np.float32(-8000.0)
     x[4, :, :half] *= np.float32(1e-4)                 # small and large groups in one row
-    x[5, 1] = np.float32(1e-40)                        # subnormal numbers
-    x[5, -1, ::3] = np.float32(-3e38)                  # near the largest float32
+    x[5, 1] = np.float32(1e-40)                        # subnormal numbers, equal
+    x[5, 2] *= np.float32(1e-40)                       # and not (x * 127 loses them too)
+    # near the largest float32, where x * 127 overflows (x / scale does not)
+    x[5, -1] = rng.uniform(-3e38, 3e38, shape[-1]).astype(np.float32)
+    x[5, -1, ::3] = np.float32(-3e38)
     return x
 
 
@@ -102,30 +120,79 @@ DIVIDE_NOT_MULTIPLY = np.array([
     [0.0025399161968380213, 0.014896762557327747, -0.009696769528090954, 0.008132043294608593, -0.008330310694873333, 0.0178824570029974, -0.020234106108546257, 0.0053880647756159306, -0.009052172303199768, 0.007024277001619339, -0.013300375081598759, 0.0005237217992544174, -0.007229790557175875, -0.002960476092994213, -0.0018702425295487046, 0.013004875741899014],
 ], dtype=np.float32)
 
+# A group whose scale is exactly 1, worked out in the message: x / scale is x.
+HALVES = np.array([[127.0, 0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 3.5,
+                    10.5, 126.5, -126.5, 0.0, 1.0, -7.0, 2.4999, 2.5001]], dtype=np.float32)
+
+
+def halves_rows(rng, n_rows, group):
+    """Rows whose groups have a power-of-two scale, so that x / scale is exact: each group's
+    largest value is +-127 steps, the others mostly half steps (-126.5 to 126.5)."""
+    steps = rng.integers(-126, 127, size=(n_rows, group)).astype(np.float32)
+    steps += np.where(rng.random((n_rows, group)) < 0.75, np.float32(0.5), np.float32(0))
+    steps = np.clip(steps, -126.5, 126.5)
+    steps[np.arange(n_rows), rng.integers(0, group, n_rows)] = rng.choice([-127.0, 127.0], n_rows)
+    scale = np.float32(2.0) ** rng.integers(-20, 21, size=(n_rows, 1)).astype(np.float32)
+    return (steps * scale).astype(np.float32)
+
+
+def zero_groups(rng, group):
+    """Rows of groups of which some are all zeros, beside groups that are not."""
+    rows, n_groups = int(rng.integers(2, 6)), int(rng.integers(2, 5))
+    x = rng.standard_normal((rows, n_groups, group)).astype(np.float32)
+    zero = rng.random((rows, n_groups)) < 0.4
+    zero[0, 0], zero[-1, -1] = True, False
+    x[zero] = 0.0
+    return x.reshape(rows, n_groups * group)
+
+
+def divided_rows(rng, n=2):
+    """Rows of 16 (one group) found at grading time where x * (1 / scale), or x * (127 / max|x|),
+    rounds to another code than x / scale: n of each kind."""
+    inverse, ratio = [], []
+    for _ in range(100):
+        x = (rng.standard_normal((50000, 16))
+             * rng.choice([0.01, 1.0, 30.0], size=(50000, 1))).astype(np.float32)
+        largest = np.abs(x).max(axis=-1, keepdims=True)
+        scale = largest / np.float32(127)
+        want = np.rint(x / scale)
+        inverse += list(x[(np.rint(x * (np.float32(1) / scale)) != want).any(-1)])
+        ratio += list(x[(np.rint(x * (np.float32(127) / largest)) != want).any(-1)])
+        if len(inverse) >= n and len(ratio) >= n:
+            break
+    return np.array(inverse[:n] + ratio[:n], dtype=np.float32).reshape(-1, 16)
+
 
 @points(2)
 def test_quantize_rounds_half_to_even_and_keeps_zero_groups_zero(sub, rng):
     """x / scale = 2.5 gives 2 (np.rint), an all-zero group codes 0 and scale 0, x / scale is divided"""
-    halves = np.array([[127.0, 0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 3.5,
-                        10.5, 126.5, -126.5, 0.0, 1.0, -7.0, 2.4999, 2.5001]],
-                      dtype=np.float32)                # scale 127 / 127 = 1: x / scale is x
-    got = quantize(sub, halves, 16)
-    check_quantized(got, halves, 16, "a group whose scale is exactly 1 (halves round to even: "
+    got = quantize(sub, HALVES, 16)
+    check_quantized(got, HALVES, 16, "a group whose scale is exactly 1 (halves round to even: "
                                      "0.5 -> 0, 1.5 -> 2, 2.5 -> 2)")
+    for group in (16, 8):
+        x = halves_rows(rng, int(rng.integers(3, 7)), group)
+        got = quantize(sub, x, group)
+        check_quantized(got, x, group, f"groups of {group} whose scale is a power of two, so that "
+                                       f"x / scale is a whole or half number (halves round to even: "
+                                       f"0.5 -> 0, 1.5 -> 2, 2.5 -> 2, -2.5 -> -2)")
     zeros = np.zeros((2, 16), dtype=np.float32)
     zeros[1, 8:] = np.arange(1, 9, dtype=np.float32)   # a zero group beside a non-zero one
-    got = quantize(sub, zeros, 8)
-    check_quantized(got, zeros, 8, "all-zero groups (scale 0, codes 0)")
-    got = quantize(sub, DIVIDE_NOT_MULTIPLY, 16)
-    check_quantized(got, DIVIDE_NOT_MULTIPLY, 16, "rows where x * (1 / scale) rounds to another "
-                                                  "code than x / scale (divide by the scale)")
+    for x, group in ((zeros, 8), (zero_groups(rng, 8), 8), (zero_groups(rng, 4), 4)):
+        got = quantize(sub, x, group)
+        check_quantized(got, x, group, f"all-zero groups beside others, groups of {group} (an "
+                                       f"all-zero group has scale 0 and codes 0)")
+    for x in (DIVIDE_NOT_MULTIPLY, divided_rows(rng)):
+        got = quantize(sub, x, 16)
+        check_quantized(got, x, 16, "rows where x * (1 / scale), or x * (127 / max |x|), rounds "
+                                    "to another code than x / scale (divide each value by the scale)")
 
 
 @points(3)
 def test_codes_match_the_c_int8_cache(sub, rng):
     """quantizing an fp32 cache's K and V gives the codes and scales an int8 cache stores"""
     model = bundled_model()
-    tokens = model.encode(PROMPT)
+    text = drawn_prompt(rng)
+    tokens = model.encode(text)
     fp32 = model.new_cache(64)
     model.prefill(tokens, fp32)
     for group in (16, 8, 4, 1):
@@ -136,7 +203,8 @@ def test_codes_match_the_c_int8_cache(sub, rng):
                                        ("values", fp32.values[0], int8.value_codes[0], int8.value_scales[0])):
             got_codes, got_scales = quantize(sub, np.asarray(x), group)
             assert np.array_equal(np.asarray(got_codes), codes) and np.array_equal(np.asarray(got_scales), scales), (
-                f"the bundled model's layer-0 {name}, groups of {group}: your codes and scales differ "
+                f"the bundled model's layer-0 {name} after {text!r}, groups of {group}: your codes "
+                f"and scales differ "
                 f"from the int8 cache's {name[:-1]}_codes[0] and {name[:-1]}_scales[0] (codes: "
                 f"{differing(got_codes, codes)}; scales: {differing(got_scales, scales)})")
     x = hard_inputs(rng, shape=(12, 4, 16)).reshape(12, 2, 2, 16)   # (tokens, n_layers, n_kv_heads, head_dim)
@@ -153,24 +221,45 @@ def test_codes_match_the_c_int8_cache(sub, rng):
                 f"scales: {differing(got_scales, cache.key_scales)})")
 
 
+def check_dequantized(sub, codes, scales, group, want, what):
+    got = np.asarray(sub.dequantize_int8(codes, scales, group))
+    assert got.dtype == np.float32 and got.shape == want.shape, (
+        f"{what}: expected float32 of shape {want.shape}, got {got.dtype} of shape {got.shape}")
+    bad = np.argwhere(got != want)
+    if len(bad):
+        at = index(bad[0])
+        raise AssertionError(
+            f"{what}: {len(bad)} of {want.size} values differ from code * scale in float32; first "
+            f"at index {at}: code {int(codes[at])}, scale "
+            f"{float(scales[at[:-1] + (at[-1] // group,)])!r} (groups of {group}): expected "
+            f"{float(want[at])!r}, got {float(got[at])!r}")
+
+
 @points(2)
 def test_dequantize_matches_the_c_cache(sub, rng):
-    """dequantize_int8 gives what an int8 cache's attention reads (cache.dequantized())"""
+    """dequantize_int8 gives what an int8 cache's attention reads (cache.dequantized()), and code * scale for any codes"""
     model = bundled_model()
-    for group in (16, 4):
+    text = drawn_prompt(rng)
+    for group in (16, int(rng.choice([8, 4, 2]))):
         cache = model.new_cache(64, "int8", group=group)
-        model.prefill(model.encode(PROMPT), cache)
+        model.prefill(model.encode(text), cache)
         keys, values = cache.dequantized()
         for name, codes, scales, want in (("keys", cache.key_codes, cache.key_scales, keys),
                                           ("values", cache.value_codes, cache.value_scales, values)):
-            got = np.asarray(sub.dequantize_int8(codes, scales, group))
-            assert got.dtype == np.float32 and got.shape == want.shape, (
-                f"{name}, groups of {group}: expected float32 of shape {want.shape}, got "
-                f"{got.dtype} of shape {got.shape}")
-            assert np.array_equal(got, want), (
-                f"{name}, groups of {group}: {np.sum(got != want)} values differ from "
-                f"cache.dequantized() (code * scale in float32); largest difference "
-                f"{np.abs(got - want).max():.3g}")
+            check_dequantized(sub, codes, scales, group, want,
+                              f"the bundled model's int8 cache of {text!r}, its {name} (groups of "
+                              f"{group}), against cache.dequantized()")
+    # codes and scales of other shapes and groups, as another model's cache holds them
+    for group in rng.choice([1, 2, 4, 8, 16, 32], size=3, replace=False):
+        group = int(group)
+        shape = tuple(int(n) for n in rng.integers(1, 6, size=int(rng.integers(1, 4))))
+        d = group * int(rng.integers(1, 5))
+        codes = rng.integers(-127, 128, size=shape + (d,)).astype(np.int8)
+        scales = (rng.random(shape + (d // group,)) * 10.0 ** rng.uniform(-8, 8)).astype(np.float32)
+        scales[rng.random(scales.shape) < 0.2] = 0.0            # all-zero groups
+        want = kvlab.quant.dequantize(kvlab.quant.Quantized("int8", codes, scales, group=group))
+        check_dequantized(sub, codes, scales, group, want,
+                          f"random codes of shape {codes.shape} with scales of shape {scales.shape}")
 
 
 @points(2)
@@ -246,9 +335,10 @@ def test_attend_int8_matches_the_c_cache(sub, rng):
     """attention over an int8 cache's codes equals cache.attend of that cache"""
     model = bundled_model()
     c = model.config
+    text = drawn_prompt(rng)
     for group in (16, 4):
         cache = model.new_cache(64, "int8", group=group)
-        model.prefill(model.encode(PROMPT), cache)
+        model.prefill(model.encode(text), cache)
         for layer in range(c.n_layers):
             q = (rng.standard_normal((c.n_heads, c.head_dim)) * 2).astype(np.float32)
             got = np.asarray(sub.attend_int8(q, cache.key_codes[layer], cache.key_scales[layer],
@@ -258,5 +348,6 @@ def test_attend_int8_matches_the_c_cache(sub, rng):
             assert got.shape == want.shape, f"expected shape {want.shape}, got {got.shape}"
             error = np.abs(got - want)
             assert np.all(error <= 1e-5 + 1e-5 * np.abs(want)), (
-                f"layer {layer} of the bundled model's int8 cache (groups of {group}, 8 query heads on "
-                f"2 KV heads): off by up to {np.nanmax(error):.3g} from cache.attend(q, layer)")
+                f"layer {layer} of the bundled model's int8 cache of {text!r} (groups of {group}, 8 "
+                f"query heads on 2 KV heads): off by up to {np.nanmax(error):.3g} from "
+                f"cache.attend(q, layer)")

@@ -11,8 +11,10 @@ fresh kvlab cache that only ever ran the accepted tokens for rollback (K and V b
 on the CPU kvlab's forward gives the same K and V for a position however the tokens before
 it were split into passes).
 
-Cases are drawn at grading time: the token ids of the crafted drafter contexts, the
-prompts (lines of the play, repeated and cut anywhere), k, the n-gram order, the lengths.
+Cases are drawn at grading time: the token ids of the crafted drafter contexts and the
+lengths of their runs, the prompts (lines of the play, repeated and cut anywhere), k, the
+n-gram order, the lengths. A pass is also checked for drafts wherever prompt lookup finds
+some, so speculating only now and then is not enough.
 """
 import functools
 import time
@@ -152,29 +154,56 @@ def wrong_token(rng, right):
 
 # ---- the drafter ---------------------------------------------------------------------------
 
+# The crafted cases: a letter is a token id, a digit a run of 1 to 4 ids found nowhere else
+# in the context (0, at the start: 0 to 3 of them). The ids, the runs' lengths and k are
+# drawn at grading time: each case keeps its rule, but its context has no fixed shape (a table
+# of the cases' patterns of repeats fails them).
+# context, k (lowest, highest; None: more than follow the match), max_ngram, what it tests
+CRAFTED = (
+    ("0abc1abc2abc", (1, 3), 3, "two earlier matches of the last 3 tokens: the latest one wins"),
+    ("0abcd1abcd", (1, 4), 3, "at most k tokens after the match"),
+    ("0abcd1abc", None, 3, "fewer than k tokens follow the match: all of them"),
+    ("0abc1zbc2abc", (1, 3), 3,
+     "the last 3 tokens match far back, the last 2 more recently: the longer n-gram wins"),
+    ("0abc1zbc2abc", (1, 3), 1,
+     "the same context with max_ngram=1: the latest match of the last token"),
+    ("0xyb1rsb", (1, 3), 3, "no match of the last 3 or 2 tokens: the last token alone"),
+    ("0abcdxyz", (1, 5), 3, "no earlier occurrence of even the last token: no drafts"),
+    ("0abab", (2, 5), 3, "the match may overlap the end: what follows it runs into the tail"),
+    ("0aaaa", (1, 4), 3,
+     "aaaa: the last 3 tokens also occur one token earlier, where only 1 token follows"),
+    ("a", (1, 4), 3, "a single token: nothing before it to match"),
+    ("0abc1abc", (0, 0), 3, "k = 0: no drafts"),
+)
+
+
+def crafted_context(rng, template):
+    """The token ids of a CRAFTED template: its letters and runs drawn."""
+    ids = [int(t) for t in rng.permutation(256)]
+    letters = {c: ids.pop() for c in sorted(set(template)) if not c.isdigit()}
+    tokens = []
+    for c in template:
+        if c.isdigit():
+            run = int(rng.integers(0, 4)) if c == "0" else int(rng.integers(1, 5))
+            tokens += [ids.pop() for _ in range(run)]
+        else:
+            tokens.append(letters[c])
+    return tokens
+
+
 @points(2)
 def test_propose_on_crafted_contexts(sub, rng):
     """prompt lookup, one rule a case: the latest match, the longest n-gram first, k, no match"""
-    letters = "abcdrsxyzPQRSW"
-    ids = {c: int(t) for c, t in zip(letters, rng.choice(256, len(letters), replace=False))}
-    cases = (   # context, k, max_ngram, what follows, what it tests
-        ("abcPQabcRSabc", 2, 3, "RS", "two earlier matches of the last 3 tokens: the latest one wins"),
-        ("abcdPQRSWabcd", 3, 3, "PQR", "at most k tokens after the match"),
-        ("abcdPQRabc", 9, 3, "dPQRabc", "fewer than k tokens follow the match: all of them"),
-        ("abcPQzbcRSabc", 2, 3, "PQ",
-         "the last 3 tokens match far back, the last 2 more recently: the longer n-gram wins"),
-        ("abcPQzbcRSabc", 2, 1, "RS",
-         "the same context with max_ngram=1: the latest match of the last token"),
-        ("xybPQrsb", 2, 3, "PQ", "no match of the last 3 or 2 tokens: the last token alone"),
-        ("abcdxyz", 4, 3, "", "no earlier occurrence of even the last token: no drafts"),
-        ("abab", 4, 3, "ab", "the match may overlap the end: what follows it runs into the tail"),
-        ("aaaa", 3, 3, "a", "aaaa: the last 3 tokens first occur at the start, then 1 token follows"),
-        ("a", 3, 3, "", "a single token: nothing before it to match"),
-        ("abcPQabc", 0, 3, "", "k = 0: no drafts"),
-    )
-    for context, k, max_ngram, follows, why in cases:
-        tokens = [ids[c] for c in context]
-        want = [ids[c] for c in follows]
+    contexts = {}                       # a template used twice is the same context twice
+    for template, ks, max_ngram, why in CRAFTED:
+        if template not in contexts:
+            contexts[template] = crafted_context(rng, template)
+        tokens = contexts[template]
+        if ks is None:                  # more than follow the latest match of the tail
+            k = len(tokens) + int(rng.integers(0, 4))
+        else:
+            k = int(rng.integers(ks[0], ks[1] + 1))
+        want = PromptLookup(max_ngram).propose(tokens, k)
         call = f"propose({tokens}, k={k}, max_ngram={max_ngram})"
         got = token_list(sub.propose(tokens, k, max_ngram), call)
         assert got == want, f"{call} ({why}): expected {want}, got {got}"
@@ -372,7 +401,7 @@ def test_speculative_generation_keeps_the_greedy_tokens(sub, rng):
 
 @points(2)
 def test_speculation_takes_fewer_passes_than_tokens(sub, rng):
-    """repetitive prompts: the greedy tokens in fewer passes than tokens, as the grader counts; k drafts at most"""
+    """repetitive prompts: drafts at every pass where prompt lookup finds some, so the greedy tokens in fewer passes than tokens, as the grader counts; k drafts at most"""
     for _ in range(2):
         model = ServedModel()
         prompt, n_new = repetitive_prompt(rng), int(rng.integers(32, 49))
@@ -388,6 +417,22 @@ def test_speculation_takes_fewer_passes_than_tokens(sub, rng):
             assert max(later, default=0) <= k + 1, (
                 f"{what}: a verification pass runs the newest token and at most k = {k} drafts; "
                 f"the passes after the prefill ran {later} tokens")
+        # fewer passes than tokens is one good verification away: speculation drafts at
+        # every pass where the text so far ends in a token it held before (prompt lookup then
+        # finds a match, whichever n-gram and place a drafter picks)
+        text = list(prompt) + list(greedy(tuple(prompt), n_new))
+        for p in model.passes:
+            seen = list(p.context) + [p.tokens[0]]          # the text up to the newest token
+            chosen = len(seen) - len(prompt)                 # the tokens chosen before the pass
+            if p.start == 0 or chosen < 1 or seen != text[:len(seen)]:
+                continue                                     # a prefill, or not the greedy text
+            cap = min(k, n_new - chosen - 1)
+            lookup = PromptLookup(max_ngram).propose(seen, cap) if cap > 0 else []
+            assert p.drafts or not lookup, (
+                f"{what}: with {chosen} of {n_new} tokens chosen, a pass checked no drafts, but "
+                f"the text so far ends in a token it held before, and prompt lookup proposes "
+                f"{lookup}: speculate at every pass (passes of {ran} tokens), not only until "
+                f"the passes are fewer than the tokens")
 
 
 @points(1)
