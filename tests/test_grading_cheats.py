@@ -250,20 +250,8 @@ def test_own_cache_cannot_fake_its_cache_or_its_timing(fake, tmp_path):
 
 
 SPECULATIVE = (INSTRUCTOR / "solutions" / "speculative_decoding.py").read_text()
-USES_PROPOSE = {"test_propose_on_crafted_contexts", "test_propose_on_random_contexts",
-                "test_speculative_generation_keeps_the_greedy_tokens",
-                "test_speculation_takes_fewer_passes_than_tokens", "test_measurement_reports_what_ran",
-                "test_drafts_never_pass_the_tokens_still_wanted"}
 
-SPECULATIVE_FAKES = {
-    # plain decoding, reported as speculation: the grader counts the passes itself
-    "plain decoding with made-up stats": ("""
-def generate_speculative(model, prompt, n_new, k=4, max_ngram=3):
-    tokens = generate_plain(model, prompt, n_new)
-    return tokens, {"passes": n_new // 3, "drafted": n_new, "accepted": n_new // 2}
-""", {"test_speculation_takes_fewer_passes_than_tokens", "test_measurement_reports_what_ran",
-      "test_speculative_generation_keeps_the_greedy_tokens",
-      "test_drafts_never_pass_the_tokens_still_wanted"}),
+SPECULATIVE_FAKES = {     # (the skipped-work ones are instructor/cheats/speculative_decoding/)
     # the count and the model behind the proxy, reached for: the proxy has neither
     "the grader's count and model reached through the proxy": ("""
 def generate_speculative(model, prompt, n_new, k=4, max_ngram=3):
@@ -276,48 +264,6 @@ def generate_speculative(model, prompt, n_new, k=4, max_ngram=3):
 """, {"test_speculation_takes_fewer_passes_than_tokens", "test_measurement_reports_what_ran",
       "test_speculative_generation_keeps_the_greedy_tokens",
       "test_drafts_never_pass_the_tokens_still_wanted"}),
-    # a report that nothing measured
-    "a measurement made up": ("""
-def measure(model, prompt, n_new, k=4, max_ngram=3):
-    return {"passes_plain": n_new, "passes_speculative": n_new // 3, "drafted": n_new,
-            "accepted": n_new // 2, "acceptance_rate": 0.5, "seconds_plain": 0.3,
-            "seconds_speculative": 0.1, "speedup": 3.0}
-""", {"test_measurement_reports_what_ran"}),
-    # the passes counted honestly, plain decoding's time stretched to flatter speculation
-    "plain decoding's time stretched": ("""
-_measured = measure
-
-def measure(model, prompt, n_new, k=4, max_ngram=3):
-    report = _measured(model, prompt, n_new, k, max_ngram)
-    report["seconds_plain"] *= 3
-    report["speedup"] = report["seconds_plain"] / report["seconds_speculative"]
-    return report
-""", {"test_measurement_reports_what_ran"}),
-    # a table of greedy answers computed offline: tokens without a single forward pass
-    "answers from a table": ("""
-_TABLE = {}
-def generate_speculative(model, prompt, n_new, k=4, max_ngram=3):
-    key = tuple(int(t) for t in prompt)
-    if key not in _TABLE:                      # stands for answers written out beforehand
-        _TABLE[key] = generate_plain(model.new_cache and model, prompt, n_new)
-    return list(_TABLE[key][:n_new]), {"passes": 0, "drafted": 0, "accepted": 0}
-""", {"test_speculation_takes_fewer_passes_than_tokens", "test_measurement_reports_what_ran",
-      "test_speculative_generation_keeps_the_greedy_tokens",
-      "test_drafts_never_pass_the_tokens_still_wanted"}),
-    # plain decoding both times, its counts reported truthfully
-    "plain decoding reported as it ran": ("""
-def generate_speculative(model, prompt, n_new, k=4, max_ngram=3):
-    return generate_plain(model, prompt, n_new), {"passes": n_new, "drafted": 0, "accepted": 0}
-""", {"test_speculation_takes_fewer_passes_than_tokens", "test_measurement_reports_what_ran",
-      "test_speculative_generation_keeps_the_greedy_tokens",
-      "test_drafts_never_pass_the_tokens_still_wanted"}),
-    # kvlab's own drafter, imported by name past the source check: no test lends the worker
-    # anything, so kvlab is never loaded there, and the finder refuses to load it
-    "kvlab.speculative imported past the check": (EVADE + """
-def propose(tokens, k, max_ngram=3):
-    speculative = _sys.modules["importlib"].import_module("kvlab.speculative")
-    return speculative.PromptLookup(max_ngram).propose(tokens, k)
-""", USES_PROPOSE),
 }
 
 
