@@ -14,19 +14,23 @@ and picks the tokens. What must agree:
   * which block-table entries share a block: two entries share one in the student's cache
     exactly when they do in the pool.
 
-Small fixed scenarios check one rule each (their tokens drawn at grading time); then seeded
-random streams (shared system prompts, repeated prompts, the next turn of a conversation,
-prompts diverging mid-block, equal blocks after a different first block, up to three
-requests live at once, block sizes that do not divide the prompts) on pools with room for
-everything (nothing is ever evicted) and on pools just big enough for the live requests
-(evictions all the time); and requests decoded by the bundled model through a real pool.
+Small fixed scenarios check one rule each (their tokens drawn at grading time). A reused
+block is taken as it is, never computed again; on a pool with room to spare, computing it
+again and then swapping it for its registered twin ends in the same books, so the reuse
+scenarios admit a request while the free blocks are enough for the tokens it does not reuse
+and no more. Then seeded random streams (shared system prompts, repeated prompts, the next
+turn of a conversation, prompts diverging mid-block, equal blocks after a different first
+block, up to three requests live at once, block sizes that do not divide the prompts) on
+pools with room for everything (nothing is ever evicted) and on pools just big enough for
+the live requests (evictions all the time); and requests decoded by the bundled model
+through a real pool.
 """
 import zlib
 
 import numpy as np
 
 import kvlab
-from kvlab.grading.remote import RemoteObject
+from kvlab.grading.remote import RemoteError, RemoteObject
 from kvlab.grading.testkit import bundled_model, described, points, raises, whole_number
 
 STATS = ("prefix_hits", "prefix_misses", "blocks_used", "blocks_cached", "blocks_free")
@@ -124,6 +128,7 @@ class Replay:
         self.tokens, self.live = {}, []         # live sequences: their tokens; in order
         self.mine, self.theirs = {}, {}         # block id -> what it held when last seen
         self.step, self.stats, self.cached = 0, {}, []
+        self.pool_stats = {"blocks_free": num_blocks, "blocks_cached": 0}   # before each call
         self.history = []                       # what each operation was, for messages
 
     def admit(self, seq, prompt):
@@ -158,8 +163,19 @@ class Replay:
         self.step += 1
         self.where = f"{self.label}operation {self.step}, {what}"
         self.history.append(f"{self.step}. {what}")
-        answers = self.cache.calls(call, ("stats",), ("cached_blocks",),
-                                   *[("block_table", seq) for seq in self.live])
+        try:
+            answers = self.cache.calls(call, ("stats",), ("cached_blocks",),
+                                       *[("block_table", seq) for seq in self.live])
+        except RemoteError as error:
+            if not error.is_a("OutOfBlocks"):
+                raise
+            before = self.pool_stats
+            raise AssertionError(
+                f"{self.where}: your cache raised OutOfBlocks ({error.message}), the pool did "
+                f"not: it had {before['blocks_free']} free and {before['blocks_cached']} cached "
+                f"blocks before this. New blocks are taken only for the tokens not reused (a "
+                f"reused block is taken as it is, never computed again), from the free blocks "
+                f"first, then by evicting cached ones") from None
         self.got_stats, self.got_cached, tables = answers[1], answers[2], answers[3:]
         self.got_tables = dict(zip(self.live, tables))
         return answers[0]
@@ -217,6 +233,7 @@ class Replay:
                           [self.theirs[b] for b in want_cached])
         self.check_sharing(where, sharing(tables, self.live), sharing(want_tables, self.live))
         self.stats, self.cached = mine, [self.mine.get(b) for b in cached]
+        self.pool_stats = want_stats
 
     def check_cached(self, where, mine, theirs):
         bs = self.block_size
@@ -399,7 +416,8 @@ def test_block_hash_chains_through_the_parent(sub, rng):
 def test_a_repeated_prompt_reuses_its_full_blocks(sub, rng):
     """a prompt seen before: its full blocks are hits; the first time, each is a miss"""
     prompt = [int(t) for t in rng.integers(0, 1000, 14)]   # blocks of 4: 3 full, 2 tokens over
-    replay = Replay(sub, 8, 4, lru_order=False, label="8 blocks of 4, ")
+    # 6 blocks: no room to compute a reused block again (see operation 4)
+    replay = Replay(sub, 6, 4, lru_order=False, label="6 blocks of 4, ")
     assert replay.admit(0, prompt) == 0
     assert replay.stats["prefix_misses"] == 3, (
         f"{replay.where}: the 3 full blocks of a prompt of 14 tokens are 3 misses")
@@ -407,7 +425,8 @@ def test_a_repeated_prompt_reuses_its_full_blocks(sub, rng):
     assert replay.stats["blocks_cached"] == 3, (
         f"{replay.where}: its 3 full blocks are cached, its last block (2 tokens) is free")
     assert replay.admit(1, prompt) == 12, f"{replay.where}: 3 full blocks are reused"
-    # a request with the same start while the first is live shares its blocks
+    # a request with the same start while the first is live shares its blocks: 2 blocks
+    # are free, enough for its last block, not for its 3 full ones computed again
     assert replay.admit(2, prompt + [int(rng.integers(0, 1000))]) == 12
     assert replay.stats["blocks_used"] == 5, (
         f"{replay.where}: 3 shared blocks and one last block each: 5 blocks used")
@@ -470,12 +489,14 @@ def test_a_prompt_diverging_mid_block_reuses_the_blocks_before(sub, rng):
     """a shared system prompt of 10 tokens, blocks of 4: 8 tokens reused, not 10"""
     system = [int(t) for t in rng.permutation(500)[:10] + 1]
     questions = distinct_blocks(rng, 3, 3)
-    replay = Replay(sub, 16, 4, lru_order=False,
-                    label="16 blocks of 4, a system prompt of 10 tokens, ")
+    # 8 blocks: room for the three requests' own blocks, none to compute a reused one again
+    replay = Replay(sub, 8, 4, lru_order=False,
+                    label="8 blocks of 4, a system prompt of 10 tokens, ")
     replay.admit(0, system + questions[0])
     assert replay.admit(1, system + questions[1]) == 8, (
         f"{replay.where}: the system prompt's 2 full blocks are reused (request 0 holds "
         f"them); its third block also holds question tokens, so it differs")
+    # 2 blocks are free: enough for this request's last 2 blocks, not for all 4
     assert replay.admit(2, system + questions[0][:1] + questions[2]) == 8, (
         f"{replay.where}: tokens 8..11 differ from request 0's in their last token")
     replay.free(0)
@@ -585,20 +606,22 @@ QUESTIONS = ["Who is Romeo?", "Where is Verona?", "What is a sonnet?", "Why so s
 
 @points(2)
 def test_requests_decoded_by_the_bundled_model(sub, rng):
-    """a system prompt, six questions and three second turns, decoded by the model in a pool"""
+    """a system prompt, six questions in a drawn order, three second turns: decoded by the model"""
     model = bundled_model()
     block_size, num_blocks = 8, 20
     pool = ModelPool(model, num_blocks, block_size)
     replay = Replay(sub, num_blocks, block_size, pool=pool,
                     label=f"the bundled model, {num_blocks} blocks of {block_size}, ")
     said = {}
+    questions = [QUESTIONS[int(i)] for i in rng.permutation(len(QUESTIONS))]   # drawn order
     # a second turn right after its first reuses the whole conversation; one that comes
-    # later finds its answer evicted, and reuses only the system prompt
+    # later finds its answer evicted, and reuses only the system prompt (with the block its
+    # question's start may share with another question's)
     for seq in ("q0", "q1", "q1 again", "q2", "q3", "q0 again", "q4", "q5", "q5 again"):
         if seq.endswith(" again"):
             prompt = said[seq.split()[0]] + model.encode(" And then?", bos=False)
         else:
-            prompt = model.encode(SYSTEM + QUESTIONS[int(seq[1])])
+            prompt = model.encode(SYSTEM + questions[int(seq[1])])
         replay.admit(seq, prompt)
         for _ in range(12):
             replay.append(seq, [pool.next_token(seq)])
