@@ -247,11 +247,13 @@ def test_the_cache_holds_what_the_formula_says(sub, rng):
     # the bytes counted are bytes held: the K and V of every position, as the reference's
     held = reference.ReferenceCache(c, max_seq_len=length)
     reference.forward(c, mha_model().weights, list(prompt) + [int(t) for t in decoded], held)
-    layer = int(rng.integers(0, c.n_layers))
-    for name, got, kept in (("keys", cache.keys(layer), held.key), ("values", cache.values(layer), held.value)):
-        check_close(as_array(got, f"{name}({layer})", shape=(length, c.n_kv_heads, c.head_dim)),
-                    kept[layer, :length], f"{name}({layer}) after a prefill of {len(prompt)} and "
-                    f"{len(decoded)} decode steps: every position's, in order", atol=1e-4, rtol=1e-4)
+    for layer in range(c.n_layers):
+        for name, kept in (("keys", held.key), ("values", held.value)):
+            got = as_array(getattr(cache, name)(layer), f"{name}({layer})",
+                           shape=(length, c.n_kv_heads, c.head_dim))
+            check_close(got, kept[layer, :length], f"{name}({layer}) after a prefill of "
+                        f"{len(prompt)} and {len(decoded)} decode steps: every position's, in "
+                        f"order", atol=1e-4, rtol=1e-4)
 
 
 def timing_shape(rng):

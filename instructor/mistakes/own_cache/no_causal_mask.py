@@ -4,7 +4,8 @@ there come from a residual stream that already saw the future."""
 EXPECTED_FAILURES = ["test_attention_matches_the_reference",
                      "test_forward_without_a_cache_matches_the_reference",
                      "test_prefill_then_decode_matches_the_uncached_run",
-                     "test_greedy_tokens_are_the_same_with_and_without_the_cache"]
+                     "test_greedy_tokens_are_the_same_with_and_without_the_cache",
+                     "test_the_cache_holds_what_the_formula_says"]
 
 
 def attention(q, keys, values, positions):

@@ -2,7 +2,8 @@
 a decode step's RoPE puts it at the start of the sequence, so the cached run drifts from
 the uncached one after the prefill (the causal mask is right; only RoPE is wrong)."""
 EXPECTED_FAILURES = ["test_prefill_then_decode_matches_the_uncached_run",
-                     "test_greedy_tokens_are_the_same_with_and_without_the_cache"]
+                     "test_greedy_tokens_are_the_same_with_and_without_the_cache",
+                     "test_the_cache_holds_what_the_formula_says"]
 
 _right_positions = forward
 
