@@ -49,6 +49,7 @@ def submissions(tmp_path):
     (folder / "dave" / "notes.txt").write_text("I forgot to upload it\n")
     (folder / "erin.py").write_text(SOLUTION.read_text() + "\n\ndef slot(position, block_table, "
                                     "block_size):\n    while True:\n        pass\n")  # hangs
+    (folder / "fay.py").write_text(labs.LABS[LAB].starter.read_text())    # never started
     (folder / "submission_metadata.yml").write_text(":submission_101:\n")  # not a submission
     # graded last, it rewrites what the batch wrote for the others and its own score: the
     # batch writes every file again from the judges' reports at the end
@@ -72,9 +73,10 @@ def test_grade_all_grades_each_submission_and_writes_results_and_a_summary(submi
     assert cli.main(["grade-all", LAB, str(submissions), "--out", str(out), "--instructor",
                      str(INSTRUCTOR), "--seed", "1", "--test-timeout", "3", "--quiet"]) == 0
     printed = capsys.readouterr().out
-    assert f"wrote 6 results.json files under {out}" in printed
+    assert f"wrote 7 results.json files under {out}" in printed
+    assert "failed: all 7 tests" in next(line for line in printed.splitlines() if line.startswith("fay"))
     rows = rows_of(out)
-    assert list(rows) == ["bob", "carol", "dave", "erin", "submission_101", "zoe"]
+    assert list(rows) == ["bob", "carol", "dave", "erin", "fay", "submission_101", "zoe"]
     full = labs.LABS[LAB].points
     tests = list(rows["bob"])[7:]
     assert len(tests) == 7 and all(t.startswith("test_") for t in tests)

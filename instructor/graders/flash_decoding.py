@@ -54,25 +54,41 @@ def reduce_by_hand(q, keys, values):
 
 def through_the_pieces(sub, name, q, keys, values, how, pieces, rng, what):
     """Run the student's `name`(q, keys, values, how) with the grader's partial in place of
-    theirs, which scales each piece's acc and l by a factor drawn now: the pieces it was
-    given must be `pieces` (position ranges; empty ones may be left out), and the output
-    must be the merge of what it returned."""
+    theirs, which scales each piece's acc and l by a factor drawn now: it must be given the
+    test's query and `pieces` (position ranges) in order (empty ones as the code likes),
+    and the output must be the merge of what it returned."""
+    wanted = [piece for piece in pieces if len(piece)]
+    sizes = [len(piece) for piece in wanted]
+    given, refused, empty = [], [], []
+
     def scaled_partial(q_, keys_, values_):
-        acc, m, l = reduce_by_hand(np.asarray(q_), np.asarray(keys_), np.asarray(values_))
-        factor = rng.uniform(0.25, 4.0) if len(keys_) else 1.0
+        q_, keys_, values_ = np.asarray(q_), np.asarray(keys_), np.asarray(values_)
+        i = len(given)
+        if len(keys_) == 0 and keys_.shape[1:] == keys.shape[1:] and q_.shape == q.shape \
+                and len(empty) <= len(pieces) + 2:
+            empty.append(i)
+            return (np.zeros(q.shape, np.float32), np.full(len(q), -np.inf, np.float32),
+                    np.zeros(len(q), np.float32))         # an empty piece: the merge's identity
+        piece = wanted[i] if i < len(wanted) else None
+        if piece is None or q_.shape != q.shape or keys_.shape != keys[piece].shape \
+                or values_.shape != values[piece].shape or not np.array_equal(q_, q) \
+                or not np.array_equal(keys_, keys[piece]) or not np.array_equal(values_, values[piece]):
+            refused.append(i)
+            raise ValueError(f"partial was given something other than the query and piece {i} "
+                             f"of the split (pieces of {sizes} positions, in order)")
+        given.append(i)
+        acc, m, l = reduce_by_hand(q_, keys_, values_)
+        factor = rng.uniform(0.25, 4.0)
         return ((acc * factor).astype(np.float32), m.astype(np.float32),
                 (l * factor).astype(np.float32))
+
     served = ServedFunction(scaled_partial)
     got = getattr(sub, name).call((q, keys, values, how), {}, replace={"partial": served})
-    given = [np.asarray(call[0][1]) for call in served.calls if len(call[0][1])]
-    want_pieces = [keys[piece] for piece in pieces if len(piece)]
-    sizes = [len(g) for g in given]
-    assert len(given) == len(want_pieces) and all(
-        g.shape == w.shape and np.array_equal(g, w) for g, w in zip(given, want_pieces)), (
+    assert not refused and len(given) == len(wanted), (
         f"{what}: your {name} should reduce each piece with your partial (the grader put its "
         f"own partial in its place for this call) and merge the results; partial was given "
-        f"pieces of {sizes} positions, where the pieces are "
-        f"{[len(piece) for piece in pieces if len(piece)]} positions, in order")
+        f"{len(given)} of the {len(wanted)} pieces of {sizes} positions, in order, with the "
+        f"query" + (f", and {len(refused)} call(s) with something else" if refused else ""))
     states = [call[2] for call in served.calls]
     top = np.max([m for _, m, _ in states], axis=0)
     weights = [np.exp(m.astype(np.float64) - top) for _, m, _ in states]

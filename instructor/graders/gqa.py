@@ -185,7 +185,7 @@ def test_mean_pool_refuses_a_count_that_does_not_divide(sub, rng):
 def test_convert_pools_every_layer_and_leaves_the_model(sub, rng):
     """convert(model, n): every layer's wk and wv pooled; the model given keeps its own"""
     n_kv_heads = int(rng.choice([2, 4]))      # GQA: groups of more than one, more than one group
-    model = ReferenceModel(checkpoint="mha")
+    model = ReferenceModel(checkpoint="mha", convertible=True)
     small = sub.convert(model, n_kv_heads)
     assert isinstance(small, ReferenceModel), (
         f"convert should return the model that model.with_key_value_weights(keys, values) "
@@ -225,7 +225,7 @@ def test_forward_matches_the_reference(sub, rng):
 def test_a_model_whose_grouped_heads_are_equal_converts_without_loss(sub, rng):
     """the bundled GQA model written as MHA (heads repeated), converted back, gives its logits"""
     tokens = stretch(rng, int(rng.integers(20, 60)))
-    model = ReferenceModel(checkpoint="default_as_mha")
+    model = ReferenceModel(checkpoint="default_as_mha", convertible=True)
     back = sub.convert(model, 2)
     bundled = bundled_model()
     want = reference.forward(bundled.config, bundled.weights, list(tokens))
@@ -239,7 +239,7 @@ def test_conversion_table(sub, rng):
     """bytes per token, perplexity and KL of each conversion, as measured here on the same text"""
     tokens = stretch(rng, int(rng.integers(80, 140)))
     counts = [int(g) for g in rng.permutation([8, 4, 2, 1])[:3]]
-    model = ReferenceModel(checkpoint="mha")
+    model = ReferenceModel(checkpoint="mha", convertible=True)
     rows = sub.conversion_table(model, list(tokens), counts)
     assert isinstance(rows, (list, tuple)) and len(rows) == len(counts), (
         f"conversion_table for n_kv_heads {counts}: expected a list of {len(counts)} dicts, got "

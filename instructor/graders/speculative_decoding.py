@@ -433,6 +433,14 @@ def test_speculation_takes_fewer_passes_than_tokens(sub, rng):
                 f"the text so far ends in a token it held before, and prompt lookup proposes "
                 f"{lookup}: speculate at every pass (passes of {ran} tokens), not only until "
                 f"the passes are fewer than the tokens")
+            # and drafts looked up, not made up: whatever n-gram matched, the first draft
+            # followed an earlier occurrence of the text's last token
+            followers = {seen[i + 1] for i in range(len(seen) - 1) if seen[i] == seen[-1]}
+            assert not lookup or p.drafts[0] in followers, (
+                f"{what}: with {chosen} of {n_new} tokens chosen, a pass checked the drafts "
+                f"{list(p.drafts)}, but {p.drafts[0]} never followed the last token "
+                f"{seen[-1]} in the text so far (tokens that did: {sorted(followers)}): drafts "
+                f"come from the text, by prompt lookup")
 
 
 @points(1)

@@ -41,6 +41,8 @@ from .wire import Record
 
 PAGE = mmap.PAGESIZE
 MAX_CACHES = 64           # caches one lent model makes (each holds at most the context)
+MAX_CONVERSIONS = 32      # models one ReferenceModel makes with new K/V weights (GQA lab: a few)
+MAX_CALLS = 100_000       # calls one ReferenceModel logs (a test makes a few thousand)
 
 
 def config_fields(config) -> dict:
@@ -60,14 +62,16 @@ def _count(value, what: str, low: int, high: int) -> int:
     return int(value)
 
 
-def _token_ids(tokens, vocab_size: int) -> np.ndarray:
-    """A non-empty list of token ids in [0, vocab_size), as an int64 array."""
+def _token_ids(tokens, vocab_size: int, context: int) -> np.ndarray:
+    """A non-empty list of at most `context` token ids in [0, vocab_size), as int64 (what a
+    call can ask the judge to compute is bounded by the model's context)."""
     if isinstance(tokens, (int, np.integer, str, bytes)):
         raise TypeError("tokens must be a list of token ids (write [token] for one)")
     ids = np.asarray(tokens)
-    if ids.ndim != 1 or ids.size == 0 or ids.dtype.kind not in "iu" \
+    if ids.ndim != 1 or not 0 < ids.size <= context or ids.dtype.kind not in "iu" \
             or ids.min() < 0 or ids.max() >= vocab_size:
-        raise ValueError(f"tokens must be a non-empty list of int ids in [0, {vocab_size})")
+        raise ValueError(f"tokens must be a non-empty list of at most {context} int ids in "
+                         f"[0, {vocab_size})")
     return ids.astype(np.int64)
 
 
@@ -137,14 +141,16 @@ class LabModel(ServedObject):
         """Run `tokens` into `cache` (made by this model); the last row of logits."""
         if not isinstance(cache, LabCache) or cache._maker is not self._token:
             raise TypeError("prefill(tokens, cache) needs a cache made by this model's new_cache")
-        logits = self._model.prefill(_token_ids(tokens, self._model.config.vocab_size), cache._cache)
+        c = self._model.config
+        logits = self._model.prefill(_token_ids(tokens, c.vocab_size, c.max_seq_len), cache._cache)
         cache._fill_extra()
         return logits
 
     def forward(self, tokens, cache=None):
         if cache is not None:
             return self.prefill(tokens, cache)
-        return self._model.forward(_token_ids(tokens, self._model.config.vocab_size))
+        c = self._model.config
+        return self._model.forward(_token_ids(tokens, c.vocab_size, c.max_seq_len))
 
     def encode(self, text) -> list:
         if not isinstance(text, str):
@@ -181,18 +187,22 @@ class ReferenceModel(ServedObject):
         "default_as_mha": the bundled model with each KV head repeated for its 4 query heads,
         an MHA model whose grouped heads are equal (mean-pooling it back loses nothing).
 
-    The GQA lab converts a model: key_value_weights(layer) gives a layer's wk and wv, and
-    with_key_value_weights(keys, values) a model with fewer KV heads, all else shared.
+    The GQA lab converts a model (convertible=True): key_value_weights(layer) gives a layer's
+    wk and wv, and with_key_value_weights(keys, values) a model with fewer KV heads, all
+    else shared. Other labs' models offer neither: a copy of the model would be a second
+    model whose calls the lab's log never sees.
 
     `log` holds a Call for every embed, qkv, attention_output, mlp and logits: how many
     rows each step really ran through the model, and when (a cached decode step embeds one
-    token and computes one row of q, k and v a layer)."""
-    served_methods = ("embed", "qkv", "attention_output", "mlp", "logits",
-                      "key_value_weights", "with_key_value_weights", "encode")
+    token and computes one row of q, k and v a layer). Models made from this one write into
+    the same log."""
+    LAYERS = ("embed", "qkv", "attention_output", "mlp", "logits", "encode")
+    CONVERSION = ("key_value_weights", "with_key_value_weights")
     served_attributes = ("config",)
     served_type_name = "Model"
 
-    def __init__(self, shape: Optional[dict] = None, seed: int = 0, checkpoint: str = "default"):
+    def __init__(self, shape: Optional[dict] = None, seed: int = 0, checkpoint: str = "default",
+                 convertible: bool = False):
         if shape is not None:
             config = ModelConfig(**shape)
             weights = Weights.random(config, seed=seed)
@@ -206,15 +216,20 @@ class ReferenceModel(ServedObject):
                 config, weights = _repeat_kv_heads(config, weights)
         else:
             raise ValueError(f"checkpoint must be one of {CHECKPOINTS}, got {checkpoint!r}")
-        self._set_weights(config, weights)
+        self.served_methods = self.LAYERS + (self.CONVERSION if convertible else ())
+        self._set_weights(config, weights, log=[], conversions=[0])
 
-    def _set_weights(self, config, weights) -> None:
+    def _set_weights(self, config, weights, log: list, conversions: list) -> None:
         self._c, self._w = config, weights
         self._inv_freq = config.rope_inv_freq()
-        self.log: List[Call] = []
+        self.log: List[Call] = log
+        self._conversions = conversions           # shared with the models made from this one
         self.config = Record("ModelConfig", config_fields(config))
 
     def _logged(self, name: str, layer: Optional[int], rows: int, started: float) -> None:
+        if len(self.log) >= MAX_CALLS:
+            raise ValueError(f"this model has been called {MAX_CALLS:,} times, far more than "
+                             f"the test needs")
         self.log.append(Call(name, layer, rows, started, time.perf_counter()))
 
     def _layer(self, layer) -> int:
@@ -222,9 +237,10 @@ class ReferenceModel(ServedObject):
 
     def _rows(self, x, what: str, width: int) -> np.ndarray:
         x = np.asarray(x)
-        if x.ndim != 2 or x.shape[1] != width or x.shape[0] == 0 or x.dtype.kind not in "fiu":
-            raise ValueError(f"{what} must be a numeric array of shape (n, {width}), got "
-                             f"{x.dtype} {x.shape}")
+        if x.ndim != 2 or x.shape[1] != width or not 0 < x.shape[0] <= self._c.max_seq_len \
+                or x.dtype.kind not in "fiu":
+            raise ValueError(f"{what} must be a numeric array of shape (n, {width}), n from 1 "
+                             f"to the context, {self._c.max_seq_len}; got {x.dtype} {x.shape}")
         return x.astype(np.float32)
 
     def key_value_weights(self, layer) -> Tuple[np.ndarray, np.ndarray]:
@@ -237,6 +253,9 @@ class ReferenceModel(ServedObject):
         """A model with these wk and wv (one (n_kv_heads * head_dim, dim) array per layer
         in each list) and this model's other weights: n_kv_heads follows from their rows."""
         c = self._c
+        if self._conversions[0] >= MAX_CONVERSIONS:
+            raise ValueError(f"this model has made {MAX_CONVERSIONS} converted models already, "
+                             f"more than the lab needs")
         stacked = []
         for name, arrays in (("keys", keys), ("values", values)):
             if not isinstance(arrays, (list, tuple)) or len(arrays) != c.n_layers:
@@ -259,8 +278,10 @@ class ReferenceModel(ServedObject):
         config = c.replace(n_kv_heads=stacked[0].shape[1] // c.head_dim)
         weights = dataclasses.replace(self._w, wk=stacked[0], wv=stacked[1])
         weights.check(config)
+        self._conversions[0] += 1
         converted = ReferenceModel.__new__(ReferenceModel)
-        converted._set_weights(config, weights)
+        converted.served_methods = self.served_methods
+        converted._set_weights(config, weights, self.log, self._conversions)
         return converted
 
     def encode(self, text) -> list:
@@ -272,7 +293,7 @@ class ReferenceModel(ServedObject):
     def embed(self, tokens) -> np.ndarray:
         """(n, dim): the token embeddings."""
         started = time.perf_counter()
-        ids = _token_ids(tokens, self._c.vocab_size)
+        ids = _token_ids(tokens, self._c.vocab_size, self._c.max_seq_len)
         out = self._w.token_embedding[ids].astype(np.float32)
         self._logged("embed", None, len(ids), started)
         return out

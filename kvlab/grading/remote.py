@@ -20,10 +20,11 @@ where the student's code cannot reach.
 """
 from __future__ import annotations
 
+import time
 from typing import Any, Dict, List, Optional, Tuple
 
 from . import wire
-from .process import WorkerGarbled, WorkerProcess
+from .process import WorkerGarbled, WorkerProcess, WorkerTimeout
 
 MESSAGE_CAP = 2000           # characters of a student's exception message kept
 
@@ -132,6 +133,8 @@ class Session:
             answer = self.worker.receive(self.deadline)
             if "judge" not in answer:
                 break
+            if time.monotonic() > self.deadline:    # no served call starts past the deadline
+                raise WorkerTimeout("time is up")
             self.worker.send(self.serve(answer["judge"]), self.deadline)
         result = _answer(answer)
         if isinstance(result, RemoteError):

@@ -24,6 +24,8 @@ from .handouts import MAX_CACHES, bundled_model, config_fields
 from .remote import ServedObject
 from .wire import Record
 
+MAX_PASSES = 4096         # forward passes one served model runs (a test needs a few hundred)
+
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,6 +149,9 @@ class ServedModel(ServedObject):
         ids = np.asarray(tokens)
         if ids.dtype == object:
             raise TypeError("token ids must be integers")
+        if len(self.passes) >= MAX_PASSES:
+            raise ValueError(f"this model has run {MAX_PASSES:,} forward passes, far more than "
+                             f"the test needs")
         context, start = tuple(cache.tokens), cache.length
         started = time.perf_counter()
         try:
@@ -190,6 +195,9 @@ class ServedModel(ServedObject):
         return [int(t) for t in self._model.encode(text)]
 
     def decode_text(self, ids) -> str:
+        if not isinstance(ids, (list, tuple, np.ndarray)) or len(ids) > self._model.config.max_seq_len:
+            raise ValueError(f"decode_text takes a list of at most {self._model.config.max_seq_len} "
+                             f"token ids (the model's context)")
         ids = [int(t) for t in ids]
         return self._model.decode_text(ids)
 

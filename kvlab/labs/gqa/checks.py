@@ -59,7 +59,7 @@ def test_the_mha_model_unconverted(sub, rng):
     """conversion_table of the MHA model for [8] KV heads: itself, KL 0, 6,144 bytes per token"""
     mha = kvlab.load(kvlab.MHA_MODEL)
     tokens = list(mha.encode("ROMEO:\nBut soft, what light"))
-    rows = sub.conversion_table(ReferenceModel(checkpoint="mha"), tokens, [8])
+    rows = sub.conversion_table(ReferenceModel(checkpoint="mha", convertible=True), tokens, [8])
     assert isinstance(rows, (list, tuple)) and len(rows) == 1 and isinstance(rows[0], dict), (
         f"expected a list of one dict, got {described(rows)}")
     row = rows[0]
