@@ -8,6 +8,7 @@ import pytest
 
 import kvlab
 from kvlab import reference
+from kvlab.grading import handouts
 from kvlab.grading.handouts import LabModel, LentFunctions, ReferenceModel
 
 TOKENS = list(b"ROMEO:\nBut soft")
@@ -134,3 +135,27 @@ def test_lent_functions_are_the_labs_own_and_no_more():
         lent.kl_divergence
     with pytest.raises(LookupError, match="cannot lend"):
         LentFunctions(("kvlab.reference.forward",))
+
+
+def test_what_a_call_can_make_the_judge_compute_is_bounded():
+    """Served calls run in the judge: rows beyond the model's context are refused before any
+    work, and a model makes only so many converted copies, which log into its own log."""
+    model = ReferenceModel(checkpoint="mha", convertible=True)
+    with pytest.raises(ValueError, match="at most 512"):
+        model.embed(np.zeros(513, np.int64))
+    with pytest.raises(ValueError, match="n from 1 to the context, 512"):
+        model.mlp(0, np.zeros((513, 128), np.float32))
+    keys = [model.key_value_weights(layer)[0] for layer in range(6)]
+    values = [model.key_value_weights(layer)[1] for layer in range(6)]
+    copy = model.with_key_value_weights(keys, values)
+    copy.embed([1, 2])
+    assert model.log == copy.log and model.log[-1].rows == 2       # one log for both
+    for _ in range(handouts.MAX_CONVERSIONS - 1):
+        model.with_key_value_weights(keys, values)
+    with pytest.raises(ValueError, match="converted models already"):
+        copy.with_key_value_weights(keys, values)
+
+
+def test_only_the_gqa_labs_model_offers_its_conversion():
+    assert "with_key_value_weights" not in ReferenceModel(checkpoint="mha").served_methods
+    assert "with_key_value_weights" in ReferenceModel(checkpoint="mha", convertible=True).served_methods

@@ -431,3 +431,23 @@ def broken(xs):
         assert sub.square(3) == 9
     finally:
         worker.stop()
+
+
+def test_no_served_call_runs_past_the_tests_deadline(tmp_path):
+    """The judge serves the worker's calls while it waits; past the test's deadline it stops
+    serving, however fast the calls come."""
+    worker, session = start(tmp_path, '''
+def spin(counter):
+    while True:
+        counter.add(1)
+''', seconds=1.0)
+    try:
+        from kvlab.grading.process import WorkerTimeout
+        from kvlab.grading.remote import Submission
+        counter = Counter()
+        started = time.monotonic()
+        with pytest.raises(WorkerTimeout):
+            Submission(session).spin(counter)
+        assert counter.calls > 0 and time.monotonic() - started < 5
+    finally:
+        worker.stop()
