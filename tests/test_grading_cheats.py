@@ -277,25 +277,6 @@ def test_speculative_decoding_cannot_fake_its_passes_or_its_measurement(fake, tm
     assert set(report.failed()) == loses, report.summary()
 
 
-def test_flash_decoding_without_pieces_earns_little(tmp_path):
-    """A plain softmax over all positions gives the right outputs, but the pieces are graded."""
-    submission = tmp_path / "flash_decoding.py"
-    submission.write_text("""
-import numpy as np
-
-def plain(q, keys, values, *ignored):
-    kv_mul = q.shape[0] // keys.shape[1]
-    k, v = np.repeat(keys, kv_mul, axis=1), np.repeat(values, kv_mul, axis=1)
-    s = np.einsum("hd,phd->hp", q, k) / np.sqrt(q.shape[1])
-    w = np.exp(s - s.max(axis=1, keepdims=True))
-    return (np.einsum("hp,phd->hd", w / w.sum(axis=1, keepdims=True), v)).astype(np.float32)
-
-split_attend = attend_in_chunks = plain
-""")
-    report = hidden(submission, "flash_decoding")
-    assert report.score <= 4, report.summary()
-
-
 def test_importing_the_instructors_solution_scores_zero(tmp_path):
     submission = tmp_path / "cache_size.py"
     submission.write_text("from instructor.solutions.cache_size import *\n")
