@@ -1,0 +1,51 @@
+"""kvlab/arguments.py: the one argument-checking layer of the Python API."""
+import math
+
+import numpy as np
+import pytest
+
+from kvlab import arguments as a
+
+
+@pytest.mark.parametrize("value", [True, np.bool_(False), 2.0, 2.5, "3", None, [1], np.float32(1)])
+def test_an_integer_argument_refuses_what_is_not_an_integer(value):
+    with pytest.raises(TypeError, match="n_blocks must be an integer") as error:
+        a.integer(value, "n_blocks")
+    assert isinstance(error.value, ValueError)          # except ValueError still catches it
+
+
+@pytest.mark.parametrize("value, says", [(0, "at least 1"), (-5, "at least 1"),
+                                         (2**31, "at most 2,147,483,647"),
+                                         (10**30, "at most 2,147,483,647")])
+def test_an_integer_out_of_range_or_too_large_for_c_is_a_value_error(value, says):
+    with pytest.raises(ValueError, match=says):
+        a.positive(value, "max_seqs")
+
+
+def test_integers_come_back_as_python_ints():
+    assert type(a.integer(np.int64(7), "n")) is int and a.count(0, "n") == 0
+    assert a.integer(-3, "offset", low=None) == -3
+
+
+@pytest.mark.parametrize("value, says", [(math.nan, "finite"), (math.inf, "finite"),
+                                         (-math.inf, "finite"), (True, "must be a number"),
+                                         ("0.5", "must be a number"), (-1.0, "at least 0")])
+def test_a_real_argument_refuses_nan_infinities_and_non_numbers(value, says):
+    with pytest.raises(ValueError, match=says):
+        a.real(value, "rate", low=0.0)
+
+
+def test_real_arguments_with_open_bounds_and_infinity_where_it_makes_sense():
+    assert a.real(np.float32(0.5), "p", above=0.0, high=1.0) == 0.5
+    with pytest.raises(ValueError, match="more than 0.0"):
+        a.real(0, "temperature", above=0.0)
+    assert a.real(math.inf, "deadline", finite=False) == math.inf
+    with pytest.raises(ValueError, match="finite"):
+        a.real(math.nan, "deadline", finite=False)                # NaN never
+
+
+def test_a_flag_is_a_truth_value():
+    assert a.flag(np.bool_(True), "all_logits") is True
+    for value in (1, 0, "yes", None):
+        with pytest.raises(TypeError, match="all_logits must be True or False"):
+            a.flag(value, "all_logits")
