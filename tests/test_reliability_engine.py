@@ -29,6 +29,7 @@ import kvlab
 import kvlab.engine
 from kvlab import SamplingParams
 from kvlab.scheduler import State
+from kvlab.speculative import PromptLookup
 from block_trace import replay
 
 MAX_STEPS = 2000
@@ -545,22 +546,29 @@ def test_things_that_are_not_pools_are_refused(model):
 class InterruptedEngine(RuleBasedStateMachine):
     """Requests arrive between steps; some steps are interrupted at a random call, before
     or after it; after each, the engine is consistent, and at the end every request has
-    exactly kvlab.generate's tokens and the pool is empty."""
+    exactly kvlab.generate's tokens and the pool is empty. Preemption by recomputing or by
+    swapping, and speculation (prompt lookup, 1-4 drafts) on or off. With speculation on,
+    requests are greedy: sampled speculation resumed after an interrupt can differ from an
+    uninterrupted run (issue 36, where the step is rebuilt as plan, run, commit)."""
 
     model = None
 
     @initialize(num_blocks=st.integers(6, 24), block_size=st.sampled_from([1, 2, 4, 8]),
                 budget=st.integers(1, 24), seqs=st.integers(1, 4),
                 fmt=st.sampled_from(["fp32", "int8"]),
-                preemption=st.sampled_from(["recompute", "swap"]))
-    def make(self, num_blocks, block_size, budget, seqs, fmt, preemption):
+                preemption=st.sampled_from(["recompute", "swap"]),
+                drafts=st.sampled_from([0, 0, 1, 4]))
+    def make(self, num_blocks, block_size, budget, seqs, fmt, preemption, drafts):
         if InterruptedEngine.model is None:
             InterruptedEngine.model = kvlab.load()
         self.fmt = fmt
         self.pool = self.model.new_paged_pool(num_blocks, block_size, dtype=fmt, max_seqs=6)
         self.trace = Sink()
+        speculation = {"speculate": PromptLookup(), "draft_tokens": drafts} if drafts else {}
+        self.speculating = bool(drafts)
         self.engine = kvlab.Engine(self.model, self.pool, max_batch_tokens=budget,
-                                   max_batch_seqs=seqs, trace=self.trace, preemption=preemption)
+                                   max_batch_seqs=seqs, trace=self.trace, preemption=preemption,
+                                   **speculation)
         self.requests = {}
 
     @rule(prefix=st.integers(0, 2), tail=st.lists(st.integers(0, 255), max_size=12),
@@ -569,6 +577,7 @@ class InterruptedEngine(RuleBasedStateMachine):
     def add(self, prefix, tail, max_tokens, n, sampled, seed):
         # prompts that share their starts, for the prefix cache
         prompt = ([3, 1, 4, 1, 5, 9, 2, 6][:prefix * 4] + tail) or [7]
+        sampled = sampled and not self.speculating
         params = SamplingParams(max_new_tokens=max_tokens, n=n, temperature=0.8 if sampled else 0.0,
                                 seed=seed)
         try:
