@@ -25,7 +25,7 @@ from typing import Dict, Iterator, List, Tuple
 
 import numpy as np
 
-from . import weight_formats
+from . import arguments, weight_formats
 from .config import ModelConfig
 from .errors import WeightsError
 from .files import mapped_files
@@ -222,8 +222,10 @@ class Weights:
 
     @classmethod
     def random(cls, config: ModelConfig, seed: int = 0, scale: float = 0.08) -> "Weights":
-        """Random weights for tests and benchmarks (norm weights near 1, matrices small)."""
-        rng = np.random.default_rng(seed)
+        """Random weights for tests and benchmarks (norm weights near 1, matrices small).
+        seed: an integer of at least 0; scale: a finite number of at least 0."""
+        rng = np.random.default_rng(arguments.integer(seed, "seed", 0, None))
+        scale = arguments.real(scale, "scale", low=0.0)
         arrays = {}
         for name, shape in cls.expected_shapes(config).items():
             if name == "classifier" and config.tied_embeddings:

@@ -18,6 +18,10 @@ Cases tried, and what each now gives:
     subprocess, so that a regression (the core reading freed memory: a segfault, or
     silently other numbers) fails the test instead of killing the run.
   * the same arrays once the Model is gone: they can be resized again.
+  * Weights.random(scale=NaN, inf, -0.1, True; seed=1.5, True, -1): ValueError or
+    ArgumentTypeError naming the argument (a NaN scale made NaN weights silently).
+  * CacheFormat.make(group=True, 8.0, 2**40; window=True, 2.0, -1, 2**40): ArgumentTypeError
+    or ValueError naming it (True was a group, or a window, of 1).
 """
 import dataclasses
 import os
@@ -150,3 +154,36 @@ def test_pinned_covers_every_array_and_its_bases(float_weights):
         assert id(array) in referents
         if isinstance(array.base, np.ndarray):
             assert id(array.base) in referents
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    ({"scale": float("nan")}, ValueError, "scale must be a finite number"),
+    ({"scale": float("inf")}, ValueError, "scale must be a finite number"),
+    ({"scale": -0.1}, ValueError, "scale must be at least 0"),
+    ({"scale": True}, TypeError, "scale must be a number"),
+    ({"seed": 1.5}, TypeError, "seed must be an integer"),
+    ({"seed": True}, TypeError, "seed must be an integer"),
+    ({"seed": -1}, ValueError, "seed must be at least 0"),
+])
+def test_random_weights_refuse_a_nan_scale_and_a_float_seed(kwargs, error, match):
+    """Weights.random: a NaN or infinite scale made NaN weights without a word; a bool or
+    float seed was taken (or refused in NumPy's words)."""
+    with pytest.raises(error, match=match):
+        kvlab.Weights.random(CONFIG, **kwargs)
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    ({"dtype": "int8", "group": True}, TypeError, "group size must be an integer"),
+    ({"dtype": "int4", "group": 8.0}, TypeError, "group size must be an integer"),
+    ({"dtype": "int8", "group": 2**40}, ValueError, "group size must be at most"),
+    ({"dtype": "int8", "window": True}, TypeError, "window must be a non-negative"),
+    ({"dtype": "int8", "window": 2.0}, TypeError, "window must be a non-negative"),
+    ({"dtype": "int8", "window": -1}, ValueError, "window must be a non-negative"),
+    ({"dtype": "int8", "window": 2**40}, ValueError, "window must be at most"),
+])
+def test_cache_formats_refuse_bool_and_float_sizes(kwargs, error, match):
+    """kvlab.quant.CacheFormat.make: group=True was a group of 1 and window=True a window
+    of 1; now both are refused like floats, and sizes beyond a C int too."""
+    with pytest.raises(error, match=match):
+        kvlab.CacheFormat.make(64, **kwargs)
+    assert kvlab.CacheFormat.make(64, "int4", group=np.int64(16)).key_group == 16
