@@ -41,15 +41,37 @@ from typing import Optional
 
 import numpy as np
 
+from . import arguments
 from ._core import core
 from .errors import CacheFullError
 from .model import KVCache, Model, as_token_array
 
 
 def _count(name: str, value, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
-        raise ValueError(f"{name} must be an integer of at least {minimum}, got {value!r}")
-    return int(value)
+    """A size of a policy (rows, positions, queries): an integer (not a bool, a float or a
+    string: ArgumentTypeError) from `minimum` to a C int, checked when the policy is made,
+    before any cache exists."""
+    return arguments.integer(value, name, minimum, arguments.C_INT_MAX)
+
+
+def _checked_rows(rows, cache, n_keep: int, policy: str) -> np.ndarray:
+    """What a policy's keep() returned, checked before it reaches cache.keep: integer row
+    indices (a float or a bool is no row, and a cast to int32 would wrap an index beyond
+    it) shaped (n_layers, n_keep, n_kv_heads), each an existing row. cache.keep checks the
+    rest (increasing rows) and changes nothing when it refuses."""
+    array = np.asarray(rows)
+    if array.dtype == bool or array.dtype.kind not in "iu":
+        raise TypeError(f"{policy}.keep() must return integer row indices, got an array of "
+                        f"{array.dtype}")
+    want = (cache.shape[0], n_keep, cache.shape[2])
+    if array.shape != want:
+        raise ValueError(f"{policy}.keep() must return rows shaped (n_layers, n_keep, "
+                         f"n_kv_heads) = {want}, got {array.shape}")
+    if array.size and (array.min() < 0 or array.max() >= cache.length):
+        bad = int(array.min()) if array.min() < 0 else int(array.max())
+        raise ValueError(f"{policy}.keep() returned row {bad}, but the cache holds rows 0 .. "
+                         f"{cache.length - 1}")
+    return np.ascontiguousarray(array, np.int32)
 
 
 def newest_rows(length: int, n: int, cache: KVCache) -> np.ndarray:
@@ -142,7 +164,8 @@ class CachePolicy:
         pieces, done = [], 0
         while done < len(ids):
             if rows.length >= self.budget:               # full: make room for one token
-                rows.keep(np.ascontiguousarray(self.keep(rows, self.budget - 1), np.int32))
+                rows.keep(_checked_rows(self.keep(rows, self.budget - 1), rows,
+                                        self.budget - 1, type(self).__name__))
             # as many tokens as fit before the next drop, in one call
             n = min(self.budget - rows.length, len(ids) - done)
             pieces.append(model.forward(ids[done:done + n], cache, all_logits))
@@ -179,7 +202,7 @@ class AttentionSinks(CachePolicy):
     def __init__(self, sinks: int = 4, window: int = 60):
         self.sinks = _count("sinks", sinks, 1)
         self.window = _count("window", window, 1)
-        self.budget = self.sinks + self.window
+        self.budget = _count("sinks + window", self.sinks + self.window, 2)
 
     def keep(self, cache, n_keep):
         # rows never move past each other, so the first rows hold the first positions
@@ -277,10 +300,7 @@ class SnapKV(CachePolicy):
     def keep_from(self, weights: np.ndarray, n_observed: int, cache: KVCache) -> np.ndarray:
         """The prompt rows to keep, from the observation queries' weights."""
         older = weights[:, :cache.length - n_observed, :]
-        pad = self.kernel // 2
-        padded = np.pad(older, ((0, 0), (pad, self.kernel - 1 - pad), (0, 0)), mode="edge")
-        smoothed = np.stack([padded[:, i:i + older.shape[1], :] for i in range(self.kernel)]).mean(0)
-        chosen = most_attended(smoothed, self.budget - n_observed)
+        chosen = most_attended(smoothed(older, self.kernel), self.budget - n_observed)
         return np.concatenate([chosen, newest_rows(cache.length, n_observed, cache)], axis=1)
 
     def keep(self, cache, n_keep):
@@ -288,7 +308,31 @@ class SnapKV(CachePolicy):
                            "while decoding")
 
     def __repr__(self):
-        return f"SnapKV(budget={self.budget}, observation={self.observation})"
+        return (f"SnapKV(budget={self.budget}, observation={self.observation}"
+                + (f", kernel={self.kernel})" if self.kernel != 5 else ")"))
+
+
+def smoothed(weights: np.ndarray, kernel: int) -> np.ndarray:
+    """The moving average of `kernel` neighbouring rows (axis 1 of (n_layers, n_rows,
+    n_kv_heads)), row i's window running from i - kernel // 2 to i + kernel - 1 - kernel // 2
+    and repeating the edge rows where it passes them. Computed from running sums: memory
+    for the rows there are (a few copies of them), whatever the kernel, not kernel copies
+    of them (SnapKV(kernel=10**8) asked for 4.47 GiB on a 25-token prompt)."""
+    n = weights.shape[1]
+    if n == 0:
+        return weights.astype(np.float64)
+    pad = kernel // 2
+    values = weights.astype(np.float64)
+    sums = np.concatenate([np.zeros_like(values[:, :1]), np.cumsum(values, axis=1)], axis=1)
+    i = np.arange(n)
+    low, high = i - pad, i + kernel - 1 - pad            # the window, before clamping
+    first, last = np.maximum(low, 0), np.minimum(high, n - 1)
+    inside = sums[:, last + 1] - sums[:, first]          # the rows the window covers
+    before = np.maximum(-low, 0).astype(np.float64)      # how often row 0 repeats
+    after = np.maximum(high - (n - 1), 0).astype(np.float64)   # ... and row n - 1
+    total = (inside + before[None, :, None] * values[:, :1] +
+             after[None, :, None] * values[:, -1:])
+    return total / kernel
 
 
 def make_policy(name: str, budget: int) -> CachePolicy:
@@ -297,6 +341,10 @@ def make_policy(name: str, budget: int) -> CachePolicy:
     newest rows; sinks: the 4 first rows (half the budget, under 8) and the newest; h2o: half recent, half heavy
     hitters; snapkv: the prompt compressed to `budget` rows, observed by its last
     budget // 4 queries (at most 16)."""
+    if not isinstance(name, str):
+        raise arguments.ArgumentTypeError(f"a policy's name is a string (window, sinks, h2o, "
+                                          f"snapkv), got {name!r}")
+    budget = _count("budget", budget, 2 if name in ("sinks", "h2o") else 1)
     if name == "window":
         return SlidingWindow(budget)
     if name == "sinks":             # 4 sinks, or half the budget when it is under 8

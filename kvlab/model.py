@@ -25,7 +25,7 @@ from .sampling import check_sampling_args, sample
 from .paged import PagedPool, PagedSequence
 from .tokenizer import Tokenizer
 from . import weight_formats
-from .weights import MATRICES, Weights
+from .weights import MATRICES, Weights, pin
 
 KVCache = core.KVCache
 
@@ -146,6 +146,10 @@ class Model:
         arrays = {name: weight_formats.as_bytes(array) if name in MATRICES else array
                   for name, array in self.weights.items()}
         arrays["rope_inv_freq"] = config.rope_inv_freq()
+        # the core reads these arrays' memory for as long as the model lives: while weak
+        # references to them (and to the arrays they view) are held, NumPy refuses to
+        # resize any of them, refcheck=False or not, so none can be freed under the core
+        self._pinned = pin(arrays.values())
         core_config = {
             "dim": config.dim, "hidden_dim": config.hidden_dim, "n_layers": config.n_layers,
             "n_heads": config.n_heads, "n_kv_heads": config.n_kv_heads,

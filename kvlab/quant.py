@@ -27,6 +27,8 @@ from typing import Optional, Union
 
 import numpy as np
 
+from . import arguments
+
 FORMATS = ("fp32", "fp16", "bf16", "int8", "int4", "fp8")
 
 
@@ -55,9 +57,10 @@ def check_format(fmt: str, head_dim: int, group: Optional[int] = None) -> int:
         if group not in (None, 0):
             raise ValueError(f"{fmt} has no groups: leave the group size unset (got {group!r})")
         return 0
-    if group is None or group == 0:
+    if group is None or (not isinstance(group, (bool, np.bool_)) and group == 0):
         group = 32 if fmt == "int4" and head_dim % 32 == 0 else head_dim
-    if not isinstance(group, (int, np.integer)) or group < 1 or head_dim % group:
+    group = arguments.integer(group, "group size", None, arguments.C_INT_MAX)   # no bool, no float
+    if group < 1 or head_dim % group:
         raise ValueError(f"group size {group!r} must divide head_dim ({head_dim})")
     if fmt == "int4" and group % 2:
         raise ValueError(f"int4 packs two codes per byte: group size {group} must be even")
@@ -112,8 +115,12 @@ class CacheFormat:
             key_group = group if key not in ("fp32", "fp16", "bf16") else None
         if value_group is None:
             value_group = group if value not in ("fp32", "fp16", "bf16") else None
-        if isinstance(window, bool) or not isinstance(window, (int, np.integer)) or window < 0:
-            raise ValueError(f"window must be a non-negative number of positions, got {window!r}")
+        message = f"window must be a non-negative number of positions, got {window!r}"
+        if isinstance(window, (bool, np.bool_)) or not isinstance(window, (int, np.integer)):
+            raise arguments.ArgumentTypeError(message)
+        if window < 0:
+            raise ValueError(message)
+        arguments.count(window, "window")          # at most a C int
         return cls(key, value, check_format(key, head_dim, key_group),
                    check_format(value, head_dim, value_group), int(window))
 

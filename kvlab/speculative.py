@@ -35,12 +35,14 @@ and SpeculationStats.count_pass.
 """
 from __future__ import annotations
 
+import collections.abc
 import dataclasses
 import time
 from typing import Iterable, List, Optional, Protocol, Sequence, Tuple
 
 import numpy as np
 
+from . import arguments
 from .model import Model
 from .reference import probabilities
 from .sampling import sample
@@ -122,6 +124,8 @@ class PromptLookup:
     Free to run, and right surprisingly often: text repeats itself (names, code, quotes)."""
 
     def __init__(self, ngram: int = 3, min_ngram: int = 1):
+        ngram = arguments.positive(ngram, "ngram")
+        min_ngram = arguments.positive(min_ngram, "min_ngram")
         if not 1 <= min_ngram <= ngram:
             raise ValueError(f"need 1 <= min_ngram <= ngram, got {min_ngram} and {ngram}")
         self.ngram, self.min_ngram = ngram, min_ngram
@@ -149,6 +153,8 @@ class DraftModel:
     drafts the target model rejected."""
 
     def __init__(self, model: Model, dtype: str = "fp32"):
+        if not isinstance(model, Model):
+            raise TypeError(f"DraftModel drafts with a kvlab.Model, got {type(model).__name__}")
         self.model, self.dtype = model, dtype
         self.cache = model.new_cache(dtype=dtype)     # its own cache, in any format
         self.cached: List[int] = []    # the tokens whose K and V are in self.cache
@@ -160,6 +166,9 @@ class DraftModel:
     def first_layers(cls, model: Model, n_layers: int, dtype: str = "fp32") -> "DraftModel":
         """Self-speculation: the model's own first n_layers, then its final norm and
         classifier, as the drafter (the weights are shared, not copied)."""
+        if not isinstance(model, Model):
+            raise TypeError(f"first_layers takes a kvlab.Model, got {type(model).__name__}")
+        n_layers = arguments.integer(n_layers, "n_layers", None, None)
         if not 1 <= n_layers < model.config.n_layers:
             raise ValueError(f"n_layers must be between 1 and {model.config.n_layers - 1}, "
                              f"got {n_layers}")
@@ -243,7 +252,11 @@ def propose_drafts(drafter: Drafter, context: Sequence[int], k: int, room: int,
     """The drafts for the next pass after `context`, and the distributions they were drawn
     from (None: certain). At most k, and at most room - 1 when only `room` more tokens may
     be generated: drafts that could all be kept, with the model's own token after them.
-    A drafter's junk is refused (TypeError, ValueError); a proposal longer than asked is cut."""
+    A drafter's junk is refused (TypeError, ValueError); a proposal longer than asked is cut.
+    When sampling, each of its distributions (last_probabilities) is checked too: one per
+    draft, over the whole vocabulary, finite, none negative, summing to 1, and giving its
+    draft a chance; before, NaN, negative or all-zero ones were used without a word and a
+    short one leaked an IndexError."""
     wanted = min(k, room - 1)
     if wanted <= 0:
         return [], None
@@ -258,10 +271,51 @@ def propose_drafts(drafter: Drafter, context: Sequence[int], k: int, room: int,
             raise ValueError(f"a drafter proposed token {d}, out of range [0, {vocab_size})")
     drafts = [int(d) for d in drafts]
     q = getattr(drafter, "last_probabilities", None) if drafts else None
-    if q is not None and len(q) < len(drafts):
+    if q is None:
+        return drafts, None
+    if isinstance(q, (str, bytes)) or not isinstance(q, (collections.abc.Sequence, np.ndarray)):
+        raise TypeError(f"a drafter's last_probabilities is None or one distribution per "
+                        f"draft (a list of arrays), got {type(q).__name__}")
+    if len(q) < len(drafts):
         raise ValueError(f"the drafter gave {len(drafts)} drafts but {len(q)} "
                          f"distributions (last_probabilities) to check them with")
-    return drafts, q
+    if sampling[0] == 0.0:             # greedy: verification never reads q
+        return drafts, q
+    return drafts, [_distribution(q[i], i, x, vocab_size) for i, x in enumerate(drafts)]
+
+
+def _distribution(q_i, i: int, draft: int, vocab_size: int) -> np.ndarray:
+    """A drafter's q for draft i, checked where it enters: the rejection rule keeps draft x
+    with probability min(1, p(x) / q(x)) and draws a refused one from max(0, p - q), so q
+    must be a distribution over the whole vocabulary (vocab_size finite values, none
+    negative, summing to 1) that gave the draft a chance (q(x) > 0). Returned as it is
+    (a float array), so a drafter's own q is used bit for bit."""
+    name = f"the drafter's last_probabilities[{i}]"
+    try:
+        array = np.asarray(q_i)
+    except Exception as exc:            # a ragged list, an object that is no array
+        raise TypeError(f"{name} must be an array of {vocab_size} probabilities: {exc}") from None
+    if array.dtype == bool or array.dtype.kind not in "fiu":
+        raise TypeError(f"{name} must be an array of {vocab_size} probabilities, got "
+                        f"dtype {array.dtype}")
+    if array.shape != (vocab_size,):
+        raise ValueError(f"{name} has shape {array.shape}: a distribution over the "
+                         f"vocabulary has {vocab_size} probabilities")
+    if array.dtype.kind != "f":
+        array = array.astype(np.float64)
+    if not np.isfinite(array).all():
+        raise ValueError(f"{name} holds NaN or infinite values: it is not a distribution")
+    if (array < 0).any():
+        raise ValueError(f"{name} holds a negative probability "
+                         f"({float(array.min())}) at token {int(array.argmin())}")
+    total = float(array.sum(dtype=np.float64))
+    if not abs(total - 1.0) <= 1e-3:
+        raise ValueError(f"{name} sums to {total}, not 1: it is not a distribution"
+                         + (" (all zero)" if total == 0 else ""))
+    if not array[draft] > 0:
+        raise ValueError(f"{name} gives draft {draft} probability 0: a draft drawn from q "
+                         f"has q(x) > 0")
+    return array
 
 
 # [quote ch09-verify]

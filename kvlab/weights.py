@@ -9,16 +9,23 @@ whose dtype says which), and `converted()` stores them so, `float32()` gives the
 back. This module checks shapes; it does not load files (kvlab.loaders) or run anything
 (kvlab.model, kvlab.reference). Arrays may be views of a memory-mapped checkpoint:
 check_source() says whether that file is still the one they were mapped from.
+
+A block-format matrix (Q8_0, Q4_0, Q4_1) is refused when one of its block scales (d, and
+Q4_1's m) is NaN or infinite, as soon as the Weights are made, converted or checked: with
+int8 activations such a block can give finite but wrong logits, without a word. pinned()
+keeps the arrays handed to the C core from being resized (ndarray.resize with refcheck=False
+would free the memory the core reads).
 """
 from __future__ import annotations
 
 import dataclasses
 import operator
-from typing import Dict, Iterator, Tuple
+import weakref
+from typing import Dict, Iterator, List, Tuple
 
 import numpy as np
 
-from . import weight_formats
+from . import arguments, weight_formats
 from .config import ModelConfig
 from .errors import WeightsError
 from .files import mapped_files
@@ -43,6 +50,12 @@ class Weights:
     w3: np.ndarray               # (n_layers, hidden_dim, dim) up projection
     final_norm: np.ndarray       # (dim,)
     classifier: np.ndarray       # (vocab_size, dim); the same array as token_embedding when tied
+
+    def __post_init__(self) -> None:
+        # a block-format matrix with a NaN or infinite scale is refused when it is made
+        # (and when converted: converted() makes new Weights); arrays of other kinds are
+        # check()'s to judge
+        self.check_block_scales()
 
     @staticmethod
     def expected_shapes(c: ModelConfig) -> Dict[str, Tuple[int, ...]]:
@@ -163,6 +176,27 @@ class Weights:
                 raise WeightsError(f"weight {name!r} has shape {got}, expected {shape}")
             if not array.flags.c_contiguous:
                 raise WeightsError(f"weight {name!r} must be C-contiguous")
+        self.check_block_scales()
+
+    def check_block_scales(self, source: str = "") -> None:
+        """Raise WeightsError naming the first block-format matrix (Q8_0, Q4_0, Q4_1), and
+        its layer or row, that holds a NaN or infinite block scale (d, or Q4_1's m). Its
+        codes are integers, so these are the only numbers of such a matrix that can be
+        non-finite; with int8 activations a NaN scale does not always reach the logits as
+        NaN, it can change them silently. Reads only the scales (a sixteenth of a Q8_0
+        matrix's bytes, or less), so every Weights made, converted or checked pays it."""
+        seen = set()
+        for name, array in self.items():
+            if name not in MATRICES or id(array) in seen or not isinstance(array, np.ndarray) \
+                    or array.ndim == 0:          # not a matrix at all: check() says so
+                continue
+            seen.add(id(array))
+            try:
+                fmt = weight_formats.format_of(array)
+            except ValueError:           # not a weight format: check() says so
+                continue
+            if fmt in weight_formats.BLOCK_FORMATS:
+                _check_finite_array(name, array, source, fmt)
 
     def check_finite(self, source: str = "") -> None:
         """Raise WeightsError naming the first tensor (and layer) holding a NaN or an
@@ -173,20 +207,25 @@ class Weights:
             if id(array) in seen:
                 continue
             seen.add(id(array))
-            rows = array.reshape(array.shape[0], -1) if array.ndim > 1 else array.reshape(1, -1)
-            step = max(1, (4 << 20) // max(1, rows.shape[1] * array.itemsize))
-            for first in range(0, rows.shape[0], step):
-                chunk = _finite_view(rows[first:first + step])
-                if not np.isfinite(chunk).all():
-                    bad = first + int(np.flatnonzero(~np.isfinite(chunk).all(axis=1))[0])
-                    where = f" (layer {bad})" if name in PER_LAYER else f" (row {bad})" if array.ndim > 1 else ""
-                    raise WeightsError(f"{source + ': ' if source else ''}weight {name!r}{where} "
-                                       "holds NaN or infinite values: the checkpoint is corrupt")
+            _check_finite_array(name, array, source)
+
+    def pinned(self) -> List[weakref.ref]:
+        """Weak references to every array of these weights and every array whose memory
+        they view (a view's base, its base's base, ...). NumPy refuses to resize an array
+        that has a weak reference ("cannot resize an array that references or is referenced
+        by another array"), even with refcheck=False, so while the list is kept, none of
+        that memory can be freed or moved under a reader that holds its address: the C core
+        (kvlab.Model keeps the list for as long as it lives). Nothing is copied. Memory that
+        is not an array's (a memory map, bytes, a bytearray) cannot be resized while NumPy
+        holds a view of it either."""
+        return pin(array for _, array in self.items())
 
     @classmethod
     def random(cls, config: ModelConfig, seed: int = 0, scale: float = 0.08) -> "Weights":
-        """Random weights for tests and benchmarks (norm weights near 1, matrices small)."""
-        rng = np.random.default_rng(seed)
+        """Random weights for tests and benchmarks (norm weights near 1, matrices small).
+        seed: an integer of at least 0; scale: a finite number of at least 0."""
+        rng = np.random.default_rng(arguments.integer(seed, "seed", 0, None))
+        scale = arguments.real(scale, "scale", low=0.0)
         arrays = {}
         for name, shape in cls.expected_shapes(config).items():
             if name == "classifier" and config.tied_embeddings:
@@ -198,6 +237,44 @@ class Weights:
         if config.tied_embeddings:
             arrays["classifier"] = arrays["token_embedding"]
         return cls(**arrays)
+
+
+def pin(arrays) -> List[weakref.ref]:
+    """Weak references to each array in `arrays` and to every array it views (see
+    Weights.pinned): NumPy will not resize any of them while a reference lives."""
+    pins, seen = [], set()
+    for array in arrays:
+        while isinstance(array, np.ndarray) and id(array) not in seen:
+            seen.add(id(array))
+            pins.append(weakref.ref(array))
+            array = array.base
+    return pins
+
+
+def _check_finite_array(name: str, array: np.ndarray, source: str = "",
+                        fmt: str = "") -> None:
+    """WeightsError naming the weight and its first layer (or row) holding a NaN or an
+    infinity among the numbers that are its own (_finite_view), a few megabytes at a time."""
+    rows = array.reshape(array.shape[0], -1) if array.ndim > 1 else array.reshape(1, -1)
+    if rows.shape[0] == 0 or rows.shape[1] == 0:
+        return
+    step = max(1, (4 << 20) // max(1, rows.shape[1] * array.itemsize))
+    for first in range(0, rows.shape[0], step):
+        chunk = _finite_view(rows[first:first + step])
+        finite = np.isfinite(chunk).all(axis=1)
+        if not finite.all():
+            bad = first + int(np.flatnonzero(~finite)[0])
+            where = (f" (layer {bad})" if name in PER_LAYER else
+                     f" (row {bad})" if array.ndim > 1 else "")
+            prefix = f"{source + ': ' if source else ''}weight {name!r}{where}"
+            if not fmt:
+                raise WeightsError(f"{prefix} holds NaN or infinite values: the checkpoint "
+                                   "is corrupt")
+            scales = "d or m" if fmt == "q4_1" else "d"
+            raise WeightsError(f"{prefix} holds a NaN or infinite block scale ({fmt}'s "
+                               f"{scales}): the weights are corrupt (the block's values would "
+                               "be NaN, and with int8 activations the logits finite and "
+                               "silently wrong)")
 
 
 def _finite_view(rows: np.ndarray) -> np.ndarray:
