@@ -341,7 +341,10 @@ def cmd_serve_bench(args) -> int:
     runs_per_rate = len(memories) * len(budgets)
     waits = []
     for rate in rates:
-        last = float(serving.arrival_times(requests, rate, seed)[-1])
+        try:
+            last = float(serving.arrival_times(requests, rate, seed)[-1])
+        except ValueError as error:
+            raise ValueError(f"--rates {rate:g}: {error}") from None
         if last > max_seconds:
             raise ValueError(
                 f"--rates {rate:g}: {requests} requests at {rate:g} a second arrive over "

@@ -141,8 +141,10 @@ def _checked_requests(model, requests, max_seconds: float) -> List[Tuple[float, 
                     raise ValueError("the prompt has no tokens")
             else:
                 ids = as_token_array(prompt, model.config.vocab_size).tolist()
-        except (TypeError, ValueError) as error:
-            raise type(error)(f"{name}'s prompt: {error}") from None
+        except TypeError as error:
+            raise arguments.ArgumentTypeError(f"{name}'s prompt: {error}") from None
+        except ValueError as error:
+            raise ValueError(f"{name}'s prompt: {error}") from None
         if len(ids) + new_tokens > context:
             raise ContextLengthError(f"{name}: prompt ({len(ids)} tokens) + new tokens "
                                      f"({new_tokens}) exceeds the model's context of "
@@ -332,11 +334,16 @@ def plot(rows: list, path, title: str = "") -> None:
         ax.xaxis.set_minor_formatter(NullFormatter())
         ax.set_xlabel("requests arriving per second (log)")
         ax.grid(alpha=0.3, which="both")
-    for ax in axes[1:]:
+    for ax, metric in zip(axes[1:], ("ttft", "tpot")):
+        ax.set_title("solid: p50, dashed: p99", fontsize=9)
+        if not any(r[f"{metric}_{q}_ms"] > 0 for r in rows for q in ("p50", "p99")):
+            # NaN where no request had one (serve() of requests with 1 new token each has
+            # no TPOT): a log axis of nothing fails, so say so instead
+            ax.text(0.5, 0.5, "none measured", transform=ax.transAxes, ha="center")
+            continue
         ax.set_yscale("log")
         ax.yaxis.set_major_formatter(FuncFormatter(_one_two_five))
         ax.yaxis.set_minor_formatter(FuncFormatter(_one_two_five))
-        ax.set_title("solid: p50, dashed: p99", fontsize=9)
     axes[0].set_title(title or "Poisson arrivals", fontsize=9)
     axes[0].legend(fontsize=7, loc="upper left")
     fig.tight_layout()
@@ -364,7 +371,7 @@ def _checked_row(row, name: str) -> dict:
     for key in ROW_FIELDS:
         value = row[key]
         if not (isinstance(value, (float, np.floating)) and math.isnan(value)):
-            arguments.real(value, f"{name}[{key!r}]", low=0.0, finite=False)
+            arguments.real(value, f"{name}[{key!r}]", low=0.0)
     return row
 
 
