@@ -289,43 +289,96 @@ def cmd_chat(args) -> int:
               f"at {turn.tokens_per_second:,.0f} tokens/s{ended}]", file=sys.stderr)
 
 
-def _comma_list(text: str, kind, option: str, what: str) -> list:
-    """--rates 50,200 as [50.0, 200.0], each finite and above zero; else a ValueError
-    naming the option."""
-    try:
-        values = [kind(v) for v in text.split(",")]
-    except ValueError:
-        values = []
-    if not values or not all(0 < v < float("inf") for v in values):
-        raise ValueError(f"{option} takes {what} above zero, comma-separated, got {text!r}")
+def _comma_list(text: str, parse, option: str, what: str) -> list:
+    """--rates 50,200 as [50.0, 200.0], each parsed and checked by parse(item); else a
+    ValueError naming the option and the rule."""
+    values = []
+    for item in text.split(","):
+        try:
+            values.append(parse(item.strip()))
+        except ValueError as error:
+            raise ValueError(f"{option} takes {what}, comma-separated, got {text!r} "
+                             f"({error})") from None
     return values
+
+
+def _writable(path: str, option: str) -> None:
+    """Refuse an output file that cannot be written, before any run (the numbers of a
+    long run are not lost at its end): opened for appending, so an existing file is left
+    as it is, and removed again if this made it."""
+    if os.path.isdir(path):
+        raise ValueError(f"{option} {path} is a folder: give a file path; nothing was run")
+    existed = os.path.exists(path)
+    try:
+        with open(path, "a"):
+            pass
+    except OSError as error:
+        raise ValueError(f"{option} {path} cannot be written ({error.strerror or error}); "
+                         f"nothing was run") from None
+    if not existed:
+        os.remove(path)
 
 
 def cmd_serve_bench(args) -> int:
     import kvlab
+    from . import arguments
+    serving = kvlab.serving
     # every argument checked before the model loads and anything runs
-    rates = _comma_list(args.rates, float, "--rates", "numbers")
-    budgets = _comma_list(args.budgets, int, "--budgets", "whole numbers")
+    rates = _comma_list(args.rates, lambda item: arguments.real(float(item), "a rate",
+                                                                above=0.0),
+                        "--rates", "numbers of requests a second above zero")
+    budgets = _comma_list(args.budgets, lambda item: arguments.positive(int(item), "a budget"),
+                          "--budgets", f"whole numbers from 1 to {arguments.C_INT_MAX:,}")
     memories = args.memory.split(",")
     for memory in memories:
-        if memory not in kvlab.serving.MEMORIES:
-            raise ValueError(f"--memory takes {' and/or '.join(kvlab.serving.MEMORIES)}, "
+        if memory not in serving.MEMORIES:
+            raise ValueError(f"--memory takes {' and/or '.join(serving.MEMORIES)}, "
                              f"comma-separated, got {args.memory!r}")
+    requests = arguments.positive(args.requests, "--requests", serving.MAX_REQUESTS)
+    seed = arguments.integer(args.seed, "--seed", 0)
+    max_seconds = serving.MAX_SECONDS if args.max_seconds is None else args.max_seconds
+    # every run waits in real time for its last arrival: known now, from the seed alone
+    runs_per_rate = len(memories) * len(budgets)
+    waits = []
+    for rate in rates:
+        try:
+            last = float(serving.arrival_times(requests, rate, seed)[-1])
+        except ValueError as error:
+            raise ValueError(f"--rates {rate:g}: {error}") from None
+        if last > max_seconds:
+            raise ValueError(
+                f"--rates {rate:g}: {requests} requests at {rate:g} a second arrive over "
+                f"{serving._duration(last)} (the last at {last:,.0f} s), and each run waits "
+                f"for them in real time; --max-seconds is {max_seconds:g}. Give a larger "
+                f"rate, fewer --requests, or a larger --max-seconds to wait that long; "
+                f"nothing was run")
+        waits.append(last * runs_per_rate)
     if args.plot and not _matplotlib_installed():
         print(f"kvlab: error: --plot {args.plot} needs matplotlib, which is not installed: "
               f"pip install matplotlib (or run without --plot); nothing was run", file=sys.stderr)
         return 2
+    for option, path in (("--json", args.json), ("--plot", args.plot)):
+        if path:
+            _writable(path, option)
     model = _load(args)
-    print(f"kvlab serve-bench: {model!r}, {args.requests} requests per run, Poisson arrivals, "
+    print(f"kvlab serve-bench: {model!r}, {requests} requests per run, Poisson arrivals, "
           f"{kvlab.get_num_threads()} threads")
-    rows = kvlab.serving.sweep(model, rates, budgets, args.requests, args.seed,
-                               memories=memories)
+    runs = len(rates) * runs_per_rate
+    print(f"{runs} run{'s' if runs > 1 else ''}, waiting for their arrivals alone "
+          f"{serving._duration(sum(waits))} in all (the serving adds to it)")
+    sys.stdout.flush()
+
+    def progress(line: str) -> None:
+        print(f"  {line}", file=sys.stderr, flush=True)
+
+    rows = serving.sweep(model, rates, budgets, requests, seed, memories=memories,
+                         max_seconds=max_seconds, progress=progress)
     if args.json:
         with open(args.json, "w") as out:
-            json.dump({"model": model.source, "requests_per_run": args.requests, "runs": rows},
+            json.dump({"model": model.source, "requests_per_run": requests, "runs": rows},
                       out, indent=1)
     if args.plot:
-        kvlab.serving.plot(rows, args.plot)
+        serving.plot(rows, args.plot)
         print(f"wrote {args.plot}")
     return 0
 
@@ -620,6 +673,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--memory", default="paged",
                        help="paged, contiguous (the same bytes as whole-context caches, one "
                             "per request), or both, comma-separated (default: %(default)s)")
+    serve.add_argument("--max-seconds", type=positive_seconds, default=None,
+                       help="refuse a rate whose run would wait longer than this for its "
+                            "last request to arrive (default: 600)")
     serve.add_argument("--json", default=None, help="also write every run's numbers here")
     serve.add_argument("--plot", default=None,
                        help="write a PNG of throughput, TTFT and TPOT against the request "

@@ -12,32 +12,73 @@ returns throughput and the p50/p99 of time to first token (TTFT), time per outpu
 after it (TPOT) and end-to-end latency (RequestOutput.metrics), on a paged pool or on
 contiguous caches of the same bytes. `kvlab serve-bench` and benchmarks/bench_serve.py print
 them for several rates, token budgets and memories, and plot() draws them.
+
+Every argument is checked before anything runs (kvlab.arguments: counts are integers, not
+bools or floats; rates and seconds are finite numbers above zero), and so is every request
+of a list given to serve(): its arrival a finite number of seconds from 0 to max_seconds,
+its prompt token ids of the model, its new tokens a count that fits the model's context and
+the pool. A run waits in real time for its last arrival, so serve() refuses one whose last
+request arrives past max_seconds (600 by default) rather than wait for hours without a word,
+and progress= hears of each wait of a second or more.
 """
 from __future__ import annotations
 
+import math
+import os
 import time
-from typing import List, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from . import arguments
 from ._core import core
 from .engine import Engine
-from .scheduler import SamplingParams
+from .errors import ContextLengthError
+from .model import as_token_array
+from .scheduler import SamplingParams, requests_fit
 
 SAMPLE_TEXT = ("ROMEO:\nBut soft, what light through yonder window breaks?\n"
                "It is the east, and Juliet is the sun.\n")
 
 
+MAX_REQUESTS = 100_000      # requests in one workload: each is served in real time
+MAX_SECONDS = 600.0         # the latest arrival serve() waits for unless told otherwise
+
+
+def _checked_rate(n_requests, rate, seed) -> Tuple[int, float, int]:
+    n_requests = arguments.positive(n_requests, "n_requests", MAX_REQUESTS)
+    rate = arguments.real(rate, "rate", above=0.0)
+    seed = arguments.integer(seed, "seed", 0)
+    if not math.isfinite(1.0 / rate):
+        raise ValueError(f"rate must be a number of requests a second whose mean gap "
+                         f"1/rate is a finite number of seconds, got rate={rate}")
+    return n_requests, rate, seed
+
+
+def _arrivals(rng: np.random.Generator, n_requests: int, rate: float) -> np.ndarray:
+    arrivals = np.cumsum(rng.exponential(1.0 / rate, n_requests))
+    if not np.isfinite(arrivals).all():
+        raise ValueError(f"rate={rate} requests a second puts arrivals past the largest "
+                         f"float: give a larger rate")
+    return arrivals
+
+
+def arrival_times(n_requests: int, rate: float, seed: int = 0) -> np.ndarray:
+    """The arrival seconds of workload(model, n_requests, rate, seed)'s requests, without
+    a model: how long a run of them waits, known before anything loads."""
+    n_requests, rate, seed = _checked_rate(n_requests, rate, seed)
+    return _arrivals(np.random.default_rng(seed), n_requests, rate)
+
+
 def workload(model, n_requests: int, rate: float, seed: int = 0) -> List[Tuple[float, list, int]]:
-    """(arrival second, prompt ids, new tokens) for each of n_requests, arriving `rate` a
-    second on average: prompts of 8 to 95 tokens cut from a sample of the model's text, 16
-    to 95 new tokens each."""
-    if rate <= 0 or n_requests < 1:
-        raise ValueError(f"need a positive rate and at least one request, got rate={rate}, "
-                         f"n_requests={n_requests}")
+    """(arrival second, prompt ids, new tokens) for each of n_requests (1 to MAX_REQUESTS),
+    arriving `rate` a second on average (a finite number above 0): prompts of 8 to 95
+    tokens cut from a sample of the model's text, 16 to 95 new tokens each. seed: an
+    integer from 0."""
+    n_requests, rate, seed = _checked_rate(n_requests, rate, seed)
     rng = np.random.default_rng(seed)
     text = model.encode(SAMPLE_TEXT * 8)
-    arrivals = np.cumsum(rng.exponential(1.0 / rate, n_requests))
+    arrivals = _arrivals(rng, n_requests, rate)
     requests = []
     for arrival in arrivals:
         length = int(rng.integers(8, 96))
@@ -51,7 +92,7 @@ MEMORIES = ("paged", "contiguous")
 
 def check_memory(memory: str, model=None) -> None:
     """Refuse a memory name serve() does not know, or a context too long to emulate."""
-    if memory not in MEMORIES:
+    if not isinstance(memory, str) or memory not in MEMORIES:
         raise ValueError(f"memory must be one of {', '.join(MEMORIES)}, got {memory!r}")
     if memory == "contiguous" and model is not None and \
             model.config.max_seq_len > core.MAX_BLOCK_SIZE:
@@ -60,16 +101,99 @@ def check_memory(memory: str, model=None) -> None:
                          f"this model's context is {model.config.max_seq_len}")
 
 
+def _checked_requests(model, requests, max_seconds: float) -> List[Tuple[float, list, int]]:
+    """`requests` as (arrival, prompt ids, new tokens) triples, each checked as the Engine
+    would check it on arrival, so that a bad one is refused before the run, not after the
+    requests before it have run: arrival a finite number of seconds from 0 to
+    max_seconds, prompt token ids of the model (or a text to encode), new tokens a count."""
+    if isinstance(requests, (str, bytes)) or not isinstance(requests, Sequence):
+        raise arguments.ArgumentTypeError(
+            f"requests must be a list of (arrival seconds, prompt, new tokens) triples, "
+            f"such as workload() gives, got {type(requests).__name__}")
+    if not requests:
+        raise ValueError("requests must hold at least one request, got none")
+    if len(requests) > MAX_REQUESTS:
+        raise ValueError(f"requests must hold at most {MAX_REQUESTS:,} requests, "
+                         f"got {len(requests):,}")
+    checked = []
+    context = model.config.max_seq_len
+    window = model.config.sliding_window
+    for i, request in enumerate(requests):
+        name = f"requests[{i}]"
+        if isinstance(request, (str, bytes)) or not isinstance(request, Sequence) \
+                or len(request) != 3:
+            raise arguments.ArgumentTypeError(
+                f"{name} must be an (arrival seconds, prompt, new tokens) triple, got "
+                f"{arguments._shown(request)}")
+        arrival, prompt, new_tokens = request
+        arrival = arguments.real(arrival, f"{name}'s arrival time", low=0.0)
+        if arrival > max_seconds:
+            raise ValueError(
+                f"{name} arrives at {arrival:,.1f} s, past max_seconds={max_seconds:g}: "
+                f"serve() waits for every arrival in real time, so this run would take at "
+                f"least {_duration(arrival)}. Pass a larger max_seconds to wait that long, "
+                f"or arrivals closer together (a larger rate)")
+        new_tokens = arguments.positive(new_tokens, f"{name}'s new tokens")
+        try:
+            if isinstance(prompt, str):
+                ids = model.encode(prompt)
+                if not ids:
+                    raise ValueError("the prompt has no tokens")
+            else:
+                ids = as_token_array(prompt, model.config.vocab_size).tolist()
+        except TypeError as error:
+            raise arguments.ArgumentTypeError(f"{name}'s prompt: {error}") from None
+        except ValueError as error:
+            raise ValueError(f"{name}'s prompt: {error}") from None
+        if len(ids) + new_tokens > context:
+            raise ContextLengthError(f"{name}: prompt ({len(ids)} tokens) + new tokens "
+                                     f"({new_tokens}) exceeds the model's context of "
+                                     f"{context} tokens")
+        if window is not None and len(ids) + new_tokens - 1 > window:
+            raise ContextLengthError(f"{name}: prompt ({len(ids)} tokens) + new tokens "
+                                     f"({new_tokens}) pass the model's sliding window of "
+                                     f"{window} positions, which the Engine does not roll")
+        checked.append((arrival, ids, new_tokens))
+    return checked
+
+
+def _duration(seconds: float) -> str:
+    """12 s, 3.5 minutes, 11.6 hours, 2.3 days"""
+    for unit, size in (("days", 86400.0), ("hours", 3600.0), ("minutes", 60.0)):
+        if seconds >= 2 * size:
+            return f"{seconds / size:,.1f} {unit}"
+    return f"{seconds:,.0f} s"
+
+
+def _checked_progress(progress):
+    if progress is not None and not callable(progress):
+        raise arguments.ArgumentTypeError(f"progress must be a function taking a line of "
+                                          f"text, or None, got {type(progress).__name__}")
+    return progress
+
+
 def serve(model, requests: list, budget: int = 256, num_blocks: int = 512,
-          block_size: int = 16, memory: str = "paged") -> dict:
+          block_size: int = 16, memory: str = "paged", *, max_seconds: float = MAX_SECONDS,
+          progress: Optional[Callable[[str], None]] = None) -> dict:
     """Run `requests` (workload()'s) through one Engine in real time; its throughput and
     the percentiles of its requests' latencies, in milliseconds.
 
     memory="paged" gives the engine num_blocks blocks of block_size positions;
     "contiguous" gives it the same bytes as blocks of a whole context
     (config.max_seq_len positions), one per request, reserved whole from its admission to
-    its end, as contiguous caches are (Orca batched continuously this way)."""
+    its end, as contiguous caches are (Orca batched continuously this way).
+
+    Every request is checked before the run (see _checked_requests): a request arriving
+    past max_seconds (600 by default) is refused, as the run would wait for it in real
+    time. progress: None, or a function given a line of text each time the engine idles
+    a second or more until the next arrival."""
     check_memory(memory, model)
+    budget = arguments.positive(budget, "budget")
+    num_blocks = arguments.positive(num_blocks, "num_blocks")
+    block_size = arguments.positive(block_size, "block_size", core.MAX_BLOCK_SIZE)
+    max_seconds = arguments.real(max_seconds, "max_seconds", above=0.0)
+    progress = _checked_progress(progress)
+    pending = sorted(_checked_requests(model, requests, max_seconds), key=lambda r: r[0])
     if memory == "contiguous":
         context = model.config.max_seq_len
         if num_blocks * block_size < context:
@@ -77,18 +201,31 @@ def serve(model, requests: list, budget: int = 256, num_blocks: int = 512,
                              f"of {context} positions: no contiguous cache fits")
         num_blocks, block_size = num_blocks * block_size // context, context
     engine = Engine(model, num_blocks=num_blocks, block_size=block_size, max_batch_tokens=budget)
+    for i, (_, ids, new_tokens) in enumerate(pending):    # could it ever run, alone?
+        why = requests_fit(len(ids), SamplingParams(max_new_tokens=new_tokens),
+                           engine.pool.block_size, engine.pool.num_blocks,
+                           engine.pool.max_blocks_per_seq)
+        if why is not None:
+            raise ValueError(f"a request arriving at {pending[i][0]:g} s could never run in "
+                             f"this engine's pool: {why}")
     start = time.perf_counter()
-    pending = sorted(requests, key=lambda r: r[0])
-    while pending or engine.has_work:
+    next_request = 0
+    while next_request < len(pending) or engine.has_work:
         now = time.perf_counter() - start
-        while pending and pending[0][0] <= now:
-            arrival, prompt, new_tokens = pending.pop(0)
+        while next_request < len(pending) and pending[next_request][0] <= now:
+            arrival, prompt, new_tokens = pending[next_request]
+            next_request += 1
             engine.add_request(prompt, SamplingParams(max_new_tokens=new_tokens),
                                arrival_time=start + arrival)
         if engine.has_work:
             engine.step()
-        elif pending:                                   # idle until the next arrival
-            time.sleep(max(0.0, pending[0][0] - (time.perf_counter() - start)))
+        elif next_request < len(pending):               # idle until the next arrival
+            arrival = pending[next_request][0]
+            wait = arrival - (time.perf_counter() - start)
+            if progress is not None and wait >= 1.0:
+                progress(f"waiting {wait:,.1f} s for request {next_request + 1} of "
+                         f"{len(pending)}, arriving at {arrival:,.1f} s")
+            time.sleep(max(0.0, wait))
     seconds = time.perf_counter() - start
     metrics = [out.metrics for out in engine.outputs.values()]
     ttft = [m.ttft for m in metrics if m.ttft is not None]
@@ -111,26 +248,51 @@ TABLE_HEAD = (f"{'rate/s':>7}{'memory':>11}{'budget':>8}{'tok/s':>9}{'TTFT p50':
 
 
 def table_row(rate: float, row: dict) -> str:
+    rate = arguments.real(rate, "rate", above=0.0)
     return (f"{rate:>7g}{row['memory']:>11}{row['budget']:>8}{row['tokens_per_s']:>9.0f}"
             f"{row['ttft_p50_ms']:>10.1f}"
             f"{row['ttft_p99_ms']:>9.1f}{row['tpot_p50_ms']:>10.2f}{row['tpot_p99_ms']:>8.2f}"
             f"{row['e2e_p50_ms']:>10.1f}{row['e2e_p99_ms']:>9.1f}")
 
 
+def _checked_list(values, name: str, check) -> list:
+    """A non-empty list, tuple or array of values, each checked by check(value, name[i])."""
+    if isinstance(values, (str, bytes)) or not isinstance(values, (Sequence, np.ndarray)):
+        raise arguments.ArgumentTypeError(f"{name} must be a list, got "
+                                          f"{arguments._shown(values)}")
+    if len(values) == 0:
+        raise ValueError(f"{name} must hold at least one value, got none")
+    return [check(value, f"{name}[{i}]") for i, value in enumerate(values)]
+
+
 def sweep(model, rates, budgets, n_requests: int = 40, seed: int = 0, out=print,
-          memories=("paged",)) -> list:
+          memories=("paged",), *, max_seconds: float = MAX_SECONDS,
+          progress: Optional[Callable[[str], None]] = None) -> list:
     """serve() at every rate, budget and memory (the same requests at one rate for all of
-    them), each row printed as it comes; the rows."""
+    them), each row printed as it comes; the rows. Every argument, and every rate's
+    workload (its last arrival at most max_seconds away: see serve()), is checked before
+    the warm-up runs."""
+    rates = _checked_list(rates, "rates", lambda v, name: arguments.real(v, name, above=0.0))
+    budgets = _checked_list(budgets, "budgets", arguments.positive)
+    memories = _checked_list(memories, "memories", lambda v, name: v)
     for memory in memories:               # before the warm-up, not after it
         check_memory(memory, model)
+    if not callable(out):
+        raise arguments.ArgumentTypeError(f"out must be a function taking a line of text, "
+                                          f"got {type(out).__name__}")
+    max_seconds = arguments.real(max_seconds, "max_seconds", above=0.0)
+    progress = _checked_progress(progress)
+    workloads = [workload(model, n_requests, rate, seed) for rate in rates]
+    for requests in workloads:
+        _checked_requests(model, requests, max_seconds)
     serve(model, workload(model, 4, 100.0, seed), budgets[0])          # warm up
     out(TABLE_HEAD)
     rows = []
-    for rate in rates:
-        requests = workload(model, n_requests, rate, seed)
+    for rate, requests in zip(rates, workloads):
         for memory in memories:
             for budget in budgets:
-                row = {"rate": rate, **serve(model, requests, budget, memory=memory)}
+                row = {"rate": rate, **serve(model, requests, budget, memory=memory,
+                                             max_seconds=max_seconds, progress=progress)}
                 rows.append(row)
                 out(table_row(rate, row))
     return rows
@@ -139,7 +301,14 @@ def sweep(model, rates, budgets, n_requests: int = 40, seed: int = 0, out=print,
 def plot(rows: list, path, title: str = "") -> None:
     """Against the request rate (log): throughput, left; the time to first token, middle;
     the time per output token, right; p50 solid and p99 dashed, one color per memory and
-    budget. Needs matplotlib."""
+    budget. Needs matplotlib. rows: sweep()'s, each with a rate above 0 (the axis is
+    logarithmic); path: a file path; title: text."""
+    rows = _checked_list(rows, "rows", _checked_row)
+    if not isinstance(path, (str, os.PathLike)):
+        raise arguments.ArgumentTypeError(f"path must be a file path, got "
+                                          f"{arguments._shown(path)}")
+    if not isinstance(title, str):
+        raise arguments.ArgumentTypeError(f"title must be text, got {arguments._shown(title)}")
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -165,16 +334,45 @@ def plot(rows: list, path, title: str = "") -> None:
         ax.xaxis.set_minor_formatter(NullFormatter())
         ax.set_xlabel("requests arriving per second (log)")
         ax.grid(alpha=0.3, which="both")
-    for ax in axes[1:]:
+    for ax, metric in zip(axes[1:], ("ttft", "tpot")):
+        ax.set_title("solid: p50, dashed: p99", fontsize=9)
+        if not any(r[f"{metric}_{q}_ms"] > 0 for r in rows for q in ("p50", "p99")):
+            # NaN where no request had one (serve() of requests with 1 new token each has
+            # no TPOT): a log axis of nothing fails, so say so instead
+            ax.text(0.5, 0.5, "none measured", transform=ax.transAxes, ha="center")
+            continue
         ax.set_yscale("log")
         ax.yaxis.set_major_formatter(FuncFormatter(_one_two_five))
         ax.yaxis.set_minor_formatter(FuncFormatter(_one_two_five))
-        ax.set_title("solid: p50, dashed: p99", fontsize=9)
     axes[0].set_title(title or "Poisson arrivals", fontsize=9)
     axes[0].legend(fontsize=7, loc="upper left")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+ROW_FIELDS = ("tokens_per_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms")
+
+
+def _checked_row(row, name: str) -> dict:
+    """One of sweep()'s rows, as plot() needs it: a rate above 0, a memory, a budget, and
+    the numbers it draws (NaN where a run had none, as serve() gives)."""
+    if not isinstance(row, dict):
+        raise arguments.ArgumentTypeError(f"{name} must be a dict such as sweep() gives, got "
+                                          f"{arguments._shown(row)}")
+    missing = [key for key in ("rate", "memory", "budget") + ROW_FIELDS if key not in row]
+    if missing:
+        raise ValueError(f"{name} has no {', '.join(missing)}: plot() takes sweep()'s rows")
+    arguments.real(row["rate"], f"{name}['rate']", above=0.0)
+    arguments.positive(row["budget"], f"{name}['budget']")
+    if not isinstance(row["memory"], str):
+        raise arguments.ArgumentTypeError(f"{name}['memory'] must be text, got "
+                                          f"{arguments._shown(row['memory'])}")
+    for key in ROW_FIELDS:
+        value = row[key]
+        if not (isinstance(value, (float, np.floating)) and math.isnan(value)):
+            arguments.real(value, f"{name}[{key!r}]", low=0.0)
+    return row
 
 
 def _one_two_five(value: float, _position) -> str:

@@ -42,11 +42,19 @@ def test_kvlab_serve_bench_prints_the_table(capsys, tmp_path):
                      "--json", str(out)]) == 0
     printed = capsys.readouterr().out
     assert "TTFT p50" in printed and json.loads(out.read_text())["runs"][0]["requests"] == 4
-    # bad arguments are named, before the model loads
+    assert "1 run, waiting for their arrivals alone" in printed          # said up front
+    # bad arguments are named, before the model loads (more in test_reliability_serving.py)
     for option, value in [("--rates", "0"), ("--rates", "abc"), ("--rates", "nan"),
                           ("--budgets", "0"), ("--budgets", "1.5"), ("--memory", "swap")]:
         assert cli.main(["serve-bench", option, value, "--model", "/nonexistent"]) == 2
         assert f"{option} takes" in capsys.readouterr().err
+    # a rate whose run would wait for hours, and a --json that cannot be written: refused
+    # before the model loads, not after every run
+    assert cli.main(["serve-bench", "--rates", "0.001", "--model", "/nonexistent"]) == 2
+    assert "--max-seconds is 600" in capsys.readouterr().err
+    assert cli.main(["serve-bench", "--json", str(tmp_path / "no" / "out.json"),
+                     "--model", "/nonexistent"]) == 2
+    assert "--json" in capsys.readouterr().err
 
 
 def test_contiguous_memory_reserves_a_whole_context_per_request(model):
