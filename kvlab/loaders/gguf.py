@@ -32,6 +32,12 @@ Every count, length, offset and size in a GGUF file is a number the file chooses
 dims can wrap around in uint64. So kvlab walks the header once itself first (check_header),
 checking each number against the bytes that are really there, and takes the model's sizes
 from the metadata only once the tensors that must match them are known to exist.
+
+Every tensor and byte is accounted for, as llama.cpp does ("wrong number of tensors"): each
+tensor of the file must be one the model its metadata describes reads (a llama.block_count
+smaller than the file's blocks, or a tensor of another architecture, is refused by name, not
+left unread), each tensor's data starts where the one before ends (padded to the alignment),
+and the file ends with the last tensor's data or its padding: a byte more is refused.
 """
 from __future__ import annotations
 

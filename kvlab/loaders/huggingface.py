@@ -6,6 +6,14 @@ tensor (dtype, shape, data_offsets relative to the end of the header), then raw 
 Every number in the header is checked against the file before any tensor is read, and
 every config.json value for its type and against the readers' shared size limits.
 
+Every tensor and byte is accounted for: the tensors' data_offsets must tile each file's data
+section exactly (no overlap, no hole, nothing after the last tensor: the safetensors
+library's rule), a header key may appear once, a shard index and its shards must agree, and
+every tensor must be one the model config.json describes reads (a num_hidden_layers smaller
+than the files' layers is refused, not a smaller model). Two kinds are explained instead:
+the layers' rotary_emb.inv_freq (computed from rope_theta, as transformers does) and a tied
+model's lm_head.weight, which must then equal the embedding.
+
 Not here: PyTorch .bin checkpoints, quantized weights, models other than Llama-like
 (llama and mistral), biases, or partial rotary embeddings. A sliding window (Mistral) is
 kept in the config: kvlab.generate runs such a model with a SlidingWindow cache policy.
@@ -150,7 +158,7 @@ def _check_data_layout(path: Path, infos: Dict[str, TensorInfo], data_start: int
 
 def _tensor_info(path: Path, name: str, entry: Any, data_start: int, size: int) -> TensorInfo:
     def bad(why: str) -> CheckpointError:
-        return CheckpointError(f"{path}: tensor {name!r}: {why}")
+        return CheckpointError(f"{path}: tensor {short(name)}: {why}")
 
     if not isinstance(entry, dict):
         raise bad("header entry is not an object")
@@ -160,20 +168,27 @@ def _tensor_info(path: Path, name: str, entry: Any, data_start: int, size: int) 
                   "dtype, shape and data_offsets only)")
     dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
     if dtype not in _ITEMSIZE:
-        raise bad(f"unknown dtype {dtype!r}")
+        raise bad(f"unknown dtype {short(dtype)}")
     if not (isinstance(shape, list) and all(_is_count(d) for d in shape)):
-        raise bad(f"shape must be a list of non-negative integers, got {shape!r}")
+        raise bad(f"shape must be a list of non-negative integers, got {_brief(shape)}")
     if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_count(o) for o in offsets)
             and offsets[0] <= offsets[1]):
-        raise bad(f"data_offsets must be [begin, end] with 0 <= begin <= end, got {offsets!r}")
+        raise bad(f"data_offsets must be [begin, end] with 0 <= begin <= end, got "
+                  f"{_brief(offsets)}")
     start, end = data_start + offsets[0], data_start + offsets[1]
     if end > size:
         raise bad(f"data ends at byte {end:,}, past the end of the file ({size:,} bytes)")
     expected = math.prod(shape) * _ITEMSIZE[dtype]
     if end - start != expected:
-        raise bad(f"shape {shape} of {dtype} needs {expected:,} bytes, "
+        raise bad(f"shape {_brief(shape)} of {dtype} needs {expected:,} bytes, "
                   f"but data_offsets span {end - start:,}")
     return TensorInfo(path, dtype, tuple(shape), start, end, name)
+
+
+def _brief(value: Any) -> str:
+    """A header value for a message: as it is when short, else what short() says of it."""
+    text = repr(value)
+    return text if len(text) <= 60 else short(value)
 
 
 def _is_count(value: Any) -> bool:
