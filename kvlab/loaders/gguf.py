@@ -32,6 +32,12 @@ Every count, length, offset and size in a GGUF file is a number the file chooses
 dims can wrap around in uint64. So kvlab walks the header once itself first (check_header),
 checking each number against the bytes that are really there, and takes the model's sizes
 from the metadata only once the tensors that must match them are known to exist.
+
+Every tensor and byte is accounted for, as llama.cpp does ("wrong number of tensors"): each
+tensor of the file must be one the model its metadata describes reads (a llama.block_count
+smaller than the file's blocks, or a tensor of another architecture, is refused by name, not
+left unread), each tensor's data starts where the one before ends (padded to the alignment),
+and the file ends with the last tensor's data or its padding: a byte more is refused.
 """
 from __future__ import annotations
 
@@ -312,6 +318,7 @@ class _HeaderWalk:
         around), silently."""
         start = -(-self.at // self.alignment) * self.alignment  # data begins, aligned
         expected = 0
+        end = self.at  # where the bytes the header describes end: the last tensor's data
         for name, offset, nbytes in infos:
             if offset != expected:
                 self.fail(f"tensor {name} has data offset {offset:,}, expected {expected:,} "
@@ -321,7 +328,23 @@ class _HeaderWalk:
                 self.fail(f"tensor {name} has {nbytes:,} bytes of data at offset "
                           f"{start + offset:,}, past the end of the file ({len(self.data):,} "
                           "bytes): the file is truncated, or the tensor's dims are corrupt")
+            end = start + offset + nbytes
             expected += -(-nbytes // self.alignment) * self.alignment
+        self.check_file_end(end, infos[-1][0] if infos else None)
+
+    def check_file_end(self, end: int, last: Optional[str]) -> None:
+        """The file ends where its last tensor's data does, or after the padding to the
+        alignment that writers put there (gguf's GGUFWriter and llama.cpp pad every tensor,
+        the last one too): bytes beyond that are described by nothing in the header (a
+        tensor the counts leave out, or another file appended), and are refused."""
+        padded = -(-end // self.alignment) * self.alignment
+        if len(self.data) > padded:
+            after = (f"the data of its last tensor {last}" if last is not None
+                     else "the header (it lists no tensors)")
+            self.fail(f"{len(self.data) - end:,} bytes follow {after}, which ends at offset "
+                      f"{end:,} (padded to the alignment of {self.alignment}: {padded:,}); "
+                      "no tensor in the header accounts for them: the tensor count is "
+                      "corrupt, or something was appended to the file")
 
 
 # kvlab's ModelConfig field -> the GGUF metadata key it comes from, to name the key in errors.
@@ -441,6 +464,8 @@ def _gather_weights(config: ModelConfig, tensors: Dict[str, Any], fallback: Opti
     for key, pattern in GGUF_LAYER_NAMES.items():
         found[key] = [_tensor(tensors, pattern.format(i=i), expected[key][1:])
                       for i in range(config.n_layers)]
+    _refuse_unused(tensors, {tensor.name for parts in found.values() for tensor in parts},
+                   config)
     arrays: Dict[str, np.ndarray] = {}
     for key, parts in found.items():
         per_layer = key in GGUF_LAYER_NAMES
@@ -456,6 +481,28 @@ def _gather_weights(config: ModelConfig, tensors: Dict[str, Any], fallback: Opti
     weights = Weights(**arrays)
     weights.check(config)
     return weights
+
+
+def _refuse_unused(tensors: Dict[str, Any], used: set, config: ModelConfig) -> None:
+    """Every tensor of the file must be one the model reads, as llama.cpp requires ("wrong
+    number of tensors"): a file whose llama.block_count is smaller than its blocks would
+    otherwise load as a smaller model, silently, and an unknown tensor (a bias, another
+    architecture's weight) would be left out of the computation it belongs to."""
+    unused = [name for name in tensors if name not in used]
+    if not unused:
+        return
+    blocks = sorted({int(parts[1]) for parts in (name.split(".") for name in unused)
+                     if len(parts) > 2 and parts[0] == "blk" and parts[1].isdigit()
+                     and int(parts[1]) >= config.n_layers})
+    listed = ", ".join(_short(name) for name in unused[:4])
+    more = f" and {len(unused) - 4} more" if len(unused) > 4 else ""
+    why = (f"; 'llama.block_count' is {config.n_layers} but the file has tensors for block "
+           f"{blocks[0]}" + (f" to {blocks[-1]}" if len(blocks) > 1 else "")
+           if blocks else "")
+    raise CheckpointError(f"wrong number of tensors: the file has {len(tensors)}, the model "
+                          f"its metadata describes reads {len(used)}; {len(unused)} would be "
+                          f"left unused ({listed}{more}){why}. kvlab reads a whole file or "
+                          "none of it")
 
 
 def _tensor(tensors: Dict[str, Any], name: str, shape: Tuple[int, ...]) -> Any:

@@ -6,6 +6,14 @@ tensor (dtype, shape, data_offsets relative to the end of the header), then raw 
 Every number in the header is checked against the file before any tensor is read, and
 every config.json value for its type and against the readers' shared size limits.
 
+Every tensor and byte is accounted for: the tensors' data_offsets must tile each file's data
+section exactly (no overlap, no hole, nothing after the last tensor: the safetensors
+library's rule), a header key may appear once, a shard index and its shards must agree, and
+every tensor must be one the model config.json describes reads (a num_hidden_layers smaller
+than the files' layers is refused, not a smaller model). Two kinds are explained instead:
+the layers' rotary_emb.inv_freq (computed from rope_theta, as transformers does) and a tied
+model's lm_head.weight, which must then equal the embedding.
+
 Not here: PyTorch .bin checkpoints, quantized weights, models other than Llama-like
 (llama and mistral), biases, or partial rotary embeddings. A sliding window (Mistral) is
 kept in the config: kvlab.generate runs such a model with a SlidingWindow cache policy.
@@ -46,10 +54,12 @@ _SUPPORTED_TYPES = ("llama", "mistral")
 
 
 class TensorInfo:
-    """Where one tensor lives: file, dtype, shape, absolute byte range."""
+    """Where one tensor lives: file, dtype, shape, absolute byte range (and its name)."""
 
-    def __init__(self, path: Path, dtype: str, shape: Tuple[int, ...], start: int, end: int):
+    def __init__(self, path: Path, dtype: str, shape: Tuple[int, ...], start: int, end: int,
+                 name: str = ""):
         self.path, self.dtype, self.shape, self.start, self.end = path, dtype, shape, start, end
+        self.name = name
 
     def __repr__(self) -> str:
         return f"TensorInfo({self.path.name}, {self.dtype}, {self.shape}, [{self.start}, {self.end}))"
@@ -73,39 +83,112 @@ def read_safetensors_header(path: "str | os.PathLike[str]") -> Dict[str, TensorI
         raw = f.read(header_len)
         if len(raw) != header_len:
             raise CheckpointError(f"{path}: the file shrank while its header was being read")
+    if not raw.startswith(b"{"):  # as the safetensors library requires
+        raise CheckpointError(f"{path}: safetensors header must be a JSON object starting "
+                              f"with '{{', it starts with {short(bytes(raw[:8]))}")
     try:
-        header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as exc:
+        header = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicate_keys)
+    except _DuplicateKey as exc:
+        raise CheckpointError(f"{path}: tensor {short(exc.args[0])} appears twice in the "
+                              "safetensors header (a JSON reader would keep only the last)") from None
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise CheckpointError(f"{path}: safetensors header is not valid JSON: {exc}") from None
     if not isinstance(header, dict):
         raise CheckpointError(f"{path}: safetensors header must be a JSON object")
+    _check_metadata(path, header.get("__metadata__"))
     data_start = 8 + header_len
-    return {name: _tensor_info(path, name, entry, data_start, size)
-            for name, entry in header.items() if name != "__metadata__"}
+    infos = {name: _tensor_info(path, name, entry, data_start, size)
+             for name, entry in header.items() if name != "__metadata__"}
+    _check_data_layout(path, infos, data_start, size)
+    return infos
+
+
+class _DuplicateKey(Exception):
+    pass
+
+
+def _no_duplicate_keys(pairs: List[Tuple[str, Any]]) -> Dict[str, Any]:
+    """A JSON object's pairs as a dict, refusing a key that appears twice (json.loads keeps
+    the last silently: two entries for one tensor, one of them never checked)."""
+    result: Dict[str, Any] = {}
+    for key, value in pairs:
+        if key in result:
+            raise _DuplicateKey(key)
+        result[key] = value
+    return result
+
+
+def _check_metadata(path: Path, metadata: Any) -> None:
+    """__metadata__, where there is one, maps strings to strings (the format's rule)."""
+    if metadata is None:
+        return
+    if not (isinstance(metadata, dict)
+            and all(isinstance(value, str) for value in metadata.values())):
+        raise CheckpointError(f"{path}: '__metadata__' must be an object of strings, got "
+                              f"{short(metadata)}")
+
+
+def _check_data_layout(path: Path, infos: Dict[str, TensorInfo], data_start: int,
+                       size: int) -> None:
+    """The tensors' byte ranges tile the data section exactly, as the safetensors library
+    requires: sorted by offset, each begins where the one before ends (no overlap: two
+    tensors sharing bytes; no hole: bytes no tensor accounts for) and the last ends at the
+    end of the file (no trailing bytes)."""
+    at, previous = data_start, None
+    for info in sorted(infos.values(), key=lambda i: (i.start, i.end)):
+        if info.start != at:
+            where = (f"tensor {short(previous.name)} ends at byte {at:,}" if previous
+                     else f"the data section begins at byte {at:,}")
+            if info.start < at:
+                problem = (f"tensors {short(previous.name)} and {short(info.name)} overlap: "
+                           f"{short(info.name)} begins at byte {info.start:,}, before "
+                           f"{short(previous.name)} ends at byte {at:,}")
+            else:
+                problem = (f"{info.start - at:,} bytes belong to no tensor: {where}, tensor "
+                           f"{short(info.name)} begins at byte {info.start:,}")
+            raise CheckpointError(f"{path}: {problem} (data_offsets must cover the data "
+                                  "section exactly, each tensor after the one before)")
+        at, previous = info.end, info
+    if at != size:
+        after = (f"the last tensor, {short(previous.name)}," if previous
+                 else "the header (it lists no tensors)")
+        raise CheckpointError(f"{path}: {size - at:,} bytes follow {after} which ends at byte "
+                              f"{at:,} of {size:,}; no tensor in the header accounts for them")
 
 
 def _tensor_info(path: Path, name: str, entry: Any, data_start: int, size: int) -> TensorInfo:
     def bad(why: str) -> CheckpointError:
-        return CheckpointError(f"{path}: tensor {name!r}: {why}")
+        return CheckpointError(f"{path}: tensor {short(name)}: {why}")
 
     if not isinstance(entry, dict):
         raise bad("header entry is not an object")
+    unknown = sorted(set(entry) - {"dtype", "shape", "data_offsets"})
+    if unknown:
+        raise bad(f"unknown field {short(unknown[0])} in its header entry (a tensor has "
+                  "dtype, shape and data_offsets only)")
     dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
     if dtype not in _ITEMSIZE:
-        raise bad(f"unknown dtype {dtype!r}")
+        raise bad(f"unknown dtype {short(dtype)}")
     if not (isinstance(shape, list) and all(_is_count(d) for d in shape)):
-        raise bad(f"shape must be a list of non-negative integers, got {shape!r}")
+        raise bad(f"shape must be a list of non-negative integers, got {_brief(shape)}")
     if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_count(o) for o in offsets)
             and offsets[0] <= offsets[1]):
-        raise bad(f"data_offsets must be [begin, end] with 0 <= begin <= end, got {offsets!r}")
+        raise bad(f"data_offsets must be [begin, end] with 0 <= begin <= end, got "
+                  f"{_brief(offsets)}")
     start, end = data_start + offsets[0], data_start + offsets[1]
     if end > size:
         raise bad(f"data ends at byte {end:,}, past the end of the file ({size:,} bytes)")
     expected = math.prod(shape) * _ITEMSIZE[dtype]
     if end - start != expected:
-        raise bad(f"shape {shape} of {dtype} needs {expected:,} bytes, "
+        raise bad(f"shape {_brief(shape)} of {dtype} needs {expected:,} bytes, "
                   f"but data_offsets span {end - start:,}")
-    return TensorInfo(path, dtype, tuple(shape), start, end)
+    return TensorInfo(path, dtype, tuple(shape), start, end, name)
+
+
+def _brief(value: Any) -> str:
+    """A header value for a message: as it is when short, else what short() says of it."""
+    text = repr(value)
+    return text if len(text) <= 60 else short(value)
 
 
 def _is_count(value: Any) -> bool:
@@ -389,19 +472,46 @@ def _read_config_json(path: Path) -> Dict[str, Any]:
 
 def _tensor_index(folder: Path) -> Dict[str, TensorInfo]:
     """Every tensor of the checkpoint, across shards, by name."""
-    files = _safetensors_files(folder)
+    files, weight_map = _safetensors_files(folder)
     tensors: Dict[str, TensorInfo] = {}
     for path in files:
         for name, info in read_safetensors_header(path).items():
             if name in tensors:
-                raise CheckpointError(f"tensor {name!r} appears in both "
+                raise CheckpointError(f"tensor {short(name)} appears in both "
                                       f"{tensors[name].path.name} and {path.name}")
             tensors[name] = info
+    if weight_map is not None:
+        _check_weight_map(folder, weight_map, tensors)
     return tensors
 
 
-def _safetensors_files(folder: Path) -> List[Path]:
+def _check_weight_map(folder: Path, weight_map: Dict[str, str],
+                      tensors: Dict[str, TensorInfo]) -> None:
+    """The shard index and the shards agree: every tensor the index names is in the shard
+    it names, and every tensor of the shards is in the index (transformers reads a tensor
+    where the index says: one the index leaves out, or places elsewhere, is a corrupt or
+    mixed-up folder)."""
     index = folder / "model.safetensors.index.json"
+    for name, shard in weight_map.items():
+        info = tensors.get(name)
+        if info is None:
+            raise CheckpointError(f"{index}: weight_map places tensor {short(name)} in "
+                                  f"{short(shard)}, which has no such tensor")
+        if info.path != folder / shard:
+            raise CheckpointError(f"{index}: weight_map places tensor {short(name)} in "
+                                  f"{short(shard)}, but it is in {info.path.name}")
+    missing = [name for name in tensors if name not in weight_map]
+    if missing:
+        raise CheckpointError(f"{index}: tensor {short(missing[0])} of "
+                              f"{tensors[missing[0]].path.name} is not in the weight_map"
+                              + (f" ({len(missing) - 1} more are not either)"
+                                 if len(missing) > 1 else ""))
+
+
+def _safetensors_files(folder: Path) -> Tuple[List[Path], Optional[Dict[str, str]]]:
+    """The shard files, and the index's weight_map where there is an index."""
+    index = folder / "model.safetensors.index.json"
+    weight_map: Optional[Dict[str, str]] = None
     if index.exists():  # one that is not a regular file is refused when read
         weight_map = _read_config_json(index).get("weight_map")
         if not isinstance(weight_map, dict):
@@ -421,7 +531,7 @@ def _safetensors_files(folder: Path) -> List[Path]:
         if not path.exists():  # one that is not a regular file is refused when read
             named = f" (named in {index})" if index.exists() else ""
             raise CheckpointError(f"checkpoint shard not found: {path}{named}")
-    return files
+    return files, weight_map
 
 
 def _reject_biases(tensors: Dict[str, TensorInfo]) -> None:
@@ -446,6 +556,8 @@ def _gather_weights(config: ModelConfig, tensors: Dict[str, TensorInfo],
     for key, pattern in _LAYER_NAMES.items():
         found[key] = [_find(tensors, pattern.format(i=i), expected[key][1:], folder)
                       for i in range(config.n_layers)]
+    tied_head = _refuse_unused(tensors, {info.name for infos in found.values() for info in infos},
+                               config, folder)
     arrays: Dict[str, np.ndarray] = {}
     for key, infos in found.items():
         fmt = _stored_format(infos) if key in MATRICES else "fp32"   # norms: float32
@@ -459,9 +571,73 @@ def _gather_weights(config: ModelConfig, tensors: Dict[str, TensorInfo],
             arrays[key] = stacked
     if config.tied_embeddings:
         arrays["classifier"] = arrays["token_embedding"]  # one array, two names
+    if tied_head is not None:
+        _check_tied_head(tied_head, found["token_embedding"][0])
     weights = Weights(**arrays)
     weights.check(config)
     return weights
+
+
+# Tensors a Llama checkpoint may hold that the model does not read: RoPE's inverse
+# frequencies, which older transformers saved in every layer and which kvlab (as
+# transformers does) computes from rope_theta instead.
+_IGNORED_SUFFIX = ".self_attn.rotary_emb.inv_freq"
+
+
+def _refuse_unused(tensors: Dict[str, TensorInfo], used: set, config: ModelConfig,
+                   folder: Optional[Path]) -> Optional[TensorInfo]:
+    """Every tensor of the files must be one the model reads, or be explained: a
+    num_hidden_layers smaller than the layers in the files would otherwise load a smaller
+    model, silently, and an unknown tensor would be left out of the computation it belongs
+    to. Explained: the layers' rotary_emb.inv_freq (computed from rope_theta instead), and
+    lm_head.weight in a tied model, where it must equal the embedding (returned, to be
+    compared once that is read: transformers would use the embedding in its place)."""
+    tied_head = None
+    unused = []
+    for name, info in tensors.items():
+        if name in used:
+            continue
+        layer = _layer_of(name)
+        if name.endswith(_IGNORED_SUFFIX) and layer is not None and layer < config.n_layers:
+            continue
+        if name == _GLOBAL_NAMES["classifier"] and config.tied_embeddings:
+            tied_head = info
+            continue
+        unused.append(name)
+    if not unused:
+        return tied_head
+    layers = sorted({layer for layer in map(_layer_of, unused)
+                     if layer is not None and layer >= config.n_layers})
+    listed = ", ".join(short(name) for name in unused[:4])
+    more = f" and {len(unused) - 4} more" if len(unused) > 4 else ""
+    why = (f"; config.json's 'num_hidden_layers' is {config.n_layers} but the files have "
+           f"tensors for layer {layers[0]}" + (f" to {layers[-1]}" if len(layers) > 1 else "")
+           if layers else "")
+    raise CheckpointError(f"{str(folder) + ': ' if folder else ''}wrong number of tensors: "
+                          f"the files have {len(tensors)}, the model config.json describes "
+                          f"reads {len(used)}; {len(unused)} would be left unused "
+                          f"({listed}{more}){why}. kvlab reads a whole checkpoint or none of it")
+
+
+def _layer_of(name: str) -> Optional[int]:
+    """i of a "model.layers.{i}." name, else None."""
+    parts = name.split(".")
+    if len(parts) > 3 and parts[0] == "model" and parts[1] == "layers" and parts[2].isdigit():
+        return int(parts[2])
+    return None
+
+
+def _check_tied_head(head: TensorInfo, embedding: TensorInfo) -> None:
+    """A tied model's lm_head.weight holds the embedding's values, or is refused."""
+    if head.shape != embedding.shape:
+        raise CheckpointError(f"{head.path}: tensor 'lm_head.weight' has shape "
+                              f"{list(head.shape)}, but config.json ties it to the embedding "
+                              f"of shape {list(embedding.shape)}")
+    _check_readable(head)
+    if not np.array_equal(read_tensor(head), read_tensor(embedding)):
+        raise CheckpointError(f"{head.path}: config.json says 'tie_word_embeddings' but "
+                              "tensor 'lm_head.weight' differs from 'model.embed_tokens.weight': "
+                              "set tie_word_embeddings to false to use it as the classifier")
 
 
 def _stored_format(infos: List[TensorInfo]) -> str:

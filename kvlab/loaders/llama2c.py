@@ -4,7 +4,9 @@ Both are a small header followed by raw little-endian float32 arrays, so we can 
 NumPy views of a read-only memory map: loading is instant and nothing is copied (or, with
 mmap=False, read each array into memory of its own). Every size is checked against the
 header *before* anything is mapped or read, so a corrupt header cannot make us allocate or
-read gigabytes; only regular files are opened. Not here: int8 "version 2" files (refused
+read gigabytes; only regular files are opened. Every byte is accounted for: the file must
+be exactly as long as its header says (a byte short or a byte extra is refused by count),
+and a version-1 header's padding must be zeros. Not here: int8 "version 2" files (refused
 with a clear error), tokenizers (kvlab.tokenizer), format detection (kvlab.loaders).
 
 Legacy layout ("version 0"):
@@ -14,7 +16,7 @@ Legacy layout ("version 0"):
                 freq_cis_real, freq_cis_imag (precomputed RoPE tables; skipped), [wcls]
 Version 1 layout:
     uint32 magic 0x616b3432 ("ak42"), int32 version = 1, the same 7 x int32,
-    uint8 shared_classifier, zero padding to 256 bytes
+    uint8 shared_classifier, zero padding to 256 bytes (a non-zero byte there is refused)
     float32     rms_att, rms_ffn, rms_final, token_embedding, wq, wk, wv, wo, w1, w2, w3, [wcls]
 """
 from __future__ import annotations
@@ -113,6 +115,13 @@ def _read_v1_header(path: Path, head: bytes) -> Tuple[bool, Dict[str, int]]:
     if flag not in (0, 1):
         raise CheckpointError(f"{path}: shared_classifier byte is {flag}, expected 0 or 1; "
                               "the header is corrupt")
+    padding = head[37:HEADER_V1_BYTES]
+    if padding.strip(b"\0"):
+        first = 37 + next(i for i, byte in enumerate(padding) if byte)
+        raise CheckpointError(f"{path}: byte {first} of the version-1 header is "
+                              f"{head[first]}, expected 0: bytes 37..255 are zero padding, "
+                              "which holds nothing (the header is corrupt, or this is "
+                              "another format)")
     _check_header_values(path, fields, legacy=False)
     return bool(flag), fields
 
