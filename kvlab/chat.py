@@ -32,8 +32,9 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from . import arguments
 from .errors import ContextLengthError, TokenizerError
-from .sampling import check_sampling_args, sample
+from .sampling import check_sampling_args, check_seed, sample
 
 Message = Dict[str, str]          # {"role": "user", "content": "..."}
 ROLES = ("system", "user", "assistant")
@@ -60,6 +61,7 @@ def render(template: str, messages: Sequence[Message], add_generation_prompt: bo
     are passed to the template as well (bos_token, eos_token ...). TokenizerError for a
     template that fails, refuses the conversation, or passes the bounds above."""
     check_messages(messages)
+    add_generation_prompt = arguments.flag(add_generation_prompt, "add_generation_prompt")
     if not isinstance(template, str):
         raise TokenizerError(f"a chat template is a str, got {type(template).__name__}")
     try:
@@ -245,6 +247,7 @@ class Chat:
     def __init__(self, model, system: Optional[str] = None, max_seq_len: int = 2048,
                  dtype="fp32") -> None:
         chat_template(model)            # refuse a model without one now, not at the first turn
+        max_seq_len = arguments.positive(max_seq_len, "max_seq_len")
         self.model = model
         self.system = system
         self.cache = model.new_cache(min(max_seq_len, model.config.max_seq_len), dtype)
@@ -275,9 +278,12 @@ class Chat:
         as it was: the message is not added and the cache keeps only the earlier turns."""
         if not isinstance(text, str):
             raise TypeError(f"send takes the user's message as a str, got {type(text).__name__}")
-        if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+        max_new_tokens = arguments.positive(max_new_tokens, "max_new_tokens")
         check_sampling_args(temperature, top_k, top_p)
+        seed = check_seed(seed)
+        if stream is not None and not callable(stream):
+            raise TypeError(f"stream must be a function taking text, or None, got "
+                            f"{type(stream).__name__}")
         start = time.perf_counter()
         _, ids = prompt(self.model, self.conversation(pending=text))
         if len(ids) + max_new_tokens - 1 > self.cache.capacity:

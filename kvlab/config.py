@@ -13,6 +13,7 @@ from typing import Any, Optional
 
 import numpy as np
 
+from .arguments import C_INT_MAX
 from .errors import ConfigError
 
 
@@ -105,6 +106,9 @@ class ModelConfig:
                                    or not isinstance(window, (int, np.integer)) or window < 1):
             raise _error("sliding_window", f"sliding_window must be a positive integer or "
                          f"None, got {_short(window)}")
+        if window is not None and window > C_INT_MAX:
+            raise _error("sliding_window", f"sliding_window must be at most {C_INT_MAX:,} (the "
+                         f"C core's int), got {window:,}")
         if not isinstance(self.name, str):
             raise _error("name", f"name must be a string, got {_short(self.name)}")
         self._check_rope_scaling()
@@ -117,6 +121,9 @@ class ModelConfig:
             if not isinstance(value, (int, np.integer)) or isinstance(value, (bool, np.bool_)) \
                     or value < 0 or (value == 0 and not (field == "head_dim" and head_dim_may_be_0)):
                 raise _error(field, f"{field} must be a positive integer, got {_short(value)}")
+            if value > C_INT_MAX:
+                raise _error(field, f"{field} must be at most {C_INT_MAX:,} (the C core's int), "
+                             f"got {value:,}")
 
     def _check_rope_scaling(self) -> None:
         scaling = self.rope_scaling

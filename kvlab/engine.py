@@ -55,14 +55,14 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
+from . import arguments
 from .deprecation import renamed
 from .errors import ContextLengthError
 from .model import Model, as_token_array
 from .paged import PagedPool, PoolViews
 from .quant import CacheFormat
 from .sampling import sample as sample_token
-from .scheduler import (Request, Sample, SamplingParams, Scheduler, State, positive_int,
-                        requests_fit)
+from .scheduler import Request, Sample, SamplingParams, Scheduler, State, requests_fit
 from .speculative import (Drafter, SpeculationStats, check_drafter, keep_until_stop,
                           propose_drafts, verify_drafts)
 
@@ -442,6 +442,7 @@ class Engine:
         "swap", the most bytes the host copies may hold at once (None: no limit, as vLLM's
         swap_space caps them); a request whose copy would not fit is recomputed instead."""
         if speculate is not None:
+            draft_tokens = arguments.positive(draft_tokens, "draft_tokens")
             check_drafter(model, speculate, draft_tokens)
         if pool is None:
             if num_blocks is None:
@@ -456,9 +457,9 @@ class Engine:
         if speculate is not None and getattr(pool, "window", 0):
             raise ValueError("speculation rolls rejected drafts back with pool.truncate: it "
                              "needs a pool without a residual window")
-        max_batch_tokens = positive_int("max_batch_tokens", max_batch_tokens)
+        max_batch_tokens = arguments.positive(max_batch_tokens, "max_batch_tokens")
         if max_batch_seqs is not None:
-            max_batch_seqs = positive_int("max_batch_seqs", max_batch_seqs)
+            max_batch_seqs = arguments.positive(max_batch_seqs, "max_batch_seqs")
         if trace is not None and not isinstance(trace, (list, str, os.PathLike)):
             raise TypeError(f"trace must be a file path, a list or None, got {type(trace).__name__}")
         if not callable(clock):
@@ -479,7 +480,7 @@ class Engine:
             if preemption != "swap":
                 raise ValueError("swap_space caps the host copies of preemption='swap'; "
                                  f"this engine preempts by {preemption}")
-            swap_space = positive_int("swap_space", swap_space)
+            swap_space = arguments.positive(swap_space, "swap_space", high=arguments.INT64_MAX)
         self.swap_space = swap_space
         self.space = _PoolSpace(pool, swap_space, self._swapped_bytes)
         self.requests: Dict[int, Request] = {}
@@ -513,10 +514,10 @@ class Engine:
             return self._add_request(prompt, params, arrival_time)
 
     def _add_request(self, prompt, params, arrival_time=None) -> int:
+        if arrival_time is not None:        # a finite number (not NaN, not -inf, not a bool)
+            arrival_time = arguments.real(arrival_time, "arrival_time")
         now = self._clock()
-        if arrival_time is not None and not (isinstance(arrival_time, (int, float))
-                                             and not isinstance(arrival_time, bool)
-                                             and arrival_time <= now):
+        if arrival_time is not None and not arrival_time <= now:
             raise ValueError(f"arrival_time must be a time on the engine's clock no later "
                              f"than now ({now}), got {arrival_time!r}")
         params = params or SamplingParams()

@@ -15,14 +15,14 @@ from typing import List, Optional, Sequence, Union
 
 import numpy as np
 
-from . import chat
+from . import arguments, chat
 from .cache_policy import CachePolicy, SlidingWindow
 from .counts import Counts
 from .deprecation import renamed
 from .errors import ContextLengthError
-from .model import Model
+from .model import Model, as_token_array
 from .quant import CacheFormat
-from .sampling import check_sampling_args, sample
+from .sampling import check_sampling_args, check_seed, sample
 from .speculative import Drafter, SpeculationStats, check_drafter, speculative_loop
 
 
@@ -105,9 +105,15 @@ def generate(model: Model, prompt: Union[str, Sequence[int], None] = None,
         renamed("generate(cache_dtype=...)", "generate(dtype=...)")
         dtype = cache_options.pop("cache_dtype")
     cache_format = model.cache_format("fp32" if dtype is None else dtype, **cache_options)
-    if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+    max_new_tokens = arguments.positive(max_new_tokens, "max_new_tokens")
     check_sampling_args(temperature, top_k, top_p)
+    seed = check_seed(seed)
+    use_cache = arguments.flag(use_cache, "use_cache")
+    stop_at_eos = arguments.flag(stop_at_eos, "stop_at_eos")
+    progress = arguments.flag(progress, "progress")
+    fast = arguments.flag(fast, "fast")
+    if speculate is not None:
+        draft_tokens = arguments.positive(draft_tokens, "draft_tokens")
     eos = getattr(model.tokenizer, "eos_id", None)
     if messages is not None:
         if prompt is not None:
@@ -122,9 +128,17 @@ def generate(model: Model, prompt: Union[str, Sequence[int], None] = None,
             raise ValueError("the prompt is empty and the tokenizer has no BOS token to "
                              "start from; give at least one character")
     else:
-        prompt_text, ids = "", [int(t) for t in prompt]
-        if not ids:
+        # checked as forward checks them: a bool, a float or a string is not a token id
+        if not isinstance(prompt, (list, tuple, np.ndarray)):
+            try:
+                prompt = list(prompt)
+            except TypeError:
+                raise arguments.ArgumentTypeError(
+                    f"prompt must be text or a sequence of token ids, got "
+                    f"{type(prompt).__name__}") from None
+        if (prompt.size if isinstance(prompt, np.ndarray) else len(prompt)) == 0:
             raise ValueError("the prompt has no token ids")
+        prompt_text, ids = "", as_token_array(prompt, model.config.vocab_size).tolist()
     context = model.config.max_seq_len
     # The last sampled token is never fed back, so the cache needs one slot less.
     capacity = len(ids) + max_new_tokens - 1

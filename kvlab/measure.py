@@ -18,11 +18,10 @@ memory) and `working_memory` (peak working memory with and without a cache) run 
 from __future__ import annotations
 
 import dataclasses
-import numbers
 
 from typing import Dict, Optional, Tuple, Union
 
-from . import weight_formats
+from . import arguments, weight_formats
 from ._core import core
 from .config import ModelConfig
 from .counts import Counts  # noqa: F401 (re-exported: kvlab.measure.Counts)
@@ -43,10 +42,10 @@ def _element_bytes(dtype: str) -> int:
         raise ValueError(f"unknown dtype {dtype!r}; known: {sorted(BYTES_PER_ELEMENT)}") from None
 
 
-def _whole(name: str, value, least: int) -> None:
-    """Refuse, naming the argument, a count that is not an integer of at least `least`."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < least:
-        raise ValueError(f"{name} must be an integer of at least {least}, got {value!r}")
+def _whole(name: str, value, least: int, most: int = arguments.C_INT_MAX) -> int:
+    """Refuse, naming the argument, a count that is not an integer from `least` to `most`
+    (a bool, 2.0, NaN: kvlab.arguments' TypeError, also a ValueError)."""
+    return arguments.integer(value, name, least, most)
 
 
 def cache_format(config: ModelConfig, dtype: Union[None, str, CacheFormat] = None, *,
@@ -85,9 +84,8 @@ def kv_cache_bytes(config: ModelConfig, seq_len: int, batch: int = 1,
     """Bytes of K and V for `batch` requests of `seq_len` tokens each: exactly what
     model.new_cache(seq_len, dtype, ...) allocates per request, with the same default
     (fp32). format_options: key_dtype, value_dtype, group, key_group, value_group, window."""
-    for name, value in (("seq_len", seq_len), ("batch", batch)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
+    seq_len = arguments.count(seq_len, "seq_len", arguments.INT64_MAX)
+    batch = arguments.count(batch, "batch", arguments.INT64_MAX)
     fmt = _cache_format(config, dtype, "kv_cache_bytes", **format_options)
     if fmt.window > seq_len:
         raise ValueError(f"window ({fmt.window}) cannot be longer than the cache ({seq_len} positions)")
@@ -141,6 +139,8 @@ def chunk_length(config: ModelConfig, start_pos: int, n_tokens: int) -> int:
     """How many of n_tokens new tokens at start_pos.. one chunk of a forward call runs (the
     C core's rule, to the bit): as many as fit in CHUNK_FLOPS of work, at least CHUNK_MIN.
     Every chunk but the last has this length; calls with less work run in one piece."""
+    start_pos = _whole("start_pos", start_pos, 0, arguments.INT64_MAX)
+    n_tokens = _whole("n_tokens", n_tokens, 1)
     c = config
     q_dim, kv_dim = float(c.n_heads * c.head_dim), float(c.n_kv_heads * c.head_dim)
     per_token = (2.0 * c.n_layers * (float(c.dim) * (2.0 * q_dim + 2.0 * kv_dim)
@@ -160,8 +160,8 @@ def forward_counts(config: ModelConfig, n_tokens: int, start_pos: int = 0,
     fp32): attention reads each position as stored, except the residual window's in
     float32, and writes each new row as stored plus the window's float32 copy. `weights`:
     the matrices' formats by name (Weights.formats), float32 where not named."""
-    _whole("n_tokens", n_tokens, 1)
-    _whole("start_pos", start_pos, 0)
+    n_tokens = _whole("n_tokens", n_tokens, 1)
+    start_pos = _whole("start_pos", start_pos, 0, arguments.INT64_MAX)
     c, T = config, n_tokens
     cache = cache or CacheFormat()
     per_layer_proj = c.dim * c.q_dim + 2 * c.dim * c.kv_dim + c.q_dim * c.dim
@@ -225,8 +225,9 @@ def scratch_bytes(config: ModelConfig, n_tokens: int, n_threads: int = 1,
     chunk of tokens through every layer would need the earlier chunks' K and V of every
     layer, so it goes layer by layer over all the tokens). cached=True takes only
     "all_layers", as Model.forward does."""
-    _whole("n_tokens", n_tokens, 1)
-    _whole("n_threads", n_threads, 1)
+    n_tokens = _whole("n_tokens", n_tokens, 1)
+    n_threads = _whole("n_threads", n_threads, 1)
+    start_pos = _whole("start_pos", start_pos, 0, arguments.INT64_MAX)
     if uncached_kv not in ("all_layers", "one_layer"):
         raise ValueError(f"uncached_kv must be all_layers or one_layer, got {uncached_kv!r}")
     if cached and uncached_kv != "all_layers":      # as Model.forward refuses it
@@ -259,8 +260,8 @@ def generation_counts(config: ModelConfig, prompt_len: int, new_tokens: int,
                       use_cache: bool = True) -> Counts:
     """The work of kvlab.generate: with the cache, one prefill of the prompt and one
     decode per further token; without it, the whole sequence from scratch every step."""
-    _whole("prompt_len", prompt_len, 1)
-    _whole("new_tokens", new_tokens, 1)
+    prompt_len = _whole("prompt_len", prompt_len, 1)
+    new_tokens = _whole("new_tokens", new_tokens, 1)
     total = Counts()
     for step in range(new_tokens):
         if not use_cache:
@@ -288,10 +289,8 @@ def memory_bandwidth(n_bytes: int = 1 << 28, repeats: int = 3) -> dict:
     {'read_bytes_per_s', 'triad_bytes_per_s'}, best of `repeats` passes over arrays of
     n_bytes each (three are allocated; make them much larger than the CPU's caches). The
     yardstick for "bytes read per second" figures of decode and attention."""
-    if isinstance(n_bytes, bool) or not isinstance(n_bytes, int) or n_bytes < 1 << 20:
-        raise ValueError(f"n_bytes must be an integer of at least 1 MiB, got {n_bytes!r}")
-    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
-        raise ValueError(f"repeats must be a positive integer, got {repeats!r}")
+    n_bytes = arguments.integer(n_bytes, "n_bytes", 1 << 20, arguments.INT64_MAX)   # 1 MiB
+    repeats = arguments.positive(repeats, "repeats")
     return dict(core.memory_bandwidth(n_bytes, repeats))
 
 
@@ -302,10 +301,11 @@ def attention_walk_bandwidth(context: int, n_kv_heads: int = 8, head_dim: int = 
     fetched ahead, the heads shared among the core's threads) when it computes nothing:
     the ceiling of attention's access pattern, to compare with memory_bandwidth's plain
     read. The best of `repeats` passes, each from memory."""
-    for name, value in (("context", context), ("n_kv_heads", n_kv_heads),
-                        ("head_dim", head_dim), ("repeats", repeats)):
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ValueError(f"{name} must be an integer, got {value!r}")
+    # (the core says which shapes the walk takes: a context of 16 or more, ...)
+    context = arguments.integer(context, "context", None, arguments.C_INT_MAX)
+    n_kv_heads = arguments.integer(n_kv_heads, "n_kv_heads", None, arguments.C_INT_MAX)
+    head_dim = arguments.integer(head_dim, "head_dim", None, arguments.C_INT_MAX)
+    repeats = arguments.positive(repeats, "repeats")
     return float(core.attention_walk_bandwidth(n_kv_heads, head_dim, context, repeats))
 
 
@@ -345,7 +345,10 @@ def measure_memory(model, context: int, batch: int = 1, cache: str = "contiguous
     if cache not in ("contiguous", "paged"):
         raise ValueError(f"cache must be 'contiguous' or 'paged', got {cache!r}")
     config = model.config
-    if context < 1 or context > config.max_seq_len or batch < 1:
+    context = arguments.positive(context, "context")
+    batch = arguments.positive(batch, "batch")
+    block_size = arguments.positive(block_size, "block_size")
+    if context > config.max_seq_len:
         raise ValueError(f"need 1 <= context <= {config.max_seq_len} and batch >= 1")
     # a different prompt per request: identical ones would share their blocks in a pool
     rng = np.random.default_rng(0)
@@ -431,7 +434,7 @@ def per_token_saving(config: ModelConfig, position: int) -> float:
     """Share of one step's FLOPs that the cache saves when generating the token at
     `position` (0-based): the uncached step reruns all position + 1 tokens, the cached
     step only the newest. About 1 - 1/(position + 1): 75 % at position 3, 90 % at 9."""
-    _whole("position", position, 0)
+    position = _whole("position", position, 0, arguments.INT64_MAX)
     cached = forward_counts(config, 1, position).flops
     uncached = forward_counts(config, position + 1, 0).flops
     return 1.0 - cached / uncached

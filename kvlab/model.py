@@ -15,6 +15,7 @@ from typing import Callable, Dict, Iterator, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
+from . import arguments
 from ._core import core
 from .config import ModelConfig
 from .counts import Counts
@@ -22,7 +23,7 @@ from .deprecation import renamed
 from .errors import ContextLengthError, TokenizerError
 from .quant import CacheFormat
 from .sampling import check_sampling_args, sample
-from .paged import PagedPool, PagedSequence
+from .paged import PagedPool, PagedSequence, check_token_elements
 from .tokenizer import Tokenizer
 from . import weight_formats
 from .weights import MATRICES, Weights, pin
@@ -38,12 +39,11 @@ UNCACHED_KV = ("all_layers", "one_layer")
 
 
 def as_token_array(tokens: TokenArray, vocab_size: int) -> np.ndarray:
-    """Token ids as a 1-D int32 array, with a clear error for anything else."""
-    array = np.asarray(tokens)
+    """Token ids as a 1-D int32 array, with a clear error for anything else: a bool, a
+    float (even 2.0) or a string among them is a TypeError, as it is for forward."""
+    array = check_token_elements(tokens)
     if array.size == 0:
         raise ValueError("token ids must be a non-empty 1-D sequence, got none")
-    if array.dtype == bool or array.dtype.kind not in "iu":
-        raise TypeError(f"token ids must be integers, got an array of {array.dtype}")
     if array.ndim != 1 or array.size == 0:
         raise ValueError(f"token ids must be a non-empty 1-D sequence, got shape {array.shape}")
     low, high = int(array.min()), int(array.max())
@@ -58,14 +58,8 @@ def as_token_array(tokens: TokenArray, vocab_size: int) -> np.ndarray:
 def one_token(token, vocab_size: int, method: str) -> np.ndarray:
     """A single token id (a Python or NumPy integer, not a bool) as a 1-element array."""
     if isinstance(token, (bool, np.bool_)) or not isinstance(token, (int, np.integer)):
-        raise TypeError(f"{method} takes one integer token id, got {token!r}")
+        raise arguments.ArgumentTypeError(f"{method} takes one integer token id, got {token!r}")
     return as_token_array([token], vocab_size)
-
-
-def _positive_int(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    return int(value)
 
 
 def _as_counts(array: np.ndarray) -> Counts:
@@ -275,18 +269,19 @@ class Model:
 
     def _capacity(self, max_seq_len: Optional[int]) -> int:
         """A cache's positions, checked (default: the model's context length)."""
-        return _positive_int("max_seq_len",
-                             self.config.max_seq_len if max_seq_len is None else max_seq_len)
+        return arguments.positive(self.config.max_seq_len if max_seq_len is None else max_seq_len,
+                                  "max_seq_len")
 
     def _pool_sizes(self, num_blocks, block_size, max_seqs, max_blocks_per_seq) -> tuple:
         """(n_layers, n_kv_heads, head_dim, num_blocks, block_size, max_seqs,
         max_blocks_per_seq) of a pool, checked; max_blocks_per_seq defaults to enough
         blocks for the model's context."""
-        for name, value in (("num_blocks", num_blocks), ("block_size", block_size),
-                            ("max_seqs", max_seqs)):
-            _positive_int(name, value)
+        num_blocks = arguments.positive(num_blocks, "num_blocks")
+        block_size = arguments.positive(block_size, "block_size")
+        max_seqs = arguments.positive(max_seqs, "max_seqs")
         if max_blocks_per_seq is None:
             max_blocks_per_seq = -(-self.config.max_seq_len // block_size)
+        max_blocks_per_seq = arguments.positive(max_blocks_per_seq, "max_blocks_per_seq")
         c = self.config
         return (c.n_layers, c.n_kv_heads, c.head_dim, int(num_blocks), int(block_size),
                 int(max_seqs), int(max_blocks_per_seq))
@@ -303,7 +298,8 @@ class Model:
         finds nothing, and equal prompts take their own blocks)."""
         fmt = self.cache_format(dtype, **format_options)
         return PagedPool(*self._pool_sizes(num_blocks, block_size, max_seqs, max_blocks_per_seq),
-                         prefix_cache=bool(prefix_cache), **fmt.core_arguments())
+                         prefix_cache=arguments.flag(prefix_cache, "prefix_cache"),
+                         **fmt.core_arguments())
 
     # ---- running ---------------------------------------------------------------------
     def forward(self, tokens: TokenArray, cache: Optional[Cache] = None,
@@ -324,6 +320,7 @@ class Model:
             renamed("model.forward(tokens, all_logits) with all_logits second",
                     "model.forward(tokens, all_logits=...)")
             cache, all_logits = None, bool(cache)
+        all_logits = arguments.flag(all_logits, "all_logits")
         if uncached_kv not in UNCACHED_KV:
             raise ValueError(f"uncached_kv must be one of {', '.join(UNCACHED_KV)}, "
                              f"got {uncached_kv!r}")
@@ -374,17 +371,24 @@ class Model:
         picks and times as `error.completed`, a (tokens, seconds) pair."""
         self._check_weights()
         one_token(token, self.config.vocab_size, "decode_steps")
-        max_steps = _positive_int("max_steps", max_steps)
+        max_steps = arguments.positive(max_steps, "max_steps")
         check_sampling_args(temperature, top_k, top_p)
-        stop = -1 if stop_token is None else int(stop_token)
+        stop = -1 if stop_token is None else arguments.integer(stop_token, "stop_token", None, None)
         if not -1 <= stop < self.config.vocab_size:
             raise ValueError(f"stop_token {stop_token} is out of range [0, "
                              f"{self.config.vocab_size}) (or None for no stop)")
+        if rng is not None and not callable(getattr(rng, "random", None)):
+            raise arguments.ArgumentTypeError(f"rng must be a numpy.random.Generator (or have its random()) or None, "
+                                              f"got {type(rng).__name__}")
         self._check_device(cache)
         self._check_window(cache, max_steps)
         if temperature > 0.0 and rng is None:
             rng = np.random.default_rng()
         if isinstance(cache, KVCache):
+            # each step adds a row: past the cache's room, the next step raises CacheFullError
+            # whatever max_steps says, so no more numbers are drawn than steps can run
+            # (max_steps=2**31-1 would otherwise ask NumPy for 16 GiB of them)
+            max_steps = min(max_steps, max(cache.capacity - cache.length, 0) + 1)
             call = np.zeros(len(core.COUNTERS), dtype=np.int64)
             # the numbers each sampled step draws with, the same ones sample() would take;
             # drawn ahead, then rng is set to have given exactly those the steps used
@@ -461,12 +465,18 @@ class Model:
         counts = np.array([len(a) for a in arrays], dtype=np.int32)
         call = np.zeros(len(core.COUNTERS), dtype=np.int64)
         logits = self._core.forward_batch(list(seqs), np.concatenate(arrays), counts, call,
-                                          bool(all_logits))
+                                          arguments.flag(all_logits, "all_logits"))
         self._record(call)
         return logits
 
     def decode_text(self, ids: Sequence[int]) -> str:
-        return self._require_tokenizer().decode(ids)
+        """The text of token ids (integers: a bool, a float or a string among them is
+        refused, as forward refuses them, not read as 1, 2 or a digit)."""
+        tokenizer = self._require_tokenizer()
+        if not isinstance(ids, (list, tuple, np.ndarray)):
+            ids = list(ids)                     # read once, here and by the tokenizer
+        check_token_elements(ids)
+        return tokenizer.decode(ids)
 
     # ---- facts -----------------------------------------------------------------------
     @property

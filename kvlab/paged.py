@@ -20,10 +20,49 @@ import dataclasses
 import html
 
 import numpy as np
+from . import arguments
 from ._core import core
 from ._text import plural
 
 PagedSequence = core.PagedSequence
+
+
+def check_token_elements(tokens) -> np.ndarray:
+    """tokens as a NumPy array of integers, refusing (ArgumentTypeError, a TypeError and a
+    ValueError) what is not an integer id: an array of floats or bools, and in a list a
+    bool (np.asarray([True, 5]) would quietly be [1, 5]), a float or a string. Ids too
+    large for any integer type are a ValueError (out of range), not a TypeError."""
+    if isinstance(tokens, (str, bytes)):
+        raise arguments.ArgumentTypeError(f"token ids must be integers, got a {type(tokens).__name__}")
+    if not isinstance(tokens, np.ndarray):
+        items = tokens if isinstance(tokens, (list, tuple)) else None
+        if items is None:
+            try:
+                items = list(tokens)
+            except TypeError:
+                raise arguments.ArgumentTypeError(
+                    f"token ids must be a sequence of integers, got {type(tokens).__name__}") from None
+            tokens = items
+        for i, token in enumerate(items):
+            if isinstance(token, (bool, np.bool_)) or not isinstance(token, (int, np.integer)):
+                if isinstance(token, (list, tuple, np.ndarray)):
+                    break                            # nested: the shape check names it
+                raise arguments.ArgumentTypeError(
+                    f"token ids must be integers, got {_short(token)} "
+                    f"({type(token).__name__}) at index {i}")
+            if not -2**63 <= token < 2**63:
+                raise ValueError(f"token id {token} is out of range")
+    array = np.asarray(tokens)
+    if array.dtype == bool or array.dtype.kind not in "iu":
+        if array.size == 0:
+            return np.zeros(0, dtype=np.int32)       # no ids (the callers say if that is wrong)
+        raise arguments.ArgumentTypeError(f"token ids must be integers, got an array of {array.dtype}")
+    return array
+
+
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,18 +117,32 @@ class PoolViews:
     def reuse_prefix(self, seq, tokens, max_tokens=None) -> int:
         """Attach the cached full blocks holding the longest prefix of tokens[:max_tokens]
         to an empty sequence; returns how many tokens they cover. tokens: any sequence of
-        integer ids (a list, or an int array of any width)."""
-        array = np.asarray(tokens)
-        if array.size == 0:
-            array = np.zeros(0, dtype=np.int32)
-        elif array.dtype == bool or array.dtype.kind not in "iu":
-            raise TypeError(f"token ids must be integers, got an array of {array.dtype}")
-        elif array.dtype != np.int32:
+        integer ids (a list, or an int array of any width; not bools, floats or strings).
+        max_tokens: None, or an integer >= 0."""
+        array = check_token_elements(tokens)
+        if array.size and array.dtype != np.int32:
             if array.min() < np.iinfo(np.int32).min or array.max() > np.iinfo(np.int32).max:
                 raise ValueError("token ids must fit in 32 bits")
             array = array.astype(np.int32)
+        if max_tokens is not None:
+            max_tokens = arguments.count(max_tokens, "max_tokens", arguments.INT64_MAX)
         return super().reuse_prefix(seq, np.require(array, np.int32, ["C_CONTIGUOUS", "ALIGNED"]),
                                     max_tokens)
+
+    # The core's methods that take a count, checked here as every kvlab size is (a bool,
+    # 2.0 or 2**63 named, not read as 1 or refused in C's words).
+    def truncate(self, seq, length):
+        """Forget seq's positions from `length` (an integer >= 0) on."""
+        return super().truncate(seq, arguments.count(length, "length", arguments.INT64_MAX))
+
+    def reserve(self, seq, n_tokens):
+        """Blocks for n_tokens (an integer >= 0) more positions of seq: see the core's doc."""
+        return super().reserve(seq, arguments.count(n_tokens, "n_tokens", arguments.INT64_MAX))
+
+    def blocks_needed(self, seq, n_tokens) -> int:
+        """Blocks that appending n_tokens (an integer >= 0) to seq would take."""
+        return super().blocks_needed(seq, arguments.count(n_tokens, "n_tokens",
+                                                          arguments.INT64_MAX))
 
     def stats(self) -> PoolStats:
         return PoolStats(**super().stats())

@@ -11,6 +11,8 @@ from typing import Optional
 
 import numpy as np
 
+from . import arguments
+
 
 # The smallest temperature above 0 accepted: the smallest normal float32. Logits are
 # float32, so dividing them by anything at least this large stays finite in the sampler's
@@ -19,16 +21,22 @@ MIN_TEMPERATURE = float(np.finfo(np.float32).tiny)
 
 
 def check_sampling_args(temperature: float, top_k: Optional[int], top_p: Optional[float]) -> None:
-    if not (temperature >= 0.0 and np.isfinite(temperature)):
-        raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
+    """temperature a finite number >= 0 (0: greedy; else at least MIN_TEMPERATURE), top_k
+    None or an integer from 1 to a C int, top_p None or a number in (0, 1]: a bool, a
+    string, NaN or an infinity is refused (kvlab.arguments), naming the argument."""
+    temperature = arguments.real(temperature, "temperature", low=0.0)
     if 0.0 < temperature < MIN_TEMPERATURE:
         raise ValueError(f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE:.3g} "
                          f"(smaller ones overflow the logits), got {temperature!r}")
-    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, (int, np.integer))
-                              or top_k < 1):
-        raise ValueError(f"top_k must be a positive integer or None, got {top_k!r}")
-    if top_p is not None and not (0.0 < top_p <= 1.0):
-        raise ValueError(f"top_p must be in (0, 1] or None, got {top_p!r}")
+    if top_k is not None:
+        arguments.positive(top_k, "top_k")
+    if top_p is not None:
+        arguments.real(top_p, "top_p", above=0.0, high=1.0)
+
+
+def check_seed(seed, name: str = "seed") -> Optional[int]:
+    """A seed for np.random.default_rng: None or an integer >= 0 (not a bool, not 2.0)."""
+    return None if seed is None else arguments.integer(seed, name, 0, None)
 
 
 def sample(logits: np.ndarray, temperature: float = 0.0, top_k: Optional[int] = None,
@@ -40,6 +48,10 @@ def sample(logits: np.ndarray, temperature: float = 0.0, top_k: Optional[int] = 
     loop in C calls between tokens, so a token drawn here and one drawn there agree. Its
     NumPy twin, to read, is kvlab.reference.sample. Sampling takes one number from rng
     (rng.random()), the point where the cumulative probability is cut."""
+    check_sampling_args(temperature, top_k, top_p)
+    if rng is not None and not callable(getattr(rng, "random", None)):
+        raise arguments.ArgumentTypeError(f"rng must be a numpy.random.Generator (or have its random()) or None, "
+                                          f"got {type(rng).__name__}")
     if temperature == 0.0:
         logits = np.asarray(logits)
         if np.isnan(logits).any():      # argmax would pick the NaN, again and again

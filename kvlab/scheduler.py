@@ -40,17 +40,16 @@ import enum
 from collections import deque
 from typing import Any, Deque, Dict, List, Optional, Protocol, Tuple
 
-import numpy as np
 
+from . import arguments
 from .deprecation import renamed
-from .sampling import MIN_TEMPERATURE, check_sampling_args  # noqa: F401 (MIN_TEMPERATURE re-exported)
+from .sampling import MIN_TEMPERATURE, check_sampling_args, check_seed  # noqa: F401 (MIN_TEMPERATURE re-exported)
 
 
 def positive_int(name: str, value) -> int:
-    """value as an int, if it is a positive integer (not a bool, not 2.5); else ValueError."""
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    return int(value)
+    """value as an int, if it is an integer from 1 to a C int (not a bool, not 2.5): the
+    old name of kvlab.arguments.positive(value, name), kept for code that calls it."""
+    return arguments.positive(value, name)
 
 
 @dataclasses.dataclass(frozen=True, init=False)
@@ -78,11 +77,13 @@ class SamplingParams:
         values = {"max_new_tokens": 16 if max_new_tokens is None else max_new_tokens,
                   "temperature": temperature, "top_k": top_k, "top_p": top_p, "seed": seed,
                   "n": n, "stop_at_eos": stop_at_eos}
-        for name, value in values.items():
-            object.__setattr__(self, name, value)   # frozen: set once, here
         for name in ("max_new_tokens", "n"):
-            positive_int(name, getattr(self, name))
-        check_sampling_args(self.temperature, self.top_k, self.top_p)   # incl. MIN_TEMPERATURE
+            values[name] = arguments.positive(values[name], name)
+        check_sampling_args(temperature, top_k, top_p)   # incl. MIN_TEMPERATURE
+        values["seed"] = check_seed(seed)
+        values["stop_at_eos"] = arguments.flag(stop_at_eos, "stop_at_eos")
+        for name, value in values.items():
+            object.__setattr__(self, name, value)   # frozen: set once, here, once checked
 
     def __setstate__(self, state: dict) -> None:
         """Unpickling, also of a SamplingParams pickled when the length limit was called
@@ -229,9 +230,9 @@ class Scheduler:
 
     def __init__(self, block_size: int, max_batch_tokens: int = 256, max_batch_seqs: int = 64,
                  preemption: str = "recompute"):
-        self.block_size = positive_int("block_size", block_size)
-        self.max_batch_tokens = positive_int("max_batch_tokens", max_batch_tokens)
-        self.max_batch_seqs = positive_int("max_batch_seqs", max_batch_seqs)
+        self.block_size = arguments.positive(block_size, "block_size")
+        self.max_batch_tokens = arguments.positive(max_batch_tokens, "max_batch_tokens")
+        self.max_batch_seqs = arguments.positive(max_batch_seqs, "max_batch_seqs")
         if preemption not in PREEMPTION_MODES:
             choices = " or ".join(repr(mode) for mode in PREEMPTION_MODES)
             raise ValueError(f"preemption must be {choices}, got {preemption!r}")

@@ -564,7 +564,7 @@ def test_bad_arguments_are_refused_at_construction(model, tmp_path):
     pool = model.new_paged_pool(8, 4)
     trace = tmp_path / "trace.jsonl"
     for speculate, draft_tokens, error, match in (
-            (PromptLookup(), 0, ValueError, "draft_tokens must be a positive integer, got 0"),
+            (PromptLookup(), 0, ValueError, "draft_tokens must be at least 1, got 0"),
             (PromptLookup(), 2.5, ValueError, "draft_tokens"),
             (PromptLookup(), True, ValueError, "draft_tokens"),
             ("ngram", 4, TypeError, "speculate takes a drafter"),

@@ -503,11 +503,11 @@ def test_run_refuses_to_spin_when_the_pool_is_held_outside_the_engine(model):
 # ---- construction ---------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("kwargs, match", [
-    ({"max_batch_tokens": 2.5}, "max_batch_tokens must be a positive integer, got 2.5"),
+    ({"max_batch_tokens": 2.5}, "max_batch_tokens must be an integer, got 2.5"),
     ({"max_batch_tokens": 0}, "max_batch_tokens"),
     ({"max_batch_tokens": True}, "max_batch_tokens"),
     ({"max_batch_tokens": "8"}, "max_batch_tokens"),
-    ({"max_batch_seqs": 0}, "max_batch_seqs must be a positive integer, got 0"),
+    ({"max_batch_seqs": 0}, "max_batch_seqs must be at least 1, got 0"),
     ({"max_batch_seqs": 1.5}, "max_batch_seqs"),
 ])
 def test_bad_batch_limits_are_refused_at_construction(model, tmp_path, kwargs, match):
