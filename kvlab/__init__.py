@@ -88,7 +88,8 @@ def _weight_format_name(name: Optional[str]) -> Optional[str]:
 def set_num_threads(n: int) -> None:
     """Threads the C core uses for matrix products and attention, in every Python thread
     (default: the available cores). Small loops run on one thread whatever this says."""
-    _core.set_num_threads(n)
+    from . import arguments
+    _core.set_num_threads(arguments.positive(n, "n"))
 
 
 def get_num_threads() -> int:

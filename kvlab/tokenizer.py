@@ -23,6 +23,8 @@ import struct
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+import numpy as np
+
 from .errors import TokenizerError
 from .files import open_regular, read_bounded, read_json_object, short
 
@@ -54,6 +56,8 @@ class Tokenizer:
     def _check_id(self, id: int) -> int:
         # Ids usually come from a model's argmax, so a bad one is a bug worth naming.
         try:
+            if isinstance(id, (bool, np.bool_)):    # operator.index takes True as 1
+                raise TypeError
             id = operator.index(id)  # int or NumPy integer; not float
         except TypeError:
             raise TokenizerError(f"token id must be an integer, got {id!r}") from None

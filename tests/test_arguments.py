@@ -49,3 +49,13 @@ def test_a_flag_is_a_truth_value():
     for value in (1, 0, "yes", None):
         with pytest.raises(TypeError, match="all_logits must be True or False"):
             a.flag(value, "all_logits")
+
+
+def test_thread_counts_and_tokenizer_ids_refuse_bools_too():
+    import kvlab
+    with pytest.raises(TypeError, match="n must be an integer"):
+        kvlab.set_num_threads(True)
+    with pytest.raises(ValueError, match="at most 2,147,483,647"):
+        kvlab.set_num_threads(2**63)                    # was an OverflowError in C's words
+    with pytest.raises(kvlab.TokenizerError, match="must be an integer"):
+        kvlab.load().tokenizer.decode([True])           # operator.index took True as 1
