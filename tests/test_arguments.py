@@ -1,5 +1,6 @@
 """kvlab/arguments.py: the one argument-checking layer of the Python API."""
 import math
+import re
 
 import numpy as np
 import pytest
@@ -59,3 +60,21 @@ def test_thread_counts_and_tokenizer_ids_refuse_bools_too():
         kvlab.set_num_threads(2**63)                    # was an OverflowError in C's words
     with pytest.raises(kvlab.TokenizerError, match="must be an integer"):
         kvlab.load().tokenizer.decode([True])           # operator.index took True as 1
+
+
+@pytest.mark.parametrize("value, error, says", [
+    (True, TypeError, "n must be an integer, got True"), (2.0, TypeError, "got 2.0 (float)"),
+    ("2", TypeError, "got '2'"), (2**63, ValueError, "beyond any length"),
+    (-2**70, ValueError, "beyond any length"), (5, ValueError, "between 0 and the current length 4")])
+def test_a_caches_truncate_names_a_bad_length_in_python_words(value, error, says):
+    """cache.truncate is the C class's own method: True used to cut to 1, 2**63 to raise an
+    OverflowError in C's words."""
+    import kvlab
+    model = kvlab.load()
+    cache = model.new_cache(16)
+    model.prefill([1, 2, 3, 4], cache)
+    with pytest.raises(error, match=re.escape(says)):
+        cache.truncate(value)
+    assert cache.length == 4
+    cache.truncate(np.int64(2))
+    assert cache.length == 2

@@ -54,6 +54,10 @@ PyObject *kv_py_raise(kv_status status, const char *format, ...);
 
 /* ValueError "<before><value><after>": PyErr_Format cannot print a double. */
 PyObject *kv_py_raise_with_number(const char *before, double value, const char *after);
+/* A length argument given from Python: an int or NumPy integer, not a bool or a float (a
+ * TypeError naming `what`), nor one beyond a long long (a ValueError, not an OverflowError
+ * in C's words). 0 on success, -1 with the exception set. */
+int kv_py_length_arg(PyObject *arg, const char *what, long long *out);
 
 /* The core's interrupt check (kv_set_interrupt_check) during a call that released the
  * GIL: arg is the PyThreadState * that Py_BEGIN_ALLOW_THREADS saved (&_save). */

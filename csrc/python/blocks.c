@@ -355,9 +355,10 @@ static PyObject *blocks_commit(BlocksObject *self, PyObject *args) {
 }
 
 static PyObject *blocks_truncate(BlocksObject *self, PyObject *args) {
-    PyObject *handle;
-    long length;
-    if (!PyArg_ParseTuple(args, "Ol", &handle, &length)) return NULL;
+    PyObject *handle, *length_obj;
+    long long length;
+    if (!PyArg_ParseTuple(args, "OO", &handle, &length_obj)) return NULL;
+    if (kv_py_length_arg(length_obj, "truncate(seq, length): length", &length) < 0) return NULL;
     int seq = ready_slot(self, handle);
     if (seq < 0) return NULL;
     /* the core takes an int: a length beyond one is refused all the same, never wrapped */
@@ -368,15 +369,15 @@ static PyObject *blocks_truncate(BlocksObject *self, PyObject *args) {
     int current = self->blocks->seqs[seq].length;
     if (status == KV_ERR_INVALID_ARG && length >= 0 && length <= current &&
         self->blocks->seqs[seq].compacted)
-        return kv_py_raise(status, "truncate(seq, %ld): the rows past %ld do not hold the "
+        return kv_py_raise(status, "truncate(seq, %lld): the rows past %lld do not hold the "
                            "newest positions (rows were dropped since they came), so they "
                            "cannot be taken back", length, length);
     if (status == KV_ERR_INVALID_ARG && length >= 0 && length <= current)
-        return kv_py_raise(status, "truncate(seq, %ld): a pool with a residual window can only "
+        return kv_py_raise(status, "truncate(seq, %lld): a pool with a residual window can only "
                            "truncate to 0: the full-precision rows of the positions before "
                            "the cut are gone", length);
     if (status == KV_ERR_INVALID_ARG)
-        return kv_py_raise(status, "truncate(seq, %ld): length must be between 0 and the "
+        return kv_py_raise(status, "truncate(seq, %lld): length must be between 0 and the "
                            "sequence's length %d", length, current);
     return kv_py_blocks_refused(self, status, 0);
 }

@@ -275,22 +275,22 @@ static PyObject *cache_reset(CacheObject *self, PyObject *Py_UNUSED(ignored)) {
 
 static PyObject *cache_truncate(CacheObject *self, PyObject *arg) {
     if (kv_py_cache_ready(self) < 0) return NULL;
-    long length = PyLong_AsLong(arg);
-    if (length == -1 && PyErr_Occurred()) return NULL;
+    long long length;
+    if (kv_py_length_arg(arg, "truncate(n): n", &length) < 0) return NULL;
     /* the core takes an int: a length beyond one is refused all the same, never wrapped */
     int n = length > INT_MAX ? INT_MAX : length < INT_MIN ? INT_MIN : (int)length;
     kv_status status = kv_cache_truncate(&self->cache, n);
     if (status == KV_OK) Py_RETURN_NONE;
     const kv_cache *c = &self->cache;
     if (c->window > 0 && length >= 0 && length <= c->length)
-        return kv_py_raise(status, "truncate(%ld): a cache with a residual window can only be "
+        return kv_py_raise(status, "truncate(%lld): a cache with a residual window can only be "
                            "reset: the full-precision rows of the positions before the cut "
                            "are gone", length);
     if (c->positions != NULL && length >= 0 && length <= c->length)
-        return kv_py_raise(status, "truncate(%ld): the rows past %ld do not hold the newest "
+        return kv_py_raise(status, "truncate(%lld): the rows past %lld do not hold the newest "
                            "positions (rows were dropped since they came), so they cannot "
                            "be taken back", length, length);
-    return kv_py_raise(status, "truncate(%ld): length must be between 0 and the current "
+    return kv_py_raise(status, "truncate(%lld): length must be between 0 and the current "
                        "length %d", length, c->length);
 }
 

@@ -56,6 +56,26 @@ PyObject *kv_py_raise(kv_status status, const char *format, ...) {
     return NULL;
 }
 
+int kv_py_length_arg(PyObject *arg, const char *what, long long *out) {
+    if (PyBool_Check(arg) || !PyIndex_Check(arg) || PyFloat_Check(arg)) {
+        PyErr_Format(PyExc_TypeError, "%s must be an integer, got %.80R (%s)", what, arg,
+                     Py_TYPE(arg)->tp_name);
+        return -1;
+    }
+    PyObject *value = PyNumber_Index(arg);
+    if (value == NULL) return -1;
+    int overflow = 0;
+    long long n = PyLong_AsLongLongAndOverflow(value, &overflow);
+    Py_DECREF(value);
+    if (n == -1 && PyErr_Occurred()) return -1;
+    if (overflow) {
+        PyErr_Format(PyExc_ValueError, "%s is %.80R, beyond any length", what, arg);
+        return -1;
+    }
+    *out = n;
+    return 0;
+}
+
 PyObject *kv_py_raise_with_number(const char *before, double value, const char *after) {
     char number[64];
     PyOS_snprintf(number, sizeof number, "%.17g", value);
