@@ -78,3 +78,20 @@ def test_a_caches_truncate_names_a_bad_length_in_python_words(value, error, says
     assert cache.length == 4
     cache.truncate(np.int64(2))
     assert cache.length == 2
+
+
+@pytest.mark.parametrize("arguments, error, says", [
+    ((True, 2, 16, 8), TypeError, "n_layers must be an integer, got True"),
+    ((2, 2, 16, 2.0), TypeError, "capacity must be an integer, got 2.0"),
+    ((2, 2, "16", 8), TypeError, "head_dim must be an integer"),
+    ((2, 2, 16, 2**31), ValueError, "capacity must be at most 2147483647"),
+    ((2, 2, 16, 2**63), ValueError, "capacity is 9223372036854775808, beyond any length")])
+def test_the_c_classes_name_a_bad_size_too(arguments, error, says):
+    """kvlab.KVCache and kvlab.PagedPool made directly (their C constructors): a size given
+    as True used to be 1, one past a C int an OverflowError in C's words."""
+    import kvlab
+    with pytest.raises(error, match=re.escape(says)):
+        kvlab.KVCache(*arguments)
+    with pytest.raises(TypeError, match="window must be an integer"):
+        kvlab.KVCache(2, 2, 16, 8, window=True)
+    assert kvlab.KVCache(2, 2, 16, np.int64(8)).capacity == 8

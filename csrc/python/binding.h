@@ -58,6 +58,11 @@ PyObject *kv_py_raise_with_number(const char *before, double value, const char *
  * TypeError naming `what`), nor one beyond a long long (a ValueError, not an OverflowError
  * in C's words). 0 on success, -1 with the exception set. */
 int kv_py_length_arg(PyObject *arg, const char *what, long long *out);
+/* Before PyArg_ParseTupleAndKeywords(args, kwds, format, kwlist, ...): every argument the
+ * format reads as a C int ('i') must be an integer (not a bool, a float or a string: a
+ * TypeError) that fits one (else a ValueError), each named by its keyword, so that a size
+ * never arrives as True or as an OverflowError in C's words. 0 if all are, else -1. */
+int kv_py_int_arguments(PyObject *args, PyObject *kwds, const char *format, char **kwlist);
 
 /* The core's interrupt check (kv_set_interrupt_check) during a call that released the
  * GIL: arg is the PyThreadState * that Py_BEGIN_ALLOW_THREADS saved (&_save). */

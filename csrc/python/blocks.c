@@ -101,6 +101,7 @@ static int blocks_init(BlocksObject *self, PyObject *args, PyObject *kwds) {
                              "hash_bits", "prefix_cache", NULL};
     int num_blocks, block_size, max_seqs = 256, max_blocks_per_seq = 0, hash_bits = 64;
     int prefix_cache = 1;
+    if (kv_py_int_arguments(args, kwds, "ii|iiip", kwlist) < 0) return -1;
     if (!PyArg_ParseTupleAndKeywords(args, kwds, "ii|iiip", kwlist, &num_blocks, &block_size,
                                      &max_seqs, &max_blocks_per_seq, &hash_bits, &prefix_cache))
         return -1;

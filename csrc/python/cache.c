@@ -48,6 +48,7 @@ static int cache_init(CacheObject *self, PyObject *args, PyObject *kwds) {
                              "value_format", "key_group", "value_group", "window", NULL};
     int n_layers, n_kv_heads, head_dim, capacity, key_group = 0, value_group = 0, window = 0;
     const char *key_name = "fp32", *value_name = "fp32";
+    if (kv_py_int_arguments(args, kwds, "iiii|ssiii", kwlist) < 0) return -1;
     if (!PyArg_ParseTupleAndKeywords(args, kwds, "iiii|ssiii", kwlist, &n_layers, &n_kv_heads,
                                      &head_dim, &capacity, &key_name, &value_name, &key_group,
                                      &value_group, &window))
@@ -227,6 +228,7 @@ static PyObject *cache_attend(CacheObject *self, PyObject *args, PyObject *kwds)
     static char *kwlist[] = {"q", "layer", NULL};
     PyObject *q_obj;
     int layer = 0;
+    if (kv_py_int_arguments(args, kwds, "O|i", kwlist) < 0) return NULL;
     if (!PyArg_ParseTupleAndKeywords(args, kwds, "O|i", kwlist, &q_obj, &layer)) return NULL;
     if (kv_py_cache_ready(self) < 0) return NULL;
     const kv_cache *c = &self->cache;

@@ -6,6 +6,7 @@
  */
 #include "binding.h"
 
+#include <limits.h>
 #include <stdarg.h>
 
 kv_py_errors kv_py_error;
@@ -73,6 +74,25 @@ int kv_py_length_arg(PyObject *arg, const char *what, long long *out) {
         return -1;
     }
     *out = n;
+    return 0;
+}
+
+int kv_py_int_arguments(PyObject *args, PyObject *kwds, const char *format, char **kwlist) {
+    Py_ssize_t given = PyTuple_GET_SIZE(args), position = 0;
+    for (const char *f = format; *f != '\0' && *f != ':' && *f != ';'; f++) {
+        if (*f == '|' || *f == '$') continue;
+        const char *name = kwlist[position];
+        PyObject *value = position < given ? PyTuple_GET_ITEM(args, position)
+                        : kwds != NULL ? PyDict_GetItemString(kwds, name) : NULL;
+        position++;
+        if (*f != 'i' || value == NULL) continue;
+        long long n;
+        if (kv_py_length_arg(value, name, &n) < 0) return -1;
+        if (n > INT_MAX || n < INT_MIN) {
+            PyErr_Format(PyExc_ValueError, "%s must be at most %d, got %lld", name, INT_MAX, n);
+            return -1;
+        }
+    }
     return 0;
 }
 

@@ -355,6 +355,7 @@ static PyObject *model_generate(ModelObject *self, PyObject *args, PyObject *kwd
     int token, max_steps, top_k = 0, stop_token = -1;
     double temperature = 0.0, top_p = 1.0;
     PyObject *cache_obj, *uniforms_obj = Py_None, *counters = Py_None;
+    if (kv_py_int_arguments(args, kwds, "iOi|didOiO", kwlist) < 0) return NULL;
     if (!PyArg_ParseTupleAndKeywords(args, kwds, "iOi|didOiO", kwlist, &token, &cache_obj,
                                      &max_steps, &temperature, &top_k, &top_p, &uniforms_obj,
                                      &stop_token, &counters))

@@ -57,6 +57,7 @@ static int pool_init(PoolObject *self, PyObject *args, PyObject *kwds) {
     int max_blocks_per_seq = 0, hash_bits = 64, key_group = 0, value_group = 0, window = 0;
     int prefix_cache = 1;
     const char *key_name = "fp32", *value_name = "fp32";
+    if (kv_py_int_arguments(args, kwds, "iiiii|iiissiiip", kwlist) < 0) return -1;
     if (!PyArg_ParseTupleAndKeywords(args, kwds, "iiiii|iiissiiip", kwlist, &n_layers,
                                      &n_kv_heads, &head_dim, &num_blocks, &block_size, &max_seqs,
                                      &max_blocks_per_seq, &hash_bits, &key_name, &value_name,
