@@ -21,6 +21,7 @@ from pathlib import Path
 
 import kvlab
 from kvlab import serving
+from kvlab.cli import check_writable
 
 
 def main(argv=None) -> int:
@@ -34,6 +35,12 @@ def main(argv=None) -> int:
     parser.add_argument("--json", default=None)
     parser.add_argument("--plot", default=None, help="a PNG of throughput and latency against the request rate")
     args = parser.parse_args(argv)
+    for option, path in (("--json", args.json), ("--plot", args.plot)):
+        if path:                 # refused now, not after every run (as kvlab serve-bench does)
+            try:
+                check_writable(path, option)
+            except ValueError as error:
+                parser.error(str(error))
     model = kvlab.load()
     rows = serving.sweep(model, [float(r) for r in args.rates.split(",")],
                          [int(b) for b in args.budgets.split(",")], args.requests, args.seed,

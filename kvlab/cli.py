@@ -302,7 +302,7 @@ def _comma_list(text: str, parse, option: str, what: str) -> list:
     return values
 
 
-def _writable(path: str, option: str) -> None:
+def check_writable(path: str, option: str) -> None:
     """Refuse an output file that cannot be written, before any run (the numbers of a
     long run are not lost at its end): opened for appending, so an existing file is left
     as it is, and removed again if this made it."""
@@ -359,7 +359,7 @@ def cmd_serve_bench(args) -> int:
         return 2
     for option, path in (("--json", args.json), ("--plot", args.plot)):
         if path:
-            _writable(path, option)
+            check_writable(path, option)
     model = _load(args)
     print(f"kvlab serve-bench: {model!r}, {requests} requests per run, Poisson arrivals, "
           f"{kvlab.get_num_threads()} threads")
