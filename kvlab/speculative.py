@@ -240,9 +240,7 @@ def check_drafter(model: Model, drafter, draft_tokens) -> None:
                 else type(drafter).__name__)
         raise TypeError(f"speculate takes a drafter (kvlab.speculative.PromptLookup(), "
                         f"DraftModel(...)), got {what}")
-    if isinstance(draft_tokens, bool) or not isinstance(draft_tokens, (int, np.integer)) \
-            or draft_tokens < 1:
-        raise ValueError(f"draft_tokens must be a positive integer, got {draft_tokens!r}")
+    arguments.positive(draft_tokens, "draft_tokens")
     if hasattr(drafter, "check_compatible"):
         drafter.check_compatible(model)
 
