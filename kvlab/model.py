@@ -20,7 +20,7 @@ from ._core import core
 from .config import ModelConfig
 from .counts import Counts
 from .deprecation import renamed
-from .errors import ContextLengthError, TokenizerError
+from .errors import CacheFullError, ContextLengthError, TokenizerError
 from .quant import CacheFormat
 from .sampling import check_sampling_args, sample
 from .paged import PagedPool, PagedSequence, check_token_elements
@@ -403,8 +403,10 @@ class Model:
                     1.0 if top_p is None else top_p, uniforms, stop, call)
                 used = len(picks)
             except BaseException as error:
-                # an interrupt comes between steps; NaN logits fail a step that drew its number
-                used = len(getattr(error, "completed", ((),))[0]) + isinstance(error, ValueError)
+                # an interrupt comes between steps; NaN logits fail a step that drew its number;
+                # a full cache stops a step before it runs, so before it draws
+                drew = isinstance(error, ValueError) and not isinstance(error, CacheFullError)
+                used = len(getattr(error, "completed", ((),))[0]) + drew
                 raise
             finally:
                 self._record(call)

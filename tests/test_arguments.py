@@ -95,3 +95,17 @@ def test_the_c_classes_name_a_bad_size_too(arguments, error, says):
     with pytest.raises(TypeError, match="window must be an integer"):
         kvlab.KVCache(2, 2, 16, 8, window=True)
     assert kvlab.KVCache(2, 2, 16, np.int64(8)).capacity == 8
+
+
+def test_a_decode_loop_refused_by_a_full_cache_draws_no_number():
+    """A failed call changes nothing: the C loop refuses a full cache before its first step,
+    so the generator is where it was (it used to move one draw on)."""
+    import kvlab
+    model = kvlab.load()
+    cache = model.new_cache(4)
+    model.prefill([1, 2, 3, 4], cache)
+    rng = np.random.default_rng(0)
+    state = rng.bit_generator.state
+    with pytest.raises(kvlab.CacheFullError):
+        model.decode_steps(5, cache, 3, temperature=0.8, rng=rng)
+    assert rng.bit_generator.state == state and cache.length == 4
