@@ -20,7 +20,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional, Union
 
-from . import accuracy, cache_policy, cuda, quant, registry, serving, speculative, weight_formats
+from . import (accuracy, arguments, cache_policy, cuda, quant, registry, serving, speculative,
+               weight_formats)
 from ._core import core as _core
 from .config import ModelConfig
 from .errors import (CacheFullError, CheckpointError, ConfigError, ContextLengthError,
@@ -88,7 +89,6 @@ def _weight_format_name(name: Optional[str]) -> Optional[str]:
 def set_num_threads(n: int) -> None:
     """Threads the C core uses for matrix products and attention, in every Python thread
     (default: the available cores). Small loops run on one thread whatever this says."""
-    from . import arguments
     _core.set_num_threads(arguments.positive(n, "n"))
 
 

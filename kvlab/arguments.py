@@ -25,7 +25,7 @@ class ArgumentTypeError(TypeError, ValueError):
     """An argument of the wrong type (a TypeError, and a ValueError like every bad argument)."""
 
 
-def _shown(value) -> str:
+def shown(value) -> str:
     text = repr(value)
     return text if len(text) <= 80 else text[:77] + "..."
 
@@ -33,7 +33,7 @@ def _shown(value) -> str:
 def integer(value, name: str, low: Optional[int] = None, high: Optional[int] = INT64_MAX) -> int:
     """value as a Python int, if it is an integer (not a bool, not a float) in [low, high]."""
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-        raise ArgumentTypeError(f"{name} must be an integer, got {_shown(value)} "
+        raise ArgumentTypeError(f"{name} must be an integer, got {shown(value)} "
                                 f"({type(value).__name__})")
     value = int(value)
     if low is not None and value < low:
@@ -59,7 +59,7 @@ def real(value, name: str, low: Optional[float] = None, high: Optional[float] = 
     finite=False (NaN is refused always), at least `low`, at most `high`, more than `above`."""
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer,
                                                                      np.floating)):
-        raise ArgumentTypeError(f"{name} must be a number, got {_shown(value)} "
+        raise ArgumentTypeError(f"{name} must be a number, got {shown(value)} "
                                 f"({type(value).__name__})")
     value = float(value)
     if math.isnan(value) or (finite and math.isinf(value)):
@@ -76,5 +76,5 @@ def real(value, name: str, low: Optional[float] = None, high: Optional[float] = 
 def flag(value, name: str) -> bool:
     """A truth value: True or False (or a NumPy bool), not 0, 1 or a string."""
     if not isinstance(value, (bool, np.bool_)):
-        raise ArgumentTypeError(f"{name} must be True or False, got {_shown(value)}")
+        raise ArgumentTypeError(f"{name} must be True or False, got {shown(value)}")
     return bool(value)

@@ -124,7 +124,7 @@ def _checked_requests(model, requests, max_seconds: float) -> List[Tuple[float, 
                 or len(request) != 3:
             raise arguments.ArgumentTypeError(
                 f"{name} must be an (arrival seconds, prompt, new tokens) triple, got "
-                f"{arguments._shown(request)}")
+                f"{arguments.shown(request)}")
         arrival, prompt, new_tokens = request
         arrival = arguments.real(arrival, f"{name}'s arrival time", low=0.0)
         if arrival > max_seconds:
@@ -259,7 +259,7 @@ def _checked_list(values, name: str, check) -> list:
     """A non-empty list, tuple or array of values, each checked by check(value, name[i])."""
     if isinstance(values, (str, bytes)) or not isinstance(values, (Sequence, np.ndarray)):
         raise arguments.ArgumentTypeError(f"{name} must be a list, got "
-                                          f"{arguments._shown(values)}")
+                                          f"{arguments.shown(values)}")
     if len(values) == 0:
         raise ValueError(f"{name} must hold at least one value, got none")
     return [check(value, f"{name}[{i}]") for i, value in enumerate(values)]
@@ -302,13 +302,15 @@ def plot(rows: list, path, title: str = "") -> None:
     """Against the request rate (log): throughput, left; the time to first token, middle;
     the time per output token, right; p50 solid and p99 dashed, one color per memory and
     budget. Needs matplotlib. rows: sweep()'s, each with a rate above 0 (the axis is
-    logarithmic); path: a file path; title: text."""
+    logarithmic); path: a file path, or a file object (io.BytesIO, for a notebook);
+    title: text."""
     rows = _checked_list(rows, "rows", _checked_row)
-    if not isinstance(path, (str, os.PathLike)):
-        raise arguments.ArgumentTypeError(f"path must be a file path, got "
-                                          f"{arguments._shown(path)}")
+    if not isinstance(path, (str, os.PathLike)) and not callable(getattr(path, "write", None)):
+        raise arguments.ArgumentTypeError(f"path must be a file path or a file object (as "
+                                          f"matplotlib's savefig takes), got "
+                                          f"{arguments.shown(path)}")
     if not isinstance(title, str):
-        raise arguments.ArgumentTypeError(f"title must be text, got {arguments._shown(title)}")
+        raise arguments.ArgumentTypeError(f"title must be text, got {arguments.shown(title)}")
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -359,7 +361,7 @@ def _checked_row(row, name: str) -> dict:
     the numbers it draws (NaN where a run had none, as serve() gives)."""
     if not isinstance(row, dict):
         raise arguments.ArgumentTypeError(f"{name} must be a dict such as sweep() gives, got "
-                                          f"{arguments._shown(row)}")
+                                          f"{arguments.shown(row)}")
     missing = [key for key in ("rate", "memory", "budget") + ROW_FIELDS if key not in row]
     if missing:
         raise ValueError(f"{name} has no {', '.join(missing)}: plot() takes sweep()'s rows")
@@ -367,7 +369,7 @@ def _checked_row(row, name: str) -> dict:
     arguments.positive(row["budget"], f"{name}['budget']")
     if not isinstance(row["memory"], str):
         raise arguments.ArgumentTypeError(f"{name}['memory'] must be text, got "
-                                          f"{arguments._shown(row['memory'])}")
+                                          f"{arguments.shown(row['memory'])}")
     for key in ROW_FIELDS:
         value = row[key]
         if not (isinstance(value, (float, np.floating)) and math.isnan(value)):

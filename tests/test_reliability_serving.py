@@ -42,6 +42,7 @@ ValueError; every refusal names the argument and happens before anything runs):
   default clock); the return values of out= and progress= are ignored. The Engine's own
   clock, drafter and trace-sink checks are the engine's surface, not this file's.
 """
+import io
 import json
 import math
 import signal
@@ -285,6 +286,9 @@ def test_table_row_and_plot_refuse_bad_rows(tmp_path):
     assert (tmp_path / "nan.png").stat().st_size > 1000
     with pytest.raises(ValueError, match="path must be a file path"):
         serving.plot([row], 5)
+    png = io.BytesIO()                                  # as a notebook shows it
+    serving.plot([row], png)
+    assert png.getvalue().startswith(b"\x89PNG")
     with pytest.raises(ValueError, match="title must be text"):
         serving.plot([row], tmp_path / "x.png", title=5)
 
