@@ -30,8 +30,6 @@
 #include "quant.h"
 #include "store.h"
 
-static size_t round_up16(size_t n) { return (n + 15) & ~(size_t)15; }
-
 /* Rows are read TILE at a time: a tile of dequantized head rows (16 x 128 floats = 8 KiB
  * for a typical head) stays in the L1 cache while every query head of the group uses it. */
 #define TILE KV_ATTENTION_TILE
@@ -42,8 +40,8 @@ static size_t round_up16(size_t n) { return (n + 15) & ~(size_t)15; }
 
 size_t kv_attention_scratch(int n_heads, int n_kv_heads, int head_dim) {
     /* per query head of a group: a tile of weights, a running max and a running sum */
-    return round_up16((size_t)(n_heads / n_kv_heads) * (TILE + 2)) +
-           TILE * round_up16((size_t)head_dim);
+    return kv_round_up16((size_t)(n_heads / n_kv_heads) * (TILE + 2)) +
+           TILE * kv_round_up16((size_t)head_dim);
 }
 
 /* A tile of n consecutive head rows, as attention's inner loops read them: float32 rows
@@ -471,7 +469,7 @@ void kv_attention(float *out, const float *q, const kv_layer_view *view, int n_t
             float *weights = scratch + (size_t)omp_get_thread_num() * scratch_stride;
             float *running_max = weights + (size_t)kv_mul * TILE;
             float *running_sum = running_max + kv_mul;
-            float *tile = weights + round_up16((size_t)kv_mul * (TILE + 2));
+            float *tile = weights + kv_round_up16((size_t)kv_mul * (TILE + 2));
             for (int m = 0; m < kv_mul; m++) {
                 running_max[m] = -INFINITY;
                 running_sum[m] = 0.0f;

@@ -34,6 +34,10 @@ static inline float *kv_alloc_floats(size_t count) {
     return (float *)aligned_alloc(64, bytes);
 }
 
+/* n rounded up to a multiple of 16 (floats): scratch carved out of one allocation keeps
+ * each piece 64-byte aligned when the allocation is. */
+static inline size_t kv_round_up16(size_t n) { return (n + 15) & ~(size_t)15; }
+
 /* Below this many multiply-adds a loop runs on one thread: waking the other threads
  * costs a few microseconds, more than small work takes, and far more when the cores
  * are busy with something else. */

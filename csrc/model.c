@@ -157,8 +157,6 @@ static void run_state_free(run_state *s) {
     s->runs = NULL;
 }
 
-static size_t round_up16(size_t n) { return (n + 15) & ~(size_t)15; }
-
 static kv_status run_state_alloc(run_state *s, const kv_model *m, int n_tokens, int n_runs) {
     const kv_config *c = &m->config;
     size_t T = (size_t)n_tokens, q_dim = (size_t)c->n_heads * c->head_dim;
@@ -181,7 +179,7 @@ static kv_status run_state_alloc(run_state *s, const kv_model *m, int n_tokens, 
                        &s->hb2, &s->rope_cos, &s->rope_sin, &s->scores, &s->weight_rows,
                        &s->x_scales, &x_codes_floats};
     size_t total = 0;
-    for (size_t i = 0; i < sizeof sizes / sizeof sizes[0]; i++) total += round_up16(sizes[i]);
+    for (size_t i = 0; i < sizeof sizes / sizeof sizes[0]; i++) total += kv_round_up16(sizes[i]);
     s->count.scratch_bytes = (int64_t)(total * sizeof(float));
     s->block = kv_alloc_floats(total);
     s->n_runs = n_runs;
@@ -191,7 +189,7 @@ static kv_status run_state_alloc(run_state *s, const kv_model *m, int n_tokens, 
     float *next = s->block;
     for (size_t i = 0; i < sizeof sizes / sizeof sizes[0]; i++) {
         *slots[i] = sizes[i] > 0 ? next : NULL;
-        next += round_up16(sizes[i]);
+        next += kv_round_up16(sizes[i]);
     }
     s->x_codes = (int8_t *)x_codes_floats;
     return KV_OK;

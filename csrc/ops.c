@@ -117,10 +117,10 @@ static void kernel_4x1(const four_rows *f, int t, const float *x, int in_dim) {
     finish_four(f, t, a0, a1, a2, a3, x, n8, in_dim);
 }
 
-/* Tokens are taken TOKEN_CHUNK at a time, so that a chunk of x (48 tokens x 4 KiB for
- * dim 1024) stays in the L2 cache while every row of w passes over it. A weight matrix
- * larger than the caches is therefore streamed from memory once per 48 tokens: once per
- * decode step of up to 48 sequences, several times for a long prompt. */
+/* Tokens are taken TOKEN_CHUNK (ops.h's KV_TOKEN_CHUNK, 48) at a time, so that a chunk of x
+ * (48 tokens x 4 KiB for dim 1024) stays in the L2 cache while every row of w passes over
+ * it. A weight matrix larger than the caches is therefore streamed from memory once per
+ * chunk: once per decode step of up to 48 sequences, several times for a long prompt. */
 #define TOKEN_CHUNK KV_TOKEN_CHUNK
 /* Rows longer than twice this are taken PANEL columns at a time: four rows of 2,048 floats
  * (32 KiB) would not stay in the L1 cache while three tokens' columns stream past them;

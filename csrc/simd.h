@@ -93,9 +93,4 @@ static inline float kv_dot(const float *a, const float *b, int n) {
     return add_tail(reduce_lanes(acc), a, b, n8, n);
 }
 
-/* y += alpha * x */
-static inline void kv_axpy(float *y, float alpha, const float *x, int n) {
-    for (int i = 0; i < n; i++) y[i] += alpha * x[i];
-}
-
 #endif /* KVLAB_SIMD_H */
