@@ -44,10 +44,8 @@ Cases tried, and what each gives now (kvlab.CheckpointError unless said otherwis
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import math
-import signal
 import struct
 import tracemalloc
 import warnings
@@ -67,6 +65,7 @@ from kvlab.loaders.huggingface import write_safetensors
 gguf = pytest.importorskip("gguf")
 from gguf_files import encode as encode_matrix  # noqa: E402
 from gguf_files import write_llama_gguf  # noqa: E402
+from time_limit import time_limit  # noqa: E402
 
 LOAD_ERRORS = (kvlab.CheckpointError, kvlab.WeightsError, kvlab.ConfigError,
                kvlab.TokenizerError)
@@ -80,22 +79,6 @@ HF_TINY = TINY.replace(rope_interleaved=False)
 
 
 # ---- the guard every malformed load runs under -----------------------------------------------
-@contextlib.contextmanager
-def time_limit(seconds: int):
-    if not hasattr(signal, "SIGALRM"):
-        yield
-        return
-
-    def expire(signum, frame):
-        pytest.fail(f"loading took more than {seconds} s: a hang?")
-
-    previous = signal.signal(signal.SIGALRM, expire)
-    signal.alarm(seconds)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, previous)
 
 
 def guarded_load(path: Path) -> Tuple[Any, Optional[BaseException]]:

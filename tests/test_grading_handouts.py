@@ -77,7 +77,7 @@ def test_bad_key_value_weights_are_refused(change, says):
 def test_bad_arguments_are_named():
     with pytest.raises(ValueError, match="checkpoint must be one of"):
         ReferenceModel(checkpoint="gpt")
-    with pytest.raises(ValueError, match="layer must be an int"):
+    with pytest.raises(ValueError, match="layer must be at most 5"):
         ReferenceModel().key_value_weights(6)
     with pytest.raises(TypeError, match="encode takes a str"):
         ReferenceModel().encode(b"bytes")
@@ -99,7 +99,7 @@ def test_every_call_is_logged_with_its_rows():
     (lambda m: m.qkv(0, np.zeros((2, 128)), [0]), "positions must be 2"),
     (lambda m: m.qkv(0, np.zeros((2, 64)), [0, 1]), "x must be a numeric array of shape"),
     (lambda m: m.attention_output(0, np.zeros((1, 128)), np.zeros((1, 8, 8))), "out must be"),
-    (lambda m: m.embed([256]), "ids in [0, 256)"),
+    (lambda m: m.embed([256]), "out of range [0, 256)"),
     (lambda m: m.embed([]), "non-empty"),
     (lambda m: m.mlp(True, np.zeros((1, 128))), "layer must be an int"),
 ])
@@ -123,7 +123,7 @@ def test_the_lab_model_knows_what_its_caches_hold():
     assert model.filled_bytes() == full.held_bytes == full._cache.nbytes + block
     with pytest.raises(TypeError, match="made by this model"):
         LabModel().prefill([1], full)
-    with pytest.raises(ValueError, match="max_seq_len must be an int"):
+    with pytest.raises(ValueError, match="max_seq_len must be at most 512"):
         model.new_cache(10**6)
 
 
@@ -141,7 +141,7 @@ def test_what_a_call_can_make_the_judge_compute_is_bounded():
     """Served calls run in the judge: rows beyond the model's context are refused before any
     work, and a model makes only so many converted copies, which log into its own log."""
     model = ReferenceModel(checkpoint="mha", convertible=True)
-    with pytest.raises(ValueError, match="at most 512"):
+    with pytest.raises(ValueError, match="more than the model.s context, 512"):
         model.embed(np.zeros(513, np.int64))
     with pytest.raises(ValueError, match="n from 1 to the context, 512"):
         model.mlp(0, np.zeros((513, 128), np.float32))

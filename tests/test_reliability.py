@@ -78,6 +78,7 @@ def test_thousands_of_objects_leave_memory_flat():
 
 from hypothesis import HealthCheck, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
+from time_limit import time_limit  # noqa: E402
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule  # noqa: E402
 
 CLEAR_ERRORS = (ValueError, TypeError, IndexError, kvlab.KVLabError)
@@ -200,9 +201,7 @@ TestCacheAndPoolFuzz = CacheAndPoolFuzz.TestCase
 
 # ---- fuzzing the loaders: a mutated checkpoint loads or is refused, never crashes ---------------
 
-import contextlib  # noqa: E402
 import functools  # noqa: E402
-import signal  # noqa: E402
 import struct  # noqa: E402
 import tempfile  # noqa: E402
 import tracemalloc  # noqa: E402
@@ -232,27 +231,6 @@ def mutate(data: bytes, kind: str, position: int, value: int) -> bytes:
     # "float": a weight becomes NaN or infinity
     at = len(data) - 4 * (1 + position % 200)
     return data[:at] + struct.pack("<f", [float("nan"), float("inf")][value % 2]) + data[at + 4:]
-
-
-@contextlib.contextmanager
-def time_limit(seconds: int):
-    """Fail the test, rather than hang it, when the block runs longer than `seconds` (a loop
-    over a count a corrupt header chose). pytest.fail raises a BaseException, so a loader's
-    `except Exception` cannot turn the hang into a tidy error."""
-    if not hasattr(signal, "SIGALRM"):         # Windows: no alarm, no limit
-        yield
-        return
-
-    def expire(signum, frame):
-        pytest.fail(f"loading took more than {seconds} s: a hang?")
-
-    previous = signal.signal(signal.SIGALRM, expire)
-    signal.alarm(seconds)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, previous)
 
 
 def assert_loads_or_refuses(path):

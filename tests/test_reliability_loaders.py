@@ -24,7 +24,6 @@ import functools
 import io
 import json
 import os
-import signal
 import socket
 import sys
 import tempfile
@@ -41,6 +40,7 @@ import kvlab
 from kvlab import cli
 from kvlab.loaders import load_checkpoint, save_hf_llama, save_llama2c_v1
 from kvlab.tokenizer import HFTokenizer
+from time_limit import time_limit  # noqa: E402
 
 LOAD_ERRORS = (kvlab.CheckpointError, kvlab.WeightsError, kvlab.ConfigError,
                kvlab.TokenizerError)
@@ -52,26 +52,6 @@ try:
     HAS_TOKENIZERS = True
 except ImportError:
     HAS_TOKENIZERS = False
-
-
-@contextlib.contextmanager
-def time_limit(seconds: int):
-    """Fail the test, rather than hang it (a pipe opened for reading waits for a writer).
-    pytest.fail raises a BaseException, so a loader's `except Exception` cannot hide it."""
-    if not hasattr(signal, "SIGALRM"):
-        yield
-        return
-
-    def expire(signum, frame):
-        pytest.fail(f"loading took more than {seconds} s: a hang?")
-
-    previous = signal.signal(signal.SIGALRM, expire)
-    signal.alarm(seconds)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, previous)
 
 
 @contextlib.contextmanager

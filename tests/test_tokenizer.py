@@ -5,9 +5,7 @@ re-statement of llama2.c's merge loop; it does not test model loading (test_load
 """
 from __future__ import annotations
 
-import contextlib
 import os
-import signal
 import sys
 import time
 from pathlib import Path
@@ -18,6 +16,7 @@ from hypothesis import given, settings, strategies as st
 
 from kvlab.errors import TokenizerError
 from kvlab.tokenizer import ByteTokenizer, HFTokenizer, SentencePieceBPE, load_tokenizer
+from time_limit import time_limit  # noqa: E402
 
 # Text without surrogates (they have no UTF-8 form), mixing ASCII words and other scripts.
 TEXTS = st.text(alphabet=st.one_of(st.sampled_from("abcdefghijklmnopqrstuvwxyz ,.'\n"),
@@ -204,23 +203,6 @@ def test_vocab_without_byte_pieces_uses_unk() -> None:
 
 
 # ---- files that are not files, values of the wrong type (issue 18) ------------------------------
-@contextlib.contextmanager
-def time_limit(seconds: int):
-    """Fail instead of hanging (opening a FIFO for reading waits for a writer)."""
-    if not hasattr(signal, "SIGALRM"):
-        yield
-        return
-
-    def expire(signum, frame):
-        pytest.fail(f"took more than {seconds} s: a hang?")
-
-    previous = signal.signal(signal.SIGALRM, expire)
-    signal.alarm(seconds)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, previous)
 
 
 def not_a_file(path: Path, kind: str) -> Path:

@@ -32,7 +32,8 @@ from typing import List, NamedTuple, Optional, Tuple
 import numpy as np
 
 import kvlab
-from kvlab import measure, next_token_metrics, reference
+from kvlab import arguments, measure, next_token_metrics, reference
+from kvlab.model import as_token_array
 from kvlab.config import ModelConfig
 from kvlab.weights import Weights
 
@@ -54,25 +55,13 @@ def config_fields(config) -> dict:
             "n_params": config.n_params()}
 
 
-def _count(value, what: str, low: int, high: int) -> int:
-    """An int argument of the student's in [low, high], or a ValueError naming it."""
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) \
-            or not low <= value <= high:
-        raise ValueError(f"{what} must be an int from {low} to {high}, got {value!r}")
-    return int(value)
-
-
 def _token_ids(tokens, vocab_size: int, context: int) -> np.ndarray:
-    """A non-empty list of at most `context` token ids in [0, vocab_size), as int64 (what a
-    call can ask the judge to compute is bounded by the model's context)."""
-    if isinstance(tokens, (int, np.integer, str, bytes)):
-        raise TypeError("tokens must be a list of token ids (write [token] for one)")
-    ids = np.asarray(tokens)
-    if ids.ndim != 1 or not 0 < ids.size <= context or ids.dtype.kind not in "iu" \
-            or ids.min() < 0 or ids.max() >= vocab_size:
-        raise ValueError(f"tokens must be a non-empty list of at most {context} int ids in "
-                         f"[0, {vocab_size})")
-    return ids.astype(np.int64)
+    """Token ids as forward takes them (kvlab.model.as_token_array), and at most `context`
+    of them: what a call can ask the judge to compute is bounded by the model's context."""
+    ids = as_token_array(tokens, vocab_size)
+    if len(ids) > context:
+        raise ValueError(f"{len(ids)} token ids are more than the model's context, {context}")
+    return ids
 
 
 # ---- the cache-size lab ------------------------------------------------------------------
@@ -128,7 +117,7 @@ class LabModel(ServedObject):
 
     def new_cache(self, max_seq_len, dtype: str = "fp32") -> LabCache:
         context = self._model.config.max_seq_len
-        max_seq_len = _count(max_seq_len, "max_seq_len", 1, context)
+        max_seq_len = arguments.integer(max_seq_len, "max_seq_len", 1, context)
         if dtype not in ("fp32", "fp16", "int8"):
             raise ValueError(f"dtype must be 'fp32', 'fp16' or 'int8', got {dtype!r}")
         if len(self.caches) >= MAX_CACHES:
@@ -233,7 +222,7 @@ class ReferenceModel(ServedObject):
         self.log.append(Call(name, layer, rows, started, time.perf_counter()))
 
     def _layer(self, layer) -> int:
-        return _count(layer, "layer", 0, self._c.n_layers - 1)
+        return arguments.integer(layer, "layer", 0, self._c.n_layers - 1)
 
     def _rows(self, x, what: str, width: int) -> np.ndarray:
         x = np.asarray(x)
