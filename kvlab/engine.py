@@ -1053,7 +1053,7 @@ def _check_pool_fits(model: Model, pool: PagedPool) -> None:
         shape = (pool.n_layers, pool.n_kv_heads, pool.head_dim)
     else:                                              # (num_blocks, n_layers, block_size,
         codes = pool.key_codes                         #  n_kv_heads, per head)
-        per_head = codes.shape[4] * (2 if pool.key_dtype == "int4" else 1)
+        per_head = codes.shape[4] * (2 if pool.key_format == "int4" else 1)
         shape = (codes.shape[1], codes.shape[3], per_head)
     c = model.config
     if shape != (c.n_layers, c.n_kv_heads, c.head_dim):

@@ -25,7 +25,7 @@ from . import arguments, weight_formats
 from ._core import core
 from .config import ModelConfig
 from .counts import Counts  # noqa: F401 (re-exported: kvlab.measure.Counts)
-from .deprecation import default_changed
+from .deprecation import default_changed, format_arguments
 from .generate import generate
 from .process_memory import peak_resident_bytes, release_freed_memory, resident_bytes  # noqa: F401
 from .quant import CacheFormat
@@ -49,31 +49,37 @@ def _whole(name: str, value, least: int, most: int = arguments.C_INT_MAX) -> int
 
 
 def cache_format(config: ModelConfig, dtype: Union[None, str, CacheFormat] = None, *,
-                 key_dtype: Optional[str] = None, value_dtype: Optional[str] = None,
+                 key_format: Optional[str] = None, value_format: Optional[str] = None,
                  group: Optional[int] = None, key_group: Optional[int] = None,
-                 value_group: Optional[int] = None, window: int = 0) -> CacheFormat:
+                 value_group: Optional[int] = None, window: int = 0,
+                 key_dtype: Optional[str] = None, value_dtype: Optional[str] = None) -> CacheFormat:
     """The CacheFormat these arguments describe for this model's heads (checked), as
-    model.new_cache() reads them: dtype a format name or a CacheFormat, fp32 if unset."""
-    return _cache_format(config, dtype, "kvlab.measure.cache_format", key_dtype=key_dtype,
-                         value_dtype=value_dtype, group=group, key_group=key_group,
-                         value_group=value_group, window=window)
+    model.new_cache() reads them: dtype a format name or a CacheFormat, fp32 if unset.
+    key_dtype and value_dtype are the old names of key_format and value_format (deprecated)."""
+    return _cache_format(config, dtype, "kvlab.measure.cache_format", key_format=key_format,
+                         value_format=value_format, group=group, key_group=key_group,
+                         value_group=value_group, window=window, key_dtype=key_dtype,
+                         value_dtype=value_dtype)
 
 
-def _cache_format(config: ModelConfig, dtype, caller: str, key_dtype: Optional[str] = None,
+def _cache_format(config: ModelConfig, dtype, caller: str, key_format: Optional[str] = None,
+                  value_format: Optional[str] = None, key_dtype: Optional[str] = None,
                   value_dtype: Optional[str] = None, **options) -> CacheFormat:
+    key_format, value_format = format_arguments(key_format, value_format, key_dtype, value_dtype)
     if dtype is None:
-        if key_dtype is None or value_dtype is None:   # the default decides the answer
+        if key_format is None or value_format is None:   # the default decides the answer
             default_changed(f"{caller}'s dtype", "'fp16'", "'fp32', as for model.new_cache",
                             stacklevel=4)
         dtype = "fp32"
-    return CacheFormat.make(config.head_dim, dtype, key=key_dtype, value=value_dtype, **options)
+    return CacheFormat.make(config.head_dim, dtype, key=key_format, value=value_format,
+                            **options)
 
 
 # [quote ch02-kv-bytes-per-token-and-kv-cache-bytes]
 def kv_bytes_per_token(config: ModelConfig, dtype: Union[None, str, CacheFormat] = None,
                        **format_options) -> int:
     """Bytes one token adds to the cache, over all layers, K and V (scales and zero points
-    included). dtype and format_options (key_dtype, value_dtype, group, key_group,
+    included). dtype and format_options (key_format, value_format, group, key_group,
     value_group) as for model.new_cache: fp32 if unset."""
     fmt = _cache_format(config, dtype, "kv_bytes_per_token", **format_options)
     return config.n_layers * fmt.row_bytes(config.n_kv_heads, config.head_dim)
@@ -83,7 +89,7 @@ def kv_cache_bytes(config: ModelConfig, seq_len: int, batch: int = 1,
                    dtype: Union[None, str, CacheFormat] = None, **format_options) -> int:
     """Bytes of K and V for `batch` requests of `seq_len` tokens each: exactly what
     model.new_cache(seq_len, dtype, ...) allocates per request, with the same default
-    (fp32). format_options: key_dtype, value_dtype, group, key_group, value_group, window."""
+    (fp32). format_options: key_format, value_format, group, key_group, value_group, window."""
     seq_len = arguments.count(seq_len, "seq_len", arguments.INT64_MAX)
     batch = arguments.count(batch, "batch", arguments.INT64_MAX)
     fmt = _cache_format(config, dtype, "kv_cache_bytes", **format_options)
@@ -96,7 +102,7 @@ def kv_cache_bytes(config: ModelConfig, seq_len: int, batch: int = 1,
 
 
 def weights_bytes(config: ModelConfig, dtype: str = "fp16") -> int:
-    """Bytes of the model's weights stored in dtype: a cache dtype name (every parameter
+    """Bytes of the model's weights stored in dtype: fp32, fp16 or bf16 (every parameter
     that many bytes), or a block format of kvlab.weight_formats: "q8_0" (34 bytes per 32),
     "q4_0" (18 per 32) or "q4_1" (20 per 32)."""
     if dtype in weight_formats.BLOCK_FORMATS:

@@ -107,7 +107,7 @@ class CacheFormat:
         key, value = key or dtype, value or dtype
         for name in (key, value):
             if not isinstance(name, str) or name not in FORMATS:
-                raise ValueError(f"unknown cache dtype {name!r}; known: {', '.join(FORMATS)}")
+                raise ValueError(f"unknown cache format {name!r}; known: {', '.join(FORMATS)}")
         grouped = [name for name in (key, value) if name not in ("fp32", "fp16", "bf16")]
         if group not in (None, 0) and not grouped:
             raise ValueError(f"{key} has no groups: leave the group size unset (got {group!r})")

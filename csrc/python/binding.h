@@ -64,6 +64,10 @@ int kv_py_length_arg(PyObject *arg, const char *what, long long *out);
  * never arrives as True or as an OverflowError in C's words. 0 if all are, else -1. */
 int kv_py_int_arguments(PyObject *args, PyObject *kwds, const char *format, char **kwlist);
 
+/* A DeprecationWarning that `old` is now spelled `new_name`, in kvlab.deprecation.renamed's
+ * words, pointing at the caller's line: 0, or -1 if the warning was turned into an error. */
+int kv_py_warn_renamed(const char *old, const char *new_name);
+
 /* The core's interrupt check (kv_set_interrupt_check) during a call that released the
  * GIL: arg is the PyThreadState * that Py_BEGIN_ALLOW_THREADS saved (&_save). */
 int kv_py_signals_pending(void *arg);

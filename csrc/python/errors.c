@@ -96,6 +96,12 @@ int kv_py_int_arguments(PyObject *args, PyObject *kwds, const char *format, char
     return 0;
 }
 
+int kv_py_warn_renamed(const char *old, const char *new_name) {
+    /* kvlab.deprecation.renamed's words, so that the same filters catch both */
+    return PyErr_WarnFormat(PyExc_DeprecationWarning, 1, "%s is deprecated and goes in the "
+                            "next release: use %s", old, new_name);
+}
+
 PyObject *kv_py_raise_with_number(const char *before, double value, const char *after) {
     char number[64];
     PyOS_snprintf(number, sizeof number, "%.17g", value);

@@ -126,6 +126,14 @@ static PyObject *pool_get_format(PoolObject *self, void *closure) {
     return kv_py_format_name((closure ? &self->pool.value : &self->pool.key)->format);
 }
 
+/* key_dtype and value_dtype: the old names of key_format and value_format, one release */
+static PyObject *pool_get_old_format(PoolObject *self, void *closure) {
+    if (kv_py_warn_renamed(closure ? "PagedPool.value_dtype" : "PagedPool.key_dtype",
+                           closure ? "PagedPool.value_format" : "PagedPool.key_format") < 0)
+        return NULL;
+    return pool_get_format(self, closure);
+}
+
 static PyObject *pool_get_group(PoolObject *self, void *closure) {
     return PyLong_FromLong((closure ? &self->pool.value : &self->pool.key)->group);
 }
@@ -343,8 +351,14 @@ static PyGetSetDef pool_getset[] = {
      KV_PY_PART(1, KV_PY_SCALES)},
     {"value_zeros", (getter)pool_get_part, NULL, "As key_zeros, for V.",
      KV_PY_PART(1, KV_PY_ZEROS)},
-    {"key_dtype", (getter)pool_get_format, NULL, "Element format of the keys.", NULL},
-    {"value_dtype", (getter)pool_get_format, NULL, "Element format of the values.", (void *)1},
+    {"key_format", (getter)pool_get_format, NULL,
+     "Element format of the keys: fp32, fp16, bf16, int8, int4 or fp8 (with key_group and\n"
+     "window, the pool's cache format).", NULL},
+    {"value_format", (getter)pool_get_format, NULL, "Element format of the values.", (void *)1},
+    {"key_dtype", (getter)pool_get_old_format, NULL,
+     "Deprecated: the old name of key_format (warns; goes in the next release).", NULL},
+    {"value_dtype", (getter)pool_get_old_format, NULL,
+     "Deprecated: the old name of value_format (warns; goes in the next release).", (void *)1},
     {"key_group", (getter)pool_get_group, NULL, "Key values per scale (0: no scales).", NULL},
     {"value_group", (getter)pool_get_group, NULL, "Value values per scale.", (void *)1},
     {"window", (getter)pool_get_window, NULL,
