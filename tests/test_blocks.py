@@ -206,3 +206,27 @@ def test_a_cut_block_written_once_it_is_no_longer_shared_leaves_the_prefix_cache
     pool.check()
     again = pool.new_sequence()
     assert pool.reuse_prefix(again, [1, 2, 4, 4, 9]) == 2   # the first block only: 4 4 is gone
+
+
+def test_the_refusals_state_the_cores_limits_as_they_are():
+    """Issue 36: BlockManager's refusal said block_size at most 256 long after the core took
+    4096; the block manager's and the pool's limits are now one sentence (binding.h), with
+    the block size written from KV_MAX_BLOCK_SIZE itself."""
+    most = core.MAX_BLOCK_SIZE
+    assert core.BlockManager(2, most).block_size == most      # the largest is taken
+    for make in (lambda: core.BlockManager(2, most + 1),
+                 lambda: core.PagedPool(1, 1, 8, 2, most + 1)):
+        with pytest.raises(ValueError, match=rf"block_size at most {most}, num_blocks at most "
+                                             r"2\*\*24 \(and num_blocks \* block_size at most "
+                                             r"2\*\*32\)") as error:
+            make()
+        assert "at most 256" not in str(error.value)
+    # the binding's own range checks share one wording, kvlab.arguments' (at least / at most)
+    for make in (lambda: core.BlockManager(2, 4, hash_bits=0),
+                 lambda: core.PagedPool(1, 1, 8, 2, 4, hash_bits=0)):
+        with pytest.raises(ValueError, match=r"^hash_bits must be at least 1, got 0$"):
+            make()
+    with pytest.raises(ValueError, match=r"^hash_bits must be at most 64, got 65$"):
+        core.BlockManager(2, 4, hash_bits=65)
+    with pytest.raises(ValueError, match=r"^max_seqs must be at least -2,?147,?483,?648"):
+        core.BlockManager(2, 4, max_seqs=-2**31 - 1)          # was "at most 2147483647"

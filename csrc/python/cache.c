@@ -68,8 +68,8 @@ static int cache_init(CacheObject *self, PyObject *args, PyObject *kwds) {
         kv_py_raise(status, NULL);
     else if (!kv_py_group_refused(&format, head_dim))
         kv_py_raise(status, "KVCache(n_layers=%d, n_kv_heads=%d, head_dim=%d, capacity=%d, "
-                    "window=%d) is refused: sizes must be positive (n_layers up to 4096, "
-                    "n_kv_heads * head_dim up to 65536, capacity up to 2**28) and the window "
+                    "window=%d) is refused: sizes must be positive (" KV_PY_STORE_LIMITS
+                    ", capacity up to 2**28) and the window "
                     "between 0 and capacity", n_layers, n_kv_heads, head_dim, capacity, window);
     return -1;
 }

@@ -35,10 +35,8 @@ static PyObject *py_sample(PyObject *module, PyObject *args, PyObject *kwds) {
     npy_intp n = PyArray_DIM(logits, 0);
     /* the scratch kv_sample needs grows with n: bounded so that its size fits an int */
     int most = (int)(INT32_MAX / kv_sample_scratch_bytes(1));
-    if (n < 1 || n > most) {
+    if (kv_py_int_in("len(logits)", n, 1, most, NULL) < 0) {
         Py_DECREF(logits);
-        PyErr_Format(PyExc_ValueError, "logits must hold 1 to %d values, got %zd", most,
-                     (Py_ssize_t)n);
         return NULL;
     }
     void *scratch = PyMem_Malloc(kv_sample_scratch_bytes((int)n));
@@ -140,12 +138,10 @@ static PyObject *py_set_num_threads(PyObject *module, PyObject *arg) {
     if (n == -1 && PyErr_Occurred()) return NULL;
     /* More threads than a few per core only slow a call down, and OpenMP may end the whole
      * process when it cannot create them: refuse them here, with the bound. */
-    long cores = kv_available_cores(), most = 4 * cores;
-    if (n < 1 || n > most) {
-        PyErr_Format(PyExc_ValueError, "number of threads must be 1..%ld (4 per core, %ld "
-                     "cores here), got %ld", most, cores, n);
-        return NULL;
-    }
+    long cores = kv_available_cores();
+    char why[64];
+    PyOS_snprintf(why, sizeof why, "4 per core, %ld cores here", cores);
+    if (kv_py_int_in("number of threads", n, 1, 4 * cores, why) < 0) return NULL;
     kv_set_num_threads((int)n);
     Py_RETURN_NONE;
 }

@@ -68,10 +68,8 @@ static int pool_init(PoolObject *self, PyObject *args, PyObject *kwds) {
         PyErr_SetString(PyExc_RuntimeError, "PagedPool is already initialized");
         return -1;
     }
-    if (hash_bits < 1 || hash_bits > 64) {   /* the binding's own knob (tests narrow hashes) */
-        PyErr_Format(PyExc_ValueError, "hash_bits must be between 1 and 64, got %d", hash_bits);
-        return -1;
-    }
+    /* the binding's own knob (tests narrow hashes) */
+    if (kv_py_int_in("hash_bits", hash_bits, 1, 64, NULL) < 0) return -1;
     if (max_blocks_per_seq == 0) max_blocks_per_seq = num_blocks;
     kv_cache_format format;
     if (kv_py_make_format(&format, key_name, value_name, key_group, value_group, window) < 0)
@@ -89,12 +87,9 @@ static int pool_init(PoolObject *self, PyObject *args, PyObject *kwds) {
     else if (!kv_py_group_refused(&format, head_dim))
         kv_py_raise(status, "PagedPool(n_layers=%d, n_kv_heads=%d, head_dim=%d, num_blocks=%d, "
                     "block_size=%d, max_seqs=%d, max_blocks_per_seq=%d, window=%d) is refused: "
-                    "sizes must be positive, block_size at most %d, num_blocks at most 2**24 "
-                    "(and num_blocks * block_size at most 2**32), "
-                    "max_seqs at most 2**20, max_seqs * max_blocks_per_seq at most 2**28 "
-                    "(n_layers up to 4096, n_kv_heads * head_dim up to 65536) and the window "
-                    "between 0 and 2**20", n_layers, n_kv_heads, head_dim, num_blocks,
-                    block_size, max_seqs, max_blocks_per_seq, window, KV_MAX_BLOCK_SIZE);
+                    "sizes must be positive, " KV_PY_BLOCKS_LIMITS " (" KV_PY_STORE_LIMITS
+                    ") and the window between 0 and 2**20", n_layers, n_kv_heads, head_dim,
+                    num_blocks, block_size, max_seqs, max_blocks_per_seq, window);
     return -1;
 }
 
