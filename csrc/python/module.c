@@ -1,6 +1,8 @@
 /* module.c: the module kvlab._kvlab itself: its functions (sampling one row, the
- * quantization formats on their own, threads, kernel tiers, bandwidth measurements), the
- * COUNTERS names, and PyInit__kvlab, which imports NumPy's C API for every file.
+ * quantization formats on their own, threads, kernel tiers, bandwidth measurements), its
+ * constants (MAX_BLOCK_SIZE, TOKEN_CHUNK, the COUNTERS names, HAS_OPENMP), and
+ * PyInit__kvlab, which imports NumPy's C API for every file and adds the five types the
+ * other files define (cache.c, model.c, blocks.c, pool.c).
  */
 #define KV_PY_IMPORTS_NUMPY   /* this file defines NumPy's API table: see binding.h */
 #include "binding.h"
@@ -9,6 +11,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "ops.h"        /* KV_TOKEN_CHUNK */
 #include "sampling.h"
 #include "store.h"
 
@@ -265,7 +268,11 @@ static PyMethodDef module_methods[] = {
 static struct PyModuleDef kvlab_module = {
     PyModuleDef_HEAD_INIT,
     .m_name = "_kvlab",
-    .m_doc = "kvlab's C core: Model and KVCache. Use the kvlab package rather than this module.",
+    .m_doc = "kvlab's C core: its five types, Model, KVCache (one sequence's contiguous cache),\n"
+             "BlockManager (a block pool's tables, no K or V), PagedPool (a BlockManager with\n"
+             "K/V stores in host memory) and PagedSequence (a handle to one of a pool's\n"
+             "sequences), the module functions below, and the constants MAX_BLOCK_SIZE,\n"
+             "TOKEN_CHUNK, COUNTERS and HAS_OPENMP. Use the kvlab package rather than this module.",
     .m_size = -1,
     .m_methods = module_methods,
 };
@@ -310,6 +317,7 @@ PyMODINIT_FUNC PyInit__kvlab(void) {
         PyModule_AddObjectRef(module, "BlockManager", (PyObject *)&kv_py_blocks_type) < 0 ||
         PyModule_AddObjectRef(module, "PagedPool", (PyObject *)&kv_py_pool_type) < 0 ||
         PyModule_AddIntConstant(module, "MAX_BLOCK_SIZE", KV_MAX_BLOCK_SIZE) < 0 ||
+        PyModule_AddIntConstant(module, "TOKEN_CHUNK", KV_TOKEN_CHUNK) < 0 ||
         PyModule_AddObjectRef(module, "PagedSequence", (PyObject *)&kv_py_sequence_type) < 0 ||
         add_counter_names(module) < 0 ||
 #ifdef _OPENMP
