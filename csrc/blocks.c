@@ -29,7 +29,7 @@
 #define ROOT_HASH 0x6b766c6162ULL  /* the "parent hash" of a sequence's first block */
 
 static int blocks_for(const kv_blocks *p, int length) {
-    return (length + p->block_size - 1) / p->block_size;
+    return (int)kv_ceil_div(length, p->block_size);
 }
 
 /* ---- setup --------------------------------------------------------------------------- */

@@ -141,7 +141,7 @@ static void four_rows_block(const four_rows *f, const float *x, int first, int c
     size_t stride = (size_t)in_dim;
     int n8 = in_dim & ~7, n_triples = chunk / 3;
     int panel = in_dim > 2 * PANEL ? PANEL : n8;
-    int n_panels = n8 > 0 ? (n8 + panel - 1) / panel : 0;
+    int n_panels = n8 > 0 ? (int)kv_ceil_div(n8, panel) : 0;
     /* While these four rows work through the chunk's tokens, the next four rows are
      * fetched, a slice before each call of the kernel: at their first use they would
      * otherwise come from memory, one stall after another. */

@@ -191,7 +191,7 @@ kv_status kv_pool_swap_in(kv_pool *pool, const void *host, size_t size, int *seq
         return KV_ERR_INVALID_ARG;
     /* Everything that could refuse, before anything changes. */
     int block_size = blocks->block_size;
-    int n_blocks = (int)(((int64_t)h.length + block_size - 1) / block_size);
+    int n_blocks = (int)kv_ceil_div(h.length, block_size);
     if (n_blocks > blocks->max_blocks_per_seq) return KV_ERR_TABLE_FULL;
     if (n_blocks > kv_blocks_available(blocks)) return KV_ERR_OUT_OF_BLOCKS;
     int free_slot = 0;

@@ -22,6 +22,7 @@ import dataclasses
 from typing import Dict, Optional, Tuple, Union
 
 from . import arguments, weight_formats
+from .blocks import blocks_for
 from ._core import core
 from .config import ModelConfig
 from .counts import Counts  # noqa: F401 (re-exported: kvlab.measure.Counts)
@@ -367,7 +368,7 @@ def measure_memory(model, context: int, batch: int = 1, cache: str = "contiguous
             caches = [model.new_cache(context) for _ in range(batch)]
             targets, allocated = caches, sum(c.nbytes for c in caches)
         else:
-            blocks = batch * -(-context // block_size)
+            blocks = batch * blocks_for(context, block_size)
             pool = model.new_paged_pool(blocks, block_size, max_seqs=max(batch, 1))
             targets, allocated = [pool.new_sequence() for _ in range(batch)], pool.nbytes
         created = resident_bytes()

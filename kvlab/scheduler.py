@@ -42,6 +42,7 @@ from typing import Any, Deque, Dict, List, Optional, Protocol, Tuple
 
 
 from . import arguments
+from .blocks import blocks_for
 from .deprecation import renamed
 from .sampling import MIN_TEMPERATURE, check_sampling_args, check_seed  # noqa: F401 (MIN_TEMPERATURE re-exported)
 
@@ -394,9 +395,6 @@ class Scheduler:
         return budget, reserved
 
 
-def blocks_for(n_tokens: int, block_size: int) -> int:
-    return -(-n_tokens // block_size)
-
 
 def requests_fit(prompt_len: int, params: SamplingParams, block_size: int, num_blocks: int,
                  max_blocks_per_seq: int) -> Optional[str]:
@@ -413,4 +411,3 @@ def requests_fit(prompt_len: int, params: SamplingParams, block_size: int, num_b
                 f"samples needs up to {params.n * longest} blocks of {block_size}; the pool "
                 f"has {num_blocks}")
     return None
-

@@ -230,3 +230,17 @@ def test_the_refusals_state_the_cores_limits_as_they_are():
         core.BlockManager(2, 4, hash_bits=65)
     with pytest.raises(ValueError, match=r"^max_seqs must be at least -2,?147,?483,?648"):
         core.BlockManager(2, 4, max_seqs=-2**31 - 1)          # was "at most 2147483647"
+
+
+def test_python_counts_blocks_as_the_core_does():
+    """kvlab.blocks.blocks_for, the one Python ceiling division of a length into blocks (the
+    scheduler's, kvlab.measure's), agrees with the block manager's own count."""
+    from kvlab.blocks import blocks_for
+    from kvlab import scheduler
+    assert scheduler.blocks_for is blocks_for and blocks_for(0, 16) == 0
+    for block_size in (1, 3, 16, core.MAX_BLOCK_SIZE):
+        blocks = core.BlockManager(64, block_size)
+        seq = blocks.new_sequence()
+        for n in (1, block_size - 1, block_size, block_size + 1, 5 * block_size + 2):
+            if n > 0 and blocks_for(n, block_size) <= 64:
+                assert blocks.blocks_needed(seq, n) == blocks_for(n, block_size), (n, block_size)

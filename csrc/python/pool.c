@@ -8,6 +8,8 @@
  */
 #include "binding.h"
 
+#include "common.h"     /* kv_ceil_div */
+
 int kv_py_pool_ready(PoolObject *self) {
     if (kv_py_blocks_ready(&self->base) < 0) return -1;
     if (self->pool.key.codes == NULL) {
@@ -303,7 +305,7 @@ static PyObject *pool_swap_in(PoolObject *self, PyObject *arg) {
     /* the header's length, for the messages: the core refuses for room only after checking
      * the header */
     int length = kv_swap_length(data, size);
-    int needed = length < 0 ? 0 : (int)(((int64_t)length + p->block_size - 1) / p->block_size);
+    int needed = length < 0 ? 0 : (int)kv_ceil_div(length, p->block_size);
     switch (status) {
         case KV_OK: return kv_py_new_sequence_handle(&self->base, seq);
         case KV_ERR_INVALID_ARG:
