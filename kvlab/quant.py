@@ -1,4 +1,5 @@
-"""Cache quantization formats in plain NumPy: the reference the C core must match.
+"""Cache quantization formats in plain NumPy: the specification of the cache formats' codes,
+which the C core (csrc/quant.c) must match bit for bit.
 
 "Cache quantization is the same core idea as model quantization, applied to the cache":
 store K and V in fewer bits, and pay in precision. Each format here maps float32 rows to
