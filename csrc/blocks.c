@@ -1,5 +1,5 @@
 /* [quote ch04-the-design] */
-/* blocks.c: the block manager of the paged KV cache: block tables, reference counts,
+/* blocks.c: the block manager of the paged pool: block tables, reference counts,
  * copy-on-write, prefix caching. No K or V here.
  *
  * A contiguous cache reserves max_seq_len positions per request up front; a paged pool

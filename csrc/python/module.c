@@ -269,10 +269,11 @@ static struct PyModuleDef kvlab_module = {
     PyModuleDef_HEAD_INIT,
     .m_name = "_kvlab",
     .m_doc = "kvlab's C core: its five types, Model, KVCache (one sequence's contiguous cache),\n"
-             "BlockManager (a block pool's tables, no K or V), PagedPool (a BlockManager with\n"
-             "K/V stores in host memory) and PagedSequence (a handle to one of a pool's\n"
+             "BlockManager (a paged pool's bookkeeping, no K or V), PagedPool (a BlockManager\n"
+             "with K/V stores in host memory) and PagedSequence (a handle to one of a pool's\n"
              "sequences), the module functions below, and the constants MAX_BLOCK_SIZE,\n"
-             "TOKEN_CHUNK, COUNTERS and HAS_OPENMP. Use the kvlab package rather than this module.",
+             "TOKEN_CHUNK, COUNTERS and HAS_OPENMP. Use the kvlab package rather than this\n"
+             "module.",
     .m_size = -1,
     .m_methods = module_methods,
 };

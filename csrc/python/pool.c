@@ -1,4 +1,4 @@
-/* pool.c: PagedPool, the paged KV cache on the CPU (kv_pool): a BlockManager (blocks.c),
+/* pool.c: PagedPool, the paged pool on the CPU (kv_pool): a BlockManager (blocks.c),
  * whose methods it inherits, with the C core's K/V stores behind its blocks.
  *
  * What is a pool's own: its rows (key_codes ... value_zeros, append, gather, swap_out and
@@ -405,7 +405,7 @@ PyTypeObject kv_py_pool_type = {
                         "          max_seqs=256, max_blocks_per_seq=num_blocks, hash_bits=64,\n"
                         "          key_format='fp32', value_format='fp32', key_group=0,\n"
                         "          value_group=0, window=0, prefix_cache=True)\n\n"
-                        "A paged KV cache: one pool of fixed-size blocks shared by many\n"
+                        "A paged pool: fixed-size blocks of K and V shared by many\n"
                         "sequences. Usually made with model.new_paged_pool(...)."),
     .tp_base = &kv_py_blocks_type,
     .tp_basicsize = sizeof(PoolObject),
