@@ -43,12 +43,6 @@ def _element_bytes(dtype: str) -> int:
         raise ValueError(f"unknown dtype {dtype!r}; known: {sorted(BYTES_PER_ELEMENT)}") from None
 
 
-def _whole(name: str, value, least: int, most: int = arguments.C_INT_MAX) -> int:
-    """Refuse, naming the argument, a count that is not an integer from `least` to `most`
-    (a bool, 2.0, NaN: kvlab.arguments' TypeError, also a ValueError)."""
-    return arguments.integer(value, name, least, most)
-
-
 def cache_format(config: ModelConfig, dtype: Union[None, str, CacheFormat] = None, *,
                  key_format: Optional[str] = None, value_format: Optional[str] = None,
                  group: Optional[int] = None, key_group: Optional[int] = None,
@@ -146,8 +140,8 @@ def chunk_length(config: ModelConfig, start_pos: int, n_tokens: int) -> int:
     """How many of n_tokens new tokens at start_pos.. one chunk of a forward call runs (the
     C core's rule, to the bit): as many as fit in CHUNK_FLOPS of work, at least CHUNK_MIN.
     Every chunk but the last has this length; calls with less work run in one piece."""
-    start_pos = _whole("start_pos", start_pos, 0, arguments.INT64_MAX)
-    n_tokens = _whole("n_tokens", n_tokens, 1)
+    start_pos = arguments.count(start_pos, "start_pos", arguments.INT64_MAX)
+    n_tokens = arguments.positive(n_tokens, "n_tokens")
     c = config
     q_dim, kv_dim = float(c.n_heads * c.head_dim), float(c.n_kv_heads * c.head_dim)
     per_token = (2.0 * c.n_layers * (float(c.dim) * (2.0 * q_dim + 2.0 * kv_dim)
@@ -167,8 +161,8 @@ def forward_counts(config: ModelConfig, n_tokens: int, start_pos: int = 0,
     fp32): attention reads each position as stored, except the residual window's in
     float32, and writes each new row as stored plus the window's float32 copy. `weights`:
     the matrices' formats by name (Weights.formats), float32 where not named."""
-    n_tokens = _whole("n_tokens", n_tokens, 1)
-    start_pos = _whole("start_pos", start_pos, 0, arguments.INT64_MAX)
+    n_tokens = arguments.positive(n_tokens, "n_tokens")
+    start_pos = arguments.count(start_pos, "start_pos", arguments.INT64_MAX)
     c, T = config, n_tokens
     cache = cache or CacheFormat()
     per_layer_proj = c.dim * c.q_dim + 2 * c.dim * c.kv_dim + c.q_dim * c.dim
@@ -232,9 +226,9 @@ def scratch_bytes(config: ModelConfig, n_tokens: int, n_threads: int = 1,
     chunk of tokens through every layer would need the earlier chunks' K and V of every
     layer, so it goes layer by layer over all the tokens). cached=True takes only
     "all_layers", as Model.forward does."""
-    n_tokens = _whole("n_tokens", n_tokens, 1)
-    n_threads = _whole("n_threads", n_threads, 1)
-    start_pos = _whole("start_pos", start_pos, 0, arguments.INT64_MAX)
+    n_tokens = arguments.positive(n_tokens, "n_tokens")
+    n_threads = arguments.positive(n_threads, "n_threads")
+    start_pos = arguments.count(start_pos, "start_pos", arguments.INT64_MAX)
     if uncached_kv not in ("all_layers", "one_layer"):
         raise ValueError(f"uncached_kv must be all_layers or one_layer, got {uncached_kv!r}")
     if cached and uncached_kv != "all_layers":      # as Model.forward refuses it
@@ -267,8 +261,8 @@ def generation_counts(config: ModelConfig, prompt_len: int, new_tokens: int,
                       use_cache: bool = True) -> Counts:
     """The work of kvlab.generate: with the cache, one prefill of the prompt and one
     decode per further token; without it, the whole sequence from scratch every step."""
-    prompt_len = _whole("prompt_len", prompt_len, 1)
-    new_tokens = _whole("new_tokens", new_tokens, 1)
+    prompt_len = arguments.positive(prompt_len, "prompt_len")
+    new_tokens = arguments.positive(new_tokens, "new_tokens")
     total = Counts()
     for step in range(new_tokens):
         if not use_cache:
@@ -441,7 +435,7 @@ def per_token_saving(config: ModelConfig, position: int) -> float:
     """Share of one step's FLOPs that the cache saves when generating the token at
     `position` (0-based): the uncached step reruns all position + 1 tokens, the cached
     step only the newest. About 1 - 1/(position + 1): 75 % at position 3, 90 % at 9."""
-    position = _whole("position", position, 0, arguments.INT64_MAX)
+    position = arguments.count(position, "position", arguments.INT64_MAX)
     cached = forward_counts(config, 1, position).flops
     uncached = forward_counts(config, position + 1, 0).flops
     return 1.0 - cached / uncached
