@@ -118,9 +118,10 @@ static void kernel_4x1(const four_rows *f, int t, const float *x, int in_dim) {
 }
 
 /* Tokens are taken TOKEN_CHUNK (ops.h's KV_TOKEN_CHUNK, 48) at a time, so that a chunk of x
- * (48 tokens x 4 KiB for dim 1024) stays in the L2 cache while every row of w passes over
+ * (192 KiB of them for dim 1024) stays in the L2 cache while every row of w passes over
  * it. A weight matrix larger than the caches is therefore streamed from memory once per
- * chunk: once per decode step of up to 48 sequences, several times for a long prompt. */
+ * chunk: once per decode step of up to TOKEN_CHUNK sequences, several times for a long
+ * prompt. */
 #define TOKEN_CHUNK KV_TOKEN_CHUNK
 /* Rows longer than twice this are taken PANEL columns at a time: four rows of 2,048 floats
  * (32 KiB) would not stay in the L1 cache while three tokens' columns stream past them;
