@@ -51,7 +51,7 @@ def format_arguments(key_format: Optional[str], value_format: Optional[str],
                      key_dtype: Optional[str], value_dtype: Optional[str]):
     """(key_format, value_format), each given under its name or its old one (key_dtype,
     value_dtype), wherever a cache format is described: model.cache_format (so new_cache,
-    new_paged_pool, generate and the Engine) and kvlab.measure."""
+    new_paged_pool and generate) and kvlab.measure."""
     return (renamed_argument("the cache-format argument", "key_dtype", key_dtype,
                              "key_format", key_format),
             renamed_argument("the cache-format argument", "value_dtype", value_dtype,
