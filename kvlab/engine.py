@@ -64,7 +64,6 @@ from __future__ import annotations
 import collections.abc
 import dataclasses
 import os
-import signal
 import threading
 import time
 from pathlib import Path
@@ -75,11 +74,12 @@ import numpy as np
 from . import arguments
 from .block_events import BlockTracer
 from .engine_outputs import (CompletionOutput, FinishedOutputs, RequestMetrics,  # noqa: F401
-                             RequestOutput, StepResult)
+                             RequestOutput, StepResult, request_output)
 from .errors import ContextLengthError
+from .held_interrupt import HeldCtrlC
 from .model import Model, as_token_array
-from .paged import PagedPool, PoolViews
-from .pool_space import PoolSpace
+from .paged import PagedPool
+from .pool_space import PoolSpace, check_swap, pool_for
 from .quant import CacheFormat
 from .sampling import sample as sample_token
 from .scheduler import (Request, SamplingParams, ScheduledStep, Scheduler, Sequence, State,
@@ -122,30 +122,6 @@ class _Outcome:
     interrupt: Optional[KeyboardInterrupt] = None    # raised by a call: raised at the end
 
 
-class _HeldCtrlC:
-    """Holds a SIGINT that arrives inside the with block until the block's end, then
-    gives it to the handler there was (Python's raises KeyboardInterrupt). Only
-    in the main thread, where Python runs signal handlers, and over a Python handler."""
-
-    def __enter__(self) -> "_HeldCtrlC":
-        self.pending, self.handler = False, None
-        if threading.current_thread() is threading.main_thread():
-            handler = signal.getsignal(signal.SIGINT)
-            if callable(handler):
-                self.handler = handler
-                signal.signal(signal.SIGINT, self._hold)
-        return self
-
-    def _hold(self, signum, frame) -> None:
-        self.pending = True
-
-    def __exit__(self, *exc_info) -> None:
-        if self.handler is not None:
-            signal.signal(signal.SIGINT, self.handler)
-            if self.pending:
-                self.handler(signal.SIGINT, None)
-
-
 class Engine:
     """Continuous batching of many requests over one paged pool (see the module text:
     a step in three phases, what an interrupt and an error do).
@@ -185,7 +161,7 @@ class Engine:
         if speculate is not None:
             draft_tokens = arguments.positive(draft_tokens, "draft_tokens")
             check_drafter(model, speculate, draft_tokens)
-        pool = _pool_for(model, pool, num_blocks, block_size, dtype)
+        pool = pool_for(model, pool, num_blocks, block_size, dtype)
         if speculate is not None and getattr(pool, "window", 0):
             raise ValueError("speculation rolls rejected drafts back with pool.truncate: it "
                              "needs a pool without a residual window")
@@ -203,7 +179,7 @@ class Engine:
                                    min(max_batch_seqs or pool.max_seqs, pool.max_seqs),
                                    preemption)    # checks preemption's value
         self.preemption = preemption
-        self.swap_space = _check_swap(pool, preemption, swap_space)
+        self.swap_space = check_swap(pool, preemption, swap_space)
         self.space = PoolSpace(pool, self.swap_space, self._swapped_bytes)
         self.requests: Dict[int, Request] = {}
         self.metrics: List[StepResult] = []
@@ -226,7 +202,7 @@ class Engine:
         during a step); its latencies count from then."""
         with self._lock:
             request = self._new_request(prompt, params, arrival_time)
-            with _HeldCtrlC():         # known and queued, or neither
+            with HeldCtrlC():         # known and queued, or neither
                 self._next_id += 1
                 self.requests[request.id] = request
                 self.scheduler.add(request)
@@ -297,7 +273,7 @@ class Engine:
             if self._tracer is not None:
                 self._tracer.deliver()        # between steps: a sink that raises stops here
             started, number = time.perf_counter(), self.scheduler.step_count
-            with _HeldCtrlC():                             # a Ctrl-C waits for the end
+            with HeldCtrlC():                             # a Ctrl-C waits for the end
                 failed = self._propose(number)             # plan: drafts, then who runs
                 plan = self.scheduler.plan(self.space)
                 outcome = self._run(plan, number)          # the pool, forward_batch, tokens
@@ -599,20 +575,8 @@ class Engine:
         finish_reason). Asking for one not finished yet raises a KeyError that says so."""
         done = FinishedOutputs({rid: r.state for rid, r in self.requests.items()})
         for request in self.requests.values():
-            if request.state is not State.FINISHED:
-                continue
-            outputs = [CompletionOutput(s.index, list(s.outputs),
-                                        (self.model.decode_text(s.outputs)
-                                         if self.model.tokenizer is not None else ""),
-                                        s.finish_reason, s.stats)
-                       for s in request.samples]
-            total = (SpeculationStats.total([o.speculation for o in outputs], self.draft_tokens)
-                     if self.speculate is not None else None)
-            finished_at = request.arrived if request.finished_at is None else request.finished_at
-            metrics = RequestMetrics(request.arrived, request.first_token_at, finished_at,
-                                     max(len(o.tokens) for o in outputs))
-            done[request.id] = RequestOutput(request.id, request.prompt, outputs,
-                                             request.preemptions, total, metrics)
+            if request.state is State.FINISHED:
+                done[request.id] = request_output(request, self.model, self.draft_tokens)
         return done
 
     @property
@@ -679,53 +643,3 @@ def _fail(request: Request, why: str) -> None:
     for s in request.samples:
         if not s.finished:
             s.finished, s.finish_reason = True, why
-
-
-def _pool_for(model: Model, pool, num_blocks, block_size, dtype):
-    """The pool given, checked, or one made with num_blocks, block_size and dtype."""
-    if pool is None:
-        if num_blocks is None:
-            raise TypeError("Engine needs a pool, or num_blocks (with block_size and "
-                            "dtype if not 16 and fp32) to make one")
-        pool = model.new_paged_pool(num_blocks, 16 if block_size is None else block_size,
-                                    "fp32" if dtype is None else dtype)
-    elif (num_blocks, block_size, dtype) != (None, None, None):
-        raise TypeError("the pool given fixes num_blocks, block_size and dtype: pass "
-                        "either a pool or those, not both")
-    _check_pool_fits(model, pool)
-    return pool
-
-
-def _check_swap(pool, preemption: str, swap_space: Optional[int]) -> Optional[int]:
-    if preemption == "swap" and not callable(getattr(pool, "swap_out", None)):
-        raise ValueError(f"preemption='swap' copies K and V to host memory with "
-                         f"pool.swap_out, which {type(pool).__name__} does not have: use "
-                         f"preemption='recompute'")
-    if swap_space is None:
-        return None
-    if preemption != "swap":
-        raise ValueError("swap_space caps the host copies of preemption='swap'; "
-                         f"this engine preempts by {preemption}")
-    return arguments.positive(swap_space, "swap_space", high=arguments.INT64_MAX)
-
-
-def _check_pool_fits(model: Model, pool: PagedPool) -> None:
-    """Refuse a pool this model cannot run on (every step would raise)."""
-    if not isinstance(pool, PoolViews):
-        raise TypeError(f"pool must be a kvlab.PagedPool (model.new_paged_pool(...)), got "
-                        f"{type(pool).__name__}")
-    where = getattr(pool, "device", "cpu")
-    if where != model.device:
-        raise ValueError(f"this pool keeps its K and V on {where!r} but the model runs on "
-                         f"{model.device!r}: make the pool with model.new_paged_pool")
-    if hasattr(pool, "n_layers"):                      # a GPU pool says so itself
-        shape = (pool.n_layers, pool.n_kv_heads, pool.head_dim)
-    else:                                              # (num_blocks, n_layers, block_size,
-        codes = pool.key_codes                         #  n_kv_heads, per head)
-        per_head = codes.shape[4] * (2 if pool.key_format == "int4" else 1)
-        shape = (codes.shape[1], codes.shape[3], per_head)
-    c = model.config
-    if shape != (c.n_layers, c.n_kv_heads, c.head_dim):
-        raise ValueError(f"this pool holds {shape[0]} layers x {shape[1]} KV heads x {shape[2]}, "
-                         f"but the model needs {c.n_layers} x {c.n_kv_heads} x {c.head_dim}: "
-                         f"make the pool with model.new_paged_pool")

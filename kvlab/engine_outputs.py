@@ -169,3 +169,18 @@ class FinishedOutputs(dict):
             raise KeyError(f"no request {rid!r} was added to this engine")
         raise KeyError(f"request {rid} is not finished yet ({state.value}): step() "
                        f"until it is, or run() to finish every request")
+
+
+def request_output(request, model, draft_tokens: Optional[int]) -> RequestOutput:
+    """A finished request's RequestOutput (its text decoded where the model has a
+    tokenizer; speculation's counts where the engine speculated: draft_tokens not None)."""
+    outputs = [CompletionOutput(s.index, list(s.outputs),
+                                model.decode_text(s.outputs) if model.tokenizer is not None else "",
+                                s.finish_reason, s.stats)
+               for s in request.samples]
+    total = (SpeculationStats.total([o.speculation for o in outputs], draft_tokens)
+             if draft_tokens is not None else None)
+    finished_at = request.arrived if request.finished_at is None else request.finished_at
+    metrics = RequestMetrics(request.arrived, request.first_token_at, finished_at,
+                             max(len(o.tokens) for o in outputs))
+    return RequestOutput(request.id, request.prompt, outputs, request.preemptions, total, metrics)

@@ -3,7 +3,8 @@
 Counts the scheduler plans with (available, needed, freed, sequences_left: questions that
 change nothing), and the pool operations a plan asks for (start, release, swap_out), each
 written so that calling it again after it was interrupted goes on from where the pool is.
-Also the swap space: how many bytes the host copies of swapped-out sequences may hold.
+Also the swap space (how many bytes the host copies of swapped-out sequences may hold), and
+the checks that a pool given to the engine fits its model, on either device.
 
 It is bookkeeping between the scheduler's Sequences and the pool's handles, no more: what a
 step does with them is kvlab.engine's, the pool itself is kvlab.paged's (the CPU pool) or
@@ -17,7 +18,11 @@ from typing import Callable, Optional, Tuple
 
 import numpy as np
 
-from .scheduler import Request, Sequence, blocks_for
+from . import arguments
+from .model import Model
+from .paged import PoolViews
+from .blocks import blocks_for
+from .scheduler import Request, Sequence
 
 
 @dataclasses.dataclass
@@ -135,3 +140,53 @@ class PoolSpace:
             if made and sample.seq is None:
                 sample.seq = made[0]
             self.making = None
+
+
+def pool_for(model: Model, pool, num_blocks, block_size, dtype):
+    """The pool given, checked, or one made with num_blocks, block_size and dtype."""
+    if pool is None:
+        if num_blocks is None:
+            raise TypeError("Engine needs a pool, or num_blocks (with block_size and "
+                            "dtype if not 16 and fp32) to make one")
+        pool = model.new_paged_pool(num_blocks, 16 if block_size is None else block_size,
+                                    "fp32" if dtype is None else dtype)
+    elif (num_blocks, block_size, dtype) != (None, None, None):
+        raise TypeError("the pool given fixes num_blocks, block_size and dtype: pass "
+                        "either a pool or those, not both")
+    check_pool_fits(model, pool)
+    return pool
+
+
+def check_swap(pool, preemption: str, swap_space: Optional[int]) -> Optional[int]:
+    if preemption == "swap" and not callable(getattr(pool, "swap_out", None)):
+        raise ValueError(f"preemption='swap' copies K and V to host memory with "
+                         f"pool.swap_out, which {type(pool).__name__} does not have: use "
+                         f"preemption='recompute'")
+    if swap_space is None:
+        return None
+    if preemption != "swap":
+        raise ValueError("swap_space caps the host copies of preemption='swap'; "
+                         f"this engine preempts by {preemption}")
+    return arguments.positive(swap_space, "swap_space", high=arguments.INT64_MAX)
+
+
+def check_pool_fits(model: Model, pool) -> None:
+    """Refuse a pool this model cannot run on (every step would raise)."""
+    if not isinstance(pool, PoolViews):
+        raise TypeError(f"pool must be a kvlab.PagedPool (model.new_paged_pool(...)), got "
+                        f"{type(pool).__name__}")
+    where = getattr(pool, "device", "cpu")
+    if where != model.device:
+        raise ValueError(f"this pool keeps its K and V on {where!r} but the model runs on "
+                         f"{model.device!r}: make the pool with model.new_paged_pool")
+    if hasattr(pool, "n_layers"):                      # a GPU pool says so itself
+        shape = (pool.n_layers, pool.n_kv_heads, pool.head_dim)
+    else:                                              # (num_blocks, n_layers, block_size,
+        codes = pool.key_codes                         #  n_kv_heads, per head)
+        per_head = codes.shape[4] * (2 if pool.key_format == "int4" else 1)
+        shape = (codes.shape[1], codes.shape[3], per_head)
+    c = model.config
+    if shape != (c.n_layers, c.n_kv_heads, c.head_dim):
+        raise ValueError(f"this pool holds {shape[0]} layers x {shape[1]} KV heads x {shape[2]}, "
+                         f"but the model needs {c.n_layers} x {c.n_kv_heads} x {c.head_dim}: "
+                         f"make the pool with model.new_paged_pool")

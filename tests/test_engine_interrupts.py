@@ -9,11 +9,13 @@ below drives two engines built alike, with the same requests: a reference steppe
 and one whose steps are interrupted at random points, then stepped again. At the end both
 run to completion and every request's tokens must be the same.
 
-Interrupts at every point of a step, three ways, around any call the step makes into its
-collaborators (the model's forward_batch, the drafter, the sampler and draft check, the
-engine's view of the pool and the pool's own methods):
-  * a real SIGINT sent to this process just before or just after the call (what Ctrl-C
-    does: Python raises KeyboardInterrupt at its next check, wherever that is);
+Interrupts at every point of a step, four ways:
+  * a real SIGINT sent to this process at the k-th line kvlab runs in the step (what
+    Ctrl-C does: Python raises KeyboardInterrupt at its next check, wherever that is);
+and around any call the step makes into its collaborators (the model's forward_batch, the
+drafter, the sampler and draft check, the engine's view of the pool and the pool's own
+methods):
+  * a real SIGINT sent just before or just after the call;
   * KeyboardInterrupt raised before the call (it did not happen);
   * KeyboardInterrupt raised after the call returned (it happened, its result is lost), for
     every call but pool.swap_out: the host copy it returns is the only one, and a lost one
@@ -26,7 +28,9 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import time
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -46,7 +50,8 @@ POOL_METHODS = ("new_sequence", "fork", "free", "reuse_prefix", "truncate", "swa
                 "swap_in")
 SPACE_METHODS = ("start", "release", "swap_out")
 ENGINE_FUNCTIONS = ("sample_token", "verify_drafts")
-HOW = ("sigint before", "sigint after", "raise before", "raise after")
+HOW = ("sigint before", "sigint after", "raise before", "raise after", "sigint at line")
+KVLAB = str(Path(kvlab.__file__).parent)
 
 
 class Interrupter:
@@ -59,6 +64,8 @@ class Interrupter:
         def wrapper(*args, **kwargs):
             self.calls += 1
             due = self.calls in self.at
+            if due and self.how == "sigint at line":
+                due = False                       # (trace() counts lines instead)
             if due and self.how == "raise after" and name == "pool.swap_out":
                 due = False                       # (see the module text)
             if due:
@@ -74,6 +81,17 @@ class Interrupter:
                 raise KeyboardInterrupt(f"after call {self.calls} ({name})")
             return result
         return wrapper
+
+    def trace(self, frame, event, arg):
+        """sys.settrace's function: a SIGINT at the chosen lines of kvlab's own code."""
+        if not frame.f_code.co_filename.startswith(KVLAB):
+            return None
+        if event == "line":
+            self.lines = getattr(self, "lines", 0) + 1
+            if self.lines in self.at:
+                self.fired.append((self.lines, f"{frame.f_code.co_name}:{frame.f_lineno}"))
+                os.kill(os.getpid(), signal.SIGINT)
+        return self.trace
 
 
 def interrupted_step(engine, interrupter) -> None:
@@ -92,6 +110,9 @@ def interrupted_step(engine, interrupter) -> None:
     saved = {name: getattr(kvlab.engine, name) for name in ENGINE_FUNCTIONS}
     for name, fn in saved.items():
         setattr(kvlab.engine, name, interrupter.wrap(name, fn))
+    tracer = sys.gettrace()
+    if interrupter.how == "sigint at line":
+        sys.settrace(interrupter.trace)
     try:
         try:
             engine.step()
@@ -102,6 +123,7 @@ def interrupted_step(engine, interrupter) -> None:
     except KeyboardInterrupt:       # one that landed after the first except (rare)
         pass
     finally:
+        sys.settrace(tracer)
         for name, fn in saved.items():
             setattr(kvlab.engine, name, fn)
         for owner, name in patched:
@@ -169,8 +191,10 @@ class InterruptedSampledSpeculation(RuleBasedStateMachine):
             self.engine.step()
             self.reference.step()
 
-    @rule(at=st.lists(st.integers(1, 40), min_size=1, max_size=2), how=st.sampled_from(HOW))
-    def interrupted(self, at, how):
+    @rule(at=st.lists(st.integers(1, 40), min_size=1, max_size=2),
+          how=st.sampled_from(HOW), line=st.integers(1, 2000))
+    def interrupted(self, at, how, line):
+        at = [line] + at if how == "sigint at line" else at
         self.catch_up()
         interrupter = Interrupter(at, how)
         interrupted_step(self.engine, interrupter)
@@ -217,6 +241,40 @@ class InterruptedSampledSpeculation(RuleBasedStateMachine):
 
 
 InterruptedSampledSpeculation.TestCase.settings = settings(
-    max_examples=40, stateful_step_count=12, deadline=None,
+    max_examples=50, stateful_step_count=12, deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 TestInterruptsResumeSampledSpeculationExactly = InterruptedSampledSpeculation.TestCase
+
+
+def test_a_ctrl_c_at_any_line_of_a_step_resumes_exactly():
+    # the sweep the state machine samples from, done in full on one tight workload: a
+    # SIGINT at every 5th line kvlab runs in a step (the step's own code, the scheduler's,
+    # the pool's Python), mid-run, with swapping, forks and sampled speculation
+    model = kvlab.load()
+    text = looping_text(model)
+
+    def engine():
+        made = kvlab.Engine(model, model.new_paged_pool(14, 4, max_seqs=6), max_batch_tokens=12,
+                            speculate=PromptLookup(), draft_tokens=3, preemption="swap")
+        for i in range(3):
+            made.add_request(text[3 * i:3 * i + 16],
+                             SamplingParams(max_new_tokens=8, temperature=0.9, seed=i, n=2))
+        for _ in range(3):
+            made.step()
+        return made
+
+    def tokens(outputs):
+        return {rid: [o.tokens for o in out.outputs] for rid, out in outputs.items()}
+
+    reference = engine()
+    counter = Interrupter([], "sigint at line")
+    interrupted_step(reference, counter)
+    want = tokens(reference.run(progress=False))
+    assert reference.metrics[3].preemptions and counter.lines > 1000
+    for line in range(1, counter.lines + 1, 5):
+        resumed = engine()
+        interrupter = Interrupter([line], "sigint at line")
+        interrupted_step(resumed, interrupter)
+        assert len(interrupter.fired) == 1, line
+        assert len(resumed.metrics) in (3, 4)         # the step happened whole, or not at all
+        assert tokens(resumed.run(progress=False)) == want, interrupter.fired
