@@ -78,7 +78,7 @@ from .engine_outputs import (CompletionOutput, FinishedOutputs, RequestMetrics, 
 from .errors import ContextLengthError
 from .held_interrupt import HeldCtrlC
 from .model import Model, as_token_array
-from .paged import PagedPool
+from .paged import PagedPool, PoolStats
 from .pool_space import PoolSpace, check_swap, pool_for
 from .quant import CacheFormat
 from .sampling import sample as sample_token
@@ -120,6 +120,8 @@ class _Outcome:
     forked: Set[Request] = dataclasses.field(default_factory=set)
     failed: Dict[int, str] = dataclasses.field(default_factory=dict)      # id -> why
     interrupt: Optional[KeyboardInterrupt] = None    # raised by a call: raised at the end
+    stats: Optional[PoolStats] = None                # the pool, and the clock, at its end
+    now: float = 0.0
 
 
 class Engine:
@@ -309,6 +311,7 @@ class Engine:
                     self._phase = "sample"
                     self._choose(plan, number, outcome)
                     self._trace(number)
+                    outcome.stats, outcome.now = self.pool.stats(), self._clock()
                     return outcome
                 except KeyboardInterrupt as interrupt:
                     outcome.interrupt = interrupt
@@ -471,7 +474,7 @@ class Engine:
     # ---- commit -----------------------------------------------------------------------
     def _commit(self, plan: ScheduledStep, outcome: _Outcome, number: int,
                 started: float) -> StepResult:
-        """The step's results, assigned: nothing here calls into the pool or can fail."""
+        """The step's results, assigned: nothing here calls into the pool or out of kvlab."""
         counts = _counts(plan)
         new_tokens: Dict[int, List[int]] = {}
         for sample, computed in outcome.computed.items():
@@ -493,12 +496,12 @@ class Engine:
             _count_pass(sample, choice)
             accepted += choice.accepted
             if choice.kept and request.first_token_at is None:
-                request.first_token_at = self._clock()
+                request.first_token_at = outcome.now
         for rid, why in outcome.failed.items():
             _fail(self.requests[rid], why)
-        finished = self._retire()
+        finished = self._retire(outcome.now)
         self.scheduler.step_count += 1
-        stats, swapped = self.pool.stats(), self.space.traffic
+        stats, swapped = outcome.stats, self.space.traffic
         result = StepResult(step=number, batch_size=len(plan.items), **counts,
                             blocks_used=stats.blocks_used, blocks_free=stats.blocks_free,
                             blocks_cached=stats.blocks_cached,
@@ -514,13 +517,13 @@ class Engine:
         self.metrics.append(result)
         return result
 
-    def _retire(self) -> List[int]:
+    def _retire(self, now: float) -> List[int]:
         """Every running request whose samples are all done leaves (its sequences were
         freed in the run)."""
         finished = []
         for request in list(self.scheduler.running):
             if request.finished:
-                request.finished_at = self._clock()
+                request.finished_at = now
                 self.scheduler.finish(request)
                 finished.append(request.id)
                 for sample in request.samples:     # a DraftModel's cache is not needed now
