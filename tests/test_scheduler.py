@@ -520,3 +520,12 @@ def test_drafts_wait_for_the_chunk_that_ends_the_tokens():
     assert [n for _, _, n in scheduler.schedule(pool).items] == [4 + 2]
     sample.tokens.append(7)                            # a token chosen since: stale drafts
     assert sample.live_drafts == []
+
+
+def test_sample_is_the_old_name_of_sequence():
+    # issue 36: one noun for a generated sequence, beside the verb sample
+    with pytest.warns(DeprecationWarning, match=r"kvlab.scheduler.Sample .* use kvlab.scheduler.Sequence"):
+        old = sched.Sample
+    assert old is sched.Sequence
+    with pytest.raises(AttributeError):
+        sched.NoSuchName
