@@ -114,6 +114,7 @@ class _Choice:
 @dataclasses.dataclass
 class _Outcome:
     """What one step's run did, for commit to assign. Kept across the run's attempts."""
+    chunks: List[Tuple[int, List[int]]] = dataclasses.field(default_factory=list)  # _split's
     rows: Dict[int, np.ndarray] = dataclasses.field(default_factory=dict)  # item -> logits
     computed: Dict[Sequence, int] = dataclasses.field(default_factory=dict)   # K, V held
     chosen: Dict[Sequence, _Choice] = dataclasses.field(default_factory=dict)
@@ -278,8 +279,7 @@ class Engine:
             with HeldCtrlC():                             # a Ctrl-C waits for the end
                 failed = self._propose(number)             # plan: drafts, then who runs
                 plan = self.scheduler.plan(self.space)
-                outcome = self._run(plan, number)          # the pool, forward_batch, tokens
-                outcome.failed.update(failed)
+                outcome = self._run(plan, number, failed)  # the pool, forward_batch, tokens
                 result = self._commit(plan, outcome, number, started)
             if self._tracer is not None:
                 self._tracer.deliver()         # if it raises, the step is done all the same
@@ -290,12 +290,12 @@ class Engine:
             return result
     # [end ch05-engine-step-runs]
 
-    def _run(self, plan: ScheduledStep, number: int) -> _Outcome:
+    def _run(self, plan: ScheduledStep, number: int, failed: Dict[int, str]) -> _Outcome:
         """The run phase. A KeyboardInterrupt that one of its calls raises (not Ctrl-C, which
         is held) does not stop it: a sequence the pool made for a call that raised is found
         (PoolSpace.recover), the run starts again and, every call going on from where the
         pool is, does only what is left; the interrupt is raised at the end of the step."""
-        outcome = _Outcome()
+        outcome = _Outcome(failed=failed)
         self.space.new_step()
         if self._tracer is not None:
             self._tracer.start()
@@ -326,11 +326,12 @@ class Engine:
         chunk that ends its tokens wrote are cut back by one, so that its logits come
         again). A chunk that ends its sequence's tokens keeps its last row (with drafts: that
         row, then one per draft) to choose from."""
+        if not outcome.chunks:
+            outcome.chunks = [_split(sample, n) for _, sample, n in plan.items]
         seqs, fed, ends = [], [], []
-        for i, (request, sample, n) in enumerate(plan.items):
+        for i, ((request, sample, _), (own, drafts)) in enumerate(zip(plan.items, outcome.chunks)):
             if i in outcome.rows or request.id in outcome.failed:   # (run again: done)
                 continue
-            own, drafts = _split(sample, n)
             end, length = sample.computed + own, sample.seq.length
             if end < len(sample.tokens):
                 outcome.computed[sample] = end
@@ -363,9 +364,9 @@ class Engine:
         logits); then the pool follows: the refused drafts' rows are cut off and finished
         or failed sequences freed. A request whose token cannot be chosen fails alone."""
         ready: Dict[Sequence, Tuple[Request, np.ndarray, list]] = {}
-        for i, (request, sample, n) in enumerate(plan.items):
-            if i in outcome.rows:
-                ready[sample] = (request, outcome.rows[i], _split(sample, n)[1])
+        for i, rows in outcome.rows.items():
+            request, sample, _ = plan.items[i]
+            ready[sample] = (request, rows, outcome.chunks[i][1])
         for lead, (request, rows, _) in list(ready.items()):
             if not request.forked and request.params.n > 1 and lead.index == 0:
                 for other in request.samples[1:]:
@@ -380,14 +381,13 @@ class Engine:
                 outcome.chosen[sample] = self._choose_one(request, sample, rows, drafts)
             except Exception as error:        # this request alone fails
                 outcome.failed[request.id] = _why(number, error)
-        self._follow(ready, outcome)
+        self._follow(outcome)
 
-    def _follow(self, ready: Dict[Sequence, tuple], outcome: _Outcome) -> None:
+    def _follow(self, outcome: _Outcome) -> None:
         """The pool after the choices: one row per token fed (every token but the newest
         chosen), finished and failed sequences freed."""
-        for request in self.scheduler.running:
-            if request.finished or request.id in outcome.failed:   # failed in plan or run
-                self.space.release(request)
+        for rid in outcome.failed:                     # failed in the plan or the run
+            self.space.release(self.requests[rid])
         for sample, choice in outcome.chosen.items():
             if choice.request.id in outcome.failed:
                 continue
@@ -421,8 +421,11 @@ class Engine:
             raise ValueError(f"the sampler chose token {token}, outside [0, "
                              f"{self.model.config.vocab_size})")
         eos = self._eos if p.stop_at_eos else None
-        kept, stop = keep_until_stop(drafts[:accepted] + [token], eos,
-                                     p.max_new_tokens - len(sample.outputs))
+        room = p.max_new_tokens - (len(sample.tokens) - sample.prompt_len)
+        if checked is None:                    # one token: keep_until_stop's rule, inline
+            kept, stop = ([], "eos") if token == eos else ([token], "length" if room == 1 else None)
+        else:
+            kept, stop = keep_until_stop(drafts[:accepted] + [token], eos, room)
         return _Choice(request, kept, stop, None if rng is None else rng.bit_generator.state,
                        checked, accepted)
 
@@ -475,7 +478,7 @@ class Engine:
     def _commit(self, plan: ScheduledStep, outcome: _Outcome, number: int,
                 started: float) -> StepResult:
         """The step's results, assigned: nothing here calls into the pool or out of kvlab."""
-        counts = _counts(plan)
+        counts = _counts(plan, outcome.chunks)
         new_tokens: Dict[int, List[int]] = {}
         for sample, computed in outcome.computed.items():
             sample.computed = computed
@@ -607,14 +610,13 @@ def _split(sample: Sequence, n: int) -> Tuple[int, List[int]]:
     """A scheduled item of n tokens: how many of the sequence's own tokens it feeds, and
     when they are all it has left, the drafts after them (n - own of them)."""
     own = min(n, sample.pending)
-    return own, (sample.live_drafts[:n - own] if own == sample.pending else [])
+    return own, (sample.live_drafts[:n - own] if n > own else [])
 
 
-def _counts(plan: ScheduledStep) -> dict:
+def _counts(plan: ScheduledStep, chunks: List[Tuple[int, List[int]]]) -> dict:
     """StepResult's token counts for the plan's items (before the commit moves them on)."""
     counts = dict(prefill_tokens=0, decode_tokens=0, drafted=0, recomputed_tokens=0)
-    for _, sample, n in plan.items:
-        own, drafts = _split(sample, n)
+    for (_, sample, _), (own, drafts) in zip(plan.items, chunks):
         if sample.pending == 1 and sample.computed >= sample.prompt_len:
             counts["decode_tokens"] += 1
         else:
