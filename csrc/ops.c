@@ -11,9 +11,12 @@
  * chapter's claim "the cache is exact" literally true on this machine.
  *
  * The lanes are GCC/Clang vector extensions: one v8f is one AVX register (or two SSE
- * registers on older CPUs). ISO C mode turns off the compiler's own fused multiply-add
- * contraction, which would fuse some products and not others; the dot products fuse
- * explicitly instead (madd in ops.h), all of them, which keeps every kernel consistent.
+ * registers on older CPUs). The compiler must not fuse a multiply and an add on its own
+ * (contraction), which would fuse some products and not others, and differently on each
+ * compiler: kvlab_build.py and tests/c/Makefile pass -ffp-contract=off to every compiler
+ * (GCC's ISO C mode, -std=c11, turns it off for GCC alone; clang contracts by default).
+ * The dot products fuse explicitly instead (madd in simd.h), all of them, which keeps
+ * every kernel consistent and gcc's bits equal to clang's (tests/test_bits.py).
  */
 #include <math.h>
 #include <string.h>
