@@ -17,6 +17,9 @@ flags, the build's environment variables); when the record of the build about to
 differs, everything is rebuilt. The same words go into the extension as KV_BUILD, which
 kvlab._kvlab.BUILD reports.
 
+On Windows the compiler is mingw-w64's gcc, since MSVC cannot compile the core; that path
+is untried on Windows itself (the core's C tests pass as mingw-w64 binaries under wine64).
+
 Not here: CUDA's flags (setup.py), kernels for several instruction sets chosen at run time
 (issue 38 item 2: a build is for one instruction set, this machine's or the baseline's).
 """
@@ -199,6 +202,13 @@ class BuildExt(build_ext):
     record of this build differs from any extension's last. Subclasses may override
     prepare(ext) (called for each extension before compiling) and record_extra()."""
 
+    def finalize_options(self):
+        # MSVC cannot compile the core (GCC's vector extensions, issue 38): on Windows,
+        # mingw-w64's gcc (setuptools' "mingw32" compiler) unless another is asked for.
+        if sys.platform == "win32" and self.compiler is None:
+            self.compiler = "mingw32"
+        super().finalize_options()
+
     def prepare(self, ext):
         pass
 
@@ -206,6 +216,10 @@ class BuildExt(build_ext):
         return {}
 
     def build_extensions(self):
+        if not hasattr(self.compiler, "compiler_so"):
+            raise SystemExit(f"kvlab: the {self.compiler.compiler_type} compiler cannot build "
+                             "kvlab's C core (it needs GCC's vector extensions): use gcc or "
+                             "clang (mingw-w64 on Windows), or WSL2")
         compiler = list(self.compiler.compiler_so)
         flags = choose_flags(lambda extra: compiler_accepts(compiler, extra))
         for notice in flags.notices:
