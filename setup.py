@@ -1,9 +1,13 @@
 """Build script for kvlab's C extension (metadata lives in pyproject.toml).
 
 One extension, kvlab._kvlab, is built from the C core (csrc/*.c, no Python) and its Python
-binding (csrc/python/*.c) with -O3 and OpenMP when the compiler has it. Environment switches:
+binding (csrc/python/*.c) with -O3, -ffp-contract=off and OpenMP when the compiler has it
+(on macOS through Homebrew's libomp): kvlab_build.py chooses the flags, and records what
+built each extension so that a build with another compiler, flag or option rebuilds it
+instead of shipping the old one. Environment switches:
   KVLAB_PORTABLE=1   do not tune for this machine's CPU (-march=native is the default,
-                     because kvlab is normally built from source where it runs)
+                     because kvlab is normally built from source where it runs; a wheel
+                     for other machines must set it)
   KVLAB_NO_OPENMP=1  build single-threaded
   KVLAB_SANITIZE=1   build with AddressSanitizer and UBSan (for the sanitizer CI lane;
                      the C core only, no CUDA extension)
@@ -40,7 +44,11 @@ from pathlib import Path
 
 import numpy
 from setuptools import Extension, setup
-from setuptools.command.build_ext import build_ext
+
+# kvlab_build.py beside this file: the C flags and the build records (setuptools' PEP 517
+# backend does not put this folder on sys.path)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import kvlab_build  # noqa: E402
 
 HERE = Path(__file__).parent
 CORE_SOURCES = sorted(str(p.relative_to(HERE)) for p in (HERE / "csrc").glob("*.c"))
@@ -53,19 +61,6 @@ CUDA_HEADERS = [*CUDA_DIR.glob("*.cuh"), *CUDA_DIR.glob("*.h"), HERE / "csrc" / 
 # The compute capabilities of the GPUs students have, oldest first: V100, T4, A100,
 # RTX 30xx/A10, RTX 40xx/L4, H100/H200.
 STUDENT_ARCHS = ("70", "75", "80", "86", "89", "90")
-
-
-def compiler_accepts(flags):
-    """Does the C compiler build a trivial program with these flags?"""
-    compiler = os.environ.get("CC", "cc")
-    if shutil.which(compiler) is None:
-        return False
-    with tempfile.TemporaryDirectory() as tmp:
-        source = Path(tmp, "probe.c")
-        source.write_text("int main(void) { return 0; }\n")
-        result = subprocess.run([compiler, *flags, str(source), "-o", str(Path(tmp, "probe"))],
-                                capture_output=True)
-        return result.returncode == 0
 
 
 def find_nvcc():
@@ -197,28 +192,16 @@ NVCC = find_nvcc()
 BUILD_CUDA, NO_CUDA_REASON = cuda_to_build(NVCC)
 
 
-class BuildExt(build_ext):
-    """Chooses optimization, OpenMP and sanitizer flags by probing the compiler."""
+class BuildExt(kvlab_build.BuildExt):
+    """kvlab_build's flags and build records (a changed compiler, flag or option rebuilds
+    everything), and the CUDA backend's objects compiled before kvlab._cuda is linked."""
 
-    def build_extensions(self):
-        compile_args = ["-std=c11", "-O3", "-Wall", "-Wextra", "-Wno-unused-parameter",
-                        "-fno-math-errno"]
-        link_args = []
-        if not os.environ.get("KVLAB_PORTABLE") and compiler_accepts(["-march=native"]):
-            compile_args.append("-march=native")
-        if not os.environ.get("KVLAB_NO_OPENMP") and compiler_accepts(["-fopenmp"]):
-            compile_args.append("-fopenmp")
-            link_args.append("-fopenmp")
-        if os.environ.get("KVLAB_SANITIZE"):
-            sanitize = ["-fsanitize=address,undefined", "-fno-omit-frame-pointer", "-g"]
-            compile_args += sanitize + ["-O1"]
-            link_args += sanitize
-        for ext in self.extensions:
-            ext.extra_compile_args = compile_args
-            ext.extra_link_args = link_args
-            if ext.name == "kvlab._cuda":
-                self.compile_cuda(ext)
-        super().build_extensions()
+    def prepare(self, ext):
+        if ext.name == "kvlab._cuda":
+            self.compile_cuda(ext)
+
+    def record_extra(self):
+        return {"nvcc": NVCC, "gpus": list(present_gpu_archs()) if BUILD_CUDA else []}
 
     def compile_cuda(self, ext):
         """Compiles every .cu file with nvcc (in parallel; unchanged ones are kept) and hands

@@ -455,8 +455,8 @@ void kv_attention(float *out, const float *q, const kv_layer_view *view, int n_t
      * more positions, so handing each thread a contiguous half would give the last
      * thread most of the work. */
     #pragma omp parallel for collapse(2) schedule(static, 1) num_threads(n_threads) \
-        if ((long)n_tokens * n_heads * (start_pos + n_tokens) * head_dim >= KV_PARALLEL_MIN_WORK \
-            && (long)n_tokens * n_kv_heads > 1)
+        if ((int64_t)n_tokens * n_heads * (start_pos + n_tokens) * head_dim >= KV_PARALLEL_MIN_WORK \
+            && (int64_t)n_tokens * n_kv_heads > 1)
     for (int t = 0; t < n_tokens; t++) {
         for (int g = 0; g < n_kv_heads; g++) {
             int query_pos = start_pos + t;

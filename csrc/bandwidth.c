@@ -36,10 +36,10 @@ kv_status kv_measure_bandwidth(size_t n_floats, int repeats, double *read_bytes_
     KV_CHECK(a != NULL && b != NULL && c != NULL, KV_ERR_NOMEM);
     int n_threads = kv_threads();
     (void)n_threads;   /* used by the OpenMP pragmas only, when built without OpenMP */
-    long n = (long)n_floats;
+    int64_t n = (int64_t)n_floats;
     /* first touch by the threads that will use each page */
     #pragma omp parallel for schedule(static) num_threads(n_threads)
-    for (long i = 0; i < n; i++) {
+    for (int64_t i = 0; i < n; i++) {
         a[i] = 0.0f;
         b[i] = 1.0f;
         c[i] = 2.0f;
@@ -49,16 +49,16 @@ kv_status kv_measure_bandwidth(size_t n_floats, int repeats, double *read_bytes_
     for (int r = 0; r < repeats; r++) {
         double start = kv_seconds();
         float sum = 0.0f;
-        long covered = 0;   /* floats the slices hold (n, less a few left over) */
+        int64_t covered = 0;   /* floats the slices hold (n, less a few left over) */
         #pragma omp parallel num_threads(n_threads) reduction(+ : sum, covered)
         {
             /* this thread's slice, in READ_STREAMS runs read side by side, 64 bytes each */
             int thread = omp_get_thread_num(), team = omp_get_num_threads();
-            long slice = n / team / (16 * READ_STREAMS) * (16 * READ_STREAMS);
-            long run = slice / READ_STREAMS;
-            const float *mine = b + (long)thread * slice;
+            int64_t slice = n / team / (16 * READ_STREAMS) * (16 * READ_STREAMS);
+            int64_t run = slice / READ_STREAMS;
+            const float *mine = b + (int64_t)thread * slice;
             v8f lanes = {0};
-            for (long i = 0; i < run; i += 16)
+            for (int64_t i = 0; i < run; i += 16)
                 for (int s = 0; s < READ_STREAMS; s++) {
                     const float *at = mine + s * run + i;
                     lanes += load8(at) + load8(at + 8);
@@ -73,7 +73,7 @@ kv_status kv_measure_bandwidth(size_t n_floats, int repeats, double *read_bytes_
 
         start = kv_seconds();
         #pragma omp parallel for schedule(static) num_threads(n_threads)
-        for (long i = 0; i < n; i++) a[i] = b[i] + 3.0f * c[i];
+        for (int64_t i = 0; i < n; i++) a[i] = b[i] + 3.0f * c[i];
         seconds = kv_seconds() - start;
         if (3.0 * n * sizeof(float) / seconds > best_triad) best_triad = 3.0 * n * sizeof(float) / seconds;
         total += a[n / 2];

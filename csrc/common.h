@@ -27,17 +27,29 @@
     } while (0)
 
 /* Float buffers start on a 64-byte boundary (a cache line): tidy, and what SIMD code
- * written for aligned loads would need. The kernels here use unaligned loads anyway. */
+ * written for aligned loads would need. The kernels here use unaligned loads anyway, so
+ * where C11's aligned_alloc is missing (Windows' C library: mingw-w64, MSVC) plain malloc
+ * does (16-byte aligned there) rather than _aligned_malloc, whose memory only
+ * _aligned_free may release: every buffer of the core is released with free(). */
 static inline float *kv_alloc_floats(size_t count) {
     size_t bytes = count * sizeof(float);
     bytes = (bytes + 63) & ~(size_t)63;
     if (bytes == 0) bytes = 64;
+#ifdef _WIN32
+    return (float *)malloc(bytes);
+#else
     return (float *)aligned_alloc(64, bytes);
+#endif
 }
 
 /* n rounded up to a multiple of 16 (floats): scratch carved out of one allocation keeps
  * each piece 64-byte aligned when the allocation is. */
 static inline size_t kv_round_up16(size_t n) { return (n + 15) & ~(size_t)15; }
+
+/* Where part i of n things split into `parts` nearly equal parts starts (part i is
+ * kv_split(n, i, parts) .. kv_split(n, i + 1, parts)): a thread's rows of a parallel loop.
+ * The product is 64-bit, so that n * i cannot overflow an int. */
+static inline int kv_split(int n, int i, int parts) { return (int)((int64_t)n * i / parts); }
 
 /* ceil(n / d) for n >= 0 and d > 0, in 64 bits so that n + d - 1 cannot overflow an int:
  * the blocks a length takes (blocks.c, swap.c, the binding's messages), the panels of a row. */
@@ -45,8 +57,9 @@ static inline int64_t kv_ceil_div(int64_t n, int64_t d) { return (n + d - 1) / d
 
 /* Below this many multiply-adds a loop runs on one thread: waking the other threads
  * costs a few microseconds, more than small work takes, and far more when the cores
- * are busy with something else. */
-#define KV_PARALLEL_MIN_WORK (1L << 16)
+ * are busy with something else. Work is counted in int64_t, never long: long is 32 bits
+ * on Windows, where a big matrix product's count would overflow. */
+#define KV_PARALLEL_MIN_WORK ((int64_t)1 << 16)
 
 #ifdef _OPENMP
 #include <omp.h>
@@ -58,16 +71,8 @@ static inline int omp_get_num_procs(void) { return 1; }
 #endif
 
 /* Wall-clock seconds from an arbitrary start, for timing inside the core (the bandwidth
- * probe, the generation loop's steps). */
-static inline double kv_seconds(void) {
-#ifdef _OPENMP
-    return omp_get_wtime();
-#else
-    struct timespec t;
-    timespec_get(&t, TIME_UTC);
-    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
-#endif
-}
+ * probe, the generation loop's steps, the interrupt check's clock): runtime.c. */
+double kv_seconds(void);
 
 /* Threads every parallel loop of the core uses (kv_set_num_threads). One process-wide
  * number, passed to each loop with num_threads(), because OpenMP's own setting belongs

@@ -23,7 +23,7 @@ kv_status kv_cache_init(kv_cache *cache, int n_layers, int n_kv_heads, int head_
     if (format == NULL) format = &fp32_format;
     KV_CHECK(n_layers > 0 && n_kv_heads > 0 && head_dim > 0 && capacity > 0,
              KV_ERR_INVALID_ARG);
-    KV_CHECK(n_layers <= KV_MAX_LAYERS && (long)n_kv_heads * head_dim <= KV_MAX_WIDTH &&
+    KV_CHECK(n_layers <= KV_MAX_LAYERS && (int64_t)n_kv_heads * head_dim <= KV_MAX_WIDTH &&
              capacity <= KV_MAX_POSITIONS && format->window >= 0 &&
              format->window <= capacity, KV_ERR_INVALID_ARG);
     cache->n_layers = n_layers;
@@ -245,7 +245,7 @@ kv_status kv_cache_attend(const kv_cache *cache, int layer, const float *q, int 
     KV_CHECK(cache->key.codes != NULL && q != NULL && out != NULL && cache->length > 0 &&
              layer >= 0 && layer < cache->n_layers && n_heads > 0 &&
              n_heads % cache->n_kv_heads == 0 &&
-             (long)n_heads * cache->head_dim <= KV_MAX_WIDTH, KV_ERR_INVALID_ARG);
+             (int64_t)n_heads * cache->head_dim <= KV_MAX_WIDTH, KV_ERR_INVALID_ARG);
     int n_threads = kv_threads();
     size_t stride = kv_attention_scratch(n_heads, cache->n_kv_heads, cache->head_dim);
     scratch = kv_alloc_floats((size_t)n_threads * stride);

@@ -11,9 +11,12 @@
  * chapter's claim "the cache is exact" literally true on this machine.
  *
  * The lanes are GCC/Clang vector extensions: one v8f is one AVX register (or two SSE
- * registers on older CPUs). ISO C mode turns off the compiler's own fused multiply-add
- * contraction, which would fuse some products and not others; the dot products fuse
- * explicitly instead (madd in ops.h), all of them, which keeps every kernel consistent.
+ * registers on older CPUs). The compiler must not fuse a multiply and an add on its own
+ * (contraction), which would fuse some products and not others, and differently on each
+ * compiler: kvlab_build.py and tests/c/Makefile pass -ffp-contract=off to every compiler
+ * (GCC's ISO C mode, -std=c11, turns it off for GCC alone; clang contracts by default).
+ * The dot products fuse explicitly instead (madd in simd.h), all of them, which keeps
+ * every kernel consistent and gcc's bits equal to clang's (tests/test_bits.py).
  */
 #include <math.h>
 #include <string.h>
@@ -258,12 +261,13 @@ static void small_batch_rows(int lo, int hi, int n_matrices, float *const *outs,
 void kv_matmul_many(int n_matrices, float *const *outs, const float *const *ws,
                     const int *out_dims, const float *x, int n_tokens, int in_dim) {
     int n_blocks = 0, n_rows = 0;
-    long work = 0;
+    int64_t work = 0;
     for (int m = 0; m < n_matrices; m++) {
         n_blocks += (out_dims[m] + 3) / 4;
         n_rows += out_dims[m];
-        work += (long)n_tokens * out_dims[m] * in_dim;
+        work += (int64_t)n_tokens * out_dims[m] * in_dim;
     }
+    (void)work;   /* read by the OpenMP pragma only, which a build without OpenMP drops */
     /* One parallel region for all the products. Threads split the output rows of all the
      * matrices together, each a contiguous share, the same for every chunk of tokens (so
      * each keeps its slice of w warm), and go from one chunk to the next without waiting
@@ -273,10 +277,10 @@ void kv_matmul_many(int n_matrices, float *const *outs, const float *const *ws,
     {
         int team = omp_get_num_threads(), me = omp_get_thread_num();
         if (n_tokens < SMALL_BATCH) {
-            small_batch_rows((int)((long)n_rows * me / team), (int)((long)n_rows * (me + 1) / team),
+            small_batch_rows(kv_split(n_rows, me, team), kv_split(n_rows, me + 1, team),
                              n_matrices, outs, ws, out_dims, x, n_tokens, in_dim);
         } else {
-            int lo = (int)((long)n_blocks * me / team), hi = (int)((long)n_blocks * (me + 1) / team);
+            int lo = kv_split(n_blocks, me, team), hi = kv_split(n_blocks, me + 1, team);
             for (int first = 0; first < n_tokens; first += TOKEN_CHUNK) {
                 int chunk = n_tokens - first < TOKEN_CHUNK ? n_tokens - first : TOKEN_CHUNK;
                 for (int block = lo; block < hi; block++)
@@ -396,11 +400,11 @@ static inline v8f swiglu8(v8f g, v8f u) {
 }
 
 void kv_swiglu(float *gate, const float *up, size_t n) {
-    long n8 = (long)(n & ~(size_t)7);
+    int64_t n8 = (int64_t)(n & ~(size_t)7);
     /* each chunk of eight on its own: threads may split them any way */
     #pragma omp parallel for schedule(static) num_threads(kv_threads()) \
         if (n8 >= 16 * KV_PARALLEL_MIN_WORK / 8)
-    for (long i = 0; i < n8; i += 8) {
+    for (int64_t i = 0; i < n8; i += 8) {
         v8f result = swiglu8(load8(gate + i), load8(up + i));
         memcpy(gate + i, &result, sizeof result);
     }

@@ -58,7 +58,7 @@ void kv_plain_matmul(float *out, const float *x, const float *w, int n_tokens, i
                      int out_dim) {
     // out (n_tokens, out_dim), x (n_tokens, in_dim), w (out_dim, in_dim)
     #pragma omp parallel for num_threads(kv_threads()) \
-        if ((long)n_tokens * out_dim * in_dim >= KV_PARALLEL_MIN_WORK)
+        if ((int64_t)n_tokens * out_dim * in_dim >= KV_PARALLEL_MIN_WORK)
     for (int o = 0; o < out_dim; o++)
         for (int t = 0; t < n_tokens; t++)
             out[(size_t)t * out_dim + o] =
@@ -76,7 +76,7 @@ void kv_plain_matmul_weights(float *out, const float *x, const uint8_t *w,
     // scratch (n_threads, in_dim): one row's float32 values per thread
     size_t row_bytes = kv_weight_row_bytes(format, in_dim);
     #pragma omp parallel for num_threads(n_threads) \
-        if ((long)n_tokens * out_dim * in_dim >= KV_PARALLEL_MIN_WORK)
+        if ((int64_t)n_tokens * out_dim * in_dim >= KV_PARALLEL_MIN_WORK)
     for (int o = 0; o < out_dim; o++) {
         float *row = scratch + (size_t)omp_get_thread_num() * in_dim;
         kv_weight_row_dequantize(format, w + (size_t)o * row_bytes, in_dim, row);
@@ -118,7 +118,7 @@ void kv_plain_matmul_int8(float *out, const float *x, const uint8_t *w, kv_weigh
         kv_quantize_activations_q8(x + (size_t)t * in_dim, in_dim, x_scales + (size_t)t * n_blocks,
                                    x_codes + (size_t)t * in_dim, x_sums + (size_t)t * n_blocks);
     #pragma omp parallel for num_threads(kv_threads()) \
-        if ((long)n_tokens * out_dim * in_dim >= KV_PARALLEL_MIN_WORK)
+        if ((int64_t)n_tokens * out_dim * in_dim >= KV_PARALLEL_MIN_WORK)
     for (int o = 0; o < out_dim; o++) {
         const uint8_t *row = w + (size_t)o * row_bytes;
         for (int t = 0; t < n_tokens; t++) {
@@ -278,7 +278,7 @@ void kv_plain_attention(float *out, const float *q, const kv_layer_view *view, i
     int kv_mul = n_heads / n_kv_heads;   /* query heads that share one KV head */
     float scale = 1.0f / sqrtf((float)head_dim);
     #pragma omp parallel for collapse(2) num_threads(n_threads) \
-        if ((long)n_tokens * n_heads * (start_pos + n_tokens) * head_dim >= KV_PARALLEL_MIN_WORK)
+        if ((int64_t)n_tokens * n_heads * (start_pos + n_tokens) * head_dim >= KV_PARALLEL_MIN_WORK)
     for (int t = 0; t < n_tokens; t++) {
         for (int h = 0; h < n_heads; h++) {
             int query_pos = start_pos + t;

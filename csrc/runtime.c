@@ -1,9 +1,32 @@
 /* runtime.c: what every part of the core shares at run time, and nothing else: the
- * threads parallel loops use, the kernel tier (fast or plain), the caller's interrupt check,
- * and the text of each status. The math files call into this one; it calls none of them.
+ * clock, the threads parallel loops use, the kernel tier (fast or plain), the caller's
+ * interrupt check, and the text of each status. The math files call into this one; it
+ * calls none of them.
  */
 #include "common.h"
 #include "kvlab.h"
+
+#if defined(_WIN32) && !defined(_OPENMP)
+#define WIN32_LEAN_AND_MEAN
+#include <windows.h>    /* QueryPerformanceCounter: Windows' C library has no TIME_UTC */
+#endif
+
+/* ---- the clock -------------------------------------------------------------------------- */
+
+double kv_seconds(void) {
+#if defined(_OPENMP)
+    return omp_get_wtime();
+#elif defined(_WIN32)
+    LARGE_INTEGER now, per_second;
+    QueryPerformanceCounter(&now);
+    QueryPerformanceFrequency(&per_second);
+    return (double)now.QuadPart / (double)per_second.QuadPart;
+#else
+    struct timespec t;
+    timespec_get(&t, TIME_UTC);
+    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+#endif
+}
 
 /* ---- the text of each status ------------------------------------------------------------ */
 

@@ -46,7 +46,7 @@ kv_status kv_store_init(kv_store *store, kv_format format, int group, int n_laye
     memset(store, 0, sizeof *store);
     group = kv_store_group(format, group, head_dim);
     KV_CHECK(group >= 0 && n_layers > 0 && slots > 0 && n_kv_heads > 0, KV_ERR_INVALID_ARG);
-    KV_CHECK(n_layers <= KV_MAX_LAYERS && (long)n_kv_heads * head_dim <= KV_MAX_WIDTH,
+    KV_CHECK(n_layers <= KV_MAX_LAYERS && (int64_t)n_kv_heads * head_dim <= KV_MAX_WIDTH,
              KV_ERR_INVALID_ARG);
     KV_CHECK(format != KV_FMT_I4 || head_dim % 2 == 0, KV_ERR_INVALID_ARG);
     store->format = format;

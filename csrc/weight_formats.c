@@ -263,15 +263,15 @@ void kv_matmul_weights(float *out, const float *x, const uint8_t *w, kv_weight_f
      * tokens, and its own 4 * in_dim floats of scratch. */
     int n_blocks = (out_dim + 3) / 4;
     #pragma omp parallel num_threads(n_threads) \
-        if ((long)n_tokens * out_dim * in_dim >= KV_PARALLEL_MIN_WORK && n_blocks > 1)
+        if ((int64_t)n_tokens * out_dim * in_dim >= KV_PARALLEL_MIN_WORK && n_blocks > 1)
     {
         int team = omp_get_num_threads(), me = omp_get_thread_num();
         if (n_tokens < KV_CONVERT_ONCE_TOKENS) {
             rows_streamed(out, x, w, format, n_tokens, in_dim, out_dim,
-                          (int)((long)out_dim * me / team), (int)((long)out_dim * (me + 1) / team));
+                          kv_split(out_dim, me, team), kv_split(out_dim, me + 1, team));
         } else {
             blocks_converted(out, x, w, format, n_tokens, in_dim, out_dim,
-                             (int)((long)n_blocks * me / team), (int)((long)n_blocks * (me + 1) / team),
+                             kv_split(n_blocks, me, team), kv_split(n_blocks, me + 1, team),
                              scratch + (size_t)me * 4 * in_dim);
         }
     }
@@ -916,12 +916,13 @@ void kv_matmul_int8_many(int n_matrices, float *const *outs, const uint8_t *cons
     void (*rows)(float *, const uint8_t *, int, int, int, const float *, const int8_t *, int, int) =
         format == KV_WEIGHT_Q4_0 ? rows_int8_q4_0 :
         format == KV_WEIGHT_Q4_1 ? rows_int8_q4_1 : rows_int8_q8_0;
-    long work = 0;
+    int64_t work = 0;
     int most_rows = 0;
     for (int m = 0; m < n_matrices; m++) {
-        work += (long)n_tokens * out_dims[m] * in_dim;
+        work += (int64_t)n_tokens * out_dims[m] * in_dim;
         most_rows = out_dims[m] > most_rows ? out_dims[m] : most_rows;
     }
+    (void)work;   /* read by the OpenMP pragma only, which a build without OpenMP drops */
     /* One parallel region for all the matrices (a decode step pays its start and its end
      * once, not once a matrix): each thread a contiguous share of every matrix's rows, one
      * matrix after another, without waiting for the others (no output is shared). */
@@ -930,13 +931,13 @@ void kv_matmul_int8_many(int n_matrices, float *const *outs, const uint8_t *cons
     {
         int team = omp_get_num_threads(), me = omp_get_thread_num();
         if (team_quantizes) {
-            quantize_tokens(x, in_dim, x_pairs, x_codes, (int)((long)n_tokens * me / team),
-                            (int)((long)n_tokens * (me + 1) / team));
+            quantize_tokens(x, in_dim, x_pairs, x_codes, kv_split(n_tokens, me, team),
+                            kv_split(n_tokens, me + 1, team));
             #pragma omp barrier
         }
         for (int m = 0; m < n_matrices; m++)
             rows(outs[m], ws[m], n_tokens, in_dim, out_dims[m], x_pairs, x_codes,
-                 (int)((long)out_dims[m] * me / team), (int)((long)out_dims[m] * (me + 1) / team));
+                 kv_split(out_dims[m], me, team), kv_split(out_dims[m], me + 1, team));
     }
 }
 

@@ -20,6 +20,10 @@
  * (it sets feature macros such as _POSIX_C_SOURCE). */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+/* The oldest NumPy whose C API the binding may use: 1.25's, which 1.26 has too, so that
+ * an extension built against NumPy 2 runs on NumPy 1.26 as pyproject.toml promises, and a
+ * newer call fails to compile here instead of failing at import on a student's machine. */
+#define NPY_TARGET_VERSION NPY_1_25_API_VERSION
 
 /* NumPy's C API is a table of function pointers that import_array() fills in. Every file
  * must use the same table: PY_ARRAY_UNIQUE_SYMBOL names it, module.c (which defines

@@ -1,6 +1,7 @@
 /* module.c: the module kvlab._kvlab itself: its functions (sampling one row, the
  * quantization formats on their own, threads, kernel tiers, bandwidth measurements), its
- * constants (MAX_BLOCK_SIZE, TOKEN_CHUNK, the COUNTERS names, HAS_OPENMP), and
+ * constants (MAX_BLOCK_SIZE, TOKEN_CHUNK, the COUNTERS names, HAS_OPENMP,
+ * FUSED_MULTIPLY_ADD, BUILD), and
  * PyInit__kvlab, which imports NumPy's C API for every file and adds the five types the
  * other files define (cache.c, model.c, blocks.c, pool.c).
  */
@@ -272,8 +273,10 @@ static struct PyModuleDef kvlab_module = {
              "BlockManager (a paged pool's bookkeeping, no K or V), PagedPool (a BlockManager\n"
              "with K/V stores in host memory) and PagedSequence (a handle to one of a pool's\n"
              "sequences), the module functions below, and the constants MAX_BLOCK_SIZE,\n"
-             "TOKEN_CHUNK, COUNTERS and HAS_OPENMP. Use the kvlab package rather than this\n"
-             "module.",
+             "TOKEN_CHUNK, COUNTERS, HAS_OPENMP, FUSED_MULTIPLY_ADD (whether the kernels'\n"
+             "dot products fuse their multiply-adds: built for a CPU with FMA) and BUILD (the\n"
+             "compiler, flags and KVLAB_* options that built this module). Use the kvlab\n"
+             "package rather than this module.",
     .m_size = -1,
     .m_methods = module_methods,
 };
@@ -301,6 +304,21 @@ static int add_counter_names(PyObject *module) {
     return result;
 }
 
+/* What built this module, in kvlab_build.describe's words (setup.py defines it; a build
+ * by other means, such as tests/c's Makefile, has none). */
+#ifndef KV_BUILD
+#define KV_BUILD "unknown (not built by setup.py)"
+#endif
+
+/* Whether the kernels fuse each multiply-add into one rounding (simd.h's madd, plain.c's
+ * fmaf): they do where the compiler targets a CPU with FMA. Logits then differ in the
+ * last bits from those of a build without, which tests/test_bits.py tells apart. */
+#ifdef __FMA__
+#define KV_FUSED_MULTIPLY_ADD 1
+#else
+#define KV_FUSED_MULTIPLY_ADD 0
+#endif
+
 PyMODINIT_FUNC PyInit__kvlab(void) {
     import_array();
     if (kv_py_fetch_errors() < 0) return NULL;
@@ -321,6 +339,8 @@ PyMODINIT_FUNC PyInit__kvlab(void) {
         PyModule_AddIntConstant(module, "TOKEN_CHUNK", KV_TOKEN_CHUNK) < 0 ||
         PyModule_AddObjectRef(module, "PagedSequence", (PyObject *)&kv_py_sequence_type) < 0 ||
         add_counter_names(module) < 0 ||
+        PyModule_AddStringConstant(module, "BUILD", KV_BUILD) < 0 ||
+        PyModule_AddIntConstant(module, "FUSED_MULTIPLY_ADD", KV_FUSED_MULTIPLY_ADD) < 0 ||
 #ifdef _OPENMP
         PyModule_AddIntConstant(module, "HAS_OPENMP", 1) < 0
 #else

@@ -1,0 +1,242 @@
+"""How setup.py builds the C extension: the compiler flags it chooses, and the record that
+makes a changed choice rebuild (the build-time half of setup.py; nothing here is installed).
+
+Flags (choose_flags): C11, -O3, and -ffp-contract=off on every compiler, so that no compiler
+fuses a multiply and an add on its own (GCC's ISO C mode does not, clang does by default):
+the kernels' bits are then the same from gcc and clang, and fused multiply-adds happen only
+where the source asks for them (simd.h's madd, plain.c's fmaf, on CPUs with FMA).
+-march=native unless KVLAB_PORTABLE=1. OpenMP where the compiler has it; on macOS, where
+Apple's clang has none of its own, through Homebrew's libomp when it is installed, else
+single-threaded with a one-line notice.
+
+The record (BuildRecords): setuptools rebuilds an extension only when a source is newer
+than it, so a build with another compiler, other flags or other KVLAB_* options used to
+reuse the build/ folder's old .so and ship it (issue 38). Each built extension now has a
+record beside the object files of what built it (the compiler's command and version, the
+flags, the build's environment variables); when the record of the build about to run
+differs, everything is rebuilt. The same words go into the extension as KV_BUILD, which
+kvlab._kvlab.BUILD reports.
+
+On Windows the compiler is mingw-w64's gcc, since MSVC cannot compile the core; that path
+is untried on Windows itself (the core's C tests pass as mingw-w64 binaries under wine64).
+
+Not here: CUDA's flags (setup.py), kernels for several instruction sets chosen at run time
+(issue 38 item 2: a build is for one instruction set, this machine's or the baseline's).
+"""
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from setuptools.command.build_ext import build_ext
+
+# The compiler's own environment variables (setuptools reads them); every KVLAB_* variable
+# is recorded too, since setup.py reads several (KVLAB_PORTABLE, KVLAB_NO_OPENMP,
+# KVLAB_CUDA, ...) and a new one must not be forgotten here.
+COMPILER_VARIABLES = ("CC", "CFLAGS", "CPPFLAGS", "LDFLAGS", "LDSHARED", "ARCHFLAGS",
+                      "CUDA_HOME", "CUDA_PATH")
+
+# Where Homebrew puts libomp when `brew --prefix libomp` cannot be asked: Apple Silicon's
+# prefix, then Intel's.
+HOMEBREW_LIBOMP = ("/opt/homebrew/opt/libomp", "/usr/local/opt/libomp")
+
+
+def is_set(env, name):
+    """An option is on when set to anything but empty or 0 (KVLAB_PORTABLE=0 is off)."""
+    return env.get(name, "") not in ("", "0")
+
+
+@dataclass
+class Flags:
+    compile: list
+    link: list
+    notices: list = field(default_factory=list)
+
+
+def compiler_accepts(command, flags):
+    """Does this compiler command (a list) build and link a trivial program with these flags?"""
+    if not command or shutil.which(command[0]) is None:
+        return False
+    with tempfile.TemporaryDirectory() as tmp:
+        source = Path(tmp, "probe.c")
+        source.write_text("int main(void) { return 0; }\n")
+        result = subprocess.run([*command, str(source), *flags, "-o", str(Path(tmp, "probe"))],
+                                capture_output=True)
+        return result.returncode == 0
+
+
+def find_libomp():
+    """Homebrew's libomp prefix (one with include/omp.h), or None."""
+    candidates = []
+    brew = shutil.which("brew")
+    if brew:
+        try:
+            result = subprocess.run([brew, "--prefix", "libomp"], capture_output=True,
+                                    text=True, timeout=60)
+            if result.returncode == 0 and result.stdout.strip():
+                candidates.append(result.stdout.strip())
+        except (OSError, subprocess.SubprocessError):
+            pass
+    candidates += HOMEBREW_LIBOMP
+    return next((c for c in candidates if Path(c, "include", "omp.h").is_file()), None)
+
+
+def openmp_flags(accepts, env, platform, libomp):
+    """(compile flags, link flags, notice or None) for OpenMP. `libomp` is called for
+    Homebrew's prefix only when it is needed."""
+    if is_set(env, "KVLAB_NO_OPENMP"):
+        return [], [], None
+    if accepts(["-fopenmp"]):
+        return ["-fopenmp"], ["-fopenmp"], None
+    if platform == "darwin":
+        # Apple's clang has OpenMP's front end but no runtime and refuses plain -fopenmp:
+        # the pragmas go through its preprocessor, and Homebrew's libomp is the runtime.
+        prefix = libomp()
+        if prefix is not None:
+            compile_flags = ["-Xpreprocessor", "-fopenmp", f"-I{prefix}/include"]
+            link_flags = [f"-L{prefix}/lib", "-lomp"]
+            if accepts(compile_flags + link_flags):
+                return compile_flags, link_flags, None
+        return [], [], ("kvlab: no OpenMP (Apple's clang needs Homebrew's libomp: "
+                        "brew install libomp, then reinstall kvlab): building single-threaded")
+    return [], [], "kvlab: the C compiler has no OpenMP: building single-threaded"
+
+
+def choose_flags(accepts, env=None, platform=None, libomp=find_libomp):
+    """The C flags for kvlab._kvlab. accepts(flags) says whether the compiler takes them;
+    env and platform default to this process's (the tests pass others)."""
+    env = os.environ if env is None else env
+    platform = sys.platform if platform is None else platform
+    # -ffp-contract=off is not probed: every compiler that has GCC's vector extensions
+    # (which the core needs) takes it, and one that did not must fail loudly rather than
+    # build other bits.
+    compile_args = ["-std=c11", "-O3", "-Wall", "-Wextra", "-Wno-unused-parameter",
+                    "-fno-math-errno", "-ffp-contract=off"]
+    link_args = []
+    notices = []
+    if not is_set(env, "KVLAB_PORTABLE") and accepts(["-march=native"]):
+        compile_args.append("-march=native")
+    omp_compile, omp_link, notice = openmp_flags(accepts, env, platform, libomp)
+    compile_args += omp_compile
+    link_args += omp_link
+    if notice:
+        notices.append(notice)
+    if is_set(env, "KVLAB_SANITIZE"):
+        sanitize = ["-fsanitize=address,undefined", "-fno-omit-frame-pointer", "-g"]
+        compile_args += sanitize + ["-O1"]
+        link_args += sanitize
+    return Flags(compile_args, link_args, notices)
+
+
+def compiler_version(command):
+    """The first line of `compiler --version`, or "unknown"."""
+    try:
+        result = subprocess.run([command[0], "--version"], capture_output=True, text=True,
+                                timeout=60)
+    except (OSError, subprocess.SubprocessError, IndexError):
+        return "unknown"
+    lines = result.stdout.strip().splitlines()
+    return lines[0].strip() if result.returncode == 0 and lines else "unknown"
+
+
+def build_record(compiler, linker, flags, env=None, extra=None):
+    """Everything that decides what a build makes, as a JSON-able dict: the compiler and
+    linker commands (as setuptools composed them from Python's sysconfig and CC, CFLAGS,
+    ...), the compiler's version, kvlab's flags, the environment variables the build reads,
+    and whatever else the caller names (extra: the CUDA compiler, say)."""
+    env = os.environ if env is None else env
+    return {
+        "compiler": list(compiler),
+        "linker": list(linker),
+        "version": compiler_version(compiler),
+        "compile_args": list(flags.compile),
+        "link_args": list(flags.link),
+        "environment": {name: env[name] for name in sorted(env)
+                        if name in COMPILER_VARIABLES or name.startswith("KVLAB_")},
+        "extra": extra or {},
+    }
+
+
+def describe(record):
+    """The record in one line for kvlab._kvlab.BUILD: compiler version, flags, options.
+    Quotes and backslashes are left out, since it becomes a C string literal."""
+    options = " ".join(f"{k}={v}" for k, v in record["environment"].items())
+    text = f"{record['version']}; {' '.join(record['compile_args'])}"
+    if options:
+        text += f"; {options}"
+    return "".join(ch for ch in text if ch.isprintable() and ch not in '"\\')
+
+
+class BuildRecords:
+    """The records of what built each extension, kept in build_temp (one file per output
+    path, since build/lib's copy and an editable install's are different files)."""
+
+    def __init__(self, build_temp):
+        self.folder = Path(build_temp, "kvlab-build-records")
+
+    def path(self, target):
+        key = hashlib.sha256(os.path.abspath(target).encode()).hexdigest()[:16]
+        return self.folder / f"{key}.json"
+
+    def matches(self, target, record):
+        """Was `target` built, and built as `record` says?"""
+        try:
+            stored = json.loads(self.path(target).read_text())
+        except (OSError, ValueError):
+            return False
+        return Path(target).exists() and stored.get("record") == record
+
+    def write(self, target, record):
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.path(target).write_text(json.dumps(
+            {"target": os.path.abspath(target), "record": record}, indent=1))
+
+
+class BuildExt(build_ext):
+    """build_ext with kvlab's flags on every extension, rebuilding everything when the
+    record of this build differs from any extension's last. Subclasses may override
+    prepare(ext) (called for each extension before compiling) and record_extra()."""
+
+    def finalize_options(self):
+        # MSVC cannot compile the core (GCC's vector extensions, issue 38): on Windows,
+        # mingw-w64's gcc (setuptools' "mingw32" compiler) unless another is asked for.
+        if sys.platform == "win32" and self.compiler is None:
+            self.compiler = "mingw32"
+        super().finalize_options()
+
+    def prepare(self, ext):
+        pass
+
+    def record_extra(self):
+        return {}
+
+    def build_extensions(self):
+        if not hasattr(self.compiler, "compiler_so"):
+            raise SystemExit(f"kvlab: the {self.compiler.compiler_type} compiler cannot build "
+                             "kvlab's C core (it needs GCC's vector extensions): use gcc or "
+                             "clang (mingw-w64 on Windows), or WSL2")
+        compiler = list(self.compiler.compiler_so)
+        flags = choose_flags(lambda extra: compiler_accepts(compiler, extra))
+        for notice in flags.notices:
+            print(notice, file=sys.stderr)
+        record = build_record(compiler, getattr(self.compiler, "linker_so", []), flags,
+                              extra=self.record_extra())
+        records = BuildRecords(self.build_temp)
+        targets = [self.get_ext_fullpath(ext.name) for ext in self.extensions]
+        if not all(records.matches(t, record) for t in targets):
+            # unchanged sources no longer mean an unchanged extension: compile everything
+            self.force = True
+        for ext in self.extensions:
+            ext.extra_compile_args = list(flags.compile)
+            ext.extra_link_args = list(flags.link)
+            ext.define_macros = [m for m in ext.define_macros if m[0] != "KV_BUILD"]
+            ext.define_macros.append(("KV_BUILD", '"' + describe(record) + '"'))
+            self.prepare(ext)
+        super().build_extensions()
+        for target in targets:
+            records.write(target, record)

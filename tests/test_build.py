@@ -1,0 +1,232 @@
+"""The build itself (issue 38): kvlab_build.py, the flags setup.py chooses and the record of
+what built each extension.
+
+A build with another compiler, other flags or other KVLAB_* options once reused build/'s old
+.so (a KVLAB_PORTABLE=1 wheel shipped -march=native code); here a tiny extension is built
+twice in one folder with different options and must come out different, and the flag
+choice is checked on platforms this machine is not (macOS with and without Homebrew's
+libomp). kvlab's own extension is rebuilt with other options by .ci/lanes, which takes
+a minute; these take seconds. Not here: whether the flags give the right bits
+(tests/test_bits.py) or a working wheel on another system (CI's cibuildwheel).
+"""
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def load_kvlab_build():
+    spec = importlib.util.spec_from_file_location("kvlab_build", REPO / "kvlab_build.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+kvlab_build = load_kvlab_build()
+
+# ---- the record --------------------------------------------------------------------------
+
+
+def record_for(env, compile_args=("-O3",)):
+    flags = kvlab_build.Flags(list(compile_args), [])
+    return kvlab_build.build_record(["cc"], ["cc", "-shared"], flags, env=env)
+
+
+def test_the_record_names_every_option_that_changes_a_build():
+    """Two builds that differ in any compiler variable or KVLAB_* option have different
+    records; variables that no build reads do not enter it."""
+    base = record_for({"PATH": "/bin", "HOME": "/root"})
+    assert base["environment"] == {}
+    for name, value in [("CC", "clang"), ("CFLAGS", "-O0"), ("KVLAB_PORTABLE", "1"),
+                        ("KVLAB_NO_OPENMP", "1"), ("KVLAB_CUDA", "1"),
+                        ("KVLAB_CUDA_ARCH", "86"), ("KVLAB_SOMETHING_NEW", "1")]:
+        assert record_for({name: value}) != base, name
+    assert record_for({}, ["-O3", "-march=native"]) != record_for({}, ["-O3"])
+    assert kvlab_build.describe(record_for({"KVLAB_PORTABLE": "1"})).endswith("KVLAB_PORTABLE=1")
+
+
+def test_an_extension_is_current_only_when_built_as_recorded(tmp_path):
+    records = kvlab_build.BuildRecords(tmp_path / "temp")
+    target = tmp_path / "lib" / "ext.so"
+    first, second = record_for({}), record_for({"KVLAB_PORTABLE": "1"})
+    assert not records.matches(target, first)          # never built
+    target.parent.mkdir()
+    target.write_bytes(b"")
+    records.write(target, first)
+    assert records.matches(target, first) and not records.matches(target, second)
+    other = tmp_path / "inplace" / "ext.so"            # another output has its own record
+    assert not records.matches(other, first)
+    target.unlink()                                    # the output is gone: build again
+    assert not records.matches(target, first)
+
+
+def test_a_describe_line_is_a_plain_c_string():
+    record = record_for({"CFLAGS": '-DX="a\\b"'})
+    line = kvlab_build.describe(record)
+    assert '"' not in line and "\\" not in line and "CFLAGS=-DX=ab" in line
+
+
+# ---- two builds in one folder --------------------------------------------------------------
+
+TINY_C = r"""
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+static struct PyModuleDef tiny = {PyModuleDef_HEAD_INIT, "tiny", NULL, -1, NULL};
+PyMODINIT_FUNC PyInit_tiny(void) {
+    PyObject *m = PyModule_Create(&tiny);
+    if (m == NULL) return NULL;
+#ifdef _OPENMP
+    PyModule_AddIntConstant(m, "OPENMP", 1);
+#else
+    PyModule_AddIntConstant(m, "OPENMP", 0);
+#endif
+    PyModule_AddStringConstant(m, "BUILD", KV_BUILD);
+    return m;
+}
+"""
+
+TINY_SETUP = f"""
+import sys
+sys.path.insert(0, {str(REPO)!r})
+import kvlab_build
+from setuptools import Extension, setup
+setup(name="tiny", ext_modules=[Extension("tiny", ["tiny.c"])],
+      cmdclass={{"build_ext": kvlab_build.BuildExt}})
+"""
+
+
+def build_tiny(folder, **options):
+    """Builds the tiny extension in place with these KVLAB_* options (and no others), and
+    returns (its BUILD, its OPENMP, its bytes)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVLAB_")}
+    env.update(options)
+    subprocess.run([sys.executable, "setup.py", "-q", "build_ext", "--inplace"], cwd=folder,
+                   env=env, check=True, capture_output=True, timeout=300)
+    [built] = Path(folder).glob("tiny*.so") if sys.platform != "win32" else Path(folder).glob("tiny*.pyd")
+    probe = subprocess.run([sys.executable, "-c", "import json, tiny; "
+                            "print(json.dumps([tiny.BUILD, tiny.OPENMP]))"],
+                           cwd=folder, env=env, check=True, capture_output=True, text=True)
+    build, openmp = json.loads(probe.stdout)
+    return build, openmp, built.read_bytes()
+
+
+def test_two_builds_with_different_options_differ(tmp_path):
+    """The bug of issue 38: an unchanged source tree built again with KVLAB_NO_OPENMP=1
+    kept the OpenMP build. Now the second build is compiled as asked, and a third with the
+    first build's options is the first build again."""
+    (tmp_path / "tiny.c").write_text(TINY_C)
+    (tmp_path / "setup.py").write_text(TINY_SETUP)
+    first = build_tiny(tmp_path)
+    second = build_tiny(tmp_path, KVLAB_NO_OPENMP="1")
+    assert second[0] != first[0] and second[0].endswith("KVLAB_NO_OPENMP=1")
+    assert second[1] == 0
+    assert first[1] == ("-fopenmp" in first[0].split("; ")[1].split())
+    assert second[2] != first[2]
+    third = build_tiny(tmp_path)
+    assert third[:2] == first[:2]
+
+
+# ---- the flag choice on other platforms --------------------------------------------------
+
+
+def accepting(*accepted):
+    """A fake compiler probe that takes exactly these flag lists."""
+    def accepts(flags):
+        return list(flags) in [list(a) for a in accepted]
+    return accepts
+
+
+def no_libomp():
+    return None
+
+
+def test_every_compiler_gets_ffp_contract_off():
+    """clang fuses multiply-adds by default and gcc only leaves them in ISO C mode; the
+    flag is given to every compiler, whatever it accepts otherwise."""
+    for accepts in (accepting(), accepting(["-march=native"], ["-fopenmp"])):
+        for platform in ("linux", "darwin", "win32"):
+            flags = kvlab_build.choose_flags(accepts, env={}, platform=platform,
+                                             libomp=no_libomp)
+            assert "-ffp-contract=off" in flags.compile
+
+
+def test_linux_with_openmp_and_native_tuning():
+    flags = kvlab_build.choose_flags(accepting(["-march=native"], ["-fopenmp"]), env={},
+                                     platform="linux", libomp=no_libomp)
+    assert "-march=native" in flags.compile and "-fopenmp" in flags.compile
+    assert flags.link == ["-fopenmp"] and flags.notices == []
+
+
+@pytest.mark.parametrize("env", [{"KVLAB_PORTABLE": "1"}, {"KVLAB_NO_OPENMP": "1"}])
+def test_the_options_turn_tuning_and_openmp_off(env):
+    flags = kvlab_build.choose_flags(accepting(["-march=native"], ["-fopenmp"]), env=env,
+                                     platform="linux", libomp=no_libomp)
+    assert ("-march=native" in flags.compile) == ("KVLAB_PORTABLE" not in env)
+    assert ("-fopenmp" in flags.compile) == ("KVLAB_NO_OPENMP" not in env)
+    assert flags.notices == []          # asked for: nothing to tell
+
+
+def test_an_option_set_to_0_is_off():
+    flags = kvlab_build.choose_flags(accepting(["-march=native"], ["-fopenmp"]),
+                                     env={"KVLAB_PORTABLE": "0", "KVLAB_NO_OPENMP": "0"},
+                                     platform="linux", libomp=no_libomp)
+    assert "-march=native" in flags.compile and "-fopenmp" in flags.compile
+
+
+def test_macos_uses_homebrews_libomp_when_apple_clang_refuses_fopenmp():
+    prefix = "/opt/homebrew/opt/libomp"
+    expected_compile = ["-Xpreprocessor", "-fopenmp", f"-I{prefix}/include"]
+    expected_link = [f"-L{prefix}/lib", "-lomp"]
+    flags = kvlab_build.choose_flags(accepting(expected_compile + expected_link), env={},
+                                     platform="darwin", libomp=lambda: prefix)
+    assert flags.compile[-3:] == expected_compile and flags.link == expected_link
+    assert flags.notices == []
+
+
+def test_macos_without_libomp_builds_single_threaded_with_one_notice():
+    asked = []
+    flags = kvlab_build.choose_flags(accepting(), env={}, platform="darwin",
+                                     libomp=lambda: asked.append(1))
+    assert asked == [1]
+    assert not any("openmp" in f.lower() or f == "-lomp" for f in flags.compile + flags.link)
+    [notice] = flags.notices
+    assert "\n" not in notice and "brew install libomp" in notice
+
+
+def test_macos_with_a_compiler_that_has_openmp_needs_no_libomp():
+    """Homebrew's gcc or LLVM clang (CC=...) take -fopenmp themselves."""
+    flags = kvlab_build.choose_flags(accepting(["-fopenmp"]), env={}, platform="darwin",
+                                     libomp=lambda: pytest.fail("libomp looked for"))
+    assert "-fopenmp" in flags.compile and flags.link == ["-fopenmp"]
+
+
+def test_macos_libomp_that_does_not_link_is_not_used():
+    flags = kvlab_build.choose_flags(accepting(), env={}, platform="darwin",
+                                     libomp=lambda: "/usr/local/opt/libomp")
+    assert "-lomp" not in flags.link and len(flags.notices) == 1
+
+
+def test_no_openmp_asked_for_looks_for_no_libomp():
+    flags = kvlab_build.choose_flags(accepting(), env={"KVLAB_NO_OPENMP": "1"},
+                                     platform="darwin",
+                                     libomp=lambda: pytest.fail("libomp looked for"))
+    assert flags.notices == []
+
+
+def test_homebrew_libomp_is_found_in_its_usual_places(tmp_path, monkeypatch):
+    """find_libomp asks brew first, then tries the usual prefixes; a prefix without omp.h
+    does not count."""
+    fake = tmp_path / "libomp"
+    (fake / "include").mkdir(parents=True)
+    monkeypatch.setattr(kvlab_build, "HOMEBREW_LIBOMP", (str(tmp_path / "none"), str(fake)))
+    monkeypatch.setattr(kvlab_build.shutil, "which", lambda name: None)
+    assert kvlab_build.find_libomp() is None
+    (fake / "include" / "omp.h").write_text("")
+    assert kvlab_build.find_libomp() == str(fake)
