@@ -103,7 +103,7 @@ def generate(model: Model, prompt: Union[str, Sequence[int], None] = None,
     (CachedInC: the same tokens, the same random numbers); speculate=a drafter, with up to
     draft_tokens drafts per pass (Speculative); cache_policy=a kvlab.cache_policy policy,
     or the model's own config.sliding_window (WithCachePolicy). dtype (fp32 if unset) and
-    cache_options (key_dtype, value_dtype, group, key_group, value_group, window): the
+    cache_options (key_format, value_format, group, key_group, value_group, window): the
     cache's format, as in model.new_cache(). progress=True shows a progress bar.
     """
     params = _sampling_params(params, max_new_tokens=max_new_tokens, temperature=temperature,
