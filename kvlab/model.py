@@ -375,6 +375,19 @@ class Model:
         that hold NaN) keeps every step it completed: the cache holds their tokens (and the
         failed step's own, for NaN logits), and the exception carries the completed steps'
         picks and times as `error.completed`, a (tokens, seconds) pair."""
+        max_steps, rng, stop = self._check_decode_steps(token, cache, max_steps, temperature,
+                                                        top_k, top_p, rng, stop_token)
+        if isinstance(cache, KVCache):
+            return self._decode_steps_in_c(token, cache, max_steps, temperature, top_k, top_p,
+                                           rng, stop)
+        return self._decode_steps_in_python(token, cache, max_steps, temperature, top_k, top_p,
+                                            rng, stop)
+
+    def _check_decode_steps(self, token, cache, max_steps, temperature, top_k, top_p, rng,
+                            stop_token) -> Tuple[int, Optional[np.random.Generator], int]:
+        """decode_steps' arguments checked before a step runs: max_steps as an int, the
+        generator to draw from (a fresh one when sampling without one), and the stop token
+        as the C loop takes it (-1: none)."""
         self._check_weights()
         one_token(token, self.config.vocab_size, "decode_steps")
         max_steps = arguments.positive(max_steps, "max_steps")
@@ -390,36 +403,45 @@ class Model:
         self._check_window(cache, max_steps)
         if temperature > 0.0 and rng is None:
             rng = np.random.default_rng()
-        if isinstance(cache, KVCache):
-            # each step adds a row: past the cache's room, the next step raises CacheFullError
-            # whatever max_steps says, so no more numbers are drawn than steps can run
-            # (max_steps=2**31-1 would otherwise ask NumPy for 16 GiB of them)
-            max_steps = min(max_steps, max(cache.capacity - cache.length, 0) + 1)
-            call = np.zeros(len(core.COUNTERS), dtype=np.int64)
-            # the numbers each sampled step draws with, the same ones sample() would take;
-            # drawn ahead, then rng is set to have given exactly those the steps used
-            uniforms, before = None, None
-            if temperature > 0.0:
-                before = rng.bit_generator.state
-                uniforms = rng.random(max_steps)
-            used = 0
-            try:
-                picks, seconds = self._core.generate(
-                    int(token), cache, max_steps, temperature, top_k or 0,
-                    1.0 if top_p is None else top_p, uniforms, stop, call)
-                used = len(picks)
-            except BaseException as error:
-                # an interrupt comes between steps; NaN logits fail a step that drew its number;
-                # a full cache stops a step before it runs, so before it draws
-                drew = isinstance(error, ValueError) and not isinstance(error, CacheFullError)
-                used = len(getattr(error, "completed", ((),))[0]) + drew
-                raise
-            finally:
-                self._record(call)
-                if before is not None:
-                    rng.bit_generator.state = before
-                    rng.random(used)
-            return picks, seconds
+        return max_steps, rng, stop
+
+    def _decode_steps_in_c(self, token: int, cache: KVCache, max_steps: int, temperature: float,
+                           top_k, top_p, rng, stop: int) -> Tuple[np.ndarray, np.ndarray]:
+        """decode_steps over a KVCache: the whole loop in the core, the GIL released."""
+        # each step adds a row: past the cache's room, the next step raises CacheFullError
+        # whatever max_steps says, so no more numbers are drawn than steps can run
+        # (max_steps=2**31-1 would otherwise ask NumPy for 16 GiB of them)
+        max_steps = min(max_steps, max(cache.capacity - cache.length, 0) + 1)
+        call = np.zeros(len(core.COUNTERS), dtype=np.int64)
+        # the numbers each sampled step draws with, the same ones sample() would take;
+        # drawn ahead, then rng is set to have given exactly those the steps used
+        uniforms, before = None, None
+        if temperature > 0.0:
+            before = rng.bit_generator.state
+            uniforms = rng.random(max_steps)
+        used = 0
+        try:
+            picks, seconds = self._core.generate(
+                int(token), cache, max_steps, temperature, top_k or 0,
+                1.0 if top_p is None else top_p, uniforms, stop, call)
+            used = len(picks)
+        except BaseException as error:
+            # an interrupt comes between steps; NaN logits fail a step that drew its number;
+            # a full cache stops a step before it runs, so before it draws
+            drew = isinstance(error, ValueError) and not isinstance(error, CacheFullError)
+            used = len(getattr(error, "completed", ((),))[0]) + drew
+            raise
+        finally:
+            self._record(call)
+            if before is not None:
+                rng.bit_generator.state = before
+                rng.random(used)
+        return picks, seconds
+
+    def _decode_steps_in_python(self, token: int, cache: Cache, max_steps: int,
+                                temperature: float, top_k, top_p, rng,
+                                stop: int) -> Tuple[np.ndarray, np.ndarray]:
+        """decode_steps over any other cache (paged, GPU): decode() and sample(), step by step."""
         picks, seconds = [], []
         try:
             for step in range(max_steps):

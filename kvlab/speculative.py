@@ -29,7 +29,7 @@ after k kept drafts, one more from p. A prompt-lookup draft is certain (q(x) = 1
 tokens are the same in distribution, not draw for draw: plain sampling and speculation use
 the random numbers differently (tested statistically on a small vocabulary).
 
-kvlab.generate (speculative_loop below) and the batching engine (kvlab.Engine(...,
+kvlab.generate (speculative_pass below, one pass) and the batching engine (kvlab.Engine(...,
 speculate=...)) share the steps of a pass: propose_drafts, verify_drafts, keep_until_stop
 and SpeculationStats.count_pass.
 """
@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import collections.abc
 import dataclasses
-import time
 from typing import Iterable, List, Optional, Protocol, Sequence, Tuple
 
 import numpy as np
@@ -359,38 +358,22 @@ def keep_until_stop(produced: List[int], eos: Optional[int],
     return list(produced), None
 
 
-def speculative_loop(model: Model, ids: List[int], cache, max_new_tokens: int,
-                     drafter: Drafter, sampling: tuple, stats: SpeculationStats,
-                     eos: Optional[int], new_tokens: List[int], seconds: List[float],
-                     bar) -> bool:
-    """generate's loop with speculation: prefill, then per pass the newest token and k
-    drafts in one forward over the cache, the drafts kept up to the first the model
-    refuses, one token of the model's own after them, and the refused drafts' K and V cut
-    off again. Returns whether the end-of-sequence token stopped it."""
-    temperature, top_k, top_p, rng = sampling
-    start = time.perf_counter()
-    produced = [sample(model.prefill(ids, cache), temperature, top_k, top_p, rng)]
-    while True:
-        elapsed = time.perf_counter() - start
-        kept, stop = keep_until_stop(produced, eos, max_new_tokens - len(new_tokens))
-        used = len(kept) + (stop == "eos")          # an EOS token counts as generated
-        seconds.extend([elapsed / len(produced)] * used)
-        stats.tokens += used
-        if bar is not None:
-            bar.update(used)
-        new_tokens.extend(kept)
-        if stop is not None:
-            return stop == "eos"
-        start = time.perf_counter()
-        # [quote ch09-speculative-pass]
-        # drafts that could all be kept, with the model's own token after them
-        drafts, q = propose_drafts(drafter, ids + new_tokens, stats.draft_tokens,
-                                   max_new_tokens - len(new_tokens), sampling,
-                                   model.config.vocab_size)
-        rows = model.forward([new_tokens[-1]] + drafts, cache, all_logits=True)
-        accepted, token = verify_drafts(rows, drafts, q, sampling)
-        stats.count_pass(len(drafts), accepted)
-        # the cache now holds the newest token and every draft: keep the accepted ones
-        cache.truncate(len(ids) + len(new_tokens) + accepted)
-        produced = drafts[:accepted] + [token]
-        # [end ch09-speculative-pass]
+def speculative_pass(model: Model, cache, ids: List[int], new_tokens: List[int],
+                     drafter: Drafter, room: int, sampling: tuple,
+                     stats: SpeculationStats) -> List[int]:
+    """One pass of generate's speculation (kvlab.generate.Speculative runs them after the
+    prompt's step): the newest token and up to stats.draft_tokens drafts in one forward
+    over the cache, where at most `room` more tokens may be generated. Returns the tokens
+    it produced, the drafts up to the first the model refuses and one token of the model's
+    own after them; the refused drafts' K and V are cut off the cache again."""
+    # [quote ch09-speculative-pass]
+    # drafts that could all be kept, with the model's own token after them
+    drafts, q = propose_drafts(drafter, ids + new_tokens, stats.draft_tokens, room,
+                               sampling, model.config.vocab_size)
+    rows = model.forward([new_tokens[-1]] + drafts, cache, all_logits=True)
+    accepted, token = verify_drafts(rows, drafts, q, sampling)
+    stats.count_pass(len(drafts), accepted)
+    # the cache now holds the newest token and every draft: keep the accepted ones
+    cache.truncate(len(ids) + len(new_tokens) + accepted)
+    return drafts[:accepted] + [token]
+    # [end ch09-speculative-pass]

@@ -23,7 +23,7 @@ import math
 import traceback
 from functools import lru_cache
 from pathlib import Path
-from typing import Callable, NamedTuple, Optional
+from typing import Callable, List, NamedTuple, Optional
 
 import numpy as np
 
@@ -812,9 +812,24 @@ def _greedy_after(model, tokens, n):
 
 
 def _check_speculative(answer, rng) -> str:
+    """The exercise: one speculative pass, answer(model, cache, tokens, drafts) -> the kept
+    drafts and the model's own token after them, checked case by case, then in a loop."""
     model = _model()
     texts = ["ROMEO:\nBut soft, what light through yonder window breaks?\nROMEO:\nBut soft",
              "KING HENRY:\nNow, lords, the field is ours, and yet the day\n", "First Citizen:\n"]
+    cases = _speculative_cases(model, texts, rng)
+    for number, (tokens, drafts, what) in enumerate(cases, 1):
+        case = f"case {number} of {len(cases) + 1}: {what}, after {_short(model.decode_text(tokens), 40)}"
+        _check_one_speculative_pass(answer, model, case, tokens, drafts)
+    # the last case: the step, over and over, drafted by prompt lookup, is greedy decoding
+    case = (f"case {len(cases) + 1} of {len(cases) + 1}: 60 tokens after {_short(texts[0], 40)}, "
+            f"your step in a loop with prompt lookup drafts (k = 4)")
+    return _check_speculative_loop(answer, model, case, texts[0], n_new=60)
+
+
+def _speculative_cases(model, texts: List[str], rng) -> list:
+    """(context, drafts, what the case is) for each case of one pass: right, wrong and mixed
+    drafts after each text and what greedy adds to it."""
     cases = []
     for text in texts:                       # the context: the text and what greedy adds to it
         tokens = model.encode(text)
@@ -834,72 +849,86 @@ def _check_speculative(answer, rng) -> str:
     truth = _greedy_after(model, tokens, 9)
     cases.append((tokens, truth[:1] + [truth[1] if rng.random() < 0.5 else 0] + truth[2:8],
                   "8 drafts"))
-    for number, (tokens, drafts, what) in enumerate(cases, 1):
-        case = f"case {number} of {len(cases) + 1}: {what}, after {_short(model.decode_text(tokens), 40)}"
-        truth = _greedy_after(model, tokens, len(drafts) + 1)
-        kept = 0
-        while kept < len(drafts) and drafts[kept] == truth[kept]:
-            kept += 1
-        expected = truth[:kept + 1]
-        cache = model.new_cache(len(tokens) + len(drafts) + 1)
-        model.prefill(tokens[:-1], cache)
-        with model.counting() as counts:
-            got = _call(answer, case, model, cache, list(tokens), list(drafts), hints={
-                ValueError: "cache.truncate(n) only shortens the cache: after the pass it holds "
-                            "len(tokens) + len(drafts) positions, and you keep len(tokens) + "
-                            "kept of them",
-                CacheFullError: "run the newest token and the drafts once, over the cache as "
-                                "it is: model.forward([tokens[-1]] + drafts, cache, "
-                                "all_logits=True)"})
-        try:
-            got = [int(t) for t in got]
-        except Exception:
-            raise _NotYet(case, f"a list of token ids: {expected}", _short(got),
-                          "return the kept drafts and the model's own token, as a list") from None
-        if got != expected:
-            if got == drafts[:kept]:
-                hint = ("after the kept drafts comes one token of the model's own: the arg-max "
-                        "of the row after the last kept draft, rows[kept]")
-            elif got[:-1] == drafts[:len(got) - 1] and len(got) - 1 > kept:
-                hint = ("stop at the first draft the model refuses: every draft after it was "
-                        "checked against a context that is not the text")
-            else:
-                hint = ("rows[i] is the model's choice for the position of drafts[i] (row 0 "
-                        "comes from the newest token, tokens[-1]); keep drafts while "
-                        "np.argmax(rows[i]) == drafts[i]")
-            raise _NotYet(case, f"{expected} (kept {kept} of {len(drafts)} drafts, then the "
-                          f"model's own token)", f"{got}", hint)
-        if counts.calls != 1:
-            raise _NotYet(case, "one forward pass of the model", f"{counts.calls} passes "
-                          f"(the right tokens)", "the point is one pass: model.forward("
-                          "[tokens[-1]] + drafts, cache, all_logits=True) checks every draft "
-                          "at once")
-        want = len(tokens) + kept
-        if cache.length != want:
-            if cache.length == len(tokens) + len(drafts):
-                hint = ("the refused drafts' K and V are still in the cache: "
-                        "cache.truncate(len(tokens) + kept)")
-            elif cache.length == want + 1:
-                hint = ("the cache keeps the first refused draft: its K and V belong to a "
-                        "token that is not in the text; truncate to len(tokens) + kept")
-            else:
-                hint = ("the cache should hold the context and the kept drafts, not the "
-                        "model's own token (it is fed next step): truncate to "
-                        "len(tokens) + kept")
-            raise _NotYet(case, f"cache.length == {want} (the context and {kept} kept drafts)",
-                          f"cache.length == {cache.length}", hint)
-        fresh = model.new_cache(want)
-        model.prefill(list(tokens) + list(drafts[:kept]), fresh)
-        if not (np.array_equal(cache.keys, fresh.keys) and np.array_equal(cache.values, fresh.values)):
-            raise _NotYet(case, "the K and V a prefill of the context and the kept drafts writes",
-                          "other K and V in the cache",
-                          "feed the newest token first: model.forward([tokens[-1]] + drafts, "
-                          "cache, all_logits=True)")
-    # the last case: the step, over and over, drafted by prompt lookup, is greedy decoding
-    case = (f"case {len(cases) + 1} of {len(cases) + 1}: 60 tokens after {_short(texts[0], 40)}, "
-            f"your step in a loop with prompt lookup drafts (k = 4)")
-    tokens = model.encode(texts[0])
-    prompt_len, n_new = len(tokens), 60
+    return cases
+
+
+def _check_one_speculative_pass(answer, model, case: str, tokens: List[int],
+                                drafts: List[int]) -> None:
+    """One pass of the answer: the right tokens, in one forward pass, leaving the cache
+    holding the context and the kept drafts, with the K and V a prefill of them writes."""
+    truth = _greedy_after(model, tokens, len(drafts) + 1)
+    kept = 0
+    while kept < len(drafts) and drafts[kept] == truth[kept]:
+        kept += 1
+    expected = truth[:kept + 1]
+    cache = model.new_cache(len(tokens) + len(drafts) + 1)
+    model.prefill(tokens[:-1], cache)
+    with model.counting() as counts:
+        got = _call(answer, case, model, cache, list(tokens), list(drafts), hints={
+            ValueError: "cache.truncate(n) only shortens the cache: after the pass it holds "
+                        "len(tokens) + len(drafts) positions, and you keep len(tokens) + "
+                        "kept of them",
+            CacheFullError: "run the newest token and the drafts once, over the cache as "
+                            "it is: model.forward([tokens[-1]] + drafts, cache, "
+                            "all_logits=True)"})
+    try:
+        got = [int(t) for t in got]
+    except Exception:
+        raise _NotYet(case, f"a list of token ids: {expected}", _short(got),
+                      "return the kept drafts and the model's own token, as a list") from None
+    if got != expected:
+        raise _NotYet(case, f"{expected} (kept {kept} of {len(drafts)} drafts, then the "
+                      f"model's own token)", f"{got}", _wrong_pass_hint(got, drafts, kept))
+    if counts.calls != 1:
+        raise _NotYet(case, "one forward pass of the model", f"{counts.calls} passes "
+                      f"(the right tokens)", "the point is one pass: model.forward("
+                      "[tokens[-1]] + drafts, cache, all_logits=True) checks every draft "
+                      "at once")
+    want = len(tokens) + kept
+    if cache.length != want:
+        raise _NotYet(case, f"cache.length == {want} (the context and {kept} kept drafts)",
+                      f"cache.length == {cache.length}",
+                      _wrong_length_hint(cache.length, want, len(tokens) + len(drafts)))
+    fresh = model.new_cache(want)
+    model.prefill(list(tokens) + list(drafts[:kept]), fresh)
+    if not (np.array_equal(cache.keys, fresh.keys) and np.array_equal(cache.values, fresh.values)):
+        raise _NotYet(case, "the K and V a prefill of the context and the kept drafts writes",
+                      "other K and V in the cache",
+                      "feed the newest token first: model.forward([tokens[-1]] + drafts, "
+                      "cache, all_logits=True)")
+
+
+def _wrong_pass_hint(got: List[int], drafts: List[int], kept: int) -> str:
+    if got == drafts[:kept]:
+        return ("after the kept drafts comes one token of the model's own: the arg-max "
+                "of the row after the last kept draft, rows[kept]")
+    if got[:-1] == drafts[:len(got) - 1] and len(got) - 1 > kept:
+        return ("stop at the first draft the model refuses: every draft after it was "
+                "checked against a context that is not the text")
+    return ("rows[i] is the model's choice for the position of drafts[i] (row 0 "
+            "comes from the newest token, tokens[-1]); keep drafts while "
+            "np.argmax(rows[i]) == drafts[i]")
+
+
+def _wrong_length_hint(length: int, want: int, everything: int) -> str:
+    """Why a cache holds `length` rows after the pass, not the `want` of the context and the
+    kept drafts (`everything`: the context and every draft)."""
+    if length == everything:
+        return ("the refused drafts' K and V are still in the cache: "
+                "cache.truncate(len(tokens) + kept)")
+    if length == want + 1:
+        return ("the cache keeps the first refused draft: its K and V belong to a "
+                "token that is not in the text; truncate to len(tokens) + kept")
+    return ("the cache should hold the context and the kept drafts, not the "
+            "model's own token (it is fed next step): truncate to "
+            "len(tokens) + kept")
+
+
+def _check_speculative_loop(answer, model, case: str, text: str, n_new: int) -> str:
+    """The answer as the step of a loop with prompt lookup drafts must give greedy decoding's
+    tokens, kvlab.generate's."""
+    tokens = model.encode(text)
+    prompt_len = len(tokens)
     cache = model.new_cache(prompt_len + n_new + 4)
     tokens.append(int(np.argmax(model.prefill(tokens, cache))))
     drafter, passes = PromptLookup(), 0
@@ -908,13 +937,13 @@ def _check_speculative(answer, rng) -> str:
         got = _call(answer, case, model, cache, list(tokens), drafts)
         tokens += [int(t) for t in got]
         passes += 1
-    expected = generate(model, texts[0], n_new).tokens
+    expected = generate(model, text, n_new).tokens
     got = tokens[prompt_len:prompt_len + n_new]
     if got != expected:
-        raise _NotYet(case, "kvlab.generate's 60 tokens", _short(got),
+        raise _NotYet(case, f"kvlab.generate's {n_new} tokens", _short(got),
                       "each step must leave the cache holding exactly the text so far, less "
                       "its newest token")
-    return (f"Stepped through 60 tokens with prompt lookup, your step gives kvlab.generate's "
+    return (f"Stepped through {n_new} tokens with prompt lookup, your step gives kvlab.generate's "
             f"tokens in {passes + 1} forward passes of the model instead of {n_new}: the "
             f"drafts it keeps cost no pass of their own.")
 

@@ -1,4 +1,7 @@
 """kvlab.generate: the cache is exact (same tokens with and without it), sampling, errors."""
+import dataclasses
+import sys
+
 import numpy as np
 import pytest
 
@@ -165,3 +168,62 @@ def test_the_c_loop_takes_from_rng_exactly_the_numbers_its_steps_use(model):
         results.append((picks.tolist(), rng.random()))
     assert results[0] == results[1]
     assert results[0][0][-1] == stop and len(results[0][0]) <= 6
+
+
+def test_sampling_params_and_their_shorthand_generate_the_same(model):
+    """generate takes a kvlab.SamplingParams as the Engine does; temperature=, seed= and the
+    other sampling keywords are its shorthand: the same tokens, drawn from the same numbers."""
+    shorthand = dict(max_new_tokens=30, temperature=0.9, top_k=20, top_p=0.9, seed=3,
+                     stop_at_eos=False)
+    params = kvlab.SamplingParams(**shorthand)
+    for way in ({}, {"fast": False}, {"use_cache": False}):
+        want = kvlab.generate(model, [5, 6], **shorthand, **way)
+        got = kvlab.generate(model, [5, 6], params=params, **way)
+        assert got.tokens == want.tokens and len(got.tokens) == 30
+    assert kvlab.generate(model, [5, 6], params=kvlab.SamplingParams(max_new_tokens=7)).tokens \
+        == kvlab.generate(model, [5, 6], 7).tokens
+
+
+def test_sampling_params_and_a_shorthand_together_are_refused(model):
+    params = kvlab.SamplingParams(max_new_tokens=5, temperature=0.5, seed=1)
+    with pytest.raises(TypeError, match=r"params or its shorthand \(temperature\), not both"):
+        kvlab.generate(model, [1, 2], params=params, temperature=0.7)
+    with pytest.raises(TypeError, match=r"max_new_tokens"):
+        kvlab.generate(model, [1, 2], 9, params=params)
+    with pytest.raises(TypeError, match="kvlab.SamplingParams"):
+        kvlab.generate(model, [1, 2], params={"temperature": 0.5})
+    with pytest.raises(ValueError, match="one sequence"):
+        kvlab.generate(model, [1, 2], params=kvlab.SamplingParams(max_new_tokens=5, n=2))
+
+
+def test_the_shorthand_defaults_are_generates_defaults():
+    """Leaving a sampling keyword out is what lets params= stand alone: the table generate
+    compares against must say what its signature says."""
+    import inspect
+    from kvlab.generate import SHORTHAND_DEFAULTS, generate
+    signature = inspect.signature(generate).parameters
+    assert {name: signature[name].default for name in SHORTHAND_DEFAULTS} == SHORTHAND_DEFAULTS
+    fields = {field.name for field in dataclasses.fields(kvlab.SamplingParams)}
+    assert set(SHORTHAND_DEFAULTS) <= fields
+
+
+@pytest.mark.parametrize("kwargs, way", [
+    ({}, "CachedInC"), ({"fast": False}, "Cached"), ({"use_cache": False}, "Uncached"),
+    ({"cache_policy": kvlab.cache_policy.SlidingWindow(8)}, "WithCachePolicy"),
+    ({"cache_policy": kvlab.cache_policy.SlidingWindow(64)}, "CachedInC"),   # never drops a row
+    ({"speculate": kvlab.speculative.PromptLookup()}, "Speculative"),
+])
+def test_generate_chooses_its_way_of_running_steps_before_the_loop(model, kwargs, way,
+                                                                  monkeypatch):
+    """The loop is one loop; which Steps class runs each step follows from the arguments."""
+    module = sys.modules["kvlab.generate"]        # kvlab.generate is the function
+    chosen = []
+    original = module._choose_steps
+
+    def spy(*args, **kw):
+        chosen.append(original(*args, **kw))
+        return chosen[-1]
+    monkeypatch.setattr(module, "_choose_steps", spy)
+    out = kvlab.generate(model, [1, 2, 3], 20, **kwargs)
+    assert [type(steps).__name__ for steps in chosen] == [way]
+    assert (out.speculation is not None) == (way == "Speculative")
