@@ -400,8 +400,8 @@ static void attend_runs(const kv_config *c, const run_state *s, const token_span
         return;
     }
     long work = 0;
-    for (int r = 0; r < span->n_runs; r++)
-        work += (long)span->runs[r].n_tokens * (span->runs[r].start_pos + span->runs[r].n_tokens);
+    for (const token_run *run = span->runs; run < span->runs + span->n_runs; run++)
+        work += (long)run->n_tokens * (run->start_pos + run->n_tokens);
     #pragma omp parallel for schedule(dynamic) num_threads(s->n_threads) \
         if (work * c->n_heads * c->head_dim >= KV_PARALLEL_MIN_WORK)
     for (int r = 0; r < span->n_runs; r++) {
@@ -593,7 +593,8 @@ static void finish_forward(const kv_model *model, run_state *s, int n_tokens, fl
                 model->weights.final_norm, c->dim, c->norm_eps);
     }
     if (n_rows > 0)
-        project(s, logits, s->rows.xb, model->weights.classifier, n_rows, c->dim, c->vocab_size);
+        project(s, logits, s->rows.xb, model->weights.classifier, n_rows, c->dim,
+                c->vocab_size);
     /* [end ch09-forward-tokens-logits] */
     count_forward(model, s, n_tokens, n_rows);
 }
