@@ -128,27 +128,27 @@ typedef struct {
     float *rope_sin;  /* (n_tokens, head_dim / 2) */
 } token_rows;
 
-/* The widths a buffer's rows can have. */
-typedef enum { DIM, Q_DIM, KV_DIM, HIDDEN_DIM, HALF_HEAD } row_width;
+/* The widths a buffer's rows can have (row_floats: dim, n_heads * head_dim, ...). */
+typedef enum { ROW_DIM, ROW_Q_DIM, ROW_KV_DIM, ROW_HIDDEN_DIM, ROW_HALF_HEAD } row_width;
 
 /* Every buffer of token_rows and the width of its rows: the one list that sizes the
  * buffers (run_state_alloc) and finds a chunk's rows in them (chunk_view). A new buffer
- * is a field above and a line here; a field without its line does not compile. */
+ * is a field above and a line here; a field without its line fails the assert below. */
 static const struct {
     size_t field;       /* offsetof(token_rows, the buffer) */
     row_width width;
 } ROWS[] = {
-    {offsetof(token_rows, x), DIM},
-    {offsetof(token_rows, xb), DIM},
-    {offsetof(token_rows, q), Q_DIM},
-    {offsetof(token_rows, k), KV_DIM},
-    {offsetof(token_rows, v), KV_DIM},
-    {offsetof(token_rows, att_out), Q_DIM},
-    {offsetof(token_rows, proj), DIM},
-    {offsetof(token_rows, hb), HIDDEN_DIM},
-    {offsetof(token_rows, hb2), HIDDEN_DIM},
-    {offsetof(token_rows, rope_cos), HALF_HEAD},
-    {offsetof(token_rows, rope_sin), HALF_HEAD},
+    {offsetof(token_rows, x), ROW_DIM},
+    {offsetof(token_rows, xb), ROW_DIM},
+    {offsetof(token_rows, q), ROW_Q_DIM},
+    {offsetof(token_rows, k), ROW_KV_DIM},
+    {offsetof(token_rows, v), ROW_KV_DIM},
+    {offsetof(token_rows, att_out), ROW_Q_DIM},
+    {offsetof(token_rows, proj), ROW_DIM},
+    {offsetof(token_rows, hb), ROW_HIDDEN_DIM},
+    {offsetof(token_rows, hb2), ROW_HIDDEN_DIM},
+    {offsetof(token_rows, rope_cos), ROW_HALF_HEAD},
+    {offsetof(token_rows, rope_sin), ROW_HALF_HEAD},
 };
 #define N_ROWS (sizeof ROWS / sizeof ROWS[0])
 _Static_assert(N_ROWS == sizeof(token_rows) / sizeof(float *),
@@ -156,11 +156,11 @@ _Static_assert(N_ROWS == sizeof(token_rows) / sizeof(float *),
 
 static size_t row_floats(const kv_config *c, row_width width) {
     switch (width) {
-    case DIM: return (size_t)c->dim;
-    case Q_DIM: return (size_t)c->n_heads * c->head_dim;
-    case KV_DIM: return (size_t)c->n_kv_heads * c->head_dim;
-    case HIDDEN_DIM: return (size_t)c->hidden_dim;
-    case HALF_HEAD: return (size_t)c->head_dim / 2;
+    case ROW_DIM: return (size_t)c->dim;
+    case ROW_Q_DIM: return (size_t)c->n_heads * c->head_dim;
+    case ROW_KV_DIM: return (size_t)c->n_kv_heads * c->head_dim;
+    case ROW_HIDDEN_DIM: return (size_t)c->hidden_dim;
+    case ROW_HALF_HEAD: return (size_t)c->head_dim / 2;
     }
     return 0;
 }
@@ -225,7 +225,7 @@ static kv_status run_state_alloc(run_state *s, const kv_model *m, int n_tokens, 
     if ((int)q_dim > widest) widest = (int)q_dim;
     int converted = has_matrix_for(m, 0), int8 = has_matrix_for(m, 1);
     float *x_codes_floats = NULL;   /* the int8 codes, in float-sized slots */
-    /* the rows (ROWS), then the scratch that is not a row per token */
+    /* the rows (ROWS), then the four buffers of scratch that are not a row per token */
     scratch_part parts[N_ROWS + 4] = {
         [N_ROWS] = {&s->scores, (size_t)s->n_threads * s->score_stride},
         {&s->weight_rows, converted ? kv_weights_scratch_floats(widest, s->n_threads) : 0},
@@ -659,12 +659,12 @@ typedef kv_status chunk_step(void *call, int done, int n);
  * each layer of the one-layer uncached pass): n_tokens tokens, the first at position
  * `start`, in chunks of kv_chunk_length's size, `step` doing what the call does with each.
  * Between two chunks it asks the interrupt check, and stops if told to: the chunks before
- * are done, the rest are not begun. `asked_first`: ask before the first chunk too (work
+ * are done, the rest are not begun. `ask_first`: ask before the first chunk too (work
  * came before this loop in the same call). */
-static kv_status in_chunks(const kv_config *c, int start, int n_tokens, int asked_first,
+static kv_status in_chunks(const kv_config *c, int start, int n_tokens, int ask_first,
                            chunk_step *step, void *call) {
     for (int done = 0, n = 0; done < n_tokens; done += n) {
-        if ((done > 0 || asked_first) && kv_interrupted()) return KV_ERR_INTERRUPTED;
+        if ((done > 0 || ask_first) && kv_interrupted()) return KV_ERR_INTERRUPTED;
         n = kv_chunk_length(c, start + done, n_tokens - done);
         kv_status status = step(call, done, n);
         if (status != KV_OK) return status;
