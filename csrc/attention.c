@@ -380,7 +380,7 @@ static int head_rows(const kv_layer_view *view, int is_value, int head, int pos,
     *rows = (tile_rows){0};
     int ahead = pos + AHEAD;
     if (ahead < n_seen) {
-        /* a paged cache's next rows are often in another block: look it up, so that
+        /* a paged pool's next rows are often in another block: look it up, so that
          * small blocks are fetched ahead as well as one long contiguous run */
         int block_end = ahead - ahead % view->block_size + view->block_size;
         int n_ahead = n_seen < block_end ? n_seen - ahead : block_end - ahead;
@@ -487,7 +487,7 @@ void kv_attention(float *out, const float *q, const kv_layer_view *view, int n_t
             for (int tile_start = 0; tile_start < n_seen; tile_start += TILE) {
                 int tile_end = n_seen - tile_start < TILE ? n_seen : tile_start + TILE;
                 /* how well each query matches the tile's keys, a run of rows at a time
-                 * (one run, unless the tile spans blocks of a paged cache) */
+                 * (one run, unless the tile spans blocks of a paged pool) */
                 for (int pos = tile_start; pos < tile_end;) {
                     int n = run_length(view, pos, tile_end);
                     tile_rows keys;

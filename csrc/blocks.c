@@ -1,5 +1,5 @@
 /* [quote ch04-the-design] */
-/* blocks.c: the block manager of the paged KV cache: block tables, reference counts,
+/* blocks.c: the block manager of the paged pool: block tables, reference counts,
  * copy-on-write, prefix caching. No K or V here.
  *
  * A contiguous cache reserves max_seq_len positions per request up front; a paged pool
@@ -29,7 +29,7 @@
 #define ROOT_HASH 0x6b766c6162ULL  /* the "parent hash" of a sequence's first block */
 
 static int blocks_for(const kv_blocks *p, int length) {
-    return (length + p->block_size - 1) / p->block_size;
+    return (int)kv_ceil_div(length, p->block_size);
 }
 
 /* ---- setup --------------------------------------------------------------------------- */

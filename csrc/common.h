@@ -7,6 +7,7 @@
 #ifndef KVLAB_COMMON_H
 #define KVLAB_COMMON_H
 
+#include <stdint.h>
 #include <stdlib.h>
 #include <time.h>
 #include "kvlab.h"
@@ -37,6 +38,10 @@ static inline float *kv_alloc_floats(size_t count) {
 /* n rounded up to a multiple of 16 (floats): scratch carved out of one allocation keeps
  * each piece 64-byte aligned when the allocation is. */
 static inline size_t kv_round_up16(size_t n) { return (n + 15) & ~(size_t)15; }
+
+/* ceil(n / d) for n >= 0 and d > 0, in 64 bits so that n + d - 1 cannot overflow an int:
+ * the blocks a length takes (blocks.c, swap.c, the binding's messages), the panels of a row. */
+static inline int64_t kv_ceil_div(int64_t n, int64_t d) { return (n + d - 1) / d; }
 
 /* Below this many multiply-adds a loop runs on one thread: waking the other threads
  * costs a few microseconds, more than small work takes, and far more when the cores

@@ -4,7 +4,7 @@
  * own element format (store.c): one KV head's keys for consecutive positions are
  * consecutive rows, so attention streams one head's keys front to back. (Python's
  * cache.keys shows the same memory as (n_layers, length, n_kv_heads, head_dim).) The whole
- * capacity is reserved up front; that waste is exactly what the paged cache (paged.c)
+ * capacity is reserved up front; that waste is exactly what the paged pool (paged.c)
  * exists to remove. A residual window keeps the last few positions in float32 as well.
  */
 #include <string.h>

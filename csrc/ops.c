@@ -118,9 +118,10 @@ static void kernel_4x1(const four_rows *f, int t, const float *x, int in_dim) {
 }
 
 /* Tokens are taken TOKEN_CHUNK (ops.h's KV_TOKEN_CHUNK, 48) at a time, so that a chunk of x
- * (48 tokens x 4 KiB for dim 1024) stays in the L2 cache while every row of w passes over
+ * (192 KiB of them for dim 1024) stays in the L2 cache while every row of w passes over
  * it. A weight matrix larger than the caches is therefore streamed from memory once per
- * chunk: once per decode step of up to 48 sequences, several times for a long prompt. */
+ * chunk: once per decode step of up to TOKEN_CHUNK sequences, several times for a long
+ * prompt. */
 #define TOKEN_CHUNK KV_TOKEN_CHUNK
 /* Rows longer than twice this are taken PANEL columns at a time: four rows of 2,048 floats
  * (32 KiB) would not stay in the L1 cache while three tokens' columns stream past them;
@@ -141,7 +142,7 @@ static void four_rows_block(const four_rows *f, const float *x, int first, int c
     size_t stride = (size_t)in_dim;
     int n8 = in_dim & ~7, n_triples = chunk / 3;
     int panel = in_dim > 2 * PANEL ? PANEL : n8;
-    int n_panels = n8 > 0 ? (n8 + panel - 1) / panel : 0;
+    int n_panels = n8 > 0 ? (int)kv_ceil_div(n8, panel) : 0;
     /* While these four rows work through the chunk's tokens, the next four rows are
      * fetched, a slice before each call of the kernel: at their first use they would
      * otherwise come from memory, one stall after another. */

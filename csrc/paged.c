@@ -1,4 +1,4 @@
-/* paged.c: the paged KV cache on the CPU: a block manager and the K/V stores it indexes.
+/* paged.c: the paged pool on the CPU: a block manager and the K/V stores it indexes.
  *
  * Which block holds which positions of which sequence (block tables, reference counts,
  * copy-on-write, the prefix cache) is the block manager's business (blocks.c), and it

@@ -1,9 +1,9 @@
 /* plain.c: the kernels of a Llama layer written to be read: the plain tier.
  *
  * Attention, the matrix product, RMSNorm, RoPE and SwiGLU as loops, one value at a time,
- * in llama2.c's style. They are the specification of the fast kernels (ops.c, attention.c),
- * which tile, vectorize and prefetch but must give exactly these bits (tests/c checks it
- * with memcmp). KVLAB_KERNELS=plain runs the model on these, so a debugger can step
+ * in llama2.c's style. They are the bit-for-bit specification of the fast kernels (ops.c,
+ * attention.c), which tile, vectorize and prefetch but must give exactly these bits
+ * (tests/c checks it with memcmp); the math itself is specified by kvlab/reference.py. KVLAB_KERNELS=plain runs the model on these, so a debugger can step
  * through every line and see the same tokens. This file is not about speed, and does not
  * own the cache layouts (store.c reads a row of any format back as floats).
  *

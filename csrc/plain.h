@@ -2,10 +2,12 @@
  *
  * Attention, the matrix product, RMSNorm, RoPE and SwiGLU as plain loops with shape
  * comments, in llama2.c's style: no intrinsics, no prefetching, no macros that make
- * functions. They are the specification: the fast kernels (ops.c, attention.c) are tested
- * equal to them bit for bit (tests/c/test_core.c), the chapters quote them, and
- * kv_set_kernels(KV_KERNELS_PLAIN) (KVLAB_KERNELS=plain in Python) runs the whole model on
- * them, with the same logits and tokens. Each one's NumPy twin is in kvlab/reference.py.
+ * functions. They are the specification of the kernels' bits (the order of every sum): the
+ * fast kernels (ops.c, attention.c) are tested equal to them bit for bit
+ * (tests/c/test_core.c), the chapters quote them, and kv_set_kernels(KV_KERNELS_PLAIN)
+ * (KVLAB_KERNELS=plain in Python) runs the whole model on them, with the same logits and
+ * tokens. The math they compute is specified by their NumPy twins in kvlab/reference.py,
+ * which they match to float32 rounding, not bit for bit.
  */
 #ifndef KVLAB_PLAIN_H
 #define KVLAB_PLAIN_H

@@ -194,7 +194,7 @@ static kv_status read_header(const kv_pool *pool, const void *host, size_t size,
 /* Whether the pool has room for a new sequence of `length` rows: a sequence slot, and
  * blocks for its table and in the pool. */
 static kv_status room_for(const kv_blocks *blocks, int length) {
-    int n_blocks = (int)(((int64_t)length + blocks->block_size - 1) / blocks->block_size);
+    int n_blocks = (int)kv_ceil_div(length, blocks->block_size);
     if (n_blocks > blocks->max_blocks_per_seq) return KV_ERR_TABLE_FULL;
     if (n_blocks > kv_blocks_available(blocks)) return KV_ERR_OUT_OF_BLOCKS;
     for (int s = 0; s < blocks->max_seqs; s++)

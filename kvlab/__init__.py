@@ -7,7 +7,7 @@
     cache = model.new_cache(max_seq_len=256)
     logits = model.prefill(model.encode("ROMEO:"), cache)
     cache.keys.shape                                      # (n_layers, length, n_kv_heads, head_dim)
-    pool = model.new_paged_pool(num_blocks=64, block_size=16)   # the paged cache
+    pool = model.new_paged_pool(num_blocks=64, block_size=16)   # the paged pool
     small = model.new_cache(256, "int8")                 # K and V stored in 8 bits
     fast = kvlab.load(weights="q8_0")                    # the weights in 8 bits (Q8_0)
     gpu = model.to("cuda")                               # the same on a GPU (kvlab.cuda)

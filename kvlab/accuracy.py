@@ -49,11 +49,11 @@ from .model import Model
 from .next_token_metrics import kl_divergence, log_softmax, perplexity  # noqa: F401 (re-exported)
 from .weight_formats import BLOCK_FORMATS, FORMATS
 
-# The formats evaluate() compares by default: each a dtype name or new_cache() options.
+# The formats evaluate() compares by default: each a format name or new_cache() options.
 DEFAULT_FORMATS = (
     "fp32", "fp16", "bf16", "fp8", "int8", "int4",
     {"dtype": "int4", "window": 32},
-    {"key_dtype": "int8", "value_dtype": "int4"},
+    {"key_format": "int8", "value_format": "int4"},
 )
 
 FormatSpec = Union[str, Dict]
@@ -149,7 +149,7 @@ def _checked_text(config, tokens: Sequence[int], context: Optional[int]) -> tupl
 def evaluate(model, tokens: Sequence[int], formats: Sequence[FormatSpec] = DEFAULT_FORMATS,
              context: Optional[int] = None, progress: bool = False) -> AccuracyReport:
     """Compare cache formats against the fp32 cache on `tokens` (see the module text).
-    formats: dtype names or dicts of new_cache() options. context: tokens per window
+    formats: format names or dicts of new_cache() options. context: tokens per window
     (default: the model's context, at most 512)."""
     config = model.config
     tokens, context = _checked_text(config, tokens, context)
@@ -202,9 +202,7 @@ def evaluate(model, tokens: Sequence[int], formats: Sequence[FormatSpec] = DEFAU
         format_perplexity = float(np.exp(total.nll / n_predicted))
         results.append(FormatAccuracy(
             name=fmt.name,
-            bytes_per_token=kv_bytes_per_token(config, fmt.key, value_dtype=fmt.value,
-                                               key_group=fmt.key_group or None,
-                                               value_group=fmt.value_group or None),
+            bytes_per_token=kv_bytes_per_token(config, fmt),
             key_error=np.sqrt(total.key_error / np.maximum(key_norm, 1e-30)).tolist(),
             value_error=np.sqrt(total.value_error / np.maximum(value_norm, 1e-30)).tolist(),
             kl=total.kl / n_predicted,
@@ -511,9 +509,7 @@ def evaluate_weights(model, tokens: Sequence[int],
         ppl = float(np.exp(total.nll / n_predicted))
         results.append(CombinationAccuracy(
             weights=name, cache=fmt.name, weight_bytes=variant.weights_nbytes,
-            cache_bytes_per_token=kv_bytes_per_token(config, fmt.key, value_dtype=fmt.value,
-                                                     key_group=fmt.key_group or None,
-                                                     value_group=fmt.value_group or None),
+            cache_bytes_per_token=kv_bytes_per_token(config, fmt),
             kl=total.kl / n_predicted, top1=total.agree / n_predicted, perplexity=ppl,
             perplexity_change=100.0 * (ppl / exact_perplexity - 1.0)))
     return CombinationReport(model=config.name or model.source,

@@ -22,10 +22,11 @@ import dataclasses
 from typing import Dict, Optional, Tuple, Union
 
 from . import arguments, weight_formats
+from .blocks import blocks_for
 from ._core import core
 from .config import ModelConfig
 from .counts import Counts  # noqa: F401 (re-exported: kvlab.measure.Counts)
-from .deprecation import default_changed
+from .deprecation import default_changed, format_arguments
 from .generate import generate
 from .process_memory import peak_resident_bytes, release_freed_memory, resident_bytes  # noqa: F401
 from .quant import CacheFormat
@@ -42,38 +43,38 @@ def _element_bytes(dtype: str) -> int:
         raise ValueError(f"unknown dtype {dtype!r}; known: {sorted(BYTES_PER_ELEMENT)}") from None
 
 
-def _whole(name: str, value, least: int, most: int = arguments.C_INT_MAX) -> int:
-    """Refuse, naming the argument, a count that is not an integer from `least` to `most`
-    (a bool, 2.0, NaN: kvlab.arguments' TypeError, also a ValueError)."""
-    return arguments.integer(value, name, least, most)
-
-
 def cache_format(config: ModelConfig, dtype: Union[None, str, CacheFormat] = None, *,
-                 key_dtype: Optional[str] = None, value_dtype: Optional[str] = None,
+                 key_format: Optional[str] = None, value_format: Optional[str] = None,
                  group: Optional[int] = None, key_group: Optional[int] = None,
-                 value_group: Optional[int] = None, window: int = 0) -> CacheFormat:
+                 value_group: Optional[int] = None, window: int = 0,
+                 key_dtype: Optional[str] = None, value_dtype: Optional[str] = None) -> CacheFormat:
     """The CacheFormat these arguments describe for this model's heads (checked), as
-    model.new_cache() reads them: dtype a format name or a CacheFormat, fp32 if unset."""
-    return _cache_format(config, dtype, "kvlab.measure.cache_format", key_dtype=key_dtype,
-                         value_dtype=value_dtype, group=group, key_group=key_group,
-                         value_group=value_group, window=window)
+    model.new_cache() reads them: dtype a format name or a CacheFormat, fp32 if unset.
+    key_dtype and value_dtype are the old names of key_format and value_format (deprecated)."""
+    return _cache_format(config, dtype, "kvlab.measure.cache_format", key_format=key_format,
+                         value_format=value_format, group=group, key_group=key_group,
+                         value_group=value_group, window=window, key_dtype=key_dtype,
+                         value_dtype=value_dtype)
 
 
-def _cache_format(config: ModelConfig, dtype, caller: str, key_dtype: Optional[str] = None,
+def _cache_format(config: ModelConfig, dtype, caller: str, key_format: Optional[str] = None,
+                  value_format: Optional[str] = None, key_dtype: Optional[str] = None,
                   value_dtype: Optional[str] = None, **options) -> CacheFormat:
+    key_format, value_format = format_arguments(key_format, value_format, key_dtype, value_dtype)
     if dtype is None:
-        if key_dtype is None or value_dtype is None:   # the default decides the answer
+        if key_format is None or value_format is None:   # the default decides the answer
             default_changed(f"{caller}'s dtype", "'fp16'", "'fp32', as for model.new_cache",
                             stacklevel=4)
         dtype = "fp32"
-    return CacheFormat.make(config.head_dim, dtype, key=key_dtype, value=value_dtype, **options)
+    return CacheFormat.make(config.head_dim, dtype, key=key_format, value=value_format,
+                            **options)
 
 
 # [quote ch02-kv-bytes-per-token-and-kv-cache-bytes]
 def kv_bytes_per_token(config: ModelConfig, dtype: Union[None, str, CacheFormat] = None,
                        **format_options) -> int:
     """Bytes one token adds to the cache, over all layers, K and V (scales and zero points
-    included). dtype and format_options (key_dtype, value_dtype, group, key_group,
+    included). dtype and format_options (key_format, value_format, group, key_group,
     value_group) as for model.new_cache: fp32 if unset."""
     fmt = _cache_format(config, dtype, "kv_bytes_per_token", **format_options)
     return config.n_layers * fmt.row_bytes(config.n_kv_heads, config.head_dim)
@@ -83,7 +84,7 @@ def kv_cache_bytes(config: ModelConfig, seq_len: int, batch: int = 1,
                    dtype: Union[None, str, CacheFormat] = None, **format_options) -> int:
     """Bytes of K and V for `batch` requests of `seq_len` tokens each: exactly what
     model.new_cache(seq_len, dtype, ...) allocates per request, with the same default
-    (fp32). format_options: key_dtype, value_dtype, group, key_group, value_group, window."""
+    (fp32). format_options: key_format, value_format, group, key_group, value_group, window."""
     seq_len = arguments.count(seq_len, "seq_len", arguments.INT64_MAX)
     batch = arguments.count(batch, "batch", arguments.INT64_MAX)
     fmt = _cache_format(config, dtype, "kv_cache_bytes", **format_options)
@@ -96,7 +97,7 @@ def kv_cache_bytes(config: ModelConfig, seq_len: int, batch: int = 1,
 
 
 def weights_bytes(config: ModelConfig, dtype: str = "fp16") -> int:
-    """Bytes of the model's weights stored in dtype: a cache dtype name (every parameter
+    """Bytes of the model's weights stored in dtype: fp32, fp16 or bf16 (every parameter
     that many bytes), or a block format of kvlab.weight_formats: "q8_0" (34 bytes per 32),
     "q4_0" (18 per 32) or "q4_1" (20 per 32)."""
     if dtype in weight_formats.BLOCK_FORMATS:
@@ -139,8 +140,8 @@ def chunk_length(config: ModelConfig, start_pos: int, n_tokens: int) -> int:
     """How many of n_tokens new tokens at start_pos.. one chunk of a forward call runs (the
     C core's rule, to the bit): as many as fit in CHUNK_FLOPS of work, at least CHUNK_MIN.
     Every chunk but the last has this length; calls with less work run in one piece."""
-    start_pos = _whole("start_pos", start_pos, 0, arguments.INT64_MAX)
-    n_tokens = _whole("n_tokens", n_tokens, 1)
+    start_pos = arguments.count(start_pos, "start_pos", arguments.INT64_MAX)
+    n_tokens = arguments.positive(n_tokens, "n_tokens")
     c = config
     q_dim, kv_dim = float(c.n_heads * c.head_dim), float(c.n_kv_heads * c.head_dim)
     per_token = (2.0 * c.n_layers * (float(c.dim) * (2.0 * q_dim + 2.0 * kv_dim)
@@ -160,8 +161,8 @@ def forward_counts(config: ModelConfig, n_tokens: int, start_pos: int = 0,
     fp32): attention reads each position as stored, except the residual window's in
     float32, and writes each new row as stored plus the window's float32 copy. `weights`:
     the matrices' formats by name (Weights.formats), float32 where not named."""
-    n_tokens = _whole("n_tokens", n_tokens, 1)
-    start_pos = _whole("start_pos", start_pos, 0, arguments.INT64_MAX)
+    n_tokens = arguments.positive(n_tokens, "n_tokens")
+    start_pos = arguments.count(start_pos, "start_pos", arguments.INT64_MAX)
     c, T = config, n_tokens
     cache = cache or CacheFormat()
     per_layer_proj = c.dim * c.q_dim + 2 * c.dim * c.kv_dim + c.q_dim * c.dim
@@ -225,9 +226,9 @@ def scratch_bytes(config: ModelConfig, n_tokens: int, n_threads: int = 1,
     chunk of tokens through every layer would need the earlier chunks' K and V of every
     layer, so it goes layer by layer over all the tokens). cached=True takes only
     "all_layers", as Model.forward does."""
-    n_tokens = _whole("n_tokens", n_tokens, 1)
-    n_threads = _whole("n_threads", n_threads, 1)
-    start_pos = _whole("start_pos", start_pos, 0, arguments.INT64_MAX)
+    n_tokens = arguments.positive(n_tokens, "n_tokens")
+    n_threads = arguments.positive(n_threads, "n_threads")
+    start_pos = arguments.count(start_pos, "start_pos", arguments.INT64_MAX)
     if uncached_kv not in ("all_layers", "one_layer"):
         raise ValueError(f"uncached_kv must be all_layers or one_layer, got {uncached_kv!r}")
     if cached and uncached_kv != "all_layers":      # as Model.forward refuses it
@@ -260,8 +261,8 @@ def generation_counts(config: ModelConfig, prompt_len: int, new_tokens: int,
                       use_cache: bool = True) -> Counts:
     """The work of kvlab.generate: with the cache, one prefill of the prompt and one
     decode per further token; without it, the whole sequence from scratch every step."""
-    prompt_len = _whole("prompt_len", prompt_len, 1)
-    new_tokens = _whole("new_tokens", new_tokens, 1)
+    prompt_len = arguments.positive(prompt_len, "prompt_len")
+    new_tokens = arguments.positive(new_tokens, "new_tokens")
     total = Counts()
     for step in range(new_tokens):
         if not use_cache:
@@ -361,7 +362,7 @@ def measure_memory(model, context: int, batch: int = 1, cache: str = "contiguous
             caches = [model.new_cache(context) for _ in range(batch)]
             targets, allocated = caches, sum(c.nbytes for c in caches)
         else:
-            blocks = batch * -(-context // block_size)
+            blocks = batch * blocks_for(context, block_size)
             pool = model.new_paged_pool(blocks, block_size, max_seqs=max(batch, 1))
             targets, allocated = [pool.new_sequence() for _ in range(batch)], pool.nbytes
         created = resident_bytes()
@@ -434,7 +435,7 @@ def per_token_saving(config: ModelConfig, position: int) -> float:
     """Share of one step's FLOPs that the cache saves when generating the token at
     `position` (0-based): the uncached step reruns all position + 1 tokens, the cached
     step only the newest. About 1 - 1/(position + 1): 75 % at position 3, 90 % at 9."""
-    position = _whole("position", position, 0, arguments.INT64_MAX)
+    position = arguments.count(position, "position", arguments.INT64_MAX)
     cached = forward_counts(config, 1, position).flops
     uncached = forward_counts(config, position + 1, 0).flops
     return 1.0 - cached / uncached

@@ -19,7 +19,7 @@ from . import arguments
 from ._core import core
 from .config import ModelConfig
 from .counts import Counts
-from .deprecation import renamed
+from .deprecation import format_arguments, renamed
 from .errors import CacheFullError, ContextLengthError, TokenizerError
 from .quant import CacheFormat
 from .sampling import check_sampling_args, sample
@@ -243,16 +243,22 @@ class Model:
         return logits
 
     # ---- caches ----------------------------------------------------------------------
-    def cache_format(self, dtype: Union[str, CacheFormat] = "fp32", *, key_dtype: Optional[str] = None,
-                     value_dtype: Optional[str] = None, group: Optional[int] = None,
-                     key_group: Optional[int] = None, value_group: Optional[int] = None,
-                     window: int = 0) -> CacheFormat:
+    def cache_format(self, dtype: Union[str, CacheFormat] = "fp32", *,
+                     key_format: Optional[str] = None, value_format: Optional[str] = None,
+                     group: Optional[int] = None, key_group: Optional[int] = None,
+                     value_group: Optional[int] = None, window: int = 0,
+                     key_dtype: Optional[str] = None,
+                     value_dtype: Optional[str] = None) -> CacheFormat:
         """The CacheFormat these arguments describe for this model's heads: dtype is one of
-        fp32, fp16, bf16, int8, int4, fp8 for both K and V, key_dtype/value_dtype override
-        it; group is the values per scale (default: one scale per head for int8 and fp8,
-        32 values for int4); window keeps the most recent positions in float32. dtype may
-        be a CacheFormat instead, alone; it is checked against this model's head_dim."""
-        return CacheFormat.make(self.config.head_dim, dtype, key=key_dtype, value=value_dtype,
+        fp32, fp16, bf16, int8, int4, fp8 for both K and V, key_format/value_format override
+        it for one side; group is the values per scale (default: one scale per head for int8
+        and fp8, 32 values for int4); window keeps the most recent positions in float32.
+        dtype may be a CacheFormat instead, alone; it is checked against this model's
+        head_dim. key_dtype and value_dtype are the old names of key_format and value_format
+        (deprecated)."""
+        key_format, value_format = format_arguments(key_format, value_format, key_dtype,
+                                                    value_dtype)
+        return CacheFormat.make(self.config.head_dim, dtype, key=key_format, value=value_format,
                                 group=group, key_group=key_group, value_group=value_group,
                                 window=window)
 
@@ -260,7 +266,7 @@ class Model:
                   **format_options) -> KVCache:
         """A contiguous KV cache for one sequence, holding up to max_seq_len positions
         (default: the model's context length). Its memory is reserved now, in full.
-        dtype and format_options (key_dtype, value_dtype, group, key_group, value_group,
+        dtype and format_options (key_format, value_format, group, key_group, value_group,
         window) choose how K and V are stored: see cache_format()."""
         fmt = self.cache_format(dtype, **format_options)
         c = self.config

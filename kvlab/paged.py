@@ -1,4 +1,4 @@
-"""kvlab.PagedPool: the paged KV cache as a Python object you can look at.
+"""kvlab.PagedPool: the paged pool as a Python object you can look at.
 
 The pool itself is C: its block manager (block tables, ref counts, copy-on-write, prefix
 cache: csrc/blocks.c) and the K/V stores behind the blocks (csrc/paged.c). This module adds

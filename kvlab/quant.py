@@ -1,4 +1,5 @@
-"""Cache quantization formats in plain NumPy: the reference the C core must match.
+"""Cache quantization formats in plain NumPy: the specification of the cache formats' codes,
+which the C core (csrc/quant.c) must match bit for bit.
 
 "Cache quantization is the same core idea as model quantization, applied to the cache":
 store K and V in fewer bits, and pay in precision. Each format here maps float32 rows to
@@ -107,7 +108,7 @@ class CacheFormat:
         key, value = key or dtype, value or dtype
         for name in (key, value):
             if not isinstance(name, str) or name not in FORMATS:
-                raise ValueError(f"unknown cache dtype {name!r}; known: {', '.join(FORMATS)}")
+                raise ValueError(f"unknown cache format {name!r}; known: {', '.join(FORMATS)}")
         grouped = [name for name in (key, value) if name not in ("fp32", "fp16", "bf16")]
         if group not in (None, 0) and not grouped:
             raise ValueError(f"{key} has no groups: leave the group size unset (got {group!r})")

@@ -1,7 +1,9 @@
 """The reference forward pass: a Llama-family decoder in plain NumPy, written to be read.
 
-This is the kit's one source of truth for the math. The C core (csrc/model.c) is tested
-against it, and the chapters quote it. It is slow on purpose: no threads, no tricks,
+This is the kit's specification of the math: what each layer computes. The C core
+(csrc/model.c) is tested against it to within float32 rounding, and the chapters quote it.
+(The bits are specified elsewhere: csrc/plain.c fixes the order of every sum, and the fast
+kernels match it bit for bit; kvlab/quant.py fixes the cache formats' codes.) It is slow on purpose: no threads, no tricks,
 float32 like the C core. It handles both RoPE layouts, GQA/MQA and tied classifiers.
 It is not used for generation speed; see kvlab.model for that.
 

@@ -5,43 +5,47 @@ out on the paged pool and the C core. It never imports the compiled module, so i
 read, tested and replayed on its own (tests/test_scheduler.py drives it with a pool made of
 Python lists).
 
-Each step:
-  1. Running requests, oldest admission first, each sample gets its next tokens: one to
+A step is planned first, then carried out. Scheduler.plan is a pure function of the queues,
+the sequences and the pool's counts (BlockSpace's questions); it changes nothing:
+  1. Running requests, oldest admission first, each sequence gets its next tokens: one to
      decode, or the next chunk of a prompt (chunked prefill), within a per-step token
-     budget (max_batch_tokens). If the pool cannot hold a sample's new tokens, the most
-     recently admitted running request is preempted: its blocks are freed and it goes back
-     to the front of the waiting queue, to be recomputed later (preemption by recompute),
-     or, with Scheduler(preemption="swap"), its K and V are copied to host memory first
-     and copied back into fresh blocks when it is admitted again (preemption by swapping:
-     bytes moved instead of tokens run through the model again).
-  2. If nothing was preempted, waiting requests are admitted in arrival order while the
-     budget lasts and the pool has blocks for their first chunk. Admission may find the
-     start of a prompt already in the pool's prefix cache; those tokens are not computed.
-  3. With speculative decoding, a sample's draft tokens (guesses of its next tokens,
-     Sample.drafts) ride on the chunk that ends its tokens, as many as the budget and the
+     budget (max_batch_tokens). If the pool cannot hold a sequence's new tokens, the most
+     recently admitted running request is to be preempted: its blocks are counted free and
+     it will go back to the front of the waiting queue, to be recomputed later (preemption
+     by recompute), or, with Scheduler(preemption="swap"), its K and V will be copied to
+     host memory first and back into fresh blocks when it is admitted again (preemption by
+     swapping: bytes moved instead of tokens run through the model again).
+  2. If nothing is to be preempted, waiting requests are admitted in arrival order while
+     the budget lasts and the pool has blocks for their first chunk (counted once, as if
+     nothing were in the prefix cache).
+  3. With speculative decoding, a sequence's draft tokens (guesses of its next tokens,
+     Sequence.drafts) ride on the chunk that ends its tokens, as many as the budget and the
      blocks left over allow: guesses come after all certain work and never preempt.
+Scheduler.apply then carries out the plan's preemptions and admissions on the pool (the
+engine calls it in the step's run phase). Admission searches the prefix cache: tokens found
+there are not computed, and the admitted chunk shrinks by them; if the blocks the search took
+out of the cache leave too little room, the admission is undone (the request stays first in
+line). apply may be called again after it was interrupted: it goes on from where the queues
+and the pool are (a preemption moves the request to the waiting queue before it frees its
+sequences; BlockSpace.start gives sequences only to those that have none).
+Scheduler.schedule(space) is plan then apply, for a driver of its own (the tests).
 
-If a step is interrupted in a call to the pool (the engine's recovery relies on this),
-every request is still in one queue, and a waiting one holds at worst some sequences
-still to free: a preemption moves the request to the waiting queue before it frees its
-sequences, an admission gives it sequences while it still waits, and
-BlockSpace.start/release may be repeated (start frees what the request still holds first).
-
-A request asks for n samples (SamplingParams.n). It starts as one sequence; when its
-prompt is done, the engine forks it into n, which share the prompt's blocks (copy on
-write). A preempted request keeps the tokens it generated; each of its samples is
-recomputed as its own sequence (prompt + outputs) when it is admitted again, or swapped
-back in as its own sequence.
+A request asks for n samples (SamplingParams.n), each a Sequence. It starts as one
+sequence; when its prompt is done, the engine forks it into n, which share the prompt's
+blocks (copy on write). A preempted request keeps the tokens it generated; each of its
+sequences is recomputed as its own (prompt + outputs) when it is admitted again, or swapped
+back in as its own.
 """
 from __future__ import annotations
 
 import dataclasses
 import enum
 from collections import deque
-from typing import Any, Deque, Dict, List, Optional, Protocol, Tuple
+from typing import Deque, Dict, List, Optional, Protocol, Tuple
 
 
 from . import arguments
+from .blocks import blocks_for
 from .deprecation import renamed
 from .sampling import MIN_TEMPERATURE, check_sampling_args, check_seed  # noqa: F401 (MIN_TEMPERATURE re-exported)
 
@@ -106,28 +110,29 @@ class State(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclasses.dataclass(eq=False)      # compared by identity: two requests are never "equal"
-class Sample:
-    """One output sequence of a request: its tokens so far, and how many of them have
-    K and V in the pool (`computed`). `seq` is the engine's handle, None while waiting."""
+class HostCopy(Protocol):
+    """A sequence's K and V swapped out to host memory (kvlab.SwappedSequence)."""
+    length: int                     # the tokens they hold
+
+
+@dataclasses.dataclass(eq=False)      # compared by identity: two sequences are never "equal"
+class Sequence:
+    """One generated sequence of a request (one of its n samples): its tokens so far, and
+    how many of them have K and V in the pool (`computed`). The engine's own state for it
+    (random generator, drafter) is kvlab.engine's subclass; the pool's handle is `seq`."""
     index: int
     tokens: List[int]               # prompt, then the generated tokens
     prompt_len: int
-    rng: Any = None                 # the sampler's generator (the engine's business)
     computed: int = 0               # 0 while waiting, unless swapped (below)
-    seq: Any = None
+    seq: Optional[object] = None    # the pool's handle for its K and V (kvlab.PagedSequence);
+                                    # None while waiting (and before its request forks)
     finished: bool = False
-    finish_reason: str = ""         # "length", "eos", or "error: ..." (the engine's words)
-    logits: Any = None              # the engine's: the row to choose the next token from,
-                                    # kept while every token is computed and none chosen yet
-                                    # (with drafts: that row, then one per draft)
+    finish_reason: str = ""         # "length", "eos", or "error: step N: why"
     drafts: List[int] = dataclasses.field(default_factory=list)   # guesses of the tokens
     drafted_after: int = -1         # after tokens[:drafted_after]: they count while no
                                     # token has been added since (see live_drafts)
-    speculation: Any = None         # the engine's: the sample's drafter and counters
-    swapped: Any = None             # the engine's: while preempted by swapping, its K and V
-                                    # in host memory (anything with a .length: the tokens
-                                    # they hold, which `computed` then counts)
+    swapped: Optional[HostCopy] = None   # while preempted by swapping: its K and V in host
+                                    # memory, which `computed` then counts
     computed_before: int = 0        # the most tokens it had computed before a preemption
                                     # dropped their K and V (stats: computing them again
                                     # is what preemption by recompute costs)
@@ -138,7 +143,7 @@ class Sample:
 
     @property
     def live_drafts(self) -> List[int]:
-        """The drafts proposed after the sample's current tokens (none once a token has
+        """The drafts proposed after the sequence's current tokens (none once a token has
         been added since they were proposed)."""
         return self.drafts if self.drafted_after == len(self.tokens) else []
 
@@ -148,11 +153,18 @@ class Sample:
         return len(self.tokens) - self.computed
 
     def forget_sequence(self) -> None:
-        """Its sequence is gone (freed, or swapped out): no K and V in the pool, no logits.
+        """Its pool sequence is gone (freed, or swapped out): no K and V in the pool.
         `computed` counts the tokens whose K and V wait in host memory (swapped), which
         come back when it is admitted again; without a host copy, none."""
-        self.seq, self.logits = None, None
+        self.seq = None
         self.computed = 0 if self.swapped is None else self.swapped.length
+
+
+def __getattr__(name: str):
+    if name == "Sample":            # the name before issue 36 (beside the verb "sample")
+        renamed("kvlab.scheduler.Sample", "kvlab.scheduler.Sequence")
+        return Sequence
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @dataclasses.dataclass(eq=False)
@@ -161,7 +173,7 @@ class Request:
     prompt: List[int]
     params: SamplingParams
     arrival: int                    # order of add_request
-    samples: List[Sample] = dataclasses.field(default_factory=list)
+    samples: List[Sequence] = dataclasses.field(default_factory=list)   # its n sequences
     state: State = State.WAITING
     preemptions: int = 0
     forked: bool = False            # n > 1 and the samples exist as separate sequences
@@ -170,8 +182,8 @@ class Request:
     first_token_at: Optional[float] = None
     finished_at: Optional[float] = None
 
-    def active(self) -> List[Sample]:
-        """Samples that still generate and have (or will get) a sequence of their own."""
+    def active(self) -> List[Sequence]:
+        """Sequences that still generate and have (or will get) a pool sequence of their own."""
         return [s for s in self.samples if not s.finished and (self.forked or s.index == 0)]
 
     @property
@@ -180,45 +192,57 @@ class Request:
 
 
 class BlockSpace(Protocol):
-    """What the scheduler needs from a paged pool (kvlab.engine wires it to the real one)."""
+    """What the scheduler needs from a paged pool (kvlab.engine wires it to the real one).
+    The first four only ask; start, release and swap_out change the pool (Scheduler.apply)."""
 
     def available(self) -> int:
         """Blocks that can be handed out now: free, or cached and evictable."""
 
-    def needed(self, sample: Sample, n_tokens: int) -> int:
-        """Blocks sample's sequence takes to grow by n_tokens (copy-on-write included)."""
+    def needed(self, sample: Sequence, n_tokens: int) -> int:
+        """Blocks the sequence takes to grow by n_tokens (copy-on-write included); without a
+        pool sequence, the blocks of its first `computed` + n_tokens tokens."""
+
+    def freed(self, request: Request) -> int:
+        """Blocks that release(request) would make available (those no other sequence uses)."""
 
     def sequences_left(self) -> int:
         """How many more sequences the pool can hold."""
 
     def start(self, request: Request) -> int:
-        """Give the request's active samples sequences (using the prefix cache); returns
-        the tokens found there, which each sample then need not compute. Blocks found in
-        the cache are taken out of it, so available() may drop. Sequences the request
-        still holds (a start or release that was interrupted) are freed first."""
+        """Give the request's active sequences that have none a pool sequence (using the
+        prefix cache, or swapping a host copy back in); returns the tokens found in the
+        cache, which each then need not compute. Blocks found in the cache are taken out
+        of it, so available() may drop."""
 
     def release(self, request: Request) -> None:
-        """Free every sequence of the request (its full blocks stay cached); safe to repeat.
-        Host copies of swapped samples stay."""
+        """Free every pool sequence of the request (its full blocks stay cached); safe to
+        repeat. Host copies of swapped sequences stay."""
 
     def swap_out(self, request: Request) -> None:
-        """Only for Scheduler(preemption="swap"): copy the K and V of each active sample's
-        sequence to host memory (sample.swapped) and free the sequence. A sample it cannot
-        resume from a copy is left alone (release() frees it; it is recomputed). start()
-        swaps the copies back in (and counts them as no prefix hits)."""
+        """Only for Scheduler(preemption="swap"): copy the K and V of each active sequence
+        to host memory (sample.swapped) and free its pool sequence. One it cannot resume
+        from a copy is left alone (release() frees it; it is recomputed). start() swaps
+        the copies back in (and counts them as no prefix hits)."""
 
 
 @dataclasses.dataclass
 class ScheduledStep:
-    """The scheduler's decision for one step."""
-    items: List[tuple]                  # (request, sample, n_tokens) to run, in batch order
+    """The scheduler's plan for one step (and, once applied, what it did)."""
+    items: List[Tuple[Request, Sequence, int]]   # (request, sequence, n_tokens) to run, in
+                                                 # batch order (n_tokens: its drafts included)
     admitted: List[Request] = dataclasses.field(default_factory=list)
     preempted: List[Request] = dataclasses.field(default_factory=list)
-    prefix_hit_tokens: int = 0
+    hits: Dict[int, int] = dataclasses.field(default_factory=dict)   # request id -> tokens
+                                                 # its admission found in the prefix cache
+    put_back: List[Request] = dataclasses.field(default_factory=list)   # admissions undone
 
     @property
     def n_tokens(self) -> int:
         return sum(n for _, _, n in self.items)
+
+    @property
+    def prefix_hit_tokens(self) -> int:
+        return sum(self.hits.get(r.id, 0) for r in self.admitted)
 
 
 PREEMPTION_MODES = ("recompute", "swap")   # what a preempted request's K and V become
@@ -256,69 +280,54 @@ class Scheduler:
         if request in self.waiting:
             self.waiting.remove(request)
 
-    def preempt(self, request: Request, space: BlockSpace, count: bool = True) -> None:
-        """Send a running request back to the front of the waiting queue, its sequences
-        freed, to be recomputed (prompt + what it generated) when admitted again; with
-        preemption="swap", each sample's K and V go to host memory first and come back on
-        admission. The queues change first: if freeing is interrupted, the request waits
-        with some sequences left, and admission (space.start) frees them. count=False: a
-        recompute that is not a preemption (the engine's recovery from an interrupted
-        step), never a swap."""
-        self.running.remove(request)
-        request.state = State.WAITING
-        self.waiting.appendleft(request)
-        if count:
-            request.preemptions += 1
-        request.forked = request.forked or any(s.outputs for s in request.samples)
-        if count and self.preemption == "swap":
-            space.swap_out(request)
-        for sample in request.samples:
-            if sample.swapped is None:                # its K and V are about to be dropped
-                sample.computed_before = max(sample.computed_before, sample.computed)
-        space.release(request)
-        for sample in request.samples:
-            sample.forget_sequence()
+    def schedule(self, space: BlockSpace) -> ScheduledStep:
+        """Plan one step and carry out its preemptions and admissions (plan, then apply)."""
+        step = self.plan(space)
+        self.apply(step, space)
+        self.step_count += 1
+        return step
 
     # [quote ch05-scheduler-schedule]
-    def schedule(self, space: BlockSpace) -> ScheduledStep:
+    def plan(self, space: BlockSpace) -> ScheduledStep:
         step = ScheduledStep(items=[])
-        budget = self.max_batch_tokens
+        budget, freed = self.max_batch_tokens, 0
         reserved: Dict[int, int] = {}    # blocks each request's scheduled items will take
-        for request in list(self.running):
-            if request not in self.running:          # preempted earlier in this loop
+        running = [r for r in self.running if not r.finished]   # (finished ones leave now)
+        for request in running:
+            if request in step.preempted:                # preempted earlier in this loop
                 continue
             for sample in request.active():
                 take = min(sample.pending, budget)
                 if take == 0 or len(step.items) >= self.max_batch_seqs:
                     continue                          # no room this step; it waits its turn
                 need = space.needed(sample, take)
-                while need > space.available() - sum(reserved.values()):
-                    victim = self.running[-1]         # the most recently admitted
-                    self._preempt(victim, space, step)
+                while need > space.available() + freed - sum(reserved.values()):
+                    victim = [r for r in running if r not in step.preempted][-1]   # the newest
+                    step.preempted.append(victim)
+                    freed += space.freed(victim)
                     budget += sum(n for r, _, n in step.items if r is victim)
                     step.items = [item for item in step.items if item[0] is not victim]
                     reserved.pop(victim.id, None)
                     if victim is request:
                         break
-                if request not in self.running:
+                if request in step.preempted:
                     break
                 step.items.append((request, sample, take))
                 reserved[request.id] = reserved.get(request.id, 0) + need
                 budget -= take
-        reserved_blocks = sum(reserved.values())
+        room = space.available() + freed - sum(reserved.values())
         if not step.preempted:
-            budget, reserved_blocks = self._admit(space, step, budget, reserved_blocks)
-        self._add_drafts(space, step, budget, reserved_blocks)
-        self.step_count += 1
+            budget, room = self._admit(space, step, budget, room)
+        self._add_drafts(space, step, budget, room)
         return step
     # [end ch05-scheduler-schedule]
 
     def _add_drafts(self, space: BlockSpace, step: ScheduledStep, budget: int,
-                    reserved: int) -> None:
-        """Lengthen each scheduled chunk that ends its sample's tokens by the sample's
-        drafts, as many as the budget and the blocks not yet reserved allow, in batch
-        order. Drafts are guesses: they take what is left, and a sample with none (or
-        no room for them) runs as it would without speculation."""
+                    room: int) -> None:
+        """Lengthen each scheduled chunk that ends its sequence's tokens by its drafts, as
+        many as the budget and the blocks still unreserved (`room`) allow, in batch order.
+        Drafts are guesses: they take what is left, and a sequence with none (or no room
+        for them) runs as it would without speculation."""
         for i, (request, sample, take) in enumerate(step.items):
             drafts = sample.live_drafts
             if not drafts or take != sample.pending or budget == 0:
@@ -327,75 +336,106 @@ class Scheduler:
             extra = min(len(drafts), budget)
             while extra > 0:
                 more = space.needed(sample, take + extra) - base
-                if more <= space.available() - reserved:
+                if more <= room:
                     break
                 extra -= 1
             if extra > 0:
                 step.items[i] = (request, sample, take + extra)
-                reserved += more
+                room -= more
                 budget -= extra
 
-    # [quote ch05-scheduler-preempt]
-    def _preempt(self, request: Request, space: BlockSpace, step: ScheduledStep) -> None:
-        step.preempted.append(request)
-        self.preempt(request, space)
-    # [end ch05-scheduler-preempt]
-
     def _admit(self, space: BlockSpace, step: ScheduledStep, budget: int,
-               reserved: int) -> Tuple[int, int]:
-        """Admits waiting requests (see the module text); returns the budget and the blocks
-        reserved after them."""
-        while self.waiting and budget > 0:
-            request = self.waiting[0]
+               room: int) -> Tuple[int, int]:
+        """Plans the admission of waiting requests (see the module text); returns the
+        budget and the blocks left after them."""
+        # every sample will be a sequence of its own (a fresh request forks into n), and
+        # running requests that have not forked yet will need their slots too
+        slots = space.sequences_left() - sum(r.params.n - 1 for r in self.running
+                                             if not r.forked)
+        for request in self.waiting:
             samples = request.active()
             # a request with more samples than a batch holds (forked, then preempted) is
             # admitted into an empty batch; its samples then take turns, as running ones do
-            if step.items and len(step.items) + len(samples) > self.max_batch_seqs:
+            if budget == 0 or (step.items and len(step.items) + len(samples) > self.max_batch_seqs):
                 break
-            # every sample will be a sequence of its own (a fresh request forks into n),
-            # and running requests that have not forked yet will need their slots too
-            owed = sum(r.params.n - 1 for r in self.running if not r.forked)
             needs = len(samples) if request.forked else request.params.n
-            if space.sequences_left() - owed < needs:
+            if slots < needs:
                 break
-            # Admission only when the pool has blocks for every sample's first chunk,
-            # counted as if nothing were in the prefix cache (a swapped sample's tokens
-            # come back into fresh blocks first: its `computed` counts them, else 0) ...
-            share = max(1, budget // len(samples))
-            fresh = sum(blocks_for(s.computed + min(s.pending, share), self.block_size)
-                        for s in samples)
-            if fresh > space.available() - reserved:
-                break
-            # ... and again once the cache has been searched: blocks found there are
-            # shared, not new, but a cached block the request takes is no longer available
-            hits = space.start(request)
-            plan, need, left = [], 0, budget
+            items, need, left = [], 0, budget
             for sample in samples:
                 take = min(sample.pending, left)
-                if take > 0 and len(step.items) + len(plan) < self.max_batch_seqs:
-                    plan.append((request, sample, take))
-                    need += space.needed(sample, take)
+                if take > 0 and len(step.items) + len(items) < self.max_batch_seqs:
+                    items.append((request, sample, take))
+                    need += space.needed(sample, take)    # the blocks, counted once
                     left -= take
-            if need > space.available() - reserved:
-                space.release(request)                # undo; it stays first in line
-                for sample in request.samples:        # (host copies stay, for next time)
-                    sample.forget_sequence()
+            if need > room:
+                break
+            step.admitted.append(request)
+            step.items.extend(items)
+            slots, room, budget = slots - needs, room - need, left
+        return budget, room
+
+    # ---- carrying a plan out --------------------------------------------------------------
+    def apply(self, step: ScheduledStep, space: BlockSpace) -> None:
+        """Carry out the plan's preemptions, then its admissions. Called again after an
+        interruption, it goes on from where the queues and the pool are."""
+        for victim in step.preempted:
+            self.preempt(victim, space)
+        for i, request in enumerate(step.admitted):
+            if request.state is State.RUNNING:       # admitted before an interruption
+                continue
+            if not self._start(request, step, space):
+                step.put_back = step.admitted[i:]     # they stay first in line, in order
+                step.items = [item for item in step.items if item[0] not in step.put_back]
+                del step.admitted[i:]
                 break
             for sample in request.samples:            # back in the pool: copies not needed
                 sample.swapped = None
-            self.waiting.popleft()
+            self.waiting.remove(request)
             request.state = State.RUNNING
             self.running.append(request)
-            step.admitted.append(request)
-            step.prefix_hit_tokens += hits
-            step.items.extend(plan)
-            reserved += need
-            budget = left
-        return budget, reserved
+        for request in step.put_back:
+            space.release(request)
+            for sample in request.samples:            # (host copies stay, for next time)
+                sample.forget_sequence()
 
+    def _start(self, request: Request, step: ScheduledStep, space: BlockSpace) -> bool:
+        """Admit one planned request into the pool: its chunks shrink by what the prefix
+        cache held. False if its chunks no longer fit beside those of the requests running
+        (the plan counted its blocks before the cache search, which may have taken cached
+        blocks out of the available ones)."""
+        step.hits[request.id] = space.start(request)
+        for i, (r, sample, n) in enumerate(step.items):
+            if r is request:                           # its tokens (then its drafts), as planned
+                own = min(n, len(sample.tokens) - (sample.swapped.length if sample.swapped else 0))
+                step.items[i] = (r, sample, min(own, sample.pending) + n - own)
+        mine = sum(space.needed(s, n) for r, s, n in step.items if r is request)
+        running = sum(space.needed(s, n) for r, s, n in step.items if r.state is State.RUNNING)
+        return mine <= space.available() - running
 
-def blocks_for(n_tokens: int, block_size: int) -> int:
-    return -(-n_tokens // block_size)
+    # [quote ch05-scheduler-preempt]
+    def preempt(self, request: Request, space: BlockSpace) -> None:
+        """Send a running request back to the front of the waiting queue, its sequences
+        freed, to be recomputed (prompt + what it generated) when admitted again; with
+        preemption="swap", each sequence's K and V go to host memory first and come back
+        on admission. The queues change first; called again after an interruption, it
+        frees what is left."""
+        if request in self.running:
+            self.running.remove(request)
+            request.state = State.WAITING
+            self.waiting.appendleft(request)
+            request.preemptions += 1
+            request.forked = request.forked or any(s.outputs for s in request.samples)
+        if self.preemption == "swap":
+            space.swap_out(request)
+        for sample in request.samples:
+            if sample.swapped is None:                # its K and V are about to be dropped
+                sample.computed_before = max(sample.computed_before, sample.computed)
+        space.release(request)
+        for sample in request.samples:
+            sample.forget_sequence()
+    # [end ch05-scheduler-preempt]
+
 
 
 def requests_fit(prompt_len: int, params: SamplingParams, block_size: int, num_blocks: int,
@@ -413,4 +453,3 @@ def requests_fit(prompt_len: int, params: SamplingParams, block_size: int, num_b
                 f"samples needs up to {params.n * longest} blocks of {block_size}; the pool "
                 f"has {num_blocks}")
     return None
-

@@ -77,7 +77,7 @@ def test_table_and_json(report, tmp_path):
 
 
 def test_bad_arguments(model, text_tokens):
-    with pytest.raises(ValueError, match="unknown cache dtype"):
+    with pytest.raises(ValueError, match="unknown cache format"):
         accuracy.evaluate(model, text_tokens, ["int3"])
     with pytest.raises(ValueError, match="context"):
         accuracy.evaluate(model, text_tokens, context=10_000)

@@ -206,3 +206,41 @@ def test_a_cut_block_written_once_it_is_no_longer_shared_leaves_the_prefix_cache
     pool.check()
     again = pool.new_sequence()
     assert pool.reuse_prefix(again, [1, 2, 4, 4, 9]) == 2   # the first block only: 4 4 is gone
+
+
+def test_the_refusals_state_the_cores_limits_as_they_are():
+    """Issue 36: BlockManager's refusal said block_size at most 256 long after the core took
+    4096; the block manager's and the pool's limits are now one sentence (binding.h), with
+    the block size written from KV_MAX_BLOCK_SIZE itself."""
+    most = core.MAX_BLOCK_SIZE
+    assert core.BlockManager(2, most).block_size == most      # the largest is taken
+    for make in (lambda: core.BlockManager(2, most + 1),
+                 lambda: core.PagedPool(1, 1, 8, 2, most + 1)):
+        with pytest.raises(ValueError, match=rf"block_size at most {most}, num_blocks at most "
+                                             r"2\*\*24 \(and num_blocks \* block_size at most "
+                                             r"2\*\*32\)") as error:
+            make()
+        assert "at most 256" not in str(error.value)
+    # the binding's own range checks share one wording, kvlab.arguments' (at least / at most)
+    for make in (lambda: core.BlockManager(2, 4, hash_bits=0),
+                 lambda: core.PagedPool(1, 1, 8, 2, 4, hash_bits=0)):
+        with pytest.raises(ValueError, match=r"^hash_bits must be at least 1, got 0$"):
+            make()
+    with pytest.raises(ValueError, match=r"^hash_bits must be at most 64, got 65$"):
+        core.BlockManager(2, 4, hash_bits=65)
+    with pytest.raises(ValueError, match=r"^max_seqs must be at least -2,?147,?483,?648"):
+        core.BlockManager(2, 4, max_seqs=-2**31 - 1)          # was "at most 2147483647"
+
+
+def test_python_counts_blocks_as_the_core_does():
+    """kvlab.blocks.blocks_for, the one Python ceiling division of a length into blocks (the
+    scheduler's, kvlab.measure's), agrees with the block manager's own count."""
+    from kvlab.blocks import blocks_for
+    from kvlab import scheduler
+    assert scheduler.blocks_for is blocks_for and blocks_for(0, 16) == 0
+    for block_size in (1, 3, 16, core.MAX_BLOCK_SIZE):
+        blocks = core.BlockManager(64, block_size)
+        seq = blocks.new_sequence()
+        for n in (1, block_size - 1, block_size, block_size + 1, 5 * block_size + 2):
+            if n > 0 and blocks_for(n, block_size) <= 64:
+                assert blocks.blocks_needed(seq, n) == blocks_for(n, block_size), (n, block_size)

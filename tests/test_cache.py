@@ -141,3 +141,20 @@ def test_appending_another_caches_views_as_they_are_says_how_to_lay_them_out(mod
     target.append(*token_major)
     assert np.array_equal(target.keys, source.keys) and np.array_equal(target.values, source.values)
     assert np.array_equal(model.decode(5, target), model.decode(5, source))
+
+
+def test_the_core_module_names_every_type_and_constant_it_exports():
+    """Issue 36: kvlab._kvlab's docstring named two of its five types; it names them all,
+    and TOKEN_CHUNK is csrc/ops.h's KV_TOKEN_CHUNK, so prose can name the constant instead
+    of restating its value."""
+    import re
+    from pathlib import Path
+    from kvlab import _kvlab as core
+    exported = [name for name in dir(core) if not name.startswith("_")]
+    types = [name for name in exported if isinstance(getattr(core, name), type)]
+    constants = [name for name in exported if name.isupper()]
+    assert len(types) == 5 and {"TOKEN_CHUNK", "MAX_BLOCK_SIZE"} <= set(constants)
+    missing = [name for name in types + constants if name not in core.__doc__]
+    assert not missing, f"kvlab._kvlab's docstring leaves out {missing}"
+    ops_h = (Path(__file__).resolve().parents[1] / "csrc" / "ops.h").read_text()
+    assert core.TOKEN_CHUNK == int(re.search(r"#define KV_TOKEN_CHUNK (\d+)", ops_h).group(1))

@@ -89,7 +89,7 @@ def test_too_long_is_one_error_from_generate_the_engine_and_forward(model):
 
 def test_engine_makes_its_own_pool_or_takes_one_not_both(model):
     engine = kvlab.Engine(model, num_blocks=12, block_size=4, dtype="int8")
-    assert (engine.pool.num_blocks, engine.pool.block_size, engine.pool.key_dtype) == (12, 4, "int8")
+    assert (engine.pool.num_blocks, engine.pool.block_size, engine.pool.key_format) == (12, 4, "int8")
     with pytest.raises(TypeError, match="not both"):
         kvlab.Engine(model, model.new_paged_pool(8), num_blocks=8)
     with pytest.raises(TypeError, match="needs a pool, or num_blocks"):
@@ -110,3 +110,39 @@ def test_a_sampling_params_pickled_with_the_old_name_keeps_its_length_limit():
     restored.__setstate__(state)
     assert restored == params and restored.max_new_tokens == 5
     assert pickle.loads(pickle.dumps(params)) == params
+
+
+def test_key_dtype_and_value_dtype_are_now_key_format_and_value_format(model):
+    """Issue 36: a cache's parts are spelled as formats, as KVCache(key_format=) always was
+    and as the chapters say; the old names read and make the same thing, with a warning
+    pointing at the caller's line, however deep in kvlab the argument is read."""
+    new = dict(key_format="int8", value_format="int4", group=8)
+    old = dict(key_dtype="int8", value_dtype="int4", group=8)
+    want = model.cache_format(**new)
+    makers = [model.cache_format, lambda **o: kvlab.measure.cache_format(model.config, **o),
+              lambda **o: model.new_cache(16, **o).nbytes,
+              lambda **o: model.new_paged_pool(4, 4, **o).nbytes,
+              lambda **o: kvlab.kv_bytes_per_token(model.config, **o),
+              lambda **o: kvlab.generate(model, [1, 2, 3], 4, **o).tokens]
+    for make in makers:
+        expected = make(**new)
+        with pytest.warns(DeprecationWarning) as caught:
+            assert make(**old) == expected
+        assert sorted(str(w.message) for w in caught) == [
+            f"the cache-format argument {side}_dtype=... is deprecated and goes in the next "
+            f"release: use {side}_format=..." for side in ("key", "value")]
+        assert {w.filename for w in caught} == {__file__}       # the caller's line, not kvlab's
+    assert model.cache_format(**new) == want
+    with pytest.raises(TypeError, match=r"give key_format only \(key_dtype is its old name\)"):
+        model.new_cache(16, key_format="int8", key_dtype="int8")
+
+    cache, pool = model.new_cache(8, **new), model.new_paged_pool(4, 4, **new)
+    for thing, name in [(cache, "KVCache"), (pool, "PagedPool")]:
+        assert (thing.key_format, thing.value_format) == ("int8", "int4")
+        with pytest.warns(DeprecationWarning, match=rf"{name}\.key_dtype is deprecated.*"
+                                                    rf"use {name}\.key_format") as caught:
+            assert thing.key_dtype == "int8"
+        assert caught[0].filename == __file__
+        with pytest.warns(DeprecationWarning, match=rf"{name}\.value_dtype is deprecated"):
+            assert thing.value_dtype == "int4"
+    assert "key_format=int8, value_format=int4" in repr(cache)

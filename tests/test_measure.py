@@ -37,22 +37,22 @@ def test_the_formulas_default_to_new_caches_format_and_say_the_default_changed(m
     with pytest.warns(FutureWarning, match="kv_bytes_per_token's dtype now defaults"):
         assert kv_bytes_per_token(config) == kv_bytes_per_token(config, "fp32")
     # nothing to say when both sides are named
-    assert kv_bytes_per_token(config, key_dtype="int8", value_dtype="fp16") > 0
+    assert kv_bytes_per_token(config, key_format="int8", value_format="fp16") > 0
 
 
 def test_a_cache_format_object_is_a_dtype_everywhere(model):
     fmt = kvlab.CacheFormat.make(model.config.head_dim, key="int8", value="int4", window=4)
     cache = model.new_cache(64, fmt)
-    assert (cache.key_dtype, cache.value_dtype, cache.window) == ("int8", "int4", 4)
+    assert (cache.key_format, cache.value_format, cache.window) == ("int8", "int4", 4)
     assert cache.nbytes == kv_cache_bytes(model.config, 64, dtype=fmt)
-    assert model.new_cache(64, fmt).nbytes == model.new_cache(64, key_dtype="int8",
-                                                             value_dtype="int4", window=4).nbytes
+    assert model.new_cache(64, fmt).nbytes == model.new_cache(64, key_format="int8",
+                                                             value_format="int4", window=4).nbytes
     pool = model.new_paged_pool(8, 16, fmt)
-    assert (pool.key_dtype, pool.value_dtype, pool.window) == ("int8", "int4", 4)
+    assert (pool.key_format, pool.value_format, pool.window) == ("int8", "int4", 4)
     assert kvlab.generate(model, [1, 2, 3], 5, dtype=fmt).tokens == \
-        kvlab.generate(model, [1, 2, 3], 5, key_dtype="int8", value_dtype="int4", window=4).tokens
+        kvlab.generate(model, [1, 2, 3], 5, key_format="int8", value_format="int4", window=4).tokens
     engine = kvlab.Engine(model, num_blocks=8, dtype=fmt)
-    assert engine.pool.key_dtype == "int8"
+    assert engine.pool.key_format == "int8"
     # a CacheFormat says everything: options beside it are refused, not merged
     with pytest.raises(TypeError, match="drop group"):
         model.new_cache(64, fmt, group=8)
@@ -82,7 +82,7 @@ def test_real_caches_allocate_what_the_formula_says():
 @pytest.mark.parametrize("options", [
     {"dtype": "fp16"}, {"dtype": "bf16"}, {"dtype": "int8"}, {"dtype": "int8", "group": 4},
     {"dtype": "int4"}, {"dtype": "int4", "group": 8, "window": 32}, {"dtype": "fp8"},
-    {"key_dtype": "int8", "value_dtype": "int4", "window": 5}])
+    {"key_format": "int8", "value_format": "int4", "window": 5}])
 def test_quantized_caches_allocate_what_the_formula_says(options):
     # scales, zero points and the window's float32 rows are part of the formula
     config = kvlab.ModelConfig.shakespeare_1m()
@@ -104,12 +104,12 @@ def test_quantized_bytes_per_token_by_hand():
     assert kv_bytes_per_token(llama, "int8") == 2 * 32 * 32 * (128 + 4)
     assert kv_bytes_per_token(llama, "int4") == 2 * 32 * 32 * (64 + 4 * 8)   # groups of 32
     assert kv_bytes_per_token(llama, "int4", group=128) == 2 * 32 * 32 * (64 + 8)
-    assert kv_bytes_per_token(llama, key_dtype="int8", value_dtype="fp16") == 32 * 32 * (132 + 256)
+    assert kv_bytes_per_token(llama, key_format="int8", value_format="fp16") == 32 * 32 * (132 + 256)
 
 
 def test_bad_arguments():
     config = kvlab.ModelConfig.stories260k()
-    with pytest.raises(ValueError, match="dtype"):
+    with pytest.raises(ValueError, match="format"):
         kv_cache_bytes(config, 10, dtype="fp64")
     with pytest.raises(ValueError, match="seq_len"):
         kv_cache_bytes(config, -1)
@@ -178,7 +178,7 @@ def test_core_counters_equal_the_formulas_call_by_call(shape):
 
 
 @pytest.mark.parametrize("options", [{"dtype": "int8"}, {"dtype": "int4", "window": 3},
-                                     {"key_dtype": "fp8", "value_dtype": "bf16", "window": 20}])
+                                     {"key_format": "fp8", "value_format": "bf16", "window": 20}])
 def test_core_counts_the_bytes_a_quantized_cache_moves(options):
     # reads: stored bytes (codes, scales, zeros) outside the window, float32 inside it;
     # writes: each new row as stored, and the window's float32 copy

@@ -1,4 +1,4 @@
-"""The paged KV cache (kvlab.PagedPool): allocator, copy-on-write, prefix cache, errors,
+"""The paged pool (kvlab.PagedPool): allocator, copy-on-write, prefix cache, errors,
 views and pictures, and the paged forward pass against the contiguous cache.
 
 The heart of the file is a Hypothesis state machine that drives a small pool through long

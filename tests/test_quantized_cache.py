@@ -32,7 +32,7 @@ FORMATS = {
     "int8": dict(dtype="int8"),
     "int4": dict(dtype="int4"),
     "fp8": dict(dtype="fp8"),
-    "int8-k/int4-v g8": dict(key_dtype="int8", value_dtype="int4", group=8),
+    "int8-k/int4-v g8": dict(key_format="int8", value_format="int4", group=8),
     "int4 +w8": dict(dtype="int4", window=8),
 }
 # Formats that store some positions in fewer than 16 bits: their logits must move.
@@ -181,7 +181,7 @@ def test_code_views_have_the_documented_shapes_and_dtypes(model, fmt, code_dtype
                                                           n_groups, zeros):
     cache = model.new_cache(16, fmt)
     model.prefill([1, 2, 3, 4, 5], cache)
-    assert cache.key_dtype == cache.value_dtype == fmt
+    assert cache.key_format == cache.value_format == fmt
     for kind in ("key", "value"):
         codes = getattr(cache, f"{kind}_codes")
         assert codes.dtype == code_dtype and codes.shape == (6, 5, 2, per_head)
@@ -245,7 +245,7 @@ def test_float_views_only_exist_for_float_storage(model):
         with pytest.raises(TypeError, match="codes"):
             cache.values
     # mixed: the float half is viewable, the quantized half is not
-    mixed = model.new_cache(8, key_dtype="fp16", value_dtype="int8")
+    mixed = model.new_cache(8, key_format="fp16", value_format="int8")
     assert mixed.keys.dtype == np.float16
     with pytest.raises(TypeError, match="codes"):
         mixed.values
@@ -256,8 +256,8 @@ def test_float_views_only_exist_for_float_storage(model):
 @pytest.mark.parametrize("options", [
     dict(dtype="fp32"), dict(dtype="fp16"), dict(dtype="bf16"), dict(dtype="int8"),
     dict(dtype="int8", group=4), dict(dtype="int4"), dict(dtype="int4", group=2),
-    dict(dtype="fp8", group=8), dict(key_dtype="int8", value_dtype="int4", group=8),
-    dict(key_dtype="fp16", value_dtype="int4", value_group=4),
+    dict(dtype="fp8", group=8), dict(key_format="int8", value_format="int4", group=8),
+    dict(key_format="fp16", value_format="int4", value_group=4),
     dict(dtype="int4", window=8), dict(dtype="fp32", window=3)], ids=str)
 def test_cache_nbytes_equals_kv_cache_bytes(model, options):
     options = dict(options)
@@ -284,7 +284,7 @@ def test_cache_bytes_by_hand(model):
 
 @pytest.mark.parametrize("options", [dict(dtype="fp32"), dict(dtype="int8"),
                                      dict(dtype="int4", group=4),
-                                     dict(key_dtype="int8", value_dtype="fp8", window=5)],
+                                     dict(key_format="int8", value_format="fp8", window=5)],
                          ids=str)
 def test_pool_nbytes_formula(model, options):
     c = model.config
@@ -293,7 +293,7 @@ def test_pool_nbytes_formula(model, options):
     kv_dim = c.n_kv_heads * c.head_dim
     assert pool.nbytes == (c.n_layers * 10 * 4 * fmt.row_bytes(c.n_kv_heads, c.head_dim)
                            + 3 * 2 * c.n_layers * fmt.window * kv_dim * 4)
-    assert pool.window == fmt.window and pool.key_dtype == fmt.key
+    assert pool.window == fmt.window and pool.key_format == fmt.key
 
 
 # ---- 5. the residual window -------------------------------------------------------------------
@@ -433,7 +433,7 @@ def numpy_attend(q, keys, values):
 
 
 @pytest.mark.parametrize("options", [dict(dtype="int8"), dict(dtype="int4", group=4, window=5),
-                                     dict(key_dtype="fp8", value_dtype="bf16")], ids=str)
+                                     dict(key_format="fp8", value_format="bf16")], ids=str)
 def test_attend_equals_numpy_over_dequantized_rows(model, options):
     c = model.config
     cache = model.new_cache(32, **options)
@@ -476,9 +476,9 @@ def test_attend_rejects_bad_queries(model):
 # ---- 8. errors --------------------------------------------------------------------------------
 
 BAD_FORMATS = [
-    (dict(dtype="int3"), "unknown cache dtype"),
-    (dict(dtype="fp64"), "unknown cache dtype"),
-    (dict(key_dtype="int3"), "unknown cache dtype"),
+    (dict(dtype="int3"), "unknown cache format"),
+    (dict(dtype="fp64"), "unknown cache format"),
+    (dict(key_format="int3"), "unknown cache format"),
     (dict(dtype="int8", group=5), "divide"),
     (dict(dtype="fp8", group=3), "divide"),
     (dict(dtype="int4", group=1), "even"),
@@ -487,7 +487,7 @@ BAD_FORMATS = [
     (dict(dtype="fp16", group=4), "has no groups"),     # a group no side can use
     (dict(dtype="fp32", group=5), "has no groups"),
     (dict(dtype="fp32", value_group=16), "has no groups"),
-    (dict(dtype="int8", key_dtype="bf16", key_group=2), "has no groups"),
+    (dict(dtype="int8", key_format="bf16", key_group=2), "has no groups"),
     (dict(dtype="int8", window=-1), "window"),
 ]
 
@@ -505,10 +505,10 @@ def test_bad_formats_are_refused_by_caches_and_pools(model, options, match):
 def test_group_applies_to_the_side_that_has_groups(model):
     # documented: `group` sets whichever of K and V is grouped; an explicit key_group or
     # value_group on a float side is an error (above)
-    cache = model.new_cache(8, key_dtype="int8", value_dtype="fp16", group=4)
+    cache = model.new_cache(8, key_format="int8", value_format="fp16", group=4)
     assert (cache.key_group, cache.value_group) == (4, 0)
     assert cache.key_scales.shape[-1] == 4 and cache.value_scales is None
-    cache = model.new_cache(8, key_dtype="bf16", value_dtype="int4")
+    cache = model.new_cache(8, key_format="bf16", value_format="int4")
     assert (cache.key_group, cache.value_group) == (0, 16)     # int4 default: 32 > head_dim
 
 
@@ -532,7 +532,7 @@ def test_window_longer_than_the_cache_is_refused(model):
 
 
 @pytest.mark.parametrize("options", [dict(dtype="int4"), dict(dtype="int8", window=4),
-                                     dict(key_dtype="fp8", value_dtype="int4", group=8)],
+                                     dict(key_format="fp8", value_format="int4", group=8)],
                          ids=str)
 def test_failed_calls_leave_a_quantized_cache_unchanged(model, prompt, options):
     cache = model.new_cache(10, **options)

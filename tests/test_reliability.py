@@ -22,7 +22,7 @@ from kvlab.measure import release_freed_memory, resident_bytes
 def churn(model: kvlab.Model, rounds: int) -> None:
     prompt = [1, 2, 3, 4, 5, 6, 7]
     formats = [dict(), dict(dtype="int8"), dict(dtype="int4", window=3),
-               dict(key_dtype="fp8", value_dtype="bf16")]
+               dict(key_format="fp8", value_format="bf16")]
     for i in range(rounds):
         # a contiguous cache in some format, its views, and a failed call on it
         cache = model.new_cache(16, **formats[i % len(formats)])

@@ -602,8 +602,7 @@ class InterruptedEngine(RuleBasedStateMachine):
 
     @invariant()
     def consistent(self):
-        # (a repair that was itself interrupted is finished by the next step)
-        if hasattr(self, "engine") and not self.engine._unrepaired:
+        if hasattr(self, "engine"):
             assert_consistent(self.engine)
 
     def teardown(self):

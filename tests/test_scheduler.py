@@ -99,6 +99,11 @@ class FakePool:
             if partial:
                 self.partial_shared.add(sample.seq)
 
+    def freed(self, request):
+        """What release(request) would give back (the plan asks before preempting)."""
+        return (sum(self.own.get(s.seq, 0) for s in request.samples if s.seq is not None)
+                + self.shared.get(request.id, 0))
+
     def release(self, request):
         for sample in request.samples:
             if sample.seq is not None:
@@ -119,7 +124,7 @@ class FakePool:
 def make_request(rid, prompt_len, max_tokens=4, n=1):
     params = sched.SamplingParams(max_new_tokens=max_tokens, n=n)
     request = sched.Request(id=rid, prompt=[1] * prompt_len, params=params, arrival=rid)
-    request.samples = [sched.Sample(index=i, tokens=[1] * prompt_len, prompt_len=prompt_len)
+    request.samples = [sched.Sequence(index=i, tokens=[1] * prompt_len, prompt_len=prompt_len)
                        for i in range(n)]
     return request
 
@@ -515,3 +520,12 @@ def test_drafts_wait_for_the_chunk_that_ends_the_tokens():
     assert [n for _, _, n in scheduler.schedule(pool).items] == [4 + 2]
     sample.tokens.append(7)                            # a token chosen since: stale drafts
     assert sample.live_drafts == []
+
+
+def test_sample_is_the_old_name_of_sequence():
+    # issue 36: one noun for a generated sequence, beside the verb sample
+    with pytest.warns(DeprecationWarning, match=r"kvlab.scheduler.Sample .* use kvlab.scheduler.Sequence"):
+        old = sched.Sample
+    assert old is sched.Sequence
+    with pytest.raises(AttributeError):
+        sched.NoSuchName

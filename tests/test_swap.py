@@ -19,7 +19,7 @@ from kvlab import SamplingParams
 
 FORMATS = [dict(dtype="fp32"), dict(dtype="fp16"), dict(dtype="bf16"), dict(dtype="int8"),
            dict(dtype="int4"), dict(dtype="fp8"),
-           dict(dtype="int8", key_dtype="int4", window=3)]
+           dict(dtype="int8", key_format="int4", window=3)]
 
 
 def make_model(seed=0) -> kvlab.Model:

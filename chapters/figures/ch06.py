@@ -65,7 +65,7 @@ HERE = Path(__file__).resolve().parent
 FORMATS = ["fp32", "fp16", "bf16", "fp8", "int8", "int4"]
 # the formats evaluate() compares (its default list, spelled out) and their labels
 SPECS = ["fp32", "fp16", "bf16", "fp8", "int8", "int4", {"dtype": "int4", "window": 32},
-         {"key_dtype": "int8", "value_dtype": "int4"}]
+         {"key_format": "int8", "value_format": "int4"}]
 LABELS = ["fp32", "fp16", "bf16", "fp8", "int8", "int4", "int4 +window 32", "int8 K, int4 V"]
 ATTENTION_ROUNDS = 25
 DECODE_ROUNDS = 15
@@ -125,7 +125,7 @@ def bytes_table(configs) -> dict:
             row[f"int4 g{g}"] = kvlab.kv_bytes_per_token(config, "int4", group=g)
         if g % 8 == 0:
             row["int4 g8"] = kvlab.kv_bytes_per_token(config, "int4", group=8)
-        row["int8 K / int4 V"] = kvlab.kv_bytes_per_token(config, "int8", value_dtype="int4")
+        row["int8 K / int4 V"] = kvlab.kv_bytes_per_token(config, "int8", value_format="int4")
         table[config.name] = {"n_layers": config.n_layers, "n_kv_heads": config.n_kv_heads,
                               "head_dim": config.head_dim, "bytes_per_token": row,
                               "fraction_of_fp32": {f: b / row["fp32"] for f, b in row.items()}}

@@ -64,9 +64,30 @@ int kv_py_length_arg(PyObject *arg, const char *what, long long *out);
  * never arrives as True or as an OverflowError in C's words. 0 if all are, else -1. */
 int kv_py_int_arguments(PyObject *args, PyObject *kwds, const char *format, char **kwlist);
 
+/* An integer argument already read as a C int or long long (kv_py_int_arguments checked
+ * its type): 0 if it lies in [low, high], else -1 with the ValueError kvlab.arguments
+ * raises, in its words ("NAME must be at least LOW, got VALUE", or "at most HIGH"), with
+ * `why` in parentheses after the bound when not NULL. The binding's one range check. */
+int kv_py_int_in(const char *name, long long value, long long low, long long high,
+                 const char *why);
+/* A DeprecationWarning that `old` is now spelled `new_name`, in kvlab.deprecation.renamed's
+ * words, pointing at the caller's line: 0, or -1 if the warning was turned into an error. */
+int kv_py_warn_renamed(const char *old, const char *new_name);
+
 /* The core's interrupt check (kv_set_interrupt_check) during a call that released the
  * GIL: arg is the PyThreadState * that Py_BEGIN_ALLOW_THREADS saved (&_save). */
 int kv_py_signals_pending(void *arg);
+
+/* The core's size limits, stated once for the constructors' refusals (KVCache, BlockManager,
+ * PagedPool), so that a bound changed in the core is changed in one sentence here
+ * (KV_MAX_BLOCK_SIZE, a plain number in kvlab.h, is written into the string as it is). */
+#define KV_PY_STRINGIFY(x) #x
+#define KV_PY_STRING(x) KV_PY_STRINGIFY(x)
+#define KV_PY_STORE_LIMITS "n_layers up to 4096, n_kv_heads * head_dim up to 65536"
+#define KV_PY_BLOCKS_LIMITS                                                                  \
+    "block_size at most " KV_PY_STRING(KV_MAX_BLOCK_SIZE) ", num_blocks at most 2**24 (and " \
+    "num_blocks * block_size at most 2**32), max_seqs at most 2**20 and max_seqs * "          \
+    "max_blocks_per_seq at most 2**28"
 
 /* ---- arrays.c: NumPy arrays in and out --------------------------------------------- */
 

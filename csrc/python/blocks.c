@@ -115,20 +115,16 @@ static int blocks_init(BlocksObject *self, PyObject *args, PyObject *kwds) {
         PyErr_SetString(PyExc_RuntimeError, "BlockManager is already initialized");
         return -1;
     }
-    if (hash_bits < 1 || hash_bits > 64) {   /* the binding's own knob (tests narrow hashes) */
-        PyErr_Format(PyExc_ValueError, "hash_bits must be between 1 and 64, got %d", hash_bits);
-        return -1;
-    }
+    /* the binding's own knob (tests narrow hashes) */
+    if (kv_py_int_in("hash_bits", hash_bits, 1, 64, NULL) < 0) return -1;
     if (max_blocks_per_seq == 0) max_blocks_per_seq = num_blocks;
     kv_status status = kv_blocks_init(&self->own, num_blocks, block_size, max_seqs,
                                       max_blocks_per_seq);
     if (status != KV_OK) {
         kv_py_raise(status, status != KV_ERR_INVALID_ARG ? NULL :
                     "BlockManager(num_blocks=%d, block_size=%d, max_seqs=%d, "
-                    "max_blocks_per_seq=%d) is refused: sizes must be positive, block_size at "
-                    "most 256, num_blocks at most 2**24, max_seqs at most 2**20 and max_seqs * "
-                    "max_blocks_per_seq at most 2**28", num_blocks, block_size, max_seqs,
-                    max_blocks_per_seq);
+                    "max_blocks_per_seq=%d) is refused: sizes must be positive, "
+                    KV_PY_BLOCKS_LIMITS, num_blocks, block_size, max_seqs, max_blocks_per_seq);
         return -1;
     }
     if (hash_bits < 64) self->own.hash_mask = ((uint64_t)1 << hash_bits) - 1;

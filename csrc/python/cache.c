@@ -68,8 +68,8 @@ static int cache_init(CacheObject *self, PyObject *args, PyObject *kwds) {
         kv_py_raise(status, NULL);
     else if (!kv_py_group_refused(&format, head_dim))
         kv_py_raise(status, "KVCache(n_layers=%d, n_kv_heads=%d, head_dim=%d, capacity=%d, "
-                    "window=%d) is refused: sizes must be positive (n_layers up to 4096, "
-                    "n_kv_heads * head_dim up to 65536, capacity up to 2**28) and the window "
+                    "window=%d) is refused: sizes must be positive (" KV_PY_STORE_LIMITS
+                    ", capacity up to 2**28) and the window "
                     "between 0 and capacity", n_layers, n_kv_heads, head_dim, capacity, window);
     return -1;
 }
@@ -124,6 +124,14 @@ static PyObject *cache_get_part(CacheObject *self, void *closure) {
 static PyObject *cache_get_format(CacheObject *self, void *closure) {
     if (require_initialized(self) < 0) return NULL;
     return kv_py_format_name((closure ? &self->cache.value : &self->cache.key)->format);
+}
+
+/* key_dtype and value_dtype: the old names of key_format and value_format, one release */
+static PyObject *cache_get_old_format(CacheObject *self, void *closure) {
+    if (kv_py_warn_renamed(closure ? "KVCache.value_dtype" : "KVCache.key_dtype",
+                           closure ? "KVCache.value_format" : "KVCache.key_format") < 0)
+        return NULL;
+    return cache_get_format(self, closure);
 }
 
 static PyObject *cache_get_group(CacheObject *self, void *closure) {
@@ -203,7 +211,7 @@ static PyObject *cache_repr(CacheObject *self) {
             c->head_dim, key, window, kv_cache_nbytes(c));
     return PyUnicode_FromFormat(
         "KVCache(length=%d, capacity=%d, n_layers=%d, n_kv_heads=%d, head_dim=%d, "
-        "key_dtype=%s, value_dtype=%s%s, nbytes=%zu)", c->length, c->capacity, c->n_layers,
+        "key_format=%s, value_format=%s%s, nbytes=%zu)", c->length, c->capacity, c->n_layers,
         c->n_kv_heads, c->head_dim, key, value, window, kv_cache_nbytes(c));
 }
 
@@ -396,8 +404,14 @@ static PyGetSetDef cache_getset[] = {
      KV_PY_PART(1, KV_PY_SCALES)},
     {"value_zeros", (getter)cache_get_part, NULL, "As key_zeros, for V.",
      KV_PY_PART(1, KV_PY_ZEROS)},
-    {"key_dtype", (getter)cache_get_format, NULL, "Element format of the keys.", NULL},
-    {"value_dtype", (getter)cache_get_format, NULL, "Element format of the values.", (void *)1},
+    {"key_format", (getter)cache_get_format, NULL,
+     "Element format of the keys: fp32, fp16, bf16, int8, int4 or fp8 (with key_group and\n"
+     "window, the cache format).", NULL},
+    {"value_format", (getter)cache_get_format, NULL, "Element format of the values.", (void *)1},
+    {"key_dtype", (getter)cache_get_old_format, NULL,
+     "Deprecated: the old name of key_format (warns; goes in the next release).", NULL},
+    {"value_dtype", (getter)cache_get_old_format, NULL,
+     "Deprecated: the old name of value_format (warns; goes in the next release).", (void *)1},
     {"key_group", (getter)cache_get_group, NULL, "Key values per scale (0: no scales).", NULL},
     {"value_group", (getter)cache_get_group, NULL, "Value values per scale.", (void *)1},
     {"window", (getter)cache_get_window, NULL,

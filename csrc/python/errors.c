@@ -88,12 +88,29 @@ int kv_py_int_arguments(PyObject *args, PyObject *kwds, const char *format, char
         if (*f != 'i' || value == NULL) continue;
         long long n;
         if (kv_py_length_arg(value, name, &n) < 0) return -1;
-        if (n > INT_MAX || n < INT_MIN) {
-            PyErr_Format(PyExc_ValueError, "%s must be at most %d, got %lld", name, INT_MAX, n);
-            return -1;
-        }
+        if (kv_py_int_in(name, n, INT_MIN, INT_MAX, NULL) < 0) return -1;
     }
     return 0;
+}
+
+int kv_py_int_in(const char *name, long long value, long long low, long long high,
+                 const char *why) {
+    if (value >= low && value <= high) return 0;
+    const char *side = value < low ? "least" : "most";
+    long long bound = value < low ? low : high;
+    if (why != NULL)
+        PyErr_Format(PyExc_ValueError, "%s must be at %s %lld (%s), got %lld", name, side, bound,
+                     why, value);
+    else
+        PyErr_Format(PyExc_ValueError, "%s must be at %s %lld, got %lld", name, side, bound,
+                     value);
+    return -1;
+}
+
+int kv_py_warn_renamed(const char *old, const char *new_name) {
+    /* kvlab.deprecation.renamed's words, so that the same filters catch both */
+    return PyErr_WarnFormat(PyExc_DeprecationWarning, 1, "%s is deprecated and goes in the "
+                            "next release: use %s", old, new_name);
 }
 
 PyObject *kv_py_raise_with_number(const char *before, double value, const char *after) {

@@ -1,6 +1,8 @@
 /* module.c: the module kvlab._kvlab itself: its functions (sampling one row, the
- * quantization formats on their own, threads, kernel tiers, bandwidth measurements), the
- * COUNTERS names, and PyInit__kvlab, which imports NumPy's C API for every file.
+ * quantization formats on their own, threads, kernel tiers, bandwidth measurements), its
+ * constants (MAX_BLOCK_SIZE, TOKEN_CHUNK, the COUNTERS names, HAS_OPENMP), and
+ * PyInit__kvlab, which imports NumPy's C API for every file and adds the five types the
+ * other files define (cache.c, model.c, blocks.c, pool.c).
  */
 #define KV_PY_IMPORTS_NUMPY   /* this file defines NumPy's API table: see binding.h */
 #include "binding.h"
@@ -9,6 +11,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "ops.h"        /* KV_TOKEN_CHUNK */
 #include "sampling.h"
 #include "store.h"
 
@@ -35,10 +38,8 @@ static PyObject *py_sample(PyObject *module, PyObject *args, PyObject *kwds) {
     npy_intp n = PyArray_DIM(logits, 0);
     /* the scratch kv_sample needs grows with n: bounded so that its size fits an int */
     int most = (int)(INT32_MAX / kv_sample_scratch_bytes(1));
-    if (n < 1 || n > most) {
+    if (kv_py_int_in("len(logits)", n, 1, most, NULL) < 0) {
         Py_DECREF(logits);
-        PyErr_Format(PyExc_ValueError, "logits must hold 1 to %d values, got %zd", most,
-                     (Py_ssize_t)n);
         return NULL;
     }
     void *scratch = PyMem_Malloc(kv_sample_scratch_bytes((int)n));
@@ -140,12 +141,10 @@ static PyObject *py_set_num_threads(PyObject *module, PyObject *arg) {
     if (n == -1 && PyErr_Occurred()) return NULL;
     /* More threads than a few per core only slow a call down, and OpenMP may end the whole
      * process when it cannot create them: refuse them here, with the bound. */
-    long cores = kv_available_cores(), most = 4 * cores;
-    if (n < 1 || n > most) {
-        PyErr_Format(PyExc_ValueError, "number of threads must be 1..%ld (4 per core, %ld "
-                     "cores here), got %ld", most, cores, n);
-        return NULL;
-    }
+    long cores = kv_available_cores();
+    char why[64];
+    PyOS_snprintf(why, sizeof why, "4 per core, %ld cores here", cores);
+    if (kv_py_int_in("number of threads", n, 1, 4 * cores, why) < 0) return NULL;
     kv_set_num_threads((int)n);
     Py_RETURN_NONE;
 }
@@ -269,7 +268,12 @@ static PyMethodDef module_methods[] = {
 static struct PyModuleDef kvlab_module = {
     PyModuleDef_HEAD_INIT,
     .m_name = "_kvlab",
-    .m_doc = "kvlab's C core: Model and KVCache. Use the kvlab package rather than this module.",
+    .m_doc = "kvlab's C core: its five types, Model, KVCache (one sequence's contiguous cache),\n"
+             "BlockManager (a paged pool's bookkeeping, no K or V), PagedPool (a BlockManager\n"
+             "with K/V stores in host memory) and PagedSequence (a handle to one of a pool's\n"
+             "sequences), the module functions below, and the constants MAX_BLOCK_SIZE,\n"
+             "TOKEN_CHUNK, COUNTERS and HAS_OPENMP. Use the kvlab package rather than this\n"
+             "module.",
     .m_size = -1,
     .m_methods = module_methods,
 };
@@ -314,6 +318,7 @@ PyMODINIT_FUNC PyInit__kvlab(void) {
         PyModule_AddObjectRef(module, "BlockManager", (PyObject *)&kv_py_blocks_type) < 0 ||
         PyModule_AddObjectRef(module, "PagedPool", (PyObject *)&kv_py_pool_type) < 0 ||
         PyModule_AddIntConstant(module, "MAX_BLOCK_SIZE", KV_MAX_BLOCK_SIZE) < 0 ||
+        PyModule_AddIntConstant(module, "TOKEN_CHUNK", KV_TOKEN_CHUNK) < 0 ||
         PyModule_AddObjectRef(module, "PagedSequence", (PyObject *)&kv_py_sequence_type) < 0 ||
         add_counter_names(module) < 0 ||
 #ifdef _OPENMP

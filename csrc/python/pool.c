@@ -1,4 +1,4 @@
-/* pool.c: PagedPool, the paged KV cache on the CPU (kv_pool): a BlockManager (blocks.c),
+/* pool.c: PagedPool, the paged pool on the CPU (kv_pool): a BlockManager (blocks.c),
  * whose methods it inherits, with the C core's K/V stores behind its blocks.
  *
  * What is a pool's own: its rows (key_codes ... value_zeros, append, gather, swap_out and
@@ -7,6 +7,8 @@
  * write the rows between the two.
  */
 #include "binding.h"
+
+#include "common.h"     /* kv_ceil_div */
 
 int kv_py_pool_ready(PoolObject *self) {
     if (kv_py_blocks_ready(&self->base) < 0) return -1;
@@ -68,10 +70,8 @@ static int pool_init(PoolObject *self, PyObject *args, PyObject *kwds) {
         PyErr_SetString(PyExc_RuntimeError, "PagedPool is already initialized");
         return -1;
     }
-    if (hash_bits < 1 || hash_bits > 64) {   /* the binding's own knob (tests narrow hashes) */
-        PyErr_Format(PyExc_ValueError, "hash_bits must be between 1 and 64, got %d", hash_bits);
-        return -1;
-    }
+    /* the binding's own knob (tests narrow hashes) */
+    if (kv_py_int_in("hash_bits", hash_bits, 1, 64, NULL) < 0) return -1;
     if (max_blocks_per_seq == 0) max_blocks_per_seq = num_blocks;
     kv_cache_format format;
     if (kv_py_make_format(&format, key_name, value_name, key_group, value_group, window) < 0)
@@ -89,12 +89,9 @@ static int pool_init(PoolObject *self, PyObject *args, PyObject *kwds) {
     else if (!kv_py_group_refused(&format, head_dim))
         kv_py_raise(status, "PagedPool(n_layers=%d, n_kv_heads=%d, head_dim=%d, num_blocks=%d, "
                     "block_size=%d, max_seqs=%d, max_blocks_per_seq=%d, window=%d) is refused: "
-                    "sizes must be positive, block_size at most %d, num_blocks at most 2**24 "
-                    "(and num_blocks * block_size at most 2**32), "
-                    "max_seqs at most 2**20, max_seqs * max_blocks_per_seq at most 2**28 "
-                    "(n_layers up to 4096, n_kv_heads * head_dim up to 65536) and the window "
-                    "between 0 and 2**20", n_layers, n_kv_heads, head_dim, num_blocks,
-                    block_size, max_seqs, max_blocks_per_seq, window, KV_MAX_BLOCK_SIZE);
+                    "sizes must be positive, " KV_PY_BLOCKS_LIMITS " (" KV_PY_STORE_LIMITS
+                    ") and the window between 0 and 2**20", n_layers, n_kv_heads, head_dim,
+                    num_blocks, block_size, max_seqs, max_blocks_per_seq, window);
     return -1;
 }
 
@@ -124,6 +121,14 @@ static PyObject *pool_get_part(PoolObject *self, void *closure) {
 static PyObject *pool_get_format(PoolObject *self, void *closure) {
     if (kv_py_pool_ready(self) < 0) return NULL;
     return kv_py_format_name((closure ? &self->pool.value : &self->pool.key)->format);
+}
+
+/* key_dtype and value_dtype: the old names of key_format and value_format, one release */
+static PyObject *pool_get_old_format(PoolObject *self, void *closure) {
+    if (kv_py_warn_renamed(closure ? "PagedPool.value_dtype" : "PagedPool.key_dtype",
+                           closure ? "PagedPool.value_format" : "PagedPool.key_format") < 0)
+        return NULL;
+    return pool_get_format(self, closure);
 }
 
 static PyObject *pool_get_group(PoolObject *self, void *closure) {
@@ -300,7 +305,7 @@ static PyObject *pool_swap_in(PoolObject *self, PyObject *arg) {
     /* the header's length, for the messages: the core refuses for room only after checking
      * the header */
     int length = kv_swap_length(data, size);
-    int needed = length < 0 ? 0 : (int)(((int64_t)length + p->block_size - 1) / p->block_size);
+    int needed = length < 0 ? 0 : (int)kv_ceil_div(length, p->block_size);
     switch (status) {
         case KV_OK: return kv_py_new_sequence_handle(&self->base, seq);
         case KV_ERR_INVALID_ARG:
@@ -343,8 +348,14 @@ static PyGetSetDef pool_getset[] = {
      KV_PY_PART(1, KV_PY_SCALES)},
     {"value_zeros", (getter)pool_get_part, NULL, "As key_zeros, for V.",
      KV_PY_PART(1, KV_PY_ZEROS)},
-    {"key_dtype", (getter)pool_get_format, NULL, "Element format of the keys.", NULL},
-    {"value_dtype", (getter)pool_get_format, NULL, "Element format of the values.", (void *)1},
+    {"key_format", (getter)pool_get_format, NULL,
+     "Element format of the keys: fp32, fp16, bf16, int8, int4 or fp8 (with key_group and\n"
+     "window, the pool's cache format).", NULL},
+    {"value_format", (getter)pool_get_format, NULL, "Element format of the values.", (void *)1},
+    {"key_dtype", (getter)pool_get_old_format, NULL,
+     "Deprecated: the old name of key_format (warns; goes in the next release).", NULL},
+    {"value_dtype", (getter)pool_get_old_format, NULL,
+     "Deprecated: the old name of value_format (warns; goes in the next release).", (void *)1},
     {"key_group", (getter)pool_get_group, NULL, "Key values per scale (0: no scales).", NULL},
     {"value_group", (getter)pool_get_group, NULL, "Value values per scale.", (void *)1},
     {"window", (getter)pool_get_window, NULL,
@@ -394,7 +405,7 @@ PyTypeObject kv_py_pool_type = {
                         "          max_seqs=256, max_blocks_per_seq=num_blocks, hash_bits=64,\n"
                         "          key_format='fp32', value_format='fp32', key_group=0,\n"
                         "          value_group=0, window=0, prefix_cache=True)\n\n"
-                        "A paged KV cache: one pool of fixed-size blocks shared by many\n"
+                        "A paged pool: fixed-size blocks of K and V shared by many\n"
                         "sequences. Usually made with model.new_paged_pool(...)."),
     .tp_base = &kv_py_blocks_type,
     .tp_basicsize = sizeof(PoolObject),

@@ -75,6 +75,9 @@ class CountingPool:
         return (blocks_for(sample.computed + n_tokens, self.block_size)
                 - blocks_for(sample.computed, self.block_size))
 
+    def freed(self, request):
+        return self.held.get(request.id, 0)        # what release(request) gives back
+
     def sequences_left(self):
         return 1 << 30
 
@@ -103,8 +106,8 @@ class KvlabReference:
         params = kvlab_scheduler.SamplingParams(max_new_tokens=max_new_tokens)
         request = kvlab_scheduler.Request(id=request_id, prompt=[1] * prompt_len,
                                           params=params, arrival=request_id)
-        request.samples = [kvlab_scheduler.Sample(index=0, tokens=[1] * prompt_len,
-                                                  prompt_len=prompt_len)]
+        request.samples = [kvlab_scheduler.Sequence(index=0, tokens=[1] * prompt_len,
+                                                    prompt_len=prompt_len)]
         self.requests[request_id] = request
         self.scheduler.add(request)
 

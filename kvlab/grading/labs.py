@@ -78,7 +78,7 @@ LABS: Dict[str, Lab] = {lab.name: lab for lab in (
     Lab("block_allocator", 5, "A block allocator with fork and copy-on-write", "04_paged", 19,
         "a block allocator"),
     Lab("paged_attention", 6, "Attention through a block table", "04_paged", 14,
-        "attention over a paged cache"),
+        "attention over a paged pool"),
     Lab("prefix_caching", 7, "Prefix caching: chained block hashes and LRU eviction",
         "04_paged", 18, "a prefix cache"),
     Lab("scheduler", 8, "A batching scheduler with preemption", "05_batching", 18,

@@ -341,7 +341,7 @@ def test_clear_errors():
     with pytest.raises(ValueError, match="cuda"):
         cpu.prefill([1, 2], gpu.new_cache(8))
     for kwargs in ({"dtype": "int4"}, {"dtype": "fp8"}, {"window": 4},
-                   {"key_dtype": "int8", "value_dtype": "fp16"}):
+                   {"key_format": "int8", "value_format": "fp16"}):
         with pytest.raises(ValueError):
             gpu.new_cache(8, **kwargs)
     cache = gpu.new_cache(4)

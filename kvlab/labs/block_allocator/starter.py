@@ -1,6 +1,6 @@
 """Lab 5: a block allocator with fork and copy-on-write. Fill in every method marked TODO.
 
-This is the bookkeeping half of a paged KV cache (kvlab's C block manager, csrc/blocks.c, and
+This is the bookkeeping half of a paged pool (kvlab's C block manager, csrc/blocks.c, and
 vLLM's block manager): which physical blocks each sequence's tokens live in, and how many
 sequences share each block. It stores no keys or values, only block ids and counts.
 

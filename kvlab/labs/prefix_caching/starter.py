@@ -1,7 +1,7 @@
-"""Lab 7: prefix caching for a paged KV cache. Fill in every function marked TODO.
+"""Lab 7: prefix caching for a paged pool. Fill in every function marked TODO.
 
 Many prompts start with the same tokens (a system prompt, the earlier turns of a chat), and
-the K and V of a position depend only on the tokens up to it. So a paged cache can keep the
+the K and V of a position depend only on the tokens up to it. So a paged pool can keep the
 full blocks of finished requests and hand them to a later prompt that starts the same way:
 that prompt skips their prefill. This is the bookkeeping half of kvlab's prefix cache
 (csrc/blocks.c) and of vLLM's: which blocks are cached, under which hash, which one to evict.

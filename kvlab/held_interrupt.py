@@ -1,0 +1,39 @@
+"""Holding Ctrl-C: a SIGINT that arrives inside a `with HeldCtrlC():` block is kept until
+the block ends, then given to the handler that was installed (Python's own raises
+KeyboardInterrupt there). kvlab.Engine holds it over each step, so that a step is never cut
+in the middle of its bookkeeping: it finishes, then the interrupt is raised.
+
+Only the main thread receives signals in Python, so elsewhere (and where the handler is not
+a Python function: SIG_IGN, SIG_DFL) the block holds nothing. The C core's long calls check
+for signals between chunks; held, they find none to raise and run to their end.
+"""
+from __future__ import annotations
+
+import signal
+import threading
+
+import _signal          # signal's own functions, without its enum conversions (17 us a step)
+
+
+class HeldCtrlC:
+    """Holds a SIGINT that arrives inside the with block until the block's end, then
+    gives it to the handler there was (Python's raises KeyboardInterrupt). Only
+    in the main thread, where Python runs signal handlers, and over a Python handler."""
+
+    def __enter__(self) -> "HeldCtrlC":
+        self.pending, self.handler = False, None
+        if threading.current_thread() is threading.main_thread():
+            handler = _signal.getsignal(signal.SIGINT)
+            if callable(handler):
+                self.handler = handler
+                _signal.signal(signal.SIGINT, self._hold)
+        return self
+
+    def _hold(self, signum, frame) -> None:
+        self.pending = True
+
+    def __exit__(self, *exc_info) -> None:
+        if self.handler is not None:
+            _signal.signal(signal.SIGINT, self.handler)
+            if self.pending:
+                self.handler(signal.SIGINT, None)

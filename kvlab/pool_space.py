@@ -1,0 +1,192 @@
+"""The engine's pool as the scheduler sees it: kvlab.scheduler.BlockSpace over a PagedPool.
+
+Counts the scheduler plans with (available, needed, freed, sequences_left: questions that
+change nothing), and the pool operations a plan asks for (start, release, swap_out), each
+written so that calling it again after it was interrupted goes on from where the pool is.
+Also the swap space (how many bytes the host copies of swapped-out sequences may hold), and
+the checks that a pool given to the engine fits its model, on either device.
+
+It is bookkeeping between the scheduler's Sequences and the pool's handles, no more: what a
+step does with them is kvlab.engine's, the pool itself is kvlab.paged's (the CPU pool) or
+kvlab.cuda's (the GPU pool, which has no swap_out: the engine refuses preemption="swap" on
+it).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Optional, Tuple
+
+import numpy as np
+
+from . import arguments
+from .model import Model
+from .paged import PoolViews
+from .blocks import blocks_for
+from .scheduler import Request, Sequence
+
+
+@dataclasses.dataclass
+class SwapTraffic:
+    """What preemption by swapping moved in one step (StepResult's swapped_* fields)."""
+    out_blocks: int = 0
+    out_bytes: int = 0
+    in_blocks: int = 0
+    in_bytes: int = 0
+
+
+class PoolSpace:
+    """BlockSpace over a pool (see the module text). A pool operation that makes a sequence
+    (new_sequence, fork, swap_in) is noted first (`making`): if it raises after the pool
+    made the sequence (its handle lost on the way), recover() finds it in the pool and
+    gives it to the Sequence it was for, so that nothing is made twice or left behind."""
+
+    def __init__(self, pool, swap_space: Optional[int] = None,
+                 swapped_bytes: Callable[[], int] = lambda: 0):
+        self.pool = pool
+        self.swap_space = swap_space         # the most bytes host copies may hold, or None
+        self.swapped_bytes = swapped_bytes   # what they hold now
+        self.traffic = SwapTraffic()         # this step's (new_step() resets it)
+        self.counted: set = set()            # host copies swapped in this step (counted once)
+        self.making: Optional[Tuple[Sequence, set]] = None   # (for whom, names before)
+
+    def new_step(self) -> None:
+        self.traffic, self.counted = SwapTraffic(), set()
+
+    # ---- questions -------------------------------------------------------------------------
+    def available(self) -> int:
+        return self.pool.available_blocks
+
+    def sequences_left(self) -> int:
+        return self.pool.max_seqs - self.pool.live_sequences
+
+    def needed(self, sample: Sequence, n_tokens: int) -> int:
+        if sample.seq is None:
+            return blocks_for(sample.computed + n_tokens, self.pool.block_size)
+        return self.pool.blocks_needed(sample.seq, n_tokens)
+
+    def freed(self, request: Request) -> int:
+        tables = [s.seq.block_table for s in request.samples if s.seq is not None]
+        if not tables:
+            return 0
+        blocks, refs = np.unique(np.concatenate(tables), return_counts=True)
+        return int(np.count_nonzero(self.pool.ref_counts[blocks] == refs))
+
+    # ---- operations ------------------------------------------------------------------------
+    def start(self, request: Request) -> int:
+        hits = 0
+        # Swapped samples first: the scheduler counted their blocks before the prefix cache
+        # was searched, and a cached block that a prefix hit takes is gone for them.
+        for sample in request.active():
+            if sample.swapped is not None and sample.seq is None:
+                self.make(sample, self.pool.swap_in, sample.swapped)
+            if sample.swapped is not None and id(sample.swapped) not in self.counted:
+                self.counted.add(id(sample.swapped))
+                self.traffic.in_blocks += sample.swapped.n_blocks
+                self.traffic.in_bytes += sample.swapped.nbytes
+        for sample in request.active():
+            if sample.swapped is None:
+                if sample.seq is None:
+                    self.make(sample, self.pool.new_sequence)
+                # at least the last token is fed: its logits choose the next token
+                if sample.seq.length == 0 and len(sample.tokens) > 1:
+                    self.pool.reuse_prefix(sample.seq, np.asarray(sample.tokens[:-1], np.int32))
+                hits += sample.seq.length
+            sample.computed = sample.seq.length
+        return hits
+
+    def release(self, request: Request) -> None:
+        for sample in request.samples:
+            self.drop(sample)
+
+    def drop(self, sample: Sequence) -> None:
+        """Free one sample's pool sequence, if it has one (a freed handle is not freed twice)."""
+        if sample.seq is not None:
+            if sample.seq.alive:
+                self.pool.free(sample.seq)
+            sample.seq = None
+
+    def swap_out(self, request: Request) -> None:
+        """Preemption by swapping: each active sample's K and V to host memory
+        (sample.swapped), its sequence freed. A sample is swapped only if its rows are
+        exactly its computed tokens and one token is still to feed; one whose copy would
+        pass swap_space or finds no host memory is left to be recomputed (the pool is
+        unchanged then)."""
+        for sample in request.active():
+            seq = sample.seq
+            if seq is None or not seq.alive or not 0 < sample.computed == seq.length < len(sample.tokens):
+                continue
+            if (self.swap_space is not None and
+                    self.swapped_bytes() + self.pool.swap_nbytes(seq) > self.swap_space):
+                continue
+            try:
+                host = self.pool.swap_out(seq)
+            except MemoryError:
+                continue
+            sample.swapped, sample.seq = host, None
+            self.traffic.out_blocks += host.n_blocks
+            self.traffic.out_bytes += host.nbytes
+
+    def make(self, sample: Sequence, make: Callable, *args) -> None:
+        """sample.seq = make(*args), noted so that recover() can finish it (class text)."""
+        self.making = (sample, {(s.id, s.serial) for s in self.pool.sequences()})
+        sample.seq = make(*args)
+        self.making = None
+
+    def recover(self) -> None:
+        """After a call raised: a sequence the pool made for `making` is that sample's."""
+        if self.making is not None:
+            sample, before = self.making
+            made = [s for s in self.pool.sequences() if (s.id, s.serial) not in before]
+            if made and sample.seq is None:
+                sample.seq = made[0]
+            self.making = None
+
+
+def pool_for(model: Model, pool, num_blocks, block_size, dtype):
+    """The pool given, checked, or one made with num_blocks, block_size and dtype."""
+    if pool is None:
+        if num_blocks is None:
+            raise TypeError("Engine needs a pool, or num_blocks (with block_size and "
+                            "dtype if not 16 and fp32) to make one")
+        pool = model.new_paged_pool(num_blocks, 16 if block_size is None else block_size,
+                                    "fp32" if dtype is None else dtype)
+    elif (num_blocks, block_size, dtype) != (None, None, None):
+        raise TypeError("the pool given fixes num_blocks, block_size and dtype: pass "
+                        "either a pool or those, not both")
+    check_pool_fits(model, pool)
+    return pool
+
+
+def check_swap(pool, preemption: str, swap_space: Optional[int]) -> Optional[int]:
+    if preemption == "swap" and not callable(getattr(pool, "swap_out", None)):
+        raise ValueError(f"preemption='swap' copies K and V to host memory with "
+                         f"pool.swap_out, which {type(pool).__name__} does not have: use "
+                         f"preemption='recompute'")
+    if swap_space is None:
+        return None
+    if preemption != "swap":
+        raise ValueError("swap_space caps the host copies of preemption='swap'; "
+                         f"this engine preempts by {preemption}")
+    return arguments.positive(swap_space, "swap_space", high=arguments.INT64_MAX)
+
+
+def check_pool_fits(model: Model, pool) -> None:
+    """Refuse a pool this model cannot run on (every step would raise)."""
+    if not isinstance(pool, PoolViews):
+        raise TypeError(f"pool must be a kvlab.PagedPool (model.new_paged_pool(...)), got "
+                        f"{type(pool).__name__}")
+    where = getattr(pool, "device", "cpu")
+    if where != model.device:
+        raise ValueError(f"this pool keeps its K and V on {where!r} but the model runs on "
+                         f"{model.device!r}: make the pool with model.new_paged_pool")
+    if hasattr(pool, "n_layers"):                      # a GPU pool says so itself
+        shape = (pool.n_layers, pool.n_kv_heads, pool.head_dim)
+    else:                                              # (num_blocks, n_layers, block_size,
+        codes = pool.key_codes                         #  n_kv_heads, per head)
+        per_head = codes.shape[4] * (2 if pool.key_format == "int4" else 1)
+        shape = (codes.shape[1], codes.shape[3], per_head)
+    c = model.config
+    if shape != (c.n_layers, c.n_kv_heads, c.head_dim):
+        raise ValueError(f"this pool holds {shape[0]} layers x {shape[1]} KV heads x {shape[2]}, "
+                         f"but the model needs {c.n_layers} x {c.n_kv_heads} x {c.head_dim}: "
+                         f"make the pool with model.new_paged_pool")
