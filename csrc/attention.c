@@ -440,6 +440,11 @@ static int run_length(const kv_layer_view *view, int pos, int end) {
     return (end < block_end ? end : block_end) - pos;
 }
 
+/* row *= by: an output row's sum rescaled by the online softmax, and its final division. */
+static ALWAYS_INLINE void scale_row(float *row, float by, int n) {
+    for (int i = 0; i < n; i++) row[i] *= by;
+}
+
 void kv_attention(float *out, const float *q, const kv_layer_view *view, int n_tokens,
                   int start_pos, int n_heads, int n_kv_heads, int head_dim, float *scratch,
                   size_t scratch_stride, int n_threads) {
@@ -497,10 +502,8 @@ void kv_attention(float *out, const float *q, const kv_layer_view *view, int n_t
                 for (int m = 0; m < kv_mul; m++) {
                     float correction = kv_softmax_tile(weights + m * TILE, tile_end - tile_start,
                                                        &running_max[m], &running_sum[m]);
-                    if (correction != 1.0f) {
-                        float *result = results + (size_t)m * head_dim;
-                        for (int i = 0; i < head_dim; i++) result[i] *= correction;
-                    }
+                    if (correction != 1.0f)
+                        scale_row(results + (size_t)m * head_dim, correction, head_dim);
                 }
                 /* the values, weighted by those exponentials, added into the outputs */
                 for (int pos = tile_start; pos < tile_end;) {
@@ -514,12 +517,9 @@ void kv_attention(float *out, const float *q, const kv_layer_view *view, int n_t
                 }
             }
             /* divide by the sum of the exponentials: the softmax's normalization, once */
-            for (int m = 0; m < kv_mul; m++) {
-                float inv_sum = 1.0f / running_sum[m];
-                float *result = results + (size_t)m * head_dim;
-                for (int i = 0; i < head_dim; i++) result[i] *= inv_sum;
+            for (int m = 0; m < kv_mul; m++)
+                scale_row(results + (size_t)m * head_dim, 1.0f / running_sum[m], head_dim);
     /* [end ch07-kv-attention] */
-            }
         }
     }
 }

@@ -9,14 +9,19 @@
  * matrix-vector): only n_tokens differs. It sees the cache through one kv_layer_view per
  * layer, so the contiguous cache and the paged pool share every line of it. Weights are
  * read in place from the caller's buffers; activations live in one scratch allocation
- * made per call (run_state). kv_model_generate is the generation loop built on it: decode
- * steps over a contiguous cache with the token chosen in between (sampling.c), its scratch
+ * made per call (run_state), a row per token in each buffer (token_rows). A long call runs
+ * in chunks through one loop (in_chunks), which can stop between two for Ctrl-C; a chunk's
+ * rows are found by one function (chunk_view) from one table of the buffers' row widths
+ * (ROWS). kv_model_generate is the generation loop built on the same pass: decode steps
+ * over a contiguous cache with the token chosen in between (sampling.c), its scratch
  * made once for all the steps. Each kernel is called on the tier the process chose
  * (kv_set_kernels): the fast one (ops.c, attention.c) or the plain one (plain.c), one
  * branch per call. This file does not own the cache layouts (kvcache.c, paged.c) or the
  * attention math (attention.c, plain.c).
  */
+#include <assert.h>
 #include <math.h>
+#include <stddef.h>
 #include <string.h>
 
 #include "attention.h"
@@ -108,7 +113,7 @@ typedef struct {
     int position;    /* its position, for RoPE: start_pos, unless the cache dropped rows */
 } token_run;
 
-/* Activations for one forward call over n_tokens tokens. */
+/* Activations of a forward call: a row per token in each buffer. */
 typedef struct {
     float *x;         /* (n_tokens, dim) residual stream */
     float *xb;        /* (n_tokens, dim) normalized input of the current sublayer */
@@ -121,6 +126,55 @@ typedef struct {
     float *hb2;       /* (n_tokens, hidden_dim) up */
     float *rope_cos;  /* (n_tokens, head_dim / 2) */
     float *rope_sin;  /* (n_tokens, head_dim / 2) */
+} token_rows;
+
+/* The widths a buffer's rows can have (row_floats: dim, n_heads * head_dim, ...). */
+typedef enum { ROW_DIM, ROW_Q_DIM, ROW_KV_DIM, ROW_HIDDEN_DIM, ROW_HALF_HEAD } row_width;
+
+/* Every buffer of token_rows and the width of its rows: the one list that sizes the
+ * buffers (run_state_alloc) and finds a chunk's rows in them (chunk_view). A new buffer
+ * is a field above and a line here; a field without its line fails the assert below. */
+static const struct {
+    size_t field;       /* offsetof(token_rows, the buffer) */
+    row_width width;
+} ROWS[] = {
+    {offsetof(token_rows, x), ROW_DIM},
+    {offsetof(token_rows, xb), ROW_DIM},
+    {offsetof(token_rows, q), ROW_Q_DIM},
+    {offsetof(token_rows, k), ROW_KV_DIM},
+    {offsetof(token_rows, v), ROW_KV_DIM},
+    {offsetof(token_rows, att_out), ROW_Q_DIM},
+    {offsetof(token_rows, proj), ROW_DIM},
+    {offsetof(token_rows, hb), ROW_HIDDEN_DIM},
+    {offsetof(token_rows, hb2), ROW_HIDDEN_DIM},
+    {offsetof(token_rows, rope_cos), ROW_HALF_HEAD},
+    {offsetof(token_rows, rope_sin), ROW_HALF_HEAD},
+};
+#define N_ROWS (sizeof ROWS / sizeof ROWS[0])
+_Static_assert(N_ROWS == sizeof(token_rows) / sizeof(float *),
+               "every buffer of token_rows needs its line in ROWS");
+
+static size_t row_floats(const kv_config *c, row_width width) {
+    switch (width) {
+    case ROW_DIM: return (size_t)c->dim;
+    case ROW_Q_DIM: return (size_t)c->n_heads * c->head_dim;
+    case ROW_KV_DIM: return (size_t)c->n_kv_heads * c->head_dim;
+    case ROW_HIDDEN_DIM: return (size_t)c->hidden_dim;
+    case ROW_HALF_HEAD: return (size_t)c->head_dim / 2;
+    }
+    return 0;
+}
+
+/* The buffer ROWS[i] names, in `rows`. */
+static float **row_buffer(token_rows *rows, size_t i) {
+    return (float **)((char *)rows + ROWS[i].field);
+}
+
+/* Activations and scratch for one forward call over up to n_tokens tokens (a call, or
+ * each chunk of a long one). */
+typedef struct {
+    token_rows rows;  /* (n_tokens, ...) each */
+    int n_tokens;     /* the rows each buffer of `rows` has */
     float *scores;    /* (n_threads, attention scratch): a tile of attention weights and the
                          softmax's running max and sum per query head of a group, and rows
                          to dequantize K and V into */
@@ -142,11 +196,13 @@ typedef struct {
     token_run *runs;       /* (n_runs,) */
     kv_layer_view *views;  /* (n_layers, n_runs) where each run's K and V live, per layer */
     kv_counters count;     /* what this call did, handed to the caller if it succeeds */
-    int layers_in_chunks;  /* the one-layer uncached pass (forward_one_layer_kv): each layer
-                              goes over the tokens a chunk at a time, the interrupt check
-                              asked between chunks ... */
-    int interrupted;       /* ... and it said stop: forward_tokens returned without logits */
 } run_state;
+
+/* One buffer of a call's scratch: where its pointer goes, and how many floats it takes. */
+typedef struct {
+    float **slot;
+    size_t floats;
+} scratch_part;
 
 static void run_state_free(run_state *s) {
     free(s->block);
@@ -160,7 +216,7 @@ static void run_state_free(run_state *s) {
 static kv_status run_state_alloc(run_state *s, const kv_model *m, int n_tokens, int n_runs) {
     const kv_config *c = &m->config;
     size_t T = (size_t)n_tokens, q_dim = (size_t)c->n_heads * c->head_dim;
-    size_t kv_dim = (size_t)c->n_kv_heads * c->head_dim, half = (size_t)c->head_dim / 2;
+    s->n_tokens = n_tokens;
     s->score_stride = kv_attention_scratch(c->n_heads, c->n_kv_heads, c->head_dim);
     s->n_threads = kv_threads();
     s->kernels = kv_get_kernels();
@@ -169,17 +225,17 @@ static kv_status run_state_alloc(run_state *s, const kv_model *m, int n_tokens, 
     if ((int)q_dim > widest) widest = (int)q_dim;
     int converted = has_matrix_for(m, 0), int8 = has_matrix_for(m, 1);
     float *x_codes_floats = NULL;   /* the int8 codes, in float-sized slots */
-    size_t sizes[] = {T * c->dim, T * c->dim, T * q_dim, T * kv_dim, T * kv_dim, T * q_dim,
-                      T * c->dim, T * c->hidden_dim, T * c->hidden_dim, T * half, T * half,
-                      (size_t)s->n_threads * s->score_stride,
-                      converted ? kv_weights_scratch_floats(widest, s->n_threads) : 0,
-                      int8 ? 2 * T * (size_t)(widest / KV_Q8_0_BLOCK) : 0,
-                      int8 ? (T * (size_t)widest + 3) / 4 : 0};
-    float **slots[] = {&s->x, &s->xb, &s->q, &s->k, &s->v, &s->att_out, &s->proj, &s->hb,
-                       &s->hb2, &s->rope_cos, &s->rope_sin, &s->scores, &s->weight_rows,
-                       &s->x_scales, &x_codes_floats};
+    /* the rows (ROWS), then the four buffers of scratch that are not a row per token */
+    scratch_part parts[N_ROWS + 4] = {
+        [N_ROWS] = {&s->scores, (size_t)s->n_threads * s->score_stride},
+        {&s->weight_rows, converted ? kv_weights_scratch_floats(widest, s->n_threads) : 0},
+        {&s->x_scales, int8 ? 2 * T * (size_t)(widest / KV_Q8_0_BLOCK) : 0},
+        {&x_codes_floats, int8 ? (T * (size_t)widest + 3) / 4 : 0}};
+    for (size_t i = 0; i < N_ROWS; i++)
+        parts[i] = (scratch_part){row_buffer(&s->rows, i), T * row_floats(c, ROWS[i].width)};
+    const size_t n_parts = sizeof parts / sizeof parts[0];
     size_t total = 0;
-    for (size_t i = 0; i < sizeof sizes / sizeof sizes[0]; i++) total += kv_round_up16(sizes[i]);
+    for (size_t i = 0; i < n_parts; i++) total += kv_round_up16(parts[i].floats);
     s->count.scratch_bytes = (int64_t)(total * sizeof(float));
     s->block = kv_alloc_floats(total);
     s->n_runs = n_runs;
@@ -187,15 +243,35 @@ static kv_status run_state_alloc(run_state *s, const kv_model *m, int n_tokens, 
     s->views = malloc((size_t)c->n_layers * n_runs * sizeof *s->views);
     if (s->block == NULL || s->views == NULL || s->runs == NULL) return KV_ERR_NOMEM;
     float *next = s->block;
-    for (size_t i = 0; i < sizeof sizes / sizeof sizes[0]; i++) {
-        *slots[i] = sizes[i] > 0 ? next : NULL;
-        next += kv_round_up16(sizes[i]);
+    for (size_t i = 0; i < n_parts; i++) {
+        *parts[i].slot = parts[i].floats > 0 ? next : NULL;
+        next += kv_round_up16(parts[i].floats);
     }
     s->x_codes = (int8_t *)x_codes_floats;
     return KV_OK;
 }
 
-static kv_layer_view *view_of(run_state *s, int layer, int run) {
+/* Tokens start .. start + n - 1 of the call as a chunk sees them: every buffer of its rows
+ * from token `start` on, each moved by its own row width (ROWS). The only place a pointer
+ * into the rows is moved, so that no buffer can be left pointing at the call's first row. */
+static token_rows chunk_view(const run_state *s, const kv_config *c, int start, int n) {
+    assert(start >= 0 && n >= 0 && start + n <= s->n_tokens);
+    token_rows chunk = s->rows;
+    for (size_t i = 0; i < N_ROWS; i++)
+        *row_buffer(&chunk, i) += (size_t)start * row_floats(c, ROWS[i].width);
+    return chunk;
+}
+
+/* The tokens one pass through a layer works on: rows of the activations (the whole call's,
+ * or a chunk's) and the runs of tokens they hold. */
+typedef struct {
+    token_rows rows;
+    int n_tokens;
+    int n_runs;
+    const token_run *runs;   /* (n_runs,) each run's `first` counts from rows' first row */
+} token_span;
+
+static kv_layer_view *view_of(const run_state *s, int layer, int run) {
     return &s->views[(size_t)layer * s->n_runs + run];
 }
 
@@ -207,8 +283,8 @@ static void fill_rope_tables(run_state *s, const kv_model *m) {
             float pos = (float)(s->runs[r].position + t - s->runs[r].first);
             for (int i = 0; i < half; i++) {
                 float angle = pos * m->weights.rope_inv_freq[i];
-                s->rope_cos[(size_t)t * half + i] = cosf(angle);
-                s->rope_sin[(size_t)t * half + i] = sinf(angle);
+                s->rows.rope_cos[(size_t)t * half + i] = cosf(angle);
+                s->rows.rope_sin[(size_t)t * half + i] = sinf(angle);
             }
         }
     }
@@ -313,95 +389,105 @@ static void project_many(const run_state *s, int n, float *const *outs, const kv
 /* Attention of every run over its own sequence. One run (a prefill or a decode) spreads
  * its (token, KV head) pairs over the threads; a batch gives each thread whole runs, with
  * a scratch row of its own, since one decode token alone is too little work to split. */
-static void attend_runs(const kv_config *c, run_state *s, int layer) {
+static void attend_runs(const kv_config *c, const run_state *s, const token_span *span,
+                        int layer) {
     size_t q_dim = (size_t)c->n_heads * c->head_dim;
-    if (s->n_runs == 1) {
-        token_run *run = &s->runs[0];
-        attention(s, c, s->att_out, s->q, view_of(s, layer, 0), run->n_tokens, run->start_pos,
-                  s->scores, s->n_threads);
+    const token_rows *rows = &span->rows;
+    if (span->n_runs == 1) {
+        const token_run *run = &span->runs[0];
+        attention(s, c, rows->att_out, rows->q, view_of(s, layer, 0), run->n_tokens,
+                  run->start_pos, s->scores, s->n_threads);
         return;
     }
     long work = 0;
-    for (int r = 0; r < s->n_runs; r++)
-        work += (long)s->runs[r].n_tokens * (s->runs[r].start_pos + s->runs[r].n_tokens);
+    for (const token_run *run = span->runs; run < span->runs + span->n_runs; run++)
+        work += (long)run->n_tokens * (run->start_pos + run->n_tokens);
     #pragma omp parallel for schedule(dynamic) num_threads(s->n_threads) \
         if (work * c->n_heads * c->head_dim >= KV_PARALLEL_MIN_WORK)
-    for (int r = 0; r < s->n_runs; r++) {
-        token_run *run = &s->runs[r];
+    for (int r = 0; r < span->n_runs; r++) {
+        const token_run *run = &span->runs[r];
         float *scratch = s->scores + (size_t)omp_get_thread_num() * s->score_stride;
-        attention(s, c, s->att_out + run->first * q_dim, s->q + run->first * q_dim,
+        attention(s, c, rows->att_out + run->first * q_dim, rows->q + run->first * q_dim,
                   view_of(s, layer, r), run->n_tokens, run->start_pos, scratch, 1);
     }
 }
 
-static void attention_block(const kv_model *m, run_state *s, int layer, int n_tokens) {
+static void attention_block(const kv_model *m, const run_state *s, const token_span *span,
+                            int layer) {
     const kv_config *c = &m->config;
     const kv_weights *w = &m->weights;
+    const token_rows *rows = &span->rows;
+    int n_tokens = span->n_tokens;
     size_t q_dim = (size_t)c->n_heads * c->head_dim, kv_dim = (size_t)c->n_kv_heads * c->head_dim;
     size_t dim = (size_t)c->dim, half = (size_t)c->head_dim / 2;
 
-    rmsnorm_rows(s, s->xb, s->x, w->attn_norm + layer * dim, n_tokens, c->dim, c->norm_eps);
+    rmsnorm_rows(s, rows->xb, rows->x, w->attn_norm + layer * dim, n_tokens, c->dim,
+                 c->norm_eps);
     /* Q, K and V from the same input, in one pass over the threads */
-    float *qkv[3] = {s->q, s->k, s->v};
+    float *qkv[3] = {rows->q, rows->k, rows->v};
     kv_matrix wqkv[3] = {nth_matrix(w->wq, layer, q_dim, c->dim),
                          nth_matrix(w->wk, layer, kv_dim, c->dim),
                          nth_matrix(w->wv, layer, kv_dim, c->dim)};
     int qkv_dims[3] = {(int)q_dim, (int)kv_dim, (int)kv_dim};
     /* [quote ch01-attention-block-k-and-v] */
-    project_many(s, 3, qkv, wqkv, qkv_dims, s->xb, n_tokens, c->dim);
-    for (int r = 0; r < s->n_runs; r++) {
-        const token_run *run = &s->runs[r];
+    project_many(s, 3, qkv, wqkv, qkv_dims, rows->xb, n_tokens, c->dim);
+    for (int r = 0; r < span->n_runs; r++) {
+        const token_run *run = &span->runs[r];
         const kv_layer_view *view = view_of(s, layer, r);
         for (int t = run->first; t < run->first + run->n_tokens; t++) {
-            const float *cos_t = s->rope_cos + t * half, *sin_t = s->rope_sin + t * half;
-            rope(s, s->q + t * q_dim, c->n_heads, c, cos_t, sin_t);
-            rope(s, s->k + t * kv_dim, c->n_kv_heads, c, cos_t, sin_t);
+            const float *cos_t = rows->rope_cos + t * half, *sin_t = rows->rope_sin + t * half;
+            rope(s, rows->q + t * q_dim, c->n_heads, c, cos_t, sin_t);
+            rope(s, rows->k + t * kv_dim, c->n_kv_heads, c, cos_t, sin_t);
             /* This is the moment a token's K and V are computed: once, and kept (quantized
              * here if the cache stores fewer bits). */
             size_t slot = kv_view_slot(view, run->start_pos + t - run->first);
-            kv_store_write(view->key, view->layer, slot, s->k + t * kv_dim);
-            kv_store_write(view->value, view->layer, slot, s->v + t * kv_dim);
+            kv_store_write(view->key, view->layer, slot, rows->k + t * kv_dim);
+            kv_store_write(view->value, view->layer, slot, rows->v + t * kv_dim);
         }
     }
-    attend_runs(c, s, layer);
+    attend_runs(c, s, span, layer);
     /* [end ch01-attention-block-k-and-v] */
-    for (int r = 0; r < s->n_runs; r++) {   /* for an eviction policy that asked for them */
-        const token_run *run = &s->runs[r];
+    for (int r = 0; r < span->n_runs; r++) {   /* for an eviction policy that asked for them */
+        const token_run *run = &span->runs[r];
         const kv_layer_view *view = view_of(s, layer, r);
         if (view->attention != NULL)
-            kv_attention_weights_add(view, s->q + run->first * q_dim, run->n_tokens,
+            kv_attention_weights_add(view, rows->q + run->first * q_dim, run->n_tokens,
                                      run->start_pos, c->n_heads, c->n_kv_heads, c->head_dim);
     }
     /* [quote ch06-attention-block-after-attention-the] */
-    for (int r = 0; r < s->n_runs; r++) {
-        const token_run *run = &s->runs[r];
+    for (int r = 0; r < span->n_runs; r++) {
+        const token_run *run = &span->runs[r];
         const kv_layer_view *view = view_of(s, layer, r);
         /* the residual window: the newest rows also stay in full precision */
         kv_window_keep(view->window_key, view->window, (int)kv_dim, run->start_pos,
-                       s->k + run->first * kv_dim, kv_dim, run->n_tokens);
+                       rows->k + run->first * kv_dim, kv_dim, run->n_tokens);
         kv_window_keep(view->window_value, view->window, (int)kv_dim, run->start_pos,
-                       s->v + run->first * kv_dim, kv_dim, run->n_tokens);
+                       rows->v + run->first * kv_dim, kv_dim, run->n_tokens);
     }
     /* [end ch06-attention-block-after-attention-the] */
-    project(s, s->proj, s->att_out, nth_matrix(w->wo, layer, dim, (int)q_dim), n_tokens,
+    project(s, rows->proj, rows->att_out, nth_matrix(w->wo, layer, dim, (int)q_dim), n_tokens,
             (int)q_dim, c->dim);
-    add_rows(s->x, s->proj, (size_t)n_tokens * dim);
+    add_rows(rows->x, rows->proj, (size_t)n_tokens * dim);
 }
 
-static void mlp_block(const kv_model *m, run_state *s, int layer, int n_tokens) {
+static void mlp_block(const kv_model *m, const run_state *s, const token_span *span,
+                      int layer) {
     const kv_config *c = &m->config;
     const kv_weights *w = &m->weights;
+    const token_rows *rows = &span->rows;
+    int n_tokens = span->n_tokens;
     size_t dim = (size_t)c->dim, hidden = (size_t)c->hidden_dim;
-    rmsnorm_rows(s, s->xb, s->x, w->ffn_norm + layer * dim, n_tokens, c->dim, c->norm_eps);
-    float *gate_up[2] = {s->hb, s->hb2};
+    rmsnorm_rows(s, rows->xb, rows->x, w->ffn_norm + layer * dim, n_tokens, c->dim,
+                 c->norm_eps);
+    float *gate_up[2] = {rows->hb, rows->hb2};
     kv_matrix w13[2] = {nth_matrix(w->w1, layer, hidden, c->dim),
                         nth_matrix(w->w3, layer, hidden, c->dim)};
     int hidden_dims[2] = {c->hidden_dim, c->hidden_dim};
-    project_many(s, 2, gate_up, w13, hidden_dims, s->xb, n_tokens, c->dim);
-    swiglu(s, s->hb, s->hb2, (size_t)n_tokens * c->hidden_dim);
-    project(s, s->proj, s->hb, nth_matrix(w->w2, layer, dim, c->hidden_dim), n_tokens,
+    project_many(s, 2, gate_up, w13, hidden_dims, rows->xb, n_tokens, c->dim);
+    swiglu(s, rows->hb, rows->hb2, (size_t)n_tokens * c->hidden_dim);
+    project(s, rows->proj, rows->hb, nth_matrix(w->w2, layer, dim, c->hidden_dim), n_tokens,
             c->hidden_dim, c->dim);
-    add_rows(s->x, s->proj, (size_t)n_tokens * dim);
+    add_rows(rows->x, rows->proj, (size_t)n_tokens * dim);
 }
 
 /* Bytes of n_rows rows of in_dim values in a matrix's format */
@@ -464,93 +550,65 @@ static void count_forward(const kv_model *model, run_state *s, int n_tokens, int
     count->calls += 1;
 }
 
-/* One layer of the one-layer uncached pass (forward_one_layer_kv) over all its tokens, in
- * the chunks kv_model_forward would run (kv_chunk_length), the interrupt check asked between
- * them: one pass over thousands of tokens could otherwise run for minutes deaf to Ctrl-C.
- * The chunks give the one pass's numbers bit for bit: every layer before is done for every
- * token, this layer's K and V of the chunks before are in the one-layer cache for the
- * chunk's attention, and a token's products and attention do not depend on the tokens run
- * beside it (a prefill in parts equals one prefill). Each chunk works in the call's
- * buffers from its first token on. Returns 0 if the check said stop. */
-static int layer_in_chunks(const kv_model *model, run_state *s, int layer) {
-    const kv_config *c = &model->config;
-    size_t dim = (size_t)c->dim, hidden = (size_t)c->hidden_dim, half = (size_t)c->head_dim / 2;
-    size_t q_dim = (size_t)c->n_heads * c->head_dim, kv_dim = (size_t)c->n_kv_heads * c->head_dim;
-    int n_tokens = s->runs[0].n_tokens, n_chunks = 0;
-    for (int start = 0; start < n_tokens; n_chunks++) {
-        if ((layer > 0 || start > 0) && kv_interrupted()) {
-            s->interrupted = 1;
-            return 0;
-        }
-        int n = kv_chunk_length(c, start, n_tokens - start);
-        token_run run = {0, n, start, start};
-        run_state chunk = *s;
-        chunk.runs = &run;
-        chunk.x += start * dim;
-        chunk.xb += start * dim;
-        chunk.proj += start * dim;
-        chunk.q += start * q_dim;
-        chunk.att_out += start * q_dim;
-        chunk.k += start * kv_dim;
-        chunk.v += start * kv_dim;
-        chunk.hb += start * hidden;
-        chunk.hb2 += start * hidden;
-        chunk.rope_cos += start * half;
-        chunk.rope_sin += start * half;
-        kv_layer_view *view = view_of(&chunk, layer, 0);
-        view->new_key = chunk.k;
-        view->new_value = chunk.v;
-        view->new_start = start;
-        attention_block(model, &chunk, layer, n);
-        mlp_block(model, &chunk, layer, n);
-        start += n;
+/* One layer over a span of tokens: each run's new K and V rows shown to its view (read in
+ * full precision inside the residual window), then attention and the MLP. */
+static void run_layer(const kv_model *model, run_state *s, const token_span *span,
+                      int layer) {
+    size_t kv_dim = (size_t)model->config.n_kv_heads * model->config.head_dim;
+    for (int r = 0; r < span->n_runs; r++) {
+        kv_layer_view *view = view_of(s, layer, r);
+        view->new_key = span->rows.k + (size_t)span->runs[r].first * kv_dim;
+        view->new_value = span->rows.v + (size_t)span->runs[r].first * kv_dim;
+        view->new_start = span->runs[r].start_pos;
     }
-    /* each chunk read the layer's weights again, as kv_model_forward's chunks do */
-    s->count.weight_bytes += (int64_t)(n_chunks - 1) * layer_weight_bytes(model);
-    return 1;
+    attention_block(model, s, span, layer);
+    mlp_block(model, s, span, layer);
 }
 
-/* The forward pass proper. The caller has checked every argument, filled s->runs and
- * s->views, and made room in the cache for every run's new positions. Logits: every
- * token's with all_logits, else the last token's of each run, one row per run; none with
- * logits NULL (a chunk of a long call before its last: nobody reads them). */
-static void forward_tokens(const kv_model *model, run_state *s, const int32_t *tokens,
-                           int n_tokens, float *logits, int all_logits) {
+/* The start of every forward pass: each token's row of the embedding, as float32, and
+ * RoPE's tables for its position. */
+static void embed_tokens(const kv_model *model, run_state *s, const int32_t *tokens,
+                         int n_tokens) {
     const kv_config *c = &model->config;
-    for (int t = 0; t < n_tokens; t++) {   /* the token's row of the embedding, as float32 */
+    for (int t = 0; t < n_tokens; t++) {
         kv_matrix row = nth_matrix(model->weights.token_embedding, tokens[t], 1, c->dim);
-        kv_weight_row_dequantize(row.format, row.data, c->dim, s->x + (size_t)t * c->dim);
+        kv_weight_row_dequantize(row.format, row.data, c->dim, s->rows.x + (size_t)t * c->dim);
     }
     fill_rope_tables(s, model);
-    for (int layer = 0; layer < c->n_layers; layer++) {
-        if (s->layers_in_chunks) {
-            if (!layer_in_chunks(model, s, layer)) return;   /* interrupted: no logits */
-            continue;
-        }
-        for (int r = 0; r < s->n_runs; r++) {
-            /* each run's new rows, read in full precision inside the residual window */
-            kv_layer_view *view = view_of(s, layer, r);
-            view->new_key = s->k + (size_t)s->runs[r].first * c->n_kv_heads * c->head_dim;
-            view->new_value = s->v + (size_t)s->runs[r].first * c->n_kv_heads * c->head_dim;
-            view->new_start = s->runs[r].start_pos;
-        }
-        attention_block(model, s, layer, n_tokens);
-        mlp_block(model, s, layer, n_tokens);
-    }
+}
 
+/* The end of every forward pass: the logits (every token's with all_logits, else the last
+ * token's of each run, one row per run; none with logits NULL: a chunk of a long call
+ * before its last, whose logits nobody reads), and the call's work counted. */
+static void finish_forward(const kv_model *model, run_state *s, int n_tokens, float *logits,
+                           int all_logits) {
+    const kv_config *c = &model->config;
     /* [quote ch09-forward-tokens-logits] */
     /* Only the rows whose logits were asked for go through the final norm and the
      * classifier, the largest matrix of a small model. */
     int n_rows = logits == NULL ? 0 : all_logits ? n_tokens : s->n_runs;
     for (int i = 0; i < n_rows; i++) {
         int t = all_logits ? i : s->runs[i].first + s->runs[i].n_tokens - 1;
-        rmsnorm(s, s->xb + (size_t)i * c->dim, s->x + (size_t)t * c->dim,
+        rmsnorm(s, s->rows.xb + (size_t)i * c->dim, s->rows.x + (size_t)t * c->dim,
                 model->weights.final_norm, c->dim, c->norm_eps);
     }
     if (n_rows > 0)
-        project(s, logits, s->xb, model->weights.classifier, n_rows, c->dim, c->vocab_size);
+        project(s, logits, s->rows.xb, model->weights.classifier, n_rows, c->dim,
+                c->vocab_size);
     /* [end ch09-forward-tokens-logits] */
     count_forward(model, s, n_tokens, n_rows);
+}
+
+/* The forward pass proper, every layer over every token of the call at once. The caller
+ * has checked every argument, filled s->runs and s->views, and made room in the cache for
+ * every run's new positions. */
+static void forward_tokens(const kv_model *model, run_state *s, const int32_t *tokens,
+                           int n_tokens, float *logits, int all_logits) {
+    embed_tokens(model, s, tokens, n_tokens);
+    const token_span all = {s->rows, n_tokens, s->n_runs, s->runs};
+    for (int layer = 0; layer < model->config.n_layers; layer++)
+        run_layer(model, s, &all, layer);
+    finish_forward(model, s, n_tokens, logits, all_logits);
 }
 
 void kv_counters_add(kv_counters *total, const kv_counters *call) {
@@ -591,17 +649,54 @@ fail:
     return status;
 }
 
-/* Where a chunk of a long call (its positions done .. done + chunk of n_tokens) writes its
- * logits: its rows of every token's, or, with only the last token's wanted, the last
- * chunk alone (NULL: the chunks before skip the final norm and the classifier). */
-static float *chunk_logits(const kv_config *c, float *logits, int all_logits, int done,
-                           int chunk, int n_tokens) {
-    if (all_logits) return logits + (size_t)done * c->vocab_size;
-    return done + chunk == n_tokens ? logits : NULL;
+/* ---- the chunk loop ------------------------------------------------------------------ */
+
+/* What a long call does with one of its chunks: the n tokens from its token `done` on. */
+typedef kv_status chunk_step(void *call, int done, int n);
+
+/* [quote ch01-in-chunks] */
+/* The one loop over the chunks of a long call (kv_model_forward, kv_model_forward_paged,
+ * each layer of the one-layer uncached pass): n_tokens tokens, the first at position
+ * `start`, in chunks of kv_chunk_length's size, `step` doing what the call does with each.
+ * Between two chunks it asks the interrupt check, and stops if told to: the chunks before
+ * are done, the rest are not begun. `ask_first`: ask before the first chunk too (work
+ * came before this loop in the same call). */
+static kv_status in_chunks(const kv_config *c, int start, int n_tokens, int ask_first,
+                           chunk_step *step, void *call) {
+    for (int done = 0, n = 0; done < n_tokens; done += n) {
+        if ((done > 0 || ask_first) && kv_interrupted()) return KV_ERR_INTERRUPTED;
+        n = kv_chunk_length(c, start + done, n_tokens - done);
+        kv_status status = step(call, done, n);
+        if (status != KV_OK) return status;
+    }
+    return KV_OK;
+}
+/* [end ch01-in-chunks] */
+
+/* A forward call over the next positions of a contiguous cache (cache_chunk) or of a
+ * sequence of a paged pool (pool_chunk): what each of its chunks needs. */
+typedef struct {
+    const kv_model *model;
+    run_state *s;           /* sized for the call's first (and longest) chunk */
+    const int32_t *tokens;  /* (n_tokens,) */
+    int n_tokens;
+    float *logits;          /* (n_tokens, vocab_size) with all_logits, else (vocab_size,) */
+    int all_logits;
+    kv_cache *cache;        /* cache_chunk's */
+    kv_pool *pool;          /* pool_chunk's, with the sequence seq */
+    int seq;
+} forward_call;
+
+/* Where the chunk of n tokens from `done` on writes its logits: its rows of every token's,
+ * or, with only the last token's wanted, the last chunk alone (NULL: the chunks before skip
+ * the final norm and the classifier). */
+static float *chunk_logits(const forward_call *call, int done, int n) {
+    if (call->all_logits) return call->logits + (size_t)done * call->model->config.vocab_size;
+    return done + n == call->n_tokens ? call->logits : NULL;
 }
 
 /* n_tokens new tokens through the model at the cache's next positions, their K and V
- * appended: all of kv_model_forward's work, and each step of kv_model_generate's. */
+ * appended: a chunk of kv_model_forward, and each step of kv_model_generate. */
 /* [quote ch01-kv-model-forward-and-the-step] */
 static void run_over_cache(const kv_model *model, run_state *s, kv_cache *cache,
                            const int32_t *tokens, int n_tokens, float *logits, int all_logits) {
@@ -612,6 +707,13 @@ static void run_over_cache(const kv_model *model, run_state *s, kv_cache *cache,
     kv_cache_note_appended(cache, n_tokens);
 }
 
+static kv_status cache_chunk(void *p, int done, int n) {
+    const forward_call *call = p;
+    run_over_cache(call->model, call->s, call->cache, call->tokens + done, n,
+                   chunk_logits(call, done, n), call->all_logits);
+    return KV_OK;
+}
+
 kv_status kv_model_forward(const kv_model *model, kv_cache *cache, const int32_t *tokens,
                            int n_tokens, float *logits, int all_logits, kv_counters *counters) {
     kv_status status = KV_OK;
@@ -619,19 +721,11 @@ kv_status kv_model_forward(const kv_model *model, kv_cache *cache, const int32_t
     KV_CHECK(model != NULL && cache != NULL && logits != NULL, KV_ERR_INVALID_ARG);
     KV_TRY(check_cache_call(model, cache, tokens, n_tokens, n_tokens));
     const kv_config *c = &model->config;
-    int chunk = kv_chunk_length(c, cache->length, n_tokens);
-    KV_TRY(run_state_alloc(&s, model, chunk, 1));
+    KV_TRY(run_state_alloc(&s, model, kv_chunk_length(c, cache->length, n_tokens), 1));
     /* A chunk at a time, each committed to the cache: the same results as one pass (a
      * prefill in parts equals one prefill, bit for bit), and a place to stop between. */
-    for (int done = 0; done < n_tokens; done += chunk) {
-        if (done > 0 && kv_interrupted()) {
-            status = KV_ERR_INTERRUPTED;
-            break;
-        }
-        chunk = kv_chunk_length(c, cache->length, n_tokens - done);
-        run_over_cache(model, &s, cache, tokens + done, chunk,
-                       chunk_logits(c, logits, all_logits, done, chunk, n_tokens), all_logits);
-    }
+    forward_call call = {model, &s, tokens, n_tokens, logits, all_logits, .cache = cache};
+    status = in_chunks(c, cache->length, n_tokens, 0, cache_chunk, &call);
     if (s.count.calls > 1) s.count.calls = 1;      /* one call, however many chunks */
     kv_counters_add(counters, &s.count);
 fail:
@@ -690,6 +784,27 @@ fail:
 }
 
 /* [quote ch04-kv-model-forward-paged] */
+/* A chunk of kv_model_forward_paged: reserve its blocks (copy-on-write included), run the
+ * layers through the sequence's views, commit its tokens. */
+static kv_status pool_chunk(void *p, int done, int n) {
+    const forward_call *call = p;
+    kv_pool *pool = call->pool;
+    run_state *s = call->s;
+    /* cannot fail: kv_model_forward_paged counted the blocks of every chunk first; were it
+     * to, the chunks before stay */
+    kv_status status = kv_pool_reserve(pool, call->seq, n);
+    if (status != KV_OK) return status;
+    const kv_seq *q = &pool->blocks.seqs[call->seq];
+    s->runs[0] = (token_run){0, n, q->length, q->next_position};
+    for (int layer = 0; layer < call->model->config.n_layers; layer++)
+        *view_of(s, layer, 0) = kv_pool_layer_view(pool, call->seq, layer);
+    forward_tokens(call->model, s, call->tokens + done, n, chunk_logits(call, done, n),
+                   call->all_logits);
+    kv_blocks_commit(&pool->blocks, call->seq, call->tokens + done, n);
+    kv_pool_note_positions(pool, call->seq, n);
+    return KV_OK;
+}
+
 kv_status kv_model_forward_paged(const kv_model *model, kv_pool *pool, int seq,
                                  const int32_t *tokens, int n_tokens, float *logits,
                                  int all_logits, kv_counters *counters) {
@@ -701,34 +816,18 @@ kv_status kv_model_forward_paged(const kv_model *model, kv_pool *pool, int seq,
     KV_TRY(kv_pool_check_fits(pool, c));
     KV_TRY(kv_check_tokens(c, tokens, n_tokens));
     KV_TRY(kv_blocks_seq_check(&pool->blocks, seq));
-    kv_seq *q = &pool->blocks.seqs[seq];
+    const kv_seq *q = &pool->blocks.seqs[seq];
     KV_CHECK(n_tokens <= KV_MAX_POSITIONS - q->next_position, KV_ERR_CACHE_FULL);
     /* Blocks for every new position must be there now, so that a call refused for want of
-     * them changes nothing. (Each chunk below then reserves its own: committing a chunk
-     * never leaves fewer blocks available, so those reservations cannot fail.) */
+     * them changes nothing. (Each chunk then reserves its own: committing a chunk never
+     * leaves fewer blocks available, so those reservations cannot fail.) */
     int needed;
     KV_TRY(kv_blocks_needed(&pool->blocks, seq, n_tokens, &needed));
     KV_CHECK(needed <= kv_blocks_available(&pool->blocks), KV_ERR_OUT_OF_BLOCKS);
-    int chunk = kv_chunk_length(c, q->length, n_tokens);
-    KV_TRY(run_state_alloc(&s, model, chunk, 1));
-    /* A chunk at a time, as kv_model_forward: reserve its blocks (copy-on-write included),
-     * run the layers through the sequence's views, commit its tokens. */
-    for (int done = 0; done < n_tokens; done += chunk) {
-        if (done > 0 && kv_interrupted()) {
-            status = KV_ERR_INTERRUPTED;
-            break;
-        }
-        chunk = kv_chunk_length(c, q->length, n_tokens - done);
-        status = kv_pool_reserve(pool, seq, chunk);   /* cannot fail: checked above; were */
-        if (status != KV_OK) break;                   /* it to, the chunks before stay */
-        s.runs[0] = (token_run){0, chunk, q->length, q->next_position};
-        for (int layer = 0; layer < c->n_layers; layer++)
-            *view_of(&s, layer, 0) = kv_pool_layer_view(pool, seq, layer);
-        forward_tokens(model, &s, tokens + done, chunk,
-                       chunk_logits(c, logits, all_logits, done, chunk, n_tokens), all_logits);
-        kv_blocks_commit(&pool->blocks, seq, tokens + done, chunk);
-        kv_pool_note_positions(pool, seq, chunk);
-    }
+    KV_TRY(run_state_alloc(&s, model, kv_chunk_length(c, q->length, n_tokens), 1));
+    forward_call call = {model, &s, tokens, n_tokens, logits, all_logits, .pool = pool,
+                         .seq = seq};
+    status = in_chunks(c, q->length, n_tokens, 0, pool_chunk, &call);
     if (s.count.calls > 1) s.count.calls = 1;      /* one call, however many chunks */
     kv_counters_add(counters, &s.count);
 fail:
@@ -788,8 +887,35 @@ fail:
 }
 /* [end ch05-kv-model-forward-batch] */
 
+/* The one-layer uncached pass at one layer: what its chunks need. */
+typedef struct {
+    const kv_model *model;
+    run_state *s;   /* sized for every token of the call */
+    int layer;
+} layer_call;
+
+/* A chunk of one layer of the one-layer pass: the layer over the chunk's rows of the
+ * call's buffers. It gives the one pass's numbers bit for bit: every layer before is done
+ * for every token, this layer's K and V of the chunks before are in the one-layer cache
+ * for the chunk's attention, and a token's products and attention do not depend on the
+ * tokens run beside it (a prefill in parts equals one prefill). */
+static kv_status layer_chunk(void *p, int done, int n) {
+    const layer_call *call = p;
+    const token_run run = {0, n, done, done};   /* the call starts at position 0 */
+    const token_span chunk = {chunk_view(call->s, &call->model->config, done, n), n, 1, &run};
+    run_layer(call->model, call->s, &chunk, call->layer);
+    /* each chunk reads the layer's weights, as kv_model_forward's chunks do (the first
+     * chunk's are counted with the call's, by finish_forward) */
+    if (done > 0) call->s->count.weight_bytes += layer_weight_bytes(call->model);
+    return KV_OK;
+}
+
 /* The uncached forward that holds one layer's K and V at a time: a scratch cache of one
- * layer, which every layer's view points into, each layer writing over the last one's. */
+ * layer, which every layer's view points into, each layer writing over the last one's.
+ * It cannot go a chunk through every layer at a time (a later chunk would need the earlier
+ * chunks' K and V of every layer), so each layer goes over all the tokens, in the chunks
+ * kv_model_forward would run, the interrupt check asked between them: one pass over
+ * thousands of tokens could otherwise run for minutes deaf to Ctrl-C. */
 static kv_status forward_one_layer_kv(const kv_model *model, const int32_t *tokens,
                                       int n_tokens, float *logits, int all_logits,
                                       kv_counters *counters) {
@@ -802,11 +928,14 @@ static kv_status forward_one_layer_kv(const kv_model *model, const int32_t *toke
     s.runs[0] = (token_run){0, n_tokens, 0, 0};
     for (int layer = 0; layer < c->n_layers; layer++)
         *view_of(&s, layer, 0) = kv_cache_layer_view(&one_layer, 0);
-    s.layers_in_chunks = 1;
-    forward_tokens(model, &s, tokens, n_tokens, logits, all_logits);
-    /* stopped: an uncached call keeps nothing, and counts nothing (as kv_model_forward
-     * over its scratch cache) */
-    KV_CHECK(!s.interrupted, KV_ERR_INTERRUPTED);
+    embed_tokens(model, &s, tokens, n_tokens);
+    for (int layer = 0; layer < c->n_layers; layer++) {
+        layer_call call = {model, &s, layer};
+        /* stopped: an uncached call keeps nothing, and counts nothing (as kv_model_forward
+         * over its scratch cache) */
+        KV_TRY(in_chunks(c, 0, n_tokens, layer > 0, layer_chunk, &call));
+    }
+    finish_forward(model, &s, n_tokens, logits, all_logits);
     s.count.scratch_bytes += (int64_t)kv_cache_nbytes(&one_layer);
     kv_counters_add(counters, &s.count);
 fail:

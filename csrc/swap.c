@@ -174,52 +174,75 @@ static int positions_valid(const int32_t *positions, size_t n_lists, int length,
     return 1;
 }
 
+/* The header of a host copy, if it is one this pool can take in: the same layout, and
+ * numbers that a swap-out writes (KV_ERR_INVALID_ARG, KV_ERR_CACHE_MISMATCH otherwise). */
+static kv_status read_header(const kv_pool *pool, const void *host, size_t size,
+                             swap_header *h) {
+    memcpy(h, host, sizeof *h);
+    if (h->magic != SWAP_MAGIC) return KV_ERR_INVALID_ARG;
+    if (!same_layout(pool, h)) return KV_ERR_CACHE_MISMATCH;
+    /* a sequence with a window never drops rows (kv_pool_keep refuses it) */
+    if (h->length < 0 || h->length > (1 << 30) || (h->compacted != 0 && h->compacted != 1) ||
+        (h->compacted && pool->window > 0) ||
+        h->next_position < h->length || h->next_position > (1 << 30) ||
+        (!h->compacted && h->next_position != h->length) ||
+        size != swap_bytes(pool, h->length, h->compacted))
+        return KV_ERR_INVALID_ARG;
+    return KV_OK;
+}
+
+/* Whether the pool has room for a new sequence of `length` rows: a sequence slot, and
+ * blocks for its table and in the pool. */
+static kv_status room_for(const kv_blocks *blocks, int length) {
+    int n_blocks = (int)kv_ceil_div(length, blocks->block_size);
+    if (n_blocks > blocks->max_blocks_per_seq) return KV_ERR_TABLE_FULL;
+    if (n_blocks > kv_blocks_available(blocks)) return KV_ERR_OUT_OF_BLOCKS;
+    for (int s = 0; s < blocks->max_seqs; s++)
+        if (!blocks->seqs[s].alive) return KV_OK;
+    return KV_ERR_TOO_MANY_SEQUENCES;
+}
+
+/* The tokens of the host copy (h->length of them), and the positions of a compacted
+ * sequence's rows after them, copied out of the host buffer into *tokens (malloc'd, the
+ * caller frees it): aligned for kv_blocks_commit (the host buffer need not be), and checked
+ * on this copy, which is the one that goes into the pool (the caller's buffer may change
+ * meanwhile: swap-in runs without the GIL). */
+static kv_status read_tokens(const kv_pool *pool, const swap_header *h, const void *host,
+                             int32_t **tokens) {
+    pool_part parts[7];
+    int n_parts = parts_of(pool, h->compacted, parts);
+    size_t n_lists = (size_t)pool->n_layers * pool->n_kv_heads;
+    size_t n_positions = h->compacted ? n_lists * (size_t)h->length : 0;
+    *tokens = malloc(((size_t)h->length + n_positions + 1) * sizeof(int32_t));
+    if (*tokens == NULL) return KV_ERR_NOMEM;
+    const uint8_t *at = (const uint8_t *)host + sizeof *h;
+    memcpy(*tokens, at, (size_t)h->length * sizeof(int32_t));
+    if (!h->compacted) return KV_OK;
+    /* the positions are the last part, after the stores' rows */
+    at += (size_t)h->length * sizeof(int32_t);
+    for (int i = 0; i < n_parts - 1; i++) at += n_lists * h->length * parts[i].row_bytes;
+    int32_t *positions = *tokens + h->length;
+    memcpy(positions, at, n_positions * sizeof(int32_t));
+    if (!positions_valid(positions, n_lists, h->length, h->next_position)) {
+        free(*tokens);
+        *tokens = NULL;
+        return KV_ERR_INVALID_ARG;
+    }
+    return KV_OK;
+}
+
 kv_status kv_pool_swap_in(kv_pool *pool, const void *host, size_t size, int *seq) {
     kv_blocks *blocks = &pool->blocks;
     swap_header h;
     if (blocks->seqs == NULL || host == NULL || seq == NULL || size < sizeof h)
         return KV_ERR_INVALID_ARG;
-    memcpy(&h, host, sizeof h);
-    if (h.magic != SWAP_MAGIC) return KV_ERR_INVALID_ARG;
-    if (!same_layout(pool, &h)) return KV_ERR_CACHE_MISMATCH;
-    /* a sequence with a window never drops rows (kv_pool_keep refuses it) */
-    if (h.length < 0 || h.length > (1 << 30) || (h.compacted != 0 && h.compacted != 1) ||
-        (h.compacted && pool->window > 0) ||
-        h.next_position < h.length || h.next_position > (1 << 30) ||
-        (!h.compacted && h.next_position != h.length) ||
-        size != swap_bytes(pool, h.length, h.compacted))
-        return KV_ERR_INVALID_ARG;
     /* Everything that could refuse, before anything changes. */
-    int block_size = blocks->block_size;
-    int n_blocks = (int)kv_ceil_div(h.length, block_size);
-    if (n_blocks > blocks->max_blocks_per_seq) return KV_ERR_TABLE_FULL;
-    if (n_blocks > kv_blocks_available(blocks)) return KV_ERR_OUT_OF_BLOCKS;
-    int free_slot = 0;
-    for (int s = 0; s < blocks->max_seqs && !free_slot; s++) free_slot = !blocks->seqs[s].alive;
-    if (!free_slot) return KV_ERR_TOO_MANY_SEQUENCES;
-    /* The tokens, and the positions of a compacted sequence, copied out of the host buffer
-     * first: aligned for kv_blocks_commit (the host buffer need not be), and checked on
-     * this copy, which is the one that goes into the pool (the caller's buffer may change
-     * meanwhile: swap-in runs without the GIL). */
-    pool_part parts[7];
-    int n_parts = parts_of(pool, h.compacted, parts);
-    size_t n_lists = (size_t)pool->n_layers * pool->n_kv_heads;
-    size_t n_positions = h.compacted ? n_lists * (size_t)h.length : 0;
-    int32_t *tokens = malloc(((size_t)h.length + n_positions + 1) * sizeof(int32_t));
-    if (tokens == NULL) return KV_ERR_NOMEM;
-    int32_t *positions = tokens + h.length;
-    const uint8_t *at = (const uint8_t *)host + sizeof h;
-    memcpy(tokens, at, (size_t)h.length * sizeof(int32_t));
-    at += (size_t)h.length * sizeof(int32_t);
-    if (h.compacted) {   /* the last part, after the stores' rows */
-        size_t stores = 0;
-        for (int i = 0; i < n_parts - 1; i++) stores += n_lists * h.length * parts[i].row_bytes;
-        memcpy(positions, at + stores, n_positions * sizeof(int32_t));
-        if (!positions_valid(positions, n_lists, h.length, h.next_position)) {
-            free(tokens);
-            return KV_ERR_INVALID_ARG;
-        }
-    }
+    kv_status status = read_header(pool, host, size, &h);
+    if (status == KV_OK) status = room_for(blocks, h.length);
+    if (status != KV_OK) return status;
+    int32_t *tokens;
+    status = read_tokens(pool, &h, host, &tokens);
+    if (status != KV_OK) return status;
     if (h.compacted && pool->positions == NULL) {   /* kv_pool_keep makes it the same way */
         pool->positions = malloc((size_t)pool->n_layers * pool->n_kv_heads * pool->key.slots *
                                  sizeof(int32_t));
@@ -227,20 +250,23 @@ kv_status kv_pool_swap_in(kv_pool *pool, const void *host, size_t size, int *seq
             free(tokens);
             return KV_ERR_NOMEM;
         }
-        parts[n_parts - 1].base = (uint8_t *)pool->positions;   /* was NULL in parts_of */
     }
+    pool_part parts[7];
+    int n_parts = parts_of(pool, h.compacted, parts);
 
     /* From here on nothing can fail: the checks above are the ones these calls make. */
     kv_blocks_seq_new(blocks, seq);
     kv_seq *q = &blocks->seqs[*seq];
     q->compacted = h.compacted;   /* before the commit: such blocks are never cached */
+    const uint8_t *at = (const uint8_t *)host + sizeof h + (size_t)h.length * sizeof(int32_t);
     if (h.length > 0) {
         kv_block_copy copies[1];   /* a new sequence shares no block: nothing to copy */
         int n_copies = 0;
         kv_blocks_reserve(blocks, *seq, h.length, copies, &n_copies);
         for (int i = 0; i < n_parts; i++) {
             if (h.compacted && i == n_parts - 1)    /* the positions: the checked copy */
-                copy_part(pool, parts[i], q->block_table, h.length, (uint8_t *)positions, 0);
+                copy_part(pool, parts[i], q->block_table, h.length,
+                          (uint8_t *)(tokens + h.length), 0);
             else
                 at = copy_part(pool, parts[i], q->block_table, h.length, (uint8_t *)at, 0);
         }

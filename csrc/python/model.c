@@ -346,108 +346,124 @@ static void attach_completed(PyObject *tokens, PyObject *seconds, int n_steps) {
     PyErr_Restore(type, value, traceback);
 }
 
-/* generate(token, cache, max_steps, temperature=0, top_k=0, top_p=1, uniforms=None,
- * stop_token=-1, counters=None): the generation loop of kv_model_generate, run with the
- * GIL released from the first token to the last. */
-static PyObject *model_generate(ModelObject *self, PyObject *args, PyObject *kwds) {
+/* What a generate call was asked, checked (generate_arguments). */
+typedef struct {
+    int token, max_steps, stop_token;
+    kv_sampling how;
+    CacheObject *cache;         /* borrowed, as the call's arguments are */
+    PyArrayObject *uniforms;    /* a sampled step's numbers, (>= max_steps,); NULL if greedy */
+    PyObject *counters;
+} generate_args;
+
+/* The numbers a sampled generate draws with, one per step: 1-D float64, at least max_steps
+ * of them. */
+static PyArrayObject *check_uniforms(PyObject *uniforms_obj, int max_steps) {
+    if (uniforms_obj == Py_None) {
+        PyErr_Format(PyExc_ValueError, "sampling (temperature > 0) needs uniforms: a 1-D "
+                     "float64 array of at least max_steps = %d numbers in [0, 1)", max_steps);
+        return NULL;
+    }
+    PyArrayObject *uniforms = kv_py_array(uniforms_obj, &(kv_py_array_spec){
+        .name = "uniforms", .type = NPY_FLOAT64, .ndim = 1, .shape = {KV_PY_ANY},
+        .axes = "n", .error = PyExc_ValueError});
+    if (uniforms != NULL && PyArray_DIM(uniforms, 0) < max_steps) {
+        PyErr_Format(PyExc_ValueError, "uniforms holds %zd numbers, but sampling takes one "
+                     "per step: at least max_steps = %d",
+                     (Py_ssize_t)PyArray_DIM(uniforms, 0), max_steps);
+        return NULL;
+    }
+    return uniforms;
+}
+
+/* generate's arguments, parsed and checked before anything is allocated: -1 with an
+ * exception for the first that is wrong. */
+static int generate_arguments(ModelObject *self, PyObject *args, PyObject *kwds,
+                              generate_args *a) {
     static char *kwlist[] = {"token", "cache", "max_steps", "temperature", "top_k", "top_p",
                              "uniforms", "stop_token", "counters", NULL};
-    int token, max_steps, top_k = 0, stop_token = -1;
+    int top_k = 0;
     double temperature = 0.0, top_p = 1.0;
-    PyObject *cache_obj, *uniforms_obj = Py_None, *counters = Py_None;
-    if (kv_py_int_arguments(args, kwds, "iOi|didOiO", kwlist) < 0) return NULL;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "iOi|didOiO", kwlist, &token, &cache_obj,
-                                     &max_steps, &temperature, &top_k, &top_p, &uniforms_obj,
-                                     &stop_token, &counters))
-        return NULL;
-    kv_sampling how;
-    if (model_ready(self, counters) < 0 ||
-        kv_py_parse_sampling(temperature, top_k, top_p, &how) < 0)
-        return NULL;
-    const kv_config *c = &self->model.config;
+    PyObject *cache_obj, *uniforms_obj = Py_None;
+    *a = (generate_args){.stop_token = -1, .counters = Py_None};
+    if (kv_py_int_arguments(args, kwds, "iOi|didOiO", kwlist) < 0) return -1;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "iOi|didOiO", kwlist, &a->token, &cache_obj,
+                                     &a->max_steps, &temperature, &top_k, &top_p,
+                                     &uniforms_obj, &a->stop_token, &a->counters))
+        return -1;
+    if (model_ready(self, a->counters) < 0 ||
+        kv_py_parse_sampling(temperature, top_k, top_p, &a->how) < 0)
+        return -1;
     if (!PyObject_TypeCheck(cache_obj, &kv_py_cache_type)) {
         PyErr_Format(PyExc_TypeError, "generate needs a KVCache, got %s",
                      Py_TYPE(cache_obj)->tp_name);
-        return NULL;
+        return -1;
     }
-    CacheObject *cache = (CacheObject *)cache_obj;
+    a->cache = (CacheObject *)cache_obj;
     /* max_steps sizes what is allocated below, so it is bounded before: at least one step,
      * and no more than the cache has room for (the core checks the room too) */
-    if (max_steps < 1) {
-        PyErr_Format(PyExc_ValueError, "max_steps must be at least 1, got %d", max_steps);
-        return NULL;
+    if (a->max_steps < 1) {
+        PyErr_Format(PyExc_ValueError, "max_steps must be at least 1, got %d", a->max_steps);
+        return -1;
     }
-    PyArrayObject *uniforms = NULL;
     if (temperature > 0.0) {   /* a sampled step draws with the next of these numbers */
-        if (uniforms_obj == Py_None) {
-            PyErr_Format(PyExc_ValueError, "sampling (temperature > 0) needs uniforms: a 1-D "
-                         "float64 array of at least max_steps = %d numbers in [0, 1)", max_steps);
-            return NULL;
-        }
-        uniforms = kv_py_array(uniforms_obj, &(kv_py_array_spec){
-            .name = "uniforms", .type = NPY_FLOAT64, .ndim = 1, .shape = {KV_PY_ANY},
-            .axes = "n", .error = PyExc_ValueError});
-        if (uniforms == NULL) return NULL;
-        if (PyArray_DIM(uniforms, 0) < max_steps) {
-            PyErr_Format(PyExc_ValueError, "uniforms holds %zd numbers, but sampling takes one "
-                         "per step: at least max_steps = %d",
-                         (Py_ssize_t)PyArray_DIM(uniforms, 0), max_steps);
-            return NULL;
-        }
+        a->uniforms = check_uniforms(uniforms_obj, a->max_steps);
+        if (a->uniforms == NULL) return -1;
     }
-    if (kv_py_cache_ready(cache) < 0) return NULL;
-    if (max_steps > cache->cache.capacity - cache->cache.length)
-        return kv_py_cache_refused(cache, KV_ERR_CACHE_FULL, max_steps, c);
-    npy_intp dims[1] = {max_steps};
-    PyObject *tokens = PyArray_SimpleNew(1, dims, NPY_INT32);
-    PyObject *seconds = PyArray_SimpleNew(1, dims, NPY_FLOAT64);
-    /* a private copy of the numbers: the caller's array could change once the GIL is let go */
-    double *draws = uniforms ? PyMem_Malloc((size_t)max_steps * sizeof(double)) : NULL;
-    if (tokens == NULL || seconds == NULL || (uniforms != NULL && draws == NULL)) {
-        Py_XDECREF(tokens);
-        Py_XDECREF(seconds);
-        PyMem_Free(draws);
-        return PyErr_Occurred() ? NULL : PyErr_NoMemory();
+    if (kv_py_cache_ready(a->cache) < 0) return -1;
+    if (a->max_steps > a->cache->cache.capacity - a->cache->cache.length) {
+        kv_py_cache_refused(a->cache, KV_ERR_CACHE_FULL, a->max_steps, &self->model.config);
+        return -1;
     }
-    if (draws != NULL) memcpy(draws, PyArray_DATA(uniforms), (size_t)max_steps * sizeof(double));
+    return 0;
+}
+
+/* kv_model_generate with the GIL released from the first token to the last, the cache
+ * marked busy meanwhile: each step's token and seconds into the arrays. */
+static kv_status generate_without_gil(ModelObject *self, const generate_args *a,
+                                      const double *draws, PyObject *tokens, PyObject *seconds,
+                                      int *n_steps, kv_counters *count) {
     kv_status status;
-    kv_counters count = {0};
-    int n_steps = 0;
-    cache->busy = 1;
+    a->cache->busy = 1;
     Py_BEGIN_ALLOW_THREADS
     kv_set_interrupt_check(kv_py_signals_pending, &_save);
-    status = kv_model_generate(&self->model, &cache->cache, token, max_steps, stop_token, &how,
-                               draws, (int32_t *)PyArray_DATA((PyArrayObject *)tokens),
-                               (double *)PyArray_DATA((PyArrayObject *)seconds), &n_steps,
-                               &count);
+    status = kv_model_generate(&self->model, &a->cache->cache, a->token, a->max_steps,
+                               a->stop_token, &a->how, draws,
+                               (int32_t *)PyArray_DATA((PyArrayObject *)tokens),
+                               (double *)PyArray_DATA((PyArrayObject *)seconds), n_steps,
+                               count);
     kv_set_interrupt_check(NULL, NULL);
     Py_END_ALLOW_THREADS
-    cache->busy = 0;
-    PyMem_Free(draws);
-    add_to_counters(counters, &count);   /* what ran, even if a step then failed */
-    if (status != KV_OK) {
-        if (status == KV_ERR_NOT_A_NUMBER)
-            PyErr_Format(PyExc_ValueError, "decode step %d (position %d): the logits hold NaN "
-                         "(or are all -inf), so no token can be chosen; the cache keeps that "
-                         "step's token and the %d steps before", n_steps, cache->cache.length - 1,
-                         n_steps);
-        else if (status == KV_ERR_TOKEN_RANGE && token >= 0 && token < c->vocab_size)
-            PyErr_Format(PyExc_ValueError, "stop_token %d is out of range [0, %d) (or -1 for "
-                         "none)", stop_token, c->vocab_size);
-        else if (status == KV_ERR_TOKEN_RANGE)
-            PyErr_Format(PyExc_ValueError, "token id %d is out of range [0, %d)", token,
-                         c->vocab_size);
-        else
-            kv_py_cache_refused(cache, status, max_steps, c);
-        /* a call the core refused for its arguments ran nothing and completed nothing */
-        if (status != KV_ERR_TOKEN_RANGE && status != KV_ERR_CACHE_MISMATCH)
-            attach_completed(tokens, seconds, n_steps);
-        Py_DECREF(tokens);
-        Py_DECREF(seconds);
-        return NULL;
-    }
-    /* the steps that ran: the first n_steps entries (copies, not views of the longer) */
-    dims[0] = n_steps;
+    a->cache->busy = 0;
+    return status;
+}
+
+/* The exception for a generate call that failed after n_steps steps, with those steps as
+ * its .completed unless the core refused the arguments (then nothing ran). */
+static void generate_failed(const ModelObject *self, const generate_args *a, kv_status status,
+                            int n_steps, PyObject *tokens, PyObject *seconds) {
+    const kv_config *c = &self->model.config;
+    if (status == KV_ERR_NOT_A_NUMBER)
+        PyErr_Format(PyExc_ValueError, "decode step %d (position %d): the logits hold NaN "
+                     "(or are all -inf), so no token can be chosen; the cache keeps that "
+                     "step's token and the %d steps before", n_steps,
+                     a->cache->cache.length - 1, n_steps);
+    else if (status == KV_ERR_TOKEN_RANGE && a->token >= 0 && a->token < c->vocab_size)
+        PyErr_Format(PyExc_ValueError, "stop_token %d is out of range [0, %d) (or -1 for "
+                     "none)", a->stop_token, c->vocab_size);
+    else if (status == KV_ERR_TOKEN_RANGE)
+        PyErr_Format(PyExc_ValueError, "token id %d is out of range [0, %d)", a->token,
+                     c->vocab_size);
+    else
+        kv_py_cache_refused(a->cache, status, a->max_steps, c);
+    /* a call the core refused for its arguments ran nothing and completed nothing */
+    if (status != KV_ERR_TOKEN_RANGE && status != KV_ERR_CACHE_MISMATCH)
+        attach_completed(tokens, seconds, n_steps);
+}
+
+/* (tokens, seconds) of the steps that ran: the first n_steps entries (copies, not views of
+ * the longer). Takes over the caller's references to both arrays. */
+static PyObject *generate_result(PyObject *tokens, PyObject *seconds, int n_steps) {
+    npy_intp dims[1] = {n_steps};
     PyArray_Dims shape = {dims, 1};
     PyObject *ran_tokens = PyArray_Resize((PyArrayObject *)tokens, &shape, 0, NPY_CORDER);
     PyObject *ran_seconds = ran_tokens == NULL ? NULL
@@ -458,6 +474,39 @@ static PyObject *model_generate(ModelObject *self, PyObject *args, PyObject *kwd
     Py_DECREF(tokens);
     Py_DECREF(seconds);
     return result;
+}
+
+/* generate(token, cache, max_steps, temperature=0, top_k=0, top_p=1, uniforms=None,
+ * stop_token=-1, counters=None): the generation loop of kv_model_generate, run with the
+ * GIL released from the first token to the last. */
+static PyObject *model_generate(ModelObject *self, PyObject *args, PyObject *kwds) {
+    generate_args a;
+    if (generate_arguments(self, args, kwds, &a) < 0) return NULL;
+    npy_intp dims[1] = {a.max_steps};
+    PyObject *tokens = PyArray_SimpleNew(1, dims, NPY_INT32);
+    PyObject *seconds = PyArray_SimpleNew(1, dims, NPY_FLOAT64);
+    /* a private copy of the numbers: the caller's array could change once the GIL is let go */
+    double *draws = a.uniforms ? PyMem_Malloc((size_t)a.max_steps * sizeof(double)) : NULL;
+    if (tokens == NULL || seconds == NULL || (a.uniforms != NULL && draws == NULL)) {
+        Py_XDECREF(tokens);
+        Py_XDECREF(seconds);
+        PyMem_Free(draws);
+        return PyErr_Occurred() ? NULL : PyErr_NoMemory();
+    }
+    if (draws != NULL)
+        memcpy(draws, PyArray_DATA(a.uniforms), (size_t)a.max_steps * sizeof(double));
+    kv_counters count = {0};
+    int n_steps = 0;
+    kv_status status = generate_without_gil(self, &a, draws, tokens, seconds, &n_steps, &count);
+    PyMem_Free(draws);
+    add_to_counters(a.counters, &count);   /* what ran, even if a step then failed */
+    if (status != KV_OK) {
+        generate_failed(self, &a, status, n_steps, tokens, seconds);
+        Py_DECREF(tokens);
+        Py_DECREF(seconds);
+        return NULL;
+    }
+    return generate_result(tokens, seconds, n_steps);
 }
 
 /* ---- forward_batch ----------------------------------------------------------------- */
@@ -475,6 +524,57 @@ static PyObject *batch_refused(kv_status status, const int *slots, const int *co
             return kv_py_raise(status, "n_tokens[%zd] is %d: every sequence needs at least "
                                "one new token", i, counts[i]);
     return kv_py_raise(status, NULL);
+}
+
+/* The sequences of a batch: for each, its slot in the pool and its count from n_tokens
+ * (count_array, checked by the caller), all of one pool (*pool, the first's), and the
+ * counts' sum in *total. -1 with an exception for the first that is wrong. */
+static int batch_sequences(PyObject *seqs, PyArrayObject *count_array, int *slots, int *counts,
+                           PoolObject **pool, long long *total) {
+    Py_ssize_t n_seqs = PySequence_Fast_GET_SIZE(seqs);
+    *pool = NULL;
+    *total = 0;
+    for (Py_ssize_t i = 0; i < n_seqs; i++) {
+        PyObject *item = PySequence_Fast_GET_ITEM(seqs, i);
+        if (!PyObject_TypeCheck(item, &kv_py_sequence_type)) {
+            PyErr_Format(PyExc_TypeError, "seqs[%zd] is a %s, not a PagedSequence", i,
+                         Py_TYPE(item)->tp_name);
+            return -1;
+        }
+        PoolObject *owner = kv_py_pool_of(item, &slots[i]);
+        if (owner == NULL) return -1;
+        if (*pool == NULL) *pool = owner;
+        if (owner != *pool) {
+            PyErr_SetString(PyExc_ValueError, "every sequence of a batch must come from one pool");
+            return -1;
+        }
+        counts[i] = ((const int32_t *)PyArray_DATA(count_array))[i];
+        *total += counts[i];
+    }
+    return 0;
+}
+
+/* kv_model_forward_batch with the GIL released, the pool marked busy meanwhile, and the
+ * exception for what it refused: the argument at fault named where the binding can. */
+static kv_status batch_without_gil(ModelObject *self, PoolObject *pool, int n_seqs,
+                                   const int *slots, const int *counts, const int32_t *ids,
+                                   int total, float *logits, int all_logits,
+                                   kv_counters *count) {
+    const kv_config *c = &self->model.config;
+    kv_status status;
+    pool->base.busy = 1;
+    Py_BEGIN_ALLOW_THREADS
+    status = kv_model_forward_batch(&self->model, &pool->pool, n_seqs, slots, counts, ids,
+                                    logits, all_logits, count);
+    Py_END_ALLOW_THREADS
+    pool->base.busy = 0;
+    if (status == KV_ERR_INVALID_ARG)
+        batch_refused(status, slots, counts, n_seqs);
+    else if (status == KV_ERR_TOKEN_RANGE)
+        token_out_of_range(ids, total, c->vocab_size);
+    else if (status != KV_OK)
+        kv_py_pool_refused(pool, status, total, c);
+    return status;
 }
 
 /* forward_batch(seqs, tokens, n_tokens, counters=None, all_logits=False): one engine step
@@ -496,8 +596,8 @@ static PyObject *model_forward_batch(ModelObject *self, PyObject *args, PyObject
     int *slots = NULL, *counts = NULL;
     int32_t *ids = NULL;
     Py_ssize_t n_seqs = PySequence_Fast_GET_SIZE(seqs);
-    const kv_config *c = &self->model.config;
     PoolObject *pool = NULL;
+    long long total = 0;
     /* the pool is the first sequence's; the bound keeps the count an int */
     if (n_seqs < 1 || n_seqs > (1 << 20)) {
         PyErr_Format(PyExc_ValueError, "seqs must hold 1 to 2**20 sequences, got %zd", n_seqs);
@@ -513,24 +613,7 @@ static PyObject *model_forward_batch(ModelObject *self, PyObject *args, PyObject
         PyErr_NoMemory();
         goto done;
     }
-    long long total = 0;
-    for (Py_ssize_t i = 0; i < n_seqs; i++) {
-        PyObject *item = PySequence_Fast_GET_ITEM(seqs, i);
-        if (!PyObject_TypeCheck(item, &kv_py_sequence_type)) {
-            PyErr_Format(PyExc_TypeError, "seqs[%zd] is a %s, not a PagedSequence", i,
-                         Py_TYPE(item)->tp_name);
-            goto done;
-        }
-        PoolObject *owner = kv_py_pool_of(item, &slots[i]);
-        if (owner == NULL) goto done;
-        if (pool == NULL) pool = owner;
-        if (owner != pool) {
-            PyErr_SetString(PyExc_ValueError, "every sequence of a batch must come from one pool");
-            goto done;
-        }
-        counts[i] = ((const int32_t *)PyArray_DATA(count_array))[i];
-        total += counts[i];
-    }
+    if (batch_sequences(seqs, count_array, slots, counts, &pool, &total) < 0) goto done;
     /* the core reads total ids: the binding's to match with the array (the core checks
      * each count) */
     if (total != PyArray_DIM(tokens, 0)) {
@@ -538,25 +621,14 @@ static PyObject *model_forward_batch(ModelObject *self, PyObject *args, PyObject
                      (Py_ssize_t)PyArray_DIM(tokens, 0));
         goto done;
     }
-    npy_intp dims[2] = {all_logits ? (npy_intp)total : n_seqs, c->vocab_size};
+    npy_intp dims[2] = {all_logits ? (npy_intp)total : n_seqs, self->model.config.vocab_size};
     logits = PyArray_SimpleNew(2, dims, NPY_FLOAT32);
     if (logits == NULL || (ids = copy_ids(tokens, (npy_intp)total)) == NULL) goto done;
-    kv_status status;
     kv_counters count = {0};
-    pool->base.busy = 1;
-    Py_BEGIN_ALLOW_THREADS
-    status = kv_model_forward_batch(&self->model, &pool->pool, (int)n_seqs, slots, counts, ids,
-                                    (float *)PyArray_DATA((PyArrayObject *)logits), all_logits,
-                                    &count);
-    Py_END_ALLOW_THREADS
-    pool->base.busy = 0;
-    if (status == KV_ERR_INVALID_ARG)
-        batch_refused(status, slots, counts, n_seqs);
-    else if (status == KV_ERR_TOKEN_RANGE)
-        token_out_of_range(ids, (npy_intp)total, c->vocab_size);
-    else if (status != KV_OK)
-        kv_py_pool_refused(pool, status, (int)total, c);
-    if (status != KV_OK) goto done;
+    if (batch_without_gil(self, pool, (int)n_seqs, slots, counts, ids, (int)total,
+                          (float *)PyArray_DATA((PyArrayObject *)logits), all_logits,
+                          &count) != KV_OK)
+        goto done;
     add_to_counters(counters, &count);
     result = logits;
     logits = NULL;
