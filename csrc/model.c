@@ -59,7 +59,7 @@ kv_status kv_model_check(const kv_model *model) {
         return KV_ERR_INVALID_ARG;
     if (c->dim > KV_MAX_WIDTH || c->hidden_dim > KV_MAX_WIDTH || c->n_layers > KV_MAX_LAYERS ||
         c->vocab_size > KV_MAX_VOCAB || c->head_dim > KV_MAX_WIDTH ||
-        (long)c->n_heads * c->head_dim > KV_MAX_WIDTH)
+        (int64_t)c->n_heads * c->head_dim > KV_MAX_WIDTH)
         return KV_ERR_INVALID_ARG;
     if (c->n_heads % c->n_kv_heads != 0 || c->head_dim % 2 != 0 || !(c->norm_eps > 0.0f) ||
         !isfinite(c->norm_eps))
@@ -399,9 +399,10 @@ static void attend_runs(const kv_config *c, const run_state *s, const token_span
                   run->start_pos, s->scores, s->n_threads);
         return;
     }
-    long work = 0;
+    int64_t work = 0;   /* 64 bits everywhere: long is 32 on Windows */
     for (const token_run *run = span->runs; run < span->runs + span->n_runs; run++)
-        work += (long)run->n_tokens * (run->start_pos + run->n_tokens);
+        work += (int64_t)run->n_tokens * (run->start_pos + run->n_tokens);
+    (void)work;         /* read only by the OpenMP clause */
     #pragma omp parallel for schedule(dynamic) num_threads(s->n_threads) \
         if (work * c->n_heads * c->head_dim >= KV_PARALLEL_MIN_WORK)
     for (int r = 0; r < span->n_runs; r++) {
@@ -849,7 +850,7 @@ kv_status kv_model_forward_batch(const kv_model *model, kv_pool *pool, int n_seq
     KV_TRY(kv_pool_check_fits(pool, c));
     /* Every check before the first change: sequences alive and distinct, sizes sane, token
      * ids in range, and enough blocks for all of them together. */
-    long total = 0;
+    int64_t total = 0;
     int blocks_needed = 0;
     for (int i = 0; i < n_seqs; i++) {
         KV_TRY(kv_blocks_seq_check(&pool->blocks, seqs[i]));

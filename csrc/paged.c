@@ -35,7 +35,7 @@ kv_status kv_pool_init(kv_pool *pool, int n_layers, int n_kv_heads, int head_dim
     memset(pool, 0, sizeof *pool);
     if (format == NULL) format = &fp32_format;
     KV_CHECK(n_layers > 0 && n_kv_heads > 0 && head_dim > 0, KV_ERR_INVALID_ARG);
-    KV_CHECK(n_layers <= KV_MAX_LAYERS && (long)n_kv_heads * head_dim <= KV_MAX_WIDTH,
+    KV_CHECK(n_layers <= KV_MAX_LAYERS && (int64_t)n_kv_heads * head_dim <= KV_MAX_WIDTH,
              KV_ERR_INVALID_ARG);
     KV_CHECK(format->window >= 0 && format->window <= (1 << 20), KV_ERR_INVALID_ARG);
     KV_TRY(kv_blocks_init(&pool->blocks, num_blocks, block_size, max_seqs, max_blocks_per_seq));
