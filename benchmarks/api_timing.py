@@ -10,10 +10,17 @@ call shows), and prints "name value" lines, higher is better:
 
 It runs against old and new builds alike (it spells SamplingParams' length limit the way
 the build in use does).
+
+The bundled model is too small to show the matrix kernels (issue 37: a 0.70x prefill
+regression on the 110M shape went unseen here), so the script also times a 256-token
+prefill on two threads over llama2.c's stories15M and stories110M shapes with random
+weights, where the weight matrices' products are the work. `python api_timing.py prefill`
+prints those two figures alone (what a bisection needs).
 """
 from __future__ import annotations
 
 import inspect
+import sys
 import time
 
 import numpy as np
@@ -37,7 +44,34 @@ def params(n_tokens: int):
     return kvlab.SamplingParams(**{key: n_tokens, "stop_at_eos": False})
 
 
+# llama2.c's checkpoint shapes (vocabulary 32,000, tied classifier), as bench_cpu.py has them
+WEIGHT_BOUND_SHAPES = {
+    "15M": dict(dim=288, hidden_dim=768, n_layers=6, n_heads=6, n_kv_heads=6),
+    "110M": dict(dim=768, hidden_dim=2048, n_layers=12, n_heads=12, n_kv_heads=12),
+}
+
+
+def weight_bound_prefill(threads: int = 2) -> None:
+    """256-token prefill, wall-clock, on the 15M and 110M shapes with Weights.random's
+    weights (seed 0): a second or two per shape, most of it making the weights."""
+    kvlab.set_num_threads(threads)
+    tokens = (np.arange(256, dtype=np.int32) * 7919 + 1) % 32000
+    for name, shape in WEIGHT_BOUND_SHAPES.items():
+        config = kvlab.ModelConfig(vocab_size=32000, max_seq_len=512,
+                                   name=f"random stories{name} shape", **shape)
+        model = kvlab.Model(config, kvlab.Weights.random(config, seed=0))
+
+        def prefill():
+            model.prefill(tokens, model.new_cache(256))
+        prefill()                           # the first pass touches the weights' pages
+        print(f"prefill_256_{name}_random_{threads}_threads_tok_s",
+              best_rate(prefill, 256, repeats=3))
+
+
 def main() -> None:
+    if sys.argv[1:] == ["prefill"]:
+        weight_bound_prefill()
+        return
     model = kvlab.load()
     kvlab.set_num_threads(1)              # the overhead per call, not the cores
     prompt = list(range(1, 33))
@@ -77,6 +111,8 @@ def main() -> None:
         for seq in seqs:
             pool.free(pool.fork(seq))
     print("pool_prefill_fork_free_rounds_s", best_rate(pool_ops, 1))
+
+    weight_bound_prefill()
 
 
 if __name__ == "__main__":
