@@ -35,11 +35,14 @@
 #include "weight_formats.h"
 
 /* How many of n_left tokens, starting at position `start`, one chunk of a long call runs:
- * as many as fit in KV_CHUNK_FLOPS of work (the projections' and the classifier's 2 FLOPs
- * per weight per token, plus attention over up to start + n_left positions), at least
- * KV_CHUNK_MIN. Calls below
- * that much work run in one piece, as before chunking; longer ones stop for the interrupt
- * check between chunks. measure.py's chunk_length is the same rule. */
+ * as many whole kernel passes of KV_CHUNK_MIN tokens as fit in KV_CHUNK_FLOPS of work (the
+ * projections' and the classifier's 2 FLOPs per weight per token, plus attention over up
+ * to start + n_left positions), at least one. Calls below that much work run in one
+ * piece, as before chunking; longer ones stop for the interrupt check between chunks.
+ * start + n_left is the same for every chunk of a call, so all but the last are one
+ * length. measure.py's chunk_length is the same rule. */
+_Static_assert(KV_CHUNK_MIN == KV_TOKEN_CHUNK,
+               "a chunk below the kernels' token chunk streams the weights for nothing");
 int kv_chunk_length(const kv_config *c, int start, int n_left) {
     double q_dim = (double)c->n_heads * c->head_dim, kv_dim = (double)c->n_kv_heads * c->head_dim;
     double per_token = 2.0 * c->n_layers * ((double)c->dim * (2.0 * q_dim + 2.0 * kv_dim) +
@@ -47,7 +50,7 @@ int kv_chunk_length(const kv_config *c, int start, int n_left) {
                        2.0 * (double)c->dim * c->vocab_size;     /* the classifier, at most */
     double per_position = 4.0 * c->n_layers * q_dim;      /* QK and weights x V, per head */
     double fits = KV_CHUNK_FLOPS / (per_token + per_position * ((double)start + n_left));
-    int n = fits >= n_left ? n_left : (int)fits;
+    int n = fits >= n_left ? n_left : (int)fits / KV_CHUNK_MIN * KV_CHUNK_MIN;
     if (n < KV_CHUNK_MIN) n = KV_CHUNK_MIN;
     return n < n_left ? n : n_left;
 }

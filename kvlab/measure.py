@@ -132,13 +132,16 @@ def crossover_context(config: ModelConfig, batch: int = 1, weights: str = "fp16"
 
 # A long forward call runs in chunks of about this much work and can be interrupted
 # between them (csrc/common.h KV_CHUNK_FLOPS, csrc/model.c kv_chunk_length).
+# A chunk is whole passes of the matrix kernels, which stream each weight matrix once per
+# CHUNK_MIN tokens (ops.h's KV_TOKEN_CHUNK): a shorter chunk reads the weights as often.
 CHUNK_FLOPS = 2e9
-CHUNK_MIN = 16
+CHUNK_MIN = 48
 
 
 def chunk_length(config: ModelConfig, start_pos: int, n_tokens: int) -> int:
     """How many of n_tokens new tokens at start_pos.. one chunk of a forward call runs (the
-    C core's rule, to the bit): as many as fit in CHUNK_FLOPS of work, at least CHUNK_MIN.
+    C core's rule, to the bit): as many whole multiples of CHUNK_MIN as fit in CHUNK_FLOPS
+    of work, at least CHUNK_MIN.
     Every chunk but the last has this length; calls with less work run in one piece."""
     start_pos = arguments.count(start_pos, "start_pos", arguments.INT64_MAX)
     n_tokens = arguments.positive(n_tokens, "n_tokens")
@@ -149,7 +152,7 @@ def chunk_length(config: ModelConfig, start_pos: int, n_tokens: int) -> int:
                  + 2.0 * float(c.dim) * c.vocab_size)
     per_position = 4.0 * c.n_layers * q_dim
     fits = CHUNK_FLOPS / (per_token + per_position * (float(start_pos) + n_tokens))
-    n = n_tokens if fits >= n_tokens else int(fits)
+    n = n_tokens if fits >= n_tokens else int(fits) // CHUNK_MIN * CHUNK_MIN
     return min(max(n, CHUNK_MIN), n_tokens)
 
 

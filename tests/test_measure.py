@@ -329,7 +329,7 @@ def test_uncached_kv_is_checked_and_means_no_cache():
     assert kvlab.measure.chunk_length(c, 0, 262) < 262
     one = scratch_bytes(c, 262, cached=False, uncached_kv="one_layer")
     one_layer_kv = 2 * 262 * c.kv_dim * 4
-    assert one - one_layer_kv > 10 * scratch_bytes(c, 262)   # 262 tokens' buffers, not 16's
+    assert one - one_layer_kv > 5 * scratch_bytes(c, 262)    # 262 tokens' buffers, not 48's
     # ... and still far less than the cache it does without (chapter 1: about 0.2x)
     assert one < 0.25 * kv_cache_bytes(c, 262, dtype="fp32")
 

@@ -186,9 +186,27 @@ def test_the_chunk_rule_in_python_is_the_c_cores():
     # one chunk for a short call; a long one splits, the same length until the last
     assert chunk_length(kvlab.load().config, 0, 512) == 512
     n = chunk_length(config, 0, 4096)
-    assert 16 <= n < 4096
-    assert chunk_length(config, 100_000, 10) == 10     # never fewer than 16, never more than asked
-    assert chunk_length(config, 100_000, 40) == 16
+    assert 48 <= n < 4096
+    assert chunk_length(config, 100_000, 10) == 10     # never fewer than 48, never more than asked
+    assert chunk_length(config, 100_000, 100) == 48
+
+
+def test_a_chunk_is_whole_passes_of_the_matrix_kernels():
+    # The kernels stream each weight matrix once per TOKEN_CHUNK tokens: a chunk of 16 (the
+    # old floor, what 2 GFLOP gave the 110M shape) read the weights three times as often
+    # for the same tokens, and a 256-token prefill ran at 0.6x (issue 37).
+    step = kvlab._kvlab.TOKEN_CHUNK
+    assert kvlab.measure.CHUNK_MIN == step
+    stories110m = kvlab.ModelConfig(dim=768, hidden_dim=2048, n_layers=12, n_heads=12,
+                                    n_kv_heads=12, vocab_size=32000, max_seq_len=1024)
+    stories15m = kvlab.ModelConfig(dim=288, hidden_dim=768, n_layers=6, n_heads=6,
+                                   n_kv_heads=6, vocab_size=32000, max_seq_len=1024)
+    assert chunk_length(stories110m, 0, 256) == step
+    assert chunk_length(stories15m, 0, 256) == step       # 2 GFLOP is 66 tokens there
+    for config in (stories110m, stories15m, kvlab.ModelConfig.llama2_7b(), kvlab.load().config):
+        for start, n in ((0, 4096), (3000, 5000), (0, 8000)):
+            chunk = chunk_length(config, start, n)
+            assert chunk == n or chunk % step == 0, (config.name, start, n, chunk)
 
 
 # ---- numbers ------------------------------------------------------------------------------------

@@ -822,13 +822,27 @@ static void test_interrupts(void) {
     CHECK(kv_model_forward_uncached(&tm.model, picks, 10, logits, 0, KV_UNCACHED_ONE_LAYER,
                                     &counted) == KV_OK);
     CHECK(counted.calls == 1 && counted.tokens == 10);
-    /* the chunk rule: short calls whole, long ones in equal chunks of at least 16 */
+    /* the chunk rule: short calls whole, long ones in equal chunks of whole kernel passes
+     * (multiples of KV_TOKEN_CHUNK, at least one) */
     CHECK(kv_chunk_length(&tm.model.config, 0, 20) == 20);
     kv_config big = tm.model.config;
     big.dim = 4096, big.hidden_dim = 11008, big.n_layers = 32, big.n_heads = 32;
     big.n_kv_heads = 32, big.head_dim = 128, big.vocab_size = 32000;
     int n = kv_chunk_length(&big, 0, 4096);
-    CHECK(n >= 16 && n < 4096 && kv_chunk_length(&big, 100000, 40) == 16);
+    CHECK(n >= KV_TOKEN_CHUNK && n < 4096 && n % KV_TOKEN_CHUNK == 0);
+    CHECK(kv_chunk_length(&big, 100000, 100) == KV_TOKEN_CHUNK &&
+          kv_chunk_length(&big, 100000, 40) == 40);
+    /* the 110M shape: 2 GFLOP is 9 tokens, and a chunk of fewer than KV_TOKEN_CHUNK would
+     * stream every matrix once per chunk all the same (a 0.6x prefill, issue 37) */
+    kv_config mid = big;
+    mid.dim = 768, mid.hidden_dim = 2048, mid.n_layers = 12, mid.n_heads = 12;
+    mid.n_kv_heads = 12, mid.head_dim = 64;
+    CHECK(kv_chunk_length(&mid, 0, 256) == KV_TOKEN_CHUNK);
+    for (int start = 0; start <= 100000; start += 25000)
+        for (int left = 1; left <= 9000; left += 997) {
+            int chunk = kv_chunk_length(&tm.model.config, start, left);
+            CHECK(chunk == left || chunk % KV_TOKEN_CHUNK == 0);
+        }
     kv_cache_free(&cache);
     free_model(&tm);
 }
