@@ -1,4 +1,4 @@
-"""kvlab.Engine: continuous batching on the paged KV cache.
+"""kvlab.Engine: continuous batching on the paged pool.
 
 "Every active conversation carries its own cache." The engine serves many requests at
 once from one paged pool: each step, the scheduler (kvlab.scheduler) picks which
@@ -232,7 +232,7 @@ class Engine:
                           arrived=now if arrival_time is None else float(arrival_time))
         for i in range(params.n):
             seed = None if params.seed is None else params.seed + i
-            request.samples.append(EngineSequence(
+            request.sequences.append(EngineSequence(
                 index=i, tokens=list(ids), prompt_len=len(ids),
                 rng_state=np.random.default_rng(seed).bit_generator.state,
                 stats=SpeculationStats(self.draft_tokens) if self.speculate else None))
@@ -321,37 +321,37 @@ class Engine:
                 self._tracer.stop(number, self._phase)
 
     def _forward(self, plan: ScheduledStep, outcome: _Outcome) -> None:
-        """The one forward_batch. Each item feeds its tokens after what its pool sequence
+        """The one forward_batch. Each item feeds its tokens after the rows its handle
         holds: as planned, or what is left of it after an interrupted call (the rows a
         chunk that ends its tokens wrote are cut back by one, so that its logits come
         again). A chunk that ends its sequence's tokens keeps its last row (with drafts: that
         row, then one per draft) to choose from."""
         if not outcome.chunks:
-            outcome.chunks = [_split(sample, n) for _, sample, n in plan.items]
-        seqs, fed, ends = [], [], []
-        for i, ((request, sample, _), (own, drafts)) in enumerate(zip(plan.items, outcome.chunks)):
+            outcome.chunks = [_split(seq, n) for _, seq, n in plan.items]
+        handles, fed, ends = [], [], []
+        for i, ((request, seq, _), (own, drafts)) in enumerate(zip(plan.items, outcome.chunks)):
             if i in outcome.rows or request.id in outcome.failed:   # (run again: done)
                 continue
-            end, length = sample.computed + own, sample.seq.length
-            if end < len(sample.tokens):
-                outcome.computed[sample] = end
-                tokens = sample.tokens[length:end]
+            end, length = seq.computed + own, seq.handle.length
+            if end < len(seq.tokens):
+                outcome.computed[seq] = end
+                tokens = seq.tokens[length:end]
             else:
                 if length >= end:
-                    self.pool.truncate(sample.seq, end - 1)
+                    self.pool.truncate(seq.handle, end - 1)
                     length = end - 1
-                tokens = sample.tokens[length:] + drafts
+                tokens = seq.tokens[length:] + drafts
             if tokens:
-                seqs.append(sample.seq)
+                handles.append(seq.handle)
                 fed.append(tokens)
-                ends.append((i, end == len(sample.tokens), len(drafts)))
-        if not seqs:
+                ends.append((i, end == len(seq.tokens), len(drafts)))
+        if not handles:
             return
         drafted = any(n_drafts for _, _, n_drafts in ends)
         if drafted:         # every token's logits: the drafts' rows check them
-            logits = self.model.forward_batch(seqs, fed, all_logits=True)
+            logits = self.model.forward_batch(handles, fed, all_logits=True)
         else:
-            logits = self.model.forward_batch(seqs, fed)
+            logits = self.model.forward_batch(handles, fed)
         last = 0
         for (i, chooses, n_drafts), tokens in zip(ends, fed):
             last += len(tokens) if drafted else 1
@@ -360,25 +360,25 @@ class Engine:
 
     def _choose(self, plan: ScheduledStep, number: int, outcome: _Outcome) -> None:
         """Each chunk that ended its tokens chooses the next (at the end of a prompt with
-        n > 1, the request first forks into its other samples, which choose from the same
+        n > 1, the request first forks into its other sequences, which choose from the same
         logits); then the pool follows: the refused drafts' rows are cut off and finished
         or failed sequences freed. A request whose token cannot be chosen fails alone."""
         ready: Dict[Sequence, Tuple[Request, np.ndarray, list]] = {}
         for i, rows in outcome.rows.items():
-            request, sample, _ = plan.items[i]
-            ready[sample] = (request, rows, outcome.chunks[i][1])
+            request, seq, _ = plan.items[i]
+            ready[seq] = (request, rows, outcome.chunks[i][1])
         for lead, (request, rows, _) in list(ready.items()):
             if not request.forked and request.params.n > 1 and lead.index == 0:
-                for other in request.samples[1:]:
-                    if other.seq is None:
-                        self.space.make(other, self.pool.fork, lead.seq)
+                for other in request.sequences[1:]:
+                    if other.handle is None:
+                        self.space.make(other, self.pool.fork, lead.handle)
                     ready[other] = (request, rows, [])
                 outcome.forked.add(request)
-        for sample, (request, rows, drafts) in ready.items():
-            if sample in outcome.chosen or request.id in outcome.failed:
+        for seq, (request, rows, drafts) in ready.items():
+            if seq in outcome.chosen or request.id in outcome.failed:
                 continue
             try:
-                outcome.chosen[sample] = self._choose_one(request, sample, rows, drafts)
+                outcome.chosen[seq] = self._choose_one(request, seq, rows, drafts)
             except Exception as error:        # this request alone fails
                 outcome.failed[request.id] = _why(number, error)
         self._follow(outcome)
@@ -388,18 +388,18 @@ class Engine:
         chosen), finished and failed sequences freed."""
         for rid in outcome.failed:                     # failed in the plan or the run
             self.space.release(self.requests[rid])
-        for sample, choice in outcome.chosen.items():
+        for seq, choice in outcome.chosen.items():
             if choice.request.id in outcome.failed:
                 continue
-            if sample.seq is not None and sample.seq.alive:
-                rows = len(sample.tokens) - 1 + len(choice.kept) + (choice.stop == "eos")
-                if sample.seq.length > rows:  # first the cut: refused drafts are not cached
-                    self.pool.truncate(sample.seq, rows)
-                outcome.computed[sample] = rows
+            if seq.handle is not None and seq.handle.alive:
+                rows = len(seq.tokens) - 1 + len(choice.kept) + (choice.stop == "eos")
+                if seq.handle.length > rows:  # first the cut: refused drafts are not cached
+                    self.pool.truncate(seq.handle, rows)
+                outcome.computed[seq] = rows
             if choice.stop is not None:
-                self.space.drop(sample)
+                self.space.drop(seq)
 
-    def _choose_one(self, request: Request, sample: EngineSequence, rows: np.ndarray,
+    def _choose_one(self, request: Request, seq: EngineSequence, rows: np.ndarray,
                     drafts: List[int]) -> _Choice:
         """The sequence's next token from its logits row, or with drafts the tokens plain
         decoding would have chosen (kvlab.generate's rules), drawn from a copy of its
@@ -407,7 +407,7 @@ class Engine:
         p, rng = request.params, None
         if p.temperature > 0.0:
             rng = self._rng
-            rng.bit_generator.state = sample.rng_state
+            rng.bit_generator.state = seq.rng_state
         sampling = (p.temperature, p.top_k, p.top_p, rng)
         checked = len(drafts) if rows.ndim == 2 else None
         if checked is None:
@@ -415,13 +415,13 @@ class Engine:
                 raise ValueError("the logits hold NaN: no token can be chosen")
             accepted, token = 0, sample_token(rows, *sampling)
         else:
-            q = None if sample.q is None else sample.q[:len(drafts)]
+            q = None if seq.q is None else seq.q[:len(drafts)]
             accepted, token = verify_drafts(rows, drafts, q, sampling)
         if not 0 <= token < self.model.config.vocab_size:
             raise ValueError(f"the sampler chose token {token}, outside [0, "
                              f"{self.model.config.vocab_size})")
         eos = self._eos if p.stop_at_eos else None
-        room = p.max_new_tokens - (len(sample.tokens) - sample.prompt_len)
+        room = p.max_new_tokens - (len(seq.tokens) - seq.prompt_len)
         if checked is None:                    # one token: keep_until_stop's rule, inline
             kept, stop = ([], "eos") if token == eos else ([token], "length" if room == 1 else None)
         else:
@@ -439,40 +439,40 @@ class Engine:
             return {}
         proposals, failed = [], {}
         for request in self.scheduler.running:
-            for sample in request.active():
-                if (sample.seq is None or sample.pending != 1 or not sample.outputs
-                        or sample.drafted_after == len(sample.tokens)):
+            for seq in request.active():
+                if (seq.handle is None or seq.pending != 1 or not seq.outputs
+                        or seq.drafted_after == len(seq.tokens)):
                     continue
                 try:
-                    proposals.append((sample, *self._propose_one(request, sample)))
+                    proposals.append((seq, *self._propose_one(request, seq)))
                 except Exception as error:
                     failed[request.id] = _why(step, error)
                     break
-        for sample, drafts, q, rng_state, passes in proposals:
-            sample.drafts, sample.q, sample.rng_state = drafts, q, rng_state
-            sample.drafted_after = len(sample.tokens)
-            sample.stats.draft_passes += passes
+        for seq, drafts, q, rng_state, passes in proposals:
+            seq.drafts, seq.q, seq.rng_state = drafts, q, rng_state
+            seq.drafted_after = len(seq.tokens)
+            seq.stats.draft_passes += passes
         for rid, why in failed.items():
             _fail(self.requests[rid], why)
         return failed
 
-    def _propose_one(self, request: Request, sample: EngineSequence) -> tuple:
+    def _propose_one(self, request: Request, seq: EngineSequence) -> tuple:
         """kvlab.speculative's rules: at most draft_tokens, none that could not be kept
         before max_new_tokens; a DraftModel samples its drafts from a copy of the sequence's
         generator when the request samples. Returns (drafts, q, new generator state, the
         drafter's forward passes)."""
         p = request.params
-        if sample.drafter is None:
+        if seq.drafter is None:
             spawn = getattr(self.speculate, "spawn", None)
-            sample.drafter = spawn() if callable(spawn) else self.speculate
-        self._rng.bit_generator.state = sample.rng_state
-        passes = getattr(sample.drafter, "passes", 0)
-        drafts, q = propose_drafts(sample.drafter, sample.tokens, self.draft_tokens,
-                                   p.max_new_tokens - len(sample.outputs),
+            seq.drafter = spawn() if callable(spawn) else self.speculate
+        self._rng.bit_generator.state = seq.rng_state
+        passes = getattr(seq.drafter, "passes", 0)
+        drafts, q = propose_drafts(seq.drafter, seq.tokens, self.draft_tokens,
+                                   p.max_new_tokens - len(seq.outputs),
                                    (p.temperature, p.top_k, p.top_p, self._rng),
                                    self.model.config.vocab_size)
         return (drafts, q, self._rng.bit_generator.state,
-                getattr(sample.drafter, "passes", 0) - passes)
+                getattr(seq.drafter, "passes", 0) - passes)
 
     # ---- commit -----------------------------------------------------------------------
     def _commit(self, plan: ScheduledStep, outcome: _Outcome, number: int,
@@ -480,23 +480,23 @@ class Engine:
         """The step's results, assigned: nothing here calls into the pool or out of kvlab."""
         counts = _counts(plan, outcome.chunks)
         new_tokens: Dict[int, List[int]] = {}
-        for sample, computed in outcome.computed.items():
-            sample.computed = computed
+        for seq, computed in outcome.computed.items():
+            seq.computed = computed
         for request in outcome.forked:
             request.forked = True
         accepted = 0
-        for sample, choice in outcome.chosen.items():
+        for seq, choice in outcome.chosen.items():
             request = choice.request
             if request.id in outcome.failed:
                 continue
-            sample.tokens.extend(choice.kept)
+            seq.tokens.extend(choice.kept)
             new_tokens.setdefault(request.id, []).extend(choice.kept)
             if choice.rng_state is not None:
-                sample.rng_state = choice.rng_state
+                seq.rng_state = choice.rng_state
             if choice.stop is not None:
-                sample.finished, sample.finish_reason = True, choice.stop
-                sample.forget_sequence()
-            _count_pass(sample, choice)
+                seq.finished, seq.finish_reason = True, choice.stop
+                seq.forget_handle()
+            _count_pass(seq, choice)
             accepted += choice.accepted
             if choice.kept and request.first_token_at is None:
                 request.first_token_at = outcome.now
@@ -521,7 +521,7 @@ class Engine:
         return result
 
     def _retire(self, now: float) -> List[int]:
-        """Every running request whose samples are all done leaves (its sequences were
+        """Every running request whose sequences are all done leaves (its sequences were
         freed in the run)."""
         finished = []
         for request in list(self.scheduler.running):
@@ -529,8 +529,8 @@ class Engine:
                 request.finished_at = now
                 self.scheduler.finish(request)
                 finished.append(request.id)
-                for sample in request.samples:     # a DraftModel's cache is not needed now
-                    sample.drafter, sample.swapped, sample.seq = None, None, None
+                for seq in request.sequences:     # a DraftModel's cache is not needed now
+                    seq.drafter, seq.swapped, seq.handle = None, None, None
         return finished
 
     def _trace(self, step: int) -> None:
@@ -570,14 +570,14 @@ class Engine:
                 f"{stats.blocks_used} blocks); free them, or give the engine a pool of its own")
 
     def _swapped_bytes(self) -> int:
-        """Host memory the samples' swapped-out K and V hold now (only waiting requests
+        """Host memory the sequences' swapped-out K and V hold now (only waiting requests
         hold copies: admission and the end drop them)."""
-        return sum(s.swapped.nbytes for r in self.scheduler.waiting for s in r.samples
+        return sum(s.swapped.nbytes for r in self.scheduler.waiting for s in r.sequences
                    if s.swapped is not None)
 
     @property
     def outputs(self) -> Dict[int, RequestOutput]:
-        """Every finished request's output, by id (failed ones too: see each sample's
+        """Every finished request's output, by id (failed ones too: see each sequence's
         finish_reason). Asking for one not finished yet raises a KeyError that says so."""
         done = FinishedOutputs({rid: r.state for rid, r in self.requests.items()})
         for request in self.requests.values():
@@ -587,12 +587,12 @@ class Engine:
 
     @property
     def speculation(self) -> Optional[SpeculationStats]:
-        """With speculate=: what speculation did so far, every request's samples added up
+        """With speculate=: what speculation did so far, every request's sequences added up
         (finished or not); None without."""
         if self.speculate is None:
             return None
         return SpeculationStats.total([s.stats for r in self.requests.values()
-                                       for s in r.samples], self.draft_tokens)
+                                       for s in r.sequences], self.draft_tokens)
 
     def __enter__(self) -> "Engine":
         return self
@@ -606,30 +606,30 @@ class Engine:
             self._tracer.close()
 
 
-def _split(sample: Sequence, n: int) -> Tuple[int, List[int]]:
+def _split(seq: Sequence, n: int) -> Tuple[int, List[int]]:
     """A scheduled item of n tokens: how many of the sequence's own tokens it feeds, and
     when they are all it has left, the drafts after them (n - own of them)."""
-    own = min(n, sample.pending)
-    return own, (sample.live_drafts[:n - own] if n > own else [])
+    own = min(n, seq.pending)
+    return own, (seq.live_drafts[:n - own] if n > own else [])
 
 
 def _counts(plan: ScheduledStep, chunks: List[Tuple[int, List[int]]]) -> dict:
     """StepResult's token counts for the plan's items (before the commit moves them on)."""
     counts = dict(prefill_tokens=0, decode_tokens=0, drafted=0, recomputed_tokens=0)
-    for (_, sample, _), (own, drafts) in zip(plan.items, chunks):
-        if sample.pending == 1 and sample.computed >= sample.prompt_len:
+    for (_, seq, _), (own, drafts) in zip(plan.items, chunks):
+        if seq.pending == 1 and seq.computed >= seq.prompt_len:
             counts["decode_tokens"] += 1
         else:
             counts["prefill_tokens"] += own
         counts["drafted"] += len(drafts)
-        counts["recomputed_tokens"] += max(0, min(sample.computed + own, sample.computed_before)
-                                           - sample.computed)
+        counts["recomputed_tokens"] += max(0, min(seq.computed + own, seq.computed_before)
+                                           - seq.computed)
     return counts
 
 
-def _count_pass(sample: EngineSequence, choice: _Choice) -> None:
+def _count_pass(seq: EngineSequence, choice: _Choice) -> None:
     """A sequence's speculation counters after one of its passes."""
-    stats = sample.stats
+    stats = seq.stats
     if stats is None:
         return
     chosen = len(choice.kept) + (choice.stop == "eos")    # an EOS token is chosen, not kept
@@ -645,6 +645,6 @@ def _why(step: int, error: Exception) -> str:
 
 
 def _fail(request: Request, why: str) -> None:
-    for s in request.samples:
+    for s in request.sequences:
         if not s.finished:
             s.finished, s.finish_reason = True, why

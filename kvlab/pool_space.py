@@ -59,13 +59,13 @@ class PoolSpace:
     def sequences_left(self) -> int:
         return self.pool.max_seqs - self.pool.live_sequences
 
-    def needed(self, sample: Sequence, n_tokens: int) -> int:
-        if sample.seq is None:
-            return blocks_for(sample.computed + n_tokens, self.pool.block_size)
-        return self.pool.blocks_needed(sample.seq, n_tokens)
+    def needed(self, seq: Sequence, n_tokens: int) -> int:
+        if seq.handle is None:
+            return blocks_for(seq.computed + n_tokens, self.pool.block_size)
+        return self.pool.blocks_needed(seq.handle, n_tokens)
 
     def freed(self, request: Request) -> int:
-        tables = [s.seq.block_table for s in request.samples if s.seq is not None]
+        tables = [s.handle.block_table for s in request.sequences if s.handle is not None]
         if not tables:
             return 0
         blocks, refs = np.unique(np.concatenate(tables), return_counts=True)
@@ -74,71 +74,71 @@ class PoolSpace:
     # ---- operations ------------------------------------------------------------------------
     def start(self, request: Request) -> int:
         hits = 0
-        # Swapped samples first: the scheduler counted their blocks before the prefix cache
+        # Swapped sequences first: the scheduler counted their blocks before the prefix cache
         # was searched, and a cached block that a prefix hit takes is gone for them.
-        for sample in request.active():
-            if sample.swapped is not None and sample.seq is None:
-                self.make(sample, self.pool.swap_in, sample.swapped)
-            if sample.swapped is not None and id(sample.swapped) not in self.counted:
-                self.counted.add(id(sample.swapped))
-                self.traffic.in_blocks += sample.swapped.n_blocks
-                self.traffic.in_bytes += sample.swapped.nbytes
-        for sample in request.active():
-            if sample.swapped is None:
-                if sample.seq is None:
-                    self.make(sample, self.pool.new_sequence)
+        for seq in request.active():
+            if seq.swapped is not None and seq.handle is None:
+                self.make(seq, self.pool.swap_in, seq.swapped)
+            if seq.swapped is not None and id(seq.swapped) not in self.counted:
+                self.counted.add(id(seq.swapped))
+                self.traffic.in_blocks += seq.swapped.n_blocks
+                self.traffic.in_bytes += seq.swapped.nbytes
+        for seq in request.active():
+            if seq.swapped is None:
+                if seq.handle is None:
+                    self.make(seq, self.pool.new_sequence)
                 # at least the last token is fed: its logits choose the next token
-                if sample.seq.length == 0 and len(sample.tokens) > 1:
-                    self.pool.reuse_prefix(sample.seq, np.asarray(sample.tokens[:-1], np.int32))
-                hits += sample.seq.length
-            sample.computed = sample.seq.length
+                if seq.handle.length == 0 and len(seq.tokens) > 1:
+                    self.pool.reuse_prefix(seq.handle, np.asarray(seq.tokens[:-1], np.int32))
+                hits += seq.handle.length
+            seq.computed = seq.handle.length
         return hits
 
     def release(self, request: Request) -> None:
-        for sample in request.samples:
-            self.drop(sample)
+        for seq in request.sequences:
+            self.drop(seq)
 
-    def drop(self, sample: Sequence) -> None:
-        """Free one sample's pool sequence, if it has one (a freed handle is not freed twice)."""
-        if sample.seq is not None:
-            if sample.seq.alive:
-                self.pool.free(sample.seq)
-            sample.seq = None
+    def drop(self, seq: Sequence) -> None:
+        """Free one sequence's pool handle, if it has one (a freed handle is not freed twice)."""
+        if seq.handle is not None:
+            if seq.handle.alive:
+                self.pool.free(seq.handle)
+            seq.handle = None
 
     def swap_out(self, request: Request) -> None:
-        """Preemption by swapping: each active sample's K and V to host memory
-        (sample.swapped), its sequence freed. A sample is swapped only if its rows are
+        """Preemption by swapping: each active sequence's K and V to host memory
+        (seq.swapped), its sequence freed. A sequence is swapped only if its rows are
         exactly its computed tokens and one token is still to feed; one whose copy would
         pass swap_space or finds no host memory is left to be recomputed (the pool is
         unchanged then)."""
-        for sample in request.active():
-            seq = sample.seq
-            if seq is None or not seq.alive or not 0 < sample.computed == seq.length < len(sample.tokens):
+        for seq in request.active():
+            handle = seq.handle
+            if handle is None or not handle.alive or not 0 < seq.computed == handle.length < len(seq.tokens):
                 continue
             if (self.swap_space is not None and
-                    self.swapped_bytes() + self.pool.swap_nbytes(seq) > self.swap_space):
+                    self.swapped_bytes() + self.pool.swap_nbytes(handle) > self.swap_space):
                 continue
             try:
-                host = self.pool.swap_out(seq)
+                host = self.pool.swap_out(handle)
             except MemoryError:
                 continue
-            sample.swapped, sample.seq = host, None
+            seq.swapped, seq.handle = host, None
             self.traffic.out_blocks += host.n_blocks
             self.traffic.out_bytes += host.nbytes
 
-    def make(self, sample: Sequence, make: Callable, *args) -> None:
-        """sample.seq = make(*args), noted so that recover() can finish it (class text)."""
-        self.making = (sample, {(s.id, s.serial) for s in self.pool.sequences()})
-        sample.seq = make(*args)
+    def make(self, seq: Sequence, make: Callable, *args) -> None:
+        """seq.handle = make(*args), noted so that recover() can finish it (class text)."""
+        self.making = (seq, {(s.id, s.serial) for s in self.pool.sequences()})
+        seq.handle = make(*args)
         self.making = None
 
     def recover(self) -> None:
-        """After a call raised: a sequence the pool made for `making` is that sample's."""
+        """After a call raised: a sequence the pool made for `making` is that sequence's."""
         if self.making is not None:
-            sample, before = self.making
+            seq, before = self.making
             made = [s for s in self.pool.sequences() if (s.id, s.serial) not in before]
-            if made and sample.seq is None:
-                sample.seq = made[0]
+            if made and seq.handle is None:
+                seq.handle = made[0]
             self.making = None
 
 

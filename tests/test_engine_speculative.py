@@ -85,8 +85,8 @@ def pool_holds_plain_decodings_rows(engine):
     and the pool's tokens for them are the sample's own (no draft left behind)."""
     pool = engine.pool
     for request in engine.scheduler.running:
-        for sample in request.samples:
-            seq = sample.seq
+        for sample in request.sequences:
+            seq = sample.handle
             if seq is None:
                 continue
             assert seq.length == sample.computed <= len(sample.tokens)
@@ -231,7 +231,7 @@ def test_streamed_tokens_are_never_taken_back_and_the_counters_add_up(model):
         for rid, tokens in engine.metrics[-1].new_tokens.items():
             streamed.setdefault(rid, []).extend(tokens)
             # what was reported so far is a prefix of the request's tokens, now and later
-            sample = engine.requests[rid].samples[0]
+            sample = engine.requests[rid].sequences[0]
             assert sample.outputs[:len(streamed[rid])] == streamed[rid]
 
     k = 5
@@ -378,14 +378,14 @@ def assert_consistent(engine):
     for request in engine.requests.values():
         where = (request in scheduler.running) + (request in scheduler.waiting)
         if request.state is State.FINISHED:
-            assert where == 0 and all(s.seq is None for s in request.samples)
+            assert where == 0 and all(s.handle is None for s in request.sequences)
             continue
         assert where == 1
-        for sample in request.samples:
+        for sample in request.sequences:
             if request.state is State.WAITING or sample.finished:
-                assert sample.seq is None
-            elif sample.seq is not None:
-                seq = sample.seq
+                assert sample.handle is None
+            elif sample.handle is not None:
+                seq = sample.handle
                 assert seq.alive
                 assert seq.length == sample.computed
                 held.add((seq.id, seq.serial))

@@ -77,22 +77,22 @@ def assert_consistent(engine):
         where = (request in running) + (request in waiting)
         if request.state is State.FINISHED:
             assert where == 0
-            assert all(s.seq is None for s in request.samples)
+            assert all(s.handle is None for s in request.sequences)
             continue
         assert where == 1, f"request {request.id} is in {where} queues"
         assert (request in running) == (request.state is State.RUNNING)
-        for sample in request.samples:
+        for sample in request.sequences:
             if sample.swapped is not None:               # preempted by swapping: waits
                 assert request.state is State.WAITING    # with its K and V in host memory
                 assert sample.computed == sample.swapped.length
             if request.state is State.WAITING or sample.finished:
-                assert sample.seq is None                # its blocks are freed
-            elif sample.seq is not None:                 # (not forked yet: None)
-                assert sample.seq.alive and sample.seq.length == sample.computed
-                held.add((sample.seq.id, sample.seq.serial))
+                assert sample.handle is None                # its blocks are freed
+            elif sample.handle is not None:                 # (not forked yet: None)
+                assert sample.handle.alive and sample.handle.length == sample.computed
+                held.add((sample.handle.id, sample.handle.serial))
         if request.state is State.RUNNING:
             for sample in request.active():
-                assert sample.seq is not None and sample.seq.alive
+                assert sample.handle is not None and sample.handle.alive
                 assert len(sample.outputs) < request.params.max_new_tokens
     # every sequence in the pool is a sample's: nothing made and lost
     assert {(s.id, s.serial) for s in pool.sequences()} == held
@@ -261,8 +261,8 @@ def test_an_interrupt_mid_prompt_keeps_the_chunk_and_recomputes_nothing(model):
     try:
         with pytest.raises(KeyboardInterrupt):
             engine.run(progress=False)
-        sample = engine.requests[rid].samples[0]
-        assert sample.computed == sample.seq.length == 24     # the chunk counts as done
+        sample = engine.requests[rid].sequences[0]
+        assert sample.computed == sample.handle.length == 24     # the chunk counts as done
         outputs = engine.run(progress=False)
     finally:
         del engine.model.forward_batch
@@ -437,7 +437,7 @@ def test_nan_logits_fail_the_request_naming_the_step_and_others_go_on(model, tem
     def forward_batch(seqs, chunks):
         logits = real(seqs, chunks)
         if len(engine.metrics) == poison_at:
-            target = engine.requests[poisoned].samples[0].seq
+            target = engine.requests[poisoned].sequences[0].handle
             for i, seq in enumerate(seqs):
                 if seq is target:
                     logits[i, 17] = np.nan
@@ -468,7 +468,7 @@ def test_a_request_failing_beside_one_mid_prompt_leaves_it_alone(model):
     good = engine.add_request(long_prompt, SamplingParams(max_new_tokens=5))
     first = engine.step()
     assert first.failed and bad in first.failed
-    assert engine.requests[good].samples[0].computed < 50     # mid-prompt
+    assert engine.requests[good].sequences[0].computed < 50     # mid-prompt
     outputs = engine.run(progress=False)
     assert_matches_generate(model, {good: outputs[good]}, {good: (long_prompt, SamplingParams(max_new_tokens=5))})
     assert engine.pool.stats().blocks_used == 0

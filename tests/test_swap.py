@@ -593,7 +593,7 @@ def test_a_request_preempted_mid_prompt_is_swapped_back_mid_prompt(model):
             engine.step()
             pool.check()
             mid_prompt += [s.swapped.length for r in engine.scheduler.waiting
-                           for s in r.samples if s.swapped is not None]
+                           for s in r.sequences if s.swapped is not None]
         assert sum(m.preemptions for m in engine.metrics) >= 1
         results.append({rid: [o.tokens for o in out.outputs]
                          for rid, out in engine.outputs.items()})
