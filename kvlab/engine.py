@@ -296,6 +296,8 @@ class Engine:
         (PoolSpace.recover), the run starts again and, every call going on from where the
         pool is, does only what is left; the interrupt is raised at the end of the step."""
         outcome = _Outcome(failed=failed)
+        if failed:                  # (a drafter failed them: they run no more)
+            plan.items = [item for item in plan.items if item[0].id not in failed]
         self.space.new_step()
         if self._tracer is not None:
             self._tracer.start()
@@ -434,7 +436,8 @@ class Engine:
         """Drafts for every running sequence about to decode (its newest token is the only
         one to feed) that has none for its current tokens yet, proposed first and then kept
         on the sequences, where they wait until checked (through a preemption too). A
-        drafter that raises or proposes junk fails its request alone; returns those."""
+        drafter that raises or proposes junk fails its request alone: returns those, for the
+        run to leave out and free and the commit to mark (the step may yet not happen)."""
         if self.speculate is None:
             return {}
         proposals, failed = [], {}
@@ -452,8 +455,6 @@ class Engine:
             seq.drafts, seq.q, seq.rng_state = drafts, q, rng_state
             seq.drafted_after = len(seq.tokens)
             seq.stats.draft_passes += passes
-        for rid, why in failed.items():
-            _fail(self.requests[rid], why)
         return failed
 
     def _propose_one(self, request: Request, seq: EngineSequence) -> tuple:

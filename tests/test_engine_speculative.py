@@ -527,6 +527,46 @@ def test_a_drafter_that_fails_fails_its_request_alone(model, junk, error):
     assert {r: t for r, t in tokens_of(engine).items() if r != target} == plain
 
 
+def test_a_drafter_failing_in_a_step_that_then_raises_fails_its_request_on_the_retry(model):
+    # the drafter fails one request while planning; then the forward call raises, so the
+    # step is not done. Before, the request was marked failed in the plan all the same: the
+    # retry retired it without freeing its pool sequence (a leak the pool kept forever)
+    requests = greedy_requests(model, n=(1, 1, 1, 1))
+    plain = tokens_of(serve(model, requests))
+    target = 2
+    pool = model.new_paged_pool(200, 16)
+    engine = kvlab.Engine(model, pool, speculate=Broken(requests[target][0],
+                                                        RuntimeError("drafter down"), after=6))
+    for prompt, params in requests:
+        engine.add_request(prompt, params)
+    real = model.forward_batch
+    raised = []
+
+    def forward_batch(seqs, chunks, all_logits=False):
+        drafter_failed = engine.speculate.after < 0
+        if drafter_failed and not raised:
+            raised.append(len(engine.metrics))
+            raise RuntimeError("the device went away")
+        return real(seqs, chunks, all_logits=all_logits)
+
+    model.forward_batch = forward_batch
+    try:
+        with pytest.raises(RuntimeError, match="the device went away"):
+            while engine.has_work:
+                engine.step()
+        while engine.has_work:
+            engine.step()
+            pool.check()
+    finally:
+        del model.forward_batch
+    failed = {rid: why for m in engine.metrics for rid, why in m.failed.items()}
+    assert list(failed) == [target] and "RuntimeError: drafter down" in failed[target]
+    assert engine.outputs[target].outputs[0].finish_reason == failed[target]
+    assert pool.live_sequences == 0 and pool.stats().blocks_used == 0
+    del plain[target]
+    assert {r: t for r, t in tokens_of(engine).items() if r != target} == plain
+
+
 def test_nan_logits_in_a_draft_row_fail_that_request(model):
     requests = greedy_requests(model, n=(1, 1, 1, 1))
     real = model.forward_batch
