@@ -75,15 +75,13 @@ from . import arguments
 from .block_events import BlockTracer
 from .engine_outputs import (CompletionOutput, FinishedOutputs, RequestMetrics,  # noqa: F401
                              RequestOutput, StepResult, request_output)
-from .errors import ContextLengthError
 from .held_interrupt import HeldCtrlC
 from .model import Model, as_token_array
 from .paged import PagedPool, PoolStats
-from .pool_space import PoolSpace, check_swap, pool_for
+from .pool_space import PoolSpace, check_request_fits, check_swap, pool_for
 from .quant import CacheFormat
 from .sampling import sample as sample_token
-from .scheduler import (Request, SamplingParams, ScheduledStep, Scheduler, Sequence, State,
-                        requests_fit)
+from .scheduler import Request, SamplingParams, ScheduledStep, Scheduler, Sequence, State
 from .speculative import (Drafter, SpeculationStats, check_drafter, keep_until_stop,
                           propose_drafts, verify_drafts)
 
@@ -123,6 +121,7 @@ class _Outcome:
     interrupt: Optional[KeyboardInterrupt] = None    # raised by a call: raised at the end
     stats: Optional[PoolStats] = None                # the pool, and the clock, at its end
     now: float = 0.0
+    nan: bool = False            # a logits row may hold NaN: test each before choosing
 
 
 class Engine:
@@ -191,6 +190,7 @@ class Engine:
         # (the queues and the pool change together within a step).
         self._lock = threading.RLock()
         self._eos = getattr(model.tokenizer, "eos_id", None)
+        self._vocab_size = model.config.vocab_size
         self._rng = np.random.Generator(np.random.PCG64())   # draws on a sequence's state
         self._phase = "admit"
         self._tracer = BlockTracer(pool, trace) if trace is not None else None
@@ -227,7 +227,7 @@ class Engine:
                 raise ValueError("the prompt has no tokens")
         else:
             ids = as_token_array(prompt, self.model.config.vocab_size).tolist()  # checks ids
-        self._check_fits(len(ids), params)
+        check_request_fits(self.model, self.pool, len(ids), params)
         request = Request(id=self._next_id, prompt=list(ids), params=params, arrival=self._next_id,
                           arrived=now if arrival_time is None else float(arrival_time))
         for i in range(params.n):
@@ -237,27 +237,6 @@ class Engine:
                 rng_state=np.random.default_rng(seed).bit_generator.state,
                 stats=SpeculationStats(self.draft_tokens) if self.speculate else None))
         return request
-
-    def _check_fits(self, prompt_len: int, params: SamplingParams) -> None:
-        context = self.model.config.max_seq_len
-        if prompt_len + params.max_new_tokens > context:
-            raise ContextLengthError(f"request rejected: prompt ({prompt_len} tokens) + "
-                                     f"max_new_tokens ({params.max_new_tokens}) exceeds the "
-                                     f"model's context of {context} tokens")
-        window = self.model.config.sliding_window
-        if window is not None and prompt_len + params.max_new_tokens - 1 > window:
-            raise ContextLengthError(f"request rejected: this model attends to its last {window} "
-                                     f"positions (config.sliding_window) and the Engine keeps "
-                                     f"every row of a sequence: prompt ({prompt_len} tokens) + "
-                                     f"max_new_tokens ({params.max_new_tokens}) would pass it; "
-                                     f"kvlab.generate runs such a model with a SlidingWindow cache")
-        why = requests_fit(prompt_len, params, self.pool.block_size, self.pool.num_blocks,
-                           self.pool.max_blocks_per_seq)
-        if why is not None:
-            raise ValueError(f"request rejected: {why}")
-        if params.n > self.pool.max_seqs:
-            raise ValueError(f"request rejected: n={params.n} samples need as many sequences; "
-                             f"the pool allows max_seqs={self.pool.max_seqs}")
 
     @property
     def has_work(self) -> bool:
@@ -354,6 +333,8 @@ class Engine:
             logits = self.model.forward_batch(handles, fed, all_logits=True)
         else:
             logits = self.model.forward_batch(handles, fed)
+        # one NaN test for all rows; with drafts, each row read (most of all_logits are not)
+        outcome.nan = outcome.nan or drafted or bool(np.isnan(logits).any())
         last = 0
         for (i, chooses, n_drafts), tokens in zip(ends, fed):
             last += len(tokens) if drafted else 1
@@ -365,22 +346,21 @@ class Engine:
         n > 1, the request first forks into its other sequences, which choose from the same
         logits); then the pool follows: the refused drafts' rows are cut off and finished
         or failed sequences freed. A request whose token cannot be chosen fails alone."""
-        ready: Dict[Sequence, Tuple[Request, np.ndarray, list]] = {}
+        ready: List[Tuple[Request, EngineSequence, np.ndarray, List[int]]] = []
         for i, rows in outcome.rows.items():
-            request, seq, _ = plan.items[i]
-            ready[seq] = (request, rows, outcome.chunks[i][1])
-        for lead, (request, rows, _) in list(ready.items()):
+            request, lead, _ = plan.items[i]
+            ready.append((request, lead, rows, outcome.chunks[i][1]))
             if not request.forked and request.params.n > 1 and lead.index == 0:
                 for other in request.sequences[1:]:
                     if other.handle is None:
                         self.space.make(other, self.pool.fork, lead.handle)
-                    ready[other] = (request, rows, [])
+                    ready.append((request, other, rows, []))
                 outcome.forked.add(request)
-        for seq, (request, rows, drafts) in ready.items():
+        for request, seq, rows, drafts in ready:
             if seq in outcome.chosen or request.id in outcome.failed:
                 continue
             try:
-                outcome.chosen[seq] = self._choose_one(request, seq, rows, drafts)
+                outcome.chosen[seq] = self._choose_one(request, seq, rows, drafts, outcome.nan)
             except Exception as error:        # this request alone fails
                 outcome.failed[request.id] = _why(number, error)
         self._follow(outcome)
@@ -402,26 +382,25 @@ class Engine:
                 self.space.drop(seq)
 
     def _choose_one(self, request: Request, seq: EngineSequence, rows: np.ndarray,
-                    drafts: List[int]) -> _Choice:
+                    drafts: List[int], nan: bool) -> _Choice:
         """The sequence's next token from its logits row, or with drafts the tokens plain
         decoding would have chosen (kvlab.generate's rules), drawn from a copy of its
-        random generator. Raises if no token can be chosen."""
+        random generator. Raises if no token can be chosen (nan: rows may hold NaN)."""
         p, rng = request.params, None
         if p.temperature > 0.0:
             rng = self._rng
             rng.bit_generator.state = seq.rng_state
-        sampling = (p.temperature, p.top_k, p.top_p, rng)
         checked = len(drafts) if rows.ndim == 2 else None
         if checked is None:
-            if np.isnan(rows).any():
+            if nan and np.isnan(rows).any():
                 raise ValueError("the logits hold NaN: no token can be chosen")
-            accepted, token = 0, sample_token(rows, *sampling)
+            accepted, token = 0, sample_token(rows, p.temperature, p.top_k, p.top_p, rng)
         else:
             q = None if seq.q is None else seq.q[:len(drafts)]
+            sampling = (p.temperature, p.top_k, p.top_p, rng)
             accepted, token = verify_drafts(rows, drafts, q, sampling)
-        if not 0 <= token < self.model.config.vocab_size:
-            raise ValueError(f"the sampler chose token {token}, outside [0, "
-                             f"{self.model.config.vocab_size})")
+        if not 0 <= token < self._vocab_size:
+            raise ValueError(f"the sampler chose token {token}, outside [0, {self._vocab_size})")
         eos = self._eos if p.stop_at_eos else None
         room = p.max_new_tokens - (len(seq.tokens) - seq.prompt_len)
         if checked is None:                    # one token: keep_until_stop's rule, inline
@@ -485,7 +464,7 @@ class Engine:
             seq.computed = computed
         for request in outcome.forked:
             request.forked = True
-        accepted = 0
+        accepted, stopped = 0, set()     # stopped: requests a sequence of which stopped
         for seq, choice in outcome.chosen.items():
             request = choice.request
             if request.id in outcome.failed:
@@ -497,13 +476,16 @@ class Engine:
             if choice.stop is not None:
                 seq.finished, seq.finish_reason = True, choice.stop
                 seq.forget_handle()
-            _count_pass(seq, choice)
+                stopped.add(request)
+            if seq.stats is not None:
+                _count_pass(seq.stats, choice)
             accepted += choice.accepted
             if choice.kept and request.first_token_at is None:
                 request.first_token_at = outcome.now
         for rid, why in outcome.failed.items():
             _fail(self.requests[rid], why)
-        finished = self._retire(outcome.now)
+            stopped.add(self.requests[rid])
+        finished = self._retire(stopped, outcome.now)
         self.scheduler.step_count += 1
         stats, swapped = outcome.stats, self.space.traffic
         result = StepResult(step=number, batch_size=len(plan.items), **counts,
@@ -521,11 +503,11 @@ class Engine:
         self.metrics.append(result)
         return result
 
-    def _retire(self, now: float) -> List[int]:
-        """Every running request whose sequences are all done leaves (its sequences were
-        freed in the run)."""
+    def _retire(self, stopped: Set[Request], now: float) -> List[int]:
+        """The requests of `stopped` whose sequences are now all done leave (the run freed
+        them); returns their ids, in running order."""
         finished = []
-        for request in list(self.scheduler.running):
+        for request in [r for r in self.scheduler.running if r in stopped]:
             if request.finished:
                 request.finished_at = now
                 self.scheduler.finish(request)
@@ -616,23 +598,21 @@ def _split(seq: Sequence, n: int) -> Tuple[int, List[int]]:
 
 def _counts(plan: ScheduledStep, chunks: List[Tuple[int, List[int]]]) -> dict:
     """StepResult's token counts for the plan's items (before the commit moves them on)."""
-    counts = dict(prefill_tokens=0, decode_tokens=0, drafted=0, recomputed_tokens=0)
+    prefill = decode = drafted = recomputed = 0
     for (_, seq, _), (own, drafts) in zip(plan.items, chunks):
         if seq.pending == 1 and seq.computed >= seq.prompt_len:
-            counts["decode_tokens"] += 1
+            decode += 1
         else:
-            counts["prefill_tokens"] += own
-        counts["drafted"] += len(drafts)
-        counts["recomputed_tokens"] += max(0, min(seq.computed + own, seq.computed_before)
-                                           - seq.computed)
-    return counts
+            prefill += own
+        drafted += len(drafts)
+        if seq.computed < seq.computed_before:
+            recomputed += min(seq.computed + own, seq.computed_before) - seq.computed
+    return dict(prefill_tokens=prefill, decode_tokens=decode, drafted=drafted,
+                recomputed_tokens=recomputed)
 
 
-def _count_pass(seq: EngineSequence, choice: _Choice) -> None:
+def _count_pass(stats: SpeculationStats, choice: _Choice) -> None:
     """A sequence's speculation counters after one of its passes."""
-    stats = seq.stats
-    if stats is None:
-        return
     chosen = len(choice.kept) + (choice.stop == "eos")    # an EOS token is chosen, not kept
     if choice.checked is None:                   # a pass with no drafts to check
         stats.verify_passes += stats.tokens > 0  # (the first token is the prompt's)

@@ -4,7 +4,8 @@ Counts the scheduler plans with (available, needed, freed, sequences_left: quest
 change nothing), and the pool operations a plan asks for (start, release, swap_out), each
 written so that calling it again after it was interrupted goes on from where the pool is.
 Also the swap space (how many bytes the host copies of swapped-out sequences may hold), and
-the checks that a pool given to the engine fits its model, on either device.
+the checks that a pool given to the engine fits its model, on either device, and that a
+request fits both.
 
 It is bookkeeping between the scheduler's Sequences and the pool's handles, no more: what a
 step does with them is kvlab.engine's, the pool itself is kvlab.paged's (the CPU pool) or
@@ -13,6 +14,7 @@ it).
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 from typing import Callable, Optional, Tuple
 
@@ -22,7 +24,8 @@ from . import arguments
 from .model import Model
 from .paged import PoolViews
 from .blocks import blocks_for
-from .scheduler import Request, Sequence
+from .errors import ContextLengthError
+from .scheduler import Request, SamplingParams, Sequence, requests_fit
 
 
 @dataclasses.dataclass
@@ -65,11 +68,12 @@ class PoolSpace:
         return self.pool.blocks_needed(seq.handle, n_tokens)
 
     def freed(self, request: Request) -> int:
-        tables = [s.handle.block_table for s in request.sequences if s.handle is not None]
-        if not tables:
-            return 0
-        blocks, refs = np.unique(np.concatenate(tables), return_counts=True)
-        return int(np.count_nonzero(self.pool.ref_counts[blocks] == refs))
+        held = collections.Counter()      # block -> how many of the request's tables hold it
+        for seq in request.sequences:
+            if seq.handle is not None:
+                held.update(seq.handle.block_table.tolist())
+        refs = self.pool.ref_counts
+        return sum(1 for block, n in held.items() if refs[block] == n)   # no one else's
 
     # ---- operations ------------------------------------------------------------------------
     def start(self, request: Request) -> int:
@@ -155,6 +159,29 @@ def pool_for(model: Model, pool, num_blocks, block_size, dtype):
                         "either a pool or those, not both")
     check_pool_fits(model, pool)
     return pool
+
+
+def check_request_fits(model: Model, pool, prompt_len: int, params: SamplingParams) -> None:
+    """Refuse a request that could never run on this model and pool, even alone."""
+    context = model.config.max_seq_len
+    if prompt_len + params.max_new_tokens > context:
+        raise ContextLengthError(f"request rejected: prompt ({prompt_len} tokens) + "
+                                 f"max_new_tokens ({params.max_new_tokens}) exceeds the "
+                                 f"model's context of {context} tokens")
+    window = model.config.sliding_window
+    if window is not None and prompt_len + params.max_new_tokens - 1 > window:
+        raise ContextLengthError(f"request rejected: this model attends to its last {window} "
+                                 f"positions (config.sliding_window) and the Engine keeps "
+                                 f"every row of a sequence: prompt ({prompt_len} tokens) + "
+                                 f"max_new_tokens ({params.max_new_tokens}) would pass it; "
+                                 f"kvlab.generate runs such a model with a SlidingWindow cache")
+    why = requests_fit(prompt_len, params, pool.block_size, pool.num_blocks,
+                       pool.max_blocks_per_seq)
+    if why is not None:
+        raise ValueError(f"request rejected: {why}")
+    if params.n > pool.max_seqs:
+        raise ValueError(f"request rejected: n={params.n} samples need as many sequences; "
+                         f"the pool allows max_seqs={pool.max_seqs}")
 
 
 def check_swap(pool, preemption: str, swap_space: Optional[int]) -> Optional[int]:

@@ -310,10 +310,9 @@ class Scheduler:
     # [quote ch05-scheduler-schedule]
     def plan(self, space: BlockSpace) -> ScheduledStep:
         step = ScheduledStep(items=[])
-        budget, freed = self.max_batch_tokens, 0
+        budget, room = self.max_batch_tokens, space.available()   # room: blocks not promised
         reserved: Dict[int, int] = {}    # blocks each request's scheduled items will take
-        running = [r for r in self.running if not r.finished]   # (finished ones leave now)
-        for request in running:
+        for request in self.running:
             if request in step.preempted:                # preempted earlier in this loop
                 continue
             for seq in request.active():
@@ -321,21 +320,20 @@ class Scheduler:
                 if take == 0 or len(step.items) >= self.max_batch_seqs:
                     continue                          # no room this step; it waits its turn
                 need = space.needed(seq, take)
-                while need > space.available() + freed - sum(reserved.values()):
-                    victim = [r for r in running if r not in step.preempted][-1]   # the newest
+                while need > room:
+                    victim = [r for r in self.running if r not in step.preempted][-1]  # newest
                     step.preempted.append(victim)
-                    freed += space.freed(victim)
+                    room += space.freed(victim) + reserved.pop(victim.id, 0)
                     budget += sum(n for r, _, n in step.items if r is victim)
                     step.items = [item for item in step.items if item[0] is not victim]
-                    reserved.pop(victim.id, None)
                     if victim is request:
                         break
                 if request in step.preempted:
                     break
                 step.items.append((request, seq, take))
                 reserved[request.id] = reserved.get(request.id, 0) + need
+                room -= need
                 budget -= take
-        room = space.available() + freed - sum(reserved.values())
         if not step.preempted:
             budget, room = self._admit(space, step, budget, room)
         self._add_drafts(space, step, budget, room)
@@ -368,6 +366,8 @@ class Scheduler:
                room: int) -> Tuple[int, int]:
         """Plans the admission of waiting requests (see the module text); returns the
         budget and the blocks left after them."""
+        if not self.waiting:
+            return budget, room
         # every sample will be a sequence of its own (a fresh request forks into n), and
         # running requests that have not forked yet will need their slots too
         slots = space.sequences_left() - sum(r.params.n - 1 for r in self.running
