@@ -257,7 +257,7 @@ class Engine:
             started, number = time.perf_counter(), self.scheduler.step_count
             with HeldCtrlC():                             # a Ctrl-C waits for the end
                 failed = self._propose(number)             # plan: drafts, then who runs
-                plan = self.scheduler.plan(self.space)
+                plan = self.scheduler.plan(self.space, leaving=failed)
                 outcome = self._run(plan, number, failed)  # the pool, forward_batch, tokens
                 result = self._commit(plan, outcome, number, started)
             if self._tracer is not None:
@@ -275,8 +275,6 @@ class Engine:
         (PoolSpace.recover), the run starts again and, every call going on from where the
         pool is, does only what is left; the interrupt is raised at the end of the step."""
         outcome = _Outcome(failed=failed)
-        if failed:                  # (a drafter failed them: they run no more)
-            plan.items = [item for item in plan.items if item[0].id not in failed]
         self.space.new_step()
         if self._tracer is not None:
             self._tracer.start()
@@ -416,7 +414,8 @@ class Engine:
         one to feed) that has none for its current tokens yet, proposed first and then kept
         on the sequences, where they wait until checked (through a preemption too). A
         drafter that raises or proposes junk fails its request alone: returns those, for the
-        run to leave out and free and the commit to mark (the step may yet not happen)."""
+        plan to leave out, the run to free and the commit to mark (the step may yet not
+        happen)."""
         if self.speculate is None:
             return {}
         proposals, failed = [], {}

@@ -21,6 +21,8 @@ the sequences and the pool's counts (BlockSpace's questions); it changes nothing
   3. With speculative decoding, a sequence's draft tokens (guesses of its next tokens,
      Sequence.drafts) ride on the chunk that ends its tokens, as many as the budget and the
      blocks left over allow: guesses come after all certain work and never preempt.
+Running requests `leaving` at the end of the step (the engine's: failed while it planned)
+are neither scheduled nor preempted.
 Scheduler.apply then carries out the plan's preemptions and admissions on the pool (the
 engine calls it in the step's run phase). Admission searches the prefix cache: tokens found
 there are not computed, and the admitted chunk shrinks by them; if the blocks the search took
@@ -41,7 +43,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 from collections import deque
-from typing import Deque, Dict, List, Optional, Protocol, Tuple
+from typing import Collection, Deque, Dict, List, Optional, Protocol, Tuple
 
 
 from . import arguments
@@ -308,12 +310,12 @@ class Scheduler:
         return step
 
     # [quote ch05-scheduler-schedule]
-    def plan(self, space: BlockSpace) -> ScheduledStep:
+    def plan(self, space: BlockSpace, leaving: Collection[int] = ()) -> ScheduledStep:
         step = ScheduledStep(items=[])
         budget, room = self.max_batch_tokens, space.available()   # room: blocks not promised
         reserved: Dict[int, int] = {}    # blocks each request's scheduled items will take
         for request in self.running:
-            if request in step.preempted:                # preempted earlier in this loop
+            if request in step.preempted or request.id in leaving:   # (preempted above)
                 continue
             for seq in request.active():
                 take = min(seq.pending, budget)
@@ -321,7 +323,8 @@ class Scheduler:
                     continue                          # no room this step; it waits its turn
                 need = space.needed(seq, take)
                 while need > room:
-                    victim = [r for r in self.running if r not in step.preempted][-1]  # newest
+                    victim = [r for r in self.running                             # the newest
+                              if r not in step.preempted and r.id not in leaving][-1]
                     step.preempted.append(victim)
                     room += space.freed(victim) + reserved.pop(victim.id, 0)
                     budget += sum(n for r, _, n in step.items if r is victim)

@@ -567,6 +567,22 @@ def test_a_drafter_failing_in_a_step_that_then_raises_fails_its_request_on_the_r
     assert {r: t for r, t in tokens_of(engine).items() if r != target} == plain
 
 
+def test_a_request_its_drafter_fails_is_not_the_one_preempted_for_room(model):
+    # the drafter fails the newest request at a step where the pool is out of blocks: the
+    # plan must not preempt it for room (it leaves at the step's end), else it went back
+    # to the waiting queue and, failed there, was never retired (the engine stuck)
+    first, newest = encoded(model, PROMPTS[:2])
+    params = SamplingParams(max_new_tokens=40)
+    plain = tokens_of(serve(model, [(first, params), (newest, params)], num_blocks=17, block_size=8))
+    engine = serve(model, [(first, params), (newest, params)], num_blocks=17, block_size=8,
+                   speculate=Broken(newest, RuntimeError("drafter down"), after=0))
+    failed = {rid: why for m in engine.metrics for rid, why in m.failed.items()}
+    assert list(failed) == [1] and "RuntimeError: drafter down" in failed[1]
+    assert engine.outputs[1].preemptions == 0
+    assert tokens_of(engine)[0] == plain[0]
+    assert engine.pool.live_sequences == 0 and engine.pool.stats().blocks_used == 0
+
+
 def test_nan_logits_in_a_draft_row_fail_that_request(model):
     requests = greedy_requests(model, n=(1, 1, 1, 1))
     real = model.forward_batch
