@@ -389,8 +389,10 @@ class Scheduler:
                 take = min(seq.pending, left)
                 if take > 0 and len(step.items) + len(items) < self.max_batch_seqs:
                     items.append((request, seq, take))
-                    need += space.needed(seq, take)    # the blocks, counted once
                     left -= take
+                else:                 # no chunk this step, but a swapped-out one comes back
+                    take = 0          # into blocks of its own all the same
+                need += space.needed(seq, take)    # the blocks, counted once
             if need > room:
                 break
             step.admitted.append(request)
