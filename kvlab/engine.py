@@ -311,6 +311,8 @@ class Engine:
         for i, ((request, seq, _), (own, drafts)) in enumerate(zip(plan.items, outcome.chunks)):
             if i in outcome.rows or request.id in outcome.failed:   # (run again: done)
                 continue
+            if seq.handle is None:            # freed by a step that raised after its choice
+                self.space.renew(seq)
             end, length = seq.computed + own, seq.handle.length
             if end < len(seq.tokens):
                 outcome.computed[seq] = end

@@ -65,6 +65,12 @@ class PoolSpace:
     def needed(self, seq: Sequence, n_tokens: int) -> int:
         if seq.handle is None:
             return blocks_for(seq.computed + n_tokens, self.pool.block_size)
+        if n_tokens == 0:
+            return 0
+        if seq.handle.length > seq.computed:   # rows a step that raised wrote: to be cut back
+            # (then its last block may be partly filled and shared: one copy on write)
+            size = self.pool.block_size
+            return blocks_for(seq.computed + n_tokens, size) - blocks_for(seq.computed, size) + 1
         return self.pool.blocks_needed(seq.handle, n_tokens)
 
     def freed(self, request: Request) -> int:
@@ -89,14 +95,25 @@ class PoolSpace:
                 self.traffic.in_bytes += seq.swapped.nbytes
         for seq in request.active():
             if seq.swapped is None:
-                if seq.handle is None:
-                    self.make(seq, self.pool.new_sequence)
-                # at least the last token is fed: its logits choose the next token
-                if seq.handle.length == 0 and len(seq.tokens) > 1:
-                    self.pool.reuse_prefix(seq.handle, np.asarray(seq.tokens[:-1], np.int32))
-                hits += seq.handle.length
-            seq.computed = seq.handle.length
+                hits += self.renew(seq)
+            else:
+                seq.computed = seq.handle.length
         return hits
+
+    def renew(self, seq: Sequence) -> int:
+        """Give the sequence a new pool sequence if it has none, holding what the prefix
+        cache has of its tokens but the last (whose logits choose the next), and count
+        those as computed; returns the rows it holds. Also for a running sequence whose
+        handle a step that then raised had freed: it is computed again, from the cache."""
+        if seq.handle is None:
+            seq.computed = 0                    # (its rows are gone, whatever it counted)
+            self.make(seq, self.pool.new_sequence)
+        if seq.handle.length == 0 and len(seq.tokens) > 1:
+            self.pool.reuse_prefix(seq.handle, np.asarray(seq.tokens[:-1], np.int32))
+        # at least the last token is fed (a handle left by a step that raised may hold them
+        # all: the forward call cuts it back by one)
+        seq.computed = min(seq.handle.length, len(seq.tokens) - 1)
+        return seq.handle.length
 
     def release(self, request: Request) -> None:
         for seq in request.sequences:

@@ -286,6 +286,9 @@ class Scheduler:
         self.waiting: Deque[Request] = deque()
         self.running: List[Request] = []        # in order of admission
         self.step_count = 0
+        # waiting requests that may hold pool sequences: apply() preempts or admits them
+        # until the pool calls are done (an error may stop it half way)
+        self.holding: Dict[int, Request] = {}
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -403,12 +406,20 @@ class Scheduler:
     # ---- carrying a plan out --------------------------------------------------------------
     def apply(self, step: ScheduledStep, space: BlockSpace) -> None:
         """Carry out the plan's preemptions, then its admissions. Called again after an
-        interruption, it goes on from where the queues and the pool are."""
+        interruption, it goes on from where the queues and the pool are. A waiting request
+        that an error left holding pool sequences (a step that raised during its preemption
+        or admission) gives them back first, unless this plan admits it."""
+        for request in list(self.holding.values()):
+            if request not in step.admitted and request not in step.preempted:
+                self._put_back(request, space)
         for victim in step.preempted:
+            self.holding[victim.id] = victim
             self.preempt(victim, space)
+            del self.holding[victim.id]
         for i, request in enumerate(step.admitted):
             if request.state is State.RUNNING:       # admitted before an interruption
                 continue
+            self.holding[request.id] = request
             if not self._start(request, step, space):
                 step.put_back = step.admitted[i:]     # they stay first in line, in order
                 step.items = [item for item in step.items if item[0] not in step.put_back]
@@ -419,10 +430,17 @@ class Scheduler:
             self.waiting.remove(request)
             request.state = State.RUNNING
             self.running.append(request)
+            del self.holding[request.id]
         for request in step.put_back:
-            space.release(request)
-            for seq in request.sequences:            # (host copies stay, for next time)
-                seq.forget_handle()
+            self._put_back(request, space)
+
+    def _put_back(self, request: Request, space: BlockSpace) -> None:
+        """A waiting request gives back the pool sequences it holds (host copies stay, for
+        next time)."""
+        space.release(request)
+        for seq in request.sequences:
+            seq.forget_handle()
+        self.holding.pop(request.id, None)
 
     def _start(self, request: Request, step: ScheduledStep, space: BlockSpace) -> bool:
         """Admit one planned request into the pool: its chunks shrink by what the prefix
