@@ -448,10 +448,10 @@ class Engine:
             seq.drafter = spawn() if callable(spawn) else self.speculate
         self._rng.bit_generator.state = seq.rng_state
         passes = getattr(seq.drafter, "passes", 0)
-        drafts, q = propose_drafts(seq.drafter, seq.tokens, self.draft_tokens,
+        context = list(seq.tokens)        # the drafter's own copy, as generate gives it
+        drafts, q = propose_drafts(seq.drafter, context, self.draft_tokens,
                                    p.max_new_tokens - len(seq.outputs),
-                                   (p.temperature, p.top_k, p.top_p, self._rng),
-                                   self.model.config.vocab_size)
+                                   (p.temperature, p.top_k, p.top_p, self._rng), self._vocab_size)
         return (drafts, q, self._rng.bit_generator.state,
                 getattr(seq.drafter, "passes", 0) - passes)
 

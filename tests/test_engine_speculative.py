@@ -583,6 +583,24 @@ def test_a_request_its_drafter_fails_is_not_the_one_preempted_for_room(model):
     assert engine.pool.live_sequences == 0 and engine.pool.stats().blocks_used == 0
 
 
+class Scribbling(PromptLookup):
+    """Prompt lookup that also writes into the context it is given (as a drafter may that
+    takes it for its own copy)."""
+
+    def propose(self, tokens, k, sampling=None):
+        drafts = super().propose(tokens, k, sampling)
+        tokens.append(0)
+        return drafts
+
+
+def test_a_drafter_writing_into_its_context_changes_no_sequence(model):
+    # the engine gave the drafter the sequence's own token list: the appended 0 became a
+    # token of the output (generate gives each pass a list of its own)
+    requests = greedy_requests(model, n=(1, 1, 1, 1))
+    plain = tokens_of(serve(model, requests))
+    assert tokens_of(serve(model, requests, speculate=Scribbling())) == plain
+
+
 def test_nan_logits_in_a_draft_row_fail_that_request(model):
     requests = greedy_requests(model, n=(1, 1, 1, 1))
     real = model.forward_batch
