@@ -35,7 +35,7 @@ hold NaN) fails alone, finish_reason "error: step N: why"; the others go on.
 Greedy outputs are identical, token for token, to kvlab.generate on each prompt alone,
 whatever else is in the batch and however often a request was preempted: the core's
 results for a sequence do not depend on the batch around it (fp32 and every cache format).
-This file is bookkeeping; no tensor is touched here.
+This file is bookkeeping: the pool and the C core hold and compute the K and V.
 
 Preemption (Engine(..., preemption=)): when the pool runs out of blocks, the most recently
 admitted request gives its blocks back. "recompute" (the default) drops its K and V: when
@@ -88,14 +88,14 @@ from .speculative import (Drafter, SpeculationStats, check_drafter, keep_until_s
 
 @dataclasses.dataclass(eq=False)
 class EngineSequence(Sequence):
-    """A Sequence as the engine runs it: its sampler's random generator (the state of a
-    numpy PCG64, replaced at each step's commit) and, with speculation, its drafter (its
-    own where the engine's can spawn one: a DraftModel's cache holds one context), its
-    counters and q, the distributions its drafts were drawn from (None: certain)."""
-    rng_state: Optional[dict] = None
-    stats: Optional[SpeculationStats] = None
-    drafter: Optional[Drafter] = None
-    q: Optional[list] = None
+    """A Sequence as the engine runs it: beside what the scheduler knows of it, what it
+    needs to choose its tokens."""
+    rng_state: Optional[dict] = None          # its random generator, a numpy PCG64's state:
+                                              # the run draws from a copy, the commit keeps it
+    stats: Optional[SpeculationStats] = None  # with speculation: its counters, its drafter
+    drafter: Optional[Drafter] = None         # (its own where the engine's can spawn one: a
+                                              # DraftModel's cache holds one context), and the
+    q: Optional[list] = None                  # distributions its drafts came from (None: certain)
 
 
 @dataclasses.dataclass
@@ -112,9 +112,10 @@ class _Choice:
 @dataclasses.dataclass
 class _Outcome:
     """What one step's run did, for commit to assign. Kept across the run's attempts."""
-    chunks: List[Tuple[int, List[int]]] = dataclasses.field(default_factory=list)  # _split's
-    rows: Dict[int, np.ndarray] = dataclasses.field(default_factory=dict)  # item -> logits
-    computed: Dict[Sequence, int] = dataclasses.field(default_factory=dict)   # K, V held
+    # per item of the plan: (its own tokens, its drafts), and the logits it chooses from
+    chunks: List[Tuple[int, List[int]]] = dataclasses.field(default_factory=list)
+    rows: Dict[int, np.ndarray] = dataclasses.field(default_factory=dict)
+    computed: Dict[Sequence, int] = dataclasses.field(default_factory=dict)   # rows it holds
     chosen: Dict[Sequence, _Choice] = dataclasses.field(default_factory=dict)
     forked: Set[Request] = dataclasses.field(default_factory=set)
     failed: Dict[int, str] = dataclasses.field(default_factory=dict)      # id -> why
@@ -300,11 +301,11 @@ class Engine:
                 self._tracer.stop(number, self._phase)
 
     def _forward(self, plan: ScheduledStep, outcome: _Outcome) -> None:
-        """The one forward_batch. Each item feeds its tokens after the rows its handle
-        holds: as planned, or what is left of it after an interrupted call (the rows a
-        chunk that ends its tokens wrote are cut back by one, so that its logits come
-        again). A chunk that ends its sequence's tokens keeps its last row (with drafts: that
-        row, then one per draft) to choose from."""
+        """The one forward_batch. Each item feeds its tokens from the rows its handle holds
+        on: all it was planned, or what is left after a call that raised (a chunk that ends
+        the sequence's tokens feeds at least the last, whose logits choose the next token).
+        Such a chunk keeps its last row of logits (with drafts: that row, then one per
+        draft) to choose from."""
         if not outcome.chunks:
             outcome.chunks = [_split(seq, n) for _, seq, n in plan.items]
         handles, fed, ends = [], [], []
@@ -314,12 +315,12 @@ class Engine:
             if seq.handle is None:            # freed by a step that raised after its choice
                 self.space.renew(seq)
             end, length = seq.computed + own, seq.handle.length
-            if end < len(seq.tokens):
+            if end < len(seq.tokens):             # part of a prompt: no logits needed
                 outcome.computed[seq] = end
                 tokens = seq.tokens[length:end]
-            else:
-                if length >= end:
-                    self.pool.truncate(seq.handle, end - 1)
+            else:                                 # its last token's logits choose the next:
+                if length >= end:                 # it is fed in this call, whatever a call
+                    self.pool.truncate(seq.handle, end - 1)   # that raised had written
                     length = end - 1
                 tokens = seq.tokens[length:] + drafts
             if tokens:
