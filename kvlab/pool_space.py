@@ -77,7 +77,7 @@ class PoolSpace:
         held = collections.Counter()      # block -> how many of the request's tables hold it
         for seq in request.sequences:
             if seq.handle is not None:
-                held.update(seq.handle.block_table.tolist())
+                held.update(np.asarray(seq.handle.block_table).tolist())
         refs = self.pool.ref_counts
         return sum(1 for block, n in held.items() if refs[block] == n)   # no one else's
 
