@@ -318,7 +318,7 @@ class Scheduler:
         budget, room = self.max_batch_tokens, space.available()   # room: blocks not promised
         reserved: Dict[int, int] = {}    # blocks each request's scheduled items will take
         for request in self.running:
-            if request in step.preempted or request.id in leaving:   # (preempted above)
+            if request in step.preempted or request.id in leaving:   # (by this loop, or failed)
                 continue
             for seq in request.active():
                 take = min(seq.pending, budget)
