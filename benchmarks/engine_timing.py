@@ -1,7 +1,7 @@
 """Timings of kvlab.Engine's step, for benchmarks/ab.py: the Python around the one forward
 call (planning, choosing tokens, the pool's bookkeeping), on the bundled model, whose
 forward calls are small enough for that overhead to show. Prints "name value" lines,
-tokens per second, higher is better:
+tokens per CPU second, higher is better:
 
     python benchmarks/ab.py run benchmarks/engine_timing.py before after --rounds 5
 
@@ -20,12 +20,14 @@ from kvlab.speculative import PromptLookup
 
 
 def best_rate(work, amount: float, repeats: int = 3) -> float:
-    """amount / seconds of the fastest of `repeats` runs of work()."""
+    """amount / CPU seconds of the fastest of `repeats` runs of work(). CPU time, not the
+    wall clock: on a machine shared with other work a process waits for a core by turns,
+    which the wall clock counts and the CPU time does not (one thread: see main)."""
     best = float("inf")
     for _ in range(repeats):
-        start = time.perf_counter()
+        start = time.process_time()
         work()
-        best = min(best, time.perf_counter() - start)
+        best = min(best, time.process_time() - start)
     return amount / best
 
 

@@ -1,4 +1,4 @@
-"""kvlab.Engine: continuous batching on the paged KV cache.
+"""kvlab.Engine: continuous batching on the paged pool.
 
 "Every active conversation carries its own cache." The engine serves many requests at
 once from one paged pool: each step, the scheduler (kvlab.scheduler) picks which
@@ -35,7 +35,7 @@ hold NaN) fails alone, finish_reason "error: step N: why"; the others go on.
 Greedy outputs are identical, token for token, to kvlab.generate on each prompt alone,
 whatever else is in the batch and however often a request was preempted: the core's
 results for a sequence do not depend on the batch around it (fp32 and every cache format).
-This file is bookkeeping; no tensor is touched here.
+This file is bookkeeping: the pool and the C core hold and compute the K and V.
 
 Preemption (Engine(..., preemption=)): when the pool runs out of blocks, the most recently
 admitted request gives its blocks back. "recompute" (the default) drops its K and V: when
@@ -75,29 +75,27 @@ from . import arguments
 from .block_events import BlockTracer
 from .engine_outputs import (CompletionOutput, FinishedOutputs, RequestMetrics,  # noqa: F401
                              RequestOutput, StepResult, request_output)
-from .errors import ContextLengthError
 from .held_interrupt import HeldCtrlC
 from .model import Model, as_token_array
 from .paged import PagedPool, PoolStats
-from .pool_space import PoolSpace, check_swap, pool_for
+from .pool_space import PoolSpace, check_request_fits, check_swap, pool_for
 from .quant import CacheFormat
 from .sampling import sample as sample_token
-from .scheduler import (Request, SamplingParams, ScheduledStep, Scheduler, Sequence, State,
-                        requests_fit)
+from .scheduler import Request, SamplingParams, ScheduledStep, Scheduler, Sequence, State
 from .speculative import (Drafter, SpeculationStats, check_drafter, keep_until_stop,
                           propose_drafts, verify_drafts)
 
 
 @dataclasses.dataclass(eq=False)
 class EngineSequence(Sequence):
-    """A Sequence as the engine runs it: its sampler's random generator (the state of a
-    numpy PCG64, replaced at each step's commit) and, with speculation, its drafter (its
-    own where the engine's can spawn one: a DraftModel's cache holds one context), its
-    counters and q, the distributions its drafts were drawn from (None: certain)."""
-    rng_state: Optional[dict] = None
-    stats: Optional[SpeculationStats] = None
-    drafter: Optional[Drafter] = None
-    q: Optional[list] = None
+    """A Sequence as the engine runs it: beside what the scheduler knows of it, what it
+    needs to choose its tokens."""
+    rng_state: Optional[dict] = None          # its random generator, a numpy PCG64's state:
+                                              # the run draws from a copy, the commit keeps it
+    stats: Optional[SpeculationStats] = None  # with speculation: its counters, its drafter
+    drafter: Optional[Drafter] = None         # (its own where the engine's can spawn one: a
+                                              # DraftModel's cache holds one context), and the
+    q: Optional[list] = None                  # distributions its drafts came from (None: certain)
 
 
 @dataclasses.dataclass
@@ -114,15 +112,17 @@ class _Choice:
 @dataclasses.dataclass
 class _Outcome:
     """What one step's run did, for commit to assign. Kept across the run's attempts."""
-    chunks: List[Tuple[int, List[int]]] = dataclasses.field(default_factory=list)  # _split's
-    rows: Dict[int, np.ndarray] = dataclasses.field(default_factory=dict)  # item -> logits
-    computed: Dict[Sequence, int] = dataclasses.field(default_factory=dict)   # K, V held
+    # per item of the plan: (its own tokens, its drafts), and the logits it chooses from
+    chunks: List[Tuple[int, List[int]]] = dataclasses.field(default_factory=list)
+    rows: Dict[int, np.ndarray] = dataclasses.field(default_factory=dict)
+    computed: Dict[Sequence, int] = dataclasses.field(default_factory=dict)   # rows it holds
     chosen: Dict[Sequence, _Choice] = dataclasses.field(default_factory=dict)
     forked: Set[Request] = dataclasses.field(default_factory=set)
     failed: Dict[int, str] = dataclasses.field(default_factory=dict)      # id -> why
     interrupt: Optional[KeyboardInterrupt] = None    # raised by a call: raised at the end
     stats: Optional[PoolStats] = None                # the pool, and the clock, at its end
     now: float = 0.0
+    nan: bool = False            # a logits row may hold NaN: test each before choosing
 
 
 class Engine:
@@ -191,6 +191,7 @@ class Engine:
         # (the queues and the pool change together within a step).
         self._lock = threading.RLock()
         self._eos = getattr(model.tokenizer, "eos_id", None)
+        self._vocab_size = model.config.vocab_size
         self._rng = np.random.Generator(np.random.PCG64())   # draws on a sequence's state
         self._phase = "admit"
         self._tracer = BlockTracer(pool, trace) if trace is not None else None
@@ -227,37 +228,16 @@ class Engine:
                 raise ValueError("the prompt has no tokens")
         else:
             ids = as_token_array(prompt, self.model.config.vocab_size).tolist()  # checks ids
-        self._check_fits(len(ids), params)
+        check_request_fits(self.model, self.pool, len(ids), params)
         request = Request(id=self._next_id, prompt=list(ids), params=params, arrival=self._next_id,
                           arrived=now if arrival_time is None else float(arrival_time))
         for i in range(params.n):
             seed = None if params.seed is None else params.seed + i
-            request.samples.append(EngineSequence(
+            request.sequences.append(EngineSequence(
                 index=i, tokens=list(ids), prompt_len=len(ids),
                 rng_state=np.random.default_rng(seed).bit_generator.state,
                 stats=SpeculationStats(self.draft_tokens) if self.speculate else None))
         return request
-
-    def _check_fits(self, prompt_len: int, params: SamplingParams) -> None:
-        context = self.model.config.max_seq_len
-        if prompt_len + params.max_new_tokens > context:
-            raise ContextLengthError(f"request rejected: prompt ({prompt_len} tokens) + "
-                                     f"max_new_tokens ({params.max_new_tokens}) exceeds the "
-                                     f"model's context of {context} tokens")
-        window = self.model.config.sliding_window
-        if window is not None and prompt_len + params.max_new_tokens - 1 > window:
-            raise ContextLengthError(f"request rejected: this model attends to its last {window} "
-                                     f"positions (config.sliding_window) and the Engine keeps "
-                                     f"every row of a sequence: prompt ({prompt_len} tokens) + "
-                                     f"max_new_tokens ({params.max_new_tokens}) would pass it; "
-                                     f"kvlab.generate runs such a model with a SlidingWindow cache")
-        why = requests_fit(prompt_len, params, self.pool.block_size, self.pool.num_blocks,
-                           self.pool.max_blocks_per_seq)
-        if why is not None:
-            raise ValueError(f"request rejected: {why}")
-        if params.n > self.pool.max_seqs:
-            raise ValueError(f"request rejected: n={params.n} samples need as many sequences; "
-                             f"the pool allows max_seqs={self.pool.max_seqs}")
 
     @property
     def has_work(self) -> bool:
@@ -278,7 +258,7 @@ class Engine:
             started, number = time.perf_counter(), self.scheduler.step_count
             with HeldCtrlC():                             # a Ctrl-C waits for the end
                 failed = self._propose(number)             # plan: drafts, then who runs
-                plan = self.scheduler.plan(self.space)
+                plan = self.scheduler.plan(self.space, leaving=failed)
                 outcome = self._run(plan, number, failed)  # the pool, forward_batch, tokens
                 result = self._commit(plan, outcome, number, started)
             if self._tracer is not None:
@@ -321,37 +301,41 @@ class Engine:
                 self._tracer.stop(number, self._phase)
 
     def _forward(self, plan: ScheduledStep, outcome: _Outcome) -> None:
-        """The one forward_batch. Each item feeds its tokens after what its pool sequence
-        holds: as planned, or what is left of it after an interrupted call (the rows a
-        chunk that ends its tokens wrote are cut back by one, so that its logits come
-        again). A chunk that ends its sequence's tokens keeps its last row (with drafts: that
-        row, then one per draft) to choose from."""
+        """The one forward_batch. Each item feeds its tokens from the rows its handle holds
+        on: all it was planned, or what is left after a call that raised (a chunk that ends
+        the sequence's tokens feeds at least the last, whose logits choose the next token).
+        Such a chunk keeps its last row of logits (with drafts: that row, then one per
+        draft) to choose from."""
         if not outcome.chunks:
-            outcome.chunks = [_split(sample, n) for _, sample, n in plan.items]
-        seqs, fed, ends = [], [], []
-        for i, ((request, sample, _), (own, drafts)) in enumerate(zip(plan.items, outcome.chunks)):
+            outcome.chunks = [_split(seq, n) for _, seq, n in plan.items]
+        handles, fed, ends = [], [], []
+        for i, ((request, seq, _), (own, drafts)) in enumerate(zip(plan.items, outcome.chunks)):
             if i in outcome.rows or request.id in outcome.failed:   # (run again: done)
                 continue
-            end, length = sample.computed + own, sample.seq.length
-            if end < len(sample.tokens):
-                outcome.computed[sample] = end
-                tokens = sample.tokens[length:end]
-            else:
-                if length >= end:
-                    self.pool.truncate(sample.seq, end - 1)
+            if seq.handle is None:            # freed by a step that raised after its choice
+                self.space.renew(seq)
+            end, length = seq.computed + own, seq.handle.length
+            if end < len(seq.tokens):             # part of a prompt: no logits needed
+                outcome.computed[seq] = end
+                tokens = seq.tokens[length:end]
+            else:                                 # its last token's logits choose the next:
+                if length >= end:                 # it is fed in this call, whatever a call
+                    self.pool.truncate(seq.handle, end - 1)   # that raised had written
                     length = end - 1
-                tokens = sample.tokens[length:] + drafts
+                tokens = seq.tokens[length:] + drafts
             if tokens:
-                seqs.append(sample.seq)
+                handles.append(seq.handle)
                 fed.append(tokens)
-                ends.append((i, end == len(sample.tokens), len(drafts)))
-        if not seqs:
+                ends.append((i, end == len(seq.tokens), len(drafts)))
+        if not handles:
             return
         drafted = any(n_drafts for _, _, n_drafts in ends)
         if drafted:         # every token's logits: the drafts' rows check them
-            logits = self.model.forward_batch(seqs, fed, all_logits=True)
+            logits = self.model.forward_batch(handles, fed, all_logits=True)
         else:
-            logits = self.model.forward_batch(seqs, fed)
+            logits = self.model.forward_batch(handles, fed)
+        # one NaN test for all rows; with drafts, each row read (most of all_logits are not)
+        outcome.nan = outcome.nan or drafted or bool(np.isnan(logits).any())
         last = 0
         for (i, chooses, n_drafts), tokens in zip(ends, fed):
             last += len(tokens) if drafted else 1
@@ -360,25 +344,24 @@ class Engine:
 
     def _choose(self, plan: ScheduledStep, number: int, outcome: _Outcome) -> None:
         """Each chunk that ended its tokens chooses the next (at the end of a prompt with
-        n > 1, the request first forks into its other samples, which choose from the same
+        n > 1, the request first forks into its other sequences, which choose from the same
         logits); then the pool follows: the refused drafts' rows are cut off and finished
         or failed sequences freed. A request whose token cannot be chosen fails alone."""
-        ready: Dict[Sequence, Tuple[Request, np.ndarray, list]] = {}
+        ready: List[Tuple[Request, EngineSequence, np.ndarray, List[int]]] = []
         for i, rows in outcome.rows.items():
-            request, sample, _ = plan.items[i]
-            ready[sample] = (request, rows, outcome.chunks[i][1])
-        for lead, (request, rows, _) in list(ready.items()):
+            request, lead, _ = plan.items[i]
+            ready.append((request, lead, rows, outcome.chunks[i][1]))
             if not request.forked and request.params.n > 1 and lead.index == 0:
-                for other in request.samples[1:]:
-                    if other.seq is None:
-                        self.space.make(other, self.pool.fork, lead.seq)
-                    ready[other] = (request, rows, [])
+                for other in request.sequences[1:]:
+                    if other.handle is None:
+                        self.space.make(other, self.pool.fork, lead.handle)
+                    ready.append((request, other, rows, []))
                 outcome.forked.add(request)
-        for sample, (request, rows, drafts) in ready.items():
-            if sample in outcome.chosen or request.id in outcome.failed:
+        for request, seq, rows, drafts in ready:
+            if seq in outcome.chosen or request.id in outcome.failed:
                 continue
             try:
-                outcome.chosen[sample] = self._choose_one(request, sample, rows, drafts)
+                outcome.chosen[seq] = self._choose_one(request, seq, rows, drafts, outcome.nan)
             except Exception as error:        # this request alone fails
                 outcome.failed[request.id] = _why(number, error)
         self._follow(outcome)
@@ -388,40 +371,39 @@ class Engine:
         chosen), finished and failed sequences freed."""
         for rid in outcome.failed:                     # failed in the plan or the run
             self.space.release(self.requests[rid])
-        for sample, choice in outcome.chosen.items():
+        for seq, choice in outcome.chosen.items():
             if choice.request.id in outcome.failed:
                 continue
-            if sample.seq is not None and sample.seq.alive:
-                rows = len(sample.tokens) - 1 + len(choice.kept) + (choice.stop == "eos")
-                if sample.seq.length > rows:  # first the cut: refused drafts are not cached
-                    self.pool.truncate(sample.seq, rows)
-                outcome.computed[sample] = rows
+            if seq.handle is not None and seq.handle.alive:
+                rows = len(seq.tokens) - 1 + len(choice.kept) + (choice.stop == "eos")
+                if seq.handle.length > rows:  # first the cut: refused drafts are not cached
+                    self.pool.truncate(seq.handle, rows)
+                outcome.computed[seq] = rows
             if choice.stop is not None:
-                self.space.drop(sample)
+                self.space.drop(seq)
 
-    def _choose_one(self, request: Request, sample: EngineSequence, rows: np.ndarray,
-                    drafts: List[int]) -> _Choice:
+    def _choose_one(self, request: Request, seq: EngineSequence, rows: np.ndarray,
+                    drafts: List[int], nan: bool) -> _Choice:
         """The sequence's next token from its logits row, or with drafts the tokens plain
         decoding would have chosen (kvlab.generate's rules), drawn from a copy of its
-        random generator. Raises if no token can be chosen."""
+        random generator. Raises if no token can be chosen (nan: rows may hold NaN)."""
         p, rng = request.params, None
         if p.temperature > 0.0:
             rng = self._rng
-            rng.bit_generator.state = sample.rng_state
-        sampling = (p.temperature, p.top_k, p.top_p, rng)
+            rng.bit_generator.state = seq.rng_state
         checked = len(drafts) if rows.ndim == 2 else None
         if checked is None:
-            if np.isnan(rows).any():
+            if nan and np.isnan(rows).any():
                 raise ValueError("the logits hold NaN: no token can be chosen")
-            accepted, token = 0, sample_token(rows, *sampling)
+            accepted, token = 0, sample_token(rows, p.temperature, p.top_k, p.top_p, rng)
         else:
-            q = None if sample.q is None else sample.q[:len(drafts)]
+            q = None if seq.q is None else seq.q[:len(drafts)]
+            sampling = (p.temperature, p.top_k, p.top_p, rng)
             accepted, token = verify_drafts(rows, drafts, q, sampling)
-        if not 0 <= token < self.model.config.vocab_size:
-            raise ValueError(f"the sampler chose token {token}, outside [0, "
-                             f"{self.model.config.vocab_size})")
+        if not 0 <= token < self._vocab_size:
+            raise ValueError(f"the sampler chose token {token}, outside [0, {self._vocab_size})")
         eos = self._eos if p.stop_at_eos else None
-        room = p.max_new_tokens - (len(sample.tokens) - sample.prompt_len)
+        room = p.max_new_tokens - (len(seq.tokens) - seq.prompt_len)
         if checked is None:                    # one token: keep_until_stop's rule, inline
             kept, stop = ([], "eos") if token == eos else ([token], "length" if room == 1 else None)
         else:
@@ -434,45 +416,45 @@ class Engine:
         """Drafts for every running sequence about to decode (its newest token is the only
         one to feed) that has none for its current tokens yet, proposed first and then kept
         on the sequences, where they wait until checked (through a preemption too). A
-        drafter that raises or proposes junk fails its request alone; returns those."""
+        drafter that raises or proposes junk fails its request alone: returns those, for the
+        plan to leave out, the run to free and the commit to mark (the step may yet not
+        happen)."""
         if self.speculate is None:
             return {}
         proposals, failed = [], {}
         for request in self.scheduler.running:
-            for sample in request.active():
-                if (sample.seq is None or sample.pending != 1 or not sample.outputs
-                        or sample.drafted_after == len(sample.tokens)):
+            for seq in request.active():
+                if (seq.handle is None or seq.pending != 1 or not seq.outputs
+                        or seq.drafted_after == len(seq.tokens)):
                     continue
                 try:
-                    proposals.append((sample, *self._propose_one(request, sample)))
+                    proposals.append((seq, *self._propose_one(request, seq)))
                 except Exception as error:
                     failed[request.id] = _why(step, error)
                     break
-        for sample, drafts, q, rng_state, passes in proposals:
-            sample.drafts, sample.q, sample.rng_state = drafts, q, rng_state
-            sample.drafted_after = len(sample.tokens)
-            sample.stats.draft_passes += passes
-        for rid, why in failed.items():
-            _fail(self.requests[rid], why)
+        for seq, drafts, q, rng_state, passes in proposals:
+            seq.drafts, seq.q, seq.rng_state = drafts, q, rng_state
+            seq.drafted_after = len(seq.tokens)
+            seq.stats.draft_passes += passes
         return failed
 
-    def _propose_one(self, request: Request, sample: EngineSequence) -> tuple:
+    def _propose_one(self, request: Request, seq: EngineSequence) -> tuple:
         """kvlab.speculative's rules: at most draft_tokens, none that could not be kept
         before max_new_tokens; a DraftModel samples its drafts from a copy of the sequence's
         generator when the request samples. Returns (drafts, q, new generator state, the
         drafter's forward passes)."""
         p = request.params
-        if sample.drafter is None:
+        if seq.drafter is None:
             spawn = getattr(self.speculate, "spawn", None)
-            sample.drafter = spawn() if callable(spawn) else self.speculate
-        self._rng.bit_generator.state = sample.rng_state
-        passes = getattr(sample.drafter, "passes", 0)
-        drafts, q = propose_drafts(sample.drafter, sample.tokens, self.draft_tokens,
-                                   p.max_new_tokens - len(sample.outputs),
-                                   (p.temperature, p.top_k, p.top_p, self._rng),
-                                   self.model.config.vocab_size)
+            seq.drafter = spawn() if callable(spawn) else self.speculate
+        self._rng.bit_generator.state = seq.rng_state
+        passes = getattr(seq.drafter, "passes", 0)
+        context = list(seq.tokens)        # the drafter's own copy, as generate gives it
+        drafts, q = propose_drafts(seq.drafter, context, self.draft_tokens,
+                                   p.max_new_tokens - len(seq.outputs),
+                                   (p.temperature, p.top_k, p.top_p, self._rng), self._vocab_size)
         return (drafts, q, self._rng.bit_generator.state,
-                getattr(sample.drafter, "passes", 0) - passes)
+                getattr(seq.drafter, "passes", 0) - passes)
 
     # ---- commit -----------------------------------------------------------------------
     def _commit(self, plan: ScheduledStep, outcome: _Outcome, number: int,
@@ -480,29 +462,32 @@ class Engine:
         """The step's results, assigned: nothing here calls into the pool or out of kvlab."""
         counts = _counts(plan, outcome.chunks)
         new_tokens: Dict[int, List[int]] = {}
-        for sample, computed in outcome.computed.items():
-            sample.computed = computed
+        for seq, computed in outcome.computed.items():
+            seq.computed = computed
         for request in outcome.forked:
             request.forked = True
-        accepted = 0
-        for sample, choice in outcome.chosen.items():
+        accepted, stopped = 0, set()     # stopped: requests a sequence of which stopped
+        for seq, choice in outcome.chosen.items():
             request = choice.request
             if request.id in outcome.failed:
                 continue
-            sample.tokens.extend(choice.kept)
+            seq.tokens.extend(choice.kept)
             new_tokens.setdefault(request.id, []).extend(choice.kept)
             if choice.rng_state is not None:
-                sample.rng_state = choice.rng_state
+                seq.rng_state = choice.rng_state
             if choice.stop is not None:
-                sample.finished, sample.finish_reason = True, choice.stop
-                sample.forget_sequence()
-            _count_pass(sample, choice)
+                seq.finished, seq.finish_reason = True, choice.stop
+                seq.forget_handle()
+                stopped.add(request)
+            if seq.stats is not None:
+                _count_pass(seq.stats, choice)
             accepted += choice.accepted
             if choice.kept and request.first_token_at is None:
                 request.first_token_at = outcome.now
         for rid, why in outcome.failed.items():
             _fail(self.requests[rid], why)
-        finished = self._retire(outcome.now)
+            stopped.add(self.requests[rid])
+        finished = self._retire(stopped, outcome.now)
         self.scheduler.step_count += 1
         stats, swapped = outcome.stats, self.space.traffic
         result = StepResult(step=number, batch_size=len(plan.items), **counts,
@@ -520,17 +505,17 @@ class Engine:
         self.metrics.append(result)
         return result
 
-    def _retire(self, now: float) -> List[int]:
-        """Every running request whose samples are all done leaves (its sequences were
-        freed in the run)."""
+    def _retire(self, stopped: Set[Request], now: float) -> List[int]:
+        """The requests of `stopped` whose sequences are now all done leave (the run freed
+        them); returns their ids, in running order."""
         finished = []
-        for request in list(self.scheduler.running):
+        for request in [r for r in self.scheduler.running if r in stopped]:
             if request.finished:
                 request.finished_at = now
                 self.scheduler.finish(request)
                 finished.append(request.id)
-                for sample in request.samples:     # a DraftModel's cache is not needed now
-                    sample.drafter, sample.swapped, sample.seq = None, None, None
+                for seq in request.sequences:     # a DraftModel's cache is not needed now
+                    seq.drafter, seq.swapped, seq.handle = None, None, None
         return finished
 
     def _trace(self, step: int) -> None:
@@ -570,14 +555,14 @@ class Engine:
                 f"{stats.blocks_used} blocks); free them, or give the engine a pool of its own")
 
     def _swapped_bytes(self) -> int:
-        """Host memory the samples' swapped-out K and V hold now (only waiting requests
+        """Host memory the sequences' swapped-out K and V hold now (only waiting requests
         hold copies: admission and the end drop them)."""
-        return sum(s.swapped.nbytes for r in self.scheduler.waiting for s in r.samples
+        return sum(s.swapped.nbytes for r in self.scheduler.waiting for s in r.sequences
                    if s.swapped is not None)
 
     @property
     def outputs(self) -> Dict[int, RequestOutput]:
-        """Every finished request's output, by id (failed ones too: see each sample's
+        """Every finished request's output, by id (failed ones too: see each sequence's
         finish_reason). Asking for one not finished yet raises a KeyError that says so."""
         done = FinishedOutputs({rid: r.state for rid, r in self.requests.items()})
         for request in self.requests.values():
@@ -587,12 +572,12 @@ class Engine:
 
     @property
     def speculation(self) -> Optional[SpeculationStats]:
-        """With speculate=: what speculation did so far, every request's samples added up
+        """With speculate=: what speculation did so far, every request's sequences added up
         (finished or not); None without."""
         if self.speculate is None:
             return None
         return SpeculationStats.total([s.stats for r in self.requests.values()
-                                       for s in r.samples], self.draft_tokens)
+                                       for s in r.sequences], self.draft_tokens)
 
     def __enter__(self) -> "Engine":
         return self
@@ -606,32 +591,30 @@ class Engine:
             self._tracer.close()
 
 
-def _split(sample: Sequence, n: int) -> Tuple[int, List[int]]:
+def _split(seq: Sequence, n: int) -> Tuple[int, List[int]]:
     """A scheduled item of n tokens: how many of the sequence's own tokens it feeds, and
     when they are all it has left, the drafts after them (n - own of them)."""
-    own = min(n, sample.pending)
-    return own, (sample.live_drafts[:n - own] if n > own else [])
+    own = min(n, seq.pending)
+    return own, (seq.live_drafts[:n - own] if n > own else [])
 
 
 def _counts(plan: ScheduledStep, chunks: List[Tuple[int, List[int]]]) -> dict:
     """StepResult's token counts for the plan's items (before the commit moves them on)."""
-    counts = dict(prefill_tokens=0, decode_tokens=0, drafted=0, recomputed_tokens=0)
-    for (_, sample, _), (own, drafts) in zip(plan.items, chunks):
-        if sample.pending == 1 and sample.computed >= sample.prompt_len:
-            counts["decode_tokens"] += 1
+    prefill = decode = drafted = recomputed = 0
+    for (_, seq, _), (own, drafts) in zip(plan.items, chunks):
+        if seq.pending == 1 and seq.computed >= seq.prompt_len:
+            decode += 1
         else:
-            counts["prefill_tokens"] += own
-        counts["drafted"] += len(drafts)
-        counts["recomputed_tokens"] += max(0, min(sample.computed + own, sample.computed_before)
-                                           - sample.computed)
-    return counts
+            prefill += own
+        drafted += len(drafts)
+        if seq.computed < seq.computed_before:
+            recomputed += min(seq.computed + own, seq.computed_before) - seq.computed
+    return dict(prefill_tokens=prefill, decode_tokens=decode, drafted=drafted,
+                recomputed_tokens=recomputed)
 
 
-def _count_pass(sample: EngineSequence, choice: _Choice) -> None:
+def _count_pass(stats: SpeculationStats, choice: _Choice) -> None:
     """A sequence's speculation counters after one of its passes."""
-    stats = sample.stats
-    if stats is None:
-        return
     chosen = len(choice.kept) + (choice.stop == "eos")    # an EOS token is chosen, not kept
     if choice.checked is None:                   # a pass with no drafts to check
         stats.verify_passes += stats.tokens > 0  # (the first token is the prompt's)
@@ -645,6 +628,6 @@ def _why(step: int, error: Exception) -> str:
 
 
 def _fail(request: Request, why: str) -> None:
-    for s in request.samples:
+    for s in request.sequences:
         if not s.finished:
             s.finished, s.finish_reason = True, why

@@ -1,5 +1,5 @@
 """What the engine reports: StepResult (one step), RequestOutput (a finished request: one
-CompletionOutput per sample, and its RequestMetrics), in the shape of vLLM's outputs.
+CompletionOutput per sequence, and its RequestMetrics), in the shape of vLLM's outputs.
 
 Plain records, made by kvlab.engine at the end of a step and by Engine.outputs; nothing
 here runs a step or touches the pool. They are importable from kvlab.engine and kvlab too.
@@ -28,7 +28,7 @@ class StepResult:
     prefix_hit_tokens: int       # prompt tokens found in the prefix cache at admission
     admitted: List[int]          # request ids
     finished: List[int]
-    new_tokens: Dict[int, List[int]]   # request id -> the tokens chosen, sample by sample
+    new_tokens: Dict[int, List[int]]   # request id -> the tokens chosen, sequence by sequence
                                        # (one each; with speculation, maybe several)
     seconds: float
     failed: Dict[int, str] = dataclasses.field(default_factory=dict)   # id -> why (also finished)
@@ -67,9 +67,9 @@ class StepResult:
 
 @dataclasses.dataclass(eq=False)
 class CompletionOutput:
-    """One sample of a finished request: vLLM's CompletionOutput, in kvlab.Generation's
+    """One sequence of a finished request: vLLM's CompletionOutput, in kvlab.Generation's
     words (vLLM's token_ids and text are tokens and completion here)."""
-    index: int                   # which sample of the request (0 .. n - 1)
+    index: int                   # which sequence of the request (0 .. n - 1)
     tokens: List[int]            # the generated ids, in order
     completion: str              # the generated text alone ("" without a tokenizer)
     finish_reason: str           # "length", "eos", or "error: step N: why" when its next
@@ -84,7 +84,7 @@ class CompletionOutput:
         return ((self.index, self.tokens, self.completion, self.finish_reason)
                 == (other.index, other.tokens, other.completion, other.finish_reason))
 
-    # Before issue 19, RequestOutput.outputs[i] was sample i's token list: reading it as a
+    # Before issue 19, RequestOutput.outputs[i] was sequence i's token list: reading it as a
     # list still works for a release, and says what to write instead.
     def _old_shape(self) -> List[int]:
         renamed("RequestOutput.outputs[i] as a token list", "RequestOutput.outputs[i].tokens",
@@ -109,7 +109,7 @@ class RequestMetrics:
     arrival_time: float
     first_token_time: Optional[float]   # None if it failed before choosing one
     finished_time: float
-    output_tokens: int                  # of its longest sample
+    output_tokens: int                  # of its longest sequence
 
     @property
     def ttft(self) -> Optional[float]:
@@ -132,13 +132,13 @@ class RequestMetrics:
 
 @dataclasses.dataclass
 class RequestOutput:
-    """A finished request: its prompt ids and one CompletionOutput per sample (n of them),
+    """A finished request: its prompt ids and one CompletionOutput per sequence (n of them),
     the shape of vLLM's RequestOutput."""
     id: int
     prompt: List[int]
     outputs: List[CompletionOutput]
     preemptions: int
-    # with speculate=: the samples' counts added up (SpeculationStats.total)
+    # with speculate=: its sequences' counts added up (SpeculationStats.total)
     speculation: Optional[SpeculationStats] = dataclasses.field(default=None, compare=False)
     # when it arrived, got its first token and finished (engine clock): TTFT, TPOT, e2e
     metrics: Optional[RequestMetrics] = dataclasses.field(default=None, compare=False)
@@ -177,7 +177,7 @@ def request_output(request, model, draft_tokens: Optional[int]) -> RequestOutput
     outputs = [CompletionOutput(s.index, list(s.outputs),
                                 model.decode_text(s.outputs) if model.tokenizer is not None else "",
                                 s.finish_reason, s.stats)
-               for s in request.samples]
+               for s in request.sequences]
     total = (SpeculationStats.total([o.speculation for o in outputs], draft_tokens)
              if draft_tokens is not None else None)
     finished_at = request.arrived if request.finished_at is None else request.finished_at

@@ -4,7 +4,8 @@ Counts the scheduler plans with (available, needed, freed, sequences_left: quest
 change nothing), and the pool operations a plan asks for (start, release, swap_out), each
 written so that calling it again after it was interrupted goes on from where the pool is.
 Also the swap space (how many bytes the host copies of swapped-out sequences may hold), and
-the checks that a pool given to the engine fits its model, on either device.
+the checks that a pool given to the engine fits its model, on either device, and that a
+request fits both.
 
 It is bookkeeping between the scheduler's Sequences and the pool's handles, no more: what a
 step does with them is kvlab.engine's, the pool itself is kvlab.paged's (the CPU pool) or
@@ -13,6 +14,7 @@ it).
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 from typing import Callable, Optional, Tuple
 
@@ -22,7 +24,8 @@ from . import arguments
 from .model import Model
 from .paged import PoolViews
 from .blocks import blocks_for
-from .scheduler import Request, Sequence
+from .errors import ContextLengthError
+from .scheduler import Request, SamplingParams, Sequence, requests_fit
 
 
 @dataclasses.dataclass
@@ -59,86 +62,104 @@ class PoolSpace:
     def sequences_left(self) -> int:
         return self.pool.max_seqs - self.pool.live_sequences
 
-    def needed(self, sample: Sequence, n_tokens: int) -> int:
-        if sample.seq is None:
-            return blocks_for(sample.computed + n_tokens, self.pool.block_size)
-        return self.pool.blocks_needed(sample.seq, n_tokens)
+    def needed(self, seq: Sequence, n_tokens: int) -> int:
+        if seq.handle is None:
+            return blocks_for(seq.computed + n_tokens, self.pool.block_size)
+        if n_tokens == 0:
+            return 0
+        if seq.handle.length > seq.computed:   # rows a step that raised wrote: to be cut back
+            # (then its last block may be partly filled and shared: one copy on write)
+            size = self.pool.block_size
+            return blocks_for(seq.computed + n_tokens, size) - blocks_for(seq.computed, size) + 1
+        return self.pool.blocks_needed(seq.handle, n_tokens)
 
     def freed(self, request: Request) -> int:
-        tables = [s.seq.block_table for s in request.samples if s.seq is not None]
-        if not tables:
-            return 0
-        blocks, refs = np.unique(np.concatenate(tables), return_counts=True)
-        return int(np.count_nonzero(self.pool.ref_counts[blocks] == refs))
+        held = collections.Counter()      # block -> how many of the request's tables hold it
+        for seq in request.sequences:
+            if seq.handle is not None:
+                held.update(np.asarray(seq.handle.block_table).tolist())
+        refs = self.pool.ref_counts
+        return sum(1 for block, n in held.items() if refs[block] == n)   # no one else's
 
     # ---- operations ------------------------------------------------------------------------
     def start(self, request: Request) -> int:
         hits = 0
-        # Swapped samples first: the scheduler counted their blocks before the prefix cache
+        # Swapped sequences first: the scheduler counted their blocks before the prefix cache
         # was searched, and a cached block that a prefix hit takes is gone for them.
-        for sample in request.active():
-            if sample.swapped is not None and sample.seq is None:
-                self.make(sample, self.pool.swap_in, sample.swapped)
-            if sample.swapped is not None and id(sample.swapped) not in self.counted:
-                self.counted.add(id(sample.swapped))
-                self.traffic.in_blocks += sample.swapped.n_blocks
-                self.traffic.in_bytes += sample.swapped.nbytes
-        for sample in request.active():
-            if sample.swapped is None:
-                if sample.seq is None:
-                    self.make(sample, self.pool.new_sequence)
-                # at least the last token is fed: its logits choose the next token
-                if sample.seq.length == 0 and len(sample.tokens) > 1:
-                    self.pool.reuse_prefix(sample.seq, np.asarray(sample.tokens[:-1], np.int32))
-                hits += sample.seq.length
-            sample.computed = sample.seq.length
+        for seq in request.active():
+            if seq.swapped is not None and seq.handle is None:
+                self.make(seq, self.pool.swap_in, seq.swapped)
+            if seq.swapped is not None and id(seq.swapped) not in self.counted:
+                self.counted.add(id(seq.swapped))
+                self.traffic.in_blocks += seq.swapped.n_blocks
+                self.traffic.in_bytes += seq.swapped.nbytes
+        for seq in request.active():
+            if seq.swapped is None:
+                hits += self.renew(seq)
+            else:
+                seq.computed = seq.handle.length
         return hits
 
-    def release(self, request: Request) -> None:
-        for sample in request.samples:
-            self.drop(sample)
+    def renew(self, seq: Sequence) -> int:
+        """Give the sequence a new pool sequence if it has none, holding what the prefix
+        cache has of its tokens but the last (whose logits choose the next), and count
+        those as computed; returns the rows it holds. Also for a running sequence whose
+        handle a step that then raised had freed: it is computed again, from the cache."""
+        if seq.handle is None:
+            seq.computed = 0                    # (its rows are gone, whatever it counted)
+            self.make(seq, self.pool.new_sequence)
+        if seq.handle.length == 0 and len(seq.tokens) > 1:
+            self.pool.reuse_prefix(seq.handle, np.asarray(seq.tokens[:-1], np.int32))
+        # at least the last token is fed (a handle left by a step that raised may hold them
+        # all: the forward call cuts it back by one)
+        seq.computed = min(seq.handle.length, len(seq.tokens) - 1)
+        return seq.handle.length
 
-    def drop(self, sample: Sequence) -> None:
-        """Free one sample's pool sequence, if it has one (a freed handle is not freed twice)."""
-        if sample.seq is not None:
-            if sample.seq.alive:
-                self.pool.free(sample.seq)
-            sample.seq = None
+    def release(self, request: Request) -> None:
+        for seq in request.sequences:
+            self.drop(seq)
+
+    def drop(self, seq: Sequence) -> None:
+        """Free one sequence's pool handle, if it has one (a freed handle is not freed twice)."""
+        if seq.handle is not None:
+            if seq.handle.alive:
+                self.pool.free(seq.handle)
+            seq.handle = None
 
     def swap_out(self, request: Request) -> None:
-        """Preemption by swapping: each active sample's K and V to host memory
-        (sample.swapped), its sequence freed. A sample is swapped only if its rows are
+        """Preemption by swapping: each active sequence's K and V to host memory
+        (seq.swapped), its sequence freed. A sequence is swapped only if its rows are
         exactly its computed tokens and one token is still to feed; one whose copy would
         pass swap_space or finds no host memory is left to be recomputed (the pool is
         unchanged then)."""
-        for sample in request.active():
-            seq = sample.seq
-            if seq is None or not seq.alive or not 0 < sample.computed == seq.length < len(sample.tokens):
+        for seq in request.active():
+            handle = seq.handle
+            if handle is None or not handle.alive or not 0 < seq.computed == handle.length < len(seq.tokens):
                 continue
             if (self.swap_space is not None and
-                    self.swapped_bytes() + self.pool.swap_nbytes(seq) > self.swap_space):
+                    self.swapped_bytes() + self.pool.swap_nbytes(handle) > self.swap_space):
                 continue
             try:
-                host = self.pool.swap_out(seq)
+                host = self.pool.swap_out(handle)
             except MemoryError:
                 continue
-            sample.swapped, sample.seq = host, None
+            seq.swapped, seq.handle = host, None
             self.traffic.out_blocks += host.n_blocks
             self.traffic.out_bytes += host.nbytes
 
-    def make(self, sample: Sequence, make: Callable, *args) -> None:
-        """sample.seq = make(*args), noted so that recover() can finish it (class text)."""
-        self.making = (sample, {(s.id, s.serial) for s in self.pool.sequences()})
-        sample.seq = make(*args)
+    def make(self, seq: Sequence, make: Callable, *args) -> None:
+        """seq.handle = make(*args), noted so that recover() can finish it (class text)."""
+        self.making = (seq, {(s.id, s.serial) for s in self.pool.sequences()})
+        seq.handle = make(*args)
         self.making = None
 
     def recover(self) -> None:
-        """After a call raised: a sequence the pool made for `making` is that sample's."""
+        """After a call raised: a sequence the pool made for `making` is that sequence's."""
         if self.making is not None:
-            sample, before = self.making
+            seq, before = self.making
             made = [s for s in self.pool.sequences() if (s.id, s.serial) not in before]
-            if made and sample.seq is None:
-                sample.seq = made[0]
+            if made and seq.handle is None:
+                seq.handle = made[0]
             self.making = None
 
 
@@ -155,6 +176,29 @@ def pool_for(model: Model, pool, num_blocks, block_size, dtype):
                         "either a pool or those, not both")
     check_pool_fits(model, pool)
     return pool
+
+
+def check_request_fits(model: Model, pool, prompt_len: int, params: SamplingParams) -> None:
+    """Refuse a request that could never run on this model and pool, even alone."""
+    context = model.config.max_seq_len
+    if prompt_len + params.max_new_tokens > context:
+        raise ContextLengthError(f"request rejected: prompt ({prompt_len} tokens) + "
+                                 f"max_new_tokens ({params.max_new_tokens}) exceeds the "
+                                 f"model's context of {context} tokens")
+    window = model.config.sliding_window
+    if window is not None and prompt_len + params.max_new_tokens - 1 > window:
+        raise ContextLengthError(f"request rejected: this model attends to its last {window} "
+                                 f"positions (config.sliding_window) and the Engine keeps "
+                                 f"every row of a sequence: prompt ({prompt_len} tokens) + "
+                                 f"max_new_tokens ({params.max_new_tokens}) would pass it; "
+                                 f"kvlab.generate runs such a model with a SlidingWindow cache")
+    why = requests_fit(prompt_len, params, pool.block_size, pool.num_blocks,
+                       pool.max_blocks_per_seq)
+    if why is not None:
+        raise ValueError(f"request rejected: {why}")
+    if params.n > pool.max_seqs:
+        raise ValueError(f"request rejected: n={params.n} samples need as many sequences; "
+                         f"the pool allows max_seqs={pool.max_seqs}")
 
 
 def check_swap(pool, preemption: str, swap_space: Optional[int]) -> Optional[int]:

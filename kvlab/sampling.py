@@ -54,12 +54,23 @@ def sample(logits: np.ndarray, temperature: float = 0.0, top_k: Optional[int] = 
                                           f"got {type(rng).__name__}")
     if temperature == 0.0:
         logits = np.asarray(logits)
-        if np.isnan(logits).any():      # argmax would pick the NaN, again and again
+        token = int(logits.argmax())    # the first NaN's index, if there is one: then
+        if logits[token] != logits[token]:  # every step would pick it again
             raise ValueError("the logits hold NaN, so no token can be chosen (greedy)")
-        return int(np.argmax(logits))
-    # imported here: the scheduler uses this module's argument checks and runs (and is
-    # tested) without the compiled core
-    from ._core import core
+        return token
     rng = rng if rng is not None else np.random.default_rng()
-    return core.sample(logits, temperature, top_k or 0, 1.0 if top_p is None else top_p,
-                       rng.random())
+    return _core().sample(logits, temperature, top_k or 0, 1.0 if top_p is None else top_p,
+                          rng.random())
+
+
+def _core():
+    """The compiled core, imported at the first sampled token: the scheduler uses this
+    module's argument checks and runs (and is tested) without it."""
+    global _CORE
+    if _CORE is None:
+        from ._core import core
+        _CORE = core
+    return _CORE
+
+
+_CORE = None

@@ -21,6 +21,8 @@ the sequences and the pool's counts (BlockSpace's questions); it changes nothing
   3. With speculative decoding, a sequence's draft tokens (guesses of its next tokens,
      Sequence.drafts) ride on the chunk that ends its tokens, as many as the budget and the
      blocks left over allow: guesses come after all certain work and never preempt.
+Running requests `leaving` at the end of the step (the engine's: failed while it planned)
+are neither scheduled nor preempted.
 Scheduler.apply then carries out the plan's preemptions and admissions on the pool (the
 engine calls it in the step's run phase). Admission searches the prefix cache: tokens found
 there are not computed, and the admitted chunk shrinks by them; if the blocks the search took
@@ -41,19 +43,13 @@ from __future__ import annotations
 import dataclasses
 import enum
 from collections import deque
-from typing import Deque, Dict, List, Optional, Protocol, Tuple
+from typing import Collection, Deque, Dict, List, Optional, Protocol, Tuple
 
 
 from . import arguments
 from .blocks import blocks_for
 from .deprecation import renamed
 from .sampling import MIN_TEMPERATURE, check_sampling_args, check_seed  # noqa: F401 (MIN_TEMPERATURE re-exported)
-
-
-def positive_int(name: str, value) -> int:
-    """value as an int, if it is an integer from 1 to a C int (not a bool, not 2.5): the
-    old name of kvlab.arguments.positive(value, name), kept for code that calls it."""
-    return arguments.positive(value, name)
 
 
 @dataclasses.dataclass(frozen=True, init=False)
@@ -65,7 +61,7 @@ class SamplingParams:
     temperature: float = 0.0
     top_k: Optional[int] = None
     top_p: Optional[float] = None
-    seed: Optional[int] = None      # sample i draws from np.random.default_rng(seed + i)
+    seed: Optional[int] = None      # sequence i draws from np.random.default_rng(seed + i)
     n: int = 1                      # samples of one prompt, sharing its blocks
     stop_at_eos: bool = True
 
@@ -118,13 +114,15 @@ class HostCopy(Protocol):
 @dataclasses.dataclass(eq=False)      # compared by identity: two sequences are never "equal"
 class Sequence:
     """One generated sequence of a request (one of its n samples): its tokens so far, and
-    how many of them have K and V in the pool (`computed`). The engine's own state for it
-    (random generator, drafter) is kvlab.engine's subclass; the pool's handle is `seq`."""
+    how many of them have K and V in the pool (`computed`). Its K and V rows live in the
+    pool under `handle`, the pool's own object for them (a kvlab.PagedSequence: the pool
+    calls it a sequence too, as the C core's kv_pool does). The engine's own state for it
+    (random generator, drafter) is kvlab.engine's subclass."""
     index: int
     tokens: List[int]               # prompt, then the generated tokens
     prompt_len: int
     computed: int = 0               # 0 while waiting, unless swapped (below)
-    seq: Optional[object] = None    # the pool's handle for its K and V (kvlab.PagedSequence);
+    handle: Optional[object] = None  # its K and V rows in the pool (kvlab.PagedSequence);
                                     # None while waiting (and before its request forks)
     finished: bool = False
     finish_reason: str = ""         # "length", "eos", or "error: step N: why"
@@ -152,18 +150,32 @@ class Sequence:
         """Tokens whose K and V are still to be computed (the last one is fed next)."""
         return len(self.tokens) - self.computed
 
-    def forget_sequence(self) -> None:
-        """Its pool sequence is gone (freed, or swapped out): no K and V in the pool.
+    def forget_handle(self) -> None:
+        """Its handle is gone (freed, or swapped out): no K and V in the pool.
         `computed` counts the tokens whose K and V wait in host memory (swapped), which
         come back when it is admitted again; without a host copy, none."""
-        self.seq = None
+        self.handle = None
         self.computed = 0 if self.swapped is None else self.swapped.length
+
+    @property
+    def seq(self) -> Optional[object]:
+        renamed("Sequence.seq", "Sequence.handle")   # its name before issue 36's words
+        return self.handle
+
+    @seq.setter
+    def seq(self, handle: Optional[object]) -> None:
+        renamed("Sequence.seq", "Sequence.handle")
+        self.handle = handle
 
 
 def __getattr__(name: str):
     if name == "Sample":            # the name before issue 36 (beside the verb "sample")
         renamed("kvlab.scheduler.Sample", "kvlab.scheduler.Sequence")
         return Sequence
+    if name == "positive_int":      # issue 35 moved the checks to kvlab.arguments
+        renamed("kvlab.scheduler.positive_int(name, value)",
+                "kvlab.arguments.positive(value, name)")
+        return lambda name, value: arguments.positive(value, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
@@ -173,22 +185,32 @@ class Request:
     prompt: List[int]
     params: SamplingParams
     arrival: int                    # order of add_request
-    samples: List[Sequence] = dataclasses.field(default_factory=list)   # its n sequences
+    sequences: List[Sequence] = dataclasses.field(default_factory=list)   # its n of them
     state: State = State.WAITING
     preemptions: int = 0
-    forked: bool = False            # n > 1 and the samples exist as separate sequences
+    forked: bool = False            # n > 1 and its n sequences are apart in the pool
     # when, on the engine's clock (seconds): it arrived, its first token was chosen, it left
     arrived: float = 0.0
     first_token_at: Optional[float] = None
     finished_at: Optional[float] = None
 
     def active(self) -> List[Sequence]:
-        """Sequences that still generate and have (or will get) a pool sequence of their own."""
-        return [s for s in self.samples if not s.finished and (self.forked or s.index == 0)]
+        """Sequences that still generate and have (or will get) a handle of their own."""
+        return [s for s in self.sequences if not s.finished and (self.forked or s.index == 0)]
 
     @property
     def finished(self) -> bool:
-        return all(s.finished for s in self.samples)
+        return all(s.finished for s in self.sequences)
+
+    @property
+    def samples(self) -> List[Sequence]:
+        renamed("Request.samples", "Request.sequences")   # its name before issue 36's words
+        return self.sequences
+
+    @samples.setter
+    def samples(self, sequences: List[Sequence]) -> None:
+        renamed("Request.samples", "Request.sequences")
+        self.sequences = sequences
 
 
 class BlockSpace(Protocol):
@@ -198,9 +220,9 @@ class BlockSpace(Protocol):
     def available(self) -> int:
         """Blocks that can be handed out now: free, or cached and evictable."""
 
-    def needed(self, sample: Sequence, n_tokens: int) -> int:
+    def needed(self, seq: Sequence, n_tokens: int) -> int:
         """Blocks the sequence takes to grow by n_tokens (copy-on-write included); without a
-        pool sequence, the blocks of its first `computed` + n_tokens tokens."""
+        handle, the blocks of its first `computed` + n_tokens tokens."""
 
     def freed(self, request: Request) -> int:
         """Blocks that release(request) would make available (those no other sequence uses)."""
@@ -209,20 +231,20 @@ class BlockSpace(Protocol):
         """How many more sequences the pool can hold."""
 
     def start(self, request: Request) -> int:
-        """Give the request's active sequences that have none a pool sequence (using the
-        prefix cache, or swapping a host copy back in); returns the tokens found in the
-        cache, which each then need not compute. Blocks found in the cache are taken out
-        of it, so available() may drop."""
+        """Give the request's active sequences that have none a handle (a new pool
+        sequence, using the prefix cache, or a host copy swapped back in); returns the
+        tokens found in the cache, which each then need not compute. Blocks found in the
+        cache are taken out of it, so available() may drop."""
 
     def release(self, request: Request) -> None:
-        """Free every pool sequence of the request (its full blocks stay cached); safe to
-        repeat. Host copies of swapped sequences stay."""
+        """Free the handles of the request's sequences (their full blocks stay cached);
+        safe to repeat. Host copies of swapped sequences stay."""
 
     def swap_out(self, request: Request) -> None:
         """Only for Scheduler(preemption="swap"): copy the K and V of each active sequence
-        to host memory (sample.swapped) and free its pool sequence. One it cannot resume
-        from a copy is left alone (release() frees it; it is recomputed). start() swaps
-        the copies back in (and counts them as no prefix hits)."""
+        to host memory (seq.swapped) and free its handle. One it cannot resume from a
+        copy is left alone (release() frees it; it is recomputed). start() swaps the
+        copies back in (and counts them as no prefix hits)."""
 
 
 @dataclasses.dataclass
@@ -264,6 +286,9 @@ class Scheduler:
         self.waiting: Deque[Request] = deque()
         self.running: List[Request] = []        # in order of admission
         self.step_count = 0
+        # waiting requests that may hold pool sequences: apply() preempts or admits them
+        # until the pool calls are done (an error may stop it half way)
+        self.holding: Dict[int, Request] = {}
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -288,34 +313,33 @@ class Scheduler:
         return step
 
     # [quote ch05-scheduler-schedule]
-    def plan(self, space: BlockSpace) -> ScheduledStep:
+    def plan(self, space: BlockSpace, leaving: Collection[int] = ()) -> ScheduledStep:
         step = ScheduledStep(items=[])
-        budget, freed = self.max_batch_tokens, 0
+        budget, room = self.max_batch_tokens, space.available()   # room: blocks not promised
         reserved: Dict[int, int] = {}    # blocks each request's scheduled items will take
-        running = [r for r in self.running if not r.finished]   # (finished ones leave now)
-        for request in running:
-            if request in step.preempted:                # preempted earlier in this loop
+        for request in self.running:
+            if request in step.preempted or request.id in leaving:   # (by this loop, or failed)
                 continue
-            for sample in request.active():
-                take = min(sample.pending, budget)
+            for seq in request.active():
+                take = min(seq.pending, budget)
                 if take == 0 or len(step.items) >= self.max_batch_seqs:
                     continue                          # no room this step; it waits its turn
-                need = space.needed(sample, take)
-                while need > space.available() + freed - sum(reserved.values()):
-                    victim = [r for r in running if r not in step.preempted][-1]   # the newest
+                need = space.needed(seq, take)
+                while need > room:
+                    victim = [r for r in self.running                             # the newest
+                              if r not in step.preempted and r.id not in leaving][-1]
                     step.preempted.append(victim)
-                    freed += space.freed(victim)
+                    room += space.freed(victim) + reserved.pop(victim.id, 0)
                     budget += sum(n for r, _, n in step.items if r is victim)
                     step.items = [item for item in step.items if item[0] is not victim]
-                    reserved.pop(victim.id, None)
                     if victim is request:
                         break
                 if request in step.preempted:
                     break
-                step.items.append((request, sample, take))
+                step.items.append((request, seq, take))
                 reserved[request.id] = reserved.get(request.id, 0) + need
+                room -= need
                 budget -= take
-        room = space.available() + freed - sum(reserved.values())
         if not step.preempted:
             budget, room = self._admit(space, step, budget, room)
         self._add_drafts(space, step, budget, room)
@@ -328,19 +352,19 @@ class Scheduler:
         many as the budget and the blocks still unreserved (`room`) allow, in batch order.
         Drafts are guesses: they take what is left, and a sequence with none (or no room
         for them) runs as it would without speculation."""
-        for i, (request, sample, take) in enumerate(step.items):
-            drafts = sample.live_drafts
-            if not drafts or take != sample.pending or budget == 0:
+        for i, (request, seq, take) in enumerate(step.items):
+            drafts = seq.live_drafts
+            if not drafts or take != seq.pending or budget == 0:
                 continue
-            base = space.needed(sample, take)
+            base = space.needed(seq, take)
             extra = min(len(drafts), budget)
             while extra > 0:
-                more = space.needed(sample, take + extra) - base
+                more = space.needed(seq, take + extra) - base
                 if more <= room:
                     break
                 extra -= 1
             if extra > 0:
-                step.items[i] = (request, sample, take + extra)
+                step.items[i] = (request, seq, take + extra)
                 room -= more
                 budget -= extra
 
@@ -348,26 +372,30 @@ class Scheduler:
                room: int) -> Tuple[int, int]:
         """Plans the admission of waiting requests (see the module text); returns the
         budget and the blocks left after them."""
+        if not self.waiting:
+            return budget, room
         # every sample will be a sequence of its own (a fresh request forks into n), and
         # running requests that have not forked yet will need their slots too
         slots = space.sequences_left() - sum(r.params.n - 1 for r in self.running
                                              if not r.forked)
         for request in self.waiting:
-            samples = request.active()
-            # a request with more samples than a batch holds (forked, then preempted) is
-            # admitted into an empty batch; its samples then take turns, as running ones do
-            if budget == 0 or (step.items and len(step.items) + len(samples) > self.max_batch_seqs):
+            seqs = request.active()
+            # a request with more sequences than a batch holds (forked, then preempted) is
+            # admitted into an empty batch; its sequences then take turns, as running ones do
+            if budget == 0 or (step.items and len(step.items) + len(seqs) > self.max_batch_seqs):
                 break
-            needs = len(samples) if request.forked else request.params.n
+            needs = len(seqs) if request.forked else request.params.n
             if slots < needs:
                 break
             items, need, left = [], 0, budget
-            for sample in samples:
-                take = min(sample.pending, left)
+            for seq in seqs:
+                take = min(seq.pending, left)
                 if take > 0 and len(step.items) + len(items) < self.max_batch_seqs:
-                    items.append((request, sample, take))
-                    need += space.needed(sample, take)    # the blocks, counted once
+                    items.append((request, seq, take))
                     left -= take
+                else:                 # no chunk this step, but a swapped-out one comes back
+                    take = 0          # into blocks of its own all the same
+                need += space.needed(seq, take)    # the blocks, counted once
             if need > room:
                 break
             step.admitted.append(request)
@@ -378,26 +406,41 @@ class Scheduler:
     # ---- carrying a plan out --------------------------------------------------------------
     def apply(self, step: ScheduledStep, space: BlockSpace) -> None:
         """Carry out the plan's preemptions, then its admissions. Called again after an
-        interruption, it goes on from where the queues and the pool are."""
+        interruption, it goes on from where the queues and the pool are. A waiting request
+        that an error left holding pool sequences (a step that raised during its preemption
+        or admission) gives them back first, unless this plan admits it."""
+        for request in list(self.holding.values()):
+            if request not in step.admitted and request not in step.preempted:
+                self._put_back(request, space)
         for victim in step.preempted:
+            self.holding[victim.id] = victim
             self.preempt(victim, space)
+            del self.holding[victim.id]
         for i, request in enumerate(step.admitted):
             if request.state is State.RUNNING:       # admitted before an interruption
                 continue
+            self.holding[request.id] = request
             if not self._start(request, step, space):
                 step.put_back = step.admitted[i:]     # they stay first in line, in order
                 step.items = [item for item in step.items if item[0] not in step.put_back]
                 del step.admitted[i:]
                 break
-            for sample in request.samples:            # back in the pool: copies not needed
-                sample.swapped = None
+            for seq in request.sequences:            # back in the pool: copies not needed
+                seq.swapped = None
             self.waiting.remove(request)
             request.state = State.RUNNING
             self.running.append(request)
+            del self.holding[request.id]
         for request in step.put_back:
-            space.release(request)
-            for sample in request.samples:            # (host copies stay, for next time)
-                sample.forget_sequence()
+            self._put_back(request, space)
+
+    def _put_back(self, request: Request, space: BlockSpace) -> None:
+        """A waiting request gives back the pool sequences it holds (host copies stay, for
+        next time)."""
+        space.release(request)
+        for seq in request.sequences:
+            seq.forget_handle()
+        self.holding.pop(request.id, None)
 
     def _start(self, request: Request, step: ScheduledStep, space: BlockSpace) -> bool:
         """Admit one planned request into the pool: its chunks shrink by what the prefix
@@ -405,10 +448,10 @@ class Scheduler:
         (the plan counted its blocks before the cache search, which may have taken cached
         blocks out of the available ones)."""
         step.hits[request.id] = space.start(request)
-        for i, (r, sample, n) in enumerate(step.items):
+        for i, (r, seq, n) in enumerate(step.items):
             if r is request:                           # its tokens (then its drafts), as planned
-                own = min(n, len(sample.tokens) - (sample.swapped.length if sample.swapped else 0))
-                step.items[i] = (r, sample, min(own, sample.pending) + n - own)
+                own = min(n, len(seq.tokens) - (seq.swapped.length if seq.swapped else 0))
+                step.items[i] = (r, seq, min(own, seq.pending) + n - own)
         mine = sum(space.needed(s, n) for r, s, n in step.items if r is request)
         running = sum(space.needed(s, n) for r, s, n in step.items if r.state is State.RUNNING)
         return mine <= space.available() - running
@@ -425,15 +468,15 @@ class Scheduler:
             request.state = State.WAITING
             self.waiting.appendleft(request)
             request.preemptions += 1
-            request.forked = request.forked or any(s.outputs for s in request.samples)
+            request.forked = request.forked or any(s.outputs for s in request.sequences)
         if self.preemption == "swap":
             space.swap_out(request)
-        for sample in request.samples:
-            if sample.swapped is None:                # its K and V are about to be dropped
-                sample.computed_before = max(sample.computed_before, sample.computed)
+        for seq in request.sequences:
+            if seq.swapped is None:                # its K and V are about to be dropped
+                seq.computed_before = max(seq.computed_before, seq.computed)
         space.release(request)
-        for sample in request.samples:
-            sample.forget_sequence()
+        for seq in request.sequences:
+            seq.forget_handle()
     # [end ch05-scheduler-preempt]
 
 
@@ -442,7 +485,7 @@ def requests_fit(prompt_len: int, params: SamplingParams, block_size: int, num_b
                  max_blocks_per_seq: int) -> Optional[str]:
     """Why a request could never run in this pool even alone, or None if it can. Its
     longest sequence holds prompt + max_new_tokens - 1 tokens (the last sampled token is
-    never fed back), and after a preemption each sample is recomputed separately."""
+    never fed back), and after a preemption each seq is recomputed separately."""
     longest = blocks_for(prompt_len + params.max_new_tokens - 1, block_size)
     if longest > max_blocks_per_seq:
         return (f"prompt ({prompt_len} tokens) + max_new_tokens ({params.max_new_tokens}) needs "

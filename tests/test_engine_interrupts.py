@@ -216,12 +216,12 @@ class InterruptedSampledSpeculation(RuleBasedStateMachine):
         for request in engine.requests.values():
             queues = (request in engine.scheduler.running) + (request in engine.scheduler.waiting)
             assert queues == (request.state is not State.FINISHED), request.id
-            for sample in request.samples:
+            for sample in request.sequences:
                 if request.state is not State.RUNNING or sample.finished:
-                    assert sample.seq is None
-                elif sample.seq is not None:
-                    assert sample.seq.alive and sample.seq.length == sample.computed
-                    held.add((sample.seq.id, sample.seq.serial))
+                    assert sample.handle is None
+                elif sample.handle is not None:
+                    assert sample.handle.alive and sample.handle.length == sample.computed
+                    held.add((sample.handle.id, sample.handle.serial))
         assert {(s.id, s.serial) for s in engine.pool.sequences()} == held
 
     def teardown(self):

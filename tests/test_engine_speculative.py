@@ -85,8 +85,8 @@ def pool_holds_plain_decodings_rows(engine):
     and the pool's tokens for them are the sample's own (no draft left behind)."""
     pool = engine.pool
     for request in engine.scheduler.running:
-        for sample in request.samples:
-            seq = sample.seq
+        for sample in request.sequences:
+            seq = sample.handle
             if seq is None:
                 continue
             assert seq.length == sample.computed <= len(sample.tokens)
@@ -231,7 +231,7 @@ def test_streamed_tokens_are_never_taken_back_and_the_counters_add_up(model):
         for rid, tokens in engine.metrics[-1].new_tokens.items():
             streamed.setdefault(rid, []).extend(tokens)
             # what was reported so far is a prefix of the request's tokens, now and later
-            sample = engine.requests[rid].samples[0]
+            sample = engine.requests[rid].sequences[0]
             assert sample.outputs[:len(streamed[rid])] == streamed[rid]
 
     k = 5
@@ -378,14 +378,14 @@ def assert_consistent(engine):
     for request in engine.requests.values():
         where = (request in scheduler.running) + (request in scheduler.waiting)
         if request.state is State.FINISHED:
-            assert where == 0 and all(s.seq is None for s in request.samples)
+            assert where == 0 and all(s.handle is None for s in request.sequences)
             continue
         assert where == 1
-        for sample in request.samples:
+        for sample in request.sequences:
             if request.state is State.WAITING or sample.finished:
-                assert sample.seq is None
-            elif sample.seq is not None:
-                seq = sample.seq
+                assert sample.handle is None
+            elif sample.handle is not None:
+                seq = sample.handle
                 assert seq.alive
                 assert seq.length == sample.computed
                 held.add((seq.id, seq.serial))
@@ -525,6 +525,80 @@ def test_a_drafter_that_fails_fails_its_request_alone(model, junk, error):
     assert out.tokens == plain[target][0][0][:len(out.tokens)]
     del plain[target]
     assert {r: t for r, t in tokens_of(engine).items() if r != target} == plain
+
+
+def test_a_drafter_failing_in_a_step_that_then_raises_fails_its_request_on_the_retry(model):
+    # the drafter fails one request while planning; then the forward call raises, so the
+    # step is not done. Before, the request was marked failed in the plan all the same: the
+    # retry retired it without freeing its pool sequence (a leak the pool kept forever)
+    requests = greedy_requests(model, n=(1, 1, 1, 1))
+    plain = tokens_of(serve(model, requests))
+    target = 2
+    pool = model.new_paged_pool(200, 16)
+    engine = kvlab.Engine(model, pool, speculate=Broken(requests[target][0],
+                                                        RuntimeError("drafter down"), after=6))
+    for prompt, params in requests:
+        engine.add_request(prompt, params)
+    real = model.forward_batch
+    raised = []
+
+    def forward_batch(seqs, chunks, all_logits=False):
+        drafter_failed = engine.speculate.after < 0
+        if drafter_failed and not raised:
+            raised.append(len(engine.metrics))
+            raise RuntimeError("the device went away")
+        return real(seqs, chunks, all_logits=all_logits)
+
+    model.forward_batch = forward_batch
+    try:
+        with pytest.raises(RuntimeError, match="the device went away"):
+            while engine.has_work:
+                engine.step()
+        while engine.has_work:
+            engine.step()
+            pool.check()
+    finally:
+        del model.forward_batch
+    failed = {rid: why for m in engine.metrics for rid, why in m.failed.items()}
+    assert list(failed) == [target] and "RuntimeError: drafter down" in failed[target]
+    assert engine.outputs[target].outputs[0].finish_reason == failed[target]
+    assert pool.live_sequences == 0 and pool.stats().blocks_used == 0
+    del plain[target]
+    assert {r: t for r, t in tokens_of(engine).items() if r != target} == plain
+
+
+def test_a_request_its_drafter_fails_is_not_the_one_preempted_for_room(model):
+    # the drafter fails the newest request at a step where the pool is out of blocks: the
+    # plan must not preempt it for room (it leaves at the step's end), else it went back
+    # to the waiting queue and, failed there, was never retired (the engine stuck)
+    first, newest = encoded(model, PROMPTS[:2])
+    params = SamplingParams(max_new_tokens=40)
+    plain = tokens_of(serve(model, [(first, params), (newest, params)], num_blocks=17, block_size=8))
+    engine = serve(model, [(first, params), (newest, params)], num_blocks=17, block_size=8,
+                   speculate=Broken(newest, RuntimeError("drafter down"), after=0))
+    failed = {rid: why for m in engine.metrics for rid, why in m.failed.items()}
+    assert list(failed) == [1] and "RuntimeError: drafter down" in failed[1]
+    assert engine.outputs[1].preemptions == 0
+    assert tokens_of(engine)[0] == plain[0]
+    assert engine.pool.live_sequences == 0 and engine.pool.stats().blocks_used == 0
+
+
+class Scribbling(PromptLookup):
+    """Prompt lookup that also writes into the context it is given (as a drafter may that
+    takes it for its own copy)."""
+
+    def propose(self, tokens, k, sampling=None):
+        drafts = super().propose(tokens, k, sampling)
+        tokens.append(0)
+        return drafts
+
+
+def test_a_drafter_writing_into_its_context_changes_no_sequence(model):
+    # the engine gave the drafter the sequence's own token list: the appended 0 became a
+    # token of the output (generate gives each pass a list of its own)
+    requests = greedy_requests(model, n=(1, 1, 1, 1))
+    plain = tokens_of(serve(model, requests))
+    assert tokens_of(serve(model, requests, speculate=Scribbling())) == plain
 
 
 def test_nan_logits_in_a_draft_row_fail_that_request(model):

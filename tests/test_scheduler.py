@@ -68,55 +68,55 @@ class FakePool:
         return self.max_seqs - len(self.own)
 
     def needed(self, sample, n):
-        if sample.seq is None:
+        if sample.handle is None:
             return blocks_for(n, self.block_size)
         have = blocks_for(sample.computed, self.block_size)
-        copy = 1 if sample.seq in self.partial_shared else 0
+        copy = 1 if sample.handle in self.partial_shared else 0
         return blocks_for(sample.computed + n, self.block_size) - have + copy
 
     def start(self, request):
         self.release(request)          # what an interrupted start or release left (the contract)
         hits = 0
         for sample in request.active():
-            sample.seq = self.next_seq
+            sample.handle = self.next_seq
             self.next_seq += 1
             hit = min(self.prefix_hits.get(request.id, 0), len(sample.tokens) - 1)
             sample.computed = hit
-            self.own[sample.seq] = blocks_for(hit, self.block_size)
+            self.own[sample.handle] = blocks_for(hit, self.block_size)
             hits += hit
         return hits
 
     def fork(self, request, parent, children):
         """The engine forks the parent's sequence into the other samples."""
-        self.shared[request.id] = self.own.pop(parent.seq)
+        self.shared[request.id] = self.own.pop(parent.handle)
         partial = parent.computed % self.block_size != 0
         for sample in [parent] + children:
             if sample is not parent:
-                sample.seq, sample.computed = self.next_seq, parent.computed
+                sample.handle, sample.computed = self.next_seq, parent.computed
                 self.next_seq += 1
-            self.own[sample.seq] = 0
-            self.group[sample.seq] = request.id
+            self.own[sample.handle] = 0
+            self.group[sample.handle] = request.id
             if partial:
-                self.partial_shared.add(sample.seq)
+                self.partial_shared.add(sample.handle)
 
     def freed(self, request):
         """What release(request) would give back (the plan asks before preempting)."""
-        return (sum(self.own.get(s.seq, 0) for s in request.samples if s.seq is not None)
+        return (sum(self.own.get(s.handle, 0) for s in request.sequences if s.handle is not None)
                 + self.shared.get(request.id, 0))
 
     def release(self, request):
-        for sample in request.samples:
-            if sample.seq is not None:
-                self.own.pop(sample.seq, None)
-                self.group.pop(sample.seq, None)
-                self.partial_shared.discard(sample.seq)
-                sample.seq = None
+        for sample in request.sequences:
+            if sample.handle is not None:
+                self.own.pop(sample.handle, None)
+                self.group.pop(sample.handle, None)
+                self.partial_shared.discard(sample.handle)
+                sample.handle = None
         self.shared.pop(request.id, None)
 
     def run(self, sample, n):
         """Carry out one scheduled item: the sequence grows by n tokens."""
-        self.own[sample.seq] += self.needed(sample, n)
-        self.partial_shared.discard(sample.seq)
+        self.own[sample.handle] += self.needed(sample, n)
+        self.partial_shared.discard(sample.handle)
         sample.computed += n
         assert self.used() <= self.num_blocks, "the scheduler overcommitted the pool"
 
@@ -124,8 +124,8 @@ class FakePool:
 def make_request(rid, prompt_len, max_tokens=4, n=1):
     params = sched.SamplingParams(max_new_tokens=max_tokens, n=n)
     request = sched.Request(id=rid, prompt=[1] * prompt_len, params=params, arrival=rid)
-    request.samples = [sched.Sequence(index=i, tokens=[1] * prompt_len, prompt_len=prompt_len)
-                       for i in range(n)]
+    request.sequences = [sched.Sequence(index=i, tokens=[1] * prompt_len, prompt_len=prompt_len)
+                         for i in range(n)]
     return request
 
 
@@ -145,9 +145,9 @@ def drive(scheduler, pool, requests, max_steps=10_000, on_step=None):
                 continue
             targets = [sample]
             if request.params.n > 1 and not request.forked:    # the engine forks here
-                pool.fork(request, sample, request.samples[1:])
+                pool.fork(request, sample, request.sequences[1:])
                 request.forked = True
-                targets = request.samples
+                targets = request.sequences
             for target in targets:
                 target.tokens.append(7)
                 if len(target.outputs) >= request.params.max_new_tokens:
@@ -229,7 +229,7 @@ def test_preemption_frees_the_most_recent_request_and_requeues_it_first():
     assert preempted and all(rid == 1 for rid, _ in preempted)
     assert new.preemptions >= 1 and old.preemptions == 0
     assert all(r.finished for r in (old, new))
-    assert len(new.samples[0].outputs) == 6            # it kept its tokens and went on
+    assert len(new.sequences[0].outputs) == 6            # it kept its tokens and went on
 
 
 def test_no_admission_in_a_step_that_preempted():
@@ -256,7 +256,7 @@ def test_forked_samples_all_decode():
     steps = drive(scheduler, pool, [request])
     assert steps[0].n_tokens == 6                      # one prompt for the three samples
     assert [len(s.items) for s in steps[1:]] == [3, 3]
-    assert all(len(s.outputs) == 3 for s in request.samples)
+    assert all(len(s.outputs) == 3 for s in request.sequences)
 
 
 @pytest.mark.parametrize("seed", range(12))
@@ -275,7 +275,7 @@ def test_random_workloads_always_finish_within_the_pool(seed):
     scheduler = sched.Scheduler(block_size, budget, max_batch_seqs=int(rng.integers(1, 9)))
     drive(scheduler, pool, requests)
     assert all(r.finished and r.state is sched.State.FINISHED for r in requests)
-    assert all(len(s.outputs) == r.params.max_new_tokens for r in requests for s in r.samples)
+    assert all(len(s.outputs) == r.params.max_new_tokens for r in requests for s in r.sequences)
     assert pool.used() == 0
 
 
@@ -286,25 +286,25 @@ class SwappingPool(FakePool):
 
     def swap_out(self, request):
         for sample in request.active():
-            if sample.seq is not None and 0 < sample.computed < len(sample.tokens):
+            if sample.handle is not None and 0 < sample.computed < len(sample.tokens):
                 sample.swapped = types.SimpleNamespace(length=sample.computed)
-                self.own.pop(sample.seq)
-                self.group.pop(sample.seq, None)
-                self.partial_shared.discard(sample.seq)
-                sample.seq = None
+                self.own.pop(sample.handle)
+                self.group.pop(sample.handle, None)
+                self.partial_shared.discard(sample.handle)
+                sample.handle = None
 
     def start(self, request):
         self.release(request)
         hits = 0
         for sample in request.active():
-            sample.seq = self.next_seq
+            sample.handle = self.next_seq
             self.next_seq += 1
             if sample.swapped is not None:
                 sample.computed = sample.swapped.length
             else:
                 sample.computed = min(self.prefix_hits.get(request.id, 0), len(sample.tokens) - 1)
                 hits += sample.computed
-            self.own[sample.seq] = blocks_for(sample.computed, self.block_size)
+            self.own[sample.handle] = blocks_for(sample.computed, self.block_size)
         return hits
 
 
@@ -330,7 +330,7 @@ def test_preemption_by_swapping_computes_every_token_once():
             scheduler = sched.Scheduler(block_size, budget, seqs, preemption=preemption)
             steps = drive(scheduler, pool, requests)        # never past the pool (run())
             assert all(r.finished for r in requests) and pool.used() == 0
-            assert all(s.swapped is None for r in requests for s in r.samples)
+            assert all(s.swapped is None for r in requests for s in r.sequences)
             computed[preemption] = sum(step.n_tokens for step in steps)
             preempted = sum(len(step.preempted) for step in steps)
             # each prompt once (its samples fork after it), then every sample's tokens but
@@ -352,9 +352,9 @@ def test_a_sample_swapped_mid_prompt_waits_with_its_tokens_counted():
     seen = []
 
     def watch(step):
-        for sample in prompt.samples:
+        for sample in prompt.sequences:
             if step.preempted and sample.swapped is not None:
-                seen.append((sample.computed, sample.swapped.length, sample.seq))
+                seen.append((sample.computed, sample.swapped.length, sample.handle))
     drive(scheduler, pool, [decoding, prompt], on_step=watch)
     assert seen and all(0 < c == n < 10 and seq is None for c, n, seq in seen)
     assert prompt.preemptions >= 1 and prompt.finished
@@ -411,11 +411,11 @@ class Interrupting(FakePool):
     armed = False
 
     def release(self, request):
-        if self.armed and sum(s.seq is not None for s in request.samples) > 1:
+        if self.armed and sum(s.handle is not None for s in request.sequences) > 1:
             self.armed = False
-            first = next(s for s in request.samples if s.seq is not None)
-            self.own.pop(first.seq, None)
-            first.seq = None
+            first = next(s for s in request.sequences if s.handle is not None)
+            self.own.pop(first.handle, None)
+            first.handle = None
             raise KeyboardInterrupt
         super().release(request)
 
@@ -437,7 +437,7 @@ def test_an_interrupted_preemption_leaves_the_request_waiting_and_all_finish():
                 interrupted.append(new)
             assert new.state is sched.State.WAITING and new not in scheduler.running
             assert scheduler.waiting[0] is new
-            assert any(s.seq is not None for s in new.samples)     # left to free
+            assert any(s.handle is not None for s in new.sequences)     # left to free
 
     drive(scheduler, pool, [old, new], on_step=arm)
     assert interrupted and all(r.finished for r in (old, new))
@@ -461,7 +461,7 @@ def test_a_forked_request_with_more_samples_than_a_batch_comes_back_after_preemp
     steps = drive(scheduler, pool, [old, new], max_steps=100)
     assert new.preemptions >= 1 and len(new.active()) == 0
     assert all(len(step.items) <= 2 for step in steps)
-    assert all(len(s.outputs) == 2 for s in new.samples) and old.finished
+    assert all(len(s.outputs) == 2 for s in new.sequences) and old.finished
     assert pool.used() == 0
 
 
@@ -477,7 +477,7 @@ def decoding(scheduler, pool, requests):
         sample.tokens.append(7)
     for request in requests:
         assert request.state is sched.State.RUNNING
-        for sample in request.samples:
+        for sample in request.sequences:
             sample.drafts, sample.drafted_after = [7, 7, 7, 7], len(sample.tokens)
 
 
@@ -511,7 +511,7 @@ def test_drafts_wait_for_the_chunk_that_ends_the_tokens():
     scheduler = sched.Scheduler(block_size=4, max_batch_tokens=6)
     pool = FakePool(16, 4)
     request = make_request(0, 10, max_tokens=10)
-    sample = request.samples[0]
+    sample = request.sequences[0]
     sample.drafts, sample.drafted_after = [7, 7], 10   # proposed, then preempted (say)
     scheduler.add(request)
     first = scheduler.schedule(pool)
@@ -529,3 +529,28 @@ def test_sample_is_the_old_name_of_sequence():
     assert old is sched.Sequence
     with pytest.raises(AttributeError):
         sched.NoSuchName
+
+
+def test_the_old_names_of_a_requests_sequences_and_their_handles_warn():
+    # issue 36's words: a Request holds `sequences` (it said samples), and a Sequence holds
+    # the pool's `handle` for its K and V (it said seq, the noun of the Sequence itself)
+    request = make_request(0, 3, n=2)
+    with pytest.warns(DeprecationWarning, match=r"Request.samples .* use Request.sequences"):
+        assert request.samples is request.sequences
+    with pytest.warns(DeprecationWarning, match=r"Request.samples .* use Request.sequences"):
+        request.samples = request.sequences[:1]
+    assert len(request.sequences) == 1
+    seq = request.sequences[0]
+    with pytest.warns(DeprecationWarning, match=r"Sequence.seq .* use Sequence.handle"):
+        seq.seq = "a pool's handle"
+    assert seq.handle == "a pool's handle"
+    with pytest.warns(DeprecationWarning, match=r"Sequence.seq .* use Sequence.handle"):
+        assert seq.seq == "a pool's handle"
+
+
+def test_positive_int_is_the_old_name_of_arguments_positive():
+    with pytest.warns(DeprecationWarning, match=r"positive_int.* use kvlab.arguments.positive"):
+        positive_int = sched.positive_int
+    assert positive_int("max_batch_tokens", 3) == 3
+    with pytest.raises(ValueError, match="max_batch_tokens"):
+        positive_int("max_batch_tokens", 0)

@@ -593,7 +593,7 @@ def test_a_request_preempted_mid_prompt_is_swapped_back_mid_prompt(model):
             engine.step()
             pool.check()
             mid_prompt += [s.swapped.length for r in engine.scheduler.waiting
-                           for s in r.samples if s.swapped is not None]
+                           for s in r.sequences if s.swapped is not None]
         assert sum(m.preemptions for m in engine.metrics) >= 1
         results.append({rid: [o.tokens for o in out.outputs]
                          for rid, out in engine.outputs.items()})
@@ -601,6 +601,33 @@ def test_a_request_preempted_mid_prompt_is_swapped_back_mid_prompt(model):
     assert results[0] == results[1]
     assert results[1][0] == [kvlab.generate(model, a[0], max_new_tokens=40).tokens]
     assert results[1][1] == [kvlab.generate(model, b[0], max_new_tokens=2).tokens]
+
+
+def test_admission_counts_the_blocks_of_every_sequence_swapped_back_in(model):
+    # A request of three sampled sequences, swapped out, comes back while the token budget
+    # (7) leaves chunks to only some of them: all three are swapped in at admission, and
+    # the plan counted the blocks of those with a chunk only (swap_in raised OutOfBlocks)
+    requests = [([188, 98, 75, 157], SamplingParams(max_new_tokens=16, n=3)),
+                ([163, 192], SamplingParams(max_new_tokens=10, n=3, temperature=0.8, seed=60,
+                                            stop_at_eos=False)),
+                ([105, 69, 179, 73, 5, 242], SamplingParams(max_new_tokens=20, n=3,
+                                                            temperature=0.8, seed=64))]
+    results = {}
+    for preemption, num_blocks in (("swap", 7), ("recompute", 7), ("recompute", 100)):
+        pool = model.new_paged_pool(num_blocks, block_size=16)
+        engine = kvlab.Engine(model, pool, max_batch_tokens=7, preemption=preemption)
+        for prompt, params in requests:
+            engine.add_request(prompt, params)
+        while engine.has_work:
+            assert len(engine.metrics) < 2000, "the engine stopped making progress"
+            engine.step()
+            pool.check()
+        assert pool.stats().blocks_used == 0 and pool.stats().n_sequences == 0
+        results[preemption, num_blocks] = {rid: [o.tokens for o in out.outputs]
+                                           for rid, out in engine.outputs.items()}
+        if preemption == "swap":
+            assert sum(m.swapped_in_blocks for m in engine.metrics) > 0
+    assert results["swap", 7] == results["recompute", 7] == results["recompute", 100]
 
 
 def test_bad_preemption_modes_are_refused(model):

@@ -71,9 +71,9 @@ class CountingPool:
     def available(self):
         return self.num_blocks - sum(self.held.values())
 
-    def needed(self, sample, n_tokens):
-        return (blocks_for(sample.computed + n_tokens, self.block_size)
-                - blocks_for(sample.computed, self.block_size))
+    def needed(self, seq, n_tokens):
+        return (blocks_for(seq.computed + n_tokens, self.block_size)
+                - blocks_for(seq.computed, self.block_size))
 
     def freed(self, request):
         return self.held.get(request.id, 0)        # what release(request) gives back
@@ -82,15 +82,15 @@ class CountingPool:
         return 1 << 30
 
     def start(self, request):
-        for sample in request.active():
-            sample.seq, sample.computed = request.id, 0
+        for seq in request.active():
+            seq.handle, seq.computed = request.id, 0
         self.held[request.id] = 0
         return 0                                     # no prefix cache: nothing found
 
     def release(self, request):
         self.held.pop(request.id, None)
-        for sample in request.samples:
-            sample.seq = None
+        for seq in request.sequences:
+            seq.handle = None
 
 
 class KvlabReference:
@@ -106,19 +106,19 @@ class KvlabReference:
         params = kvlab_scheduler.SamplingParams(max_new_tokens=max_new_tokens)
         request = kvlab_scheduler.Request(id=request_id, prompt=[1] * prompt_len,
                                           params=params, arrival=request_id)
-        request.samples = [kvlab_scheduler.Sequence(index=0, tokens=[1] * prompt_len,
-                                                    prompt_len=prompt_len)]
+        request.sequences = [kvlab_scheduler.Sequence(index=0, tokens=[1] * prompt_len,
+                                                      prompt_len=prompt_len)]
         self.requests[request_id] = request
         self.scheduler.add(request)
 
     def step(self):
         decided = self.scheduler.schedule(self.pool)
-        for request, sample, n in decided.items:
-            self.pool.held[request.id] = blocks_for(sample.computed + n, self.pool.block_size)
-            sample.computed += n
-            if sample.computed == len(sample.tokens):
-                sample.tokens.append(7)
-                sample.finished = len(sample.outputs) >= request.params.max_new_tokens
+        for request, seq, n in decided.items:
+            self.pool.held[request.id] = blocks_for(seq.computed + n, self.pool.block_size)
+            seq.computed += n
+            if seq.computed == len(seq.tokens):
+                seq.tokens.append(7)
+                seq.finished = len(seq.outputs) >= request.params.max_new_tokens
         for request in {r.id: r for r, _, _ in decided.items}.values():
             if request.finished and request.state is kvlab_scheduler.State.RUNNING:
                 self.pool.release(request)
@@ -140,7 +140,7 @@ class KvlabReference:
         return {"running": [r.id for r in self.scheduler.running],
                 "waiting": [r.id for r in self.scheduler.waiting],
                 "finished": list(self.done), "free blocks": self.pool.available(),
-                "generated": {i: len(r.samples[0].outputs) for i, r in self.requests.items()}}
+                "generated": {i: len(r.sequences[0].outputs) for i, r in self.requests.items()}}
 
 
 def view(scheduler, ids):
