@@ -349,7 +349,7 @@ class Layers(DraftModel):
 def injected(engine, injector):
     """Wraps every collaborator of a step; returns a function that unwraps them."""
     model, pool, space = engine.model, engine.pool, engine.space
-    patched = [(model, "forward_batch"), (engine.scheduler, "schedule"), (space, "start"),
+    patched = [(model, "forward_batch"), (engine.scheduler, "plan"), (engine.scheduler, "apply"), (space, "start"),
                (space, "release"), (pool, "new_sequence"), (pool, "fork"), (pool, "free"),
                (pool, "reuse_prefix"), (pool, "truncate")]
     for owner, name in patched:
@@ -468,7 +468,10 @@ def tokens_of_run(outputs):
     return {rid: [(o.tokens, o.finish_reason) for o in out.outputs] for rid, out in outputs.items()}
 
 
-@pytest.mark.parametrize("seed", range(4))
+# Seeds whose interrupts reach the drafter's proposals (seed 2's draws miss them since the
+# injector also wraps the scheduler's plan and apply); even seeds greedy, odd sampled;
+# 0-3 interrupt before a call, 4-7 after it.
+@pytest.mark.parametrize("seed", [0, 1, 3, 4, 5, 6, 7])
 def test_repeated_interrupts_with_a_draft_model_still_finish_exactly(model, seed):
     # a draft model of its own per sample, interrupted in its proposals too; interrupts
     # may hit the repair after an interrupt
@@ -476,7 +479,7 @@ def test_repeated_interrupts_with_a_draft_model_still_finish_exactly(model, seed
     reference = interrupt_workload(model, Layers.first_layers(model, 1), sampled)
     want = tokens_of_run(reference.run(progress=False))
     engine = interrupt_workload(model, Layers.first_layers(model, 1), sampled)
-    injector = Injector(rate=0.15, seed=seed, when=["before", "after"][seed // 2])
+    injector = Injector(rate=0.15, seed=seed, when=["before", "after"][seed // 4])
     undo = injected(engine, injector)
     try:
         outputs = run_through(engine, check=False)

@@ -143,7 +143,7 @@ class Sink(list):
 def injected(engine, injector):
     """Every collaborator of engine's steps, wrapped by injector, for the with block."""
     model, pool, space = engine.model, engine.pool, engine.space
-    patched = [(model, "forward_batch"), (engine.scheduler, "schedule"), (space, "start"),
+    patched = [(model, "forward_batch"), (engine.scheduler, "plan"), (engine.scheduler, "apply"), (space, "start"),
                (space, "release"), (space, "swap_out"), (pool, "new_sequence"), (pool, "fork"),
                (pool, "free"), (pool, "reuse_prefix"), (pool, "swap_out"), (pool, "swap_in")]
     for owner, name in patched:
