@@ -8,8 +8,8 @@
  * words the core's refusals so that they name the argument at fault. The few ranges it
  * checks as well say why where they are (most bound what the binding allocates).
  *
- * One file per object: errors.c, arrays.c (every array argument), stores.c (cache formats
- * and K/V views), cache.c (KVCache), blocks.c (BlockManager, PagedSequence), pool.c
+ * One file per object: errors.c, arrays.c (every array argument), formats.c (cache formats
+ * by name), stores.c (K/V views), cache.c (KVCache), blocks.c (BlockManager, PagedSequence), pool.c
  * (PagedPool: a BlockManager with K/V stores), model.c (Model),
  * module.c (module functions and PyInit__kvlab).
  */
@@ -28,9 +28,13 @@
 /* NumPy's C API is a table of function pointers that import_array() fills in. Every file
  * must use the same table: PY_ARRAY_UNIQUE_SYMBOL names it, module.c (which defines
  * KV_PY_IMPORTS_NUMPY before including this header) defines it and calls import_array(),
- * and every other file declares it extern (NO_IMPORT_ARRAY). */
+ * and every other file declares it extern (NO_IMPORT_ARRAY). The GPU extension, which
+ * shares arrays.c and formats.c, names a table of its own (setup.py defines
+ * PY_ARRAY_UNIQUE_SYMBOL for it) and fills it in cuda/_cuda.c. */
 #define NPY_NO_DEPRECATED_API NPY_2_0_API_VERSION
+#ifndef PY_ARRAY_UNIQUE_SYMBOL
 #define PY_ARRAY_UNIQUE_SYMBOL kvlab_PyArray_API
+#endif
 #ifndef KV_PY_IMPORTS_NUMPY
 #define NO_IMPORT_ARRAY
 #endif
@@ -93,7 +97,7 @@ int kv_py_signals_pending(void *arg);
     "num_blocks * block_size at most 2**32), max_seqs at most 2**20 and max_seqs * "          \
     "max_blocks_per_seq at most 2**28"
 
-/* ---- arrays.c: NumPy arrays in and out --------------------------------------------- */
+/* ---- arrays.c: NumPy arrays in and out (shared with the GPU binding, kvlab._cuda) ---- */
 
 #define KV_PY_ANY (-1)      /* a size kv_py_array takes whatever it is */
 #define KV_PY_MAX_DIMS 4
@@ -141,7 +145,7 @@ int kv_py_parse_weight_format(const char *name, kv_weight_format *format);
 /* matmul(x, w, format, activations='fp32'): the module's function (see module.c's table) */
 PyObject *kv_py_matmul(PyObject *module, PyObject *args);
 
-/* ---- stores.c: cache formats and views of K/V storage ------------------------------ */
+/* ---- formats.c: cache formats by name (shared with the GPU binding, kvlab._cuda) ---- */
 
 extern const char *const kv_py_format_names[];
 
@@ -149,15 +153,17 @@ extern const char *const kv_py_format_names[];
  * one), groups and window as given; the core checks the numbers. */
 int kv_py_make_format(kv_cache_format *format, const char *key_name, const char *value_name,
                       int key_group, int value_group, int window);
+/* A format's name into *format; ValueError naming `what` ("key", "cache" ...) otherwise. */
 int kv_py_parse_format(const char *name, const char *what, kv_format *format);
+int kv_py_code_type(kv_format format);
+PyObject *kv_py_format_name(kv_format format);
+
+/* ---- stores.c: views of K/V storage --------------------------------------------------- */
 
 /* After the core refused a cache or pool with KV_ERR_INVALID_ARG: raises the message for a
  * group that does not suit its format and head_dim and returns 1, or returns 0 (the fault
  * is elsewhere). */
 int kv_py_group_refused(const kv_cache_format *format, int head_dim);
-
-int kv_py_code_type(kv_format format);
-PyObject *kv_py_format_name(kv_format format);
 
 enum { KV_PY_CODES, KV_PY_SCALES, KV_PY_ZEROS };   /* the parts of a store */
 /* getset closures of key_codes ... value_zeros: (is_value << 2) | part */
