@@ -9,9 +9,11 @@
  * checks as well say why where they are (most bound what the binding allocates).
  *
  * One file per object: errors.c, arrays.c (every array argument), formats.c (cache formats
- * by name), stores.c (K/V views), cache.c (KVCache), blocks.c (BlockManager, PagedSequence), pool.c
- * (PagedPool: a BlockManager with K/V stores), model.c (Model),
- * module.c (module functions and PyInit__kvlab).
+ * by name), stores.c (K/V views), cache.c (KVCache), blocks.c (BlockManager,
+ * PagedSequence), pool.c (PagedPool: a BlockManager with K/V stores), row_store.c (a
+ * PagedPool whose rows a Python object holds: the GPU's), model.c (Model), module.c
+ * (module functions and PyInit__kvlab). arrays.c and formats.c are compiled into the GPU
+ * binding (csrc/cuda/_cuda.c) too.
  */
 #ifndef KVLAB_PY_BINDING_H
 #define KVLAB_PY_BINDING_H
@@ -193,9 +195,13 @@ typedef struct {
     int busy;
 } BlocksObject;
 
+/* store: the Python object a pool's rows live in (row_store.c), or NULL for the CPU's
+ * own stores; row_store reaches it for the core (pool.row_store points at it). */
 typedef struct {
     BlocksObject base;
     kv_pool pool;
+    PyObject *store;
+    kv_row_store row_store;
 } PoolObject;
 
 typedef struct {
@@ -236,6 +242,21 @@ PoolObject *kv_py_pool_of(PyObject *obj, int *seq);
 /* As kv_py_blocks_refused, and a pool shaped for another model (model's config). */
 PyObject *kv_py_pool_refused(const PoolObject *pool, kv_status status, int n_tokens,
                              const kv_config *model);
+
+/* row_store.c. Makes self's row store call `store`'s methods (copy_rows, write, read,
+ * put), keeping a reference to it; refuses (ValueError) a format such a pool cannot keep
+ * (a window, int4) and an object without those methods (TypeError). 0, or -1. */
+int kv_py_row_store_init(PoolObject *self, PyObject *store, const kv_cache_format *format);
+/* Every row of a row-store pool copied to the host, into *key and *value (host stores of
+ * all its slots, in the pool's layout) whose memory is the returned uint8 array (a new
+ * reference, the views' owner), or NULL with an exception. */
+PyObject *kv_py_row_store_copy(PoolObject *self, kv_store *key, kv_store *value);
+/* PagedPool's _reserve_batch(seqs, n_tokens) -> (starts, tables, slots),
+ * _commit_batch(seqs, tokens, n_tokens) and _cancel_batch(seqs): a forward pass over a
+ * row-store pool run elsewhere (kvlab/cuda.py), holding the pool (busy) in between. */
+PyObject *kv_py_pool_reserve_batch(PoolObject *self, PyObject *args);
+PyObject *kv_py_pool_commit_batch(PoolObject *self, PyObject *args);
+PyObject *kv_py_pool_cancel_batch(PoolObject *self, PyObject *seqs);
 
 /* model.c. How to choose tokens (temperature, top_k, top_p) into *how, each checked:
  * 0, or -1 with ValueError naming the argument. */
