@@ -271,6 +271,72 @@ static PyObject *store_read(StoreObject *self, PyObject *arg) {
     return result;
 }
 
+/* One store's rows as read() gives them, checked for put(): codes uint8 (n_layers, n,
+ * n_kv_heads, head_bytes), scales float32 (n_layers, n, n_kv_heads, groups), or None for a
+ * format without scales (*scales NULL then). -1 with an exception. */
+static int checked_rows(const kv_store *s, npy_intp n, PyObject *codes_obj, PyObject *scales_obj,
+                        const char *side, PyArrayObject **codes, PyArrayObject **scales) {
+    char name[32];
+    PyOS_snprintf(name, sizeof name, "%s_codes", side);
+    *codes = kv_py_array(codes_obj, &(kv_py_array_spec){
+        .name = name, .type = NPY_UINT8, .ndim = 4,
+        .shape = {s->n_layers, n, s->n_kv_heads, (npy_intp)s->head_bytes},
+        .axes = "n_layers,n,n_kv_heads,head_bytes"});
+    *scales = NULL;
+    if (*codes == NULL) return -1;
+    if (s->scales == NULL) {
+        if (scales_obj == Py_None) return 0;
+        PyErr_Format(PyExc_TypeError, "%s_scales must be None: %s has no scales", side,
+                     kv_py_format_names[s->format]);
+        return -1;
+    }
+    PyOS_snprintf(name, sizeof name, "%s_scales", side);
+    *scales = kv_py_array(scales_obj, &(kv_py_array_spec){
+        .name = name, .type = NPY_FLOAT32, .ndim = 4,
+        .shape = {s->n_layers, n, s->n_kv_heads, s->groups_per_head},
+        .axes = "n_layers,n,n_kv_heads,groups"});
+    return *scales == NULL ? -1 : 0;
+}
+
+/* put(slots, key_codes, key_scales, value_codes, value_scales): read() backwards, the rows
+ * stored as they are (a sequence swapped back in) */
+static PyObject *store_put(StoreObject *self, PyObject *args) {
+    PyObject *slots_obj, *parts[4];
+    if (!PyArg_ParseTuple(args, "OOOOO", &slots_obj, &parts[0], &parts[1], &parts[2], &parts[3]))
+        return NULL;
+    if (store_ready(self) < 0) return NULL;
+    PyArrayObject *slots = checked_slots(self, slots_obj, 0);
+    if (slots == NULL) return NULL;
+    npy_intp n = PyArray_DIM(slots, 0);
+    PyArrayObject *rows[4];
+    if (checked_rows(&self->key, n, parts[0], parts[1], "key", &rows[0], &rows[1]) < 0 ||
+        checked_rows(&self->value, n, parts[2], parts[3], "value", &rows[2], &rows[3]) < 0)
+        return NULL;
+    /* device copies made holding the GIL: the arrays are the caller's */
+    void *device[5] = {NULL, NULL, NULL, NULL, NULL};
+    int copied = (device[0] = device_copy(PyArray_DATA(slots), (size_t)n * sizeof(int64_t),
+                                          "copying slots")) != NULL;
+    for (int i = 0; i < 4 && copied; i++)
+        if (rows[i] != NULL)
+            copied = (device[i + 1] = device_copy(PyArray_DATA(rows[i]),
+                                                  (size_t)PyArray_NBYTES(rows[i]),
+                                                  "copying rows")) != NULL;
+    kv_cuda_err err = 0;
+    if (copied) {
+        self->busy = 1;
+        Py_BEGIN_ALLOW_THREADS
+        err = kv_cuda_store_put(&self->key, device[0], (int)n, device[1], device[2]);
+        if (err == 0) err = kv_cuda_store_put(&self->value, device[0], (int)n, device[3], device[4]);
+        if (err == 0) err = kv_cuda_synchronize();
+        Py_END_ALLOW_THREADS
+        self->busy = 0;
+    }
+    for (int i = 0; i < 5; i++) kv_cuda_free(device[i]);
+    if (!copied) return NULL;
+    if (err != 0) return raise_cuda(err, "putting K and V rows back");
+    Py_RETURN_NONE;
+}
+
 /* copy_rows(dst, src, n): slots src .. src+n-1 copied to dst .. dst+n-1 (copy-on-write) */
 static PyObject *store_copy_rows(StoreObject *self, PyObject *args) {
     long long dst, src, n;
@@ -554,6 +620,9 @@ static PyMethodDef store_methods[] = {
     {"read", (PyCFunction)store_read, METH_O,
      "read(slots) -> (key_codes, key_scales, value_codes, value_scales): host copies of the\n"
      "stored bytes, (n_layers, n, n_kv_heads, head_bytes) uint8, and scales or None."},
+    {"put", (PyCFunction)store_put, METH_VARARGS,
+     "put(slots, key_codes, key_scales, value_codes, value_scales): read() backwards: rows\n"
+     "as read() gives them stored, as they are, into slots."},
     {"copy_rows", (PyCFunction)store_copy_rows, METH_VARARGS,
      "copy_rows(dst, src, n): copy n slots' rows, every layer and head (copy-on-write)."},
     {"fill_random", (PyCFunction)store_fill_random, METH_O,
