@@ -1,8 +1,9 @@
 """The GPU caches' host-side logic, tested without a GPU (these run everywhere).
 
-kvlab.cuda decides, in Python, which slots each call writes (the slot mapping), when a
-shared block must be copied first (copy-on-write), and which rows are already in a block
-that the prefix cache swapped in. Here a NumPy stand-in replaces the GPU memory
+A GPU pool is the C core's pool (csrc/paged.c) with its rows in a GPU store: the core decides
+which slots each call writes (the slot mapping), when a shared block must be copied first
+(copy-on-write), and which rows are already in a block that the prefix cache swapped in; a
+contiguous GPU cache's slots are kvlab.cuda's. Here a NumPy stand-in replaces the GPU memory
 (conftest.py's fake_store), and the GPU pool must hold, for every sequence, exactly what the
 CPU pool holds after the same operations.
 """
@@ -30,8 +31,8 @@ def make_pools(FakeStore, fmt_name, num_blocks=24, block_size=4, max_seqs=8):
     fmt = CacheFormat.make(D, fmt_name)
     cpu = kvlab.PagedPool(L, H, D, num_blocks, block_size, max_seqs, num_blocks,
                           **fmt.core_arguments())
-    gpu = CudaPagedPool(L, H, D, num_blocks, block_size, max_seqs, num_blocks, fmt,
-                        store=FakeStore(L, H, D, num_blocks * block_size, fmt))
+    gpu = CudaPagedPool(L, H, D, num_blocks, block_size, max_seqs, num_blocks,
+                        **fmt.core_arguments(), store=FakeStore(L, H, D, num_blocks * block_size, fmt))
     return cpu, gpu
 
 
@@ -131,39 +132,45 @@ def test_a_block_computed_twice_is_swapped_for_its_twin_after_the_write(fake_sto
     for a, b in pairs:
         keys, values = rows_for(tokens, 0)
         cpu.append(a, np.array(tokens, np.int32), keys, values)
-        slots, table = gpu._reserve_rows(b, len(tokens))
+        counts = np.array([len(tokens)], np.int32)
+        _, tables, slots = gpu._reserve_batch([b], counts)
+        table = tables[0]
         assert (slots >= 0).all() and len(set(slots.tolist())) == len(tokens)
         gpu._store.write(slots, keys, values)
-        gpu.commit(b, np.array(tokens, np.int32))
+        gpu._commit_batch([b], np.array(tokens, np.int32), counts)
     assert pairs[0][1].block_table[0] == pairs[1][1].block_table[0]
     assert table[0] != pairs[1][1].block_table[0]        # written, then swapped for the twin
     assert gpu.ref_counts[table[0]] == 0                 # and the duplicate freed
     check_same(cpu, gpu, pairs)
 
 
-def test_the_gpu_pool_is_a_block_manager_with_no_shadow_rows(fake_store):
-    """The GPU pool's bookkeeping is the C block manager itself (no CPU pool of dummy rows):
-    reserve() says which rows to copy, and the pool copies them in its own storage."""
+def test_the_gpu_pool_is_the_cpu_pool_with_its_rows_in_the_store(fake_store):
+    """The GPU pool's bookkeeping is the C core's pool itself (no CPU pool of dummy rows, no
+    Python copy of the books): the pool says which rows to copy (copy-on-write), and its
+    store copies them in its own memory."""
     cpu, gpu = make_pools(fake_store, "fp32", block_size=4)
-    assert isinstance(gpu, kvlab._kvlab.BlockManager) and not isinstance(gpu, kvlab._kvlab.PagedPool)
+    assert isinstance(gpu, kvlab._kvlab.PagedPool) and isinstance(gpu, kvlab.PagedPool)
     assert isinstance(gpu, kvlab.paged.PoolViews) and isinstance(cpu, kvlab.paged.PoolViews)
+    copies, copy_rows = [], gpu._store.copy_rows
+    gpu._store.copy_rows = lambda dst, src, n: (copies.append((dst, src, n)), copy_rows(dst, src, n))
     seq = gpu.new_sequence()
-    assert gpu.reserve(seq, 6) == [] and seq.length == 0 and len(seq.block_table) == 2
-    gpu.commit(seq, np.arange(6, dtype=np.int32))
+    gpu.append(seq, np.arange(6, dtype=np.int32), *rows_for(list(range(6)), 0))
     child = gpu.fork(seq)
-    [(dst, src, rows)] = gpu.reserve(child, 1)            # copy-on-write of the half block
-    assert (src, rows) == (seq.block_table[1], 2) and dst == child.block_table[1] != src
-    with pytest.raises(ValueError, match="commit follows reserve"):
-        gpu.commit(child, np.arange(9, dtype=np.int32))    # one position was reserved
-    gpu.commit(child, np.array([7], np.int32))
+    gpu.append(child, np.array([7], np.int32), *rows_for(list(range(6)) + [7], 6))
+    [(dst, src, rows)] = copies                          # copy-on-write of the half block
+    assert (src, rows) == (seq.block_table[1] * 4, 2) and dst == child.block_table[1] * 4 != src
     gpu.check()
-    with pytest.raises(TypeError, match="writes K and V between reserve and commit itself"):
-        cpu.reserve(cpu.new_sequence(), 1)
+    for pool in (cpu, gpu):
+        with pytest.raises(TypeError, match="writes K and V between reserve and commit itself"):
+            pool.reserve(pool.new_sequence(), 1)
     # ids as the CPU pool takes them: int32, never an int64 silently wrapped
     keys, values = rows_for([1, 2], 0)
     for tokens in (np.array([1, 2**32 + 2]), [1, 2]):
-        with pytest.raises(TypeError, match="int32 array"):
+        with pytest.raises(TypeError, match="int32") as on_gpu:
             gpu.append(gpu.new_sequence(), tokens, keys, values)
+        with pytest.raises(TypeError) as on_cpu:
+            cpu.append(cpu.new_sequence(), tokens, keys, values)
+        assert str(on_gpu.value) == str(on_cpu.value)
 
 
 @pytest.mark.parametrize("fmt_name", ["fp32", "fp16", "bf16", "int8"])
@@ -254,7 +261,8 @@ def test_the_logits_scratch_is_asked_for_the_rows_wanted(fake_store, monkeypatch
     gpu = kc.CudaModel(cpu)
     c = gpu.config
     fmt = CacheFormat.make(c.head_dim, "fp32")
-    pool = CudaPagedPool(c.n_layers, c.n_kv_heads, c.head_dim, 64, 16, 8, 64, fmt,
+    pool = CudaPagedPool(c.n_layers, c.n_kv_heads, c.head_dim, 64, 16, 8, 64,
+                         **fmt.core_arguments(),
                          store=fake_store(c.n_layers, c.n_kv_heads, c.head_dim, 64 * 16, fmt))
     a, b = pool.new_sequence(), pool.new_sequence()
     assert gpu.prefill(np.arange(300) % c.vocab_size, a).shape == (c.vocab_size,)
