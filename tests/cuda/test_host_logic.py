@@ -271,3 +271,145 @@ def test_the_logits_scratch_is_asked_for_the_rows_wanted(fake_store, monkeypatch
     assert gpu.forward_batch([a, b], [[1, 2], [4]], all_logits=True).shape == (3, c.vocab_size)
     assert gpu._gpu.reserved == [(300, 1, 1), (5, 1, 5), (4, 2, 2), (3, 2, 3)]
     pool.check()
+
+
+@pytest.mark.parametrize("fmt_name", ["fp16", "int8"])
+def test_views_and_swapping_follow_the_cpu_pool(fmt_name, fake_store):
+    """The GPU pool's views are copies of the same codes, block first, as the CPU pool's
+    views; a sequence swapped out and back holds what it held, and the host copy is the
+    CPU pool's bytes: it swaps into a CPU pool of the same shape and format, and back."""
+    cpu, gpu = make_pools(fake_store, fmt_name, block_size=4)
+    pairs = [(cpu.new_sequence(), gpu.new_sequence()) for _ in range(2)]
+    for (a, b), tokens in zip(pairs, ([1, 2, 3, 4, 5, 6], [9, 8, 7])):
+        keys, values = rows_for(tokens, 0)
+        cpu.append(a, np.array(tokens, np.int32), keys, values)
+        gpu.append(b, np.array(tokens, np.int32), keys, values)
+    for part in ("key_codes", "key_scales", "key_zeros", "value_codes", "value_scales"):
+        want, got = getattr(cpu, part), getattr(gpu, part)
+        assert (want is None) == (got is None)
+        if want is not None:
+            assert got.dtype == want.dtype and not got.flags.writeable
+            np.testing.assert_array_equal(got, want)
+    a, b = pairs[0]
+    want = cpu.gather(a)
+    host_c, host_g = cpu.swap_out(a), gpu.swap_out(b)
+    assert not b.alive and host_g.length == 6
+    np.testing.assert_array_equal(host_g.data, host_c.data)        # the same bytes
+    back = gpu.swap_in(host_g)
+    for got, expected in zip(gpu.gather(back), want):
+        np.testing.assert_array_equal(got, expected)
+    to_cpu = cpu.swap_in(gpu.swap_out(back))                       # GPU -> CPU -> GPU
+    to_gpu = gpu.swap_in(cpu.swap_out(to_cpu))
+    for got, expected in zip(gpu.gather(to_gpu), want):
+        np.testing.assert_array_equal(got, expected)
+    gpu.check()
+    cpu.check()
+
+
+class FailingStore:
+    """A fake store whose method named by `fail` raises (as on a GPU error); None: none."""
+
+    def __init__(self, store):
+        self.store, self.fail = store, None
+
+    def __getattr__(self, name):
+        if name == self.fail:
+            def failing(*args):
+                raise kvlab.CudaError(f"{name} failed (a test)")
+            return failing
+        return getattr(self.store, name)
+
+
+def snapshot(pool, seqs):
+    return (pool.ref_counts.copy().tolist(), sorted(pool.free_blocks), pool.stats(),
+            [(s.length, list(s.block_table)) for s in seqs])
+
+
+def test_a_store_that_fails_leaves_the_pool_as_it_was(fake_store):
+    """A GPU error while rows move: the pool takes back what it had taken (a write failed:
+    the sequence is as it was; a swap: nothing happened) and stays usable. A copy-on-write
+    made before a failed write stays (the sequence keeps its own copy of the same rows); a
+    failed copy-on-write frees its sequence, whose new block lacks its rows."""
+    fmt = CacheFormat.make(D, "fp32")
+    store = FailingStore(fake_store(L, H, D, 24 * 4, fmt))
+    pool = CudaPagedPool(L, H, D, 24, 4, 8, 24, **fmt.core_arguments(), store=store)
+    seq = pool.new_sequence()
+    pool.append(seq, np.arange(8, dtype=np.int32), *rows_for(list(range(8)), 0))
+    child = pool.fork(seq)                                   # shares two full blocks
+    before = snapshot(pool, [seq, child])
+    for method, call in (("write", lambda: pool.append(seq, np.array([7], np.int32),
+                                                       *rows_for(list(range(9)), 8))),
+                         ("read", lambda: pool.swap_out(seq)),
+                         ("read", lambda: pool.gather(seq))):
+        store.fail = method
+        with pytest.raises(kvlab.CudaError, match=method):
+            call()
+        assert snapshot(pool, [seq, child]) == before and seq.alive
+        pool.check()
+    # swap_in's put fails: the sequence it made is gone again
+    store.fail = None
+    host = pool.swap_out(child)
+    before = snapshot(pool, [seq])
+    store.fail = "put"
+    with pytest.raises(kvlab.CudaError, match="put"):
+        pool.swap_in(host)
+    assert snapshot(pool, [seq]) == before and pool.live_sequences == 1
+    # a half-full shared block: the write fails after the copy-on-write, which stays
+    store.fail = None
+    pool.truncate(seq, 6)
+    child = pool.fork(seq)
+    want = pool.gather(child)
+    store.fail = "write"
+    with pytest.raises(kvlab.CudaError, match="write"):
+        pool.append(child, np.array([7], np.int32), *rows_for(list(range(7)), 6))
+    assert child.length == 6 and child.block_table[1] != seq.block_table[1]
+    for got, expected in zip(pool.gather(child), want):
+        np.testing.assert_array_equal(got, expected)
+    pool.check()
+    # the copy-on-write itself fails: that fork's own copy of the shared block is missing
+    store.fail = None
+    other = pool.fork(seq)
+    store.fail = "copy_rows"
+    with pytest.raises(kvlab.CudaError, match="copy_rows"):
+        pool.append(other, np.array([7], np.int32), *rows_for(list(range(7)), 6))
+    assert not other.alive and seq.length == 6
+    pool.check()
+    store.fail = None
+    pool.append(seq, np.array([7], np.int32), *rows_for(list(range(7)), 6))
+    assert seq.length == 7
+    for got, expected in zip(pool.gather(seq), rows_for(list(range(7)), 0)):
+        np.testing.assert_array_equal(got, expected.transpose(1, 0, 2, 3))
+
+
+def test_a_forward_pass_that_fails_on_the_gpu_is_cancelled(fake_store, monkeypatch):
+    """The pool reserves a batch, the GPU fails (an error, or Ctrl-C while it ran): the pool
+    cancels the reservation, every sequence is as it was, and the pool is free again (it is
+    held, busy to any other use, only while the GPU runs)."""
+    import types
+    import kvlab.cuda as kc
+
+    class FailingGpuModel(FakeGpuModel):
+        def forward(self, *args, **kwargs):
+            with pytest.raises(RuntimeError, match="in use"):   # held: busy to other uses
+                pool.new_sequence()
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(kc, "extension", lambda: types.SimpleNamespace(Model=FailingGpuModel))
+    gpu = kc.CudaModel(kvlab.load())
+    c = gpu.config
+    fmt = CacheFormat.make(c.head_dim, "fp32")
+    pool = CudaPagedPool(c.n_layers, c.n_kv_heads, c.head_dim, 64, 16, 8, 64,
+                         **fmt.core_arguments(),
+                         store=fake_store(c.n_layers, c.n_kv_heads, c.head_dim, 64 * 16, fmt))
+    a, b = pool.new_sequence(), pool.new_sequence()
+    pool.append(a, np.arange(20, dtype=np.int32), *[np.zeros((20, c.n_layers, c.n_kv_heads,
+                                                              c.head_dim), np.float32)] * 2)
+    twin = pool.fork(a)                     # a shared half block: copy-on-write on the GPU
+    before = snapshot(pool, [a, b, twin])
+    with pytest.raises(KeyboardInterrupt):
+        gpu.forward_batch([twin, b], [[1, 2, 3], [4] * 30])
+    after = snapshot(pool, [a, b, twin])
+    assert after[3][:2] == before[3][:2] and after[3][2][0] == 20   # lengths, tables as before
+    pool.check()
+    pool.free(twin)                         # usable: nothing holds it
+    assert pool.live_sequences == 2
