@@ -529,7 +529,8 @@ kv_status kv_pool_swap_out(kv_pool *pool, int seq, void *host, size_t size);
  * length, next position, positions and window rows, so that its next forward calls give
  * the logits they would have given before the swap. Its full blocks join the prefix cache
  * as a prefill's do. The host buffer is only read: it may be swapped in again. Refused,
- * changing nothing: KV_ERR_CACHE_MISMATCH (another shape or format), KV_ERR_INVALID_ARG
+ * changing nothing: KV_ERR_CACHE_MISMATCH (another shape or format; or rows dropped, for a
+ * pool whose rows a row store holds), KV_ERR_INVALID_ARG
  * (not such a buffer: a header, size or row positions that no swap-out writes),
  * KV_ERR_TABLE_FULL, KV_ERR_OUT_OF_BLOCKS, KV_ERR_TOO_MANY_SEQUENCES, KV_ERR_NOMEM. The rows
  * and tokens themselves are taken as they are, as kv_pool_append takes any rows: bytes

@@ -413,3 +413,16 @@ def test_a_forward_pass_that_fails_on_the_gpu_is_cancelled(fake_store, monkeypat
     pool.check()
     pool.free(twin)                         # usable: nothing holds it
     assert pool.live_sequences == 2
+
+
+def test_a_sequence_that_dropped_rows_does_not_swap_into_a_gpu_pool(fake_store):
+    """Its rows hold other positions than their row numbers, which the GPU cannot read."""
+    cpu, gpu = make_pools(fake_store, "fp32", block_size=4)
+    seq = cpu.new_sequence()
+    cpu.append(seq, np.arange(6, dtype=np.int32), *rows_for(list(range(6)), 0))
+    cpu.keep(seq, np.tile(np.array([0, 2, 5], np.int32)[None, :, None], (L, 1, H)))
+    host = cpu.swap_out(seq)
+    with pytest.raises(ValueError, match="another shape or cache format"):
+        gpu.swap_in(host)
+    assert gpu.live_sequences == 0 and gpu.stats().blocks_used == 0
+    gpu.check()
