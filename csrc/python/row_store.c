@@ -278,8 +278,8 @@ static PyObject *batch_refused(PoolObject *self, kv_status status, const int *sl
                                const int *counts, Py_ssize_t n_seqs) {
     long long total = 0;
     for (Py_ssize_t i = 0; i < n_seqs; i++) total += counts[i];
-    if (status != KV_ERR_INVALID_ARG)
-        return kv_py_pool_refused(self, status, total > INT_MAX ? INT_MAX : (int)total, NULL);
+    if (status != KV_ERR_INVALID_ARG)   /* (pool.c's words for these: the block manager's) */
+        return kv_py_blocks_refused(&self->base, status, total > INT_MAX ? INT_MAX : (int)total);
     for (Py_ssize_t i = 0; i < n_seqs; i++)
         for (Py_ssize_t j = 0; j < i; j++)
             if (slots[j] == slots[i])
@@ -312,7 +312,7 @@ static int held(PoolObject *self) { return self->base.busy; }
 PyObject *kv_py_pool_reserve_batch(PoolObject *self, PyObject *args) {
     PyObject *seqs_obj, *counts_obj;
     if (!PyArg_ParseTuple(args, "OO", &seqs_obj, &counts_obj)) return NULL;
-    if (kv_py_pool_ready(self) < 0) return NULL;
+    if (kv_py_blocks_ready(&self->base) < 0) return NULL;   /* (initialized: seqs exist) */
     if (self->pool.row_store == NULL) {
         PyErr_SetString(PyExc_TypeError, "_reserve_batch is for a pool whose rows a store holds "
                         "(the GPU's); the CPU's forward_batch reserves its own");
