@@ -392,9 +392,8 @@ class CudaPagedPool(PagedPool):
     that copies, writes and reads the rows the pool names. Its arguments, methods and errors
     are PagedPool's; reading K and V (key_codes, gather ...) copies them from the GPU, and
     keep() is refused (the GPU reads row i as position i). `store` replaces the GPU store:
-    any object with KVStore's copy_rows, write, read and put (the tests give a NumPy one)."""
-
-    device = "cuda"
+    any object with KVStore's copy_rows, write, read and put (the tests give a NumPy one).
+    Its device, read off the C pool like every other attribute, is 'cuda'."""
 
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, num_blocks: int,
                  block_size: int, max_seqs: int = 256, max_blocks_per_seq: int = 0,

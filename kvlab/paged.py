@@ -225,8 +225,6 @@ class PagedPool(PoolViews, core.PagedPool):
     """A pool of fixed-size KV blocks shared by many sequences, K and V in host memory
     (csrc/blocks.c keeps the books, csrc/paged.c the rows)."""
 
-    device = "cpu"   # where its rows are: kvlab.cuda.CudaPagedPool, this class on a GPU, says "cuda"
-
     # Swapping copies with the core (csrc/swap.c), not with NumPy over key_codes and the
     # other views: the views are read-only and strided (a sequence's rows are one run per
     # layer, KV head and block), and a sequence swapped in must get its blocks, rows,

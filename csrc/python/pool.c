@@ -155,6 +155,12 @@ static PyObject *pool_get_group(PoolObject *self, void *closure) {
     }
 POOL_INT_GETTER(nbytes, self->pool.key.n_layers ? kv_pool_nbytes(&self->pool) : 0)
 POOL_INT_GETTER(window, self->pool.window)
+/* "cpu", or "cuda" for a pool whose rows a row store holds (the only one kvlab makes is the
+ * GPU's, kvlab.cuda.CudaPagedPool; the tests' NumPy stand-in plays it) */
+static PyObject *pool_get_device(PoolObject *self, void *closure) {
+    return PyUnicode_FromString(self->pool.row_store ? "cuda" : "cpu");
+}
+
 POOL_INT_GETTER(n_layers, self->pool.n_layers)
 POOL_INT_GETTER(n_kv_heads, self->pool.n_kv_heads)
 POOL_INT_GETTER(head_dim, self->pool.head_dim)
@@ -384,6 +390,9 @@ static PyGetSetDef pool_getset[] = {
     {"window", (getter)pool_get_window, NULL,
      "Residual window: each query reads this many most recent positions in float32.", NULL},
     {"nbytes", (getter)pool_get_nbytes, NULL, "Bytes of K/V storage the pool allocated.", NULL},
+    {"device", (getter)pool_get_device, NULL,
+     "Where the rows are: 'cpu' (host memory) or 'cuda' (GPU memory, through a row store).",
+     NULL},
     {"n_layers", (getter)pool_get_n_layers, NULL, NULL, NULL},
     {"n_kv_heads", (getter)pool_get_n_kv_heads, NULL, NULL, NULL},
     {"head_dim", (getter)pool_get_head_dim, NULL, NULL, NULL},
