@@ -425,7 +425,7 @@ kv_status kv_pool_reserve_batch(kv_pool *pool, int n_seqs, const int *seqs, cons
     int bs = pool->blocks.block_size;
     for (int i = 0; i < n_seqs; i++) {
         const kv_seq *q = &pool->blocks.seqs[seqs[i]];
-        if ((q->length + (long)n_tokens[i] + bs - 1) / bs > max_blocks) return KV_ERR_INVALID_ARG;
+        if (kv_ceil_div((int64_t)q->length + n_tokens[i], bs) > max_blocks) return KV_ERR_INVALID_ARG;
     }
     for (int i = 0, first = 0; i < n_seqs; first += n_tokens[i], i++) {
         const kv_seq *q = &pool->blocks.seqs[seqs[i]];

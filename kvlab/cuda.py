@@ -386,7 +386,7 @@ class CudaCache:
 
 
 class CudaPagedPool(PagedPool):
-    """A paged KV cache whose K and V rows live in GPU memory: kvlab.PagedPool itself, the
+    """A paged pool whose K and V rows live in GPU memory: kvlab.PagedPool itself, the
     same C pool (csrc/paged.c and swap.c keep its books: block tables, copy-on-write, the
     prefix cache, swapping, statistics, pictures), with a GPU store (kvlab._cuda.KVStore)
     that copies, writes and reads the rows the pool names. Its arguments, methods and errors
@@ -456,7 +456,7 @@ class CudaModel(Model):
     def new_paged_pool(self, num_blocks: int, block_size: int = 16, dtype: str = "fp32",
                        max_seqs: int = 256, max_blocks_per_seq: Optional[int] = None,
                        prefix_cache: bool = True, **format_options) -> CudaPagedPool:
-        """A paged KV cache with its K and V in GPU memory (see Model.new_paged_pool)."""
+        """A paged pool with its K and V in GPU memory (see Model.new_paged_pool)."""
         fmt = self.cache_format(dtype, **format_options)
         return CudaPagedPool(*self._pool_sizes(num_blocks, block_size, max_seqs,
                                                max_blocks_per_seq),

@@ -23,6 +23,7 @@
 #include <limits.h>
 #include <string.h>
 
+#include "common.h"     /* kv_ceil_div */
 #include "paged.h"
 #include "store.h"
 
@@ -297,9 +298,10 @@ static PyObject *batch_arrays(const kv_pool *p, const int *seqs, const int *coun
                               Py_ssize_t n_seqs) {
     npy_intp total = 0, max_blocks = 1, bs = p->blocks.block_size;
     for (Py_ssize_t i = 0; i < n_seqs; i++) {
-        npy_intp end = p->blocks.seqs[seqs[i]].length + (npy_intp)counts[i];
+        npy_intp blocks = (npy_intp)kv_ceil_div((int64_t)p->blocks.seqs[seqs[i]].length +
+                                                counts[i], bs);
         total += counts[i];
-        if ((end + bs - 1) / bs > max_blocks) max_blocks = (end + bs - 1) / bs;
+        if (blocks > max_blocks) max_blocks = blocks;
     }
     npy_intp run_dims[1] = {n_seqs}, table_dims[2] = {n_seqs, max_blocks}, slot_dims[1] = {total};
     return Py_BuildValue("(NNN)", PyArray_SimpleNew(1, run_dims, NPY_INT32),
