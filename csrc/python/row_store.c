@@ -21,6 +21,7 @@
 #include "binding.h"
 
 #include <limits.h>
+#include <stdarg.h>
 #include <string.h>
 
 #include "common.h"     /* kv_ceil_div */
@@ -29,7 +30,6 @@
 
 /* ---- the kv_row_store over a Python object ---------------------------------------------- */
 
-static PyObject *store_object(void *ctx) { return ((PoolObject *)ctx)->store; }
 static const kv_pool *pool_of(void *ctx) { return &((PoolObject *)ctx)->pool; }
 
 /* A new int64 array holding slots[0 .. n - 1] (the object may keep it: a copy). */
@@ -49,17 +49,31 @@ static PyObject *row_array(const kv_pool *p, const float *rows, int n) {
     return array;
 }
 
-/* The result of a method call, dropped: KV_OK, or KV_ERR_STORE with its exception set. */
-static kv_status called(PyObject *result) {
+/* store.name(format, ...), its result dropped: KV_OK, or KV_ERR_STORE with its exception
+ * set. The pool is marked busy meanwhile: the GPU's methods let go of the GIL while the
+ * device works, and another thread must not use the pool in between (one thread at a
+ * time, as for the CPU pool, whose calls hold the GIL or mark it busy). */
+static kv_status call_store(void *ctx, const char *name, const char *format, ...) {
+    PoolObject *self = ctx;
+    va_list args;
+    va_start(args, format);
+    PyObject *method = PyObject_GetAttrString(self->store, name);
+    PyObject *arguments = method ? Py_VaBuildValue(format, args) : NULL;
+    va_end(args);
+    int was_busy = self->base.busy;
+    self->base.busy = 1;
+    PyObject *result = arguments ? PyObject_CallObject(method, arguments) : NULL;
+    self->base.busy = was_busy;
+    Py_XDECREF(method);
+    Py_XDECREF(arguments);
     Py_XDECREF(result);
     return result != NULL ? KV_OK : KV_ERR_STORE;
 }
 
 static kv_status py_copy(void *ctx, size_t dst, size_t src, size_t n_rows) {
     PyGILState_STATE gil = PyGILState_Ensure();
-    kv_status status = called(PyObject_CallMethod(store_object(ctx), "copy_rows", "nnn",
-                                                  (Py_ssize_t)dst, (Py_ssize_t)src,
-                                                  (Py_ssize_t)n_rows));
+    kv_status status = call_store(ctx, "copy_rows", "(nnn)", (Py_ssize_t)dst, (Py_ssize_t)src,
+                                  (Py_ssize_t)n_rows);
     PyGILState_Release(gil);
     return status;
 }
@@ -69,9 +83,7 @@ static kv_status py_write(void *ctx, const int64_t *slots, int n, const float *k
     PyGILState_STATE gil = PyGILState_Ensure();
     PyObject *s = slot_array(slots, n), *k = row_array(pool_of(ctx), keys, n);
     PyObject *v = row_array(pool_of(ctx), values, n);
-    kv_status status = s && k && v ? called(PyObject_CallMethod(store_object(ctx), "write",
-                                                                "OOO", s, k, v))
-                                   : KV_ERR_STORE;
+    kv_status status = s && k && v ? call_store(ctx, "write", "(OOO)", s, k, v) : KV_ERR_STORE;
     Py_XDECREF(s);
     Py_XDECREF(k);
     Py_XDECREF(v);
@@ -116,7 +128,11 @@ static kv_status py_read(void *ctx, const int64_t *slots, int n, const kv_store 
                                          "read()'s value codes", "read()'s value scales"};
     PyGILState_STATE gil = PyGILState_Ensure();
     PyObject *s = slot_array(slots, n);
-    PyObject *parts = s ? PyObject_CallMethod(store_object(ctx), "read", "O", s) : NULL;
+    PoolObject *self = ctx;
+    int was_busy = self->base.busy;   /* (as call_store) */
+    self->base.busy = 1;
+    PyObject *parts = s ? PyObject_CallMethod(self->store, "read", "O", s) : NULL;
+    self->base.busy = was_busy;
     kv_status status = KV_ERR_STORE;
     if (parts != NULL && (!PyTuple_Check(parts) || PyTuple_GET_SIZE(parts) != 4)) {
         PyErr_SetString(PyExc_TypeError, "the pool's store's read() must return a tuple of "
@@ -164,8 +180,7 @@ static kv_status py_put(void *ctx, const int64_t *slots, int n, const kv_store *
     PyObject *kc = part_array(key, n, 0), *ks = part_array(key, n, 1);
     PyObject *vc = part_array(value, n, 0), *vs = part_array(value, n, 1);
     kv_status status = s && kc && ks && vc && vs
-                           ? called(PyObject_CallMethod(store_object(ctx), "put", "OOOOO", s,
-                                                        kc, ks, vc, vs))
+                           ? call_store(ctx, "put", "(OOOOO)", s, kc, ks, vc, vs)
                            : KV_ERR_STORE;
     Py_XDECREF(s);
     Py_XDECREF(kc);

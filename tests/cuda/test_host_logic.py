@@ -426,3 +426,23 @@ def test_a_sequence_that_dropped_rows_does_not_swap_into_a_gpu_pool(fake_store):
         gpu.swap_in(host)
     assert gpu.live_sequences == 0 and gpu.stats().blocks_used == 0
     gpu.check()
+
+
+def test_the_pool_is_busy_while_its_store_moves_rows(fake_store):
+    """The GPU store lets go of the GIL while the device works; meanwhile every other use of
+    the pool is refused, as while a CPU pool's forward pass runs."""
+    fmt = CacheFormat.make(D, "fp32")
+    store = fake_store(L, H, D, 8 * 4, fmt)
+    pool = CudaPagedPool(L, H, D, 8, 4, **fmt.core_arguments(), store=store)
+    refused, write = [], store.write
+
+    def write_and_look(*args):
+        with pytest.raises(RuntimeError, match="in use"):
+            pool.new_sequence()
+        refused.append(True)
+        return write(*args)
+
+    store.write = write_and_look
+    seq = pool.new_sequence()
+    pool.append(seq, np.arange(3, dtype=np.int32), *rows_for([0, 1, 2], 0))
+    assert refused == [True] and seq.length == 3 and pool.live_sequences == 1
