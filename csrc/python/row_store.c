@@ -195,8 +195,8 @@ int kv_py_row_store_init(PoolObject *self, PyObject *store, const kv_cache_forma
     if (format->window != 0 || format->key_format == KV_FMT_I4 ||
         format->value_format == KV_FMT_I4) {
         PyErr_SetString(PyExc_ValueError, "a PagedPool whose rows live in a store (store=...) "
-                        "keeps no residual window and no int4 zero points: window=0, and "
-                        "another format");
+                        "has no residual window and no int4 (a store keeps codes and scales "
+                        "only): give window=0 and another format");
         return -1;
     }
     static const char *const methods[] = {"copy_rows", "write", "read", "put"};

@@ -446,3 +446,18 @@ def test_the_pool_is_busy_while_its_store_moves_rows(fake_store):
     seq = pool.new_sequence()
     pool.append(seq, np.arange(3, dtype=np.int32), *rows_for([0, 1, 2], 0))
     assert refused == [True] and seq.length == 3 and pool.live_sequences == 1
+
+
+def test_a_pool_takes_a_store_that_can_hold_its_rows(fake_store):
+    """PagedPool(store=...): an object with the four methods, and a format a store keeps
+    (codes and scales: no int4 zero points, no window of float32 rows beside them)."""
+    fmt = CacheFormat.make(D, "fp32")
+    with pytest.raises(TypeError, match="copy_rows, write, read and put"):
+        kvlab.PagedPool(L, H, D, 8, 4, store=object())
+    for options in ({"window": 4}, {"key_format": "int4", "value_format": "int4"}):
+        with pytest.raises(ValueError, match="no residual window and no int4"):
+            kvlab.PagedPool(L, H, D, 8, 4, **options, store=fake_store(L, H, D, 32, fmt))
+    pool = kvlab.PagedPool(L, H, D, 8, 4, store=fake_store(L, H, D, 32, fmt))
+    assert pool.device == "cuda" and pool.nbytes == pool.key_codes.nbytes * 2
+    with pytest.raises(ValueError, match="on 'cuda' but the model runs on 'cpu'"):
+        kvlab.load().forward([1, 2], pool.new_sequence())
