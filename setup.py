@@ -16,9 +16,10 @@ A second extension, kvlab._cuda (csrc/cuda/: the GPU backend), is built where it
 used: nvcc is found ($CUDA_HOME/bin/nvcc, else nvcc on the PATH) and the driver reports a
 GPU (nvidia-smi), or KVLAB_CUDA=1 asks for it (CI does, so that every kernel compiles in
 every run). A CPU-only machine with nvcc is spared the minutes nvcc takes. Each .cu file is
-compiled by nvcc, the binding csrc/cuda/_cuda.c by the C compiler, and the whole linked
-against the static CUDA runtime (no other CUDA library), so that importing it needs no GPU
-and no driver. A .cu file that does not compile fails the build.
+compiled by nvcc; the binding csrc/cuda/_cuda.c, with the CPU binding's array and format
+helpers it shares (SHARED_BINDING_SOURCES), by the C compiler; and the whole linked against
+the static CUDA runtime (no other CUDA library), so that importing it needs no GPU and no
+driver. A .cu file that does not compile fails the build.
 
 Machine code for the GPU that is present (its compute capability, asked of the driver; for
 a GPU newer than this nvcc, the newest architecture nvcc knows, whose PTX runs on it), or
@@ -55,9 +56,12 @@ CORE_SOURCES = sorted(str(p.relative_to(HERE)) for p in (HERE / "csrc").glob("*.
 BINDING_DIR = HERE / "csrc" / "python"
 BINDING_SOURCES = sorted(str(p.relative_to(HERE)) for p in BINDING_DIR.glob("*.c"))
 CUDA_DIR = HERE / "csrc" / "cuda"
+# What the GPU binding shares with the CPU one: every array argument checked (arrays.c) and
+# the cache formats by name (formats.c), compiled into both extensions.
+SHARED_BINDING_SOURCES = ["csrc/python/arrays.c", "csrc/python/formats.c"]
 CUDA_SOURCES = sorted(CUDA_DIR.glob("*.cu"))
 CUDA_HEADERS = [*CUDA_DIR.glob("*.cuh"), *CUDA_DIR.glob("*.h"), HERE / "csrc" / "kvlab.h",
-                HERE / "csrc" / "model_args.h"]
+                HERE / "csrc" / "model_args.h", BINDING_DIR / "binding.h"]
 # The compute capabilities of the GPUs students have, oldest first: V100, T4, A100,
 # RTX 30xx/A10, RTX 40xx/L4, H100/H200.
 STUDENT_ARCHS = ("70", "75", "80", "86", "89", "90")
@@ -239,7 +243,9 @@ class BuildExt(kvlab_build.BuildExt):
         ext.library_dirs = cuda_library_dirs(NVCC)
         ext.libraries = ["cudart_static", "rt", "pthread", "dl", "stdc++"]
         ext.define_macros = [("KV_CUDA_SOURCES", '"' + " ".join(p.name for p in CUDA_SOURCES) + '"'),
-                             ("KV_CUDA_ARCHS", '"' + " ".join(archs) + '"')]
+                             ("KV_CUDA_ARCHS", '"' + " ".join(archs) + '"'),
+                             # NumPy's API table of this extension, apart from kvlab._kvlab's
+                             ("PY_ARRAY_UNIQUE_SYMBOL", "kvlab_cuda_PyArray_API")]
         # the binding is C11 without OpenMP; the sanitizer never gets here (see find_nvcc)
         ext.extra_compile_args = [a for a in ext.extra_compile_args if a != "-fopenmp"]
         ext.extra_link_args = [a for a in ext.extra_link_args if a != "-fopenmp"]
@@ -257,8 +263,8 @@ EXTENSIONS = [
 if BUILD_CUDA:
     EXTENSIONS.append(Extension(
         "kvlab._cuda",
-        sources=["csrc/cuda/_cuda.c"],
-        include_dirs=["csrc", "csrc/cuda", numpy.get_include()],
+        sources=["csrc/cuda/_cuda.c", *SHARED_BINDING_SOURCES],
+        include_dirs=["csrc", "csrc/cuda", "csrc/python", numpy.get_include()],
         depends=[str(p.relative_to(HERE)) for p in CUDA_SOURCES + CUDA_HEADERS],
     ))
 elif NO_CUDA_REASON:

@@ -476,6 +476,19 @@ kv_status kv_blocks_commit(kv_blocks *p, int seq, const int32_t *tokens, int n_t
     return KV_OK;
 }
 
+kv_status kv_blocks_cancel(kv_blocks *p, int seq) {
+    kv_status status = kv_blocks_seq_check(p, seq);
+    if (status != KV_OK) return status;
+    kv_seq *q = &p->seqs[seq];
+    /* the blocks past the length hold no row of it: they go back as a truncate's do (a
+     * block cut in two stays, its rows before the cut intact) */
+    int keep = blocks_for(p, q->length);
+    for (int i = q->n_blocks - 1; i >= keep; i--) release_block(p, q->block_table[i]);
+    q->n_blocks = keep;
+    q->reserved = 0;
+    return KV_OK;
+}
+
 kv_status kv_blocks_drop_rows(kv_blocks *p, int seq, int n_keep) {
     kv_status status = kv_blocks_seq_check(p, seq);
     if (status != KV_OK) return status;

@@ -26,6 +26,7 @@ typedef enum {
     KV_ERR_NOT_A_NUMBER,   /* logits with a NaN (or all -inf): no token can be sampled */
     KV_ERR_INTERRUPTED,    /* the caller's interrupt check asked a long call to stop */
     KV_ERR_PENDING,        /* a paged sequence's reservation is not committed yet */
+    KV_ERR_STORE,          /* a pool's row store (kv_row_store: the GPU's) failed; it said why */
 } kv_status;
 
 /* A human-readable sentence for a status, for error messages. */
@@ -292,8 +293,8 @@ typedef struct {
 
 /* Block tables, reference counts, the free stack and the prefix cache (a hash chain plus
  * an LRU list) of num_blocks blocks of block_size positions. It holds no K or V (no float
- * anywhere): the CPU pool below and the GPU pool (kvlab/cuda.py) each pair one with stores
- * of their own, and perform the copies it asks for.
+ * anywhere): the pool below pairs one with stores, its own in host memory or a row store
+ * (the GPU's), which perform the copies it asks for.
  * A block with ref_count 0 is either free (on the free stack) or cached: a full block
  * kept for prefix reuse, findable by hash, evicted least-recently-used first. */
 typedef struct {
@@ -363,6 +364,10 @@ kv_status kv_blocks_reserve(kv_blocks *blocks, int seq, int n_tokens, kv_block_c
  * same block was computed twice). KV_ERR_INVALID_ARG, changing nothing, unless a pending
  * kv_blocks_reserve made room for exactly these n_tokens; after it, it cannot fail. */
 kv_status kv_blocks_commit(kv_blocks *blocks, int seq, const int32_t *tokens, int n_tokens);
+/* Instead of the commit, when the rows were not written (the writer failed): the blocks
+ * taken for positions past seq's length go back, and the sequence is as it was, but for a
+ * copy-on-write, whose private copy (rows already copied) it keeps. */
+kv_status kv_blocks_cancel(kv_blocks *blocks, int seq);
 /* Forgets positions length .. of seq (0 <= length <= its length): blocks past the new end
  * are released, and a block cut in two keeps the rows before the cut. A block the sequence
  * shares keeps its rows for the others (the next write copies it first); one it holds alone
@@ -380,6 +385,30 @@ void kv_blocks_record_events(kv_blocks *blocks, int on);
 kv_status kv_blocks_check(const kv_blocks *blocks, char *message, size_t message_size);
 
 /* ---- the paged KV cache (paged.c): a block manager and the K/V stores ---------------- */
+
+/* Where a pool's rows are when they are not in its own kv_stores: the GPU's memory, which
+ * the core cannot touch (kvlab._cuda reaches it; tests put a NumPy stand-in there). The
+ * pool keeps the books (which slots, which copies: paged.c, swap.c) and asks the store to
+ * move the rows; its key and value then only describe them (formats and sizes, codes NULL).
+ * Rows are addressed by slot as in kv_store: slot b * block_size + r is row r of block b.
+ * Each function returns KV_OK or KV_ERR_STORE (the store keeps why: kvlab's binding leaves
+ * its Python exception set). */
+typedef struct {
+    void *ctx;
+    /* copy-on-write: n_rows rows from slot src to slot dst, every layer and KV head, K and V */
+    kv_status (*copy)(void *ctx, size_t dst, size_t src, size_t n_rows);
+    /* rows t = 0 .. n - 1 of keys and values, each (n, n_layers, n_kv_heads, head_dim)
+     * float32, quantized into slots[t] */
+    kv_status (*write)(void *ctx, const int64_t *slots, int n, const float *keys,
+                       const float *values);
+    /* the stored rows of slots[0 .. n - 1] as they are (codes, scales) into host kv_stores
+     * of n slots (key, value: the pool's formats) */
+    kv_status (*read)(void *ctx, const int64_t *slots, int n, const kv_store *key,
+                      const kv_store *value);
+    /* and back: host kv_stores' n rows, as they are, into slots[0 .. n - 1] */
+    kv_status (*put)(void *ctx, const int64_t *slots, int n, const kv_store *key,
+                     const kv_store *value);
+} kv_row_store;
 
 /* A pool of fixed-size blocks shared by many sequences (vLLM's PagedAttention idea).
  * Block b holds block_size rows of K and of V for every layer and KV head, in two
@@ -402,6 +431,8 @@ typedef struct {
     float *window_value;
     int32_t *positions;     /* (n_layers, n_kv_heads, slots) the position each row of a
                                compacted sequence holds; NULL until a sequence drops rows */
+    const kv_row_store *row_store;  /* NULL: the rows are key's and value's, in host memory;
+                               else they live in this store (no window, no dropped rows) */
 } kv_pool;
 
 typedef struct {
@@ -416,6 +447,13 @@ typedef struct {
 kv_status kv_pool_init(kv_pool *pool, int n_layers, int n_kv_heads, int head_dim,
                        int num_blocks, int block_size, int max_seqs, int max_blocks_per_seq,
                        const kv_cache_format *format);
+/* A pool whose rows live in a row store (which the caller keeps alive as long as the pool):
+ * the same bookkeeping, no K or V in host memory. The format may have no window and no zero
+ * points (int4). KV_ERR_INVALID_ARG otherwise, as kv_pool_init. */
+kv_status kv_pool_init_with_store(kv_pool *pool, int n_layers, int n_kv_heads, int head_dim,
+                                  int num_blocks, int block_size, int max_seqs,
+                                  int max_blocks_per_seq, const kv_cache_format *format,
+                                  const kv_row_store *row_store);
 void kv_pool_free(kv_pool *pool);          /* accepts a zeroed or half-built pool */
 /* Bytes of K/V storage: codes, scales, zero points and every sequence's window rows. */
 size_t kv_pool_nbytes(const kv_pool *pool);
@@ -448,6 +486,29 @@ kv_status kv_pool_append(kv_pool *pool, int seq, const int32_t *tokens, int n_to
  * float32 (n_layers, length, n_kv_heads, head_dim) buffers (see kv_cache_read). */
 kv_status kv_pool_gather(const kv_pool *pool, int seq, float *keys, float *values);
 kv_status kv_blocks_stats(const kv_blocks *blocks, kv_pool_stats *stats);
+/* The slots of positions start .. start + n - 1 of seq (blocks it holds or has reserved). */
+void kv_pool_slots(const kv_pool *pool, int seq, int start, int n, int64_t *slots);
+
+/* A forward pass over a batch that runs outside the core (the GPU's), as
+ * kv_model_forward_batch runs one inside: n_seqs sequences, n_tokens[i] new tokens for
+ * seqs[i]. The check: sequences alive, distinct, each with 1 or more tokens and room for
+ * them (block table, positions), and blocks for all of them together; changes nothing.
+ * The reservation: that check, then each sequence's blocks (copy-on-write by the pool's
+ * stores), and for the caller's forward pass each run's start (starts: n_seqs), block
+ * table (tables: n_seqs rows of max_blocks, zero past its blocks; KV_ERR_INVALID_ARG if a
+ * table is longer) and the slots its new rows go to (slots: sum of n_tokens, run after
+ * run). Refused, nothing changes; a row store that fails a copy-on-write has its sequence
+ * freed (the copy is missing) and the others' reservations cancelled. After the forward
+ * pass, commit (tokens: the runs' ids, run after run), or cancel if it failed: the
+ * sequences are then as they were. */
+kv_status kv_pool_check_batch(const kv_pool *pool, int n_seqs, const int *seqs,
+                              const int *n_tokens);
+kv_status kv_pool_reserve_batch(kv_pool *pool, int n_seqs, const int *seqs, const int *n_tokens,
+                                int max_blocks, int32_t *starts, int32_t *tables,
+                                int64_t *slots);
+void kv_pool_commit_batch(kv_pool *pool, int n_seqs, const int *seqs, const int *n_tokens,
+                          const int32_t *tokens);
+void kv_pool_cancel_batch(kv_pool *pool, int n_seqs, const int *seqs);
 
 /* Preemption by swapping (vLLM): a sequence's K and V go to host memory that the caller
  * owns, its blocks go back to the pool, and later it comes back in fresh blocks and goes
@@ -468,7 +529,8 @@ kv_status kv_pool_swap_out(kv_pool *pool, int seq, void *host, size_t size);
  * length, next position, positions and window rows, so that its next forward calls give
  * the logits they would have given before the swap. Its full blocks join the prefix cache
  * as a prefill's do. The host buffer is only read: it may be swapped in again. Refused,
- * changing nothing: KV_ERR_CACHE_MISMATCH (another shape or format), KV_ERR_INVALID_ARG
+ * changing nothing: KV_ERR_CACHE_MISMATCH (another shape or format; or rows dropped, for a
+ * pool whose rows a row store holds), KV_ERR_INVALID_ARG
  * (not such a buffer: a header, size or row positions that no swap-out writes),
  * KV_ERR_TABLE_FULL, KV_ERR_OUT_OF_BLOCKS, KV_ERR_TOO_MANY_SEQUENCES, KV_ERR_NOMEM. The rows
  * and tokens themselves are taken as they are, as kv_pool_append takes any rows: bytes

@@ -1,4 +1,5 @@
-/* paged.h: what the forward pass needs from the paged pool (internal to the core). */
+/* paged.h: what the forward pass and swapping need from the paged pool (internal to the
+ * core; the binding's views of a row store's rows use kv_pool_host_rows too). */
 #ifndef KVLAB_PAGED_H
 #define KVLAB_PAGED_H
 
@@ -16,5 +17,13 @@ void kv_pool_note_positions(kv_pool *pool, int seq, int n_tokens);
 
 /* The view of one layer of seq that the forward pass reads and writes. */
 kv_layer_view kv_pool_layer_view(const kv_pool *pool, int seq, int layer);
+
+/* Host kv_stores of n slots (n >= 1) in the pool's formats, laid out one after another from
+ * `at`: K's codes, scales and zero points, then V's, each (n_layers, n_kv_heads, n, ...),
+ * packed (the layout of a swapped-out sequence's rows, swap.c). Returns the bytes they
+ * take; with `at` NULL it only counts them, and key or value may be NULL. What a row
+ * store's rows are copied into, and out of. */
+size_t kv_pool_host_rows(const kv_pool *pool, int n, uint8_t *at, kv_store *key,
+                         kv_store *value);
 
 #endif /* KVLAB_PAGED_H */

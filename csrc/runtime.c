@@ -47,6 +47,7 @@ const char *kv_strerror(kv_status status) {
         case KV_ERR_INTERRUPTED: return "interrupted";
         case KV_ERR_PENDING:
             return "the sequence has reserved positions not committed yet: commit (or free) it first";
+        case KV_ERR_STORE: return "the pool's row store failed";
     }
     return "unknown error";
 }

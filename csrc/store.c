@@ -40,8 +40,8 @@ int kv_store_group(kv_format format, int group, int head_dim) {
     return group;
 }
 
-kv_status kv_store_init(kv_store *store, kv_format format, int group, int n_layers,
-                        size_t slots, int n_kv_heads, int head_dim) {
+kv_status kv_store_describe(kv_store *store, kv_format format, int group, int n_layers,
+                            size_t slots, int n_kv_heads, int head_dim) {
     kv_status status = KV_OK;
     memset(store, 0, sizeof *store);
     group = kv_store_group(format, group, head_dim);
@@ -61,6 +61,18 @@ kv_status kv_store_init(kv_store *store, kv_format format, int group, int n_laye
     KV_CHECK(rows / ((size_t)n_layers * n_kv_heads) == slots &&
              rows <= ((size_t)1 << 40) / (store->head_bytes + 8 * (size_t)store->groups_per_head),
              KV_ERR_NOMEM);   /* no cache of a terabyte or more */
+    return KV_OK;
+fail:
+    memset(store, 0, sizeof *store);
+    return status;
+}
+
+kv_status kv_store_init(kv_store *store, kv_format format, int group, int n_layers,
+                        size_t slots, int n_kv_heads, int head_dim) {
+    kv_status status = kv_store_describe(store, format, group, n_layers, slots, n_kv_heads,
+                                         head_dim);
+    if (status != KV_OK) return status;
+    size_t rows = (size_t)n_layers * (size_t)n_kv_heads * slots;   /* head rows */
     /* [quote ch02-kv-store-init-reserving-the-codes] */
     /* calloc: an unfilled slot reads as 0, never as old garbage, and the operating system
      * hands out zero pages only when they are first touched, so a large cache costs
@@ -92,7 +104,7 @@ void kv_store_free(kv_store *store) {
 
 /* [quote ch02-kv-store-row-nbytes-and-kv-store-nbytes] */
 size_t kv_store_row_nbytes(const kv_store *store) {
-    size_t params = (store->scales ? 1 : 0) + (store->zeros ? 1 : 0);
+    size_t params = (has_scales(store->format) ? 1 : 0) + (store->format == KV_FMT_I4 ? 1 : 0);
     return (size_t)store->n_kv_heads *
            (store->head_bytes + params * store->groups_per_head * sizeof(float));
 }

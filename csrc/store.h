@@ -19,6 +19,10 @@ int kv_store_group(kv_format format, int group, int head_dim);
 /* Allocates zeroed storage for n_layers x slots rows of n_kv_heads * head_dim values. */
 kv_status kv_store_init(kv_store *store, kv_format format, int group, int n_layers,
                         size_t slots, int n_kv_heads, int head_dim);
+/* The same checks and fields, no memory (codes, scales and zeros NULL): a store whose rows
+ * are elsewhere (a pool's row store), or whose memory the caller points at. */
+kv_status kv_store_describe(kv_store *store, kv_format format, int group, int n_layers,
+                            size_t slots, int n_kv_heads, int head_dim);
 void kv_store_free(kv_store *store);   /* accepts a zeroed or half-built store */
 size_t kv_store_nbytes(const kv_store *store);
 /* Bytes one row takes: codes, scales and zero points. */

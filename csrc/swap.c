@@ -19,7 +19,8 @@
  *   (n_layers, n_kv_heads, length int32) if the sequence dropped rows (kv_pool_keep); its
  *   residual window's rows, K then V, (n_layers, window, kv_dim float32) each.
  * Only a sequence's `length` rows are copied: rows past it in its last block were never
- * written, and a block is the pool's unit, not the host's.
+ * written, and a block is the pool's unit, not the host's. A pool whose rows live in a row
+ * store (the GPU's) has the store copy them, into and out of the same layout.
  */
 #include <string.h>
 
@@ -53,9 +54,10 @@ static int parts_of(const kv_pool *pool, int compacted, pool_part parts[7]) {
     for (int i = 0; i < 2; i++) {
         const kv_store *s = stores[i];
         size_t params = (size_t)s->groups_per_head * sizeof(float);
+        /* (by format, not by pointer: a row store's stores have no memory here) */
         parts[n++] = (pool_part){s->codes, s->head_bytes};
-        if (s->scales) parts[n++] = (pool_part){(uint8_t *)s->scales, params};
-        if (s->zeros) parts[n++] = (pool_part){(uint8_t *)s->zeros, params};
+        if (s->groups_per_head > 0) parts[n++] = (pool_part){(uint8_t *)s->scales, params};
+        if (s->format == KV_FMT_I4) parts[n++] = (pool_part){(uint8_t *)s->zeros, params};
     }
     if (compacted) parts[n++] = (pool_part){(uint8_t *)pool->positions, sizeof(int32_t)};
     return n;
@@ -109,6 +111,23 @@ static float *window_value_of(const kv_pool *pool, int seq) {
     return kv_pool_layer_view(pool, seq, 0).window_value;
 }
 
+/* A row store's rows of seq's first `length` positions copied into the host copy's stores'
+ * parts at `at` (to_host 1), or from them into the store (0). */
+static kv_status move_store_rows(const kv_pool *pool, int seq, int length, uint8_t *at,
+                                 int to_host) {
+    if (length == 0) return KV_OK;
+    int64_t *slots = malloc((size_t)length * sizeof(int64_t));
+    if (slots == NULL) return KV_ERR_NOMEM;
+    const kv_row_store *store = pool->row_store;
+    kv_store key, value;
+    kv_pool_slots(pool, seq, 0, length, slots);
+    kv_pool_host_rows(pool, length, at, &key, &value);
+    kv_status status = to_host ? store->read(store->ctx, slots, length, &key, &value)
+                               : store->put(store->ctx, slots, length, &key, &value);
+    free(slots);
+    return status;
+}
+
 kv_status kv_pool_swap_size(const kv_pool *pool, int seq, size_t *size) {
     kv_status status = kv_blocks_seq_check(&pool->blocks, seq);
     if (status != KV_OK) return status;
@@ -136,6 +155,10 @@ kv_status kv_pool_swap_out(kv_pool *pool, int seq, void *host, size_t size) {
         memcpy(at, pool->blocks.tokens + (size_t)q->block_table[start / block_size] * block_size,
                (size_t)rows * sizeof(int32_t));
         at += (size_t)rows * sizeof(int32_t);
+    }
+    if (pool->row_store) {   /* (no window, no dropped rows: kv_pool_init_with_store) */
+        status = move_store_rows(pool, seq, q->length, at, 1);
+        return status == KV_OK ? kv_blocks_seq_free(&pool->blocks, seq) : status;
     }
     pool_part parts[7];
     int n_parts = parts_of(pool, q->compacted, parts);
@@ -181,6 +204,8 @@ static kv_status read_header(const kv_pool *pool, const void *host, size_t size,
     memcpy(h, host, sizeof *h);
     if (h->magic != SWAP_MAGIC) return KV_ERR_INVALID_ARG;
     if (!same_layout(pool, h)) return KV_ERR_CACHE_MISMATCH;
+    /* a row store's rows hold positions 0 .. length - 1 (kv_pool_init_with_store) */
+    if (h->compacted == 1 && pool->row_store) return KV_ERR_CACHE_MISMATCH;
     /* a sequence with a window never drops rows (kv_pool_keep refuses it) */
     if (h->length < 0 || h->length > (1 << 30) || (h->compacted != 0 && h->compacted != 1) ||
         (h->compacted && pool->window > 0) ||
@@ -231,6 +256,24 @@ static kv_status read_tokens(const kv_pool *pool, const swap_header *h, const vo
     return KV_OK;
 }
 
+/* The host copy's rows from *at (the stores' parts, then a compacted sequence's positions,
+ * of which `positions` is the checked copy) into seq's new blocks; *at moves past them.
+ * Only a row store can fail. */
+static kv_status put_rows(kv_pool *pool, int seq, const swap_header *h, const uint8_t **at,
+                          const int32_t *positions) {
+    if (pool->row_store) return move_store_rows(pool, seq, h->length, (uint8_t *)*at, 0);
+    pool_part parts[7];
+    int n_parts = parts_of(pool, h->compacted, parts);
+    const int32_t *table = pool->blocks.seqs[seq].block_table;
+    for (int i = 0; i < n_parts; i++) {
+        if (h->compacted && i == n_parts - 1)    /* the positions: the checked copy */
+            copy_part(pool, parts[i], table, h->length, (uint8_t *)positions, 0);
+        else
+            *at = copy_part(pool, parts[i], table, h->length, (uint8_t *)*at, 0);
+    }
+    return KV_OK;
+}
+
 kv_status kv_pool_swap_in(kv_pool *pool, const void *host, size_t size, int *seq) {
     kv_blocks *blocks = &pool->blocks;
     swap_header h;
@@ -251,10 +294,9 @@ kv_status kv_pool_swap_in(kv_pool *pool, const void *host, size_t size, int *seq
             return KV_ERR_NOMEM;
         }
     }
-    pool_part parts[7];
-    int n_parts = parts_of(pool, h.compacted, parts);
 
-    /* From here on nothing can fail: the checks above are the ones these calls make. */
+    /* From here on nothing can fail, the checks above being the ones these calls make, but
+     * a row store: the new sequence then goes again, and the pool is as it was. */
     kv_blocks_seq_new(blocks, seq);
     kv_seq *q = &blocks->seqs[*seq];
     q->compacted = h.compacted;   /* before the commit: such blocks are never cached */
@@ -263,12 +305,11 @@ kv_status kv_pool_swap_in(kv_pool *pool, const void *host, size_t size, int *seq
         kv_block_copy copies[1];   /* a new sequence shares no block: nothing to copy */
         int n_copies = 0;
         kv_blocks_reserve(blocks, *seq, h.length, copies, &n_copies);
-        for (int i = 0; i < n_parts; i++) {
-            if (h.compacted && i == n_parts - 1)    /* the positions: the checked copy */
-                copy_part(pool, parts[i], q->block_table, h.length,
-                          (uint8_t *)(tokens + h.length), 0);
-            else
-                at = copy_part(pool, parts[i], q->block_table, h.length, (uint8_t *)at, 0);
+        status = put_rows(pool, *seq, &h, &at, tokens + h.length);
+        if (status != KV_OK) {
+            kv_blocks_seq_free(blocks, *seq);
+            free(tokens);
+            return status;
         }
         /* (a compacted sequence has no window rows: nothing follows its positions) */
         /* The rows are in: the commit records the tokens and offers full blocks to the

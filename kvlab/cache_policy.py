@@ -137,7 +137,9 @@ class CachePolicy:
 
     def _prepare(self, cache, model: Model):
         """The cache (or a paged sequence, as PagedRows) checked for this policy."""
-        if isinstance(cache, core.PagedSequence) and isinstance(cache.pool, core.PagedPool):
+        # (a GPU pool's rows cannot be dropped: the GPU reads row i as position i)
+        if isinstance(cache, core.PagedSequence) and isinstance(cache.pool, core.PagedPool) \
+                and cache.pool.device == "cpu":
             if self.tracks_attention:
                 raise TypeError(f"{self.name} ranks rows by the attention they receive, which "
                                 f"only a contiguous KVCache adds up: use model.new_cache()")

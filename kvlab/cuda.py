@@ -11,15 +11,17 @@
     kvlab.generate(model, "Once upon a time", 48)          # and kvlab.Engine(model, pool)
 
 What lives where. The weights are copied to the GPU once (float32, as on the CPU). A cache
-or pool made by a GPU model keeps K and V in GPU memory, in the CPU core's layout and
-element formats, so its codes are the CPU's codes bit for bit (the GPU writes them with the
-same rounding as csrc/quant.c). Reading them (keys, values, key_codes, dequantized(),
-pool.gather ...) copies them to the host every time: what you get is a snapshot, and a
-large pool's codes are a large copy. A paged pool's bookkeeping (block tables, reference
-counts, copy-on-write decisions, the prefix cache) is the C core's block manager, the same
-one the CPU pool uses (csrc/blocks.c, which holds no K or V): it says which block copies to
-make, this module makes them on the GPU. This module decides which slots each call writes
-and reads; the kernels (csrc/cuda/) do the arithmetic.
+or pool made by a GPU model keeps K and V in GPU memory (a kvlab._cuda.KVStore), in the CPU
+core's layout and element formats, so its codes are the CPU's codes bit for bit (the GPU
+writes them with the same rounding as csrc/quant.c). Reading them (keys, values,
+key_codes, dequantized(), pool.gather ...) copies them to the host every time: what you get
+is a snapshot, and a large pool's codes are a large copy. A paged pool is kvlab.PagedPool
+itself, the C core's pool with its rows in a KVStore: the same bookkeeping (block tables,
+reference counts, copy-on-write, the prefix cache, swapping: csrc/paged.c, blocks.c,
+swap.c) decides which slots each call writes and reads and which rows to copy, and the
+store moves them on the GPU; so the GPU pool has the CPU pool's methods, arguments and
+errors. This module runs the forward pass between the pool's reservation and its commit,
+and keeps a contiguous cache's length; the kernels (csrc/cuda/) do the arithmetic.
 
 What the GPU path does not do: int4 and fp8 caches, a residual window, different formats
 for K and V, head_dim other than a multiple of 8 up to 256. Its sums run in another order
@@ -35,16 +37,17 @@ import contextlib
 import re
 import threading
 import warnings
-from typing import Iterator, List, Optional, Sequence, Tuple
+from typing import Iterator, Optional, Sequence, Tuple
 
 import numpy as np
 
+from . import arguments, deprecation
 from ._core import core
-from .errors import CacheFullError, ConfigError, CudaError, OutOfBlocks
+from .errors import CacheFullError, ConfigError, CudaError
 from .counts import Counts
 from .measure import forward_counts
 from .model import DEVICE_MODELS, Model, TokenArray, as_token_array
-from .paged import PoolViews
+from .paged import PagedPool
 from .quant import CacheFormat, Quantized, dequantize
 
 FORMATS = ("fp32", "fp16", "bf16", "int8")   # what a GPU cache can store
@@ -182,80 +185,18 @@ def _exclusive(lock: threading.Lock, what: str) -> Iterator[None]:
         lock.release()
 
 
-class _Rows:
-    """What K/V storage on the device looks like to the caches: a kvlab._cuda.KVStore, or
-    any object with the same write / read / copy_rows / nbytes (the tests give a NumPy one)."""
-
-    @staticmethod
-    def make(n_layers: int, n_kv_heads: int, head_dim: int, slots: int, fmt: CacheFormat):
-        return extension().KVStore(n_layers, n_kv_heads, head_dim, slots, fmt.key, fmt.value,
-                                   fmt.key_group, fmt.value_group)
+def _device_store(n_layers: int, n_kv_heads: int, head_dim: int, slots: int, fmt: CacheFormat):
+    """K and V storage in GPU memory, a kvlab._cuda.KVStore: what a cache's or a pool's rows
+    live in (write, read, put, copy_rows, attend). The tests give a NumPy stand-in instead."""
+    return extension().KVStore(n_layers, n_kv_heads, head_dim, slots, fmt.key, fmt.value,
+                               fmt.key_group, fmt.value_group)
 
 
-class _StoreViews:
-    """The read-only faces of K/V storage shared by CudaCache and CudaPagedPool: every one is
-    a copy to host memory, made when asked for. Subclasses define _read() -> the four parts
-    in (n_layers, rows, n_kv_heads, ...) order, and _shape_rows(array) for their layout."""
-
-    _fmt: CacheFormat
-
-    def _read(self) -> Tuple[np.ndarray, Optional[np.ndarray], np.ndarray, Optional[np.ndarray]]:
-        raise NotImplementedError
-
-    def _shape_rows(self, array: np.ndarray) -> np.ndarray:
-        return array
-
-    def _part(self, index: int) -> Optional[np.ndarray]:
-        parts = self._read()
-        part = parts[index]
-        if part is None:
-            return None
-        fmt = self._fmt.key if index < 2 else self._fmt.value
-        return self._shape_rows(_codes(part, fmt) if index % 2 == 0 else part)
-
-    @property
-    def key_codes(self) -> np.ndarray:
-        """The stored key codes, a COPY from the GPU, laid out as the CPU cache's view."""
-        return self._part(0)
-
-    @property
-    def key_scales(self) -> Optional[np.ndarray]:
-        return self._part(1)
-
-    @property
-    def value_codes(self) -> np.ndarray:
-        return self._part(2)
-
-    @property
-    def value_scales(self) -> Optional[np.ndarray]:
-        return self._part(3)
-
-    key_zeros = value_zeros = property(lambda self: None, doc="int4 only: always None on the GPU")
-
-    @property
-    def key_dtype(self) -> str:
-        return self._fmt.key
-
-    @property
-    def value_dtype(self) -> str:
-        return self._fmt.value
-
-    @property
-    def key_group(self) -> int:
-        return self._fmt.key_group
-
-    @property
-    def value_group(self) -> int:
-        return self._fmt.value_group
-
-    @property
-    def window(self) -> int:
-        return 0
-
-
-class CudaCache(_StoreViews):
+class CudaCache:
     """A contiguous KV cache in GPU memory: kvlab.KVCache's attributes and methods, with
-    every array it returns copied to the host (the CPU cache returns zero-copy views)."""
+    every array it returns copied to the host (the CPU cache returns zero-copy views). Which
+    slot a position takes is simple here (slot = position), so this class keeps its length
+    itself; a paged pool's books are the C core's (CudaPagedPool)."""
 
     device = "cuda"
 
@@ -268,8 +209,8 @@ class CudaCache(_StoreViews):
         self._capacity = int(capacity)
         self._fmt = fmt
         self._length = 0
-        self._store = store if store is not None else _Rows.make(n_layers, n_kv_heads, head_dim,
-                                                                 capacity, fmt)
+        self._store = store if store is not None else _device_store(n_layers, n_kv_heads,
+                                                                    head_dim, capacity, fmt)
         self._lock = threading.Lock()
 
     @property
@@ -305,6 +246,64 @@ class CudaCache(_StoreViews):
                     None if scales is None else scales.copy())
         with self._using():
             return self._store.read(np.arange(n, dtype=np.int64))
+
+    def _part(self, index: int) -> Optional[np.ndarray]:
+        """Part `index` of (key codes, key scales, value codes, value scales), a copy."""
+        part = self._read()[index]
+        if part is None or index % 2:
+            return part
+        return _codes(part, self._fmt.key if index < 2 else self._fmt.value)
+
+    @property
+    def key_codes(self) -> np.ndarray:
+        """The stored key codes, a COPY from the GPU, laid out as the CPU cache's view."""
+        return self._part(0)
+
+    @property
+    def key_scales(self) -> Optional[np.ndarray]:
+        return self._part(1)
+
+    @property
+    def value_codes(self) -> np.ndarray:
+        return self._part(2)
+
+    @property
+    def value_scales(self) -> Optional[np.ndarray]:
+        return self._part(3)
+
+    key_zeros = value_zeros = property(lambda self: None, doc="int4 only: always None on the GPU")
+
+    @property
+    def key_format(self) -> str:
+        """Element format of the keys."""
+        return self._fmt.key
+
+    @property
+    def value_format(self) -> str:
+        """Element format of the values."""
+        return self._fmt.value
+
+    @property
+    def key_dtype(self) -> str:
+        """Deprecated: the old name of key_format (warns; goes in the next release)."""
+        deprecation.renamed("CudaCache.key_dtype", "CudaCache.key_format")
+        return self._fmt.key
+
+    @property
+    def value_dtype(self) -> str:
+        """Deprecated: the old name of value_format (warns; goes in the next release)."""
+        deprecation.renamed("CudaCache.value_dtype", "CudaCache.value_format")
+        return self._fmt.value
+
+    @property
+    def key_group(self) -> int:
+        return self._fmt.key_group
+
+    @property
+    def value_group(self) -> int:
+        return self._fmt.value_group
+
+    window = property(lambda self: 0, doc="No residual window on the GPU: always 0.")
 
     def _float_part(self, index: int, what: str) -> np.ndarray:
         fmt = self._fmt.key
@@ -386,136 +385,34 @@ class CudaCache(_StoreViews):
                 f"dtype={self._fmt.key}, device='cuda', nbytes={self.nbytes})")
 
 
-class CudaPagedPool(_StoreViews, PoolViews, core.BlockManager):
-    """A paged KV cache whose K and V rows live in GPU memory. Everything about blocks
-    (block tables, ref counts, copy-on-write, prefix cache, events, stats, pictures) is the
-    block manager the CPU pool uses too (csrc/blocks.c): it says which rows to copy, and
-    this pool copies them on the GPU. Reading K/V (key_codes, gather ...) copies from the
-    GPU."""
-
-    device = "cuda"
+class CudaPagedPool(PagedPool):
+    """A paged pool whose K and V rows live in GPU memory: kvlab.PagedPool itself, the
+    same C pool (csrc/paged.c and swap.c keep its books: block tables, copy-on-write, the
+    prefix cache, swapping, statistics, pictures), with a GPU store (kvlab._cuda.KVStore)
+    that copies, writes and reads the rows the pool names. Its arguments, methods and errors
+    are PagedPool's; reading K and V (key_codes, gather ...) copies them from the GPU, and
+    keep() is refused (the GPU reads row i as position i). `store` replaces the GPU store:
+    any object with KVStore's copy_rows, write, read and put (the tests give a NumPy one).
+    Its device, read off the C pool like every other attribute, is 'cuda'."""
 
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, num_blocks: int,
-                 block_size: int, max_seqs: int, max_blocks_per_seq: int, fmt: CacheFormat,
-                 store=None, prefix_cache: bool = True):
+                 block_size: int, max_seqs: int = 256, max_blocks_per_seq: int = 0,
+                 hash_bits: int = 64, key_format: str = "fp32", value_format: str = "fp32",
+                 key_group: int = 0, value_group: int = 0, window: int = 0,
+                 prefix_cache: bool = True, store=None):
+        fmt = CacheFormat.make(head_dim, key=key_format, value=value_format,
+                               key_group=key_group or None, value_group=value_group or None,
+                               window=window)
         check_format(fmt)
-        if max_blocks_per_seq * block_size > MAX_POSITIONS:
+        if (max_blocks_per_seq or num_blocks) * block_size > MAX_POSITIONS:
             raise ValueError(f"a GPU pool's sequences hold at most {MAX_POSITIONS} positions: "
-                             f"max_blocks_per_seq={max_blocks_per_seq} is too many")
-        super().__init__(num_blocks, block_size, max_seqs, max_blocks_per_seq,
-                         prefix_cache=bool(prefix_cache))
-        self.n_layers, self.n_kv_heads, self.head_dim = n_layers, n_kv_heads, head_dim
-        self._fmt = fmt
-        self._store = store if store is not None else _Rows.make(
-            n_layers, n_kv_heads, head_dim, num_blocks * block_size, fmt)
-        self._lock = threading.Lock()
-        self._broken: Optional[str] = None
-
-    def _using(self):
-        if self._broken:
-            raise CudaError(f"this pool's K and V are incomplete: {self._broken}")
-        return _exclusive(self._lock, "PagedPool")
-
-    # ---- the bookkeeping, one thread at a time ------------------------------------------
-    def new_sequence(self):
-        with self._using():
-            return super().new_sequence()
-
-    def fork(self, seq):
-        with self._using():
-            return super().fork(seq)
-
-    def free(self, seq) -> None:
-        with self._using():
-            super().free(seq)
-
-    def truncate(self, seq, length: int) -> None:
-        with self._using():
-            super().truncate(seq, length)
-
-    def reserve(self, seq, n_tokens: int) -> list:
-        with self._using():
-            return super().reserve(seq, n_tokens)
-
-    def commit(self, seq, tokens) -> None:
-        with self._using():
-            super().commit(seq, tokens)
-
-    def reuse_prefix(self, seq, tokens, max_tokens=None) -> int:
-        with self._using():
-            return super().reuse_prefix(seq, tokens, max_tokens)
-
-    # ---- rows on the device ----------------------------------------------------------------
-    def _reserve_rows(self, seq, n: int) -> Tuple[np.ndarray, np.ndarray]:
-        """Takes blocks for n new positions of seq (the block manager's reserve), performs
-        on the GPU the copy-on-write it asks for, and returns where the new K/V rows go
-        (int64 slots) and seq's block table. Raises, changing nothing, if the pool has no
-        room (OutOfBlocks, CacheFullError). The caller writes the rows, then commits."""
-        start, bs = seq.length, self.block_size
-        for dst, src, rows in core.BlockManager.reserve(self, seq, n):
-            try:
-                self._store.copy_rows(dst * bs, src * bs, rows)
-            except BaseException as error:
-                self._broken = f"copy-on-write failed after blocks were taken: {error}"
-                raise
-        table = seq.block_table.copy()
-        positions = np.arange(start, start + n, dtype=np.int64)
-        slots = table[positions // bs].astype(np.int64) * bs + positions % bs
-        return slots, table
-
-    def append(self, seq, tokens, keys: np.ndarray, values: np.ndarray) -> None:
-        """Write given K/V rows, each (n_tokens, n_layers, n_kv_heads, head_dim) float32, to
-        the GPU, without a model: the pool's bookkeeping as for a forward pass."""
-        if not isinstance(tokens, np.ndarray) or tokens.dtype != np.int32:
-            raise TypeError("tokens must be an int32 array, as PagedPool.append takes them")
-        if tokens.ndim != 1 or len(tokens) == 0:
-            raise ValueError("tokens must be a non-empty 1-D array of integer ids")
-        want = (len(tokens), self.n_layers, self.n_kv_heads, self.head_dim)
-        for name, rows in (("keys", keys), ("values", values)):
-            if not isinstance(rows, np.ndarray) or rows.dtype != np.float32 or rows.shape != want:
-                raise ValueError(f"{name} must be a float32 array of shape {want}")
-        ids = np.ascontiguousarray(tokens, dtype=np.int32)
-        with self._using():
-            slots, _ = self._reserve_rows(seq, len(ids))
-            try:
-                self._store.write(slots, np.ascontiguousarray(keys), np.ascontiguousarray(values))
-            except BaseException as error:
-                self._broken = f"writing rows failed after blocks were taken: {error}"
-                raise
-            core.BlockManager.commit(self, seq, ids)
-
-    def _slots_of(self, seq) -> np.ndarray:
-        positions = np.arange(seq.length, dtype=np.int64)
-        return (seq.block_table.astype(np.int64)[positions // self.block_size] * self.block_size
-                + positions % self.block_size)
-
-    def gather(self, seq) -> Tuple[np.ndarray, np.ndarray]:
-        """(keys, values): float32 copies, (n_layers, length, n_kv_heads, head_dim), of what
-        seq's most recent token's attention read."""
-        with self._using():
-            slots = self._slots_of(seq)
-            if len(slots) == 0:
-                empty = np.zeros((self.n_layers, 0, self.n_kv_heads, self.head_dim), np.float32)
-                return empty, empty.copy()
-            kc, ks, vc, vs = self._store.read(slots)
-        return (_dequantized(kc, ks, self._fmt.key, self._fmt.key_group),
-                _dequantized(vc, vs, self._fmt.value, self._fmt.value_group))
-
-    def _read(self):
-        with self._using():
-            return self._store.read(np.arange(self.num_blocks * self.block_size, dtype=np.int64))
-
-    def _shape_rows(self, array: np.ndarray) -> np.ndarray:
-        """(n_layers, slots, n_kv_heads, x) -> block first, as the CPU pool shows it:
-        (num_blocks, n_layers, block_size, n_kv_heads, x)."""
-        n_layers, _, heads, width = array.shape
-        blocks = array.reshape(n_layers, self.num_blocks, self.block_size, heads, width)
-        return blocks.transpose(1, 0, 2, 3, 4)
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of GPU memory for K and V (the host keeps only bookkeeping)."""
-        return self._store.nbytes
+                             f"max_blocks_per_seq={max_blocks_per_seq or num_blocks} is too many")
+        if store is None:
+            store = _device_store(n_layers, n_kv_heads, head_dim, num_blocks * block_size, fmt)
+        super().__init__(n_layers, n_kv_heads, head_dim, num_blocks, block_size, max_seqs,
+                         max_blocks_per_seq, hash_bits, prefix_cache=prefix_cache, store=store,
+                         **fmt.core_arguments())
+        self._fmt, self._store = fmt, store
 
     def __repr__(self) -> str:
         return super().__repr__()[:-1] + ", device='cuda')"
@@ -559,10 +456,12 @@ class CudaModel(Model):
     def new_paged_pool(self, num_blocks: int, block_size: int = 16, dtype: str = "fp32",
                        max_seqs: int = 256, max_blocks_per_seq: Optional[int] = None,
                        prefix_cache: bool = True, **format_options) -> CudaPagedPool:
-        """A paged KV cache with its K and V in GPU memory (see Model.new_paged_pool)."""
+        """A paged pool with its K and V in GPU memory (see Model.new_paged_pool)."""
         fmt = self.cache_format(dtype, **format_options)
         return CudaPagedPool(*self._pool_sizes(num_blocks, block_size, max_seqs,
-                                               max_blocks_per_seq), fmt, prefix_cache=prefix_cache)
+                                               max_blocks_per_seq),
+                             prefix_cache=arguments.flag(prefix_cache, "prefix_cache"),
+                             **fmt.core_arguments())
 
     # ---- running ---------------------------------------------------------------------
     def _counts(self, runs: Sequence[Tuple[int, int]], all_logits: bool,
@@ -610,7 +509,7 @@ class CudaModel(Model):
         c, n = self.config, len(tokens)
         fmt = CacheFormat()
         with self._gpu_lock:   # calls on one GPU model take turns
-            store = _Rows.make(c.n_layers, c.n_kv_heads, c.head_dim, n, fmt)
+            store = _device_store(c.n_layers, c.n_kv_heads, c.head_dim, n, fmt)
             logits = self._forward(tokens, store, [(n, 0)], np.zeros((1, 1), np.int32), n,
                                    np.arange(n, dtype=np.int64), all_logits)
         self._record(self._counts([(n, 0)], all_logits, fmt))
@@ -635,47 +534,30 @@ class CudaModel(Model):
 
     def _forward_paged(self, seqs: Sequence, arrays: Sequence[np.ndarray],
                        all_logits: bool) -> np.ndarray:
-        """One call over sequences of one CudaPagedPool. Everything that can fail is checked
-        before the pool's bookkeeping changes; after that only the GPU itself can fail, and
-        then the pool is marked broken (its new rows were never written)."""
+        """One call over sequences of one CudaPagedPool, as kv_model_forward_batch runs one
+        on the CPU: the pool checks everything and reserves (csrc/paged.c,
+        kv_pool_reserve_batch), the GPU writes the new rows and computes, the pool commits.
+        If the GPU fails, the pool cancels: every sequence is as it was."""
         pool = seqs[0].pool
         self._check_shape(pool)
-        with pool._using(), self._gpu_lock:
-            for i, seq in enumerate(seqs):
-                if seq.pool is not pool:
-                    raise ValueError("every sequence of a batch must come from one pool")
-                for j in range(i):
-                    if seqs[j].id == seq.id:
-                        raise ValueError(f"seqs[{j}] and seqs[{i}] are the same sequence")
-            starts = [seq.length for seq in seqs]   # raises ValueError for a freed sequence
-            needed = sum(pool.blocks_needed(seq, len(a)) for seq, a in zip(seqs, arrays))
-            if needed > pool.available_blocks:
-                raise OutOfBlocks(f"out of blocks: appending {sum(map(len, arrays))} tokens needs "
-                                  f"{needed} blocks, the pool has {pool.available_blocks} free or "
-                                  f"cached of {pool.num_blocks}; the pool is unchanged")
-            bs = pool.block_size
-            ends = [s + len(a) for s, a in zip(starts, arrays)]
-            max_blocks = max(-(-end // bs) for end in ends)
-            n_tokens = sum(map(len, arrays))   # logits: each run's last token's, or all
-            self._gpu.reserve(n_tokens, len(seqs), max_blocks, max(ends),
-                              n_tokens if all_logits else len(seqs))
-            rows: List[Tuple[np.ndarray, np.ndarray]] = []
+        counts = np.array([len(a) for a in arrays], dtype=np.int32)
+        tokens, block_size = np.concatenate(arrays), pool.block_size
+        with self._gpu_lock:   # calls on one GPU model take turns
+            # refused (OutOfBlocks ...) with the pool unchanged, or the pool is held (busy to
+            # any other use) until the commit or the cancel below
+            starts, tables, slots = pool._reserve_batch(seqs, counts)
             try:
-                for seq, a in zip(seqs, arrays):
-                    rows.append(pool._reserve_rows(seq, len(a)))
-                tables = np.zeros((len(seqs), max_blocks), dtype=np.int32)
-                for r, (_, table) in enumerate(rows):
-                    tables[r, :len(table)] = table
-                runs = list(zip(map(len, arrays), starts))
-                logits = self._forward(np.concatenate(arrays), pool._store, runs, tables, bs,
-                                       np.concatenate([slots for slots, _ in rows]), all_logits)
-                for seq, a in zip(seqs, arrays):
-                    core.BlockManager.commit(pool, seq, a)
-            except BaseException as error:
-                if rows:   # blocks were taken, but K/V never (or not all) written
-                    pool._broken = f"a forward pass failed after the pool took its blocks: {error}"
+                n_logits = len(tokens) if all_logits else len(seqs)
+                self._gpu.reserve(len(tokens), len(seqs), tables.shape[1],
+                                  int((starts + counts).max()), n_logits)
+                logits = self._gpu.forward(tokens, pool._store, counts, starts, tables,
+                                           block_size, slots, all_logits)
+                pool._commit_batch(seqs, tokens, counts)
+            except BaseException:
+                pool._cancel_batch(seqs)
                 raise
-        self._record(self._counts(runs, all_logits, pool._fmt))
+        self._record(self._counts(list(zip(counts.tolist(), starts.tolist())), all_logits,
+                                  pool._fmt))
         return logits
 
     def forward_batch(self, seqs: Sequence, chunks: Sequence[TokenArray],

@@ -3,8 +3,8 @@
 The pool itself is C: its block manager (block tables, ref counts, copy-on-write, prefix
 cache: csrc/blocks.c) and the K/V stores behind the blocks (csrc/paged.c). This module adds
 what a notebook needs on top, for any pool whichever device holds its rows (the GPU pool,
-kvlab.cuda.CudaPagedPool, shares it): statistics with the internal-fragmentation figure,
-and text and HTML pictures of which block holds what.
+kvlab.cuda.CudaPagedPool, is this class with its rows in GPU memory): statistics with the
+internal-fragmentation figure, and text and HTML pictures of which block holds what.
 
     pool = model.new_paged_pool(num_blocks=64, block_size=16)
     seq = pool.new_sequence()
@@ -110,9 +110,9 @@ class SwappedSequence:
 
 
 class PoolViews:
-    """What every paged pool shows, over its block manager (core.BlockManager: the CPU
-    PagedPool below, and kvlab.cuda.CudaPagedPool). isinstance(pool, PoolViews) is how
-    kvlab recognises a paged pool on any device."""
+    """What every paged pool shows, over its block manager (core.BlockManager): the
+    PagedPool below, on the CPU or, as kvlab.cuda.CudaPagedPool, on the GPU.
+    isinstance(pool, PoolViews) is how kvlab recognises a paged pool on any device."""
 
     def reuse_prefix(self, seq, tokens, max_tokens=None) -> int:
         """Attach the cached full blocks holding the longest prefix of tokens[:max_tokens]
@@ -223,7 +223,8 @@ class PoolViews:
 
 class PagedPool(PoolViews, core.PagedPool):
     """A pool of fixed-size KV blocks shared by many sequences, K and V in host memory
-    (csrc/blocks.c keeps the books, csrc/paged.c the rows)."""
+    (csrc/blocks.c keeps the books, csrc/paged.c the rows), or in GPU memory for
+    kvlab.cuda.CudaPagedPool (the same books; a GPU store moves the rows)."""
 
     # Swapping copies with the core (csrc/swap.c), not with NumPy over key_codes and the
     # other views: the views are read-only and strided (a sequence's rows are one run per

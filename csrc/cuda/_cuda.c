@@ -4,23 +4,25 @@
  * It defines Model (the weights copied to the GPU, and the forward pass) and KVStore (the K
  * and V storage of a cache or a pool, in GPU memory), plus functions that say what GPU is
  * there and time things on it. Which positions a call writes and reads (slots, block
- * tables) is decided in Python (kvlab/cuda.py), where the caches' bookkeeping lives; every
- * array is checked here (dtype, shape, contiguity, and every slot and block id against the
- * store) before a pointer reaches the device, because a wrong index on a GPU is not an
- * exception but a corrupted cache or a crashed context. The GIL is released around device
- * work; CUDA errors become kvlab.errors.CudaError naming the cudaError. Built by plain C
- * compilers: the CUDA code it calls is behind kvcuda.h.
+ * tables) is decided elsewhere: a paged pool's by the C core's pool (csrc/paged.c, which
+ * asks a KVStore to copy, write and read rows), a contiguous cache's in kvlab/cuda.py.
+ * Every array is checked here all the same (dtype, shape, contiguity, and every slot and
+ * block id against the store) before a pointer reaches the device, because a wrong index
+ * on a GPU is not an exception but a corrupted cache or a crashed context. The GIL is
+ * released around device work; CUDA errors become kvlab.errors.CudaError naming the
+ * cudaError. Built by plain C compilers: the CUDA code it calls is behind kvcuda.h.
+ *
+ * Arrays are checked, and formats named, by the CPU binding's own helpers (csrc/python/
+ * arrays.c and formats.c, compiled into this extension too: setup.py), so that both
+ * bindings word a refusal the same way.
  */
-#define PY_SSIZE_T_CLEAN
-#include <Python.h>
-#define NPY_NO_DEPRECATED_API NPY_2_0_API_VERSION
-#include <numpy/arrayobject.h>
+#define KV_PY_IMPORTS_NUMPY   /* this file calls import_array() for the extension */
+#include "binding.h"
 
 #include <math.h>
 #include <string.h>
 
 #include "kvcuda.h"
-#include "kvlab.h"
 #include "model_args.h"
 
 #ifndef KV_CUDA_SOURCES
@@ -40,50 +42,15 @@ static PyObject *raise_cuda(kv_cuda_err err, const char *what) {
 
 /* ---- argument checks ------------------------------------------------------------------- */
 
-/* A C-contiguous aligned native array of this type and number of dimensions; dims[i] >= 0
- * must match, -1 accepts any size. Returns the array (borrowed) or NULL with an exception. */
-static PyArrayObject *checked_array(PyObject *obj, const char *what, int type, int ndim,
-                                    const npy_intp *dims) {
-    if (!PyArray_Check(obj) || PyArray_TYPE((PyArrayObject *)obj) != type ||
-        !PyArray_ISNOTSWAPPED((PyArrayObject *)obj)) {
-        PyObject *descr = (PyObject *)PyArray_DescrFromType(type);
-        PyErr_Format(PyExc_TypeError, "%s must be a numpy array of %R", what, descr);
-        Py_XDECREF(descr);
-        return NULL;
+/* A format the GPU stores (fp32, fp16, bf16, int8) by name, or ValueError. */
+static int parse_format(const char *name, const char *what, kv_format *format) {
+    if (kv_py_parse_format(name, what, format) < 0) return -1;
+    if (*format == KV_FMT_I4 || *format == KV_FMT_FP8) {
+        PyErr_Format(PyExc_ValueError, "the CUDA backend stores K and V as fp32, fp16, bf16 or "
+                     "int8, not '%s'", name);
+        return -1;
     }
-    PyArrayObject *a = (PyArrayObject *)obj;
-    if (PyArray_NDIM(a) != ndim) {
-        PyErr_Format(PyExc_ValueError, "%s must have %d dimensions, got %d", what, ndim,
-                     PyArray_NDIM(a));
-        return NULL;
-    }
-    for (int i = 0; i < ndim; i++) {
-        if (dims[i] >= 0 && PyArray_DIM(a, i) != dims[i]) {
-            PyErr_Format(PyExc_ValueError, "%s has size %zd on axis %d, expected %zd", what,
-                         (Py_ssize_t)PyArray_DIM(a, i), i, (Py_ssize_t)dims[i]);
-            return NULL;
-        }
-    }
-    if (!PyArray_IS_C_CONTIGUOUS(a) || !PyArray_ISALIGNED(a)) {
-        PyErr_Format(PyExc_ValueError, "%s must be C-contiguous", what);
-        return NULL;
-    }
-    return a;
-}
-
-static const char *const format_names[] = {"fp32", "fp16", "bf16", "int8", "int4", "fp8"};
-
-static int parse_format(const char *name, kv_format *format) {
-    static const kv_format supported[] = {KV_FMT_F32, KV_FMT_F16, KV_FMT_BF16, KV_FMT_I8};
-    for (size_t i = 0; i < sizeof supported / sizeof supported[0]; i++) {
-        if (strcmp(name, format_names[supported[i]]) == 0) {
-            *format = supported[i];
-            return 0;
-        }
-    }
-    PyErr_Format(PyExc_ValueError, "the CUDA backend stores K and V as fp32, fp16, bf16 or "
-                 "int8, not '%s'", name);
-    return -1;
+    return 0;
 }
 
 /* A device copy of host memory, or NULL with an exception set (bytes may be 0). */
@@ -137,7 +104,8 @@ static int store_init(StoreObject *self, PyObject *args, PyObject *kwds) {
         return -1;
     }
     kv_format key_format, value_format;
-    if (parse_format(key_name, &key_format) < 0 || parse_format(value_name, &value_format) < 0)
+    if (parse_format(key_name, "key", &key_format) < 0 ||
+        parse_format(value_name, "value", &value_format) < 0)
         return -1;
     if (n_layers <= 0 || n_kv_heads <= 0 || slots <= 0 || slots > (1LL << 32) ||
         n_layers > 4096 || (long)n_kv_heads * head_dim > (1 << 16)) {
@@ -158,7 +126,7 @@ static int store_init(StoreObject *self, PyObject *args, PyObject *kwds) {
         if (!ok) {
             PyErr_Format(PyExc_ValueError, "group %d does not suit %s on the GPU: int8 groups must "
                          "be a multiple of 8 dividing head_dim (%d); other formats have none",
-                         groups[i], format_names[formats[i]], head_dim);
+                         groups[i], kv_py_format_names[formats[i]], head_dim);
             return -1;
         }
     }
@@ -186,8 +154,8 @@ static void store_dealloc(StoreObject *self) {
 
 /* slots: int64 (n,), every one in [low, store slots); n >= 1. NULL with an exception. */
 static PyArrayObject *checked_slots(StoreObject *self, PyObject *obj, int64_t low) {
-    npy_intp dims[1] = {-1};
-    PyArrayObject *a = checked_array(obj, "slots", NPY_INT64, 1, dims);
+    PyArrayObject *a = kv_py_array(obj, &(kv_py_array_spec){
+        .name = "slots", .type = NPY_INT64, .ndim = 1, .shape = {KV_PY_ANY}, .axes = "n"});
     if (a == NULL) return NULL;
     npy_intp n = PyArray_DIM(a, 0);
     if (n < 1 || n > (1 << 30)) {
@@ -215,9 +183,12 @@ static PyObject *store_write(StoreObject *self, PyObject *args) {
     if (slots == NULL) return NULL;
     npy_intp n = PyArray_DIM(slots, 0);
     const kv_store *k = &self->key;
-    npy_intp dims[4] = {n, k->n_layers, k->n_kv_heads, k->head_dim};
-    PyArrayObject *keys = checked_array(keys_obj, "keys", NPY_FLOAT32, 4, dims);
-    PyArrayObject *values = keys ? checked_array(values_obj, "values", NPY_FLOAT32, 4, dims) : NULL;
+    kv_py_array_spec rows = {.name = "keys", .type = NPY_FLOAT32, .ndim = 4,
+                             .shape = {n, k->n_layers, k->n_kv_heads, k->head_dim},
+                             .axes = "n,n_layers,n_kv_heads,head_dim"};
+    PyArrayObject *keys = kv_py_array(keys_obj, &rows);
+    rows.name = "values";
+    PyArrayObject *values = keys ? kv_py_array(values_obj, &rows) : NULL;
     if (values == NULL) return NULL;
     size_t row = (size_t)k->n_layers * k->n_kv_heads * k->head_dim;   /* floats per token */
     size_t kv_dim = (size_t)k->n_kv_heads * k->head_dim;
@@ -300,6 +271,72 @@ static PyObject *store_read(StoreObject *self, PyObject *arg) {
     return result;
 }
 
+/* One store's rows as read() gives them, checked for put(): codes uint8 (n_layers, n,
+ * n_kv_heads, head_bytes), scales float32 (n_layers, n, n_kv_heads, groups), or None for a
+ * format without scales (*scales NULL then). -1 with an exception. */
+static int checked_rows(const kv_store *s, npy_intp n, PyObject *codes_obj, PyObject *scales_obj,
+                        const char *side, PyArrayObject **codes, PyArrayObject **scales) {
+    char name[32];
+    PyOS_snprintf(name, sizeof name, "%s_codes", side);
+    *codes = kv_py_array(codes_obj, &(kv_py_array_spec){
+        .name = name, .type = NPY_UINT8, .ndim = 4,
+        .shape = {s->n_layers, n, s->n_kv_heads, (npy_intp)s->head_bytes},
+        .axes = "n_layers,n,n_kv_heads,head_bytes"});
+    *scales = NULL;
+    if (*codes == NULL) return -1;
+    if (s->scales == NULL) {
+        if (scales_obj == Py_None) return 0;
+        PyErr_Format(PyExc_TypeError, "%s_scales must be None: %s has no scales", side,
+                     kv_py_format_names[s->format]);
+        return -1;
+    }
+    PyOS_snprintf(name, sizeof name, "%s_scales", side);
+    *scales = kv_py_array(scales_obj, &(kv_py_array_spec){
+        .name = name, .type = NPY_FLOAT32, .ndim = 4,
+        .shape = {s->n_layers, n, s->n_kv_heads, s->groups_per_head},
+        .axes = "n_layers,n,n_kv_heads,groups"});
+    return *scales == NULL ? -1 : 0;
+}
+
+/* put(slots, key_codes, key_scales, value_codes, value_scales): read() backwards, the rows
+ * stored as they are (a sequence swapped back in) */
+static PyObject *store_put(StoreObject *self, PyObject *args) {
+    PyObject *slots_obj, *parts[4];
+    if (!PyArg_ParseTuple(args, "OOOOO", &slots_obj, &parts[0], &parts[1], &parts[2], &parts[3]))
+        return NULL;
+    if (store_ready(self) < 0) return NULL;
+    PyArrayObject *slots = checked_slots(self, slots_obj, 0);
+    if (slots == NULL) return NULL;
+    npy_intp n = PyArray_DIM(slots, 0);
+    PyArrayObject *rows[4];
+    if (checked_rows(&self->key, n, parts[0], parts[1], "key", &rows[0], &rows[1]) < 0 ||
+        checked_rows(&self->value, n, parts[2], parts[3], "value", &rows[2], &rows[3]) < 0)
+        return NULL;
+    /* device copies made holding the GIL: the arrays are the caller's */
+    void *device[5] = {NULL, NULL, NULL, NULL, NULL};
+    int copied = (device[0] = device_copy(PyArray_DATA(slots), (size_t)n * sizeof(int64_t),
+                                          "copying slots")) != NULL;
+    for (int i = 0; i < 4 && copied; i++)
+        if (rows[i] != NULL)
+            copied = (device[i + 1] = device_copy(PyArray_DATA(rows[i]),
+                                                  (size_t)PyArray_NBYTES(rows[i]),
+                                                  "copying rows")) != NULL;
+    kv_cuda_err err = 0;
+    if (copied) {
+        self->busy = 1;
+        Py_BEGIN_ALLOW_THREADS
+        err = kv_cuda_store_put(&self->key, device[0], (int)n, device[1], device[2]);
+        if (err == 0) err = kv_cuda_store_put(&self->value, device[0], (int)n, device[3], device[4]);
+        if (err == 0) err = kv_cuda_synchronize();
+        Py_END_ALLOW_THREADS
+        self->busy = 0;
+    }
+    for (int i = 0; i < 5; i++) kv_cuda_free(device[i]);
+    if (!copied) return NULL;
+    if (err != 0) return raise_cuda(err, "putting K and V rows back");
+    Py_RETURN_NONE;
+}
+
 /* copy_rows(dst, src, n): slots src .. src+n-1 copied to dst .. dst+n-1 (copy-on-write) */
 static PyObject *store_copy_rows(StoreObject *self, PyObject *args) {
     long long dst, src, n;
@@ -355,8 +392,10 @@ static int check_attention(StoreObject *self, PyObject *q_obj, PyObject *tables_
         PyErr_SetString(PyExc_ValueError, "attention on the GPU needs K and V in one format");
         return -1;
     }
-    npy_intp q_dims[3] = {-1, -1, k->head_dim};
-    if ((a->q = checked_array(q_obj, "q", NPY_FLOAT32, 3, q_dims)) == NULL) return -1;
+    a->q = kv_py_array(q_obj, &(kv_py_array_spec){
+        .name = "q", .type = NPY_FLOAT32, .ndim = 3, .shape = {KV_PY_ANY, KV_PY_ANY, k->head_dim},
+        .axes = "n_queries,n_heads,head_dim"});
+    if (a->q == NULL) return -1;
     a->n_q = (int)PyArray_DIM(a->q, 0);
     a->n_heads = (int)PyArray_DIM(a->q, 1);
     if (a->n_q < 1 || a->n_q > (1 << 16) || a->n_heads < 1 || a->n_heads % k->n_kv_heads != 0 ||
@@ -365,16 +404,19 @@ static int check_attention(StoreObject *self, PyObject *q_obj, PyObject *tables_
                      "multiple of n_kv_heads=%d", k->n_kv_heads);
         return -1;
     }
-    npy_intp t_dims[3] = {-1, -1, -1};
-    if ((a->tables = checked_array(tables_obj, "tables", NPY_INT32, rotations ? 3 : 2, t_dims)) == NULL)
-        return -1;
+    a->tables = kv_py_array(tables_obj, &(kv_py_array_spec){
+        .name = "tables", .type = NPY_INT32, .ndim = rotations ? 3 : 2,
+        .shape = {KV_PY_ANY, KV_PY_ANY, KV_PY_ANY},
+        .axes = rotations ? "n_rotations,n_tables,max_blocks" : "n_tables,max_blocks"});
+    if (a->tables == NULL) return -1;
     a->n_rotations = rotations ? (int)PyArray_DIM(a->tables, 0) : 1;
     a->n_tables = (int)PyArray_DIM(a->tables, rotations ? 1 : 0);
     a->max_blocks = (int)PyArray_DIM(a->tables, rotations ? 2 : 1);
-    npy_intp v_dims[1] = {a->n_q};
-    if ((a->query_table = checked_array(table_obj, "query_table", NPY_INT32, 1, v_dims)) == NULL ||
-        (a->seen = checked_array(seen_obj, "seen", NPY_INT32, 1, v_dims)) == NULL)
-        return -1;
+    kv_py_array_spec per_query = {.name = "query_table", .type = NPY_INT32, .ndim = 1,
+                                  .shape = {a->n_q}, .axes = "n_queries"};
+    if ((a->query_table = kv_py_array(table_obj, &per_query)) == NULL) return -1;
+    per_query.name = "seen";
+    if ((a->seen = kv_py_array(seen_obj, &per_query)) == NULL) return -1;
     if (block_size < 1 || a->n_rotations < 1 || a->n_tables < 1 || a->max_blocks < 1) {
         PyErr_SetString(PyExc_ValueError, "block_size and the tables' sizes must be positive");
         return -1;
@@ -555,7 +597,7 @@ STORE_INT_GETTER(nbytes, self->key.codes ? kv_cuda_store_nbytes(&self->key) +
                                                kv_cuda_store_nbytes(&self->value) : 0)
 
 static PyObject *store_get_format(StoreObject *self, void *closure) {
-    return PyUnicode_FromString(format_names[(closure ? &self->value : &self->key)->format]);
+    return kv_py_format_name((closure ? &self->value : &self->key)->format);
 }
 
 static PyGetSetDef store_getset[] = {
@@ -578,6 +620,9 @@ static PyMethodDef store_methods[] = {
     {"read", (PyCFunction)store_read, METH_O,
      "read(slots) -> (key_codes, key_scales, value_codes, value_scales): host copies of the\n"
      "stored bytes, (n_layers, n, n_kv_heads, head_bytes) uint8, and scales or None."},
+    {"put", (PyCFunction)store_put, METH_VARARGS,
+     "put(slots, key_codes, key_scales, value_codes, value_scales): read() backwards: rows\n"
+     "as read() gives them stored, as they are, into slots."},
     {"copy_rows", (PyCFunction)store_copy_rows, METH_VARARGS,
      "copy_rows(dst, src, n): copy n slots' rows, every layer and head (copy-on-write)."},
     {"fill_random", (PyCFunction)store_fill_random, METH_O,
@@ -647,7 +692,10 @@ static int model_init(ModelObject *self, PyObject *args, PyObject *kwds) {
             PyErr_Format(PyExc_ValueError, "weights are missing %s", table[i].name);
             return -1;
         }
-        PyArrayObject *a = checked_array(obj, table[i].name, NPY_FLOAT32, table[i].ndim, table[i].shape);
+        kv_py_array_spec want = {.name = table[i].name, .type = NPY_FLOAT32,
+                                 .ndim = table[i].ndim};
+        memcpy(want.shape, table[i].shape, (size_t)table[i].ndim * sizeof(npy_intp));
+        PyArrayObject *a = kv_py_array(obj, &want);
         if (a == NULL) return -1;
         *table[i].data = PyArray_DATA(a);   /* float32: the formats stay zero */
     }
@@ -703,111 +751,149 @@ static PyObject *model_reserve(ModelObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-/* forward(tokens, store, run_tokens, run_start, tables, block_size, write_slots,
- *         all_logits=False) -> logits */
-static PyObject *model_forward(ModelObject *self, PyObject *args, PyObject *kwds) {
-    static char *kwlist[] = {"tokens", "store", "run_tokens", "run_start", "tables",
-                             "block_size", "write_slots", "all_logits", NULL};
-    PyObject *tokens_obj, *store_obj, *counts_obj, *starts_obj, *tables_obj, *slots_obj;
-    int block_size, all_logits = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO!OOOiO|p", kwlist, &tokens_obj, &StoreType,
-                                     &store_obj, &counts_obj, &starts_obj, &tables_obj,
-                                     &block_size, &slots_obj, &all_logits))
-        return NULL;
-    if (model_ready(self) < 0) return NULL;
-    StoreObject *store = (StoreObject *)store_obj;
-    if (store_ready(store) < 0) return NULL;
-    const kv_config *c = &self->model.config;
+/* ---- forward: the arguments checked piece by piece, then the call ---------------------- */
+
+/* A forward call's arguments (see model_forward), each array checked for type and shape. */
+typedef struct {
+    PyArrayObject *tokens;   /* int32 (n_tokens,) */
+    PyArrayObject *counts;   /* int32 (n_runs,): run_tokens */
+    PyArrayObject *starts;   /* int32 (n_runs,): run_start */
+    PyArrayObject *tables;   /* int32 (n_runs, max_blocks) */
+    PyArrayObject *slots;    /* int64 (n_tokens,): write_slots */
+    npy_intp n_tokens, n_runs;
+    int max_blocks, block_size, all_logits;
+} forward_args;
+
+/* The store holds K and V for this model (its layers and KV heads), in one format. */
+static int check_store_fits(const kv_config *c, const StoreObject *store) {
     const kv_store *k = &store->key;
     if (k->n_layers != c->n_layers || k->n_kv_heads != c->n_kv_heads || k->head_dim != c->head_dim) {
         PyErr_Format(PyExc_ValueError, "this cache holds %d layers x %d KV heads x %d, but the "
                      "model needs %d x %d x %d", k->n_layers, k->n_kv_heads, k->head_dim,
                      c->n_layers, c->n_kv_heads, c->head_dim);
-        return NULL;
+        return -1;
     }
     if (k->format != store->value.format || k->group != store->value.group) {
         PyErr_SetString(PyExc_ValueError, "the GPU forward pass needs K and V in one format");
-        return NULL;
+        return -1;
     }
-    npy_intp any[2] = {-1, -1};
-    PyArrayObject *tokens = checked_array(tokens_obj, "tokens", NPY_INT32, 1, any);
-    if (tokens == NULL) return NULL;
-    npy_intp T = PyArray_DIM(tokens, 0);
-    if (T < 1 || T > (1 << 16)) {
+    return 0;
+}
+
+/* The five arrays' types and shapes into *a: one token id and one write slot per token,
+ * one count, start and block-table row per run. */
+static int check_forward_arrays(PyObject *tokens, PyObject *counts, PyObject *starts,
+                                PyObject *tables, PyObject *slots, forward_args *a) {
+    kv_py_array_spec spec = {.name = "tokens", .type = NPY_INT32, .ndim = 1,
+                             .shape = {KV_PY_ANY}, .axes = "n_tokens"};
+    if ((a->tokens = kv_py_array(tokens, &spec)) == NULL) return -1;
+    a->n_tokens = PyArray_DIM(a->tokens, 0);
+    if (a->n_tokens < 1 || a->n_tokens > (1 << 16)) {
         PyErr_SetString(PyExc_ValueError, "tokens must hold 1 to 65536 ids");
-        return NULL;
+        return -1;
     }
-    PyArrayObject *counts = checked_array(counts_obj, "run_tokens", NPY_INT32, 1, any);
-    if (counts == NULL) return NULL;
-    npy_intp R = PyArray_DIM(counts, 0);
-    npy_intp r_dims[1] = {R}, t_dims[1] = {T};
-    PyArrayObject *starts = checked_array(starts_obj, "run_start", NPY_INT32, 1, r_dims);
-    PyArrayObject *tables = starts ? checked_array(tables_obj, "tables", NPY_INT32, 2, any) : NULL;
-    PyArrayObject *slots = tables ? checked_array(slots_obj, "write_slots", NPY_INT64, 1, t_dims) : NULL;
-    if (slots == NULL) return NULL;
-    int max_blocks = (int)PyArray_DIM(tables, 1);
-    if (R < 1 || R > T || PyArray_DIM(tables, 0) != R || max_blocks < 1 || block_size < 1) {
+    spec.name = "run_tokens", spec.axes = "n_runs";
+    if ((a->counts = kv_py_array(counts, &spec)) == NULL) return -1;
+    a->n_runs = PyArray_DIM(a->counts, 0);
+    spec.name = "run_start", spec.shape[0] = a->n_runs;
+    if ((a->starts = kv_py_array(starts, &spec)) == NULL) return -1;
+    a->tables = kv_py_array(tables, &(kv_py_array_spec){
+        .name = "tables", .type = NPY_INT32, .ndim = 2, .shape = {KV_PY_ANY, KV_PY_ANY},
+        .axes = "n_runs,max_blocks"});
+    if (a->tables == NULL) return -1;
+    a->slots = kv_py_array(slots, &(kv_py_array_spec){
+        .name = "write_slots", .type = NPY_INT64, .ndim = 1, .shape = {a->n_tokens},
+        .axes = "n_tokens"});
+    if (a->slots == NULL) return -1;
+    a->max_blocks = (int)PyArray_DIM(a->tables, 1);
+    if (a->n_runs < 1 || a->n_runs > a->n_tokens || PyArray_DIM(a->tables, 0) != a->n_runs ||
+        a->max_blocks < 1 || a->block_size < 1) {
         PyErr_SetString(PyExc_ValueError, "run_tokens, run_start and tables need one entry (row) "
                         "per run, at least one run, and a positive block_size");
-        return NULL;
+        return -1;
     }
-    const int32_t *ids = (const int32_t *)PyArray_DATA(tokens);
-    for (npy_intp i = 0; i < T; i++) {
-        if (ids[i] < 0 || ids[i] >= c->vocab_size) {
+    return 0;
+}
+
+static int check_token_ids(const forward_args *a, int vocab_size) {
+    const int32_t *ids = (const int32_t *)PyArray_DATA(a->tokens);
+    for (npy_intp i = 0; i < a->n_tokens; i++) {
+        if (ids[i] < 0 || ids[i] >= vocab_size) {
             PyErr_Format(PyExc_ValueError, "token id %d at index %zd is out of range [0, %d)",
-                         (int)ids[i], (Py_ssize_t)i, c->vocab_size);
-            return NULL;
+                         (int)ids[i], (Py_ssize_t)i, vocab_size);
+            return -1;
         }
     }
-    const int32_t *n = (const int32_t *)PyArray_DATA(counts);
-    const int32_t *start = (const int32_t *)PyArray_DATA(starts);
-    const int32_t *table = (const int32_t *)PyArray_DATA(tables);
-    long long n_blocks = (long long)(k->slots / (size_t)block_size);
-    long long total = 0;
-    for (npy_intp r = 0; r < R; r++) {
+    return 0;
+}
+
+/* Run r's block table covers its positions, and every block it reads is in the store
+ * (n_blocks whole blocks). */
+static int check_run_blocks(const forward_args *a, npy_intp r, int seen, long long n_blocks) {
+    int used = (int)(((long long)seen + a->block_size - 1) / a->block_size);
+    if (used > a->max_blocks) {
+        PyErr_Format(PyExc_ValueError, "run %zd reaches position %d: its block table needs %d "
+                     "blocks of %d, it has %d", (Py_ssize_t)r, seen - 1, used, a->block_size,
+                     a->max_blocks);
+        return -1;
+    }
+    const int32_t *table = (const int32_t *)PyArray_DATA(a->tables) + r * a->max_blocks;
+    for (int j = 0; j < used; j++) {
+        if (table[j] < 0 || table[j] >= n_blocks) {
+            PyErr_Format(PyExc_IndexError, "block id %d (run %zd, entry %d) is outside the "
+                         "cache's %lld blocks of %d", table[j], (Py_ssize_t)r, j, n_blocks,
+                         a->block_size);
+            return -1;
+        }
+    }
+    return 0;
+}
+
+/* Each run: a positive count at a position the GPU can reach, its blocks inside the store;
+ * and the runs' counts add up to the tokens. */
+static int check_runs(const forward_args *a, size_t store_slots) {
+    const int32_t *n = (const int32_t *)PyArray_DATA(a->counts);
+    const int32_t *start = (const int32_t *)PyArray_DATA(a->starts);
+    long long n_blocks = (long long)(store_slots / (size_t)a->block_size), total = 0;
+    for (npy_intp r = 0; r < a->n_runs; r++) {
         if (n[r] < 1 || start[r] < 0 || (long long)start[r] + n[r] > KV_CUDA_MAX_POSITIONS) {
             PyErr_Format(PyExc_ValueError, "run %zd: %d tokens at position %d", (Py_ssize_t)r,
                          n[r], start[r]);
-            return NULL;
+            return -1;
         }
         total += n[r];
-        int seen = start[r] + n[r];
-        int used = (int)(((long long)seen + block_size - 1) / block_size);
-        if (used > max_blocks) {
-            PyErr_Format(PyExc_ValueError, "run %zd reaches position %d: its block table needs %d "
-                         "blocks of %d, it has %d", (Py_ssize_t)r, seen - 1, used, block_size,
-                         max_blocks);
-            return NULL;
-        }
-        for (int j = 0; j < used; j++) {
-            int32_t b = table[r * max_blocks + j];
-            if (b < 0 || b >= n_blocks) {
-                PyErr_Format(PyExc_IndexError, "block id %d (run %zd, entry %d) is outside the "
-                             "cache's %lld blocks of %d", b, (Py_ssize_t)r, j, n_blocks, block_size);
-                return NULL;
-            }
-        }
+        if (check_run_blocks(a, r, start[r] + n[r], n_blocks) < 0) return -1;
     }
-    if (total != T) {
+    if (total != a->n_tokens) {
         PyErr_Format(PyExc_ValueError, "run_tokens add up to %lld but tokens holds %zd", total,
-                     (Py_ssize_t)T);
-        return NULL;
+                     (Py_ssize_t)a->n_tokens);
+        return -1;
     }
-    const int64_t *write = (const int64_t *)PyArray_DATA(slots);
-    for (npy_intp i = 0; i < T; i++) {
-        if (write[i] < -1 || write[i] >= (int64_t)k->slots) {
+    return 0;
+}
+
+/* Every new row goes to a slot of the store, or -1 (leave it). */
+static int check_write_slots(const forward_args *a, size_t store_slots) {
+    const int64_t *write = (const int64_t *)PyArray_DATA(a->slots);
+    for (npy_intp i = 0; i < a->n_tokens; i++) {
+        if (write[i] < -1 || write[i] >= (int64_t)store_slots) {
             PyErr_Format(PyExc_IndexError, "write slot %lld at index %zd is outside the cache",
                          (long long)write[i], (Py_ssize_t)i);
-            return NULL;
+            return -1;
         }
     }
+    return 0;
+}
 
-    npy_intp dims[2] = {all_logits ? T : R, c->vocab_size};
+/* The checked call: logits (n_tokens or n_runs rows), or NULL with an exception. The
+ * arguments are copied first, while we hold the GIL: the caller's arrays could change
+ * under us once we let go of it. */
+static PyObject *run_forward(ModelObject *self, StoreObject *store, const forward_args *a) {
+    npy_intp T = a->n_tokens, R = a->n_runs;
+    npy_intp dims[2] = {a->all_logits ? T : R, self->model.config.vocab_size};
     PyObject *logits = PyArray_SimpleNew(2, dims, NPY_FLOAT32);
-    /* Private copies of the arguments, taken while we hold the GIL: the caller's arrays could
-     * change under us once we let go of it. */
     size_t bytes = (size_t)T * (sizeof(int32_t) + sizeof(int64_t)) +
-                   (size_t)R * (2 + max_blocks) * sizeof(int32_t);
+                   (size_t)R * (2 + a->max_blocks) * sizeof(int32_t);
     uint8_t *copy = PyMem_Malloc(bytes);
     if (logits == NULL || copy == NULL) {
         Py_XDECREF(logits);
@@ -817,13 +903,13 @@ static PyObject *model_forward(ModelObject *self, PyObject *args, PyObject *kwds
     int64_t *c_slots = (int64_t *)copy;
     int32_t *c_tokens = (int32_t *)(c_slots + T);
     int32_t *c_counts = c_tokens + T, *c_starts = c_counts + R, *c_tables = c_starts + R;
-    memcpy(c_slots, write, (size_t)T * sizeof(int64_t));
-    memcpy(c_tokens, ids, (size_t)T * sizeof(int32_t));
-    memcpy(c_counts, n, (size_t)R * sizeof(int32_t));
-    memcpy(c_starts, start, (size_t)R * sizeof(int32_t));
-    memcpy(c_tables, table, (size_t)R * max_blocks * sizeof(int32_t));
-    kv_cuda_batch batch = {(int)T, c_tokens, (int)R, c_counts, c_starts, c_tables, max_blocks,
-                           block_size, c_slots, all_logits};
+    memcpy(c_slots, PyArray_DATA(a->slots), (size_t)T * sizeof(int64_t));
+    memcpy(c_tokens, PyArray_DATA(a->tokens), (size_t)T * sizeof(int32_t));
+    memcpy(c_counts, PyArray_DATA(a->counts), (size_t)R * sizeof(int32_t));
+    memcpy(c_starts, PyArray_DATA(a->starts), (size_t)R * sizeof(int32_t));
+    memcpy(c_tables, PyArray_DATA(a->tables), (size_t)R * a->max_blocks * sizeof(int32_t));
+    kv_cuda_batch batch = {(int)T, c_tokens, (int)R, c_counts, c_starts, c_tables, a->max_blocks,
+                           a->block_size, c_slots, a->all_logits};
     kv_cuda_err err;
     self->busy = store->busy = 1;
     Py_BEGIN_ALLOW_THREADS
@@ -837,6 +923,27 @@ static PyObject *model_forward(ModelObject *self, PyObject *args, PyObject *kwds
         return raise_cuda(err, "the forward pass");
     }
     return logits;
+}
+
+/* forward(tokens, store, run_tokens, run_start, tables, block_size, write_slots,
+ *         all_logits=False) -> logits */
+static PyObject *model_forward(ModelObject *self, PyObject *args, PyObject *kwds) {
+    static char *kwlist[] = {"tokens", "store", "run_tokens", "run_start", "tables",
+                             "block_size", "write_slots", "all_logits", NULL};
+    PyObject *tokens, *store_obj, *counts, *starts, *tables, *slots;
+    forward_args a = {.all_logits = 0};
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO!OOOiO|p", kwlist, &tokens, &StoreType,
+                                     &store_obj, &counts, &starts, &tables, &a.block_size,
+                                     &slots, &a.all_logits))
+        return NULL;
+    StoreObject *store = (StoreObject *)store_obj;
+    const kv_config *c = &self->model.config;
+    if (model_ready(self) < 0 || store_ready(store) < 0 || check_store_fits(c, store) < 0 ||
+        check_forward_arrays(tokens, counts, starts, tables, slots, &a) < 0 ||
+        check_token_ids(&a, c->vocab_size) < 0 || check_runs(&a, store->key.slots) < 0 ||
+        check_write_slots(&a, store->key.slots) < 0)
+        return NULL;
+    return run_forward(self, store, &a);
 }
 
 static PyObject *model_get_weight_bytes(ModelObject *self, void *closure) {

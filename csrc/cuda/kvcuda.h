@@ -85,6 +85,10 @@ kv_cuda_err kv_cuda_store_write(const kv_store *store, int layer, const float *r
  * formats without) (n_layers, n_rows, n_kv_heads, groups_per_head). */
 kv_cuda_err kv_cuda_store_read(const kv_store *store, const int64_t *slots, int n_rows,
                                uint8_t *codes, float *scales);
+/* kv_cuda_store_read backwards: rows laid out as it gives them (device) stored as they are
+ * into n_rows slots (device int64): a sequence swapped back in. */
+kv_cuda_err kv_cuda_store_put(const kv_store *store, const int64_t *slots, int n_rows,
+                              const uint8_t *codes, const float *scales);
 /* Copies n_rows rows starting at slot src to slot dst, every layer and head (copy-on-write). */
 kv_cuda_err kv_cuda_store_copy(const kv_store *store, size_t dst, size_t src, size_t n_rows);
 /* Fills every slot with pseudo-random rows (benchmarks: never time zeros). */

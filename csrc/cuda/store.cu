@@ -1,4 +1,5 @@
-/* store.cu: the cache's storage on the GPU: writes through a slot mapping, reads, copies.
+/* store.cu: the cache's storage on the GPU: writes through a slot mapping, reads, copies,
+ * and puts back rows read before (a swap).
  *
  * A kv_store (kvlab.h) here has its codes and scales in device memory, laid out as on the
  * CPU: (n_layers, n_kv_heads, slots, head_bytes), so one KV head's rows for consecutive
@@ -139,6 +140,33 @@ extern "C" kv_cuda_err kv_cuda_store_read(const kv_store *store, const int64_t *
     size_t threads = (size_t)store->n_layers * n_rows * store->n_kv_heads;
     store_read_kernel<<<blocks_for(threads, 128), 128>>>(*store, slots, n_rows, codes,
                                                           store->scales ? scales : NULL);
+    return KV_CUDA_LAUNCHED();
+}
+
+/* store_read_kernel backwards: thread i's input row (n_layers, n_rows, n_kv_heads order)
+ * goes, codes and scales as they are, to its slot. Swapping a sequence back in. */
+__global__ void store_put_kernel(kv_store s, const int64_t *__restrict__ slots, int n_rows,
+                                 const uint8_t *__restrict__ codes,
+                                 const float *__restrict__ scales) {
+    size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (size_t)s.n_layers * n_rows * s.n_kv_heads) return;
+    int head = (int)(i % s.n_kv_heads);
+    int row = (int)(i / s.n_kv_heads % n_rows);
+    int layer = (int)(i / s.n_kv_heads / n_rows);
+    size_t head_row = head_row_of(s, layer, head, (size_t)slots[row]);
+    const uint2 *from = (const uint2 *)(codes + i * s.head_bytes);
+    uint2 *to = (uint2 *)(s.codes + head_row * s.head_bytes);
+    for (size_t j = 0; j < s.head_bytes / 8; j++) to[j] = from[j];
+    for (int g = 0; scales != NULL && g < s.groups_per_head; g++)
+        s.scales[head_row * s.groups_per_head + g] = scales[i * s.groups_per_head + g];
+}
+
+extern "C" kv_cuda_err kv_cuda_store_put(const kv_store *store, const int64_t *slots, int n_rows,
+                                         const uint8_t *codes, const float *scales) {
+    if (n_rows <= 0) return 0;
+    size_t threads = (size_t)store->n_layers * n_rows * store->n_kv_heads;
+    store_put_kernel<<<blocks_for(threads, 128), 128>>>(*store, slots, n_rows, codes,
+                                                         store->scales ? scales : NULL);
     return KV_CUDA_LAUNCHED();
 }
 

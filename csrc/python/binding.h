@@ -8,10 +8,12 @@
  * words the core's refusals so that they name the argument at fault. The few ranges it
  * checks as well say why where they are (most bound what the binding allocates).
  *
- * One file per object: errors.c, arrays.c (every array argument), stores.c (cache formats
- * and K/V views), cache.c (KVCache), blocks.c (BlockManager, PagedSequence), pool.c
- * (PagedPool: a BlockManager with K/V stores), model.c (Model),
- * module.c (module functions and PyInit__kvlab).
+ * One file per object: errors.c, arrays.c (every array argument), formats.c (cache formats
+ * by name), stores.c (K/V views), cache.c (KVCache), blocks.c (BlockManager,
+ * PagedSequence), pool.c (PagedPool: a BlockManager with K/V stores), row_store.c (a
+ * PagedPool whose rows a Python object holds: the GPU's), model.c (Model), module.c
+ * (module functions and PyInit__kvlab). arrays.c and formats.c are compiled into the GPU
+ * binding (csrc/cuda/_cuda.c) too.
  */
 #ifndef KVLAB_PY_BINDING_H
 #define KVLAB_PY_BINDING_H
@@ -28,9 +30,13 @@
 /* NumPy's C API is a table of function pointers that import_array() fills in. Every file
  * must use the same table: PY_ARRAY_UNIQUE_SYMBOL names it, module.c (which defines
  * KV_PY_IMPORTS_NUMPY before including this header) defines it and calls import_array(),
- * and every other file declares it extern (NO_IMPORT_ARRAY). */
+ * and every other file declares it extern (NO_IMPORT_ARRAY). The GPU extension, which
+ * shares arrays.c and formats.c, names a table of its own (setup.py defines
+ * PY_ARRAY_UNIQUE_SYMBOL for it) and fills it in cuda/_cuda.c. */
 #define NPY_NO_DEPRECATED_API NPY_2_0_API_VERSION
+#ifndef PY_ARRAY_UNIQUE_SYMBOL
 #define PY_ARRAY_UNIQUE_SYMBOL kvlab_PyArray_API
+#endif
 #ifndef KV_PY_IMPORTS_NUMPY
 #define NO_IMPORT_ARRAY
 #endif
@@ -93,7 +99,7 @@ int kv_py_signals_pending(void *arg);
     "num_blocks * block_size at most 2**32), max_seqs at most 2**20 and max_seqs * "          \
     "max_blocks_per_seq at most 2**28"
 
-/* ---- arrays.c: NumPy arrays in and out --------------------------------------------- */
+/* ---- arrays.c: NumPy arrays in and out (shared with the GPU binding, kvlab._cuda) ---- */
 
 #define KV_PY_ANY (-1)      /* a size kv_py_array takes whatever it is */
 #define KV_PY_MAX_DIMS 4
@@ -141,7 +147,7 @@ int kv_py_parse_weight_format(const char *name, kv_weight_format *format);
 /* matmul(x, w, format, activations='fp32'): the module's function (see module.c's table) */
 PyObject *kv_py_matmul(PyObject *module, PyObject *args);
 
-/* ---- stores.c: cache formats and views of K/V storage ------------------------------ */
+/* ---- formats.c: cache formats by name (shared with the GPU binding, kvlab._cuda) ---- */
 
 extern const char *const kv_py_format_names[];
 
@@ -149,15 +155,17 @@ extern const char *const kv_py_format_names[];
  * one), groups and window as given; the core checks the numbers. */
 int kv_py_make_format(kv_cache_format *format, const char *key_name, const char *value_name,
                       int key_group, int value_group, int window);
+/* A format's name into *format; ValueError naming `what` ("key", "cache" ...) otherwise. */
 int kv_py_parse_format(const char *name, const char *what, kv_format *format);
+int kv_py_code_type(kv_format format);
+PyObject *kv_py_format_name(kv_format format);
+
+/* ---- stores.c: views of K/V storage --------------------------------------------------- */
 
 /* After the core refused a cache or pool with KV_ERR_INVALID_ARG: raises the message for a
  * group that does not suit its format and head_dim and returns 1, or returns 0 (the fault
  * is elsewhere). */
 int kv_py_group_refused(const kv_cache_format *format, int head_dim);
-
-int kv_py_code_type(kv_format format);
-PyObject *kv_py_format_name(kv_format format);
 
 enum { KV_PY_CODES, KV_PY_SCALES, KV_PY_ZEROS };   /* the parts of a store */
 /* getset closures of key_codes ... value_zeros: (is_value << 2) | part */
@@ -187,9 +195,13 @@ typedef struct {
     int busy;
 } BlocksObject;
 
+/* store: the Python object a pool's rows live in (row_store.c), or NULL for the CPU's
+ * own stores; row_store reaches it for the core (pool.row_store points at it). */
 typedef struct {
     BlocksObject base;
     kv_pool pool;
+    PyObject *store;
+    kv_row_store row_store;
 } PoolObject;
 
 typedef struct {
@@ -230,6 +242,21 @@ PoolObject *kv_py_pool_of(PyObject *obj, int *seq);
 /* As kv_py_blocks_refused, and a pool shaped for another model (model's config). */
 PyObject *kv_py_pool_refused(const PoolObject *pool, kv_status status, int n_tokens,
                              const kv_config *model);
+
+/* row_store.c. Makes self's row store call `store`'s methods (copy_rows, write, read,
+ * put), keeping a reference to it; refuses (ValueError) a format such a pool cannot keep
+ * (a window, int4) and an object without those methods (TypeError). 0, or -1. */
+int kv_py_row_store_init(PoolObject *self, PyObject *store, const kv_cache_format *format);
+/* Every row of a row-store pool copied to the host, into *key and *value (host stores of
+ * all its slots, in the pool's layout) whose memory is the returned uint8 array (a new
+ * reference, the views' owner), or NULL with an exception. */
+PyObject *kv_py_row_store_copy(PoolObject *self, kv_store *key, kv_store *value);
+/* PagedPool's _reserve_batch(seqs, n_tokens) -> (starts, tables, slots),
+ * _commit_batch(seqs, tokens, n_tokens) and _cancel_batch(seqs): a forward pass over a
+ * row-store pool run elsewhere (kvlab/cuda.py), holding the pool (busy) in between. */
+PyObject *kv_py_pool_reserve_batch(PoolObject *self, PyObject *args);
+PyObject *kv_py_pool_commit_batch(PoolObject *self, PyObject *args);
+PyObject *kv_py_pool_cancel_batch(PoolObject *self, PyObject *seqs);
 
 /* model.c. How to choose tokens (temperature, top_k, top_p) into *how, each checked:
  * 0, or -1 with ValueError naming the argument. */

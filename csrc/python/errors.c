@@ -38,6 +38,11 @@ PyObject *kv_py_raise(kv_status status, const char *format, ...) {
             /* the signal handler's own exception (normally KeyboardInterrupt) is set */
             if (!PyErr_Occurred()) PyErr_SetNone(PyExc_KeyboardInterrupt);
             return NULL;
+        case KV_ERR_STORE:
+            /* a pool's row store (row_store.c) raised: its own exception says why */
+            if (PyErr_Occurred()) return NULL;
+            type = PyExc_RuntimeError;
+            break;
         case KV_ERR_CACHE_FULL:
         case KV_ERR_TABLE_FULL: type = kv_py_error.cache_full; break;
         case KV_ERR_OUT_OF_BLOCKS: type = kv_py_error.out_of_blocks; break;

@@ -1,5 +1,6 @@
-/* pool.c: PagedPool, the paged pool on the CPU (kv_pool): a BlockManager (blocks.c),
- * whose methods it inherits, with the C core's K/V stores behind its blocks.
+/* pool.c: PagedPool, the paged pool (kv_pool): a BlockManager (blocks.c), whose methods it
+ * inherits, with the C core's K/V stores behind its blocks, or a row store (store=...: the
+ * GPU's memory, row_store.c) whose rows the same code keeps the books of.
  *
  * What is a pool's own: its rows (key_codes ... value_zeros, append, gather, swap_out and
  * swap_in) and its format. BlockManager's fork copies a pool sequence's residual-window
@@ -12,7 +13,7 @@
 
 int kv_py_pool_ready(PoolObject *self) {
     if (kv_py_blocks_ready(&self->base) < 0) return -1;
-    if (self->pool.key.codes == NULL) {
+    if (self->pool.key.n_layers == 0) {
         PyErr_SetString(PyExc_RuntimeError, "PagedPool was not initialized");
         return -1;
     }
@@ -21,7 +22,8 @@ int kv_py_pool_ready(PoolObject *self) {
 
 PoolObject *kv_py_pool_of(PyObject *obj, int *seq) {
     BlocksObject *owner = ((SequenceObject *)obj)->owner;
-    if (!PyObject_TypeCheck((PyObject *)owner, &kv_py_pool_type)) {
+    if (!PyObject_TypeCheck((PyObject *)owner, &kv_py_pool_type) ||
+        ((PoolObject *)owner)->pool.row_store != NULL) {
         PyErr_Format(PyExc_TypeError, "this sequence's pool (%s) keeps no K and V in host "
                      "memory: run it with the model that made the pool",
                      Py_TYPE(owner)->tp_name);
@@ -54,18 +56,19 @@ static int pool_init(PoolObject *self, PyObject *args, PyObject *kwds) {
     static char *kwlist[] = {"n_layers", "n_kv_heads", "head_dim", "num_blocks", "block_size",
                              "max_seqs", "max_blocks_per_seq", "hash_bits", "key_format",
                              "value_format", "key_group", "value_group", "window",
-                             "prefix_cache", NULL};
+                             "prefix_cache", "store", NULL};
     int n_layers, n_kv_heads, head_dim, num_blocks, block_size, max_seqs = 256;
     int max_blocks_per_seq = 0, hash_bits = 64, key_group = 0, value_group = 0, window = 0;
     int prefix_cache = 1;
     const char *key_name = "fp32", *value_name = "fp32";
-    if (kv_py_int_arguments(args, kwds, "iiiii|iiissiiip", kwlist) < 0) return -1;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "iiiii|iiissiiip", kwlist, &n_layers,
+    PyObject *store = Py_None;
+    if (kv_py_int_arguments(args, kwds, "iiiii|iiissiiipO", kwlist) < 0) return -1;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "iiiii|iiissiiipO", kwlist, &n_layers,
                                      &n_kv_heads, &head_dim, &num_blocks, &block_size, &max_seqs,
                                      &max_blocks_per_seq, &hash_bits, &key_name, &value_name,
-                                     &key_group, &value_group, &window, &prefix_cache))
+                                     &key_group, &value_group, &window, &prefix_cache, &store))
         return -1;
-    if (self->pool.key.codes != NULL) {
+    if (self->pool.key.n_layers != 0) {
         /* re-initializing would free memory that existing views and handles still show */
         PyErr_SetString(PyExc_RuntimeError, "PagedPool is already initialized");
         return -1;
@@ -76,9 +79,12 @@ static int pool_init(PoolObject *self, PyObject *args, PyObject *kwds) {
     kv_cache_format format;
     if (kv_py_make_format(&format, key_name, value_name, key_group, value_group, window) < 0)
         return -1;
+    if (store != Py_None && kv_py_row_store_init(self, store, &format) < 0) return -1;
     /* the core checks every number; on refusal it leaves the pool zeroed */
-    kv_status status = kv_pool_init(&self->pool, n_layers, n_kv_heads, head_dim, num_blocks,
-                                    block_size, max_seqs, max_blocks_per_seq, &format);
+    kv_status status = kv_pool_init_with_store(&self->pool, n_layers, n_kv_heads, head_dim,
+                                               num_blocks, block_size, max_seqs,
+                                               max_blocks_per_seq, &format,
+                                               self->store ? &self->row_store : NULL);
     if (status == KV_OK) {
         if (hash_bits < 64) self->pool.blocks.hash_mask = ((uint64_t)1 << hash_bits) - 1;
         if (!prefix_cache) self->pool.blocks.prefix_cache = 0;   /* a window turned it off */
@@ -97,6 +103,7 @@ static int pool_init(PoolObject *self, PyObject *args, PyObject *kwds) {
 
 static void pool_dealloc(PoolObject *self) {
     kv_pool_free(&self->pool);
+    Py_CLEAR(self->store);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
@@ -104,7 +111,8 @@ static void pool_dealloc(PoolObject *self) {
 
 /* key_codes, key_scales, ... value_zeros of the whole pool: closure = KV_PY_PART(is_value,
  * part). The memory is head-major (n_layers, n_kv_heads, num_blocks, block_size, ...);
- * shown block-first, so that key_codes[b] is everything block b holds. */
+ * shown block-first, so that key_codes[b] is everything block b holds. A row store's rows
+ * are copied to the host first, into the same layout: the view is then of the copy. */
 static PyObject *pool_get_part(PoolObject *self, void *closure) {
     if (kv_py_pool_ready(self) < 0) return NULL;
     int which = (int)(intptr_t)closure;
@@ -113,8 +121,14 @@ static PyObject *pool_get_part(PoolObject *self, void *closure) {
     npy_intp lead_dims[3] = {num_blocks, p->n_layers, block_size};
     npy_intp slots = (npy_intp)num_blocks * block_size;
     npy_intp lead_strides[3] = {block_size, (npy_intp)p->n_kv_heads * slots, 1};
-    return kv_py_store_view((PyObject *)self, (which >> 2) ? &p->value : &p->key, which & 3, 3,
-                            lead_dims, lead_strides);
+    PyObject *owner = (PyObject *)self;
+    kv_store copies[2] = {p->key, p->value};
+    if (p->row_store != NULL && (owner = kv_py_row_store_copy(self, &copies[0], &copies[1])) == NULL)
+        return NULL;
+    PyObject *view = kv_py_store_view(owner, &copies[which >> 2], which & 3, 3, lead_dims,
+                                      lead_strides);
+    if (p->row_store != NULL) Py_DECREF(owner);
+    return view;
 }
 
 /* closure NULL: the keys' attribute; non-NULL: the values' */
@@ -139,8 +153,17 @@ static PyObject *pool_get_group(PoolObject *self, void *closure) {
     static PyObject *pool_get_##name(PoolObject *self, void *closure) {    \
         return PyLong_FromLongLong((long long)(expr));                     \
     }
-POOL_INT_GETTER(nbytes, self->pool.key.codes ? kv_pool_nbytes(&self->pool) : 0)
+POOL_INT_GETTER(nbytes, self->pool.key.n_layers ? kv_pool_nbytes(&self->pool) : 0)
 POOL_INT_GETTER(window, self->pool.window)
+/* "cpu", or "cuda" for a pool whose rows a row store holds (the only one kvlab makes is the
+ * GPU's, kvlab.cuda.CudaPagedPool; the tests' NumPy stand-in plays it) */
+static PyObject *pool_get_device(PoolObject *self, void *closure) {
+    return PyUnicode_FromString(self->pool.row_store ? "cuda" : "cpu");
+}
+
+POOL_INT_GETTER(n_layers, self->pool.n_layers)
+POOL_INT_GETTER(n_kv_heads, self->pool.n_kv_heads)
+POOL_INT_GETTER(head_dim, self->pool.head_dim)
 
 /* ---- methods ----------------------------------------------------------------------- */
 
@@ -188,9 +211,12 @@ static PyObject *pool_gather(PoolObject *self, PyObject *arg) {
         Py_XDECREF(keys);
         return NULL;
     }
-    kv_pool_gather(p, seq, (float *)PyArray_DATA((PyArrayObject *)keys),
-                   (float *)PyArray_DATA((PyArrayObject *)values));
-    return Py_BuildValue("(NN)", keys, values);
+    kv_status status = kv_pool_gather(p, seq, (float *)PyArray_DATA((PyArrayObject *)keys),
+                                      (float *)PyArray_DATA((PyArrayObject *)values));
+    if (status == KV_OK) return Py_BuildValue("(NN)", keys, values);
+    Py_DECREF(keys);   /* only a row store fails, or memory for its copy */
+    Py_DECREF(values);
+    return kv_py_pool_refused(self, status, 0, NULL);
 }
 
 static PyObject *pool_positions(PoolObject *self, PyObject *arg) {
@@ -220,6 +246,9 @@ static PyObject *pool_keep(PoolObject *self, PyObject *args) {
     if (p->window > 0)
         return kv_py_raise(KV_ERR_INVALID_ARG, "keep(): a pool with a residual window cannot "
                            "drop rows: its full-precision rows are kept by position");
+    if (p->row_store != NULL)
+        return kv_py_raise(KV_ERR_INVALID_ARG, "keep(): this pool's rows are in GPU memory, "
+                           "whose forward pass reads row i as position i: it cannot drop rows");
     PyArrayObject *rows = kv_py_rows_to_keep(rows_obj, p->n_layers, p->n_kv_heads);
     if (rows == NULL) return NULL;
     int n_keep = (int)PyArray_DIM(rows, 1);
@@ -361,6 +390,12 @@ static PyGetSetDef pool_getset[] = {
     {"window", (getter)pool_get_window, NULL,
      "Residual window: each query reads this many most recent positions in float32.", NULL},
     {"nbytes", (getter)pool_get_nbytes, NULL, "Bytes of K/V storage the pool allocated.", NULL},
+    {"device", (getter)pool_get_device, NULL,
+     "Where the rows are: 'cpu' (host memory) or 'cuda' (GPU memory, through a row store).",
+     NULL},
+    {"n_layers", (getter)pool_get_n_layers, NULL, NULL, NULL},
+    {"n_kv_heads", (getter)pool_get_n_kv_heads, NULL, NULL, NULL},
+    {"head_dim", (getter)pool_get_head_dim, NULL, NULL, NULL},
     {NULL}
 };
 
@@ -395,6 +430,14 @@ static PyMethodDef pool_methods[] = {
     {"gather", (PyCFunction)pool_gather, METH_O,
      "gather(seq) -> (keys, values): float32 copies, (n_layers, length, n_kv_heads,\n"
      "head_dim), of what seq's most recent token's attention read (dequantized)."},
+    {"_reserve_batch", (PyCFunction)kv_py_pool_reserve_batch, METH_VARARGS,
+     "_reserve_batch(seqs, n_tokens) -> (starts, tables, slots): a row-store pool's side of\n"
+     "a forward pass run elsewhere (the GPU's): checks and reserves, then holds the pool\n"
+     "until _commit_batch(seqs, tokens, n_tokens) or _cancel_batch(seqs)."},
+    {"_commit_batch", (PyCFunction)kv_py_pool_commit_batch, METH_VARARGS,
+     "_commit_batch(seqs, tokens, n_tokens): the reserved rows are written."},
+    {"_cancel_batch", (PyCFunction)kv_py_pool_cancel_batch, METH_O,
+     "_cancel_batch(seqs): they were not: every sequence as it was (no-op unless held)."},
     {NULL}
 };
 
@@ -404,9 +447,11 @@ PyTypeObject kv_py_pool_type = {
     .tp_doc = PyDoc_STR("PagedPool(n_layers, n_kv_heads, head_dim, num_blocks, block_size,\n"
                         "          max_seqs=256, max_blocks_per_seq=num_blocks, hash_bits=64,\n"
                         "          key_format='fp32', value_format='fp32', key_group=0,\n"
-                        "          value_group=0, window=0, prefix_cache=True)\n\n"
+                        "          value_group=0, window=0, prefix_cache=True, store=None)\n\n"
                         "A paged pool: fixed-size blocks of K and V shared by many\n"
-                        "sequences. Usually made with model.new_paged_pool(...)."),
+                        "sequences. Usually made with model.new_paged_pool(...). With store,\n"
+                        "its rows live in that object (the GPU's kvlab._cuda.KVStore: see\n"
+                        "kvlab.cuda.CudaPagedPool), which copies, writes and reads them."),
     .tp_base = &kv_py_blocks_type,
     .tp_basicsize = sizeof(PoolObject),
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE,

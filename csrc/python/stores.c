@@ -1,37 +1,10 @@
-/* stores.c: how K/V storage meets Python, for KVCache and PagedPool alike: the formats
- * by name, and zero-copy read-only views of a store's codes, scales and zero points.
+/* stores.c: how K/V storage meets Python, for KVCache and PagedPool alike: a group size's
+ * refusal in words, and zero-copy read-only views of a store's codes, scales and zero points.
+ * (The formats by name are formats.c's, which the GPU binding shares.)
  */
 #include "binding.h"
 
-#include <string.h>
-
 #include "store.h"
-
-const char *const kv_py_format_names[] = {"fp32", "fp16", "bf16", "int8", "int4", "fp8"};
-#define N_FORMATS ((int)(sizeof kv_py_format_names / sizeof kv_py_format_names[0]))
-
-int kv_py_parse_format(const char *name, const char *what, kv_format *format) {
-    for (int i = 0; i < N_FORMATS; i++) {
-        if (strcmp(name, kv_py_format_names[i]) == 0) {
-            *format = (kv_format)i;
-            return 0;
-        }
-    }
-    PyErr_Format(PyExc_ValueError, "unknown %s format '%s'; known: fp32, fp16, bf16, int8, "
-                 "int4, fp8", what, name);
-    return -1;
-}
-
-int kv_py_make_format(kv_cache_format *format, const char *key_name, const char *value_name,
-                      int key_group, int value_group, int window) {
-    if (kv_py_parse_format(key_name, "key", &format->key_format) < 0 ||
-        kv_py_parse_format(value_name, "value", &format->value_format) < 0)
-        return -1;
-    format->key_group = key_group;
-    format->value_group = value_group;
-    format->window = window;
-    return 0;
-}
 
 int kv_py_group_refused(const kv_cache_format *format, int head_dim) {
     if (head_dim <= 0) return 0;   /* no group suits a head of no values: a size is wrong */
@@ -50,24 +23,6 @@ int kv_py_group_refused(const kv_cache_format *format, int head_dim) {
         return 1;
     }
     return 0;
-}
-
-/* The NumPy type of a format's codes: float16 is NumPy's own; bf16 has no NumPy type, so
- * its codes show as the raw uint16 bits; int4 and fp8 codes are bytes. */
-int kv_py_code_type(kv_format format) {
-    switch (format) {
-        case KV_FMT_F32: return NPY_FLOAT32;
-        case KV_FMT_F16: return NPY_FLOAT16;
-        case KV_FMT_BF16: return NPY_UINT16;
-        case KV_FMT_I8: return NPY_INT8;
-        case KV_FMT_I4:
-        case KV_FMT_FP8: return NPY_UINT8;
-    }
-    return NPY_UINT8;
-}
-
-PyObject *kv_py_format_name(kv_format format) {
-    return PyUnicode_FromString(kv_py_format_names[format]);
 }
 
 /* n_lead leading axes with strides counted in head rows (see kv_store: one head row is

@@ -1,5 +1,7 @@
-"""Fixtures of the CUDA tests. `fake_store`: a NumPy stand-in for kvlab._cuda.KVStore, so that the GPU caches' bookkeeping (which
-slots a call writes, copy-on-write, block tables) can be tested on machines without a GPU.
+"""Fixtures of the CUDA tests. `fake_store`: a NumPy stand-in for kvlab._cuda.KVStore, so that
+the GPU caches' bookkeeping (which slots a call writes, copy-on-write, block tables, swapping)
+can be tested on machines without a GPU: a GPU pool is the C core's pool with its rows in such
+a store, and the core calls the stand-in's methods as it calls the real one's.
 
 It keeps codes and scales in the device layout, (n_layers, n_kv_heads, slots, ...), and
 quantizes with kvlab.quant, whose codes the GPU's (and the CPU core's) equal bit for bit.
@@ -49,6 +51,16 @@ class FakeStore:
             out.append(None if scales is None else
                        np.ascontiguousarray(scales[:, :, slots].transpose(0, 2, 1, 3)))
         return tuple(out)
+
+    def put(self, slots, key_codes, key_scales, value_codes, value_scales):
+        """read() backwards: rows (n_layers, n, n_kv_heads, ...) stored as they are."""
+        assert len(slots) >= 1 and ((slots >= 0) & (slots < self.slots)).all()
+        for part, (codes, scales) in enumerate(((key_codes, key_scales), (value_codes, value_scales))):
+            assert codes.dtype == np.uint8 and codes.shape[1] == len(slots)
+            self.codes[part][:, :, slots] = codes.transpose(0, 2, 1, 3)
+            assert (scales is None) == (self.scales[part] is None)
+            if scales is not None:
+                self.scales[part][:, :, slots] = scales.transpose(0, 2, 1, 3)
 
     def copy_rows(self, dst, src, n):
         assert 0 <= dst and dst + n <= self.slots and 0 <= src and src + n <= self.slots

@@ -162,6 +162,33 @@ def test_fork_copy_on_write_and_prefix_reuse_follow_the_cpu(fmt):
     np.testing.assert_array_equal(pools[0].ref_counts, pools[1].ref_counts)
 
 
+@pytest.mark.parametrize("fmt", ["fp32", "int8"])
+def test_a_sequence_swapped_out_of_a_gpu_pool_and_back_goes_on_bit_for_bit(fmt):
+    """swap_out reads its rows off the GPU (KVStore.read), swap_in puts them into other
+    blocks (KVStore.put): the next logits are those it would have had, and the host copy,
+    the CPU pool's bytes, also goes into a CPU pool."""
+    cpu, gpu = make("gqa-hd16", seed=15)
+    tokens = tokens_for(24, seed=15)
+    pool = gpu.new_paged_pool(num_blocks=32, block_size=4, dtype=fmt)
+    stay, leave = pool.new_sequence(), pool.new_sequence()
+    filler = pool.new_sequence()
+    for seq in (stay, leave):
+        gpu.prefill(tokens[:18], seq)
+    want = pool.gather(leave)
+    host = pool.swap_out(leave)
+    gpu.prefill(tokens[:9], filler)                     # other blocks in the way
+    back = pool.swap_in(host)
+    for got, expected in zip(pool.gather(back), want):
+        np.testing.assert_array_equal(got, expected)
+    np.testing.assert_array_equal(gpu.decode(int(tokens[18]), back),
+                                  gpu.decode(int(tokens[18]), stay))
+    pool.check()
+    on_cpu = cpu.new_paged_pool(num_blocks=32, block_size=4, dtype=fmt)
+    moved = on_cpu.swap_in(pool.swap_out(back))
+    for got, expected in zip(on_cpu.gather(moved), pool.gather(stay)):
+        np.testing.assert_array_equal(got, expected)
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_stored_codes_are_the_cpu_codes_bit_for_bit(fmt):
     """Given rows (special values included) stored by the GPU and by the CPU core."""

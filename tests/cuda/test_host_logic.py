@@ -1,8 +1,9 @@
 """The GPU caches' host-side logic, tested without a GPU (these run everywhere).
 
-kvlab.cuda decides, in Python, which slots each call writes (the slot mapping), when a
-shared block must be copied first (copy-on-write), and which rows are already in a block
-that the prefix cache swapped in. Here a NumPy stand-in replaces the GPU memory
+A GPU pool is the C core's pool (csrc/paged.c) with its rows in a GPU store: the core decides
+which slots each call writes (the slot mapping), when a shared block must be copied first
+(copy-on-write), and which rows are already in a block that the prefix cache swapped in; a
+contiguous GPU cache's slots are kvlab.cuda's. Here a NumPy stand-in replaces the GPU memory
 (conftest.py's fake_store), and the GPU pool must hold, for every sequence, exactly what the
 CPU pool holds after the same operations.
 """
@@ -30,8 +31,8 @@ def make_pools(FakeStore, fmt_name, num_blocks=24, block_size=4, max_seqs=8):
     fmt = CacheFormat.make(D, fmt_name)
     cpu = kvlab.PagedPool(L, H, D, num_blocks, block_size, max_seqs, num_blocks,
                           **fmt.core_arguments())
-    gpu = CudaPagedPool(L, H, D, num_blocks, block_size, max_seqs, num_blocks, fmt,
-                        store=FakeStore(L, H, D, num_blocks * block_size, fmt))
+    gpu = CudaPagedPool(L, H, D, num_blocks, block_size, max_seqs, num_blocks,
+                        **fmt.core_arguments(), store=FakeStore(L, H, D, num_blocks * block_size, fmt))
     return cpu, gpu
 
 
@@ -131,39 +132,45 @@ def test_a_block_computed_twice_is_swapped_for_its_twin_after_the_write(fake_sto
     for a, b in pairs:
         keys, values = rows_for(tokens, 0)
         cpu.append(a, np.array(tokens, np.int32), keys, values)
-        slots, table = gpu._reserve_rows(b, len(tokens))
+        counts = np.array([len(tokens)], np.int32)
+        _, tables, slots = gpu._reserve_batch([b], counts)
+        table = tables[0]
         assert (slots >= 0).all() and len(set(slots.tolist())) == len(tokens)
         gpu._store.write(slots, keys, values)
-        gpu.commit(b, np.array(tokens, np.int32))
+        gpu._commit_batch([b], np.array(tokens, np.int32), counts)
     assert pairs[0][1].block_table[0] == pairs[1][1].block_table[0]
     assert table[0] != pairs[1][1].block_table[0]        # written, then swapped for the twin
     assert gpu.ref_counts[table[0]] == 0                 # and the duplicate freed
     check_same(cpu, gpu, pairs)
 
 
-def test_the_gpu_pool_is_a_block_manager_with_no_shadow_rows(fake_store):
-    """The GPU pool's bookkeeping is the C block manager itself (no CPU pool of dummy rows):
-    reserve() says which rows to copy, and the pool copies them in its own storage."""
+def test_the_gpu_pool_is_the_cpu_pool_with_its_rows_in_the_store(fake_store):
+    """The GPU pool's bookkeeping is the C core's pool itself (no CPU pool of dummy rows, no
+    Python copy of the books): the pool says which rows to copy (copy-on-write), and its
+    store copies them in its own memory."""
     cpu, gpu = make_pools(fake_store, "fp32", block_size=4)
-    assert isinstance(gpu, kvlab._kvlab.BlockManager) and not isinstance(gpu, kvlab._kvlab.PagedPool)
+    assert isinstance(gpu, kvlab._kvlab.PagedPool) and isinstance(gpu, kvlab.PagedPool)
     assert isinstance(gpu, kvlab.paged.PoolViews) and isinstance(cpu, kvlab.paged.PoolViews)
+    copies, copy_rows = [], gpu._store.copy_rows
+    gpu._store.copy_rows = lambda dst, src, n: (copies.append((dst, src, n)), copy_rows(dst, src, n))
     seq = gpu.new_sequence()
-    assert gpu.reserve(seq, 6) == [] and seq.length == 0 and len(seq.block_table) == 2
-    gpu.commit(seq, np.arange(6, dtype=np.int32))
+    gpu.append(seq, np.arange(6, dtype=np.int32), *rows_for(list(range(6)), 0))
     child = gpu.fork(seq)
-    [(dst, src, rows)] = gpu.reserve(child, 1)            # copy-on-write of the half block
-    assert (src, rows) == (seq.block_table[1], 2) and dst == child.block_table[1] != src
-    with pytest.raises(ValueError, match="commit follows reserve"):
-        gpu.commit(child, np.arange(9, dtype=np.int32))    # one position was reserved
-    gpu.commit(child, np.array([7], np.int32))
+    gpu.append(child, np.array([7], np.int32), *rows_for(list(range(6)) + [7], 6))
+    [(dst, src, rows)] = copies                          # copy-on-write of the half block
+    assert (src, rows) == (seq.block_table[1] * 4, 2) and dst == child.block_table[1] * 4 != src
     gpu.check()
-    with pytest.raises(TypeError, match="writes K and V between reserve and commit itself"):
-        cpu.reserve(cpu.new_sequence(), 1)
+    for pool in (cpu, gpu):
+        with pytest.raises(TypeError, match="writes K and V between reserve and commit itself"):
+            pool.reserve(pool.new_sequence(), 1)
     # ids as the CPU pool takes them: int32, never an int64 silently wrapped
     keys, values = rows_for([1, 2], 0)
     for tokens in (np.array([1, 2**32 + 2]), [1, 2]):
-        with pytest.raises(TypeError, match="int32 array"):
+        with pytest.raises(TypeError, match="int32") as on_gpu:
             gpu.append(gpu.new_sequence(), tokens, keys, values)
+        with pytest.raises(TypeError) as on_cpu:
+            cpu.append(cpu.new_sequence(), tokens, keys, values)
+        assert str(on_gpu.value) == str(on_cpu.value)
 
 
 @pytest.mark.parametrize("fmt_name", ["fp32", "fp16", "bf16", "int8"])
@@ -254,7 +261,8 @@ def test_the_logits_scratch_is_asked_for_the_rows_wanted(fake_store, monkeypatch
     gpu = kc.CudaModel(cpu)
     c = gpu.config
     fmt = CacheFormat.make(c.head_dim, "fp32")
-    pool = CudaPagedPool(c.n_layers, c.n_kv_heads, c.head_dim, 64, 16, 8, 64, fmt,
+    pool = CudaPagedPool(c.n_layers, c.n_kv_heads, c.head_dim, 64, 16, 8, 64,
+                         **fmt.core_arguments(),
                          store=fake_store(c.n_layers, c.n_kv_heads, c.head_dim, 64 * 16, fmt))
     a, b = pool.new_sequence(), pool.new_sequence()
     assert gpu.prefill(np.arange(300) % c.vocab_size, a).shape == (c.vocab_size,)
@@ -263,3 +271,193 @@ def test_the_logits_scratch_is_asked_for_the_rows_wanted(fake_store, monkeypatch
     assert gpu.forward_batch([a, b], [[1, 2], [4]], all_logits=True).shape == (3, c.vocab_size)
     assert gpu._gpu.reserved == [(300, 1, 1), (5, 1, 5), (4, 2, 2), (3, 2, 3)]
     pool.check()
+
+
+@pytest.mark.parametrize("fmt_name", ["fp16", "int8"])
+def test_views_and_swapping_follow_the_cpu_pool(fmt_name, fake_store):
+    """The GPU pool's views are copies of the same codes, block first, as the CPU pool's
+    views; a sequence swapped out and back holds what it held, and the host copy is the
+    CPU pool's bytes: it swaps into a CPU pool of the same shape and format, and back."""
+    cpu, gpu = make_pools(fake_store, fmt_name, block_size=4)
+    pairs = [(cpu.new_sequence(), gpu.new_sequence()) for _ in range(2)]
+    for (a, b), tokens in zip(pairs, ([1, 2, 3, 4, 5, 6], [9, 8, 7])):
+        keys, values = rows_for(tokens, 0)
+        cpu.append(a, np.array(tokens, np.int32), keys, values)
+        gpu.append(b, np.array(tokens, np.int32), keys, values)
+    for part in ("key_codes", "key_scales", "key_zeros", "value_codes", "value_scales"):
+        want, got = getattr(cpu, part), getattr(gpu, part)
+        assert (want is None) == (got is None)
+        if want is not None:
+            assert got.dtype == want.dtype and not got.flags.writeable
+            np.testing.assert_array_equal(got, want)
+    a, b = pairs[0]
+    want = cpu.gather(a)
+    host_c, host_g = cpu.swap_out(a), gpu.swap_out(b)
+    assert not b.alive and host_g.length == 6
+    np.testing.assert_array_equal(host_g.data, host_c.data)        # the same bytes
+    back = gpu.swap_in(host_g)
+    for got, expected in zip(gpu.gather(back), want):
+        np.testing.assert_array_equal(got, expected)
+    to_cpu = cpu.swap_in(gpu.swap_out(back))                       # GPU -> CPU -> GPU
+    to_gpu = gpu.swap_in(cpu.swap_out(to_cpu))
+    for got, expected in zip(gpu.gather(to_gpu), want):
+        np.testing.assert_array_equal(got, expected)
+    gpu.check()
+    cpu.check()
+
+
+class FailingStore:
+    """A fake store whose method named by `fail` raises (as on a GPU error); None: none."""
+
+    def __init__(self, store):
+        self.store, self.fail = store, None
+
+    def __getattr__(self, name):
+        if name == self.fail:
+            def failing(*args):
+                raise kvlab.CudaError(f"{name} failed (a test)")
+            return failing
+        return getattr(self.store, name)
+
+
+def snapshot(pool, seqs):
+    return (pool.ref_counts.copy().tolist(), sorted(pool.free_blocks), pool.stats(),
+            [(s.length, list(s.block_table)) for s in seqs])
+
+
+def test_a_store_that_fails_leaves_the_pool_as_it_was(fake_store):
+    """A GPU error while rows move: the pool takes back what it had taken (a write failed:
+    the sequence is as it was; a swap: nothing happened) and stays usable. A copy-on-write
+    made before a failed write stays (the sequence keeps its own copy of the same rows); a
+    failed copy-on-write frees its sequence, whose new block lacks its rows."""
+    fmt = CacheFormat.make(D, "fp32")
+    store = FailingStore(fake_store(L, H, D, 24 * 4, fmt))
+    pool = CudaPagedPool(L, H, D, 24, 4, 8, 24, **fmt.core_arguments(), store=store)
+    seq = pool.new_sequence()
+    pool.append(seq, np.arange(8, dtype=np.int32), *rows_for(list(range(8)), 0))
+    child = pool.fork(seq)                                   # shares two full blocks
+    before = snapshot(pool, [seq, child])
+    for method, call in (("write", lambda: pool.append(seq, np.array([7], np.int32),
+                                                       *rows_for(list(range(9)), 8))),
+                         ("read", lambda: pool.swap_out(seq)),
+                         ("read", lambda: pool.gather(seq))):
+        store.fail = method
+        with pytest.raises(kvlab.CudaError, match=method):
+            call()
+        assert snapshot(pool, [seq, child]) == before and seq.alive
+        pool.check()
+    # swap_in's put fails: the sequence it made is gone again
+    store.fail = None
+    host = pool.swap_out(child)
+    before = snapshot(pool, [seq])
+    store.fail = "put"
+    with pytest.raises(kvlab.CudaError, match="put"):
+        pool.swap_in(host)
+    assert snapshot(pool, [seq]) == before and pool.live_sequences == 1
+    # a half-full shared block: the write fails after the copy-on-write, which stays
+    store.fail = None
+    pool.truncate(seq, 6)
+    child = pool.fork(seq)
+    want = pool.gather(child)
+    store.fail = "write"
+    with pytest.raises(kvlab.CudaError, match="write"):
+        pool.append(child, np.array([7], np.int32), *rows_for(list(range(7)), 6))
+    assert child.length == 6 and child.block_table[1] != seq.block_table[1]
+    for got, expected in zip(pool.gather(child), want):
+        np.testing.assert_array_equal(got, expected)
+    pool.check()
+    # the copy-on-write itself fails: that fork's own copy of the shared block is missing
+    store.fail = None
+    other = pool.fork(seq)
+    store.fail = "copy_rows"
+    with pytest.raises(kvlab.CudaError, match="copy_rows"):
+        pool.append(other, np.array([7], np.int32), *rows_for(list(range(7)), 6))
+    assert not other.alive and seq.length == 6
+    pool.check()
+    store.fail = None
+    pool.append(seq, np.array([7], np.int32), *rows_for(list(range(7)), 6))
+    assert seq.length == 7
+    for got, expected in zip(pool.gather(seq), rows_for(list(range(7)), 0)):
+        np.testing.assert_array_equal(got, expected.transpose(1, 0, 2, 3))
+
+
+def test_a_forward_pass_that_fails_on_the_gpu_is_cancelled(fake_store, monkeypatch):
+    """The pool reserves a batch, the GPU fails (an error, or Ctrl-C while it ran): the pool
+    cancels the reservation, every sequence is as it was, and the pool is free again (it is
+    held, busy to any other use, only while the GPU runs)."""
+    import types
+    import kvlab.cuda as kc
+
+    class FailingGpuModel(FakeGpuModel):
+        def forward(self, *args, **kwargs):
+            with pytest.raises(RuntimeError, match="in use"):   # held: busy to other uses
+                pool.new_sequence()
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(kc, "extension", lambda: types.SimpleNamespace(Model=FailingGpuModel))
+    gpu = kc.CudaModel(kvlab.load())
+    c = gpu.config
+    fmt = CacheFormat.make(c.head_dim, "fp32")
+    pool = CudaPagedPool(c.n_layers, c.n_kv_heads, c.head_dim, 64, 16, 8, 64,
+                         **fmt.core_arguments(),
+                         store=fake_store(c.n_layers, c.n_kv_heads, c.head_dim, 64 * 16, fmt))
+    a, b = pool.new_sequence(), pool.new_sequence()
+    pool.append(a, np.arange(20, dtype=np.int32), *[np.zeros((20, c.n_layers, c.n_kv_heads,
+                                                              c.head_dim), np.float32)] * 2)
+    twin = pool.fork(a)                     # a shared half block: copy-on-write on the GPU
+    before = snapshot(pool, [a, b, twin])
+    with pytest.raises(KeyboardInterrupt):
+        gpu.forward_batch([twin, b], [[1, 2, 3], [4] * 30])
+    after = snapshot(pool, [a, b, twin])
+    assert after[3][:2] == before[3][:2] and after[3][2][0] == 20   # lengths, tables as before
+    pool.check()
+    pool.free(twin)                         # usable: nothing holds it
+    assert pool.live_sequences == 2
+
+
+def test_a_sequence_that_dropped_rows_does_not_swap_into_a_gpu_pool(fake_store):
+    """Its rows hold other positions than their row numbers, which the GPU cannot read."""
+    cpu, gpu = make_pools(fake_store, "fp32", block_size=4)
+    seq = cpu.new_sequence()
+    cpu.append(seq, np.arange(6, dtype=np.int32), *rows_for(list(range(6)), 0))
+    cpu.keep(seq, np.tile(np.array([0, 2, 5], np.int32)[None, :, None], (L, 1, H)))
+    host = cpu.swap_out(seq)
+    with pytest.raises(ValueError, match="another shape or cache format"):
+        gpu.swap_in(host)
+    assert gpu.live_sequences == 0 and gpu.stats().blocks_used == 0
+    gpu.check()
+
+
+def test_the_pool_is_busy_while_its_store_moves_rows(fake_store):
+    """The GPU store lets go of the GIL while the device works; meanwhile every other use of
+    the pool is refused, as while a CPU pool's forward pass runs."""
+    fmt = CacheFormat.make(D, "fp32")
+    store = fake_store(L, H, D, 8 * 4, fmt)
+    pool = CudaPagedPool(L, H, D, 8, 4, **fmt.core_arguments(), store=store)
+    refused, write = [], store.write
+
+    def write_and_look(*args):
+        with pytest.raises(RuntimeError, match="in use"):
+            pool.new_sequence()
+        refused.append(True)
+        return write(*args)
+
+    store.write = write_and_look
+    seq = pool.new_sequence()
+    pool.append(seq, np.arange(3, dtype=np.int32), *rows_for([0, 1, 2], 0))
+    assert refused == [True] and seq.length == 3 and pool.live_sequences == 1
+
+
+def test_a_pool_takes_a_store_that_can_hold_its_rows(fake_store):
+    """PagedPool(store=...): an object with the four methods, and a format a store keeps
+    (codes and scales: no int4 zero points, no window of float32 rows beside them)."""
+    fmt = CacheFormat.make(D, "fp32")
+    with pytest.raises(TypeError, match="copy_rows, write, read and put"):
+        kvlab.PagedPool(L, H, D, 8, 4, store=object())
+    for options in ({"window": 4}, {"key_format": "int4", "value_format": "int4"}):
+        with pytest.raises(ValueError, match="no residual window and no int4"):
+            kvlab.PagedPool(L, H, D, 8, 4, **options, store=fake_store(L, H, D, 32, fmt))
+    pool = kvlab.PagedPool(L, H, D, 8, 4, store=fake_store(L, H, D, 32, fmt))
+    assert pool.device == "cuda" and pool.nbytes == pool.key_codes.nbytes * 2
+    with pytest.raises(ValueError, match="on 'cuda' but the model runs on 'cpu'"):
+        kvlab.load().forward([1, 2], pool.new_sequence())

@@ -46,15 +46,20 @@ def main(out: Path) -> None:
     with ThreadPoolExecutor(2) as pool:
         objects = list(pool.map(build, sorted((REPO / "csrc" / "cuda").glob("*.cu"))))
     names = " ".join(p.name for p in sorted((REPO / "csrc" / "cuda").glob("*.cu")))
-    binding = obj / "_cuda.o"
-    subprocess.run(["gcc", "-std=c11", "-O1", "-g", "-fPIC", f"-I{REPO / 'csrc'}",
-                    f"-I{REPO / 'csrc' / 'cuda'}", f"-I{numpy.get_include()}",
-                    f"-I{sysconfig.get_paths()['include']}", f'-DKV_CUDA_SOURCES="{names}"',
-                    '-DKV_CUDA_ARCHS="emulated sm_90"', "-c", str(REPO / "csrc" / "cuda" / "_cuda.c"),
-                    "-o", str(binding)], check=True)
+    # the binding, and the CPU binding's helpers it shares (setup.py's SHARED_BINDING_SOURCES)
+    bindings = [REPO / "csrc" / "cuda" / "_cuda.c", REPO / "csrc" / "python" / "arrays.c",
+                REPO / "csrc" / "python" / "formats.c"]
+    binding_objects = [obj / (source.stem + "_binding.o") for source in bindings]
+    for source, target in zip(bindings, binding_objects):
+        subprocess.run(["gcc", "-std=c11", "-O1", "-g", "-fPIC", f"-I{REPO / 'csrc'}",
+                        f"-I{REPO / 'csrc' / 'cuda'}", f"-I{REPO / 'csrc' / 'python'}",
+                        f"-I{numpy.get_include()}", f"-I{sysconfig.get_paths()['include']}",
+                        f'-DKV_CUDA_SOURCES="{names}"', '-DKV_CUDA_ARCHS="emulated sm_90"',
+                        "-DPY_ARRAY_UNIQUE_SYMBOL=kvlab_cuda_PyArray_API", "-c", str(source),
+                        "-o", str(target)], check=True)
     suffix = sysconfig.get_config_var("EXT_SUFFIX")
-    subprocess.run(["g++", "-shared", "-o", str(package / f"_cuda{suffix}"), str(binding),
-                    *map(str, objects)], check=True)
+    subprocess.run(["g++", "-shared", "-o", str(package / f"_cuda{suffix}"),
+                    *map(str, binding_objects), *map(str, objects)], check=True)
     print(f"emulated kvlab in {out}")
 
 
