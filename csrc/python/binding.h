@@ -62,6 +62,12 @@ int kv_py_fetch_errors(void);
  * KVCache.attend's layer, an index: IndexError). */
 PyObject *kv_py_raise(kv_status status, const char *format, ...);
 
+/* The core refused a batch's arguments (KV_ERR_INVALID_ARG): says which sequence came
+ * twice or has no new token, else raises with `otherwise` (the core's sentence if NULL).
+ * Shared by the model's forward_batch and a row store's batch reservation. NULL. */
+PyObject *kv_py_batch_refused(kv_status status, const int *slots, const int *counts,
+                              Py_ssize_t n_seqs, const char *otherwise);
+
 /* ValueError "<before><value><after>": PyErr_Format cannot print a double. */
 PyObject *kv_py_raise_with_number(const char *before, double value, const char *after);
 /* A length argument given from Python: an int or NumPy integer, not a bool or a float (a

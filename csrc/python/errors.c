@@ -137,3 +137,16 @@ int kv_py_signals_pending(void *arg) {
     *saved = PyEval_SaveThread();
     return raised;
 }
+
+PyObject *kv_py_batch_refused(kv_status status, const int *slots, const int *counts,
+                              Py_ssize_t n_seqs, const char *otherwise) {
+    for (Py_ssize_t i = 0; i < n_seqs; i++)
+        for (Py_ssize_t j = 0; j < i; j++)
+            if (slots[j] == slots[i])
+                return kv_py_raise(status, "seqs[%zd] and seqs[%zd] are the same sequence", j, i);
+    for (Py_ssize_t i = 0; i < n_seqs; i++)
+        if (counts[i] < 1)
+            return kv_py_raise(status, "n_tokens[%zd] is %d: every sequence needs at least "
+                               "one new token", i, counts[i]);
+    return kv_py_raise(status, otherwise);
+}

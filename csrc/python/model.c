@@ -511,21 +511,6 @@ static PyObject *model_generate(ModelObject *self, PyObject *args, PyObject *kwd
 
 /* ---- forward_batch ----------------------------------------------------------------- */
 
-/* The core refused a batch's arguments (KV_ERR_INVALID_ARG): a sequence twice, or a
- * sequence with no new token. Says which. */
-static PyObject *batch_refused(kv_status status, const int *slots, const int *counts,
-                               Py_ssize_t n_seqs) {
-    for (Py_ssize_t i = 0; i < n_seqs; i++)
-        for (Py_ssize_t j = 0; j < i; j++)
-            if (slots[j] == slots[i])
-                return kv_py_raise(status, "seqs[%zd] and seqs[%zd] are the same sequence", j, i);
-    for (Py_ssize_t i = 0; i < n_seqs; i++)
-        if (counts[i] < 1)
-            return kv_py_raise(status, "n_tokens[%zd] is %d: every sequence needs at least "
-                               "one new token", i, counts[i]);
-    return kv_py_raise(status, NULL);
-}
-
 /* The sequences of a batch: for each, its slot in the pool and its count from n_tokens
  * (count_array, checked by the caller), all of one pool (*pool, the first's), and the
  * counts' sum in *total. -1 with an exception for the first that is wrong. */
@@ -569,7 +554,7 @@ static kv_status batch_without_gil(ModelObject *self, PoolObject *pool, int n_se
     Py_END_ALLOW_THREADS
     pool->base.busy = 0;
     if (status == KV_ERR_INVALID_ARG)
-        batch_refused(status, slots, counts, n_seqs);
+        kv_py_batch_refused(status, slots, counts, n_seqs, NULL);
     else if (status == KV_ERR_TOKEN_RANGE)
         token_out_of_range(ids, total, c->vocab_size);
     else if (status != KV_OK)

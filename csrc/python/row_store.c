@@ -296,15 +296,9 @@ static PyObject *batch_refused(PoolObject *self, kv_status status, const int *sl
     for (Py_ssize_t i = 0; i < n_seqs; i++) total += counts[i];
     if (status != KV_ERR_INVALID_ARG)   /* (pool.c's words for these: the block manager's) */
         return kv_py_blocks_refused(&self->base, status, total > INT_MAX ? INT_MAX : (int)total);
-    for (Py_ssize_t i = 0; i < n_seqs; i++)
-        for (Py_ssize_t j = 0; j < i; j++)
-            if (slots[j] == slots[i])
-                return kv_py_raise(status, "seqs[%zd] and seqs[%zd] are the same sequence", j, i);
-    for (Py_ssize_t i = 0; i < n_seqs; i++)
-        if (counts[i] < 1)
-            return kv_py_raise(status, "n_tokens[%zd] is %d: every sequence needs at least "
-                               "one new token", i, counts[i]);
-    return kv_py_raise(status, "a batch holds at most 65536 tokens, got %lld", total);
+    char too_many[64];                  /* (no % left in it: it is kv_py_raise's format) */
+    snprintf(too_many, sizeof too_many, "a batch holds at most 65536 tokens, got %lld", total);
+    return kv_py_batch_refused(status, slots, counts, n_seqs, too_many);
 }
 
 /* The reservation's arrays, made before it (so that nothing fails after it): starts int32

@@ -461,3 +461,16 @@ def test_a_pool_takes_a_store_that_can_hold_its_rows(fake_store):
     assert pool.device == "cuda" and pool.nbytes == pool.key_codes.nbytes * 2
     with pytest.raises(ValueError, match="on 'cuda' but the model runs on 'cpu'"):
         kvlab.load().forward([1, 2], pool.new_sequence())
+
+
+def test_a_refused_batch_reservation_names_its_cause(fake_store):
+    """The GPU pool's batch reservation words its refusals as forward_batch does (one
+    helper, kv_py_batch_refused): the sequence given twice, the sequence with no new token;
+    and the pool is as it was."""
+    _, gpu = make_pools(fake_store, "fp32", block_size=4)
+    a, b = gpu.new_sequence(), gpu.new_sequence()
+    with pytest.raises(ValueError, match=r"seqs\[0\] and seqs\[1\] are the same sequence"):
+        gpu._reserve_batch([a, a], np.array([1, 1], np.int32))
+    with pytest.raises(ValueError, match=r"n_tokens\[1\] is 0: every sequence needs"):
+        gpu._reserve_batch([a, b], np.array([1, 0], np.int32))
+    assert a.length == b.length == 0 and gpu.stats().blocks_used == 0
