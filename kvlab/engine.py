@@ -165,7 +165,7 @@ class Engine:
             draft_tokens = arguments.positive(draft_tokens, "draft_tokens")
             check_drafter(model, speculate, draft_tokens)
         pool = pool_for(model, pool, num_blocks, block_size, dtype)
-        if speculate is not None and getattr(pool, "window", 0):
+        if speculate is not None and pool.window:
             raise ValueError("speculation rolls rejected drafts back with pool.truncate: it "
                              "needs a pool without a residual window")
         max_batch_tokens = arguments.positive(max_batch_tokens, "max_batch_tokens")

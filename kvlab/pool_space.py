@@ -8,9 +8,8 @@ the checks that a pool given to the engine fits its model, on either device, and
 request fits both.
 
 It is bookkeeping between the scheduler's Sequences and the pool's handles, no more: what a
-step does with them is kvlab.engine's, the pool itself is kvlab.paged's (the CPU pool) or
-kvlab.cuda's (the GPU pool, which has no swap_out: the engine refuses preemption="swap" on
-it).
+step does with them is kvlab.engine's, the pool itself is kvlab.PagedPool (kvlab.paged; a
+GPU pool is the same class with its rows in GPU memory, kvlab.cuda).
 """
 from __future__ import annotations
 
@@ -219,16 +218,10 @@ def check_pool_fits(model: Model, pool) -> None:
     if not isinstance(pool, PoolViews):
         raise TypeError(f"pool must be a kvlab.PagedPool (model.new_paged_pool(...)), got "
                         f"{type(pool).__name__}")
-    where = getattr(pool, "device", "cpu")
-    if where != model.device:
-        raise ValueError(f"this pool keeps its K and V on {where!r} but the model runs on "
+    if pool.device != model.device:
+        raise ValueError(f"this pool keeps its K and V on {pool.device!r} but the model runs on "
                          f"{model.device!r}: make the pool with model.new_paged_pool")
-    if hasattr(pool, "n_layers"):                      # a GPU pool says so itself
-        shape = (pool.n_layers, pool.n_kv_heads, pool.head_dim)
-    else:                                              # (num_blocks, n_layers, block_size,
-        codes = pool.key_codes                         #  n_kv_heads, per head)
-        per_head = codes.shape[4] * (2 if pool.key_format == "int4" else 1)
-        shape = (codes.shape[1], codes.shape[3], per_head)
+    shape = (pool.n_layers, pool.n_kv_heads, pool.head_dim)
     c = model.config
     if shape != (c.n_layers, c.n_kv_heads, c.head_dim):
         raise ValueError(f"this pool holds {shape[0]} layers x {shape[1]} KV heads x {shape[2]}, "
