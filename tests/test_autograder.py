@@ -63,7 +63,8 @@ def test_the_zip_has_what_gradescope_needs_and_nothing_of_the_instructors(packag
     assert settings["lab"] == "cache_size" and settings["test_timeout"] == 60
     assert settings["total_timeout"] + settings["test_timeout"] < 600   # Gradescope's default limit
     assert hidden == (INSTRUCTOR / "graders" / "cache_size.py").read_bytes()
-    for needed in ("kvlab-src/pyproject.toml", "kvlab-src/setup.py", "kvlab-src/csrc/kvlab.h",
+    for needed in ("kvlab-src/pyproject.toml", "kvlab-src/setup.py", "kvlab-src/kvlab_build.py",
+                   "kvlab-src/csrc/kvlab.h",
                    "kvlab-src/kvlab/grading/judge.py", "kvlab-src/kvlab/assets/shakespeare-1m.bin",
                    # pyproject.toml installs chapters/ as kvlab.chapters: pip needs it there
                    "kvlab-src/chapters/01_kv_cache.md"):

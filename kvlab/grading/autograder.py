@@ -9,8 +9,9 @@ builds the zip that Gradescope's "Configure Autograder" page takes as it is:
                       the user the students' code runs as
     run_autograder    run for every submission: closes the source and results folders to
                       that user, then python -m kvlab.grading.autograder run ...
-    kvlab-src/        the kvlab this clone holds (pyproject.toml, setup.py, README.md, csrc/,
-                      kvlab/, chapters/): the same code that wrote the zip grades with it
+    kvlab-src/        the kvlab this clone holds (pyproject.toml, setup.py, kvlab_build.py,
+                      README.md, csrc/, kvlab/, chapters/): the same code that wrote the zip
+                      grades with it
     tests/LAB.py      the hidden grading tests (from instructor/graders/)
     lab.json          which lab, and the time limits
 
@@ -41,8 +42,10 @@ WORKER_USER = "kvlab-student"
 # tests not run are listed with 0.
 TOTAL_TIMEOUT = 480.0
 VENV = "/opt/kvlab-venv"
-# chapters: pyproject.toml installs them with kvlab (kvlab.chapters), so pip needs them there
-SOURCE_PARTS = ("pyproject.toml", "setup.py", "README.md", "csrc", "kvlab", "chapters")
+# chapters: pyproject.toml installs them with kvlab (kvlab.chapters), so pip needs them there;
+# kvlab_build.py: setup.py imports it (the compiler flags and the record of what built)
+SOURCE_PARTS = ("pyproject.toml", "setup.py", "kvlab_build.py", "README.md", "csrc", "kvlab",
+                "chapters")
 BUILT = (".so", ".o", ".pyc", ".pyd")      # what a build leaves in a clone
 
 SETUP_SH = f"""#!/usr/bin/env bash
