@@ -25,6 +25,19 @@ def renamed(old: str, new: str, stacklevel: int = 3) -> None:
                   DeprecationWarning, stacklevel=stacklevel)
 
 
+def renamed_attribute(owner: str, old: str, new: str) -> property:
+    """A class attribute `old` that reads and writes `new`, warning as renamed() does:
+    `samples = renamed_attribute("Request", "samples", "sequences")` in the class body."""
+    def get(self):
+        renamed(f"{owner}.{old}", f"{owner}.{new}")
+        return getattr(self, new)
+
+    def set(self, value) -> None:
+        renamed(f"{owner}.{old}", f"{owner}.{new}")
+        setattr(self, new, value)
+    return property(get, set, doc=f"Deprecated: {owner}.{new}.")
+
+
 def default_changed(what: str, old: str, new: str, stacklevel: int = 3) -> None:
     """Warn that an argument left out now means `new` (it meant `old`); FutureWarning,
     which Python shows by default, because the numbers change, not only the spelling."""

@@ -48,7 +48,7 @@ from typing import Collection, Deque, Dict, List, Optional, Protocol, Tuple
 
 from . import arguments
 from .blocks import blocks_for
-from .deprecation import renamed
+from .deprecation import renamed, renamed_attribute
 from .sampling import MIN_TEMPERATURE, check_sampling_args, check_seed  # noqa: F401 (MIN_TEMPERATURE re-exported)
 
 
@@ -157,15 +157,7 @@ class Sequence:
         self.handle = None
         self.computed = 0 if self.swapped is None else self.swapped.length
 
-    @property
-    def seq(self) -> Optional[object]:
-        renamed("Sequence.seq", "Sequence.handle")   # its name before issue 36's words
-        return self.handle
-
-    @seq.setter
-    def seq(self, handle: Optional[object]) -> None:
-        renamed("Sequence.seq", "Sequence.handle")
-        self.handle = handle
+    seq = renamed_attribute("Sequence", "seq", "handle")   # its name before issue 36
 
 
 def __getattr__(name: str):
@@ -202,15 +194,7 @@ class Request:
     def finished(self) -> bool:
         return all(s.finished for s in self.sequences)
 
-    @property
-    def samples(self) -> List[Sequence]:
-        renamed("Request.samples", "Request.sequences")   # its name before issue 36's words
-        return self.sequences
-
-    @samples.setter
-    def samples(self, sequences: List[Sequence]) -> None:
-        renamed("Request.samples", "Request.sequences")
-        self.sequences = sequences
+    samples = renamed_attribute("Request", "samples", "sequences")   # before issue 36
 
 
 class BlockSpace(Protocol):
