@@ -39,8 +39,8 @@
  * projections' and the classifier's 2 FLOPs per weight per token, plus attention over up
  * to start + n_left positions), at least one. Calls below that much work run in one
  * piece, as before chunking; longer ones stop for the interrupt check between chunks.
- * start + n_left is the same for every chunk of a call, so all but the last are one
- * length. measure.py's chunk_length is the same rule. */
+ * in_chunks asks it once per call and cuts every chunk but the last to that length.
+ * measure.py's chunk_length is the same rule. */
 _Static_assert(KV_CHUNK_MIN == KV_TOKEN_CHUNK,
                "a chunk below the kernels' token chunk streams the weights for nothing");
 int kv_chunk_length(const kv_config *c, int start, int n_left) {
@@ -608,6 +608,7 @@ static void finish_forward(const kv_model *model, run_state *s, int n_tokens, fl
  * every run's new positions. */
 static void forward_tokens(const kv_model *model, run_state *s, const int32_t *tokens,
                            int n_tokens, float *logits, int all_logits) {
+    assert(n_tokens <= s->n_tokens);   /* its buffers hold that many rows */
     embed_tokens(model, s, tokens, n_tokens);
     const token_span all = {s->rows, n_tokens, s->n_runs, s->runs};
     for (int layer = 0; layer < model->config.n_layers; layer++)
@@ -667,9 +668,13 @@ typedef kv_status chunk_step(void *call, int done, int n);
  * came before this loop in the same call). */
 static kv_status in_chunks(const kv_config *c, int start, int n_tokens, int ask_first,
                            chunk_step *step, void *call) {
+    /* One length for every chunk but the last, the first's: the run state is sized for it
+     * (asked again for what is left, the rule could give a later chunk up to 47 rows more
+     * than its whole passes of the first) */
+    const int chunk = kv_chunk_length(c, start, n_tokens);
     for (int done = 0, n = 0; done < n_tokens; done += n) {
         if ((done > 0 || ask_first) && kv_interrupted()) return KV_ERR_INTERRUPTED;
-        n = kv_chunk_length(c, start + done, n_tokens - done);
+        n = n_tokens - done < chunk ? n_tokens - done : chunk;
         kv_status status = step(call, done, n);
         if (status != KV_OK) return status;
     }

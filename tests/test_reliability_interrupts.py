@@ -130,6 +130,31 @@ def test_an_interrupted_decode_loop_keeps_its_steps_on_the_exception(long_model)
     assert np.array_equal(cache.keys, reference.keys)
 
 
+@pytest.mark.parametrize("paged", [False, True])
+def test_no_chunk_is_longer_than_the_first(paged):
+    """The run state is sized for a call's first chunk. On this shape a 97-token call is
+    one 48-token pass and 49 tokens, which alone fit the work limit: asked again for what
+    was left, the chunk rule gave the second chunk 49 rows, written past the buffers of 48
+    (logits off by up to 0.9). Every chunk after the first is now at most its length, and
+    one call gives the bits of the same tokens in two calls."""
+    c = kvlab.ModelConfig(vocab_size=8000, max_seq_len=256, dim=512, hidden_dim=1376,
+                          n_layers=2, n_heads=8, n_kv_heads=8)
+    first = chunk_length(c, 0, 97)
+    assert first == 48 and chunk_length(c, first, 97 - first) == 49   # the case above
+    model = kvlab.Model(c, kvlab.Weights.random(c, seed=3))
+    tokens = np.random.default_rng(4).integers(0, 8000, 97).astype(np.int32)
+
+    def new():
+        if paged:
+            return model.new_paged_pool(num_blocks=16, block_size=16).new_sequence()
+        return model.new_cache(128)
+    one, two = new(), new()
+    whole = model.forward(tokens, one, all_logits=True)
+    parts = np.concatenate([model.forward(tokens[:48], two, all_logits=True),
+                            model.forward(tokens[48:], two, all_logits=True)])
+    assert np.array_equal(whole, parts)
+
+
 def test_a_chunked_call_counts_and_returns_what_one_pass_would(long_model):
     c = long_model.config
     tokens = np.random.default_rng(2).integers(0, 256, 3000)
