@@ -35,11 +35,15 @@ from pathlib import Path
 
 from setuptools.command.build_ext import build_ext
 
-# The compiler's own environment variables (setuptools reads them); every KVLAB_* variable
-# is recorded too, since setup.py reads several (KVLAB_PORTABLE, KVLAB_NO_OPENMP,
-# KVLAB_CUDA, ...) and a new one must not be forgotten here.
-COMPILER_VARIABLES = ("CC", "CFLAGS", "CPPFLAGS", "LDFLAGS", "LDSHARED", "ARCHFLAGS",
-                      "CUDA_HOME", "CUDA_PATH")
+# The environment variables a build reads: the compiler's own (setuptools reads them) and
+# kvlab's build options (setup.py and this file; tests/test_build.py checks that every
+# KVLAB_ name they spell is here). kvlab's run-time variables (the thread count, the kernel
+# tier, the download cache ...) change no build, so they neither enter the record nor force
+# a rebuild.
+BUILD_VARIABLES = ("CC", "CFLAGS", "CPPFLAGS", "LDFLAGS", "LDSHARED", "ARCHFLAGS",
+                   "CUDA_HOME", "CUDA_PATH", "KVLAB_PORTABLE", "KVLAB_NO_OPENMP",
+                   "KVLAB_SANITIZE", "KVLAB_CUDA", "KVLAB_NO_CUDA", "KVLAB_CUDA_ARCH",
+                   "KVLAB_CUDA_GENCODE")
 
 # Where Homebrew puts libomp when `brew --prefix libomp` cannot be asked: Apple Silicon's
 # prefix, then Intel's.
@@ -156,8 +160,7 @@ def build_record(compiler, linker, flags, env=None, extra=None):
         "version": compiler_version(compiler),
         "compile_args": list(flags.compile),
         "link_args": list(flags.link),
-        "environment": {name: env[name] for name in sorted(env)
-                        if name in COMPILER_VARIABLES or name.startswith("KVLAB_")},
+        "environment": {name: env[name] for name in sorted(env) if name in BUILD_VARIABLES},
         "extra": extra or {},
     }
 

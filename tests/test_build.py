@@ -12,6 +12,7 @@ a minute; these take seconds. Not here: whether the flags give the right bits
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -40,14 +41,26 @@ def record_for(env, compile_args=("-O3",)):
 
 
 def test_the_record_names_every_option_that_changes_a_build():
-    """Two builds that differ in any compiler variable or KVLAB_* option have different
-    records; variables that no build reads do not enter it."""
-    base = record_for({"PATH": "/bin", "HOME": "/root"})
+    """Two builds that differ in any compiler variable or KVLAB_* build option have
+    different records; variables that no build reads (kvlab's run-time ones included) do
+    not enter it, so setting KVLAB_NUM_THREADS does not recompile kvlab."""
+    base = record_for({"PATH": "/bin", "HOME": "/root", "KVLAB_NUM_THREADS": "2",
+                       "KVLAB_KERNELS": "plain", "KVLAB_CACHE": "/tmp"})
     assert base["environment"] == {}
     for name, value in [("CC", "clang"), ("CFLAGS", "-O0"), ("KVLAB_PORTABLE", "1"),
                         ("KVLAB_NO_OPENMP", "1"), ("KVLAB_CUDA", "1"),
-                        ("KVLAB_CUDA_ARCH", "86"), ("KVLAB_SOMETHING_NEW", "1")]:
+                        ("KVLAB_CUDA_ARCH", "86")]:
         assert record_for({name: value}) != base, name
+
+
+def test_every_kvlab_option_the_build_reads_is_recorded():
+    """Each KVLAB_ name setup.py or kvlab_build.py spells is in BUILD_VARIABLES, so a new
+    build option cannot be forgotten there (and its change not rebuild)."""
+    spelled = set()
+    for source in ("setup.py", "kvlab_build.py"):
+        spelled |= set(re.findall(r"KVLAB_[A-Z][A-Z_]*", (REPO / source).read_text()))
+    assert spelled and spelled <= set(kvlab_build.BUILD_VARIABLES), \
+        spelled - set(kvlab_build.BUILD_VARIABLES)
     assert record_for({}, ["-O3", "-march=native"]) != record_for({}, ["-O3"])
     assert kvlab_build.describe(record_for({"KVLAB_PORTABLE": "1"})).endswith("KVLAB_PORTABLE=1")
 
