@@ -122,7 +122,6 @@ class _Outcome:
     interrupt: Optional[KeyboardInterrupt] = None    # raised by a call: raised at the end
     stats: Optional[PoolStats] = None                # the pool, and the clock, at its end
     now: float = 0.0
-    nan: bool = False            # a logits row may hold NaN: test each before choosing
 
 
 class Engine:
@@ -335,7 +334,6 @@ class Engine:
         else:
             logits = self.model.forward_batch(handles, fed)
         # one NaN test for all rows; with drafts, each row read (most of all_logits are not)
-        outcome.nan = outcome.nan or drafted or bool(np.isnan(logits).any())
         last = 0
         for (i, chooses, n_drafts), tokens in zip(ends, fed):
             last += len(tokens) if drafted else 1
@@ -361,7 +359,7 @@ class Engine:
             if seq in outcome.chosen or request.id in outcome.failed:
                 continue
             try:
-                outcome.chosen[seq] = self._choose_one(request, seq, rows, drafts, outcome.nan)
+                outcome.chosen[seq] = self._choose_one(request, seq, rows, drafts)
             except Exception as error:        # this request alone fails
                 outcome.failed[request.id] = _why(number, error)
         self._follow(outcome)
@@ -383,18 +381,17 @@ class Engine:
                 self.space.drop(seq)
 
     def _choose_one(self, request: Request, seq: EngineSequence, rows: np.ndarray,
-                    drafts: List[int], nan: bool) -> _Choice:
+                    drafts: List[int]) -> _Choice:
         """The sequence's next token from its logits row, or with drafts the tokens plain
         decoding would have chosen (kvlab.generate's rules), drawn from a copy of its
-        random generator. Raises if no token can be chosen (nan: rows may hold NaN)."""
+        random generator. Raises if no token can be chosen (the sampler and verify_drafts
+        refuse logits that hold NaN)."""
         p, rng = request.params, None
         if p.temperature > 0.0:
             rng = self._rng
             rng.bit_generator.state = seq.rng_state
         checked = len(drafts) if rows.ndim == 2 else None
         if checked is None:
-            if nan and np.isnan(rows).any():
-                raise ValueError("the logits hold NaN: no token can be chosen")
             accepted, token = 0, sample_token(rows, p.temperature, p.top_k, p.top_p, rng)
         else:
             q = None if seq.q is None else seq.q[:len(drafts)]

@@ -56,7 +56,7 @@ def sample(logits: np.ndarray, temperature: float = 0.0, top_k: Optional[int] = 
         logits = np.asarray(logits)
         token = int(logits.argmax())    # the first NaN's index, if there is one: then
         if logits[token] != logits[token]:  # every step would pick it again
-            raise ValueError("the logits hold NaN, so no token can be chosen (greedy)")
+            raise ValueError("the logits hold NaN: no token can be chosen")
         return token
     rng = rng if rng is not None else np.random.default_rng()
     return _core().sample(logits, temperature, top_k or 0, 1.0 if top_p is None else top_p,

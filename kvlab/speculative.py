@@ -330,7 +330,7 @@ def verify_drafts(rows: np.ndarray, drafts: List[int], q: Optional[list],
         return accepted, sample(rows[accepted])
     for i, x in enumerate(drafts):
         if np.isnan(rows[i]).any():            # as sample() refuses them
-            raise ValueError("the logits hold NaN, so no token can be chosen")
+            raise ValueError("the logits hold NaN: no token can be chosen")
         p = probabilities(rows[i], temperature, top_k, top_p)
         if q is not None:
             q_i = q[i]
