@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import inspect
 import time
 from typing import Iterable, List, Optional, Sequence, Tuple, Union
 
@@ -327,7 +328,19 @@ def _sampling_params(params: Optional[SamplingParams], **shorthand) -> SamplingP
     return params
 
 
+# what **cache_options may hold: Model.cache_format's keywords (its old cache_dtype too)
+CACHE_OPTIONS = tuple(name for name, parameter in
+                      inspect.signature(Model.cache_format).parameters.items()
+                      if parameter.kind is parameter.KEYWORD_ONLY) + ("cache_dtype",)
+
+
 def _cache_format(model: Model, dtype, cache_options: dict) -> CacheFormat:
+    unknown = [name for name in cache_options if name not in CACHE_OPTIONS]
+    if unknown:             # a typo or another library's name, not a cache format option
+        hint = {"max_tokens": " (the length is max_new_tokens)",
+                "n": " (n samples of a prompt are kvlab.Engine's)"}.get(unknown[0], "")
+        raise TypeError(f"generate() got an unexpected keyword argument {unknown[0]!r}{hint}; "
+                        f"its cache format options are {', '.join(CACHE_OPTIONS[:6])}")
     if "cache_dtype" in cache_options:            # its name before dtype was one word
         if dtype is not None:
             raise TypeError("give dtype only (cache_dtype is its old name)")

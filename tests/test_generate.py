@@ -227,3 +227,14 @@ def test_generate_chooses_its_way_of_running_steps_before_the_loop(model, kwargs
     out = kvlab.generate(model, [1, 2, 3], 20, **kwargs)
     assert [type(steps).__name__ for steps in chosen] == [way]
     assert (out.speculation is not None) == (way == "Speculative")
+
+
+@pytest.mark.parametrize("keyword, hint", [("max_tokens", "the length is max_new_tokens"),
+                                           ("n", "kvlab.Engine's"), ("top_K", "")])
+def test_an_unknown_keyword_is_named_as_generates_not_a_cache_formats(model, keyword, hint):
+    # **cache_options took every other keyword and Model.cache_format refused it in its
+    # own name, as if the student had asked for a cache format
+    with pytest.raises(TypeError, match=rf"generate\(\) got an unexpected keyword argument "
+                                        rf"'{keyword}'.*{hint}"):
+        kvlab.generate(model, [1, 2, 3], 5, **{keyword: 2})
+    assert kvlab.generate(model, [1, 2, 3], 5, key_format="int8").tokens    # options still work
