@@ -96,7 +96,8 @@ def generate(model: Model, prompt: Union[str, Sequence[int], None] = None,
     model's context, config.max_seq_len (ContextLengthError).
 
     What to generate: params, a kvlab.SamplingParams as the Engine takes it (n=1), or its
-    shorthand max_new_tokens, temperature, top_k, top_p, seed, stop_at_eos (not both).
+    shorthand max_new_tokens, temperature, top_k, top_p, seed, stop_at_eos (not both;
+    left out, max_new_tokens is 48 here but 16 in a SamplingParams, as vLLM's).
     Greedy by default; a seed makes sampling reproducible.
 
     How, chosen before the loop as one of the Steps classes below: use_cache=False
