@@ -242,7 +242,7 @@ class BuildExt(kvlab_build.BuildExt):
         ext.extra_objects = [str(obj) for obj, _ in results]
         ext.library_dirs = cuda_library_dirs(NVCC)
         ext.libraries = ["cudart_static", "rt", "pthread", "dl", "stdc++"]
-        ext.define_macros = [("KV_CUDA_SOURCES", '"' + " ".join(p.name for p in CUDA_SOURCES) + '"'),
+        ext.define_macros += [("KV_CUDA_SOURCES", '"' + " ".join(p.name for p in CUDA_SOURCES) + '"'),
                              ("KV_CUDA_ARCHS", '"' + " ".join(archs) + '"'),
                              # NumPy's API table of this extension, apart from kvlab._kvlab's
                              ("PY_ARRAY_UNIQUE_SYMBOL", "kvlab_cuda_PyArray_API")]

@@ -20,9 +20,10 @@ This file records and delivers; it decides nothing about a step.
 """
 from __future__ import annotations
 
+import collections
 import json
 import os
-from typing import List, Union
+from typing import Deque, Union
 
 
 class BlockTracer:
@@ -33,7 +34,8 @@ class BlockTracer:
 
     def __init__(self, pool, trace: Union[list, str, os.PathLike]):
         self.pool = pool
-        self.undelivered: List[dict] = []   # events whose sink call raised, oldest first
+        self.undelivered: Deque[dict] = collections.deque()   # events whose sink call
+                                                              # raised, oldest first
         self.file = None
         if isinstance(trace, list):
             self.sink = trace.append
@@ -62,7 +64,7 @@ class BlockTracer:
     def deliver(self) -> None:
         while self.undelivered:
             self.sink(self.undelivered[0])
-            del self.undelivered[0]
+            self.undelivered.popleft()
 
     def flush(self) -> None:
         if self.file is not None:

@@ -135,7 +135,7 @@ def crossover_context(config: ModelConfig, batch: int = 1, weights: str = "fp16"
 # A chunk is whole passes of the matrix kernels, which stream each weight matrix once per
 # CHUNK_MIN tokens (ops.h's KV_TOKEN_CHUNK): a shorter chunk reads the weights as often.
 CHUNK_FLOPS = 2e9
-CHUNK_MIN = 48
+CHUNK_MIN = core.TOKEN_CHUNK
 
 
 def chunk_length(config: ModelConfig, start_pos: int, n_tokens: int) -> int:

@@ -16,6 +16,7 @@ from typing import Callable, Dict, Iterator, Optional, Sequence, Tuple, Union
 import numpy as np
 
 from . import arguments
+from .blocks import blocks_for
 from ._core import core
 from .config import ModelConfig
 from .counts import Counts
@@ -286,7 +287,7 @@ class Model:
         block_size = arguments.positive(block_size, "block_size")
         max_seqs = arguments.positive(max_seqs, "max_seqs")
         if max_blocks_per_seq is None:
-            max_blocks_per_seq = -(-self.config.max_seq_len // block_size)
+            max_blocks_per_seq = blocks_for(self.config.max_seq_len, block_size)
         max_blocks_per_seq = arguments.positive(max_blocks_per_seq, "max_blocks_per_seq")
         c = self.config
         return (c.n_layers, c.n_kv_heads, c.head_dim, int(num_blocks), int(block_size),
