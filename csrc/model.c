@@ -10,9 +10,10 @@
  * layer, so the contiguous cache and the paged pool share every line of it. Weights are
  * read in place from the caller's buffers; activations live in one scratch allocation
  * made per call (run_state), a row per token in each buffer (token_rows). A long call runs
- * in chunks through one loop (in_chunks), which can stop between two for Ctrl-C; a chunk's
- * rows are found by one function (chunk_view) from one table of the buffers' row widths
- * (ROWS). kv_model_generate is the generation loop built on the same pass: decode steps
+ * in chunks through one loop (in_chunks), which can stop between two for Ctrl-C; a forward
+ * call's chunks reuse the run state's rows from 0, and the one-layer pass, which keeps
+ * every token's rows, finds a chunk's with one function (chunk_view) from one table of the
+ * buffers' row widths (ROWS). kv_model_generate is the generation loop built on the same pass: decode steps
  * over a contiguous cache with the token chosen in between (sampling.c), its scratch
  * made once for all the steps. Each kernel is called on the tier the process chose
  * (kv_set_kernels): the fast one (ops.c, attention.c) or the plain one (plain.c), one
@@ -856,25 +857,13 @@ kv_status kv_model_forward_batch(const kv_model *model, kv_pool *pool, int n_seq
     KV_TRY(kv_model_check(model));
     const kv_config *c = &model->config;
     KV_TRY(kv_pool_check_fits(pool, c));
-    /* Every check before the first change: sequences alive and distinct, sizes sane, token
-     * ids in range, and enough blocks for all of them together. */
-    int64_t total = 0;
-    int blocks_needed = 0;
-    for (int i = 0; i < n_seqs; i++) {
-        KV_TRY(kv_blocks_seq_check(&pool->blocks, seqs[i]));
-        for (int j = 0; j < i; j++) KV_CHECK(seqs[j] != seqs[i], KV_ERR_INVALID_ARG);
-        KV_CHECK(n_tokens[i] >= 1 && n_tokens[i] <= KV_MAX_TOKENS_PER_CALL, KV_ERR_INVALID_ARG);
-        KV_CHECK(n_tokens[i] <= KV_MAX_POSITIONS - pool->blocks.seqs[seqs[i]].next_position,
-                 KV_ERR_CACHE_FULL);
-        total += n_tokens[i];
-        KV_CHECK(total <= KV_MAX_TOKENS_PER_CALL, KV_ERR_INVALID_ARG);
-        int needed;
-        KV_TRY(kv_blocks_needed(&pool->blocks, seqs[i], n_tokens[i], &needed));
-        blocks_needed += needed;
-    }
-    KV_TRY(kv_check_tokens(c, tokens, (int)total));
-    KV_CHECK(blocks_needed <= kv_blocks_available(&pool->blocks), KV_ERR_OUT_OF_BLOCKS);
-    KV_TRY(run_state_alloc(&s, model, (int)total, n_seqs));
+    /* Every check before the first change: sequences alive and distinct, sizes sane, enough
+     * blocks for all of them together (the pool's), and token ids in range. */
+    KV_TRY(kv_pool_check_batch(pool, n_seqs, seqs, n_tokens));
+    int total = 0;
+    for (int i = 0; i < n_seqs; i++) total += n_tokens[i];   /* at most 65536: checked */
+    KV_TRY(kv_check_tokens(c, tokens, total));
+    KV_TRY(run_state_alloc(&s, model, total, n_seqs));
     /* Nothing below can fail: each reservation fits in what was counted above (a
      * copy-on-write counted for two forks of one block happens only once, if at all). */
     for (int i = 0, first = 0; i < n_seqs; first += n_tokens[i], i++) {
@@ -884,11 +873,8 @@ kv_status kv_model_forward_batch(const kv_model *model, kv_pool *pool, int n_seq
         for (int layer = 0; layer < c->n_layers; layer++)
             *view_of(&s, layer, i) = kv_pool_layer_view(pool, seqs[i], layer);
     }
-    forward_tokens(model, &s, tokens, (int)total, logits, all_logits);
-    for (int i = 0; i < n_seqs; i++) {
-        kv_blocks_commit(&pool->blocks, seqs[i], tokens + s.runs[i].first, n_tokens[i]);
-        kv_pool_note_positions(pool, seqs[i], n_tokens[i]);
-    }
+    forward_tokens(model, &s, tokens, total, logits, all_logits);
+    kv_pool_commit_batch(pool, n_seqs, seqs, n_tokens, tokens);
     kv_counters_add(counters, &s.count);
 fail:
     run_state_free(&s);

@@ -396,7 +396,7 @@ kv_status kv_pool_check_batch(const kv_pool *pool, int n_seqs, const int *seqs,
     const kv_blocks *blocks = &pool->blocks;
     if (seqs == NULL || n_tokens == NULL || n_seqs < 1 || n_seqs > blocks->max_seqs)
         return KV_ERR_INVALID_ARG;
-    long total = 0;
+    int64_t total = 0;
     int needed = 0;
     for (int i = 0; i < n_seqs; i++) {
         kv_status status = kv_blocks_seq_check(blocks, seqs[i]);

@@ -271,7 +271,7 @@ static struct PyModuleDef kvlab_module = {
     .m_name = "_kvlab",
     .m_doc = "kvlab's C core: its five types, Model, KVCache (one sequence's contiguous cache),\n"
              "BlockManager (a paged pool's bookkeeping, no K or V), PagedPool (a BlockManager\n"
-             "with K/V stores in host memory) and PagedSequence (a handle to one of a pool's\n"
+             "with K/V stores in host memory, or in a row store: the GPU's) and PagedSequence (a handle to one of a pool's\n"
              "sequences), the module functions below, and the constants MAX_BLOCK_SIZE,\n"
              "TOKEN_CHUNK, COUNTERS, HAS_OPENMP, FUSED_MULTIPLY_ADD (whether the kernels'\n"
              "dot products fuse their multiply-adds: built for a CPU with FMA) and BUILD (the\n"

@@ -297,7 +297,8 @@ static PyObject *batch_refused(PoolObject *self, kv_status status, const int *sl
     if (status != KV_ERR_INVALID_ARG)   /* (pool.c's words for these: the block manager's) */
         return kv_py_blocks_refused(&self->base, status, total > INT_MAX ? INT_MAX : (int)total);
     char too_many[64];                  /* (no % left in it: it is kv_py_raise's format) */
-    snprintf(too_many, sizeof too_many, "a batch holds at most 65536 tokens, got %lld", total);
+    snprintf(too_many, sizeof too_many, "a batch holds at most %d tokens, got %lld",
+             KV_MAX_TOKENS_PER_CALL, total);
     return kv_py_batch_refused(status, slots, counts, n_seqs, too_many);
 }
 
