@@ -877,22 +877,25 @@ static void test_cache_keep(const kv_cache_format *format) {
     int same = 1;
     for (int layer = 0; layer < c->n_layers; layer++)
         for (int i = 0; i < 3; i++) {
-            kv_store_read(&cache.key, layer, (size_t)i, a);
+            size_t slot = kv_cache_slot(&cache, i);    /* row i: slot i, unless the ring turned */
+            kv_store_read(&cache.key, layer, slot, a);
             kv_store_read(&full.key, layer, (size_t)kept0[i], b);
             same &= memcmp(a, b, 8 * sizeof(float)) == 0;             /* head 0 */
             kv_store_read(&full.key, layer, (size_t)kept1[i], b);
             same &= memcmp(a + 8, b + 8, 8 * sizeof(float)) == 0;     /* head 1 */
-            same &= cache.positions[((size_t)layer * 2 + 0) * 12 + i] == kept0[i];
-            same &= cache.positions[((size_t)layer * 2 + 1) * 12 + i] == kept1[i];
+            same &= cache.positions[((size_t)layer * 2 + 0) * 12 + slot] == kept0[i];
+            same &= cache.positions[((size_t)layer * 2 + 1) * 12 + slot] == kept1[i];
         }
     CHECK(same);
     /* the next tokens are rotated as positions 6 and 7, whatever rows are left */
     CHECK(kv_cache_track_attention(&cache, 1) == KV_OK);
     CHECK(kv_model_forward(m, &cache, tokens + 6, 2, logits, 0, NULL) == KV_OK);
     CHECK(cache.length == 5 && cache.next_position == 8);
-    CHECK(cache.positions[3] == 6 && cache.positions[4] == 7);
+    CHECK(cache.positions[kv_cache_slot(&cache, 3)] == 6 &&
+          cache.positions[kv_cache_slot(&cache, 4)] == 7);
     float total = 0.0f;
-    for (int row = 0; row < cache.length; row++) total += cache.attention[row];   /* layer 0, head 0 */
+    for (int row = 0; row < cache.length; row++)       /* layer 0, head 0 */
+        total += cache.attention[kv_cache_slot(&cache, row)];
     CHECK(fabsf(total - 2 * 2) < 1e-4f);   /* 2 queries x kv_mul 2, each head's weights sum to 1 */
     CHECK(kv_cache_truncate(&cache, 4) == KV_OK && cache.next_position == 7);
     int32_t drop_newest[2 * 3 * 2] = {0, 0, 1, 1, 2, 2,  0, 0, 1, 1, 2, 2};
