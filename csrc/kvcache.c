@@ -145,6 +145,7 @@ static void move_row(kv_cache *cache, int layer, int head, int to, int from) {
     if (cache->attention != NULL) cache->attention[a] = cache->attention[b];
 }
 
+/* [quote ch08-kv-cache-keep] */
 /* How far the ring turns when the rows `rows` (KEPT below) stay: by none of the dropped
  * rows, the kept ones moving to the front, or by all of them, the kept ones moving to the
  * back, whichever leaves more rows where they are. A sliding window keeps the newest rows:
@@ -163,7 +164,6 @@ static int ring_turn(const kv_cache *cache, int n_keep, const int32_t *rows) {
     return stay_if_all > stay_if_none ? dropped : 0;
 }
 
-/* [quote ch08-kv-cache-keep] */
 kv_status kv_cache_keep(kv_cache *cache, int n_keep, const int32_t *rows) {
     if (cache->key.codes == NULL || n_keep < 0 || n_keep > cache->length ||
         (rows == NULL && n_keep > 0) || cache->window > 0)

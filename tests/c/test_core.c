@@ -847,8 +847,8 @@ static void test_interrupts(void) {
     free_model(&tm);
 }
 
-/* Keeping fewer rows: kv_cache_keep moves the kept rows (per head) to the front and keeps
- * their positions; the next token is still rotated by its true position; truncate takes
+/* Keeping fewer rows: kv_cache_keep keeps the kept rows (per head) as rows 0 .. n_keep - 1
+ * and their positions; the next token is still rotated by its true position; truncate takes
  * back only the newest positions; the tracked attention weights sum to one per query head. */
 static void test_cache_keep(const kv_cache_format *format) {
     test_model tm;
