@@ -18,8 +18,9 @@ def model():
 
 @pytest.fixture(scope="module")
 def ids(model):
-    text = ("First Citizen: Before we proceed any further, hear me speak. All: Speak, speak. "
-            "First Citizen: You are all resolved rather to die than to famish?")
+    """120 token ids: through 8 rows, 14 turns of the ring."""
+    text = ("MENENIUS: Either you must confess yourselves wondrous malicious, or be accused "
+            "of folly. I shall tell you a pretty tale: it may be you have heard it.")
     return model.encode(text)[:120]
 
 
