@@ -301,7 +301,8 @@ kv_status kv_cache_straighten(kv_cache *cache) {
     if (spare == NULL) return KV_ERR_NOMEM;
     kv_store_turn(&cache->key, by, spare);
     kv_store_turn(&cache->value, by, spare);
-    kv_turn_rings(cache->positions, rings, n, sizeof(int32_t), by, spare);
+    if (cache->positions != NULL)   /* (it is: only keep turns the ring, and it makes them) */
+        kv_turn_rings(cache->positions, rings, n, sizeof(int32_t), by, spare);
     if (cache->attention != NULL) kv_turn_rings(cache->attention, rings, n, sizeof(float), by, spare);
     free(spare);
     cache->ring_start = 0;
