@@ -184,22 +184,26 @@ typedef struct {
     int n_kv_heads;
     int head_dim;
     int capacity;   /* positions reserved (max_seq_len of this cache) */
-    int length;     /* positions filled: 0 .. length-1 hold valid K and V */
-    kv_store key;   /* (n_layers, n_kv_heads, capacity, head_dim) values, in key.format */
+    int length;     /* rows filled: rows 0 .. length-1 hold valid K and V */
+    kv_store key;   /* (n_layers, n_kv_heads, capacity, head_dim) values, in key.format, one
+                       slot per row (kv_cache_slot: which) */
     kv_store value;
     int window;              /* residual window (0: none) */
     float *window_key;       /* (n_layers, window, kv_dim) float32 rows of the last window
                                 positions, position p in row p % window; NULL if window 0 */
     float *window_value;
     /* Keeping fewer positions (kvlab/cache_policy.py): rows can be dropped (kv_cache_keep),
-     * so row i need not hold position i. Both arrays are NULL until first needed. */
+     * so row i need not hold position i, nor be in slot i. Both arrays are NULL until first
+     * needed. */
     int next_position;       /* position of the next token (RoPE's angle): length, plus every
                                 row dropped so far */
-    int32_t *positions;      /* (n_layers, n_kv_heads, capacity) the position each row holds;
-                                NULL: row i holds position i */
-    float *attention;        /* (n_layers, n_kv_heads, capacity) attention weight each row has
-                                received since it was written, summed over the queries and the
-                                query heads of its group; NULL: not tracked */
+    int ring_start;          /* the slot of row 0: the rows are a ring, row i in slot
+                                (ring_start + i) % capacity; 0 until rows are dropped */
+    int32_t *positions;      /* (n_layers, n_kv_heads, capacity) the position each slot's row
+                                holds; NULL: row i holds position i */
+    float *attention;        /* (n_layers, n_kv_heads, capacity) attention weight each slot's
+                                row has received since it was written, summed over the queries
+                                and the query heads of its group; NULL: not tracked */
     float *attention_scratch;  /* (capacity + head_dim) one query's weights, and a key row */
 } kv_cache;
 
@@ -218,12 +222,20 @@ size_t kv_cache_nbytes(const kv_cache *cache);
 kv_status kv_cache_truncate(kv_cache *cache, int length);
 /* Keeps n_keep rows of each layer and KV head and drops the rest: rows is
  * (n_layers, n_keep, n_kv_heads), rows[l][i][h] the i-th row of layer l, head h to keep,
- * strictly increasing in i and below length. The kept rows move to the front in order
- * (K, V, positions, attention weights), length becomes n_keep and next_position stays:
- * the next token still gets the next position. Each head may keep different positions;
- * attention reads rows 0 .. length - 1 of every head, whatever positions they hold.
- * Refused (KV_ERR_INVALID_ARG, nothing changed) for a cache with a residual window. */
+ * strictly increasing in i and below length. The kept rows become rows 0 .. n_keep - 1 in
+ * order (K, V, positions, attention weights), length becomes n_keep and next_position
+ * stays: the next token still gets the next position. Each head may keep different
+ * positions; attention reads rows 0 .. length - 1 of every head, whatever positions they
+ * hold. Few rows move: the ring turns past the dropped rows where that leaves more rows in
+ * place (a sliding window's newest rows: none moves), else the kept rows move to the
+ * front. Refused (KV_ERR_INVALID_ARG, nothing changed) for a cache with a residual window. */
 kv_status kv_cache_keep(kv_cache *cache, int n_keep, const int32_t *rows);
+/* The slot (of 0 .. capacity - 1) that row `row` (0 <= row < capacity) is in. */
+size_t kv_cache_slot(const kv_cache *cache, int row);
+/* Turns the ring back so that row i is in slot i (ring_start 0), moving every slot's K, V,
+ * position and attention sum: how the binding shows rows in order without a copy.
+ * KV_ERR_NOMEM (nothing changed) if its spare rows cannot be allocated. */
+kv_status kv_cache_straighten(kv_cache *cache);
 /* Starts (1) or stops (0) summing, for every row, the attention weight the queries of later
  * forward calls give it (cache->attention), for eviction policies that keep the rows
  * attended most (H2O, SnapKV). Starting zeroes the sums. Refused with a residual window. */

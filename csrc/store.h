@@ -54,6 +54,19 @@ void kv_store_copy_head(const kv_store *store, int layer, int head, size_t dst, 
 /* Copies n_rows rows (codes, scales, zero points) from slot src to slot dst of a layer. */
 void kv_store_copy(const kv_store *store, int layer, size_t dst, size_t src, size_t n_rows);
 
+/* Turns each of n_rings rings of ring_length elements of `size` bytes, one after another
+ * from base, by `by` elements: element `by` comes first, and the `by` before it go last.
+ * spare holds by * size bytes. */
+void kv_turn_rings(void *base, size_t n_rings, size_t ring_length, size_t size, size_t by,
+                   void *spare);
+
+/* Turns every (layer, head)'s slots of a store (codes, scales, zero points) by `by`: slot
+ * `by` becomes slot 0 (a contiguous cache's ring put back in order, kv_cache_straighten).
+ * spare holds by * kv_store_widest(store) bytes. */
+void kv_store_turn(const kv_store *store, size_t by, void *spare);
+/* Bytes of the widest part of one head row: its codes, or its scales. */
+size_t kv_store_widest(const kv_store *store);
+
 /* Whether rows, (n_layers, n_keep, n_kv_heads), names rows a cache or sequence of `length`
  * rows can keep (kv_cache_keep, kv_pool_keep): in each layer and head, row numbers that
  * only go up and stay below length. */

@@ -847,8 +847,8 @@ static void test_interrupts(void) {
     free_model(&tm);
 }
 
-/* Keeping fewer rows: kv_cache_keep moves the kept rows (per head) to the front and keeps
- * their positions; the next token is still rotated by its true position; truncate takes
+/* Keeping fewer rows: kv_cache_keep keeps the kept rows (per head) as rows 0 .. n_keep - 1
+ * and their positions; the next token is still rotated by its true position; truncate takes
  * back only the newest positions; the tracked attention weights sum to one per query head. */
 static void test_cache_keep(const kv_cache_format *format) {
     test_model tm;
@@ -877,22 +877,25 @@ static void test_cache_keep(const kv_cache_format *format) {
     int same = 1;
     for (int layer = 0; layer < c->n_layers; layer++)
         for (int i = 0; i < 3; i++) {
-            kv_store_read(&cache.key, layer, (size_t)i, a);
+            size_t slot = kv_cache_slot(&cache, i);    /* row i: slot i, unless the ring turned */
+            kv_store_read(&cache.key, layer, slot, a);
             kv_store_read(&full.key, layer, (size_t)kept0[i], b);
             same &= memcmp(a, b, 8 * sizeof(float)) == 0;             /* head 0 */
             kv_store_read(&full.key, layer, (size_t)kept1[i], b);
             same &= memcmp(a + 8, b + 8, 8 * sizeof(float)) == 0;     /* head 1 */
-            same &= cache.positions[((size_t)layer * 2 + 0) * 12 + i] == kept0[i];
-            same &= cache.positions[((size_t)layer * 2 + 1) * 12 + i] == kept1[i];
+            same &= cache.positions[((size_t)layer * 2 + 0) * 12 + slot] == kept0[i];
+            same &= cache.positions[((size_t)layer * 2 + 1) * 12 + slot] == kept1[i];
         }
     CHECK(same);
     /* the next tokens are rotated as positions 6 and 7, whatever rows are left */
     CHECK(kv_cache_track_attention(&cache, 1) == KV_OK);
     CHECK(kv_model_forward(m, &cache, tokens + 6, 2, logits, 0, NULL) == KV_OK);
     CHECK(cache.length == 5 && cache.next_position == 8);
-    CHECK(cache.positions[3] == 6 && cache.positions[4] == 7);
+    CHECK(cache.positions[kv_cache_slot(&cache, 3)] == 6 &&
+          cache.positions[kv_cache_slot(&cache, 4)] == 7);
     float total = 0.0f;
-    for (int row = 0; row < cache.length; row++) total += cache.attention[row];   /* layer 0, head 0 */
+    for (int row = 0; row < cache.length; row++)       /* layer 0, head 0 */
+        total += cache.attention[kv_cache_slot(&cache, row)];
     CHECK(fabsf(total - 2 * 2) < 1e-4f);   /* 2 queries x kv_mul 2, each head's weights sum to 1 */
     CHECK(kv_cache_truncate(&cache, 4) == KV_OK && cache.next_position == 7);
     int32_t drop_newest[2 * 3 * 2] = {0, 0, 1, 1, 2, 2,  0, 0, 1, 1, 2, 2};
@@ -912,6 +915,157 @@ static void test_cache_keep(const kv_cache_format *format) {
     kv_cache_free(&full);
     free(logits);
     free(want);
+    free_model(&tm);
+}
+
+/* ---- the ring: kv_cache_keep turning the slots instead of moving rows ------------------ */
+
+enum { RING_L = 2, RING_H = 2, RING_D = 8, RING_CAP = 7 };
+#define RING_ROW ((size_t)RING_L * RING_H * RING_D)   /* one token's K: every layer and head */
+
+/* What a ring cache must hold, row by row in order: each row's K and V as appended, and
+ * its position. A cache filled with these rows from empty is the layout before the ring. */
+typedef struct {
+    float keys[RING_CAP][RING_ROW], values[RING_CAP][RING_ROW];
+    int32_t positions[RING_CAP];
+    int length;
+} ring_mirror;
+
+/* The mirror of keeping every row but `drop` (the same rows in every layer and head), and
+ * the rows argument that asks the cache for it. */
+static int drop_one(ring_mirror *m, int drop, int32_t *rows) {
+    int n_keep = m->length - 1;
+    for (int layer = 0; layer < RING_L; layer++)
+        for (int i = 0; i < n_keep; i++)
+            for (int head = 0; head < RING_H; head++)
+                rows[((size_t)layer * n_keep + i) * RING_H + head] = i < drop ? i : i + 1;
+    for (int i = drop; i < n_keep; i++) {
+        memcpy(m->keys[i], m->keys[i + 1], sizeof m->keys[i]);
+        memcpy(m->values[i], m->values[i + 1], sizeof m->values[i]);
+        m->positions[i] = m->positions[i + 1];
+    }
+    m->length = n_keep;
+    return n_keep;
+}
+
+/* Whether the ring holds the mirror's rows: positions row by row, and the same K and V
+ * read back and the same attention, bit for bit, as a cache filled from empty with them. */
+static int ring_matches(const kv_cache *ring, const ring_mirror *m, const kv_cache_format *format) {
+    kv_cache twin;
+    int same = ring->length == m->length &&
+               kv_cache_init(&twin, RING_L, RING_H, RING_D, RING_CAP, format) == KV_OK &&
+               kv_cache_append(&twin, m->length, &m->keys[0][0], &m->values[0][0]) == KV_OK;
+    size_t n = (size_t)m->length * RING_ROW;
+    float got[2][RING_CAP * RING_ROW], want[2][RING_CAP * RING_ROW];
+    same = same && kv_cache_read(ring, got[0], got[1]) == KV_OK &&
+           kv_cache_read(&twin, want[0], want[1]) == KV_OK &&
+           memcmp(got[0], want[0], n * sizeof(float)) == 0 &&
+           memcmp(got[1], want[1], n * sizeof(float)) == 0;
+    float q[2 * RING_H * RING_D], out[2 * RING_H * RING_D], out_twin[2 * RING_H * RING_D];
+    for (int i = 0; i < 2 * RING_H * RING_D; i++) q[i] = 0.3f * (float)((i * 7) % 11) - 1.5f;
+    for (int layer = 0; layer < RING_L && same; layer++)
+        same = kv_cache_attend(ring, layer, q, 2 * RING_H, out) == KV_OK &&
+               kv_cache_attend(&twin, layer, q, 2 * RING_H, out_twin) == KV_OK &&
+               memcmp(out, out_twin, sizeof out) == 0;
+    for (int layer = 0; layer < RING_L && same && ring->positions; layer++)
+        for (int head = 0; head < RING_H; head++)
+            for (int i = 0; i < m->length; i++)
+                same &= ring->positions[((size_t)layer * RING_H + head) * RING_CAP +
+                                        kv_cache_slot(ring, i)] == m->positions[i];
+    kv_cache_free(&twin);
+    return same;
+}
+
+/* A ring turned many times: a window (dropping row 0) turns it one slot and moves no byte
+ * of K; dropping row 1 turns it and moves row 0; dropping the row before the newest moves
+ * the newest to the front, turning nothing. After each, the rows read back and attention
+ * are those of the same rows from slot 0 (the layout before the ring), bit for bit;
+ * straightening puts row i in slot i; a refused keep changes nothing. */
+static void test_cache_ring(const kv_cache_format *format) {
+    kv_cache ring;
+    ring_mirror m = {.length = 0};
+    int32_t rows[RING_L * RING_CAP * RING_H];
+    CHECK(kv_cache_init(&ring, RING_L, RING_H, RING_D, RING_CAP, format) == KV_OK);
+    size_t codes = (size_t)RING_L * RING_H * RING_CAP * ring.key.head_bytes;
+    uint8_t *before = malloc(codes);
+    int same = 1, turned = 1, moved_nothing = 1;
+    for (int step = 0; step < 6 * RING_CAP; step++) {
+        if (m.length == RING_CAP) {   /* full: drop one row, as a policy would */
+            int kind = step % 3, drop = kind == 0 ? 0 : kind == 1 ? 1 : RING_CAP - 2;
+            int start = ring.ring_start;
+            memcpy(before, ring.key.codes, codes);
+            int n_keep = drop_one(&m, drop, rows);
+            CHECK(kv_cache_keep(&ring, n_keep, rows) == KV_OK);
+            turned &= ring.ring_start == (kind == 2 ? start : (start + 1) % RING_CAP);
+            if (kind == 0) moved_nothing &= memcmp(before, ring.key.codes, codes) == 0;
+            same &= ring_matches(&ring, &m, format);
+        }
+        for (size_t i = 0; i < RING_ROW; i++) {
+            m.keys[m.length][i] = random_float();
+            m.values[m.length][i] = random_float();
+        }
+        m.positions[m.length++] = step;
+        CHECK(kv_cache_append(&ring, 1, m.keys[m.length - 1], m.values[m.length - 1]) == KV_OK);
+        same &= ring_matches(&ring, &m, format);
+    }
+    CHECK(same);
+    CHECK(turned);
+    CHECK(moved_nothing);
+    /* a refused keep (rows out of order) changes nothing, on a turned ring */
+    int n_keep = drop_one(&m, 0, rows);
+    CHECK(kv_cache_keep(&ring, n_keep, rows) == KV_OK && ring.ring_start != 0);
+    int start = ring.ring_start;
+    memcpy(before, ring.key.codes, codes);
+    int32_t swapped = rows[0];
+    rows[0] = rows[RING_H], rows[RING_H] = swapped;
+    CHECK(kv_cache_keep(&ring, n_keep, rows) == KV_ERR_INVALID_ARG);
+    CHECK(ring.ring_start == start && ring.length == n_keep && ring_matches(&ring, &m, format));
+    CHECK(memcmp(before, ring.key.codes, codes) == 0);
+    /* straightened: row i in slot i, the same rows and attention */
+    CHECK(kv_cache_straighten(&ring) == KV_OK && ring.ring_start == 0);
+    CHECK(ring_matches(&ring, &m, format) && kv_cache_slot(&ring, 3) == 3);
+    /* truncating to nothing forgets the ring too */
+    CHECK(kv_cache_keep(&ring, drop_one(&m, 0, rows), rows) == KV_OK && ring.ring_start != 0);
+    CHECK(kv_cache_truncate(&ring, 0) == KV_OK && ring.ring_start == 0);
+    free(before);
+    kv_cache_free(&ring);
+}
+
+/* A model's forward pass over a ring: a window of 5 over 30 tokens (6 turns round the ring)
+ * gives the logits of the same window straightened after every step, row i in slot i, as
+ * every cache was before the ring, bit for bit. */
+static void test_cache_ring_model(void) {
+    test_model tm;
+    make_model(&tm, 4, 2, 8);
+    const kv_model *model = &tm.model;
+    int V = model->config.vocab_size, L = model->config.n_layers, W = 5;
+    kv_cache ring, straight;
+    CHECK(kv_cache_init(&ring, L, 2, 8, W, NULL) == KV_OK);
+    CHECK(kv_cache_init(&straight, L, 2, 8, W, NULL) == KV_OK);
+    float *logits = malloc(sizeof(float) * V), *want = malloc(sizeof(float) * V);
+    int32_t *newest = malloc(sizeof(int32_t) * (size_t)L * (W - 1) * 2);
+    for (int layer = 0; layer < L; layer++)
+        for (int i = 0; i < W - 1; i++)
+            for (int head = 0; head < 2; head++)
+                newest[((size_t)layer * (W - 1) + i) * 2 + head] = i + 1;
+    int same = 1;
+    for (int t = 0; t < 30; t++) {
+        int32_t token = (int32_t)(t * 7 % V);
+        if (ring.length == W) {
+            CHECK(kv_cache_keep(&ring, W - 1, newest) == KV_OK);
+            CHECK(kv_cache_keep(&straight, W - 1, newest) == KV_OK);
+            CHECK(kv_cache_straighten(&straight) == KV_OK);
+        }
+        CHECK(kv_model_forward(model, &ring, &token, 1, logits, 0, NULL) == KV_OK);
+        CHECK(kv_model_forward(model, &straight, &token, 1, want, 0, NULL) == KV_OK);
+        same &= memcmp(logits, want, sizeof(float) * V) == 0;
+    }
+    CHECK(same && ring.ring_start == 30 % W && ring.next_position == 30);
+    kv_cache_free(&ring);
+    kv_cache_free(&straight);
+    free(logits);
+    free(want);
+    free(newest);
     free_model(&tm);
 }
 
@@ -1458,6 +1612,11 @@ int main(void) {
     test_model_paths_agree(4, 1, 10, &halves);
     test_cache_keep(NULL);
     test_cache_keep(&int8);
+    test_cache_ring(NULL);
+    test_cache_ring(&int8);
+    const kv_cache_format int4 = {KV_FMT_I4, KV_FMT_FP8, 4, 2, 0};   /* zero points, groups */
+    test_cache_ring(&int4);
+    test_cache_ring_model();
     test_pool_keep();
     test_pool_swap(NULL);
     test_pool_swap(&int8);
