@@ -22,9 +22,9 @@ def test_rotate_a_quarter_and_a_half_turn(sub, rng):
     check_close(sub.rotate(x, np.array([1]), inv_freq, True), [[0.0, 1.0, -1.0, 0.0]],
                 "rotate([[1, 0, 1, 0]], shift 1, inv_freq [pi/2, pi], interleaved): (1, 0) a "
                 "quarter turn is (0, 1), half a turn (-1, 0)", atol=1e-6)
-    check_close(sub.rotate(x, np.array([1]), inv_freq, False), [[0.0, 0.0, 1.0, 0.0]],
-                "the same, interleaved=False: the pairs are (x[0], x[2]) and (x[1], x[3])",
-                atol=1e-6)
+    check_close(sub.rotate(x, np.array([1]), inv_freq, False), [[-1.0, 0.0, 1.0, 0.0]],
+                "the same, interleaved=False: the pairs are (x[0], x[2]) = (1, 1), a quarter "
+                "turn to (-1, 1), and (x[1], x[3]) = (0, 0)", atol=1e-6)
 
 
 @points(1)
