@@ -55,17 +55,6 @@ def find_smollm2() -> Path:
         pytest.skip(f"SmolLM2-135M cannot be had here: {exc}")
 
 
-def require_named_models(names) -> None:
-    """pytest.skip unless each named model (kvlab.registry) can be had: a lab whose hidden
-    tests load one (Lab.models) cannot be graded without it."""
-    from kvlab import FetchError, registry
-    for name in names:
-        try:
-            registry.fetch(name, quiet=True)
-        except FetchError as exc:
-            pytest.skip(f"{name} cannot be had here: {exc}")
-
-
 @pytest.fixture(scope="session")
 def smollm2_path() -> Path:
     return find_smollm2()

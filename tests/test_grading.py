@@ -22,7 +22,7 @@ import kvlab  # noqa: E402
 from kvlab import cli  # noqa: E402
 from kvlab.grading import LABS, check, grade, start_lab  # noqa: E402
 from kvlab.grading.judge import load_tests  # noqa: E402
-from conftest import require_named_models  # noqa: E402
+from named_models import require_named_models  # noqa: E402
 
 INSTRUCTOR = Path(__file__).resolve().parents[1] / "instructor"
 CHAPTERS = Path(__file__).resolve().parents[1] / "chapters"

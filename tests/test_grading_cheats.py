@@ -27,7 +27,7 @@ from kvlab.grading.judge import load_tests  # noqa: E402
 from kvlab.grading.labs import get_lab  # noqa: E402
 from kvlab.grading.process import WorkerProcess  # noqa: E402
 from kvlab.grading.remote import RemoteError, Session  # noqa: E402
-from conftest import require_named_models  # noqa: E402
+from named_models import require_named_models  # noqa: E402
 
 INSTRUCTOR = Path(__file__).resolve().parents[1] / "instructor"
 SOLUTION = (INSTRUCTOR / "solutions" / "cache_size.py").read_text()

@@ -121,6 +121,8 @@ def token_losses(model, ids, budget: int, choose_rows: ChooseRows, rerotate: Rer
     through a cache of `budget` rows evicted as the module text says. scores: track the
     attention each row receives and pass it to choose_rows (H2O); else it gets None."""
     ids = np.asarray(ids, dtype=np.int64)
+    if isinstance(budget, bool) or not isinstance(budget, (int, np.integer)) or budget < 2:
+        raise ValueError(f"the budget must be an int of at least 2 rows, got {budget!r}")
     if not 0 <= score_from < len(ids) - 1:
         raise ValueError(f"score_from must leave a token to predict among {len(ids)}")
     state = _Cache(model, budget, scores)
