@@ -99,7 +99,7 @@ class _Cache:
 
     def evict(self, n_keep: int, choose_rows: ChooseRows, rerotate: Rerotate) -> None:
         cache = self.cache
-        n_layers, _, n_kv_heads, head_dim = cache.shape
+        n_layers, _, n_kv_heads, _ = cache.shape
         weights = self.weights()
         rows = checked_rows(choose_rows(cache.length, n_keep, weights),
                             (n_layers, n_keep, n_kv_heads), cache.length)
