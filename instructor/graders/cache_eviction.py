@@ -110,9 +110,8 @@ def test_rotate_pairs_the_halves_when_not_interleaved(sub, rng):
 @points(2)
 def test_sink_rows_are_the_first_and_the_newest(sub, rng):
     """sink_rows: the first `sinks` rows and the newest n_keep - sinks, as kvlab's AttentionSinks keeps them"""
-    cases = [(int(rng.integers(3, 80)),) for _ in range(6)]
     drawn = []
-    for (length,) in cases:
+    for length in rng.integers(3, 80, 6).tolist():
         n_keep = int(rng.integers(1, length))
         drawn.append((length, n_keep, int(rng.integers(1, n_keep + 1))))
     length = int(rng.integers(6, 40))
