@@ -22,6 +22,7 @@ import kvlab  # noqa: E402
 from kvlab import cli  # noqa: E402
 from kvlab.grading import LABS, check, grade, start_lab  # noqa: E402
 from kvlab.grading.judge import load_tests  # noqa: E402
+from named_models import require_named_models  # noqa: E402
 
 INSTRUCTOR = Path(__file__).resolve().parents[1] / "instructor"
 CHAPTERS = Path(__file__).resolve().parents[1] / "chapters"
@@ -33,6 +34,7 @@ def graders(lab):
 
 
 def hidden(lab, submission, seed=1, **options):
+    require_named_models(LABS[lab].models)        # cache_eviction's curves run SmolLM2
     return grade(lab, submission, tests=graders(lab), seed=seed, **options)
 
 

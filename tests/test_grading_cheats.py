@@ -27,6 +27,7 @@ from kvlab.grading.judge import load_tests  # noqa: E402
 from kvlab.grading.labs import get_lab  # noqa: E402
 from kvlab.grading.process import WorkerProcess  # noqa: E402
 from kvlab.grading.remote import RemoteError, Session  # noqa: E402
+from named_models import require_named_models  # noqa: E402
 
 INSTRUCTOR = Path(__file__).resolve().parents[1] / "instructor"
 SOLUTION = (INSTRUCTOR / "solutions" / "cache_size.py").read_text()
@@ -71,6 +72,7 @@ def test_a_cheat_earns_nothing_on_the_tests_whose_work_it_skips(cheat, tmp_path)
     recomputing instead of caching, counts without the thing counted ...): graded past the
     source check, it earns 0 on each of them, whatever the draw."""
     lab = cheat.parent.name
+    require_named_models(get_lab(lab).models)
     submission = tmp_path / f"{lab}.py"
     submission.write_text((INSTRUCTOR / "solutions" / f"{lab}.py").read_text() + "\n\n"
                           + cheat.read_text())
@@ -94,6 +96,7 @@ def test_every_graded_test_has_a_cheat_that_it_catches(lab):
 
 
 def hidden(submission, lab="cache_size", **options):
+    require_named_models(get_lab(lab).models)
     return grade(lab, submission, tests=INSTRUCTOR / "graders" / f"{lab}.py", seed=3, **options)
 
 
@@ -137,6 +140,9 @@ DELEGATES = {
     "speculative_decoding": "from kvlab.speculative import PromptLookup\n\n"
                             "def propose(tokens, k, max_ngram=3):\n"
                             "    return PromptLookup(max_ngram).propose(tokens, k)\n",
+    "cache_eviction": "from kvlab.cache_policy import AttentionSinks, HeavyHitters\n\n"
+                      "def sink_rows(length, n_keep, sinks):\n"
+                      "    return AttentionSinks(sinks, n_keep - sinks).keep(None, n_keep)\n",
 }
 
 

@@ -5,8 +5,9 @@
 builds the zip that Gradescope's "Configure Autograder" page takes as it is:
 
     setup.sh          run once, as root, when Gradescope builds the image: installs Python, a
-                      C compiler and kvlab (from kvlab-src/) in /opt/kvlab-venv, and creates
-                      the user the students' code runs as
+                      C compiler and kvlab (from kvlab-src/) in /opt/kvlab-venv, creates
+                      the user the students' code runs as, and fetches the named models the
+                      lab's tests load (SmolLM2 for cache_eviction: Lab.models)
     run_autograder    run for every submission: closes the source and results folders to
                       that user, then python -m kvlab.grading.autograder run ...
     kvlab-src/        the kvlab this clone holds (pyproject.toml, setup.py, kvlab_build.py,
@@ -68,6 +69,10 @@ chmod -R a+rX "$VENV"
 chmod -R go-rwx "$VENV"/lib/python3*/site-packages/kvlab
 """
 
+# a lab whose tests load a named model (Lab.models) has it fetched here, into the cache folder
+# of root (~/.cache/kvlab), who runs the judge; the students' code never reads it
+FETCH_MODEL = '"$VENV/bin/python" -m kvlab fetch {name}\n'
+
 RUN_AUTOGRADER = f"""#!/usr/bin/env bash
 # Gradescope runs this, as root, for every submission. KVLAB_AUTOGRADER_ROOT, KVLAB_PYTHON
 # and KVLAB_WORKER_USER (empty: the same user) let it run outside Gradescope too.
@@ -119,7 +124,8 @@ def build(lab: str, out: Union[str, Path], instructor: Optional[Union[str, Path]
     out.parent.mkdir(parents=True, exist_ok=True)
     settings = {"lab": spec.name, "test_timeout": test_timeout, "total_timeout": TOTAL_TIMEOUT}
     with zipfile.ZipFile(out, "w") as archive:
-        _add(archive, "setup.sh", SETUP_SH, executable=True)
+        setup = SETUP_SH + "".join(FETCH_MODEL.format(name=name) for name in spec.models)
+        _add(archive, "setup.sh", setup, executable=True)
         _add(archive, "run_autograder", RUN_AUTOGRADER, executable=True)
         _add(archive, "lab.json", json.dumps(settings, indent=2) + "\n")
         _add(archive, f"tests/{spec.name}.py", tests.read_bytes())

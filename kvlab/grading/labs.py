@@ -35,6 +35,7 @@ class Lab:
     points: int           # what the hidden grading tests are worth in all
     topic: str            # what the student writes ("a KV cache"), for refusals
     kvlab: Tuple[str, ...] = ()   # the kvlab names a submission may use
+    models: Tuple[str, ...] = ()  # named models its hidden tests load (kvlab fetch NAME)
 
     @property
     def folder(self) -> Path:
@@ -87,8 +88,11 @@ LABS: Dict[str, Lab] = {lab.name: lab for lab in (
         "int8 quantization"),
     Lab("flash_decoding", 10, "Flash-decoding: pieces, a merge, any split", "07_gpu_kernels", 14,
         "split attention and its merge"),
-    Lab("speculative_decoding", 11, "Speculative decoding: prompt lookup, one-pass verification, "
-        "rollback", "09_speculative", 19, "speculative decoding"),
+    Lab("cache_eviction", 11, "Cache eviction: attention sinks, heavy hitters, re-rotated "
+        "positions", "08_fewer_positions", 16, "cache policies and their re-rotation",
+        models=("smollm2-135m",)),
+    Lab("speculative_decoding", 12, "Speculative decoding: prompt lookup, one-pass verification, "
+        "rollback, the sampling rejection rule", "09_speculative", 22, "speculative decoding"),
 )}
 
 
