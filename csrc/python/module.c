@@ -1,7 +1,8 @@
 /* module.c: the module kvlab._kvlab itself: its functions (sampling one row, the
  * quantization formats on their own, threads, kernel tiers, bandwidth measurements), its
  * constants (MAX_BLOCK_SIZE, TOKEN_CHUNK, the COUNTERS names, HAS_OPENMP,
- * FUSED_MULTIPLY_ADD, BUILD), and
+ * FUSED_MULTIPLY_ADD, BUILD, and VARIANT, VARIANTS, VARIANT_REASON: the kernel variant that
+ * runs, the KVLAB_VARIANT variable choosing another), and
  * PyInit__kvlab, which imports NumPy's C API for every file and adds the five types the
  * other files define (cache.c, model.c, blocks.c, pool.c).
  */
@@ -12,6 +13,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "dispatch.h"
 #include "ops.h"        /* KV_TOKEN_CHUNK */
 #include "sampling.h"
 #include "store.h"
@@ -184,6 +186,77 @@ static PyObject *py_get_kernels(PyObject *module, PyObject *Py_UNUSED(ignored)) 
     return PyUnicode_FromString(kernel_names[kv_get_kernels()]);
 }
 
+/* ---- kernel variants (dispatch.h) ---------------------------------------------------- */
+
+/* KVLAB_VARIANT=name runs the process on that kernel variant instead of the best one this
+ * CPU has: for the tests that compare the variants' bits, and for timing one against
+ * another. 1 if it chose one, 0 if unset, -1 with ValueError for a name this build lacks or
+ * a variant this CPU cannot run (which would die of an illegal instruction). */
+static int use_variant_from_environment(void) {
+    const char *name = getenv("KVLAB_VARIANT");
+    if (name == NULL || name[0] == '\0') return 0;
+    if (kv_use_variant(name) == KV_OK) return 1;
+    int count;
+    const kv_variant *variants = kv_variants(&count);
+    char names[256] = "";
+    for (int i = 0; i < count; i++) {
+        if (strcmp(name, variants[i].kernels->name) == 0) {
+            PyErr_Format(PyExc_ValueError, "KVLAB_VARIANT=%s: this CPU cannot run it (it "
+                         "lacks %s)", name, variants[i].needs);
+            return -1;
+        }
+        size_t used = strlen(names);
+        PyOS_snprintf(names + used, sizeof names - used, "%s'%s'", i ? ", " : "",
+                      variants[i].kernels->name);
+    }
+    PyErr_Format(PyExc_ValueError, "KVLAB_VARIANT must be one of this build's kernel "
+                 "variants (%s), got '%s'", names, name);
+    return -1;
+}
+
+/* Why the running variant runs, in one sentence (VARIANT_REASON, for kvlab info). */
+static PyObject *variant_reason(int asked) {
+    int count;
+    const kv_variant *variants = kv_variants(&count), *current = kv_current_variant();
+    if (asked)
+        return PyUnicode_FromFormat("KVLAB_VARIANT=%s asked for it", current->kernels->name);
+    if (count == 1)
+        return PyUnicode_FromString("the one variant of this build (its flags: BUILD)");
+    if (current == &variants[0])
+        return PyUnicode_FromFormat("the best of this build's %d variants: this CPU has %s",
+                                    count, current->needs);
+    return PyUnicode_FromFormat("the best of this build's %d variants that this CPU runs: it "
+                                "lacks %s", count, (current - 1)->needs);
+}
+
+/* VARIANT, VARIANTS (this build's, best first), VARIANT_REASON and FUSED_MULTIPLY_ADD
+ * (whether the running variant's multiply-adds round once: tests/test_bits.py's digests) */
+static int add_variant_constants(PyObject *module, int asked) {
+    int count;
+    const kv_variant *variants = kv_variants(&count), *current = kv_current_variant();
+    PyObject *names = PyTuple_New(count);
+    if (names == NULL) return -1;
+    for (int i = 0; i < count; i++) {
+        PyObject *name = PyUnicode_FromString(variants[i].kernels->name);
+        if (name == NULL) {
+            Py_DECREF(names);
+            return -1;
+        }
+        PyTuple_SET_ITEM(names, i, name);
+    }
+    int result = PyModule_AddObjectRef(module, "VARIANTS", names);
+    Py_DECREF(names);
+    if (result < 0) return -1;
+    PyObject *reason = variant_reason(asked);
+    if (reason == NULL) return -1;
+    result = PyModule_AddObjectRef(module, "VARIANT_REASON", reason);
+    Py_DECREF(reason);
+    if (result < 0 || PyModule_AddStringConstant(module, "VARIANT", current->kernels->name) < 0)
+        return -1;
+    return PyModule_AddIntConstant(module, "FUSED_MULTIPLY_ADD",
+                                   current->kernels->fused_multiply_add);
+}
+
 /* ---- bandwidth --------------------------------------------------------------------- */
 
 /* Both measurements take at most 1000 repeats (a call should end) and memory_bandwidth
@@ -274,9 +347,11 @@ static struct PyModuleDef kvlab_module = {
              "with K/V stores in host memory, or in a row store: the GPU's) and PagedSequence (a handle to one of a pool's\n"
              "sequences), the module functions below, and the constants MAX_BLOCK_SIZE,\n"
              "TOKEN_CHUNK, COUNTERS, HAS_OPENMP, FUSED_MULTIPLY_ADD (whether the kernels'\n"
-             "dot products fuse their multiply-adds: built for a CPU with FMA) and BUILD (the\n"
-             "compiler, flags and KVLAB_* options that built this module). Use the kvlab\n"
-             "package rather than this module.",
+             "dot products fuse their multiply-adds: a variant built for CPUs with FMA), BUILD\n"
+             "(the compiler, flags, kernel variants and KVLAB_* options that built this\n"
+             "module), VARIANTS (this build's kernel variants, best first), VARIANT (the one\n"
+             "that runs: the best this CPU has, or KVLAB_VARIANT's at import) and\n"
+             "VARIANT_REASON (why). Use the kvlab package rather than this module.",
     .m_size = -1,
     .m_methods = module_methods,
 };
@@ -310,15 +385,6 @@ static int add_counter_names(PyObject *module) {
 #define KV_BUILD "unknown (not built by setup.py)"
 #endif
 
-/* Whether the kernels fuse each multiply-add into one rounding (simd.h's madd, plain.c's
- * fmaf): they do where the compiler targets a CPU with FMA. Logits then differ in the
- * last bits from those of a build without, which tests/test_bits.py tells apart. */
-#ifdef __FMA__
-#define KV_FUSED_MULTIPLY_ADD 1
-#else
-#define KV_FUSED_MULTIPLY_ADD 0
-#endif
-
 PyMODINIT_FUNC PyInit__kvlab(void) {
     import_array();
     if (kv_py_fetch_errors() < 0) return NULL;
@@ -326,6 +392,8 @@ PyMODINIT_FUNC PyInit__kvlab(void) {
     const char *kernels = getenv("KVLAB_KERNELS");
     if (kernels != NULL && kernels[0] != '\0' && set_kernels_named(kernels, "KVLAB_KERNELS") < 0)
         return NULL;
+    int variant_asked = use_variant_from_environment();
+    if (variant_asked < 0) return NULL;
     if (PyType_Ready(&kv_py_cache_type) < 0 || PyType_Ready(&kv_py_model_type) < 0 ||
         PyType_Ready(&kv_py_blocks_type) < 0 || PyType_Ready(&kv_py_pool_type) < 0 || PyType_Ready(&kv_py_sequence_type) < 0)
         return NULL;
@@ -340,7 +408,7 @@ PyMODINIT_FUNC PyInit__kvlab(void) {
         PyModule_AddObjectRef(module, "PagedSequence", (PyObject *)&kv_py_sequence_type) < 0 ||
         add_counter_names(module) < 0 ||
         PyModule_AddStringConstant(module, "BUILD", KV_BUILD) < 0 ||
-        PyModule_AddIntConstant(module, "FUSED_MULTIPLY_ADD", KV_FUSED_MULTIPLY_ADD) < 0 ||
+        add_variant_constants(module, variant_asked) < 0 ||
 #ifdef _OPENMP
         PyModule_AddIntConstant(module, "HAS_OPENMP", 1) < 0
 #else

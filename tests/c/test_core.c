@@ -15,6 +15,7 @@
 
 #include "attention.h"
 #include "common.h"
+#include "dispatch.h"
 #include "kvlab.h"
 #include "ops.h"
 #include "simd.h"
@@ -57,7 +58,7 @@ static void test_ops(void) {
         float *a = random_floats(n, 1.0f), *b = random_floats(n, 1.0f);
         double want = 0;
         for (int i = 0; i < n; i++) want += (double)a[i] * b[i];
-        CHECK(fabs(kv_dot(a, b, n) - want) < 1e-5);
+        CHECK(fabs(kv_fast_dot(a, b, n) - want) < 1e-5);
         free(a);
         free(b);
     }
@@ -69,7 +70,7 @@ static void test_ops(void) {
     int exact = 1;
     for (int t = 0; t < tokens; t++)
         for (int o = 0; o < out; o++)
-            exact &= y[t * out + o] == kv_dot(w + o * in, x + t * in, in);
+            exact &= y[t * out + o] == kv_fast_dot(w + o * in, x + t * in, in);
     CHECK(exact);
     free(x); free(w); free(y);
 
@@ -334,7 +335,7 @@ static void test_tiers_small_ops(void) {
         float *a = random_floats((size_t)n + 1, 2.0f), *b = random_floats((size_t)n + 1, 2.0f);
         float *w = random_floats((size_t)n + 1, 1.0f);
         float fast[72], plain[72];
-        float d_fast = kv_dot(a, b, n), d_plain = kv_plain_dot(a, b, n);
+        float d_fast = kv_fast_dot(a, b, n), d_plain = kv_plain_dot(a, b, n);
         dot_same &= memcmp(&d_fast, &d_plain, sizeof d_fast) == 0;
         if (n > 0) {
             kv_rmsnorm(fast, a, w, n, 1e-5f);
@@ -1593,7 +1594,43 @@ static void test_model_weight_formats(void) {
     free_model(&tm);
 }
 
-int main(void) {
+/* The choice of kernel variant (dispatch.c): the core loads with the best one this CPU runs,
+ * an unknown name changes nothing, and the last variant runs anywhere. */
+static void test_dispatch(const kv_variant *loaded) {
+    int count;
+    const kv_variant *variants = kv_variants(&count), *asked = kv_current_variant();
+    CHECK(count >= 1 && variants[count - 1].cpu_has == NULL);
+    int best = 0;
+    while (variants[best].cpu_has != NULL && !variants[best].cpu_has()) best++;
+    CHECK(loaded == &variants[best]);
+    CHECK(kv_use_variant("no such variant") == KV_ERR_INVALID_ARG);
+    CHECK(kv_current_variant() == asked);
+    CHECK(kv_use_variant(NULL) == KV_OK && kv_current_variant() == &variants[best]);
+    CHECK(kv_use_variant(asked->kernels->name) == KV_OK && kv_current_variant() == asked);
+}
+
+/* The kernel variant to test, named by the first argument (a build of several variants is
+ * run once per variant, tests/c/Makefile): chosen, or skipped with a line saying why where
+ * this CPU cannot run it. Without one, the variant the core chose when it was loaded. */
+static int use_variant(int argc, char **argv) {
+    if (argc < 2) return 1;
+    int count;
+    const kv_variant *variants = kv_variants(&count);
+    for (int i = 0; i < count; i++) {
+        if (strcmp(argv[1], variants[i].kernels->name) != 0) continue;
+        if (kv_use_variant(argv[1]) == KV_OK) return 1;
+        printf("variant %s: skipped, this CPU lacks %s\n", argv[1], variants[i].needs);
+        return 0;
+    }
+    fprintf(stderr, "variant %s: this build has no such variant\n", argv[1]);
+    exit(2);
+}
+
+int main(int argc, char **argv) {
+    const kv_variant *loaded = kv_current_variant();
+    if (!use_variant(argc, argv)) return 0;
+    printf("variant %s\n", kv_current_variant()->kernels->name);
+    test_dispatch(loaded);
     test_ops();
     test_cache();
     test_pool();
