@@ -1218,14 +1218,15 @@ static void test_weight_formats(void) {
         free(scratch); free(w16); free(xs); free(ys);
     }
     /* Q8_0, Q4_0 and Q4_1 against int8 activations: the fast tier gives the plain tier's
-     * bits, for 1, 2, 3, 5 and 7 tokens (fours, pairs and a lone one) and 13 rows (four runs
-     * and a leftover); any bytes at all as codes */
+     * bits, for 1 to 9 tokens (lone ones, pairs, fours, the 512-bit tile's one to four
+     * pairs with a lone token paired with itself), 16, 17 and 50 (tiles of eight and what
+     * is left over) and 13 rows (four runs and a leftover); any bytes at all as codes */
     const kv_weight_format blocks[] = {KV_WEIGHT_Q8_0, KV_WEIGHT_Q4_0, KV_WEIGHT_Q4_1};
-    const int int8_tokens[] = {1, 2, 3, 5, 7};
+    const int int8_tokens[] = {1, 2, 3, 4, 5, 6, 7, 8, 9, 16, 17, 50};
     int in_dim = 96;
     kv_kernels before = kv_get_kernels();
     for (int f = 0; f < 3; f++)
-        for (int n = 0; n < 5; n++) {
+        for (int n = 0; n < 12; n++) {
             int n_tokens = int8_tokens[n];
             size_t row_bytes = kv_weight_row_bytes(blocks[f], in_dim);
             size_t block_bytes = kv_weight_block_bytes(blocks[f]);
