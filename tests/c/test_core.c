@@ -1440,8 +1440,24 @@ static void test_model_weight_formats(void) {
     free_model(&tm);
 }
 
+/* The compute roof: every rate measured and positive on one thread and on two, the
+ * instructions named; bad arguments refused before anything runs. */
+static void test_compute_roof(void) {
+    for (int threads = 1; threads <= 2; threads++) {
+        kv_compute_roof roof = {0};
+        CHECK(kv_measure_compute(threads, 1, &roof) == KV_OK);
+        CHECK(roof.f32_flops > 1e6 && roof.int8_ops > 1e6 && roof.int8_product_ops > 1e6);
+        CHECK(roof.f32_instruction != NULL && roof.int8_instruction != NULL);
+    }
+    kv_compute_roof roof;
+    CHECK(kv_measure_compute(0, 1, &roof) == KV_ERR_INVALID_ARG);
+    CHECK(kv_measure_compute(1, 0, &roof) == KV_ERR_INVALID_ARG);
+    CHECK(kv_measure_compute(1, 1, NULL) == KV_ERR_INVALID_ARG);
+}
+
 int main(void) {
     test_ops();
+    test_compute_roof();
     test_cache();
     test_pool();
     test_block_manager();
