@@ -127,12 +127,12 @@ static void kernel_4x1(const four_rows *f, int t, const float *x, int in_dim) {
  * make 24 running sums, with six pairs of inputs and a row in registers 31 of AVX-512's 32. */
 #define TILE_PAIRS 6
 
-/* x as kernel_4_pairs_512 reads it, two tokens at a time: pair p's chunk c (columns 8c ..
- * 8c + 7, whole chunks only) is 16 floats, token 2p's eight, then 2p + 1's; chunk after
- * chunk, pair after pair. A lone last token is paired with itself. The same floats as x:
- * made once per product, read by every row. */
-static void pack_token_pairs(const float *x, int n_tokens, int in_dim, float *packed,
-                             int first, int last) {
+/* x as kernel_4_pairs_512 reads it (kv_pack_tokens, ops.h), two tokens at a time: pair p's
+ * chunk c (columns 8c .. 8c + 7, whole chunks only) is 16 floats, token 2p's eight, then
+ * 2p + 1's; chunk after chunk, pair after pair. A lone last token is paired with itself.
+ * The same floats as x: made once per product, read by every row. */
+void kv_pack_tokens(const float *x, int n_tokens, int in_dim, float *packed, int first,
+                    int last) {
     int n_chunks = in_dim / 8;
     for (int p = first; p < last; p++) {
         const float *x0 = x + (size_t)2 * p * in_dim;
@@ -211,6 +211,11 @@ static void tile_4_rows_512(const four_rows *f, int t, int n, const float *packe
     default: kernel_4_pairs_512(f, t, n, packed, t / 2, 1, x, in_dim); break;
     }
 }
+#else
+void kv_pack_tokens(const float *x, int n_tokens, int in_dim, float *packed, int first,
+                    int last) {
+    (void)x, (void)n_tokens, (void)in_dim, (void)packed, (void)first, (void)last;
+}
 #endif
 
 /* Tokens are taken TOKEN_CHUNK (ops.h's KV_TOKEN_CHUNK, 48) at a time, so that a chunk of x
@@ -272,14 +277,25 @@ static void four_rows_block(const four_rows *f, const float *x, int first, int c
         kernel_4x1(f, t, x + (size_t)t * stride, in_dim);
 }
 
-void kv_matmul_four_rows(float *out, const float *x, const float *const rows[4], int o,
-                         int first, int chunk, int in_dim, int out_dim) {
+void kv_matmul_four_rows(float *out, const float *x, const float *packed,
+                         const float *const rows[4], int o, int first, int chunk, int in_dim,
+                         int out_dim) {
     four_rows f;
     for (int r = 0; r < 4; r++) {
         f.rows[r] = rows[r];
         f.outs[r] = out + o + r;
         f.out_strides[r] = (size_t)out_dim;
     }
+#ifdef F32_TILE_512
+    if (packed != NULL) {
+        for (int t = first, n; t < first + chunk; t += n) {
+            n = tile_tokens(first + chunk - t);
+            tile_4_rows_512(&f, t, n, packed, x, in_dim);
+        }
+        return;
+    }
+#endif
+    (void)packed;
     four_rows_block(&f, x, first, chunk, in_dim, NULL, 0);
 }
 
@@ -360,11 +376,7 @@ static void runs_of_rows(int lo, int hi, int n_matrices, float *const *outs,
     }
 }
 
-/* The memory pack_token_pairs fills for n_tokens tokens of in_dim (freed by the caller), or
- * NULL where the 512-bit tile is not built in, the tokens are too few for it (a decode step
- * of one to three sequences is bound by reading the rows), or the memory cannot be had:
- * then the products take the 4 x 3 kernels, with the same bits. */
-static float *packed_memory(int n_tokens, int in_dim) {
+float *kv_packed_tokens_alloc(int n_tokens, int in_dim) {
 #ifdef F32_TILE_512
     if (n_tokens >= 4 && in_dim >= 8)
         return kv_alloc_floats(((size_t)n_tokens + 1) / 2 * (size_t)(in_dim / 8) * 16);
@@ -376,7 +388,7 @@ static float *packed_memory(int n_tokens, int in_dim) {
 
 void kv_matmul_many(int n_matrices, float *const *outs, const float *const *ws,
                     const int *out_dims, const float *x, int n_tokens, int in_dim) {
-    float *packed = packed_memory(n_tokens, in_dim);
+    float *packed = kv_packed_tokens_alloc(n_tokens, in_dim);
     int n_blocks = 0, n_rows = 0;
     int64_t work = 0;
     for (int m = 0; m < n_matrices; m++) {
@@ -396,8 +408,8 @@ void kv_matmul_many(int n_matrices, float *const *outs, const float *const *ws,
 #ifdef F32_TILE_512
         if (packed != NULL) {   /* each thread packs a share of the pairs, all read them all */
             int n_pairs = (n_tokens + 1) / 2;
-            pack_token_pairs(x, n_tokens, in_dim, packed, kv_split(n_pairs, me, team),
-                             kv_split(n_pairs, me + 1, team));
+            kv_pack_tokens(x, n_tokens, in_dim, packed, kv_split(n_pairs, me, team),
+                           kv_split(n_pairs, me + 1, team));
             #pragma omp barrier
         }
 #endif

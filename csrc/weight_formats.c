@@ -230,9 +230,9 @@ static void convert_row(kv_weight_format format, const uint8_t *row, int in_dim,
  * batch): for each chunk of tokens, a block's four rows are made float32 in `rows` (4 *
  * in_dim floats) and go through the float32 kernel (kv_matmul_four_rows), so the rows are
  * converted once per chunk of KV_TOKEN_CHUNK tokens, not once per token. */
-static void blocks_converted(float *out, const float *x, const uint8_t *w,
-                             kv_weight_format format, int n_tokens, int in_dim, int out_dim,
-                             int lo, int hi, float *rows) {
+static void blocks_converted(float *out, const float *x, const float *packed,
+                             const uint8_t *w, kv_weight_format format, int n_tokens,
+                             int in_dim, int out_dim, int lo, int hi, float *rows) {
     size_t row_bytes = kv_weight_row_bytes(format, in_dim);
     const float *four[4] = {rows, rows + in_dim, rows + 2 * (size_t)in_dim, rows + 3 * (size_t)in_dim};
     for (int first = 0; first < n_tokens; first += KV_TOKEN_CHUNK) {
@@ -242,7 +242,7 @@ static void blocks_converted(float *out, const float *x, const uint8_t *w,
             for (int r = 0; r < n_rows; r++)
                 convert_row(format, w + (size_t)(o + r) * row_bytes, in_dim, rows + (size_t)r * in_dim);
             if (n_rows == 4) {
-                kv_matmul_four_rows(out, x, four, o, first, chunk, in_dim, out_dim);
+                kv_matmul_four_rows(out, x, packed, four, o, first, chunk, in_dim, out_dim);
                 continue;
             }
             for (int r = 0; r < n_rows; r++)   /* the last few rows, one dot product at a time */
@@ -262,19 +262,28 @@ void kv_matmul_weights(float *out, const float *x, const uint8_t *w, kv_weight_f
     /* Each thread takes a contiguous share of the rows, the same for every chunk of
      * tokens, and its own 4 * in_dim floats of scratch. */
     int n_blocks = (out_dim + 3) / 4;
+    /* x packed for ops.c's 512-bit tile where it is built (and the memory had) */
+    float *packed = n_tokens < KV_CONVERT_ONCE_TOKENS ? NULL : kv_packed_tokens_alloc(n_tokens, in_dim);
     #pragma omp parallel num_threads(n_threads) \
         if ((int64_t)n_tokens * out_dim * in_dim >= KV_PARALLEL_MIN_WORK && n_blocks > 1)
     {
         int team = omp_get_num_threads(), me = omp_get_thread_num();
+        if (packed != NULL) {   /* each thread packs a share of the pairs, all read them all */
+            int n_pairs = (n_tokens + 1) / 2;
+            kv_pack_tokens(x, n_tokens, in_dim, packed, kv_split(n_pairs, me, team),
+                           kv_split(n_pairs, me + 1, team));
+            #pragma omp barrier
+        }
         if (n_tokens < KV_CONVERT_ONCE_TOKENS) {
             rows_streamed(out, x, w, format, n_tokens, in_dim, out_dim,
                           kv_split(out_dim, me, team), kv_split(out_dim, me + 1, team));
         } else {
-            blocks_converted(out, x, w, format, n_tokens, in_dim, out_dim,
+            blocks_converted(out, x, packed, w, format, n_tokens, in_dim, out_dim,
                              kv_split(n_blocks, me, team), kv_split(n_blocks, me + 1, team),
                              scratch + (size_t)me * 4 * in_dim);
         }
     }
+    free(packed);
 }
 
 kv_status kv_weights_matmul(float *out, const float *x, const uint8_t *w,

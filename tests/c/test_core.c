@@ -1122,7 +1122,7 @@ static void test_weight_formats(void) {
     const kv_weight_format formats[] = {KV_WEIGHT_F32, KV_WEIGHT_F16, KV_WEIGHT_BF16, KV_WEIGHT_Q8_0,
                                         KV_WEIGHT_Q4_0, KV_WEIGHT_Q4_1};
     const int in_dims[] = {64, 70, 96};
-    const int token_counts[] = {1, 3, 5, 17};
+    const int token_counts[] = {1, 3, 5, 17, 50};
     int out_dim = 13;
     CHECK(kv_weight_row_bytes(KV_WEIGHT_Q8_0, 70) == 0 && kv_weight_row_bytes(KV_WEIGHT_Q8_0, 64) == 68);
     CHECK(kv_weight_row_bytes(KV_WEIGHT_BF16, 70) == 140 && kv_weight_row_bytes(KV_WEIGHT_F32, 0) == 0);
@@ -1178,7 +1178,7 @@ static void test_weight_formats(void) {
                 }
                 kv_weight_row_dequantize(formats[f], row, in_dim, values + (size_t)o * in_dim);
             }
-            for (int n = 0; n < 4; n++) {
+            for (int n = 0; n < 5; n++) {
                 int n_tokens = token_counts[n];
                 float *x = random_floats((size_t)n_tokens * in_dim, 1.0f);
                 size_t outs = (size_t)n_tokens * out_dim;
