@@ -234,13 +234,13 @@ static float int8_chains(void) {
     __m512i u = _mm512_set1_epi8(3), s = _mm512_set1_epi8(-2);
 #define DECLARE(i) __m512i a##i = _mm512_set1_epi32(i);
 #define ONE(i) a##i = _mm512_dpbusd_epi32(a##i, u, s);
-#define SUM(i) +_mm512_reduce_add_epi32(a##i)
+#define SUM(i) +(float)_mm512_reduce_add_epi32(a##i)   /* each in range; their total in float */
     CHAINS(DECLARE)
     for (int k = 0; k < ROOF_STEPS; k++) {
         CHAINS(ONE)
         OPAQUE(u);
     }
-    return (float)(0 CHAINS(SUM));
+    return 0.0f CHAINS(SUM);
 }
 #undef DECLARE
 #undef ONE

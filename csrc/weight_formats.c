@@ -780,8 +780,9 @@ static ALWAYS_INLINE void dot_rows4_int8_pairs_512(const uint8_t *const rows[4],
             if (format == KV_WEIGHT_Q4_1)   /* lane 2r + 1 of each half: m_w * (d_x * sum) */
                 m_parts[p] = _mm512_fmadd_ps(d_m2, _mm512_loadu_ps(pair + PACKED_X_PAIR), m_parts[p]);
             for (int r = 0; r < 4; r++) {
-                __m512i ints = _mm512_dpbusd_epi32(_mm512_loadu_si512(pair + PACKED_START),
-                                                   w_codes[r], x);
+                __m512i start = format == KV_WEIGHT_Q4_1 ? _mm512_setzero_si512()
+                                                          : _mm512_loadu_si512(pair + PACKED_START);
+                __m512i ints = _mm512_dpbusd_epi32(start, w_codes[r], x);
                 __m512 scale = _mm512_mul_ps(_mm512_set1_ps(heads[2 * r]), d_x);   /* d_w * d_x */
                 lanes[r][p] = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(ints), lanes[r][p]);
             }
