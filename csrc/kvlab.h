@@ -694,6 +694,21 @@ kv_status kv_measure_bandwidth(size_t n_floats, int repeats, double *read_bytes_
 kv_status kv_measure_attention_walk(int n_kv_heads, int head_dim, int context, int repeats,
                                     double *bytes_per_s, float *checksum);
 
+/* The compute roof on n_threads threads (bandwidth.c), each running the same chains of
+ * independent instructions from registers, no memory traffic: the best of `repeats`
+ * passes. Operations count a multiply and an add as two. */
+typedef struct {
+    double f32_flops;              /* the widest float32 multiply-add this build has */
+    double int8_ops;               /* the widest int8 dot-product instruction (byte products) */
+    double int8_product_ops;       /* byte products through the int8 product's own sequence:
+                                      exact sums of four, made float, scaled, multiply-added
+                                      (kv_plain_matmul_int8's spec; weight_formats.c) */
+    const char *f32_instruction;   /* what was timed, in words */
+    const char *int8_instruction;
+    float checksum;                /* what the chains summed to: keeps them computed */
+} kv_compute_roof;
+kv_status kv_measure_compute(int n_threads, int repeats, kv_compute_roof *roof);
+
 /* ---- threads ----------------------------------------------------------------------- */
 void kv_set_num_threads(int n_threads);
 int kv_get_num_threads(void);

@@ -397,7 +397,7 @@ static void test_tiers_small_ops(void) {
  * (chunks of tokens), rows longer than 1,024 (panels of columns), out_dim not a multiple
  * of 4, and in_dim not a multiple of 8; one and two threads; several matrices at once. */
 static void test_tiers_matmul(void) {
-    int tokens[] = {1, 2, 3, 5, 16, 17, 50, 97};
+    int tokens[] = {1, 2, 3, 4, 5, 12, 13, 16, 17, 50, 97};   /* 4-13: the 512-bit tile's sizes */
     int ins[] = {1, 7, 8, 19, 64, 1030};
     int outs[] = {1, 3, 4, 7, 9, 33};
     int all_same = 1, many_same = 1;
@@ -1277,7 +1277,7 @@ static void test_weight_formats(void) {
     const kv_weight_format formats[] = {KV_WEIGHT_F32, KV_WEIGHT_F16, KV_WEIGHT_BF16, KV_WEIGHT_Q8_0,
                                         KV_WEIGHT_Q4_0, KV_WEIGHT_Q4_1};
     const int in_dims[] = {64, 70, 96};
-    const int token_counts[] = {1, 3, 5, 17};
+    const int token_counts[] = {1, 3, 5, 17, 50};
     int out_dim = 13;
     CHECK(kv_weight_row_bytes(KV_WEIGHT_Q8_0, 70) == 0 && kv_weight_row_bytes(KV_WEIGHT_Q8_0, 64) == 68);
     CHECK(kv_weight_row_bytes(KV_WEIGHT_BF16, 70) == 140 && kv_weight_row_bytes(KV_WEIGHT_F32, 0) == 0);
@@ -1333,7 +1333,7 @@ static void test_weight_formats(void) {
                 }
                 kv_weight_row_dequantize(formats[f], row, in_dim, values + (size_t)o * in_dim);
             }
-            for (int n = 0; n < 4; n++) {
+            for (int n = 0; n < 5; n++) {
                 int n_tokens = token_counts[n];
                 float *x = random_floats((size_t)n_tokens * in_dim, 1.0f);
                 size_t outs = (size_t)n_tokens * out_dim;
@@ -1373,14 +1373,15 @@ static void test_weight_formats(void) {
         free(scratch); free(w16); free(xs); free(ys);
     }
     /* Q8_0, Q4_0 and Q4_1 against int8 activations: the fast tier gives the plain tier's
-     * bits, for 1, 2, 3, 5 and 7 tokens (fours, pairs and a lone one) and 13 rows (four runs
-     * and a leftover); any bytes at all as codes */
+     * bits, for 1 to 9 tokens (lone ones, pairs, fours, the 512-bit tile's one to four
+     * pairs with a lone token paired with itself), 16, 17 and 50 (tiles of eight and what
+     * is left over) and 13 rows (four runs and a leftover); any bytes at all as codes */
     const kv_weight_format blocks[] = {KV_WEIGHT_Q8_0, KV_WEIGHT_Q4_0, KV_WEIGHT_Q4_1};
-    const int int8_tokens[] = {1, 2, 3, 5, 7};
+    const int int8_tokens[] = {1, 2, 3, 4, 5, 6, 7, 8, 9, 16, 17, 50};
     int in_dim = 96;
     kv_kernels before = kv_get_kernels();
     for (int f = 0; f < 3; f++)
-        for (int n = 0; n < 5; n++) {
+        for (int n = 0; n < 12; n++) {
             int n_tokens = int8_tokens[n];
             size_t row_bytes = kv_weight_row_bytes(blocks[f], in_dim);
             size_t block_bytes = kv_weight_block_bytes(blocks[f]);
@@ -1626,12 +1627,28 @@ static int use_variant(int argc, char **argv) {
     exit(2);
 }
 
+/* The compute roof: every rate measured and positive on one thread and on two, the
+ * instructions named; bad arguments refused before anything runs. */
+static void test_compute_roof(void) {
+    for (int threads = 1; threads <= 2; threads++) {
+        kv_compute_roof roof = {0};
+        CHECK(kv_measure_compute(threads, 1, &roof) == KV_OK);
+        CHECK(roof.f32_flops > 1e6 && roof.int8_ops > 1e6 && roof.int8_product_ops > 1e6);
+        CHECK(roof.f32_instruction != NULL && roof.int8_instruction != NULL);
+    }
+    kv_compute_roof roof;
+    CHECK(kv_measure_compute(0, 1, &roof) == KV_ERR_INVALID_ARG);
+    CHECK(kv_measure_compute(1, 0, &roof) == KV_ERR_INVALID_ARG);
+    CHECK(kv_measure_compute(1, 1, NULL) == KV_ERR_INVALID_ARG);
+}
+
 int main(int argc, char **argv) {
     const kv_variant *loaded = kv_current_variant();
     if (!use_variant(argc, argv)) return 0;
     printf("variant %s\n", kv_current_variant()->kernels->name);
     test_dispatch(loaded);
     test_ops();
+    test_compute_roof();
     test_cache();
     test_pool();
     test_block_manager();
