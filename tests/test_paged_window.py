@@ -20,14 +20,24 @@ def model():
 
 @pytest.fixture(scope="module")
 def ids(model):
-    """120 token ids: through 8 rows, 14 times round a window's rows."""
-    text = ("MENENIUS: Either you must confess yourselves wondrous malicious, or be accused "
-            "of folly. I shall tell you a pretty tale: it may be you have heard it.")
-    return model.encode(text)[:120]
+    """120 token ids, a line said over and over: through 8 rows, 14 times round a window."""
+    ids = model.encode("ROMEO: But soft, what light through yonder window breaks? " * 8)[:120]
+    assert len(ids) == 120
+    return ids
 
 
 def pool_of(model, block_size, dtype="fp32", num_blocks=16):
     return model.new_paged_pool(num_blocks=num_blocks, block_size=block_size, dtype=dtype)
+
+
+def window_and_cache(model, ids, n_tokens):
+    """SlidingWindow(8) over ids[:n_tokens] in a sequence of a pool in blocks of 4 and in a
+    contiguous cache: (pool, seq, cache, policy)."""
+    pool, policy = pool_of(model, 4), SlidingWindow(8)
+    seq, cache = pool.new_sequence(), policy.new_cache(model)
+    policy.forward(model, ids[:n_tokens], seq)
+    policy.forward(model, ids[:n_tokens], cache)
+    return pool, seq, cache, policy
 
 
 def blocks_for(rows, block_size):
@@ -153,11 +163,7 @@ def test_a_fork_keeps_the_start_and_copies_a_shared_last_block_first(model, ids)
 
 
 def test_a_swapped_window_comes_back_from_row_0_and_goes_on_bit_for_bit(model, ids):
-    pool = pool_of(model, 4)
-    seq, policy = pool.new_sequence(), SlidingWindow(8)
-    cache = policy.new_cache(model)
-    policy.forward(model, ids[:30], seq)
-    policy.forward(model, ids[:30], cache)
+    pool, seq, cache, policy = window_and_cache(model, ids, 30)
     assert seq.start == 2 and len(seq.block_table) == 3
     positions = pool.positions(seq)
     host = pool.swap_out(seq)
@@ -173,11 +179,7 @@ def test_a_swapped_window_comes_back_from_row_0_and_goes_on_bit_for_bit(model, i
 def test_truncate_and_block_counts_take_the_start_in(model, ids):
     """blocks_needed counts from the sequence's start; truncate takes back its newest rows
     (the next token sees what it saw before) and, to 0, forgets the start too."""
-    pool = pool_of(model, 4)
-    seq, policy = pool.new_sequence(), SlidingWindow(8)
-    cache = policy.new_cache(model)
-    policy.forward(model, ids[:31], seq)
-    policy.forward(model, ids[:31], cache)
+    pool, seq, cache, policy = window_and_cache(model, ids, 31)
     assert seq.start == 3 and seq.length == 8 and len(seq.block_table) == 3
     for n in (1, 4, 5, 9):
         assert pool.blocks_needed(seq, n) == blocks_for(3 + 8 + n, 4) - 3
@@ -192,11 +194,7 @@ def test_truncate_and_block_counts_take_the_start_in(model, ids):
 
 
 def test_a_batch_step_reads_a_sequence_from_its_start(model, ids):
-    pool = pool_of(model, 4)
-    seq, policy = pool.new_sequence(), SlidingWindow(8)
-    cache = policy.new_cache(model)
-    policy.forward(model, ids[:29], seq)
-    policy.forward(model, ids[:29], cache)
+    pool, seq, cache, policy = window_and_cache(model, ids, 29)
     assert seq.start == 1
     rows = np.ascontiguousarray(policy.keep(cache, 7))
     cache.keep(rows)
