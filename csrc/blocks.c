@@ -498,16 +498,14 @@ kv_status kv_blocks_cancel(kv_blocks *p, int seq) {
     return KV_OK;
 }
 
-/* Drops seq's first `first` rows without moving any: its start moves past them, and the
- * blocks before the block that then holds its row 0 go back to the pool. */
-static void drop_front(kv_blocks *p, kv_seq *q, int first) {
-    int at = row_at(q, first), gone = at / p->block_size;
-    if (first == q->length) gone = q->n_blocks;     /* no row left: no block either */
+/* Releases the blocks of q wholly before its start (as the start just moved, maybe past
+ * several): its first block is then the one that holds its row 0. */
+static void release_front(kv_blocks *p, kv_seq *q) {
+    int gone = q->start / p->block_size;
     for (int i = gone - 1; i >= 0; i--) release_block(p, q->block_table[i]);
     memmove(q->block_table, q->block_table + gone, (size_t)(q->n_blocks - gone) * sizeof(int32_t));
     q->n_blocks -= gone;
-    q->length -= first;
-    q->start = q->length == 0 ? 0 : at % p->block_size;
+    q->start %= p->block_size;
 }
 
 kv_status kv_blocks_drop_rows(kv_blocks *p, int seq, int first, int n_keep) {
@@ -515,7 +513,7 @@ kv_status kv_blocks_drop_rows(kv_blocks *p, int seq, int first, int n_keep) {
     if (status != KV_OK) return status;
     kv_seq *q = &p->seqs[seq];
     if (q->reserved > 0) return KV_ERR_PENDING;
-    if (first < 0 || n_keep < 0 || n_keep > q->length - first) return KV_ERR_INVALID_ARG;
+    if (first < -q->start || n_keep < 0 || n_keep > q->length - first) return KV_ERR_INVALID_ARG;
     for (int i = 0; i < q->n_blocks; i++)
         if (p->ref_count[q->block_table[i]] != 1) return KV_ERR_INVALID_ARG;
     /* Its rows no longer follow its tokens: no block of it may be found by them, nor any
@@ -526,8 +524,10 @@ kv_status kv_blocks_drop_rows(kv_blocks *p, int seq, int first, int n_keep) {
         p->generation[b]++;
     }
     int next_position = q->next_position;
-    kv_blocks_truncate(p, seq, first + n_keep);     /* cannot fail: checked above */
-    drop_front(p, q, first);
+    q->start += first;          /* row 0 is now the first kept row: no row moves */
+    q->length -= first;
+    kv_blocks_truncate(p, seq, n_keep);     /* the rows after the kept ones (checked above) */
+    release_front(p, q);
     q->next_position = next_position;
     q->compacted = 1;
     return KV_OK;

@@ -391,11 +391,12 @@ kv_status kv_blocks_cancel(kv_blocks *blocks, int seq);
  * speculative decoding's refused drafts. */
 kv_status kv_blocks_truncate(kv_blocks *blocks, int seq, int length);
 /* After the pool moved the rows seq keeps to rows first .. first + n_keep - 1
- * (kv_pool_keep): the rows before them are dropped by moving the sequence's start past
- * them (whole blocks that fall out before it are released; none of its rows moves), the rows
- * after them are forgotten (blocks past the new end released), its blocks leave the prefix
- * cache, and next_position stays. KV_ERR_INVALID_ARG, changing nothing, if a block of seq
- * is shared (its rows are others' too) or first and n_keep do not fit in [0, length]. */
+ * (kv_pool_keep; first from -start: rows of its first block before its start count too):
+ * they become its rows 0 .. n_keep - 1 without moving, its start moving to the first of
+ * them (whole blocks that fall out before it are released), the rows after them
+ * are forgotten (blocks past the new end released), its blocks leave the prefix cache,
+ * and next_position stays. KV_ERR_INVALID_ARG, changing nothing, if a block of seq is
+ * shared (its rows are others' too) or first and n_keep do not fit. */
 kv_status kv_blocks_drop_rows(kv_blocks *blocks, int seq, int first, int n_keep);
 /* Starts (1) or stops (0) recording events; stopping drops the ones not taken. */
 void kv_blocks_record_events(kv_blocks *blocks, int on);

@@ -192,6 +192,17 @@ static kv_status keep_allowed(const kv_pool *pool, int seq, int n_keep, const in
     return KV_OK;
 }
 
+/* Whether q, its rows to become n_keep rows from row `at` of its first block (counting
+ * its blocks from there: the ones before go back), could then take one more row: the
+ * blocks that would take are in its table and, beyond those it holds now, in the pool. A
+ * start costs up to one block, which a pool or table sized for the rows alone lacks. */
+static int room_for_next_row(const kv_blocks *blocks, const kv_seq *q, int at, int n_keep) {
+    int bs = blocks->block_size;
+    int64_t needed = kv_ceil_div((int64_t)at % bs + n_keep + 1, bs);
+    return needed <= blocks->max_blocks_per_seq &&
+           needed <= (int64_t)q->n_blocks + kv_blocks_available(blocks);
+}
+
 kv_status kv_pool_keep(kv_pool *pool, int seq, int n_keep, const int32_t *rows) {
     kv_status status = keep_allowed(pool, seq, n_keep, rows);
     if (status != KV_OK) return status;
@@ -210,22 +221,28 @@ kv_status kv_pool_keep(kv_pool *pool, int seq, int n_keep, const int32_t *rows) 
                     pool->positions[position_index(pool, layer, head, kv_view_slot(&view, row))] = row;
         }
     }
-    /* As kv_cache_keep: kept row i becomes row i + turn, and the sequence's start then moves
-     * past the first `turn` rows (kv_blocks_drop_rows). turn 0: rows only move towards the
-     * front, from a row at or after their own, so front to back none is overwritten before
-     * it is read; turn = every dropped row: only towards the back, so back to front. */
-    int turn = kv_rows_turn(rows, pool->n_layers, n_keep, n_heads, q->length);
+    /* As kv_cache_keep: kept row i becomes row i + shift, and the sequence's start then moves
+     * to row `shift` (kv_blocks_drop_rows), shift the turn that moves fewest rows, or, where
+     * the start that leaves would cost a block for the next row that the pool or the table
+     * lacks and row 0 of its first block would not, minus the start: every row to the
+     * front of its first block, as before there was a start. shift <= 0: rows only move towards the front, from a row at or after their
+     * own, so front to back none is overwritten before it is read; shift > 0 (every dropped
+     * row): only towards the back, so back to front. */
+    int shift = kv_rows_turn(rows, pool->n_layers, n_keep, n_heads, q->length);
+    if (!room_for_next_row(&pool->blocks, q, q->start + shift, n_keep) &&
+        room_for_next_row(&pool->blocks, q, 0, n_keep))
+        shift = -q->start;
     for (int layer = 0; layer < pool->n_layers; layer++) {
         kv_layer_view view = kv_pool_layer_view(pool, seq, layer);
         for (int head = 0; head < n_heads; head++)
             for (int k = 0; k < n_keep; k++) {
-                int i = turn == 0 ? k : n_keep - 1 - k;
-                if (KEPT(layer, i, head) != i + turn)
-                    move_row(pool, &view, head, i + turn, KEPT(layer, i, head));
+                int i = shift <= 0 ? k : n_keep - 1 - k;
+                if (KEPT(layer, i, head) != i + shift)
+                    move_row(pool, &view, head, i + shift, KEPT(layer, i, head));
             }
     }
 #undef KEPT
-    return kv_blocks_drop_rows(&pool->blocks, seq, turn, n_keep);   /* cannot fail: checked */
+    return kv_blocks_drop_rows(&pool->blocks, seq, shift, n_keep);   /* cannot fail: checked */
 }
 
 /* ---- moving rows: in host memory, or by the row store ------------------------------- */

@@ -134,6 +134,22 @@ def test_the_first_block_goes_back_when_the_start_reaches_its_end(model, ids):
     pool.check()
 
 
+@pytest.mark.parametrize("room", [dict(num_blocks=16, max_blocks_per_seq=2),
+                                  dict(num_blocks=2)], ids=["table", "pool"])
+def test_with_no_block_to_spare_keep_moves_the_rows_to_the_front(model, ids, room):
+    """A start costs up to a block more than the rows take (8 rows from row 1 of blocks of
+    4 take 3 blocks). Where the table or the pool holds only the 2 blocks the window's rows
+    take, keep moves them to the front of the first block, as before there was a start, and
+    the window runs as in a cache, token after token."""
+    policy = SlidingWindow(8)
+    cache, seq = policy.new_cache(model), model.new_paged_pool(block_size=4, **room).new_sequence()
+    for token in ids[:30]:
+        np.testing.assert_array_equal(policy.forward(model, [token], seq),
+                                      policy.forward(model, [token], cache))
+        assert seq.start == 0 and len(seq.block_table) <= 2
+    seq.pool.check()
+
+
 def window_then_grow(model, ids, n):
     """The logits of ids[30:30 + n] after a window of 8 over ids[:30], the cache then
     growing past 8 rows: a KVCache with room for them."""

@@ -1304,7 +1304,7 @@ static void test_pool_start_books(void) {
     kv_pool pool;
     char message[256];
     int seq, child, needed, back;
-    int32_t tokens[16] = {0}, rows[L * 4 * H];
+    int32_t tokens[16] = {0}, rows[L * 8 * H];
     float got[2][12 * ROW], want[2][12 * ROW];
     CHECK(kv_pool_init(&pool, L, H, D, 12, 4, 4, 6, NULL) == KV_OK);
     CHECK(kv_blocks_seq_new(&pool.blocks, &seq) == KV_OK);
@@ -1380,6 +1380,10 @@ static void test_pool_start_books(void) {
     CHECK(kv_blocks_drop_rows(&pool.blocks, back, 3, 2) == KV_ERR_INVALID_ARG);
     CHECK(kv_blocks_drop_rows(&pool.blocks, back, 1, 2) == KV_OK && b->start == 1 && b->length == 2);
     CHECK(kv_blocks_check(&pool.blocks, message, sizeof message) == KV_OK);
+    CHECK(kv_blocks_drop_rows(&pool.blocks, back, -2, 2) == KV_ERR_INVALID_ARG);  /* before row 0 */
+    CHECK(kv_blocks_drop_rows(&pool.blocks, back, -1, 3) == KV_OK && b->start == 0 && b->length == 3);
+    CHECK(kv_blocks_drop_rows(&pool.blocks, back, 1, 2) == KV_OK && b->start == 1 && b->length == 2);
+    CHECK(kv_blocks_check(&pool.blocks, message, sizeof message) == KV_OK);
     kv_seq *broken = &pool.blocks.seqs[back];
     broken->start = 4;                                         /* past its block's end */
     CHECK(kv_blocks_check(&pool.blocks, message, sizeof message) == KV_ERR_CORRUPT);
@@ -1391,6 +1395,22 @@ static void test_pool_start_books(void) {
     CHECK(b->next_position == 13 && b->compacted);
     CHECK(kv_blocks_check(&pool.blocks, message, sizeof message) == KV_OK);
     CHECK(kv_blocks_available(&pool.blocks) == 12);
+    kv_pool_free(&pool);
+    /* a table of 2 blocks of 4: a window of 8 has no block to spare for a start, so its
+     * rows move to the front of its first block instead, as before there was a start */
+    CHECK(kv_pool_init(&pool, L, H, D, 12, 4, 4, 2, NULL) == KV_OK);
+    CHECK(kv_blocks_seq_new(&pool.blocks, &seq) == KV_OK);
+    q = &pool.blocks.seqs[seq];
+    append_rows(&pool, seq, tokens, 8, KV_OK);
+    CHECK(kv_pool_gather(&pool, seq, want[0], want[1]) == KV_OK);
+    sinks_and_newest(rows, L, H, 0, 7, 8);
+    CHECK(kv_pool_keep(&pool, seq, 7, rows) == KV_OK && q->start == 0 && q->n_blocks == 2);
+    CHECK(kv_pool_gather(&pool, seq, got[0], got[1]) == KV_OK);
+    for (int layer = 0; layer < L; layer++)
+        CHECK(memcmp(got[0] + (size_t)layer * 7 * H * D, want[0] + ((size_t)layer * 8 + 1) * H * D,
+                     sizeof(float) * 7 * H * D) == 0);
+    append_rows(&pool, seq, tokens, 1, KV_OK);
+    CHECK(kv_blocks_check(&pool.blocks, message, sizeof message) == KV_OK);
     kv_pool_free(&pool);
 }
 
