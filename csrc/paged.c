@@ -192,10 +192,10 @@ static kv_status keep_allowed(const kv_pool *pool, int seq, int n_keep, const in
     return KV_OK;
 }
 
-/* Whether q, its rows to become n_keep rows from row `at` of its first block (counting
- * its blocks from there: the ones before go back), could then take one more row: the
- * blocks that would take are in its table and, beyond those it holds now, in the pool. A
- * start costs up to one block, which a pool or table sized for the rows alone lacks. */
+/* Whether q, its rows become n_keep rows from row `at` of its first block (the blocks
+ * before that one gone back), could then take one more row: the blocks it would hold fit
+ * its table, and those beyond the ones it holds now are free or cached in the pool. A
+ * start costs up to one block, which a table or pool sized for the rows alone lacks. */
 static int room_for_next_row(const kv_blocks *blocks, const kv_seq *q, int at, int n_keep) {
     int bs = blocks->block_size;
     int64_t needed = kv_ceil_div((int64_t)at % bs + n_keep + 1, bs);
@@ -222,12 +222,12 @@ kv_status kv_pool_keep(kv_pool *pool, int seq, int n_keep, const int32_t *rows) 
         }
     }
     /* As kv_cache_keep: kept row i becomes row i + shift, and the sequence's start then moves
-     * to row `shift` (kv_blocks_drop_rows), shift the turn that moves fewest rows, or, where
-     * the start that leaves would cost a block for the next row that the pool or the table
-     * lacks and row 0 of its first block would not, minus the start: every row to the
-     * front of its first block, as before there was a start. shift <= 0: rows only move towards the front, from a row at or after their
-     * own, so front to back none is overwritten before it is read; shift > 0 (every dropped
-     * row): only towards the back, so back to front. */
+     * to row `shift` (kv_blocks_drop_rows). shift is the turn that moves fewest rows, or
+     * minus the start, every row going to the front of the first block as before there was
+     * a start, where the turn's start would cost a block for the next row that the table
+     * or the pool lacks and the front would not. shift <= 0: rows only move towards the
+     * front, from a row at or after their own, so front to back none is overwritten before
+     * it is read; shift > 0 (every dropped row): only towards the back, so back to front. */
     int shift = kv_rows_turn(rows, pool->n_layers, n_keep, n_heads, q->length);
     if (!room_for_next_row(&pool->blocks, q, q->start + shift, n_keep) &&
         room_for_next_row(&pool->blocks, q, 0, n_keep))
