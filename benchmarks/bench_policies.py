@@ -26,7 +26,7 @@ time, and what they cost in accuracy, measured side by side with the full cache.
    the same W rows, on llama2.c's stories110M shape (random weights, W = 2,048: 151 MB of
    fp32 K and V), in CPU seconds on one thread, alternating, the median of each and the
    median of the rounds' ratios (issue 37's target: window / full <= 1.1); the same in a CPU
-   paged pool, whose keep still moves every kept row.
+   paged pool, whose keep moves the sequence's start past the dropped row (no row moves).
 
     python benchmarks/bench_policies.py [--quick] [--full-max 4096] [--json out.json]
     python benchmarks/bench_policies.py --sections 5      # only the window's cost (about 1 min)
@@ -421,7 +421,7 @@ def print_window_cost(cost: dict) -> None:
         print(f"{name:<11} full {1e3 * r['full_median_seconds']:6.1f} ms, window "
               f"{1e3 * r['window_median_seconds']:6.1f} ms: window / full "
               f"{r['window_over_full']:.3f} (rounds {low:.3f} .. {high:.3f})")
-    print("(issue 37's target, the KVCache: window / full <= 1.1)")
+    print("(issue 37's target: window / full <= 1.1)")
 
 
 def parse_arguments():

@@ -152,16 +152,8 @@ static void move_row(kv_cache *cache, int layer, int head, int to, int from) {
  * turned by all, it moves none. Attention sinks keep a few first rows and the newest: the
  * few move. */
 static int ring_turn(const kv_cache *cache, int n_keep, const int32_t *rows) {
-    int n_heads = cache->n_kv_heads, dropped = cache->length - n_keep;
-    int64_t stay_if_none = 0, stay_if_all = 0;
-    for (int layer = 0; layer < cache->n_layers; layer++)
-        for (int i = 0; i < n_keep; i++)
-            for (int head = 0; head < n_heads; head++) {
-                int row = rows[((size_t)layer * n_keep + i) * n_heads + head];
-                stay_if_none += row == i;
-                stay_if_all += row == i + dropped;
-            }
-    return stay_if_all > stay_if_none ? dropped : 0;
+    /* (the paged pool's keep chooses the same way: store.c) */
+    return kv_rows_turn(rows, cache->n_layers, n_keep, cache->n_kv_heads, cache->length);
 }
 
 kv_status kv_cache_keep(kv_cache *cache, int n_keep, const int32_t *rows) {

@@ -260,10 +260,14 @@ kv_status kv_cache_attend(const kv_cache *cache, int layer, const float *q, int 
 
 /* ---- paged KV cache --------------------------------------------------------------- */
 
-/* One sequence of a paged pool: which blocks hold its positions, in order. */
+/* One sequence of a paged pool: which blocks hold its rows, in order. Row i is row
+ * (start + i) % block_size of block block_table[(start + i) / block_size]. */
 typedef struct {
     int32_t *block_table;  /* (max_blocks_per_seq,) physical block ids; first n_blocks valid */
     int n_blocks;
+    int start;             /* rows of its first block before its row 0: the rows dropped from
+                              its front (kv_pool_keep) since that block was its first; 0 unless
+                              compacted, below block_size, and 0 when it holds no row */
     int length;            /* positions filled */
     int reserved;          /* positions reserved past length and not committed yet (0: none) */
     int next_position;     /* position of the next token (RoPE's angle): length, plus every
@@ -386,11 +390,14 @@ kv_status kv_blocks_cancel(kv_blocks *blocks, int seq);
  * leaves the prefix cache, since its rows past the cut will be overwritten. Rollback of
  * speculative decoding's refused drafts. */
 kv_status kv_blocks_truncate(kv_blocks *blocks, int seq, int length);
-/* After the pool moved the rows seq keeps to its first n_keep rows (kv_pool_keep): the
- * rows past them are forgotten (blocks past the new end released), its blocks leave the
- * prefix cache, and next_position stays. KV_ERR_INVALID_ARG, changing nothing, if a block
- * of seq is shared (its rows are others' too) or n_keep is not in [0, length]. */
-kv_status kv_blocks_drop_rows(kv_blocks *blocks, int seq, int n_keep);
+/* After the pool moved the rows seq keeps to rows first .. first + n_keep - 1
+ * (kv_pool_keep; first from -start: rows of its first block before its start count too):
+ * they become its rows 0 .. n_keep - 1 without moving, its start moving to the first of
+ * them (whole blocks that fall out before it are released), the rows after them
+ * are forgotten (blocks past the new end released), its blocks leave the prefix cache,
+ * and next_position stays. KV_ERR_INVALID_ARG, changing nothing, if a block of seq is
+ * shared (its rows are others' too) or first and n_keep do not fit. */
+kv_status kv_blocks_drop_rows(kv_blocks *blocks, int seq, int first, int n_keep);
 /* Starts (1) or stops (0) recording events; stopping drops the ones not taken. */
 void kv_blocks_record_events(kv_blocks *blocks, int on);
 /* Verifies every invariant; on failure writes what broke into message. */
@@ -481,9 +488,14 @@ kv_status kv_pool_seq_fork(kv_pool *pool, int seq, int *child);
  * has (the window's full-precision rows before the cut are gone), as a contiguous cache.
  * After a sequence dropped rows, only rows holding its newest positions can be cut. */
 kv_status kv_pool_truncate(kv_pool *pool, int seq, int length);
-/* kv_cache_keep for one sequence of the pool: its kept rows move to its first n_keep rows
- * (per layer and KV head), the blocks past them are released, next_position stays, and
- * from then on its blocks are not offered to the prefix cache. Refused, changing nothing:
+/* kv_cache_keep for one sequence of the pool: its kept rows become its rows 0 .. n_keep - 1
+ * (per layer and KV head), the blocks that no longer hold a row are released,
+ * next_position stays, and from then on its blocks are not offered to the prefix cache.
+ * Few rows move, as in kv_cache_keep: where that leaves more rows in place, the sequence's
+ * start moves past the dropped rows (seq.start, a whole block at a time released from its
+ * front) and only kept rows before the last dropped one move, to just before the rest (a
+ * sliding window moves none; attention sinks move their few); else the kept rows move to
+ * the front. Refused, changing nothing:
  * a pool with a residual window, a pending reservation (KV_ERR_PENDING), a block the
  * sequence shares with another (its rows are the other's too: KV_ERR_INVALID_ARG). */
 kv_status kv_pool_keep(kv_pool *pool, int seq, int n_keep, const int32_t *rows);
@@ -537,7 +549,8 @@ kv_status kv_pool_swap_size(const kv_pool *pool, int seq, size_t *size);
  * do. On any refusal nothing changes. */
 kv_status kv_pool_swap_out(kv_pool *pool, int seq, void *host, size_t size);
 /* A new sequence *seq holding what host holds (kv_pool_swap_out of a pool of the same
- * shape and formats: any block size), in fresh blocks: the same rows bit for bit, tokens,
+ * shape and formats: any block size), in fresh blocks from their first row (start 0: rows
+ * dropped from its front before the swap take no room): the same rows bit for bit, tokens,
  * length, next position, positions and window rows, so that its next forward calls give
  * the logits they would have given before the swap. Its full blocks join the prefix cache
  * as a prefill's do. The host buffer is only read: it may be swapped in again. Refused,

@@ -228,6 +228,19 @@ int kv_rows_to_keep_valid(const int32_t *rows, int n_layers, int n_keep, int n_k
     return 1;
 }
 
+int kv_rows_turn(const int32_t *rows, int n_layers, int n_keep, int n_kv_heads, int length) {
+    int dropped = length - n_keep;
+    int64_t stay_if_none = 0, stay_if_all = 0;
+    for (int layer = 0; layer < n_layers; layer++)
+        for (int i = 0; i < n_keep; i++)
+            for (int head = 0; head < n_kv_heads; head++) {
+                int row = rows[((size_t)layer * n_keep + i) * n_kv_heads + head];
+                stay_if_none += row == i;
+                stay_if_all += row == i + dropped;
+            }
+    return stay_if_all > stay_if_none ? dropped : 0;
+}
+
 void kv_window_keep(float *ring, int window, int kv_dim, int first_pos, const float *rows,
                     size_t row_stride, int n_tokens) {
     if (window <= 0) return;

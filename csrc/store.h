@@ -73,6 +73,15 @@ size_t kv_store_widest(const kv_store *store);
 int kv_rows_to_keep_valid(const int32_t *rows, int n_layers, int n_keep, int n_kv_heads,
                           int length);
 
+/* Where the kept rows go, for as few of them as possible to move: kept row i becomes row
+ * i + turn, and the rows before `turn` are dropped (a contiguous cache's ring turns past
+ * them, a paged sequence's first row moves past them). turn is 0, the kept rows moving to
+ * the front, or every dropped row (length - n_keep), the kept rows moving to the back,
+ * whichever leaves more of them where they are. A sliding window keeps the newest rows:
+ * turned by all, none moves. Attention sinks keep a few first rows and the newest: the few
+ * move. rows as kv_rows_to_keep_valid takes them, valid. */
+int kv_rows_turn(const int32_t *rows, int n_layers, int n_keep, int n_kv_heads, int length);
+
 /* The residual window keeps full-precision rows of a sequence's last `window` positions
  * in a ring of `window` rows per layer: position pos lives in row pos % window. */
 static inline float *kv_window_row(float *ring, int window, int kv_dim, int pos) {
