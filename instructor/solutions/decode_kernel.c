@@ -3,7 +3,7 @@
  *
  * The plain tier's order, kept exactly: positions in tiles of 16 counted from position 0;
  * each score a dot product of eight fused multiply-add lanes added pairwise, times
- * 1 / sqrt(head_dim); each tile's online-softmax step; the values added in, a fused
+ * the view's scale; each tile's online-softmax step; the values added in, a fused
  * multiply-add per value and row in position order; one division at the end. What makes
  * it fast, none of which changes a bit:
  *   - the kv_mul query heads of a KV head are done together, so each row is read from
@@ -269,7 +269,7 @@ static void scale_rows(float *rows, float by, int n) {
 static void attend_group(float *outputs, const float *queries, const kv_cache_view *view,
                          int g, int kv_mul) {
     int head_dim = view->head_dim, group = view->group;
-    float scale = 1.0f / sqrtf((float)head_dim);
+    float scale = view->scale;
     float weights[MAX_KV_MUL][TILE], running_max[MAX_KV_MUL], running_sum[MAX_KV_MUL];
     tile_rows keys, values, next_keys, next_values;
     for (int m = 0; m < kv_mul; m++) {

@@ -197,8 +197,9 @@ class Judge:
         self.folder = Path(tempfile.mkdtemp(prefix="kvlab-judge-"))
         os.chmod(self.folder, 0o755)
         copy = self.folder / "code" / f"{self.lab.name}{self.lab.suffix}"
-        copy.parent.mkdir()
-        os.chmod(copy.parent, 0o755)
+        for folder in (copy.parent, self.folder / "handouts"):     # testkit.handout_file's
+            folder.mkdir()
+            os.chmod(folder, 0o755)
         copy.write_text(source, encoding="utf-8")      # the text the check read, as UTF-8
         os.chmod(copy, 0o644)
         if self.lab.language == "c":      # the grader's own header and harness, not the student's
@@ -225,6 +226,7 @@ class Judge:
         except OSError as error:            # no process to be had (a limit reached, say)
             raise NotImported(f"the grader could not start a process for your code ({error})") from None
         session = Session(worker, deadline, LentFunctions(self.lab.kvlab) if self.lab.kvlab else None)
+        session.handouts = self.folder / "handouts"
         c_lab = self.lab.language == "c"
         try:
             session.ask({"op": "load_library", "library": str(copy.with_suffix(".so")),

@@ -40,12 +40,15 @@ typedef struct {
     int n_kv_heads;
     int head_dim;               /* a multiple of 8, 8 .. 256 */
     int group;                  /* values per scale: a multiple of 8 that divides head_dim */
+    float scale;                /* the softmax's scale: a score is (q . k) * scale (a plain
+                                   model's is 1 / sqrt(head_dim); the grader draws others) */
 } kv_cache_view;
 
 /* The lab: one decode step's attention. out and q are (n_heads, head_dim), n_heads a
- * multiple of view->n_kv_heads; query head h reads KV head h / (n_heads / n_kv_heads) and
- * attends over every position of the view. The result must equal kvlab's plain tier bit
- * for bit (README.md says what that takes). The kernel may use up to n_threads threads. */
+ * multiple of view->n_kv_heads, at most 32 times it; query head h reads KV head
+ * h / (n_heads / n_kv_heads) and attends over every position of the view. The result must
+ * equal kvlab's plain tier bit for bit (README.md says what that takes). The kernel may use
+ * up to n_threads threads. */
 void decode_attention(float *out, const float *q, const kv_cache_view *view, int n_heads,
                       int n_threads);
 

@@ -25,7 +25,7 @@ class View(ctypes.Structure):
                 ("value_codes", ctypes.c_void_p), ("value_scales", ctypes.c_void_p),
                 ("block_table", ctypes.c_void_p), ("length", ctypes.c_int),
                 ("block_size", ctypes.c_int), ("n_kv_heads", ctypes.c_int),
-                ("head_dim", ctypes.c_int), ("group", ctypes.c_int)]
+                ("head_dim", ctypes.c_int), ("group", ctypes.c_int), ("scale", ctypes.c_float)]
 
 
 class NotInYourFile(AttributeError):
@@ -77,7 +77,13 @@ class Pool:
         target[first_block:first_block + len(blocks)] = blocks
         return None
 
-    def view(self, block_table, length):
+    def load(self, name, path):
+        """The array `name` whole, from a .npy file the judge handed over (kvlab's
+        testkit.handout_file): a pool is too large to send as a value in good time."""
+        self.put(name, 0, np.load(path, allow_pickle=False))
+        return None
+
+    def view(self, block_table, length, scale):
         a = self.arrays
         table = _array(block_table, np.int32, 1, "block_table")
         block_size = a["key_codes"].shape[2]
@@ -87,16 +93,16 @@ class Pool:
         view = View(a["key_codes"].ctypes.data, a["key_scales"].ctypes.data,
                     a["value_codes"].ctypes.data, a["value_scales"].ctypes.data,
                     table.ctypes.data, int(length), block_size, a["key_codes"].shape[1],
-                    a["key_codes"].shape[3], self.group)
+                    a["key_codes"].shape[3], self.group, float(scale))
         return view, table          # the table must outlive the call
 
-    def attend(self, q, block_table, length, n_threads):
+    def attend(self, q, block_table, length, scale, n_threads):
         """decode_attention of q (n_heads, head_dim) over the sequence the table names."""
         q = _array(q, np.float32, 2, "q")
         n_kv_heads, head_dim = self.arrays["key_codes"].shape[1], self.arrays["key_codes"].shape[3]
         if q.shape[1] != head_dim or q.shape[0] % n_kv_heads or q.shape[0] // n_kv_heads > MAX_KV_MUL:
             raise ValueError(f"q of shape {q.shape} for {n_kv_heads} KV heads of {head_dim}")
-        view, table = self.view(block_table, length)
+        view, table = self.view(block_table, length, scale)
         out = np.full_like(q, np.nan)
         library = _library
         flag = ctypes.c_int.in_dll(library, "decode_kernel_not_written")
@@ -107,21 +113,21 @@ class Pool:
             raise NotImplementedError("decode_attention")
         return out
 
-    def chain(self, q, q_base, block_table, length, n_runs, n_threads):
+    def chain(self, q, q_base, block_table, length, scale, n_runs, n_threads):
         """n_runs calls, each one's query q_base + the output before (the first's q): no
         call can start before the one before it has ended, nor skip it. All the outputs,
         (n_runs, n_heads, head_dim), for the judge to check."""
         q_base = _array(q_base, np.float32, 2, "q_base")
         outputs = []
         for _ in range(int(n_runs)):
-            out = self.attend(q, block_table, length, n_threads)
+            out = self.attend(q, block_table, length, scale, n_threads)
             outputs.append(out)
             q = q_base + out
         return np.stack(outputs)
 
 
 def decode_attention(q, key_codes, key_scales, value_codes, value_scales, block_table, length,
-                     n_threads=1):
+                     scale, n_threads=1):
     """One call on a pool given whole: (num_blocks, n_kv_heads, block_size, head_dim) codes
     and (num_blocks, n_kv_heads, block_size, head_dim / group) scales."""
     key_codes = _array(key_codes, np.int8, 4, "key_codes")
@@ -134,4 +140,4 @@ def decode_attention(q, key_codes, key_scales, value_codes, value_scales, block_
     for name, array in (("key_codes", key_codes), ("key_scales", key_scales),
                         ("value_codes", value_codes), ("value_scales", value_scales)):
         pool.put(name, 0, array)
-    return pool.attend(q, block_table, length, n_threads)
+    return pool.attend(q, block_table, length, scale, n_threads)
