@@ -558,3 +558,67 @@ def test_the_c_lab_builds_with_kvlabs_own_flags():
     assert "-ffp-contract=off" in cbuild.kit_flags("an unreadable record")     # kvlab's defaults
     mac = built.replace("-fopenmp", "-Xpreprocessor -fopenmp -I/opt/homebrew/opt/libomp/include")
     assert cbuild.kit_flags(mac)[-2:] == ["-L/opt/homebrew/opt/libomp/lib", "-lomp"]
+
+
+def test_the_judges_probe_runs_while_every_thread_of_the_c_code_is_stopped(tmp_path):
+    """The kernel lab's bandwidth probe runs inside process.paused(): a thread the library
+    starts at load (past the source check, through .init_array) to slow the probe down,
+    and so make its kernel's share look larger, marks the time every 5 ms, and leaves no
+    mark inside the paused window."""
+    marks = tmp_path / "marks"
+    window = tmp_path / "window"
+    tests = tmp_path / "c_tests.py"
+    tests.write_text(f'''
+import time
+from kvlab.grading.kernel_cases import make_case
+from kvlab.grading.process import paused
+from kvlab.grading.testkit import points
+
+
+@points(1)
+def test_paused(sub, rng):
+    """the library's thread is stopped while the judge measures"""
+    case = make_case(rng, 1, 1, 8, 5, 16)
+    sub.decode_attention(*case.arguments())
+    time.sleep(0.3)
+    with paused() as stopped:
+        assert stopped
+        started = time.time()
+        time.sleep(0.5)
+        ended = time.time()
+    time.sleep(0.3)
+    with open({str(window)!r}, "w") as f:
+        f.write(f"{{started}} {{ended}}")
+''')
+    solution = (INSTRUCTOR / "solutions" / "decode_kernel.c").read_text()
+    submission = tmp_path / "decode_kernel.c"
+    submission.write_text(solution.replace('#include "decode_kernel.h"', f'''
+#include "decode_kernel.h"
+#include <pthread.h>
+#include <stdio.h>
+#include <time.h>
+static void *hog(void *unused) {{
+    for (;;) {{
+        struct timespec now, pause = {{0, 5000000}};
+        clock_gettime(CLOCK_REALTIME, &now);
+        FILE *f = fopen("{marks}", "a");
+        if (f) {{ fprintf(f, "%.6f\\n", now.tv_sec + now.tv_nsec * 1e-9); fclose(f); }}
+        nanosleep(&pause, NULL);
+    }}
+    return unused;
+}}
+static void start_hog(void) {{
+    pthread_t thread;
+    pthread_create(&thread, NULL, hog, NULL);
+}}
+__attribute__((section(".init_array"), used)) static void (*run_start_hog)(void) = start_hog;
+''', 1))
+    from kvlab.grading import grade
+    report = grade("decode_kernel", submission, tests=tests, seed=1)
+    assert report.score == 1, report.summary()
+    started, ended = (float(x) for x in window.read_text().split())
+    times = [float(x) for x in marks.read_text().split()]
+    assert sum(t < started for t in times) > 20 and sum(t > ended for t in times) > 20, \
+        "the thread did not run around the window: the test proves nothing"
+    inside = [t for t in times if started + 0.02 < t < ended - 0.02]
+    assert not inside, f"{len(inside)} marks while the judge's probe would run"

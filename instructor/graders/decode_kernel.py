@@ -118,9 +118,9 @@ def test_a_long_context_on_several_threads(sub, rng):
 
 @points(1)
 def test_rows_of_very_different_sizes(sub, rng):
-    """rows whose scales span six powers of ten: scores far apart, the softmax's max matters"""
+    """rows whose scales span two powers of ten: scores tens apart, far from 0"""
     case = make_case(rng, 2, 1, 64, int(rng.integers(4, 20)) * 16 + int(rng.integers(1, 16)), 16,
-                     spread=6.0, q_scale=8.0, scale_dim=scale_dim(rng, 64, 64))
+                     spread=2.0, q_scale=3.0, scale_dim=scale_dim(rng, 64, 64))
     attend(sub, case)
 
 

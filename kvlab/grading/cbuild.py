@@ -101,7 +101,7 @@ def build_command(source: Path, library: Path, include: Path) -> List[str]:
             "-fPIC", "-I", str(include), "-o", str(library), str(source), "-lm"]
 
 
-def _blank_comments_and_strings(source: str) -> str:
+def blank_comments_and_strings(source: str) -> str:
     """The source with comments, string and character literals blanked (their line breaks
     kept, so that lines still count the same), for the name check."""
     pattern = re.compile(r'//[^\n]*|/\*.*?\*/|"(?:\\.|[^"\\\n])*"|\'(?:\\.|[^\'\\\n])*\'', re.S)
@@ -117,7 +117,7 @@ def _blank_comments_and_strings(source: str) -> str:
 def check_c_source(source: str, header: str) -> List[Violation]:
     """Every include and name of a C submission this lab refuses, with its line."""
     found = []
-    code = _blank_comments_and_strings(source)
+    code = blank_comments_and_strings(source)
     raw_lines = source.split("\n")
     for number, line in enumerate(code.split("\n"), 1):
         directive = re.match(r"\s*#\s*(include|include_next|import|embed)\b(.*)", line)
