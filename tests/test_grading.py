@@ -365,6 +365,34 @@ def test_lab_start_copies_the_starter_and_will_not_overwrite(tmp_path, capsys):
         start_lab("no_such_lab", tmp_path)
 
 
+def test_a_lab_in_c_starts_with_its_header_and_lists_what_its_grader_refuses(tmp_path):
+    """The C lab's starter comes with the header it is built against; its instructions end
+    with what cbuild's check refuses, and a file using each name listed is refused."""
+    from kvlab.grading import cbuild
+    assert cli.main(["lab", "start", "decode_kernel", str(tmp_path)]) == 0
+    for name in ("decode_kernel.c", "decode_kernel.h", "decode_kernel.md"):
+        assert (tmp_path / name).is_file(), name
+    assert (tmp_path / "decode_kernel.h").read_bytes() == \
+        (LABS["decode_kernel"].folder / "decode_kernel.h").read_bytes()
+    (tmp_path / "decode_kernel.h").write_text("/* mine */\n")
+    assert cli.main(["lab", "start", "decode_kernel", str(tmp_path)]) == 2    # not overwritten
+    section = LABS["decode_kernel"].instructions_text().split("## What the grader refuses")[1]
+    names = re.findall(r"`([^`]+)`", section.split("- the names")[1])
+    assert names and set(names) == set(cbuild.DENIED_NAMES)
+    for name in names:
+        assert cbuild.check_c_source(f"int f(void) {{ return {name}; }}\n", "decode_kernel.h"), name
+    for header in ("dlfcn.h", "unistd.h", "Python.h", "../csrc/kvlab.h"):
+        assert cbuild.check_c_source(f"#include <{header}>\n", "decode_kernel.h"), header
+    for spelled in ("%:include <dlfcn.h>", "??=include <dlfcn.h>", "#include HEADER",
+                    "# include_next <stdio.h>", "#inc\\\nlude <dlfcn.h>", "int x = dl\\\nopen;"):
+        assert cbuild.check_c_source(spelled + "\n", "decode_kernel.h"), spelled
+    allowed = '#include "decode_kernel.h"\n#include <immintrin.h>\n/* dlopen, fork */\n' \
+              'const char *s = "system";\n'
+    assert cbuild.check_c_source(allowed, "decode_kernel.h") == []
+    lines = cbuild.check_c_source("int a;\n#define LONG \\\n  1\nint b = sys\\\ntem;\n", "x.h")
+    assert [v.line for v in lines] == [4], lines        # the line the joined line starts on
+
+
 @pytest.mark.parametrize("lab", [name for name, lab in LABS.items() if lab.language == "python"])
 def test_the_instructions_list_what_the_grader_refuses(lab):
     # "you may import the standard library" is true except for these: the instructions

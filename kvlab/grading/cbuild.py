@@ -28,7 +28,7 @@ import re
 import shutil
 import sysconfig
 from pathlib import Path
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 from .policy import Violation
 
@@ -114,15 +114,33 @@ def blank_comments_and_strings(source: str) -> str:
     return pattern.sub(blank, source)
 
 
+def _logical_lines(source: str) -> Tuple[List[int], List[str]]:
+    """The source's lines as the preprocessor first joins them (a backslash at a line's end
+    continues it: `#inc\\`, newline, `lude` is an include), with the number of the line
+    each starts on."""
+    numbers, lines, parts = [], [], []
+    for number, line in enumerate(source.split("\n"), 1):
+        if not parts:
+            numbers.append(number)
+        if line.endswith("\\"):
+            parts.append(line[:-1])
+            continue
+        lines.append("".join(parts + [line]))
+        parts = []
+    if parts:
+        lines.append("".join(parts))
+    return numbers, lines
+
+
 def check_c_source(source: str, header: str) -> List[Violation]:
     """Every include and name of a C submission this lab refuses, with its line."""
     found = []
-    code = blank_comments_and_strings(source)
-    raw_lines = source.split("\n")
-    for number, line in enumerate(code.split("\n"), 1):
-        directive = re.match(r"\s*#\s*(include|include_next|import|embed)\b(.*)", line)
+    numbers, raw_lines = _logical_lines(source)
+    code = blank_comments_and_strings("\n".join(raw_lines)).split("\n")
+    for number, line, written in zip(numbers, code, raw_lines):
+        # "#", or its digraph %: and trigraph ??= (trigraphs are on in -std=c11)
+        directive = re.match(r"\s*(?:#|%:|\?\?=)\s*(include|include_next|import|embed)\b(.*)", line)
         if directive:
-            written = raw_lines[number - 1]
             target = re.search(r'[<"]([^>"]*)[>"]', written)
             name = target.group(1) if target else ""
             if directive.group(1) != "include" or not target:
