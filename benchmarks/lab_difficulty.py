@@ -1,7 +1,7 @@
 """How big each graded lab is: the lines of its reference solution, the lines a student
 starts from, and how long an honest run of its hidden tests takes.
 
-    python benchmarks/lab_difficulty.py [--seeds 3] [--json lab_difficulty.json]
+    python benchmarks/lab_difficulty.py [--seeds 3] [--json lab_difficulty.json] [--lab NAME ...]
 
 Needs a clone (instructor/ holds the solutions and the hidden tests). Lines are code
 lines: not blank, not only a comment, not inside a docstring (in a C lab's file: not
@@ -54,9 +54,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seeds", type=int, default=3, help="grading runs per lab (default 3)")
     parser.add_argument("--json", default="lab_difficulty.json", help="where to write the figures")
+    parser.add_argument("--lab", action="append", choices=list(LABS),
+                        help="measure this lab only (repeatable; default: every lab)")
     args = parser.parse_args()
     rows = []
     for lab in sorted(LABS.values(), key=lambda lab: lab.number):
+        if args.lab and lab.name not in args.lab:
+            continue
         solution = INSTRUCTOR / "solutions" / f"{lab.name}{lab.suffix}"
         tests = INSTRUCTOR / "graders" / f"{lab.name}.py"
         seconds, scores = [], []
