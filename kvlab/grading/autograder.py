@@ -138,24 +138,27 @@ def build(lab: str, out: Union[str, Path], instructor: Optional[Union[str, Path]
 
 def find_submission(folder: Path, lab: str) -> Tuple[Optional[Path], str]:
     """The student's file: the shallowest <lab>.py in the submission, else its only .py
-    file. Links are never followed (a submission could link to a file only root may read),
-    and what a Mac's zip adds (__MACOSX/, ._ files) is not a submission."""
+    file (.c for a lab in C). Links are never followed (a submission could link to a file
+    only root may read), and what a Mac's zip adds (__MACOSX/, ._ files) is not a
+    submission."""
+    suffix = get_lab(lab).suffix
     files = []
     for parent, folders, names in os.walk(folder):       # does not follow linked folders
         folders[:] = [f for f in folders if f != "__MACOSX"]
         for name in names:
             path = Path(parent) / name
-            if name.endswith(".py") and not name.startswith("._") and not path.is_symlink() \
+            if name.endswith(suffix) and not name.startswith("._") and not path.is_symlink() \
                     and path.is_file():
                 files.append(path)
     files.sort(key=lambda p: (len(p.relative_to(folder).parts), str(p)))
-    named = [p for p in files if p.name == f"{lab}.py"]
+    named = [p for p in files if p.name == f"{lab}{suffix}"]
     if named:
         return named[0], ""
     if len(files) == 1:
         return files[0], ""
-    found = ", ".join(str(p.relative_to(folder)) for p in files[:5]) or "no Python file"
-    return None, f"submit one file named {lab}.py (found {found})"
+    kind = "Python" if suffix == ".py" else "C"
+    found = ", ".join(str(p.relative_to(folder)) for p in files[:5]) or f"no {kind} file"
+    return None, f"submit one file named {lab}{suffix} (found {found})"
 
 
 def uncommitted_changes(clone: Path) -> List[str]:
