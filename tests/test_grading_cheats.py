@@ -137,6 +137,9 @@ DELEGATES = {
     "speculative_decoding": "from kvlab.speculative import PromptLookup\n\n"
                             "def propose(tokens, k, max_ngram=3):\n"
                             "    return PromptLookup(max_ngram).propose(tokens, k)\n",
+    "weight_quantization": "from kvlab import weight_quantization as wq\n\n"
+                           "def channel_scales(magnitude, alpha):\n"
+                           "    return wq.awq_scales(magnitude, alpha)\n",
 }
 
 

@@ -80,6 +80,11 @@ FACTS = {
                   "every layer in models from 6.7B parameters on; a magnitude of 6 "
                   "separates them"},
 }
+# SmolLM2's methods per format: its file is Q4_1 already, so Q4_1's round to nearest gives
+# the file back (KL 0: the rows say so) and AWQ and GPTQ can only return it too (AWQ's
+# alpha 0 has no error, GPTQ has no error to feed back; tests/test_weight_quantization.py);
+# Q8_0's AWQ and GPTQ are measured on the bundled model only (section 3), for time
+SMOLLM2_METHODS = {"q8_0": ("rtn",), "q4_0": METHODS, "q4_1": ("rtn",)}
 SECTION_KEYS = {
     1: ["outliers"],
     2: ["methods_smollm2", "alphas_smollm2", "answers_smollm2"],
@@ -144,14 +149,15 @@ def plot_outliers(table: dict, layer: int, path: Path) -> None:
 # ---- 2, 3. the methods -----------------------------------------------------------------------
 
 def run_methods(model, calibration, tokens, context: int, formats=FORMATS,
-                embedding_format=None, alphas=wq.ALPHAS) -> tuple:
-    """Every method x format against the float model: accuracy rows (with the seconds
-    each method took and the format), the AWQ searches' alphas, and the models."""
+                embedding_format=None, alphas=wq.ALPHAS, methods=None) -> tuple:
+    """Every method x format against the float model (methods: {format: its methods},
+    default all): accuracy rows (with the seconds each method took and the format), the
+    AWQ searches' alphas, and the models."""
     reference = Model(model.config, model.weights.float32(), model.tokenizer,
                       activations="fp32")
     models, seconds, chosen = {}, {}, {}
     for fmt in formats:
-        for method in METHODS:
+        for method in (methods or {}).get(fmt, METHODS):
             started = time.process_time()
             if method == "awq":
                 folded, searches = wq.awq_fold(model.config, model.weights, calibration, fmt,
@@ -203,11 +209,11 @@ def plot_methods(smollm2_table: dict, bundled_table: dict, path: Path) -> None:
         rows = table["rows"]
         formats = [f for f in FORMATS if any(r["format"] == f for r in rows)]
         for i, method in enumerate(METHODS):
-            kl = np.array([next(r["kl"] for r in rows if (r["method"], r["format"]) == (method, f))
-                           for f in formats])
+            kl = np.array([next((r["kl"] for r in rows if (r["method"], r["format"]) ==
+                                 (method, f)), np.nan) for f in formats])
             x = np.arange(len(formats)) + (i - 1) * width
             ax.bar(x, np.maximum(kl, floor), width, label=LABELS[method])
-            for xi in x[kl <= 0]:
+            for xi in x[kl == 0]:
                 ax.text(xi, floor * 1.3, "0", ha="center", fontsize=8)
         ax.set(yscale="log", xticks=np.arange(len(formats)), xticklabels=formats,
                ylabel="KL from the float model (nats)", title=title, ylim=(floor, None))
@@ -314,7 +320,7 @@ def main() -> None:
     if 2 in sections or 4 in sections:
         since = time.perf_counter()
         table, alphas, models = run_methods(model, calibration, tokens, context, formats,
-                                            alphas=grid)
+                                            alphas=grid, methods=SMOLLM2_METHODS)
         if 2 in sections:
             result["methods_smollm2"], result["alphas_smollm2"] = table, alphas
             result["answers_smollm2"] = answers(model, models)
@@ -342,7 +348,7 @@ def main() -> None:
     if 4 in sections:
         since = time.perf_counter()
         variants = {f"{method} {fmt}": models[(method, fmt)].weights
-                    for fmt in formats for method in METHODS if method == "rtn" or fmt == "q4_0"}
+                    for (method, fmt) in models}
         variants["the file (q4_1)"] = model.weights
         result["decode"] = decode_speed(model, variants, 2 if args.quick else DECODE_ROUNDS)
         for r in result["decode"]:

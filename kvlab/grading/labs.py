@@ -89,6 +89,8 @@ LABS: Dict[str, Lab] = {lab.name: lab for lab in (
         "split attention and its merge"),
     Lab("speculative_decoding", 11, "Speculative decoding: prompt lookup, one-pass verification, "
         "rollback", "09_speculative", 19, "speculative decoding"),
+    Lab("weight_quantization", 13, "4-bit weights chosen by their activations: AWQ's scale "
+        "search", "10_weight_quantization", 18, "weight quantization"),
 )}
 
 
