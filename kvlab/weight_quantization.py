@@ -149,6 +149,7 @@ class ScaleSearch:
     errors: Dict[float, float]   # summed output error of the group for every alpha tried
 
 
+# [quote ch10-awq-search]
 def awq_search(x: np.ndarray, matrices: Sequence[np.ndarray], fmt: str,
                alphas: Sequence[float] = ALPHAS, magnitude: Optional[np.ndarray] = None
                ) -> ScaleSearch:
@@ -165,6 +166,7 @@ def awq_search(x: np.ndarray, matrices: Sequence[np.ndarray], fmt: str,
         if best is None or errors[alpha] < errors[best]:
             best = alpha
     return ScaleSearch(alpha=best, scales=awq_scales(magnitude, best), errors=errors)
+# [end ch10-awq-search]
 
 
 def awq_fold(config: ModelConfig, weights: Weights, calibration: Calibration, fmt: str,
@@ -260,6 +262,7 @@ def gptq_quantize(w: np.ndarray, h: np.ndarray, fmt: str) -> np.ndarray:
     n_blocks = in_dim // Q8_0_BLOCK
     d, m = np.empty((out_dim, n_blocks), np.float32), np.empty((out_dim, n_blocks), np.float32)
     codes = np.empty((out_dim, n_blocks, Q8_0_BLOCK), np.int8 if fmt == "q8_0" else np.uint8)
+    # [quote ch10-gptq-blocks]
     for b in range(n_blocks):
         first, stop = b * Q8_0_BLOCK, (b + 1) * Q8_0_BLOCK
         block = work[first:stop]                  # (32, out_dim), updated in place below
@@ -272,6 +275,7 @@ def gptq_quantize(w: np.ndarray, h: np.ndarray, fmt: str) -> np.ndarray:
             errors[i] = (block[i] - weight_formats.block_values(fmt, d[:, b], m[:, b], q)) / u[j, j]
             block[i + 1:] -= u[j, j + 1:stop, None] * errors[i]
         work[stop:] -= u[first:stop, stop:].T @ errors
+    # [end ch10-gptq-blocks]
     return weight_formats.pack_blocks(fmt, d, m, codes)
 
 

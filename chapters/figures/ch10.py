@@ -265,6 +265,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--tokens", type=int, default=2048, help="evaluation tokens")
     parser.add_argument("--calibration", type=int, default=512, help="calibration tokens")
+    parser.add_argument("--grid", type=int, default=len(wq.ALPHAS),
+                        help="AWQ's grid: alphas 0, 1/N, ..., (N-1)/N (the library's is 20)")
     parser.add_argument("--sections", default="1,2,3,4")
     args = parser.parse_args()
     sections = sorted({int(x) for x in args.sections.split(",")})
@@ -298,7 +300,8 @@ def main() -> None:
     tokens = np.asarray(model.encode(text), dtype=np.int64)[:n_tokens]
     cal_tokens = np.asarray(model.encode(cal_text), dtype=np.int64)[:n_calibration]
     # --quick: the bundled model, Q4_0 alone, a grid of two alphas
-    formats, grid = (("q4_0",), (0.0, 0.5)) if args.quick else (FORMATS, wq.ALPHAS)
+    formats, grid = ((("q4_0",), (0.0, 0.5)) if args.quick else
+                     (FORMATS, tuple(i / args.grid for i in range(args.grid))))
     calibration = None
     if {1, 2, 4} & set(sections):
         since = time.perf_counter()
@@ -361,7 +364,7 @@ def main() -> None:
                   "model": model.config.name or model.source,
                   "text": text_source, "tokens": int(len(tokens)), "context": context,
                   "calibration_text": cal_source, "calibration_tokens": int(len(cal_tokens)),
-                  "awq_alphas": list(wq.ALPHAS), "awq_error_tokens": 256, "gptq_damp": 0.01,
+                  "awq_alphas": list(grid), "awq_error_tokens": min(256, len(cal_tokens)), "gptq_damp": 0.01,
                   "accuracy": "float32 activations: each model's logits are the float32 "
                               "model's over its stored values (chapter 6); the reference is "
                               "the model's own weights in float32",

@@ -119,7 +119,10 @@ def build(lab: str, out: Union[str, Path], instructor: Optional[Union[str, Path]
     out.parent.mkdir(parents=True, exist_ok=True)
     settings = {"lab": spec.name, "test_timeout": test_timeout, "total_timeout": TOTAL_TIMEOUT}
     with zipfile.ZipFile(out, "w") as archive:
-        _add(archive, "setup.sh", SETUP_SH, executable=True)
+        # the named models the hidden tests load, fetched into root's cache when the image
+        # is built (the judge runs as root; a grading then needs no network)
+        fetch = "".join(f'"$VENV/bin/python" -m kvlab fetch {name}\n' for name in spec.models)
+        _add(archive, "setup.sh", SETUP_SH + fetch, executable=True)
         _add(archive, "run_autograder", RUN_AUTOGRADER, executable=True)
         _add(archive, "lab.json", json.dumps(settings, indent=2) + "\n")
         _add(archive, f"tests/{spec.name}.py", tests.read_bytes())

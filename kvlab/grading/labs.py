@@ -35,6 +35,7 @@ class Lab:
     points: int           # what the hidden grading tests are worth in all
     topic: str            # what the student writes ("a KV cache"), for refusals
     kvlab: Tuple[str, ...] = ()   # the kvlab names a submission may use
+    models: Tuple[str, ...] = ()  # named models its hidden tests load (kvlab fetch NAME)
 
     @property
     def folder(self) -> Path:
@@ -90,7 +91,8 @@ LABS: Dict[str, Lab] = {lab.name: lab for lab in (
     Lab("speculative_decoding", 11, "Speculative decoding: prompt lookup, one-pass verification, "
         "rollback", "09_speculative", 19, "speculative decoding"),
     Lab("weight_quantization", 13, "4-bit weights chosen by their activations: AWQ's scale "
-        "search", "10_weight_quantization", 18, "weight quantization"),
+        "search", "10_weight_quantization", 18, "weight quantization",
+        models=("smollm2-135m",)),
 )}
 
 
