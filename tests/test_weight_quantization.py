@@ -162,3 +162,24 @@ def test_compare_models_against_itself_and_another(tiny):
     assert same.kl == pytest.approx(0, abs=1e-12) and same.top1 == 1 and same.perplexity_change == 0
     assert same.perplexity == pytest.approx(exact)
     assert q4.kl > 0 and q4.weight_bytes < same.weight_bytes
+
+
+def test_a_slow_grading_test_gets_a_multiple_of_the_judges_limit():
+    """The lab's SmolLM2 test runs a 135M model: @points(5, slow=3) gives it three times the
+    judge's limit for one test, and nothing else does."""
+    from kvlab.grading.judge import Judge
+    from kvlab.grading.testkit import points
+
+    @points(1)
+    def plain(sub, rng):
+        pass
+
+    @points(5, slow=3)
+    def heavy(sub, rng):
+        pass
+    judge = Judge.__new__(Judge)
+    judge.test_timeout = 60.0
+    assert judge._limit(plain) == 60.0 and judge._limit(heavy) == 180.0
+    for bad in (0, 5, 1.5, True):
+        with pytest.raises(ValueError, match="slow"):
+            points(1, slow=bad)

@@ -251,7 +251,7 @@ def perplexity(weights, tokens) -> float:
     return accuracy.perplexity(logits, tokens)
 
 
-@points(5)
+@points(5, slow=3)
 def test_your_scales_beat_round_to_nearest_on_smollm2(sub, rng):
     """SmolLM2-135M in Q4_0 with your scales (every layer's wq/wk/wv and w1/w3): lower perplexity than round to nearest"""
     model, weights, ids = smollm2()
