@@ -74,9 +74,11 @@ class Calibration:
 
 
 def calibrate(config: ModelConfig, weights: Weights, tokens: Sequence[int],
-              window: int = 256) -> Calibration:
+              window: Optional[int] = None) -> Calibration:
     """Run tokens through the model (its float32 values, kvlab.reference's pieces) in
-    windows of `window` tokens, each from position 0, and keep every matrix's input."""
+    windows of `window` tokens (default 256, or the model's context if shorter), each from
+    position 0, and keep every matrix's input."""
+    window = min(256, config.max_seq_len) if window is None else window
     tokens = np.asarray(tokens, dtype=np.int64)
     if tokens.ndim != 1 or len(tokens) < 1:
         raise ValueError("calibration tokens must be a non-empty 1-D sequence of ids")
@@ -171,8 +173,9 @@ def awq_search(x: np.ndarray, matrices: Sequence[np.ndarray], fmt: str,
 
 def awq_fold(config: ModelConfig, weights: Weights, calibration: Calibration, fmt: str,
              alphas: Sequence[float] = ALPHAS, max_tokens: int = 256) -> tuple:
-    """Float32 weights with AWQ's scales folded in (the same function as before, up to
-    float32 rounding), and each layer's searches {"wo": ScaleSearch, ...}. Each layer's
+    """The weights with AWQ's scales folded in (the same function as before, up to float32
+    rounding): the layer matrices and norms as float32 values, the token embedding and
+    classifier as they were stored; and each layer's searches {"wo": ScaleSearch, ...}. Each layer's
     consumer is scaled before its producer (w2 before w1/w3, wo before wq/wk/wv), so a
     search sees the rows the previous fold left. The error is measured on the first
     max_tokens calibration tokens; the magnitudes on all of them."""
@@ -194,7 +197,7 @@ def awq_fold(config: ModelConfig, weights: Weights, calibration: Calibration, fm
             fold(config, a, matrices, search.scales)
             searches[group] = search
         found.append(searches)
-    return dataclasses.replace(w, **arrays), found
+    return dataclasses.replace(weights, **arrays), found
 
 
 def _shared_by_kv_heads(config: ModelConfig, magnitude: np.ndarray) -> np.ndarray:

@@ -125,6 +125,12 @@ def test_every_method_gives_weights_a_model_runs_at_the_formats_bytes(tiny, meth
     got = wq.quantize_weights(CONFIG, weights, "q4_0", method, calibration)
     assert got.formats == rtn.formats and got.nbytes == rtn.nbytes
     assert got.token_embedding is weights.token_embedding     # kept as stored
+    # and kept as stored when it is stored in fewer bytes (SmolLM2's Q8_0 embedding): AWQ's
+    # fold works on float32 values but leaves the embedding and classifier alone
+    q8 = weights.converted("q8_0")
+    again = wq.quantize_weights(CONFIG, q8, "q4_0", method, wq.calibrate(CONFIG, q8, range(40)))
+    assert again.token_embedding is q8.token_embedding and again.classifier is q8.classifier
+    assert again.nbytes == wq.quantize_weights(CONFIG, q8, "q4_0").nbytes
     model = Model(CONFIG, got)
     out = kvlab.generate(model, [1, 2, 3], max_new_tokens=8, stop_at_eos=False)
     assert len(out.tokens) == 8

@@ -24,8 +24,9 @@ ch10.json already in DIR. Sections:
 3. The same on the bundled model (kvlab/assets/shakespeare-1m.bin, trained in float32 by
    this project: a true float reference), on its held-out text.
 4. Decode speed per format on SmolLM2 (int8 activations, the kit's default for block
-   formats): round to nearest, AWQ's and GPTQ's Q4_0 weights, interleaved rounds of
-   the decode timing of benchmarks/bench_real_model.py (medians and spreads).
+   formats): each format's weights (round to nearest's; AWQ's and GPTQ's are the same
+   bytes) and the file, interleaved rounds of the decode timing of
+   benchmarks/bench_real_model.py (medians and spreads).
 
 The full run takes about 20-40 minutes on the shared 2-core machine (GPTQ's column loop
 and AWQ's grid, three formats each); --quick about two minutes, on the bundled model.
@@ -218,7 +219,7 @@ def plot_methods(smollm2_table: dict, bundled_table: dict, path: Path) -> None:
         ax.set(yscale="log", xticks=np.arange(len(formats)), xticklabels=formats,
                ylabel="KL from the float model (nats)", title=title, ylim=(floor, None))
         ax.grid(alpha=0.3, axis="y", which="both")
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=8, loc="upper left")
     fig.tight_layout()
     fig.savefig(path, dpi=130)
     plt.close(fig)
@@ -303,7 +304,7 @@ def main() -> None:
     formats, grid = ((("q4_0",), (0.0, 0.5)) if args.quick else
                      (FORMATS, tuple(i / args.grid for i in range(args.grid))))
     calibration = None
-    if {1, 2, 4} & set(sections):
+    if {1, 2} & set(sections):
         since = time.perf_counter()
         calibration = wq.calibrate(model.config, model.weights, cal_tokens)
         print(f"calibration: {len(cal_tokens)} tokens, {time.perf_counter() - since:.1f} s")
@@ -319,16 +320,14 @@ def main() -> None:
             print(f"{name:<5} largest/median: {min(ratios):.1f} .. {max(ratios):.1f}")
         ran(1, since)
 
-    models = None
-    if 2 in sections or 4 in sections:
+    if 2 in sections:
         since = time.perf_counter()
         table, alphas, models = run_methods(model, calibration, tokens, context, formats,
                                             alphas=grid, methods=SMOLLM2_METHODS)
-        if 2 in sections:
-            result["methods_smollm2"], result["alphas_smollm2"] = table, alphas
-            result["answers_smollm2"] = answers(model, models)
-            print(json.dumps(result["answers_smollm2"], indent=1, ensure_ascii=False))
-            ran(2, since)
+        result["methods_smollm2"], result["alphas_smollm2"] = table, alphas
+        result["answers_smollm2"] = answers(model, models)
+        print(json.dumps(result["answers_smollm2"], indent=1, ensure_ascii=False))
+        ran(2, since)
 
     if 3 in sections:
         since = time.perf_counter()
@@ -350,8 +349,10 @@ def main() -> None:
 
     if 4 in sections:
         since = time.perf_counter()
-        variants = {f"{method} {fmt}": models[(method, fmt)].weights
-                    for (method, fmt) in models}
+        # the format sets the speed: AWQ's and GPTQ's weights are stored in the same
+        # formats and bytes as round to nearest's (section 2's rows, the tests)
+        variants = {f"rtn {fmt}": wq.quantize_weights(model.config, model.weights, fmt)
+                    for fmt in formats}
         variants["the file (q4_1)"] = model.weights
         result["decode"] = decode_speed(model, variants, 2 if args.quick else DECODE_ROUNDS)
         for r in result["decode"]:
