@@ -1,4 +1,4 @@
-"""Figures and numbers for chapter 10, "Choosing the weights' codes: RTN, AWQ, GPTQ".
+"""Figures and numbers for chapter 10, "Choosing weight codes: RTN, AWQ, GPTQ".
 
     python chapters/figures/ch10.py [--out DIR] [--threads N] [--sections 1,2,3,4] [--quick]
 

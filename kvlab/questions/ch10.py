@@ -1,4 +1,4 @@
-"""Chapter 10, "Choosing the weights' codes: RTN, AWQ, GPTQ": the Check yourself questions
+"""Chapter 10, "Choosing weight codes: RTN, AWQ, GPTQ": the Check yourself questions
 whose answer is a number, worked out with the kit's formats and scales."""
 from __future__ import annotations
 
