@@ -165,6 +165,9 @@ DELEGATES = {
     "cache_eviction": "from kvlab.cache_policy import AttentionSinks, HeavyHitters\n\n"
                       "def sink_rows(length, n_keep, sinks):\n"
                       "    return AttentionSinks(sinks, n_keep - sinks).keep(None, n_keep)\n",
+    "weight_quantization": "from kvlab import weight_quantization as wq\n\n"
+                           "def channel_scales(magnitude, alpha):\n"
+                           "    return wq.awq_scales(magnitude, alpha)\n",
 }
 
 

@@ -248,6 +248,11 @@ class Judge:
         return session
 
     # ---- one test ----------------------------------------------------------------------
+    def _limit(self, test: Callable) -> float:
+        """The seconds a test may take: the judge's limit, times the test's own factor
+        (@points(n, slow=k): a test that runs a real model)."""
+        return self.test_timeout * getattr(test, "slow", 1)
+
     def _run_one(self, index: int, test: Callable, session: Session) -> TestResult:
         result = TestResult(title(test), 0.0, test.points, "", test.visibility, "failed")
         rng = np.random.default_rng([self.seed, index])
@@ -259,7 +264,7 @@ class Judge:
         except RemoteError as error:
             result.output = error.describe()
         except WorkerTimeout:
-            result.output = (f"ran too long: the test's {self.test_timeout:g} s ran out (is "
+            result.output = (f"ran too long: the test's {self._limit(test):g} s ran out (is "
                              f"there an endless loop, or a very slow one?)")
             session.worker.ask_where()
         except WorkerGone as error:
@@ -387,7 +392,7 @@ class Judge:
                 results += self._all_zero(tests[index:], "not run: the grading time ran out")
                 break
             try:
-                session = self._start(index, test, copy, time.monotonic() + self.test_timeout)
+                session = self._start(index, test, copy, time.monotonic() + self._limit(test))
             except NotImported as error:
                 if index == 0:           # said once, at the top
                     what = "loaded" if self.lab.language == "c" else "imported"

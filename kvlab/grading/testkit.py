@@ -32,17 +32,23 @@ from .remote import RemoteError, RemoteObject
 VISIBILITIES = ("visible", "hidden", "after_due_date", "after_published")
 
 
-def points(n: float, visibility: str = "visible", timed: bool = False) -> Callable:
+def points(n: float, visibility: str = "visible", timed: bool = False,
+           slow: int = 1) -> Callable:
     """Mark a test and say what passing it is worth (visibility: Gradescope's names).
     timed: whether passing depends on how fast the code runs on the grading machine (the
-    kernel lab's bandwidth tests), not only on what it computes."""
+    kernel lab's bandwidth tests), not only on what it computes. slow: the test may take
+    that many times the judge's limit for one test (a test that runs a real model on a busy
+    machine)."""
     if visibility not in VISIBILITIES:
         raise ValueError(f"visibility must be one of {VISIBILITIES}")
+    if isinstance(slow, bool) or not isinstance(slow, int) or not 1 <= slow <= 4:
+        raise ValueError("slow must be a whole number from 1 to 4")
 
     def mark(function: Callable) -> Callable:
         function.points = float(n)
         function.visibility = visibility
         function.timed = timed
+        function.slow = slow
         return function
     return mark
 
