@@ -558,6 +558,12 @@ def test_the_c_lab_builds_with_kvlabs_own_flags():
     assert "-ffp-contract=off" in cbuild.kit_flags("an unreadable record")     # kvlab's defaults
     mac = built.replace("-fopenmp", "-Xpreprocessor -fopenmp -I/opt/homebrew/opt/libomp/include")
     assert cbuild.kit_flags(mac)[-2:] == ["-L/opt/homebrew/opt/libomp/lib", "-lomp"]
+    # a dispatching build: the flags of the variant whose bits the kernel is compared with
+    dispatching = ("gcc 12; -std=c11 -O3 -ffp-contract=off -fopenmp; kernel variants avx512 "
+                   "(-mavx2 -mfma -mavx512f), avx2 (-mavx2 -mfma), baseline (the default target)")
+    assert cbuild.variant_flags(dispatching, "avx2") == ["-mavx2", "-mfma"]
+    assert cbuild.variant_flags(dispatching, "avx512") == ["-mavx2", "-mfma", "-mavx512f"]
+    assert cbuild.variant_flags(dispatching, "baseline") == []
 
 
 def test_the_judges_probe_runs_while_every_thread_of_the_c_code_is_stopped(tmp_path):

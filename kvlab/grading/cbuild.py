@@ -75,11 +75,21 @@ def kit_flags(build: Optional[str] = None) -> List[str]:
     if not any(f.startswith("-ffp-contract=") for f in flags):
         flags = DEFAULT_FLAGS + (["-march=native"] if core.FUSED_MULTIPLY_ADD else []) + \
                 (["-fopenmp"] if core.HAS_OPENMP else [])
+    flags += variant_flags(build, getattr(core, "VARIANT", ""))
     omp = re.search(r"-Xpreprocessor -fopenmp -I(\S+)/include", build)
     if omp:          # macOS: Apple's clang takes OpenMP through Homebrew's libomp
         flags += ["-Xpreprocessor", "-fopenmp", f"-I{omp.group(1)}/include",
                   f"-L{omp.group(1)}/lib", "-lomp"]
     return flags
+
+
+def variant_flags(build: str, variant: str) -> List[str]:
+    """The instruction-set flags of the kernel variant that runs: a dispatching build's BUILD
+    lists each variant's ("kernel variants avx512 (-mavx2 ... -mavx512vnni), avx2 (...),
+    baseline (the default target)"), and the student's kernel must be built for the one
+    whose bits it is compared with (fused multiply-adds or not)."""
+    found = re.search(r"(?:variants |, )" + re.escape(variant) + r" \(([^)]*)\)", build)
+    return [f for f in found.group(1).split() if f.startswith("-m")] if found else []
 
 
 def compiler() -> str:
