@@ -121,9 +121,10 @@ void kv_matmul_many(int n_matrices, float *const *outs, const float *const *ws,
     kernels()->matmul_many(n_matrices, outs, ws, out_dims, x, n_tokens, in_dim);
 }
 
-void kv_matmul_four_rows(float *out, const float *x, const float *const rows[4], int o,
-                         int first, int chunk, int in_dim, int out_dim) {
-    kernels()->matmul_four_rows(out, x, rows, o, first, chunk, in_dim, out_dim);
+void kv_matmul_four_rows(float *out, const float *x, const float *packed,
+                         const float *const rows[4], int o, int first, int chunk, int in_dim,
+                         int out_dim) {
+    kernels()->matmul_four_rows(out, x, packed, rows, o, first, chunk, in_dim, out_dim);
 }
 
 void kv_rmsnorm(float *out, const float *x, const float *weight, int dim, float eps) {
@@ -235,6 +236,10 @@ kv_status kv_measure_attention_walk(int n_kv_heads, int head_dim, int context, i
                                     double *bytes_per_s, float *checksum) {
     return kernels()->measure_attention_walk(n_kv_heads, head_dim, context, repeats,
                                              bytes_per_s, checksum);
+}
+
+kv_status kv_measure_compute(int n_threads, int repeats, kv_compute_roof *roof) {
+    return kernels()->measure_compute(n_threads, repeats, roof);
 }
 
 float kv_fast_dot(const float *a, const float *b, int n) { return kernels()->fast_dot(a, b, n); }

@@ -57,6 +57,7 @@ typedef struct {
     __typeof__(kv_plain_attention) *plain_attention;
     __typeof__(kv_measure_bandwidth) *measure_bandwidth;
     __typeof__(kv_measure_attention_walk) *measure_attention_walk;
+    __typeof__(kv_measure_compute) *measure_compute;
     __typeof__(kv_fast_dot) *fast_dot;
 } kv_kernel_table;
 

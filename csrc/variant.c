@@ -55,5 +55,6 @@ const kv_kernel_table kv_variant_kernels = {
     .plain_attention = kv_plain_attention,
     .measure_bandwidth = kv_measure_bandwidth,
     .measure_attention_walk = kv_measure_attention_walk,
+    .measure_compute = kv_measure_compute,
     .fast_dot = kv_fast_dot,
 };

@@ -26,6 +26,8 @@
 #define kv_matmul KV_VARIANT_NAME(kv_matmul)
 #define kv_matmul_many KV_VARIANT_NAME(kv_matmul_many)
 #define kv_matmul_four_rows KV_VARIANT_NAME(kv_matmul_four_rows)
+#define kv_packed_tokens_alloc KV_VARIANT_NAME(kv_packed_tokens_alloc)
+#define kv_pack_tokens KV_VARIANT_NAME(kv_pack_tokens)
 #define kv_rmsnorm KV_VARIANT_NAME(kv_rmsnorm)
 #define kv_rope KV_VARIANT_NAME(kv_rope)
 #define kv_softmax_tile KV_VARIANT_NAME(kv_softmax_tile)
@@ -53,6 +55,7 @@
 /* bandwidth.c */
 #define kv_measure_bandwidth KV_VARIANT_NAME(kv_measure_bandwidth)
 #define kv_measure_attention_walk KV_VARIANT_NAME(kv_measure_attention_walk)
+#define kv_measure_compute KV_VARIANT_NAME(kv_measure_compute)
 /* variant.c */
 #define kv_fast_dot KV_VARIANT_NAME(kv_fast_dot)
 #define kv_variant_kernels KV_VARIANT_NAME(kv_variant_kernels)

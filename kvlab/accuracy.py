@@ -515,3 +515,51 @@ def evaluate_weights(model, tokens: Sequence[int],
     return CombinationReport(model=config.name or model.source,
                              n_tokens=n_predicted + len(windows), context=context,
                              exact_perplexity=exact_perplexity, results=results)
+
+
+# ---- any models against one -----------------------------------------------------------------
+
+@dataclasses.dataclass
+class ModelAccuracy:
+    """One model's predictions against a reference model's, on the same text."""
+    name: str
+    weight_bytes: int             # the model's weights as stored
+    kl: float                     # mean KL(p_reference || p_this), nats
+    top1: float                   # fraction of positions whose argmax agrees with the reference
+    perplexity: float
+    perplexity_change: float      # percent, against the reference's perplexity
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def compare_models(reference: Model, models: Dict[str, Model], tokens: Sequence[int],
+                   context: Optional[int] = None) -> tuple:
+    """Each model of `models` (same config and vocabulary as `reference`, weights chosen
+    another way: kvlab.weight_quantization) teacher-forced on `tokens` in windows of
+    `context` tokens, each window from an empty fp32 cache, against the reference: the
+    reference's perplexity and a ModelAccuracy per model, in the dict's order."""
+    tokens, context = _checked_text(reference.config, tokens, context)
+    windows = [w for w in (tokens[i:i + context] for i in range(0, len(tokens) - 1, context))
+               if len(w) >= 2]
+    totals = {name: _Totals(reference.config.n_layers) for name in models}
+    exact_nll, n_predicted = 0.0, 0
+    for window in windows:
+        targets = window[1:]
+        exact = log_softmax(reference.prefill(window, reference.new_cache(len(window)),
+                                              all_logits=True))[:-1]
+        exact_nll -= exact[np.arange(len(targets)), targets].sum()
+        n_predicted += len(targets)
+        for name, model in models.items():
+            log_q = log_softmax(model.prefill(window, model.new_cache(len(window)),
+                                              all_logits=True))[:-1]
+            totals[name].score(np.exp(exact), exact, log_q, targets)
+    exact_perplexity = float(np.exp(exact_nll / n_predicted))
+    rows = []
+    for name, model in models.items():
+        ppl = float(np.exp(totals[name].nll / n_predicted))
+        rows.append(ModelAccuracy(name=name, weight_bytes=model.weights_nbytes,
+                                  kl=totals[name].kl / n_predicted,
+                                  top1=totals[name].agree / n_predicted, perplexity=ppl,
+                                  perplexity_change=100.0 * (ppl / exact_perplexity - 1.0)))
+    return exact_perplexity, rows

@@ -108,6 +108,64 @@ def _round_half_away(v: np.ndarray) -> np.ndarray:
     return np.sign(v) * np.floor(np.abs(v.astype(np.float64)) + 0.5)
 
 
+def block_scales(blocks: np.ndarray, fmt: str) -> tuple:
+    """The scales ggml's quantizer picks for blocks (..., 32) of a block format, in float32:
+    d (...,) and Q4_1's m (...,; zeros for Q8_0 and Q4_0). They are stored as halves."""
+    if fmt == "q4_0":
+        # the value of largest magnitude, sign kept: it gets code 0 (d = max / -8 < 0 when
+        # max > 0), the other end of the range reaches code 16, which is cut to 15
+        at = np.abs(blocks).argmax(axis=-1)[..., None]
+        d = np.take_along_axis(blocks, at, axis=-1)[..., 0] / np.float32(-8)
+        return d, np.zeros_like(d)
+    if fmt == "q4_1":
+        low, high = blocks.min(axis=-1), blocks.max(axis=-1)
+        return (high - low) / np.float32(15), low
+    d = np.abs(blocks).max(axis=-1) / np.float32(127)                 # float32, as ggml
+    return d, np.zeros_like(d)
+
+
+def block_codes(values: np.ndarray, fmt: str, d: np.ndarray, m: np.ndarray) -> np.ndarray:
+    """The integer codes of values (..., k) in a block whose float32 scales are d and m
+    (..., 1) or (...,) broadcast against them: ggml's rounding for each format, then cut to
+    the format's range. The cut changes nothing for the scales block_scales() picks from
+    the same values; it matters when the scales come from other values (GPTQ's error
+    feedback moves a block's later columns after its scales were chosen)."""
+    if fmt == "q4_0":
+        q = np.trunc(values * _inverse(d) + np.float32(8.5))
+        return np.clip(q, 0, 15).astype(np.uint8)
+    if fmt == "q4_1":
+        q = np.trunc((values - m) * _inverse(d) + np.float32(0.5))
+        return np.clip(q, 0, 15).astype(np.uint8)
+    inverse = np.where(d > 0, np.float32(1) / np.where(d > 0, d, 1), 0).astype(np.float32)
+    return np.clip(_round_half_away(values * inverse), -127, 127).astype(np.int8)
+
+
+def block_values(fmt: str, d: np.ndarray, m: np.ndarray, q: np.ndarray) -> np.ndarray:
+    """The float32 values codes q (..., k) stand for with scales d, m (..., 1) as stored
+    (halves): d * q for Q8_0, d * (q - 8) for Q4_0 (exact in float32), d * q + m for Q4_1
+    (d * q exact, then one rounding: the add's)."""
+    d = d.astype(np.float16).astype(np.float32)
+    if fmt == "q4_0":
+        return d * (q.astype(np.float32) - np.float32(8))
+    if fmt == "q4_1":
+        return d * q.astype(np.float32) + m.astype(np.float16).astype(np.float32)
+    return d * q.astype(np.float32)
+
+
+def pack_blocks(fmt: str, d: np.ndarray, m: np.ndarray, q: np.ndarray) -> np.ndarray:
+    """Blocks of a block format from float32 scales d, m (out_dim, n_blocks) and codes q
+    (out_dim, n_blocks, 32): the rows' bytes, uint8 (out_dim, row_bytes)."""
+    packed = np.empty(d.shape, dtype=_DTYPES[fmt])
+    packed["d"] = d.astype("<f2")
+    if fmt == "q8_0":
+        packed["q"] = q
+    else:
+        packed["qs"] = _pack_nibbles(q)
+    if fmt == "q4_1":
+        packed["m"] = m.astype("<f2")
+    return packed.view(np.uint8).reshape(d.shape[0], -1)
+
+
 def quantize(w: np.ndarray, fmt: str) -> np.ndarray:
     """A float32 matrix (out_dim, in_dim) as the bytes of `fmt`: float32 (out_dim, in_dim)
     for fp32 (a copy), else uint8 (out_dim, row_bytes(fmt, in_dim))."""
@@ -122,29 +180,10 @@ def quantize(w: np.ndarray, fmt: str) -> np.ndarray:
         return w.astype("<f2").view(np.uint8).reshape(out_dim, -1)
     if fmt == "bf16":
         return bf16_round(w).astype("<u2").view(np.uint8).reshape(out_dim, -1)
+    # round to nearest: each block's scales from its own values, then each value's code
     blocks = w.reshape(out_dim, in_dim // Q8_0_BLOCK, Q8_0_BLOCK)
-    packed = np.empty(blocks.shape[:2], dtype=_DTYPES[fmt])
-    if fmt == "q4_0":
-        # the value of largest magnitude, sign kept: it gets code 0 (d = max / -8 < 0 when
-        # max > 0), the other end of the range reaches code 16, which is cut to 15
-        at = np.abs(blocks).argmax(axis=-1)[..., None]
-        biggest = np.take_along_axis(blocks, at, axis=-1)[..., 0]
-        d = biggest / np.float32(-8)
-        q = np.trunc(blocks * _inverse(d)[..., None] + np.float32(8.5))
-        packed["d"], packed["qs"] = d.astype("<f2"), _pack_nibbles(np.minimum(q, 15))
-        return packed.view(np.uint8).reshape(out_dim, -1)
-    if fmt == "q4_1":
-        low, high = blocks.min(axis=-1), blocks.max(axis=-1)
-        d = (high - low) / np.float32(15)
-        q = np.trunc((blocks - low[..., None]) * _inverse(d)[..., None] + np.float32(0.5))
-        packed["d"], packed["m"] = d.astype("<f2"), low.astype("<f2")
-        packed["qs"] = _pack_nibbles(np.minimum(q, 15))
-        return packed.view(np.uint8).reshape(out_dim, -1)
-    d = np.abs(blocks).max(axis=-1) / np.float32(127)                 # float32, as ggml
-    inverse = np.where(d > 0, np.float32(1) / np.where(d > 0, d, 1), 0).astype(np.float32)
-    q = _round_half_away(blocks * inverse[..., None]).astype(np.int8)
-    packed["d"], packed["q"] = d.astype("<f2"), q
-    return packed.view(np.uint8).reshape(out_dim, -1)
+    d, m = block_scales(blocks, fmt)
+    return pack_blocks(fmt, d, m, block_codes(blocks, fmt, d[..., None], m[..., None]))
 
 
 def dequantize(codes: np.ndarray, fmt: str, in_dim: int) -> np.ndarray:
@@ -164,14 +203,9 @@ def dequantize(codes: np.ndarray, fmt: str, in_dim: int) -> np.ndarray:
         return bits.view(np.float32).reshape(out_dim, in_dim)
     blocks = codes.view(_DTYPES[fmt]).reshape(out_dim, in_dim // Q8_0_BLOCK)
     d = blocks["d"].astype(np.float32)[..., None]
-    if fmt == "q4_0":      # d * (q - 8): exact in float32
-        values = d * (_unpack_nibbles(blocks["qs"]).astype(np.float32) - np.float32(8))
-    elif fmt == "q4_1":    # d * q exact, then one rounding: the add's
-        values = d * _unpack_nibbles(blocks["qs"]).astype(np.float32) + \
-            blocks["m"].astype(np.float32)[..., None]
-    else:
-        values = d * blocks["q"].astype(np.float32)
-    return values.reshape(out_dim, in_dim)
+    m = blocks["m"][..., None] if fmt == "q4_1" else np.zeros_like(d)
+    q = blocks["q"] if fmt == "q8_0" else _unpack_nibbles(blocks["qs"])
+    return block_values(fmt, d, m, q).reshape(out_dim, in_dim)
 
 
 def quantize_activations(x: np.ndarray) -> tuple:

@@ -78,6 +78,10 @@ EXERCISES = {
         "speculative_step",
         "one greedy speculative step: verify the drafts in one pass over the cache, keep the "
         "agreed prefix and the model's own token, truncate the rest"),
+    "10_weight_quantization": Exercise(
+        "awq_error",
+        "the output error of a layer whose matrix is stored in Q4_0 with AWQ's scales for "
+        "one alpha"),
 }
 
 
@@ -948,6 +952,47 @@ def _check_speculative_loop(answer, model, case: str, text: str, n_new: int) -> 
             f"drafts it keeps cost no pass of their own.")
 
 
+# ---- 10: weight quantization ------------------------------------------------------------
+
+def _awq_error(x, w, alpha) -> float:
+    from . import weight_quantization as wq
+    s = wq.awq_scales(np.abs(x).mean(axis=0), alpha)
+    return wq.output_error(x, w, wq.rounded(w * s, "q4_0") / s)
+
+
+def _check_awq(answer, rng) -> str:
+    from . import weight_quantization as wq
+    x = rng.standard_normal((24, 64)).astype(np.float32)
+    x[:, 7] *= 25                                   # one loud channel
+    w = (0.1 * rng.standard_normal((16, 64))).astype(np.float32)
+    errors = []
+    for alpha in (0.0, 0.5, 0.25):
+        case = f"alpha {alpha}: x (24, 64) with channel 7 25x louder, w (16, 64)"
+        expected = _awq_error(x, w, alpha)
+        got = _call(answer, case, x, w, alpha)
+        try:
+            got = float(got)
+        except (TypeError, ValueError):
+            raise _NotYet(case, f"a number, {expected:.6g}", _short(got),
+                          "return the summed squared error, a float") from None
+        if math.isclose(got, expected, rel_tol=1e-4):
+            errors.append(got)
+            continue
+        s = wq.awq_scales(np.abs(x).mean(axis=0), alpha)
+        if math.isclose(got, wq.output_error(x, w, wq.rounded(w * s, "q4_0")), rel_tol=1e-4):
+            hint = "the stored matrix is rounded(w * s) / s: divide by the scales again"
+        elif math.isclose(got, wq.output_error(x, w * s, wq.rounded(w * s, "q4_0")), rel_tol=1e-4):
+            hint = ("compare with the original w's outputs: the scaled matrix reads x / s, so "
+                    "its outputs are x @ (rounded(w * s) / s).T")
+        else:
+            hint = ("s = wq.awq_scales(mean |x| of each column of x, alpha); the error is "
+                    "wq.output_error(x, w, wq.rounded(w * s, 'q4_0') / s)")
+        raise _NotYet(case, f"{expected:.6g}", _short(got), hint)
+    return (f"With channel 7 25x louder, alpha 0.5 stores this layer with {errors[1]:.4g} of "
+            f"output error against round to nearest's {errors[0]:.4g}: the loud channel's "
+            f"weights keep finer steps.")
+
+
 _CHECKS = {
     "01_kv_cache": _check_kv_cache,
     "02_cache_size": _check_cache_size,
@@ -958,4 +1003,5 @@ _CHECKS = {
     "07_gpu_kernels": _check_flash,
     "08_fewer_positions": _check_h2o,
     "09_speculative": _check_speculative,
+    "10_weight_quantization": _check_awq,
 }

@@ -23,6 +23,7 @@ NUMBERS_FROM_JSON = [
     "07_gpu_kernels",
     "08_fewer_positions",
     "09_speculative",
+    "10_weight_quantization",
 ]
 # The units a number of the JSON may be shown in: as stored, per thousand (ms from s, GB
 # from MB), per million, billion or trillion (M parameters, GFLOP, TFLOP), per KiB, MiB or

@@ -310,6 +310,32 @@ static PyObject *py_attention_walk_bandwidth(PyObject *module, PyObject *args) {
     return PyFloat_FromDouble(bytes_per_s);
 }
 
+/* The compute roof on one thread and on the core's threads (kv_measure_compute) */
+static PyObject *py_compute_roof(PyObject *module, PyObject *args) {
+    int repeats = 3;
+    if (!PyArg_ParseTuple(args, "|i", &repeats)) return NULL;
+    int n_threads = kv_get_num_threads();
+    kv_compute_roof one = {0}, all = {0};
+    kv_status status = KV_ERR_INVALID_ARG;
+    if (repeats >= 1 && repeats <= 1000) {
+        Py_BEGIN_ALLOW_THREADS
+        status = kv_measure_compute(1, repeats, &one);
+        if (status == KV_OK) status = kv_measure_compute(n_threads, repeats, &all);
+        Py_END_ALLOW_THREADS
+    }
+    if (status == KV_ERR_INVALID_ARG)
+        return kv_py_raise(status, "compute_roof takes repeats 1..1000, got %d", repeats);
+    if (status != KV_OK) return kv_py_raise(status, NULL);
+    return Py_BuildValue("{s:i,s:d,s:d,s:d,s:d,s:d,s:d,s:s,s:s}", "threads", n_threads,
+                         "f32_flops_per_s_1_thread", one.f32_flops,
+                         "f32_flops_per_s", all.f32_flops,
+                         "int8_ops_per_s_1_thread", one.int8_ops, "int8_ops_per_s", all.int8_ops,
+                         "int8_product_ops_per_s_1_thread", one.int8_product_ops,
+                         "int8_product_ops_per_s", all.int8_product_ops,
+                         "f32_instruction", one.f32_instruction,
+                         "int8_instruction", one.int8_instruction);
+}
+
 /* ---- the module -------------------------------------------------------------------- */
 
 static PyMethodDef module_methods[] = {
@@ -334,6 +360,10 @@ static PyMethodDef module_methods[] = {
      "attention_walk_bandwidth(n_kv_heads, head_dim, context, repeats=3) -> bytes/s: decode\n"
      "attention's walk through an fp32 cache (each head's keys and values a tile of 16 rows\n"
      "at a time, the next tile fetched ahead) with no arithmetic, read from memory."},
+    {"compute_roof", py_compute_roof, METH_VARARGS,
+     "compute_roof(repeats=3) -> dict: the rates of the widest float32 multiply-add and int8\n"
+     "dot-product instructions, and of the int8 product's own sequence, on one thread and on\n"
+     "the core's threads (operations per second, a multiply and an add counted as two)."},
     {"sample", (PyCFunction)(void (*)(void))py_sample, METH_VARARGS | METH_KEYWORDS,
      "sample(logits, temperature=0, top_k=0, top_p=1, u=0) -> token id: the choice the\n"
      "generation loop makes from one row of logits (arg-max at temperature 0; otherwise\n"

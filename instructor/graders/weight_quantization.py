@@ -1,0 +1,287 @@
+"""Hidden grading tests for lab 13 (weight quantization: AWQ's activation-aware scales).
+Each test says in its message what it expected. Run by the judge (kvlab/grading/judge.py),
+never shipped in the package.
+
+Q4_0's round to nearest is checked bit for bit against kvlab.weight_formats (ggml's
+quantizer) on drawn matrices and on blocks built to trip it; the scales, the output error,
+the grid search and the fold against kvlab.weight_quantization on small layers drawn now.
+The last test runs the submission's search on SmolLM2-135M (every layer's wq/wk/wv and
+w1/w3, calibrated on a stretch of text drawn now), folds and stores the result in Q4_0 the
+kit's way, and compares the perplexity on another stretch with round to nearest's: it must
+be lower. SmolLM2 is kvlab's named model (kvlab fetch smollm2-135m), loaded in prepare().
+"""
+import dataclasses
+import functools
+
+import numpy as np
+
+import kvlab
+from kvlab import accuracy, reference, weight_formats
+from kvlab import weight_quantization as wq
+from kvlab.grading.testkit import as_array, check_close, described, number, points
+from kvlab.model import Model
+
+# Text for calibration and evaluation (public domain: Shakespeare, Hamlet act 3 scene 1,
+# Julius Caesar act 3 scene 2, As You Like It act 2 scene 7, sonnet 18).
+TEXT = """To be, or not to be, that is the question:
+Whether 'tis nobler in the mind to suffer
+The slings and arrows of outrageous fortune,
+Or to take arms against a sea of troubles
+And by opposing end them. To die: to sleep;
+No more; and by a sleep to say we end
+The heart-ache and the thousand natural shocks
+That flesh is heir to, 'tis a consummation
+Devoutly to be wish'd. To die, to sleep;
+To sleep: perchance to dream: ay, there's the rub;
+For in that sleep of death what dreams may come
+When we have shuffled off this mortal coil,
+Must give us pause: there's the respect
+That makes calamity of so long life.
+
+Friends, Romans, countrymen, lend me your ears;
+I come to bury Caesar, not to praise him.
+The evil that men do lives after them;
+The good is oft interred with their bones;
+So let it be with Caesar. The noble Brutus
+Hath told you Caesar was ambitious:
+If it were so, it was a grievous fault,
+And grievously hath Caesar answer'd it.
+Here, under leave of Brutus and the rest,
+For Brutus is an honourable man;
+So are they all, all honourable men,
+Come I to speak in Caesar's funeral.
+He was my friend, faithful and just to me:
+But Brutus says he was ambitious;
+And Brutus is an honourable man.
+
+All the world's a stage,
+And all the men and women merely players;
+They have their exits and their entrances;
+And one man in his time plays many parts,
+His acts being seven ages. At first the infant,
+Mewling and puking in the nurse's arms.
+And then the whining school-boy, with his satchel
+And shining morning face, creeping like snail
+Unwillingly to school. And then the lover,
+Sighing like furnace, with a woeful ballad
+Made to his mistress' eyebrow. Then a soldier,
+Full of strange oaths and bearded like the pard,
+Jealous in honour, sudden and quick in quarrel,
+Seeking the bubble reputation
+Even in the cannon's mouth.
+
+Shall I compare thee to a summer's day?
+Thou art more lovely and more temperate:
+Rough winds do shake the darling buds of May,
+And summer's lease hath all too short a date;
+Sometime too hot the eye of heaven shines,
+And often is his gold complexion dimm'd;
+And every fair from fair sometime declines,
+By chance or nature's changing course untrimm'd;
+But thy eternal summer shall not fade,
+Nor lose possession of that fair thou ow'st;
+Nor shall Death brag thou wander'st in his shade,
+When in eternal lines to time thou grow'st:
+So long as men can breathe or eyes can see,
+So long lives this, and this gives life to thee.
+"""
+CALIBRATION_TOKENS = 48
+EVALUATION_TOKENS = 192
+MODEL_ALPHAS = [0.0, 0.25, 0.5]      # the grid of the SmolLM2 test (short: 60 searches)
+GROUPS = (("attn", ("wq", "wk", "wv"), "attn_norm"), ("ffn", ("w1", "w3"), "ffn_norm"))
+
+
+@functools.lru_cache(maxsize=None)
+def smollm2():
+    """SmolLM2-135M-Instruct (its file's values in float32) and its token ids of TEXT."""
+    model = kvlab.load("smollm2-135m")
+    weights = model.weights.float32()
+    return model, weights, np.asarray(model.encode(TEXT), dtype=np.int64)
+
+
+@functools.lru_cache(maxsize=None)
+def rtn_weights():
+    """SmolLM2 with every layer's wq, wk, wv, w1 and w3 stored in Q4_0 by round to nearest."""
+    _, weights, _ = smollm2()
+    return dataclasses.replace(weights, **{name: weight_formats.stored(getattr(weights, name), "q4_0")
+                                           for group in GROUPS for name in group[1]})
+
+
+def prepare():
+    smollm2()
+    rtn_weights()
+
+
+def normal(rng, *shape, scale=1.0):
+    return (rng.standard_normal(shape) * scale).astype(np.float32)
+
+
+def kits_q4_0(w):
+    return wq.rounded(np.asarray(w, np.float32), "q4_0")
+
+
+def check_exact(got, want, what):
+    got = as_array(got, what, shape=want.shape)
+    if not np.array_equal(got.astype(np.float32), want):
+        bad = np.argwhere(got.astype(np.float32) != want)[0]
+        at = tuple(int(i) for i in bad)
+        raise AssertionError(f"{what}: {int(np.sum(got != want))} of {want.size} values differ "
+                             f"from Q4_0's (first at {at}: expected {want[at]!r}, got "
+                             f"{float(got[at])!r}); block {at[1] // 32} of row {at[0]} is "
+                             f"{want[at[0], at[1] // 32 * 32:at[1] // 32 * 32 + 32].tolist()} "
+                             f"as stored")
+
+
+def layer_inputs(rng, n, in_dim):
+    """Activations (n, in_dim) with a few input channels much larger than the rest, as a
+    model's are (chapter 10)."""
+    x = normal(rng, n, in_dim)
+    loud = rng.choice(in_dim, size=int(rng.integers(1, 4)), replace=False)
+    x[:, loud] *= rng.uniform(8, 40, size=len(loud)).astype(np.float32)
+    return x
+
+
+@points(3)
+def test_round_to_nearest_is_q4_0s(sub, rng):
+    """round to nearest into Q4_0 of drawn matrices, bit for bit as kvlab.weight_formats stores them"""
+    for _ in range(3):
+        out_dim, in_dim = int(rng.integers(1, 24)), 32 * int(rng.integers(1, 6))
+        w = normal(rng, out_dim, in_dim, scale=float(rng.choice([0.02, 1.0, 300.0])))
+        check_exact(sub.q4_0_round_to_nearest(w), kits_q4_0(w),
+                    f"q4_0_round_to_nearest of a ({out_dim}, {in_dim}) matrix")
+
+
+@points(2)
+def test_round_to_nearest_edge_blocks(sub, rng):
+    """blocks built to trip it: all zeros, a negative largest value, a tie of +-max, a code of 16 cut to 15, tiny values"""
+    blocks = np.zeros((6, 32), np.float32)
+    blocks[1] = normal(rng, 32)
+    blocks[1, int(rng.integers(32))] = -6.0                  # the largest magnitude, negative
+    blocks[2] = normal(rng, 32)
+    i, j = rng.choice(32, 2, replace=False)
+    blocks[2, min(i, j)], blocks[2, max(i, j)] = (5.0, -5.0) if rng.integers(2) else (-5.0, 5.0)
+    blocks[3] = rng.uniform(-8, 8, 32).astype(np.float32)
+    blocks[3, int(rng.integers(32))] = 8.0                   # d = -1: -8 would be code 16
+    blocks[3, int(rng.integers(32))] = -8.0 + 1e-3
+    blocks[4] = normal(rng, 32, scale=1e-6)                  # d below half precision's normals
+    blocks[5] = np.round(normal(rng, 32) * 4) / 4            # many exact halves of a step
+    order = rng.permutation(6)
+    w = blocks[order].reshape(2, 96)
+    check_exact(sub.q4_0_round_to_nearest(w), kits_q4_0(w),
+                "q4_0_round_to_nearest of blocks with a zero block, a negative largest value, a "
+                "tie of +max and -max (the first one sets d), a value at code 16 (cut to 15), "
+                "values of 1e-6 and exact quarter steps")
+
+
+@points(2)
+def test_channel_scales_are_awqs(sub, rng):
+    """s = magnitude ** alpha, divided by sqrt(max(s) * min(s)); alpha 0 gives ones"""
+    magnitude = np.abs(normal(rng, int(rng.integers(8, 200)))) + np.float32(0.01)
+    magnitude[int(rng.integers(len(magnitude)))] *= 50
+    for alpha in (0.0, float(rng.uniform(0.1, 0.9)), 1.0):
+        check_close(sub.channel_scales(magnitude, alpha), wq.awq_scales(magnitude, alpha),
+                    f"channel_scales of {len(magnitude)} magnitudes with alpha {alpha:.3f}",
+                    atol=0, rtol=1e-5)
+
+
+@points(1)
+def test_output_error(sub, rng):
+    """||x w^T - x w_stored^T||^2 summed over every output"""
+    x, w = normal(rng, 12, 64), normal(rng, 10, 64)
+    stored = kits_q4_0(w)
+    check_close(np.array([number(sub.output_error(x, w, stored), "output_error")]),
+                np.array([wq.output_error(x, w, stored)]), "output_error of a (10, 64) layer "
+                "on 12 inputs, against its Q4_0 values", atol=0, rtol=1e-4)
+
+
+@points(3)
+def test_search_picks_the_alpha_with_the_least_error(sub, rng):
+    """on small layers with loud channels: every alpha's error, the least one's alpha, its scales"""
+    for _ in range(2):
+        in_dim = 32 * int(rng.integers(2, 5))
+        x = layer_inputs(rng, int(rng.integers(16, 48)), in_dim)
+        matrices = [normal(rng, int(rng.integers(8, 40)), in_dim, scale=0.1)
+                    for _ in range(int(rng.integers(1, 4)))]
+        alphas = [0.0] + sorted(float(a) for a in rng.choice(np.arange(1, 10) / 10,
+                                                             int(rng.integers(3, 7)), replace=False))
+        got = sub.search_scales(x, matrices, alphas)
+        what = f"search_scales over {len(matrices)} matrices of {in_dim} columns, alphas {alphas}"
+        assert isinstance(got, dict) and {"alpha", "scales", "errors"} <= set(got), (
+            f"{what}: expected a dict with 'alpha', 'scales' and 'errors', got {described(got)}")
+        magnitude = np.abs(x).mean(axis=0)
+        want = [sum(wq.output_error(x, w, kits_q4_0(w * s) / s) for w in matrices)
+                for s in (wq.awq_scales(magnitude, a) for a in alphas)]
+        check_close(as_array(got["errors"], f"{what}: errors", shape=(len(alphas),)),
+                    np.array(want), f"{what}: the output error of each alpha", atol=0, rtol=1e-4)
+        alpha = number(got["alpha"], f"{what}: alpha")
+        assert alpha in alphas, f"{what}: alpha {alpha!r} is not one of the grid's"
+        assert want[alphas.index(alpha)] <= min(want) * (1 + 1e-6), (
+            f"{what}: alpha {alpha} gives output error {want[alphas.index(alpha)]:.6g}, but alpha "
+            f"{alphas[int(np.argmin(want))]} gives {min(want):.6g}")
+        check_close(got["scales"], wq.awq_scales(magnitude, alpha),
+                    f"{what}: the scales of alpha {alpha} (from mean |x| of each input channel)",
+                    atol=0, rtol=1e-5)
+
+
+@points(2)
+def test_fold_into_norm_keeps_the_layer(sub, rng):
+    """norm / s and w * s: RMSNorm then the matrices give the same outputs as before"""
+    dim = 32 * int(rng.integers(1, 4))
+    norm = (1 + 0.2 * normal(rng, dim)).astype(np.float32)
+    matrices = [normal(rng, int(rng.integers(4, 20)), dim) for _ in range(2)]
+    s = np.exp(normal(rng, dim)).astype(np.float32)
+    got = sub.fold_into_norm(norm, matrices, s)
+    assert isinstance(got, (tuple, list)) and len(got) == 2 and len(got[1]) == 2, (
+        f"fold_into_norm should return (norm_weight, [matrices...]), got {described(got)}")
+    check_close(got[0], norm / s, f"the folded RMSNorm weight ({dim} channels)", atol=0, rtol=1e-6)
+    x = normal(rng, 5, dim)
+    for i, (w, folded) in enumerate(zip(matrices, got[1])):
+        check_close(folded, w * s, f"folded matrix {i}: its columns times the scales", atol=0,
+                    rtol=1e-6)
+        check_close(reference.rmsnorm(x, np.asarray(got[0], np.float32), 1e-5) @
+                    np.asarray(folded, np.float32).T,
+                    reference.rmsnorm(x, norm, 1e-5) @ w.T,
+                    f"matrix {i} after the folded RMSNorm: the layer's outputs", atol=1e-4, rtol=1e-4)
+
+
+def perplexity(weights, tokens) -> float:
+    model, _, _ = smollm2()
+    run = Model(model.config, weights, model.tokenizer, activations="fp32")
+    logits = run.prefill(tokens, run.new_cache(len(tokens)), all_logits=True)
+    return accuracy.perplexity(logits, tokens)
+
+
+@points(5, slow=3)
+def test_your_scales_beat_round_to_nearest_on_smollm2(sub, rng):
+    """SmolLM2-135M in Q4_0 with your scales (every layer's wq/wk/wv and w1/w3): lower perplexity than round to nearest"""
+    model, weights, ids = smollm2()
+    start = int(rng.integers(0, len(ids) - CALIBRATION_TOKENS - EVALUATION_TOKENS))
+    calibration_ids = ids[start:start + CALIBRATION_TOKENS]
+    rest = np.concatenate([ids[:start], ids[start + CALIBRATION_TOKENS:]])
+    first = int(rng.integers(0, len(rest) - EVALUATION_TOKENS))
+    evaluation = rest[first:first + EVALUATION_TOKENS]
+    calibration = wq.calibrate(model.config, weights, calibration_ids, window=CALIBRATION_TOKENS)
+    arrays = {name: getattr(weights, name).copy() for group in GROUPS
+              for name in group[1] + (group[2],)}
+    for layer in range(model.config.n_layers):
+        for inputs, names, norm in GROUPS:
+            what = f"search_scales on layer {layer}'s {'/'.join(names)}"
+            got = sub.search_scales(getattr(calibration, inputs)[layer],
+                                    [arrays[name][layer] for name in names], MODEL_ALPHAS)
+            assert isinstance(got, dict) and "scales" in got, (
+                f"{what}: expected a dict with 'scales', got {described(got)}")
+            s = as_array(got["scales"], f"{what}: scales", shape=(model.config.dim,))
+            assert np.isfinite(s).all() and (s > 0).all(), f"{what}: scales must be finite and > 0"
+            s = s.astype(np.float32)
+            arrays[norm][layer] /= s
+            for name in names:
+                arrays[name][layer] *= s
+    yours = dataclasses.replace(weights, **{name: weight_formats.stored(array, "q4_0")
+                                            if name.startswith("w") else array
+                                            for name, array in arrays.items()})
+    mine, theirs, exact = (perplexity(yours, evaluation), perplexity(rtn_weights(), evaluation),
+                           perplexity(weights, evaluation))
+    assert mine < theirs, (
+        f"SmolLM2 with every layer's wq/wk/wv and w1/w3 in Q4_0, calibrated on {CALIBRATION_TOKENS} "
+        f"tokens, over {EVALUATION_TOKENS} other tokens: perplexity {mine:.3f} with your scales, "
+        f"{theirs:.3f} by round to nearest (float: {exact:.3f}); yours must be lower")
