@@ -401,7 +401,6 @@ static const char *const counter_names[] = {"flops_projections", "flops_attentio
 _Static_assert(sizeof counter_names / sizeof counter_names[0] == (size_t)KV_PY_N_COUNTERS,
                "counter_names must name every kv_counters field");
 
-
 /* What built this module, in kvlab_build.describe's words (setup.py defines it; a build
  * by other means, such as tests/c's Makefile, has none). */
 #ifndef KV_BUILD
