@@ -70,6 +70,7 @@ static const kv_variant variants[] = {
 #endif
 
 #define N_VARIANTS ((int)(sizeof variants / sizeof variants[0]))
+_Static_assert(N_VARIANTS <= KV_MAX_VARIANTS, "dispatch.h's KV_MAX_VARIANTS is too small");
 
 /* The variant running now, and its kernels; the last (any CPU's) until the choice below. */
 static const kv_variant *current = &variants[N_VARIANTS - 1];

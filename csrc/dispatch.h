@@ -73,7 +73,8 @@ typedef struct {
 } kv_variant;
 
 /* The variants this build has, best first (the last is the one every CPU runs), and their
- * number in *count. */
+ * number in *count (at most KV_MAX_VARIANTS). */
+#define KV_MAX_VARIANTS 4
 const kv_variant *kv_variants(int *count);
 
 /* The variant whose kernels run now: the best one this CPU has, from the moment the core is

@@ -109,17 +109,26 @@ import test_bits
 fast = test_bits.digest()
 kvlab.set_kernels("plain")
 print(json.dumps({"variant": _kvlab.VARIANT, "fused": _kvlab.FUSED_MULTIPLY_ADD,
-                  "fast": fast, "plain": test_bits.digest()}))
+                  "build": _kvlab.BUILD, "fast": fast, "plain": test_bits.digest()}))
 """
+
+
+def this_kvlab_first(**variables):
+    """The environment for a child Python that imports the kvlab this process imported (a
+    scratch build's, in .ci/lanes, not the installed one), with these variables set."""
+    env = dict(os.environ, **variables)
+    here = str(Path(kvlab.__file__).resolve().parents[1])
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (here, env.get("PYTHONPATH")) if p)
+    return env
 
 
 def run_on_variant(variant):
     """The digests of a process whose kernels are KVLAB_VARIANT=variant's, or a skip where
     this CPU cannot run it (kvlab refuses it at import with ValueError)."""
-    env = dict(os.environ, KVLAB_VARIANT=variant)
     here = Path(__file__).parent     # not the repository, whose kvlab/ has no extension in CI
     done = subprocess.run([sys.executable, "-c", VARIANT_SCRIPT, str(here)], cwd=here,
-                          env=env, capture_output=True, text=True, timeout=300)
+                          env=this_kvlab_first(KVLAB_VARIANT=variant), capture_output=True,
+                          text=True, timeout=300)
     if done.returncode != 0 and "this CPU cannot run it" in done.stderr:
         pytest.skip(done.stderr.strip().splitlines()[-1])
     assert done.returncode == 0, done.stderr[-3000:]
@@ -132,16 +141,16 @@ def test_each_variant_has_the_digest_of_its_multiply_adds(variant):
     fused (avx2, avx512) or not (baseline), from both tiers: its plain kernels are its fast
     ones' specification, compiled with the same instructions."""
     report = run_on_variant(variant)
-    assert report["variant"] == variant
+    assert report["variant"] == variant and report["build"] == _kvlab.BUILD
     assert report["fused"] == FUSES.get(variant, report["fused"])
     assert report["fast"] == DIGESTS[report["fused"]], f"{variant}'s fast kernels"
     assert report["plain"] == DIGESTS[report["fused"]], f"{variant}'s plain kernels"
 
 
 def test_a_variant_this_build_lacks_is_refused_with_the_choices():
-    env = dict(os.environ, KVLAB_VARIANT="avx9000")
-    done = subprocess.run([sys.executable, "-c", "import kvlab"], env=env, capture_output=True,
-                          text=True, timeout=300, cwd=Path(__file__).parent)
+    done = subprocess.run([sys.executable, "-c", "import kvlab"], capture_output=True,
+                          env=this_kvlab_first(KVLAB_VARIANT="avx9000"), text=True,
+                          timeout=300, cwd=Path(__file__).parent)
     assert done.returncode != 0
     assert "KVLAB_VARIANT must be one of this build's kernel variants" in done.stderr
     assert all(f"'{name}'" in done.stderr for name in _kvlab.VARIANTS)

@@ -355,3 +355,25 @@ def test_the_c_tests_compile_the_variants_as_setup_py_does():
         names(kvlab_build.VARIANTS)
     kernels = re.search(r"KERNEL_SOURCES = .*? in\s*\((.*?)\)\]", setup, re.S).group(1)
     assert expand(variables["KERNELS"]) == re.findall(r'"(\w+)"', kernels)
+
+
+def test_every_compiler_that_can_hides_the_cores_names():
+    flags = kvlab_build.choose_flags(accepting(["-fvisibility=hidden"]), env={},
+                                     platform="linux", libomp=no_libomp)
+    assert "-fvisibility=hidden" in flags.compile
+
+
+def test_the_extension_shows_the_dynamic_linker_only_its_init_function():
+    """With -fvisibility=hidden the core's functions are the module's own: calls between
+    its files go direct, not through the PLT (a kernel's dispatch, attention's softmax
+    step), and no other library's function of the same name can take one's place."""
+    from kvlab import _kvlab
+    if not sys.platform.startswith("linux") or "-fvisibility=hidden" not in _kvlab.BUILD:
+        pytest.skip("an ELF module built with -fvisibility=hidden (Linux, gcc or clang)")
+    listed = subprocess.run(["nm", "-D", "--defined-only", _kvlab.__file__],
+                            capture_output=True, text=True)
+    if listed.returncode != 0:
+        pytest.skip("no nm here")
+    functions = {line.split()[-1] for line in listed.stdout.splitlines()
+                 if line.split()[1:2] == ["T"]}
+    assert functions == {"PyInit__kvlab"}

@@ -186,6 +186,24 @@ static PyObject *py_get_kernels(PyObject *module, PyObject *Py_UNUSED(ignored)) 
     return PyUnicode_FromString(kernel_names[kv_get_kernels()]);
 }
 
+/* module.<attribute> = a tuple of the count strings in names (COUNTERS, VARIANTS) */
+static int add_name_tuple(PyObject *module, const char *attribute, const char *const *names,
+                          int count) {
+    PyObject *tuple = PyTuple_New(count);
+    if (tuple == NULL) return -1;
+    for (int i = 0; i < count; i++) {
+        PyObject *name = PyUnicode_FromString(names[i]);
+        if (name == NULL) {
+            Py_DECREF(tuple);
+            return -1;
+        }
+        PyTuple_SET_ITEM(tuple, i, name);
+    }
+    int result = PyModule_AddObjectRef(module, attribute, tuple);
+    Py_DECREF(tuple);
+    return result;
+}
+
 /* ---- kernel variants (dispatch.h) ---------------------------------------------------- */
 
 /* KVLAB_VARIANT=name runs the process on that kernel variant instead of the best one this
@@ -234,22 +252,12 @@ static PyObject *variant_reason(int asked) {
 static int add_variant_constants(PyObject *module, int asked) {
     int count;
     const kv_variant *variants = kv_variants(&count), *current = kv_current_variant();
-    PyObject *names = PyTuple_New(count);
-    if (names == NULL) return -1;
-    for (int i = 0; i < count; i++) {
-        PyObject *name = PyUnicode_FromString(variants[i].kernels->name);
-        if (name == NULL) {
-            Py_DECREF(names);
-            return -1;
-        }
-        PyTuple_SET_ITEM(names, i, name);
-    }
-    int result = PyModule_AddObjectRef(module, "VARIANTS", names);
-    Py_DECREF(names);
-    if (result < 0) return -1;
+    const char *names[KV_MAX_VARIANTS];
+    for (int i = 0; i < count; i++) names[i] = variants[i].kernels->name;
+    if (add_name_tuple(module, "VARIANTS", names, count) < 0) return -1;
     PyObject *reason = variant_reason(asked);
     if (reason == NULL) return -1;
-    result = PyModule_AddObjectRef(module, "VARIANT_REASON", reason);
+    int result = PyModule_AddObjectRef(module, "VARIANT_REASON", reason);
     Py_DECREF(reason);
     if (result < 0 || PyModule_AddStringConstant(module, "VARIANT", current->kernels->name) < 0)
         return -1;
@@ -393,22 +401,6 @@ static const char *const counter_names[] = {"flops_projections", "flops_attentio
 _Static_assert(sizeof counter_names / sizeof counter_names[0] == (size_t)KV_PY_N_COUNTERS,
                "counter_names must name every kv_counters field");
 
-static int add_counter_names(PyObject *module) {
-    PyObject *names = PyTuple_New(KV_PY_N_COUNTERS);
-    if (names == NULL) return -1;
-    for (int i = 0; i < KV_PY_N_COUNTERS; i++) {
-        PyObject *name = PyUnicode_FromString(counter_names[i]);
-        if (name == NULL) {
-            Py_DECREF(names);
-            return -1;
-        }
-        PyTuple_SET_ITEM(names, i, name);
-    }
-    int result = PyModule_AddObjectRef(module, "COUNTERS", names);
-    Py_DECREF(names);
-    return result;
-}
-
 /* What built this module, in kvlab_build.describe's words (setup.py defines it; a build
  * by other means, such as tests/c's Makefile, has none). */
 #ifndef KV_BUILD
@@ -436,7 +428,7 @@ PyMODINIT_FUNC PyInit__kvlab(void) {
         PyModule_AddIntConstant(module, "MAX_BLOCK_SIZE", KV_MAX_BLOCK_SIZE) < 0 ||
         PyModule_AddIntConstant(module, "TOKEN_CHUNK", KV_TOKEN_CHUNK) < 0 ||
         PyModule_AddObjectRef(module, "PagedSequence", (PyObject *)&kv_py_sequence_type) < 0 ||
-        add_counter_names(module) < 0 ||
+        add_name_tuple(module, "COUNTERS", counter_names, KV_PY_N_COUNTERS) < 0 ||
         PyModule_AddStringConstant(module, "BUILD", KV_BUILD) < 0 ||
         add_variant_constants(module, variant_asked) < 0 ||
 #ifdef _OPENMP
