@@ -22,7 +22,10 @@ What is timed:
     against llama-batched-bench's generation phase (-npp 16, the steps' CPU time from two
     runs of -ntg 16 and -ntg 48).
 llama.cpp is built by hand from a source package (not part of CI); the benchmark needs
-its llama-bench and llama-batched-bench in --llama-dir.
+its llama-bench and llama-batched-bench in --llama-dir. --no-repack runs llama.cpp without
+its repacked weights (--repack 0, --no-repack), which on a CPU with AMX are its AMX
+kernels: on the development VM (a Sapphire Rapids guest) those crashed with SIGSEGV in
+ggml_backend_amx_mul_mat on every Q8_0 file, so its figures there are without them.
 """
 from __future__ import annotations
 
@@ -39,13 +42,14 @@ import numpy as np
 import kvlab
 from kvlab.loaders import save_gguf
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from products_timing import BATCHES, STEPS, batch_decode_seconds  # noqa: E402
+
 SHAPES = {   # llama2.c's stories models: dim, hidden_dim, n_layers, n_heads (vocab 32,000)
     "15m": (288, 768, 6, 6),
     "110m": (768, 2048, 12, 12),
 }
 PROMPT = 256
-BATCHES = (1, 4, 16)
-STEPS = 16          # kvlab's timed decode steps per batch
 LLAMA_STEPS = (16, 48)   # llama-batched-bench's two runs: the difference is 32 steps
 
 
@@ -60,23 +64,25 @@ def run_cpu_seconds(command: list) -> float:
     return (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
 
 
-def llama_prefill_cpu(llama_dir: Path, path: Path, reps: int = 4) -> float:
+def llama_prefill_cpu(args, path: Path, reps: int = 4) -> float:
     """CPU seconds of one 256-token prefill by llama-bench on one thread."""
-    bench = str(llama_dir / "llama-bench")
+    bench = str(args.llama_dir / "llama-bench")
     base = [bench, "-m", str(path), "-t", "1", "-p", str(PROMPT), "-n", "0"]
+    base += ["--repack", "0"] if args.no_repack else []
     more = run_cpu_seconds(base + ["-r", str(1 + reps)])
     less = run_cpu_seconds(base + ["-r", "1"])
     return (more - less) / reps
 
 
-def llama_batch_cpu(llama_dir: Path, path: Path, batch: int) -> float:
+def llama_batch_cpu(args, path: Path, batch: int) -> float:
     """CPU seconds of one decode step of `batch` sequences by llama-batched-bench, one thread."""
-    bench = str(llama_dir / "llama-batched-bench")
+    bench = str(args.llama_dir / "llama-batched-bench")
     seconds = []
     for steps in LLAMA_STEPS:
         seconds.append(run_cpu_seconds([bench, "-m", str(path), "-t", "1", "-tb", "1",
                                         "-c", str(batch * (16 + max(LLAMA_STEPS)) + 64),
-                                        "-npp", "16", "-ntg", str(steps), "-npl", str(batch)]))
+                                        "-npp", "16", "-ntg", str(steps), "-npl", str(batch)]
+                                       + (["--no-repack"] if args.no_repack else [])))
     return (seconds[1] - seconds[0]) / (LLAMA_STEPS[1] - LLAMA_STEPS[0])
 
 
@@ -90,17 +96,7 @@ def kvlab_prefill_cpu(model) -> float:
 
 def kvlab_batch_cpu(model, batch: int) -> float:
     """CPU seconds of one forward_batch decode step of `batch` sequences (16-token prompts)."""
-    pool = model.new_paged_pool(num_blocks=batch * 3 + 4, block_size=16)
-    seqs = [pool.new_sequence() for _ in range(batch)]
-    prompt = (1000 + np.arange(16 * batch, dtype=np.int32) * 37) % model.config.vocab_size
-    model.forward_batch(seqs, [prompt[16 * i:16 * (i + 1)] for i in range(batch)])
-    start = time.process_time()
-    for step in range(STEPS):
-        model.forward_batch(seqs, [prompt[i + step:i + step + 1] for i in range(batch)])
-    seconds = (time.process_time() - start) / STEPS
-    for seq in seqs:
-        pool.free(seq)
-    return seconds
+    return batch_decode_seconds(model, batch) / STEPS
 
 
 def prefill_files(folder: Path) -> dict:
@@ -136,7 +132,7 @@ def compare_prefill(args, folder: Path) -> list:
             variants = {"": kvlab.load(path)}
             if ggml == "q8_0":
                 variants[" x fp32 activations"] = kvlab.load(path, activations="fp32")
-            llama = min(llama_prefill_cpu(args.llama_dir, path) for _ in range(args.rounds))
+            llama = min(llama_prefill_cpu(args, path) for _ in range(args.rounds))
             for suffix, model in variants.items():
                 kvlab_prefill_cpu(model)   # the first pass touches the weights' pages
                 ours = min(kvlab_prefill_cpu(model) for _ in range(args.rounds))
@@ -158,7 +154,7 @@ def compare_batches(args, folder: Path) -> list:
     rows = []
     for batch in BATCHES:
         ours = min(kvlab_batch_cpu(model, batch) for _ in range(args.rounds))
-        llama = min(llama_batch_cpu(args.llama_dir, path, batch) for _ in range(args.rounds))
+        llama = min(llama_batch_cpu(args, path, batch) for _ in range(args.rounds))
         rows.append({"file": path.name, "batch": batch, "kvlab_tok_per_cpu_s": batch / ours,
                      "llama_cpp_tok_per_cpu_s": batch / llama, "ratio": llama / ours})
         print(f"decode batch {batch:>2} (Q8_0 SmolLM2) kvlab {batch / ours:8.1f} llama.cpp "
@@ -173,6 +169,8 @@ def main(argv=None) -> int:
     parser.add_argument("--gguf", type=Path, required=True, help="where the GGUF files go")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--parts", default="prefill,batch")
+    parser.add_argument("--no-repack", action="store_true",
+                        help="llama.cpp without repacked weights (its AMX kernels)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     for tool in ("llama-bench", "llama-batched-bench"):
@@ -182,6 +180,7 @@ def main(argv=None) -> int:
     kvlab.set_num_threads(1)
     parts = args.parts.split(",")
     result = {"threads": 1, "rounds": args.rounds, "build": kvlab._kvlab.BUILD,
+              "llama_cpp_repack": not args.no_repack,
               "prefill": compare_prefill(args, args.gguf) if "prefill" in parts else [],
               "batch": compare_batches(args, args.gguf) if "batch" in parts else []}
     if args.json:

@@ -185,43 +185,37 @@ fail:
 #define OPAQUE(v) ((void)0)
 #endif
 
+/* The body of a chains function: DECLARE(i) starts chain i, ONE(i) is its step (ending with
+ * OPAQUE of what it reads), SUM(i) adds its result to a float total, which is returned. */
+#define RUN_CHAINS()                                     \
+    CHAINS(DECLARE)                                      \
+    for (int k = 0; k < ROOF_STEPS; k++) { CHAINS(ONE) } \
+    return 0.0f CHAINS(SUM);
+
 #if defined(__AVX512F__) && defined(__GNUC__)
 #define ROOF_F32 "AVX-512 fused multiply-add, 16 lanes"
+#define F32_FLOPS_PER_CHAIN_STEP 32.0
 static float f32_chains(void) {
     __m512 step = _mm512_set1_ps(0.999f), add = _mm512_set1_ps(1e-7f);
 #define DECLARE(i) __m512 a##i = _mm512_set1_ps((float)(i) * 1e-3f);
-#define ONE(i) a##i = _mm512_fmadd_ps(a##i, step, add);
+#define ONE(i) a##i = _mm512_fmadd_ps(a##i, step, add); OPAQUE(step);
 #define SUM(i) +_mm512_reduce_add_ps(a##i)
-    CHAINS(DECLARE)
-    for (int k = 0; k < ROOF_STEPS; k++) {
-        CHAINS(ONE)
-        OPAQUE(step);
-    }
-    return 0.0f CHAINS(SUM);
+    RUN_CHAINS()
 }
-#undef DECLARE
-#undef ONE
-#undef SUM
-#define F32_FLOPS_PER_CHAIN_STEP 32.0
 #else
 #define ROOF_F32 "multiply-add of eight lanes (v8f, simd.h's madd)"
+#define F32_FLOPS_PER_CHAIN_STEP 16.0
 static float f32_chains(void) {
     v8f step = splat(0.999f), add = splat(1e-7f);
 #define DECLARE(i) v8f a##i = splat((float)(i) * 1e-3f);
-#define ONE(i) a##i = madd(a##i, step, add);
+#define ONE(i) a##i = madd(a##i, step, add); OPAQUE(step);
 #define SUM(i) +reduce_lanes(a##i)
-    CHAINS(DECLARE)
-    for (int k = 0; k < ROOF_STEPS; k++) {
-        CHAINS(ONE)
-        OPAQUE(step);
-    }
-    return 0.0f CHAINS(SUM);
+    RUN_CHAINS()
 }
+#endif
 #undef DECLARE
 #undef ONE
 #undef SUM
-#define F32_FLOPS_PER_CHAIN_STEP 16.0
-#endif
 
 /* The int8 dot product: 64 (512-bit VNNI), 32 (AVX2) or 4 byte products a chain and step,
  * each product and its addition two operations; and the int8 product's sequence (one
@@ -233,14 +227,9 @@ static float f32_chains(void) {
 static float int8_chains(void) {
     __m512i u = _mm512_set1_epi8(3), s = _mm512_set1_epi8(-2);
 #define DECLARE(i) __m512i a##i = _mm512_set1_epi32(i);
-#define ONE(i) a##i = _mm512_dpbusd_epi32(a##i, u, s);
+#define ONE(i) a##i = _mm512_dpbusd_epi32(a##i, u, s); OPAQUE(u);
 #define SUM(i) +(float)_mm512_reduce_add_epi32(a##i)   /* each in range; their total in float */
-    CHAINS(DECLARE)
-    for (int k = 0; k < ROOF_STEPS; k++) {
-        CHAINS(ONE)
-        OPAQUE(u);
-    }
-    return 0.0f CHAINS(SUM);
+    RUN_CHAINS()
 }
 #undef DECLARE
 #undef ONE
@@ -256,13 +245,8 @@ static float int8_product_chains(void) {
     OPAQUE(x);                                                                          \
     OPAQUE(d_x);
 #define SUM(i) +_mm512_reduce_add_ps(a##i)
-    CHAINS(DECLARE)
-    for (int k = 0; k < ROOF_STEPS; k++) { CHAINS(ONE) }
-    return 0.0f CHAINS(SUM);
+    RUN_CHAINS()
 }
-#undef DECLARE
-#undef ONE
-#undef SUM
 #elif defined(__AVX2__) && defined(__GNUC__)
 #define ROOF_INT8 "AVX2 maddubs and madd, 32 byte products"
 #define INT8_OPS_PER_CHAIN_STEP 64.0
@@ -273,10 +257,8 @@ static float int8_chains(void) {
     __m256i u = _mm256_set1_epi8(3), s = _mm256_set1_epi8(-2);
 #define DECLARE(i) __m256i a##i = _mm256_set1_epi32(i);
 #define ONE(i) a##i = _mm256_add_epi32(a##i, products32(u, s)); OPAQUE(u);
-#define SUM(i) +_mm256_extract_epi32(a##i, 0)
-    CHAINS(DECLARE)
-    for (int k = 0; k < ROOF_STEPS; k++) { CHAINS(ONE) }
-    return (float)(0 CHAINS(SUM));
+#define SUM(i) +(float)_mm256_extract_epi32(a##i, 0)
+    RUN_CHAINS()
 }
 #undef DECLARE
 #undef ONE
@@ -290,13 +272,8 @@ static float int8_product_chains(void) {
     OPAQUE(x);                                                                    \
     OPAQUE(d_x);
 #define SUM(i) +reduce_lanes(a##i)
-    CHAINS(DECLARE)
-    for (int k = 0; k < ROOF_STEPS; k++) { CHAINS(ONE) }
-    return 0.0f CHAINS(SUM);
+    RUN_CHAINS()
 }
-#undef DECLARE
-#undef ONE
-#undef SUM
 #else
 #define ROOF_INT8 "scalar int32 multiply-adds, 4 byte products"
 #define INT8_OPS_PER_CHAIN_STEP 8.0
@@ -312,7 +289,11 @@ static float int8_chains(void) {
 }
 static float int8_product_chains(void) { return int8_chains(); }
 #endif
+#undef DECLARE
+#undef ONE
+#undef SUM
 #undef OPAQUE
+#undef RUN_CHAINS
 
 /* Seconds of CPU time this thread has run, where the system keeps them (else the wall
  * clock): a pass's time on a shared machine is then its own, not the neighbours' too. */
