@@ -1,27 +1,42 @@
-"""How setup.py builds the C extension: the compiler flags it chooses, and the record that
-makes a changed choice rebuild (the build-time half of setup.py; nothing here is installed).
+"""How setup.py builds the C extension: the compiler flags it chooses, the kernel variants it
+compiles, and the record that makes a changed choice rebuild (the build-time half of
+setup.py; nothing here is installed).
 
 Flags (choose_flags): C11, -O3, and -ffp-contract=off on every compiler, so that no compiler
 fuses a multiply and an add on its own (GCC's ISO C mode does not, clang does by default):
 the kernels' bits are then the same from gcc and clang, and fused multiply-adds happen only
-where the source asks for them (simd.h's madd, plain.c's fmaf, on CPUs with FMA).
--march=native unless KVLAB_PORTABLE=1. OpenMP where the compiler has it; on macOS, where
-Apple's clang has none of its own, through Homebrew's libomp when it is installed, else
-single-threaded with a one-line notice.
+where the source asks for them (simd.h's madd, plain.c's fmaf, in a variant built with FMA).
+-fvisibility=hidden: the module shows only PyInit to the dynamic linker, so that calls
+between the core's files (a kernel's name in dispatch.c, attention's softmax step in ops.c)
+are direct calls, not jumps through the PLT that another library's same name could take
+over. On the bundled model that took the dispatching build's prefill from 0.92x a
+-march=native build's speed to 0.97-1.00x (CPU time, 1 thread, benchmarks/ab.py).
+OpenMP where the compiler has it; on macOS, where Apple's clang has none of its own, through
+Homebrew's libomp when it is installed, else single-threaded with a one-line notice.
+
+Kernel variants (choose_variants, VARIANTS): on x86-64 the kernel files (setup.py's
+KERNEL_SOURCES) are compiled three times, for the compiler's default target (the baseline:
+any x86-64 CPU), for AVX2 with FMA and for AVX-512 with VNNI, and csrc/dispatch.c runs the
+best one the CPU has: one build, or one wheel, that is fast on new CPUs and runs on old ones.
+The rest of the extension is compiled once, for the baseline. A build of one variant
+instead: KVLAB_NATIVE=1 (everything -march=native: this machine's CPU and no other, as the
+default was before), KVLAB_PORTABLE=1 (the baseline alone: the same bits on every x86-64 CPU,
+no fused multiply-adds, slower), a compiler that cannot compile a variant (it is left out),
+or a CPU other than x86-64 (the kernels have no ARM paths of their own yet: NEON is the
+aarch64 baseline, and the compiler's vectors use it).
 
 The record (BuildRecords): setuptools rebuilds an extension only when a source is newer
 than it, so a build with another compiler, other flags or other KVLAB_* options used to
 reuse the build/ folder's old .so and ship it (issue 38). Each built extension now has a
 record beside the object files of what built it (the compiler's command and version, the
-flags, the build's environment variables); when the record of the build about to run
-differs, everything is rebuilt. The same words go into the extension as KV_BUILD, which
-kvlab._kvlab.BUILD reports.
+flags and variants, the build's environment variables); when the record of the build about
+to run differs, everything is rebuilt. The same words go into the extension as KV_BUILD,
+which kvlab._kvlab.BUILD reports.
 
 On Windows the compiler is mingw-w64's gcc, since MSVC cannot compile the core; that path
 is untried on Windows itself (the core's C tests pass as mingw-w64 binaries under wine64).
 
-Not here: CUDA's flags (setup.py), kernels for several instruction sets chosen at run time
-(issue 38 item 2: a build is for one instruction set, this machine's or the baseline's).
+Not here: CUDA's flags (setup.py).
 """
 import hashlib
 import json
@@ -30,6 +45,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -41,7 +57,7 @@ from setuptools.command.build_ext import build_ext
 # tier, the download cache ...) change no build, so they neither enter the record nor force
 # a rebuild.
 BUILD_VARIABLES = ("CC", "CFLAGS", "CPPFLAGS", "LDFLAGS", "LDSHARED", "ARCHFLAGS",
-                   "CUDA_HOME", "CUDA_PATH", "KVLAB_PORTABLE", "KVLAB_NO_OPENMP",
+                   "CUDA_HOME", "CUDA_PATH", "KVLAB_NATIVE", "KVLAB_PORTABLE", "KVLAB_NO_OPENMP",
                    "KVLAB_SANITIZE", "KVLAB_CUDA", "KVLAB_NO_CUDA", "KVLAB_CUDA_ARCH",
                    "KVLAB_CUDA_GENCODE")
 
@@ -55,20 +71,62 @@ def is_set(env, name):
     return env.get(name, "") not in ("", "0")
 
 
+@dataclass(frozen=True)
+class Variant:
+    """One set of the kernel files' objects: its name (the suffix variant_names.h gives its
+    functions, kvlab._kvlab.VARIANT's value) and the instruction sets it may use."""
+    name: str
+    flags: tuple = ()
+
+    def features(self):
+        """The CPU features its flags name ("-mavx2" -> "avx2"), which dispatch.c checks."""
+        return [flag[2:] for flag in self.flags if flag.startswith("-m")]
+
+
+# The x86-64 variants, the one every CPU runs last. dispatch.c checks each feature before it
+# runs a variant (tests/test_build.py keeps the two lists equal). AVX2 comes with FMA, F16C
+# and BMI2 on every CPU that has it (Haswell, 2013; AMD's Excavator, 2015); AVX-512 without
+# VNNI (Skylake's servers, 2017) gains the kernels nothing, since their 512-bit paths are
+# VNNI's int8 dot products.
+AVX2 = ("-mavx2", "-mfma", "-mf16c", "-mbmi", "-mbmi2")
+VARIANTS = (
+    Variant("avx512", AVX2 + ("-mavx512f", "-mavx512bw", "-mavx512cd", "-mavx512dq",
+                              "-mavx512vl", "-mavx512vnni")),
+    Variant("avx2", AVX2),
+    Variant("baseline"),
+)
+
+# The header that renames a variant's functions, forced into each of its compilations.
+VARIANT_NAMES = "csrc/variant_names.h"
+
+TRIVIAL_PROGRAM = "int main(void) { return 0; }\n"
+X86_64_PROGRAM = ("#if !defined(__x86_64__)\n#error not x86-64\n#endif\n" + TRIVIAL_PROGRAM)
+
+
+def variant_program(variant):
+    """A program that compiles with the variant's flags where the compiler has its
+    intrinsics and can ask the CPU for each feature the way dispatch.c does."""
+    asks = " + ".join(f'__builtin_cpu_supports("{f}")' for f in variant.features() if f != "f16c")
+    return ("#include <immintrin.h>\n#include <cpuid.h>\n"
+            f"int main(void) {{ __builtin_cpu_init(); return {asks or '0'}; }}\n")
+
+
 @dataclass
 class Flags:
     compile: list
     link: list
     notices: list = field(default_factory=list)
+    variants: list = field(default_factory=list)   # several Variants, or none: one build
 
 
-def compiler_accepts(command, flags):
-    """Does this compiler command (a list) build and link a trivial program with these flags?"""
+def compiler_accepts(command, flags, program=TRIVIAL_PROGRAM):
+    """Does this compiler command (a list) build and link the program (C source) with these
+    flags?"""
     if not command or shutil.which(command[0]) is None:
         return False
     with tempfile.TemporaryDirectory() as tmp:
         source = Path(tmp, "probe.c")
-        source.write_text("int main(void) { return 0; }\n")
+        source.write_text(program)
         result = subprocess.run([*command, str(source), *flags, "-o", str(Path(tmp, "probe"))],
                                 capture_output=True)
         return result.returncode == 0
@@ -111,19 +169,40 @@ def openmp_flags(accepts, env, platform, libomp):
     return [], [], "kvlab: the C compiler has no OpenMP: building single-threaded"
 
 
-def choose_flags(accepts, env=None, platform=None, libomp=find_libomp):
-    """The C flags for kvlab._kvlab. accepts(flags) says whether the compiler takes them;
-    env and platform default to this process's (the tests pass others)."""
+def choose_variants(compiles, env=None):
+    """The kernel variants to compile (VARIANTS, best first; see the module's text), or []
+    for a build of one variant. compiles(program, flags) says whether the compiler builds
+    that C program with those flags; env defaults to this process's."""
+    env = os.environ if env is None else env
+    if is_set(env, "KVLAB_NATIVE") or is_set(env, "KVLAB_PORTABLE"):
+        return []
+    if not compiles(X86_64_PROGRAM, []):
+        return []
+    chosen = [v for v in VARIANTS if compiles(variant_program(v), list(v.flags))]
+    return chosen if len(chosen) > 1 and chosen[-1] == VARIANTS[-1] else []
+
+
+def choose_flags(accepts, env=None, platform=None, libomp=find_libomp, compiles=None):
+    """The C flags for kvlab._kvlab. accepts(flags) says whether the compiler takes them,
+    compiles(program, flags) whether it builds that program (choose_variants; None: no
+    variants); env and platform default to this process's (the tests pass others)."""
     env = os.environ if env is None else env
     platform = sys.platform if platform is None else platform
+    if is_set(env, "KVLAB_NATIVE") and is_set(env, "KVLAB_PORTABLE"):
+        raise SystemExit("kvlab: KVLAB_NATIVE=1 (this CPU only) and KVLAB_PORTABLE=1 (any CPU, "
+                         "baseline kernels only) ask for opposite builds: set one of them")
     # -ffp-contract=off is not probed: every compiler that has GCC's vector extensions
     # (which the core needs) takes it, and one that did not must fail loudly rather than
     # build other bits.
-    compile_args = ["-std=c11", "-O3", "-Wall", "-Wextra", "-Wno-unused-parameter",
+    compile_args = ["-std=c11", "-O3", "-Wall", "-Wextra", "-Wno-unused-parameter", "-Wno-psabi",
                     "-fno-math-errno", "-ffp-contract=off"]
     link_args = []
     notices = []
-    if not is_set(env, "KVLAB_PORTABLE") and accepts(["-march=native"]):
+    if accepts(["-fvisibility=hidden"]):
+        compile_args.append("-fvisibility=hidden")
+    if is_set(env, "KVLAB_NATIVE"):
+        if not accepts(["-march=native"]):
+            raise SystemExit("kvlab: KVLAB_NATIVE=1, but this compiler does not take -march=native")
         compile_args.append("-march=native")
     omp_compile, omp_link, notice = openmp_flags(accepts, env, platform, libomp)
     compile_args += omp_compile
@@ -134,7 +213,8 @@ def choose_flags(accepts, env=None, platform=None, libomp=find_libomp):
         sanitize = ["-fsanitize=address,undefined", "-fno-omit-frame-pointer", "-g"]
         compile_args += sanitize + ["-O1"]
         link_args += sanitize
-    return Flags(compile_args, link_args, notices)
+    variants = choose_variants(compiles, env) if compiles is not None else []
+    return Flags(compile_args, link_args, notices, variants)
 
 
 def compiler_version(command):
@@ -160,6 +240,7 @@ def build_record(compiler, linker, flags, env=None, extra=None):
         "version": compiler_version(compiler),
         "compile_args": list(flags.compile),
         "link_args": list(flags.link),
+        "variants": [[v.name, list(v.flags)] for v in flags.variants],
         "environment": {name: env[name] for name in sorted(env) if name in BUILD_VARIABLES},
         "extra": extra or {},
     }
@@ -170,6 +251,9 @@ def describe(record):
     Quotes and backslashes are left out, since it becomes a C string literal."""
     options = " ".join(f"{k}={v}" for k, v in record["environment"].items())
     text = f"{record['version']}; {' '.join(record['compile_args'])}"
+    variants = [f"{name} ({' '.join(flags) or 'the default target'})"
+                for name, flags in record.get("variants", [])]
+    text += f"; kernel variants {', '.join(variants)}" if variants else "; one kernel variant"
     if options:
         text += f"; {options}"
     return "".join(ch for ch in text if ch.isprintable() and ch not in '"\\')
@@ -203,7 +287,8 @@ class BuildRecords:
 class BuildExt(build_ext):
     """build_ext with kvlab's flags on every extension, rebuilding everything when the
     record of this build differs from any extension's last. Subclasses may override
-    prepare(ext) (called for each extension before compiling) and record_extra()."""
+    prepare(ext) (called for each extension before compiling), record_extra() and
+    kernel_sources(ext) (the sources of ext that are compiled once per kernel variant)."""
 
     def finalize_options(self):
         # MSVC cannot compile the core (GCC's vector extensions, issue 38): on Windows,
@@ -218,13 +303,18 @@ class BuildExt(build_ext):
     def record_extra(self):
         return {}
 
+    def kernel_sources(self, ext):
+        return []
+
     def build_extensions(self):
         if not hasattr(self.compiler, "compiler_so"):
             raise SystemExit(f"kvlab: the {self.compiler.compiler_type} compiler cannot build "
                              "kvlab's C core (it needs GCC's vector extensions): use gcc or "
                              "clang (mingw-w64 on Windows), or WSL2")
         compiler = list(self.compiler.compiler_so)
-        flags = choose_flags(lambda extra: compiler_accepts(compiler, extra))
+        flags = choose_flags(lambda extra: compiler_accepts(compiler, extra),
+                             compiles=lambda program, extra: compiler_accepts(compiler, extra,
+                                                                              program))
         for notice in flags.notices:
             print(notice, file=sys.stderr)
         record = build_record(compiler, getattr(self.compiler, "linker_so", []), flags,
@@ -234,12 +324,61 @@ class BuildExt(build_ext):
         if not all(records.matches(t, record) for t in targets):
             # unchanged sources no longer mean an unchanged extension: compile everything
             self.force = True
+        self.variants = flags.variants
         for ext in self.extensions:
             ext.extra_compile_args = list(flags.compile)
             ext.extra_link_args = list(flags.link)
             ext.define_macros = [m for m in ext.define_macros if m[0] != "KV_BUILD"]
             ext.define_macros.append(("KV_BUILD", '"' + describe(record) + '"'))
+            self.plan_variants(ext)
             self.prepare(ext)
         super().build_extensions()
         for target in targets:
             records.write(target, record)
+
+    def plan_variants(self, ext):
+        """Takes ext's kernel sources out of its sources when they are compiled per variant
+        (build_extension compiles them) and tells dispatch.c which variants there are; in a
+        build of one variant, names it for variant.c (native: KVLAB_NATIVE=1)."""
+        kernels = self.kernel_sources(ext)
+        if not kernels:
+            return
+        ext.define_macros = [m for m in ext.define_macros
+                             if not m[0].startswith(("KV_WITH_", "KV_SINGLE_VARIANT"))]
+        if not self.variants:
+            if is_set(os.environ, "KVLAB_NATIVE"):
+                ext.define_macros.append(("KV_SINGLE_VARIANT", "native"))
+            return
+        ext.sources = [s for s in ext.sources if s not in kernels]
+        ext.depends = [*ext.depends, *kernels, VARIANT_NAMES]
+        ext.define_macros += [(f"KV_WITH_{v.name.upper()}", None) for v in self.variants[:-1]]
+
+    def build_extension(self, ext):
+        kernels = self.kernel_sources(ext)
+        if kernels and self.variants and self.out_of_date(ext):
+            ext.extra_objects = [*(ext.extra_objects or []), *self.compile_variants(ext, kernels)]
+        super().build_extension(ext)
+
+    def out_of_date(self, ext):
+        """Whether setuptools will build ext (it skips one newer than all its files)."""
+        target = Path(self.get_ext_fullpath(ext.name))
+        if self.force or not target.exists():
+            return True
+        built = target.stat().st_mtime
+        return any(Path(f).stat().st_mtime > built for f in [*ext.sources, *ext.depends])
+
+    def compile_variants(self, ext, kernels):
+        """Compiles the kernel sources once per variant (each in its own folder of
+        build_temp, with its flags, -DKV_VARIANT=name and the renaming header forced in),
+        several compilations at a time, and returns the object files."""
+        def compile_one(job):
+            variant, source = job
+            return self.compiler.compile(
+                [source], output_dir=os.path.join(self.build_temp, "variants", variant.name),
+                macros=[*ext.define_macros, ("KV_VARIANT", variant.name)],
+                include_dirs=ext.include_dirs, depends=ext.depends,
+                extra_postargs=[*ext.extra_compile_args, *variant.flags,
+                                "-include", VARIANT_NAMES])
+        jobs = [(v, source) for v in self.variants for source in kernels]
+        with ThreadPoolExecutor(max(1, min(len(jobs), os.cpu_count() or 1))) as pool:
+            return [obj for objects in pool.map(compile_one, jobs) for obj in objects]

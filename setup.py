@@ -4,10 +4,16 @@ One extension, kvlab._kvlab, is built from the C core (csrc/*.c, no Python) and 
 binding (csrc/python/*.c) with -O3, -ffp-contract=off and OpenMP when the compiler has it
 (on macOS through Homebrew's libomp): kvlab_build.py chooses the flags, and records what
 built each extension so that a build with another compiler, flag or option rebuilds it
-instead of shipping the old one. Environment switches:
-  KVLAB_PORTABLE=1   do not tune for this machine's CPU (-march=native is the default,
-                     because kvlab is normally built from source where it runs; a wheel
-                     for other machines must set it)
+instead of shipping the old one. On x86-64 the kernel files (KERNEL_SOURCES) are compiled
+once per instruction set, for any x86-64 CPU, AVX2 with FMA, and AVX-512 with VNNI, and the
+core runs the best one the CPU has (csrc/dispatch.c): the default build is both portable
+(a wheel runs on any x86-64 CPU) and as fast as one tuned for the machine.
+Environment switches:
+  KVLAB_NATIVE=1     compile everything for this machine's CPU alone (-march=native), one
+                     variant of the kernels: what the default was before, for a CPU
+                     feature the variants leave out; the build dies with SIGILL elsewhere
+  KVLAB_PORTABLE=1   compile the baseline kernels alone: the same bits on every x86-64 CPU
+                     (no fused multiply-adds), and slower
   KVLAB_NO_OPENMP=1  build single-threaded
   KVLAB_SANITIZE=1   build with AddressSanitizer and UBSan (for the sanitizer CI lane;
                      the C core only, no CUDA extension)
@@ -53,6 +59,12 @@ import kvlab_build  # noqa: E402
 
 HERE = Path(__file__).parent
 CORE_SOURCES = sorted(str(p.relative_to(HERE)) for p in (HERE / "csrc").glob("*.c"))
+# The kernel files: compiled once per kernel variant (kvlab_build.VARIANTS) where there are
+# several, with their functions renamed by csrc/variant_names.h; csrc/dispatch.c, compiled
+# once, chooses among them. The plain tier (plain.c) is among them: each variant's plain
+# kernels are the specification of its fast ones, bit for bit.
+KERNEL_SOURCES = [str(Path("csrc", f"{name}.c")) for name in
+                  ("ops", "attention", "weight_formats", "plain", "bandwidth", "variant")]
 BINDING_DIR = HERE / "csrc" / "python"
 BINDING_SOURCES = sorted(str(p.relative_to(HERE)) for p in BINDING_DIR.glob("*.c"))
 CUDA_DIR = HERE / "csrc" / "cuda"
@@ -206,6 +218,9 @@ class BuildExt(kvlab_build.BuildExt):
 
     def record_extra(self):
         return {"nvcc": NVCC, "gpus": list(present_gpu_archs()) if BUILD_CUDA else []}
+
+    def kernel_sources(self, ext):
+        return KERNEL_SOURCES if ext.name == "kvlab._kvlab" else []
 
     def compile_cuda(self, ext):
         """Compiles every .cu file with nvcc (in parallel; unchanged ones are kept) and hands

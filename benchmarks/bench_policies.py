@@ -21,8 +21,15 @@ time, and what they cost in accuracy, measured side by side with the full cache.
    each policy's cache of 64 rows, on the bundled model (512 and 16,384 positions) and a
    random-weight 4-layer GQA shape (16,384 positions); caches filled with random rows by
    cache.append (timing only), every cache timed in turn, round-robin, best of N.
+5. What a sliding window costs over the rows it reads: a decode step of SlidingWindow(W)
+   (a full window: drop the oldest row, add one) against a step of a full cache holding
+   the same W rows, on llama2.c's stories110M shape (random weights, W = 2,048: 151 MB of
+   fp32 K and V), in CPU seconds on one thread, alternating, the median of each and the
+   median of the rounds' ratios (issue 37's target: window / full <= 1.1); the same in a CPU
+   paged pool, whose keep moves the sequence's start past the dropped row (no row moves).
 
     python benchmarks/bench_policies.py [--quick] [--full-max 4096] [--json out.json]
+    python benchmarks/bench_policies.py --sections 5      # only the window's cost (about 1 min)
 
 About 100 s on the 2-core development machine (1 thread); --quick takes a few seconds.
 """
@@ -287,9 +294,137 @@ def decode_times(model, context: int, budget: int = BUDGET, repeats: int = 25, s
     return out
 
 
+# ---- 5. what a sliding window costs over the rows it reads -----------------------------------
+
+# llama2.c's stories110M shape, as benchmarks/api_timing.py and bench_cpu.py have it
+SHAPE_110M = dict(dim=768, hidden_dim=2048, n_layers=12, n_heads=12, n_kv_heads=12,
+                  vocab_size=32000)
+
+
+def window_steps(model, rows: np.ndarray, window: int, paged: bool):
+    """One decode step with a full cache of `window` rows (then truncated back to them) and
+    one with SlidingWindow(window) on a full window, in a KVCache each, or in two sequences
+    of one CPU paged pool (blocks of 16)."""
+    from kvlab.cache_policy import SlidingWindow
+    policy, n = SlidingWindow(window), len(rows)
+    if not paged:
+        full, ring = model.new_cache(window + 1), policy.new_cache(model)
+        full.append(rows, rows)
+        ring.append(rows, rows)
+
+        def truncate():
+            full.truncate(window)
+    else:
+        pool = model.new_paged_pool(num_blocks=2 * (window // 16 + 2), block_size=16,
+                                    prefix_cache=False)
+        full, ring = pool.new_sequence(), pool.new_sequence()
+        tokens = np.arange(n, dtype=np.int32) % model.config.vocab_size
+        pool.append(full, tokens, rows, rows)
+        pool.append(ring, tokens, rows, rows)
+
+        def truncate():
+            pool.truncate(full, window)
+
+    def full_step():
+        model.forward([1], full)
+        truncate()
+
+    def window_step():
+        policy.forward(model, [1], ring)
+    return full_step, window_step
+
+
+def window_cost(config: kvlab.ModelConfig, window: int, rounds: int = 15, seed: int = 0) -> dict:
+    """A decode step of SlidingWindow(window) on a full window (it drops its oldest row and
+    adds the new one) against a step of a full cache holding the same `window` rows, both
+    filled with the same random rows by append, in KVCaches and in a CPU paged pool. CPU
+    seconds (time.process_time) on one thread, each step right after an untimed one on the
+    same cache, the caches taking turns to go first; the medians, and the median of the
+    rounds' ratios, window / full."""
+    model = kvlab.Model(config, kvlab.Weights.random(config, seed=seed))
+    rng = np.random.default_rng(seed)
+    rows = rng.standard_normal((window, config.n_layers, config.n_kv_heads, config.head_dim),
+                               dtype=np.float32)
+    steps = {}
+    for kind in ("cache", "paged"):
+        full_step, window_step = window_steps(model, rows, window, paged=kind == "paged")
+        steps[f"{kind} full"], steps[f"{kind} window"] = full_step, window_step
+    del rows
+
+    def timed(step) -> float:
+        step()                                   # untimed: the cache's rows back in reach
+        start = time.process_time()
+        step()
+        return time.process_time() - start
+
+    threads = kvlab.get_num_threads()
+    kvlab.set_num_threads(1)
+    try:
+        times = {name: [] for name in steps}
+        names = list(steps)
+        for i in range(rounds):
+            for name in names[i % len(names):] + names[:i % len(names)]:
+                times[name].append(timed(steps[name]))
+    finally:
+        kvlab.set_num_threads(threads)
+    out = {"model": config.name, "window": window, "rounds": rounds, "threads": 1,
+           "clock": "process_time",
+           "moved_bytes_per_step_if_rows_move": window * 2 * config.n_layers *
+           config.n_kv_heads * config.head_dim * 4,
+           "seconds_by_round": times}
+    for kind in ("cache", "paged"):
+        ratios = [w / f for w, f in zip(times[f"{kind} window"], times[f"{kind} full"])]
+        out[kind] = {"full_median_seconds": float(np.median(times[f"{kind} full"])),
+                     "window_median_seconds": float(np.median(times[f"{kind} window"])),
+                     "window_over_full": float(np.median(ratios)),
+                     "window_over_full_range": [float(min(ratios)), float(max(ratios))]}
+    return out
+
+
 # ---- the run --------------------------------------------------------------------------------
 
-def main() -> None:
+def print_memory(memory: list, model) -> None:
+    print(f"1. Memory against generated length, {model.config.name} (context "
+          f"{model.config.max_seq_len}), budget {BUDGET} rows, fp32")
+    print(f"{'cache':<8}{'generated':>10}{'rows':>7}{'nbytes':>12}{'resident growth':>17}")
+    for r in memory:
+        print(f"{r['policy']:<8}{r['generated']:>10,}{r['rows']:>7,}{r['cache_nbytes']:>12,}"
+              f"{r['resident_growth']:>17,}")
+
+
+def print_past_context(long: dict) -> None:
+    print(f"\n3. Past the trained context ({long['trained_context']}): perplexity by "
+          f"position, {long['tokens']:,} held-out tokens, budget {long['budget']}")
+    print(f"{'':<34}" + "".join(f"{f'{a}-{b}':>11}" for a, b in long["ranges"]))
+    for name, values in long["perplexity"].items():
+        print(f"{name:<34}" + "".join(f"{v:>11.3f}" for v in values))
+    print(f"(NumPy sinks vs the kit's AttentionSinks: max |logit difference| "
+          f"{long['numpy_sinks_vs_kit_max_abs_logit_difference']:.1e})")
+
+
+def print_decode_times(times: list, repeats: int) -> None:
+    print(f"\n4. Decode time per token, budget {BUDGET} rows against the full cache "
+          f"(best of {repeats}, round-robin)")
+    print(f"{'model':<20}{'context':>8} {'cache':<8}{'rows':>7}{'us':>10}{'full / this':>13}")
+    for r in times:
+        print(f"{r['model']:<20}{r['context']:>8,} {r['policy']:<8}{r['rows']:>7,}"
+              f"{1e6 * r['seconds']:>10.0f}{r['full_over_this']:>12.2f}x")
+
+
+def print_window_cost(cost: dict) -> None:
+    print(f"\n5. A sliding window's decode step against a full cache of the same "
+          f"{cost['window']:,} rows, {cost['model']} (CPU time, 1 thread, medians of "
+          f"{cost['rounds']} rounds, the caches taking turns)")
+    for kind, name in (("cache", "KVCache"), ("paged", "paged pool")):
+        r = cost[kind]
+        low, high = r["window_over_full_range"]
+        print(f"{name:<11} full {1e3 * r['full_median_seconds']:6.1f} ms, window "
+              f"{1e3 * r['window_median_seconds']:6.1f} ms: window / full "
+              f"{r['window_over_full']:.3f} (rounds {low:.3f} .. {high:.3f})")
+    print("(issue 37's target: window / full <= 1.1)")
+
+
+def parse_arguments():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="small sizes (a few seconds), for tests")
     parser.add_argument("--threads", type=int, default=1)
@@ -303,12 +438,23 @@ def main() -> None:
     parser.add_argument("--contexts", default="512,16384")
     parser.add_argument("--repeats", type=int, default=25)
     parser.add_argument("--data", default=str(DATA))
+    parser.add_argument("--sections", default="1,2,3,4,5",
+                        help="which sections to run (the others are null in the JSON)")
+    parser.add_argument("--window", type=int, default=2048, help="section 5's window")
+    parser.add_argument("--window-rounds", type=int, default=15, help="section 5's rounds")
     parser.add_argument("--json", default=str(REPO / "benchmarks" / "results" / "bench_policies.json"))
     args = parser.parse_args()
     if args.quick:
         args.lengths, args.full_max, args.budgets = "64,256", 256, "16,32"
         args.tokens, args.story_tokens, args.long = 512, 0, 640
         args.contexts, args.repeats = "512", 3
+        args.window, args.window_rounds = 64, 3
+    args.sections = {int(n) for n in args.sections.split(",")}
+    return args
+
+
+def main() -> None:
+    args = parse_arguments()
     lengths = [int(n) for n in args.lengths.split(",")]
     budgets = [int(b) for b in args.budgets.split(",")]
     contexts = [int(n) for n in args.contexts.split(",")]
@@ -316,54 +462,47 @@ def main() -> None:
     started = time.perf_counter()
     print(f"kvlab {kvlab.__version__}, {kvlab.get_num_threads()} thread(s)\n")
     model = kvlab.load()
+    memory = reports = times = long = cost = None
 
-    memory = []
-    for name in ("window", "sinks"):
-        memory += memory_growth(model, name, lengths)
-    memory += memory_growth(model, "full", [n for n in lengths if n <= args.full_max])
-    print(f"1. Memory against generated length, {model.config.name} (context "
-          f"{model.config.max_seq_len}), budget {BUDGET} rows, fp32")
-    print(f"{'cache':<8}{'generated':>10}{'rows':>7}{'nbytes':>12}{'resident growth':>17}")
-    for r in memory:
-        print(f"{r['policy']:<8}{r['generated']:>10,}{r['rows']:>7,}{r['cache_nbytes']:>12,}"
-              f"{r['resident_growth']:>17,}")
-
-    reports = budget_reports(budgets, args.tokens, args.story_tokens, Path(args.data))
-    for i, report in enumerate(reports):
-        print(f"\n2.{i + 1} Accuracy against the budget")
-        print(report.table())
-
-    long = None
-    if Path(args.data).is_file():
+    if 1 in args.sections:
+        memory = []
+        for name in ("window", "sinks"):
+            memory += memory_growth(model, name, lengths)
+        memory += memory_growth(model, "full", [n for n in lengths if n <= args.full_max])
+        print_memory(memory, model)
+    if 2 in args.sections:
+        reports = budget_reports(budgets, args.tokens, args.story_tokens, Path(args.data))
+        for i, report in enumerate(reports):
+            print(f"\n2.{i + 1} Accuracy against the budget")
+            print(report.table())
+    if 3 in args.sections and Path(args.data).is_file():
         ids = accuracy.validation_tokens(model, args.data, args.long)
         long = past_context(model, ids, [0, 256, 512, 1024, 2048, 4096, 8192, 16384])
-        print(f"\n3. Past the trained context ({long['trained_context']}): perplexity by "
-              f"position, {long['tokens']:,} held-out tokens, budget {long['budget']}")
-        print(f"{'':<34}" + "".join(f"{f'{a}-{b}':>11}" for a, b in long["ranges"]))
-        for name, values in long["perplexity"].items():
-            print(f"{name:<34}" + "".join(f"{v:>11.3f}" for v in values))
-        print(f"(NumPy sinks vs the kit's AttentionSinks: max |logit difference| "
-              f"{long['numpy_sinks_vs_kit_max_abs_logit_difference']:.1e})")
-
-    times = []
-    for context in contexts:
-        times += decode_times(model, context, repeats=args.repeats)
-    if not args.quick:
-        times += decode_times(random_gqa(max(contexts)), max(contexts), repeats=args.repeats)
-    print(f"\n4. Decode time per token, budget {BUDGET} rows against the full cache "
-          f"(best of {args.repeats}, round-robin)")
-    print(f"{'model':<20}{'context':>8} {'cache':<8}{'rows':>7}{'us':>10}{'full / this':>13}")
-    for r in times:
-        print(f"{r['model']:<20}{r['context']:>8,} {r['policy']:<8}{r['rows']:>7,}"
-              f"{1e6 * r['seconds']:>10.0f}{r['full_over_this']:>12.2f}x")
+        print_past_context(long)
+    if 4 in args.sections:
+        times = []
+        for context in contexts:
+            times += decode_times(model, context, repeats=args.repeats)
+        if not args.quick:
+            times += decode_times(random_gqa(max(contexts)), max(contexts), repeats=args.repeats)
+        print_decode_times(times, args.repeats)
+    if 5 in args.sections:
+        # --quick: the 15M shape's layers, a small window, a few rounds
+        shape = dict(SHAPE_110M, dim=288, hidden_dim=768, n_layers=6, n_heads=6, n_kv_heads=6) \
+            if args.quick else SHAPE_110M
+        name = "random stories15M shape" if args.quick else "random stories110M shape"
+        config = kvlab.ModelConfig(max_seq_len=args.window + 1, name=name, **shape)
+        cost = window_cost(config, args.window, rounds=args.window_rounds)
+        print_window_cost(cost)
 
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)
     result = {"setup": {"kvlab": kvlab.__version__, "threads": kvlab.get_num_threads(),
                         "cpu_count": os.cpu_count(), "quick": args.quick, "budget": BUDGET,
-                        "prompt": PROMPT, "seconds": round(time.perf_counter() - started, 1)},
-              "memory": memory, "accuracy": [r.as_dict() for r in reports],
-              "past_context": long, "decode_times": times}
+                        "prompt": PROMPT, "sections": sorted(args.sections),
+                        "seconds": round(time.perf_counter() - started, 1)},
+              "memory": memory, "accuracy": None if reports is None else [r.as_dict() for r in reports],
+              "past_context": long, "decode_times": times, "window_cost": cost}
     out.write_text(json.dumps(result, indent=2))
     print(f"\nwrote {out} in {result['setup']['seconds']} s")
 

@@ -1,10 +1,11 @@
 """How big each graded lab is: the lines of its reference solution, the lines a student
 starts from, and how long an honest run of its hidden tests takes.
 
-    python benchmarks/lab_difficulty.py [--seeds 3] [--json lab_difficulty.json]
+    python benchmarks/lab_difficulty.py [--seeds 3] [--json lab_difficulty.json] [--lab NAME ...]
 
 Needs a clone (instructor/ holds the solutions and the hidden tests). Lines are code
-lines: not blank, not only a comment, not inside a docstring. The grading time is the wall
+lines: not blank, not only a comment, not inside a docstring (in a C lab's file: not
+blank and not only a comment). The grading time is the wall
 time of `kvlab.grading.grade` on the reference solution, the judge's start and every
 worker's included, for each seed (each draws other cases); the table shows the median.
 That is the time a student waits for a grade, and about the time one submission costs an
@@ -22,6 +23,7 @@ import tokenize
 from pathlib import Path
 
 from kvlab.grading import grade
+from kvlab.grading.cbuild import blank_comments_and_strings
 from kvlab.grading.labs import LABS
 
 REPO = Path(__file__).resolve().parents[1]
@@ -31,6 +33,8 @@ INSTRUCTOR = REPO / "instructor"
 def code_lines(path: Path) -> int:
     """Lines holding code: comments, blank lines and docstrings left out."""
     source = path.read_text()
+    if path.suffix in (".c", ".h"):
+        return sum(1 for line in blank_comments_and_strings(source).split("\n") if line.strip())
     docstrings = set()
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
@@ -50,16 +54,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seeds", type=int, default=3, help="grading runs per lab (default 3)")
     parser.add_argument("--json", default="lab_difficulty.json", help="where to write the figures")
-    parser.add_argument("--labs", default=",".join(LABS),
-                        help="the labs to measure, by name, comma-separated (default: all)")
+    parser.add_argument("--lab", action="append", choices=list(LABS),
+                        help="measure this lab only (repeatable; default: every lab)")
     args = parser.parse_args()
-    names = args.labs.split(",")
-    unknown = [name for name in names if name not in LABS]
-    if unknown:
-        parser.error(f"no lab named {', '.join(unknown)}; the labs are: {', '.join(LABS)}")
     rows = []
-    for lab in sorted((LABS[name] for name in names), key=lambda lab: lab.number):
-        solution = INSTRUCTOR / "solutions" / f"{lab.name}.py"
+    for lab in sorted(LABS.values(), key=lambda lab: lab.number):
+        if args.lab and lab.name not in args.lab:
+            continue
+        solution = INSTRUCTOR / "solutions" / f"{lab.name}{lab.suffix}"
         tests = INSTRUCTOR / "graders" / f"{lab.name}.py"
         seconds, scores = [], []
         for seed in range(1, args.seeds + 1):

@@ -382,7 +382,7 @@ static int head_rows(const kv_layer_view *view, int is_value, int head, int pos,
     if (ahead < n_seen) {
         /* a paged pool's next rows are often in another block: look it up, so that
          * small blocks are fetched ahead as well as one long contiguous run */
-        int block_end = ahead - ahead % view->block_size + view->block_size;
+        int block_end = kv_view_block_end(view, ahead);
         int n_ahead = n_seen < block_end ? n_seen - ahead : block_end - ahead;
         plan_fetch(rows, store, view->layer, head, kv_view_slot(view, ahead),
                    n_ahead < TILE ? n_ahead : TILE);
@@ -436,7 +436,7 @@ static int head_rows(const kv_layer_view *view, int is_value, int head, int pos,
 /* Positions pos .. end - 1, or up to the end of pos's block if that comes first: the run
  * of rows that lie next to each other in the store. */
 static int run_length(const kv_layer_view *view, int pos, int end) {
-    int block_end = pos - pos % view->block_size + view->block_size;
+    int block_end = kv_view_block_end(view, pos);
     return (end < block_end ? end : block_end) - pos;
 }
 

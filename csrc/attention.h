@@ -3,7 +3,8 @@
  * Both caches are seen through one kv_layer_view: a sequence's positions live in
  * blocks of block_size rows, found through a block table, and the rows are kept in a
  * kv_store in any element format. The contiguous cache is the special case of a single
- * block as long as the whole cache.
+ * block as long as the whole cache, whose rows may start anywhere in it and run round
+ * its end to its beginning (a ring, once a sliding window has dropped rows).
  */
 #ifndef KVLAB_ATTENTION_H
 #define KVLAB_ATTENTION_H
@@ -13,9 +14,12 @@
 
 #include "kvlab.h"
 
-/* One layer of one sequence's cache. Position pos lives in slot
- *   block_table[pos / block_size] * block_size + pos % block_size
- * of the layer's key and value stores. With a residual window, a query at position i
+/* One layer of one sequence's cache. Position pos (row pos of the cache, in the order
+ * attention visits its rows) lives in slot
+ *   block_table[at / block_size] * block_size + at % block_size,  at = pos + start,
+ * of the layer's key and value stores. start is 0 but for a contiguous cache whose rows
+ * form a ring (kv_cache_keep): its block table names its one block twice, so that the rows
+ * past the end of its memory go on at its beginning. With a residual window, a query at position i
  * reads positions i - window + 1 .. i in full precision instead: the positions written
  * by this call from new_key/new_value (rows from position new_start on), older ones from
  * the window rows (position p in row p % window). */
@@ -24,21 +28,30 @@ typedef struct {
     int layer;
     const int32_t *block_table;
     int block_size;
+    int start;                 /* slots of the first block before row 0 (a ring's start) */
     int window;
     float *window_key, *window_value;         /* (window, kv_dim), or NULL */
     const float *new_key, *new_value;         /* (n_tokens, kv_dim) of this call, or NULL */
     int new_start;
-    float *attention;          /* (n_kv_heads, block_size) weights each row received, to add
-                                  this call's to (a contiguous cache that tracks them), or NULL */
+    float *attention;          /* (n_kv_heads, block_size) weights each slot's row received, to
+                                  add this call's to (a contiguous cache that tracks them), or
+                                  NULL */
     float *attention_scratch;  /* (block_size + head_dim) floats, with attention */
 } kv_layer_view;
 
 /* [quote ch04-kv-view-slot] */
 static inline size_t kv_view_slot(const kv_layer_view *view, int pos) {
-    return (size_t)view->block_table[pos / view->block_size] * (size_t)view->block_size +
-           (size_t)(pos % view->block_size);
+    int at = pos + view->start;
+    return (size_t)view->block_table[at / view->block_size] * (size_t)view->block_size +
+           (size_t)(at % view->block_size);
 }
 /* [end ch04-kv-view-slot] */
+
+/* The first position after pos that is not in pos's block: positions pos .. that - 1 lie in
+ * consecutive slots of the store. */
+static inline int kv_view_block_end(const kv_layer_view *view, int pos) {
+    return pos + view->block_size - (pos + view->start) % view->block_size;
+}
 
 /* The view of one layer of a contiguous cache (kvcache.c); the paged pool's is in paged.h. */
 kv_layer_view kv_cache_layer_view(const kv_cache *cache, int layer);

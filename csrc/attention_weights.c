@@ -21,9 +21,10 @@ void kv_attention_weights_add(const kv_layer_view *view, const float *q, int n_t
     float *key_buffer = weights + rows_per_head;       /* (head_dim,) a dequantized key */
     int kv_mul = n_heads / n_kv_heads;
     float scale = 1.0f / sqrtf((float)head_dim);
+    /* a row's sum is kept at its slot, where its K and V are */
     for (int kv_head = 0; kv_head < n_kv_heads; kv_head++)   /* new rows: nothing yet */
         for (int t = 0; t < n_tokens; t++)
-            view->attention[kv_head * rows_per_head + start_pos + t] = 0.0f;
+            view->attention[kv_head * rows_per_head + kv_view_slot(view, start_pos + t)] = 0.0f;
     for (int t = 0; t < n_tokens; t++) {
         int n_seen = start_pos + t + 1;                  /* the causal mask */
         for (int head = 0; head < n_heads; head++) {
@@ -43,7 +44,8 @@ void kv_attention_weights_add(const kv_layer_view *view, const float *q, int n_t
                 sum += weights[row];
             }
             for (int row = 0; row < n_seen; row++)
-                view->attention[kv_head * rows_per_head + row] += weights[row] / sum;
+                view->attention[kv_head * rows_per_head + kv_view_slot(view, row)] +=
+                    weights[row] / sum;
         }
     }
 }

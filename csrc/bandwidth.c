@@ -1,4 +1,5 @@
-/* bandwidth.c: how fast this machine moves memory, measured by the core's own threads.
+/* bandwidth.c: how fast this machine moves memory, and how fast it multiplies, measured by
+ * the core's own threads.
  *
  * Decoding one token reads every weight once, so its speed limit is the memory
  * bandwidth; benchmarks/bench_cpu.py compares kvlab against these numbers, measured in
@@ -7,9 +8,18 @@
  *          READ_STREAMS runs side by side;
  *   triad: a[i] = b[i] + s * c[i] (STREAM's triad: two arrays read, one written);
  *   walk:  decode attention's reads of a cache, with none of its arithmetic.
- * Each is the best of `repeats` passes over arrays far larger than the caches.
+ * Each is the best of `repeats` passes over arrays far larger than the caches. A prefill,
+ * or a decode step of many sequences, reuses each weight for many tokens and is bound by
+ * arithmetic instead: the compute roof (kv_measure_compute, at the end) is the rate of
+ * the widest float32 multiply-add and int8 dot-product instructions this build has, and of
+ * the int8 product's own sequence (weight_formats.c), with no memory traffic at all.
  */
+#if defined(__linux__) || defined(__APPLE__)
+#define _POSIX_C_SOURCE 200809L   /* clock_gettime's per-thread clock, for the compute roof */
+#define KV_THREAD_CLOCK 1
+#endif
 #include <string.h>
+#include <time.h>
 
 #include "attention.h"
 #include "common.h"
@@ -156,4 +166,181 @@ fail:
     free(keys);
     free(values);
     return status;
+}
+
+/* ---- the compute roof ----------------------------------------------------------------- */
+
+/* Independent chains of one instruction each, so that the CPU can issue them back to back
+ * without waiting on a result: ten, more than latency (4 cycles) times the units (2) of
+ * today's cores. ROOF_STEPS rounds of the ten make one pass (milliseconds). */
+#define CHAINS(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8) X(9)
+#define N_CHAINS 10
+#define ROOF_STEPS (1 << 20)
+
+/* Keeps the compiler from treating v as a known value across iterations (so that it cannot
+ * compute an instruction once for all chains, or fold a loop of them): costs nothing. */
+#if defined(__GNUC__) && defined(__AVX__)
+#define OPAQUE(v) __asm__("" : "+v"(v))
+#else
+#define OPAQUE(v) ((void)0)
+#endif
+
+/* The body of a chains function: DECLARE(i) starts chain i, ONE(i) is its step (ending with
+ * OPAQUE of what it reads), SUM(i) adds its result to a float total, which is returned. */
+#define RUN_CHAINS()                                     \
+    CHAINS(DECLARE)                                      \
+    for (int k = 0; k < ROOF_STEPS; k++) { CHAINS(ONE) } \
+    return 0.0f CHAINS(SUM);
+
+#if defined(__AVX512F__) && defined(__GNUC__)
+#define ROOF_F32 "AVX-512 fused multiply-add, 16 lanes"
+#define F32_FLOPS_PER_CHAIN_STEP 32.0
+static float f32_chains(void) {
+    __m512 step = _mm512_set1_ps(0.999f), add = _mm512_set1_ps(1e-7f);
+#define DECLARE(i) __m512 a##i = _mm512_set1_ps((float)(i) * 1e-3f);
+#define ONE(i) a##i = _mm512_fmadd_ps(a##i, step, add); OPAQUE(step);
+#define SUM(i) +_mm512_reduce_add_ps(a##i)
+    RUN_CHAINS()
+}
+#else
+#define ROOF_F32 "multiply-add of eight lanes (v8f, simd.h's madd)"
+#define F32_FLOPS_PER_CHAIN_STEP 16.0
+static float f32_chains(void) {
+    v8f step = splat(0.999f), add = splat(1e-7f);
+#define DECLARE(i) v8f a##i = splat((float)(i) * 1e-3f);
+#define ONE(i) a##i = madd(a##i, step, add); OPAQUE(step);
+#define SUM(i) +reduce_lanes(a##i)
+    RUN_CHAINS()
+}
+#endif
+#undef DECLARE
+#undef ONE
+#undef SUM
+
+/* The int8 dot product: 64 (512-bit VNNI), 32 (AVX2) or 4 byte products a chain and step,
+ * each product and its addition two operations; and the int8 product's sequence (one
+ * block of 32 for two tokens with 512-bit VNNI, for one token otherwise): the exact sums of
+ * four, made float, scaled by a product of two scales, added with a multiply-add. */
+#if defined(__AVX512VNNI__) && defined(__AVX512F__) && defined(__GNUC__)
+#define ROOF_INT8 "AVX-512 VNNI dpbusd, 64 byte products"
+#define INT8_OPS_PER_CHAIN_STEP 128.0
+static float int8_chains(void) {
+    __m512i u = _mm512_set1_epi8(3), s = _mm512_set1_epi8(-2);
+#define DECLARE(i) __m512i a##i = _mm512_set1_epi32(i);
+#define ONE(i) a##i = _mm512_dpbusd_epi32(a##i, u, s); OPAQUE(u);
+#define SUM(i) +(float)_mm512_reduce_add_epi32(a##i)   /* each in range; their total in float */
+    RUN_CHAINS()
+}
+#undef DECLARE
+#undef ONE
+#undef SUM
+static float int8_product_chains(void) {
+    __m512i w = _mm512_set1_epi8(5), x = _mm512_set1_epi8(3);
+    __m512 d_w = _mm512_set1_ps(1e-3f), d_x = _mm512_set1_ps(0.5f);
+#define DECLARE(i) __m512 a##i = _mm512_setzero_ps();
+#define ONE(i)                                                                          \
+    a##i = _mm512_fmadd_ps(_mm512_mul_ps(d_w, d_x),                                     \
+                           _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), \
+                                                                  w, x)), a##i);        \
+    OPAQUE(x);                                                                          \
+    OPAQUE(d_x);
+#define SUM(i) +_mm512_reduce_add_ps(a##i)
+    RUN_CHAINS()
+}
+#elif defined(__AVX2__) && defined(__GNUC__)
+#define ROOF_INT8 "AVX2 maddubs and madd, 32 byte products"
+#define INT8_OPS_PER_CHAIN_STEP 64.0
+static ALWAYS_INLINE __m256i products32(__m256i u, __m256i s) {
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+}
+static float int8_chains(void) {
+    __m256i u = _mm256_set1_epi8(3), s = _mm256_set1_epi8(-2);
+#define DECLARE(i) __m256i a##i = _mm256_set1_epi32(i);
+#define ONE(i) a##i = _mm256_add_epi32(a##i, products32(u, s)); OPAQUE(u);
+#define SUM(i) +(float)_mm256_extract_epi32(a##i, 0)
+    RUN_CHAINS()
+}
+#undef DECLARE
+#undef ONE
+#undef SUM
+static float int8_product_chains(void) {
+    __m256i w = _mm256_set1_epi8(5), x = _mm256_set1_epi8(3);
+    v8f d_w = splat(1e-3f), d_x = splat(0.5f);
+#define DECLARE(i) v8f a##i = {0};
+#define ONE(i)                                                                    \
+    a##i = madd(d_w * d_x, (v8f)_mm256_cvtepi32_ps(products32(w, x)), a##i);       \
+    OPAQUE(x);                                                                    \
+    OPAQUE(d_x);
+#define SUM(i) +reduce_lanes(a##i)
+    RUN_CHAINS()
+}
+#else
+#define ROOF_INT8 "scalar int32 multiply-adds, 4 byte products"
+#define INT8_OPS_PER_CHAIN_STEP 8.0
+/* four byte products of one chain and step, summed in int32 as the plain tier sums them */
+static float int8_chains(void) {
+    volatile int8_t u = 3, s = -2;   /* read each step: not folded */
+    int32_t acc[N_CHAINS] = {0};
+    for (int k = 0; k < ROOF_STEPS; k++)
+        for (int c = 0; c < N_CHAINS; c++) acc[c] += u * s + u * s + u * s + u * s;
+    float total = 0.0f;
+    for (int c = 0; c < N_CHAINS; c++) total += (float)acc[c];
+    return total;
+}
+static float int8_product_chains(void) { return int8_chains(); }
+#endif
+#undef DECLARE
+#undef ONE
+#undef SUM
+#undef OPAQUE
+#undef RUN_CHAINS
+
+/* Seconds of CPU time this thread has run, where the system keeps them (else the wall
+ * clock): a pass's time on a shared machine is then its own, not the neighbours' too. */
+static double thread_seconds(void) {
+#ifdef KV_THREAD_CLOCK
+    struct timespec t;
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);
+    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+#else
+    return kv_seconds();
+#endif
+}
+
+/* The best rate of `repeats` rounds of `chains` on n_threads threads at once, in operations
+ * per second: in a round each thread runs one pass and times it on its own clock, and the
+ * round's rate is the sum of the threads' rates. */
+static double best_rate(float (*chains)(void), double ops_per_pass, int n_threads,
+                        int repeats, float *checksum) {
+    double best = 0.0;
+    for (int r = 0; r < repeats; r++) {
+        float sum = 0.0f;
+        double rate = 0.0;
+        #pragma omp parallel num_threads(n_threads) reduction(+ : sum, rate)
+        {
+            double start = thread_seconds();
+            sum += chains();
+            rate += ops_per_pass / (thread_seconds() - start);
+        }
+        *checksum += sum;
+        best = rate > best ? rate : best;
+    }
+    return best;
+}
+
+kv_status kv_measure_compute(int n_threads, int repeats, kv_compute_roof *roof) {
+    if (roof == NULL || n_threads < 1 || n_threads > 4096 || repeats < 1 || repeats > 1000)
+        return KV_ERR_INVALID_ARG;
+    double steps = (double)ROOF_STEPS * N_CHAINS;
+    float checksum = 0.0f;
+    roof->f32_flops = best_rate(f32_chains, steps * F32_FLOPS_PER_CHAIN_STEP, n_threads,
+                                repeats, &checksum);
+    roof->int8_ops = best_rate(int8_chains, steps * INT8_OPS_PER_CHAIN_STEP, n_threads,
+                               repeats, &checksum);
+    roof->int8_product_ops = best_rate(int8_product_chains, steps * INT8_OPS_PER_CHAIN_STEP,
+                                       n_threads, repeats, &checksum);
+    roof->f32_instruction = ROOF_F32;
+    roof->int8_instruction = ROOF_INT8;
+    roof->checksum = checksum;
+    return KV_OK;
 }

@@ -32,6 +32,11 @@ static int blocks_for(const kv_blocks *p, int length) {
     return (int)kv_ceil_div(length, p->block_size);
 }
 
+/* Where row `row` of a sequence is among the rows of its blocks, counted from its first
+ * block's row 0: past the rows dropped from its front (kv_seq.start). Block row_at / bs,
+ * row row_at % bs of it. */
+static int row_at(const kv_seq *q, int row) { return q->start + row; }
+
 /* ---- setup --------------------------------------------------------------------------- */
 
 kv_status kv_blocks_init(kv_blocks *p, int num_blocks, int block_size, int max_seqs,
@@ -269,7 +274,8 @@ kv_status kv_blocks_seq_new(kv_blocks *p, int *seq) {
         if (!p->seqs[s].alive) {
             kv_seq *q = &p->seqs[s];
             q->alive = 1;
-            q->n_blocks = q->length = q->reserved = q->next_position = q->compacted = 0;
+            q->n_blocks = q->start = q->length = q->reserved = q->next_position = 0;
+            q->compacted = 0;
             q->serial++;
             *seq = s;
             return KV_OK;
@@ -286,7 +292,7 @@ kv_status kv_blocks_seq_free(kv_blocks *p, int seq) {
     /* last block first, so a chain's tail is evicted before its head */
     for (int i = q->n_blocks - 1; i >= 0; i--) release_block(p, q->block_table[i]);
     q->alive = 0;
-    q->n_blocks = q->length = q->reserved = q->next_position = q->compacted = 0;
+    q->n_blocks = q->start = q->length = q->reserved = q->next_position = q->compacted = 0;
     return KV_OK;
 }
 /* [end ch04-kv-blocks-seq-free] */
@@ -305,6 +311,7 @@ kv_status kv_blocks_seq_fork(kv_blocks *p, int seq, int *child) {
         note(p, about_seq(KV_EVENT_SHARED, parent->block_table[i], *child, i));
     }
     copy->n_blocks = parent->n_blocks;
+    copy->start = parent->start;      /* the same rows in the same blocks */
     copy->length = parent->length;
     copy->next_position = parent->next_position;
     copy->compacted = parent->compacted;
@@ -351,13 +358,14 @@ kv_status kv_blocks_truncate(kv_blocks *p, int seq, int length) {
     kv_seq *q = &p->seqs[seq];
     if (q->reserved > 0) return KV_ERR_PENDING;
     if (length < 0 || length > q->length) return KV_ERR_INVALID_ARG;
-    int keep = blocks_for(p, length);
+    if (length == 0) q->start = 0;        /* no row left: no block either */
+    int keep = blocks_for(p, row_at(q, length));
     for (int i = q->n_blocks - 1; i >= keep; i--) release_block(p, q->block_table[i]);
     q->n_blocks = keep;
     q->next_position = length == 0 ? 0 : q->next_position - (q->length - length);
     if (length == 0) q->compacted = 0;    /* empty: row i holds position i again */
     q->length = length;
-    int rows = length % p->block_size;
+    int rows = row_at(q, length) % p->block_size;
     if (rows > 0 && p->ref_count[q->block_table[keep - 1]] == 1) {
         /* its own block, cut: rows past the cut will be overwritten, so it may no longer be
          * found by its tokens, nor may blocks cached after it (a new generation) */
@@ -381,8 +389,8 @@ kv_status kv_blocks_needed(const kv_blocks *p, int seq, int n_tokens, int *neede
      * that dropped rows carries past its length), so that neither ever overflows */
     if (n_tokens <= 0 || n_tokens > (1 << 30) - q->next_position) return KV_ERR_INVALID_ARG;
     int32_t last = q->n_blocks > 0 ? q->block_table[q->n_blocks - 1] : -1;
-    int copy_last = q->length % p->block_size > 0 && p->ref_count[last] > 1;
-    int new_blocks = blocks_for(p, q->length + n_tokens) - q->n_blocks;
+    int copy_last = row_at(q, q->length) % p->block_size > 0 && p->ref_count[last] > 1;
+    int new_blocks = blocks_for(p, row_at(q, q->length) + n_tokens) - q->n_blocks;
     if (q->n_blocks + new_blocks > p->max_blocks_per_seq) return KV_ERR_TABLE_FULL;
     *needed = new_blocks + copy_last;
     return KV_OK;
@@ -396,10 +404,10 @@ kv_status kv_blocks_reserve(kv_blocks *p, int seq, int n_tokens, kv_block_copy *
     if (status != KV_OK) return status;
     if (needed > kv_blocks_available(p)) return KV_ERR_OUT_OF_BLOCKS;
     kv_seq *q = &p->seqs[seq];
-    int partial_rows = q->length % bs;
+    int partial_rows = row_at(q, q->length) % bs;   /* (rows its start passed included) */
     int32_t last = q->n_blocks > 0 ? q->block_table[q->n_blocks - 1] : -1;
     int copy_last = partial_rows > 0 && p->ref_count[last] > 1;
-    int new_blocks = blocks_for(p, q->length + n_tokens) - q->n_blocks;
+    int new_blocks = blocks_for(p, row_at(q, q->length) + n_tokens) - q->n_blocks;
 
     /* From here on nothing can fail. */
     *n_copies = 0;
@@ -445,10 +453,10 @@ kv_status kv_blocks_commit(kv_blocks *p, int seq, const int32_t *tokens, int n_t
         return KV_ERR_INVALID_ARG;           /* not what was reserved: no blocks to hold them */
     q->reserved = 0;
     for (int t = 0; t < n_tokens; t++) {
-        int pos = old_length + t;
-        int32_t b = q->block_table[pos / bs];
-        p->tokens[(size_t)b * bs + pos % bs] = tokens[t];
-        if (p->fill[b] < pos % bs + 1) p->fill[b] = pos % bs + 1;
+        int at = row_at(q, old_length + t);
+        int32_t b = q->block_table[at / bs];
+        p->tokens[(size_t)b * bs + at % bs] = tokens[t];
+        if (p->fill[b] < at % bs + 1) p->fill[b] = at % bs + 1;
     }
     q->length = old_length + n_tokens;
     q->next_position += n_tokens;
@@ -457,7 +465,8 @@ kv_status kv_blocks_commit(kv_blocks *p, int seq, const int32_t *tokens, int n_t
      * as a batch does) is a duplicate: the sequence switches to the known block and this
      * copy is freed, so the memory is shared and the next blocks chain on from a registered
      * parent. The K and V are the same bits, since the core computes a prefix the same way
-     * every time. */
+     * every time. (Only a sequence that dropped no row offers blocks: its start is 0, row i
+     * in block i / bs.) */
     for (int i = old_length / bs; p->prefix_cache && !q->compacted && i < q->length / bs; i++) {
         int32_t b = q->block_table[i], parent = i > 0 ? q->block_table[i - 1] : -1;
         int32_t twin = parent < 0 || p->registered[parent]
@@ -482,19 +491,29 @@ kv_status kv_blocks_cancel(kv_blocks *p, int seq) {
     kv_seq *q = &p->seqs[seq];
     /* the blocks past the length hold no row of it: they go back as a truncate's do (a
      * block cut in two stays, its rows before the cut intact) */
-    int keep = blocks_for(p, q->length);
+    int keep = blocks_for(p, row_at(q, q->length));
     for (int i = q->n_blocks - 1; i >= keep; i--) release_block(p, q->block_table[i]);
     q->n_blocks = keep;
     q->reserved = 0;
     return KV_OK;
 }
 
-kv_status kv_blocks_drop_rows(kv_blocks *p, int seq, int n_keep) {
+/* Releases the blocks of q wholly before its start (as the start just moved, maybe past
+ * several): its first block is then the one that holds its row 0. */
+static void release_front(kv_blocks *p, kv_seq *q) {
+    int gone = q->start / p->block_size;
+    for (int i = gone - 1; i >= 0; i--) release_block(p, q->block_table[i]);
+    memmove(q->block_table, q->block_table + gone, (size_t)(q->n_blocks - gone) * sizeof(int32_t));
+    q->n_blocks -= gone;
+    q->start %= p->block_size;
+}
+
+kv_status kv_blocks_drop_rows(kv_blocks *p, int seq, int first, int n_keep) {
     kv_status status = kv_blocks_seq_check(p, seq);
     if (status != KV_OK) return status;
     kv_seq *q = &p->seqs[seq];
     if (q->reserved > 0) return KV_ERR_PENDING;
-    if (n_keep < 0 || n_keep > q->length) return KV_ERR_INVALID_ARG;
+    if (first < -q->start || n_keep < 0 || n_keep > q->length - first) return KV_ERR_INVALID_ARG;
     for (int i = 0; i < q->n_blocks; i++)
         if (p->ref_count[q->block_table[i]] != 1) return KV_ERR_INVALID_ARG;
     /* Its rows no longer follow its tokens: no block of it may be found by them, nor any
@@ -505,7 +524,10 @@ kv_status kv_blocks_drop_rows(kv_blocks *p, int seq, int n_keep) {
         p->generation[b]++;
     }
     int next_position = q->next_position;
-    kv_blocks_truncate(p, seq, n_keep);     /* cannot fail: checked above */
+    q->start += first;          /* row 0 is now the first kept row: no row moves */
+    q->length -= first;
+    kv_blocks_truncate(p, seq, n_keep);     /* the rows after the kept ones (checked above) */
+    release_front(p, q);
     q->next_position = next_position;
     q->compacted = 1;
     return KV_OK;
@@ -551,16 +573,21 @@ kv_status kv_blocks_check(const kv_blocks *p, char *message, size_t message_size
         if (q->next_position < q->length || (!q->compacted && q->next_position != q->length))
             BROKEN("sequence %d: next position %d with %d rows%s", s, q->next_position,
                    q->length, q->compacted ? "" : " none dropped");
+        if (q->start < 0 || q->start >= bs || (q->start > 0 && !q->compacted) ||
+            (q->start > 0 && q->length + q->reserved == 0))
+            BROKEN("sequence %d: start %d with %d rows%s", s, q->start, q->length,
+                   q->compacted ? "" : " none dropped");
         if (q->length < 0 || q->reserved < 0 ||
-            q->n_blocks != blocks_for(p, q->length + q->reserved) ||
+            q->n_blocks != blocks_for(p, row_at(q, q->length + q->reserved)) ||
             q->n_blocks > p->max_blocks_per_seq)
-            BROKEN("sequence %d: length %d (and %d reserved) does not fit its %d blocks", s,
-                   q->length, q->reserved, q->n_blocks);
+            BROKEN("sequence %d: length %d (and %d reserved) from row %d of its first block "
+                   "does not fit its %d blocks", s, q->length, q->reserved, q->start,
+                   q->n_blocks);
         for (int i = 0; i < q->n_blocks; i++) {
             int32_t b = q->block_table[i];
             if (b < 0 || b >= n) BROKEN("sequence %d: block id %d out of range", s, b);
             refs[b]++;
-            int rows = q->length - i * bs;       /* rows committed in this block */
+            int rows = row_at(q, q->length) - i * bs;   /* rows committed in this block */
             rows = rows > bs ? bs : rows < 0 ? 0 : rows;
             if (p->fill[b] < rows)
                 BROKEN("sequence %d reads %d rows of block %d, which holds %d", s, rows, b,

@@ -184,22 +184,26 @@ typedef struct {
     int n_kv_heads;
     int head_dim;
     int capacity;   /* positions reserved (max_seq_len of this cache) */
-    int length;     /* positions filled: 0 .. length-1 hold valid K and V */
-    kv_store key;   /* (n_layers, n_kv_heads, capacity, head_dim) values, in key.format */
+    int length;     /* rows filled: rows 0 .. length-1 hold valid K and V */
+    kv_store key;   /* (n_layers, n_kv_heads, capacity, head_dim) values, in key.format, one
+                       slot per row (kv_cache_slot: which) */
     kv_store value;
     int window;              /* residual window (0: none) */
     float *window_key;       /* (n_layers, window, kv_dim) float32 rows of the last window
                                 positions, position p in row p % window; NULL if window 0 */
     float *window_value;
     /* Keeping fewer positions (kvlab/cache_policy.py): rows can be dropped (kv_cache_keep),
-     * so row i need not hold position i. Both arrays are NULL until first needed. */
+     * so row i need not hold position i, nor be in slot i. Both arrays are NULL until first
+     * needed. */
     int next_position;       /* position of the next token (RoPE's angle): length, plus every
                                 row dropped so far */
-    int32_t *positions;      /* (n_layers, n_kv_heads, capacity) the position each row holds;
-                                NULL: row i holds position i */
-    float *attention;        /* (n_layers, n_kv_heads, capacity) attention weight each row has
-                                received since it was written, summed over the queries and the
-                                query heads of its group; NULL: not tracked */
+    int ring_start;          /* the slot of row 0: the rows are a ring, row i in slot
+                                (ring_start + i) % capacity; 0 until rows are dropped */
+    int32_t *positions;      /* (n_layers, n_kv_heads, capacity) the position each slot's row
+                                holds; NULL: row i holds position i */
+    float *attention;        /* (n_layers, n_kv_heads, capacity) attention weight each slot's
+                                row has received since it was written, summed over the queries
+                                and the query heads of its group; NULL: not tracked */
     float *attention_scratch;  /* (capacity + head_dim) one query's weights, and a key row */
 } kv_cache;
 
@@ -218,12 +222,20 @@ size_t kv_cache_nbytes(const kv_cache *cache);
 kv_status kv_cache_truncate(kv_cache *cache, int length);
 /* Keeps n_keep rows of each layer and KV head and drops the rest: rows is
  * (n_layers, n_keep, n_kv_heads), rows[l][i][h] the i-th row of layer l, head h to keep,
- * strictly increasing in i and below length. The kept rows move to the front in order
- * (K, V, positions, attention weights), length becomes n_keep and next_position stays:
- * the next token still gets the next position. Each head may keep different positions;
- * attention reads rows 0 .. length - 1 of every head, whatever positions they hold.
- * Refused (KV_ERR_INVALID_ARG, nothing changed) for a cache with a residual window. */
+ * strictly increasing in i and below length. The kept rows become rows 0 .. n_keep - 1 in
+ * order (K, V, positions, attention weights), length becomes n_keep and next_position
+ * stays: the next token still gets the next position. Each head may keep different
+ * positions; attention reads rows 0 .. length - 1 of every head, whatever positions they
+ * hold. Few rows move: the ring turns past the dropped rows where that leaves more rows in
+ * place (a sliding window's newest rows: none moves), else the kept rows move to the
+ * front. Refused (KV_ERR_INVALID_ARG, nothing changed) for a cache with a residual window. */
 kv_status kv_cache_keep(kv_cache *cache, int n_keep, const int32_t *rows);
+/* The slot (of 0 .. capacity - 1) that row `row` (0 <= row < capacity) is in. */
+size_t kv_cache_slot(const kv_cache *cache, int row);
+/* Turns the ring back so that row i is in slot i (ring_start 0), moving every slot's K, V,
+ * position and attention sum: how the binding shows rows in order without a copy.
+ * KV_ERR_NOMEM (nothing changed) if its spare rows cannot be allocated. */
+kv_status kv_cache_straighten(kv_cache *cache);
 /* Starts (1) or stops (0) summing, for every row, the attention weight the queries of later
  * forward calls give it (cache->attention), for eviction policies that keep the rows
  * attended most (H2O, SnapKV). Starting zeroes the sums. Refused with a residual window. */
@@ -248,10 +260,14 @@ kv_status kv_cache_attend(const kv_cache *cache, int layer, const float *q, int 
 
 /* ---- paged KV cache --------------------------------------------------------------- */
 
-/* One sequence of a paged pool: which blocks hold its positions, in order. */
+/* One sequence of a paged pool: which blocks hold its rows, in order. Row i is row
+ * (start + i) % block_size of block block_table[(start + i) / block_size]. */
 typedef struct {
     int32_t *block_table;  /* (max_blocks_per_seq,) physical block ids; first n_blocks valid */
     int n_blocks;
+    int start;             /* rows of its first block before its row 0: the rows dropped from
+                              its front (kv_pool_keep) since that block was its first; 0 unless
+                              compacted, below block_size, and 0 when it holds no row */
     int length;            /* positions filled */
     int reserved;          /* positions reserved past length and not committed yet (0: none) */
     int next_position;     /* position of the next token (RoPE's angle): length, plus every
@@ -374,11 +390,14 @@ kv_status kv_blocks_cancel(kv_blocks *blocks, int seq);
  * leaves the prefix cache, since its rows past the cut will be overwritten. Rollback of
  * speculative decoding's refused drafts. */
 kv_status kv_blocks_truncate(kv_blocks *blocks, int seq, int length);
-/* After the pool moved the rows seq keeps to its first n_keep rows (kv_pool_keep): the
- * rows past them are forgotten (blocks past the new end released), its blocks leave the
- * prefix cache, and next_position stays. KV_ERR_INVALID_ARG, changing nothing, if a block
- * of seq is shared (its rows are others' too) or n_keep is not in [0, length]. */
-kv_status kv_blocks_drop_rows(kv_blocks *blocks, int seq, int n_keep);
+/* After the pool moved the rows seq keeps to rows first .. first + n_keep - 1
+ * (kv_pool_keep; first from -start: rows of its first block before its start count too):
+ * they become its rows 0 .. n_keep - 1 without moving, its start moving to the first of
+ * them (whole blocks that fall out before it are released), the rows after them
+ * are forgotten (blocks past the new end released), its blocks leave the prefix cache,
+ * and next_position stays. KV_ERR_INVALID_ARG, changing nothing, if a block of seq is
+ * shared (its rows are others' too) or first and n_keep do not fit. */
+kv_status kv_blocks_drop_rows(kv_blocks *blocks, int seq, int first, int n_keep);
 /* Starts (1) or stops (0) recording events; stopping drops the ones not taken. */
 void kv_blocks_record_events(kv_blocks *blocks, int on);
 /* Verifies every invariant; on failure writes what broke into message. */
@@ -469,9 +488,14 @@ kv_status kv_pool_seq_fork(kv_pool *pool, int seq, int *child);
  * has (the window's full-precision rows before the cut are gone), as a contiguous cache.
  * After a sequence dropped rows, only rows holding its newest positions can be cut. */
 kv_status kv_pool_truncate(kv_pool *pool, int seq, int length);
-/* kv_cache_keep for one sequence of the pool: its kept rows move to its first n_keep rows
- * (per layer and KV head), the blocks past them are released, next_position stays, and
- * from then on its blocks are not offered to the prefix cache. Refused, changing nothing:
+/* kv_cache_keep for one sequence of the pool: its kept rows become its rows 0 .. n_keep - 1
+ * (per layer and KV head), the blocks that no longer hold a row are released,
+ * next_position stays, and from then on its blocks are not offered to the prefix cache.
+ * Few rows move, as in kv_cache_keep: where that leaves more rows in place, the sequence's
+ * start moves past the dropped rows (seq.start, a whole block at a time released from its
+ * front) and only kept rows before the last dropped one move, to just before the rest (a
+ * sliding window moves none; attention sinks move their few); else the kept rows move to
+ * the front. Refused, changing nothing:
  * a pool with a residual window, a pending reservation (KV_ERR_PENDING), a block the
  * sequence shares with another (its rows are the other's too: KV_ERR_INVALID_ARG). */
 kv_status kv_pool_keep(kv_pool *pool, int seq, int n_keep, const int32_t *rows);
@@ -525,7 +549,8 @@ kv_status kv_pool_swap_size(const kv_pool *pool, int seq, size_t *size);
  * do. On any refusal nothing changes. */
 kv_status kv_pool_swap_out(kv_pool *pool, int seq, void *host, size_t size);
 /* A new sequence *seq holding what host holds (kv_pool_swap_out of a pool of the same
- * shape and formats: any block size), in fresh blocks: the same rows bit for bit, tokens,
+ * shape and formats: any block size), in fresh blocks from their first row (start 0: rows
+ * dropped from its front before the swap take no room): the same rows bit for bit, tokens,
  * length, next position, positions and window rows, so that its next forward calls give
  * the logits they would have given before the swap. Its full blocks join the prefix cache
  * as a prefill's do. The host buffer is only read: it may be swapped in again. Refused,
@@ -681,6 +706,21 @@ kv_status kv_measure_bandwidth(size_t n_floats, int repeats, double *read_bytes_
  * attention's access pattern, beside the plain read of kv_measure_bandwidth. */
 kv_status kv_measure_attention_walk(int n_kv_heads, int head_dim, int context, int repeats,
                                     double *bytes_per_s, float *checksum);
+
+/* The compute roof on n_threads threads (bandwidth.c), each running the same chains of
+ * independent instructions from registers, no memory traffic: the best of `repeats`
+ * passes. Operations count a multiply and an add as two. */
+typedef struct {
+    double f32_flops;              /* the widest float32 multiply-add this build has */
+    double int8_ops;               /* the widest int8 dot-product instruction (byte products) */
+    double int8_product_ops;       /* byte products through the int8 product's own sequence:
+                                      exact sums of four, made float, scaled, multiply-added
+                                      (kv_plain_matmul_int8's spec; weight_formats.c) */
+    const char *f32_instruction;   /* what was timed, in words */
+    const char *int8_instruction;
+    float checksum;                /* what the chains summed to: keeps them computed */
+} kv_compute_roof;
+kv_status kv_measure_compute(int n_threads, int repeats, kv_compute_roof *roof);
 
 /* ---- threads ----------------------------------------------------------------------- */
 void kv_set_num_threads(int n_threads);

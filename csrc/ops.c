@@ -19,6 +19,7 @@
  * every kernel consistent and gcc's bits equal to clang's (tests/test_bits.py).
  */
 #include <math.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "common.h"
@@ -120,6 +121,103 @@ static void kernel_4x1(const four_rows *f, int t, const float *x, int in_dim) {
     finish_four(f, t, a0, a1, a2, a3, x, n8, in_dim);
 }
 
+#if defined(__AVX512F__) && defined(__FMA__) && defined(__GNUC__)
+#define F32_TILE_512 1
+/* The most token pairs kernel_4_pairs_512 takes at once: 4 rows x 6 pairs (twelve tokens)
+ * make 24 running sums, with six pairs of inputs and a row in registers 31 of AVX-512's 32. */
+#define TILE_PAIRS 6
+
+/* x as kernel_4_pairs_512 reads it (kv_pack_tokens, ops.h), two tokens at a time: pair p's
+ * chunk c (columns 8c .. 8c + 7, whole chunks only) is 16 floats, token 2p's eight, then
+ * 2p + 1's; chunk after chunk, pair after pair. A lone last token is paired with itself.
+ * The same floats as x: made once per product, read by every row. */
+void kv_pack_tokens(const float *x, int n_tokens, int in_dim, float *packed, int first,
+                    int last) {
+    int n_chunks = in_dim / 8;
+    for (int p = first; p < last; p++) {
+        const float *x0 = x + (size_t)2 * p * in_dim;
+        const float *x1 = 2 * p + 1 < n_tokens ? x0 + in_dim : x0;
+        float *to = packed + (size_t)p * n_chunks * 16;
+        for (int c = 0; c < n_chunks; c++) {
+            memcpy(to + 16 * c, x0 + 8 * c, 8 * sizeof(float));
+            memcpy(to + 16 * c + 8, x1 + 8 * c, 8 * sizeof(float));
+        }
+    }
+}
+
+/* Four rows of w against n_pairs pairs of tokens (pairs p0 .. p0 + n_pairs - 1 of `packed`,
+ * tokens t = 2 p0 ..; n of them are real, the rest a lone token's copy), with
+ * 512-bit registers: a register holds a pair's two tokens (token 2p's eight lanes, then
+ * 2p + 1's) against one row, whose eight columns are loaded into both halves; each
+ * multiply-add does two (row, token) dot products' work. Every dot product keeps its own
+ * eight lanes, in kv_dot's order, bit for bit kernel_4x3's. The pairs' inputs are loaded
+ * once a chunk and kept in registers (IN_REGISTER: else each multiply-add repeats its load);
+ * the sums, one register each, stay there too (GCC unrolls every loop here: n_pairs is a
+ * constant at each call). */
+#define IN_ZMM(v) __asm__("" : "+v"(v))
+static ALWAYS_INLINE void kernel_4_pairs_512(const four_rows *f, int t, int n,
+                                             const float *packed, int p0, int n_pairs,
+                                             const float *x, int in_dim) {
+    __m512 sums[4][TILE_PAIRS];
+    for (int r = 0; r < 4; r++)
+        for (int p = 0; p < n_pairs; p++) sums[r][p] = _mm512_setzero_ps();
+    int n_chunks = in_dim / 8;
+    const float *pairs = packed + (size_t)p0 * n_chunks * 16;
+    for (int c = 0; c < n_chunks; c++) {
+        __m512 xs[TILE_PAIRS];
+        for (int p = 0; p < n_pairs; p++) {
+            xs[p] = _mm512_loadu_ps(pairs + ((size_t)p * n_chunks + c) * 16);
+            IN_ZMM(xs[p]);
+        }
+        for (int r = 0; r < 4; r++) {
+            __m512 row = _mm512_broadcast_f32x8(_mm256_loadu_ps(f->rows[r] + 8 * c));
+            IN_ZMM(row);
+            for (int p = 0; p < n_pairs; p++) sums[r][p] = _mm512_fmadd_ps(row, xs[p], sums[r][p]);
+        }
+    }
+    #pragma GCC unroll 12   /* constant indices into sums: they stay in registers */
+    for (int i = 0; i < 2 * n_pairs; i++) {
+        if (i >= n) break;
+        int p = i / 2;
+        v8f half[4];
+        for (int r = 0; r < 4; r++)
+            half[r] = (v8f)(i % 2 ? _mm512_extractf32x8_ps(sums[r][p], 1)
+                                  : _mm512_castps512_ps256(sums[r][p]));
+        finish_four(f, t + i, half[0], half[1], half[2], half[3], x + (size_t)(t + i) * in_dim,
+                    8 * n_chunks, in_dim);
+    }
+}
+#undef IN_ZMM
+
+/* How many of `left` tokens the next tile takes: all of them up to twelve, else an even
+ * share of the fewest tiles that hold them (sixteen as two eights, not twelve and four: a
+ * tile of few pairs loads each row for little work) */
+static int tile_tokens(int left) {
+    if (left <= 2 * TILE_PAIRS) return left;
+    int n_tiles = (int)kv_ceil_div(left, 2 * TILE_PAIRS);
+    return (int)kv_ceil_div(kv_ceil_div(left, n_tiles), 2) * 2;
+}
+
+/* Four rows against tokens t .. t + n - 1 (t even, n <= 2 * TILE_PAIRS) of packed x, n_pairs
+ * a constant at each call of kernel_4_pairs_512 so that its loops unroll */
+static void tile_4_rows_512(const four_rows *f, int t, int n, const float *packed,
+                            const float *x, int in_dim) {
+    switch ((n + 1) / 2) {
+    case 6: kernel_4_pairs_512(f, t, n, packed, t / 2, 6, x, in_dim); break;
+    case 5: kernel_4_pairs_512(f, t, n, packed, t / 2, 5, x, in_dim); break;
+    case 4: kernel_4_pairs_512(f, t, n, packed, t / 2, 4, x, in_dim); break;
+    case 3: kernel_4_pairs_512(f, t, n, packed, t / 2, 3, x, in_dim); break;
+    case 2: kernel_4_pairs_512(f, t, n, packed, t / 2, 2, x, in_dim); break;
+    default: kernel_4_pairs_512(f, t, n, packed, t / 2, 1, x, in_dim); break;
+    }
+}
+#else
+void kv_pack_tokens(const float *x, int n_tokens, int in_dim, float *packed, int first,
+                    int last) {
+    (void)x, (void)n_tokens, (void)in_dim, (void)packed, (void)first, (void)last;
+}
+#endif
+
 /* Tokens are taken TOKEN_CHUNK (ops.h's KV_TOKEN_CHUNK, 48) at a time, so that a chunk of x
  * (192 KiB of them for dim 1024) stays in the L2 cache while every row of w passes over
  * it. A weight matrix larger than the caches is therefore streamed from memory once per
@@ -179,14 +277,25 @@ static void four_rows_block(const four_rows *f, const float *x, int first, int c
         kernel_4x1(f, t, x + (size_t)t * stride, in_dim);
 }
 
-void kv_matmul_four_rows(float *out, const float *x, const float *const rows[4], int o,
-                         int first, int chunk, int in_dim, int out_dim) {
+void kv_matmul_four_rows(float *out, const float *x, const float *packed,
+                         const float *const rows[4], int o, int first, int chunk, int in_dim,
+                         int out_dim) {
     four_rows f;
     for (int r = 0; r < 4; r++) {
         f.rows[r] = rows[r];
         f.outs[r] = out + o + r;
         f.out_strides[r] = (size_t)out_dim;
     }
+#ifdef F32_TILE_512
+    if (packed != NULL) {
+        for (int t = first, n; t < first + chunk; t += n) {
+            n = tile_tokens(first + chunk - t);
+            tile_4_rows_512(&f, t, n, packed, x, in_dim);
+        }
+        return;
+    }
+#endif
+    (void)packed;
     four_rows_block(&f, x, first, chunk, in_dim, NULL, 0);
 }
 
@@ -226,40 +335,60 @@ static void numbered_row(int row, int n_matrices, float *const *outs, const floa
     *out_stride = (size_t)out_dims[m];
 }
 
-/* Fewer than SMALL_BATCH tokens against rows lo .. hi - 1 of the matrices taken together: a
- * decode step, of one sequence or a small batch, bound by memory. The rows are read as
- * four runs side by side, a row from each run at a time, against every token (three at a
- * time, then one by one), not front to back as one run: the hardware prefetcher follows
- * each run on its own, and on the 2-core development machine four runs read 20-29 GB/s
- * where one run of four neighbouring rows read 16-19 (one 768 x 32,000 matrix, best of 8).
- * Each dot product is still summed in kv_dot's order. */
+/* Rows lo .. hi - 1 of the matrices taken together against tokens first .. first + n - 1
+ * (at most TOKEN_CHUNK): a decode step of fewer than SMALL_BATCH sequences, bound by
+ * memory, or, with the 512-bit tile, any product a chunk of tokens at a time. The rows are
+ * read as four runs side by side, a row from each run at a time, against every token (up
+ * to twelve at a time with the 512-bit tile, else three at a time, then one by one), not
+ * front to back as one run: the hardware prefetcher follows each run on its own, and on
+ * the 2-core development machine four runs read 20-29 GB/s where one run of four
+ * neighbouring rows read 16-19 (one 768 x 32,000 matrix, best of 8); with the 512-bit tile
+ * a chunk of 48 tokens of a 2048 x 768 matrix ran 1.2x, 16 tokens 1.7x, than row_block's
+ * neighbouring rows. Each dot product is still summed in kv_dot's order. */
 #define SMALL_BATCH 16
-static void small_batch_rows(int lo, int hi, int n_matrices, float *const *outs,
-                             const float *const *ws, const int *out_dims, const float *x,
-                             int n_tokens, int in_dim) {
-    int per_run = (hi - lo) / 4, n8 = in_dim & ~7;
+static void runs_of_rows(int lo, int hi, int n_matrices, float *const *outs,
+                         const float *const *ws, const int *out_dims, const float *x,
+                         const float *packed, int first, int n, int in_dim) {
+    int per_run = (hi - lo) / 4, n8 = in_dim & ~7, end = first + n;
     size_t stride = (size_t)in_dim;
     for (int k = 0; k < per_run; k++) {
         four_rows f;
         for (int run = 0; run < 4; run++)
             numbered_row(lo + run * per_run + k, n_matrices, outs, ws, out_dims, in_dim,
                          &f.rows[run], &f.outs[run], &f.out_strides[run]);
-        int t = 0;
-        for (; t + 3 <= n_tokens; t += 3) kernel_4x3(NULL, &f, t, x + t * stride, 0, n8, in_dim, 0);
-        for (; t < n_tokens; t++) kernel_4x1(&f, t, x + t * stride, in_dim);
+        int t = first;
+#ifdef F32_TILE_512
+        for (int tile; packed != NULL && t < end; t += tile) {   /* up to twelve at a time */
+            tile = tile_tokens(end - t);
+            tile_4_rows_512(&f, t, tile, packed, x, in_dim);
+        }
+#endif
+        for (; t + 3 <= end; t += 3) kernel_4x3(NULL, &f, t, x + t * stride, 0, n8, in_dim, 0);
+        for (; t < end; t++) kernel_4x1(&f, t, x + t * stride, in_dim);
     }
     for (int row = lo + 4 * per_run; row < hi; row++) {   /* the last few, one at a time */
         const float *w_row;
         float *out;
         size_t out_stride;
         numbered_row(row, n_matrices, outs, ws, out_dims, in_dim, &w_row, &out, &out_stride);
-        for (int t = 0; t < n_tokens; t++)
+        for (int t = first; t < end; t++)
             out[(size_t)t * out_stride] = kv_dot(w_row, x + t * stride, in_dim);
     }
 }
 
+float *kv_packed_tokens_alloc(int n_tokens, int in_dim) {
+#ifdef F32_TILE_512
+    if (n_tokens >= 4 && in_dim >= 8)
+        return kv_alloc_floats(((size_t)n_tokens + 1) / 2 * (size_t)(in_dim / 8) * 16);
+#endif
+    (void)n_tokens;
+    (void)in_dim;
+    return NULL;
+}
+
 void kv_matmul_many(int n_matrices, float *const *outs, const float *const *ws,
                     const int *out_dims, const float *x, int n_tokens, int in_dim) {
+    float *packed = kv_packed_tokens_alloc(n_tokens, in_dim);
     int n_blocks = 0, n_rows = 0;
     int64_t work = 0;
     for (int m = 0; m < n_matrices; m++) {
@@ -276,9 +405,20 @@ void kv_matmul_many(int n_matrices, float *const *outs, const float *const *ws,
         if (work >= KV_PARALLEL_MIN_WORK && n_blocks > 1)
     {
         int team = omp_get_num_threads(), me = omp_get_thread_num();
-        if (n_tokens < SMALL_BATCH) {
-            small_batch_rows(kv_split(n_rows, me, team), kv_split(n_rows, me + 1, team),
-                             n_matrices, outs, ws, out_dims, x, n_tokens, in_dim);
+#ifdef F32_TILE_512
+        if (packed != NULL) {   /* each thread packs a share of the pairs, all read them all */
+            int n_pairs = (n_tokens + 1) / 2;
+            kv_pack_tokens(x, n_tokens, in_dim, packed, kv_split(n_pairs, me, team),
+                           kv_split(n_pairs, me + 1, team));
+            #pragma omp barrier
+        }
+#endif
+        if (n_tokens < SMALL_BATCH || packed != NULL) {
+            int lo = kv_split(n_rows, me, team), hi = kv_split(n_rows, me + 1, team);
+            for (int first = 0; first < n_tokens; first += TOKEN_CHUNK)
+                runs_of_rows(lo, hi, n_matrices, outs, ws, out_dims, x, packed, first,
+                             n_tokens - first < TOKEN_CHUNK ? n_tokens - first : TOKEN_CHUNK,
+                             in_dim);
         } else {
             int lo = kv_split(n_blocks, me, team), hi = kv_split(n_blocks, me + 1, team);
             for (int first = 0; first < n_tokens; first += TOKEN_CHUNK) {
@@ -288,6 +428,7 @@ void kv_matmul_many(int n_matrices, float *const *outs, const float *const *ws,
             }
         }
     }
+    free(packed);
 }
 
 void kv_matmul(float *out, const float *x, const float *w, int n_tokens, int in_dim,

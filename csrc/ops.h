@@ -24,11 +24,22 @@ void kv_matmul_many(int n_matrices, float *const *outs, const float *const *ws,
  * rows of w pass over them (ops.c). */
 #define KV_TOKEN_CHUNK 48
 
+/* x (n_tokens, in_dim) as the AVX-512 tile reads it (pairs of tokens side by side, chunk
+ * by chunk): memory for it (kv_packed_tokens_alloc; freed with free), or NULL where the
+ * tile is not built in, the tokens are too few for it, or the memory cannot be had (the
+ * products then take their other kernels, with the same bits); kv_pack_tokens fills pairs
+ * first .. last - 1 of it (of (n_tokens + 1) / 2), so that threads can share the work. */
+float *kv_packed_tokens_alloc(int n_tokens, int in_dim);
+void kv_pack_tokens(const float *x, int n_tokens, int in_dim, float *packed, int first,
+                    int last);
+
 /* Four rows of a matrix, float32 wherever they lie (rows[r] is output o + r), against tokens
- * first .. first + chunk - 1 (chunk <= KV_TOKEN_CHUNK) of x (in_dim each): out[t * out_dim +
- * o + r], in kv_dot's order. For rows made float32 on the way (weight_formats.c). */
-void kv_matmul_four_rows(float *out, const float *x, const float *const rows[4], int o,
-                         int first, int chunk, int in_dim, int out_dim);
+ * first .. first + chunk - 1 (chunk <= KV_TOKEN_CHUNK, first even) of x (in_dim each):
+ * out[t * out_dim + o + r], in kv_dot's order. packed: kv_pack_tokens' copy of x, or NULL.
+ * For rows made float32 on the way (weight_formats.c). */
+void kv_matmul_four_rows(float *out, const float *x, const float *packed,
+                         const float *const rows[4], int o, int first, int chunk, int in_dim,
+                         int out_dim);
 
 /* out = x / sqrt(mean(x^2) + eps) * weight, one row of length dim */
 void kv_rmsnorm(float *out, const float *x, const float *weight, int dim, float eps);

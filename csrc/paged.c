@@ -165,10 +165,21 @@ void kv_pool_note_positions(kv_pool *pool, int seq, int n_tokens) {
     }
 }
 
-kv_status kv_pool_keep(kv_pool *pool, int seq, int n_keep, const int32_t *rows) {
+/* Row `from` of seq's (layer, head) moves to row `to` (of the view of seq's layer): its K,
+ * V and position. */
+static void move_row(kv_pool *pool, const kv_layer_view *view, int head, int to, int from) {
+    size_t dst = kv_view_slot(view, to), src = kv_view_slot(view, from);
+    kv_store_copy_head(&pool->key, view->layer, head, dst, src, 1);
+    kv_store_copy_head(&pool->value, view->layer, head, dst, src, 1);
+    pool->positions[position_index(pool, view->layer, head, dst)] =
+        pool->positions[position_index(pool, view->layer, head, src)];
+}
+
+/* Whether kv_pool_keep may drop rows of seq: KV_OK, or why not (nothing is changed). */
+static kv_status keep_allowed(const kv_pool *pool, int seq, int n_keep, const int32_t *rows) {
     kv_status status = kv_blocks_seq_check(&pool->blocks, seq);
     if (status != KV_OK) return status;
-    kv_seq *q = &pool->blocks.seqs[seq];
+    const kv_seq *q = &pool->blocks.seqs[seq];
     if (q->reserved > 0) return KV_ERR_PENDING;
     /* (a row store's rows hold positions 0 .. length - 1: the GPU's forward pass reads them so) */
     if (pool->window > 0 || pool->row_store || n_keep < 0 || n_keep > q->length ||
@@ -176,10 +187,28 @@ kv_status kv_pool_keep(kv_pool *pool, int seq, int n_keep, const int32_t *rows) 
         return KV_ERR_INVALID_ARG;
     for (int i = 0; i < q->n_blocks; i++)     /* shared rows belong to the others too */
         if (pool->blocks.ref_count[q->block_table[i]] != 1) return KV_ERR_INVALID_ARG;
+    if (!kv_rows_to_keep_valid(rows, pool->n_layers, n_keep, pool->n_kv_heads, q->length))
+        return KV_ERR_INVALID_ARG;
+    return KV_OK;
+}
+
+/* Whether q, its rows become n_keep rows from row `at` of its first block (the blocks
+ * before that one gone back), could then take one more row: the blocks it would hold fit
+ * its table, and those beyond the ones it holds now are free or cached in the pool. A
+ * start costs up to one block, which a table or pool sized for the rows alone lacks. */
+static int room_for_next_row(const kv_blocks *blocks, const kv_seq *q, int at, int n_keep) {
+    int bs = blocks->block_size;
+    int64_t needed = kv_ceil_div((int64_t)at % bs + n_keep + 1, bs);
+    return needed <= blocks->max_blocks_per_seq &&
+           needed <= (int64_t)q->n_blocks + kv_blocks_available(blocks);
+}
+
+kv_status kv_pool_keep(kv_pool *pool, int seq, int n_keep, const int32_t *rows) {
+    kv_status status = keep_allowed(pool, seq, n_keep, rows);
+    if (status != KV_OK) return status;
+    const kv_seq *q = &pool->blocks.seqs[seq];
     int n_heads = pool->n_kv_heads;
 #define KEPT(layer, i, head) rows[((size_t)(layer) * n_keep + (i)) * n_heads + (head)]
-    if (!kv_rows_to_keep_valid(rows, pool->n_layers, n_keep, n_heads, q->length))
-        return KV_ERR_INVALID_ARG;
     if (pool->positions == NULL) {
         pool->positions = malloc(position_index(pool, pool->n_layers, 0, 0) * sizeof(int32_t));
         if (pool->positions == NULL) return KV_ERR_NOMEM;
@@ -192,22 +221,28 @@ kv_status kv_pool_keep(kv_pool *pool, int seq, int n_keep, const int32_t *rows) 
                     pool->positions[position_index(pool, layer, head, kv_view_slot(&view, row))] = row;
         }
     }
-    /* as kv_cache_keep: each kept row moves down to its place, never over an unread one */
+    /* As kv_cache_keep: kept row i becomes row i + shift, and the sequence's start then moves
+     * to row `shift` (kv_blocks_drop_rows). shift is the turn that moves fewest rows, or
+     * minus the start, every row going to the front of the first block as before there was
+     * a start, where the turn's start would cost a block for the next row that the table
+     * or the pool lacks and the front would not. shift <= 0: rows only move towards the
+     * front, from a row at or after their own, so front to back none is overwritten before
+     * it is read; shift > 0 (every dropped row): only towards the back, so back to front. */
+    int shift = kv_rows_turn(rows, pool->n_layers, n_keep, n_heads, q->length);
+    if (!room_for_next_row(&pool->blocks, q, q->start + shift, n_keep) &&
+        room_for_next_row(&pool->blocks, q, 0, n_keep))
+        shift = -q->start;
     for (int layer = 0; layer < pool->n_layers; layer++) {
         kv_layer_view view = kv_pool_layer_view(pool, seq, layer);
         for (int head = 0; head < n_heads; head++)
-            for (int i = 0; i < n_keep; i++) {
-                int row = KEPT(layer, i, head);
-                if (row == i) continue;
-                size_t to = kv_view_slot(&view, i), from = kv_view_slot(&view, row);
-                kv_store_copy_head(&pool->key, layer, head, to, from, 1);
-                kv_store_copy_head(&pool->value, layer, head, to, from, 1);
-                pool->positions[position_index(pool, layer, head, to)] =
-                    pool->positions[position_index(pool, layer, head, from)];
+            for (int k = 0; k < n_keep; k++) {
+                int i = shift <= 0 ? k : n_keep - 1 - k;
+                if (KEPT(layer, i, head) != i + shift)
+                    move_row(pool, &view, head, i + shift, KEPT(layer, i, head));
             }
     }
 #undef KEPT
-    return kv_blocks_drop_rows(&pool->blocks, seq, n_keep);   /* cannot fail: checked above */
+    return kv_blocks_drop_rows(&pool->blocks, seq, shift, n_keep);   /* cannot fail: checked */
 }
 
 /* ---- moving rows: in host memory, or by the row store ------------------------------- */
@@ -333,7 +368,7 @@ kv_layer_view kv_pool_layer_view(const kv_pool *pool, int seq, int layer) {
     const kv_seq *q = &pool->blocks.seqs[seq];
     kv_layer_view view = {.key = &pool->key, .value = &pool->value, .layer = layer,
                           .block_table = q->block_table, .block_size = pool->blocks.block_size,
-                          .window = pool->window, .new_start = q->length};
+                          .start = q->start, .window = pool->window, .new_start = q->length};
     if (pool->window > 0) {
         view.window_key = window_rows(pool->window_key, pool, seq, layer);
         view.window_value = window_rows(pool->window_value, pool, seq, layer);
@@ -425,7 +460,9 @@ kv_status kv_pool_reserve_batch(kv_pool *pool, int n_seqs, const int *seqs, cons
     int bs = pool->blocks.block_size;
     for (int i = 0; i < n_seqs; i++) {
         const kv_seq *q = &pool->blocks.seqs[seqs[i]];
-        if (kv_ceil_div((int64_t)q->length + n_tokens[i], bs) > max_blocks) return KV_ERR_INVALID_ARG;
+        /* (a row store's sequences start at row 0 of their first block: they drop no row) */
+        if (kv_ceil_div((int64_t)q->start + q->length + n_tokens[i], bs) > max_blocks)
+            return KV_ERR_INVALID_ARG;
     }
     for (int i = 0, first = 0; i < n_seqs; first += n_tokens[i], i++) {
         const kv_seq *q = &pool->blocks.seqs[seqs[i]];

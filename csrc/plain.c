@@ -23,9 +23,9 @@
 #include "quant.h"
 #include "store.h"
 
-/* acc + a * b. With one rounding where the CPU has fused multiply-add instructions (the
- * build tunes for this machine), as the fast kernels' madd does; else a multiply, then an
- * add, as theirs does too. Either way both tiers round alike. */
+/* acc + a * b. With one rounding where the CPU has fused multiply-add instructions (in a
+ * kernel variant built for CPUs with FMA, dispatch.h), as the fast kernels' madd does;
+ * else a multiply, then an add, as theirs does too. Either way both tiers round alike. */
 static inline float multiply_add(float a, float b, float acc) {
 #ifdef __FMA__
     return fmaf(a, b, acc);

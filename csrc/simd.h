@@ -27,9 +27,10 @@ static inline v8f load8(const float *p) {
     return v;
 }
 
-/* acc + a * b, lane by lane: one fused multiply-add (one rounding) where the CPU has
- * them (-march=native on x86 since 2013), else a multiply and an add. Every dot product
- * of the matrix products uses this, so all of them still round the same way. */
+/* acc + a * b, lane by lane: one fused multiply-add (one rounding) in a kernel variant
+ * built for CPUs with them (avx2 and avx512: x86 since 2013; dispatch.h), else a multiply
+ * and an add. Every dot product of the matrix products uses this, so all of them still
+ * round the same way. */
 static inline v8f madd(v8f a, v8f b, v8f acc) {
 #ifdef __FMA__
     return (v8f)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)acc);

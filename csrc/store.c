@@ -190,6 +190,29 @@ void kv_store_copy(const kv_store *store, int layer, size_t dst, size_t src, siz
         kv_store_copy_head(store, layer, head, dst, src, n_rows);
 }
 
+size_t kv_store_widest(const kv_store *store) {
+    size_t scales = (size_t)store->groups_per_head * sizeof(float);
+    return store->head_bytes > scales ? store->head_bytes : scales;
+}
+
+void kv_turn_rings(void *base, size_t n_rings, size_t ring_length, size_t size, size_t by,
+                   void *spare) {
+    for (size_t k = 0; k < n_rings; k++) {
+        uint8_t *ring = (uint8_t *)base + k * ring_length * size;
+        memcpy(spare, ring, by * size);
+        memmove(ring, ring + by * size, (ring_length - by) * size);
+        memcpy(ring + (ring_length - by) * size, spare, by * size);
+    }
+}
+
+void kv_store_turn(const kv_store *store, size_t by, void *spare) {
+    size_t rings = (size_t)store->n_layers * store->n_kv_heads;
+    size_t scales = (size_t)store->groups_per_head * sizeof(float);
+    kv_turn_rings(store->codes, rings, store->slots, store->head_bytes, by, spare);
+    if (store->scales) kv_turn_rings(store->scales, rings, store->slots, scales, by, spare);
+    if (store->zeros) kv_turn_rings(store->zeros, rings, store->slots, scales, by, spare);
+}
+
 int kv_rows_to_keep_valid(const int32_t *rows, int n_layers, int n_keep, int n_kv_heads,
                           int length) {
     for (int layer = 0; layer < n_layers; layer++)
@@ -203,6 +226,19 @@ int kv_rows_to_keep_valid(const int32_t *rows, int n_layers, int n_keep, int n_k
             }
         }
     return 1;
+}
+
+int kv_rows_turn(const int32_t *rows, int n_layers, int n_keep, int n_kv_heads, int length) {
+    int dropped = length - n_keep;
+    int64_t stay_if_none = 0, stay_if_all = 0;
+    for (int layer = 0; layer < n_layers; layer++)
+        for (int i = 0; i < n_keep; i++)
+            for (int head = 0; head < n_kv_heads; head++) {
+                int row = rows[((size_t)layer * n_keep + i) * n_kv_heads + head];
+                stay_if_none += row == i;
+                stay_if_all += row == i + dropped;
+            }
+    return stay_if_all > stay_if_none ? dropped : 0;
 }
 
 void kv_window_keep(float *ring, int window, int kv_dim, int first_pos, const float *rows,

@@ -54,11 +54,33 @@ void kv_store_copy_head(const kv_store *store, int layer, int head, size_t dst, 
 /* Copies n_rows rows (codes, scales, zero points) from slot src to slot dst of a layer. */
 void kv_store_copy(const kv_store *store, int layer, size_t dst, size_t src, size_t n_rows);
 
+/* Turns each of n_rings rings of ring_length elements of `size` bytes, one after another
+ * from base, by `by` elements: element `by` comes first, and the `by` before it go last.
+ * spare holds by * size bytes. */
+void kv_turn_rings(void *base, size_t n_rings, size_t ring_length, size_t size, size_t by,
+                   void *spare);
+
+/* Turns every (layer, head)'s slots of a store (codes, scales, zero points) by `by`: slot
+ * `by` becomes slot 0 (a contiguous cache's ring put back in order, kv_cache_straighten).
+ * spare holds by * kv_store_widest(store) bytes. */
+void kv_store_turn(const kv_store *store, size_t by, void *spare);
+/* Bytes of the widest part of one head row: its codes, or its scales. */
+size_t kv_store_widest(const kv_store *store);
+
 /* Whether rows, (n_layers, n_keep, n_kv_heads), names rows a cache or sequence of `length`
  * rows can keep (kv_cache_keep, kv_pool_keep): in each layer and head, row numbers that
  * only go up and stay below length. */
 int kv_rows_to_keep_valid(const int32_t *rows, int n_layers, int n_keep, int n_kv_heads,
                           int length);
+
+/* Where the kept rows go, for as few of them as possible to move: kept row i becomes row
+ * i + turn, and the rows before `turn` are dropped (a contiguous cache's ring turns past
+ * them, a paged sequence's first row moves past them). turn is 0, the kept rows moving to
+ * the front, or every dropped row (length - n_keep), the kept rows moving to the back,
+ * whichever leaves more of them where they are. A sliding window keeps the newest rows:
+ * turned by all, none moves. Attention sinks keep a few first rows and the newest: the few
+ * move. rows as kv_rows_to_keep_valid takes them, valid. */
+int kv_rows_turn(const int32_t *rows, int n_layers, int n_keep, int n_kv_heads, int length);
 
 /* The residual window keeps full-precision rows of a sequence's last `window` positions
  * in a ring of `window` rows per layer: position pos lives in row pos % window. */

@@ -19,8 +19,11 @@
  *   (n_layers, n_kv_heads, length int32) if the sequence dropped rows (kv_pool_keep); its
  *   residual window's rows, K then V, (n_layers, window, kv_dim float32) each.
  * Only a sequence's `length` rows are copied: rows past it in its last block were never
- * written, and a block is the pool's unit, not the host's. A pool whose rows live in a row
- * store (the GPU's) has the store copy them, into and out of the same layout.
+ * written, those before its start in its first block were dropped (kv_pool_keep), and a
+ * block is the pool's unit, not the host's: a sequence comes back from row 0 of its first
+ * block (start 0), in as few blocks as its rows take, whatever block size it left. A pool
+ * whose rows live in a row store (the GPU's) has the store copy them, into and out of the
+ * same layout.
  */
 #include <string.h>
 
@@ -78,25 +81,33 @@ static size_t swap_bytes(const kv_pool *pool, int length, int compacted) {
     return size + 2 * window_bytes(pool);
 }
 
-/* Copies the first `length` rows of one part of a sequence (block table `table`) between
- * the pool and host memory: to_host 1 copies out, 0 copies in (host is then only read:
- * swap-in's buffer is the caller's, const). Returns where the host memory goes on. */
-static uint8_t *copy_part(const kv_pool *pool, pool_part part, const int32_t *table, int length,
+/* The rows of sequence q from row `row` on that lie next to each other in one of its blocks
+ * (up to that block's end, or row length - 1): how many, and the slot of the first. */
+static int block_run(const kv_pool *pool, const kv_seq *q, int row, int length, size_t *slot) {
+    int block_size = pool->blocks.block_size, at = q->start + row;   /* past a dropped front */
+    int to_block_end = block_size - at % block_size;
+    *slot = (size_t)q->block_table[at / block_size] * block_size + (size_t)(at % block_size);
+    return length - row < to_block_end ? length - row : to_block_end;
+}
+
+/* Copies the first `length` rows of one part of sequence q between the pool and host
+ * memory: to_host 1 copies out, 0 copies in (host is then only read: swap-in's buffer is
+ * the caller's, const). Returns where the host memory goes on. */
+static uint8_t *copy_part(const kv_pool *pool, pool_part part, const kv_seq *q, int length,
                           uint8_t *host, int to_host) {
-    size_t block_size = (size_t)pool->blocks.block_size, slots = pool->key.slots;
+    size_t slots = pool->key.slots;
     for (int layer = 0; layer < pool->n_layers; layer++)
         for (int head = 0; head < pool->n_kv_heads; head++)
-            for (int start = 0; start < length; start += (int)block_size) {
-                size_t rows = (size_t)(length - start) < block_size ? (size_t)(length - start)
-                                                                     : block_size;
-                size_t slot = (size_t)table[start / block_size] * block_size;
+            for (int row = 0, n; row < length; row += n) {
+                size_t slot;
+                n = block_run(pool, q, row, length, &slot);
                 uint8_t *pooled = part.base + (((size_t)layer * pool->n_kv_heads + head) * slots +
                                                slot) * part.row_bytes;
                 if (to_host)
-                    memcpy(host, pooled, rows * part.row_bytes);
+                    memcpy(host, pooled, (size_t)n * part.row_bytes);
                 else
-                    memcpy(pooled, host, rows * part.row_bytes);
-                host += rows * part.row_bytes;
+                    memcpy(pooled, host, (size_t)n * part.row_bytes);
+                host += (size_t)n * part.row_bytes;
             }
     return host;
 }
@@ -149,12 +160,11 @@ kv_status kv_pool_swap_out(kv_pool *pool, int seq, void *host, size_t size) {
     uint8_t *at = host;
     memcpy(at, &header, sizeof header);
     at += sizeof header;
-    int block_size = pool->blocks.block_size;
-    for (int start = 0; start < q->length; start += block_size) {
-        int rows = q->length - start < block_size ? q->length - start : block_size;
-        memcpy(at, pool->blocks.tokens + (size_t)q->block_table[start / block_size] * block_size,
-               (size_t)rows * sizeof(int32_t));
-        at += (size_t)rows * sizeof(int32_t);
+    for (int row = 0, n; row < q->length; row += n) {
+        size_t slot;
+        n = block_run(pool, q, row, q->length, &slot);
+        memcpy(at, pool->blocks.tokens + slot, (size_t)n * sizeof(int32_t));
+        at += (size_t)n * sizeof(int32_t);
     }
     if (pool->row_store) {   /* (no window, no dropped rows: kv_pool_init_with_store) */
         status = move_store_rows(pool, seq, q->length, at, 1);
@@ -163,7 +173,7 @@ kv_status kv_pool_swap_out(kv_pool *pool, int seq, void *host, size_t size) {
     pool_part parts[7];
     int n_parts = parts_of(pool, q->compacted, parts);
     for (int i = 0; i < n_parts; i++)
-        at = copy_part(pool, parts[i], q->block_table, q->length, at, 1);
+        at = copy_part(pool, parts[i], q, q->length, at, 1);
     if (pool->window > 0) {
         memcpy(at, window_key_of(pool, seq), window_bytes(pool));
         memcpy(at + window_bytes(pool), window_value_of(pool, seq), window_bytes(pool));
@@ -264,12 +274,12 @@ static kv_status put_rows(kv_pool *pool, int seq, const swap_header *h, const ui
     if (pool->row_store) return move_store_rows(pool, seq, h->length, (uint8_t *)*at, 0);
     pool_part parts[7];
     int n_parts = parts_of(pool, h->compacted, parts);
-    const int32_t *table = pool->blocks.seqs[seq].block_table;
+    const kv_seq *q = &pool->blocks.seqs[seq];   /* (its h->length rows reserved) */
     for (int i = 0; i < n_parts; i++) {
         if (h->compacted && i == n_parts - 1)    /* the positions: the checked copy */
-            copy_part(pool, parts[i], table, h->length, (uint8_t *)positions, 0);
+            copy_part(pool, parts[i], q, h->length, (uint8_t *)positions, 0);
         else
-            *at = copy_part(pool, parts[i], table, h->length, (uint8_t *)*at, 0);
+            *at = copy_part(pool, parts[i], q, h->length, (uint8_t *)*at, 0);
     }
     return KV_OK;
 }

@@ -230,9 +230,9 @@ static void convert_row(kv_weight_format format, const uint8_t *row, int in_dim,
  * batch): for each chunk of tokens, a block's four rows are made float32 in `rows` (4 *
  * in_dim floats) and go through the float32 kernel (kv_matmul_four_rows), so the rows are
  * converted once per chunk of KV_TOKEN_CHUNK tokens, not once per token. */
-static void blocks_converted(float *out, const float *x, const uint8_t *w,
-                             kv_weight_format format, int n_tokens, int in_dim, int out_dim,
-                             int lo, int hi, float *rows) {
+static void blocks_converted(float *out, const float *x, const float *packed,
+                             const uint8_t *w, kv_weight_format format, int n_tokens,
+                             int in_dim, int out_dim, int lo, int hi, float *rows) {
     size_t row_bytes = kv_weight_row_bytes(format, in_dim);
     const float *four[4] = {rows, rows + in_dim, rows + 2 * (size_t)in_dim, rows + 3 * (size_t)in_dim};
     for (int first = 0; first < n_tokens; first += KV_TOKEN_CHUNK) {
@@ -242,7 +242,7 @@ static void blocks_converted(float *out, const float *x, const uint8_t *w,
             for (int r = 0; r < n_rows; r++)
                 convert_row(format, w + (size_t)(o + r) * row_bytes, in_dim, rows + (size_t)r * in_dim);
             if (n_rows == 4) {
-                kv_matmul_four_rows(out, x, four, o, first, chunk, in_dim, out_dim);
+                kv_matmul_four_rows(out, x, packed, four, o, first, chunk, in_dim, out_dim);
                 continue;
             }
             for (int r = 0; r < n_rows; r++)   /* the last few rows, one dot product at a time */
@@ -262,19 +262,28 @@ void kv_matmul_weights(float *out, const float *x, const uint8_t *w, kv_weight_f
     /* Each thread takes a contiguous share of the rows, the same for every chunk of
      * tokens, and its own 4 * in_dim floats of scratch. */
     int n_blocks = (out_dim + 3) / 4;
+    /* x packed for ops.c's 512-bit tile where it is built (and the memory had) */
+    float *packed = n_tokens < KV_CONVERT_ONCE_TOKENS ? NULL : kv_packed_tokens_alloc(n_tokens, in_dim);
     #pragma omp parallel num_threads(n_threads) \
         if ((int64_t)n_tokens * out_dim * in_dim >= KV_PARALLEL_MIN_WORK && n_blocks > 1)
     {
         int team = omp_get_num_threads(), me = omp_get_thread_num();
+        if (packed != NULL) {   /* each thread packs a share of the pairs, all read them all */
+            int n_pairs = (n_tokens + 1) / 2;
+            kv_pack_tokens(x, n_tokens, in_dim, packed, kv_split(n_pairs, me, team),
+                           kv_split(n_pairs, me + 1, team));
+            #pragma omp barrier
+        }
         if (n_tokens < KV_CONVERT_ONCE_TOKENS) {
             rows_streamed(out, x, w, format, n_tokens, in_dim, out_dim,
                           kv_split(out_dim, me, team), kv_split(out_dim, me + 1, team));
         } else {
-            blocks_converted(out, x, w, format, n_tokens, in_dim, out_dim,
+            blocks_converted(out, x, packed, w, format, n_tokens, in_dim, out_dim,
                              kv_split(n_blocks, me, team), kv_split(n_blocks, me + 1, team),
                              scratch + (size_t)me * 4 * in_dim);
         }
     }
+    free(packed);
 }
 
 kv_status kv_weights_matmul(float *out, const float *x, const uint8_t *w,
@@ -676,73 +685,111 @@ static ALWAYS_INLINE void dot_rows4_int8_tokens4(const uint8_t *const rows[4],
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && \
     defined(__AVX512VNNI__) && defined(__FMA__)
 #define KV_INT8_TILE_512 1
-/* dot_rows4_int8_tokens4 with 512-bit registers: two tokens to a register (token 2p in
- * lanes 0 .. 7, 2p + 1 in lanes 8 .. 15), so each instruction does two (row, token) pairs'
- * work. Lane for lane the same operations in the same order: each pair's eight lanes, its
- * scale d_w * d_x (a product of the same two floats), its m part, bit for bit. */
-static ALWAYS_INLINE void dot_rows4_int8_tokens4_512(const uint8_t *const rows[4],
-                                                     kv_weight_format format,
-                                                     const float *const pairs[4],
-                                                     const int8_t *const codes[4], int n_blocks,
-                                                     float out[4][4]) {
+/* The most token pairs dot_rows4_int8_pairs_512 takes at once: 4 rows x 4 pairs make 16
+ * running sums of 16 lanes, half of the 32 registers AVX-512 has. */
+#define TILE_PAIRS 4
+
+/* What the 512-bit tile reads of a pair of tokens (2p, 2p + 1) for one block, made once per
+ * product (pack_pairs) and read by every row: PACKED_BYTES a pair and block, the pairs
+ * one after another, each pair's blocks in order, at these offsets:
+ *   codes   (2, 32) int8: token 2p's codes, then 2p + 1's;
+ *   start   (2, 8) int32: -128 (Q8_0) or -8 (Q4_0) times each sum of four codes, 0 (Q4_1);
+ *   d_x     (2, 8) float: each token's d_x in its eight lanes;
+ *   x_pair  (2, 4, 2) float: each token's (d_x, d_x * sum of its codes), four times (Q4_1).
+ * As many bytes as x itself in float32: a pair and block is 64 floats. */
+#define PACKED_BYTES 256
+enum { PACKED_CODES = 0, PACKED_START = 64, PACKED_D_X = 128, PACKED_X_PAIR = 192 };
+
+/* Pairs first .. last - 1 of the n_tokens quantized tokens packed (a lone last token is
+ * paired with itself) */
+static void pack_pairs(kv_weight_format format, const float *x_pairs, const int8_t *x_codes,
+                       int n_tokens, int in_dim, uint8_t *packed, int first, int last) {
+    int n_blocks = in_dim / 32;
+    __m512i zero = _mm512_setzero_si512();
+    __m512i factor = _mm512_set1_epi8(format == KV_WEIGHT_Q8_0 ? (char)0x80 : 8);
+    for (int p = first; p < last; p++) {
+        int t0 = 2 * p, t1 = 2 * p + 1 < n_tokens ? 2 * p + 1 : 2 * p;
+        for (int b = 0; b < n_blocks; b++) {
+            uint8_t *at = packed + ((size_t)p * n_blocks + b) * PACKED_BYTES;
+            const float *pair0 = x_pairs + 2 * ((size_t)t0 * n_blocks + b);
+            const float *pair1 = x_pairs + 2 * ((size_t)t1 * n_blocks + b);
+            memcpy(at + PACKED_CODES, x_codes + (size_t)t0 * in_dim + 32 * b, 32);
+            memcpy(at + PACKED_CODES + 32, x_codes + (size_t)t1 * in_dim + 32 * b, 32);
+            __m512i x = _mm512_loadu_si512(at + PACKED_CODES), start = zero;
+            if (format != KV_WEIGHT_Q4_1)   /* 128 or 8 (unsigned) times x, summed in fours */
+                start = _mm512_sub_epi32(zero, _mm512_dpbusd_epi32(zero, factor, x));
+            _mm512_storeu_si512(at + PACKED_START, start);
+            _mm512_storeu_ps(at + PACKED_D_X, _mm512_insertf32x8(
+                _mm512_set1_ps(pair0[0]), _mm256_set1_ps(pair1[0]), 1));
+            _mm512_storeu_ps(at + PACKED_X_PAIR, _mm512_insertf32x8(
+                _mm512_castps256_ps512((__m256)x_pair_splat(pair0)), (__m256)x_pair_splat(pair1), 1));
+        }
+    }
+}
+
+/* Four rows against n_pairs packed pairs of tokens from pair p0 on (up to TILE_PAIRS:
+ * eight tokens; a batched decode step, a prefill), with 512-bit registers: a register
+ * holds a pair's two tokens (token 2p in lanes 0 .. 7, 2p + 1 in lanes 8 .. 15) against one
+ * row, so each instruction does two (row, token) pairs' work, and each row's block is
+ * loaded and unpacked once for all the pairs. out[t][r] is token 2 p0 + t's dot_row_int8 of
+ * row r, bit for bit: each (row, token) pair keeps its own eight lanes and m part, adds
+ * its blocks in the same order with the same roundings (its scale is the same product d_w
+ * * d_x); only the way to the exact integer sums differs. The instruction (dpbusd)
+ * multiplies unsigned by signed bytes and adds four products to a running integer: the
+ * weights are the unsigned side (Q4's nibbles as they are, Q8_0's codes as w + 128, their
+ * sign bit flipped), and each sum starts from what that adds, the pair's packed start: one
+ * instruction a (row, pair), where dot_row_int8 needs three. (AVX2 has no such sum: its
+ * byte products saturate at 16 bits, which w + 128 would reach.) Written for registers:
+ * sixteen sums, four rows' codes, what one pair needs at a time; the rest from memory. */
+static ALWAYS_INLINE void dot_rows4_int8_pairs_512(const uint8_t *const rows[4],
+                                                   kv_weight_format format,
+                                                   const uint8_t *packed, int p0, int n_pairs,
+                                                   int n_blocks, float out[2 * TILE_PAIRS][4]) {
     size_t block_bytes = kv_weight_block_bytes(format);
     size_t header = format == KV_WEIGHT_Q4_1 ? 4 : 2;   /* d, and Q4_1's m, before the codes */
-    __m512 lanes[4][2], m_parts[2];   /* [row][token pair], [token pair] */
-    for (int r = 0; r < 4; r++) lanes[r][0] = lanes[r][1] = _mm512_setzero_ps();
-    m_parts[0] = m_parts[1] = _mm512_setzero_ps();
-    /* each half's scale for row r: lane 2r of its half */
-    __m512i pick[4];
-    for (int r = 0; r < 4; r++)
-        pick[r] = _mm512_setr_epi32(2 * r, 2 * r, 2 * r, 2 * r, 2 * r, 2 * r, 2 * r, 2 * r,
-                                    8 + 2 * r, 8 + 2 * r, 8 + 2 * r, 8 + 2 * r, 8 + 2 * r,
-                                    8 + 2 * r, 8 + 2 * r, 8 + 2 * r);
+    __m512 lanes[4][TILE_PAIRS], m_parts[TILE_PAIRS];   /* [row][pair], [pair] */
+    for (int p = 0; p < n_pairs; p++) {
+        m_parts[p] = _mm512_setzero_ps();
+        for (int r = 0; r < 4; r++) lanes[r][p] = _mm512_setzero_ps();
+    }
     __m512i shifts = _mm512_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4, 0, 0, 0, 0, 4, 4, 4, 4);
     for (int b = 0; b < n_blocks; b++) {
         size_t at = (size_t)b * block_bytes;
-        __m256 d_m = (__m256)headers4(rows, at);
-        __m512 d_m2 = _mm512_insertf32x8(_mm512_castps256_ps512(d_m), d_m, 1);
-        __m512 scales[2];
-        __m512i x_codes[2], x_sums4x8[2];
-        for (int p = 0; p < 2; p++) {
-            __m512 x_pair = _mm512_insertf32x8(
-                _mm512_castps256_ps512((__m256)x_pair_splat(pairs[2 * p] + 2 * b)),
-                (__m256)x_pair_splat(pairs[2 * p + 1] + 2 * b), 1);
-            scales[p] = _mm512_mul_ps(d_m2, x_pair);
-            if (format == KV_WEIGHT_Q4_1) m_parts[p] = _mm512_fmadd_ps(d_m2, x_pair, m_parts[p]);
-            x_codes[p] = _mm512_inserti64x4(
-                _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(codes[2 * p] + 32 * b))),
-                _mm256_loadu_si256((const __m256i *)(codes[2 * p + 1] + 32 * b)), 1);
-            if (format == KV_WEIGHT_Q4_0)
-                x_sums4x8[p] = _mm512_slli_epi32(
-                    _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8(1), x_codes[p]), 3);
-        }
+        for (int r = 0; r < 4; r++) __builtin_prefetch(rows[r] + at + KV_INT8_PREFETCH);
+        v8f d_m = headers4(rows, at);   /* lane 2r: row r's d (2r + 1: Q4_1's m) */
+        __m512 d_m2 = _mm512_insertf32x8(_mm512_castps256_ps512((__m256)d_m), (__m256)d_m, 1);
+        float heads[8];   /* each row's d broadcast from memory: no shuffles */
+        memcpy(heads, &d_m, sizeof heads);
+        __m512i w_codes[4];   /* per row: its 32 codes (unsigned) in both halves */
         for (int r = 0; r < 4; r++) {
             const uint8_t *w_at = rows[r] + at + header;
-            __m512i w_codes;
             if (format == KV_WEIGHT_Q8_0) {
-                w_codes = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)w_at));
+                w_codes[r] = _mm512_xor_si512(   /* w + 128 */
+                    _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)w_at)),
+                    _mm512_set1_epi8((char)0x80));
             } else {   /* the 16 bytes in every quarter; the high nibbles in quarters 1 and 3 */
-                w_codes = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)w_at));
-                w_codes = _mm512_and_si512(_mm512_srlv_epi32(w_codes, shifts),
-                                           _mm512_set1_epi8(0x0F));
+                w_codes[r] = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)w_at));
+                w_codes[r] = _mm512_and_si512(_mm512_srlv_epi32(w_codes[r], shifts),
+                                              _mm512_set1_epi8(0x0F));
             }
-            for (int p = 0; p < 2; p++) {
-                __m512i ints;
-                if (format == KV_WEIGHT_Q8_0) {   /* |w| times x with w's sign, as sums_of_four */
-                    ints = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_abs_epi8(w_codes),
-                                               _mm512_mask_sub_epi8(x_codes[p],
-                                                   _mm512_movepi8_mask(w_codes),
-                                                   _mm512_setzero_si512(), x_codes[p]));
-                } else {
-                    ints = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w_codes, x_codes[p]);
-                    if (format == KV_WEIGHT_Q4_0) ints = _mm512_sub_epi32(ints, x_sums4x8[p]);
-                }
-                __m512 scale = _mm512_permutexvar_ps(pick[r], scales[p]);
+        }
+        for (int p = 0; p < n_pairs; p++) {
+            const uint8_t *pair = packed + ((size_t)(p0 + p) * n_blocks + b) * PACKED_BYTES;
+            __m512i x = _mm512_loadu_si512(pair + PACKED_CODES);
+            __m512 d_x = _mm512_loadu_ps(pair + PACKED_D_X);
+            if (format == KV_WEIGHT_Q4_1)   /* lane 2r + 1 of each half: m_w * (d_x * sum) */
+                m_parts[p] = _mm512_fmadd_ps(d_m2, _mm512_loadu_ps(pair + PACKED_X_PAIR), m_parts[p]);
+            for (int r = 0; r < 4; r++) {
+                __m512i start = format == KV_WEIGHT_Q4_1 ? _mm512_setzero_si512()
+                                                          : _mm512_loadu_si512(pair + PACKED_START);
+                __m512i ints = _mm512_dpbusd_epi32(start, w_codes[r], x);
+                __m512 scale = _mm512_mul_ps(_mm512_set1_ps(heads[2 * r]), d_x);   /* d_w * d_x */
                 lanes[r][p] = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(ints), lanes[r][p]);
             }
         }
     }
-    for (int t = 0; t < 4; t++) {
+    #pragma GCC unroll 8   /* constant indices into lanes: the sums stay in registers */
+    for (int t = 0; t < 2 * n_pairs; t++) {
         int p = t / 2, high = t % 2;
         v8f half[4];
         for (int r = 0; r < 4; r++)
@@ -755,17 +802,37 @@ static ALWAYS_INLINE void dot_rows4_int8_tokens4_512(const uint8_t *const rows[4
             out[t][r] = format == KV_WEIGHT_Q4_1 ? totals[r] + m_half[2 * r + 1] : totals[r];
     }
 }
+
+/* Four rows against tokens t .. t + n - 1 (t even, 1 <= n <= 2 * TILE_PAIRS) with
+ * dot_rows4_int8_pairs_512, n_pairs a constant in each call so that its loops unroll; the
+ * sums go to out (n_tokens, out_dim) at columns o[r]. */
+static ALWAYS_INLINE void tile_512(float *out, const uint8_t *const rows[4], const int o[4],
+                                   kv_weight_format format, const uint8_t *packed, int t,
+                                   int n, int n_blocks, int out_dim) {
+    float sums[2 * TILE_PAIRS][4];
+    switch ((n + 1) / 2) {
+    case 4: dot_rows4_int8_pairs_512(rows, format, packed, t / 2, 4, n_blocks, sums); break;
+    case 3: dot_rows4_int8_pairs_512(rows, format, packed, t / 2, 3, n_blocks, sums); break;
+    case 2: dot_rows4_int8_pairs_512(rows, format, packed, t / 2, 2, n_blocks, sums); break;
+    default: dot_rows4_int8_pairs_512(rows, format, packed, t / 2, 1, n_blocks, sums); break;
+    }
+    for (int i = 0; i < n; i++)
+        for (int r = 0; r < 4; r++) out[(size_t)(t + i) * out_dim + o[r]] = sums[i][r];
+}
 #endif
 
 /* Rows lo .. hi - 1 of w against every token's quantized activations: the rows read as four
- * runs side by side (as rows_streamed does), every token against each four: four tokens
- * at a time where there are four (with AVX2), then two, then one. Inlined into one copy
+ * runs side by side (as rows_streamed does), every token against each four: with AVX-512
+ * VNNI, four or more tokens eight at a time (the last few in one smaller tile); with AVX2,
+ * four at a time; then two, then one. Inlined into one copy
  * per format (rows_int8_q8_0, ...), so that no test of the format is left in the loops. */
 static ALWAYS_INLINE void rows_int8(float *out, const uint8_t *w, kv_weight_format format,
                                     int n_tokens, int in_dim, int out_dim,
-                                    const float *x_pairs, const int8_t *x_codes, int lo,
-                                    int hi) {
-    // x_pairs (n_tokens, n_blocks, 2): each block's scale and d_x * sum of codes
+                                    const float *x_pairs, const int8_t *x_codes,
+                                    const uint8_t *packed, int lo, int hi) {
+    // x_pairs (n_tokens, n_blocks, 2): each block's scale and d_x * sum of codes;
+    // packed: pack_pairs' layout of the same (with AVX-512 VNNI and four or more tokens;
+    // NULL where its memory could not be had)
     int n_blocks = in_dim / 32;
     size_t row_bytes = kv_weight_row_bytes(format, in_dim);
     int per_run = (hi - lo) / 4;
@@ -776,16 +843,19 @@ static ALWAYS_INLINE void rows_int8(float *out, const uint8_t *w, kv_weight_form
         const uint8_t *rows[4] = {w + (size_t)o[0] * row_bytes, w + (size_t)o[1] * row_bytes,
                                   w + (size_t)o[2] * row_bytes, w + (size_t)o[3] * row_bytes};
         int t = 0;
-#ifdef __AVX2__
+#if defined(KV_INT8_TILE_512)
+        if (packed != NULL)   /* eight tokens at a time, then the rest in one more tile */
+            for (; t < n_tokens; t += 2 * TILE_PAIRS) {
+                int n = n_tokens - t < 2 * TILE_PAIRS ? n_tokens - t : 2 * TILE_PAIRS;
+                tile_512(out, rows, o, format, packed, t, n, n_blocks, out_dim);
+            }
+#endif
+#if defined(__AVX2__)
         for (; t + 4 <= n_tokens; t += 4) {     /* four tokens against the four rows */
             float sums[4][4];
             const float *pairs[4] = {PAIRS(t), PAIRS(t + 1), PAIRS(t + 2), PAIRS(t + 3)};
             const int8_t *codes[4] = {CODES(t), CODES(t + 1), CODES(t + 2), CODES(t + 3)};
-#ifdef KV_INT8_TILE_512
-            dot_rows4_int8_tokens4_512(rows, format, pairs, codes, n_blocks, sums);
-#else
             dot_rows4_int8_tokens4(rows, format, pairs, codes, n_blocks, sums);
-#endif
             for (int i = 0; i < 4; i++)
                 for (int r = 0; r < 4; r++) out[(size_t)(t + i) * out_dim + o[r]] = sums[i][r];
         }
@@ -815,8 +885,10 @@ static ALWAYS_INLINE void rows_int8(float *out, const uint8_t *w, kv_weight_form
 
 #define ROWS_INT8_FOR(name, format)                                                         \
     static void name(float *out, const uint8_t *w, int n_tokens, int in_dim, int out_dim,   \
-                     const float *x_pairs, const int8_t *x_codes, int lo, int hi) {         \
-        rows_int8(out, w, format, n_tokens, in_dim, out_dim, x_pairs, x_codes, lo, hi);     \
+                     const float *x_pairs, const int8_t *x_codes, const uint8_t *packed,    \
+                     int lo, int hi) {                                                       \
+        rows_int8(out, w, format, n_tokens, in_dim, out_dim, x_pairs, x_codes, packed, lo,  \
+                  hi);                                                                       \
     }
 ROWS_INT8_FOR(rows_int8_q8_0, KV_WEIGHT_Q8_0)
 ROWS_INT8_FOR(rows_int8_q4_0, KV_WEIGHT_Q4_0)
@@ -905,6 +977,23 @@ static void quantize_tokens(const float *x, int in_dim, float *x_pairs, int8_t *
                              x_codes + (size_t)t * in_dim);
 }
 
+/* The memory pack_pairs fills for n_tokens tokens of in_dim (freed by the caller), or NULL
+ * where the 512-bit tile is not built in, the tokens are too few for it (a decode step of
+ * one to three sequences streams the rows once per token instead), or the memory cannot be
+ * had: then the products take the smaller tiles, with the same bits. */
+static uint8_t *packed_memory(int n_tokens, int in_dim) {
+#ifdef KV_INT8_TILE_512
+    if (n_tokens >= 4) {
+        size_t n_pairs = ((size_t)n_tokens + 1) / 2;
+        return (uint8_t *)kv_alloc_floats(n_pairs * (size_t)(in_dim / 32) * PACKED_BYTES /
+                                          sizeof(float));
+    }
+#endif
+    (void)n_tokens;
+    (void)in_dim;
+    return NULL;
+}
+
 void kv_matmul_int8_many(int n_matrices, float *const *outs, const uint8_t *const *ws,
                          kv_weight_format format, const int *out_dims, const float *x,
                          int n_tokens, int in_dim, float *x_scales, int8_t *x_codes) {
@@ -913,7 +1002,9 @@ void kv_matmul_int8_many(int n_matrices, float *const *outs, const uint8_t *cons
     int team_quantizes = n_tokens >= 8;
     if (!team_quantizes)
         quantize_tokens(x, in_dim, x_pairs, x_codes, 0, n_tokens);
-    void (*rows)(float *, const uint8_t *, int, int, int, const float *, const int8_t *, int, int) =
+    uint8_t *packed = packed_memory(n_tokens, in_dim);
+    void (*rows)(float *, const uint8_t *, int, int, int, const float *, const int8_t *,
+                 const uint8_t *, int, int) =
         format == KV_WEIGHT_Q4_0 ? rows_int8_q4_0 :
         format == KV_WEIGHT_Q4_1 ? rows_int8_q4_1 : rows_int8_q8_0;
     int64_t work = 0;
@@ -935,10 +1026,19 @@ void kv_matmul_int8_many(int n_matrices, float *const *outs, const uint8_t *cons
                             kv_split(n_tokens, me + 1, team));
             #pragma omp barrier
         }
+#ifdef KV_INT8_TILE_512
+        if (packed != NULL) {   /* each thread packs a share of the pairs, all read them all */
+            int n_pairs = (n_tokens + 1) / 2;
+            pack_pairs(format, x_pairs, x_codes, n_tokens, in_dim, packed,
+                       kv_split(n_pairs, me, team), kv_split(n_pairs, me + 1, team));
+            #pragma omp barrier
+        }
+#endif
         for (int m = 0; m < n_matrices; m++)
-            rows(outs[m], ws[m], n_tokens, in_dim, out_dims[m], x_pairs, x_codes,
+            rows(outs[m], ws[m], n_tokens, in_dim, out_dims[m], x_pairs, x_codes, packed,
                  kv_split(out_dims[m], me, team), kv_split(out_dims[m], me + 1, team));
     }
+    free(packed);
 }
 
 void kv_matmul_int8(float *out, const float *x, const uint8_t *w, kv_weight_format format,

@@ -20,10 +20,20 @@ sequence of any length:
 
 How a policy runs: tokens go through the model as ordinary forward calls. When the cache
 holds `budget` rows and another token comes, the policy picks `budget - 1` rows to keep
-(keep() below), and the core moves them to the front of the cache (cache.keep). Tokens that
-fit without dropping anything go in one call; after that, one at a time, so every query sees
-exactly the rows the policy would leave it token by token, however the tokens are split.
-Each layer and KV head may keep different rows (H2O and SnapKV choose per head).
+(keep() below), and the core keeps them as the cache's rows 0 .. budget - 2, in order
+(cache.keep). Tokens that fit without dropping anything go in one call; after that, one at
+a time, so every query sees exactly the rows the policy would leave it token by token,
+however the tokens are split. Each layer and KV head may keep different rows (H2O and SnapKV
+choose per head).
+
+Where the rows are: the cache's memory holds them as a ring, and keep moves as few as it
+can. A window turns the ring past its oldest row and moves none, so position p of a
+SlidingWindow(w) lands in slot p % w, Mistral's rolling buffer (until a view below turns the
+ring back); sinks move their few first rows; H2O moves, in each head, the rows on one side
+of the row it drops (the side with fewer rows over all heads). What a policy
+and a student read is in row order, oldest first, whatever the ring's turn: cache.positions
+and cache.attention_weights (copies), and cache.keys, cache.values and the codes (zero-copy
+views: reading one turns the ring back to slot 0 first, which moves every row once).
 
 RoPE: positions as stored. A row keeps the rotation of the position it was computed at,
 and a new token is rotated by its true position (cache.next_position), so attention sees
@@ -32,7 +42,7 @@ kept keys by their place in the shortened cache, so no position past the model's
 context is ever used; kvlab does not, and says so: past config.max_seq_len a model meets
 rotations it was never trained on (tests/test_cache_policy.py checks both halves of this).
 
-Not here: the attention arithmetic (csrc/model.c), moving rows (csrc/kvcache.c), the sums
+Not here: the attention arithmetic (csrc/model.c), keeping rows (csrc/kvcache.c), the sums
 of attention weights (csrc/attention_weights.c), accuracy against a budget (kvlab.accuracy).
 """
 from __future__ import annotations

@@ -406,6 +406,8 @@ def cmd_info(args) -> int:
           f"{'interleaved pairs' if c.rope_interleaved else 'rotate-half'}"
           f"{', scaling ' + str(c.rope_scaling) if c.rope_scaling else ''}")
     print(f"classifier      {'tied to the embedding' if c.tied_embeddings else 'separate'}")
+    from . import _kvlab, get_kernels    # the kernel variant this CPU runs (csrc/dispatch.h)
+    print(f"kernels         {_kvlab.VARIANT} variant, {get_kernels()} tier: {_kvlab.VARIANT_REASON}")
     return 0
 
 

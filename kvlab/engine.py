@@ -526,9 +526,11 @@ class Engine:
         bar = None
         if progress:
             from tqdm.auto import tqdm
-            total = sum(r.params.max_new_tokens * r.params.n for r in self.requests.values()
-                        if r.state is not State.FINISHED)
-            bar = tqdm(total=total, desc="engine", unit="tok")
+            # a run resumed after a Ctrl-C starts from the tokens already chosen
+            going_on = [r for r in self.requests.values() if r.state is not State.FINISHED]
+            bar = tqdm(total=sum(r.params.max_new_tokens * r.params.n for r in going_on),
+                       initial=sum(len(s.outputs) for r in going_on for s in r.sequences),
+                       desc="engine", unit="tok")
         try:
             while self.has_work:
                 result = self.step()

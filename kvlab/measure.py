@@ -298,6 +298,26 @@ def memory_bandwidth(n_bytes: int = 1 << 28, repeats: int = 3) -> dict:
     return dict(core.memory_bandwidth(n_bytes, repeats))
 
 
+def compute_roof(repeats: int = 3) -> dict:
+    """This machine's compute roof as the C core's threads see it, beside memory_bandwidth's
+    memory roof: the best of `repeats` passes of chains of independent instructions on
+    registers (no memory traffic), on one thread and on the core's threads (set_num_threads).
+    Rates in operations per second, a multiply and an add counted as two:
+      f32_flops_per_s:        the widest float32 multiply-add the build has;
+      int8_ops_per_s:         the widest int8 dot-product instruction (byte products);
+      int8_product_ops_per_s: byte products through the int8-activation product's own
+                              sequence (exact sums of four, made float, times a scale,
+                              added with a multiply-add: what a Q8_0 prefill or batched
+                              decode step can reach at best);
+    each also as ..._1_thread, with 'threads' and the instructions timed, in words. A
+    product of many tokens (a prefill, a batched decode step) is bound by these; a decode
+    step of one sequence by the bandwidth."""
+    repeats = arguments.positive(repeats, "repeats")
+    if repeats > 1000:
+        raise ValueError(f"repeats must be at most 1000, got {repeats}")
+    return dict(core.compute_roof(repeats))
+
+
 def attention_walk_bandwidth(context: int, n_kv_heads: int = 8, head_dim: int = 128,
                              repeats: int = 3) -> float:
     """Bytes per second read by decode attention's walk through an fp32 cache of `context`

@@ -97,7 +97,8 @@ class SwappedSequence:
     and formats. `data` is one read-only byte buffer laid out by the core (csrc/swap.c)."""
     data: np.ndarray        # uint8 (nbytes,), read-only
     length: int             # positions it holds
-    n_blocks: int           # blocks it held, and takes to come back (same block size)
+    n_blocks: int           # blocks it takes to come back (same block size): the blocks it
+                            # held, less one if rows keep() dropped from its front left room
 
     @property
     def nbytes(self) -> int:
@@ -156,7 +157,8 @@ class PoolViews:
     # ---- pictures ----------------------------------------------------------------------
     def render(self, width: int = 64) -> str:
         """A text map: one character per block ('.' free, 'c' cached, the ref count if
-        used, '+' above 9), then each sequence's block table."""
+        used, '+' above 9), then each sequence's block table (and its start, once keep()
+        dropped rows from its front)."""
         refs, cached = self.ref_counts, set(self.cached_blocks)
         cells = []
         for b in range(self.num_blocks):
@@ -176,7 +178,9 @@ class PoolViews:
             lines.append(f"  {start:5d} {''.join(cells[start:start + width])}")
         for seq in self.sequences():
             table = ", ".join(str(b) for b in seq.block_table)
-            lines.append(f"  seq {seq.id}: length {seq.length}, blocks [{table}]")
+            # a window's rows begin past the ones it dropped from its first block
+            start = f" from row {seq.start} of its first block" if seq.start else ""
+            lines.append(f"  seq {seq.id}: length {seq.length}{start}, blocks [{table}]")
         return "\n".join(lines)
 
     def __repr__(self) -> str:
@@ -239,7 +243,9 @@ class PagedPool(PoolViews, core.PagedPool):
         changing nothing, for a sequence with a reservation pending or of another pool."""
         if not isinstance(seq, PagedSequence):
             raise TypeError(f"expected a PagedSequence, got {type(seq).__name__}")
-        length, n_blocks = seq.length, len(seq.block_table)   # (a freed one raises here)
+        length = seq.length                   # (a freed one raises here)
+        # it comes back from row 0 of a fresh block: its start (seq.start) takes no room
+        n_blocks = -(-length // self.block_size)
         data = super().swap_out(seq)
         data.flags.writeable = False        # the rows must come back as they left
         return SwappedSequence(data, length, n_blocks)

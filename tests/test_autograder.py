@@ -129,6 +129,48 @@ def test_a_lab_whose_model_stays_in_the_judge_is_graded_in_its_package(tmp_path)
     assert data["score"] == full == sum(t["max_score"] for t in data["tests"]), data
 
 
+def test_a_lab_that_needs_a_named_model_fetches_it_in_setup_and_grades_with_it(tmp_path,
+                                                                              smollm2_path):
+    """cache_eviction's curves run SmolLM2 (Lab.models): its setup.sh fetches it once, where
+    the judge will read it, and no other lab's does; its zip grades the solution (here with
+    the SmolLM2 this machine has: the fixture skips where it cannot be had)."""
+    package = build("cache_eviction", tmp_path / "cache_eviction.zip", INSTRUCTOR)
+    with zipfile.ZipFile(package) as archive:
+        setup = archive.read("setup.sh").decode()
+    assert setup.rstrip().endswith("-m kvlab fetch smollm2-135m")
+    with zipfile.ZipFile(build("cache_size", tmp_path / "cache_size.zip", INSTRUCTOR)) as archive:
+        assert "kvlab fetch" not in archive.read("setup.sh").decode()
+    root = unpack(package, tmp_path / "autograder")
+    shutil.copy(INSTRUCTOR / "solutions" / "cache_eviction.py",
+                root / "submission" / "cache_eviction.py")
+    run = run_autograder(root, {"KVLAB_PYTHON": sys.executable, "KVLAB_WORKER_USER": ""})
+    assert run.returncode == 0, run.stderr
+    data = results(root)
+    assert data["score"] == LABS["cache_eviction"].points == sum(t["max_score"] for t in data["tests"])
+
+
+def test_a_lab_in_c_is_graded_in_its_package(tmp_path):
+    """decode_kernel's file is C: the zip's kvlab carries the lab's header, harness and
+    starter, the judge has it built by a worker (a compiler is on Gradescope's image:
+    setup.sh installs build-essential) and loads it in each test's worker."""
+    package = build("decode_kernel", tmp_path / "decode_kernel.zip", INSTRUCTOR)
+    with zipfile.ZipFile(package) as archive:
+        names = archive.namelist()
+    for needed in ("decode_kernel.h", "harness.py", "starter.c", "checks.py", "README.md"):
+        assert f"kvlab-src/kvlab/labs/decode_kernel/{needed}" in names, needed
+    assert "kvlab-src/kvlab/grading/cbuild.py" in names
+    assert not any("decode_kernel_plain" in n or n.endswith(".edit") for n in names)
+    root = unpack(package, tmp_path / "autograder")
+    shutil.copy(INSTRUCTOR / "solutions" / "decode_kernel.c", root / "submission" / "mine.c")
+    run = run_autograder(root, {"KVLAB_PYTHON": sys.executable, "KVLAB_WORKER_USER": ""})
+    assert run.returncode == 0, run.stderr
+    data = results(root)
+    assert sum(t["max_score"] for t in data["tests"]) == LABS["decode_kernel"].points
+    untimed = [t for t in data["tests"] if "bandwidth" not in t["name"]]
+    assert len(untimed) == 9 and all(t["status"] == "passed" for t in untimed), data
+    assert "(mine.c, graded" in data["output"]
+
+
 def test_the_top_level_file_wins_over_an_old_copy_in_a_folder(package, tmp_path):
     root = unpack(package, tmp_path / "autograder")
     shutil.copy(INSTRUCTOR / "solutions" / "cache_size.py", root / "submission" / "cache_size.py")
@@ -206,6 +248,29 @@ def kv_bytes_per_token(*args):
         uid = pwd.getpwnam(WORKER_USER).pw_uid
         assert f"RuntimeError: {uid} PermissionError PermissionError PermissionError ImportError" \
             in first, first
+        # a kernel in C, as kvlab-student, cannot read kvlab's own library (to load it and
+        # call kvlab's kernels) nor the hidden tests: it prints what fopen said
+        library = next(venv.glob("lib/python3*/site-packages/kvlab/_kvlab*.so"))
+        kernel = unpack(build("decode_kernel", top / "decode_kernel.zip", INSTRUCTOR), top / "kernel")
+        (kernel / "submission" / "decode_kernel.c").write_text(f'''
+#include "decode_kernel.h"
+#include <errno.h>
+#include <stdio.h>
+void decode_attention(float *out, const float *q, const kv_cache_view *view, int n_heads,
+                      int n_threads) {{
+    const char *paths[] = {{"{library}", "{kernel / "source" / "tests" / "decode_kernel.py"}"}};
+    for (int i = 0; i < 2; i++) {{
+        FILE *f = fopen(paths[i], "rb");
+        printf(f ? "opened " : "refused %d ", f ? 0 : errno);
+    }}
+    fflush(stdout);
+    NOT_WRITTEN();
+}}
+''')
+        run = run_autograder(kernel, env)
+        assert run.returncode == 0, run.stderr
+        first = results(kernel)["tests"][0]["output"]
+        assert "refused 13 refused 13" in first, first
     finally:
         shutil.rmtree(top, ignore_errors=True)
 

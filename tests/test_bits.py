@@ -4,9 +4,12 @@ fixed prompt, hashed, against digests stored here.
 The C core fixes the order of every sum (csrc/ops.c), and kvlab_build.py compiles it with
 -ffp-contract=off, so no compiler fuses a multiply and an add that the source does not fuse
 itself: gcc and clang then give the same bits. What still changes bits is whether the
-kernels fuse their multiply-adds on purpose, which they do where they are built for a CPU
-with FMA (kvlab._kvlab.FUSED_MULTIPLY_ADD: x86 with -march=native on a 2013 or later CPU);
-so there are two digests, one for each. A compiler, flag or library that gives any other
+kernels fuse their multiply-adds on purpose, which they do in a kernel variant built for
+CPUs with FMA (kvlab._kvlab.FUSED_MULTIPLY_ADD: the avx2 and avx512 variants that an x86-64
+build runs on a 2013 or later CPU, or a KVLAB_NATIVE=1 build there); so there are two
+digests, one for each. Every variant of the build is checked, each in a process of its own
+(KVLAB_VARIANT): the baseline gives the unfused digest, avx2 and avx512 the fused one, and
+each variant's plain tier its fast tier's. A compiler, flag or library that gives any other
 bits fails here, where the rest of the suite (tolerances, equal tokens) would not notice.
 
 Not covered: the CUDA backend (its own tests compare it with the CPU), other cache and
@@ -14,6 +17,11 @@ weight formats (their tests compare them with the fp32 path), and a C library wh
 or sinf rounds differently (glibc's are what these digests were made with).
 """
 import hashlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -33,6 +41,12 @@ DIGESTS = {
     1: "44d3098e2c8427f8976769d915414d7014d2b4f9a8d3dfe41fe90bbbccfdc12c",
     0: "834a741a714f181a5819d3c87757e06ecf3866317a7addaad78c9f8820597441",
 }
+
+# Whether each x86-64 kernel variant fuses its multiply-adds (kvlab_build.VARIANTS' flags:
+# avx2 and avx512 are compiled with -mfma, the baseline for any x86-64 CPU, without). A
+# build of one variant (KVLAB_NATIVE=1's "native", another CPU's "baseline") fuses where its
+# target has FMA.
+FUSES = {"baseline": 0, "avx2": 1, "avx512": 1}
 
 
 def digest_logits():
@@ -82,3 +96,87 @@ def test_the_digest_holds_for_the_plain_kernels():
         assert digest() == DIGESTS[_kvlab.FUSED_MULTIPLY_ADD]
     finally:
         kvlab.set_kernels(before)
+
+
+# ---- each kernel variant, in a process of its own -----------------------------------------
+
+VARIANT_SCRIPT = """
+import json, sys
+sys.path.insert(0, sys.argv[1])
+import kvlab
+from kvlab import _kvlab
+import test_bits
+fast = test_bits.digest()
+kvlab.set_kernels("plain")
+print(json.dumps({"variant": _kvlab.VARIANT, "fused": _kvlab.FUSED_MULTIPLY_ADD,
+                  "build": _kvlab.BUILD, "fast": fast, "plain": test_bits.digest()}))
+"""
+
+
+def this_kvlab_first(**variables):
+    """The environment for a child Python that imports the kvlab this process imported (a
+    scratch build's, in .ci/lanes, not the installed one), with these variables set."""
+    env = dict(os.environ, **variables)
+    here = str(Path(kvlab.__file__).resolve().parents[1])
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (here, env.get("PYTHONPATH")) if p)
+    return env
+
+
+def run_on_variant(variant):
+    """The digests of a process whose kernels are KVLAB_VARIANT=variant's, or a skip where
+    this CPU cannot run it (kvlab refuses it at import with ValueError)."""
+    here = Path(__file__).parent     # not the repository, whose kvlab/ has no extension in CI
+    done = subprocess.run([sys.executable, "-c", VARIANT_SCRIPT, str(here)], cwd=here,
+                          env=this_kvlab_first(KVLAB_VARIANT=variant), capture_output=True,
+                          text=True, timeout=300)
+    if done.returncode != 0 and "this CPU cannot run it" in done.stderr:
+        pytest.skip(done.stderr.strip().splitlines()[-1])
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("variant", _kvlab.VARIANTS)
+def test_each_variant_has_the_digest_of_its_multiply_adds(variant):
+    """Each variant this build has and this CPU runs gives the stored digest of its kind,
+    fused (avx2, avx512) or not (baseline), from both tiers: its plain kernels are its fast
+    ones' specification, compiled with the same instructions."""
+    report = run_on_variant(variant)
+    assert report["variant"] == variant and report["build"] == _kvlab.BUILD
+    assert report["fused"] == FUSES.get(variant, report["fused"])
+    assert report["fast"] == DIGESTS[report["fused"]], f"{variant}'s fast kernels"
+    assert report["plain"] == DIGESTS[report["fused"]], f"{variant}'s plain kernels"
+
+
+def test_a_variant_this_build_lacks_is_refused_with_the_choices():
+    done = subprocess.run([sys.executable, "-c", "import kvlab"], capture_output=True,
+                          env=this_kvlab_first(KVLAB_VARIANT="avx9000"), text=True,
+                          timeout=300, cwd=Path(__file__).parent)
+    assert done.returncode != 0
+    assert "KVLAB_VARIANT must be one of this build's kernel variants" in done.stderr
+    assert all(f"'{name}'" in done.stderr for name in _kvlab.VARIANTS)
+
+
+def cpu_flags():
+    """This CPU's feature flags as Linux names them, or None off x86-64 Linux."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return None
+
+
+def test_the_best_variant_this_cpu_has_runs_by_default():
+    """The dispatcher's own reading of the CPU (cpuid) agrees with Linux's: the AVX-512
+    variant where every feature it is compiled for is there, else AVX2's, else the baseline.
+    (Under an emulator such as qemu-user, /proc/cpuinfo is the host's: not run there.)"""
+    flags = cpu_flags()
+    if len(_kvlab.VARIANTS) == 1 or flags is None or "KVLAB_VARIANT" in os.environ:
+        pytest.skip("a build of one variant, not Linux, or a variant forced")
+    avx2 = {"avx2", "fma", "f16c", "bmi1", "bmi2"}
+    avx512 = avx2 | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl", "avx512_vnni"}
+    best = "avx512" if avx512 <= flags else "avx2" if avx2 <= flags else "baseline"
+    assert _kvlab.VARIANT == best, _kvlab.VARIANT_REASON
+    assert _kvlab.VARIANT_REASON.startswith("the best of this build's")

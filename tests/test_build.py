@@ -1,13 +1,15 @@
-"""The build itself (issue 38): kvlab_build.py, the flags setup.py chooses and the record of
-what built each extension.
+"""The build itself (issue 38): kvlab_build.py, the flags and kernel variants setup.py
+chooses and the record of what built each extension.
 
 A build with another compiler, other flags or other KVLAB_* options once reused build/'s old
 .so (a KVLAB_PORTABLE=1 wheel shipped -march=native code); here a tiny extension is built
 twice in one folder with different options and must come out different, and the flag
 choice is checked on platforms this machine is not (macOS with and without Homebrew's
-libomp). kvlab's own extension is rebuilt with other options by .ci/lanes, which takes
-a minute; these take seconds. Not here: whether the flags give the right bits
-(tests/test_bits.py) or a working wheel on another system (CI's cibuildwheel).
+libomp), and the kernel variants' flags are checked against what csrc/dispatch.c asks the
+CPU for and what tests/c/Makefile compiles. kvlab's own extension is rebuilt with other
+options by .ci/lanes, which takes a minute; these take seconds. Not here: whether the flags
+give the right bits (tests/test_bits.py, each variant in turn) or a working wheel on another
+system (.ci/lanes runs one under emulated older CPUs; CI's cibuildwheel).
 """
 import importlib.util
 import json
@@ -48,6 +50,7 @@ def test_the_record_names_every_option_that_changes_a_build():
                        "KVLAB_KERNELS": "plain", "KVLAB_CACHE": "/tmp"})
     assert base["environment"] == {}
     for name, value in [("CC", "clang"), ("CFLAGS", "-O0"), ("KVLAB_PORTABLE", "1"),
+                        ("KVLAB_NATIVE", "1"),
                         ("KVLAB_NO_OPENMP", "1"), ("KVLAB_CUDA", "1"),
                         ("KVLAB_CUDA_ARCH", "86")]:
         assert record_for({name: value}) != base, name
@@ -62,6 +65,9 @@ def test_every_kvlab_option_the_build_reads_is_recorded():
     assert spelled and spelled <= set(kvlab_build.BUILD_VARIABLES), \
         spelled - set(kvlab_build.BUILD_VARIABLES)
     assert record_for({}, ["-O3", "-march=native"]) != record_for({}, ["-O3"])
+    several = kvlab_build.Flags(["-O3"], [], variants=list(kvlab_build.VARIANTS))
+    assert (kvlab_build.build_record(["cc"], ["cc"], several, env={})
+            != record_for({}, ["-O3"])), "the variants compiled are part of the record"
     assert kvlab_build.describe(record_for({"KVLAB_PORTABLE": "1"})).endswith("KVLAB_PORTABLE=1")
 
 
@@ -170,27 +176,33 @@ def test_every_compiler_gets_ffp_contract_off():
             assert "-ffp-contract=off" in flags.compile
 
 
-def test_linux_with_openmp_and_native_tuning():
-    flags = kvlab_build.choose_flags(accepting(["-march=native"], ["-fopenmp"]), env={},
-                                     platform="linux", libomp=no_libomp)
+def test_linux_with_openmp_and_native_tuning_when_asked():
+    """-march=native only with KVLAB_NATIVE=1 (issue 38): the default build runs anywhere."""
+    flags = kvlab_build.choose_flags(accepting(["-march=native"], ["-fopenmp"]),
+                                     env={"KVLAB_NATIVE": "1"}, platform="linux",
+                                     libomp=no_libomp)
     assert "-march=native" in flags.compile and "-fopenmp" in flags.compile
     assert flags.link == ["-fopenmp"] and flags.notices == []
+    default = kvlab_build.choose_flags(accepting(["-march=native"], ["-fopenmp"]), env={},
+                                       platform="linux", libomp=no_libomp)
+    assert not any(f.startswith("-march") for f in default.compile)
 
 
-@pytest.mark.parametrize("env", [{"KVLAB_PORTABLE": "1"}, {"KVLAB_NO_OPENMP": "1"}])
+@pytest.mark.parametrize("env", [{"KVLAB_NATIVE": "1", "KVLAB_NO_OPENMP": "1"},
+                                 {"KVLAB_NO_OPENMP": "1"}])
 def test_the_options_turn_tuning_and_openmp_off(env):
     flags = kvlab_build.choose_flags(accepting(["-march=native"], ["-fopenmp"]), env=env,
                                      platform="linux", libomp=no_libomp)
-    assert ("-march=native" in flags.compile) == ("KVLAB_PORTABLE" not in env)
+    assert ("-march=native" in flags.compile) == ("KVLAB_NATIVE" in env)
     assert ("-fopenmp" in flags.compile) == ("KVLAB_NO_OPENMP" not in env)
     assert flags.notices == []          # asked for: nothing to tell
 
 
 def test_an_option_set_to_0_is_off():
     flags = kvlab_build.choose_flags(accepting(["-march=native"], ["-fopenmp"]),
-                                     env={"KVLAB_PORTABLE": "0", "KVLAB_NO_OPENMP": "0"},
+                                     env={"KVLAB_NATIVE": "0", "KVLAB_NO_OPENMP": "0"},
                                      platform="linux", libomp=no_libomp)
-    assert "-march=native" in flags.compile and "-fopenmp" in flags.compile
+    assert "-march=native" not in flags.compile and "-fopenmp" in flags.compile
 
 
 def test_macos_uses_homebrews_libomp_when_apple_clang_refuses_fopenmp():
@@ -243,3 +255,125 @@ def test_homebrew_libomp_is_found_in_its_usual_places(tmp_path, monkeypatch):
     assert kvlab_build.find_libomp() is None
     (fake / "include" / "omp.h").write_text("")
     assert kvlab_build.find_libomp() == str(fake)
+
+
+# ---- the kernel variants -----------------------------------------------------------------
+
+
+def compiling(x86_64=True, lacking=()):
+    """A fake compiler for choose_variants: an x86-64 one (or not) that builds every variant
+    program except with the flags named in `lacking`."""
+    def compiles(program, flags):
+        if program == kvlab_build.X86_64_PROGRAM:
+            return x86_64
+        return not set(flags) & set(lacking)
+    return compiles
+
+
+def names(variants):
+    return [v.name for v in variants]
+
+
+def test_an_x86_64_build_has_three_variants_best_first():
+    variants = kvlab_build.choose_variants(compiling(), env={})
+    assert names(variants) == ["avx512", "avx2", "baseline"]
+    assert variants[-1].flags == ()                       # the compiler's default target
+    assert set(variants[1].flags) < set(variants[0].flags)  # AVX-512's CPUs have AVX2 too
+
+
+def test_a_variant_the_compiler_cannot_build_is_left_out():
+    assert names(kvlab_build.choose_variants(compiling(lacking=["-mavx512vnni"]), env={})) \
+        == ["avx2", "baseline"]
+    assert kvlab_build.choose_variants(compiling(lacking=["-mavx2"]), env={}) == []
+
+
+@pytest.mark.parametrize("env", [{"KVLAB_NATIVE": "1"}, {"KVLAB_PORTABLE": "1"}])
+def test_native_and_portable_builds_have_one_variant(env):
+    assert kvlab_build.choose_variants(compiling(), env=env) == []
+    flags = kvlab_build.choose_flags(accepting(["-march=native"]), env=env, platform="linux",
+                                     libomp=no_libomp, compiles=compiling())
+    assert flags.variants == []
+
+
+def test_a_compiler_for_another_cpu_has_one_variant():
+    """aarch64 (Linux, Apple Silicon) and a macOS universal2 build (arm64 and x86_64 in one
+    compiler call) compile the kernels once, for the compiler's default target."""
+    assert kvlab_build.choose_variants(compiling(x86_64=False), env={}) == []
+
+
+def test_native_and_portable_together_are_refused():
+    with pytest.raises(SystemExit, match="KVLAB_NATIVE=1.*KVLAB_PORTABLE=1"):
+        kvlab_build.choose_flags(accepting(["-march=native"]),
+                                 env={"KVLAB_NATIVE": "1", "KVLAB_PORTABLE": "1"},
+                                 platform="linux", libomp=no_libomp)
+
+
+def test_the_variant_probe_builds_with_this_compiler():
+    """The probes are real C: gcc (CI's) builds each variant's, so no variant is left out
+    here by a typo in a probe."""
+    compiles = (lambda program, flags: kvlab_build.compiler_accepts(["cc"], flags, program))
+    if not compiles(kvlab_build.X86_64_PROGRAM, []):
+        pytest.skip("not an x86-64 compiler")
+    assert names(kvlab_build.choose_variants(compiles, env={})) == ["avx512", "avx2", "baseline"]
+
+
+def checked_features(source, name):
+    """The CPU features dispatch.c's cpu_has_<name>() asks for, following its calls to the
+    other cpu_has_ functions (cpu_has_f16c asks cpuid for F16C's bit)."""
+    body = re.search(r"static int cpu_has_%s\(void\) \{(.*?)\n\}" % name, source, re.S).group(1)
+    features = set(re.findall(r'__builtin_cpu_supports\("([\w.]+)"\)', body))
+    if "bit_F16C" in body:
+        features.add("f16c")
+    for other in re.findall(r"cpu_has_(\w+)\(\)", body):
+        features |= checked_features(source, other)
+    return features
+
+
+def test_dispatch_checks_every_feature_a_variant_is_compiled_for():
+    """A variant compiled with -mX runs only where dispatch.c has asked the CPU for X, else
+    an older CPU dies of an illegal instruction; F16C is asked of cpuid itself (clang's
+    __builtin_cpu_supports has no name for it)."""
+    source = (REPO / "csrc" / "dispatch.c").read_text()
+    for variant in kvlab_build.VARIANTS[:-1]:
+        assert checked_features(source, variant.name) == set(variant.features()), variant.name
+        assert f"KV_WITH_{variant.name.upper()}" in source
+
+
+def test_the_c_tests_compile_the_variants_as_setup_py_does():
+    """tests/c/Makefile's second build is the extension's: the same kernel files, each
+    variant with the same flags."""
+    makefile = (REPO / "tests" / "c" / "Makefile").read_text()
+    setup = (REPO / "setup.py").read_text()
+    variables = dict(re.findall(r"^(\w+) :=[ \t]*(.*)$", makefile, re.M))
+
+    def expand(value):
+        return re.sub(r"\$\((\w+)\)", lambda m: " ".join(expand(variables[m.group(1)])),
+                      value).split()
+    for variant in kvlab_build.VARIANTS:
+        assert expand(variables[f"VARIANT_FLAGS_{variant.name}"]) == list(variant.flags)
+    assert expand(variables["VARIANTS"].replace("$(if $(X86_64),", "").rstrip(")")) == \
+        names(kvlab_build.VARIANTS)
+    kernels = re.search(r"KERNEL_SOURCES = .*? in\s*\((.*?)\)\]", setup, re.S).group(1)
+    assert expand(variables["KERNELS"]) == re.findall(r'"(\w+)"', kernels)
+
+
+def test_every_compiler_that_can_hides_the_cores_names():
+    flags = kvlab_build.choose_flags(accepting(["-fvisibility=hidden"]), env={},
+                                     platform="linux", libomp=no_libomp)
+    assert "-fvisibility=hidden" in flags.compile
+
+
+def test_the_extension_shows_the_dynamic_linker_only_its_init_function():
+    """With -fvisibility=hidden the core's functions are the module's own: calls between
+    its files go direct, not through the PLT (a kernel's dispatch, attention's softmax
+    step), and no other library's function of the same name can take one's place."""
+    from kvlab import _kvlab
+    if not sys.platform.startswith("linux") or "-fvisibility=hidden" not in _kvlab.BUILD:
+        pytest.skip("an ELF module built with -fvisibility=hidden (Linux, gcc or clang)")
+    listed = subprocess.run(["nm", "-D", "--defined-only", _kvlab.__file__],
+                            capture_output=True, text=True)
+    if listed.returncode != 0:
+        pytest.skip("no nm here")
+    functions = {line.split()[-1] for line in listed.stdout.splitlines()
+                 if line.split()[1:2] == ["T"]}
+    assert functions == {"PyInit__kvlab"}

@@ -42,6 +42,13 @@ def test_generate_and_info(capsys):
     assert "parameters" in capsys.readouterr().out
 
 
+def test_info_says_which_kernels_run_and_why(capsys):
+    from kvlab import _kvlab
+    assert cli.main(["info"]) == 0
+    [line] = [line for line in capsys.readouterr().out.splitlines() if line.startswith("kernels")]
+    assert f"{_kvlab.VARIANT} variant, fast tier: {_kvlab.VARIANT_REASON}" in line
+
+
 def test_weights_in_fewer_bytes_from_the_command_line(capsys):
     assert cli.main(["info", "--weights", "int8"]) == 0
     assert "1,164,288 B (1.1 MiB), q8_0, int8 activations" in capsys.readouterr().out

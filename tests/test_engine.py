@@ -605,6 +605,40 @@ def test_run_returns_every_request_with_decoded_texts(model):
     assert not engine.has_work and engine.run(progress=False) == outputs
 
 
+def test_a_resumed_runs_progress_bar_counts_the_tokens_already_chosen(model, monkeypatch):
+    # run() after some steps (a Ctrl-C, then run() again) starts its bar where the requests
+    # are, not at 0, and ends at every token chosen
+    import tqdm.auto
+
+    bars = []
+
+    class Recorder:
+        def __init__(self, total, initial=0, **_):
+            self.total, self.initial, self.n = total, initial, initial
+            bars.append(self)
+
+        def update(self, n):
+            self.n += n
+
+        def set_postfix(self, **_):
+            pass
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(tqdm.auto, "tqdm", Recorder)
+    engine = kvlab.Engine(model, model.new_paged_pool(64, block_size=16))
+    engine.add_request("ROMEO:", SamplingParams(max_new_tokens=12))
+    engine.add_request([72, 105], SamplingParams(max_new_tokens=5, temperature=0.8, seed=2, n=2))
+    for _ in range(4):
+        engine.step()
+    chosen = sum(len(s.outputs) for r in engine.requests.values() for s in r.sequences)
+    assert chosen > 0
+    engine.run(progress=True)
+    (bar,) = bars
+    assert (bar.initial, bar.total, bar.n) == (chosen, 12 + 5 * 2, 12 + 5 * 2)
+
+
 def test_an_engine_shared_by_threads_serializes_its_steps(model):
     # Two threads adding requests and stepping one engine: steps run one at a time, so
     # every request still matches generating it alone, and the pool stays consistent.

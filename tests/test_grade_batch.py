@@ -162,6 +162,25 @@ def test_submissions_are_listed_one_per_student(tmp_path):
         submissions_in(folder)
 
 
+def test_a_c_labs_submissions_are_its_c_files(tmp_path):
+    """For the kernel lab, a student's file directly in the folder is NAME.c, and a
+    folder's is found as the autograder finds it (decode_kernel.c, else its only .c)."""
+    from kvlab.grading.autograder import find_submission
+    folder = tmp_path / "subs"
+    (folder / "carol").mkdir(parents=True)
+    (folder / "carol" / "kernel.c").write_text("")
+    (folder / "carol" / "notes.py").write_text("")
+    (folder / "dave.c").write_text("")
+    (folder / "erin.py").write_text("")
+    assert submissions_in(folder, suffix=".c") == {"carol": folder / "carol", "dave": folder / "dave.c"}
+    assert find_submission(folder / "carol", "decode_kernel")[0].name == "kernel.c"
+    (folder / "carol" / "decode_kernel.c").write_text("")
+    assert find_submission(folder / "carol", "decode_kernel")[0].name == "decode_kernel.c"
+    (folder / "carol" / "decode_kernel.c").unlink()
+    (folder / "carol" / "other.c").write_text("")
+    assert "submit one file named decode_kernel.c" in find_submission(folder / "carol", "decode_kernel")[1]
+
+
 def test_the_summary_never_hands_a_spreadsheet_a_formula():
     report = GradeReport(LAB, "x.py", [Row("test_slot: a slot", 0.0, 1.0)], seed=3)
     text = summary_csv([Graded("=HYPERLINK(\"http://x\")", "=x.py", report, "@SUM(A1)")])

@@ -16,16 +16,19 @@ from urllib.parse import urlparse
 from urllib.request import url2pathname
 
 import pytest
+from c_edits import apply_edit, declared
 
 pytest.importorskip("kvlab._kvlab")
 import kvlab  # noqa: E402
 from kvlab import cli  # noqa: E402
 from kvlab.grading import LABS, check, grade, start_lab  # noqa: E402
 from kvlab.grading.judge import load_tests  # noqa: E402
+from named_models import require_named_models  # noqa: E402
 
 INSTRUCTOR = Path(__file__).resolve().parents[1] / "instructor"
 CHAPTERS = Path(__file__).resolve().parents[1] / "chapters"
 MISTAKES = sorted((INSTRUCTOR / "mistakes").glob("*/*.py"))
+C_MISTAKES = sorted((INSTRUCTOR / "mistakes").glob("*/*.edit"))    # a C lab's (c_edits.py)
 
 
 def graders(lab):
@@ -33,7 +36,26 @@ def graders(lab):
 
 
 def hidden(lab, submission, seed=1, **options):
+    require_named_models(LABS[lab].models)        # cache_eviction's curves run SmolLM2
     return grade(lab, submission, tests=graders(lab), seed=seed, **options)
+
+
+def solution(lab):
+    return INSTRUCTOR / "solutions" / f"{lab}{LABS[lab].suffix}"
+
+
+def timed_tests(tests_path):
+    """The tests whose passing depends on the machine's speed (the kernel lab's bandwidth
+    tests): the suite checks what they say, not whether this machine was fast enough."""
+    return {t.__name__ for t in load_tests(tests_path) if getattr(t, "timed", False)}
+
+
+def assert_full_marks_but_for_speed(report, tests_path):
+    """Every test passed, or (a timed one) failed only for the share it measured."""
+    timed = timed_tests(tests_path)
+    assert set(report.failed()) <= timed, report.summary()
+    assert all("reached" in t.output and "of the read bandwidth" in t.output
+               for t in report.tests if not t.passed), report.summary()
 
 
 def expected_failures(path: Path) -> set:
@@ -47,11 +69,12 @@ def expected_failures(path: Path) -> set:
 @pytest.mark.parametrize("lab", list(LABS))
 def test_every_lab_has_its_files(lab):
     spec = LABS[lab]
-    for path in (spec.starter, spec.checks, spec.instructions, graders(lab),
-                 INSTRUCTOR / "solutions" / f"{lab}.py"):
+    for path in (spec.starter, spec.checks, spec.instructions, graders(lab), solution(lab)):
         assert path.is_file(), f"lab {lab} is missing {path}"
-    assert list((INSTRUCTOR / "mistakes" / lab).glob("*.py")), f"lab {lab} has no planted mistakes"
-    assert "NotImplementedError" in spec.starter.read_text()
+    planted = "*.py" if spec.language == "python" else "*.edit"
+    assert list((INSTRUCTOR / "mistakes" / lab).glob(planted)), f"lab {lab} has no planted mistakes"
+    assert ("NotImplementedError" if spec.language == "python" else "NOT_WRITTEN()") \
+        in spec.starter.read_text()
 
 
 @pytest.mark.parametrize("lab", list(LABS))
@@ -84,8 +107,9 @@ def test_the_starter_scores_zero_and_is_told_what_is_missing(lab):
 @pytest.mark.parametrize("lab", list(LABS))
 @pytest.mark.parametrize("seed", [1, 2])
 def test_the_reference_solution_scores_full_marks(lab, seed):
-    report = hidden(lab, INSTRUCTOR / "solutions" / f"{lab}.py", seed=seed)
-    assert report.score == report.max_score == LABS[lab].points, report.summary()
+    report = hidden(lab, solution(lab), seed=seed)
+    assert report.max_score == LABS[lab].points, report.summary()
+    assert_full_marks_but_for_speed(report, graders(lab))
     assert report.graded_with == "hidden tests" and report.seed == seed
 
 
@@ -105,10 +129,29 @@ def test_a_planted_mistake_loses_the_right_points(mistake, tmp_path):
     assert report.score == report.max_score - lost
 
 
+@pytest.mark.parametrize("mistake", C_MISTAKES, ids=[f"{p.parent.name}/{p.stem}" for p in C_MISTAKES])
+def test_a_planted_mistake_in_c_loses_the_right_points(mistake, tmp_path):
+    """A C lab's mistakes are edits of one of its solutions (tests/support/c_edits.py); the
+    tests a mistake fails include the timed ones, which check every output first."""
+    lab = mistake.parent.name
+    submission = tmp_path / f"{lab}.c"
+    submission.write_text(apply_edit(mistake, INSTRUCTOR / "solutions"))
+    report = hidden(lab, submission, seed=zlib.crc32(mistake.stem.encode()))
+    expected = declared(mistake, "EXPECTED_FAILURES")
+    assert expected <= {t.function for t in report.tests}, "unknown test names"
+    # every mistake is wrong on the timed layer too, so none of what it keeps or loses
+    # depends on this machine's speed (its base, the plain tier transcribed, is slow)
+    assert timed_tests(graders(lab)) <= expected
+    assert set(report.failed()) == expected, report.summary()
+    lost = sum(t.max_score for t in report.tests if t.function in expected)
+    assert report.score == report.max_score - lost
+
+
 @pytest.mark.parametrize("lab", list(LABS))
 def test_the_public_checks_pass_the_solution_and_fail_the_starter(lab):
-    good = check(lab, INSTRUCTOR / "solutions" / f"{lab}.py")
-    assert good.score == good.max_score >= 3 and good.graded_with == "public checks", good.summary()
+    good = check(lab, solution(lab))
+    assert good.max_score >= 3 and good.graded_with == "public checks", good.summary()
+    assert_full_marks_but_for_speed(good, LABS[lab].checks)
     assert good.seed is None
     starter = check(lab, LABS[lab].starter)
     assert starter.score == 0 and all("not written yet" in t.output for t in starter.tests)
@@ -324,7 +367,35 @@ def test_lab_start_copies_the_starter_and_will_not_overwrite(tmp_path, capsys):
         start_lab("no_such_lab", tmp_path)
 
 
-@pytest.mark.parametrize("lab", list(LABS))
+def test_a_lab_in_c_starts_with_its_header_and_lists_what_its_grader_refuses(tmp_path):
+    """The C lab's starter comes with the header it is built against; its instructions end
+    with what cbuild's check refuses, and a file using each name listed is refused."""
+    from kvlab.grading import cbuild
+    assert cli.main(["lab", "start", "decode_kernel", str(tmp_path)]) == 0
+    for name in ("decode_kernel.c", "decode_kernel.h", "decode_kernel.md"):
+        assert (tmp_path / name).is_file(), name
+    assert (tmp_path / "decode_kernel.h").read_bytes() == \
+        (LABS["decode_kernel"].folder / "decode_kernel.h").read_bytes()
+    (tmp_path / "decode_kernel.h").write_text("/* mine */\n")
+    assert cli.main(["lab", "start", "decode_kernel", str(tmp_path)]) == 2    # not overwritten
+    section = LABS["decode_kernel"].instructions_text().split("## What the grader refuses")[1]
+    names = re.findall(r"`([^`]+)`", section.split("- the names")[1])
+    assert names and set(names) == set(cbuild.DENIED_NAMES)
+    for name in names:
+        assert cbuild.check_c_source(f"int f(void) {{ return {name}; }}\n", "decode_kernel.h"), name
+    for header in ("dlfcn.h", "unistd.h", "Python.h", "../csrc/kvlab.h"):
+        assert cbuild.check_c_source(f"#include <{header}>\n", "decode_kernel.h"), header
+    for spelled in ("%:include <dlfcn.h>", "??=include <dlfcn.h>", "#include HEADER",
+                    "# include_next <stdio.h>", "#inc\\\nlude <dlfcn.h>", "int x = dl\\\nopen;"):
+        assert cbuild.check_c_source(spelled + "\n", "decode_kernel.h"), spelled
+    allowed = '#include "decode_kernel.h"\n#include <immintrin.h>\n/* dlopen, fork */\n' \
+              'const char *s = "system";\n'
+    assert cbuild.check_c_source(allowed, "decode_kernel.h") == []
+    lines = cbuild.check_c_source("int a;\n#define LONG \\\n  1\nint b = sys\\\ntem;\n", "x.h")
+    assert [v.line for v in lines] == [4], lines        # the line the joined line starts on
+
+
+@pytest.mark.parametrize("lab", [name for name, lab in LABS.items() if lab.language == "python"])
 def test_the_instructions_list_what_the_grader_refuses(lab):
     # "you may import the standard library" is true except for these: the instructions
     # name every one (from the policy's own lists), and a file using one is not graded

@@ -20,6 +20,7 @@ import zlib
 from pathlib import Path
 
 import pytest
+from c_edits import apply_edit, declared
 
 pytest.importorskip("kvlab._kvlab")
 from kvlab.grading import LABS, grade  # noqa: E402
@@ -27,6 +28,7 @@ from kvlab.grading.judge import load_tests  # noqa: E402
 from kvlab.grading.labs import get_lab  # noqa: E402
 from kvlab.grading.process import WorkerProcess  # noqa: E402
 from kvlab.grading.remote import RemoteError, Session  # noqa: E402
+from named_models import require_named_models  # noqa: E402
 
 INSTRUCTOR = Path(__file__).resolve().parents[1] / "instructor"
 SOLUTION = (INSTRUCTOR / "solutions" / "cache_size.py").read_text()
@@ -50,6 +52,7 @@ _getattr = _sys.modules["buil" + "tins"].getattr
 
 
 CHEATS = sorted((INSTRUCTOR / "cheats").glob("*/*.py"))
+C_CHEATS = sorted((INSTRUCTOR / "cheats").glob("*/*.edit"))     # a C lab's (c_edits.py)
 
 
 def graders(lab):
@@ -71,6 +74,7 @@ def test_a_cheat_earns_nothing_on_the_tests_whose_work_it_skips(cheat, tmp_path)
     recomputing instead of caching, counts without the thing counted ...): graded past the
     source check, it earns 0 on each of them, whatever the draw."""
     lab = cheat.parent.name
+    require_named_models(get_lab(lab).models)
     submission = tmp_path / f"{lab}.py"
     submission.write_text((INSTRUCTOR / "solutions" / f"{lab}.py").read_text() + "\n\n"
                           + cheat.read_text())
@@ -85,15 +89,36 @@ def test_a_cheat_earns_nothing_on_the_tests_whose_work_it_skips(cheat, tmp_path)
     assert report.score > 0, report.summary()
 
 
+@pytest.mark.parametrize("cheat", C_CHEATS, ids=[f"{p.parent.name}/{p.stem}" for p in C_CHEATS])
+def test_a_cheat_in_c_earns_nothing_on_the_tests_whose_work_it_skips(cheat, tmp_path):
+    """A C lab's cheats are edits of its reference solution that skip the work of their
+    TARGETS (answers without reading the cache, calls skipped while timed): each earns 0 on
+    them, and the rest of the solution still runs."""
+    lab = cheat.parent.name
+    submission = tmp_path / f"{lab}.c"
+    submission.write_text(apply_edit(cheat, INSTRUCTOR / "solutions"))
+    report = grade(lab, submission, tests=graders(lab), seed=zlib.crc32(cheat.stem.encode()))
+    aimed = declared(cheat, "TARGETS")
+    assert aimed and aimed <= {t.function for t in report.tests}, "unknown test names"
+    assert not report.refused and report.graded_with == "hidden tests", report.summary()
+    earned = {t.function: t.score for t in report.tests if t.function in aimed and t.score > 0}
+    assert not earned, f"{cheat.name} earned {earned}\n{report.summary()}"
+    untimed = {t.__name__ for t in load_tests(graders(lab)) if not getattr(t, "timed", False)}
+    assert any(t.passed for t in report.tests if t.function in untimed - aimed) or \
+        untimed <= aimed, report.summary()
+
+
 @pytest.mark.parametrize("lab", list(LABS))
 def test_every_graded_test_has_a_cheat_that_it_catches(lab):
     tests = {t.__name__ for t in load_tests(graders(lab))}
-    aimed = set().union(*[cheat_targets(p) for p in CHEATS if p.parent.name == lab])
+    aimed = set().union(*[cheat_targets(p) for p in CHEATS if p.parent.name == lab],
+                        *[declared(p, "TARGETS") for p in C_CHEATS if p.parent.name == lab])
     assert aimed <= tests, f"cheats name tests {lab} does not have: {sorted(aimed - tests)}"
     assert tests <= aimed, f"no cheat in instructor/cheats/{lab}/ targets {sorted(tests - aimed)}"
 
 
 def hidden(submission, lab="cache_size", **options):
+    require_named_models(get_lab(lab).models)
     return grade(lab, submission, tests=INSTRUCTOR / "graders" / f"{lab}.py", seed=3, **options)
 
 
@@ -137,6 +162,9 @@ DELEGATES = {
     "speculative_decoding": "from kvlab.speculative import PromptLookup\n\n"
                             "def propose(tokens, k, max_ngram=3):\n"
                             "    return PromptLookup(max_ngram).propose(tokens, k)\n",
+    "cache_eviction": "from kvlab.cache_policy import AttentionSinks, HeavyHitters\n\n"
+                      "def sink_rows(length, n_keep, sinks):\n"
+                      "    return AttentionSinks(sinks, n_keep - sinks).keep(None, n_keep)\n",
     "weight_quantization": "from kvlab import weight_quantization as wq\n\n"
                            "def channel_scales(magnitude, alpha):\n"
                            "    return wq.awq_scales(magnitude, alpha)\n",

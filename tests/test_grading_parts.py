@@ -451,3 +451,180 @@ def spin(counter):
         assert counter.calls > 0 and time.monotonic() - started < 5
     finally:
         worker.stop()
+
+
+# ---- a lab in C: built in a worker, loaded in each test's worker, never in the judge -------------
+
+C_TESTS = '''
+import numpy as np
+from kvlab.grading.kernel_cases import make_case
+from kvlab.grading.testkit import as_array, points
+
+
+@points(1)
+def test_a_small_case(sub, rng):
+    """one small case, bit for bit"""
+    case = make_case(rng, 2, 2, 32, 40, 16)
+    got = as_array(sub.decode_attention(*case.arguments(2)), "out", shape=case.q.shape)
+    assert np.array_equal(got.view(np.uint32), case.want().view(np.uint32)), "bits differ"
+
+
+@points(1)
+def test_another_small_case(sub, rng):
+    """MQA in blocks of 3"""
+    case = make_case(rng, 1, 4, 16, 20, 3)
+    got = as_array(sub.decode_attention(*case.arguments(1)), "out", shape=case.q.shape)
+    assert np.array_equal(got.view(np.uint32), case.want().view(np.uint32)), "bits differ"
+'''
+
+C_SIGNATURE = ("void decode_attention(float *out, const float *q, const kv_cache_view *view, "
+               "int n_heads, int n_threads)")
+
+
+def grade_c(tmp_path, source, name="decode_kernel.c"):
+    from kvlab.grading import grade
+    tests = tmp_path / "c_tests.py"
+    tests.write_text(C_TESTS)
+    submission = tmp_path / name
+    submission.write_text(source)
+    return grade("decode_kernel", submission, tests=tests, seed=5)
+
+
+def test_a_c_submission_is_built_and_loaded_only_in_workers(tmp_path):
+    """Its constructor runs once per test, each time in a worker whose parent is the judge,
+    never in the judge (whose parent is this process) nor in the build's worker (the
+    compiler runs no code of the student's)."""
+    marks = tmp_path / "loaded"
+    solution = (INSTRUCTOR / "solutions" / "decode_kernel.c").read_text()
+    report = grade_c(tmp_path, solution.replace("#include \"decode_kernel.h\"", f'''
+#include "decode_kernel.h"
+#include <stdio.h>
+int getppid(void);
+__attribute__((used)) static void mark(void) {{
+    FILE *f = fopen("{marks}", "a");
+    if (f) {{ fprintf(f, "%d\\n", getppid()); fclose(f); }}
+}}
+__attribute__((section(".init_array"), used)) static void (*run_mark)(void) = mark;
+''', 1))
+    assert report.score == 2, report.summary()
+    parents = marks.read_text().split()
+    assert len(parents) == 2 and len(set(parents)) == 1, parents      # one judge, two tests
+    import os
+    assert int(parents[0]) != os.getpid()
+
+
+def test_a_c_file_that_does_not_compile_is_told_what_the_compiler_said(tmp_path):
+    report = grade_c(tmp_path, '#include "decode_kernel.h"\n' + C_SIGNATURE + " { oops; }\n")
+    assert report.score == 0 and "did not compile" in report.output, report.summary()
+    assert "decode_kernel.c:2:" in report.output and "oops" in report.output    # no temp path
+    assert "Traceback" not in report.output
+    assert all("did not compile" in t.output for t in report.tests)
+
+
+def test_a_c_file_reaching_around_the_grader_is_not_graded(tmp_path):
+    report = grade_c(tmp_path, '#include "decode_kernel.h"\n#include <dlfcn.h>\n'
+                               '__attribute__((constructor)) static void early(void) {}\n'
+                     + C_SIGNATURE + ' { dlopen("libkvlab.so", 1); }\n')
+    assert report.score == 0 and "not graded" in report.output, report.summary()
+    for said in ("line 2: `#include <dlfcn.h>`", "line 3: `constructor`", "line 4: `dlopen`"):
+        assert said in report.output, report.output
+
+
+def test_a_c_kernel_that_crashes_or_hangs_loses_that_test_and_grading_goes_on(tmp_path):
+    """A crash on MQA (n_kv_heads 1) ends its worker; the next test's worker is new. A
+    kernel that never returns is stopped from outside at the test's deadline."""
+    solution = (INSTRUCTOR / "solutions" / "decode_kernel.c").read_text()
+    crash = solution.replace("    int kv_mul = n_heads / view->n_kv_heads;",
+                             "    if (view->n_kv_heads == 1) *(volatile int *)0 = 1;\n"
+                             "    int kv_mul = n_heads / view->n_kv_heads;")
+    report = grade_c(tmp_path, crash)
+    assert report.failed() == ["test_another_small_case"], report.summary()
+    assert "SIGSEGV" in report.tests[1].output
+    from kvlab.grading import grade
+    hang = tmp_path / "hang" / "decode_kernel.c"
+    hang.parent.mkdir()
+    hang.write_text('#include "decode_kernel.h"\n' + C_SIGNATURE + " { for (;;) {} }\n")
+    report = grade("decode_kernel", hang, tests=tmp_path / "c_tests.py", seed=5, test_timeout=3)
+    assert report.score == 0 and all("ran too long" in t.output for t in report.tests)
+
+
+def test_the_c_lab_builds_with_kvlabs_own_flags():
+    from kvlab.grading import cbuild
+    built = "gcc 12; -std=c11 -O3 -Wall -fno-math-errno -ffp-contract=off -march=native -fopenmp"
+    assert cbuild.kit_flags(built) == ["-std=c11", "-O3", "-Wall", "-fno-math-errno",
+                                       "-ffp-contract=off", "-march=native", "-fopenmp"]
+    sanitized = built + " -fsanitize=address,undefined -fno-omit-frame-pointer -g -O1"
+    assert "-fsanitize=address,undefined" not in cbuild.kit_flags(sanitized)
+    assert "-ffp-contract=off" in cbuild.kit_flags("an unreadable record")     # kvlab's defaults
+    mac = built.replace("-fopenmp", "-Xpreprocessor -fopenmp -I/opt/homebrew/opt/libomp/include")
+    assert cbuild.kit_flags(mac)[-2:] == ["-L/opt/homebrew/opt/libomp/lib", "-lomp"]
+    # a dispatching build: the flags of the variant whose bits the kernel is compared with
+    dispatching = ("gcc 12; -std=c11 -O3 -ffp-contract=off -fopenmp; kernel variants avx512 "
+                   "(-mavx2 -mfma -mavx512f), avx2 (-mavx2 -mfma), baseline (the default target)")
+    assert cbuild.variant_flags(dispatching, "avx2") == ["-mavx2", "-mfma"]
+    assert cbuild.variant_flags(dispatching, "avx512") == ["-mavx2", "-mfma", "-mavx512f"]
+    assert cbuild.variant_flags(dispatching, "baseline") == []
+
+
+def test_the_judges_probe_runs_while_every_thread_of_the_c_code_is_stopped(tmp_path):
+    """The kernel lab's bandwidth probe runs inside process.paused(): a thread the library
+    starts at load (past the source check, through .init_array) to slow the probe down,
+    and so make its kernel's share look larger, marks the time every 5 ms, and leaves no
+    mark inside the paused window."""
+    marks = tmp_path / "marks"
+    window = tmp_path / "window"
+    tests = tmp_path / "c_tests.py"
+    tests.write_text(f'''
+import time
+from kvlab.grading.kernel_cases import make_case
+from kvlab.grading.process import paused
+from kvlab.grading.testkit import points
+
+
+@points(1)
+def test_paused(sub, rng):
+    """the library's thread is stopped while the judge measures"""
+    case = make_case(rng, 1, 1, 8, 5, 16)
+    sub.decode_attention(*case.arguments())
+    time.sleep(0.3)
+    with paused() as stopped:
+        assert stopped
+        started = time.time()
+        time.sleep(0.5)
+        ended = time.time()
+    time.sleep(0.3)
+    with open({str(window)!r}, "w") as f:
+        f.write(f"{{started}} {{ended}}")
+''')
+    solution = (INSTRUCTOR / "solutions" / "decode_kernel.c").read_text()
+    submission = tmp_path / "decode_kernel.c"
+    submission.write_text(solution.replace('#include "decode_kernel.h"', f'''
+#include "decode_kernel.h"
+#include <pthread.h>
+#include <stdio.h>
+#include <time.h>
+static void *hog(void *unused) {{
+    for (;;) {{
+        struct timespec now, pause = {{0, 5000000}};
+        clock_gettime(CLOCK_REALTIME, &now);
+        FILE *f = fopen("{marks}", "a");
+        if (f) {{ fprintf(f, "%.6f\\n", now.tv_sec + now.tv_nsec * 1e-9); fclose(f); }}
+        nanosleep(&pause, NULL);
+    }}
+    return unused;
+}}
+static void start_hog(void) {{
+    pthread_t thread;
+    pthread_create(&thread, NULL, hog, NULL);
+}}
+__attribute__((section(".init_array"), used)) static void (*run_start_hog)(void) = start_hog;
+''', 1))
+    from kvlab.grading import grade
+    report = grade("decode_kernel", submission, tests=tests, seed=1)
+    assert report.score == 1, report.summary()
+    started, ended = (float(x) for x in window.read_text().split())
+    times = [float(x) for x in marks.read_text().split()]
+    assert sum(t < started for t in times) > 20 and sum(t > ended for t in times) > 20, \
+        "the thread did not run around the window: the test proves nothing"
+    inside = [t for t in times if started + 0.02 < t < ended - 0.02]
+    assert not inside, f"{len(inside)} marks while the judge's probe would run"

@@ -394,6 +394,22 @@ def test_memory_bandwidth_is_measured_by_the_core():
         kvlab.measure.memory_bandwidth(1 << 22, 0)
 
 
+def test_compute_roof_is_measured_by_the_core():
+    """The compute roof: every rate positive on one thread and on the core's threads, the
+    int8 dot product's rate at least its own product sequence's (which adds a conversion, a
+    scale and a multiply-add to every sum of four), the instructions named; repeats out of
+    range refused."""
+    roof = kvlab.measure.compute_roof(1)
+    rates = [k for k in roof if k.endswith("_per_s") or k.endswith("_per_s_1_thread")]
+    assert len(rates) == 6 and all(roof[k] > 1e7 for k in rates)
+    assert roof["int8_ops_per_s_1_thread"] >= roof["int8_product_ops_per_s_1_thread"]
+    assert roof["threads"] == kvlab.get_num_threads()
+    assert isinstance(roof["f32_instruction"], str) and isinstance(roof["int8_instruction"], str)
+    for bad in (0, 1001):
+        with pytest.raises(ValueError, match="repeats"):
+            kvlab.measure.compute_roof(bad)
+
+
 def test_attention_walk_bandwidth_is_measured_by_the_core():
     """Attention's access pattern alone: a rate in a plausible range, for a context of whole
     tiles and one ending in a partial tile, and clear errors for shapes the walk cannot

@@ -577,6 +577,11 @@ static PyObject *sequence_get_next_position(SequenceObject *self, void *closure)
     return PyLong_FromLong(self->owner->blocks->seqs[self->seq].next_position);
 }
 
+static PyObject *sequence_get_start(SequenceObject *self, void *closure) {
+    if (kv_py_sequence_slot(self->owner, (PyObject *)self) < 0) return NULL;
+    return PyLong_FromLong(self->owner->blocks->seqs[self->seq].start);
+}
+
 static PyObject *sequence_get_id(SequenceObject *self, void *closure) {
     return PyLong_FromLong(self->seq);
 }
@@ -609,8 +614,12 @@ static PyGetSetDef sequence_getset[] = {
     {"next_position", (getter)sequence_get_next_position, NULL,
      "Position of the next token (its RoPE angle): length, plus every row keep() dropped.", NULL},
     {"block_table", (getter)sequence_get_block_table, NULL,
-     "Physical block id of each logical block, an int32 read-only view. Position pos\n"
-     "lives in row pos % block_size of block block_table[pos // block_size].", NULL},
+     "Physical block id of each logical block, an int32 read-only view. Row i (position i\n"
+     "until keep() drops rows) lives in row (start + i) % block_size of block\n"
+     "block_table[(start + i) // block_size].", NULL},
+    {"start", (getter)sequence_get_start, NULL,
+     "Rows of its first block before its row 0: the rows keep() dropped from its front\n"
+     "without moving the rest (a sliding window), below block_size; 0 until then.", NULL},
     {"id", (getter)sequence_get_id, NULL, "Slot number in the pool.", NULL},
     {"serial", (getter)sequence_get_serial, NULL,
      "How many sequences the slot had held when this one was made: (id, serial) names a\n"

@@ -2,7 +2,10 @@
  *
  * Its keys, values, codes and scales are zero-copy read-only views whose base is the
  * cache object, so the memory lives as long as any view of it; that is also why a cache
- * cannot be initialized twice (the memory under existing views would be freed).
+ * cannot be initialized twice (the memory under existing views would be freed). They show
+ * rows in order, oldest first: once keep() has turned the cache's ring of rows (kvcache.c),
+ * reading one turns it back first. The per-row copies (positions, attention weights,
+ * dequantized) read rows in the same order through the ring, turning nothing.
  */
 #include "binding.h"
 
@@ -81,9 +84,25 @@ static void cache_dealloc(CacheObject *self) {
 
 /* ---- views ------------------------------------------------------------------------- */
 
+/* Puts the ring of rows back in order (row i in slot i), so that a view of the memory
+ * shows rows in order; a cache whose ring never turned is left alone. */
+static int straighten(CacheObject *self) {
+    if (self->cache.ring_start == 0) return 0;
+    if (kv_py_cache_ready(self) < 0) return -1;   /* a forward in another thread reads it */
+    kv_status status;
+    self->busy = 1;
+    Py_BEGIN_ALLOW_THREADS
+    status = kv_cache_straighten(&self->cache);
+    Py_END_ALLOW_THREADS
+    self->busy = 0;
+    if (status == KV_OK) return 0;
+    kv_py_raise(status, NULL);
+    return -1;
+}
+
 /* One part of the K or V store, (n_layers, length, n_kv_heads, per head). */
 static PyObject *cache_store_view(CacheObject *self, const kv_store *store, int part) {
-    if (require_initialized(self) < 0) return NULL;
+    if (require_initialized(self) < 0 || straighten(self) < 0) return NULL;
     const kv_cache *c = &self->cache;
     npy_intp lead_dims[2] = {c->n_layers, c->length};
     npy_intp lead_strides[2] = {(npy_intp)c->n_kv_heads * c->capacity, 1};  /* layer, position */
@@ -159,7 +178,8 @@ static PyObject *cache_get_tracks_attention(CacheObject *self, void *closure) {
 }
 
 /* A copy (n_layers, length, n_kv_heads) of per-row bookkeeping kept (n_layers, n_kv_heads,
- * capacity) in the core: copies, because the core may free or move it under a view. */
+ * capacity) in the core, one value per slot, rows in order: copies, because the core may
+ * free or move it under a view. */
 static PyObject *per_row_copy(const kv_cache *c, const void *source, int type) {
     npy_intp dims[3] = {c->n_layers, c->length, c->n_kv_heads};
     PyObject *array = PyArray_ZEROS(3, dims, type, 0);
@@ -167,7 +187,8 @@ static PyObject *per_row_copy(const kv_cache *c, const void *source, int type) {
     for (int layer = 0; layer < c->n_layers; layer++)
         for (int row = 0; row < c->length; row++)
             for (int head = 0; head < c->n_kv_heads; head++) {
-                size_t from = ((size_t)layer * c->n_kv_heads + head) * c->capacity + row;
+                size_t from = ((size_t)layer * c->n_kv_heads + head) * c->capacity +
+                              kv_cache_slot(c, row);
                 void *to = PyArray_GETPTR3((PyArrayObject *)array, layer, row, head);
                 if (type == NPY_INT32)
                     *(int32_t *)to = source ? ((const int32_t *)source)[from] : row;
@@ -385,7 +406,10 @@ static PyGetSetDef cache_getset[] = {
     {"keys", (getter)cache_get_keys, NULL,
      "Cached keys of the filled positions, a read-only zero-copy ndarray\n"
      "(n_layers, length, n_kv_heads, head_dim), after RoPE: float32, or float16 in an fp16\n"
-     "cache. Other formats store codes: see key_codes, or dequantized().", NULL},
+     "cache. Other formats store codes: see key_codes, or dequantized(). Rows in order,\n"
+     "row i holding position positions[:, i]: after keep() turned the ring of rows, reading\n"
+     "this turns it back first (moving every row once), and views read before then show\n"
+     "the memory as it is now.", NULL},
     {"values", (getter)cache_get_values, NULL,
      "Cached values of the filled positions, a read-only zero-copy ndarray\n"
      "(n_layers, length, n_kv_heads, head_dim), as for keys.", NULL},
@@ -424,8 +448,8 @@ static PyGetSetDef cache_getset[] = {
      NULL},
     {"positions", (getter)cache_get_positions, NULL,
      "The position each kept row holds, int32 (n_layers, length, n_kv_heads), indexed as\n"
-     "keys are (a copy): arange(length) until keep() drops rows; after, each layer and head\n"
-     "may hold different positions.", NULL},
+     "keys are, oldest row first (a copy): arange(length) until keep() drops rows; after,\n"
+     "each layer and head may hold different positions.", NULL},
     {"tracks_attention", (getter)cache_get_tracks_attention, NULL,
      "Whether forward calls add up the attention weight each row receives.", NULL},
     {"attention_weights", (getter)cache_get_attention_weights, NULL,
@@ -447,9 +471,12 @@ static PyMethodDef cache_methods[] = {
      "(next_position goes back by as many; rows keep() dropped meanwhile stay dropped)."},
     {"keep", (PyCFunction)cache_keep, METH_O,
      "keep(rows): keep only these rows, int32 (n_layers, n_keep, n_kv_heads), strictly\n"
-     "increasing along n_keep, and drop the rest: the kept rows move to the front, length\n"
-     "becomes n_keep, and next_position stays (see positions). Each layer and head may keep\n"
-     "different rows. kvlab.cache_policy decides which rows to keep."},
+     "increasing along n_keep, and drop the rest: the kept rows become rows 0 .. n_keep - 1\n"
+     "in order, length becomes n_keep, and next_position stays (see positions). Each layer\n"
+     "and head may keep different rows. The memory holds the rows as a ring: keeping the\n"
+     "newest rows turns it past the dropped ones and moves no row (a sliding window);\n"
+     "otherwise the fewer rows move, those before the dropped ones or those after.\n"
+     "kvlab.cache_policy decides which rows to keep."},
     {"track_attention", (PyCFunction)(void (*)(void))cache_track_attention,
      METH_VARARGS | METH_KEYWORDS,
      "track_attention(on=True): start (from zero) or stop adding up the attention weight\n"

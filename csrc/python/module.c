@@ -1,7 +1,8 @@
 /* module.c: the module kvlab._kvlab itself: its functions (sampling one row, the
  * quantization formats on their own, threads, kernel tiers, bandwidth measurements), its
  * constants (MAX_BLOCK_SIZE, TOKEN_CHUNK, the COUNTERS names, HAS_OPENMP,
- * FUSED_MULTIPLY_ADD, BUILD), and
+ * FUSED_MULTIPLY_ADD, BUILD, and VARIANT, VARIANTS, VARIANT_REASON: the kernel variant that
+ * runs, the KVLAB_VARIANT variable choosing another), and
  * PyInit__kvlab, which imports NumPy's C API for every file and adds the five types the
  * other files define (cache.c, model.c, blocks.c, pool.c).
  */
@@ -12,6 +13,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "dispatch.h"
 #include "ops.h"        /* KV_TOKEN_CHUNK */
 #include "sampling.h"
 #include "store.h"
@@ -184,6 +186,85 @@ static PyObject *py_get_kernels(PyObject *module, PyObject *Py_UNUSED(ignored)) 
     return PyUnicode_FromString(kernel_names[kv_get_kernels()]);
 }
 
+/* module.<attribute> = a tuple of the count strings in names (COUNTERS, VARIANTS) */
+static int add_name_tuple(PyObject *module, const char *attribute, const char *const *names,
+                          int count) {
+    PyObject *tuple = PyTuple_New(count);
+    if (tuple == NULL) return -1;
+    for (int i = 0; i < count; i++) {
+        PyObject *name = PyUnicode_FromString(names[i]);
+        if (name == NULL) {
+            Py_DECREF(tuple);
+            return -1;
+        }
+        PyTuple_SET_ITEM(tuple, i, name);
+    }
+    int result = PyModule_AddObjectRef(module, attribute, tuple);
+    Py_DECREF(tuple);
+    return result;
+}
+
+/* ---- kernel variants (dispatch.h) ---------------------------------------------------- */
+
+/* KVLAB_VARIANT=name runs the process on that kernel variant instead of the best one this
+ * CPU has: for the tests that compare the variants' bits, and for timing one against
+ * another. 1 if it chose one, 0 if unset, -1 with ValueError for a name this build lacks or
+ * a variant this CPU cannot run (which would die of an illegal instruction). */
+static int use_variant_from_environment(void) {
+    const char *name = getenv("KVLAB_VARIANT");
+    if (name == NULL || name[0] == '\0') return 0;
+    if (kv_use_variant(name) == KV_OK) return 1;
+    int count;
+    const kv_variant *variants = kv_variants(&count);
+    char names[256] = "";
+    for (int i = 0; i < count; i++) {
+        if (strcmp(name, variants[i].kernels->name) == 0) {
+            PyErr_Format(PyExc_ValueError, "KVLAB_VARIANT=%s: this CPU cannot run it (it "
+                         "lacks %s)", name, variants[i].needs);
+            return -1;
+        }
+        size_t used = strlen(names);
+        PyOS_snprintf(names + used, sizeof names - used, "%s'%s'", i ? ", " : "",
+                      variants[i].kernels->name);
+    }
+    PyErr_Format(PyExc_ValueError, "KVLAB_VARIANT must be one of this build's kernel "
+                 "variants (%s), got '%s'", names, name);
+    return -1;
+}
+
+/* Why the running variant runs, in one sentence (VARIANT_REASON, for kvlab info). */
+static PyObject *variant_reason(int asked) {
+    int count;
+    const kv_variant *variants = kv_variants(&count), *current = kv_current_variant();
+    if (asked)
+        return PyUnicode_FromFormat("KVLAB_VARIANT=%s asked for it", current->kernels->name);
+    if (count == 1)
+        return PyUnicode_FromString("the one variant of this build (its flags: BUILD)");
+    if (current == &variants[0])
+        return PyUnicode_FromFormat("the best of this build's %d variants: this CPU has %s",
+                                    count, current->needs);
+    return PyUnicode_FromFormat("the best of this build's %d variants that this CPU runs: it "
+                                "lacks %s", count, (current - 1)->needs);
+}
+
+/* VARIANT, VARIANTS (this build's, best first), VARIANT_REASON and FUSED_MULTIPLY_ADD
+ * (whether the running variant's multiply-adds round once: tests/test_bits.py's digests) */
+static int add_variant_constants(PyObject *module, int asked) {
+    int count;
+    const kv_variant *variants = kv_variants(&count), *current = kv_current_variant();
+    const char *names[KV_MAX_VARIANTS];
+    for (int i = 0; i < count; i++) names[i] = variants[i].kernels->name;
+    if (add_name_tuple(module, "VARIANTS", names, count) < 0) return -1;
+    PyObject *reason = variant_reason(asked);
+    if (reason == NULL) return -1;
+    int result = PyModule_AddObjectRef(module, "VARIANT_REASON", reason);
+    Py_DECREF(reason);
+    if (result < 0 || PyModule_AddStringConstant(module, "VARIANT", current->kernels->name) < 0)
+        return -1;
+    return PyModule_AddIntConstant(module, "FUSED_MULTIPLY_ADD",
+                                   current->kernels->fused_multiply_add);
+}
+
 /* ---- bandwidth --------------------------------------------------------------------- */
 
 /* Both measurements take at most 1000 repeats (a call should end) and memory_bandwidth
@@ -229,6 +310,32 @@ static PyObject *py_attention_walk_bandwidth(PyObject *module, PyObject *args) {
     return PyFloat_FromDouble(bytes_per_s);
 }
 
+/* The compute roof on one thread and on the core's threads (kv_measure_compute) */
+static PyObject *py_compute_roof(PyObject *module, PyObject *args) {
+    int repeats = 3;
+    if (!PyArg_ParseTuple(args, "|i", &repeats)) return NULL;
+    int n_threads = kv_get_num_threads();
+    kv_compute_roof one = {0}, all = {0};
+    kv_status status = KV_ERR_INVALID_ARG;
+    if (repeats >= 1 && repeats <= 1000) {
+        Py_BEGIN_ALLOW_THREADS
+        status = kv_measure_compute(1, repeats, &one);
+        if (status == KV_OK) status = kv_measure_compute(n_threads, repeats, &all);
+        Py_END_ALLOW_THREADS
+    }
+    if (status == KV_ERR_INVALID_ARG)
+        return kv_py_raise(status, "compute_roof takes repeats 1..1000, got %d", repeats);
+    if (status != KV_OK) return kv_py_raise(status, NULL);
+    return Py_BuildValue("{s:i,s:d,s:d,s:d,s:d,s:d,s:d,s:s,s:s}", "threads", n_threads,
+                         "f32_flops_per_s_1_thread", one.f32_flops,
+                         "f32_flops_per_s", all.f32_flops,
+                         "int8_ops_per_s_1_thread", one.int8_ops, "int8_ops_per_s", all.int8_ops,
+                         "int8_product_ops_per_s_1_thread", one.int8_product_ops,
+                         "int8_product_ops_per_s", all.int8_product_ops,
+                         "f32_instruction", one.f32_instruction,
+                         "int8_instruction", one.int8_instruction);
+}
+
 /* ---- the module -------------------------------------------------------------------- */
 
 static PyMethodDef module_methods[] = {
@@ -253,6 +360,10 @@ static PyMethodDef module_methods[] = {
      "attention_walk_bandwidth(n_kv_heads, head_dim, context, repeats=3) -> bytes/s: decode\n"
      "attention's walk through an fp32 cache (each head's keys and values a tile of 16 rows\n"
      "at a time, the next tile fetched ahead) with no arithmetic, read from memory."},
+    {"compute_roof", py_compute_roof, METH_VARARGS,
+     "compute_roof(repeats=3) -> dict: the rates of the widest float32 multiply-add and int8\n"
+     "dot-product instructions, and of the int8 product's own sequence, on one thread and on\n"
+     "the core's threads (operations per second, a multiply and an add counted as two)."},
     {"sample", (PyCFunction)(void (*)(void))py_sample, METH_VARARGS | METH_KEYWORDS,
      "sample(logits, temperature=0, top_k=0, top_p=1, u=0) -> token id: the choice the\n"
      "generation loop makes from one row of logits (arg-max at temperature 0; otherwise\n"
@@ -274,9 +385,11 @@ static struct PyModuleDef kvlab_module = {
              "with K/V stores in host memory, or in a row store: the GPU's) and PagedSequence (a handle to one of a pool's\n"
              "sequences), the module functions below, and the constants MAX_BLOCK_SIZE,\n"
              "TOKEN_CHUNK, COUNTERS, HAS_OPENMP, FUSED_MULTIPLY_ADD (whether the kernels'\n"
-             "dot products fuse their multiply-adds: built for a CPU with FMA) and BUILD (the\n"
-             "compiler, flags and KVLAB_* options that built this module). Use the kvlab\n"
-             "package rather than this module.",
+             "dot products fuse their multiply-adds: a variant built for CPUs with FMA), BUILD\n"
+             "(the compiler, flags, kernel variants and KVLAB_* options that built this\n"
+             "module), VARIANTS (this build's kernel variants, best first), VARIANT (the one\n"
+             "that runs: the best this CPU has, or KVLAB_VARIANT's at import) and\n"
+             "VARIANT_REASON (why). Use the kvlab package rather than this module.",
     .m_size = -1,
     .m_methods = module_methods,
 };
@@ -288,35 +401,10 @@ static const char *const counter_names[] = {"flops_projections", "flops_attentio
 _Static_assert(sizeof counter_names / sizeof counter_names[0] == (size_t)KV_PY_N_COUNTERS,
                "counter_names must name every kv_counters field");
 
-static int add_counter_names(PyObject *module) {
-    PyObject *names = PyTuple_New(KV_PY_N_COUNTERS);
-    if (names == NULL) return -1;
-    for (int i = 0; i < KV_PY_N_COUNTERS; i++) {
-        PyObject *name = PyUnicode_FromString(counter_names[i]);
-        if (name == NULL) {
-            Py_DECREF(names);
-            return -1;
-        }
-        PyTuple_SET_ITEM(names, i, name);
-    }
-    int result = PyModule_AddObjectRef(module, "COUNTERS", names);
-    Py_DECREF(names);
-    return result;
-}
-
 /* What built this module, in kvlab_build.describe's words (setup.py defines it; a build
  * by other means, such as tests/c's Makefile, has none). */
 #ifndef KV_BUILD
 #define KV_BUILD "unknown (not built by setup.py)"
-#endif
-
-/* Whether the kernels fuse each multiply-add into one rounding (simd.h's madd, plain.c's
- * fmaf): they do where the compiler targets a CPU with FMA. Logits then differ in the
- * last bits from those of a build without, which tests/test_bits.py tells apart. */
-#ifdef __FMA__
-#define KV_FUSED_MULTIPLY_ADD 1
-#else
-#define KV_FUSED_MULTIPLY_ADD 0
 #endif
 
 PyMODINIT_FUNC PyInit__kvlab(void) {
@@ -326,6 +414,8 @@ PyMODINIT_FUNC PyInit__kvlab(void) {
     const char *kernels = getenv("KVLAB_KERNELS");
     if (kernels != NULL && kernels[0] != '\0' && set_kernels_named(kernels, "KVLAB_KERNELS") < 0)
         return NULL;
+    int variant_asked = use_variant_from_environment();
+    if (variant_asked < 0) return NULL;
     if (PyType_Ready(&kv_py_cache_type) < 0 || PyType_Ready(&kv_py_model_type) < 0 ||
         PyType_Ready(&kv_py_blocks_type) < 0 || PyType_Ready(&kv_py_pool_type) < 0 || PyType_Ready(&kv_py_sequence_type) < 0)
         return NULL;
@@ -338,9 +428,9 @@ PyMODINIT_FUNC PyInit__kvlab(void) {
         PyModule_AddIntConstant(module, "MAX_BLOCK_SIZE", KV_MAX_BLOCK_SIZE) < 0 ||
         PyModule_AddIntConstant(module, "TOKEN_CHUNK", KV_TOKEN_CHUNK) < 0 ||
         PyModule_AddObjectRef(module, "PagedSequence", (PyObject *)&kv_py_sequence_type) < 0 ||
-        add_counter_names(module) < 0 ||
+        add_name_tuple(module, "COUNTERS", counter_names, KV_PY_N_COUNTERS) < 0 ||
         PyModule_AddStringConstant(module, "BUILD", KV_BUILD) < 0 ||
-        PyModule_AddIntConstant(module, "FUSED_MULTIPLY_ADD", KV_FUSED_MULTIPLY_ADD) < 0 ||
+        add_variant_constants(module, variant_asked) < 0 ||
 #ifdef _OPENMP
         PyModule_AddIntConstant(module, "HAS_OPENMP", 1) < 0
 #else

@@ -409,9 +409,11 @@ static PyMethodDef pool_methods[] = {
     {"keep", (PyCFunction)pool_keep, METH_VARARGS,
      "keep(seq, rows): keep only these rows of seq, int32 (n_layers, n_keep, n_kv_heads),\n"
      "strictly increasing along n_keep, and drop the rest, as KVCache.keep: the kept rows\n"
-     "move to its first rows, the blocks past them go back to the pool, next_position\n"
-     "stays, and its blocks are no longer offered to the prefix cache. Refused for a\n"
-     "sequence that shares a block (a fork, a prefix found in the cache)."},
+     "become its rows 0 .. n_keep - 1, the blocks that hold none of them go back to the\n"
+     "pool, next_position stays, and its blocks are no longer offered to the prefix cache.\n"
+     "Few rows move: a sliding window's keep moves none (seq.start moves past the dropped\n"
+     "rows), attention sinks move their first rows. Refused for a sequence that shares a\n"
+     "block (a fork, a prefix found in the cache)."},
     {"positions", (PyCFunction)pool_positions, METH_O,
      "positions(seq) -> int32 (n_layers, length, n_kv_heads): the position each row of seq\n"
      "holds (arange(length) until keep() drops rows)."},

@@ -308,8 +308,8 @@ static PyObject *batch_arrays(const kv_pool *p, const int *seqs, const int *coun
                               Py_ssize_t n_seqs) {
     npy_intp total = 0, max_blocks = 1, bs = p->blocks.block_size;
     for (Py_ssize_t i = 0; i < n_seqs; i++) {
-        npy_intp blocks = (npy_intp)kv_ceil_div((int64_t)p->blocks.seqs[seqs[i]].length +
-                                                counts[i], bs);
+        const kv_seq *q = &p->blocks.seqs[seqs[i]];   /* (its start is 0: it drops no row) */
+        npy_intp blocks = (npy_intp)kv_ceil_div((int64_t)q->start + q->length + counts[i], bs);
         total += counts[i];
         if (blocks > max_blocks) max_blocks = blocks;
     }

@@ -1,4 +1,4 @@
-"""Hidden grading tests for lab 11 (speculative decoding). Each test says in its message what
+"""Hidden grading tests for lab 12 (speculative decoding). Each test says in its message what
 it expected. Run by the judge (kvlab/grading/judge.py), never shipped in the package.
 
 The model the student's functions get is served from the judge (kvlab/grading/served.py,
@@ -11,9 +11,15 @@ fresh kvlab cache that only ever ran the accepted tokens for rollback (K and V b
 on the CPU kvlab's forward gives the same K and V for a position however the tokens before
 it were split into passes).
 
+The sampling rejection rule gets a generator of the judge's (served.py, ServedRandom),
+seeded here: every number it draws and every distribution it draws a token from are seen.
+Its oracle is the distribution speculative sampling must give, tested as the kit's own
+tests/test_speculative.py tests kvlab's (Pearson's chi-square, rare outcomes pooled), on
+drafts drawn here from q.
+
 Cases are drawn at grading time: the token ids of the crafted drafter contexts and the
 lengths of their runs, the prompts (lines of the play, repeated and cut anywhere), k, the
-n-gram order, the lengths. A pass is also checked for drafts wherever prompt lookup finds
+n-gram order, the lengths, the rejection rule's distributions and seeds. A pass is also checked for drafts wherever prompt lookup finds
 some, so speculating only now and then is not enough.
 """
 import functools
@@ -21,7 +27,7 @@ import time
 
 import numpy as np
 
-from kvlab.grading.served import ServedModel
+from kvlab.grading.served import ServedModel, ServedRandom
 from kvlab.grading.testkit import bundled_model, described, number, points, whole_number
 from kvlab.speculative import PromptLookup
 
@@ -534,3 +540,131 @@ def test_measurement_reports_what_ran(sub, rng):
     want = seconds["seconds_plain"] / seconds["seconds_speculative"]
     assert abs(speedup - want) <= 1e-6 * want, (
         f"{what}: speedup is seconds_plain / seconds_speculative = {want:.6g}; you report {speedup:.6g}")
+
+
+# ---- the sampling rejection rule -----------------------------------------------------------
+
+RUNS = 1500               # drafts the distribution test draws
+
+
+def drawn_pair(rng):
+    """The model's p and a drafter's q over 5 to 8 tokens, at least 0.3 apart in total
+    variation, so that a rule that drifts from p drifts by far more than chance."""
+    while True:
+        vocab = int(rng.integers(5, 9))
+        p, q = rng.dirichlet(np.ones(vocab)), rng.dirichlet(np.ones(vocab))
+        if 0.5 * np.abs(p - q).sum() >= 0.3:
+            return p, q
+
+
+def shown(probabilities) -> str:
+    return "[" + ", ".join(f"{x:.3f}" for x in probabilities) + "]"
+
+
+def rule_result(got, what, vocab) -> tuple:
+    """accept_or_resample's (accepted, token), or a failed test."""
+    if not isinstance(got, (tuple, list)) or len(got) != 2 or \
+            not isinstance(got[0], (bool, np.bool_)):
+        raise AssertionError(f"{what}: expected (accepted, token), accepted True or False; got "
+                             f"{described(got)}")
+    token = whole_number(got[1], f"{what}: token")
+    assert 0 <= token < vocab, f"{what}: token {token} is not one of the {vocab} tokens"
+    return bool(got[0]), token
+
+
+def chi_square(counts, probabilities, what):
+    """Pearson's statistic of the counts against the probabilities, outcomes expected fewer
+    than 5 times pooled, held under the chi-square distribution's quantile at 1 - 1e-6 (the
+    Wilson-Hilferty approximation, z = 4.75: an honest rule fails a test about once in a
+    million gradings; the degrees of freedom plus five deviations, which the kit's own test
+    uses, is passed by chance once in about 1,500 at 6 degrees of freedom)."""
+    impossible = (probabilities == 0) & (counts > 0)
+    assert not impossible.any(), (f"{what}: token {int(np.argmax(impossible))} came out "
+                                  f"{int(counts[impossible][0])} times; its probability is 0")
+    expected = probabilities * counts.sum()
+    rare = expected < 5
+    observed = np.append(counts[~rare], counts[rare].sum())
+    expected = np.append(expected[~rare], expected[rare].sum())
+    if expected[-1] == 0:
+        observed, expected = observed[:-1], expected[:-1]
+    statistic = float(((observed - expected) ** 2 / expected).sum())
+    dof = len(expected) - 1
+    if dof == 0:                    # one outcome: nothing to compare but the impossible ones
+        return
+    limit = dof * (1 - 2 / (9 * dof) + 4.75 * np.sqrt(2 / (9 * dof))) ** 3
+    assert statistic <= limit, (
+        f"{what}: came out {counts.astype(int).tolist()} times where {shown(probabilities)} "
+        f"of them were expected (chi-square {statistic:.1f} with {dof} degrees of freedom: "
+        f"above {limit:.1f}, which chance alone passes about once in a million)")
+
+
+@points(2)
+def test_the_rejection_rule_keeps_the_models_distribution(sub, rng):
+    """accept_or_resample on 1,500 drafts drawn from q: accepted as often as sum(min(p, q)), rejected tokens as the normalized residual, all tokens as p"""
+    p, q = drawn_pair(rng)
+    generator = ServedRandom(int(rng.integers(2 ** 32)))
+    case = f"p = {shown(p)}, q = {shown(q)}, {RUNS} drafts drawn from q"
+    counts, rejected = np.zeros(len(p)), np.zeros(len(p))
+    for draft in rng.choice(len(p), size=RUNS, p=q):
+        accepted, token = rule_result(sub.accept_or_resample(p, q, int(draft), generator),
+                                      f"accept_or_resample(p, q, {int(draft)}, rng) ({case})", len(p))
+        assert not accepted or token == draft, (
+            f"accept_or_resample(p, q, {int(draft)}, rng) ({case}): accepted, so the token is the "
+            f"draft {int(draft)}, not {token}")
+        counts[token] += 1
+        rejected[token] += not accepted
+    kept = RUNS - int(rejected.sum())
+    rate = float(np.minimum(p, q).sum())
+    spread = 5 * np.sqrt(RUNS * rate * (1 - rate)) + 1
+    assert abs(kept - RUNS * rate) <= spread, (
+        f"{case}: {kept} drafts accepted, where sum(min(p, q)) * {RUNS} = {RUNS * rate:.0f} are "
+        f"expected (each draft x kept with probability min(1, p[x] / q[x])), give or take "
+        f"{spread:.0f}")
+    residual = np.maximum(p - q, 0)
+    chi_square(rejected, residual / residual.sum(), f"{case}: the tokens drawn after a rejection")
+    chi_square(counts, p, f"{case}: the tokens, accepted and drawn")
+
+
+@points(1)
+def test_the_rejection_rule_case_by_case(sub, rng):
+    """each call: accepted exactly when its rng.random() is below p[draft] / q[draft]; else one rng.choice from max(0, p - q) normalized"""
+    cases = []
+    for _ in range(30):
+        p, q = drawn_pair(rng)
+        cases.append((p, q, int(rng.choice(len(q), p=q)), "drawn"))
+    p, q = drawn_pair(rng)
+    cases.append((p, p.copy(), int(rng.choice(len(p), p=p)), "q = p: always kept"))
+    p, q = drawn_pair(rng)
+    p[0], q[0] = 0.0, max(q[0], 0.1)
+    p, q = p / p.sum(), q / q.sum()
+    cases.append((p, q, 0, "p[draft] = 0: never kept"))
+    for p, q, draft, why in cases:
+        generator = ServedRandom(int(rng.integers(2 ** 32)))
+        what = f"accept_or_resample(p = {shown(p)}, q = {shown(q)}, draft {draft}, rng) ({why})"
+        accepted, token = rule_result(sub.accept_or_resample(p, q, draft, generator), what, len(p))
+        draws, ratio = generator.draws, p[draft] / q[draft]
+        uniform = draws[0].result if draws and draws[0].method == "random" else None
+        if uniform is None:
+            assert accepted and ratio >= 1 and not draws, (
+                f"{what}: p[draft] / q[draft] = {ratio:.4f}; the rule's first draw is "
+                f"u = rng.random(), and the draft is kept when u < {ratio:.4f}; your draws: "
+                f"{[d.method for d in draws]}")
+            continue
+        assert accepted == (uniform < ratio), (
+            f"{what}: rng.random() gave u = {uniform:.4f} and p[draft] / q[draft] = {ratio:.4f}, "
+            f"so the draft is {'kept' if uniform < ratio else 'rejected'}; yours was "
+            f"{'kept' if accepted else 'rejected'}")
+        if accepted:
+            assert len(draws) == 1, f"{what}: a kept draft needs one draw, u; you made {len(draws)}"
+            continue
+        assert [d.method for d in draws] == ["random", "choice"], (
+            f"{what}: rejected: then one rng.choice(len(p), p=...) draws the token; your draws: "
+            f"{[d.method for d in draws]}")
+        residual = np.maximum(p - q, 0)
+        given = draws[1].probabilities
+        assert given is not None and np.allclose(given, residual / residual.sum(), atol=1e-9, rtol=0), (
+            f"{what}: the token after a rejection is drawn from max(0, p - q) / its sum = "
+            f"{shown(residual / residual.sum())}; you drew it from "
+            f"{'an even choice' if given is None else shown(given)}")
+        assert token == draws[1].result, (
+            f"{what}: rng.choice drew {draws[1].result}, you returned {token}")

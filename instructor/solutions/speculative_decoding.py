@@ -1,4 +1,4 @@
-"""Lab 11 reference solution (instructors only: never hand this to students)."""
+"""Lab 12 reference solution (instructors only: never hand this to students)."""
 import time
 
 import numpy as np
@@ -68,3 +68,11 @@ def measure(model, prompt, n_new, k=4, max_ngram=3):
             "acceptance_rate": stats["accepted"] / stats["drafted"] if stats["drafted"] else 0.0,
             "seconds_plain": seconds_plain, "seconds_speculative": seconds_speculative,
             "speedup": seconds_plain / seconds_speculative}
+
+
+def accept_or_resample(p, q, draft, rng):
+    p, q = np.asarray(p, dtype=np.float64), np.asarray(q, dtype=np.float64)
+    if rng.random() < p[draft] / q[draft]:        # kept with probability min(1, p / q)
+        return True, int(draft)
+    residual = np.maximum(p - q, 0.0)              # what p has beyond q
+    return False, int(rng.choice(len(p), p=residual / residual.sum()))

@@ -5,8 +5,9 @@
 builds the zip that Gradescope's "Configure Autograder" page takes as it is:
 
     setup.sh          run once, as root, when Gradescope builds the image: installs Python, a
-                      C compiler and kvlab (from kvlab-src/) in /opt/kvlab-venv, and creates
-                      the user the students' code runs as
+                      C compiler and kvlab (from kvlab-src/) in /opt/kvlab-venv, creates
+                      the user the students' code runs as, and fetches the named models the
+                      lab's tests load (SmolLM2 for cache_eviction: Lab.models)
     run_autograder    run for every submission: closes the source and results folders to
                       that user, then python -m kvlab.grading.autograder run ...
     kvlab-src/        the kvlab this clone holds (pyproject.toml, setup.py, kvlab_build.py,
@@ -68,6 +69,10 @@ chmod -R a+rX "$VENV"
 chmod -R go-rwx "$VENV"/lib/python3*/site-packages/kvlab
 """
 
+# a lab whose tests load a named model (Lab.models) has it fetched here, into the cache folder
+# of root (~/.cache/kvlab), who runs the judge; the students' code never reads it
+FETCH_MODEL = '"$VENV/bin/python" -m kvlab fetch {name}\n'
+
 RUN_AUTOGRADER = f"""#!/usr/bin/env bash
 # Gradescope runs this, as root, for every submission. KVLAB_AUTOGRADER_ROOT, KVLAB_PYTHON
 # and KVLAB_WORKER_USER (empty: the same user) let it run outside Gradescope too.
@@ -119,10 +124,8 @@ def build(lab: str, out: Union[str, Path], instructor: Optional[Union[str, Path]
     out.parent.mkdir(parents=True, exist_ok=True)
     settings = {"lab": spec.name, "test_timeout": test_timeout, "total_timeout": TOTAL_TIMEOUT}
     with zipfile.ZipFile(out, "w") as archive:
-        # the named models the hidden tests load, fetched into root's cache when the image
-        # is built (the judge runs as root; a grading then needs no network)
-        fetch = "".join(f'"$VENV/bin/python" -m kvlab fetch {name}\n' for name in spec.models)
-        _add(archive, "setup.sh", SETUP_SH + fetch, executable=True)
+        setup = SETUP_SH + "".join(FETCH_MODEL.format(name=name) for name in spec.models)
+        _add(archive, "setup.sh", setup, executable=True)
         _add(archive, "run_autograder", RUN_AUTOGRADER, executable=True)
         _add(archive, "lab.json", json.dumps(settings, indent=2) + "\n")
         _add(archive, f"tests/{spec.name}.py", tests.read_bytes())
@@ -135,24 +138,27 @@ def build(lab: str, out: Union[str, Path], instructor: Optional[Union[str, Path]
 
 def find_submission(folder: Path, lab: str) -> Tuple[Optional[Path], str]:
     """The student's file: the shallowest <lab>.py in the submission, else its only .py
-    file. Links are never followed (a submission could link to a file only root may read),
-    and what a Mac's zip adds (__MACOSX/, ._ files) is not a submission."""
+    file (.c for a lab in C). Links are never followed (a submission could link to a file
+    only root may read), and what a Mac's zip adds (__MACOSX/, ._ files) is not a
+    submission."""
+    suffix = get_lab(lab).suffix
     files = []
     for parent, folders, names in os.walk(folder):       # does not follow linked folders
         folders[:] = [f for f in folders if f != "__MACOSX"]
         for name in names:
             path = Path(parent) / name
-            if name.endswith(".py") and not name.startswith("._") and not path.is_symlink() \
+            if name.endswith(suffix) and not name.startswith("._") and not path.is_symlink() \
                     and path.is_file():
                 files.append(path)
     files.sort(key=lambda p: (len(p.relative_to(folder).parts), str(p)))
-    named = [p for p in files if p.name == f"{lab}.py"]
+    named = [p for p in files if p.name == f"{lab}{suffix}"]
     if named:
         return named[0], ""
     if len(files) == 1:
         return files[0], ""
-    found = ", ".join(str(p.relative_to(folder)) for p in files[:5]) or "no Python file"
-    return None, f"submit one file named {lab}.py (found {found})"
+    kind = "Python" if suffix == ".py" else "C"
+    found = ", ".join(str(p.relative_to(folder)) for p in files[:5]) or f"no {kind} file"
+    return None, f"submit one file named {lab}{suffix} (found {found})"
 
 
 def uncommitted_changes(clone: Path) -> List[str]:

@@ -39,11 +39,12 @@ class Graded:
     error: str = ""
 
 
-def submissions_in(folder: Path, exclude: Optional[Path] = None) -> Dict[str, Optional[Path]]:
-    """{student: their entry}, sorted by name: each folder and each .py file directly in
-    `folder` (hidden files, __MACOSX/ and what a Mac's zip adds left out, and `exclude`, the
-    output folder when it lies inside). A link is listed with None: never followed, it is
-    graded as missing."""
+def submissions_in(folder: Path, exclude: Optional[Path] = None,
+                   suffix: str = ".py") -> Dict[str, Optional[Path]]:
+    """{student: their entry}, sorted by name: each folder and each .py file (`suffix`: .c
+    for a lab in C) directly in `folder` (hidden files, __MACOSX/ and what a Mac's zip adds
+    left out, and `exclude`, the output folder when it lies inside). A link is listed with
+    None: never followed, it is graded as missing."""
     entries: Dict[str, Optional[Path]] = {}
     for path in sorted(folder.iterdir()):
         name = path.name
@@ -52,10 +53,10 @@ def submissions_in(folder: Path, exclude: Optional[Path] = None) -> Dict[str, Op
         if exclude is not None and path.resolve() == exclude:
             continue
         if path.is_symlink():
-            student = path.stem if name.endswith(".py") else name
+            student = path.stem if name.endswith(suffix) else name
         elif path.is_dir():
             student = name
-        elif path.is_file() and name.endswith(".py"):
+        elif path.is_file() and name.endswith(suffix):
             student = path.stem
         else:
             continue                    # Gradescope's submission_metadata.yml, notes ...
@@ -106,11 +107,11 @@ def grade_all(lab: str, submissions: Union[str, Path], out: Union[str, Path], *,
                     "kvlab grade takes", "It takes"))
     if not submissions.is_dir():
         raise FileNotFoundError(f"no folder of submissions at {submissions}")
-    entries = submissions_in(submissions, exclude=out.resolve())
+    entries = submissions_in(submissions, exclude=out.resolve(), suffix=spec.suffix)
     if not entries:
         raise ValueError(f"{submissions} holds no submissions: expected a folder per student "
-                         f"holding {spec.name}.py (as Gradescope exports them), or one .py "
-                         f"file per student")
+                         f"holding {spec.name}{spec.suffix} (as Gradescope exports them), or one "
+                         f"{spec.suffix} file per student")
     if out.resolve() == submissions.resolve():
         raise ValueError("--out must be another folder than the submissions'")
     if SUMMARY in entries:

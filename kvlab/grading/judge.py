@@ -18,6 +18,11 @@ when the test ends the worker and everything it started are killed. So:
   change costs the whole grade);
 - before any of it, the submission's source is checked against its lab's policy
   (kvlab/grading/policy.py): a lab is about writing the thing, not importing kvlab's.
+
+A lab in C (the kernel lab) is the same but for its first steps: the file is checked by
+kvlab/grading/cbuild.py, built by a worker of its own (the compiler runs as the student's
+user, never in this process), and each test's worker loads the library that worker wrote,
+which the judge only copies as bytes.
 """
 from __future__ import annotations
 
@@ -41,6 +46,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
+from . import cbuild
 from .handouts import LentFunctions
 from .labs import TEST_TIMEOUT, Lab, get_lab
 from .policy import check_source
@@ -57,6 +63,14 @@ SUBMISSION_LIMIT = 1 << 20   # bytes of a submission: a lab's file is a few KiB
 
 class NotImported(Exception):
     """A worker could not import the submission; the message says why, for the student."""
+
+
+class NotGraded(Exception):
+    """The submission cannot be graded at all: `why` for the report, `short` for each test."""
+
+    def __init__(self, why: str, short: str):
+        super().__init__(why)
+        self.why, self.short = why, short
 
 
 def load_tests(path: Path) -> List[Callable]:
@@ -99,16 +113,32 @@ def _cut(text: str, limit: int) -> str:
     return text.encode("utf-8", "replace").decode("utf-8")
 
 
-def read_submission(path: Path) -> str:
-    """The submission's source: a regular file (not a link to one), of at most
-    SUBMISSION_LIMIT bytes, in UTF-8. OSError or UnicodeDecodeError otherwise."""
+def read_regular(path: Path, limit: int = SUBMISSION_LIMIT) -> bytes:
+    """The bytes of a regular file (not a link to one) of at most `limit` bytes; OSError
+    otherwise."""
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
     with os.fdopen(fd, "rb") as f:
         if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
             raise OSError(f"{path.name} is not a regular file")
-        data = f.read(SUBMISSION_LIMIT + 1)
-    if len(data) > SUBMISSION_LIMIT:
-        raise OSError(f"{path.name} is larger than {SUBMISSION_LIMIT:,} bytes")
+        data = f.read(limit + 1)
+    if len(data) > limit:
+        raise OSError(f"{path.name} is larger than {limit:,} bytes")
+    return data
+
+
+def read_c_submission(path: Path) -> str:
+    """A C submission's source: a regular file of at most SUBMISSION_LIMIT bytes of UTF-8
+    text, no NUL byte in it. OSError or UnicodeDecodeError otherwise."""
+    data = read_regular(path)
+    if b"\0" in data:
+        raise OSError(f"{path.name} holds a NUL byte: it is not a text file")
+    return data.decode("utf-8-sig")
+
+
+def read_submission(path: Path) -> str:
+    """The submission's source: a regular file (not a link to one), of at most
+    SUBMISSION_LIMIT bytes, in UTF-8. OSError or UnicodeDecodeError otherwise."""
+    data = read_regular(path)
     # Python reads a file in the encoding its coding line names; the check reads the text
     # as UTF-8. Another encoding (utf-7 hides code in what UTF-8 reads as a comment) would
     # have the check read one program and the worker run another: refused.
@@ -166,14 +196,19 @@ class Judge:
         """A private copy of the submission in a folder the worker can read and not write."""
         self.folder = Path(tempfile.mkdtemp(prefix="kvlab-judge-"))
         os.chmod(self.folder, 0o755)
-        copy = self.folder / "code" / f"{self.lab.name}.py"
-        copy.parent.mkdir()
-        os.chmod(copy.parent, 0o755)
+        copy = self.folder / "code" / f"{self.lab.name}{self.lab.suffix}"
+        for folder in (copy.parent, self.folder / "handouts"):     # testkit.handout_file's
+            folder.mkdir()
+            os.chmod(folder, 0o755)
         copy.write_text(source, encoding="utf-8")      # the text the check read, as UTF-8
         os.chmod(copy, 0o644)
+        if self.lab.language == "c":      # the grader's own header and harness, not the student's
+            for name in (*self.lab.extra_files, "harness.py"):
+                shutil.copyfile(self.lab.folder / name, copy.parent / name)
+                os.chmod(copy.parent / name, 0o644)
         return copy
 
-    def _scratch(self, index: int) -> Path:
+    def _scratch(self, index) -> Path:
         scratch = self.folder / f"scratch-{index}"
         scratch.mkdir(mode=0o700)
         if self.worker_user:
@@ -183,21 +218,28 @@ class Judge:
         return scratch
 
     def _start(self, index: int, test: Callable, copy: Path, deadline: float) -> Session:
-        """A worker for `test`, the submission imported; NotImported saying why if not."""
+        """A worker for `test`, the submission imported (a C lab's library loaded);
+        NotImported saying why if not."""
         gc.collect()        # the last test's garbage goes now, not inside this one's measurement
         try:
             worker = WorkerProcess(self._scratch(index), self.worker_user, self.output_cap)
         except OSError as error:            # no process to be had (a limit reached, say)
             raise NotImported(f"the grader could not start a process for your code ({error})") from None
         session = Session(worker, deadline, LentFunctions(self.lab.kvlab) if self.lab.kvlab else None)
+        session.handouts = self.folder / "handouts"
+        c_lab = self.lab.language == "c"
         try:
-            session.ask({"op": "load", "path": str(copy), "policy": self.lab.policy.to_dict()})
+            session.ask({"op": "load_library", "library": str(copy.with_suffix(".so")),
+                         "harness": str(copy.with_name("harness.py"))} if c_lab else
+                        {"op": "load", "path": str(copy), "policy": self.lab.policy.to_dict()})
         except (RemoteError, WorkerGone) as error:
             if isinstance(error, WorkerTimeout):
-                why = ("your file ran too long while it was imported (is there an endless loop "
-                       "outside the functions?)")
+                why = ("your library ran too long while it was loaded (what runs at load?)"
+                       if c_lab else "your file ran too long while it was imported (is there "
+                       "an endless loop outside the functions?)")
             else:
-                why = "your file could not be imported: " + (
+                why = ("your library could not be loaded: " if c_lab else
+                       "your file could not be imported: ") + (
                     error.describe() if isinstance(error, RemoteError) else str(error))
             raise NotImported(why + _printed(worker.stop())) from None
         except BaseException:
@@ -267,31 +309,82 @@ class Judge:
         report.execution_time = time.monotonic() - started
         return report
 
-    def _grade(self, tests: List[Callable]):
+    def _check_python(self) -> Path:
+        """The Python submission read, checked against the lab's policy and staged."""
         try:
             source = read_submission(self.submission)
         except (OSError, UnicodeDecodeError) as error:
             why = f"your file could not be read as Python source: {error}"
-            return self._all_zero(tests, why), why
+            raise NotGraded(why, why) from None
         try:
             refused = check_source(source, self.lab.policy, self.submission.name)
         except SyntaxError as error:
             where = (f" at line {error.lineno}" + (f", column {error.offset}" if error.offset else "")
                      if error.lineno else "")
             text = f"\n    {error.text.rstrip()}" if error.text else ""
-            why = f"your file has a syntax error{where}: {error.msg}{text}"
-            return self._all_zero(tests, "not graded: your file has a syntax error (see above)"), why
+            raise NotGraded(f"your file has a syntax error{where}: {error.msg}{text}",
+                            "not graded: your file has a syntax error (see above)") from None
         except (ValueError, RecursionError, MemoryError) as error:
             # what Python's parser raises for a NUL byte (some versions) or for expressions
             # nested deeper than it (or the check walking the tree) can follow
-            why = (f"your file could not be read as Python source: {type(error).__name__}: "
-                   f"{error}")
-            return self._all_zero(tests, "not graded: see above"), why
+            raise NotGraded(f"your file could not be read as Python source: "
+                            f"{type(error).__name__}: {error}", "not graded: see above") from None
         if refused:
-            why = ("your file uses what this lab does not allow, so it is not graded:\n  "
-                   + "\n  ".join(str(v) for v in refused))
-            return self._all_zero(tests, "not graded: see the lines refused above"), why
+            raise NotGraded("your file uses what this lab does not allow, so it is not graded:\n  "
+                            + "\n  ".join(str(v) for v in refused),
+                            "not graded: see the lines refused above")
+        return self._stage(source)
+
+    def _build_c(self) -> Tuple[Path, str]:
+        """The C submission read, checked, staged and built by a worker: (the staged file,
+        with the library beside it; the compiler's warnings)."""
+        try:
+            source = read_c_submission(self.submission)
+        except (OSError, UnicodeDecodeError) as error:
+            why = f"your file could not be read as C source: {error}"
+            raise NotGraded(why, why) from None
+        refused = cbuild.check_c_source(source, self.lab.extra_files[0])
+        if refused:
+            raise NotGraded("your file uses what this lab does not allow, so it is not graded:\n  "
+                            + "\n  ".join(str(v) for v in refused),
+                            "not graded: see the lines refused above")
         copy = self._stage(source)
+        scratch = self._scratch("build")
+        built = scratch / copy.with_suffix(".so").name
+        try:
+            worker = WorkerProcess(scratch, self.worker_user, self.output_cap)
+        except OSError as error:
+            raise NotGraded(f"the grader could not start a process to build your file ({error})",
+                            "not graded: see above") from None
+        try:
+            session = Session(worker, time.monotonic() + cbuild.BUILD_SECONDS + 10)
+            warnings, _ = session.ask({"op": "build", "command": cbuild.build_command(
+                copy, built, copy.parent), "timeout": cbuild.BUILD_SECONDS})
+        except (RemoteError, WorkerGone) as error:
+            said = error.message if isinstance(error, RemoteError) else str(error)
+            said = said.replace(str(copy.parent) + os.sep, "")    # "decode_kernel.c:3:5: ..."
+            raise NotGraded(f"your file did not compile:\n{said}",
+                            "not graded: your file did not compile (see above)") from None
+        finally:
+            worker.stop()
+        try:       # the library as bytes (never loaded here), where every test's worker reads it
+            data = read_regular(built, cbuild.LIBRARY_LIMIT)
+        except OSError as error:
+            raise NotGraded(f"the compiler left no library the grader could take ({error})",
+                            "not graded: see above") from None
+        copy.with_suffix(".so").write_bytes(data)
+        os.chmod(copy.with_suffix(".so"), 0o644)
+        said = warnings.strip().replace(str(copy.parent) + os.sep, "") if isinstance(warnings, str) else ""
+        return copy, f"your file compiled with warnings:\n{said}" if said else ""
+
+    def _grade(self, tests: List[Callable]):
+        try:
+            if self.lab.language == "c":
+                copy, output = self._build_c()
+            else:
+                copy, output = self._check_python(), ""
+        except NotGraded as error:
+            return self._all_zero(tests, error.short), error.why
         end = None if self.total_timeout is None else time.monotonic() + self.total_timeout
         results: List[TestResult] = []
         for index, test in enumerate(tests):
@@ -302,8 +395,9 @@ class Judge:
                 session = self._start(index, test, copy, time.monotonic() + self._limit(test))
             except NotImported as error:
                 if index == 0:           # said once, at the top
-                    return self._all_zero(tests, "not graded: your file could not be "
-                                                 "imported (see above)"), str(error)
+                    what = "loaded" if self.lab.language == "c" else "imported"
+                    return self._all_zero(tests, f"not graded: your file could not be "
+                                                 f"{what} (see above)"), str(error)
                 results.append(self._all_zero([test], _cut(str(error), MESSAGE_SHOWN))[0])
                 continue
             if self.progress:
@@ -318,7 +412,7 @@ class Judge:
             if not result.passed:
                 result.output = _cut(result.output, MESSAGE_SHOWN) + _printed(printed)
             results.append(result)
-        return results, ""
+        return results, output
 
 
 def main(argv: Optional[List[str]] = None) -> int:

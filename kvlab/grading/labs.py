@@ -4,6 +4,10 @@ A lab ships in kvlab/labs/<name>/ as README.md (the instructions), starter.py (w
 student edits) and checks.py (public self-checks). Its grading tests, with their hidden
 randomized cases, live in the repository's instructor/graders/<name>.py and never in the
 package, with a reference solution and planted mistakes beside them.
+
+A lab in C (language "c": the kernel lab) has starter.c instead, the header its files are
+built against and a harness.py through which the tests call the built code
+(kvlab/grading/cbuild.py builds it, in a worker).
 """
 from __future__ import annotations
 
@@ -36,14 +40,21 @@ class Lab:
     topic: str            # what the student writes ("a KV cache"), for refusals
     kvlab: Tuple[str, ...] = ()   # the kvlab names a submission may use
     models: Tuple[str, ...] = ()  # named models its hidden tests load (kvlab fetch NAME)
+    language: str = "python"      # or "c": the submission is a C file, built in a worker
+    extra_files: Tuple[str, ...] = ()   # what `kvlab lab start` copies beside the starter
 
     @property
     def folder(self) -> Path:
         return LABS_DIR / self.name
 
     @property
+    def suffix(self) -> str:
+        """The submission's file name ends with this: ".py", or ".c" for a C lab."""
+        return ".c" if self.language == "c" else ".py"
+
+    @property
     def starter(self) -> Path:
-        return self.folder / "starter.py"
+        return self.folder / f"starter{self.suffix}"
 
     @property
     def checks(self) -> Path:
@@ -58,7 +69,11 @@ class Lab:
         can open: the README's own `chapters/NAME.md` is relative to the course's
         repository, which means nothing next to a copy in the student's folder."""
         text = self.instructions.read_text(encoding="utf-8")
-        return CHAPTER_REFERENCE.sub(_link_to_chapter, text).rstrip("\n") + "\n\n" + refused_text()
+        if self.language == "c":
+            from .cbuild import refused_text as refused
+        else:
+            refused = refused_text
+        return CHAPTER_REFERENCE.sub(_link_to_chapter, text).rstrip("\n") + "\n\n" + refused()
 
     @property
     def policy(self) -> Policy:
@@ -88,11 +103,17 @@ LABS: Dict[str, Lab] = {lab.name: lab for lab in (
         "int8 quantization"),
     Lab("flash_decoding", 10, "Flash-decoding: pieces, a merge, any split", "07_gpu_kernels", 14,
         "split attention and its merge"),
-    Lab("speculative_decoding", 11, "Speculative decoding: prompt lookup, one-pass verification, "
-        "rollback", "09_speculative", 19, "speculative decoding"),
+    Lab("cache_eviction", 11, "Cache eviction: attention sinks, heavy hitters, re-rotated "
+        "positions", "08_fewer_positions", 16, "cache policies and their re-rotation",
+        models=("smollm2-135m",)),
+    Lab("speculative_decoding", 12, "Speculative decoding: prompt lookup, one-pass verification, "
+        "rollback, the sampling rejection rule", "09_speculative", 22, "speculative decoding"),
     Lab("weight_quantization", 13, "4-bit weights chosen by their activations: AWQ's scale "
         "search", "10_weight_quantization", 18, "weight quantization",
         models=("smollm2-135m",)),
+    Lab("decode_kernel", 14, "A decode-attention kernel in C over a paged int8 cache, at the "
+        "memory's speed", "07_gpu_kernels", 20, "a decode-attention kernel", language="c",
+        extra_files=("decode_kernel.h",)),
 )}
 
 
@@ -175,17 +196,21 @@ def hidden_tests(lab: Lab, instructor: Optional[Path]) -> Optional[Path]:
 
 
 def start_lab(name: str, dest: Union[str, Path] = ".", overwrite: bool = False) -> Path:
-    """Copy lab `name`'s starter to dest/<name>.py and its instructions to
-    dest/<name>.md, with links to the chapters that work from there (Lab.instructions_text);
-    returns the starter's new path. Refuses to overwrite a student's work unless told to."""
+    """Copy lab `name`'s starter to dest/<name>.py (.c for a C lab, with the header it is
+    built against) and its instructions to dest/<name>.md, with links to the chapters that
+    work from there (Lab.instructions_text); returns the starter's new path. Refuses to
+    overwrite a student's work unless told to."""
     lab = get_lab(name)
     dest = Path(dest)
     dest.mkdir(parents=True, exist_ok=True)
-    starter, instructions = dest / f"{lab.name}.py", dest / f"{lab.name}.md"
-    for path in (starter, instructions):
+    starter, instructions = dest / f"{lab.name}{lab.suffix}", dest / f"{lab.name}.md"
+    extras = [dest / extra for extra in lab.extra_files]
+    for path in (starter, instructions, *extras):
         if path.exists() and not overwrite:
             raise FileExistsError(f"{path} already exists (pass overwrite=True, or --force, "
                                   f"to replace it)")
     shutil.copyfile(lab.starter, starter)
+    for extra in lab.extra_files:
+        shutil.copyfile(lab.folder / extra, dest / extra)
     instructions.write_text(lab.instructions_text(), encoding="utf-8")
     return starter

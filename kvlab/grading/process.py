@@ -21,6 +21,7 @@ wait on a pipe (select): WorkerProcess refuses there, in words (require_worker_s
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import select
 import signal
@@ -29,7 +30,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, Iterator, List, Optional, Tuple
 
 import psutil
 
@@ -144,6 +145,41 @@ def sweep(patience: float = 5.0) -> bool:
         if time.monotonic() > deadline:
             return False
         time.sleep(0.002)
+
+
+@contextlib.contextmanager
+def paused(patience: float = 5.0) -> Iterator[bool]:
+    """Every descendant of this process (the workers and all they started) stopped with
+    SIGSTOP for the block, and started again after it: while the judge measures the machine
+    (the kernel lab's bandwidth probe), no code of the student's runs, so none can slow the
+    measurement down. Yields whether all of them stopped within `patience` seconds (a
+    process stuck in the kernel may not). On Linux the judge is their reaper, so a process
+    the code detached is a descendant too; elsewhere it is not, and keeps running."""
+    stop, go = getattr(signal, "SIGSTOP", None), getattr(signal, "SIGCONT", None)
+    stopped: Dict[int, bool] = {}
+    deadline = time.monotonic() + patience
+    try:
+        while stop is not None:
+            below = [(pid, state) for pid, state in descendants(os.getpid()) if state != "Z"]
+            if all(state == psutil.STATUS_STOPPED for _, state in below):
+                break
+            for pid, state in below:
+                if state != psutil.STATUS_STOPPED:
+                    try:
+                        os.kill(pid, stop)
+                        stopped[pid] = True
+                    except (ProcessLookupError, PermissionError):
+                        pass
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.002)
+        yield stop is not None and time.monotonic() <= deadline
+    finally:
+        for pid in stopped:
+            try:
+                os.kill(pid, go)
+            except (ProcessLookupError, PermissionError):
+                pass
 
 
 class OutputCapture(threading.Thread):

@@ -21,6 +21,7 @@ where the student's code cannot reach.
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
 from . import wire
@@ -115,6 +116,9 @@ class NotServed(LookupError):
 class Session:
     """One worker and the deadline of the test it serves, and the judge's objects lent to
     its code by reference."""
+    # A folder of the judge's the worker can read and not write, where a test may leave
+    # data too large to send as a value (testkit.handout_file); None outside a judge.
+    handouts: Optional[Path] = None
 
     def __init__(self, worker: WorkerProcess, deadline: float,
                  lent_functions: Optional[ServedObject] = None):

@@ -10,12 +10,17 @@ as kvlab's Model (forward over a cache, new_cache, encode, decode_text, config) 
 with kvlab's KVCache's length, capacity, truncate, keys and values. It writes down every
 forward pass it runs (Pass: which cache, where it started, the tokens, the arg-max of each
 row, when), which is how the lab's tests count passes and accepted drafts.
+
+ServedRandom is a seeded NumPy generator lent the same way, for the sampling rejection
+rule: random() and choice(a, p=...) as numpy.random.Generator has them, every draw written
+down, so the tests choose the seed and see each number the rule drew and each
+distribution it drew a token from.
 """
 from __future__ import annotations
 
 import dataclasses
 import time
-from typing import List, Tuple
+from typing import List, Optional, Tuple
 
 import numpy as np
 
@@ -25,7 +30,7 @@ from .remote import ServedObject
 from .wire import Record
 
 MAX_PASSES = 4096         # forward passes one served model runs (a test needs a few hundred)
-
+MAX_DRAWS = 100_000       # draws one served generator makes (a test needs a few thousand)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -215,3 +220,63 @@ class ServedModel(ServedObject):
 
     def __repr__(self) -> str:
         return f"<served model: {len(self.passes)} passes, {len(self.caches)} caches>"
+
+
+@dataclasses.dataclass(frozen=True)
+class Draw:
+    """One draw the served generator made: random() (probabilities None) or choice."""
+    method: str
+    probabilities: Optional[np.ndarray]   # choice's p, as given (None: uniform, or random())
+    result: float
+
+
+class ServedRandom(ServedObject):
+    """A numpy.random.Generator of the judge's, seeded by the test: random() and choice(a,
+    p=None), one draw a call, each written down in `draws`.
+
+        rng.random()                a float drawn uniformly from [0, 1)
+        rng.choice(n, p=probs)      an int from 0 .. n - 1 drawn with these probabilities
+                                    (a 1-D sequence for n: one of its items)
+    """
+    served_methods = ("random", "choice")
+    served_type_name = "Generator"
+
+    def __init__(self, seed):
+        self._rng = np.random.default_rng(seed)
+        self.draws: List[Draw] = []
+
+    def _record(self, draw: Draw) -> None:
+        if len(self.draws) >= MAX_DRAWS:
+            raise ValueError(f"this generator has made {MAX_DRAWS:,} draws, far more than the "
+                             f"test needs")
+        self.draws.append(draw)
+
+    def random(self) -> float:
+        u = float(self._rng.random())
+        self._record(Draw("random", None, u))
+        return u
+
+    def choice(self, a, p=None):
+        """One item of a (an int n: range(n)), drawn with probabilities p (None: evenly);
+        a p that is not a distribution over a's items is refused, as NumPy refuses it."""
+        items = np.arange(a) if isinstance(a, (int, np.integer)) and not isinstance(a, bool) \
+            else np.asarray(a)
+        if items.ndim != 1 or len(items) == 0 or items.dtype.kind not in "iuf":
+            raise ValueError("a must be a positive int or a non-empty 1-D sequence of numbers")
+        if p is not None:
+            given = np.asarray(p)
+            if given.dtype.kind not in "iuf" or given.shape != items.shape:
+                raise ValueError(f"p must be {len(items)} probabilities, one per item of a; got "
+                                 f"{given.dtype} of shape {given.shape}")
+            p = given.astype(np.float64)
+            if not np.isfinite(p).all() or (p < 0).any():
+                raise ValueError("probabilities are not non-negative")
+            # NumPy's tolerance: the square root of the precision p was given in
+            kind = given.dtype if given.dtype.kind == "f" else np.dtype(np.float64)
+            if abs(p.sum() - 1.0) > max(np.sqrt(np.finfo(np.float64).eps), np.sqrt(np.finfo(kind).eps)):
+                raise ValueError(f"probabilities do not sum to 1 (they sum to {p.sum()!r})")
+            p = p / p.sum()
+        index = int(self._rng.choice(len(items), p=p))
+        item = items[index].item()
+        self._record(Draw("choice", p, item))
+        return item

@@ -19,6 +19,8 @@ plain Python (the judge refuses to run with -O, which would strip it).
 from __future__ import annotations
 
 import contextlib
+import os
+import secrets
 from typing import Any, Callable, Optional
 
 import numpy as np
@@ -30,10 +32,13 @@ from .remote import RemoteError, RemoteObject
 VISIBILITIES = ("visible", "hidden", "after_due_date", "after_published")
 
 
-def points(n: float, visibility: str = "visible", slow: int = 1) -> Callable:
-    """Mark a test and say what passing it is worth (visibility: Gradescope's names). slow:
-    the test may take that many times the judge's limit for one test (a test that runs a
-    real model on a busy machine)."""
+def points(n: float, visibility: str = "visible", timed: bool = False,
+           slow: int = 1) -> Callable:
+    """Mark a test and say what passing it is worth (visibility: Gradescope's names).
+    timed: whether passing depends on how fast the code runs on the grading machine (the
+    kernel lab's bandwidth tests), not only on what it computes. slow: the test may take
+    that many times the judge's limit for one test (a test that runs a real model on a busy
+    machine)."""
     if visibility not in VISIBILITIES:
         raise ValueError(f"visibility must be one of {VISIBILITIES}")
     if isinstance(slow, bool) or not isinstance(slow, int) or not 1 <= slow <= 4:
@@ -42,6 +47,7 @@ def points(n: float, visibility: str = "visible", slow: int = 1) -> Callable:
     def mark(function: Callable) -> Callable:
         function.points = float(n)
         function.visibility = visibility
+        function.timed = timed
         function.slow = slow
         return function
     return mark
@@ -173,6 +179,20 @@ def number(got: Any, what: str) -> float:
     if isinstance(got, bool) or not isinstance(got, (int, float, np.integer, np.floating)):
         raise AssertionError(f"{what}: expected a number, got {described(got)}")
     return float(got)
+
+
+def handout_file(sub, array: np.ndarray) -> str:
+    """The path of a new .npy file holding `array`, in a folder of the judge's that the
+    worker can read and not write: for data too large to send by value (the kernel lab's
+    pool). The student's code reads it (numpy.load); remove it when it has."""
+    folder = object.__getattribute__(sub, "_session").handouts
+    if folder is None:
+        raise RuntimeError("this submission runs without a judge's folder to hand files over")
+    path = folder / f"{secrets.token_hex(8)}.npy"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o644)
+    with os.fdopen(fd, "wb") as f:
+        np.save(f, np.ascontiguousarray(array), allow_pickle=False)
+    return str(path)
 
 
 def config_record(config) -> wire.Record:

@@ -22,6 +22,12 @@ one frame each way at a time (kvlab/grading/wire.py):
     {"op": "get", "target": handle or None, "names": [N, ...]}
     {"op": "calls", "target": handle, "calls": [[N, [args]], ...], "attrs": [A, ...] or None}
                                       several calls at once (and attributes of their results)
+    {"op": "build", "command": [...], "timeout": s}   a C lab's file compiled, here, in this
+                                      worker's folder (kvlab/grading/cbuild.py); answers the
+                                      compiler's warnings, or raises NotCompiled with its errors
+    {"op": "load_library", "library": P, "harness": H}   a C lab's built library loaded
+                                      (its constructors run here), behind the lab's harness
+                                      module H, whose functions the tests then call
 
 and answers {"ok": value} (plus "callable" for "get"), or {"raised": {"types", "message",
 "where"}} when the student's code raised. Values that cannot travel by value (the student's
@@ -41,10 +47,12 @@ the score, in its own process from its own copy of the tests.
 """
 import builtins
 import contextlib
+import ctypes
 import faulthandler
 import importlib.util
 import os
 import signal
+import subprocess
 import sys
 import traceback
 import types
@@ -179,6 +187,29 @@ def lent_modules(worker, allowed):
 
 class NotInYourFile(AttributeError):
     """The test asked for a function or class the submission does not define."""
+
+
+class NotCompiled(Exception):
+    """A C submission the compiler refused; the message is what the compiler said."""
+
+
+COMPILER_OUTPUT_KEPT = 20_000      # characters of a compiler's messages sent back
+
+
+def build(command, timeout):
+    """Run a C lab's compiler command here (the worker's folder, the student's user): the
+    compiler's warnings, or NotCompiled with its errors. No code of the student's runs."""
+    try:
+        run = subprocess.run(command, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        raise NotCompiled(f"the compiler ran past {timeout:g} s on your file") from None
+    except OSError as error:
+        raise NotCompiled(f"the compiler could not be started: {error}") from None
+    said = run.stdout.decode("utf-8", "replace")[-COMPILER_OUTPUT_KEPT:]
+    if run.returncode != 0:
+        raise NotCompiled(said.strip() or f"the compiler failed (exit status {run.returncode})")
+    return said
 
 
 # What an exception raised by the judge's side of a served call becomes here: the most
@@ -363,6 +394,16 @@ class Worker:
 
         builtins.__import__ = guarded_import
 
+    def load_library(self, library, harness):
+        """A C lab: its harness module (the lab's glue, loaded by path) bound to the library
+        built from the student's file. Loading the library runs its code; from here on this
+        process is the student's as much as a Python lab's worker is after its import."""
+        self.path = library
+        module = _load_sibling(Path(harness))
+        module.bind(ctypes.CDLL(library))
+        self.module = module
+        return None
+
     def load(self, path, rules):
         self.path, self.rules = path, policy.Policy.from_dict(rules)
         spec = importlib.util.spec_from_file_location(SUBMISSION, path)
@@ -402,6 +443,10 @@ class Worker:
         op = request.get("op")
         if op == "load":
             return {"ok": self.load(request["path"], request["policy"])}
+        if op == "build":
+            return {"ok": build(list(request["command"]), float(request["timeout"]))}
+        if op == "load_library":
+            return {"ok": self.load_library(request["library"], request["harness"])}
         if self.module is None:
             raise RuntimeError("no submission loaded")
         if op == "call":

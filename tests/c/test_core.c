@@ -15,6 +15,7 @@
 
 #include "attention.h"
 #include "common.h"
+#include "dispatch.h"
 #include "kvlab.h"
 #include "ops.h"
 #include "simd.h"
@@ -57,7 +58,7 @@ static void test_ops(void) {
         float *a = random_floats(n, 1.0f), *b = random_floats(n, 1.0f);
         double want = 0;
         for (int i = 0; i < n; i++) want += (double)a[i] * b[i];
-        CHECK(fabs(kv_dot(a, b, n) - want) < 1e-5);
+        CHECK(fabs(kv_fast_dot(a, b, n) - want) < 1e-5);
         free(a);
         free(b);
     }
@@ -69,7 +70,7 @@ static void test_ops(void) {
     int exact = 1;
     for (int t = 0; t < tokens; t++)
         for (int o = 0; o < out; o++)
-            exact &= y[t * out + o] == kv_dot(w + o * in, x + t * in, in);
+            exact &= y[t * out + o] == kv_fast_dot(w + o * in, x + t * in, in);
     CHECK(exact);
     free(x); free(w); free(y);
 
@@ -334,7 +335,7 @@ static void test_tiers_small_ops(void) {
         float *a = random_floats((size_t)n + 1, 2.0f), *b = random_floats((size_t)n + 1, 2.0f);
         float *w = random_floats((size_t)n + 1, 1.0f);
         float fast[72], plain[72];
-        float d_fast = kv_dot(a, b, n), d_plain = kv_plain_dot(a, b, n);
+        float d_fast = kv_fast_dot(a, b, n), d_plain = kv_plain_dot(a, b, n);
         dot_same &= memcmp(&d_fast, &d_plain, sizeof d_fast) == 0;
         if (n > 0) {
             kv_rmsnorm(fast, a, w, n, 1e-5f);
@@ -396,7 +397,7 @@ static void test_tiers_small_ops(void) {
  * (chunks of tokens), rows longer than 1,024 (panels of columns), out_dim not a multiple
  * of 4, and in_dim not a multiple of 8; one and two threads; several matrices at once. */
 static void test_tiers_matmul(void) {
-    int tokens[] = {1, 2, 3, 5, 16, 17, 50, 97};
+    int tokens[] = {1, 2, 3, 4, 5, 12, 13, 16, 17, 50, 97};   /* 4-13: the 512-bit tile's sizes */
     int ins[] = {1, 7, 8, 19, 64, 1030};
     int outs[] = {1, 3, 4, 7, 9, 33};
     int all_same = 1, many_same = 1;
@@ -847,8 +848,8 @@ static void test_interrupts(void) {
     free_model(&tm);
 }
 
-/* Keeping fewer rows: kv_cache_keep moves the kept rows (per head) to the front and keeps
- * their positions; the next token is still rotated by its true position; truncate takes
+/* Keeping fewer rows: kv_cache_keep keeps the kept rows (per head) as rows 0 .. n_keep - 1
+ * and their positions; the next token is still rotated by its true position; truncate takes
  * back only the newest positions; the tracked attention weights sum to one per query head. */
 static void test_cache_keep(const kv_cache_format *format) {
     test_model tm;
@@ -877,22 +878,25 @@ static void test_cache_keep(const kv_cache_format *format) {
     int same = 1;
     for (int layer = 0; layer < c->n_layers; layer++)
         for (int i = 0; i < 3; i++) {
-            kv_store_read(&cache.key, layer, (size_t)i, a);
+            size_t slot = kv_cache_slot(&cache, i);    /* row i: slot i, unless the ring turned */
+            kv_store_read(&cache.key, layer, slot, a);
             kv_store_read(&full.key, layer, (size_t)kept0[i], b);
             same &= memcmp(a, b, 8 * sizeof(float)) == 0;             /* head 0 */
             kv_store_read(&full.key, layer, (size_t)kept1[i], b);
             same &= memcmp(a + 8, b + 8, 8 * sizeof(float)) == 0;     /* head 1 */
-            same &= cache.positions[((size_t)layer * 2 + 0) * 12 + i] == kept0[i];
-            same &= cache.positions[((size_t)layer * 2 + 1) * 12 + i] == kept1[i];
+            same &= cache.positions[((size_t)layer * 2 + 0) * 12 + slot] == kept0[i];
+            same &= cache.positions[((size_t)layer * 2 + 1) * 12 + slot] == kept1[i];
         }
     CHECK(same);
     /* the next tokens are rotated as positions 6 and 7, whatever rows are left */
     CHECK(kv_cache_track_attention(&cache, 1) == KV_OK);
     CHECK(kv_model_forward(m, &cache, tokens + 6, 2, logits, 0, NULL) == KV_OK);
     CHECK(cache.length == 5 && cache.next_position == 8);
-    CHECK(cache.positions[3] == 6 && cache.positions[4] == 7);
+    CHECK(cache.positions[kv_cache_slot(&cache, 3)] == 6 &&
+          cache.positions[kv_cache_slot(&cache, 4)] == 7);
     float total = 0.0f;
-    for (int row = 0; row < cache.length; row++) total += cache.attention[row];   /* layer 0, head 0 */
+    for (int row = 0; row < cache.length; row++)       /* layer 0, head 0 */
+        total += cache.attention[kv_cache_slot(&cache, row)];
     CHECK(fabsf(total - 2 * 2) < 1e-4f);   /* 2 queries x kv_mul 2, each head's weights sum to 1 */
     CHECK(kv_cache_truncate(&cache, 4) == KV_OK && cache.next_position == 7);
     int32_t drop_newest[2 * 3 * 2] = {0, 0, 1, 1, 2, 2,  0, 0, 1, 1, 2, 2};
@@ -912,6 +916,157 @@ static void test_cache_keep(const kv_cache_format *format) {
     kv_cache_free(&full);
     free(logits);
     free(want);
+    free_model(&tm);
+}
+
+/* ---- the ring: kv_cache_keep turning the slots instead of moving rows ------------------ */
+
+enum { RING_L = 2, RING_H = 2, RING_D = 8, RING_CAP = 7 };
+#define RING_ROW ((size_t)RING_L * RING_H * RING_D)   /* one token's K: every layer and head */
+
+/* What a ring cache must hold, row by row in order: each row's K and V as appended, and
+ * its position. A cache filled with these rows from empty is the layout before the ring. */
+typedef struct {
+    float keys[RING_CAP][RING_ROW], values[RING_CAP][RING_ROW];
+    int32_t positions[RING_CAP];
+    int length;
+} ring_mirror;
+
+/* The mirror of keeping every row but `drop` (the same rows in every layer and head), and
+ * the rows argument that asks the cache for it. */
+static int drop_one(ring_mirror *m, int drop, int32_t *rows) {
+    int n_keep = m->length - 1;
+    for (int layer = 0; layer < RING_L; layer++)
+        for (int i = 0; i < n_keep; i++)
+            for (int head = 0; head < RING_H; head++)
+                rows[((size_t)layer * n_keep + i) * RING_H + head] = i < drop ? i : i + 1;
+    for (int i = drop; i < n_keep; i++) {
+        memcpy(m->keys[i], m->keys[i + 1], sizeof m->keys[i]);
+        memcpy(m->values[i], m->values[i + 1], sizeof m->values[i]);
+        m->positions[i] = m->positions[i + 1];
+    }
+    m->length = n_keep;
+    return n_keep;
+}
+
+/* Whether the ring holds the mirror's rows: positions row by row, and the same K and V
+ * read back and the same attention, bit for bit, as a cache filled from empty with them. */
+static int ring_matches(const kv_cache *ring, const ring_mirror *m, const kv_cache_format *format) {
+    kv_cache twin;
+    int same = ring->length == m->length &&
+               kv_cache_init(&twin, RING_L, RING_H, RING_D, RING_CAP, format) == KV_OK &&
+               kv_cache_append(&twin, m->length, &m->keys[0][0], &m->values[0][0]) == KV_OK;
+    size_t n = (size_t)m->length * RING_ROW;
+    float got[2][RING_CAP * RING_ROW], want[2][RING_CAP * RING_ROW];
+    same = same && kv_cache_read(ring, got[0], got[1]) == KV_OK &&
+           kv_cache_read(&twin, want[0], want[1]) == KV_OK &&
+           memcmp(got[0], want[0], n * sizeof(float)) == 0 &&
+           memcmp(got[1], want[1], n * sizeof(float)) == 0;
+    float q[2 * RING_H * RING_D], out[2 * RING_H * RING_D], out_twin[2 * RING_H * RING_D];
+    for (int i = 0; i < 2 * RING_H * RING_D; i++) q[i] = 0.3f * (float)((i * 7) % 11) - 1.5f;
+    for (int layer = 0; layer < RING_L && same; layer++)
+        same = kv_cache_attend(ring, layer, q, 2 * RING_H, out) == KV_OK &&
+               kv_cache_attend(&twin, layer, q, 2 * RING_H, out_twin) == KV_OK &&
+               memcmp(out, out_twin, sizeof out) == 0;
+    for (int layer = 0; layer < RING_L && same && ring->positions; layer++)
+        for (int head = 0; head < RING_H; head++)
+            for (int i = 0; i < m->length; i++)
+                same &= ring->positions[((size_t)layer * RING_H + head) * RING_CAP +
+                                        kv_cache_slot(ring, i)] == m->positions[i];
+    kv_cache_free(&twin);
+    return same;
+}
+
+/* A ring turned many times: a window (dropping row 0) turns it one slot and moves no byte
+ * of K; dropping row 1 turns it and moves row 0; dropping the row before the newest moves
+ * the newest to the front, turning nothing. After each, the rows read back and attention
+ * are those of the same rows from slot 0 (the layout before the ring), bit for bit;
+ * straightening puts row i in slot i; a refused keep changes nothing. */
+static void test_cache_ring(const kv_cache_format *format) {
+    kv_cache ring;
+    ring_mirror m = {.length = 0};
+    int32_t rows[RING_L * RING_CAP * RING_H];
+    CHECK(kv_cache_init(&ring, RING_L, RING_H, RING_D, RING_CAP, format) == KV_OK);
+    size_t codes = (size_t)RING_L * RING_H * RING_CAP * ring.key.head_bytes;
+    uint8_t *before = malloc(codes);
+    int same = 1, turned = 1, moved_nothing = 1;
+    for (int step = 0; step < 6 * RING_CAP; step++) {
+        if (m.length == RING_CAP) {   /* full: drop one row, as a policy would */
+            int kind = step % 3, drop = kind == 0 ? 0 : kind == 1 ? 1 : RING_CAP - 2;
+            int start = ring.ring_start;
+            memcpy(before, ring.key.codes, codes);
+            int n_keep = drop_one(&m, drop, rows);
+            CHECK(kv_cache_keep(&ring, n_keep, rows) == KV_OK);
+            turned &= ring.ring_start == (kind == 2 ? start : (start + 1) % RING_CAP);
+            if (kind == 0) moved_nothing &= memcmp(before, ring.key.codes, codes) == 0;
+            same &= ring_matches(&ring, &m, format);
+        }
+        for (size_t i = 0; i < RING_ROW; i++) {
+            m.keys[m.length][i] = random_float();
+            m.values[m.length][i] = random_float();
+        }
+        m.positions[m.length++] = step;
+        CHECK(kv_cache_append(&ring, 1, m.keys[m.length - 1], m.values[m.length - 1]) == KV_OK);
+        same &= ring_matches(&ring, &m, format);
+    }
+    CHECK(same);
+    CHECK(turned);
+    CHECK(moved_nothing);
+    /* a refused keep (rows out of order) changes nothing, on a turned ring */
+    int n_keep = drop_one(&m, 0, rows);
+    CHECK(kv_cache_keep(&ring, n_keep, rows) == KV_OK && ring.ring_start != 0);
+    int start = ring.ring_start;
+    memcpy(before, ring.key.codes, codes);
+    int32_t swapped = rows[0];
+    rows[0] = rows[RING_H], rows[RING_H] = swapped;
+    CHECK(kv_cache_keep(&ring, n_keep, rows) == KV_ERR_INVALID_ARG);
+    CHECK(ring.ring_start == start && ring.length == n_keep && ring_matches(&ring, &m, format));
+    CHECK(memcmp(before, ring.key.codes, codes) == 0);
+    /* straightened: row i in slot i, the same rows and attention */
+    CHECK(kv_cache_straighten(&ring) == KV_OK && ring.ring_start == 0);
+    CHECK(ring_matches(&ring, &m, format) && kv_cache_slot(&ring, 3) == 3);
+    /* truncating to nothing forgets the ring too */
+    CHECK(kv_cache_keep(&ring, drop_one(&m, 0, rows), rows) == KV_OK && ring.ring_start != 0);
+    CHECK(kv_cache_truncate(&ring, 0) == KV_OK && ring.ring_start == 0);
+    free(before);
+    kv_cache_free(&ring);
+}
+
+/* A model's forward pass over a ring: a window of 5 over 30 tokens (6 turns round the ring)
+ * gives the logits of the same window straightened after every step, row i in slot i, as
+ * every cache was before the ring, bit for bit. */
+static void test_cache_ring_model(void) {
+    test_model tm;
+    make_model(&tm, 4, 2, 8);
+    const kv_model *model = &tm.model;
+    int V = model->config.vocab_size, L = model->config.n_layers, W = 5;
+    kv_cache ring, straight;
+    CHECK(kv_cache_init(&ring, L, 2, 8, W, NULL) == KV_OK);
+    CHECK(kv_cache_init(&straight, L, 2, 8, W, NULL) == KV_OK);
+    float *logits = malloc(sizeof(float) * V), *want = malloc(sizeof(float) * V);
+    int32_t *newest = malloc(sizeof(int32_t) * (size_t)L * (W - 1) * 2);
+    for (int layer = 0; layer < L; layer++)
+        for (int i = 0; i < W - 1; i++)
+            for (int head = 0; head < 2; head++)
+                newest[((size_t)layer * (W - 1) + i) * 2 + head] = i + 1;
+    int same = 1;
+    for (int t = 0; t < 30; t++) {
+        int32_t token = (int32_t)(t * 7 % V);
+        if (ring.length == W) {
+            CHECK(kv_cache_keep(&ring, W - 1, newest) == KV_OK);
+            CHECK(kv_cache_keep(&straight, W - 1, newest) == KV_OK);
+            CHECK(kv_cache_straighten(&straight) == KV_OK);
+        }
+        CHECK(kv_model_forward(model, &ring, &token, 1, logits, 0, NULL) == KV_OK);
+        CHECK(kv_model_forward(model, &straight, &token, 1, want, 0, NULL) == KV_OK);
+        same &= memcmp(logits, want, sizeof(float) * V) == 0;
+    }
+    CHECK(same && ring.ring_start == 30 % W && ring.next_position == 30);
+    kv_cache_free(&ring);
+    kv_cache_free(&straight);
+    free(logits);
+    free(want);
+    free(newest);
     free_model(&tm);
 }
 
@@ -961,6 +1116,307 @@ static void test_pool_keep(void) {
     free(logits);
     free(want);
     free_model(&tm);
+}
+
+/* ---- a paged sequence's start: rows dropped from its front without moving the rest ------ */
+
+/* Whether seq holds the mirror's rows (ring_mirror, above): positions row by row, and the
+ * same K and V read back and the same attention on both tiers, bit for bit, as a sequence
+ * of a fresh pool filled from empty with them (start 0: the layout before the start). */
+static int pool_rows_match(const kv_pool *pool, int seq, const ring_mirror *m,
+                           const kv_cache_format *format) {
+    enum { Q_DIM = 2 * RING_H * RING_D };
+    kv_pool twin;
+    int t = 0, bs = pool->blocks.block_size;
+    int32_t ids[RING_CAP] = {0};
+    int same = pool->blocks.seqs[seq].length == m->length &&
+               kv_pool_init(&twin, RING_L, RING_H, RING_D, RING_CAP, bs, 1, RING_CAP,
+                            format) == KV_OK &&
+               kv_blocks_seq_new(&twin.blocks, &t) == KV_OK && m->length > 0 &&
+               kv_pool_append(&twin, t, ids, m->length, &m->keys[0][0], &m->values[0][0]) == KV_OK;
+    size_t n = (size_t)m->length * RING_ROW;
+    float got[2][RING_CAP * RING_ROW], want[2][RING_CAP * RING_ROW];
+    same = same && kv_pool_gather(pool, seq, got[0], got[1]) == KV_OK &&
+           kv_pool_gather(&twin, t, want[0], want[1]) == KV_OK &&
+           memcmp(got[0], want[0], n * sizeof(float)) == 0 &&
+           memcmp(got[1], want[1], n * sizeof(float)) == 0;
+    size_t stride = kv_attention_scratch(2 * RING_H, RING_H, RING_D);
+    float *scratch = malloc(sizeof(float) * stride), q[Q_DIM], out[2][Q_DIM], out_twin[2][Q_DIM];
+    for (int i = 0; i < Q_DIM; i++) q[i] = 0.3f * (float)((i * 7) % 11) - 1.5f;
+    for (int layer = 0; layer < RING_L && same; layer++) {
+        kv_layer_view view = kv_pool_layer_view(pool, seq, layer);
+        kv_layer_view straight = kv_pool_layer_view(&twin, t, layer);
+        int at = m->length - 1;              /* a query after every row: it sees them all */
+        int H = RING_H, D = RING_D;
+        kv_attention(out[0], q, &view, 1, at, 2 * H, H, D, scratch, stride, 1);
+        kv_plain_attention(out[1], q, &view, 1, at, 2 * H, H, D, scratch, stride, 1);
+        kv_attention(out_twin[0], q, &straight, 1, at, 2 * H, H, D, scratch, stride, 1);
+        kv_plain_attention(out_twin[1], q, &straight, 1, at, 2 * H, H, D, scratch, stride, 1);
+        same = memcmp(out, out_twin, sizeof out) == 0 &&
+               memcmp(out[0], out[1], sizeof out[0]) == 0;
+    }
+    for (int layer = 0; layer < RING_L && same; layer++)
+        for (int head = 0; head < RING_H; head++)
+            for (int i = 0; i < m->length; i++)
+                same &= kv_pool_position(pool, seq, layer, head, i) == m->positions[i];
+    free(scratch);
+    kv_pool_free(&twin);
+    return same;
+}
+
+/* A sequence whose rows are dropped one at a time, many times over, in blocks of 1, 3, 4
+ * and 8 rows: a window (dropping row 0) moves its start one row on and moves no byte of K,
+ * releasing its first block when the start reaches the block's end; dropping row 1 moves
+ * the start and row 0; dropping the row before the newest moves the newest, not the start.
+ * After each, the rows, positions and attention are those of the same rows from the first
+ * slot of a fresh sequence, bit for bit, its blocks are exactly those its start and length
+ * cover, and kv_blocks_check finds every invariant; a refused keep changes nothing. */
+static void test_pool_start(const kv_cache_format *format) {
+    const int block_sizes[] = {1, 3, 4, 8};
+    for (size_t k = 0; k < sizeof block_sizes / sizeof block_sizes[0]; k++) {
+        int bs = block_sizes[k], seq, same = 1, started = 1, fits = 1, moved_nothing = 1;
+        int checked = 1, saw_start = 0;
+        kv_pool pool;
+        char message[256];
+        ring_mirror m = {.length = 0};
+        int32_t rows[RING_L * RING_CAP * RING_H], id = 0;
+        CHECK(kv_pool_init(&pool, RING_L, RING_H, RING_D, RING_CAP + 2, bs, 2, RING_CAP + 2,
+                           format) == KV_OK);
+        CHECK(kv_blocks_seq_new(&pool.blocks, &seq) == KV_OK);
+        const kv_seq *q = &pool.blocks.seqs[seq];
+        size_t codes = (size_t)RING_L * RING_H * pool.key.slots * pool.key.head_bytes;
+        uint8_t *before = malloc(codes);
+        for (int step = 0; step < 6 * RING_CAP; step++) {
+            if (m.length == RING_CAP) {
+                int kind = step % 3, drop = kind == 0 ? 0 : kind == 1 ? 1 : RING_CAP - 2;
+                int start = q->start;
+                memcpy(before, pool.key.codes, codes);
+                int n_keep = drop_one(&m, drop, rows);
+                CHECK(kv_pool_keep(&pool, seq, n_keep, rows) == KV_OK);
+                started &= q->start == (kind == 2 ? start : (start + 1) % bs);
+                saw_start |= q->start > 0;
+                if (kind == 0) moved_nothing &= memcmp(before, pool.key.codes, codes) == 0;
+                same &= pool_rows_match(&pool, seq, &m, format);
+            }
+            for (size_t i = 0; i < RING_ROW; i++) {
+                m.keys[m.length][i] = random_float();
+                m.values[m.length][i] = random_float();
+            }
+            m.positions[m.length++] = step;
+            CHECK(kv_pool_append(&pool, seq, &id, 1, m.keys[m.length - 1],
+                                 m.values[m.length - 1]) == KV_OK);
+            same &= pool_rows_match(&pool, seq, &m, format);
+            kv_pool_stats stats;
+            kv_blocks_stats(&pool.blocks, &stats);
+            fits &= q->n_blocks == (q->start + q->length + bs - 1) / bs &&
+                    stats.blocks_used == q->n_blocks;
+            checked &= kv_blocks_check(&pool.blocks, message, sizeof message) == KV_OK;
+        }
+        CHECK(same && started && fits && moved_nothing && checked);
+        CHECK(saw_start == (bs > 1));
+        /* a refused keep (rows out of order) changes nothing */
+        int n_keep = drop_one(&m, 0, rows), start = q->start;
+        int32_t swapped = rows[0];
+        rows[0] = rows[RING_H], rows[RING_H] = swapped;
+        memcpy(before, pool.key.codes, codes);
+        CHECK(kv_pool_keep(&pool, seq, n_keep, rows) == KV_ERR_INVALID_ARG);
+        CHECK(q->start == start && q->length == RING_CAP);
+        CHECK(memcmp(before, pool.key.codes, codes) == 0);
+        free(before);
+        kv_pool_free(&pool);
+    }
+}
+
+/* The rows that keep the first `sinks` rows of `length` and the newest after them, n_keep
+ * in all (sinks 0: a sliding window), for every layer and KV head. */
+static void sinks_and_newest(int32_t *rows, int n_layers, int n_heads, int sinks, int n_keep,
+                             int length) {
+    for (int layer = 0; layer < n_layers; layer++)
+        for (int i = 0; i < n_keep; i++)
+            for (int head = 0; head < n_heads; head++)
+                rows[((size_t)layer * n_keep + i) * n_heads + head] =
+                    i < sinks ? i : length - n_keep + i;
+}
+
+/* A model's window of 20 rows (more than a tile of attention) over 60 tokens of a pool in
+ * blocks of 3, and attention sinks (2 first rows and the newest): the logits of every step
+ * equal, bit for bit, those of the same rows moved to the front of the sequence after every
+ * keep (swapped out and in: a sequence comes back from row 0 of its first block, the layout
+ * of every sequence before its start could move) and of a contiguous cache straightened
+ * after every keep. The window's start goes round its blocks and its blocks stay 7 or 8;
+ * the sinks move two rows a step. */
+static void test_pool_start_model(int sinks) {
+    test_model tm;
+    make_model(&tm, 4, 2, 8);
+    const kv_model *model = &tm.model;
+    int V = model->config.vocab_size, L = model->config.n_layers, W = 20, bs = 3;
+    kv_pool pool;
+    kv_cache straight;
+    char message[256];
+    int seq, moved, same = 1, fits = 1, went_round = 0, checked = 1;
+    CHECK(kv_pool_init(&pool, L, 2, 8, 24, bs, 3, 24, NULL) == KV_OK);
+    pool.blocks.prefix_cache = 0;   /* else the two sequences share the blocks of their tokens */
+    CHECK(kv_cache_init(&straight, L, 2, 8, W, NULL) == KV_OK);
+    CHECK(kv_blocks_seq_new(&pool.blocks, &seq) == KV_OK);
+    CHECK(kv_blocks_seq_new(&pool.blocks, &moved) == KV_OK);
+    float *logits = malloc(sizeof(float) * V), *want = malloc(sizeof(float) * V);
+    float *front = malloc(sizeof(float) * V);
+    int32_t *rows = malloc(sizeof(int32_t) * (size_t)L * (W - 1) * 2);
+    sinks_and_newest(rows, L, 2, sinks, W - 1, W);
+    for (int t = 0; t < 60; t++) {
+        int32_t token = (int32_t)(t * 7 % V);
+        if (straight.length == W) {
+            CHECK(kv_pool_keep(&pool, seq, W - 1, rows) == KV_OK);
+            CHECK(kv_pool_keep(&pool, moved, W - 1, rows) == KV_OK);
+            size_t size = 0;
+            CHECK(kv_pool_swap_size(&pool, moved, &size) == KV_OK);
+            uint8_t *host = malloc(size);
+            CHECK(kv_pool_swap_out(&pool, moved, host, size) == KV_OK);
+            CHECK(kv_pool_swap_in(&pool, host, size, &moved) == KV_OK);
+            free(host);
+            CHECK(kv_cache_keep(&straight, W - 1, rows) == KV_OK);
+            CHECK(kv_cache_straighten(&straight) == KV_OK);
+        }
+        CHECK(kv_model_forward_paged(model, &pool, seq, &token, 1, logits, 0, NULL) == KV_OK);
+        CHECK(kv_model_forward_paged(model, &pool, moved, &token, 1, front, 0, NULL) == KV_OK);
+        CHECK(kv_model_forward(model, &straight, &token, 1, want, 0, NULL) == KV_OK);
+        same &= memcmp(logits, want, sizeof(float) * V) == 0 &&
+                memcmp(front, want, sizeof(float) * V) == 0;
+        const kv_seq *q = &pool.blocks.seqs[seq];
+        went_round |= q->start == bs - 1;
+        fits &= q->n_blocks <= (W + bs - 1) / bs + 1 && pool.blocks.seqs[moved].start == 0;
+        checked &= kv_blocks_check(&pool.blocks, message, sizeof message) == KV_OK;
+    }
+    CHECK(same && fits && went_round && checked);
+    CHECK(pool.blocks.seqs[seq].next_position == 60);
+    CHECK(kv_pool_position(&pool, seq, 0, 1, W - 1) == 59);
+    CHECK(kv_pool_position(&pool, seq, 1, 1, 0) == (sinks > 0 ? 0 : 60 - W));
+    kv_pool_free(&pool);
+    kv_cache_free(&straight);
+    free(logits);
+    free(want);
+    free(front);
+    free(rows);
+    free_model(&tm);
+}
+
+/* The start through the rest of the pool's bookkeeping: blocks needed, a fork (which keeps
+ * the start) and its copy-on-write of a first block that is also the last, truncation,
+ * a reservation cancelled, swapping (back from row 0, in as few blocks as its rows take),
+ * a keep of no row, kv_blocks_drop_rows' refusals and kv_blocks_check's view of a start. */
+static void test_pool_start_books(void) {
+    enum { L = 2, H = 2, D = 8, ROW = L * H * D };
+    kv_pool pool;
+    char message[256];
+    int seq, child, needed, back;
+    int32_t tokens[16] = {0}, rows[L * 8 * H];
+    float got[2][12 * ROW], want[2][12 * ROW];
+    CHECK(kv_pool_init(&pool, L, H, D, 12, 4, 4, 6, NULL) == KV_OK);
+    CHECK(kv_blocks_seq_new(&pool.blocks, &seq) == KV_OK);
+    const kv_seq *q = &pool.blocks.seqs[seq];
+    append_rows(&pool, seq, tokens, 10, KV_OK);              /* 4 + 4 + 2 rows */
+    CHECK(kv_pool_gather(&pool, seq, want[0], want[1]) == KV_OK);
+    int32_t second = q->block_table[1], third = q->block_table[2];
+    sinks_and_newest(rows, L, H, 0, 4, 10);                   /* rows 6 .. 9 */
+    CHECK(kv_pool_keep(&pool, seq, 4, rows) == KV_OK);
+    CHECK(q->start == 2 && q->length == 4 && q->n_blocks == 2 && q->block_table[0] == second &&
+          q->block_table[1] == third && kv_blocks_available(&pool.blocks) == 10);
+    CHECK(kv_pool_gather(&pool, seq, got[0], got[1]) == KV_OK);
+    for (int layer = 0; layer < L; layer++)   /* gather is (n_layers, length, ...) */
+        CHECK(memcmp(got[0] + (size_t)layer * 4 * H * D, want[0] + ((size_t)layer * 10 + 6) * H * D,
+                     sizeof(float) * 4 * H * D) == 0);
+    CHECK(kv_blocks_needed(&pool.blocks, seq, 2, &needed) == KV_OK && needed == 0);
+    CHECK(kv_blocks_needed(&pool.blocks, seq, 3, &needed) == KV_OK && needed == 1);
+    /* 18 more rows take 4 blocks (6 in all); 19 would not fit a table of 6, counted from
+     * row 2 of its first block */
+    CHECK(kv_blocks_needed(&pool.blocks, seq, 18, &needed) == KV_OK && needed == 4);
+    CHECK(kv_blocks_needed(&pool.blocks, seq, 19, &needed) == KV_ERR_TABLE_FULL);
+    /* a reservation cancelled gives back the blocks it took */
+    CHECK(kv_pool_reserve(&pool, seq, 7) == KV_OK && q->n_blocks == 4);
+    CHECK(kv_blocks_check(&pool.blocks, message, sizeof message) == KV_OK);
+    CHECK(kv_blocks_cancel(&pool.blocks, seq) == KV_OK && q->n_blocks == 2 && q->start == 2);
+    /* a window of 2 in blocks of 4: rows 2 and 3 of one block, first and last */
+    sinks_and_newest(rows, L, H, 0, 2, 4);
+    CHECK(kv_pool_keep(&pool, seq, 2, rows) == KV_OK);
+    CHECK(q->start == 0 && q->n_blocks == 1 && q->block_table[0] == third);
+    append_rows(&pool, seq, tokens, 1, KV_OK);
+    sinks_and_newest(rows, L, H, 0, 2, 3);
+    CHECK(kv_pool_keep(&pool, seq, 2, rows) == KV_OK && q->start == 1 && q->n_blocks == 1);
+    CHECK(kv_pool_gather(&pool, seq, want[0], want[1]) == KV_OK);
+    /* a fork shares the block and the start; its write copies the block first */
+    CHECK(kv_pool_seq_fork(&pool, seq, &child) == KV_OK);
+    const kv_seq *c = &pool.blocks.seqs[child];
+    CHECK(c->start == 1 && c->length == 2 && c->block_table[0] == third && c->compacted);
+    CHECK(kv_blocks_needed(&pool.blocks, child, 1, &needed) == KV_OK && needed == 1);
+    append_rows(&pool, child, tokens, 2, KV_OK);              /* its rows 2 and 3: a second block */
+    CHECK(c->block_table[0] != third && c->n_blocks == 2 && pool.blocks.ref_count[third] == 1);
+    CHECK(kv_pool_position(&pool, child, 1, 1, 3) == kv_pool_position(&pool, seq, 1, 1, 1) + 2);
+    CHECK(kv_pool_gather(&pool, child, got[0], got[1]) == KV_OK);
+    for (int layer = 0; layer < L; layer++)
+        CHECK(memcmp(got[1] + (size_t)layer * 4 * H * D, want[1] + (size_t)layer * 2 * H * D,
+                     sizeof(float) * 2 * H * D) == 0);
+    CHECK(kv_pool_gather(&pool, seq, got[0], got[1]) == KV_OK);
+    CHECK(memcmp(got[0], want[0], sizeof(float) * 2 * ROW) == 0 &&
+          memcmp(got[1], want[1], sizeof(float) * 2 * ROW) == 0);     /* the parent's intact */
+    CHECK(kv_blocks_check(&pool.blocks, message, sizeof message) == KV_OK);
+    /* truncated: the newest row goes, then every row, and the start with them */
+    CHECK(kv_pool_truncate(&pool, child, 2) == KV_OK && c->n_blocks == 1 && c->start == 1);
+    CHECK(kv_pool_truncate(&pool, child, 0) == KV_OK && c->n_blocks == 0 && c->start == 0);
+    CHECK(kv_blocks_check(&pool.blocks, message, sizeof message) == KV_OK);
+    /* swapped out and in: the same rows and positions from row 0 of one block */
+    append_rows(&pool, seq, tokens, 2, KV_OK);                /* start 1, length 4: 2 blocks */
+    CHECK(q->start == 1 && q->n_blocks == 2);
+    int position = kv_pool_position(&pool, seq, 0, 1, 3);
+    CHECK(kv_pool_gather(&pool, seq, want[0], want[1]) == KV_OK);
+    size_t size = 0;
+    CHECK(kv_pool_swap_size(&pool, seq, &size) == KV_OK);
+    uint8_t *host = malloc(size);
+    CHECK(kv_pool_swap_out(&pool, seq, host, size) == KV_OK);
+    CHECK(kv_pool_swap_in(&pool, host, size, &back) == KV_OK);
+    const kv_seq *b = &pool.blocks.seqs[back];
+    CHECK(b->start == 0 && b->n_blocks == 1 && b->length == 4 && b->compacted);
+    CHECK(kv_pool_position(&pool, back, 0, 1, 3) == position);
+    CHECK(kv_pool_gather(&pool, back, got[0], got[1]) == KV_OK);
+    CHECK(memcmp(got[0], want[0], sizeof(float) * 4 * ROW) == 0 &&
+          memcmp(got[1], want[1], sizeof(float) * 4 * ROW) == 0);
+    free(host);
+    /* the block manager's own refusals, and a keep of nothing */
+    CHECK(kv_blocks_drop_rows(&pool.blocks, back, -1, 2) == KV_ERR_INVALID_ARG);
+    CHECK(kv_blocks_drop_rows(&pool.blocks, back, 3, 2) == KV_ERR_INVALID_ARG);
+    CHECK(kv_blocks_drop_rows(&pool.blocks, back, 1, 2) == KV_OK && b->start == 1 && b->length == 2);
+    CHECK(kv_blocks_check(&pool.blocks, message, sizeof message) == KV_OK);
+    CHECK(kv_blocks_drop_rows(&pool.blocks, back, -2, 2) == KV_ERR_INVALID_ARG);  /* before row 0 */
+    CHECK(kv_blocks_drop_rows(&pool.blocks, back, -1, 3) == KV_OK && b->start == 0 && b->length == 3);
+    CHECK(kv_blocks_drop_rows(&pool.blocks, back, 1, 2) == KV_OK && b->start == 1 && b->length == 2);
+    CHECK(kv_blocks_check(&pool.blocks, message, sizeof message) == KV_OK);
+    kv_seq *broken = &pool.blocks.seqs[back];
+    broken->start = 4;                                         /* past its block's end */
+    CHECK(kv_blocks_check(&pool.blocks, message, sizeof message) == KV_ERR_CORRUPT);
+    broken->start = 1;
+    broken->compacted = 0;                                     /* dropped rows, it says none */
+    CHECK(kv_blocks_check(&pool.blocks, message, sizeof message) == KV_ERR_CORRUPT);
+    broken->compacted = 1;
+    CHECK(kv_pool_keep(&pool, back, 0, NULL) == KV_OK && b->start == 0 && b->n_blocks == 0);
+    CHECK(b->next_position == 13 && b->compacted);
+    CHECK(kv_blocks_check(&pool.blocks, message, sizeof message) == KV_OK);
+    CHECK(kv_blocks_available(&pool.blocks) == 12);
+    kv_pool_free(&pool);
+    /* a table of 2 blocks of 4: a window of 8 has no block to spare for a start, so its
+     * rows move to the front of its first block instead, as before there was a start */
+    CHECK(kv_pool_init(&pool, L, H, D, 12, 4, 4, 2, NULL) == KV_OK);
+    CHECK(kv_blocks_seq_new(&pool.blocks, &seq) == KV_OK);
+    q = &pool.blocks.seqs[seq];
+    append_rows(&pool, seq, tokens, 8, KV_OK);
+    CHECK(kv_pool_gather(&pool, seq, want[0], want[1]) == KV_OK);
+    sinks_and_newest(rows, L, H, 0, 7, 8);
+    CHECK(kv_pool_keep(&pool, seq, 7, rows) == KV_OK && q->start == 0 && q->n_blocks == 2);
+    CHECK(kv_pool_gather(&pool, seq, got[0], got[1]) == KV_OK);
+    for (int layer = 0; layer < L; layer++)
+        CHECK(memcmp(got[0] + (size_t)layer * 7 * H * D, want[0] + ((size_t)layer * 8 + 1) * H * D,
+                     sizeof(float) * 7 * H * D) == 0);
+    append_rows(&pool, seq, tokens, 1, KV_OK);
+    CHECK(kv_blocks_check(&pool.blocks, message, sizeof message) == KV_OK);
+    kv_pool_free(&pool);
 }
 
 /* Preemption by swapping (swap.c): a sequence copied to host memory and back goes on bit
@@ -1122,7 +1578,7 @@ static void test_weight_formats(void) {
     const kv_weight_format formats[] = {KV_WEIGHT_F32, KV_WEIGHT_F16, KV_WEIGHT_BF16, KV_WEIGHT_Q8_0,
                                         KV_WEIGHT_Q4_0, KV_WEIGHT_Q4_1};
     const int in_dims[] = {64, 70, 96};
-    const int token_counts[] = {1, 3, 5, 17};
+    const int token_counts[] = {1, 3, 5, 17, 50};
     int out_dim = 13;
     CHECK(kv_weight_row_bytes(KV_WEIGHT_Q8_0, 70) == 0 && kv_weight_row_bytes(KV_WEIGHT_Q8_0, 64) == 68);
     CHECK(kv_weight_row_bytes(KV_WEIGHT_BF16, 70) == 140 && kv_weight_row_bytes(KV_WEIGHT_F32, 0) == 0);
@@ -1178,7 +1634,7 @@ static void test_weight_formats(void) {
                 }
                 kv_weight_row_dequantize(formats[f], row, in_dim, values + (size_t)o * in_dim);
             }
-            for (int n = 0; n < 4; n++) {
+            for (int n = 0; n < 5; n++) {
                 int n_tokens = token_counts[n];
                 float *x = random_floats((size_t)n_tokens * in_dim, 1.0f);
                 size_t outs = (size_t)n_tokens * out_dim;
@@ -1218,14 +1674,15 @@ static void test_weight_formats(void) {
         free(scratch); free(w16); free(xs); free(ys);
     }
     /* Q8_0, Q4_0 and Q4_1 against int8 activations: the fast tier gives the plain tier's
-     * bits, for 1, 2, 3, 5 and 7 tokens (fours, pairs and a lone one) and 13 rows (four runs
-     * and a leftover); any bytes at all as codes */
+     * bits, for 1 to 9 tokens (lone ones, pairs, fours, the 512-bit tile's one to four
+     * pairs with a lone token paired with itself), 16, 17 and 50 (tiles of eight and what
+     * is left over) and 13 rows (four runs and a leftover); any bytes at all as codes */
     const kv_weight_format blocks[] = {KV_WEIGHT_Q8_0, KV_WEIGHT_Q4_0, KV_WEIGHT_Q4_1};
-    const int int8_tokens[] = {1, 2, 3, 5, 7};
+    const int int8_tokens[] = {1, 2, 3, 4, 5, 6, 7, 8, 9, 16, 17, 50};
     int in_dim = 96;
     kv_kernels before = kv_get_kernels();
     for (int f = 0; f < 3; f++)
-        for (int n = 0; n < 5; n++) {
+        for (int n = 0; n < 12; n++) {
             int n_tokens = int8_tokens[n];
             size_t row_bytes = kv_weight_row_bytes(blocks[f], in_dim);
             size_t block_bytes = kv_weight_block_bytes(blocks[f]);
@@ -1439,8 +1896,60 @@ static void test_model_weight_formats(void) {
     free_model(&tm);
 }
 
-int main(void) {
+/* The choice of kernel variant (dispatch.c): the core loads with the best one this CPU runs,
+ * an unknown name changes nothing, and the last variant runs anywhere. */
+static void test_dispatch(const kv_variant *loaded) {
+    int count;
+    const kv_variant *variants = kv_variants(&count), *asked = kv_current_variant();
+    CHECK(count >= 1 && variants[count - 1].cpu_has == NULL);
+    int best = 0;
+    while (variants[best].cpu_has != NULL && !variants[best].cpu_has()) best++;
+    CHECK(loaded == &variants[best]);
+    CHECK(kv_use_variant("no such variant") == KV_ERR_INVALID_ARG);
+    CHECK(kv_current_variant() == asked);
+    CHECK(kv_use_variant(NULL) == KV_OK && kv_current_variant() == &variants[best]);
+    CHECK(kv_use_variant(asked->kernels->name) == KV_OK && kv_current_variant() == asked);
+}
+
+/* The kernel variant to test, named by the first argument (a build of several variants is
+ * run once per variant, tests/c/Makefile): chosen, or skipped with a line saying why where
+ * this CPU cannot run it. Without one, the variant the core chose when it was loaded. */
+static int use_variant(int argc, char **argv) {
+    if (argc < 2) return 1;
+    int count;
+    const kv_variant *variants = kv_variants(&count);
+    for (int i = 0; i < count; i++) {
+        if (strcmp(argv[1], variants[i].kernels->name) != 0) continue;
+        if (kv_use_variant(argv[1]) == KV_OK) return 1;
+        printf("variant %s: skipped, this CPU lacks %s\n", argv[1], variants[i].needs);
+        return 0;
+    }
+    fprintf(stderr, "variant %s: this build has no such variant\n", argv[1]);
+    exit(2);
+}
+
+/* The compute roof: every rate measured and positive on one thread and on two, the
+ * instructions named; bad arguments refused before anything runs. */
+static void test_compute_roof(void) {
+    for (int threads = 1; threads <= 2; threads++) {
+        kv_compute_roof roof = {0};
+        CHECK(kv_measure_compute(threads, 1, &roof) == KV_OK);
+        CHECK(roof.f32_flops > 1e6 && roof.int8_ops > 1e6 && roof.int8_product_ops > 1e6);
+        CHECK(roof.f32_instruction != NULL && roof.int8_instruction != NULL);
+    }
+    kv_compute_roof roof;
+    CHECK(kv_measure_compute(0, 1, &roof) == KV_ERR_INVALID_ARG);
+    CHECK(kv_measure_compute(1, 0, &roof) == KV_ERR_INVALID_ARG);
+    CHECK(kv_measure_compute(1, 1, NULL) == KV_ERR_INVALID_ARG);
+}
+
+int main(int argc, char **argv) {
+    const kv_variant *loaded = kv_current_variant();
+    if (!use_variant(argc, argv)) return 0;
+    printf("variant %s\n", kv_current_variant()->kernels->name);
+    test_dispatch(loaded);
     test_ops();
+    test_compute_roof();
     test_cache();
     test_pool();
     test_block_manager();
@@ -1458,7 +1967,18 @@ int main(void) {
     test_model_paths_agree(4, 1, 10, &halves);
     test_cache_keep(NULL);
     test_cache_keep(&int8);
+    test_cache_ring(NULL);
+    test_cache_ring(&int8);
+    const kv_cache_format int4 = {KV_FMT_I4, KV_FMT_FP8, 4, 2, 0};   /* zero points, groups */
+    test_cache_ring(&int4);
+    test_cache_ring_model();
     test_pool_keep();
+    test_pool_start(NULL);
+    test_pool_start(&int8);
+    test_pool_start(&int4);
+    test_pool_start_model(0);
+    test_pool_start_model(2);
+    test_pool_start_books();
     test_pool_swap(NULL);
     test_pool_swap(&int8);
     test_pool_swap(&mixed);

@@ -1,4 +1,4 @@
-"""Public self-checks for lab 11 (speculative decoding):
+"""Public self-checks for lab 12 (speculative decoding):
 `kvlab check speculative_decoding speculative_decoding.py`.
 
 Small fixed cases on the bundled model. The model your functions get stays in the grader's
@@ -6,12 +6,13 @@ process, which counts every forward pass it runs and reads the caches itself. Th
 comes from hidden tests: crafted and random contexts for the drafter; drafts all right, all
 wrong, partly right and none, against the model's own choices; caches after rollback
 compared bit for bit with a cache that only ever ran the accepted tokens; generations
-compared token for token with plain greedy decoding, their passes counted; and your
-measurement compared with what the grader counted and timed.
+compared token for token with plain greedy decoding, their passes counted; your
+measurement compared with what the grader counted and timed; and the rejection rule run on
+thousands of drafts, its tokens tested against the model's distribution.
 """
 import numpy as np
 
-from kvlab.grading.served import ServedModel
+from kvlab.grading.served import ServedModel, ServedRandom
 from kvlab.grading.testkit import bundled_model, check_tokens, described, points
 
 LINE = "ROMEO:\nBut soft, what light through yonder window breaks?\n"
@@ -99,3 +100,19 @@ def test_measure_counts_what_ran(sub, rng):
     assert got.get("passes_speculative") == counted, (
         f"passes_speculative: the grader counted {counted}, you report "
         f"{described(got.get('passes_speculative'))}")
+
+
+@points(1)
+def test_the_rejection_rule_where_it_is_certain(sub, rng):
+    """p = [0.5, 0.5, 0], q = [0, 0.5, 0.5]: draft 1 always kept (p = q there), draft 2 never, then token 0"""
+    p, q = np.array([0.5, 0.5, 0.0]), np.array([0.0, 0.5, 0.5])
+    for _ in range(5):
+        got = sub.accept_or_resample(p, q, 1, ServedRandom(int(rng.integers(1000))))
+        assert isinstance(got, (tuple, list)) and list(got) == [True, 1], (
+            f"accept_or_resample(p, q, 1, rng): p[1] / q[1] = 1, so draft 1 is always kept: "
+            f"expected (True, 1), got {described(got)}")
+        got = sub.accept_or_resample(p, q, 2, ServedRandom(int(rng.integers(1000))))
+        assert isinstance(got, (tuple, list)) and list(got) == [False, 0], (
+            f"accept_or_resample(p, q, 2, rng): p[2] = 0, so draft 2 is never kept, and the "
+            f"residual max(0, p - q) = [0.5, 0, 0] gives token 0: expected (False, 0), got "
+            f"{described(got)}")

@@ -1,4 +1,4 @@
-"""Lab 11: speculative decoding with prompt lookup. Fill in every function marked TODO.
+"""Lab 12: speculative decoding with prompt lookup. Fill in every function marked TODO.
 
 Decoding runs one forward pass per token. Speculative decoding guesses a few tokens cheaply
 (the drafts), runs the newest token and every draft through the model in ONE pass over the
@@ -6,7 +6,8 @@ KV cache, keeps the drafts as long as they are what the model would have chosen 
 adds the model's own token after them, and cuts the rejected drafts' K and V off the
 cache again. With greedy choice the tokens are exactly plain decoding's; only the number of
 passes changes. You write the drafter, the verification, the rollback, the loop, and a
-measurement of what it saved.
+measurement of what it saved; and, for sampled decoding, the rule that keeps the model's
+own distribution while it accepts a drafter's samples.
 
 The grader lends your functions a `model` and the caches it makes. They stay in the
 grader's process (each call travels there and back), and they work like kvlab's own:
@@ -130,6 +131,26 @@ def measure(model, prompt, n_new, k=4, max_ngram=3):
     raise NotImplementedError("measure")
 
 
+def accept_or_resample(p, q, draft, rng):
+    """The sampling rejection rule, for one draft token (Leviathan et al. and Chen et al.,
+    2023; chapter 9.6): with sampling instead of greedy choice, a draft is kept at random, so
+    that the tokens still come out distributed exactly as the model's own.
+
+    p: the model's probabilities at this position, q: the drafter's, each (vocab,) summing
+    to 1; draft: the token the drafter drew from q (so q[draft] > 0); rng: a random number
+    generator with rng.random() (a float drawn uniformly from [0, 1)) and rng.choice(n,
+    p=probs) (an int from 0 .. n - 1 drawn with those probabilities), as numpy's
+    np.random.default_rng() has them (the grader lends you one of its own).
+
+    Accept the draft with probability min(1, p[draft] / q[draft]): draw u = rng.random()
+    and accept when u < p[draft] / q[draft]. Else draw the token from the residual
+    max(0, p - q), normalized to sum to 1, with one rng.choice(len(p), p=...).
+    Returns (accepted, token): (True, draft), or (False, the token drawn).
+    """
+    # TODO
+    raise NotImplementedError("accept_or_resample")
+
+
 if __name__ == "__main__":
     # Try your code here: the grader never runs this block. kvlab's own model has the
     # calls the grader's has (model.forward(tokens, cache, all_logits=...), new_cache,
@@ -144,3 +165,8 @@ if __name__ == "__main__":
     print(tokens == plain, stats)                            # True, and fewer than 40 passes
     print(model.decode_text(tokens))
     print(measure(model, prompt, 40))
+    # the rejection rule: over many drafts drawn from q, the tokens come out as p
+    rng = np.random.default_rng(0)
+    p, q = np.array([0.6, 0.3, 0.1]), np.array([0.2, 0.3, 0.5])
+    tokens = [accept_or_resample(p, q, int(rng.choice(3, p=q)), rng)[1] for _ in range(20000)]
+    print(np.bincount(tokens, minlength=3) / len(tokens))     # about [0.6, 0.3, 0.1]

@@ -1,0 +1,180 @@
+"""A lab in C: how the judge has the student's file built, and what it reads in it first.
+
+The kernel lab (kvlab/labs/decode_kernel) takes a C file. Building it runs no code of the
+student's, but loading it does (a library's constructors run at load), so the judge does
+neither: it stages the file with the lab's header and sends a worker (worker.py, as the
+student's user, in a scratch folder of its own) the compiler command made here; the worker
+runs it and the judge copies the library it wrote, as bytes, beside the staged file. Each
+test's worker then loads that library (ctypes) behind the lab's harness.py, and the tests
+call it as they call a Python lab's functions. A file that does not compile scores 0 with
+the compiler's own words.
+
+The flags are the ones that built kvlab's C core (kvlab._kvlab.BUILD, as kvlab_build.py
+chose them: -O3, -ffp-contract=off, -march=native where kvlab was built with it, OpenMP),
+so that the student's fused multiply-adds are exactly where the plain tier has them; the
+header refuses to build if they are not (KVLAB_FMA).
+
+check_c_source is a courtesy, as policy.py's check is for Python: it turns the easy ways
+of reaching around the grader (other headers, loading libraries, starting processes,
+inline assembly, code that runs at load) into a clear refusal with its line. C can reach
+anything in its process, so it is no defence: what keeps the score honest is that the
+judge computes every expected value and times every call from its own process, and that on
+the autograder the student's user cannot read kvlab (README's kernel-lab section).
+"""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import sysconfig
+from pathlib import Path
+from typing import List, Optional, Tuple
+
+from .policy import Violation
+
+BUILD_SECONDS = 60.0      # the compiler's time limit (a test's: no file of a lab needs more)
+LIBRARY_LIMIT = 64 << 20  # bytes of a built library the judge copies
+
+# What the grader's build keeps of kvlab's own flags: the language, the optimization, the
+# arithmetic (no contraction, no errno), the instruction set, OpenMP, and warnings. Not the
+# sanitizers or debugging flags of a KVLAB_SANITIZE build.
+KEPT_FLAG = re.compile(r"^(-std=\S+|-O[0-3s]|-ffp-contract=\S+|-fno-math-errno|-march=\S+|"
+                       r"-mtune=\S+|-mcpu=\S+|-fopenmp|-W[\w=-]+)$")
+DEFAULT_FLAGS = ["-std=c11", "-O3", "-ffp-contract=off", "-fno-math-errno"]
+
+# Headers a kernel file may include: C's own, the vector intrinsics, threads, and the lab's.
+ALLOWED_HEADERS = frozenset({
+    "assert.h", "complex.h", "errno.h", "fenv.h", "float.h", "inttypes.h", "iso646.h",
+    "limits.h", "math.h", "stdalign.h", "stdarg.h", "stdbool.h", "stddef.h", "stdint.h",
+    "stdio.h", "stdlib.h", "string.h", "tgmath.h", "time.h", "stdatomic.h",
+    "immintrin.h", "x86intrin.h", "xmmintrin.h", "emmintrin.h", "pmmintrin.h",
+    "tmmintrin.h", "smmintrin.h", "nmmintrin.h", "avxintrin.h", "avx2intrin.h",
+    "arm_neon.h", "omp.h", "pthread.h", "threads.h",
+})
+
+# Names that load code, start or signal processes, reach the system directly, or run code
+# when the library is loaded or unloaded.
+DENIED_NAMES = frozenset({
+    "dlopen", "dlmopen", "dlsym", "dlvsym", "dladdr", "dlinfo", "syscall", "fork", "vfork",
+    "clone", "clone3", "execl", "execle", "execlp", "execv", "execve", "execvp", "execvpe",
+    "fexecve", "posix_spawn", "posix_spawnp", "system", "popen", "ptrace", "kill", "tgkill",
+    "raise", "signal", "sigaction", "setsid", "prctl", "mprotect", "mmap", "mremap",
+    "process_vm_readv", "process_vm_writev", "asm", "__asm", "__asm__", "constructor",
+    "destructor", "atexit", "at_quick_exit", "on_exit", "__attribute_constructor__",
+})
+
+
+def kit_flags(build: Optional[str] = None) -> List[str]:
+    """The flags that built kvlab's C core (kvlab._kvlab.BUILD, "compiler version; flags;
+    options"), less what does not decide a kernel's bits or speed; kvlab's defaults where
+    BUILD cannot be read."""
+    import kvlab._kvlab as core
+    build = core.BUILD if build is None else build
+    parts = build.split("; ")
+    flags = [f for f in parts[1].split() if KEPT_FLAG.match(f)] if len(parts) > 1 else []
+    if not any(f.startswith("-ffp-contract=") for f in flags):
+        flags = DEFAULT_FLAGS + (["-march=native"] if core.FUSED_MULTIPLY_ADD else []) + \
+                (["-fopenmp"] if core.HAS_OPENMP else [])
+    flags += variant_flags(build, getattr(core, "VARIANT", ""))
+    omp = re.search(r"-Xpreprocessor -fopenmp -I(\S+)/include", build)
+    if omp:          # macOS: Apple's clang takes OpenMP through Homebrew's libomp
+        flags += ["-Xpreprocessor", "-fopenmp", f"-I{omp.group(1)}/include",
+                  f"-L{omp.group(1)}/lib", "-lomp"]
+    return flags
+
+
+def variant_flags(build: str, variant: str) -> List[str]:
+    """The instruction-set flags of the kernel variant that runs: a dispatching build's BUILD
+    lists each variant's ("kernel variants avx512 (-mavx2 ... -mavx512vnni), avx2 (...),
+    baseline (the default target)"), and the student's kernel must be built for the one
+    whose bits it is compared with (fused multiply-adds or not)."""
+    found = re.search(r"(?:variants |, )" + re.escape(variant) + r" \(([^)]*)\)", build)
+    return [f for f in found.group(1).split() if f.startswith("-m")] if found else []
+
+
+def compiler() -> str:
+    """The C compiler: $CC, else the one Python was built with, else cc, gcc or clang;
+    its full path, since the worker's PATH may differ."""
+    for candidate in (os.environ.get("CC"), sysconfig.get_config_var("CC"), "cc", "gcc", "clang"):
+        name = (candidate or "").split()[0] if (candidate or "").split() else ""
+        found = shutil.which(name) if name else None
+        if found:
+            return found
+    raise FileNotFoundError("no C compiler found (cc, gcc or clang): the kernel lab needs one")
+
+
+def build_command(source: Path, library: Path, include: Path) -> List[str]:
+    """The command that builds `source` into the shared library `library`, with the lab's
+    header from `include`, as kvlab's core was built."""
+    import kvlab._kvlab as core
+    return [compiler(), *kit_flags(), f"-DKVLAB_FMA={core.FUSED_MULTIPLY_ADD}", "-shared",
+            "-fPIC", "-I", str(include), "-o", str(library), str(source), "-lm"]
+
+
+def blank_comments_and_strings(source: str) -> str:
+    """The source with comments, string and character literals blanked (their line breaks
+    kept, so that lines still count the same), for the name check."""
+    pattern = re.compile(r'//[^\n]*|/\*.*?\*/|"(?:\\.|[^"\\\n])*"|\'(?:\\.|[^\'\\\n])*\'', re.S)
+
+    def blank(match):
+        text = match.group(0)
+        keep = text[0] if text[0] in "\"'" else ""
+        return keep + re.sub(r"[^\n]", " ", text[len(keep):-1] if keep else text) + \
+            (text[-1] if keep else "")
+    return pattern.sub(blank, source)
+
+
+def _logical_lines(source: str) -> Tuple[List[int], List[str]]:
+    """The source's lines as the preprocessor first joins them (a backslash at a line's end
+    continues it: `#inc\\`, newline, `lude` is an include), with the number of the line
+    each starts on."""
+    numbers, lines, parts = [], [], []
+    for number, line in enumerate(source.split("\n"), 1):
+        if not parts:
+            numbers.append(number)
+        if line.endswith("\\"):
+            parts.append(line[:-1])
+            continue
+        lines.append("".join(parts + [line]))
+        parts = []
+    if parts:
+        lines.append("".join(parts))
+    return numbers, lines
+
+
+def check_c_source(source: str, header: str) -> List[Violation]:
+    """Every include and name of a C submission this lab refuses, with its line."""
+    found = []
+    numbers, raw_lines = _logical_lines(source)
+    code = blank_comments_and_strings("\n".join(raw_lines)).split("\n")
+    for number, line, written in zip(numbers, code, raw_lines):
+        # "#", or its digraph %: and trigraph ??= (trigraphs are on in -std=c11)
+        directive = re.match(r"\s*(?:#|%:|\?\?=)\s*(include|include_next|import|embed)\b(.*)", line)
+        if directive:
+            target = re.search(r'[<"]([^>"]*)[>"]', written)
+            name = target.group(1) if target else ""
+            if directive.group(1) != "include" or not target:
+                found.append(Violation(number, f"`{written.strip()}`: only #include of a "
+                                               f"named header is allowed"))
+            elif name != header and name not in ALLOWED_HEADERS:
+                found.append(Violation(number, f"`#include {target.group(0)}` is not allowed in "
+                                               f"this lab: only C's own headers, the vector "
+                                               f"intrinsics, omp.h, pthread.h and {header}"))
+            continue
+        for name in sorted(set(re.findall(r"[A-Za-z_]\w*", line)) & DENIED_NAMES):
+            found.append(Violation(number, f"`{name}` is not allowed in this lab (it loads code, "
+                                           f"reaches the system or runs code at load)"))
+    return sorted(set(found), key=lambda v: (v.line, v.why))
+
+
+def refused_text() -> str:
+    """What a C lab's instructions end with: what the grader refuses in the file."""
+    headers = ", ".join(f"`{h}`" for h in sorted(ALLOWED_HEADERS))
+    names = ", ".join(f"`{n}`" for n in sorted(DENIED_NAMES, key=lambda n: n.lstrip("_")))
+    return ("## What the grader refuses\n\n"
+            "A few things in C reach around the grader (they load libraries, start processes, "
+            "reach the system directly or run code when the library is loaded), so a file that "
+            "uses any of them is not graded at all. `kvlab check LAB your_file.c` names every "
+            "one it finds.\n\n"
+            f"- `#include` of any header but the lab's own and {headers};\n"
+            f"- the names {names}.\n")
