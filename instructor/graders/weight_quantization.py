@@ -5,21 +5,22 @@ never shipped in the package.
 Q4_0's round to nearest is checked bit for bit against kvlab.weight_formats (ggml's
 quantizer) on drawn matrices and on blocks built to trip it; the scales, the output error,
 the grid search and the fold against kvlab.weight_quantization on small layers drawn now.
-The last test runs the submission's search on SmolLM2-135M (every layer's wq/wk/wv and
-w1/w3, calibrated on a stretch of text drawn now), folds and stores the result in Q4_0 the
-kit's way, and compares the perplexity on another stretch with round to nearest's: it must
-be lower. SmolLM2 is kvlab's named model (kvlab fetch smollm2-135m), loaded in prepare().
+The last test runs the submission's search on SmolLM2-135M's own layers (wq/wk/wv and
+w1/w3 of three layers drawn now, on their inputs from a stretch of text drawn now) against
+kvlab's. It does not ask the searched model to beat round to nearest's perplexity: on this
+short verse text kvlab's own AWQ (every layer, 64 to 192 calibration tokens, in or out of
+sample) made SmolLM2 worse than round to nearest in most draws tried, though it is better
+on chapter 10's Tiny Shakespeare with 512 calibration tokens; a grade must not hang on that.
+SmolLM2 is kvlab's named model (kvlab fetch smollm2-135m), loaded in prepare().
 """
-import dataclasses
 import functools
 
 import numpy as np
 
 import kvlab
-from kvlab import accuracy, reference, weight_formats
+from kvlab import reference
 from kvlab import weight_quantization as wq
 from kvlab.grading.testkit import as_array, check_close, described, number, points
-from kvlab.model import Model
 
 # Text for calibration and evaluation (public domain: Shakespeare, Hamlet act 3 scene 1,
 # Julius Caesar act 3 scene 2, As You Like It act 2 scene 7, sonnet 18).
@@ -85,9 +86,8 @@ When in eternal lines to time thou grow'st:
 So long as men can breathe or eyes can see,
 So long lives this, and this gives life to thee.
 """
-CALIBRATION_TOKENS = 48
-EVALUATION_TOKENS = 192
-MODEL_ALPHAS = [0.0, 0.25, 0.5]      # the grid of the SmolLM2 test (short: 60 searches)
+CALIBRATION_TOKENS = 64
+MODEL_ALPHAS = [0.0, 0.25, 0.5]      # the grid of the SmolLM2 test
 GROUPS = (("attn", ("wq", "wk", "wv"), "attn_norm"), ("ffn", ("w1", "w3"), "ffn_norm"))
 
 
@@ -99,17 +99,8 @@ def smollm2():
     return model, weights, np.asarray(model.encode(TEXT), dtype=np.int64)
 
 
-@functools.lru_cache(maxsize=None)
-def rtn_weights():
-    """SmolLM2 with every layer's wq, wk, wv, w1 and w3 stored in Q4_0 by round to nearest."""
-    _, weights, _ = smollm2()
-    return dataclasses.replace(weights, **{name: weight_formats.stored(getattr(weights, name), "q4_0")
-                                           for group in GROUPS for name in group[1]})
-
-
 def prepare():
     smollm2()
-    rtn_weights()
 
 
 def normal(rng, *shape, scale=1.0):
@@ -204,23 +195,8 @@ def test_search_picks_the_alpha_with_the_least_error(sub, rng):
                     for _ in range(int(rng.integers(1, 4)))]
         alphas = [0.0] + sorted(float(a) for a in rng.choice(np.arange(1, 10) / 10,
                                                              int(rng.integers(3, 7)), replace=False))
-        got = sub.search_scales(x, matrices, alphas)
-        what = f"search_scales over {len(matrices)} matrices of {in_dim} columns, alphas {alphas}"
-        assert isinstance(got, dict) and {"alpha", "scales", "errors"} <= set(got), (
-            f"{what}: expected a dict with 'alpha', 'scales' and 'errors', got {described(got)}")
-        magnitude = np.abs(x).mean(axis=0)
-        want = [sum(wq.output_error(x, w, kits_q4_0(w * s) / s) for w in matrices)
-                for s in (wq.awq_scales(magnitude, a) for a in alphas)]
-        check_close(as_array(got["errors"], f"{what}: errors", shape=(len(alphas),)),
-                    np.array(want), f"{what}: the output error of each alpha", atol=0, rtol=1e-4)
-        alpha = number(got["alpha"], f"{what}: alpha")
-        assert alpha in alphas, f"{what}: alpha {alpha!r} is not one of the grid's"
-        assert want[alphas.index(alpha)] <= min(want) * (1 + 1e-6), (
-            f"{what}: alpha {alpha} gives output error {want[alphas.index(alpha)]:.6g}, but alpha "
-            f"{alphas[int(np.argmin(want))]} gives {min(want):.6g}")
-        check_close(got["scales"], wq.awq_scales(magnitude, alpha),
-                    f"{what}: the scales of alpha {alpha} (from mean |x| of each input channel)",
-                    atol=0, rtol=1e-5)
+        check_search(sub, x, matrices, alphas, f"search_scales over {len(matrices)} matrices "
+                     f"of {in_dim} columns, alphas {alphas}")
 
 
 @points(2)
@@ -244,44 +220,38 @@ def test_fold_into_norm_keeps_the_layer(sub, rng):
                     f"matrix {i} after the folded RMSNorm: the layer's outputs", atol=1e-4, rtol=1e-4)
 
 
-def perplexity(weights, tokens) -> float:
-    model, _, _ = smollm2()
-    run = Model(model.config, weights, model.tokenizer, activations="fp32")
-    logits = run.prefill(tokens, run.new_cache(len(tokens)), all_logits=True)
-    return accuracy.perplexity(logits, tokens)
+def check_search(sub, x, matrices, alphas, what):
+    """The submission's search over these matrices against kvlab's: every alpha's error,
+    the least one's alpha, its scales."""
+    got = sub.search_scales(x, matrices, alphas)
+    assert isinstance(got, dict) and {"alpha", "scales", "errors"} <= set(got), (
+        f"{what}: expected a dict with 'alpha', 'scales' and 'errors', got {described(got)}")
+    magnitude = np.abs(x).mean(axis=0)
+    want = [sum(wq.output_error(x, w, kits_q4_0(w * s) / s) for w in matrices)
+            for s in (wq.awq_scales(magnitude, a) for a in alphas)]
+    check_close(as_array(got["errors"], f"{what}: errors", shape=(len(alphas),)),
+                np.array(want), f"{what}: the output error of each alpha", atol=0, rtol=1e-4)
+    alpha = number(got["alpha"], f"{what}: alpha")
+    assert alpha in alphas, f"{what}: alpha {alpha!r} is not one of the grid's"
+    assert want[alphas.index(alpha)] <= min(want) * (1 + 1e-6), (
+        f"{what}: alpha {alpha} gives output error {want[alphas.index(alpha)]:.6g}, but alpha "
+        f"{alphas[int(np.argmin(want))]} gives {min(want):.6g}")
+    check_close(got["scales"], wq.awq_scales(magnitude, alpha),
+                f"{what}: the scales of alpha {alpha} (from mean |x| of each input channel)",
+                atol=0, rtol=1e-5)
 
 
-@points(5, slow=3)
-def test_your_scales_beat_round_to_nearest_on_smollm2(sub, rng):
-    """SmolLM2-135M in Q4_0 with your scales (every layer's wq/wk/wv and w1/w3): lower perplexity than round to nearest"""
+@points(5, slow=2)
+def test_your_search_on_smollm2s_layers(sub, rng):
+    """SmolLM2-135M's own layers (wq/wk/wv and w1/w3 of layers drawn now, on their inputs from text drawn now): the search as kvlab's"""
     model, weights, ids = smollm2()
-    start = int(rng.integers(0, len(ids) - CALIBRATION_TOKENS - EVALUATION_TOKENS))
-    calibration_ids = ids[start:start + CALIBRATION_TOKENS]
-    rest = np.concatenate([ids[:start], ids[start + CALIBRATION_TOKENS:]])
-    first = int(rng.integers(0, len(rest) - EVALUATION_TOKENS))
-    evaluation = rest[first:first + EVALUATION_TOKENS]
-    calibration = wq.calibrate(model.config, weights, calibration_ids, window=CALIBRATION_TOKENS)
-    arrays = {name: getattr(weights, name).copy() for group in GROUPS
-              for name in group[1] + (group[2],)}
-    for layer in range(model.config.n_layers):
-        for inputs, names, norm in GROUPS:
-            what = f"search_scales on layer {layer}'s {'/'.join(names)}"
-            got = sub.search_scales(getattr(calibration, inputs)[layer],
-                                    [arrays[name][layer] for name in names], MODEL_ALPHAS)
-            assert isinstance(got, dict) and "scales" in got, (
-                f"{what}: expected a dict with 'scales', got {described(got)}")
-            s = as_array(got["scales"], f"{what}: scales", shape=(model.config.dim,))
-            assert np.isfinite(s).all() and (s > 0).all(), f"{what}: scales must be finite and > 0"
-            s = s.astype(np.float32)
-            arrays[norm][layer] /= s
-            for name in names:
-                arrays[name][layer] *= s
-    yours = dataclasses.replace(weights, **{name: weight_formats.stored(array, "q4_0")
-                                            if name.startswith("w") else array
-                                            for name, array in arrays.items()})
-    mine, theirs, exact = (perplexity(yours, evaluation), perplexity(rtn_weights(), evaluation),
-                           perplexity(weights, evaluation))
-    assert mine < theirs, (
-        f"SmolLM2 with every layer's wq/wk/wv and w1/w3 in Q4_0, calibrated on {CALIBRATION_TOKENS} "
-        f"tokens, over {EVALUATION_TOKENS} other tokens: perplexity {mine:.3f} with your scales, "
-        f"{theirs:.3f} by round to nearest (float: {exact:.3f}); yours must be lower")
+    start = int(rng.integers(0, len(ids) - CALIBRATION_TOKENS))
+    layers = sorted(int(i) for i in rng.choice(model.config.n_layers, 3, replace=False))
+    calibration = wq.calibrate(model.config, weights, ids[start:start + CALIBRATION_TOKENS],
+                               window=CALIBRATION_TOKENS)
+    for layer in layers:
+        for inputs, names, _ in GROUPS:
+            check_search(sub, getattr(calibration, inputs)[layer],
+                         [getattr(weights, name)[layer] for name in names], MODEL_ALPHAS,
+                         f"search_scales on SmolLM2's layer {layer}, {'/'.join(names)}, "
+                         f"alphas {MODEL_ALPHAS}")

@@ -2,7 +2,8 @@
 d as a half: every value is off by d's rounding to 11 bits, and d below a half's normal
 range (tiny weights) is far off."""
 EXPECTED_FAILURES = ["test_round_to_nearest_is_q4_0s", "test_round_to_nearest_edge_blocks",
-                     "test_search_picks_the_alpha_with_the_least_error"]
+                     "test_search_picks_the_alpha_with_the_least_error",
+                     "test_your_search_on_smollm2s_layers"]
 
 
 def q4_0_round_to_nearest(w):

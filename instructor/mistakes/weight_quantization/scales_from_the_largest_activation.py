@@ -1,6 +1,7 @@
 """search_scales takes each channel's largest |x| where AWQ takes its mean: a reasonable
-choice that SmolLM2 also rewards, but not the one asked for, so the scales differ."""
-EXPECTED_FAILURES = ["test_search_picks_the_alpha_with_the_least_error"]
+choice, but not the one asked for, so the errors and scales differ."""
+EXPECTED_FAILURES = ["test_search_picks_the_alpha_with_the_least_error",
+                     "test_your_search_on_smollm2s_layers"]
 
 
 def search_scales(x, matrices, alphas):
