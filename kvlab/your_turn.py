@@ -28,6 +28,7 @@ from typing import Callable, List, NamedTuple, Optional
 import numpy as np
 
 from . import load, quant, reference
+from . import weight_quantization as wq
 from .cache_policy import HeavyHitters, most_attended
 from .config import ModelConfig
 from .engine import Engine
@@ -955,13 +956,11 @@ def _check_speculative_loop(answer, model, case: str, text: str, n_new: int) -> 
 # ---- 10: weight quantization ------------------------------------------------------------
 
 def _awq_error(x, w, alpha) -> float:
-    from . import weight_quantization as wq
     s = wq.awq_scales(np.abs(x).mean(axis=0), alpha)
     return wq.output_error(x, w, wq.rounded(w * s, "q4_0") / s)
 
 
 def _check_awq(answer, rng) -> str:
-    from . import weight_quantization as wq
     x = rng.standard_normal((24, 64)).astype(np.float32)
     x[:, 7] *= 25                                   # one loud channel
     w = (0.1 * rng.standard_normal((16, 64))).astype(np.float32)
