@@ -8,9 +8,8 @@ the kernels' bits are then the same from gcc and clang, and fused multiply-adds 
 where the source asks for them (simd.h's madd, plain.c's fmaf, in a variant built with FMA).
 -fvisibility=hidden: the module shows only PyInit to the dynamic linker, so that calls
 between the core's files (a kernel's name in dispatch.c, attention's softmax step in ops.c)
-are direct calls, not jumps through the PLT that another library's same name could take
-over. On the bundled model that took the dispatching build's prefill from 0.92x a
--march=native build's speed to 0.97-1.00x (CPU time, 1 thread, benchmarks/ab.py).
+are direct calls, not jumps through the PLT that another library's function of the same
+name could take over (no speed change measured on a quiet machine).
 OpenMP where the compiler has it; on macOS, where Apple's clang has none of its own, through
 Homebrew's libomp when it is installed, else single-threaded with a one-line notice.
 
@@ -46,7 +45,7 @@ import subprocess
 import sys
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from setuptools.command.build_ext import build_ext
@@ -77,6 +76,7 @@ class Variant:
     functions, kvlab._kvlab.VARIANT's value) and the instruction sets it may use."""
     name: str
     flags: tuple = ()
+    tuning: tuple = ()   # -mtune: left out where the compiler does not take it
 
     def features(self):
         """The CPU features its flags name ("-mavx2" -> "avx2"), which dispatch.c checks."""
@@ -87,11 +87,15 @@ class Variant:
 # runs a variant (tests/test_build.py keeps the two lists equal). AVX2 comes with FMA, F16C
 # and BMI2 on every CPU that has it (Haswell, 2013; AMD's Excavator, 2015); AVX-512 without
 # VNNI (Skylake's servers, 2017) gains the kernels nothing, since their 512-bit paths are
-# VNNI's int8 dot products.
+# VNNI's int8 dot products. The avx512 variant is tuned for Intel's AVX-512 cores (Ice Lake
+# and later; AMD's Zen 4, the other CPUs it runs on, untried): with GCC's generic tuning it
+# moved vector lanes through general registers, and the bundled model's prefill ran at
+# 0.90x a -march=native build's on a Sapphire Rapids (1.0x tuned; CPU time, 1 thread,
+# benchmarks/ab.py). Tuning the avx2 variant changed nothing measurable (within 3 %).
 AVX2 = ("-mavx2", "-mfma", "-mf16c", "-mbmi", "-mbmi2")
 VARIANTS = (
     Variant("avx512", AVX2 + ("-mavx512f", "-mavx512bw", "-mavx512cd", "-mavx512dq",
-                              "-mavx512vl", "-mavx512vnni")),
+                              "-mavx512vl", "-mavx512vnni"), ("-mtune=icelake-server",)),
     Variant("avx2", AVX2),
     Variant("baseline"),
 )
@@ -179,7 +183,9 @@ def choose_variants(compiles, env=None):
     if not compiles(X86_64_PROGRAM, []):
         return []
     chosen = [v for v in VARIANTS if compiles(variant_program(v), list(v.flags))]
-    return chosen if len(chosen) > 1 and chosen[-1] == VARIANTS[-1] else []
+    chosen = [v if compiles(variant_program(v), [*v.flags, *v.tuning]) else replace(v, tuning=())
+              for v in chosen]
+    return chosen if len(chosen) > 1 and chosen[-1].name == VARIANTS[-1].name else []
 
 
 def choose_flags(accepts, env=None, platform=None, libomp=find_libomp, compiles=None):
@@ -240,7 +246,7 @@ def build_record(compiler, linker, flags, env=None, extra=None):
         "version": compiler_version(compiler),
         "compile_args": list(flags.compile),
         "link_args": list(flags.link),
-        "variants": [[v.name, list(v.flags)] for v in flags.variants],
+        "variants": [[v.name, [*v.flags, *v.tuning]] for v in flags.variants],
         "environment": {name: env[name] for name in sorted(env) if name in BUILD_VARIABLES},
         "extra": extra or {},
     }
@@ -377,7 +383,7 @@ class BuildExt(build_ext):
                 [source], output_dir=os.path.join(self.build_temp, "variants", variant.name),
                 macros=[*ext.define_macros, ("KV_VARIANT", variant.name)],
                 include_dirs=ext.include_dirs, depends=ext.depends,
-                extra_postargs=[*ext.extra_compile_args, *variant.flags,
+                extra_postargs=[*ext.extra_compile_args, *variant.flags, *variant.tuning,
                                 "-include", VARIANT_NAMES])
         jobs = [(v, source) for v in self.variants for source in kernels]
         with ThreadPoolExecutor(max(1, min(len(jobs), os.cpu_count() or 1))) as pool:

@@ -287,6 +287,13 @@ def test_a_variant_the_compiler_cannot_build_is_left_out():
     assert kvlab_build.choose_variants(compiling(lacking=["-mavx2"]), env={}) == []
 
 
+def test_a_tuning_the_compiler_does_not_know_is_left_out_not_its_variant():
+    tuned = kvlab_build.choose_variants(compiling(), env={})
+    assert tuned[0].tuning == ("-mtune=icelake-server",)
+    untuned = kvlab_build.choose_variants(compiling(lacking=["-mtune=icelake-server"]), env={})
+    assert names(untuned) == names(tuned) and untuned[0].tuning == ()
+
+
 @pytest.mark.parametrize("env", [{"KVLAB_NATIVE": "1"}, {"KVLAB_PORTABLE": "1"}])
 def test_native_and_portable_builds_have_one_variant(env):
     assert kvlab_build.choose_variants(compiling(), env=env) == []
