@@ -111,26 +111,31 @@ def calibration_text(n_chars: int = 20_000):
 
 def outliers(calibration: wq.Calibration) -> dict:
     """Per input and layer: mean |x| per channel, its largest over its median, the channel
-    that holds it, and how many channels exceed 10x the median."""
-    table = {}
-    for name in INPUTS:
-        inputs = getattr(calibration, name)
-        magnitude = np.abs(inputs).mean(axis=1)                       # (n_layers, in_dim)
+    that holds it, and how many channels exceed 10x the median; every channel's mean |x|
+    only for the layer plotted (the one whose attention input has the loudest channel), so
+    that the JSON holds what the chapter and its figure show, not 30 layers of channels."""
+    magnitudes = {name: np.abs(getattr(calibration, name)).mean(axis=1)   # (n_layers, in_dim)
+                  for name in INPUTS}
+    ratios = {name: m.max(axis=1) / np.median(m, axis=1) for name, m in magnitudes.items()}
+    layer = int(np.argmax(ratios["attn"]))
+    table = {"plotted_layer": layer}
+    for name, magnitude in magnitudes.items():
         median = np.median(magnitude, axis=1)
         table[name] = {
-            "ratio_max_over_median": (magnitude.max(axis=1) / median).tolist(),
+            "ratio_max_over_median": ratios[name].tolist(),
             "top_channel": magnitude.argmax(axis=1).tolist(),
             "channels_over_10x_median": (magnitude > 10 * median[:, None]).sum(axis=1).tolist(),
-            "in_dim": int(inputs.shape[-1]),
-            "largest_abs": float(np.abs(inputs).max()),
-            "magnitude": magnitude.tolist()}
+            "in_dim": int(magnitude.shape[-1]),
+            "largest_abs": float(np.abs(getattr(calibration, name)).max()),
+            "plotted_layer_magnitude": magnitude[layer].tolist()}
     return table
 
 
-def plot_outliers(table: dict, layer: int, path: Path) -> None:
+def plot_outliers(table: dict, path: Path) -> None:
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    layer = table["plotted_layer"]
     for name in INPUTS:
-        magnitude = np.sort(np.asarray(table[name]["magnitude"][layer]))[::-1]
+        magnitude = np.sort(np.asarray(table[name]["plotted_layer_magnitude"]))[::-1]
         left.plot(np.arange(1, len(magnitude) + 1) / len(magnitude),
                   magnitude / np.median(magnitude), label=INPUT_LABELS[name])
         right.plot(table[name]["ratio_max_over_median"], marker=".", label=INPUT_LABELS[name])
@@ -312,9 +317,7 @@ def main() -> None:
     if 1 in sections:
         since = time.perf_counter()
         result["outliers"] = outliers(calibration)
-        layer = int(np.argmax(result["outliers"]["attn"]["ratio_max_over_median"]))
-        result["outliers"]["plotted_layer"] = layer
-        plot_outliers(result["outliers"], layer, out / "ch10_outliers.png")
+        plot_outliers(result["outliers"], out / "ch10_outliers.png")
         for name in INPUTS:
             ratios = result["outliers"][name]["ratio_max_over_median"]
             print(f"{name:<5} largest/median: {min(ratios):.1f} .. {max(ratios):.1f}")
