@@ -7,6 +7,9 @@ contiguous GPU cache's slots are kvlab.cuda's. Here a NumPy stand-in replaces th
 (conftest.py's fake_store), and the GPU pool must hold, for every sequence, exactly what the
 CPU pool holds after the same operations.
 """
+import gc
+import weakref
+
 import numpy as np
 import pytest
 
@@ -461,6 +464,20 @@ def test_a_pool_takes_a_store_that_can_hold_its_rows(fake_store):
     assert pool.device == "cuda" and pool.nbytes == pool.key_codes.nbytes * 2
     with pytest.raises(ValueError, match="on 'cuda' but the model runs on 'cpu'"):
         kvlab.load().forward([1, 2], pool.new_sequence())
+
+
+def test_a_pool_and_a_store_that_refer_to_each_other_are_collected(fake_store):
+    """A store written in Python may keep its pool (pool -> store -> pool): the pool takes
+    part in garbage collection, so the cycle is freed, not leaked with all its rows."""
+    fmt = CacheFormat.make(D, "fp32")
+    store = fake_store(L, H, D, 32, fmt)
+    pool = kvlab.PagedPool(L, H, D, 8, 4, store=store)
+    store.pool = pool
+    seq = pool.new_sequence()
+    gone = weakref.ref(store)
+    del store, pool, seq
+    gc.collect()
+    assert gone() is None
 
 
 def test_a_refused_batch_reservation_names_its_cause(fake_store):
