@@ -450,7 +450,8 @@ static PyMethodDef pool_methods[] = {
     {"_commit_batch", (PyCFunction)kv_py_pool_commit_batch, METH_VARARGS,
      "_commit_batch(seqs, tokens, n_tokens): the reserved rows are written."},
     {"_cancel_batch", (PyCFunction)kv_py_pool_cancel_batch, METH_O,
-     "_cancel_batch(seqs): they were not: every sequence as it was (no-op unless held)."},
+     "_cancel_batch(seqs): they were not: every reservation the pool holds is given back,\n"
+     "every sequence as it was (no-op unless held)."},
     {NULL}
 };
 

@@ -147,6 +147,26 @@ def test_a_block_computed_twice_is_swapped_for_its_twin_after_the_write(fake_sto
     check_same(cpu, gpu, pairs)
 
 
+def test_a_held_batch_is_committed_whole_or_given_back_whole(fake_store):
+    """A batch reserved for two sequences: a commit naming only one of them is refused (the
+    other's rows would stay reserved in a pool no longer held), and a cancel naming only one
+    gives back both reservations: the pool is as it was."""
+    _, gpu = make_pools(fake_store, "fp32", block_size=4)
+    a, b = gpu.new_sequence(), gpu.new_sequence()
+    ref_counts = gpu.ref_counts.copy()
+    counts = np.array([3, 2], np.int32)
+    gpu._reserve_batch([a, b], counts)
+    with pytest.raises(ValueError, match="not the sequences and counts"):
+        gpu._commit_batch([a], np.arange(3, dtype=np.int32), counts[:1])
+    with pytest.raises(RuntimeError, match="in use"):
+        gpu.new_sequence()                            # still held by the batch
+    gpu._cancel_batch([a])
+    gpu.check()
+    assert a.length == b.length == 0 and a.block_table.size == b.block_table.size == 0
+    np.testing.assert_array_equal(gpu.ref_counts, ref_counts)
+    gpu.new_sequence()                                # no longer held
+
+
 def test_the_gpu_pool_is_the_cpu_pool_with_its_rows_in_the_store(fake_store):
     """The GPU pool's bookkeeping is the C core's pool itself (no CPU pool of dummy rows, no
     Python copy of the books): the pool says which rows to copy (copy-on-write), and its
