@@ -81,6 +81,7 @@ from .paged import PagedPool, PoolStats
 from .pool_space import PoolSpace, check_request_fits, check_swap, pool_for
 from .quant import CacheFormat
 from .sampling import sample as sample_token
+from .slo import StepWork
 from .scheduler import Request, SamplingParams, ScheduledStep, Scheduler, Sequence, State
 from .speculative import (Drafter, SpeculationStats, check_drafter, keep_until_stop,
                           propose_drafts, verify_drafts)
@@ -122,6 +123,8 @@ class _Outcome:
     interrupt: Optional[KeyboardInterrupt] = None    # raised by a call: raised at the end
     stats: Optional[PoolStats] = None                # the pool, and the clock, at its end
     now: float = 0.0
+    counts: dict = dataclasses.field(default_factory=dict)   # StepResult's token counts
+    kv_rows_read: int = 0                            # by the forward calls made
 
 
 class Engine:
@@ -290,7 +293,8 @@ class Engine:
                     self._phase = "sample"
                     self._choose(plan, number, outcome)
                     self._trace(number)
-                    outcome.stats, outcome.now = self.pool.stats(), self._clock()
+                    outcome.counts = _counts(plan, outcome.chunks)
+                    outcome.stats, outcome.now = self.pool.stats(), self._time_after(outcome)
                     return outcome
                 except KeyboardInterrupt as interrupt:
                     outcome.interrupt = interrupt
@@ -298,6 +302,18 @@ class Engine:
         finally:
             if self._tracer is not None:
                 self._tracer.stop(number, self._phase)
+
+    def _time_after(self, outcome: _Outcome) -> float:
+        """The clock at the end of the step's run. A clock that prices work (one with a
+        charge method, as kvlab.slo.VirtualClock) is charged with the step's first."""
+        charge = getattr(self._clock, "charge", None)
+        if callable(charge):
+            traffic = self.space.traffic
+            c = outcome.counts
+            charge(StepWork(tokens=c["prefill_tokens"] + c["decode_tokens"] + c["drafted"],
+                            sequences=len(outcome.chunks), kv_rows_read=outcome.kv_rows_read,
+                            swapped_bytes=traffic.out_bytes + traffic.in_bytes))
+        return self._clock()
 
     def _forward(self, plan: ScheduledStep, outcome: _Outcome) -> None:
         """The one forward_batch. Each item feeds its tokens from the rows its handle holds
@@ -323,6 +339,7 @@ class Engine:
                     length = end - 1
                 tokens = seq.tokens[length:] + drafts
             if tokens:
+                outcome.kv_rows_read += _rows_read(length, len(tokens))
                 handles.append(seq.handle)
                 fed.append(tokens)
                 ends.append((i, end == len(seq.tokens), len(drafts)))
@@ -457,7 +474,7 @@ class Engine:
     def _commit(self, plan: ScheduledStep, outcome: _Outcome, number: int,
                 started: float) -> StepResult:
         """The step's results, assigned: nothing here calls into the pool or out of kvlab."""
-        counts = _counts(plan, outcome.chunks)
+        counts = outcome.counts
         new_tokens: Dict[int, List[int]] = {}
         for seq, computed in outcome.computed.items():
             seq.computed = computed
@@ -498,7 +515,8 @@ class Engine:
                             swapped_out_blocks=swapped.out_blocks,
                             swapped_out_bytes=swapped.out_bytes,
                             swapped_in_blocks=swapped.in_blocks,
-                            swapped_in_bytes=swapped.in_bytes)
+                            swapped_in_bytes=swapped.in_bytes,
+                            kv_rows_read=outcome.kv_rows_read)
         self.metrics.append(result)
         return result
 
@@ -610,6 +628,12 @@ def _counts(plan: ScheduledStep, chunks: List[Tuple[int, List[int]]]) -> dict:
             recomputed += min(seq.computed + own, seq.computed_before) - seq.computed
     return dict(prefill_tokens=prefill, decode_tokens=decode, drafted=drafted,
                 recomputed_tokens=recomputed)
+
+
+def _rows_read(length: int, n: int) -> int:
+    """K/V rows read by the attention of n tokens fed after `length` rows: the token at
+    position p reads p + 1 rows (the Engine rolls no sliding window)."""
+    return n * length + n * (n + 1) // 2
 
 
 def _count_pass(stats: SpeculationStats, choice: _Choice) -> None:
