@@ -361,6 +361,11 @@ class Disaggregated:
                     self.decode.step()
         return {**self.prefill.outputs, **self.decode.outputs}
 
+    @property
+    def seconds(self) -> float:
+        """When the later of the two engines finished its last step."""
+        return max(self.prefill._clock(), self.decode._clock())
+
     # [quote ch11-hand-off]
     def _hand_off_prefilled(self) -> None:
         """Every running request of the prefill engine that has its first token leaves it:
@@ -379,3 +384,27 @@ class Disaggregated:
             self.moved_bytes += nbytes
             self.hand_offs += 1
     # [end ch11-hand-off]
+
+
+def colocated(model, requests: Sequence[tuple], cost=None, num_blocks: int = 512,
+              block_size: int = 16, max_batch_tokens: int = 256):
+    """The baseline: the same requests served by one Engine on one VirtualClock (as
+    kvlab.serving.serve(clock="virtual") runs them), prefills and decodes sharing its
+    steps. Returns (every request's RequestOutput by id, the seconds the run took)."""
+    from .engine import Engine
+    from .serving import _run_virtual
+    from .slo import StepCost, VirtualClock
+    engine = Engine(model, num_blocks=num_blocks, block_size=block_size,
+                    max_batch_tokens=max_batch_tokens,
+                    clock=VirtualClock(StepCost.for_model(model) if cost is None else cost))
+    seconds = _run_virtual(engine, sorted(requests, key=lambda r: r[0]), None)
+    return engine.outputs, seconds
+
+
+def served(outputs: dict, seconds: float, slo) -> dict:
+    """A run's throughput (generated tokens a second) and kvlab.slo.goodput_report's
+    goodput, p99 TTFT and TPOT under `slo`."""
+    from .slo import goodput_report
+    tokens = sum(out.metrics.output_tokens for out in outputs.values())
+    return {"tokens_per_s": tokens / seconds, "requests_per_s": len(outputs) / seconds,
+            **goodput_report(list(outputs.values()), slo, seconds)}
