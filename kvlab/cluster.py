@@ -250,6 +250,8 @@ def offload(pool, seq, path: Optional[os.PathLike] = None) -> SwappedSequence:
             file.write(host.data.tobytes())
             file.flush()
             os.fsync(file.fileno())          # the bytes reach the disk, not the page cache
+            if hasattr(os, "posix_fadvise"):  # and the read back comes from the disk too:
+                os.posix_fadvise(file.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)   # (Linux)
     return host
 
 
@@ -265,17 +267,20 @@ def restore(pool, host: SwappedSequence, path: Optional[os.PathLike] = None):
     return pool.swap_in(host)
 
 
-def _timed(fn, *args):
-    started = time.perf_counter()
+def _timed(fn, *args, clock=time.process_time):
+    started = clock()
     result = fn(*args)
-    return result, time.perf_counter() - started
+    return result, clock() - started
 
 
 def measure_tiers(model, tokens: Sequence[int], folder: os.PathLike) -> dict:
     """One round of the chapter's tier comparison for a context of len(tokens) tokens:
     seconds to compute its K and V (a prefill into a pool sequence), to swap them out to
     host memory and back in, and to write them to a file in folder and read them back in,
-    with the bytes moved. The sequence restored each way must equal the computed one."""
+    with the bytes moved. The sequence restored each way must equal the computed one.
+    Computing and copying in memory are the CPU's work: they are timed in CPU seconds
+    (time.process_time: with one kvlab thread, what other processes on the machine change
+    least); the file's are wall seconds, most of them spent waiting for the disk."""
     tokens = np.asarray(_ids(tokens), np.int64)
     if tokens.size < 2:
         raise ValueError("measure_tiers needs a context of at least 2 tokens")
@@ -287,8 +292,8 @@ def measure_tiers(model, tokens: Sequence[int], folder: os.PathLike) -> dict:
     seq, back = _timed(restore, pool, host)
     path = Path(folder) / "kv_tier.bin"
     try:
-        host, write = _timed(offload, pool, seq, path)
-        seq, read = _timed(restore, pool, host, path)
+        host, write = _timed(offload, pool, seq, path, clock=time.perf_counter)
+        seq, read = _timed(restore, pool, host, path, clock=time.perf_counter)
     finally:
         path.unlink(missing_ok=True)
     if not np.array_equal(model.forward(tokens[-1:], cache=seq), want):

@@ -54,7 +54,7 @@ HERE = Path(__file__).resolve().parent
 SECTION_KEYS = {1: ["serving"], 3: ["tiers", "tiers_gpu"], 4: ["sharing"], 5: ["tp"]}
 BLOCK_SIZES = (8, 16, 32)
 TP_SIZES = (1, 2, 3, 4, 8, 9, 16)
-SLO_TTFT_S, SLO_TPOT_S = 1.0, 0.06     # the chapter's SLO for SmolLM2 on the kit's clock
+SLO_TTFT_S, SLO_TPOT_S = 1.0, 0.05     # the chapter's SLO for SmolLM2 on the kit's clock
 FACTS = {
     **gpu_facts("h100_bf16_dense_flops"),
     "link_bytes_per_s": {
@@ -138,7 +138,7 @@ def serving_section(model, quick: bool) -> dict:
     cost = slo_module.StepCost.for_model(model)
     setup = (dict(rates=(20.0, 80.0), n=8, prompt_range=(16, 64), new_range=(8, 24),
                   slo=(0.05, 0.004)) if quick else
-             dict(rates=(0.5, 1.0, 2.0, 3.0), n=24, prompt_range=(32, 256), new_range=(16, 64),
+             dict(rates=(0.5, 1.5, 3.0), n=16, prompt_range=(32, 256), new_range=(8, 40),
                   slo=(SLO_TTFT_S, SLO_TPOT_S)))
     slo = slo_module.SLO(*setup["slo"])
     link = FACTS["link_bytes_per_s"]["value"]
@@ -211,6 +211,8 @@ def tiers_gpu() -> dict:
     disk = cluster.Tier("disk", FACTS["nvme_read_bytes_per_s"]["value"]).seconds(per_token)
     return {"kv_bytes_per_token": per_token, "flops_per_token": 2 * c.n_params(),
             "compute_s_per_token": compute, "host_s_per_token": host, "disk_s_per_token": disk,
+            "compute_us_per_token": 1e6 * compute, "host_us_per_token": 1e6 * host,
+            "disk_us_per_token": 1e6 * disk,
             "compute_over_host": compute / host, "compute_over_disk": compute / disk}
 
 
@@ -361,10 +363,58 @@ def plot_tp(table, path) -> None:
 # ---- the numbers the prose prints whole ---------------------------------------------------
 
 def quoted(result) -> dict:
-    """Whole numbers the chapter prints, formatted as printed (tests/test_chapters.py finds
-    each in the prose)."""
-    found = {}
-    return found
+    """Every number the chapter prints from this JSON, formatted as printed, by name
+    (tests/test_chapters.py finds each in the prose; the chapter was written from them)."""
+    q = {}
+    if result.get("serving"):
+        s = result["serving"]
+        q["slo_ttft_ms"], q["slo_tpot_ms"] = f"{1e3 * s['slo_ttft_s']:,.0f}", f"{1e3 * s['slo_tpot_s']:,.0f}"
+        for name in ("step_s", "token_s", "sequence_s", "kv_row_s"):
+            q[f"cost_{name}_ms"] = f"{1e3 * s['cost'][name]:.4g}"
+        for row in s["rows"]:
+            r = f"{row['rate']:g}"
+            q[f"moved_{r}"] = f"{row['moved_bytes']:,}"
+            for key in ("one", "replicas", "disaggregated"):
+                x = row[key]
+                q[f"{key}_{r}_tok"] = f"{x['tokens_per_s']:.1f}"
+                q[f"{key}_{r}_rps"] = f"{x['requests_per_s']:.2f}"
+                q[f"{key}_{r}_good"] = f"{x['goodput']:.2f}"
+                q[f"{key}_{r}_served"] = f"{x['served']} of {x['requests']}"
+                q[f"{key}_{r}_ttft"] = f"{x['ttft_p99_ms']:,.0f}"
+                q[f"{key}_{r}_tpot"] = f"{x['tpot_p99_ms']:.1f}"
+                q[f"{key}_{r}_per_gpu"] = f"{x['goodput_per_gpu']:.2f}"
+    if result.get("tiers"):
+        for row in result["tiers"]:
+            n = row["tokens"]
+            q[f"tier_{n}_bytes"] = f"{row['bytes']:,}"
+            for key in ("compute_s", "host_s", "disk_s"):
+                q[f"tier_{n}_{key}"] = f"{1e3 * row[key]:.2f}"
+            q[f"tier_{n}_over_host"] = f"{row['compute_over_host']:.0f}"
+            q[f"tier_{n}_over_disk"] = f"{row['compute_over_disk']:.1f}"
+        g = result["tiers_gpu"]
+        q["gpu_kv_bytes"] = f"{g['kv_bytes_per_token']:,}"
+        q["gpu_gflop"] = f"{g['flops_per_token'] / 1e9:.2f}"
+        for key in ("compute", "host", "disk"):
+            q[f"gpu_{key}_us"] = f"{g[key + '_us_per_token']:.2f}"
+        q["gpu_over_host"] = f"{g['compute_over_host']:.1f}"
+        q["gpu_over_disk"] = f"{g['compute_over_disk']:.2f}"
+    if result.get("sharing"):
+        for name, row in result["sharing"].items():
+            k = name.split()[0].replace("-", "_")
+            q[f"{k}_prompts"], q[f"{k}_tokens"] = f"{row['prompts']}", f"{row['tokens']:,}"
+            q[f"{k}_radix"] = f"{row['radix']:,}"
+            q[f"{k}_radix_share"] = f"{100 * row['radix_share']:.1f} %"
+            for size in BLOCK_SIZES:
+                q[f"{k}_blocks_{size}"] = f"{row['blocks'][str(size)]:,}"
+                q[f"{k}_lost_{size}"] = f"{row[f'lost_at_{size}']:,}"
+                q[f"{k}_lost_share_{size}"] = f"{100 * row[f'lost_share_at_{size}']:.1f} %"
+    if result.get("tp"):
+        for name, entry in result["tp"].items():
+            for row in entry["rows"]:
+                key = f"tp_{name}_{row['tp']}"
+                q[f"{key}_bytes"] = f"{row['per_gpu']:,}"
+                q[f"{key}_tokens"] = f"{row['tokens_per_80gb_gpu']:,}"
+    return q
 
 
 # ---- the run -----------------------------------------------------------------------------
