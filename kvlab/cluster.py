@@ -340,7 +340,7 @@ class Disaggregated:
         shape); returns every request's RequestOutput by id, from whichever engine it
         finished on."""
         from .scheduler import SamplingParams
-        pending = sorted(requests, key=lambda r: r[0])
+        pending = sorted(_checked_requests(requests), key=lambda r: r[0])
         prefill, decode = self.prefill._clock, self.decode._clock
         while pending or self.prefill.has_work or self.in_flight or self.decode.has_work:
             p_next = (prefill() if self.prefill.has_work else
@@ -391,6 +391,21 @@ class Disaggregated:
     # [end ch11-hand-off]
 
 
+def _checked_requests(requests) -> list:
+    """(arrival, prompt, new tokens) triples with arrivals of finite seconds from 0 (the
+    engines check the prompts and the counts when the requests are added)."""
+    checked = []
+    for i, request in enumerate(requests):
+        try:
+            arrival, prompt, new_tokens = request
+        except (TypeError, ValueError):
+            raise ValueError(f"request {i} must be (arrival seconds, prompt ids, new tokens), "
+                             f"got {request!r}") from None
+        checked.append((arguments.real(arrival, f"request {i}'s arrival", low=0.0), prompt,
+                        new_tokens))
+    return checked
+
+
 def colocated(model, requests: Sequence[tuple], cost=None, num_blocks: int = 512,
               block_size: int = 16, max_batch_tokens: int = 256):
     """The baseline: the same requests served by one Engine on one VirtualClock (as
@@ -402,7 +417,7 @@ def colocated(model, requests: Sequence[tuple], cost=None, num_blocks: int = 512
     engine = Engine(model, num_blocks=num_blocks, block_size=block_size,
                     max_batch_tokens=max_batch_tokens,
                     clock=VirtualClock(StepCost.for_model(model) if cost is None else cost))
-    seconds = _run_virtual(engine, sorted(requests, key=lambda r: r[0]), None)
+    seconds = _run_virtual(engine, sorted(_checked_requests(requests), key=lambda r: r[0]), None)
     return engine.outputs, seconds
 
 

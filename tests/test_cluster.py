@@ -186,3 +186,76 @@ def test_measure_tiers_moves_bytes_in_proportion_to_the_context(small, tmp_path)
     assert not list(tmp_path.iterdir())                    # the tier's file is gone
     with pytest.raises(ValueError, match="at least 2 tokens"):
         cluster.measure_tiers(small, [3], tmp_path)
+
+
+# ---- disaggregated prefill and decode ----------------------------------------------------
+
+def drawn_requests(rng, n=10, rate=400.0, vocab=40):
+    """(arrival, prompt ids, new tokens) as kvlab.serving.workload makes them."""
+    arrivals = np.cumsum(rng.exponential(1 / rate, n))
+    return [(float(a), rng.integers(0, vocab, int(rng.integers(3, 40))).tolist(),
+             int(rng.integers(1, 12))) for a in arrivals]
+
+
+def tokens_of(outputs):
+    return {i: [o.tokens for o in out.outputs] for i, out in outputs.items()}
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_a_disaggregated_run_gives_one_engines_greedy_tokens(small, seed):
+    requests = drawn_requests(np.random.default_rng(seed))
+    one, _ = cluster.colocated(small, requests, num_blocks=64, block_size=4)
+    split = cluster.Disaggregated(small, link_bytes_per_s=1e9, num_blocks=64, block_size=4)
+    apart = split.run(requests)
+    assert tokens_of(apart) == tokens_of(one)
+    for i, (_, prompt, new) in enumerate(requests):        # and kvlab.generate's, alone
+        alone = kvlab.generate(small, prompt, max_new_tokens=new, stop_at_eos=False)
+        assert apart[i].outputs[0].tokens == list(alone.tokens)
+    # every request of more than one token crossed the link, and what left arrived
+    assert split.hand_offs == sum(1 for _, _, new in requests if new > 1)
+    assert split.moved_bytes == sum(step.swapped_in_bytes for step in split.decode.metrics) > 0
+    assert all(out.preemptions == 0 for out in apart.values())
+    assert split.seconds >= max(a for a, _, _ in requests)
+
+
+def test_a_slower_link_delays_decode_not_the_first_token(small):
+    requests = drawn_requests(np.random.default_rng(3), n=6)
+    fast = cluster.Disaggregated(small, 1e12, num_blocks=64, block_size=4)
+    slow = cluster.Disaggregated(small, 1e5, num_blocks=64, block_size=4)  # 100 kB/s
+    a, b = fast.run(requests), slow.run(requests)
+    assert tokens_of(a) == tokens_of(b)
+    for i in a:
+        assert b[i].metrics.ttft == a[i].metrics.ttft          # the prefill engine's alone
+        if a[i].metrics.output_tokens > 1:                      # waited for the link
+            assert b[i].metrics.e2e > a[i].metrics.e2e
+
+
+def test_served_counts_goodput_under_an_slo(small):
+    from kvlab import slo
+    requests = drawn_requests(np.random.default_rng(4), n=8)
+    outputs, seconds = cluster.colocated(small, requests, num_blocks=64, block_size=4)
+    loose = cluster.served(outputs, seconds, slo.SLO(1e3, 1e3))
+    assert loose["served"] == 8 and loose["goodput"] == pytest.approx(8 / seconds)
+    tokens = sum(new for _, _, new in requests)
+    assert loose["tokens_per_s"] == pytest.approx(tokens / seconds)
+    tight = cluster.served(outputs, seconds, slo.SLO(1e-9, 1e-9))
+    assert tight["served"] == 0 and tight["goodput"] == 0
+
+
+def test_disaggregated_refuses_bad_arguments(small):
+    for bad in (0, -1e9, float("nan"), "fast"):
+        with pytest.raises(ValueError, match="bytes_per_s"):
+            cluster.Disaggregated(small, bad)
+    with pytest.raises(TypeError, match="cost"):
+        cluster.Disaggregated(small, 1e9, cost="cheap")
+    with pytest.raises(ValueError, match="num_blocks"):
+        cluster.Disaggregated(small, 1e9, num_blocks=0)
+    split = cluster.Disaggregated(small, 1e9, num_blocks=64, block_size=4)
+    with pytest.raises(ValueError):
+        split.run([(0.0, [], 3)])                          # a prompt of no tokens
+    with pytest.raises(ValueError, match="arrival"):
+        split.run([(float("nan"), [1, 2], 3)])
+    with pytest.raises(ValueError, match="arrival"):
+        cluster.colocated(small, [(-1.0, [1, 2], 3)], num_blocks=64, block_size=4)
+    with pytest.raises(ValueError, match="must be .arrival seconds"):
+        split.run([(0.0, [1, 2])])
