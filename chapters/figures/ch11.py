@@ -70,6 +70,10 @@ FACTS = {
         "value": 64e9,
         "source": "PCI Express 5.0 (references.md, ref-pcie5): 32 GT/s per lane, so about "
                   "64 GB/s each way over 16 lanes, the H100 SXM's link to its host"},
+    "pcie_revision": {
+        "value": 5.0,
+        "source": "PCI Express Base Specification Revision 5.0 (references.md, ref-pcie5), the "
+                  "link an H100 SXM has to its host"},
     "nvme_read_bytes_per_s": {
         "value": 7e9,
         "source": "a PCIe 4.0 NVMe SSD's sequential read, about 7 GB/s (e.g. Samsung 990 PRO "
@@ -163,9 +167,11 @@ def plot_goodput(result, path) -> None:
     left.set_ylabel("requests a second")
     for key, label in (("one", "one engine (1 GPU)"), ("replicas", "two engines (2 GPUs)"),
                        ("disaggregated", "prefill + decode (2 GPUs)")):
-        right.plot(rates, [r[key]["goodput_per_gpu"] for r in result["rows"]], "o-", label=label)
-    right.set_title("Goodput per GPU")
-    right.set_ylabel("requests a second within the SLO, per GPU")
+        right.plot(rates, [100 * r[key]["served"] / r[key]["requests"] for r in result["rows"]],
+                   "o-", label=label)
+    right.set_title("Requests served within the SLO")
+    right.set_ylabel("% of requests (TTFT and TPOT met)")
+    right.set_ylim(0, 105)
     for ax in (left, right):
         ax.set_xlabel("offered load (requests a second)")
         ax.grid(True, alpha=0.3)
@@ -311,7 +317,7 @@ def plot_sharing(result, path) -> None:
         ax.bar(np.arange(len(names)) + i * width, [100 * v for v in values], width, label=kind)
     ax.set_xticks(np.arange(len(names)) + 0.4 - width / 2, names)
     ax.set_ylabel("prompt tokens reused (%)")
-    ax.set_title("SmolLM2's chat template: tokens found in the cache")
+    ax.set_title("Prompt tokens found in the cache")
     ax.legend()
     ax.grid(True, axis="y", alpha=0.3)
     fig.tight_layout()
@@ -371,14 +377,12 @@ def quoted(result) -> dict:
         q["slo_ttft_ms"], q["slo_tpot_ms"] = f"{1e3 * s['slo_ttft_s']:,.0f}", f"{1e3 * s['slo_tpot_s']:,.0f}"
         for name in ("step_s", "token_s", "sequence_s", "kv_row_s"):
             q[f"cost_{name}_ms"] = f"{1e3 * s['cost'][name]:.4g}"
+        q["moved"] = f"{s['rows'][0]['moved_bytes']:,}"   # the same requests at every rate
         for row in s["rows"]:
             r = f"{row['rate']:g}"
-            q[f"moved_{r}"] = f"{row['moved_bytes']:,}"
+            q[f"one_{r}_tok"] = f"{row['one']['tokens_per_s']:.1f}"
             for key in ("one", "replicas", "disaggregated"):
                 x = row[key]
-                q[f"{key}_{r}_tok"] = f"{x['tokens_per_s']:.1f}"
-                q[f"{key}_{r}_rps"] = f"{x['requests_per_s']:.2f}"
-                q[f"{key}_{r}_good"] = f"{x['goodput']:.2f}"
                 q[f"{key}_{r}_served"] = f"{x['served']} of {x['requests']}"
                 q[f"{key}_{r}_ttft"] = f"{x['ttft_p99_ms']:,.0f}"
                 q[f"{key}_{r}_tpot"] = f"{x['tpot_p99_ms']:.1f}"
@@ -388,7 +392,7 @@ def quoted(result) -> dict:
             n = row["tokens"]
             q[f"tier_{n}_bytes"] = f"{row['bytes']:,}"
             for key in ("compute_s", "host_s", "disk_s"):
-                q[f"tier_{n}_{key}"] = f"{1e3 * row[key]:.2f}"
+                q[f"tier_{n}_{key}"] = f"{1e3 * row[key]:,.2f}"
             q[f"tier_{n}_over_host"] = f"{row['compute_over_host']:.0f}"
             q[f"tier_{n}_over_disk"] = f"{row['compute_over_disk']:.1f}"
         g = result["tiers_gpu"]
@@ -456,7 +460,8 @@ def main() -> None:
         result["tp"] = tp_table()
         plot_tp(result["tp"], out / "ch11_tp.png")
     for n in sections:
-        section_runs[str(n)] = {"quick": args.quick, "date": time.strftime("%Y-%m-%d")}
+        section_runs[str(n)] = {"quick": args.quick, "date": time.strftime("%Y-%m-%d"),
+                                "seconds": round(time.perf_counter() - started, 1)}
 
     result = {
         "setup": {**machine(), "threads": kvlab.get_num_threads(), "machine": platform.machine(),
