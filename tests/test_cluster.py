@@ -259,3 +259,28 @@ def test_disaggregated_refuses_bad_arguments(small):
         cluster.colocated(small, [(-1.0, [1, 2], 3)], num_blocks=64, block_size=4)
     with pytest.raises(ValueError, match="must be .arrival seconds"):
         split.run([(0.0, [1, 2])])
+
+
+# ---- the notebook's exercise (kvlab.your_turn, "11_serving_at_scale") --------------------
+
+def _reuse(prompts, block_size, drop_last=True, blocks=True):
+    out = []
+    for i, p in enumerate(prompts):
+        want = p[:-1] if drop_last else p
+        best = max((lcp(want, q) for q in prompts[:i]), default=0)
+        out.append(best - best % block_size if blocks else best)
+    return out
+
+
+@pytest.mark.parametrize("wrong,hint", [
+    (lambda ps, b: _reuse(ps, b, drop_last=False), "last token of a prompt is always computed"),
+    (lambda ps, b: _reuse(ps, b, blocks=False), "only full blocks"),
+    (lambda ps, b: _reuse(ps, b)[1:], "one count per prompt"),
+    (lambda ps, b: [0] * len(ps), "longest prefix")])
+def test_the_exercise_refuses_plausible_mistakes_with_a_hint(wrong, hint, capsys):
+    from kvlab import your_turn
+    assert your_turn.check("11_serving_at_scale", _reuse, seed=3) is True
+    capsys.readouterr()
+    assert your_turn.check("11_serving_at_scale", wrong, seed=3) is False
+    out = capsys.readouterr().out
+    assert out.startswith("not yet: reused_tokens") and hint in out, out
