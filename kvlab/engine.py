@@ -81,6 +81,8 @@ from .paged import PagedPool, PoolStats
 from .pool_space import PoolSpace, check_request_fits, check_swap, pool_for
 from .quant import CacheFormat
 from .sampling import sample as sample_token
+from .plugins import (AllocatorMirror, MirroredPool, PluginError,  # noqa: F401 (re-exported)
+                      check_scheduler, checked_plan, make_allocator)
 from .slo import StepWork
 from .scheduler import Request, SamplingParams, ScheduledStep, Scheduler, Sequence, State
 from .speculative import (Drafter, SpeculationStats, check_drafter, keep_until_stop,
@@ -148,7 +150,8 @@ class Engine:
                  dtype: Union[None, str, CacheFormat] = None,
                  speculate: Optional[Drafter] = None, draft_tokens: int = 4,
                  clock: Callable[[], float] = time.perf_counter,
-                 preemption: str = "recompute", swap_space: Optional[int] = None):
+                 preemption: str = "recompute", swap_space: Optional[int] = None,
+                 scheduler=None, drafter: Optional[Drafter] = None, allocator=None):
         """Serve `model` from `pool`, or from a pool of its own made here with
         model.new_paged_pool(num_blocks, block_size (16), dtype ("fp32")). max_batch_tokens
         bounds the tokens of one forward call (drafts included), max_batch_seqs its
@@ -162,11 +165,22 @@ class Engine:
         "recompute" (drop them; prefill again on readmission) or "swap" (copy them to host
         memory and back; see the module text). swap_space: with "swap", the most bytes
         the host copies may hold at once (None: no limit, as vLLM's swap_space caps them);
-        a request whose copy would not fit is recomputed instead."""
+        a request whose copy would not fit is recomputed instead.
+
+        Plug-ins (kvlab.plugins: what each is asked, and the checks on its answers):
+        scheduler, an object whose plan(view) says who runs each step (requests of one
+        sample only); drafter, the same as speculate (give one of the two); allocator, a
+        class with lab 5's interface, made here with (num_blocks, block_size) and driven in
+        step with the engine's pool (made here, with no prefix cache), checked each step."""
+        speculate, self.policy = _plugins(speculate, drafter, scheduler)
         if speculate is not None:
             draft_tokens = arguments.positive(draft_tokens, "draft_tokens")
             check_drafter(model, speculate, draft_tokens)
-        pool = pool_for(model, pool, num_blocks, block_size, dtype)
+        if allocator is not None and pool is not None:
+            raise TypeError("allocator= follows a pool the engine makes itself (with no "
+                            "prefix cache): pass num_blocks (block_size, dtype), not a pool")
+        pool = pool_for(model, pool, num_blocks, block_size, dtype,
+                        prefix_cache=allocator is None)
         if speculate is not None and pool.window:
             raise ValueError("speculation rolls rejected drafts back with pool.truncate: it "
                              "needs a pool without a residual window")
@@ -185,6 +199,11 @@ class Engine:
                                    preemption)    # checks preemption's value
         self.preemption = preemption
         self.swap_space = check_swap(pool, preemption, swap_space)
+        self._mirror = None
+        if allocator is not None:        # every pool operation also done on the plug-in
+            self._mirror = AllocatorMirror(make_allocator(allocator, pool.num_blocks,
+                                                          pool.block_size), pool)
+            self.pool = pool = MirroredPool(pool, self._mirror)
         self.space = PoolSpace(pool, self.swap_space, self._swapped_bytes)
         self.requests: Dict[int, Request] = {}
         self.metrics: List[StepResult] = []
@@ -215,6 +234,9 @@ class Engine:
             return request.id
 
     def _new_request(self, prompt, params, arrival_time) -> Request:
+        if self.policy is not None and params is not None and getattr(params, "n", 1) != 1:
+            raise ValueError("a scheduler plug-in plans requests of one sample: this engine "
+                             "takes SamplingParams(n=1) only")
         if arrival_time is not None:        # a finite number (not NaN, not -inf, not a bool)
             arrival_time = arguments.real(arrival_time, "arrival_time")
         now = self._clock()
@@ -260,7 +282,7 @@ class Engine:
             started, number = time.perf_counter(), self.scheduler.step_count
             with HeldCtrlC():                             # a Ctrl-C waits for the end
                 failed = self._propose(number)             # plan: drafts, then who runs
-                plan = self.scheduler.plan(self.space, leaving=failed)
+                plan = self._plan(number, failed)
                 outcome = self._run(plan, number, failed)  # the pool, forward_batch, tokens
                 result = self._commit(plan, outcome, number, started)
             if self._tracer is not None:
@@ -271,6 +293,12 @@ class Engine:
                 raise RuntimeError(self._why_stuck())
             return result
     # [end ch05-engine-step-runs]
+
+    def _plan(self, number: int, failed: Dict[int, str]) -> ScheduledStep:
+        """The scheduler's plan: the engine's own, or a plug-in's, checked (PluginError)."""
+        if self.policy is None:
+            return self.scheduler.plan(self.space, leaving=failed)
+        return checked_plan(self.policy, self.scheduler, self.space, number, failed)
 
     def _run(self, plan: ScheduledStep, number: int, failed: Dict[int, str]) -> _Outcome:
         """The run phase. A KeyboardInterrupt that one of its calls raises (not Ctrl-C, which
@@ -293,6 +321,8 @@ class Engine:
                     self._phase = "sample"
                     self._choose(plan, number, outcome)
                     self._trace(number)
+                    if self._mirror is not None:      # the plug-in follows, and is checked
+                        self._mirror.step_done()
                     outcome.counts = _counts(plan, outcome.chunks)
                     outcome.stats, outcome.now = self.pool.stats(), self._time_after(outcome)
                     return outcome
@@ -606,6 +636,18 @@ class Engine:
         """Close the trace file, if trace= named one (also done by `with Engine(...)`)."""
         if self._tracer is not None:
             self._tracer.close()
+
+
+def _plugins(speculate, drafter, scheduler) -> tuple:
+    """Engine(drafter=) is speculate= under the plug-in's name; a scheduler plug-in checked
+    for its method. Returns (the drafter, the scheduler plug-in)."""
+    if drafter is not None:
+        if speculate is not None:
+            raise TypeError("give a drafter as drafter= or speculate=, not both")
+        speculate = drafter
+    if scheduler is not None:
+        check_scheduler(scheduler)
+    return speculate, scheduler
 
 
 def _split(seq: Sequence, n: int) -> Tuple[int, List[int]]:
