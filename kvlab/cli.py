@@ -323,6 +323,7 @@ def check_writable(path: str, option: str) -> None:
 def cmd_serve_bench(args) -> int:
     import kvlab
     from . import arguments
+    from .slo import SLO
     serving = kvlab.serving
     # every argument checked before the model loads and anything runs
     rates = _comma_list(args.rates, lambda item: arguments.real(float(item), "a rate",
@@ -337,6 +338,7 @@ def cmd_serve_bench(args) -> int:
                              f"comma-separated, got {args.memory!r}")
     requests = arguments.positive(args.requests, "--requests", serving.MAX_REQUESTS)
     seed = arguments.integer(args.seed, "--seed", 0)
+    slo = None if args.slo is None else SLO.from_ms(args.slo)
     max_seconds = serving.MAX_SECONDS if args.max_seconds is None else args.max_seconds
     # every run waits in real time for its last arrival: known now, from the seed alone
     runs_per_rate = len(memories) * len(budgets)
@@ -346,7 +348,7 @@ def cmd_serve_bench(args) -> int:
             last = float(serving.arrival_times(requests, rate, seed)[-1])
         except ValueError as error:
             raise ValueError(f"--rates {rate:g}: {error}") from None
-        if last > max_seconds:
+        if last > max_seconds and not args.virtual:   # virtual time waits for nothing
             raise ValueError(
                 f"--rates {rate:g}: {requests} requests at {rate:g} a second arrive over "
                 f"{serving._duration(last)} (the last at {last:,.0f} s), and each run waits "
@@ -365,15 +367,23 @@ def cmd_serve_bench(args) -> int:
     print(f"kvlab serve-bench: {model!r}, {requests} requests per run, Poisson arrivals, "
           f"{kvlab.get_num_threads()} threads")
     runs = len(rates) * runs_per_rate
-    print(f"{runs} run{'s' if runs > 1 else ''}, waiting for their arrivals alone "
-          f"{serving._duration(sum(waits))} in all (the serving adds to it)")
+    if args.virtual:
+        print(f"{runs} run{'s' if runs > 1 else ''} on a virtual clock (kvlab.slo: each step "
+              f"priced by what it computed, the same numbers on every machine)")
+    else:
+        print(f"{runs} run{'s' if runs > 1 else ''}, waiting for their arrivals alone "
+              f"{serving._duration(sum(waits))} in all (the serving adds to it)")
+    if slo is not None:
+        print(f"goodput: requests a second served within TTFT {1e3 * slo.ttft_s:g} ms and "
+              f"TPOT {1e3 * slo.tpot_s:g} ms")
     sys.stdout.flush()
 
     def progress(line: str) -> None:
         print(f"  {line}", file=sys.stderr, flush=True)
 
     rows = serving.sweep(model, rates, budgets, requests, seed, memories=memories,
-                         max_seconds=max_seconds, progress=progress)
+                         max_seconds=max_seconds, progress=progress,
+                         clock="virtual" if args.virtual else "wall", slo=slo)
     if args.json:
         with open(args.json, "w") as out:
             json.dump({"model": model.source, "requests_per_run": requests, "runs": rows},
@@ -697,6 +707,12 @@ def _add_serve_bench(sub) -> None:
     serve.add_argument("--max-seconds", type=positive_seconds, default=None,
                        help="refuse a rate whose run would wait longer than this for its "
                             "last request to arrive (default: 600)")
+    serve.add_argument("--slo", default=None, metavar="TTFT_MS,TPOT_MS",
+                       help="also print goodput: requests a second served within these "
+                            "targets of time to first token and time per output token")
+    serve.add_argument("--virtual", action="store_true",
+                       help="run on a virtual clock (kvlab.slo.VirtualClock): no waiting, "
+                            "each step priced by its work, the same numbers everywhere")
     serve.add_argument("--json", default=None, help="also write every run's numbers here")
     serve.add_argument("--plot", default=None,
                        help="write a PNG of throughput, TTFT and TPOT against the request "

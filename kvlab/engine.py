@@ -81,6 +81,9 @@ from .paged import PagedPool, PoolStats
 from .pool_space import PoolSpace, check_request_fits, check_swap, pool_for
 from .quant import CacheFormat
 from .sampling import sample as sample_token
+from .plugins import (AllocatorMirror, MirroredPool, PluginError,  # noqa: F401 (re-exported)
+                      check_scheduler, checked_plan, make_allocator)
+from .slo import StepWork
 from .scheduler import Request, SamplingParams, ScheduledStep, Scheduler, Sequence, State
 from .speculative import (Drafter, SpeculationStats, check_drafter, keep_until_stop,
                           propose_drafts, verify_drafts)
@@ -122,6 +125,8 @@ class _Outcome:
     interrupt: Optional[KeyboardInterrupt] = None    # raised by a call: raised at the end
     stats: Optional[PoolStats] = None                # the pool, and the clock, at its end
     now: float = 0.0
+    counts: dict = dataclasses.field(default_factory=dict)   # StepResult's token counts
+    kv_rows_read: int = 0                            # by the forward calls made
 
 
 class Engine:
@@ -145,7 +150,8 @@ class Engine:
                  dtype: Union[None, str, CacheFormat] = None,
                  speculate: Optional[Drafter] = None, draft_tokens: int = 4,
                  clock: Callable[[], float] = time.perf_counter,
-                 preemption: str = "recompute", swap_space: Optional[int] = None):
+                 preemption: str = "recompute", swap_space: Optional[int] = None,
+                 scheduler=None, drafter: Optional[Drafter] = None, allocator=None):
         """Serve `model` from `pool`, or from a pool of its own made here with
         model.new_paged_pool(num_blocks, block_size (16), dtype ("fp32")). max_batch_tokens
         bounds the tokens of one forward call (drafts included), max_batch_seqs its
@@ -159,11 +165,22 @@ class Engine:
         "recompute" (drop them; prefill again on readmission) or "swap" (copy them to host
         memory and back; see the module text). swap_space: with "swap", the most bytes
         the host copies may hold at once (None: no limit, as vLLM's swap_space caps them);
-        a request whose copy would not fit is recomputed instead."""
+        a request whose copy would not fit is recomputed instead.
+
+        Plug-ins (kvlab.plugins: what each is asked, and the checks on its answers):
+        scheduler, an object whose plan(view) says who runs each step (requests of one
+        sample only); drafter, the same as speculate (give one of the two); allocator, a
+        class with lab 5's interface, made here with (num_blocks, block_size) and driven in
+        step with the engine's pool (made here, with no prefix cache), checked each step."""
+        speculate, self.policy = _plugins(speculate, drafter, scheduler)
         if speculate is not None:
             draft_tokens = arguments.positive(draft_tokens, "draft_tokens")
             check_drafter(model, speculate, draft_tokens)
-        pool = pool_for(model, pool, num_blocks, block_size, dtype)
+        if allocator is not None and pool is not None:
+            raise TypeError("allocator= follows a pool the engine makes itself (with no "
+                            "prefix cache): pass num_blocks (block_size, dtype), not a pool")
+        pool = pool_for(model, pool, num_blocks, block_size, dtype,
+                        prefix_cache=allocator is None)
         if speculate is not None and pool.window:
             raise ValueError("speculation rolls rejected drafts back with pool.truncate: it "
                              "needs a pool without a residual window")
@@ -182,6 +199,11 @@ class Engine:
                                    preemption)    # checks preemption's value
         self.preemption = preemption
         self.swap_space = check_swap(pool, preemption, swap_space)
+        self._mirror = None
+        if allocator is not None:        # every pool operation also done on the plug-in
+            self._mirror = AllocatorMirror(make_allocator(allocator, pool.num_blocks,
+                                                          pool.block_size), pool)
+            self.pool = pool = MirroredPool(pool, self._mirror)
         self.space = PoolSpace(pool, self.swap_space, self._swapped_bytes)
         self.requests: Dict[int, Request] = {}
         self.metrics: List[StepResult] = []
@@ -212,6 +234,9 @@ class Engine:
             return request.id
 
     def _new_request(self, prompt, params, arrival_time) -> Request:
+        if self.policy is not None and params is not None and getattr(params, "n", 1) != 1:
+            raise ValueError("a scheduler plug-in plans requests of one sample: this engine "
+                             "takes SamplingParams(n=1) only")
         if arrival_time is not None:        # a finite number (not NaN, not -inf, not a bool)
             arrival_time = arguments.real(arrival_time, "arrival_time")
         now = self._clock()
@@ -257,7 +282,7 @@ class Engine:
             started, number = time.perf_counter(), self.scheduler.step_count
             with HeldCtrlC():                             # a Ctrl-C waits for the end
                 failed = self._propose(number)             # plan: drafts, then who runs
-                plan = self.scheduler.plan(self.space, leaving=failed)
+                plan = self._plan(number, failed)
                 outcome = self._run(plan, number, failed)  # the pool, forward_batch, tokens
                 result = self._commit(plan, outcome, number, started)
             if self._tracer is not None:
@@ -268,6 +293,12 @@ class Engine:
                 raise RuntimeError(self._why_stuck())
             return result
     # [end ch05-engine-step-runs]
+
+    def _plan(self, number: int, failed: Dict[int, str]) -> ScheduledStep:
+        """The scheduler's plan: the engine's own, or a plug-in's, checked (PluginError)."""
+        if self.policy is None:
+            return self.scheduler.plan(self.space, leaving=failed)
+        return checked_plan(self.policy, self.scheduler, self.space, number, failed)
 
     def _run(self, plan: ScheduledStep, number: int, failed: Dict[int, str]) -> _Outcome:
         """The run phase. A KeyboardInterrupt that one of its calls raises (not Ctrl-C, which
@@ -290,7 +321,10 @@ class Engine:
                     self._phase = "sample"
                     self._choose(plan, number, outcome)
                     self._trace(number)
-                    outcome.stats, outcome.now = self.pool.stats(), self._clock()
+                    if self._mirror is not None:      # the plug-in follows, and is checked
+                        self._mirror.step_done()
+                    outcome.counts = _counts(plan, outcome.chunks)
+                    outcome.stats, outcome.now = self.pool.stats(), self._time_after(outcome)
                     return outcome
                 except KeyboardInterrupt as interrupt:
                     outcome.interrupt = interrupt
@@ -298,6 +332,18 @@ class Engine:
         finally:
             if self._tracer is not None:
                 self._tracer.stop(number, self._phase)
+
+    def _time_after(self, outcome: _Outcome) -> float:
+        """The clock at the end of the step's run. A clock that prices work (one with a
+        charge method, as kvlab.slo.VirtualClock) is charged with the step's first."""
+        charge = getattr(self._clock, "charge", None)
+        if callable(charge):
+            traffic = self.space.traffic
+            c = outcome.counts
+            charge(StepWork(tokens=c["prefill_tokens"] + c["decode_tokens"] + c["drafted"],
+                            sequences=len(outcome.chunks), kv_rows_read=outcome.kv_rows_read,
+                            swapped_bytes=traffic.out_bytes + traffic.in_bytes))
+        return self._clock()
 
     def _forward(self, plan: ScheduledStep, outcome: _Outcome) -> None:
         """The one forward_batch. Each item feeds its tokens from the rows its handle holds
@@ -323,6 +369,7 @@ class Engine:
                     length = end - 1
                 tokens = seq.tokens[length:] + drafts
             if tokens:
+                outcome.kv_rows_read += _rows_read(length, len(tokens))
                 handles.append(seq.handle)
                 fed.append(tokens)
                 ends.append((i, end == len(seq.tokens), len(drafts)))
@@ -457,7 +504,7 @@ class Engine:
     def _commit(self, plan: ScheduledStep, outcome: _Outcome, number: int,
                 started: float) -> StepResult:
         """The step's results, assigned: nothing here calls into the pool or out of kvlab."""
-        counts = _counts(plan, outcome.chunks)
+        counts = outcome.counts
         new_tokens: Dict[int, List[int]] = {}
         for seq, computed in outcome.computed.items():
             seq.computed = computed
@@ -498,7 +545,8 @@ class Engine:
                             swapped_out_blocks=swapped.out_blocks,
                             swapped_out_bytes=swapped.out_bytes,
                             swapped_in_blocks=swapped.in_blocks,
-                            swapped_in_bytes=swapped.in_bytes)
+                            swapped_in_bytes=swapped.in_bytes,
+                            kv_rows_read=outcome.kv_rows_read)
         self.metrics.append(result)
         return result
 
@@ -590,6 +638,18 @@ class Engine:
             self._tracer.close()
 
 
+def _plugins(speculate, drafter, scheduler) -> tuple:
+    """Engine(drafter=) is speculate= under the plug-in's name; a scheduler plug-in checked
+    for its method. Returns (the drafter, the scheduler plug-in)."""
+    if drafter is not None:
+        if speculate is not None:
+            raise TypeError("give a drafter as drafter= or speculate=, not both")
+        speculate = drafter
+    if scheduler is not None:
+        check_scheduler(scheduler)
+    return speculate, scheduler
+
+
 def _split(seq: Sequence, n: int) -> Tuple[int, List[int]]:
     """A scheduled item of n tokens: how many of the sequence's own tokens it feeds, and
     when they are all it has left, the drafts after them (n - own of them)."""
@@ -610,6 +670,12 @@ def _counts(plan: ScheduledStep, chunks: List[Tuple[int, List[int]]]) -> dict:
             recomputed += min(seq.computed + own, seq.computed_before) - seq.computed
     return dict(prefill_tokens=prefill, decode_tokens=decode, drafted=drafted,
                 recomputed_tokens=recomputed)
+
+
+def _rows_read(length: int, n: int) -> int:
+    """K/V rows read by the attention of n tokens fed after `length` rows: the token at
+    position p reads p + 1 rows (the Engine rolls no sliding window)."""
+    return n * length + n * (n + 1) // 2
 
 
 def _count_pass(stats: SpeculationStats, choice: _Choice) -> None:

@@ -40,6 +40,7 @@ class StepResult:
     swapped_out_bytes: int = 0   # memory (pool.swap_out) and their bytes,
     swapped_in_blocks: int = 0   # and blocks copied back into the pool (pool.swap_in)
     swapped_in_bytes: int = 0
+    kv_rows_read: int = 0        # K/V rows attention read (a token at position p reads p + 1)
 
     @property
     def idle(self) -> bool:

@@ -162,14 +162,16 @@ class PoolSpace:
             self.making = None
 
 
-def pool_for(model: Model, pool, num_blocks, block_size, dtype):
-    """The pool given, checked, or one made with num_blocks, block_size and dtype."""
+def pool_for(model: Model, pool, num_blocks, block_size, dtype, prefix_cache: bool = True):
+    """The pool given, checked, or one made with num_blocks, block_size and dtype (and
+    no prefix cache where prefix_cache is False)."""
     if pool is None:
         if num_blocks is None:
             raise TypeError("Engine needs a pool, or num_blocks (with block_size and "
                             "dtype if not 16 and fp32) to make one")
         pool = model.new_paged_pool(num_blocks, 16 if block_size is None else block_size,
-                                    "fp32" if dtype is None else dtype)
+                                    "fp32" if dtype is None else dtype,
+                                    prefix_cache=prefix_cache)
     elif (num_blocks, block_size, dtype) != (None, None, None):
         raise TypeError("the pool given fixes num_blocks, block_size and dtype: pass "
                         "either a pool or those, not both")

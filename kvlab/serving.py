@@ -36,6 +36,7 @@ from .engine import Engine
 from .errors import ContextLengthError
 from .model import as_token_array
 from .scheduler import SamplingParams, requests_fit
+from .slo import SLO, StepCost, VirtualClock, goodput_report
 
 SAMPLE_TEXT = ("ROMEO:\nBut soft, what light through yonder window breaks?\n"
                "It is the east, and Juliet is the sun.\n")
@@ -172,35 +173,74 @@ def _checked_progress(progress):
     return progress
 
 
+CLOCKS = ("wall", "virtual")
+
+
 def serve(model, requests: list, budget: int = 256, num_blocks: int = 512,
           block_size: int = 16, memory: str = "paged", *, max_seconds: float = MAX_SECONDS,
-          progress: Optional[Callable[[str], None]] = None) -> dict:
-    """Run `requests` (workload()'s) through one Engine in real time; its throughput and
-    the percentiles of its requests' latencies, in milliseconds.
+          progress: Optional[Callable[[str], None]] = None, clock: str = "wall",
+          slo: Optional[SLO] = None, cost: Optional[StepCost] = None,
+          engine_options: Optional[dict] = None) -> dict:
+    """Run `requests` (workload()'s) through one Engine; its throughput and the percentiles
+    of its requests' latencies, in milliseconds, and with an SLO (kvlab.slo.SLO) its goodput
+    (requests a second served within both targets: kvlab.slo.goodput_report's fields).
+
+    clock="wall" runs in real time; clock="virtual" runs on a kvlab.slo.VirtualClock priced
+    by `cost` (default StepCost.for_model(model)): arrivals come on the virtual clock, an
+    idle engine skips to the next one without sleeping, and every step moves the clock by
+    what it computed, so the report is the same, bit for bit, on every machine and run.
 
     memory="paged" gives the engine num_blocks blocks of block_size positions;
     "contiguous" gives it the same bytes as blocks of a whole context
     (config.max_seq_len positions), one per request, reserved whole from its admission to
     its end, as contiguous caches are (Orca batched continuously this way).
+    engine_options: more keyword arguments for kvlab.Engine (preemption=, speculate=, the
+    plug-ins: see Engine).
 
-    Every request is checked before the run (see _checked_requests): a request arriving
-    past max_seconds (600 by default) is refused, as the run would wait for it in real
-    time. progress: None, or a function given a line of text each time the engine idles
-    a second or more until the next arrival."""
+    Every request is checked before the run (see _checked_requests): on the wall clock, a
+    request arriving past max_seconds (600 by default) is refused, as the run would wait
+    for it in real time. progress: None, or a function given a line of text each time the
+    engine idles a second or more of wall time until the next arrival."""
     check_memory(memory, model)
     budget = arguments.positive(budget, "budget")
     num_blocks = arguments.positive(num_blocks, "num_blocks")
     block_size = arguments.positive(block_size, "block_size", core.MAX_BLOCK_SIZE)
     max_seconds = arguments.real(max_seconds, "max_seconds", above=0.0)
     progress = _checked_progress(progress)
-    pending = sorted(_checked_requests(model, requests, max_seconds), key=lambda r: r[0])
+    if clock not in CLOCKS:
+        raise ValueError(f"clock must be one of {', '.join(CLOCKS)}, got {arguments.shown(clock)}")
+    if slo is not None and not isinstance(slo, SLO):
+        raise arguments.ArgumentTypeError(f"slo must be a kvlab.slo.SLO or None, got "
+                                          f"{arguments.shown(slo)}")
+    if cost is not None and (clock != "virtual" or not isinstance(cost, StepCost)):
+        raise ValueError("cost prices the steps of clock='virtual': give a kvlab.slo.StepCost "
+                         "with clock='virtual', or no cost")
+    if engine_options is not None and not isinstance(engine_options, dict):
+        raise arguments.ArgumentTypeError(f"engine_options must be a dict of Engine keyword "
+                                          f"arguments, got {arguments.shown(engine_options)}")
+    pending = sorted(_checked_requests(model, requests, max_seconds if clock == "wall"
+                                       else math.inf), key=lambda r: r[0])
+    engine = _engine(model, pending, budget, num_blocks, block_size, memory,
+                     dict(engine_options or {}),
+                     VirtualClock(cost or StepCost.for_model(model)) if clock == "virtual"
+                     else time.perf_counter)
+    seconds = (_run_virtual if clock == "virtual" else _run_wall)(engine, pending, progress)
+    return _report(engine, memory, budget, seconds, clock, slo)
+
+
+def _engine(model, pending, budget, num_blocks, block_size, memory, options, clock) -> Engine:
+    """serve()'s engine, after checking that each request could run in its pool alone."""
     if memory == "contiguous":
         context = model.config.max_seq_len
         if num_blocks * block_size < context:
             raise ValueError(f"{num_blocks} blocks of {block_size} hold less than one context "
                              f"of {context} positions: no contiguous cache fits")
         num_blocks, block_size = num_blocks * block_size // context, context
-    engine = Engine(model, num_blocks=num_blocks, block_size=block_size, max_batch_tokens=budget)
+    for name in ("num_blocks", "block_size", "max_batch_tokens", "clock"):
+        if name in options:
+            raise ValueError(f"engine_options may not set {name}: serve() sets it")
+    engine = Engine(model, num_blocks=num_blocks, block_size=block_size,
+                    max_batch_tokens=budget, clock=clock, **options)
     for i, (_, ids, new_tokens) in enumerate(pending):    # could it ever run, alone?
         why = requests_fit(len(ids), SamplingParams(max_new_tokens=new_tokens),
                            engine.pool.block_size, engine.pool.num_blocks,
@@ -208,15 +248,17 @@ def serve(model, requests: list, budget: int = 256, num_blocks: int = 512,
         if why is not None:
             raise ValueError(f"a request arriving at {pending[i][0]:g} s could never run in "
                              f"this engine's pool: {why}")
+    return engine
+
+
+def _run_wall(engine: Engine, pending: list, progress) -> float:
+    """Serve `pending` in real time: before each step, add every request whose arrival
+    time has passed, stamped with it; sleep while idle. Returns the seconds it took."""
     start = time.perf_counter()
     next_request = 0
     while next_request < len(pending) or engine.has_work:
         now = time.perf_counter() - start
-        while next_request < len(pending) and pending[next_request][0] <= now:
-            arrival, prompt, new_tokens = pending[next_request]
-            next_request += 1
-            engine.add_request(prompt, SamplingParams(max_new_tokens=new_tokens),
-                               arrival_time=start + arrival)
+        next_request = _arrive(engine, pending, next_request, now, start)
         if engine.has_work:
             engine.step()
         elif next_request < len(pending):               # idle until the next arrival
@@ -226,8 +268,40 @@ def serve(model, requests: list, budget: int = 256, num_blocks: int = 512,
                 progress(f"waiting {wait:,.1f} s for request {next_request + 1} of "
                          f"{len(pending)}, arriving at {arrival:,.1f} s")
             time.sleep(max(0.0, wait))
-    seconds = time.perf_counter() - start
-    metrics = [out.metrics for out in engine.outputs.values()]
+    return time.perf_counter() - start
+
+
+def _run_virtual(engine: Engine, pending: list, progress) -> float:
+    """Serve `pending` on the engine's VirtualClock (which starts at 0, the arrivals'
+    origin): the same loop as _run_wall's, an idle engine skipping to the next arrival.
+    Returns the virtual seconds it took."""
+    clock = engine._clock
+    next_request = 0
+    while next_request < len(pending) or engine.has_work:
+        next_request = _arrive(engine, pending, next_request, clock(), 0.0)
+        if engine.has_work:
+            engine.step()
+        elif next_request < len(pending):
+            clock.wait_until(pending[next_request][0])
+    return clock()
+
+
+def _arrive(engine: Engine, pending: list, next_request: int, now: float,
+            start: float) -> int:
+    """Add the requests from pending[next_request] on that arrived by `now` (seconds from
+    `start`), each stamped with its arrival; the index of the first still to come."""
+    while next_request < len(pending) and pending[next_request][0] <= now:
+        arrival, prompt, new_tokens = pending[next_request]
+        next_request += 1
+        engine.add_request(prompt, SamplingParams(max_new_tokens=new_tokens),
+                           arrival_time=start + arrival)
+    return next_request
+
+
+def _report(engine: Engine, memory: str, budget: int, seconds: float, clock: str,
+            slo: Optional[SLO]) -> dict:
+    outputs = list(engine.outputs.values())
+    metrics = [out.metrics for out in outputs]
     ttft = [m.ttft for m in metrics if m.ttft is not None]
     tpot = [m.tpot for m in metrics if m.tpot is not None]
     e2e = [m.e2e for m in metrics]
@@ -235,12 +309,15 @@ def serve(model, requests: list, budget: int = 256, num_blocks: int = 512,
     def ms(values, q):
         return 1e3 * float(np.percentile(values, q)) if values else float("nan")
 
-    return {"memory": memory, "budget": budget, "requests": len(metrics), "seconds": seconds,
-            "tokens_per_s": sum(m.output_tokens for m in metrics) / seconds,
-            "ttft_p50_ms": ms(ttft, 50), "ttft_p99_ms": ms(ttft, 99),
-            "tpot_p50_ms": ms(tpot, 50), "tpot_p99_ms": ms(tpot, 99),
-            "e2e_p50_ms": ms(e2e, 50), "e2e_p99_ms": ms(e2e, 99),
-            "steps": len(engine.metrics)}
+    report = {"memory": memory, "budget": budget, "requests": len(metrics), "seconds": seconds,
+              "tokens_per_s": sum(m.output_tokens for m in metrics) / seconds,
+              "ttft_p50_ms": ms(ttft, 50), "ttft_p99_ms": ms(ttft, 99),
+              "tpot_p50_ms": ms(tpot, 50), "tpot_p99_ms": ms(tpot, 99),
+              "e2e_p50_ms": ms(e2e, 50), "e2e_p99_ms": ms(e2e, 99),
+              "steps": len(engine.metrics), "clock": clock}
+    if slo is not None:
+        report.update(goodput_report(outputs, slo, seconds))
+    return report
 
 
 TABLE_HEAD = (f"{'rate/s':>7}{'memory':>11}{'budget':>8}{'tok/s':>9}{'TTFT p50':>10}{'p99':>9}"
@@ -252,7 +329,12 @@ def table_row(rate: float, row: dict) -> str:
     return (f"{rate:>7g}{row['memory']:>11}{row['budget']:>8}{row['tokens_per_s']:>9.0f}"
             f"{row['ttft_p50_ms']:>10.1f}"
             f"{row['ttft_p99_ms']:>9.1f}{row['tpot_p50_ms']:>10.2f}{row['tpot_p99_ms']:>8.2f}"
-            f"{row['e2e_p50_ms']:>10.1f}{row['e2e_p99_ms']:>9.1f}")
+            f"{row['e2e_p50_ms']:>10.1f}{row['e2e_p99_ms']:>9.1f}"
+            + (f"{row['goodput']:>10.2f}{row['served']:>5}/{row['requests']}"
+               if "goodput" in row else ""))
+
+
+GOODPUT_HEAD = f"{'goodput':>10} served"   # after TABLE_HEAD's columns, with an SLO
 
 
 def _checked_list(values, name: str, check) -> list:
@@ -267,11 +349,13 @@ def _checked_list(values, name: str, check) -> list:
 
 def sweep(model, rates, budgets, n_requests: int = 40, seed: int = 0, out=print,
           memories=("paged",), *, max_seconds: float = MAX_SECONDS,
-          progress: Optional[Callable[[str], None]] = None) -> list:
+          progress: Optional[Callable[[str], None]] = None, clock: str = "wall",
+          slo: Optional[SLO] = None) -> list:
     """serve() at every rate, budget and memory (the same requests at one rate for all of
     them), each row printed as it comes; the rows. Every argument, and every rate's
-    workload (its last arrival at most max_seconds away: see serve()), is checked before
-    the warm-up runs."""
+    workload (its last arrival at most max_seconds away on the wall clock: see serve()),
+    is checked before the warm-up runs (none on the virtual clock, which nothing warms).
+    slo: a kvlab.slo.SLO adds each run's goodput (requests a second served within it)."""
     rates = _checked_list(rates, "rates", lambda v, name: arguments.real(v, name, above=0.0))
     budgets = _checked_list(budgets, "budgets", arguments.positive)
     memories = _checked_list(memories, "memories", lambda v, name: v)
@@ -284,15 +368,17 @@ def sweep(model, rates, budgets, n_requests: int = 40, seed: int = 0, out=print,
     progress = _checked_progress(progress)
     workloads = [workload(model, n_requests, rate, seed) for rate in rates]
     for requests in workloads:
-        _checked_requests(model, requests, max_seconds)
-    serve(model, workload(model, 4, 100.0, seed), budgets[0])          # warm up
-    out(TABLE_HEAD)
+        _checked_requests(model, requests, max_seconds if clock == "wall" else math.inf)
+    if clock == "wall":
+        serve(model, workload(model, 4, 100.0, seed), budgets[0])          # warm up
+    out(TABLE_HEAD + (GOODPUT_HEAD if slo is not None else ""))
     rows = []
     for rate, requests in zip(rates, workloads):
         for memory in memories:
             for budget in budgets:
                 row = {"rate": rate, **serve(model, requests, budget, memory=memory,
-                                             max_seconds=max_seconds, progress=progress)}
+                                             max_seconds=max_seconds, progress=progress,
+                                             clock=clock, slo=slo)}
                 rows.append(row)
                 out(table_row(rate, row))
     return rows

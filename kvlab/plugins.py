@@ -1,0 +1,369 @@
+"""The places a student's own code plugs into kvlab.Engine, and the checks that keep the
+engine correct whatever that code does.
+
+    engine = kvlab.Engine(model, num_blocks=64,
+                          scheduler=MyScheduler(),      # who runs each step, how many tokens
+                          drafter=MyDrafter(),          # guesses of the next tokens
+                          allocator=MyBlockAllocator,   # lab 5's class: checked block tables
+                          prefix_cache=MyPrefixCache)   # lab 7's class: checked prefix hits
+
+Every plug-in works on plain data (ints and lists) and is asked, never trusted: the engine
+keeps its own queues, pool and tokens, checks each answer before it acts on it, and raises
+PluginError, naming the plug-in and the rule broken, before the pool changes. So a plug-in
+that returns nonsense stops the run with a clear message; it never corrupts the pool or
+changes a token (greedy tokens stay exactly kvlab.generate's). The same calls can cross a
+process boundary unchanged (the capstone's grader asks them of a worker process).
+
+scheduler:  plan(view) -> StepPlan, where view is a SchedulerView (the step's budget, the
+            free blocks and sequences, the running and waiting requests as RequestState
+            records) and StepPlan says which requests run with how many tokens (a waiting
+            one named there is admitted) and which running ones are preempted. The engine
+            adds speculation's drafts after it, in what the plan left. Only for requests of
+            one sample (SamplingParams.n == 1).
+drafter:    propose(tokens, k, sampling=None) -> at most k token ids likely to follow
+            `tokens` (kvlab.speculative.Drafter; the same object as speculate=). Junk (ids
+            out of range, not ints) fails the request whose drafts they were, alone, with
+            finish_reason "error: ...".
+allocator:  a class with lab 5's interface (BlockAllocator(num_blocks, block_size);
+            new_sequence, append, fork, free, block_table, length, ref_count,
+            num_free_blocks). The engine's pool (with no prefix cache) stays the one that
+            holds K and V; the allocator is driven in step with it, every sequence made,
+            grown, forked, cut or freed, and after every step its tables and free blocks
+            must agree with the pool's.
+prefix_cache: a class with lab 7's interface (PrefixCache(num_blocks, block_size); admit,
+            append, free, block_table, cached_blocks, stats): driven in step with the
+            pool's prefix cache, its hits at every admission and its block counts after
+            every step must be the pool's.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Dict, List, Optional, Sequence as SequenceType, Tuple
+
+from . import arguments
+from .blocks import blocks_for
+from .scheduler import Request, ScheduledStep, Scheduler, State
+
+
+class PluginError(ValueError):
+    """A plug-in answered something the engine cannot do (which plug-in, which rule)."""
+
+
+# ---- the scheduler ---------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class RequestState:
+    """One request as a scheduler plug-in sees it (n == 1: one sequence)."""
+    id: int
+    arrival_time: float      # on the engine's clock
+    prompt_len: int
+    max_new_tokens: int
+    generated: int           # tokens generated so far (kept through preemptions)
+    computed: int            # tokens whose K and V are in the pool (or host memory, swapped)
+    pending: int             # tokens still to run through the model (1 when decoding)
+    blocks: int              # blocks its K and V hold in the pool now
+    preemptions: int
+
+    @property
+    def decoding(self) -> bool:
+        return self.pending == 1 and self.computed >= self.prompt_len
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerView:
+    """What a scheduler plug-in plans one step from. blocks_needed(r, n): blocks request r
+    takes to run n more tokens (new blocks, and a copy where a shared block is written)."""
+    step: int
+    max_batch_tokens: int
+    max_batch_seqs: int
+    block_size: int
+    free_blocks: int             # blocks that can be handed out now (free or cached)
+    sequences_left: int          # sequences the pool can still hold
+    running: Tuple[RequestState, ...]     # in order of admission
+    waiting: Tuple[RequestState, ...]     # in line, the next to be admitted first
+    # request id -> blocks it takes beside its new ones (a copy on write; a waiting
+    # request's blocks for what it holds in host memory)
+    extra: Dict[int, int] = dataclasses.field(default_factory=dict, repr=False)
+
+    def blocks_needed(self, request: RequestState, n_tokens: int) -> int:
+        """Blocks `request` takes to run n_tokens (1 .. pending) more tokens."""
+        if not 0 < n_tokens <= request.pending:
+            raise ValueError(f"n_tokens must be from 1 to request {request.id}'s pending "
+                             f"{request.pending}, got {n_tokens}")
+        size, done = self.block_size, request.computed
+        return blocks_for(done + n_tokens, size) - blocks_for(done, size) + self.extra[request.id]
+
+
+@dataclasses.dataclass(frozen=True)
+class StepPlan:
+    """A scheduler plug-in's plan: run, (request id, n_tokens) in batch order, a waiting
+    request named here being admitted; preempt, the ids of running requests to send back to
+    the front of the waiting line (their K and V dropped, or swapped out)."""
+    run: List[Tuple[int, int]]
+    preempt: List[int] = dataclasses.field(default_factory=list)
+
+
+def scheduler_view(scheduler: Scheduler, space, step: int, leaving) -> SchedulerView:
+    """The engine's queues as plain records (requests failing this step left out)."""
+    extra, running, waiting = {}, [], []
+    for queue, out in ((scheduler.running, running), (scheduler.waiting, waiting)):
+        for request in queue:
+            if request.id in leaving:
+                continue
+            (seq,) = request.active()
+            size = scheduler.block_size   # what space.needed adds to the new blocks
+            extra[request.id] = (space.needed(seq, 1) - blocks_for(seq.computed + 1, size)
+                                 + blocks_for(seq.computed, size))
+            out.append(RequestState(
+                id=request.id, arrival_time=request.arrived, prompt_len=seq.prompt_len,
+                max_new_tokens=request.params.max_new_tokens, generated=len(seq.outputs),
+                computed=seq.computed, pending=seq.pending,
+                blocks=0 if seq.handle is None else len(seq.handle.block_table),
+                preemptions=request.preemptions))
+    return SchedulerView(step, scheduler.max_batch_tokens, scheduler.max_batch_seqs,
+                         scheduler.block_size, space.available(), space.sequences_left(),
+                         tuple(running), tuple(waiting), extra)
+
+
+def checked_plan(policy, scheduler: Scheduler, space, step: int,
+                 leaving) -> ScheduledStep:
+    """Ask the scheduler plug-in for a plan, check it, and turn it into the engine's
+    ScheduledStep (drafts added after it, as the engine's own scheduler adds them).
+    Raises PluginError before anything changes if the plan breaks a rule."""
+    view = scheduler_view(scheduler, space, step, leaving)
+    answer = _ask("scheduler", "plan()", policy.plan, view)
+    run, preempt = _plan_lists(answer)
+    requests = {r.id: r for r in list(scheduler.running) + list(scheduler.waiting)
+                if r.id not in leaving}
+    running = {r.id for r in view.running}
+    states = {r.id: r for r in view.running + view.waiting}
+    out = ScheduledStep(items=[])
+    for rid in preempt:
+        if rid not in running:
+            raise PluginError(f"the scheduler preempted request {rid}, which is not running")
+        if requests[rid] in out.preempted:
+            raise PluginError(f"the scheduler preempted request {rid} twice")
+        out.preempted.append(requests[rid])
+    seen, tokens, blocks = set(), 0, 0
+    for rid, n in run:
+        if rid not in states:
+            raise PluginError(f"the scheduler ran request {rid}, which is neither running "
+                              f"nor waiting")
+        if rid in seen or rid in preempt:
+            raise PluginError(f"the scheduler ran request {rid} twice, or ran it and "
+                              f"preempted it")
+        state = states[rid]
+        if not 1 <= n <= state.pending:
+            raise PluginError(f"the scheduler gave request {rid} {n} tokens: it has "
+                              f"{state.pending} to run, so 1 to {state.pending}")
+        seen.add(rid)
+        tokens += n
+        blocks += view.blocks_needed(state, n)
+        request = requests[rid]
+        out.items.append((request, request.active()[0], n))
+        if rid not in running:
+            out.admitted.append(request)
+    _check_room(view, out, space, tokens, blocks)
+    scheduler._add_drafts(space, out, view.max_batch_tokens - tokens,
+                          view.free_blocks + sum(space.freed(r) for r in out.preempted) - blocks)
+    return out
+
+
+def _plan_lists(answer) -> Tuple[List[Tuple[int, int]], List[int]]:
+    """The plug-in's answer as (run, preempt) lists of plain ints, or PluginError."""
+    if not isinstance(answer, StepPlan):
+        raise PluginError(f"the scheduler's plan() must return a kvlab.plugins.StepPlan, got "
+                          f"{arguments.shown(answer)}")
+    try:
+        run = [(arguments.integer(rid, "a request id"), arguments.integer(n, "n_tokens"))
+               for rid, n in answer.run]
+        preempt = [arguments.integer(rid, "a request id") for rid in answer.preempt]
+    except (TypeError, ValueError) as error:
+        raise PluginError(f"the scheduler's StepPlan must hold run = [(request id, "
+                          f"n_tokens), ...] and preempt = [request id, ...] of ints: "
+                          f"{error}") from None
+    return run, preempt
+
+
+def _check_room(view: SchedulerView, out: ScheduledStep, space, tokens: int,
+                blocks: int) -> None:
+    """The plan fits the step: its token budget, its batch size, the pool's sequences and
+    blocks (those its preemptions free counted), and it does something while work waits."""
+    if tokens > view.max_batch_tokens:
+        raise PluginError(f"the scheduler planned {tokens} tokens, past max_batch_tokens="
+                          f"{view.max_batch_tokens}")
+    if len(out.items) > view.max_batch_seqs:
+        raise PluginError(f"the scheduler planned {len(out.items)} sequences, past "
+                          f"max_batch_seqs={view.max_batch_seqs}")
+    if len(out.admitted) > view.sequences_left + len(out.preempted):
+        raise PluginError(f"the scheduler admitted {len(out.admitted)} requests; the pool "
+                          f"holds {view.sequences_left} more sequences")
+    room = view.free_blocks + sum(space.freed(r) for r in out.preempted)
+    if blocks > room:
+        raise PluginError(f"the scheduler's plan needs {blocks} blocks; {room} are free "
+                          f"(its preemptions counted)")
+    if not out.items and not out.preempted and (view.running or view.waiting):
+        raise PluginError(f"the scheduler planned nothing while {len(view.running)} "
+                          f"requests run and {len(view.waiting)} wait: the engine would "
+                          f"never finish")
+
+
+def check_scheduler(policy) -> None:
+    if isinstance(policy, type) or not callable(getattr(policy, "plan", None)):
+        raise TypeError(f"scheduler takes an object with plan(view) -> StepPlan (see "
+                        f"kvlab.plugins), got {_what(policy)}")
+
+
+def _what(value) -> str:
+    return f"the class {value.__name__}" if isinstance(value, type) else type(value).__name__
+
+
+# ---- the block allocator: lab 5's class, driven in step with the pool -----------------------
+ALLOCATOR_METHODS = ("new_sequence", "append", "fork", "free", "block_table", "length",
+                     "ref_count", "num_free_blocks")
+
+
+def make_allocator(cls, num_blocks: int, block_size: int):
+    """An allocator plug-in: lab 5's class (or a function) called with (num_blocks,
+    block_size); its object must have every method of ALLOCATOR_METHODS."""
+    if not callable(cls):
+        raise TypeError(f"allocator takes a class with lab 5's interface, called as "
+                        f"cls(num_blocks, block_size), got {_what(cls)}")
+    allocator = _ask("allocator", "constructor", cls, num_blocks, block_size)
+    missing = [m for m in ALLOCATOR_METHODS if not callable(getattr(allocator, m, None))]
+    if missing:
+        raise TypeError(f"the allocator plug-in has no {', '.join(missing)} (lab 5's "
+                        f"interface: {', '.join(ALLOCATOR_METHODS)})")
+    return allocator
+
+
+def _ask(plugin: str, what: str, call, *args):
+    """call(*args), a plug-in's code: whatever it raises becomes a PluginError naming it."""
+    try:
+        return call(*args)
+    except Exception as error:
+        raise PluginError(f"the {plugin} plug-in's {what} raised {type(error).__name__}: "
+                          f"{error}") from error
+
+
+class MirroredPool:
+    """The engine's pool, its every operation that makes, grows, forks, cuts or frees a
+    sequence also done on an allocator plug-in (AllocatorMirror). Everything else is the
+    pool's own (attribute access goes through). The pool stays the one that holds K and V
+    and decides; the plug-in follows, and is checked after every step."""
+
+    def __init__(self, pool, mirror: "AllocatorMirror"):
+        self._pool, self._mirror = pool, mirror
+
+    def __getattr__(self, name):
+        return getattr(self._pool, name)
+
+    def new_sequence(self):
+        handle = self._pool.new_sequence()
+        self._mirror.made(handle)
+        return handle
+
+    def fork(self, parent):
+        self._mirror.sync(parent)              # the child shares the parent's rows as now
+        child = self._pool.fork(parent)
+        self._mirror.forked(parent, child)
+        return child
+
+    def free(self, handle):
+        self._pool.free(handle)
+        self._mirror.freed(handle)
+
+    def truncate(self, handle, length):
+        self._mirror.sync(handle)
+        self._pool.truncate(handle, length)
+        self._mirror.cut(handle, length)
+
+    def swap_out(self, handle):
+        host = self._pool.swap_out(handle)     # frees the handle's blocks
+        self._mirror.freed(handle)
+        return host
+
+    def swap_in(self, host):
+        handle = self._pool.swap_in(host)
+        self._mirror.made(handle)
+        self._mirror.sync(handle)
+        return handle
+
+
+class AllocatorMirror:
+    """Lab 5's allocator driven as the pool is (through MirroredPool), and checked: after
+    each step, every live sequence's length, table length and its blocks' ref counts, and
+    the free blocks, must be the pool's (block ids are the allocator's own choice)."""
+
+    def __init__(self, allocator, pool):
+        self.allocator, self.pool = allocator, pool
+        self.ids: Dict[int, Tuple[object, object, int]] = {}   # id(handle) -> (handle, its
+                                                               # id in the allocator, length)
+
+    def made(self, handle) -> None:
+        sid = _ask("allocator", "new_sequence()", self.allocator.new_sequence)
+        self._track(handle, sid, 0)
+
+    def _track(self, handle, sid, length: int) -> None:
+        try:
+            hash(sid)
+        except TypeError:
+            raise PluginError(f"the allocator plug-in's sequence id {arguments.shown(sid)} "
+                              f"is not hashable") from None
+        if any(known == sid for _, known, _ in self.ids.values()):
+            raise PluginError(f"the allocator plug-in gave the id {sid!r} of a live "
+                              f"sequence to a new one")
+        self.ids[id(handle)] = (handle, sid, length)
+
+    def sync(self, handle) -> None:
+        """The rows the pool wrote for `handle` since the last sync, appended."""
+        entry = self.ids.get(id(handle))
+        if entry is None or not handle.alive:
+            return
+        _, sid, length = entry
+        if handle.length > length:
+            _ask("allocator", f"append(seq, {handle.length - length})", self.allocator.append,
+                 sid, handle.length - length)
+            self.ids[id(handle)] = (handle, sid, handle.length)
+
+    def forked(self, parent, child) -> None:
+        _, sid, length = self.ids[id(parent)]
+        self._track(child, _ask("allocator", "fork()", self.allocator.fork, sid), length)
+
+    def freed(self, handle) -> None:
+        entry = self.ids.pop(id(handle), None)
+        if entry is not None:
+            _ask("allocator", "free()", self.allocator.free, entry[1])
+
+    def cut(self, handle, length: int) -> None:
+        _, sid, old = self.ids[id(handle)]
+        if length == old:
+            return
+        truncate = getattr(self.allocator, "truncate", None)
+        if not callable(truncate):
+            raise PluginError("the engine cut a sequence back (speculation's refused drafts, "
+                              "or a step run again) and the allocator plug-in has no "
+                              "truncate(seq, length)")
+        _ask("allocator", "truncate()", truncate, sid, length)
+        self.ids[id(handle)] = (handle, sid, length)
+
+    def step_done(self) -> None:
+        """Sync every sequence, then check the allocator against the pool."""
+        for handle, _, _ in list(self.ids.values()):
+            self.sync(handle)
+        refs = self.pool.ref_counts
+        for handle, sid, length in self.ids.values():
+            mine = _ask("allocator", "block_table()", self.allocator.block_table, sid)
+            theirs = [int(b) for b in handle.block_table]
+            got = _ask("allocator", "length()", self.allocator.length, sid)
+            if got != handle.length or len(mine) != len(theirs):
+                raise PluginError(f"the allocator plug-in holds {got!r} tokens in "
+                                  f"{len(mine)} blocks for a sequence the pool holds in "
+                                  f"{handle.length} tokens, {len(theirs)} blocks")
+            counts = [_ask("allocator", "ref_count()", self.allocator.ref_count, b) for b in mine]
+            if counts != [int(refs[b]) for b in theirs]:
+                raise PluginError(f"the allocator plug-in's ref counts of a sequence's blocks "
+                                  f"are {counts}; the pool's {[int(refs[b]) for b in theirs]}")
+        free = _ask("allocator", "num_free_blocks()", self.allocator.num_free_blocks)
+        if free != self.pool.available_blocks:
+            raise PluginError(f"the allocator plug-in has {free!r} free blocks; the pool "
+                              f"{self.pool.available_blocks}")

@@ -1,0 +1,303 @@
+"""kvlab.plugins: a student's scheduler, drafter and block allocator plugged into
+kvlab.Engine. Good plug-ins give kvlab.generate's tokens; a plug-in that answers nonsense
+gets a PluginError naming the rule, before the pool changes, and never a wrong token."""
+import pytest
+
+import kvlab
+from kvlab.plugins import PluginError, SchedulerView, StepPlan
+from kvlab.speculative import PromptLookup
+
+PROMPTS = ["ROMEO:", "JULIET: O Romeo", "First Citizen:\nBefore we proceed any further",
+           "KING", "MENENIUS:\nWhy, masters"]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return kvlab.load()
+
+
+@pytest.fixture(scope="module")
+def expected(model):
+    return [kvlab.generate(model, p, 20).tokens for p in PROMPTS]
+
+
+class FirstComeFirstServed:
+    """The engine's own rules, written against the plug-in view: running requests first
+    (the newest preempted when blocks run out), then waiting ones in line."""
+
+    def plan(self, view: SchedulerView) -> StepPlan:
+        run, preempt = [], []
+        budget, free = view.max_batch_tokens, view.free_blocks
+        running = list(view.running)
+        for r in running:
+            n = min(r.pending, budget)
+            if r.id in preempt or n == 0 or len(run) == view.max_batch_seqs:
+                continue
+            need = view.blocks_needed(r, n)
+            while need > free:
+                victim = [x for x in running if x.id not in preempt][-1]
+                preempt.append(victim.id)
+                free += victim.blocks
+                budget += sum(k for rid, k in run if rid == victim.id)
+                run = [(rid, k) for rid, k in run if rid != victim.id]
+                if victim is r:
+                    break
+            if r.id not in preempt:
+                run.append((r.id, n))
+                budget, free = budget - n, free - need
+        for r in view.waiting if not preempt else ():
+            n = min(r.pending, budget)
+            if n == 0 or len(run) == view.max_batch_seqs or view.blocks_needed(r, n) > free:
+                break
+            run.append((r.id, n))
+            budget, free = budget - n, free - view.blocks_needed(r, n)
+        return StepPlan(run, preempt)
+
+
+class ShortestFirst(FirstComeFirstServed):
+    """Admits the waiting request with the fewest tokens to compute first."""
+
+    def plan(self, view):
+        view = SchedulerView(**{**view.__dict__,
+                                "waiting": tuple(sorted(view.waiting, key=lambda r: r.pending))})
+        return super().plan(view)
+
+
+class Allocator:
+    """Lab 5's interface (plus truncate), written for these tests."""
+
+    def __init__(self, num_blocks, block_size):
+        self.block_size, self.free_ids = block_size, list(range(num_blocks))
+        self.refs, self.tables, self.lengths, self.next = [0] * num_blocks, {}, {}, 0
+
+    def _blocks(self, n):
+        return -(-n // self.block_size)
+
+    def new_sequence(self):
+        self.next += 1
+        self.tables[self.next], self.lengths[self.next] = [], 0
+        return self.next
+
+    def append(self, seq, n):
+        table, length, copies = self.tables[seq], self.lengths[seq], []
+        need = self._blocks(length + n) - len(table)
+        cow = length % self.block_size != 0 and self.refs[table[-1]] > 1
+        if need + cow > len(self.free_ids):
+            raise MemoryError("out of blocks")
+        if cow:
+            dst = self.free_ids.pop()
+            self.refs[table[-1]] -= 1
+            self.refs[dst] = 1
+            copies.append((table[-1], dst))
+            table[-1] = dst
+        for _ in range(need):
+            table.append(self.free_ids.pop())
+            self.refs[table[-1]] = 1
+        self.lengths[seq] = length + n
+        return copies
+
+    def fork(self, seq):
+        child = self.new_sequence()
+        self.tables[child], self.lengths[child] = list(self.tables[seq]), self.lengths[seq]
+        for b in self.tables[seq]:
+            self.refs[b] += 1
+        return child
+
+    def _drop(self, blocks):
+        for b in blocks:
+            self.refs[b] -= 1
+            if self.refs[b] == 0:
+                self.free_ids.append(b)
+
+    def free(self, seq):
+        self._drop(self.tables.pop(seq))
+        del self.lengths[seq]
+
+    def truncate(self, seq, length):
+        keep = self._blocks(length)
+        self._drop(self.tables[seq][keep:])
+        del self.tables[seq][keep:]
+        self.lengths[seq] = length
+
+    def block_table(self, seq):
+        return list(self.tables[seq])
+
+    def length(self, seq):
+        return self.lengths[seq]
+
+    def ref_count(self, block):
+        return self.refs[block]
+
+    def num_free_blocks(self):
+        return len(self.free_ids)
+
+
+def serve(model, n_samples=1, **plugins):
+    engine = kvlab.Engine(model, num_blocks=20, block_size=4, max_batch_tokens=16, **plugins)
+    for p in PROMPTS:
+        engine.add_request(p, kvlab.SamplingParams(max_new_tokens=20))
+    if n_samples > 1:
+        engine.add_request("KING", kvlab.SamplingParams(max_new_tokens=8, n=n_samples,
+                                                        temperature=0.8, seed=3))
+    outputs = engine.run(progress=False)
+    engine.pool.check()
+    return engine, [outputs[i].outputs[0].tokens for i in range(len(PROMPTS))]
+
+
+@pytest.mark.parametrize("policy", [FirstComeFirstServed, ShortestFirst])
+def test_a_scheduler_plug_in_gives_generates_tokens(model, expected, policy):
+    engine, tokens = serve(model, scheduler=policy())
+    assert tokens == expected
+    assert sum(o.preemptions for o in engine.outputs.values()) > 0    # the pool was tight
+
+
+def test_a_scheduler_that_mirrors_the_engines_own_plans_the_same_steps(model):
+    own, _ = serve(model)
+    plugged, _ = serve(model, scheduler=FirstComeFirstServed())
+    assert [(r.prefill_tokens, r.decode_tokens, r.preemptions) for r in own.metrics] == \
+        [(r.prefill_tokens, r.decode_tokens, r.preemptions) for r in plugged.metrics]
+
+
+class Scripted:
+    """Plans as FirstComeFirstServed does, except at step `at`, where it answers `bad`."""
+
+    def __init__(self, at, bad):
+        self.at, self.bad, self.good = at, bad, FirstComeFirstServed()
+
+    def plan(self, view):
+        if view.step == self.at:
+            return self.bad(view)
+        return self.good.plan(view)
+
+
+BAD_PLANS = {
+    "not a StepPlan": (lambda v: [(v.running[0].id, 1)], "must return a kvlab.plugins.StepPlan"),
+    "unknown id": (lambda v: StepPlan([(999, 1)]), "neither running nor waiting"),
+    "zero tokens": (lambda v: StepPlan([(v.running[0].id, 0)]), "1 to"),
+    "too many tokens": (lambda v: StepPlan([(v.running[0].id, v.running[0].pending + 1)]),
+                        "1 to"),
+    "twice": (lambda v: StepPlan([(v.running[0].id, 1)] * 2), "twice"),
+    "float tokens": (lambda v: StepPlan([(v.running[0].id, 1.0)]), "of ints"),
+    "preempt waiting": (lambda v: StepPlan([], [v.waiting[0].id]), "not running"),
+    "run and preempt": (lambda v: StepPlan([(v.running[0].id, 1)], [v.running[0].id]),
+                        "preempted it"),
+    "nothing": (lambda v: StepPlan([]), "planned nothing"),
+    "over budget": (lambda v: StepPlan([(r.id, r.pending) for r in v.running + v.waiting]),
+                    "max_batch_tokens|blocks"),
+    "raises": (lambda v: 1 / 0, "ZeroDivisionError"),
+}
+
+
+@pytest.mark.parametrize("name", BAD_PLANS)
+def test_a_bad_plan_is_refused_before_the_pool_changes(model, expected, name):
+    bad, message = BAD_PLANS[name]
+    policy = Scripted(2, bad)
+    engine = kvlab.Engine(model, num_blocks=20, block_size=4, max_batch_tokens=16,
+                          scheduler=policy)
+    for p in PROMPTS:
+        engine.add_request(p, kvlab.SamplingParams(max_new_tokens=20))
+    engine.step(), engine.step()
+    before = (engine.pool.stats(), [r.id for r in engine.scheduler.running],
+              [r.id for r in engine.scheduler.waiting])
+    with pytest.raises(PluginError, match=message):
+        engine.step()
+    assert (engine.pool.stats(), [r.id for r in engine.scheduler.running],
+            [r.id for r in engine.scheduler.waiting]) == before
+    engine.pool.check()
+    policy.at = None                       # a good plan again: the run goes on, exactly
+    outputs = engine.run(progress=False)
+    assert [outputs[i].outputs[0].tokens for i in range(len(PROMPTS))] == expected
+
+
+def test_a_plan_that_needs_more_blocks_than_are_free_is_refused(model):
+    def everything(view):                  # both prompts whole: 8 blocks of a pool of 6
+        return StepPlan([(r.id, r.pending) for r in view.waiting])
+    engine = kvlab.Engine(model, num_blocks=6, block_size=4, max_batch_tokens=64,
+                          scheduler=Scripted(0, everything))
+    for first in (1, 20):
+        engine.add_request(list(range(first, first + 13)), kvlab.SamplingParams(max_new_tokens=3))
+    with pytest.raises(PluginError, match="needs 8 blocks; 6 are free"):
+        engine.step()
+    assert engine.pool.stats().n_sequences == 0
+
+
+def test_plug_ins_are_checked_at_entry(model):
+    with pytest.raises(TypeError, match="plan"):
+        kvlab.Engine(model, num_blocks=8, scheduler=FirstComeFirstServed)    # the class
+    with pytest.raises(TypeError, match="plan"):
+        kvlab.Engine(model, num_blocks=8, scheduler=object())
+    with pytest.raises(TypeError, match="drafter= or speculate="):
+        kvlab.Engine(model, num_blocks=8, drafter=PromptLookup(), speculate=PromptLookup())
+    with pytest.raises(TypeError, match="drafter"):
+        kvlab.Engine(model, num_blocks=8, drafter=PromptLookup)
+    with pytest.raises(TypeError, match="not a pool"):
+        kvlab.Engine(model, model.new_paged_pool(8, 4), allocator=Allocator)
+    with pytest.raises(TypeError, match="has no new_sequence, append.*lab 5"):
+        kvlab.Engine(model, num_blocks=8, allocator=lambda n, size: object())
+    with pytest.raises(TypeError, match="lab 5"):
+        kvlab.Engine(model, num_blocks=8, allocator=Allocator(8, 16))    # an object
+    with pytest.raises(PluginError, match="constructor raised"):
+        kvlab.Engine(model, num_blocks=8, allocator=lambda n, size: 1 / 0)
+    engine = kvlab.Engine(model, num_blocks=8, scheduler=FirstComeFirstServed())
+    with pytest.raises(ValueError, match="n=1"):
+        engine.add_request("ROMEO:", kvlab.SamplingParams(n=2, temperature=1.0))
+
+
+def test_a_drafter_plug_in_is_speculation(model, expected):
+    engine, tokens = serve(model, drafter=PromptLookup(), scheduler=FirstComeFirstServed())
+    assert tokens == expected and engine.speculation.drafted > 0
+
+    class Junk:
+        def propose(self, tokens, k, sampling=None):
+            return [10 ** 9]
+    engine = kvlab.Engine(model, num_blocks=20, block_size=4, drafter=Junk())
+    engine.add_request("ROMEO: ROMEO: ROMEO:", kvlab.SamplingParams(max_new_tokens=5))
+    (output,) = engine.run(progress=False).values()
+    assert output.outputs[0].finish_reason.startswith("error") and "out of range" in \
+        output.outputs[0].finish_reason
+    engine.pool.check()
+
+
+@pytest.mark.parametrize("options", [{}, {"preemption": "swap"},
+                                     {"scheduler": FirstComeFirstServed()},
+                                     {"drafter": PromptLookup()}])
+def test_an_allocator_plug_in_follows_the_pool(model, expected, options):
+    engine, tokens = serve(model, n_samples=1 if options else 3, allocator=Allocator,
+                           **options)
+    assert tokens == expected
+    assert engine._mirror.allocator.num_free_blocks() == engine.pool.num_blocks
+
+
+class ForkForgetsRefs(Allocator):
+    def fork(self, seq):
+        child = self.new_sequence()
+        self.tables[child], self.lengths[child] = list(self.tables[seq]), self.lengths[seq]
+        return child
+
+
+class NeverCopies(Allocator):
+    def append(self, seq, n):
+        table, length = self.tables[seq], self.lengths[seq]
+        for _ in range(self._blocks(length + n) - len(table)):
+            table.append(self.free_ids.pop())
+            self.refs[table[-1]] = 1
+        self.lengths[seq] = length + n
+        return []
+
+
+class NoTruncate(Allocator):
+    truncate = None
+
+
+@pytest.mark.parametrize("allocator, message", [
+    (ForkForgetsRefs, "ref counts"), (NeverCopies, "ref counts"),
+    (NoTruncate, "no truncate")])
+def test_a_wrong_allocator_is_caught_by_the_engine(model, allocator, message):
+    options = {"drafter": PromptLookup()} if allocator is NoTruncate else {}
+    engine = kvlab.Engine(model, num_blocks=20, block_size=4, allocator=allocator, **options)
+    engine.add_request("KING:", kvlab.SamplingParams(max_new_tokens=8, n=3, temperature=0.8,
+                                                     seed=3))    # 5 tokens: a shared part block
+    engine.add_request("ROMEO: ROMEO: ROMEO: ROMEO:", kvlab.SamplingParams(max_new_tokens=8))
+    with pytest.raises(PluginError, match=message):
+        engine.run(progress=False)
+    engine.pool.check()                    # the pool itself is whole
