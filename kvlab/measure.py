@@ -221,7 +221,10 @@ def scratch_bytes(config: ModelConfig, n_tokens: int, n_threads: int = 1,
     chunk of its tokens (chunk_length). Matrices stored in fewer bytes (`weights`, their
     formats by name) add four rows of the widest input per thread to make float32 in, or,
     for the block formats (Q8_0, Q4_0, Q4_1) with int8_activations, each token's
-    activations as int8 and their scales.
+    activations as int8 and their scales. Where the running kernel variant has the AVX-512
+    tiles (kvlab._kvlab.PACKED_INPUTS), each product with at least 4 tokens also makes a
+    packed copy of its input (csrc/ops.h): the widest input's, for a chunk of TOKEN_CHUNK
+    tokens (float32 activations) or every token (int8), one product at a time.
 
     Without a cache (cached=False), uncached_kv says how the K and V are held, as
     Model.forward's argument does: "all_layers" (every layer's, the buffers a chunk of the
