@@ -287,18 +287,36 @@ static ALWAYS_INLINE void mix_block(float *results, const float *weights, int at
             memcpy(results + (size_t)m * head_dim + i + 8 * d, &sums[m][d], sizeof(v8f));
 }
 
-/* The values of QB query heads, DB chunks of eight at a time, then the last chunks one at
- * a time. */
+/* Calls of mix_block that cover c chunks of eight, DB at a time, then the chunks left over
+ * four, two and one at a time (as mix_rows makes them). */
+static int mix_calls(int c, int DB) {
+    int calls = c / DB;
+    for (int width = 4, left = c % DB; width >= 1; width /= 2) {
+        if (width >= DB) continue;
+        calls += left / width;
+        left %= width;
+    }
+    return calls;
+}
+
+/* The values of QB query heads, DB chunks of eight at a time, then the last chunks four,
+ * two and one at a time: a head of 48 values (six chunks) as four and two, not six calls
+ * of one running sum per head, each waiting on its multiply-adds in turn row after row.
+ * Each output value still adds the rows in order, whichever call holds it: the same bits. */
 static ALWAYS_INLINE void mix_rows(float *results, const float *weights, int at, int head_dim,
                                    const tile_rows *rows, int n, int kind, int QB, int DB,
                                    int fetch) {
     int d8 = head_dim & ~7, i = 0;
     /* one step per row of each call of mix_block */
-    int n_calls = d8 / (8 * DB) + (d8 % (8 * DB)) / 8;
+    int n_calls = mix_calls(d8 / 8, DB);
     size_t share = fetch && n_calls > 0 ? fetch_share(rows, (size_t)n * (size_t)n_calls) : 0;
     size_t step = 0;
     for (; i + 8 * DB <= d8; i += 8 * DB, step += (size_t)n)
         mix_block(results, weights, at, head_dim, rows, n, i, kind, QB, DB, step, share);
+    for (; DB > 4 && i + 32 <= d8; i += 32, step += (size_t)n)
+        mix_block(results, weights, at, head_dim, rows, n, i, kind, QB, 4, step, share);
+    for (; DB > 2 && i + 16 <= d8; i += 16, step += (size_t)n)
+        mix_block(results, weights, at, head_dim, rows, n, i, kind, QB, 2, step, share);
     for (; i < d8; i += 8, step += (size_t)n)
         mix_block(results, weights, at, head_dim, rows, n, i, kind, QB, 1, step, share);
 }

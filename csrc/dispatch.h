@@ -31,6 +31,7 @@ float kv_fast_dot(const float *a, const float *b, int n);
 typedef struct {
     const char *name;            /* "baseline", "avx2", "avx512"; "native" for KVLAB_NATIVE=1 */
     int fused_multiply_add;      /* whether its multiply-adds round once (built with FMA) */
+    int packed_inputs;           /* which products pack their input (ops.h's KV_PACKS_) */
     __typeof__(kv_matmul) *matmul;
     __typeof__(kv_matmul_many) *matmul_many;
     __typeof__(kv_matmul_four_rows) *matmul_four_rows;

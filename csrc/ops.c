@@ -121,7 +121,7 @@ static void kernel_4x1(const four_rows *f, int t, const float *x, int in_dim) {
     finish_four(f, t, a0, a1, a2, a3, x, n8, in_dim);
 }
 
-#if defined(__AVX512F__) && defined(__FMA__) && defined(__GNUC__)
+#ifdef KV_F32_TILE_512   /* ops.h */
 #define F32_TILE_512 1
 /* The most token pairs kernel_4_pairs_512 takes at once: 4 rows x 6 pairs (twelve tokens)
  * make 24 running sums, with six pairs of inputs and a row in registers 31 of AVX-512's 32. */
@@ -198,17 +198,19 @@ static int tile_tokens(int left) {
     return (int)kv_ceil_div(kv_ceil_div(left, n_tiles), 2) * 2;
 }
 
-/* Four rows against tokens t .. t + n - 1 (t even, n <= 2 * TILE_PAIRS) of packed x, n_pairs
- * a constant at each call of kernel_4_pairs_512 so that its loops unroll */
-static void tile_4_rows_512(const four_rows *f, int t, int n, const float *packed,
+/* Four rows against tokens t .. t + n - 1 (n <= 2 * TILE_PAIRS) of x, packed: the chunk of
+ * tokens from `first` on (t - first even), n_pairs a constant at each call of
+ * kernel_4_pairs_512 so that its loops unroll */
+static void tile_4_rows_512(const four_rows *f, int t, int n, const float *packed, int first,
                             const float *x, int in_dim) {
+    int p0 = (t - first) / 2;
     switch ((n + 1) / 2) {
-    case 6: kernel_4_pairs_512(f, t, n, packed, t / 2, 6, x, in_dim); break;
-    case 5: kernel_4_pairs_512(f, t, n, packed, t / 2, 5, x, in_dim); break;
-    case 4: kernel_4_pairs_512(f, t, n, packed, t / 2, 4, x, in_dim); break;
-    case 3: kernel_4_pairs_512(f, t, n, packed, t / 2, 3, x, in_dim); break;
-    case 2: kernel_4_pairs_512(f, t, n, packed, t / 2, 2, x, in_dim); break;
-    default: kernel_4_pairs_512(f, t, n, packed, t / 2, 1, x, in_dim); break;
+    case 6: kernel_4_pairs_512(f, t, n, packed, p0, 6, x, in_dim); break;
+    case 5: kernel_4_pairs_512(f, t, n, packed, p0, 5, x, in_dim); break;
+    case 4: kernel_4_pairs_512(f, t, n, packed, p0, 4, x, in_dim); break;
+    case 3: kernel_4_pairs_512(f, t, n, packed, p0, 3, x, in_dim); break;
+    case 2: kernel_4_pairs_512(f, t, n, packed, p0, 2, x, in_dim); break;
+    default: kernel_4_pairs_512(f, t, n, packed, p0, 1, x, in_dim); break;
     }
 }
 #else
@@ -290,7 +292,7 @@ void kv_matmul_four_rows(float *out, const float *x, const float *packed,
     if (packed != NULL) {
         for (int t = first, n; t < first + chunk; t += n) {
             n = tile_tokens(first + chunk - t);
-            tile_4_rows_512(&f, t, n, packed, x, in_dim);
+            tile_4_rows_512(&f, t, n, packed, first, x, in_dim);
         }
         return;
     }
@@ -360,7 +362,7 @@ static void runs_of_rows(int lo, int hi, int n_matrices, float *const *outs,
 #ifdef F32_TILE_512
         for (int tile; packed != NULL && t < end; t += tile) {   /* up to twelve at a time */
             tile = tile_tokens(end - t);
-            tile_4_rows_512(&f, t, tile, packed, x, in_dim);
+            tile_4_rows_512(&f, t, tile, packed, first, x, in_dim);
         }
 #endif
         for (; t + 3 <= end; t += 3) kernel_4x3(NULL, &f, t, x + t * stride, 0, n8, in_dim, 0);
@@ -379,7 +381,7 @@ static void runs_of_rows(int lo, int hi, int n_matrices, float *const *outs,
 float *kv_packed_tokens_alloc(int n_tokens, int in_dim) {
 #ifdef F32_TILE_512
     if (n_tokens >= 4 && in_dim >= 8)
-        return kv_alloc_floats(((size_t)n_tokens + 1) / 2 * (size_t)(in_dim / 8) * 16);
+        return kv_alloc_floats(kv_packed_input_floats(kv_packed_chunk(n_tokens), in_dim));
 #endif
     (void)n_tokens;
     (void)in_dim;
@@ -405,20 +407,14 @@ void kv_matmul_many(int n_matrices, float *const *outs, const float *const *ws,
         if (work >= KV_PARALLEL_MIN_WORK && n_blocks > 1)
     {
         int team = omp_get_num_threads(), me = omp_get_thread_num();
-#ifdef F32_TILE_512
-        if (packed != NULL) {   /* each thread packs a share of the pairs, all read them all */
-            int n_pairs = (n_tokens + 1) / 2;
-            kv_pack_tokens(x, n_tokens, in_dim, packed, kv_split(n_pairs, me, team),
-                           kv_split(n_pairs, me + 1, team));
-            #pragma omp barrier
-        }
-#endif
         if (n_tokens < SMALL_BATCH || packed != NULL) {
             int lo = kv_split(n_rows, me, team), hi = kv_split(n_rows, me + 1, team);
-            for (int first = 0; first < n_tokens; first += TOKEN_CHUNK)
-                runs_of_rows(lo, hi, n_matrices, outs, ws, out_dims, x, packed, first,
-                             n_tokens - first < TOKEN_CHUNK ? n_tokens - first : TOKEN_CHUNK,
+            for (int first = 0; first < n_tokens; first += TOKEN_CHUNK) {
+                int chunk = n_tokens - first < TOKEN_CHUNK ? n_tokens - first : TOKEN_CHUNK;
+                if (packed != NULL) kv_pack_chunk(x, first, chunk, in_dim, packed);
+                runs_of_rows(lo, hi, n_matrices, outs, ws, out_dims, x, packed, first, chunk,
                              in_dim);
+            }
         } else {
             int lo = kv_split(n_blocks, me, team), hi = kv_split(n_blocks, me + 1, team);
             for (int first = 0; first < n_tokens; first += TOKEN_CHUNK) {

@@ -10,6 +10,8 @@
 
 #include <stddef.h>
 
+#include "common.h"
+
 /* out[t, o] = sum_i x[t, i] * w[o, i]  for t < n_tokens, o < out_dim.
  * x (n_tokens, in_dim), w (out_dim, in_dim), out (n_tokens, out_dim). Threaded over o. */
 void kv_matmul(float *out, const float *x, const float *w, int n_tokens, int in_dim,
@@ -25,17 +27,61 @@ void kv_matmul_many(int n_matrices, float *const *outs, const float *const *ws,
 #define KV_TOKEN_CHUNK 48
 
 /* x (n_tokens, in_dim) as the AVX-512 tile reads it (pairs of tokens side by side, chunk
- * by chunk): memory for it (kv_packed_tokens_alloc; freed with free), or NULL where the
- * tile is not built in, the tokens are too few for it, or the memory cannot be had (the
- * products then take their other kernels, with the same bits); kv_pack_tokens fills pairs
- * first .. last - 1 of it (of (n_tokens + 1) / 2), so that threads can share the work. */
+ * by chunk of eight columns), KV_TOKEN_CHUNK tokens at a time: memory for one chunk of
+ * the tokens (kv_packed_tokens_alloc; freed with free), or NULL where the tile is not
+ * built in, the tokens are too few for it, or the memory cannot be had (the products then
+ * take their other kernels, with the same bits); kv_pack_tokens fills pairs first .. last
+ * - 1 of it (of (n_tokens + 1) / 2), so that threads can share the work, and
+ * kv_pack_chunk packs tokens first .. first + chunk - 1 with every thread of a parallel
+ * region (all must call it, chunk after chunk: it waits for them all before and after). */
 float *kv_packed_tokens_alloc(int n_tokens, int in_dim);
 void kv_pack_tokens(const float *x, int n_tokens, int in_dim, float *packed, int first,
                     int last);
+static inline int kv_packed_chunk(int n_tokens) {
+    return n_tokens < KV_TOKEN_CHUNK ? n_tokens : KV_TOKEN_CHUNK;
+}
+/* (defined here, not in ops.c, so that each kernel variant's file has its own) */
+static inline void kv_pack_chunk(const float *x, int first, int chunk, int in_dim,
+                                 float *packed) {
+    int team = omp_get_num_threads(), me = omp_get_thread_num(), n_pairs = (chunk + 1) / 2;
+    if (first > 0) {
+        #pragma omp barrier   /* every thread is done with the chunk before */
+    }
+    kv_pack_tokens(x + (size_t)first * in_dim, chunk, in_dim, packed,
+                   kv_split(n_pairs, me, team), kv_split(n_pairs, me + 1, team));
+    #pragma omp barrier
+}
+
+/* Which AVX-512 tiles this compilation builds (ops.c's float32 one; weight_formats.c's
+ * int8 x int8 one), and so which products pack their input: a copy the size of x, made
+ * once per product with at least 4 tokens, ((n_tokens + 1) / 2) * (in_dim / 8) * 16
+ * floats for either tile (kv_packed_input_floats). The kernel table says which a variant
+ * has (dispatch.h's packed_inputs), so that the forward call's counters include it. */
+#if defined(__AVX512F__) && defined(__FMA__) && defined(__GNUC__)
+#define KV_F32_TILE_512 1
+#endif
+#if defined(KV_F32_TILE_512) && defined(__AVX512BW__) && defined(__AVX512DQ__) && \
+    defined(__AVX512VNNI__)
+#define KV_INT8_TILE_512 1
+#endif
+#define KV_PACKS_F32 1
+#define KV_PACKS_INT8 2
+#if defined(KV_INT8_TILE_512)
+#define KV_PACKED_INPUTS (KV_PACKS_F32 | KV_PACKS_INT8)
+#elif defined(KV_F32_TILE_512)
+#define KV_PACKED_INPUTS KV_PACKS_F32
+#else
+#define KV_PACKED_INPUTS 0
+#endif
+static inline size_t kv_packed_input_floats(int n_tokens, int in_dim) {
+    if (n_tokens < 4 || in_dim < 8) return 0;
+    return ((size_t)n_tokens + 1) / 2 * (size_t)(in_dim / 8) * 16;
+}
 
 /* Four rows of a matrix, float32 wherever they lie (rows[r] is output o + r), against tokens
- * first .. first + chunk - 1 (chunk <= KV_TOKEN_CHUNK, first even) of x (in_dim each):
- * out[t * out_dim + o + r], in kv_dot's order. packed: kv_pack_tokens' copy of x, or NULL.
+ * first .. first + chunk - 1 (chunk <= KV_TOKEN_CHUNK) of x (in_dim each):
+ * out[t * out_dim + o + r], in kv_dot's order. packed: kv_pack_chunk's copy of those
+ * tokens, or NULL.
  * For rows made float32 on the way (weight_formats.c). */
 void kv_matmul_four_rows(float *out, const float *x, const float *packed,
                          const float *const rows[4], int o, int first, int chunk, int in_dim,

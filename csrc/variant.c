@@ -29,6 +29,7 @@ const kv_kernel_table kv_variant_kernels = {
 #else
     .fused_multiply_add = 0,
 #endif
+    .packed_inputs = KV_PACKED_INPUTS,
     .matmul = kv_matmul,
     .matmul_many = kv_matmul_many,
     .matmul_four_rows = kv_matmul_four_rows,

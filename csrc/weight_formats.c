@@ -229,14 +229,17 @@ static void convert_row(kv_weight_format format, const uint8_t *row, int in_dim,
 /* Row blocks lo .. hi - 1 (four rows each) of w against many tokens (a prefill, a big
  * batch): for each chunk of tokens, a block's four rows are made float32 in `rows` (4 *
  * in_dim floats) and go through the float32 kernel (kv_matmul_four_rows), so the rows are
- * converted once per chunk of KV_TOKEN_CHUNK tokens, not once per token. */
-static void blocks_converted(float *out, const float *x, const float *packed,
+ * converted once per chunk of KV_TOKEN_CHUNK tokens, not once per token. packed: room for
+ * a chunk's tokens packed for ops.c's 512-bit tile (every thread calls this, and they pack
+ * each chunk together), or NULL. */
+static void blocks_converted(float *out, const float *x, float *packed,
                              const uint8_t *w, kv_weight_format format, int n_tokens,
                              int in_dim, int out_dim, int lo, int hi, float *rows) {
     size_t row_bytes = kv_weight_row_bytes(format, in_dim);
     const float *four[4] = {rows, rows + in_dim, rows + 2 * (size_t)in_dim, rows + 3 * (size_t)in_dim};
     for (int first = 0; first < n_tokens; first += KV_TOKEN_CHUNK) {
         int chunk = n_tokens - first < KV_TOKEN_CHUNK ? n_tokens - first : KV_TOKEN_CHUNK;
+        if (packed != NULL) kv_pack_chunk(x, first, chunk, in_dim, packed);
         for (int block = lo; block < hi; block++) {
             int o = 4 * block, n_rows = out_dim - o < 4 ? out_dim - o : 4;
             for (int r = 0; r < n_rows; r++)
@@ -268,12 +271,6 @@ void kv_matmul_weights(float *out, const float *x, const uint8_t *w, kv_weight_f
         if ((int64_t)n_tokens * out_dim * in_dim >= KV_PARALLEL_MIN_WORK && n_blocks > 1)
     {
         int team = omp_get_num_threads(), me = omp_get_thread_num();
-        if (packed != NULL) {   /* each thread packs a share of the pairs, all read them all */
-            int n_pairs = (n_tokens + 1) / 2;
-            kv_pack_tokens(x, n_tokens, in_dim, packed, kv_split(n_pairs, me, team),
-                           kv_split(n_pairs, me + 1, team));
-            #pragma omp barrier
-        }
         if (n_tokens < KV_CONVERT_ONCE_TOKENS) {
             rows_streamed(out, x, w, format, n_tokens, in_dim, out_dim,
                           kv_split(out_dim, me, team), kv_split(out_dim, me + 1, team));
@@ -682,9 +679,7 @@ static ALWAYS_INLINE void dot_rows4_int8_tokens4(const uint8_t *const rows[4],
 }
 #endif
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && \
-    defined(__AVX512VNNI__) && defined(__FMA__)
-#define KV_INT8_TILE_512 1
+#ifdef KV_INT8_TILE_512   /* ops.h */
 /* The most token pairs dot_rows4_int8_pairs_512 takes at once: 4 rows x 4 pairs make 16
  * running sums of 16 lanes, half of the 32 registers AVX-512 has. */
 #define TILE_PAIRS 4

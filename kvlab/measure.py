@@ -221,7 +221,10 @@ def scratch_bytes(config: ModelConfig, n_tokens: int, n_threads: int = 1,
     chunk of its tokens (chunk_length). Matrices stored in fewer bytes (`weights`, their
     formats by name) add four rows of the widest input per thread to make float32 in, or,
     for the block formats (Q8_0, Q4_0, Q4_1) with int8_activations, each token's
-    activations as int8 and their scales.
+    activations as int8 and their scales. Where the running kernel variant has the AVX-512
+    tiles (kvlab._kvlab.PACKED_INPUTS), each product with at least 4 tokens also makes a
+    packed copy of its input (csrc/ops.h): the widest input's, for a chunk of TOKEN_CHUNK
+    tokens (float32 activations) or every token (int8), one product at a time.
 
     Without a cache (cached=False), uncached_kv says how the K and V are held, as
     Model.forward's argument does: "all_layers" (every layer's, the buffers a chunk of the
@@ -254,10 +257,30 @@ def scratch_bytes(config: ModelConfig, n_tokens: int, n_threads: int = 1,
     if blocks and int8_activations:
         # each block's scale and its scale times the sum of its codes, then the codes
         buffers += [2 * T * (widest // weight_formats.Q8_0_BLOCK), (T * widest + 3) // 4]
-    total = sum(_round16(n) for n in buffers) * FLOAT
+    total = (sum(_round16(n) for n in buffers) + _packed_input(T, widest, weights or {},
+                                                                 int8_activations)) * FLOAT
     if not cached:
         total += 2 * (1 if one_layer else c.n_layers) * n_tokens * c.kv_dim * FLOAT
     return total
+
+
+def _packed_input(n_tokens: int, widest: int, formats: dict, int8_activations: bool) -> int:
+    """Floats of the copy of a product's input that the running kernel variant's AVX-512
+    tiles make (csrc/ops.h, kv_packed_input_floats; the C core's packed_input_floats), where
+    one of the matrices takes a tile this variant has: the float32 tile's holds a chunk of
+    core.TOKEN_CHUNK tokens at a time, the int8 tile's (block formats with int8
+    activations) all of them. One product at a time: the widest input, the larger copy."""
+    if core.get_kernels() == "plain" or n_tokens < 4 or widest < 8:
+        return 0
+    matrices = ("wq", "wk", "wv", "wo", "w1", "w2", "w3", "classifier")
+    int8 = {name for name in matrices if int8_activations
+            and formats.get(name) in weight_formats.BLOCK_FORMATS}
+    most = 0
+    for tile, tokens, used in ((1, min(n_tokens, core.TOKEN_CHUNK), len(int8) < len(matrices)),
+                               (2, n_tokens, bool(int8))):
+        if core.PACKED_INPUTS & tile and used:
+            most = max(most, (tokens + 1) // 2 * (widest // 8) * 16)
+    return most
 
 
 def generation_counts(config: ModelConfig, prompt_len: int, new_tokens: int,

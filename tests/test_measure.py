@@ -177,6 +177,31 @@ def test_core_counters_equal_the_formulas_call_by_call(shape):
                                                       uncached_kv="one_layer")
 
 
+def test_scratch_counts_the_packed_copy_of_a_products_input():
+    """The AVX-512 tiles (the running variant's, kvlab._kvlab.PACKED_INPUTS) pack a
+    product's input, a chunk of TOKEN_CHUNK tokens of the widest one at a time: the
+    counters' peak includes that copy (the plain tier makes none), and scratch_bytes agrees."""
+    model = random_model(SHAPES[0])
+    c, n, threads = model.config, 60, kvlab.get_num_threads()
+    tokens = np.arange(n) % c.vocab_size
+    counted = {}
+    kernels = kvlab.get_kernels()
+    try:
+        for tier in ("fast", "plain"):
+            kvlab.set_kernels(tier)
+            cache = model.new_cache(n)
+            model.reset_counters()
+            model.prefill(tokens, cache)
+            counted[tier] = model.counters.scratch_bytes
+            assert counted[tier] == scratch_bytes(c, n, threads)
+    finally:
+        kvlab.set_kernels(kernels)
+    widest = max(c.dim, c.hidden_dim, c.q_dim)
+    chunk = min(n, kvlab._kvlab.TOKEN_CHUNK)
+    packed = (chunk + 1) // 2 * (widest // 8) * 16 * 4 if kvlab._kvlab.PACKED_INPUTS & 1 else 0
+    assert counted["fast"] - counted["plain"] == packed
+
+
 @pytest.mark.parametrize("options", [{"dtype": "int8"}, {"dtype": "int4", "window": 3},
                                      {"key_format": "fp8", "value_format": "bf16", "window": 20}])
 def test_core_counts_the_bytes_a_quantized_cache_moves(options):
@@ -329,7 +354,15 @@ def test_uncached_kv_is_checked_and_means_no_cache():
     assert kvlab.measure.chunk_length(c, 0, 262) < 262
     one = scratch_bytes(c, 262, cached=False, uncached_kv="one_layer")
     one_layer_kv = 2 * 262 * c.kv_dim * 4
-    assert one - one_layer_kv > 5 * scratch_bytes(c, 262)    # 262 tokens' buffers, not 48's
+    # (the buffers alone: the plain tier's count, without the AVX-512 tiles' packed copy of
+    # a product's input, which is one chunk of tokens in both)
+    kernels = kvlab.get_kernels()
+    kvlab.set_kernels("plain")
+    try:
+        buffers = scratch_bytes(c, 262, cached=False, uncached_kv="one_layer") - one_layer_kv
+        assert buffers > 5 * scratch_bytes(c, 262)    # 262 tokens' buffers, not 48's
+    finally:
+        kvlab.set_kernels(kernels)
     # ... and still far less than the cache it does without (chapter 1: about 0.2x)
     assert one < 0.25 * kv_cache_bytes(c, 262, dtype="fp32")
 

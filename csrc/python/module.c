@@ -247,8 +247,9 @@ static PyObject *variant_reason(int asked) {
                                 "lacks %s", count, (current - 1)->needs);
 }
 
-/* VARIANT, VARIANTS (this build's, best first), VARIANT_REASON and FUSED_MULTIPLY_ADD
- * (whether the running variant's multiply-adds round once: tests/test_bits.py's digests) */
+/* VARIANT, VARIANTS (this build's, best first), VARIANT_REASON, FUSED_MULTIPLY_ADD
+ * (whether the running variant's multiply-adds round once: tests/test_bits.py's digests)
+ * and PACKED_INPUTS (which of its products pack their input: measure.scratch_bytes) */
 static int add_variant_constants(PyObject *module, int asked) {
     int count;
     const kv_variant *variants = kv_variants(&count), *current = kv_current_variant();
@@ -260,6 +261,8 @@ static int add_variant_constants(PyObject *module, int asked) {
     int result = PyModule_AddObjectRef(module, "VARIANT_REASON", reason);
     Py_DECREF(reason);
     if (result < 0 || PyModule_AddStringConstant(module, "VARIANT", current->kernels->name) < 0)
+        return -1;
+    if (PyModule_AddIntConstant(module, "PACKED_INPUTS", current->kernels->packed_inputs) < 0)
         return -1;
     return PyModule_AddIntConstant(module, "FUSED_MULTIPLY_ADD",
                                    current->kernels->fused_multiply_add);
