@@ -42,11 +42,12 @@ DIGESTS = {
     0: "834a741a714f181a5819d3c87757e06ecf3866317a7addaad78c9f8820597441",
 }
 
-# Whether each x86-64 kernel variant fuses its multiply-adds (kvlab_build.VARIANTS' flags:
-# avx2 and avx512 are compiled with -mfma, the baseline for any x86-64 CPU, without). A
-# build of one variant (KVLAB_NATIVE=1's "native", another CPU's "baseline") fuses where its
-# target has FMA.
-FUSES = {"baseline": 0, "avx2": 1, "avx512": 1}
+# Whether each kernel variant fuses its multiply-adds (kvlab_build.VARIANTS' flags: avx2 and
+# avx512 are compiled with -mfma, the baseline for any x86-64 CPU, without; aarch64's
+# baseline and dotprod never fuse, since only x86's __FMA__ turns fusing on). A build of one
+# variant (KVLAB_NATIVE=1's "native", another CPU's "baseline") fuses where its target has
+# x86's FMA.
+FUSES = {"baseline": 0, "avx2": 1, "avx512": 1, "dotprod": 0}
 
 
 def digest_logits():
