@@ -12,8 +12,8 @@
  * Without KV_VARIANT (a build of one set, such as KVLAB_NATIVE=1 or tests/c's first build)
  * this header renames nothing. A function added to a kernel file and called from elsewhere
  * needs a line here, a field in dispatch.h's kv_kernel_table, its entry in variant.c and its
- * wrapper in dispatch.c; the linker names any that is missing (a symbol defined three
- * times, or not at all).
+ * wrapper in dispatch.c; the linker names any that is missing (a symbol defined once per
+ * variant, or not at all).
  */
 #ifndef KVLAB_VARIANT_NAMES_H
 #define KVLAB_VARIANT_NAMES_H
