@@ -37,7 +37,9 @@ DECODE_STEPS = 8
 
 # sha256 of the float32 bytes of digest_logits()'s array, by FUSED_MULTIPLY_ADD. Made with
 # gcc 12 (-march=native and KVLAB_PORTABLE=1 builds) and reproduced by clang 14 with and
-# without OpenMP, on x86-64 Linux (glibc 2.36).
+# without OpenMP, on x86-64 Linux (glibc 2.36); the unfused one also by aarch64's dotprod
+# and baseline variants (gcc 12's cross compiler, Debian 12's arm64 Python under qemu-user:
+# .ci/lanes aarch64_python).
 DIGESTS = {
     1: "44d3098e2c8427f8976769d915414d7014d2b4f9a8d3dfe41fe90bbbccfdc12c",
     0: "834a741a714f181a5819d3c87757e06ecf3866317a7addaad78c9f8820597441",

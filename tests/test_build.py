@@ -380,6 +380,27 @@ def test_dispatch_checks_every_feature_a_variant_is_compiled_for():
         assert f"KV_WITH_{variant.name.upper()}" in source
 
 
+def test_the_c_tests_build_both_aarch64_variants_with_a_cross_compiler():
+    """tests/c/Makefile's second build, for an aarch64 compiler (make -n: the commands, not
+    run), compiles each kernel file as dotprod with its flag and as the baseline, and tells
+    dispatch.c there is a dotprod variant."""
+    cross = "aarch64-linux-gnu-gcc"
+    if shutil.which(cross) is None or shutil.which("make") is None:
+        pytest.skip("no aarch64-linux-gnu-gcc or make here")
+    commands = subprocess.run(["make", "-n", "-B", "-C", str(REPO / "tests" / "c"), f"CC={cross}",
+                               "test_core_dispatch"], capture_output=True, text=True,
+                              check=True).stdout.replace("\\\n", " ")   # one command a line
+    for kernel in ("ops", "attention", "weight_formats", "plain", "bandwidth", "variant"):
+        dotprod = [line for line in commands.splitlines() if f"variants/dotprod/{kernel}.o" in line
+                   and " -c " in line]
+        baseline = [line for line in commands.splitlines()
+                    if f"variants/baseline/{kernel}.o" in line and " -c " in line]
+        assert len(dotprod) == 1 and "-march=armv8.2-a+dotprod" in dotprod[0], kernel
+        assert len(baseline) == 1 and "-march" not in baseline[0], kernel
+    link = [line for line in commands.splitlines() if "-o test_core_dispatch" in line]
+    assert len(link) == 1 and "-DKV_WITH_DOTPROD" in link[0] and "KV_WITH_AVX" not in link[0]
+
+
 def test_dispatch_asks_the_operating_system_for_arms_dot_product():
     """ARM's ID registers trap in user code: dispatch.c asks Linux (the auxiliary vector's
     HWCAP_ASIMDDP) or macOS (sysctl's FEAT_DotProd) before it runs the dotprod variant, and
