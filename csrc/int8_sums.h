@@ -1,14 +1,14 @@
-/* int8_sums.h: the exact integer sums of four products of a weight block's 32 codes with an
- * activation block's 32 int8 codes, eight sums to a block, as weight_formats.c's int8
- * products add them outside x86's AVX2 path (which has its own, sums_of_four):
+/* int8_sums.h: on aarch64, the exact integer sums of four products of a weight block's 32
+ * codes with an activation block's 32 int8 codes, eight sums to a block, as weight_formats.c's
+ * int8 products add them (add_block; x86's AVX2 path has its own, sums_of_four, and other
+ * CPUs the plain loops there):
  *   - ARM's dot-product instructions (sdot, ARMv8.2-A: the aarch64 "dotprod" kernel
  *     variant, dispatch.h), whose one instruction adds exactly four byte products a lane;
- *   - NEON's widening multiplies and pairwise adds on any other aarch64 CPU (the baseline);
- *   - plain loops on any other CPU (x86-64's SSE2 baseline).
+ *   - NEON's widening multiplies and pairwise adds on any other aarch64 CPU (the baseline).
  * Each sum is an integer of at most 4 x 128 x 128 in size, exact in int32 and in float32,
- * so the three compute the same floats and the choice moves no bit (the C tests compare
- * every variant's products with the plain tier's, tests/c). Private to weight_formats.c;
- * not here: the scales that multiply the sums (add_block).
+ * so both compute the plain loops' floats and the choice moves no bit (the C tests compare
+ * every variant's products with the plain tier's, tests/c). Defines KV_INT8_SUMS_NEON where
+ * it has them. Private to weight_formats.c; not here: the scales that multiply the sums.
  */
 #ifndef KVLAB_INT8_SUMS_H
 #define KVLAB_INT8_SUMS_H
@@ -17,11 +17,11 @@
 #include <string.h>
 
 #include "kvlab.h"
-#include "quant.h"
 #include "simd.h"
 
 #if defined(__aarch64__) && defined(__ARM_NEON)
 #include <arm_neon.h>
+#define KV_INT8_SUMS_NEON 1
 
 /* A weight block's 32 codes as signed bytes in value order, in two registers (values
  * 0 .. 15, then 16 .. 31): Q8_0's as they are; Q4's nibbles (kv_q4_code's order: the low
@@ -65,22 +65,6 @@ static ALWAYS_INLINE v8f block_sums_of_four(const uint8_t *codes, const int8_t *
     v8f out;
     memcpy(&out, &low, sizeof low);
     memcpy((char *)&out + sizeof low, &high, sizeof high);
-    return out;
-}
-#else
-static ALWAYS_INLINE v8f block_sums_of_four(const uint8_t *codes, const int8_t *x_codes,
-                                            kv_weight_format format) {
-    v8f out;
-    for (int m = 0; m < 8; m++) {
-        int32_t sum = 0;
-        for (int i = 4 * m; i < 4 * m + 4; i++) {
-            int32_t code = format == KV_WEIGHT_Q8_0 ? (int8_t)codes[i]
-                         : format == KV_WEIGHT_Q4_0 ? kv_q4_code(codes, i) - 8
-                                                    : kv_q4_code(codes, i);
-            sum += code * x_codes[i];
-        }
-        out[m] = (float)sum;
-    }
     return out;
 }
 #endif
