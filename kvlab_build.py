@@ -13,16 +13,17 @@ name could take over (no speed change measured on a quiet machine).
 OpenMP where the compiler has it; on macOS, where Apple's clang has none of its own, through
 Homebrew's libomp when it is installed, else single-threaded with a one-line notice.
 
-Kernel variants (choose_variants, VARIANTS): on x86-64 the kernel files (setup.py's
-KERNEL_SOURCES) are compiled three times, for the compiler's default target (the baseline:
-any x86-64 CPU), for AVX2 with FMA and for AVX-512 with VNNI, and csrc/dispatch.c runs the
-best one the CPU has: one build, or one wheel, that is fast on new CPUs and runs on old ones.
-The rest of the extension is compiled once, for the baseline. A build of one variant
-instead: KVLAB_NATIVE=1 (everything -march=native: this machine's CPU and no other, as the
-default was before), KVLAB_PORTABLE=1 (the baseline alone: the same bits on every x86-64 CPU,
-no fused multiply-adds, slower), a compiler that cannot compile a variant (it is left out),
-or a CPU other than x86-64 (the kernels have no ARM paths of their own yet: NEON is the
-aarch64 baseline, and the compiler's vectors use it).
+Kernel variants (choose_variants, VARIANTS, ARM_VARIANTS): on x86-64 the kernel files
+(setup.py's KERNEL_SOURCES) are compiled three times, for the compiler's default target (the
+baseline: any x86-64 CPU), for AVX2 with FMA and for AVX-512 with VNNI; on aarch64 (Linux,
+Apple Silicon) twice, for the baseline (NEON, which every aarch64 CPU has) and for ARMv8.2-A's
+int8 dot products (sdot); csrc/dispatch.c runs the best one the CPU has: one build, or one
+wheel, that is fast on new CPUs and runs on old ones. The rest of the extension is compiled
+once, for the baseline. A build of one variant instead: KVLAB_NATIVE=1 (everything
+-march=native: this machine's CPU and no other, as the default was before), KVLAB_PORTABLE=1
+(the baseline alone: the same bits on every CPU of its kind, no fused multiply-adds,
+slower), a compiler that cannot compile a variant (it is left out), or another CPU (or a
+macOS universal2 build: one compiler call for two CPUs).
 
 The record (BuildRecords): setuptools rebuilds an extension only when a source is newer
 than it, so a build with another compiler, other flags or other KVLAB_* options used to
@@ -77,6 +78,7 @@ class Variant:
     name: str
     flags: tuple = ()
     tuning: tuple = ()   # -mtune: left out where the compiler does not take it
+    probe: str = ""      # the C program it needs built (variant_program: x86-64's by default)
 
     def features(self):
         """The CPU features its flags name ("-mavx2" -> "avx2"), which dispatch.c checks."""
@@ -100,16 +102,41 @@ VARIANTS = (
     Variant("baseline"),
 )
 
+# The aarch64 variants, the one every CPU runs last. Every aarch64 CPU has NEON, the
+# baseline's; the dot-product instructions (ARMv8.2-A's optional FEAT_DotProd, in every
+# ARMv8.4-A CPU: Cortex-A55/A75 and later, every Apple Silicon Mac, AWS Graviton 2 and later,
+# not the Raspberry Pi 4's Cortex-A72) add four byte products a lane in one instruction,
+# which the int8 products use (csrc/int8_sums.h). dispatch.c asks the operating system for
+# them (tests/test_build.py checks it asks). Both variants round every multiply-add twice,
+# as x86-64's baseline does, so both give its bits (tests/test_bits.py's unfused digest).
+NEON_PROGRAM = ("#include <arm_neon.h>\nint main(void) {\n"
+                "    int8x16_t x = vdupq_n_s8(1);\n"
+                "    int32x4_t s = vpaddq_s32(vpaddlq_s16(vmull_high_s8(x, x)), vdupq_n_s32(0));\n"
+                "    return vgetq_lane_s32(s, 0) != 2;\n}\n")
+DOTPROD_PROGRAM = ("#include <arm_neon.h>\n#if defined(__linux__)\n#include <sys/auxv.h>\n"
+                   "#elif defined(__APPLE__)\n#include <sys/sysctl.h>\n#endif\n"
+                   "int main(void) {\n    int8x16_t x = vdupq_n_s8(1);\n"
+                   "    return vgetq_lane_s32(vdotq_s32(vdupq_n_s32(0), x, x), 0) != 4;\n}\n")
+ARM_VARIANTS = (
+    Variant("dotprod", ("-march=armv8.2-a+dotprod",), probe=DOTPROD_PROGRAM),
+    Variant("baseline", probe=NEON_PROGRAM),
+)
+
 # The header that renames a variant's functions, forced into each of its compilations.
 VARIANT_NAMES = "csrc/variant_names.h"
 
 TRIVIAL_PROGRAM = "int main(void) { return 0; }\n"
 X86_64_PROGRAM = ("#if !defined(__x86_64__)\n#error not x86-64\n#endif\n" + TRIVIAL_PROGRAM)
+AARCH64_PROGRAM = ("#if !defined(__aarch64__)\n#error not aarch64\n#endif\n" + TRIVIAL_PROGRAM)
+# Which variants a compiler for each CPU builds: the program it compiles, and the variants
+ARCHITECTURES = ((X86_64_PROGRAM, VARIANTS), (AARCH64_PROGRAM, ARM_VARIANTS))
 
 
 def variant_program(variant):
     """A program that compiles with the variant's flags where the compiler has its
     intrinsics and can ask the CPU for each feature the way dispatch.c does."""
+    if variant.probe:
+        return variant.probe
     asks = " + ".join(f'__builtin_cpu_supports("{f}")' for f in variant.features() if f != "f16c")
     return ("#include <immintrin.h>\n#include <cpuid.h>\n"
             f"int main(void) {{ __builtin_cpu_init(); return {asks or '0'}; }}\n")
@@ -180,12 +207,13 @@ def choose_variants(compiles, env=None):
     env = os.environ if env is None else env
     if is_set(env, "KVLAB_NATIVE") or is_set(env, "KVLAB_PORTABLE"):
         return []
-    if not compiles(X86_64_PROGRAM, []):
+    variants = next((v for program, v in ARCHITECTURES if compiles(program, [])), None)
+    if variants is None:
         return []
-    chosen = [v for v in VARIANTS if compiles(variant_program(v), list(v.flags))]
+    chosen = [v for v in variants if compiles(variant_program(v), list(v.flags))]
     chosen = [v if compiles(variant_program(v), [*v.flags, *v.tuning]) else replace(v, tuning=())
               for v in chosen]
-    return chosen if len(chosen) > 1 and chosen[-1].name == VARIANTS[-1].name else []
+    return chosen if len(chosen) > 1 and chosen[-1].name == variants[-1].name else []
 
 
 def choose_flags(accepts, env=None, platform=None, libomp=find_libomp, compiles=None):

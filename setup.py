@@ -5,15 +5,16 @@ binding (csrc/python/*.c) with -O3, -ffp-contract=off and OpenMP when the compil
 (on macOS through Homebrew's libomp): kvlab_build.py chooses the flags, and records what
 built each extension so that a build with another compiler, flag or option rebuilds it
 instead of shipping the old one. On x86-64 the kernel files (KERNEL_SOURCES) are compiled
-once per instruction set, for any x86-64 CPU, AVX2 with FMA, and AVX-512 with VNNI, and the
-core runs the best one the CPU has (csrc/dispatch.c): the default build is both portable
-(a wheel runs on any x86-64 CPU) and as fast as one tuned for the machine.
+once per instruction set, for any x86-64 CPU, AVX2 with FMA, and AVX-512 with VNNI (on
+aarch64: any ARMv8-A CPU, and ARMv8.2's dot products), and the core runs the best one the
+CPU has (csrc/dispatch.c): the default build is both portable (a wheel runs on any CPU of
+its kind) and as fast as one tuned for the machine.
 Environment switches:
   KVLAB_NATIVE=1     compile everything for this machine's CPU alone (-march=native), one
                      variant of the kernels: what the default was before, for a CPU
                      feature the variants leave out; the build dies with SIGILL elsewhere
-  KVLAB_PORTABLE=1   compile the baseline kernels alone: the same bits on every x86-64 CPU
-                     (no fused multiply-adds), and slower
+  KVLAB_PORTABLE=1   compile the baseline kernels alone: the same bits on every CPU of its
+                     kind (no fused multiply-adds), and slower
   KVLAB_NO_OPENMP=1  build single-threaded
   KVLAB_SANITIZE=1   build with AddressSanitizer and UBSan (for the sanitizer CI lane;
                      the C core only, no CUDA extension)

@@ -4,15 +4,20 @@
  * In the default x86-64 build the kernel files are compiled three times (variant_names.h):
  * for any x86-64 CPU (SSE2, the baseline), for AVX2 with FMA and F16C (Haswell, 2013, and
  * later; AMD since 2015), and for AVX-512 with VNNI (Intel's Ice Lake and Cascade Lake
- * servers, 2019, and later; AMD's Zen 4). When the core is loaded, before anything can call a
- * kernel, the best of them that this CPU and its operating system run is chosen, asking the
- * CPU (cpuid, through the compiler's __builtin_cpu_supports); each kv_matmul, kv_attention ...
- * here is one indirect call into it. A build of one variant (KVLAB_NATIVE=1 or
- * KVLAB_PORTABLE=1, or not x86-64) defines no KV_WITH_* and keeps only the lists below:
- * its kernel files define the kernels' names themselves.
+ * servers, 2019, and later; AMD's Zen 4). In the default aarch64 build they are compiled
+ * twice: for any ARMv8-A CPU (NEON, which every aarch64 CPU has, is the baseline) and for
+ * ARMv8.2-A with the dot-product instructions (sdot: Cortex-A55/A75, 2017, and later; every
+ * Apple Silicon Mac; AWS Graviton 2 and later), which the int8 products use. When the core
+ * is loaded, before anything can call a kernel, the best of them that this CPU and its
+ * operating system run is chosen, asking the CPU (cpuid, through the compiler's
+ * __builtin_cpu_supports) on x86-64, and the operating system on ARM (Linux's
+ * getauxval(AT_HWCAP), macOS's sysctl; user code cannot read ARM's ID registers itself);
+ * each kv_matmul, kv_attention ... here is one indirect call into it. A build of one variant
+ * (KVLAB_NATIVE=1 or KVLAB_PORTABLE=1, or another CPU) defines no KV_WITH_* and keeps only
+ * the lists below: its kernel files define the kernels' names themselves.
  *
- * What a variant may use is decided here and in kvlab_build.py (VARIANTS: the compiler flags
- * of each) together; tests/test_build.py checks that the two agree.
+ * What a variant may use is decided here and in kvlab_build.py (VARIANTS and ARM_VARIANTS:
+ * the compiler flags of each) together; tests/test_build.py checks that the two agree.
  */
 #include <stddef.h>
 #include <string.h>
@@ -21,12 +26,20 @@
 
 #if defined(KV_WITH_AVX2) || defined(KV_WITH_AVX512)
 #define KV_DISPATCH 1
+#define KV_DISPATCH_X86 1
 #include <cpuid.h>
+#elif defined(KV_WITH_DOTPROD)
+#define KV_DISPATCH 1
+#if defined(__linux__)
+#include <sys/auxv.h>
+#elif defined(__APPLE__)
+#include <sys/sysctl.h>
+#endif
 #endif
 
 /* ---- the variants this build has, best first ------------------------------------------- */
 
-#ifdef KV_DISPATCH
+#ifdef KV_DISPATCH_X86
 extern const kv_kernel_table kv_variant_kernels_baseline, kv_variant_kernels_avx2,
     kv_variant_kernels_avx512;
 
@@ -62,6 +75,36 @@ static const kv_variant variants[] = {
     {&kv_variant_kernels_avx2, "AVX2, FMA and F16C", cpu_has_avx2},
 #endif
     {&kv_variant_kernels_baseline, "any x86-64 CPU (SSE2)", NULL},
+};
+#elif defined(KV_DISPATCH)   /* aarch64 */
+extern const kv_kernel_table kv_variant_kernels_baseline, kv_variant_kernels_dotprod;
+
+/* Linux's bit for the dot-product instructions in AT_HWCAP (asm/hwcap.h), for a C library
+ * whose headers are older than it (kernel 4.15). */
+#if defined(__linux__) && !defined(HWCAP_ASIMDDP)
+#define HWCAP_ASIMDDP (1UL << 20)
+#endif
+
+/* What kvlab_build.py compiles the dotprod variant for: -march=armv8.2-a+dotprod (ARMv8.2's
+ * other additions, half-float arithmetic and the like, are left to the compiler, which
+ * the variant's kernels do not ask for; the dot product is what the int8 products use).
+ * The operating system says, since reading ARM's ID registers traps in user code. */
+static int cpu_has_dotprod(void) {
+#if defined(__linux__)
+    return (getauxval(AT_HWCAP) & HWCAP_ASIMDDP) != 0;
+#elif defined(__APPLE__)
+    int has = 0;
+    size_t size = sizeof has;
+    return sysctlbyname("hw.optional.arm.FEAT_DotProd", &has, &size, NULL, 0) == 0 && has;
+#else   /* another system (Windows on ARM, the BSDs): not asked, so the baseline runs */
+    return 0;
+#endif
+}
+
+static const kv_variant variants[] = {
+    {&kv_variant_kernels_dotprod, "ARMv8.2-A's dot-product instructions (sdot)",
+     cpu_has_dotprod},
+    {&kv_variant_kernels_baseline, "any ARMv8-A CPU (NEON)", NULL},
 };
 #else
 static const kv_variant variants[] = {

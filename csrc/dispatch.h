@@ -3,11 +3,12 @@
  * The hot kernels (ops.c, attention.c, weight_formats.c, bandwidth.c) and their plain twins
  * (plain.c) are the same C for every CPU; what differs is the instructions the compiler may
  * use: SSE2 on any x86-64 (the baseline), AVX2 with fused multiply-adds, AVX-512 with VNNI's
- * int8 dot products. The default x86-64 build compiles those files once per instruction set
- * (variant_names.h gives each set its own names) and dispatch.c picks, once when the module
- * loads, the best set this CPU runs: one wheel, fast on a new CPU and working on an old one.
- * A build of one set (KVLAB_NATIVE=1, KVLAB_PORTABLE=1, or a CPU other than x86-64) has a
- * single variant and no choice to make.
+ * int8 dot products; on aarch64, NEON (every aarch64 CPU's) or NEON with ARMv8.2's int8 dot
+ * products (sdot). The default x86-64 and aarch64 builds compile those files once per
+ * instruction set (variant_names.h gives each set its own names) and dispatch.c picks, once
+ * when the module loads, the best set this CPU runs: one wheel, fast on a new CPU and
+ * working on an old one. A build of one set (KVLAB_NATIVE=1, KVLAB_PORTABLE=1, or a CPU
+ * other than these two) has a single variant and no choice to make.
  *
  * The plain tier is in every variant: it is the specification of each variant's bits (its
  * multiply-adds are fused exactly where the fast tier's are), so each variant is tested
@@ -29,7 +30,8 @@ float kv_fast_dot(const float *a, const float *b, int n);
 /* One variant's kernels: every function of the kernel files that the rest of the core (or
  * a test) calls, as that variant compiled it (variant.c fills it in). */
 typedef struct {
-    const char *name;            /* "baseline", "avx2", "avx512"; "native" for KVLAB_NATIVE=1 */
+    const char *name;            /* "baseline", "avx2", "avx512"; "dotprod" (aarch64);
+                                    "native" for KVLAB_NATIVE=1 */
     int fused_multiply_add;      /* whether its multiply-adds round once (built with FMA) */
     int packed_inputs;           /* which products pack their input (ops.h's KV_PACKS_) */
     __typeof__(kv_matmul) *matmul;

@@ -1,18 +1,19 @@
 /* variant_names.h: gives each kernel variant's functions names of their own.
  *
- * The default x86-64 build compiles the kernel files (KERNEL_SOURCES in setup.py: ops.c,
- * attention.c, weight_formats.c, plain.c, bandwidth.c, variant.c) several times, once per
- * instruction set, with -DKV_VARIANT=baseline, avx2 or avx512 and this header forced in
- * first (-include). Each compilation then defines kv_matmul_avx2 where the source says
- * kv_matmul, and so on for every function those files export, so that the three sets link
- * into one module side by side; calls between the kernel files stay inside their own set.
+ * The default x86-64 and aarch64 builds compile the kernel files (KERNEL_SOURCES in
+ * setup.py: ops.c, attention.c, weight_formats.c, plain.c, bandwidth.c, variant.c) several
+ * times, once per instruction set, with -DKV_VARIANT=baseline, avx2 or avx512 (aarch64:
+ * baseline or dotprod) and this header forced in first (-include). Each compilation then
+ * defines kv_matmul_avx2 where the source says kv_matmul, and so on for every function those
+ * files export, so that the sets link into one module side by side; calls between the
+ * kernel files stay inside their own set.
  * dispatch.c defines the plain names, each passing its call to the set chosen at run time.
  *
  * Without KV_VARIANT (a build of one set, such as KVLAB_NATIVE=1 or tests/c's first build)
  * this header renames nothing. A function added to a kernel file and called from elsewhere
  * needs a line here, a field in dispatch.h's kv_kernel_table, its entry in variant.c and its
- * wrapper in dispatch.c; the linker names any that is missing (a symbol defined three
- * times, or not at all).
+ * wrapper in dispatch.c; the linker names any that is missing (a symbol defined once per
+ * variant, or not at all).
  */
 #ifndef KVLAB_VARIANT_NAMES_H
 #define KVLAB_VARIANT_NAMES_H

@@ -17,6 +17,7 @@
 #include <string.h>
 
 #include "common.h"
+#include "int8_sums.h"
 #include "ops.h"
 #include "plain.h"
 #include "quant.h"
@@ -468,6 +469,9 @@ static ALWAYS_INLINE void add_block(row_sums *sums, const w_block *wb, const x_b
     }
     sums->lanes = madd(splat(scale), partial, sums->lanes);
 #else
+#ifdef KV_INT8_SUMS_NEON
+    partial = block_sums_of_four(wb->codes, xb->codes, format);   /* int8_sums.h: sdot, NEON */
+#else
     for (int m = 0; m < 8; m++) {
         int32_t sum = 0;
         for (int i = 4 * m; i < 4 * m + 4; i++) {
@@ -478,6 +482,7 @@ static ALWAYS_INLINE void add_block(row_sums *sums, const w_block *wb, const x_b
         }
         partial[m] = (float)sum;
     }
+#endif
     sums->lanes = madd(splat(wb->d * xb->scale), partial, sums->lanes);
     if (format == KV_WEIGHT_Q4_1) sums->m_part = madd1(wb->m, xb->sum, sums->m_part);
 #endif

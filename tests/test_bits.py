@@ -19,6 +19,7 @@ or sinf rounds differently (glibc's are what these digests were made with).
 import hashlib
 import json
 import os
+import platform
 import subprocess
 import sys
 from pathlib import Path
@@ -36,17 +37,20 @@ DECODE_STEPS = 8
 
 # sha256 of the float32 bytes of digest_logits()'s array, by FUSED_MULTIPLY_ADD. Made with
 # gcc 12 (-march=native and KVLAB_PORTABLE=1 builds) and reproduced by clang 14 with and
-# without OpenMP, on x86-64 Linux (glibc 2.36).
+# without OpenMP, on x86-64 Linux (glibc 2.36); the unfused one also by aarch64's dotprod
+# and baseline variants (gcc 12's cross compiler, Debian 12's arm64 Python under qemu-user:
+# .ci/lanes aarch64_python).
 DIGESTS = {
     1: "44d3098e2c8427f8976769d915414d7014d2b4f9a8d3dfe41fe90bbbccfdc12c",
     0: "834a741a714f181a5819d3c87757e06ecf3866317a7addaad78c9f8820597441",
 }
 
-# Whether each x86-64 kernel variant fuses its multiply-adds (kvlab_build.VARIANTS' flags:
-# avx2 and avx512 are compiled with -mfma, the baseline for any x86-64 CPU, without). A
-# build of one variant (KVLAB_NATIVE=1's "native", another CPU's "baseline") fuses where its
-# target has FMA.
-FUSES = {"baseline": 0, "avx2": 1, "avx512": 1}
+# Whether each kernel variant fuses its multiply-adds (kvlab_build.VARIANTS' flags: avx2 and
+# avx512 are compiled with -mfma, the baseline for any x86-64 CPU, without; aarch64's
+# baseline and dotprod never fuse, since only x86's __FMA__ turns fusing on). A build of one
+# variant (KVLAB_NATIVE=1's "native", another CPU's "baseline") fuses where its target has
+# x86's FMA.
+FUSES = {"baseline": 0, "avx2": 1, "avx512": 1, "dotprod": 0}
 
 
 def digest_logits():
@@ -156,27 +160,40 @@ def test_a_variant_this_build_lacks_is_refused_with_the_choices():
     assert all(f"'{name}'" in done.stderr for name in _kvlab.VARIANTS)
 
 
+# The line of Linux's /proc/cpuinfo that lists the CPU's features, by architecture
+CPUINFO_FEATURES = {"x86_64": "flags", "aarch64": "Features"}
+
+
 def cpu_flags():
-    """This CPU's feature flags as Linux names them, or None off x86-64 Linux."""
+    """This CPU's feature flags as Linux names them, or None off x86-64 and aarch64 Linux
+    (and under qemu-user emulating another architecture, whose /proc/cpuinfo is the
+    host's: cibuildwheel tests aarch64 wheels so on x86-64 runners)."""
+    key = CPUINFO_FEATURES.get(platform.machine())
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
         return None
     for line in text.splitlines():
-        if line.startswith("flags"):
+        if key is not None and line.split(":", 1)[0].strip() == key:
             return set(line.split(":", 1)[1].split())
     return None
 
 
 def test_the_best_variant_this_cpu_has_runs_by_default():
-    """The dispatcher's own reading of the CPU (cpuid) agrees with Linux's: the AVX-512
-    variant where every feature it is compiled for is there, else AVX2's, else the baseline.
-    (Under an emulator such as qemu-user, /proc/cpuinfo is the host's: not run there.)"""
+    """The dispatcher's own reading of the CPU (cpuid; on aarch64 the auxiliary vector)
+    agrees with Linux's: the AVX-512 variant where every feature it is compiled for is there,
+    else AVX2's, else the baseline; on aarch64 dotprod where the CPU has the dot-product
+    instructions (asimddp), else the baseline. (Under an emulator such as qemu-user of the
+    same architecture, /proc/cpuinfo is the host's: not run there.)"""
     flags = cpu_flags()
     if len(_kvlab.VARIANTS) == 1 or flags is None or "KVLAB_VARIANT" in os.environ:
         pytest.skip("a build of one variant, not Linux, or a variant forced")
-    avx2 = {"avx2", "fma", "f16c", "bmi1", "bmi2"}
-    avx512 = avx2 | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl", "avx512_vnni"}
-    best = "avx512" if avx512 <= flags else "avx2" if avx2 <= flags else "baseline"
+    if platform.machine() == "aarch64":
+        best = "dotprod" if "asimddp" in flags else "baseline"
+    else:
+        avx2 = {"avx2", "fma", "f16c", "bmi1", "bmi2"}
+        avx512 = avx2 | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl",
+                         "avx512_vnni"}
+        best = "avx512" if avx512 <= flags else "avx2" if avx2 <= flags else "baseline"
     assert _kvlab.VARIANT == best, _kvlab.VARIANT_REASON
     assert _kvlab.VARIANT_REASON.startswith("the best of this build's")

@@ -15,6 +15,7 @@ import importlib.util
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -260,12 +261,17 @@ def test_homebrew_libomp_is_found_in_its_usual_places(tmp_path, monkeypatch):
 # ---- the kernel variants -----------------------------------------------------------------
 
 
-def compiling(x86_64=True, lacking=()):
-    """A fake compiler for choose_variants: an x86-64 one (or not) that builds every variant
-    program except with the flags named in `lacking`."""
+ARCHITECTURE_PROGRAMS = {"x86_64": kvlab_build.X86_64_PROGRAM,
+                         "aarch64": kvlab_build.AARCH64_PROGRAM}
+
+
+def compiling(target="x86_64", lacking=()):
+    """A fake compiler for choose_variants: one for the target CPU ("x86_64", "aarch64", or
+    None: another) that builds every variant program except with the flags named in
+    `lacking`."""
     def compiles(program, flags):
-        if program == kvlab_build.X86_64_PROGRAM:
-            return x86_64
+        if program in ARCHITECTURE_PROGRAMS.values():
+            return program == ARCHITECTURE_PROGRAMS.get(target)
         return not set(flags) & set(lacking)
     return compiles
 
@@ -303,9 +309,37 @@ def test_native_and_portable_builds_have_one_variant(env):
 
 
 def test_a_compiler_for_another_cpu_has_one_variant():
-    """aarch64 (Linux, Apple Silicon) and a macOS universal2 build (arm64 and x86_64 in one
-    compiler call) compile the kernels once, for the compiler's default target."""
-    assert kvlab_build.choose_variants(compiling(x86_64=False), env={}) == []
+    """A CPU other than x86-64 and aarch64, and a macOS universal2 build (arm64 and x86_64
+    in one compiler call, which neither architecture's program builds), compile the kernels
+    once, for the compiler's default target."""
+    assert kvlab_build.choose_variants(compiling(target=None), env={}) == []
+
+
+def test_an_aarch64_build_has_a_dotprod_variant_and_the_baseline():
+    variants = kvlab_build.choose_variants(compiling(target="aarch64"), env={})
+    assert names(variants) == ["dotprod", "baseline"]
+    assert variants[0].flags == ("-march=armv8.2-a+dotprod",) and variants[-1].flags == ()
+    # the probes are each variant's own, not x86-64's
+    assert "vdotq_s32" in kvlab_build.variant_program(variants[0])
+    assert "immintrin" not in kvlab_build.variant_program(variants[-1])
+
+
+def test_an_aarch64_compiler_without_dotprod_builds_one_variant():
+    lacking = compiling(target="aarch64", lacking=["-march=armv8.2-a+dotprod"])
+    assert kvlab_build.choose_variants(lacking, env={}) == []
+    for env in ({"KVLAB_NATIVE": "1"}, {"KVLAB_PORTABLE": "1"}):
+        assert kvlab_build.choose_variants(compiling(target="aarch64"), env=env) == []
+
+
+def test_the_aarch64_probes_build_with_a_cross_compiler():
+    """The ARM probes are real C: an aarch64 gcc (Debian's gcc-aarch64-linux-gnu, which
+    .ci/lanes' aarch64 lane installs) builds both, and an x86-64 compiler neither."""
+    cross = ["aarch64-linux-gnu-gcc"]
+    if shutil.which(cross[0]) is None:
+        pytest.skip("no aarch64-linux-gnu-gcc here")
+    compiles = (lambda program, flags: kvlab_build.compiler_accepts(cross, flags, program))
+    assert names(kvlab_build.choose_variants(compiles, env={})) == ["dotprod", "baseline"]
+    assert not compiles(kvlab_build.X86_64_PROGRAM, [])
 
 
 def test_native_and_portable_together_are_refused():
@@ -346,6 +380,40 @@ def test_dispatch_checks_every_feature_a_variant_is_compiled_for():
         assert f"KV_WITH_{variant.name.upper()}" in source
 
 
+def test_the_c_tests_build_both_aarch64_variants_with_a_cross_compiler():
+    """tests/c/Makefile's second build, for an aarch64 compiler (make -n: the commands, not
+    run), compiles each kernel file as dotprod with its flag and as the baseline, and tells
+    dispatch.c there is a dotprod variant."""
+    cross = "aarch64-linux-gnu-gcc"
+    if shutil.which(cross) is None or shutil.which("make") is None:
+        pytest.skip("no aarch64-linux-gnu-gcc or make here")
+    commands = subprocess.run(["make", "-n", "-B", "-C", str(REPO / "tests" / "c"), f"CC={cross}",
+                               "test_core_dispatch"], capture_output=True, text=True,
+                              check=True).stdout.replace("\\\n", " ")   # one command a line
+    for kernel in ("ops", "attention", "weight_formats", "plain", "bandwidth", "variant"):
+        dotprod = [line for line in commands.splitlines() if f"variants/dotprod/{kernel}.o" in line
+                   and " -c " in line]
+        baseline = [line for line in commands.splitlines()
+                    if f"variants/baseline/{kernel}.o" in line and " -c " in line]
+        assert len(dotprod) == 1 and "-march=armv8.2-a+dotprod" in dotprod[0], kernel
+        assert len(baseline) == 1 and "-march" not in baseline[0], kernel
+    link = [line for line in commands.splitlines() if "-o test_core_dispatch" in line]
+    assert len(link) == 1 and "-DKV_WITH_DOTPROD" in link[0] and "KV_WITH_AVX" not in link[0]
+
+
+def test_dispatch_asks_the_operating_system_for_arms_dot_product():
+    """ARM's ID registers trap in user code: dispatch.c asks Linux (the auxiliary vector's
+    HWCAP_ASIMDDP) or macOS (sysctl's FEAT_DotProd) before it runs the dotprod variant, and
+    runs the baseline where it cannot ask."""
+    source = (REPO / "csrc" / "dispatch.c").read_text()
+    body = re.search(r"static int cpu_has_dotprod\(void\) \{(.*?)\n\}", source, re.S).group(1)
+    assert "getauxval(AT_HWCAP) & HWCAP_ASIMDDP" in body
+    assert '"hw.optional.arm.FEAT_DotProd"' in body
+    assert re.search(r"#else[^\n]*\n\s*return 0;", body)
+    assert [v.name for v in kvlab_build.ARM_VARIANTS[:-1]] == ["dotprod"]
+    assert "KV_WITH_DOTPROD" in source
+
+
 def test_the_c_tests_compile_the_variants_as_setup_py_does():
     """tests/c/Makefile's second build is the extension's: the same kernel files, each
     variant with the same flags."""
@@ -356,10 +424,14 @@ def test_the_c_tests_compile_the_variants_as_setup_py_does():
     def expand(value):
         return re.sub(r"\$\((\w+)\)", lambda m: " ".join(expand(variables[m.group(1)])),
                       value).split()
-    for variant in kvlab_build.VARIANTS:
+    for variant in (*kvlab_build.VARIANTS, *kvlab_build.ARM_VARIANTS):
         assert expand(variables[f"VARIANT_FLAGS_{variant.name}"]) == list(variant.flags)
-    assert expand(variables["VARIANTS"].replace("$(if $(X86_64),", "").rstrip(")")) == \
-        names(kvlab_build.VARIANTS)
+    assert expand(variables["X86_64_VARIANTS"]) == names(kvlab_build.VARIANTS)
+    assert expand(variables["AARCH64_VARIANTS"]) == names(kvlab_build.ARM_VARIANTS)
+    withs = {name: re.findall(r"-DKV_WITH_(\w+)", part) for name, part in
+             re.findall(r"\$\(if \$\((X86_64|AARCH64)\),([^,)]*)", variables["WITH"])}
+    assert withs == {"X86_64": [v.name.upper() for v in kvlab_build.VARIANTS[:-1]],
+                     "AARCH64": [v.name.upper() for v in kvlab_build.ARM_VARIANTS[:-1]]}
     kernels = re.search(r"KERNEL_SOURCES = .*? in\s*\((.*?)\)\]", setup, re.S).group(1)
     assert expand(variables["KERNELS"]) == re.findall(r'"(\w+)"', kernels)
 
