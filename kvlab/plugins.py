@@ -73,6 +73,7 @@ class SchedulerView:
     """What a scheduler plug-in plans one step from. blocks_needed(r, n): blocks request r
     takes to run n more tokens (new blocks, and a copy where a shared block is written)."""
     step: int
+    now: float                   # the engine's clock (seconds; arrival_time is on it too)
     max_batch_tokens: int
     max_batch_seqs: int
     block_size: int
@@ -102,7 +103,8 @@ class StepPlan:
     preempt: List[int] = dataclasses.field(default_factory=list)
 
 
-def scheduler_view(scheduler: Scheduler, space, step: int, leaving) -> SchedulerView:
+def scheduler_view(scheduler: Scheduler, space, step: int, leaving,
+                   now: float = 0.0) -> SchedulerView:
     """The engine's queues as plain records (requests failing this step left out)."""
     extra, running, waiting = {}, [], []
     for queue, out in ((scheduler.running, running), (scheduler.waiting, waiting)):
@@ -119,17 +121,17 @@ def scheduler_view(scheduler: Scheduler, space, step: int, leaving) -> Scheduler
                 computed=seq.computed, pending=seq.pending,
                 blocks=0 if seq.handle is None else len(seq.handle.block_table),
                 preemptions=request.preemptions))
-    return SchedulerView(step, scheduler.max_batch_tokens, scheduler.max_batch_seqs,
+    return SchedulerView(step, now, scheduler.max_batch_tokens, scheduler.max_batch_seqs,
                          scheduler.block_size, space.available(), space.sequences_left(),
                          tuple(running), tuple(waiting), extra)
 
 
-def checked_plan(policy, scheduler: Scheduler, space, step: int,
-                 leaving) -> ScheduledStep:
+def checked_plan(policy, scheduler: Scheduler, space, step: int, leaving,
+                 now: float = 0.0) -> ScheduledStep:
     """Ask the scheduler plug-in for a plan, check it, and turn it into the engine's
     ScheduledStep (drafts added after it, as the engine's own scheduler adds them).
     Raises PluginError before anything changes if the plan breaks a rule."""
-    view = scheduler_view(scheduler, space, step, leaving)
+    view = scheduler_view(scheduler, space, step, leaving, now)
     answer = _ask("scheduler", "plan()", policy.plan, view)
     run, preempt = _plan_lists(answer)
     requests = {r.id: r for r in list(scheduler.running) + list(scheduler.waiting)
