@@ -369,3 +369,58 @@ class AllocatorMirror:
         if free != self.pool.available_blocks:
             raise PluginError(f"the allocator plug-in has {free!r} free blocks; the pool "
                               f"{self.pool.available_blocks}")
+
+
+# ---- plug-ins written on plain values (the capstone lab's; one in another process) ----------
+def plain_view(view: SchedulerView) -> dict:
+    """A SchedulerView as plain dicts and lists: each request's record with its
+    extra_blocks (blocks_needed(r, n) = blocks_for(computed + n) - blocks_for(computed) +
+    extra_blocks)."""
+    plain = {name: getattr(view, name) for name in
+             ("step", "now", "max_batch_tokens", "max_batch_seqs", "block_size",
+              "free_blocks", "sequences_left")}
+    for key in ("running", "waiting"):
+        plain[key] = [dict(dataclasses.asdict(r), extra_blocks=view.extra[r.id])
+                      for r in getattr(view, key)]
+    return plain
+
+
+def plan_from_plain(answer) -> StepPlan:
+    """{"run": [[id, n], ...], "preempt": [id, ...]} as a StepPlan (PluginError if not)."""
+    if not isinstance(answer, dict) or not set(answer) <= {"run", "preempt"}:
+        raise PluginError(f"plan() must return {{'run': [[id, n_tokens], ...], 'preempt': "
+                          f"[id, ...]}}, got {arguments.shown(answer)}")
+    try:
+        run = [tuple(pair) for pair in answer.get("run", [])]
+        if any(len(pair) != 2 for pair in run):
+            raise TypeError("a pair that is not two values")
+        return StepPlan(run, list(answer.get("preempt", [])))
+    except TypeError as error:
+        raise PluginError(f"plan()'s run must be a list of [request id, n_tokens] pairs: "
+                          f"{error}") from None
+
+
+class PlainScheduler:
+    """A scheduler plug-in over an object whose plan(view) takes plain_view(view) and
+    returns a plain plan (plan_from_plain)."""
+
+    def __init__(self, plain):
+        if not callable(getattr(plain, "plan", None)):
+            raise TypeError(f"PlainScheduler takes an object with plan(view), got {_what(plain)}")
+        self.plain = plain
+
+    def plan(self, view: SchedulerView) -> StepPlan:
+        return plan_from_plain(self.plain.plan(plain_view(view)))
+
+
+class PlainDrafter:
+    """A drafter plug-in over an object whose propose(tokens, k) takes a list of ints."""
+
+    def __init__(self, plain):
+        if not callable(getattr(plain, "propose", None)):
+            raise TypeError(f"PlainDrafter takes an object with propose(tokens, k), got "
+                            f"{_what(plain)}")
+        self.plain = plain
+
+    def propose(self, tokens, k: int, sampling=None) -> list:
+        return self.plain.propose([int(t) for t in tokens], int(k))

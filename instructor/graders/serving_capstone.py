@@ -14,8 +14,10 @@ student's scheduler and drafter, every request's tokens exactly kvlab.generate's
 gate: a run that fails it earns no speed points), its goodput against two baselines run
 on the same workload here: kvlab's own Engine (its first-come-first-served scheduler, no
 drafts) and the reference policy below (no drafts). Points at the default's goodput,
-halfway from it to the reference's, and 90 % of the way (GOODPUT_TIERS): the reference
-solution, whose drafts cost a little of its scheduler's goodput, reaches 93 % or more.
+halfway from it to the reference's, and 85 % of the way (GOODPUT_TIERS; the floor is at
+least a quarter of the reference's, so that a workload the default engine serves badly
+still asks for something): the reference solution, whose drafts cost or gain a little of
+its scheduler's goodput, reached 92 % of the way or more on 12 drawn workloads.
 """
 import functools
 
@@ -25,15 +27,16 @@ import kvlab
 from kvlab import serving
 from kvlab.grading.labs import chapter_file
 from kvlab.grading.process import WorkerGone
+from kvlab.grading.remote import RemoteError
 from kvlab.grading.testkit import points
-from kvlab.plugins import PluginError, StepPlan
+from kvlab.plugins import PlainDrafter, PlainScheduler, PluginError, StepPlan
 from kvlab.slo import SLO, StepCost, VirtualClock, goodput_report
 from kvlab.speculative import PromptLookup
 
 SLO_TARGET = SLO(ttft_s=0.030, tpot_s=0.002)    # the lab's README states the same
 ENGINE = dict(num_blocks=128, block_size=16, max_batch_tokens=256)
 N_REQUESTS = 48
-GOODPUT_TIERS = (0.0, 0.5, 0.9)    # of the way from the default's goodput to the reference's
+GOODPUT_TIERS = (0.0, 0.5, 0.85)   # of the way from the default's goodput to the reference's
 
 
 def prepare():
@@ -73,43 +76,10 @@ def generated(prompt, new_tokens):
     return kvlab.generate(model(), list(prompt), new_tokens).tokens
 
 
-# ---- the student's objects, asked by value ----------------------------------------------------
-class RemoteScheduler:
-    """kvlab.plugins' scheduler over the student's: the view as a dict, the plan back."""
-
-    def __init__(self, remote):
-        self.remote = remote
-
-    def plan(self, view):
-        requests = {key: [dict(vars(r), extra_blocks=view.extra[r.id])
-                          for r in getattr(view, key)] for key in ("running", "waiting")}
-        plain = {name: getattr(view, name) for name in
-                 ("step", "now", "max_batch_tokens", "max_batch_seqs", "block_size",
-                  "free_blocks", "sequences_left")}
-        answer = self.remote.plan({**plain, **requests})
-        if not isinstance(answer, dict) or set(answer) - {"run", "preempt"}:
-            raise PluginError(f"plan() must return {{'run': [...], 'preempt': [...]}}, got "
-                              f"{str(answer)[:200]}")
-        try:
-            run = [tuple(pair) for pair in answer.get("run", [])]
-            return StepPlan(run, list(answer.get("preempt", [])))
-        except TypeError as error:
-            raise PluginError(f"plan()'s run must be a list of [request id, n_tokens] "
-                              f"pairs: {error}") from None
-
-
-class RemoteDrafter:
-    def __init__(self, remote):
-        self.remote = remote
-
-    def propose(self, tokens, k, sampling=None):
-        return self.remote.propose(list(tokens), k)
-
-
 def stopped(error: PluginError):
     """What a test raises when the engine stopped a run: the worker's own end (it died or
     ran out of time) as itself, else the rule the plug-in broke."""
-    if isinstance(error.__cause__, WorkerGone):
+    if isinstance(error.__cause__, (WorkerGone, RemoteError)):   # described by the judge
         return error.__cause__
     return AssertionError(f"the engine stopped the run: {error}")
 
@@ -183,8 +153,8 @@ def goodputs(sub, rng):
     if not _measured:
         try:
             requests = draw_workload(rng)
-            mine = run(requests, scheduler=RemoteScheduler(sub.Scheduler()),
-                       drafter=RemoteDrafter(sub.Drafter()))
+            mine = run(requests, scheduler=PlainScheduler(sub.Scheduler()),
+                       drafter=PlainDrafter(sub.Drafter()))
             check_tokens(requests, mine, "the capstone run")
             default = run(requests)
             reference = run(requests, scheduler=Reference())
@@ -197,8 +167,11 @@ def goodputs(sub, rng):
 
 
 def tier(sub, rng, share):
+    """The goodput line `share` of the way from the floor (the default engine's goodput,
+    and at least a quarter of the reference's) to the reference's."""
     mine, default, reference = goodputs(sub, rng)
-    line = default["goodput"] + share * max(0.0, reference["goodput"] - default["goodput"])
+    floor = max(default["goodput"], 0.25 * reference["goodput"])
+    line = floor + share * max(0.0, reference["goodput"] - floor)
     said = (f"your goodput {mine['goodput']:.1f} requests/s ({mine['served']} of "
             f"{mine['requests']} within TTFT {SLO_TARGET.ttft_s * 1e3:g} ms and TPOT "
             f"{SLO_TARGET.tpot_s * 1e3:g} ms; {mine['missed_ttft']} missed the TTFT, "
@@ -230,7 +203,7 @@ def test_the_allocator_follows_the_pool_through_forks_drafts_and_preemptions(sub
 def test_the_schedulers_plans_follow_the_rules_and_keep_every_token(sub, rng):
     """your Scheduler on a drawn workload of 16 requests on a pool of 40 blocks: every plan passes the engine's checks and every request gets kvlab.generate's tokens"""
     requests = draw_workload(rng, 16)
-    report = run(requests, num_blocks=40, scheduler=RemoteScheduler(sub.Scheduler()))
+    report = run(requests, num_blocks=40, scheduler=PlainScheduler(sub.Scheduler()))
     check_tokens(requests, report, "your scheduler")
 
 
@@ -242,8 +215,14 @@ def test_the_drafter_guesses_what_the_model_says(sub, rng):
     for _ in range(6):
         start, length = int(rng.integers(0, len(ids) - 40)), int(rng.integers(10, 30))
         prompts.append(ids[start:start + length] * 3)
+    student = sub.Drafter()
+    first = student.propose(list(prompts[0]), 4)      # its own errors, as the judge says them
+    assert isinstance(first, list) and len(first) <= 4 and all(
+        isinstance(t, int) and 0 <= t < model().config.vocab_size for t in first), (
+        f"propose(a prompt of {len(prompts[0])} tokens, 4) must give at most 4 token ids, got "
+        f"{str(first)[:200]}")
     rates = []
-    for drafter in (RemoteDrafter(sub.Drafter()), PromptLookup()):
+    for drafter in (PlainDrafter(student), PromptLookup()):
         engine = kvlab.Engine(model(), num_blocks=64, drafter=drafter)
         for prompt in prompts:
             engine.add_request(prompt, kvlab.SamplingParams(max_new_tokens=24))
@@ -268,7 +247,7 @@ def test_the_capstone_run_gives_every_request_generates_tokens(sub, rng):
 
 @points(3)
 def test_goodput_reaches_kvlabs_default_engine(sub, rng):
-    """goodput under the SLO at least that of kvlab's own Engine on the same workload"""
+    """goodput under the SLO at least that of kvlab's own Engine on the same workload (and a quarter of the reference's)"""
     tier(sub, rng, GOODPUT_TIERS[0])
 
 
@@ -280,5 +259,5 @@ def test_goodput_reaches_halfway_to_the_reference(sub, rng):
 
 @points(3)
 def test_goodput_reaches_the_reference(sub, rng):
-    """goodput at least 90 % of the way from kvlab's default engine's to the reference policy's"""
+    """goodput at least 85 % of the way from kvlab's default engine's to the reference policy's"""
     tier(sub, rng, GOODPUT_TIERS[2])

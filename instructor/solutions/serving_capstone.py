@@ -66,10 +66,13 @@ class Scheduler:
         need = blocks_needed(self.view, request, n)
         if need > self.free:
             return False
+        self._add(request, n, need)
+        return True
+
+    def _add(self, request, n, blocks):
         self.run.append([request["id"], n])
         self.tokens -= n
-        self.free -= need
-        return True
+        self.free -= blocks
 
     def _decode(self, request, running):
         if self._fits(request, 1) or request["id"] in self.preempt:
