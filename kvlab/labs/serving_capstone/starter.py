@@ -134,3 +134,23 @@ class BlockAllocator:
     def num_free_blocks(self):
         # TODO
         raise NotImplementedError("BlockAllocator.num_free_blocks")
+
+
+if __name__ == "__main__":
+    # Try your classes in the real engine on a workload of your own (the grader never runs
+    # this block, and here you may use kvlab):
+    import kvlab
+    from kvlab import serving
+    from kvlab.plugins import PlainDrafter, PlainScheduler
+    from kvlab.slo import SLO
+    model = kvlab.load()
+    requests = serving.workload(model, 48, rate=600.0, seed=1)   # more than it can serve
+    slo = SLO(TTFT_SLO, TPOT_SLO)
+    for name, plugins in (("kvlab's engine", {}),
+                          ("yours", {"scheduler": PlainScheduler(Scheduler()),
+                                     "drafter": PlainDrafter(Drafter()),
+                                     "allocator": BlockAllocator})):
+        report = serving.serve(model, requests, 256, 128, 16, clock="virtual", slo=slo,
+                               engine_options=plugins)
+        print(f"{name}: goodput {report['goodput']:.1f} requests/s, {report['served']} of "
+              f"{report['requests']} served within the SLO")
