@@ -4,8 +4,7 @@ engine correct whatever that code does.
     engine = kvlab.Engine(model, num_blocks=64,
                           scheduler=MyScheduler(),      # who runs each step, how many tokens
                           drafter=MyDrafter(),          # guesses of the next tokens
-                          allocator=MyBlockAllocator,   # lab 5's class: checked block tables
-                          prefix_cache=MyPrefixCache)   # lab 7's class: checked prefix hits
+                          allocator=MyBlockAllocator)   # lab 5's class: checked block tables
 
 Every plug-in works on plain data (ints and lists) and is asked, never trusted: the engine
 keeps its own queues, pool and tokens, checks each answer before it acts on it, and raises
@@ -26,23 +25,25 @@ drafter:    propose(tokens, k, sampling=None) -> at most k token ids likely to f
             finish_reason "error: ...".
 allocator:  a class with lab 5's interface (BlockAllocator(num_blocks, block_size);
             new_sequence, append, fork, free, block_table, length, ref_count,
-            num_free_blocks). The engine's pool (with no prefix cache) stays the one that
+            num_free_blocks; and truncate(seq, length) where the engine speculates, to cut
+            refused drafts off). The engine's pool (with no prefix cache) stays the one that
             holds K and V; the allocator is driven in step with it, every sequence made,
             grown, forked, cut or freed, and after every step its tables and free blocks
             must agree with the pool's.
-prefix_cache: a class with lab 7's interface (PrefixCache(num_blocks, block_size); admit,
-            append, free, block_table, cached_blocks, stats): driven in step with the
-            pool's prefix cache, its hits at every admission and its block counts after
-            every step must be the pool's.
+A prefix cache is not a plug-in: the pool's is C, and lab 7's interface allocates a whole
+prompt at admission where the pool allocates chunk by chunk, so the two could not be
+compared step by step (that needs a lookup half in the interface).
+Written on plain values (the capstone lab's, or one in another process): PlainScheduler
+and PlainDrafter adapt a plan(dict) -> dict and a propose(list, k) to the above.
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, List, Optional, Sequence as SequenceType, Tuple
+from typing import Dict, List, Tuple
 
 from . import arguments
 from .blocks import blocks_for
-from .scheduler import Request, ScheduledStep, Scheduler, State
+from .scheduler import ScheduledStep, Scheduler
 
 
 class PluginError(ValueError):

@@ -30,7 +30,7 @@ from kvlab.grading.process import WorkerGone
 from kvlab.grading.remote import RemoteError
 from kvlab.grading.testkit import points
 from kvlab.plugins import PlainDrafter, PlainScheduler, PluginError, StepPlan
-from kvlab.slo import SLO, StepCost, VirtualClock, goodput_report
+from kvlab.slo import SLO, StepCost, VirtualClock
 from kvlab.speculative import PromptLookup
 
 SLO_TARGET = SLO(ttft_s=0.030, tpot_s=0.002)    # the lab's README states the same
