@@ -83,6 +83,10 @@ EXERCISES = {
         "awq_error",
         "the output error of a layer whose matrix is stored in Q4_0 with AWQ's scales for "
         "one alpha"),
+    "11_serving_at_scale": Exercise(
+        "reused_tokens",
+        "the tokens of each prompt that a prefix cache holding the earlier prompts reuses, "
+        "in full blocks of block_size (block_size 1: a radix tree)"),
 }
 
 
@@ -142,8 +146,10 @@ def answer(chapter: str, question: int, value) -> bool:
               f"({wanted.unit}); the kit works out {_number(expected)}.")
         return True
     hint = f" Hint: {wanted.hint}" if wanted.hint else ""
-    print(f"not yet: question {question} of {chapter}: {_number(got)} ({wanted.unit}) is more "
-          f"than {wanted.rel_tol:.0%} away from the answer.{hint}")
+    how_far = (f"is more than {wanted.rel_tol:.0%} away from the answer" if wanted.rel_tol > 0
+               else "is not the answer")
+    print(f"not yet: question {question} of {chapter}: {_number(got)} ({wanted.unit}) "
+          f"{how_far}.{hint}")
     return False
 
 
@@ -992,6 +998,61 @@ def _check_awq(answer, rng) -> str:
             f"weights keep finer steps.")
 
 
+# ---- 11: serving at scale ------------------------------------------------------------------
+
+def _sharing_cases(rng) -> list:
+    """(prompts, block_size): fixed ones, then drawn prompts that copy a stretch of an
+    earlier one and go on their own way (as a chat's turns do)."""
+    cases = [([[1, 2, 3, 4], [1, 2, 3, 4], [1, 2, 9], [7]], 1),
+             ([[1, 2, 3, 4, 5, 6, 7, 8, 9], [1, 2, 3, 4, 5, 6, 7, 8, 0]], 4),
+             ([[5] * 10, [5] * 10, [5] * 3], 2)]
+    for _ in range(4):
+        prompts = []
+        for _ in range(int(rng.integers(3, 12))):
+            tail = rng.integers(0, 6, int(rng.integers(1, 10))).tolist()
+            if prompts and rng.random() < 0.7:
+                earlier = prompts[int(rng.integers(len(prompts)))]
+                tail = earlier[:int(rng.integers(0, len(earlier) + 1))] + tail
+            prompts.append(tail)
+        cases.append((prompts, int(rng.choice([1, 2, 3, 4, 8]))))
+    return cases
+
+
+def _check_sharing(answer, rng) -> str:
+    from . import cluster
+    cases = _sharing_cases(rng)
+    for number, (prompts, block_size) in enumerate(cases, 1):
+        case = (f"case {number} of {len(cases)}: prompts {_short(prompts, 60)}, "
+                f"block_size={block_size}")
+        radix = cluster.radix_hits(prompts)
+        expected = [h - cluster.block_loss(h, block_size) for h in radix]
+        got = _call(answer, case, [list(p) for p in prompts], block_size)
+        try:
+            got = [int(v) for v in got]
+        except Exception:
+            raise _NotYet(case, "a list of whole numbers, one per prompt", _short(got),
+                          "return one count per prompt, in order") from None
+        if got == expected:
+            continue
+        if len(got) != len(expected):
+            hint = "one count per prompt, the first one's too (it finds nothing: 0)"
+        elif got == [h - cluster.block_loss(h, block_size) for h in
+                     cluster.radix_hits([list(p) + [-1] for p in prompts])]:
+            hint = ("the last token of a prompt is always computed (its logits choose the "
+                    "next token): match prompt[:-1]")
+        elif got == radix and block_size > 1:
+            hint = "a block cache reuses only full blocks: round down to a multiple of block_size"
+        else:
+            hint = ("the longest prefix of prompt[:-1] shared with any earlier prompt (the "
+                    "whole of each earlier one is cached), cut down to full blocks")
+        raise _NotYet(case, f"{expected} (kvlab.cluster's radix tree, cut to blocks)",
+                      _short(got), hint)
+    return ("Your counts are what the pool's block hashes find (tests/test_cluster.py checks "
+            "that against kvlab.PagedPool): a radix tree is the same cache with blocks of one "
+            "token, and every larger block loses the part of a shared prefix past its last "
+            "full block.")
+
+
 _CHECKS = {
     "01_kv_cache": _check_kv_cache,
     "02_cache_size": _check_cache_size,
@@ -1003,4 +1064,5 @@ _CHECKS = {
     "08_fewer_positions": _check_h2o,
     "09_speculative": _check_speculative,
     "10_weight_quantization": _check_awq,
+    "11_serving_at_scale": _check_sharing,
 }

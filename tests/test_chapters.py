@@ -24,6 +24,7 @@ NUMBERS_FROM_JSON = [
     "08_fewer_positions",
     "09_speculative",
     "10_weight_quantization",
+    "11_serving_at_scale",
 ]
 # The units a number of the JSON may be shown in: as stored, per thousand (ms from s, GB
 # from MB), per million, billion or trillion (M parameters, GFLOP, TFLOP), per KiB, MiB or

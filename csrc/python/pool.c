@@ -101,7 +101,18 @@ static int pool_init(PoolObject *self, PyObject *args, PyObject *kwds) {
     return -1;
 }
 
+/* The pool takes part in garbage collection for its store: a store written in Python that
+ * keeps a reference to its pool makes a cycle (pool -> store -> pool) that the collector
+ * can only free if it sees the pool's side. No tp_clear: the store's own __dict__ (or a
+ * Python subclass's) is what the collector clears, so the pool's rows never lose their store
+ * while the pool can still be called. */
+static int pool_traverse(PoolObject *self, visitproc visit, void *arg) {
+    Py_VISIT(self->store);
+    return 0;
+}
+
 static void pool_dealloc(PoolObject *self) {
+    PyObject_GC_UnTrack(self);
     kv_pool_free(&self->pool);
     Py_CLEAR(self->store);
     Py_TYPE(self)->tp_free((PyObject *)self);
@@ -439,7 +450,8 @@ static PyMethodDef pool_methods[] = {
     {"_commit_batch", (PyCFunction)kv_py_pool_commit_batch, METH_VARARGS,
      "_commit_batch(seqs, tokens, n_tokens): the reserved rows are written."},
     {"_cancel_batch", (PyCFunction)kv_py_pool_cancel_batch, METH_O,
-     "_cancel_batch(seqs): they were not: every sequence as it was (no-op unless held)."},
+     "_cancel_batch(seqs): they were not: every reservation the pool holds is given back,\n"
+     "every sequence as it was (no-op unless held)."},
     {NULL}
 };
 
@@ -456,7 +468,9 @@ PyTypeObject kv_py_pool_type = {
                         "kvlab.cuda.CudaPagedPool), which copies, writes and reads them."),
     .tp_base = &kv_py_blocks_type,
     .tp_basicsize = sizeof(PoolObject),
-    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE,
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC,
+    .tp_traverse = (traverseproc)pool_traverse,
+    .tp_free = PyObject_GC_Del,
     .tp_new = pool_new,
     .tp_init = (initproc)pool_init,
     .tp_dealloc = (destructor)pool_dealloc,

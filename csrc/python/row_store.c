@@ -321,6 +321,23 @@ static PyObject *batch_arrays(const kv_pool *p, const int *seqs, const int *coun
 
 static int held(PoolObject *self) { return self->base.busy; }
 
+/* Rows reserved and not committed, over every sequence of the pool: while a batch is held
+ * these are exactly that batch's, so a commit must name all of them, not some. */
+static long long reserved_rows(const kv_blocks *blocks) {
+    long long total = 0;
+    for (int s = 0; s < blocks->max_seqs; s++)
+        if (blocks->seqs[s].alive) total += blocks->seqs[s].reserved;
+    return total;
+}
+
+/* Gives back every reservation the pool holds: the held batch is the pool's one batch,
+ * whichever sequences a failing caller still knows of. */
+static void cancel_every_reservation(kv_pool *pool) {
+    for (int s = 0; s < pool->blocks.max_seqs; s++)
+        if (pool->blocks.seqs[s].alive && pool->blocks.seqs[s].reserved > 0)
+            kv_pool_cancel_batch(pool, 1, &s);
+}
+
 PyObject *kv_py_pool_reserve_batch(PoolObject *self, PyObject *args) {
     PyObject *seqs_obj, *counts_obj;
     if (!PyArg_ParseTuple(args, "OO", &seqs_obj, &counts_obj)) return NULL;
@@ -377,6 +394,7 @@ PyObject *kv_py_pool_commit_batch(PoolObject *self, PyObject *args) {
     PyArrayObject *tokens = kv_py_array(tokens_obj, &(kv_py_array_spec){
         .name = "tokens", .type = NPY_INT32, .ndim = 1, .shape = {(npy_intp)total},
         .axes = "sum(n_tokens)"});
+    reserved &= total == reserved_rows(&self->pool.blocks);   /* and no sequence left out */
     if (tokens != NULL && !reserved)
         PyErr_SetString(PyExc_ValueError, "_commit_batch: these are not the sequences and "
                         "counts that _reserve_batch reserved");
@@ -396,7 +414,7 @@ PyObject *kv_py_pool_cancel_batch(PoolObject *self, PyObject *seqs_obj) {
     int *slots, *counts;
     Py_ssize_t n;
     if (batch_arguments(self, seqs_obj, NULL, &slots, &counts, &n) < 0) return NULL;
-    kv_pool_cancel_batch(&self->pool, (int)n, slots);
+    cancel_every_reservation(&self->pool);
     self->base.busy = 0;
     PyMem_Free(slots);
     PyMem_Free(counts);

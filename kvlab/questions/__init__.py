@@ -18,7 +18,7 @@ from typing import Callable, Dict, NamedTuple
 
 CHAPTERS = ("01_kv_cache", "02_cache_size", "03_gqa", "04_paged", "05_batching",
             "06_quantization", "07_gpu_kernels", "08_fewer_positions", "09_speculative",
-            "10_weight_quantization")
+            "10_weight_quantization", "11_serving_at_scale")
 
 
 class Number(NamedTuple):

@@ -7,6 +7,9 @@ contiguous GPU cache's slots are kvlab.cuda's. Here a NumPy stand-in replaces th
 (conftest.py's fake_store), and the GPU pool must hold, for every sequence, exactly what the
 CPU pool holds after the same operations.
 """
+import gc
+import weakref
+
 import numpy as np
 import pytest
 
@@ -142,6 +145,26 @@ def test_a_block_computed_twice_is_swapped_for_its_twin_after_the_write(fake_sto
     assert table[0] != pairs[1][1].block_table[0]        # written, then swapped for the twin
     assert gpu.ref_counts[table[0]] == 0                 # and the duplicate freed
     check_same(cpu, gpu, pairs)
+
+
+def test_a_held_batch_is_committed_whole_or_given_back_whole(fake_store):
+    """A batch reserved for two sequences: a commit naming only one of them is refused (the
+    other's rows would stay reserved in a pool no longer held), and a cancel naming only one
+    gives back both reservations: the pool is as it was."""
+    _, gpu = make_pools(fake_store, "fp32", block_size=4)
+    a, b = gpu.new_sequence(), gpu.new_sequence()
+    ref_counts = gpu.ref_counts.copy()
+    counts = np.array([3, 2], np.int32)
+    gpu._reserve_batch([a, b], counts)
+    with pytest.raises(ValueError, match="not the sequences and counts"):
+        gpu._commit_batch([a], np.arange(3, dtype=np.int32), counts[:1])
+    with pytest.raises(RuntimeError, match="in use"):
+        gpu.new_sequence()                            # still held by the batch
+    gpu._cancel_batch([a])
+    gpu.check()
+    assert a.length == b.length == 0 and a.block_table.size == b.block_table.size == 0
+    np.testing.assert_array_equal(gpu.ref_counts, ref_counts)
+    gpu.new_sequence()                                # no longer held
 
 
 def test_the_gpu_pool_is_the_cpu_pool_with_its_rows_in_the_store(fake_store):
@@ -461,6 +484,20 @@ def test_a_pool_takes_a_store_that_can_hold_its_rows(fake_store):
     assert pool.device == "cuda" and pool.nbytes == pool.key_codes.nbytes * 2
     with pytest.raises(ValueError, match="on 'cuda' but the model runs on 'cpu'"):
         kvlab.load().forward([1, 2], pool.new_sequence())
+
+
+def test_a_pool_and_a_store_that_refer_to_each_other_are_collected(fake_store):
+    """A store written in Python may keep its pool (pool -> store -> pool): the pool takes
+    part in garbage collection, so the cycle is freed, not leaked with all its rows."""
+    fmt = CacheFormat.make(D, "fp32")
+    store = fake_store(L, H, D, 32, fmt)
+    pool = kvlab.PagedPool(L, H, D, 8, 4, store=store)
+    store.pool = pool
+    seq = pool.new_sequence()
+    gone = weakref.ref(store)
+    del store, pool, seq
+    gc.collect()
+    assert gone() is None
 
 
 def test_a_refused_batch_reservation_names_its_cause(fake_store):

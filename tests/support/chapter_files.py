@@ -7,7 +7,7 @@ REPO = Path(__file__).resolve().parents[2]
 CHAPTERS = REPO / "chapters"
 SLUGS = ["01_kv_cache", "02_cache_size", "03_gqa", "04_paged", "05_batching",
          "06_quantization", "07_gpu_kernels", "08_fewer_positions", "09_speculative",
-         "10_weight_quantization"]
+         "10_weight_quantization", "11_serving_at_scale"]
 
 DIRECTIVE = re.compile(r"^(`{3,})\{(?P<name>[\w-]+)\}\s*(?P<arg>.*?)\n(?P<body>.*?)^\1\s*$",
                        re.M | re.S)
