@@ -115,7 +115,7 @@ LABS: Dict[str, Lab] = {lab.name: lab for lab in (
         "memory's speed", "07_gpu_kernels", 20, "a decode-attention kernel", language="c",
         extra_files=("decode_kernel.h",)),
     Lab("serving_capstone", 15, "The capstone: your scheduler, drafter and block allocator "
-        "in kvlab's Engine, scored by goodput under an SLO", "05_batching", 20,
+        "in kvlab's Engine, scored by goodput under an SLO", "11_serving_at_scale", 20,
         "the plug-ins of a serving engine"),
 )}
 
