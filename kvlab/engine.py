@@ -298,7 +298,8 @@ class Engine:
         """The scheduler's plan: the engine's own, or a plug-in's, checked (PluginError)."""
         if self.policy is None:
             return self.scheduler.plan(self.space, leaving=failed)
-        return checked_plan(self.policy, self.scheduler, self.space, number, failed)
+        return checked_plan(self.policy, self.scheduler, self.space, number, failed,
+                            self._clock())
 
     def _run(self, plan: ScheduledStep, number: int, failed: Dict[int, str]) -> _Outcome:
         """The run phase. A KeyboardInterrupt that one of its calls raises (not Ctrl-C, which

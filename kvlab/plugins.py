@@ -4,8 +4,7 @@ engine correct whatever that code does.
     engine = kvlab.Engine(model, num_blocks=64,
                           scheduler=MyScheduler(),      # who runs each step, how many tokens
                           drafter=MyDrafter(),          # guesses of the next tokens
-                          allocator=MyBlockAllocator,   # lab 5's class: checked block tables
-                          prefix_cache=MyPrefixCache)   # lab 7's class: checked prefix hits
+                          allocator=MyBlockAllocator)   # lab 5's class: checked block tables
 
 Every plug-in works on plain data (ints and lists) and is asked, never trusted: the engine
 keeps its own queues, pool and tokens, checks each answer before it acts on it, and raises
@@ -26,23 +25,25 @@ drafter:    propose(tokens, k, sampling=None) -> at most k token ids likely to f
             finish_reason "error: ...".
 allocator:  a class with lab 5's interface (BlockAllocator(num_blocks, block_size);
             new_sequence, append, fork, free, block_table, length, ref_count,
-            num_free_blocks). The engine's pool (with no prefix cache) stays the one that
+            num_free_blocks; and truncate(seq, length) where the engine speculates, to cut
+            refused drafts off). The engine's pool (with no prefix cache) stays the one that
             holds K and V; the allocator is driven in step with it, every sequence made,
             grown, forked, cut or freed, and after every step its tables and free blocks
             must agree with the pool's.
-prefix_cache: a class with lab 7's interface (PrefixCache(num_blocks, block_size); admit,
-            append, free, block_table, cached_blocks, stats): driven in step with the
-            pool's prefix cache, its hits at every admission and its block counts after
-            every step must be the pool's.
+A prefix cache is not a plug-in: the pool's is C, and lab 7's interface allocates a whole
+prompt at admission where the pool allocates chunk by chunk, so the two could not be
+compared step by step (that needs a lookup half in the interface).
+Written on plain values (the capstone lab's, or one in another process): PlainScheduler
+and PlainDrafter adapt a plan(dict) -> dict and a propose(list, k) to the above.
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, List, Optional, Sequence as SequenceType, Tuple
+from typing import Dict, List, Tuple
 
 from . import arguments
 from .blocks import blocks_for
-from .scheduler import Request, ScheduledStep, Scheduler, State
+from .scheduler import ScheduledStep, Scheduler
 
 
 class PluginError(ValueError):
@@ -73,6 +74,7 @@ class SchedulerView:
     """What a scheduler plug-in plans one step from. blocks_needed(r, n): blocks request r
     takes to run n more tokens (new blocks, and a copy where a shared block is written)."""
     step: int
+    now: float                   # the engine's clock (seconds; arrival_time is on it too)
     max_batch_tokens: int
     max_batch_seqs: int
     block_size: int
@@ -102,7 +104,8 @@ class StepPlan:
     preempt: List[int] = dataclasses.field(default_factory=list)
 
 
-def scheduler_view(scheduler: Scheduler, space, step: int, leaving) -> SchedulerView:
+def scheduler_view(scheduler: Scheduler, space, step: int, leaving,
+                   now: float = 0.0) -> SchedulerView:
     """The engine's queues as plain records (requests failing this step left out)."""
     extra, running, waiting = {}, [], []
     for queue, out in ((scheduler.running, running), (scheduler.waiting, waiting)):
@@ -119,17 +122,17 @@ def scheduler_view(scheduler: Scheduler, space, step: int, leaving) -> Scheduler
                 computed=seq.computed, pending=seq.pending,
                 blocks=0 if seq.handle is None else len(seq.handle.block_table),
                 preemptions=request.preemptions))
-    return SchedulerView(step, scheduler.max_batch_tokens, scheduler.max_batch_seqs,
+    return SchedulerView(step, now, scheduler.max_batch_tokens, scheduler.max_batch_seqs,
                          scheduler.block_size, space.available(), space.sequences_left(),
                          tuple(running), tuple(waiting), extra)
 
 
-def checked_plan(policy, scheduler: Scheduler, space, step: int,
-                 leaving) -> ScheduledStep:
+def checked_plan(policy, scheduler: Scheduler, space, step: int, leaving,
+                 now: float = 0.0) -> ScheduledStep:
     """Ask the scheduler plug-in for a plan, check it, and turn it into the engine's
     ScheduledStep (drafts added after it, as the engine's own scheduler adds them).
     Raises PluginError before anything changes if the plan breaks a rule."""
-    view = scheduler_view(scheduler, space, step, leaving)
+    view = scheduler_view(scheduler, space, step, leaving, now)
     answer = _ask("scheduler", "plan()", policy.plan, view)
     run, preempt = _plan_lists(answer)
     requests = {r.id: r for r in list(scheduler.running) + list(scheduler.waiting)
@@ -367,3 +370,58 @@ class AllocatorMirror:
         if free != self.pool.available_blocks:
             raise PluginError(f"the allocator plug-in has {free!r} free blocks; the pool "
                               f"{self.pool.available_blocks}")
+
+
+# ---- plug-ins written on plain values (the capstone lab's; one in another process) ----------
+def plain_view(view: SchedulerView) -> dict:
+    """A SchedulerView as plain dicts and lists: each request's record with its
+    extra_blocks (blocks_needed(r, n) = blocks_for(computed + n) - blocks_for(computed) +
+    extra_blocks)."""
+    plain = {name: getattr(view, name) for name in
+             ("step", "now", "max_batch_tokens", "max_batch_seqs", "block_size",
+              "free_blocks", "sequences_left")}
+    for key in ("running", "waiting"):
+        plain[key] = [dict(dataclasses.asdict(r), extra_blocks=view.extra[r.id])
+                      for r in getattr(view, key)]
+    return plain
+
+
+def plan_from_plain(answer) -> StepPlan:
+    """{"run": [[id, n], ...], "preempt": [id, ...]} as a StepPlan (PluginError if not)."""
+    if not isinstance(answer, dict) or not set(answer) <= {"run", "preempt"}:
+        raise PluginError(f"plan() must return {{'run': [[id, n_tokens], ...], 'preempt': "
+                          f"[id, ...]}}, got {arguments.shown(answer)}")
+    try:
+        run = [tuple(pair) for pair in answer.get("run", [])]
+        if any(len(pair) != 2 for pair in run):
+            raise TypeError("a pair that is not two values")
+        return StepPlan(run, list(answer.get("preempt", [])))
+    except TypeError as error:
+        raise PluginError(f"plan()'s run must be a list of [request id, n_tokens] pairs: "
+                          f"{error}") from None
+
+
+class PlainScheduler:
+    """A scheduler plug-in over an object whose plan(view) takes plain_view(view) and
+    returns a plain plan (plan_from_plain)."""
+
+    def __init__(self, plain):
+        if not callable(getattr(plain, "plan", None)):
+            raise TypeError(f"PlainScheduler takes an object with plan(view), got {_what(plain)}")
+        self.plain = plain
+
+    def plan(self, view: SchedulerView) -> StepPlan:
+        return plan_from_plain(self.plain.plan(plain_view(view)))
+
+
+class PlainDrafter:
+    """A drafter plug-in over an object whose propose(tokens, k) takes a list of ints."""
+
+    def __init__(self, plain):
+        if not callable(getattr(plain, "propose", None)):
+            raise TypeError(f"PlainDrafter takes an object with propose(tokens, k), got "
+                            f"{_what(plain)}")
+        self.plain = plain
+
+    def propose(self, tokens, k: int, sampling=None) -> list:
+        return self.plain.propose([int(t) for t in tokens], int(k))

@@ -180,7 +180,7 @@ def serve(model, requests: list, budget: int = 256, num_blocks: int = 512,
           block_size: int = 16, memory: str = "paged", *, max_seconds: float = MAX_SECONDS,
           progress: Optional[Callable[[str], None]] = None, clock: str = "wall",
           slo: Optional[SLO] = None, cost: Optional[StepCost] = None,
-          engine_options: Optional[dict] = None) -> dict:
+          engine_options: Optional[dict] = None, outputs: bool = False) -> dict:
     """Run `requests` (workload()'s) through one Engine; its throughput and the percentiles
     of its requests' latencies, in milliseconds, and with an SLO (kvlab.slo.SLO) its goodput
     (requests a second served within both targets: kvlab.slo.goodput_report's fields).
@@ -195,7 +195,8 @@ def serve(model, requests: list, budget: int = 256, num_blocks: int = 512,
     (config.max_seq_len positions), one per request, reserved whole from its admission to
     its end, as contiguous caches are (Orca batched continuously this way).
     engine_options: more keyword arguments for kvlab.Engine (preemption=, speculate=, the
-    plug-ins: see Engine).
+    plug-ins: see Engine). outputs=True adds "outputs": every request's RequestOutput, by
+    its index in the arrival order.
 
     Every request is checked before the run (see _checked_requests): on the wall clock, a
     request arriving past max_seconds (600 by default) is refused, as the run would wait
@@ -225,7 +226,10 @@ def serve(model, requests: list, budget: int = 256, num_blocks: int = 512,
                      VirtualClock(cost or StepCost.for_model(model)) if clock == "virtual"
                      else time.perf_counter)
     seconds = (_run_virtual if clock == "virtual" else _run_wall)(engine, pending, progress)
-    return _report(engine, memory, budget, seconds, clock, slo)
+    report = _report(engine, memory, budget, seconds, clock, slo)
+    if outputs:
+        report["outputs"] = dict(engine.outputs)
+    return report
 
 
 def _engine(model, pending, budget, num_blocks, block_size, memory, options, clock) -> Engine:

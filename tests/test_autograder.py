@@ -321,3 +321,21 @@ def test_an_instructor_with_a_plain_pip_install_builds_from_the_clone_root(tmp_p
     (planted / "instructor" / "graders").mkdir(parents=True)
     monkeypatch.chdir(planted)
     assert labs.find_instructor() is None and labs.find_instructor(from_clone_here=True) is None
+
+
+def test_the_serving_capstone_is_graded_in_its_package(tmp_path):
+    """Lab 15's package grades the reference solution to full marks: its grader runs the
+    engine, the virtual clock and the workload in the judge from the package's own kvlab
+    (and reads chapter 5, the prompts' text, from the package's chapters)."""
+    package = build("serving_capstone", tmp_path / "serving_capstone.zip", INSTRUCTOR)
+    with zipfile.ZipFile(package) as archive:
+        names = archive.namelist()
+    assert "tests/serving_capstone.py" in names
+    assert not any("solutions" in n or "mistakes" in n or "cheats" in n for n in names)
+    root = unpack(package, tmp_path / "autograder")
+    shutil.copy(INSTRUCTOR / "solutions" / "serving_capstone.py",
+                root / "submission" / "serving_capstone.py")
+    run = run_autograder(root, {"KVLAB_PYTHON": sys.executable, "KVLAB_WORKER_USER": ""})
+    assert run.returncode == 0, run.stderr
+    data = results(root)
+    assert data["score"] == LABS["serving_capstone"].points == sum(t["max_score"] for t in data["tests"])

@@ -301,3 +301,53 @@ def test_a_wrong_allocator_is_caught_by_the_engine(model, allocator, message):
     with pytest.raises(PluginError, match=message):
         engine.run(progress=False)
     engine.pool.check()                    # the pool itself is whole
+
+
+class PlainFirstCome:
+    """FirstComeFirstServed on plain dicts (the capstone lab's interface): it sees the view
+    as plain_view gives it and answers {"run": ..., "preempt": ...}."""
+
+    def plan(self, view):
+        assert isinstance(view, dict) and isinstance(view["running"], list)
+        records = {key: tuple(kvlab.plugins.RequestState(**{k: v for k, v in r.items()
+                                                              if k != "extra_blocks"})
+                              for r in view[key]) for key in ("running", "waiting")}
+        extra = {r["id"]: r["extra_blocks"] for r in view["running"] + view["waiting"]}
+        plain = {k: v for k, v in view.items() if k not in ("running", "waiting")}
+        plan = FirstComeFirstServed().plan(SchedulerView(**plain, **records, extra=extra))
+        return {"run": [list(pair) for pair in plan.run], "preempt": plan.preempt}
+
+
+def test_a_scheduler_on_plain_values_plans_as_the_same_one_on_records(model, expected):
+    from kvlab.plugins import PlainDrafter, PlainScheduler
+    own, _ = serve(model)
+    plain, tokens = serve(model, scheduler=PlainScheduler(PlainFirstCome()),
+                          drafter=PlainDrafter(PromptLookup()))
+    assert tokens == expected and plain.speculation.drafted > 0
+    bare, _ = serve(model, scheduler=PlainScheduler(PlainFirstCome()))
+    assert [(r.prefill_tokens, r.decode_tokens) for r in own.metrics] == \
+        [(r.prefill_tokens, r.decode_tokens) for r in bare.metrics]
+
+
+@pytest.mark.parametrize("answer, message", [
+    ([[0, 1]], "must return"), ({"run": [[0, 1]], "extra": 1}, "must return"),
+    ({"run": [[0, 1, 2]]}, "pairs"), ({"run": 5}, "pairs")])
+def test_a_plain_plan_that_is_not_one_is_refused(answer, message):
+    from kvlab.plugins import plan_from_plain
+    with pytest.raises(PluginError, match=message):
+        plan_from_plain(answer)
+
+
+def test_the_view_carries_the_engines_clock(model):
+    from kvlab.slo import StepCost, VirtualClock
+    seen = []
+
+    class Watching(FirstComeFirstServed):
+        def plan(self, view):
+            seen.append(view.now)
+            return super().plan(view)
+    clock = VirtualClock(StepCost.for_model(model))
+    engine = kvlab.Engine(model, num_blocks=20, block_size=4, scheduler=Watching(), clock=clock)
+    engine.add_request("ROMEO:", kvlab.SamplingParams(max_new_tokens=4))
+    engine.run(progress=False)
+    assert seen[0] == 0.0 and seen == sorted(seen) and seen[-1] < clock()

@@ -184,3 +184,22 @@ def test_serve_bench_prints_goodput_on_virtual_time(capsys):
     assert capsys.readouterr().out == printed
     assert cli.main(["serve-bench", "--slo", "50", "--model", "/nonexistent"]) == 2
     assert "SLO" in capsys.readouterr().err
+
+
+def test_the_calibration_fit_recovers_known_prices_and_none_below_zero():
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import calibrate_step_cost
+    rng = np.random.default_rng(0)
+    work = [StepWork(int(rng.integers(1, 300)), int(rng.integers(1, 30)),
+                     int(rng.integers(0, 50_000)), int(rng.integers(0, 2)) * 4096)
+            for _ in range(200)]
+    true = StepCost(2e-4, 3e-5, 1e-5, 2e-7, 0.0)
+    x = np.array([calibrate_step_cost.features(w) for w in work], dtype=np.float64)
+    y = np.array([true.seconds(w) for w in work]) * (1 + 0.01 * rng.standard_normal(200))
+    price = calibrate_step_cost.fit(x, y)
+    assert (price >= 0).all()
+    for got, want in zip(price[:4], (true.step_s, true.token_s, true.sequence_s, true.kv_row_s)):
+        assert got == pytest.approx(want, rel=0.1)
+    assert price[4] * 4096 < 0.01 * y.mean()   # bytes that cost nothing: next to no price

@@ -1,0 +1,277 @@
+"""Hidden grading tests for lab 15 (the serving capstone). Run by the judge
+(kvlab/grading/judge.py), never shipped in the package.
+
+Everything that decides the score is the judge's: the Engine, its pool and model, the
+virtual clock and its prices (kvlab.slo), the workload (drawn here at grading time) and
+the SLO. The student's Scheduler, Drafter and BlockAllocator live in the worker and are
+asked through kvlab.plugins' checks, their questions and answers by value: a plug-in can
+answer, never touch the clock, the cost model, the requests or the tokens.
+
+Correctness first: the student's allocator followed through a run with forks, drafts and
+preemptions; the student's plans through the engine's checks; the drafter's guesses
+against the model's own next tokens. Then the capstone run: the whole workload through the
+student's scheduler and drafter, every request's tokens exactly kvlab.generate's (the
+gate: a run that fails it earns no speed points), its goodput against two baselines run
+on the same workload here: kvlab's own Engine (its first-come-first-served scheduler, no
+drafts) and the reference policy below (no drafts). Points at the default's goodput,
+halfway from it to the reference's, and 85 % of the way (GOODPUT_TIERS; the floor is at
+least a quarter of the reference's, so that a workload the default engine serves badly
+still asks for something): the reference solution, whose drafts cost or gain a little of
+its scheduler's goodput, reached 92 % of the way or more on 12 drawn workloads.
+"""
+import functools
+
+import numpy as np
+
+import kvlab
+from kvlab import serving
+from kvlab.grading.labs import chapter_file
+from kvlab.grading.process import WorkerGone
+from kvlab.grading.remote import RemoteError
+from kvlab.grading.testkit import points
+from kvlab.plugins import PlainDrafter, PlainScheduler, PluginError, StepPlan
+from kvlab.slo import SLO, StepCost, VirtualClock
+from kvlab.speculative import PromptLookup
+
+SLO_TARGET = SLO(ttft_s=0.030, tpot_s=0.002)    # the lab's README states the same
+ENGINE = dict(num_blocks=128, block_size=16, max_batch_tokens=256)
+N_REQUESTS = 48
+REFERENCE_GAIN = 2.0      # a workload counts when the reference serves twice the default's
+GOODPUT_TIERS = (0.0, 0.5, 0.85)   # of the way from the default's goodput to the reference's
+
+
+def prepare():
+    model()
+    text()
+
+
+@functools.lru_cache(maxsize=None)
+def model():
+    return kvlab.load()
+
+
+@functools.lru_cache(maxsize=None)
+def text():
+    """Token ids to cut prompts from: the sample the kit serves, and chapter 5."""
+    chapter = chapter_file("05_batching.md").read_text(encoding="utf-8")
+    return model().encode(serving.SAMPLE_TEXT * 4 + chapter[:20_000])
+
+
+def draw_workload(rng, n_requests=N_REQUESTS):
+    """Poisson arrivals at a rate drawn from 220 to 300 a second (the bundled model's
+    engine is overloaded: who goes first decides who meets the SLO); 70 % short prompts
+    (4-23 tokens), 30 % long (100-299); 8 to 63 new tokens each."""
+    ids = text()
+    rate = float(rng.uniform(220.0, 300.0))
+    arrivals = np.cumsum(rng.exponential(1.0 / rate, n_requests))
+    requests = []
+    for arrival in arrivals:
+        length = int(rng.integers(4, 24) if rng.random() < 0.7 else rng.integers(100, 300))
+        start = int(rng.integers(0, len(ids) - length))
+        requests.append((float(arrival), ids[start:start + length], int(rng.integers(8, 64))))
+    return requests
+
+
+@functools.lru_cache(maxsize=None)
+def generated(prompt, new_tokens):
+    return kvlab.generate(model(), list(prompt), new_tokens).tokens
+
+
+def stopped(error: PluginError):
+    """What a test raises when the engine stopped a run: the worker's own end (it died or
+    ran out of time) as itself, else the rule the plug-in broke."""
+    if isinstance(error.__cause__, (WorkerGone, RemoteError)):   # described by the judge
+        return error.__cause__
+    return AssertionError(f"the engine stopped the run: {error}")
+
+
+def run(requests, num_blocks=ENGINE["num_blocks"], **plugins):
+    """The workload through the Engine on the virtual clock with these plug-ins: its
+    goodput report, with "outputs", every request's RequestOutput by arrival order."""
+    try:
+        return serving.serve(model(), requests, ENGINE["max_batch_tokens"], num_blocks,
+                             ENGINE["block_size"], clock="virtual", slo=SLO_TARGET,
+                             engine_options=plugins, outputs=True)
+    except PluginError as error:
+        raise stopped(error) from None
+
+
+def check_tokens(requests, report, what):
+    """Every request finished well, with kvlab.generate's tokens (the correctness gate)."""
+    outputs = report["outputs"]
+    failed = {rid: out.outputs[0].finish_reason for rid, out in outputs.items()
+              if out.outputs[0].finish_reason.startswith("error")}
+    assert not failed, f"{what}: requests failed: {dict(list(failed.items())[:3])}"
+    for rid, (_, prompt, new_tokens) in enumerate(requests):
+        want, got = generated(tuple(prompt), new_tokens), outputs[rid].outputs[0].tokens
+        assert got == want, (f"{what}: request {rid} (a prompt of {len(prompt)} tokens) got "
+                             f"{got[:12]}..., kvlab.generate gives {want[:12]}...")
+
+
+# ---- the reference policy (the judge's own, for the full-marks line) ------------------------
+class Reference:
+    """Decodes first, at most 8 running, prompt chunks of at most 64 tokens a step, those
+    that can still meet their TTFT admitted first, the shortest first."""
+
+    def plan(self, view):
+        run, preempt, free, tokens = [], [], view.free_blocks, view.max_batch_tokens
+        decoding = [r for r in view.running if r.decoding]
+        for r in decoding:
+            while view.blocks_needed(r, 1) > free and len(view.running) > len(preempt) + 1:
+                victim = max((x for x in view.running if x is not r and x.id not in preempt
+                              and all(x.id != rid for rid, _ in run)),
+                             key=lambda x: (not x.decoding, x.blocks), default=None)
+                if victim is None:
+                    break
+                preempt.append(victim.id)
+                free += victim.blocks
+            if r.id not in preempt and view.blocks_needed(r, 1) <= free:
+                run.append((r.id, 1))
+                free, tokens = free - view.blocks_needed(r, 1), tokens - 1
+        late = lambda r: (r.generated == 0 and view.now - r.arrival_time > SLO_TARGET.ttft_s,
+                          r.pending)
+        others = sorted((r for r in view.running if not r.decoding and r.id not in preempt),
+                        key=late)
+        if not preempt and len(view.running) < 8:
+            others += sorted(view.waiting, key=late)[:8 - len(view.running)]
+        chunk = 64
+        for r in others:
+            n = min(r.pending, tokens, chunk)
+            if n > 0 and len(run) < view.max_batch_seqs and view.blocks_needed(r, n) <= free:
+                run.append((r.id, n))
+                free, tokens, chunk = free - view.blocks_needed(r, n), tokens - n, chunk - n
+        if not run and not preempt and view.running:
+            preempt.append(view.running[-1].id)
+        return StepPlan(run, preempt)
+
+
+_measured = {}          # this grading's capstone run: the goodputs, or why there are none
+
+
+def workload_that_matters(rng, tries=6):
+    """A drawn workload on which the order of service matters: the reference policy's
+    goodput at least REFERENCE_GAIN times the default engine's (a light draw, which any
+    order serves about as well, is drawn again; about one in eight is). Returns it with
+    the two baselines' reports."""
+    for _ in range(tries):
+        requests = draw_workload(rng)
+        default, reference = run(requests), run(requests, scheduler=Reference())
+        if reference["goodput"] >= REFERENCE_GAIN * default["goodput"]:
+            break
+    return requests, default, reference
+
+
+def goodputs(sub, rng):
+    """(the student's goodput, the default's, the reference's) on one drawn workload,
+    measured once a grading: the first of the three tests that asks runs it."""
+    if not _measured:
+        try:
+            requests, default, reference = workload_that_matters(rng)
+            mine = run(requests, scheduler=PlainScheduler(sub.Scheduler()),
+                       drafter=PlainDrafter(sub.Drafter()))
+            check_tokens(requests, mine, "the capstone run")
+            _measured["goodputs"] = (mine, default, reference)
+        except (AssertionError, Exception) as error:
+            _measured["failed"] = error
+    if "failed" in _measured:
+        raise _measured["failed"]
+    return _measured["goodputs"]
+
+
+def tier(sub, rng, share):
+    """The goodput line `share` of the way from the floor (the default engine's goodput,
+    and at least a quarter of the reference's) to the reference's."""
+    mine, default, reference = goodputs(sub, rng)
+    floor = max(default["goodput"], 0.25 * reference["goodput"])
+    line = floor + share * max(0.0, reference["goodput"] - floor)
+    said = (f"your goodput {mine['goodput']:.1f} requests/s ({mine['served']} of "
+            f"{mine['requests']} within TTFT {SLO_TARGET.ttft_s * 1e3:g} ms and TPOT "
+            f"{SLO_TARGET.tpot_s * 1e3:g} ms; {mine['missed_ttft']} missed the TTFT, "
+            f"{mine['missed_tpot']} the TPOT), kvlab's default engine "
+            f"{default['goodput']:.1f}, the reference {reference['goodput']:.1f}")
+    assert mine["goodput"] >= line - 1e-9, f"{said}: this tier needs {line:.1f}"
+    print(said)
+
+
+# ---- the tests --------------------------------------------------------------------------------
+@points(3)
+def test_the_allocator_follows_the_pool_through_forks_drafts_and_preemptions(sub, rng):
+    """your BlockAllocator, driven as the engine's pool is (forks of n=3 samples, drafts cut back, preemptions on 24 blocks), agrees with it after every step"""
+    requests = draw_workload(rng, 10)
+    engine = kvlab.Engine(model(), num_blocks=24, block_size=8, max_batch_tokens=64,
+                          allocator=lambda n, size: sub.BlockAllocator(n, size),
+                          drafter=PromptLookup(), clock=VirtualClock(StepCost.for_model(model())))
+    for _, prompt, new_tokens in requests[:8]:
+        engine.add_request(prompt[:60], kvlab.SamplingParams(max_new_tokens=min(new_tokens, 24)))
+    engine.add_request(requests[8][1][:13], kvlab.SamplingParams(max_new_tokens=12, n=3,
+                                                                temperature=0.8, seed=int(rng.integers(1000))))
+    try:
+        engine.run(progress=False)
+    except PluginError as error:
+        raise stopped(error) from None
+
+
+@points(3)
+def test_the_schedulers_plans_follow_the_rules_and_keep_every_token(sub, rng):
+    """your Scheduler on a drawn workload of 16 requests on a pool of 40 blocks: every plan passes the engine's checks and every request gets kvlab.generate's tokens"""
+    requests = draw_workload(rng, 16)
+    report = run(requests, num_blocks=40, scheduler=PlainScheduler(sub.Scheduler()))
+    check_tokens(requests, report, "your scheduler")
+
+
+@points(2)
+def test_the_drafter_guesses_what_the_model_says(sub, rng):
+    """your Drafter on 12 drawn contexts, each a prompt and the model's own first tokens after it: at most k valid ids, and at least a third as many drafts the model agrees with (its next tokens) as prompt lookup's"""
+    ids, drafter, lookup = text(), sub.Drafter(), PromptLookup()
+    mine = theirs = drafted = 0
+    for _ in range(12):
+        start, length = int(rng.integers(0, len(ids) - 40)), int(rng.integers(8, 40))
+        prompt = ids[start:start + length]
+        own = generated(tuple(prompt), 80)
+        cut, k = int(rng.integers(20, 70)), int(rng.integers(2, 7))
+        context, want = prompt + own[:cut], own[cut:cut + k]
+        drafts = drafter.propose(list(context), k)
+        assert isinstance(drafts, list) and len(drafts) <= k and all(
+            isinstance(t, int) and 0 <= t < model().config.vocab_size for t in drafts), (
+            f"propose(a context of {len(context)} tokens, {k}) must give at most {k} token "
+            f"ids, got {str(drafts)[:200]}")
+        mine += agreed(drafts, want)
+        theirs += agreed(lookup.propose(context, k), want)
+        drafted += len(drafts)
+    assert drafted > 0, "your drafter proposed nothing on 12 contexts"
+    print(f"the model agreed with {mine} of your {drafted} drafts, {theirs} of prompt lookup's")
+    assert 3 * mine >= theirs, (
+        f"the model agreed with {mine} of your {drafted} drafts (each up to the first it "
+        f"refused), with {theirs} of prompt lookup's: at least a third as many are needed")
+
+
+def agreed(drafts, want):
+    """How many drafts the model keeps: those before the first that is not its own token."""
+    n = 0
+    while n < len(drafts) and n < len(want) and drafts[n] == want[n]:
+        n += 1
+    return n
+
+
+@points(3)
+def test_the_capstone_run_gives_every_request_generates_tokens(sub, rng):
+    """the capstone run (48 drawn requests, your scheduler and drafter): every request's tokens exactly kvlab.generate's"""
+    goodputs(sub, rng)
+
+
+@points(3)
+def test_goodput_reaches_kvlabs_default_engine(sub, rng):
+    """goodput under the SLO at least that of kvlab's own Engine on the same workload (and a quarter of the reference's)"""
+    tier(sub, rng, GOODPUT_TIERS[0])
+
+
+@points(3)
+def test_goodput_reaches_halfway_to_the_reference(sub, rng):
+    """goodput at least halfway from kvlab's default engine's to the reference's"""
+    tier(sub, rng, GOODPUT_TIERS[1])
+
+
+@points(3)
+def test_goodput_reaches_the_reference(sub, rng):
+    """goodput at least 85 % of the way from kvlab's default engine's to the reference policy's"""
+    tier(sub, rng, GOODPUT_TIERS[2])

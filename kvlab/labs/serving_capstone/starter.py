@@ -1,0 +1,156 @@
+"""Lab 15, the capstone: your scheduler, drafter and block allocator, plugged into kvlab's
+serving engine and scored by goodput. Fill in every method marked TODO.
+
+The grader runs kvlab.Engine (the real one: the C core, the paged pool, the bundled model)
+on a workload it draws, with your three objects plugged in (kvlab/plugins.py), on a virtual
+clock that moves by what each step computes (kvlab/slo.py). It checks your outputs first
+(every request's tokens exactly kvlab.generate's) and then scores your goodput: requests a
+second served within the SLO below.
+
+Check your work with:  kvlab check serving_capstone serving_capstone.py
+Your grade:            kvlab grade serving_capstone serving_capstone.py
+You may import numpy, math and Python's standard library; nothing from kvlab (your code
+runs in a process of its own that has no kvlab; everything reaches it as plain values).
+"""
+
+TTFT_SLO = 0.030      # seconds to the first token, at most (virtual time)
+TPOT_SLO = 0.002      # seconds per output token after the first, at most
+
+
+def blocks_for(n_tokens, block_size):
+    """KV blocks that hold n_tokens positions: ceil(n_tokens / block_size)."""
+    return -(-n_tokens // block_size)
+
+
+def blocks_needed(view, request, n_tokens):
+    """Blocks `request` (one of view["running"] or view["waiting"]) takes to run n_tokens
+    (1 .. request["pending"]) more tokens: its new blocks, plus the extra the engine counted
+    for it (a copy on write, or what it brings back from host memory)."""
+    size, done = view["block_size"], request["computed"]
+    return blocks_for(done + n_tokens, size) - blocks_for(done, size) + request["extra_blocks"]
+
+
+class Scheduler:
+    """Decides, every step, which requests run and with how many tokens."""
+
+    def plan(self, view):
+        """One step's plan. `view` is a dict:
+
+            step, now               the step's number, the clock (seconds)
+            max_batch_tokens        the most tokens one step may run (256)
+            max_batch_seqs          the most requests one step may run
+            block_size              positions per KV block (16)
+            free_blocks             blocks that can be handed out now
+            sequences_left          more requests the pool can hold
+            running, waiting        lists of requests (dicts), running in order of
+                                    admission, waiting in line (the first arrived first;
+                                    a preempted one goes back to the front)
+
+        and each request a dict: id, arrival_time (seconds, on the same clock as now),
+        prompt_len, max_new_tokens, generated (tokens so far), computed (tokens whose K and
+        V are in the cache), pending (tokens still to run through the model: 1 when it
+        decodes, more for a prompt or a recompute), blocks (held now), preemptions,
+        extra_blocks (see blocks_needed).
+
+        Return {"run": [[request id, n_tokens], ...], "preempt": [request id, ...]}:
+          - run: in batch order; each request at most once, 1 .. pending tokens; a waiting
+            request named here is admitted. At most max_batch_tokens tokens in all, at
+            most max_batch_seqs requests, at most sequences_left admitted;
+          - preempt: running requests to send back to the front of the waiting line (their
+            blocks freed; they recompute prompt + generated tokens when run again). Not
+            also in run.
+          - the blocks of what runs (blocks_needed) at most free_blocks plus the blocks
+            of the preempted requests;
+          - never nothing while a request runs or waits.
+        The engine checks all of this and stops the run (a failed test) on a broken rule.
+        """
+        # TODO
+        raise NotImplementedError("Scheduler.plan")
+
+
+class Drafter:
+    """Guesses the next tokens of a sequence (speculative decoding): the engine runs them
+    with the sequence's next token in one pass and keeps those the model agrees with."""
+
+    def propose(self, tokens, k):
+        """At most k token ids likely to follow `tokens` (the sequence's whole context,
+        prompt and generated tokens, a list of ints). [] drafts nothing. Each draft costs
+        a token of the step's work, kept or not."""
+        # TODO
+        raise NotImplementedError("Drafter.propose")
+
+
+class BlockAllocator:
+    """Lab 5's block allocator (fork and copy-on-write), plus truncate. The engine's pool
+    does the same operations at the same time, and after every step your tables, ref
+    counts and free blocks must agree with it (block ids are your own choice)."""
+
+    def __init__(self, num_blocks, block_size):
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        # TODO
+
+    def new_sequence(self):
+        """A new, empty sequence; returns its id (never one of a live sequence)."""
+        # TODO
+        raise NotImplementedError("BlockAllocator.new_sequence")
+
+    def append(self, seq, n_tokens):
+        """Room for n_tokens more tokens: a copy of the last block first if it is shared
+        and partly filled (copy-on-write), then the new blocks. Returns the copies made,
+        [(src, dst)] or []. Raise an exception if the free blocks do not suffice."""
+        # TODO
+        raise NotImplementedError("BlockAllocator.append")
+
+    def fork(self, seq):
+        """A new sequence sharing every block of seq (each ref count up by one); its id."""
+        # TODO
+        raise NotImplementedError("BlockAllocator.fork")
+
+    def truncate(self, seq, length):
+        """Keep seq's first `length` tokens (length <= its length): the blocks past
+        ceil(length / block_size) lose a reference (free at 0). The engine cuts refused
+        drafts off this way."""
+        # TODO
+        raise NotImplementedError("BlockAllocator.truncate")
+
+    def free(self, seq):
+        """Drop seq: each of its blocks loses a reference, free at 0."""
+        # TODO
+        raise NotImplementedError("BlockAllocator.free")
+
+    def block_table(self, seq):
+        # TODO
+        raise NotImplementedError("BlockAllocator.block_table")
+
+    def length(self, seq):
+        # TODO
+        raise NotImplementedError("BlockAllocator.length")
+
+    def ref_count(self, block):
+        # TODO
+        raise NotImplementedError("BlockAllocator.ref_count")
+
+    def num_free_blocks(self):
+        # TODO
+        raise NotImplementedError("BlockAllocator.num_free_blocks")
+
+
+if __name__ == "__main__":
+    # Try your classes in the real engine on a workload of your own (the grader never runs
+    # this block, and here you may use kvlab):
+    import kvlab
+    from kvlab import serving
+    from kvlab.plugins import PlainDrafter, PlainScheduler
+    from kvlab.slo import SLO
+    model = kvlab.load()
+    requests = serving.workload(model, 48, rate=600.0, seed=1)   # more than it can serve
+    slo = SLO(TTFT_SLO, TPOT_SLO)
+    for name, plugins in (("kvlab's engine", {}),
+                          ("yours", {"scheduler": PlainScheduler(Scheduler()),
+                                     "drafter": PlainDrafter(Drafter()),
+                                     "allocator": BlockAllocator})):
+        report = serving.serve(model, requests, 256, 128, 16, clock="virtual", slo=slo,
+                               engine_options=plugins)
+        print(f"{name}: goodput {report['goodput']:.1f} requests/s, {report['served']} of "
+              f"{report['requests']} served within the SLO")
