@@ -418,6 +418,10 @@ def cmd_info(args) -> int:
     print(f"classifier      {'tied to the embedding' if c.tied_embeddings else 'separate'}")
     from . import _kvlab, get_kernels    # the kernel variant this CPU runs (csrc/dispatch.h)
     print(f"kernels         {_kvlab.VARIANT} variant, {get_kernels()} tier: {_kvlab.VARIANT_REASON}")
+    # the one thing about the build a result's last bits depend on (lab 14's README, "Which
+    # flags"); the plain tier is the readable C the fast one is proven equal to
+    fused = "fused (one rounding)" if _kvlab.FUSED_MULTIPLY_ADD else "not fused (two roundings)"
+    print(f"                multiply-adds {fused}; KVLAB_KERNELS=plain runs the plain tier")
     return 0
 
 
@@ -756,7 +760,7 @@ def _add_lab(sub) -> None:
 def _add_grade(sub) -> None:
     grade = _add_command(sub, "grade", cmd_grade, "grade a lab submission and write results.json")
     grade.add_argument("lab", help="lab name (see kvlab lab list)")
-    grade.add_argument("submission", help="your .py file")
+    grade.add_argument("submission", help="your lab file (.py; .c for the C lab)")
     grade.add_argument("--results", default="results.json",
                        help="Gradescope-style results file to write")
     grade.add_argument("--instructor", default=None,
@@ -776,8 +780,9 @@ def _add_grade_all(sub) -> None:
     batch.add_argument("lab", help="lab name (see kvlab lab list)")
     batch.add_argument("submissions",
                        help="a folder holding a folder per student with the lab's file in it "
-                            "(LAB.py, else its only .py file: Gradescope's export, "
-                            "submission_ID/), or one .py file per student (NAME.py)")
+                            "(LAB.py, else its only .py file; LAB.c for the C lab: "
+                            "Gradescope's export, submission_ID/), or one file per student "
+                            "(NAME.py, or NAME.c)")
     batch.add_argument("--out", default="graded",
                        help="where to write each student's results.json and summary.csv")
     batch.add_argument("--instructor", default=None,
@@ -795,7 +800,7 @@ def _add_grade_all(sub) -> None:
 def _add_check(sub) -> None:
     check = _add_command(sub, "check", cmd_check, "run a lab's public self-checks on your file")
     check.add_argument("lab", help="lab name (see kvlab lab list)")
-    check.add_argument("submission", help="your .py file")
+    check.add_argument("submission", help="your lab file (.py; .c for the C lab)")
 
 
 def main(argv: Optional[List[str]] = None) -> int:
