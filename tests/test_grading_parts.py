@@ -166,6 +166,23 @@ def test_code_under_main_is_not_read():
     assert check_source(source + "else:\n    import kvlab\n", NOTHING)
 
 
+def test_code_under_main_is_read_when_the_file_sets_its_own_name():
+    """A file that binds __name__ (to "__main__", say) runs its main block when the grader
+    imports it, so that block is read like the rest."""
+    main = "if __name__ == '__main__':\n    import kvlab\n    print(kvlab.kv_cache_bytes)\n"
+    for binds in ("__name__ = '__main__'", "(__name__ := '__main__')", "import os as __name__",
+                  "for __name__ in ['__main__']:\n    pass", "class __name__:\n    pass",
+                  "def f():\n    global __name__\n    __name__ = '__main__'",
+                  "try:\n    pass\nexcept ValueError as __name__:\n    pass",
+                  "with open('x') as __name__:\n    pass", "me.__name__ = '__main__'",
+                  "put(me, '__name__', '__main__')"):
+        found = check_source(binds + "\n" + main, NOTHING)
+        assert any("kvlab" in v.why for v in found), binds
+    # reading it, or another object's, does not
+    for reads in ("print(__name__)", "def f(x):\n    return x.__name__"):
+        assert check_source(reads + "\n" + main, NOTHING) == [], reads
+
+
 def test_a_syntax_error_is_the_callers_to_report():
     with pytest.raises(SyntaxError):
         check_source("def f(:\n", NOTHING)

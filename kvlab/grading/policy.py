@@ -272,13 +272,34 @@ def _is_main_block(node: ast.AST) -> bool:
             and test.comparators[0].value == "__main__" and not node.orelse)
 
 
+def _binds_dunder_name(tree: ast.AST) -> bool:
+    """Whether the file may set `__name__`: binds it anywhere (an assignment, a def or class,
+    a loop, `with ... as`, `except ... as`, an import as, a global, a match capture), sets
+    an object's `.__name__`, or spells it as a string (setattr's way). A file that makes it
+    "__main__" runs its main block when the grader imports it."""
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Name, ast.Attribute)) and not isinstance(node.ctx, ast.Load) \
+                and "__name__" in (getattr(node, "id", None), getattr(node, "attr", None)):
+            return True
+        if isinstance(node, ast.Constant) and node.value == "__name__":
+            return True
+        names = [getattr(node, "name", None), getattr(node, "asname", None), getattr(node, "arg", None)]
+        if isinstance(node, (ast.Global, ast.Nonlocal)):
+            names += node.names
+        if "__name__" in names:
+            return True
+    return False
+
+
 def check_source(source: str, policy: Policy, filename: str = "<submission>") -> List[Violation]:
     """Every refused import and name in `source`, with its line (SyntaxError propagates).
     A top-level `if __name__ == "__main__":` block, where students try their code, is not
-    read: the grader imports the file under another name, so it never runs."""
+    read: the grader imports the file under another name, so it never runs; unless the file
+    binds `__name__` itself, which would run the block at import."""
     tree = ast.parse(source, filename=filename)
     check = _SourceCheck(policy)
+    skip_main = not _binds_dunder_name(tree)
     for node in tree.body:
-        if not _is_main_block(node):
+        if not (skip_main and _is_main_block(node)):
             check.visit(node)
     return sorted(set(check.found), key=lambda v: (v.line, v.why))
