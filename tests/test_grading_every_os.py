@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import psutil
@@ -95,6 +96,40 @@ def test_descendants_finds_a_grandchild_and_sweep_kills_it(tmp_path):
             assert psutil.Process(grandchildren[0]).status() == psutil.STATUS_ZOMBIE
         except psutil.NoSuchProcess:
             pass
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_a_process_whose_first_thread_ended_is_paused_and_swept():
+    """A process whose first thread called pthread_exit shows "Z" in /proc/PID/stat while
+    its other threads run on: the judge takes it by those threads' state, so that pausing
+    stops it (it ran on through the kernel lab's bandwidth probe) and the sweep kills it (it
+    outlived its test)."""
+    if not sys.platform.startswith("linux"):
+        pytest.skip("pthread_exit of a first thread as /proc shows it: Linux")
+    child = subprocess.Popen([sys.executable, "-c", textwrap.dedent("""
+        import ctypes, threading
+        def work():
+            while True:
+                sum(range(1000))
+        threading.Thread(target=work).start()
+        print("started", flush=True)
+        ctypes.CDLL(None).pthread_exit(None)""")], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "started"
+        deadline = time.monotonic() + 10
+        while psutil.Process(child.pid).status() != psutil.STATUS_ZOMBIE:   # the first thread gone
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert dict(process.descendants(os.getpid()))[child.pid] != "Z"
+        tasks = Path(f"/proc/{child.pid}/task")
+        with process.paused() as stopped:
+            assert stopped
+            live = [(tasks / t / "stat").read_text().rpartition(")")[2].split()[0]
+                    for t in os.listdir(tasks)]
+            assert [s for s in live if s not in "ZX"] == ["T"], live
+        assert process.sweep() is True and process.descendants(os.getpid()) == []
     finally:
         child.kill()
         child.wait()

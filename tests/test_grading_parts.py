@@ -585,9 +585,9 @@ def test_the_c_lab_builds_with_kvlabs_own_flags():
 
 def test_the_judges_probe_runs_while_every_thread_of_the_c_code_is_stopped(tmp_path):
     """The kernel lab's bandwidth probe runs inside process.paused(): a thread the library
-    starts at load (past the source check, through .init_array) to slow the probe down,
-    and so make its kernel's share look larger, marks the time every 5 ms, and leaves no
-    mark inside the paused window."""
+    starts on its first call (at load, through .init_array, until the source check refused
+    that) to slow the probe down, and so make its kernel's share look larger, marks the
+    time every 5 ms, and leaves no mark inside the paused window."""
     marks = tmp_path / "marks"
     window = tmp_path / "window"
     tests = tmp_path / "c_tests.py"
@@ -634,8 +634,9 @@ static void start_hog(void) {{
     pthread_t thread;
     pthread_create(&thread, NULL, hog, NULL);
 }}
-__attribute__((section(".init_array"), used)) static void (*run_start_hog)(void) = start_hog;
-''', 1))
+''', 1).replace("    int kv_mul = n_heads / view->n_kv_heads;\n",
+                 "    static int started;\n    if (!started++) start_hog();\n"
+                 "    int kv_mul = n_heads / view->n_kv_heads;\n", 1))
     from kvlab.grading import grade
     report = grade("decode_kernel", submission, tests=tests, seed=1)
     assert report.score == 1, report.summary()

@@ -96,15 +96,38 @@ def harden_judge() -> None:
     libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)
 
 
+def _live_threads_state(pid: int) -> str:
+    """For a process whose first thread has ended ("Z" in /proc/PID/stat): "Z" if it is a
+    zombie indeed, or, while other threads of it still run (the first one called
+    pthread_exit), "stopped" when all of them are and "running" else. Linux only."""
+    states = []
+    try:
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{task}/stat") as f:
+                states.append(f.read().rpartition(")")[2].split()[0])
+    except (OSError, IndexError):          # gone meanwhile
+        return "Z"
+    live = [s for s in states if s not in "ZX"]
+    if not live:
+        return "Z"
+    return psutil.STATUS_STOPPED if all(s == "T" for s in live) else psutil.STATUS_RUNNING
+
+
 def _process_table() -> Dict[int, Tuple[int, str]]:
     """pid -> (parent pid, state) of every process psutil sees; state is "Z" for a zombie
-    (as /proc/PID/stat writes it), else psutil's word for it."""
+    (as /proc/PID/stat writes it), else psutil's word for it. A process whose first thread
+    ended while others run on shows "Z" in /proc/PID/stat, but is no zombie: it has the
+    state of its live threads (else pausing and sweeping skipped it, and its threads ran on
+    through the bandwidth probe and past the test)."""
     table = {}
     for proc in psutil.process_iter(["ppid", "status"]):
         parent, status = proc.info.get("ppid"), proc.info.get("status")
         if parent is None:             # gone meanwhile, or not ours to read
             continue
-        table[proc.pid] = (parent, "Z" if status == psutil.STATUS_ZOMBIE else str(status))
+        state = str(status)
+        if status == psutil.STATUS_ZOMBIE:
+            state = _live_threads_state(proc.pid) if LINUX else "Z"
+        table[proc.pid] = (parent, state)
     return table
 
 
