@@ -415,6 +415,10 @@ def test_the_c_check_reads_names_however_they_are_spelled_or_built():
         "extern int PyRun_SimpleString(const char *);": "PyRun_SimpleString",
         "_Pragma(\"redefine_extname o dlopen\") extern void *o(const char *, int);": "dlopen",
         "extern struct r_debug _r_debug;": "_r_debug",
+        "extern int _Fork(void);": "_Fork",
+        "int pid(void) { return __fork(); }": "__fork",
+        "extern int __libc_system(const char *);": "__libc_system",
+        "extern int __clone(int (*)(void *), void *, int, void *, ...);": "__clone",
     }
     for source, named in spellings.items():
         found = cbuild.check_c_source(source + "\n", "decode_kernel.h")
@@ -423,6 +427,7 @@ def test_the_c_check_reads_names_however_they_are_spelled_or_built():
     honest = ("typedef float v8f __attribute__((vector_size(32)));\n"
               "static inline __attribute__((always_inline)) int pick(int a) { return a; }\n"
               "int table[4][4]; int section_of_the_cache = 3; /* PyRun ## */\n"
+              "int dynamic, Fork, system_size, r_debug;\n"
               "const char *s = \"??/ ## Py_None\";\n")
     assert cbuild.check_c_source(honest, "decode_kernel.h") == []
     for solution in ("decode_kernel.c", "decode_kernel_plain.c"):

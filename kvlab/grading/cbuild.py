@@ -61,9 +61,23 @@ DENIED_NAMES = frozenset({
     "raise", "signal", "sigaction", "setsid", "prctl", "mprotect", "mmap", "mremap",
     "process_vm_readv", "process_vm_writev", "asm", "__asm", "__asm__", "constructor",
     "destructor", "atexit", "at_quick_exit", "on_exit", "__attribute_constructor__",
+    "execveat", "forkpty", "daemon", "wordexp", "pidfd_spawn", "pidfd_spawnp", "killpg",
+    "sigqueue", "pidfd_send_signal", "unshare", "setns",
     # the dynamic linker reached by hand, without dlopen's name
     "dl_iterate_phdr", "_r_debug", "_DYNAMIC", "__libc_dlopen_mode", "__libc_dlsym",
 })
+
+
+def _plain_name(name: str) -> str:
+    """A name as the C library's other spellings of it reduce to: `_Fork`, `__fork` and
+    `__libc_fork` are fork, `__clone` is clone, `__libc_system` is system."""
+    name = name.strip("_").lower()
+    return name[len("libc_"):] if name.startswith("libc_") else name
+
+
+# the refused functions' plain names, which a name written with leading underscores must
+# not reduce to (a plain name is refused only as written: `dynamic` is no `_DYNAMIC`)
+PLAIN_DENIED = frozenset(_plain_name(n) for n in DENIED_NAMES if not n.startswith("_"))
 
 # Attributes (GNU __attribute__((...)) or C23 [[gnu::...]], with or without the underscores
 # around them) that run code at load, put code where the loader runs it, or name another
@@ -180,7 +194,8 @@ def _attribute_spans(code: str) -> List[Tuple[int, str]]:
 def _name_violations(number: int, line: str) -> List[Violation]:
     found = []
     names = set(re.findall(r"[A-Za-z_]\w*", line))
-    for name in sorted(names & DENIED_NAMES):
+    for name in sorted(n for n in names if n in DENIED_NAMES or
+                       n.startswith("_") and _plain_name(n) in PLAIN_DENIED):
         found.append(Violation(number, f"`{name}` is not allowed in this lab (it loads code, "
                                        f"reaches the system or runs code at load)"))
     for name in sorted(n for n in names if PYTHON_API.match(n)):
