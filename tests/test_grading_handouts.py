@@ -174,3 +174,15 @@ def test_the_served_generator_draws_among_a_bounded_number_of_items():
     assert 0 <= rng.choice(MAX_ITEMS) < MAX_ITEMS
     assert rng.choice([5, 6], p=[0.0, 1.0]) == 6
     assert [d.method for d in rng.draws] == ["choice", "choice"]
+
+
+def test_a_lent_model_encodes_a_prompt_not_a_frame_of_text():
+    """encode runs in the judge: 64 MB of text (a frame's worth) had it build 64 million
+    ints; a lent model now takes at most handouts.MAX_TEXT characters at once."""
+    from kvlab.grading.served import ServedModel
+    for model in (LabModel(), ReferenceModel(), ServedModel()):
+        assert model.encode("ROMEO:") == list(b"ROMEO:")
+        with pytest.raises(ValueError, match="at most"):
+            model.encode("x" * (handouts.MAX_TEXT + 1))
+        with pytest.raises(TypeError):
+            model.encode(b"bytes")

@@ -25,7 +25,7 @@ from typing import List, Optional, Tuple
 import numpy as np
 
 from ..errors import CacheFullError
-from .handouts import MAX_CACHES, bundled_model, config_fields
+from .handouts import MAX_CACHES, bundled_model, config_fields, text_to_encode
 from .remote import ServedObject
 from .wire import Record
 
@@ -197,9 +197,7 @@ class ServedModel(ServedObject):
                 f"draft more than the tokens still wanted minus one?")
 
     def encode(self, text) -> list:
-        if not isinstance(text, str):
-            raise TypeError("encode takes a str")
-        return [int(t) for t in self._model.encode(text)]
+        return [int(t) for t in self._model.encode(text_to_encode(text))]
 
     def decode_text(self, ids) -> str:
         if not isinstance(ids, (list, tuple, np.ndarray)) or len(ids) > self._model.config.max_seq_len:
