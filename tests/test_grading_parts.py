@@ -508,21 +508,24 @@ def grade_c(tmp_path, source, name="decode_kernel.c"):
 
 
 def test_a_c_submission_is_built_and_loaded_only_in_workers(tmp_path):
-    """Its constructor runs once per test, each time in a worker whose parent is the judge,
-    never in the judge (whose parent is this process) nor in the build's worker (the
-    compiler runs no code of the student's)."""
+    """Its code runs once per test, each time in a worker whose parent is the judge, never
+    in the judge (whose parent is this process) nor in the build's worker (the compiler runs
+    no code of the student's). It marks its first call: code that runs at load
+    (.init_array, a constructor), which this test used to mark, is refused by the source
+    check now (test_grading.py), and the judge never loads the library anyway."""
     marks = tmp_path / "loaded"
     solution = (INSTRUCTOR / "solutions" / "decode_kernel.c").read_text()
     report = grade_c(tmp_path, solution.replace("#include \"decode_kernel.h\"", f'''
 #include "decode_kernel.h"
 #include <stdio.h>
 int getppid(void);
-__attribute__((used)) static void mark(void) {{
+static void mark(void) {{
     FILE *f = fopen("{marks}", "a");
     if (f) {{ fprintf(f, "%d\\n", getppid()); fclose(f); }}
 }}
-__attribute__((section(".init_array"), used)) static void (*run_mark)(void) = mark;
-''', 1))
+''', 1).replace("    int kv_mul = n_heads / view->n_kv_heads;\n",
+                 "    static int marked;\n    if (!marked++) mark();\n"
+                 "    int kv_mul = n_heads / view->n_kv_heads;\n", 1))
     assert report.score == 2, report.summary()
     parents = marks.read_text().split()
     assert len(parents) == 2 and len(set(parents)) == 1, parents      # one judge, two tests
