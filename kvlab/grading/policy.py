@@ -273,15 +273,13 @@ def _is_main_block(node: ast.AST) -> bool:
 
 
 def _binds_dunder_name(tree: ast.AST) -> bool:
-    """Whether the file may set `__name__`: binds it anywhere (an assignment, a def or class,
-    a loop, `with ... as`, `except ... as`, an import as, a global, a match capture), sets
-    an object's `.__name__`, or spells it as a string (setattr's way). A file that makes it
-    "__main__" runs its main block when the grader imports it."""
+    """Whether the file binds the name `__name__` anywhere (an assignment, a def or class, a
+    loop, `with ... as`, `except ... as`, an import as, a global, a match capture): a file
+    that makes it "__main__" runs its main block when the grader imports it. Setting an
+    object's `.__name__` is not counted (a decorator does that to its wrapper): reaching the
+    module object to set its own takes what the check refuses anyway."""
     for node in ast.walk(tree):
-        if isinstance(node, (ast.Name, ast.Attribute)) and not isinstance(node.ctx, ast.Load) \
-                and "__name__" in (getattr(node, "id", None), getattr(node, "attr", None)):
-            return True
-        if isinstance(node, ast.Constant) and node.value == "__name__":
+        if isinstance(node, ast.Name) and node.id == "__name__" and not isinstance(node.ctx, ast.Load):
             return True
         names = [getattr(node, "name", None), getattr(node, "asname", None), getattr(node, "arg", None)]
         if isinstance(node, (ast.Global, ast.Nonlocal)):
