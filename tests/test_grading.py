@@ -395,6 +395,46 @@ def test_a_lab_in_c_starts_with_its_header_and_lists_what_its_grader_refuses(tmp
     assert [v.line for v in lines] == [4], lines        # the line the joined line starts on
 
 
+def test_the_c_check_reads_names_however_they_are_spelled_or_built():
+    """Ways past a list of names that need no macro trick of their own: a trigraph that
+    splices a line, attributes that run code at load or name a symbol in a string, token
+    pasting, a pragma's string, Python's C API declared by hand. Each compiled and loaded
+    (tried while writing this): Python ran from a constructor, dlopen reached by weakref."""
+    from kvlab.grading import cbuild
+    spellings = {
+        "void *f(void) { return dlop??/\nen; }": "dlopen",
+        "static void go(void) __attribute__((__constructor__));": "constructor",
+        "static void go(void) __attribute__ ((destructor));": "destructor",
+        "[[gnu::constructor]] static void go(void) {}": "constructor",
+        "static void go(void) {}\n__attribute__((section(\".init_array\"))) void (*p)(void) = go;":
+            "section",
+        "static void *o(const char *, int) __attribute__((weakref(\"dlopen\")));": "weakref",
+        "void f(void) __attribute__((ifunc(\"pick\")));": "ifunc",
+        "#define J(a, b) a##b\nvoid *x = J(dl, open);": "##",
+        "#define J(a, b) a%:%:b\n": "##",
+        "extern int PyRun_SimpleString(const char *);": "PyRun_SimpleString",
+        "_Pragma(\"redefine_extname o dlopen\") extern void *o(const char *, int);": "dlopen",
+        "extern struct r_debug _r_debug;": "_r_debug",
+        "extern int _Fork(void);": "_Fork",
+        "int pid(void) { return __fork(); }": "__fork",
+        "extern int __libc_system(const char *);": "__libc_system",
+        "extern int __clone(int (*)(void *), void *, int, void *, ...);": "__clone",
+    }
+    for source, named in spellings.items():
+        found = cbuild.check_c_source(source + "\n", "decode_kernel.h")
+        assert any(f"`{named}`" in v.why for v in found), (source, found)
+    # what kernels do write is not refused
+    honest = ("typedef float v8f __attribute__((vector_size(32)));\n"
+              "static inline __attribute__((always_inline)) int pick(int a) { return a; }\n"
+              "int table[4][4]; int section_of_the_cache = 3; /* PyRun ## */\n"
+              "int dynamic, Fork, system_size, r_debug;\n"
+              "const char *s = \"??/ ## Py_None\";\n")
+    assert cbuild.check_c_source(honest, "decode_kernel.h") == []
+    for solution in ("decode_kernel.c", "decode_kernel_plain.c"):
+        text = (Path(__file__).resolve().parents[1] / "instructor" / "solutions" / solution).read_text()
+        assert cbuild.check_c_source(text, "decode_kernel.h") == [], solution
+
+
 @pytest.mark.parametrize("lab", [name for name, lab in LABS.items() if lab.language == "python"])
 def test_the_instructions_list_what_the_grader_refuses(lab):
     # "you may import the standard library" is true except for these: the instructions

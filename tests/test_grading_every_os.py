@@ -9,6 +9,8 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 from pathlib import Path
 
 import psutil
@@ -95,6 +97,40 @@ def test_descendants_finds_a_grandchild_and_sweep_kills_it(tmp_path):
             assert psutil.Process(grandchildren[0]).status() == psutil.STATUS_ZOMBIE
         except psutil.NoSuchProcess:
             pass
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_a_process_whose_first_thread_ended_is_paused_and_swept():
+    """A process whose first thread called pthread_exit shows "Z" in /proc/PID/stat while
+    its other threads run on: the judge takes it by those threads' state, so that pausing
+    stops it (it ran on through the kernel lab's bandwidth probe) and the sweep kills it (it
+    outlived its test)."""
+    if not sys.platform.startswith("linux"):
+        pytest.skip("pthread_exit of a first thread as /proc shows it: Linux")
+    child = subprocess.Popen([sys.executable, "-c", textwrap.dedent("""
+        import ctypes, threading
+        def work():
+            while True:
+                sum(range(1000))
+        threading.Thread(target=work).start()
+        print("started", flush=True)
+        ctypes.CDLL(None).pthread_exit(None)""")], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "started"
+        deadline = time.monotonic() + 10
+        while psutil.Process(child.pid).status() != psutil.STATUS_ZOMBIE:   # the first thread gone
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert dict(process.descendants(os.getpid()))[child.pid] != "Z"
+        tasks = Path(f"/proc/{child.pid}/task")
+        with process.paused() as stopped:
+            assert stopped
+            live = [(tasks / t / "stat").read_text().rpartition(")")[2].split()[0]
+                    for t in os.listdir(tasks)]
+            assert [s for s in live if s not in "ZX"] == ["T"], live
+        assert process.sweep() is True and process.descendants(os.getpid()) == []
     finally:
         child.kill()
         child.wait()
@@ -203,3 +239,40 @@ def test_kvlab_check_on_macos_runs_the_public_checks_end_to_end(macos, tmp_path)
 
 def test_linux_states_no_weaker_sandbox():
     assert process.sandbox_note() is (None if sys.platform.startswith("linux") else process.SANDBOX_NOTE)
+
+
+def test_the_judge_puts_its_threads_back_on_its_cpus_and_priority(monkeypatch):
+    """A process of the judge's user can pin the judge's threads to one CPU and lower their
+    priority and its session's, which stopping the student's processes does not undo:
+    restore_scheduling puts them back as harden_judge noted them before the bandwidth
+    probe, or says what it could not (a priority only a privilege raises again)."""
+    if not sys.platform.startswith("linux"):
+        pytest.skip("thread affinity and priority: Linux")
+    cpus = os.sched_getaffinity(0)
+    nice = os.getpriority(os.PRIO_PROCESS, 0)
+    session = process._session_nice()
+    monkeypatch.setattr(process, "_SCHEDULING", {"cpus": cpus, "nice": nice, "session_nice": session})
+    assert process.restore_scheduling() is None                  # nothing moved
+    stop = threading.Event()
+    thread = threading.Thread(target=stop.wait)
+    thread.start()
+    try:
+        threads = [int(t) for t in os.listdir("/proc/self/task")]
+        for tid in threads:
+            os.sched_setaffinity(tid, {min(cpus)})
+            os.setpriority(os.PRIO_PROCESS, tid, min(nice + 5, 19))
+        said = process.restore_scheduling()
+        assert all(os.sched_getaffinity(tid) == cpus for tid in threads)
+        if os.geteuid() == 0:                 # root raises a priority again; others cannot
+            assert said is None
+            assert all(os.getpriority(os.PRIO_PROCESS, tid) == nice for tid in threads)
+        else:
+            assert said and "priority" in said
+    finally:
+        stop.set()
+        thread.join()
+        for tid in [int(t) for t in os.listdir("/proc/self/task")]:
+            try:
+                os.setpriority(os.PRIO_PROCESS, tid, nice)
+            except OSError:
+                pass

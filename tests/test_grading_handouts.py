@@ -159,3 +159,30 @@ def test_what_a_call_can_make_the_judge_compute_is_bounded():
 def test_only_the_gqa_labs_model_offers_its_conversion():
     assert "with_key_value_weights" not in ReferenceModel(checkpoint="mha").served_methods
     assert "with_key_value_weights" in ReferenceModel(checkpoint="mha", convertible=True).served_methods
+
+
+def test_the_served_generator_draws_among_a_bounded_number_of_items():
+    """The speculative lab's ServedRandom runs in the judge: choice(10 ** 10) would have it
+    build 80 GB of items, so the number of items is bounded before any is made; choices
+    within the bound are drawn and written down as before."""
+    from kvlab.grading.served import MAX_ITEMS, ServedRandom
+    rng = ServedRandom(7)
+    for a in (10 ** 10, MAX_ITEMS + 1, 0, -3):
+        with pytest.raises(ValueError, match="items"):
+            rng.choice(a)
+    assert rng.draws == []
+    assert 0 <= rng.choice(MAX_ITEMS) < MAX_ITEMS
+    assert rng.choice([5, 6], p=[0.0, 1.0]) == 6
+    assert [d.method for d in rng.draws] == ["choice", "choice"]
+
+
+def test_a_lent_model_encodes_a_prompt_not_a_frame_of_text():
+    """encode runs in the judge: 64 MB of text (a frame's worth) had it build 64 million
+    ints; a lent model now takes at most handouts.MAX_TEXT characters at once."""
+    from kvlab.grading.served import ServedModel
+    for model in (LabModel(), ReferenceModel(), ServedModel()):
+        assert model.encode("ROMEO:") == list(b"ROMEO:")
+        with pytest.raises(ValueError, match="at most"):
+            model.encode("x" * (handouts.MAX_TEXT + 1))
+        with pytest.raises(TypeError):
+            model.encode(b"bytes")

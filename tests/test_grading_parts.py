@@ -166,6 +166,24 @@ def test_code_under_main_is_not_read():
     assert check_source(source + "else:\n    import kvlab\n", NOTHING)
 
 
+def test_code_under_main_is_read_when_the_file_sets_its_own_name():
+    """A file that binds __name__ (to "__main__", say) runs its main block when the grader
+    imports it, so that block is read like the rest."""
+    main = "if __name__ == '__main__':\n    import kvlab\n    print(kvlab.kv_cache_bytes)\n"
+    for binds in ("__name__ = '__main__'", "(__name__ := '__main__')", "import os as __name__",
+                  "for __name__ in ['__main__']:\n    pass", "class __name__:\n    pass",
+                  "def f():\n    global __name__\n    __name__ = '__main__'",
+                  "try:\n    pass\nexcept ValueError as __name__:\n    pass",
+                  "with open('x') as __name__:\n    pass"):
+        found = check_source(binds + "\n" + main, NOTHING)
+        assert any("kvlab" in v.why for v in found), binds
+    # reading it, or setting another object's (a decorator's wrapper), does not
+    for reads in ("print(__name__)", "def f(x):\n    return x.__name__",
+                  "def wrap(f):\n    def g():\n        return f()\n    g.__name__ = f.__name__\n"
+                  "    return g"):
+        assert check_source(reads + "\n" + main, NOTHING) == [], reads
+
+
 def test_a_syntax_error_is_the_callers_to_report():
     with pytest.raises(SyntaxError):
         check_source("def f(:\n", NOTHING)
@@ -491,21 +509,24 @@ def grade_c(tmp_path, source, name="decode_kernel.c"):
 
 
 def test_a_c_submission_is_built_and_loaded_only_in_workers(tmp_path):
-    """Its constructor runs once per test, each time in a worker whose parent is the judge,
-    never in the judge (whose parent is this process) nor in the build's worker (the
-    compiler runs no code of the student's)."""
+    """Its code runs once per test, each time in a worker whose parent is the judge, never
+    in the judge (whose parent is this process) nor in the build's worker (the compiler runs
+    no code of the student's). It marks its first call: code that runs at load
+    (.init_array, a constructor), which this test used to mark, is refused by the source
+    check now (test_grading.py), and the judge never loads the library anyway."""
     marks = tmp_path / "loaded"
     solution = (INSTRUCTOR / "solutions" / "decode_kernel.c").read_text()
     report = grade_c(tmp_path, solution.replace("#include \"decode_kernel.h\"", f'''
 #include "decode_kernel.h"
 #include <stdio.h>
 int getppid(void);
-__attribute__((used)) static void mark(void) {{
+static void mark(void) {{
     FILE *f = fopen("{marks}", "a");
     if (f) {{ fprintf(f, "%d\\n", getppid()); fclose(f); }}
 }}
-__attribute__((section(".init_array"), used)) static void (*run_mark)(void) = mark;
-''', 1))
+''', 1).replace("    int kv_mul = n_heads / view->n_kv_heads;\n",
+                 "    static int marked;\n    if (!marked++) mark();\n"
+                 "    int kv_mul = n_heads / view->n_kv_heads;\n", 1))
     assert report.score == 2, report.summary()
     parents = marks.read_text().split()
     assert len(parents) == 2 and len(set(parents)) == 1, parents      # one judge, two tests
@@ -568,9 +589,9 @@ def test_the_c_lab_builds_with_kvlabs_own_flags():
 
 def test_the_judges_probe_runs_while_every_thread_of_the_c_code_is_stopped(tmp_path):
     """The kernel lab's bandwidth probe runs inside process.paused(): a thread the library
-    starts at load (past the source check, through .init_array) to slow the probe down,
-    and so make its kernel's share look larger, marks the time every 5 ms, and leaves no
-    mark inside the paused window."""
+    starts on its first call (at load, through .init_array, until the source check refused
+    that) to slow the probe down, and so make its kernel's share look larger, marks the
+    time every 5 ms, and leaves no mark inside the paused window."""
     marks = tmp_path / "marks"
     window = tmp_path / "window"
     tests = tmp_path / "c_tests.py"
@@ -617,8 +638,9 @@ static void start_hog(void) {{
     pthread_t thread;
     pthread_create(&thread, NULL, hog, NULL);
 }}
-__attribute__((section(".init_array"), used)) static void (*run_start_hog)(void) = start_hog;
-''', 1))
+''', 1).replace("    int kv_mul = n_heads / view->n_kv_heads;\n",
+                 "    static int started;\n    if (!started++) start_hog();\n"
+                 "    int kv_mul = n_heads / view->n_kv_heads;\n", 1))
     from kvlab.grading import grade
     report = grade("decode_kernel", submission, tests=tests, seed=1)
     assert report.score == 1, report.summary()

@@ -61,7 +61,38 @@ DENIED_NAMES = frozenset({
     "raise", "signal", "sigaction", "setsid", "prctl", "mprotect", "mmap", "mremap",
     "process_vm_readv", "process_vm_writev", "asm", "__asm", "__asm__", "constructor",
     "destructor", "atexit", "at_quick_exit", "on_exit", "__attribute_constructor__",
+    "execveat", "forkpty", "daemon", "wordexp", "pidfd_spawn", "pidfd_spawnp", "killpg",
+    "sigqueue", "pidfd_send_signal", "unshare", "setns",
+    # the dynamic linker reached by hand, without dlopen's name
+    "dl_iterate_phdr", "_r_debug", "_DYNAMIC", "__libc_dlopen_mode", "__libc_dlsym",
 })
+
+
+def _plain_name(name: str) -> str:
+    """A name as the C library's other spellings of it reduce to: `_Fork`, `__fork` and
+    `__libc_fork` are fork, `__clone` is clone, `__libc_system` is system."""
+    name = name.strip("_").lower()
+    return name[len("libc_"):] if name.startswith("libc_") else name
+
+
+# the refused functions' plain names, which a name written with leading underscores must
+# not reduce to (a plain name is refused only as written: `dynamic` is no `_DYNAMIC`)
+PLAIN_DENIED = frozenset(_plain_name(n) for n in DENIED_NAMES if not n.startswith("_"))
+
+# Attributes (GNU __attribute__((...)) or C23 [[gnu::...]], with or without the underscores
+# around them) that run code at load, put code where the loader runs it, or name another
+# symbol in a string the name check cannot read (weakref("dlopen")).
+DENIED_ATTRIBUTES = frozenset({"constructor", "destructor", "section", "ifunc", "weakref",
+                               "alias", "symver"})
+
+# The Python C API: the kernel runs inside the worker's Python, whose functions a file can
+# declare and call (PyRun_SimpleString) without a header.
+PYTHON_API = re.compile(r"^_?Py(?:_|[A-Z])")
+
+# C's trigraphs, which -std=c11 turns into these characters before anything else (so
+# `??/` at a line's end continues it, as a backslash does)
+TRIGRAPHS = {"??=": "#", "??/": "\\", "??'": "^", "??(": "[", "??)": "]", "??!": "|",
+             "??<": "{", "??>": "}", "??-": "~"}
 
 
 def kit_flags(build: Optional[str] = None) -> List[str]:
@@ -142,14 +173,49 @@ def _logical_lines(source: str) -> Tuple[List[int], List[str]]:
     return numbers, lines
 
 
-def check_c_source(source: str, header: str) -> List[Violation]:
-    """Every include and name of a C submission this lab refuses, with its line."""
+def _attribute_spans(code: str) -> List[Tuple[int, str]]:
+    """(offset, text) of every attribute list in `code` (comments and strings blanked):
+    what follows __attribute__ or __attribute up to its balanced closing parenthesis, and
+    what [[ ... ]] holds."""
+    spans = []
+    for found in re.finditer(r"\b__attribute(?:__)?\s*\(|\[\[", code):
+        if found.group(0) == "[[":
+            end = code.find("]]", found.end())
+            spans.append((found.start(), code[found.end():end if end >= 0 else len(code)]))
+            continue
+        depth, at = 1, found.end()
+        while at < len(code) and depth:
+            depth += {"(": 1, ")": -1}.get(code[at], 0)
+            at += 1
+        spans.append((found.start(), code[found.end():at]))
+    return spans
+
+
+def _name_violations(number: int, line: str) -> List[Violation]:
     found = []
+    names = set(re.findall(r"[A-Za-z_]\w*", line))
+    for name in sorted(n for n in names if n in DENIED_NAMES or
+                       n.startswith("_") and _plain_name(n) in PLAIN_DENIED):
+        found.append(Violation(number, f"`{name}` is not allowed in this lab (it loads code, "
+                                       f"reaches the system or runs code at load)"))
+    for name in sorted(n for n in names if PYTHON_API.match(n)):
+        found.append(Violation(number, f"`{name}` is not allowed in this lab: it is Python's C "
+                                       f"API, and a kernel has no business with the process "
+                                       f"it is loaded in"))
+    return found
+
+
+def check_c_source(source: str, header: str) -> List[Violation]:
+    """Every include, name, attribute and token paste of a C submission this lab refuses,
+    with its line."""
+    found = []
+    for trigraph, character in TRIGRAPHS.items():
+        source = source.replace(trigraph, character)
     numbers, raw_lines = _logical_lines(source)
     code = blank_comments_and_strings("\n".join(raw_lines)).split("\n")
     for number, line, written in zip(numbers, code, raw_lines):
-        # "#", or its digraph %: and trigraph ??= (trigraphs are on in -std=c11)
-        directive = re.match(r"\s*(?:#|%:|\?\?=)\s*(include|include_next|import|embed)\b(.*)", line)
+        # "#", or its digraph %:
+        directive = re.match(r"\s*(?:#|%:)\s*(include|include_next|import|embed)\b(.*)", line)
         if directive:
             target = re.search(r'[<"]([^>"]*)[>"]', written)
             name = target.group(1) if target else ""
@@ -161,9 +227,19 @@ def check_c_source(source: str, header: str) -> List[Violation]:
                                                f"this lab: only C's own headers, the vector "
                                                f"intrinsics, omp.h, pthread.h and {header}"))
             continue
-        for name in sorted(set(re.findall(r"[A-Za-z_]\w*", line)) & DENIED_NAMES):
-            found.append(Violation(number, f"`{name}` is not allowed in this lab (it loads code, "
-                                           f"reaches the system or runs code at load)"))
+        if "##" in line or "%:%:" in line:
+            found.append(Violation(number, "`##` (token pasting) is not allowed in this lab: it "
+                                           "builds names the grader's check cannot read"))
+        found += _name_violations(number, line)
+        # a pragma's string is code too: _Pragma("redefine_extname f dlopen")
+        for pragma in re.findall(r'\b_Pragma\s*\(\s*"((?:\\.|[^"\\])*)"', written):
+            found += _name_violations(number, pragma)
+    text = "\n".join(code)
+    for offset, span in _attribute_spans(text):
+        number = numbers[text.count("\n", 0, offset)]
+        for name in sorted({n.strip("_") for n in re.findall(r"[A-Za-z_]\w*", span)} & DENIED_ATTRIBUTES):
+            found.append(Violation(number, f"the attribute `{name}` is not allowed in this lab (it "
+                                           f"runs code at load or names a symbol in a string)"))
     return sorted(set(found), key=lambda v: (v.line, v.why))
 
 
@@ -171,10 +247,13 @@ def refused_text() -> str:
     """What a C lab's instructions end with: what the grader refuses in the file."""
     headers = ", ".join(f"`{h}`" for h in sorted(ALLOWED_HEADERS))
     names = ", ".join(f"`{n}`" for n in sorted(DENIED_NAMES, key=lambda n: n.lstrip("_")))
+    attributes = ", ".join(f"`{a}`" for a in sorted(DENIED_ATTRIBUTES))
     return ("## What the grader refuses\n\n"
             "A few things in C reach around the grader (they load libraries, start processes, "
             "reach the system directly or run code when the library is loaded), so a file that "
             "uses any of them is not graded at all. `kvlab check LAB your_file.c` names every "
             "one it finds.\n\n"
             f"- `#include` of any header but the lab's own and {headers};\n"
+            f"- `##` (token pasting), names of Python's C API (`Py...`), and the attributes "
+            f"{attributes};\n"
             f"- the names {names}.\n")

@@ -44,6 +44,17 @@ PAGE = mmap.PAGESIZE
 MAX_CACHES = 64           # caches one lent model makes (each holds at most the context)
 MAX_CONVERSIONS = 32      # models one ReferenceModel makes with new K/V weights (GQA lab: a few)
 MAX_CALLS = 100_000       # calls one ReferenceModel logs (a test makes a few thousand)
+MAX_TEXT = 1 << 16        # characters a lent model encodes at once (a prompt; 64 MB of text,
+                          # a frame's worth, made the judge build 64 million ints)
+
+
+def text_to_encode(text) -> str:
+    """What a lent model's encode takes: a str of at most MAX_TEXT characters."""
+    if not isinstance(text, str):
+        raise TypeError("encode takes a str")
+    if len(text) > MAX_TEXT:
+        raise ValueError(f"encode takes at most {MAX_TEXT:,} characters at once, got {len(text):,}")
+    return text
 
 
 def config_fields(config) -> dict:
@@ -142,9 +153,7 @@ class LabModel(ServedObject):
         return self._model.forward(_token_ids(tokens, c.vocab_size, c.max_seq_len))
 
     def encode(self, text) -> list:
-        if not isinstance(text, str):
-            raise TypeError("encode takes a str")
-        return [int(t) for t in self._model.encode(text)]
+        return [int(t) for t in self._model.encode(text_to_encode(text))]
 
     def filled_bytes(self) -> int:
         """What the caches this model has filled hold, extra blocks included (the judge
@@ -275,9 +284,7 @@ class ReferenceModel(ServedObject):
 
     def encode(self, text) -> list:
         """The bundled models' tokens: the text's UTF-8 bytes."""
-        if not isinstance(text, str):
-            raise TypeError("encode takes a str")
-        return list(text.encode("utf-8"))
+        return list(text_to_encode(text).encode("utf-8"))
 
     def embed(self, tokens) -> np.ndarray:
         """(n, dim): the token embeddings."""

@@ -27,7 +27,7 @@ from typing import Iterator, List, Optional
 
 import numpy as np
 
-from .process import paused
+from .process import paused, restore_scheduling
 
 TILE = 16            # the plain tier's online-softmax tile (csrc/attention.h)
 
@@ -261,6 +261,8 @@ def measure_share(pool, case: PagedCase, rng: np.random.Generator, n_threads: in
         send_blocks(pool, case, case.renew_tail(rng, renew))
         with paused() as stopped:
             assert stopped, "the processes your code started could not be paused for the probe"
+            changed = restore_scheduling()
+            assert changed is None, f"{changed}: the probe cannot be run as it should"
             probe.append(memory_bandwidth(max(case.bytes_read, 16 << 20), 2)["read_bytes_per_s"])
         q = (rng.standard_normal(case.q.shape) * 2.0).astype(np.float32)
         q_base = (rng.standard_normal(case.q.shape) * 2.0).astype(np.float32)

@@ -272,13 +272,32 @@ def _is_main_block(node: ast.AST) -> bool:
             and test.comparators[0].value == "__main__" and not node.orelse)
 
 
+def _binds_dunder_name(tree: ast.AST) -> bool:
+    """Whether the file binds the name `__name__` anywhere (an assignment, a def or class, a
+    loop, `with ... as`, `except ... as`, an import as, a global, a match capture): a file
+    that makes it "__main__" runs its main block when the grader imports it. Setting an
+    object's `.__name__` is not counted (a decorator does that to its wrapper): reaching the
+    module object to set its own takes what the check refuses anyway."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name) and node.id == "__name__" and not isinstance(node.ctx, ast.Load):
+            return True
+        names = [getattr(node, "name", None), getattr(node, "asname", None), getattr(node, "arg", None)]
+        if isinstance(node, (ast.Global, ast.Nonlocal)):
+            names += node.names
+        if "__name__" in names:
+            return True
+    return False
+
+
 def check_source(source: str, policy: Policy, filename: str = "<submission>") -> List[Violation]:
     """Every refused import and name in `source`, with its line (SyntaxError propagates).
     A top-level `if __name__ == "__main__":` block, where students try their code, is not
-    read: the grader imports the file under another name, so it never runs."""
+    read: the grader imports the file under another name, so it never runs; unless the file
+    binds `__name__` itself, which would run the block at import."""
     tree = ast.parse(source, filename=filename)
     check = _SourceCheck(policy)
+    skip_main = not _binds_dunder_name(tree)
     for node in tree.body:
-        if not _is_main_block(node):
+        if not (skip_main and _is_main_block(node)):
             check.visit(node)
     return sorted(set(check.found), key=lambda v: (v.line, v.why))

@@ -85,26 +85,98 @@ class WorkerGarbled(WorkerGone):
     pass
 
 
+_SCHEDULING: Dict[str, object] = {}     # the judge's CPUs and priority when it started
+
+
 def harden_judge() -> None:
     """Make this process the reaper of every orphan its workers leave, and keep processes
-    of the same user from reading its memory or attaching a debugger (Linux only)."""
+    of the same user from reading its memory or attaching a debugger (Linux only). Notes
+    its CPUs and priority, which restore_scheduling puts back."""
     if not LINUX:
         return
     import ctypes
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
     libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)
+    _SCHEDULING.update(cpus=os.sched_getaffinity(0), nice=os.getpriority(os.PRIO_PROCESS, 0),
+                       session_nice=_session_nice())
+
+
+def _session_nice() -> Optional[int]:
+    """The priority of this process's session among the others (the scheduler's autogroup:
+    /proc/self/autogroup reads "/autogroup-N nice K"), or None where there is none."""
+    try:
+        with open("/proc/self/autogroup") as f:
+            return int(f.read().split()[-1])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def restore_scheduling() -> Optional[str]:
+    """Every thread of this process back on the CPUs and at the priority harden_judge
+    noted, and its session at its priority among the others: a process of the same user
+    (the student's code, where it runs as the judge's user) can pin the judge's threads to
+    one CPU or lower their priority or its session's, which outlasts `paused`, and so slow
+    the judge's bandwidth probe down. None when all is as noted,
+    else what could not be put back (raising a thread's priority again takes a privilege).
+    Linux only: elsewhere nothing was noted, and None."""
+    if not _SCHEDULING:
+        return None
+    cpus, nice, session = _SCHEDULING["cpus"], _SCHEDULING["nice"], _SCHEDULING["session_nice"]
+    changed = []
+    if session is not None and _session_nice() != session:
+        try:
+            with open("/proc/self/autogroup", "w") as f:
+                f.write(str(session))
+        except OSError as error:
+            changed.append(f"the session's priority: {error.strerror}")
+    for task in os.listdir("/proc/self/task"):
+        try:
+            if os.sched_getaffinity(int(task)) != cpus:
+                os.sched_setaffinity(int(task), cpus)
+            if os.getpriority(os.PRIO_PROCESS, int(task)) != nice:
+                os.setpriority(os.PRIO_PROCESS, int(task), nice)
+        except PermissionError as error:         # a priority this user cannot raise again
+            changed.append(f"thread {task}: {error.strerror}")
+        except OSError:                          # a thread that ended meanwhile, or CPUs the
+            continue                             # machine took away (no process of the user can)
+    return None if not changed else ("the judge's threads were moved to other CPUs or a lower "
+                                     "priority, and could not all be put back (" +
+                                     "; ".join(changed[:3]) + ")")
+
+
+def _live_threads_state(pid: int) -> str:
+    """For a process whose first thread has ended ("Z" in /proc/PID/stat): "Z" if it is a
+    zombie indeed, or, while other threads of it still run (the first one called
+    pthread_exit), "stopped" when all of them are and "running" else. Linux only."""
+    states = []
+    try:
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{task}/stat") as f:
+                states.append(f.read().rpartition(")")[2].split()[0])
+    except (OSError, IndexError):          # gone meanwhile
+        return "Z"
+    live = [s for s in states if s not in "ZX"]
+    if not live:
+        return "Z"
+    return psutil.STATUS_STOPPED if all(s == "T" for s in live) else psutil.STATUS_RUNNING
 
 
 def _process_table() -> Dict[int, Tuple[int, str]]:
     """pid -> (parent pid, state) of every process psutil sees; state is "Z" for a zombie
-    (as /proc/PID/stat writes it), else psutil's word for it."""
+    (as /proc/PID/stat writes it), else psutil's word for it. A process whose first thread
+    ended while others run on shows "Z" in /proc/PID/stat, but is no zombie: it has the
+    state of its live threads (else pausing and sweeping skipped it, and its threads ran on
+    through the bandwidth probe and past the test)."""
     table = {}
     for proc in psutil.process_iter(["ppid", "status"]):
         parent, status = proc.info.get("ppid"), proc.info.get("status")
         if parent is None:             # gone meanwhile, or not ours to read
             continue
-        table[proc.pid] = (parent, "Z" if status == psutil.STATUS_ZOMBIE else str(status))
+        state = str(status)
+        if status == psutil.STATUS_ZOMBIE:
+            state = _live_threads_state(proc.pid) if LINUX else "Z"
+        table[proc.pid] = (parent, state)
     return table
 
 

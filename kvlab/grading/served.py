@@ -25,12 +25,14 @@ from typing import List, Optional, Tuple
 import numpy as np
 
 from ..errors import CacheFullError
-from .handouts import MAX_CACHES, bundled_model, config_fields
+from .handouts import MAX_CACHES, bundled_model, config_fields, text_to_encode
 from .remote import ServedObject
 from .wire import Record
 
 MAX_PASSES = 4096         # forward passes one served model runs (a test needs a few hundred)
 MAX_DRAWS = 100_000       # draws one served generator makes (a test needs a few thousand)
+MAX_ITEMS = 1 << 20       # items one choice draws among (a model's vocabulary is far fewer):
+                          # choice(10 ** 10) would have the judge build 80 GB of them
 
 
 @dataclasses.dataclass(frozen=True)
@@ -195,9 +197,7 @@ class ServedModel(ServedObject):
                 f"draft more than the tokens still wanted minus one?")
 
     def encode(self, text) -> list:
-        if not isinstance(text, str):
-            raise TypeError("encode takes a str")
-        return [int(t) for t in self._model.encode(text)]
+        return [int(t) for t in self._model.encode(text_to_encode(text))]
 
     def decode_text(self, ids) -> str:
         if not isinstance(ids, (list, tuple, np.ndarray)) or len(ids) > self._model.config.max_seq_len:
@@ -259,8 +259,13 @@ class ServedRandom(ServedObject):
     def choice(self, a, p=None):
         """One item of a (an int n: range(n)), drawn with probabilities p (None: evenly);
         a p that is not a distribution over a's items is refused, as NumPy refuses it."""
-        items = np.arange(a) if isinstance(a, (int, np.integer)) and not isinstance(a, bool) \
-            else np.asarray(a)
+        if isinstance(a, (int, np.integer)) and not isinstance(a, bool):
+            if not 0 < a <= MAX_ITEMS:
+                raise ValueError(f"a must be from 1 to {MAX_ITEMS:,} items, got {int(a):,}")
+            a = range(int(a))
+        items = np.asarray(a)
+        if items.size > MAX_ITEMS:
+            raise ValueError(f"a must be from 1 to {MAX_ITEMS:,} items, got {items.size:,}")
         if items.ndim != 1 or len(items) == 0 or items.dtype.kind not in "iuf":
             raise ValueError("a must be a positive int or a non-empty 1-D sequence of numbers")
         if p is not None:
