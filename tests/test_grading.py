@@ -276,7 +276,10 @@ def test_an_endless_loop_costs_only_its_own_tests_and_says_where_it_was(tmp_path
     looping = tmp_path / "looping.py"
     looping.write_text(solution + "\n\ndef max_requests(*args, **kwargs):\n    while True:\n        pass\n")
     line = len(solution.splitlines()) + 4                  # the loop's `while` or `pass`
-    report = hidden("cache_size", looping, test_timeout=3.0)
+    # 6 s: every test of this grading has the limit, and the honest ones (filling real caches
+    # through the lent model, many round trips) must finish within it on a CI machine that
+    # runs the other half of the tests beside this one (.ci/run)
+    report = hidden("cache_size", looping, test_timeout=6.0)
     assert set(report.failed()) == {"test_max_requests", "test_max_requests_returns_a_whole_number"}
     for test in report.tests:
         if not test.passed:

@@ -393,7 +393,10 @@ def max_requests(*args, **kwargs):
     while True:
         pass
 ''')
-    report = hidden(submission, test_timeout=3.0)
+    # 6 s: every test of this grading has the limit, and the honest ones (filling real caches
+    # through the lent model, many round trips) must finish within it on a CI machine that
+    # runs the other half of the tests beside this one (.ci/run)
+    report = hidden(submission, test_timeout=6.0)
     assert set(report.failed()) == {"test_max_requests", "test_max_requests_returns_a_whole_number"}
     assert all("ran too long" in t.output for t in report.tests if not t.passed)
 
