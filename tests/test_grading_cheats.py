@@ -21,10 +21,10 @@ from pathlib import Path
 
 import pytest
 from c_edits import apply_edit, declared
+from grader_tests import grader_tests
 
 pytest.importorskip("kvlab._kvlab")
 from kvlab.grading import LABS, grade  # noqa: E402
-from kvlab.grading.judge import load_tests  # noqa: E402
 from kvlab.grading.labs import get_lab  # noqa: E402
 from kvlab.grading.process import WorkerProcess  # noqa: E402
 from kvlab.grading.remote import RemoteError, Session  # noqa: E402
@@ -103,14 +103,14 @@ def test_a_cheat_in_c_earns_nothing_on_the_tests_whose_work_it_skips(cheat, tmp_
     assert not report.refused and report.graded_with == "hidden tests", report.summary()
     earned = {t.function: t.score for t in report.tests if t.function in aimed and t.score > 0}
     assert not earned, f"{cheat.name} earned {earned}\n{report.summary()}"
-    untimed = {t.__name__ for t in load_tests(graders(lab)) if not getattr(t, "timed", False)}
+    untimed = {t.__name__ for t in grader_tests(graders(lab)) if not getattr(t, "timed", False)}
     assert any(t.passed for t in report.tests if t.function in untimed - aimed) or \
         untimed <= aimed, report.summary()
 
 
 @pytest.mark.parametrize("lab", list(LABS))
 def test_every_graded_test_has_a_cheat_that_it_catches(lab):
-    tests = {t.__name__ for t in load_tests(graders(lab))}
+    tests = {t.__name__ for t in grader_tests(graders(lab))}
     aimed = set().union(*[cheat_targets(p) for p in CHEATS if p.parent.name == lab],
                         *[declared(p, "TARGETS") for p in C_CHEATS if p.parent.name == lab])
     assert aimed <= tests, f"cheats name tests {lab} does not have: {sorted(aimed - tests)}"
@@ -393,7 +393,10 @@ def max_requests(*args, **kwargs):
     while True:
         pass
 ''')
-    report = hidden(submission, test_timeout=3.0)
+    # 6 s: every test of this grading has the limit, and the honest ones (filling real caches
+    # through the lent model, many round trips) must finish within it on a CI machine that
+    # runs the other half of the tests beside this one (.ci/run)
+    report = hidden(submission, test_timeout=6.0)
     assert set(report.failed()) == {"test_max_requests", "test_max_requests_returns_a_whole_number"}
     assert all("ran too long" in t.output for t in report.tests if not t.passed)
 
