@@ -34,7 +34,11 @@ import numpy as np
 
 from . import arguments
 from .config import ModelConfig
+from .engine import Engine
 from .paged import SwappedSequence
+from .scheduler import SamplingParams
+from .serving import _run_virtual
+from .slo import StepCost, VirtualClock, goodput_report
 
 
 # ---- tensor parallelism: K/V bytes per GPU ------------------------------------------------
@@ -321,8 +325,6 @@ class Disaggregated:
 
     def __init__(self, model, link_bytes_per_s: float, cost=None, num_blocks: int = 512,
                  block_size: int = 16, max_batch_tokens: int = 256):
-        from .engine import Engine
-        from .slo import StepCost, VirtualClock
         self.cost = StepCost.for_model(model) if cost is None else cost
         self.link = Tier("link", link_bytes_per_s)
 
@@ -339,7 +341,6 @@ class Disaggregated:
         """Serve (arrival second, prompt ids, new tokens) requests (kvlab.serving.workload's
         shape); returns every request's RequestOutput by id, from whichever engine it
         finished on."""
-        from .scheduler import SamplingParams
         pending = sorted(_checked_requests(requests), key=lambda r: r[0])
         prefill, decode = self.prefill._clock, self.decode._clock
         while pending or self.prefill.has_work or self.in_flight or self.decode.has_work:
@@ -411,9 +412,6 @@ def colocated(model, requests: Sequence[tuple], cost=None, num_blocks: int = 512
     """The baseline: the same requests served by one Engine on one VirtualClock (as
     kvlab.serving.serve(clock="virtual") runs them), prefills and decodes sharing its
     steps. Returns (every request's RequestOutput by id, the seconds the run took)."""
-    from .engine import Engine
-    from .serving import _run_virtual
-    from .slo import StepCost, VirtualClock
     engine = Engine(model, num_blocks=num_blocks, block_size=block_size,
                     max_batch_tokens=max_batch_tokens,
                     clock=VirtualClock(StepCost.for_model(model) if cost is None else cost))
@@ -424,7 +422,6 @@ def colocated(model, requests: Sequence[tuple], cost=None, num_blocks: int = 512
 def served(outputs: dict, seconds: float, slo) -> dict:
     """A run's throughput (generated tokens a second) and kvlab.slo.goodput_report's
     goodput, p99 TTFT and TPOT under `slo`."""
-    from .slo import goodput_report
     tokens = sum(out.metrics.output_tokens for out in outputs.values())
     return {"tokens_per_s": tokens / seconds, "requests_per_s": len(outputs) / seconds,
             **goodput_report(list(outputs.values()), slo, seconds)}

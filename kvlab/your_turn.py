@@ -27,7 +27,7 @@ from typing import Callable, List, NamedTuple, Optional
 
 import numpy as np
 
-from . import load, quant, reference
+from . import cluster, load, quant, reference
 from . import weight_quantization as wq
 from .cache_policy import HeavyHitters, most_attended
 from .config import ModelConfig
@@ -1019,7 +1019,6 @@ def _sharing_cases(rng) -> list:
 
 
 def _check_sharing(answer, rng) -> str:
-    from . import cluster
     cases = _sharing_cases(rng)
     for number, (prompts, block_size) in enumerate(cases, 1):
         case = (f"case {number} of {len(cases)}: prompts {_short(prompts, 60)}, "

@@ -406,11 +406,16 @@ def test_a_pool_swapping_in_another_thread_refuses_cleanly(small):
     tokens = np.arange(1500, dtype=np.int32) + 100            # nothing to share
     pool.append(seq, tokens, rows, rows)
     keys = pool.gather(seq)[0]
-    done, errors, held = threading.Event(), [], {"seq": seq}
+    done, seen, errors, held = threading.Event(), threading.Event(), [], {"seq": seq}
 
     def worker():
+        # at least 100 swaps, and on until the other thread has met one: with one free core
+        # (CI runs other tests beside this one) the two threads may take turns for a while
+        # before the other runs during a copy (bounded: 20,000 swaps, about 20 s)
         try:
-            for _ in range(100):
+            for count in range(20_000):
+                if count >= 100 and seen.is_set():
+                    break
                 held["seq"] = pool.swap_in(pool.swap_out(held["seq"]))
         except BaseException as error:                    # noqa: B902 (reported below)
             errors.append(error)
@@ -428,6 +433,7 @@ def test_a_pool_swapping_in_another_thread_refuses_cleanly(small):
             except RuntimeError as error:
                 assert "in use" in str(error)
                 refused += 1
+                seen.set()
     thread.join()
     assert not errors, errors
     # another thread found the pool busy: it ran while a swap was copying, without the GIL

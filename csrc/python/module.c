@@ -391,8 +391,9 @@ static struct PyModuleDef kvlab_module = {
              "dot products fuse their multiply-adds: a variant built for CPUs with FMA), BUILD\n"
              "(the compiler, flags, kernel variants and KVLAB_* options that built this\n"
              "module), VARIANTS (this build's kernel variants, best first), VARIANT (the one\n"
-             "that runs: the best this CPU has, or KVLAB_VARIANT's at import) and\n"
-             "VARIANT_REASON (why). Use the kvlab package rather than this module.",
+             "that runs: the best this CPU has, or KVLAB_VARIANT's at import),\n"
+             "VARIANT_REASON (why) and PACKED_INPUTS (which of the variant's products pack\n"
+             "their input, counted in scratch bytes). Use the kvlab package rather than this module.",
     .m_size = -1,
     .m_methods = module_methods,
 };
