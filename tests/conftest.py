@@ -8,6 +8,7 @@ at a `shared` folder holding `models/`, or at the models folder itself.
 from __future__ import annotations
 
 import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -22,6 +23,14 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 settings.register_profile("kvlab", derandomize=True, database=None)
 settings.register_profile("explore", derandomize=False, max_examples=1000)
 settings.load_profile(os.environ.get("KVLAB_HYPOTHESIS_PROFILE", "kvlab"))
+
+
+# Ctrl-C as in a terminal: a shell that starts pytest in the background (as CI's two halves
+# run, or under nohup) starts it with SIGINT ignored, and Python then installs no handler of
+# its own; the tests of Ctrl-C (test_engine_interrupts.py, test_reliability_interrupts.py,
+# and the subprocesses they start, which inherit an ignored signal) need Python's handler.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def find_shared_models() -> Path:
