@@ -1,4 +1,4 @@
-"""kvlab.plugins: a student's scheduler, drafter and block allocator plugged into
+"""kvlab.plugins: a student's scheduler, drafter, block allocator and prefix cache plugged into
 kvlab.Engine. Good plug-ins give kvlab.generate's tokens; a plug-in that answers nonsense
 gets a PluginError naming the rule, before the pool changes, and never a wrong token."""
 import pytest
