@@ -4,8 +4,8 @@ engine correct whatever that code does.
     engine = kvlab.Engine(model, num_blocks=64,
                           scheduler=MyScheduler(),      # who runs each step, how many tokens
                           drafter=MyDrafter(),          # guesses of the next tokens
-                          allocator=MyBlockAllocator,   # lab 5's class: checked block tables
-                          prefix_cache=MyPrefixCache)   # which prompt prefixes are cached
+                          allocator=MyBlockAllocator)   # lab 5's class: checked block tables
+    # or, instead of allocator=, prefix_cache=MyPrefixCache: which prefixes are cached
 
 Every plug-in works on plain data (ints and lists) and is asked, never trusted: the engine
 keeps its own queues, pool and tokens, checks each answer before it acts on it, and raises
@@ -46,8 +46,10 @@ prefix_cache: a class called with (block_size) whose object keeps which token pr
             it (PrefixMirror): before a step's admissions change the pool, it is told what
             the cache gained and lost (pool.prefix_parents, a lookup-only view) and asked
             match() for each admitted context, and an answer that is not the pool's stops
-            the step (PluginError) before the pool changes. It needs the pool's own cache,
-            so it does not go with allocator= (whose pool caches nothing).
+            the step (PluginError) before the pool changes. (With preemption="swap", a
+            swap-in in the same step may change what the pool finds after the check.) It
+            needs the pool's own cache, so it does not go with allocator= (whose pool
+            caches nothing).
 Written on plain values (the capstone lab's, or one in another process): PlainScheduler
 and PlainDrafter adapt a plan(dict) -> dict and a propose(list, k) to the above.
 """
