@@ -278,7 +278,12 @@ class _Reader:
             self.fail(f"tensor {quoted} has {n_dims} dims, expected 1 to {_MAX_DIMS}")
         ne = tuple(self.number("Q", f"dim {i} of tensor {quoted}") for i in range(n_dims))
         kind = self.number("I", f"the type of tensor {quoted}")
-        sizes = ggml_type(kind)
+        try:
+            sizes = ggml_type(kind)
+        except ImportError:
+            self.fail(f"tensor {quoted} has GGML type {kind}, which kvlab reads only with the "
+                      "gguf package (it dequantizes the types kvlab's core does not read): "
+                      "pip install gguf")
         if sizes is None:
             self.fail(f"tensor {quoted} has type {kind}, which is no GGML tensor type")
         if ne[0] % sizes[1]:
@@ -338,14 +343,15 @@ class _Reader:
 
 def ggml_type(kind: int) -> Optional[Tuple[str, int, int, Optional[str]]]:
     """(name, values per block, bytes per block, NumPy type of plain numbers or None) of a
-    GGML tensor type id, or None if it is none: kvlab's own table, else the gguf package's."""
+    GGML tensor type id, or None if it is none: kvlab's own table, else the gguf package's
+    (ImportError without it)."""
     if kind in _GGML_TYPES:
         return _GGML_TYPES[kind]
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType  # a type kvlab only dequantizes
     try:
-        from gguf import GGML_QUANT_SIZES, GGMLQuantizationType  # a type kvlab only dequantizes
         ggml = GGMLQuantizationType(kind)
         block, block_bytes = GGML_QUANT_SIZES[ggml]
-    except (ImportError, ValueError, KeyError):
+    except (ValueError, KeyError):
         return None
     return ggml.name, block, block_bytes, None
 
