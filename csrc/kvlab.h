@@ -530,9 +530,9 @@ void kv_pool_slots(const kv_pool *pool, int seq, int start, int n, int64_t *slot
  * table (tables: n_seqs rows of max_blocks, zero past its blocks; KV_ERR_INVALID_ARG if a
  * table is longer) and the slots its new rows go to (slots: sum of n_tokens, run after
  * run). Refused, nothing changes; a row store that fails a copy-on-write has that
- * sequence's reservation undone (kv_blocks_cancel_copy) and the others' cancelled. After the forward
- * pass, commit (tokens: the runs' ids, run after run), or cancel if it failed: the
- * sequences are then as they were. */
+ * sequence's reservation undone (kv_blocks_cancel_copy) and the others' cancelled. After
+ * the forward pass, commit (tokens: the runs' ids, run after run), or cancel if it failed:
+ * the sequences are then as they were. */
 kv_status kv_pool_check_batch(const kv_pool *pool, int n_seqs, const int *seqs,
                               const int *n_tokens);
 kv_status kv_pool_reserve_batch(kv_pool *pool, int n_seqs, const int *seqs, const int *n_tokens,

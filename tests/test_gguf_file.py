@@ -200,7 +200,8 @@ def test_other_corruptions_name_what_is_wrong(small_file, tmp_path):
     cases = {"not a GGUF file": b"GGUX" + data[4:],
              "GGUF version 1 is not supported": lie(data, 4, 1, 4),
              "value type 13, which GGUF does not define": lie(data, model_type, 13, 4),
-             "is not valid UTF-8": data.replace(b"tokenizer.ggml.model", b"tokenizer.ggml.mod\xff\xfe", 1)}
+             "is not valid UTF-8": data.replace(b"tokenizer.ggml.model",
+                                                b"tokenizer.ggml.mod\xff\xfe", 1)}
     for message, corrupt in cases.items():
         bad.write_bytes(corrupt)
         with pytest.raises(kvlab.CheckpointError, match=message):

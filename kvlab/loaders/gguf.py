@@ -135,7 +135,8 @@ def metadata(reader: GGUFFile, key: str, default: Any = None) -> Any:
     return default if value is None else value
 
 
-def config_from_gguf(reader: GGUFFile, tensors: Dict[str, GGUFTensor], name: str = "") -> ModelConfig:
+def config_from_gguf(reader: GGUFFile, tensors: Dict[str, GGUFTensor],
+                     name: str = "") -> ModelConfig:
     arch = metadata(reader, "general.architecture")
     if arch is None:
         raise CheckpointError("GGUF file lacks metadata 'general.architecture'")
