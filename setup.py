@@ -75,6 +75,27 @@ SHARED_BINDING_SOURCES = ["csrc/python/arrays.c", "csrc/python/formats.c"]
 CUDA_SOURCES = sorted(CUDA_DIR.glob("*.cu"))
 CUDA_HEADERS = [*CUDA_DIR.glob("*.cuh"), *CUDA_DIR.glob("*.h"), HERE / "csrc" / "kvlab.h",
                 HERE / "csrc" / "model_args.h", BINDING_DIR / "binding.h"]
+# The Python packages, and what each installs beside its code. Every folder that holds files
+# to install is a package of its own (a folder without __init__.py is one to Python, and
+# setuptools installs only the files of packages it is told of): each lab's folder, found
+# here so that a new lab is installed whole, the bundled models (kvlab/assets), and the
+# chapters with their figures and the scripts that made them, installed as kvlab.chapters
+# from the repository's chapters/ so that a student's copy of a lab's instructions (kvlab
+# lab start) links to a chapter it can open. A package's .py files are installed as it is;
+# PACKAGE_DATA names the rest. tests/test_packaging.py checks that a build installs every
+# file of these folders, with no warning from setuptools.
+LAB_DIRS = sorted(p for p in (HERE / "kvlab" / "labs").iterdir()
+                  if p.is_dir() and p.name.isidentifier() and not p.name.startswith("_"))
+LAB_PACKAGES = [f"kvlab.labs.{p.name}" for p in LAB_DIRS]
+# a lab's files besides Python: its README, and a C or CUDA lab's starter and headers
+LAB_FILES = ["*.md", "*.c", "*.h", "*.cu", "*.cuh", "*.json", "*.txt"]
+PACKAGES = ["kvlab", "kvlab.loaders", "kvlab.grading", "kvlab.questions", "kvlab.assets",
+            "kvlab.labs", *LAB_PACKAGES, "kvlab.chapters", "kvlab.chapters.figures"]
+PACKAGE_DIR = {"kvlab.chapters": "chapters"}
+PACKAGE_DATA = {"kvlab.assets": ["*.bin", "*.json"],
+                "kvlab.chapters": ["*.md"],
+                "kvlab.chapters.figures": ["*.png", "*.json"],
+                **{package: LAB_FILES for package in LAB_PACKAGES}}
 # The compute capabilities of the GPUs students have, oldest first: V100, T4, A100,
 # RTX 30xx/A10, RTX 40xx/L4, H100/H200.
 STUDENT_ARCHS = ("70", "75", "80", "86", "89", "90")
@@ -287,6 +308,9 @@ elif NO_CUDA_REASON:
     print(f"kvlab: {NO_CUDA_REASON}: building without the CUDA backend", file=sys.stderr)
 
 setup(
+    packages=PACKAGES,
+    package_dir=PACKAGE_DIR,
+    package_data=PACKAGE_DATA,
     ext_modules=EXTENSIONS,
     cmdclass={"build_ext": BuildExt},
 )

@@ -523,6 +523,28 @@ kv_status kv_blocks_cancel(kv_blocks *p, int seq) {
     return KV_OK;
 }
 
+kv_status kv_blocks_cancel_copy(kv_blocks *p, int seq, const kv_block_copy *copy) {
+    kv_status status = kv_blocks_seq_check(p, seq);
+    if (status != KV_OK) return status;
+    kv_seq *q = &p->seqs[seq];
+    int index = blocks_for(p, row_at(q, q->length)) - 1;   /* the block that was copied */
+    if (copy == NULL || q->reserved == 0 || index < 0 || q->block_table[index] != copy->dst ||
+        copy->src < 0 || copy->src >= p->num_blocks || p->ref_count[copy->src] < 1)
+        return KV_ERR_INVALID_ARG;   /* not the copy of this sequence's pending reservation */
+    kv_blocks_cancel(p, seq);        /* the new blocks first: the free stack is as it was */
+    /* The sequence reads the shared block again: its other readers kept it, rows and all
+     * (the copy only read it). The copy goes back to the free stack, never to the prefix
+     * cache: the failed copy may have written some of its rows. (Its generation, counted
+     * up when it was taken, stays so: a free block's generation matches nothing.) */
+    retain_block(p, copy->src);
+    q->block_table[index] = copy->src;
+    kv_block_event back = about_seq(KV_EVENT_SHARED, copy->src, seq, index);
+    back.other = copy->dst;          /* the copy it replaces, freed next */
+    note(p, back);
+    release_block(p, copy->dst);
+    return KV_OK;
+}
+
 /* Releases the blocks of q wholly before its start (as the start just moved, maybe past
  * several): its first block is then the one that holds its row 0. */
 static void release_front(kv_blocks *p, kv_seq *q) {

@@ -389,6 +389,14 @@ kv_status kv_blocks_commit(kv_blocks *blocks, int seq, const int32_t *tokens, in
  * taken for positions past seq's length go back, and the sequence is as it was, but for a
  * copy-on-write, whose private copy (rows already copied) it keeps. */
 kv_status kv_blocks_cancel(kv_blocks *blocks, int seq);
+/* Instead of the commit, when the copy-on-write the reservation asked for could not be made
+ * (copy: what kv_blocks_reserve returned; a row store failed): the reservation is cancelled
+ * and the sequence takes back the shared block it read before; the copy goes back to the
+ * free stack. Its table, length and every reference count are as before the reserve (a
+ * cached block evicted for the copy stays evicted, and free: the failed copy may have
+ * written its rows). KV_ERR_INVALID_ARG, changing nothing, if copy is not that of seq's
+ * pending reservation. */
+kv_status kv_blocks_cancel_copy(kv_blocks *blocks, int seq, const kv_block_copy *copy);
 /* Forgets positions length .. of seq (0 <= length <= its length): blocks past the new end
  * are released, and a block cut in two keeps the rows before the cut. A block the sequence
  * shares keeps its rows for the others (the next write copies it first); one it holds alone
@@ -526,10 +534,10 @@ void kv_pool_slots(const kv_pool *pool, int seq, int start, int n, int64_t *slot
  * stores), and for the caller's forward pass each run's start (starts: n_seqs), block
  * table (tables: n_seqs rows of max_blocks, zero past its blocks; KV_ERR_INVALID_ARG if a
  * table is longer) and the slots its new rows go to (slots: sum of n_tokens, run after
- * run). Refused, nothing changes; a row store that fails a copy-on-write has its sequence
- * freed (the copy is missing) and the others' reservations cancelled. After the forward
- * pass, commit (tokens: the runs' ids, run after run), or cancel if it failed: the
- * sequences are then as they were. */
+ * run). Refused, nothing changes; a row store that fails a copy-on-write has that
+ * sequence's reservation undone (kv_blocks_cancel_copy) and the others' cancelled. After
+ * the forward pass, commit (tokens: the runs' ids, run after run), or cancel if it failed:
+ * the sequences are then as they were. */
 kv_status kv_pool_check_batch(const kv_pool *pool, int n_seqs, const int *seqs,
                               const int *n_tokens);
 kv_status kv_pool_reserve_batch(kv_pool *pool, int n_seqs, const int *seqs, const int *n_tokens,

@@ -357,8 +357,9 @@ kv_status kv_pool_reserve(kv_pool *pool, int seq, int n_tokens) {
     size_t bs = (size_t)pool->blocks.block_size;
     for (int i = 0; i < n_copies && status == KV_OK; i++)   /* copy-on-write */
         status = copy_rows(pool, copies[i].dst * bs, copies[i].src * bs, (size_t)copies[i].rows);
-    /* (only a row store can fail: the copy is missing, so the sequence cannot go on) */
-    if (status != KV_OK) kv_blocks_seq_free(&pool->blocks, seq);
+    /* (only a row store can fail: the sequence goes back to the shared block it read
+     * before, and the pool is as it was) */
+    if (status != KV_OK) kv_blocks_cancel_copy(&pool->blocks, seq, &copies[0]);
     return status;
 }
 /* [end ch04-kv-pool-reserve] */

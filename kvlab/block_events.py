@@ -5,8 +5,9 @@ JSON lines, for a notebook to replay (tests/support/block_trace.py replays them)
 The events are the pool's own (pool.record_events, pool.take_events; csrc/blocks.c):
   allocated  a free block (or an evicted cached one) starts holding a sequence's rows
   shared     one more sequence uses a block: a fork, a prefix-cache hit ("prefix_hit"),
-             or a block the pool found it had computed twice ("replaces": the duplicate,
-             released or freed next)
+             a block the pool found it had computed twice ("replaces": the duplicate,
+             released or freed next), or a shared block taken back after its copy-on-write
+             failed (a GPU store's error; "replaces": the copy, freed next)
   copied     copy-on-write: "from" a shared, partly filled block to a new one
   released   one sequence fewer uses a block that others still use ("refs" left)
   freed      no sequence uses a block any more ("to": the prefix cache, or the free list)

@@ -140,7 +140,7 @@ class GGUFTokenizer(Tokenizer):
 # Reading the metadata
 # ---------------------------------------------------------------------------------------
 def from_gguf(reader: Any) -> GGUFTokenizer:
-    """The tokenizer a GGUF file describes (`reader`: a gguf.GGUFReader).
+    """The tokenizer a GGUF file describes (`reader`: kvlab's GGUFFile, or a gguf.GGUFReader).
 
     UnsupportedVocabulary for a kind of vocabulary kvlab does not build; TokenizerError naming
     the key for metadata that is missing, of the wrong type or inconsistent (a merge naming a

@@ -183,7 +183,8 @@ class SentencePieceBPE(Tokenizer):
 
     @classmethod
     def from_gguf(cls, reader: Any) -> "SentencePieceBPE":
-        """Read the vocabulary embedded in a GGUF file (a `gguf.GGUFReader`), to step through
+        """Read the vocabulary embedded in a GGUF file (kvlab.loaders.gguf_file.read_gguf's
+        GGUFFile, or a `gguf.GGUFReader`), to step through
         the readable algorithm on it; kvlab.load builds a GGUF file's tokenizer with the
         `tokenizers` package instead (kvlab.gguf_tokenizer), which gives the same ids."""
         model = _gguf_value(reader, "tokenizer.ggml.model")
@@ -372,8 +373,12 @@ def _check_gguf_array(value: Any, kind: Any, kind_name: str, key: str) -> None:
 def _gguf_value(reader: Any, key: str) -> Any:
     """A GGUF metadata value as plain Python (str, int, float or list), None if absent.
 
-    gguf's ReaderField keeps raw parts; `data` lists which parts hold the value(s).
+    reader: kvlab's GGUFFile (kvlab.loaders.gguf_file, what kvlab.load reads with), whose
+    values are plain Python already, or a gguf.GGUFReader, whose ReaderField keeps raw
+    parts (`data` lists which parts hold the value(s)), decoded here the same way.
     """
+    if not hasattr(reader, "fields"):   # kvlab's reader (importing its class here would
+        return reader.value(key)        # make a cycle: kvlab.loaders imports this module)
     field = reader.fields.get(key)
     if field is None:
         return None

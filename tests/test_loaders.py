@@ -476,10 +476,18 @@ def test_gguf_llama2_tiny_random(shared_models: Path) -> None:
     assert tokenizer.decode(ids) == "Hello world"
 
 
-def test_gguf_without_package(shared_models: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_gguf_without_package(shared_models: Path, monkeypatch: pytest.MonkeyPatch,
+                              tmp_path: Path) -> None:
+    """kvlab reads GGUF files itself (kvlab.loaders.gguf_file): a file of the types its core
+    reads loads without the gguf package; one that must be dequantized names the package."""
+    from gguf_files import write_llama_gguf
+    config = ModelConfig(dim=64, hidden_dim=96, n_layers=1, n_heads=4, n_kv_heads=2,
+                         vocab_size=64, max_seq_len=64)
+    write_llama_gguf(tmp_path / "q5.gguf", config, Weights.random(config), default="Q5_0")
     monkeypatch.setitem(sys.modules, "gguf", None)
+    assert load_checkpoint(shared_models / "stories260K" / "stories260K.gguf")[0].dim == 64
     with pytest.raises(CheckpointError, match="pip install gguf"):
-        load_checkpoint(shared_models / "stories260K" / "stories260K.gguf")
+        load_checkpoint(tmp_path / "q5.gguf")
 
 
 def test_gguf_corrupt(shared_models: Path, tmp_path: Path) -> None:

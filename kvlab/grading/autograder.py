@@ -43,7 +43,7 @@ WORKER_USER = "kvlab-student"
 # tests not run are listed with 0.
 TOTAL_TIMEOUT = 480.0
 VENV = "/opt/kvlab-venv"
-# chapters: pyproject.toml installs them with kvlab (kvlab.chapters), so pip needs them there;
+# chapters: setup.py installs them with kvlab (kvlab.chapters), so pip needs them there;
 # kvlab_build.py: setup.py imports it (the compiler flags and the record of what built)
 SOURCE_PARTS = ("pyproject.toml", "setup.py", "kvlab_build.py", "README.md", "csrc", "kvlab",
                 "chapters")

@@ -28,7 +28,7 @@ from ..tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 from ..weights import Weights
 from ..registry import KNOWN_MODELS
 from ..files import is_number, open_regular, read_json_object, short
-from .gguf import load_gguf   # (which imports the gguf package only when it reads a file)
+from .gguf import load_gguf   # (the gguf package only for a type it must dequantize)
 from .gguf_writer import save_gguf
 from .huggingface import load_hf, save_hf_llama
 from .llama2c import load_llama2c, save_llama2c_v1

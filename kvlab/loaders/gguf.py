@@ -1,6 +1,6 @@
 """Read Llama checkpoints in GGUF format (llama.cpp's file format).
 
-The `gguf` package (pip install gguf) parses the container; this module maps its
+kvlab's own reader parses the container (kvlab.loaders.gguf_file); this module maps its
 metadata keys and tensor names onto kvlab's ModelConfig and Weights. Two things to know:
   * GGUF lists a tensor's dimensions fastest-varying first (ggml's `ne`), the reverse of
     a NumPy shape: a (out_features, in_features) matrix appears as [in, out].
@@ -27,11 +27,11 @@ every layer of a matrix (Weights stacks them), and a GGUF file stores each layer
 of its own, with other tensors between them. So a kept matrix is copied, layer by layer,
 from the file's bytes into one stacked array; a memory map cannot be used in place.
 
-Every count, length, offset and size in a GGUF file is a number the file chooses, and the
-`gguf` package believes them: a corrupt array length makes it loop for ever, a tensor's
-dims can wrap around in uint64. So kvlab walks the header once itself first (check_header),
-checking each number against the bytes that are really there, and takes the model's sizes
-from the metadata only once the tensors that must match them are known to exist.
+Every count, length, offset and size in a GGUF file is a number the file chooses (the
+gguf package's reader believes them: a corrupt array length made it loop for ever, a
+tensor's dims wrap around in uint64). kvlab's reader checks each number against the bytes
+that are really there as it reads it, and this module takes the model's sizes from the
+metadata only once the tensors that must match them are known to exist.
 
 Every tensor and byte is accounted for, as llama.cpp does ("wrong number of tensors"): each
 tensor of the file must be one the model its metadata describes reads (a llama.block_count
@@ -41,25 +41,23 @@ and the file ends with the last tensor's data or its padding: a byte more is ref
 """
 from __future__ import annotations
 
-import math
-import mmap
 import os
-import struct
 import sys
 import time
 import warnings
 from pathlib import Path
-from typing import Any, Dict, List, NoReturn, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
 from .. import weight_formats
 from ..config import ModelConfig
 from ..errors import CheckpointError, ConfigError, TokenizerError
-from ..files import LIMITS, config_error_in, open_regular
+from ..files import LIMITS, config_error_in
 from .. import gguf_tokenizer
 from ..tokenizer import _gguf_value   # one GGUF field decoder for the package
 from ..weights import MATRICES, Weights
+from .gguf_file import GGUFFile, GGUFTensor, read_gguf
 
 # kvlab name -> GGUF tensor name ({i} = layer).
 GGUF_LAYER_NAMES = {
@@ -105,7 +103,7 @@ def load_gguf(path: "str | os.PathLike[str]", weight_format: Optional[str] = Non
     try:
         tensors = {t.name: t for t in reader.tensors}
         config = config_from_gguf(reader, tensors, name=path.stem)
-        weights = _gather_weights(config, tensors, weight_format, _big_endian(reader), cost)
+        weights = _gather_weights(config, tensors, weight_format, reader.big_endian, cost)
         tokenizer = _embedded_tokenizer(reader)
     except CheckpointError as exc:
         raise CheckpointError(f"{path}: {exc}") from None
@@ -116,235 +114,10 @@ def load_gguf(path: "str | os.PathLike[str]", weight_format: Optional[str] = Non
     return config, weights, tokenizer
 
 
-def open_gguf(path: Path) -> Any:
-    """A gguf.GGUFReader, with kvlab's errors for a missing package or a bad file."""
-    try:
-        from gguf import GGUFReader
-    except ImportError:
-        raise CheckpointError("reading GGUF files needs the `gguf` package: pip install gguf") from None
-    check_header(path)  # refuses a missing file, a FIFO or a device by name
-    try:
-        return GGUFReader(path, "r")
-    except Exception as exc:  # the walk above should leave nothing for gguf to refuse; if
-        # it does (a newer gguf is stricter), it raises ValueError, KeyError ... not ours
-        raise CheckpointError(f"{path}: not a readable GGUF file "
-                              f"({type(exc).__name__}: {exc})") from None
-
-
-# ---------------------------------------------------------------------------------------
-# The header walk: every number the file chooses, checked before gguf's reader sees it
-# ---------------------------------------------------------------------------------------
-# GGUF metadata value types (the spec's gguf_type, gguf.GGUFValueType), and the bytes one
-# scalar of each takes. STRING (u64 length + UTF-8 bytes) and ARRAY (u32 item type,
-# u64 count, items) carry their own lengths.
-_STRING, _ARRAY = 8, 9
-_SCALAR_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
-_UINT32 = 4
-_VERSIONS = (2, 3)         # version 1 had 32-bit counts; gguf reads 2 and 3 only
-_MAX_DIMS = 4              # ggml tensors have at most 4 dimensions (GGML_MAX_DIMS)
-_DEFAULT_ALIGNMENT = 32    # tensor data starts at a multiple of this, unless general.alignment
-# The fewest bytes one entry can take, to refuse a count the rest of the file cannot hold
-# before looping over it: a metadata entry is a key length (8), a key (may be empty), a
-# value type (4) and a value (1 byte at least); a tensor info is a name length (8), a name,
-# n_dims (4), one dim (8), a type (4) and an offset (8).
-_MIN_ENTRY_BYTES = 8 + 4 + 1
-_MIN_TENSOR_INFO_BYTES = 8 + 4 + 8 + 4 + 8
-# gguf's reader files the header's own numbers under these names: a key spelled the same
-# would clash with them.
-_READER_NAMES = ("GGUF.version", "GGUF.tensor_count", "GGUF.kv_count")
-
-
-def check_header(path: Path) -> None:
-    """Walk a GGUF file's header and tensor table, raising CheckpointError at the first
-    number that does not fit the file: a count, string or array length running past the
-    end, an unknown value or tensor type, a nested array, a duplicate key or tensor name,
-    a bad general.alignment, tensor dims that are too many or too large, tensor data that
-    is not where the layout puts it or lies (partly) past the end of the file. It reads the
-    header only (the file is mapped, not loaded) and allocates nothing the file size does
-    not bound."""
-    with open_regular(path, "checkpoint") as f:
-        size = os.fstat(f.fileno()).st_size
-        if size < 24:
-            raise CheckpointError(f"{path}: file is {size} bytes, too short for the 24-byte "
-                                  "GGUF header (magic, version, tensor count, metadata count)")
-        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
-            _HeaderWalk(data, path).check()
-
-
-class _HeaderWalk:
-    """A cursor over the mapped file that refuses to step past its end."""
-
-    def __init__(self, data: mmap.mmap, path: Path) -> None:
-        self.data, self.path, self.at = data, path, 0
-        self.order = "<"  # little-endian, unless the version says otherwise
-        self.alignment = _DEFAULT_ALIGNMENT
-
-    def fail(self, message: str) -> NoReturn:
-        raise CheckpointError(f"{self.path}: {message}")
-
-    # ---- the primitives: each checks that its bytes are there before reading them ------
-    def skip(self, n: int, what: str) -> None:
-        left = len(self.data) - self.at
-        if n > left:
-            self.fail(f"{what} needs {n:,} bytes at offset {self.at:,}, but the file ends "
-                      f"{left:,} bytes later (it is truncated, or a length in its header "
-                      "is corrupt)")
-        self.at += n
-
-    def number(self, fmt: str, what: str) -> Any:
-        start = self.at
-        self.skip(struct.calcsize(fmt), what)
-        return struct.unpack_from(self.order + fmt, self.data, start)[0]
-
-    def text(self, what: str) -> str:
-        """A GGUF string (u64 length, then UTF-8 bytes) that must decode: a key or a name."""
-        n = self.number("Q", f"the length of {what}")
-        start = self.at
-        self.skip(n, what)
-        try:
-            return self.data[start:self.at].decode("utf-8")
-        except UnicodeDecodeError:
-            self.fail(f"{what} at offset {start:,} is not valid UTF-8")
-
-    # ---- the file, part by part ------------------------------------------------------
-    def check(self) -> None:
-        if self.data[:4] != b"GGUF":
-            self.fail(f"not a GGUF file: it starts with {bytes(self.data[:4])!r}, not b'GGUF'")
-        self.at = 4
-        version = self.number("I", "the version")
-        if version & 0xFFFF == 0:  # written on a big-endian machine (as gguf's reader decides)
-            self.order = ">"
-            version = struct.unpack_from(">I", self.data, 4)[0]
-        if version not in _VERSIONS:
-            self.fail(f"GGUF version {version} is not supported (kvlab reads versions 2 and 3)")
-        n_tensors = self.number("Q", "the tensor count")
-        n_entries = self.number("Q", "the metadata count")
-        # A count is checked against the bytes left before the loop over it, so that no
-        # loop runs longer than the file is long.
-        self.check_count(n_entries, _MIN_ENTRY_BYTES, "metadata entries")
-        keys = set(_READER_NAMES)
-        for i in range(n_entries):
-            self.metadata_entry(i, keys)
-        self.check_count(n_tensors, _MIN_TENSOR_INFO_BYTES, "tensors")
-        from gguf import GGML_QUANT_SIZES  # {type: (values per block, bytes per block)}
-        type_sizes = {int(kind): sizes for kind, sizes in GGML_QUANT_SIZES.items()}
-        names: set = set()
-        infos = [self.tensor_info(i, names, type_sizes) for i in range(n_tensors)]
-        self.check_tensor_data(infos)
-
-    def check_count(self, count: int, least: int, what: str) -> None:
-        left = len(self.data) - self.at
-        if count * least > left:
-            self.fail(f"the header says {count:,} {what}, but they would take at least "
-                      f"{count * least:,} bytes and only {left:,} remain")
-
-    def metadata_entry(self, index: int, keys: set) -> None:
-        key = self.text(f"metadata key #{index}")
-        if key in keys:
-            self.fail(f"metadata key {_short(key)} appears twice")
-        keys.add(key)
-        what = f"metadata {_short(key)}"
-        kind = self.number("I", f"the value type of {what}")
-        if key == "general.alignment":
-            self.alignment_value(kind)
-        else:
-            self.value(kind, what)
-
-    def alignment_value(self, kind: int) -> None:
-        if kind != _UINT32:
-            self.fail(f"metadata 'general.alignment' has value type {kind}, expected {_UINT32} "
-                      "(uint32)")
-        alignment = self.number("I", "metadata 'general.alignment'")
-        if alignment == 0 or alignment & (alignment - 1):
-            self.fail(f"metadata 'general.alignment' is {alignment}, expected a power of two")
-        self.alignment = alignment
-
-    def value(self, kind: int, what: str) -> None:
-        if kind in _SCALAR_BYTES:
-            self.skip(_SCALAR_BYTES[kind], what)
-        elif kind == _STRING:
-            self.skip(self.number("Q", f"the length of {what}"), what)
-        elif kind == _ARRAY:
-            self.array(what)
-        else:
-            self.fail(f"{what} has value type {kind}, which GGUF does not define (0..12)")
-
-    def array(self, what: str) -> None:
-        item = self.number("I", f"the item type of {what}")
-        count = self.number("Q", f"the length of {what}")
-        if item in _SCALAR_BYTES:
-            # one check for the whole array: no loop over a count the file chose
-            self.skip(count * _SCALAR_BYTES[item], f"{what} ({count:,} items, "
-                      f"{_SCALAR_BYTES[item]} bytes each)")
-        elif item == _STRING:
-            self.check_count(count, 8, f"strings in {what}")  # then the loop is bounded
-            for i in range(count):
-                self.skip(self.number("Q", f"the length of item {i} of {what}"),
-                          f"item {i} of {what}")
-        elif item == _ARRAY:
-            self.fail(f"{what} is an array of arrays, which GGUF readers do not support")
-        else:
-            self.fail(f"{what} has item type {item}, which GGUF does not define (0..12)")
-
-    def tensor_info(self, index: int, names: set, type_sizes: Dict[int, Tuple[int, int]]
-                    ) -> Tuple[str, int, int]:
-        """(name, offset of its data after the header, its size in bytes)."""
-        name = self.text(f"the name of tensor #{index}")
-        if name in names:
-            self.fail(f"tensor {_short(name)} appears twice")
-        names.add(name)
-        name = _short(name)  # as the messages below quote it
-        n_dims = self.number("I", f"the number of dims of tensor {name}")
-        if not 1 <= n_dims <= _MAX_DIMS:
-            self.fail(f"tensor {name} has {n_dims} dims, expected 1 to {_MAX_DIMS}")
-        dims = [self.number("Q", f"dim {i} of tensor {name}") for i in range(n_dims)]
-        kind = self.number("I", f"the type of tensor {name}")
-        sizes = type_sizes.get(kind)
-        if sizes is None:
-            self.fail(f"tensor {name} has type {kind}, which is no GGML tensor type")
-        block, block_bytes = sizes
-        if dims[0] % block:
-            self.fail(f"tensor {name} has a first dim of {dims[0]}, not a multiple of its "
-                      f"type's block of {block} values")
-        offset = self.number("Q", f"the data offset of tensor {name}")
-        # Python integers: dims near 2**64 multiply to a huge number, not a wrapped small one
-        return name, offset, math.prod(dims) // block * block_bytes
-
-    def check_tensor_data(self, infos: List[Tuple[str, int, int]]) -> None:
-        """Tensor data follows the header, in the order of the tensor table, each tensor
-        padded to the alignment (llama.cpp requires exactly this layout too). So every
-        offset is known in advance: one that differs would read another tensor's bytes (an
-        overlap, a misaligned start, or an offset near 2**64 that gguf's uint64 sum wraps
-        around), silently."""
-        start = -(-self.at // self.alignment) * self.alignment  # data begins, aligned
-        expected = 0
-        end = self.at  # where the bytes the header describes end: the last tensor's data
-        for name, offset, nbytes in infos:
-            if offset != expected:
-                self.fail(f"tensor {name} has data offset {offset:,}, expected {expected:,} "
-                          f"(right after the previous tensor, padded to the alignment of "
-                          f"{self.alignment})")
-            if start + offset + nbytes > len(self.data):
-                self.fail(f"tensor {name} has {nbytes:,} bytes of data at offset "
-                          f"{start + offset:,}, past the end of the file ({len(self.data):,} "
-                          "bytes): the file is truncated, or the tensor's dims are corrupt")
-            end = start + offset + nbytes
-            expected += -(-nbytes // self.alignment) * self.alignment
-        self.check_file_end(end, infos[-1][0] if infos else None)
-
-    def check_file_end(self, end: int, last: Optional[str]) -> None:
-        """The file ends where its last tensor's data does, or after the padding to the
-        alignment that writers put there (gguf's GGUFWriter and llama.cpp pad every tensor,
-        the last one too): bytes beyond that are described by nothing in the header (a
-        tensor the counts leave out, or another file appended), and are refused."""
-        padded = -(-end // self.alignment) * self.alignment
-        if len(self.data) > padded:
-            after = (f"the data of its last tensor {last}" if last is not None
-                     else "the header (it lists no tensors)")
-            self.fail(f"{len(self.data) - end:,} bytes follow {after}, which ends at offset "
-                      f"{end:,} (padded to the alignment of {self.alignment}: {padded:,}); "
-                      "no tensor in the header accounts for them: the tensor count is "
-                      "corrupt, or something was appended to the file")
+def open_gguf(path: Path) -> GGUFFile:
+    """The file read by kvlab's GGUF reader (kvlab.loaders.gguf_file), every number in its
+    header checked; its errors name the file."""
+    return read_gguf(path)
 
 
 # kvlab's ModelConfig field -> the GGUF metadata key it comes from, to name the key in errors.
@@ -356,13 +129,14 @@ _GGUF_KEYS = {"dim": "llama.embedding_length", "hidden_dim": "llama.feed_forward
               "rope_theta": "llama.rope.freq_base"}
 
 
-def metadata(reader: Any, key: str, default: Any = None) -> Any:
+def metadata(reader: GGUFFile, key: str, default: Any = None) -> Any:
     """One metadata value as plain Python (str, int, float, list)."""
     value = _gguf_value(reader, key)
     return default if value is None else value
 
 
-def config_from_gguf(reader: Any, tensors: Dict[str, Any], name: str = "") -> ModelConfig:
+def config_from_gguf(reader: GGUFFile, tensors: Dict[str, GGUFTensor],
+                     name: str = "") -> ModelConfig:
     arch = metadata(reader, "general.architecture")
     if arch is None:
         raise CheckpointError("GGUF file lacks metadata 'general.architecture'")
@@ -425,19 +199,19 @@ def _short(value: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def _reject_rope_scaling(reader: Any, tensors: Dict[str, Any]) -> None:
+def _reject_rope_scaling(reader: GGUFFile, tensors: Dict[str, GGUFTensor]) -> None:
     kind = metadata(reader, "llama.rope.scaling.type", "none")
     if kind != "none" or "rope_freqs.weight" in tensors:
         raise CheckpointError("RoPE scaling in GGUF files (rope.scaling.type / rope_freqs) "
                               "is not supported; load the Hugging Face checkpoint instead")
 
 
-def _vocab_size(reader: Any, tensors: Dict[str, Any]) -> int:
+def _vocab_size(reader: GGUFFile, tensors: Dict[str, GGUFTensor]) -> int:
     """Rows of token_embd (the weights decide); the token list may be shorter, not longer."""
     embd = tensors.get(GGUF_GLOBAL_NAMES["token_embedding"])
     if embd is None:
         raise CheckpointError("GGUF file lacks tensor 'token_embd.weight'")
-    rows = int(embd.shape[-1])  # ne is reversed: the last entry is the row count
+    rows = embd.ne[-1]  # ne is reversed: the last entry is the row count
     if not 1 <= rows <= LIMITS["vocab_size"]:
         raise CheckpointError(f"tensor 'token_embd.weight' has {rows} rows, expected "
                               f"1..{LIMITS['vocab_size']} (one per token)")
@@ -505,16 +279,16 @@ def _refuse_unused(tensors: Dict[str, Any], used: set, config: ModelConfig) -> N
                           "none of it")
 
 
-def _tensor(tensors: Dict[str, Any], name: str, shape: Tuple[int, ...]) -> Any:
-    """The gguf tensor `name`, checked to have NumPy shape `shape` (its type was checked to
-    be a GGML type, with rows of whole blocks, by check_header)."""
+def _tensor(tensors: Dict[str, GGUFTensor], name: str, shape: Tuple[int, ...]) -> GGUFTensor:
+    """The GGUF tensor `name`, checked to have NumPy shape `shape` (its type was checked to
+    be a GGML type, with rows of whole blocks, by the reader)."""
     tensor = tensors.get(name)
     if tensor is None:
         raise CheckpointError(f"GGUF file lacks tensor {name!r}")
-    numpy_shape = tuple(int(n) for n in reversed(tensor.shape))  # ggml ne -> row-major
+    numpy_shape = tuple(reversed(tensor.ne))  # ggml ne -> row-major
     if numpy_shape != tuple(shape):
         raise CheckpointError(f"tensor {name!r} has shape {list(numpy_shape)} (GGUF ne "
-                              f"{[int(n) for n in tensor.shape]}), the metadata implies {list(shape)}")
+                              f"{list(tensor.ne)}), the metadata implies {list(shape)}")
     return tensor
 
 
@@ -524,13 +298,13 @@ def _layers(stacked: np.ndarray, per_layer: bool) -> List[np.ndarray]:
     return list(stacked) if per_layer else [stacked]
 
 
-def _matrix(parts: List[Any], shape: Tuple[int, ...], per_layer: bool,
+def _matrix(parts: List[GGUFTensor], shape: Tuple[int, ...], per_layer: bool,
             fallback: Optional[str], big_endian: bool, cost: "_DequantizeCost") -> np.ndarray:
     """A new stacked array of a matrix's GGUF tensors (one per layer, or one): in their own
     format when all have the same type the core reads, else dequantized into the fallback.
-    Always a copy, so no weight points into gguf's memory map of the file once the reader
+    Always a copy, so no weight points into the reader's memory map of the file once it
     is gone, and the file may change after loading."""
-    kinds = {tensor.tensor_type.name for tensor in parts}
+    kinds = {tensor.type_name for tensor in parts}
     kept = _KEPT_TYPES.get(next(iter(kinds))) if len(kinds) == 1 else None
     if kept is not None:
         stacked = weight_formats.empty(shape, kept)
@@ -555,11 +329,11 @@ def _fallback_format(requested: Optional[str], in_dim: int) -> str:
     return fmt
 
 
-def _copy_kept(target: np.ndarray, tensor: Any, fmt: str, big_endian: bool) -> None:
+def _copy_kept(target: np.ndarray, tensor: GGUFTensor, fmt: str, big_endian: bool) -> None:
     """Fill `target` (stored in `fmt`, the format of the tensor's type) with the tensor."""
     data = np.asarray(tensor.data)
     if fmt in ("fp32", "fp16"):
-        # gguf gives F32 and F16 typed, in the file's byte order; assigning converts it
+        # the reader gives F32 and F16 typed, in the file's byte order; assigning converts it
         target[...] = data.reshape(target.shape)
         return
     # BF16, Q8_0, Q4_0 and Q4_1 come as raw bytes, (rows, bytes a row): the format's bytes
@@ -568,7 +342,7 @@ def _copy_kept(target: np.ndarray, tensor: Any, fmt: str, big_endian: bool) -> N
     target_bytes[...] = data.reshape(target_bytes.shape)
 
 
-def _dequantize_into(target: np.ndarray, tensor: Any, fmt: str, big_endian: bool) -> None:
+def _dequantize_into(target: np.ndarray, tensor: GGUFTensor, fmt: str, big_endian: bool) -> None:
     """Fill `target` (stored in `fmt`) with a tensor of any type, dequantized a chunk of
     rows at a time."""
     data = np.asarray(tensor.data)
@@ -584,38 +358,33 @@ def _dequantize_into(target: np.ndarray, tensor: Any, fmt: str, big_endian: bool
             rows_out[first:first + step] = weight_formats.stored(values, fmt)
 
 
-def _float32_values(tensor: Any, data: np.ndarray, big_endian: bool) -> np.ndarray:
+def _float32_values(tensor: GGUFTensor, data: np.ndarray, big_endian: bool) -> np.ndarray:
     """The float32 values of `data` (the tensor's data, or some of its rows), whatever the
     tensor's type: always a new array."""
     if data.dtype.kind == "f":  # F32, F16, F64: typed, in the file's byte order
         return data.astype(np.float32)
-    kind = tensor.tensor_type.name
+    kind = tensor.type_name
     _refuse_big_endian(tensor, big_endian)
     try:
+        from gguf import GGMLQuantizationType
         from gguf.quants import dequantize
     except ImportError:  # gguf releases before the NumPy dequantizers (2024)
         raise CheckpointError(f"tensor {tensor.name!r} has type {kind}, and this gguf package "
                               "cannot dequantize it: pip install -U gguf") from None
     try:
-        return dequantize(data, tensor.tensor_type)
+        return dequantize(data, GGMLQuantizationType(tensor.kind))
     except NotImplementedError:
         raise CheckpointError(f"tensor {tensor.name!r} has type {kind}, which the gguf package "
                               "cannot dequantize (kvlab reads F32, F16, BF16, Q8_0, Q4_0 and "
                               "Q4_1 as they are, and dequantizes the types gguf.quants knows)") from None
 
 
-def _big_endian(reader: Any) -> bool:
-    """Whether the file was written big-endian: its version's low half is then 0 (the rule
-    of check_header and of gguf's reader)."""
-    return int.from_bytes(bytes(reader.data[4:8]), "little") & 0xFFFF == 0
-
-
-def _refuse_big_endian(tensor: Any, big_endian: bool) -> None:
+def _refuse_big_endian(tensor: GGUFTensor, big_endian: bool) -> None:
     # gguf gives every type but F32/F16 (and the integers) as raw bytes, with no byte order
     # applied, and its tools disagree on whether a big-endian file swaps the halves inside
     # BF16 values and quantized blocks: reading them either way could be wrong, silently.
     if big_endian:
-        raise CheckpointError(f"tensor {tensor.name!r} has type {tensor.tensor_type.name} in a "
+        raise CheckpointError(f"tensor {tensor.name!r} has type {tensor.type_name} in a "
                               "big-endian GGUF file; kvlab reads only F32 and F16 tensors "
                               "from big-endian files")
 
@@ -631,7 +400,7 @@ class _DequantizeCost:
 
     def add(self, parts: List[Any], stacked: np.ndarray, seconds: float) -> None:
         for tensor in parts:
-            kind = tensor.tensor_type.name
+            kind = tensor.type_name
             self.types[kind] = self.types.get(kind, 0) + 1
             self.file_bytes += int(tensor.n_bytes)
         self.tensors += len(parts)
@@ -674,7 +443,7 @@ def _stacklevel_outside_kvlab() -> int:
     return level
 
 
-def _embedded_tokenizer(reader: Any) -> Optional[Any]:
+def _embedded_tokenizer(reader: GGUFFile) -> Optional[Any]:
     """The file's own tokenizer ('llama' and 'gpt2' vocabularies, kvlab.gguf_tokenizer); None
     when it has no vocabulary, or one of a kind kvlab does not build (a one-line warning
     names it: the weights are still usable with token ids)."""

@@ -695,6 +695,23 @@ static void test_block_manager(void) {
     CHECK(copies[0].src == 1 && copies[0].dst == 2 && copies[0].rows == 2);
     CHECK(blocks.events[4].kind == KV_EVENT_COPIED && blocks.events[4].other == 1 &&
           blocks.events[5].kind == KV_EVENT_RELEASED && blocks.events[5].refs == 1);
+    /* the copy could not be made (a row store failed): b reads the shared block again, the
+     * copy goes back to the top of the free stack, and only b's own copy is accepted */
+    kv_block_copy swapped = {copies[0].src, copies[0].dst, copies[0].rows};
+    CHECK(kv_blocks_cancel_copy(&blocks, b, &swapped) == KV_ERR_INVALID_ARG);
+    CHECK(kv_blocks_cancel_copy(&blocks, a, &copies[0]) == KV_ERR_INVALID_ARG);  /* none pending */
+    CHECK(blocks.n_events == 6 && blocks.seqs[b].reserved == 1);
+    CHECK(kv_blocks_cancel_copy(&blocks, b, &copies[0]) == KV_OK);
+    CHECK(blocks.seqs[b].block_table[1] == 1 && blocks.seqs[b].reserved == 0 &&
+          blocks.ref_count[1] == 2 && blocks.ref_count[2] == 0 && blocks.n_free == 2 &&
+          blocks.free_stack[1] == 2);
+    CHECK(blocks.events[6].kind == KV_EVENT_SHARED && blocks.events[6].block == 1 &&
+          blocks.events[6].other == 2 && blocks.events[6].refs == 2 &&
+          blocks.events[7].kind == KV_EVENT_FREED && blocks.events[7].block == 2);
+    CHECK(kv_blocks_check(&blocks, message, sizeof message) == KV_OK);
+    CHECK(kv_blocks_cancel_copy(&blocks, b, &copies[0]) == KV_ERR_INVALID_ARG);  /* done */
+    CHECK(kv_blocks_reserve(&blocks, b, 1, copies, &n_copies) == KV_OK && n_copies == 1 &&
+          copies[0].src == 1 && copies[0].dst == 2);                   /* as the first time */
     kv_blocks_commit(&blocks, b, tokens + 6, 1);
     /* while a reservation is pending, nothing else may be asked of that sequence */
     CHECK(kv_blocks_reserve(&blocks, b, 1, copies, &n_copies) == KV_OK && n_copies == 0);

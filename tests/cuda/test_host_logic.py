@@ -16,6 +16,7 @@ import pytest
 import kvlab
 from kvlab.cuda import CudaCache, CudaPagedPool
 from kvlab.quant import CacheFormat
+from block_trace import replay
 
 L, H, D = 2, 2, 16
 
@@ -351,8 +352,8 @@ def snapshot(pool, seqs):
 def test_a_store_that_fails_leaves_the_pool_as_it_was(fake_store):
     """A GPU error while rows move: the pool takes back what it had taken (a write failed:
     the sequence is as it was; a swap: nothing happened) and stays usable. A copy-on-write
-    made before a failed write stays (the sequence keeps its own copy of the same rows); a
-    failed copy-on-write frees its sequence, whose new block lacks its rows."""
+    made before a failed write stays (the sequence keeps its own copy of the same rows); after
+    a failed copy-on-write the sequence keeps the shared block it read before."""
     fmt = CacheFormat.make(D, "fp32")
     store = FailingStore(fake_store(L, H, D, 24 * 4, fmt))
     pool = CudaPagedPool(L, H, D, 24, 4, 8, 24, **fmt.core_arguments(), store=store)
@@ -389,19 +390,114 @@ def test_a_store_that_fails_leaves_the_pool_as_it_was(fake_store):
     for got, expected in zip(pool.gather(child), want):
         np.testing.assert_array_equal(got, expected)
     pool.check()
-    # the copy-on-write itself fails: that fork's own copy of the shared block is missing
+    # the copy-on-write itself fails: that fork keeps reading the shared block
     store.fail = None
     other = pool.fork(seq)
     store.fail = "copy_rows"
     with pytest.raises(kvlab.CudaError, match="copy_rows"):
         pool.append(other, np.array([7], np.int32), *rows_for(list(range(7)), 6))
-    assert not other.alive and seq.length == 6
+    assert other.alive and other.length == 6 and seq.length == 6
+    assert list(other.block_table) == list(seq.block_table)
     pool.check()
     store.fail = None
     pool.append(seq, np.array([7], np.int32), *rows_for(list(range(7)), 6))
     assert seq.length == 7
     for got, expected in zip(pool.gather(seq), rows_for(list(range(7)), 0)):
         np.testing.assert_array_equal(got, expected.transpose(1, 0, 2, 3))
+
+
+class CopyThenFail:
+    """A fake store whose copy_rows copies the rows, then raises (a GPU error noticed after the
+    device wrote some of its destination): nothing may rely on the destination's rows."""
+
+    def __init__(self, store):
+        self.store, self.fail = store, False
+
+    def copy_rows(self, dst, src, n):
+        self.store.copy_rows(dst, src, n)
+        if self.fail:
+            raise kvlab.CudaError("copy_rows failed after writing (a test)")
+
+    def __getattr__(self, name):
+        return getattr(self.store, name)
+
+
+def shared_half_block(store_class, fake_store, num_blocks):
+    """A pool of blocks of 4 whose store is store_class(fake store); a sequence of 6 tokens
+    and a fork of it, sharing a half-full last block."""
+    fmt = CacheFormat.make(D, "fp32")
+    store = store_class(fake_store(L, H, D, num_blocks * 4, fmt))
+    pool = CudaPagedPool(L, H, D, num_blocks, 4, 8, num_blocks, **fmt.core_arguments(),
+                         store=store)
+    seq = pool.new_sequence()
+    pool.append(seq, np.arange(6, dtype=np.int32), *rows_for(list(range(6)), 0))
+    return pool, store, seq, pool.fork(seq)
+
+
+def test_a_failed_copy_on_write_leaves_the_sequence_and_the_pool_as_they_were(fake_store):
+    """The write needs a copy of the shared half block first, and the store fails it: the
+    sequence keeps its shared block (it never lost a row), every count and the free list
+    are as they were, the trace tells what happened, and the same call then succeeds."""
+    pool, store, seq, child = shared_half_block(CopyThenFail, fake_store, 12)
+    before = snapshot(pool, [seq, child]) + (list(pool.free_blocks),)   # in stack order
+    want = pool.gather(child)
+    pool.record_events = True
+    store.fail = True
+    for append in range(2):          # two refusals in a row: the first one left nothing
+        with pytest.raises(kvlab.CudaError, match="copy_rows failed"):
+            pool.append(child, np.array([7], np.int32), *rows_for(list(range(7)), 6))
+        assert child.alive and snapshot(pool, [seq, child]) + (list(pool.free_blocks),) == before
+        pool.check()
+    events = pool.take_events()
+    assert replay(events) == {b: int(pool.ref_counts[b]) for b in replay(events)}
+    assert [e["event"] for e in events][:4] == ["copied", "released", "shared", "freed"]
+    for got, expected in zip(pool.gather(child), want):
+        np.testing.assert_array_equal(got, expected)
+    store.fail = False
+    pool.append(child, np.array([7], np.int32), *rows_for(list(range(7)), 6))
+    assert child.length == 7 and child.block_table[1] != seq.block_table[1]
+    for got, expected in zip(pool.gather(child), rows_for(list(range(7)), 0)):
+        np.testing.assert_array_equal(got, expected.transpose(1, 0, 2, 3))
+    pool.check()
+
+
+def test_a_failed_copy_on_write_into_an_evicted_block_leaves_it_free_not_cached(fake_store):
+    """With no free block the copy goes into a cached one, evicted for it. The failed copy
+    may have written its rows, so it does not go back to the prefix cache: it is free, and
+    the sequence, the reference counts and the blocks available are as they were."""
+    pool, store, seq, child = shared_half_block(CopyThenFail, fake_store, 4)
+    other = pool.new_sequence()
+    pool.append(other, np.arange(100, 108, dtype=np.int32), *rows_for(list(range(100, 108)), 0))
+    head, tail = other.block_table
+    pool.free(other)                                   # two full blocks: cached, not free
+    assert not pool.free_blocks and pool.stats().blocks_cached == 2
+    refs, tables = pool.ref_counts.copy(), [list(s.block_table) for s in (seq, child)]
+    store.fail = True
+    with pytest.raises(kvlab.CudaError, match="copy_rows failed"):
+        pool.append(child, np.array([7], np.int32), *rows_for(list(range(7)), 6))
+    pool.check()
+    np.testing.assert_array_equal(pool.ref_counts, refs)
+    assert [list(s.block_table) for s in (seq, child)] == tables and child.length == 6
+    assert list(pool.free_blocks) == [tail] and pool.stats().blocks_cached == 1
+    # the evicted block (the least recently used: the chain's tail) holds what the failed
+    # copy wrote, and is not offered again: a prompt of its tokens finds the head alone
+    again = pool.new_sequence()
+    assert pool.reuse_prefix(again, np.arange(100, 108, dtype=np.int32)) == 4
+    assert list(again.block_table) == [head]
+
+
+def test_a_batch_whose_copy_on_write_fails_is_given_back_whole(fake_store):
+    """_reserve_batch for two sequences, the second needing a copy the store fails: both
+    reservations are given back, every sequence is as it was, and the pool is not held."""
+    pool, store, seq, child = shared_half_block(CopyThenFail, fake_store, 12)
+    first = pool.new_sequence()
+    before = snapshot(pool, [seq, child, first]) + (list(pool.free_blocks),)
+    store.fail = True
+    with pytest.raises(kvlab.CudaError, match="copy_rows failed"):
+        pool._reserve_batch([first, child], np.array([3, 1], np.int32))
+    assert child.alive and snapshot(pool, [seq, child, first]) + (list(pool.free_blocks),) == before
+    pool.check()
+    pool.new_sequence()                                # not held
 
 
 def test_a_forward_pass_that_fails_on_the_gpu_is_cancelled(fake_store, monkeypatch):
