@@ -360,8 +360,11 @@ def main() -> None:
     fig, ax = plt.subplots(figsize=(6.4, 3.6))
     for d, style in zip(FORMATS, ("o-", "s-", "^-")):
         median = np.array([r["bytes_per_s"] / 1e9 for r in by_fmt[d]])
-        low = median - [r["bytes_per_s_spread"]["q1"] / 1e9 for r in by_fmt[d]]
-        high = [r["bytes_per_s_spread"]["q3"] / 1e9 for r in by_fmt[d]] - median
+        # the point is bytes over the median time, the quartiles are of each pass's own rate:
+        # with few passes far apart (a loaded machine) the point can fall outside them, and
+        # matplotlib refuses a negative bar, so such a bar is drawn as zero
+        low = np.maximum(median - [r["bytes_per_s_spread"]["q1"] / 1e9 for r in by_fmt[d]], 0)
+        high = np.maximum([r["bytes_per_s_spread"]["q3"] / 1e9 for r in by_fmt[d]] - median, 0)
         ax.errorbar([r["context"] for r in by_fmt[d]], median, yerr=[low, high], fmt=style,
                     capsize=2, lw=1, label=f"decode attention, {d} cache")
     ax.axhline(read_bw / 1e9, color="k", ls="--", lw=1, label="memory read bandwidth (measured)")
