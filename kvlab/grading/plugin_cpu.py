@@ -1,0 +1,177 @@
+"""The CPU time a worker spends on plug-ins the judge's engine asks, read by the judge from
+the kernel: the meter of kvlab.slo.VirtualClock in the capstone lab (lab 15).
+
+The virtual clock prices what the engine computes (tokens, sequences, K/V rows, bytes), so
+compute done in the student's plug-ins would be free: a drafter that rebuilds the model in
+NumPy drafts perfectly at no cost on the clock. A PluginMeter charges it. It reads, from
+outside the worker and never from a number the worker reports:
+
+- the worker process's own CPU time, every thread of it (live or ended), after each plug-in
+  call (Linux: the process's CPU-time clock, to the nanosecond; elsewhere psutil's, coarser).
+  Each call is charged what the process used since the last reading, less CALL_ALLOWANCE_S:
+  what the call's round trip itself costs the worker (decoding the question, encoding the
+  answer) and a plain Python answer, which the step's fixed price already holds, as it
+  holds the plan of kvlab's own scheduler. So work a thread of the worker does between
+  calls is charged at the next call, less the same allowance once;
+- the processes the worker started (and the ones they waited for), charged whole at each
+  step: none of it answers a call (Linux only; elsewhere they are not seen).
+
+What it cannot see: a child process that ends and is reaped without being waited for (its
+parent ignoring SIGCHLD) between two readings; CPU time spent before the meter started
+(importing the submission, which the test's time limit bounds). CPU time, unlike the
+engine's prices, depends on the machine and its load, so a run whose plug-ins are charged
+is repeatable only as far as their CPU time is: an honest plug-in stays under the
+allowance, and its run is the same every time.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+from typing import Callable, Iterator, List, Optional
+
+# CPU seconds a plug-in call may take uncharged (see above), on the machine the kit was
+# calibrated on (the 2-core build machine of kvlab.slo's prices): the reference solution's
+# calls take 80-220 us there (median; the round trip alone 80), and a pass of the bundled
+# model in NumPy, the drafter this is here for, about a millisecond. machine_allowance()
+# scales it to a slower machine.
+CALL_ALLOWANCE_S = 0.25e-3
+SPEED_JOB_S = 28e-6              # speed_job()'s best CPU time on that machine
+MOST_SLOWER = 4.0                # the allowance grows at most this much on a slow machine
+LINUX = sys.platform.startswith("linux")
+TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def process_cpu_seconds(pid: int) -> float:
+    """CPU seconds process `pid` has used, all its threads (those that ended too); 0.0 once
+    it is gone. Linux reads the kernel's CPU-time clock of the process (clock_getcpuclockid's
+    clock id, which the kernel makes from the pid)."""
+    if LINUX:
+        try:
+            return time.clock_gettime((~pid << 3) | 2)      # CPUCLOCK_SCHED of the process
+        except OSError:
+            return 0.0
+    import psutil
+    try:
+        times = psutil.Process(pid).cpu_times()
+    except psutil.Error:
+        return 0.0
+    return times.user + times.system
+
+
+def speed_job() -> int:
+    """A little plain Python, as a plug-in call's round trip is (strings, lists, a sum)."""
+    words = [str(i) for i in range(300)]
+    return sum(len(w) for w in words if w[-1] in "13579")
+
+
+def machine_allowance(rounds: int = 30) -> float:
+    """CALL_ALLOWANCE_S on this machine: scaled by how much slower than the calibration
+    machine it runs speed_job (the best of `rounds` CPU times, which other programs on the
+    machine barely move), never below it nor above MOST_SLOWER times it. Measure it before
+    any of the student's code runs (the judge's prepare())."""
+    best = float("inf")
+    for _ in range(rounds):
+        started = time.thread_time()
+        speed_job()
+        best = min(best, time.thread_time() - started)
+    return CALL_ALLOWANCE_S * min(MOST_SLOWER, max(1.0, best / SPEED_JOB_S))
+
+
+def _children(pid: int) -> List[int]:
+    """The pids of `pid`'s children (Linux: /proc/PID/task/TID/children)."""
+    found = []
+    try:
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{task}/children") as f:
+                found += [int(c) for c in f.read().split()]
+    except (OSError, ValueError):           # gone meanwhile
+        pass
+    return found
+
+
+def _descendants(pid: int) -> Iterator[int]:
+    frontier = _children(pid)
+    while frontier:
+        child = frontier.pop()
+        yield child
+        frontier += _children(child)
+
+
+def _stat_seconds(pid: int, own: bool) -> float:
+    """From /proc/PID/stat, in seconds: with own, the process's user and system time and
+    its waited-for children's; without, its waited-for children's alone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rpartition(")")[2].split()
+    except OSError:
+        return 0.0
+    utime, stime, cutime, cstime = (int(v) for v in fields[11:15])
+    return ((utime + stime if own else 0) + cutime + cstime) / TICKS
+
+
+def started_processes_seconds(pid: int) -> float:
+    """CPU seconds of what process `pid` started: its live descendants (children, theirs,
+    and what those waited for) and the children it waited for itself. Linux only (0.0
+    elsewhere); counted in clock ticks (10 ms), as /proc gives them."""
+    if not LINUX:
+        return 0.0
+    return _stat_seconds(pid, own=False) + sum(_stat_seconds(p, own=True)
+                                               for p in _descendants(pid))
+
+
+class PluginMeter:
+    """Charges the CPU time of plug-ins that run in worker process `pid` (see the module
+    text). Wrap each plug-in with metered() before handing it to the engine; give the
+    meter itself to kvlab.slo.VirtualClock(meter=), which reads it at each step: the CPU
+    seconds charged so far."""
+
+    def __init__(self, pid: int, allowance_s: float = CALL_ALLOWANCE_S,
+                 cpu: Callable[[int], float] = process_cpu_seconds,
+                 started: Callable[[int], float] = started_processes_seconds):
+        self.pid, self.allowance_s = pid, allowance_s
+        self._cpu, self._started = cpu, started
+        self._last, self._started_last = cpu(pid), started(pid)
+        self.calls, self.charged = 0, 0.0
+
+    def called(self) -> None:
+        """A plug-in call has just returned: charge what the worker used since the last
+        reading beyond the allowance."""
+        now = self._cpu(self.pid)
+        self.charged += max(0.0, now - self._last - self.allowance_s)
+        self._last = max(now, self._last)
+        self.calls += 1
+
+    def __call__(self) -> float:
+        started = self._started(self.pid)
+        self.charged += max(0.0, started - self._started_last)
+        self._started_last = max(started, self._started_last)
+        return self.charged
+
+    def metered(self, plugin, method: str):
+        """`plugin` with its method `method` read by this meter after every call."""
+        return _Metered(plugin, method, self)
+
+
+class _Metered:
+    """A plug-in whose one method is metered; every other attribute is the plug-in's."""
+
+    def __init__(self, plugin, method: str, meter: PluginMeter):
+        self._plugin, self._method, self._meter = plugin, method, meter
+        setattr(self, method, self._call)
+
+    def _call(self, *args, **kwargs):
+        try:
+            return getattr(self._plugin, self._method)(*args, **kwargs)
+        finally:
+            self._meter.called()
+
+    def __getattr__(self, name):
+        return getattr(self._plugin, name)
+
+
+def worker_pid(sub) -> Optional[int]:
+    """The pid of the worker process a test's `sub` (kvlab.grading.remote.Submission)
+    calls into."""
+    session = object.__getattribute__(sub, "_session")
+    return session.worker.process.pid
