@@ -13,8 +13,9 @@ outside the worker and never from a number the worker reports:
   answer) and a plain Python answer, which the step's fixed price already holds, as it
   holds the plan of kvlab's own scheduler. So work a thread of the worker does between
   calls is charged at the next call, less the same allowance once;
-- the processes the worker started (and the ones they waited for), charged whole at each
-  step: none of it answers a call (Linux only; elsewhere they are not seen).
+- the processes the worker started (and the ones they waited for), detached ones included
+  (the judge reaps orphans, so they stay below it), charged whole at each step: none of it
+  answers a call (Linux only; elsewhere they are not seen).
 
 What it cannot see: a child process that ends and is reaped without being waited for (its
 parent ignoring SIGCHLD) between two readings; CPU time spent before the meter started
@@ -110,14 +111,17 @@ def _stat_seconds(pid: int, own: bool) -> float:
     return ((utime + stime if own else 0) + cutime + cstime) / TICKS
 
 
-def started_processes_seconds(pid: int) -> float:
-    """CPU seconds of what process `pid` started: its live descendants (children, theirs,
-    and what those waited for) and the children it waited for itself. Linux only (0.0
-    elsewhere); counted in clock ticks (10 ms), as /proc gives them."""
+def started_processes_seconds(pid: int, root: Optional[int] = None) -> float:
+    """CPU seconds of what worker `pid` started: the children it waited for, and every
+    process below `root` (this process, the judge, by default) but the worker, with what
+    they waited for. The judge is the reaper of the orphans its workers leave
+    (process.harden_judge), so a process the worker detached is still below it. Linux only
+    (0.0 elsewhere); counted in clock ticks (10 ms), as /proc gives them."""
     if not LINUX:
         return 0.0
+    below = _descendants(os.getpid() if root is None else root)
     return _stat_seconds(pid, own=False) + sum(_stat_seconds(p, own=True)
-                                               for p in _descendants(pid))
+                                               for p in below if p != pid)
 
 
 class PluginMeter:
