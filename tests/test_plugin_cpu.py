@@ -8,8 +8,8 @@ import time
 import pytest
 
 from kvlab.grading import plugin_cpu
-from kvlab.grading.plugin_cpu import (CALL_ALLOWANCE_S, MOST_SLOWER, PluginMeter,
-                                      machine_allowance, process_cpu_seconds)
+from kvlab.grading.plugin_cpu import (CALL_ALLOWANCE_S, MOST_SLOWER, PluginMeter, Slowness,
+                                      process_cpu_seconds)
 
 linux = pytest.mark.skipif(not plugin_cpu.LINUX, reason="reads /proc and Linux's CPU clocks")
 
@@ -114,13 +114,23 @@ def test_a_metered_plugin_is_the_plugin_read_after_each_call():
     assert meter.calls == 2 and len(readings) == 3    # at its start, and after each call
 
 
-def test_the_allowance_grows_on_a_slow_machine_and_never_shrinks(monkeypatch):
-    assert CALL_ALLOWANCE_S <= machine_allowance() <= MOST_SLOWER * CALL_ALLOWANCE_S
-    slow = plugin_cpu.speed_job
+def test_the_allowance_follows_the_machines_slowness_and_never_shrinks(monkeypatch):
+    """Slowness times the judge's speed job once a step: on a machine three times slower
+    (or as loaded) the calls' allowance is three times as large; never below the
+    calibration machine's, nor above MOST_SLOWER times it."""
+    meter = PluginMeter(1, cpu=lambda pid: 0.0, started=lambda pid: 0.0, slowness=Slowness())
+    assert CALL_ALLOWANCE_S <= meter.allowance_s <= MOST_SLOWER * CALL_ALLOWANCE_S
+    fast = plugin_cpu.speed_job
 
     def slower():
         end = time.thread_time() + 3 * plugin_cpu.SPEED_JOB_S
         while time.thread_time() < end:
-            slow()
+            fast()
     monkeypatch.setattr(plugin_cpu, "speed_job", slower)
-    assert machine_allowance(3) >= 3 * CALL_ALLOWANCE_S
+    for _ in range(31):                      # a step each: the window fills with slow times
+        meter()
+    assert meter.allowance_s >= 3 * CALL_ALLOWANCE_S
+    monkeypatch.setattr(plugin_cpu, "speed_job", lambda: None)    # faster than ever
+    for _ in range(31):
+        meter()
+    assert meter.allowance_s == CALL_ALLOWANCE_S

@@ -30,7 +30,7 @@ import numpy as np
 import kvlab
 from kvlab import serving
 from kvlab.grading.labs import chapter_file
-from kvlab.grading.plugin_cpu import PluginMeter, machine_allowance, worker_pid
+from kvlab.grading.plugin_cpu import PluginMeter, Slowness, worker_pid
 from kvlab.grading.process import WorkerGone
 from kvlab.grading.remote import RemoteError
 from kvlab.grading.testkit import points
@@ -48,13 +48,6 @@ GOODPUT_TIERS = (0.0, 0.5, 0.85)   # of the way from the default's goodput to th
 def prepare():
     model()
     text()
-    allowance()          # measured before any of the student's code runs
-
-
-@functools.lru_cache(maxsize=None)
-def allowance():
-    """The CPU seconds a plug-in call may take uncharged on this machine."""
-    return machine_allowance()
 
 
 @functools.lru_cache(maxsize=None)
@@ -195,11 +188,11 @@ def goodputs(sub, rng):
 def metered_plugins(sub):
     """The student's scheduler and drafter for the capstone run, and the meter that puts
     the CPU time their worker spends on the virtual clock (kvlab.grading.plugin_cpu:
-    beyond allowance() a call, and all its child processes do); made after the meter
+    beyond an allowance a call, and all its child processes'); made after the meter
     starts, so that what their constructors compute is charged too. The two baselines
     run in the judge, with no worker: their plans are priced as kvlab's own scheduler's
     are, by the step's fixed price, which the allowance stands for."""
-    meter = PluginMeter(worker_pid(sub), allowance())
+    meter = PluginMeter(worker_pid(sub), slowness=Slowness())
     return dict(meter=meter,
                 scheduler=meter.metered(PlainScheduler(sub.Scheduler()), "plan"),
                 drafter=meter.metered(PlainDrafter(sub.Drafter()), "propose"))
