@@ -274,6 +274,25 @@ void decode_attention(float *out, const float *q, const kv_cache_view *view, int
         assert run.returncode == 0, run.stderr
         first = results(kernel)["tests"][0]["output"]
         assert "refused 13 refused 13" in first, first
+        # lab 15's hidden tests hold the reference scheduler, and kvlab the bundled model's
+        # weights (a drafter that runs them in NumPy): kvlab-student reads neither
+        capstone = unpack(build("serving_capstone", top / "serving_capstone.zip", INSTRUCTOR),
+                          top / "capstone")
+        weights = next(venv.glob("lib/python3*/site-packages/kvlab/assets/shakespeare-1m.bin"))
+        (capstone / "submission" / "serving_capstone.py").write_text(f'''
+seen = []
+for path in ({str(capstone / "source" / "tests" / "serving_capstone.py")!r}, {str(weights)!r}):
+    try:
+        open(path, "rb").close()
+        seen.append("opened " + path)
+    except OSError as error:
+        seen.append(type(error).__name__)
+raise RuntimeError(" ".join(seen))
+''')
+        run = run_autograder(capstone, env)
+        assert run.returncode == 0, run.stderr
+        said = results(capstone)["output"]
+        assert "RuntimeError: PermissionError PermissionError" in said, said
     finally:
         shutil.rmtree(top, ignore_errors=True)
 

@@ -96,6 +96,17 @@ def test_a_call_is_charged_past_its_allowance_and_started_processes_whole():
     assert meter() == pytest.approx(0.024)
 
 
+def test_what_the_worker_computed_before_its_first_call_is_charged_past_its_startup():
+    """startup_s: the worker's CPU seconds from its start (an import that built a table, a
+    thread busy while the judge ran the baselines) beyond the allowance are charged at the
+    first call, and every second its started processes used."""
+    for used, charged in ((0.1, 0.0), (0.3, 0.0), (2.0, 2.0 - 0.3 - 0.001)):
+        meter = PluginMeter(1, allowance_s=0.001, cpu=lambda pid: used,
+                            started=lambda pid: 0.25, startup_s=0.3)
+        meter.called()
+        assert meter() == pytest.approx(charged + 0.25)
+
+
 def test_a_metered_plugin_is_the_plugin_read_after_each_call():
     class Drafter:
         name = "mine"

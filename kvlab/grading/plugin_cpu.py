@@ -18,9 +18,12 @@ outside the worker and never from a number the worker reports:
   (the judge reaps orphans, so they stay below it), charged whole at each step: none of it
   answers a call (Linux only; elsewhere they are not seen).
 
+- from the worker's start to its first call (the import of the submission, its
+  constructors, a thread busy while the judge ran other work): all but STARTUP_ALLOWANCE_S.
+
 What it cannot see: a child process that ends and is reaped without being waited for (its
-parent ignoring SIGCHLD) between two readings; CPU time spent before the meter started
-(importing the submission, which the test's time limit bounds). CPU time, unlike the
+parent ignoring SIGCHLD, or with SA_NOCLDWAIT) between two readings: its CPU time is lost
+to every count the kernel keeps that the judge can read. CPU time, unlike the
 engine's prices, depends on the machine and its load, so a run whose plug-ins are charged
 is repeatable only as far as their CPU time is: an honest plug-in stays under the
 allowance, and its run is the same every time.
@@ -41,6 +44,11 @@ from typing import Callable, Iterator, List, Optional
 # calls take twice as long or more (CPU time too: caches and cores are shared), so the meter
 # scales it by how slowly the judge runs speed_job meanwhile (Slowness).
 CALL_ALLOWANCE_S = 0.25e-3
+# The worker's CPU seconds from its start to its first plug-in call that are not charged,
+# scaled the same way: Python, NumPy and an honest submission's import take about 0.1 s
+# there. Beyond, what it computed before (at import, or in a thread while the judge ran
+# other work) is charged at the first call: a table computed in advance is not free either.
+STARTUP_ALLOWANCE_S = 0.3
 SPEED_JOB_S = 28e-6              # speed_job()'s best CPU time on that machine, quiet
 MOST_SLOWER = 4.0                # the allowance grows at most this much
 LINUX = sys.platform.startswith("linux")
@@ -141,16 +149,20 @@ class PluginMeter:
     text). Wrap each plug-in with metered() before handing it to the engine; give the
     meter itself to kvlab.slo.VirtualClock(meter=), which reads it at each step: the CPU
     seconds charged so far. A call's allowance is allowance_s times the machine's
-    slowness now (None: a constant allowance_s, for tests)."""
+    slowness now (None: a constant allowance_s, for tests). startup_s: None to charge only
+    what the worker uses from now on; else the CPU seconds of its own from its start (times
+    the slowness) that are not charged, all else being charged at the first call."""
 
     def __init__(self, pid: int, allowance_s: float = CALL_ALLOWANCE_S,
                  cpu: Callable[[int], float] = process_cpu_seconds,
                  started: Callable[[int], float] = started_processes_seconds,
-                 slowness: Optional[Slowness] = None):
+                 slowness: Optional[Slowness] = None, startup_s: Optional[float] = None):
         self.pid, self.base_allowance_s = pid, allowance_s
         self._cpu, self._started, self.slowness = cpu, started, slowness
-        self.allowance_s = allowance_s * (slowness.factor() if slowness else 1.0)
-        self._last, self._started_last = cpu(pid), started(pid)
+        factor = slowness.factor() if slowness else 1.0
+        self.allowance_s = allowance_s * factor
+        self._last = cpu(pid) if startup_s is None else startup_s * factor
+        self._started_last = started(pid) if startup_s is None else 0.0
         self.calls, self.charged = 0, 0.0
 
     def called(self) -> None:
