@@ -275,7 +275,8 @@ void decode_attention(float *out, const float *q, const kv_cache_view *view, int
         first = results(kernel)["tests"][0]["output"]
         assert "refused 13 refused 13" in first, first
         # lab 15's hidden tests hold the reference scheduler, and kvlab the bundled model's
-        # weights (a drafter that runs them in NumPy): kvlab-student reads neither
+        # weights (a drafter that runs them in NumPy): kvlab-student reads neither; nor can
+        # it start a process (whose CPU time could escape the judge's meter) or a thread
         capstone = unpack(build("serving_capstone", top / "serving_capstone.zip", INSTRUCTOR),
                           top / "capstone")
         weights = next(venv.glob("lib/python3*/site-packages/kvlab/assets/shakespeare-1m.bin"))
@@ -287,12 +288,22 @@ for path in ({str(capstone / "source" / "tests" / "serving_capstone.py")!r}, {st
         seen.append("opened " + path)
     except OSError as error:
         seen.append(type(error).__name__)
+import shutil as _ue
+import threading
+for start in (_ue.os.fork, threading.Thread(target=print).start):
+    try:
+        if start() == 0:
+            _ue.os._exit(0)
+        seen.append("started")
+    except (OSError, RuntimeError) as error:
+        seen.append(type(error).__name__)
 raise RuntimeError(" ".join(seen))
 ''')
         run = run_autograder(capstone, env)
         assert run.returncode == 0, run.stderr
         said = results(capstone)["output"]
-        assert "RuntimeError: PermissionError PermissionError" in said, said
+        assert "RuntimeError: PermissionError PermissionError BlockingIOError RuntimeError" \
+            in said, said
     finally:
         shutil.rmtree(top, ignore_errors=True)
 
