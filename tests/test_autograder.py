@@ -290,10 +290,11 @@ for path in ({str(capstone / "source" / "tests" / "serving_capstone.py")!r}, {st
         seen.append(type(error).__name__)
 import shutil as _ue
 import threading
-for start in (_ue.os.fork, threading.Thread(target=print).start):
+_os, _sys = _ue.os, _ue.sys                      # os by another name, past the source check
+for start in (_os.fork, threading.Thread(target=print).start):
     try:
         if start() == 0:
-            _ue.os._exit(0)
+            _os._exit(0)
         seen.append("started")
     except (OSError, RuntimeError) as error:
         seen.append(type(error).__name__)
