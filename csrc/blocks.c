@@ -351,6 +351,31 @@ kv_status kv_blocks_reuse_prefix(kv_blocks *p, int seq, const int32_t *tokens, i
 }
 /* [end ch04-kv-blocks-reuse-prefix] */
 
+/* Which blocks kv_blocks_reuse_prefix's walk from the root can reach (see kvlab.h). A
+ * registered block is reachable when its parent is, in the generation it was registered
+ * under (lookup's test); the passes settle one level of every chain each, so a chain's
+ * depth (at most max_blocks_per_seq) bounds them, and a block still unsettled after them
+ * (a chain that never reaches the root) is not findable. */
+void kv_blocks_findable(const kv_blocks *p, int32_t *findable) {
+    enum { UNSETTLED = -3, NOT_FOUND = -2 };
+    for (int b = 0; b < p->num_blocks; b++)
+        findable[b] = p->prefix_cache && p->registered[b] ? UNSETTLED : NOT_FOUND;
+    for (int changed = 1, pass = 0; changed && pass <= p->max_blocks_per_seq; pass++) {
+        changed = 0;
+        for (int b = 0; b < p->num_blocks; b++) {
+            if (findable[b] != UNSETTLED) continue;
+            int32_t parent = p->parent[b];
+            if (parent < 0) findable[b] = -1;
+            else if (findable[parent] == NOT_FOUND ||
+                     p->parent_generation[b] != p->generation[parent]) findable[b] = NOT_FOUND;
+            else if (findable[parent] != UNSETTLED) findable[b] = parent;
+            changed |= findable[b] != UNSETTLED;
+        }
+    }
+    for (int b = 0; b < p->num_blocks; b++)
+        if (findable[b] == UNSETTLED) findable[b] = NOT_FOUND;
+}
+
 /* [quote ch09-kv-blocks-truncate] */
 kv_status kv_blocks_truncate(kv_blocks *p, int seq, int length) {
     kv_status status = kv_blocks_seq_check(p, seq);

@@ -360,6 +360,11 @@ kv_status kv_blocks_seq_fork(kv_blocks *blocks, int seq, int *child);
  * tokens[0 .. max_tokens) and set its length; *n_reused = tokens covered. */
 kv_status kv_blocks_reuse_prefix(kv_blocks *blocks, int seq, const int32_t *tokens,
                                  int max_tokens, int *n_reused);
+/* Which blocks the prefix cache can find by their tokens (what kv_blocks_reuse_prefix's
+ * walk from the root can reach, used or cached): findable[b] (num_blocks entries) is b's
+ * parent block, -1 for the first block of a chain, or -2 where b cannot be found. Changes
+ * nothing: a lookup-only view, for checking a prefix cache written elsewhere (kvlab.plugins). */
+void kv_blocks_findable(const kv_blocks *blocks, int32_t *findable);
 /* Blocks that can be handed out now: free ones, and cached ones that would be evicted. */
 int kv_blocks_available(const kv_blocks *blocks);
 /* How many blocks kv_blocks_reserve(blocks, seq, n_tokens) would take (new blocks, plus one

@@ -82,7 +82,8 @@ from .pool_space import PoolSpace, check_request_fits, check_swap, pool_for
 from .quant import CacheFormat
 from .sampling import sample as sample_token
 from .plugins import (AllocatorMirror, MirroredPool, PluginError,  # noqa: F401 (re-exported)
-                      check_scheduler, checked_plan, make_allocator)
+                      PrefixMirror, check_scheduler, checked_plan, make_allocator,
+                      make_prefix_cache)
 from .slo import StepWork
 from .scheduler import Request, SamplingParams, ScheduledStep, Scheduler, Sequence, State
 from .speculative import (Drafter, SpeculationStats, check_drafter, keep_until_stop,
@@ -151,7 +152,8 @@ class Engine:
                  speculate: Optional[Drafter] = None, draft_tokens: int = 4,
                  clock: Callable[[], float] = time.perf_counter,
                  preemption: str = "recompute", swap_space: Optional[int] = None,
-                 scheduler=None, drafter: Optional[Drafter] = None, allocator=None):
+                 scheduler=None, drafter: Optional[Drafter] = None, allocator=None,
+                 prefix_cache=None):
         """Serve `model` from `pool`, or from a pool of its own made here with
         model.new_paged_pool(num_blocks, block_size (16), dtype ("fp32")). max_batch_tokens
         bounds the tokens of one forward call (drafts included), max_batch_seqs its
@@ -171,7 +173,9 @@ class Engine:
         scheduler, an object whose plan(view) says who runs each step (requests of one
         sample only); drafter, the same as speculate (give one of the two); allocator, a
         class with lab 5's interface, made here with (num_blocks, block_size) and driven in
-        step with the engine's pool (made here, with no prefix cache), checked each step."""
+        step with the engine's pool (made here, with no prefix cache), checked each step;
+        prefix_cache, a class made here with (block_size), told which prefixes the pool's
+        cache finds and asked what each admission reuses, checked before the pool changes."""
         speculate, self.policy = _plugins(speculate, drafter, scheduler)
         if speculate is not None:
             draft_tokens = arguments.positive(draft_tokens, "draft_tokens")
@@ -179,6 +183,9 @@ class Engine:
         if allocator is not None and pool is not None:
             raise TypeError("allocator= follows a pool the engine makes itself (with no "
                             "prefix cache): pass num_blocks (block_size, dtype), not a pool")
+        if allocator is not None and prefix_cache is not None:
+            raise TypeError("allocator= follows a pool with no prefix cache, which a "
+                            "prefix_cache= plug-in would mirror: give one of the two")
         pool = pool_for(model, pool, num_blocks, block_size, dtype,
                         prefix_cache=allocator is None)
         if speculate is not None and pool.window:
@@ -204,6 +211,9 @@ class Engine:
             self._mirror = AllocatorMirror(make_allocator(allocator, pool.num_blocks,
                                                           pool.block_size), pool)
             self.pool = pool = MirroredPool(pool, self._mirror)
+        self._prefix = None              # asked at admission, beside the pool's cache
+        if prefix_cache is not None:
+            self._prefix = PrefixMirror(make_prefix_cache(prefix_cache, pool.block_size), pool)
         self.space = PoolSpace(pool, self.swap_space, self._swapped_bytes)
         self.requests: Dict[int, Request] = {}
         self.metrics: List[StepResult] = []
@@ -295,11 +305,16 @@ class Engine:
     # [end ch05-engine-step-runs]
 
     def _plan(self, number: int, failed: Dict[int, str]) -> ScheduledStep:
-        """The scheduler's plan: the engine's own, or a plug-in's, checked (PluginError)."""
+        """The scheduler's plan: the engine's own, or a plug-in's, checked (PluginError);
+        with a prefix cache plug-in, its match() of each admission checked too."""
         if self.policy is None:
-            return self.scheduler.plan(self.space, leaving=failed)
-        return checked_plan(self.policy, self.scheduler, self.space, number, failed,
-                            self._clock())
+            plan = self.scheduler.plan(self.space, leaving=failed)
+        else:
+            plan = checked_plan(self.policy, self.scheduler, self.space, number, failed,
+                                self._clock())
+        if self._prefix is not None:     # its answers checked before the pool changes
+            self._prefix.check_admissions(plan)
+        return plan
 
     def _run(self, plan: ScheduledStep, number: int, failed: Dict[int, str]) -> _Outcome:
         """The run phase. A KeyboardInterrupt that one of its calls raises (not Ctrl-C, which

@@ -5,6 +5,7 @@ engine correct whatever that code does.
                           scheduler=MyScheduler(),      # who runs each step, how many tokens
                           drafter=MyDrafter(),          # guesses of the next tokens
                           allocator=MyBlockAllocator)   # lab 5's class: checked block tables
+    # or, instead of allocator=, prefix_cache=MyPrefixCache: which prefixes are cached
 
 Every plug-in works on plain data (ints and lists) and is asked, never trusted: the engine
 keeps its own queues, pool and tokens, checks each answer before it acts on it, and raises
@@ -30,9 +31,25 @@ allocator:  a class with lab 5's interface (BlockAllocator(num_blocks, block_siz
             holds K and V; the allocator is driven in step with it, every sequence made,
             grown, forked, cut or freed, and after every step its tables and free blocks
             must agree with the pool's.
-A prefix cache is not a plug-in: the pool's is C, and lab 7's interface allocates a whole
-prompt at admission where the pool allocates chunk by chunk, so the two could not be
-compared step by step (that needs a lookup half in the interface).
+prefix_cache: a class called with (block_size) whose object keeps which token prefixes
+            the pool's prefix cache holds, told and asked on lists of ints:
+              insert(tokens)  the cache now finds tokens (a whole number of blocks, its
+                              last block new; every shorter such prefix was inserted first)
+              remove(tokens)  it no longer finds them (evicted, or cut by a truncate;
+                              every longer prefix through them was removed first)
+              match(tokens)   -> how many leading tokens of a context being admitted (a
+                              prompt, or a preempted request's prompt and tokens so far)
+                              the engine reuses from the cache: the longest inserted
+                              prefix, whole blocks, at most len(tokens) - 1 (the last
+                              token is always run: its logits choose the next)
+            The pool's cache (C) stays the one that decides; the plug-in is driven beside
+            it (PrefixMirror): before a step's admissions change the pool, it is told what
+            the cache gained and lost (pool.prefix_parents, a lookup-only view) and asked
+            match() for each admitted context, and an answer that is not the pool's stops
+            the step (PluginError) before the pool changes. (With preemption="swap", a
+            swap-in in the same step may change what the pool finds after the check.) It
+            needs the pool's own cache, so it does not go with allocator= (whose pool
+            caches nothing).
 Written on plain values (the capstone lab's, or one in another process): PlainScheduler
 and PlainDrafter adapt a plan(dict) -> dict and a propose(list, k) to the above.
 """
@@ -40,6 +57,8 @@ from __future__ import annotations
 
 import dataclasses
 from typing import Dict, List, Tuple
+
+import numpy as np
 
 from . import arguments
 from .blocks import blocks_for
@@ -370,6 +389,108 @@ class AllocatorMirror:
         if free != self.pool.available_blocks:
             raise PluginError(f"the allocator plug-in has {free!r} free blocks; the pool "
                               f"{self.pool.available_blocks}")
+
+
+# ---- the prefix cache: told what the pool's cache finds, asked what it would reuse -----------
+PREFIX_CACHE_METHODS = ("insert", "remove", "match")
+
+
+def make_prefix_cache(cls, block_size: int):
+    """A prefix cache plug-in: a class (or a function) called with (block_size); its object
+    must have every method of PREFIX_CACHE_METHODS."""
+    if not callable(cls):
+        raise TypeError(f"prefix_cache takes a class called as cls(block_size), with "
+                        f"{', '.join(PREFIX_CACHE_METHODS)}, got {_what(cls)}")
+    cache = _ask("prefix cache", "constructor", cls, block_size)
+    missing = [m for m in PREFIX_CACHE_METHODS if not callable(getattr(cache, m, None))]
+    if missing:
+        raise TypeError(f"the prefix cache plug-in has no {', '.join(missing)} (the "
+                        f"interface: {', '.join(PREFIX_CACHE_METHODS)}; see kvlab.plugins)")
+    return cache
+
+
+def findable_prefixes(pool) -> Dict[Tuple[int, ...], int]:
+    """Every token prefix the pool's prefix cache finds now, each a whole number of blocks,
+    with the block that ends it: the chains of pool.prefix_parents, each block's tokens
+    after its parent's."""
+    parents, tokens = pool.prefix_parents, pool.block_tokens
+    prefix_of: Dict[int, Tuple[int, ...]] = {-1: ()}
+    for block in np.flatnonzero(parents >= -1).tolist():
+        chain = []
+        while block not in prefix_of:          # up to a block done already, or the root
+            chain.append(block)
+            block = int(parents[block])
+        for b in reversed(chain):
+            prefix_of[b] = prefix_of[block] + tuple(tokens[b].tolist())
+            block = b
+    del prefix_of[-1]
+    return {prefix: block for block, prefix in prefix_of.items()}
+
+
+class PrefixMirror:
+    """A prefix cache plug-in driven beside the pool's own (the module text): told what the
+    pool's cache gained and lost, then asked match() for each context a step admits, before
+    the pool changes; an answer that is not the pool's raises PluginError."""
+
+    def __init__(self, cache, pool):
+        self.cache, self.pool = cache, pool
+        self.known: set = set()    # the prefixes the plug-in was told the cache finds
+        self.asked = self.matched = 0      # match() calls, and the tokens they found
+
+    def sync(self) -> None:
+        """remove() what the cache lost since the last sync, longest first, then insert()
+        what it gained, shortest first (each noted as told once its call returned)."""
+        now = findable_prefixes(self.pool)
+        for prefix in sorted(self.known - now.keys(), key=len, reverse=True):
+            _ask("prefix cache", "remove()", self.cache.remove, list(prefix))
+            self.known.discard(prefix)
+        for prefix in sorted(now.keys() - self.known, key=len):
+            _ask("prefix cache", "insert()", self.cache.insert, list(prefix))
+            self.known.add(prefix)
+
+    def expected(self, tokens) -> int:
+        """What pool.reuse_prefix(seq, tokens[:-1]) finds: the longest known prefix of whole
+        blocks short of the last token."""
+        size, n = self.pool.block_size, 0
+        while n + size < len(tokens) and tuple(tokens[:n + size]) in self.known:
+            n += size
+        return n
+
+    def check_admissions(self, plan: ScheduledStep) -> None:
+        """match() for every sequence the plan admits that will look its tokens up (not
+        one coming back from host memory), checked against the pool's cache as it is now."""
+        for request in plan.admitted:
+            for seq in request.active():
+                if seq.handle is None and seq.swapped is None:
+                    self.check(seq.tokens)
+
+    def check(self, tokens) -> int:
+        self.sync()
+        answer = _ask("prefix cache", "match()", self.cache.match, [int(t) for t in tokens])
+        if isinstance(answer, bool) or not isinstance(answer, (int, np.integer)):
+            raise PluginError(f"the prefix cache plug-in's match() must return an int (the "
+                              f"tokens cached), got {arguments.shown(answer)}")
+        want = self.expected(tokens)
+        if answer != want:
+            raise PluginError(f"the prefix cache plug-in's match() of a context of "
+                              f"{len(tokens)} tokens says {answer} are cached; the pool's "
+                              f"cache holds {want}: "
+                              f"{_match_rule(int(answer), want, len(tokens), self.pool.block_size)}")
+        self.asked, self.matched = self.asked + 1, self.matched + want
+        return want
+
+
+def _match_rule(answer: int, want: int, n_tokens: int, size: int) -> str:
+    """The rule a wrong match() answer broke, in words."""
+    if answer < 0:
+        return "a count of tokens, 0 or more"
+    if answer % size:
+        return f"whole blocks only (a multiple of block_size={size})"
+    if answer >= n_tokens:
+        return "at most len(tokens) - 1: the last token is always run (its logits choose the next)"
+    if answer > want:
+        return "it claims blocks the cache does not find (removed, or never inserted)"
+    return "it misses inserted blocks (the longest inserted prefix counts)"
 
 
 # ---- plug-ins written on plain values (the capstone lab's; one in another process) ----------

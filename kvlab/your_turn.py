@@ -146,7 +146,7 @@ def answer(chapter: str, question: int, value) -> bool:
               f"({wanted.unit}); the kit works out {_number(expected)}.")
         return True
     hint = f" Hint: {wanted.hint}" if wanted.hint else ""
-    how_far = (f"is more than {wanted.rel_tol:.0%} away from the answer" if wanted.rel_tol > 0
+    how_far = (f"is more than {wanted.rel_tol * 100:g}% away from the answer" if wanted.rel_tol > 0
                else "is not the answer")
     print(f"not yet: question {question} of {chapter}: {_number(got)} ({wanted.unit}) "
           f"{how_far}.{hint}")

@@ -1,4 +1,4 @@
-"""kvlab.plugins: a student's scheduler, drafter and block allocator plugged into
+"""kvlab.plugins: a student's scheduler, drafter, block allocator and prefix cache plugged into
 kvlab.Engine. Good plug-ins give kvlab.generate's tokens; a plug-in that answers nonsense
 gets a PluginError naming the rule, before the pool changes, and never a wrong token."""
 import pytest
@@ -351,3 +351,158 @@ def test_the_view_carries_the_engines_clock(model):
     engine.add_request("ROMEO:", kvlab.SamplingParams(max_new_tokens=4))
     engine.run(progress=False)
     assert seen[0] == 0.0 and seen == sorted(seen) and seen[-1] < clock()
+
+
+# ---- the prefix cache plug-in ------------------------------------------------------------------
+class PrefixTrie:
+    """The prefix cache interface, written for these tests: a tree of blocks (each node a
+    dict from a block's tokens to the node after it)."""
+
+    def __init__(self, block_size):
+        self.size, self.root, self.removed = block_size, {}, 0
+
+    def _node(self, tokens):
+        node = self.root
+        for i in range(0, len(tokens), self.size):
+            node = node[tuple(tokens[i:i + self.size])]
+        return node
+
+    def insert(self, tokens):
+        self._node(tokens[:-self.size])[tuple(tokens[-self.size:])] = {}
+
+    def remove(self, tokens):
+        del self._node(tokens[:-self.size])[tuple(tokens[-self.size:])]
+        self.removed += 1
+
+    def match(self, tokens):
+        node, n = self.root, 0
+        while n + self.size < len(tokens) and tuple(tokens[n:n + self.size]) in node:
+            node, n = node[tuple(tokens[n:n + self.size])], n + self.size
+        return n
+
+    def prefixes(self, node=None, before=()):
+        for block, child in (self.root if node is None else node).items():
+            yield before + block
+            yield from self.prefixes(child, before + block)
+
+
+SYSTEM = "First Citizen:\nBefore we proceed any further, hear me speak.\n"
+SHARED = [SYSTEM + end for end in ("ROMEO:", "All:\nSpeak, speak.", "KING", "JULIET: O")] * 2
+
+
+@pytest.fixture(scope="module")
+def shared_expected(model):
+    return [kvlab.generate(model, p, 20).tokens for p in SHARED]
+
+
+def serve_shared(model, prefix_cache, num_blocks=26, **options):
+    """SHARED on a pool that holds two requests (a prompt and its tokens take 25 blocks)."""
+    engine = kvlab.Engine(model, num_blocks=num_blocks, block_size=4, max_batch_tokens=16,
+                          prefix_cache=prefix_cache, **options)
+    for p in SHARED:
+        engine.add_request(p, kvlab.SamplingParams(max_new_tokens=20))
+    return engine
+
+
+@pytest.mark.parametrize("options", [{}, {"num_blocks": 80}, {"preemption": "swap"},
+                                     {"scheduler": FirstComeFirstServed()},
+                                     {"drafter": PromptLookup()}])
+def test_a_prefix_cache_plug_in_follows_the_pools_cache(model, shared_expected, options):
+    engine = serve_shared(model, PrefixTrie, **options)
+    outputs = engine.run(progress=False)
+    assert [outputs[i].outputs[0].tokens for i in range(len(SHARED))] == shared_expected
+    mirror = engine._prefix
+    assert mirror.asked >= len(SHARED) and mirror.matched > 0    # it was asked, and hit
+    mirror.sync()          # what it holds then is what the pool's cache finds
+    assert set(mirror.cache.prefixes()) == set(kvlab.plugins.findable_prefixes(engine.pool))
+    if options.get("num_blocks") is None and "preemption" not in options:
+        assert mirror.cache.removed > 0                          # the tight pool evicted
+        assert sum(r.preemptions for r in engine.metrics) > 0     # and preempted
+    engine.pool.check()
+
+
+def test_the_pools_findable_prefixes_are_what_it_reuses(model):
+    """findable_prefixes (pool.prefix_parents' chains): for every prompt served, the
+    longest whole-block prefix it holds is what reuse_prefix attaches."""
+    engine = kvlab.Engine(model, num_blocks=24, block_size=4, max_batch_tokens=32)
+    for p in SHARED + PROMPTS:
+        engine.add_request(p, kvlab.SamplingParams(max_new_tokens=6))
+    engine.run(progress=False)
+    mirror = kvlab.plugins.PrefixMirror(PrefixTrie(4), engine.pool)
+    mirror.sync()
+    found = 0
+    for p in SHARED + PROMPTS:
+        tokens = model.encode(p) + [7]
+        seq = engine.pool.new_sequence()
+        assert engine.pool.reuse_prefix(seq, tokens[:-1]) == mirror.expected(tokens) \
+            == mirror.cache.match(tokens)
+        found += seq.length
+        engine.pool.free(seq)
+    assert found > 0
+
+
+class NeverForgets(PrefixTrie):
+    def remove(self, tokens):            # the planted mistake: evicted blocks stay "cached"
+        pass
+
+
+class CountsTheLastToken(PrefixTrie):
+    def match(self, tokens):             # the planted mistake: the last token's block too
+        node, n = self.root, 0
+        while n + self.size <= len(tokens) and tuple(tokens[n:n + self.size]) in node:
+            node, n = node[tuple(tokens[n:n + self.size])], n + self.size
+        return n
+
+
+class AnswersAFloat(PrefixTrie):
+    def match(self, tokens):
+        return float(super().match(tokens))
+
+
+@pytest.mark.parametrize("cache, message", [
+    (NeverForgets, "claims blocks the cache does not find"),
+    (CountsTheLastToken, "at most len\\(tokens\\) - 1"),
+    (AnswersAFloat, "must return an int")])
+def test_a_wrong_prefix_cache_is_caught_before_the_pool_changes(model, cache, message):
+    engine = serve_shared(model, cache)
+    for p in [SYSTEM[:24], SYSTEM[:24]]:     # 24 tokens, all cached (SHARED start so)
+        engine.add_request(p, kvlab.SamplingParams(max_new_tokens=4))
+    with pytest.raises(PluginError, match=message):
+        while True:
+            before = (engine.pool.stats(), [r.id for r in engine.scheduler.running],
+                      [r.id for r in engine.scheduler.waiting])
+            engine.step()
+    assert (engine.pool.stats(), [r.id for r in engine.scheduler.running],
+            [r.id for r in engine.scheduler.waiting]) == before
+    engine.pool.check()
+
+
+class WrongOnce(PrefixTrie):
+    """Answers one block too many at its `at`-th match() call, right otherwise."""
+
+    def __init__(self, block_size, at=3):
+        super().__init__(block_size)
+        self.calls, self.at = 0, at
+
+    def match(self, tokens):
+        self.calls += 1
+        return super().match(tokens) + (self.size if self.calls == self.at else 0)
+
+
+def test_a_run_stopped_by_a_wrong_match_goes_on_exactly(model, shared_expected):
+    engine = serve_shared(model, WrongOnce)
+    with pytest.raises(PluginError, match="match\\(\\) of a context"):
+        engine.run(progress=False)
+    outputs = engine.run(progress=False)     # asked again: right this time
+    assert [outputs[i].outputs[0].tokens for i in range(len(SHARED))] == shared_expected
+
+
+def test_a_prefix_cache_plug_in_is_checked_at_entry(model):
+    with pytest.raises(TypeError, match="give one of the two"):
+        kvlab.Engine(model, num_blocks=8, allocator=Allocator, prefix_cache=PrefixTrie)
+    with pytest.raises(TypeError, match="has no insert, remove"):
+        kvlab.Engine(model, num_blocks=8, prefix_cache=lambda size: object())
+    with pytest.raises(TypeError, match="cls\\(block_size\\)"):
+        kvlab.Engine(model, num_blocks=8, prefix_cache=PrefixTrie(16))    # an object
+    with pytest.raises(PluginError, match="constructor raised"):
+        kvlab.Engine(model, num_blocks=8, prefix_cache=lambda size: 1 / 0)

@@ -160,6 +160,16 @@ static PyObject *blocks_get_block_tokens(BlocksObject *self, void *closure) {
     return blocks_view(self, self->blocks->tokens, NPY_INT32, 2, dims);
 }
 
+/* A new array (not a view: it is computed, and stays as it was when asked). */
+static PyObject *blocks_get_prefix_parents(BlocksObject *self, void *closure) {
+    if (kv_py_blocks_ready(self) < 0) return NULL;
+    npy_intp dims[1] = {self->blocks->num_blocks};
+    PyObject *array = PyArray_SimpleNew(1, dims, NPY_INT32);
+    if (array != NULL)
+        kv_blocks_findable(self->blocks, (int32_t *)PyArray_DATA((PyArrayObject *)array));
+    return array;
+}
+
 static PyObject *int_list(const int32_t *values, int n) {
     PyObject *list = PyList_New(n);
     for (int i = 0; list != NULL && i < n; i++) {
@@ -471,6 +481,9 @@ static PyGetSetDef blocks_getset[] = {
     {"fill", (getter)blocks_get_fill, NULL, "Rows written per block (view).", NULL},
     {"block_tokens", (getter)blocks_get_block_tokens, NULL,
      "Token id of every written row, (num_blocks, block_size) (view).", NULL},
+    {"prefix_parents", (getter)blocks_get_prefix_parents, NULL,
+     "Per block, what the prefix cache finds by tokens: the block before it in its chain\n"
+     "(-1: a chain's first), or -2 if the cache cannot find it (a new array).", NULL},
     {"free_blocks", (getter)blocks_get_free_blocks, NULL, "Free block ids, next to be used last.", NULL},
     {"cached_blocks", (getter)blocks_get_cached_blocks, NULL,
      "Unreferenced blocks kept for prefix reuse, least recently used first.", NULL},

@@ -299,3 +299,50 @@ def test_goodput_reaches_halfway_to_the_reference(sub, rng):
 def test_goodput_reaches_the_reference(sub, rng):
     """goodput at least 85 % of the way from kvlab's default engine's to the reference policy's"""
     tier(sub, rng, GOODPUT_TIERS[2])
+
+
+# ---- the prefix cache (its own engine run, beside the pool's cache) ---------------------------
+PREFIX_ENGINE = dict(num_blocks=20, block_size=8, max_batch_tokens=32)
+
+
+def draw_shared_prompts(rng, n_requests=14, size=PREFIX_ENGINE["block_size"]):
+    """Three system prompts of 2 to 6 whole blocks cut from the text; each request one of
+    them, then 1 to 12 tokens of its own, or nothing (every fourth request, and three in
+    ten of the others): a prompt of whole blocks, all of it cached when a request before it
+    had the same system prompt, but the last token's block, which is run. The 10th and
+    11th are instead prompts of 8 to 10 blocks of their own, which evict much of what is
+    cached before the last three come back to the system prompts. 4 to 12 new tokens each,
+    on 20 blocks."""
+    ids = text()
+    systems = []
+    for _ in range(3):
+        length = size * int(rng.integers(2, 7))
+        start = int(rng.integers(0, len(ids) - length))
+        systems.append(ids[start:start + length])
+    requests = []
+    for i in range(n_requests):
+        if i in (9, 10):
+            own, system = size * int(rng.integers(8, 11)), []
+        else:
+            own = 0 if i % 4 == 3 or rng.random() < 0.3 else int(rng.integers(1, 13))
+            system = systems[int(rng.integers(3))]
+        start = int(rng.integers(0, len(ids) - own))
+        requests.append((system + ids[start:start + own], int(rng.integers(4, 13))))
+    return requests
+
+
+@points(3)
+def test_the_prefix_cache_answers_what_the_pools_cache_holds(sub, rng):
+    """your PrefixCache beside the pool's prefix cache, on 14 drawn requests sharing 3 drawn system prompts (some whole, repeated; two long ones that evict them between) on a pool of 20 blocks: every match() exactly the pool's reuse, every token kvlab.generate's"""
+    requests = draw_shared_prompts(rng)
+    engine = kvlab.Engine(model(), **PREFIX_ENGINE,
+                          prefix_cache=lambda size: sub.PrefixCache(size))
+    for prompt, new_tokens in requests:
+        engine.add_request(prompt, kvlab.SamplingParams(max_new_tokens=new_tokens))
+    try:
+        outputs = engine.run(progress=False)
+    except PluginError as error:
+        raise stopped(error) from None
+    for rid, (prompt, new_tokens) in enumerate(requests):
+        want, got = generated(tuple(prompt), new_tokens), outputs[rid].outputs[0].tokens
+        assert got == want, f"request {rid} got {got[:12]}..., kvlab.generate gives {want[:12]}..."

@@ -11,6 +11,8 @@ own first-come-first-served scheduler or more.
 Drafter: prompt lookup that drafts only after a match of MIN_MATCH tokens or more: a draft
 costs a token's work kept or not, so only confident guesses pay.
 BlockAllocator: lab 5's, with truncate.
+PrefixCache: a tree of blocks (each node a dict from a block's tokens to the node after
+it), walked block by block; match stops before the block that holds the last token.
 """
 import math
 
@@ -167,3 +169,35 @@ class BlockAllocator:
 
     def num_free_blocks(self):
         return len(self.unused)
+
+
+class PrefixCache:
+    def __init__(self, block_size):
+        self.block_size = block_size
+        self.root = {}                # a block's tokens (a tuple) -> the node after it
+
+    def _blocks(self, tokens):
+        size = self.block_size
+        return [tuple(tokens[i:i + size]) for i in range(0, len(tokens), size)]
+
+    def _node_before(self, blocks):
+        node = self.root
+        for block in blocks[:-1]:
+            node = node[block]
+        return node
+
+    def insert(self, tokens):
+        blocks = self._blocks(tokens)
+        self._node_before(blocks)[blocks[-1]] = {}
+
+    def remove(self, tokens):
+        blocks = self._blocks(tokens)
+        del self._node_before(blocks)[blocks[-1]]
+
+    def match(self, tokens):
+        node, n = self.root, 0
+        for block in self._blocks(tokens[:len(tokens) - 1]):   # the last token is run
+            if len(block) < self.block_size or block not in node:
+                break
+            node, n = node[block], n + self.block_size
+        return n

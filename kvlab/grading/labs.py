@@ -118,8 +118,8 @@ LABS: Dict[str, Lab] = {lab.name: lab for lab in (
     Lab("decode_kernel", 14, "A decode-attention kernel in C over a paged int8 cache, at the "
         "memory's speed", "07_gpu_kernels", 20, "a decode-attention kernel", language="c",
         extra_files=("decode_kernel.h",)),
-    Lab("serving_capstone", 15, "The capstone: your scheduler, drafter and block allocator "
-        "in kvlab's Engine, scored by goodput under an SLO", "11_serving_at_scale", 20,
+    Lab("serving_capstone", 15, "The capstone: your scheduler, drafter, block allocator and "
+        "prefix cache in kvlab's Engine, scored by goodput under an SLO", "11_serving_at_scale", 23,
         "the plug-ins of a serving engine", max_processes=1),
 )}
 

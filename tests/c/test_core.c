@@ -724,6 +724,27 @@ static void test_block_manager(void) {
     kv_blocks_free(&blocks);
 }
 
+/* kv_blocks_findable: the blocks reuse_prefix's walk reaches, and no others (a cached
+ * child whose parent left the cache is still registered, but not findable) */
+static void test_block_findable(void) {
+    kv_blocks blocks;
+    kv_block_copy copies[1];
+    int n_copies, a, b, reused;
+    int32_t tokens[10] = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10}, findable[4];
+    CHECK(kv_blocks_init(&blocks, 4, 4, 3, 3) == KV_OK);
+    CHECK(kv_blocks_seq_new(&blocks, &a) == KV_OK);
+    CHECK(kv_blocks_reserve(&blocks, a, 10, copies, &n_copies) == KV_OK);
+    CHECK(kv_blocks_commit(&blocks, a, tokens, 10) == KV_OK);      /* blocks 0, 1 full */
+    kv_blocks_findable(&blocks, findable);
+    CHECK(findable[0] == -1 && findable[1] == 0 && findable[2] == -2 && findable[3] == -2);
+    CHECK(kv_blocks_truncate(&blocks, a, 2) == KV_OK);   /* 1 cached; 0, cut alone, leaves */
+    kv_blocks_findable(&blocks, findable);
+    CHECK(blocks.registered[1] && findable[1] == -2 && findable[0] == -2);
+    CHECK(kv_blocks_seq_new(&blocks, &b) == KV_OK);
+    CHECK(kv_blocks_reuse_prefix(&blocks, b, tokens, 8, &reused) == KV_OK && reused == 0);
+    kv_blocks_free(&blocks);
+}
+
 /* truncate: blocks past the cut released; a block cut in two that the sequence holds alone
  * leaves the prefix cache, one it shares stays and is copied on the next write */
 static void test_block_truncate(void) {
@@ -1954,6 +1975,7 @@ int main(int argc, char **argv) {
     test_pool();
     test_block_manager();
     test_block_truncate();
+    test_block_findable();
     test_store_formats();
     test_model_weight_formats();
     test_model_paths_agree(4, 4, 6, NULL);   /* MHA */

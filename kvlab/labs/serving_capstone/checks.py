@@ -1,7 +1,7 @@
 """Public self-checks for lab 15 (the serving capstone):
 `kvlab check serving_capstone serving_capstone.py`.
 
-One small case for each of your three objects, without the engine. The grade comes from
+One small case for each of your four objects, without the engine. The grade comes from
 hidden tests that run them inside kvlab.Engine on drawn workloads (see the README).
 """
 from kvlab.grading.testkit import points
@@ -64,3 +64,19 @@ def test_the_allocator_forks_and_truncates(sub, rng):
         f"the cut block is held by the parent alone: expected ref counts [2, 1], got "
         f"{[alloc.ref_count(b) for b in table]}")
     assert alloc.num_free_blocks() == 6, f"2 of 8 blocks used: expected 6 free"
+
+
+@points(1)
+def test_the_prefix_cache_matches_whole_blocks_before_the_last_token(sub, rng):
+    """blocks of 4: 8 tokens inserted (two blocks), then the second removed: match counts whole blocks held, never the last token's"""
+    cache = sub.PrefixCache(4)
+    tokens = [5, 9, 2, 7, 1, 3, 8, 6, 4]
+    cache.insert(tokens[:4])
+    cache.insert(tokens[:8])
+    assert cache.match(tokens) == 8, f"9 tokens, the first 8 held: expected 8, got {cache.match(tokens)!r}"
+    assert cache.match(tokens[:8]) == 4, (
+        f"8 tokens, all held: the last is always run, so expected 4, got {cache.match(tokens[:8])!r}")
+    assert cache.match(tokens[:6]) == 4, f"6 tokens: one whole block held, got {cache.match(tokens[:6])!r}"
+    assert cache.match([5, 9, 2, 0, 1, 3, 8, 6, 4]) == 0, "a first block that differs: nothing held"
+    cache.remove(tokens[:8])
+    assert cache.match(tokens) == 4, f"after remove(the 8 tokens): expected 4, got {cache.match(tokens)!r}"

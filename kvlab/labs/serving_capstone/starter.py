@@ -1,8 +1,8 @@
-"""Lab 15, the capstone: your scheduler, drafter and block allocator, plugged into kvlab's
-serving engine and scored by goodput. Fill in every method marked TODO.
+"""Lab 15, the capstone: your scheduler, drafter, block allocator and prefix cache, plugged
+into kvlab's serving engine and scored by goodput. Fill in every method marked TODO.
 
 The grader runs kvlab.Engine (the real one: the C core, the paged pool, the bundled model)
-on a workload it draws, with your three objects plugged in (kvlab/plugins.py), on a virtual
+on a workload it draws, with your objects plugged in (kvlab/plugins.py), on a virtual
 clock that moves by what each step computes (kvlab/slo.py). It checks your outputs first
 (every request's tokens exactly kvlab.generate's) and then scores your goodput: requests a
 second served within the SLO below.
@@ -136,6 +136,39 @@ class BlockAllocator:
         raise NotImplementedError("BlockAllocator.num_free_blocks")
 
 
+class PrefixCache:
+    """Which token prefixes the engine's prefix cache holds. The pool's own cache (C) keeps
+    the K and V and decides what stays; the engine tells you what it gained (insert) and
+    lost (remove), and asks you, for every request it admits, how much of its context the
+    cache will give it (match). Each answer must be exactly the pool's. One way: a tree of
+    blocks (a radix tree cut at block boundaries, as SGLang's): each node a dict from a
+    block's tokens (a tuple) to the node after it."""
+
+    def __init__(self, block_size):
+        self.block_size = block_size
+        # TODO
+
+    def insert(self, tokens):
+        """The cache now holds `tokens` (a list of ints, a whole number of blocks): their
+        last block is new; every shorter prefix of whole blocks was inserted before."""
+        # TODO
+        raise NotImplementedError("PrefixCache.insert")
+
+    def remove(self, tokens):
+        """The cache no longer holds the last block of `tokens` (evicted to make room, or cut
+        by a truncate): every longer prefix through it was removed before."""
+        # TODO
+        raise NotImplementedError("PrefixCache.remove")
+
+    def match(self, tokens):
+        """How many leading tokens of `tokens` (the context of a request being admitted: its
+        prompt, or, when it was preempted, its prompt and the tokens generated so far) the
+        engine reuses from the cache: the longest prefix held, in whole blocks, and at most
+        len(tokens) - 1 (the last token is always run: its logits choose the next)."""
+        # TODO
+        raise NotImplementedError("PrefixCache.match")
+
+
 if __name__ == "__main__":
     # Try your classes in the real engine on a workload of your own (the grader never runs
     # this block, and here you may use kvlab):
@@ -149,7 +182,10 @@ if __name__ == "__main__":
     for name, plugins in (("kvlab's engine", {}),
                           ("yours", {"scheduler": PlainScheduler(Scheduler()),
                                      "drafter": PlainDrafter(Drafter()),
-                                     "allocator": BlockAllocator})):
+                                     "allocator": BlockAllocator}),
+                          ("yours, with your prefix cache", {
+                              "scheduler": PlainScheduler(Scheduler()),
+                              "drafter": PlainDrafter(Drafter()), "prefix_cache": PrefixCache})):
         report = serving.serve(model, requests, 256, 128, 16, clock="virtual", slo=slo,
                                engine_options=plugins)
         print(f"{name}: goodput {report['goodput']:.1f} requests/s, {report['served']} of "
