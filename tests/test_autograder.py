@@ -274,11 +274,18 @@ void decode_attention(float *out, const float *q, const kv_cache_view *view, int
         assert run.returncode == 0, run.stderr
         first = results(kernel)["tests"][0]["output"]
         assert "refused 13 refused 13" in first, first
-        # lab 15's hidden tests hold the reference scheduler, and kvlab the bundled model's
-        # weights (a drafter that runs them in NumPy): kvlab-student reads neither; nor can
-        # it start a process (whose CPU time could escape the judge's meter) or a thread
+        # lab 15, whose worker may have one process and no thread as kvlab-student: the
+        # reference solution still gets full marks (the plug-ins' CPU time on the clock)
         capstone = unpack(build("serving_capstone", top / "serving_capstone.zip", INSTRUCTOR),
                           top / "capstone")
+        shutil.copy(INSTRUCTOR / "solutions" / "serving_capstone.py",
+                    capstone / "submission" / "serving_capstone.py")
+        run = run_autograder(capstone, env)
+        assert run.returncode == 0, run.stderr
+        assert results(capstone)["score"] == LABS["serving_capstone"].points, results(capstone)
+        # its hidden tests hold the reference scheduler, and kvlab the bundled model's
+        # weights (a drafter that runs them in NumPy): kvlab-student reads neither; nor can
+        # it start a process (whose CPU time could escape the judge's meter) or a thread
         weights = next(venv.glob("lib/python3*/site-packages/kvlab/assets/shakespeare-1m.bin"))
         (capstone / "submission" / "serving_capstone.py").write_text(f'''
 seen = []
