@@ -8,8 +8,8 @@ import time
 import pytest
 
 from kvlab.grading import plugin_cpu
-from kvlab.grading.plugin_cpu import (CALL_ALLOWANCE_S, MOST_SLOWER, PluginMeter, Slowness,
-                                      process_cpu_seconds)
+from kvlab.grading.plugin_cpu import (CALL_ALLOWANCE_S, CREDIT_CALLS, MOST_SLOWER, PluginMeter,
+                                      Slowness, process_cpu_seconds)
 
 linux = pytest.mark.skipif(not plugin_cpu.LINUX, reason="reads /proc and Linux's CPU clocks")
 
@@ -80,20 +80,28 @@ def test_a_detached_process_of_the_worker_is_still_counted():
 
 
 def test_a_call_is_charged_past_its_allowance_and_started_processes_whole():
+    """A call may take its allowance and what the calls before it left (up to
+    CREDIT_CALLS allowances); the rest is charged. Started processes are charged whole."""
     own, started = [1.0], [0.0]
     meter = PluginMeter(123, allowance_s=0.001, cpu=lambda pid: own[0],
                         started=lambda pid: started[0])
-    for used in (0.0005, 0.001, 0.004, 0.0):       # four calls: only the third is charged
+    for used in (0.0005, 0.001, 0.004, 0.0):       # the third call: 1 ms + 0.5 ms left over
         own[0] += used
         meter.called()
-    assert meter() == pytest.approx(0.003) and meter.calls == 4
+    assert meter() == pytest.approx(0.0025) and meter.calls == 4
+    for _ in range(3 * CREDIT_CALLS):              # idle calls: the credit grows to its cap
+        meter.called()
+    own[0] += 0.1
+    meter.called()
+    assert meter() == pytest.approx(0.0025 + 0.1 - 0.001 * (CREDIT_CALLS + 1))
     started[0] = 0.02                                # a child process: every second of it
     own[0] -= 0.5                                    # a reading that goes back: nothing
     meter.called()
-    assert meter() == pytest.approx(0.023)
-    own[0] += 0.5 + 0.002                            # only what passed the highest reading
+    charged = meter()
+    assert charged == pytest.approx(0.0025 + 0.1 - 0.001 * (CREDIT_CALLS + 1) + 0.02)
+    own[0] += 0.5 + 0.003          # only what passed the highest reading, less 2 allowances
     meter.called()
-    assert meter() == pytest.approx(0.024)
+    assert meter() == pytest.approx(charged + 0.001)
 
 
 def test_what_the_worker_computed_before_its_first_call_is_charged_past_its_startup():

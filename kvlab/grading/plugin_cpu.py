@@ -9,24 +9,26 @@ outside the worker and never from a number the worker reports:
 - the worker process's own CPU time, every thread of it (live or ended), after each plug-in
   call (Linux: the process's CPU-time clock, to the nanosecond; elsewhere psutil's, coarser).
   Each call is charged what the process used since the last reading, less an allowance
-  (CALL_ALLOWANCE_S, scaled to the machine's speed now): what the call's round trip itself
-  costs the worker (decoding the question, encoding the answer) and a plain Python answer,
-  which the step's fixed price already holds, as it holds the plan of kvlab's own
-  scheduler. So work a thread of the worker does between calls is charged at the next
-  call, less the same allowance once;
+  (CALL_ALLOWANCE_S, scaled to the machine's speed now, and what the calls before it left
+  unused, up to CREDIT_CALLS allowances): what the call's round trip itself costs the
+  worker (decoding the question, encoding the answer) and a plain Python answer, which the
+  step's fixed price already holds, as it holds the plan of kvlab's own scheduler. So work
+  a thread of the worker does between calls is charged at the next call;
 - the processes the worker started (and the ones they waited for), detached ones included
   (the judge reaps orphans, so they stay below it), charged whole at each step: none of it
-  answers a call (Linux only; elsewhere they are not seen).
-
+  answers a call (Linux only; elsewhere they are not seen);
 - from the worker's start to its first call (the import of the submission, its
   constructors, a thread busy while the judge ran other work): all but STARTUP_ALLOWANCE_S.
 
 What it cannot see: a child process that ends and is reaped without being waited for (its
 parent ignoring SIGCHLD, or with SA_NOCLDWAIT) between two readings: its CPU time is lost
-to every count the kernel keeps that the judge can read. CPU time, unlike the
-engine's prices, depends on the machine and its load, so a run whose plug-ins are charged
-is repeatable only as far as their CPU time is: an honest plug-in stays under the
-allowance, and its run is the same every time.
+to every count the kernel keeps that the judge can read (so on the autograder lab 15's
+worker may start none: kvlab.grading.labs' max_processes). What it leaves free: the
+allowances, about 0.25 s of CPU over a capstone run, which a cheat could spend by
+splitting its work across calls. CPU time, unlike the engine's prices, depends on the
+machine and its load, so a run whose plug-ins are charged is repeatable only as far as
+their CPU time is: an honest plug-in stays within its allowances, and its run is the same
+every time.
 """
 from __future__ import annotations
 
@@ -51,6 +53,12 @@ CALL_ALLOWANCE_S = 0.25e-3
 STARTUP_ALLOWANCE_S = 0.3
 SPEED_JOB_S = 28e-6              # speed_job()'s best CPU time on that machine, quiet
 MOST_SLOWER = 4.0                # the allowance grows at most this much
+# A call's allowance unused is kept for the next calls, up to this many calls' worth: under
+# load one call in twenty or so of an honest plug-in takes twice its median, and charging
+# those alone moved the reference solution's goodput by 5 % (a run whose plug-ins are never
+# charged is the same every time). It frees no more CPU time in all (a cheat could as well
+# split its work across calls), only lets a call take more of it.
+CREDIT_CALLS = 8
 LINUX = sys.platform.startswith("linux")
 TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
@@ -163,13 +171,16 @@ class PluginMeter:
         self.allowance_s = allowance_s * factor
         self._last = cpu(pid) if startup_s is None else startup_s * factor
         self._started_last = started(pid) if startup_s is None else 0.0
-        self.calls, self.charged = 0, 0.0
+        self.calls, self.charged, self.credit_s = 0, 0.0, 0.0
 
     def called(self) -> None:
         """A plug-in call has just returned: charge what the worker used since the last
         reading beyond the allowance."""
         now = self._cpu(self.pid)
-        self.charged += max(0.0, now - self._last - self.allowance_s)
+        free = self.allowance_s + self.credit_s
+        used = max(0.0, now - self._last)
+        self.charged += max(0.0, used - free)
+        self.credit_s = min(CREDIT_CALLS * self.allowance_s, max(0.0, free - used))
         self._last = max(now, self._last)
         self.calls += 1
 
