@@ -39,8 +39,8 @@ def _weights():
 class NumpyModel:
     def __init__(self):
         self.w, (self.layers, self.heads, self.kv_heads, self.head_dim) = _weights()
-        half = self.head_dim // 2
-        self.inv_freq = (1.0 / 10000.0 ** (np.arange(half, dtype=np.float32) * 2 / self.head_dim)).astype(np.float32)
+        pairs = np.arange(self.head_dim // 2, dtype=np.float32)
+        self.inv_freq = (1.0 / 10000.0 ** (pairs * 2 / self.head_dim)).astype(np.float32)
 
     def _norm(self, x, weight):
         return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + np.float32(1e-5)) * weight
@@ -63,13 +63,15 @@ class NumpyModel:
         mul = self.heads // self.kv_heads
         for layer in range(self.layers):
             h = self._norm(x, w["attn_norm"][layer])
-            q = self._rope((h @ w["wq"][layer].T).reshape(n, self.heads, self.head_dim), positions)
-            k = self._rope((h @ w["wk"][layer].T).reshape(n, self.kv_heads, self.head_dim), positions)
+            q = (h @ w["wq"][layer].T).reshape(n, self.heads, self.head_dim)
+            k = (h @ w["wk"][layer].T).reshape(n, self.kv_heads, self.head_dim)
             v = (h @ w["wv"][layer].T).reshape(n, self.kv_heads, self.head_dim)
+            q, k = self._rope(q, positions), self._rope(k, positions)
             if len(cache) <= layer:
                 cache.append((k, v))
             else:
-                cache[layer] = (np.concatenate([cache[layer][0], k]), np.concatenate([cache[layer][1], v]))
+                cache[layer] = (np.concatenate([cache[layer][0], k]),
+                                np.concatenate([cache[layer][1], v]))
             keys, values = (np.repeat(a, mul, axis=1) for a in cache[layer])
             scores = np.einsum("thd,phd->htp", q, keys) / np.float32(np.sqrt(self.head_dim))
             scores = np.where(np.arange(len(keys))[None, None, :] > positions[None, :, None],
