@@ -226,9 +226,10 @@ def serve(model, requests: list, budget: int = 256, num_blocks: int = 512,
                                           f"arguments, got {arguments.shown(engine_options)}")
     pending = sorted(_checked_requests(model, requests, max_seconds if clock == "wall"
                                        else math.inf), key=lambda r: r[0])
+    virtual = clock == "virtual"
     engine = _engine(model, pending, budget, num_blocks, block_size, memory,
                      dict(engine_options or {}),
-                     VirtualClock(cost or StepCost.for_model(model), meter=meter) if clock == "virtual"
+                     VirtualClock(cost or StepCost.for_model(model), meter=meter) if virtual
                      else time.perf_counter)
     seconds = (_run_virtual if clock == "virtual" else _run_wall)(engine, pending, progress)
     report = _report(engine, memory, budget, seconds, clock, slo)
