@@ -13,7 +13,10 @@ CALIBRATED entry to paste into kvlab/slo.py, and the fit's error on the steps me
 
 The stored prices are a model of one machine, rounded to 3 digits; they are what makes a
 virtual run the same everywhere, not a promise of any machine's speed. Rerun this script
-to price another machine, or a model the table lacks.
+to price another machine, or a model the table lacks. The engine runs here with its own
+scheduler and no drafter, so their Python is in the step's and the sequence's prices; the
+CPU time of plug-ins in another process (lab 15's grader) is not priced but measured
+(StepWork.plugin_cpu_s, kvlab/grading/plugin_cpu.py), and counts as the seconds it is.
 """
 from __future__ import annotations
 

@@ -180,7 +180,8 @@ def serve(model, requests: list, budget: int = 256, num_blocks: int = 512,
           block_size: int = 16, memory: str = "paged", *, max_seconds: float = MAX_SECONDS,
           progress: Optional[Callable[[str], None]] = None, clock: str = "wall",
           slo: Optional[SLO] = None, cost: Optional[StepCost] = None,
-          engine_options: Optional[dict] = None, outputs: bool = False) -> dict:
+          engine_options: Optional[dict] = None, outputs: bool = False,
+          meter: Optional[Callable[[], float]] = None) -> dict:
     """Run `requests` (workload()'s) through one Engine; its throughput and the percentiles
     of its requests' latencies, in milliseconds, and with an SLO (kvlab.slo.SLO) its goodput
     (requests a second served within both targets: kvlab.slo.goodput_report's fields).
@@ -196,7 +197,8 @@ def serve(model, requests: list, budget: int = 256, num_blocks: int = 512,
     its end, as contiguous caches are (Orca batched continuously this way).
     engine_options: more keyword arguments for kvlab.Engine (preemption=, speculate=, the
     plug-ins: see Engine). outputs=True adds "outputs": every request's RequestOutput, by
-    its index in the arrival order.
+    its index in the arrival order. meter: with clock="virtual", CPU seconds of plug-ins in
+    another process to charge as well (kvlab.slo.VirtualClock's meter).
 
     Every request is checked before the run (see _checked_requests): on the wall clock, a
     request arriving past max_seconds (600 by default) is refused, as the run would wait
@@ -216,14 +218,18 @@ def serve(model, requests: list, budget: int = 256, num_blocks: int = 512,
     if cost is not None and (clock != "virtual" or not isinstance(cost, StepCost)):
         raise ValueError("cost prices the steps of clock='virtual': give a kvlab.slo.StepCost "
                          "with clock='virtual', or no cost")
+    if meter is not None and clock != "virtual":
+        raise ValueError("meter charges plug-in CPU time to clock='virtual': give it with "
+                         "clock='virtual', or no meter")
     if engine_options is not None and not isinstance(engine_options, dict):
         raise arguments.ArgumentTypeError(f"engine_options must be a dict of Engine keyword "
                                           f"arguments, got {arguments.shown(engine_options)}")
     pending = sorted(_checked_requests(model, requests, max_seconds if clock == "wall"
                                        else math.inf), key=lambda r: r[0])
+    virtual = clock == "virtual"
     engine = _engine(model, pending, budget, num_blocks, block_size, memory,
                      dict(engine_options or {}),
-                     VirtualClock(cost or StepCost.for_model(model)) if clock == "virtual"
+                     VirtualClock(cost or StepCost.for_model(model), meter=meter) if virtual
                      else time.perf_counter)
     seconds = (_run_virtual if clock == "virtual" else _run_wall)(engine, pending, progress)
     report = _report(engine, memory, budget, seconds, clock, slo)

@@ -23,7 +23,7 @@ does), and a StepCost is a model of the machine, not a measurement of the run.
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, Iterable, Optional
+from typing import Callable, Dict, Iterable, Optional
 
 import numpy as np
 
@@ -128,11 +128,15 @@ class StepWork:
     """What one Engine step computed, as the engine counts it (the same numbers as its
     StepResult): tokens run through the model (prompt chunks, decoded tokens, drafts), the
     sequences in the forward call, the K/V rows attention read (a token at position p reads
-    p + 1 rows, in every layer), and the K/V bytes copied to host memory and back."""
+    p + 1 rows, in every layer), and the K/V bytes copied to host memory and back; and
+    plugin_cpu_s, the CPU seconds plug-ins running in another process (a grader's worker)
+    spent beyond what the step's own prices cover, as measured from outside them
+    (VirtualClock's meter; 0 for kvlab's own plug-ins, whose work the prices hold)."""
     tokens: int = 0
     sequences: int = 0
     kv_rows_read: int = 0
     swapped_bytes: int = 0
+    plugin_cpu_s: float = 0.0
 
     @classmethod
     def of(cls, result) -> "StepWork":
@@ -164,11 +168,14 @@ class StepCost:
             arguments.real(getattr(self, field.name), field.name, low=0.0)
 
     def seconds(self, work: StepWork) -> float:
+        """The step's seconds; plug-in CPU seconds count as they are (the prices are CPU
+        seconds of one thread too), after the priced work."""
         if not isinstance(work, StepWork):
             raise arguments.ArgumentTypeError(f"work must be a kvlab.slo.StepWork, got "
                                               f"{arguments.shown(work)}")
-        return (self.step_s + self.token_s * work.tokens + self.sequence_s * work.sequences
-                + self.kv_row_s * work.kv_rows_read + self.swap_byte_s * work.swapped_bytes)
+        priced = (self.step_s + self.token_s * work.tokens + self.sequence_s * work.sequences
+                  + self.kv_row_s * work.kv_rows_read + self.swap_byte_s * work.swapped_bytes)
+        return priced + work.plugin_cpu_s if work.plugin_cpu_s else priced
 
     @classmethod
     def for_model(cls, model) -> "StepCost":
@@ -209,24 +216,47 @@ class VirtualClock:
     (seconds from `start`); the engine calls charge(work) at the end of each step, before
     it reads the time its tokens were chosen at, which moves it by cost.seconds(work); a
     driver idle until the next arrival moves it with wait_until(). Nothing else moves it,
-    so a run on it gives the same times on every machine and under any load."""
+    so a run on it gives the same times on every machine and under any load.
 
-    def __init__(self, cost: StepCost, start: float = 0.0):
+    meter: None, or a function giving the CPU seconds that plug-ins in another process
+    have spent so far beyond what the prices cover (a grader's measure of its worker,
+    kvlab.grading.plugin_cpu); each step is also charged what it grew by since the last
+    step (StepWork.plugin_cpu_s), so that work done outside the engine is not free. Such
+    a run is as repeatable as that code's CPU time, no more; without a meter (kvlab's own
+    plug-ins) it is bit for bit."""
+
+    def __init__(self, cost: StepCost, start: float = 0.0,
+                 meter: Optional[Callable[[], float]] = None):
         if not isinstance(cost, StepCost):
             raise arguments.ArgumentTypeError(f"cost must be a kvlab.slo.StepCost, got "
                                               f"{arguments.shown(cost)}")
-        self.cost = cost
+        if meter is not None and not callable(meter):
+            raise arguments.ArgumentTypeError(f"meter must be a function giving CPU seconds, "
+                                              f"or None, got {arguments.shown(meter)}")
+        self.cost, self.meter = cost, meter
         self._now = arguments.real(start, "start", low=0.0)
+        self._metered = self._read_meter() if meter is not None else 0.0
         self.steps = 0
+        self.plugin_cpu_s = 0.0          # all the meter charged so far
 
     def __call__(self) -> float:
         return self._now
 
     def charge(self, work: StepWork) -> float:
-        """The time after a step that did `work`."""
+        """The time after a step that did `work` (and, with a meter, the plug-ins' CPU
+        seconds since the last step)."""
+        if self.meter is not None:
+            metered = self._read_meter()
+            grown = max(0.0, metered - self._metered)
+            self._metered = max(metered, self._metered)
+            work = dataclasses.replace(work, plugin_cpu_s=work.plugin_cpu_s + grown)
+            self.plugin_cpu_s += grown
         self._now += self.cost.seconds(work)
         self.steps += 1
         return self._now
+
+    def _read_meter(self) -> float:
+        return arguments.real(self.meter(), "the meter's CPU seconds", low=0.0)
 
     def wait_until(self, when: float) -> float:
         """Idle until `when` (no earlier than now: the clock never goes back)."""

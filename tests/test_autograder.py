@@ -182,6 +182,17 @@ def test_the_top_level_file_wins_over_an_old_copy_in_a_folder(package, tmp_path)
     assert data["score"] == 16 and "(cache_size.py, graded" in data["output"]
 
 
+def full_marks_in_package(lab, top, env):
+    """Lab `lab`'s package unpacked in top/lab, its reference solution graded there with
+    `env`: full marks. Returns the package's root."""
+    root = unpack(build(lab, top / f"{lab}.zip", INSTRUCTOR), top / lab)
+    shutil.copy(INSTRUCTOR / "solutions" / f"{lab}.py", root / "submission" / f"{lab}.py")
+    run = run_autograder(root, env)
+    assert run.returncode == 0, run.stderr
+    assert results(root)["score"] == LABS[lab].points, results(root)
+    return root
+
+
 @pytest.mark.skipif(os.environ.get("KVLAB_TEST_GRADESCOPE_SETUP") != "1" or os.geteuid() != 0,
                     reason="runs setup.sh as Gradescope does: needs root and "
                            "KVLAB_TEST_GRADESCOPE_SETUP=1 (.ci/run sets both)")
@@ -211,13 +222,7 @@ def test_setup_sh_and_the_unprivileged_student_as_on_gradescope(package):
         assert run.returncode == 0, run.stderr
         assert results(other)["score"] == 17, results(other)
         # a lab whose model stays in the judge (root), its worker kvlab-student
-        served = unpack(build("speculative_decoding", top / "speculative_decoding.zip", INSTRUCTOR),
-                        top / "served")
-        shutil.copy(INSTRUCTOR / "solutions" / "speculative_decoding.py",
-                    served / "submission" / "speculative_decoding.py")
-        run = run_autograder(served, env)
-        assert run.returncode == 0, run.stderr
-        assert results(served)["score"] == LABS["speculative_decoding"].points, results(served)
+        full_marks_in_package("speculative_decoding", top, env)
         # the student's code runs as kvlab-student: the tests, the results and kvlab itself
         # are out of reach, even with the worker's import guard taken away
         kvlab_init = next(venv.glob("lib/python3*/site-packages/kvlab/__init__.py"))
@@ -274,6 +279,38 @@ void decode_attention(float *out, const float *q, const kv_cache_view *view, int
         assert run.returncode == 0, run.stderr
         first = results(kernel)["tests"][0]["output"]
         assert "refused 13 refused 13" in first, first
+        # lab 15, whose worker may have one process and no thread as kvlab-student: the
+        # reference solution still gets full marks (the plug-ins' CPU time on the clock)
+        capstone = full_marks_in_package("serving_capstone", top, env)
+        # its hidden tests hold the reference scheduler, and kvlab the bundled model's
+        # weights (a drafter that runs them in NumPy): kvlab-student reads neither; nor can
+        # it start a process (whose CPU time could escape the judge's meter) or a thread
+        weights = next(venv.glob("lib/python3*/site-packages/kvlab/assets/shakespeare-1m.bin"))
+        (capstone / "submission" / "serving_capstone.py").write_text(f'''
+seen = []
+for path in ({str(capstone / "source" / "tests" / "serving_capstone.py")!r}, {str(weights)!r}):
+    try:
+        open(path, "rb").close()
+        seen.append("opened " + path)
+    except OSError as error:
+        seen.append(type(error).__name__)
+import shutil as _ue
+import threading
+_os, _sys = _ue.os, _ue.sys                      # os by another name, past the source check
+for start in (_os.fork, threading.Thread(target=print).start):
+    try:
+        if start() == 0:
+            _os._exit(0)
+        seen.append("started")
+    except (OSError, RuntimeError) as error:
+        seen.append(type(error).__name__)
+raise RuntimeError(" ".join(seen))
+''')
+        run = run_autograder(capstone, env)
+        assert run.returncode == 0, run.stderr
+        said = results(capstone)["output"]
+        assert "RuntimeError: PermissionError PermissionError BlockingIOError RuntimeError" \
+            in said, said
     finally:
         shutil.rmtree(top, ignore_errors=True)
 

@@ -125,6 +125,45 @@ def test_the_virtual_clock_moves_by_each_steps_price(model):
     assert clock.wait_until(total - 1.0) == total and clock.wait_until(total + 2) == total + 2
 
 
+def test_a_meter_charges_each_step_what_it_grew_by(model):
+    """VirtualClock(meter=): plug-in CPU seconds read from outside (a grader's worker) are
+    charged to the step they grew in, after its priced work; a meter that reads less than
+    before (it never should) charges nothing, and the clock never goes back."""
+    cost = StepCost.for_model(model)
+    readings = iter([0.5, 0.5, 0.502, 0.502, 0.501, 0.510])   # the first when the clock is made
+    clock = VirtualClock(cost, meter=lambda: next(readings))
+    work = StepWork(tokens=3, sequences=1, kv_rows_read=6)
+    charged = [clock.charge(work) for _ in range(5)]
+    steps = np.diff([0.0] + charged)
+    extra = steps - cost.seconds(work)
+    assert extra == pytest.approx([0.0, 0.002, 0.0, 0.0, 0.009 - 0.001], abs=1e-12)
+    assert clock.plugin_cpu_s == pytest.approx(0.010)
+    assert cost.seconds(dataclasses.replace(work, plugin_cpu_s=0.25)) == cost.seconds(work) + 0.25
+    for bad in (lambda: -1.0, lambda: float("nan"), lambda: "1"):
+        with pytest.raises((TypeError, ValueError), match="meter"):
+            VirtualClock(cost, meter=bad)
+    with pytest.raises(TypeError, match="meter"):
+        VirtualClock(cost, meter=0.5)
+
+
+def test_a_run_with_a_meter_is_slower_by_what_it_charged(model):
+    """serve(meter=) charges the engine's steps; a meter that never grows changes nothing,
+    bit for bit; one that grows by a millisecond a step makes every step that much longer.
+    A meter without the virtual clock is refused."""
+    requests = serving.workload(model, 8, rate=400.0, seed=5)
+    plain = serving.serve(model, requests, budget=32, num_blocks=24, clock="virtual")
+    idle = serving.serve(model, requests, budget=32, num_blocks=24, clock="virtual",
+                         meter=lambda: 0.0)
+    assert idle == plain
+    readings = iter(range(10_000))
+    busy = serving.serve(model, requests, budget=32, num_blocks=24, clock="virtual",
+                         meter=lambda: 1e-3 * next(readings))
+    assert busy["seconds"] > plain["seconds"] and busy["seconds"] >= 1e-3 * busy["steps"]
+    assert busy["ttft_p99_ms"] > plain["ttft_p99_ms"]
+    with pytest.raises(ValueError, match="meter"):
+        serving.serve(model, requests, meter=lambda: 0.0)
+
+
 def test_other_models_are_priced_by_size(model):
     smollm2 = CALIBRATED["SmolLM2-135M-Instruct.Q4_1"]
     assert StepCost.for_model(model) is CALIBRATED["shakespeare-1m"]

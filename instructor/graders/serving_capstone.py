@@ -5,7 +5,11 @@ Everything that decides the score is the judge's: the Engine, its pool and model
 virtual clock and its prices (kvlab.slo), the workload (drawn here at grading time) and
 the SLO. The student's Scheduler, Drafter and BlockAllocator live in the worker and are
 asked through kvlab.plugins' checks, their questions and answers by value: a plug-in can
-answer, never touch the clock, the cost model, the requests or the tokens.
+answer, never touch the clock, the cost model, the requests or the tokens. What they
+compute is not free: the CPU time the worker spends answering, beyond a plain Python
+answer's (kvlab.grading.plugin_cpu's allowance a call), and all its child processes'
+CPU time, read by the judge from the kernel, go on the virtual clock as the step's
+plugin_cpu_s (a drafter that runs the model in NumPy pays for every pass of it).
 
 Correctness first: the student's allocator followed through a run with forks, drafts and
 preemptions; the student's plans through the engine's checks; the drafter's guesses
@@ -26,6 +30,7 @@ import numpy as np
 import kvlab
 from kvlab import serving
 from kvlab.grading.labs import chapter_file
+from kvlab.grading.plugin_cpu import STARTUP_ALLOWANCE_S, PluginMeter, Slowness, worker_pid
 from kvlab.grading.process import WorkerGone
 from kvlab.grading.remote import RemoteError
 from kvlab.grading.testkit import points
@@ -85,13 +90,14 @@ def stopped(error: PluginError):
     return AssertionError(f"the engine stopped the run: {error}")
 
 
-def run(requests, num_blocks=ENGINE["num_blocks"], **plugins):
-    """The workload through the Engine on the virtual clock with these plug-ins: its
-    goodput report, with "outputs", every request's RequestOutput by arrival order."""
+def run(requests, num_blocks=ENGINE["num_blocks"], meter=None, **plugins):
+    """The workload through the Engine on the virtual clock with these plug-ins (and the
+    CPU time `meter` reads of the worker they run in): its goodput report, with "outputs",
+    every request's RequestOutput by arrival order."""
     try:
         return serving.serve(model(), requests, ENGINE["max_batch_tokens"], num_blocks,
                              ENGINE["block_size"], clock="virtual", slo=SLO_TARGET,
-                             engine_options=plugins, outputs=True)
+                             engine_options=plugins, outputs=True, meter=meter)
     except PluginError as error:
         raise stopped(error) from None
 
@@ -163,12 +169,17 @@ def workload_that_matters(rng, tries=6):
 
 def goodputs(sub, rng):
     """(the student's goodput, the default's, the reference's) on one drawn workload,
-    measured once a grading: the first of the three tests that asks runs it."""
+    measured once a grading: the first of the three tests that asks runs it. The meter
+    starts first: what the worker computed since it started, beyond its startup's
+    allowance, is charged at its first call (a table made at import, a thread busy while
+    the baselines run)."""
     if not _measured:
         try:
+            meter = PluginMeter(worker_pid(sub), slowness=Slowness(), startup_s=STARTUP_ALLOWANCE_S)
             requests, default, reference = workload_that_matters(rng)
-            mine = run(requests, scheduler=PlainScheduler(sub.Scheduler()),
-                       drafter=PlainDrafter(sub.Drafter()))
+            plugins = metered_plugins(sub, meter)
+            mine = run(requests, **plugins)
+            mine["plugin_cpu_s"] = plugins["meter"].charged
             check_tokens(requests, mine, "the capstone run")
             _measured["goodputs"] = (mine, default, reference)
         except (AssertionError, Exception) as error:
@@ -176,6 +187,18 @@ def goodputs(sub, rng):
     if "failed" in _measured:
         raise _measured["failed"]
     return _measured["goodputs"]
+
+
+def metered_plugins(sub, meter):
+    """The student's scheduler and drafter for the capstone run, and the meter that puts
+    the CPU time their worker spends on the virtual clock (kvlab.grading.plugin_cpu:
+    beyond an allowance a call, and all its child processes'); made after the meter
+    starts, so that what their constructors compute is charged too. The two baselines
+    run in the judge, with no worker: their plans are priced as kvlab's own scheduler's
+    are, by the step's fixed price, which the allowance stands for."""
+    return dict(meter=meter,
+                scheduler=meter.metered(PlainScheduler(sub.Scheduler()), "plan"),
+                drafter=meter.metered(PlainDrafter(sub.Drafter()), "propose"))
 
 
 def tier(sub, rng, share):
@@ -187,7 +210,8 @@ def tier(sub, rng, share):
     said = (f"your goodput {mine['goodput']:.1f} requests/s ({mine['served']} of "
             f"{mine['requests']} within TTFT {SLO_TARGET.ttft_s * 1e3:g} ms and TPOT "
             f"{SLO_TARGET.tpot_s * 1e3:g} ms; {mine['missed_ttft']} missed the TTFT, "
-            f"{mine['missed_tpot']} the TPOT), kvlab's default engine "
+            f"{mine['missed_tpot']} the TPOT; {1e3 * mine['plugin_cpu_s']:.1f} ms of your "
+            f"plug-ins' CPU time charged to the clock), kvlab's default engine "
             f"{default['goodput']:.1f}, the reference {reference['goodput']:.1f}")
     assert mine["goodput"] >= line - 1e-9, f"{said}: this tier needs {line:.1f}"
     print(said)

@@ -222,7 +222,8 @@ class Judge:
         NotImported saying why if not."""
         gc.collect()        # the last test's garbage goes now, not inside this one's measurement
         try:
-            worker = WorkerProcess(self._scratch(index), self.worker_user, self.output_cap)
+            worker = WorkerProcess(self._scratch(index), self.worker_user, self.output_cap,
+                                   self.lab.max_processes)
         except OSError as error:            # no process to be had (a limit reached, say)
             raise NotImported(f"the grader could not start a process for your code ({error})") from None
         session = Session(worker, deadline, LentFunctions(self.lab.kvlab) if self.lab.kvlab else None)

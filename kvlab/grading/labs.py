@@ -42,6 +42,10 @@ class Lab:
     models: Tuple[str, ...] = ()  # named models its hidden tests load (kvlab fetch NAME)
     language: str = "python"      # or "c": the submission is a C file, built in a worker
     extra_files: Tuple[str, ...] = ()   # what `kvlab lab start` copies beside the starter
+    # processes and threads the worker's user may have, where the worker becomes one (the
+    # autograder's): 1 where the worker's CPU time is what is graded (a child process that
+    # is reaped unwaited takes its CPU time with it)
+    max_processes: int = 256
 
     @property
     def folder(self) -> Path:
@@ -116,7 +120,7 @@ LABS: Dict[str, Lab] = {lab.name: lab for lab in (
         extra_files=("decode_kernel.h",)),
     Lab("serving_capstone", 15, "The capstone: your scheduler, drafter, block allocator and "
         "prefix cache in kvlab's Engine, scored by goodput under an SLO", "11_serving_at_scale", 23,
-        "the plug-ins of a serving engine"),
+        "the plug-ins of a serving engine", max_processes=1),
 )}
 
 

@@ -42,6 +42,7 @@ MAX_NODES = 1_000_000        # JSON values in one message (each is a Python obje
 MAX_KEYS = 10_000            # set members and dict keys in one message (each is hashed, and
                              # ints that collide make hashing quadratic)
 
+_SCALARS = frozenset({type(None), bool, int, float, str})   # values that are themselves
 _DTYPE = re.compile(r"^[<>|=][biufc](1|2|4|8|16)$")
 _HEADER = struct.Struct(">I")
 
@@ -120,6 +121,8 @@ def to_json(value: Any, depth: int = 0) -> Any:
     if kind is Encoded:
         return value.tree
     if kind is list:
+        if all(type(item) in _SCALARS for item in value):    # a list of token ids, say:
+            return value                                     # already JSON, as it is
         return [to_json(item, depth + 1) for item in value]
     if kind in (tuple, set, frozenset):
         return {"$" + kind.__name__: [to_json(item, depth + 1) for item in value]}
@@ -196,6 +199,8 @@ def from_json(tree: Any, depth: int = 0, budget: Any = None) -> Any:
     if tree is None or kind in (bool, int, float, str):
         return tree
     if kind is list:
+        if all(type(item) in _SCALARS for item in tree):     # nothing in it to check further
+            return tree
         return [from_json(item, depth + 1, budget) for item in tree]
     if kind is not dict or len(tree) != 1:
         raise WireError(f"unexpected {kind.__name__} in a message")
