@@ -312,6 +312,32 @@ def test_on_the_emulator_the_starter_says_it_is_not_written(tmp_path):
         harness.decode_attention(*case.arguments())
 
 
+@emulator
+def test_on_the_emulator_the_timing_checks_drawn_outputs_and_catches_skipped_calls(tmp_path):
+    """gpu_kernel_cases.measure_share on a small pool (the probe a made-up number): the
+    chain runs in the harness, outputs are drawn and checked; the cheat that hands back the
+    last output for three calls in four is caught by them."""
+    from kvlab.grading import gpu_kernel_cases
+    from kvlab.grading.kernel_cases import make_case
+    honest = emulated((SOLUTIONS / "decode_kernel_cuda.cu").read_text(), tmp_path, "honest")
+    cheat = emulated(apply_edit(INSTRUCTOR / "cheats" / LAB.name / "skips_repeated_calls.cu-edit",
+                                SOLUTIONS), tmp_path, "skips")
+    for harness, caught in ((honest, False), (cheat, True)):
+        rng = np.random.default_rng(5)
+        case = make_case(rng, 2, 2, 32, 100, 16, spare_blocks=4)
+        pool = harness.Pool(*case.key_codes.shape, case.group)
+        for name in harness.ARRAYS:
+            pool.put(name, 0, getattr(case, name))
+        measure = lambda: gpu_kernel_cases.measure_share(pool, case, rng, 1e9, rounds=3,   # noqa: E731
+                                                         chain_seconds=0.05, renew=8)
+        if caught:
+            with pytest.raises(AssertionError, match="timed call"):
+                measure()
+        else:
+            share = measure()
+            assert share.share > 0 and "of the GPU's copy bandwidth" in share.describe()
+
+
 # ---- on a GPU ----------------------------------------------------------------------------
 
 def graded(submission: Path, seed: int = 1, public: bool = False):
