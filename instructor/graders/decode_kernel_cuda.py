@@ -18,14 +18,11 @@ without one (kvlab.grading.labs.require_gpu).
 """
 import numpy as np
 
-from kvlab.grading.gpu_kernel_cases import TARGET_SHARE, bandwidth_share, measure_probe
+from kvlab.grading.gpu_kernel_cases import OneMeasurement, TARGET_SHARE, measure_probe
 from kvlab.grading.kernel_cases import check_bits, make_case
 from kvlab.grading.testkit import points
 
-# Shares of the GPU's copy bandwidth for the bandwidth tests' points (the lab's README).
-TIERS = {"a_quarter": TARGET_SHARE / 4, "half": TARGET_SHARE / 2, "the_target": TARGET_SHARE}
-
-_measured = {}               # the one measurement of this grading: its Share, or why none
+MEASURED = OneMeasurement()   # the bandwidth tests' one measurement of this grading
 
 
 def prepare():
@@ -130,39 +127,19 @@ def test_rows_of_very_different_sizes(sub, rng):
     attend(sub, case)
 
 
-def _share(sub, rng):
-    """The bandwidth share of this grading, measured once (by whichever bandwidth test runs
-    first); AssertionError with the reason when it could not be (a wrong output, say)."""
-    if not _measured:
-        try:
-            _measured["share"] = bandwidth_share(sub, rng)
-        except Exception as error:
-            _measured["failed"] = error
-            raise
-    if "failed" in _measured:
-        raise _measured["failed"]          # what the first one said, as it said it
-    return _measured["share"]
-
-
-def _reaches(sub, rng, tier):
-    share = _share(sub, rng)
-    assert share.share >= TIERS[tier], (f"reached {share.describe()}; this test asks for "
-                                        f"{TIERS[tier]:.1%}")
-
-
 @points(2, timed=True)
 def test_bandwidth_reaches_a_quarter_of_the_target(sub, rng):
     """Llama-3-8B-shaped layer: at least a quarter of the target share of the copy bandwidth"""
-    _reaches(sub, rng, "a_quarter")
+    MEASURED.reaches(sub, rng, TARGET_SHARE / 4)
 
 
 @points(2, timed=True)
 def test_bandwidth_reaches_half_the_target(sub, rng):
     """the same layer: at least half of the target share"""
-    _reaches(sub, rng, "half")
+    MEASURED.reaches(sub, rng, TARGET_SHARE / 2)
 
 
 @points(2, timed=True)
 def test_bandwidth_reaches_the_target(sub, rng):
     """the same layer: the target share of the GPU's copy bandwidth"""
-    _reaches(sub, rng, "the_target")
+    MEASURED.reaches(sub, rng, TARGET_SHARE)

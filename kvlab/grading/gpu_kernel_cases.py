@@ -118,3 +118,24 @@ def bandwidth_share(sub, rng: np.random.Generator) -> Share:
     assert probe is not None, "no GPU for the grader to measure: this lab needs one"
     case = timed_case(rng)
     return measure_share(upload(sub, case), case, rng, probe)
+
+
+class OneMeasurement:
+    """The grading's one bandwidth measurement, shared by its bandwidth tests: taken by
+    whichever runs first; each then asks whether the share reaches its tier. A measurement
+    that failed (a wrong output, say) fails each of them with what it said."""
+
+    def __init__(self):
+        self.share: Optional[Share] = None
+        self.failed: Optional[BaseException] = None
+
+    def reaches(self, sub, rng: np.random.Generator, needed: float) -> None:
+        if self.share is None and self.failed is None:
+            try:
+                self.share = bandwidth_share(sub, rng)
+            except Exception as error:
+                self.failed = error
+        if self.failed is not None:
+            raise self.failed
+        assert self.share.share >= needed, (f"reached {self.share.describe()}; this test asks "
+                                            f"for {needed:.1%}")

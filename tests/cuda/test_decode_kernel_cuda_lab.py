@@ -250,10 +250,10 @@ def emulated(source: str, folder: Path, name: str):
     return harness
 
 
-def correctness_tests():
-    """The grader's untimed tests, as functions (the grader loaded as the judge loads it)."""
+def correctness_tests(path: Path = GRADER):
+    """A test file's untimed tests, as functions (loaded as the judge loads them)."""
     from kvlab.grading.judge import load_tests
-    return [t for t in load_tests(GRADER) if not getattr(t, "timed", False)]
+    return [t for t in load_tests(path) if not getattr(t, "timed", False)]
 
 
 def _run_one(test, harness, seed, index):
@@ -265,14 +265,14 @@ def _run_one(test, harness, seed, index):
     os._exit(0)
 
 
-def failing(harness, seed: int) -> set:
+def failing(harness, seed: int, path: Path = GRADER) -> set:
     """The grader's correctness tests the emulated kernel fails, each with its own draw, in
     a child process of its own: a kernel that reads past its rows faults on the GPU (a CUDA
     error, and the test is lost), and on the emulator, whose device memory is the host's, it
     may take the process down (a crash is a failure too)."""
     context = multiprocessing.get_context("fork")
     failed = set()
-    for index, test in enumerate(correctness_tests()):
+    for index, test in enumerate(correctness_tests(path)):
         child = context.Process(target=_run_one, args=(test, harness, seed, index))
         child.start()
         child.join(300)
@@ -292,6 +292,7 @@ emulator = pytest.mark.skipif(sys.platform != "linux", reason="the emulator's fi
 def test_on_the_emulator_the_solutions_pass_every_correctness_test(solution, tmp_path):
     harness = emulated((SOLUTIONS / solution).read_text(), tmp_path, Path(solution).stem)
     assert failing(harness, seed=1) == set()
+    assert failing(harness, seed=1, path=LAB.checks) == set()     # and the public checks
 
 
 @emulator
