@@ -98,6 +98,18 @@ def test_the_points_and_what_the_mistakes_and_cheats_name():
     assert aimed == tests, f"no cheat targets {sorted(tests - aimed)}"
 
 
+def test_the_package_names_none_of_the_hidden_tests():
+    """The grader stays in instructor/: no file of the installed package names one of its
+    tests that the public checks do not also have."""
+    import re
+    import kvlab
+    hidden = {t.__name__ for t in grader_tests(GRADER)} - {t.__name__ for t in grader_tests(LAB.checks)}
+    for path in Path(kvlab.__file__).resolve().parent.rglob("*"):
+        if path.suffix in (".py", ".cu", ".cuh", ".md"):
+            leaked = hidden & set(re.findall(r"\w+", path.read_text()))
+            assert not leaked, f"{path} names hidden tests {sorted(leaked)}"
+
+
 def test_the_source_check_allows_the_labs_files_and_refuses_cudas_loaders():
     for name, source in sources().items():
         assert cbuild.check_cuda_source(source, "decode_kernel_cuda.cuh") == [], name
