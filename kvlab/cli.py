@@ -440,10 +440,11 @@ def cmd_fetch(args) -> int:
 
 def cmd_lab(args) -> int:
     from .grading import LABS, get_lab, start_lab
+    from .grading.labs import GPU_LABS
     if args.action == "list" or args.lab is None:
-        for lab in LABS.values():
+        for lab in [*LABS.values(), *GPU_LABS.values()]:
             print(f"{lab.number:>2}. {lab.name:20} {lab.points:>3} points  {lab.title}  "
-                  f"(chapter {lab.chapter})")
+                  f"(chapter {lab.chapter}{'; needs an NVIDIA GPU and nvcc' if lab.requires_gpu else ''})")
         if args.action != "list":
             print(f"kvlab lab {args.action}: which lab?", file=sys.stderr)
             return 2
@@ -760,7 +761,7 @@ def _add_lab(sub) -> None:
 def _add_grade(sub) -> None:
     grade = _add_command(sub, "grade", cmd_grade, "grade a lab submission and write results.json")
     grade.add_argument("lab", help="lab name (see kvlab lab list)")
-    grade.add_argument("submission", help="your lab file (.py; .c for the C lab)")
+    grade.add_argument("submission", help="your lab file (.py; .c for the C lab, .cu for its GPU edition)")
     grade.add_argument("--results", default="results.json",
                        help="Gradescope-style results file to write")
     grade.add_argument("--instructor", default=None,
@@ -800,7 +801,7 @@ def _add_grade_all(sub) -> None:
 def _add_check(sub) -> None:
     check = _add_command(sub, "check", cmd_check, "run a lab's public self-checks on your file")
     check.add_argument("lab", help="lab name (see kvlab lab list)")
-    check.add_argument("submission", help="your lab file (.py; .c for the C lab)")
+    check.add_argument("submission", help="your lab file (.py; .c for the C lab, .cu for its GPU edition)")
 
 
 def main(argv: Optional[List[str]] = None) -> int:

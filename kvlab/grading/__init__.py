@@ -21,6 +21,7 @@ How a grade is made (each file does one part):
                  (both stay in the judge: the student's code holds proxies)
     cbuild.py    a lab in C: its file checked, and the command a worker builds it with
     kernel_cases.py  the kernel lab's cases (a paged int8 pool), and its timing
+    gpu_kernel_cases.py  its GPU edition's timing (chains on the device, a copy's bandwidth)
     report.py    the grade, and Gradescope's results.json
     runner.py    grade() and check(): start a judge, read its report
     batch.py     grade_all(): a folder of submissions, a judge each, and a CSV summary

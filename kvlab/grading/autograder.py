@@ -34,7 +34,7 @@ import zipfile
 from pathlib import Path
 from typing import List, Optional, Tuple, Union
 
-from .labs import TEST_TIMEOUT, find_instructor, get_lab, hidden_tests
+from .labs import TEST_TIMEOUT, find_instructor, get_lab, gpu_missing, hidden_tests
 from .report import GradeReport
 
 WORKER_USER = "kvlab-student"
@@ -87,6 +87,32 @@ exec "$PYTHON" -m kvlab.grading.autograder run --root "$ROOT" --worker-user "$US
 """
 
 
+# A lab that needs a GPU (Lab.requires_gpu) can only be graded on an image with an NVIDIA GPU
+# and nvcc (Gradescope's standard machines have neither): setup.sh stops with this, in
+# words, where either is missing, and otherwise builds kvlab with its CUDA extension.
+GPU_CHECK = """# lab {lab} needs an NVIDIA GPU and nvcc: kvlab's CUDA extension and the students' kernels
+# are built by nvcc, and the kernels run on the GPU
+NVCC=$(command -v nvcc || echo "${{CUDA_HOME:-/usr/local/cuda}}/bin/nvcc")
+if ! nvidia-smi >/dev/null 2>&1 || [ ! -x "$NVCC" ]; then
+    echo "kvlab: lab {lab} needs an NVIDIA GPU and nvcc, and this image has no" \\
+         "$(nvidia-smi >/dev/null 2>&1 && echo nvcc || echo GPU): it cannot grade this lab" >&2
+    exit 1
+fi
+export KVLAB_CUDA=1 CUDA_HOME="${{CUDA_HOME:-$(dirname "$(dirname "$NVCC")")}}"
+"""
+PIP_INSTALL = '"$VENV/bin/pip" install "$SOURCE/kvlab-src"\n'
+
+
+def _setup_script(spec) -> str:
+    """setup.sh for lab `spec`: SETUP_SH, the GPU check before kvlab is built where the lab
+    needs one, and the named models fetched."""
+    setup = SETUP_SH
+    if spec.requires_gpu:
+        assert PIP_INSTALL in setup
+        setup = setup.replace(PIP_INSTALL, GPU_CHECK.format(lab=spec.name) + PIP_INSTALL)
+    return setup + "".join(FETCH_MODEL.format(name=name) for name in spec.models)
+
+
 def _source_files(clone: Path) -> List[Tuple[Path, str]]:
     """(file, name in the zip) of the kvlab source to install on Gradescope."""
     files = []
@@ -124,8 +150,7 @@ def build(lab: str, out: Union[str, Path], instructor: Optional[Union[str, Path]
     out.parent.mkdir(parents=True, exist_ok=True)
     settings = {"lab": spec.name, "test_timeout": test_timeout, "total_timeout": TOTAL_TIMEOUT}
     with zipfile.ZipFile(out, "w") as archive:
-        setup = SETUP_SH + "".join(FETCH_MODEL.format(name=name) for name in spec.models)
-        _add(archive, "setup.sh", setup, executable=True)
+        _add(archive, "setup.sh", _setup_script(spec), executable=True)
         _add(archive, "run_autograder", RUN_AUTOGRADER, executable=True)
         _add(archive, "lab.json", json.dumps(settings, indent=2) + "\n")
         _add(archive, f"tests/{spec.name}.py", tests.read_bytes())
@@ -156,7 +181,7 @@ def find_submission(folder: Path, lab: str) -> Tuple[Optional[Path], str]:
         return named[0], ""
     if len(files) == 1:
         return files[0], ""
-    kind = "Python" if suffix == ".py" else "C"
+    kind = {".py": "Python", ".cu": "CUDA"}.get(suffix, "C")
     found = ", ".join(str(p.relative_to(folder)) for p in files[:5]) or f"no {kind} file"
     return None, f"submit one file named {lab}{suffix} (found {found})"
 
@@ -185,7 +210,12 @@ def run(root: Path, worker_user: Optional[str] = None) -> GradeReport:
     results.parent.mkdir(parents=True, exist_ok=True)
     harden_judge()
     submission, problem = find_submission(root / "submission", spec.name)
-    if submission is None:
+    gpu = gpu_missing() if spec.requires_gpu else None
+    if gpu is not None:          # an image without the GPU the lab needs: no grade, in words
+        report = _zero_report(spec, tests_path, f"this lab needs an NVIDIA GPU and nvcc, and "
+                                                f"this autograder has none ({gpu}): tell your "
+                                                f"instructor")
+    elif submission is None:
         report = _zero_report(spec, tests_path, problem)
     else:
         try:
@@ -218,7 +248,7 @@ def _zero_report(spec, tests_path: Path, why: str) -> GradeReport:
     except Exception as error:
         print(f"kvlab autograder: the hidden tests do not load: {error!r}", file=sys.stderr)
         rows = [TestResult("the hidden tests", 0.0, float(spec.points), "not graded: " + why)]
-    return GradeReport(spec.name, f"{spec.name}.py", rows, why, 0.0, "hidden tests")
+    return GradeReport(spec.name, f"{spec.name}{spec.suffix}", rows, why, 0.0, "hidden tests")
 
 
 def main(argv: Optional[List[str]] = None) -> int:

@@ -23,7 +23,8 @@ import tempfile
 from pathlib import Path
 from typing import Dict, List, Optional, Union
 
-from .labs import TEST_TIMEOUT, find_instructor, get_lab, hidden_tests, instructor_hint
+from .labs import (TEST_TIMEOUT, find_instructor, get_lab, hidden_tests, instructor_hint,
+                   require_gpu)
 from .report import GradeReport, write_atomically
 
 SUMMARY = "summary.csv"
@@ -89,6 +90,7 @@ def grade_all(lab: str, submissions: Union[str, Path], out: Union[str, Path], *,
     from .autograder import _zero_report, find_submission
     from .runner import grade
     spec = get_lab(lab)
+    require_gpu(spec)              # before any submission: GpuRequired, in words
     submissions, out = Path(submissions), Path(out).absolute()
     if tests is not None:
         tests_path = Path(tests).resolve()

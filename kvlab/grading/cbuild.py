@@ -20,6 +20,15 @@ inline assembly, code that runs at load) into a clear refusal with its line. C c
 anything in its process, so it is no defence: what keeps the score honest is that the
 judge computes every expected value and times every call from its own process, and that on
 the autograder the student's user cannot read kvlab (README's kernel-lab section).
+
+Its GPU edition (kvlab/labs/decode_kernel_cuda, language "cuda") takes a .cu file, built by
+nvcc with the lab's harness.cu into one library (cuda_build_command): kvlab's own CUDA flags
+(setup.py: -O3 -std=c++17 -Xcompiler -fPIC), machine code for the GPU present, and the
+arithmetic pinned: --fmad=false (no contraction, as -ffp-contract=off), -ftz=false,
+-prec-div=true, -prec-sqrt=true, and KVLAB_FMA saying whether kvlab's CPU kernels fuse, since
+the expected bits are the CPU plain tier's. check_cuda_source is check_c_source with CUDA's
+headers allowed and the runtime's ways of loading code refused. C++ can also run code at load
+(a static object's constructor) without a name to refuse: as for C, the check is a courtesy.
 """
 from __future__ import annotations
 
@@ -66,6 +75,25 @@ DENIED_NAMES = frozenset({
     # the dynamic linker reached by hand, without dlopen's name
     "dl_iterate_phdr", "_r_debug", "_DYNAMIC", "__libc_dlopen_mode", "__libc_dlsym",
 })
+
+
+# The GPU edition: CUDA's own headers besides C's, and the runtime calls that load code or
+# reach another process's memory.
+CUDA_ALLOWED_HEADERS = ALLOWED_HEADERS | frozenset({
+    "cuda_runtime.h", "cuda_fp16.h", "cuda_bf16.h", "cooperative_groups.h",
+    "cooperative_groups/reduce.h", "cuda_pipeline.h", "mma.h", "cstdint", "cstddef", "cmath",
+    "cstdio", "cstdlib", "cstring", "cfloat", "climits",
+})
+CUDA_DENIED_NAMES = DENIED_NAMES | frozenset({
+    "cudaGetDriverEntryPoint", "cudaGetDriverEntryPointByVersion", "cudaLibraryLoadData",
+    "cudaLibraryLoadFromFile", "cudaIpcOpenMemHandle", "cudaIpcGetMemHandle",
+    "cudaIpcOpenEventHandle", "cudaIpcGetEventHandle",
+})
+# nvcc's flags for the GPU edition: kvlab's own (setup.py), and the arithmetic pinned to the
+# plain tier's roundings (the module text)
+CUDA_FLAGS = ["-std=c++17", "-O3", "-Xcompiler", "-fPIC", "--fmad=false", "-ftz=false",
+              "-prec-div=true", "-prec-sqrt=true"]
+CUDA_BUILD_SECONDS = 120.0   # nvcc takes seconds where cc takes a fraction of one
 
 
 def _plain_name(name: str) -> str:
@@ -191,10 +219,10 @@ def _attribute_spans(code: str) -> List[Tuple[int, str]]:
     return spans
 
 
-def _name_violations(number: int, line: str) -> List[Violation]:
+def _name_violations(number: int, line: str, denied=DENIED_NAMES) -> List[Violation]:
     found = []
     names = set(re.findall(r"[A-Za-z_]\w*", line))
-    for name in sorted(n for n in names if n in DENIED_NAMES or
+    for name in sorted(n for n in names if n in denied or
                        n.startswith("_") and _plain_name(n) in PLAIN_DENIED):
         found.append(Violation(number, f"`{name}` is not allowed in this lab (it loads code, "
                                        f"reaches the system or runs code at load)"))
@@ -205,7 +233,14 @@ def _name_violations(number: int, line: str) -> List[Violation]:
     return found
 
 
-def check_c_source(source: str, header: str) -> List[Violation]:
+def check_cuda_source(source: str, header: str) -> List[Violation]:
+    """check_c_source for the GPU edition's .cu file: CUDA's headers allowed, the CUDA
+    runtime's ways of loading code or reaching other processes refused."""
+    return check_c_source(source, header, CUDA_ALLOWED_HEADERS, CUDA_DENIED_NAMES)
+
+
+def check_c_source(source: str, header: str, allowed=ALLOWED_HEADERS,
+                   denied=DENIED_NAMES) -> List[Violation]:
     """Every include, name, attribute and token paste of a C submission this lab refuses,
     with its line."""
     found = []
@@ -222,7 +257,7 @@ def check_c_source(source: str, header: str) -> List[Violation]:
             if directive.group(1) != "include" or not target:
                 found.append(Violation(number, f"`{written.strip()}`: only #include of a "
                                                f"named header is allowed"))
-            elif name != header and name not in ALLOWED_HEADERS:
+            elif name != header and name not in allowed:
                 found.append(Violation(number, f"`#include {target.group(0)}` is not allowed in "
                                                f"this lab: only C's own headers, the vector "
                                                f"intrinsics, omp.h, pthread.h and {header}"))
@@ -230,10 +265,10 @@ def check_c_source(source: str, header: str) -> List[Violation]:
         if "##" in line or "%:%:" in line:
             found.append(Violation(number, "`##` (token pasting) is not allowed in this lab: it "
                                            "builds names the grader's check cannot read"))
-        found += _name_violations(number, line)
+        found += _name_violations(number, line, denied)
         # a pragma's string is code too: _Pragma("redefine_extname f dlopen")
         for pragma in re.findall(r'\b_Pragma\s*\(\s*"((?:\\.|[^"\\])*)"', written):
-            found += _name_violations(number, pragma)
+            found += _name_violations(number, pragma, denied)
     text = "\n".join(code)
     for offset, span in _attribute_spans(text):
         number = numbers[text.count("\n", 0, offset)]
@@ -243,10 +278,10 @@ def check_c_source(source: str, header: str) -> List[Violation]:
     return sorted(set(found), key=lambda v: (v.line, v.why))
 
 
-def refused_text() -> str:
+def refused_text(allowed=ALLOWED_HEADERS, denied=DENIED_NAMES) -> str:
     """What a C lab's instructions end with: what the grader refuses in the file."""
-    headers = ", ".join(f"`{h}`" for h in sorted(ALLOWED_HEADERS))
-    names = ", ".join(f"`{n}`" for n in sorted(DENIED_NAMES, key=lambda n: n.lstrip("_")))
+    headers = ", ".join(f"`{h}`" for h in sorted(allowed))
+    names = ", ".join(f"`{n}`" for n in sorted(denied, key=lambda n: n.lstrip("_")))
     attributes = ", ".join(f"`{a}`" for a in sorted(DENIED_ATTRIBUTES))
     return ("## What the grader refuses\n\n"
             "A few things in C reach around the grader (they load libraries, start processes, "
@@ -257,3 +292,68 @@ def refused_text() -> str:
             f"- `##` (token pasting), names of Python's C API (`Py...`), and the attributes "
             f"{attributes};\n"
             f"- the names {names}.\n")
+
+
+def cuda_refused_text() -> str:
+    """refused_text for the GPU edition's .cu file."""
+    return refused_text(CUDA_ALLOWED_HEADERS, CUDA_DENIED_NAMES)
+
+
+def find_nvcc() -> Optional[str]:
+    """nvcc's full path ($CUDA_HOME/bin/nvcc, $CUDA_PATH's, else the PATH's), or None: the
+    same search as setup.py's."""
+    for home in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH")):
+        if home and Path(home, "bin", "nvcc").is_file():
+            return str(Path(home, "bin", "nvcc"))
+    return shutil.which("nvcc")
+
+
+def gpu_arch_flags(capability: Tuple[int, int], nvcc_archs: List[str]) -> List[str]:
+    """nvcc's -gencode for a GPU of this compute capability: its own machine code where this
+    nvcc compiles for it ("90" in nvcc_archs), else the PTX of the newest architecture nvcc
+    knows that the GPU can run (the driver compiles it at load)."""
+    own = f"{capability[0]}{capability[1]}"
+    if own in nvcc_archs:
+        return [f"-gencode=arch=compute_{own},code=sm_{own}"]
+    older = [a for a in nvcc_archs if (int(a[:-1]), int(a[-1])) <= tuple(capability)]
+    if not older:
+        raise RuntimeError(f"this nvcc compiles for none of the architectures a GPU of compute "
+                           f"capability {capability[0]}.{capability[1]} runs")
+    newest = max(older, key=int)
+    return [f"-gencode=arch=compute_{newest},code=compute_{newest}"]
+
+
+def nvcc_archs(nvcc: str) -> List[str]:
+    """The real architectures this nvcc compiles for ("75", "80", ...)."""
+    import subprocess
+    listed = subprocess.run([nvcc, "--list-gpu-arch"], capture_output=True, text=True).stdout
+    return sorted({a for a in re.findall(r"compute_(\d+)\b", listed)}, key=int)
+
+
+def present_gpu_flags() -> List[str]:
+    """The -gencode flags for the GPU kvlab uses (kvlab.cuda), for the grader's build."""
+    from .. import cuda
+    capability = tuple(cuda.device_info()["capability"])
+    nvcc = find_nvcc()
+    if nvcc is None:
+        raise FileNotFoundError("no nvcc found (CUDA_HOME, CUDA_PATH or the PATH)")
+    return gpu_arch_flags(capability, nvcc_archs(nvcc))
+
+
+def cuda_build_command(source: Path, library: Path, include: Path,
+                       arch_flags: Optional[List[str]] = None, fma: Optional[int] = None,
+                       link: bool = True) -> List[str]:
+    """nvcc's command that builds `source` with include/harness.cu into the shared library
+    `library` (link=False: into an object file, with -c, for checking that it compiles),
+    against the header in `include`: CUDA_FLAGS, the -gencode flags (the GPU present's by
+    default), and KVLAB_FMA (kvlab's CPU kernels' by default)."""
+    import kvlab._kvlab as core
+    nvcc = find_nvcc()
+    if nvcc is None:
+        raise FileNotFoundError("no nvcc found (CUDA_HOME, CUDA_PATH or the PATH): this lab "
+                                "needs an NVIDIA GPU and nvcc")
+    arch_flags = present_gpu_flags() if arch_flags is None else arch_flags
+    fma = core.FUSED_MULTIPLY_ADD if fma is None else int(fma)
+    sources = [str(include / "harness.cu"), str(source)] if link else [str(source)]
+    return [nvcc, *CUDA_FLAGS, *arch_flags, f"-DKVLAB_FMA={fma}", "-I", str(include),
+            *(["-shared"] if link else ["-c"]), "-o", str(library), *sources]

@@ -48,7 +48,7 @@ import numpy as np
 
 from . import cbuild
 from .handouts import LentFunctions
-from .labs import TEST_TIMEOUT, Lab, get_lab
+from .labs import TEST_TIMEOUT, Lab, get_lab, require_gpu
 from .policy import check_source
 from .process import (WorkerGone, WorkerProcess, WorkerTimeout,
                       check_worker_user, harden_judge, require_worker_support, sweep)
@@ -202,8 +202,8 @@ class Judge:
             os.chmod(folder, 0o755)
         copy.write_text(source, encoding="utf-8")      # the text the check read, as UTF-8
         os.chmod(copy, 0o644)
-        if self.lab.language == "c":      # the grader's own header and harness, not the student's
-            for name in (*self.lab.extra_files, "harness.py"):
+        if self.lab.compiled:      # the grader's own header and harness, not the student's
+            for name in (*self.lab.extra_files, *self.lab.build_files, "harness.py"):
                 shutil.copyfile(self.lab.folder / name, copy.parent / name)
                 os.chmod(copy.parent / name, 0o644)
         return copy
@@ -228,7 +228,7 @@ class Judge:
             raise NotImported(f"the grader could not start a process for your code ({error})") from None
         session = Session(worker, deadline, LentFunctions(self.lab.kvlab) if self.lab.kvlab else None)
         session.handouts = self.folder / "handouts"
-        c_lab = self.lab.language == "c"
+        c_lab = self.lab.compiled
         try:
             session.ask({"op": "load_library", "library": str(copy.with_suffix(".so")),
                          "harness": str(copy.with_name("harness.py"))} if c_lab else
@@ -344,7 +344,8 @@ class Judge:
         except (OSError, UnicodeDecodeError) as error:
             why = f"your file could not be read as C source: {error}"
             raise NotGraded(why, why) from None
-        refused = cbuild.check_c_source(source, self.lab.extra_files[0])
+        check = cbuild.check_cuda_source if self.lab.language == "cuda" else cbuild.check_c_source
+        refused = check(source, self.lab.extra_files[0])
         if refused:
             raise NotGraded("your file uses what this lab does not allow, so it is not graded:\n  "
                             + "\n  ".join(str(v) for v in refused),
@@ -357,10 +358,13 @@ class Judge:
         except OSError as error:
             raise NotGraded(f"the grader could not start a process to build your file ({error})",
                             "not graded: see above") from None
+        cuda = self.lab.language == "cuda"
+        seconds = cbuild.CUDA_BUILD_SECONDS if cuda else cbuild.BUILD_SECONDS
         try:
-            session = Session(worker, time.monotonic() + cbuild.BUILD_SECONDS + 10)
-            warnings, _ = session.ask({"op": "build", "command": cbuild.build_command(
-                copy, built, copy.parent), "timeout": cbuild.BUILD_SECONDS})
+            command = (cbuild.cuda_build_command if cuda else cbuild.build_command)(
+                copy, built, copy.parent)
+            session = Session(worker, time.monotonic() + seconds + 10)
+            warnings, _ = session.ask({"op": "build", "command": command, "timeout": seconds})
         except (RemoteError, WorkerGone) as error:
             said = error.message if isinstance(error, RemoteError) else str(error)
             said = said.replace(str(copy.parent) + os.sep, "")    # "decode_kernel.c:3:5: ..."
@@ -380,7 +384,7 @@ class Judge:
 
     def _grade(self, tests: List[Callable]):
         try:
-            if self.lab.language == "c":
+            if self.lab.compiled:
                 copy, output = self._build_c()
             else:
                 copy, output = self._check_python(), ""
@@ -396,7 +400,7 @@ class Judge:
                 session = self._start(index, test, copy, time.monotonic() + self._limit(test))
             except NotImported as error:
                 if index == 0:           # said once, at the top
-                    what = "loaded" if self.lab.language == "c" else "imported"
+                    what = "loaded" if self.lab.compiled else "imported"
                     return self._all_zero(tests, f"not graded: your file could not be "
                                                  f"{what} (see above)"), str(error)
                 results.append(self._all_zero([test], _cut(str(error), MESSAGE_SHOWN))[0])
@@ -437,6 +441,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     require_worker_support()
     harden_judge()
     sys.dont_write_bytecode = True
+    require_gpu(get_lab(args.lab))     # a GPU lab where there is none: refused, in words
     judge = Judge(get_lab(args.lab), Path(args.submission).absolute(), Path(args.tests).resolve(),
                   args.graded_with, args.seed, args.test_timeout, args.total_timeout,
                   args.worker_user, progress=args.progress)

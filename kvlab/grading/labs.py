@@ -7,7 +7,10 @@ package, with a reference solution and planted mistakes beside them.
 
 A lab in C (language "c": the kernel lab) has starter.c instead, the header its files are
 built against and a harness.py through which the tests call the built code
-(kvlab/grading/cbuild.py builds it, in a worker).
+(kvlab/grading/cbuild.py builds it, in a worker). Its GPU edition (language "cuda") has
+starter.cu, built by nvcc with the lab's harness.cu; it needs an NVIDIA GPU and nvcc, so it
+is listed apart (GPU_LABS), where the tests that grade every lab of LABS on any machine do
+not reach it, and grading it anywhere else is refused in words (require_gpu).
 """
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ import shutil
 from pathlib import Path
 from typing import Dict, Optional, Tuple, Union
 
+from ..errors import CudaError
 from .policy import Policy, refused_text
 
 LABS_DIR = Path(__file__).resolve().parents[1] / "labs"
@@ -46,6 +50,16 @@ class Lab:
     # autograder's): 1 where the worker's CPU time is what is graded (a child process that
     # is reaped unwaited takes its CPU time with it)
     max_processes: int = 256
+    build_files: Tuple[str, ...] = ()   # what the grader builds with it (the lab's own copies)
+
+    @property
+    def compiled(self) -> bool:
+        """A lab whose submission is built into a library (C, CUDA), not imported."""
+        return self.language in ("c", "cuda")
+
+    @property
+    def requires_gpu(self) -> bool:
+        return self.language == "cuda"
 
     @property
     def folder(self) -> Path:
@@ -53,8 +67,8 @@ class Lab:
 
     @property
     def suffix(self) -> str:
-        """The submission's file name ends with this: ".py", or ".c" for a C lab."""
-        return ".c" if self.language == "c" else ".py"
+        """The submission's file name ends with this: ".py", ".c" for a C lab, ".cu" for CUDA."""
+        return {"c": ".c", "cuda": ".cu"}.get(self.language, ".py")
 
     @property
     def starter(self) -> Path:
@@ -75,6 +89,8 @@ class Lab:
         text = self.instructions.read_text(encoding="utf-8")
         if self.language == "c":
             from .cbuild import refused_text as refused
+        elif self.language == "cuda":
+            from .cbuild import cuda_refused_text as refused
         else:
             refused = refused_text
         return CHAPTER_REFERENCE.sub(_link_to_chapter, text).rstrip("\n") + "\n\n" + refused()
@@ -124,6 +140,39 @@ LABS: Dict[str, Lab] = {lab.name: lab for lab in (
 )}
 
 
+# Labs that need an NVIDIA GPU and nvcc to be graded: apart from LABS, whose every lab the
+# test suite grades on any machine (a GPU lab's tests are tests/cuda/test_decode_kernel_cuda_lab.py).
+GPU_LABS: Dict[str, Lab] = {lab.name: lab for lab in (
+    Lab("decode_kernel_cuda", 14, "Lab 14 on a GPU: the decode-attention kernel in CUDA, "
+        "bit for bit, at the memory's speed", "07_gpu_kernels", 20,
+        "a decode-attention kernel", language="cuda",
+        extra_files=("decode_kernel_cuda.cuh",), build_files=("harness.cu",)),
+)}
+
+
+class GpuRequired(CudaError):
+    """The lab needs an NVIDIA GPU and nvcc, and this machine lacks one of them."""
+
+
+def gpu_missing() -> Optional[str]:
+    """Why this machine cannot build and run a GPU lab's kernels, or None when it can."""
+    from .cbuild import find_nvcc
+    if find_nvcc() is None:
+        return "no nvcc found (CUDA_HOME, CUDA_PATH or the PATH)"
+    from .. import cuda
+    return cuda.why_not()
+
+
+def require_gpu(lab: Lab) -> None:
+    """GpuRequired, in words, where `lab` needs a GPU this machine does not have."""
+    if lab.requires_gpu:
+        why = gpu_missing()
+        if why is not None:
+            raise GpuRequired(f"lab {lab.name} needs an NVIDIA GPU and nvcc, and this machine "
+                              f"cannot run it: {why}. Lab 14 in C (decode_kernel) is the same "
+                              f"lab on a CPU.")
+
+
 def chapter_file(file_name: str) -> Optional[Path]:
     """The chapter chapters/<file_name> as this kvlab can open it, or None."""
     for folder in CHAPTER_DIRS:
@@ -141,10 +190,12 @@ def _link_to_chapter(reference: "re.Match[str]") -> str:
 
 
 def get_lab(name: str) -> Lab:
-    try:
-        return LABS[name]
-    except KeyError:
-        raise ValueError(f"no lab named {name!r}; the labs are: {', '.join(LABS)}") from None
+    """The lab of that name, of LABS or GPU_LABS."""
+    found = LABS.get(name) or GPU_LABS.get(name)
+    if found is None:
+        raise ValueError(f"no lab named {name!r}; the labs are: "
+                         f"{', '.join([*LABS, *GPU_LABS])}")
+    return found
 
 
 def find_instructor(explicit: Optional[Union[str, Path]] = None,

@@ -15,7 +15,7 @@ import tempfile
 from pathlib import Path
 from typing import Optional, Union
 
-from .labs import TEST_TIMEOUT, find_instructor, get_lab, hidden_tests
+from .labs import TEST_TIMEOUT, find_instructor, get_lab, hidden_tests, require_gpu
 from .process import require_worker_support
 from .report import GradeReport
 
@@ -32,6 +32,7 @@ def grade(lab: str, submission: Union[str, Path], results: Optional[Union[str, P
     raises for anything the submission does: a broken submission scores 0 with the reason."""
     spec = get_lab(lab)
     require_worker_support()                      # Windows: PlatformUnsupported, in words
+    require_gpu(spec)                             # a GPU lab without a GPU: GpuRequired
     submission = Path(submission).absolute()      # a link is not followed: the judge refuses it
     if not submission.exists():
         raise FileNotFoundError(f"no submission at {submission}")

@@ -40,6 +40,20 @@ struct dim3 {
 struct float2 { float x, y; };
 struct float4 { float x, y, z, w; };
 struct uint2 { unsigned x, y; };
+struct int2 { int x, y; };
+/* the rounding intrinsics the kernel lab's header uses (decode_kernel_cuda.cuh): each one
+ * IEEE operation, rounded to nearest, as the GPU's; this header is compiled with
+ * -ffp-contract=off, so none of them is fused with another */
+static inline float __fadd_rn(float a, float b) { return a + b; }
+static inline float __fsub_rn(float a, float b) { return a - b; }
+static inline float __fmul_rn(float a, float b) { return a * b; }
+static inline float __fdiv_rn(float a, float b) { return a / b; }
+static inline float __fmaf_rn(float a, float b, float c) { return fmaf(a, b, c); }
+static inline float __int_as_float(int i) { float f; memcpy(&f, &i, 4); return f; }
+/* the GPU's fast exponential is an approximation of its own; the C library's stands in for
+ * it (a planted mistake of the kernel lab uses it: any other bits than the plain tier's do) */
+static inline float emu_expf(float x) { return expf(x); }
+#define __expf emu_expf   /* (glibc declares an __expf of its own) */
 struct uint4 { unsigned x, y, z, w; };
 static inline float4 make_float4(float x, float y, float z, float w) { return float4{x, y, z, w}; }
 static inline uint2 make_uint2(unsigned x, unsigned y) { return uint2{x, y}; }
