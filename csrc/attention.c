@@ -14,7 +14,9 @@
  * never into a full-precision copy of the cache. Every (token, head) pair is computed the
  * same way, over the same tiles counted from position 0, whether it arrives in a prefill
  * batch or alone in a decode step, and whichever cache holds its keys, so the cached,
- * uncached and paged paths agree bit for bit.
+ * uncached and paged paths agree bit for bit. In a prefill, up to QUERY_TILE tokens are
+ * attended together: the tiles all of them see whole are read once for all their query
+ * heads, each query keeping its own order of operations.
  */
 #include <math.h>
 #include <string.h>
@@ -37,12 +39,12 @@
  * one tile of keys and one of values in use, one of each on the way, 32 KiB for heads of
  * 128 floats, which is as much as the L1 cache holds. Further ahead measured no faster. */
 #define AHEAD TILE
-
-size_t kv_attention_scratch(int n_heads, int n_kv_heads, int head_dim) {
-    /* per query head of a group: a tile of weights, a running max and a running sum */
-    return kv_round_up16((size_t)(n_heads / n_kv_heads) * (TILE + 2)) +
-           TILE * kv_round_up16((size_t)head_dim);
-}
+/* Query tokens of a prefill attended together: the tiles every one of them sees whole are
+ * read once for all of them, each row loaded once for QUERY_TILE x kv_mul query heads, so
+ * that even multi-head attention (kv_mul = 1) keeps several running sums per row loaded.
+ * Eight tokens measured 5-8 % faster than four on the 15M and 110M shapes' attention; each
+ * token still attends the tile holding its own position alone (the causal edge). */
+#define QUERY_TILE 8
 
 /* A tile of n consecutive head rows, as attention's inner loops read them: float32 rows
  * (in the cache itself, or decoded into the tile buffer), or codes turned into floats
@@ -239,18 +241,27 @@ static ALWAYS_INLINE void score_rows(float *weights, int at, const float *querie
     }
 }
 
+/* Rows scored at a time against four query heads: four where the CPU has 32 vector
+ * registers (AVX-512: 16 running sums, four rows and a query fit), else two (16 registers). */
+#ifdef __AVX512F__
+#define ROWS_PER_FOUR_HEADS 4
+#else
+#define ROWS_PER_FOUR_HEADS 2
+#endif
+
 /* [quote ch07-score-tile] */
 /* weights[m][at + r] = q_m . row_r * scale for the group's kv_mul query heads and the n
- * rows: four query heads at a time against two rows, then two against four and one
- * against eight, so that every group size keeps eight sums going (enough to keep both
- * multiply-add units busy) and a full tile of 16 rows leaves no row over. */
+ * rows: four query heads at a time against two rows (four with AVX-512), then two against
+ * four and one against eight, so that every group size keeps at least eight sums going
+ * (enough to keep both multiply-add units busy) and a full tile of 16 rows leaves no row
+ * over. */
 static ALWAYS_INLINE void score_tile(float *weights, int at, const float *queries, int kv_mul,
                                      int head_dim, const tile_rows *rows, int n, float scale,
                                      int kind) {
     int m = 0;
     for (; m + 4 <= kv_mul; m += 4)
         score_rows(weights + m * TILE, at, queries + (size_t)m * head_dim, head_dim, rows, n,
-                   scale, kind, 4, 2, m == 0);
+                   scale, kind, 4, ROWS_PER_FOUR_HEADS, m == 0);
     for (; m + 2 <= kv_mul; m += 2)
         score_rows(weights + m * TILE, at, queries + (size_t)m * head_dim, head_dim, rows, n,
                    scale, kind, 2, 4, m == 0);
@@ -463,81 +474,150 @@ static ALWAYS_INLINE void scale_row(float *row, float by, int n) {
     for (int i = 0; i < n; i++) row[i] *= by;
 }
 
+/* The query heads attended together and their running state, n of them: the kv_mul heads
+ * of one token in a decode step, those of up to QUERY_TILE tokens in a prefill (token by
+ * token, each token's heads in order). Head m's query is row m of queries, its running sum
+ * of weighted values row m of results, its tile of weights weights[m * TILE ..]. */
+typedef struct {
+    float *queries;            /* (n, head_dim) */
+    float *results;            /* (n, head_dim) */
+    float *weights;            /* (n, TILE) */
+    float *running_max;        /* (n,) the online softmax's max so far */
+    float *running_sum;        /* (n,) and its sum of exponentials */
+    int n;
+} query_heads;
+
+/* heads from..from + n - 1 of a group (the heads of one token of a block) */
+static query_heads some_heads(const query_heads *all, int from, int n, int head_dim) {
+    return (query_heads){all->queries + (size_t)from * head_dim,
+                         all->results + (size_t)from * head_dim, all->weights + from * TILE,
+                         all->running_max + from, all->running_sum + from, n};
+}
+
+/* Where a thread's scratch puts a block's state (see kv_attention_scratch): the weights,
+ * running maxes and sums of up to QUERY_TILE x kv_mul heads, a tile of rows to decode keys
+ * or values into, the heads' queries and their results. */
+static query_heads block_scratch(float *scratch, int n, int kv_mul, int head_dim,
+                                 float **tile) {
+    size_t most = (size_t)QUERY_TILE * kv_mul, head = kv_round_up16((size_t)head_dim);
+    float *weights = scratch;
+    *tile = weights + kv_round_up16(most * (TILE + 2));
+    float *queries = *tile + TILE * head;
+    return (query_heads){queries, queries + most * head_dim, weights, weights + most * TILE,
+                         weights + most * (TILE + 1), n};
+}
+
+size_t kv_attention_scratch(int n_heads, int n_kv_heads, int head_dim) {
+    size_t most = (size_t)QUERY_TILE * (size_t)(n_heads / n_kv_heads);
+    return kv_round_up16(most * (TILE + 2)) + TILE * kv_round_up16((size_t)head_dim) +
+           2 * most * (size_t)head_dim;
+}
+
+/* [quote ch07-kv-attention] */
+/* One step of the pass over KV head g's positions: positions tile_start .. tile_end - 1 (a
+ * tile, or the first rows of the last one), read as a query at query_pos that sees n_seen
+ * positions reads them, for every head of `heads`. The tile's keys are scored, a run of
+ * rows at a time (one run, unless the tile spans blocks of a paged pool); the online
+ * softmax turns the scores into e^(s - max so far) and scales down whatever the outputs
+ * summed under an older, smaller max; the values, weighted by those exponentials, are
+ * added into the outputs. Each key and value row is loaded once for all the heads. */
+static void attend_tile(const kv_layer_view *view, int g, int tile_start, int tile_end,
+                        int n_seen, int query_pos, const query_heads *heads, int head_dim,
+                        float scale, float *tile) {
+    for (int pos = tile_start; pos < tile_end;) {
+        int n = run_length(view, pos, tile_end);
+        tile_rows keys;
+        int kind = head_rows(view, 0, g, pos, kv_view_slot(view, pos), n, n_seen, query_pos,
+                             head_dim, tile, &keys);
+        score_kernels[kind](heads->weights, pos - tile_start, heads->queries, heads->n,
+                            head_dim, &keys, n, scale);
+        pos += n;
+    }
+    for (int m = 0; m < heads->n; m++) {
+        float correction = kv_softmax_tile(heads->weights + m * TILE, tile_end - tile_start,
+                                           &heads->running_max[m], &heads->running_sum[m]);
+        if (correction != 1.0f)
+            scale_row(heads->results + (size_t)m * head_dim, correction, head_dim);
+    }
+    for (int pos = tile_start; pos < tile_end;) {
+        int n = run_length(view, pos, tile_end);
+        tile_rows values;
+        int kind = head_rows(view, 1, g, pos, kv_view_slot(view, pos), n, n_seen, query_pos,
+                             head_dim, tile, &values);
+        mix_kernels[kind](heads->results, heads->weights, pos - tile_start, heads->n,
+                          head_dim, &values, n);
+        pos += n;
+    }
+}
+
+/* Attention of `count` consecutive tokens, the first at position first_pos, for the kv_mul
+ * query heads that share KV head g (queries and outputs (count, n_heads * head_dim), from
+ * the group's first head on). One pass over the positions, TILE at a time, counted from
+ * position 0, so that a query meets the same tiles whether it came alone or in a prefill,
+ * and whatever the cache's block size: its numbers come out bit-identical. The tiles
+ * before the first token's own are whole for every token of the block and are attended by
+ * all count x kv_mul heads at once, each row loaded once for all of them; from there on
+ * each token goes on alone, to its own position (the causal mask). */
+static void attend_block(float *out, const float *q, const kv_layer_view *view, int count,
+                         int first_pos, int g, int kv_mul, int n_heads, int head_dim,
+                         float *scratch) {
+    size_t q_dim = (size_t)n_heads * head_dim, group_dim = (size_t)kv_mul * head_dim;
+    float scale = 1.0f / sqrtf((float)head_dim), *tile;
+    query_heads all = block_scratch(scratch, count * kv_mul, kv_mul, head_dim, &tile);
+    for (int i = 0; i < count; i++)     /* the block's queries side by side */
+        memcpy(all.queries + i * group_dim, q + i * q_dim, group_dim * sizeof(float));
+    for (int m = 0; m < all.n; m++) {
+        all.running_max[m] = -INFINITY;
+        all.running_sum[m] = 0.0f;
+    }
+    memset(all.results, 0, (size_t)all.n * head_dim * sizeof(float));
+
+    /* a row is read alike by every token when it is older than the first token's residual
+     * window (a quantized cache's newest rows are read in full precision) */
+    int first_exact = view->window > 0 ? first_pos - view->window + 1 : first_pos + 1;
+    int tile_start = 0;
+    for (; tile_start + TILE <= first_exact; tile_start += TILE)
+        attend_tile(view, g, tile_start, tile_start + TILE, first_pos + 1, first_pos, &all,
+                    head_dim, scale, tile);
+    for (int i = 0; i < count; i++) {
+        query_heads own = some_heads(&all, i * kv_mul, kv_mul, head_dim);
+        int n_seen = first_pos + i + 1;        /* positions 0 .. its own */
+        for (int start = tile_start; start < n_seen; start += TILE)
+            attend_tile(view, g, start, n_seen - start < TILE ? n_seen : start + TILE, n_seen,
+                        first_pos + i, &own, head_dim, scale, tile);
+    }
+    /* divide by the sum of the exponentials: the softmax's normalization, once */
+    for (int m = 0; m < all.n; m++) {
+        float *result = all.results + (size_t)m * head_dim;
+        scale_row(result, 1.0f / all.running_sum[m], head_dim);
+        memcpy(out + (size_t)(m / kv_mul) * q_dim + (size_t)(m % kv_mul) * head_dim, result,
+               (size_t)head_dim * sizeof(float));
+    }
+}
+
 void kv_attention(float *out, const float *q, const kv_layer_view *view, int n_tokens,
                   int start_pos, int n_heads, int n_kv_heads, int head_dim, float *scratch,
                   size_t scratch_stride, int n_threads) {
     int kv_mul = n_heads / n_kv_heads;
+    int n_blocks = (n_tokens + QUERY_TILE - 1) / QUERY_TILE;
     size_t q_dim = (size_t)n_heads * head_dim;
-    float scale = 1.0f / sqrtf((float)head_dim);
-
-    /* [quote ch07-kv-attention] */
-    /* One iteration per (token, KV head): the kv_mul query heads that share a KV head are
-     * done together, so each key and value row is read from memory (and dequantized)
-     * once for all of them (the point of grouped-query attention), not once per head.
-     * Iterations are dealt out one at a time in turn: in a prefill a later token sees
-     * more positions, so handing each thread a contiguous half would give the last
-     * thread most of the work. */
+    /* One iteration per (block of QUERY_TILE tokens, KV head): the kv_mul query heads that
+     * share a KV head are done together, for every token of the block, so each key and
+     * value row is read from memory (and dequantized) once for all of them (the point of
+     * grouped-query attention), not once per head and token. Iterations are dealt out one
+     * at a time in turn: in a prefill a later token sees more positions, so handing each
+     * thread a contiguous half would give the last thread most of the work. */
     #pragma omp parallel for collapse(2) schedule(static, 1) num_threads(n_threads) \
         if ((int64_t)n_tokens * n_heads * (start_pos + n_tokens) * head_dim >= KV_PARALLEL_MIN_WORK \
-            && (int64_t)n_tokens * n_kv_heads > 1)
-    for (int t = 0; t < n_tokens; t++) {
+            && (int64_t)n_blocks * n_kv_heads > 1)
+    for (int b = 0; b < n_blocks; b++) {
         for (int g = 0; g < n_kv_heads; g++) {
-            int query_pos = start_pos + t;
-            int n_seen = query_pos + 1;              /* positions 0 .. its own */
+            int t = b * QUERY_TILE, count = n_tokens - t < QUERY_TILE ? n_tokens - t : QUERY_TILE;
             /* the group's query heads are consecutive: heads g*kv_mul .. g*kv_mul + kv_mul-1 */
-            const float *queries = q + t * q_dim + (size_t)g * kv_mul * head_dim;
-            float *results = out + t * q_dim + (size_t)g * kv_mul * head_dim;
-            /* this thread's scratch: a tile of weights per query head, then each head's
-             * running max and sum, then a tile of rows to decode keys or values into */
-            float *weights = scratch + (size_t)omp_get_thread_num() * scratch_stride;
-            float *running_max = weights + (size_t)kv_mul * TILE;
-            float *running_sum = running_max + kv_mul;
-            float *tile = weights + kv_round_up16((size_t)kv_mul * (TILE + 2));
-            for (int m = 0; m < kv_mul; m++) {
-                running_max[m] = -INFINITY;
-                running_sum[m] = 0.0f;
-            }
-            memset(results, 0, (size_t)kv_mul * head_dim * sizeof(float));
-
-            /* One pass over the positions, TILE at a time, counted from position 0 so that
-             * a query meets the same tiles whether it came alone or in a prefill, and
-             * whatever the cache's block size: its numbers come out bit-identical. */
-            for (int tile_start = 0; tile_start < n_seen; tile_start += TILE) {
-                int tile_end = n_seen - tile_start < TILE ? n_seen : tile_start + TILE;
-                /* how well each query matches the tile's keys, a run of rows at a time
-                 * (one run, unless the tile spans blocks of a paged pool) */
-                for (int pos = tile_start; pos < tile_end;) {
-                    int n = run_length(view, pos, tile_end);
-                    tile_rows keys;
-                    int kind = head_rows(view, 0, g, pos, kv_view_slot(view, pos), n, n_seen,
-                                         query_pos, head_dim, tile, &keys);
-                    score_kernels[kind](weights, pos - tile_start, queries, kv_mul, head_dim,
-                                        &keys, n, scale);
-                    pos += n;
-                }
-                /* the online softmax: the scores become e^(s - max so far), and whatever
-                 * the outputs summed under an older, smaller max is scaled down to match */
-                for (int m = 0; m < kv_mul; m++) {
-                    float correction = kv_softmax_tile(weights + m * TILE, tile_end - tile_start,
-                                                       &running_max[m], &running_sum[m]);
-                    if (correction != 1.0f)
-                        scale_row(results + (size_t)m * head_dim, correction, head_dim);
-                }
-                /* the values, weighted by those exponentials, added into the outputs */
-                for (int pos = tile_start; pos < tile_end;) {
-                    int n = run_length(view, pos, tile_end);
-                    tile_rows values;
-                    int kind = head_rows(view, 1, g, pos, kv_view_slot(view, pos), n, n_seen,
-                                         query_pos, head_dim, tile, &values);
-                    mix_kernels[kind](results, weights, pos - tile_start, kv_mul, head_dim,
-                                      &values, n);
-                    pos += n;
-                }
-            }
-            /* divide by the sum of the exponentials: the softmax's normalization, once */
-            for (int m = 0; m < kv_mul; m++)
-                scale_row(results + (size_t)m * head_dim, 1.0f / running_sum[m], head_dim);
-    /* [end ch07-kv-attention] */
+            size_t first = t * q_dim + (size_t)g * kv_mul * head_dim;
+            attend_block(out + first, q + first, view, count, start_pos + t, g, kv_mul, n_heads,
+                         head_dim, scratch + (size_t)omp_get_thread_num() * scratch_stride);
         }
     }
 }
+/* [end ch07-kv-attention] */

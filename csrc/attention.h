@@ -63,9 +63,10 @@ void kv_cache_note_appended(kv_cache *cache, int n_tokens);
  * attends over positions 0 .. its own position (the causal mask). q and out are
  * (n_tokens, n_heads * head_dim); the view already holds the new tokens' K and V.
  * scratch holds n_threads rows of scratch_stride floats, one per thread: for each query
- * head of a group a tile of weights (KV_ATTENTION_TILE, below), a running max and a running
- * sum, then a tile of head rows to decode keys or values into when they cannot be read
- * in place. Its size does not depend on the context length. */
+ * head of a group, for each token of a block of a few tokens attended together, a tile of
+ * weights (KV_ATTENTION_TILE, below), a running max and a running sum; then a tile of head
+ * rows to decode keys or values into when they cannot be read in place; then the block's
+ * queries and outputs. Its size does not depend on the context length. */
 void kv_attention(float *out, const float *q, const kv_layer_view *view, int n_tokens,
                   int start_pos, int n_heads, int n_kv_heads, int head_dim, float *scratch,
                   size_t scratch_stride, int n_threads);

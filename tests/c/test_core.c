@@ -531,6 +531,137 @@ static void test_tiers_attention(void) {
     CHECK(cases == agreeing);
 }
 
+/* ---- attention of a prefill's tokens in blocks (attention.c's QUERY_TILE) ----------------- */
+
+/* K/V rows of positions 0 .. n_rows - 1 laid out three ways: a contiguous cache (layout 0),
+ * a contiguous cache turned as a ring so that its rows run past the end of its memory to its
+ * beginning (layout 1: n_rows - turn rows from slot `turn` on, the rest from slot 0), or a
+ * paged pool of blocks of `layout` rows (layout >= 2); a ring of one row is not turned.
+ * Returns 0 where the format cannot be
+ * laid out so (a ring refuses a residual window). */
+static int lay_out_rows(kv_cache *cache, kv_pool *pool, int *seq, int layout, int n_rows,
+                        int turn, int n_kv_heads, int head_dim, const kv_cache_format *format,
+                        const float *keys, const float *values) {
+    int kv_dim = n_kv_heads * head_dim, ok = 1;
+    if (layout >= 2) {
+        int n_blocks = (n_rows + layout - 1) / layout;
+        int32_t *ids = calloc((size_t)n_rows, sizeof(int32_t));
+        ok = kv_pool_init(pool, 1, n_kv_heads, head_dim, n_blocks + 2, layout, 1, n_blocks,
+                          format) == KV_OK &&
+             kv_blocks_seq_new(&pool->blocks, seq) == KV_OK &&
+             kv_pool_append(pool, *seq, ids, n_rows, keys, values) == KV_OK;
+        free(ids);
+        return ok;
+    }
+    if (layout == 1 && format != NULL && format->window > 0) return 0;
+    /* a cache holds at least its residual window */
+    int capacity = format != NULL && format->window > n_rows ? format->window : n_rows;
+    ok = kv_cache_init(cache, 1, n_kv_heads, head_dim, capacity, format) == KV_OK;
+    if (layout == 1 && turn > 0) {   /* `turn` rows in front, then dropped: the ring turns past them */
+        float *front = random_floats((size_t)turn * kv_dim, 1.0f);
+        int n_keep = n_rows - turn;
+        int32_t *rows = malloc(sizeof(int32_t) * (size_t)n_keep * n_kv_heads);
+        for (int i = 0; i < n_keep; i++)
+            for (int head = 0; head < n_kv_heads; head++) rows[i * n_kv_heads + head] = turn + i;
+        ok = ok && kv_cache_append(cache, turn, front, front) == KV_OK &&
+             kv_cache_append(cache, n_keep, keys, values) == KV_OK &&
+             kv_cache_keep(cache, n_keep, rows) == KV_OK && cache->ring_start == turn &&
+             kv_cache_append(cache, turn, keys + (size_t)n_keep * kv_dim,
+                             values + (size_t)n_keep * kv_dim) == KV_OK;
+        free(front);
+        free(rows);
+        return ok;
+    }
+    return ok && kv_cache_append(cache, n_rows, keys, values) == KV_OK;
+}
+
+/* A prefill of n_new tokens after n_before positions: 1 if every token's output is, bit for
+ * bit, the plain tier's and the fast tier's for that token alone (a decode step). */
+static int prefill_blocks_agree(int n_heads, int n_kv_heads, int head_dim,
+                                const kv_cache_format *format, int layout, int n_before,
+                                int n_new, int n_threads) {
+    if (kv_store_group(format->key_format, format->key_group, head_dim) < 0 ||
+        kv_store_group(format->value_format, format->value_group, head_dim) < 0)
+        return 1;   /* a group that does not divide head_dim: no such cache */
+    int n_rows = n_before + n_new, kv_dim = n_kv_heads * head_dim, q_dim = n_heads * head_dim;
+    float *keys = random_floats((size_t)n_rows * kv_dim, 2.0f);
+    float *values = random_floats((size_t)n_rows * kv_dim, 1.0f);
+    kv_cache cache = {0};
+    kv_pool pool = {0};
+    int seq = 0, same = 1;
+    if (!lay_out_rows(&cache, &pool, &seq, layout, n_rows, n_rows / 2, n_kv_heads, head_dim,
+                      format, keys, values)) {
+        same = layout == 1 && format != NULL && format->window > 0;   /* refused, rightly */
+        n_new = 0;
+    }
+    kv_layer_view view = layout >= 2 ? kv_pool_layer_view(&pool, seq, 0)
+                                     : kv_cache_layer_view(&cache, 0);
+    /* as in a forward call: the new rows also come as computed (the residual window's) */
+    view.new_key = keys + (size_t)n_before * kv_dim;
+    view.new_value = values + (size_t)n_before * kv_dim;
+    view.new_start = n_before;
+    size_t stride = kv_attention_scratch(n_heads, n_kv_heads, head_dim);
+    float *scratch = malloc(sizeof(float) * stride * n_threads);
+    float *q = random_floats((size_t)n_rows * q_dim, 2.0f);
+    float *out[3];
+    for (int k = 0; k < 3; k++) out[k] = malloc(sizeof(float) * ((size_t)n_rows * q_dim + 1));
+    if (n_new > 0) {
+        kv_attention(out[0], q, &view, n_new, n_before, n_heads, n_kv_heads, head_dim,
+                     scratch, stride, n_threads);
+        kv_plain_attention(out[1], q, &view, n_new, n_before, n_heads, n_kv_heads, head_dim,
+                           scratch, stride, n_threads);
+        for (int t = 0; t < n_new; t++)
+            kv_attention(out[2] + (size_t)t * q_dim, q + (size_t)t * q_dim, &view, 1,
+                         n_before + t, n_heads, n_kv_heads, head_dim, scratch, stride, 1);
+        same = same_bits(out[0], out[1], (size_t)n_new * q_dim) &&
+               same_bits(out[0], out[2], (size_t)n_new * q_dim);
+    }
+    for (int k = 0; k < 3; k++) free(out[k]);
+    free(keys); free(values); free(scratch); free(q);
+    kv_cache_free(&cache);
+    kv_pool_free(&pool);
+    return same;
+}
+
+/* Prefills shorter than, as long as and a row longer than a block of tokens, and longer
+ * ones (odd ones; ones that start on, just before and just after a tile's edge, so that a
+ * block's first token sees whole tiles only, or one row more), over the three layouts, for
+ * MHA, GQA (groups of 3 and 4) and MQA, head sizes with and without leftovers, float32 and
+ * quantized rows, residual windows narrower and wider than a tile. */
+static void test_attention_prefill_blocks(void) {
+    const kv_cache_format formats[] = {
+        {KV_FMT_F32, KV_FMT_F32, 0, 0, 0},
+        {KV_FMT_I8, KV_FMT_I8, 0, 0, 0},
+        {KV_FMT_I4, KV_FMT_FP8, 4, 2, 0},      /* groups decoded into the tile buffer */
+        {KV_FMT_F16, KV_FMT_BF16, 0, 0, 5},    /* with residual windows */
+        {KV_FMT_F32, KV_FMT_F32, 0, 0, 20},
+    };
+    int heads[][2] = {{4, 4}, {9, 3}, {8, 2}, {7, 1}};
+    int head_dims[] = {10, 48};   /* a chunk of eight and leftovers; six chunks */
+    int layouts[] = {0, 1, 3, 16};
+    int spans[][2] = {{0, 1}, {0, 2}, {0, 3}, {0, 5}, {0, 8}, {0, 9}, {0, 45}, {15, 4},
+                      {16, 16}, {31, 14}, {29, 19}, {11, 22}};
+    int cases = 0, agreeing = 0;
+    for (size_t f = 0; f < sizeof formats / sizeof formats[0]; f++)
+        for (size_t h = 0; h < sizeof heads / sizeof heads[0]; h++)
+            for (size_t d = 0; d < sizeof head_dims / sizeof head_dims[0]; d++)
+                for (size_t l = 0; l < sizeof layouts / sizeof layouts[0]; l++)
+                    for (size_t s = 0; s < sizeof spans / sizeof spans[0]; s++) {
+                        int threads = 1 + (int)(s % 2);
+                        int ok = prefill_blocks_agree(heads[h][0], heads[h][1], head_dims[d],
+                                                      &formats[f], layouts[l], spans[s][0],
+                                                      spans[s][1], threads);
+                        if (!ok)
+                            fprintf(stderr, "prefill attention differs: format %zu, %d/%d "
+                                    "heads, head_dim %d, layout %d, %d after %d, %d threads\n",
+                                    f, heads[h][0], heads[h][1], head_dims[d], layouts[l],
+                                    spans[s][1], spans[s][0], threads);
+                        cases++;
+                        agreeing += ok;
+                    }
+    CHECK(cases == agreeing);
+}
+
 /* The whole model on each tier: prefill with every token's logits, decode steps, the
  * paged pool, a batch, and the generation loop give the same bits. */
 static void test_model_tiers_agree(int n_heads, int n_kv_heads, int head_dim,
@@ -2027,6 +2158,7 @@ int main(int argc, char **argv) {
     test_tiers_small_ops();
     test_tiers_matmul();
     test_tiers_attention();
+    test_attention_prefill_blocks();
     for (int threads = 1; threads <= 2; threads++) {
         test_model_tiers_agree(4, 4, 6, NULL, threads);    /* MHA, head_dim with leftovers */
         test_model_tiers_agree(6, 2, 8, NULL, threads);    /* GQA */
