@@ -269,8 +269,8 @@ def test_config_conversion_that_mutates_the_dict_is_safe():
 
 
 def test_results_do_not_depend_on_the_thread_count():
-    # Threads split the output rows of each matrix product and the (token, KV head) pairs
-    # of attention; every output is still summed by one thread in the one fixed order, so
+    # Threads split the output rows of each matrix product and the (block of prefill
+    # tokens, KV head) pairs of attention; every output is still summed by one thread in the one fixed order, so
     # the tolerance is zero: one thread and two give the same bits, and the same tokens.
     config = kvlab.ModelConfig(dim=256, hidden_dim=640, n_layers=2, n_heads=8, n_kv_heads=2,
                                vocab_size=1000, max_seq_len=256)
