@@ -84,6 +84,7 @@ class RequestState:
     pending: int             # tokens still to run through the model (1 when decoding)
     blocks: int              # blocks its K and V hold in the pool now
     preemptions: int
+    first_token_time: Optional[float] = None   # on the engine's clock; None before it
 
     @property
     def decoding(self) -> bool:
@@ -145,7 +146,7 @@ def scheduler_view(scheduler: Scheduler, space, step: int, leaving,
                 max_new_tokens=request.params.max_new_tokens, generated=len(seq.outputs),
                 computed=seq.computed, pending=seq.pending,
                 blocks=0 if seq.handle is None else len(seq.handle.block_table),
-                preemptions=request.preemptions))
+                preemptions=request.preemptions, first_token_time=request.first_token_at))
     return SchedulerView(step, now, scheduler.max_batch_tokens, scheduler.max_batch_seqs,
                          scheduler.block_size, space.available(), space.sequences_left(),
                          tuple(running), tuple(waiting), extra)

@@ -386,6 +386,29 @@ def test_the_view_carries_the_engines_clock(model):
     assert seen[0] == 0.0 and seen == sorted(seen) and seen[-1] < clock()
 
 
+def test_the_plain_view_carries_each_requests_first_token_time(model):
+    from kvlab.plugins import PlainScheduler
+    from kvlab.slo import StepCost, VirtualClock
+    seen = {}
+
+    class Watching(PlainFirstCome):
+        def plan(self, view):
+            for r in view["running"] + view["waiting"]:
+                seen.setdefault(r["id"], []).append((r["generated"], r["first_token_time"]))
+            return super().plan(view)
+    engine = kvlab.Engine(model, num_blocks=20, block_size=4, max_batch_tokens=16,
+                          scheduler=PlainScheduler(Watching()),
+                          clock=VirtualClock(StepCost.for_model(model)))
+    for p in PROMPTS:
+        engine.add_request(p, kvlab.SamplingParams(max_new_tokens=6))
+    outputs = engine.run(progress=False)
+    for rid, views in seen.items():
+        first = outputs[rid].metrics.first_token_time
+        assert views[0] == (0, None) and first > 0
+        assert all(t is None if n == 0 else t == first for n, t in views)
+        assert any(n > 0 for n, _ in views)
+
+
 # ---- the prefix cache plug-in ------------------------------------------------------------------
 class PrefixTrie:
     """The prefix cache interface, written for these tests: a tree of blocks (each node a

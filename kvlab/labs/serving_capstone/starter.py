@@ -50,9 +50,12 @@ class Scheduler:
         prompt_len, max_new_tokens, generated (tokens so far), computed (tokens whose K and
         V are in the cache), pending (tokens still to run through the model: 1 when it
         decodes, more for a prompt or a recompute), blocks (held now), preemptions,
-        extra_blocks (see blocks_needed).
+        first_token_time (when its first token came, on the clock of now; None before it:
+        its TPOT so far is (now - first_token_time) / (generated - 1)), extra_blocks (see
+        blocks_needed).
 
-        Return {"run": [[request id, n_tokens], ...], "preempt": [request id, ...]}:
+        Return {"run": [[request id, n_tokens], ...], "preempt": [request id, ...]}, and
+        if you like "max_drafts": n:
           - run: in batch order; each request at most once, 1 .. pending tokens; a waiting
             request named here is admitted. At most max_batch_tokens tokens in all, at
             most max_batch_seqs requests, at most sequences_left admitted;
@@ -61,7 +64,10 @@ class Scheduler:
             also in run.
           - the blocks of what runs (blocks_needed) at most free_blocks plus the blocks
             of the preempted requests;
-          - never nothing while a request runs or waits.
+          - never nothing while a request runs or waits;
+          - max_drafts (an int from 0; leave it out for no cap): the most draft tokens
+            the engine adds to this step in all. Without it, drafts fill the token budget
+            and blocks your plan leaves; each costs a token of the step's work.
         The engine checks all of this and stops the run (a failed test) on a broken rule.
         """
         # TODO
