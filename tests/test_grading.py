@@ -355,6 +355,30 @@ def test_results_json_is_gradescope_shaped(tmp_path):
         assert isinstance(test["score"], float) and isinstance(test["name"], str)
 
 
+def test_a_passed_test_that_returns_a_string_reports_it(tmp_path):
+    tests = tmp_path / "grader.py"
+    tests.write_text('from kvlab.grading.testkit import points\n\n'
+                     '@points(1)\ndef test_measured(sub, rng):\n'
+                     '    """a measured test"""\n    return "you reached 7, the line 5"\n\n'
+                     '@points(1)\ndef test_plain(sub, rng):\n    """a plain test"""\n')
+    out = tmp_path / "results.json"
+    report = grade("cache_size", INSTRUCTOR / "solutions" / "cache_size.py", tests=tests,
+                   seed=1, results=out)
+    said = "you reached 7, the line 5"
+    assert report.score == 2 and [t.output for t in report.tests] == [said, ""]
+    assert [t["output"] for t in json.loads(out.read_text())["tests"]] == [said, ""]
+    assert "         " + said in report.summary().splitlines()
+
+
+def test_the_capstones_goodput_tiers_give_the_goodput_and_the_line_when_they_pass():
+    report = hidden("serving_capstone", solution("serving_capstone"))
+    tiers = [t for t in report.tests if t.function.startswith("test_goodput_reaches")]
+    assert len(tiers) == 3 and all(t.passed for t in tiers), report.summary()
+    for t in tiers:
+        assert re.search(r"your goodput [\d.]+ requests/s.*this tier needs [\d.]+$", t.output), \
+            t.output
+
+
 def test_lab_start_copies_the_starter_and_will_not_overwrite(tmp_path, capsys):
     assert cli.main(["lab", "list"]) == 0
     listed = capsys.readouterr().out
