@@ -8,6 +8,7 @@ the wire, the import policy, worker processes) in test_grading_parts.py; the Gra
 package in test_autograder.py.
 """
 import ast
+import importlib.util
 import json
 import re
 import zlib
@@ -15,6 +16,7 @@ from pathlib import Path
 from urllib.parse import urlparse
 from urllib.request import url2pathname
 
+import numpy as np
 import pytest
 from c_edits import apply_edit, declared
 from grader_tests import grader_tests
@@ -377,6 +379,24 @@ def test_the_capstones_goodput_tiers_give_the_goodput_and_the_line_when_they_pas
     for t in tiers:
         assert re.search(r"your goodput [\d.]+ requests/s.*this tier needs [\d.]+$", t.output), \
             t.output
+
+
+def test_the_capstones_trial_draws_its_workload_as_the_grader_does():
+    from kvlab.labs.serving_capstone.workload import draw, trial
+    spec = importlib.util.spec_from_file_location("capstone_grader", graders("serving_capstone"))
+    grader = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(grader)
+    assert grader.draw_workload(np.random.default_rng(5)) == \
+        draw(np.random.default_rng(5), grader.text())
+    requests = trial(kvlab.load(), seed=3)
+    assert requests == trial(kvlab.load(), seed=3) != trial(kvlab.load(), seed=4)
+    lengths = [len(prompt) for _, prompt, _ in requests]
+    assert len(requests) == 48 and all(4 <= n < 24 or 100 <= n < 300 for n in lengths)
+    assert 20 <= sum(n < 24 for n in lengths) <= 44          # 70 % short, give or take
+    assert all(8 <= new < 64 for _, _, new in requests)
+    arrivals = [t for t, _, _ in requests]
+    assert arrivals == sorted(arrivals) and 120 < 48 / arrivals[-1] < 450
+    assert "trial(model" in LABS["serving_capstone"].starter.read_text()
 
 
 def test_lab_start_copies_the_starter_and_will_not_overwrite(tmp_path, capsys):
