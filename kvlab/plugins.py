@@ -19,7 +19,9 @@ scheduler:  plan(view) -> StepPlan, where view is a SchedulerView (the step's bu
             records) and StepPlan says which requests run with how many tokens (a waiting
             one named there is admitted) and which running ones are preempted. The engine
             adds speculation's drafts after it, in what the plan left. Only for requests of
-            one sample (SamplingParams.n == 1).
+            one sample (SamplingParams.n == 1). StepPlan's max_drafts (None: no cap) caps
+            the draft tokens added to the step in all, so that a plan can keep the step's
+            cost down; drafts never change a token (greedy tokens stay kvlab.generate's).
 drafter:    propose(tokens, k, sampling=None) -> at most k token ids likely to follow
             `tokens` (kvlab.speculative.Drafter; the same object as speculate=). Junk (ids
             out of range, not ints) fails the request whose drafts they were, alone, with
@@ -56,7 +58,7 @@ and PlainDrafter adapt a plan(dict) -> dict and a propose(list, k) to the above.
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
@@ -82,6 +84,7 @@ class RequestState:
     pending: int             # tokens still to run through the model (1 when decoding)
     blocks: int              # blocks its K and V hold in the pool now
     preemptions: int
+    first_token_time: Optional[float] = None   # on the engine's clock; None before it
 
     @property
     def decoding(self) -> bool:
@@ -118,9 +121,12 @@ class SchedulerView:
 class StepPlan:
     """A scheduler plug-in's plan: run, (request id, n_tokens) in batch order, a waiting
     request named here being admitted; preempt, the ids of running requests to send back to
-    the front of the waiting line (their K and V dropped, or swapped out)."""
+    the front of the waiting line (their K and V dropped, or swapped out); max_drafts, the
+    most draft tokens the engine may add to the step in all (0: none), or None for as many
+    as the budget and blocks the plan leaves."""
     run: List[Tuple[int, int]]
     preempt: List[int] = dataclasses.field(default_factory=list)
+    max_drafts: Optional[int] = None
 
 
 def scheduler_view(scheduler: Scheduler, space, step: int, leaving,
@@ -140,7 +146,7 @@ def scheduler_view(scheduler: Scheduler, space, step: int, leaving,
                 max_new_tokens=request.params.max_new_tokens, generated=len(seq.outputs),
                 computed=seq.computed, pending=seq.pending,
                 blocks=0 if seq.handle is None else len(seq.handle.block_table),
-                preemptions=request.preemptions))
+                preemptions=request.preemptions, first_token_time=request.first_token_at))
     return SchedulerView(step, now, scheduler.max_batch_tokens, scheduler.max_batch_seqs,
                          scheduler.block_size, space.available(), space.sequences_left(),
                          tuple(running), tuple(waiting), extra)
@@ -153,7 +159,7 @@ def checked_plan(policy, scheduler: Scheduler, space, step: int, leaving,
     Raises PluginError before anything changes if the plan breaks a rule."""
     view = scheduler_view(scheduler, space, step, leaving, now)
     answer = _ask("scheduler", "plan()", policy.plan, view)
-    run, preempt = _plan_lists(answer)
+    run, preempt, max_drafts = _plan_lists(answer)
     requests = {r.id: r for r in list(scheduler.running) + list(scheduler.waiting)
                 if r.id not in leaving}
     running = {r.id for r in view.running}
@@ -185,13 +191,15 @@ def checked_plan(policy, scheduler: Scheduler, space, step: int, leaving,
         if rid not in running:
             out.admitted.append(request)
     _check_room(view, out, space, tokens, blocks)
-    scheduler._add_drafts(space, out, view.max_batch_tokens - tokens,
+    budget = view.max_batch_tokens - tokens
+    scheduler._add_drafts(space, out, budget if max_drafts is None else min(budget, max_drafts),
                           view.free_blocks + sum(space.freed(r) for r in out.preempted) - blocks)
     return out
 
 
-def _plan_lists(answer) -> Tuple[List[Tuple[int, int]], List[int]]:
-    """The plug-in's answer as (run, preempt) lists of plain ints, or PluginError."""
+def _plan_lists(answer) -> Tuple[List[Tuple[int, int]], List[int], Optional[int]]:
+    """The plug-in's answer as (run, preempt) lists of plain ints and its max_drafts (None,
+    or an int from 0), or PluginError."""
     if not isinstance(answer, StepPlan):
         raise PluginError(f"the scheduler's plan() must return a kvlab.plugins.StepPlan, got "
                           f"{arguments.shown(answer)}")
@@ -203,7 +211,17 @@ def _plan_lists(answer) -> Tuple[List[Tuple[int, int]], List[int]]:
         raise PluginError(f"the scheduler's StepPlan must hold run = [(request id, "
                           f"n_tokens), ...] and preempt = [request id, ...] of ints: "
                           f"{error}") from None
-    return run, preempt
+    return run, preempt, _max_drafts(answer.max_drafts)
+
+
+def _max_drafts(value) -> Optional[int]:
+    if value is None:
+        return None
+    try:
+        return arguments.integer(value, "max_drafts", 0)
+    except (TypeError, ValueError) as error:
+        raise PluginError(f"the scheduler's max_drafts (the draft tokens a step may add, "
+                          f"None for no cap) must be an int from 0: {error}") from None
 
 
 def _check_room(view: SchedulerView, out: ScheduledStep, space, tokens: int,
@@ -508,15 +526,17 @@ def plain_view(view: SchedulerView) -> dict:
 
 
 def plan_from_plain(answer) -> StepPlan:
-    """{"run": [[id, n], ...], "preempt": [id, ...]} as a StepPlan (PluginError if not)."""
-    if not isinstance(answer, dict) or not set(answer) <= {"run", "preempt"}:
+    """{"run": [[id, n], ...], "preempt": [id, ...], "max_drafts": n} (the last two
+    optional) as a StepPlan (PluginError if not)."""
+    if not isinstance(answer, dict) or not set(answer) <= {"run", "preempt", "max_drafts"}:
         raise PluginError(f"plan() must return {{'run': [[id, n_tokens], ...], 'preempt': "
-                          f"[id, ...]}}, got {arguments.shown(answer)}")
+                          f"[id, ...]}} (and, if you like, 'max_drafts': n), got "
+                          f"{arguments.shown(answer)}")
     try:
         run = [tuple(pair) for pair in answer.get("run", [])]
         if any(len(pair) != 2 for pair in run):
             raise TypeError("a pair that is not two values")
-        return StepPlan(run, list(answer.get("preempt", [])))
+        return StepPlan(run, list(answer.get("preempt", [])), answer.get("max_drafts"))
     except TypeError as error:
         raise PluginError(f"plan()'s run must be a list of [request id, n_tokens] pairs: "
                           f"{error}") from None

@@ -1,6 +1,8 @@
 """kvlab.plugins: a student's scheduler, drafter, block allocator and prefix cache plugged into
 kvlab.Engine. Good plug-ins give kvlab.generate's tokens; a plug-in that answers nonsense
 gets a PluginError naming the rule, before the pool changes, and never a wrong token."""
+import dataclasses
+
 import pytest
 
 import kvlab
@@ -184,6 +186,10 @@ BAD_PLANS = {
     "nothing": (lambda v: StepPlan([]), "planned nothing"),
     "over budget": (lambda v: StepPlan([(r.id, r.pending) for r in v.running + v.waiting]),
                     "max_batch_tokens|blocks"),
+    "negative max_drafts": (lambda v: StepPlan([(v.running[0].id, 1)], max_drafts=-1),
+                            "max_drafts"),
+    "float max_drafts": (lambda v: StepPlan([(v.running[0].id, 1)], max_drafts=2.0),
+                         "max_drafts"),
     "raises": (lambda v: 1 / 0, "ZeroDivisionError"),
 }
 
@@ -219,6 +225,26 @@ def test_a_plan_that_needs_more_blocks_than_are_free_is_refused(model):
     with pytest.raises(PluginError, match="needs 8 blocks; 6 are free"):
         engine.step()
     assert engine.pool.stats().n_sequences == 0
+
+
+class CappedDrafts(FirstComeFirstServed):
+    """FirstComeFirstServed's plans, with at most `cap` draft tokens a step."""
+
+    def __init__(self, cap):
+        self.cap = cap
+
+    def plan(self, view):
+        return dataclasses.replace(super().plan(view), max_drafts=self.cap)
+
+
+@pytest.mark.parametrize("cap", [0, 1, 3])
+def test_a_plan_caps_the_drafts_of_its_step(model, expected, cap):
+    free, _ = serve(model, drafter=PromptLookup(), scheduler=FirstComeFirstServed())
+    capped, tokens = serve(model, drafter=PromptLookup(), scheduler=CappedDrafts(cap))
+    assert tokens == expected
+    assert max(r.drafted for r in free.metrics) > cap       # the cap had work to do
+    assert max(r.drafted for r in capped.metrics) == cap
+    assert capped.speculation.drafted == sum(r.drafted for r in capped.metrics)
 
 
 def test_plug_ins_are_checked_at_entry(model):
@@ -331,11 +357,18 @@ def test_a_scheduler_on_plain_values_plans_as_the_same_one_on_records(model, exp
 
 @pytest.mark.parametrize("answer, message", [
     ([[0, 1]], "must return"), ({"run": [[0, 1]], "extra": 1}, "must return"),
-    ({"run": [[0, 1, 2]]}, "pairs"), ({"run": 5}, "pairs")])
+    ({"run": [[0, 1, 2]]}, "pairs"), ({"run": 5}, "pairs"),
+    ({"run": [[0, 1]], "max_drafts": "2"}, "max_drafts")])
 def test_a_plain_plan_that_is_not_one_is_refused(answer, message):
-    from kvlab.plugins import plan_from_plain
+    from kvlab.plugins import _plan_lists, plan_from_plain
     with pytest.raises(PluginError, match=message):
-        plan_from_plain(answer)
+        _plan_lists(plan_from_plain(answer))
+
+
+def test_a_plain_plan_may_cap_the_drafts():
+    from kvlab.plugins import plan_from_plain
+    assert plan_from_plain({"run": [[0, 1]], "max_drafts": 2}) == StepPlan([(0, 1)], [], 2)
+    assert plan_from_plain({"run": [[0, 1]]}).max_drafts is None
 
 
 def test_the_view_carries_the_engines_clock(model):
@@ -351,6 +384,29 @@ def test_the_view_carries_the_engines_clock(model):
     engine.add_request("ROMEO:", kvlab.SamplingParams(max_new_tokens=4))
     engine.run(progress=False)
     assert seen[0] == 0.0 and seen == sorted(seen) and seen[-1] < clock()
+
+
+def test_the_plain_view_carries_each_requests_first_token_time(model):
+    from kvlab.plugins import PlainScheduler
+    from kvlab.slo import StepCost, VirtualClock
+    seen = {}
+
+    class Watching(PlainFirstCome):
+        def plan(self, view):
+            for r in view["running"] + view["waiting"]:
+                seen.setdefault(r["id"], []).append((r["generated"], r["first_token_time"]))
+            return super().plan(view)
+    engine = kvlab.Engine(model, num_blocks=20, block_size=4, max_batch_tokens=16,
+                          scheduler=PlainScheduler(Watching()),
+                          clock=VirtualClock(StepCost.for_model(model)))
+    for p in PROMPTS:
+        engine.add_request(p, kvlab.SamplingParams(max_new_tokens=6))
+    outputs = engine.run(progress=False)
+    for rid, views in seen.items():
+        first = outputs[rid].metrics.first_token_time
+        assert views[0] == (0, None) and first > 0
+        assert all(t is None if n == 0 else t == first for n, t in views)
+        assert any(n > 0 for n, _ in views)
 
 
 # ---- the prefix cache plug-in ------------------------------------------------------------------

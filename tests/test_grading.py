@@ -8,6 +8,7 @@ the wire, the import policy, worker processes) in test_grading_parts.py; the Gra
 package in test_autograder.py.
 """
 import ast
+import importlib.util
 import json
 import re
 import zlib
@@ -15,6 +16,7 @@ from pathlib import Path
 from urllib.parse import urlparse
 from urllib.request import url2pathname
 
+import numpy as np
 import pytest
 from c_edits import apply_edit, declared
 from grader_tests import grader_tests
@@ -353,6 +355,48 @@ def test_results_json_is_gradescope_shaped(tmp_path):
         assert test["status"] in ("passed", "failed")
         assert test["visibility"] in ("visible", "hidden", "after_due_date", "after_published")
         assert isinstance(test["score"], float) and isinstance(test["name"], str)
+
+
+def test_a_passed_test_that_returns_a_string_reports_it(tmp_path):
+    tests = tmp_path / "grader.py"
+    tests.write_text('from kvlab.grading.testkit import points\n\n'
+                     '@points(1)\ndef test_measured(sub, rng):\n'
+                     '    """a measured test"""\n    return "you reached 7, the line 5"\n\n'
+                     '@points(1)\ndef test_plain(sub, rng):\n    """a plain test"""\n')
+    out = tmp_path / "results.json"
+    report = grade("cache_size", INSTRUCTOR / "solutions" / "cache_size.py", tests=tests,
+                   seed=1, results=out)
+    said = "you reached 7, the line 5"
+    assert report.score == 2 and [t.output for t in report.tests] == [said, ""]
+    assert [t["output"] for t in json.loads(out.read_text())["tests"]] == [said, ""]
+    assert "         " + said in report.summary().splitlines()
+
+
+def test_the_capstones_goodput_tiers_give_the_goodput_and_the_line_when_they_pass():
+    report = hidden("serving_capstone", solution("serving_capstone"))
+    tiers = [t for t in report.tests if t.function.startswith("test_goodput_reaches")]
+    assert len(tiers) == 3 and all(t.passed for t in tiers), report.summary()
+    for t in tiers:
+        assert re.search(r"your goodput [\d.]+ requests/s.*this tier needs [\d.]+$", t.output), \
+            t.output
+
+
+def test_the_capstones_trial_draws_its_workload_as_the_grader_does():
+    from kvlab.labs.serving_capstone.workload import draw, trial
+    spec = importlib.util.spec_from_file_location("capstone_grader", graders("serving_capstone"))
+    grader = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(grader)
+    assert grader.draw_workload(np.random.default_rng(5)) == \
+        draw(np.random.default_rng(5), grader.text())
+    requests = trial(kvlab.load(), seed=3)
+    assert requests == trial(kvlab.load(), seed=3) != trial(kvlab.load(), seed=4)
+    lengths = [len(prompt) for _, prompt, _ in requests]
+    assert len(requests) == 48 and all(4 <= n < 24 or 100 <= n < 300 for n in lengths)
+    assert 20 <= sum(n < 24 for n in lengths) <= 44          # 70 % short, give or take
+    assert all(8 <= new < 64 for _, _, new in requests)
+    arrivals = [t for t, _, _ in requests]
+    assert arrivals == sorted(arrivals) and 120 < 48 / arrivals[-1] < 450
+    assert "trial(model" in LABS["serving_capstone"].starter.read_text()
 
 
 def test_lab_start_copies_the_starter_and_will_not_overwrite(tmp_path, capsys):

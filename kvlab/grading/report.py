@@ -91,7 +91,7 @@ class GradeReport:
         for t in self.tests:
             mark = "PASS" if t.passed else "FAIL"
             lines.append(f"  {mark} {t.score:>4g}/{t.max_score:<4g} {t.name}")
-            if not t.passed and t.output:
+            if t.output:            # why it failed, or what a passed one measured
                 lines += ["         " + line for line in t.output.splitlines()[:8]]
         return "\n".join(lines)
 

@@ -13,7 +13,8 @@ run in order by the judge (kvlab/grading/judge.py) in its own process. `sub` is 
 submission (kvlab/grading/remote.py); `rng` a NumPy generator seeded at grading time, so
 the hidden cases differ from one grading to the next. A failed `assert` or check fails
 the test with its message, which is all the student sees: say what was expected, what came
-back and for which input. Tests run under the judge, never under pytest, so `assert` is
+back and for which input. A test that returns a string passes with it as its output (shown
+in the summary and in Gradescope's results): a measured test's margin. Tests run under the judge, never under pytest, so `assert` is
 plain Python (the judge refuses to run with -O, which would strip it).
 """
 from __future__ import annotations
