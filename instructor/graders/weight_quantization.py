@@ -5,30 +5,21 @@ never shipped in the package.
 Q4_0's round to nearest is checked bit for bit against kvlab.weight_formats (ggml's
 quantizer) on drawn matrices and on blocks built to trip it; the scales, the output error,
 the grid search and the fold against kvlab.weight_quantization on small layers drawn now.
-Then the submission's search on SmolLM2-135M's own layers (wq/wk/wv and w1/w3 of three
-layers drawn now, on their inputs from a stretch of the verse below drawn now) against
-kvlab's. The last test is the lab's point: the submission's search and fold on every layer
-of SmolLM2 must give a Q4_0 model whose perplexity is clearly below round to nearest's.
-The judge calibrates, rounds both models with kvlab's Q4_0 and measures both perplexities
-with its own copy of the weights; the worker only searches and folds. Its text is the
-course's chapters as kvlab installs them (their prose: fenced code, tables and directives
-left out): English prose that ships with kvlab, so no download. The verse above is too
-short and too well known for it: there, kvlab's own AWQ made SmolLM2 worse than round to
-nearest in most draws tried. How robust the margin is, and what it costs, is measured in
-instructor/README.md. SmolLM2 is kvlab's named model (kvlab fetch smollm2-135m), loaded in
-prepare().
+The last test runs the submission's search on SmolLM2-135M's own layers (wq/wk/wv and
+w1/w3 of three layers drawn now, on their inputs from a stretch of text drawn now) against
+kvlab's. It does not ask the searched model to beat round to nearest's perplexity: on this
+short verse text kvlab's own AWQ (every layer, 64 to 192 calibration tokens, in or out of
+sample) made SmolLM2 worse than round to nearest in most draws tried, though it is better
+on chapter 10's Tiny Shakespeare with 512 calibration tokens; a grade must not hang on that.
+SmolLM2 is kvlab's named model (kvlab fetch smollm2-135m), loaded in prepare().
 """
-import dataclasses
 import functools
-import re
 
 import numpy as np
 
 import kvlab
-from kvlab import reference, weight_formats
+from kvlab import reference
 from kvlab import weight_quantization as wq
-from kvlab.accuracy import log_softmax
-from kvlab.grading.labs import chapter_file
 from kvlab.grading.testkit import as_array, check_close, described, number, points
 
 # Text for calibration and evaluation (public domain: Shakespeare, Hamlet act 3 scene 1,
@@ -98,31 +89,6 @@ So long lives this, and this gives life to thee.
 CALIBRATION_TOKENS = 64
 MODEL_ALPHAS = [0.0, 0.25, 0.5]      # the grid of the SmolLM2 test
 GROUPS = (("attn", ("wq", "wk", "wv"), "attn_norm"), ("ffn", ("w1", "w3"), "ffn_norm"))
-# The perplexity test: windows of the chapters' prose, each after SmolLM2's <|endoftext|>
-# (id 0, how its training text starts a document), calibration windows from the first half
-# of the text and evaluation windows from the second; the submission's model must reach a
-# perplexity at least PERPLEXITY_MARGIN below round to nearest's. Sizes and margin are
-# measured in instructor/README.md (the reference solution's gain in every draw, the
-# planted mistakes' losses).
-DOCUMENT_START = 0
-CALIBRATION_WINDOWS, CALIBRATION_WINDOW = 4, 64
-EVALUATION_WINDOWS, EVALUATION_WINDOW = 4, 256
-PERPLEXITY_MARGIN = 0.03
-
-
-@functools.lru_cache(maxsize=None)
-def chapters_tokens():
-    """SmolLM2's token ids of the course's chapters, their prose only: fenced code blocks,
-    table rows, directive lines and display math are left out."""
-    model, _, _ = smollm2()
-    folder = chapter_file("01_kv_cache.md").parent
-    prose = []
-    for path in sorted(folder.glob("[0-9][0-9]_*.md")):
-        text = re.sub(r"```.*?```", "", path.read_text(encoding="utf-8"), flags=re.S)
-        prose += [line for line in text.splitlines()
-                  if not line.lstrip().startswith(("|", ":", "{", "$$"))]
-    return np.asarray(model.encode(re.sub(r"\n{3,}", "\n\n", "\n".join(prose))),
-                      dtype=np.int64)
 
 
 @functools.lru_cache(maxsize=None)
@@ -135,7 +101,6 @@ def smollm2():
 
 def prepare():
     smollm2()
-    chapters_tokens()
 
 
 def normal(rng, *shape, scale=1.0):
@@ -290,103 +255,3 @@ def test_your_search_on_smollm2s_layers(sub, rng):
                          [getattr(weights, name)[layer] for name in names], MODEL_ALPHAS,
                          f"search_scales on SmolLM2's layer {layer}, {'/'.join(names)}, "
                          f"alphas {MODEL_ALPHAS}")
-
-
-def document_windows(ids, starts, length):
-    """The stretches ids[start:start + length], each after the document-start token."""
-    return [np.concatenate([[DOCUMENT_START], ids[int(s):int(s) + length]]).astype(np.int64)
-            for s in starts]
-
-
-def calibration_of(model, weights, windows):
-    """Every matrix's inputs on these windows, without each window's first position: the
-    document-start token's activations are the same in every draw and tens of times larger
-    than the text's (an attention sink), and would set the scales alone."""
-    runs = [wq.calibrate(model.config, weights, w, window=len(w)) for w in windows]
-    return wq.Calibration(**{key: np.concatenate([getattr(run, key)[:, 1:] for run in runs],
-                                                 axis=1) for key in ("attn", "wo", "ffn", "w2")})
-
-
-def submitted_scales(sub, x, matrices, what):
-    """The scales the submission's search_scales chooses (grid MODEL_ALPHAS): positive and
-    finite, one per input channel."""
-    got = sub.search_scales(x, matrices, MODEL_ALPHAS)
-    assert isinstance(got, dict) and "scales" in got, (
-        f"{what}: search_scales should return a dict with 'scales', got {described(got)}")
-    s = as_array(got["scales"], f"{what}: the scales", shape=(x.shape[1],)).astype(np.float32)
-    assert np.all(np.isfinite(s)) and np.all(s > 0), f"{what}: the scales must be positive and finite"
-    return s
-
-
-def submitted_fold(sub, norm, matrices, s, what):
-    """The submission's fold_into_norm, checked to keep the layer before rounding: column j
-    of each matrix times the norm weight's j-th value is what it was."""
-    got = sub.fold_into_norm(norm, matrices, s)
-    assert isinstance(got, (tuple, list)) and len(got) == 2 and len(got[1]) == len(matrices), (
-        f"{what}: fold_into_norm should return (norm_weight, [matrices...]), got {described(got)}")
-    folded_norm = as_array(got[0], f"{what}: the folded norm weight", shape=norm.shape)
-    folded = [as_array(f, f"{what}: folded matrix {i}", shape=w.shape).astype(np.float32)
-              for i, (f, w) in enumerate(zip(got[1], matrices))]
-    for i, (f, w) in enumerate(zip(folded, matrices)):
-        check_close(f * folded_norm, w * norm, f"{what}: folded matrix {i} times the folded "
-                    "norm weight (the layer before rounding)", atol=1e-6 * float(np.abs(w * norm).max()),
-                    rtol=1e-4)
-    return folded_norm.astype(np.float32), folded
-
-
-def awq_by_the_submission(sub, config, weights, calibration):
-    """weights (float32) with the submission's scales folded into every layer, in the order
-    of kvlab's awq_fold: its search on w2's input, whose scales the judge folds into w3's
-    rows (w2 reads silu(w1 x) * (w3 x)); then its search and fold for w1/w3 and wq/wk/wv."""
-    arrays = {name: getattr(weights, name).copy()
-              for name in ("wq", "wk", "wv", "w1", "w2", "w3", "attn_norm", "ffn_norm")}
-    for layer in range(config.n_layers):
-        s = submitted_scales(sub, calibration.w2[layer], [arrays["w2"][layer]],
-                             f"search_scales on SmolLM2's layer {layer}, w2")
-        arrays["w2"][layer] *= s
-        arrays["w3"][layer] /= s[:, None]
-        for inputs, names, norm in GROUPS[::-1]:
-            what = f"SmolLM2's layer {layer}, {'/'.join(names)}"
-            matrices = [arrays[name][layer] for name in names]
-            s = submitted_scales(sub, getattr(calibration, inputs)[layer], matrices,
-                                 f"search_scales on {what}")
-            arrays[norm][layer], folded = submitted_fold(sub, arrays[norm][layer], matrices, s,
-                                                         f"fold_into_norm on {what}")
-            for name, f in zip(names, folded):
-                arrays[name][layer] = f
-    return dataclasses.replace(weights, **arrays)
-
-
-def perplexity_in_q4_0(model, weights, windows):
-    """The perplexity of weights with every layer matrix stored in Q4_0 by kvlab (round to
-    nearest), float32 activations, over the windows' tokens after their first."""
-    stored = dataclasses.replace(weights, **{name: weight_formats.stored(getattr(weights, name), "q4_0")
-                                             for name in wq.LAYER_MATRICES})
-    q4 = kvlab.Model(model.config, stored, model.tokenizer, activations="fp32")
-    nll, n = 0.0, 0
-    for window in windows:
-        log_p = log_softmax(q4.prefill(window, q4.new_cache(len(window)), all_logits=True))[:-1]
-        nll -= float(log_p[np.arange(len(window) - 1), window[1:]].sum())
-        n += len(window) - 1
-    return float(np.exp(nll / n))
-
-
-@points(3, slow=3)
-def test_your_awq_beats_round_to_nearest_on_smollm2(sub, rng):
-    """your search and fold on every layer of SmolLM2 (w2's scales folded into w3 by the judge), calibrated on chapter text drawn now, stored in Q4_0: perplexity at least 3 % below round to nearest's on other chapter text drawn now"""
-    model, weights, _ = smollm2()
-    ids = chapters_tokens()
-    half = len(ids) // 2
-    calibration = calibration_of(model, weights, document_windows(
-        ids, rng.integers(0, half - CALIBRATION_WINDOW, CALIBRATION_WINDOWS), CALIBRATION_WINDOW))
-    folded = awq_by_the_submission(sub, model.config, weights, calibration)
-    windows = document_windows(ids, rng.integers(half, len(ids) - EVALUATION_WINDOW,
-                                                 EVALUATION_WINDOWS), EVALUATION_WINDOW)
-    rtn, yours = (perplexity_in_q4_0(model, w, windows) for w in (weights, folded))
-    assert yours <= rtn * (1 - PERPLEXITY_MARGIN), (
-        f"SmolLM2 in Q4_0 after your search and fold: perplexity {yours:.3f} against round to "
-        f"nearest's {rtn:.3f} ({100 * (yours / rtn - 1):+.2f} %) over {EVALUATION_WINDOWS} x "
-        f"{EVALUATION_WINDOW} tokens of the chapters; it must be at least "
-        f"{100 * PERPLEXITY_MARGIN:.0f} % lower (AWQ's search and fold, calibrated on "
-        f"{CALIBRATION_WINDOWS} x {CALIBRATION_WINDOW} tokens, lowered it by more in every "
-        f"draw measured)")
