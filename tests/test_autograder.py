@@ -129,24 +129,26 @@ def test_a_lab_whose_model_stays_in_the_judge_is_graded_in_its_package(tmp_path)
     assert data["score"] == full == sum(t["max_score"] for t in data["tests"]), data
 
 
-def test_a_lab_that_needs_a_named_model_fetches_it_in_setup_and_grades_with_it(tmp_path,
+@pytest.mark.parametrize("lab", ["cache_eviction", "weight_quantization"])
+def test_a_lab_that_needs_a_named_model_fetches_it_in_setup_and_grades_with_it(lab, tmp_path,
                                                                               smollm2_path):
-    """cache_eviction's curves run SmolLM2 (Lab.models): its setup.sh fetches it once, where
-    the judge will read it, and no other lab's does; its zip grades the solution (here with
-    the SmolLM2 this machine has: the fixture skips where it cannot be had)."""
-    package = build("cache_eviction", tmp_path / "cache_eviction.zip", INSTRUCTOR)
+    """cache_eviction's curves and weight_quantization's searches on its layers run SmolLM2
+    (Lab.models): the lab's setup.sh fetches it once, where the judge will read it, and no
+    other lab's does; its zip grades the solution to full marks (here with the SmolLM2 this
+    machine has: the fixture skips where it cannot be had)."""
+    assert LABS[lab].models == ("smollm2-135m",)
+    package = build(lab, tmp_path / f"{lab}.zip", INSTRUCTOR)
     with zipfile.ZipFile(package) as archive:
         setup = archive.read("setup.sh").decode()
     assert setup.rstrip().endswith("-m kvlab fetch smollm2-135m")
     with zipfile.ZipFile(build("cache_size", tmp_path / "cache_size.zip", INSTRUCTOR)) as archive:
         assert "kvlab fetch" not in archive.read("setup.sh").decode()
     root = unpack(package, tmp_path / "autograder")
-    shutil.copy(INSTRUCTOR / "solutions" / "cache_eviction.py",
-                root / "submission" / "cache_eviction.py")
+    shutil.copy(INSTRUCTOR / "solutions" / f"{lab}.py", root / "submission" / f"{lab}.py")
     run = run_autograder(root, {"KVLAB_PYTHON": sys.executable, "KVLAB_WORKER_USER": ""})
     assert run.returncode == 0, run.stderr
     data = results(root)
-    assert data["score"] == LABS["cache_eviction"].points == sum(t["max_score"] for t in data["tests"])
+    assert data["score"] == LABS[lab].points == sum(t["max_score"] for t in data["tests"]), data
 
 
 def test_a_lab_in_c_is_graded_in_its_package(tmp_path):

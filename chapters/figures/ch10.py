@@ -207,7 +207,9 @@ def answers(model, models, fmt: str = "q4_0", max_new_tokens: int = 24) -> dict:
 
 def plot_methods(smollm2_table: dict, bundled_table: dict, path: Path) -> None:
     """KL from the float model per format, a bar per method; a KL of 0 (the format's grid
-    holds the float values already) is written as 0 at the floor."""
+    holds the float values already) is written as 0 at the floor, and a method not run in
+    a format (SmolLM2's AWQ and GPTQ outside Q4_0) as "not run" in its bar's colour, so the
+    legend never names a bar that is not there."""
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     width, floor = 0.26, 1e-6
     for ax, table, title in ((axes[0], smollm2_table, "SmolLM2-135M (float: the file's values)"),
@@ -218,11 +220,15 @@ def plot_methods(smollm2_table: dict, bundled_table: dict, path: Path) -> None:
             kl = np.array([next((r["kl"] for r in rows if (r["method"], r["format"]) ==
                                  (method, f)), np.nan) for f in formats])
             x = np.arange(len(formats)) + (i - 1) * width
-            ax.bar(x, np.maximum(kl, floor), width, label=LABELS[method])
+            bars = ax.bar(x, np.maximum(kl, floor), width, label=LABELS[method])
             for xi in x[kl == 0]:
                 ax.text(xi, floor * 1.3, "0", ha="center", fontsize=8)
+            for xi in x[np.isnan(kl)]:
+                ax.text(xi, floor * 1.3, "not run", ha="center", va="bottom", rotation=90,
+                        fontsize=7, color=bars.patches[0].get_facecolor())
         ax.set(yscale="log", xticks=np.arange(len(formats)), xticklabels=formats,
-               ylabel="KL from the float model (nats)", title=title, ylim=(floor, None))
+               ylabel="KL from the float model (nats)", title=title, ylim=(floor, None),
+               xlim=(-0.5, len(formats) - 0.5))
         ax.grid(alpha=0.3, axis="y", which="both")
         ax.legend(fontsize=8, loc="upper left")
     fig.tight_layout()
