@@ -145,6 +145,58 @@ void kv_pack_tokens(const float *x, int n_tokens, int in_dim, float *packed, int
     }
 }
 
+/* Within each 128-bit quarter, what _mm256_hadd_ps does within each half: a0 + a1,
+ * a2 + a3, b0 + b1, b2 + b3 (two shuffles and an add for sixteen lanes). */
+static inline __m512 add_neighbours_512(__m512 a, __m512 b) {
+    return _mm512_add_ps(_mm512_shuffle_ps(a, b, _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_ps(a, b, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+/* The first two of reduce_lanes' three rounds for one pair's four sums (rows 0-3): quarter
+ * k of the result holds, row by row, (l0 + l1) + (l2 + l3) of lanes 4k .. 4k + 3, so
+ * quarters 0 and 1 are token 2p's two halves, quarters 2 and 3 token 2p + 1's. */
+static inline __m512 quarter_sums_512(__m512 r0, __m512 r1, __m512 r2, __m512 r3) {
+    return add_neighbours_512(add_neighbours_512(r0, r1), add_neighbours_512(r2, r3));
+}
+
+/* The last round for two pairs at once (a, b: quarter_sums_512 of each): each token's lower
+ * half plus its upper half, giving sixteen finished dot products, four per token in token
+ * order (pair a's two tokens, then b's), rows 0-3 within each. */
+static inline __m512 halves_added_512(__m512 a, __m512 b) {
+    return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+/* The 4 x 2 n_pairs running sums of kernel_4_pairs_512 (sums[r][p]: row r, pair p) finished
+ * in kv_dot's order, as finish_four would one token at a time, and stored for the n real
+ * tokens from t on: the lanes of all of them are added at once, sixteen dot products to a
+ * register, then each goes out (with its leftover elements past n8, where in_dim has any).
+ * The outputs lie wherever the rows' outputs do, so they leave one float at a time, through
+ * memory (cheaper than taking each lane out of the register). */
+static ALWAYS_INLINE void finish_pairs_512(const four_rows *f, int t, int n,
+                                           __m512 sums[4][TILE_PAIRS], int n_pairs,
+                                           const float *x, int n8, int in_dim) {
+    float done[8 * TILE_PAIRS];   /* token i's four dot products at 4 i .. 4 i + 3 */
+    #pragma GCC unroll 3   /* constant indices into sums: they stay in registers */
+    for (int p = 0; p < n_pairs; p += 2) {   /* a lone last pair is finished twice */
+        int q = p + 1 < n_pairs ? p + 1 : p;
+        __m512 a = quarter_sums_512(sums[0][p], sums[1][p], sums[2][p], sums[3][p]);
+        __m512 b = quarter_sums_512(sums[0][q], sums[1][q], sums[2][q], sums[3][q]);
+        _mm512_storeu_ps(done + 8 * p, halves_added_512(a, b));
+    }
+    for (int r = 0; r < 4; r++) {
+        float *out = f->outs[r] + (size_t)t * f->out_strides[r];
+        size_t stride = f->out_strides[r];
+        if (n8 == in_dim) {
+            for (int i = 0; i < n; i++) out[i * stride] = done[4 * i + r];
+        } else {
+            for (int i = 0; i < n; i++)
+                out[i * stride] = add_tail(done[4 * i + r], f->rows[r],
+                                           x + (size_t)(t + i) * in_dim, n8, in_dim);
+        }
+    }
+}
+
 /* Four rows of w against n_pairs pairs of tokens (pairs p0 .. p0 + n_pairs - 1 of `packed`,
  * tokens t = 2 p0 ..; n of them are real, the rest a lone token's copy), with
  * 512-bit registers: a register holds a pair's two tokens (token 2p's eight lanes, then
@@ -175,17 +227,7 @@ static ALWAYS_INLINE void kernel_4_pairs_512(const four_rows *f, int t, int n,
             for (int p = 0; p < n_pairs; p++) sums[r][p] = _mm512_fmadd_ps(row, xs[p], sums[r][p]);
         }
     }
-    #pragma GCC unroll 12   /* constant indices into sums: they stay in registers */
-    for (int i = 0; i < 2 * n_pairs; i++) {
-        if (i >= n) break;
-        int p = i / 2;
-        v8f half[4];
-        for (int r = 0; r < 4; r++)
-            half[r] = (v8f)(i % 2 ? _mm512_extractf32x8_ps(sums[r][p], 1)
-                                  : _mm512_castps512_ps256(sums[r][p]));
-        finish_four(f, t + i, half[0], half[1], half[2], half[3], x + (size_t)(t + i) * in_dim,
-                    8 * n_chunks, in_dim);
-    }
+    finish_pairs_512(f, t, n, sums, n_pairs, x, 8 * n_chunks, in_dim);
 }
 #undef IN_ZMM
 
