@@ -145,6 +145,58 @@ void kv_pack_tokens(const float *x, int n_tokens, int in_dim, float *packed, int
     }
 }
 
+/* Within each 128-bit quarter, what _mm256_hadd_ps does within each half: a0 + a1,
+ * a2 + a3, b0 + b1, b2 + b3 (two shuffles and an add for sixteen lanes). */
+static inline __m512 add_neighbours_512(__m512 a, __m512 b) {
+    return _mm512_add_ps(_mm512_shuffle_ps(a, b, _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_ps(a, b, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+/* The first two of reduce_lanes' three rounds for one pair's four sums (rows 0-3): quarter
+ * k of the result holds, row by row, (l0 + l1) + (l2 + l3) of lanes 4k .. 4k + 3, so
+ * quarters 0 and 1 are token 2p's two halves, quarters 2 and 3 token 2p + 1's. */
+static inline __m512 quarter_sums_512(__m512 r0, __m512 r1, __m512 r2, __m512 r3) {
+    return add_neighbours_512(add_neighbours_512(r0, r1), add_neighbours_512(r2, r3));
+}
+
+/* The last round for two pairs at once (a, b: quarter_sums_512 of each): each token's lower
+ * half plus its upper half, giving sixteen finished dot products, four per token in token
+ * order (pair a's two tokens, then b's), rows 0-3 within each. */
+static inline __m512 halves_added_512(__m512 a, __m512 b) {
+    return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+/* The 4 x 2 n_pairs running sums of kernel_4_pairs_512 (sums[r][p]: row r, pair p) finished
+ * in kv_dot's order, as finish_four would one token at a time, and stored for the n real
+ * tokens from t on: the lanes of all of them are added at once, sixteen dot products to a
+ * register, then each goes out (with its leftover elements past n8, where in_dim has any).
+ * The outputs lie wherever the rows' outputs do, so they leave one float at a time, through
+ * memory (cheaper than taking each lane out of the register). */
+static ALWAYS_INLINE void finish_pairs_512(const four_rows *f, int t, int n,
+                                           __m512 sums[4][TILE_PAIRS], int n_pairs,
+                                           const float *x, int n8, int in_dim) {
+    float done[8 * TILE_PAIRS];   /* token i's four dot products at 4 i .. 4 i + 3 */
+    #pragma GCC unroll 3   /* constant indices into sums: they stay in registers */
+    for (int p = 0; p < n_pairs; p += 2) {   /* a lone last pair is finished twice */
+        int q = p + 1 < n_pairs ? p + 1 : p;
+        __m512 a = quarter_sums_512(sums[0][p], sums[1][p], sums[2][p], sums[3][p]);
+        __m512 b = quarter_sums_512(sums[0][q], sums[1][q], sums[2][q], sums[3][q]);
+        _mm512_storeu_ps(done + 8 * p, halves_added_512(a, b));
+    }
+    for (int r = 0; r < 4; r++) {
+        float *out = f->outs[r] + (size_t)t * f->out_strides[r];
+        size_t stride = f->out_strides[r];
+        if (n8 == in_dim) {
+            for (int i = 0; i < n; i++) out[i * stride] = done[4 * i + r];
+        } else {
+            for (int i = 0; i < n; i++)
+                out[i * stride] = add_tail(done[4 * i + r], f->rows[r],
+                                           x + (size_t)(t + i) * in_dim, n8, in_dim);
+        }
+    }
+}
+
 /* Four rows of w against n_pairs pairs of tokens (pairs p0 .. p0 + n_pairs - 1 of `packed`,
  * tokens t = 2 p0 ..; n of them are real, the rest a lone token's copy), with
  * 512-bit registers: a register holds a pair's two tokens (token 2p's eight lanes, then
@@ -153,17 +205,21 @@ void kv_pack_tokens(const float *x, int n_tokens, int in_dim, float *packed, int
  * eight lanes, in kv_dot's order, bit for bit kernel_4x3's. The pairs' inputs are loaded
  * once a chunk and kept in registers (IN_REGISTER: else each multiply-add repeats its load);
  * the sums, one register each, stay there too (GCC unrolls every loop here: n_pairs is a
- * constant at each call). */
+ * constant at each call). With `ahead` (four rows to come, or NULL), it also fetches a
+ * quarter of their cache lines, from line line0 of each on. */
 #define IN_ZMM(v) __asm__("" : "+v"(v))
 static ALWAYS_INLINE void kernel_4_pairs_512(const four_rows *f, int t, int n,
                                              const float *packed, int p0, int n_pairs,
-                                             const float *x, int in_dim) {
+                                             const float *x, int in_dim,
+                                             const float *const *ahead, int line0) {
     __m512 sums[4][TILE_PAIRS];
     for (int r = 0; r < 4; r++)
         for (int p = 0; p < n_pairs; p++) sums[r][p] = _mm512_setzero_ps();
     int n_chunks = in_dim / 8;
     const float *pairs = packed + (size_t)p0 * n_chunks * 16;
     for (int c = 0; c < n_chunks; c++) {
+        if (ahead != NULL)   /* one cache line a step: line0 + c / 4 of row c % 4 */
+            __builtin_prefetch((const char *)ahead[c & 3] + 64 * ((size_t)line0 + (c >> 2)));
         __m512 xs[TILE_PAIRS];
         for (int p = 0; p < n_pairs; p++) {
             xs[p] = _mm512_loadu_ps(pairs + ((size_t)p * n_chunks + c) * 16);
@@ -175,17 +231,7 @@ static ALWAYS_INLINE void kernel_4_pairs_512(const four_rows *f, int t, int n,
             for (int p = 0; p < n_pairs; p++) sums[r][p] = _mm512_fmadd_ps(row, xs[p], sums[r][p]);
         }
     }
-    #pragma GCC unroll 12   /* constant indices into sums: they stay in registers */
-    for (int i = 0; i < 2 * n_pairs; i++) {
-        if (i >= n) break;
-        int p = i / 2;
-        v8f half[4];
-        for (int r = 0; r < 4; r++)
-            half[r] = (v8f)(i % 2 ? _mm512_extractf32x8_ps(sums[r][p], 1)
-                                  : _mm512_castps512_ps256(sums[r][p]));
-        finish_four(f, t + i, half[0], half[1], half[2], half[3], x + (size_t)(t + i) * in_dim,
-                    8 * n_chunks, in_dim);
-    }
+    finish_pairs_512(f, t, n, sums, n_pairs, x, 8 * n_chunks, in_dim);
 }
 #undef IN_ZMM
 
@@ -200,18 +246,20 @@ static int tile_tokens(int left) {
 
 /* Four rows against tokens t .. t + n - 1 (n <= 2 * TILE_PAIRS) of x, packed: the chunk of
  * tokens from `first` on (t - first even), n_pairs a constant at each call of
- * kernel_4_pairs_512 so that its loops unroll */
+ * kernel_4_pairs_512 so that its loops unroll, and so is whether it fetches rows ahead */
 static void tile_4_rows_512(const four_rows *f, int t, int n, const float *packed, int first,
-                            const float *x, int in_dim) {
+                            const float *x, int in_dim, const float *const *ahead, int line0) {
     int p0 = (t - first) / 2;
+#define TILE_CASE(k)                                                                   \
+    case k:                                                                            \
+        if (ahead != NULL) kernel_4_pairs_512(f, t, n, packed, p0, k, x, in_dim, ahead, line0); \
+        else kernel_4_pairs_512(f, t, n, packed, p0, k, x, in_dim, NULL, 0);            \
+        break;
     switch ((n + 1) / 2) {
-    case 6: kernel_4_pairs_512(f, t, n, packed, p0, 6, x, in_dim); break;
-    case 5: kernel_4_pairs_512(f, t, n, packed, p0, 5, x, in_dim); break;
-    case 4: kernel_4_pairs_512(f, t, n, packed, p0, 4, x, in_dim); break;
-    case 3: kernel_4_pairs_512(f, t, n, packed, p0, 3, x, in_dim); break;
-    case 2: kernel_4_pairs_512(f, t, n, packed, p0, 2, x, in_dim); break;
-    default: kernel_4_pairs_512(f, t, n, packed, p0, 1, x, in_dim); break;
+    TILE_CASE(6) TILE_CASE(5) TILE_CASE(4) TILE_CASE(3) TILE_CASE(2)
+    default: kernel_4_pairs_512(f, t, n, packed, p0, 1, x, in_dim, NULL, 0); break;
     }
+#undef TILE_CASE
 }
 #else
 void kv_pack_tokens(const float *x, int n_tokens, int in_dim, float *packed, int first,
@@ -292,7 +340,7 @@ void kv_matmul_four_rows(float *out, const float *x, const float *packed,
     if (packed != NULL) {
         for (int t = first, n; t < first + chunk; t += n) {
             n = tile_tokens(first + chunk - t);
-            tile_4_rows_512(&f, t, n, packed, first, x, in_dim);
+            tile_4_rows_512(&f, t, n, packed, first, x, in_dim, NULL, 0);
         }
         return;
     }
@@ -337,6 +385,35 @@ static void numbered_row(int row, int n_matrices, float *const *outs, const floa
     *out_stride = (size_t)out_dims[m];
 }
 
+#ifdef F32_TILE_512
+/* Rows at least this long (floats) are fetched one group ahead by the tile (below) */
+#define FETCH_AHEAD_MIN 512
+
+/* The four rows f (the k-th of runs_of_rows' four runs of per_run rows from lo) against
+ * tokens first .. first + n - 1, up to twelve at a time. The tile's first pass over a group of rows
+ * reads them from memory, and the hardware prefetcher, restarting at every 4 KiB page of each
+ * of the four runs, leaves it waiting; so the second and third passes fetch the next group
+ * (k_next, or -1 if none), a line per step, while the current rows come from the caches.
+ * Products of 48 tokens with rows of 768 and 2,048 floats, matrices in memory, ran
+ * 1.03-1.12x, 110M-shaped prefill 1.05-1.07x (ab.py); with rows of 288 (15M's) the fetches
+ * cost more than they saved (0.95x), so shorter rows than FETCH_AHEAD_MIN go without. */
+static void tiles_of_tokens(const four_rows *f, int k_next, int lo, int per_run, int n_matrices,
+                            float *const *outs, const float *const *ws, const int *out_dims,
+                            const float *x, const float *packed, int first, int n, int in_dim) {
+    four_rows next = *f;
+    int fetch = k_next >= 0 && in_dim >= FETCH_AHEAD_MIN, lines = in_dim / 16;
+    for (int run = 0; fetch && run < 4; run++)
+        numbered_row(lo + run * per_run + k_next, n_matrices, outs, ws, out_dims, in_dim,
+                     &next.rows[run], &next.outs[run], &next.out_strides[run]);
+    for (int t = first, tile, pass = 0; t < first + n; t += tile, pass++) {
+        tile = tile_tokens(first + n - t);
+        int ahead = fetch && (pass == 1 || pass == 2);
+        tile_4_rows_512(f, t, tile, packed, first, x, in_dim, ahead ? next.rows : NULL,
+                        (pass - 1) * lines / 2);
+    }
+}
+#endif
+
 /* Rows lo .. hi - 1 of the matrices taken together against tokens first .. first + n - 1
  * (at most TOKEN_CHUNK): a decode step of fewer than SMALL_BATCH sequences, bound by
  * memory, or, with the 512-bit tile, any product a chunk of tokens at a time. The rows are
@@ -360,9 +437,10 @@ static void runs_of_rows(int lo, int hi, int n_matrices, float *const *outs,
                          &f.rows[run], &f.outs[run], &f.out_strides[run]);
         int t = first;
 #ifdef F32_TILE_512
-        for (int tile; packed != NULL && t < end; t += tile) {   /* up to twelve at a time */
-            tile = tile_tokens(end - t);
-            tile_4_rows_512(&f, t, tile, packed, first, x, in_dim);
+        if (packed != NULL) {   /* up to twelve at a time */
+            tiles_of_tokens(&f, k + 1 < per_run ? k + 1 : -1, lo, per_run, n_matrices, outs, ws,
+                            out_dims, x, packed, first, n, in_dim);
+            continue;
         }
 #endif
         for (; t + 3 <= end; t += 3) kernel_4x3(NULL, &f, t, x + t * stride, 0, n8, in_dim, 0);

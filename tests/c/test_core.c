@@ -397,7 +397,9 @@ static void test_tiers_small_ops(void) {
  * (chunks of tokens), rows longer than 1,024 (panels of columns), out_dim not a multiple
  * of 4, and in_dim not a multiple of 8; one and two threads; several matrices at once. */
 static void test_tiers_matmul(void) {
-    int tokens[] = {1, 2, 3, 4, 5, 12, 13, 16, 17, 50, 97};   /* 4-13: the 512-bit tile's sizes */
+    /* 4-13: the 512-bit tile's sizes (1 to 6 pairs), 5, 9, 11 and 13 with a lone token in
+     * the last pair */
+    int tokens[] = {1, 2, 3, 4, 5, 9, 11, 12, 13, 16, 17, 50, 97};
     int ins[] = {1, 7, 8, 19, 64, 1030};
     int outs[] = {1, 3, 4, 7, 9, 33};
     int all_same = 1, many_same = 1;
