@@ -59,12 +59,28 @@ def graders(lab):
     return INSTRUCTOR / "graders" / f"{lab}.py"
 
 
-def cheat_targets(path: Path) -> set:
-    """The TARGETS list a cheat file declares (read without running it)."""
+def cheat_list(path: Path, name: str) -> list:
+    """The list `name` (TARGETS, BUILT_ON) a cheat file declares (read without running
+    it), or None."""
     for node in ast.parse(path.read_text()).body:
-        if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", "") == "TARGETS":
-            return set(ast.literal_eval(node.value))
-    raise AssertionError(f"{path} declares no TARGETS")
+        if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", "") == name:
+            return list(ast.literal_eval(node.value))
+    return None
+
+
+def cheat_targets(path: Path) -> set:
+    """The TARGETS list a cheat file declares."""
+    targets = cheat_list(path, "TARGETS")
+    assert targets is not None, f"{path} declares no TARGETS"
+    return set(targets)
+
+
+def cheat_submission(path: Path) -> str:
+    """The reference solution, then the cheats of the same lab that `path` is BUILT_ON (in
+    that order, each replacing what the one before defined), then `path` itself."""
+    parts = [INSTRUCTOR / "solutions" / f"{path.parent.name}.py"]
+    parts += [path.parent / f"{base}.py" for base in cheat_list(path, "BUILT_ON") or []]
+    return "\n\n".join(part.read_text() for part in parts + [path])
 
 
 @pytest.mark.parametrize("cheat", CHEATS, ids=[f"{p.parent.name}/{p.stem}" for p in CHEATS])
@@ -76,8 +92,7 @@ def test_a_cheat_earns_nothing_on_the_tests_whose_work_it_skips(cheat, tmp_path)
     lab = cheat.parent.name
     require_named_models(get_lab(lab).models)
     submission = tmp_path / f"{lab}.py"
-    submission.write_text((INSTRUCTOR / "solutions" / f"{lab}.py").read_text() + "\n\n"
-                          + cheat.read_text())
+    submission.write_text(cheat_submission(cheat))
     report = grade(lab, submission, tests=graders(lab), seed=zlib.crc32(cheat.stem.encode()))
     aimed = cheat_targets(cheat)
     assert aimed and aimed <= {t.function for t in report.tests}, "unknown test names"
