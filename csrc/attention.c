@@ -205,7 +205,16 @@ static ALWAYS_INLINE void score_block(float *weights, weight_layout layout, int 
         }
     }
 /* [end ch07-score-block] */
-    /* the lanes of each running sum added up, four sums at a time where they come in fours */
+    /* the lanes of each running sum added up, four sums at a time where they come in fours;
+     * four heads' weights of a row lie side by side when the weights go position by
+     * position, and are stored as one (dot * scale in each lane: the same bits) */
+    if (QB == 4 && layout.head_step == 1 && !(kind == ROWS_F32 && d8 < head_dim)) {
+        for (int r = 0; r < RB; r++) {
+            v4f four = reduce_lanes4(sums[0][r], sums[1][r], sums[2][r], sums[3][r]) * scale;
+            memcpy(weights + (ptrdiff_t)(at + r0 + r) * layout.pos_step, &four, sizeof four);
+        }
+        return;
+    }
     float dots[4][8];
     if (QB == 4) {
         for (int r = 0; r < RB; r++) {
@@ -298,8 +307,11 @@ static ALWAYS_INLINE void mix_block(float *results, const float *weights, weight
             values[d] = load_chunk(rows, r, i + 8 * d, head_dim, kind);
             if (QB > 1) IN_REGISTER(values[d]);
         }
+        /* row r's weights: heads at constant offsets from one pointer (an int index per
+         * head was sign-extended and added anew for every load) */
+        const float *row_weights = weights + (ptrdiff_t)(at + r) * layout.pos_step;
         for (int m = 0; m < QB; m++) {
-            v8f weight = splat(weights[m * layout.head_step + (at + r) * layout.pos_step]);
+            v8f weight = splat(row_weights[m * layout.head_step]);
             for (int d = 0; d < DB; d++) sums[m][d] = madd(weight, values[d], sums[m][d]);
         }
     }
@@ -557,16 +569,17 @@ size_t kv_attention_scratch(int n_heads, int n_kv_heads, int head_dim) {
  * head per lane: the same bits as one at a time (ops.h). */
 static void softmax_step(const query_heads *heads, int n, int head_dim) {
     float corrections[8];
-    for (int m = 0; m < heads->n; m++) {
-        if (heads->layout.pos_step > 1 && m % 8 == 0)
-            kv_softmax_tile8(heads->weights + m, n, heads->layout.pos_step, &heads->running_max[m],
-                             &heads->running_sum[m], corrections);
-        float correction = heads->layout.pos_step > 1
-                               ? corrections[m % 8]
-                               : kv_softmax_tile(heads->weights + m * TILE, n,
-                                                 &heads->running_max[m], &heads->running_sum[m]);
-        if (correction != 1.0f)
-            scale_row(heads->results + (size_t)m * head_dim, correction, head_dim);
+    int at_once = heads->layout.head_step == 1 ? 8 : 1;
+    for (int m = 0; m < heads->n; m += at_once) {
+        if (at_once == 8)
+            kv_softmax_tile8(heads->weights + m, n, heads->layout.pos_step,
+                             &heads->running_max[m], &heads->running_sum[m], corrections);
+        else
+            corrections[0] = kv_softmax_tile(heads->weights + m * TILE, n,
+                                             &heads->running_max[m], &heads->running_sum[m]);
+        for (int j = 0; j < at_once; j++)
+            if (corrections[j] != 1.0f)
+                scale_row(heads->results + (size_t)(m + j) * head_dim, corrections[j], head_dim);
     }
 }
 
