@@ -583,6 +583,28 @@ static void softmax_step(const query_heads *heads, int n, int head_dim) {
     }
 }
 
+/* Positions from .. to - 1 of a tile that starts at origin, for every head of `heads`: the
+ * keys scored into the weights (is_value 0), or the values mixed by them into the outputs
+ * (1), a run of rows at a time (one run, unless the tile spans blocks of a paged pool),
+ * read as a query at query_pos that sees n_seen positions reads them. */
+static void walk_rows(const kv_layer_view *view, int is_value, int g, int origin, int from,
+                      int to, int n_seen, int query_pos, const query_heads *heads, int head_dim,
+                      float scale, float *tile) {
+    for (int pos = from; pos < to;) {
+        int n = run_length(view, pos, to);
+        tile_rows rows;
+        int kind = head_rows(view, is_value, g, pos, kv_view_slot(view, pos), n, n_seen,
+                             query_pos, head_dim, tile, &rows);
+        if (is_value)
+            mix_kernels[kind](heads->results, heads->weights, heads->layout, pos - origin,
+                              heads->n, head_dim, &rows, n);
+        else
+            score_kernels[kind](heads->weights, heads->layout, pos - origin, heads->queries,
+                                heads->n, head_dim, &rows, n, scale);
+        pos += n;
+    }
+}
+
 /* [quote ch07-kv-attention] */
 /* One step of the pass over KV head g's positions: positions tile_start .. tile_end - 1 (a
  * tile, or the first rows of the last one), read as a query at query_pos that sees n_seen
@@ -594,24 +616,39 @@ static void softmax_step(const query_heads *heads, int n, int head_dim) {
 static void attend_tile(const kv_layer_view *view, int g, int tile_start, int tile_end,
                         int n_seen, int query_pos, const query_heads *heads, int head_dim,
                         float scale, float *tile) {
-    for (int pos = tile_start; pos < tile_end;) {
-        int n = run_length(view, pos, tile_end);
-        tile_rows keys;
-        int kind = head_rows(view, 0, g, pos, kv_view_slot(view, pos), n, n_seen, query_pos,
-                             head_dim, tile, &keys);
-        score_kernels[kind](heads->weights, heads->layout, pos - tile_start, heads->queries, heads->n,
-                            head_dim, &keys, n, scale);
-        pos += n;
-    }
+    walk_rows(view, 0, g, tile_start, tile_start, tile_end, n_seen, query_pos, heads, head_dim,
+              scale, tile);
     softmax_step(heads, tile_end - tile_start, head_dim);
-    for (int pos = tile_start; pos < tile_end;) {
-        int n = run_length(view, pos, tile_end);
-        tile_rows values;
-        int kind = head_rows(view, 1, g, pos, kv_view_slot(view, pos), n, n_seen, query_pos,
-                             head_dim, tile, &values);
-        mix_kernels[kind](heads->results, heads->weights, heads->layout, pos - tile_start, heads->n,
-                          head_dim, &values, n);
-        pos += n;
+    walk_rows(view, 1, g, tile_start, tile_start, tile_end, n_seen, query_pos, heads, head_dim,
+              scale, tile);
+}
+
+/* The causal edge of a block all at once: the tile holding every token's own position
+ * (tile_start .. on, one tile: the caller checks), where each token of the block sees the
+ * rows up to its own. All count x kv_mul heads are scored against the rows the last token
+ * sees; each head's scores past its own token's position are set to -inf, which is what
+ * kv_softmax_tile pads a short tile with, so each head's step gives the bits of its own
+ * token's short tile; the rows every token sees are mixed into all the heads, then each
+ * token's own further rows into its heads, every output adding its rows in order as before. */
+static void attend_edge(const kv_layer_view *view, int g, int tile_start, int first_pos,
+                        int count, int kv_mul, const query_heads *all, int head_dim,
+                        float scale, float *tile) {
+    int n_seen = first_pos + count, query_pos = n_seen - 1, shared = first_pos + 1;
+    walk_rows(view, 0, g, tile_start, tile_start, n_seen, n_seen, query_pos, all, head_dim,
+              scale, tile);
+    for (int m = 0; m < all->n; m++)
+        for (int pos = first_pos + 1 + m / kv_mul; pos < n_seen; pos++)
+            all->weights[m * all->layout.head_step + (pos - tile_start) * all->layout.pos_step] =
+                -INFINITY;
+    softmax_step(all, n_seen - tile_start, head_dim);
+    walk_rows(view, 1, g, tile_start, tile_start, shared, n_seen, query_pos, all, head_dim,
+              scale, tile);
+    for (int i = 1; i < count; i++) {
+        query_heads own = some_heads(all, i * kv_mul, kv_mul, head_dim);
+        own.weights = all->weights + i * kv_mul * all->layout.head_step;
+        own.layout = all->layout;
+        walk_rows(view, 1, g, tile_start, shared, first_pos + i + 1, n_seen, query_pos, &own,
+                  head_dim, scale, tile);
     }
 }
 
@@ -644,7 +681,12 @@ static void attend_block(float *out, const float *q, const kv_layer_view *view, 
     for (; tile_start + TILE <= first_exact; tile_start += TILE)
         attend_tile(view, g, tile_start, tile_start + TILE, first_pos + 1, first_pos, &all,
                     head_dim, scale, tile);
-    for (int i = 0; i < count; i++) {
+    /* no residual window: every token reads the edge tile's rows alike, in place */
+    int edge_at_once = view->window == 0 && all.layout.head_step == 1 &&
+                       first_pos + count <= tile_start + TILE;
+    if (edge_at_once)
+        attend_edge(view, g, tile_start, first_pos, count, kv_mul, &all, head_dim, scale, tile);
+    for (int i = 0; i < count && !edge_at_once; i++) {
         query_heads own = some_heads(&all, i * kv_mul, kv_mul, head_dim);
         int n_seen = first_pos + i + 1;        /* positions 0 .. its own */
         for (int start = tile_start; start < n_seen; start += TILE)
