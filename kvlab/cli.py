@@ -422,6 +422,9 @@ def cmd_info(args) -> int:
     # flags"); the plain tier is the readable C the fast one is proven equal to
     fused = "fused (one rounding)" if _kvlab.FUSED_MULTIPLY_ADD else "not fused (two roundings)"
     print(f"                multiply-adds {fused}; KVLAB_KERNELS=plain runs the plain tier")
+    from .cuda import why_not       # the GPU labs and kernels: usable here, or why not
+    reason = why_not()
+    print(f"GPU             {'usable (kvlab.cuda)' if reason is None else ' '.join(reason.split())}")
     return 0
 
 

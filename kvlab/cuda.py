@@ -81,8 +81,9 @@ def why_not() -> Optional[str]:
     ext = _load_extension()
     if ext is None:
         return ("kvlab was built without its CUDA extension (kvlab._cuda: "
-                f"{_import_error}); build it where nvcc is found (CUDA_HOME or PATH), "
-                "without KVLAB_NO_CUDA")
+                f"{_import_error}). pip install builds it only where nvcc is found (CUDA_HOME or "
+                "PATH) and a GPU is seen (nvidia-smi) or KVLAB_CUDA=1 is set, and never "
+                "with KVLAB_NO_CUDA: reinstall on the GPU machine, or with KVLAB_CUDA=1")
     global _probe
     if _probe is None:
         _probe = ext.probe()

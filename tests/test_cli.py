@@ -49,6 +49,16 @@ def test_info_says_which_kernels_run_and_why(capsys):
     assert f"{_kvlab.VARIANT} variant, fast tier: {_kvlab.VARIANT_REASON}" in line
 
 
+def test_info_says_whether_the_gpu_can_be_used_and_why_not(capsys):
+    # a student on Colab asks `kvlab info` before the CUDA lab: the line is kvlab.cuda's answer
+    import kvlab.cuda
+    assert cli.main(["info"]) == 0
+    [line] = [line for line in capsys.readouterr().out.splitlines() if line.startswith("GPU")]
+    reason = kvlab.cuda.why_not()
+    expected = "usable (kvlab.cuda)" if reason is None else " ".join(reason.split())
+    assert line.split(None, 1)[1] == expected
+
+
 def test_weights_in_fewer_bytes_from_the_command_line(capsys):
     assert cli.main(["info", "--weights", "int8"]) == 0
     assert "1,164,288 B (1.1 MiB), q8_0, int8 activations" in capsys.readouterr().out
