@@ -1,6 +1,7 @@
 """kvlab.grading.plugin_cpu: the judge's reading of a worker's CPU time, which lab 15 charges
 to the virtual clock (the cheat it closes, a drafter that runs the model in NumPy, is
 instructor/cheats/serving_capstone/drafts_with_the_model_in_numpy.py)."""
+import os
 import subprocess
 import sys
 import time
@@ -37,6 +38,36 @@ def test_a_process_cpu_time_counts_its_threads_ended_ones_too():
         child.stdin.close()
         child.wait()
     assert process_cpu_seconds(child.pid) == 0.0         # gone: nothing more to read
+
+
+TREE = """
+import os, sys
+if os.fork() == 0:                       # a grandchild, below a child that waits
+    sys.stdin.read()
+    os._exit(0)
+print("forked", flush=True)
+sys.stdin.read()
+os.wait()
+"""
+
+
+@linux
+def test_the_meters_fast_reading_of_the_process_tree_is_psutils():
+    """The meter walks the tree at every step through /proc's children files
+    (process.proc_children, a few small files); the sweep through psutil's table of every
+    process. Both find the same processes below the judge (a kernel without
+    /proc/PID/task/TID/children would leave the meter blind to what a worker starts)."""
+    from kvlab.grading import process
+    child = subprocess.Popen([sys.executable, "-c", TREE], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "forked"
+        fast = process.below(os.getpid(), process.proc_children)
+        assert len(fast) >= 2 and child.pid in fast
+        assert sorted(fast) == sorted(pid for pid, _ in process.descendants(os.getpid()))
+    finally:
+        child.stdin.close()
+        child.wait()
 
 
 JUDGE = """

@@ -296,37 +296,60 @@ def test_goodput_reaches_the_reference(sub, rng):
 
 # ---- the prefix cache (its own engine run, beside the pool's cache) ---------------------------
 PREFIX_ENGINE = dict(num_blocks=20, block_size=8, max_batch_tokens=32)
+SPLICED = (6, 8, 13)        # the requests of spliced() prompts
 
 
-def draw_shared_prompts(rng, n_requests=14, size=PREFIX_ENGINE["block_size"]):
+def draw_shared_prompts(rng, n_requests=17, size=PREFIX_ENGINE["block_size"]):
     """Three system prompts of 2 to 6 whole blocks cut from the text; each request one of
     them, then 1 to 12 tokens of its own, or nothing (every fourth request, and three in
     ten of the others): a prompt of whole blocks, all of it cached when a request before it
     had the same system prompt, but the last token's block, which is run. The 10th and
     11th are instead prompts of 8 to 10 blocks of their own, which evict much of what is
-    cached before the last three come back to the system prompts. 4 to 12 new tokens each,
-    on 20 blocks."""
+    cached before the last ones come back to the system prompts. The 7th, 9th and 14th
+    are spliced (SPLICED, spliced()): blocks the cache holds, each after a parent it does
+    not hold it under, and 1 to 12 tokens of their own. 4 to 12 new tokens each, on 20
+    blocks."""
     ids = text()
     systems = []
     for _ in range(3):
         length = size * int(rng.integers(2, 7))
         start = int(rng.integers(0, len(ids) - length))
         systems.append(ids[start:start + length])
-    requests = []
+    requests, used = [], []           # the system prompts used, by number, in order
     for i in range(n_requests):
         if i in (9, 10):
             own, system = size * int(rng.integers(8, 11)), []
         else:
             own = 0 if i % 4 == 3 or rng.random() < 0.3 else int(rng.integers(1, 13))
-            system = systems[int(rng.integers(3))]
+            if i in SPLICED:
+                own = max(own, 1)       # the block after the first held whole
+                system = spliced([systems[u] for u in reversed(used[:-1])], size)
+            else:
+                used.append(int(rng.integers(3)))
+                system = systems[used[-1]]
         start = int(rng.integers(0, len(ids) - own))
         requests.append((system + ids[start:start + own], int(rng.integers(4, 13))))
     return requests
 
 
+def spliced(earlier, size):
+    """A prompt of blocks the pool's cache may hold, none but the first after the parent it
+    is held under. earlier: the system prompts of the requests before, the latest first,
+    less the last request's (still running when this one is admitted, its blocks often
+    not cached yet). The first block of earlier[0], then the blocks from the second on of
+    the latest that starts otherwise, at their own positions (or, if none does, earlier[0]'s
+    own blocks from the second on, each a block early). The pool reuses the first block at
+    most; a cache that keys a block by its tokens, or by its position, without the blocks
+    before it (a parent-free hash) claims more: 100 draws of 100 caught either, where the
+    draw without spliced prompts caught 0 and 1 of 20."""
+    first = earlier[0]
+    other = next((s for s in earlier if s[:size] != first[:size]), None)
+    return first[size:] if other is None else first[:size] + other[size:]
+
+
 @points(3)
 def test_the_prefix_cache_answers_what_the_pools_cache_holds(sub, rng):
-    """your PrefixCache beside the pool's prefix cache, on 14 drawn requests sharing 3 drawn system prompts (some whole, repeated; two long ones that evict them between) on a pool of 20 blocks: every match() exactly the pool's reuse, every token kvlab.generate's"""
+    """your PrefixCache beside the pool's prefix cache, on 17 drawn requests sharing 3 drawn system prompts (some whole, repeated; some spliced from two of them; two long ones that evict them between) on a pool of 20 blocks: every match() exactly the pool's reuse, every token kvlab.generate's"""
     requests = draw_shared_prompts(rng)
     engine = kvlab.Engine(model(), **PREFIX_ENGINE,
                           prefix_cache=lambda size: sub.PrefixCache(size))

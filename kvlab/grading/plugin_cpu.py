@@ -38,7 +38,9 @@ import os
 import statistics
 import sys
 import time
-from typing import Callable, Iterator, List, Optional
+from typing import Callable, Optional
+
+from . import process
 
 # CPU seconds a plug-in call may take uncharged (see above) on the machine the kit was
 # calibrated on (the 2-core build machine of kvlab.slo's prices), quiet: the reference
@@ -108,26 +110,6 @@ class Slowness:
         return min(MOST_SLOWER, max(1.0, statistics.median(self.times) / SPEED_JOB_S))
 
 
-def _children(pid: int) -> List[int]:
-    """The pids of `pid`'s children (Linux: /proc/PID/task/TID/children)."""
-    found = []
-    try:
-        for task in os.listdir(f"/proc/{pid}/task"):
-            with open(f"/proc/{pid}/task/{task}/children") as f:
-                found += [int(c) for c in f.read().split()]
-    except (OSError, ValueError):           # gone meanwhile
-        pass
-    return found
-
-
-def _descendants(pid: int) -> Iterator[int]:
-    frontier = _children(pid)
-    while frontier:
-        child = frontier.pop()
-        yield child
-        frontier += _children(child)
-
-
 def _stat_seconds(pid: int, own: bool) -> float:
     """From /proc/PID/stat, in seconds: with own, the process's user and system time and
     its waited-for children's; without, its waited-for children's alone."""
@@ -148,7 +130,7 @@ def started_processes_seconds(pid: int, root: Optional[int] = None) -> float:
     (0.0 elsewhere); counted in clock ticks (10 ms), as /proc gives them."""
     if not LINUX:
         return 0.0
-    below = _descendants(os.getpid() if root is None else root)
+    below = process.below(os.getpid() if root is None else root, process.proc_children)
     return _stat_seconds(pid, own=False) + sum(_stat_seconds(p, own=True)
                                                for p in below if p != pid)
 

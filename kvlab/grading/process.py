@@ -30,7 +30,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Dict, Iterator, List, Optional, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import psutil
 
@@ -180,17 +180,40 @@ def _process_table() -> Dict[int, Tuple[int, str]]:
     return table
 
 
-def descendants(root: int) -> List[Tuple[int, str]]:
-    """(pid, state) of every process below `root`."""
-    children: Dict[int, List[Tuple[int, str]]] = {}
-    for pid, (parent, state) in _process_table().items():
-        children.setdefault(parent, []).append((pid, state))
+def below(root: int, children: Callable[[int], List[int]]) -> List[int]:
+    """The pids of every process below `root`, children(pid) giving a process's children:
+    the one walk of the process tree, whichever way its links are read (descendants below;
+    kvlab.grading.plugin_cpu, at every step of a metered run, with proc_children)."""
     found, frontier = [], [root]
     while frontier:
-        for pid, state in children.get(frontier.pop(), []):
-            found.append((pid, state))
+        for pid in children(frontier.pop()):
+            found.append(pid)
             frontier.append(pid)
     return found
+
+
+def proc_children(pid: int) -> List[int]:
+    """The pids of `pid`'s children, read from /proc/PID/task/TID/children (Linux): a few
+    small files, where psutil's table reads every process of the machine (about 0.02 ms
+    against 4 ms with a hundred processes); [] once it is gone."""
+    found = []
+    try:
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{task}/children") as f:
+                found += [int(c) for c in f.read().split()]
+    except (OSError, ValueError):           # gone meanwhile
+        pass
+    return found
+
+
+def descendants(root: int) -> List[Tuple[int, str]]:
+    """(pid, state) of every process below `root` (psutil's table: every OS, and the state
+    of each)."""
+    table = _process_table()
+    children: Dict[int, List[int]] = {}
+    for pid, (parent, _) in table.items():
+        children.setdefault(parent, []).append(pid)
+    return [(pid, table[pid][1]) for pid in below(root, lambda pid: children.get(pid, []))]
 
 
 def sweep(patience: float = 5.0) -> bool:
