@@ -158,7 +158,16 @@ def checked_plan(policy, scheduler: Scheduler, space, step: int, leaving,
     ScheduledStep (drafts added after it, as the engine's own scheduler adds them).
     Raises PluginError before anything changes if the plan breaks a rule."""
     view = scheduler_view(scheduler, space, step, leaving, now)
-    answer = _ask("scheduler", "plan()", policy.plan, view)
+    try:
+        answer = _ask("scheduler", "plan()", policy.plan, view)
+    except PluginError as error:
+        if isinstance(error.__cause__, TypeError) and "SchedulerView" in str(error):
+            # lab 15's starter writes a scheduler over plain dicts; plugged in bare, it
+            # indexes the engine's view and fails far from the cause
+            raise PluginError(f"{error} (a scheduler whose plan() takes the plain dict view, "
+                              f"as lab 15's starter writes, goes in "
+                              f"kvlab.plugins.PlainScheduler(yours))") from error.__cause__
+        raise
     run, preempt, max_drafts = _plan_lists(answer)
     requests = {r.id: r for r in list(scheduler.running) + list(scheduler.waiting)
                 if r.id not in leaving}
@@ -221,7 +230,7 @@ def _max_drafts(value) -> Optional[int]:
         return arguments.integer(value, "max_drafts", 0)
     except (TypeError, ValueError) as error:
         raise PluginError(f"the scheduler's max_drafts (the draft tokens a step may add, "
-                          f"None for no cap) must be an int from 0: {error}") from None
+                          f"None for no cap): {error}") from None
 
 
 def _check_room(view: SchedulerView, out: ScheduledStep, space, tokens: int,

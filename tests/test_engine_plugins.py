@@ -355,6 +355,17 @@ def test_a_scheduler_on_plain_values_plans_as_the_same_one_on_records(model, exp
         [(r.prefill_tokens, r.decode_tokens) for r in bare.metrics]
 
 
+def test_a_plain_scheduler_plugged_in_bare_is_told_to_use_the_adapter(model):
+    class IndexesTheView:              # as lab 15's starter's scheduler does: view["running"]
+        def plan(self, view):
+            return {"run": [[r["id"], r["pending"]] for r in view["running"]]}
+
+    engine = kvlab.Engine(model, num_blocks=20, block_size=4, scheduler=IndexesTheView())
+    engine.add_request(PROMPTS[0], kvlab.SamplingParams(max_new_tokens=2))
+    with pytest.raises(PluginError, match=r"SchedulerView.*PlainScheduler\(yours\)"):
+        engine.step()
+
+
 @pytest.mark.parametrize("answer, message", [
     ([[0, 1]], "must return"), ({"run": [[0, 1]], "extra": 1}, "must return"),
     ({"run": [[0, 1, 2]]}, "pairs"), ({"run": 5}, "pairs"),
