@@ -16,16 +16,29 @@ regression on the 110M shape went unseen here), so the script also times a 256-t
 prefill on two threads over llama2.c's stories15M and stories110M shapes with random
 weights, where the weight matrices' products are the work. `python api_timing.py prefill`
 prints those two figures alone (what a bisection needs).
+
+Nor does it see decode of a real model's shape read from a GGUF file (issue 37 asked whether
+SmolLM2 decode had slowed: the loader, grouped-query attention and the Q4_1 and Q8_0
+products are all on that path), so it also writes SmolLM2-135M's shape (30 layers, 9 query
+and 3 KV heads, vocabulary 49,152, tied Q8_0 embedding, Q4_1 layers, as the file kvlab
+fetches) with random blocks to a temporary GGUF file, loads it and times the load and
+single-sequence decode on one thread by CPU seconds; `python api_timing.py decode` prints
+those alone.
 """
 from __future__ import annotations
 
 import inspect
+import os
 import sys
+import tempfile
 import time
 
 import numpy as np
 
 import kvlab
+from kvlab import weight_formats
+from kvlab.loaders import save_gguf
+from kvlab.weights import MATRICES
 
 
 def best_rate(work, amount: float, repeats: int = 5) -> float:
@@ -78,9 +91,71 @@ def weight_bound_prefill(threads: int = 2) -> None:
         print(f"prefill_256_{name}_random_1_thread_cpu_tok_s", 256 / best)
 
 
+# SmolLM2-135M's shape and formats (kvlab.registry's file: Q4_1 layers, Q8_0 tied embedding)
+SMOLLM2_SHAPE = dict(dim=576, hidden_dim=1536, n_layers=30, n_heads=9, n_kv_heads=3,
+                     vocab_size=49152, max_seq_len=512, tied_embeddings=True,
+                     rope_interleaved=True)
+
+
+def random_blocks(shape: tuple, fmt: str, rng: np.random.Generator) -> np.ndarray:
+    """A matrix in a block format of random codes with small scales (values within about
+    +-0.08, as Weights.random's): made from bytes, far cheaper than quantizing floats."""
+    array = weight_formats.empty(shape, fmt)
+    codes = weight_formats.as_bytes(array)
+    codes[...] = rng.integers(0, 256, size=codes.shape, dtype=np.uint8)
+    if fmt == "q8_0":
+        array["d"] = 0.08 / 128
+    else:                                       # q4_1: d * (0 .. 15) + m
+        array["d"], array["m"] = 0.01, -0.08
+    return array
+
+
+def smollm2_shaped_gguf(path: str) -> None:
+    config = kvlab.ModelConfig(name="random SmolLM2-135M shape", **SMOLLM2_SHAPE)
+    rng = np.random.default_rng(0)
+    arrays = {}
+    for name, shape in kvlab.Weights.expected_shapes(config).items():
+        if name in MATRICES:
+            arrays[name] = random_blocks(shape, "q8_0" if name == "token_embedding" else "q4_1",
+                                         rng)
+        else:
+            arrays[name] = (1.0 + 0.1 * rng.standard_normal(shape)).astype(np.float32)
+    arrays["classifier"] = arrays["token_embedding"]
+    save_gguf(path, config, kvlab.Weights(**arrays))
+
+
+def smollm2_shaped_decode() -> None:
+    """Load a SmolLM2-shaped GGUF file (loads per CPU second) and decode 24 tokens after a
+    32-token prompt (tokens per CPU second), one thread, best of 3. A few seconds."""
+    kvlab.set_num_threads(1)
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, "smollm2-shape.gguf")
+        smollm2_shaped_gguf(path)
+        seconds = []
+        for _ in range(3):
+            start = time.process_time()
+            model = kvlab.load(path)
+            seconds.append(time.process_time() - start)
+        print("load_smollm2_shape_gguf_per_cpu_s", 1 / min(seconds))
+    prompt = (np.arange(32, dtype=np.int32) * 7919 + 1) % model.config.vocab_size
+    steps, best = 24, float("inf")
+    for attempt in range(4):                   # the first touches the weights' pages
+        cache = model.new_cache(len(prompt) + steps)
+        model.prefill(prompt, cache)
+        token, start = 5, time.process_time()
+        for _ in range(steps):
+            token = int(np.argmax(model.decode(token, cache)))
+        if attempt:
+            best = min(best, time.process_time() - start)
+    print("decode_smollm2_shape_gguf_1_thread_cpu_tok_s", steps / best)
+
+
 def main() -> None:
     if sys.argv[1:] == ["prefill"]:
         weight_bound_prefill()
+        return
+    if sys.argv[1:] == ["decode"]:
+        smollm2_shaped_decode()
         return
     model = kvlab.load()
     kvlab.set_num_threads(1)              # the overhead per call, not the cores
@@ -123,6 +198,7 @@ def main() -> None:
     print("pool_prefill_fork_free_rounds_s", best_rate(pool_ops, 1))
 
     weight_bound_prefill()
+    smollm2_shaped_decode()
 
 
 if __name__ == "__main__":

@@ -1,6 +1,8 @@
 """Tests of loading weights in fewer bytes: GGUF F16, BF16, Q8_0, Q4_0 and Q4_1 matrices and
 16-bit safetensors keep their format, byte for byte; other GGUF types (Q5_0, the K-quants) are
-dequantized into a format the core reads, with one warning that says what it cost.
+dequantized into a format the core reads, with one warning that says what it cost. Loaded
+weights are copies in memory of their own, aligned as the core reads them, even from a file
+whose tensors lie at odd offsets.
 
 The GGUF files are written here (tests/support/gguf_files.py) with a tiny random config
 whose rows are multiples of 256, the K-quants' block.
@@ -18,6 +20,7 @@ from kvlab import weight_formats
 from kvlab.config import ModelConfig
 from kvlab.errors import CheckpointError
 from kvlab.loaders import load_checkpoint, save_gguf, save_hf_llama
+from kvlab.loaders.gguf_file import read_gguf
 from kvlab.loaders.huggingface import interleaved_to_half
 from kvlab.weights import MATRICES, Weights
 
@@ -99,6 +102,62 @@ def test_a_tied_gguf_keeps_one_array(tmp_path) -> None:
     write_llama_gguf(path, config, Weights.random(config), default="Q8_0")
     loaded = load_checkpoint(path)[1]
     assert loaded.classifier is loaded.token_embedding and loaded.format == "q8_0"
+
+
+# ---- where loaded weights lie: memory of their own, aligned as the core reads them ----------
+def owns_its_memory(array: np.ndarray) -> bool:
+    """The array's memory is NumPy's own (itself or an array it views), not a file's map."""
+    while isinstance(array.base, np.ndarray):
+        array = array.base
+    return array.base is None and array.flags.owndata and not isinstance(array, np.memmap)
+
+
+def tensors_start_odd(path) -> bool:
+    return all(tensor.data.ctypes.data % 2 for tensor in read_gguf(path).tensors)
+
+
+def write_at_odd_offsets(path, weights: Weights, kind: str) -> None:
+    """A GGUF file whose every tensor's data starts at an odd offset (so at an odd address
+    in a map of it): general.alignment 1 (no padding, which GGUF allows) and a general.name
+    of the length that makes the header's length odd."""
+    for name in ("x", "xy"):
+        write_llama_gguf(path, CONFIG, weights, default=kind, alignment=1, name=name)
+        if tensors_start_odd(path):
+            return
+    raise AssertionError("neither name put the tensors' data at odd offsets")
+
+
+def assert_laid_out_for_the_core(loaded: Weights) -> None:
+    assert loaded.mapped_files == ()
+    for key, array in loaded.items():
+        assert owns_its_memory(array) and array.flags.c_contiguous, key
+        # the core reads a float32, fp16 or bf16 matrix a number at a time from its own
+        # address (kv_py_array checks it); a block's scales by memcpy, at any address
+        assert array.ctypes.data % array.dtype.alignment == 0, (key, array.ctypes.data)
+
+
+@pytest.mark.parametrize("kind", ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1"])
+def test_weights_of_a_file_with_odd_offsets_are_aligned_copies(tmp_path, weights, kind):
+    """GGUF lets a file put its tensors at any offset: each weight is copied out of the map
+    into memory of its own, C-ordered and aligned for the core's reads, with the bytes and
+    logits of the same weights padded to GGUF's usual 32 bytes."""
+    odd, usual = tmp_path / "odd.gguf", tmp_path / "usual.gguf"
+    write_at_odd_offsets(odd, weights, kind)
+    write_llama_gguf(usual, CONFIG, weights, default=kind)
+    model = load_quietly(odd, activations="fp32")
+    assert_laid_out_for_the_core(model.weights)
+    padded = load_quietly(usual, activations="fp32")
+    for key, array in model.weights.items():
+        expected = getattr(padded.weights, key)
+        assert weight_formats.as_bytes(array).tobytes() == \
+            weight_formats.as_bytes(expected).tobytes(), key
+    np.testing.assert_array_equal(model.forward(TOKENS, all_logits=True),
+                                  padded.forward(TOKENS, all_logits=True))
+
+
+def test_smollm2_weights_are_aligned_copies(smollm2):
+    """The real file's weights (Q4_1 layers, Q8_0 embedding), as kvlab.load gives them."""
+    assert_laid_out_for_the_core(smollm2.weights)
 
 
 # ---- other GGUF types: dequantized into a format the core reads ------------------------------

@@ -34,16 +34,22 @@ Types = Dict[str, Union[str, Sequence[str]]]
 
 
 def write_llama_gguf(path, config, weights, types: Optional[Types] = None,
-                     default: str = "F16", big_endian: bool = False, seed: int = 0) -> None:
+                     default: str = "F16", big_endian: bool = False, seed: int = 0,
+                     alignment: Optional[int] = None, name: Optional[str] = None) -> None:
     """A llama GGUF file of `config` and `weights` (no vocabulary). Each matrix is written
     in the GGML type `types` names for it (kvlab's name: "wq", "token_embedding", ...), one
     type for all layers or a list with one a layer, else in `default`; the norms in F32.
-    A tied config writes no output.weight."""
+    A tied config writes no output.weight. alignment: general.alignment (the tensors' data
+    padded to it; GGUF's default is 32); name: general.name (its length moves the data)."""
     import gguf
     rng = np.random.default_rng(seed)
     types = types or {}
     endian = gguf.GGUFEndian.BIG if big_endian else gguf.GGUFEndian.LITTLE
     writer = gguf.GGUFWriter(path, "llama", endianess=endian)
+    if alignment is not None:
+        writer.add_custom_alignment(alignment)
+    if name is not None:
+        writer.add_name(name)
     add_llama_config(writer, config)
 
     def add(gguf_name: str, values: np.ndarray, kind: str) -> None:
