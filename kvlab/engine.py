@@ -405,6 +405,9 @@ class Engine:
                 except KeyboardInterrupt as interrupt:
                     outcome.interrupt = interrupt
                     self.space.recover()
+                except Exception:     # the step ends: a sequence made by the call that
+                    self.space.recover()    # raised is not left behind in the pool
+                    raise
         finally:
             if self._tracer is not None:
                 self._tracer.stop(number, self._phase)

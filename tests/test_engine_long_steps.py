@@ -283,3 +283,33 @@ def test_a_ctrl_c_at_any_line_of_a_step_of_many_calls_resumes_exactly(model, sma
         assert tokens_of(resumed.run(progress=False)) == want, interrupter.fired
     # done whole, stopped between calls, and (a SIGINT in the plan: a drafter's) not done
     assert {(2, None), (1, 1)} <= outcomes <= {(2, None), (1, 1), (1, None)}
+
+
+# ---- errors between the calls -------------------------------------------------------------------
+
+def test_an_error_in_any_call_of_a_long_step_leaves_a_step_the_next_plans_from(model,
+                                                                             small_calls):
+    # a forward call that raises (not Ctrl-C) ends its step for good, with the rows of the
+    # calls before in the pool: the next step plans from them, and the run ends with
+    # generate's tokens (greedy, prefix cache and preemption in a tight pool)
+    def engine():
+        made = kvlab.Engine(model, model.new_paged_pool(16, 4), max_batch_tokens=40)
+        asked = prompts(model, 3, 18, seed=4) + [prompts(model, 1, 18, seed=4)[0][:13] + [7]]
+        return made, {made.add_request(p, SamplingParams(max_new_tokens=5)): p for p in asked}
+
+    reference, _ = engine()
+    counter = Calls(reference)
+    reference.run(progress=False)
+    assert sum(m.preemptions for m in reference.metrics) > 0
+    for k in range(1, len(counter.tokens) + 1):
+        made, asked = engine()
+        calls = Calls(made, error_at=[k])
+        with pytest.raises(RuntimeError, match="injected"):
+            made.run(progress=False)
+        assert made.unfinished is None
+        made.pool.check()
+        calls.remove()
+        outputs = made.run(progress=False)
+        for rid, prompt in asked.items():
+            assert outputs[rid].outputs[0].tokens == kvlab.generate(model, prompt, 5).tokens, k
+        assert made.pool.stats().blocks_used == 0

@@ -253,6 +253,32 @@ def test_an_error_at_any_call_of_any_step_and_run_again_finishes_exactly(model, 
 
 
 @pytest.mark.parametrize("preemption", ["recompute", "swap"])
+def test_an_error_after_any_call_did_its_work_and_run_again_finishes_exactly(model, preemption):
+    # An error raised after the call it came from had done its work (a plug-in allocator's
+    # free, raising after the pool freed the sequence, is one): the step stops there, and
+    # the next plans from where the queues and the pool are. Before, a sequence whose
+    # handle the pool had freed kept it, dead, and every later plan raised ValueError
+    # counting its blocks (the run could never finish)
+    total = count_calls(model, preemption)
+    for k in range(1, total + 1):
+        trace = Sink()
+        engine, ids = workload(model, trace, preemption)
+        with injected(engine, Injector(at=[k], when="after", error=Refused)) as injector:
+            outputs = run_through(engine, error=Refused, check=False)
+        assert len(injector.fired) == 1, k
+        failed = {rid for rid, out in outputs.items()
+                  if any(o.finish_reason.startswith("error:") for o in out.outputs)}
+        if injector.fired[0][1] == "sampler":         # the request it chose for fails alone
+            assert len(failed) == 1
+        assert_matches_generate(model, {r: o for r, o in outputs.items() if r not in failed},
+                                {r: ids[r] for r in ids if r not in failed})
+        assert_consistent(engine)
+        assert engine.pool.stats().blocks_used == 0 and not engine.has_work
+        refs = replay(trace)
+        assert refs == {b: int(engine.pool.ref_counts[b]) for b in refs}, injector.fired
+
+
+@pytest.mark.parametrize("preemption", ["recompute", "swap"])
 @pytest.mark.parametrize("seed", range(48))
 def test_repeated_errors_at_random_calls_still_finish_exactly(model, seed, preemption):
     # errors one after another, some while a preemption or an admission is half done.
