@@ -276,6 +276,7 @@ kv_status kv_blocks_seq_new(kv_blocks *p, int *seq) {
             q->alive = 1;
             q->n_blocks = q->start = q->length = q->reserved = q->next_position = 0;
             q->compacted = 0;
+            q->copied_from = -1;
             q->serial++;
             *seq = s;
             return KV_OK;
@@ -293,6 +294,7 @@ kv_status kv_blocks_seq_free(kv_blocks *p, int seq) {
     for (int i = q->n_blocks - 1; i >= 0; i--) release_block(p, q->block_table[i]);
     q->alive = 0;
     q->n_blocks = q->start = q->length = q->reserved = q->next_position = q->compacted = 0;
+    q->copied_from = -1;
     return KV_OK;
 }
 /* [end ch04-kv-blocks-seq-free] */
@@ -436,6 +438,7 @@ kv_status kv_blocks_reserve(kv_blocks *p, int seq, int n_tokens, kv_block_copy *
 
     /* From here on nothing can fail. */
     *n_copies = 0;
+    q->copied_from = -1;
     if (copy_last) {
         /* copy-on-write: this sequence is about to write row partial_rows of a block that
          * another sequence also reads; it gets its own copy and leaves the original alone.
@@ -449,6 +452,8 @@ kv_status kv_blocks_reserve(kv_blocks *p, int seq, int n_tokens, kv_block_copy *
         kv_block_event copied = about_seq(KV_EVENT_COPIED, copy, seq, q->n_blocks - 1);
         copied.other = last;
         note(p, copied);
+        q->copied_from = last;              /* for a cancel: the block to go back to */
+        q->copied_generation = p->generation[last];
         release_block(p, last);
         copies[(*n_copies)++] = (kv_block_copy){copy, last, partial_rows};
     } else if (partial_rows > 0 && p->registered[last]) {
@@ -477,6 +482,7 @@ kv_status kv_blocks_commit(kv_blocks *p, int seq, const int32_t *tokens, int n_t
     if (tokens == NULL || n_tokens <= 0 || n_tokens != q->reserved)
         return KV_ERR_INVALID_ARG;           /* not what was reserved: no blocks to hold them */
     q->reserved = 0;
+    q->copied_from = -1;
     for (int t = 0; t < n_tokens; t++) {
         int at = row_at(q, old_length + t);
         int32_t b = q->block_table[at / bs];
@@ -510,38 +516,68 @@ kv_status kv_blocks_commit(kv_blocks *p, int seq, const int32_t *tokens, int n_t
     return KV_OK;
 }
 
-kv_status kv_blocks_cancel(kv_blocks *p, int seq) {
-    kv_status status = kv_blocks_seq_check(p, seq);
-    if (status != KV_OK) return status;
+/* Whether the shared block q's pending copy-on-write copied from still holds the rows the
+ * copy holds: not taken again since (its generation), still read by someone, and its rows
+ * up to the copy's end recording the same tokens (its other reader, alone with it after
+ * the copy, may have cut it and written others). */
+static int copied_block_unchanged(const kv_blocks *p, const kv_seq *q, int32_t copy) {
+    int32_t src = q->copied_from;
+    size_t bs = (size_t)p->block_size;
+    int rows = row_at(q, q->length) % p->block_size;
+    return src >= 0 && p->ref_count[src] >= 1 && p->generation[src] == q->copied_generation &&
+           p->fill[src] >= rows &&
+           memcmp(p->tokens + (size_t)src * bs, p->tokens + (size_t)copy * bs,
+                  (size_t)rows * sizeof(int32_t)) == 0;
+}
+
+/* The cancel of seq's pending reservation: the blocks past its length go back, then, if
+ * the reservation copied a shared block and `give_back` says so, the sequence reads the
+ * shared block again and the copy is freed. */
+static void cancel(kv_blocks *p, int seq, int give_back) {
     kv_seq *q = &p->seqs[seq];
     /* the blocks past the length hold no row of it: they go back as a truncate's do (a
      * block cut in two stays, its rows before the cut intact) */
     int keep = blocks_for(p, row_at(q, q->length));
     for (int i = q->n_blocks - 1; i >= keep; i--) release_block(p, q->block_table[i]);
     q->n_blocks = keep;
+    int32_t src = q->copied_from, index = keep - 1;   /* (the block that was copied) */
+    if (q->reserved > 0 && src >= 0 && give_back) {
+        /* The sequence reads the shared block again: its other readers kept it, rows and
+         * all (the copy only read it). The copy goes back to the free stack, never to the
+         * prefix cache: a failed copy may have written some of its rows. (Its generation,
+         * counted up when it was taken, stays so: a free block's generation matches
+         * nothing.) */
+        int32_t copy = q->block_table[index];
+        retain_block(p, src);
+        q->block_table[index] = src;
+        kv_block_event back = about_seq(KV_EVENT_SHARED, src, seq, index);
+        back.other = copy;               /* the copy it replaces, freed next */
+        note(p, back);
+        release_block(p, copy);
+    }
     q->reserved = 0;
+    q->copied_from = -1;
+}
+
+kv_status kv_blocks_cancel(kv_blocks *p, int seq) {
+    kv_status status = kv_blocks_seq_check(p, seq);
+    if (status != KV_OK) return status;
+    const kv_seq *q = &p->seqs[seq];
+    int keep = blocks_for(p, row_at(q, q->length));
+    cancel(p, seq, q->reserved > 0 && q->copied_from >= 0 &&
+                   copied_block_unchanged(p, q, q->block_table[keep - 1]));
     return KV_OK;
 }
 
 kv_status kv_blocks_cancel_copy(kv_blocks *p, int seq, const kv_block_copy *copy) {
     kv_status status = kv_blocks_seq_check(p, seq);
     if (status != KV_OK) return status;
-    kv_seq *q = &p->seqs[seq];
+    const kv_seq *q = &p->seqs[seq];
     int index = blocks_for(p, row_at(q, q->length)) - 1;   /* the block that was copied */
     if (copy == NULL || q->reserved == 0 || index < 0 || q->block_table[index] != copy->dst ||
-        copy->src < 0 || copy->src >= p->num_blocks || p->ref_count[copy->src] < 1)
+        copy->src < 0 || copy->src != q->copied_from || p->ref_count[copy->src] < 1)
         return KV_ERR_INVALID_ARG;   /* not the copy of this sequence's pending reservation */
-    kv_blocks_cancel(p, seq);        /* the new blocks first: the free stack is as it was */
-    /* The sequence reads the shared block again: its other readers kept it, rows and all
-     * (the copy only read it). The copy goes back to the free stack, never to the prefix
-     * cache: the failed copy may have written some of its rows. (Its generation, counted
-     * up when it was taken, stays so: a free block's generation matches nothing.) */
-    retain_block(p, copy->src);
-    q->block_table[index] = copy->src;
-    kv_block_event back = about_seq(KV_EVENT_SHARED, copy->src, seq, index);
-    back.other = copy->dst;          /* the copy it replaces, freed next */
-    note(p, back);
-    release_block(p, copy->dst);
+    cancel(p, seq, 1);               /* the copy failed: its rows are not to be read */
     return KV_OK;
 }
 
@@ -630,6 +666,9 @@ kv_status kv_blocks_check(const kv_blocks *p, char *message, size_t message_size
             BROKEN("sequence %d: length %d (and %d reserved) from row %d of its first block "
                    "does not fit its %d blocks", s, q->length, q->reserved, q->start,
                    q->n_blocks);
+        if (q->copied_from < -1 || q->copied_from >= n || (q->reserved == 0 && q->copied_from >= 0))
+            BROKEN("sequence %d: a copy-on-write from block %d noted with %d rows reserved", s,
+                   q->copied_from, q->reserved);
         for (int i = 0; i < q->n_blocks; i++) {
             int32_t b = q->block_table[i];
             if (b < 0 || b >= n) BROKEN("sequence %d: block id %d out of range", s, b);

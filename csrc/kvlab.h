@@ -274,6 +274,9 @@ typedef struct {
                               row dropped (kv_pool_keep) */
     int compacted;         /* rows were dropped: row i no longer holds position i, so its
                               blocks are never offered to the prefix cache */
+    int32_t copied_from;   /* the shared block its pending reservation's copy-on-write
+                              replaced (-1: none), for a cancel to give back, and that */
+    uint32_t copied_generation;   /* block's generation then (has it been reused since?) */
     int alive;
     uint32_t serial;       /* bumped each time this slot gets a new sequence, so a handle
                               to a freed sequence is recognised as stale */
@@ -386,8 +389,13 @@ kv_status kv_blocks_reserve(kv_blocks *blocks, int seq, int n_tokens, kv_block_c
  * kv_blocks_reserve made room for exactly these n_tokens; after it, it cannot fail. */
 kv_status kv_blocks_commit(kv_blocks *blocks, int seq, const int32_t *tokens, int n_tokens);
 /* Instead of the commit, when the rows were not written (the writer failed): the blocks
- * taken for positions past seq's length go back, and the sequence is as it was, but for a
- * copy-on-write, whose private copy (rows already copied) it keeps. */
+ * taken for positions past seq's length go back, and a copy-on-write is undone as
+ * kv_blocks_cancel_copy undoes it (the sequence reads the shared block again, the copy is
+ * freed): the sequence and the pool are as they were. One exception: if the shared block
+ * changed since the reserve (freed and taken again, cut and rewritten by its other reader:
+ * a new generation, or other tokens in the rows the copy holds), the sequence keeps its
+ * copy, whose rows are the ones it read. (A pool's own calls never meet it: nothing else
+ * runs on the pool between their reserve and cancel.) */
 kv_status kv_blocks_cancel(kv_blocks *blocks, int seq);
 /* Instead of the commit, when the copy-on-write the reservation asked for could not be made
  * (copy: what kv_blocks_reserve returned; a row store failed): the reservation is cancelled

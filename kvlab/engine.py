@@ -23,12 +23,21 @@ A step has three phases, as nano-vllm's schedule, run and postprocess:
           freed. Every call here goes on from where the pool is, so that making it again
           after it raised (a KeyboardInterrupt) does what is left, nothing twice.
   commit  plain assignments: tokens, counts, the random generators' new states, queues.
-Ctrl-C is held from the start of a step to its end (the C core, which otherwise stops
-between chunks, runs on): the step finishes, and the KeyboardInterrupt is raised at its end,
-the step done (in engine.metrics). A KeyboardInterrupt raised inside the plan (by a drafter)
-stops the step before the pool changed. So a step happens whole, as it would have
-uninterrupted, or not at all, and a run resumed with step() or run() gives every request
-exactly the uninterrupted run's tokens (sampled, speculative, preempted or not).
+Ctrl-C is held from the start of a step to its end, and looked at in one place: between
+the forward calls of a long step. A step whose forward is more than about
+measure.CHUNK_FLOPS of work (a long prefill) makes it in several calls of about that much
+(each row bit for bit what one call gives: a prefill in parts equals one prefill), so that
+a Ctrl-C stops it within one call's time (tenths of a second; measured by
+benchmarks/interrupt_latency.py). It stops there unfinished: step() raises
+KeyboardInterrupt with the plan carried out and the rows computed so far in the pool, and
+nothing of the step in the queues' tokens, the outputs or engine.metrics (`unfinished`
+says so); the next step() or run() first finishes that step, from where the pool is, and
+returns it. Anywhere else, the step finishes and the KeyboardInterrupt is raised at its
+end, the step done (in engine.metrics); one raised inside the plan (by a drafter) stops the
+step before the pool changed. So a step happens whole, as it would have uninterrupted,
+or not at all, or waits half done for the next call to finish it, and a run resumed with
+step() or run() gives every request exactly the uninterrupted run's tokens (sampled,
+speculative, preempted or not).
 A request whose next token cannot be chosen (the sampler or a drafter raises, the logits
 hold NaN) fails alone, finish_reason "error: step N: why"; the others go on.
 
@@ -84,6 +93,7 @@ from .sampling import sample as sample_token
 from .plugins import (AllocatorMirror, MirroredPool, PluginError,  # noqa: F401 (re-exported)
                       PrefixMirror, check_scheduler, checked_plan, make_allocator,
                       make_prefix_cache)
+from .measure import CHUNK_FLOPS, CHUNK_MIN, work_rates
 from .slo import StepWork
 from .scheduler import Request, SamplingParams, ScheduledStep, Scheduler, Sequence, State
 from .speculative import (Drafter, SpeculationStats, check_drafter, keep_until_stop,
@@ -130,15 +140,30 @@ class _Outcome:
     kv_rows_read: int = 0                            # by the forward calls made
 
 
+@dataclasses.dataclass
+class _Unfinished:
+    """A step a Ctrl-C stopped between its forward calls: what the next step() finishes."""
+    plan: ScheduledStep
+    number: int
+    failed: Dict[int, str]
+    outcome: _Outcome
+    seconds: float                  # the time it ran before it stopped
+
+
+class _Stopped(Exception):
+    """A held Ctrl-C, taken between two forward calls of a step: the step stops there."""
+
+
 class Engine:
     """Continuous batching of many requests over one paged pool (see the module text:
     a step in three phases, what an interrupt and an error do).
 
     Whatever raises out of step() leaves the engine and its pool consistent and resumable:
     a held Ctrl-C or a KeyboardInterrupt a call raised during the run, after the step was
-    done; an error in a call on no one request's behalf (the forward call itself, the
-    pool, the trace sink), with the step's queues and pool as far as it went, which the
-    next step plans from. Trace events are sent in order between steps, each until the sink
+    done; a Ctrl-C between the forward calls of a long step, with the step unfinished
+    (`unfinished`), which the next step finishes; an error in a call on no one request's
+    behalf (the forward call itself, the pool, the trace sink), with the step's queues and
+    pool as far as it went, which the next step plans from. Trace events are sent in order between steps, each until the sink
     returns: one a sink raised on is sent again first on the next step, before any new
     work (has_work stays True until then). Sequences made on the pool by hand are left
     alone; if they hold what waiting requests need, step() and run() raise RuntimeError,
@@ -226,6 +251,8 @@ class Engine:
         self._rng = np.random.Generator(np.random.PCG64())   # draws on a sequence's state
         self._phase = "admit"
         self._tracer = BlockTracer(pool, trace) if trace is not None else None
+        self._unfinished: Optional[_Unfinished] = None   # a step a Ctrl-C stopped
+        self._rates = work_rates(model.config)           # FLOPs per token, per position
 
     # ---- requests ---------------------------------------------------------------------
     def add_request(self, prompt: Union[str, collections.abc.Sequence],
@@ -276,7 +303,7 @@ class Engine:
     @property
     def has_work(self) -> bool:
         """Requests to run, or trace events a raising sink has not taken yet: step() again."""
-        return (self.scheduler.has_work
+        return (self.scheduler.has_work or self._unfinished is not None
                 or bool(self._tracer is not None and self._tracer.undelivered))
 
     # ---- one step ---------------------------------------------------------------------
@@ -289,12 +316,21 @@ class Engine:
         with self._lock:
             if self._tracer is not None:
                 self._tracer.deliver()        # between steps: a sink that raises stops here
-            started, number = time.perf_counter(), self.scheduler.step_count
-            with HeldCtrlC():                             # a Ctrl-C waits for the end
-                failed = self._propose(number)             # plan: drafts, then who runs
-                plan = self._plan(number, failed)
-                outcome = self._run(plan, number, failed)  # the pool, forward_batch, tokens
-                result = self._commit(plan, outcome, number, started)
+            with HeldCtrlC() as held:             # a Ctrl-C waits for the end, or a look
+                step = self._unfinished
+                if step is None:                  # plan: drafts, then who runs
+                    started, number = time.perf_counter(), self.scheduler.step_count
+                    failed = self._propose(number)
+                    step = _Unfinished(self._plan(number, failed), number, failed,
+                                       _Outcome(failed=failed), 0.0)
+                    self.space.new_step()
+                else:                             # finish the step a Ctrl-C stopped
+                    started = time.perf_counter() - step.seconds
+                outcome = self._run_or_stop(step, held, started)
+                if outcome is None:               # stopped between two forward calls
+                    raise KeyboardInterrupt("the step stopped unfinished (Engine.unfinished): "
+                                            "step() or run() finishes it")
+                result = self._commit(step.plan, outcome, step.number, started)
             if self._tracer is not None:
                 self._tracer.deliver()         # if it raises, the step is done all the same
             if outcome.interrupt is not None:
@@ -303,6 +339,30 @@ class Engine:
                 raise RuntimeError(self._why_stuck())
             return result
     # [end ch05-engine-step-runs]
+
+    @property
+    def unfinished(self) -> Optional[int]:
+        """The number of the step a Ctrl-C stopped between its forward calls, which the
+        next step() finishes first; None when there is none."""
+        return None if self._unfinished is None else self._unfinished.number
+
+    def _run_or_stop(self, step: _Unfinished, held: HeldCtrlC,
+                     started: float) -> Optional[_Outcome]:
+        """The step's run; None if a Ctrl-C stopped it between two forward calls (kept in
+        self._unfinished for the next step). Any other error ends the step for good: the
+        next plans afresh from the queues and the pool as far as it went."""
+        self._unfinished = step
+        try:
+            outcome = self._run(step.plan, step.number, step.outcome, held.take)
+        except _Stopped:
+            step.outcome.interrupt = None     # the KeyboardInterrupt raised now stands for it
+            step.seconds = time.perf_counter() - started
+            return None
+        except BaseException:
+            self._unfinished = None
+            raise
+        self._unfinished = None
+        return outcome
 
     def _plan(self, number: int, failed: Dict[int, str]) -> ScheduledStep:
         """The scheduler's plan: the engine's own, or a plug-in's, checked (PluginError);
@@ -316,13 +376,14 @@ class Engine:
             self._prefix.check_admissions(plan)
         return plan
 
-    def _run(self, plan: ScheduledStep, number: int, failed: Dict[int, str]) -> _Outcome:
+    def _run(self, plan: ScheduledStep, number: int, outcome: _Outcome,
+             stop_asked: Callable[[], bool]) -> _Outcome:
         """The run phase. A KeyboardInterrupt that one of its calls raises (not Ctrl-C, which
         is held) does not stop it: a sequence the pool made for a call that raised is found
         (PoolSpace.recover), the run starts again and, every call going on from where the
-        pool is, does only what is left; the interrupt is raised at the end of the step."""
-        outcome = _Outcome(failed=failed)
-        self.space.new_step()
+        pool is, does only what is left; the interrupt is raised at the end of the step.
+        stop_asked() is asked between the forward calls of a long step: True raises
+        _Stopped there (the step is finished by running this again, the same way)."""
         if self._tracer is not None:
             self._tracer.start()
         try:
@@ -332,7 +393,7 @@ class Engine:
                     self.scheduler.apply(plan, self.space)        # preemptions, admissions
                     self._trace(number)
                     self._phase = "forward"
-                    self._forward(plan, outcome)
+                    self._forward(plan, outcome, stop_asked)
                     self._trace(number)
                     self._phase = "sample"
                     self._choose(plan, number, outcome)
@@ -345,6 +406,9 @@ class Engine:
                 except KeyboardInterrupt as interrupt:
                     outcome.interrupt = interrupt
                     self.space.recover()
+                except Exception:     # the step ends: a sequence made by the call that
+                    self.space.recover()    # raised is not left behind in the pool
+                    raise
         finally:
             if self._tracer is not None:
                 self._tracer.stop(number, self._phase)
@@ -361,15 +425,32 @@ class Engine:
                             swapped_bytes=traffic.out_bytes + traffic.in_bytes))
         return self._clock()
 
-    def _forward(self, plan: ScheduledStep, outcome: _Outcome) -> None:
-        """The one forward_batch. Each item feeds its tokens from the rows its handle holds
-        on: all it was planned, or what is left after a call that raised (a chunk that ends
-        the sequence's tokens feeds at least the last, whose logits choose the next token).
-        Such a chunk keeps its last row of logits (with drafts: that row, then one per
-        draft) to choose from."""
+    def _forward(self, plan: ScheduledStep, outcome: _Outcome,
+                 stop_asked: Callable[[], bool]) -> None:
+        """The step's forward: one forward_batch, or for a step of more than about
+        CHUNK_FLOPS of work, several calls of about that much each (_next_call), each
+        going on from the rows the pool holds; stop_asked() is asked between them (True:
+        _Stopped, the rest left for the step's next run)."""
         if not outcome.chunks:
             outcome.chunks = [_split(seq, n) for _, seq, n in plan.items]
-        handles, fed, ends = [], [], []
+        while True:
+            feeds = self._feeds(plan, outcome)
+            if not feeds:
+                return
+            call = _next_call(feeds, self._rates)
+            self._call(call, outcome)
+            if sum(len(f.tokens) for f in call) == sum(len(f.tokens) for f in feeds):
+                return                        # that was all: the step goes on to its end
+            if stop_asked():
+                raise _Stopped()
+
+    def _feeds(self, plan: ScheduledStep, outcome: _Outcome) -> List["_Feed"]:
+        """What each item of the plan has still to feed, from the rows its handle holds on:
+        all it was planned, or what is left after a call that raised or a call before (a
+        chunk that ends the sequence's tokens feeds at least the last, whose logits choose
+        the next token; it keeps its last row of logits, with drafts that row, then one per
+        draft, to choose from)."""
+        feeds = []
         for i, ((request, seq, _), (own, drafts)) in enumerate(zip(plan.items, outcome.chunks)):
             if i in outcome.rows or request.id in outcome.failed:   # (run again: done)
                 continue
@@ -385,23 +466,26 @@ class Engine:
                     length = end - 1
                 tokens = seq.tokens[length:] + drafts
             if tokens:
-                outcome.kv_rows_read += _rows_read(length, len(tokens))
-                handles.append(seq.handle)
-                fed.append(tokens)
-                ends.append((i, end == len(seq.tokens), len(drafts)))
-        if not handles:
-            return
-        drafted = any(n_drafts for _, _, n_drafts in ends)
+                feeds.append(_Feed(i, seq.handle, tokens, length, end == len(seq.tokens),
+                                   len(drafts)))
+        return feeds
+
+    def _call(self, call: List["_Feed"], outcome: _Outcome) -> None:
+        """One forward_batch over the feeds of `call`; the rows that choose kept."""
+        drafted = any(feed.drafts for feed in call)
+        handles, fed = [feed.handle for feed in call], [feed.tokens for feed in call]
+        outcome.kv_rows_read += sum(_rows_read(f.length, len(f.tokens)) for f in call)
         if drafted:         # every token's logits: the drafts' rows check them
             logits = self.model.forward_batch(handles, fed, all_logits=True)
         else:
             logits = self.model.forward_batch(handles, fed)
         # one NaN test for all rows; with drafts, each row read (most of all_logits are not)
         last = 0
-        for (i, chooses, n_drafts), tokens in zip(ends, fed):
-            last += len(tokens) if drafted else 1
-            if chooses:
-                outcome.rows[i] = logits[last - 1 - n_drafts:last] if n_drafts else logits[last - 1]
+        for feed in call:
+            last += len(feed.tokens) if drafted else 1
+            if feed.chooses:
+                n = feed.drafts
+                outcome.rows[feed.item] = logits[last - 1 - n:last] if n else logits[last - 1]
 
     def _choose(self, plan: ScheduledStep, number: int, outcome: _Outcome) -> None:
         """Each chunk that ended its tokens chooses the next (at the end of a prompt with
@@ -664,6 +748,46 @@ def _plugins(speculate, drafter, scheduler) -> tuple:
     if scheduler is not None:
         check_scheduler(scheduler)
     return speculate, scheduler
+
+
+@dataclasses.dataclass
+class _Feed:
+    """The tokens one item of a step feeds in one forward call, after `length` rows."""
+    item: int                # its index in the plan
+    handle: object
+    tokens: List[int]
+    length: int
+    chooses: bool            # its last token ends the sequence's (then its drafts follow)
+    drafts: int
+
+
+def _next_call(feeds: List[_Feed], rates: Tuple[float, float]) -> List[_Feed]:
+    """The feeds of the next forward call: whole ones, in order, while they fit in about
+    CHUNK_FLOPS of work (measure.work_rates), then part of the next one, at least CHUNK_MIN
+    tokens in all (a shorter call streams every weight for fewer tokens). A part never
+    holds a feed's last own token (nor its drafts): those ride in one call, whose logits
+    choose. All of them when they fit: the one call of a short step."""
+    per_token, per_position = rates
+    call, work, n_call = [], 0.0, 0
+    for feed in feeds:
+        n = len(feed.tokens)
+        cost = n * per_token + per_position * _rows_read(feed.length, n)
+        if work + cost <= CHUNK_FLOPS:
+            call.append(feed)
+            work, n_call = work + cost, n_call + n
+            continue
+        # it does not fit whole: the part that does (each token priced at the last's position)
+        fits = int((CHUNK_FLOPS - work) / (per_token + per_position * (feed.length + n)))
+        most = n - 1 - feed.drafts if feed.chooses else n
+        cut = min(max(fits, CHUNK_MIN - n_call), most)
+        if cut > 0:
+            whole = cut == n
+            call.append(dataclasses.replace(feed, tokens=feed.tokens[:cut], chooses=feed.chooses
+                                            and whole, drafts=feed.drafts if whole else 0))
+        elif not call:                     # nothing of it may be cut off: it goes whole
+            call.append(feed)
+        break
+    return call
 
 
 def _split(seq: Sequence, n: int) -> Tuple[int, List[int]]:

@@ -1,7 +1,8 @@
 """Holding Ctrl-C: a SIGINT that arrives inside a `with HeldCtrlC():` block is kept until
 the block ends, then given to the handler that was installed (Python's own raises
 KeyboardInterrupt there). kvlab.Engine holds it over each step, so that a step is never cut
-in the middle of its bookkeeping: it finishes, then the interrupt is raised.
+in the middle of its bookkeeping: it stops only where it chooses to look (take(), between
+the forward calls of a long step) or at the block's end.
 
 Only the main thread receives signals in Python, so elsewhere (and where the handler is not
 a Python function: SIG_IGN, SIG_DFL) the block holds nothing. The C core's long calls check
@@ -31,6 +32,12 @@ class HeldCtrlC:
 
     def _hold(self, signum, frame) -> None:
         self.pending = True
+
+    def take(self) -> bool:
+        """Whether a SIGINT is held, taken: the block's end no longer gives it (the caller
+        stops at a point of its own choosing and raises KeyboardInterrupt itself)."""
+        pending, self.pending = self.pending, False
+        return pending
 
     def __exit__(self, *exc_info) -> None:
         if self.handler is not None:

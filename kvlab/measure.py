@@ -139,6 +139,18 @@ CHUNK_FLOPS = 2e9
 CHUNK_MIN = core.TOKEN_CHUNK
 
 
+def work_rates(config: ModelConfig) -> Tuple[float, float]:
+    """The rule's measure of work (chunk_length's, kv_chunk_length's): FLOPs per token
+    run, and per earlier position one token's attention reads. kvlab.Engine splits a long
+    step's forward into calls of about CHUNK_FLOPS by the same measure."""
+    c = config
+    q_dim, kv_dim = float(c.n_heads * c.head_dim), float(c.n_kv_heads * c.head_dim)
+    per_token = (2.0 * c.n_layers * (float(c.dim) * (2.0 * q_dim + 2.0 * kv_dim)
+                                     + 3.0 * float(c.dim) * c.hidden_dim)
+                 + 2.0 * float(c.dim) * c.vocab_size)
+    return per_token, 4.0 * c.n_layers * q_dim
+
+
 def chunk_length(config: ModelConfig, start_pos: int, n_tokens: int) -> int:
     """How many of n_tokens new tokens at start_pos.. one chunk of a forward call runs (the
     C core's rule, to the bit): as many whole multiples of CHUNK_MIN as fit in CHUNK_FLOPS
@@ -146,12 +158,7 @@ def chunk_length(config: ModelConfig, start_pos: int, n_tokens: int) -> int:
     Every chunk but the last has this length; calls with less work run in one piece."""
     start_pos = arguments.count(start_pos, "start_pos", arguments.INT64_MAX)
     n_tokens = arguments.positive(n_tokens, "n_tokens")
-    c = config
-    q_dim, kv_dim = float(c.n_heads * c.head_dim), float(c.n_kv_heads * c.head_dim)
-    per_token = (2.0 * c.n_layers * (float(c.dim) * (2.0 * q_dim + 2.0 * kv_dim)
-                                     + 3.0 * float(c.dim) * c.hidden_dim)
-                 + 2.0 * float(c.dim) * c.vocab_size)
-    per_position = 4.0 * c.n_layers * q_dim
+    per_token, per_position = work_rates(config)
     fits = CHUNK_FLOPS / (per_token + per_position * (float(start_pos) + n_tokens))
     n = n_tokens if fits >= n_tokens else int(fits) // CHUNK_MIN * CHUNK_MIN
     return min(max(n, CHUNK_MIN), n_tokens)

@@ -119,11 +119,18 @@ class PoolSpace:
             self.drop(seq)
 
     def drop(self, seq: Sequence) -> None:
-        """Free one sequence's pool handle, if it has one (a freed handle is not freed twice)."""
-        if seq.handle is not None:
-            if seq.handle.alive:
-                self.pool.free(seq.handle)
-            seq.handle = None
+        """Free one sequence's pool handle, if it has one (a freed handle is not freed twice).
+        A handle the pool freed is forgotten even if the call then raised (an allocator
+        plug-in's free, after the pool's): a dead one left on the sequence would stop every
+        later plan that counts its blocks."""
+        handle = seq.handle
+        if handle is not None:
+            try:
+                if handle.alive:
+                    self.pool.free(handle)
+            finally:
+                if not handle.alive:
+                    seq.handle = None
 
     def swap_out(self, request: Request) -> None:
         """Preemption by swapping: each active sequence's K and V to host memory
@@ -142,6 +149,10 @@ class PoolSpace:
                 host = self.pool.swap_out(handle)
             except MemoryError:
                 continue
+            except BaseException:
+                if not handle.alive:        # freed, and its copy lost with the call that
+                    seq.handle = None       # raised after: it is recomputed instead
+                raise
             seq.swapped, seq.handle = host, None
             self.traffic.out_blocks += host.n_blocks
             self.traffic.out_bytes += host.nbytes

@@ -244,3 +244,53 @@ def test_python_counts_blocks_as_the_core_does():
         for n in (1, block_size - 1, block_size, block_size + 1, 5 * block_size + 2):
             if n > 0 and blocks_for(n, block_size) <= 64:
                 assert blocks.blocks_needed(seq, n) == blocks_for(n, block_size), (n, block_size)
+
+
+def snapshot(blocks, seqs):
+    return (blocks.ref_counts.tolist(), list(blocks.free_blocks), blocks.stats(),
+            [(s.length, list(s.block_table)) for s in seqs])
+
+
+def test_cancel_after_a_copy_on_write_gives_the_copy_back():
+    # the owner of the rows could not write them (or copy the shared rows): cancel instead
+    # of commit leaves the sequence reading the shared block and the pool as before
+    blocks = core.BlockManager(8, 4)
+    seq = blocks.new_sequence()
+    blocks.reserve(seq, 6)
+    blocks.commit(seq, ids(1, 2, 3, 4, 5, 6))            # a full block, then a half one
+    child = blocks.fork(seq)
+    before = snapshot(blocks, [seq, child])
+    [(dst, src, rows)] = blocks.reserve(child, 7)        # the copy, and two blocks more
+    assert (src, rows) == (seq.block_table[1], 2) and len(child.block_table) == 4
+    blocks.check()
+    blocks.cancel(child)
+    assert snapshot(blocks, [seq, child]) == before
+    blocks.check()
+    blocks.cancel(child)                                 # none pending: nothing changes
+    assert snapshot(blocks, [seq, child]) == before
+    assert blocks.reserve(child, 1) == [(dst, src, rows)]     # as the first time
+    blocks.commit(child, ids(9))
+    assert child.length == 7 and blocks.ref_counts[src] == 1
+    blocks.check()
+
+
+def test_cancel_keeps_the_copy_when_the_shared_block_changed_meanwhile():
+    blocks = core.BlockManager(4, 4)
+    seq = blocks.new_sequence()
+    blocks.reserve(seq, 2)
+    blocks.commit(seq, ids(1, 2))
+    child = blocks.fork(seq)
+    [(dst, src, _)] = blocks.reserve(child, 1)
+    blocks.truncate(seq, 1)                  # its other reader, alone with it, cuts it and
+    blocks.reserve(seq, 1)                   # writes another token where the copy's was
+    blocks.commit(seq, ids(7))
+    blocks.cancel(child)
+    assert list(child.block_table) == [dst] and child.length == 2
+    assert blocks.ref_counts[src] == 1 and blocks.ref_counts[dst] == 1
+    blocks.check()
+
+
+def test_a_pool_refuses_cancel_as_it_refuses_reserve():
+    pool = kvlab.PagedPool(1, 1, 4, 4, 2)
+    with pytest.raises(TypeError, match="writes K and V between reserve and commit itself"):
+        pool.cancel(pool.new_sequence())

@@ -573,3 +573,58 @@ def test_a_prefix_cache_plug_in_is_checked_at_entry(model):
         kvlab.Engine(model, num_blocks=8, prefix_cache=PrefixTrie(16))    # an object
     with pytest.raises(PluginError, match="constructor raised"):
         kvlab.Engine(model, num_blocks=8, prefix_cache=lambda size: 1 / 0)
+
+
+# ---- a plug-in that raises once ----------------------------------------------------------------
+class RaisesOnce:
+    """A plug-in whose method `hook` raises at its k-th call; everything else is `inner`'s."""
+
+    def __init__(self, inner, hook, k):
+        self.inner, self.hook, self.k, self.calls = inner, hook, k, 0
+
+    def __getattr__(self, name):
+        attr = getattr(self.inner, name)
+        if name != self.hook:
+            return attr
+
+        def once(*args):
+            self.calls += 1
+            if self.calls == self.k:
+                raise RuntimeError(f"{name} failed (a test)")
+            return attr(*args)
+        return once
+
+
+@pytest.mark.parametrize("k", [1, 4])
+@pytest.mark.parametrize("kind, hook", [("scheduler", "plan"), ("prefix_cache", "insert"),
+                                        ("prefix_cache", "remove"), ("prefix_cache", "match")])
+def test_a_plug_in_that_raises_once_stops_a_step_and_the_run_goes_on_exactly(
+        model, shared_expected, kind, hook, k):
+    # the error comes out as a PluginError naming the hook, before the pool changed or
+    # after the step it followed: run() again gives every request generate's tokens
+    if kind == "scheduler":
+        engine = serve_shared(model, PrefixTrie, scheduler=RaisesOnce(
+            FirstComeFirstServed(), hook, k))
+    else:
+        engine = serve_shared(model, lambda size: RaisesOnce(PrefixTrie(size), hook, k))
+    with pytest.raises(PluginError, match=f"{hook}\\(.*raised RuntimeError"):
+        engine.run(progress=False)
+    engine.pool.check()
+    outputs = engine.run(progress=False)
+    assert [outputs[i].outputs[0].tokens for i in range(len(SHARED))] == shared_expected
+
+
+def test_an_allocator_that_raises_in_free_is_named_and_the_engine_stays_sound(model):
+    # the pool freed the sequence, the plug-in did not: the plug-in no longer follows the
+    # pool, and the next steps say so, naming it (before, the engine kept the freed handle
+    # and every plan raised ValueError on it, naming no plug-in)
+    engine = kvlab.Engine(model, num_blocks=20, block_size=4, max_batch_tokens=16,
+                          allocator=lambda n, size: RaisesOnce(Allocator(n, size), "free", 1))
+    for p in PROMPTS:
+        engine.add_request(p, kvlab.SamplingParams(max_new_tokens=20))
+    with pytest.raises(PluginError, match="free\\(\\) raised RuntimeError"):
+        engine.run(progress=False)
+    engine.pool.check()
+    with pytest.raises(PluginError, match="the allocator plug-in"):
+        engine.step()
+    engine.pool.check()

@@ -226,18 +226,15 @@ class Refused(RuntimeError):
     device that fails before it starts)."""
 
 
-@pytest.mark.parametrize("preemption", ["recompute", "swap"])
-def test_an_error_at_any_call_of_any_step_and_run_again_finishes_exactly(model, preemption):
-    # An error is no interrupt: it leaves step() at once, the run half done (queues and
-    # pool as far as it went), and the next step plans from there. Before, an error after
-    # the run freed a finished sequence left it running without a pool sequence (the next
-    # step raised AttributeError), or a request waiting with all its rows (admission planned
-    # a chunk of 0 tokens)
+def error_at_every_call(model, preemption, when):
+    """For each call k of the workload's run: an error (Refused) raised before or after
+    call k, run() again until it finishes; generate's tokens for every request but one a
+    failed sampler call chose for, the engine consistent, and the trace still replaying."""
     total = count_calls(model, preemption)
     for k in range(1, total + 1):
         trace = Sink()
         engine, ids = workload(model, trace, preemption)
-        with injected(engine, Injector(at=[k], error=Refused)) as injector:
+        with injected(engine, Injector(at=[k], when=when, error=Refused)) as injector:
             outputs = run_through(engine, error=Refused, check=False)
         assert len(injector.fired) == 1, k
         failed = {rid for rid, out in outputs.items()
@@ -250,6 +247,26 @@ def test_an_error_at_any_call_of_any_step_and_run_again_finishes_exactly(model, 
         assert engine.pool.stats().blocks_used == 0 and not engine.has_work
         refs = replay(trace)
         assert refs == {b: int(engine.pool.ref_counts[b]) for b in refs}, injector.fired
+
+
+@pytest.mark.parametrize("preemption", ["recompute", "swap"])
+def test_an_error_at_any_call_of_any_step_and_run_again_finishes_exactly(model, preemption):
+    # An error is no interrupt: it leaves step() at once, the run half done (queues and
+    # pool as far as it went), and the next step plans from there. Before, an error after
+    # the run freed a finished sequence left it running without a pool sequence (the next
+    # step raised AttributeError), or a request waiting with all its rows (admission planned
+    # a chunk of 0 tokens)
+    error_at_every_call(model, preemption, "before")
+
+
+@pytest.mark.parametrize("preemption", ["recompute", "swap"])
+def test_an_error_after_any_call_did_its_work_and_run_again_finishes_exactly(model, preemption):
+    # An error raised after the call it came from had done its work (a plug-in allocator's
+    # free, raising after the pool freed the sequence, is one): the step stops there, and
+    # the next plans from where the queues and the pool are. Before, a sequence whose
+    # handle the pool had freed kept it, dead, and every later plan raised ValueError
+    # counting its blocks (the run could never finish)
+    error_at_every_call(model, preemption, "after")
 
 
 @pytest.mark.parametrize("preemption", ["recompute", "swap"])

@@ -361,6 +361,14 @@ static PyObject *blocks_commit(BlocksObject *self, PyObject *args) {
     return kv_py_blocks_refused(self, status, n);
 }
 
+static PyObject *blocks_cancel(BlocksObject *self, PyObject *handle) {
+    if (is_pool(self)) return refuse_rows_of_a_pool();
+    int seq = ready_slot(self, handle);
+    if (seq < 0) return NULL;
+    kv_blocks_cancel(self->blocks, seq);       /* a live sequence: cannot fail */
+    Py_RETURN_NONE;
+}
+
 static PyObject *blocks_truncate(BlocksObject *self, PyObject *args) {
     PyObject *handle, *length_obj;
     long long length;
@@ -521,6 +529,12 @@ static PyMethodDef blocks_methods[] = {
     {"commit", (PyCFunction)blocks_commit, METH_VARARGS,
      "commit(seq, tokens): the rows reserve() made room for are written: records their\n"
      "tokens, advances seq.length, and offers full blocks to the prefix cache."},
+    {"cancel", (PyCFunction)blocks_cancel, METH_O,
+     "cancel(seq): instead of commit, when the rows reserve() made room for were not written:\n"
+     "the blocks it took go back and a copy-on-write is undone (seq reads the shared block\n"
+     "again, the copy is freed), so seq and the pool are as before the reserve; unless the\n"
+     "shared block changed since (freed and taken again, or cut and rewritten by its other\n"
+     "reader), when seq keeps the copy. Does nothing if no reservation is pending."},
     {"truncate", (PyCFunction)blocks_truncate, METH_VARARGS,
      "truncate(seq, length): forget seq's positions from length on (its blocks past the new\n"
      "end are released; a block cut in two keeps the rows before the cut). The rollback of\n"

@@ -867,6 +867,49 @@ static void test_pool(void) {
 
 /* The block manager alone: no K or V, the copy it asks for, and the events it records
  * (what the engine's tracer and the GPU pool read). */
+/* A reservation cancelled after its copy-on-write (the rows were not written) gives the
+ * copy back: the sequence reads the shared block again, the pool is as before the reserve.
+ * Unless the shared block changed meanwhile (its other reader freed it and it was taken
+ * again): then the sequence keeps its copy, the rows it read. */
+static void test_cancel_gives_back_a_copy_on_write(void) {
+    kv_blocks blocks;
+    char message[256];
+    kv_block_copy copies[1];
+    int n_copies = -1, a, b, c;
+    int32_t tokens[8] = {1, 2, 3, 4, 5, 6, 7, 8};
+    CHECK(kv_blocks_init(&blocks, 6, 4, 4, 4) == KV_OK);
+    CHECK(kv_blocks_seq_new(&blocks, &a) == KV_OK);
+    CHECK(kv_blocks_reserve(&blocks, a, 6, copies, &n_copies) == KV_OK);
+    kv_blocks_commit(&blocks, a, tokens, 6);                    /* block 0 full, 1 half */
+    CHECK(kv_blocks_seq_fork(&blocks, a, &b) == KV_OK);
+    int32_t free_before[6];
+    int n_free = blocks.n_free;
+    memcpy(free_before, blocks.free_stack, sizeof free_before);
+    /* b's 5 more positions: a copy of block 1 and one new block, then cancelled */
+    CHECK(kv_blocks_reserve(&blocks, b, 5, copies, &n_copies) == KV_OK && n_copies == 1);
+    CHECK(blocks.seqs[b].copied_from == 1 && blocks.ref_count[1] == 1);
+    CHECK(kv_blocks_check(&blocks, message, sizeof message) == KV_OK);
+    CHECK(kv_blocks_cancel(&blocks, b) == KV_OK);
+    CHECK(blocks.seqs[b].block_table[1] == 1 && blocks.seqs[b].n_blocks == 2 &&
+          blocks.seqs[b].length == 6 && blocks.seqs[b].reserved == 0 &&
+          blocks.seqs[b].copied_from == -1 && blocks.ref_count[1] == 2);
+    CHECK(blocks.n_free == n_free && memcmp(blocks.free_stack, free_before, sizeof free_before) == 0);
+    CHECK(kv_blocks_check(&blocks, message, sizeof message) == KV_OK);
+    CHECK(kv_blocks_cancel(&blocks, b) == KV_OK && blocks.ref_count[1] == 2);   /* none pending */
+    /* the shared block freed and taken again while b's copy is pending: b keeps the copy */
+    CHECK(kv_blocks_reserve(&blocks, b, 1, copies, &n_copies) == KV_OK && n_copies == 1);
+    int32_t copy = copies[0].dst;
+    CHECK(kv_blocks_seq_free(&blocks, a) == KV_OK && blocks.ref_count[1] == 0);
+    CHECK(kv_blocks_seq_new(&blocks, &c) == KV_OK);
+    CHECK(kv_blocks_reserve(&blocks, c, 8, copies, &n_copies) == KV_OK &&
+          blocks.seqs[c].block_table[0] == 1);                      /* block 1 again */
+    kv_blocks_commit(&blocks, c, tokens, 8);
+    CHECK(kv_blocks_cancel(&blocks, b) == KV_OK);
+    CHECK(blocks.seqs[b].block_table[1] == copy && blocks.ref_count[copy] == 1);
+    CHECK(kv_blocks_check(&blocks, message, sizeof message) == KV_OK);
+    kv_blocks_free(&blocks);
+}
+
 static void test_block_manager(void) {
     kv_blocks blocks;
     char message[256];
@@ -2186,6 +2229,7 @@ int main(int argc, char **argv) {
     test_cache();
     test_pool();
     test_block_manager();
+    test_cancel_gives_back_a_copy_on_write();
     test_block_truncate();
     test_block_findable();
     test_store_formats();
