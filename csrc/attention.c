@@ -16,7 +16,9 @@
  * batch or alone in a decode step, and whichever cache holds its keys, so the cached,
  * uncached and paged paths agree bit for bit. In a prefill, up to QUERY_TILE tokens are
  * attended together: the tiles all of them see whole are read once for all their query
- * heads, each query keeping its own order of operations.
+ * heads, and so is the tile holding their own positions (each head's later positions
+ * masked), each query keeping its own order of operations; eight heads' online-softmax
+ * steps are then one vector step, a head per lane (kv_softmax_tile8).
  */
 #include <math.h>
 #include <string.h>
@@ -42,8 +44,9 @@
 /* Query tokens of a prefill attended together: the tiles every one of them sees whole are
  * read once for all of them, each row loaded once for QUERY_TILE x kv_mul query heads, so
  * that even multi-head attention (kv_mul = 1) keeps several running sums per row loaded.
- * Eight tokens measured 5-8 % faster than four on the 15M and 110M shapes' attention; each
- * token still attends the tile holding its own position alone (the causal edge). */
+ * Eight tokens measured 5-8 % faster than four on the 15M and 110M shapes' attention. The
+ * tile holding their own positions (the causal edge) is shared too where one tile holds all
+ * eight and no residual window makes tokens read its rows differently (attend_edge). */
 #define QUERY_TILE 8
 
 /* A tile of n consecutive head rows, as attention's inner loops read them: float32 rows
@@ -65,6 +68,16 @@ typedef struct {
     int groups_per_head;
     int group_shift;         /* value i of a row is in group i >> group_shift */
 } tile_rows;
+
+/* Where a tile's weights lie: head m's weight of the tile's row p (its score, then its
+ * exponential) is weights[m * head_step + p * pos_step]. Head by head (head_step TILE,
+ * pos_step 1) for kv_softmax_tile, which takes one head's tile; position by position
+ * (head_step 1, pos_step = the number of heads, a multiple of 8) for kv_softmax_tile8,
+ * which takes eight heads' weights of a row as one vector. The kernels read and write
+ * single weights, so either costs them the same. */
+typedef struct {
+    int head_step, pos_step;
+} weight_layout;
 
 typedef uint32_t v8u32 __attribute__((vector_size(32)));
 
@@ -167,7 +180,7 @@ static ALWAYS_INLINE void fetch_ahead(const tile_rows *rows, size_t step, size_t
 }
 
 /* Scores of QB query heads against RB rows of a tile (rows r0 .. r0 + RB - 1), times
- * scale, into weights[m * TILE + at + r0 + r]. Each chunk of eight values of the RB rows is
+ * scale, into weight (m, at + r0 + r). Each chunk of eight values of the RB rows is
  * loaded (and decoded) once for all QB queries, and each of the QB x RB dot products keeps
  * kv_dot's order (eight lanes, added pairwise, then the leftover elements). QB and RB are
  * constants at every call, so the loops unroll and the running sums live in registers.
@@ -175,9 +188,9 @@ static ALWAYS_INLINE void fetch_ahead(const tile_rows *rows, size_t step, size_t
  * and the core starts two per cycle, so a single running sum per row would leave the core
  * waiting on each addition before the next. */
 /* [quote ch07-score-block] */
-static ALWAYS_INLINE void score_block(float *weights, int at, const float *queries,
-                                      int head_dim, const tile_rows *rows, int r0, float scale,
-                                      int kind, int QB, int RB) {
+static ALWAYS_INLINE void score_block(float *weights, weight_layout layout, int at,
+                                      const float *queries, int head_dim, const tile_rows *rows,
+                                      int r0, float scale, int kind, int QB, int RB) {
     int d8 = head_dim & ~7;   /* tiles of codes have head_dim % 8 == 0: no leftovers */
     v8f sums[4][8];
     for (int m = 0; m < QB; m++)
@@ -195,7 +208,16 @@ static ALWAYS_INLINE void score_block(float *weights, int at, const float *queri
         }
     }
 /* [end ch07-score-block] */
-    /* the lanes of each running sum added up, four sums at a time where they come in fours */
+    /* the lanes of each running sum added up, four sums at a time where they come in fours;
+     * four heads' weights of a row lie side by side when the weights go position by
+     * position, and are stored as one (dot * scale in each lane: the same bits) */
+    if (QB == 4 && layout.head_step == 1 && !(kind == ROWS_F32 && d8 < head_dim)) {
+        for (int r = 0; r < RB; r++) {
+            v4f four = reduce_lanes4(sums[0][r], sums[1][r], sums[2][r], sums[3][r]) * scale;
+            memcpy(weights + (ptrdiff_t)(at + r0 + r) * layout.pos_step, &four, sizeof four);
+        }
+        return;
+    }
     float dots[4][8];
     if (QB == 4) {
         for (int r = 0; r < RB; r++) {
@@ -219,25 +241,25 @@ static ALWAYS_INLINE void score_block(float *weights, int at, const float *queri
             if (kind == ROWS_F32 && d8 < head_dim)   /* leftover elements: head_dim % 8 != 0 */
                 dot = add_tail(dot, queries + (size_t)m * head_dim,
                                rows->floats + (size_t)(r0 + r) * head_dim, d8, head_dim);
-            weights[m * TILE + at + r0 + r] = dot * scale;
+            weights[m * layout.head_step + (at + r0 + r) * layout.pos_step] = dot * scale;
         }
     }
 }
 
 /* All n rows of a tile against QB query heads, RB rows at a time, then the last few one
  * at a time; the first group of queries also fetches the rows AHEAD. */
-static ALWAYS_INLINE void score_rows(float *weights, int at, const float *queries, int head_dim,
-                                     const tile_rows *rows, int n, float scale, int kind,
-                                     int QB, int RB, int fetch) {
+static ALWAYS_INLINE void score_rows(float *weights, weight_layout layout, int at,
+                                     const float *queries, int head_dim, const tile_rows *rows,
+                                     int n, float scale, int kind, int QB, int RB, int fetch) {
     size_t share = fetch ? fetch_share(rows, (size_t)n) : 0;   /* one step per row */
     int r = 0;
     for (; r + RB <= n; r += RB) {
         for (int j = r; j < r + RB; j++) fetch_ahead(rows, (size_t)j, share);
-        score_block(weights, at, queries, head_dim, rows, r, scale, kind, QB, RB);
+        score_block(weights, layout, at, queries, head_dim, rows, r, scale, kind, QB, RB);
     }
     for (; r < n; r++) {
         fetch_ahead(rows, (size_t)r, share);
-        score_block(weights, at, queries, head_dim, rows, r, scale, kind, QB, 1);
+        score_block(weights, layout, at, queries, head_dim, rows, r, scale, kind, QB, 1);
     }
 }
 
@@ -255,29 +277,29 @@ static ALWAYS_INLINE void score_rows(float *weights, int at, const float *querie
  * four and one against eight, so that every group size keeps at least eight sums going
  * (enough to keep both multiply-add units busy) and a full tile of 16 rows leaves no row
  * over. */
-static ALWAYS_INLINE void score_tile(float *weights, int at, const float *queries, int kv_mul,
-                                     int head_dim, const tile_rows *rows, int n, float scale,
-                                     int kind) {
+static ALWAYS_INLINE void score_tile(float *weights, weight_layout layout, int at,
+                                     const float *queries, int kv_mul, int head_dim,
+                                     const tile_rows *rows, int n, float scale, int kind) {
     int m = 0;
     for (; m + 4 <= kv_mul; m += 4)
-        score_rows(weights + m * TILE, at, queries + (size_t)m * head_dim, head_dim, rows, n,
+        score_rows(weights + m * layout.head_step, layout, at, queries + (size_t)m * head_dim, head_dim, rows, n,
                    scale, kind, 4, ROWS_PER_FOUR_HEADS, m == 0);
     for (; m + 2 <= kv_mul; m += 2)
-        score_rows(weights + m * TILE, at, queries + (size_t)m * head_dim, head_dim, rows, n,
+        score_rows(weights + m * layout.head_step, layout, at, queries + (size_t)m * head_dim, head_dim, rows, n,
                    scale, kind, 2, 4, m == 0);
     for (; m < kv_mul; m++)
-        score_rows(weights + m * TILE, at, queries + (size_t)m * head_dim, head_dim, rows, n,
+        score_rows(weights + m * layout.head_step, layout, at, queries + (size_t)m * head_dim, head_dim, rows, n,
                    scale, kind, 1, 8, m == 0);
 }
 /* [end ch07-score-tile] */
 
-/* results_m[i .. i + 8 DB) += sum over the n rows of weights[m][at + r] * row_r, for QB
+/* results_m[i .. i + 8 DB) += sum over the n rows of weight (m, at + r) * row_r, for QB
  * query heads: QB x DB running sums, loaded from the outputs, kept in registers while the
  * rows are added in order (exactly as one axpy per row would add them), stored back. Each
  * row chunk is loaded (and decoded) once for all QB heads. */
-static ALWAYS_INLINE void mix_block(float *results, const float *weights, int at, int head_dim,
-                                    const tile_rows *rows, int n, int i, int kind, int QB,
-                                    int DB, size_t first_step, size_t share) {
+static ALWAYS_INLINE void mix_block(float *results, const float *weights, weight_layout layout,
+                                    int at, int head_dim, const tile_rows *rows, int n, int i,
+                                    int kind, int QB, int DB, size_t first_step, size_t share) {
     v8f sums[4][8];
     for (int m = 0; m < QB; m++)
         for (int d = 0; d < DB; d++) sums[m][d] = load8(results + (size_t)m * head_dim + i + 8 * d);
@@ -288,8 +310,11 @@ static ALWAYS_INLINE void mix_block(float *results, const float *weights, int at
             values[d] = load_chunk(rows, r, i + 8 * d, head_dim, kind);
             if (QB > 1) IN_REGISTER(values[d]);
         }
+        /* row r's weights: heads at constant offsets from one pointer (an int index per
+         * head was sign-extended and added anew for every load) */
+        const float *row_weights = weights + (ptrdiff_t)(at + r) * layout.pos_step;
         for (int m = 0; m < QB; m++) {
-            v8f weight = splat(weights[m * TILE + at + r]);
+            v8f weight = splat(row_weights[m * layout.head_step]);
             for (int d = 0; d < DB; d++) sums[m][d] = madd(weight, values[d], sums[m][d]);
         }
     }
@@ -314,61 +339,79 @@ static int mix_calls(int c, int DB) {
  * two and one at a time: a head of 48 values (six chunks) as four and two, not six calls
  * of one running sum per head, each waiting on its multiply-adds in turn row after row.
  * Each output value still adds the rows in order, whichever call holds it: the same bits. */
-static ALWAYS_INLINE void mix_rows(float *results, const float *weights, int at, int head_dim,
-                                   const tile_rows *rows, int n, int kind, int QB, int DB,
-                                   int fetch) {
+static ALWAYS_INLINE void mix_rows(float *results, const float *weights, weight_layout layout,
+                                   int at, int head_dim, const tile_rows *rows, int n, int kind,
+                                   int QB, int DB, int fetch) {
     int d8 = head_dim & ~7, i = 0;
     /* one step per row of each call of mix_block */
     int n_calls = mix_calls(d8 / 8, DB);
     size_t share = fetch && n_calls > 0 ? fetch_share(rows, (size_t)n * (size_t)n_calls) : 0;
     size_t step = 0;
     for (; i + 8 * DB <= d8; i += 8 * DB, step += (size_t)n)
-        mix_block(results, weights, at, head_dim, rows, n, i, kind, QB, DB, step, share);
+        mix_block(results, weights, layout, at, head_dim, rows, n, i, kind, QB, DB, step, share);
     for (; DB > 4 && i + 32 <= d8; i += 32, step += (size_t)n)
-        mix_block(results, weights, at, head_dim, rows, n, i, kind, QB, 4, step, share);
+        mix_block(results, weights, layout, at, head_dim, rows, n, i, kind, QB, 4, step, share);
     for (; DB > 2 && i + 16 <= d8; i += 16, step += (size_t)n)
-        mix_block(results, weights, at, head_dim, rows, n, i, kind, QB, 2, step, share);
+        mix_block(results, weights, layout, at, head_dim, rows, n, i, kind, QB, 2, step, share);
     for (; i < d8; i += 8, step += (size_t)n)
-        mix_block(results, weights, at, head_dim, rows, n, i, kind, QB, 1, step, share);
+        mix_block(results, weights, layout, at, head_dim, rows, n, i, kind, QB, 1, step, share);
 }
 
-/* results_m += sum over the n rows of weights[m][at + r] * row_r for the kv_mul query
+/* results_m += sum over the n rows of weight (m, at + r) * row_r for the kv_mul query
  * heads: four heads x two chunks (eight running sums), two x four, one x eight. */
-static ALWAYS_INLINE void mix_tile(float *results, const float *weights, int at, int kv_mul,
-                                   int head_dim, const tile_rows *rows, int n, int kind) {
+static ALWAYS_INLINE void mix_tile(float *results, const float *weights, weight_layout layout,
+                                   int at, int kv_mul, int head_dim, const tile_rows *rows, int n,
+                                   int kind) {
     int m = 0;
     for (; m + 4 <= kv_mul; m += 4)
-        mix_rows(results + (size_t)m * head_dim, weights + m * TILE, at, head_dim, rows, n,
+        mix_rows(results + (size_t)m * head_dim, weights + m * layout.head_step, layout, at,
+                 head_dim, rows, n,
                  kind, 4, 2, m == 0);
     for (; m + 2 <= kv_mul; m += 2)
-        mix_rows(results + (size_t)m * head_dim, weights + m * TILE, at, head_dim, rows, n,
+        mix_rows(results + (size_t)m * head_dim, weights + m * layout.head_step, layout, at,
+                 head_dim, rows, n,
                  kind, 2, 4, m == 0);
     for (; m < kv_mul; m++)
-        mix_rows(results + (size_t)m * head_dim, weights + m * TILE, at, head_dim, rows, n,
+        mix_rows(results + (size_t)m * head_dim, weights + m * layout.head_step, layout, at,
+                 head_dim, rows, n,
                  kind, 1, 8, m == 0);
     int d8 = head_dim & ~7;
     if (kind == ROWS_F32 && d8 < head_dim) {   /* leftover elements, head_dim % 8 != 0 */
         for (m = 0; m < kv_mul; m++) {
-            const float *p = weights + m * TILE + at;
+            const float *p = weights + m * layout.head_step + at * layout.pos_step;
             float *o = results + (size_t)m * head_dim;
             for (int i = d8; i < head_dim; i++) {
                 float acc = o[i];
-                for (int r = 0; r < n; r++) acc += p[r] * rows->floats[(size_t)r * head_dim + i];
+                for (int r = 0; r < n; r++)
+                    acc += p[r * layout.pos_step] * rows->floats[(size_t)r * head_dim + i];
                 o[i] = acc;
             }
         }
     }
 }
 
-/* One version of each kernel per kind of row, which the compiler builds separately. */
+/* One version of each kernel per kind of row and weight layout, which the compiler builds
+ * separately: with head_step a constant the weights' addresses take no register (a layout
+ * passed as variables made mix_f32 spill and run 20 % slower). */
 #define KERNELS(NAME, KIND)                                                                   \
-    static void score_##NAME(float *weights, int at, const float *q, int kv_mul, int head_dim, \
-                             const tile_rows *rows, int n, float scale) {                     \
-        score_tile(weights, at, q, kv_mul, head_dim, rows, n, scale, KIND);                   \
+    static void score_##NAME(float *weights, weight_layout layout, int at, const float *q,    \
+                             int kv_mul, int head_dim, const tile_rows *rows, int n,          \
+                             float scale) {                                                   \
+        if (layout.head_step == 1)                                                            \
+            score_tile(weights, (weight_layout){1, layout.pos_step}, at, q, kv_mul, head_dim,  \
+                       rows, n, scale, KIND);                                                 \
+        else                                                                                  \
+            score_tile(weights, (weight_layout){TILE, 1}, at, q, kv_mul, head_dim, rows, n,    \
+                       scale, KIND);                                                          \
     }                                                                                         \
-    static void mix_##NAME(float *results, const float *weights, int at, int kv_mul,          \
-                           int head_dim, const tile_rows *rows, int n) {                      \
-        mix_tile(results, weights, at, kv_mul, head_dim, rows, n, KIND);                      \
+    static void mix_##NAME(float *results, const float *weights, weight_layout layout, int at, \
+                           int kv_mul, int head_dim, const tile_rows *rows, int n) {          \
+        if (layout.head_step == 1)                                                            \
+            mix_tile(results, weights, (weight_layout){1, layout.pos_step}, at, kv_mul,        \
+                     head_dim, rows, n, KIND);                                                \
+        else                                                                                  \
+            mix_tile(results, weights, (weight_layout){TILE, 1}, at, kv_mul, head_dim, rows, n,\
+                     KIND);                                                                   \
     }
 KERNELS(f32, ROWS_F32)
 KERNELS(i8, ROWS_I8)
@@ -377,8 +420,10 @@ KERNELS(bf16, ROWS_BF16)
 KERNELS(i4, ROWS_I4)
 KERNELS(fp8, ROWS_FP8)
 
-typedef void (*score_kernel)(float *, int, const float *, int, int, const tile_rows *, int, float);
-typedef void (*mix_kernel)(float *, const float *, int, int, int, const tile_rows *, int);
+typedef void (*score_kernel)(float *, weight_layout, int, const float *, int, int,
+                             const tile_rows *, int, float);
+typedef void (*mix_kernel)(float *, const float *, weight_layout, int, int, int, const tile_rows *,
+                           int);
 static const score_kernel score_kernels[] = {score_f32, score_i8, score_f16, score_bf16,
                                              score_i4, score_fp8};
 static const mix_kernel mix_kernels[] = {mix_f32, mix_i8, mix_f16, mix_bf16, mix_i4, mix_fp8};
@@ -477,21 +522,29 @@ static ALWAYS_INLINE void scale_row(float *row, float by, int n) {
 /* The query heads attended together and their running state, n of them: the kv_mul heads
  * of one token in a decode step, those of up to QUERY_TILE tokens in a prefill (token by
  * token, each token's heads in order). Head m's query is row m of queries, its running sum
- * of weighted values row m of results, its tile of weights weights[m * TILE ..]. */
+ * of weighted values row m of results. */
 typedef struct {
     float *queries;            /* (n, head_dim) */
     float *results;            /* (n, head_dim) */
-    float *weights;            /* (n, TILE) */
+    float *weights;            /* n x TILE, laid out as layout says */
     float *running_max;        /* (n,) the online softmax's max so far */
     float *running_sum;        /* (n,) and its sum of exponentials */
     int n;
+    weight_layout layout;
 } query_heads;
 
-/* heads from..from + n - 1 of a group (the heads of one token of a block) */
+/* Eight heads' softmax steps at once (kv_softmax_tile8) where the heads come in eights:
+ * eight tokens of a prefill block, or a group of 8, 16 .. query heads. */
+static weight_layout layout_for(int n) {
+    return n % 8 == 0 ? (weight_layout){1, n} : (weight_layout){TILE, 1};
+}
+
+/* heads from..from + n - 1 of a group (the heads of one token of a block); the weights of
+ * a tile live only while it is attended, so these reuse the group's, laid out for n heads */
 static query_heads some_heads(const query_heads *all, int from, int n, int head_dim) {
     return (query_heads){all->queries + (size_t)from * head_dim,
-                         all->results + (size_t)from * head_dim, all->weights + from * TILE,
-                         all->running_max + from, all->running_sum + from, n};
+                         all->results + (size_t)from * head_dim, all->weights,
+                         all->running_max + from, all->running_sum + from, n, layout_for(n)};
 }
 
 /* Where a thread's scratch puts a block's state (see kv_attention_scratch): the weights,
@@ -504,13 +557,55 @@ static query_heads block_scratch(float *scratch, int n, int kv_mul, int head_dim
     *tile = weights + kv_round_up16(most * (TILE + 2));
     float *queries = *tile + TILE * head;
     return (query_heads){queries, queries + most * head_dim, weights, weights + most * TILE,
-                         weights + most * (TILE + 1), n};
+                         weights + most * (TILE + 1), n, layout_for(n)};
 }
 
 size_t kv_attention_scratch(int n_heads, int n_kv_heads, int head_dim) {
     size_t most = (size_t)QUERY_TILE * (size_t)(n_heads / n_kv_heads);
     return kv_round_up16(most * (TILE + 2)) + TILE * kv_round_up16((size_t)head_dim) +
            2 * most * (size_t)head_dim;
+}
+
+/* The online softmax's step over a tile of n scored rows for every head of `heads`: each
+ * head's scores become e^(s - max so far), and what its output summed under an older,
+ * smaller max is scaled down. Eight heads at a time where they are laid out for it, one
+ * head per lane: the same bits as one at a time (ops.h). */
+static void softmax_step(const query_heads *heads, int n, int head_dim) {
+    float corrections[8];
+    int at_once = heads->layout.head_step == 1 ? 8 : 1;
+    for (int m = 0; m < heads->n; m += at_once) {
+        if (at_once == 8)
+            kv_softmax_tile8(heads->weights + m, n, heads->layout.pos_step,
+                             &heads->running_max[m], &heads->running_sum[m], corrections);
+        else
+            corrections[0] = kv_softmax_tile(heads->weights + m * TILE, n,
+                                             &heads->running_max[m], &heads->running_sum[m]);
+        for (int j = 0; j < at_once; j++)
+            if (corrections[j] != 1.0f)
+                scale_row(heads->results + (size_t)(m + j) * head_dim, corrections[j], head_dim);
+    }
+}
+
+/* Positions from .. to - 1 of a tile that starts at origin, for every head of `heads`: the
+ * keys scored into the weights (is_value 0), or the values mixed by them into the outputs
+ * (1), a run of rows at a time (one run, unless the tile spans blocks of a paged pool),
+ * read as a query at query_pos that sees n_seen positions reads them. */
+static void walk_rows(const kv_layer_view *view, int is_value, int g, int origin, int from,
+                      int to, int n_seen, int query_pos, const query_heads *heads, int head_dim,
+                      float scale, float *tile) {
+    for (int pos = from; pos < to;) {
+        int n = run_length(view, pos, to);
+        tile_rows rows;
+        int kind = head_rows(view, is_value, g, pos, kv_view_slot(view, pos), n, n_seen,
+                             query_pos, head_dim, tile, &rows);
+        if (is_value)
+            mix_kernels[kind](heads->results, heads->weights, heads->layout, pos - origin,
+                              heads->n, head_dim, &rows, n);
+        else
+            score_kernels[kind](heads->weights, heads->layout, pos - origin, heads->queries,
+                                heads->n, head_dim, &rows, n, scale);
+        pos += n;
+    }
 }
 
 /* [quote ch07-kv-attention] */
@@ -524,29 +619,39 @@ size_t kv_attention_scratch(int n_heads, int n_kv_heads, int head_dim) {
 static void attend_tile(const kv_layer_view *view, int g, int tile_start, int tile_end,
                         int n_seen, int query_pos, const query_heads *heads, int head_dim,
                         float scale, float *tile) {
-    for (int pos = tile_start; pos < tile_end;) {
-        int n = run_length(view, pos, tile_end);
-        tile_rows keys;
-        int kind = head_rows(view, 0, g, pos, kv_view_slot(view, pos), n, n_seen, query_pos,
-                             head_dim, tile, &keys);
-        score_kernels[kind](heads->weights, pos - tile_start, heads->queries, heads->n,
-                            head_dim, &keys, n, scale);
-        pos += n;
-    }
-    for (int m = 0; m < heads->n; m++) {
-        float correction = kv_softmax_tile(heads->weights + m * TILE, tile_end - tile_start,
-                                           &heads->running_max[m], &heads->running_sum[m]);
-        if (correction != 1.0f)
-            scale_row(heads->results + (size_t)m * head_dim, correction, head_dim);
-    }
-    for (int pos = tile_start; pos < tile_end;) {
-        int n = run_length(view, pos, tile_end);
-        tile_rows values;
-        int kind = head_rows(view, 1, g, pos, kv_view_slot(view, pos), n, n_seen, query_pos,
-                             head_dim, tile, &values);
-        mix_kernels[kind](heads->results, heads->weights, pos - tile_start, heads->n,
-                          head_dim, &values, n);
-        pos += n;
+    walk_rows(view, 0, g, tile_start, tile_start, tile_end, n_seen, query_pos, heads, head_dim,
+              scale, tile);
+    softmax_step(heads, tile_end - tile_start, head_dim);
+    walk_rows(view, 1, g, tile_start, tile_start, tile_end, n_seen, query_pos, heads, head_dim,
+              scale, tile);
+}
+
+/* The causal edge of a block all at once: the tile holding every token's own position
+ * (tile_start .. on, one tile: the caller checks), where each token of the block sees the
+ * rows up to its own. All count x kv_mul heads are scored against the rows the last token
+ * sees; each head's scores past its own token's position are set to -inf, which is what
+ * kv_softmax_tile pads a short tile with, so each head's step gives the bits of its own
+ * token's short tile; the rows every token sees are mixed into all the heads, then each
+ * token's own further rows into its heads, every output adding its rows in order as before. */
+static void attend_edge(const kv_layer_view *view, int g, int tile_start, int first_pos,
+                        int count, int kv_mul, const query_heads *all, int head_dim,
+                        float scale, float *tile) {
+    int n_seen = first_pos + count, query_pos = n_seen - 1, shared = first_pos + 1;
+    walk_rows(view, 0, g, tile_start, tile_start, n_seen, n_seen, query_pos, all, head_dim,
+              scale, tile);
+    for (int m = 0; m < all->n; m++)
+        for (int pos = first_pos + 1 + m / kv_mul; pos < n_seen; pos++)
+            all->weights[m * all->layout.head_step + (pos - tile_start) * all->layout.pos_step] =
+                -INFINITY;
+    softmax_step(all, n_seen - tile_start, head_dim);
+    walk_rows(view, 1, g, tile_start, tile_start, shared, n_seen, query_pos, all, head_dim,
+              scale, tile);
+    for (int i = 1; i < count; i++) {
+        query_heads own = some_heads(all, i * kv_mul, kv_mul, head_dim);
+        own.weights = all->weights + i * kv_mul * all->layout.head_step;
+        own.layout = all->layout;
+        walk_rows(view, 1, g, tile_start, shared, first_pos + i + 1, n_seen, query_pos, &own,
+                  head_dim, scale, tile);
     }
 }
 
@@ -556,8 +661,9 @@ static void attend_tile(const kv_layer_view *view, int g, int tile_start, int ti
  * position 0, so that a query meets the same tiles whether it came alone or in a prefill,
  * and whatever the cache's block size: its numbers come out bit-identical. The tiles
  * before the first token's own are whole for every token of the block and are attended by
- * all count x kv_mul heads at once, each row loaded once for all of them; from there on
- * each token goes on alone, to its own position (the causal mask). */
+ * all count x kv_mul heads at once, each row loaded once for all of them; so is the tile of
+ * their own positions where attend_edge can; otherwise from there on each token goes on
+ * alone, to its own position (the causal mask). */
 static void attend_block(float *out, const float *q, const kv_layer_view *view, int count,
                          int first_pos, int g, int kv_mul, int n_heads, int head_dim,
                          float *scratch) {
@@ -579,7 +685,12 @@ static void attend_block(float *out, const float *q, const kv_layer_view *view, 
     for (; tile_start + TILE <= first_exact; tile_start += TILE)
         attend_tile(view, g, tile_start, tile_start + TILE, first_pos + 1, first_pos, &all,
                     head_dim, scale, tile);
-    for (int i = 0; i < count; i++) {
+    /* no residual window: every token reads the edge tile's rows alike, in place */
+    int edge_at_once = view->window == 0 && all.layout.head_step == 1 &&
+                       first_pos + count <= tile_start + TILE;
+    if (edge_at_once)
+        attend_edge(view, g, tile_start, first_pos, count, kv_mul, &all, head_dim, scale, tile);
+    for (int i = 0; i < count && !edge_at_once; i++) {
         query_heads own = some_heads(&all, i * kv_mul, kv_mul, head_dim);
         int n_seen = first_pos + i + 1;        /* positions 0 .. its own */
         for (int start = tile_start; start < n_seen; start += TILE)

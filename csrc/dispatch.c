@@ -183,6 +183,11 @@ float kv_softmax_tile(float *scores, int n, float *running_max, float *running_s
     return kernels()->softmax_tile(scores, n, running_max, running_sum);
 }
 
+void kv_softmax_tile8(float *scores, int n, int stride, float *running_max, float *running_sum,
+                      float *corrections) {
+    kernels()->softmax_tile8(scores, n, stride, running_max, running_sum, corrections);
+}
+
 void kv_swiglu(float *gate, const float *up, size_t n) { kernels()->swiglu(gate, up, n); }
 
 int kv_argmax(const float *values, int n) { return kernels()->argmax(values, n); }

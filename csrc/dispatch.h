@@ -40,6 +40,7 @@ typedef struct {
     __typeof__(kv_rmsnorm) *rmsnorm;
     __typeof__(kv_rope) *rope;
     __typeof__(kv_softmax_tile) *softmax_tile;
+    __typeof__(kv_softmax_tile8) *softmax_tile8;
     __typeof__(kv_swiglu) *swiglu;
     __typeof__(kv_argmax) *argmax;
     __typeof__(kv_attention) *attention;

@@ -532,42 +532,6 @@ void kv_rope(float *vec, int n_heads, int head_dim, const float *cos_table,
     }
 }
 
-/* the larger of a and b, lane by lane */
-static inline v8f max8(v8f a, v8f b) {
-#ifdef __AVX__
-    return (v8f)_mm256_max_ps((__m256)a, (__m256)b);
-#else
-    v8f larger;
-    for (int i = 0; i < 8; i++) larger[i] = a[i] > b[i] ? a[i] : b[i];
-    return larger;
-#endif
-}
-
-/* e^x for eight values at once, x <= 0 (softmax only needs those): x = n ln 2 + r with
- * |r| <= ln2 / 2, e^r from a degree-6 polynomial (Taylor terms, accurate to about one
- * unit in the last place there), times 2^n built from its exponent bits. glibc's expf
- * gives the same to within that last unit but one value at a time; attention calls this
- * once per query head and position. */
-static inline v8f exp_nonpositive(v8f x) {
-    typedef int32_t v8i __attribute__((vector_size(32)));
-    const float log2e = 1.44269504088896341f, ln2_hi = 0.693359375f, ln2_lo = -2.12194440e-4f;
-    const float round_magic = 12582912.0f;   /* 1.5 * 2^23: adding it rounds to an integer */
-    v8i too_small = x < -87.0f;              /* e^-87 is below 2^-125: counts as 0 */
-    v8f floor87 = x * 0.0f - 87.0f;
-    x = (v8f)(((v8i)x & ~too_small) | ((v8i)floor87 & too_small));
-    v8f n = (x * log2e + round_magic) - round_magic;
-    v8f r = (x - n * ln2_hi) - n * ln2_lo;
-    v8f p = r * (1.0f / 720.0f) + 1.0f / 120.0f;
-    p = p * r + 1.0f / 24.0f;
-    p = p * r + 1.0f / 6.0f;
-    p = p * r + 0.5f;
-    p = p * r + 1.0f;
-    p = p * r + 1.0f;
-    v8i exponent = (__builtin_convertvector(n, v8i) + 127) << 23;   /* 2^n as a float */
-    v8f result = p * (v8f)exponent;
-    return (v8f)((v8i)result & ~too_small);
-}
-
 /* [quote ch07-kv-softmax-tile] */
 float kv_softmax_tile(float *scores, int n, float *running_max, float *running_sum) {
     /* the tile as two chunks of eight; a short tile padded with -inf, whose exponential
@@ -602,6 +566,37 @@ float kv_softmax_tile(float *scores, int n, float *running_max, float *running_s
     return correction;
 }
 /* [end ch07-kv-softmax-tile] */
+
+/* kv_softmax_tile for eight query heads at once, one head per lane, so that the maxes, the
+ * sums of exponentials and the corrections take one vector operation for all eight instead
+ * of a pass across the lanes of each head. Each lane does exactly kv_softmax_tile's
+ * operations on its head, in its order (tests/c checks the bits): max8(s_i, s_i+8) for i < 8,
+ * then those eight in turn; the -inf of a short tile's padding; the sum as reduce_lanes adds
+ * its lanes. */
+void kv_softmax_tile8(float *scores, int n, int stride, float *running_max, float *running_sum,
+                      float *corrections) {
+    v8f exps[16];
+    for (int j = 0; j < 16; j++)
+        exps[j] = j < n ? load8(scores + (size_t)j * stride) : splat(-INFINITY);
+    v8f tile_max = max8(exps[0], exps[8]);
+    for (int i = 1; i < 8; i++) tile_max = max8(max8(exps[i], exps[i + 8]), tile_max);
+    v8f old_max = load8(running_max), new_max = max8(tile_max, old_max);
+    for (int j = 0; j < 16; j++) exps[j] = exp_nonpositive(exps[j] - new_max);
+    for (int j = 0; j < n; j++) memcpy(scores + (size_t)j * stride, &exps[j], sizeof(v8f));
+    v8f pairs[8];   /* lane k of kv_softmax_tile's low + high */
+    for (int k = 0; k < 8; k++) pairs[k] = exps[k] + exps[k + 8];
+    v8f tile_sum = ((pairs[0] + pairs[1]) + (pairs[2] + pairs[3])) +
+                   ((pairs[4] + pairs[5]) + (pairs[6] + pairs[7]));
+    /* e^(old max - new max) where the max rose, else exactly 1 */
+    typedef int32_t v8i __attribute__((vector_size(32)));
+    v8i rose = new_max != old_max;
+    v8f correction = (v8f)(((v8i)exp_nonpositive(old_max - new_max) & rose) |
+                           ((v8i)splat(1.0f) & ~rose));
+    v8f sum = load8(running_sum) * correction + tile_sum;
+    memcpy(running_sum, &sum, sizeof sum);
+    memcpy(running_max, &new_max, sizeof new_max);
+    memcpy(corrections, &correction, sizeof correction);
+}
 
 /* silu(g) * u for eight values. silu(g) = g / (1 + e^-g); with e = e^-|g|, always the
  * exponential of a number <= 0, that is g / (1 + e) for g >= 0 and g e / (1 + e) for

@@ -102,6 +102,12 @@ void kv_rope(float *vec, int n_heads, int head_dim, const float *cos_table,
  * whatever was summed under the old max must be scaled to join the new terms. */
 float kv_softmax_tile(float *scores, int n, float *running_max, float *running_sum);
 
+/* The same step for eight query heads at once, bit for bit what kv_softmax_tile gives each:
+ * head m's score j (j < n <= 16) is scores[j * stride + m], its running max and sum
+ * running_max[m] and running_sum[m]; its correction goes to corrections[m]. */
+void kv_softmax_tile8(float *scores, int n, int stride, float *running_max, float *running_sum,
+                      float *corrections);
+
 /* gate = silu(gate) * up, elementwise: the SwiGLU activation */
 void kv_swiglu(float *gate, const float *up, size_t n);
 

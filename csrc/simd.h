@@ -3,12 +3,14 @@
  *
  * Eight-float vectors (GCC's vector extension: one AVX register), the one fused
  * multiply-add and the one order of adding lanes every dot product uses, and the hints
- * (ALWAYS_INLINE, IN_REGISTER) that make the compiler keep sums in registers.
+ * (ALWAYS_INLINE, IN_REGISTER) that make the compiler keep sums in registers; the lane-wise
+ * max and e^x of the online softmax, shared by its one-head and eight-head steps (ops.c).
  */
 #ifndef KVLAB_SIMD_H
 #define KVLAB_SIMD_H
 
 #include <stddef.h>
+#include <stdint.h>
 #include <string.h>
 #if defined(__FMA__) || defined(__AVX__)
 #include <immintrin.h>
@@ -75,6 +77,42 @@ static inline v4f reduce_lanes4(v8f a, v8f b, v8f c, v8f d) {
 /* x in all eight lanes (one broadcast; "zero + x" would cost an addition as well). */
 static inline v8f splat(float x) {
     return (v8f){x, x, x, x, x, x, x, x};
+}
+
+/* the larger of a and b, lane by lane */
+static inline v8f max8(v8f a, v8f b) {
+#ifdef __AVX__
+    return (v8f)_mm256_max_ps((__m256)a, (__m256)b);
+#else
+    v8f larger;
+    for (int i = 0; i < 8; i++) larger[i] = a[i] > b[i] ? a[i] : b[i];
+    return larger;
+#endif
+}
+
+/* e^x for eight values at once, x <= 0 (softmax and SiLU only need those): x = n ln 2 + r with
+ * |r| <= ln2 / 2, e^r from a degree-6 polynomial (Taylor terms, accurate to about one
+ * unit in the last place there), times 2^n built from its exponent bits. glibc's expf
+ * gives the same to within that last unit but one value at a time; attention calls this
+ * once per query head and position. */
+static inline v8f exp_nonpositive(v8f x) {
+    typedef int32_t v8i __attribute__((vector_size(32)));
+    const float log2e = 1.44269504088896341f, ln2_hi = 0.693359375f, ln2_lo = -2.12194440e-4f;
+    const float round_magic = 12582912.0f;   /* 1.5 * 2^23: adding it rounds to an integer */
+    v8i too_small = x < -87.0f;              /* e^-87 is below 2^-125: counts as 0 */
+    v8f floor87 = x * 0.0f - 87.0f;
+    x = (v8f)(((v8i)x & ~too_small) | ((v8i)floor87 & too_small));
+    v8f n = (x * log2e + round_magic) - round_magic;
+    v8f r = (x - n * ln2_hi) - n * ln2_lo;
+    v8f p = r * (1.0f / 720.0f) + 1.0f / 120.0f;
+    p = p * r + 1.0f / 24.0f;
+    p = p * r + 1.0f / 6.0f;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    v8i exponent = (__builtin_convertvector(n, v8i) + 127) << 23;   /* 2^n as a float */
+    v8f result = p * (v8f)exponent;
+    return (v8f)((v8i)result & ~too_small);
 }
 
 /* Leftover elements after the last full chunk of eight, added in order. */

@@ -36,6 +36,7 @@ const kv_kernel_table kv_variant_kernels = {
     .rmsnorm = kv_rmsnorm,
     .rope = kv_rope,
     .softmax_tile = kv_softmax_tile,
+    .softmax_tile8 = kv_softmax_tile8,
     .swiglu = kv_swiglu,
     .argmax = kv_argmax,
     .attention = kv_attention,

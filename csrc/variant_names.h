@@ -32,6 +32,7 @@
 #define kv_rmsnorm KV_VARIANT_NAME(kv_rmsnorm)
 #define kv_rope KV_VARIANT_NAME(kv_rope)
 #define kv_softmax_tile KV_VARIANT_NAME(kv_softmax_tile)
+#define kv_softmax_tile8 KV_VARIANT_NAME(kv_softmax_tile8)
 #define kv_swiglu KV_VARIANT_NAME(kv_swiglu)
 #define kv_argmax KV_VARIANT_NAME(kv_argmax)
 /* attention.c */

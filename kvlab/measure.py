@@ -34,6 +34,7 @@ from .quant import CacheFormat
 BYTES_PER_ELEMENT = {"fp32": 4, "fp16": 2, "bf16": 2}
 FLOAT = 4   # the C core computes in fp32
 ATTENTION_TILE = 16   # K/V head rows attention reads at a time (KV_ATTENTION_TILE, csrc/attention.h)
+QUERY_TILE = 8        # prefill tokens of a KV head attended together (QUERY_TILE, csrc/attention.c)
 
 
 def _element_bytes(dtype: str) -> int:
@@ -208,6 +209,15 @@ def _round16(n: int) -> int:
     return (n + 15) // 16 * 16
 
 
+def _attention_scratch(c: ModelConfig) -> int:
+    """Floats of one thread's attention scratch (kv_attention_scratch, csrc/attention.c):
+    the weights, running max and sum of a block's query heads, a tile of K/V rows made
+    float32, and the block's queries and outputs side by side."""
+    heads = QUERY_TILE * c.kv_mul
+    return (_round16(heads * (ATTENTION_TILE + 2)) + ATTENTION_TILE * _round16(c.head_dim)
+            + 2 * heads * c.head_dim)
+
+
 def scratch_bytes(config: ModelConfig, n_tokens: int, n_threads: int = 1,
                   cached: bool = True, start_pos: int = 0,
                   weights: Optional[Dict[str, str]] = None, int8_activations: bool = False,
@@ -216,7 +226,9 @@ def scratch_bytes(config: ModelConfig, n_tokens: int, n_threads: int = 1,
     (n_tokens, width) buffers plus, per thread, the online softmax's state for each query
     head of a group (a tile of ATTENTION_TILE weights, a running max and a running sum)
     and a tile of head rows to dequantize K and V into; without a cache the whole
-    sequence's K and V are rebuilt as scratch too. Nothing here grows with the context
+    sequence's K and V are rebuilt as scratch too. (A prefill attends QUERY_TILE tokens of
+    a KV head together, so the softmax state is for QUERY_TILE x kv_mul query heads, beside
+    a copy of their queries and their outputs; a thread's share is sized so in every call.) Nothing here grows with the context
     already cached: attention walks it a tile at a time. A long call's buffers hold one
     chunk of its tokens (chunk_length). Matrices stored in fewer bytes (`weights`, their
     formats by name) add four rows of the widest input per thread to make float32 in, or,
@@ -246,8 +258,7 @@ def scratch_bytes(config: ModelConfig, n_tokens: int, n_threads: int = 1,
     buffers = [T * c.dim, T * c.dim, T * c.q_dim, T * c.kv_dim, T * c.kv_dim, T * c.q_dim,
                T * c.dim, T * c.hidden_dim, T * c.hidden_dim, T * c.head_dim // 2,
                T * c.head_dim // 2,
-               n_threads * (_round16(c.kv_mul * (ATTENTION_TILE + 2))
-                             + ATTENTION_TILE * _round16(c.head_dim))]
+               n_threads * _attention_scratch(c)]
     # (the embedding is read a row at a time, straight into the residual stream)
     formats = {fmt for name, fmt in (weights or {}).items() if name != "token_embedding"}
     widest = max(c.dim, c.hidden_dim, c.q_dim)

@@ -13,6 +13,7 @@ outlives its test.
 import ast
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -59,12 +60,28 @@ def graders(lab):
     return INSTRUCTOR / "graders" / f"{lab}.py"
 
 
-def cheat_targets(path: Path) -> set:
-    """The TARGETS list a cheat file declares (read without running it)."""
+def cheat_list(path: Path, name: str) -> list:
+    """The list `name` (TARGETS, BUILT_ON) a cheat file declares (read without running
+    it), or None."""
     for node in ast.parse(path.read_text()).body:
-        if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", "") == "TARGETS":
-            return set(ast.literal_eval(node.value))
-    raise AssertionError(f"{path} declares no TARGETS")
+        if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", "") == name:
+            return list(ast.literal_eval(node.value))
+    return None
+
+
+def cheat_targets(path: Path) -> set:
+    """The TARGETS list a cheat file declares."""
+    targets = cheat_list(path, "TARGETS")
+    assert targets is not None, f"{path} declares no TARGETS"
+    return set(targets)
+
+
+def cheat_submission(path: Path) -> str:
+    """The reference solution, then the cheats of the same lab that `path` is BUILT_ON (in
+    that order, each replacing what the one before defined), then `path` itself."""
+    parts = [INSTRUCTOR / "solutions" / f"{path.parent.name}.py"]
+    parts += [path.parent / f"{base}.py" for base in cheat_list(path, "BUILT_ON") or []]
+    return "\n\n".join(part.read_text() for part in parts + [path])
 
 
 @pytest.mark.parametrize("cheat", CHEATS, ids=[f"{p.parent.name}/{p.stem}" for p in CHEATS])
@@ -76,8 +93,7 @@ def test_a_cheat_earns_nothing_on_the_tests_whose_work_it_skips(cheat, tmp_path)
     lab = cheat.parent.name
     require_named_models(get_lab(lab).models)
     submission = tmp_path / f"{lab}.py"
-    submission.write_text((INSTRUCTOR / "solutions" / f"{lab}.py").read_text() + "\n\n"
-                          + cheat.read_text())
+    submission.write_text(cheat_submission(cheat))
     report = grade(lab, submission, tests=graders(lab), seed=zlib.crc32(cheat.stem.encode()))
     aimed = cheat_targets(cheat)
     assert aimed and aimed <= {t.function for t in report.tests}, "unknown test names"
@@ -399,6 +415,51 @@ def max_requests(*args, **kwargs):
     report = hidden(submission, test_timeout=6.0)
     assert set(report.failed()) == {"test_max_requests", "test_max_requests_returns_a_whole_number"}
     assert all("ran too long" in t.output for t in report.tests if not t.passed)
+
+
+def test_lab_15s_work_between_plug_in_calls_is_charged_to_the_clock(tmp_path):
+    """Lab 15 charges the worker's CPU time past an allowance a call (kvlab.grading.plugin_cpu).
+    Work the worker does while it waits for the next question (a signal handler, which needs
+    no thread: the autograder refuses threads) is charged at that next call: 12 bursts of
+    20 ms from the first call on put 0.1 s or more on the clock (each burst less at most 9
+    allowances of 1 ms, the most the slowness factor and the carried credit free). What the
+    import left of the startup's allowance (0.3 s, times the slowness) used to take 70 ms
+    of them at the most, and often all."""
+    submission = tmp_path / "serving_capstone.py"
+    submission.write_text((INSTRUCTOR / "solutions" / "serving_capstone.py").read_text() + EVADE + f'''
+_time = _sys.modules["ti" + "me"]
+_bursts = []
+
+def _arm():                         # one SIGALRM in 10 ms of wall time
+    _getattr(_signal, "setitimer")(_getattr(_signal, "ITIMER_REAL"), 0.01)
+
+def _burst(signum, frame):          # runs while the worker waits for the next question
+    start = _time.process_time()
+    while _time.process_time() - start < 0.020:
+        pass
+    _bursts.append(_time.process_time() - start)
+    with open({str(tmp_path / "bursts.txt")!r}, "a") as f:
+        f.write("%d %.3f\\n" % (_os.getpid(), _time.process_time()))
+    if len(_bursts) < 12:
+        _arm()
+
+class Drafter(Drafter):
+    armed = False
+
+    def propose(self, tokens, k):       # from the first call on: the run's own calls
+        if not Drafter.armed:
+            Drafter.armed = True
+            _getattr(_signal, "sig" + "nal")(_getattr(_signal, "SIGALRM"), _burst)
+            _arm()
+        return super().propose(tokens, k)
+''')
+    report = hidden(submission, "serving_capstone")
+    assert (tmp_path / "bursts.txt").is_file(), "no burst ran: the test proves nothing"
+    tier = next(t for t in report.tests if t.function == "test_goodput_reaches_kvlabs_default_engine")
+    charged = re.search(r"([0-9.]+) ms of your plug-ins' CPU time charged", tier.output)
+    assert charged and float(charged.group(1)) >= 100, tier.output
+    gate = next(t for t in report.tests if t.function.startswith("test_the_capstone_run"))
+    assert gate.passed, report.summary()     # the tokens are still generate's: only time moved
 
 
 def test_an_output_flood_is_capped_and_costs_the_judge_no_memory(tmp_path):

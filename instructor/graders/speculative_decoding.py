@@ -468,9 +468,13 @@ def test_drafts_never_pass_the_tokens_still_wanted(sub, rng):
         ran = [len(p.tokens) for p in passes]
         assert passes[0].start == 0 and passes[0].tokens == tuple(prompt), (
             f"{what}: the first pass is the prefill of the prompt; the model ran passes of {ran} tokens")
-        chosen = 1                                          # the prefill's token
+        chosen, text = 1, list(prompt) + list(greedy(tuple(prompt), n_new))
+        could_draft = False          # did prompt lookup find drafts before any pass?
         for p in passes[1:]:
             wanted = n_new - chosen
+            if 0 < min(k, wanted - 1):
+                could_draft |= bool(PromptLookup(max_ngram).propose(
+                    text[:len(prompt) + chosen], min(k, wanted - 1)))
             assert wanted > 0, (f"{what}: a pass ran after all {n_new} tokens were chosen (passes "
                                 f"of {ran} tokens): stop at n_new")
             cap = min(k, wanted - 1)
@@ -480,9 +484,11 @@ def test_drafts_never_pass_the_tokens_still_wanted(sub, rng):
                 f"pass adds a token of its own after the accepted drafts, so more drafts could "
                 f"never all be kept, and the model runs tokens that are thrown away")
             chosen += p.accepted + 1
-        assert n_new < 3 or any(p.drafts for p in passes[1:]), (
-            f"{what}: no pass after the prefill checked a draft (passes of {ran} tokens): on a "
-            f"prompt that repeats itself, prompt lookup proposes drafts and one pass verifies them")
+        # (a repetitive prompt need not give lookup a match before each of a few last passes:
+        # the check asks for drafts only where kvlab's own drafter finds some)
+        assert not could_draft or any(p.drafts for p in passes[1:]), (
+            f"{what}: no pass after the prefill checked a draft (passes of {ran} tokens), but "
+            f"prompt lookup finds drafts in the text so far: one pass verifies them")
 
 
 @points(2)

@@ -18,7 +18,8 @@ outside the worker and never from a number the worker reports:
   (the judge reaps orphans, so they stay below it), charged whole at each step: none of it
   answers a call (Linux only; elsewhere they are not seen);
 - from the worker's start to its first call (the import of the submission, its
-  constructors, a thread busy while the judge ran other work): all but STARTUP_ALLOWANCE_S.
+  constructors, a thread busy while the judge ran other work): all but STARTUP_ALLOWANCE_S,
+  which ends there (what the import left of it is not carried into the calls).
 
 What it cannot see: a child process that ends and is reaped without being waited for (its
 parent ignoring SIGCHLD, or with SA_NOCLDWAIT) between two readings: its CPU time is lost
@@ -181,7 +182,11 @@ class PluginMeter:
         used = max(0.0, now - self._last)
         self.charged += max(0.0, used - free)
         self.credit_s = min(CREDIT_CALLS * self.allowance_s, max(0.0, free - used))
-        self._last = max(now, self._last)
+        # The startup's allowance ends at the first call: what an import left of it is not
+        # kept (it would be a lump of up to STARTUP_ALLOWANCE_S times the slowness to
+        # spend on the calls, a whole model's passes at the moments that matter), only the
+        # calls' own credit. After it, a reading that goes back frees nothing.
+        self._last = now if self.calls == 0 else max(now, self._last)
         self.calls += 1
 
     def __call__(self) -> float:

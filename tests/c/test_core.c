@@ -53,6 +53,67 @@ static float *random_floats(size_t n, float scale) {
 
 /* ---- ops ------------------------------------------------------------------------------ */
 
+/* One score of the softmax tests: mostly ordinary ones, but also -inf (a masked or padded
+ * position), ties with the running max, exact zeros of both signs, denormals, very
+ * negative ones (whose exponentials are 0) and NaN, each with some chance. */
+static float edge_score(int kind) {
+    switch (kind) {
+    case 0: return -INFINITY;
+    case 1: return 2.0f;           /* ties: a head's running max is often 2 as well */
+    case 2: return -0.0f;
+    case 3: return 0.0f;
+    case 4: return 1e-40f * random_float();   /* denormal */
+    case 5: return -100.0f + random_float();
+    case 6: return NAN;
+    default: return 8.0f * random_float();
+    }
+}
+
+/* The same bits, or both NaN: which of two NaNs an addition passes on (their signs may
+ * differ: -inf - -inf gives -NaN on x86) follows the order the compiler put the operands
+ * in, which a + b leaves free; every number that is not NaN must match exactly. */
+static int same_float(float a, float b) {
+    return (a != a && b != b) || memcmp(&a, &b, sizeof a) == 0;
+}
+
+/* kv_softmax_tile8 against kv_softmax_tile, head by head, bit for bit: the exponentials
+ * written back, the running max and sum and the correction, over tiles of every length,
+ * the first tile (max -inf, sum 0), maxes that stay or rise, and edge scores; and that
+ * the trials did reach the rare cases: NaN sums, maxes of -0, corrections of 0 and 1. */
+static void test_softmax_tile8(void) {
+    int exact = 1, nan_sums = 0, negative_zero_maxes = 0, first_tiles = 0, stays = 0;
+    for (int trial = 0; trial < 4000; trial++) {
+        int n = 1 + trial % 16, stride = trial % 3 == 0 ? 8 : 8 + trial % 11;
+        int edgy = trial % 4 != 0;   /* one trial in four ordinary scores only */
+        float lanes[16 * 24], heads[8][16], max8_[8], sum8[8], max1[8], sum1[8];
+        float corrections[8], correction1[8];
+        for (int m = 0; m < 8; m++) {
+            int state = (trial / 16 + m) % 4;   /* first tile, a max of 2, one below, above */
+            max1[m] = max8_[m] = state == 0 ? -INFINITY : state == 1 ? 2.0f : state * 3.0f - 9.0f;
+            sum1[m] = sum8[m] = state == 0 ? 0.0f : 1.0f + random_float();
+            for (int j = 0; j < n; j++) {
+                int kind = edgy ? (int)((random_float() + 1.0f) * 8.0f) : 7;
+                if (kind == 6 && trial % 8 != 1) kind = 7;   /* NaN rarely */
+                heads[m][j] = lanes[j * stride + m] = edge_score(kind);
+            }
+        }
+        for (int m = 0; m < 8; m++)
+            correction1[m] = kv_softmax_tile(heads[m], n, &max1[m], &sum1[m]);
+        kv_softmax_tile8(lanes, n, stride, max8_, sum8, corrections);
+        for (int m = 0; m < 8; m++) {
+            exact &= same_float(max1[m], max8_[m]) && same_float(sum1[m], sum8[m]);
+            exact &= same_float(correction1[m], corrections[m]);
+            for (int j = 0; j < n; j++) exact &= same_float(heads[m][j], lanes[j * stride + m]);
+            nan_sums += sum8[m] != sum8[m];
+            negative_zero_maxes += max8_[m] == 0.0f && signbit(max8_[m]);
+            first_tiles += corrections[m] == 0.0f;
+            stays += corrections[m] == 1.0f;
+        }
+    }
+    CHECK(exact);
+    CHECK(nan_sums > 0 && negative_zero_maxes > 0 && first_tiles > 0 && stays > 0);
+}
+
 static void test_ops(void) {
     for (int n = 1; n <= 40; n += 3) {
         float *a = random_floats(n, 1.0f), *b = random_floats(n, 1.0f);
@@ -2120,6 +2181,7 @@ int main(int argc, char **argv) {
     printf("variant %s\n", kv_current_variant()->kernels->name);
     test_dispatch(loaded);
     test_ops();
+    test_softmax_tile8();
     test_compute_roof();
     test_cache();
     test_pool();
