@@ -309,9 +309,11 @@ def calibration_of(model, weights, windows):
     """Every matrix's inputs on these windows, without each window's first position: the
     document-start token's activations are the same in every draw and tens of times larger
     than the text's (an attention sink), and would set the scales alone."""
-    runs = [wq.calibrate(model.config, weights, w, window=len(w)) for w in windows]
-    return wq.Calibration(**{key: np.concatenate([getattr(run, key)[:, 1:] for run in runs],
-                                                 axis=1) for key in ("attn", "wo", "ffn", "w2")})
+    length = len(windows[0])            # (document_windows gives windows of one length)
+    run = wq.calibrate(model.config, weights, np.concatenate(windows), window=length)
+    text = np.arange(len(windows) * length) % length != 0
+    return wq.Calibration(**{key: getattr(run, key)[:, text]
+                             for key in ("attn", "wo", "ffn", "w2")})
 
 
 def submitted_scales(sub, x, matrices, what):
