@@ -110,7 +110,12 @@ GROUPS = (("attn", ("wq", "wk", "wv"), "attn_norm"), ("ffn", ("w1", "w3"), "ffn_
 DOCUMENT_START = 0
 CALIBRATION_WINDOWS, CALIBRATION_WINDOW = 8, 128
 EVALUATION_WINDOWS, EVALUATION_WINDOW = 4, 256
-KL_MARGIN = 0.05
+# 2 %, not 5 %: the reference solution's margin was 8.9-31 % in 30 draws (median 24 %), a
+# spread that puts a correct search under 5 % in about 1 grading of 1,000-2,000 (under 2 %:
+# about 1 in 8,000), and its one outlier shows a heavier tail than that on its low side (one
+# window can swing it). Every planted mistake and cheat aimed here still fails by far: scales
+# of 1 or alpha 0 are round to nearest itself (exactly 0 %), inverse scales +273-356 %.
+KL_MARGIN = 0.02
 
 
 @functools.lru_cache(maxsize=None)
@@ -372,7 +377,7 @@ def kl_against_round_to_nearest(sub, rng):
 
 @points(3, slow=4)
 def test_your_scales_beat_round_to_nearest_on_smollm2(sub, rng):
-    """your search on every layer's wq/wk/wv and w1/w3 of SmolLM2, calibrated on chapter text drawn now, in Q4_0: KL from the float model at least 5 % below round to nearest's on other chapter text drawn now"""
+    """your search on every layer's wq/wk/wv and w1/w3 of SmolLM2, calibrated on chapter text drawn now, in Q4_0: KL from the float model at least 2 % below round to nearest's on other chapter text drawn now"""
     rtn, yours = kl_against_round_to_nearest(sub, rng)
     measured = (f"SmolLM2 in Q4_0 with your scales (searched on {CALIBRATION_WINDOWS} x "
                 f"{CALIBRATION_WINDOW} tokens of the chapters, grid {MODEL_ALPHAS}), over "
