@@ -110,11 +110,12 @@ GROUPS = (("attn", ("wq", "wk", "wv"), "attn_norm"), ("ffn", ("w1", "w3"), "ffn_
 DOCUMENT_START = 0
 CALIBRATION_WINDOWS, CALIBRATION_WINDOW = 8, 128
 EVALUATION_WINDOWS, EVALUATION_WINDOW = 4, 256
-# 2 %, not 5 %: the reference solution's margin was 8.9-31 % in 30 draws (median 24 %), a
-# spread that puts a correct search under 5 % in about 1 grading of 1,000-2,000 (under 2 %:
-# about 1 in 8,000), and its one outlier shows a heavier tail than that on its low side (one
-# window can swing it). Every planted mistake and cheat aimed here still fails by far: scales
-# of 1 or alpha 0 are round to nearest itself (exactly 0 %), inverse scales +273-356 %.
+# 2 %, not 5 %: the reference solution's margin was 8.9-31 % in 38 draws (median 23 %,
+# spread about 5-6 points): a normal curve of that spread puts a correct search under 5 %
+# in about 1 grading of 700-6,000, under 2 % in 1 of 4,000-80,000, and its one outlier
+# (8.9 %: one window of four swung) says the low tail is heavier than that curve. Every
+# planted mistake and cheat aimed here fails as far below either bar: scales of 1 or
+# alpha 0 are round to nearest itself (exactly 0 %), inverse scales +273-356 %.
 KL_MARGIN = 0.02
 
 
