@@ -550,10 +550,11 @@ def compare_models(reference: Model, models: Dict[str, Model], tokens: Sequence[
                                               all_logits=True))[:-1]
         exact_nll -= exact[np.arange(len(targets)), targets].sum()
         n_predicted += len(targets)
+        p = np.exp(exact)                  # the reference's probabilities, once for every model
         for name, model in models.items():
             log_q = log_softmax(model.prefill(window, model.new_cache(len(window)),
                                               all_logits=True))[:-1]
-            totals[name].score(np.exp(exact), exact, log_q, targets)
+            totals[name].score(p, exact, log_q, targets)
     exact_perplexity = float(np.exp(exact_nll / n_predicted))
     rows = []
     for name, model in models.items():

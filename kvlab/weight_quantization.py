@@ -87,17 +87,23 @@ def calibrate(config: ModelConfig, weights: Weights, tokens: Sequence[int],
     if not 1 <= window <= config.max_seq_len:
         raise ValueError(f"window must be between 1 and {config.max_seq_len}, got {window}")
     w = weights.float32()
-    runs = [_layer_inputs(config, w, tokens[i:i + window])
-            for i in range(0, len(tokens), window)]
-    return Calibration(**{key: np.concatenate([run[key] for run in runs], axis=1)
-                          for key in ("attn", "wo", "ffn", "w2")})
+    # Each window's inputs are written straight into their place in the result: a list of
+    # windows stacked, then joined, copied these hundreds of megabytes three more times.
+    widths = {"attn": config.dim, "wo": config.q_dim, "ffn": config.dim, "w2": config.hidden_dim}
+    seen = {key: np.empty((config.n_layers, len(tokens), width), np.float32)
+            for key, width in widths.items()}
+    for i in range(0, len(tokens), window):
+        _layer_inputs(config, w, tokens[i:i + window],
+                      {key: array[:, i:i + window] for key, array in seen.items()})
+    return Calibration(**seen)
 
 
-def _layer_inputs(config: ModelConfig, w: Weights, tokens: np.ndarray) -> Dict[str, np.ndarray]:
-    """One window's matrix inputs, layer by layer (the math of reference.forward, uncached)."""
+def _layer_inputs(config: ModelConfig, w: Weights, tokens: np.ndarray,
+                  out: Dict[str, np.ndarray]) -> None:
+    """One window's matrix inputs, layer by layer (the math of reference.forward, uncached),
+    written into out[key][layer] (each (n_layers, len(tokens), width), float32)."""
     n, c = len(tokens), config
     positions, inv_freq = np.arange(n), c.rope_inv_freq()
-    seen = {key: [] for key in ("attn", "wo", "ffn", "w2")}
     x = w.token_embedding[tokens].astype(np.float32)
     for layer in range(c.n_layers):
         h = reference.rmsnorm(x, w.attn_norm[layer], c.norm_eps)
@@ -113,8 +119,7 @@ def _layer_inputs(config: ModelConfig, w: Weights, tokens: np.ndarray) -> Dict[s
         gated = reference.silu(g @ w.w1[layer].T) * (g @ w.w3[layer].T)
         x = x + gated @ w.w2[layer].T
         for key, value in (("attn", h), ("wo", mixed), ("ffn", g), ("w2", gated)):
-            seen[key].append(value.astype(np.float32))
-    return {key: np.stack(values) for key, values in seen.items()}
+            out[key][layer] = value          # (cast to float32 as it is stored)
 
 
 # ---- round to nearest --------------------------------------------------------------------

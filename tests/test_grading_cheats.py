@@ -60,6 +60,29 @@ def graders(lab):
     return INSTRUCTOR / "graders" / f"{lab}.py"
 
 
+def graders_for(lab: str, aimed: set, tmp_path: Path) -> Path:
+    """The lab's hidden tests for grading a cheat: all of them, but for the tests marked slow
+    (@points(..., slow=N): lab 13's searches on SmolLM2, up to 35 s of CPU a grading) that
+    the cheat does not aim at. What this file checks of a cheat is its aimed tests and that
+    the rest of the solution still scores; a slow test it leaves alone only costs CI time."""
+    path = graders(lab)
+    source = path.read_text()
+
+    def slow(node):
+        return any(isinstance(d, ast.Call) and any(k.arg == "slow" for k in d.keywords)
+                   for d in node.decorator_list)
+    left_out = [node for node in ast.parse(source).body if isinstance(node, ast.FunctionDef)
+                and node.name not in aimed and slow(node)]
+    if not left_out:
+        return path
+    lines = source.splitlines(keepends=True)
+    for node in sorted(left_out, key=lambda node: node.lineno, reverse=True):
+        del lines[min(d.lineno for d in node.decorator_list) - 1:node.end_lineno]
+    trimmed = tmp_path / f"{lab}_graders.py"
+    trimmed.write_text("".join(lines))
+    return trimmed
+
+
 def cheat_list(path: Path, name: str) -> list:
     """The list `name` (TARGETS, BUILT_ON) a cheat file declares (read without running
     it), or None."""
@@ -94,8 +117,9 @@ def test_a_cheat_earns_nothing_on_the_tests_whose_work_it_skips(cheat, tmp_path)
     require_named_models(get_lab(lab).models)
     submission = tmp_path / f"{lab}.py"
     submission.write_text(cheat_submission(cheat))
-    report = grade(lab, submission, tests=graders(lab), seed=zlib.crc32(cheat.stem.encode()))
     aimed = cheat_targets(cheat)
+    report = grade(lab, submission, tests=graders_for(lab, aimed, tmp_path),
+                   seed=zlib.crc32(cheat.stem.encode()))
     assert aimed and aimed <= {t.function for t in report.tests}, "unknown test names"
     # graded, not refused: the cheat is the judge's to catch, not the source check's
     assert not report.refused and report.graded_with == "hidden tests", report.summary()

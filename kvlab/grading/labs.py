@@ -129,7 +129,7 @@ LABS: Dict[str, Lab] = {lab.name: lab for lab in (
     Lab("speculative_decoding", 12, "Speculative decoding: prompt lookup, one-pass verification, "
         "rollback, the sampling rejection rule", "09_speculative", 22, "speculative decoding"),
     Lab("weight_quantization", 13, "4-bit weights chosen by their activations: AWQ's scale "
-        "search", "10_weight_quantization", 18, "weight quantization",
+        "search", "10_weight_quantization", 21, "weight quantization",
         models=("smollm2-135m",)),
     Lab("decode_kernel", 14, "A decode-attention kernel in C over a paged int8 cache, at the "
         "memory's speed", "07_gpu_kernels", 20, "a decode-attention kernel", language="c",

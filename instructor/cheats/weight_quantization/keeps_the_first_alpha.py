@@ -1,7 +1,8 @@
 """search_scales measures every alpha's error but skips the choice: it returns the grid's
 first alpha, 0, whose scales are all 1: round to nearest, whatever the errors say."""
 TARGETS = ["test_search_picks_the_alpha_with_the_least_error",
-           "test_your_search_on_smollm2s_layers"]
+           "test_your_search_on_smollm2s_layers",
+           "test_your_scales_beat_round_to_nearest_on_smollm2"]
 
 _search = search_scales
 

@@ -1,7 +1,8 @@
 """search_scales does the search on the small layers the exact checks draw and skips it on a
 real model's (more than 500 rows in all): scales of 1 there, round to nearest's, with
 errors it never measured."""
-TARGETS = ["test_your_search_on_smollm2s_layers"]
+TARGETS = ["test_your_search_on_smollm2s_layers",
+           "test_your_scales_beat_round_to_nearest_on_smollm2"]
 
 _search = search_scales
 
