@@ -268,8 +268,8 @@ void kv_pack_tokens(const float *x, int n_tokens, int in_dim, float *packed, int
 }
 #endif
 
-/* Tokens are taken TOKEN_CHUNK (ops.h's KV_TOKEN_CHUNK, 48) at a time, so that a chunk of x
- * (192 KiB of them for dim 1024) stays in the L2 cache while every row of w passes over
+/* Tokens are taken TOKEN_CHUNK (ops.h's KV_TOKEN_CHUNK, 96) at a time, so that a chunk of x
+ * (384 KiB of them for dim 1024) stays in the L2 cache while every row of w passes over
  * it. A weight matrix larger than the caches is therefore streamed from memory once per
  * chunk: once per decode step of up to TOKEN_CHUNK sequences, several times for a long
  * prompt. */
