@@ -95,10 +95,10 @@ int kv_interrupted(void);
  * second on one laptop core. Calls with less work run whole, as they always did.
  * A chunk is whole passes of the matrix kernels: at least KV_CHUNK_MIN tokens, and a
  * multiple of it. The kernels stream each weight matrix from memory once per ops.h's
- * KV_TOKEN_CHUNK tokens (48, which model.c checks this equals), and a chunk of 16 paid for
+ * KV_TOKEN_CHUNK tokens (96, which model.c checks this equals), and a chunk of 16 paid for
  * a whole pass all the same: on the 110M shape, where 2 GFLOP is 9 tokens, that made
  * prefill read its weights three times as often and run at 0.6x (issue 37). */
 #define KV_CHUNK_FLOPS 2e9
-#define KV_CHUNK_MIN 48
+#define KV_CHUNK_MIN 96
 
 #endif /* KVLAB_COMMON_H */

@@ -268,8 +268,8 @@ void kv_pack_tokens(const float *x, int n_tokens, int in_dim, float *packed, int
 }
 #endif
 
-/* Tokens are taken TOKEN_CHUNK (ops.h's KV_TOKEN_CHUNK, 48) at a time, so that a chunk of x
- * (192 KiB of them for dim 1024) stays in the L2 cache while every row of w passes over
+/* Tokens are taken TOKEN_CHUNK (ops.h's KV_TOKEN_CHUNK, 96) at a time, so that a chunk of x
+ * (384 KiB of them for dim 1024) stays in the L2 cache while every row of w passes over
  * it. A weight matrix larger than the caches is therefore streamed from memory once per
  * chunk: once per decode step of up to TOKEN_CHUNK sequences, several times for a long
  * prompt. */
@@ -396,7 +396,10 @@ static void numbered_row(int row, int n_matrices, float *const *outs, const floa
  * (k_next, or -1 if none), a line per step, while the current rows come from the caches.
  * Products of 48 tokens with rows of 768 and 2,048 floats, matrices in memory, ran
  * 1.03-1.12x, 110M-shaped prefill 1.05-1.07x (ab.py); with rows of 288 (15M's) the fetches
- * cost more than they saved (0.95x), so shorter rows than FETCH_AHEAD_MIN go without. */
+ * cost more than they saved (0.95x), so shorter rows than FETCH_AHEAD_MIN go without.
+ * Remeasured with chunks of 96 (ab.py, 1 thread, 4 runs of 6-12 rounds), dropping the
+ * fetches ran 110M-shaped prefill 0.95-0.97x and 15M's 0.97-1.06x (its rows of 768 in w2
+ * take them): kept, for the shape where kvlab is nearest llama.cpp. */
 static void tiles_of_tokens(const four_rows *f, int k_next, int lo, int per_run, int n_matrices,
                             float *const *outs, const float *const *ws, const int *out_dims,
                             const float *x, const float *packed, int first, int n, int in_dim) {

@@ -23,8 +23,13 @@ void kv_matmul_many(int n_matrices, float *const *outs, const float *const *ws,
                     const int *out_dims, const float *x, int n_tokens, int in_dim);
 
 /* Tokens a product takes at a time, so that their inputs stay in the L2 cache while the
- * rows of w pass over them (ops.c). */
-#define KV_TOKEN_CHUNK 48
+ * rows of w pass over them (ops.c). Each chunk streams every weight matrix from memory
+ * once: 96 reads them half as often as 48 did, and 256-token prefill ran 1.03-1.18x on the
+ * 110M shape, 0.99-1.08x on 15M's, 1.00-1.10x on SmolLM2 (F32 and Q8_0, ab.py, CPU time, 1
+ * thread, two runs of 6 rounds, issue 37); 64 gained less. The costs: the packed input and
+ * an uncached call's chunk of activations are twice as large, and a chunk of a long call
+ * (common.h) is at least this many tokens, so Ctrl-C waits for up to twice as much work. */
+#define KV_TOKEN_CHUNK 96
 
 /* x (n_tokens, in_dim) as the AVX-512 tile reads it (pairs of tokens side by side, chunk
  * by chunk of eight columns), KV_TOKEN_CHUNK tokens at a time: memory for one chunk of

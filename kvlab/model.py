@@ -479,8 +479,8 @@ class Model:
                       all_logits: bool = False) -> np.ndarray:
         """One step of a batching engine: each sequence (of one paged pool) gets its chunk
         of new tokens (part of a prompt, or one decode token), all run through the model
-        together, every weight matrix streamed once per 48 tokens of the batch (once for a
-        decode step of up to 48 sequences). Returns the last token's logits of each
+        together, every weight matrix streamed once per TOKEN_CHUNK (96) tokens of the
+        batch (once for a decode step of up to 96 sequences). Returns the last token's logits of each
         sequence, (len(seqs), vocab), or with all_logits every token's, (total tokens,
         vocab) in the chunks' order; each row bit-identical to running that sequence
         alone."""

@@ -132,26 +132,29 @@ def test_an_interrupted_decode_loop_keeps_its_steps_on_the_exception(long_model)
 
 @pytest.mark.parametrize("paged", [False, True])
 def test_no_chunk_is_longer_than_the_first(paged):
-    """The run state is sized for a call's first chunk. On this shape a 97-token call is
-    one 48-token pass and 49 tokens, which alone fit the work limit: asked again for what
-    was left, the chunk rule gave the second chunk 49 rows, written past the buffers of 48
-    (logits off by up to 0.9). Every chunk after the first is now at most its length, and
-    one call gives the bits of the same tokens in two calls."""
-    c = kvlab.ModelConfig(vocab_size=8000, max_seq_len=256, dim=512, hidden_dim=1376,
+    """The run state is sized for a call's first chunk. On this shape a call of two kernel
+    passes and one token (2 x TOKEN_CHUNK + 1) is one pass and TOKEN_CHUNK + 1 tokens, which
+    alone fit the work limit: asked again for what was left, the chunk rule gave the second
+    chunk one row more than the buffers of the first (logits off by up to 0.9, found with
+    TOKEN_CHUNK 48, 97 tokens and a vocabulary of 8,000). Every chunk after the first is now
+    at most its length, and one call gives the bits of the same tokens in two calls."""
+    k = kvlab._kvlab.TOKEN_CHUNK
+    c = kvlab.ModelConfig(vocab_size=4000, max_seq_len=256, dim=512, hidden_dim=1376,
                           n_layers=2, n_heads=8, n_kv_heads=8)
-    first = chunk_length(c, 0, 97)
-    assert first == 48 and chunk_length(c, first, 97 - first) == 49   # the case above
+    n = 2 * k + 1
+    first = chunk_length(c, 0, n)
+    assert first == k and chunk_length(c, first, n - first) == k + 1   # the case above
     model = kvlab.Model(c, kvlab.Weights.random(c, seed=3))
-    tokens = np.random.default_rng(4).integers(0, 8000, 97).astype(np.int32)
+    tokens = np.random.default_rng(4).integers(0, 4000, n).astype(np.int32)
 
     def new():
         if paged:
             return model.new_paged_pool(num_blocks=16, block_size=16).new_sequence()
-        return model.new_cache(128)
+        return model.new_cache(256)
     one, two = new(), new()
     whole = model.forward(tokens, one, all_logits=True)
-    parts = np.concatenate([model.forward(tokens[:48], two, all_logits=True),
-                            model.forward(tokens[48:], two, all_logits=True)])
+    parts = np.concatenate([model.forward(tokens[:k], two, all_logits=True),
+                            model.forward(tokens[k:], two, all_logits=True)])
     assert np.array_equal(whole, parts)
 
 
@@ -210,10 +213,11 @@ def test_the_chunk_rule_in_python_is_the_c_cores():
     config = kvlab.ModelConfig.llama2_7b()
     # one chunk for a short call; a long one splits, the same length until the last
     assert chunk_length(kvlab.load().config, 0, 512) == 512
+    step = kvlab._kvlab.TOKEN_CHUNK                     # the kernels' pass (48, now 96)
     n = chunk_length(config, 0, 4096)
-    assert 48 <= n < 4096
-    assert chunk_length(config, 100_000, 10) == 10     # never fewer than 48, never more than asked
-    assert chunk_length(config, 100_000, 100) == 48
+    assert step <= n < 4096
+    assert chunk_length(config, 100_000, 10) == 10     # never fewer than step, never more than asked
+    assert chunk_length(config, 100_000, step + 4) == step
 
 
 def test_a_chunk_is_whole_passes_of_the_matrix_kernels():

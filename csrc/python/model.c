@@ -650,8 +650,8 @@ static PyMethodDef model_methods[] = {
      "(len(seqs), vocab), or (len(tokens), vocab) with all_logits\n\n"
      "One step of a batching engine: seqs are PagedSequences of one pool; tokens (int32)\n"
      "holds their new tokens one sequence after another, n_tokens (int32) how many each.\n"
-     "Every weight matrix is streamed once per 48 tokens of the batch; each row of logits is its\n"
-     "sequence's last new token's, bit-identical to running that sequence alone."},
+     "Every weight matrix is streamed once per TOKEN_CHUNK (96) tokens of the batch; each row of\n"
+     "logits is its sequence's last new token's, bit-identical to running that sequence alone."},
     {NULL}
 };
 

@@ -454,13 +454,14 @@ static void test_tiers_small_ops(void) {
 }
 
 /* The matrix product over shapes that reach each of the fast kernel's paths: fewer than 16
- * tokens (decode), triples of tokens and the one or two left over, more than 48 tokens
- * (chunks of tokens), rows longer than 1,024 (panels of columns), out_dim not a multiple
+ * tokens (decode), triples of tokens and the one or two left over, more than KV_TOKEN_CHUNK
+ * tokens (chunks of tokens, the last one short), rows longer than 1,024 (panels of columns), out_dim not a multiple
  * of 4, and in_dim not a multiple of 8; one and two threads; several matrices at once. */
 static void test_tiers_matmul(void) {
     /* 4-13: the 512-bit tile's sizes (1 to 6 pairs), 5, 9, 11 and 13 with a lone token in
      * the last pair */
-    int tokens[] = {1, 2, 3, 4, 5, 9, 11, 12, 13, 16, 17, 50, 97};
+    int tokens[] = {1, 2, 3, 4, 5, 9, 11, 12, 13, 16, 17, 50, 97, KV_TOKEN_CHUNK + 2,
+                    2 * KV_TOKEN_CHUNK + 5};
     int ins[] = {1, 7, 8, 19, 64, 1030};
     int outs[] = {1, 3, 4, 7, 9, 33};
     int all_same = 1, many_same = 1;
