@@ -661,18 +661,18 @@ static ALWAYS_INLINE void dot_rows4_int8_pair(const uint8_t *const rows[4],
 }
 
 #ifdef __AVX2__
-/* Four rows against four tokens (a prefill): each row's block is unpacked once for the four
- * tokens and each token's block loaded once for the four rows; sixteen chains of
- * arithmetic side by side. out[t][r] is token t's dot_row_int8 of row r, bit for bit: each
+/* Four rows against n tokens (2 to 4, a constant in each call; a prefill, a batched decode
+ * step): each row's block is unpacked once for the n tokens and each token's block loaded
+ * once for the four rows; n chains of arithmetic side by side. out[t][r] is token t's dot_row_int8 of row r, bit for bit: each
  * (row, token) pair keeps its own running sum and m part and adds its blocks in the same
  * order with the same roundings; the tile changes only which pairs run together. The
  * scales come as in dot_rows4_int8: the rows' headers converted once a block, times each
  * token's (d_x, d_x * sum) in every pair of lanes; add_blocks4 adds a token's four rows. */
-static ALWAYS_INLINE void dot_rows4_int8_tokens4(const uint8_t *const rows[4],
-                                                 kv_weight_format format,
-                                                 const float *const pairs[4],
-                                                 const int8_t *const codes[4], int n_blocks,
-                                                 float out[4][4]) {
+static ALWAYS_INLINE void dot_rows4_int8_tokens(const uint8_t *const rows[4],
+                                                kv_weight_format format,
+                                                const float *const pairs[4],
+                                                const int8_t *const codes[4], int n,
+                                                int n_blocks, float out[4][4]) {
     size_t block_bytes = kv_weight_block_bytes(format);
     size_t header = format == KV_WEIGHT_Q4_1 ? 4 : 2;   /* d, and Q4_1's m, before the codes */
     __m128 sums[4];    /* [token], lane r: row r's running sum */
@@ -684,7 +684,8 @@ static ALWAYS_INLINE void dot_rows4_int8_tokens4(const uint8_t *const rows[4],
         v8f d_m = headers4(rows, at);
         __m256i w_codes[4];
         for (int r = 0; r < 4; r++) w_codes[r] = load_w_codes(rows[r] + at + header, format);
-        for (int t = 0; t < 4; t++) {
+        #pragma GCC unroll 4
+        for (int t = 0; t < n; t++) {
             x_block xb = load_x_block(codes[t] + 32 * b, 0.0f, 0.0f, format);
             v8f x_pair = x_pair_splat(pairs[t] + 2 * b);
             if (format == KV_WEIGHT_Q4_1) m_parts[t] = madd(d_m, x_pair, m_parts[t]);
@@ -693,7 +694,7 @@ static ALWAYS_INLINE void dot_rows4_int8_tokens4(const uint8_t *const rows[4],
             sums[t] = add_blocks4(sums[t], d_m * x_pair, ints);
         }
     }
-    for (int t = 0; t < 4; t++)
+    for (int t = 0; t < n; t++)
         for (int r = 0; r < 4; r++)
             out[t][r] = format == KV_WEIGHT_Q4_1 ? sums[t][r] + m_parts[t][2 * r + 1] : sums[t][r];
 }
@@ -709,21 +710,58 @@ static ALWAYS_INLINE void dot_rows4_int8_tokens4(const uint8_t *const rows[4],
  * one 64-byte load brings the same four codes of the 16 rows; the token's four codes are
  * broadcast to every lane from memory. The panel is a few tens of kilobytes that stay in
  * cache while every token passes over it: against the 8 dpbusd per token and block, the
- * repacking (8 gathers a block) is paid once per block for all the tokens. */
+ * repacking (an 8 x 8 transpose of 4-byte groups a block) is paid once per block for all
+ * the tokens. Repacked per product, not once at load, so a model's stored weights stay as
+ * users see them. Measured on the 110M shapes, one thread, by packing every panel twice:
+ * the repacking is lost in the noise of a 256-token product (under 5 %), 15-20 % of a
+ * 16-token one and about 30 % of a 4-token one (a batched decode step), what a copy
+ * repacked at load would save there. */
 
-/* Rows a panel holds, and the tokens a tile runs against them at once: 16 running sums
- * (and Q4_1's 16 m parts) in registers beside the block's 8 code registers. */
+/* Rows a panel holds, and the tokens a tile runs against them at once: 12 tokens' running
+ * sums in registers beside the block's 8 code registers (Q4_1: 8 tokens, and their m
+ * parts), of AVX-512's 32. */
 #define PANEL_ROWS 16
-#define TILE_TOKENS 8
-/* A product takes the tile from this many tokens on (a prefill, a large batched decode
- * step); fewer stream the rows once per token or token group instead, with the same bits. */
-#define TILE_MIN_TOKENS 8
+#define TILE_TOKENS 12
+#define TILE_TOKENS_Q4_1 8
+/* A product takes the tile from this many tokens on (a prefill, a batched decode step of
+ * four or more); fewer stream the rows once per token or token group instead, with the same
+ * bits. At 4 tokens the tile was 1.2-1.3x the AVX2 four-token path on the 110M shapes,
+ * panel repacking included (one thread); -DTILE_MIN_TOKENS=n moves it for a measurement. */
+#ifndef TILE_MIN_TOKENS
+#define TILE_MIN_TOKENS 4
+#endif
 
 /* A panel block: codes (8, 16) uint32: group g's four codes of row r at (g, r) (Q8_0's
  * codes + 128, their sign bit flipped, so that dpbusd takes them as unsigned; Q4's nibbles
  * as they are, 0 .. 15); then d (16,) floats; then Q4_1's m (16,) floats. */
 #define PANEL_BLOCK_BYTES 640
 enum { PANEL_D = 512, PANEL_M = 576 };
+
+/* The eight 4-byte groups of 16 rows' codes, z[k] holding row k's 8 groups in its low half
+ * and row k + 8's in its high half, turned so that out[g] holds group g of rows 0 .. 15 in
+ * order: two rounds of unpacks within 128-bit lanes, then one two-source permute a group
+ * (an 8 x 8 transpose in each half at once). Moves bytes only. */
+static ALWAYS_INLINE void transpose_groups(const __m512i z[8], __m512i out[8]) {
+    __m512i t[8], u[8];
+    for (int k = 0; k < 8; k += 2) {   /* t[k]: groups 0,1 | 4,5 of rows k, k+1; t[k+1]: 2,3 | 6,7 */
+        t[k] = _mm512_unpacklo_epi32(z[k], z[k + 1]);
+        t[k + 1] = _mm512_unpackhi_epi32(z[k], z[k + 1]);
+    }
+    for (int k = 0; k < 8; k += 4) {   /* u[k + j]: group j | j + 4 of rows k .. k + 3 */
+        u[k] = _mm512_unpacklo_epi64(t[k], t[k + 2]);
+        u[k + 1] = _mm512_unpackhi_epi64(t[k], t[k + 2]);
+        u[k + 2] = _mm512_unpacklo_epi64(t[k + 1], t[k + 3]);
+        u[k + 3] = _mm512_unpackhi_epi64(t[k + 1], t[k + 3]);
+    }
+    /* u[j] lanes: (rows 0-3, group j), (0-3, j + 4), (8-11, j), (8-11, j + 4); u[4 + j] the
+     * same for rows 4-7 and 12-15 */
+    __m512i low = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27);
+    __m512i high = _mm512_setr_epi32(4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
+    for (int j = 0; j < 4; j++) {
+        out[j] = _mm512_permutex2var_epi32(u[j], low, u[4 + j]);
+        out[j + 4] = _mm512_permutex2var_epi32(u[j], high, u[4 + j]);
+    }
+}
 
 /* Rows first .. first + 15 of w (row_bytes apart), every block, into panel */
 static void pack_panel(const uint8_t *first, size_t row_bytes, kv_weight_format format,
@@ -733,7 +771,6 @@ static void pack_panel(const uint8_t *first, size_t row_bytes, kv_weight_format 
     __m512i rows = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11,
                                                         12, 13, 14, 15),
                                       _mm512_set1_epi32((int)row_bytes));
-    __m512i nibble = _mm512_set1_epi8(0x0F);
     for (int b = 0; b < n_blocks; b++) {
         const uint8_t *block = first + (size_t)b * block_bytes;
         uint8_t *at = panel + (size_t)b * PANEL_BLOCK_BYTES;
@@ -743,19 +780,17 @@ static void pack_panel(const uint8_t *first, size_t row_bytes, kv_weight_format 
         if (format == KV_WEIGHT_Q4_1)
             _mm512_storeu_ps(at + PANEL_M,
                              _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(head, 16))));
-        if (format == KV_WEIGHT_Q8_0) {
-            for (int g = 0; g < 8; g++) {
-                __m512i codes = _mm512_i32gather_epi32(rows, (const void *)(block + header + 4 * g), 1);
-                _mm512_storeu_si512(at + 64 * g, _mm512_xor_si512(codes, _mm512_set1_epi8((char)0x80)));
-            }
-        } else {   /* bytes 4g .. 4g + 3: values 4g .. (low nibbles) and 16 + 4g .. (high) */
-            for (int g = 0; g < 4; g++) {
-                __m512i bytes = _mm512_i32gather_epi32(rows, (const void *)(block + header + 4 * g), 1);
-                _mm512_storeu_si512(at + 64 * g, _mm512_and_si512(bytes, nibble));
-                _mm512_storeu_si512(at + 64 * (g + 4),
-                                    _mm512_and_si512(_mm512_srli_epi32(bytes, 4), nibble));
-            }
+        __m512i z[8], groups[8];
+        for (int k = 0; k < 8; k++) {   /* rows k and k + 8, their 32 codes in value order */
+            const uint8_t *low = block + (size_t)k * row_bytes + header;
+            const uint8_t *high = low + 8 * row_bytes;
+            z[k] = _mm512_inserti64x4(_mm512_castsi256_si512(load_w_codes(low, format)),
+                                      load_w_codes(high, format), 1);
+            if (format == KV_WEIGHT_Q8_0)   /* w + 128: dpbusd's unsigned side */
+                z[k] = _mm512_xor_si512(z[k], _mm512_set1_epi8((char)0x80));
         }
+        transpose_groups(z, groups);
+        for (int g = 0; g < 8; g++) _mm512_storeu_si512(at + 64 * g, groups[g]);
     }
 }
 
@@ -791,17 +826,22 @@ static ALWAYS_INLINE void panel_tokens(float *out, const uint8_t *panel, kv_weig
         __m512i w[8];
         for (int g = 0; g < 8; g++) w[g] = _mm512_loadu_si512(at + 64 * g);
         __m512 d_w = _mm512_loadu_ps(at + PANEL_D);
+        #pragma GCC unroll 16   /* constant indices into sums: they stay in registers */
         for (int i = 0; i < n; i++) {
             size_t tb = (size_t)(t0 + i) * n_blocks + b;
             const int8_t *x = x_codes + (size_t)(t0 + i) * in_dim + 32 * b;
-            __m512i ints = _mm512_set1_epi32(starts[tb]);
+            /* two chains of four dpbusd (each waits for the one before), added at the end:
+             * integers, so the total is the same */
+            __m512i ints[2] = {_mm512_set1_epi32(starts[tb]), _mm512_setzero_si512()};
+            #pragma GCC unroll 8
             for (int g = 0; g < 8; g++) {
                 int32_t four;
                 memcpy(&four, x + 4 * g, sizeof four);
-                ints = _mm512_dpbusd_epi32(ints, w[g], _mm512_set1_epi32(four));
+                ints[g % 2] = _mm512_dpbusd_epi32(ints[g % 2], w[g], _mm512_set1_epi32(four));
             }
             __m512 scale = _mm512_mul_ps(d_w, _mm512_set1_ps(x_pairs[2 * tb]));
-            sums[i] = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(ints), sums[i]);
+            __m512i total = _mm512_add_epi32(ints[0], ints[1]);
+            sums[i] = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(total), sums[i]);
             if (format == KV_WEIGHT_Q4_1)
                 m_parts[i] = _mm512_fmadd_ps(_mm512_loadu_ps(at + PANEL_M),
                                              _mm512_set1_ps(x_pairs[2 * tb + 1]), m_parts[i]);
@@ -825,14 +865,16 @@ static ALWAYS_INLINE void rows_panels(float *out, const uint8_t *w, kv_weight_fo
         int o0 = lo + PANEL_ROWS * k;
         pack_panel(w + (size_t)o0 * row_bytes, row_bytes, format, in_dim / 32, panel);
         int t = 0;
-        for (; t + TILE_TOKENS <= n_tokens; t += TILE_TOKENS)
-            panel_tokens(out, panel, format, x_pairs, x_codes, starts, t, TILE_TOKENS, in_dim,
-                         out_dim, o0);
+#define TILE(n) panel_tokens(out, panel, format, x_pairs, x_codes, starts, t, n, in_dim, out_dim, o0)
+        if (format == KV_WEIGHT_Q4_1)
+            for (; t + TILE_TOKENS_Q4_1 <= n_tokens; t += TILE_TOKENS_Q4_1) TILE(TILE_TOKENS_Q4_1);
+        else
+            for (; t + TILE_TOKENS <= n_tokens; t += TILE_TOKENS) TILE(TILE_TOKENS);
         switch (n_tokens - t) {   /* the last few tokens, the count a constant in each call */
-#define LAST(n) case n: panel_tokens(out, panel, format, x_pairs, x_codes, starts, t, n, in_dim, \
-                                     out_dim, o0); break;
-        LAST(1) LAST(2) LAST(3) LAST(4) LAST(5) LAST(6) LAST(7)
+#define LAST(n) case n: TILE(n); break;
+        LAST(1) LAST(2) LAST(3) LAST(4) LAST(5) LAST(6) LAST(7) LAST(8) LAST(9) LAST(10) LAST(11)
 #undef LAST
+#undef TILE
         default: break;
         }
     }
@@ -874,13 +916,21 @@ static ALWAYS_INLINE void rows_int8(float *out, const uint8_t *w, kv_weight_form
                                   w + (size_t)o[2] * row_bytes, w + (size_t)o[3] * row_bytes};
         int t = 0;
 #if defined(__AVX2__)
-        for (; t + 4 <= n_tokens; t += 4) {     /* four tokens against the four rows */
+        while (n_tokens - t >= 2) {   /* four tokens against the four rows; the last 2 or 3 */
+            int n = n_tokens - t >= 4 ? 4 : n_tokens - t;
             float sums[4][4];
-            const float *pairs[4] = {PAIRS(t), PAIRS(t + 1), PAIRS(t + 2), PAIRS(t + 3)};
-            const int8_t *codes[4] = {CODES(t), CODES(t + 1), CODES(t + 2), CODES(t + 3)};
-            dot_rows4_int8_tokens4(rows, format, pairs, codes, n_blocks, sums);
-            for (int i = 0; i < 4; i++)
+            const float *pairs[4];
+            const int8_t *codes[4];
+            for (int i = 0; i < 4; i++) {   /* past the n tokens: the last again, not read */
+                pairs[i] = PAIRS(t + (i < n ? i : n - 1));
+                codes[i] = CODES(t + (i < n ? i : n - 1));
+            }
+            if (n == 4) dot_rows4_int8_tokens(rows, format, pairs, codes, 4, n_blocks, sums);
+            else if (n == 3) dot_rows4_int8_tokens(rows, format, pairs, codes, 3, n_blocks, sums);
+            else dot_rows4_int8_tokens(rows, format, pairs, codes, 2, n_blocks, sums);
+            for (int i = 0; i < n; i++)
                 for (int r = 0; r < 4; r++) out[(size_t)(t + i) * out_dim + o[r]] = sums[i][r];
+            t += n;
         }
 #endif
         for (; t + 2 <= n_tokens; t += 2) {     /* two tokens share each row's loads */
