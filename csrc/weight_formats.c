@@ -723,14 +723,7 @@ static ALWAYS_INLINE void dot_rows4_int8_tokens(const uint8_t *const rows[4],
 #define PANEL_ROWS 16
 #define TILE_TOKENS 12
 #define TILE_TOKENS_Q4_1 8
-/* A product takes the tile from this many tokens on (a prefill, a batched decode step of
- * four or more); fewer stream the rows once per token or token group instead, with the same
- * bits. At 4 tokens the tile was 1.2-1.3x the AVX2 four-token path on the 110M shapes,
- * panel repacking included (one thread); -DTILE_MIN_TOKENS=n moves it for a measurement. */
-#ifndef TILE_MIN_TOKENS
-#define TILE_MIN_TOKENS 4
-#endif
-
+#define START_Q8_0 128   /* token_starts: Q8_0's codes are taken + 128 */
 /* A panel block: codes (8, 16) uint32: group g's four codes of row r at (g, r) (Q8_0's
  * codes + 128, their sign bit flipped, so that dpbusd takes them as unsigned; Q4's nibbles
  * as they are, 0 .. 15); then d (16,) floats; then Q4_1's m (16,) floats. */
@@ -784,6 +777,9 @@ static void pack_panel(const uint8_t *first, size_t row_bytes, kv_weight_format 
         for (int k = 0; k < 8; k++) {   /* rows k and k + 8, their 32 codes in value order */
             const uint8_t *low = block + (size_t)k * row_bytes + header;
             const uint8_t *high = low + 8 * row_bytes;
+            /* the next panel's same rows (a decode step's weights come from memory) */
+            __builtin_prefetch(low + PANEL_ROWS * row_bytes);
+            __builtin_prefetch(high + PANEL_ROWS * row_bytes);
             z[k] = _mm512_inserti64x4(_mm512_castsi256_si512(load_w_codes(low, format)),
                                       load_w_codes(high, format), 1);
             if (format == KV_WEIGHT_Q8_0)   /* w + 128: dpbusd's unsigned side */
@@ -792,22 +788,6 @@ static void pack_panel(const uint8_t *first, size_t row_bytes, kv_weight_format 
         transpose_groups(z, groups);
         for (int g = 0; g < 8; g++) _mm512_storeu_si512(at + 64 * g, groups[g]);
     }
-}
-
-/* What each token's block starts its integer sum from, so that dpbusd's unsigned weights
- * give the signed rule's total: sum (w + 128) x - 128 sum x = sum w x for Q8_0, and
- * sum q x - 8 sum x = sum (q - 8) x for Q4_0 (Q4_1's q is unsigned already: 0). Tokens
- * first .. last - 1, starts (n_tokens, n_blocks). */
-static void token_starts(kv_weight_format format, const int8_t *x_codes, int in_dim,
-                         int32_t *starts, int first, int last) {
-    int n_blocks = in_dim / 32, factor = format == KV_WEIGHT_Q8_0 ? 128 : 8;
-    for (int t = first; t < last; t++)
-        for (int b = 0; b < n_blocks; b++) {
-            const int8_t *codes = x_codes + (size_t)t * in_dim + 32 * b;
-            int32_t sum = 0;
-            for (int i = 0; i < 32; i++) sum += codes[i];
-            starts[(size_t)t * n_blocks + b] = format == KV_WEIGHT_Q4_1 ? 0 : -factor * sum;
-        }
 }
 
 /* A panel's 16 rows against tokens t0 .. t0 + n - 1 (n <= TILE_TOKENS, a constant in each
@@ -853,7 +833,164 @@ static ALWAYS_INLINE void panel_tokens(float *out, const uint8_t *panel, kv_weig
     }
 }
 
-/* Rows lo .. lo + 16 * n_panels - 1 against every token, a panel at a time (packed into
+#elif defined(__AVX2__)
+/* The same rows-in-lanes tile with AVX2, 8 rows in a 256-bit register's lanes. AVX2 has no
+ * dpbusd: maddubs multiplies unsigned by signed bytes and adds neighbouring products to an
+ * int16 (saturating), and madd adds those pairs to int32. The int16 pairs are exact, never
+ * saturated, because one side stays small: Q8_0 takes |w| (at most 128) against x with w's
+ * sign (|x| at most 127: the quantizer clips there), a pair at most 2 x 128 x 127 = 32,512
+ * < 32,767 (w + 128 against x, as dpbusd takes them, could reach 2 x 255 x 127 and
+ * saturate); Q4 takes its nibbles (at most 15) against x, a pair at most 3,810, so the
+ * eight groups' pairs add up in int16 (at most 30,480) before one madd. */
+#define PANEL_ROWS 8
+#define TILE_TOKENS 4
+#define TILE_TOKENS_Q4_1 4
+#define START_Q8_0 0   /* token_starts: Q8_0 is multiplied signed */
+/* A panel block: codes (8, 8) uint32: group g's four codes of row r at (g, r) (Q8_0: |w|;
+ * Q4: the nibbles); then Q8_0's codes as they are, the same way (their signs); d (8,)
+ * floats; Q4_1's m (8,) floats. */
+#define PANEL_BLOCK_BYTES 576
+enum { PANEL_SIGNS = 256, PANEL_D = 512, PANEL_M = 544 };
+
+/* r[k]: row k's eight 4-byte groups, turned so that r[g] holds group g of rows 0 .. 7 (an
+ * 8 x 8 transpose: unpacks within 128-bit lanes, then the lanes swapped). Moves bytes only. */
+static ALWAYS_INLINE void transpose_groups8(__m256i r[8]) {
+    __m256i t[8], u[8];
+    for (int k = 0; k < 8; k += 2) {
+        t[k] = _mm256_unpacklo_epi32(r[k], r[k + 1]);
+        t[k + 1] = _mm256_unpackhi_epi32(r[k], r[k + 1]);
+    }
+    for (int k = 0; k < 8; k += 4) {   /* u[k + j]: group j | j + 4 of rows k .. k + 3 */
+        u[k] = _mm256_unpacklo_epi64(t[k], t[k + 2]);
+        u[k + 1] = _mm256_unpackhi_epi64(t[k], t[k + 2]);
+        u[k + 2] = _mm256_unpacklo_epi64(t[k + 1], t[k + 3]);
+        u[k + 3] = _mm256_unpackhi_epi64(t[k + 1], t[k + 3]);
+    }
+    for (int j = 0; j < 4; j++) {
+        r[j] = _mm256_permute2x128_si256(u[j], u[4 + j], 0x20);
+        r[j + 4] = _mm256_permute2x128_si256(u[j], u[4 + j], 0x31);
+    }
+}
+
+/* Rows first .. first + 7 of w (row_bytes apart), every block, into panel */
+static void pack_panel(const uint8_t *first, size_t row_bytes, kv_weight_format format,
+                       int n_blocks, uint8_t *panel) {
+    size_t block_bytes = kv_weight_block_bytes(format);
+    int header = format == KV_WEIGHT_Q4_1 ? 4 : 2;
+    for (int b = 0; b < n_blocks; b++) {
+        const uint8_t *block = first + (size_t)b * block_bytes;
+        uint8_t *at = panel + (size_t)b * PANEL_BLOCK_BYTES;
+        __m256i groups[8];
+        float d[8], m[8];
+        for (int r = 0; r < 8; r++) {
+            const uint8_t *row = block + (size_t)r * row_bytes;
+            __builtin_prefetch(row + PANEL_ROWS * row_bytes);   /* the next panel's */
+            d[r] = block_scale(row);
+            m[r] = format == KV_WEIGHT_Q4_1 ? block_scale(row + 2) : 0.0f;
+            groups[r] = load_w_codes(row + header, format);
+        }
+        memcpy(at + PANEL_D, d, sizeof d);
+        memcpy(at + PANEL_M, m, sizeof m);
+        transpose_groups8(groups);
+        for (int g = 0; g < 8; g++) {
+            __m256i codes = groups[g];
+            if (format == KV_WEIGHT_Q8_0) {   /* |w| (128 for -128, as unsigned), and w */
+                _mm256_storeu_si256((__m256i *)(at + PANEL_SIGNS + 32 * g), codes);
+                codes = _mm256_sign_epi8(codes, codes);
+            }
+            _mm256_storeu_si256((__m256i *)(at + 32 * g), codes);
+        }
+    }
+}
+
+/* The exact integer total of 8 rows' blocks (a panel block at `at`) against one token's
+ * block of codes x, from `start` (token_starts) */
+static ALWAYS_INLINE __m256i panel_block_ints(const uint8_t *at, const int8_t *x, int32_t start,
+                                              kv_weight_format format) {
+    __m256i ones = _mm256_set1_epi16(1), pairs = _mm256_setzero_si256();
+    __m256i ints[2] = {_mm256_set1_epi32(start), _mm256_setzero_si256()};
+    #pragma GCC unroll 8
+    for (int g = 0; g < 8; g++) {
+        int32_t four;
+        memcpy(&four, x + 4 * g, sizeof four);
+        __m256i x4 = _mm256_set1_epi32(four);
+        __m256i w = _mm256_loadu_si256((const __m256i *)(at + 32 * g));
+        if (format == KV_WEIGHT_Q8_0) {   /* |w| times x with w's sign, to int32 a group */
+            __m256i signs = _mm256_loadu_si256((const __m256i *)(at + PANEL_SIGNS + 32 * g));
+            __m256i products = _mm256_maddubs_epi16(w, _mm256_sign_epi8(x4, signs));
+            ints[g % 2] = _mm256_add_epi32(ints[g % 2], _mm256_madd_epi16(products, ones));
+        } else {   /* nibbles times x: the pairs of all eight groups fit int16 */
+            pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(w, x4));
+        }
+    }
+    if (format != KV_WEIGHT_Q8_0) ints[1] = _mm256_madd_epi16(pairs, ones);
+    return _mm256_add_epi32(ints[0], ints[1]);
+}
+
+/* A panel's 8 rows against tokens t0 .. t0 + n - 1 (n <= TILE_TOKENS, a constant in each
+ * call): out[t * out_dim + o0 + r] is kv_plain_matmul_int8's sum of row o0 + r and token t,
+ * bit for bit, as in the AVX-512 tile. */
+static ALWAYS_INLINE void panel_tokens(float *out, const uint8_t *panel, kv_weight_format format,
+                                       const float *x_pairs, const int8_t *x_codes,
+                                       const int32_t *starts, int t0, int n, int in_dim,
+                                       int out_dim, int o0) {
+    int n_blocks = in_dim / 32;
+    v8f sums[TILE_TOKENS], m_parts[TILE_TOKENS];
+    for (int i = 0; i < n; i++) sums[i] = m_parts[i] = splat(0.0f);
+    for (int b = 0; b < n_blocks; b++) {
+        const uint8_t *at = panel + (size_t)b * PANEL_BLOCK_BYTES;
+        v8f d_w = load8((const float *)(at + PANEL_D));
+        #pragma GCC unroll 4   /* constant indices into sums: they stay in registers */
+        for (int i = 0; i < n; i++) {
+            size_t tb = (size_t)(t0 + i) * n_blocks + b;
+            __m256i ints = panel_block_ints(at, x_codes + (size_t)(t0 + i) * in_dim + 32 * b,
+                                            starts[tb], format);
+            sums[i] = madd(d_w * splat(x_pairs[2 * tb]), (v8f)_mm256_cvtepi32_ps(ints), sums[i]);
+            if (format == KV_WEIGHT_Q4_1)
+                m_parts[i] = madd(load8((const float *)(at + PANEL_M)), splat(x_pairs[2 * tb + 1]),
+                                  m_parts[i]);
+        }
+    }
+    for (int i = 0; i < n; i++) {
+        v8f total = format == KV_WEIGHT_Q4_1 ? sums[i] + m_parts[i] : sums[i];
+        _mm256_storeu_ps(out + (size_t)(t0 + i) * out_dim + o0, (__m256)total);
+    }
+}
+#endif
+
+#if defined(KV_INT8_TILE_512) || defined(__AVX2__)
+#define KV_INT8_PANELS 1   /* rows_int8 takes the rows-in-lanes tile */
+/* A product takes the tile from this many tokens on (a prefill, a batched decode step);
+ * fewer stream the rows once per token or token group instead, with the same bits. At 4
+ * tokens the AVX-512 tile was 1.2-1.3x the four-token path (dot_rows4_int8_tokens) on the
+ * 110M shapes, panel repacking included (one thread); the AVX2 one 0.8-1.0x, and 1.2-1.3x
+ * at 16. -DTILE_MIN_TOKENS=n moves it for a measurement. */
+#ifndef TILE_MIN_TOKENS
+#ifdef KV_INT8_TILE_512
+#define TILE_MIN_TOKENS 4
+#else
+#define TILE_MIN_TOKENS 8
+#endif
+#endif
+
+/* What each token's block starts its integer sum from, so that unsigned weights give the
+ * signed rule's total: sum (w + 128) x - 128 sum x = sum w x for Q8_0 with dpbusd
+ * (START_Q8_0 = 128; 0 where Q8_0 is multiplied signed), and sum q x - 8 sum x =
+ * sum (q - 8) x for Q4_0 (Q4_1's q is unsigned already: 0). Tokens first .. last - 1,
+ * starts (n_tokens, n_blocks). */
+static void token_starts(kv_weight_format format, const int8_t *x_codes, int in_dim,
+                         int32_t *starts, int first, int last) {
+    int n_blocks = in_dim / 32, factor = format == KV_WEIGHT_Q8_0 ? START_Q8_0 : 8;
+    for (int t = first; t < last; t++)
+        for (int b = 0; b < n_blocks; b++) {
+            const int8_t *codes = x_codes + (size_t)t * in_dim + 32 * b;
+            int32_t sum = 0;
+            for (int i = 0; i < 32; i++) sum += codes[i];
+            starts[(size_t)t * n_blocks + b] = format == KV_WEIGHT_Q4_1 ? 0 : -factor * sum;
+        }
+}
+
+/* Rows lo .. lo + PANEL_ROWS * n_panels - 1 against every token, a panel at a time (packed into
  * `panel`, n_blocks * PANEL_BLOCK_BYTES bytes), TILE_TOKENS tokens at a time */
 static ALWAYS_INLINE void rows_panels(float *out, const uint8_t *w, kv_weight_format format,
                                       int n_tokens, int in_dim, int out_dim,
@@ -872,7 +1009,10 @@ static ALWAYS_INLINE void rows_panels(float *out, const uint8_t *w, kv_weight_fo
             for (; t + TILE_TOKENS <= n_tokens; t += TILE_TOKENS) TILE(TILE_TOKENS);
         switch (n_tokens - t) {   /* the last few tokens, the count a constant in each call */
 #define LAST(n) case n: TILE(n); break;
-        LAST(1) LAST(2) LAST(3) LAST(4) LAST(5) LAST(6) LAST(7) LAST(8) LAST(9) LAST(10) LAST(11)
+        LAST(1) LAST(2) LAST(3)
+#if TILE_TOKENS > 4
+        LAST(4) LAST(5) LAST(6) LAST(7) LAST(8) LAST(9) LAST(10) LAST(11)
+#endif
 #undef LAST
 #undef TILE
         default: break;
@@ -895,8 +1035,8 @@ static ALWAYS_INLINE void rows_int8(float *out, const uint8_t *w, kv_weight_form
     // starts (n_tokens, n_blocks) and panel: token_starts' sums and this thread's room for
     // pack_panel (with AVX-512 VNNI and TILE_MIN_TOKENS or more tokens; NULL otherwise)
     int n_blocks = in_dim / 32;
-#if defined(KV_INT8_TILE_512)
-    if (starts != NULL && panel != NULL) {   /* 16 rows at a time, the rest below */
+#if defined(KV_INT8_PANELS)
+    if (starts != NULL && panel != NULL) {   /* PANEL_ROWS rows at a time, the rest below */
         int n_panels = (hi - lo) / PANEL_ROWS;
         rows_panels(out, w, format, n_tokens, in_dim, out_dim, x_pairs, x_codes, starts, panel,
                     lo, n_panels);
@@ -1055,7 +1195,7 @@ static void quantize_tokens(const float *x, int in_dim, float *x_pairs, int8_t *
  * a few sequences streams the rows once per token instead), or the memory cannot be had:
  * then the products take the smaller tiles, with the same bits. */
 static int32_t *starts_memory(int n_tokens, int in_dim) {
-#ifdef KV_INT8_TILE_512
+#ifdef KV_INT8_PANELS
     if (n_tokens >= TILE_MIN_TOKENS)
         return (int32_t *)kv_alloc_floats((size_t)n_tokens * (size_t)(in_dim / 32));
 #endif
@@ -1097,7 +1237,7 @@ void kv_matmul_int8_many(int n_matrices, float *const *outs, const uint8_t *cons
             #pragma omp barrier
         }
         uint8_t *panel = NULL;   /* this thread's 16 rows, repacked (the 512-bit tile) */
-#ifdef KV_INT8_TILE_512
+#ifdef KV_INT8_PANELS
         if (starts != NULL) {   /* each thread a share of the tokens, all read them all */
             token_starts(format, x_codes, in_dim, starts, kv_split(n_tokens, me, team),
                          kv_split(n_tokens, me + 1, team));
