@@ -1,12 +1,12 @@
-/* int8_sums.h: on aarch64, the exact integer sums of four products of a weight block's 32
- * codes with an activation block's 32 int8 codes, eight sums to a block, as weight_formats.c's
- * int8 products add them (add_block; x86's AVX2 path has its own, sums_of_four, and other
- * CPUs the plain loops there):
+/* int8_sums.h: on aarch64, the exact integer total of a weight block's 32 codes times an
+ * activation block's 32 int8 codes, as weight_formats.c's int8 products need it (add_block;
+ * x86's AVX2 path has its own, sums_of_four, and other CPUs the plain loops there), made
+ * from sums of four products:
  *   - ARM's dot-product instructions (sdot, ARMv8.2-A: the aarch64 "dotprod" kernel
  *     variant, dispatch.h), whose one instruction adds exactly four byte products a lane;
  *   - NEON's widening multiplies and pairwise adds on any other aarch64 CPU (the baseline).
- * Each sum is an integer of at most 4 x 128 x 128 in size, exact in int32 and in float32,
- * so both compute the plain loops' floats and the choice moves no bit (the C tests compare
+ * Each total is an integer of at most 32 x 128 x 128 in size, exact in int32 and in float32,
+ * so both compute the plain loops' total and the choice moves no bit (the C tests compare
  * every variant's products with the plain tier's, tests/c). Defines KV_INT8_SUMS_NEON where
  * it has them. Private to weight_formats.c; not here: the scales that multiply the sums.
  */
@@ -54,18 +54,15 @@ static ALWAYS_INLINE int32x4_t sums_of_four_neon(int8x16_t w, int8x16_t x) {
 #endif
 }
 
-/* The eight sums of a weight block's codes (at `codes`, after its header) with x_codes,
- * as floats: lane m is the sum of the products of values 4m .. 4m + 3. */
-static ALWAYS_INLINE v8f block_sums_of_four(const uint8_t *codes, const int8_t *x_codes,
-                                            kv_weight_format format) {
+/* The exact integer total of a weight block's 32 products with x_codes (its codes at
+ * `codes`, after its header): the plain tier's block total, whatever order the lanes add. */
+static ALWAYS_INLINE int32_t block_total_neon(const uint8_t *codes, const int8_t *x_codes,
+                                              kv_weight_format format) {
     int8x16_t w[2];
     weight_codes_neon(codes, format, w);
-    float32x4_t low = vcvtq_f32_s32(sums_of_four_neon(w[0], vld1q_s8(x_codes)));
-    float32x4_t high = vcvtq_f32_s32(sums_of_four_neon(w[1], vld1q_s8(x_codes + 16)));
-    v8f out;
-    memcpy(&out, &low, sizeof low);
-    memcpy((char *)&out + sizeof low, &high, sizeof high);
-    return out;
+    int32x4_t sums = vaddq_s32(sums_of_four_neon(w[0], vld1q_s8(x_codes)),
+                               sums_of_four_neon(w[1], vld1q_s8(x_codes + 16)));
+    return vaddvq_s32(sums);
 }
 #endif
 

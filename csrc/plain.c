@@ -96,13 +96,17 @@ static int32_t weight_code(kv_weight_format format, const uint8_t *codes, int i)
 /* Q8_0, Q4_0 or Q4_1 weights against activations quantized to int8 per block of 32 (the
  * other way to use them: integer products, as llama.cpp does). Not the float32 product of
  * the dequantized matrix: x is rounded too. The order is the spec the fast tier
- * (weight_formats.c) keeps: lane m of eight takes, in each block, the exact integer sum of
- * the four products code * x_code of values 4m .. 4m + 3, times d_w * d_x (one rounding);
- * the lanes are added pairwise. Q4_1's weight is d_w * code + m_w: its m part comes to
- * m_w times the block's d_x * (sum of its 32 x codes), computed once per activation block
- * (llama.cpp's Q8_1 idea), and these are summed block after block in a running sum of
- * their own (one rounding each), added to the lanes' total at the end. NumPy twin:
- * kvlab.weight_formats.matmul_int8. */
+ * (weight_formats.c) keeps, llama.cpp's reference rule for q8_0 x q8_0: in each block the
+ * 32 products code * x_code are added exactly, as integers (at most 32 x 128 x 128 = 2^19,
+ * exact in int32 and in float32, so the order inside a block cannot matter); that block
+ * total times d_w * d_x is added to ONE running float sum, block after block in order,
+ * with one multiply-add (one rounding where the build fuses it). So a row's dot product
+ * costs one float operation per 32 byte products: the fast kernels put 16 rows side by side
+ * in a vector and do the integer part with dot-product instructions. Q4_1's weight is
+ * d_w * code + m_w: its m part comes to m_w times the block's d_x * (sum of its 32 x
+ * codes), computed once per activation block (llama.cpp's Q8_1 idea), and these are summed
+ * block after block in a running sum of their own (one rounding each), added to the main
+ * sum at the end. NumPy twin: kvlab.weight_formats.matmul_int8. */
 void kv_plain_matmul_int8(float *out, const float *x, const uint8_t *w, kv_weight_format format,
                           int n_tokens, int in_dim, int out_dim, float *x_scales,
                           int8_t *x_codes) {
@@ -123,21 +127,18 @@ void kv_plain_matmul_int8(float *out, const float *x, const uint8_t *w, kv_weigh
         const uint8_t *row = w + (size_t)o * row_bytes;
         for (int t = 0; t < n_tokens; t++) {
             const int8_t *xq = x_codes + (size_t)t * in_dim;
-            float lanes[8] = {0}, m_part = 0.0f;
+            float sum = 0.0f, m_part = 0.0f;
             for (int b = 0; b < n_blocks; b++) {
                 const uint8_t *block = row + (size_t)b * block_bytes;
                 float scale = kv_half_at(block) * x_scales[(size_t)t * n_blocks + b];
-                for (int m = 0; m < 8; m++) {
-                    int32_t partial = 0;
-                    for (int i = 4 * m; i < 4 * m + 4; i++)
-                        partial += weight_code(format, block + header, i) * xq[b * 32 + i];
-                    lanes[m] = multiply_add(scale, (float)partial, lanes[m]);
-                }
+                int32_t codes[32], total = 0;   /* the block's 32 products, exactly */
+                for (int i = 0; i < 32; i++) codes[i] = weight_code(format, block + header, i);
+                for (int i = 0; i < 32; i++) total += codes[i] * xq[b * 32 + i];
+                sum = multiply_add(scale, (float)total, sum);
                 if (format == KV_WEIGHT_Q4_1)
                     m_part = multiply_add(kv_half_at(block + 2), x_sums[(size_t)t * n_blocks + b],
                                           m_part);
             }
-            float sum = add_lanes(lanes);
             out[(size_t)t * out_dim + o] = format == KV_WEIGHT_Q4_1 ? sum + m_part : sum;
         }
     }

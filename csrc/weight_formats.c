@@ -9,7 +9,10 @@
  * the lanes added pairwise, leftovers in order. So the result is the float32 product over
  * the dequantized matrix, bit for bit (plain.c's kv_plain_matmul_weights is the spec).
  * What changes is the memory read: a decode step streams 2 bytes a weight, or 1.0625,
- * instead of 4. Not here: which matrices of a model use which format (model.c, loaders).
+ * instead of 4. The block formats' other product, against int8 activations
+ * (kv_matmul_int8), follows plain.c's kv_plain_matmul_int8 instead: each block's 32 byte
+ * products added exactly as integers, then one multiply-add a block into one running sum.
+ * Not here: which matrices of a model use which format (model.c, loaders).
  */
 #include <float.h>
 #include <math.h>
@@ -378,8 +381,24 @@ static ALWAYS_INLINE __m128 madd4(__m128 a, __m128 b, __m128 acc) {
     return _mm_add_ps(acc, _mm_mul_ps(a, b));
 #endif
 }
-#else
-/* acc + a * b, rounded as madd rounds */
+
+/* The exact total of eight integer sums (a block's 32 products): integers add in any order */
+static ALWAYS_INLINE int32_t block_total(__m256i ints) {
+    __m128i four = _mm_add_epi32(_mm256_castsi256_si128(ints), _mm256_extracti128_si256(ints, 1));
+    four = _mm_add_epi32(four, _mm_shuffle_epi32(four, 0x4E));
+    four = _mm_add_epi32(four, _mm_shuffle_epi32(four, 0xB1));
+    return _mm_cvtsi128_si32(four);
+}
+
+/* The four totals of four rows' eight integer sums, (total a, b, c, d), in three
+ * horizontal adds: what a row's block adds to its one running sum */
+static ALWAYS_INLINE __m128i block_totals4(__m256i a, __m256i b, __m256i c, __m256i d) {
+    __m256i abcd = _mm256_hadd_epi32(_mm256_hadd_epi32(a, b), _mm256_hadd_epi32(c, d));
+    return _mm_add_epi32(_mm256_castsi256_si128(abcd), _mm256_extracti128_si256(abcd, 1));
+}
+#endif
+
+/* acc + a * b, rounded as madd rounds (plain.c's multiply_add) */
 static ALWAYS_INLINE float madd1(float a, float b, float acc) {
 #ifdef __FMA__
     return fmaf(a, b, acc);
@@ -387,7 +406,6 @@ static ALWAYS_INLINE float madd1(float a, float b, float acc) {
     return acc + a * b;
 #endif
 }
-#endif
 
 static ALWAYS_INLINE x_block load_x_block(const int8_t *codes, float scale, float sum,
                                           kv_weight_format format) {
@@ -431,10 +449,10 @@ static ALWAYS_INLINE w_block load_w_block(const uint8_t *block, kv_weight_format
     return wb;
 }
 
-/* One row's running sums: eight lanes, and Q4_1's m part (in lane 1 of m_part with
- * AVX2, where lane 0 gathers d * d_x products nobody reads) */
+/* One row's running sums: the sum of its blocks, and Q4_1's m part (in lane 1 of m_part
+ * with AVX2, where lane 0 gathers d * d_x products nobody reads) */
 typedef struct {
-    v8f lanes;
+    float sum;
 #ifdef __AVX2__
     __m128 m_part;
 #else
@@ -443,11 +461,11 @@ typedef struct {
 } row_sums;
 
 /* sums + one weight block against one activation block, in kv_plain_matmul_int8's order:
- * lane m adds d_w d_x times the exact integer sum of the products of codes 4m .. 4m + 3;
- * for Q4_1 the m part adds m_w times the block's d_x * sum of x codes. */
+ * the exact integer total of the block's 32 products, times d_w d_x, added to the row's
+ * one running sum; for Q4_1 the m part adds m_w times the block's d_x * sum of x codes. */
 static ALWAYS_INLINE void add_block(row_sums *sums, const w_block *wb, const x_block *xb,
                                     kv_weight_format format) {
-    v8f partial;
+    int32_t total;
 #ifdef __AVX2__
     __m256i ints;
     float scale;
@@ -459,7 +477,7 @@ static ALWAYS_INLINE void add_block(row_sums *sums, const w_block *wb, const x_b
         ints = sums_of_four_unsigned(wb->codes, xb->codes);
         if (format == KV_WEIGHT_Q4_0) ints = _mm256_sub_epi32(ints, xb->sums4x8);
     }
-    partial = (v8f)_mm256_cvtepi32_ps(ints);
+    total = block_total(ints);
     if (format == KV_WEIGHT_Q4_1) {
         /* (d, m) times (d_x, sum): lane 0 is d * d_x; the m part in lane 1, fused */
         scale = _mm_cvtss_f32(_mm_mul_ps(wb->d_m, xb->scale_sum));
@@ -467,35 +485,31 @@ static ALWAYS_INLINE void add_block(row_sums *sums, const w_block *wb, const x_b
     } else {
         scale = wb->d * xb->scale;
     }
-    sums->lanes = madd(splat(scale), partial, sums->lanes);
+    sums->sum = madd1(scale, (float)total, sums->sum);
 #else
 #ifdef KV_INT8_SUMS_NEON
-    partial = block_sums_of_four(wb->codes, xb->codes, format);   /* int8_sums.h: sdot, NEON */
+    total = block_total_neon(wb->codes, xb->codes, format);   /* int8_sums.h: sdot, NEON */
 #else
-    for (int m = 0; m < 8; m++) {
-        int32_t sum = 0;
-        for (int i = 4 * m; i < 4 * m + 4; i++) {
-            int32_t code = format == KV_WEIGHT_Q8_0 ? (int8_t)wb->codes[i]
-                         : format == KV_WEIGHT_Q4_0 ? kv_q4_code(wb->codes, i) - 8
-                                                    : kv_q4_code(wb->codes, i);
-            sum += code * xb->codes[i];
-        }
-        partial[m] = (float)sum;
+    total = 0;
+    for (int i = 0; i < 32; i++) {
+        int32_t code = format == KV_WEIGHT_Q8_0 ? (int8_t)wb->codes[i]
+                     : format == KV_WEIGHT_Q4_0 ? kv_q4_code(wb->codes, i) - 8
+                                                : kv_q4_code(wb->codes, i);
+        total += code * xb->codes[i];
     }
 #endif
-    sums->lanes = madd(splat(wb->d * xb->scale), partial, sums->lanes);
+    sums->sum = madd1(wb->d * xb->scale, (float)total, sums->sum);
     if (format == KV_WEIGHT_Q4_1) sums->m_part = madd1(wb->m, xb->sum, sums->m_part);
 #endif
 }
 
-/* The total of a row's sums, given its lanes' pairwise sum */
-static ALWAYS_INLINE float row_total(const row_sums *sums, float lanes_total,
-                                     kv_weight_format format) {
-    if (format != KV_WEIGHT_Q4_1) return lanes_total;
+/* A row's result: its running sum, and Q4_1's m part added at the end */
+static ALWAYS_INLINE float row_total(const row_sums *sums, kv_weight_format format) {
+    if (format != KV_WEIGHT_Q4_1) return sums->sum;
 #ifdef __AVX2__
-    return lanes_total + sums->m_part[1];
+    return sums->sum + sums->m_part[1];
 #else
-    return lanes_total + sums->m_part;
+    return sums->sum + sums->m_part;
 #endif
 }
 
@@ -515,7 +529,7 @@ static ALWAYS_INLINE float dot_row_int8(const uint8_t *row, kv_weight_format for
         w_block wb = load_w_block(row + (size_t)b * block_bytes, format);
         add_block(&sums, &wb, &xb, format);
     }
-    return row_total(&sums, reduce_lanes(sums.lanes), format);
+    return row_total(&sums, format);
 }
 
 #ifdef __AVX2__
@@ -560,6 +574,16 @@ static ALWAYS_INLINE __m256i load_w_codes(const uint8_t *codes, kv_weight_format
     return format == KV_WEIGHT_Q8_0 ? _mm256_loadu_si256((const __m256i *)codes)
                                     : unpack_nibbles(codes);
 }
+
+/* Four rows' running sums (lane r: row r) plus one block each: the exact totals of their
+ * integer sums `ints`, times their scales d_w * d_x (lane 2r of `scales`), with madd's
+ * rounding: add_block's arithmetic, four rows in one instruction. */
+static ALWAYS_INLINE __m128 add_blocks4(__m128 sums, v8f scales, const __m256i ints[4]) {
+    __m128 scale4 = _mm256_castps256_ps128(
+        _mm256_permutevar8x32_ps((__m256)scales, _mm256_setr_epi32(0, 2, 4, 6, 0, 2, 4, 6)));
+    __m128 totals = _mm_cvtepi32_ps(block_totals4(ints[0], ints[1], ints[2], ints[3]));
+    return madd4(scale4, totals, sums);
+}
 #endif
 
 /* Four rows, wherever they lie, against one token's quantized activations: out[r] is row
@@ -568,31 +592,30 @@ static ALWAYS_INLINE __m256i load_w_codes(const uint8_t *codes, kv_weight_format
  * block headers are read as one vector: one conversion of their halves, one multiply for
  * the four scales d_w * d_x (each the same float32 product as add_block's) and, for
  * Q4_1, one multiply-add for the four m parts (lane 2r + 1 is row r's running sum, each
- * lane rounded as madd1 rounds it); each row then takes its scale from its lane. */
+ * lane rounded as madd1 rounds it); the four rows' block totals come out of three
+ * horizontal adds side by side, and one multiply-add adds them to the four running sums
+ * (add_blocks4). */
 static ALWAYS_INLINE void dot_rows4_int8(const uint8_t *const rows[4], kv_weight_format format,
                                          const float *x_pairs, const int8_t *x_codes,
                                          int n_blocks, float out[4]) {
     size_t block_bytes = kv_weight_block_bytes(format);
 #ifdef __AVX2__
     size_t header = format == KV_WEIGHT_Q4_1 ? 4 : 2;   /* d, and Q4_1's m, before the codes */
-    v8f lanes[4] = {{0}, {0}, {0}, {0}};
-    v8f m_parts = {0};   /* lane 2r + 1: row r's m part (Q4_1) */
+    __m128 sums = _mm_setzero_ps();   /* lane r: row r's running sum */
+    v8f m_parts = {0};                /* lane 2r + 1: row r's m part (Q4_1) */
     for (int b = 0; b < n_blocks; b++) {
         size_t at = (size_t)b * block_bytes;
         x_block xb = load_x_block(x_codes + 32 * b, x_pairs[2 * b], x_pairs[2 * b + 1], format);
         for (int r = 0; r < 4; r++) __builtin_prefetch(rows[r] + at + KV_INT8_PREFETCH);
         v8f d_m = headers4(rows, at), x_pair = x_pair_splat(x_pairs + 2 * b);
-        __m256 scales = (__m256)(d_m * x_pair);   /* lane 2r: row r's d_w * d_x */
         if (format == KV_WEIGHT_Q4_1) m_parts = madd(d_m, x_pair, m_parts);
-        for (int r = 0; r < 4; r++) {
-            __m256i ints = block_ints(load_w_codes(rows[r] + at + header, format), &xb, format);
-            __m256 scale = _mm256_permutevar8x32_ps(scales, _mm256_set1_epi32(2 * r));
-            lanes[r] = madd((v8f)scale, (v8f)_mm256_cvtepi32_ps(ints), lanes[r]);
-        }
+        __m256i ints[4];
+        for (int r = 0; r < 4; r++)
+            ints[r] = block_ints(load_w_codes(rows[r] + at + header, format), &xb, format);
+        sums = add_blocks4(sums, d_m * x_pair, ints);
     }
-    v4f totals = reduce_lanes4(lanes[0], lanes[1], lanes[2], lanes[3]);
     for (int r = 0; r < 4; r++)
-        out[r] = format == KV_WEIGHT_Q4_1 ? totals[r] + m_parts[2 * r + 1] : totals[r];
+        out[r] = format == KV_WEIGHT_Q4_1 ? sums[r] + m_parts[2 * r + 1] : sums[r];
 #else
     row_sums sums[4];
     memset(sums, 0, sizeof sums);
@@ -605,8 +628,7 @@ static ALWAYS_INLINE void dot_rows4_int8(const uint8_t *const rows[4], kv_weight
             add_block(&sums[r], &wb, &xb, format);
         }
     }
-    v4f totals = reduce_lanes4(sums[0].lanes, sums[1].lanes, sums[2].lanes, sums[3].lanes);
-    for (int r = 0; r < 4; r++) out[r] = row_total(&sums[r], totals[r], format);
+    for (int r = 0; r < 4; r++) out[r] = row_total(&sums[r], format);
 #endif
 }
 
@@ -632,208 +654,398 @@ static ALWAYS_INLINE void dot_rows4_int8_pair(const uint8_t *const rows[4],
             add_block(&acc1[r], &wb, &x1, format);
         }
     }
-    v4f totals0 = reduce_lanes4(acc0[0].lanes, acc0[1].lanes, acc0[2].lanes, acc0[3].lanes);
-    v4f totals1 = reduce_lanes4(acc1[0].lanes, acc1[1].lanes, acc1[2].lanes, acc1[3].lanes);
     for (int r = 0; r < 4; r++) {
-        out0[r] = row_total(&acc0[r], totals0[r], format);
-        out1[r] = row_total(&acc1[r], totals1[r], format);
+        out0[r] = row_total(&acc0[r], format);
+        out1[r] = row_total(&acc1[r], format);
     }
 }
 
 #ifdef __AVX2__
-/* Four rows against four tokens (a prefill): each row's block is unpacked once for the four
- * tokens and each token's block loaded once for the four rows; sixteen chains of
- * arithmetic side by side. out[t][r] is token t's dot_row_int8 of row r, bit for bit: each
- * (row, token) pair keeps its own eight lanes and m part and adds its blocks in the same
+/* Four rows against n tokens (2 to 4, a constant in each call; a prefill, a batched decode
+ * step): each row's block is unpacked once for the n tokens and each token's block loaded
+ * once for the four rows; n chains of arithmetic side by side. out[t][r] is token t's dot_row_int8 of row r, bit for bit: each
+ * (row, token) pair keeps its own running sum and m part and adds its blocks in the same
  * order with the same roundings; the tile changes only which pairs run together. The
  * scales come as in dot_rows4_int8: the rows' headers converted once a block, times each
- * token's (d_x, d_x * sum) in every pair of lanes, each pair's taken from its lane. */
-static ALWAYS_INLINE void dot_rows4_int8_tokens4(const uint8_t *const rows[4],
-                                                 kv_weight_format format,
-                                                 const float *const pairs[4],
-                                                 const int8_t *const codes[4], int n_blocks,
-                                                 float out[4][4]) {
+ * token's (d_x, d_x * sum) in every pair of lanes; add_blocks4 adds a token's four rows. */
+static ALWAYS_INLINE void dot_rows4_int8_tokens(const uint8_t *const rows[4],
+                                                kv_weight_format format,
+                                                const float *const pairs[4],
+                                                const int8_t *const codes[4], int n,
+                                                int n_blocks, float out[4][4]) {
     size_t block_bytes = kv_weight_block_bytes(format);
     size_t header = format == KV_WEIGHT_Q4_1 ? 4 : 2;   /* d, and Q4_1's m, before the codes */
-    v8f lanes[4][4];   /* [token][row] */
+    __m128 sums[4];    /* [token], lane r: row r's running sum */
     v8f m_parts[4];    /* [token], lane 2r + 1: row r's m part (Q4_1) */
-    memset(lanes, 0, sizeof lanes);
+    memset(sums, 0, sizeof sums);
     memset(m_parts, 0, sizeof m_parts);
     for (int b = 0; b < n_blocks; b++) {
         size_t at = (size_t)b * block_bytes;
         v8f d_m = headers4(rows, at);
         __m256i w_codes[4];
         for (int r = 0; r < 4; r++) w_codes[r] = load_w_codes(rows[r] + at + header, format);
-        for (int t = 0; t < 4; t++) {
+        #pragma GCC unroll 4
+        for (int t = 0; t < n; t++) {
             x_block xb = load_x_block(codes[t] + 32 * b, 0.0f, 0.0f, format);
             v8f x_pair = x_pair_splat(pairs[t] + 2 * b);
-            __m256 scales = (__m256)(d_m * x_pair);   /* lane 2r: row r's d_w * d_x */
             if (format == KV_WEIGHT_Q4_1) m_parts[t] = madd(d_m, x_pair, m_parts[t]);
-            for (int r = 0; r < 4; r++) {
-                __m256i ints = block_ints(w_codes[r], &xb, format);
-                __m256 scale = _mm256_permutevar8x32_ps(scales, _mm256_set1_epi32(2 * r));
-                lanes[t][r] = madd((v8f)scale, (v8f)_mm256_cvtepi32_ps(ints), lanes[t][r]);
-            }
+            __m256i ints[4];
+            for (int r = 0; r < 4; r++) ints[r] = block_ints(w_codes[r], &xb, format);
+            sums[t] = add_blocks4(sums[t], d_m * x_pair, ints);
         }
     }
-    for (int t = 0; t < 4; t++) {
-        v4f totals = reduce_lanes4(lanes[t][0], lanes[t][1], lanes[t][2], lanes[t][3]);
+    for (int t = 0; t < n; t++)
         for (int r = 0; r < 4; r++)
-            out[t][r] = format == KV_WEIGHT_Q4_1 ? totals[r] + m_parts[t][2 * r + 1] : totals[r];
-    }
+            out[t][r] = format == KV_WEIGHT_Q4_1 ? sums[t][r] + m_parts[t][2 * r + 1] : sums[t][r];
 }
 #endif
 
 #ifdef KV_INT8_TILE_512   /* ops.h */
-/* The most token pairs dot_rows4_int8_pairs_512 takes at once: 4 rows x 4 pairs make 16
- * running sums of 16 lanes, half of the 32 registers AVX-512 has. */
-#define TILE_PAIRS 4
+/* The AVX-512 VNNI prefill tile: rows in the lanes. A 512-bit register holds 16 int32
+ * lanes, and here each lane is a different ROW of the matrix: the rule's one running sum
+ * per (row, token) is then one lane of one register, and a block costs each lane one
+ * conversion and one multiply-add, after eight dpbusd instructions that add its 32 byte
+ * products exactly (each adds four products of a lane's row to that lane). For that the 16
+ * rows' blocks are repacked (pack_panel) into a panel, once per product and thread, so that
+ * one 64-byte load brings the same four codes of the 16 rows; the token's four codes are
+ * broadcast to every lane from memory. The panel is a few tens of kilobytes that stay in
+ * cache while every token passes over it: against the 8 dpbusd per token and block, the
+ * repacking (an 8 x 8 transpose of 4-byte groups a block) is paid once per block for all
+ * the tokens. Repacked per product, not once at load, so a model's stored weights stay as
+ * users see them. Measured on the 110M shapes, one thread, by packing every panel twice:
+ * the repacking is lost in the noise of a 256-token product (under 5 %), 15-20 % of a
+ * 16-token one and about 30 % of a 4-token one (a batched decode step), what a copy
+ * repacked at load would save there. */
 
-/* What the 512-bit tile reads of a pair of tokens (2p, 2p + 1) for one block, made once per
- * product (pack_pairs) and read by every row: PACKED_BYTES a pair and block, the pairs
- * one after another, each pair's blocks in order, at these offsets:
- *   codes   (2, 32) int8: token 2p's codes, then 2p + 1's;
- *   start   (2, 8) int32: -128 (Q8_0) or -8 (Q4_0) times each sum of four codes, 0 (Q4_1);
- *   d_x     (2, 8) float: each token's d_x in its eight lanes;
- *   x_pair  (2, 4, 2) float: each token's (d_x, d_x * sum of its codes), four times (Q4_1).
- * As many bytes as x itself in float32: a pair and block is 64 floats. */
-#define PACKED_BYTES 256
-enum { PACKED_CODES = 0, PACKED_START = 64, PACKED_D_X = 128, PACKED_X_PAIR = 192 };
+/* Rows a panel holds, and the tokens a tile runs against them at once: 12 tokens' running
+ * sums in registers beside the block's 8 code registers (Q4_1: 8 tokens, and their m
+ * parts), of AVX-512's 32. */
+#define PANEL_ROWS 16
+#define TILE_TOKENS 12
+#define TILE_TOKENS_Q4_1 8
+#define START_Q8_0 128   /* token_starts: Q8_0's codes are taken + 128 */
+/* A panel block: codes (8, 16) uint32: group g's four codes of row r at (g, r) (Q8_0's
+ * codes + 128, their sign bit flipped, so that dpbusd takes them as unsigned; Q4's nibbles
+ * as they are, 0 .. 15); then d (16,) floats; then Q4_1's m (16,) floats. */
+#define PANEL_BLOCK_BYTES 640
+enum { PANEL_D = 512, PANEL_M = 576 };
 
-/* Pairs first .. last - 1 of the n_tokens quantized tokens packed (a lone last token is
- * paired with itself) */
-static void pack_pairs(kv_weight_format format, const float *x_pairs, const int8_t *x_codes,
-                       int n_tokens, int in_dim, uint8_t *packed, int first, int last) {
-    int n_blocks = in_dim / 32;
-    __m512i zero = _mm512_setzero_si512();
-    __m512i factor = _mm512_set1_epi8(format == KV_WEIGHT_Q8_0 ? (char)0x80 : 8);
-    for (int p = first; p < last; p++) {
-        int t0 = 2 * p, t1 = 2 * p + 1 < n_tokens ? 2 * p + 1 : 2 * p;
-        for (int b = 0; b < n_blocks; b++) {
-            uint8_t *at = packed + ((size_t)p * n_blocks + b) * PACKED_BYTES;
-            const float *pair0 = x_pairs + 2 * ((size_t)t0 * n_blocks + b);
-            const float *pair1 = x_pairs + 2 * ((size_t)t1 * n_blocks + b);
-            memcpy(at + PACKED_CODES, x_codes + (size_t)t0 * in_dim + 32 * b, 32);
-            memcpy(at + PACKED_CODES + 32, x_codes + (size_t)t1 * in_dim + 32 * b, 32);
-            __m512i x = _mm512_loadu_si512(at + PACKED_CODES), start = zero;
-            if (format != KV_WEIGHT_Q4_1)   /* 128 or 8 (unsigned) times x, summed in fours */
-                start = _mm512_sub_epi32(zero, _mm512_dpbusd_epi32(zero, factor, x));
-            _mm512_storeu_si512(at + PACKED_START, start);
-            _mm512_storeu_ps(at + PACKED_D_X, _mm512_insertf32x8(
-                _mm512_set1_ps(pair0[0]), _mm256_set1_ps(pair1[0]), 1));
-            _mm512_storeu_ps(at + PACKED_X_PAIR, _mm512_insertf32x8(
-                _mm512_castps256_ps512((__m256)x_pair_splat(pair0)), (__m256)x_pair_splat(pair1), 1));
-        }
+/* The eight 4-byte groups of 16 rows' codes, z[k] holding row k's 8 groups in its low half
+ * and row k + 8's in its high half, turned so that out[g] holds group g of rows 0 .. 15 in
+ * order: two rounds of unpacks within 128-bit lanes, then one two-source permute a group
+ * (an 8 x 8 transpose in each half at once). Moves bytes only. */
+static ALWAYS_INLINE void transpose_groups(const __m512i z[8], __m512i out[8]) {
+    __m512i t[8], u[8];
+    for (int k = 0; k < 8; k += 2) {   /* t[k]: groups 0,1 | 4,5 of rows k, k+1; t[k+1]: 2,3 | 6,7 */
+        t[k] = _mm512_unpacklo_epi32(z[k], z[k + 1]);
+        t[k + 1] = _mm512_unpackhi_epi32(z[k], z[k + 1]);
+    }
+    for (int k = 0; k < 8; k += 4) {   /* u[k + j]: group j | j + 4 of rows k .. k + 3 */
+        u[k] = _mm512_unpacklo_epi64(t[k], t[k + 2]);
+        u[k + 1] = _mm512_unpackhi_epi64(t[k], t[k + 2]);
+        u[k + 2] = _mm512_unpacklo_epi64(t[k + 1], t[k + 3]);
+        u[k + 3] = _mm512_unpackhi_epi64(t[k + 1], t[k + 3]);
+    }
+    /* u[j] lanes: (rows 0-3, group j), (0-3, j + 4), (8-11, j), (8-11, j + 4); u[4 + j] the
+     * same for rows 4-7 and 12-15 */
+    __m512i low = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27);
+    __m512i high = _mm512_setr_epi32(4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
+    for (int j = 0; j < 4; j++) {
+        out[j] = _mm512_permutex2var_epi32(u[j], low, u[4 + j]);
+        out[j + 4] = _mm512_permutex2var_epi32(u[j], high, u[4 + j]);
     }
 }
 
-/* Four rows against n_pairs packed pairs of tokens from pair p0 on (up to TILE_PAIRS:
- * eight tokens; a batched decode step, a prefill), with 512-bit registers: a register
- * holds a pair's two tokens (token 2p in lanes 0 .. 7, 2p + 1 in lanes 8 .. 15) against one
- * row, so each instruction does two (row, token) pairs' work, and each row's block is
- * loaded and unpacked once for all the pairs. out[t][r] is token 2 p0 + t's dot_row_int8 of
- * row r, bit for bit: each (row, token) pair keeps its own eight lanes and m part, adds
- * its blocks in the same order with the same roundings (its scale is the same product d_w
- * * d_x); only the way to the exact integer sums differs. The instruction (dpbusd)
- * multiplies unsigned by signed bytes and adds four products to a running integer: the
- * weights are the unsigned side (Q4's nibbles as they are, Q8_0's codes as w + 128, their
- * sign bit flipped), and each sum starts from what that adds, the pair's packed start: one
- * instruction a (row, pair), where dot_row_int8 needs three. (AVX2 has no such sum: its
- * byte products saturate at 16 bits, which w + 128 would reach.) Written for registers:
- * sixteen sums, four rows' codes, what one pair needs at a time; the rest from memory. */
-static ALWAYS_INLINE void dot_rows4_int8_pairs_512(const uint8_t *const rows[4],
-                                                   kv_weight_format format,
-                                                   const uint8_t *packed, int p0, int n_pairs,
-                                                   int n_blocks, float out[2 * TILE_PAIRS][4]) {
+/* Rows first .. first + 15 of w (row_bytes apart), every block, into panel */
+static void pack_panel(const uint8_t *first, size_t row_bytes, kv_weight_format format,
+                       int n_blocks, uint8_t *panel) {
     size_t block_bytes = kv_weight_block_bytes(format);
-    size_t header = format == KV_WEIGHT_Q4_1 ? 4 : 2;   /* d, and Q4_1's m, before the codes */
-    __m512 lanes[4][TILE_PAIRS], m_parts[TILE_PAIRS];   /* [row][pair], [pair] */
-    for (int p = 0; p < n_pairs; p++) {
-        m_parts[p] = _mm512_setzero_ps();
-        for (int r = 0; r < 4; r++) lanes[r][p] = _mm512_setzero_ps();
-    }
-    __m512i shifts = _mm512_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4, 0, 0, 0, 0, 4, 4, 4, 4);
+    int header = format == KV_WEIGHT_Q4_1 ? 4 : 2;
+    __m512i rows = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11,
+                                                        12, 13, 14, 15),
+                                      _mm512_set1_epi32((int)row_bytes));
     for (int b = 0; b < n_blocks; b++) {
-        size_t at = (size_t)b * block_bytes;
-        for (int r = 0; r < 4; r++) __builtin_prefetch(rows[r] + at + KV_INT8_PREFETCH);
-        v8f d_m = headers4(rows, at);   /* lane 2r: row r's d (2r + 1: Q4_1's m) */
-        __m512 d_m2 = _mm512_insertf32x8(_mm512_castps256_ps512((__m256)d_m), (__m256)d_m, 1);
-        float heads[8];   /* each row's d broadcast from memory: no shuffles */
-        memcpy(heads, &d_m, sizeof heads);
-        __m512i w_codes[4];   /* per row: its 32 codes (unsigned) in both halves */
-        for (int r = 0; r < 4; r++) {
-            const uint8_t *w_at = rows[r] + at + header;
-            if (format == KV_WEIGHT_Q8_0) {
-                w_codes[r] = _mm512_xor_si512(   /* w + 128 */
-                    _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)w_at)),
-                    _mm512_set1_epi8((char)0x80));
-            } else {   /* the 16 bytes in every quarter; the high nibbles in quarters 1 and 3 */
-                w_codes[r] = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)w_at));
-                w_codes[r] = _mm512_and_si512(_mm512_srlv_epi32(w_codes[r], shifts),
-                                              _mm512_set1_epi8(0x0F));
-            }
+        const uint8_t *block = first + (size_t)b * block_bytes;
+        uint8_t *at = panel + (size_t)b * PANEL_BLOCK_BYTES;
+        /* each row's d (and m): the block's first four bytes, converted as block_scale does */
+        __m512i head = _mm512_i32gather_epi32(rows, (const void *)block, 1);
+        _mm512_storeu_ps(at + PANEL_D, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(head)));
+        if (format == KV_WEIGHT_Q4_1)
+            _mm512_storeu_ps(at + PANEL_M,
+                             _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(head, 16))));
+        __m512i z[8], groups[8];
+        for (int k = 0; k < 8; k++) {   /* rows k and k + 8, their 32 codes in value order */
+            const uint8_t *low = block + (size_t)k * row_bytes + header;
+            const uint8_t *high = low + 8 * row_bytes;
+            /* the next panel's same rows (a decode step's weights come from memory) */
+            __builtin_prefetch(low + PANEL_ROWS * row_bytes);
+            __builtin_prefetch(high + PANEL_ROWS * row_bytes);
+            z[k] = _mm512_inserti64x4(_mm512_castsi256_si512(load_w_codes(low, format)),
+                                      load_w_codes(high, format), 1);
+            if (format == KV_WEIGHT_Q8_0)   /* w + 128: dpbusd's unsigned side */
+                z[k] = _mm512_xor_si512(z[k], _mm512_set1_epi8((char)0x80));
         }
-        for (int p = 0; p < n_pairs; p++) {
-            const uint8_t *pair = packed + ((size_t)(p0 + p) * n_blocks + b) * PACKED_BYTES;
-            __m512i x = _mm512_loadu_si512(pair + PACKED_CODES);
-            __m512 d_x = _mm512_loadu_ps(pair + PACKED_D_X);
-            if (format == KV_WEIGHT_Q4_1)   /* lane 2r + 1 of each half: m_w * (d_x * sum) */
-                m_parts[p] = _mm512_fmadd_ps(d_m2, _mm512_loadu_ps(pair + PACKED_X_PAIR), m_parts[p]);
-            for (int r = 0; r < 4; r++) {
-                __m512i start = format == KV_WEIGHT_Q4_1 ? _mm512_setzero_si512()
-                                                          : _mm512_loadu_si512(pair + PACKED_START);
-                __m512i ints = _mm512_dpbusd_epi32(start, w_codes[r], x);
-                __m512 scale = _mm512_mul_ps(_mm512_set1_ps(heads[2 * r]), d_x);   /* d_w * d_x */
-                lanes[r][p] = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(ints), lanes[r][p]);
-            }
-        }
-    }
-    #pragma GCC unroll 8   /* constant indices into lanes: the sums stay in registers */
-    for (int t = 0; t < 2 * n_pairs; t++) {
-        int p = t / 2, high = t % 2;
-        v8f half[4];
-        for (int r = 0; r < 4; r++)
-            half[r] = (v8f)(high ? _mm512_extractf32x8_ps(lanes[r][p], 1)
-                                 : _mm512_castps512_ps256(lanes[r][p]));
-        v4f totals = reduce_lanes4(half[0], half[1], half[2], half[3]);
-        v8f m_half = (v8f)(high ? _mm512_extractf32x8_ps(m_parts[p], 1)
-                                : _mm512_castps512_ps256(m_parts[p]));
-        for (int r = 0; r < 4; r++)
-            out[t][r] = format == KV_WEIGHT_Q4_1 ? totals[r] + m_half[2 * r + 1] : totals[r];
+        transpose_groups(z, groups);
+        for (int g = 0; g < 8; g++) _mm512_storeu_si512(at + 64 * g, groups[g]);
     }
 }
 
-/* Four rows against tokens t .. t + n - 1 (t even, 1 <= n <= 2 * TILE_PAIRS) with
- * dot_rows4_int8_pairs_512, n_pairs a constant in each call so that its loops unroll; the
- * sums go to out (n_tokens, out_dim) at columns o[r]. */
-static ALWAYS_INLINE void tile_512(float *out, const uint8_t *const rows[4], const int o[4],
-                                   kv_weight_format format, const uint8_t *packed, int t,
-                                   int n, int n_blocks, int out_dim) {
-    float sums[2 * TILE_PAIRS][4];
-    switch ((n + 1) / 2) {
-    case 4: dot_rows4_int8_pairs_512(rows, format, packed, t / 2, 4, n_blocks, sums); break;
-    case 3: dot_rows4_int8_pairs_512(rows, format, packed, t / 2, 3, n_blocks, sums); break;
-    case 2: dot_rows4_int8_pairs_512(rows, format, packed, t / 2, 2, n_blocks, sums); break;
-    default: dot_rows4_int8_pairs_512(rows, format, packed, t / 2, 1, n_blocks, sums); break;
+/* A panel's 16 rows against tokens t0 .. t0 + n - 1 (n <= TILE_TOKENS, a constant in each
+ * call so that the loops unroll): out[t * out_dim + o0 + r] is kv_plain_matmul_int8's sum of
+ * row o0 + r and token t, bit for bit: the same exact block totals, the same product
+ * d_w * d_x, the same multiply-add into one running sum in block order, the same m part. */
+static ALWAYS_INLINE void panel_tokens(float *out, const uint8_t *panel, kv_weight_format format,
+                                       const float *x_pairs, const int8_t *x_codes,
+                                       const int32_t *starts, int t0, int n, int in_dim,
+                                       int out_dim, int o0) {
+    int n_blocks = in_dim / 32;
+    __m512 sums[TILE_TOKENS], m_parts[TILE_TOKENS];
+    for (int i = 0; i < n; i++) sums[i] = m_parts[i] = _mm512_setzero_ps();
+    for (int b = 0; b < n_blocks; b++) {
+        const uint8_t *at = panel + (size_t)b * PANEL_BLOCK_BYTES;
+        __m512i w[8];
+        for (int g = 0; g < 8; g++) w[g] = _mm512_loadu_si512(at + 64 * g);
+        __m512 d_w = _mm512_loadu_ps(at + PANEL_D);
+        #pragma GCC unroll 16   /* constant indices into sums: they stay in registers */
+        for (int i = 0; i < n; i++) {
+            size_t tb = (size_t)(t0 + i) * n_blocks + b;
+            const int8_t *x = x_codes + (size_t)(t0 + i) * in_dim + 32 * b;
+            /* two chains of four dpbusd (each waits for the one before), added at the end:
+             * integers, so the total is the same */
+            __m512i ints[2] = {_mm512_set1_epi32(starts[tb]), _mm512_setzero_si512()};
+            #pragma GCC unroll 8
+            for (int g = 0; g < 8; g++) {
+                int32_t four;
+                memcpy(&four, x + 4 * g, sizeof four);
+                ints[g % 2] = _mm512_dpbusd_epi32(ints[g % 2], w[g], _mm512_set1_epi32(four));
+            }
+            __m512 scale = _mm512_mul_ps(d_w, _mm512_set1_ps(x_pairs[2 * tb]));
+            __m512i total = _mm512_add_epi32(ints[0], ints[1]);
+            sums[i] = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(total), sums[i]);
+            if (format == KV_WEIGHT_Q4_1)
+                m_parts[i] = _mm512_fmadd_ps(_mm512_loadu_ps(at + PANEL_M),
+                                             _mm512_set1_ps(x_pairs[2 * tb + 1]), m_parts[i]);
+        }
     }
-    for (int i = 0; i < n; i++)
-        for (int r = 0; r < 4; r++) out[(size_t)(t + i) * out_dim + o[r]] = sums[i][r];
+    for (int i = 0; i < n; i++) {
+        __m512 total = format == KV_WEIGHT_Q4_1 ? _mm512_add_ps(sums[i], m_parts[i]) : sums[i];
+        _mm512_storeu_ps(out + (size_t)(t0 + i) * out_dim + o0, total);
+    }
+}
+
+#elif defined(__AVX2__)
+/* The same rows-in-lanes tile with AVX2, 8 rows in a 256-bit register's lanes. AVX2 has no
+ * dpbusd: maddubs multiplies unsigned by signed bytes and adds neighbouring products to an
+ * int16 (saturating), and madd adds those pairs to int32. The int16 pairs are exact, never
+ * saturated, because one side stays small: Q8_0 takes |w| (at most 128) against x with w's
+ * sign (|x| at most 127: the quantizer clips there), a pair at most 2 x 128 x 127 = 32,512
+ * < 32,767 (w + 128 against x, as dpbusd takes them, could reach 2 x 255 x 127 and
+ * saturate); Q4 takes its nibbles (at most 15) against x, a pair at most 3,810, so the
+ * eight groups' pairs add up in int16 (at most 30,480) before one madd. */
+#define PANEL_ROWS 8
+#define TILE_TOKENS 4
+#define TILE_TOKENS_Q4_1 4
+#define START_Q8_0 0   /* token_starts: Q8_0 is multiplied signed */
+/* A panel block: codes (8, 8) uint32: group g's four codes of row r at (g, r) (Q8_0: |w|;
+ * Q4: the nibbles); then Q8_0's codes as they are, the same way (their signs); d (8,)
+ * floats; Q4_1's m (8,) floats. */
+#define PANEL_BLOCK_BYTES 576
+enum { PANEL_SIGNS = 256, PANEL_D = 512, PANEL_M = 544 };
+
+/* r[k]: row k's eight 4-byte groups, turned so that r[g] holds group g of rows 0 .. 7 (an
+ * 8 x 8 transpose: unpacks within 128-bit lanes, then the lanes swapped). Moves bytes only. */
+static ALWAYS_INLINE void transpose_groups8(__m256i r[8]) {
+    __m256i t[8], u[8];
+    for (int k = 0; k < 8; k += 2) {
+        t[k] = _mm256_unpacklo_epi32(r[k], r[k + 1]);
+        t[k + 1] = _mm256_unpackhi_epi32(r[k], r[k + 1]);
+    }
+    for (int k = 0; k < 8; k += 4) {   /* u[k + j]: group j | j + 4 of rows k .. k + 3 */
+        u[k] = _mm256_unpacklo_epi64(t[k], t[k + 2]);
+        u[k + 1] = _mm256_unpackhi_epi64(t[k], t[k + 2]);
+        u[k + 2] = _mm256_unpacklo_epi64(t[k + 1], t[k + 3]);
+        u[k + 3] = _mm256_unpackhi_epi64(t[k + 1], t[k + 3]);
+    }
+    for (int j = 0; j < 4; j++) {
+        r[j] = _mm256_permute2x128_si256(u[j], u[4 + j], 0x20);
+        r[j + 4] = _mm256_permute2x128_si256(u[j], u[4 + j], 0x31);
+    }
+}
+
+/* Rows first .. first + 7 of w (row_bytes apart), every block, into panel */
+static void pack_panel(const uint8_t *first, size_t row_bytes, kv_weight_format format,
+                       int n_blocks, uint8_t *panel) {
+    size_t block_bytes = kv_weight_block_bytes(format);
+    int header = format == KV_WEIGHT_Q4_1 ? 4 : 2;
+    for (int b = 0; b < n_blocks; b++) {
+        const uint8_t *block = first + (size_t)b * block_bytes;
+        uint8_t *at = panel + (size_t)b * PANEL_BLOCK_BYTES;
+        __m256i groups[8];
+        float d[8], m[8];
+        for (int r = 0; r < 8; r++) {
+            const uint8_t *row = block + (size_t)r * row_bytes;
+            __builtin_prefetch(row + PANEL_ROWS * row_bytes);   /* the next panel's */
+            d[r] = block_scale(row);
+            m[r] = format == KV_WEIGHT_Q4_1 ? block_scale(row + 2) : 0.0f;
+            groups[r] = load_w_codes(row + header, format);
+        }
+        memcpy(at + PANEL_D, d, sizeof d);
+        memcpy(at + PANEL_M, m, sizeof m);
+        transpose_groups8(groups);
+        for (int g = 0; g < 8; g++) {
+            __m256i codes = groups[g];
+            if (format == KV_WEIGHT_Q8_0) {   /* |w| (128 for -128, as unsigned), and w */
+                _mm256_storeu_si256((__m256i *)(at + PANEL_SIGNS + 32 * g), codes);
+                codes = _mm256_sign_epi8(codes, codes);
+            }
+            _mm256_storeu_si256((__m256i *)(at + 32 * g), codes);
+        }
+    }
+}
+
+/* The exact integer total of 8 rows' blocks (a panel block at `at`) against one token's
+ * block of codes x, from `start` (token_starts) */
+static ALWAYS_INLINE __m256i panel_block_ints(const uint8_t *at, const int8_t *x, int32_t start,
+                                              kv_weight_format format) {
+    __m256i ones = _mm256_set1_epi16(1), pairs = _mm256_setzero_si256();
+    __m256i ints[2] = {_mm256_set1_epi32(start), _mm256_setzero_si256()};
+    #pragma GCC unroll 8
+    for (int g = 0; g < 8; g++) {
+        int32_t four;
+        memcpy(&four, x + 4 * g, sizeof four);
+        __m256i x4 = _mm256_set1_epi32(four);
+        __m256i w = _mm256_loadu_si256((const __m256i *)(at + 32 * g));
+        if (format == KV_WEIGHT_Q8_0) {   /* |w| times x with w's sign, to int32 a group */
+            __m256i signs = _mm256_loadu_si256((const __m256i *)(at + PANEL_SIGNS + 32 * g));
+            __m256i products = _mm256_maddubs_epi16(w, _mm256_sign_epi8(x4, signs));
+            ints[g % 2] = _mm256_add_epi32(ints[g % 2], _mm256_madd_epi16(products, ones));
+        } else {   /* nibbles times x: the pairs of all eight groups fit int16 */
+            pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(w, x4));
+        }
+    }
+    if (format != KV_WEIGHT_Q8_0) ints[1] = _mm256_madd_epi16(pairs, ones);
+    return _mm256_add_epi32(ints[0], ints[1]);
+}
+
+/* A panel's 8 rows against tokens t0 .. t0 + n - 1 (n <= TILE_TOKENS, a constant in each
+ * call): out[t * out_dim + o0 + r] is kv_plain_matmul_int8's sum of row o0 + r and token t,
+ * bit for bit, as in the AVX-512 tile. */
+static ALWAYS_INLINE void panel_tokens(float *out, const uint8_t *panel, kv_weight_format format,
+                                       const float *x_pairs, const int8_t *x_codes,
+                                       const int32_t *starts, int t0, int n, int in_dim,
+                                       int out_dim, int o0) {
+    int n_blocks = in_dim / 32;
+    v8f sums[TILE_TOKENS], m_parts[TILE_TOKENS];
+    for (int i = 0; i < n; i++) sums[i] = m_parts[i] = splat(0.0f);
+    for (int b = 0; b < n_blocks; b++) {
+        const uint8_t *at = panel + (size_t)b * PANEL_BLOCK_BYTES;
+        v8f d_w = load8((const float *)(at + PANEL_D));
+        #pragma GCC unroll 4   /* constant indices into sums: they stay in registers */
+        for (int i = 0; i < n; i++) {
+            size_t tb = (size_t)(t0 + i) * n_blocks + b;
+            __m256i ints = panel_block_ints(at, x_codes + (size_t)(t0 + i) * in_dim + 32 * b,
+                                            starts[tb], format);
+            sums[i] = madd(d_w * splat(x_pairs[2 * tb]), (v8f)_mm256_cvtepi32_ps(ints), sums[i]);
+            if (format == KV_WEIGHT_Q4_1)
+                m_parts[i] = madd(load8((const float *)(at + PANEL_M)), splat(x_pairs[2 * tb + 1]),
+                                  m_parts[i]);
+        }
+    }
+    for (int i = 0; i < n; i++) {
+        v8f total = format == KV_WEIGHT_Q4_1 ? sums[i] + m_parts[i] : sums[i];
+        _mm256_storeu_ps(out + (size_t)(t0 + i) * out_dim + o0, (__m256)total);
+    }
 }
 #endif
 
-/* Rows lo .. hi - 1 of w against every token's quantized activations: the rows read as four
- * runs side by side (as rows_streamed does), every token against each four: with AVX-512
- * VNNI, four or more tokens eight at a time (the last few in one smaller tile); with AVX2,
- * four at a time; then two, then one. Inlined into one copy
+#if defined(KV_INT8_TILE_512) || defined(__AVX2__)
+#define KV_INT8_PANELS 1   /* rows_int8 takes the rows-in-lanes tile */
+/* A product takes the tile from this many tokens on (a prefill, a batched decode step);
+ * fewer stream the rows once per token or token group instead, with the same bits. At 4
+ * tokens the AVX-512 tile was 1.2-1.3x the four-token path (dot_rows4_int8_tokens) on the
+ * 110M shapes, panel repacking included (one thread); the AVX2 one 0.8-1.0x, and 1.2-1.3x
+ * at 16. -DTILE_MIN_TOKENS=n moves it for a measurement. */
+#ifndef TILE_MIN_TOKENS
+#ifdef KV_INT8_TILE_512
+#define TILE_MIN_TOKENS 4
+#else
+#define TILE_MIN_TOKENS 8
+#endif
+#endif
+
+/* What each token's block starts its integer sum from, so that unsigned weights give the
+ * signed rule's total: sum (w + 128) x - 128 sum x = sum w x for Q8_0 with dpbusd
+ * (START_Q8_0 = 128; 0 where Q8_0 is multiplied signed), and sum q x - 8 sum x =
+ * sum (q - 8) x for Q4_0 (Q4_1's q is unsigned already: 0). Tokens first .. last - 1,
+ * starts (n_tokens, n_blocks). */
+static void token_starts(kv_weight_format format, const int8_t *x_codes, int in_dim,
+                         int32_t *starts, int first, int last) {
+    int n_blocks = in_dim / 32, factor = format == KV_WEIGHT_Q8_0 ? START_Q8_0 : 8;
+    for (int t = first; t < last; t++)
+        for (int b = 0; b < n_blocks; b++) {
+            const int8_t *codes = x_codes + (size_t)t * in_dim + 32 * b;
+            int32_t sum = 0;
+            for (int i = 0; i < 32; i++) sum += codes[i];
+            starts[(size_t)t * n_blocks + b] = format == KV_WEIGHT_Q4_1 ? 0 : -factor * sum;
+        }
+}
+
+/* Rows lo .. lo + PANEL_ROWS * n_panels - 1 against every token, a panel at a time (packed into
+ * `panel`, n_blocks * PANEL_BLOCK_BYTES bytes), TILE_TOKENS tokens at a time */
+static ALWAYS_INLINE void rows_panels(float *out, const uint8_t *w, kv_weight_format format,
+                                      int n_tokens, int in_dim, int out_dim,
+                                      const float *x_pairs, const int8_t *x_codes,
+                                      const int32_t *starts, uint8_t *panel, int lo,
+                                      int n_panels) {
+    size_t row_bytes = kv_weight_row_bytes(format, in_dim);
+    for (int k = 0; k < n_panels; k++) {
+        int o0 = lo + PANEL_ROWS * k;
+        pack_panel(w + (size_t)o0 * row_bytes, row_bytes, format, in_dim / 32, panel);
+        int t = 0;
+#define TILE(n) panel_tokens(out, panel, format, x_pairs, x_codes, starts, t, n, in_dim, out_dim, o0)
+        if (format == KV_WEIGHT_Q4_1)
+            for (; t + TILE_TOKENS_Q4_1 <= n_tokens; t += TILE_TOKENS_Q4_1) TILE(TILE_TOKENS_Q4_1);
+        else
+            for (; t + TILE_TOKENS <= n_tokens; t += TILE_TOKENS) TILE(TILE_TOKENS);
+        switch (n_tokens - t) {   /* the last few tokens, the count a constant in each call */
+#define LAST(n) case n: TILE(n); break;
+        LAST(1) LAST(2) LAST(3)
+#if TILE_TOKENS > 4
+        LAST(4) LAST(5) LAST(6) LAST(7) LAST(8) LAST(9) LAST(10) LAST(11)
+#endif
+#undef LAST
+#undef TILE
+        default: break;
+        }
+    }
+}
+#endif
+
+/* Rows lo .. hi - 1 of w against every token's quantized activations. With AVX-512 VNNI and
+ * TILE_MIN_TOKENS or more tokens, 16 rows at a time in the rows-in-lanes tile (rows_panels);
+ * the rows left (all of them otherwise) read as four runs side by side (as rows_streamed
+ * does), every token against each four: with AVX2, four at a time; then two, then one.
+ * Inlined into one copy
  * per format (rows_int8_q8_0, ...), so that no test of the format is left in the loops. */
 static ALWAYS_INLINE void rows_int8(float *out, const uint8_t *w, kv_weight_format format,
                                     int n_tokens, int in_dim, int out_dim,
                                     const float *x_pairs, const int8_t *x_codes,
-                                    const uint8_t *packed, int lo, int hi) {
+                                    const int32_t *starts, uint8_t *panel, int lo, int hi) {
     // x_pairs (n_tokens, n_blocks, 2): each block's scale and d_x * sum of codes;
-    // packed: pack_pairs' layout of the same (with AVX-512 VNNI and four or more tokens;
-    // NULL where its memory could not be had)
+    // starts (n_tokens, n_blocks) and panel: token_starts' sums and this thread's room for
+    // pack_panel (with AVX-512 VNNI and TILE_MIN_TOKENS or more tokens; NULL otherwise)
     int n_blocks = in_dim / 32;
+#if defined(KV_INT8_PANELS)
+    if (starts != NULL && panel != NULL) {   /* PANEL_ROWS rows at a time, the rest below */
+        int n_panels = (hi - lo) / PANEL_ROWS;
+        rows_panels(out, w, format, n_tokens, in_dim, out_dim, x_pairs, x_codes, starts, panel,
+                    lo, n_panels);
+        lo += PANEL_ROWS * n_panels;
+    }
+#else
+    (void)starts;
+    (void)panel;
+#endif
     size_t row_bytes = kv_weight_row_bytes(format, in_dim);
     int per_run = (hi - lo) / 4;
 #define PAIRS(t) (x_pairs + 2 * (size_t)(t) * n_blocks)
@@ -843,21 +1055,22 @@ static ALWAYS_INLINE void rows_int8(float *out, const uint8_t *w, kv_weight_form
         const uint8_t *rows[4] = {w + (size_t)o[0] * row_bytes, w + (size_t)o[1] * row_bytes,
                                   w + (size_t)o[2] * row_bytes, w + (size_t)o[3] * row_bytes};
         int t = 0;
-#if defined(KV_INT8_TILE_512)
-        if (packed != NULL)   /* eight tokens at a time, then the rest in one more tile */
-            for (; t < n_tokens; t += 2 * TILE_PAIRS) {
-                int n = n_tokens - t < 2 * TILE_PAIRS ? n_tokens - t : 2 * TILE_PAIRS;
-                tile_512(out, rows, o, format, packed, t, n, n_blocks, out_dim);
-            }
-#endif
 #if defined(__AVX2__)
-        for (; t + 4 <= n_tokens; t += 4) {     /* four tokens against the four rows */
+        while (n_tokens - t >= 2) {   /* four tokens against the four rows; the last 2 or 3 */
+            int n = n_tokens - t >= 4 ? 4 : n_tokens - t;
             float sums[4][4];
-            const float *pairs[4] = {PAIRS(t), PAIRS(t + 1), PAIRS(t + 2), PAIRS(t + 3)};
-            const int8_t *codes[4] = {CODES(t), CODES(t + 1), CODES(t + 2), CODES(t + 3)};
-            dot_rows4_int8_tokens4(rows, format, pairs, codes, n_blocks, sums);
-            for (int i = 0; i < 4; i++)
+            const float *pairs[4];
+            const int8_t *codes[4];
+            for (int i = 0; i < 4; i++) {   /* past the n tokens: the last again, not read */
+                pairs[i] = PAIRS(t + (i < n ? i : n - 1));
+                codes[i] = CODES(t + (i < n ? i : n - 1));
+            }
+            if (n == 4) dot_rows4_int8_tokens(rows, format, pairs, codes, 4, n_blocks, sums);
+            else if (n == 3) dot_rows4_int8_tokens(rows, format, pairs, codes, 3, n_blocks, sums);
+            else dot_rows4_int8_tokens(rows, format, pairs, codes, 2, n_blocks, sums);
+            for (int i = 0; i < n; i++)
                 for (int r = 0; r < 4; r++) out[(size_t)(t + i) * out_dim + o[r]] = sums[i][r];
+            t += n;
         }
 #endif
         for (; t + 2 <= n_tokens; t += 2) {     /* two tokens share each row's loads */
@@ -885,10 +1098,10 @@ static ALWAYS_INLINE void rows_int8(float *out, const uint8_t *w, kv_weight_form
 
 #define ROWS_INT8_FOR(name, format)                                                         \
     static void name(float *out, const uint8_t *w, int n_tokens, int in_dim, int out_dim,   \
-                     const float *x_pairs, const int8_t *x_codes, const uint8_t *packed,    \
-                     int lo, int hi) {                                                       \
-        rows_int8(out, w, format, n_tokens, in_dim, out_dim, x_pairs, x_codes, packed, lo,  \
-                  hi);                                                                       \
+                     const float *x_pairs, const int8_t *x_codes, const int32_t *starts,    \
+                     uint8_t *panel, int lo, int hi) {                                       \
+        rows_int8(out, w, format, n_tokens, in_dim, out_dim, x_pairs, x_codes, starts, panel, \
+                  lo, hi);                                                                   \
     }
 ROWS_INT8_FOR(rows_int8_q8_0, KV_WEIGHT_Q8_0)
 ROWS_INT8_FOR(rows_int8_q4_0, KV_WEIGHT_Q4_0)
@@ -977,17 +1190,14 @@ static void quantize_tokens(const float *x, int in_dim, float *x_pairs, int8_t *
                              x_codes + (size_t)t * in_dim);
 }
 
-/* The memory pack_pairs fills for n_tokens tokens of in_dim (freed by the caller), or NULL
+/* The memory token_starts fills for n_tokens tokens of in_dim (freed by the caller), or NULL
  * where the 512-bit tile is not built in, the tokens are too few for it (a decode step of
- * one to three sequences streams the rows once per token instead), or the memory cannot be
- * had: then the products take the smaller tiles, with the same bits. */
-static uint8_t *packed_memory(int n_tokens, int in_dim) {
-#ifdef KV_INT8_TILE_512
-    if (n_tokens >= 4) {
-        size_t n_pairs = ((size_t)n_tokens + 1) / 2;
-        return (uint8_t *)kv_alloc_floats(n_pairs * (size_t)(in_dim / 32) * PACKED_BYTES /
-                                          sizeof(float));
-    }
+ * a few sequences streams the rows once per token instead), or the memory cannot be had:
+ * then the products take the smaller tiles, with the same bits. */
+static int32_t *starts_memory(int n_tokens, int in_dim) {
+#ifdef KV_INT8_PANELS
+    if (n_tokens >= TILE_MIN_TOKENS)
+        return (int32_t *)kv_alloc_floats((size_t)n_tokens * (size_t)(in_dim / 32));
 #endif
     (void)n_tokens;
     (void)in_dim;
@@ -1002,9 +1212,9 @@ void kv_matmul_int8_many(int n_matrices, float *const *outs, const uint8_t *cons
     int team_quantizes = n_tokens >= 8;
     if (!team_quantizes)
         quantize_tokens(x, in_dim, x_pairs, x_codes, 0, n_tokens);
-    uint8_t *packed = packed_memory(n_tokens, in_dim);
+    int32_t *starts = starts_memory(n_tokens, in_dim);
     void (*rows)(float *, const uint8_t *, int, int, int, const float *, const int8_t *,
-                 const uint8_t *, int, int) =
+                 const int32_t *, uint8_t *, int, int) =
         format == KV_WEIGHT_Q4_0 ? rows_int8_q4_0 :
         format == KV_WEIGHT_Q4_1 ? rows_int8_q4_1 : rows_int8_q8_0;
     int64_t work = 0;
@@ -1026,19 +1236,22 @@ void kv_matmul_int8_many(int n_matrices, float *const *outs, const uint8_t *cons
                             kv_split(n_tokens, me + 1, team));
             #pragma omp barrier
         }
-#ifdef KV_INT8_TILE_512
-        if (packed != NULL) {   /* each thread packs a share of the pairs, all read them all */
-            int n_pairs = (n_tokens + 1) / 2;
-            pack_pairs(format, x_pairs, x_codes, n_tokens, in_dim, packed,
-                       kv_split(n_pairs, me, team), kv_split(n_pairs, me + 1, team));
+        uint8_t *panel = NULL;   /* this thread's 16 rows, repacked (the 512-bit tile) */
+#ifdef KV_INT8_PANELS
+        if (starts != NULL) {   /* each thread a share of the tokens, all read them all */
+            token_starts(format, x_codes, in_dim, starts, kv_split(n_tokens, me, team),
+                         kv_split(n_tokens, me + 1, team));
+            panel = (uint8_t *)kv_alloc_floats((size_t)(in_dim / 32) * PANEL_BLOCK_BYTES /
+                                               sizeof(float));
             #pragma omp barrier
         }
 #endif
         for (int m = 0; m < n_matrices; m++)
-            rows(outs[m], ws[m], n_tokens, in_dim, out_dims[m], x_pairs, x_codes, packed,
+            rows(outs[m], ws[m], n_tokens, in_dim, out_dims[m], x_pairs, x_codes, starts, panel,
                  kv_split(out_dims[m], me, team), kv_split(out_dims[m], me + 1, team));
+        free(panel);
     }
-    free(packed);
+    free(starts);
 }
 
 void kv_matmul_int8(float *out, const float *x, const uint8_t *w, kv_weight_format format,

@@ -249,13 +249,14 @@ def _fma(a: np.ndarray, b: np.ndarray, acc: np.ndarray) -> np.ndarray:
 
 def matmul_int8(x: np.ndarray, codes: np.ndarray, in_dim: int, fmt: str = "q8_0") -> np.ndarray:
     """x (n_tokens, in_dim) against block-format weights (q8_0, q4_0 or q4_1), llama.cpp's
-    way: x quantized per block of 32 too (quantize_activations), and in each block lane m
-    (of eight) adds the exact integer sum of the four products code * x_code of weights
-    4m .. 4m + 3, times d_w * d_x, with one rounding (a fused multiply-add, as the core
-    does where the CPU has one); the lanes are added pairwise at the end. q4_1's weight is
+    way: x quantized per block of 32 too (quantize_activations). In each block the 32
+    products code * x_code are added exactly, as integers (at most 2^19: exact in float32
+    too); that block total times d_w * d_x is added to one running float32 sum, block after
+    block in order, with one rounding (a fused multiply-add, as the core does where the CPU
+    has one). This is llama.cpp's reference rule for q8_0 x q8_0. q4_1's weight is
     d_w * q + m_w: its m part is m_w times the block's d_x * (sum of its 32 x codes), made
     once per activation block (llama.cpp's Q8_1 idea), summed block after block in a
-    running sum of its own (one rounding each) and added to the lanes' total at the end."""
+    running sum of its own (one rounding each) and added to the main sum at the end."""
     if fmt not in BLOCK_FORMATS:
         raise ValueError(f"int8 activations go with {', '.join(BLOCK_FORMATS)} weights, "
                          f"not {fmt!r}")
@@ -265,18 +266,15 @@ def matmul_int8(x: np.ndarray, codes: np.ndarray, in_dim: int, fmt: str = "q8_0"
     for t, row in enumerate(np.asarray(x, dtype=np.float32)):
         x_scales, x_codes = quantize_activations(row)
         x_blocks = x_codes.reshape(-1, Q8_0_BLOCK).astype(np.int32)           # (blocks, 32)
-        partial = (w_codes * x_blocks).reshape(*w_codes.shape[:2], 8, 4).sum(-1)  # (out, blocks, 8)
+        totals = np.einsum("obi,bi->ob", w_codes, x_blocks)                   # (out, blocks), exact
         x_sums = (x_scales * x_blocks.sum(-1).astype(np.float32)).astype(np.float32)  # (blocks,)
         scale = (w_d * x_scales).astype(np.float32)                          # float32 products
-        lanes = np.zeros((codes.shape[0], 8), dtype=np.float32)
+        total = np.zeros(codes.shape[0], dtype=np.float32)
         m_part = np.zeros(codes.shape[0], dtype=np.float32)
-        for b in range(partial.shape[1]):
-            lanes = _fma(scale[:, b, None], partial[:, b], lanes)
+        for b in range(totals.shape[1]):
+            total = _fma(scale[:, b], totals[:, b].astype(np.float32), total)
             m_part = _fma(w_m[:, b], x_sums[b], m_part)
-        out[t] = ((lanes[:, 0] + lanes[:, 1]) + (lanes[:, 2] + lanes[:, 3])) + \
-                 ((lanes[:, 4] + lanes[:, 5]) + (lanes[:, 6] + lanes[:, 7]))
-        if fmt == "q4_1":
-            out[t] += m_part
+        out[t] = total + m_part if fmt == "q4_1" else total
     return out
 
 
