@@ -6,8 +6,8 @@ A decode step of one sequence reads every weight for one token: it is bound by m
 (kvlab.measure.memory_bandwidth). A step of many sequences uses each weight once per
 sequence and turns toward the compute roof, which kvlab.measure.compute_roof measures: the
 widest float32 multiply-add, the widest int8 dot product, and the int8 product's own
-sequence (exact sums of four, made float, scaled, multiply-added: what kvlab's int8 spec
-costs at best). This times SmolLM2-135M (kvlab.fetch("smollm2-135m"), its Q4_1 file
+sequence (each block's 32 byte products summed exactly from eight sums of four, made
+float, scaled, multiply-added: what kvlab's int8 rule costs at best). This times SmolLM2-135M (kvlab.fetch("smollm2-135m"), its Q4_1 file
 loaded as Q8_0) decoding batches of 1, 4 and 16 sequences with forward_batch, three ways
 (Q8_0 with int8 activations, Q8_0 with float32 activations, float32 weights), on one thread
 in CPU seconds (benchmarks/products_timing.py's measure), and reports the multiply-adds of

@@ -218,9 +218,13 @@ static float f32_chains(void) {
 #undef SUM
 
 /* The int8 dot product: 64 (512-bit VNNI), 32 (AVX2) or 4 byte products a chain and step,
- * each product and its addition two operations; and the int8 product's sequence (one
- * block of 32 for two tokens with 512-bit VNNI, for one token otherwise): the exact sums of
- * four, made float, scaled by a product of two scales, added with a multiply-add. */
+ * each product and its addition two operations; and the int8 product's sequence as
+ * weight_formats.c's rows-in-lanes tiles run it, a block of 32 for each lane's row: eight
+ * steps of sums of four (two chains of four, as the tiles add them) make the block's exact
+ * integer total in every lane, which is made float, scaled by a product of two scales and
+ * added to the lane's running sum with a multiply-add: 512 byte products a chain and step
+ * with 512-bit VNNI (16 lanes), 256 with AVX2 (8 lanes, Q8_0's way: |w| times x with w's
+ * sign, maddubs then madd). */
 #if defined(__AVX512VNNI__) && defined(__AVX512F__) && defined(__GNUC__)
 #define ROOF_INT8 "AVX-512 VNNI dpbusd, 64 byte products"
 #define INT8_OPS_PER_CHAIN_STEP 128.0
@@ -234,15 +238,22 @@ static float int8_chains(void) {
 #undef DECLARE
 #undef ONE
 #undef SUM
+#define INT8_PRODUCT_OPS_PER_CHAIN_STEP 1024.0
+/* one block's exact integer totals, 16 rows in the lanes, against the four codes x */
+static ALWAYS_INLINE __m512i block_totals_512(const __m512i w[8], __m512i x) {
+    __m512i ints[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};
+    for (int g = 0; g < 8; g++) ints[g % 2] = _mm512_dpbusd_epi32(ints[g % 2], w[g], x);
+    return _mm512_add_epi32(ints[0], ints[1]);
+}
 static float int8_product_chains(void) {
-    __m512i w = _mm512_set1_epi8(5), x = _mm512_set1_epi8(3);
+    __m512i w[8], x = _mm512_set1_epi8(3);
+    for (int g = 0; g < 8; g++) w[g] = _mm512_set1_epi8((char)(5 + g));
     __m512 d_w = _mm512_set1_ps(1e-3f), d_x = _mm512_set1_ps(0.5f);
 #define DECLARE(i) __m512 a##i = _mm512_setzero_ps();
-#define ONE(i)                                                                          \
-    a##i = _mm512_fmadd_ps(_mm512_mul_ps(d_w, d_x),                                     \
-                           _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), \
-                                                                  w, x)), a##i);        \
-    OPAQUE(x);                                                                          \
+#define ONE(i)                                                                       \
+    a##i = _mm512_fmadd_ps(_mm512_mul_ps(d_w, d_x),                                  \
+                           _mm512_cvtepi32_ps(block_totals_512(w, x)), a##i);        \
+    OPAQUE(x);                                                                       \
     OPAQUE(d_x);
 #define SUM(i) +_mm512_reduce_add_ps(a##i)
     RUN_CHAINS()
@@ -263,13 +274,33 @@ static float int8_chains(void) {
 #undef DECLARE
 #undef ONE
 #undef SUM
+#define INT8_PRODUCT_OPS_PER_CHAIN_STEP 512.0
+/* one block's exact integer totals, 8 rows in the lanes, against the four codes x: |w|
+ * times x with w's sign in pairs (maddubs), the pairs to int32 (madd) and added */
+static ALWAYS_INLINE __m256i block_totals_256(const __m256i w[8], const __m256i signs[8],
+                                              __m256i x) {
+    __m256i ones = _mm256_set1_epi16(1);
+    __m256i ints[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+    for (int g = 0; g < 8; g++) {
+        __m256i pairs = _mm256_maddubs_epi16(w[g], _mm256_sign_epi8(x, signs[g]));
+        ints[g % 2] = _mm256_add_epi32(ints[g % 2], _mm256_madd_epi16(pairs, ones));
+    }
+    return _mm256_add_epi32(ints[0], ints[1]);
+}
 static float int8_product_chains(void) {
-    __m256i w = _mm256_set1_epi8(5), x = _mm256_set1_epi8(3);
+    __m256i w[8], signs[8], x = _mm256_set1_epi8(3);
+    for (int g = 0; g < 8; g++) {
+        w[g] = _mm256_set1_epi8((char)(5 + g));
+        /* a distinct sign vector a group, as the panel's are: equal ones would let the
+         * compiler share one sign operation among the groups, which the tile cannot */
+        signs[g] = _mm256_set1_epi8((char)(g % 2 ? -1 - g : 1 + g));
+    }
     v8f d_w = splat(1e-3f), d_x = splat(0.5f);
 #define DECLARE(i) v8f a##i = {0};
-#define ONE(i)                                                                    \
-    a##i = madd(d_w * d_x, (v8f)_mm256_cvtepi32_ps(products32(w, x)), a##i);       \
-    OPAQUE(x);                                                                    \
+#define ONE(i)                                                                       \
+    a##i = madd(d_w * d_x, (v8f)_mm256_cvtepi32_ps(block_totals_256(w, signs, x)), \
+                a##i);                                                               \
+    OPAQUE(x);                                                                       \
     OPAQUE(d_x);
 #define SUM(i) +reduce_lanes(a##i)
     RUN_CHAINS()
@@ -287,6 +318,7 @@ static float int8_chains(void) {
     for (int c = 0; c < N_CHAINS; c++) total += (float)acc[c];
     return total;
 }
+#define INT8_PRODUCT_OPS_PER_CHAIN_STEP INT8_OPS_PER_CHAIN_STEP
 static float int8_product_chains(void) { return int8_chains(); }
 #endif
 #undef DECLARE
@@ -337,8 +369,9 @@ kv_status kv_measure_compute(int n_threads, int repeats, kv_compute_roof *roof) 
                                 repeats, &checksum);
     roof->int8_ops = best_rate(int8_chains, steps * INT8_OPS_PER_CHAIN_STEP, n_threads,
                                repeats, &checksum);
-    roof->int8_product_ops = best_rate(int8_product_chains, steps * INT8_OPS_PER_CHAIN_STEP,
-                                       n_threads, repeats, &checksum);
+    roof->int8_product_ops = best_rate(int8_product_chains,
+                                       steps * INT8_PRODUCT_OPS_PER_CHAIN_STEP, n_threads,
+                                       repeats, &checksum);
     roof->f32_instruction = ROOF_F32;
     roof->int8_instruction = ROOF_INT8;
     roof->checksum = checksum;

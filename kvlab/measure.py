@@ -347,9 +347,10 @@ def compute_roof(repeats: int = 3) -> dict:
       f32_flops_per_s:        the widest float32 multiply-add the build has;
       int8_ops_per_s:         the widest int8 dot-product instruction (byte products);
       int8_product_ops_per_s: byte products through the int8-activation product's own
-                              sequence (exact sums of four, made float, times a scale,
-                              added with a multiply-add: what a Q8_0 prefill or batched
-                              decode step can reach at best);
+                              sequence as its rows-in-lanes tiles run it (eight sums of
+                              four make each lane's block total of 32 exact, which is made
+                              float, times a scale, added with a multiply-add: what a Q8_0
+                              prefill or batched decode step can reach at best);
     each also as ..._1_thread, with 'threads' and the instructions timed, in words. A
     product of many tokens (a prefill, a batched decode step) is bound by these; a decode
     step of one sequence by the bandwidth."""
