@@ -131,7 +131,9 @@ void kv_plain_matmul_int8(float *out, const float *x, const uint8_t *w, kv_weigh
             for (int b = 0; b < n_blocks; b++) {
                 const uint8_t *block = row + (size_t)b * block_bytes;
                 float scale = kv_half_at(block) * x_scales[(size_t)t * n_blocks + b];
-                int32_t codes[32], total = 0;   /* the block's 32 products, exactly */
+                /* the block's 32 products, exactly; two loops, not one: GCC 12 -O3 with
+                 * AVX-512 computed wrong totals from the fused loop (tests/c caught it) */
+                int32_t codes[32], total = 0;
                 for (int i = 0; i < 32; i++) codes[i] = weight_code(format, block + header, i);
                 for (int i = 0; i < 32; i++) total += codes[i] * xq[b * 32 + i];
                 sum = multiply_add(scale, (float)total, sum);
