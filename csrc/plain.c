@@ -131,8 +131,10 @@ void kv_plain_matmul_int8(float *out, const float *x, const uint8_t *w, kv_weigh
             for (int b = 0; b < n_blocks; b++) {
                 const uint8_t *block = row + (size_t)b * block_bytes;
                 float scale = kv_half_at(block) * x_scales[(size_t)t * n_blocks + b];
-                /* the block's 32 products, exactly; two loops, not one: GCC 12 -O3 with
-                 * AVX-512 computed wrong totals from the fused loop (tests/c caught it) */
+                /* the block's 32 products, exactly; two loops, not one: GCC 12.2 -O3
+                 * -mavx512vnni vectorizes the fused loop's signed byte products with
+                 * vpdpbusd, which reads one side as unsigned: wrong totals (tests/c
+                 * caught it; a 20-line reproduction gives them on any random block) */
                 int32_t codes[32], total = 0;
                 for (int i = 0; i < 32; i++) codes[i] = weight_code(format, block + header, i);
                 for (int i = 0; i < 32; i++) total += codes[i] * xq[b * 32 + i];
