@@ -424,7 +424,8 @@ def cmd_info(args) -> int:
     print(f"                multiply-adds {fused}; KVLAB_KERNELS=plain runs the plain tier")
     from .cuda import why_not       # the GPU labs and kernels: usable here, or why not
     reason = why_not()
-    print(f"GPU             {'usable (kvlab.cuda)' if reason is None else ' '.join(reason.split())}")
+    gpu = "usable (kvlab.cuda)" if reason is None else " ".join(reason.split())
+    print(f"GPU             {gpu}")
     return 0
 
 

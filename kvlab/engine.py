@@ -163,9 +163,9 @@ class Engine:
     done; a Ctrl-C between the forward calls of a long step, with the step unfinished
     (`unfinished`), which the next step finishes; an error in a call on no one request's
     behalf (the forward call itself, the pool, the trace sink), with the step's queues and
-    pool as far as it went, which the next step plans from. Trace events are sent in order between steps, each until the sink
-    returns: one a sink raised on is sent again first on the next step, before any new
-    work (has_work stays True until then). Sequences made on the pool by hand are left
+    pool as far as it went, which the next step plans from. Trace events are sent in order
+    between steps, each until the sink returns: one a sink raised on is sent again first on
+    the next step, before any new work (has_work stays True until then). Sequences made on the pool by hand are left
     alone; if they hold what waiting requests need, step() and run() raise RuntimeError,
     never loop."""
 
