@@ -34,7 +34,8 @@ def test_the_probe_runs_with_the_grader_compiler_and_the_build_follows_it(fresh_
     verdict = cbuild.int8_probe(cc, flags)
     assert verdict is not None, "the int8 probe could not be built or run with kvlab's own flags"
     assert cbuild.int8_probe(cc, ("-O0",)) is True          # unoptimized, every sum is right
-    guarded = all(f in cbuild.build_command(Path("k.c"), Path("k.so"), LAB) for f in cbuild.VNNI_OFF)
+    command = cbuild.build_command(Path("k.c"), Path("k.so"), LAB)
+    guarded = all(f in command for f in cbuild.VNNI_OFF)
     assert guarded == (verdict is False)
     assert bool(cbuild.build_note()) == guarded
     version = subprocess.run([cc, "-dumpfullversion"], capture_output=True, text=True).stdout
@@ -60,7 +61,8 @@ def test_a_failing_probe_turns_vnni_off_in_the_build_and_says_so(fresh_guard, mo
         cbuild.int8_guard.cache_clear()
         monkeypatch.setattr(cbuild, "int8_probe", lambda cc, flags, v=verdict: v)
         command, flags = cbuild.build_command(Path("k.c"), Path("k.so"), LAB), cbuild.kit_flags()
-        assert command[1:1 + len(flags)] == flags and command[1 + len(flags)].startswith("-DKVLAB_FMA")
+        assert command[1:1 + len(flags)] == flags
+        assert command[1 + len(flags)].startswith("-DKVLAB_FMA")
         assert cbuild.build_note() == ""
 
 
