@@ -549,8 +549,11 @@ static kv_status batch_without_gil(ModelObject *self, PoolObject *pool, int n_se
     kv_status status;
     pool->base.busy = 1;
     Py_BEGIN_ALLOW_THREADS
+    kv_set_interrupt_check(kv_py_signals_pending, &_save);   /* a long call looks, and a
+                                                               stopped one changes nothing */
     status = kv_model_forward_batch(&self->model, &pool->pool, n_seqs, slots, counts, ids,
                                     logits, all_logits, count);
+    kv_set_interrupt_check(NULL, NULL);
     Py_END_ALLOW_THREADS
     pool->base.busy = 0;
     if (status == KV_ERR_INVALID_ARG)
