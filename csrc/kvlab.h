@@ -651,7 +651,8 @@ kv_status kv_model_forward_paged(const kv_model *model, kv_pool *pool, int seq,
  * error) the pool is as it was. A call of more than KV_CHUNK_FLOPS of work asks the
  * interrupt check between its layers (not in a pool with a residual window, whose rings
  * are written in place) and, told to stop, returns KV_ERR_INTERRUPTED with every
- * reservation cancelled: the pool as it was, nothing counted. */
+ * reservation cancelled (kv_blocks_cancel): the sequences as they were, nothing counted;
+ * only a cached block a reservation evicted stays evicted, now free. */
 kv_status kv_model_forward_batch(const kv_model *model, kv_pool *pool, int n_seqs,
                                  const int *seqs, const int *n_tokens, const int32_t *tokens,
                                  float *logits, int all_logits, kv_counters *counters);

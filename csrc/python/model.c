@@ -654,7 +654,8 @@ static PyMethodDef model_methods[] = {
      "One step of a batching engine: seqs are PagedSequences of one pool; tokens (int32)\n"
      "holds their new tokens one sequence after another, n_tokens (int32) how many each.\n"
      "Every weight matrix is streamed once per TOKEN_CHUNK (96) tokens of the batch; each row of\n"
-     "logits is its sequence's last new token's, bit-identical to running that sequence alone."},
+     "logits is its sequence's last new token's, bit-identical to running that sequence alone.\n"
+     "A call of more than KV_CHUNK_FLOPS stops for Ctrl-C between layers, changing nothing."},
     {NULL}
 };
 
