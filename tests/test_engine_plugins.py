@@ -648,7 +648,7 @@ class CountsCalls:
 
 
 ALLOCATOR_RUNS = {   # name -> (samples, options, the hooks its run calls often)
-    "plain": (1, {}, ("new_sequence", "append", "free")),
+    "plain": (1, {}, ("new_sequence", "append", "free", "num_free_blocks")),  # (and a check)
     "samples": (3, {}, ("fork", "append", "free")),            # n=3: forks
     "swap": (1, {"preemption": "swap"}, ("new_sequence", "free")),
     "drafts": (1, {"drafter": PromptLookup}, ("truncate", "append")),   # refused drafts cut
