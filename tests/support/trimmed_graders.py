@@ -1,7 +1,7 @@
 """A lab's grader file without some of its tests, and the proof that a planted mistake cannot
 reach a test, for the suite's gradings of cheats and mistakes (test_grading_cheats.py,
 test_grading.py) that leave out slow tests (@points(..., slow=N): lab 13's runs on SmolLM2,
-up to 35 s of CPU a grading) whose outcome they cannot change.
+30-60 s of CPU a grading) whose outcome they cannot change.
 
 `unreachable` reads code, it runs nothing: it follows the submission (`sub`) from a test
 through the grader's own functions to the names the test calls on it, then through the
@@ -9,7 +9,8 @@ reference solution's functions to every name those use. A mistake that defines n
 runs the same code as the solution in that test, in a fresh worker (the judge starts one a
 test). Anything it cannot follow (the submission handed to kvlab's code, or read by a name
 built at run time, a mistake with code outside its functions) counts as reached: the test
-is kept. It proves nothing about the grader or the solution, only that one is the other.
+is kept. It proves nothing about the grader or the solution, only that the mistake's run of
+the test is the solution's.
 """
 import ast
 from pathlib import Path
