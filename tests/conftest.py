@@ -4,6 +4,9 @@ The checkpoints sit outside the repository in ../shared/models (see its README.m
 are never copied in. Tests that need them take the `shared_models` fixture, which skips
 the test cleanly where the folder is absent. Set KVLAB_SHARED to point elsewhere: either
 at a `shared` folder holding `models/`, or at the models folder itself.
+
+Also: the tests' Ctrl-C handler, the property tests' profile, and the Gradescope setup test's
+setup.sh started as soon as that test is collected (at the end of this file).
 """
 from __future__ import annotations
 
@@ -117,3 +120,20 @@ def write_tokenizer_json():
         return path
 
     return write
+
+
+# ---- the Gradescope package's setup.sh, started early (tests/support/gradescope_setup.py) ----
+def pytest_collection_finish(session):
+    """Start setup.sh now, at the lowest priority, if its test is to run: its build then runs
+    beside the tests before it."""
+    import gradescope_setup
+    if session.config.option.collectonly:
+        return
+    if gradescope_setup.wanted() and any(item.nodeid.endswith(gradescope_setup.TEST)
+                                         for item in session.items):
+        gradescope_setup.start()
+
+
+def pytest_sessionfinish(session):
+    import gradescope_setup
+    gradescope_setup.remove()            # (the test removes it; this, if the test never ran)

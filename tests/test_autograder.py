@@ -12,7 +12,6 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 import zipfile
 from pathlib import Path
 
@@ -21,6 +20,8 @@ import pytest
 pytest.importorskip("kvlab._kvlab")
 from kvlab.grading import LABS  # noqa: E402
 from kvlab.grading.autograder import WORKER_USER, build, find_submission  # noqa: E402
+import gradescope_setup  # noqa: E402
+from gradescope_setup import unpack  # noqa: E402
 
 INSTRUCTOR = Path(__file__).resolve().parents[1] / "instructor"
 
@@ -28,18 +29,6 @@ INSTRUCTOR = Path(__file__).resolve().parents[1] / "instructor"
 @pytest.fixture(scope="module")
 def package(tmp_path_factory):
     return build("cache_size", tmp_path_factory.mktemp("zip") / "cache_size.zip", INSTRUCTOR)
-
-
-def unpack(package, root):
-    (root / "source").mkdir(parents=True)
-    (root / "submission").mkdir()
-    with zipfile.ZipFile(package) as archive:
-        archive.extractall(root / "source")
-        for info in archive.infolist():              # zipfile drops the modes: put them back
-            mode = (info.external_attr >> 16) & 0o777
-            if mode:
-                os.chmod(root / "source" / info.filename, mode)
-    return root
 
 
 def run_autograder(root, env_extra, timeout=600):
@@ -195,22 +184,17 @@ def full_marks_in_package(lab, top, env):
     return root
 
 
-@pytest.mark.skipif(os.environ.get("KVLAB_TEST_GRADESCOPE_SETUP") != "1" or os.geteuid() != 0,
+@pytest.mark.skipif(not gradescope_setup.wanted(),
                     reason="runs setup.sh as Gradescope does: needs root and "
                            "KVLAB_TEST_GRADESCOPE_SETUP=1 (.ci/run sets both)")
-def test_setup_sh_and_the_unprivileged_student_as_on_gradescope(package):
-    top = Path(tempfile.mkdtemp(prefix="kvlab-gradescope-", dir="/tmp"))
+def test_setup_sh_and_the_unprivileged_student_as_on_gradescope():
+    # cache_size's package, its setup.sh started when this test was collected (its build
+    # runs beside the gradings before this test: tests/support/gradescope_setup.py)
+    setup = gradescope_setup.start()
     try:
-        os.chmod(top, 0o755)
-        root = unpack(package, top / "autograder")
-        venv = top / "venv"
-        # as on Gradescope, whose image has no nvcc: CI's KVLAB_CUDA=1 (its own install
-        # compiles every GPU kernel) would have this build compile them all again, minutes
-        gradescope = {k: v for k, v in os.environ.items() if not k.startswith("KVLAB_CUDA")}
-        setup = subprocess.run(["bash", str(root / "source" / "setup.sh")], cwd=root / "source",
-                               env={**gradescope, "KVLAB_VENV": str(venv)},
-                               capture_output=True, text=True, timeout=1200)
-        assert setup.returncode == 0, setup.stdout[-3000:] + setup.stderr[-3000:]
+        top, root, venv = setup.top, setup.root, setup.venv
+        status, said = setup.wait(timeout=1200)
+        assert status == 0, said
         env = {"KVLAB_VENV": str(venv)}                  # and the default user, kvlab-student
         shutil.copy(INSTRUCTOR / "solutions" / "cache_size.py", root / "submission" / "cache_size.py")
         run = run_autograder(root, env)
@@ -314,7 +298,7 @@ raise RuntimeError(" ".join(seen))
         assert "RuntimeError: PermissionError PermissionError BlockingIOError RuntimeError" \
             in said, said
     finally:
-        shutil.rmtree(top, ignore_errors=True)
+        gradescope_setup.remove()
 
 
 def test_a_judge_that_fails_still_leaves_gradescope_a_results_json(package, tmp_path,

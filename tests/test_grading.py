@@ -26,6 +26,7 @@ import kvlab  # noqa: E402
 from kvlab import cli  # noqa: E402
 from kvlab.grading import LABS, check, grade, start_lab  # noqa: E402
 from named_models import require_named_models  # noqa: E402
+from trimmed_graders import slow_tests, unreachable, without_tests  # noqa: E402
 
 INSTRUCTOR = Path(__file__).resolve().parents[1] / "instructor"
 CHAPTERS = Path(__file__).resolve().parents[1] / "chapters"
@@ -37,9 +38,9 @@ def graders(lab):
     return INSTRUCTOR / "graders" / f"{lab}.py"
 
 
-def hidden(lab, submission, seed=1, **options):
+def hidden(lab, submission, seed=1, tests=None, **options):
     require_named_models(LABS[lab].models)        # cache_eviction's curves run SmolLM2
-    return grade(lab, submission, tests=graders(lab), seed=seed, **options)
+    return grade(lab, submission, tests=tests or graders(lab), seed=seed, **options)
 
 
 def solution(lab):
@@ -123,12 +124,57 @@ def test_a_planted_mistake_loses_the_right_points(mistake, tmp_path):
     submission.write_text((INSTRUCTOR / "solutions" / f"{lab}.py").read_text() + "\n\n"
                           + mistake.read_text())
     seed = zlib.crc32(mistake.stem.encode())           # a different draw for each mistake
-    report = hidden(lab, submission, seed=seed)
     expected = expected_failures(mistake)
+    # A slow test (lab 13's runs on SmolLM2, about 31 s of CPU) that the mistake provably
+    # cannot reach is left out: it would run only the solution's code, its outcome the
+    # reference solution's on this draw (graded in full above, on two), and would only
+    # cost CI time. The proof is read from the code (tests/support/trimmed_graders.py);
+    # where it cannot be made, the test runs and must pass.
+    left_out = {test for test in slow_tests(graders(lab)) - expected
+                if unreachable(test, graders(lab), solution(lab), mistake.read_text())}
+    report = hidden(lab, submission, seed=seed,
+                    tests=without_tests(graders(lab), left_out, tmp_path))
     assert expected <= {t.function for t in report.tests}, "unknown test names"
     assert set(report.failed()) == expected, report.summary()
     lost = sum(t.max_score for t in report.tests if t.function in expected)
     assert report.score == report.max_score - lost
+
+
+def test_a_mistake_leaves_out_only_the_slow_tests_it_provably_cannot_reach(tmp_path):
+    """What the test above leaves out: lab 13's whole-model test calls only search_scales,
+    whose code a wrong fold_into_norm is not part of; a wrong rounding is (search_scales
+    calls it), and so is anything the proof cannot follow."""
+    lab, kl = "weight_quantization", "test_your_scales_beat_round_to_nearest_on_smollm2"
+    folder = INSTRUCTOR / "mistakes" / lab
+
+    def reaches(mistake_source, test=kl, lab=lab):
+        return not unreachable(test, graders(lab), solution(lab), mistake_source)
+    assert slow_tests(graders(lab)) == {kl, "test_your_search_on_smollm2s_layers"}
+    assert not reaches((folder / "fold_multiplies_the_norm.py").read_text())
+    assert not reaches((folder / "fold_multiplies_the_norm.py").read_text(),
+                       "test_your_search_on_smollm2s_layers")
+    for name in ("scale_not_stored_as_half", "scales_from_the_largest_activation"):
+        assert reaches((folder / f"{name}.py").read_text()), name
+    fold = (folder / "fold_multiplies_the_norm.py").read_text()
+    # code run at import, a decorator, a name bound to what a call returns: anything goes
+    for added in ("print('hi')\n", "@staticmethod\ndef f():\n    pass\n", "g = len([])\n",
+                  "def f(x=len([])):\n    pass\n"):
+        assert reaches(fold + added), added
+    # a name the solution's search uses, bound over again
+    assert reaches(fold + "channel_scales = fold_into_norm\n")
+    # the submission handed to kvlab's own code (cache_eviction's curves): not followed
+    assert reaches("def rotate(x, shift, inv_freq, interleaved):\n    return x\n",
+                   "test_sinks_curve_on_smollm2", "cache_eviction")
+    assert reaches("def sink_rows(length, n_keep, sinks):\n    return None\n",
+                   "test_heavy_hitters_curve_on_smollm2", "cache_eviction")
+    # and the grader written without them lacks exactly them (read, not loaded: loading
+    # runs its prepare(), SmolLM2's load)
+    def functions(path):
+        return [node.name for node in ast.parse(path.read_text()).body
+                if isinstance(node, ast.FunctionDef)]
+    trimmed = without_tests(graders(lab), {kl}, tmp_path)
+    assert functions(trimmed) == [name for name in functions(graders(lab)) if name != kl]
+    assert without_tests(graders(lab), set(), tmp_path) == graders(lab)
 
 
 @pytest.mark.parametrize("mistake", C_MISTAKES, ids=[f"{p.parent.name}/{p.stem}" for p in C_MISTAKES])

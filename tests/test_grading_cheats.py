@@ -30,6 +30,7 @@ from kvlab.grading.labs import get_lab  # noqa: E402
 from kvlab.grading.process import WorkerProcess  # noqa: E402
 from kvlab.grading.remote import RemoteError, Session  # noqa: E402
 from named_models import require_named_models  # noqa: E402
+from trimmed_graders import slow_tests, without_tests  # noqa: E402
 
 INSTRUCTOR = Path(__file__).resolve().parents[1] / "instructor"
 SOLUTION = (INSTRUCTOR / "solutions" / "cache_size.py").read_text()
@@ -65,22 +66,7 @@ def graders_for(lab: str, aimed: set, tmp_path: Path) -> Path:
     (@points(..., slow=N): lab 13's searches on SmolLM2, up to 35 s of CPU a grading) that
     the cheat does not aim at. What this file checks of a cheat is its aimed tests and that
     the rest of the solution still scores; a slow test it leaves alone only costs CI time."""
-    path = graders(lab)
-    source = path.read_text()
-
-    def slow(node):
-        return any(isinstance(d, ast.Call) and any(k.arg == "slow" for k in d.keywords)
-                   for d in node.decorator_list)
-    left_out = [node for node in ast.parse(source).body if isinstance(node, ast.FunctionDef)
-                and node.name not in aimed and slow(node)]
-    if not left_out:
-        return path
-    lines = source.splitlines(keepends=True)
-    for node in sorted(left_out, key=lambda node: node.lineno, reverse=True):
-        del lines[min(d.lineno for d in node.decorator_list) - 1:node.end_lineno]
-    trimmed = tmp_path / f"{lab}_graders.py"
-    trimmed.write_text("".join(lines))
-    return trimmed
+    return without_tests(graders(lab), slow_tests(graders(lab)) - aimed, tmp_path)
 
 
 def cheat_list(path: Path, name: str) -> list:
