@@ -198,3 +198,47 @@ def test_the_allowance_follows_the_machines_slowness_and_never_shrinks(monkeypat
     for _ in range(31):
         meter()
     assert meter.allowance_s == CALL_ALLOWANCE_S
+
+
+STARTS = '''
+import shutil as _ue
+import threading
+_os = _ue.os                                     # os by another name, past the source check
+seen = []
+for start in (_os.fork, threading.Thread(target=print).start,
+              lambda: _os.posix_spawnp("true", ["true"], {})):
+    try:
+        if start() == 0 and start is _os.fork:
+            _os._exit(0)
+        seen.append("started")
+    except (OSError, RuntimeError) as error:
+        seen.append(type(error).__name__)
+raise RuntimeError(" ".join(seen))
+'''
+
+
+@linux
+@pytest.mark.parametrize("max_processes, said", [
+    (1, "BlockingIOError RuntimeError BlockingIOError"),
+    (256, "started started started")])
+def test_a_worker_that_must_be_alone_starts_nothing_whatever_its_user(tmp_path, max_processes,
+                                                                     said):
+    """Graded as the judge's own user (no worker user, as `kvlab grade` on a student's
+    machine, or this test as root), lab 15's worker (max_processes 1) can start no process,
+    thread or program, as on the autograder, where its user's RLIMIT_NPROC bars them; a lab
+    that allows processes is left as it was."""
+    import time as clock
+    from kvlab.grading.labs import get_lab
+    from kvlab.grading.process import WorkerProcess
+    from kvlab.grading.remote import RemoteError, Session
+    path = tmp_path / "submission.py"
+    path.write_text(STARTS)
+    worker = WorkerProcess(tmp_path, max_processes=max_processes)
+    try:
+        session = Session(worker, clock.monotonic() + 30)
+        with pytest.raises(RemoteError) as raised:
+            session.ask({"op": "load", "path": str(path),
+                         "policy": get_lab("serving_capstone").policy.to_dict()})
+        assert said in raised.value.message, raised.value.message
+    finally:
+        worker.stop()

@@ -23,13 +23,30 @@ outside the worker and never from a number the worker reports:
 
 What it cannot see: a child process that ends and is reaped without being waited for (its
 parent ignoring SIGCHLD, or with SA_NOCLDWAIT) between two readings: its CPU time is lost
-to every count the kernel keeps that the judge can read (so on the autograder lab 15's
-worker may start none: kvlab.grading.labs' max_processes). What it leaves free: the
-allowances, about 0.25 s of CPU over a capstone run, which a cheat could spend by
-splitting its work across calls. CPU time, unlike the engine's prices, depends on the
-machine and its load, so a run whose plug-ins are charged is repeatable only as far as
-their CPU time is: an honest plug-in stays within its allowances, and its run is the same
-every time.
+to every count the kernel keeps that the judge can read. So lab 15's worker may start no
+process or thread (kvlab.grading.labs' max_processes of 1): on Linux a seccomp filter it
+installs on itself bars them whatever user it runs as (process_limits.py), and as the
+autograder's user RLIMIT_NPROC does too; off Linux, as a user other than root, the limit
+bars processes (threads are the process's CPU time anyway); as root off Linux nothing is
+barred, and such a child's CPU time is counted only while the judge sees it.
+
+What it leaves free, exactly: each call's allowance, CALL_ALLOWANCE_S times the slowness
+then (1 to MOST_SLOWER), no more than CREDIT_CALLS + 1 of them spent by one call; and the
+startup's allowance, which ends at the first call. The allowances stand for the call's
+round trip and a plain Python answer, which the step's fixed price holds: the baselines'
+plans run in the judge, with no round trip, at no charge. What an honest call uses of
+its allowance (the round trip alone about 80 us quiet) is the rest's measure: on seeds 7,
+11 and 3, under a load of about 5 on 2 cores, the reference solution made 1,690-1,870
+calls, the slowness 1.0-1.7, 560-590 ms of allowances, of which its worker used 215-280
+ms, so 0.3 s of CPU was left that a cheat could spend uncharged, split across the calls
+(on a quiet machine about 0.2 s; under heavy load up to MOST_SLOWER times as much). The
+cheat that spends it on the bundled model in NumPy (drafts_with_the_model_on_the_allowances)
+gained no tier, and the drafting tests' model is nudged at grading time (the grader's
+nudged_model), so no copy of it, nor its answers, is the one graded. The startup's 0.3 s
+buys nothing a file cannot carry: before its first call the worker knows neither the
+workload nor the model. CPU time, unlike the engine's prices, depends on the machine and
+its load, so a run whose plug-ins are charged is repeatable only as far as their CPU time
+is: an honest plug-in stays within its allowances, and its run is the same every time.
 """
 from __future__ import annotations
 

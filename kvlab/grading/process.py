@@ -8,7 +8,8 @@ outside the worker:
   first `output_cap` bytes, so a flood costs nothing but CPU;
 - processes: on Linux the judge is a child subreaper, so anything the worker starts,
   double-forked or detached included, becomes the judge's child when its parent dies, and
-  `sweep()` kills every descendant until none is left;
+  `sweep()` kills every descendant until none is left; a lab whose worker must be alone
+  (max_processes 1) has it start none, whatever user it runs as (process_limits.py);
 - identity: given a user, the worker runs as that user (the autograder creates one), so it
   cannot read the tests, write the results or signal the judge.
 
@@ -356,9 +357,9 @@ class WorkerProcess:
         output_r, output_w = os.pipe()
         command = [sys.executable, "-I", "-B", str(WORKER_SCRIPT), str(to_worker_r),
                    str(from_worker_w)]
+        command += ["--max-processes", str(max_processes)]   # 1: none at all, whatever user
         if identity:                    # the worker becomes the user itself
-            command += ["--user", f"{identity[0]}:{identity[1]}",
-                        "--max-processes", str(max_processes)]
+            command += ["--user", f"{identity[0]}:{identity[1]}"]
         env = {name: os.environ[name] for name in ENV_KEPT if name in os.environ}
         env.update(HOME=str(folder), TMPDIR=str(folder), MPLBACKEND="Agg",
                    PYTHONIOENCODING="utf-8")

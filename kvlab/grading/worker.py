@@ -8,7 +8,8 @@ in an empty folder, with a clean environment, in a session of its own. On the Gr
 autograder it starts as root and becomes an unprivileged user (--user) before it reads a
 line of the student's code. It never sees the tests, their points, the results file or the
 judge's files, and it never loads kvlab: of kvlab's files it reads only wire.py (the
-values it sends and receives) and policy.py (what the submission may import), by path.
+values it sends and receives), policy.py (what the submission may import) and
+process_limits.py (a worker that may start nothing), by path.
 Whatever a lab lends the student's code (a model, its caches, kvlab.measure's functions)
 stays in the judge and is reached through proxies, so nothing in this process is worth
 stealing: no reference answer, no log the grader reads, no secret. It reads requests from READ_FD and answers on WRITE_FD,
@@ -82,6 +83,7 @@ import numpy  # noqa: E402  (after sys.path is as -I left it; wire needs it too)
 
 wire = _load_sibling(HERE / "wire.py")
 policy = _load_sibling(HERE / "policy.py")
+process_limits = _load_sibling(HERE / "process_limits.py")
 
 
 def _become(uid, gid):
@@ -94,16 +96,20 @@ def _become(uid, gid):
         raise SystemExit("the worker could not give up root")
 
 
-def _limit_resources(max_processes):
-    """Limits the student's code cannot raise again: no core files, bounded files, and (when
-    the worker runs as a user of its own) a bounded number of processes. The worker dies
-    with the judge (set after any change of user, which clears it; Linux only)."""
+def _limit_resources(max_processes, own_user):
+    """Limits the student's code cannot raise again: no core files, bounded files, (when
+    the worker runs as a user of its own) a bounded number of processes, and, where the lab
+    allows the worker no other process (max_processes 1), no process or thread started,
+    whatever user it runs as (process_limits). The worker dies with the judge (set after
+    any change of user, which clears it; Linux only)."""
     if resource is None:
         return
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
     resource.setrlimit(resource.RLIMIT_FSIZE, (OUTPUT_LIMIT, OUTPUT_LIMIT))
-    if max_processes:
+    if max_processes and own_user:      # the limit counts every process of the user
         resource.setrlimit(resource.RLIMIT_NPROC, (max_processes, max_processes))
+    if max_processes == 1:
+        process_limits.forbid_new_tasks()
     if sys.platform.startswith("linux"):
         import ctypes
         ctypes.CDLL(None).prctl(1, 9, 0, 0, 0)     # PR_SET_PDEATHSIG, SIGKILL
@@ -501,7 +507,7 @@ def main(argv):
     if options["--user"]:
         uid, gid = (int(n) for n in options["--user"].split(":"))
         _become(uid, gid)
-    _limit_resources(int(options["--max-processes"]))
+    _limit_resources(int(options["--max-processes"]), own_user=bool(options["--user"]))
     sys.argv = [SUBMISSION]
     worker.serve()
 
