@@ -399,7 +399,7 @@ def plot_throughput(result: dict, ridges: dict, path: Path) -> None:
     left.set_xscale("log", base=2)
     left.set_yscale("log")
     left.set_xlabel("requests decoded together (batch size)")
-    left.set_ylabel("decode tokens/s")
+    left.set_ylabel("decode tokens per CPU second")
     left.set_title(f"SmolLM2-135M decode throughput, kvlab.Engine (medians of "
                    f"{result['rounds']} rounds)", fontsize=10)
     left.grid(alpha=0.3, which="both")
