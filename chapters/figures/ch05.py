@@ -51,8 +51,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 import kvlab  # noqa: E402
-from common import (earlier_sections, english_text, gpu_facts, machine,  # noqa: E402
-                    smollm2)  # (common puts benchmarks/ on the path)
+from common import (chosen_sections, earlier_sections, english_text,  # noqa: E402
+                    gpu_facts, machine, smollm2)  # (common puts benchmarks/ on the path)
 import bench_swap  # noqa: E402  (swapping against recompute, as the benchmark measures it)
 
 HERE = Path(__file__).resolve().parent
@@ -538,9 +538,7 @@ def main() -> None:
                         help="which to run (1 equality, 2 throughput, 3 memory budget, "
                              "4 latency, 5 preemption); the others keep --out's ch05.json's")
     args = parser.parse_args()
-    sections = sorted({int(x) for x in args.sections.split(",")})
-    if not sections or not set(sections) <= set(SECTION_KEYS):
-        parser.error(f"--sections takes numbers from {sorted(SECTION_KEYS)}")
+    sections = chosen_sections(parser, args.sections, SECTION_KEYS)
     quick = args.quick
     if quick:                                 # every section, shorter
         sections = sorted(SECTION_KEYS)

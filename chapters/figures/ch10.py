@@ -48,8 +48,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 import kvlab  # noqa: E402
-from common import (earlier_sections, english_text, machine, shared_folder,  # noqa: E402
-                    smollm2, spread)
+from common import (chosen_sections, earlier_sections, english_text,  # noqa: E402
+                    machine, shared_folder, smollm2, spread)
 from kvlab import accuracy, chat  # noqa: E402
 from kvlab import weight_quantization as wq  # noqa: E402
 from kvlab.model import Model  # noqa: E402
@@ -282,9 +282,7 @@ def main() -> None:
                         help="AWQ's grid: alphas 0, 1/N, ..., (N-1)/N (the library's is 20)")
     parser.add_argument("--sections", default="1,2,3,4")
     args = parser.parse_args()
-    sections = sorted({int(x) for x in args.sections.split(",")})
-    if not sections or not set(sections) <= set(SECTION_KEYS):
-        parser.error(f"--sections takes numbers from {sorted(SECTION_KEYS)}")
+    sections = chosen_sections(parser, args.sections, SECTION_KEYS)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.quick:                          # every section, on the bundled model

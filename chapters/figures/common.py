@@ -100,6 +100,17 @@ def smollm2(**options):
     return kvlab.load("smollm2-135m", **options)
 
 
+def chosen_sections(parser, text: str, section_keys: dict) -> list:
+    """--sections' numbers ("1,3"), sorted; parser.error for any the script does not have."""
+    try:
+        sections = sorted({int(x) for x in text.split(",")})
+    except ValueError:
+        sections = []
+    if not sections or not set(sections) <= set(section_keys):
+        parser.error(f"--sections takes numbers from {sorted(section_keys)}, got {text!r}")
+    return sections
+
+
 def earlier_sections(out: Path, name: str, section_keys: dict, sections) -> tuple:
     """For a script whose sections run separately (--sections): what the sections not run
     this time hold in the NAME.json already in `out`, and when each was run (its
