@@ -622,7 +622,10 @@ void kv_counters_add(kv_counters *total, const kv_counters *call);
  * On any error nothing is appended and cache->length is unchanged, with one exception: a
  * long call runs in chunks of positions (each at most about KV_CHUNK_FLOPS of work), and if
  * the interrupt check (below) says stop between two chunks, the chunks before stay in the
- * cache (cache->length counts them) and the result is KV_ERR_INTERRUPTED. The logits of a
+ * cache (cache->length counts them) and the result is KV_ERR_INTERRUPTED. A chunk that is
+ * itself more than KV_CHUNK_FLOPS of work (KV_CHUNK_MIN tokens at a long context) also
+ * asks between its layers, unless the cache has a residual window or tracks attention, and
+ * stopped there it appends nothing: the chunks before stay, as above. The logits of a
  * call are the same whatever the chunks (a prefill in parts equals one prefill). */
 kv_status kv_model_forward(const kv_model *model, kv_cache *cache, const int32_t *tokens,
                            int n_tokens, float *logits, int all_logits, kv_counters *counters);
@@ -630,22 +633,26 @@ kv_status kv_model_forward(const kv_model *model, kv_cache *cache, const int32_t
 /* The same over a sequence of a paged pool. Blocks for the new positions are taken
  * (copying a shared partial block first) before anything is written; on
  * KV_ERR_OUT_OF_BLOCKS or any other error the pool is exactly as it was, except that a
- * long call interrupted between its chunks keeps the chunks before (KV_ERR_INTERRUPTED,
- * as kv_model_forward). */
+ * long call interrupted between its chunks (or inside one, between its layers: not with a
+ * residual window) keeps the chunks before (KV_ERR_INTERRUPTED, as kv_model_forward). */
 kv_status kv_model_forward_paged(const kv_model *model, kv_pool *pool, int seq,
                                  const int32_t *tokens, int n_tokens, float *logits,
                                  int all_logits, kv_counters *counters);
 
 /* One step of a continuous-batching engine: n_seqs sequences of one pool, each with
  * n_tokens[i] new tokens (a chunk of its prompt, or one decode token), concatenated in
- * `tokens`, run through the model together. Every weight matrix is streamed once per 48
- * tokens of the batch (matrix-matrix, see TOKEN_CHUNK in ops.c); attention is each
+ * `tokens`, run through the model together. Every weight matrix is streamed once per
+ * KV_TOKEN_CHUNK (96) tokens of the batch (matrix-matrix, see ops.h); attention is each
  * sequence's own. logits gets one row per sequence, (n_seqs, vocab_size): its last new
  * token's; with all_logits, one row per token (sum of n_tokens, vocab_size), in the order
  * of `tokens` (speculative decoding verifies every draft of every sequence at once). Each
  * sequence's results are bit-identical to running it alone. The sequences must be
  * distinct; blocks for all of them are checked first, so on KV_ERR_OUT_OF_BLOCKS (or any
- * error) the pool is as it was. */
+ * error) the pool is as it was. A call of more than KV_CHUNK_FLOPS of work asks the
+ * interrupt check between its layers (not in a pool with a residual window, whose rings
+ * are written in place) and, told to stop, returns KV_ERR_INTERRUPTED with every
+ * reservation cancelled (kv_blocks_cancel): the sequences as they were, nothing counted;
+ * only a cached block a reservation evicted stays evicted, now free. */
 kv_status kv_model_forward_batch(const kv_model *model, kv_pool *pool, int n_seqs,
                                  const int *seqs, const int *n_tokens, const int32_t *tokens,
                                  float *logits, int all_logits, kv_counters *counters);

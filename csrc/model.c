@@ -45,12 +45,20 @@
  * measure.py's chunk_length is the same rule. */
 _Static_assert(KV_CHUNK_MIN == KV_TOKEN_CHUNK,
                "a chunk below the kernels' token chunk streams the weights for nothing");
-int kv_chunk_length(const kv_config *c, int start, int n_left) {
+/* The work the rule prices: per token, and per cached position a token's attention reads. */
+static double flops_per_token(const kv_config *c) {
     double q_dim = (double)c->n_heads * c->head_dim, kv_dim = (double)c->n_kv_heads * c->head_dim;
-    double per_token = 2.0 * c->n_layers * ((double)c->dim * (2.0 * q_dim + 2.0 * kv_dim) +
-                                            3.0 * (double)c->dim * c->hidden_dim) +
-                       2.0 * (double)c->dim * c->vocab_size;     /* the classifier, at most */
-    double per_position = 4.0 * c->n_layers * q_dim;      /* QK and weights x V, per head */
+    return 2.0 * c->n_layers * ((double)c->dim * (2.0 * q_dim + 2.0 * kv_dim) +
+                                3.0 * (double)c->dim * c->hidden_dim) +
+           2.0 * (double)c->dim * c->vocab_size;     /* the classifier, at most */
+}
+
+static double flops_per_position(const kv_config *c) {
+    return 4.0 * c->n_layers * (double)c->n_heads * c->head_dim;   /* QK and weights x V */
+}
+
+int kv_chunk_length(const kv_config *c, int start, int n_left) {
+    double per_token = flops_per_token(c), per_position = flops_per_position(c);
     double fits = KV_CHUNK_FLOPS / (per_token + per_position * ((double)start + n_left));
     int n = fits >= n_left ? n_left : (int)fits / KV_CHUNK_MIN * KV_CHUNK_MIN;
     if (n < KV_CHUNK_MIN) n = KV_CHUNK_MIN;
@@ -625,17 +633,38 @@ static void finish_forward(const kv_model *model, run_state *s, int n_tokens, fl
     count_forward(model, s, n_tokens, n_rows);
 }
 
+/* Whether a pass over s's runs is more than one chunk's work (KV_CHUNK_FLOPS, priced as
+ * kv_chunk_length prices it, each token at its own position): a chunk cut to KV_CHUNK_MIN
+ * tokens at a long context, or a big batch, can be many times that, seconds of work. */
+static int long_pass(const kv_config *c, const run_state *s) {
+    double work = 0.0;
+    for (int r = 0; r < s->n_runs; r++) {
+        double n = s->runs[r].n_tokens, start = s->runs[r].start_pos;
+        work += n * flops_per_token(c) + flops_per_position(c) * (n * start + n * (n + 1) / 2);
+    }
+    return work > KV_CHUNK_FLOPS;
+}
+
 /* The forward pass proper, every layer over every token of the call at once. The caller
  * has checked every argument, filled s->runs and s->views, and made room in the cache for
- * every run's new positions. */
-static void forward_tokens(const kv_model *model, run_state *s, const int32_t *tokens,
-                           int n_tokens, float *logits, int all_logits) {
+ * every run's new positions. `stoppable`: the caller can undo what the pass writes (rows
+ * past each run's cache length, and nothing else: no residual window, no attention sums),
+ * so a long pass (long_pass) asks the interrupt check between its layers, and stops there,
+ * told to: KV_ERR_INTERRUPTED, no logits, nothing counted, for the caller to undo. A
+ * layer's time, not the pass's: 96 tokens at 8,000 positions of a 110M model are about
+ * a second of two threads' work. Otherwise it cannot fail. */
+static kv_status forward_tokens(const kv_model *model, run_state *s, const int32_t *tokens,
+                                int n_tokens, float *logits, int all_logits, int stoppable) {
     assert(n_tokens <= s->n_tokens);   /* its buffers hold that many rows */
+    stoppable = stoppable && long_pass(&model->config, s);
     embed_tokens(model, s, tokens, n_tokens);
     const token_span all = {s->rows, n_tokens, s->n_runs, s->runs};
-    for (int layer = 0; layer < model->config.n_layers; layer++)
+    for (int layer = 0; layer < model->config.n_layers; layer++) {
+        if (layer > 0 && stoppable && kv_interrupted()) return KV_ERR_INTERRUPTED;
         run_layer(model, s, &all, layer);
+    }
     finish_forward(model, s, n_tokens, logits, all_logits);
+    return KV_OK;
 }
 
 void kv_counters_add(kv_counters *total, const kv_counters *call) {
@@ -727,22 +756,28 @@ static float *chunk_logits(const forward_call *call, int done, int n) {
 }
 
 /* n_tokens new tokens through the model at the cache's next positions, their K and V
- * appended: a chunk of kv_model_forward, and each step of kv_model_generate. */
+ * appended: a chunk of kv_model_forward, and each step of kv_model_generate. Stopped
+ * between layers (stoppable, see forward_tokens), it appends nothing: the rows it wrote
+ * are past the cache's length, which stays. */
 /* [quote ch01-kv-model-forward-and-the-step] */
-static void run_over_cache(const kv_model *model, run_state *s, kv_cache *cache,
-                           const int32_t *tokens, int n_tokens, float *logits, int all_logits) {
+static kv_status run_over_cache(const kv_model *model, run_state *s, kv_cache *cache,
+                                const int32_t *tokens, int n_tokens, float *logits,
+                                int all_logits, int stoppable) {
     s->runs[0] = (token_run){0, n_tokens, cache->length, cache->next_position};
     for (int layer = 0; layer < model->config.n_layers; layer++)
         *view_of(s, layer, 0) = kv_cache_layer_view(cache, layer);
-    forward_tokens(model, s, tokens, n_tokens, logits, all_logits);
-    kv_cache_note_appended(cache, n_tokens);
+    kv_status status = forward_tokens(model, s, tokens, n_tokens, logits, all_logits,
+                                      stoppable);
+    if (status == KV_OK) kv_cache_note_appended(cache, n_tokens);
+    return status;
 }
 
 static kv_status cache_chunk(void *p, int done, int n) {
     const forward_call *call = p;
-    run_over_cache(call->model, call->s, call->cache, call->tokens + done, n,
-                   chunk_logits(call, done, n), call->all_logits);
-    return KV_OK;
+    /* a residual window's ring and attention sums are written in place: no stop inside */
+    int stoppable = call->cache->window == 0 && call->cache->attention == NULL;
+    return run_over_cache(call->model, call->s, call->cache, call->tokens + done, n,
+                          chunk_logits(call, done, n), call->all_logits, stoppable);
 }
 
 kv_status kv_model_forward(const kv_model *model, kv_cache *cache, const int32_t *tokens,
@@ -794,7 +829,7 @@ kv_status kv_model_generate(const kv_model *model, kv_cache *cache, int32_t toke
             break;
         }
         double start = kv_seconds();
-        run_over_cache(model, &s, cache, &token, 1, logits, 0);
+        run_over_cache(model, &s, cache, &token, 1, logits, 0, 0);
         token = kv_sample(logits, c->vocab_size, how,
                           how->temperature == 0.0 ? 0.0 : uniforms[step], sample_scratch);
         if (token < 0) {
@@ -816,7 +851,9 @@ fail:
 
 /* [quote ch04-kv-model-forward-paged] */
 /* A chunk of kv_model_forward_paged: reserve its blocks (copy-on-write included), run the
- * layers through the sequence's views, commit its tokens. */
+ * layers through the sequence's views, commit its tokens; stopped between layers (see
+ * forward_tokens; not with a residual window, whose ring is written in place), cancel the
+ * reservation instead: the sequence is as before the chunk. */
 static kv_status pool_chunk(void *p, int done, int n) {
     const forward_call *call = p;
     kv_pool *pool = call->pool;
@@ -829,8 +866,12 @@ static kv_status pool_chunk(void *p, int done, int n) {
     s->runs[0] = (token_run){0, n, q->length, q->next_position};
     for (int layer = 0; layer < call->model->config.n_layers; layer++)
         *view_of(s, layer, 0) = kv_pool_layer_view(pool, call->seq, layer);
-    forward_tokens(call->model, s, call->tokens + done, n, chunk_logits(call, done, n),
-                   call->all_logits);
+    status = forward_tokens(call->model, s, call->tokens + done, n, chunk_logits(call, done, n),
+                            call->all_logits, pool->window == 0);
+    if (status != KV_OK) {
+        kv_blocks_cancel(&pool->blocks, call->seq);
+        return status;
+    }
     kv_blocks_commit(&pool->blocks, call->seq, call->tokens + done, n);
     kv_pool_note_positions(pool, call->seq, n);
     return KV_OK;
@@ -885,8 +926,10 @@ kv_status kv_model_forward_batch(const kv_model *model, kv_pool *pool, int n_seq
     for (int i = 0; i < n_seqs; i++) total += n_tokens[i];   /* at most 65536: checked */
     KV_TRY(kv_check_tokens(c, tokens, total));
     KV_TRY(run_state_alloc(&s, model, total, n_seqs));
-    /* Nothing below can fail: each reservation fits in what was counted above (a
-     * copy-on-write counted for two forks of one block happens only once, if at all). */
+    /* No reservation below can fail: each fits in what was counted above (a copy-on-write
+     * counted for two forks of one block happens only once, if at all). A long pass may
+     * stop between its layers (forward_tokens; not with a residual window, whose rings are
+     * written in place): every reservation is cancelled then, and the pool is as it was. */
     for (int i = 0, first = 0; i < n_seqs; first += n_tokens[i], i++) {
         const kv_seq *q = &pool->blocks.seqs[seqs[i]];
         s.runs[i] = (token_run){first, n_tokens[i], q->length, q->next_position};
@@ -894,7 +937,11 @@ kv_status kv_model_forward_batch(const kv_model *model, kv_pool *pool, int n_seq
         for (int layer = 0; layer < c->n_layers; layer++)
             *view_of(&s, layer, i) = kv_pool_layer_view(pool, seqs[i], layer);
     }
-    forward_tokens(model, &s, tokens, total, logits, all_logits);
+    status = forward_tokens(model, &s, tokens, total, logits, all_logits, pool->window == 0);
+    if (status != KV_OK) {
+        kv_pool_cancel_batch(pool, n_seqs, seqs);
+        goto fail;
+    }
     kv_pool_commit_batch(pool, n_seqs, seqs, n_tokens, tokens);
     kv_counters_add(counters, &s.count);
 fail:

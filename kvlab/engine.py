@@ -23,12 +23,16 @@ A step has three phases, as nano-vllm's schedule, run and postprocess:
           freed. Every call here goes on from where the pool is, so that making it again
           after it raised (a KeyboardInterrupt) does what is left, nothing twice.
   commit  plain assignments: tokens, counts, the random generators' new states, queues.
-Ctrl-C is held from the start of a step to its end, and looked at in one place: between
-the forward calls of a long step. A step whose forward is more than about
-measure.CHUNK_FLOPS of work (a long prefill) makes it in several calls of about that much
-(each row bit for bit what one call gives: a prefill in parts equals one prefill), so that
-a Ctrl-C stops it within one call's time (tenths of a second; measured by
-benchmarks/interrupt_latency.py). It stops there unfinished: step() raises
+Ctrl-C is held from the start of a step to its end, and looked at in two places: between
+the forward calls of a long step, and inside a call of more than measure.CHUNK_FLOPS. A
+step whose forward is more than about measure.CHUNK_FLOPS of work (a long prefill) makes it
+in several calls of about that much (each row bit for bit what one call gives: a prefill
+in parts equals one prefill), so that a Ctrl-C stops it within one call's time (tenths of a
+second; measured by benchmarks/interrupt_latency.py). A call is never cut below CHUNK_MIN
+tokens, and at a long context those are more work (a second of two threads' on a 110M
+model at 8,000 positions): during such a call a Ctrl-C is let through to the C core, which
+stops the call between two layers, changing nothing (Model.forward_batch). Either way the
+step stops there unfinished: step() raises
 KeyboardInterrupt with the plan carried out and the rows computed so far in the pool, and
 nothing of the step in the queues' tokens, the outputs or engine.metrics (`unfinished`
 says so); the next step() or run() first finishes that step, from where the pool is, and
@@ -71,6 +75,7 @@ and exact for those tokens.)
 from __future__ import annotations
 
 import collections.abc
+import contextlib
 import dataclasses
 import os
 import threading
@@ -93,6 +98,7 @@ from .sampling import sample as sample_token
 from .plugins import (AllocatorMirror, MirroredPool, PluginError,  # noqa: F401 (re-exported)
                       PrefixMirror, check_scheduler, checked_plan, make_allocator,
                       make_prefix_cache)
+from . import measure
 from .measure import CHUNK_FLOPS, CHUNK_MIN, work_rates
 from .slo import StepWork
 from .scheduler import Request, SamplingParams, ScheduledStep, Scheduler, Sequence, State
@@ -151,7 +157,8 @@ class _Unfinished:
 
 
 class _Stopped(Exception):
-    """A held Ctrl-C, taken between two forward calls of a step: the step stops there."""
+    """A held Ctrl-C, taken between two forward calls of a step, or one let through during a
+    long call (which then changed nothing): the step stops there."""
 
 
 class Engine:
@@ -160,14 +167,15 @@ class Engine:
 
     Whatever raises out of step() leaves the engine and its pool consistent and resumable:
     a held Ctrl-C or a KeyboardInterrupt a call raised during the run, after the step was
-    done; a Ctrl-C between the forward calls of a long step, with the step unfinished
-    (`unfinished`), which the next step finishes; an error in a call on no one request's
-    behalf (the forward call itself, the pool, the trace sink), with the step's queues and
-    pool as far as it went, which the next step plans from. Trace events are sent in order
-    between steps, each until the sink returns: one a sink raised on is sent again first on
-    the next step, before any new work (has_work stays True until then). Sequences made on the pool by hand are left
-    alone; if they hold what waiting requests need, step() and run() raise RuntimeError,
-    never loop."""
+    done; a Ctrl-C between the forward calls of a long step (or inside a long call), with
+    the step unfinished (`unfinished`), which the next step finishes; an error in a call on
+    no one request's behalf (the forward call itself, the pool, the trace sink, an
+    allocator plug-in: kvlab.plugins.MirroredPool), with the step's queues and pool as far
+    as it went, which the next step plans from. Trace events are sent in order between
+    steps, each until the sink returns: one a sink raised on is sent again first on the
+    next step, before any new work (has_work stays True until then). Sequences made on the
+    pool by hand are left alone; if they hold what waiting requests need, step() and run()
+    raise RuntimeError, never loop."""
 
     def __init__(self, model: Model, pool: Optional[PagedPool] = None,
                  max_batch_tokens: int = 256, max_batch_seqs: Optional[int] = None,
@@ -348,12 +356,12 @@ class Engine:
 
     def _run_or_stop(self, step: _Unfinished, held: HeldCtrlC,
                      started: float) -> Optional[_Outcome]:
-        """The step's run; None if a Ctrl-C stopped it between two forward calls (kept in
-        self._unfinished for the next step). Any other error ends the step for good: the
-        next plans afresh from the queues and the pool as far as it went."""
+        """The step's run; None if a Ctrl-C stopped it between two forward calls, or inside
+        a long one (kept in self._unfinished for the next step). Any other error ends the
+        step for good: the next plans afresh from the queues and the pool as far as it went."""
         self._unfinished = step
         try:
-            outcome = self._run(step.plan, step.number, step.outcome, held.take)
+            outcome = self._run(step.plan, step.number, step.outcome, held)
         except _Stopped:
             step.outcome.interrupt = None     # the KeyboardInterrupt raised now stands for it
             step.seconds = time.perf_counter() - started
@@ -377,13 +385,14 @@ class Engine:
         return plan
 
     def _run(self, plan: ScheduledStep, number: int, outcome: _Outcome,
-             stop_asked: Callable[[], bool]) -> _Outcome:
+             held: HeldCtrlC) -> _Outcome:
         """The run phase. A KeyboardInterrupt that one of its calls raises (not Ctrl-C, which
         is held) does not stop it: a sequence the pool made for a call that raised is found
         (PoolSpace.recover), the run starts again and, every call going on from where the
         pool is, does only what is left; the interrupt is raised at the end of the step.
-        stop_asked() is asked between the forward calls of a long step: True raises
-        _Stopped there (the step is finished by running this again, the same way)."""
+        A held Ctrl-C is taken between the forward calls of a long step, and one during a
+        long call stops it (_forward): _Stopped is raised there (the step is finished by
+        running this again, the same way)."""
         if self._tracer is not None:
             self._tracer.start()
         try:
@@ -393,7 +402,7 @@ class Engine:
                     self.scheduler.apply(plan, self.space)        # preemptions, admissions
                     self._trace(number)
                     self._phase = "forward"
-                    self._forward(plan, outcome, stop_asked)
+                    self._forward(plan, outcome, held)
                     self._trace(number)
                     self._phase = "sample"
                     self._choose(plan, number, outcome)
@@ -425,12 +434,12 @@ class Engine:
                             swapped_bytes=traffic.out_bytes + traffic.in_bytes))
         return self._clock()
 
-    def _forward(self, plan: ScheduledStep, outcome: _Outcome,
-                 stop_asked: Callable[[], bool]) -> None:
+    def _forward(self, plan: ScheduledStep, outcome: _Outcome, held: HeldCtrlC) -> None:
         """The step's forward: one forward_batch, or for a step of more than about
         CHUNK_FLOPS of work, several calls of about that much each (_next_call), each
-        going on from the rows the pool holds; stop_asked() is asked between them (True:
-        _Stopped, the rest left for the step's next run)."""
+        going on from the rows the pool holds. A Ctrl-C held is taken between them, and one
+        during a call of more than measure.CHUNK_FLOPS (CHUNK_MIN tokens at a long context)
+        stops it (_call): _Stopped, the rest left for the step's next run."""
         if not outcome.chunks:
             outcome.chunks = [_split(seq, n) for _, seq, n in plan.items]
         while True:
@@ -438,10 +447,15 @@ class Engine:
             if not feeds:
                 return
             call = _next_call(feeds, self._rates)
-            self._call(call, outcome)
+            # the C core looks for Ctrl-C between the layers of a call of more than its
+            # KV_CHUNK_FLOPS (measure's, not the CHUNK_FLOPS tests may shrink here), and
+            # gives back all the call reserved if it stops: let one through then
+            long = sum(_work(f, self._rates) for f in call) > measure.CHUNK_FLOPS
+            with held.raising(_Stopped) if long else contextlib.nullcontext():
+                self._call(call, outcome)
             if sum(len(f.tokens) for f in call) == sum(len(f.tokens) for f in feeds):
                 return                        # that was all: the step goes on to its end
-            if stop_asked():
+            if held.take():
                 raise _Stopped()
 
     def _feeds(self, plan: ScheduledStep, outcome: _Outcome) -> List["_Feed"]:
@@ -474,11 +488,11 @@ class Engine:
         """One forward_batch over the feeds of `call`; the rows that choose kept."""
         drafted = any(feed.drafts for feed in call)
         handles, fed = [feed.handle for feed in call], [feed.tokens for feed in call]
-        outcome.kv_rows_read += sum(_rows_read(f.length, len(f.tokens)) for f in call)
         if drafted:         # every token's logits: the drafts' rows check them
             logits = self.model.forward_batch(handles, fed, all_logits=True)
         else:
             logits = self.model.forward_batch(handles, fed)
+        outcome.kv_rows_read += sum(_rows_read(f.length, len(f.tokens)) for f in call)
         # one NaN test for all rows; with drafts, each row read (most of all_logits are not)
         last = 0
         for feed in call:
@@ -771,7 +785,7 @@ def _next_call(feeds: List[_Feed], rates: Tuple[float, float]) -> List[_Feed]:
     call, work, n_call = [], 0.0, 0
     for feed in feeds:
         n = len(feed.tokens)
-        cost = n * per_token + per_position * _rows_read(feed.length, n)
+        cost = _work(feed, rates)
         # a whole feed joins while the call is short of CHUNK_MIN tokens, whatever its
         # work: a decode step's one-token feeds cannot be cut, and a call of fewer tokens
         # streams every weight for fewer (32 sequences of a 135M model made five calls)
@@ -791,6 +805,14 @@ def _next_call(feeds: List[_Feed], rates: Tuple[float, float]) -> List[_Feed]:
             call.append(feed)
         break
     return call
+
+
+def _work(feed: _Feed, rates: Tuple[float, float]) -> float:
+    """A feed's FLOPs by the chunk rule's measure (measure.work_rates), as the C core
+    prices a pass: each token at its own position."""
+    per_token, per_position = rates
+    n = len(feed.tokens)
+    return n * per_token + per_position * _rows_read(feed.length, n)
 
 
 def _split(seq: Sequence, n: int) -> Tuple[int, List[int]]:

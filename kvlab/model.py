@@ -483,7 +483,8 @@ class Model:
         batch (once for a decode step of up to 96 sequences). Returns the last token's logits of each
         sequence, (len(seqs), vocab), or with all_logits every token's, (total tokens,
         vocab) in the chunks' order; each row bit-identical to running that sequence
-        alone."""
+        alone. A call of more than about measure.CHUNK_FLOPS of work stops for Ctrl-C
+        between two layers: KeyboardInterrupt, every sequence as before the call."""
         self._check_weights()
         if len(seqs) != len(chunks):
             raise ValueError(f"{len(seqs)} sequences but {len(chunks)} chunks of tokens")

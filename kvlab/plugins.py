@@ -296,7 +296,14 @@ class MirroredPool:
     """The engine's pool, its every operation that makes, grows, forks, cuts or frees a
     sequence also done on an allocator plug-in (AllocatorMirror). Everything else is the
     pool's own (attribute access goes through). The pool stays the one that holds K and V
-    and decides; the plug-in follows, and is checked after every step."""
+    and decides; the plug-in follows, and is checked after every step.
+
+    Each operation happens in both or in neither: a plug-in call that raises is taken to
+    have changed nothing in the plug-in (a method that refuses should raise before it
+    acts), so the pool is left as before the operation too. An operation that frees or
+    cuts asks the plug-in first (a freed row cannot come back); one that makes a sequence
+    asks the pool first and frees the new sequence again if the plug-in refuses it. (Rows
+    a forward call writes reach the plug-in later, as appends: AllocatorMirror.sync.)"""
 
     def __init__(self, pool, mirror: "AllocatorMirror"):
         self._pool, self._mirror = pool, mirror
@@ -304,35 +311,46 @@ class MirroredPool:
     def __getattr__(self, name):
         return getattr(self._pool, name)
 
+    def _made(self, handle, follow, *args):
+        """follow(*args), the plug-in told of a sequence the pool just made; if it raises,
+        the pool's sequence is freed again. Returns the handle."""
+        try:
+            follow(*args)
+        except BaseException:
+            self._pool.free(handle)
+            raise
+        return handle
+
     def new_sequence(self):
         handle = self._pool.new_sequence()
-        self._mirror.made(handle)
-        return handle
+        return self._made(handle, self._mirror.made, handle)
 
     def fork(self, parent):
         self._mirror.sync(parent)              # the child shares the parent's rows as now
         child = self._pool.fork(parent)
-        self._mirror.forked(parent, child)
-        return child
+        return self._made(child, self._mirror.forked, parent, child)
 
     def free(self, handle):
-        self._pool.free(handle)
         self._mirror.freed(handle)
+        self._pool.free(handle)
 
     def truncate(self, handle, length):
         self._mirror.sync(handle)
-        self._pool.truncate(handle, length)
         self._mirror.cut(handle, length)
+        self._pool.truncate(handle, length)
 
     def swap_out(self, handle):
-        host = self._pool.swap_out(handle)     # frees the handle's blocks
         self._mirror.freed(handle)
-        return host
+        try:
+            return self._pool.swap_out(handle)     # frees the handle's blocks
+        except BaseException:     # refused (no host memory): the plug-in freed it already,
+            self._pool.free(handle)     # so the pool does too; it is recomputed instead
+            raise
 
     def swap_in(self, host):
         handle = self._pool.swap_in(host)
-        self._mirror.made(handle)
-        self._mirror.sync(handle)
+        self._made(handle, self._mirror.made, handle)
+        self._mirror.sync(handle)       # if its append raises, a later sync tells it again
         return handle
 
 
@@ -377,9 +395,10 @@ class AllocatorMirror:
         self._track(child, _ask("allocator", "fork()", self.allocator.fork, sid), length)
 
     def freed(self, handle) -> None:
-        entry = self.ids.pop(id(handle), None)
-        if entry is not None:
+        entry = self.ids.get(id(handle))
+        if entry is not None:                  # forgotten once the plug-in has freed it
             _ask("allocator", "free()", self.allocator.free, entry[1])
+            del self.ids[id(handle)]
 
     def cut(self, handle, length: int) -> None:
         _, sid, old = self.ids[id(handle)]

@@ -48,10 +48,12 @@ def small_calls(monkeypatch):
 class Calls:
     """Wraps engine.model.forward_batch: records each call's token counts, and sends this
     process SIGINT during the calls numbered in `sigint_at` (after the C call returned,
-    before the engine sees its logits: where a Ctrl-C during the call is first seen)."""
+    before the engine sees its logits: where a Ctrl-C during the call is first seen), or as
+    those of `sigint_before` start (before the C call: one let through stops it at once)."""
 
-    def __init__(self, engine, sigint_at=(), error_at=()):
+    def __init__(self, engine, sigint_at=(), error_at=(), sigint_before=()):
         self.engine, self.sigint_at, self.error_at = engine, set(sigint_at), set(error_at)
+        self.sigint_before = set(sigint_before)
         self.tokens, self.inner = [], engine.model.forward_batch
         engine.model.forward_batch = self
 
@@ -59,6 +61,9 @@ class Calls:
         if len(self.tokens) + 1 in self.error_at:
             self.tokens.append(None)
             raise RuntimeError("injected: the forward call failed")
+        if len(self.tokens) + 1 in self.sigint_before:
+            self.tokens.append(None)             # (counted: it was asked for)
+            os.kill(os.getpid(), signal.SIGINT)
         logits = self.inner(handles, chunks, all_logits=all_logits)
         self.tokens.append([len(c) for c in chunks])
         if len(self.tokens) in self.sigint_at:
@@ -164,6 +169,50 @@ def test_ctrl_c_in_a_long_step_stops_it_after_that_call_and_run_finishes_it(mode
     assert engine.unfinished is None and engine.metrics[0].prefill_tokens == 2000
     for rid, prompt in zip(ids, asked):
         assert outputs[rid].outputs[0].tokens == kvlab.generate(model, prompt, 3).tokens
+
+
+def long_context_engine(model, extra=200):
+    """The bundled model given room for 8,000 positions, its pool's prefix cache holding a
+    prompt's first 6,912 tokens (rows appended by hand: what they hold does not matter, the
+    engine reuses them), and a request of that prompt and `extra` tokens more: its prefill
+    goes in calls of CHUNK_MIN tokens at about 7,000 positions, each more than
+    measure.CHUNK_FLOPS (the C core's budget: a second each on a 110M model)."""
+    long = kvlab.Model(model.config.replace(max_seq_len=8000), model.weights, model.tokenizer)
+    pool = long.new_paged_pool(num_blocks=460, block_size=16)
+    rng = np.random.default_rng(9)
+    prompt = rng.integers(0, long.config.vocab_size, 6912 + extra).tolist()
+    c = long.config
+    rows = rng.standard_normal((6912, c.n_layers, c.n_kv_heads, c.head_dim), np.float32)
+    seq = pool.new_sequence()
+    pool.append(seq, np.array(prompt[:6912], np.int32), rows, rows)
+    pool.free(seq)                         # its full blocks stay in the prefix cache
+    engine = kvlab.Engine(long, pool, max_batch_tokens=512)
+    return engine, engine.add_request(prompt, SamplingParams(max_new_tokens=3))
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_ctrl_c_during_a_long_call_stops_it_and_the_step_goes_on_exactly(model, k):
+    # a call is never cut below CHUNK_MIN tokens, so at a long context one call is more
+    # than the C core's budget: a SIGINT during it is let through, and the call stops
+    # between two layers (or before it began), changing nothing; the step stops unfinished
+    # with the calls before it done. Before, the SIGINT was held to the end of that call
+    # and the step stopped after it, with its rows
+    engine, rid = long_context_engine(model)
+    per_token, per_position = work_rates(engine.model.config)
+    assert 96 * per_token + per_position * (96 * 6912 + 96 * 97 // 2) > kvlab.measure.CHUNK_FLOPS
+    reference, _ = long_context_engine(model)
+    counter = Calls(reference)
+    want = reference.run(progress=False)[rid].outputs[0].tokens
+    assert counter.tokens[:2] == [[CHUNK_MIN], [CHUNK_MIN]]      # the calls of the prefill
+    calls = Calls(engine, sigint_before=[k])
+    assert step_taking_interrupt(engine)
+    assert len(calls.tokens) == k
+    assert_unfinished_is_consistent(engine, 0)
+    (seq,) = engine.requests[rid].sequences
+    assert seq.handle.length == 6912 + CHUNK_MIN * (k - 1)    # none of call k's rows
+    calls.remove()
+    assert engine.run(progress=False)[rid].outputs[0].tokens == want
+    assert engine.pool.stats().blocks_used == 0
 
 
 def sampled_engine(model, **kwargs):

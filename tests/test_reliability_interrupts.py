@@ -130,6 +130,41 @@ def test_an_interrupted_decode_loop_keeps_its_steps_on_the_exception(long_model)
     assert np.array_equal(cache.keys, reference.keys)
 
 
+def batch_pool(model):
+    """A pool with three sequences: one of 40 tokens, its fork (sharing a partly filled
+    block: a batched call copies it on write) and an empty one."""
+    pool = model.new_paged_pool(num_blocks=520, block_size=16)
+    first = pool.new_sequence()
+    model.forward(np.arange(40) % 256, first)
+    return pool, [first, pool.fork(first), pool.new_sequence()]
+
+
+def test_ctrl_c_stops_a_long_batched_forward_and_changes_nothing(long_model):
+    # forward_batch runs every token of the batch through each layer at once, with no chunks
+    # to stop between: it looks between layers, and a stopped call gives every reservation
+    # back (the fork's copy on write too). Before, it ran to its end deaf to Ctrl-C (seconds
+    # here; the Engine's calls at a long context, a second each on a 110M model) and the
+    # KeyboardInterrupt came after, the rows committed
+    rng = np.random.default_rng(5)
+    chunks = [rng.integers(0, 256, 2500) for _ in range(3)]
+    pool, seqs = batch_pool(long_model)
+    before = (pool.stats(), [s.length for s in seqs], pool.ref_counts.copy())
+    long_model.reset_counters()
+    error, _ = interrupted(lambda: long_model.forward_batch(seqs, chunks))
+    assert error is not None, "a batch of 7,500 tokens finished before the interrupt"
+    assert (pool.stats(), [s.length for s in seqs]) == before[:2]
+    assert np.array_equal(pool.ref_counts, before[2])
+    assert long_model.counters.calls == 0               # a stopped call counts nothing
+    pool.check()
+    # the pool goes on exactly as one that never saw the call
+    fresh, others = batch_pool(long_model)
+    short = [c[:30] for c in chunks]
+    assert np.array_equal(long_model.forward_batch(seqs, short),
+                          long_model.forward_batch(others, short))
+    for mine, theirs in zip(seqs, others):
+        assert all(np.array_equal(m, t) for m, t in zip(pool.gather(mine), fresh.gather(theirs)))
+
+
 @pytest.mark.parametrize("paged", [False, True])
 def test_no_chunk_is_longer_than_the_first(paged):
     """The run state is sized for a call's first chunk. On this shape a call of two kernel

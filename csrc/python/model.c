@@ -549,8 +549,11 @@ static kv_status batch_without_gil(ModelObject *self, PoolObject *pool, int n_se
     kv_status status;
     pool->base.busy = 1;
     Py_BEGIN_ALLOW_THREADS
+    kv_set_interrupt_check(kv_py_signals_pending, &_save);   /* a long call looks, and a
+                                                               stopped one changes nothing */
     status = kv_model_forward_batch(&self->model, &pool->pool, n_seqs, slots, counts, ids,
                                     logits, all_logits, count);
+    kv_set_interrupt_check(NULL, NULL);
     Py_END_ALLOW_THREADS
     pool->base.busy = 0;
     if (status == KV_ERR_INVALID_ARG)
@@ -651,7 +654,8 @@ static PyMethodDef model_methods[] = {
      "One step of a batching engine: seqs are PagedSequences of one pool; tokens (int32)\n"
      "holds their new tokens one sequence after another, n_tokens (int32) how many each.\n"
      "Every weight matrix is streamed once per TOKEN_CHUNK (96) tokens of the batch; each row of\n"
-     "logits is its sequence's last new token's, bit-identical to running that sequence alone."},
+     "logits is its sequence's last new token's, bit-identical to running that sequence alone.\n"
+     "A call of more than KV_CHUNK_FLOPS stops for Ctrl-C between layers, changing nothing."},
     {NULL}
 };
 

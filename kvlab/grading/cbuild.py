@@ -14,6 +14,16 @@ chose them: -O3, -ffp-contract=off, -march=native where kvlab was built with it,
 so that the student's fused multiply-adds are exactly where the plain tier has them; the
 header refuses to build if they are not (KVLAB_FMA).
 
+One thing is added to them where the compiler needs it (int8_guard): GCC 12.2 at -O3 with
+VNNI (the avx512 variant's -mavx512vnni, or -march=native on a CPU with it) vectorizes
+some sums of int8 products with vpdpbusd, which reads one side as unsigned, and gets them
+wrong: `total += (int8_t)w[i] * x[i]` with w a uint8_t pointer, or a Q4 code
+`(w[i] & 15) - 8` times an int8. So before the first build the judge compiles and runs a
+small program of such sums (INT8_PROBE) with the same compiler and flags; where it finds
+one wrong, the student's file is built with VNNI's instructions turned off (VNNI_OFF),
+and the build's log says so. Lab 14's own arithmetic is float (int8 codes times float
+queries), and the reference solution's library is the same bytes either way.
+
 check_c_source is a courtesy, as policy.py's check is for Python: it turns the easy ways
 of reaching around the grader (other headers, loading libraries, starting processes,
 inline assembly, code that runs at load) into a clear refusal with its line. C can reach
@@ -32,10 +42,13 @@ headers allowed and the runtime's ways of loading code refused. C++ can also run
 """
 from __future__ import annotations
 
+import functools
 import os
 import re
 import shutil
+import subprocess
 import sysconfig
+import tempfile
 from pathlib import Path
 from typing import List, Optional, Tuple
 
@@ -164,10 +177,134 @@ def compiler() -> str:
 
 def build_command(source: Path, library: Path, include: Path) -> List[str]:
     """The command that builds `source` into the shared library `library`, with the lab's
-    header from `include`, as kvlab's core was built."""
+    header from `include`, as kvlab's core was built (and int8_guard's flags where this
+    compiler needs them)."""
     import kvlab._kvlab as core
-    return [compiler(), *kit_flags(), f"-DKVLAB_FMA={core.FUSED_MULTIPLY_ADD}", "-shared",
+    cc, flags = compiler(), kit_flags()
+    guard, _ = int8_guard(cc, tuple(flags))
+    return [cc, *flags, *guard, f"-DKVLAB_FMA={core.FUSED_MULTIPLY_ADD}", "-shared",
             "-fPIC", "-I", str(include), "-o", str(library), str(source), "-lm"]
+
+
+def build_note() -> str:
+    """What the student's build log says about int8_guard ("" where it changed nothing)."""
+    return int8_guard(compiler(), tuple(kit_flags()))[1]
+
+
+# ---- the compiler's int8 sums (the module's text) --------------------------------------
+
+# The flags that turn VNNI's int8 dot-product instructions off: AVX-512's and the AVX
+# (VEX) form that -march=native also brings on CPUs that have it. Both are needed: with
+# -march=native, -mno-avx512vnni alone still leaves GCC 12.2 its vpdpbusd.
+VNNI_OFF = ("-mno-avx512vnni", "-mno-avxvnni")
+PROBE_SECONDS = 60.0      # to build the probe, and again to run it (it takes well under 1 s)
+PROBE_WRONG = 3           # the probe's exit status when a sum is wrong
+
+# Sums of int8 products as a kernel may write them, each checked against the same sum taken
+# a product at a time through a volatile (which nothing vectorizes). The shapes: an int8
+# read from a byte, a Q4 code less 8, a Q4 code, a byte; as four loops of their own and as
+# one loop choosing at run time. GCC 12.2 -O3 -mavx512vnni gets the first two wrong.
+INT8_PROBE = r"""
+#include <stdint.h>
+#include <stdio.h>
+
+static inline int32_t code(int shape, const uint8_t *w, int i) {
+    return shape == 0 ? (int8_t)w[i] : shape == 1 ? (w[i] & 15) - 8
+         : shape == 2 ? w[i] & 15 : w[i];
+}
+
+__attribute__((noinline)) static int32_t any_shape(int shape, const uint8_t *w,
+                                                   const int8_t *x, int n) {
+    int32_t total = 0;
+    for (int i = 0; i < n; i++) total += code(shape, w, i) * x[i];
+    return total;
+}
+
+__attribute__((noinline)) static int32_t one_shape(int shape, const uint8_t *w,
+                                                   const int8_t *x, int n) {
+    int32_t total = 0;
+    if (shape == 0) for (int i = 0; i < n; i++) total += (int8_t)w[i] * x[i];
+    if (shape == 1) for (int i = 0; i < n; i++) total += ((w[i] & 15) - 8) * x[i];
+    if (shape == 2) for (int i = 0; i < n; i++) total += (w[i] & 15) * x[i];
+    if (shape == 3) for (int i = 0; i < n; i++) total += w[i] * x[i];
+    return total;
+}
+
+int main(void) {
+    static const int lengths[] = {32, 64, 37, 256};
+    uint8_t w[256];
+    int8_t x[256];
+    uint32_t state = 12345;
+    for (int round = 0; round < 32; round++) {
+        for (int i = 0; i < 256; i++) {
+            state = state * 1664525u + 1013904223u;
+            w[i] = (uint8_t)(state >> 24);
+            x[i] = (int8_t)(state >> 16);
+        }
+        int n = lengths[round % 4];
+        for (int shape = 0; shape < 4; shape++) {
+            int32_t want = 0;
+            for (int i = 0; i < n; i++) {
+                volatile int32_t product = code(shape, w, i) * x[i];
+                want += product;
+            }
+            int32_t one = one_shape(shape, w, x, n), any = any_shape(shape, w, x, n);
+            if (one != want || any != want) {
+                printf("shape %d, %d values: %d and %d, not %d\n", shape, n, one, any, want);
+                return PROBE_WRONG;
+            }
+        }
+    }
+    return 0;
+}
+"""
+
+
+def int8_probe(cc: str, flags: Tuple[str, ...]) -> Optional[bool]:
+    """Whether `cc` with `flags` gets INT8_PROBE's sums right: True, False, or None where
+    the probe could not be built or run (the student's build then says why on its own)."""
+    with tempfile.TemporaryDirectory(prefix="kvlab-int8-probe-") as folder:
+        source, program = Path(folder, "int8_probe.c"), Path(folder, "int8_probe")
+        source.write_text(INT8_PROBE)
+        try:
+            built = subprocess.run([cc, *flags, f"-DPROBE_WRONG={PROBE_WRONG}", "-o",
+                                    str(program), str(source)], capture_output=True,
+                                   timeout=PROBE_SECONDS)
+            if built.returncode != 0:
+                return None
+            ran = subprocess.run([str(program)], capture_output=True, timeout=PROBE_SECONDS)
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+    return {0: True, PROBE_WRONG: False}.get(ran.returncode)
+
+
+@functools.lru_cache(maxsize=None)
+def int8_guard(cc: str, flags: Tuple[str, ...]) -> Tuple[Tuple[str, ...], str]:
+    """(the flags a student's build adds, what its log says) for this compiler and flags:
+    nothing where int8_probe finds the sums right (or cannot tell); VNNI_OFF where they
+    are wrong and right without VNNI; where they are wrong even so, a warning. Probed once
+    per compiler and flags in a process."""
+    if int8_probe(cc, flags) is not False:
+        return (), ""
+    name = _compiler_name(cc)
+    if int8_probe(cc, flags + VNNI_OFF):
+        return VNNI_OFF, (f"note: this machine's C compiler ({name}) gets some sums of int8 "
+                          f"products wrong when it may use VNNI's int8 instructions (GCC 12 "
+                          f"uses vpdpbusd, which reads one side as unsigned, for two signed "
+                          f"sides), so your file was built with "
+                          f"{' '.join(VNNI_OFF)} added; nothing else about the build changed.")
+    return (), (f"warning: this machine's C compiler ({name}) gets some sums of int8 products "
+                f"wrong with the grader's flags, even without VNNI's instructions: a loop of "
+                f"yours adding int8 products may be miscompiled. Tell your instructor.")
+
+
+def _compiler_name(cc: str) -> str:
+    """The compiler's first line of --version ("gcc (Debian 12.2.0-14) 12.2.0"), else its path."""
+    try:
+        said = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30)
+        return said.stdout.splitlines()[0].strip() if said.stdout.strip() else cc
+    except (OSError, subprocess.TimeoutExpired):
+        return cc
 
 
 def blank_comments_and_strings(source: str) -> str:

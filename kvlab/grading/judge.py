@@ -382,7 +382,10 @@ class Judge:
         copy.with_suffix(".so").write_bytes(data)
         os.chmod(copy.with_suffix(".so"), 0o644)
         said = warnings.strip().replace(str(copy.parent) + os.sep, "") if isinstance(warnings, str) else ""
-        return copy, f"your file compiled with warnings:\n{said}" if said else ""
+        said = f"your file compiled with warnings:\n{said}" if said else ""
+        # what the build changed for this machine's compiler (cbuild.int8_guard)
+        note = "" if cuda else cbuild.build_note()
+        return copy, "\n\n".join(filter(None, [note, said]))
 
     def _grade(self, tests: List[Callable]):
         try:

@@ -1124,6 +1124,80 @@ static void test_interrupts(void) {
     free_model(&tm);
 }
 
+/* Whether seq of pool is as `before` said: the pool's counts, its length, and the ref count
+ * of its last block (shared with a fork: 2). */
+static int pool_unchanged(const kv_pool *pool, const kv_pool_stats *before, int seq, int length,
+                          int last_refs) {
+    kv_pool_stats now;
+    char message[256];
+    const kv_seq *q = &pool->blocks.seqs[seq];
+    return kv_blocks_stats(&pool->blocks, &now) == KV_OK &&
+           now.blocks_used == before->blocks_used && now.blocks_free == before->blocks_free &&
+           now.blocks_cached == before->blocks_cached &&
+           now.tokens_stored == before->tokens_stored && q->length == length &&
+           pool->blocks.ref_count[q->block_table[q->n_blocks - 1]] == last_refs &&
+           kv_blocks_check(&pool->blocks, message, sizeof message) == KV_OK;
+}
+
+/* A pass of more than KV_CHUNK_FLOPS stops between its layers when told: a batch changes
+ * nothing (its reservations cancelled, a fork's copy-on-write given back) and counts
+ * nothing; a chunk of KV_TOKEN_CHUNK tokens at a long context appends nothing (a cache) or
+ * gives its blocks back (a pool). A short call never asks. Wide heads make attention the
+ * work: 1,480 tokens in one batch, or 96 after 12,000 rows, are each over 2 GFLOP (only the
+ * first layer of each runs here). */
+static void test_long_passes_stop_between_layers(void) {
+    test_model tm;
+    make_model_sized(&tm, 64, 64, 8, 8, 32);
+    const kv_model *m = &tm.model;
+    const int L = m->config.n_layers, n = 1500, rows = 12000, per_row = L * 8 * 32;
+    int32_t *tokens = malloc(n * sizeof(int32_t));
+    for (int i = 0; i < n; i++) tokens[i] = (int32_t)(i * 7 % m->config.vocab_size);
+    float *logits = malloc(2 * sizeof(float) * m->config.vocab_size);
+    float *kv = random_floats((size_t)rows * per_row, 1.0f);
+    kv_pool pool;
+    kv_pool_stats before;
+    int a, b, asked = 0;
+    kv_counters counted = {0};
+    CHECK(kv_pool_init(&pool, L, 8, 32, 900, 16, 3, 800, NULL) == KV_OK);
+    CHECK(kv_blocks_seq_new(&pool.blocks, &a) == KV_OK);
+    CHECK(kv_model_forward_paged(m, &pool, a, tokens, 20, logits, 0, NULL) == KV_OK);
+    CHECK(kv_pool_seq_fork(&pool, a, &b) == KV_OK);   /* b shares a's partly filled block */
+    CHECK(kv_blocks_stats(&pool.blocks, &before) == KV_OK);
+    int seqs[2] = {a, b}, counts[2] = {n - 20, 20}, short_counts[2] = {1, 1};
+    kv_set_interrupt_check(always_stop, &asked);
+    CHECK(kv_model_forward_batch(m, &pool, 2, seqs, counts, tokens, logits, 0, &counted) ==
+          KV_ERR_INTERRUPTED);
+    CHECK(asked == 1 && counted.calls == 0 && counted.tokens == 0);
+    CHECK(pool_unchanged(&pool, &before, a, 20, 2) && pool_unchanged(&pool, &before, b, 20, 2));
+    CHECK(kv_model_forward_batch(m, &pool, 2, seqs, short_counts, tokens, logits, 0, NULL) ==
+          KV_OK && asked == 1);
+    /* one sequence's chunk at a long context: the paged pool's, then a cache's */
+    int c;
+    CHECK(kv_blocks_seq_new(&pool.blocks, &c) == KV_OK);
+    CHECK(kv_pool_append(&pool, c, tokens, 1, kv, kv) == KV_OK);   /* a block partly filled */
+    for (int done = 1; done < rows; done += n - 1)
+        CHECK(kv_pool_append(&pool, c, tokens, done + n - 1 <= rows ? n - 1 : rows - done,
+                             kv, kv) == KV_OK);
+    CHECK(kv_blocks_stats(&pool.blocks, &before) == KV_OK);
+    CHECK(kv_model_forward_paged(m, &pool, c, tokens, KV_TOKEN_CHUNK, logits, 0, &counted) ==
+          KV_ERR_INTERRUPTED && asked == 2 && counted.calls == 0);
+    CHECK(pool_unchanged(&pool, &before, c, rows, 1));
+    kv_cache cache;
+    CHECK(kv_cache_init(&cache, L, 8, 32, rows + KV_TOKEN_CHUNK, NULL) == KV_OK);
+    CHECK(kv_cache_append(&cache, rows, kv, kv) == KV_OK);
+    CHECK(kv_model_forward(m, &cache, tokens, KV_TOKEN_CHUNK, logits, 0, &counted) ==
+          KV_ERR_INTERRUPTED && asked == 3 && counted.calls == 0 && cache.length == rows);
+    kv_set_interrupt_check(NULL, NULL);
+    CHECK(kv_model_forward(m, &cache, tokens, 2, logits, 0, &counted) == KV_OK &&
+          cache.length == rows + 2);
+    kv_cache_free(&cache);
+    kv_pool_free(&pool);
+    free(kv);
+    free(logits);
+    free(tokens);
+    free_model(&tm);
+}
+
 /* Keeping fewer rows: kv_cache_keep keeps the kept rows (per head) as rows 0 .. n_keep - 1
  * and their positions; the next token is still rotated by its true position; truncate takes
  * back only the newest positions; the tracked attention weights sum to one per query head. */
@@ -2268,6 +2342,7 @@ int main(int argc, char **argv) {
     test_pool_swap(&halves);
     test_weight_formats();
     test_interrupts();
+    test_long_passes_stop_between_layers();
     test_tiers_small_ops();
     test_tiers_matmul();
     test_tiers_attention();
