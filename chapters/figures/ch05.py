@@ -1,7 +1,7 @@
 """Figures and numbers for chapter 5, "Batching and scheduling".
 
     python chapters/figures/ch05.py [--out DIR] [--threads N] [--rounds R] [--budget-rounds R]
-                                    [--quick]
+                                    [--sections 1,2,3,4,5] [--quick]
 
 Writes ch05_throughput.png, ch05_budget.png, ch05_latency.png and ch05.json (every number
 the chapter quotes, with the setup and the facts it quotes from data sheets). All through
@@ -26,14 +26,19 @@ kvlab.Engine:
    rates: paged with two max_batch_tokens, and contiguous caches of the same bytes.
 5. Preemption by swapping against recompute (benchmarks/bench_swap.py) on the bundled model.
 
-The full run takes a few minutes on the 2-core development machine (one core thread by
-default: on a shared machine one thread is far less disturbed by other processes);
---quick runs the same code on fewer batch sizes, requests and rounds.
+Sections 2 and 3 time CPU seconds of the one core thread, which other processes on a shared
+machine disturb far less than the wall clock; section 4 is a real-time server, and section
+5 is bench_swap's wall clock. The sections can be run separately (--sections): the ones not
+run keep their numbers from the ch05.json already in DIR, and setup.section_runs says when
+each ran. The full run takes a few minutes on the 2-core development machine (one core
+thread by default); --quick runs the same code on fewer batch sizes, requests and rounds.
 """
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
+import os
 import platform
 import statistics
 import time
@@ -46,7 +51,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 import kvlab  # noqa: E402
-from common import english_text, gpu_facts, machine, smollm2  # noqa: E402  (puts benchmarks/ on the path)
+from common import (chosen_sections, earlier_sections, english_text,  # noqa: E402
+                    gpu_facts, machine, smollm2)  # (common puts benchmarks/ on the path)
 import bench_swap  # noqa: E402  (swapping against recompute, as the benchmark measures it)
 
 HERE = Path(__file__).resolve().parent
@@ -99,8 +105,10 @@ def equality_check(model: kvlab.Model) -> dict:
 
 def decode_run(model: kvlab.Model, batch: int, new_tokens: int, prompt_len: int = 4,
                count: bool = False) -> dict:
-    """B requests of random prompts decoded together: the median decode step's time, and
-    (count=True) what the core counted per generated token in the decode steps."""
+    """B requests of random prompts decoded together: the median decode step's CPU time
+    (one core thread: on a shared machine the CPU time is what the step cost, where the
+    wall clock also counts the other processes' turns), and (count=True) what the core
+    counted per generated token in the decode steps."""
     rng = np.random.default_rng(batch)
     blocks = batch * -(-(prompt_len + new_tokens) // 16) + 4
     pool = model.new_paged_pool(num_blocks=blocks, block_size=16, max_seqs=batch)
@@ -111,9 +119,11 @@ def decode_run(model: kvlab.Model, batch: int, new_tokens: int, prompt_len: int 
     seconds, weight_bytes, kv_bytes, flops, tokens = [], 0, 0, 0, 0
     while engine.has_work:
         with model.counting() as counts:
+            cpu = time.process_time()
             step = engine.step()
+            cpu = time.process_time() - cpu
         if step.prefill_tokens == 0 and step.decode_tokens:
-            seconds.append(step.seconds)
+            seconds.append(cpu)
             weight_bytes += counts.weight_bytes
             kv_bytes += counts.kv_read_bytes
             flops += counts.flops
@@ -208,7 +218,7 @@ def serve(model, pool, groups) -> dict:
     """Every request to the end, a group at a time: each group runs until its slowest
     request is done before the next starts (one group of all of them: continuous)."""
     running, made, generated, preemptions = [], [], 0, 0
-    start = time.perf_counter()
+    start = time.process_time()              # CPU seconds, as decode_run's
     with model.counting() as counts:          # what the core did, over the whole run
         for group in groups:
             engine = kvlab.Engine(model, pool, max_batch_tokens=512)
@@ -220,7 +230,7 @@ def serve(model, pool, groups) -> dict:
                 generated += sum(len(t) for t in step.new_tokens.values())
                 made.append(generated)
                 preemptions += step.preemptions
-    seconds = time.perf_counter() - start
+    seconds = time.process_time() - start
     return {"seconds": seconds, "tokens": generated, "steps": len(running),
             "peak_running": max(running), "mean_running": float(np.mean(running)),
             "preemptions": preemptions, "flops": counts.flops,
@@ -389,7 +399,7 @@ def plot_throughput(result: dict, ridges: dict, path: Path) -> None:
     left.set_xscale("log", base=2)
     left.set_yscale("log")
     left.set_xlabel("requests decoded together (batch size)")
-    left.set_ylabel("decode tokens/s")
+    left.set_ylabel("decode tokens per CPU second")
     left.set_title(f"SmolLM2-135M decode throughput, kvlab.Engine (medians of "
                    f"{result['rounds']} rounds)", fontsize=10)
     left.grid(alpha=0.3, which="both")
@@ -434,6 +444,86 @@ def plot_latency(result: dict, path: Path) -> None:
                              f"requests a run")
 
 
+# ---- the run -------------------------------------------------------------------------------
+
+# What each section writes into ch05.json: --sections reruns some, the rest keep the numbers
+# of the ch05.json already in --out (setup.section_runs says when each was run).
+SECTION_KEYS = {1: ["equality"], 2: ["throughput", "ridge"], 3: ["memory_budget"],
+                4: ["latency"], 5: ["preemption"]}
+
+
+def run_throughput(models: dict, quick: bool, rounds: int, out: Path) -> dict:
+    batches = [1, 4, 16] if quick else [1, 2, 4, 8, 16, 32]
+    q8 = models.get("Q8_0, int8 activations") or next(iter(models.values()))
+    tp = throughput(models, batches, rounds=1 if quick else rounds,
+                    new_tokens=3 if quick else 5)
+    ridges = ridge(tp, q8.n_params)
+    for r in tp["rows"]:
+        print(f"{r['format']:<24}{r['batch']:>4}{r['decode_tokens_per_s']:>8,.0f} tok/s"
+              f"{r['speedup_vs_batch1']:>7.2f}x {r['speedup_range']}  weights "
+              f"{r['weight_bytes_per_token']:>12,.0f} B/token  {r['weight_gb_per_s']:5.1f} GB/s"
+              f" {r['gflop_per_s']:5.1f} GFLOP/s", flush=True)
+    print("ridges:", ridges, flush=True)
+    plot_throughput(tp, ridges, out / "ch05_throughput.png")
+    return {"throughput": tp, "ridge": ridges}
+
+
+def run_budget(served_model: kvlab.Model, quick: bool, rounds: int, out: Path) -> dict:
+    budget = memory_budget(served_model, n_requests=6 if quick else 24,
+                           rounds=1 if quick else rounds)
+    for name in WAY_LABELS:
+        r = budget[name]
+        print(f"{name}: {r['steps']} steps, running peak {r['peak_running']} mean "
+              f"{r['mean_running']:.1f}, {r['seconds']:.2f} s "
+              f"({r['speedup_vs_static_contiguous']:.2f}x), {r['tokens_per_s']:,.0f} tok/s, "
+              f"{r['flops'] / 1e9:.1f} GFLOP, weights {r['weight_bytes'] / 1e9:.2f} GB, "
+              f"K/V {r['kv_read_bytes'] / 1e9:.2f} GB, {r['tokens_run']:,} tokens run", flush=True)
+    plot_budget(budget, out / "ch05_budget.png")
+    for name in WAY_LABELS:                  # the figure's data, not quoted: kept out
+        del budget[name]["running_per_step"], budget[name]["tokens_so_far"]
+    return {"memory_budget": budget}
+
+
+def run_latency(served_model: kvlab.Model, quick: bool, out: Path) -> dict:
+    served = latency(served_model, (4.0, 16.0) if quick else (1.0, 4.0, 16.0),
+                     n_requests=3 if quick else 10, num_blocks=64)
+    for r in served["runs"]:
+        print(f"{r['rate']:>6g}/s {r['memory']:>10} {r['budget']:>4}: "
+              f"{r['tokens_per_s']:7.0f} tok/s  TTFT p50 {r['ttft_p50_ms']:7.1f}"
+              f" p99 {r['ttft_p99_ms']:7.1f}  TPOT p50 {r['tpot_p50_ms']:5.1f}"
+              f" p99 {r['tpot_p99_ms']:5.1f} ms", flush=True)
+    plot_latency(served, out / "ch05_latency.png")
+    return {"latency": served}
+
+
+def run_preemption(bundled: kvlab.Model, quick: bool) -> dict:
+    preempt = preemption(bundled, contexts=(64, 256) if quick else (64, 256, 1024),
+                         rounds=3 if quick else 9, engine_rounds=1 if quick else 3)
+    for r in preempt["sequences"]:
+        print(f"{r['tokens']:>5} tokens: swap {1e6 * r['swap_s']:7.0f} us, recompute "
+              f"{1e3 * r['recompute_s']:7.2f} ms: {r['recompute_over_swap']:.0f}x")
+    for r in preempt["engine"]["runs"]:
+        print(f"engine, {r['preemption']:>9}: {r['seconds']:.2f} s, {r['preemptions']} preemptions, "
+              f"{r['recomputed_tokens']} tokens recomputed, {r['swapped_out_bytes']:,} B swapped out")
+    return {"preemption": preempt}
+
+
+def setup(models: dict, quick: bool, section_runs: dict, load_before, started: float) -> dict:
+    return {**machine(), "threads": kvlab.get_num_threads(),
+            "machine": platform.machine(), "python": platform.python_version(),
+            "shared_machine": "a shared 2-core virtual machine: ratios are taken within "
+                              "rounds run in turn, sections 2 and 3 in CPU seconds",
+            "quick": quick, "nice": os.nice(0),
+            "models": {name: {"params": m.n_params, "weights_bytes": m.weights_nbytes,
+                              "weight_format": m.weight_format, "activations": m.activations,
+                              "n_layers": m.config.n_layers, "n_kv_heads": m.config.n_kv_heads,
+                              "head_dim": m.config.head_dim} for name, m in models.items()},
+            # when, and under what load: the machine is shared
+            "section_runs": {str(n): section_runs[n] for n in sorted(section_runs)},
+            "load_average_before_after": [load_before, os.getloadavg()],
+            "seconds": round(time.perf_counter() - started, 1)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default=str(HERE))
@@ -444,94 +534,46 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3,
                         help="rounds of the throughput runs (the memory budget's: --budget-rounds)")
     parser.add_argument("--budget-rounds", type=int, default=2)
+    parser.add_argument("--sections", default="1,2,3,4,5",
+                        help="which to run (1 equality, 2 throughput, 3 memory budget, "
+                             "4 latency, 5 preemption); the others keep --out's ch05.json's")
     args = parser.parse_args()
+    sections = chosen_sections(parser, args.sections, SECTION_KEYS)
+    quick = args.quick
+    if quick:                                 # every section, shorter
+        sections = sorted(SECTION_KEYS)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    result, section_runs = earlier_sections(out, "ch05.json", SECTION_KEYS, sections)
     kvlab.set_num_threads(args.threads)
-    started = time.perf_counter()
-    quick = args.quick
-    batches = [1, 4, 16] if quick else [1, 2, 4, 8, 16, 32]
-    formats = ({k: FORMATS[k] for k in ("Q4_1, int8 activations", "float32")} if quick
-               else FORMATS)
+    started, load_before = time.perf_counter(), os.getloadavg()
 
     bundled = kvlab.load()
-    equal = equality_check(bundled)
-    print("engine vs generate:", equal, flush=True)
-
+    formats = ({k: FORMATS[k] for k in ("Q4_1, int8 activations", "float32")} if quick
+               else FORMATS)
     models = {name: smollm2(**options) for name, options in formats.items()}
     q8 = models.get("Q8_0, int8 activations") or next(iter(models.values()))
-    params = q8.n_params
-    tp = throughput(models, batches, rounds=1 if quick else args.rounds,
-                    new_tokens=3 if quick else 5)
-    ridges = ridge(tp, params)
-    for r in tp["rows"]:
-        print(f"{r['format']:<24}{r['batch']:>4}{r['decode_tokens_per_s']:>8,.0f} tok/s"
-              f"{r['speedup_vs_batch1']:>7.2f}x {r['speedup_range']}  weights "
-              f"{r['weight_bytes_per_token']:>12,.0f} B/token  {r['weight_gb_per_s']:5.1f} GB/s"
-              f" {r['gflop_per_s']:5.1f} GFLOP/s", flush=True)
-    print("ridges:", ridges, flush=True)
-
     served_model = short_context(q8, 128 if quick else 256)
-    budget = memory_budget(served_model, n_requests=6 if quick else 24,
-                           rounds=1 if quick else args.budget_rounds)
-    for name in WAY_LABELS:
-        r = budget[name]
-        print(f"{name}: {r['steps']} steps, running peak {r['peak_running']} mean "
-              f"{r['mean_running']:.1f}, {r['seconds']:.2f} s "
-              f"({r['speedup_vs_static_contiguous']:.2f}x), {r['tokens_per_s']:,.0f} tok/s, "
-              f"{r['flops'] / 1e9:.1f} GFLOP, weights {r['weight_bytes'] / 1e9:.2f} GB, "
-              f"K/V {r['kv_read_bytes'] / 1e9:.2f} GB, {r['tokens_run']:,} tokens run", flush=True)
+    runs = {1: lambda: {"equality": equality_check(bundled)},
+            2: lambda: run_throughput(models, quick, args.rounds, out),
+            3: lambda: run_budget(served_model, quick, args.budget_rounds, out),
+            4: lambda: run_latency(served_model, quick, out),
+            5: lambda: run_preemption(bundled, quick)}
+    for n in sections:
+        since = time.perf_counter()
+        result.update(runs[n]())
+        section_runs[n] = (f"{datetime.datetime.now().isoformat(timespec='minutes')}, "
+                           f"{time.perf_counter() - since:.1f} s, load average "
+                           f"{os.getloadavg()[0]:.1f} at its end" + (" (--quick)" if quick else ""))
+        print(f"section {n}: {section_runs[n]}", flush=True)
+    print("engine vs generate:", result["equality"], flush=True)
 
-    served = latency(served_model, (4.0, 16.0) if quick else (1.0, 4.0, 16.0),
-                     n_requests=3 if quick else 10, num_blocks=64)
-    for r in served["runs"]:
-        print(f"{r['rate']:>6g}/s {r['memory']:>10} {r['budget']:>4}: "
-              f"{r['tokens_per_s']:7.0f} tok/s  TTFT p50 {r['ttft_p50_ms']:7.1f}"
-              f" p99 {r['ttft_p99_ms']:7.1f}  TPOT p50 {r['tpot_p50_ms']:5.1f}"
-              f" p99 {r['tpot_p99_ms']:5.1f} ms", flush=True)
-
-    preempt = preemption(bundled, contexts=(64, 256) if quick else (64, 256, 1024),
-                         rounds=3 if quick else 9, engine_rounds=1 if quick else 3)
-    for r in preempt["sequences"]:
-        print(f"{r['tokens']:>5} tokens: swap {1e6 * r['swap_s']:7.0f} us, recompute "
-              f"{1e3 * r['recompute_s']:7.2f} ms: {r['recompute_over_swap']:.0f}x")
-    for r in preempt["engine"]["runs"]:
-        print(f"engine, {r['preemption']:>9}: {r['seconds']:.2f} s, {r['preemptions']} preemptions, "
-              f"{r['recomputed_tokens']} tokens recomputed, {r['swapped_out_bytes']:,} B swapped out")
-
-    plot_throughput(tp, ridges, out / "ch05_throughput.png")
-    plot_latency(served, out / "ch05_latency.png")
-    plot_budget(budget, out / "ch05_budget.png")
-
-    for name in WAY_LABELS:                  # the figure's data, not quoted: kept out
-        del budget[name]["running_per_step"], budget[name]["tokens_so_far"]
-    result = {
-        "setup": {**machine(), "threads": kvlab.get_num_threads(),
-                  "machine": platform.machine(), "python": platform.python_version(),
-                  "shared_machine": "a shared 2-core virtual machine, quiet during the final "
-                                    "run (load average about 1): ratios are taken within "
-                                    "rounds run in turn",
-                  "quick": quick,
-                  "models": {name: {"params": m.n_params, "weights_bytes": m.weights_nbytes,
-                                    "weight_format": m.weight_format,
-                                    "activations": m.activations,
-                                    "n_layers": m.config.n_layers,
-                                    "n_kv_heads": m.config.n_kv_heads,
-                                    "head_dim": m.config.head_dim}
-                             for name, m in {**models, "bundled": bundled}.items()},
-                  "seconds": None},
-        "facts": FACTS,
-        "llama2_7b_arithmetic": llama2_7b_arithmetic(),
-        "equality": equal,
-        "throughput": tp,
-        "ridge": ridges,
-        "memory_budget": budget,
-        "latency": served,
-        "preemption": preempt,
-    }
-    result["setup"]["seconds"] = round(time.perf_counter() - started, 1)
+    result = {"setup": setup({**models, "bundled": bundled}, quick, section_runs, load_before,
+                             started),
+              "facts": FACTS, "llama2_7b_arithmetic": llama2_7b_arithmetic(),
+              **{key: result[key] for n in SECTION_KEYS for key in SECTION_KEYS[n]}}
     (out / "ch05.json").write_text(json.dumps(result, indent=1))
-    print(f"wrote {out} in {result['setup']['seconds']} s")
+    print(f"wrote {out} in {result['setup']['seconds']} s (sections {sections})")
 
 
 if __name__ == "__main__":

@@ -48,7 +48,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 import kvlab  # noqa: E402
-from common import english_text, machine, shared_folder, smollm2, spread  # noqa: E402
+from common import (chosen_sections, earlier_sections, english_text,  # noqa: E402
+                    machine, shared_folder, smollm2, spread)
 from kvlab import accuracy, chat  # noqa: E402
 from kvlab import weight_quantization as wq  # noqa: E402
 from kvlab.model import Model  # noqa: E402
@@ -281,24 +282,15 @@ def main() -> None:
                         help="AWQ's grid: alphas 0, 1/N, ..., (N-1)/N (the library's is 20)")
     parser.add_argument("--sections", default="1,2,3,4")
     args = parser.parse_args()
-    sections = sorted({int(x) for x in args.sections.split(",")})
-    if not sections or not set(sections) <= set(SECTION_KEYS):
-        parser.error(f"--sections takes numbers from {sorted(SECTION_KEYS)}")
+    sections = chosen_sections(parser, args.sections, SECTION_KEYS)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    previous = json.loads((out / "ch10.json").read_text()) if (out / "ch10.json").is_file() else {}
-    skipped = [n for n in SECTION_KEYS if n not in sections]
-    missing = [n for n in skipped if any(key not in previous for key in SECTION_KEYS[n])]
-    if missing and not args.quick:
-        parser.error(f"{out / 'ch10.json'} holds no earlier run of sections {missing}: run them")
     if args.quick:                          # every section, on the bundled model
-        sections, skipped = sorted(SECTION_KEYS), []
+        sections = sorted(SECTION_KEYS)
+    result, section_runs = earlier_sections(out, "ch10.json", SECTION_KEYS, sections)
     kvlab.set_num_threads(args.threads)
     started, load_before = time.perf_counter(), os.getloadavg()
     today = datetime.datetime.now().isoformat(timespec="minutes")
-    result = {key: previous[key] for n in skipped for key in SECTION_KEYS[n]}
-    section_runs = {n: previous.get("setup", {}).get("section_runs", {}).get(str(n), "an earlier run")
-                    for n in skipped}
 
     def ran(n, since):
         section_runs[n] = (f"{today}, {round(time.perf_counter() - since, 1)} s"

@@ -1,6 +1,7 @@
 """What the chapters' figure scripts share: the machine they ran on, and the benchmarks'
 own workloads (benchmarks/ is importable from here, so a figure measures exactly what the
 benchmark it quotes measures)."""
+import json
 import os
 import platform
 import statistics
@@ -97,3 +98,29 @@ def english_text(n_chars: int = 20_000):
 def smollm2(**options):
     """SmolLM2-135M-Instruct, fetched once into the cache (kvlab fetch smollm2-135m)."""
     return kvlab.load("smollm2-135m", **options)
+
+
+def chosen_sections(parser, text: str, section_keys: dict) -> list:
+    """--sections' numbers ("1,3"), sorted; parser.error for any the script does not have."""
+    try:
+        sections = sorted({int(x) for x in text.split(",")})
+    except ValueError:
+        sections = []
+    if not sections or not set(sections) <= set(section_keys):
+        parser.error(f"--sections takes numbers from {sorted(section_keys)}, got {text!r}")
+    return sections
+
+
+def earlier_sections(out: Path, name: str, section_keys: dict, sections) -> tuple:
+    """For a script whose sections run separately (--sections): what the sections not run
+    this time hold in the NAME.json already in `out`, and when each was run (its
+    setup's section_runs). A section that file does not hold must be run: SystemExit."""
+    path = out / name
+    previous = json.loads(path.read_text()) if path.is_file() else {}
+    skipped = [n for n in section_keys if n not in sections]
+    missing = [n for n in skipped if any(key not in previous for key in section_keys[n])]
+    if missing:
+        raise SystemExit(f"{path} holds no earlier run of sections {missing}: run them")
+    runs = previous.get("setup", {}).get("section_runs", {})
+    return ({key: previous[key] for n in skipped for key in section_keys[n]},
+            {n: runs.get(str(n), "an earlier run (when: not recorded)") for n in skipped})
