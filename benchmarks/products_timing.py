@@ -5,9 +5,10 @@ batched decode of the course's real model and 256-token prefill on weight-bound 
     python benchmarks/products_timing.py [batch|prefill]      # one part alone
 
 * batch: SmolLM2-135M (its Q4_1 file loaded as Q8_0; kvlab.fetch("smollm2-135m"), skipped
-  where it cannot be had), `forward_batch` decode steps through a paged pool at batch 1, 4
-  and 16, each sequence after a 16-token prompt, three ways: Q8_0 weights with int8
-  activations (the default), Q8_0 weights with float32 activations, float32 weights.
+  where it cannot be had), `forward_batch` decode steps through a paged pool at batch 1, 2,
+  4, 8 and 16 (int8 products stream four rows below 8 tokens; with AVX-512 VNNI they pack
+  panels from 13), each sequence after a 16-token prompt, three ways: Q8_0 weights with
+  int8 activations (the default), Q8_0 weights with float32 activations, float32 weights.
 * prefill: a 256-token prompt into a fresh cache on llama2.c's stories15M and stories110M
   shapes (random weights, seed 0), float32 weights, Q8_0 with int8 activations, Q8_0 with
   float32 activations.
@@ -26,7 +27,7 @@ import numpy as np
 import kvlab
 
 STEPS = 16
-BATCHES = (1, 4, 16)
+BATCHES = (1, 2, 4, 8, 16)
 SHAPES = {   # llama2.c's checkpoint shapes (vocabulary 32,000)
     "15M": dict(dim=288, hidden_dim=768, n_layers=6, n_heads=6, n_kv_heads=6),
     "110M": dict(dim=768, hidden_dim=2048, n_layers=12, n_heads=12, n_kv_heads=12),

@@ -663,11 +663,13 @@ static ALWAYS_INLINE void dot_rows4_int8_pair(const uint8_t *const rows[4],
 #ifdef __AVX2__
 /* Four rows against n tokens (2 to 4, a constant in each call; a prefill, a batched decode
  * step): each row's block is unpacked once for the n tokens and each token's block loaded
- * once for the four rows; n chains of arithmetic side by side. out[t][r] is token t's dot_row_int8 of row r, bit for bit: each
- * (row, token) pair keeps its own running sum and m part and adds its blocks in the same
- * order with the same roundings; the tile changes only which pairs run together. The
- * scales come as in dot_rows4_int8: the rows' headers converted once a block, times each
- * token's (d_x, d_x * sum) in every pair of lanes; add_blocks4 adds a token's four rows. */
+ * once for the four rows; n chains of arithmetic side by side. out[t][r] is token t's
+ * dot_row_int8 of row r, bit for bit: each (row, token) pair keeps its own running sum and
+ * m part and adds its blocks in the same order with the same roundings; the tile changes
+ * only which pairs run together. The scales come as in dot_rows4_int8: the rows' headers
+ * converted once a block, times each token's (d_x, d_x * sum) in every pair of lanes;
+ * add_blocks4 adds a token's four rows. The rows are prefetched as dot_rows4_int8 does:
+ * a batched decode step of 2 to 7 tokens waits on memory as a single token's does. */
 static ALWAYS_INLINE void dot_rows4_int8_tokens(const uint8_t *const rows[4],
                                                 kv_weight_format format,
                                                 const float *const pairs[4],
@@ -681,15 +683,32 @@ static ALWAYS_INLINE void dot_rows4_int8_tokens(const uint8_t *const rows[4],
     memset(m_parts, 0, sizeof m_parts);
     for (int b = 0; b < n_blocks; b++) {
         size_t at = (size_t)b * block_bytes;
+        for (int r = 0; r < 4; r++) __builtin_prefetch(rows[r] + at + KV_INT8_PREFETCH);
         v8f d_m = headers4(rows, at);
         __m256i w_codes[4];
         for (int r = 0; r < 4; r++) w_codes[r] = load_w_codes(rows[r] + at + header, format);
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+        if (format == KV_WEIGHT_Q8_0)   /* w + 128, dpbusd's unsigned side */
+            for (int r = 0; r < 4; r++)
+                w_codes[r] = _mm256_xor_si256(w_codes[r], _mm256_set1_epi8((char)0x80));
+#endif
         #pragma GCC unroll 4
         for (int t = 0; t < n; t++) {
             x_block xb = load_x_block(codes[t] + 32 * b, 0.0f, 0.0f, format);
             v8f x_pair = x_pair_splat(pairs[t] + 2 * b);
             if (format == KV_WEIGHT_Q4_1) m_parts[t] = madd(d_m, x_pair, m_parts[t]);
             __m256i ints[4];
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+            if (format == KV_WEIGHT_Q8_0) {
+                /* sum (w + 128) x from -128 sum x: each lane the same exact integer as
+                 * sums_of_four's, one xor a row block instead of two signs a row and token */
+                __m256i zero = _mm256_setzero_si256();
+                __m256i start = _mm256_sub_epi32(
+                    zero, _mm256_dpbusd_epi32(zero, _mm256_set1_epi8((char)0x80), xb.codes));
+                for (int r = 0; r < 4; r++)
+                    ints[r] = _mm256_dpbusd_epi32(start, w_codes[r], xb.codes);
+            } else
+#endif
             for (int r = 0; r < 4; r++) ints[r] = block_ints(w_codes[r], &xb, format);
             sums[t] = add_blocks4(sums[t], d_m * x_pair, ints);
         }
@@ -714,8 +733,10 @@ static ALWAYS_INLINE void dot_rows4_int8_tokens(const uint8_t *const rows[4],
  * the tokens. Repacked per product, not once at load, so a model's stored weights stay as
  * users see them. Measured on the 110M shapes, one thread, by packing every panel twice:
  * the repacking is lost in the noise of a 256-token product (under 5 %), 15-20 % of a
- * 16-token one and about 30 % of a 4-token one (a batched decode step), what a copy
- * repacked at load would save there. */
+ * 16-token one and about 30 % of a 4-token one (a batched decode step). A product of one
+ * tile of tokens (up to TILE_TOKENS: a batched decode step) stores no panel: each block is
+ * turned in registers and used at once (panel_tokens_streamed), since a stored panel would
+ * be read back once only. */
 
 /* Rows a panel holds, and the tokens a tile runs against them at once: 12 tokens' running
  * sums in registers beside the block's 8 code registers (Q4_1: 8 tokens, and their m
@@ -756,37 +777,94 @@ static ALWAYS_INLINE void transpose_groups(const __m512i z[8], __m512i out[8]) {
     }
 }
 
-/* Rows first .. first + 15 of w (row_bytes apart), every block, into panel */
-static void pack_panel(const uint8_t *first, size_t row_bytes, kv_weight_format format,
-                       int n_blocks, uint8_t *panel) {
-    size_t block_bytes = kv_weight_block_bytes(format);
+/* One block of rows first .. first + 15 (row_bytes apart; `block` the first row's block):
+ * groups[g] the 16 rows' four codes of group g, in lane order (Q8_0's + 128), d (and Q4_1's
+ * m) their scales, converted as block_scale does. The next panel's same rows are
+ * prefetched: a decode step's weights come from memory. */
+static ALWAYS_INLINE void panel_block(const uint8_t *block, size_t row_bytes,
+                                      kv_weight_format format, __m512i groups[8], __m512 *d,
+                                      __m512 *m) {
     int header = format == KV_WEIGHT_Q4_1 ? 4 : 2;
     __m512i rows = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11,
                                                         12, 13, 14, 15),
                                       _mm512_set1_epi32((int)row_bytes));
+    /* each row's d (and m): the block's first four bytes */
+    __m512i head = _mm512_i32gather_epi32(rows, (const void *)block, 1);
+    *d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(head));
+    if (format == KV_WEIGHT_Q4_1)
+        *m = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(head, 16)));
+    __m512i z[8];
+    for (int k = 0; k < 8; k++) {   /* rows k and k + 8, their 32 codes in value order */
+        const uint8_t *low = block + (size_t)k * row_bytes + header;
+        const uint8_t *high = low + 8 * row_bytes;
+        __builtin_prefetch(low + PANEL_ROWS * row_bytes);
+        __builtin_prefetch(high + PANEL_ROWS * row_bytes);
+        z[k] = _mm512_inserti64x4(_mm512_castsi256_si512(load_w_codes(low, format)),
+                                  load_w_codes(high, format), 1);
+        if (format == KV_WEIGHT_Q8_0)   /* w + 128: dpbusd's unsigned side */
+            z[k] = _mm512_xor_si512(z[k], _mm512_set1_epi8((char)0x80));
+    }
+    transpose_groups(z, groups);
+}
+
+/* Rows first .. first + 15 of w (row_bytes apart), every block, into panel */
+static void pack_panel(const uint8_t *first, size_t row_bytes, kv_weight_format format,
+                       int n_blocks, uint8_t *panel) {
+    size_t block_bytes = kv_weight_block_bytes(format);
     for (int b = 0; b < n_blocks; b++) {
-        const uint8_t *block = first + (size_t)b * block_bytes;
         uint8_t *at = panel + (size_t)b * PANEL_BLOCK_BYTES;
-        /* each row's d (and m): the block's first four bytes, converted as block_scale does */
-        __m512i head = _mm512_i32gather_epi32(rows, (const void *)block, 1);
-        _mm512_storeu_ps(at + PANEL_D, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(head)));
-        if (format == KV_WEIGHT_Q4_1)
-            _mm512_storeu_ps(at + PANEL_M,
-                             _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(head, 16))));
-        __m512i z[8], groups[8];
-        for (int k = 0; k < 8; k++) {   /* rows k and k + 8, their 32 codes in value order */
-            const uint8_t *low = block + (size_t)k * row_bytes + header;
-            const uint8_t *high = low + 8 * row_bytes;
-            /* the next panel's same rows (a decode step's weights come from memory) */
-            __builtin_prefetch(low + PANEL_ROWS * row_bytes);
-            __builtin_prefetch(high + PANEL_ROWS * row_bytes);
-            z[k] = _mm512_inserti64x4(_mm512_castsi256_si512(load_w_codes(low, format)),
-                                      load_w_codes(high, format), 1);
-            if (format == KV_WEIGHT_Q8_0)   /* w + 128: dpbusd's unsigned side */
-                z[k] = _mm512_xor_si512(z[k], _mm512_set1_epi8((char)0x80));
-        }
-        transpose_groups(z, groups);
+        __m512i groups[8];
+        __m512 d, m = _mm512_setzero_ps();
+        panel_block(first + (size_t)b * block_bytes, row_bytes, format, groups, &d, &m);
+        _mm512_storeu_ps(at + PANEL_D, d);
+        if (format == KV_WEIGHT_Q4_1) _mm512_storeu_ps(at + PANEL_M, m);
         for (int g = 0; g < 8; g++) _mm512_storeu_si512(at + 64 * g, groups[g]);
+    }
+}
+
+/* A tile's running sums: [token], lane r: row o0 + r's sum and m part (Q4_1) */
+typedef struct {
+    __m512 sums[TILE_TOKENS], m_parts[TILE_TOKENS];
+} panel_sums;
+
+/* Block b of 16 rows (w: panel_block's groups, d_w and m_w their scales) against tokens
+ * t0 .. t0 + n - 1, added to their running sums in kv_plain_matmul_int8's order: the exact
+ * block total, times d_w * d_x, multiply-added; Q4_1's m part apart. */
+static ALWAYS_INLINE void panel_block_tokens(panel_sums *acc, const __m512i w[8], __m512 d_w,
+                                             __m512 m_w, kv_weight_format format,
+                                             const float *x_pairs, const int8_t *x_codes,
+                                             const int32_t *starts, int b, int t0, int n,
+                                             int in_dim) {
+    int n_blocks = in_dim / 32;
+    #pragma GCC unroll 16   /* constant indices into sums: they stay in registers */
+    for (int i = 0; i < n; i++) {
+        size_t tb = (size_t)(t0 + i) * n_blocks + b;
+        const int8_t *x = x_codes + (size_t)(t0 + i) * in_dim + 32 * b;
+        /* two chains of four dpbusd (each waits for the one before), added at the end:
+         * integers, so the total is the same */
+        __m512i ints[2] = {_mm512_set1_epi32(starts[tb]), _mm512_setzero_si512()};
+        #pragma GCC unroll 8
+        for (int g = 0; g < 8; g++) {
+            int32_t four;
+            memcpy(&four, x + 4 * g, sizeof four);
+            ints[g % 2] = _mm512_dpbusd_epi32(ints[g % 2], w[g], _mm512_set1_epi32(four));
+        }
+        __m512 scale = _mm512_mul_ps(d_w, _mm512_set1_ps(x_pairs[2 * tb]));
+        __m512i total = _mm512_add_epi32(ints[0], ints[1]);
+        acc->sums[i] = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(total), acc->sums[i]);
+        if (format == KV_WEIGHT_Q4_1)
+            acc->m_parts[i] = _mm512_fmadd_ps(m_w, _mm512_set1_ps(x_pairs[2 * tb + 1]),
+                                              acc->m_parts[i]);
+    }
+}
+
+/* The tile's results, out[t * out_dim + o0 + r] for tokens t0 .. t0 + n - 1 */
+static ALWAYS_INLINE void panel_store(float *out, const panel_sums *acc, kv_weight_format format,
+                                      int t0, int n, int out_dim, int o0) {
+    for (int i = 0; i < n; i++) {
+        __m512 total = format == KV_WEIGHT_Q4_1 ? _mm512_add_ps(acc->sums[i], acc->m_parts[i])
+                                                : acc->sums[i];
+        _mm512_storeu_ps(out + (size_t)(t0 + i) * out_dim + o0, total);
     }
 }
 
@@ -798,39 +876,39 @@ static ALWAYS_INLINE void panel_tokens(float *out, const uint8_t *panel, kv_weig
                                        const float *x_pairs, const int8_t *x_codes,
                                        const int32_t *starts, int t0, int n, int in_dim,
                                        int out_dim, int o0) {
-    int n_blocks = in_dim / 32;
-    __m512 sums[TILE_TOKENS], m_parts[TILE_TOKENS];
-    for (int i = 0; i < n; i++) sums[i] = m_parts[i] = _mm512_setzero_ps();
-    for (int b = 0; b < n_blocks; b++) {
+    panel_sums acc;
+    for (int i = 0; i < n; i++) acc.sums[i] = acc.m_parts[i] = _mm512_setzero_ps();
+    for (int b = 0; b < in_dim / 32; b++) {
         const uint8_t *at = panel + (size_t)b * PANEL_BLOCK_BYTES;
         __m512i w[8];
         for (int g = 0; g < 8; g++) w[g] = _mm512_loadu_si512(at + 64 * g);
-        __m512 d_w = _mm512_loadu_ps(at + PANEL_D);
-        #pragma GCC unroll 16   /* constant indices into sums: they stay in registers */
-        for (int i = 0; i < n; i++) {
-            size_t tb = (size_t)(t0 + i) * n_blocks + b;
-            const int8_t *x = x_codes + (size_t)(t0 + i) * in_dim + 32 * b;
-            /* two chains of four dpbusd (each waits for the one before), added at the end:
-             * integers, so the total is the same */
-            __m512i ints[2] = {_mm512_set1_epi32(starts[tb]), _mm512_setzero_si512()};
-            #pragma GCC unroll 8
-            for (int g = 0; g < 8; g++) {
-                int32_t four;
-                memcpy(&four, x + 4 * g, sizeof four);
-                ints[g % 2] = _mm512_dpbusd_epi32(ints[g % 2], w[g], _mm512_set1_epi32(four));
-            }
-            __m512 scale = _mm512_mul_ps(d_w, _mm512_set1_ps(x_pairs[2 * tb]));
-            __m512i total = _mm512_add_epi32(ints[0], ints[1]);
-            sums[i] = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(total), sums[i]);
-            if (format == KV_WEIGHT_Q4_1)
-                m_parts[i] = _mm512_fmadd_ps(_mm512_loadu_ps(at + PANEL_M),
-                                             _mm512_set1_ps(x_pairs[2 * tb + 1]), m_parts[i]);
-        }
+        panel_block_tokens(&acc, w, _mm512_loadu_ps(at + PANEL_D),
+                           format == KV_WEIGHT_Q4_1 ? _mm512_loadu_ps(at + PANEL_M)
+                                                    : _mm512_setzero_ps(),
+                           format, x_pairs, x_codes, starts, b, t0, n, in_dim);
     }
-    for (int i = 0; i < n; i++) {
-        __m512 total = format == KV_WEIGHT_Q4_1 ? _mm512_add_ps(sums[i], m_parts[i]) : sums[i];
-        _mm512_storeu_ps(out + (size_t)(t0 + i) * out_dim + o0, total);
+    panel_store(out, &acc, format, t0, n, out_dim, o0);
+}
+
+/* The same straight from the rows (first .. first + 15, row_bytes apart), each block turned
+ * in registers and used at once: for a product of one tile of tokens (a batched decode
+ * step), where a stored panel would be written and read back once only. */
+static ALWAYS_INLINE void panel_tokens_streamed(float *out, const uint8_t *first,
+                                                size_t row_bytes, kv_weight_format format,
+                                                const float *x_pairs, const int8_t *x_codes,
+                                                const int32_t *starts, int n, int in_dim,
+                                                int out_dim, int o0) {
+    size_t block_bytes = kv_weight_block_bytes(format);
+    panel_sums acc;
+    for (int i = 0; i < n; i++) acc.sums[i] = acc.m_parts[i] = _mm512_setzero_ps();
+    for (int b = 0; b < in_dim / 32; b++) {
+        __m512i w[8];
+        __m512 d_w, m_w = _mm512_setzero_ps();
+        panel_block(first + (size_t)b * block_bytes, row_bytes, format, w, &d_w, &m_w);
+        panel_block_tokens(&acc, w, d_w, m_w, format, x_pairs, x_codes, starts, b, 0, n,
+                           in_dim);
     }
+    panel_store(out, &acc, format, 0, n, out_dim, o0);
 }
 
 #elif defined(__AVX2__)
@@ -961,16 +1039,16 @@ static ALWAYS_INLINE void panel_tokens(float *out, const uint8_t *panel, kv_weig
 #if defined(KV_INT8_TILE_512) || defined(__AVX2__)
 #define KV_INT8_PANELS 1   /* rows_int8 takes the rows-in-lanes tile */
 /* A product takes the tile from this many tokens on (a prefill, a batched decode step);
- * fewer stream the rows once per token or token group instead, with the same bits. At 4
- * tokens the AVX-512 tile was 1.2-1.3x the four-token path (dot_rows4_int8_tokens) on the
- * 110M shapes, panel repacking included (one thread); the AVX2 one 0.8-1.0x, and 1.2-1.3x
- * at 16. -DTILE_MIN_TOKENS=n moves it for a measurement. */
+ * fewer stream the rows once per token or token group instead, with the same bits. In
+ * isolation (weights in cache) the AVX-512 tile was 1.2-1.3x the four-token path
+ * (dot_rows4_int8_tokens) at 4 tokens on the 110M shapes; but in SmolLM2's batched decode,
+ * whose weights come from memory, the four-token path (prefetching as the decode path
+ * does) made batch 4 1.1x faster than the streamed tile and 1.2x the packed one, and the
+ * streamed tile batch 8 1.05-1.15x faster than the packed one (one thread, CPU time). The
+ * AVX2 tile was 0.8-1.0x at 4 tokens, 1.2-1.3x at 16. -DTILE_MIN_TOKENS=n moves it for a
+ * measurement. */
 #ifndef TILE_MIN_TOKENS
-#ifdef KV_INT8_TILE_512
-#define TILE_MIN_TOKENS 4
-#else
 #define TILE_MIN_TOKENS 8
-#endif
 #endif
 
 /* What each token's block starts its integer sum from, so that unsigned weights give the
@@ -998,6 +1076,24 @@ static ALWAYS_INLINE void rows_panels(float *out, const uint8_t *w, kv_weight_fo
                                       const int32_t *starts, uint8_t *panel, int lo,
                                       int n_panels) {
     size_t row_bytes = kv_weight_row_bytes(format, in_dim);
+#ifdef KV_INT8_TILE_512
+    if (n_tokens <= (format == KV_WEIGHT_Q4_1 ? TILE_TOKENS_Q4_1 : TILE_TOKENS)) {
+        /* one tile of tokens: each block used as it is turned, no panel stored */
+        for (int k = 0; k < n_panels; k++) {
+            int o0 = lo + PANEL_ROWS * k;
+            const uint8_t *first = w + (size_t)o0 * row_bytes;
+            switch (n_tokens) {   /* the count a constant in each call */
+#define STREAMED(n) case n: panel_tokens_streamed(out, first, row_bytes, format, x_pairs, \
+                                                  x_codes, starts, n, in_dim, out_dim, o0); break;
+            STREAMED(1) STREAMED(2) STREAMED(3) STREAMED(4) STREAMED(5) STREAMED(6)
+            STREAMED(7) STREAMED(8) STREAMED(9) STREAMED(10) STREAMED(11) STREAMED(12)
+#undef STREAMED
+            default: break;
+            }
+        }
+        return;
+    }
+#endif
     for (int k = 0; k < n_panels; k++) {
         int o0 = lo + PANEL_ROWS * k;
         pack_panel(w + (size_t)o0 * row_bytes, row_bytes, format, in_dim / 32, panel);

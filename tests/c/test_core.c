@@ -2025,18 +2025,20 @@ static void test_weight_formats(void) {
     }
     /* Q8_0, Q4_0 and Q4_1 against int8 activations: the fast tier gives the plain tier's
      * bits, for 1 to 9 tokens (lone ones, pairs, fours, the 512-bit tile's one to four
-     * pairs with a lone token paired with itself), 16, 17 and 50 (tiles of eight and what
-     * is left over) and 13 rows (four runs and a leftover); and 37 rows, for the AVX-512
-     * tile's panels of 16 rows (8 tokens and more) and the rows past them; any bytes at all
-     * as codes (Q8_0's -128 too) */
+     * pairs with a lone token paired with itself), 12 and 13 (the most the AVX-512 tile
+     * takes straight from the rows, and the fewest it packs a panel for), 16, 17 and 50
+     * (tiles of eight and what is left over) and 13 rows (four runs and a leftover); and 37
+     * rows, for the AVX-512 tile's panels of 16 rows and the rows past them; any bytes at
+     * all as codes (Q8_0's -128 too) */
     const kv_weight_format blocks[] = {KV_WEIGHT_Q8_0, KV_WEIGHT_Q4_0, KV_WEIGHT_Q4_1};
-    const int int8_tokens[] = {1, 2, 3, 4, 5, 6, 7, 8, 9, 16, 17, 50};
+    const int int8_tokens[] = {1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 13, 16, 17, 50};
+    enum { N_INT8_TOKENS = sizeof int8_tokens / sizeof int8_tokens[0] };
     int in_dim = 96, rows_13 = out_dim;
     kv_kernels before = kv_get_kernels();
     for (int f = 0; f < 3; f++)
-        for (int n = 0; n < 24; n++) {
-            int n_tokens = int8_tokens[n % 12];
-            out_dim = n < 12 ? rows_13 : 37;
+        for (int n = 0; n < 2 * N_INT8_TOKENS; n++) {
+            int n_tokens = int8_tokens[n % N_INT8_TOKENS];
+            out_dim = n < N_INT8_TOKENS ? rows_13 : 37;
             size_t row_bytes = kv_weight_row_bytes(blocks[f], in_dim);
             size_t block_bytes = kv_weight_block_bytes(blocks[f]);
             uint8_t *w = malloc(row_bytes * out_dim);
