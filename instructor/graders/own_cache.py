@@ -303,7 +303,9 @@ def test_step_times_are_measured(sub, rng):
     shape = timing_shape(rng)
     model = ReferenceModel(shape=shape, seed=int(rng.integers(1 << 30)))
     prompt, n_new = [int(t) for t in rng.integers(0, 256, int(rng.integers(2, 6)))], 24
-    totals = {}
+    # No check that the uncached total is the larger: each time is tied to its own step
+    # above, so the totals are the model's, and on this small model (most of a step is the
+    # round trip of its calls between processes) a loaded machine could reverse them.
     for use_cache in (True, False):
         mode = "with your cache" if use_cache else "without a cache"
         seen = len(model.log)
@@ -325,11 +327,6 @@ def test_step_times_are_measured(sub, rng):
             f"step_seconds {mode}: your steps add up to {times.sum():.4f} s, but the whole call "
             f"took {call:.4f} s as the grader saw it")
         check_each_step_timed_alone(steps, times, started, started + call, mode)
-        totals[use_cache] = float(times.sum())
-    assert totals[False] > totals[True], (
-        f"{n_new} tokens on a {shape['n_layers']}-layer model: without a cache your steps took "
-        f"{totals[False]:.4f} s, with it {totals[True]:.4f} s; the uncached run recomputes "
-        f"every earlier token each step, so it must take longer")
 
 
 @points(1)
