@@ -115,12 +115,14 @@ static int has_matrix_for(const kv_model *m, int int8) {
     return 0;
 }
 
-/* Floats of the copy of x that the fast kernels' AVX-512 tiles pack for a product (ops.h),
- * where the running variant has the tile its matrices take: the float32 tile's holds a
- * chunk of KV_TOKEN_CHUNK tokens at a time, the int8 tile's (Q8_0/Q4_0/Q4_1 with int8
- * activations) all of them. One product at a time, so the widest input and the larger of
- * the two. Made and freed by each product, but part of the call's peak all the same. */
-static size_t packed_input_floats(const kv_model *m, int kernels, int n_tokens, int widest) {
+/* Floats of the scratch that the fast kernels' AVX-512 tiles allocate for a product (ops.h),
+ * where the running variant has the tile its matrices take: the float32 tile's packed copy
+ * of a chunk of KV_TOKEN_CHUNK tokens of x, the int8 tile's (Q8_0/Q4_0/Q4_1 with int8
+ * activations) starting sums for every token and a panel per thread. One product at a
+ * time, so the widest input and the larger of the two. Made and freed by each product,
+ * but part of the call's peak all the same. */
+static size_t packed_input_floats(const kv_model *m, int kernels, int n_tokens, int widest,
+                                  int n_threads) {
     int packs = kernels == KV_KERNELS_PLAIN ? 0 : kv_current_variant()->kernels->packed_inputs;
     const kv_weights *w = &m->weights;
     const kv_matrix *matrices[] = {&w->wq, &w->wk, &w->wv, &w->wo, &w->w1, &w->w2, &w->w3,
@@ -128,7 +130,8 @@ static size_t packed_input_floats(const kv_model *m, int kernels, int n_tokens, 
     size_t most = 0;
     for (size_t i = 0; i < sizeof matrices / sizeof matrices[0]; i++) {
         int int8 = kv_weight_takes_int8(matrices[i]->format) && m->int8_activations;
-        size_t floats = kv_packed_input_floats(int8 ? n_tokens : kv_packed_chunk(n_tokens), widest);
+        size_t floats = int8 ? kv_int8_tile_floats(n_tokens, widest, n_threads)
+                             : kv_packed_input_floats(kv_packed_chunk(n_tokens), widest);
         if ((packs & (int8 ? KV_PACKS_INT8 : KV_PACKS_F32)) && floats > most) most = floats;
     }
     return most;
@@ -269,7 +272,8 @@ static kv_status run_state_alloc(run_state *s, const kv_model *m, int n_tokens, 
     size_t total = 0;
     for (size_t i = 0; i < n_parts; i++) total += kv_round_up16(parts[i].floats);
     s->count.scratch_bytes = (int64_t)((total + packed_input_floats(m, s->kernels, n_tokens,
-                                                                    widest)) * sizeof(float));
+                                                                    widest, s->n_threads)) *
+                                       sizeof(float));
     s->block = kv_alloc_floats(total);
     s->n_runs = n_runs;
     s->runs = calloc((size_t)n_runs, sizeof *s->runs);

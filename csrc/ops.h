@@ -58,10 +58,12 @@ static inline void kv_pack_chunk(const float *x, int first, int chunk, int in_di
 }
 
 /* Which AVX-512 tiles this compilation builds (ops.c's float32 one; weight_formats.c's
- * int8 x int8 one), and so which products pack their input: a copy the size of x, made
- * once per product with at least 4 tokens, ((n_tokens + 1) / 2) * (in_dim / 8) * 16
- * floats for either tile (kv_packed_input_floats). The kernel table says which a variant
- * has (dispatch.h's packed_inputs), so that the forward call's counters include it. */
+ * int8 x int8 one), and so what scratch their products allocate. The float32 tile packs
+ * its input: a copy of a chunk of x, made once per product with at least 4 tokens,
+ * ((chunk + 1) / 2) * (in_dim / 8) * 16 floats (kv_packed_input_floats). The int8 tile
+ * puts rows in the lanes and takes a product of KV_INT8_TILE_MIN_TOKENS or more
+ * (kv_int8_tile_floats). The kernel table says which a variant has (dispatch.h's
+ * packed_inputs), so that the forward call's counters include it. */
 #if defined(__AVX512F__) && defined(__FMA__) && defined(__GNUC__)
 #define KV_F32_TILE_512 1
 #endif
@@ -81,6 +83,22 @@ static inline void kv_pack_chunk(const float *x, int first, int chunk, int in_di
 static inline size_t kv_packed_input_floats(int n_tokens, int in_dim) {
     if (n_tokens < 4 || in_dim < 8) return 0;
     return ((size_t)n_tokens + 1) / 2 * (size_t)(in_dim / 8) * 16;
+}
+/* What weight_formats.c's AVX-512 VNNI int8 tile allocates for a product of n_tokens
+ * tokens of in_dim, in floats: from KV_INT8_TILE_MIN_TOKENS (its TILE_MIN_TOKENS) on, each
+ * token's blocks' starting sums (n_tokens x in_dim / 32 int32), and for each of the team's
+ * n_threads room for a panel of 16 rows (in_dim / 32 blocks of PANEL_BLOCK_BYTES, 640),
+ * allocated from 8 tokens though only products of more than one tile of tokens (13 on,
+ * Q4_1 9) store one; fewer tokens stream the rows and allocate nothing. (The AVX2
+ * variant's int8 tile allocates the like, with panels of 8 rows; KV_PACKED_INPUTS does not
+ * flag it, so its counters leave it out.) */
+#define KV_INT8_TILE_MIN_TOKENS 8
+#define KV_INT8_PANEL_BLOCK_BYTES 640
+static inline size_t kv_int8_tile_floats(int n_tokens, int in_dim, int n_threads) {
+    if (n_tokens < KV_INT8_TILE_MIN_TOKENS) return 0;
+    size_t blocks = (size_t)(in_dim / 32);
+    return (size_t)n_tokens * blocks +
+           (size_t)n_threads * blocks * KV_INT8_PANEL_BLOCK_BYTES / sizeof(float);
 }
 
 /* Four rows of a matrix, float32 wherever they lie (rows[r] is output o + r), against tokens

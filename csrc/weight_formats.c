@@ -750,6 +750,8 @@ static ALWAYS_INLINE void dot_rows4_int8_tokens(const uint8_t *const rows[4],
  * as they are, 0 .. 15); then d (16,) floats; then Q4_1's m (16,) floats. */
 #define PANEL_BLOCK_BYTES 640
 enum { PANEL_D = 512, PANEL_M = 576 };
+/* what forward calls count of this tile's scratch (ops.h, kv_int8_tile_floats) */
+_Static_assert(PANEL_BLOCK_BYTES == KV_INT8_PANEL_BLOCK_BYTES, "ops.h counts this panel");
 
 /* The eight 4-byte groups of 16 rows' codes, z[k] holding row k's 8 groups in its low half
  * and row k + 8's in its high half, turned so that out[g] holds group g of rows 0 .. 15 in

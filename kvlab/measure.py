@@ -241,9 +241,11 @@ def scratch_bytes(config: ModelConfig, n_tokens: int, n_threads: int = 1,
     formats by name) add four rows of the widest input per thread to make float32 in, or,
     for the block formats (Q8_0, Q4_0, Q4_1) with int8_activations, each token's
     activations as int8 and their scales. Where the running kernel variant has the AVX-512
-    tiles (kvlab._kvlab.PACKED_INPUTS), each product with at least 4 tokens also makes a
-    packed copy of its input (csrc/ops.h): the widest input's, for a chunk of TOKEN_CHUNK
-    tokens (float32 activations) or every token (int8), one product at a time.
+    tiles (kvlab._kvlab.PACKED_INPUTS), their products allocate more, one product at a time
+    (csrc/ops.h; the widest input's): the float32 tile, from 4 tokens, a packed copy of a
+    chunk of TOKEN_CHUNK tokens of its input; the int8 tile (block formats with int8
+    activations), from 8 tokens, each token's blocks' starting sums and a panel of 16 rows
+    per thread (fewer tokens stream the rows and allocate nothing).
 
     Without a cache (cached=False), uncached_kv says how the K and V are held, as
     Model.forward's argument does: "all_layers" (every layer's, the buffers a chunk of the
@@ -275,29 +277,43 @@ def scratch_bytes(config: ModelConfig, n_tokens: int, n_threads: int = 1,
     if blocks and int8_activations:
         # each block's scale and its scale times the sum of its codes, then the codes
         buffers += [2 * T * (widest // weight_formats.Q8_0_BLOCK), (T * widest + 3) // 4]
-    total = (sum(_round16(n) for n in buffers) + _packed_input(T, widest, weights or {},
-                                                                 int8_activations)) * FLOAT
+    tiles = _packed_input(T, widest, weights or {}, int8_activations, n_threads)
+    total = (sum(_round16(n) for n in buffers) + tiles) * FLOAT
     if not cached:
         total += 2 * (1 if one_layer else c.n_layers) * n_tokens * c.kv_dim * FLOAT
     return total
 
 
-def _packed_input(n_tokens: int, widest: int, formats: dict, int8_activations: bool) -> int:
-    """Floats of the copy of a product's input that the running kernel variant's AVX-512
-    tiles make (csrc/ops.h, kv_packed_input_floats; the C core's packed_input_floats), where
-    one of the matrices takes a tile this variant has: the float32 tile's holds a chunk of
-    core.TOKEN_CHUNK tokens at a time, the int8 tile's (block formats with int8
-    activations) all of them. One product at a time: the widest input, the larger copy."""
-    if core.get_kernels() == "plain" or n_tokens < 4 or widest < 8:
+# What the AVX-512 VNNI int8 tile allocates (csrc/ops.h, kv_int8_tile_floats): nothing below
+# INT8_TILE_MIN_TOKENS tokens (those stream the rows), then per product each token's blocks'
+# starting sums and, per thread, a panel of 16 rows: INT8_PANEL_BLOCK_BYTES a block of 32
+# inputs (stored only from 13 tokens on, Q4_1 9, but allocated from 8).
+INT8_TILE_MIN_TOKENS = 8
+INT8_PANEL_BLOCK_BYTES = 640
+
+
+def _packed_input(n_tokens: int, widest: int, formats: dict, int8_activations: bool,
+                  n_threads: int) -> int:
+    """Floats of the scratch the running kernel variant's AVX-512 tiles allocate for a
+    product (csrc/ops.h; the C core's packed_input_floats), where one of the matrices takes
+    a tile this variant has: the float32 tile's packed copy of a chunk of core.TOKEN_CHUNK
+    tokens (from 4 tokens); the int8 tile's (block formats with int8 activations), from
+    INT8_TILE_MIN_TOKENS, the starting sums of every token's blocks and a panel per thread.
+    One product at a time: the widest input, the larger of the two."""
+    if core.get_kernels() == "plain" or widest < 8:
         return 0
     matrices = ("wq", "wk", "wv", "wo", "w1", "w2", "w3", "classifier")
     int8 = {name for name in matrices if int8_activations
             and formats.get(name) in weight_formats.BLOCK_FORMATS}
+    chunk, blocks = min(n_tokens, core.TOKEN_CHUNK), widest // 32
+    float32_tile = (chunk + 1) // 2 * (widest // 8) * 16 if n_tokens >= 4 else 0
+    int8_tile = (n_tokens * blocks + n_threads * blocks * INT8_PANEL_BLOCK_BYTES // FLOAT
+                 if n_tokens >= INT8_TILE_MIN_TOKENS else 0)
     most = 0
-    for tile, tokens, used in ((1, min(n_tokens, core.TOKEN_CHUNK), len(int8) < len(matrices)),
-                               (2, n_tokens, bool(int8))):
+    for tile, floats, used in ((1, float32_tile, len(int8) < len(matrices)),
+                               (2, int8_tile, bool(int8))):
         if core.PACKED_INPUTS & tile and used:
-            most = max(most, (tokens + 1) // 2 * (widest // 8) * 16)
+            most = max(most, floats)
     return most
 
 

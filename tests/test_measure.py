@@ -202,6 +202,36 @@ def test_scratch_counts_the_packed_copy_of_a_products_input():
     assert counted["fast"] - counted["plain"] == packed
 
 
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_1"])
+def test_scratch_counts_the_int8_tiles_sums_and_panels(fmt):
+    """With block weights and int8 activations, the AVX-512 VNNI tile (PACKED_INPUTS & 2)
+    takes a product of 8 tokens or more, which allocates each token's blocks' starting sums
+    and a panel of 16 rows per thread (640 bytes a block); fewer tokens stream the rows and
+    allocate nothing the plain tier does not. The counters include it; scratch_bytes agrees."""
+    config = kvlab.ModelConfig(dim=64, hidden_dim=96, n_layers=2, n_heads=4, n_kv_heads=2,
+                               head_dim=16, vocab_size=64, max_seq_len=64)  # widths of 32s
+    stored = kvlab.Weights.random(config, seed=4).converted(fmt)
+    model = kvlab.Model(config, stored, activations="int8")
+    threads, blocks = kvlab.get_num_threads(), max(config.dim, config.hidden_dim) // 32
+    tokens = np.arange(13) % config.vocab_size
+    kernels = kvlab.get_kernels()
+    try:
+        for n in (7, 8, 13):
+            counted = {}
+            for tier in ("fast", "plain"):
+                kvlab.set_kernels(tier)
+                model.reset_counters()
+                model.prefill(tokens[:n], model.new_cache(n))
+                counted[tier] = model.counters.scratch_bytes
+                assert counted[tier] == scratch_bytes(config, n, threads, weights=stored.formats,
+                                                      int8_activations=True)
+            tile = n >= 8 and kvlab._kvlab.PACKED_INPUTS & 2
+            want = (n * blocks + threads * blocks * 640 // 4) * 4 if tile else 0
+            assert counted["fast"] - counted["plain"] == want, n
+    finally:
+        kvlab.set_kernels(kernels)
+
+
 @pytest.mark.parametrize("options", [{"dtype": "int8"}, {"dtype": "int4", "window": 3},
                                      {"key_format": "fp8", "value_format": "bf16", "window": 20}])
 def test_core_counts_the_bytes_a_quantized_cache_moves(options):
