@@ -149,7 +149,8 @@ import kvlab.grading.autograder, kvlab.grading.batch, kvlab.cli
 spec = importlib.util.spec_from_file_location("w", kvlab.grading.process.WORKER_SCRIPT)
 worker = importlib.util.module_from_spec(spec); spec.loader.exec_module(worker)
 assert worker.resource is None
-worker._limit_resources(0)             # nothing to limit, no AttributeError
+worker._limit_resources(0, own_user=False)    # nothing to limit, no AttributeError
+worker._limit_resources(1, own_user=True)     # nor for lab 15's one process
 from kvlab.grading import process
 from pathlib import Path
 assert process.sandbox_note() == process.SANDBOX_NOTE
